@@ -1,0 +1,187 @@
+"""The registry: the one table that knows which backends exist.
+
+Each row names a backend's config class, the module of its adapter (imported on first use),
+the modules its engine needs, the extra that installs them, and its capabilities. The
+capabilities drive dispatch, the project's test skips and the docs' support matrix.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .._backends import (
+    AutoAutograd,
+    AutoFiniteDifferences,
+    AutoJAX,
+    AutoScipy,
+    AutoTorch,
+    Backend,
+    SecondOrder,
+)
+from .._errors import BackendUnavailableError, UnknownBackendError
+
+if TYPE_CHECKING:
+    from ._base import Adapter
+
+__all__ = ["BACKENDS", "BackendInfo", "adapter_for", "available", "info", "normalize"]
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """One row of the registry."""
+
+    name: str
+    config: type[Backend]
+    module: str
+    requires: tuple[str, ...]
+    extra: str | None
+    forward_mode: bool
+    reverse_mode: bool
+    native: frozenset[str]
+    """Operators the engine computes itself; the others are derived in ``_base``."""
+    jit: bool = False
+    any_array_type: bool = False
+    """True when ``f`` is called with the input's own array type, whatever framework it is."""
+
+
+_FIRST = frozenset({"pushforward", "pullback", "gradient"})
+BACKENDS: tuple[BackendInfo, ...] = (
+    BackendInfo(
+        name="jax",
+        config=AutoJAX,
+        module="diffiface._adapters.jax",
+        requires=("jax",),
+        extra="jax",
+        forward_mode=True,
+        reverse_mode=True,
+        native=_FIRST | {"jacobian", "hessian", "hvp", "derivative"},
+        jit=True,
+    ),
+    BackendInfo(
+        name="torch",
+        config=AutoTorch,
+        module="diffiface._adapters.torch",
+        requires=("torch",),
+        extra="torch",
+        forward_mode=True,
+        reverse_mode=True,
+        native=_FIRST | {"jacobian", "hessian", "hvp"},
+    ),
+    BackendInfo(
+        name="autograd",
+        config=AutoAutograd,
+        module="diffiface._adapters.autograd",
+        requires=("autograd",),
+        extra="autograd",
+        forward_mode=False,
+        reverse_mode=True,
+        native=frozenset({"pullback", "gradient"}),
+    ),
+    BackendInfo(
+        name="finite_differences",
+        config=AutoFiniteDifferences,
+        module="diffiface._adapters.finite_differences",
+        requires=(),
+        extra=None,
+        forward_mode=True,
+        reverse_mode=False,
+        native=_FIRST | {"jacobian", "hessian", "hvp", "derivative", "second_derivative"},
+        any_array_type=True,
+    ),
+    BackendInfo(
+        name="scipy",
+        config=AutoScipy,
+        module="diffiface._adapters.scipy",
+        requires=("scipy",),
+        extra="scipy",
+        forward_mode=False,
+        reverse_mode=False,
+        native=frozenset({"jacobian", "hessian"}),
+        any_array_type=True,
+    ),
+)
+
+_BY_NAME = {row.name: row for row in BACKENDS}
+_BY_CONFIG = {row.config: row for row in BACKENDS}
+
+
+def normalize(backend: Backend | str) -> Backend:
+    """A backend object from a backend object or its string name."""
+    if isinstance(backend, Backend):
+        if not isinstance(backend, SecondOrder) and type(backend) not in _BY_CONFIG:
+            raise UnknownBackendError(f"{backend!r} is not a backend diffiface knows.")
+        return backend
+    if isinstance(backend, str):
+        row = _BY_NAME.get(backend)
+        if row is None:
+            raise UnknownBackendError(
+                f"Unknown backend name {backend!r}; the names are "
+                f"{', '.join(map(repr, _BY_NAME))}, or pass a backend object such as "
+                "di.AutoJAX()."
+            )
+        return row.config()
+    raise UnknownBackendError(
+        f"backend must be a backend object (di.AutoJAX(), di.AutoTorch(), ...) or its name, "
+        f"got {type(backend).__name__}: {backend!r}."
+    )
+
+
+def info(backend: Backend | str) -> BackendInfo:
+    """The registry row of a (first-order) backend."""
+    backend = normalize(backend)
+    if isinstance(backend, SecondOrder):
+        return _BY_CONFIG[type(backend.inner)]
+    return _BY_CONFIG[type(backend)]
+
+
+def available(backend: Backend | str) -> bool:
+    """Whether the engine of ``backend`` is installed (checked without importing it)."""
+    backend = normalize(backend)
+    if isinstance(backend, SecondOrder):
+        return available(backend.outer) and available(backend.inner)
+    return all(importlib.util.find_spec(name) is not None for name in info(backend).requires)
+
+
+def install_hint(backend: Backend | str) -> str:
+    row = info(backend)
+    return f'pip install "diffiface[{row.extra}]"' if row.extra else "pip install diffiface"
+
+
+_adapters: dict[Backend, Adapter] = {}
+_lock = threading.Lock()
+
+
+def adapter_for(backend: Backend) -> Adapter:
+    """The adapter of ``backend``, made once and cached; imports the engine on first use."""
+    found = _adapters.get(backend)
+    if found is not None:
+        return found
+    with _lock:
+        found = _adapters.get(backend)
+        if found is None:
+            found = _make(backend)
+            _adapters[backend] = found
+    return found
+
+
+def _make(backend: Backend) -> Adapter:
+    if isinstance(backend, SecondOrder):
+        from ._base import SecondOrderAdapter
+
+        return SecondOrderAdapter(backend, adapter_for(backend.outer), adapter_for(backend.inner))
+    row = _BY_CONFIG[type(backend)]
+    try:
+        for name in row.requires:
+            importlib.import_module(name)
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"The {row.name} backend needs {', '.join(row.requires)}, which is not installed "
+            f"(importing it failed: {exc}). Install it with: {install_hint(backend)}"
+        ) from exc
+    module: Any = importlib.import_module(row.module)
+    adapter: Adapter = module.Adapter(backend, row)
+    return adapter

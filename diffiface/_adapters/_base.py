@@ -1,0 +1,357 @@
+"""The adapter protocol, and every operator derived from two primitives.
+
+An adapter differentiates *closed functions* ``fn(xs) -> (out, aux)``: ``xs`` is a tuple of
+the engine's arrays (the leaves of ``x``), ``out`` is one 0-d array (scalar functions) or a
+tuple of arrays (the leaves of ``f(x)``), ``aux`` is whatever ``f`` returned beside (``None``
+without ``has_aux``). Each adapter implements what its engine does natively; at the least
+
+- ``pullback_function(fn, xs) -> (out, aux, vjp)``, reverse mode, and
+- ``value_and_pushforward(fn, xs, txs) -> (out, aux, tout)``, forward mode,
+
+(one may be built from the other) and everything else comes from here: gradient from the
+pullback of 1, jacobian from pullback rows or pushforward columns, derivative from the
+pushforward of 1, hvp forward-over-reverse (or reverse-over-reverse without forward mode),
+hessian as the jacobian of the gradient, second derivative as the derivative of the
+derivative. The second-order rules take an ``outer`` and an ``inner`` adapter, so
+:class:`SecondOrderAdapter` is the same code with two engines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .._backends import Backend, SecondOrder
+    from . import BackendInfo
+
+Leaves = tuple[Any, ...]
+Fn = Callable[[Leaves], tuple[Any, Any]]
+Blocks = tuple[tuple[Any, ...], ...]
+
+
+class Adapter:
+    """Base adapter. Subclasses set ``xp`` (an array namespace) and override primitives."""
+
+    xp: Any
+    complex_outputs = False
+    """True when ``f`` is evaluated at complex points (complex-step differences)."""
+
+    def __init__(self, backend: Backend, info: BackendInfo) -> None:
+        self.backend = backend
+        self.info = info
+
+    # -- conversions and environment -------------------------------------------------------
+
+    def to_native(self, leaf: Any) -> Any:
+        """A differentiated leaf (of x or of a tangent) as the engine's array."""
+        return leaf
+
+    def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
+        """A context leaf for the engine, and whether it is an array (a dynamic argument).
+
+        ``like`` is a leaf of x, already native (None when x has no leaves)."""
+        return leaf, False
+
+    def output_leaf(self, leaf: Any, like: Any) -> Any:
+        """A leaf of ``f``'s output as the engine's array (``like``: a leaf of x)."""
+        return leaf
+
+    def scope(self, float64: bool) -> contextlib.AbstractContextManager[Any]:
+        """The context to run in when a float64 array is involved."""
+        return contextlib.nullcontext()
+
+    def compile(self, program: Callable[..., Any]) -> Callable[..., Any]:
+        """Compile a program ``(xs, ts, dynamic_contexts, static_contexts) -> results``."""
+        return program
+
+    def explain_failure(self, exc: BaseException) -> str | None:
+        """If ``exc`` shows ``f`` was written for another framework, say why; else None."""
+        return None
+
+    def take_error(self) -> Any:
+        """The error estimate of the last call in this thread, for engines that give one."""
+        return None
+
+    # -- the two primitives ------------------------------------------------------------------
+
+    def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
+        """``(out, aux, vjp)``: ``vjp(tout)`` is the vector-Jacobian product, ``tout`` shaped
+        as ``out``. Without a reverse mode, built from the full Jacobian."""
+        out, aux, blocks = self._jacobian_by_columns(fn, xs)
+        return out, aux, lambda tout: _transpose_apply(self.xp, blocks, _as_tuple(tout), xs)
+
+    def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
+        """``(out, aux, tout)``: ``tout`` is the Jacobian-vector product along ``txs``.
+        Without a forward mode, built from the full Jacobian."""
+        out, aux, blocks = self._jacobian_by_rows(fn, xs)
+        touts = _apply(self.xp, blocks, txs, _as_tuple(out))
+        return out, aux, touts if isinstance(out, tuple) else touts[0]
+
+    # -- first order, derived --------------------------------------------------------------------
+
+    def value_and_pullback(self, fn: Fn, xs: Leaves, touts: Any) -> tuple[Any, Any, Leaves]:
+        out, aux, vjp = self.pullback_function(fn, xs)
+        return out, aux, vjp(touts)
+
+    def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
+        out, aux, vjp = self.pullback_function(fn, xs)
+        return out, aux, vjp(self.xp.ones_like(out))
+
+    def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Blocks]:
+        """``(out, aux, blocks)`` with ``blocks[i][j]`` of shape ``out[i].shape + xs[j].shape``."""
+        if mode is None:
+            mode = "reverse" if self.info.reverse_mode else "forward"
+        if mode == "reverse":
+            return self._jacobian_by_rows(fn, xs)
+        return self._jacobian_by_columns(fn, xs)
+
+    def value_and_derivative(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any]:
+        if self.info.forward_mode:
+            return self.value_and_pushforward(fn, xs, (self.xp.ones_like(xs[0]),))
+        out, aux, blocks = self.value_and_jacobian(fn, xs)
+        return out, aux, tuple(row[0] for row in blocks)
+
+    def gradient_function(self, fn: Fn) -> Fn:
+        """``xs -> (gradient, (value, aux))``: a function the same engine can differentiate."""
+
+        def gradient(xs: Leaves) -> tuple[Leaves, tuple[Any, Any]]:
+            value, aux, grads = self.value_and_gradient(fn, xs)
+            return grads, (value, aux)
+
+        return gradient
+
+    def derivative_function(self, fn: Fn) -> Fn:
+        """``xs -> (derivative, (value, aux))`` for a scalar ``xs``."""
+
+        def derivative(xs: Leaves) -> tuple[Any, tuple[Any, Any]]:
+            value, aux, deriv = self.value_and_derivative(fn, xs)
+            return deriv, (value, aux)
+
+        return derivative
+
+    # -- second order, derived ---------------------------------------------------------------------
+
+    def gradient_and_hvp(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Leaves, Leaves]:
+        """``(value, aux, gradient, hessian @ txs)``."""
+        return hvp_of(self, self, fn, xs, txs)
+
+    def value_gradient_and_hessian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Blocks]:
+        return hessian_of(self, self, fn, xs)
+
+    def value_derivative_and_second_derivative(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any, Any]:
+        return second_derivative_of(self, self, fn, xs)
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def basis(self, like: Any, index: int) -> Any:
+        """The ``index``-th unit array of ``like``'s shape and dtype."""
+        flat = self.xp.zeros((_size(like),), dtype=like.dtype)
+        flat[index] = 1
+        return self.xp.reshape(flat, tuple(like.shape))
+
+    def _jacobian_by_rows(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Blocks]:
+        xp = self.xp
+        out, aux, vjp = self.pullback_function(fn, xs)
+        outs = _as_tuple(out)
+        blocks = []
+        for i, y in enumerate(outs):
+            rows = [
+                vjp(_shaped_as(out, tuple(self.basis(y, k) if l == i else xp.zeros_like(z) for l, z in enumerate(outs))))
+                for k in range(_size(y))
+            ]
+            blocks.append(
+                tuple(
+                    xp.reshape(xp.stack([row[j] for row in rows]), (*y.shape, *x.shape))
+                    if rows
+                    else xp.zeros((*y.shape, *x.shape), dtype=x.dtype)
+                    for j, x in enumerate(xs)
+                )
+            )
+        return out, aux, tuple(blocks)
+
+    def _jacobian_by_columns(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Blocks]:
+        xp = self.xp
+        zeros = tuple(xp.zeros_like(x) for x in xs)
+        columns: list[list[Leaves]] = []
+        out = aux = None
+        for j, x in enumerate(xs):
+            cols = []
+            for k in range(_size(x)):
+                txs = zeros[:j] + (self.basis(x, k),) + zeros[j + 1 :]
+                out, aux, tout = self.value_and_pushforward(fn, xs, txs)
+                cols.append(_as_tuple(tout))
+            columns.append(cols)
+        if out is None:  # every leaf of x is empty: evaluate once for the value
+            out, aux = fn(xs)
+        outs = _as_tuple(out)
+        blocks = tuple(
+            tuple(
+                xp.reshape(xp.stack([xp.reshape(col[i], (-1,)) for col in columns[j]], axis=-1), (*y.shape, *x.shape))
+                if columns[j]
+                else xp.zeros((*y.shape, *x.shape), dtype=y.dtype)
+                for j, x in enumerate(xs)
+            )
+            for i, y in enumerate(outs)
+        )
+        return out, aux, blocks
+
+
+# -- second-order rules, shared by single adapters and SecondOrder ---------------------------
+
+
+def hvp_of(outer: Adapter, inner: Adapter, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Leaves, Leaves]:
+    """Forward-over-reverse when ``outer`` has a forward mode (or is a black box);
+    reverse-over-reverse otherwise (the gradient of ``<grad f, v>``)."""
+    if outer.info.forward_mode or outer is not inner:
+        grads, (value, aux), hvps = outer.value_and_pushforward(inner.gradient_function(fn), xs, txs)
+        return value, aux, grads, hvps
+
+    def directional(xs_: Leaves) -> tuple[Any, Any]:
+        value, aux, grads = inner.value_and_gradient(fn, xs_)
+        return vdot(inner.xp, grads, txs), (value, aux, grads)
+
+    _, (value, aux, grads), hvps = outer.value_and_gradient(directional, xs)
+    return value, aux, grads, hvps
+
+
+def hessian_of(outer: Adapter, inner: Adapter, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Blocks]:
+    mode = "forward" if outer.info.forward_mode else "reverse"
+    grads, (value, aux), blocks = outer.value_and_jacobian(inner.gradient_function(fn), xs, mode)
+    return value, aux, grads, blocks
+
+
+def second_derivative_of(outer: Adapter, inner: Adapter, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any, Any]:
+    derivs, (value, aux), seconds = outer.value_and_derivative(inner.derivative_function(fn), xs)
+    return value, aux, derivs, seconds
+
+
+class SecondOrderAdapter(Adapter):
+    """First order by ``inner``; second order by ``outer`` differentiating ``inner``'s results."""
+
+    def __init__(self, backend: SecondOrder, outer: Adapter, inner: Adapter) -> None:
+        super().__init__(backend, inner.info)
+        self.outer = outer
+        self.inner = inner
+        self.xp = inner.xp
+        self.complex_outputs = outer.complex_outputs or inner.complex_outputs
+        self._same_engine = type(outer) is type(inner)
+
+    def to_native(self, leaf: Any) -> Any:
+        return self.inner.to_native(leaf)
+
+    def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
+        return self.inner.context_to_native(leaf, like)
+
+    def output_leaf(self, leaf: Any, like: Any) -> Any:
+        return self.inner.output_leaf(leaf, like)
+
+    def scope(self, float64: bool) -> contextlib.AbstractContextManager[Any]:
+        return self.inner.scope(float64)
+
+    def compile(self, program: Callable[..., Any]) -> Callable[..., Any]:
+        return self.inner.compile(program) if self._same_engine else program
+
+    def explain_failure(self, exc: BaseException) -> str | None:
+        return self.inner.explain_failure(exc)
+
+    def take_error(self) -> Any:
+        return self.outer.take_error()
+
+    def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
+        return self.inner.pullback_function(fn, xs)
+
+    def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
+        return self.inner.value_and_pushforward(fn, xs, txs)
+
+    def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
+        return self.inner.value_and_gradient(fn, xs)
+
+    def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Blocks]:
+        return self.inner.value_and_jacobian(fn, xs, mode)
+
+    def value_and_derivative(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any]:
+        return self.inner.value_and_derivative(fn, xs)
+
+    def gradient_and_hvp(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Leaves, Leaves]:
+        return hvp_of(self.outer, self.inner, fn, xs, txs)
+
+    def value_gradient_and_hessian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Blocks]:
+        return hessian_of(self.outer, self.inner, fn, xs)
+
+    def value_derivative_and_second_derivative(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any, Any]:
+        return second_derivative_of(self.outer, self.inner, fn, xs)
+
+
+# -- small array helpers ---------------------------------------------------------------------
+
+
+class Deferred:
+    """A value an engine does not get for free (``f(x)`` for central differences): computed
+    only if the operator returns it, so ``gradient`` costs no evaluation it does not need."""
+
+    __slots__ = ("_compute", "_done", "_value")
+
+    def __init__(self, compute: Callable[[], Any]) -> None:
+        self._compute = compute
+        self._done = False
+        self._value: Any = None
+
+    def force(self) -> Any:
+        if not self._done:
+            self._value = self._compute()
+            self._done = True
+        return self._value
+
+
+def force(value: Any) -> Any:
+    return value.force() if isinstance(value, Deferred) else value
+
+
+def _size(leaf: Any) -> int:
+    return math.prod(tuple(leaf.shape))
+
+
+def _as_tuple(out: Any) -> tuple[Any, ...]:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _shaped_as(out: Any, leaves: tuple[Any, ...]) -> Any:
+    return leaves if isinstance(out, tuple) else leaves[0]
+
+
+def vdot(xp: Any, a: Leaves, b: Leaves) -> Any:
+    """The sum over leaves of ``sum(a * b)``."""
+    total = None
+    for u, v in zip(a, b, strict=True):
+        term = xp.sum(u * v)
+        total = term if total is None else total + term
+    return total if total is not None else xp.zeros(())
+
+
+def _apply(xp: Any, blocks: Blocks, txs: Leaves, outs: tuple[Any, ...]) -> Leaves:
+    """``J @ t``, block by block."""
+    result = []
+    for row, y in zip(blocks, outs, strict=True):
+        acc = xp.zeros_like(y)
+        for block, t in zip(row, txs, strict=True):
+            n = _size(t)
+            acc = acc + xp.reshape(xp.reshape(block, (-1, n)) @ xp.reshape(t, (n,)), tuple(y.shape))
+        result.append(acc)
+    return tuple(result)
+
+
+def _transpose_apply(xp: Any, blocks: Blocks, touts: tuple[Any, ...], xs: Leaves) -> Leaves:
+    """``J.T @ t``, block by block."""
+    result = []
+    for j, x in enumerate(xs):
+        acc = xp.zeros_like(x)
+        n = _size(x)
+        for row, t in zip(blocks, touts, strict=True):
+            m = _size(t)
+            acc = acc + xp.reshape(xp.reshape(t, (m,)) @ xp.reshape(row[j], (m, n)), tuple(x.shape))
+        result.append(acc)
+    return tuple(result)
+

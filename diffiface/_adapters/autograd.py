@@ -1,0 +1,93 @@
+"""autograd (reverse mode on numpy): ``autograd.make_vjp`` and ``autograd.value_and_grad``.
+
+autograd differentiates one array-valued output, so a pytree output is concatenated into one
+vector for the pullback and split again afterwards. It has no forward mode: jvp, jacobian
+columns and the hvp are derived from the pullback (hvp reverse-over-reverse).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import autograd
+import autograd.numpy as anp
+import numpy as np
+import optree
+from autograd.tracer import getval
+
+from .. import _arrays
+from . import _base
+from ._base import Fn, Leaves
+
+# A function whose output does not depend on x is fine: its derivative is zero.
+warnings.filterwarnings("ignore", message="Output seems independent of input", module="autograd")
+
+
+class Adapter(_base.Adapter):
+    xp = anp
+
+    def to_native(self, leaf: Any) -> Any:
+        if _arrays.kind(leaf) == "python":
+            return np.asarray(leaf, dtype=np.float64)
+        return leaf
+
+    def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
+        return leaf, isinstance(leaf, np.ndarray)
+
+    def output_leaf(self, leaf: Any, like: Any) -> Any:
+        if _arrays.kind(leaf) == "python":
+            return np.asarray(leaf, dtype=getattr(like, "dtype", np.float64))
+        return leaf
+
+    def explain_failure(self, exc: BaseException) -> str | None:
+        if "ArrayBox" in str(exc) or "ArrayVSpace" in str(exc):
+            return (
+                "f passed autograd's traced array (ArrayBox) to a function autograd does not know "
+                "(torch, jax, or plain numpy imported as `numpy` instead of `autograd.numpy`). "
+                "Write f with autograd.numpy, or use AutoFiniteDifferences()."
+            )
+        return None
+
+    def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
+        captured: list[Any] = []
+
+        def flat_fn(xs_: Leaves) -> Any:
+            out, aux = fn(xs_)
+            captured[:] = [out, aux]
+            if not isinstance(out, tuple):
+                return out
+            return anp.concatenate([anp.reshape(y, (-1,)) for y in out]) if out else anp.zeros(0)
+
+        vjp, _ = autograd.make_vjp(flat_fn)(xs)
+        out, aux = captured
+        out, aux = _unboxed(out), _unboxed(aux)
+
+        def pullback(touts: Any) -> Leaves:
+            if isinstance(out, tuple):
+                touts = np.concatenate([np.reshape(t, -1) for t in touts]) if touts else np.zeros(0)
+            return tuple(vjp(touts))
+
+        return out, aux, pullback
+
+    def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
+        captured: list[Any] = []
+
+        def scalar_fn(xs_: Leaves) -> Any:
+            value, aux = fn(xs_)
+            captured[:] = [aux]
+            return value
+
+        value, grads = autograd.value_and_grad(scalar_fn)(xs)
+        return value, _unboxed(captured[0]), tuple(grads)
+
+    def basis(self, like: Any, index: int) -> Any:
+        flat = np.zeros(math.prod(np.shape(like)), dtype=getattr(getval(like), "dtype", np.float64))
+        flat[index] = 1
+        return flat.reshape(np.shape(like))
+
+
+def _unboxed(tree: Any) -> Any:
+    return optree.tree_map(getval, tree)

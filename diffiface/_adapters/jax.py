@@ -1,0 +1,100 @@
+"""jax: ``jax.vjp``, ``jax.jvp``, ``jax.value_and_grad``, ``jax.jacrev``/``jacfwd``, and ``jax.jit``.
+
+Every operator is one program compiled with ``jax.jit``; contexts that are arrays are its
+arguments (new values never recompile), other context leaves are static. float64 work runs
+inside a scoped ``jax.enable_x64(True)``; the global flag is never changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .. import _arrays
+from . import _base
+from ._base import Blocks, Fn, Leaves
+
+
+class Adapter(_base.Adapter):
+    xp = jnp
+
+    def to_native(self, leaf: Any) -> Any:
+        kind = _arrays.kind(leaf)
+        if kind == "python":
+            return jnp.asarray(leaf, dtype=jnp.float64)
+        if kind == "numpy":
+            return jnp.asarray(leaf)
+        return leaf
+
+    def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
+        kind = _arrays.kind(leaf)
+        if kind == "numpy":
+            return jnp.asarray(leaf), True
+        return leaf, kind == "jax"
+
+    def output_leaf(self, leaf: Any, like: Any) -> Any:
+        kind = _arrays.kind(leaf)
+        if kind == "python":
+            return jnp.asarray(leaf, dtype=getattr(like, "dtype", None))
+        if kind == "numpy":
+            return jnp.asarray(leaf)
+        return leaf
+
+    def scope(self, float64: bool) -> contextlib.AbstractContextManager[Any]:
+        if float64 and not jax.config.read("jax_enable_x64"):
+            return jax.enable_x64(True)  # type: ignore[no-any-return]
+        return contextlib.nullcontext()
+
+    def compile(self, program: Callable[..., Any]) -> Callable[..., Any]:
+        if self.backend.jit:  # type: ignore[attr-defined]
+            return jax.jit(program, static_argnums=3)
+        return program
+
+    def explain_failure(self, exc: BaseException) -> str | None:
+        if isinstance(exc, jax.errors.TracerArrayConversionError):
+            return (
+                "f turned a traced jax array into a numpy array (a numpy function or np.asarray "
+                "on its input). Write f with jax.numpy, or differentiate a numpy f with "
+                "AutoFiniteDifferences()."
+            )
+        if isinstance(exc, (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError)):
+            return (
+                "f uses the value of a traced array in Python control flow (if, while, int()). "
+                "Use jnp.where or jax.lax.cond, or AutoJAX(jit=False)."
+            )
+        text = str(exc)
+        if isinstance(exc, TypeError) and ("Tensor" in text or "torch" in text):
+            return "f calls torch on jax arrays; differentiate a torch function with AutoTorch()."
+        return None
+
+    # -- primitives ---------------------------------------------------------------------------------
+
+    def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
+        out, vjp, aux = jax.vjp(fn, xs, has_aux=True)
+        return out, aux, lambda touts: vjp(touts)[0]
+
+    def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
+        out, tout, aux = jax.jvp(fn, (xs,), (txs,), has_aux=True)
+        return out, aux, tout
+
+    def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
+        (value, aux), grads = jax.value_and_grad(fn, has_aux=True)(xs)
+        return value, aux, grads
+
+    def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Blocks]:
+        transform = jax.jacfwd if mode == "forward" else jax.jacrev
+
+        def with_value(xs_: Leaves) -> tuple[Any, Any]:
+            out, aux = fn(xs_)
+            return out, (out, aux)
+
+        blocks, (out, aux) = transform(with_value, has_aux=True)(xs)
+        return out, aux, blocks
+
+    def basis(self, like: Any, index: int) -> Any:
+        return jnp.zeros(like.size, like.dtype).at[index].set(1).reshape(like.shape)
+

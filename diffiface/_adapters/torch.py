@@ -1,0 +1,249 @@
+"""torch, in two modes that take different code paths and so can check each other.
+
+- ``mode="autograd"``: reverse mode by ``torch.autograd.grad`` on detached copies of the
+  inputs (no ``.grad`` is ever written, no ``requires_grad`` flag of the caller's tensors
+  changes), forward mode by ``torch.autograd.forward_ad`` dual tensors, second order by
+  double backward.
+- ``mode="func"``: ``torch.func.vjp``, ``jvp``, ``grad_and_value``, ``jacrev``/``jacfwd``;
+  second order forward-over-reverse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import optree
+import torch
+import torch.autograd.forward_ad as forward_ad
+from torch import func
+
+from .. import _arrays
+from . import _base
+from ._base import Blocks, Fn, Leaves
+
+
+class _Namespace:
+    """The few array functions ``_base`` needs, with torch's names."""
+
+    stack = staticmethod(torch.stack)
+    reshape = staticmethod(torch.reshape)
+    zeros_like = staticmethod(torch.zeros_like)
+    ones_like = staticmethod(torch.ones_like)
+    sum = staticmethod(torch.sum)
+
+    @staticmethod
+    def zeros(shape: tuple[int, ...], dtype: Any = None) -> Any:
+        return torch.zeros(shape, dtype=dtype)
+
+
+class Adapter(_base.Adapter):
+    xp = _Namespace
+
+    def __init__(self, backend: Any, info: Any) -> None:
+        super().__init__(backend, info)
+        self.functional = backend.mode == "func"
+
+    def to_native(self, leaf: Any) -> Any:
+        kind = _arrays.kind(leaf)
+        if kind == "python":
+            return torch.tensor(leaf, dtype=torch.float64)
+        if kind == "numpy":
+            return torch.tensor(leaf)  # a copy: x stays the caller's
+        return leaf
+
+    def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
+        if isinstance(leaf, np.ndarray):
+            device = like.device if isinstance(like, torch.Tensor) else None
+            tensor = torch.from_numpy(leaf) if leaf.flags.writeable else torch.tensor(leaf)
+            return tensor.to(device) if device is not None else tensor, True
+        return leaf, isinstance(leaf, torch.Tensor)
+
+    def output_leaf(self, leaf: Any, like: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return leaf
+        dtype = like.dtype if isinstance(like, torch.Tensor) else None
+        return torch.as_tensor(np.asarray(leaf) if _arrays.kind(leaf) == "numpy" else leaf, dtype=dtype)
+
+    def explain_failure(self, exc: BaseException) -> str | None:
+        text = str(exc)
+        if "numpy()" in text and "requires grad" in text:
+            return (
+                "f turned a tensor that requires grad into a numpy array (a numpy function or "
+                ".numpy() on its input). Write f with torch operations, or differentiate a numpy f "
+                "with AutoFiniteDifferences()."
+            )
+        if isinstance(exc, TypeError) and ("jax" in text.lower() or "JAX" in text):
+            return "f calls jax on torch tensors; differentiate a jax function with AutoJAX()."
+        return None
+
+    # -- primitives ---------------------------------------------------------------------------
+
+    def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
+        if self.functional:
+            tensor_fn, rebuild = _tensor_aux(fn)
+            out, vjp, aux = func.vjp(tensor_fn, xs, has_aux=True)
+            return out, rebuild(aux), lambda touts: vjp(touts)[0]
+        with torch.enable_grad():
+            inputs = _requiring_grad(xs)
+            out, aux = fn(inputs)
+
+        def vjp(touts: Any) -> Leaves:
+            pairs = [(y, t) for y, t in zip(_leaves(out), _leaves(touts), strict=True) if y.requires_grad]
+            return _grad([y for y, _ in pairs], inputs, [t for _, t in pairs])
+
+        return _detached(out), _detached(aux), vjp
+
+    def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
+        if self.functional:
+            tensor_fn, rebuild = _tensor_aux(fn)
+            out, tout, aux = func.jvp(tensor_fn, (xs,), (txs,), has_aux=True)
+            return out, rebuild(aux), tout
+        with forward_ad.dual_level():
+            duals = tuple(forward_ad.make_dual(x.detach(), t) for x, t in zip(xs, txs, strict=True))
+            out, aux = fn(duals)
+            primal = optree.tree_map(_primal, out)
+            tangent = optree.tree_map(_tangent, out)
+            aux = optree.tree_map(_primal, aux)
+        return primal, aux, tangent
+
+    def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
+        if self.functional:
+            tensor_fn, rebuild = _tensor_aux(fn)
+            grads, (value, aux) = func.grad_and_value(tensor_fn, has_aux=True)(xs)
+            return value, rebuild(aux), grads
+        with torch.enable_grad():
+            inputs = _requiring_grad(xs)
+            value, aux = fn(inputs)
+            grads = _grad(_if_graph(value), inputs)
+        return value.detach(), _detached(aux), grads
+
+    def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Blocks]:
+        if not self.functional:
+            return super().value_and_jacobian(fn, xs, mode)
+        transform = func.jacfwd if mode == "forward" else func.jacrev
+        tensor_fn, rebuild = _tensor_aux(fn)
+
+        def with_value(xs_: Leaves) -> tuple[Any, Any]:
+            out, aux = tensor_fn(xs_)
+            return out, (out, aux)
+
+        blocks, (out, aux) = transform(with_value, has_aux=True)(xs)
+        return out, rebuild(aux), blocks
+
+    # -- second order by double backward (autograd mode) ---------------------------------------
+
+    def gradient_and_hvp(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Leaves, Leaves]:
+        if self.functional:
+            return super().gradient_and_hvp(fn, xs, txs)
+        with torch.enable_grad():
+            inputs = _requiring_grad(xs)
+            value, aux = fn(inputs)
+            grads = _grad(_if_graph(value), inputs, create_graph=True)
+            hvps = _grad(_if_graph(_base.vdot(self.xp, grads, txs)), inputs)
+        return value.detach(), _detached(aux), _detached(grads), hvps
+
+    def value_gradient_and_hessian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Blocks]:
+        if self.functional:
+            return super().value_gradient_and_hessian(fn, xs)
+        with torch.enable_grad():
+            inputs = _requiring_grad(xs)
+            value, aux = fn(inputs)
+            grads = _grad(_if_graph(value), inputs, create_graph=True)
+            blocks = []
+            for g, x in zip(grads, xs, strict=True):
+                rows = [_grad(_if_graph(entry), inputs) for entry in g.reshape(-1)]
+                blocks.append(
+                    tuple(
+                        torch.stack([row[j] for row in rows]).reshape((*x.shape, *xj.shape))
+                        if rows
+                        else torch.zeros((*x.shape, *xj.shape), dtype=xj.dtype)
+                        for j, xj in enumerate(xs)
+                    )
+                )
+        return value.detach(), _detached(aux), _detached(grads), tuple(blocks)
+
+    def value_derivative_and_second_derivative(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any, Any]:
+        if self.functional:
+            return super().value_derivative_and_second_derivative(fn, xs)
+        with torch.enable_grad():
+            inputs = _requiring_grad(xs)
+            out, aux = fn(inputs)
+            derivs, seconds = [], []
+            for y in _leaves(out):
+                firsts = [_grad(_if_graph(entry), inputs, create_graph=True)[0] for entry in y.reshape(-1)]
+                lasts = [_grad(_if_graph(d), inputs)[0] for d in firsts]
+                derivs.append(_stacked(firsts, y).detach())
+                seconds.append(_stacked(lasts, y))
+        return _detached(out), _detached(aux), tuple(derivs), tuple(seconds)
+
+
+def _tensor_aux(fn: Fn) -> tuple[Fn, Callable[[Any], Any]]:
+    """``fn`` with an aux of tensors only, as torch.func requires, and the way back: the other
+    aux leaves (None, numbers, strings) wait beside the transform."""
+    kept: list[Any] = []
+
+    def tensor_fn(xs: Leaves) -> tuple[Any, Any]:
+        out, aux = fn(xs)
+        leaves, spec = optree.tree_flatten(aux)
+        mask = [isinstance(leaf, torch.Tensor) for leaf in leaves]
+        kept[:] = [spec, mask, [leaf for leaf, m in zip(leaves, mask, strict=True) if not m]]
+        return out, tuple(leaf for leaf, m in zip(leaves, mask, strict=True) if m)
+
+    def rebuild(tensors: Any) -> Any:
+        spec, mask, others = kept
+        tensor_iter, other_iter = iter(tensors), iter(others)
+        return optree.tree_unflatten(spec, [next(tensor_iter) if m else next(other_iter) for m in mask])
+
+    return tensor_fn, rebuild
+
+
+def _requiring_grad(xs: Leaves) -> Leaves:
+    """Fresh leaves of the graph: the caller's tensors and their flags stay as they are."""
+    return tuple(x.detach().requires_grad_(True) for x in xs)
+
+
+def _if_graph(value: Any) -> list[Any]:
+    """``[value]`` if it depends on the inputs, else ``[]`` (its derivative is zero)."""
+    return [value] if value.requires_grad else []
+
+
+def _grad(outputs: list[Any], inputs: Leaves, grad_outputs: list[Any] | None = None, create_graph: bool = False) -> Leaves:
+    """``torch.autograd.grad`` that gives zeros, never None, for inputs that do not matter."""
+    if not outputs:
+        return tuple(torch.zeros_like(x) for x in inputs)
+    grads = torch.autograd.grad(
+        outputs,
+        inputs,
+        grad_outputs=grad_outputs,
+        retain_graph=True,
+        create_graph=create_graph,
+        allow_unused=True,
+        materialize_grads=True,
+    )
+    return tuple(grads)
+
+
+def _stacked(entries: list[Any], like: Any) -> Any:
+    return torch.stack(entries).reshape(like.shape) if entries else torch.zeros_like(like)
+
+
+def _leaves(out: Any) -> tuple[Any, ...]:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _detached(tree: Any) -> Any:
+    return optree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, tree)
+
+
+def _primal(value: Any) -> Any:
+    return forward_ad.unpack_dual(value).primal if isinstance(value, torch.Tensor) else value
+
+
+def _tangent(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    primal, tangent = forward_ad.unpack_dual(value)
+    return torch.zeros_like(primal) if tangent is None else tangent
+

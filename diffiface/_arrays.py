@@ -1,0 +1,141 @@
+"""What kind of array a leaf is, and moving leaves between kinds, without importing frameworks.
+
+"Is this a torch tensor?" is answered through ``sys.modules``: a torch tensor can only exist
+once torch has been imported, so a framework that is not imported needs no checking.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Literal
+
+import numpy as np
+
+Kind = Literal["python", "numpy", "torch", "jax", "autograd", "other"]
+
+_KIND_BY_TYPE: dict[type, Kind] = {
+    float: "python",
+    int: "python",
+    bool: "python",
+    complex: "python",
+    np.ndarray: "numpy",
+}
+
+
+def kind(leaf: Any) -> Kind:
+    """The array kind of one leaf."""
+    cls = type(leaf)
+    found = _KIND_BY_TYPE.get(cls)
+    if found is not None:
+        return found
+    found = _classify(cls)
+    if found != "other":
+        _KIND_BY_TYPE[cls] = found
+    return found
+
+
+def _classify(cls: type) -> Kind:
+    if issubclass(cls, (np.ndarray, np.generic)):
+        return "numpy"
+    if issubclass(cls, (float, int, complex)):
+        return "python"
+    torch = sys.modules.get("torch")
+    if torch is not None and issubclass(cls, torch.Tensor):
+        return "torch"
+    jax = sys.modules.get("jax")
+    if jax is not None and (issubclass(cls, jax.Array) or issubclass(cls, jax.core.Tracer)):
+        return "jax"
+    if cls.__module__.startswith("autograd"):
+        return "autograd"
+    return "other"
+
+
+def is_array(leaf: Any) -> bool:
+    """True for numpy, torch and jax arrays (not Python numbers)."""
+    return kind(leaf) in ("numpy", "torch", "jax")
+
+
+def dtype_name(leaf: Any) -> str:
+    """The dtype of a leaf as a plain string ('float32', 'int64', ...)."""
+    if isinstance(leaf, bool):
+        return "bool"
+    if isinstance(leaf, int):
+        return "int64"
+    if isinstance(leaf, float):
+        return "float64"
+    if isinstance(leaf, complex):
+        return "complex128"
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None:
+        return type(leaf).__name__
+    name = str(dtype)
+    return name[6:] if name.startswith("torch.") else name
+
+
+def shape(leaf: Any) -> tuple[int, ...]:
+    return tuple(getattr(leaf, "shape", ()))
+
+
+_FLOAT_DTYPES = {"float16", "bfloat16", "float32", "float64"}
+
+
+def is_float_dtype(name: str) -> bool:
+    return name in _FLOAT_DTYPES
+
+
+def leaf_signature(leaf: Any) -> tuple[Any, ...]:
+    """What a prep depends on for one array leaf: kind, shape, dtype (and device for torch)."""
+    k = kind(leaf)
+    if k == "torch":
+        return (k, tuple(leaf.shape), leaf.dtype, leaf.device)
+    if k == "python":
+        return (k, type(leaf))
+    if k == "other":
+        return (k, type(leaf), *_foreign_tree(leaf))
+    return (k, tuple(getattr(leaf, "shape", ())), getattr(leaf, "dtype", type(leaf)))
+
+
+def _foreign_tree(leaf: Any) -> tuple[Any, ...]:
+    """Structure and leaf shapes of a pytree that only jax knows (a flax or equinox object)."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return ()
+    leaves, treedef = jax.tree_util.tree_flatten(leaf)
+    if len(leaves) == 1 and leaves[0] is leaf:
+        return ()
+    return (treedef, tuple((tuple(getattr(a, "shape", ())), getattr(a, "dtype", None)) for a in leaves))
+
+
+def to_numpy(leaf: Any) -> np.ndarray:
+    """A numpy copy or view of a leaf of any kind (detached from any graph)."""
+    k = kind(leaf)
+    if k == "torch":
+        return leaf.detach().cpu().numpy()  # type: ignore[no-any-return]
+    if k == "python":
+        return np.asarray(leaf, dtype=np.complex128 if isinstance(leaf, complex) else np.float64)
+    return np.asarray(leaf)
+
+
+def from_numpy(array: np.ndarray, like: Any, dtype: Any = None) -> Any:
+    """``array`` as a leaf of ``like``'s kind, on its device, with ``like``'s dtype unless given."""
+    k = kind(like)
+    if k == "python":
+        return array.item() if array.ndim == 0 else array
+    if k == "torch":
+        torch = sys.modules["torch"]
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        return tensor.to(device=like.device, dtype=like.dtype if dtype is None else dtype)
+    if k == "jax":
+        jnp = sys.modules["jax.numpy"]
+        return jnp.asarray(array, dtype=like.dtype if dtype is None else dtype)
+    return np.asarray(array, dtype=getattr(like, "dtype", None) if dtype is None else dtype)
+
+
+def family(kinds: set[Kind]) -> Kind:
+    """The one array kind of a set of leaves; Python numbers go with any kind."""
+    arrays = kinds - {"python"}
+    if not arrays:
+        return "python"
+    if len(arrays) == 1:
+        return next(iter(arrays))
+    return "other"

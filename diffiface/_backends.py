@@ -1,0 +1,225 @@
+"""Backend configuration objects: small, frozen, hashable, and free of imports.
+
+A backend says *which* engine differentiates and with which options; the engine's code
+lives in ``diffiface._adapters`` and is imported on first use.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from ._errors import InvalidBackendOptionError, UnsupportedOperationError
+
+__all__ = [
+    "AutoAutograd",
+    "AutoFiniteDifferences",
+    "AutoJAX",
+    "AutoScipy",
+    "AutoTorch",
+    "Backend",
+    "SecondOrder",
+]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """Base class of every backend configuration."""
+
+    name: ClassVar[str] = ""
+
+    @property
+    def black_box(self) -> bool:
+        """True when the engine only evaluates ``f`` (finite differences), so it can
+        differentiate a function written for any framework."""
+        return False
+
+
+@dataclass(frozen=True)
+class AutoJAX(Backend):
+    """Differentiate with jax (``jax.grad``, ``jax.jvp``, ``jax.vjp``, ``jax.hessian``...).
+
+    Parameters
+    ----------
+    jit:
+        Compile each prepared operator with ``jax.jit``. Contexts are passed to the compiled
+        function as arguments, so new context values never trigger a recompilation.
+    """
+
+    name: ClassVar[str] = "jax"
+    jit: bool = True
+
+    def __post_init__(self) -> None:
+        _check_bool(self, "jit", self.jit)
+
+
+@dataclass(frozen=True)
+class AutoTorch(Backend):
+    """Differentiate with PyTorch.
+
+    Parameters
+    ----------
+    mode:
+        ``"autograd"`` uses ``torch.autograd.grad`` (and ``torch.autograd.forward_ad`` for
+        forward mode); ``"func"`` uses ``torch.func`` transforms. The two take different code
+        paths, so each can check the other.
+    """
+
+    name: ClassVar[str] = "torch"
+    mode: Literal["autograd", "func"] = "autograd"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("autograd", "func"):
+            raise InvalidBackendOptionError(
+                f"AutoTorch(mode={self.mode!r}) is not a torch mode; use mode='autograd' "
+                "(torch.autograd.grad) or mode='func' (torch.func transforms)."
+            )
+
+
+@dataclass(frozen=True)
+class AutoAutograd(Backend):
+    """Differentiate with the ``autograd`` package (reverse mode on numpy)."""
+
+    name: ClassVar[str] = "autograd"
+
+
+_FD_METHODS = ("central", "forward", "backward", "complex")
+
+
+@dataclass(frozen=True)
+class AutoFiniteDifferences(Backend):
+    """Finite differences, on the input's own array type (numpy, torch, jax...).
+
+    Parameters
+    ----------
+    method:
+        ``"central"`` (2 evaluations per input coordinate, error O(h²)), ``"forward"`` or
+        ``"backward"`` (1 per coordinate plus one at ``x``, error O(h)), or ``"complex"``
+        (complex step: ``Im f(x + ih) / h``, exact to rounding for ``f`` analytic and real on
+        real inputs).
+    step:
+        The absolute step used for every coordinate. By default each coordinate gets its own,
+        ``eps**p * max(1, |x_i|)`` with ``eps`` the machine epsilon of the input's dtype and
+        ``p`` the power that balances truncation against rounding for the method
+        (1/3 central, 1/2 forward and backward, 1/4 for second derivatives).
+    vectorize:
+        Evaluate all perturbations in one call of ``f`` on a batch (a leading axis on every
+        leaf of ``x``). Only for functions that broadcast over such an axis.
+    """
+
+    name: ClassVar[str] = "finite_differences"
+    method: Literal["central", "forward", "backward", "complex"] = "central"
+    step: float | None = None
+    vectorize: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method not in _FD_METHODS:
+            raise InvalidBackendOptionError(
+                f"AutoFiniteDifferences(method={self.method!r}) is not a method; "
+                f"choose one of {', '.join(map(repr, _FD_METHODS))}."
+            )
+        if self.step is not None:
+            if isinstance(self.step, bool) or not isinstance(self.step, (int, float)):
+                raise InvalidBackendOptionError(
+                    f"AutoFiniteDifferences(step={self.step!r}): the step must be a positive "
+                    "float, or None to choose it from the dtype and |x|."
+                )
+            if not (math.isfinite(self.step) and self.step > 0):
+                raise InvalidBackendOptionError(
+                    f"AutoFiniteDifferences(step={self.step!r}): the step must be positive and "
+                    "finite."
+                )
+        _check_bool(self, "vectorize", self.vectorize)
+
+    @property
+    def black_box(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True)
+class AutoScipy(Backend):
+    """Adaptive finite differences of ``scipy.differentiate`` (``jacobian`` and ``hessian``).
+
+    Each call refines the step until the error estimate meets the tolerances; read the
+    estimate of the last call made with a prep through ``prep.error``.
+
+    Parameters
+    ----------
+    order:
+        Order of the finite-difference formula (even, at least 2).
+    initial_step, step_factor, maxiter:
+        As in ``scipy.differentiate.jacobian``.
+    atol, rtol:
+        Absolute and relative tolerances of the error estimate (scipy's defaults when None).
+    """
+
+    name: ClassVar[str] = "scipy"
+    order: int = 8
+    initial_step: float = 0.5
+    step_factor: float = 2.0
+    maxiter: int = 10
+    atol: float | None = None
+    rtol: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.order, int) or self.order < 2 or self.order % 2:
+            raise InvalidBackendOptionError(
+                f"AutoScipy(order={self.order!r}): the order must be an even integer >= 2."
+            )
+        if not isinstance(self.maxiter, int) or self.maxiter < 1:
+            raise InvalidBackendOptionError(
+                f"AutoScipy(maxiter={self.maxiter!r}): maxiter must be a positive integer."
+            )
+        for option in ("initial_step", "step_factor"):
+            value = getattr(self, option)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise InvalidBackendOptionError(
+                    f"AutoScipy({option}={value!r}): must be a positive number."
+                )
+
+    @property
+    def black_box(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True)
+class SecondOrder(Backend):
+    """Second-order operators from two backends: ``outer`` differentiates what ``inner`` gives.
+
+    ``SecondOrder(AutoJAX(), AutoJAX())`` is forward-over-reverse in jax;
+    ``SecondOrder(AutoFiniteDifferences(), AutoTorch())`` differences torch gradients.
+    First-order operators use ``inner``. The outer engine must be able to trace through the
+    inner one: the same engine, or a black box (finite differences, scipy) outside any.
+    """
+
+    name: ClassVar[str] = "second_order"
+    outer: Backend
+    inner: Backend
+
+    def __post_init__(self) -> None:
+        for role in ("outer", "inner"):
+            value = getattr(self, role)
+            if not isinstance(value, Backend) or isinstance(value, SecondOrder):
+                raise InvalidBackendOptionError(
+                    f"SecondOrder({role}={value!r}): {role} must be a first-order backend such "
+                    "as AutoJAX() or AutoFiniteDifferences()."
+                )
+        outer, inner = self.outer, self.inner
+        if not outer.black_box and type(outer) is not type(inner):
+            raise UnsupportedOperationError(
+                f"SecondOrder(outer={outer!r}, inner={inner!r}): {outer.name} cannot trace "
+                f"through {inner.name}. Use the same engine twice, or a finite-difference "
+                "outer backend, which only evaluates the inner gradient."
+            )
+
+    @property
+    def black_box(self) -> bool:
+        return self.outer.black_box and self.inner.black_box
+
+
+def _check_bool(backend: Backend, option: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise InvalidBackendOptionError(
+            f"{type(backend).__name__}({option}={value!r}): {option} must be True or False."
+        )

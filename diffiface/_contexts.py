@@ -1,0 +1,41 @@
+"""Context arguments: the extra, non-differentiated arguments of ``f``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+__all__ = ["Cache", "Constant", "Context"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, eq=False)
+class Context(Generic[T]):
+    """Base class of context wrappers; holds one value (any pytree)."""
+
+    value: T
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.value!r})"
+
+
+class Constant(Context[T]):
+    """Read-only data passed to ``f`` after ``x``: a model, a batch, a state, hyper-parameters.
+
+    diffiface never mutates it. Numpy array leaves are converted to the backend's array type;
+    every other leaf (a ``torch.nn.Module``, a jax PRNG key, a string, a Python number) reaches
+    ``f`` as it is.
+    """
+
+
+class Cache(Context[T]):
+    """Scratch space that ``f`` may overwrite; its value on entry does not matter.
+
+    It is never copied: array leaves are converted as a Constant's are (torch shares memory
+    with numpy), everything else reaches ``f`` as it is, so ``f`` can write into it.
+    """
+
+
+def context_values(contexts: tuple[Context[Any], ...]) -> tuple[Any, ...]:
+    return tuple(c.value for c in contexts)

@@ -1,0 +1,553 @@
+"""The machinery behind the public operators of ``_operators``: validate, normalise, prepare or reuse, run.
+
+Data flows one way: arguments are flattened and their signature taken; a prep is checked
+(or found in the cache, or made); the adapter works on native arrays inside a program
+(compiled where the engine compiles); results are converted to mirror the inputs.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import optree
+
+from . import _arrays
+from ._adapters import adapter_for, info, normalize
+from ._adapters._base import Adapter, force
+from ._backends import Backend, SecondOrder
+from ._contexts import Context
+from ._errors import (
+    ArrayTypeError,
+    ContextError,
+    FrameworkMismatchError,
+    InvalidInputError,
+    InvalidOutputError,
+    TangentMismatchError,
+)
+from ._prep import FunctionRef, Prep, Signature, describe_mismatch, mismatch_error, prep_cache
+
+
+@dataclass(frozen=True)
+class Operator:
+    """How one public operator is computed and what it returns.
+
+    ``compute`` names the adapter method; ``parts`` picks ``(index, kind)`` pieces of its
+    result, where kind says what the piece mirrors: ``value`` (a scalar), ``y`` (the output
+    of f), ``x``, ``jacobian`` (y-structure of x-structure), ``hessian`` (x of x).
+    """
+
+    name: str
+    compute: str
+    parts: tuple[tuple[int, str], ...]
+    tangent: str | None = None
+    scalar_output: bool = False
+    scalar_input: bool = False
+    aux: bool = False
+
+
+_OPERATORS = (
+    Operator("derivative", "value_and_derivative", ((2, "y"),), scalar_input=True),
+    Operator("value_and_derivative", "value_and_derivative", ((0, "y"), (2, "y")), scalar_input=True),
+    Operator("second_derivative", "value_derivative_and_second_derivative", ((3, "y"),), scalar_input=True),
+    Operator(
+        "value_derivative_and_second_derivative",
+        "value_derivative_and_second_derivative",
+        ((0, "y"), (2, "y"), (3, "y")),
+        scalar_input=True,
+    ),
+    Operator("gradient", "value_and_gradient", ((2, "x"),), scalar_output=True),
+    Operator("value_and_gradient", "value_and_gradient", ((0, "value"), (2, "x")), scalar_output=True, aux=True),
+    Operator("jacobian", "value_and_jacobian", ((2, "jacobian"),)),
+    Operator("value_and_jacobian", "value_and_jacobian", ((0, "y"), (2, "jacobian"))),
+    Operator("hessian", "value_gradient_and_hessian", ((3, "hessian"),), scalar_output=True),
+    Operator(
+        "value_gradient_and_hessian",
+        "value_gradient_and_hessian",
+        ((0, "value"), (2, "x"), (3, "hessian")),
+        scalar_output=True,
+    ),
+    Operator("jvp", "value_and_pushforward", ((2, "y"),), tangent="x"),
+    Operator("value_and_jvp", "value_and_pushforward", ((0, "y"), (2, "y")), tangent="x", aux=True),
+    Operator("vjp", "value_and_pullback", ((2, "x"),), tangent="y"),
+    Operator("value_and_vjp", "value_and_pullback", ((0, "y"), (2, "x")), tangent="y", aux=True),
+    Operator("hvp", "gradient_and_hvp", ((3, "x"),), tangent="x", scalar_output=True),
+    Operator("gradient_and_hvp", "gradient_and_hvp", ((2, "x"), (3, "x")), tangent="x", scalar_output=True),
+)
+OPERATORS: dict[str, Operator] = {op.name: op for op in _OPERATORS}
+
+
+# -- a call: flattened arguments and their signature ------------------------------------------
+
+
+class Call:
+    """The flattened arguments of one call, and the signature a prep is matched against."""
+
+    __slots__ = ("context_leaves", "context_specs", "signature", "tangent_leaves", "x_leaves")
+
+    def __init__(self, op: Operator, backend: Backend, x: Any, tangent: Any, contexts: tuple[Any, ...], has_aux: bool) -> None:
+        leaf_signature = _arrays.leaf_signature
+        self.x_leaves, x_spec = optree.tree_flatten(x)
+        if op.tangent is None:
+            self.tangent_leaves, t_spec = [], None
+        else:
+            self.tangent_leaves, t_spec = optree.tree_flatten(tangent)
+        context_signature = []
+        self.context_leaves = []
+        self.context_specs = []
+        for i, context in enumerate(contexts):
+            if not isinstance(context, Context):
+                raise _bare_argument(op, i, context)
+            leaves, spec = optree.tree_flatten(context.value)
+            self.context_leaves.append(leaves)
+            self.context_specs.append(spec)
+            context_signature.append(
+                (
+                    type(context),
+                    spec,
+                    tuple(leaf_signature(leaf) if _arrays.is_array(leaf) else ("static", type(leaf)) for leaf in leaves),
+                )
+            )
+        self.signature = Signature(
+            op.name,
+            backend,
+            has_aux,
+            x_spec,
+            tuple(leaf_signature(leaf) for leaf in self.x_leaves),
+            t_spec,
+            tuple(leaf_signature(leaf) for leaf in self.tangent_leaves),
+            tuple(context_signature),
+        )
+
+
+def _bare_argument(op: Operator, index: int, value: Any) -> ContextError:
+    position = index + (5 if op.tangent else 4)
+    return ContextError(
+        f"Argument {position} of {op.name} is a {type(value).__name__}, not a context. Extra "
+        "arguments of f must be wrapped: di.Constant(value) for data f only reads (a model, a "
+        "batch, a state), di.Cache(value) for scratch space f may overwrite."
+    )
+
+
+# -- the entry point of every operator --------------------------------------------------------
+
+
+def evaluate(
+    name: str,
+    f: Callable[..., Any],
+    backend: Backend | str,
+    x: Any,
+    tangent: Any,
+    contexts: tuple[Any, ...],
+    prep: Prep | None,
+    has_aux: bool = False,
+) -> Any:
+    op = OPERATORS[name]
+    if not callable(f):
+        raise InvalidInputError(
+            f"f must be a callable f(x, *contexts), got {type(f).__name__}. The argument order "
+            f"is di.{name}(f, backend, x{', t' if op.tangent else ''}, *contexts)."
+        )
+    backend = normalize(backend)
+    call = Call(op, backend, x, tangent, contexts, has_aux)
+    if prep is None:
+        prep = prep_cache.get(f, call.signature)
+        if prep is None:
+            prep = _prepare(op, f, backend, call, strict=True)
+            prep_cache.put(f, call.signature, prep)
+    elif not isinstance(prep, Prep):
+        raise InvalidInputError(f"prep must come from di.prepare_{name}(...), got {type(prep).__name__}.")
+    elif prep.signature != call.signature or not prep.function.matches(f):
+        reason = describe_mismatch(prep, f, call.signature)
+        if prep.strict and reason is not None:
+            raise mismatch_error(prep, reason)
+        return evaluate(name, f, backend, x, tangent, contexts, None, has_aux)
+    return prep.run(call)
+
+
+def prepare(
+    name: str,
+    f: Callable[..., Any],
+    backend: Backend | str,
+    x: Any,
+    tangent: Any,
+    contexts: tuple[Any, ...],
+    strict: bool,
+    has_aux: bool = False,
+) -> Prep:
+    op = OPERATORS[name]
+    if not callable(f):
+        raise InvalidInputError(f"f must be a callable f(x, *contexts), got {type(f).__name__}.")
+    backend = normalize(backend)
+    call = Call(op, backend, x, tangent, contexts, has_aux)
+    prep = _prepare(op, f, backend, call, strict)
+    if info(backend).jit and getattr(backend, "jit", False):
+        prep.run(call)  # trace and compile now, not on the first call
+    return prep
+
+
+# -- preparation: validate once, build the program -----------------------------------------------
+
+
+def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, strict: bool) -> Prep:
+    signature = call.signature
+    if signature.has_aux and not op.aux:
+        raise InvalidInputError(f"{op.name} does not take has_aux; use value_and_gradient, value_and_jvp or value_and_vjp.")
+    row = info(backend)
+    _check_x(op, backend, row.any_array_type, call)
+    adapter = adapter_for(backend)
+    if op.tangent == "x":
+        _check_tangent_like_x(op, call)
+    function = FunctionRef(f)
+    out_spec: list[Any] = [None, ()]  # the structure and leaf shapes of f(x), once evaluated
+    program = _program(op, adapter, function, call, out_spec)
+    compiled = adapter.compile(program)
+    finish = _finisher(op, call, out_spec)
+    float64 = _involves_float64(call)
+    tangent_likes = op.tangent == "x"
+
+    def runner(call: Call) -> tuple[Any, Any]:
+        with adapter.scope(float64):
+            xs = tuple(adapter.to_native(leaf) for leaf in call.x_leaves)
+            if tangent_likes:
+                ts = tuple(_tangent_to_native(adapter, t, x) for t, x in zip(call.tangent_leaves, xs, strict=True))
+            else:
+                ts = tuple(adapter.to_native(t) for t in call.tangent_leaves)
+            like = xs[0] if xs else None
+            dynamic, static, mask = [], [], []
+            for leaves in call.context_leaves:
+                for leaf in leaves:
+                    native, is_array = adapter.context_to_native(leaf, like)
+                    (dynamic if is_array else static).append(native)
+                    mask.append(is_array)
+            native = compiled(xs, ts, tuple(dynamic), _Static(static, tuple(mask)))
+            result = finish(native)
+            error = adapter.take_error()
+            if error is None:
+                return result, None
+            parts = tuple(error[i] for i, _ in op.parts)
+            return result, finish((*parts, None) if call.signature.has_aux else parts)
+
+    return Prep(function, signature, runner, strict, adapter.take_error)
+
+
+def _tangent_to_native(adapter: Adapter, t: Any, like: Any) -> Any:
+    """A tangent leaf for the engine; a Python number takes the dtype of its primal leaf."""
+    if isinstance(t, (int, float)) and hasattr(like, "dtype"):
+        t = np.asarray(t, dtype=np.dtype(_arrays.dtype_name(like)))
+    return adapter.to_native(t)
+
+
+class _Static:
+    """The non-array context leaves, hashable so that jit can take them as a static argument.
+
+    Numbers and strings compare by value, any other object by identity.
+    """
+
+    __slots__ = ("_key", "leaves", "mask")
+
+    _BY_VALUE = (int, float, complex, str, bytes, bool, type(None))
+
+    def __init__(self, leaves: list[Any], mask: tuple[bool, ...]) -> None:
+        self.leaves = leaves
+        self.mask = mask
+        self._key = tuple((type(v), v) if type(v) in self._BY_VALUE else (type(v), id(v)) for v in leaves)
+
+    def __hash__(self) -> int:
+        return hash((self._key, self.mask))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Static) and self._key == other._key and self.mask == other.mask
+
+
+def _program(op: Operator, adapter: Adapter, function: FunctionRef, call: Call, out_spec: list[Any]) -> Callable[..., Any]:
+    """The program ``(xs, ts, dynamic_contexts, static_contexts) -> native parts``."""
+    sig = call.signature
+    x_spec, has_aux = sig.x_spec, sig.has_aux
+    context_specs = list(call.context_specs)
+    context_sizes = [len(leaves) for leaves in call.context_leaves]
+    method = getattr(adapter, op.compute)
+
+    def program(xs: tuple[Any, ...], ts: tuple[Any, ...], dynamic: tuple[Any, ...], static: _Static) -> tuple[Any, ...]:
+        context_values = _merge_contexts(context_specs, context_sizes, dynamic, static)
+        fn = _closed(op, adapter, function(), x_spec, context_values, has_aux, out_spec, xs[0] if xs else None)
+        if op.compute == "value_and_pullback":
+            out, aux, vjp = adapter.pullback_function(fn, xs)
+            _check_cotangent(sig, out_spec, ts)
+            result: tuple[Any, ...] = (out, aux, vjp(ts))
+        elif op.tangent is None:
+            result = method(fn, xs)
+        else:
+            result = method(fn, xs, ts)
+        parts = tuple(force(result[i]) for i, _ in op.parts)
+        return (*parts, force(result[1])) if has_aux else parts
+
+    return program
+
+
+def _merge_contexts(specs: list[Any], sizes: list[int], dynamic: tuple[Any, ...], static: _Static) -> tuple[Any, ...]:
+    dyn = iter(dynamic)
+    stat = iter(static.leaves)
+    flags = iter(static.mask)
+    values = []
+    for spec, size in zip(specs, sizes, strict=True):
+        leaves = [next(dyn) if next(flags) else next(stat) for _ in range(size)]
+        values.append(optree.tree_unflatten(spec, leaves))
+    return tuple(values)
+
+
+def _closed(
+    op: Operator,
+    adapter: Adapter,
+    f: Callable[..., Any],
+    x_spec: Any,
+    context_values: tuple[Any, ...],
+    has_aux: bool,
+    out_spec: list[Any],
+    like: Any,
+) -> Callable[[tuple[Any, ...]], tuple[Any, Any]]:
+    """``f`` with its contexts bound, on a tuple of leaves: ``xs -> (out, aux)``."""
+
+    def fn(xs: tuple[Any, ...]) -> tuple[Any, Any]:
+        x = optree.tree_unflatten(x_spec, list(xs))
+        try:
+            result = f(x, *context_values)
+        except Exception as exc:
+            hint = adapter.explain_failure(exc)
+            if hint is not None:
+                raise FrameworkMismatchError(f"f failed under the {adapter.backend.name} backend: {hint}") from exc
+            raise
+        aux = None
+        if has_aux:
+            if not (isinstance(result, (tuple, list)) and len(result) == 2):
+                raise InvalidOutputError(
+                    f"With has_aux=True, f must return a pair (value, aux); it returned {_describe(result)}."
+                )
+            result, aux = result
+        leaves, spec = optree.tree_flatten(result)
+        out_spec[0] = spec
+        out_spec[1] = tuple(_arrays.shape(leaf) for leaf in leaves)
+        for leaf in leaves:
+            _check_numeric(op, leaf, adapter.complex_outputs)
+        if op.scalar_output:
+            if len(leaves) != 1 or _arrays.shape(leaves[0]) != ():
+                raise InvalidOutputError(
+                    f"{op.name} needs f to return a scalar, but it returned {_describe(result)}. Reduce the "
+                    "output (say with .sum()), or use jacobian / vjp for a non-scalar output."
+                )
+            return adapter.output_leaf(leaves[0], like), aux
+        return tuple(adapter.output_leaf(leaf, like) for leaf in leaves), aux
+
+    return fn
+
+
+def _describe(value: Any) -> str:
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"an array of shape {tuple(value.shape)} and dtype {_arrays.dtype_name(value)}"
+    leaves = optree.tree_leaves(value)
+    if len(leaves) != 1 or leaves[0] is not value:
+        return f"a {type(value).__name__} with {len(leaves)} leaves"
+    return f"a {type(value).__name__}"
+
+
+def _check_numeric(op: Operator, leaf: Any, complex_ok: bool) -> None:
+    kind = _arrays.kind(leaf)
+    if kind == "autograd" or (kind == "python" and not isinstance(leaf, bool) and (complex_ok or not isinstance(leaf, complex))):
+        return
+    dtype = _arrays.dtype_name(leaf)
+    if kind == "other" or kind == "python" or not (_arrays.is_float_dtype(dtype) or (complex_ok and "complex" in dtype)):
+        what = type(leaf).__name__ if kind in ("other", "python") else f"array of dtype {_arrays.dtype_name(leaf)}"
+        raise InvalidOutputError(
+            f"f returned a {what} where {op.name} needs floating-point numbers (float arrays or "
+            "floats). Compute the output in floating point."
+        )
+
+
+def _check_cotangent(sig: Signature, out_info: list[Any], ts: tuple[Any, ...]) -> None:
+    """The cotangent against f(x), whose structure and shapes the last evaluation recorded."""
+    out_spec, out_shapes = out_info
+    if out_spec != sig.tangent_spec:
+        raise TangentMismatchError(
+            f"The cotangent must have the structure of f(x), {out_spec}; it has {sig.tangent_spec}."
+        )
+    for i, (shape, t) in enumerate(zip(out_shapes, ts, strict=True)):
+        if shape != _arrays.shape(t):
+            raise TangentMismatchError(
+                f"Cotangent leaf {i} has shape {_arrays.shape(t)}, but f(x)'s leaf {i} has shape "
+                f"{shape}; a cotangent has the shape of f(x)."
+            )
+
+
+# -- validation of x and tangents --------------------------------------------------------------------
+
+
+def _check_x(op: Operator, backend: Backend, any_array_type: bool, call: Call) -> None:
+    sig = call.signature
+    paths = [_path(p) for p in sig.x_spec.paths()]
+    kinds = set()
+    for path, leaf in zip(paths, call.x_leaves, strict=True):
+        kind = _arrays.kind(leaf)
+        dtype = _arrays.dtype_name(leaf)
+        if kind == "other":
+            if getattr(backend, "name", None) == "jax" and sig.x_leaves[paths.index(path)][2:]:
+                kinds.add("jax")
+                continue
+            raise InvalidInputError(
+                f"x{path} is a {type(leaf).__name__}; diffiface differentiates floats and float arrays "
+                "(numpy, torch, jax) in dicts, lists, tuples and namedtuples. Pass other values as "
+                "di.Constant(...)."
+            )
+        kinds.add(kind)
+        if not _arrays.is_float_dtype(dtype):
+            what = "complex" if "complex" in dtype else dtype
+            raise InvalidInputError(
+                f"x{path} has dtype {what}; only real floating-point inputs can be differentiated. "
+                + (
+                    "Split a complex input into its real and imaginary parts."
+                    if what == "complex"
+                    else "Cast it to a float dtype, or pass it as a di.Constant if it is not differentiated."
+                )
+            )
+        if dtype in ("float16", "bfloat16") and any_array_type:
+            raise InvalidInputError(
+                f"x{path} has dtype {dtype}: finite differences in {dtype} have no correct digits. "
+                "Cast x to float32 or float64 for finite differences."
+            )
+    family = _arrays.family(kinds)
+    if family == "other":
+        raise ArrayTypeError(
+            f"x mixes arrays of several frameworks ({', '.join(sorted(kinds - {'python'}))}); use one "
+            "framework for all leaves of x."
+        )
+    if not any_array_type and family not in ("python", "numpy", backend_family(backend)):
+        raise ArrayTypeError(
+            f"x holds {family} arrays, but the {backend.name} backend differentiates "
+            f"{backend_family(backend)} arrays. Pass numpy or {backend_family(backend)} arrays, or use the "
+            f"{family} backend."
+        )
+    if op.scalar_input:
+        if len(call.x_leaves) != 1 or _arrays.shape(call.x_leaves[0]) != () or sig.x_spec.num_nodes != 1:
+            shape = _arrays.shape(call.x_leaves[0]) if len(call.x_leaves) == 1 else f"{len(call.x_leaves)} leaves"
+            raise InvalidInputError(
+                f"{op.name} needs a scalar x (a float or a 0-d array), got {shape}. For an array "
+                "x use jacobian, or jvp for one direction."
+            )
+
+
+def backend_family(backend: Backend) -> str:
+    inner = backend.inner if isinstance(backend, SecondOrder) else backend
+    return {"jax": "jax", "torch": "torch", "autograd": "numpy"}.get(inner.name, "numpy")
+
+
+def _check_tangent_like_x(op: Operator, call: Call) -> None:
+    sig = call.signature
+    if sig.tangent_spec != sig.x_spec:
+        raise TangentMismatchError(
+            f"The tangent of {op.name} must have the structure of x, {sig.x_spec}; it has {sig.tangent_spec}."
+        )
+    paths = [_path(p) for p in sig.x_spec.paths()]
+    for path, x, t in zip(paths, call.x_leaves, call.tangent_leaves, strict=True):
+        if _arrays.shape(x) != _arrays.shape(t):
+            raise TangentMismatchError(
+                f"The tangent{path} has shape {_arrays.shape(t)}, but x{path} has shape {_arrays.shape(x)}."
+            )
+        tx, tt = _arrays.dtype_name(x), _arrays.dtype_name(t)
+        if isinstance(t, float) or (isinstance(x, float) and tt == "float64"):
+            continue
+        if tt != tx:
+            raise TangentMismatchError(
+                f"The tangent{path} has dtype {tt}, but x{path} has dtype {tx}; cast the tangent to {tx}."
+            )
+
+
+def _path(path: tuple[Any, ...]) -> str:
+    return "".join(f"[{entry!r}]" for entry in path)
+
+
+def _involves_float64(call: Call) -> bool:
+    for leaf in (*call.x_leaves, *call.tangent_leaves):
+        if isinstance(leaf, float) or _arrays.dtype_name(leaf) == "float64":
+            return True
+    return any(_arrays.is_array(leaf) and _arrays.dtype_name(leaf) == "float64" for leaves in call.context_leaves for leaf in leaves)
+
+
+# -- results: mirror the inputs ----------------------------------------------------------------------
+
+
+def _finisher(op: Operator, call: Call, out_spec: list[Any]) -> Callable[[tuple[Any, ...]], Any]:
+    x_spec = call.signature.x_spec
+    x_likes = list(call.x_leaves)
+    family = _arrays.family({_arrays.kind(leaf) for leaf in x_likes}) if x_likes else "numpy"
+    python_x = family == "python"
+
+    like = x_likes[0] if x_likes else None
+
+    def as_y(value: Any) -> Any:
+        return _to_family(value, family, python_x, like)
+
+    def convert(kind: str, value: Any) -> Any:
+        if kind == "value":
+            return as_y(value)
+        if kind == "y":
+            return optree.tree_unflatten(out_spec[0], [as_y(v) for v in value])
+        if kind == "x":
+            return optree.tree_unflatten(x_spec, [_mirror(v, like) for v, like in zip(value, x_likes, strict=True)])
+        if kind == "jacobian":
+            rows = [optree.tree_unflatten(x_spec, [as_y(b) for b in row]) for row in value]
+            return optree.tree_unflatten(out_spec[0], rows)
+        rows = [optree.tree_unflatten(x_spec, [as_y(b) for b in row]) for row in value]
+        return optree.tree_unflatten(x_spec, rows)
+
+    def finish(native: tuple[Any, ...]) -> Any:
+        parts = [convert(kind, value) for (_, kind), value in zip(op.parts, native, strict=False)]
+        if call.signature.has_aux:
+            aux = optree.tree_map(as_y, native[-1])
+            return ((parts[0], aux), *parts[1:]) if len(parts) > 1 else (parts[0], aux)
+        return parts[0] if len(parts) == 1 else tuple(parts)
+
+    return finish
+
+
+def _to_family(value: Any, family: str, python_x: bool, like: Any) -> Any:
+    """An output-shaped result in the array type of x (numpy for Python numbers), dtype kept."""
+    kind = _arrays.kind(value)
+    if family in ("python", "numpy"):
+        if kind == "python":
+            return value
+        array = np.asarray(value) if kind == "numpy" else _arrays.to_numpy(value)
+        return array.item() if python_x and array.ndim == 0 else array
+    if kind == family:
+        return value.detach() if kind == "torch" else value
+    if kind not in ("python", "numpy", "autograd", "jax", "torch"):
+        return value
+    array = np.asarray(_arrays.to_numpy(value))
+    return _arrays.from_numpy(array, like, dtype=_framework_dtype(array.dtype, family))
+
+
+def _framework_dtype(dtype: np.dtype[Any], family: str) -> Any:
+    if family == "torch":
+        return getattr(sys.modules["torch"], dtype.name)
+    return dtype
+
+
+def _mirror(value: Any, like: Any) -> Any:
+    """``value`` with ``like``'s array type and dtype (and device)."""
+    kind = _arrays.kind(like)
+    if kind == "python":
+        return float(np.asarray(_arrays.to_numpy(value)))
+    value_kind = _arrays.kind(value)
+    if kind == "numpy":
+        array = value if value_kind == "numpy" else _arrays.to_numpy(value)
+        return np.asarray(array, dtype=like.dtype)
+    if kind == "torch" and value_kind == "torch":
+        value = value.detach()
+        return value if value.dtype == like.dtype and value.device == like.device else value.to(device=like.device, dtype=like.dtype)
+    if kind == "jax" and value_kind == "jax":
+        return value if value.dtype == like.dtype else value.astype(like.dtype)
+    if kind in ("torch", "jax"):
+        return _arrays.from_numpy(np.asarray(_arrays.to_numpy(value)), like)
+    return value
+

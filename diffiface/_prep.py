@@ -1,0 +1,255 @@
+"""Preparation: the one-time work of an operator, the signature it was made for, and the
+weak cache that lets unprepared calls reuse it."""
+
+from __future__ import annotations
+
+import threading
+import types
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ._errors import PreparationMismatchError
+from .tree import path_string
+
+__all__ = ["FunctionRef", "Prep", "Signature", "describe_mismatch", "prep_cache"]
+
+
+@dataclass(frozen=True)
+class Signature:
+    """Everything a prep depends on, except ``f`` itself (compared by identity)."""
+
+    operator: str
+    backend: Any
+    has_aux: bool
+    x_spec: Any
+    x_leaves: tuple[Any, ...]
+    tangent_spec: Any
+    tangent_leaves: tuple[Any, ...]
+    contexts: tuple[Any, ...]
+
+
+class FunctionRef:
+    """A weak reference to ``f`` that also works for bound methods and builtins.
+
+    Preps and the cache never keep ``f`` alive: a closure made afresh for each call is
+    collected as usual, and its cache entries with it.
+    """
+
+    __slots__ = ("_ref", "name")
+
+    def __init__(self, f: Callable[..., Any]) -> None:
+        self.name = getattr(f, "__qualname__", None) or repr(f)
+        ref: Callable[[], Any]
+        if isinstance(f, types.MethodType):
+            ref = weakref.WeakMethod(f)
+        else:
+            try:
+                ref = weakref.ref(f)
+            except TypeError:  # builtins and other objects without weak references live long
+                ref = lambda f=f: f  # noqa: E731
+        self._ref = ref
+
+    def __call__(self) -> Callable[..., Any]:
+        f = self._ref()
+        if f is None:  # pragma: no cover - the caller holds f while calling
+            raise ReferenceError(f"the function {self.name} no longer exists")
+        return f  # type: ignore[no-any-return]
+
+    def matches(self, f: Callable[..., Any]) -> bool:
+        return _same_function(self._ref(), f)
+
+
+def _same_function(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, types.MethodType) and isinstance(b, types.MethodType):
+        return a.__self__ is b.__self__ and a.__func__ is b.__func__
+    return False
+
+
+class Prep:
+    """The result of a ``prepare_*`` call: pass it back as ``prep=`` to skip one-time work.
+
+    A prep records the signature it was made for: ``f``, the backend, the operator, and the
+    tree structures, shapes, dtypes and array types of ``x``, the tangent and the contexts.
+    With ``strict=True`` (the default) a call with anything else raises
+    :class:`~diffiface.PreparationMismatchError`; with ``strict=False`` such a call is
+    prepared afresh instead.
+
+    A prep may be shared between threads.
+    """
+
+    def __init__(
+        self,
+        function: FunctionRef,
+        signature: Signature,
+        runner: Callable[..., Any],
+        strict: bool,
+        take_error: Callable[[], Any],
+    ) -> None:
+        self.function = function
+        self.signature = signature
+        self.strict = strict
+        self._runner = runner
+        self._take_error = take_error
+        self._local = threading.local()
+
+    @property
+    def operator(self) -> str:
+        """The operator this prep is for (``"gradient"``, ``"jvp"``...)."""
+        return self.signature.operator
+
+    @property
+    def backend(self) -> Any:
+        """The backend this prep is for."""
+        return self.signature.backend
+
+    @property
+    def error(self) -> Any:
+        """The error estimate of the last call made with this prep in this thread, shaped as
+        that call's result; None for backends that give no estimate (only ``AutoScipy`` does)."""
+        return getattr(self._local, "error", None)
+
+    def run(self, call: Any) -> Any:
+        result, error = self._runner(call)
+        self._local.error = error
+        return result
+
+    def __repr__(self) -> str:
+        return (
+            f"<Prep {self.operator} of {self.function.name} with {self.backend!r}"
+            f"{'' if self.strict else ', strict=False'}>"
+        )
+
+
+def describe_mismatch(prep: Prep, f: Callable[..., Any], signature: Signature) -> str | None:
+    """What differs between ``prep`` and a call, in words; None when nothing does."""
+    old = prep.signature
+    if not prep.function.matches(f):
+        name = getattr(f, "__qualname__", repr(f))
+        return f"f: prepared for {prep.function.name}, called with {name}"
+    for part in ("operator", "backend", "has_aux"):
+        if getattr(old, part) != getattr(signature, part):
+            return f"{part}: prepared for {getattr(old, part)!r}, called with {getattr(signature, part)!r}"
+    for label, spec, leaves in (("x", "x_spec", "x_leaves"), ("tangent", "tangent_spec", "tangent_leaves")):
+        found = _tree_difference(label, getattr(old, spec), getattr(signature, spec), getattr(old, leaves), getattr(signature, leaves))
+        if found:
+            return found
+    if len(old.contexts) != len(signature.contexts):
+        return f"contexts: prepared with {len(old.contexts)}, called with {len(signature.contexts)}"
+    for i, (a, b) in enumerate(zip(old.contexts, signature.contexts, strict=True)):
+        if a[0] is not b[0]:
+            return f"context {i}: prepared as {a[0].__name__}, called with {b[0].__name__}"
+        found = _tree_difference(f"context {i}", a[1], b[1], a[2], b[2])
+        if found:
+            return found
+    return None
+
+
+def _tree_difference(label: str, spec_a: Any, spec_b: Any, leaves_a: tuple[Any, ...], leaves_b: tuple[Any, ...]) -> str | None:
+    if spec_a != spec_b:
+        return f"{label} structure: prepared for {spec_a}, called with {spec_b}"
+    if leaves_a == leaves_b:
+        return None
+    paths = spec_a.paths() if spec_a is not None else []
+    for i, (a, b) in enumerate(zip(leaves_a, leaves_b, strict=True)):
+        if a != b:
+            where = path_string(paths[i]) if i < len(paths) else f"leaf {i}"
+            return f"{label}{where}: prepared for {_describe_leaf(a)}, called with {_describe_leaf(b)}"
+    return None  # pragma: no cover - equal specs and unequal leaves differ somewhere
+
+
+def _describe_leaf(signature: tuple[Any, ...]) -> str:
+    kind = signature[0]
+    if kind == "python":
+        return f"a Python {signature[1].__name__}"
+    if kind == "static":
+        return f"a {signature[1].__name__} (not an array)"
+    shape, dtype = signature[1], signature[2]
+    text = f"a {kind} array of shape {shape} and dtype {dtype}"
+    if kind == "torch":
+        text += f" on {signature[3]}"
+    return text
+
+
+def mismatch_error(prep: Prep, reason: str) -> PreparationMismatchError:
+    return PreparationMismatchError(
+        f"This prep does not fit the call. {reason}. Prepare again for these arguments "
+        f"(di.prepare_{prep.operator}(...)), or prepare with strict=False to let mismatched "
+        "calls prepare afresh."
+    )
+
+
+class _PrepCache:
+    """Preps of unprepared calls, keyed weakly on ``f`` and then on the signature.
+
+    An entry lives as long as ``f`` does (for a bound method, as long as its object), and
+    each function keeps at most ``per_function`` signatures, the least recently used leaving
+    first.
+    """
+
+    per_function = 16
+
+    def __init__(self) -> None:
+        self._weak: weakref.WeakKeyDictionary[Any, OrderedDict[Any, Prep]] = weakref.WeakKeyDictionary()
+        self._strong: OrderedDict[Any, OrderedDict[Any, Prep]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _owner(self, f: Callable[..., Any]) -> tuple[Any, Any, bool]:
+        if isinstance(f, types.MethodType):
+            owner, sub = f.__self__, f.__func__
+        else:
+            owner, sub = f, None
+        try:
+            weakref.ref(owner)
+        except TypeError:
+            return owner, sub, False
+        return owner, sub, True
+
+    def get(self, f: Callable[..., Any], signature: Signature) -> Prep | None:
+        owner, sub, weak = self._owner(f)
+        table = self._weak if weak else self._strong
+        try:
+            entries = table.get(owner)
+        except TypeError:  # an unhashable callable object: no caching
+            return None
+        if entries is None:
+            return None
+        key = (sub, signature)
+        with self._lock:
+            prep = entries.get(key)
+            if prep is not None:
+                entries.move_to_end(key)
+        return prep
+
+    def put(self, f: Callable[..., Any], signature: Signature, prep: Prep) -> None:
+        owner, sub, weak = self._owner(f)
+        table: Any = self._weak if weak else self._strong
+        with self._lock:
+            try:
+                entries = table.get(owner)
+                if entries is None:
+                    entries = table[owner] = OrderedDict()
+            except TypeError:
+                return
+            entries[(sub, signature)] = prep
+            while len(entries) > self.per_function:
+                entries.popitem(last=False)
+            if not weak:
+                table.move_to_end(owner)
+                while len(table) > 256:
+                    table.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._weak.clear()
+            self._strong.clear()
+
+    def __len__(self) -> int:
+        return sum(len(e) for e in list(self._weak.values())) + sum(len(e) for e in self._strong.values())
+
+
+prep_cache = _PrepCache()

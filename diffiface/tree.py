@@ -1,0 +1,135 @@
+"""Pytree helpers, on optree: dicts, lists, tuples, namedtuples, ``None`` and registered types.
+
+Examples
+--------
+>>> import numpy as np
+>>> from diffiface import tree
+>>> params = {"w": np.ones((2, 2), dtype=np.float32), "b": np.zeros(2)}
+>>> flat, unravel = tree.ravel(params)
+>>> flat.shape, flat.dtype
+((6,), dtype('float64'))
+>>> rebuilt = unravel(flat)
+>>> rebuilt["w"].dtype, rebuilt["w"].shape
+(dtype('float32'), (2, 2))
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import optree
+
+from . import _arrays
+from ._errors import ArrayTypeError
+
+__all__ = ["flatten", "leaves", "leaves_with_paths", "map", "path_string", "ravel", "structure"]
+
+PyTree = Any
+
+
+def flatten(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:
+    """The leaves of ``tree`` and its structure (``None`` is an empty node, not a leaf)."""
+    return optree.tree_flatten(tree)
+
+
+def structure(tree: PyTree) -> optree.PyTreeSpec:
+    """The structure of ``tree``, comparable with ``==``."""
+    return optree.tree_structure(tree)
+
+
+def leaves(tree: PyTree) -> list[Any]:
+    """The leaves of ``tree``, in flattening order."""
+    return optree.tree_leaves(tree)
+
+
+def map(func: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:  # noqa: A001
+    """Apply ``func`` leaf by leaf to ``tree`` and trees of the same structure."""
+    return optree.tree_map(func, tree, *rest)
+
+
+def path_string(path: tuple[Any, ...]) -> str:
+    """A readable path such as ``['layer'][0]``; the empty path (a bare leaf) is ``''``."""
+    return "".join(f"[{entry!r}]" for entry in path)
+
+
+def leaves_with_paths(tree: PyTree) -> list[tuple[str, Any]]:
+    """``(path, leaf)`` pairs in flattening order, paths as :func:`path_string` writes them."""
+    paths, leaves_, _ = optree.tree_flatten_with_path(tree)
+    return [(path_string(p), leaf) for p, leaf in zip(paths, leaves_, strict=True)]
+
+
+def ravel(tree: PyTree) -> tuple[Any, Callable[[Any], PyTree]]:
+    """One flat vector holding every leaf of ``tree``, and the function that rebuilds the tree.
+
+    The vector has the leaves' array type (numpy for numpy arrays and Python numbers, torch
+    for tensors, jax for jax arrays) and their common dtype; ``unravel`` restores every leaf's
+    shape, dtype and array type (Python numbers come back as Python numbers).
+
+    Raises
+    ------
+    ArrayTypeError
+        If the tree mixes array types (say numpy and torch).
+    """
+    leaves_, spec = optree.tree_flatten(tree)
+    kinds = [_arrays.kind(leaf) for leaf in leaves_]
+    family = _arrays.family(set(kinds))
+    if family not in ("python", "numpy", "torch", "jax"):
+        raise ArrayTypeError(
+            "tree.ravel needs the leaves of one array framework (Python numbers may go with "
+            f"any); found {sorted(set(kinds))}. Convert the leaves to one framework first."
+        )
+    xp = _namespace(family)
+    arrays = [_as_family(leaf, kind, family) for leaf, kind in zip(leaves_, kinds, strict=True)]
+    shapes = [tuple(a.shape) for a in arrays]
+    sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+    dtypes = [a.dtype for a in arrays]
+    if arrays:
+        flat = xp.concatenate([xp.reshape(a, (-1,)) for a in arrays])
+    else:
+        flat = xp.zeros((0,))
+    offsets = np.cumsum([0, *sizes])
+
+    def unravel(vector: Any) -> PyTree:
+        if tuple(vector.shape) != (offsets[-1],):
+            raise ValueError(
+                f"unravel expects a vector of shape ({offsets[-1]},), got {tuple(vector.shape)}."
+            )
+        rebuilt = []
+        for i, (kind, shape_, dtype) in enumerate(zip(kinds, shapes, dtypes, strict=True)):
+            piece = xp.reshape(vector[offsets[i] : offsets[i + 1]], shape_)
+            piece = _cast(piece, dtype, family)
+            rebuilt.append(_python_scalar(piece) if kind == "python" else piece)
+        return optree.tree_unflatten(spec, rebuilt)
+
+    return flat, unravel
+
+
+def _namespace(family: str) -> Any:
+    if family == "torch":
+        return sys.modules["torch"]
+    if family == "jax":
+        return sys.modules["jax.numpy"]
+    return np
+
+
+def _as_family(leaf: Any, kind: str, family: str) -> Any:
+    if kind != "python":
+        return leaf
+    if family == "python":
+        return np.asarray(leaf, dtype=np.float64)
+    xp = _namespace(family)
+    return xp.asarray(leaf)
+
+
+def _cast(piece: Any, dtype: Any, family: str) -> Any:
+    if family == "torch":
+        return piece.to(dtype)
+    return piece.astype(dtype)
+
+
+def _python_scalar(piece: Any) -> Any:
+    value = piece.item()
+    return float(value) if isinstance(value, (int, float)) else value
