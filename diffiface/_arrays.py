@@ -123,7 +123,9 @@ def from_numpy(array: np.ndarray, like: Any, dtype: Any = None) -> Any:
         return array.item() if array.ndim == 0 else array
     if k == "torch":
         torch = sys.modules["torch"]
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if not (array.flags.c_contiguous and array.flags.writeable):
+            array = np.array(array, order="C")  # not np.ascontiguousarray: it makes 0-d arrays 1-d
+        tensor = torch.from_numpy(array)
         return tensor.to(device=like.device, dtype=like.dtype if dtype is None else dtype)
     if k == "jax":
         jnp = sys.modules["jax.numpy"]

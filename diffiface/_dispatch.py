@@ -90,6 +90,10 @@ class Call:
 
     def __init__(self, op: Operator, backend: Backend, x: Any, tangent: Any, contexts: tuple[Any, ...], has_aux: bool) -> None:
         leaf_signature = _arrays.leaf_signature
+        if isinstance(x, Context):
+            raise _misplaced_context(op, "x", x)
+        if op.tangent is not None and isinstance(tangent, Context):
+            raise _misplaced_context(op, "tangent" if op.tangent == "x" else "cotangent", tangent)
         self.x_leaves, x_spec = optree.tree_flatten(x)
         if op.tangent is None:
             self.tangent_leaves, t_spec = [], None
@@ -121,6 +125,14 @@ class Call:
             tuple(leaf_signature(leaf) for leaf in self.tangent_leaves),
             tuple(context_signature),
         )
+
+
+def _misplaced_context(op: Operator, role: str, value: Context[Any]) -> ContextError:
+    signature = f"di.{op.name}(f, backend, x{', tx' if op.tangent == 'x' else ', ty' if op.tangent else ''}, *contexts)"
+    return ContextError(
+        f"The {role} of {op.name} is a di.{type(value).__name__}, but the {role} is passed bare, "
+        f"not wrapped: {signature}. Only the extra arguments of f after it are contexts."
+    )
 
 
 def _bare_argument(op: Operator, index: int, value: Any) -> ContextError:
@@ -183,9 +195,13 @@ def prepare(
         raise InvalidInputError(f"f must be a callable f(x, *contexts), got {type(f).__name__}.")
     backend = normalize(backend)
     call = Call(op, backend, x, tangent, contexts, has_aux)
+    cached = prep_cache.get(f, call.signature)
+    if cached is not None:  # the work is done already: share it
+        return cached.with_strictness(strict)
     prep = _prepare(op, f, backend, call, strict)
     if info(backend).jit and getattr(backend, "jit", False):
         prep.run(call)  # trace and compile now, not on the first call
+    prep_cache.put(f, call.signature, prep)
     return prep
 
 
@@ -202,7 +218,7 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
     if op.tangent == "x":
         _check_tangent_like_x(op, call)
     function = FunctionRef(f)
-    out_spec: list[Any] = [None, ()]  # the structure and leaf shapes of f(x), once evaluated
+    out_spec: list[Any] = [None, (), ()]  # the structure, leaf shapes and dtypes of f(x), once evaluated
     program = _program(op, adapter, function, call, out_spec)
     compiled = adapter.compile(program)
     finish = _finisher(op, call, out_spec)
@@ -218,9 +234,12 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
                 ts = tuple(adapter.to_native(t) for t in call.tangent_leaves)
             like = xs[0] if xs else None
             dynamic, static, mask = [], [], []
-            for leaves in call.context_leaves:
+            for index, leaves in enumerate(call.context_leaves):
                 for leaf in leaves:
-                    native, is_array = adapter.context_to_native(leaf, like)
+                    try:
+                        native, is_array = adapter.context_to_native(leaf, like)
+                    except (TypeError, ValueError) as exc:
+                        raise _unconvertible_context(adapter, call, index, leaf) from exc
                     (dynamic if is_array else static).append(native)
                     mask.append(is_array)
             native = compiled(xs, ts, tuple(dynamic), _Static(static, tuple(mask)))
@@ -232,6 +251,16 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
             return result, finish((*parts, None) if call.signature.has_aux else parts)
 
     return Prep(function, signature, runner, strict, adapter.take_error)
+
+
+def _unconvertible_context(adapter: Adapter, call: Call, index: int, leaf: Any) -> ContextError:
+    kind = call.signature.contexts[index][0].__name__
+    what = f"an array of dtype {_arrays.dtype_name(leaf)}" if hasattr(leaf, "dtype") else f"a {type(leaf).__name__}"
+    return ContextError(
+        f"Context {index} (a di.{kind}) holds {what}, which the {adapter.backend.name} backend "
+        "cannot convert to its arrays. Pass non-numeric data as a Python list or tuple "
+        "(array.tolist()), or convert it to a numeric dtype."
+    )
 
 
 def _tangent_to_native(adapter: Adapter, t: Any, like: Any) -> Any:
@@ -327,9 +356,15 @@ def _closed(
                     f"With has_aux=True, f must return a pair (value, aux); it returned {_describe(result)}."
                 )
             result, aux = result
+        if result is None:
+            raise InvalidOutputError(
+                f"f returned None where {op.name} needs floating-point numbers (float arrays or floats). "
+                "Return the value from f (a missing return statement?)."
+            )
         leaves, spec = optree.tree_flatten(result)
         out_spec[0] = spec
         out_spec[1] = tuple(_arrays.shape(leaf) for leaf in leaves)
+        out_spec[2] = tuple(_output_dtype(leaf) for leaf in leaves)
         for leaf in leaves:
             _check_numeric(op, leaf, adapter.complex_outputs)
         if op.scalar_output:
@@ -342,6 +377,14 @@ def _closed(
         return tuple(adapter.output_leaf(leaf, like) for leaf in leaves), aux
 
     return fn
+
+
+def _output_dtype(leaf: Any) -> str | None:
+    """The dtype a cotangent of this output leaf must have; None where any float will do."""
+    if _arrays.kind(leaf) == "python":
+        return None
+    name = _arrays.dtype_name(leaf)
+    return name if _arrays.is_float_dtype(name) else None
 
 
 def _describe(value: Any) -> str:
@@ -368,7 +411,7 @@ def _check_numeric(op: Operator, leaf: Any, complex_ok: bool) -> None:
 
 def _check_cotangent(sig: Signature, out_info: list[Any], ts: tuple[Any, ...]) -> None:
     """The cotangent against f(x), whose structure and shapes the last evaluation recorded."""
-    out_spec, out_shapes = out_info
+    out_spec, out_shapes, out_dtypes = out_info
     if out_spec != sig.tangent_spec:
         raise TangentMismatchError(
             f"The cotangent must have the structure of f(x), {out_spec}; it has {sig.tangent_spec}."
@@ -378,6 +421,15 @@ def _check_cotangent(sig: Signature, out_info: list[Any], ts: tuple[Any, ...]) -
             raise TangentMismatchError(
                 f"Cotangent leaf {i} has shape {_arrays.shape(t)}, but f(x)'s leaf {i} has shape "
                 f"{shape}; a cotangent has the shape of f(x)."
+            )
+    for i, (dtype, t) in enumerate(zip(out_dtypes, sig.tangent_leaves, strict=False)):
+        if dtype is None or t[0] == "python":
+            continue
+        found = str(t[2]).removeprefix("torch.")
+        if found != dtype:
+            raise TangentMismatchError(
+                f"Cotangent leaf {i} has dtype {found}, but f(x)'s leaf {i} has dtype {dtype}; cast the "
+                f"cotangent to {dtype}."
             )
 
 

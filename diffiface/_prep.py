@@ -113,6 +113,10 @@ class Prep:
         that call's result; None for backends that give no estimate (only ``AutoScipy`` does)."""
         return getattr(self._local, "error", None)
 
+    def with_strictness(self, strict: bool) -> Prep:
+        """A prep sharing this one's work, with its own strictness and error estimate."""
+        return Prep(self.function, self.signature, self._runner, strict, self._take_error)
+
     def run(self, call: Any) -> Any:
         result, error = self._runner(call)
         self._local.error = error

@@ -338,7 +338,8 @@ def _apply(xp: Any, blocks: Blocks, txs: Leaves, outs: tuple[Any, ...]) -> Leave
         acc = xp.zeros_like(y)
         for block, t in zip(row, txs, strict=True):
             n = _size(t)
-            acc = acc + xp.reshape(xp.reshape(block, (-1, n)) @ xp.reshape(t, (n,)), tuple(y.shape))
+            # explicit sizes: a -1 cannot be inferred when a leaf is empty
+            acc = acc + xp.reshape(xp.reshape(block, (_size(y), n)) @ xp.reshape(t, (n,)), tuple(y.shape))
         result.append(acc)
     return tuple(result)
 

@@ -43,7 +43,16 @@ class Adapter(_base.Adapter):
         return leaf
 
     def explain_failure(self, exc: BaseException) -> str | None:
-        if "ArrayBox" in str(exc) or "ArrayVSpace" in str(exc):
+        # numpy often re-raises the TypeError about the ArrayBox as a ValueError of its own
+        # ("setting an array element with a sequence"), so the whole chain is searched.
+        chain: BaseException | None = exc
+        text = ""
+        for _ in range(8):
+            if chain is None:
+                break
+            text += str(chain)
+            chain = chain.__cause__ or chain.__context__
+        if "ArrayBox" in text or "ArrayVSpace" in text:
             return (
                 "f passed autograd's traced array (ArrayBox) to a function autograd does not know "
                 "(torch, jax, or plain numpy imported as `numpy` instead of `autograd.numpy`). "

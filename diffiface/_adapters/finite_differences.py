@@ -30,8 +30,8 @@ _POWER = {"central": 1 / 3, "forward": 1 / 2, "backward": 1 / 2}
 class _Point:
     """``x`` as one float64 vector, with the way back to leaves of x's kinds and dtypes."""
 
-    def __init__(self, xs: Leaves) -> None:
-        self.likes = xs
+    def __init__(self, xs: Leaves, promote: bool = False) -> None:
+        self.likes = tuple(_promoted(x) for x in xs) if promote else xs
         arrays = [_arrays.to_numpy(x) for x in xs]
         self.shapes = [a.shape for a in arrays]
         self.offsets = np.cumsum([0, *(a.size for a in arrays)])
@@ -66,6 +66,13 @@ class _Point:
             x = self.vector[lo:hi].astype(dtype)
             out[lo:hi] = (x + steps[lo:hi].astype(dtype)).astype(np.float64) - x.astype(np.float64)
         return out
+
+
+def _promoted(leaf: Any) -> Any:
+    """A float32 numpy leaf as float64 (f then computes in float64); other leaves as they are."""
+    if isinstance(leaf, np.ndarray) and leaf.dtype != np.float64:
+        return leaf.astype(np.float64)
+    return leaf
 
 
 def _complex_dtype(like: Any) -> Any:
@@ -334,11 +341,13 @@ def _blocks(matrix: np.ndarray, layout: list[Any], point: _Point) -> Blocks:
 
 
 def _hessian_blocks(matrix: np.ndarray, point: _Point, layout: list[Any]) -> Blocks:
+    """Blocks ``(i, j)`` in the dtype of x's leaves (float32 x gets a float32 Hessian)."""
+    dtypes = [np.dtype(_arrays.dtype_name(like)) for like in point.likes]
     return tuple(
         tuple(
-            matrix[point.offsets[i] : point.offsets[i + 1], point.offsets[j] : point.offsets[j + 1]].reshape(
-                (*point.shapes[i], *point.shapes[j])
-            )
+            matrix[point.offsets[i] : point.offsets[i + 1], point.offsets[j] : point.offsets[j + 1]]
+            .reshape((*point.shapes[i], *point.shapes[j]))
+            .astype(np.result_type(dtypes[i], dtypes[j]))
             for j in range(len(point.shapes))
         )
         for i in range(len(point.shapes))

@@ -1,7 +1,9 @@
 """scipy: the adaptive finite differences of ``scipy.differentiate`` (``jacobian``, ``hessian``).
 
 scipy refines each derivative until its own error estimate meets the tolerances; the
-estimate of the last call, shaped as the result, is read through ``prep.error``. scipy calls
+estimate of the last call, shaped as the result, is read through ``prep.error``. numpy inputs
+in float32 are evaluated in float64 (adaptive steps need its precision; results come back in
+float32). scipy calls
 ``f`` on batches of points (a trailing axis); diffiface evaluates the user's ``f`` point by
 point, each point as leaves of x's own kinds, so ``f`` needs no vectorising.
 """
@@ -56,10 +58,12 @@ class Adapter(_base.Adapter):
 
     # -- evaluating f on scipy's batches ---------------------------------------------------------
 
-    def _flat(self, fn: Fn, point: _Point) -> tuple[Any, Any, np.ndarray, _Layout, Any]:
+    def _flat(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, np.ndarray, _Layout, Any, _Point]:
+        """f(x) at x itself, and f on scipy's batches at the (float64) promoted point."""
         with _no_grad():
-            out, aux = fn(point.leaves(point.vector))
+            out, aux = fn(xs)
         flat, layout = _flatten_out(out)
+        point = _Point(xs, promote=True)
 
         def batched(v: np.ndarray) -> np.ndarray:
             columns = v.reshape(point.size, -1)
@@ -67,11 +71,10 @@ class Adapter(_base.Adapter):
                 values = [_flatten_out(fn(point.leaves(columns[:, k]))[0])[0] for k in range(columns.shape[1])]
             return np.stack(values, axis=-1).astype(np.float64).reshape((flat.size, *v.shape[1:]))
 
-        return out, aux, flat, layout, batched
+        return out, aux, flat, layout, batched, point
 
     def _jacobian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, np.ndarray, np.ndarray, _Point, _Layout]:
-        point = _Point(xs)
-        out, aux, flat, layout, batched = self._flat(fn, point)
+        out, aux, flat, layout, batched, point = self._flat(fn, xs)
         if point.size == 0 or flat.size == 0:
             zeros = np.zeros((flat.size, point.size))
             return out, aux, zeros, zeros, point, layout
@@ -115,8 +118,7 @@ class Adapter(_base.Adapter):
     # -- second order ---------------------------------------------------------------------------
 
     def _hessian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, np.ndarray, np.ndarray, _Point]:
-        point = _Point(xs)
-        out, aux, flat, _, batched = self._flat(fn, point)
+        out, aux, flat, _, batched, point = self._flat(fn, xs)
         n = point.size
         if n == 0:
             return out, aux, np.zeros((0, 0)), np.zeros((0, 0)), point
@@ -139,8 +141,7 @@ class Adapter(_base.Adapter):
         return out, aux, grads, _split(hess @ v, point)
 
     def value_derivative_and_second_derivative(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any, Any]:
-        point = _Point(xs)
-        out, aux, flat, layout, batched = self._flat(fn, point)
+        out, aux, flat, layout, batched, point = self._flat(fn, xs)
         _, _, derivs = self.value_and_derivative(fn, xs)
         deriv_err = self._local.error[2]
         seconds, errors = np.zeros(flat.size), np.zeros(flat.size)

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,13 @@ from torch import func
 from .. import _arrays
 from . import _base
 from ._base import Blocks, Fn, Leaves
+
+# torch scripts its forward-mode decompositions on the first make_dual, warning that
+# torch.jit.script is deprecated: torch's own business, which must not reach f's caller
+# (an error under -W error). Load them once here, with that one warning silenced.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*torch.jit.script.*", category=DeprecationWarning)
+    getattr(forward_ad, "_maybe_load_decompositions", lambda: None)()
 
 
 class _Namespace:

@@ -1,0 +1,37 @@
+"""diffiface.test: the scenario suite that proves each engine gives the right derivatives.
+
+- :class:`Scenario` and the bundled lists :func:`core_scenarios`, :func:`layer_scenarios`
+  (the layer zoo, written once against the array API) and :func:`torch_module_scenarios`;
+- :func:`test_differentiation`: every backend on every scenario, against its reference;
+- :func:`check_gradients`: one call for a layer author;
+- :func:`assert_allclose`: the definition of "the right derivative";
+- ``python -m diffiface.test``: the main job, on every installed backend.
+"""
+
+from ._compare import assert_allclose as assert_allclose
+from ._compare import default_tolerances as default_tolerances
+from ._pytest import parametrize as parametrize
+from ._running import Report as Report
+from ._running import Row as Row
+from ._running import backend_label as backend_label
+from ._running import check_gradients as check_gradients
+from ._running import test_differentiation as test_differentiation
+from ._scenario import Scenario as Scenario
+from ._scenarios import core_scenarios as core_scenarios
+from ._scenarios import layer_scenarios as layer_scenarios
+from ._scenarios import torch_module_scenarios as torch_module_scenarios
+
+__all__ = [
+    "Report",
+    "Row",
+    "Scenario",
+    "assert_allclose",
+    "backend_label",
+    "check_gradients",
+    "core_scenarios",
+    "default_tolerances",
+    "layer_scenarios",
+    "parametrize",
+    "test_differentiation",
+    "torch_module_scenarios",
+]

@@ -1,0 +1,550 @@
+"""Running scenarios: :func:`test_differentiation`, :func:`check_gradients` and their report."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import optree
+
+import diffiface as di
+
+from .. import _arrays
+from .._adapters import available, info, install_hint, normalize
+from .._backends import AutoFiniteDifferences, AutoJAX, AutoTorch, Backend, SecondOrder
+from .._dispatch import OPERATORS
+from .._errors import PreparationMismatchError
+from ._compare import assert_allclose, max_errors
+from ._scenario import Scenario, promote, promote_contexts, shifted
+from ._snapshot import changes, snapshot
+
+__all__ = ["Report", "Row", "backend_label", "check_gradients", "test_differentiation"]
+
+
+@dataclasses.dataclass
+class Row:
+    """One line of a report: a backend on a scenario."""
+
+    backend: str
+    scenario: str
+    operator: str
+    status: str
+    """passed, failed, skipped, xfailed (broken, and failing as expected), xpassed (broken, yet
+    passing: reported as a failure), soft_failed."""
+    message: str = ""
+    abs_error: float = 0.0
+    rel_error: float = 0.0
+    seconds: float = 0.0
+    tags: frozenset[str] = frozenset()
+
+
+@dataclasses.dataclass
+class Report:
+    """The rows of a run; :meth:`table` renders them, :attr:`failed` lists what went wrong."""
+
+    rows: list[Row] = dataclasses.field(default_factory=list)
+
+    @property
+    def failed(self) -> list[Row]:
+        return [row for row in self.rows if row.status in ("failed", "xpassed")]
+
+    def counts(self) -> dict[str, int]:
+        found: dict[str, int] = {}
+        for row in self.rows:
+            found[row.status] = found.get(row.status, 0) + 1
+        return found
+
+    def summary(self) -> str:
+        """A readable account of every failure."""
+        lines = [f"{len(self.failed)} of {len(self.rows)} checks failed:"]
+        for row in self.failed:
+            lines.append(f"- {row.backend} on {row.scenario} ({row.operator}): {row.status}: {row.message}")
+        return "\n".join(lines)
+
+    def grouped(self, by: Callable[[Row], str] | None = None) -> list[dict[str, Any]]:
+        """One line per backend and scenario group: passed, failed, skipped, worst error."""
+        by = by or _group
+        groups: dict[tuple[str, str], dict[str, Any]] = {}
+        for row in self.rows:
+            key = (row.backend, by(row))
+            g = groups.setdefault(key, {"backend": key[0], "group": key[1], "passed": 0, "failed": 0, "skipped": 0, "xfailed": 0, "worst rel error": 0.0, "seconds": 0.0})
+            status = {"xpassed": "failed", "soft_failed": "failed"}.get(row.status, row.status)
+            g[status] = g.get(status, 0) + 1
+            if row.status == "passed":
+                g["worst rel error"] = max(g["worst rel error"], row.rel_error)
+            g["seconds"] += row.seconds
+        return list(groups.values())
+
+    def table(self, fmt: str = "table", lines: list[dict[str, Any]] | None = None) -> str:
+        """The grouped rows as an aligned text table, or markdown."""
+        lines = self.grouped() if lines is None else lines
+        if not lines:
+            return "(no checks)"
+        columns = list(lines[0])
+        cells = [[_cell(line[c]) for c in columns] for line in lines]
+        if fmt == "markdown":
+            head = "| " + " | ".join(columns) + " |"
+            rule = "|" + "|".join("---" for _ in columns) + "|"
+            return "\n".join([head, rule, *("| " + " | ".join(row) + " |" for row in cells)])
+        widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+        text = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
+        text.append("  ".join("-" * w for w in widths))
+        text.extend("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in cells)
+        return "\n".join(text)
+
+
+_GROUPS = ("core", "layer", "torch_module")
+
+
+def _group(row: Row) -> str:
+    """The scenario list a row comes from, else its first tag."""
+    for group in _GROUPS:
+        if group in row.tags:
+            return group
+    return min(row.tags) if row.tags else ""
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.2g}" if value else "0"
+    return str(value)
+
+
+def backend_label(backend: Backend | str) -> str:
+    """A short readable name: ``jax``, ``torch-func``, ``finite_differences-forward``..."""
+    backend = normalize(backend)
+    if isinstance(backend, SecondOrder):
+        return f"{backend_label(backend.outer)}-over-{backend_label(backend.inner)}"
+    label = backend.name
+    defaults = type(backend)()
+    for field in dataclasses.fields(backend):
+        value = getattr(backend, field.name)
+        if value != getattr(defaults, field.name):
+            label += f"-{value}" if isinstance(value, str) else f"-{field.name}={value}"
+    return label
+
+
+# -- test_differentiation -------------------------------------------------------------------------
+
+Selector = dict[str, Iterable[str]] | None
+
+
+def test_differentiation(
+    backends: Sequence[Backend | str],
+    scenarios: Iterable[Scenario],
+    *,
+    prepared: Sequence[bool] = (False, True),
+    skip: Selector = None,
+    broken: Selector = None,
+    soft_fail: Selector = None,
+    check_mutation: bool = True,
+    check_determinism: bool = True,
+    check_preparation: bool = True,
+    raise_on_failure: bool = True,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> Report:
+    """Check every backend on every scenario against its reference.
+
+    Each backend runs each scenario unprepared and prepared (the prep made at another point
+    of the same shape, so that a prep that bakes in values is caught), two calls each; the
+    results must match the reference by :func:`assert_allclose`. Also checked: ``x`` and the
+    contexts are not mutated, ``f`` is deterministic (else it draws from a global random
+    generator), and a prep is refused for another function.
+
+    ``skip``, ``broken`` and ``soft_fail`` map a backend label (see :func:`backend_label`) to
+    scenario names or tags: skipped; expected to fail (an unexpected pass is a failure);
+    failures reported but not raised.
+
+    Returns a :class:`Report`; raises ``AssertionError`` with its summary when anything failed
+    (unless ``raise_on_failure=False``).
+    """
+    backends = [normalize(b) for b in backends]
+    scenarios = list(scenarios)
+    report = Report()
+    references: dict[int, Any] = {}
+    total = len(backends) * len(scenarios)
+    done = 0
+    deterministic: dict[int, str | None] = {}
+    refusal_checked: set[tuple[str, str]] = set()
+    for scenario in scenarios:
+        for backend in backends:
+            label = backend_label(backend)
+            done += 1
+            if progress is not None:
+                progress(done, total, f"{label} {scenario.name}")
+            row = Row(label, scenario.name, scenario.operator, "passed", tags=scenario.tags)
+            report.rows.append(row)
+            reason = _skip_reason(backend, scenario, label, skip)
+            if reason:
+                row.status, row.message = "skipped", reason
+                continue
+            start = time.perf_counter()
+            try:
+                if check_determinism:
+                    if id(scenario) not in deterministic:
+                        deterministic[id(scenario)] = _determinism_problem(scenario)
+                    if deterministic[id(scenario)]:
+                        raise AssertionError(deterministic[id(scenario)])
+                reference = _reference(scenario, backend, references)
+                for use_prep in prepared:
+                    _check_backend(scenario, backend, reference, use_prep, check_mutation, row)
+                if check_preparation and (label, scenario.operator) not in refusal_checked:
+                    _check_refusal(scenario, backend)
+                    refusal_checked.add((label, scenario.operator))
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a row
+                row.status, row.message = "failed", f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+            row.seconds = time.perf_counter() - start
+            _apply_expectations(row, scenario, broken, soft_fail)
+    if raise_on_failure and report.failed:
+        raise AssertionError(report.summary())
+    return report
+
+
+def _matches(selector: Selector, label: str, scenario: Scenario) -> bool:
+    if not selector:
+        return False
+    for key in (label, label.split("-")[0], "*"):
+        names = selector.get(key)
+        if names is not None:
+            names = set(names)
+            if "*" in names or scenario.name in names or names & scenario.tags:
+                return True
+    return False
+
+
+def _skip_reason(backend: Backend, scenario: Scenario, label: str, skip: Selector) -> str | None:
+    if not available(backend):
+        return f"{label} is not installed: {install_hint(backend)}"
+    if _matches(skip, label, scenario):
+        return "skipped on request"
+    family = _family(backend)
+    if family is not None and family not in scenario.frameworks:
+        return f"f is written for {', '.join(sorted(scenario.frameworks))}, not {family}"
+    return None
+
+
+def _family(backend: Backend) -> str | None:
+    """The framework of arrays f receives under ``backend``; None for any (black boxes)."""
+    inner = backend.inner if isinstance(backend, SecondOrder) else backend
+    if info(inner).any_array_type:
+        return None
+    return {"jax": "jax", "torch": "torch", "autograd": "autograd"}[inner.name]
+
+
+def _apply_expectations(row: Row, scenario: Scenario, broken: Selector, soft_fail: Selector) -> None:
+    if _matches(broken, row.backend, scenario):
+        if row.status == "failed":
+            row.status = "xfailed"
+        elif row.status == "passed":
+            row.status, row.message = "xpassed", "marked broken, but passed: remove it from `broken`"
+    elif row.status == "failed" and _matches(soft_fail, row.backend, scenario):
+        row.status = "soft_failed"
+
+
+def _call(scenario: Scenario, backend: Backend, prep: Any = None, **extra: Any) -> Any:
+    operator = getattr(di, scenario.operator)
+    kwargs: dict[str, Any] = {"prep": prep} if prep is not None else {}
+    if scenario.has_aux:
+        kwargs["has_aux"] = True
+    return operator(scenario.f, backend, *scenario.arguments(), **kwargs, **extra)
+
+
+def _check_backend(scenario: Scenario, backend: Backend, reference: Any, use_prep: bool, check_mutation: bool, row: Row) -> None:
+    taken = snapshot((scenario.x, scenario.tangent, [c for c in scenario.contexts if isinstance(c, di.Constant)])) if check_mutation else []
+    prep = None
+    if use_prep:
+        prepare = getattr(di, f"prepare_{scenario.operator}")
+        moved = (shifted(scenario.x),) if scenario.tangent is None else (shifted(scenario.x), scenario.tangent)
+        kwargs = {"has_aux": True} if scenario.has_aux else {}
+        prep = prepare(scenario.f, backend, *moved, *scenario.contexts, **kwargs)
+    mode = "prepared" if use_prep else "unprepared"
+    for attempt in (1, 2):
+        result = _call(scenario, backend, prep)
+        compared = _without_aux(scenario, result)
+        try:
+            _mirrors(scenario, compared, reference)
+            assert_allclose(compared, _like(reference, compared), scenario.rtol, scenario.atol)
+        except AssertionError as exc:
+            raise AssertionError(f"{mode}, call {attempt}: {exc}") from None
+        abs_err, rel_err = max_errors(compared, _like(reference, compared))
+        row.abs_error, row.rel_error = max(row.abs_error, abs_err), max(row.rel_error, rel_err)
+    if check_mutation:
+        changed = changes(taken)
+        if changed:
+            raise AssertionError(
+                f"{mode}: the call mutated {', '.join(changed[:4])}. x and Constants must stay as they "
+                "were: return new state through has_aux=True (say a BatchNorm's running statistics), "
+                "and put scratch space in a di.Cache."
+            )
+
+
+def _check_refusal(scenario: Scenario, backend: Backend) -> None:
+    prepare = getattr(di, f"prepare_{scenario.operator}")
+    args = scenario.arguments()
+    kwargs = {"has_aux": True} if scenario.has_aux else {}
+    prep = prepare(scenario.f, backend, *args, **kwargs)
+
+    def other(*a: Any) -> Any:
+        return scenario.f(*a)
+
+    try:
+        getattr(di, scenario.operator)(other, backend, *args, prep=prep, **kwargs)
+    except PreparationMismatchError:
+        return
+    raise AssertionError("a prep made for f was accepted for another function: preparation is not strict")
+
+
+def _without_aux(scenario: Scenario, result: Any) -> Any:
+    if not scenario.has_aux:
+        return result
+    (value, _aux), *rest = result
+    return (value, *rest)
+
+
+def _mirrors(scenario: Scenario, result: Any, reference: Any) -> None:
+    """The result has the reference's structure (shapes and values are compared next)."""
+    if optree.tree_structure(result) != optree.tree_structure(reference):
+        raise AssertionError(f"result structure {optree.tree_structure(result)} differs from {optree.tree_structure(reference)}")
+
+
+def _like(reference: Any, result: Any) -> Any:
+    """The reference in the result's array types and dtypes, so values compare alone."""
+    return optree.tree_map(_leaf_like, reference, result)
+
+
+def _leaf_like(reference: Any, like: Any) -> Any:
+    kind = _arrays.kind(like)
+    if kind == "python":
+        return float(np.asarray(_arrays.to_numpy(reference)))
+    array = np.asarray(_arrays.to_numpy(reference))
+    if kind == "numpy":
+        return array.astype(like.dtype)
+    if kind in ("torch", "jax"):
+        return _arrays.from_numpy(array, like)
+    return reference
+
+
+# -- references -----------------------------------------------------------------------------------
+
+
+def _reference(scenario: Scenario, backend: Backend, cache: dict[int, Any]) -> Any:
+    reference = scenario.reference
+    if not isinstance(reference, (Backend, str)):
+        return _without_aux(scenario, reference) if scenario.has_aux else reference
+    if reference == "cross":
+        twin = _cross_twin(backend, scenario)
+        key = (id(scenario), backend_label(twin))
+        if key not in cache:
+            cache[key] = _without_aux(scenario, _call(scenario, twin))  # type: ignore[index]
+        return cache[key]  # type: ignore[index]
+    if id(scenario) not in cache:
+        cache[id(scenario)] = _computed_reference(scenario, reference)
+    return cache[id(scenario)]
+
+
+def _computed_reference(scenario: Scenario, backend: Backend) -> Any:
+    """The reference backend's result, in float64 when the scenario is float32 and allows it."""
+    operator = getattr(di, scenario.operator)
+    kwargs = {"has_aux": True} if scenario.has_aux else {}
+    if "float32" in scenario.tags and "no_promote" not in scenario.tags:
+        head = (promote(scenario.x),) if scenario.tangent is None else (promote(scenario.x), promote(scenario.tangent))
+        result = operator(scenario.f, backend, *head, *promote_contexts(scenario.contexts), **kwargs)
+    else:
+        result = _call(scenario, backend)
+    return _without_aux(scenario, result)
+
+
+def _cross_twin(backend: Backend, scenario: Scenario) -> Backend:
+    """Another automatic-differentiation code path for the same function."""
+    if isinstance(backend, AutoTorch):
+        return AutoTorch(mode="func" if backend.mode == "autograd" else "autograd")
+    if isinstance(backend, AutoJAX):
+        return AutoJAX(jit=not backend.jit)
+    for candidate in (AutoTorch(mode="func"), AutoJAX(), di.AutoAutograd(), AutoTorch()):
+        if candidate != backend and available(candidate) and _family(candidate) in scenario.frameworks:
+            return candidate
+    raise AssertionError("no second automatic-differentiation engine is installed to cross-check with")
+
+
+def _determinism_problem(scenario: Scenario) -> str | None:
+    """Two calls of f at the same input must agree."""
+    try:
+        first, second = scenario.evaluate(), scenario.evaluate()
+    except Exception:  # noqa: BLE001 - f failing on its own shows up in the checks
+        return None
+    a, b = optree.tree_leaves(first), optree.tree_leaves(second)
+    for u, v in zip(a, b, strict=False):
+        if _arrays.kind(u) in ("numpy", "torch", "jax", "python"):
+            x, y = np.asarray(_arrays.to_numpy(u)), np.asarray(_arrays.to_numpy(v))
+            if x.shape != y.shape or not np.array_equal(x, y, equal_nan=True):
+                return (
+                    "f is not deterministic: two calls with the same input gave different values, so it "
+                    "probably draws from a global random generator. Pass a seeded generator or key "
+                    "as a di.Constant and draw from it explicitly."
+                )
+    return None
+
+
+# -- check_gradients ----------------------------------------------------------------------------------
+
+_PROJECTION_THRESHOLD = 4096
+
+
+def check_gradients(
+    f: Callable[..., Any],
+    x: Any,
+    *contexts: Any,
+    backends: Sequence[Backend | str] | str = "available",
+    reference: Backend | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    projections: int | None = None,
+    seed: int = 0,
+) -> Report:
+    """Check the gradient of ``f`` at ``x`` on every backend, in one call.
+
+    Every requested backend (by default every installed engine that takes x's framework) is
+    compared with the finite-difference ground truth and with each other; ``x`` and the
+    contexts must not be mutated and ``f`` must be deterministic. For a large ``x`` (more
+    than 4096 numbers, or when ``projections`` is given) the comparison is on ``k`` random
+    directions ``u``: ``u . grad f`` against a Richardson-extrapolated central difference of
+    ``t -> f(x + t u)``, which costs 4k evaluations of f instead of 2n.
+
+    Returns the :class:`Report`; raises ``AssertionError`` naming every disagreement.
+
+    Examples
+    --------
+    >>> import numpy as np, diffiface as di
+    >>> from diffiface.test import check_gradients
+    >>> report = check_gradients(lambda x, c: (c * np.sin(x)).sum(), np.linspace(0, 1, 5),
+    ...                          di.Constant(2.0), backends=["finite_differences"])
+    >>> [row.status for row in report.rows]
+    ['passed']
+    """
+    report = Report()
+    chosen = _available_backends(x) if backends == "available" else [normalize(b) for b in backends]
+    if not chosen:
+        raise AssertionError("no backend to check: install one (pip install \"diffiface[jax]\") or pass backends=...")
+    problem = _determinism_problem(Scenario("f", f, x, "gradient", tuple(contexts), reference=None))
+    if problem:
+        raise AssertionError(problem)
+    size = sum(int(np.prod(_arrays.shape(leaf))) for leaf in optree.tree_leaves(x))
+    k = projections if projections is not None else (8 if size > _PROJECTION_THRESHOLD else 0)
+    rng = np.random.default_rng(seed)
+    directions = [_random_direction(x, rng) for _ in range(k)]
+    truth = _projected_truth(f, x, contexts, directions) if k else None
+    if not k:
+        reference_backend = reference or AutoFiniteDifferences()
+        scenario = Scenario("f", f, x, "gradient", tuple(contexts), reference=reference_backend)
+        truth_full = _computed_reference(scenario, reference_backend)
+    gradients: dict[str, Any] = {}
+    for backend in chosen:
+        label = backend_label(backend)
+        row = Row(label, "f", "gradient", "passed")
+        report.rows.append(row)
+        if not available(backend):
+            row.status, row.message = "skipped", f"not installed: {install_hint(backend)}"
+            continue
+        taken = snapshot((x, [c for c in contexts if isinstance(c, di.Constant)]))
+        start = time.perf_counter()
+        try:
+            gradient = di.gradient(f, backend, x, *contexts)
+            row.seconds = time.perf_counter() - start
+            changed = changes(taken)
+            if changed:
+                raise AssertionError(f"the call mutated {', '.join(changed[:4])}")
+            if k:
+                got = np.array([_dot(gradient, u) for u in directions])
+                _close_projections(got, truth, rtol, atol, row)
+            else:
+                assert_allclose(gradient, _like(truth_full, gradient), rtol, atol)
+                row.abs_error, row.rel_error = max_errors(gradient, _like(truth_full, gradient))
+            gradients[label] = gradient
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a row
+            row.status, row.message = "failed", f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+    labels = list(gradients)
+    for i, a in enumerate(labels):
+        for b in labels[i + 1 :]:
+            row = Row(f"{a} vs {b}", "f", "gradient", "passed")
+            report.rows.append(row)
+            try:
+                assert_allclose(gradients[a], _like(gradients[b], gradients[a]), rtol, atol, check_dtype=False)
+            except AssertionError as exc:
+                row.status, row.message = "failed", str(exc)
+    if report.failed:
+        raise AssertionError(report.summary())
+    return report
+
+
+def _available_backends(x: Any) -> list[Backend]:
+    kinds = {_arrays.kind(leaf) for leaf in optree.tree_leaves(x)}
+    family = _arrays.family(kinds)
+    candidates: list[Backend] = {
+        "torch": [AutoTorch(), AutoTorch(mode="func")],
+        "jax": [AutoJAX()],
+    }.get(family, [AutoJAX(), AutoTorch(), AutoTorch(mode="func"), di.AutoAutograd()])
+    return [b for b in candidates if available(b)]
+
+
+def _random_direction(x: Any, rng: np.random.Generator) -> list[np.ndarray]:
+    leaves = optree.tree_leaves(x)
+    parts = [rng.standard_normal(_arrays.shape(leaf)) for leaf in leaves]
+    norm = np.sqrt(sum(float(np.sum(p * p)) for p in parts)) or 1.0
+    return [p / norm for p in parts]
+
+
+def _dot(gradient: Any, direction: list[np.ndarray]) -> float:
+    leaves = optree.tree_leaves(gradient)
+    return float(sum(np.sum(np.asarray(_arrays.to_numpy(g), dtype=np.float64) * u) for g, u in zip(leaves, direction, strict=True)))
+
+
+def _projected_truth(f: Callable[..., Any], x: Any, contexts: tuple[Any, ...], directions: list[list[np.ndarray]]) -> np.ndarray:
+    """``u . grad f`` by Richardson-extrapolated central differences of ``t -> f(x + t u)``."""
+    leaves, spec = optree.tree_flatten(x)
+    values = tuple(c.value for c in contexts)
+    scale = max([1.0] + [float(np.max(np.abs(_arrays.to_numpy(leaf)))) for leaf in leaves if np.size(_arrays.to_numpy(leaf))])
+    dtypes = {_arrays.dtype_name(leaf) for leaf in leaves}
+    eps = np.finfo(np.float32 if dtypes <= {"float32"} else np.float64).eps
+    h = eps ** (1 / 5) * scale
+
+    def along(direction: list[np.ndarray], t: float) -> float:
+        moved = [_arrays.from_numpy(np.asarray(_arrays.to_numpy(leaf), dtype=np.float64) + t * u, leaf) for leaf, u in zip(leaves, direction, strict=True)]
+        with _no_grad():
+            return float(np.asarray(_arrays.to_numpy(f(optree.tree_unflatten(spec, moved), *values)), dtype=np.float64))
+
+    truths = []
+    for u in directions:
+        d = lambda step: (along(u, step) - along(u, -step)) / (2 * step)  # noqa: E731
+        truths.append((4 * d(h / 2) - d(h)) / 3)
+    return np.array(truths)
+
+
+def _close_projections(got: np.ndarray, truth: Any, rtol: float | None, atol: float | None, row: Row) -> None:
+    rtol = 1e-4 if rtol is None else rtol
+    atol = 1e-6 if atol is None else atol
+    scale = max(1.0, float(np.max(np.abs(truth))))
+    err = np.abs(got - truth)
+    row.abs_error = float(np.max(err)) if err.size else 0.0
+    row.rel_error = row.abs_error / scale
+    if np.any(err > atol + rtol * scale):
+        i = int(np.argmax(err))
+        raise AssertionError(
+            f"projection {i}: u . grad f = {got[i]:.8g}, finite differences give {truth[i]:.8g} "
+            f"(abs error {err[i]:.3g}, rtol {rtol:g}, atol {atol:g})"
+        )
+
+
+def _no_grad() -> Any:
+    import contextlib
+    import sys
+
+    torch = sys.modules.get("torch")
+    return torch.no_grad() if torch is not None else contextlib.nullcontext()
+
+
+def operators() -> list[str]:
+    return list(OPERATORS)
+test_differentiation.__test__ = False  # type: ignore[attr-defined]  # a library function, not a pytest test

@@ -1,0 +1,88 @@
+"""Deep snapshots of arguments, to prove that nothing was mutated.
+
+A snapshot copies every array leaf (numpy, jax, torch: data, ``requires_grad`` and ``.grad``)
+and every torch module's parameters, buffers, their ``.grad`` and ``requires_grad``, and its
+``training`` flag. :func:`changes` compares a snapshot with the live objects and names each
+difference by its path.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+import optree
+
+from .. import _arrays
+from .._contexts import Context
+from ..tree import path_string
+
+__all__ = ["changes", "snapshot"]
+
+
+def snapshot(tree: Any) -> list[tuple[str, Any, Any]]:
+    """``(path, object, copy of its state)`` for every leaf of ``tree`` that holds state."""
+    taken = []
+    paths, leaves, _ = optree.tree_flatten_with_path(_unwrap(tree))
+    for path, leaf in zip(paths, leaves, strict=True):
+        state = _state(leaf)
+        if state is not None:
+            taken.append((path_string(path) or "value", leaf, state))
+    return taken
+
+
+def changes(taken: list[tuple[str, Any, Any]]) -> list[str]:
+    """What differs between a snapshot and the objects now, one line per difference."""
+    found = []
+    for path, leaf, before in taken:
+        after = _state(leaf)
+        for key in before:
+            if not _equal(before[key], after.get(key)):
+                found.append(f"{path}{key}")
+    return found
+
+
+def _unwrap(tree: Any) -> Any:
+    """Context wrappers hold their value: snapshot the value."""
+    return optree.tree_map(lambda leaf: _unwrap(leaf.value) if isinstance(leaf, Context) else leaf, tree)
+
+
+def _state(leaf: Any) -> dict[str, Any] | None:
+    kind = _arrays.kind(leaf)
+    if kind == "numpy":
+        return {"": np.array(leaf, copy=True)}
+    if kind == "jax":
+        return {"": np.array(leaf, copy=True)} if not _is_tracer(leaf) else None
+    if kind == "torch":
+        return _tensor_state("", leaf)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(leaf, torch.nn.Module):
+        state: dict[str, Any] = {".training": leaf.training}
+        for name, tensor in [*leaf.named_parameters(), *leaf.named_buffers()]:
+            state.update(_tensor_state(f".{name}", tensor))
+        return state
+    return None
+
+
+def _tensor_state(prefix: str, tensor: Any) -> dict[str, Any]:
+    grad = tensor.grad
+    return {
+        prefix: tensor.detach().cpu().numpy().copy(),
+        f"{prefix}.requires_grad": tensor.requires_grad,
+        f"{prefix}.grad": None if grad is None else grad.detach().cpu().numpy().copy(),
+    }
+
+
+def _is_tracer(leaf: Any) -> bool:
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(leaf, jax.core.Tracer)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
+            return False
+        # bit for bit: NaN equals NaN, -0.0 differs from 0.0
+        return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    return bool(a == b)
