@@ -364,7 +364,8 @@ def _closed(
         leaves, spec = optree.tree_flatten(result)
         out_spec[0] = spec
         out_spec[1] = tuple(_arrays.shape(leaf) for leaf in leaves)
-        out_spec[2] = tuple(_output_dtype(leaf) for leaf in leaves)
+        if not out_spec[2]:  # from the first evaluation, at x: scipy evaluates later ones promoted to float64
+            out_spec[2] = tuple(_output_dtype(leaf) for leaf in leaves)
         for leaf in leaves:
             _check_numeric(op, leaf, adapter.complex_outputs)
         if op.scalar_output:
@@ -383,8 +384,8 @@ def _output_dtype(leaf: Any) -> str | None:
     """The dtype a cotangent of this output leaf must have; None where any float will do."""
     if _arrays.kind(leaf) == "python":
         return None
-    name = _arrays.dtype_name(leaf)
-    return name if _arrays.is_float_dtype(name) else None
+    name = {"complex64": "float32", "complex128": "float64"}.get(_arrays.dtype_name(leaf), _arrays.dtype_name(leaf))
+    return name if _arrays.is_float_dtype(name) else None  # a complex step evaluates f at complex points
 
 
 def _describe(value: Any) -> str:

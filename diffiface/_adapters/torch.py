@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +46,12 @@ class _Namespace:
     @staticmethod
     def zeros(shape: tuple[int, ...], dtype: Any = None) -> Any:
         return torch.zeros(shape, dtype=dtype)
+
+
+# torch's forward-mode AD has one dual level for the whole process, not one per thread: two
+# threads in forward mode at once break each other ("no level exists"). Forward-mode work is
+# serialised; reverse mode runs in parallel.
+_FORWARD_LOCK = threading.RLock()
 
 
 class Adapter(_base.Adapter):
@@ -104,6 +112,10 @@ class Adapter(_base.Adapter):
         return _detached(out), _detached(aux), vjp
 
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
+        with _FORWARD_LOCK:
+            return self._value_and_pushforward(fn, xs, txs)
+
+    def _value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
         if self.functional:
             tensor_fn, rebuild = _tensor_aux(fn)
             out, tout, aux = func.jvp(tensor_fn, (xs,), (txs,), has_aux=True)
@@ -137,7 +149,8 @@ class Adapter(_base.Adapter):
             out, aux = tensor_fn(xs_)
             return out, (out, aux)
 
-        blocks, (out, aux) = transform(with_value, has_aux=True)(xs)
+        with _FORWARD_LOCK if mode == "forward" else contextlib.nullcontext():
+            blocks, (out, aux) = transform(with_value, has_aux=True)(xs)
         return out, rebuild(aux), blocks
 
     # -- second order by double backward (autograd mode) ---------------------------------------

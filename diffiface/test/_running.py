@@ -16,7 +16,7 @@ from .. import _arrays
 from .._adapters import available, info, install_hint, normalize
 from .._backends import AutoFiniteDifferences, AutoJAX, AutoTorch, Backend, SecondOrder
 from .._dispatch import OPERATORS
-from .._errors import PreparationMismatchError
+from .._errors import FrameworkMismatchError, PreparationMismatchError
 from ._compare import assert_allclose, max_errors
 from ._scenario import Scenario, promote, promote_contexts, shifted
 from ._snapshot import changes, snapshot
@@ -221,6 +221,8 @@ def _skip_reason(backend: Backend, scenario: Scenario, label: str, skip: Selecto
     if _matches(skip, label, scenario):
         return "skipped on request"
     family = _family(backend)
+    if family is None and not scenario.finite_differences_ok:
+        return f"finite differences cannot serve here: {scenario.note}"
     if family is not None and family not in scenario.frameworks:
         return f"f is written for {', '.join(sorted(scenario.frameworks))}, not {family}"
     return None
@@ -406,8 +408,8 @@ def check_gradients(
 ) -> Report:
     """Check the gradient of ``f`` at ``x`` on every backend, in one call.
 
-    Every requested backend (by default every installed engine that takes x's framework) is
-    compared with the finite-difference ground truth and with each other; ``x`` and the
+    Every requested backend (by default every installed engine that takes x's framework; one
+    that ``f`` turns out not to be written for is reported skipped) is compared with the finite-difference ground truth and with each other; ``x`` and the
     contexts must not be mutated and ``f`` must be deterministic. For a large ``x`` (more
     than 4096 numbers, or when ``projections`` is given) the comparison is on ``k`` random
     directions ``u``: ``u . grad f`` against a Richardson-extrapolated central difference of
@@ -425,7 +427,8 @@ def check_gradients(
     ['passed']
     """
     report = Report()
-    chosen = _available_backends(x) if backends == "available" else [normalize(b) for b in backends]
+    automatic = backends == "available"
+    chosen = _available_backends(x) if automatic else [normalize(b) for b in backends]
     if not chosen:
         raise AssertionError("no backend to check: install one (pip install \"diffiface[jax]\") or pass backends=...")
     problem = _determinism_problem(Scenario("f", f, x, "gradient", tuple(contexts), reference=None))
@@ -463,6 +466,9 @@ def check_gradients(
                 assert_allclose(gradient, _like(truth_full, gradient), rtol, atol)
                 row.abs_error, row.rel_error = max_errors(gradient, _like(truth_full, gradient))
             gradients[label] = gradient
+        except FrameworkMismatchError as exc:
+            # an engine found for the user, which f was not written for: not a failure of f
+            row.status, row.message = ("skipped" if automatic else "failed"), str(exc)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a row
             row.status, row.message = "failed", f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
     labels = list(gradients)

@@ -52,6 +52,10 @@ class Scenario:
         scenario (finite differences and scipy run on any).
     note:
         Why the scenario exists, or why its reference is what it is.
+    finite_differences_ok:
+        False where finite differences cannot serve (float32 normalisation, kinks nearer than
+        a float32 step): finite-difference backends then skip the scenario, and the
+        reference should be ``"cross"``.
     """
 
     name: str
@@ -67,6 +71,7 @@ class Scenario:
     tags: frozenset[str] = frozenset()
     frameworks: frozenset[str] = frozenset({"numpy", "jax", "torch", "autograd"})
     note: str = ""
+    finite_differences_ok: bool = True
 
     def __post_init__(self) -> None:
         op = OPERATORS.get(self.operator)

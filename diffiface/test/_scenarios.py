@@ -179,8 +179,7 @@ def layer_scenarios(dtypes: tuple[str, ...] = ("float64", "float32"), quick: boo
         for case in layer_cases(np.dtype(dtype)):
             if quick and "dense" not in case.tags and "normalization" not in case.tags:
                 continue
-            normalisation = "normalization" in case.tags
-            cross = dtype == "float32" and normalisation
+            cross = dtype == "float32" and bool({"normalization", "piecewise"} & case.tags)
             contexts = (Constant(case.config), Constant(case.data), Constant(case.state))
             scenarios.append(
                 Scenario(
@@ -195,7 +194,13 @@ def layer_scenarios(dtypes: tuple[str, ...] = ("float64", "float32"), quick: boo
                     atol=(1e-6 if dtype == "float64" else 1e-3),
                     tags=frozenset({"layer", dtype, *case.tags}),
                     note=case.note
-                    + (" float32 normalisation: finite differences are too noisy, two AD engines are compared." if cross else ""),
+                    + (
+                        " In float32, finite differences are too noisy here (normalisation) or step over kinks "
+                        "(max): two automatic-differentiation engines are compared instead."
+                        if cross
+                        else ""
+                    ),
+                    finite_differences_ok=not cross,
                 )
             )
     return scenarios
