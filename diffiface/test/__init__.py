@@ -8,6 +8,7 @@
 - ``python -m diffiface.test``: the main job, on every installed backend.
 """
 
+from ._benchmark import benchmark_differentiation as benchmark_differentiation
 from ._compare import assert_allclose as assert_allclose
 from ._compare import default_tolerances as default_tolerances
 from ._pytest import parametrize as parametrize
@@ -27,6 +28,7 @@ __all__ = [
     "Scenario",
     "assert_allclose",
     "backend_label",
+    "benchmark_differentiation",
     "check_gradients",
     "core_scenarios",
     "default_tolerances",
