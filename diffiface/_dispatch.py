@@ -82,6 +82,9 @@ OPERATORS: dict[str, Operator] = {op.name: op for op in _OPERATORS}
 
 # -- a call: flattened arguments and their signature ------------------------------------------
 
+_LEAF = optree.tree_structure(0)
+_ARRAY_KINDS = frozenset({"numpy", "torch", "jax"})
+
 
 class Call:
     """The flattened arguments of one call, and the signature a prep is matched against."""
@@ -94,7 +97,10 @@ class Call:
             raise _misplaced_context(op, "x", x)
         if op.tangent is not None and isinstance(tangent, Context):
             raise _misplaced_context(op, "tangent" if op.tangent == "x" else "cotangent", tangent)
-        self.x_leaves, x_spec = optree.tree_flatten(x)
+        if _arrays.kind(x) in _ARRAY_KINDS:  # one array: no tree to flatten
+            self.x_leaves, x_spec = [x], _LEAF
+        else:
+            self.x_leaves, x_spec = optree.tree_flatten(x)
         if op.tangent is None:
             self.tangent_leaves, t_spec = [], None
         else:
@@ -224,6 +230,7 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
     finish = _finisher(op, call, out_spec)
     float64 = _involves_float64(call)
     tangent_likes = op.tangent == "x"
+    no_static: dict[tuple[bool, ...], _Static] = {}
 
     def runner(call: Call) -> tuple[Any, Any]:
         with adapter.scope(float64):
@@ -242,7 +249,12 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
                         raise _unconvertible_context(adapter, call, index, leaf) from exc
                     (dynamic if is_array else static).append(native)
                     mask.append(is_array)
-            native = compiled(xs, ts, tuple(dynamic), _Static(static, tuple(mask)))
+            key = tuple(mask)
+            if static:
+                static_leaves = _Static(static, key)
+            else:  # the common case: one object per mask, hashed once
+                static_leaves = no_static.get(key) or no_static.setdefault(key, _Static([], key))
+            native = compiled(xs, ts, tuple(dynamic), static_leaves)
             result = finish(native)
             error = adapter.take_error()
             if error is None:
@@ -276,7 +288,7 @@ class _Static:
     Numbers and strings compare by value, any other object by identity.
     """
 
-    __slots__ = ("_key", "leaves", "mask")
+    __slots__ = ("_hash", "_key", "leaves", "mask")
 
     _BY_VALUE = (int, float, complex, str, bytes, bool, type(None))
 
@@ -284,9 +296,10 @@ class _Static:
         self.leaves = leaves
         self.mask = mask
         self._key = tuple((type(v), v) if type(v) in self._BY_VALUE else (type(v), id(v)) for v in leaves)
+        self._hash = hash((self._key, self.mask))
 
     def __hash__(self) -> int:
-        return hash((self._key, self.mask))
+        return self._hash
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Static) and self._key == other._key and self.mask == other.mask
@@ -554,13 +567,19 @@ def _finisher(op: Operator, call: Call, out_spec: list[Any]) -> Callable[[tuple[
         rows = [optree.tree_unflatten(x_spec, [as_y(b) for b in row]) for row in value]
         return optree.tree_unflatten(x_spec, rows)
 
+    has_aux = call.signature.has_aux
+    kinds = [kind for _, kind in op.parts]
+
     def finish(native: tuple[Any, ...]) -> Any:
-        parts = [convert(kind, value) for (_, kind), value in zip(op.parts, native, strict=False)]
-        if call.signature.has_aux:
+        parts = [convert(kind, value) for kind, value in zip(kinds, native, strict=False)]
+        if has_aux:
             aux = optree.tree_map(as_y, native[-1])
             return ((parts[0], aux), *parts[1:]) if len(parts) > 1 else (parts[0], aux)
         return parts[0] if len(parts) == 1 else tuple(parts)
 
+    if kinds == ["x"] and not has_aux and x_spec == _LEAF:
+        # the hot path of gradient, vjp and hvp on one array: no tree to rebuild
+        return lambda native: _mirror(native[0][0], like)
     return finish
 
 

@@ -8,8 +8,7 @@ import types
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._errors import PreparationMismatchError
 from .tree import path_string
@@ -17,9 +16,10 @@ from .tree import path_string
 __all__ = ["FunctionRef", "Prep", "Signature", "describe_mismatch", "prep_cache"]
 
 
-@dataclass(frozen=True)
-class Signature:
-    """Everything a prep depends on, except ``f`` itself (compared by identity)."""
+class Signature(NamedTuple):
+    """Everything a prep depends on, except ``f`` itself (compared by identity).
+
+    A tuple, so that building, hashing and comparing one on every call stays cheap."""
 
     operator: str
     backend: Any

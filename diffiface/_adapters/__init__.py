@@ -152,7 +152,7 @@ def install_hint(backend: Backend | str) -> str:
 
 
 _adapters: dict[Backend, Adapter] = {}
-_lock = threading.Lock()
+_lock = threading.RLock()  # reentrant: a SecondOrder adapter makes its outer and inner ones inside
 
 
 def adapter_for(backend: Backend) -> Adapter:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -60,7 +61,13 @@ class Adapter:
         return leaf
 
     def scope(self, float64: bool) -> contextlib.AbstractContextManager[Any]:
-        """The context to run in when a float64 array is involved."""
+        """The context to run in when a float64 array is involved.
+
+        A black-box engine hands ``f`` perturbed points as jax arrays when x is one; jax
+        makes float64 arrays only under x64, so it gets a scoped ``jax.enable_x64(True)``."""
+        jax = sys.modules.get("jax")
+        if float64 and self.info.any_array_type and jax is not None and not jax.config.read("jax_enable_x64"):
+            return jax.enable_x64(True)  # type: ignore[no-any-return]
         return contextlib.nullcontext()
 
     def compile(self, program: Callable[..., Any]) -> Callable[..., Any]:
@@ -206,7 +213,8 @@ def hvp_of(outer: Adapter, inner: Adapter, fn: Fn, xs: Leaves, txs: Leaves) -> t
     """Forward-over-reverse when ``outer`` has a forward mode (or is a black box);
     reverse-over-reverse otherwise (the gradient of ``<grad f, v>``)."""
     if outer.info.forward_mode or outer is not inner:
-        grads, (value, aux), hvps = outer.value_and_pushforward(inner.gradient_function(fn), xs, txs)
+        grads, packed, hvps = outer.value_and_pushforward(inner.gradient_function(fn), xs, txs)
+        value, aux = force(packed)  # a black-box outer engine may defer it
         return value, aux, grads, hvps
 
     def directional(xs_: Leaves) -> tuple[Any, Any]:
@@ -219,12 +227,14 @@ def hvp_of(outer: Adapter, inner: Adapter, fn: Fn, xs: Leaves, txs: Leaves) -> t
 
 def hessian_of(outer: Adapter, inner: Adapter, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Blocks]:
     mode = "forward" if outer.info.forward_mode else "reverse"
-    grads, (value, aux), blocks = outer.value_and_jacobian(inner.gradient_function(fn), xs, mode)
+    grads, packed, blocks = outer.value_and_jacobian(inner.gradient_function(fn), xs, mode)
+    value, aux = force(packed)  # a black-box outer engine may defer it
     return value, aux, grads, blocks
 
 
 def second_derivative_of(outer: Adapter, inner: Adapter, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any, Any]:
-    derivs, (value, aux), seconds = outer.value_and_derivative(inner.derivative_function(fn), xs)
+    derivs, packed, seconds = outer.value_and_derivative(inner.derivative_function(fn), xs)
+    value, aux = force(packed)  # a black-box outer engine may defer it
     return value, aux, derivs, seconds
 
 

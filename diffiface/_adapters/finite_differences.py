@@ -34,6 +34,7 @@ class _Point:
         self.likes = tuple(_promoted(x) for x in xs) if promote else xs
         arrays = [_arrays.to_numpy(x) for x in xs]
         self.shapes = [a.shape for a in arrays]
+        self.dtypes = [a.dtype for a in arrays]  # x's own, also when the likes are promoted
         self.offsets = np.cumsum([0, *(a.size for a in arrays)])
         self.vector = np.concatenate([a.reshape(-1).astype(np.float64) for a in arrays]) if arrays else np.zeros(0)
         self.eps = np.concatenate([np.full(a.size, np.finfo(a.dtype).eps) for a in arrays]) if arrays else np.zeros(0)
@@ -342,7 +343,7 @@ def _blocks(matrix: np.ndarray, layout: list[Any], point: _Point) -> Blocks:
 
 def _hessian_blocks(matrix: np.ndarray, point: _Point, layout: list[Any]) -> Blocks:
     """Blocks ``(i, j)`` in the dtype of x's leaves (float32 x gets a float32 Hessian)."""
-    dtypes = [np.dtype(_arrays.dtype_name(like)) for like in point.likes]
+    dtypes = point.dtypes
     return tuple(
         tuple(
             matrix[point.offsets[i] : point.offsets[i + 1], point.offsets[j] : point.offsets[j + 1]]

@@ -50,9 +50,34 @@ class Adapter(_base.Adapter):
         return contextlib.nullcontext()
 
     def compile(self, program: Callable[..., Any]) -> Callable[..., Any]:
-        if self.backend.jit:  # type: ignore[attr-defined]
-            return jax.jit(program, static_argnums=3)
-        return program
+        if not self.backend.jit:  # type: ignore[attr-defined]
+            return program
+        # jit returns arrays only; the other leaves of a result (an aux holding a string,
+        # say) are kept from the trace, per value of the static argument.
+        kept: dict[Any, tuple[Any, list[bool], list[Any]] | None] = {}
+
+        def arrays_only(xs: Any, ts: Any, dynamic: Any, static: Any) -> Any:
+            result = program(xs, ts, dynamic, static)
+            leaves, spec = jax.tree_util.tree_flatten(result)
+            mask = [isinstance(leaf, jax.Array) for leaf in leaves]
+            if all(mask):  # the common case: the result goes through jit as it is
+                kept[static] = None
+                return result
+            kept[static] = (spec, mask, [leaf for leaf, m in zip(leaves, mask, strict=True) if not m])
+            return [leaf for leaf, m in zip(leaves, mask, strict=True) if m]
+
+        jitted = jax.jit(arrays_only, static_argnums=3)
+
+        def run(xs: Any, ts: Any, dynamic: Any, static: Any) -> Any:
+            out = jitted(xs, ts, dynamic, static)
+            found = kept[static]
+            if found is None:
+                return out
+            spec, mask, others = found
+            arrays, rest = iter(out), iter(others)
+            return jax.tree_util.tree_unflatten(spec, [next(arrays) if m else next(rest) for m in mask])
+
+        return run
 
     def explain_failure(self, exc: BaseException) -> str | None:
         if isinstance(exc, jax.errors.TracerArrayConversionError):

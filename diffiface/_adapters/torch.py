@@ -119,6 +119,9 @@ class Adapter(_base.Adapter):
         if self.functional:
             tensor_fn, rebuild = _tensor_aux(fn)
             out, tout, aux = func.jvp(tensor_fn, (xs,), (txs,), has_aux=True)
+            # torch.func.jvp promotes the tangent of a 0-d float32 output times a Python
+            # float to float64; a tangent has its primal's dtype.
+            tout = optree.tree_map(lambda t, y: t.to(y.dtype) if t.dtype != y.dtype else t, tout, out)
             return out, rebuild(aux), tout
         with forward_ad.dual_level():
             duals = tuple(forward_ad.make_dual(x.detach(), t) for x, t in zip(xs, txs, strict=True))
@@ -140,7 +143,7 @@ class Adapter(_base.Adapter):
         return value.detach(), _detached(aux), grads
 
     def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Blocks]:
-        if not self.functional:
+        if not self.functional or any(x.numel() == 0 for x in xs):  # torch.func.jacfwd fails on empty inputs
             return super().value_and_jacobian(fn, xs, mode)
         transform = func.jacfwd if mode == "forward" else func.jacrev
         tensor_fn, rebuild = _tensor_aux(fn)

@@ -76,6 +76,22 @@ def time_call(call: Callable[[], Any], rounds: int = 5, number: int | None = Non
     return statistics.median(per_call), min(per_call)
 
 
+def time_pair(call: Callable[[], Any], native: Callable[[], Any], rounds: int = 5, number: int | None = None) -> tuple[float, float, float]:
+    """(median, min, native median) seconds per call, rounds of the two calls interleaved so
+    that load from elsewhere on the machine weighs on both alike."""
+    _block(call())
+    _block(native())
+    number = number or _autorange(call)
+    ours, theirs = [], []
+    for _ in range(rounds):
+        for fn, times in ((native, theirs), (call, ours)):
+            start = time.perf_counter()
+            for _ in range(number):
+                _block(fn())
+            times.append((time.perf_counter() - start) / number)
+    return statistics.median(ours), min(ours), statistics.median(theirs)
+
+
 def native_call(backend: Backend, scenario: Scenario) -> Callable[[], Any] | None:
     """The engine's own fastest idiomatic call for ``scenario``'s operator, contexts closed over;
     None where there is none (finite differences, scipy, pytree inputs for torch/autograd,
@@ -200,14 +216,13 @@ def benchmark_differentiation(
             operator = getattr(di, scenario.operator)
             prepare = getattr(di, "prepare_" + scenario.operator)
             native = native_call(backend, scenario)
-            native_s = time_call(native, rounds, number)[0] if native is not None else None
             kwargs: dict[str, Any] = {"has_aux": True} if scenario.has_aux else {}
             for prepared in (False, True):
                 counted = CountingFunction(scenario.f)  # a fresh f: a cold cache for first_s
                 args = scenario.arguments()
                 start = time.perf_counter()
                 if prepared:
-                    prep = prepare(counted, backend, *args)
+                    prep = prepare(counted, backend, *args, **kwargs)
                     _block(operator(counted, backend, *args, prep=prep, **kwargs))
                     call = lambda prep=prep, counted=counted, args=args: operator(counted, backend, *args, prep=prep, **kwargs)  # noqa: E731
                 else:
@@ -218,7 +233,10 @@ def benchmark_differentiation(
                 counted.calls = 0
                 _block(call())
                 calls_of_f = counted.calls
-                median_s, min_s = time_call(call, rounds, number)
+                if native is not None:
+                    median_s, min_s, native_s = time_pair(call, native, rounds, number)
+                else:
+                    (median_s, min_s), native_s = time_call(call, rounds, number), None
                 rows.append(
                     {
                         "backend": label,

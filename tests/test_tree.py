@@ -1,0 +1,139 @@
+"""diffiface.tree: ravel and unravel round trips, paths, mixed frameworks."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from typing import Any
+
+import numpy as np
+import optree
+import pytest
+from conftest import require, to_numpy
+
+import diffiface as di
+from diffiface import tree
+
+Pair = namedtuple("Pair", ["u", "v"])
+
+
+def _assert_same(rebuilt: Any, original: Any) -> None:
+    assert optree.tree_structure(rebuilt) == optree.tree_structure(original)
+    for a, b in zip(optree.tree_leaves(rebuilt), optree.tree_leaves(original), strict=True):
+        assert type(a) is type(b)
+        if isinstance(b, float):
+            assert a == b
+            continue
+        assert tuple(a.shape) == tuple(b.shape)
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(to_numpy(a), to_numpy(b))
+
+
+def test_ravel_numpy_mixed_shapes_and_dtypes() -> None:
+    params = {
+        "w": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "b": [np.array([0.5, -1.0]), np.array(2.5)],
+        "nt": Pair(np.zeros((0, 2)), None),
+        "none": None,
+    }
+    flat, unravel = tree.ravel(params)
+    assert isinstance(flat, np.ndarray)
+    assert flat.shape == (9,)
+    assert flat.dtype == np.float64
+    _assert_same(unravel(flat), params)
+    changed = unravel(flat + 1)
+    assert changed["w"].dtype == np.float32
+    np.testing.assert_array_equal(changed["b"][1], 3.5)
+
+
+def test_ravel_python_floats() -> None:
+    flat, unravel = tree.ravel((1.5, [2.0, None], {"x": 3.0}))
+    assert isinstance(flat, np.ndarray)
+    np.testing.assert_array_equal(flat, [1.5, 2.0, 3.0])
+    rebuilt = unravel(flat * 2)
+    assert rebuilt == (3.0, [4.0, None], {"x": 6.0})
+    assert all(type(v) is float for v in optree.tree_leaves(rebuilt))
+
+
+@pytest.mark.parametrize("empty", [(), [], {}, None, {"a": None, "b": ()}], ids=repr)
+def test_ravel_empty_trees(empty: Any) -> None:
+    flat, unravel = tree.ravel(empty)
+    assert flat.shape == (0,)
+    assert unravel(flat) == empty
+
+
+def test_ravel_namedtuple() -> None:
+    value = Pair(np.array([1.0, 2.0]), Pair(np.array(3.0), None))
+    flat, unravel = tree.ravel(value)
+    rebuilt = unravel(flat)
+    assert type(rebuilt) is Pair
+    assert type(rebuilt.v) is Pair
+    _assert_same(rebuilt, value)
+
+
+def test_ravel_torch() -> None:
+    require("torch")
+    import torch
+
+    params = {"w": torch.ones(2, 2, dtype=torch.float32), "b": torch.tensor([1.0, 2.0], dtype=torch.float64)}
+    flat, unravel = tree.ravel(params)
+    assert isinstance(flat, torch.Tensor)
+    assert flat.shape == (6,)
+    _assert_same(unravel(flat), params)
+
+
+def test_ravel_jax() -> None:
+    require("jax")
+    import jax
+    import jax.numpy as jnp
+
+    params = {"w": jnp.ones((2, 2)), "b": [jnp.asarray([1.0, 2.0]), None]}
+    flat, unravel = tree.ravel(params)
+    assert isinstance(flat, jax.Array)
+    assert flat.shape == (6,)
+    _assert_same(unravel(flat), params)
+
+
+def test_ravel_mixed_frameworks_raise() -> None:
+    require("torch")
+    import torch
+
+    with pytest.raises(di.ArrayTypeError, match="one array framework"):
+        tree.ravel({"a": np.ones(2), "b": torch.ones(2)})
+    with pytest.raises(TypeError):  # an ArrayTypeError is a TypeError too
+        tree.ravel([np.ones(2), torch.ones(2)])
+
+
+def test_python_numbers_go_with_any_framework() -> None:
+    require("torch")
+    import torch
+
+    flat, unravel = tree.ravel({"a": torch.ones(2, dtype=torch.float64), "s": 2.0})
+    assert isinstance(flat, torch.Tensor)
+    rebuilt = unravel(flat)
+    assert type(rebuilt["s"]) is float
+    assert rebuilt["s"] == 2.0
+
+
+def test_unravel_checks_the_length() -> None:
+    _, unravel = tree.ravel([np.ones(3)])
+    with pytest.raises(ValueError, match=r"\(3,\)"):
+        unravel(np.ones(4))
+
+
+def test_leaves_with_paths() -> None:
+    value = {"layer": [np.ones(2), Pair(np.zeros(1), None)], "b": 1.0}
+    paths = [path for path, _ in tree.leaves_with_paths(value)]
+    assert paths == ["['b']", "['layer'][0]", "['layer'][1][0]"]
+    assert tree.leaves_with_paths(np.ones(2))[0][0] == ""
+    assert tree.path_string(("a", 0)) == "['a'][0]"
+
+
+def test_map_flatten_structure() -> None:
+    value = {"a": [np.ones(2), None], "b": (np.zeros(1),)}
+    doubled = tree.map(lambda v: v * 2, value)
+    np.testing.assert_array_equal(doubled["a"][0], [2.0, 2.0])
+    assert doubled["a"][1] is None
+    leaves, spec = tree.flatten(value)
+    assert len(leaves) == 2
+    assert spec == tree.structure(value)
+    assert len(tree.leaves(value)) == 2
