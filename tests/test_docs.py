@@ -1,0 +1,293 @@
+"""The documentation works: its code runs, its reference is complete, its site builds.
+
+- Every ```python block of docs/**/*.md and README.md runs; the blocks of one page share a
+  namespace and run in order. A block is left out only when fenced as ```python skip, or
+  preceded by ``<!-- skip -->`` or ``<!-- skip: needs diffiface.test.check_gradients, ... -->``.
+  The last form names what the block is waiting for: once every named object exists the block
+  runs again, so the docs cannot stay skipped after the function is written.
+- The doctests of every diffiface module pass (modules whose engine is missing are skipped).
+- Every public name is in the API reference and has a docstring; every error class is on the
+  errors page; the support matrix is generated, not written by hand.
+- ``mkdocs build --strict`` passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import doctest
+import importlib
+import importlib.util
+import inspect
+import os
+import pathlib
+import pkgutil
+import re
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+import diffiface
+from diffiface import _errors
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+API = DOCS / "api"
+
+# Engines a page or module may need; a missing one skips the test instead of failing it.
+ENGINES = ("jax", "jaxlib", "torch", "autograd", "scipy", "array_api_compat")
+
+# --- code blocks of the pages -------------------------------------------------------------------
+
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^\n`]*)$")
+_SKIP = re.compile(r"^<!--\s*skip(?:\s*:\s*needs\s+(?P<needs>[^>]*?))?\s*-->$")
+
+
+@dataclasses.dataclass
+class Block:
+    page: pathlib.Path
+    line: int  # 1-based line of the opening fence
+    source: str
+    skip: bool  # always skipped
+    needs: tuple[str, ...]  # skipped until all of these exist
+
+
+def _blocks(page: pathlib.Path) -> list[Block]:
+    lines = page.read_text(encoding="utf-8").splitlines()
+    blocks: list[Block] = []
+    previous = ""  # the last non-blank line before a fence
+    i = 0
+    while i < len(lines):
+        match = _FENCE.match(lines[i])
+        if not match:
+            if lines[i].strip():
+                previous = lines[i].strip()
+            i += 1
+            continue
+        indent, fence, info = match["indent"], match["fence"], match["info"].split()
+        start = i
+        body = []
+        i += 1
+        while i < len(lines) and not (
+            lines[i].strip().startswith(fence[0] * len(fence)) and not lines[i].strip().strip(fence[0])
+        ):
+            body.append(lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i].lstrip())
+            i += 1
+        i += 1  # the closing fence
+        if info and info[0].lower() in ("python", "py", "python3"):
+            marker = _SKIP.match(previous)
+            needs: tuple[str, ...] = ()
+            if marker and marker["needs"]:
+                needs = tuple(n.strip() for n in marker["needs"].split(",") if n.strip())
+            always = "skip" in info[1:] or bool(marker and not needs)
+            blocks.append(Block(page, start + 1, "\n".join(body) + "\n", always, needs))
+        previous = ""
+    return blocks
+
+
+def _pages() -> list[pathlib.Path]:
+    pages = sorted(DOCS.rglob("*.md"))
+    readme = ROOT / "README.md"
+    if readme.is_file():
+        pages.append(readme)
+    return pages
+
+
+def _exists(dotted: str) -> bool:
+    """Whether ``package.module.attribute`` can be imported and looked up."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for name in parts[cut:]:
+                obj = getattr(obj, name)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+def _missing_engine(exc: BaseException) -> str | None:
+    if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] in ENGINES:
+        return exc.name
+    if isinstance(exc, diffiface.BackendUnavailableError):
+        return str(exc)
+    return None
+
+
+PAGES_WITH_CODE = [page for page in _pages() if _blocks(page)]
+
+
+def _page_id(page: pathlib.Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+@pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=_page_id)
+def test_code_blocks_run(page: pathlib.Path) -> None:
+    namespace: dict[str, Any] = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
+    for block in _blocks(page):
+        where = f"{_page_id(page)}:{block.line}"
+        code = compile(block.source, where, "exec")  # even a skipped block must be valid Python
+        if block.skip or not all(_exists(name) for name in block.needs):
+            continue
+        try:
+            exec(code, namespace)
+        except Exception as exc:
+            engine = _missing_engine(exc)
+            if engine is not None:
+                pytest.skip(f"{where} needs an engine that is not installed: {engine}")
+            raise
+
+
+def test_every_page_is_in_the_nav() -> None:
+    config = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    for page in DOCS.rglob("*.md"):
+        uri = page.relative_to(DOCS).as_posix()
+        assert uri in config, f"{uri} is not in the nav of mkdocs.yml"
+
+
+def test_skip_markers_name_real_needs() -> None:
+    """A ``needs`` marker names objects of diffiface, so that it lifts once they exist."""
+    for page in _pages():
+        for block in _blocks(page):
+            for name in block.needs:
+                assert name.startswith("diffiface."), f"{_page_id(page)}:{block.line}: skip marker needs {name!r}"
+
+
+# --- doctests of the modules -------------------------------------------------------------------------
+
+
+def _modules() -> list[str]:
+    names = ["diffiface"]
+    for info in pkgutil.walk_packages(diffiface.__path__, "diffiface.", onerror=lambda _: None):
+        if info.name.rsplit(".", 1)[-1] != "__main__":
+            names.append(info.name)
+    return sorted(names)
+
+
+@pytest.mark.parametrize("name", _modules())
+def test_doctests(name: str) -> None:
+    try:
+        module = importlib.import_module(name)
+    except ImportError as exc:
+        if (exc.name or "").split(".")[0] in ENGINES:
+            pytest.skip(f"{name} needs {exc.name}, which is not installed")
+        raise
+    finder = doctest.DocTestFinder(exclude_empty=True)
+    tests = [t for t in finder.find(module, name) if t.examples]
+    if not tests:
+        return  # nothing to run; not a skip, so that real skips stand out
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    report: list[str] = []
+    for test in tests:
+        runner.run(test, out=report.append)
+    result = runner.summarize(verbose=False)
+    assert result.failed == 0, "".join(report)
+
+
+# --- the reference is complete ---------------------------------------------------------------------
+
+
+def _documented_identifiers() -> set[str]:
+    found = set()
+    for page in API.rglob("*.md"):
+        found.update(re.findall(r"^:::\s+(\S+)", page.read_text(encoding="utf-8"), flags=re.M))
+    return found
+
+
+@pytest.mark.parametrize("name", diffiface.__all__)
+def test_public_name_in_api_reference(name: str) -> None:
+    assert f"diffiface.{name}" in _documented_identifiers(), (
+        f"diffiface.{name} is public but no page under docs/api/ renders it; add '::: diffiface.{name}'."
+    )
+    obj = getattr(diffiface, name)
+    assert inspect.getdoc(obj), f"diffiface.{name} has no docstring."
+
+
+@pytest.mark.parametrize("name", diffiface.tree.__all__)
+def test_tree_names_have_docstrings(name: str) -> None:
+    assert inspect.getdoc(getattr(diffiface.tree, name)), f"diffiface.tree.{name} has no docstring."
+
+
+def test_errors_page_names_every_class() -> None:
+    text = (DOCS / "errors.md").read_text(encoding="utf-8")
+    headings = set(re.findall(r"^## (\w+)$", text, flags=re.M))
+    missing = sorted(set(_errors.__all__) - headings)
+    assert not missing, f"docs/errors.md has no section for {missing}: say when each is raised and how to fix it."
+    assert "<!-- error-classes -->" in text
+
+
+def _support_matrix_module() -> Any:
+    spec = importlib.util.spec_from_file_location("_support_matrix", ROOT / "scripts" / "support_matrix.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_support_matrix_is_generated_from_the_registry() -> None:
+    from diffiface._adapters import BACKENDS
+
+    page = (DOCS / "backends.md").read_text(encoding="utf-8")
+    assert "<!-- support-matrix -->" in page
+    table = _support_matrix_module().support_matrix()
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    assert len(rows) == len(BACKENDS)
+    for row, backend in zip(rows, BACKENDS, strict=True):
+        assert f"`{backend.config.__name__}()`" in row
+        assert f'"{backend.name}"' in row
+        # the hand-written part of the page must not repeat the generated table
+        assert row not in page
+
+
+# --- the site builds ---------------------------------------------------------------------------------------
+
+
+def _site_tools_missing() -> str | None:
+    for module in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python"):
+        try:
+            found = importlib.util.find_spec(module)
+        except ModuleNotFoundError:
+            found = None
+        if found is None:
+            return module
+    return None
+
+
+@pytest.mark.skipif(
+    _site_tools_missing() is not None,
+    reason=f"the docs tools are not installed ({_site_tools_missing()}); pip install -e '.[dev]'",
+)
+def test_mkdocs_build_strict(tmp_path: pathlib.Path) -> None:
+    site = tmp_path / "site"
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(ROOT / "mkdocs.yml"),
+            "--site-dir",
+            str(site),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stdout}\n{result.stderr}"
+    backends = (site / "backends" / "index.html").read_text(encoding="utf-8")
+    assert "<!-- support-matrix -->" not in backends, "the support-matrix marker was not replaced"
+    assert "AutoFiniteDifferences()" in backends
+    index = (site / "index.html").read_text(encoding="utf-8")
+    assert "fonts.googleapis.com" not in index, "the site loads web fonts; keep theme.font: false"
