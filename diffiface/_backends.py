@@ -206,6 +206,11 @@ class SecondOrder(Backend):
                     "as AutoJAX() or AutoFiniteDifferences()."
                 )
         outer, inner = self.outer, self.inner
+        if isinstance(outer, AutoTorch) and isinstance(inner, AutoTorch) and outer.mode != inner.mode:
+            raise UnsupportedOperationError(
+                f"SecondOrder(outer={outer!r}, inner={inner!r}): torch's autograd and func modes do "
+                "not nest in each other; use the same mode twice."
+            )
         if not outer.black_box and type(outer) is not type(inner):
             raise UnsupportedOperationError(
                 f"SecondOrder(outer={outer!r}, inner={inner!r}): {outer.name} cannot trace "

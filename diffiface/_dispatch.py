@@ -224,7 +224,9 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
     if op.tangent == "x":
         _check_tangent_like_x(op, call)
     function = FunctionRef(f)
-    out_spec: list[Any] = [None, (), ()]  # the structure, leaf shapes and dtypes of f(x), once evaluated
+    # the structure, leaf shapes and dtypes of f(x), once evaluated, and the (type, dtype) pairs
+    # of output leaves already validated
+    out_spec: list[Any] = [None, (), (), set()]
     program = _program(op, adapter, function, call, out_spec)
     compiled = adapter.compile(program)
     finish = _finisher(op, call, out_spec)
@@ -353,8 +355,11 @@ def _closed(
 ) -> Callable[[tuple[Any, ...]], tuple[Any, Any]]:
     """``f`` with its contexts bound, on a tuple of leaves: ``xs -> (out, aux)``."""
 
+    single = x_spec == _LEAF
+    checked = out_spec[3]  # output leaf types and dtypes already validated, kept by the prep
+
     def fn(xs: tuple[Any, ...]) -> tuple[Any, Any]:
-        x = optree.tree_unflatten(x_spec, list(xs))
+        x = xs[0] if single else optree.tree_unflatten(x_spec, list(xs))
         try:
             result = f(x, *context_values)
         except Exception as exc:
@@ -374,13 +379,19 @@ def _closed(
                 f"f returned None where {op.name} needs floating-point numbers (float arrays or floats). "
                 "Return the value from f (a missing return statement?)."
             )
-        leaves, spec = optree.tree_flatten(result)
+        if _arrays.kind(result) in _ARRAY_KINDS:
+            leaves, spec = [result], _LEAF
+        else:
+            leaves, spec = optree.tree_flatten(result)
         out_spec[0] = spec
         out_spec[1] = tuple(_arrays.shape(leaf) for leaf in leaves)
         if not out_spec[2]:  # from the first evaluation, at x: scipy evaluates later ones promoted to float64
             out_spec[2] = tuple(_output_dtype(leaf) for leaf in leaves)
         for leaf in leaves:
-            _check_numeric(op, leaf, adapter.complex_outputs)
+            key = (type(leaf), getattr(leaf, "dtype", None))
+            if key not in checked:
+                _check_numeric(op, leaf, adapter.complex_outputs)
+                checked.add(key)
         if op.scalar_output:
             if len(leaves) != 1 or _arrays.shape(leaves[0]) != ():
                 raise InvalidOutputError(
@@ -425,7 +436,7 @@ def _check_numeric(op: Operator, leaf: Any, complex_ok: bool) -> None:
 
 def _check_cotangent(sig: Signature, out_info: list[Any], ts: tuple[Any, ...]) -> None:
     """The cotangent against f(x), whose structure and shapes the last evaluation recorded."""
-    out_spec, out_shapes, out_dtypes = out_info
+    out_spec, out_shapes, out_dtypes = out_info[:3]
     if out_spec != sig.tangent_spec:
         raise TangentMismatchError(
             f"The cotangent must have the structure of f(x), {out_spec}; it has {sig.tangent_spec}."

@@ -43,6 +43,9 @@ SECOND_ORDER: dict[str, di.Backend] = {
     "fd-over-torch": di.SecondOrder(di.AutoFiniteDifferences(), di.AutoTorch()),
     "jax-over-jax": di.SecondOrder(di.AutoJAX(), di.AutoJAX()),
     "torch-over-torch": di.SecondOrder(di.AutoTorch(mode="func"), di.AutoTorch(mode="func")),
+    # the autograd mode twice: double backward (forward over it would lose the tangent)
+    "torch-autograd-over-torch-autograd": di.SecondOrder(di.AutoTorch(), di.AutoTorch()),
+    "autograd-over-autograd": di.SecondOrder(di.AutoAutograd(), di.AutoAutograd()),
 }
 """Combinations of two backends, for the second-order operators."""
 

@@ -518,3 +518,15 @@ def test_second_order_combinations(second_order_backend: Any) -> None:
         di.hessian(tree_loss, second_order_backend, x), expected("hessian", case, x, t), rtol, atol, dtype=np.float64
     )
     assert_tree_close(di.hvp(tree_loss, second_order_backend, x, t), expected("hvp", case, x, t), rtol, atol, dtype=np.float64)
+
+
+def test_second_derivative_of_second_order_combinations(second_order_backend: Any) -> None:
+    """d2/dt2 (t**3, sin t) = (6t, -sin t) through every combination, scalar in."""
+    t = 0.7
+    result = di.second_derivative(lambda s: [s**3, s * s * s], second_order_backend, t)
+    assert np.allclose(result, [6 * t, 6 * t], rtol=1e-5)
+
+
+def test_torch_modes_do_not_nest() -> None:
+    with pytest.raises(di.UnsupportedOperationError, match="same mode twice"):
+        di.SecondOrder(di.AutoTorch(), di.AutoTorch(mode="func"))

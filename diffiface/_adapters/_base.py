@@ -285,13 +285,22 @@ class SecondOrderAdapter(Adapter):
     def value_and_derivative(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any]:
         return self.inner.value_and_derivative(fn, xs)
 
+    # One engine twice is that engine's own second order, whose adapter knows how it nests
+    # (torch's autograd mode, say, differentiates twice backward, never forward over reverse).
+
     def gradient_and_hvp(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Leaves, Leaves]:
+        if self.outer is self.inner:
+            return self.inner.gradient_and_hvp(fn, xs, txs)
         return hvp_of(self.outer, self.inner, fn, xs, txs)
 
     def value_gradient_and_hessian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Blocks]:
+        if self.outer is self.inner:
+            return self.inner.value_gradient_and_hessian(fn, xs)
         return hessian_of(self.outer, self.inner, fn, xs)
 
     def value_derivative_and_second_derivative(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any, Any]:
+        if self.outer is self.inner:
+            return self.inner.value_derivative_and_second_derivative(fn, xs)
         return second_derivative_of(self.outer, self.inner, fn, xs)
 
 

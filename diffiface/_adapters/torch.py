@@ -139,7 +139,7 @@ class Adapter(_base.Adapter):
         with torch.enable_grad():
             inputs = _requiring_grad(xs)
             value, aux = fn(inputs)
-            grads = _grad(_if_graph(value), inputs)
+            grads = _grad(_if_graph(value), inputs, retain=False)
         return value.detach(), _detached(aux), grads
 
     def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Blocks]:
@@ -233,15 +233,18 @@ def _if_graph(value: Any) -> list[Any]:
     return [value] if value.requires_grad else []
 
 
-def _grad(outputs: list[Any], inputs: Leaves, grad_outputs: list[Any] | None = None, create_graph: bool = False) -> Leaves:
-    """``torch.autograd.grad`` that gives zeros, never None, for inputs that do not matter."""
+def _grad(
+    outputs: list[Any], inputs: Leaves, grad_outputs: list[Any] | None = None, create_graph: bool = False, retain: bool = True
+) -> Leaves:
+    """``torch.autograd.grad`` that gives zeros, never None, for inputs that do not matter.
+    ``retain=False`` frees the graph: for the last backward pass through it."""
     if not outputs:
         return tuple(torch.zeros_like(x) for x in inputs)
     grads = torch.autograd.grad(
         outputs,
         inputs,
         grad_outputs=grad_outputs,
-        retain_graph=True,
+        retain_graph=retain or create_graph,
         create_graph=create_graph,
         allow_unused=True,
         materialize_grads=True,
@@ -258,6 +261,8 @@ def _leaves(out: Any) -> tuple[Any, ...]:
 
 
 def _detached(tree: Any) -> Any:
+    if tree is None:
+        return None
     return optree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, tree)
 
 

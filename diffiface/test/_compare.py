@@ -48,7 +48,7 @@ def assert_allclose(actual: Any, expected: Any, rtol: float | None = None, atol:
     >>> assert_allclose({"w": np.ones(2)}, {"w": np.array([1.0, 1.1])})
     Traceback (most recent call last):
     ...
-    AssertionError: ['w']: values differ at index (1,): actual 1.0, expected 1.1, abs error 0.1, rel error 0.0909 (rtol 1e-06, atol 1e-08)
+    AssertionError: ['w']: values differ at index (1,): actual 1, expected 1.1, abs error 0.1, rel error 0.0909 (rtol 1e-06, atol 1e-08)
     """
     a_leaves, a_spec = optree.tree_flatten(actual)
     e_leaves, e_spec = optree.tree_flatten(expected)
