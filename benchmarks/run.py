@@ -10,9 +10,9 @@ Writes benchmarks/results/results.json, results.md and PNG plots beside them.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -51,11 +51,16 @@ def mlp_loss(params, data):
     m = ns(params)
     d, h = 48, 96
     i = 0
-    w1 = m.reshape(params[i : i + d * h], (d, h)); i += d * h
-    b1 = params[i : i + h]; i += h
-    w2 = m.reshape(params[i : i + h * d], (h, d)); i += h * d
-    b2 = params[i : i + d]; i += d
-    w3 = params[i : i + d]; i += d
+    w1 = m.reshape(params[i : i + d * h], (d, h))
+    i += d * h
+    b1 = params[i : i + h]
+    i += h
+    w2 = m.reshape(params[i : i + h * d], (h, d))
+    i += h * d
+    b2 = params[i : i + d]
+    i += d
+    w3 = params[i : i + d]
+    i += d
     b3 = params[i]
     z = m.tanh(data @ w1 + b1)
     z = m.tanh(z @ w2 + b2)
@@ -69,7 +74,12 @@ FRAMEWORK = {"jax": "jax", "torch": "torch", "torch-func": "torch", "autograd": 
 
 
 def backend(name):
-    return {"jax": di.AutoJAX(), "torch": di.AutoTorch(), "torch-func": di.AutoTorch(mode="func"), "autograd": di.AutoAutograd()}[name]
+    return {
+        "jax": di.AutoJAX(),
+        "torch": di.AutoTorch(),
+        "torch-func": di.AutoTorch(mode="func"),
+        "autograd": di.AutoAutograd(),
+    }[name]
 
 
 def array(framework, values):
@@ -97,8 +107,19 @@ def overhead_scenarios(framework):
         Scenario("tiny-10", tiny, x10, "gradient", reference=None, frameworks=fw),
         Scenario("tiny-10", tiny, x10, "hvp", tangent=t10, reference=None, frameworks=fw),
         Scenario("tiny-10-jacobian", lambda x: ns(x).tanh(x) * x, x10, "jacobian", reference=None, frameworks=fw),
-        Scenario(f"mlp-{MLP_SIZE}", mlp_loss, p, "gradient", contexts=(di.Constant(data),), reference=None, frameworks=fw),
-        Scenario(f"mlp-{MLP_SIZE}", mlp_loss, p, "hvp", tangent=tp, contexts=(di.Constant(data),), reference=None, frameworks=fw),
+        Scenario(
+            f"mlp-{MLP_SIZE}", mlp_loss, p, "gradient", contexts=(di.Constant(data),), reference=None, frameworks=fw
+        ),
+        Scenario(
+            f"mlp-{MLP_SIZE}",
+            mlp_loss,
+            p,
+            "hvp",
+            tangent=tp,
+            contexts=(di.Constant(data),),
+            reference=None,
+            frameworks=fw,
+        ),
     ]
 
 
@@ -123,9 +144,9 @@ def run_scaling(names, sizes, rounds):
                 f_call = jax.jit(tiny)
             else:
                 f_call = tiny
-            f_s = time_call(lambda: f_call(x), rounds)[0]
+            f_s = time_call(functools.partial(f_call, x), rounds)[0]
             prep = di.prepare_gradient(tiny, backend(name), x)
-            g_s = time_call(lambda: di.gradient(tiny, backend(name), x, prep=prep), rounds)[0]
+            g_s = time_call(functools.partial(di.gradient, tiny, backend(name), x, prep=prep), rounds)[0]
             rows.append({"backend": name, "n": n, "f_s": f_s, "gradient_s": g_s, "cost_ratio": g_s / f_s})
     return rows
 
@@ -154,7 +175,7 @@ def run_fd_counts(n=10):
                     counted.calls = 0
                     getattr(di, op)(counted, b, *args, **({"prep": prep} if prep is not None else {}))
                     calls = counted.calls
-                except Exception as error:  # noqa: BLE001
+                except Exception as error:
                     calls = f"error: {type(error).__name__}"
                 rows.append({"method": method, "operator": op, "n": n, "prepared": prepared, "calls_of_f": calls})
     return rows
@@ -171,13 +192,19 @@ def run_import_time(repeats):
 
     base = best("import numpy, optree")
     full = best("import diffiface")
-    out = subprocess.run([sys.executable, "-X", "importtime", "-c", "import diffiface"], capture_output=True, text=True, check=True).stderr
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", "import diffiface"], capture_output=True, text=True, check=True
+    ).stderr
     cumulative = None
     for line in out.splitlines():
         parts = line.split("|")
         if len(parts) == 3 and parts[2].strip() == "diffiface":
             cumulative = int(parts[1]) * 1e-6
-    heavy = [m for m in ("jax", "torch", "autograd", "scipy") if f"| {m}\n" in out + "\n" or any(l.split("|")[-1].strip() == m for l in out.splitlines())]
+    heavy = [
+        m
+        for m in ("jax", "torch", "autograd", "scipy")
+        if f"| {m}\n" in out + "\n" or any(line.split("|")[-1].strip() == m for line in out.splitlines())
+    ]
     return {
         "python_import_diffiface_s": full,
         "python_import_numpy_optree_s": base,
@@ -242,7 +269,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer rounds, no 1e6 size")
     args = parser.parse_args()
-    names = [n for n in ("jax", "torch", "torch-func", "autograd") if di.available(FRAMEWORK[n] if n != "torch-func" else "torch")]
+    names = [
+        n
+        for n in ("jax", "torch", "torch-func", "autograd")
+        if di.available(FRAMEWORK[n] if n != "torch-func" else "torch")
+    ]
     rounds = 3 if args.quick else 7
     sizes = [10, 1_000, 100_000] + ([] if args.quick else [1_000_000])
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -260,7 +291,14 @@ def main():
         "scaling": run_scaling(names, sizes, rounds),
     }
     results["first_call"] = [
-        {"backend": r["backend"], "scenario": r["scenario"], "operator": r["operator"], "prepared": r["prepared"], "first_s": r["first_s"], "calls_first": r["calls_first"]}
+        {
+            "backend": r["backend"],
+            "scenario": r["scenario"],
+            "operator": r["operator"],
+            "prepared": r["prepared"],
+            "first_s": r["first_s"],
+            "calls_first": r["calls_first"],
+        }
         for r in results["overhead"]
     ]
     (RESULTS / "results.json").write_text(json.dumps(results, indent=1))
@@ -276,7 +314,10 @@ def main():
         "torch-func: `torch.func.grad`; autograd: `autograd.grad`). `calls_of_f` is Python calls of f in one warm call "
         "(traces under jit).",
         "",
-        table(results["overhead"], ["backend", "scenario", "operator", "prepared", "median_s", "native_s", "ratio", "calls_of_f"]),
+        table(
+            results["overhead"],
+            ["backend", "scenario", "operator", "prepared", "median_s", "native_s", "ratio", "calls_of_f"],
+        ),
         "",
         "![overhead](overhead.png)",
         "",

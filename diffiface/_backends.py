@@ -127,8 +127,7 @@ class AutoFiniteDifferences(Backend):
                 )
             if not (math.isfinite(self.step) and self.step > 0):
                 raise InvalidBackendOptionError(
-                    f"AutoFiniteDifferences(step={self.step!r}): the step must be positive and "
-                    "finite."
+                    f"AutoFiniteDifferences(step={self.step!r}): the step must be positive and finite."
                 )
         _check_bool(self, "vectorize", self.vectorize)
 
@@ -164,19 +163,13 @@ class AutoScipy(Backend):
 
     def __post_init__(self) -> None:
         if not isinstance(self.order, int) or self.order < 2 or self.order % 2:
-            raise InvalidBackendOptionError(
-                f"AutoScipy(order={self.order!r}): the order must be an even integer >= 2."
-            )
+            raise InvalidBackendOptionError(f"AutoScipy(order={self.order!r}): the order must be an even integer >= 2.")
         if not isinstance(self.maxiter, int) or self.maxiter < 1:
-            raise InvalidBackendOptionError(
-                f"AutoScipy(maxiter={self.maxiter!r}): maxiter must be a positive integer."
-            )
+            raise InvalidBackendOptionError(f"AutoScipy(maxiter={self.maxiter!r}): maxiter must be a positive integer.")
         for option in ("initial_step", "step_factor"):
             value = getattr(self, option)
             if not isinstance(value, (int, float)) or not value > 0:
-                raise InvalidBackendOptionError(
-                    f"AutoScipy({option}={value!r}): must be a positive number."
-                )
+                raise InvalidBackendOptionError(f"AutoScipy({option}={value!r}): must be a positive number.")
 
     @property
     def black_box(self) -> bool:

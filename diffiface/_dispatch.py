@@ -82,7 +82,7 @@ OPERATORS: dict[str, Operator] = {op.name: op for op in _OPERATORS}
 
 # -- a call: flattened arguments and their signature ------------------------------------------
 
-_LEAF = optree.tree_structure(0)
+_LEAF = optree.tree_structure(0)  # type: ignore[arg-type]  # a leaf's structure
 _ARRAY_KINDS = frozenset({"numpy", "torch", "jax"})
 
 
@@ -91,7 +91,9 @@ class Call:
 
     __slots__ = ("context_leaves", "context_specs", "signature", "tangent_leaves", "x_leaves")
 
-    def __init__(self, op: Operator, backend: Backend, x: Any, tangent: Any, contexts: tuple[Any, ...], has_aux: bool) -> None:
+    def __init__(
+        self, op: Operator, backend: Backend, x: Any, tangent: Any, contexts: tuple[Any, ...], has_aux: bool
+    ) -> None:
         leaf_signature = _arrays.leaf_signature
         if isinstance(x, Context):
             raise _misplaced_context(op, "x", x)
@@ -102,7 +104,8 @@ class Call:
         else:
             self.x_leaves, x_spec = optree.tree_flatten(x)
         if op.tangent is None:
-            self.tangent_leaves, t_spec = [], None
+            self.tangent_leaves: list[Any] = []
+            t_spec = None
         else:
             self.tangent_leaves, t_spec = optree.tree_flatten(tangent)
         context_signature = []
@@ -118,7 +121,9 @@ class Call:
                 (
                     type(context),
                     spec,
-                    tuple(leaf_signature(leaf) if _arrays.is_array(leaf) else ("static", type(leaf)) for leaf in leaves),
+                    tuple(
+                        leaf_signature(leaf) if _arrays.is_array(leaf) else ("static", type(leaf)) for leaf in leaves
+                    ),
                 )
             )
         self.signature = Signature(
@@ -217,7 +222,9 @@ def prepare(
 def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, strict: bool) -> Prep:
     signature = call.signature
     if signature.has_aux and not op.aux:
-        raise InvalidInputError(f"{op.name} does not take has_aux; use value_and_gradient, value_and_jvp or value_and_vjp.")
+        raise InvalidInputError(
+            f"{op.name} does not take has_aux; use value_and_gradient, value_and_jvp or value_and_vjp."
+        )
     row = info(backend)
     _check_x(op, backend, row.any_array_type, call)
     adapter = adapter_for(backend)
@@ -242,7 +249,9 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
             else:
                 ts = tuple(adapter.to_native(t) for t in call.tangent_leaves)
             like = xs[0] if xs else None
-            dynamic, static, mask = [], [], []
+            dynamic: list[Any] = []
+            static: list[Any] = []
+            mask: list[bool] = []
             for index, leaves in enumerate(call.context_leaves):
                 for leaf in leaves:
                     try:
@@ -307,7 +316,9 @@ class _Static:
         return isinstance(other, _Static) and self._key == other._key and self.mask == other.mask
 
 
-def _program(op: Operator, adapter: Adapter, function: FunctionRef, call: Call, out_spec: list[Any]) -> Callable[..., Any]:
+def _program(
+    op: Operator, adapter: Adapter, function: FunctionRef, call: Call, out_spec: list[Any]
+) -> Callable[..., Any]:
     """The program ``(xs, ts, dynamic_contexts, static_contexts) -> native parts``."""
     sig = call.signature
     x_spec, has_aux = sig.x_spec, sig.has_aux
@@ -423,10 +434,16 @@ def _describe(value: Any) -> str:
 
 def _check_numeric(op: Operator, leaf: Any, complex_ok: bool) -> None:
     kind = _arrays.kind(leaf)
-    if kind == "autograd" or (kind == "python" and not isinstance(leaf, bool) and (complex_ok or not isinstance(leaf, complex))):
+    if kind == "autograd" or (
+        kind == "python" and not isinstance(leaf, bool) and (complex_ok or not isinstance(leaf, complex))
+    ):
         return
     dtype = _arrays.dtype_name(leaf)
-    if kind == "other" or kind == "python" or not (_arrays.is_float_dtype(dtype) or (complex_ok and "complex" in dtype)):
+    if (
+        kind == "other"
+        or kind == "python"
+        or not (_arrays.is_float_dtype(dtype) or (complex_ok and "complex" in dtype))
+    ):
         what = type(leaf).__name__ if kind in ("other", "python") else f"array of dtype {_arrays.dtype_name(leaf)}"
         raise InvalidOutputError(
             f"f returned a {what} where {op.name} needs floating-point numbers (float arrays or "
@@ -464,7 +481,7 @@ def _check_cotangent(sig: Signature, out_info: list[Any], ts: tuple[Any, ...]) -
 def _check_x(op: Operator, backend: Backend, any_array_type: bool, call: Call) -> None:
     sig = call.signature
     paths = [_path(p) for p in sig.x_spec.paths()]
-    kinds = set()
+    kinds: set[_arrays.Kind] = set()
     for path, leaf in zip(paths, call.x_leaves, strict=True):
         kind = _arrays.kind(leaf)
         dtype = _arrays.dtype_name(leaf)
@@ -505,13 +522,13 @@ def _check_x(op: Operator, backend: Backend, any_array_type: bool, call: Call) -
             f"{backend_family(backend)} arrays. Pass numpy or {backend_family(backend)} arrays, or use the "
             f"{family} backend."
         )
-    if op.scalar_input:
-        if len(call.x_leaves) != 1 or _arrays.shape(call.x_leaves[0]) != () or sig.x_spec.num_nodes != 1:
-            shape = _arrays.shape(call.x_leaves[0]) if len(call.x_leaves) == 1 else f"{len(call.x_leaves)} leaves"
-            raise InvalidInputError(
-                f"{op.name} needs a scalar x (a float or a 0-d array), got {shape}. For an array "
-                "x use jacobian, or jvp for one direction."
-            )
+    scalar = len(call.x_leaves) == 1 and _arrays.shape(call.x_leaves[0]) == () and sig.x_spec.num_nodes == 1
+    if op.scalar_input and not scalar:
+        shape = _arrays.shape(call.x_leaves[0]) if len(call.x_leaves) == 1 else f"{len(call.x_leaves)} leaves"
+        raise InvalidInputError(
+            f"{op.name} needs a scalar x (a float or a 0-d array), got {shape}. For an array "
+            "x use jacobian, or jvp for one direction."
+        )
 
 
 def backend_family(backend: Backend) -> str:
@@ -548,7 +565,11 @@ def _involves_float64(call: Call) -> bool:
     for leaf in (*call.x_leaves, *call.tangent_leaves):
         if isinstance(leaf, float) or _arrays.dtype_name(leaf) == "float64":
             return True
-    return any(_arrays.is_array(leaf) and _arrays.dtype_name(leaf) == "float64" for leaves in call.context_leaves for leaf in leaves)
+    return any(
+        _arrays.is_array(leaf) and _arrays.dtype_name(leaf) == "float64"
+        for leaves in call.context_leaves
+        for leaf in leaves
+    )
 
 
 # -- results: mirror the inputs ----------------------------------------------------------------------
@@ -627,10 +648,13 @@ def _mirror(value: Any, like: Any) -> Any:
         return np.asarray(array, dtype=like.dtype)
     if kind == "torch" and value_kind == "torch":
         value = value.detach()
-        return value if value.dtype == like.dtype and value.device == like.device else value.to(device=like.device, dtype=like.dtype)
+        return (
+            value
+            if value.dtype == like.dtype and value.device == like.device
+            else value.to(device=like.device, dtype=like.dtype)
+        )
     if kind == "jax" and value_kind == "jax":
         return value if value.dtype == like.dtype else value.astype(like.dtype)
     if kind in ("torch", "jax"):
         return _arrays.from_numpy(np.asarray(_arrays.to_numpy(value)), like)
     return value
-

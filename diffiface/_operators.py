@@ -14,7 +14,8 @@ from ._backends import Backend
 from ._dispatch import evaluate, prepare
 from ._prep import Prep
 
-__all__ = [    "derivative",
+__all__ = [
+    "derivative",
     "gradient",
     "gradient_and_hvp",
     "hessian",
@@ -65,12 +66,16 @@ def derivative(f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: A
     return evaluate("derivative", f, backend, x, None, contexts, prep)
 
 
-def prepare_derivative(f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True) -> Prep:
+def prepare_derivative(
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True
+) -> Prep:
     """Prepare :func:`derivative` for arguments shaped like these; pass the result as ``prep=``."""
     return prepare("derivative", f, backend, x, None, contexts, strict)
 
 
-def value_and_derivative(f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None) -> Any:
+def value_and_derivative(
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None
+) -> Any:
     """``(f(x), derivative)`` at a scalar ``x``.
 
     See :func:`prepare_value_and_derivative` to do the one-time work once.
@@ -78,12 +83,16 @@ def value_and_derivative(f: Callable[..., Any], backend: BackendLike, x: Any, *c
     return evaluate("value_and_derivative", f, backend, x, None, contexts, prep)
 
 
-def prepare_value_and_derivative(f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True) -> Prep:
+def prepare_value_and_derivative(
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True
+) -> Prep:
     """Prepare :func:`value_and_derivative` for arguments shaped like these; pass the result as ``prep=``."""
     return prepare("value_and_derivative", f, backend, x, None, contexts, strict)
 
 
-def second_derivative(f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None) -> Any:
+def second_derivative(
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None
+) -> Any:
     """The second derivative of ``f`` at a scalar ``x``, shaped as ``f(x)``.
 
     See :func:`prepare_second_derivative` to do the one-time work once.
@@ -91,12 +100,16 @@ def second_derivative(f: Callable[..., Any], backend: BackendLike, x: Any, *cont
     return evaluate("second_derivative", f, backend, x, None, contexts, prep)
 
 
-def prepare_second_derivative(f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True) -> Prep:
+def prepare_second_derivative(
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True
+) -> Prep:
     """Prepare :func:`second_derivative` for arguments shaped like these; pass the result as ``prep=``."""
     return prepare("second_derivative", f, backend, x, None, contexts, strict)
 
 
-def value_derivative_and_second_derivative(f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None) -> Any:
+def value_derivative_and_second_derivative(
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None
+) -> Any:
     """``(f(x), derivative, second derivative)`` at a scalar ``x``.
 
     See :func:`prepare_value_derivative_and_second_derivative` to do the one-time work once.
@@ -104,7 +117,9 @@ def value_derivative_and_second_derivative(f: Callable[..., Any], backend: Backe
     return evaluate("value_derivative_and_second_derivative", f, backend, x, None, contexts, prep)
 
 
-def prepare_value_derivative_and_second_derivative(f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True) -> Prep:
+def prepare_value_derivative_and_second_derivative(
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True
+) -> Prep:
     """Prepare :func:`value_derivative_and_second_derivative` for arguments shaped like these; pass the result as ``prep=``."""
     return prepare("value_derivative_and_second_derivative", f, backend, x, None, contexts, strict)
 
@@ -128,7 +143,9 @@ def prepare_gradient(f: Callable[..., Any], backend: BackendLike, x: Any, *conte
     return prepare("gradient", f, backend, x, None, contexts, strict)
 
 
-def value_and_gradient(f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None, has_aux: bool = False) -> Any:
+def value_and_gradient(
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None, has_aux: bool = False
+) -> Any:
     """``(f(x), gradient)``; with ``has_aux=True``, ``((value, aux), gradient)``.
 
     See :func:`prepare_value_and_gradient` to do the one-time work once.
@@ -136,7 +153,9 @@ def value_and_gradient(f: Callable[..., Any], backend: BackendLike, x: Any, *con
     return evaluate("value_and_gradient", f, backend, x, None, contexts, prep, has_aux)
 
 
-def prepare_value_and_gradient(f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False) -> Prep:
+def prepare_value_and_gradient(
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
+) -> Prep:
     """Prepare :func:`value_and_gradient` for arguments shaped like these; pass the result as ``prep=``."""
     return prepare("value_and_gradient", f, backend, x, None, contexts, strict, has_aux)
 
@@ -162,7 +181,9 @@ def prepare_jacobian(f: Callable[..., Any], backend: BackendLike, x: Any, *conte
     return prepare("jacobian", f, backend, x, None, contexts, strict)
 
 
-def value_and_jacobian(f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None) -> Any:
+def value_and_jacobian(
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None
+) -> Any:
     """``(f(x), jacobian)``.
 
     See :func:`prepare_value_and_jacobian` to do the one-time work once.
@@ -170,7 +191,9 @@ def value_and_jacobian(f: Callable[..., Any], backend: BackendLike, x: Any, *con
     return evaluate("value_and_jacobian", f, backend, x, None, contexts, prep)
 
 
-def prepare_value_and_jacobian(f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True) -> Prep:
+def prepare_value_and_jacobian(
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True
+) -> Prep:
     """Prepare :func:`value_and_jacobian` for arguments shaped like these; pass the result as ``prep=``."""
     return prepare("value_and_jacobian", f, backend, x, None, contexts, strict)
 
@@ -196,7 +219,9 @@ def prepare_hessian(f: Callable[..., Any], backend: BackendLike, x: Any, *contex
     return prepare("hessian", f, backend, x, None, contexts, strict)
 
 
-def value_gradient_and_hessian(f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None) -> Any:
+def value_gradient_and_hessian(
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None
+) -> Any:
     """``(f(x), gradient, hessian)``.
 
     See :func:`prepare_value_gradient_and_hessian` to do the one-time work once.
@@ -204,7 +229,9 @@ def value_gradient_and_hessian(f: Callable[..., Any], backend: BackendLike, x: A
     return evaluate("value_gradient_and_hessian", f, backend, x, None, contexts, prep)
 
 
-def prepare_value_gradient_and_hessian(f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True) -> Prep:
+def prepare_value_gradient_and_hessian(
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True
+) -> Prep:
     """Prepare :func:`value_gradient_and_hessian` for arguments shaped like these; pass the result as ``prep=``."""
     return prepare("value_gradient_and_hessian", f, backend, x, None, contexts, strict)
 
@@ -223,12 +250,22 @@ def jvp(f: Callable[..., Any], backend: BackendLike, x: Any, tx: Any, *contexts:
     return evaluate("jvp", f, backend, x, tx, contexts, prep)
 
 
-def prepare_jvp(f: Callable[..., Any], backend: BackendLike, x: Any, tx: Any, *contexts: Any, strict: bool = True) -> Prep:
+def prepare_jvp(
+    f: Callable[..., Any], backend: BackendLike, x: Any, tx: Any, *contexts: Any, strict: bool = True
+) -> Prep:
     """Prepare :func:`jvp` for arguments shaped like these; pass the result as ``prep=``."""
     return prepare("jvp", f, backend, x, tx, contexts, strict)
 
 
-def value_and_jvp(f: Callable[..., Any], backend: BackendLike, x: Any, tx: Any, *contexts: Any, prep: Prep | None = None, has_aux: bool = False) -> Any:
+def value_and_jvp(
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    tx: Any,
+    *contexts: Any,
+    prep: Prep | None = None,
+    has_aux: bool = False,
+) -> Any:
     """``(f(x), jvp)``; with ``has_aux=True``, ``((f(x), aux), jvp)``.
 
     See :func:`prepare_value_and_jvp` to do the one-time work once.
@@ -236,7 +273,15 @@ def value_and_jvp(f: Callable[..., Any], backend: BackendLike, x: Any, tx: Any, 
     return evaluate("value_and_jvp", f, backend, x, tx, contexts, prep, has_aux)
 
 
-def prepare_value_and_jvp(f: Callable[..., Any], backend: BackendLike, x: Any, tx: Any, *contexts: Any, strict: bool = True, has_aux: bool = False) -> Prep:
+def prepare_value_and_jvp(
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    tx: Any,
+    *contexts: Any,
+    strict: bool = True,
+    has_aux: bool = False,
+) -> Prep:
     """Prepare :func:`value_and_jvp` for arguments shaped like these; pass the result as ``prep=``."""
     return prepare("value_and_jvp", f, backend, x, tx, contexts, strict, has_aux)
 
@@ -255,12 +300,22 @@ def vjp(f: Callable[..., Any], backend: BackendLike, x: Any, ty: Any, *contexts:
     return evaluate("vjp", f, backend, x, ty, contexts, prep)
 
 
-def prepare_vjp(f: Callable[..., Any], backend: BackendLike, x: Any, ty: Any, *contexts: Any, strict: bool = True) -> Prep:
+def prepare_vjp(
+    f: Callable[..., Any], backend: BackendLike, x: Any, ty: Any, *contexts: Any, strict: bool = True
+) -> Prep:
     """Prepare :func:`vjp` for arguments shaped like these; pass the result as ``prep=``."""
     return prepare("vjp", f, backend, x, ty, contexts, strict)
 
 
-def value_and_vjp(f: Callable[..., Any], backend: BackendLike, x: Any, ty: Any, *contexts: Any, prep: Prep | None = None, has_aux: bool = False) -> Any:
+def value_and_vjp(
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    ty: Any,
+    *contexts: Any,
+    prep: Prep | None = None,
+    has_aux: bool = False,
+) -> Any:
     """``(f(x), vjp)``; with ``has_aux=True``, ``((f(x), aux), vjp)``.
 
     See :func:`prepare_value_and_vjp` to do the one-time work once.
@@ -268,7 +323,15 @@ def value_and_vjp(f: Callable[..., Any], backend: BackendLike, x: Any, ty: Any, 
     return evaluate("value_and_vjp", f, backend, x, ty, contexts, prep, has_aux)
 
 
-def prepare_value_and_vjp(f: Callable[..., Any], backend: BackendLike, x: Any, ty: Any, *contexts: Any, strict: bool = True, has_aux: bool = False) -> Prep:
+def prepare_value_and_vjp(
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    ty: Any,
+    *contexts: Any,
+    strict: bool = True,
+    has_aux: bool = False,
+) -> Prep:
     """Prepare :func:`value_and_vjp` for arguments shaped like these; pass the result as ``prep=``."""
     return prepare("value_and_vjp", f, backend, x, ty, contexts, strict, has_aux)
 
@@ -281,12 +344,16 @@ def hvp(f: Callable[..., Any], backend: BackendLike, x: Any, tx: Any, *contexts:
     return evaluate("hvp", f, backend, x, tx, contexts, prep)
 
 
-def prepare_hvp(f: Callable[..., Any], backend: BackendLike, x: Any, tx: Any, *contexts: Any, strict: bool = True) -> Prep:
+def prepare_hvp(
+    f: Callable[..., Any], backend: BackendLike, x: Any, tx: Any, *contexts: Any, strict: bool = True
+) -> Prep:
     """Prepare :func:`hvp` for arguments shaped like these; pass the result as ``prep=``."""
     return prepare("hvp", f, backend, x, tx, contexts, strict)
 
 
-def gradient_and_hvp(f: Callable[..., Any], backend: BackendLike, x: Any, tx: Any, *contexts: Any, prep: Prep | None = None) -> Any:
+def gradient_and_hvp(
+    f: Callable[..., Any], backend: BackendLike, x: Any, tx: Any, *contexts: Any, prep: Prep | None = None
+) -> Any:
     """``(gradient, hvp)`` of a scalar-valued ``f`` at ``x`` along ``tx``.
 
     See :func:`prepare_gradient_and_hvp` to do the one-time work once.
@@ -294,6 +361,8 @@ def gradient_and_hvp(f: Callable[..., Any], backend: BackendLike, x: Any, tx: An
     return evaluate("gradient_and_hvp", f, backend, x, tx, contexts, prep)
 
 
-def prepare_gradient_and_hvp(f: Callable[..., Any], backend: BackendLike, x: Any, tx: Any, *contexts: Any, strict: bool = True) -> Prep:
+def prepare_gradient_and_hvp(
+    f: Callable[..., Any], backend: BackendLike, x: Any, tx: Any, *contexts: Any, strict: bool = True
+) -> Prep:
     """Prepare :func:`gradient_and_hvp` for arguments shaped like these; pass the result as ``prep=``."""
     return prepare("gradient_and_hvp", f, backend, x, tx, contexts, strict)

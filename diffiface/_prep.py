@@ -3,6 +3,7 @@ weak cache that lets unprepared calls reuse it."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import types
 import weakref
@@ -49,7 +50,7 @@ class FunctionRef:
             try:
                 ref = weakref.ref(f)
             except TypeError:  # builtins and other objects without weak references live long
-                ref = lambda f=f: f  # noqa: E731
+                ref = functools.partial(_identity, f)
         self._ref = ref
 
     def __call__(self) -> Callable[..., Any]:
@@ -60,6 +61,10 @@ class FunctionRef:
 
     def matches(self, f: Callable[..., Any]) -> bool:
         return _same_function(self._ref(), f)
+
+
+def _identity(f: Any) -> Any:
+    return f
 
 
 def _same_function(a: Any, b: Any) -> bool:
@@ -139,7 +144,9 @@ def describe_mismatch(prep: Prep, f: Callable[..., Any], signature: Signature) -
         if getattr(old, part) != getattr(signature, part):
             return f"{part}: prepared for {getattr(old, part)!r}, called with {getattr(signature, part)!r}"
     for label, spec, leaves in (("x", "x_spec", "x_leaves"), ("tangent", "tangent_spec", "tangent_leaves")):
-        found = _tree_difference(label, getattr(old, spec), getattr(signature, spec), getattr(old, leaves), getattr(signature, leaves))
+        found = _tree_difference(
+            label, getattr(old, spec), getattr(signature, spec), getattr(old, leaves), getattr(signature, leaves)
+        )
         if found:
             return found
     if len(old.contexts) != len(signature.contexts):
@@ -153,7 +160,9 @@ def describe_mismatch(prep: Prep, f: Callable[..., Any], signature: Signature) -
     return None
 
 
-def _tree_difference(label: str, spec_a: Any, spec_b: Any, leaves_a: tuple[Any, ...], leaves_b: tuple[Any, ...]) -> str | None:
+def _tree_difference(
+    label: str, spec_a: Any, spec_b: Any, leaves_a: tuple[Any, ...], leaves_b: tuple[Any, ...]
+) -> str | None:
     if spec_a != spec_b:
         return f"{label} structure: prepared for {spec_a}, called with {spec_b}"
     if leaves_a == leaves_b:

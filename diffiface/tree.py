@@ -86,17 +86,12 @@ def ravel(tree: PyTree) -> tuple[Any, Callable[[Any], PyTree]]:
     shapes = [tuple(a.shape) for a in arrays]
     sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
     dtypes = [a.dtype for a in arrays]
-    if arrays:
-        flat = xp.concatenate([xp.reshape(a, (-1,)) for a in arrays])
-    else:
-        flat = xp.zeros((0,))
+    flat = xp.concatenate([xp.reshape(a, (-1,)) for a in arrays]) if arrays else xp.zeros((0,))
     offsets = np.cumsum([0, *sizes])
 
     def unravel(vector: Any) -> PyTree:
         if tuple(vector.shape) != (offsets[-1],):
-            raise ValueError(
-                f"unravel expects a vector of shape ({offsets[-1]},), got {tuple(vector.shape)}."
-            )
+            raise ValueError(f"unravel expects a vector of shape ({offsets[-1]},), got {tuple(vector.shape)}.")
         rebuilt = []
         for i, (kind, shape_, dtype) in enumerate(zip(kinds, shapes, dtypes, strict=True)):
             piece = xp.reshape(vector[offsets[i] : offsets[i + 1]], shape_)

@@ -65,7 +65,18 @@ def test_unknown_name_lists_the_names() -> None:
         (lambda: di.SecondOrder(di.AutoJAX(), "jax"), "inner"),
         (lambda: di.SecondOrder(di.SecondOrder(di.AutoJAX(), di.AutoJAX()), di.AutoJAX()), "outer"),
     ],
-    ids=["method", "negative-step", "zero-step", "nan-step", "torch-mode", "scipy-order", "scipy-maxiter", "jit", "inner", "nested"],
+    ids=[
+        "method",
+        "negative-step",
+        "zero-step",
+        "nan-step",
+        "torch-mode",
+        "scipy-order",
+        "scipy-maxiter",
+        "jit",
+        "inner",
+        "nested",
+    ],
 )
 def test_invalid_options(make: object, match: str) -> None:
     with pytest.raises(di.InvalidBackendOptionError, match=match):
@@ -90,7 +101,9 @@ def test_available_checks_without_importing() -> None:
 def test_missing_engine_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     """A registry row whose engine module does not exist, as on a machine without jax."""
     rows = tuple(
-        registry.BackendInfo(**{**row.__dict__, "requires": ("diffiface_no_such_module",)}) if row.name == "jax" else row
+        registry.BackendInfo(**{**row.__dict__, "requires": ("diffiface_no_such_module",)})
+        if row.name == "jax"
+        else row
         for row in registry.BACKENDS
     )
     monkeypatch.setattr(registry, "BACKENDS", rows)

@@ -6,7 +6,19 @@ import diffiface as di
 from diffiface.test import Scenario
 from diffiface.test._benchmark import CountingFunction, benchmark_differentiation
 
-KEYS = {"backend", "scenario", "operator", "prepared", "calls_of_f", "calls_first", "first_s", "median_s", "min_s", "native_s", "ratio"}
+KEYS = {
+    "backend",
+    "scenario",
+    "operator",
+    "prepared",
+    "calls_of_f",
+    "calls_first",
+    "first_s",
+    "median_s",
+    "min_s",
+    "native_s",
+    "ratio",
+}
 
 
 def _f(x):
@@ -27,8 +39,10 @@ def test_finite_difference_rows_and_counts():
         assert row["median_s"] >= row["min_s"] > 0
         assert row["native_s"] is None and row["ratio"] is None
     assert {(r["backend"], r["prepared"]) for r in rows} == {
-        ("finite_differences", False), ("finite_differences", True),
-        ("finite_differences-forward", False), ("finite_differences-forward", True),
+        ("finite_differences", False),
+        ("finite_differences", True),
+        ("finite_differences-forward", False),
+        ("finite_differences-forward", True),
     }
     for row in rows:
         expected = 2 * n if row["backend"] == "finite_differences" else n + 1
@@ -39,5 +53,6 @@ def test_operator_filter_and_counter():
     scenario = Scenario("cube5", _f, np.ones(5), "gradient", reference=3 * np.ones(5))
     assert benchmark_differentiation(["finite_differences"], [scenario], operators=["jacobian"]) == []
     counted = CountingFunction(_f)
-    counted(np.ones(2)); counted(np.ones(2))
+    counted(np.ones(2))
+    counted(np.ones(2))
     assert counted.calls == 2

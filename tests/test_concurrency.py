@@ -122,7 +122,10 @@ def test_jax_float32_and_float64_preps_in_parallel() -> None:
     flag = jax.config.read("jax_enable_x64")
     x64 = np.array([0.3, -0.2, 0.9])
     x32 = x64.astype(np.float32)
-    weights64, weights32 = di.Constant(np.array([1.0, 2.0, 3.0])), di.Constant(np.array([1.0, 2.0, 3.0], dtype=np.float32))
+    weights64, weights32 = (
+        di.Constant(np.array([1.0, 2.0, 3.0])),
+        di.Constant(np.array([1.0, 2.0, 3.0], dtype=np.float32)),
+    )
     prep64 = di.prepare_gradient(energy, "jax", x64, weights64)
     prep32 = di.prepare_gradient(energy, "jax", x32, weights32)
     expected64 = di.gradient(energy, "jax", x64, weights64, prep=prep64)
@@ -167,7 +170,9 @@ def test_unprepared_call_cache_is_thread_safe(name: str) -> None:
             for n in sizes[(i + r) % 3 :: 3]:
                 x = np.linspace(-1.0, 1.0, n)
                 np.testing.assert_allclose(as_numpy(di.gradient(own, backend, x)), 2 * scale * x, rtol=1e-6, atol=1e-8)
-                np.testing.assert_allclose(as_numpy(di.gradient(shared, backend, x)), 2 * shared_scale * x, rtol=1e-6, atol=1e-8)
+                np.testing.assert_allclose(
+                    as_numpy(di.gradient(shared, backend, x)), 2 * shared_scale * x, rtol=1e-6, atol=1e-8
+                )
                 assert len(prep_cache) >= 0  # reading the size while others write must not fail
 
     run_threads(16, work)

@@ -38,7 +38,11 @@ def _leaf_bits(leaf: Any) -> tuple[Any, ...]:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(leaf, torch.Tensor):
         data = leaf.detach().cpu().contiguous()
-        raw = data.view(torch.uint8).numpy().tobytes() if data.dim() else data.reshape(1).view(torch.uint8).numpy().tobytes()
+        raw = (
+            data.view(torch.uint8).numpy().tobytes()
+            if data.dim()
+            else data.reshape(1).view(torch.uint8).numpy().tobytes()
+        )
         return ("torch", str(leaf.dtype), tuple(leaf.shape), leaf.requires_grad, leaf.grad is None, raw)
     jax = sys.modules.get("jax")
     if jax is not None and isinstance(leaf, jax.Array):
@@ -164,7 +168,12 @@ for _module, _backend in (("jax", "jax"), ("scipy", "scipy"), ("autograd", "auto
     )(_uninstalled(_module, _backend))
 
 
-@case("second-order-untraceable", ("jax", "torch"), di.UnsupportedOperationError, r"jax cannot trace through torch.*same engine")
+@case(
+    "second-order-untraceable",
+    ("jax", "torch"),
+    di.UnsupportedOperationError,
+    r"jax cannot trace through torch.*same engine",
+)
 def _(mp):
     x = vec()
     return lambda: di.hessian(square_sum, di.SecondOrder(di.AutoJAX(), di.AutoTorch()), x), (x,)
@@ -197,9 +206,16 @@ def _(mp):
 
 
 # outputs
-for _op, _backend in (("gradient", "finite_differences"), ("hessian", "jax"), ("hvp", "torch"), ("value_and_gradient", "autograd")):
+for _op, _backend in (
+    ("gradient", "finite_differences"),
+    ("hessian", "jax"),
+    ("hvp", "torch"),
+    ("value_and_gradient", "autograd"),
+):
 
-    def _build(mp: pytest.MonkeyPatch, op: str = _op, backend: str = _backend) -> tuple[Callable[[], Any], tuple[Any, ...]]:
+    def _build(
+        mp: pytest.MonkeyPatch, op: str = _op, backend: str = _backend
+    ) -> tuple[Callable[[], Any], tuple[Any, ...]]:
         x, t = vec(), np.ones(3)
         if op == "hvp":
             return lambda: di.hvp(twice, backend, x, t), (x, t)
@@ -237,7 +253,12 @@ def _(mp):
     return lambda: di.jacobian(lambda x: np.arange(3), "finite_differences", x), (x,)
 
 
-@case("has-aux-not-a-pair", ("jax",), di.InvalidOutputError, r"has_aux=True, f must return a pair \(value, aux\); it returned an array of shape \(\)")
+@case(
+    "has-aux-not-a-pair",
+    ("jax",),
+    di.InvalidOutputError,
+    r"has_aux=True, f must return a pair \(value, aux\); it returned an array of shape \(\)",
+)
 def _(mp):
     x = vec()
     return lambda: di.value_and_gradient(square_sum, "jax", x, has_aux=True), (x,)
@@ -250,7 +271,12 @@ def _(mp):
 
 
 # x
-@case("x-integer-array", ("jax",), di.InvalidInputError, r"x has dtype int64; only real floating-point.*Cast it to a float dtype.*di\.Constant")
+@case(
+    "x-integer-array",
+    ("jax",),
+    di.InvalidInputError,
+    r"x has dtype int64; only real floating-point.*Cast it to a float dtype.*di\.Constant",
+)
 def _(mp):
     x = np.arange(3)
     return lambda: di.gradient(square_sum, "jax", x), (x,)
@@ -261,7 +287,12 @@ def _(mp):
     return lambda: di.gradient(square_sum, "autograd", 3), ()
 
 
-@case("x-bool-leaf", ("torch",), di.InvalidInputError, r"x\['flag'\] has dtype bool.*Cast it to a float dtype, or pass it as a di\.Constant")
+@case(
+    "x-bool-leaf",
+    ("torch",),
+    di.InvalidInputError,
+    r"x\['flag'\] has dtype bool.*Cast it to a float dtype, or pass it as a di\.Constant",
+)
 def _(mp):
     x = {"w": vec(), "flag": True}
     return lambda: di.gradient(lambda x: (x["w"] ** 2).sum(), "torch", x), (x,)
@@ -274,7 +305,12 @@ def _(mp):
     return lambda: di.gradient(lambda x: x[0].sum(), "torch", x), (x,)
 
 
-@case("x-string-leaf", (), di.InvalidInputError, r"x\['name'\] is a str; diffiface differentiates floats.*di\.Constant\(\.\.\.\)")
+@case(
+    "x-string-leaf",
+    (),
+    di.InvalidInputError,
+    r"x\['name'\] is a str; diffiface differentiates floats.*di\.Constant\(\.\.\.\)",
+)
 def _(mp):
     x = {"w": vec(), "name": "layer"}
     return lambda: di.gradient(lambda x: (x["w"] ** 2).sum(), "finite_differences", x), (x,)
@@ -292,13 +328,20 @@ def _(mp):
     return lambda: di.gradient(lambda x: x.abs().sum(), "torch", x), (x,)
 
 
-@case("x-float16-finite-differences", (), di.InvalidInputError, r"x has dtype float16: finite differences in float16.*Cast x to float32")
+@case(
+    "x-float16-finite-differences",
+    (),
+    di.InvalidInputError,
+    r"x has dtype float16: finite differences in float16.*Cast x to float32",
+)
 def _(mp):
     x = vec().astype(np.float16)
     return lambda: di.gradient(square_sum, "finite_differences", x), (x,)
 
 
-@case("x-bfloat16-torch-finite-differences", ("torch",), di.InvalidInputError, r"x has dtype bfloat16.*Cast x to float32")
+@case(
+    "x-bfloat16-torch-finite-differences", ("torch",), di.InvalidInputError, r"x has dtype bfloat16.*Cast x to float32"
+)
 def _(mp):
     x = _torch().ones(3, dtype=_torch().bfloat16)
     return lambda: di.gradient(square_sum, "finite_differences", x), (x,)
@@ -310,19 +353,34 @@ def _(mp):
     return lambda: di.jacobian(lambda x: x["a"] * 2, "scipy", x), (x,)
 
 
-@case("x-mixed-frameworks", ("torch",), di.ArrayTypeError, r"x mixes arrays of several frameworks \(numpy, torch\); use one framework")
+@case(
+    "x-mixed-frameworks",
+    ("torch",),
+    di.ArrayTypeError,
+    r"x mixes arrays of several frameworks \(numpy, torch\); use one framework",
+)
 def _(mp):
     x = [vec(), _torch().ones(3, dtype=_torch().float64)]
     return lambda: di.gradient(lambda x: (x[0] ** 2).sum(), "finite_differences", x), (x,)
 
 
-@case("x-torch-under-jax", ("jax", "torch"), di.ArrayTypeError, r"x holds torch arrays, but the jax backend differentiates jax arrays.*torch backend")
+@case(
+    "x-torch-under-jax",
+    ("jax", "torch"),
+    di.ArrayTypeError,
+    r"x holds torch arrays, but the jax backend differentiates jax arrays.*torch backend",
+)
 def _(mp):
     x = _torch().ones(3)
     return lambda: di.gradient(square_sum, "jax", x), (x,)
 
 
-@case("derivative-of-array", (), di.InvalidInputError, r"derivative needs a scalar x \(a float or a 0-d array\), got \(3,\).*use jacobian")
+@case(
+    "derivative-of-array",
+    (),
+    di.InvalidInputError,
+    r"derivative needs a scalar x \(a float or a 0-d array\), got \(3,\).*use jacobian",
+)
 def _(mp):
     x = vec()
     return lambda: di.derivative(twice, "finite_differences", x), (x,)
@@ -347,13 +405,23 @@ def _(mp):
     return lambda: di.jvp(lambda x: 2 * x["a"], "jax", x, t), (x, t)
 
 
-@case("tangent-shape", ("torch",), di.TangentMismatchError, r"tangent\['a'\] has shape \(4,\), but x\['a'\] has shape \(3,\)")
+@case(
+    "tangent-shape",
+    ("torch",),
+    di.TangentMismatchError,
+    r"tangent\['a'\] has shape \(4,\), but x\['a'\] has shape \(3,\)",
+)
 def _(mp):
     x, t = {"a": vec()}, {"a": np.ones(4)}
     return lambda: di.hvp(lambda x: (x["a"] ** 3).sum(), "torch", x, t), (x, t)
 
 
-@case("tangent-dtype", (), di.TangentMismatchError, r"tangent has dtype float32, but x has dtype float64; cast the tangent to float64")
+@case(
+    "tangent-dtype",
+    (),
+    di.TangentMismatchError,
+    r"tangent has dtype float32, but x has dtype float64; cast the tangent to float64",
+)
 def _(mp):
     x, t = vec(), np.ones(3, dtype=np.float32)
     return lambda: di.jvp(twice, "finite_differences", x, t), (x, t)
@@ -365,38 +433,68 @@ def _(mp):
     return lambda: di.vjp(twice, "autograd", x, t), (x, t)
 
 
-@case("cotangent-shape", ("torch",), di.TangentMismatchError, r"Cotangent leaf 0 has shape \(4,\), but f\(x\)'s leaf 0 has shape \(3,\)")
+@case(
+    "cotangent-shape",
+    ("torch",),
+    di.TangentMismatchError,
+    r"Cotangent leaf 0 has shape \(4,\), but f\(x\)'s leaf 0 has shape \(3,\)",
+)
 def _(mp):
     x, t = vec(), np.ones(4)
     return lambda: di.vjp(twice, "torch", x, t), (x, t)
 
 
-@case("cotangent-dtype", ("jax",), di.TangentMismatchError, r"Cotangent leaf 0 has dtype float32, but f\(x\)'s leaf 0 has dtype float64; cast the cotangent to float64")
+@case(
+    "cotangent-dtype",
+    ("jax",),
+    di.TangentMismatchError,
+    r"Cotangent leaf 0 has dtype float32, but f\(x\)'s leaf 0 has dtype float64; cast the cotangent to float64",
+)
 def _(mp):
     x, t = vec(), np.ones(3, dtype=np.float32)
     return lambda: di.vjp(twice, "jax", x, t), (x, t)
 
 
-@case("tangent-is-a-constant", ("jax",), di.ContextError, r"tangent of jvp is a di\.Constant.*passed bare.*di\.jvp\(f, backend, x, tx, \*contexts\)")
+@case(
+    "tangent-is-a-constant",
+    ("jax",),
+    di.ContextError,
+    r"tangent of jvp is a di\.Constant.*passed bare.*di\.jvp\(f, backend, x, tx, \*contexts\)",
+)
 def _(mp):
     x, c = vec(), di.Constant(np.ones(3))
     return lambda: di.jvp(twice, "jax", x, c), (x, c)
 
 
-@case("cotangent-is-a-cache", (), di.ContextError, r"cotangent of vjp is a di\.Cache.*di\.vjp\(f, backend, x, ty, \*contexts\)")
+@case(
+    "cotangent-is-a-cache",
+    (),
+    di.ContextError,
+    r"cotangent of vjp is a di\.Cache.*di\.vjp\(f, backend, x, ty, \*contexts\)",
+)
 def _(mp):
     x, c = vec(), di.Cache(np.ones(3))
     return lambda: di.vjp(twice, "finite_differences", x, c), (x, c)
 
 
 # contexts
-@case("bare-extra-argument", (), di.ContextError, r"Argument 4 of gradient is a float, not a context.*di\.Constant\(value\).*di\.Cache\(value\)")
+@case(
+    "bare-extra-argument",
+    (),
+    di.ContextError,
+    r"Argument 4 of gradient is a float, not a context.*di\.Constant\(value\).*di\.Cache\(value\)",
+)
 def _(mp):
     x = vec()
     return lambda: di.gradient(lambda x, c: (c * x**2).sum(), "finite_differences", x, 2.0), (x,)
 
 
-@case("bare-array-where-cache-expected", ("torch",), di.ContextError, r"Argument 5 of jvp is a ndarray, not a context.*di\.Cache\(value\) for scratch")
+@case(
+    "bare-array-where-cache-expected",
+    ("torch",),
+    di.ContextError,
+    r"Argument 5 of jvp is a ndarray, not a context.*di\.Cache\(value\) for scratch",
+)
 def _(mp):
     x, t, scratch = vec(), np.ones(3), np.zeros(3)
     return lambda: di.jvp(twice, "torch", x, t, scratch), (x, t, scratch)
@@ -408,13 +506,23 @@ def _(mp):
     return lambda: di.hessian(square_sum, "finite_differences", x, di.Cache), (x,)
 
 
-@case("constant-string-array-torch", ("torch",), di.ContextError, r"Context 0 \(a di\.Constant\) holds an array of dtype <U3, which the torch backend cannot convert.*tolist")
+@case(
+    "constant-string-array-torch",
+    ("torch",),
+    di.ContextError,
+    r"Context 0 \(a di\.Constant\) holds an array of dtype <U3, which the torch backend cannot convert.*tolist",
+)
 def _(mp):
     x, labels = vec(), di.Constant(np.array(["cat", "dog", "emu"]))
     return lambda: di.gradient(square_sum, "torch", x, labels), (x, labels)
 
 
-@case("cache-object-array-jax", ("jax",), di.ContextError, r"Context 1 \(a di\.Cache\) holds an array of dtype object, which the jax backend cannot convert")
+@case(
+    "cache-object-array-jax",
+    ("jax",),
+    di.ContextError,
+    r"Context 1 \(a di\.Cache\) holds an array of dtype object, which the jax backend cannot convert",
+)
 def _(mp):
     x, c, cache = vec(), di.Constant(2.0), di.Cache(np.array([object(), None]))
     return lambda: di.gradient(square_sum, "jax", x, c, cache), (x, c, cache)
@@ -477,20 +585,39 @@ def _prep_mismatch(part: str) -> Callable[..., Any]:
 
 for _part, _engines, _match in (
     ("f", (), r"f: prepared for square_sum, called with twice.*Prepare again.*strict=False"),
-    ("backend", (), r"backend: prepared for AutoFiniteDifferences\(method='central'.*called with AutoFiniteDifferences\(method='forward'"),
-    ("shape", (), r"x: prepared for a numpy array of shape \(3,\) and dtype float64, called with a numpy array of shape \(4,\)"),
+    (
+        "backend",
+        (),
+        r"backend: prepared for AutoFiniteDifferences\(method='central'.*called with AutoFiniteDifferences\(method='forward'",
+    ),
+    (
+        "shape",
+        (),
+        r"x: prepared for a numpy array of shape \(3,\) and dtype float64, called with a numpy array of shape \(4,\)",
+    ),
     ("dtype", (), r"x: prepared for .*dtype float64, called with .*dtype float32"),
     ("structure", (), r"x structure: prepared for PyTreeSpec\(\*\), called with PyTreeSpec\(\[\*\]\)"),
     ("array-type", ("torch",), r"x: prepared for a numpy array .* called with a torch array of shape \(3,\)"),
     ("context-count", (), r"contexts: prepared with 1, called with 0"),
     ("context-kind", (), r"context 0: prepared as Constant, called with Cache"),
-    ("context-shape", (), r"context 0: prepared for a numpy array of shape \(2,\).*called with a numpy array of shape \(5,\)"),
+    (
+        "context-shape",
+        (),
+        r"context 0: prepared for a numpy array of shape \(2,\).*called with a numpy array of shape \(5,\)",
+    ),
     ("operator", (), r"operator: prepared for 'gradient', called with 'hessian'.*di\.prepare_gradient"),
 ):
-    case(f"prep-other-{_part}", _engines, di.PreparationMismatchError, rf"This prep does not fit the call\. {_match}")(_prep_mismatch(_part))
+    case(f"prep-other-{_part}", _engines, di.PreparationMismatchError, rf"This prep does not fit the call\. {_match}")(
+        _prep_mismatch(_part)
+    )
 
 
-@case("prep-other-tangent", ("jax",), di.PreparationMismatchError, r"tangent: prepared for a numpy array of shape \(3,\).*called with a numpy array of shape \(3,\) and dtype float32")
+@case(
+    "prep-other-tangent",
+    ("jax",),
+    di.PreparationMismatchError,
+    r"tangent: prepared for a numpy array of shape \(3,\).*called with a numpy array of shape \(3,\) and dtype float32",
+)
 def _(mp):
     x, t = vec(), np.ones(3)
     prep = di.prepare_jvp(twice, "jax", x, t)
@@ -532,7 +659,9 @@ def _holds_object_array(tree: Any) -> bool:
 # -- the other halves of the policies ------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("framework", "dtype"), [("jax", "float16"), ("jax", "bfloat16"), ("torch", "float16"), ("torch", "bfloat16")])
+@pytest.mark.parametrize(
+    ("framework", "dtype"), [("jax", "float16"), ("jax", "bfloat16"), ("torch", "float16"), ("torch", "bfloat16")]
+)
 def test_half_precision_is_computed_in_its_own_dtype(framework: str, dtype: str) -> None:
     need(framework)
     if framework == "jax":
@@ -561,6 +690,7 @@ def test_jax_prep_survives_clear_caches() -> None:
     import jax
 
     x, c = vec(), di.Constant(np.array([1.0, 2.0, 3.0]))
+
     def f(x: Any, c: Any) -> Any:
         return (c * jax.numpy.sin(x)).sum()
 

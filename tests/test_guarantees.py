@@ -129,7 +129,9 @@ def test_jax_in_jax_out(backend_name: str, dtype_name: str) -> None:
         assert isinstance(g[key], jax.Array)
         assert g[key].dtype == np.dtype(dtype_name)
         assert g[key].shape == x[key].shape
-    np.testing.assert_allclose(np.asarray(g["w"]), np.cos([0.5, -1.0]) * 0.2, rtol=1e-3 if dtype_name == "float32" else 1e-7)
+    np.testing.assert_allclose(
+        np.asarray(g["w"]), np.cos([0.5, -1.0]) * 0.2, rtol=1e-3 if dtype_name == "float32" else 1e-7
+    )
 
 
 # -- 2. nothing is mutated ------------------------------------------------------------------------
@@ -181,7 +183,9 @@ def test_torch_flags_grads_and_modules_unchanged(backend_name: str) -> None:
     backend = require(backend_name)
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Tanh(), torch.nn.Linear(4, 1)
+    ).double()
     model.eval()  # f only reads the model: batch norm uses its running stats
     batch = torch.randn(5, 3, dtype=torch.float64)
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -224,7 +228,11 @@ def test_float64_stays_float64(backend: Any) -> None:
     g = di.gradient(f, backend, x)
     assert g.dtype == np.float64
     # 2 + 2e-9 is not a float32 number: the computation ran in float64.
-    assert abs(g[0] - (2.0 + 2e-9)) < 1e-12 if backend.name not in ("finite_differences", "scipy") else abs(g[0] - 2) < 1e-6
+    assert (
+        abs(g[0] - (2.0 + 2e-9)) < 1e-12
+        if backend.name not in ("finite_differences", "scipy")
+        else abs(g[0] - 2) < 1e-6
+    )
     assert all("32" not in dtype for dtype in seen), seen
 
 

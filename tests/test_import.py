@@ -11,7 +11,11 @@ FRAMEWORKS = ("torch", "jax", "autograd", "scipy", "array_api_compat")
 
 def _run(code: str) -> str:
     result = subprocess.run(
-        [sys.executable, "-W", "error", "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-W", "error", "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     return result.stdout

@@ -36,7 +36,16 @@ def bits(*trees: Any) -> list[Any]:
         for leaf in leaves:
             torch = sys.modules.get("torch")
             if torch is not None and isinstance(leaf, torch.Tensor):
-                out.append(("torch", leaf.dtype, tuple(leaf.shape), leaf.requires_grad, leaf.grad is None, leaf.detach().numpy().tobytes()))
+                out.append(
+                    (
+                        "torch",
+                        leaf.dtype,
+                        tuple(leaf.shape),
+                        leaf.requires_grad,
+                        leaf.grad is None,
+                        leaf.detach().numpy().tobytes(),
+                    )
+                )
             else:
                 array = np.asarray(leaf)
                 out.append((type(leaf).__name__, array.dtype.str, array.shape, array.tobytes()))
@@ -122,7 +131,16 @@ def test_failure_half_way_leaves_torch_tensors_untouched(backend: str) -> None:
     assert not x["s"].requires_grad
 
 
-@pytest.mark.parametrize(("backend", "operator", "k"), [("finite_differences", "hessian", 6), ("scipy", "jacobian", 4), ("jax", "hessian", 1), ("torch", "jacobian", 1), ("autograd", "hvp", 1)])
+@pytest.mark.parametrize(
+    ("backend", "operator", "k"),
+    [
+        ("finite_differences", "hessian", 6),
+        ("scipy", "jacobian", 4),
+        ("jax", "hessian", 1),
+        ("torch", "jacobian", 1),
+        ("autograd", "hvp", 1),
+    ],
+)
 def test_keyboard_interrupt_passes_through(backend: str, operator: str, k: int) -> None:
     need(backend)
     jax = sys.modules.get("jax")

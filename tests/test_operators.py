@@ -240,7 +240,9 @@ def _params() -> list[Any]:
             for backend_id in backends:
                 for dtype in case.dtypes:
                     suffix = "" if case.python_float else f"-{_dtype_id(dtype)}"
-                    params.append(pytest.param(op, backend_id, case, dtype, id=f"{op}-{backend_id}-{case.name}{suffix}"))
+                    params.append(
+                        pytest.param(op, backend_id, case, dtype, id=f"{op}-{backend_id}-{case.name}{suffix}")
+                    )
     return params
 
 
@@ -457,10 +459,14 @@ def test_finite_difference_methods(method: str, dtype: Any) -> None:
     grad = sum_sin_grad(x64)
     assert_tree_close(di.gradient(sum_sin, backend, x), grad, tol, tol, dtype=dtype)
     t = np.cos(np.arange(6.0)).reshape(3, 2)
-    assert_tree_close(di.jvp(exp_map, backend, x, t.astype(dtype), di.Constant(1.5)), np.exp(x64) * 1.5 * t, tol, tol, dtype=dtype)
+    assert_tree_close(
+        di.jvp(exp_map, backend, x, t.astype(dtype), di.Constant(1.5)), np.exp(x64) * 1.5 * t, tol, tol, dtype=dtype
+    )
     jacobian = di.jacobian(exp_map, backend, x, di.Constant(1.5))
     assert_tree_close(jacobian, np.diag((np.exp(x64) * 1.5).reshape(-1)).reshape(3, 2, 3, 2), tol, tol, dtype=dtype)
-    value, derivative = di.value_and_derivative(lambda s: namespace(s).sin(s) * s, backend, dtype(0.7) if dtype == np.float32 else 0.7)
+    value, derivative = di.value_and_derivative(
+        lambda s: namespace(s).sin(s) * s, backend, dtype(0.7) if dtype == np.float32 else 0.7
+    )
     assert math.isclose(float(derivative), math.cos(0.7) * 0.7 + math.sin(0.7), rel_tol=tol, abs_tol=tol)
     assert math.isclose(float(value), math.sin(0.7) * 0.7, rel_tol=1e-6)
 
@@ -517,7 +523,9 @@ def test_second_order_combinations(second_order_backend: Any) -> None:
     assert_tree_close(
         di.hessian(tree_loss, second_order_backend, x), expected("hessian", case, x, t), rtol, atol, dtype=np.float64
     )
-    assert_tree_close(di.hvp(tree_loss, second_order_backend, x, t), expected("hvp", case, x, t), rtol, atol, dtype=np.float64)
+    assert_tree_close(
+        di.hvp(tree_loss, second_order_backend, x, t), expected("hvp", case, x, t), rtol, atol, dtype=np.float64
+    )
 
 
 def test_second_derivative_of_second_order_combinations(second_order_backend: Any) -> None:

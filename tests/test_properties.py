@@ -49,7 +49,9 @@ IDS = [f"{b}-{k}" for b, k in COMBINATIONS]
 def need(*backends: str) -> None:
     for backend in backends:
         if not di.available(backend):
-            pytest.skip(f'the {backend} backend is not installed: pip install "diffiface[{adapters.info(backend).extra}]"')
+            pytest.skip(
+                f'the {backend} backend is not installed: pip install "diffiface[{adapters.info(backend).extra}]"'
+            )
 
 
 def examples(backend: str) -> int:
@@ -269,7 +271,9 @@ def _hessian_matrix(hessian: Any, x: Any) -> np.ndarray:
         blocks = optree.tree_leaves(row)
         assert len(blocks) == len(sizes)
         for j, block in enumerate(blocks):
-            matrix[offsets[i] : offsets[i + 1], offsets[j] : offsets[j + 1]] = to_numpy(block).reshape(sizes[i], sizes[j])
+            matrix[offsets[i] : offsets[i + 1], offsets[j] : offsets[j + 1]] = to_numpy(block).reshape(
+                sizes[i], sizes[j]
+            )
     return matrix
 
 
@@ -302,9 +306,13 @@ def test_jacobian_rows_are_vjps_of_basis_vectors(backend: str, kind: str) -> Non
                 ty[i].reshape(-1)[k] = 1
                 row = di.vjp(problem.vector, backend, x, as_kind(ty, kind))
                 expected = flat(row)
-                got = np.concatenate(
-                    [to_numpy(b).astype(np.float64).reshape(yi.size, -1)[k] for b in optree.tree_leaves(block_row)]
-                ) if optree.tree_leaves(block_row) else np.zeros(0)
+                got = (
+                    np.concatenate(
+                        [to_numpy(b).astype(np.float64).reshape(yi.size, -1)[k] for b in optree.tree_leaves(block_row)]
+                    )
+                    if optree.tree_leaves(block_row)
+                    else np.zeros(0)
+                )
                 close(got, expected, problem)
                 for b, xj in zip(optree.tree_leaves(block_row), optree.tree_leaves(x), strict=True):
                     assert tuple(b.shape) == (*yi.shape, *xj.shape)
@@ -316,7 +324,11 @@ def test_jacobian_rows_are_vjps_of_basis_vectors(backend: str, kind: str) -> Non
 def test_prepared_equals_unprepared(backend: str, kind: str) -> None:
     def check(backend: str, x: Any, problem: Problem) -> None:
         tx = as_kind(random_like(problem.x, problem.seed + 4), kind)
-        for name, f, args in (("gradient", problem.scalar, (x,)), ("jvp", problem.vector, (x, tx)), ("hessian", problem.scalar, (x,))):
+        for name, f, args in (
+            ("gradient", problem.scalar, (x,)),
+            ("jvp", problem.vector, (x, tx)),
+            ("hessian", problem.scalar, (x,)),
+        ):
             prep = getattr(di, f"prepare_{name}")(f, backend, *args)
             prepared = getattr(di, name)(f, backend, *args, prep=prep)
             unprepared = getattr(di, name)(f, backend, *args)
@@ -326,7 +338,11 @@ def test_prepared_equals_unprepared(backend: str, kind: str) -> None:
     run(backend, kind, check)
 
 
-@pytest.mark.parametrize(("backend", "kind"), [c for c in COMBINATIONS if c[0] != "finite_differences"], ids=[i for i in IDS if not i.startswith("finite")])
+@pytest.mark.parametrize(
+    ("backend", "kind"),
+    [c for c in COMBINATIONS if c[0] != "finite_differences"],
+    ids=[i for i in IDS if not i.startswith("finite")],
+)
 def test_agrees_with_finite_differences(backend: str, kind: str) -> None:
     def check(backend: str, x: Any, problem: Problem) -> None:
         x64 = optree.tree_map(lambda a: a.astype(np.float64), problem.x)
@@ -336,7 +352,9 @@ def test_agrees_with_finite_differences(backend: str, kind: str) -> None:
         close(flat(grad), flat(reference), problem, scale)
         tx = random_like(problem.x, problem.seed + 5)
         jvp = di.jvp(problem.vector, backend, x, as_kind(tx, kind))
-        reference = di.jvp(problem.vector, "finite_differences", x64, optree.tree_map(lambda a: a.astype(np.float64), tx))
+        reference = di.jvp(
+            problem.vector, "finite_differences", x64, optree.tree_map(lambda a: a.astype(np.float64), tx)
+        )
         close(flat(jvp), flat(reference), problem, float(np.abs(flat(reference)).max(initial=0.0)))
 
     run(backend, kind, check)

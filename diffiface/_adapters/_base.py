@@ -166,7 +166,9 @@ class Adapter:
         blocks = []
         for i, y in enumerate(outs):
             rows = [
-                vjp(_shaped_as(out, tuple(self.basis(y, k) if l == i else xp.zeros_like(z) for l, z in enumerate(outs))))
+                vjp(
+                    _shaped_as(out, tuple(self.basis(y, k) if m == i else xp.zeros_like(z) for m, z in enumerate(outs)))
+                )
                 for k in range(_size(y))
             ]
             blocks.append(
@@ -187,7 +189,7 @@ class Adapter:
         for j, x in enumerate(xs):
             cols = []
             for k in range(_size(x)):
-                txs = zeros[:j] + (self.basis(x, k),) + zeros[j + 1 :]
+                txs = (*zeros[:j], self.basis(x, k), *zeros[j + 1 :])
                 out, aux, tout = self.value_and_pushforward(fn, xs, txs)
                 cols.append(_as_tuple(tout))
             columns.append(cols)
@@ -374,4 +376,3 @@ def _transpose_apply(xp: Any, blocks: Blocks, touts: tuple[Any, ...], xs: Leaves
             acc = acc + xp.reshape(xp.reshape(t, (m,)) @ xp.reshape(row[j], (m, n)), tuple(x.shape))
         result.append(acc)
     return tuple(result)
-

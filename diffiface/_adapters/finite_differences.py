@@ -13,6 +13,7 @@ backward), ``1/4`` (second differences); each step is rounded so that ``x_i + h`
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import sys
 from collections.abc import Callable, Iterator
@@ -133,13 +134,22 @@ class Adapter(_base.Adapter):
             return flat.imag if np.iscomplexobj(vector) else flat.real
         return flat.astype(np.float64)
 
+    def _first(self, fn: Fn, point: _Point, vector: np.ndarray) -> float:
+        """The first number of f at ``vector`` (a scalar f's value)."""
+        return float(self._evaluate(fn, point, vector)[0])
+
     def _value(self, fn: Fn, point: _Point) -> tuple[Any, Any, np.ndarray, _Layout]:
         out, aux = self._call(fn, point, point.vector)
         flat, layout = _flatten_out(out)
         return out, aux, flat.astype(np.float64), layout
 
     def _columns(
-        self, fn: Fn, point: _Point, directions: Iterator[tuple[np.ndarray, float]], value: np.ndarray | None, layout: _Layout
+        self,
+        fn: Fn,
+        point: _Point,
+        directions: Iterator[tuple[np.ndarray, float]],
+        value: np.ndarray | None,
+        layout: _Layout,
     ) -> Iterator[np.ndarray]:
         """``(f(x + h d) - f(x - h d)) / 2h`` (or the one-sided or complex-step form) per direction."""
         x = point.vector
@@ -214,11 +224,15 @@ class Adapter(_base.Adapter):
         return out, aux, tuple(row[0] for row in blocks)
 
     def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
-        out, aux, matrix, point, layout = self._matrix(fn, xs)
+        out, aux, matrix, point, _ = self._matrix(fn, xs)
 
         def vjp(touts: Any) -> Leaves:
             leaves = touts if isinstance(touts, tuple) else (touts,)
-            t = np.concatenate([np.asarray(_arrays.to_numpy(leaf), dtype=np.float64).reshape(-1) for leaf in leaves]) if leaves else np.zeros(0)
+            t = (
+                np.concatenate([np.asarray(_arrays.to_numpy(leaf), dtype=np.float64).reshape(-1) for leaf in leaves])
+                if leaves
+                else np.zeros(0)
+            )
             return _split(t @ matrix, point)
 
         return out, aux, vjp
@@ -250,7 +264,7 @@ class Adapter(_base.Adapter):
         _, _, grads = self.value_and_gradient(fn, xs)
         x, n = point.vector, point.size
         h = point.steps(1 / 4, self.fixed_step)
-        f = lambda v: self._evaluate(fn, point, v)[0]  # noqa: E731
+        f = functools.partial(self._first, fn, point)
         hessian = np.empty((n, n))
         for i in range(n):
             ei = np.zeros(n)
@@ -275,7 +289,7 @@ class Adapter(_base.Adapter):
             eps = float(np.max(point.eps))
             t = (self.fixed_step or eps**0.25 * max(1.0, float(np.max(np.abs(x))))) / scale
             h = point.steps(1 / 4, self.fixed_step)
-            f = lambda u: self._evaluate(fn, point, u)[0]  # noqa: E731
+            f = functools.partial(self._first, fn, point)
             for i in range(point.size):
                 ei = np.zeros(point.size)
                 ei[i] = h[i]
@@ -289,7 +303,11 @@ class Adapter(_base.Adapter):
         _, _, derivs = self.value_and_derivative(fn, xs)
         h = point.steps(1 / 4, self.fixed_step)
         x = point.vector
-        second = (self._evaluate(fn, point, x + h) - 2 * f0 + self._evaluate(fn, point, x - h)) / (h[0] * h[0]) if point.size else f0 * 0
+        second = (
+            (self._evaluate(fn, point, x + h) - 2 * f0 + self._evaluate(fn, point, x - h)) / (h[0] * h[0])
+            if point.size
+            else f0 * 0
+        )
         return out, aux, derivs, _split_out(second, layout)
 
 

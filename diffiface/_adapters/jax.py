@@ -122,4 +122,3 @@ class Adapter(_base.Adapter):
 
     def basis(self, like: Any, index: int) -> Any:
         return jnp.zeros(like.size, like.dtype).at[index].set(1).reshape(like.shape)
-

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import scipy.differentiate
 
+from .. import _arrays
 from . import _base
 from ._base import Blocks, Fn, Leaves
-from .. import _arrays
 from .finite_differences import (
     _blocks,
     _flatten_out,
@@ -79,7 +79,14 @@ class Adapter(_base.Adapter):
             zeros = np.zeros((flat.size, point.size))
             return out, aux, zeros, zeros, point, layout
         result = scipy.differentiate.jacobian(batched, point.vector, **self._options)
-        return out, aux, np.asarray(result.df).reshape(flat.size, point.size), np.asarray(result.error).reshape(flat.size, point.size), point, layout
+        return (
+            out,
+            aux,
+            np.asarray(result.df).reshape(flat.size, point.size),
+            np.asarray(result.error).reshape(flat.size, point.size),
+            point,
+            layout,
+        )
 
     # -- first order --------------------------------------------------------------------------------
 
@@ -118,7 +125,7 @@ class Adapter(_base.Adapter):
     # -- second order ---------------------------------------------------------------------------
 
     def _hessian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, np.ndarray, np.ndarray, _Point]:
-        out, aux, flat, _, batched, point = self._flat(fn, xs)
+        out, aux, _, _, batched, point = self._flat(fn, xs)
         n = point.size
         if n == 0:
             return out, aux, np.zeros((0, 0)), np.zeros((0, 0)), point
@@ -163,4 +170,3 @@ def _zeros_like(out: Any) -> Any:
     if isinstance(out, tuple):
         return tuple(np.zeros(np.shape(_arrays.to_numpy(y))) for y in out)
     return np.zeros(np.shape(_arrays.to_numpy(out)))
-

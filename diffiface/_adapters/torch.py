@@ -99,8 +99,8 @@ class Adapter(_base.Adapter):
     def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
         if self.functional:
             tensor_fn, rebuild = _tensor_aux(fn)
-            out, vjp, aux = func.vjp(tensor_fn, xs, has_aux=True)
-            return out, rebuild(aux), lambda touts: vjp(touts)[0]
+            out, pullback, aux = func.vjp(tensor_fn, xs, has_aux=True)  # type: ignore[misc]
+            return out, rebuild(aux), lambda touts: pullback(touts)[0]
         with torch.enable_grad():
             inputs = _requiring_grad(xs)
             out, aux = fn(inputs)
@@ -118,7 +118,7 @@ class Adapter(_base.Adapter):
     def _value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
         if self.functional:
             tensor_fn, rebuild = _tensor_aux(fn)
-            out, tout, aux = func.jvp(tensor_fn, (xs,), (txs,), has_aux=True)
+            out, tout, aux = func.jvp(tensor_fn, (xs,), (txs,), has_aux=True)  # type: ignore[misc]
             # torch.func.jvp promotes the tangent of a 0-d float32 output times a Python
             # float to float64; a tangent has its primal's dtype.
             tout = optree.tree_map(lambda t, y: t.to(y.dtype) if t.dtype != y.dtype else t, tout, out)
@@ -234,7 +234,11 @@ def _if_graph(value: Any) -> list[Any]:
 
 
 def _grad(
-    outputs: list[Any], inputs: Leaves, grad_outputs: list[Any] | None = None, create_graph: bool = False, retain: bool = True
+    outputs: list[Any],
+    inputs: Leaves,
+    grad_outputs: list[Any] | None = None,
+    create_graph: bool = False,
+    retain: bool = True,
 ) -> Leaves:
     """``torch.autograd.grad`` that gives zeros, never None, for inputs that do not matter.
     ``retain=False`` frees the graph: for the last backward pass through it."""
@@ -275,4 +279,3 @@ def _tangent(value: Any) -> Any:
         return value
     primal, tangent = forward_ad.unpack_dual(value)
     return torch.zeros_like(primal) if tangent is None else tangent
-

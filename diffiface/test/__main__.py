@@ -11,7 +11,7 @@ import importlib.util
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .._adapters import available, install_hint
@@ -29,7 +29,7 @@ _BACKENDS: dict[str, Backend] = {
 }
 
 #: Known limits of the bundled suite, by backend label: skipped, with the reason in the docs.
-_SKIP = {
+_SKIP: dict[str, Iterable[str]] = {
     # scipy's adaptive differences evaluate f point by point in Python: its second-order
     # operators on the larger inputs take minutes, and it is a reference, not a training tool.
     "scipy": {"layer", "torch_module", "matrix", "pytree"},
@@ -102,15 +102,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines = report.grouped()
     for backend in backends:
         if not available(backend):
-            lines.append({**dict.fromkeys(lines[0] if lines else ["backend", "group"], 0), "backend": backend_label(backend), "group": "(not installed)"})
+            lines.append(
+                {
+                    **dict.fromkeys(lines[0] if lines else ["backend", "group"], 0),
+                    "backend": backend_label(backend),
+                    "group": "(not installed)",
+                }
+            )
     if args.format == "json":
-        print(json.dumps({"rows": [vars(row) | {"tags": sorted(row.tags)} for row in report.rows], "seconds": seconds}, default=str))
+        print(
+            json.dumps(
+                {"rows": [vars(row) | {"tags": sorted(row.tags)} for row in report.rows], "seconds": seconds},
+                default=str,
+            )
+        )
     else:
         print(report.table(args.format, lines))
         for note in notes:
             print(note)
         counts = report.counts()
-        print(f"{counts.get('passed', 0)} passed, {len(report.failed)} failed, {counts.get('skipped', 0)} skipped in {seconds:.0f} s")
+        print(
+            f"{counts.get('passed', 0)} passed, {len(report.failed)} failed, {counts.get('skipped', 0)} skipped in {seconds:.0f} s"
+        )
         if report.failed:
             print(report.summary())
     return 1 if report.failed else 0
@@ -118,5 +131,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-

@@ -9,6 +9,7 @@ and, where the engine has an idiomatic call of its own for the operator, how lon
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -45,7 +46,7 @@ def _block(result: Any) -> Any:
             ready = getattr(leaf, "block_until_ready", None)
             if ready is not None:
                 ready()
-    except Exception:  # noqa: BLE001 - timing helper, never fails a benchmark
+    except Exception:
         pass
     return result
 
@@ -76,13 +77,16 @@ def time_call(call: Callable[[], Any], rounds: int = 5, number: int | None = Non
     return statistics.median(per_call), min(per_call)
 
 
-def time_pair(call: Callable[[], Any], native: Callable[[], Any], rounds: int = 5, number: int | None = None) -> tuple[float, float, float]:
+def time_pair(
+    call: Callable[[], Any], native: Callable[[], Any], rounds: int = 5, number: int | None = None
+) -> tuple[float, float, float]:
     """(median, min, native median) seconds per call, rounds of the two calls interleaved so
     that load from elsewhere on the machine weighs on both alike."""
     _block(call())
     _block(native())
     number = number or _autorange(call)
-    ours, theirs = [], []
+    ours: list[float] = []
+    theirs: list[float] = []
     for _ in range(rounds):
         for fn, times in ((native, theirs), (call, ours)):
             start = time.perf_counter()
@@ -224,10 +228,10 @@ def benchmark_differentiation(
                 if prepared:
                     prep = prepare(counted, backend, *args, **kwargs)
                     _block(operator(counted, backend, *args, prep=prep, **kwargs))
-                    call = lambda prep=prep, counted=counted, args=args: operator(counted, backend, *args, prep=prep, **kwargs)  # noqa: E731
+                    call = functools.partial(operator, counted, backend, *args, prep=prep, **kwargs)
                 else:
                     _block(operator(counted, backend, *args, **kwargs))
-                    call = lambda counted=counted, args=args: operator(counted, backend, *args, **kwargs)  # noqa: E731
+                    call = functools.partial(operator, counted, backend, *args, **kwargs)
                 first_s = time.perf_counter() - start
                 calls_first = counted.calls
                 counted.calls = 0

@@ -26,7 +26,9 @@ def default_tolerances(dtype: str) -> tuple[float, float]:
     return _TOLERANCES.get(dtype, _TOLERANCES["float64"])
 
 
-def assert_allclose(actual: Any, expected: Any, rtol: float | None = None, atol: float | None = None, *, check_dtype: bool = True) -> None:
+def assert_allclose(
+    actual: Any, expected: Any, rtol: float | None = None, atol: float | None = None, *, check_dtype: bool = True
+) -> None:
     """Assert that two derivatives are the same, recursively over pytrees.
 
     First the form: the same tree structure, and per leaf the same array type (numpy,

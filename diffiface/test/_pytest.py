@@ -31,6 +31,10 @@ def parametrize(backends: Sequence[Backend | str], scenarios: Iterable[Scenario]
         for backend in backends:
             backend = normalize(backend)
             label = backend_label(backend)
-            marks = [] if available(backend) else [pytest.mark.skip(reason=f"{label} is not installed: {install_hint(backend)}")]
+            marks = (
+                []
+                if available(backend)
+                else [pytest.mark.skip(reason=f"{label} is not installed: {install_hint(backend)}")]
+            )
             params.append(pytest.param(backend, scenario, id=f"{scenario.name}-{label}", marks=marks))
     return pytest.mark.parametrize(("backend", "scenario"), params)

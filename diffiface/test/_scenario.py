@@ -76,13 +76,17 @@ class Scenario:
     def __post_init__(self) -> None:
         op = OPERATORS.get(self.operator)
         if op is None:
-            raise ValueError(f"Scenario {self.name!r}: unknown operator {self.operator!r}; choose from {sorted(OPERATORS)}.")
+            raise ValueError(
+                f"Scenario {self.name!r}: unknown operator {self.operator!r}; choose from {sorted(OPERATORS)}."
+            )
         if (op.tangent is None) != (self.tangent is None):
             need = "needs a tangent" if op.tangent else "takes no tangent"
             raise ValueError(f"Scenario {self.name!r}: {self.operator} {need}.")
         for context in self.contexts:
             if not isinstance(context, Context):
-                raise ValueError(f"Scenario {self.name!r}: contexts must be di.Constant or di.Cache, got {type(context).__name__}.")
+                raise ValueError(
+                    f"Scenario {self.name!r}: contexts must be di.Constant or di.Cache, got {type(context).__name__}."
+                )
         if not (isinstance(self.reference, (Backend, str)) or self.reference is None):
             expected = result_layout(self)
             given = _layout(self.reference)
@@ -92,7 +96,9 @@ class Scenario:
                     f"expected the layout {expected}, got {given}."
                 )
         elif isinstance(self.reference, str) and self.reference != "cross":
-            raise ValueError(f"Scenario {self.name!r}: reference must be a result, a backend or 'cross', got {self.reference!r}.")
+            raise ValueError(
+                f"Scenario {self.name!r}: reference must be a result, a backend or 'cross', got {self.reference!r}."
+            )
 
     @property
     def context_values(self) -> tuple[Any, ...]:
@@ -112,7 +118,7 @@ def result_layout(scenario: Scenario) -> Any:
     """The structure and shapes the operator's result must have (for checking references)."""
     op = OPERATORS[scenario.operator]
     x_layout = _layout(scenario.x)
-    y = scenario.evaluate() if any(kind in ("y", "jacobian", "value") for _, kind in op.parts) else None
+    y: Any = scenario.evaluate() if any(kind in ("y", "jacobian", "value") for _, kind in op.parts) else None
     if scenario.has_aux and y is not None:
         y = y[0]
     pieces = []
@@ -122,9 +128,18 @@ def result_layout(scenario: Scenario) -> Any:
         elif kind in ("y", "value"):
             pieces.append(_layout(y))
         elif kind == "jacobian":
-            pieces.append(optree.tree_map(lambda yl: optree.tree_map(lambda xl: (*_arrays.shape(yl), *_arrays.shape(xl)), scenario.x), y))
+            pieces.append(
+                optree.tree_map(
+                    lambda yl: optree.tree_map(lambda xl: (*_arrays.shape(yl), *_arrays.shape(xl)), scenario.x), y
+                )
+            )
         else:
-            pieces.append(optree.tree_map(lambda xi: optree.tree_map(lambda xj: (*_arrays.shape(xi), *_arrays.shape(xj)), scenario.x), scenario.x))
+            pieces.append(
+                optree.tree_map(
+                    lambda xi: optree.tree_map(lambda xj: (*_arrays.shape(xi), *_arrays.shape(xj)), scenario.x),
+                    scenario.x,
+                )
+            )
     if scenario.has_aux:
         return None  # an aux result is whatever f returns; only its value part is checked
     return pieces[0] if len(pieces) == 1 else tuple(pieces)

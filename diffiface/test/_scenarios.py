@@ -116,9 +116,8 @@ def core_scenarios(dtypes: tuple[str, ...] = ("float64", "float32"), quick: bool
                 continue
             for op in OPERATORS.values():
                 variants = ["constant"] if quick or name != "vector" else ["constant", "none", "cache"]
-                if op.scalar_input:
-                    if name != "scalar":
-                        continue
+                if op.scalar_input and name != "scalar":
+                    continue
                 for variant in variants:
                     scenarios.append(_core(op.name, name, x, dtype, scale, variant))
     return scenarios
@@ -140,7 +139,14 @@ def _core(operator: str, input_name: str, x: Any, dtype: str, scale: Any, varian
     elif op.tangent == "y":
         tangent = _tangent(f(x, *(c.value for c in contexts)) if variant != "cache" else base(x, scale), 2)
     tags = {"core", dtype, input_name, variant}
-    second = op.name in ("hessian", "value_gradient_and_hessian", "hvp", "gradient_and_hvp", "second_derivative", "value_derivative_and_second_derivative")
+    second = op.name in (
+        "hessian",
+        "value_gradient_and_hessian",
+        "hvp",
+        "gradient_and_hvp",
+        "second_derivative",
+        "value_derivative_and_second_derivative",
+    )
     rtol, atol = (1e-5, 1e-6) if dtype == "float64" else (2e-3, 2e-3)
     if second:
         tags.add("second_order")

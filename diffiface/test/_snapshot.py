@@ -36,7 +36,7 @@ def changes(taken: list[tuple[str, Any, Any]]) -> list[str]:
     """What differs between a snapshot and the objects now, one line per difference."""
     found = []
     for path, leaf, before in taken:
-        after = _state(leaf)
+        after = _state(leaf) or {}
         for key in before:
             if not _equal(before[key], after.get(key)):
                 found.append(f"{path}{key}")
