@@ -16,6 +16,7 @@ import numpy as np
 import optree
 
 from . import _arrays
+from . import tree as _tree
 from ._adapters import adapter_for, info, normalize
 from ._adapters._base import Adapter, force
 from ._backends import Backend, SecondOrder
@@ -82,7 +83,7 @@ OPERATORS: dict[str, Operator] = {op.name: op for op in _OPERATORS}
 
 # -- a call: flattened arguments and their signature ------------------------------------------
 
-_LEAF = optree.tree_structure(0)  # type: ignore[arg-type]  # a leaf's structure
+_LEAF = _tree.structure(0)  # type: ignore[arg-type]  # a leaf's structure
 _ARRAY_KINDS = frozenset({"numpy", "torch", "jax"})
 
 
@@ -102,19 +103,19 @@ class Call:
         if _arrays.kind(x) in _ARRAY_KINDS:  # one array: no tree to flatten
             self.x_leaves, x_spec = [x], _LEAF
         else:
-            self.x_leaves, x_spec = optree.tree_flatten(x)
+            self.x_leaves, x_spec = _tree.flatten(x)
         if op.tangent is None:
             self.tangent_leaves: list[Any] = []
             t_spec = None
         else:
-            self.tangent_leaves, t_spec = optree.tree_flatten(tangent)
+            self.tangent_leaves, t_spec = _tree.flatten(tangent)
         context_signature = []
         self.context_leaves = []
         self.context_specs = []
         for i, context in enumerate(contexts):
             if not isinstance(context, Context):
                 raise _bare_argument(op, i, context)
-            leaves, spec = optree.tree_flatten(context.value)
+            leaves, spec = _tree.flatten(context.value)
             self.context_leaves.append(leaves)
             self.context_specs.append(spec)
             context_signature.append(
@@ -393,7 +394,7 @@ def _closed(
         if _arrays.kind(result) in _ARRAY_KINDS:
             leaves, spec = [result], _LEAF
         else:
-            leaves, spec = optree.tree_flatten(result)
+            leaves, spec = _tree.flatten(result)
         out_spec[0] = spec
         out_spec[1] = tuple(_arrays.shape(leaf) for leaf in leaves)
         if not out_spec[2]:  # from the first evaluation, at x: scipy evaluates later ones promoted to float64
@@ -426,7 +427,7 @@ def _output_dtype(leaf: Any) -> str | None:
 def _describe(value: Any) -> str:
     if hasattr(value, "shape") and hasattr(value, "dtype"):
         return f"an array of shape {tuple(value.shape)} and dtype {_arrays.dtype_name(value)}"
-    leaves = optree.tree_leaves(value)
+    leaves = _tree.leaves(value)
     if len(leaves) != 1 or leaves[0] is not value:
         return f"a {type(value).__name__} with {len(leaves)} leaves"
     return f"a {type(value).__name__}"
@@ -605,7 +606,7 @@ def _finisher(op: Operator, call: Call, out_spec: list[Any]) -> Callable[[tuple[
     def finish(native: tuple[Any, ...]) -> Any:
         parts = [convert(kind, value) for kind, value in zip(kinds, native, strict=False)]
         if has_aux:
-            aux = optree.tree_map(as_y, native[-1])
+            aux = _tree.map(as_y, native[-1])
             return ((parts[0], aux), *parts[1:]) if len(parts) > 1 else (parts[0], aux)
         return parts[0] if len(parts) == 1 else tuple(parts)
 

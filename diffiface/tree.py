@@ -25,29 +25,50 @@ import optree
 from . import _arrays
 from ._errors import ArrayTypeError
 
-__all__ = ["flatten", "leaves", "leaves_with_paths", "map", "path_string", "ravel", "structure"]
+__all__ = [
+    "NAMESPACE",
+    "flatten",
+    "flatten_with_path",
+    "leaves",
+    "leaves_with_paths",
+    "map",
+    "path_string",
+    "ravel",
+    "structure",
+]
 
 PyTree = Any
+
+NAMESPACE = "diffiface"
+"""The optree namespace diffiface flattens with: register your own pytree types with
+``optree.register_pytree_node(cls, flatten, unflatten, namespace="diffiface")`` (or
+``@optree.register_pytree_node_class(namespace="diffiface")``). Types registered globally
+work too."""
 
 
 def flatten(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:
     """The leaves of ``tree`` and its structure (``None`` is an empty node, not a leaf)."""
-    return optree.tree_flatten(tree)
+    return optree.tree_flatten(tree, namespace=NAMESPACE)
+
+
+def flatten_with_path(tree: PyTree) -> tuple[list[tuple[Any, ...]], list[Any], optree.PyTreeSpec]:
+    """Paths, leaves and structure of ``tree``."""
+    return optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
 
 
 def structure(tree: PyTree) -> optree.PyTreeSpec:
     """The structure of ``tree``, comparable with ``==``."""
-    return optree.tree_structure(tree)
+    return optree.tree_structure(tree, namespace=NAMESPACE)
 
 
 def leaves(tree: PyTree) -> list[Any]:
     """The leaves of ``tree``, in flattening order."""
-    return optree.tree_leaves(tree)
+    return optree.tree_leaves(tree, namespace=NAMESPACE)
 
 
 def map(func: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:  # noqa: A001
     """Apply ``func`` leaf by leaf to ``tree`` and trees of the same structure."""
-    return optree.tree_map(func, tree, *rest)
+    return optree.tree_map(func, tree, *rest, namespace=NAMESPACE)
 
 
 def path_string(path: tuple[Any, ...]) -> str:
@@ -57,7 +78,7 @@ def path_string(path: tuple[Any, ...]) -> str:
 
 def leaves_with_paths(tree: PyTree) -> list[tuple[str, Any]]:
     """``(path, leaf)`` pairs in flattening order, paths as :func:`path_string` writes them."""
-    paths, leaves_, _ = optree.tree_flatten_with_path(tree)
+    paths, leaves_, _ = flatten_with_path(tree)
     return [(path_string(p), leaf) for p, leaf in zip(paths, leaves_, strict=True)]
 
 
@@ -73,7 +94,7 @@ def ravel(tree: PyTree) -> tuple[Any, Callable[[Any], PyTree]]:
     ArrayTypeError
         If the tree mixes array types (say numpy and torch).
     """
-    leaves_, spec = optree.tree_flatten(tree)
+    leaves_, spec = flatten(tree)
     kinds = [_arrays.kind(leaf) for leaf in leaves_]
     family = _arrays.family(set(kinds))
     if family not in ("python", "numpy", "torch", "jax"):

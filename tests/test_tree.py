@@ -137,3 +137,31 @@ def test_map_flatten_structure() -> None:
     assert len(leaves) == 2
     assert spec == tree.structure(value)
     assert len(tree.leaves(value)) == 2
+
+
+class _Affine:
+    def __init__(self, slope: Any, offset: Any) -> None:
+        self.slope, self.offset = slope, offset
+
+
+optree.register_pytree_node(
+    _Affine,
+    lambda a: ((a.slope, a.offset), None, ("slope", "offset")),
+    lambda _, children: _Affine(*children),
+    namespace=di.tree.NAMESPACE,
+)
+
+
+@pytest.mark.parametrize("name", ["finite_differences", "jax", "torch", "autograd"])
+def test_types_registered_in_the_diffiface_namespace(name: str) -> None:
+    if not di.available(name):
+        pytest.skip(f'{name} is not installed: pip install "diffiface[{name}]"')
+    x = _Affine(np.ones(2), 2.0)
+    g = di.gradient(lambda a: (a.slope**2).sum() + a.offset**3, name, x)
+    assert isinstance(g, _Affine)
+    np.testing.assert_allclose(g.slope, [2.0, 2.0], rtol=1e-6)
+    assert isinstance(g.offset, float)
+    np.testing.assert_allclose(g.offset, 12.0, rtol=1e-6)
+    flat, unravel = di.tree.ravel(x)
+    assert flat.shape == (3,)
+    assert isinstance(unravel(flat), _Affine)

@@ -15,10 +15,10 @@ from typing import Any
 import autograd
 import autograd.numpy as anp
 import numpy as np
-import optree
 from autograd.tracer import getval
 
 from .. import _arrays
+from .. import tree as _tree
 from . import _base
 from ._base import Fn, Leaves
 
@@ -99,4 +99,4 @@ class Adapter(_base.Adapter):
 
 
 def _unboxed(tree: Any) -> Any:
-    return optree.tree_map(getval, tree)
+    return _tree.map(getval, tree)

@@ -23,6 +23,7 @@ import torch.autograd.forward_ad as forward_ad
 from torch import func
 
 from .. import _arrays
+from .. import tree as _tree
 from . import _base
 from ._base import Blocks, Fn, Leaves
 
@@ -121,14 +122,14 @@ class Adapter(_base.Adapter):
             out, tout, aux = func.jvp(tensor_fn, (xs,), (txs,), has_aux=True)  # type: ignore[misc]
             # torch.func.jvp promotes the tangent of a 0-d float32 output times a Python
             # float to float64; a tangent has its primal's dtype.
-            tout = optree.tree_map(lambda t, y: t.to(y.dtype) if t.dtype != y.dtype else t, tout, out)
+            tout = _tree.map(lambda t, y: t.to(y.dtype) if t.dtype != y.dtype else t, tout, out)
             return out, rebuild(aux), tout
         with forward_ad.dual_level():
             duals = tuple(forward_ad.make_dual(x.detach(), t) for x, t in zip(xs, txs, strict=True))
             out, aux = fn(duals)
-            primal = optree.tree_map(_primal, out)
-            tangent = optree.tree_map(_tangent, out)
-            aux = optree.tree_map(_primal, aux)
+            primal = _tree.map(_primal, out)
+            tangent = _tree.map(_tangent, out)
+            aux = _tree.map(_primal, aux)
         return primal, aux, tangent
 
     def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
@@ -210,7 +211,7 @@ def _tensor_aux(fn: Fn) -> tuple[Fn, Callable[[Any], Any]]:
 
     def tensor_fn(xs: Leaves) -> tuple[Any, Any]:
         out, aux = fn(xs)
-        leaves, spec = optree.tree_flatten(aux)
+        leaves, spec = _tree.flatten(aux)
         mask = [isinstance(leaf, torch.Tensor) for leaf in leaves]
         kept[:] = [spec, mask, [leaf for leaf, m in zip(leaves, mask, strict=True) if not m]]
         return out, tuple(leaf for leaf, m in zip(leaves, mask, strict=True) if m)
@@ -267,7 +268,7 @@ def _leaves(out: Any) -> tuple[Any, ...]:
 def _detached(tree: Any) -> Any:
     if tree is None:
         return None
-    return optree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, tree)
+    return _tree.map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, tree)
 
 
 def _primal(value: Any) -> Any:

@@ -17,6 +17,7 @@ from typing import Any
 
 import diffiface as di
 
+from .. import tree as _tree
 from .._adapters import normalize
 from .._backends import AutoAutograd, AutoJAX, AutoTorch, Backend
 from ._running import _family, backend_label
@@ -40,9 +41,7 @@ class CountingFunction:
 def _block(result: Any) -> Any:
     """Wait for asynchronous engines (jax) so that the clock measures the work."""
     try:
-        import optree
-
-        for leaf in optree.tree_leaves(result, none_is_leaf=False):
+        for leaf in _tree.leaves(result):
             ready = getattr(leaf, "block_until_ready", None)
             if ready is not None:
                 ready()

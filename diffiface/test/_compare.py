@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import optree
 
 from .. import _arrays
+from .. import tree as _tree
 from ..tree import path_string
 
 __all__ = ["assert_allclose", "default_tolerances", "worst_error"]
@@ -52,8 +52,8 @@ def assert_allclose(
     ...
     AssertionError: ['w']: values differ at index (1,): actual 1, expected 1.1, abs error 0.1, rel error 0.0909 (rtol 1e-06, atol 1e-08)
     """
-    a_leaves, a_spec = optree.tree_flatten(actual)
-    e_leaves, e_spec = optree.tree_flatten(expected)
+    a_leaves, a_spec = _tree.flatten(actual)
+    e_leaves, e_spec = _tree.flatten(expected)
     if a_spec != e_spec:
         raise AssertionError(f"tree structures differ: actual {a_spec}, expected {e_spec}")
     paths = [path_string(p) for p in a_spec.paths()]
@@ -109,7 +109,7 @@ def max_errors(actual: Any, expected: Any) -> tuple[float, float]:
     """The largest absolute error over all leaves, and the normwise relative error
     ``max|a - e| / max|e|`` over the whole result (finite elements only)."""
     worst_abs = scale = 0.0
-    for a, e in zip(optree.tree_leaves(actual), optree.tree_leaves(expected), strict=False):
+    for a, e in zip(_tree.leaves(actual), _tree.leaves(expected), strict=False):
         va = np.asarray(_arrays.to_numpy(a), dtype=np.float64)
         ve = np.asarray(_arrays.to_numpy(e), dtype=np.float64)
         if va.shape != ve.shape or va.size == 0:

@@ -13,6 +13,7 @@ import optree
 import diffiface as di
 
 from .. import _arrays
+from .. import tree as _tree
 from .._adapters import available, info, install_hint, normalize
 from .._backends import AutoFiniteDifferences, AutoJAX, AutoTorch, Backend, SecondOrder
 from .._dispatch import OPERATORS
@@ -326,15 +327,13 @@ def _without_aux(scenario: Scenario, result: Any) -> Any:
 
 def _mirrors(scenario: Scenario, result: Any, reference: Any) -> None:
     """The result has the reference's structure (shapes and values are compared next)."""
-    if optree.tree_structure(result) != optree.tree_structure(reference):
-        raise AssertionError(
-            f"result structure {optree.tree_structure(result)} differs from {optree.tree_structure(reference)}"
-        )
+    if _tree.structure(result) != _tree.structure(reference):
+        raise AssertionError(f"result structure {_tree.structure(result)} differs from {_tree.structure(reference)}")
 
 
 def _like(reference: Any, result: Any) -> Any:
     """The reference in the result's array types and dtypes, so values compare alone."""
-    return optree.tree_map(_leaf_like, reference, result)
+    return _tree.map(_leaf_like, reference, result)
 
 
 def _leaf_like(reference: Any, like: Any) -> Any:
@@ -397,7 +396,7 @@ def _determinism_problem(scenario: Scenario) -> str | None:
         first, second = scenario.evaluate(), scenario.evaluate()
     except Exception:
         return None
-    a, b = optree.tree_leaves(first), optree.tree_leaves(second)
+    a, b = _tree.leaves(first), _tree.leaves(second)
     for u, v in zip(a, b, strict=False):
         if _arrays.kind(u) in ("numpy", "torch", "jax", "python"):
             x, y = np.asarray(_arrays.to_numpy(u)), np.asarray(_arrays.to_numpy(v))
@@ -454,7 +453,7 @@ def check_gradients(
     problem = _determinism_problem(Scenario("f", f, x, "gradient", tuple(contexts), reference=None))
     if problem:
         raise AssertionError(problem)
-    size = sum(int(np.prod(_arrays.shape(leaf))) for leaf in optree.tree_leaves(x))
+    size = sum(int(np.prod(_arrays.shape(leaf))) for leaf in _tree.leaves(x))
     k = projections if projections is not None else (8 if size > _PROJECTION_THRESHOLD else 0)
     rng = np.random.default_rng(seed)
     directions = [_random_direction(x, rng) for _ in range(k)]
@@ -506,7 +505,7 @@ def check_gradients(
 
 
 def _available_backends(x: Any) -> list[Backend]:
-    kinds = {_arrays.kind(leaf) for leaf in optree.tree_leaves(x)}
+    kinds = {_arrays.kind(leaf) for leaf in _tree.leaves(x)}
     family = _arrays.family(kinds)
     by_family: dict[str, list[Backend]] = {"torch": [AutoTorch(), AutoTorch(mode="func")], "jax": [AutoJAX()]}
     candidates = by_family.get(family, [AutoJAX(), AutoTorch(), AutoTorch(mode="func"), di.AutoAutograd()])
@@ -514,14 +513,14 @@ def _available_backends(x: Any) -> list[Backend]:
 
 
 def _random_direction(x: Any, rng: np.random.Generator) -> list[np.ndarray]:
-    leaves = optree.tree_leaves(x)
+    leaves = _tree.leaves(x)
     parts = [rng.standard_normal(_arrays.shape(leaf)) for leaf in leaves]
     norm = np.sqrt(sum(float(np.sum(p * p)) for p in parts)) or 1.0
     return [p / norm for p in parts]
 
 
 def _dot(gradient: Any, direction: list[np.ndarray]) -> float:
-    leaves = optree.tree_leaves(gradient)
+    leaves = _tree.leaves(gradient)
     return float(
         sum(
             np.sum(np.asarray(_arrays.to_numpy(g), dtype=np.float64) * u)
@@ -534,7 +533,7 @@ def _projected_truth(
     f: Callable[..., Any], x: Any, contexts: tuple[Any, ...], directions: list[list[np.ndarray]]
 ) -> np.ndarray:
     """``u . grad f`` by Richardson-extrapolated central differences of ``t -> f(x + t u)``."""
-    leaves, spec = optree.tree_flatten(x)
+    leaves, spec = _tree.flatten(x)
     values = tuple(c.value for c in contexts)
     scale = max(
         [1.0] + [float(np.max(np.abs(_arrays.to_numpy(leaf)))) for leaf in leaves if np.size(_arrays.to_numpy(leaf))]

@@ -7,9 +7,9 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import optree
 
 from .. import _arrays
+from .. import tree as _tree
 from .._backends import AutoFiniteDifferences, Backend
 from .._contexts import Constant, Context
 from .._dispatch import OPERATORS
@@ -129,14 +129,12 @@ def result_layout(scenario: Scenario) -> Any:
             pieces.append(_layout(y))
         elif kind == "jacobian":
             pieces.append(
-                optree.tree_map(
-                    lambda yl: optree.tree_map(lambda xl: (*_arrays.shape(yl), *_arrays.shape(xl)), scenario.x), y
-                )
+                _tree.map(lambda yl: _tree.map(lambda xl: (*_arrays.shape(yl), *_arrays.shape(xl)), scenario.x), y)
             )
         else:
             pieces.append(
-                optree.tree_map(
-                    lambda xi: optree.tree_map(lambda xj: (*_arrays.shape(xi), *_arrays.shape(xj)), scenario.x),
+                _tree.map(
+                    lambda xi: _tree.map(lambda xj: (*_arrays.shape(xi), *_arrays.shape(xj)), scenario.x),
                     scenario.x,
                 )
             )
@@ -146,7 +144,7 @@ def result_layout(scenario: Scenario) -> Any:
 
 
 def _layout(tree: Any) -> Any:
-    return optree.tree_map(lambda leaf: _arrays.shape(leaf), tree)
+    return _tree.map(lambda leaf: _arrays.shape(leaf), tree)
 
 
 def promote(tree: Any) -> Any:
@@ -164,7 +162,7 @@ def promote(tree: Any) -> Any:
             return np.asarray(leaf, dtype=np.float64)
         return leaf
 
-    return optree.tree_map(up, tree)
+    return _tree.map(up, tree)
 
 
 def promote_contexts(contexts: tuple[Context[Any], ...]) -> tuple[Context[Any], ...]:
@@ -181,4 +179,4 @@ def shifted(tree: Any, amount: float = 0.25) -> Any:
             return leaf + amount
         return leaf
 
-    return optree.tree_map(shift, tree)
+    return _tree.map(shift, tree)

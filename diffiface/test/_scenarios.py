@@ -11,6 +11,7 @@ import numpy as np
 import optree
 
 from .. import _arrays
+from .. import tree as _tree
 from .._contexts import Cache, Constant
 from .._dispatch import OPERATORS
 from ._scenario import Scenario
@@ -36,7 +37,7 @@ def _module(value: Any) -> Any:
 
 
 def _leaves(x: Any) -> list[Any]:
-    return optree.tree_leaves(x)
+    return _tree.leaves(x)
 
 
 def _sin(value: Any) -> Any:
@@ -56,7 +57,7 @@ def scalar_function(x: Any, scale: Any = 1.0) -> Any:
 
 def vector_function(x: Any, scale: Any = 1.0) -> Any:
     """A pytree output shaped as x: ``scale * sin(x) * x`` per leaf, plus ``x**3`` for the first."""
-    leaves, spec = optree.tree_flatten(x)
+    leaves, spec = _tree.flatten(x)
     out = [scale * _sin(leaf) * leaf for leaf in leaves]
     if leaves:
         out[0] = Pair(out[0], leaves[0] ** 3)
@@ -97,7 +98,7 @@ def _inputs(dtype: Any) -> dict[str, Any]:
 
 def _tangent(x: Any, seed: int) -> Any:
     rng = np.random.default_rng(seed)
-    return optree.tree_map(lambda leaf: rng.standard_normal(np.shape(leaf)).astype(leaf.dtype), x)
+    return _tree.map(lambda leaf: rng.standard_normal(np.shape(leaf)).astype(leaf.dtype), x)
 
 
 def core_scenarios(dtypes: tuple[str, ...] = ("float64", "float32"), quick: bool = False) -> list[Scenario]:

@@ -12,9 +12,9 @@ import sys
 from typing import Any
 
 import numpy as np
-import optree
 
 from .. import _arrays
+from .. import tree as _tree
 from .._contexts import Context
 from ..tree import path_string
 
@@ -24,7 +24,7 @@ __all__ = ["changes", "snapshot"]
 def snapshot(tree: Any) -> list[tuple[str, Any, Any]]:
     """``(path, object, copy of its state)`` for every leaf of ``tree`` that holds state."""
     taken = []
-    paths, leaves, _ = optree.tree_flatten_with_path(_unwrap(tree))
+    paths, leaves, _ = _tree.flatten_with_path(_unwrap(tree))
     for path, leaf in zip(paths, leaves, strict=True):
         state = _state(leaf)
         if state is not None:
@@ -45,7 +45,7 @@ def changes(taken: list[tuple[str, Any, Any]]) -> list[str]:
 
 def _unwrap(tree: Any) -> Any:
     """Context wrappers hold their value: snapshot the value."""
-    return optree.tree_map(lambda leaf: _unwrap(leaf.value) if isinstance(leaf, Context) else leaf, tree)
+    return _tree.map(lambda leaf: _unwrap(leaf.value) if isinstance(leaf, Context) else leaf, tree)
 
 
 def _state(leaf: Any) -> dict[str, Any] | None:
