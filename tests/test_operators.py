@@ -538,3 +538,44 @@ def test_second_derivative_of_second_order_combinations(second_order_backend: An
 def test_torch_modes_do_not_nest() -> None:
     with pytest.raises(di.UnsupportedOperationError, match="same mode twice"):
         di.SecondOrder(di.AutoTorch(), di.AutoTorch(mode="func"))
+
+
+@pytest.mark.parametrize("method", ["central", "forward", "backward", "complex"])
+def test_vectorized_finite_differences_match_pointwise(method: str) -> None:
+    """vectorize=True evaluates every perturbation in one batched call of f, same results."""
+    calls = []
+
+    def f(p: Any) -> Any:
+        calls.append(1)
+        return (np.sin(p["a"]) * p["a"]).sum(axis=-1) + (p["b"] ** 2).sum(axis=(-2, -1))
+
+    x = {"a": np.linspace(0.1, 1.0, 5), "b": np.arange(6.0).reshape(2, 3) / 6}
+    pointwise = di.gradient(f, di.AutoFiniteDifferences(method=method), x)
+    calls.clear()
+    batched = di.gradient(f, di.AutoFiniteDifferences(method=method, vectorize=True), x)
+    expected_calls = 2 if method in ("forward", "backward") else 1  # f(x), then the batch
+    assert len(calls) == expected_calls
+    for key in x:
+        np.testing.assert_allclose(batched[key], pointwise[key], rtol=1e-12, atol=1e-12)
+
+
+def test_vectorized_jacobian_and_vjp_on_torch() -> None:
+    torch = pytest.importorskip("torch")
+
+    def f(x: Any) -> Any:
+        return torch.stack([x[..., 0] * x[..., 1], torch.sin(x[..., 0])], dim=-1)
+
+    x = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    backend = di.AutoFiniteDifferences(vectorize=True)
+    jac = di.jacobian(f, backend, x)
+    assert isinstance(jac, torch.Tensor)
+    torch.testing.assert_close(jac, torch.tensor([[2.0, 1.0], [math.cos(1.0), 0.0]], dtype=torch.float64))
+    ty = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    torch.testing.assert_close(di.vjp(f, backend, x, ty), ty @ jac)
+
+
+def test_vectorized_finite_differences_refuse_a_function_that_does_not_broadcast() -> None:
+    x = np.ones(3)
+    with pytest.raises(di.InvalidOutputError, match="leading axis"):
+        di.gradient(lambda z: (z**2).sum(), di.AutoFiniteDifferences(vectorize=True), x)
+    assert np.array_equal(x, np.ones(3))

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from .. import _arrays
+from .._errors import InvalidOutputError
 from . import _base
 from ._base import Blocks, Deferred, Fn, Leaves
 
@@ -48,6 +49,20 @@ class _Point:
             piece = vector[self.offsets[i] : self.offsets[i + 1]].reshape(self.shapes[i])
             if isinstance(like, float):
                 leaves.append(complex(piece.item()) if complex_step else float(piece.item()))
+                continue
+            dtype = _complex_dtype(like) if complex_step else None
+            leaves.append(_arrays.from_numpy(piece, like, dtype=dtype))
+        return tuple(leaves)
+
+    def batch_leaves(self, points: np.ndarray) -> Leaves:
+        """Leaves holding ``k`` points along a new leading axis (``points`` is ``(k, n)``)."""
+        complex_step = np.iscomplexobj(points)
+        k = points.shape[0]
+        leaves = []
+        for i, like in enumerate(self.likes):
+            piece = points[:, self.offsets[i] : self.offsets[i + 1]].reshape((k, *self.shapes[i]))
+            if isinstance(like, float):
+                leaves.append(piece)
                 continue
             dtype = _complex_dtype(like) if complex_step else None
             leaves.append(_arrays.from_numpy(piece, like, dtype=dtype))
@@ -112,6 +127,7 @@ class Adapter(_base.Adapter):
         self.method: str = backend.method
         self.fixed_step: float | None = backend.step
         self.complex_outputs = self.method == "complex"
+        self.vectorize: bool = backend.vectorize
 
     def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
         return context_like_x(leaf, like)
@@ -199,9 +215,50 @@ class Adapter(_base.Adapter):
             layout.tuple_out = found.tuple_out
         return layout
 
+    def _unit_columns(self, fn: Fn, point: _Point, value: np.ndarray | None, layout: _Layout) -> list[np.ndarray]:
+        """The Jacobian's columns, one per coordinate of x: point by point, or all in one
+        batched call of f when ``vectorize``."""
+        if not self.vectorize:
+            return list(self._columns(fn, point, self._unit_directions(point), value, layout))
+        n = point.size
+        if n == 0:
+            return []
+        h = self._steps(point)
+        x, steps = point.vector, np.diag(h)
+        if self.method == "central":
+            values = self._evaluate_batch(fn, point, np.concatenate([x + steps, x - steps]), layout)
+            rows = (values[:n] - values[n:]) / (2 * h[:, None])
+        elif self.method == "forward":
+            rows = (self._evaluate_batch(fn, point, x + steps, layout) - value) / h[:, None]
+        elif self.method == "backward":
+            rows = (value - self._evaluate_batch(fn, point, x - steps, layout)) / h[:, None]
+        else:
+            rows = self._evaluate_batch(fn, point, x + 1j * steps, layout) / h[:, None]
+        return list(rows)
+
+    def _evaluate_batch(self, fn: Fn, point: _Point, points: np.ndarray, layout: _Layout) -> np.ndarray:
+        """f at ``k`` points in one call: a ``(k, m)`` float64 array of flat outputs."""
+        k = points.shape[0]
+        with _no_grad():
+            outs = fn.batched(point.batch_leaves(points))  # type: ignore[attr-defined]
+        arrays = [np.asarray(_arrays.to_numpy(out)) for out in outs]
+        for array in arrays:
+            if array.shape[:1] != (k,):
+                raise InvalidOutputError(
+                    f"With vectorize=True, f gets {k} points at once (a leading axis of length {k} on every "
+                    f"leaf of x) and must return one output per point; it returned shape {array.shape}. Reduce "
+                    "over the other axes only (say .sum(axis=-1)), or use vectorize=False."
+                )
+        if not layout:
+            layout.extend((a.shape[1:], _real_dtype(a.dtype)) for a in arrays)
+        flat = np.concatenate([a.reshape(k, -1) for a in arrays], axis=1) if arrays else np.zeros((k, 0))
+        if np.iscomplexobj(flat):
+            return flat.imag if np.iscomplexobj(points) else flat.real
+        return flat.astype(np.float64)
+
     def _matrix(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, np.ndarray, _Point, _Layout]:
         point, out, aux, value, layout = self._start(fn, xs)
-        columns = list(self._columns(fn, point, self._unit_directions(point), value, layout))
+        columns = self._unit_columns(fn, point, value, layout)
         layout = self._layout(out, layout)
         m = sum(math.prod(shape) for shape, _ in layout)
         matrix = np.stack(columns, axis=1) if columns else np.zeros((m, 0))
@@ -211,7 +268,7 @@ class Adapter(_base.Adapter):
 
     def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
         point, out, aux, value, _ = self._start(fn, xs)
-        columns = self._columns(fn, point, self._unit_directions(point), value, _Layout())
+        columns = self._unit_columns(fn, point, value, _Layout())
         grad = np.array([column[0] for column in columns], dtype=np.float64)
         return out, aux, _split(grad, point)
 
