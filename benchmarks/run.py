@@ -181,6 +181,156 @@ def run_fd_counts(n=10):
     return rows
 
 
+def run_fd_vectorize(rounds, sizes=(10, 100, 1000)):
+    """Central-difference gradient, point by point against one batched call of f."""
+
+    def batched_tiny(x):
+        return np.sum(np.tanh(x) * x, axis=-1)
+
+    rows = []
+    for n in sizes:
+        x = np.random.default_rng(3).normal(size=n)
+        loop = time_call(functools.partial(di.gradient, batched_tiny, di.AutoFiniteDifferences(), x), rounds)[0]
+        vec = time_call(
+            functools.partial(di.gradient, batched_tiny, di.AutoFiniteDifferences(vectorize=True), x), rounds
+        )[0]
+        rows.append({"n": n, "pointwise_s": loop, "vectorized_s": vec, "speedup": loop / vec})
+    return rows
+
+
+def run_numpy_io(names, rounds):
+    """The extra cost of numpy in / numpy out (conversions both ways), prepared gradient."""
+    rows = []
+    for name in names:
+        fw = FRAMEWORK[name]
+        rng = np.random.default_rng(4)
+        for label, f, size, ctx in (("tiny-10", tiny, 10, ()), (f"mlp-{MLP_SIZE}", mlp_loss, MLP_SIZE, True)):
+            values = rng.normal(size=size) * 0.1
+            data = rng.normal(size=(64, 48))
+            native_x = array(fw, values)
+            numpy_x = np.asarray(native_x) if fw != "torch" else native_x.numpy()
+            contexts_native = (di.Constant(array(fw, data)),) if ctx else ()
+            contexts_numpy = (
+                (di.Constant(np.asarray(array(fw, data)) if fw != "torch" else array(fw, data).numpy()),) if ctx else ()
+            )
+            b = backend(name)
+            prep_native = di.prepare_gradient(f, b, native_x, *contexts_native)
+            prep_numpy = di.prepare_gradient(f, b, numpy_x, *contexts_numpy)
+            native_s = time_call(
+                functools.partial(di.gradient, f, b, native_x, *contexts_native, prep=prep_native), rounds
+            )[0]
+            numpy_s = time_call(
+                functools.partial(di.gradient, f, b, numpy_x, *contexts_numpy, prep=prep_numpy), rounds
+            )[0]
+            rows.append(
+                {
+                    "backend": name,
+                    "scenario": label,
+                    "native_arrays_s": native_s,
+                    "numpy_s": numpy_s,
+                    "extra_s": numpy_s - native_s,
+                }
+            )
+    return rows
+
+
+def run_hessian_modes(names, rounds, n=50):
+    """Hessian forward-over-reverse against reverse-over-reverse, per engine."""
+    rows = []
+    rng = np.random.default_rng(5)
+    for name in names:
+        fw = FRAMEWORK[name]
+        x = array(fw, rng.normal(size=n))
+        if fw == "jax":
+            import jax
+
+            g = jax.jit(jax.jacfwd(jax.grad(tiny))), jax.jit(jax.jacrev(jax.grad(tiny)))
+            for mode, fn in zip(
+                ("forward-over-reverse (jax.jacfwd)", "reverse-over-reverse (jax.jacrev)"), g, strict=True
+            ):
+                rows.append(
+                    {
+                        "engine": name,
+                        "mode": mode,
+                        "via": "native",
+                        "seconds": time_call(functools.partial(fn, x), rounds)[0],
+                    }
+                )
+            prep = di.prepare_hessian(tiny, di.AutoJAX(), x)
+            rows.append(
+                {
+                    "engine": name,
+                    "mode": "forward-over-reverse",
+                    "via": "diffiface",
+                    "seconds": time_call(functools.partial(di.hessian, tiny, di.AutoJAX(), x, prep=prep), rounds)[0],
+                }
+            )
+        elif name == "torch":
+            for mode, b in (
+                ("reverse-over-reverse (autograd mode)", di.AutoTorch()),
+                ("forward-over-reverse (func mode)", di.AutoTorch(mode="func")),
+            ):
+                prep = di.prepare_hessian(tiny, b, x)
+                rows.append(
+                    {
+                        "engine": name,
+                        "mode": mode,
+                        "via": "diffiface",
+                        "seconds": time_call(functools.partial(di.hessian, tiny, b, x, prep=prep), rounds)[0],
+                    }
+                )
+        elif name == "autograd":
+            prep = di.prepare_hessian(tiny, di.AutoAutograd(), x)
+            rows.append(
+                {
+                    "engine": name,
+                    "mode": "reverse-over-reverse",
+                    "via": "diffiface",
+                    "seconds": time_call(functools.partial(di.hessian, tiny, di.AutoAutograd(), x, prep=prep), rounds)[
+                        0
+                    ],
+                }
+            )
+    return rows
+
+
+def run_pymanopt(rounds, n=100):
+    """The closest Python peer: pymanopt's autodiff backends, same gradient and hvp, numpy in/out."""
+    try:
+        import pymanopt
+        from pymanopt.manifolds import Euclidean
+    except ImportError:
+        return [{"note": "pymanopt is not installed: pip install pymanopt (a benchmark-only dependency)"}]
+    rows = []
+    rng = np.random.default_rng(6)
+    x, v = rng.normal(size=n), rng.normal(size=n)
+    manifold = Euclidean(n)
+    decorators = {
+        "autograd": pymanopt.function.autograd,
+        "torch": pymanopt.function.pytorch,
+        "jax": pymanopt.function.jax,
+    }
+    for name, decorate in decorators.items():
+        if not di.available(name):
+            continue
+        cost = decorate(manifold)(tiny)
+        gradient, hvp = cost.get_gradient_operator(), cost.get_hessian_operator()
+        b = backend(name)
+        prep_g = di.prepare_gradient(tiny, b, x)
+        prep_h = di.prepare_hvp(tiny, b, x, v)
+        for op, theirs, ours in (
+            ("gradient", functools.partial(gradient, x), functools.partial(di.gradient, tiny, b, x, prep=prep_g)),
+            ("hvp", functools.partial(hvp, x, v), functools.partial(di.hvp, tiny, b, x, v, prep=prep_h)),
+        ):
+            assert np.allclose(np.asarray(theirs()), ours(), rtol=1e-5, atol=1e-8), (name, op)
+            pm = time_call(theirs, rounds)[0]
+            us = time_call(ours, rounds)[0]
+            rows.append(
+                {"backend": name, "operator": op, "n": n, "pymanopt_s": pm, "diffiface_s": us, "speedup": pm / us}
+            )
+    return rows
+
+
 def run_import_time(repeats):
     def best(code):
         times = []
@@ -289,6 +439,10 @@ def main():
         "fd_counts": run_fd_counts(),
         "overhead": run_overhead(names, rounds),
         "scaling": run_scaling(names, sizes, rounds),
+        "fd_vectorize": run_fd_vectorize(rounds),
+        "numpy_io": run_numpy_io(names, rounds),
+        "hessian_modes": run_hessian_modes(names, rounds),
+        "pymanopt": run_pymanopt(rounds),
     }
     results["first_call"] = [
         {
@@ -330,6 +484,29 @@ def main():
         "## Finite-difference evaluations of f per call (n = 10)",
         "",
         table(results["fd_counts"], ["method", "operator", "prepared", "n", "calls_of_f"]),
+        "",
+        "## Finite differences: one batched call of f (`vectorize=True`) against point by point",
+        "",
+        "Central-difference gradient of `sum(tanh(x) * x, axis=-1)` (numpy).",
+        "",
+        table(results["fd_vectorize"], ["n", "pointwise_s", "vectorized_s", "speedup"]),
+        "",
+        "## The extra cost of numpy in / numpy out",
+        "",
+        "Prepared gradient with the engine's own arrays in, then with numpy arrays in (converted to the engine's "
+        "arrays and back on every call).",
+        "",
+        table(results["numpy_io"], ["backend", "scenario", "native_arrays_s", "numpy_s", "extra_s"]),
+        "",
+        "## Hessian: forward-over-reverse against reverse-over-reverse (n = 50)",
+        "",
+        table(results["hessian_modes"], ["engine", "mode", "via", "seconds"]),
+        "",
+        "## The closest Python peer: pymanopt (numpy in and out, n = 100)",
+        "",
+        "`speedup` = pymanopt time / diffiface time (above 1: diffiface is faster).",
+        "",
+        table(results["pymanopt"], ["backend", "operator", "n", "pymanopt_s", "diffiface_s", "speedup", "note"]),
         "",
         "## Import time",
         "",

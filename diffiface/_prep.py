@@ -181,6 +181,9 @@ def _describe_leaf(signature: tuple[Any, ...]) -> str:
         return f"a Python {signature[1].__name__}"
     if kind == "static":
         return f"a {signature[1].__name__} (not an array)"
+    if kind == "other":  # a pytree only jax knows: its class, then its leaves' shapes and dtypes
+        leaves = ", ".join(f"{shape} {dtype}" for shape, dtype in (signature[3] if len(signature) > 3 else ()))
+        return f"a {signature[1].__name__} with leaves of shape and dtype [{leaves}]"
     shape, dtype = signature[1], signature[2]
     text = f"a {kind} array of shape {shape} and dtype {dtype}"
     if kind == "torch":

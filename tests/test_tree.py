@@ -165,3 +165,39 @@ def test_types_registered_in_the_diffiface_namespace(name: str) -> None:
     flat, unravel = di.tree.ravel(x)
     assert flat.shape == (3,)
     assert isinstance(unravel(flat), _Affine)
+
+
+def test_pytrees_only_jax_knows_pass_through_the_jax_backend() -> None:
+    """A jax-registered class (as a flax.struct or equinox module is) is one optree leaf that jax
+    differentiates itself: the gradient has the same class, prepared or not."""
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+
+    @jax.tree_util.register_pytree_node_class
+    class Params:
+        def __init__(self, w: Any, b: Any) -> None:
+            self.w, self.b = w, b
+
+        def tree_flatten(self) -> tuple[tuple[Any, Any], None]:
+            return (self.w, self.b), None
+
+        @classmethod
+        def tree_unflatten(cls, _: None, children: Any) -> Params:
+            return cls(*children)
+
+    def loss(p: Any) -> Any:
+        return jnp.sum(p["layer"].w ** 2) + 3.0 * jnp.sum(p["layer"].b)
+
+    x = {"layer": Params(jnp.ones(3), jnp.zeros(2))}
+    for backend in (di.AutoJAX(), di.AutoJAX(jit=False)):
+        g = di.gradient(loss, backend, x)
+        assert isinstance(g["layer"], Params)
+        np.testing.assert_allclose(g["layer"].w, 2 * np.ones(3))
+        np.testing.assert_allclose(g["layer"].b, 3 * np.ones(2))
+        prep = di.prepare_gradient(loss, backend, x)
+        again = di.gradient(loss, backend, x, prep=prep)
+        np.testing.assert_allclose(again["layer"].w, g["layer"].w)
+    with pytest.raises(di.PreparationMismatchError, match=r"\(3,\) float32.*\(4,\) float32"):
+        di.gradient(loss, di.AutoJAX(jit=False), {"layer": Params(jnp.ones(4), jnp.zeros(2))}, prep=prep)
+    with pytest.raises(di.InvalidInputError, match="Params"):
+        di.gradient(loss, "finite_differences", x)
