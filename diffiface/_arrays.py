@@ -50,6 +50,19 @@ def _classify(cls: type) -> Kind:
     return "other"
 
 
+def numpy_like(leaf: Any) -> Any:
+    """The numpy-like module for ``leaf``'s framework (``torch``, ``jax.numpy``,
+    ``autograd.numpy``, else ``numpy``), already imported since the leaf exists."""
+    k = kind(leaf)
+    if k == "torch":
+        return sys.modules["torch"]
+    if k == "jax":
+        return sys.modules["jax.numpy"]
+    if k == "autograd":
+        return sys.modules["autograd.numpy"]
+    return np
+
+
 def is_array(leaf: Any) -> bool:
     """True for numpy, torch and jax arrays (not Python numbers)."""
     return kind(leaf) in ("numpy", "torch", "jax")

@@ -13,6 +13,7 @@ import pytest
 
 import diffiface as di
 import diffiface._adapters as adapters
+from diffiface._arrays import numpy_like
 from diffiface._prep import prep_cache
 
 BACKENDS = ["jax", "torch", "torch-func", "autograd", "finite_differences", "scipy"]
@@ -38,18 +39,7 @@ def calls_per_thread(name: str) -> int:
     return 8 if name == "scipy" else 200
 
 
-def xp_of(leaf: Any) -> Any:
-    if type(leaf).__module__.startswith("autograd"):
-        import autograd.numpy as anp
-
-        return anp
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(leaf, torch.Tensor):
-        return torch
-    jax = sys.modules.get("jax")
-    if jax is not None and isinstance(leaf, (jax.Array, jax.core.Tracer)):
-        return sys.modules["jax.numpy"]
-    return np
+xp_of = numpy_like  # the numpy-like module of a leaf's framework
 
 
 def energy(x: Any, weights: Any) -> Any:

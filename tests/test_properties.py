@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import diffiface as di
 import diffiface._adapters as adapters
+from diffiface._arrays import numpy_like
 
 settings.register_profile(
     "ci",
@@ -62,19 +63,7 @@ def examples(backend: str) -> int:
 # -- array namespaces ------------------------------------------------------------------------
 
 
-def xp_of(leaf: Any) -> Any:
-    cls = type(leaf)
-    if cls.__module__.startswith("autograd"):
-        import autograd.numpy as anp
-
-        return anp
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(leaf, torch.Tensor):
-        return torch
-    jax = sys.modules.get("jax")
-    if jax is not None and isinstance(leaf, (jax.Array, jax.core.Tracer)):
-        return sys.modules["jax.numpy"]
-    return np
+xp_of = numpy_like  # the numpy-like module of a leaf's framework
 
 
 OPS = (

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
 from collections import namedtuple
 from typing import Any
 
@@ -24,18 +23,6 @@ Pair = namedtuple("Pair", ["left", "right"])
 # -- core: every operator x every input kind x contexts x dtypes ------------------------------------------
 
 
-def _module(value: Any) -> Any:
-    """The numpy-like module for ``value``'s framework (imported already, since value exists)."""
-    kind = _arrays.kind(value)
-    if kind == "torch":
-        return sys.modules["torch"]
-    if kind == "jax":
-        return sys.modules["jax.numpy"]
-    if kind == "autograd":
-        return sys.modules["autograd.numpy"]
-    return np
-
-
 def _leaves(x: Any) -> list[Any]:
     return _tree.leaves(x)
 
@@ -43,7 +30,7 @@ def _leaves(x: Any) -> list[Any]:
 def _sin(value: Any) -> Any:
     if isinstance(value, float):
         return math.sin(value)
-    return _module(value).sin(value)
+    return _arrays.numpy_like(value).sin(value)
 
 
 def scalar_function(x: Any, scale: Any = 1.0) -> Any:
@@ -51,7 +38,7 @@ def scalar_function(x: Any, scale: Any = 1.0) -> Any:
     total = 0.0
     for leaf in _leaves(x):
         term = scale * _sin(leaf) * leaf**2
-        total = total + (term if isinstance(leaf, float) else _module(term).sum(term))
+        total = total + (term if isinstance(leaf, float) else _arrays.numpy_like(term).sum(term))
     return total
 
 
