@@ -159,6 +159,27 @@ def _bare_argument(op: Operator, index: int, value: Any) -> ContextError:
 # -- the entry point of every operator --------------------------------------------------------
 
 
+def _arguments(
+    name: str,
+    f: Callable[..., Any],
+    backend: Backend | str,
+    x: Any,
+    tangent: Any,
+    contexts: tuple[Any, ...],
+    has_aux: bool,
+) -> tuple[Operator, Backend, Call]:
+    """The operator, the backend object and the flattened call; a non-callable f is refused."""
+    op = OPERATORS[name]
+    if not callable(f):
+        tangent_name = {"x": ", tx", "y": ", ty"}.get(op.tangent or "", "")
+        raise InvalidInputError(
+            f"f must be a callable f(x, *contexts), got {type(f).__name__}. The argument order "
+            f"is di.{name}(f, backend, x{tangent_name}, *contexts)."
+        )
+    backend = normalize(backend)
+    return op, backend, Call(op, backend, x, tangent, contexts, has_aux)
+
+
 def evaluate(
     name: str,
     f: Callable[..., Any],
@@ -169,14 +190,7 @@ def evaluate(
     prep: Prep | None,
     has_aux: bool = False,
 ) -> Any:
-    op = OPERATORS[name]
-    if not callable(f):
-        raise InvalidInputError(
-            f"f must be a callable f(x, *contexts), got {type(f).__name__}. The argument order "
-            f"is di.{name}(f, backend, x{', t' if op.tangent else ''}, *contexts)."
-        )
-    backend = normalize(backend)
-    call = Call(op, backend, x, tangent, contexts, has_aux)
+    op, backend, call = _arguments(name, f, backend, x, tangent, contexts, has_aux)
     if prep is None:
         prep = prep_cache.get(f, call.signature)
         if prep is None:
@@ -202,11 +216,7 @@ def prepare(
     strict: bool,
     has_aux: bool = False,
 ) -> Prep:
-    op = OPERATORS[name]
-    if not callable(f):
-        raise InvalidInputError(f"f must be a callable f(x, *contexts), got {type(f).__name__}.")
-    backend = normalize(backend)
-    call = Call(op, backend, x, tangent, contexts, has_aux)
+    op, backend, call = _arguments(name, f, backend, x, tangent, contexts, has_aux)
     cached = prep_cache.get(f, call.signature)
     if cached is not None:  # the work is done already: share it
         return cached.with_strictness(strict)
@@ -232,12 +242,10 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
     if op.tangent == "x":
         _check_tangent_like_x(op, call)
     function = FunctionRef(f)
-    # the structure, leaf shapes and dtypes of f(x), once evaluated, and the (type, dtype) pairs
-    # of output leaves already validated
-    out_spec: list[Any] = [None, (), (), set()]
-    program = _program(op, adapter, function, call, out_spec)
+    output = _Output()
+    program = _program(op, adapter, function, call, output)
     compiled = adapter.compile(program)
-    finish = _finisher(op, call, out_spec)
+    finish = _finisher(op, call, output)
     float64 = _involves_float64(call)
     tangent_likes = op.tangent == "x"
     no_static: dict[tuple[bool, ...], _Static] = {}
@@ -317,9 +325,7 @@ class _Static:
         return isinstance(other, _Static) and self._key == other._key and self.mask == other.mask
 
 
-def _program(
-    op: Operator, adapter: Adapter, function: FunctionRef, call: Call, out_spec: list[Any]
-) -> Callable[..., Any]:
+def _program(op: Operator, adapter: Adapter, function: FunctionRef, call: Call, output: _Output) -> Callable[..., Any]:
     """The program ``(xs, ts, dynamic_contexts, static_contexts) -> native parts``."""
     sig = call.signature
     x_spec, has_aux = sig.x_spec, sig.has_aux
@@ -329,10 +335,10 @@ def _program(
 
     def program(xs: tuple[Any, ...], ts: tuple[Any, ...], dynamic: tuple[Any, ...], static: _Static) -> tuple[Any, ...]:
         context_values = _merge_contexts(context_specs, context_sizes, dynamic, static)
-        fn = _closed(op, adapter, function(), x_spec, context_values, has_aux, out_spec, xs[0] if xs else None)
+        fn = _closed(op, adapter, function(), x_spec, context_values, has_aux, output, xs[0] if xs else None)
         if op.compute == "value_and_pullback":
             out, aux, vjp = adapter.pullback_function(fn, xs)
-            _check_cotangent(sig, out_spec, ts)
+            _check_cotangent(sig, output, ts)
             result: tuple[Any, ...] = (out, aux, vjp(ts))
         elif op.tangent is None:
             result = method(fn, xs)
@@ -362,13 +368,13 @@ def _closed(
     x_spec: Any,
     context_values: tuple[Any, ...],
     has_aux: bool,
-    out_spec: list[Any],
+    output: _Output,
     like: Any,
 ) -> Callable[[tuple[Any, ...]], tuple[Any, Any]]:
     """``f`` with its contexts bound, on a tuple of leaves: ``xs -> (out, aux)``."""
 
     single = x_spec == _LEAF
-    checked = out_spec[3]  # output leaf types and dtypes already validated, kept by the prep
+    checked = output.checked
 
     def fn(xs: tuple[Any, ...]) -> tuple[Any, Any]:
         x = xs[0] if single else optree.tree_unflatten(x_spec, list(xs))
@@ -395,10 +401,7 @@ def _closed(
             leaves, spec = [result], _LEAF
         else:
             leaves, spec = _tree.flatten(result)
-        out_spec[0] = spec
-        out_spec[1] = tuple(_arrays.shape(leaf) for leaf in leaves)
-        if not out_spec[2]:  # from the first evaluation, at x: scipy evaluates later ones promoted to float64
-            out_spec[2] = tuple(_output_dtype(leaf) for leaf in leaves)
+        output.record(spec, leaves)
         for leaf in leaves:
             key = (type(leaf), getattr(leaf, "dtype", None))
             if key not in checked:
@@ -419,14 +422,31 @@ def _closed(
         x = xs[0] if single else optree.tree_unflatten(x_spec, list(xs))
         result = f(x, *context_values)
         leaves, spec = _tree.flatten(result[0] if has_aux else result)
-        out_spec[0] = spec  # one point's output has the batch's structure, less the leading axis
-        out_spec[1] = tuple(_arrays.shape(leaf)[1:] for leaf in leaves)
-        if not out_spec[2]:
-            out_spec[2] = tuple(_output_dtype(leaf) for leaf in leaves)
+        output.record(spec, leaves, batched=True)
         return tuple(leaves)
 
     fn.batched = batched  # type: ignore[attr-defined]
     return fn
+
+
+class _Output:
+    """What a prep learns of f(x) from evaluating it: its structure, leaf shapes and dtypes, and
+    the (type, dtype) pairs of output leaves already validated."""
+
+    __slots__ = ("checked", "dtypes", "shapes", "spec")
+
+    def __init__(self) -> None:
+        self.spec: Any = None
+        self.shapes: tuple[tuple[int, ...], ...] = ()
+        self.dtypes: tuple[str | None, ...] = ()
+        self.checked: set[tuple[type, Any]] = set()
+
+    def record(self, spec: Any, leaves: list[Any], batched: bool = False) -> None:
+        """From one evaluation; ``batched``: the leaves hold a batch along a leading axis."""
+        self.spec = spec
+        self.shapes = tuple(_arrays.shape(leaf)[1:] if batched else _arrays.shape(leaf) for leaf in leaves)
+        if not self.dtypes:  # from the first evaluation, at x: scipy evaluates later ones promoted to float64
+            self.dtypes = tuple(_output_dtype(leaf) for leaf in leaves)
 
 
 def _output_dtype(leaf: Any) -> str | None:
@@ -465,9 +485,9 @@ def _check_numeric(op: Operator, leaf: Any, complex_ok: bool) -> None:
         )
 
 
-def _check_cotangent(sig: Signature, out_info: list[Any], ts: tuple[Any, ...]) -> None:
+def _check_cotangent(sig: Signature, output: _Output, ts: tuple[Any, ...]) -> None:
     """The cotangent against f(x), whose structure and shapes the last evaluation recorded."""
-    out_spec, out_shapes, out_dtypes = out_info[:3]
+    out_spec, out_shapes, out_dtypes = output.spec, output.shapes, output.dtypes
     if out_spec != sig.tangent_spec:
         raise TangentMismatchError(
             f"The cotangent must have the structure of f(x), {out_spec}; it has {sig.tangent_spec}."
@@ -589,7 +609,7 @@ def _involves_float64(call: Call) -> bool:
 # -- results: mirror the inputs ----------------------------------------------------------------------
 
 
-def _finisher(op: Operator, call: Call, out_spec: list[Any]) -> Callable[[tuple[Any, ...]], Any]:
+def _finisher(op: Operator, call: Call, output: _Output) -> Callable[[tuple[Any, ...]], Any]:
     x_spec = call.signature.x_spec
     x_likes = list(call.x_leaves)
     family = _arrays.family({_arrays.kind(leaf) for leaf in x_likes}) if x_likes else "numpy"
@@ -604,12 +624,12 @@ def _finisher(op: Operator, call: Call, out_spec: list[Any]) -> Callable[[tuple[
         if kind == "value":
             return as_y(value)
         if kind == "y":
-            return optree.tree_unflatten(out_spec[0], [as_y(v) for v in value])
+            return optree.tree_unflatten(output.spec, [as_y(v) for v in value])
         if kind == "x":
             return optree.tree_unflatten(x_spec, [_mirror(v, like) for v, like in zip(value, x_likes, strict=True)])
         if kind == "jacobian":
             rows = [optree.tree_unflatten(x_spec, [as_y(b) for b in row]) for row in value]
-            return optree.tree_unflatten(out_spec[0], rows)
+            return optree.tree_unflatten(output.spec, rows)
         rows = [optree.tree_unflatten(x_spec, [as_y(b) for b in row]) for row in value]
         return optree.tree_unflatten(x_spec, rows)
 
