@@ -680,13 +680,10 @@ def _mirror(value: Any, like: Any) -> Any:
     if kind == "numpy":
         array = value if value_kind == "numpy" else _arrays.to_numpy(value)
         return np.asarray(array, dtype=like.dtype)
-    if kind == "torch" and value_kind == "torch":
-        value = value.detach()
-        return (
-            value
-            if value.dtype == like.dtype and value.device == like.device
-            else value.to(device=like.device, dtype=like.dtype)
-        )
+    if kind == "torch" and value_kind == "torch":  # computed on like's device
+        if value.requires_grad:
+            value = value.detach()
+        return value if value.dtype == like.dtype else value.to(like.dtype)
     if kind == "jax" and value_kind == "jax":
         return value if value.dtype == like.dtype else value.astype(like.dtype)
     if kind in ("torch", "jax"):

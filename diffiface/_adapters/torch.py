@@ -141,7 +141,7 @@ class Adapter(_base.Adapter):
             inputs = _requiring_grad(xs)
             value, aux = fn(inputs)
             grads = _grad(_if_graph(value), inputs, retain=False)
-        return value.detach(), _detached(aux), grads
+        return value, aux, grads  # results are detached as they are converted, if they are returned
 
     def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Blocks]:
         if not self.functional or any(x.numel() == 0 for x in xs):  # torch.func.jacfwd fails on empty inputs
@@ -252,9 +252,9 @@ def _grad(
         retain_graph=retain or create_graph,
         create_graph=create_graph,
         allow_unused=True,
-        materialize_grads=True,
     )
-    return tuple(grads)
+    # zeros where an input did not matter (cheaper than materialize_grads=True)
+    return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs, strict=True))
 
 
 def _stacked(entries: list[Any], like: Any) -> Any:
