@@ -47,6 +47,10 @@ def tiny(x):
     return m.sum(m.tanh(x) * x)
 
 
+def tiny_map(x):
+    return ns(x).tanh(x) * x
+
+
 def mlp_loss(params, data):
     m = ns(params)
     d, h = 48, 96
@@ -106,7 +110,10 @@ def overhead_scenarios(framework):
     return [
         Scenario("tiny-10", tiny, x10, "gradient", reference=None, frameworks=fw),
         Scenario("tiny-10", tiny, x10, "hvp", tangent=t10, reference=None, frameworks=fw),
-        Scenario("tiny-10-jacobian", lambda x: ns(x).tanh(x) * x, x10, "jacobian", reference=None, frameworks=fw),
+        Scenario("tiny-10-jacobian", tiny_map, x10, "jacobian", reference=None, frameworks=fw),
+        Scenario("tiny-10", tiny, x10, "hessian", reference=None, frameworks=fw),
+        Scenario("tiny-10-map", tiny_map, x10, "jvp", tangent=t10, reference=None, frameworks=fw),
+        Scenario("tiny-10-map", tiny_map, x10, "vjp", tangent=t10, reference=None, frameworks=fw),
         Scenario(
             f"mlp-{MLP_SIZE}", mlp_loss, p, "gradient", contexts=(di.Constant(data),), reference=None, frameworks=fw
         ),

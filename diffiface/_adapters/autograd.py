@@ -60,7 +60,9 @@ class Adapter(_base.Adapter):
             )
         return None
 
-    def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
+    def _flat_pullback(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Any], Any]:
+        """``(out, aux, vjp, flat)``: autograd differentiates one array, so a tuple output is
+        concatenated into ``flat`` and ``vjp`` takes a cotangent of that flat shape."""
         captured: list[Any] = []
 
         def flat_fn(xs_: Leaves) -> Any:
@@ -70,9 +72,12 @@ class Adapter(_base.Adapter):
                 return out
             return anp.concatenate([anp.reshape(y, (-1,)) for y in out]) if out else anp.zeros(0)
 
-        vjp, _ = autograd.make_vjp(flat_fn)(xs)
+        vjp, flat = autograd.make_vjp(flat_fn)(xs)
         out, aux = captured
-        out, aux = _unboxed(out), _unboxed(aux)
+        return _unboxed(out), _unboxed(aux), vjp, flat
+
+    def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
+        out, aux, vjp, _ = self._flat_pullback(fn, xs)
 
         def pullback(touts: Any) -> Leaves:
             if isinstance(out, tuple):
@@ -80,6 +85,27 @@ class Adapter(_base.Adapter):
             return tuple(vjp(touts))
 
         return out, aux, pullback
+
+    def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
+        """Forward mode from two reverse passes: the pullback ``u -> J.T u`` is linear in ``u``,
+        and its own pullback along ``txs`` is ``J txs``."""
+        out, aux, vjp, flat = self._flat_pullback(fn, xs)
+
+        def pullback(u: Any) -> Any:  # one array out, so that autograd traces it
+            grads = vjp(u)
+            return anp.concatenate([anp.reshape(grads[i], (-1,)) for i in range(len(xs))]) if xs else anp.zeros(0)
+
+        start_point = np.zeros(np.shape(getval(flat)), dtype=getval(flat).dtype)
+        transpose, _ = autograd.make_vjp(pullback)(start_point)
+        tangent = transpose(np.concatenate([np.reshape(t, -1) for t in txs]) if txs else np.zeros(0))
+        if not isinstance(out, tuple):
+            return out, aux, tangent
+        pieces, start = [], 0
+        for y in out:
+            size = math.prod(np.shape(y))
+            pieces.append(anp.reshape(tangent[start : start + size], np.shape(y)))
+            start += size
+        return out, aux, tuple(pieces)
 
     def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
         captured: list[Any] = []

@@ -110,19 +110,28 @@ def native_call(backend: Backend, scenario: Scenario) -> Callable[[], Any] | Non
     if isinstance(backend, AutoJAX):
         import jax
 
-        if op == "gradient":
-            fn = jax.grad(g)
-        elif op == "jacobian":
-            fn = jax.jacrev(g)
-        elif op == "hvp":
-            fn = lambda z, v: jax.jvp(jax.grad(g), (z,), (v,))[1]  # noqa: E731
-        elif op == "value_and_gradient":
-            fn = jax.value_and_grad(g)
-        else:
+        def jvp(z: Any, v: Any) -> Any:
+            return jax.jvp(g, (z,), (v,))[1]
+
+        def vjp(z: Any, v: Any) -> Any:
+            return jax.vjp(g, z)[1](v)[0]
+
+        def forward_over_reverse(z: Any, v: Any) -> Any:
+            return jax.jvp(jax.grad(g), (z,), (v,))[1]
+
+        transforms: dict[str, Callable[..., Any]] = {
+            "gradient": jax.grad(g),
+            "value_and_gradient": jax.value_and_grad(g),
+            "jacobian": jax.jacrev(g),
+            "hessian": jax.hessian(g),
+            "jvp": jvp,
+            "vjp": vjp,
+            "hvp": forward_over_reverse,
+        }
+        if op not in transforms:
             return None
-        if backend.jit:
-            fn = jax.jit(fn)
-        return (lambda: fn(x, tx)) if op == "hvp" else (lambda: fn(x))
+        fn = jax.jit(transforms[op]) if backend.jit else transforms[op]
+        return functools.partial(fn, x, tx) if tx is not None else functools.partial(fn, x)
     if isinstance(backend, AutoTorch):
         import torch
 
@@ -135,8 +144,15 @@ def native_call(backend: Backend, scenario: Scenario) -> Callable[[], Any] | Non
             if op == "jacobian":
                 fn = torch.func.jacrev(g)
                 return lambda: fn(x)
+            if op == "hessian":
+                fn = torch.func.hessian(g)
+                return lambda: fn(x)
             if op == "hvp":
                 return lambda: torch.func.jvp(torch.func.grad(g), (x,), (tx,))[1]
+            if op == "jvp":
+                return lambda: torch.func.jvp(g, (x,), (tx,))[1]
+            if op == "vjp":
+                return lambda: torch.func.vjp(g, x)[1](tx)[0]
             return None
         if op == "gradient":
 
@@ -149,12 +165,18 @@ def native_call(backend: Backend, scenario: Scenario) -> Callable[[], Any] | Non
             return lambda: torch.autograd.functional.jacobian(g, x)
         if op == "hvp":
 
-            def hvp() -> Any:
+            def double_backward() -> Any:
                 z = x.detach().requires_grad_(True)
                 (grad,) = torch.autograd.grad(g(z), z, create_graph=True)
                 return torch.autograd.grad(grad, z, grad_outputs=tx)[0]
 
-            return hvp
+            return double_backward
+        if op == "hessian":
+            return lambda: torch.autograd.functional.hessian(g, x)
+        if op == "jvp":
+            return lambda: torch.autograd.functional.jvp(g, x, tx)[1]
+        if op == "vjp":
+            return lambda: torch.autograd.functional.vjp(g, x, tx)[1]
         return None
     if isinstance(backend, AutoAutograd):
         import autograd
@@ -168,6 +190,14 @@ def native_call(backend: Backend, scenario: Scenario) -> Callable[[], Any] | Non
         if op == "hvp":
             fn = autograd.hessian_vector_product(g)
             return lambda: fn(x, tx)
+        if op == "hessian":
+            fn = autograd.hessian(g)
+            return lambda: fn(x)
+        if op == "vjp":
+            return lambda: autograd.make_vjp(g)(x)[0](tx)
+        if op == "jvp":
+            fn = autograd.differential_operators.make_jvp_reversemode(g)
+            return lambda: fn(x)(tx)
         return None
     return None
 
