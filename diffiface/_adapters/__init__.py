@@ -79,7 +79,7 @@ BACKENDS: tuple[BackendInfo, ...] = (
         extra="autograd",
         forward_mode=False,
         reverse_mode=True,
-        native=frozenset({"pullback", "gradient"}),
+        native=frozenset({"pullback", "gradient", "pushforward"}),  # pushforward: two reverse passes
     ),
     BackendInfo(
         name="finite_differences",
