@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 __all__ = ["Cache", "Constant", "Context"]
 
@@ -35,7 +35,3 @@ class Cache(Context[T]):
     It is never copied: array leaves are converted as a Constant's are (torch shares memory
     with numpy), everything else reaches ``f`` as it is, so ``f`` can write into it.
     """
-
-
-def context_values(contexts: tuple[Context[Any], ...]) -> tuple[Any, ...]:
-    return tuple(c.value for c in contexts)

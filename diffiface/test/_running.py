@@ -16,7 +16,6 @@ from .. import _arrays
 from .. import tree as _tree
 from .._adapters import available, info, install_hint, normalize
 from .._backends import AutoFiniteDifferences, AutoJAX, AutoTorch, Backend, SecondOrder
-from .._dispatch import OPERATORS
 from .._errors import FrameworkMismatchError, PreparationMismatchError
 from ._compare import assert_allclose, max_errors
 from ._scenario import Scenario, promote, promote_contexts, shifted
@@ -578,10 +577,6 @@ def _no_grad() -> Any:
 
     torch = sys.modules.get("torch")
     return torch.no_grad() if torch is not None else contextlib.nullcontext()
-
-
-def operators() -> list[str]:
-    return list(OPERATORS)
 
 
 test_differentiation.__test__ = False  # type: ignore[attr-defined]  # a library function, not a pytest test
