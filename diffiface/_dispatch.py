@@ -85,6 +85,7 @@ OPERATORS: dict[str, Operator] = {op.name: op for op in _OPERATORS}
 
 _LEAF = _tree.structure(0)  # type: ignore[arg-type]  # a leaf's structure
 _ARRAY_KINDS = frozenset({"numpy", "torch", "jax"})
+_OUTPUT_LEAF_KINDS = _ARRAY_KINDS | {"autograd"}  # autograd's traced arrays are leaves too
 
 
 class Call:
@@ -332,11 +333,13 @@ def _program(op: Operator, adapter: Adapter, function: FunctionRef, call: Call, 
     context_specs = list(call.context_specs)
     context_sizes = [len(leaves) for leaves in call.context_leaves]
     method = getattr(adapter, op.compute)
+    pullback = op.compute == "value_and_pullback"
+    picked = [i for i, _ in op.parts] + ([1] if has_aux else [])  # the aux comes last
 
     def program(xs: tuple[Any, ...], ts: tuple[Any, ...], dynamic: tuple[Any, ...], static: _Static) -> tuple[Any, ...]:
-        context_values = _merge_contexts(context_specs, context_sizes, dynamic, static)
+        context_values = _merge_contexts(context_specs, context_sizes, dynamic, static) if context_specs else ()
         fn = _closed(op, adapter, function(), x_spec, context_values, has_aux, output, xs[0] if xs else None)
-        if op.compute == "value_and_pullback":
+        if pullback:
             out, aux, vjp = adapter.pullback_function(fn, xs)
             _check_cotangent(sig, output, ts)
             result: tuple[Any, ...] = (out, aux, vjp(ts))
@@ -344,8 +347,7 @@ def _program(op: Operator, adapter: Adapter, function: FunctionRef, call: Call, 
             result = method(fn, xs)
         else:
             result = method(fn, xs, ts)
-        parts = tuple(force(result[i]) for i, _ in op.parts)
-        return (*parts, force(result[1])) if has_aux else parts
+        return tuple([force(result[i]) for i in picked])
 
     return program
 
@@ -397,7 +399,7 @@ def _closed(
                 f"f returned None where {op.name} needs floating-point numbers (float arrays or floats). "
                 "Return the value from f (a missing return statement?)."
             )
-        if _arrays.kind(result) in _ARRAY_KINDS:
+        if _arrays.kind(result) in _OUTPUT_LEAF_KINDS:
             leaves, spec = [result], _LEAF
         else:
             leaves, spec = _tree.flatten(result)

@@ -72,6 +72,10 @@ class Adapter(_base.Adapter):
                 return out
             return anp.concatenate([anp.reshape(y, (-1,)) for y in out]) if out else anp.zeros(0)
 
+        if len(xs) == 1:  # one array: no tuple container for autograd to box and rebuild
+            single_vjp, flat = autograd.make_vjp(lambda x: flat_fn((x,)))(xs[0])
+            out, aux = captured
+            return _unboxed(out), _unboxed(aux), lambda u: (single_vjp(u),), flat
         vjp, flat = autograd.make_vjp(flat_fn)(xs)
         out, aux = captured
         return _unboxed(out), _unboxed(aux), vjp, flat
@@ -115,6 +119,9 @@ class Adapter(_base.Adapter):
             captured[:] = [aux]
             return value
 
+        if len(xs) == 1:  # one array: no tuple container for autograd to box and rebuild
+            value, grad = autograd.value_and_grad(lambda x: scalar_fn((x,)))(xs[0])
+            return value, _unboxed(captured[0]), (grad,)
         value, grads = autograd.value_and_grad(scalar_fn)(xs)
         return value, _unboxed(captured[0]), tuple(grads)
 
