@@ -277,3 +277,16 @@ def test_main_job_fails_on_unknown_backend():
     )
     assert result.returncode != 0
     assert "unknown backends" in result.stderr
+
+
+def test_a_backend_is_not_its_own_reference():
+    """Finite differences tested against a finite-difference reference are judged by scipy's
+    adaptive differences instead: a bad step is caught, not compared with itself."""
+    pytest.importorskip("scipy")
+    coarse = di.AutoFiniteDifferences(step=0.5)
+    scenario = Scenario(
+        "coarse_step", lambda x: np.exp(x).sum(), np.linspace(0.0, 1.0, 4), "gradient", reference=coarse
+    )
+    report = test_differentiation([coarse], [scenario], raise_on_failure=False)
+    assert report.counts() == {"failed": 1}
+    assert "values differ" in report.failed[0].message

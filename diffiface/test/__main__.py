@@ -30,10 +30,12 @@ _BACKENDS: dict[str, Backend] = {
 
 #: Known limits of the bundled suite, by backend label: skipped, with the reason in the docs.
 _SKIP: dict[str, Iterable[str]] = {
-    # scipy's adaptive differences evaluate f point by point in Python: its second-order
-    # operators on the larger inputs take minutes, and it is a reference, not a training tool.
-    "scipy": {"layer", "torch_module", "matrix", "pytree"},
+    # scipy's adaptive differences start with a wide step (0.5), which crosses the kinks of
+    # piecewise layers (max pooling, maxout): a known limit of the method, not a bug to report.
+    "scipy": {"piecewise"},
 }
+#: With --quick, also scipy's second order on pytrees: each adaptive Hessian there takes seconds.
+_QUICK_SKIP: dict[str, Iterable[str]] = {"scipy": {"piecewise", "second_order"}}
 
 
 def _scenarios(groups: Sequence[str], quick: bool) -> tuple[list[Scenario], list[str]]:
@@ -42,7 +44,7 @@ def _scenarios(groups: Sequence[str], quick: bool) -> tuple[list[Scenario], list
     chosen: list[Scenario] = []
     notes = []
     if "core" in groups:
-        chosen += _scenarios.core_scenarios(quick=quick)
+        chosen += _scenarios.core_scenarios(dtypes=("float64",) if quick else ("float64", "float32"), quick=quick)
     if "layers" in groups:
         if importlib.util.find_spec("array_api_compat") is None:
             notes.append('layers: skipped, array_api_compat is not installed: pip install "diffiface[test]"')
@@ -96,7 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     installed = [b for b in backends if available(b)]
     progress = None if args.no_progress or args.format == "json" else _progress(sys.stderr)
     start = time.perf_counter()
-    report = test_differentiation(installed, scenarios, skip=_SKIP, raise_on_failure=False, progress=progress)
+    skip = _QUICK_SKIP if args.quick else _SKIP
+    report = test_differentiation(installed, scenarios, skip=skip, raise_on_failure=False, progress=progress)
     seconds = time.perf_counter() - start
 
     lines = report.grouped()
