@@ -7,6 +7,7 @@ Data flows one way: arguments are flattened and their signature taken; a prep is
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -191,20 +192,29 @@ def evaluate(
     prep: Prep | None,
     has_aux: bool = False,
 ) -> Any:
+    if prep is None:
+        recent = prep_cache.recent(f, name)  # the prep f used last, likely to fit again
+        leaves = None if recent is None else recent.match(name, f, backend, x, tangent, contexts, has_aux)
+        if leaves is not None:
+            return recent.run(*leaves)  # type: ignore[union-attr]
+    elif isinstance(prep, Prep):
+        leaves = prep.match(name, f, backend, x, tangent, contexts, has_aux)
+        if leaves is not None:
+            return prep.run(*leaves)
+    else:
+        raise InvalidInputError(f"prep must come from di.prepare_{name}(...), got {type(prep).__name__}.")
     op, backend, call = _arguments(name, f, backend, x, tangent, contexts, has_aux)
     if prep is None:
         prep = prep_cache.get(f, call.signature)
         if prep is None:
             prep = _prepare(op, f, backend, call, strict=True)
             prep_cache.put(f, call.signature, prep)
-    elif not isinstance(prep, Prep):
-        raise InvalidInputError(f"prep must come from di.prepare_{name}(...), got {type(prep).__name__}.")
     elif prep.signature != call.signature or not prep.function.matches(f):
         reason = describe_mismatch(prep, f, call.signature)
         if prep.strict and reason is not None:
             raise mismatch_error(prep, reason)
         return evaluate(name, f, backend, x, tangent, contexts, None, has_aux)
-    return prep.run(call)
+    return prep.run(call.x_leaves, call.tangent_leaves, call.context_leaves)
 
 
 def prepare(
@@ -223,7 +233,7 @@ def prepare(
         return cached.with_strictness(strict)
     prep = _prepare(op, f, backend, call, strict)
     if info(backend).jit and getattr(backend, "jit", False):
-        prep.run(call)  # trace and compile now, not on the first call
+        prep.run(call.x_leaves, call.tangent_leaves, call.context_leaves)  # trace and compile now
     prep_cache.put(f, call.signature, prep)
     return prep
 
@@ -244,50 +254,99 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
         _check_tangent_like_x(op, call)
     function = FunctionRef(f)
     output = _Output()
-    program = _program(op, adapter, function, call, output)
+    plan = _Conversions(adapter, op, call)
+    program = _program(op, adapter, function, call, output, plan)
     compiled = adapter.compile(program)
     finish = _finisher(op, call, output)
-    float64 = _involves_float64(call)
-    tangent_likes = op.tangent == "x"
-    no_static: dict[tuple[bool, ...], _Static] = {}
+    estimates = adapter.estimates_errors
+    parts = [i for i, _ in op.parts]
 
-    def runner(call: Call) -> tuple[Any, Any]:
-        with adapter.scope(float64):
-            xs = tuple(adapter.to_native(leaf) for leaf in call.x_leaves)
-            if tangent_likes:
-                ts = tuple(_tangent_to_native(adapter, t, x) for t, x in zip(call.tangent_leaves, xs, strict=True))
-            else:
-                ts = tuple(adapter.to_native(t) for t in call.tangent_leaves)
+    def run(x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]) -> tuple[Any, Any]:
+        native = compiled(*plan.native(x_leaves, tangent_leaves, context_leaves))
+        result = finish(native)
+        if not estimates:
+            return result, None
+        error = adapter.take_error()
+        if error is None:
+            return result, None
+        picked = tuple(error[i] for i in parts)
+        return result, finish((*picked, None) if signature.has_aux else picked)
+
+    def scoped(x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]) -> tuple[Any, Any]:
+        scope = adapter.scope()
+        if scope is None:
+            return run(x_leaves, tangent_leaves, context_leaves)
+        with scope:
+            return run(x_leaves, tangent_leaves, context_leaves)
+
+    runner = scoped if plan.float64 else run
+    return Prep(function, signature, runner, strict, estimates, _matcher(op, function, call))
+
+
+class _Conversions:
+    """How a call's leaves become the program's arguments ``(xs, ts, dynamic, static)``,
+    settled once from the prepared call: a signature fixes every leaf's kind, and with it
+    which conversions do nothing and which context leaves are arrays."""
+
+    __slots__ = ("adapter", "empty", "float64", "mask", "op", "passthrough", "signature", "tangent_native", "x_native")
+
+    def __init__(self, adapter: Adapter, op: Operator, call: Call) -> None:
+        self.adapter, self.op, self.signature = adapter, op, call.signature
+        self.float64 = _involves_float64(call)
+        scope = adapter.scope() if self.float64 else None
+        with scope if scope is not None else contextlib.nullcontext():
+            xs = [adapter.to_native(leaf) for leaf in call.x_leaves]
+            self.x_native = all(a is b for a, b in zip(xs, call.x_leaves, strict=True))
+            self.tangent_native = all(
+                a is b for a, b in zip(self._tangents(call.tangent_leaves, xs), call.tangent_leaves, strict=True)
+            )
             like = xs[0] if xs else None
-            dynamic: list[Any] = []
-            static: list[Any] = []
             mask: list[bool] = []
+            passthrough = True
             for index, leaves in enumerate(call.context_leaves):
                 for leaf in leaves:
-                    try:
-                        native, is_array = adapter.context_to_native(leaf, like)
-                    except (TypeError, ValueError) as exc:
-                        raise _unconvertible_context(adapter, call, index, leaf) from exc
-                    (dynamic if is_array else static).append(native)
+                    native, is_array = self._context(leaf, like, index)
                     mask.append(is_array)
-            key = tuple(mask)
-            if static:
-                static_leaves = _Static(static, key)
-            else:  # the common case: one object per mask, hashed once
-                static_leaves = no_static.get(key) or no_static.setdefault(key, _Static([], key))
-            native = compiled(xs, ts, tuple(dynamic), static_leaves)
-            result = finish(native)
-            error = adapter.take_error()
-            if error is None:
-                return result, None
-            parts = tuple(error[i] for i, _ in op.parts)
-            return result, finish((*parts, None) if call.signature.has_aux else parts)
+                    passthrough = passthrough and is_array and native is leaf
+        self.mask = tuple(mask)
+        self.passthrough = passthrough  # every context leaf an array the engine takes as it is
+        self.empty = _Static([], self.mask)  # the static argument when no leaf is static
 
-    return Prep(function, signature, runner, strict, adapter.take_error)
+    def _tangents(self, leaves: list[Any], xs: tuple[Any, ...] | list[Any]) -> tuple[Any, ...]:
+        """Tangent leaves for the engine: those of a tangent of x take the dtypes of x's leaves."""
+        if self.op.tangent == "x":
+            return tuple(_tangent_to_native(self.adapter, t, x) for t, x in zip(leaves, xs, strict=True))
+        return tuple(map(self.adapter.to_native, leaves))
+
+    def _context(self, leaf: Any, like: Any, index: int) -> tuple[Any, bool]:
+        try:
+            return self.adapter.context_to_native(leaf, like)
+        except (TypeError, ValueError) as exc:
+            raise _unconvertible_context(self.adapter, self.signature, index, leaf) from exc
+
+    def native(
+        self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]
+    ) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...], _Static | None]:
+        """The program's arguments; the static one is None when no context leaf is static
+        (cheaper for jit to compare than an empty :class:`_Static`)."""
+        xs = tuple(x_leaves) if self.x_native else tuple(map(self.adapter.to_native, x_leaves))
+        ts = tuple(tangent_leaves) if self.tangent_native else self._tangents(tangent_leaves, xs)
+        if self.passthrough:
+            if not context_leaves:
+                return xs, ts, (), None
+            return xs, ts, tuple(leaf for leaves in context_leaves for leaf in leaves), None
+        like = xs[0] if xs else None
+        dynamic: list[Any] = []
+        static: list[Any] = []
+        for index, leaves in enumerate(context_leaves):
+            for leaf in leaves:
+                native, is_array = self._context(leaf, like, index)
+                (dynamic if is_array else static).append(native)
+        return xs, ts, tuple(dynamic), _Static(static, self.mask) if static else None
 
 
-def _unconvertible_context(adapter: Adapter, call: Call, index: int, leaf: Any) -> ContextError:
-    kind = call.signature.contexts[index][0].__name__
+def _unconvertible_context(adapter: Adapter, signature: Signature, index: int, leaf: Any) -> ContextError:
+    kind = signature.contexts[index][0].__name__
     what = f"an array of dtype {_arrays.dtype_name(leaf)}" if hasattr(leaf, "dtype") else f"a {type(leaf).__name__}"
     return ContextError(
         f"Context {index} (a di.{kind}) holds {what}, which the {adapter.backend.name} backend "
@@ -301,6 +360,85 @@ def _tangent_to_native(adapter: Adapter, t: Any, like: Any) -> Any:
     if isinstance(t, (int, float)) and hasattr(like, "dtype"):
         t = np.asarray(t, dtype=np.dtype(_arrays.dtype_name(like)))
     return adapter.to_native(t)
+
+
+# -- the quick match of a prepared call --------------------------------------------------------
+
+
+def _array_key(leaf: Any) -> tuple[Any, ...]:
+    return (type(leaf), leaf.shape, leaf.dtype)
+
+
+def _tensor_key(leaf: Any) -> tuple[Any, ...]:
+    return (type(leaf), leaf.shape, leaf.dtype, leaf.device)
+
+
+def _same_array(leaf: Any, key: tuple[Any, ...]) -> bool:
+    return type(leaf) is key[0] and leaf.shape == key[1] and leaf.dtype == key[2]
+
+
+def _same_tensor(leaf: Any, key: tuple[Any, ...]) -> bool:
+    return type(leaf) is key[0] and leaf.shape == key[1] and leaf.dtype == key[2] and leaf.device == key[3]
+
+
+def _same_type(leaf: Any, key: type) -> bool:
+    return type(leaf) is key
+
+
+def _key_of(leaf: Any) -> tuple[Callable[[Any, Any], bool], Any]:
+    """The part of a leaf's signature that a quick match compares, and the comparison: type,
+    shape and dtype of an array (and device of a tensor), the type of anything else."""
+    kind = _arrays.kind(leaf)
+    if kind == "torch":
+        return _same_tensor, _tensor_key(leaf)
+    if kind in ("numpy", "jax"):
+        return _same_array, _array_key(leaf)
+    return _same_type, type(leaf)
+
+
+def _no_match(*args: Any) -> None:
+    return None
+
+
+def _matcher(op: Operator, function: FunctionRef, call: Call) -> Callable[..., Any]:
+    """``match(operator, f, backend, x, tangent, contexts, has_aux)`` for :attr:`Prep.match`: the
+    flattened arguments of a call that has the prep's signature, for the common case of one
+    leaf each (x, the tangent, every context), told by comparing a few types, shapes and
+    dtypes; None otherwise, to leave the decision to the full signature."""
+    sig = call.signature
+    one_leaf = sig.x_spec == _LEAF and _arrays.kind(call.x_leaves[0]) in _ARRAY_KINDS | {"python"}
+    if op.tangent is not None:
+        one_leaf = one_leaf and sig.tangent_spec == _LEAF and _arrays.kind(call.tangent_leaves[0]) != "other"
+    if not one_leaf or any(spec != _LEAF for spec in call.context_specs):
+        return _no_match
+    backend, has_aux, ref = sig.backend, sig.has_aux, function.ref
+    same_x, x_key = _key_of(call.x_leaves[0])
+    with_tangent = op.tangent is not None
+    same_t, t_key = _key_of(call.tangent_leaves[0]) if with_tangent else (_same_type, type(None))
+    kinds = tuple(spec[0] for spec in sig.contexts)
+    keys = tuple(_key_of(leaves[0]) for leaves in call.context_leaves)
+    count = len(kinds)
+    name = op.name
+
+    def match(
+        operator: str, f: Any, backend_: Any, x: Any, tangent: Any, contexts: tuple[Any, ...], has_aux_: bool
+    ) -> tuple[list[Any], list[Any], list[list[Any]]] | None:
+        if operator != name or (ref() is not f and not function.matches(f)):
+            return None
+        if backend_ is not backend and backend_ != backend:
+            return None
+        if has_aux_ != has_aux or len(contexts) != count or not same_x(x, x_key):
+            return None
+        if with_tangent and not same_t(tangent, t_key):
+            return None
+        context_leaves = []
+        for context, kind, (same, key) in zip(contexts, kinds, keys, strict=True):
+            if type(context) is not kind or not same(context.value, key):
+                return None
+            context_leaves.append([context.value])
+        return [x], [tangent] if with_tangent else [], context_leaves
+
+    return match
 
 
 class _Static:
@@ -326,19 +464,31 @@ class _Static:
         return isinstance(other, _Static) and self._key == other._key and self.mask == other.mask
 
 
-def _program(op: Operator, adapter: Adapter, function: FunctionRef, call: Call, output: _Output) -> Callable[..., Any]:
+def _program(
+    op: Operator, adapter: Adapter, function: FunctionRef, call: Call, output: _Output, plan: _Conversions
+) -> Callable[..., Any]:
     """The program ``(xs, ts, dynamic_contexts, static_contexts) -> native parts``."""
     sig = call.signature
-    x_spec, has_aux = sig.x_spec, sig.has_aux
+    has_aux = sig.has_aux
     context_specs = list(call.context_specs)
     context_sizes = [len(leaves) for leaves in call.context_leaves]
+    # one array leaf per context: the dynamic arguments are the context values
+    leaf_contexts = all(spec == _LEAF for spec in context_specs) and all(plan.mask)
+    close = _closer(op, adapter, sig.x_spec, has_aux, output)
     method = getattr(adapter, op.compute)
     pullback = op.compute == "value_and_pullback"
     picked = [i for i, _ in op.parts] + ([1] if has_aux else [])  # the aux comes last
 
-    def program(xs: tuple[Any, ...], ts: tuple[Any, ...], dynamic: tuple[Any, ...], static: _Static) -> tuple[Any, ...]:
-        context_values = _merge_contexts(context_specs, context_sizes, dynamic, static) if context_specs else ()
-        fn = _closed(op, adapter, function(), x_spec, context_values, has_aux, output, xs[0] if xs else None)
+    empty = plan.empty
+
+    def program(
+        xs: tuple[Any, ...], ts: tuple[Any, ...], dynamic: tuple[Any, ...], static: _Static | None
+    ) -> tuple[Any, ...]:
+        if leaf_contexts:
+            context_values = dynamic
+        else:
+            context_values = _merge_contexts(context_specs, context_sizes, dynamic, static or empty)
+        fn = close(function(), context_values, xs[0] if xs else None)
         if pullback:
             out, aux, vjp = adapter.pullback_function(fn, xs)
             _check_cotangent(sig, output, ts)
@@ -363,72 +513,85 @@ def _merge_contexts(specs: list[Any], sizes: list[int], dynamic: tuple[Any, ...]
     return tuple(values)
 
 
-def _closed(
-    op: Operator,
-    adapter: Adapter,
-    f: Callable[..., Any],
-    x_spec: Any,
-    context_values: tuple[Any, ...],
-    has_aux: bool,
-    output: _Output,
-    like: Any,
-) -> Callable[[tuple[Any, ...]], tuple[Any, Any]]:
-    """``f`` with its contexts bound, on a tuple of leaves: ``xs -> (out, aux)``."""
-
+def _closer(
+    op: Operator, adapter: Adapter, x_spec: Any, has_aux: bool, output: _Output
+) -> Callable[[Callable[..., Any], tuple[Any, ...], Any], Callable[[tuple[Any, ...]], tuple[Any, Any]]]:
+    """``close(f, context_values, like)``: ``f`` with its contexts bound, on a tuple of leaves,
+    ``xs -> (out, aux)``, its output checked (``like``: a leaf of x, native)."""
     single = x_spec == _LEAF
     checked = output.checked
+    scalar = op.scalar_output
+    output_leaf = adapter.output_leaf
+    batches = adapter.batches
 
-    def fn(xs: tuple[Any, ...]) -> tuple[Any, Any]:
-        x = xs[0] if single else optree.tree_unflatten(x_spec, list(xs))
-        try:
-            result = f(x, *context_values)
-        except Exception as exc:
-            hint = adapter.explain_failure(exc)
-            if hint is not None:
-                raise FrameworkMismatchError(f"f failed under the {adapter.backend.name} backend: {hint}") from exc
-            raise
-        aux = None
-        if has_aux:
-            if not (isinstance(result, (tuple, list)) and len(result) == 2):
-                raise InvalidOutputError(
-                    f"With has_aux=True, f must return a pair (value, aux); it returned {_describe(result)}."
-                )
-            result, aux = result
-        if result is None:
-            raise InvalidOutputError(
-                f"f returned None where {op.name} needs floating-point numbers (float arrays or floats). "
-                "Return the value from f (a missing return statement?)."
-            )
-        if _arrays.kind(result) in _OUTPUT_LEAF_KINDS:
-            leaves, spec = [result], _LEAF
-        else:
-            leaves, spec = _tree.flatten(result)
-        output.record(spec, leaves)
-        for leaf in leaves:
-            key = (type(leaf), getattr(leaf, "dtype", None))
-            if key not in checked:
-                _check_numeric(op, leaf, adapter.complex_outputs)
-                checked.add(key)
-        if op.scalar_output:
-            if len(leaves) != 1 or _arrays.shape(leaves[0]) != ():
-                raise InvalidOutputError(
-                    f"{op.name} needs f to return a scalar, but it returned {_describe(result)}. Reduce the "
-                    "output (say with .sum()), or use jacobian / vjp for a non-scalar output."
-                )
-            return adapter.output_leaf(leaves[0], like), aux
-        return tuple(adapter.output_leaf(leaf, like) for leaf in leaves), aux
+    def close(f: Callable[..., Any], context_values: tuple[Any, ...], like: Any) -> Callable[..., Any]:
+        def fn(xs: tuple[Any, ...]) -> tuple[Any, Any]:
+            x = xs[0] if single else optree.tree_unflatten(x_spec, list(xs))
+            try:
+                result = f(x, *context_values)
+            except Exception as exc:
+                hint = adapter.explain_failure(exc)
+                if hint is not None:
+                    raise FrameworkMismatchError(f"f failed under the {adapter.backend.name} backend: {hint}") from exc
+                raise
+            aux = None
+            if has_aux:
+                if not (isinstance(result, (tuple, list)) and len(result) == 2):
+                    raise InvalidOutputError(
+                        f"With has_aux=True, f must return a pair (value, aux); it returned {_describe(result)}."
+                    )
+                result, aux = result
+            if scalar:
+                # a scalar of a type and dtype seen before needs no more checks (nor recording:
+                # what the results of scalar functions mirror does not depend on f's output)
+                if (type(result), getattr(result, "dtype", None)) in checked and getattr(result, "shape", ()) == ():
+                    return output_leaf(result, like), aux
+                return output_leaf(_checked(op, result, output, adapter)[0], like), aux
+            leaves = _checked(op, result, output, adapter)
+            return tuple(output_leaf(leaf, like) for leaf in leaves), aux
 
-    def batched(xs: tuple[Any, ...]) -> tuple[Any, ...]:
-        """f on a batch of points (a leading axis on every leaf), its output leaves unchecked:
-        for finite differences with ``vectorize=True``."""
-        x = xs[0] if single else optree.tree_unflatten(x_spec, list(xs))
-        result = f(x, *context_values)
-        leaves, spec = _tree.flatten(result[0] if has_aux else result)
-        output.record(spec, leaves, batched=True)
-        return tuple(leaves)
+        if batches:
 
-    fn.batched = batched  # type: ignore[attr-defined]
-    return fn
+            def batched(xs: tuple[Any, ...]) -> tuple[Any, ...]:
+                """f on a batch of points (a leading axis on every leaf), its output leaves unchecked:
+                for finite differences with ``vectorize=True``."""
+                x = xs[0] if single else optree.tree_unflatten(x_spec, list(xs))
+                result = f(x, *context_values)
+                leaves, spec = _tree.flatten(result[0] if has_aux else result)
+                output.record(spec, leaves, batched=True)
+                return tuple(leaves)
+
+            fn.batched = batched  # type: ignore[attr-defined]
+        return fn
+
+    return close
+
+
+def _checked(op: Operator, result: Any, output: _Output, adapter: Adapter) -> list[Any]:
+    """The leaves of ``f``'s output, recorded and checked: numeric, and one scalar for the
+    operators of scalar functions."""
+    if result is None:
+        raise InvalidOutputError(
+            f"f returned None where {op.name} needs floating-point numbers (float arrays or floats). "
+            "Return the value from f (a missing return statement?)."
+        )
+    if _arrays.kind(result) in _OUTPUT_LEAF_KINDS:
+        leaves, spec = [result], _LEAF
+    else:
+        leaves, spec = _tree.flatten(result)
+    output.record(spec, leaves)
+    checked = output.checked
+    for leaf in leaves:
+        key = (type(leaf), getattr(leaf, "dtype", None))
+        if key not in checked:
+            _check_numeric(op, leaf, adapter.complex_outputs)
+            checked.add(key)
+    if op.scalar_output and (len(leaves) != 1 or _arrays.shape(leaves[0]) != ()):
+        raise InvalidOutputError(
+            f"{op.name} needs f to return a scalar, but it returned {_describe(result)}. Reduce the "
+            "output (say with .sum()), or use jacobian / vjp for a non-scalar output."
+        )
+    return leaves
 
 
 class _Output:
@@ -617,7 +780,7 @@ def _finisher(op: Operator, call: Call, output: _Output) -> Callable[[tuple[Any,
     family = _arrays.family({_arrays.kind(leaf) for leaf in x_likes}) if x_likes else "numpy"
     python_x = family == "python"
 
-    like = x_likes[0] if x_likes else None
+    like: Any = x_likes[0] if x_likes else None
 
     def as_y(value: Any) -> Any:
         return _to_family(value, family, python_x, like)
@@ -645,9 +808,18 @@ def _finisher(op: Operator, call: Call, output: _Output) -> Callable[[tuple[Any,
             return ((parts[0], aux), *parts[1:]) if len(parts) > 1 else (parts[0], aux)
         return parts[0] if len(parts) == 1 else tuple(parts)
 
-    if kinds == ["x"] and not has_aux and x_spec == _LEAF:
-        # the hot path of gradient, vjp and hvp on one array: no tree to rebuild
-        return lambda native: _mirror(native[0][0], like)
+    if kinds == ["x"] and not has_aux and x_spec == _LEAF and _arrays.kind(like) in _ARRAY_KINDS:
+        # the hot path of gradient, vjp and hvp on one array: no tree to rebuild, and most
+        # often nothing to convert
+        cls, dtype, tensor = type(like), like.dtype, _arrays.kind(like) == "torch"
+
+        def first(native: tuple[Any, ...]) -> Any:
+            value = native[0][0]
+            if type(value) is cls and value.dtype == dtype and not (tensor and value.requires_grad):
+                return value
+            return _mirror(value, like)
+
+        return first
     return finish
 
 

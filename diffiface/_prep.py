@@ -39,7 +39,7 @@ class FunctionRef:
     collected as usual, and its cache entries with it.
     """
 
-    __slots__ = ("_ref", "name")
+    __slots__ = ("name", "ref")
 
     def __init__(self, f: Callable[..., Any]) -> None:
         self.name = getattr(f, "__qualname__", None) or repr(f)
@@ -51,16 +51,16 @@ class FunctionRef:
                 ref = weakref.ref(f)
             except TypeError:  # builtins and other objects without weak references live long
                 ref = functools.partial(_identity, f)
-        self._ref = ref
+        self.ref = ref
 
     def __call__(self) -> Callable[..., Any]:
-        f = self._ref()
+        f = self.ref()
         if f is None:  # pragma: no cover - the caller holds f while calling
             raise ReferenceError(f"the function {self.name} no longer exists")
         return f  # type: ignore[no-any-return]
 
     def matches(self, f: Callable[..., Any]) -> bool:
-        return _same_function(self._ref(), f)
+        return _same_function(self.ref(), f)
 
 
 def _identity(f: Any) -> Any:
@@ -93,13 +93,19 @@ class Prep:
         signature: Signature,
         runner: Callable[..., Any],
         strict: bool,
-        take_error: Callable[[], Any],
+        estimates: bool,
+        match: Callable[..., Any],
     ) -> None:
         self.function = function
         self.signature = signature
         self.strict = strict
+        self.match = match
+        """``match(operator, f, backend, x, tangent, contexts, has_aux)``: the flattened
+        arguments ``(x_leaves, tangent_leaves, context_leaves)`` of a call that visibly has
+        this prep's signature, told without flattening anything; None where that cannot be
+        told so quickly (the full signature decides)."""
         self._runner = runner
-        self._take_error = take_error
+        self._estimates = estimates
         self._local = threading.local()
 
     @property
@@ -120,11 +126,13 @@ class Prep:
 
     def with_strictness(self, strict: bool) -> Prep:
         """A prep sharing this one's work, with its own strictness and error estimate."""
-        return Prep(self.function, self.signature, self._runner, strict, self._take_error)
+        return Prep(self.function, self.signature, self._runner, strict, self._estimates, self.match)
 
-    def run(self, call: Any) -> Any:
-        result, error = self._runner(call)
-        self._local.error = error
+    def run(self, x_leaves: Any, tangent_leaves: Any, context_leaves: Any) -> Any:
+        """The operator on flattened arguments that have this prep's signature."""
+        result, error = self._runner(x_leaves, tangent_leaves, context_leaves)
+        if self._estimates:
+            self._local.error = error
         return result
 
     def __repr__(self) -> str:
@@ -199,19 +207,29 @@ def mismatch_error(prep: Prep, reason: str) -> PreparationMismatchError:
     )
 
 
+class _Entries(OrderedDict[Any, Prep]):
+    """One function's preps by ``(method function, signature)``, least recently used first,
+    and the prep each ``(method function, operator)`` used last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.latest: dict[tuple[Any, str], Prep] = {}
+
+
 class _PrepCache:
     """Preps of unprepared calls, keyed weakly on ``f`` and then on the signature.
 
     An entry lives as long as ``f`` does (for a bound method, as long as its object), and
     each function keeps at most ``per_function`` signatures, the least recently used leaving
-    first.
+    first. :meth:`recent` finds the prep a call most likely reuses without taking the call's
+    signature: its :attr:`Prep.match` tells whether it fits.
     """
 
     per_function = 16
 
     def __init__(self) -> None:
-        self._weak: weakref.WeakKeyDictionary[Any, OrderedDict[Any, Prep]] = weakref.WeakKeyDictionary()
-        self._strong: OrderedDict[Any, OrderedDict[Any, Prep]] = OrderedDict()
+        self._weak: weakref.WeakKeyDictionary[Any, _Entries] = weakref.WeakKeyDictionary()
+        self._strong: OrderedDict[Any, _Entries] = OrderedDict()
         self._lock = threading.Lock()
 
     def _owner(self, f: Callable[..., Any]) -> tuple[Any, Any, bool]:
@@ -239,7 +257,21 @@ class _PrepCache:
             prep = entries.get(key)
             if prep is not None:
                 entries.move_to_end(key)
+                entries.latest[sub, signature.operator] = prep
         return prep
+
+    def recent(self, f: Callable[..., Any], operator: str) -> Prep | None:
+        """The prep of ``operator`` that ``f`` used last; None if there is none."""
+        if type(f) is types.FunctionType:  # the common case, without the checks of _owner
+            entries = self._weak.get(f)
+            sub = None
+        else:
+            owner, sub, weak = self._owner(f)
+            try:
+                entries = (self._weak if weak else self._strong).get(owner)
+            except TypeError:
+                return None
+        return None if entries is None else entries.latest.get((sub, operator))
 
     def put(self, f: Callable[..., Any], signature: Signature, prep: Prep) -> None:
         owner, sub, weak = self._owner(f)
@@ -248,10 +280,11 @@ class _PrepCache:
             try:
                 entries = table.get(owner)
                 if entries is None:
-                    entries = table[owner] = OrderedDict()
+                    entries = table[owner] = _Entries()
             except TypeError:
                 return
             entries[(sub, signature)] = prep
+            entries.latest[sub, signature.operator] = prep
             while len(entries) > self.per_function:
                 entries.popitem(last=False)
             if not weak:

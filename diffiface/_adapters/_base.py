@@ -39,6 +39,11 @@ class Adapter:
     xp: Any
     complex_outputs = False
     """True when ``f`` is evaluated at complex points (complex-step differences)."""
+    estimates_errors = False
+    """True when the engine estimates the error of its results (see :meth:`take_error`)."""
+    batches = False
+    """True when the engine may evaluate ``f`` at many points in one call, through the
+    ``batched`` attribute of the closed function."""
 
     def __init__(self, backend: Backend, info: BackendInfo) -> None:
         self.backend = backend
@@ -60,15 +65,15 @@ class Adapter:
         """A leaf of ``f``'s output as the engine's array (``like``: a leaf of x)."""
         return leaf
 
-    def scope(self, float64: bool) -> contextlib.AbstractContextManager[Any]:
-        """The context to run in when a float64 array is involved.
+    def scope(self) -> contextlib.AbstractContextManager[Any] | None:
+        """The context to run in when a float64 array is involved; None if there is none.
 
         A black-box engine hands ``f`` perturbed points as jax arrays when x is one; jax
         makes float64 arrays only under x64, so it gets a scoped ``jax.enable_x64(True)``."""
         jax = sys.modules.get("jax")
-        if float64 and self.info.any_array_type and jax is not None and not jax.config.read("jax_enable_x64"):
+        if self.info.any_array_type and jax is not None and not jax.config.read("jax_enable_x64"):
             return jax.enable_x64(True)  # type: ignore[no-any-return]
-        return contextlib.nullcontext()
+        return None
 
     def compile(self, program: Callable[..., Any]) -> Callable[..., Any]:
         """Compile a program ``(xs, ts, dynamic_contexts, static_contexts) -> results``."""
@@ -249,6 +254,8 @@ class SecondOrderAdapter(Adapter):
         self.inner = inner
         self.xp = inner.xp
         self.complex_outputs = outer.complex_outputs or inner.complex_outputs
+        self.estimates_errors = outer.estimates_errors
+        self.batches = outer.batches or inner.batches
         self._same_engine = type(outer) is type(inner)
 
     def to_native(self, leaf: Any) -> Any:
@@ -260,8 +267,8 @@ class SecondOrderAdapter(Adapter):
     def output_leaf(self, leaf: Any, like: Any) -> Any:
         return self.inner.output_leaf(leaf, like)
 
-    def scope(self, float64: bool) -> contextlib.AbstractContextManager[Any]:
-        return self.inner.scope(float64)
+    def scope(self) -> contextlib.AbstractContextManager[Any] | None:
+        return self.inner.scope()
 
     def compile(self, program: Callable[..., Any]) -> Callable[..., Any]:
         return self.inner.compile(program) if self._same_engine else program

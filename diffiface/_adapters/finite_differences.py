@@ -128,6 +128,7 @@ class Adapter(_base.Adapter):
         self.fixed_step: float | None = backend.step
         self.complex_outputs = self.method == "complex"
         self.vectorize: bool = backend.vectorize
+        self.batches = self.vectorize
 
     def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
         return context_like_x(leaf, like)

@@ -44,10 +44,10 @@ class Adapter(_base.Adapter):
             return jnp.asarray(leaf)
         return leaf
 
-    def scope(self, float64: bool) -> contextlib.AbstractContextManager[Any]:
-        if float64 and not jax.config.read("jax_enable_x64"):
+    def scope(self) -> contextlib.AbstractContextManager[Any] | None:
+        if not jax.config.read("jax_enable_x64"):
             return jax.enable_x64(True)  # type: ignore[no-any-return]
-        return contextlib.nullcontext()
+        return None
 
     def compile(self, program: Callable[..., Any]) -> Callable[..., Any]:
         if not self.backend.jit:  # type: ignore[attr-defined]

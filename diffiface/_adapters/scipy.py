@@ -34,6 +34,7 @@ from .finite_differences import (
 
 class Adapter(_base.Adapter):
     xp = np
+    estimates_errors = True
 
     def __init__(self, backend: Any, info: Any) -> None:
         super().__init__(backend, info)

@@ -137,10 +137,12 @@ class Adapter(_base.Adapter):
             tensor_fn, rebuild = _tensor_aux(fn)
             grads, (value, aux) = func.grad_and_value(tensor_fn, has_aux=True)(xs)
             return value, rebuild(aux), grads
-        with torch.enable_grad():
-            inputs = _requiring_grad(xs)
-            value, aux = fn(inputs)
-            grads = _grad(_if_graph(value), inputs, retain=False)
+        if not torch.is_grad_enabled():  # entering enable_grad costs more than asking
+            with torch.enable_grad():
+                return self.value_and_gradient(fn, xs)
+        inputs = _requiring_grad(xs)
+        value, aux = fn(inputs)
+        grads = _grad(_if_graph(value), inputs, retain=False)
         return value, aux, grads  # results are detached as they are converted, if they are returned
 
     def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Blocks]:
@@ -226,6 +228,8 @@ def _tensor_aux(fn: Fn) -> tuple[Fn, Callable[[Any], Any]]:
 
 def _requiring_grad(xs: Leaves) -> Leaves:
     """Fresh leaves of the graph: the caller's tensors and their flags stay as they are."""
+    if len(xs) == 1:
+        return (xs[0].detach().requires_grad_(True),)
     return tuple(x.detach().requires_grad_(True) for x in xs)
 
 
