@@ -30,7 +30,7 @@ from ._errors import (
     InvalidOutputError,
     TangentMismatchError,
 )
-from ._prep import FunctionRef, Prep, Signature, describe_mismatch, mismatch_error, prep_cache
+from ._prep import MISS, FunctionRef, Prep, Signature, describe_mismatch, mismatch_error, prep_cache
 
 
 @dataclass(frozen=True)
@@ -194,13 +194,14 @@ def evaluate(
 ) -> Any:
     if prep is None:
         recent = prep_cache.recent(f, name)  # the prep f used last, likely to fit again
-        leaves = None if recent is None else recent.match(name, f, backend, x, tangent, contexts, has_aux)
-        if leaves is not None:
-            return recent.run(*leaves)  # type: ignore[union-attr]
+        if recent is not None:
+            result = recent.fast(name, f, backend, x, tangent, contexts, has_aux)
+            if result is not MISS:
+                return result
     elif isinstance(prep, Prep):
-        leaves = prep.match(name, f, backend, x, tangent, contexts, has_aux)
-        if leaves is not None:
-            return prep.run(*leaves)
+        result = prep.fast(name, f, backend, x, tangent, contexts, has_aux)
+        if result is not MISS:
+            return result
     else:
         raise InvalidInputError(f"prep must come from di.prepare_{name}(...), got {type(prep).__name__}.")
     op, backend, call = _arguments(name, f, backend, x, tangent, contexts, has_aux)
@@ -280,7 +281,23 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
             return run(x_leaves, tangent_leaves, context_leaves)
 
     runner = scoped if plan.float64 else run
-    return Prep(function, signature, runner, strict, estimates, _matcher(op, function, call))
+    if estimates:  # the error estimate goes to the prep that runs: through Prep.run
+        fast: Callable[..., Any] = _miss
+    elif plan.passthrough and plan.x_native and plan.tangent_native and not plan.float64:
+        # the engine takes the arguments as they are: straight to the program
+
+        def direct(x: Any, tangent: Any, values: tuple[Any, ...]) -> Any:
+            return finish(compiled((x,), (tangent,) if tangent is not _NO_TANGENT else (), values, None))
+
+        fast = _matcher(op, function, call, direct)
+    else:
+
+        def converted(x: Any, tangent: Any, values: tuple[Any, ...]) -> Any:
+            tangents = [tangent] if tangent is not _NO_TANGENT else []
+            return runner([x], tangents, [[value] for value in values])[0]
+
+        fast = _matcher(op, function, call, converted)
+    return Prep(function, signature, runner, strict, estimates, fast)
 
 
 class _Conversions:
@@ -365,78 +382,80 @@ def _tangent_to_native(adapter: Adapter, t: Any, like: Any) -> Any:
 # -- the quick match of a prepared call --------------------------------------------------------
 
 
-def _array_key(leaf: Any) -> tuple[Any, ...]:
-    return (type(leaf), leaf.shape, leaf.dtype)
-
-
-def _tensor_key(leaf: Any) -> tuple[Any, ...]:
-    return (type(leaf), leaf.shape, leaf.dtype, leaf.device)
-
-
-def _same_array(leaf: Any, key: tuple[Any, ...]) -> bool:
-    return type(leaf) is key[0] and leaf.shape == key[1] and leaf.dtype == key[2]
-
-
-def _same_tensor(leaf: Any, key: tuple[Any, ...]) -> bool:
-    return type(leaf) is key[0] and leaf.shape == key[1] and leaf.dtype == key[2] and leaf.device == key[3]
-
-
-def _same_type(leaf: Any, key: type) -> bool:
-    return type(leaf) is key
-
-
-def _key_of(leaf: Any) -> tuple[Callable[[Any, Any], bool], Any]:
-    """The part of a leaf's signature that a quick match compares, and the comparison: type,
-    shape and dtype of an array (and device of a tensor), the type of anything else."""
+def _quick_key(leaf: Any) -> tuple[Any, Any, Any, Any]:
+    """The part of a leaf's signature a quick match compares: type, shape, dtype and device
+    (torch) of an array; the type alone of anything else (shape None)."""
     kind = _arrays.kind(leaf)
-    if kind == "torch":
-        return _same_tensor, _tensor_key(leaf)
     if kind in ("numpy", "jax"):
-        return _same_array, _array_key(leaf)
-    return _same_type, type(leaf)
+        return type(leaf), leaf.shape, leaf.dtype, None
+    if kind == "torch":
+        return type(leaf), leaf.shape, leaf.dtype, leaf.device
+    return type(leaf), None, None, None
 
 
-def _no_match(*args: Any) -> None:
-    return None
+def _fits(leaf: Any, key: tuple[Any, Any, Any, Any]) -> bool:
+    """Whether ``leaf`` has the quick key ``key``."""
+    cls, shape, dtype, device = key
+    if type(leaf) is not cls:
+        return False
+    return shape is None or (leaf.shape == shape and leaf.dtype == dtype and (device is None or leaf.device == device))
 
 
-def _matcher(op: Operator, function: FunctionRef, call: Call) -> Callable[..., Any]:
-    """``match(operator, f, backend, x, tangent, contexts, has_aux)`` for :attr:`Prep.match`: the
-    flattened arguments of a call that has the prep's signature, for the common case of one
-    leaf each (x, the tangent, every context), told by comparing a few types, shapes and
-    dtypes; None otherwise, to leave the decision to the full signature."""
+def _miss(*args: Any) -> Any:
+    return MISS
+
+
+_NO_TANGENT: Any = object()
+
+
+def _matcher(
+    op: Operator, function: FunctionRef, call: Call, then: Callable[[Any, Any, tuple[Any, ...]], Any]
+) -> Callable[..., Any]:
+    """:attr:`Prep.fast` for the common case of one leaf each (x, the tangent, every context):
+    ``then(x, tangent, context_values)`` if a few types, shapes and dtypes show that the call
+    has the prep's signature (the tangent ``_NO_TANGENT`` for operators without one); ``MISS``
+    otherwise, to leave the decision to the full signature."""
     sig = call.signature
     one_leaf = sig.x_spec == _LEAF and _arrays.kind(call.x_leaves[0]) in _ARRAY_KINDS | {"python"}
     if op.tangent is not None:
         one_leaf = one_leaf and sig.tangent_spec == _LEAF and _arrays.kind(call.tangent_leaves[0]) != "other"
     if not one_leaf or any(spec != _LEAF for spec in call.context_specs):
-        return _no_match
-    backend, has_aux, ref = sig.backend, sig.has_aux, function.ref
-    same_x, x_key = _key_of(call.x_leaves[0])
+        return _miss
+    backend, has_aux, ref, name = sig.backend, sig.has_aux, function.ref, op.name
+    x_key = _quick_key(call.x_leaves[0])
     with_tangent = op.tangent is not None
-    same_t, t_key = _key_of(call.tangent_leaves[0]) if with_tangent else (_same_type, type(None))
+    t_key = _quick_key(call.tangent_leaves[0]) if with_tangent else None
     kinds = tuple(spec[0] for spec in sig.contexts)
-    keys = tuple(_key_of(leaves[0]) for leaves in call.context_leaves)
+    keys = tuple(_quick_key(leaves[0]) for leaves in call.context_leaves)
     count = len(kinds)
-    name = op.name
+    # Hot code: no comprehensions, generators or zip(strict=True) (the lengths are compared
+    # first), each of which costs more than all the checks once an engine's work has evicted
+    # this code from the processor's caches.
 
     def match(
         operator: str, f: Any, backend_: Any, x: Any, tangent: Any, contexts: tuple[Any, ...], has_aux_: bool
-    ) -> tuple[list[Any], list[Any], list[list[Any]]] | None:
-        if operator != name or (ref() is not f and not function.matches(f)):
-            return None
-        if backend_ is not backend and backend_ != backend:
-            return None
-        if has_aux_ != has_aux or len(contexts) != count or not same_x(x, x_key):
-            return None
-        if with_tangent and not same_t(tangent, t_key):
-            return None
-        context_leaves = []
-        for context, kind, (same, key) in zip(contexts, kinds, keys, strict=True):
-            if type(context) is not kind or not same(context.value, key):
-                return None
-            context_leaves.append([context.value])
-        return [x], [tangent] if with_tangent else [], context_leaves
+    ) -> Any:
+        if (
+            operator != name
+            or (ref() is not f and not function.matches(f))
+            or (backend_ is not backend and backend_ != backend)
+            or has_aux_ != has_aux
+            or len(contexts) != count
+            or not _fits(x, x_key)
+        ):
+            return MISS
+        if t_key is None:
+            tangent = _NO_TANGENT
+        elif not _fits(tangent, t_key):
+            return MISS
+        if count == 0:
+            return then(x, tangent, ())
+        values = []
+        for context, kind, key in zip(contexts, kinds, keys, strict=False):
+            if type(context) is not kind or not _fits(context.value, key):
+                return MISS
+            values.append(context.value)
+        return then(x, tangent, tuple(values))
 
     return match
 
@@ -478,6 +497,7 @@ def _program(
     method = getattr(adapter, op.compute)
     pullback = op.compute == "value_and_pullback"
     picked = [i for i, _ in op.parts] + ([1] if has_aux else [])  # the aux comes last
+    only = picked[0] if len(picked) == 1 else None
 
     empty = plan.empty
 
@@ -497,6 +517,8 @@ def _program(
             result = method(fn, xs)
         else:
             result = method(fn, xs, ts)
+        if only is not None:
+            return (force(result[only]),)
         return tuple([force(result[i]) for i in picked])
 
     return program

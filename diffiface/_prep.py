@@ -14,7 +14,10 @@ from typing import Any, NamedTuple
 from ._errors import PreparationMismatchError
 from .tree import path_string
 
-__all__ = ["FunctionRef", "Prep", "Signature", "describe_mismatch", "prep_cache"]
+__all__ = ["MISS", "FunctionRef", "Prep", "Signature", "describe_mismatch", "prep_cache"]
+
+MISS: Any = object()
+"""What :attr:`Prep.fast` returns for a call it cannot vouch for."""
 
 
 class Signature(NamedTuple):
@@ -94,16 +97,15 @@ class Prep:
         runner: Callable[..., Any],
         strict: bool,
         estimates: bool,
-        match: Callable[..., Any],
+        fast: Callable[..., Any],
     ) -> None:
         self.function = function
         self.signature = signature
         self.strict = strict
-        self.match = match
-        """``match(operator, f, backend, x, tangent, contexts, has_aux)``: the flattened
-        arguments ``(x_leaves, tangent_leaves, context_leaves)`` of a call that visibly has
-        this prep's signature, told without flattening anything; None where that cannot be
-        told so quickly (the full signature decides)."""
+        self.fast = fast
+        """``fast(operator, f, backend, x, tangent, contexts, has_aux)``: the result of a call
+        that visibly has this prep's signature, told without flattening anything; ``MISS``
+        where that cannot be told so quickly (the full signature decides)."""
         self._runner = runner
         self._estimates = estimates
         self._local = threading.local()
@@ -126,7 +128,7 @@ class Prep:
 
     def with_strictness(self, strict: bool) -> Prep:
         """A prep sharing this one's work, with its own strictness and error estimate."""
-        return Prep(self.function, self.signature, self._runner, strict, self._estimates, self.match)
+        return Prep(self.function, self.signature, self._runner, strict, self._estimates, self.fast)
 
     def run(self, x_leaves: Any, tangent_leaves: Any, context_leaves: Any) -> Any:
         """The operator on flattened arguments that have this prep's signature."""
@@ -222,7 +224,7 @@ class _PrepCache:
     An entry lives as long as ``f`` does (for a bound method, as long as its object), and
     each function keeps at most ``per_function`` signatures, the least recently used leaving
     first. :meth:`recent` finds the prep a call most likely reuses without taking the call's
-    signature: its :attr:`Prep.match` tells whether it fits.
+    signature: its :attr:`Prep.fast` tells whether it fits.
     """
 
     per_function = 16

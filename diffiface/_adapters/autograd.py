@@ -121,7 +121,8 @@ class Adapter(_base.Adapter):
 
         if len(xs) == 1:  # one array: no tuple container for autograd to box and rebuild
             value, grad = autograd.value_and_grad(lambda x: scalar_fn((x,)))(xs[0])
-            return value, _unboxed(captured[0]), (grad,)
+            aux = captured[0]
+            return value, None if aux is None else _unboxed(aux), (grad,)
         value, grads = autograd.value_and_grad(scalar_fn)(xs)
         return value, _unboxed(captured[0]), tuple(grads)
 

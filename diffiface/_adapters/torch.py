@@ -258,6 +258,8 @@ def _grad(
         allow_unused=True,
     )
     # zeros where an input did not matter (cheaper than materialize_grads=True)
+    if len(grads) == 1 and grads[0] is not None:
+        return grads  # type: ignore[no-any-return]
     return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs, strict=True))
 
 
