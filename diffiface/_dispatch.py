@@ -257,8 +257,20 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
     output = _Output()
     plan = _Conversions(adapter, op, call)
     program = _program(op, adapter, function, call, output, plan)
-    compiled = adapter.compile(program)
-    finish = _finisher(op, call, output)
+    finish, mirror = _finisher(op, call, output)
+    direct_ok = plan.passthrough and plan.x_native and plan.tangent_native and not plan.float64
+    flat: Callable[..., Any] | None = None
+    if direct_ok and adapter.compiles and len(call.x_leaves) == 1 and len(call.tangent_leaves) <= 1:
+        # a compiled program on flat arguments (x, [tangent,] *context arrays), which returns
+        # the result itself where it is x's one leaf: no pytree for jit to take apart or build
+        flat, done = _flat_program(adapter, program, mirror, finish, bool(call.tangent_leaves), call.x_leaves[0])
+        finish = done or _identity
+
+        def compiled(xs: Any, ts: Any, dynamic: Any, static: Any) -> Any:
+            return flat(*xs, *ts, *dynamic)  # type: ignore[misc]
+
+    else:
+        compiled = adapter.compile(program)
     estimates = adapter.estimates_errors
     parts = [i for i, _ in op.parts]
 
@@ -281,23 +293,67 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
             return run(x_leaves, tangent_leaves, context_leaves)
 
     runner = scoped if plan.float64 else run
+    with_tangent = bool(call.tangent_leaves)
     if estimates:  # the error estimate goes to the prep that runs: through Prep.run
         fast: Callable[..., Any] = _miss
-    elif plan.passthrough and plan.x_native and plan.tangent_native and not plan.float64:
-        # the engine takes the arguments as they are: straight to the program
+    elif flat is not None and finish is _identity:  # the program's result is the call's
+        fast = _matcher(op, function, call, flat)
+    elif flat is not None:
+        compiled_flat, finish_flat = flat, finish
 
-        def direct(x: Any, tangent: Any, values: tuple[Any, ...]) -> Any:
-            return finish(compiled((x,), (tangent,) if tangent is not _NO_TANGENT else (), values, None))
+        def direct_flat(*arrays: Any) -> Any:
+            return finish_flat(compiled_flat(*arrays))
+
+        fast = _matcher(op, function, call, direct_flat)
+    elif direct_ok:  # the engine takes the arguments as they are: straight to the program
+
+        def direct(x: Any, *rest: Any) -> Any:
+            if with_tangent:
+                return finish(compiled((x,), rest[:1], rest[1:], None))
+            return finish(compiled((x,), (), rest, None))
 
         fast = _matcher(op, function, call, direct)
     else:
 
-        def converted(x: Any, tangent: Any, values: tuple[Any, ...]) -> Any:
-            tangents = [tangent] if tangent is not _NO_TANGENT else []
-            return runner([x], tangents, [[value] for value in values])[0]
+        def converted(x: Any, *rest: Any) -> Any:
+            tangents = [rest[0]] if with_tangent else []
+            return runner([x], tangents, [[value] for value in rest[len(tangents) :]])[0]
 
         fast = _matcher(op, function, call, converted)
     return Prep(function, signature, runner, strict, estimates, fast)
+
+
+def _flat_program(
+    adapter: Adapter,
+    program: Callable[..., Any],
+    mirror: Callable[[Any], Any] | None,
+    finish: Callable[[Any], Any],
+    tangent: bool,
+    like: Any,
+) -> tuple[Callable[..., Any], Callable[[Any], Any] | None]:
+    """``program`` compiled on flat arguments, and the finisher of its results (None: they
+    are finished). Where the result mirrors x's one leaf (``mirror``), the program returns
+    that leaf itself, cast to x's dtype inside the program where that is all mirroring takes."""
+    inside = mirror is not None and adapter.returns_like(like)
+    dtype = like.dtype if inside else None
+
+    def pick(native: tuple[Any, ...]) -> Any:
+        if mirror is None:
+            return native
+        return native[0][0].astype(dtype) if inside else native[0][0]
+
+    def with_tangent(x: Any, t: Any, *values: Any) -> Any:
+        return pick(program((x,), (t,), values, None))
+
+    def without(x: Any, *values: Any) -> Any:
+        return pick(program((x,), (), values, None))
+
+    compiled = adapter.compile(with_tangent if tangent else without, static=False, arrays=mirror is not None)
+    return compiled, None if inside else mirror or finish
+
+
+def _identity(value: Any) -> Any:
+    return value
 
 
 class _Conversions:
@@ -405,16 +461,11 @@ def _miss(*args: Any) -> Any:
     return MISS
 
 
-_NO_TANGENT: Any = object()
-
-
-def _matcher(
-    op: Operator, function: FunctionRef, call: Call, then: Callable[[Any, Any, tuple[Any, ...]], Any]
-) -> Callable[..., Any]:
+def _matcher(op: Operator, function: FunctionRef, call: Call, then: Callable[..., Any]) -> Callable[..., Any]:
     """:attr:`Prep.fast` for the common case of one leaf each (x, the tangent, every context):
-    ``then(x, tangent, context_values)`` if a few types, shapes and dtypes show that the call
-    has the prep's signature (the tangent ``_NO_TANGENT`` for operators without one); ``MISS``
-    otherwise, to leave the decision to the full signature."""
+    ``then(x, [tangent,] *context_values)`` if a few types, shapes and dtypes show that the
+    call has the prep's signature; ``MISS`` otherwise, to leave the decision to the full
+    signature."""
     sig = call.signature
     one_leaf = sig.x_spec == _LEAF and _arrays.kind(call.x_leaves[0]) in _ARRAY_KINDS | {"python"}
     if op.tangent is not None:
@@ -422,7 +473,7 @@ def _matcher(
     if not one_leaf or any(spec != _LEAF for spec in call.context_specs):
         return _miss
     backend, has_aux, ref, name = sig.backend, sig.has_aux, function.ref, op.name
-    x_key = _quick_key(call.x_leaves[0])
+    x_cls, x_shape, x_dtype, x_device = _quick_key(call.x_leaves[0])
     with_tangent = op.tangent is not None
     t_key = _quick_key(call.tangent_leaves[0]) if with_tangent else None
     kinds = tuple(spec[0] for spec in sig.contexts)
@@ -441,21 +492,28 @@ def _matcher(
             or (backend_ is not backend and backend_ != backend)
             or has_aux_ != has_aux
             or len(contexts) != count
-            or not _fits(x, x_key)
+            or type(x) is not x_cls
+            or (
+                x_shape is not None
+                and (x.shape != x_shape or x.dtype != x_dtype or (x_device is not None and x.device != x_device))
+            )
         ):
             return MISS
         if t_key is None:
-            tangent = _NO_TANGENT
+            if count == 0:
+                return then(x)
+            values = []
         elif not _fits(tangent, t_key):
             return MISS
-        if count == 0:
-            return then(x, tangent, ())
-        values = []
+        elif count == 0:
+            return then(x, tangent)
+        else:
+            values = [tangent]
         for context, kind, key in zip(contexts, kinds, keys, strict=False):
             if type(context) is not kind or not _fits(context.value, key):
                 return MISS
             values.append(context.value)
-        return then(x, tangent, tuple(values))
+        return then(x, *values)
 
     return match
 
@@ -796,7 +854,11 @@ def _involves_float64(call: Call) -> bool:
 # -- results: mirror the inputs ----------------------------------------------------------------------
 
 
-def _finisher(op: Operator, call: Call, output: _Output) -> Callable[[tuple[Any, ...]], Any]:
+def _finisher(
+    op: Operator, call: Call, output: _Output
+) -> tuple[Callable[[tuple[Any, ...]], Any], Callable[[Any], Any] | None]:
+    """``finish(native_parts)``: the result mirroring the inputs; and where the result is one
+    leaf mirroring x's one leaf, ``mirror(leaf)`` for it (else None)."""
     x_spec = call.signature.x_spec
     x_likes = list(call.x_leaves)
     family = _arrays.family({_arrays.kind(leaf) for leaf in x_likes}) if x_likes else "numpy"
@@ -835,14 +897,16 @@ def _finisher(op: Operator, call: Call, output: _Output) -> Callable[[tuple[Any,
         # often nothing to convert
         cls, dtype, tensor = type(like), like.dtype, _arrays.kind(like) == "torch"
 
-        def first(native: tuple[Any, ...]) -> Any:
-            value = native[0][0]
+        def mirror(value: Any) -> Any:
             if type(value) is cls and value.dtype == dtype and not (tensor and value.requires_grad):
                 return value
             return _mirror(value, like)
 
-        return first
-    return finish
+        def first(native: tuple[Any, ...]) -> Any:
+            return mirror(native[0][0])
+
+        return first, mirror
+    return finish, None
 
 
 def _to_family(value: Any, family: str, python_x: bool, like: Any) -> Any:

@@ -75,9 +75,18 @@ class Adapter:
             return jax.enable_x64(True)  # type: ignore[no-any-return]
         return None
 
-    def compile(self, program: Callable[..., Any]) -> Callable[..., Any]:
-        """Compile a program ``(xs, ts, dynamic_contexts, static_contexts) -> results``."""
+    compiles = False
+    """True when :meth:`compile` compiles (jax under jit)."""
+
+    def compile(self, program: Callable[..., Any], static: bool = True, arrays: bool = False) -> Callable[..., Any]:
+        """Compile a program ``(xs, ts, dynamic_contexts, static_contexts) -> results``, or
+        with ``static=False`` one whose every argument is an array; ``arrays``: its results
+        are arrays only."""
         return program
+
+    def returns_like(self, leaf: Any) -> bool:
+        """Whether a compiled program's array results have the array type of ``leaf``."""
+        return False
 
     def explain_failure(self, exc: BaseException) -> str | None:
         """If ``exc`` shows ``f`` was written for another framework, say why; else None."""
@@ -257,6 +266,7 @@ class SecondOrderAdapter(Adapter):
         self.estimates_errors = outer.estimates_errors
         self.batches = outer.batches or inner.batches
         self._same_engine = type(outer) is type(inner)
+        self.compiles = self._same_engine and inner.compiles
 
     def to_native(self, leaf: Any) -> Any:
         return self.inner.to_native(leaf)
@@ -270,8 +280,11 @@ class SecondOrderAdapter(Adapter):
     def scope(self) -> contextlib.AbstractContextManager[Any] | None:
         return self.inner.scope()
 
-    def compile(self, program: Callable[..., Any]) -> Callable[..., Any]:
-        return self.inner.compile(program) if self._same_engine else program
+    def compile(self, program: Callable[..., Any], static: bool = True, arrays: bool = False) -> Callable[..., Any]:
+        return self.inner.compile(program, static, arrays) if self._same_engine else program
+
+    def returns_like(self, leaf: Any) -> bool:
+        return self._same_engine and self.inner.returns_like(leaf)
 
     def explain_failure(self, exc: BaseException) -> str | None:
         return self.inner.explain_failure(exc)

@@ -61,8 +61,9 @@ class Adapter(_base.Adapter):
         return None
 
     def _flat_pullback(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Any], Any]:
-        """``(out, aux, vjp, flat)``: autograd differentiates one array, so a tuple output is
-        concatenated into ``flat`` and ``vjp`` takes a cotangent of that flat shape."""
+        """``(out, aux, vjp, flat)``: autograd differentiates one array, ``flat``: the output
+        itself when it is one array, else its leaves concatenated into a vector; ``vjp`` takes
+        a cotangent shaped as ``flat``."""
         captured: list[Any] = []
 
         def flat_fn(xs_: Leaves) -> Any:
@@ -70,6 +71,8 @@ class Adapter(_base.Adapter):
             captured[:] = [out, aux]
             if not isinstance(out, tuple):
                 return out
+            if len(out) == 1:
+                return out[0]
             return anp.concatenate([anp.reshape(y, (-1,)) for y in out]) if out else anp.zeros(0)
 
         if len(xs) == 1:  # one array: no tuple container for autograd to box and rebuild
@@ -85,6 +88,8 @@ class Adapter(_base.Adapter):
 
         def pullback(touts: Any) -> Leaves:
             if isinstance(out, tuple):
+                if len(out) == 1:
+                    return tuple(vjp(touts[0]))
                 touts = np.concatenate([np.reshape(t, -1) for t in touts]) if touts else np.zeros(0)
             return tuple(vjp(touts))
 
@@ -104,6 +109,8 @@ class Adapter(_base.Adapter):
         tangent = transpose(np.concatenate([np.reshape(t, -1) for t in txs]) if txs else np.zeros(0))
         if not isinstance(out, tuple):
             return out, aux, tangent
+        if len(out) == 1:
+            return out, aux, (tangent,)
         pieces, start = [], 0
         for y in out:
             size = math.prod(np.shape(y))

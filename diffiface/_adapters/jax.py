@@ -49,28 +49,38 @@ class Adapter(_base.Adapter):
             return jax.enable_x64(True)  # type: ignore[no-any-return]
         return None
 
-    def compile(self, program: Callable[..., Any]) -> Callable[..., Any]:
-        if not self.backend.jit:  # type: ignore[attr-defined]
+    def __init__(self, backend: Any, info: Any) -> None:
+        super().__init__(backend, info)
+        self.compiles = bool(backend.jit)
+
+    def returns_like(self, leaf: Any) -> bool:
+        return self.compiles and isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
+
+    def compile(self, program: Callable[..., Any], static: bool = True, arrays: bool = False) -> Callable[..., Any]:
+        if not self.compiles:
             return program
+        if arrays:
+            return jax.jit(program, static_argnums=3 if static else ())  # type: ignore[no-any-return]
         # jit returns arrays only; the other leaves of a result (an aux holding a string,
         # say) are kept from the trace, per value of the static argument.
         kept: dict[Any, tuple[Any, list[bool], list[Any]] | None] = {}
 
-        def arrays_only(xs: Any, ts: Any, dynamic: Any, static: Any) -> Any:
-            result = program(xs, ts, dynamic, static)
+        def arrays_only(*args: Any) -> Any:
+            result = program(*args)
+            key = args[3] if static else None
             leaves, spec = jax.tree_util.tree_flatten(result)
             mask = [isinstance(leaf, jax.Array) for leaf in leaves]
             if all(mask):  # the common case: the result goes through jit as it is
-                kept[static] = None
+                kept[key] = None
                 return result
-            kept[static] = (spec, mask, [leaf for leaf, m in zip(leaves, mask, strict=True) if not m])
+            kept[key] = (spec, mask, [leaf for leaf, m in zip(leaves, mask, strict=True) if not m])
             return [leaf for leaf, m in zip(leaves, mask, strict=True) if m]
 
-        jitted = jax.jit(arrays_only, static_argnums=3)
+        jitted = jax.jit(arrays_only, static_argnums=3 if static else ())
 
-        def run(xs: Any, ts: Any, dynamic: Any, static: Any) -> Any:
-            out = jitted(xs, ts, dynamic, static)
-            found = kept[static]
+        def run(*args: Any) -> Any:
+            out = jitted(*args)
+            found = kept[args[3] if static else None]
             if found is None:
                 return out
             spec, mask, others = found

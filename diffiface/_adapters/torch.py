@@ -213,12 +213,17 @@ def _tensor_aux(fn: Fn) -> tuple[Fn, Callable[[Any], Any]]:
 
     def tensor_fn(xs: Leaves) -> tuple[Any, Any]:
         out, aux = fn(xs)
+        if aux is None:  # the common case: no aux
+            kept.clear()
+            return out, ()
         leaves, spec = _tree.flatten(aux)
         mask = [isinstance(leaf, torch.Tensor) for leaf in leaves]
         kept[:] = [spec, mask, [leaf for leaf, m in zip(leaves, mask, strict=True) if not m]]
         return out, tuple(leaf for leaf, m in zip(leaves, mask, strict=True) if m)
 
     def rebuild(tensors: Any) -> Any:
+        if not kept:
+            return None
         spec, mask, others = kept
         tensor_iter, other_iter = iter(tensors), iter(others)
         return optree.tree_unflatten(spec, [next(tensor_iter) if m else next(other_iter) for m in mask])
