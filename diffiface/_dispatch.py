@@ -479,6 +479,8 @@ def _matcher(op: Operator, function: FunctionRef, call: Call, then: Callable[...
     kinds = tuple(spec[0] for spec in sig.contexts)
     keys = tuple(_quick_key(leaves[0]) for leaves in call.context_leaves)
     count = len(kinds)
+    c_kind: Any = kinds[0] if count else None
+    c_cls, c_shape, c_dtype, c_device = keys[0] if count else (None, None, None, None)
     # Hot code: no comprehensions, generators or zip(strict=True) (the lengths are compared
     # first), each of which costs more than all the checks once an engine's work has evicted
     # this code from the processor's caches.
@@ -502,6 +504,18 @@ def _matcher(op: Operator, function: FunctionRef, call: Call, then: Callable[...
         if t_key is None:
             if count == 0:
                 return then(x)
+            if count == 1:  # the common case of one context, without a loop
+                context = contexts[0]
+                value = context.value
+                if type(context) is not c_kind or type(value) is not c_cls:
+                    return MISS
+                if c_shape is not None and (
+                    value.shape != c_shape
+                    or value.dtype != c_dtype
+                    or (c_device is not None and value.device != c_device)
+                ):
+                    return MISS
+                return then(x, value)
             values = []
         elif not _fits(tangent, t_key):
             return MISS

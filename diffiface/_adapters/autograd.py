@@ -15,6 +15,8 @@ from typing import Any
 import autograd
 import autograd.numpy as anp
 import numpy as np
+from autograd.core import make_vjp as _make_vjp
+from autograd.core import vspace
 from autograd.tracer import getval
 
 from .. import _arrays
@@ -76,7 +78,7 @@ class Adapter(_base.Adapter):
             return anp.concatenate([anp.reshape(y, (-1,)) for y in out]) if out else anp.zeros(0)
 
         if len(xs) == 1:  # one array: no tuple container for autograd to box and rebuild
-            single_vjp, flat = autograd.make_vjp(lambda x: flat_fn((x,)))(xs[0])
+            single_vjp, flat = _make_vjp(lambda x: flat_fn((x,)), xs[0])
             out, aux = captured
             return _unboxed(out), _unboxed(aux), lambda u: (single_vjp(u),), flat
         vjp, flat = autograd.make_vjp(flat_fn)(xs)
@@ -127,7 +129,8 @@ class Adapter(_base.Adapter):
             return value
 
         if len(xs) == 1:  # one array: no tuple container for autograd to box and rebuild
-            value, grad = autograd.value_and_grad(lambda x: scalar_fn((x,)))(xs[0])
+            vjp, value = _make_vjp(lambda x: scalar_fn((x,)), xs[0])
+            grad = vjp(vspace(value).ones())
             aux = captured[0]
             return value, None if aux is None else _unboxed(aux), (grad,)
         value, grads = autograd.value_and_grad(scalar_fn)(xs)

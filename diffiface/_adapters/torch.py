@@ -100,6 +100,9 @@ class Adapter(_base.Adapter):
     def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
         if self.functional:
             tensor_fn, rebuild = _tensor_aux(fn)
+            if len(xs) == 1:  # one tensor, not a tuple: less pytree work for torch.func
+                out, pullback, aux = func.vjp(_on_one(tensor_fn), xs[0], has_aux=True)  # type: ignore[misc]
+                return out, rebuild(aux), lambda touts: (pullback(touts)[0],)
             out, pullback, aux = func.vjp(tensor_fn, xs, has_aux=True)  # type: ignore[misc]
             return out, rebuild(aux), lambda touts: pullback(touts)[0]
         with torch.enable_grad():
@@ -119,7 +122,10 @@ class Adapter(_base.Adapter):
     def _value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
         if self.functional:
             tensor_fn, rebuild = _tensor_aux(fn)
-            out, tout, aux = func.jvp(tensor_fn, (xs,), (txs,), has_aux=True)  # type: ignore[misc]
+            if len(xs) == 1:
+                out, tout, aux = func.jvp(_on_one(tensor_fn), xs, txs, has_aux=True)  # type: ignore[misc]
+            else:
+                out, tout, aux = func.jvp(tensor_fn, (xs,), (txs,), has_aux=True)  # type: ignore[misc]
             # torch.func.jvp promotes the tangent of a 0-d float32 output times a Python
             # float to float64; a tangent has its primal's dtype.
             tout = _tree.map(lambda t, y: t.to(y.dtype) if t.dtype != y.dtype else t, tout, out)
@@ -135,6 +141,9 @@ class Adapter(_base.Adapter):
     def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
         if self.functional:
             tensor_fn, rebuild = _tensor_aux(fn)
+            if len(xs) == 1:
+                grad, (value, aux) = func.grad_and_value(_on_one(tensor_fn), has_aux=True)(xs[0])
+                return value, rebuild(aux), (grad,)
             grads, (value, aux) = func.grad_and_value(tensor_fn, has_aux=True)(xs)
             return value, rebuild(aux), grads
         if not torch.is_grad_enabled():  # entering enable_grad costs more than asking
@@ -229,6 +238,11 @@ def _tensor_aux(fn: Fn) -> tuple[Fn, Callable[[Any], Any]]:
         return optree.tree_unflatten(spec, [next(tensor_iter) if m else next(other_iter) for m in mask])
 
     return tensor_fn, rebuild
+
+
+def _on_one(fn: Fn) -> Callable[[Any], tuple[Any, Any]]:
+    """``fn`` on one tensor instead of a tuple of one."""
+    return lambda x: fn((x,))
 
 
 def _requiring_grad(xs: Leaves) -> Leaves:
