@@ -263,7 +263,9 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
     if direct_ok and adapter.compiles and len(call.x_leaves) == 1 and len(call.tangent_leaves) <= 1:
         # a compiled program on flat arguments (x, [tangent,] *context arrays), which returns
         # the result itself where it is x's one leaf: no pytree for jit to take apart or build
-        flat, done = _flat_program(adapter, program, mirror, finish, bool(call.tangent_leaves), call.x_leaves[0])
+        flat, done = _flat_program(
+            adapter, program, mirror, finish, bool(call.tangent_leaves), call.x_leaves[0], signature.has_aux
+        )
         finish = done or _identity
 
         def compiled(xs: Any, ts: Any, dynamic: Any, static: Any) -> Any:
@@ -330,6 +332,7 @@ def _flat_program(
     finish: Callable[[Any], Any],
     tangent: bool,
     like: Any,
+    has_aux: bool,
 ) -> tuple[Callable[..., Any], Callable[[Any], Any] | None]:
     """``program`` compiled on flat arguments, and the finisher of its results (None: they
     are finished). Where the result mirrors x's one leaf (``mirror``), the program returns
@@ -348,7 +351,7 @@ def _flat_program(
     def without(x: Any, *values: Any) -> Any:
         return pick(program((x,), (), values, None))
 
-    compiled = adapter.compile(with_tangent if tangent else without, static=False, arrays=mirror is not None)
+    compiled = adapter.compile(with_tangent if tangent else without, static=False, arrays=not has_aux)
     return compiled, None if inside else mirror or finish
 
 
@@ -883,16 +886,27 @@ def _finisher(
     def as_y(value: Any) -> Any:
         return _to_family(value, family, python_x, like)
 
+    single_x = x_spec == _LEAF
+
     def convert(kind: str, value: Any) -> Any:
+        # (f's output is one array when its recorded structure is _LEAF itself)
         if kind == "value":
             return as_y(value)
         if kind == "y":
+            if output.spec is _LEAF:
+                return as_y(value[0])
             return optree.tree_unflatten(output.spec, [as_y(v) for v in value])
         if kind == "x":
+            if single_x:
+                return _mirror(value[0], like)
             return optree.tree_unflatten(x_spec, [_mirror(v, like) for v, like in zip(value, x_likes, strict=True)])
         if kind == "jacobian":
+            if single_x and output.spec is _LEAF:
+                return as_y(value[0][0])
             rows = [optree.tree_unflatten(x_spec, [as_y(b) for b in row]) for row in value]
             return optree.tree_unflatten(output.spec, rows)
+        if single_x:
+            return as_y(value[0][0])
         rows = [optree.tree_unflatten(x_spec, [as_y(b) for b in row]) for row in value]
         return optree.tree_unflatten(x_spec, rows)
 
@@ -905,6 +919,12 @@ def _finisher(
             aux = _tree.map(as_y, native[-1])
             return ((parts[0], aux), *parts[1:]) if len(parts) > 1 else (parts[0], aux)
         return parts[0] if len(parts) == 1 else tuple(parts)
+
+    if len(kinds) == 1 and not has_aux:
+        only = kinds[0]
+
+        def finish(native: tuple[Any, ...]) -> Any:
+            return convert(only, native[0])
 
     if kinds == ["x"] and not has_aux and x_spec == _LEAF and _arrays.kind(like) in _ARRAY_KINDS:
         # the hot path of gradient, vjp and hvp on one array: no tree to rebuild, and most

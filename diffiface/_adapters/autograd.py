@@ -104,11 +104,16 @@ class Adapter(_base.Adapter):
 
         def pullback(u: Any) -> Any:  # one array out, so that autograd traces it
             grads = vjp(u)
+            if len(xs) == 1:
+                return grads[0]
             return anp.concatenate([anp.reshape(grads[i], (-1,)) for i in range(len(xs))]) if xs else anp.zeros(0)
 
         start_point = np.zeros(np.shape(getval(flat)), dtype=getval(flat).dtype)
-        transpose, _ = autograd.make_vjp(pullback)(start_point)
-        tangent = transpose(np.concatenate([np.reshape(t, -1) for t in txs]) if txs else np.zeros(0))
+        transpose, _ = _make_vjp(pullback, start_point)
+        if len(txs) == 1:
+            tangent = transpose(txs[0])
+        else:
+            tangent = transpose(np.concatenate([np.reshape(t, -1) for t in txs]) if txs else np.zeros(0))
         if not isinstance(out, tuple):
             return out, aux, tangent
         if len(out) == 1:

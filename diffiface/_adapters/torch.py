@@ -177,7 +177,10 @@ class Adapter(_base.Adapter):
             inputs = _requiring_grad(xs)
             value, aux = fn(inputs)
             grads = _grad(_if_graph(value), inputs, create_graph=True)
-            hvps = _grad(_if_graph(_base.vdot(self.xp, grads, txs)), inputs)
+            # the gradient's pullback along txs (torch.autograd.grad's grad_outputs), not the
+            # gradient of <grad, txs>: no extra products and sums in the graph
+            pairs = [(g, t) for g, t in zip(grads, txs, strict=True) if g.requires_grad]
+            hvps = _grad([g for g, _ in pairs], inputs, [t for _, t in pairs])
         return value.detach(), _detached(aux), _detached(grads), hvps
 
     def value_gradient_and_hessian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Blocks]:
