@@ -264,7 +264,7 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
         # a compiled program on flat arguments (x, [tangent,] *context arrays), which returns
         # the result itself where it is x's one leaf: no pytree for jit to take apart or build
         flat, done = _flat_program(
-            adapter, program, mirror, finish, bool(call.tangent_leaves), call.x_leaves[0], signature.has_aux
+            adapter, program, op, output, mirror, finish, bool(call.tangent_leaves), call.x_leaves[0], signature.has_aux
         )
         finish = done or _identity
 
@@ -328,6 +328,8 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
 def _flat_program(
     adapter: Adapter,
     program: Callable[..., Any],
+    op: Operator,
+    output: _Output,
     mirror: Callable[[Any], Any] | None,
     finish: Callable[[Any], Any],
     tangent: bool,
@@ -335,15 +337,32 @@ def _flat_program(
     has_aux: bool,
 ) -> tuple[Callable[..., Any], Callable[[Any], Any] | None]:
     """``program`` compiled on flat arguments, and the finisher of its results (None: they
-    are finished). Where the result mirrors x's one leaf (``mirror``), the program returns
-    that leaf itself, cast to x's dtype inside the program where that is all mirroring takes."""
-    inside = mirror is not None and adapter.returns_like(like)
-    dtype = like.dtype if inside else None
+    come out finished).
+
+    Where the result mirrors x's one leaf (``mirror``), the program returns that leaf itself.
+    Where besides the engine's arrays are x's own type (``returns_like``) and the result is
+    one array, the program finishes it: a cast to x's dtype for a gradient, nothing for the
+    others; whether f's output is one array (for jvp and jacobian) shows when it is traced."""
+    kinds = [kind for _, kind in op.parts]
+    candidate = adapter.returns_like(like) and len(kinds) == 1 and not has_aux
+    kind = kinds[0]
+    inside = [candidate and kind in ("x", "value", "hessian")]  # settled by the trace for "y" and "jacobian"
+    dtype = like.dtype if candidate else None
 
     def pick(native: tuple[Any, ...]) -> Any:
-        if mirror is None:
-            return native
-        return native[0][0].astype(dtype) if inside else native[0][0]
+        if candidate:
+            value = native[0]
+            if kind == "x":
+                return value[0].astype(dtype)
+            if kind == "value":
+                return value
+            if kind == "hessian" or (kind == "jacobian" and output.spec is _LEAF):
+                inside[0] = True
+                return value[0][0]
+            if kind == "y" and output.spec is _LEAF:
+                inside[0] = True
+                return value[0]
+        return native[0][0] if mirror is not None else native
 
     def with_tangent(x: Any, t: Any, *values: Any) -> Any:
         return pick(program((x,), (t,), values, None))
@@ -352,7 +371,16 @@ def _flat_program(
         return pick(program((x,), (), values, None))
 
     compiled = adapter.compile(with_tangent if tangent else without, static=False, arrays=not has_aux)
-    return compiled, None if inside else mirror or finish
+    if inside[0]:
+        return compiled, None
+    if candidate and kind in ("y", "jacobian"):
+        rest = finish
+
+        def finish_unless_inside(out: Any) -> Any:
+            return out if inside[0] else rest(out)
+
+        return compiled, finish_unless_inside
+    return compiled, mirror or finish
 
 
 def _identity(value: Any) -> Any:
@@ -645,7 +673,9 @@ def _closer(
                     return output_leaf(result, like), aux
                 return output_leaf(_checked(op, result, output, adapter)[0], like), aux
             leaves = _checked(op, result, output, adapter)
-            return tuple(output_leaf(leaf, like) for leaf in leaves), aux
+            if len(leaves) == 1:
+                return (output_leaf(leaves[0], like),), aux
+            return tuple([output_leaf(leaf, like) for leaf in leaves]), aux
 
         if batches:
 
@@ -695,18 +725,22 @@ class _Output:
     """What a prep learns of f(x) from evaluating it: its structure, leaf shapes and dtypes, and
     the (type, dtype) pairs of output leaves already validated."""
 
-    __slots__ = ("checked", "dtypes", "shapes", "spec")
+    __slots__ = ("checked", "cotangent_fits", "dtypes", "shapes", "spec")
 
     def __init__(self) -> None:
         self.spec: Any = None
         self.shapes: tuple[tuple[int, ...], ...] = ()
         self.dtypes: tuple[str | None, ...] = ()
         self.checked: set[tuple[type, Any]] = set()
+        self.cotangent_fits: tuple[Any, Any] | None = None  # the (spec, shapes) a cotangent was found to fit
 
     def record(self, spec: Any, leaves: list[Any], batched: bool = False) -> None:
         """From one evaluation; ``batched``: the leaves hold a batch along a leading axis."""
         self.spec = spec
-        self.shapes = tuple(_arrays.shape(leaf)[1:] if batched else _arrays.shape(leaf) for leaf in leaves)
+        if len(leaves) == 1 and not batched:
+            self.shapes = (_arrays.shape(leaves[0]),)
+        else:
+            self.shapes = tuple([_arrays.shape(leaf)[1:] if batched else _arrays.shape(leaf) for leaf in leaves])
         if not self.dtypes:  # from the first evaluation, at x: scipy evaluates later ones promoted to float64
             self.dtypes = tuple(_output_dtype(leaf) for leaf in leaves)
 
@@ -748,8 +782,14 @@ def _check_numeric(op: Operator, leaf: Any, complex_ok: bool) -> None:
 
 
 def _check_cotangent(sig: Signature, output: _Output, ts: tuple[Any, ...]) -> None:
-    """The cotangent against f(x), whose structure and shapes the last evaluation recorded."""
+    """The cotangent against f(x), whose structure and shapes the last evaluation recorded.
+
+    A prep's signature fixes the cotangent's structure, shapes and dtypes, so an output
+    structure and shapes the cotangent fitted before need no second look."""
     out_spec, out_shapes, out_dtypes = output.spec, output.shapes, output.dtypes
+    fitted = output.cotangent_fits
+    if fitted is not None and fitted[1] == out_shapes and (fitted[0] is out_spec or fitted[0] == out_spec):
+        return
     if out_spec != sig.tangent_spec:
         raise TangentMismatchError(
             f"The cotangent must have the structure of f(x), {out_spec}; it has {sig.tangent_spec}."
@@ -769,6 +809,7 @@ def _check_cotangent(sig: Signature, output: _Output, ts: tuple[Any, ...]) -> No
                 f"Cotangent leaf {i} has dtype {found}, but f(x)'s leaf {i} has dtype {dtype}; cast the "
                 f"cotangent to {dtype}."
             )
+    output.cotangent_fits = (out_spec, out_shapes)
 
 
 # -- validation of x and tangents --------------------------------------------------------------------

@@ -148,4 +148,8 @@ class Adapter(_base.Adapter):
 
 
 def _unboxed(tree: Any) -> Any:
+    if tree is None:
+        return None
+    if type(tree) is tuple and len(tree) == 1 and _arrays.kind(tree[0]) in ("numpy", "autograd"):
+        return (getval(tree[0]),)  # the common case of one output array
     return _tree.map(getval, tree)

@@ -296,6 +296,8 @@ def _leaves(out: Any) -> tuple[Any, ...]:
 def _detached(tree: Any) -> Any:
     if tree is None:
         return None
+    if type(tree) is tuple and len(tree) == 1 and isinstance(tree[0], torch.Tensor):
+        return (tree[0].detach(),)  # the common case of one output tensor
     return _tree.map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, tree)
 
 
