@@ -263,10 +263,12 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
     if direct_ok and adapter.compiles and len(call.x_leaves) == 1 and len(call.tangent_leaves) <= 1:
         # a compiled program on flat arguments (x, [tangent,] *context arrays), which returns
         # the result itself where it is x's one leaf: no pytree for jit to take apart or build
-        flat, done = _flat_program(
+        flat, finished, finish_rest = _flat_program(
             adapter, program, op, output, mirror, finish, bool(call.tangent_leaves), call.x_leaves[0], signature.has_aux
         )
-        finish = done or _identity
+
+        def finish(out: Any) -> Any:
+            return out if finished[0] else finish_rest(out)
 
         def compiled(xs: Any, ts: Any, dynamic: Any, static: Any) -> Any:
             return flat(*xs, *ts, *dynamic)  # type: ignore[misc]
@@ -298,13 +300,14 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
     with_tangent = bool(call.tangent_leaves)
     if estimates:  # the error estimate goes to the prep that runs: through Prep.run
         fast: Callable[..., Any] = _miss
-    elif flat is not None and finish is _identity:  # the program's result is the call's
+    elif flat is not None and finished[0]:  # the program's result is the call's
         fast = _matcher(op, function, call, flat)
     elif flat is not None:
-        compiled_flat, finish_flat = flat, finish
+        compiled_flat = flat
 
         def direct_flat(*arrays: Any) -> Any:
-            return finish_flat(compiled_flat(*arrays))
+            out = compiled_flat(*arrays)
+            return out if finished[0] else finish_rest(out)
 
         fast = _matcher(op, function, call, direct_flat)
     elif direct_ok:  # the engine takes the arguments as they are: straight to the program
@@ -335,9 +338,9 @@ def _flat_program(
     tangent: bool,
     like: Any,
     has_aux: bool,
-) -> tuple[Callable[..., Any], Callable[[Any], Any] | None]:
-    """``program`` compiled on flat arguments, and the finisher of its results (None: they
-    come out finished).
+) -> tuple[Callable[..., Any], list[bool], Callable[[Any], Any]]:
+    """``program`` compiled on flat arguments; a cell that holds True once its results are
+    known to come out finished; the finisher of its results otherwise.
 
     Where the result mirrors x's one leaf (``mirror``), the program returns that leaf itself.
     Where besides the engine's arrays are x's own type (``returns_like``) and the result is
@@ -371,20 +374,7 @@ def _flat_program(
         return pick(program((x,), (), values, None))
 
     compiled = adapter.compile(with_tangent if tangent else without, static=False, arrays=not has_aux)
-    if inside[0]:
-        return compiled, None
-    if candidate and kind in ("y", "jacobian"):
-        rest = finish
-
-        def finish_unless_inside(out: Any) -> Any:
-            return out if inside[0] else rest(out)
-
-        return compiled, finish_unless_inside
-    return compiled, mirror or finish
-
-
-def _identity(value: Any) -> Any:
-    return value
+    return compiled, inside, mirror or finish
 
 
 class _Conversions:
@@ -507,6 +497,7 @@ def _matcher(op: Operator, function: FunctionRef, call: Call, then: Callable[...
     x_cls, x_shape, x_dtype, x_device = _quick_key(call.x_leaves[0])
     with_tangent = op.tangent is not None
     t_key = _quick_key(call.tangent_leaves[0]) if with_tangent else None
+    t_cls, t_shape, t_dtype, t_device = t_key or (None, None, None, None)
     kinds = tuple(spec[0] for spec in sig.contexts)
     keys = tuple(_quick_key(leaves[0]) for leaves in call.context_leaves)
     count = len(kinds)
@@ -548,7 +539,14 @@ def _matcher(op: Operator, function: FunctionRef, call: Call, then: Callable[...
                     return MISS
                 return then(x, value)
             values = []
-        elif not _fits(tangent, t_key):
+        elif type(tangent) is not t_cls or (
+            t_shape is not None
+            and (
+                tangent.shape != t_shape
+                or tangent.dtype != t_dtype
+                or (t_device is not None and tangent.device != t_device)
+            )
+        ):
             return MISS
         elif count == 0:
             return then(x, tangent)

@@ -128,7 +128,11 @@ class Adapter(_base.Adapter):
                 out, tout, aux = func.jvp(tensor_fn, (xs,), (txs,), has_aux=True)  # type: ignore[misc]
             # torch.func.jvp promotes the tangent of a 0-d float32 output times a Python
             # float to float64; a tangent has its primal's dtype.
-            tout = _tree.map(lambda t, y: t.to(y.dtype) if t.dtype != y.dtype else t, tout, out)
+            if type(tout) is tuple and len(tout) == 1:  # one output tensor
+                if tout[0].dtype != out[0].dtype:
+                    tout = (tout[0].to(out[0].dtype),)
+            else:
+                tout = _tree.map(lambda t, y: t.to(y.dtype) if t.dtype != y.dtype else t, tout, out)
             return out, rebuild(aux), tout
         with forward_ad.dual_level():
             duals = tuple(forward_ad.make_dual(x.detach(), t) for x, t in zip(xs, txs, strict=True))
@@ -165,7 +169,11 @@ class Adapter(_base.Adapter):
             return out, (out, aux)
 
         with _FORWARD_LOCK if mode == "forward" else contextlib.nullcontext():
-            blocks, (out, aux) = transform(with_value, has_aux=True)(xs)
+            if len(xs) == 1:  # one tensor, not a tuple: a block per output, no tuple of one per input
+                per_output, (out, aux) = transform(_on_one(with_value), has_aux=True)(xs[0])
+                blocks = tuple((block,) for block in per_output) if isinstance(out, tuple) else (per_output,)
+            else:
+                blocks, (out, aux) = transform(with_value, has_aux=True)(xs)
         return out, rebuild(aux), blocks
 
     # -- second order by double backward (autograd mode) ---------------------------------------
