@@ -528,8 +528,10 @@ def _matcher(op: Operator, function: FunctionRef, call: Call, then: Callable[...
                 return then(x)
             if count == 1:  # the common case of one context, without a loop
                 context = contexts[0]
+                if type(context) is not c_kind:
+                    return MISS
                 value = context.value
-                if type(context) is not c_kind or type(value) is not c_cls:
+                if type(value) is not c_cls:
                     return MISS
                 if c_shape is not None and (
                     value.shape != c_shape

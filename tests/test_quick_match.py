@@ -1,0 +1,190 @@
+"""The quick match of a prepared call (``Prep.fast``): taken when a call visibly has the prep's
+signature, equal to the full path when taken, and never taken for a call it does not fit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import optree
+import pytest
+from conftest import FIRST_ORDER, assert_tree_close, namespace, require, to_numpy
+
+import diffiface as di
+from diffiface._dispatch import _arguments
+from diffiface._prep import MISS
+
+
+def loss(x: Any, *contexts: Any) -> Any:
+    xp = namespace(x)
+    y = xp.sum(xp.sin(x) * x**2)
+    for c in contexts:
+        y = y + xp.sum(c * x)
+    return y
+
+
+def vector(x: Any, *contexts: Any) -> Any:
+    xp = namespace(x)
+    y = xp.sin(x) * x
+    for c in contexts:
+        y = y + c * x
+    return y
+
+
+def native(backend_id: str, values: Any) -> Any:
+    """``values`` as the backend's own array type (numpy for the others), float32 for the
+    engines that default to it."""
+    values = np.asarray(values, dtype=np.float64)
+    if backend_id == "jax":
+        import jax.numpy as jnp
+
+        return jnp.asarray(values, dtype=jnp.float32)
+    if backend_id.startswith("torch"):
+        import torch
+
+        return torch.tensor(values, dtype=torch.float32)
+    return values
+
+
+# (operator, f, takes a tangent of x / of y)
+CASES = [
+    ("gradient", loss, None),
+    ("value_and_gradient", loss, None),
+    ("jacobian", vector, None),
+    ("hessian", loss, None),
+    ("jvp", vector, "x"),
+    ("vjp", vector, "y"),
+    ("hvp", loss, "x"),
+]
+
+
+def _call(backend_id: str, operator: str, f: Any, tangent: str | None, with_context: bool) -> tuple[Any, ...]:
+    backend = require(backend_id)
+    x = native(backend_id, [0.5, -1.0, 2.0])
+    t = native(backend_id, [1.0, 0.25, -0.5]) if tangent else None
+    contexts = (di.Constant(native(backend_id, [0.1, 0.2, 0.3])),) if with_context else ()
+    return backend, x, t, contexts
+
+
+@pytest.mark.parametrize("with_context", [False, True], ids=["bare", "constant"])
+@pytest.mark.parametrize(("operator", "f", "tangent"), CASES, ids=[c[0] for c in CASES])
+def test_quick_path_agrees_with_full_path(
+    backend_id: str, operator: str, f: Any, tangent: str | None, with_context: bool
+) -> None:
+    backend, x, t, contexts = _call(backend_id, operator, f, tangent, with_context)
+    args = (x, t) if tangent else (x,)
+    prep = getattr(di, "prepare_" + operator)(f, backend, *args, *contexts)
+    quick = prep.fast(operator, f, backend, x, t, contexts, False)
+    if backend_id == "scipy":  # error estimates go to the prep that runs: always the full path
+        assert quick is MISS
+        return
+    assert quick is not MISS
+    _, _, call = _arguments(operator, f, backend, x, t, contexts, False)
+    full = prep.run(call.x_leaves, call.tangent_leaves, call.context_leaves)
+    rtol, atol = (1e-6, 1e-6) if backend_id in ("jax", "torch-autograd", "torch-func") else (1e-12, 1e-12)
+    assert_tree_close(quick, full, rtol, atol)
+    for got, want in zip(optree.tree_leaves(quick), optree.tree_leaves(full), strict=True):
+        assert type(got) is type(want)
+    # and the public call, which takes the quick path, gives the same again
+    again = getattr(di, operator)(f, backend, *args, *contexts, prep=prep)
+    assert_tree_close(again, full, rtol, atol)
+
+
+def _mismatches(backend_id: str) -> dict[str, tuple[Any, ...]]:
+    """Calls that differ from ``(loss, backend, x, Constant(c))`` in one part each:
+    ``(f, backend, x, contexts, has_aux)``."""
+    backend = FIRST_ORDER[backend_id]
+    x = native(backend_id, [0.5, -1.0, 2.0])
+    c = native(backend_id, [0.1, 0.2, 0.3])
+    other_dtype = np.asarray([0.5, -1.0, 2.0], dtype=np.float32 if isinstance(x, np.ndarray) else np.float64)
+    other_backend = di.AutoFiniteDifferences() if backend_id != "finite_differences" else di.AutoScipy()
+    return {
+        "shape": (loss, backend, native(backend_id, [0.5, -1.0]), (di.Constant(native(backend_id, [0.1, 0.2])),)),
+        "array type or dtype": (loss, backend, other_dtype, (di.Constant(c),)),
+        "list": (loss, backend, [0.5, -1.0, 2.0], (di.Constant(c),)),
+        "cache for constant": (loss, backend, x, (di.Cache(c),)),
+        "context shape": (loss, backend, x, (di.Constant(native(backend_id, [0.1, 0.2])),)),
+        "context count": (loss, backend, x, (di.Constant(c), di.Constant(c))),
+        "bare context": (loss, backend, x, (c,)),
+        "context as x": (loss, backend, di.Constant(x), (di.Constant(c),)),
+        "function": (vector, backend, x, (di.Constant(c),)),
+        "backend": (loss, other_backend, x, (di.Constant(c),)),
+    }
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        "shape",
+        "array type or dtype",
+        "list",
+        "cache for constant",
+        "context shape",
+        "context count",
+        "bare context",
+        "context as x",
+        "function",
+        "backend",
+    ],
+)
+def test_quick_path_refuses_what_does_not_fit(backend_id: str, part: str) -> None:
+    backend = FIRST_ORDER[backend_id]
+    x = native(backend_id, [0.5, -1.0, 2.0])
+    c = native(backend_id, [0.1, 0.2, 0.3])
+    prep = di.prepare_gradient(loss, backend, x, di.Constant(c))
+    f, other_backend, other_x, contexts = _mismatches(backend_id)[part]
+    assert prep.fast("gradient", f, other_backend, other_x, None, contexts, False) is MISS
+    with pytest.raises(di.DiffifaceError):  # the full check names the difference
+        di.gradient(f, other_backend, other_x, *contexts, prep=prep)
+
+
+def test_quick_path_refuses_another_operator_or_aux(backend_id: str) -> None:
+    backend = FIRST_ORDER[backend_id]
+    x = native(backend_id, [0.5, -1.0, 2.0])
+    t = native(backend_id, [1.0, 0.0, 0.0])
+    prep = di.prepare_gradient(loss, backend, x)
+    assert prep.fast("hvp", loss, backend, x, t, (), False) is MISS
+    with pytest.raises(di.PreparationMismatchError, match="operator"):
+        di.hvp(loss, backend, x, t, prep=prep)
+    prep = di.prepare_value_and_gradient(loss, backend, x)
+    assert prep.fast("value_and_gradient", loss, backend, x, None, (), True) is MISS
+
+
+def test_a_prep_that_is_not_strict_prepares_afresh(backend_id: str) -> None:
+    backend = FIRST_ORDER[backend_id]
+    prep = di.prepare_gradient(loss, backend, native(backend_id, [0.5, -1.0, 2.0]), strict=False)
+    x = native(backend_id, [0.25, 1.5])
+    got = to_numpy(di.gradient(loss, backend, x, prep=prep))
+    z = np.asarray([0.25, 1.5])
+    rtol, atol = (
+        (2e-3, 2e-3) if backend_id in ("finite_differences", "scipy", "jax") or "torch" in backend_id else (1e-7, 1e-8)
+    )
+    np.testing.assert_allclose(got, np.cos(z) * z**2 + 2 * z * np.sin(z), rtol=rtol, atol=atol)
+
+
+def test_unprepared_calls_alternating_between_signatures(backend_id: str) -> None:
+    """Unprepared calls try the prep f used last: calls that take turns between two shapes and
+    two array types each get their own, right, result."""
+    backend = FIRST_ORDER[backend_id]
+    rtol = 2e-3 if backend_id in ("finite_differences", "scipy") else 1e-5
+
+    def f(x: Any) -> Any:  # a fresh f: no prep from other tests
+        return loss(x)
+
+    for _ in range(3):
+        for values in ([0.5, -1.0, 2.0], [0.25, 1.5], [0.75]):
+            for x in (native(backend_id, values), np.asarray(values)):
+                got = di.gradient(f, backend, x)
+                assert type(got) is type(x)
+                z = np.asarray(values)
+                np.testing.assert_allclose(to_numpy(got), np.cos(z) * z**2 + 2 * z * np.sin(z), rtol=rtol, atol=rtol)
+
+
+def test_torch_dtype_change_is_not_matched() -> None:
+    torch = pytest.importorskip("torch")
+    backend = di.AutoTorch()
+    prep = di.prepare_gradient(loss, backend, torch.ones(3, dtype=torch.float32))
+    assert prep.fast("gradient", loss, backend, torch.ones(3, dtype=torch.float64), None, (), False) is MISS
+    parameter = torch.nn.Parameter(torch.ones(3))  # a subclass: the full signature decides
+    assert prep.fast("gradient", loss, backend, parameter, None, (), False) is MISS
+    assert di.gradient(loss, backend, parameter, prep=prep).requires_grad is False
