@@ -677,6 +677,7 @@ def _closer(
                 return (output_leaf(leaves[0], like),), aux
             return tuple([output_leaf(leaf, like) for leaf in leaves]), aux
 
+        fn.has_aux = has_aux  # type: ignore[attr-defined]  # without, an engine may skip its aux handling
         if batches:
 
             def batched(xs: tuple[Any, ...]) -> tuple[Any, ...]:

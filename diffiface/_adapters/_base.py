@@ -3,7 +3,8 @@
 An adapter differentiates *closed functions* ``fn(xs) -> (out, aux)``: ``xs`` is a tuple of
 the engine's arrays (the leaves of ``x``), ``out`` is one 0-d array (scalar functions) or a
 tuple of arrays (the leaves of ``f(x)``), ``aux`` is whatever ``f`` returned beside (``None``
-without ``has_aux``). Each adapter implements what its engine does natively; at the least
+without ``has_aux``; the closed functions of diffiface say which in a ``has_aux`` attribute,
+which other functions lack: read it with ``getattr(fn, "has_aux", True)``). Each adapter implements what its engine does natively; at the least
 
 - ``pullback_function(fn, xs) -> (out, aux, vjp)``, reverse mode, and
 - ``value_and_pushforward(fn, xs, txs) -> (out, aux, tout)``, forward mode,

@@ -99,11 +99,14 @@ class Adapter(_base.Adapter):
 
     def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
         if self.functional:
-            tensor_fn, rebuild = _tensor_aux(fn)
-            if len(xs) == 1:  # one tensor, not a tuple: less pytree work for torch.func
-                out, pullback, aux = func.vjp(_on_one(tensor_fn), xs[0], has_aux=True)  # type: ignore[misc]
+            g, has_aux, rebuild = _for_func(fn, xs)
+            primal = xs[0] if len(xs) == 1 else xs
+            if has_aux:
+                out, pullback, aux = func.vjp(g, primal, has_aux=True)  # type: ignore[misc]
+            else:
+                (out, pullback), aux = func.vjp(g, primal), None  # type: ignore[misc]
+            if len(xs) == 1:
                 return out, rebuild(aux), lambda touts: (pullback(touts)[0],)
-            out, pullback, aux = func.vjp(tensor_fn, xs, has_aux=True)  # type: ignore[misc]
             return out, rebuild(aux), lambda touts: pullback(touts)[0]
         with torch.enable_grad():
             inputs = _requiring_grad(xs)
@@ -121,11 +124,12 @@ class Adapter(_base.Adapter):
 
     def _value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
         if self.functional:
-            tensor_fn, rebuild = _tensor_aux(fn)
-            if len(xs) == 1:
-                out, tout, aux = func.jvp(_on_one(tensor_fn), xs, txs, has_aux=True)  # type: ignore[misc]
+            g, has_aux, rebuild = _for_func(fn, xs)
+            primals, tangents = (xs, txs) if len(xs) == 1 else ((xs,), (txs,))
+            if has_aux:
+                out, tout, aux = func.jvp(g, primals, tangents, has_aux=True)  # type: ignore[misc]
             else:
-                out, tout, aux = func.jvp(tensor_fn, (xs,), (txs,), has_aux=True)  # type: ignore[misc]
+                (out, tout), aux = func.jvp(g, primals, tangents), None  # type: ignore[misc]
             # torch.func.jvp promotes the tangent of a 0-d float32 output times a Python
             # float to float64; a tangent has its primal's dtype.
             if type(tout) is tuple and len(tout) == 1:  # one output tensor
@@ -144,12 +148,12 @@ class Adapter(_base.Adapter):
 
     def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
         if self.functional:
-            tensor_fn, rebuild = _tensor_aux(fn)
-            if len(xs) == 1:
-                grad, (value, aux) = func.grad_and_value(_on_one(tensor_fn), has_aux=True)(xs[0])
-                return value, rebuild(aux), (grad,)
-            grads, (value, aux) = func.grad_and_value(tensor_fn, has_aux=True)(xs)
-            return value, rebuild(aux), grads
+            g, has_aux, rebuild = _for_func(fn, xs)
+            if has_aux:
+                grads, (value, aux) = func.grad_and_value(g, has_aux=True)(xs[0] if len(xs) == 1 else xs)
+            else:
+                (grads, value), aux = func.grad_and_value(g)(xs[0] if len(xs) == 1 else xs), None
+            return value, rebuild(aux), (grads,) if len(xs) == 1 else grads
         if not torch.is_grad_enabled():  # entering enable_grad costs more than asking
             with torch.enable_grad():
                 return self.value_and_gradient(fn, xs)
@@ -254,6 +258,26 @@ def _tensor_aux(fn: Fn) -> tuple[Fn, Callable[[Any], Any]]:
 def _on_one(fn: Fn) -> Callable[[Any], tuple[Any, Any]]:
     """``fn`` on one tensor instead of a tuple of one."""
     return lambda x: fn((x,))
+
+
+def _for_func(fn: Fn, xs: Leaves) -> tuple[Callable[[Any], Any], bool, Callable[[Any], Any]]:
+    """``fn`` as torch.func takes it, whether it has an aux, and the aux's way back.
+
+    On one tensor where ``xs`` holds one (less pytree work for torch.func); without an aux
+    where ``fn`` says it has none (``fn.has_aux``, set by diffiface's closed functions), else
+    with an aux of tensors only, as torch.func requires."""
+    if getattr(fn, "has_aux", True):
+        target, rebuild = _tensor_aux(fn)
+        return (_on_one(target) if len(xs) == 1 else target), True, rebuild
+
+    def value_only(xs_: Leaves) -> Any:
+        return fn(xs_)[0]
+
+    return (_on_one(value_only) if len(xs) == 1 else value_only), False, _no_aux
+
+
+def _no_aux(aux: Any) -> None:
+    return None
 
 
 def _requiring_grad(xs: Leaves) -> Leaves:
