@@ -459,23 +459,27 @@ def _tangent_to_native(adapter: Adapter, t: Any, like: Any) -> Any:
 # -- the quick match of a prepared call --------------------------------------------------------
 
 
-def _quick_key(leaf: Any) -> tuple[Any, Any, Any, Any]:
-    """The part of a leaf's signature a quick match compares: type, shape, dtype and device
-    (torch) of an array; the type alone of anything else (shape None)."""
+def _same_as(leaf: Any) -> tuple[type, Callable[[Any], bool] | None]:
+    """How a quick match knows a leaf like ``leaf``: its type, and for an array a test of shape
+    and dtype (and device), which reads a jax array's shape and dtype from its abstract value
+    at a quarter of the cost of its properties. None: the type says all (not an array)."""
     kind = _arrays.kind(leaf)
-    if kind in ("numpy", "jax"):
-        return type(leaf), leaf.shape, leaf.dtype, None
+    shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+
+    def same_jax(value: Any) -> bool:
+        aval = value.aval
+        return aval.shape == shape and aval.dtype == dtype  # type: ignore[no-any-return]
+
+    def same_numpy(value: Any) -> bool:
+        return value.shape == shape and value.dtype == dtype  # type: ignore[no-any-return]
+
+    def same_torch(value: Any) -> bool:
+        return value.shape == shape and value.dtype == dtype and value.device == device  # type: ignore[no-any-return]
+
     if kind == "torch":
-        return type(leaf), leaf.shape, leaf.dtype, leaf.device
-    return type(leaf), None, None, None
-
-
-def _fits(leaf: Any, key: tuple[Any, Any, Any, Any]) -> bool:
-    """Whether ``leaf`` has the quick key ``key``."""
-    cls, shape, dtype, device = key
-    if type(leaf) is not cls:
-        return False
-    return shape is None or (leaf.shape == shape and leaf.dtype == dtype and (device is None or leaf.device == device))
+        device = leaf.device
+        return type(leaf), same_torch
+    return type(leaf), {"jax": same_jax, "numpy": same_numpy}.get(kind)
 
 
 def _miss(*args: Any) -> Any:
@@ -494,15 +498,12 @@ def _matcher(op: Operator, function: FunctionRef, call: Call, then: Callable[...
     if not one_leaf or any(spec != _LEAF for spec in call.context_specs):
         return _miss
     backend, has_aux, ref, name = sig.backend, sig.has_aux, function.ref, op.name
-    x_cls, x_shape, x_dtype, x_device = _quick_key(call.x_leaves[0])
+    x_cls, x_same = _same_as(call.x_leaves[0])
     with_tangent = op.tangent is not None
-    t_key = _quick_key(call.tangent_leaves[0]) if with_tangent else None
-    t_cls, t_shape, t_dtype, t_device = t_key or (None, None, None, None)
+    t_cls, t_same = _same_as(call.tangent_leaves[0]) if with_tangent else (type(None), None)
     kinds = tuple(spec[0] for spec in sig.contexts)
-    keys = tuple(_quick_key(leaves[0]) for leaves in call.context_leaves)
+    sames = tuple(_same_as(leaves[0]) for leaves in call.context_leaves)
     count = len(kinds)
-    c_kind: Any = kinds[0] if count else None
-    c_cls, c_shape, c_dtype, c_device = keys[0] if count else (None, None, None, None)
     # Hot code: no comprehensions, generators or zip(strict=True) (the lengths are compared
     # first), each of which costs more than all the checks once an engine's work has evicted
     # this code from the processor's caches.
@@ -517,47 +518,26 @@ def _matcher(op: Operator, function: FunctionRef, call: Call, then: Callable[...
             or has_aux_ != has_aux
             or len(contexts) != count
             or type(x) is not x_cls
-            or (
-                x_shape is not None
-                and (x.shape != x_shape or x.dtype != x_dtype or (x_device is not None and x.device != x_device))
-            )
+            or (x_same is not None and not x_same(x))
         ):
             return MISS
-        if t_key is None:
+        if not with_tangent:
             if count == 0:
                 return then(x)
-            if count == 1:  # the common case of one context, without a loop
-                context = contexts[0]
-                if type(context) is not c_kind:
-                    return MISS
-                value = context.value
-                if type(value) is not c_cls:
-                    return MISS
-                if c_shape is not None and (
-                    value.shape != c_shape
-                    or value.dtype != c_dtype
-                    or (c_device is not None and value.device != c_device)
-                ):
-                    return MISS
-                return then(x, value)
             values = []
-        elif type(tangent) is not t_cls or (
-            t_shape is not None
-            and (
-                tangent.shape != t_shape
-                or tangent.dtype != t_dtype
-                or (t_device is not None and tangent.device != t_device)
-            )
-        ):
+        elif type(tangent) is not t_cls or (t_same is not None and not t_same(tangent)):
             return MISS
         elif count == 0:
             return then(x, tangent)
         else:
             values = [tangent]
-        for context, kind, key in zip(contexts, kinds, keys, strict=False):
-            if type(context) is not kind or not _fits(context.value, key):
+        for context, kind, (cls, same) in zip(contexts, kinds, sames, strict=False):
+            if type(context) is not kind:
                 return MISS
-            values.append(context.value)
+            value = context.value
+            if type(value) is not cls or (same is not None and not same(value)):
+                return MISS
+            values.append(value)
         return then(x, *values)
 
     return match
