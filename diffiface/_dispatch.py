@@ -504,6 +504,7 @@ def _matcher(op: Operator, function: FunctionRef, call: Call, then: Callable[...
     kinds = tuple(spec[0] for spec in sig.contexts)
     sames = tuple(_same_as(leaves[0]) for leaves in call.context_leaves)
     count = len(kinds)
+    first_kind, (first_cls, first_same) = (kinds[0], sames[0]) if count else (None, (None, None))
     # Hot code: no comprehensions, generators or zip(strict=True) (the lengths are compared
     # first), each of which costs more than all the checks once an engine's work has evicted
     # this code from the processor's caches.
@@ -521,16 +522,19 @@ def _matcher(op: Operator, function: FunctionRef, call: Call, then: Callable[...
             or (x_same is not None and not x_same(x))
         ):
             return MISS
-        if not with_tangent:
-            if count == 0:
-                return then(x)
-            values = []
-        elif type(tangent) is not t_cls or (t_same is not None and not t_same(tangent)):
+        if with_tangent and (type(tangent) is not t_cls or (t_same is not None and not t_same(tangent))):
             return MISS
-        elif count == 0:
-            return then(x, tangent)
-        else:
-            values = [tangent]
+        if count == 0:
+            return then(x, tangent) if with_tangent else then(x)
+        if count == 1:  # the common case of one context, without a loop
+            context = contexts[0]
+            if type(context) is not first_kind:
+                return MISS
+            value = context.value
+            if type(value) is not first_cls or (first_same is not None and not first_same(value)):
+                return MISS
+            return then(x, tangent, value) if with_tangent else then(x, value)
+        values = [tangent] if with_tangent else []
         for context, kind, (cls, same) in zip(contexts, kinds, sames, strict=False):
             if type(context) is not kind:
                 return MISS

@@ -58,18 +58,18 @@ CASES = [
 ]
 
 
-def _call(backend_id: str, operator: str, f: Any, tangent: str | None, with_context: bool) -> tuple[Any, ...]:
+def _call(backend_id: str, operator: str, f: Any, tangent: str | None, contexts: int) -> tuple[Any, ...]:
     backend = require(backend_id)
     x = native(backend_id, [0.5, -1.0, 2.0])
     t = native(backend_id, [1.0, 0.25, -0.5]) if tangent else None
-    contexts = (di.Constant(native(backend_id, [0.1, 0.2, 0.3])),) if with_context else ()
-    return backend, x, t, contexts
+    values = (di.Constant(native(backend_id, [0.1, 0.2, 0.3])), di.Cache(native(backend_id, [0.0, -0.2, 0.4])))
+    return backend, x, t, values[:contexts]
 
 
-@pytest.mark.parametrize("with_context", [False, True], ids=["bare", "constant"])
+@pytest.mark.parametrize("with_context", [0, 1, 2], ids=["bare", "constant", "constant-and-cache"])
 @pytest.mark.parametrize(("operator", "f", "tangent"), CASES, ids=[c[0] for c in CASES])
 def test_quick_path_agrees_with_full_path(
-    backend_id: str, operator: str, f: Any, tangent: str | None, with_context: bool
+    backend_id: str, operator: str, f: Any, tangent: str | None, with_context: int
 ) -> None:
     backend, x, t, contexts = _call(backend_id, operator, f, tangent, with_context)
     args = (x, t) if tangent else (x,)
