@@ -963,7 +963,10 @@ def _finisher(
             return _mirror(value, like)
 
         def first(native: tuple[Any, ...]) -> Any:
-            return mirror(native[0][0])
+            value = native[0][0]
+            if type(value) is cls and value.dtype == dtype and not (tensor and value.requires_grad):
+                return value
+            return _mirror(value, like)
 
         return first, mirror
     return finish, None

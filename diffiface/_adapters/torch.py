@@ -159,7 +159,7 @@ class Adapter(_base.Adapter):
                 return self.value_and_gradient(fn, xs)
         inputs = _requiring_grad(xs)
         value, aux = fn(inputs)
-        grads = _grad(_if_graph(value), inputs, retain=False)
+        grads = _grad([value] if value.requires_grad else [], inputs, retain=False)
         return value, aux, grads  # results are detached as they are converted, if they are returned
 
     def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Blocks]:
