@@ -100,11 +100,15 @@ class Adapter(_base.Adapter):
     def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
         if self.functional:
             g, has_aux, rebuild = _for_func(fn, xs)
+            g, bare = _bare_output(g, has_aux)
             primal = xs[0] if len(xs) == 1 else xs
             if has_aux:
                 out, pullback, aux = func.vjp(g, primal, has_aux=True)  # type: ignore[misc]
             else:
                 (out, pullback), aux = func.vjp(g, primal), None  # type: ignore[misc]
+            if bare:  # one output tensor: its cotangent is the tuple's one leaf
+                out, inner = (out,), pullback
+                pullback = lambda touts: inner(touts[0])  # noqa: E731
             if len(xs) == 1:
                 return out, rebuild(aux), lambda touts: (pullback(touts)[0],)
             return out, rebuild(aux), lambda touts: pullback(touts)[0]
@@ -125,11 +129,14 @@ class Adapter(_base.Adapter):
     def _value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
         if self.functional:
             g, has_aux, rebuild = _for_func(fn, xs)
+            g, bare = _bare_output(g, has_aux)
             primals, tangents = (xs, txs) if len(xs) == 1 else ((xs,), (txs,))
             if has_aux:
                 out, tout, aux = func.jvp(g, primals, tangents, has_aux=True)  # type: ignore[misc]
             else:
                 (out, tout), aux = func.jvp(g, primals, tangents), None  # type: ignore[misc]
+            if bare:
+                out, tout = (out,), (tout,)
             # torch.func.jvp promotes the tangent of a 0-d float32 output times a Python
             # float to float64; a tangent has its primal's dtype.
             if type(tout) is tuple and len(tout) == 1:  # one output tensor
@@ -278,6 +285,22 @@ def _for_func(fn: Fn, xs: Leaves) -> tuple[Callable[[Any], Any], bool, Callable[
 
 def _no_aux(aux: Any) -> None:
     return None
+
+
+def _bare_output(g: Callable[[Any], Any], has_aux: bool) -> tuple[Callable[[Any], Any], list[bool]]:
+    """``g`` returning its one output tensor bare, not in a tuple of one (less pytree work for
+    torch.func), and a list that holds True once it has (for the caller to wrap it back)."""
+    bare: list[bool] = []
+
+    def unwrapped(primal: Any) -> Any:
+        result = g(primal)
+        out = result[0] if has_aux else result
+        if type(out) is not tuple or len(out) != 1:
+            return result
+        bare.append(True)
+        return (out[0], result[1]) if has_aux else out[0]
+
+    return unwrapped, bare
 
 
 def _requiring_grad(xs: Leaves) -> Leaves:
