@@ -177,14 +177,23 @@ class Adapter(_base.Adapter):
 
         def with_value(xs_: Leaves) -> tuple[Any, Any]:
             out, aux = tensor_fn(xs_)
-            return out, (out, aux)
+            one = type(out) is tuple and len(out) == 1  # one output tensor, differentiated bare
+            return out[0] if one else out, (out, aux)
 
         with _FORWARD_LOCK if mode == "forward" else contextlib.nullcontext():
             if len(xs) == 1:  # one tensor, not a tuple: a block per output, no tuple of one per input
                 per_output, (out, aux) = transform(_on_one(with_value), has_aux=True)(xs[0])
-                blocks = tuple((block,) for block in per_output) if isinstance(out, tuple) else (per_output,)
+                blocks: Blocks
+                if not isinstance(out, tuple):
+                    blocks = (per_output,)
+                elif len(out) == 1:
+                    blocks = ((per_output,),)
+                else:
+                    blocks = tuple((block,) for block in per_output)
             else:
                 blocks, (out, aux) = transform(with_value, has_aux=True)(xs)
+                if isinstance(out, tuple) and len(out) == 1:
+                    blocks = (blocks,)
         return out, rebuild(aux), blocks
 
     # -- second order by double backward (autograd mode) ---------------------------------------
