@@ -56,3 +56,38 @@ def test_operator_filter_and_counter():
     counted(np.ones(2))
     counted(np.ones(2))
     assert counted.calls == 2
+
+
+def _run_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
+    spec = importlib.util.spec_from_file_location("_benchmarks_run", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_goal_rows_judge_each_gradient_against_its_goal():
+    run = _run_module()
+    mlp = f"mlp-{run.MLP_SIZE}"
+
+    def row(scenario, prepared, ratio, operator="gradient"):
+        return {"backend": "b", "scenario": scenario, "operator": operator, "prepared": prepared, "ratio": ratio}
+
+    rows = run.goal_rows(
+        [
+            row("tiny-10", True, 1.19),
+            row("tiny-10", False, 3.0),  # unprepared tiny calls have no goal
+            row(mlp, True, 1.06),
+            row(mlp, False, 1.49),
+            row(mlp, True, 2.0, operator="hvp"),  # the goals are on gradients
+            row(mlp, True, None),  # no native call to compare with
+        ]
+    )
+    assert [(r["scenario"], r["prepared"], r["goal"], r["met"]) for r in rows] == [
+        ("tiny-10", True, 1.2, "yes"),
+        (mlp, True, 1.05, "no (+1.0%)"),
+        (mlp, False, 1.5, "yes"),
+    ]

@@ -4,7 +4,7 @@ Each row says how long one operator call takes through diffiface (median and min
 several rounds, :func:`time.perf_counter`), how many Python-level calls of ``f`` one call makes
 (counted by wrapping ``f``; under ``jax.jit`` these are traces, so a warm compiled call counts 0),
 and, where the engine has an idiomatic call of its own for the operator, how long that takes
-(``native_s``) and the ratio ``median_s / native_s``.
+(``native_s``) and the ratio of the two, round by round.
 """
 
 from __future__ import annotations
@@ -78,9 +78,11 @@ def time_call(call: Callable[[], Any], rounds: int = 5, number: int | None = Non
 
 def time_pair(
     call: Callable[[], Any], native: Callable[[], Any], rounds: int = 5, number: int | None = None
-) -> tuple[float, float, float]:
-    """(median, min, native median) seconds per call, rounds of the two calls interleaved so
-    that load from elsewhere on the machine weighs on both alike."""
+) -> tuple[float, float, float, float]:
+    """(median, min, native median) seconds per call, and the median over rounds of the
+    ratio of ``call``'s time to ``native``'s in the same round. Rounds of the two calls are
+    interleaved so that load from elsewhere on the machine weighs on both alike; the ratio
+    within a round follows slow changes of that load, which a ratio of medians would not."""
     _block(call())
     _block(native())
     number = number or _autorange(call)
@@ -92,7 +94,8 @@ def time_pair(
             for _ in range(number):
                 _block(fn())
             times.append((time.perf_counter() - start) / number)
-    return statistics.median(ours), min(ours), statistics.median(theirs)
+    ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
+    return statistics.median(ours), min(ours), statistics.median(theirs), statistics.median(ratios)
 
 
 def native_call(backend: Backend, scenario: Scenario) -> Callable[[], Any] | None:
@@ -233,7 +236,8 @@ def benchmark_differentiation(
     ``calls_of_f`` (Python-level calls of ``f`` during one warm operator call; traces under
     ``jax.jit``), ``calls_first`` (during the first call, preparation included), ``first_s`` (the
     first call's time: preparation and compilation), ``median_s``, ``min_s``, ``native_s`` (None
-    where the engine has no idiomatic call of its own) and ``ratio`` (``median_s / native_s``).
+    where the engine has no idiomatic call of its own) and ``ratio`` (the median over rounds of
+    diffiface's time over the native call's time in the same round, from interleaved rounds).
     """
     wanted = None if operators is None else set(operators)
     rows: list[dict[str, Any]] = []
@@ -266,8 +270,9 @@ def benchmark_differentiation(
                 counted.calls = 0
                 _block(call())
                 calls_of_f = counted.calls
+                ratio = None
                 if native is not None:
-                    median_s, min_s, native_s = time_pair(call, native, rounds, number)
+                    median_s, min_s, native_s, ratio = time_pair(call, native, rounds, number)
                 else:
                     (median_s, min_s), native_s = time_call(call, rounds, number), None
                 rows.append(
@@ -282,7 +287,7 @@ def benchmark_differentiation(
                         "median_s": median_s,
                         "min_s": min_s,
                         "native_s": native_s,
-                        "ratio": (median_s / native_s) if native_s else None,
+                        "ratio": ratio,
                     }
                 )
     return rows
