@@ -356,7 +356,8 @@ def _flat_program(
         if candidate:
             value = native[0]
             if kind == "x":
-                return value[0].astype(dtype)
+                leaf = value[0]  # cast only where needed: a weak type stays weak
+                return leaf if leaf.dtype == dtype else leaf.astype(dtype)
             if kind == "value":
                 return value
             if kind == "hessian" or (kind == "jacobian" and output.spec is _LEAF):
@@ -952,7 +953,13 @@ def _finisher(
         def finish(native: tuple[Any, ...]) -> Any:
             return convert(only, native[0])
 
-    if kinds == ["x"] and not has_aux and x_spec == _LEAF and _arrays.kind(like) in _ARRAY_KINDS:
+    if (
+        kinds == ["x"]
+        and not has_aux
+        and x_spec == _LEAF
+        and _arrays.kind(like) in _ARRAY_KINDS
+        and not isinstance(like, np.generic)  # a numpy scalar x gets a 0-d array, as from _mirror
+    ):
         # the hot path of gradient, vjp and hvp on one array: no tree to rebuild, and most
         # often nothing to convert
         cls, dtype, tensor = type(like), like.dtype, _arrays.kind(like) == "torch"

@@ -188,3 +188,36 @@ def test_torch_dtype_change_is_not_matched() -> None:
     parameter = torch.nn.Parameter(torch.ones(3))  # a subclass: the full signature decides
     assert prep.fast("gradient", loss, backend, parameter, None, (), False) is MISS
     assert di.gradient(loss, backend, parameter, prep=prep).requires_grad is False
+
+
+@pytest.mark.parametrize("operator", ["gradient", "hvp"])
+def test_a_numpy_scalar_x_gets_a_0d_array(backend_id: str, operator: str) -> None:
+    """As from the full path's mirroring, on every backend, prepared or not."""
+    backend = FIRST_ORDER[backend_id]
+
+    def cube(x: Any) -> Any:
+        return x**3
+
+    args = (np.float64(2.0), np.float64(1.0)) if operator == "hvp" else (np.float64(2.0),)
+    prep = getattr(di, "prepare_" + operator)(cube, backend, *args)
+    for result in (getattr(di, operator)(cube, backend, *args), getattr(di, operator)(cube, backend, *args, prep=prep)):
+        assert type(result) is np.ndarray and result.shape == () and result.dtype == np.float64
+
+
+@pytest.mark.parametrize("operator", ["gradient", "hvp"])
+def test_jax_weak_types_stay_as_jax_makes_them(operator: str) -> None:
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+
+    def cube(x: Any) -> Any:
+        return x**3
+
+    def native(x: Any, t: Any) -> Any:
+        return jax.grad(cube)(x) if operator == "gradient" else jax.jvp(jax.grad(cube), (x,), (t,))[1]
+
+    for x in (jnp.asarray(1.5), jnp.asarray(1.5, dtype=jnp.float32)):  # weakly and strongly typed
+        t = x * 0 + 1
+        args = (x, t) if operator == "hvp" else (x,)
+        prep = getattr(di, "prepare_" + operator)(cube, di.AutoJAX(), *args)
+        got = getattr(di, operator)(cube, di.AutoJAX(), *args, prep=prep)
+        assert got.weak_type == native(x, t).weak_type and got.dtype == x.dtype
