@@ -257,9 +257,11 @@ class _PrepCache:
         key = (sub, signature)
         with self._lock:
             prep = entries.get(key)
-            if prep is not None:
-                entries.move_to_end(key)
-                entries.latest[sub, signature.operator] = prep
+            if prep is None or not prep.function.matches(f):
+                # (the table compares owners by equality: an equal, distinct object is not f's)
+                return None
+            entries.move_to_end(key)
+            entries.latest[sub, signature.operator] = prep
         return prep
 
     def recent(self, f: Callable[..., Any], operator: str) -> Prep | None:

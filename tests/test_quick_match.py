@@ -221,3 +221,27 @@ def test_jax_weak_types_stay_as_jax_makes_them(operator: str) -> None:
         prep = getattr(di, "prepare_" + operator)(cube, di.AutoJAX(), *args)
         got = getattr(di, operator)(cube, di.AutoJAX(), *args, prep=prep)
         assert got.weak_type == native(x, t).weak_type and got.dtype == x.dtype
+
+
+def test_equal_but_distinct_objects_do_not_share_preps() -> None:
+    """The cache finds an owner by equality; a prep made for one object's method is not run for
+    another object that compares equal to it."""
+    from dataclasses import dataclass, field
+
+    @dataclass(frozen=True)
+    class Model:
+        name: str
+        scale: float = field(compare=False)
+
+        def loss(self, x: Any) -> Any:
+            return self.scale * np.sum(x**2)
+
+    a, b = Model("m", 1.0), Model("m", 3.0)
+    assert a == b and hash(a) == hash(b)
+    x = np.array([1.0, 2.0])
+    backend = di.AutoFiniteDifferences()
+    np.testing.assert_allclose(di.gradient(a.loss, backend, x), 2 * x, rtol=1e-6)
+    np.testing.assert_allclose(di.gradient(b.loss, backend, x), 6 * x, rtol=1e-6)
+    prep = di.prepare_gradient(b.loss, backend, x)
+    np.testing.assert_allclose(di.gradient(b.loss, backend, x, prep=prep), 6 * x, rtol=1e-6)
+    np.testing.assert_allclose(di.gradient(a.loss, backend, x), 2 * x, rtol=1e-6)
