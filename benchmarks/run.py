@@ -550,7 +550,7 @@ def main():
         "## Overhead against the native call",
         "",
         "`ratio` = diffiface time / native time, the median over interleaved rounds of the ratio within each round "
-        "(jax: `jax.jit(jax.grad(f))` etc.; torch: `torch.autograd.grad`; "
+        "(jax: `jax.jit(jax.grad(f))(x, *context_arrays)` etc.; torch: `torch.autograd.grad`; "
         "torch-func: `torch.func.grad`; autograd: `autograd.grad`). `calls_of_f` is Python calls of f in one warm call "
         "(traces under jit).",
         "",

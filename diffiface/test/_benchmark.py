@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
 import diffiface as di
 
 from .. import tree as _tree
@@ -99,9 +101,13 @@ def time_pair(
 
 
 def native_call(backend: Backend, scenario: Scenario) -> Callable[[], Any] | None:
-    """The engine's own fastest idiomatic call for ``scenario``'s operator, contexts closed over;
-    None where there is none (finite differences, scipy, pytree inputs for torch/autograd,
-    operators not covered)."""
+    """The engine's own fastest idiomatic call for ``scenario``'s operator; None where there is
+    none (finite differences, scipy, pytree inputs for torch/autograd, operators not covered).
+
+    Contexts are closed over, except under ``jax.jit``, where array contexts are arguments of
+    the jitted function (``jax.jit(jax.grad(f))(x, data)``), as they are of diffiface's
+    program: a closed-over array is a constant of the compiled program, which a new value
+    would recompile."""
     op = scenario.operator
     ctx = scenario.context_values
     f = scenario.f
@@ -113,28 +119,26 @@ def native_call(backend: Backend, scenario: Scenario) -> Callable[[], Any] | Non
     if isinstance(backend, AutoJAX):
         import jax
 
-        def jvp(z: Any, v: Any) -> Any:
-            return jax.jvp(g, (z,), (v,))[1]
+        arrays = all(isinstance(c, (jax.Array, np.ndarray)) for c in ctx)
+        context_args = ctx if arrays else ()
 
-        def vjp(z: Any, v: Any) -> Any:
-            return jax.vjp(g, z)[1](v)[0]
-
-        def forward_over_reverse(z: Any, v: Any) -> Any:
-            return jax.jvp(jax.grad(g), (z,), (v,))[1]
+        def bound(c: tuple[Any, ...]) -> Callable[[Any], Any]:
+            return (lambda z: f(z, *c)) if arrays else g
 
         transforms: dict[str, Callable[..., Any]] = {
-            "gradient": jax.grad(g),
-            "value_and_gradient": jax.value_and_grad(g),
-            "jacobian": jax.jacrev(g),
-            "hessian": jax.hessian(g),
-            "jvp": jvp,
-            "vjp": vjp,
-            "hvp": forward_over_reverse,
+            "gradient": lambda z, *c: jax.grad(bound(c))(z),
+            "value_and_gradient": lambda z, *c: jax.value_and_grad(bound(c))(z),
+            "jacobian": lambda z, *c: jax.jacrev(bound(c))(z),
+            "hessian": lambda z, *c: jax.hessian(bound(c))(z),
+            "jvp": lambda z, v, *c: jax.jvp(bound(c), (z,), (v,))[1],
+            "vjp": lambda z, v, *c: jax.vjp(bound(c), z)[1](v)[0],
+            "hvp": lambda z, v, *c: jax.jvp(jax.grad(bound(c)), (z,), (v,))[1],  # forward over reverse
         }
         if op not in transforms:
             return None
         fn = jax.jit(transforms[op]) if backend.jit else transforms[op]
-        return functools.partial(fn, x, tx) if tx is not None else functools.partial(fn, x)
+        args = (x, tx, *context_args) if tx is not None else (x, *context_args)
+        return functools.partial(fn, *args)
     if isinstance(backend, AutoTorch):
         import torch
 
