@@ -405,6 +405,8 @@ def plots(results):
     ax.bar(pos - 0.2, unprep, 0.4, label="unprepared")
     ax.bar(pos + 0.2, prep, 0.4, label="prepared")
     ax.axhline(1.0, color="k", lw=0.8)
+    ax.axhline(GOALS["tiny-10"], color="gray", ls="--", lw=0.8, label="goal, tiny function (prepared)")
+    ax.axhline(GOALS[f"mlp-{MLP_SIZE}"], color="gray", ls=":", lw=0.8, label="goal, MLP (prepared)")
     ax.set_yscale("log")
     ax.set_xticks(pos, labels, fontsize=6, rotation=90)
     ax.set_ylabel("diffiface time / native time")
