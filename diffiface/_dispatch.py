@@ -233,7 +233,7 @@ def prepare(
     if cached is not None:  # the work is done already: share it
         return cached.with_strictness(strict)
     prep = _prepare(op, f, backend, call, strict)
-    if info(backend).jit and getattr(backend, "jit", False):
+    if adapter_for(backend).compiles:
         prep.run(call.x_leaves, call.tangent_leaves, call.context_leaves)  # trace and compile now
     prep_cache.put(f, call.signature, prep)
     return prep
@@ -260,6 +260,7 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
     finish, mirror = _finisher(op, call, output)
     direct_ok = plan.passthrough and plan.x_native and plan.tangent_native and not plan.float64
     flat: Callable[..., Any] | None = None
+    finished, finish_rest = [False], finish
     if direct_ok and adapter.compiles and len(call.x_leaves) == 1 and len(call.tangent_leaves) <= 1:
         # a compiled program on flat arguments (x, [tangent,] *context arrays), which returns
         # the result itself where it is x's one leaf: no pytree for jit to take apart or build
@@ -297,35 +298,51 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
             return run(x_leaves, tangent_leaves, context_leaves)
 
     runner = scoped if plan.float64 else run
+    fast = _fast_path(op, function, call, estimates, direct_ok, flat, finished, finish_rest, compiled, finish, runner)
+    return Prep(function, signature, runner, strict, estimates, fast)
+
+
+def _fast_path(
+    op: Operator,
+    function: FunctionRef,
+    call: Call,
+    estimates: bool,
+    direct_ok: bool,
+    flat: Callable[..., Any] | None,
+    finished: list[bool],
+    finish_rest: Callable[[Any], Any],
+    compiled: Callable[..., Any],
+    finish: Callable[[Any], Any],
+    runner: Callable[..., Any],
+) -> Callable[..., Any]:
+    """:attr:`Prep.fast`: the quick match in front of the most direct way this prep can run."""
     with_tangent = bool(call.tangent_leaves)
     if estimates:  # the error estimate goes to the prep that runs: through Prep.run
-        fast: Callable[..., Any] = _miss
-    elif flat is not None and finished[0]:  # the program's result is the call's
-        fast = _matcher(op, function, call, flat)
-    elif flat is not None:
+        return _miss
+    if flat is not None and finished[0]:  # the program's result is the call's
+        return _matcher(op, function, call, flat)
+    if flat is not None:
         compiled_flat = flat
 
         def direct_flat(*arrays: Any) -> Any:
             out = compiled_flat(*arrays)
             return out if finished[0] else finish_rest(out)
 
-        fast = _matcher(op, function, call, direct_flat)
-    elif direct_ok:  # the engine takes the arguments as they are: straight to the program
+        return _matcher(op, function, call, direct_flat)
+    if direct_ok:  # the engine takes the arguments as they are: straight to the program
 
         def direct(x: Any, *rest: Any) -> Any:
             if with_tangent:
                 return finish(compiled((x,), rest[:1], rest[1:], None))
             return finish(compiled((x,), (), rest, None))
 
-        fast = _matcher(op, function, call, direct)
-    else:
+        return _matcher(op, function, call, direct)
 
-        def converted(x: Any, *rest: Any) -> Any:
-            tangents = [rest[0]] if with_tangent else []
-            return runner([x], tangents, [[value] for value in rest[len(tangents) :]])[0]
+    def converted(x: Any, *rest: Any) -> Any:
+        tangents = [rest[0]] if with_tangent else []
+        return runner([x], tangents, [[value] for value in rest[len(tangents) :]])[0]
 
-        fast = _matcher(op, function, call, converted)
-    return Prep(function, signature, runner, strict, estimates, fast)
+    return _matcher(op, function, call, converted)
 
 
 def _flat_program(
