@@ -26,9 +26,11 @@ from ._errors import BackendUnavailableError as BackendUnavailableError
 from ._errors import ContextError as ContextError
 from ._errors import DiffifaceError as DiffifaceError
 from ._errors import FrameworkMismatchError as FrameworkMismatchError
+from ._errors import InputTooLargeError as InputTooLargeError
 from ._errors import InvalidBackendOptionError as InvalidBackendOptionError
 from ._errors import InvalidInputError as InvalidInputError
 from ._errors import InvalidOutputError as InvalidOutputError
+from ._errors import MutationError as MutationError
 from ._errors import PreparationMismatchError as PreparationMismatchError
 from ._errors import TangentMismatchError as TangentMismatchError
 from ._errors import UnknownBackendError as UnknownBackendError
@@ -125,9 +127,11 @@ __all__ = [
     "BackendUnavailableError",
     "ContextError",
     "FrameworkMismatchError",
+    "InputTooLargeError",
     "InvalidBackendOptionError",
     "InvalidInputError",
     "InvalidOutputError",
+    "MutationError",
     "PreparationMismatchError",
     "TangentMismatchError",
     "UnknownBackendError",

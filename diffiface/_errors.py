@@ -14,7 +14,9 @@ __all__ = [
     "FrameworkMismatchError",
     "InvalidBackendOptionError",
     "InvalidInputError",
+    "InputTooLargeError",
     "InvalidOutputError",
+    "MutationError",
     "PreparationMismatchError",
     "TangentMismatchError",
     "UnknownBackendError",
@@ -68,3 +70,13 @@ class FrameworkMismatchError(DiffifaceError, TypeError):
 
 class UnsupportedOperationError(DiffifaceError, NotImplementedError):
     """An operation that this backend, or this combination of backends, cannot do."""
+
+
+class MutationError(DiffifaceError, RuntimeError):
+    """``f`` wrote into an array it must only read: ``x``, a tangent, or a
+    :class:`~diffiface.Constant`. The message names which one and what to do instead."""
+
+
+class InputTooLargeError(DiffifaceError, ValueError):
+    """An input too large for the method asked for (finite differences of millions of inputs);
+    the message names the limit and the way out."""
