@@ -8,7 +8,11 @@ Data flows one way: arguments are flattened and their signature taken; a prep is
 from __future__ import annotations
 
 import contextlib
+import enum
+import functools
 import sys
+import threading
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -279,8 +283,13 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
     estimates = adapter.estimates_errors
     parts = [i for i, _ in op.parts]
 
+    compiles = adapter.compiles
+
     def run(x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]) -> tuple[Any, Any]:
-        native = compiled(*plan.native(x_leaves, tangent_leaves, context_leaves))
+        arguments = plan.native(x_leaves, tangent_leaves, context_leaves)
+        native = compiled(*arguments)
+        if compiles:  # a program from jit's cache did not evaluate f: its trace's record holds
+            output.recall(arguments[3])
         result = finish(native)
         if not estimates:
             return result, None
@@ -418,6 +427,8 @@ class _Conversions:
             for index, leaves in enumerate(call.context_leaves):
                 for leaf in leaves:
                     native, is_array = self._context(leaf, like, index)
+                    if not is_array and adapter.compiles:
+                        _refuse_unseen_static(adapter, self.signature, index, native)
                     mask.append(is_array)
                     passthrough = passthrough and is_array and native is leaf
         self.mask = tuple(mask)
@@ -568,17 +579,18 @@ def _matcher(op: Operator, function: FunctionRef, call: Call, then: Callable[...
 class _Static:
     """The non-array context leaves, hashable so that jit can take them as a static argument.
 
-    Numbers and strings compare by value, any other object by identity.
+    Each leaf is compared by value (numbers, strings, frozen dataclasses, anything with its own
+    ``__eq__`` and ``__hash__``) or, for code (functions, classes, modules), by identity: see
+    :func:`static_key`. A compiling engine refuses other leaves at preparation, since a change
+    to them would not be seen (:func:`_refuse_unseen_static`).
     """
 
     __slots__ = ("_hash", "_key", "leaves", "mask")
 
-    _BY_VALUE = (int, float, complex, str, bytes, bool, type(None))
-
     def __init__(self, leaves: list[Any], mask: tuple[bool, ...]) -> None:
         self.leaves = leaves
         self.mask = mask
-        self._key = tuple((type(v), v) if type(v) in self._BY_VALUE else (type(v), id(v)) for v in leaves)
+        self._key = tuple(static_key(v) for v in leaves)
         self._hash = hash((self._key, self.mask))
 
     def __hash__(self) -> int:
@@ -586,6 +598,44 @@ class _Static:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Static) and self._key == other._key and self.mask == other.mask
+
+
+_BY_VALUE = (int, float, complex, str, bytes, bool, type(None))
+_CODE = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType, type, functools.partial)
+
+
+def static_key(value: Any) -> Any:
+    """What a static context leaf is compared by between calls of a compiled program: its
+    value where it has one that can be hashed, its identity where it is code, which does not
+    change; ``None`` where neither holds (a mutable object hashed by identity)."""
+    cls = type(value)
+    if cls in _BY_VALUE:
+        return (cls, value)
+    if isinstance(value, _CODE) or isinstance(value, enum.Enum):
+        return (cls, id(value))
+    if cls.__hash__ is None or (cls.__hash__ is object.__hash__ and cls.__eq__ is object.__eq__):
+        return None  # unhashable, or hashed by identity: a change to it would go unseen
+    try:
+        hash(value)
+    except TypeError:
+        return None
+    return (cls, value)
+
+
+def _refuse_unseen_static(adapter: Adapter, signature: Signature, index: int, leaf: Any) -> None:
+    """A compiled program bakes static context leaves in; one it could not tell changed from
+    unchanged would be reused stale, so it is refused."""
+    if static_key(leaf) is not None:
+        return
+    kind = signature.contexts[index][0].__name__
+    raise ContextError(
+        f"Context {index} (a di.{kind}) holds a {type(leaf).__name__}, which the compiled "
+        f"{adapter.backend.name} program must take as fixed, compile-time data. It is compared by "
+        "identity, not by value, so a later change to it (an attribute set, an in-place update) "
+        "would silently reuse the old value. Pass its numbers as arrays or in a dict or dataclass "
+        "registered as a pytree (di.Constant({'a': obj.a})), make it a frozen dataclass, or use "
+        "AutoJAX(jit=False)."
+    )
 
 
 def _program(
@@ -603,6 +653,7 @@ def _program(
     pullback = op.compute == "value_and_pullback"
     picked = [i for i, _ in op.parts] + ([1] if has_aux else [])  # the aux comes last
     only = picked[0] if len(picked) == 1 else None
+    compiles = adapter.compiles
 
     empty = plan.empty
 
@@ -622,6 +673,8 @@ def _program(
             result = method(fn, xs)
         else:
             result = method(fn, xs, ts)
+        if compiles:
+            output.remember(static)
         if only is not None:
             return (force(result[only]),)
         return tuple([force(result[i]) for i in picked])
@@ -726,26 +779,65 @@ def _checked(op: Operator, result: Any, output: _Output, adapter: Adapter) -> li
 
 class _Output:
     """What a prep learns of f(x) from evaluating it: its structure, leaf shapes and dtypes, and
-    the (type, dtype) pairs of output leaves already validated."""
+    the (type, dtype) pairs of output leaves already validated.
 
-    __slots__ = ("checked", "cotangent_fits", "dtypes", "shapes", "spec")
+    The structure may depend on the contexts (a tuple for one value, a dict for another), so
+    the record of the last evaluation is kept per thread, and where a compiled program does not
+    evaluate f again, per value of its static argument, recorded when it was traced."""
+
+    __slots__ = ("_by_static", "_local", "checked", "cotangent_fits")
 
     def __init__(self) -> None:
-        self.spec: Any = None
-        self.shapes: tuple[tuple[int, ...], ...] = ()
-        self.dtypes: tuple[str | None, ...] = ()
+        self._local = threading.local()
+        self._by_static: dict[Any, tuple[Any, Any, Any]] = {}
         self.checked: set[tuple[type, Any]] = set()
         self.cotangent_fits: tuple[Any, Any] | None = None  # the (spec, shapes) a cotangent was found to fit
 
+    def _current(self) -> tuple[Any, Any, Any]:
+        local = self._local
+        try:
+            return local.spec, local.shapes, local.dtypes
+        except AttributeError:  # a thread that has only run compiled programs traced by others
+            return self._by_static.get(None, (None, (), ()))
+
+    @property
+    def spec(self) -> Any:
+        try:
+            return self._local.spec
+        except AttributeError:
+            return self._current()[0]
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        return self._current()[1]  # type: ignore[no-any-return]
+
+    @property
+    def dtypes(self) -> tuple[str | None, ...]:
+        return self._current()[2]  # type: ignore[no-any-return]
+
     def record(self, spec: Any, leaves: list[Any], batched: bool = False) -> None:
         """From one evaluation; ``batched``: the leaves hold a batch along a leading axis."""
-        self.spec = spec
+        local = self._local
         if len(leaves) == 1 and not batched:
-            self.shapes = (_arrays.shape(leaves[0]),)
+            shapes: tuple[tuple[int, ...], ...] = (_arrays.shape(leaves[0]),)
         else:
-            self.shapes = tuple([_arrays.shape(leaf)[1:] if batched else _arrays.shape(leaf) for leaf in leaves])
-        if not self.dtypes:  # from the first evaluation, at x: scipy evaluates later ones promoted to float64
-            self.dtypes = tuple(_output_dtype(leaf) for leaf in leaves)
+            shapes = tuple([_arrays.shape(leaf)[1:] if batched else _arrays.shape(leaf) for leaf in leaves])
+        previous = getattr(local, "spec", None)
+        if not getattr(local, "dtypes", ()) or (previous is not spec and previous != spec):
+            # from the first evaluation of a structure, at x: scipy evaluates later ones promoted to float64
+            local.dtypes = tuple(_output_dtype(leaf) for leaf in leaves)
+        local.spec, local.shapes = spec, shapes
+
+    def remember(self, static: Any) -> None:
+        """Keep the record of a trace for the compiled program of this static argument."""
+        self._by_static[static] = (self.spec, self.shapes, self.dtypes)
+
+    def recall(self, static: Any) -> None:
+        """Make the record of the compiled program of this static argument the current one."""
+        found = self._by_static.get(static)
+        if found is not None:
+            local = self._local
+            local.spec, local.shapes, local.dtypes = found
 
 
 def _output_dtype(leaf: Any) -> str | None:

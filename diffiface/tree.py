@@ -16,6 +16,7 @@ Examples
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -43,31 +44,84 @@ NAMESPACE = "diffiface"
 """The optree namespace diffiface flattens with: register your own pytree types with
 ``optree.register_pytree_node(cls, flatten, unflatten, namespace="diffiface")`` (or
 ``@optree.register_pytree_node_class(namespace="diffiface")``). Types registered globally
-work too."""
+work too, and so do types registered with jax's pytree registry (equinox modules,
+``flax.struct`` dataclasses, ``nnx.State``, haiku containers): diffiface registers each in its
+namespace the first time it meets one, flattening it one level through jax."""
 
 
 def flatten(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:
     """The leaves of ``tree`` and its structure (``None`` is an empty node, not a leaf)."""
-    return optree.tree_flatten(tree, namespace=NAMESPACE)
+    leaves_, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
+    while _adopt_jax_nodes(leaves_):  # each round registers at least one new class
+        leaves_, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
+    return leaves_, spec
+
+
+_ADOPTED: set[type] = set()
+_ADOPT_LOCK = threading.Lock()
+
+
+def _adopt_jax_nodes(leaves_: list[Any]) -> bool:
+    """Register with optree every class among ``leaves_`` that jax flattens but optree took
+    for a leaf; True if any was registered (the tree is then flattened again, to find those
+    inside them).
+
+    Cheap when there is none: one type lookup per leaf."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return False
+    found = False
+    for leaf in leaves_:
+        if _arrays.kind(leaf) != "other" or type(leaf) in _ADOPTED:
+            continue
+        if jax.tree_util.all_leaves([leaf]):
+            continue
+        with _ADOPT_LOCK:
+            if type(leaf) not in _ADOPTED:
+                optree.register_pytree_node(type(leaf), _jax_children, _from_jax_children, namespace=NAMESPACE)
+                _ADOPTED.add(type(leaf))
+        found = True
+    return found
+
+
+def _jax_children(node: Any) -> tuple[list[Any], Any, list[Any]]:
+    """One level of a jax pytree node: its children, jax's structure to rebuild it, and the
+    children's names (an attribute's or a key's) for paths."""
+    tree_util = sys.modules["jax"].tree_util
+    pairs, treedef = tree_util.tree_flatten_with_path(node, is_leaf=lambda child: child is not node)
+    return [child for _, child in pairs], treedef, [_entry_name(path[-1]) if path else None for path, _ in pairs]
+
+
+def _entry_name(entry: Any) -> Any:
+    for attribute in ("name", "key", "idx"):
+        if hasattr(entry, attribute):
+            return getattr(entry, attribute)
+    return str(entry)
+
+
+def _from_jax_children(treedef: Any, children: Any) -> Any:
+    return sys.modules["jax"].tree_util.tree_unflatten(treedef, list(children))
 
 
 def flatten_with_path(tree: PyTree) -> tuple[list[tuple[Any, ...]], list[Any], optree.PyTreeSpec]:
     """Paths, leaves and structure of ``tree``."""
+    flatten(tree)  # registers the jax pytree types it holds
     return optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
 
 
 def structure(tree: PyTree) -> optree.PyTreeSpec:
     """The structure of ``tree``, comparable with ``==``."""
-    return optree.tree_structure(tree, namespace=NAMESPACE)
+    return flatten(tree)[1]
 
 
 def leaves(tree: PyTree) -> list[Any]:
     """The leaves of ``tree``, in flattening order."""
-    return optree.tree_leaves(tree, namespace=NAMESPACE)
+    return flatten(tree)[0]
 
 
 def map(func: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:  # noqa: A001
     """Apply ``func`` leaf by leaf to ``tree`` and trees of the same structure."""
+    flatten(tree)  # registers the jax pytree types it holds
     return optree.tree_map(func, tree, *rest, namespace=NAMESPACE)
 
 

@@ -34,7 +34,10 @@ class Adapter(_base.Adapter):
         kind = _arrays.kind(leaf)
         if kind == "numpy":
             return jnp.asarray(leaf), True
-        return leaf, kind == "jax"
+        # A float is an argument of the compiled program, as jit takes one: a new value runs
+        # the same program, and is never a stale constant. Integers and booleans stay static
+        # (sizes, flags, indices), compared by value.
+        return leaf, kind == "jax" or type(leaf) in (float, complex)
 
     def output_leaf(self, leaf: Any, like: Any) -> Any:
         kind = _arrays.kind(leaf)
@@ -99,7 +102,9 @@ class Adapter(_base.Adapter):
         if isinstance(exc, (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError)):
             return (
                 "f uses the value of a traced array in Python control flow (if, while, int()). "
-                "Use jnp.where or jax.lax.cond, or AutoJAX(jit=False)."
+                "Under jit, x, array contexts and float contexts are traced. Use jnp.where or "
+                "jax.lax.cond; pass a number that must stay a Python value as an int or a string; "
+                "or use AutoJAX(jit=False)."
             )
         text = str(exc)
         if isinstance(exc, TypeError) and ("Tensor" in text or "torch" in text):
