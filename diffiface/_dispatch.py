@@ -155,6 +155,11 @@ def _misplaced_context(op: Operator, role: str, value: Context[Any]) -> ContextE
 
 def _bare_argument(op: Operator, index: int, value: Any) -> ContextError:
     position = index + (5 if op.tangent else 4)
+    if isinstance(value, Prep):
+        return ContextError(
+            f"Argument {position} of {op.name} is a Prep, passed positionally, where f's contexts go. "
+            f"Pass it by keyword: di.{op.name}(f, backend, x, ..., prep=prep)."
+        )
     return ContextError(
         f"Argument {position} of {op.name} is a {type(value).__name__}, not a context. Extra "
         "arguments of f must be wrapped: di.Constant(value) for data f only reads (a model, a "
@@ -182,8 +187,23 @@ def _arguments(
             f"f must be a callable f(x, *contexts), got {type(f).__name__}. The argument order "
             f"is di.{name}(f, backend, x{tangent_name}, *contexts)."
         )
+    if has_aux and not op.aux:
+        raise _no_aux(op)
     backend = normalize(backend)
     return op, backend, Call(op, backend, x, tangent, contexts, has_aux)
+
+
+def _no_aux(op: Operator) -> InvalidInputError:
+    with_aux = {"gradient": "value_and_gradient", "jvp": "value_and_jvp", "vjp": "value_and_vjp"}.get(op.name)
+    if with_aux is not None:
+        return InvalidInputError(
+            f"{op.name} does not take has_aux=True; di.{with_aux}(..., has_aux=True) does, and returns "
+            f"((value, aux), {op.name.removeprefix('value_and_')})."
+        )
+    return InvalidInputError(
+        f"{op.name} does not take has_aux=True: only value_and_gradient, value_and_jvp and value_and_vjp "
+        "do. Drop the aux inside f (lambda x, *c: f(x, *c)[0])."
+    )
 
 
 def evaluate(
@@ -248,10 +268,6 @@ def prepare(
 
 def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, strict: bool) -> Prep:
     signature = call.signature
-    if signature.has_aux and not op.aux:
-        raise InvalidInputError(
-            f"{op.name} does not take has_aux; use value_and_gradient, value_and_jvp or value_and_vjp."
-        )
     row = info(backend)
     _check_x(op, backend, row.any_array_type, call)
     adapter = adapter_for(backend)

@@ -3,6 +3,10 @@ the adapters, through :mod:`diffiface._dispatch`.
 
 Every operator ``op`` has ``prepare_op``, taking the same arguments (without ``prep``) plus
 ``strict``, and returning a :class:`~diffiface.Prep` to pass back as ``prep=``.
+
+``has_aux=True`` (``f`` returns ``(value, aux)``) is taken by ``value_and_gradient``,
+``value_and_jvp`` and ``value_and_vjp``; every other operator accepts the keyword only to
+refuse it with :class:`~diffiface.InvalidInputError`, naming the operator that takes it.
 """
 
 from __future__ import annotations
@@ -52,7 +56,9 @@ __all__ = [
 BackendLike = Backend | str
 
 
-def derivative(f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None) -> Any:
+def derivative(
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None, has_aux: bool = False
+) -> Any:
     """The derivative of ``f`` at a scalar ``x``, shaped as ``f(x)``.
 
     See :func:`prepare_derivative` to do the one-time work once.
@@ -63,68 +69,70 @@ def derivative(f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: A
     >>> di.derivative(lambda x: x**3, "finite_differences", 2.0)  # doctest: +ELLIPSIS
     12.0000000...
     """
-    return evaluate("derivative", f, backend, x, None, contexts, prep)
+    return evaluate("derivative", f, backend, x, None, contexts, prep, has_aux)
 
 
 def prepare_derivative(
-    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
 ) -> Prep:
     """Prepare :func:`derivative` for arguments shaped like these; pass the result as ``prep=``."""
-    return prepare("derivative", f, backend, x, None, contexts, strict)
+    return prepare("derivative", f, backend, x, None, contexts, strict, has_aux)
 
 
 def value_and_derivative(
-    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None, has_aux: bool = False
 ) -> Any:
     """``(f(x), derivative)`` at a scalar ``x``.
 
     See :func:`prepare_value_and_derivative` to do the one-time work once.
     """
-    return evaluate("value_and_derivative", f, backend, x, None, contexts, prep)
+    return evaluate("value_and_derivative", f, backend, x, None, contexts, prep, has_aux)
 
 
 def prepare_value_and_derivative(
-    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
 ) -> Prep:
     """Prepare :func:`value_and_derivative` for arguments shaped like these; pass the result as ``prep=``."""
-    return prepare("value_and_derivative", f, backend, x, None, contexts, strict)
+    return prepare("value_and_derivative", f, backend, x, None, contexts, strict, has_aux)
 
 
 def second_derivative(
-    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None, has_aux: bool = False
 ) -> Any:
     """The second derivative of ``f`` at a scalar ``x``, shaped as ``f(x)``.
 
     See :func:`prepare_second_derivative` to do the one-time work once.
     """
-    return evaluate("second_derivative", f, backend, x, None, contexts, prep)
+    return evaluate("second_derivative", f, backend, x, None, contexts, prep, has_aux)
 
 
 def prepare_second_derivative(
-    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
 ) -> Prep:
     """Prepare :func:`second_derivative` for arguments shaped like these; pass the result as ``prep=``."""
-    return prepare("second_derivative", f, backend, x, None, contexts, strict)
+    return prepare("second_derivative", f, backend, x, None, contexts, strict, has_aux)
 
 
 def value_derivative_and_second_derivative(
-    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None, has_aux: bool = False
 ) -> Any:
     """``(f(x), derivative, second derivative)`` at a scalar ``x``.
 
     See :func:`prepare_value_derivative_and_second_derivative` to do the one-time work once.
     """
-    return evaluate("value_derivative_and_second_derivative", f, backend, x, None, contexts, prep)
+    return evaluate("value_derivative_and_second_derivative", f, backend, x, None, contexts, prep, has_aux)
 
 
 def prepare_value_derivative_and_second_derivative(
-    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
 ) -> Prep:
     """Prepare :func:`value_derivative_and_second_derivative` for arguments shaped like these; pass the result as ``prep=``."""
-    return prepare("value_derivative_and_second_derivative", f, backend, x, None, contexts, strict)
+    return prepare("value_derivative_and_second_derivative", f, backend, x, None, contexts, strict, has_aux)
 
 
-def gradient(f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None) -> Any:
+def gradient(
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None, has_aux: bool = False
+) -> Any:
     """The gradient of a scalar-valued ``f`` at ``x``, shaped as ``x``.
 
     See :func:`prepare_gradient` to do the one-time work once.
@@ -135,12 +143,14 @@ def gradient(f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any
     >>> di.gradient(lambda x: (x**2).sum(), "finite_differences", np.array([1.0, 2.0])).round(6)
     array([2., 4.])
     """
-    return evaluate("gradient", f, backend, x, None, contexts, prep)
+    return evaluate("gradient", f, backend, x, None, contexts, prep, has_aux)
 
 
-def prepare_gradient(f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True) -> Prep:
+def prepare_gradient(
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
+) -> Prep:
     """Prepare :func:`gradient` for arguments shaped like these; pass the result as ``prep=``."""
-    return prepare("gradient", f, backend, x, None, contexts, strict)
+    return prepare("gradient", f, backend, x, None, contexts, strict, has_aux)
 
 
 def value_and_gradient(
@@ -160,7 +170,9 @@ def prepare_value_and_gradient(
     return prepare("value_and_gradient", f, backend, x, None, contexts, strict, has_aux)
 
 
-def jacobian(f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None) -> Any:
+def jacobian(
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None, has_aux: bool = False
+) -> Any:
     """The Jacobian of ``f`` at ``x``: per leaf ``y.shape + x.shape``; for pytrees the structure of
     ``f(x)`` holding the structure of ``x``, as ``jax.jacobian`` nests it.
 
@@ -173,32 +185,36 @@ def jacobian(f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any
     array([[2., 0.],
            [0., 2.]])
     """
-    return evaluate("jacobian", f, backend, x, None, contexts, prep)
+    return evaluate("jacobian", f, backend, x, None, contexts, prep, has_aux)
 
 
-def prepare_jacobian(f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True) -> Prep:
+def prepare_jacobian(
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
+) -> Prep:
     """Prepare :func:`jacobian` for arguments shaped like these; pass the result as ``prep=``."""
-    return prepare("jacobian", f, backend, x, None, contexts, strict)
+    return prepare("jacobian", f, backend, x, None, contexts, strict, has_aux)
 
 
 def value_and_jacobian(
-    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None, has_aux: bool = False
 ) -> Any:
     """``(f(x), jacobian)``.
 
     See :func:`prepare_value_and_jacobian` to do the one-time work once.
     """
-    return evaluate("value_and_jacobian", f, backend, x, None, contexts, prep)
+    return evaluate("value_and_jacobian", f, backend, x, None, contexts, prep, has_aux)
 
 
 def prepare_value_and_jacobian(
-    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
 ) -> Prep:
     """Prepare :func:`value_and_jacobian` for arguments shaped like these; pass the result as ``prep=``."""
-    return prepare("value_and_jacobian", f, backend, x, None, contexts, strict)
+    return prepare("value_and_jacobian", f, backend, x, None, contexts, strict, has_aux)
 
 
-def hessian(f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None) -> Any:
+def hessian(
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None, has_aux: bool = False
+) -> Any:
     """The Hessian of a scalar-valued ``f`` at ``x``: per pair of leaves ``x_i.shape + x_j.shape``,
     nested as ``jax.hessian`` nests it.
 
@@ -211,32 +227,42 @@ def hessian(f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any,
     array([[0., 1.],
            [1., 0.]])
     """
-    return evaluate("hessian", f, backend, x, None, contexts, prep)
+    return evaluate("hessian", f, backend, x, None, contexts, prep, has_aux)
 
 
-def prepare_hessian(f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True) -> Prep:
+def prepare_hessian(
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
+) -> Prep:
     """Prepare :func:`hessian` for arguments shaped like these; pass the result as ``prep=``."""
-    return prepare("hessian", f, backend, x, None, contexts, strict)
+    return prepare("hessian", f, backend, x, None, contexts, strict, has_aux)
 
 
 def value_gradient_and_hessian(
-    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None, has_aux: bool = False
 ) -> Any:
     """``(f(x), gradient, hessian)``.
 
     See :func:`prepare_value_gradient_and_hessian` to do the one-time work once.
     """
-    return evaluate("value_gradient_and_hessian", f, backend, x, None, contexts, prep)
+    return evaluate("value_gradient_and_hessian", f, backend, x, None, contexts, prep, has_aux)
 
 
 def prepare_value_gradient_and_hessian(
-    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True
+    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
 ) -> Prep:
     """Prepare :func:`value_gradient_and_hessian` for arguments shaped like these; pass the result as ``prep=``."""
-    return prepare("value_gradient_and_hessian", f, backend, x, None, contexts, strict)
+    return prepare("value_gradient_and_hessian", f, backend, x, None, contexts, strict, has_aux)
 
 
-def jvp(f: Callable[..., Any], backend: BackendLike, x: Any, tx: Any, *contexts: Any, prep: Prep | None = None) -> Any:
+def jvp(
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    tx: Any,
+    *contexts: Any,
+    prep: Prep | None = None,
+    has_aux: bool = False,
+) -> Any:
     """The Jacobian-vector product of ``f`` at ``x`` along ``tx`` (shaped as ``x``), shaped as ``f(x)``.
 
     See :func:`prepare_jvp` to do the one-time work once.
@@ -247,14 +273,20 @@ def jvp(f: Callable[..., Any], backend: BackendLike, x: Any, tx: Any, *contexts:
     >>> di.jvp(lambda x: x**2, "finite_differences", np.array([1.0, 2.0]), np.array([1.0, 0.0])).round(6)
     array([2., 0.])
     """
-    return evaluate("jvp", f, backend, x, tx, contexts, prep)
+    return evaluate("jvp", f, backend, x, tx, contexts, prep, has_aux)
 
 
 def prepare_jvp(
-    f: Callable[..., Any], backend: BackendLike, x: Any, tx: Any, *contexts: Any, strict: bool = True
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    tx: Any,
+    *contexts: Any,
+    strict: bool = True,
+    has_aux: bool = False,
 ) -> Prep:
     """Prepare :func:`jvp` for arguments shaped like these; pass the result as ``prep=``."""
-    return prepare("jvp", f, backend, x, tx, contexts, strict)
+    return prepare("jvp", f, backend, x, tx, contexts, strict, has_aux)
 
 
 def value_and_jvp(
@@ -286,7 +318,15 @@ def prepare_value_and_jvp(
     return prepare("value_and_jvp", f, backend, x, tx, contexts, strict, has_aux)
 
 
-def vjp(f: Callable[..., Any], backend: BackendLike, x: Any, ty: Any, *contexts: Any, prep: Prep | None = None) -> Any:
+def vjp(
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    ty: Any,
+    *contexts: Any,
+    prep: Prep | None = None,
+    has_aux: bool = False,
+) -> Any:
     """The vector-Jacobian product of ``f`` at ``x`` with ``ty`` (shaped as ``f(x)``), shaped as ``x``.
 
     See :func:`prepare_vjp` to do the one-time work once.
@@ -297,14 +337,20 @@ def vjp(f: Callable[..., Any], backend: BackendLike, x: Any, ty: Any, *contexts:
     >>> di.vjp(lambda x: x**2, "finite_differences", np.array([1.0, 2.0]), np.array([0.0, 1.0])).round(6)
     array([0., 4.])
     """
-    return evaluate("vjp", f, backend, x, ty, contexts, prep)
+    return evaluate("vjp", f, backend, x, ty, contexts, prep, has_aux)
 
 
 def prepare_vjp(
-    f: Callable[..., Any], backend: BackendLike, x: Any, ty: Any, *contexts: Any, strict: bool = True
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    ty: Any,
+    *contexts: Any,
+    strict: bool = True,
+    has_aux: bool = False,
 ) -> Prep:
     """Prepare :func:`vjp` for arguments shaped like these; pass the result as ``prep=``."""
-    return prepare("vjp", f, backend, x, ty, contexts, strict)
+    return prepare("vjp", f, backend, x, ty, contexts, strict, has_aux)
 
 
 def value_and_vjp(
@@ -336,33 +382,59 @@ def prepare_value_and_vjp(
     return prepare("value_and_vjp", f, backend, x, ty, contexts, strict, has_aux)
 
 
-def hvp(f: Callable[..., Any], backend: BackendLike, x: Any, tx: Any, *contexts: Any, prep: Prep | None = None) -> Any:
+def hvp(
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    tx: Any,
+    *contexts: Any,
+    prep: Prep | None = None,
+    has_aux: bool = False,
+) -> Any:
     """The Hessian-vector product of a scalar-valued ``f`` at ``x`` along ``tx``, shaped as ``x``.
 
     See :func:`prepare_hvp` to do the one-time work once.
     """
-    return evaluate("hvp", f, backend, x, tx, contexts, prep)
+    return evaluate("hvp", f, backend, x, tx, contexts, prep, has_aux)
 
 
 def prepare_hvp(
-    f: Callable[..., Any], backend: BackendLike, x: Any, tx: Any, *contexts: Any, strict: bool = True
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    tx: Any,
+    *contexts: Any,
+    strict: bool = True,
+    has_aux: bool = False,
 ) -> Prep:
     """Prepare :func:`hvp` for arguments shaped like these; pass the result as ``prep=``."""
-    return prepare("hvp", f, backend, x, tx, contexts, strict)
+    return prepare("hvp", f, backend, x, tx, contexts, strict, has_aux)
 
 
 def gradient_and_hvp(
-    f: Callable[..., Any], backend: BackendLike, x: Any, tx: Any, *contexts: Any, prep: Prep | None = None
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    tx: Any,
+    *contexts: Any,
+    prep: Prep | None = None,
+    has_aux: bool = False,
 ) -> Any:
     """``(gradient, hvp)`` of a scalar-valued ``f`` at ``x`` along ``tx``.
 
     See :func:`prepare_gradient_and_hvp` to do the one-time work once.
     """
-    return evaluate("gradient_and_hvp", f, backend, x, tx, contexts, prep)
+    return evaluate("gradient_and_hvp", f, backend, x, tx, contexts, prep, has_aux)
 
 
 def prepare_gradient_and_hvp(
-    f: Callable[..., Any], backend: BackendLike, x: Any, tx: Any, *contexts: Any, strict: bool = True
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    tx: Any,
+    *contexts: Any,
+    strict: bool = True,
+    has_aux: bool = False,
 ) -> Prep:
     """Prepare :func:`gradient_and_hvp` for arguments shaped like these; pass the result as ``prep=``."""
-    return prepare("gradient_and_hvp", f, backend, x, tx, contexts, strict)
+    return prepare("gradient_and_hvp", f, backend, x, tx, contexts, strict, has_aux)

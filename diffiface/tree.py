@@ -24,7 +24,7 @@ import numpy as np
 import optree
 
 from . import _arrays
-from ._errors import ArrayTypeError
+from ._errors import ArrayTypeError, InvalidInputError
 
 __all__ = [
     "NAMESPACE",
@@ -146,7 +146,10 @@ def ravel(tree: PyTree) -> tuple[Any, Callable[[Any], PyTree]]:
     Raises
     ------
     ArrayTypeError
-        If the tree mixes array types (say numpy and torch).
+        If the tree mixes array types (say numpy and torch), or ``unravel`` is given a vector
+        of another array type than ``ravel`` returned.
+    InvalidInputError
+        If ``unravel`` is given a vector of another shape, or a complex one.
     """
     leaves_, spec = flatten(tree)
     kinds = [_arrays.kind(leaf) for leaf in leaves_]
@@ -165,8 +168,7 @@ def ravel(tree: PyTree) -> tuple[Any, Callable[[Any], PyTree]]:
     offsets = np.cumsum([0, *sizes])
 
     def unravel(vector: Any) -> PyTree:
-        if tuple(vector.shape) != (offsets[-1],):
-            raise ValueError(f"unravel expects a vector of shape ({offsets[-1]},), got {tuple(vector.shape)}.")
+        _check_vector(vector, family, int(offsets[-1]))
         rebuilt = []
         for i, (kind, shape_, dtype) in enumerate(zip(kinds, shapes, dtypes, strict=True)):
             piece = xp.reshape(vector[offsets[i] : offsets[i + 1]], shape_)
@@ -175,6 +177,27 @@ def ravel(tree: PyTree) -> tuple[Any, Callable[[Any], PyTree]]:
         return optree.tree_unflatten(spec, rebuilt)
 
     return flat, unravel
+
+
+def _check_vector(vector: Any, family: str, size: int) -> None:
+    """What unravel takes: a real vector of the raveled tree's size and array type (numpy for
+    Python numbers), so that no leaf comes back of another type or narrowed."""
+    kind = _arrays.kind(vector)
+    expected = "numpy" if family == "python" else family
+    if kind != expected and not (kind == "autograd" and expected == "numpy"):
+        raise ArrayTypeError(
+            f"unravel takes a {expected} vector, as tree.ravel returned; got a {type(vector).__name__}. "
+            f"Convert it to {expected} first."
+        )
+    shape = tuple(getattr(vector, "shape", ()))
+    if shape != (size,):
+        raise InvalidInputError(f"unravel takes a vector of shape ({size},), as tree.ravel returned; got {shape}.")
+    dtype = _arrays.dtype_name(vector)
+    if "complex" in dtype:
+        raise InvalidInputError(
+            f"unravel takes a real vector; got dtype {dtype}, whose imaginary part would be dropped. "
+            "Pass the real and imaginary parts separately."
+        )
 
 
 def _namespace(family: str) -> Any:

@@ -116,7 +116,7 @@ def test_python_numbers_go_with_any_framework() -> None:
 
 def test_unravel_checks_the_length() -> None:
     _, unravel = tree.ravel([np.ones(3)])
-    with pytest.raises(ValueError, match=r"\(3,\)"):
+    with pytest.raises(di.InvalidInputError, match=r"\(3,\)"):
         unravel(np.ones(4))
 
 

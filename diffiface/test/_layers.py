@@ -85,6 +85,9 @@ class _AutogradNamespace:
             return obj if dtype is None or obj.dtype == dtype else obj.astype(dtype)
         return numpy.asarray(obj, dtype=dtype)
 
+    def astype(self, x: Any, dtype: Any, /) -> Any:
+        return x.astype(dtype)
+
     def concat(self, arrays: Any, /, *, axis: int = 0) -> Any:
         return self._np.concatenate(list(arrays), axis=axis)
 
@@ -571,8 +574,9 @@ def _dense_dropout(xp: Any, like: Any, params: Any, config: Any, data: Any, stat
     x = _float_array(xp, data["x"], like)
     y = _activate(xp, _linear(xp, params, x), config["activation"])
     rate = config["rate"]
-    keep = numpy.random.default_rng(config["key"]).random(tuple(y.shape)) >= rate
-    return y * _float_array(xp, keep / (1 - rate), like)
+    # the draws take x's array type before they meet the rate, which jit traces like any float context
+    draws = _float_array(xp, numpy.random.default_rng(config["key"]).random(tuple(y.shape)), like)
+    return y * xp.astype(draws >= rate, y.dtype) / (1 - rate)
 
 
 # --------------------------------------------------------------------------------------------
