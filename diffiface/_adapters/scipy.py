@@ -141,34 +141,19 @@ class Adapter(_base.Adapter):
         return out, aux, _split_out(jac[:, 0], layout)
 
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
-        t = _Point(txs).vector if txs else np.zeros(0)
-        if not np.isfinite(t).all():  # J[:, i] * t_i for a non-finite t_i: the whole Jacobian
-            out, aux, jac, err, _, layout = self._jacobian(fn, xs, "A jvp along a non-finite tangent")
-            finite = np.isfinite(t)
-            column = jac[:, finite] @ t[finite]
-            for i in np.flatnonzero(~finite):
-                column = column + _times_non_finite(jac[:, i], t[i])
-            with np.errstate(invalid="ignore"):
-                error = err @ np.abs(np.where(finite, t, 0.0))
-            touts = _split_out(column, layout)
-            self._local.error = (_zeros_like(out), None, _split_out(error, layout))
-            return out, aux, touts if layout.tuple_out else touts[0]
         out, aux, flat, layout, batched, point = self._flat(fn, xs)
-        scale = float(np.max(np.abs(t))) if t.size else 0.0
-        if scale == 0.0 or flat.size == 0:
-            column, error = np.zeros(flat.size), np.zeros(flat.size)
-        else:
-            # one directional derivative, d/ds f(x + s u) at 0 with u = t / max|t|: scipy's
-            # adaptive steps and error estimate, at the cost of one input, not n
-            u = t / scale
+        t = _Point(txs).vector if txs else np.zeros(0)
 
-            def along(s: np.ndarray) -> np.ndarray:
+        def along(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            # d/ds f(x + s u) at 0: scipy's adaptive steps and error estimate, at the cost of one input, not n
+            def g(s: np.ndarray) -> np.ndarray:
                 shifts = s.reshape(-1)
                 return batched(point.vector[:, None] + u[:, None] * shifts[None, :]).reshape((flat.size, *s.shape[1:]))
 
-            result = scipy.differentiate.jacobian(along, np.zeros(1), **self._options)
-            column = np.asarray(result.df).reshape(flat.size) * scale
-            error = np.asarray(result.error).reshape(flat.size) * scale
+            result = scipy.differentiate.jacobian(g, np.zeros(1), **self._options)
+            return np.asarray(result.df).reshape(flat.size), np.asarray(result.error).reshape(flat.size)
+
+        column, error = _linear_in(along, t, flat.size)
         touts = _split_out(column, layout)
         self._local.error = (_zeros_like(out), None, _split_out(error, layout))
         return out, aux, touts if layout.tuple_out else touts[0]
@@ -202,39 +187,25 @@ class Adapter(_base.Adapter):
         return out, aux, grads, _hessian_blocks(hess, point, [])
 
     def gradient_and_hvp(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Leaves, Leaves]:
-        v = _Point(txs).vector if txs else np.zeros(0)
-        if not np.isfinite(v).all():  # H[:, i] * v_i for a non-finite v_i: the whole Hessian
-            out, aux, hess, hess_err, point = self._hessian(fn, xs)
-            _, _, grads = self.value_and_gradient(fn, xs)
-            finite = np.isfinite(v)
-            hv = hess[:, finite] @ v[finite]
-            for i in np.flatnonzero(~finite):
-                hv = hv + _times_non_finite(hess[:, i], v[i])
-            error = hess_err @ np.abs(np.where(finite, v, 0.0))
-            self._local.error = (_zeros_like(out), None, self._local.error[2], _split(error, point))
-            return out, aux, grads, _split(hv, point)
         out, aux, grads = self.value_and_gradient(fn, xs)  # checks the size against MAX_INPUTS
         grad_err = self._local.error[2]
         _, _, _, _, batched, point = self._flat(fn, xs)
-        scale = float(np.max(np.abs(v))) if v.size else 0.0
-        if scale == 0.0:
-            hv, error = np.zeros(point.size), np.zeros(point.size)
-        else:
-            # d/ds grad f(x + s u) at 0 (u = v / max|v|), each gradient by scipy's adaptive jacobian:
-            # linear in the size of x, where the whole Hessian would be quadratic
-            u = v / scale
+        v = _Point(txs).vector if txs else np.zeros(0)
 
-            def gradient(y: np.ndarray) -> np.ndarray:
-                return np.asarray(scipy.differentiate.jacobian(lambda w: batched(w)[0], y, **self._options).df)
+        def gradient(y: np.ndarray) -> np.ndarray:
+            return np.asarray(scipy.differentiate.jacobian(lambda w: batched(w)[0], y, **self._options).df)
 
-            def along(s: np.ndarray) -> np.ndarray:
-                shifts = s.reshape(-1)
-                grads_along = [gradient(point.vector + shift * u) for shift in shifts]
+        def along(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            # d/ds grad f(x + s u) at 0, each gradient by scipy's adaptive jacobian: linear in
+            # the size of x, where the whole Hessian would be quadratic
+            def g(s: np.ndarray) -> np.ndarray:
+                grads_along = [gradient(point.vector + shift * u) for shift in s.reshape(-1)]
                 return np.stack(grads_along, axis=-1).reshape((point.size, *s.shape[1:]))
 
-            result = scipy.differentiate.jacobian(along, np.zeros(1), **self._options)
-            hv = np.asarray(result.df).reshape(point.size) * scale
-            error = np.asarray(result.error).reshape(point.size) * scale
+            result = scipy.differentiate.jacobian(g, np.zeros(1), **self._options)
+            return np.asarray(result.df).reshape(point.size), np.asarray(result.error).reshape(point.size)
+
+        hv, error = _linear_in(along, v, point.size)
         self._local.error = (_zeros_like(out), None, grad_err, _split(error, point))
         return out, aux, grads, _split(hv, point)
 
@@ -249,6 +220,29 @@ class Adapter(_base.Adapter):
             seconds[k], errors[k] = np.asarray(result.ddf).reshape(-1)[0], np.asarray(result.error).reshape(-1)[0]
         self._local.error = (_zeros_like(out), None, deriv_err, _split_out(errors, layout))
         return out, aux, derivs, _split_out(seconds, layout)
+
+
+def _linear_in(
+    along: Any, t: np.ndarray, size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``A @ t`` and its error from ``along(u) -> (A @ u, error)``, for unit-scaled ``u``: one
+    call along the finite part of ``t``, one per non-finite entry ``t_i`` (``A[:, i] * t_i``,
+    as forward mode gives it: never masked)."""
+    finite = np.isfinite(t)
+    part = np.where(finite, t, 0.0)
+    scale = float(np.max(np.abs(part))) if part.size else 0.0
+    if scale == 0.0 or size == 0:
+        column, error = np.zeros(size), np.zeros(size)
+    else:
+        column, error = along(part / scale)
+        column, error = column * scale, error * scale
+    for i in np.flatnonzero(~finite):
+        unit = np.zeros(t.size)
+        unit[i] = 1.0
+        unit_column, unit_error = along(unit)
+        column = column + _times_non_finite(unit_column, t[i])
+        error = error + _times_non_finite(unit_error, abs(t[i]))
+    return column, error
 
 
 def _flat_tangent(touts: Any) -> np.ndarray:
