@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from ._errors import InvalidBackendOptionError, UnsupportedOperationError
@@ -182,7 +182,12 @@ class AutoScipy(Backend):
     max_inputs: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.order, bool) or not isinstance(self.order, numbers.Integral) or self.order < 2 or self.order % 2:
+        if (
+            isinstance(self.order, bool)
+            or not isinstance(self.order, numbers.Integral)
+            or self.order < 2
+            or self.order % 2
+        ):
             raise InvalidBackendOptionError(
                 f"AutoScipy(order={self.order!r}): the order must be an even integer >= 2 (2, 4, 6, 8...)."
             )
@@ -254,5 +259,10 @@ def _check_int(backend: Backend, option: str, value: object, least: int, valid: 
 
 
 def _check_real(backend: Backend, option: str, value: object, valid: str, fits: Callable[[float], bool]) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or not fits(value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(float(value))
+        or not fits(float(value))
+    ):
         raise InvalidBackendOptionError(f"{type(backend).__name__}({option}={value!r}): {option} must be {valid}.")

@@ -47,7 +47,7 @@ MAX_HESSIAN_INPUTS = 1_000
 MAX_VECTORIZED_INPUTS = 4_000
 """The most inputs with ``vectorize=True``: all 2 n perturbed points (2 n² numbers) are built at once."""
 MAX_JACOBIAN_ENTRIES = 25_000_000
-"""The most entries (outputs × inputs) of a Jacobian built by finite differences (200 MB in float64)."""
+"""The most entries (outputs times inputs) of a Jacobian built by finite differences (200 MB in float64)."""
 
 
 def check_size(backend: Any, xs: Leaves, operator: str, limit: int, what: str) -> None:
@@ -86,7 +86,7 @@ class _Watch:
     __slots__ = ("numpy_constants", "tensors")
 
     def __init__(self) -> None:
-        self.tensors: list[tuple[Any, int]] = []
+        self.tensors: list[tuple[Any, int | None]] = []
         self.numpy_constants = False
 
 
@@ -334,7 +334,11 @@ class Adapter(_base.Adapter):
             check_size(self.backend, xs, operator, MAX_HESSIAN_INPUTS, "a Hessian costs about 2 n² evaluations of f")
         elif self.vectorize:
             check_size(
-                self.backend, xs, operator, MAX_VECTORIZED_INPUTS, "with vectorize=True all 2 n² perturbed numbers are built at once"
+                self.backend,
+                xs,
+                operator,
+                MAX_VECTORIZED_INPUTS,
+                "with vectorize=True all 2 n² perturbed numbers are built at once",
             )
         else:
             check_size(self.backend, xs, operator, MAX_INPUTS, "one or two evaluations of f per input")
@@ -431,7 +435,7 @@ class Adapter(_base.Adapter):
         """The Jacobian's columns, one per coordinate of x: point by point, or all in one
         batched call of f when ``vectorize``."""
         if not self.vectorize:
-            columns = []
+            columns: list[np.ndarray] = []
             for column in self._columns(fn, point, self._unit_directions(point), value, layout):
                 if not columns:  # the first tells the number of outputs: refuse a huge matrix now
                     check_entries(self.backend, column.size, point.size)

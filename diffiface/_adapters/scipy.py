@@ -101,9 +101,17 @@ class Adapter(_base.Adapter):
 
     def _check(self, xs: Leaves, operator: str, second: bool = False) -> None:
         if second:
-            check_size(self.backend, xs, operator, MAX_SECOND_ORDER_INPUTS, "scipy's Hessian evaluates f about order² n² times")
+            check_size(
+                self.backend, xs, operator, MAX_SECOND_ORDER_INPUTS, "scipy's Hessian evaluates f about order² n² times"
+            )
         else:
-            check_size(self.backend, xs, operator, MAX_INPUTS, "scipy's Jacobian evaluates f at about order n points per iteration")
+            check_size(
+                self.backend,
+                xs,
+                operator,
+                MAX_INPUTS,
+                "scipy's Jacobian evaluates f at about order n points per iteration",
+            )
 
     def _jacobian(
         self, fn: Fn, xs: Leaves, operator: str = "A Jacobian"
@@ -148,7 +156,7 @@ class Adapter(_base.Adapter):
             # d/ds f(x + s u) at 0: scipy's adaptive steps and error estimate, at the cost of one input, not n
             def g(s: np.ndarray) -> np.ndarray:
                 shifts = s.reshape(-1)
-                return batched(point.vector[:, None] + u[:, None] * shifts[None, :]).reshape((flat.size, *s.shape[1:]))
+                return batched(point.vector[:, None] + u[:, None] * shifts[None, :]).reshape((flat.size, *s.shape[1:]))  # type: ignore[no-any-return]
 
             result = scipy.differentiate.jacobian(g, np.zeros(1), **self._options)
             return np.asarray(result.df).reshape(flat.size), np.asarray(result.error).reshape(flat.size)
@@ -193,7 +201,7 @@ class Adapter(_base.Adapter):
         v = _Point(txs).vector if txs else np.zeros(0)
 
         def gradient(y: np.ndarray) -> np.ndarray:
-            return np.asarray(scipy.differentiate.jacobian(lambda w: batched(w)[0], y, **self._options).df)
+            return np.asarray(scipy.differentiate.jacobian(lambda w: batched(w)[0], y, **self._options).df)  # type: ignore[no-any-return]
 
         def along(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             # d/ds grad f(x + s u) at 0, each gradient by scipy's adaptive jacobian: linear in
@@ -222,9 +230,7 @@ class Adapter(_base.Adapter):
         return out, aux, derivs, _split_out(seconds, layout)
 
 
-def _linear_in(
-    along: Any, t: np.ndarray, size: int
-) -> tuple[np.ndarray, np.ndarray]:
+def _linear_in(along: Any, t: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
     """``A @ t`` and its error from ``along(u) -> (A @ u, error)``, for unit-scaled ``u``: one
     call along the finite part of ``t``, one per non-finite entry ``t_i`` (``A[:, i] * t_i``,
     as forward mode gives it: never masked)."""
