@@ -7,6 +7,8 @@ lives in ``diffiface._adapters`` and is imported on first use.
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -103,18 +105,26 @@ class AutoFiniteDifferences(Backend):
         ``eps**p * max(1, |x_i|)`` with ``eps`` the machine epsilon of the input's dtype and
         ``p`` the power that balances truncation against rounding for the method
         (1/3 central, 1/2 forward and backward, 1/4 for second derivatives).
+        A fixed step that rounds to nothing (``x_i + step == x_i`` in x's dtype) is refused
+        when the operator is called, with the smallest step that would move x.
     vectorize:
         Evaluate all perturbations in one call of ``f`` on a batch (a leading axis on every
         leaf of ``x``). Only for functions that broadcast over such an axis.
+    max_inputs:
+        The most inputs (entries of ``x``) the backend differences. None: 100,000 for
+        first-order operators, 1,000 for Hessians, 4,000 with ``vectorize`` (and Jacobians of
+        at most 25 million entries); above, a call raises :class:`~diffiface.InputTooLargeError`
+        before allocating anything. Set it to run a larger case deliberately.
     """
 
     name: ClassVar[str] = "finite_differences"
     method: Literal["central", "forward", "backward", "complex"] = "central"
     step: float | None = None
     vectorize: bool = False
+    max_inputs: int | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in _FD_METHODS:
+        if not isinstance(self.method, str) or self.method not in _FD_METHODS:
             raise InvalidBackendOptionError(
                 f"AutoFiniteDifferences(method={self.method!r}) is not a method; "
                 f"choose one of {', '.join(map(repr, _FD_METHODS))}."
@@ -130,6 +140,8 @@ class AutoFiniteDifferences(Backend):
                     f"AutoFiniteDifferences(step={self.step!r}): the step must be positive and finite."
                 )
         _check_bool(self, "vectorize", self.vectorize)
+        if self.max_inputs is not None:
+            _check_int(self, "max_inputs", self.max_inputs, 1, "an integer >= 1, or None for the default limits")
 
     @property
     def black_box(self) -> bool:
@@ -148,9 +160,16 @@ class AutoScipy(Backend):
     order:
         Order of the finite-difference formula (even, at least 2).
     initial_step, step_factor, maxiter:
-        As in ``scipy.differentiate.jacobian``.
+        As in ``scipy.differentiate.jacobian``: the first step (positive, finite), the factor
+        by which each iteration shrinks it (finite, above 1) and the most iterations (>= 1).
     atol, rtol:
-        Absolute and relative tolerances of the error estimate (scipy's defaults when None).
+        Absolute and relative tolerances of the error estimate (finite, >= 0; scipy's
+        defaults when None).
+    max_inputs:
+        The most inputs (entries of ``x``) the backend differentiates. None: 1,000 for
+        first-order operators, 100 for second-order ones (scipy builds arrays of n² points per
+        iteration, n³ for a Hessian); above, a call raises
+        :class:`~diffiface.InputTooLargeError` before allocating anything.
     """
 
     name: ClassVar[str] = "scipy"
@@ -160,16 +179,27 @@ class AutoScipy(Backend):
     maxiter: int = 10
     atol: float | None = None
     rtol: float | None = None
+    max_inputs: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.order, int) or self.order < 2 or self.order % 2:
-            raise InvalidBackendOptionError(f"AutoScipy(order={self.order!r}): the order must be an even integer >= 2.")
-        if not isinstance(self.maxiter, int) or self.maxiter < 1:
-            raise InvalidBackendOptionError(f"AutoScipy(maxiter={self.maxiter!r}): maxiter must be a positive integer.")
-        for option in ("initial_step", "step_factor"):
+        if (
+            isinstance(self.order, bool)
+            or not isinstance(self.order, numbers.Integral)
+            or self.order < 2
+            or self.order % 2
+        ):
+            raise InvalidBackendOptionError(
+                f"AutoScipy(order={self.order!r}): the order must be an even integer >= 2 (2, 4, 6, 8...)."
+            )
+        _check_int(self, "maxiter", self.maxiter, 1, "an integer >= 1")
+        _check_real(self, "initial_step", self.initial_step, "a finite number > 0", lambda v: v > 0)
+        _check_real(self, "step_factor", self.step_factor, "a finite number > 1", lambda v: v > 1)
+        for option in ("atol", "rtol"):
             value = getattr(self, option)
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise InvalidBackendOptionError(f"AutoScipy({option}={value!r}): must be a positive number.")
+            if value is not None:
+                _check_real(self, option, value, "a finite number >= 0, or None for scipy's default", lambda v: v >= 0)
+        if self.max_inputs is not None:
+            _check_int(self, "max_inputs", self.max_inputs, 1, "an integer >= 1, or None for the default limits")
 
     @property
     def black_box(self) -> bool:
@@ -221,3 +251,18 @@ def _check_bool(backend: Backend, option: str, value: object) -> None:
         raise InvalidBackendOptionError(
             f"{type(backend).__name__}({option}={value!r}): {option} must be True or False."
         )
+
+
+def _check_int(backend: Backend, option: str, value: object, least: int, valid: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise InvalidBackendOptionError(f"{type(backend).__name__}({option}={value!r}): {option} must be {valid}.")
+
+
+def _check_real(backend: Backend, option: str, value: object, valid: str, fits: Callable[[float], bool]) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(float(value))
+        or not fits(float(value))
+    ):
+        raise InvalidBackendOptionError(f"{type(backend).__name__}({option}={value!r}): {option} must be {valid}.")

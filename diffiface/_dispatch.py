@@ -25,7 +25,7 @@ from . import tree as _tree
 from ._adapters import adapter_for, info, normalize
 from ._adapters._base import Adapter, force
 from ._backends import Backend, SecondOrder
-from ._contexts import Context
+from ._contexts import Constant, Context
 from ._errors import (
     ArrayTypeError,
     ContextError,
@@ -458,8 +458,13 @@ class _Conversions:
         return tuple(map(self.adapter.to_native, leaves))
 
     def _context(self, leaf: Any, like: Any, index: int) -> tuple[Any, bool]:
+        # An engine that evaluates f itself (finite differences, scipy) hands a Constant's arrays
+        # to f read-only or watched, through its optional constant_to_native; a Cache's as they are.
+        convert = self.adapter.context_to_native
+        if issubclass(self.signature.contexts[index][0], Constant):
+            convert = getattr(self.adapter, "constant_to_native", convert)
         try:
-            return self.adapter.context_to_native(leaf, like)
+            return convert(leaf, like)
         except (TypeError, ValueError) as exc:
             raise _unconvertible_context(self.adapter, self.signature, index, leaf) from exc
 

@@ -8,6 +8,16 @@ before ``f`` is called, so a function written for any framework can be different
 Steps, per coordinate, balance truncation against rounding: ``eps**p * max(1, |x_i|)`` with
 ``eps`` the machine epsilon of the leaf's dtype and ``p = 1/3`` (central), ``1/2`` (forward,
 backward), ``1/4`` (second differences); each step is rounded so that ``x_i + h`` is exact.
+
+``f`` must only read what it is handed. numpy points and numpy Constants reach it read-only
+(a write raises numpy's "read-only" ValueError, turned into :class:`MutationError`); torch
+points and Constants are watched through their version counters (and Constants are copies,
+so the caller's tensor never changes); jax arrays are immutable. Every evaluation point is a
+fresh array, so no evaluation can shift the next.
+
+Sizes are bounded (:data:`MAX_INPUTS`, :data:`MAX_HESSIAN_INPUTS`, :data:`MAX_VECTORIZED_INPUTS`,
+:data:`MAX_JACOBIAN_ENTRIES`): above them the call is refused before anything is allocated,
+unless the backend's ``max_inputs`` option raises the input limit.
 """
 
 from __future__ import annotations
@@ -16,17 +26,167 @@ import contextlib
 import functools
 import math
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from .. import _arrays
-from .._errors import InvalidOutputError
+from .._errors import InputTooLargeError, InvalidBackendOptionError, InvalidOutputError, MutationError
 from . import _base
 from ._base import Blocks, Deferred, Fn, Leaves
 
 _POWER = {"central": 1 / 3, "forward": 1 / 2, "backward": 1 / 2}
+
+MAX_INPUTS = 100_000
+"""The most inputs (entries of x, all leaves together) finite differences take for first-order
+operators: a gradient costs one or two evaluations of f per input."""
+MAX_HESSIAN_INPUTS = 1_000
+"""The most inputs for a Hessian by finite differences: it costs about 2 n² evaluations of f."""
+MAX_VECTORIZED_INPUTS = 4_000
+"""The most inputs with ``vectorize=True``: all 2 n perturbed points (2 n² numbers) are built at once."""
+MAX_JACOBIAN_ENTRIES = 25_000_000
+"""The most entries (outputs times inputs) of a Jacobian built by finite differences (200 MB in float64)."""
+
+
+def check_size(backend: Any, xs: Leaves, operator: str, limit: int, what: str) -> None:
+    """Refuse, before any allocation, an ``x`` with more inputs than ``limit`` (or the
+    backend's ``max_inputs`` when set)."""
+    n = sum(math.prod(_arrays.shape(x)) for x in xs)
+    chosen = getattr(backend, "max_inputs", None)
+    limit = limit if chosen is None else chosen
+    if n > limit:
+        raise InputTooLargeError(
+            f"{operator} by {type(backend).__name__} of an x with {n:,} inputs: above the limit of "
+            f"{limit:,} inputs ({what}). Use an automatic-differentiation backend (jax, torch, autograd), "
+            "or check gradients along a few random directions with diffiface.test.check_gradients; for a "
+            f"deliberate run, raise the limit with {type(backend).__name__}(max_inputs={n})."
+        )
+
+
+def check_entries(backend: Any, m: int, n: int) -> None:
+    """Refuse a Jacobian of more than :data:`MAX_JACOBIAN_ENTRIES` entries (unless ``max_inputs`` is set)."""
+    if getattr(backend, "max_inputs", None) is None and m * n > MAX_JACOBIAN_ENTRIES:
+        raise InputTooLargeError(
+            f"A Jacobian by {type(backend).__name__} of {m:,} outputs by {n:,} inputs has {m * n:,} entries: "
+            f"above the limit of {MAX_JACOBIAN_ENTRIES:,}. Use vjp or jvp (one row or column), an "
+            "automatic-differentiation backend, or, for a deliberate run, set "
+            f"{type(backend).__name__}(max_inputs=...)."
+        )
+
+
+# -- what f must not write into -------------------------------------------------------------
+
+
+class _Watch:
+    """The arrays of one call that f must only read: torch Constant copies with their version
+    counters, and whether numpy Constants were handed over read-only."""
+
+    __slots__ = ("numpy_constants", "tensors")
+
+    def __init__(self) -> None:
+        self.tensors: list[tuple[Any, int | None]] = []
+        self.numpy_constants = False
+
+
+_pending = threading.local()
+"""Constants converted for the call about to run in this thread; its closed ``fn`` takes them
+at its first evaluation (conversion happens right before the adapter runs, so a nested call's
+Constants go to the nested ``fn``)."""
+
+
+def _pending_watch() -> _Watch:
+    watch = getattr(_pending, "watch", None)
+    if watch is None:
+        watch = _pending.watch = _Watch()
+    return watch
+
+
+def _watch_of(fn: Any) -> _Watch:
+    watch = getattr(fn, "_diffiface_watch", None)
+    if watch is None:
+        watch = getattr(_pending, "watch", None) or _Watch()
+        _pending.watch = None
+        with contextlib.suppress(AttributeError):
+            fn._diffiface_watch = watch
+    return watch  # type: ignore[no-any-return]
+
+
+def _read_only(array: Any) -> Any:
+    """A read-only view of a numpy array (other leaves as they are)."""
+    if type(array) is np.ndarray:
+        view = array.view()
+        view.flags.writeable = False
+        return view
+    return array
+
+
+def _version(tensor: Any) -> int | None:
+    try:
+        return tensor._version  # type: ignore[no-any-return]
+    except (AttributeError, RuntimeError):  # inference tensors keep no version counter
+        return None
+
+
+def _is_read_only_write(exc: BaseException) -> bool:
+    return type(exc) is ValueError and str(exc).endswith("read-only")
+
+
+def run_f(fn: Any, leaves: Leaves, backend_name: str, batched: bool = False) -> Any:
+    """``fn(leaves)`` (or ``fn.batched``) under ``torch.no_grad()``, refusing writes into the
+    leaves (handed read-only or watched) and into the call's Constants."""
+    watch = _watch_of(fn)
+    tensors = [(t, _version(t)) for t in leaves if _arrays.kind(t) == "torch"] if "torch" in sys.modules else []
+    try:
+        with _no_grad():
+            out = fn.batched(leaves) if batched else fn(leaves)
+    except ValueError as exc:
+        if _is_read_only_write(exc) and (watch.numpy_constants or any(type(a) is np.ndarray for a in leaves)):
+            what = "its input x or a di.Constant" if watch.numpy_constants else "its input x"
+            raise MutationError(
+                f"f wrote into {what} (numpy: {exc!s}), which it must only read. The {backend_name} backend "
+                "evaluates f at points near x and hands them to f read-only, since a write would shift the "
+                "points that follow. Compute out of place (y = x * 2, not x *= 2), or pass scratch space "
+                "as di.Cache(array)."
+            ) from exc
+        raise
+    for tensor, version in tensors:
+        if version is not None and _version(tensor) != version:
+            raise MutationError(_torch_write(backend_name, "its input x"))
+    for tensor, version in watch.tensors:
+        if _version(tensor) != version:
+            raise MutationError(_torch_write(backend_name, "a di.Constant"))
+    return out
+
+
+def _torch_write(backend_name: str, what: str) -> str:
+    return (
+        f"f wrote into {what} in place (its tensor's version counter moved: an operation such as "
+        f"x.add_(1), x *= 2 or x[0] = 0), which it must only read. The {backend_name} backend evaluates f "
+        "at points near x, and a write would shift the points that follow. Compute out of place "
+        "(y = x * 2), or pass scratch space as di.Cache(tensor)."
+    )
+
+
+def constant_like_x(leaf: Any, like: Any) -> tuple[Any, bool]:
+    """A Constant's leaf for f: numpy read-only (or, for torch x, a watched torch copy), torch
+    a watched copy; so f can write into none of the caller's arrays unnoticed."""
+    if type(leaf) is np.ndarray:
+        target = _arrays.kind(like)
+        if target == "torch":
+            tensor = _arrays.from_numpy(np.array(leaf), like, dtype=_same_dtype(leaf, like))
+            _pending_watch().tensors.append((tensor, _version(tensor)))
+            return tensor, True
+        if target == "jax":
+            return context_like_x(leaf, like)  # jax copies into an immutable array
+        _pending_watch().numpy_constants = True
+        return _read_only(leaf), True
+    if _arrays.kind(leaf) == "torch":
+        tensor = leaf.detach().clone()
+        _pending_watch().tensors.append((tensor, _version(tensor)))
+        return tensor, True
+    return context_like_x(leaf, like)
 
 
 class _Point:
@@ -51,7 +211,7 @@ class _Point:
                 leaves.append(complex(piece.item()) if complex_step else float(piece.item()))
                 continue
             dtype = _complex_dtype(like) if complex_step else None
-            leaves.append(_arrays.from_numpy(piece, like, dtype=dtype))
+            leaves.append(_read_only(_arrays.from_numpy(piece, like, dtype=dtype)))
         return tuple(leaves)
 
     def batch_leaves(self, points: np.ndarray) -> Leaves:
@@ -62,17 +222,50 @@ class _Point:
         for i, like in enumerate(self.likes):
             piece = points[:, self.offsets[i] : self.offsets[i + 1]].reshape((k, *self.shapes[i]))
             if isinstance(like, float):
-                leaves.append(piece)
+                leaves.append(_read_only(piece))
                 continue
             dtype = _complex_dtype(like) if complex_step else None
-            leaves.append(_arrays.from_numpy(piece, like, dtype=dtype))
+            leaves.append(_read_only(_arrays.from_numpy(piece, like, dtype=dtype)))
         return tuple(leaves)
 
     def steps(self, power: float, fixed: float | None, exact: bool = True) -> np.ndarray:
         if fixed is not None:
-            return np.full(self.size, float(fixed))
-        steps = self.eps**power * np.maximum(1.0, np.abs(self.vector))
+            steps = np.full(self.size, float(fixed))
+        else:
+            steps = self.eps**power * np.maximum(1.0, np.abs(self.vector))
         return self._exact(steps) if exact else steps
+
+    def check_step(self, backend: Any, steps: np.ndarray, where: np.ndarray | None = None) -> None:
+        """Refuse a fixed step that rounds to 0 (``x_i + h == x_i`` in x's dtype) on some input
+        (among ``where``): its derivative would come out 0."""
+        lost = (steps == 0) & np.isfinite(self.vector)
+        if where is not None:
+            lost &= where
+        if not lost.any():
+            return
+        spacing = np.zeros(self.size)
+        for i, dtype in enumerate(self.dtypes):
+            lo, hi = self.offsets[i], self.offsets[i + 1]
+            spacing[lo:hi] = np.spacing(np.abs(self.vector[lo:hi]).astype(dtype)).astype(np.float64)
+        smallest = float(np.max(spacing[lost]))
+        raise InvalidBackendOptionError(
+            f"{type(backend).__name__}(step={backend.step!r}) is too small for this x: x_i + step == x_i in "
+            f"x's dtype for {int(lost.sum())} of its {self.size} inputs, whose derivatives would come out 0. "
+            f"The smallest step that moves every input is {smallest:.3g} (one spacing of floating-point "
+            "numbers there); a much larger one balances rounding against truncation. Or use step=None to "
+            "choose each input's step from its dtype and magnitude."
+        )
+
+    def check_complex_step(self, backend: Any, step: float) -> None:
+        """Refuse a complex step below the smallest normal number of x's dtype: ``Im f(x + ih)``
+        would lose its precision (or vanish) there."""
+        tiny = max((float(np.finfo(np.result_type(d, np.float32)).tiny) for d in self.dtypes), default=0.0)
+        if step < tiny:
+            raise InvalidBackendOptionError(
+                f"{type(backend).__name__}(step={backend.step!r}, method='complex') is too small for this x: "
+                f"the imaginary parts of f would be subnormal or 0. Use a step of at least {tiny:.3g} "
+                "(1e-20 serves nearly every function), or step=None."
+            )
 
     def _exact(self, steps: np.ndarray) -> np.ndarray:
         """Steps rounded so that ``x + h`` is representable in each leaf's dtype."""
@@ -133,20 +326,36 @@ class Adapter(_base.Adapter):
     def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
         return context_like_x(leaf, like)
 
+    def constant_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
+        return constant_like_x(leaf, like)
+
+    def _check_size(self, xs: Leaves, operator: str, hessian: bool = False) -> None:
+        if hessian:
+            check_size(self.backend, xs, operator, MAX_HESSIAN_INPUTS, "a Hessian costs about 2 n² evaluations of f")
+        elif self.vectorize:
+            check_size(
+                self.backend,
+                xs,
+                operator,
+                MAX_VECTORIZED_INPUTS,
+                "with vectorize=True all 2 n² perturbed numbers are built at once",
+            )
+        else:
+            check_size(self.backend, xs, operator, MAX_INPUTS, "one or two evaluations of f per input")
+
     # -- evaluations ----------------------------------------------------------------------------
 
     def _call(self, fn: Fn, point: _Point, vector: np.ndarray) -> tuple[Any, Any]:
-        with _no_grad():
-            return fn(point.leaves(vector))
+        return run_f(fn, point.leaves(vector), self.backend.name)  # type: ignore[no-any-return]
 
     def _evaluate(self, fn: Fn, point: _Point, vector: np.ndarray, layout: _Layout | None = None) -> np.ndarray:
         """``f`` at ``vector``, flat, in float64 (the imaginary part for a complex step).
-        Fills ``layout`` with the output's shapes and dtypes if it is empty."""
+        Fills ``layout`` with the output's shapes and dtypes if it is empty, else checks that
+        the output has the same shapes."""
         out, _ = self._call(fn, point, vector)
         flat, found = _flatten_out(out)
-        if layout is not None and not layout:
-            layout.extend(found)
-            layout.tuple_out = found.tuple_out
+        if layout is not None:
+            _fit(layout, found)
         if np.iscomplexobj(flat):
             return flat.imag if np.iscomplexobj(vector) else flat.real
         return flat.astype(np.float64)
@@ -155,72 +364,83 @@ class Adapter(_base.Adapter):
         """The first number of f at ``vector`` (a scalar f's value)."""
         return float(self._evaluate(fn, point, vector)[0])
 
-    def _value(self, fn: Fn, point: _Point) -> tuple[Any, Any, np.ndarray, _Layout]:
+    def _value(self, fn: Fn, point: _Point, layout: _Layout | None = None) -> tuple[Any, Any, np.ndarray, _Layout]:
         out, aux = self._call(fn, point, point.vector)
-        flat, layout = _flatten_out(out)
-        return out, aux, flat.astype(np.float64), layout
+        flat, found = _flatten_out(out)
+        if layout is not None:
+            _fit(layout, found)
+        return out, aux, flat.astype(np.float64), found
 
     def _columns(
         self,
         fn: Fn,
         point: _Point,
-        directions: Iterator[tuple[np.ndarray, float]],
+        directions: Iterator[tuple[Any, float]],
         value: np.ndarray | None,
         layout: _Layout,
     ) -> Iterator[np.ndarray]:
-        """``(f(x + h d) - f(x - h d)) / 2h`` (or the one-sided or complex-step form) per direction."""
+        """``(f(x + h d) - f(x - h d)) / 2h`` (or the one-sided or complex-step form) per direction
+        ``d`` (an array, or the index of a unit vector)."""
         x = point.vector
         for direction, h in directions:
             if self.method == "central":
-                plus = self._evaluate(fn, point, x + h * direction, layout)
-                yield (plus - self._evaluate(fn, point, x - h * direction)) / (2 * h)
+                plus = self._evaluate(fn, point, _shifted(x, direction, h), layout)
+                yield (plus - self._evaluate(fn, point, _shifted(x, direction, -h), layout)) / (2 * h)
             elif self.method == "forward":
                 assert value is not None
-                yield (self._evaluate(fn, point, x + h * direction) - value) / h
+                yield (self._evaluate(fn, point, _shifted(x, direction, h), layout) - value) / h
             elif self.method == "backward":
                 assert value is not None
-                yield (value - self._evaluate(fn, point, x - h * direction)) / h
+                yield (value - self._evaluate(fn, point, _shifted(x, direction, -h), layout)) / h
             else:
-                yield self._evaluate(fn, point, x + 1j * h * direction, layout) / h
+                yield self._evaluate(fn, point, _shifted(x, direction, 1j * h), layout) / h
 
-    def _unit_directions(self, point: _Point) -> Iterator[tuple[np.ndarray, float]]:
+    def _unit_directions(self, point: _Point) -> Iterator[tuple[Any, float]]:
         steps = self._steps(point)
         for i in range(point.size):
-            e = np.zeros(point.size)
-            e[i] = 1.0
-            yield e, steps[i]
+            yield i, steps[i]
 
-    def _steps(self, point: _Point) -> np.ndarray:
-        if self.method == "complex":  # no cancellation: any tiny step will do, and no rounding
-            return point.steps(2.0, self.fixed_step, exact=False)
-        return point.steps(_POWER[self.method], self.fixed_step)
+    def _steps(self, point: _Point, power: float | None = None) -> np.ndarray:
+        if power is None and self.method == "complex":  # no cancellation: any tiny step will do, and no rounding
+            steps = point.steps(2.0, self.fixed_step, exact=False)
+            if self.fixed_step is not None:
+                point.check_complex_step(self.backend, self.fixed_step)
+            return steps
+        steps = point.steps(_POWER[self.method] if power is None else power, self.fixed_step)
+        if self.fixed_step is not None:
+            point.check_step(self.backend, steps)
+        return steps
 
     def _needs_value(self) -> bool:
         return self.method in ("forward", "backward")
 
     def _start(self, fn: Fn, xs: Leaves) -> tuple[_Point, Any, Any, np.ndarray | None, _Layout]:
         """The point, ``f(x)`` (now if the method needs it, else deferred) and the layout of
-        ``f(x)`` (filled by the first evaluation)."""
+        ``f(x)`` (filled by the first evaluation; every later one must fit it)."""
         point = _Point(xs)
         if self._needs_value():
             out, aux, flat, layout = self._value(fn, point)
             return point, out, aux, flat, layout
-        evaluated = Deferred(lambda: self._value(fn, point))
-        return point, Deferred(lambda: evaluated.force()[0]), Deferred(lambda: evaluated.force()[1]), None, _Layout()
+        layout = _Layout()
+        evaluated = Deferred(lambda: self._value(fn, point, layout))
+        return point, Deferred(lambda: evaluated.force()[0]), Deferred(lambda: evaluated.force()[1]), None, layout
 
     def _layout(self, out: Any, layout: _Layout) -> _Layout:
         """The layout of f(x); evaluates f(x) only if no evaluation has given it yet."""
-        if not layout:
-            found = _flatten_out(_base.force(out))[1]
-            layout.extend(found)
-            layout.tuple_out = found.tuple_out
+        found = _flatten_out(_base.force(out))[1]
+        _fit(layout, found)
         return layout
 
     def _unit_columns(self, fn: Fn, point: _Point, value: np.ndarray | None, layout: _Layout) -> list[np.ndarray]:
         """The Jacobian's columns, one per coordinate of x: point by point, or all in one
         batched call of f when ``vectorize``."""
         if not self.vectorize:
-            return list(self._columns(fn, point, self._unit_directions(point), value, layout))
+            columns: list[np.ndarray] = []
+            for column in self._columns(fn, point, self._unit_directions(point), value, layout):
+                if not columns:  # the first tells the number of outputs: refuse a huge matrix now
+                    check_entries(self.backend, column.size, point.size)
+                columns.append(column)
+            return columns
         n = point.size
         if n == 0:
             return []
@@ -240,8 +460,7 @@ class Adapter(_base.Adapter):
     def _evaluate_batch(self, fn: Fn, point: _Point, points: np.ndarray, layout: _Layout) -> np.ndarray:
         """f at ``k`` points in one call: a ``(k, m)`` float64 array of flat outputs."""
         k = points.shape[0]
-        with _no_grad():
-            outs = fn.batched(point.batch_leaves(points))  # type: ignore[attr-defined]
+        outs = run_f(fn, point.batch_leaves(points), self.backend.name, batched=True)
         arrays = [np.asarray(_arrays.to_numpy(out)) for out in outs]
         for array in arrays:
             if array.shape[:1] != (k,):
@@ -250,14 +469,19 @@ class Adapter(_base.Adapter):
                     f"leaf of x) and must return one output per point; it returned shape {array.shape}. Reduce "
                     "over the other axes only (say .sum(axis=-1)), or use vectorize=False."
                 )
-        if not layout:
-            layout.extend((a.shape[1:], _real_dtype(a.dtype)) for a in arrays)
+        found = _Layout((a.shape[1:], _real_dtype(a.dtype)) for a in arrays)
+        found.tuple_out = layout.tuple_out if layout else len(arrays) != 1
+        if layout:
+            _fit(layout, found)
+        else:
+            layout.extend(found)
         flat = np.concatenate([a.reshape(k, -1) for a in arrays], axis=1) if arrays else np.zeros((k, 0))
         if np.iscomplexobj(flat):
             return flat.imag if np.iscomplexobj(points) else flat.real
         return flat.astype(np.float64)
 
-    def _matrix(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, np.ndarray, _Point, _Layout]:
+    def _matrix(self, fn: Fn, xs: Leaves, operator: str) -> tuple[Any, Any, np.ndarray, _Point, _Layout]:
+        self._check_size(xs, operator)
         point, out, aux, value, layout = self._start(fn, xs)
         columns = self._unit_columns(fn, point, value, layout)
         layout = self._layout(out, layout)
@@ -268,13 +492,14 @@ class Adapter(_base.Adapter):
     # -- first order ------------------------------------------------------------------------------
 
     def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
-        point, out, aux, value, _ = self._start(fn, xs)
-        columns = self._unit_columns(fn, point, value, _Layout())
+        self._check_size(xs, "A gradient")
+        point, out, aux, value, layout = self._start(fn, xs)
+        columns = self._unit_columns(fn, point, value, layout)
         grad = np.array([column[0] for column in columns], dtype=np.float64)
         return out, aux, _split(grad, point)
 
     def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Blocks]:
-        out, aux, matrix, point, layout = self._matrix(fn, xs)
+        out, aux, matrix, point, layout = self._matrix(fn, xs, "A Jacobian")
         return out, aux, _blocks(matrix, layout, point)
 
     def value_and_derivative(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any]:
@@ -282,7 +507,7 @@ class Adapter(_base.Adapter):
         return out, aux, tuple(row[0] for row in blocks)
 
     def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
-        out, aux, matrix, point, _ = self._matrix(fn, xs)
+        out, aux, matrix, point, _ = self._matrix(fn, xs, "A vjp (through the whole Jacobian)")
 
         def vjp(touts: Any) -> Leaves:
             leaves = touts if isinstance(touts, tuple) else (touts,)
@@ -298,30 +523,52 @@ class Adapter(_base.Adapter):
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
         point, out, aux, value, layout = self._start(fn, xs)
         direction = _Point(txs).vector if txs else np.zeros(0)
-        scale = float(np.max(np.abs(direction))) if direction.size else 0.0
-        if scale == 0.0:
-            h = 0.0
-        elif self.fixed_step is not None:
-            h = self.fixed_step / scale
-        else:
-            power = 2.0 if self.method == "complex" else _POWER[self.method]
-            eps = float(np.max(point.eps)) if point.size else np.finfo(np.float64).eps
-            h = eps**power * max(1.0, float(np.max(np.abs(point.vector)))) / scale
-        column = next(self._columns(fn, point, iter([(direction, h)]), value, layout)) if h else None
+        finite = np.isfinite(direction)
+        column = self._directional(fn, point, np.where(finite, direction, 0.0), value, layout)
+        # A non-finite tangent entry t_i contributes J[:, i] * t_i, as forward mode would
+        # (inf or nan where J[:, i] is not zero): never masked by a step of 0.
+        unit_steps = None
+        for i in np.flatnonzero(~finite):
+            if unit_steps is None:
+                unit_steps = self._steps(point)
+            unit = next(self._columns(fn, point, iter([(int(i), unit_steps[i])]), value, layout))
+            part = _times_non_finite(unit, direction[i])
+            column = part if column is None else column + part
         layout = self._layout(out, layout)
         if column is None:
             column = np.zeros(sum(math.prod(shape) for shape, _ in layout))
         touts = _split_out(column, layout)
         return out, aux, touts if layout.tuple_out else touts[0]
 
+    def _directional(
+        self, fn: Fn, point: _Point, direction: np.ndarray, value: np.ndarray | None, layout: _Layout
+    ) -> np.ndarray | None:
+        """``J @ direction`` (a finite direction) by one difference along it; None when it is 0."""
+        scale = float(np.max(np.abs(direction))) if direction.size else 0.0
+        if scale == 0.0:
+            return None
+        if self.fixed_step is not None:
+            h = self.fixed_step / scale
+        else:
+            power = 2.0 if self.method == "complex" else _POWER[self.method]
+            eps = float(np.max(point.eps)) if point.size else np.finfo(np.float64).eps
+            h = eps**power * max(1.0, float(np.max(np.abs(point.vector)))) / scale
+        if self.fixed_step is not None:
+            if self.method == "complex":
+                point.check_complex_step(self.backend, h * scale)
+            else:
+                point.check_step(self.backend, point._exact(h * direction), direction != 0)
+        return next(self._columns(fn, point, iter([(direction, h)]), value, layout))
+
     # -- second order ---------------------------------------------------------------------------
 
     def value_gradient_and_hessian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Blocks]:
+        self._check_size(xs, "A Hessian", hessian=True)
         point = _Point(xs)
         out, aux, f0, _ = self._value(fn, point)
         _, _, grads = self.value_and_gradient(fn, xs)
         x, n = point.vector, point.size
-        h = point.steps(1 / 4, self.fixed_step)
+        h = self._steps(point, 1 / 4)
         f = functools.partial(self._first, fn, point)
         hessian = np.empty((n, n))
         for i in range(n):
@@ -337,36 +584,88 @@ class Adapter(_base.Adapter):
         return out, aux, grads, _hessian_blocks(hessian, point, layout)
 
     def gradient_and_hvp(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Leaves, Leaves]:
+        self._check_size(xs, "A Hessian-vector product")
         point = _Point(xs)
         out, aux, grads = self.value_and_gradient(fn, xs)
         v = _Point(txs).vector if txs else np.zeros(0)
+        finite = np.isfinite(v)
+        hv = self._hvp(fn, point, np.where(finite, v, 0.0))
+        for i in np.flatnonzero(~finite):  # H[:, i] * v_i, as forward mode would: never masked
+            unit = np.zeros(point.size)
+            unit[i] = 1.0
+            hv = hv + _times_non_finite(self._hvp(fn, point, unit), v[i])
+        return out, aux, grads, _split(hv, point)
+
+    def _hvp(self, fn: Fn, point: _Point, v: np.ndarray) -> np.ndarray:
+        """``H @ v`` for a finite ``v``: differences of the gradient along ``v``."""
         scale = float(np.max(np.abs(v))) if v.size else 0.0
         hv = np.zeros(point.size)
-        if scale:
-            x = point.vector
-            eps = float(np.max(point.eps))
-            t = (self.fixed_step or eps**0.25 * max(1.0, float(np.max(np.abs(x))))) / scale
-            h = point.steps(1 / 4, self.fixed_step)
-            f = functools.partial(self._first, fn, point)
-            for i in range(point.size):
-                ei = np.zeros(point.size)
-                ei[i] = h[i]
-                tv = t * v
-                hv[i] = (f(x + tv + ei) - f(x + tv - ei) - f(x - tv + ei) + f(x - tv - ei)) / (4 * t * h[i])
-        return out, aux, grads, _split(hv, point)
+        if not scale:
+            return hv
+        x = point.vector
+        eps = float(np.max(point.eps))
+        t = (self.fixed_step or eps**0.25 * max(1.0, float(np.max(np.abs(x))))) / scale
+        h = self._steps(point, 1 / 4)
+        if self.fixed_step is not None:
+            point.check_step(self.backend, point._exact(t * v), v != 0)
+        f = functools.partial(self._first, fn, point)
+        tv = t * v
+        plus, minus = x + tv, x - tv
+        for i in range(point.size):  # each point a fresh array (f may keep what it was given)
+            a, b = f(_shifted(plus, i, h[i])), f(_shifted(plus, i, -h[i]))
+            c, d = f(_shifted(minus, i, h[i])), f(_shifted(minus, i, -h[i]))
+            hv[i] = (a - b - c + d) / (4 * t * h[i])
+        return hv
 
     def value_derivative_and_second_derivative(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any, Any]:
         point = _Point(xs)
         out, aux, f0, layout = self._value(fn, point)
         _, _, derivs = self.value_and_derivative(fn, xs)
-        h = point.steps(1 / 4, self.fixed_step)
+        h = self._steps(point, 1 / 4)
         x = point.vector
         second = (
-            (self._evaluate(fn, point, x + h) - 2 * f0 + self._evaluate(fn, point, x - h)) / (h[0] * h[0])
+            (self._evaluate(fn, point, x + h, layout) - 2 * f0 + self._evaluate(fn, point, x - h, layout))
+            / (h[0] * h[0])
             if point.size
             else f0 * 0
         )
         return out, aux, derivs, _split_out(second, layout)
+
+
+def _times_non_finite(column: np.ndarray, t: float) -> np.ndarray:
+    """``column * t`` for a non-finite ``t``, with exact zeros of ``column`` (outputs that do not
+    depend on that input) kept 0, as a forward-mode engine gives them."""
+    with np.errstate(invalid="ignore"):
+        return np.where(column != 0, column * t, 0.0)  # type: ignore[no-any-return]
+
+
+def _shifted(x: np.ndarray, direction: Any, amount: Any) -> np.ndarray:
+    """A fresh ``x + amount * direction``; ``direction`` an array or the index of a unit vector."""
+    if isinstance(direction, (int, np.integer)):
+        shifted = x.astype(np.result_type(x, amount))  # a copy
+        shifted[direction] += amount
+        return shifted
+    return x + amount * direction  # type: ignore[no-any-return]
+
+
+def _fit(layout: _Layout, found: _Layout) -> None:
+    """Fill an empty ``layout`` with ``found``, or check that f's output kept its shapes."""
+    if not layout:
+        layout.extend(found)
+        layout.tuple_out = found.tuple_out
+        return
+    before, after = [shape for shape, _ in layout], [shape for shape, _ in found]
+    if before != after:
+        raise InvalidOutputError(
+            f"f's output changed shape between evaluations at nearby points: {_shapes(before)} at one, "
+            f"{_shapes(after)} at another. Its derivative does not exist there (an output whose length "
+            "depends on x's values, as x[x > 0], jumps). Return an output whose shape does not depend "
+            "on x's values (say np.where(x > 0, x, 0) instead of x[x > 0])."
+        )
+
+
+def _shapes(shapes: list[tuple[int, ...]]) -> str:
+    return ", ".join(f"shape {shape}" for shape in shapes) if shapes else "no output"
 
 
 # -- reshaping flat results --------------------------------------------------------------------

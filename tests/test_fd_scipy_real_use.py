@@ -1,0 +1,437 @@
+"""Finite differences and scipy used as people use them: f that writes into what it is handed,
+non-finite values, bad options, outputs that change shape, inputs too large to difference."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import diffiface as di
+from diffiface._adapters import finite_differences as fd_module
+from diffiface._adapters import scipy as scipy_module
+
+METHODS = ("central", "forward", "backward", "complex")
+
+# -- f that writes into its input ---------------------------------------------------------------
+
+
+def _scaled_in_place(x: Any) -> Any:
+    x *= 2
+    return x
+
+
+def _zeroed_in_place(x: Any) -> Any:
+    x[0] = 0
+    return x
+
+
+def _added_with_out(x: Any) -> Any:
+    np.add(x, 1, out=x)
+    return x
+
+
+WRITES: dict[str, Callable[[Any], Any]] = {
+    "imul": _scaled_in_place,
+    "setitem": _zeroed_in_place,
+    "ufunc-out": _added_with_out,
+}
+
+# operator -> (call(f_vector, f_scalar, f_scalar_x, backend, x, t)); f_vector maps a vector to a vector
+OPERATORS: dict[str, Callable[..., Any]] = {
+    "gradient": lambda w, backend, x, t: di.gradient(lambda x: (w(x) ** 2).sum(), backend, x),
+    "jacobian": lambda w, backend, x, t: di.jacobian(lambda x: w(x) ** 2, backend, x),
+    "jvp": lambda w, backend, x, t: di.jvp(lambda x: w(x) ** 2, backend, x, t),
+    "vjp": lambda w, backend, x, t: di.vjp(lambda x: w(x) ** 2, backend, x, t),
+    "hvp": lambda w, backend, x, t: di.hvp(lambda x: (w(x) ** 3).sum(), backend, x, t),
+    "hessian": lambda w, backend, x, t: di.hessian(lambda x: (w(x) ** 3).sum(), backend, x),
+}
+
+
+def _snapshot(*arrays: Any) -> list[np.ndarray]:
+    return [np.array(a, copy=True) for a in arrays]
+
+
+def _assert_unchanged(arrays: tuple[Any, ...], copies: list[np.ndarray]) -> None:
+    for array, copy in zip(arrays, copies, strict=True):
+        assert np.asarray(array).tobytes() == copy.tobytes(), "the caller's array changed"
+
+
+@pytest.mark.parametrize("write", list(WRITES), ids=list(WRITES))
+@pytest.mark.parametrize("operator", list(OPERATORS), ids=list(OPERATORS))
+@pytest.mark.parametrize("method", METHODS, ids=METHODS)
+def test_fd_write_into_x_is_refused(method: str, operator: str, write: str) -> None:
+    x = np.array([1.0, 2.0, 3.0])
+    t = np.array([0.5, -1.0, 2.0])
+    copies = _snapshot(x, t)
+    with pytest.raises(di.MutationError, match=r"f wrote into its input x.*read-only.*di\.Cache"):
+        OPERATORS[operator](WRITES[write], di.AutoFiniteDifferences(method=method), x, t)
+    _assert_unchanged((x, t), copies)
+
+
+@pytest.mark.parametrize("write", list(WRITES), ids=list(WRITES))
+@pytest.mark.parametrize("operator", ["gradient", "jacobian", "jvp", "vjp"])
+def test_fd_vectorized_write_into_x_is_refused(operator: str, write: str) -> None:
+    x = np.array([1.0, 2.0, 3.0])
+    t = np.array([0.5, -1.0, 2.0])
+    copies = _snapshot(x, t)
+    backend = di.AutoFiniteDifferences(vectorize=True)
+
+    def gradient(w: Callable[[Any], Any], backend: Any, x: Any, t: Any) -> Any:
+        return di.gradient(lambda x: (w(x) ** 2).sum(axis=-1), backend, x)  # f broadcasts over the batch
+
+    call = gradient if operator == "gradient" else OPERATORS[operator]
+    with pytest.raises(di.MutationError, match="f wrote into its input x"):
+        call(WRITES[write], backend, x, t)
+    _assert_unchanged((x, t), copies)
+
+
+@pytest.mark.parametrize("write", list(WRITES), ids=list(WRITES))
+@pytest.mark.parametrize("operator", list(OPERATORS), ids=list(OPERATORS))
+def test_scipy_write_into_x_is_refused(operator: str, write: str) -> None:
+    x = np.array([1.0, 2.0])
+    t = np.array([0.5, -1.0])
+    copies = _snapshot(x, t)
+    with pytest.raises(di.MutationError, match="f wrote into its input x"):
+        OPERATORS[operator](WRITES[write], di.AutoScipy(maxiter=2), x, t)
+    _assert_unchanged((x, t), copies)
+
+
+@pytest.mark.parametrize("backend", ["finite_differences", "scipy"])
+@pytest.mark.parametrize(
+    "operator",
+    ["derivative", "second_derivative"],
+)
+def test_scalar_operators_refuse_writes(operator: str, backend: str) -> None:
+    x = np.array(1.5)
+    copy = x.copy()
+
+    def f(x: Any) -> Any:
+        x += 1
+        return np.stack([x, x**2])
+
+    with pytest.raises(di.MutationError):
+        getattr(di, operator)(f, backend, x)
+    assert x.tobytes() == copy.tobytes()
+
+
+@pytest.mark.parametrize("backend", ["finite_differences", "scipy"])
+def test_write_into_a_constant_is_refused_and_the_constant_kept(backend: str) -> None:
+    x = np.array([1.0, 2.0])
+    c = np.array([3.0, 4.0])
+    copies = _snapshot(x, c)
+
+    def f(x: Any, c: Any) -> Any:
+        c[0] += 1
+        return (c * x**2).sum()
+
+    with pytest.raises(di.MutationError, match=r"di\.Constant"):
+        di.gradient(f, backend, x, di.Constant(c))
+    _assert_unchanged((x, c), copies)
+
+
+@pytest.mark.parametrize("backend", ["finite_differences", "scipy"])
+def test_write_into_a_cache_is_allowed(backend: str) -> None:
+    x = np.array([1.0, 2.0])
+    scratch = np.zeros(2)
+
+    def f(x: Any, scratch: Any) -> Any:
+        scratch[:] = x**2
+        return scratch.sum()
+
+    grad = di.gradient(f, backend, x, di.Cache(scratch))
+    np.testing.assert_allclose(grad, 2 * x, rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["finite_differences", "scipy"])
+def test_f_raising_half_way_leaves_everything_unchanged(backend: str) -> None:
+    x = np.array([1.0, 2.0, 3.0])
+    c = np.array([1.0, 1.0, 1.0])
+    copies = _snapshot(x, c)
+    calls = [0]
+
+    def f(x: Any, c: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("half-way")
+        return (c * x**2).sum()
+
+    with pytest.raises(RuntimeError, match="half-way"):
+        di.gradient(f, backend, x, di.Constant(c))
+    _assert_unchanged((x, c), copies)
+
+
+def test_a_foreign_read_only_error_is_not_called_a_mutation() -> None:
+    """f's own read-only array, written by f: numpy's error, not a MutationError about x."""
+    frozen = np.zeros(3)
+    frozen.flags.writeable = False
+
+    def f(x: Any) -> Any:
+        frozen[0] = 1
+        return x.sum()
+
+    with pytest.raises(ValueError, match="read-only") as info:
+        di.gradient(f, "finite_differences", 1.5)  # a Python float: f gets no numpy array
+    assert not isinstance(info.value, di.MutationError)
+
+
+# -- torch: the version counter ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("operator", ["gradient", "jacobian", "jvp", "hvp", "hessian"])
+@pytest.mark.parametrize("method", ["central", "forward", "backward"])
+def test_fd_torch_write_into_x_is_refused(method: str, operator: str) -> None:
+    torch = pytest.importorskip("torch")
+    x = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    t = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
+    copies = [x.clone(), t.clone()]
+
+    def write(x: Any) -> Any:
+        x.mul_(2)
+        return x
+
+    with pytest.raises(di.MutationError, match="version counter"):
+        OPERATORS[operator](write, di.AutoFiniteDifferences(method=method), x, t)
+    assert torch.equal(x, copies[0]) and torch.equal(t, copies[1])
+
+
+@pytest.mark.parametrize("backend", ["finite_differences", "scipy"])
+def test_torch_constant_written_is_refused_and_kept(backend: str) -> None:
+    torch = pytest.importorskip("torch")
+    x = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    c = torch.tensor([3.0, 4.0], dtype=torch.float64)
+    before = c.clone()
+
+    def f(x: Any, c: Any) -> Any:
+        c.add_(1)
+        return (c * x**2).sum()
+
+    with pytest.raises(di.MutationError, match=r"di\.Constant"):
+        di.gradient(f, backend, x, di.Constant(c))
+    assert torch.equal(c, before)
+
+
+def test_scipy_torch_x_is_never_handed_to_f() -> None:
+    torch = pytest.importorskip("torch")
+    x = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    before = x.clone()
+
+    def f(x: Any) -> Any:
+        x.add_(1)
+        return (x**2).sum()
+
+    with pytest.raises(di.MutationError):
+        di.gradient(f, "scipy", x)
+    assert torch.equal(x, before)
+
+
+def test_out_of_place_f_still_right_with_constants() -> None:
+    x = np.array([1.0, 2.0])
+    c = np.array([3.0, 4.0])
+    for backend in ("finite_differences", "scipy"):
+        grad = di.gradient(lambda x, c: (c * x**2).sum(), backend, x, di.Constant(c))
+        np.testing.assert_allclose(grad, 2 * c * x, rtol=1e-6)
+
+
+# -- non-finite values --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["finite_differences", "scipy"])
+@pytest.mark.parametrize("bad", [np.inf, np.nan], ids=["inf", "nan"])
+def test_jvp_along_a_non_finite_tangent_is_not_masked(backend: str, bad: float) -> None:
+    x = np.array([1.0, 2.0, 3.0])
+    t = np.array([bad, 0.0, 0.0])
+    copies = _snapshot(x, t)
+    result = di.jvp(lambda x: x**2, backend, x, t)
+    assert not np.isfinite(result[0])  # 2 * 1 * bad, as forward mode gives
+    if backend == "finite_differences":  # outputs that do not depend on x[0] stay 0, as in forward mode
+        np.testing.assert_allclose(result[1:], [0.0, 0.0])
+    else:  # scipy's weights leave ~1e-14 on a constant output: 0 or non-finite, never a wrong number
+        assert all(r == 0.0 or not np.isfinite(r) for r in result[1:])
+    _assert_unchanged((x, t), copies)
+
+
+@pytest.mark.parametrize("backend", ["finite_differences", "scipy"])
+def test_hvp_along_a_non_finite_tangent_is_not_masked(backend: str) -> None:
+    x = np.array([1.0, 2.0])
+    result = di.hvp(lambda x: (x**3).sum(), backend, x, np.array([np.inf, 0.0]))
+    assert np.isinf(result[0])
+    assert result[1] == 0.0 or (backend == "scipy" and not np.isfinite(result[1]))
+
+
+@pytest.mark.parametrize("backend", ["finite_differences", "scipy"])
+def test_nan_in_x_propagates(backend: str) -> None:
+    x = np.array([np.nan, 2.0])
+    grad = di.gradient(lambda x: (x**2).sum(), backend, x)
+    assert np.isnan(grad[0])
+
+
+def test_nan_in_output_propagates() -> None:
+    def f(x: Any) -> Any:
+        with np.errstate(invalid="ignore"):
+            return np.sqrt(x).sum()
+
+    grad = di.gradient(f, "finite_differences", np.array([-1.0, 4.0]))
+    assert np.isnan(grad).all()  # f(x) itself is nan: never masked to a number
+
+
+# -- options ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["central", "forward", "backward"])
+@pytest.mark.parametrize("operator", ["gradient", "jvp", "hvp"])
+def test_fd_step_that_rounds_to_nothing_is_refused(method: str, operator: str) -> None:
+    backend = di.AutoFiniteDifferences(method=method, step=1e-300)
+    x = np.array([1.0, 2.0])
+    with pytest.raises(
+        di.InvalidBackendOptionError, match=r"step=1e-300.*too small.*smallest step that moves.*4\.44e-16"
+    ):
+        OPERATORS[operator](lambda x: x, backend, x, np.array([1.0, 1.0]))
+
+
+def test_fd_step_too_small_for_float32() -> None:
+    x = np.array([1.0, 2.0], dtype=np.float32)
+    with pytest.raises(di.InvalidBackendOptionError, match="too small"):
+        di.gradient(lambda x: (x**2).sum(), di.AutoFiniteDifferences(step=1e-10), x)
+
+
+def test_fd_fixed_step_is_rounded_to_be_exact() -> None:
+    x = np.array([1.0, 3.0], dtype=np.float32)
+    grad = di.gradient(lambda x: (x**2).sum(), di.AutoFiniteDifferences(step=1e-3), x)
+    np.testing.assert_allclose(grad, 2 * x, rtol=1e-3)
+
+
+def test_complex_step_subnormal_is_refused() -> None:
+    with pytest.raises(di.InvalidBackendOptionError, match="subnormal"):
+        di.gradient(lambda x: (x**2).sum(), di.AutoFiniteDifferences(method="complex", step=1e-310), np.ones(2))
+
+
+BAD_OPTIONS = [
+    (lambda: di.AutoFiniteDifferences(step=float("inf")), r"step=inf"),
+    (lambda: di.AutoFiniteDifferences(step=0.0), r"step=0.0"),
+    (lambda: di.AutoFiniteDifferences(method="centre"), r"method='centre'"),
+    (lambda: di.AutoFiniteDifferences(vectorize=1), r"vectorize=1"),
+    (lambda: di.AutoFiniteDifferences(max_inputs=0), r"max_inputs=0.*>= 1"),
+    (lambda: di.AutoFiniteDifferences(max_inputs=True), r"max_inputs=True"),
+    (lambda: di.AutoScipy(initial_step=float("inf")), r"initial_step=inf.*finite number > 0"),
+    (lambda: di.AutoScipy(initial_step=-1.0), r"initial_step=-1.0"),
+    (lambda: di.AutoScipy(step_factor=1.0), r"step_factor=1.0.*> 1"),
+    (lambda: di.AutoScipy(atol=-1), r"atol=-1.*>= 0"),
+    (lambda: di.AutoScipy(rtol=float("nan")), r"rtol=nan"),
+    (lambda: di.AutoScipy(order=True), r"order=True.*even integer"),
+    (lambda: di.AutoScipy(order=5), r"order=5"),
+    (lambda: di.AutoScipy(maxiter=0), r"maxiter=0.*>= 1"),
+    (lambda: di.AutoScipy(maxiter=2.0), r"maxiter=2.0"),
+    (lambda: di.AutoScipy(max_inputs=-5), r"max_inputs=-5"),
+]
+
+
+@pytest.mark.parametrize(("make", "message"), BAD_OPTIONS, ids=[m for _, m in BAD_OPTIONS])
+def test_bad_options_refused_when_built(make: Callable[[], Any], message: str) -> None:
+    with pytest.raises(di.InvalidBackendOptionError, match=message):
+        make()
+
+
+def test_good_scipy_options_still_work() -> None:
+    backend = di.AutoScipy(atol=0.0, rtol=1e-10, step_factor=np.float64(3.0), maxiter=np.int64(5))
+    grad = di.gradient(lambda x: (x**2).sum(), backend, np.array([1.0, 2.0]))
+    np.testing.assert_allclose(grad, [2.0, 4.0], rtol=1e-8)
+
+
+# -- outputs that change shape -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["finite_differences", "scipy"])
+@pytest.mark.parametrize("operator", ["jacobian", "jvp", "vjp"])
+def test_output_that_changes_length_is_refused(backend: str, operator: str) -> None:
+    x = np.array([1e-12, 1.0, 2.0])  # near the boundary of x > 0
+    t = np.array([1.0, 0.0, 0.0])
+    call = {
+        "jacobian": lambda f: di.jacobian(f, backend, x),
+        "jvp": lambda f: di.jvp(f, backend, x, t),
+        "vjp": lambda f: di.vjp(f, backend, x, np.ones(3)),
+    }[operator]
+    with pytest.raises(di.InvalidOutputError, match="changed shape between evaluations at nearby points"):
+        call(lambda x: x[x > 0])
+
+
+@pytest.mark.parametrize("method", ["forward", "backward"])
+def test_output_that_changes_length_one_sided(method: str) -> None:
+    x = np.array([0.0 if method == "forward" else 1e-12, 1.0])  # the step crosses 0
+    with pytest.raises(di.InvalidOutputError, match="changed shape"):
+        di.jacobian(lambda x: x[x > 0], di.AutoFiniteDifferences(method=method), x)
+
+
+# -- sizes -------------------------------------------------------------------------------------
+
+
+def test_huge_gradient_refused_before_allocating() -> None:
+    x = np.zeros(10_000_000)
+    calls = [0]
+
+    def f(x: Any) -> Any:
+        calls[0] += 1
+        return x.sum()
+
+    with pytest.raises(di.InputTooLargeError, match=r"10,000,000 inputs.*100,000.*check_gradients.*max_inputs"):
+        di.gradient(f, "finite_differences", x)
+    assert calls[0] == 0
+
+
+def test_hessian_limit_is_lower() -> None:
+    assert fd_module.MAX_HESSIAN_INPUTS < fd_module.MAX_INPUTS
+    with pytest.raises(di.InputTooLargeError, match=r"1,001 inputs.*1,000"):
+        di.hessian(lambda x: (x**2).sum(), "finite_differences", np.zeros(1_001))
+
+
+def test_vectorized_limit() -> None:
+    with pytest.raises(di.InputTooLargeError, match="vectorize=True"):
+        di.gradient(lambda x: x.sum(axis=-1), di.AutoFiniteDifferences(vectorize=True), np.zeros(10_000))
+
+
+def test_jacobian_entries_limit() -> None:
+    with pytest.raises(di.InputTooLargeError, match="entries"):
+        di.jacobian(lambda x: np.resize(x, 30_000), "finite_differences", np.zeros(1_000))
+
+
+def test_max_inputs_lowers_or_raises_the_limit() -> None:
+    x = np.ones(20)
+    with pytest.raises(di.InputTooLargeError, match="limit of 10 inputs"):
+        di.gradient(lambda x: (x**2).sum(), di.AutoFiniteDifferences(max_inputs=10), x)
+    grad = di.hessian(lambda x: (x**2).sum(), di.AutoFiniteDifferences(max_inputs=20), x)
+    np.testing.assert_allclose(grad, 2 * np.eye(20), atol=1e-4)
+
+
+def test_scipy_size_limits() -> None:
+    with pytest.raises(di.InputTooLargeError, match="1,001 inputs"):
+        di.gradient(lambda x: (x**2).sum(), "scipy", np.zeros(scipy_module.MAX_INPUTS + 1))
+    with pytest.raises(di.InputTooLargeError, match="101 inputs"):
+        di.hessian(lambda x: (x**2).sum(), "scipy", np.zeros(scipy_module.MAX_SECOND_ORDER_INPUTS + 1))
+
+
+def test_fd_jvp_has_no_size_limit() -> None:
+    x = np.ones(200_000)
+    result = di.jvp(lambda x: 3 * x, "finite_differences", x, np.ones_like(x))
+    np.testing.assert_allclose(result, 3.0, rtol=1e-6)
+
+
+# -- scipy's directional jvp and hvp ------------------------------------------------------------
+
+
+def test_scipy_jvp_and_hvp_directional_are_right_with_errors() -> None:
+    x = np.array([0.5, 1.0, 1.5, 2.0])
+    t = np.array([1.0, -2.0, 0.5, 3.0])
+
+    def f(x: Any) -> Any:
+        return np.sin(x) * x.sum()
+
+    prep = di.prepare_jvp(f, "scipy", x, t)
+    result = di.jvp(f, "scipy", x, t, prep=prep)
+    expected = np.cos(x) * t * x.sum() + np.sin(x) * t.sum()
+    np.testing.assert_allclose(result, expected, rtol=1e-9)
+    assert prep.error is not None
+    hv = di.hvp(lambda x: (x**3).sum() + x[0] * x[1], "scipy", x, t)
+    expected_hv = 6 * x * t + np.array([t[1], t[0], 0.0, 0.0])
+    np.testing.assert_allclose(hv, expected_hv, rtol=1e-8)
