@@ -632,7 +632,7 @@ def static_key(value: Any) -> Any:
     cls = type(value)
     if cls in _BY_VALUE:
         return (cls, value)
-    if isinstance(value, _CODE) or isinstance(value, enum.Enum):
+    if isinstance(value, (*_CODE, enum.Enum)):
         return (cls, id(value))
     if cls.__hash__ is None or (cls.__hash__ is object.__hash__ and cls.__eq__ is object.__eq__):
         return None  # unhashable, or hashed by identity: a change to it would go unseen
