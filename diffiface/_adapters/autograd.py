@@ -135,16 +135,26 @@ class Adapter(_base.Adapter):
 
         if len(xs) == 1:  # one array: no tuple container for autograd to box and rebuild
             vjp, value = _make_vjp(lambda x: scalar_fn((x,)), xs[0])
-            grad = vjp(vspace(value).ones())
+            grad = vjp(_real_one(value))
             aux = captured[0]
             return value, None if aux is None else _unboxed(aux), (grad,)
-        value, grads = autograd.value_and_grad(scalar_fn)(xs)
-        return value, _unboxed(captured[0]), tuple(grads)
+        vjp, value = autograd.make_vjp(scalar_fn)(xs)
+        return value, _unboxed(captured[0]), tuple(vjp(_real_one(value)))
 
     def basis(self, like: Any, index: int) -> Any:
         flat = np.zeros(math.prod(np.shape(like)), dtype=getattr(getval(like), "dtype", np.float64))
         flat[index] = 1
         return flat.reshape(np.shape(like))
+
+
+def _real_one(value: Any) -> Any:
+    """The cotangent 1 of a scalar output. Real also where a complex step evaluates f at complex
+    points: autograd's pullback of a real 1 through an analytic f is then f's derivative at the
+    complex point (its vector space's ``ones()`` would be 1 + 1j)."""
+    space = vspace(value)
+    if not space.iscomplex:
+        return space.ones()
+    return np.ones(space.shape, dtype=np.real(getval(value)).dtype)
 
 
 def _unboxed(tree: Any) -> Any:
