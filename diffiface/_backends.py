@@ -240,6 +240,13 @@ def _short(backend: Backend) -> str:
     return f"{type(backend).__name__}({', '.join(options)})"
 
 
+def _difference_outer_for(inner: Backend) -> str:
+    """A finite-difference pairing that works over ``inner``, as it would be written."""
+    if isinstance(inner, AutoFiniteDifferences) and inner.method != "complex":
+        return f"SecondOrder({_short(inner)}, {_short(inner)})"  # one engine's own second differences
+    return f"SecondOrder(AutoFiniteDifferences(), {_short(inner)})"
+
+
 def pairing_refusal(outer: Backend, inner: Backend) -> str | None:
     """Why ``SecondOrder(outer, inner)`` cannot give right second derivatives, with a pairing
     that can; None when it can. The one table of the pairings, written out in docs/backends.md:
@@ -260,8 +267,7 @@ def pairing_refusal(outer: Backend, inner: Backend) -> str | None:
             return (
                 f"{outer.name} differentiates by tracing f's operations, but {inner.name} only "
                 f"evaluates f on plain numbers, which leaves {outer.name} nothing to trace. Use "
-                f"SecondOrder({o}, {o}), or a finite-difference outer: "
-                f"SecondOrder(AutoFiniteDifferences(), {i})."
+                f"SecondOrder({o}, {o}), or a finite-difference outer: {_difference_outer_for(inner)}."
             )
         if type(outer) is not type(inner):
             return (
@@ -283,7 +289,7 @@ def pairing_refusal(outer: Backend, inner: Backend) -> str | None:
         problem = _COMPLEX_INNER_PROBLEM[type(inner)]
         return (
             f"a complex-step outer evaluates the inner gradient at complex points, and {problem}. "
-            f"Use a real method outside, SecondOrder(AutoFiniteDifferences(), {i}), or "
+            f"Use a real method outside, {_difference_outer_for(inner)}, or "
             "SecondOrder(AutoFiniteDifferences(method='complex'), AutoAutograd()) for an autograd f."
         )
     if isinstance(inner, AutoFiniteDifferences) and inner.method != "complex":
