@@ -851,12 +851,21 @@ def _check_x(op: Operator, backend: Backend, any_array_type: bool, call: Call) -
                 "Cast x to float32 or float64 for finite differences."
             )
     family = _arrays.family(kinds)
+    if "autograd" in kinds and not _autograd_only(backend):
+        # autograd's traced arrays (an outer autograd call differentiates through this one):
+        # only autograd can carry its trace on; another engine would read plain numbers
+        raise ArrayTypeError(
+            f"x holds arrays traced by autograd (ArrayBox): an autograd computation is "
+            f"differentiating through this call, which the {backend.name} backend cannot trace. "
+            "Use the autograd backend for this inner call (autograd nests in itself), or call it "
+            "outside the autograd computation."
+        )
     if family == "other":
         raise ArrayTypeError(
             f"x mixes arrays of several frameworks ({', '.join(sorted(kinds - {'python'}))}); use one "
             "framework for all leaves of x."
         )
-    if not any_array_type and family not in ("python", "numpy", backend_family(backend)):
+    if not any_array_type and family not in ("python", "numpy", "autograd", backend_family(backend)):
         raise ArrayTypeError(
             f"x holds {family} arrays, but the {backend.name} backend differentiates "
             f"{backend_family(backend)} arrays. Pass numpy or {backend_family(backend)} arrays, or use the "
@@ -869,6 +878,13 @@ def _check_x(op: Operator, backend: Backend, any_array_type: bool, call: Call) -
             f"{op.name} needs a scalar x (a float or a 0-d array), got {shape}. For an array "
             "x use jacobian, or jvp for one direction."
         )
+
+
+def _autograd_only(backend: Backend) -> bool:
+    """True when autograd does all the work, so that autograd's traced arrays may come in."""
+    if isinstance(backend, SecondOrder):
+        return _autograd_only(backend.outer) and _autograd_only(backend.inner)
+    return backend.name == "autograd"
 
 
 def backend_family(backend: Backend) -> str:
