@@ -1016,7 +1016,7 @@ def _to_family(value: Any, family: str, python_x: bool, like: Any) -> Any:
     """An output-shaped result in the array type of x (numpy for Python numbers), dtype kept."""
     kind = _arrays.kind(value)
     if family in ("python", "numpy"):
-        if kind == "python":
+        if kind == "python" or kind == "autograd":  # autograd: traced by an enclosing autograd call
             return value
         array = np.asarray(value) if kind == "numpy" else _arrays.to_numpy(value)
         return array.item() if python_x and array.ndim == 0 else array
@@ -1036,10 +1036,12 @@ def _framework_dtype(dtype: np.dtype[Any], family: str) -> Any:
 
 def _mirror(value: Any, like: Any) -> Any:
     """``value`` with ``like``'s array type and dtype (and device)."""
+    value_kind = _arrays.kind(value)
+    if value_kind == "autograd":  # traced by an enclosing autograd call, which differentiates through it
+        return value
     kind = _arrays.kind(like)
     if kind == "python":
         return float(np.asarray(_arrays.to_numpy(value)))
-    value_kind = _arrays.kind(value)
     if kind == "numpy":
         array = value if value_kind == "numpy" else _arrays.to_numpy(value)
         return np.asarray(array, dtype=like.dtype)

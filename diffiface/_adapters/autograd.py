@@ -21,7 +21,7 @@ from autograd.core import vspace
 from autograd.tracer import Box, getval, trace_stack
 
 from .. import _arrays
-from .._errors import MutationError
+from .._errors import DiffifaceError, MutationError
 from .. import tree as _tree
 from . import _base
 from ._base import Fn, Leaves
@@ -46,8 +46,6 @@ class Adapter(_base.Adapter):
             return leaf
         if _arrays.kind(leaf) == "python":
             return np.asarray(leaf, dtype=np.float64)
-        if isinstance(leaf, np.ndarray):  # a subclass (np.memmap...), which autograd does not take
-            return leaf.view(np.ndarray)
         return leaf
 
     def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
@@ -59,6 +57,8 @@ class Adapter(_base.Adapter):
         return leaf
 
     def explain_failure(self, exc: BaseException) -> str | None:
+        if isinstance(exc, DiffifaceError):  # from a diffiface call inside f: it says what is wrong
+            return None
         # numpy often re-raises the TypeError about the ArrayBox as a ValueError of its own
         # ("setting an array element with a sequence"), so the whole chain is searched.
         chain: BaseException | None = exc
@@ -100,6 +100,7 @@ class Adapter(_base.Adapter):
                 return out[0]
             return anp.concatenate([anp.reshape(y, (-1,)) for y in out]) if out else anp.zeros(0)
 
+        xs = _plain(xs)
         if len(xs) == 1:  # one array: no tuple container for autograd to box and rebuild
             single_vjp, flat = _make_vjp(lambda x: flat_fn((x,)), xs[0])
             out, aux = captured
@@ -156,6 +157,7 @@ class Adapter(_base.Adapter):
             captured[:] = [aux]
             return value
 
+        xs = _plain(xs)
         if len(xs) == 1:  # one array: no tuple container for autograd to box and rebuild
             vjp, value = _make_vjp(lambda x: scalar_fn((x,)), xs[0])
             grad = vjp(_real_one(value))
@@ -168,6 +170,15 @@ class Adapter(_base.Adapter):
         flat = np.zeros(math.prod(np.shape(like)), dtype=getattr(getval(like), "dtype", np.float64))
         flat[index] = 1
         return flat.reshape(np.shape(like))
+
+
+def _plain(xs: Leaves) -> Leaves:
+    """``xs`` with numpy subclasses (``np.memmap``...), which autograd cannot differentiate
+    with respect to, as plain ndarray views of the same data."""
+    for x in xs:
+        if type(x) is not np.ndarray and isinstance(x, np.ndarray):
+            return tuple(x.view(np.ndarray) if isinstance(x, np.ndarray) else x for x in xs)
+    return xs
 
 
 def _real_one(value: Any) -> Any:
