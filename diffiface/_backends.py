@@ -272,8 +272,8 @@ def pairing_refusal(outer: Backend, inner: Backend) -> str | None:
         if type(outer) is not type(inner):
             return (
                 f"{outer.name} cannot trace through {inner.name}: the two engines do not see each "
-                f"other's arrays. Use SecondOrder({i}, {i}), or a finite-difference outer: "
-                f"SecondOrder(AutoFiniteDifferences(), {i})."
+                f"other's arrays. Use the same engine twice, SecondOrder({i}, {i}), or a finite-difference "
+                f"outer: SecondOrder(AutoFiniteDifferences(), {i})."
             )
         if isinstance(outer, AutoTorch) and isinstance(inner, AutoTorch) and outer.mode != inner.mode:
             return (

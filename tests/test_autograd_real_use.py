@@ -2,7 +2,7 @@
 finite differences, given np.memmap inputs, and with functions that write into their input.
 
 Every expected value is analytic. f(x) = sum(sin(x) * x**2) throughout, with
-gradient G(x) = 2x sin x + x² cos x and diagonal Hessian H(x) = 2 sin x + 4x cos x − x² sin x.
+gradient G(x) = 2x sin x + x² cos x and diagonal Hessian H(x) = 2 sin x + 4x cos x - x² sin x.
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import require
 
 import diffiface as di
-
-from conftest import require
 
 anp = pytest.importorskip("autograd.numpy")
 Box = pytest.importorskip("autograd.tracer").Box
@@ -80,7 +79,7 @@ def test_inner_results_stay_traced() -> None:
 
 
 def loss(w: Any, data: tuple[Any, Any]) -> Any:
-    """0.5 |a w − b|² + sum(cos w): gradient a(aw − b) − sin w, Hessian diagonal a² − cos w."""
+    """0.5 |a w - b|² + sum(cos w): gradient a(aw - b) - sin w, Hessian diagonal a² - cos w."""
     a, b = data
     return 0.5 * anp.sum((a * w - b) ** 2) + anp.sum(anp.cos(w))
 
@@ -90,7 +89,7 @@ A_VAL, B_VAL = np.array([1.5, -0.5, 1.0]), np.array([1.0, 0.0, -0.4])
 
 
 def test_maml_step() -> None:
-    """The meta-gradient of L_val(w − lr ∇L_train(w)) is (1 − lr H_train(w)) ∇L_val(w')."""
+    """The meta-gradient of L_val(w - lr ∇L_train(w)) is (1 - lr H_train(w)) ∇L_val(w')."""
     lr = 0.1
 
     def meta(w: Any) -> Any:
@@ -106,7 +105,7 @@ def test_maml_step() -> None:
 
 def test_traced_context() -> None:
     """An enclosing computation that differentiates with respect to a Constant's data:
-    d/da sum(a(aw − b) − sin w) = 2aw − b."""
+    d/da sum(a(aw - b) - sin w) = 2aw - b."""
     w = X
 
     def through_data(a: Any) -> Any:
@@ -159,7 +158,9 @@ def test_finite_differences_over_inner_autograd_call() -> None:
         pytest.param(di.AutoJAX(), "jax", id="jax"),
         pytest.param(di.AutoTorch(), "torch", id="torch"),
         pytest.param(di.AutoFiniteDifferences(), "finite_differences", id="finite_differences"),
-        pytest.param(di.SecondOrder(di.AutoFiniteDifferences(), di.AutoAutograd()), "second_order", id="fd-over-autograd"),
+        pytest.param(
+            di.SecondOrder(di.AutoFiniteDifferences(), di.AutoAutograd()), "second_order", id="fd-over-autograd"
+        ),
     ],
 )
 def test_traced_x_refused_by_other_engines(backend: di.Backend, engine: str) -> None:

@@ -14,10 +14,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import namespace, require, to_numpy
 
 import diffiface as di
-
-from conftest import namespace, require, to_numpy
 
 ENGINES: dict[str, di.Backend] = {
     "jax": di.AutoJAX(),
@@ -185,9 +184,7 @@ def test_the_table_is_exhaustive() -> None:
         pytest.param(
             di.AutoFiniteDifferences(method="complex"), di.AutoJAX(), "real-valued functions", id="complex-over-jax"
         ),
-        pytest.param(
-            di.AutoFiniteDifferences(method="complex"), di.AutoTorch(), "conjugate", id="complex-over-torch"
-        ),
+        pytest.param(di.AutoFiniteDifferences(method="complex"), di.AutoTorch(), "conjugate", id="complex-over-torch"),
         pytest.param(
             di.AutoFiniteDifferences(method="complex"),
             di.AutoFiniteDifferences(),
@@ -209,7 +206,7 @@ def test_scipy_outer_reports_its_error_estimate() -> None:
     """scipy differentiating an AD gradient: prep.error is shaped as the result, and small."""
     backend = make("scipy", "autograd")
     prep = di.prepare_value_gradient_and_hessian(f, backend, X)
-    value, gradient, hessian = di.value_gradient_and_hessian(f, backend, X, prep=prep)
+    _, _, hessian = di.value_gradient_and_hessian(f, backend, X, prep=prep)
     close(hessian, hessian_f(X), 1e-8)
     value_error, gradient_error, hessian_error = prep.error
     assert np.shape(hessian_error) == (3, 3)

@@ -275,7 +275,8 @@ class SecondOrderAdapter(Adapter):
             # time: its evaluations cannot be batched
             from . import adapter_for
 
-            outer = adapter_for(dataclasses.replace(outer.backend, vectorize=False))
+            unbatched: Any = outer.backend
+            outer = adapter_for(dataclasses.replace(unbatched, vectorize=False))
         self.outer = outer
         self.inner = inner
         self.xp = inner.xp

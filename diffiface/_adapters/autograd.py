@@ -21,8 +21,8 @@ from autograd.core import vspace
 from autograd.tracer import Box, getval, trace_stack
 
 from .. import _arrays
-from .._errors import DiffifaceError, MutationError
 from .. import tree as _tree
+from .._errors import DiffifaceError, MutationError
 from . import _base
 from ._base import Fn, Leaves
 
