@@ -6,6 +6,7 @@ lives in ``diffiface._adapters`` and is imported on first use.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from collections.abc import Callable
@@ -212,8 +213,8 @@ class SecondOrder(Backend):
 
     ``SecondOrder(AutoJAX(), AutoJAX())`` is forward-over-reverse in jax;
     ``SecondOrder(AutoFiniteDifferences(), AutoTorch())`` differences torch gradients.
-    First-order operators use ``inner``. The outer engine must be able to trace through the
-    inner one: the same engine, or a black box (finite differences, scipy) outside any.
+    First-order operators use ``inner``. Which pairings work, and why the others are refused
+    when the ``SecondOrder`` is made, is the table of :func:`pairing_refusal`.
     """
 
     name: ClassVar[str] = "second_order"
@@ -228,22 +229,108 @@ class SecondOrder(Backend):
                     f"SecondOrder({role}={value!r}): {role} must be a first-order backend such "
                     "as AutoJAX() or AutoFiniteDifferences()."
                 )
-        outer, inner = self.outer, self.inner
-        if isinstance(outer, AutoTorch) and isinstance(inner, AutoTorch) and outer.mode != inner.mode:
-            raise UnsupportedOperationError(
-                f"SecondOrder(outer={outer!r}, inner={inner!r}): torch's autograd and func modes do "
-                "not nest in each other; use the same mode twice."
-            )
-        if not outer.black_box and type(outer) is not type(inner):
-            raise UnsupportedOperationError(
-                f"SecondOrder(outer={outer!r}, inner={inner!r}): {outer.name} cannot trace "
-                f"through {inner.name}. Use the same engine twice, or a finite-difference "
-                "outer backend, which only evaluates the inner gradient."
-            )
+        reason = pairing_refusal(self.outer, self.inner)
+        if reason is not None:
+            raise UnsupportedOperationError(f"SecondOrder({_short(self.outer)}, {_short(self.inner)}): {reason}")
 
     @property
     def black_box(self) -> bool:
         return self.outer.black_box and self.inner.black_box
+
+
+def one_difference_engine(outer: Backend, inner: Backend) -> bool:
+    """True when both are finite differences of one method and step: the pair is that engine's
+    own second order (second differences, with steps chosen for them), whatever ``vectorize``."""
+    return (
+        isinstance(outer, AutoFiniteDifferences)
+        and isinstance(inner, AutoFiniteDifferences)
+        and (outer.method, outer.step) == (inner.method, inner.step)
+    )
+
+
+_COMPLEX_INNER_PROBLEM = {
+    # why each inner engine cannot carry the complex step's complex points through its gradient
+    AutoJAX: "jax's gradient takes real-valued functions only",
+    AutoTorch: (
+        "torch differentiates complex functions by conjugate Wirtinger calculus, so the complex "
+        "step would read a conjugated gradient"
+    ),
+    AutoFiniteDifferences: "real finite differences evaluate f at real points: the imaginary step is lost",
+    AutoScipy: "scipy's differences evaluate f at real points: the imaginary step is lost",
+}
+
+
+def _short(backend: Backend) -> str:
+    """``backend`` as it would be written: only the options that differ from the defaults."""
+    options = [
+        f"{field.name}={getattr(backend, field.name)!r}"
+        for field in dataclasses.fields(backend)
+        if getattr(backend, field.name) != field.default
+    ]
+    return f"{type(backend).__name__}({', '.join(options)})"
+
+
+def _difference_outer_for(inner: Backend) -> str:
+    """A finite-difference pairing that works over ``inner``, as it would be written."""
+    if isinstance(inner, AutoFiniteDifferences) and inner.method != "complex":
+        return f"SecondOrder({_short(inner)}, {_short(inner)})"  # one engine's own second differences
+    return f"SecondOrder(AutoFiniteDifferences(), {_short(inner)})"
+
+
+def pairing_refusal(outer: Backend, inner: Backend) -> str | None:
+    """Why ``SecondOrder(outer, inner)`` cannot give right second derivatives, with a pairing
+    that can; None when it can. The one table of the pairings, written out in docs/backends.md:
+
+    - an AD outer (jax, torch, autograd) traces the inner engine's work, so the inner must be
+      the same engine (torch: in the same mode); a black-box inner leaves nothing to trace;
+    - a finite-difference or scipy outer only evaluates the inner gradient: any inner works,
+      except that a complex step needs an inner that carries complex points through (autograd,
+      or the complex step itself), and that differencing real finite-difference gradients
+      amplifies their rounding error (allowed only as one engine's own second differences,
+      or over a complex-step inner, whose gradients are exact to rounding).
+    """
+    if outer == inner:
+        return None
+    o, i = _short(outer), _short(inner)
+    if not outer.black_box:
+        if inner.black_box:
+            return (
+                f"{outer.name} differentiates by tracing f's operations, but {inner.name} only "
+                f"evaluates f on plain numbers, which leaves {outer.name} nothing to trace. Use "
+                f"SecondOrder({o}, {o}), or a finite-difference outer: {_difference_outer_for(inner)}."
+            )
+        if type(outer) is not type(inner):
+            return (
+                f"{outer.name} cannot trace through {inner.name}: the two engines do not see each "
+                f"other's arrays. Use the same engine twice, SecondOrder({i}, {i}), or a finite-difference "
+                f"outer: SecondOrder(AutoFiniteDifferences(), {i})."
+            )
+        if isinstance(outer, AutoTorch) and isinstance(inner, AutoTorch) and outer.mode != inner.mode:
+            return (
+                "torch's autograd and func modes do not nest in each other; use the same mode twice: "
+                f"SecondOrder({i}, {i})."
+            )
+        return None
+    if one_difference_engine(outer, inner):
+        return None
+    if isinstance(outer, AutoFiniteDifferences) and outer.method == "complex":
+        if isinstance(inner, AutoAutograd) or (isinstance(inner, AutoFiniteDifferences) and inner.method == "complex"):
+            return None
+        problem = _COMPLEX_INNER_PROBLEM[type(inner)]
+        return (
+            f"a complex-step outer evaluates the inner gradient at complex points, and {problem}. "
+            f"Use a real method outside, {_difference_outer_for(inner)}, or "
+            "SecondOrder(AutoFiniteDifferences(method='complex'), AutoAutograd()) for an autograd f."
+        )
+    if isinstance(inner, AutoFiniteDifferences) and inner.method != "complex":
+        return (
+            f"differencing {inner.method} finite-difference gradients amplifies their rounding error "
+            "(their steps are chosen for first derivatives), which would leave few correct digits. "
+            f"Use one finite-difference engine, AutoFiniteDifferences(method={inner.method!r}), whose "
+            "second-order operators take second differences with steps chosen for them; or an inner "
+            "that gives exact gradients: AD, or AutoFiniteDifferences(method='complex')."
+        )
+    return None
 
 
 def _check_bool(backend: Backend, option: str, value: object) -> None:

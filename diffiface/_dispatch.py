@@ -964,12 +964,21 @@ def _check_x(op: Operator, backend: Backend, any_array_type: bool, call: Call) -
                 "Cast x to float32 or float64 for finite differences."
             )
     family = _arrays.family(kinds)
+    if "autograd" in kinds and not _autograd_only(backend):
+        # autograd's traced arrays (an outer autograd call differentiates through this one):
+        # only autograd can carry its trace on; another engine would read plain numbers
+        raise ArrayTypeError(
+            f"x holds arrays traced by autograd (ArrayBox): an autograd computation is "
+            f"differentiating through this call, which the {backend.name} backend cannot trace. "
+            "Use the autograd backend for this inner call (autograd nests in itself), or call it "
+            "outside the autograd computation."
+        )
     if family == "other":
         raise ArrayTypeError(
             f"x mixes arrays of several frameworks ({', '.join(sorted(kinds - {'python'}))}); use one "
             "framework for all leaves of x."
         )
-    if not any_array_type and family not in ("python", "numpy", backend_family(backend)):
+    if not any_array_type and family not in ("python", "numpy", "autograd", backend_family(backend)):
         raise ArrayTypeError(
             f"x holds {family} arrays, but the {backend.name} backend differentiates "
             f"{backend_family(backend)} arrays. Pass numpy or {backend_family(backend)} arrays, or use the "
@@ -982,6 +991,13 @@ def _check_x(op: Operator, backend: Backend, any_array_type: bool, call: Call) -
             f"{op.name} needs a scalar x (a float or a 0-d array), got {shape}. For an array "
             "x use jacobian, or jvp for one direction."
         )
+
+
+def _autograd_only(backend: Backend) -> bool:
+    """True when autograd does all the work, so that autograd's traced arrays may come in."""
+    if isinstance(backend, SecondOrder):
+        return _autograd_only(backend.outer) and _autograd_only(backend.inner)
+    return backend.name == "autograd"
 
 
 def backend_family(backend: Backend) -> str:
@@ -1113,7 +1129,7 @@ def _to_family(value: Any, family: str, python_x: bool, like: Any) -> Any:
     """An output-shaped result in the array type of x (numpy for Python numbers), dtype kept."""
     kind = _arrays.kind(value)
     if family in ("python", "numpy"):
-        if kind == "python":
+        if kind == "python" or kind == "autograd":  # autograd: traced by an enclosing autograd call
             return value
         array = np.asarray(value) if kind == "numpy" else _arrays.to_numpy(value)
         return array.item() if python_x and array.ndim == 0 else array
@@ -1133,10 +1149,12 @@ def _framework_dtype(dtype: np.dtype[Any], family: str) -> Any:
 
 def _mirror(value: Any, like: Any) -> Any:
     """``value`` with ``like``'s array type and dtype (and device)."""
+    value_kind = _arrays.kind(value)
+    if value_kind == "autograd":  # traced by an enclosing autograd call, which differentiates through it
+        return value
     kind = _arrays.kind(like)
     if kind == "python":
         return float(np.asarray(_arrays.to_numpy(value)))
-    value_kind = _arrays.kind(value)
     if kind == "numpy":
         array = value if value_kind == "numpy" else _arrays.to_numpy(value)
         return np.asarray(array, dtype=like.dtype)

@@ -143,7 +143,7 @@ def test_second_order_adapter_made_first_in_a_fresh_process() -> None:
         """
         import numpy as np
         import diffiface as di
-        backend = di.SecondOrder(di.AutoFiniteDifferences(), di.AutoFiniteDifferences(method="forward"))
+        backend = di.SecondOrder(di.AutoFiniteDifferences(), di.AutoFiniteDifferences(method="complex"))
         hessian = di.hessian(lambda x: (x**3).sum(), backend, np.ones(2))
         print(np.allclose(hessian, [[6.0, 0.0], [0.0, 6.0]], atol=1e-2))  # nested differences: rough
         """

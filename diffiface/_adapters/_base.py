@@ -20,10 +20,14 @@ derivative. The second-order rules take an ``outer`` and an ``inner`` adapter, s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import sys
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 if TYPE_CHECKING:
     from .._backends import Backend, SecondOrder
@@ -259,15 +263,29 @@ class SecondOrderAdapter(Adapter):
     """First order by ``inner``; second order by ``outer`` differentiating ``inner``'s results."""
 
     def __init__(self, backend: SecondOrder, outer: Adapter, inner: Adapter) -> None:
+        from .._backends import one_difference_engine
+
         super().__init__(backend, inner.info)
+        # the adapter that computes second order on its own, where the pair is one engine
+        self._native: Adapter | None = inner if outer is inner else None
+        if one_difference_engine(outer.backend, inner.backend):
+            self._native = inner  # one finite-difference engine: its own second differences
+        elif outer.batches:
+            # the outer evaluates the inner engine's derivative, which takes one point at a
+            # time: its evaluations cannot be batched
+            from . import adapter_for
+
+            unbatched: Any = outer.backend
+            outer = adapter_for(dataclasses.replace(unbatched, vectorize=False))
         self.outer = outer
         self.inner = inner
         self.xp = inner.xp
         self.complex_outputs = outer.complex_outputs or inner.complex_outputs
         self.estimates_errors = outer.estimates_errors
-        self.batches = outer.batches or inner.batches
+        self.batches = inner.batches
         self._same_engine = type(outer) is type(inner)
         self.compiles = self._same_engine and inner.compiles
+        self._local = threading.local()
 
     def to_native(self, leaf: Any) -> Any:
         return self.inner.to_native(leaf)
@@ -291,7 +309,17 @@ class SecondOrderAdapter(Adapter):
         return self.inner.explain_failure(exc)
 
     def take_error(self) -> Any:
-        return self.outer.take_error()
+        error = self.outer.take_error()
+        second = getattr(self._local, "second", None)
+        self._local.second = None
+        if error is None or second is None:
+            return error
+        # the outer engine estimated the error of differentiating the inner derivative:
+        # ``(error of that derivative's value, None, error of its derivative)``; the inner
+        # derivative and f's value, computed by the inner engine, carry no estimate (zero)
+        derivative_error = error[0]
+        value_error = derivative_error if second == "derivative" else np.zeros(())
+        return value_error, None, derivative_error, error[2]
 
     def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
         return self.inner.pullback_function(fn, xs)
@@ -312,18 +340,21 @@ class SecondOrderAdapter(Adapter):
     # (torch's autograd mode, say, differentiates twice backward, never forward over reverse).
 
     def gradient_and_hvp(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Leaves, Leaves]:
-        if self.outer is self.inner:
-            return self.inner.gradient_and_hvp(fn, xs, txs)
+        if self._native is not None:
+            return self._native.gradient_and_hvp(fn, xs, txs)
+        self._local.second = "gradient"
         return hvp_of(self.outer, self.inner, fn, xs, txs)
 
     def value_gradient_and_hessian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Blocks]:
-        if self.outer is self.inner:
-            return self.inner.value_gradient_and_hessian(fn, xs)
+        if self._native is not None:
+            return self._native.value_gradient_and_hessian(fn, xs)
+        self._local.second = "gradient"
         return hessian_of(self.outer, self.inner, fn, xs)
 
     def value_derivative_and_second_derivative(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any, Any]:
-        if self.outer is self.inner:
-            return self.inner.value_derivative_and_second_derivative(fn, xs)
+        if self._native is not None:
+            return self._native.value_derivative_and_second_derivative(fn, xs)
+        self._local.second = "derivative"
         return second_derivative_of(self.outer, self.inner, fn, xs)
 
 

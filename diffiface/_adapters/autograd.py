@@ -8,6 +8,7 @@ columns and the hvp are derived from the pullback (hvp reverse-over-reverse).
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -17,12 +18,21 @@ import autograd.numpy as anp
 import numpy as np
 from autograd.core import make_vjp as _make_vjp
 from autograd.core import vspace
-from autograd.tracer import getval
+from autograd.tracer import Box, getval, trace_stack
 
 from .. import _arrays
 from .. import tree as _tree
+from .._errors import DiffifaceError, MutationError
 from . import _base
 from ._base import Fn, Leaves
+
+# What numpy and autograd say when f writes in place into a traced array (ArrayBox).
+_WRITE = re.compile(
+    r"'ArrayBox' object does not support item assignment"
+    r"|out=\(<autograd\.numpy\.numpy_boxes\.ArrayBox"
+    r"|'ArrayBox' object has no attribute '(fill|sort|put|itemset|resize|partition|setfield|byteswap)'"
+    r"|argument 1 must be a numpy\.ndarray, not ArrayBox"
+)
 
 # A function whose output does not depend on x is fine: its derivative is zero.
 warnings.filterwarnings("ignore", message="Output seems independent of input", module="autograd")
@@ -32,12 +42,14 @@ class Adapter(_base.Adapter):
     xp = anp
 
     def to_native(self, leaf: Any) -> Any:
+        if type(leaf) is np.ndarray:
+            return leaf
         if _arrays.kind(leaf) == "python":
             return np.asarray(leaf, dtype=np.float64)
         return leaf
 
     def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
-        return leaf, isinstance(leaf, np.ndarray)
+        return leaf, isinstance(leaf, (np.ndarray, Box))  # a Box: traced by an enclosing autograd call
 
     def output_leaf(self, leaf: Any, like: Any) -> Any:
         if _arrays.kind(leaf) == "python":
@@ -45,6 +57,8 @@ class Adapter(_base.Adapter):
         return leaf
 
     def explain_failure(self, exc: BaseException) -> str | None:
+        if isinstance(exc, DiffifaceError):  # from a diffiface call inside f: it says what is wrong
+            return None
         # numpy often re-raises the TypeError about the ArrayBox as a ValueError of its own
         # ("setting an array element with a sequence"), so the whole chain is searched.
         chain: BaseException | None = exc
@@ -54,6 +68,15 @@ class Adapter(_base.Adapter):
                 break
             text += str(chain)
             chain = chain.__cause__ or chain.__context__
+        if _WRITE.search(text):
+            # not a framework mismatch: f wrote in place into a traced array, which autograd
+            # cannot differentiate. Raised from here (the caller is handling exc), so that the
+            # error says what f did; the caller's arrays are untouched (the write failed).
+            raise MutationError(
+                "f writes in place into an array that autograd traces (x, or an array computed from "
+                "it): an item assignment, an out= argument, or an in-place method. autograd "
+                "differentiates only out-of-place code: write y = x * 2, not x *= 2 or x[0] = ..."
+            ) from exc
         if "ArrayBox" in text or "ArrayVSpace" in text:
             return (
                 "f passed autograd's traced array (ArrayBox) to a function autograd does not know "
@@ -77,6 +100,7 @@ class Adapter(_base.Adapter):
                 return out[0]
             return anp.concatenate([anp.reshape(y, (-1,)) for y in out]) if out else anp.zeros(0)
 
+        xs = _plain(xs)
         if len(xs) == 1:  # one array: no tuple container for autograd to box and rebuild
             single_vjp, flat = _make_vjp(lambda x: flat_fn((x,)), xs[0])
             out, aux = captured
@@ -133,13 +157,14 @@ class Adapter(_base.Adapter):
             captured[:] = [aux]
             return value
 
+        xs = _plain(xs)
         if len(xs) == 1:  # one array: no tuple container for autograd to box and rebuild
             vjp, value = _make_vjp(lambda x: scalar_fn((x,)), xs[0])
-            grad = vjp(vspace(value).ones())
+            grad = vjp(_real_one(value))
             aux = captured[0]
             return value, None if aux is None else _unboxed(aux), (grad,)
-        value, grads = autograd.value_and_grad(scalar_fn)(xs)
-        return value, _unboxed(captured[0]), tuple(grads)
+        vjp, value = autograd.make_vjp(scalar_fn)(xs)
+        return value, _unboxed(captured[0]), tuple(vjp(_real_one(value)))
 
     def basis(self, like: Any, index: int) -> Any:
         flat = np.zeros(math.prod(np.shape(like)), dtype=getattr(getval(like), "dtype", np.float64))
@@ -147,9 +172,41 @@ class Adapter(_base.Adapter):
         return flat.reshape(np.shape(like))
 
 
+def _plain(xs: Leaves) -> Leaves:
+    """``xs`` with numpy subclasses (``np.memmap``...), which autograd cannot differentiate
+    with respect to, as plain ndarray views of the same data."""
+    for x in xs:
+        if type(x) is not np.ndarray and isinstance(x, np.ndarray):
+            return tuple(x.view(np.ndarray) if isinstance(x, np.ndarray) else x for x in xs)
+    return xs
+
+
+def _real_one(value: Any) -> Any:
+    """The cotangent 1 of a scalar output. Real also where a complex step evaluates f at complex
+    points: autograd's pullback of a real 1 through an analytic f is then f's derivative at the
+    complex point (its vector space's ``ones()`` would be 1 + 1j)."""
+    space = vspace(value)
+    if not space.iscomplex:
+        return space.ones()
+    return np.ones(space.shape, dtype=np.real(getval(value)).dtype)
+
+
 def _unboxed(tree: Any) -> Any:
+    """``tree`` without the boxes of the trace that has just ended. Boxes of an enclosing
+    autograd computation (one that differentiates through this diffiface call) stay, so
+    that it differentiates through the results."""
     if tree is None:
         return None
+    strip = getval if trace_stack.top < 0 else _outer_part
     if type(tree) is tuple and len(tree) == 1 and _arrays.kind(tree[0]) in ("numpy", "autograd"):
-        return (getval(tree[0]),)  # the common case of one output array
-    return _tree.map(getval, tree)
+        return (strip(tree[0]),)  # the common case of one output array
+    return _tree.map(strip, tree)
+
+
+def _outer_part(value: Any) -> Any:
+    """``value`` unboxed down to the level of the enclosing traces (trace levels are depths:
+    the trace that has just ended is deeper than ``trace_stack.top``)."""
+    top = trace_stack.top
+    while isinstance(value, Box) and value._trace > top:
+        value = value._value
+    return value
