@@ -458,11 +458,11 @@ class _Conversions:
         return tuple(map(self.adapter.to_native, leaves))
 
     def _context(self, leaf: Any, like: Any, index: int) -> tuple[Any, bool]:
-        # An engine that evaluates f itself (finite differences, scipy) hands a Constant's arrays
-        # to f read-only or watched, through its optional constant_to_native; a Cache's as they are.
+        # A Constant's arrays reach f read-only or watched (Adapter.constant_to_native); a Cache's
+        # as they are, for f to write into.
         convert = self.adapter.context_to_native
         if issubclass(self.signature.contexts[index][0], Constant):
-            convert = getattr(self.adapter, "constant_to_native", convert)
+            convert = self.adapter.constant_to_native
         try:
             return convert(leaf, like)
         except (TypeError, ValueError) as exc:

@@ -38,6 +38,27 @@ Fn = Callable[[Leaves], tuple[Any, Any]]
 Blocks = tuple[tuple[Any, ...], ...]
 
 
+def raised_in(exc: BaseException) -> str:
+    """The module whose code raised ``exc`` (its innermost traceback frame), so that a failure
+    is classified by where it happened, never by words in its message (which ``f`` may write)."""
+    tb = exc.__traceback__
+    if tb is None:
+        return ""
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return str(tb.tb_frame.f_globals.get("__name__", ""))
+
+
+def raised_by(exc: BaseException) -> str:
+    """The name of the function whose code raised ``exc`` (its innermost traceback frame)."""
+    tb = exc.__traceback__
+    if tb is None:
+        return ""
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_code.co_name
+
+
 class Adapter:
     """Base adapter. Subclasses set ``xp`` (an array namespace) and override primitives."""
 
@@ -65,6 +86,16 @@ class Adapter:
 
         ``like`` is a leaf of x, already native (None when x has no leaves)."""
         return leaf, False
+
+    def constant_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
+        """A :class:`~diffiface.Constant`'s leaf for the engine, as :meth:`context_to_native`
+        gives a Cache's, but such that ``f`` cannot write into the caller's array unnoticed:
+        an engine that hands numpy arrays to ``f`` as they are hands them read-only."""
+        native, is_array = self.context_to_native(leaf, like)
+        if native is leaf and type(leaf) is np.ndarray:
+            native = leaf.view()
+            native.flags.writeable = False
+        return native, is_array
 
     def output_leaf(self, leaf: Any, like: Any) -> Any:
         """A leaf of ``f``'s output as the engine's array (``like``: a leaf of x)."""
@@ -292,6 +323,9 @@ class SecondOrderAdapter(Adapter):
 
     def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
         return self.inner.context_to_native(leaf, like)
+
+    def constant_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
+        return self.inner.constant_to_native(leaf, like)
 
     def output_leaf(self, leaf: Any, like: Any) -> Any:
         return self.inner.output_leaf(leaf, like)

@@ -68,6 +68,12 @@ class Adapter(_base.Adapter):
                 break
             text += str(chain)
             chain = chain.__cause__ or chain.__context__
+        if type(exc) is ValueError and str(exc).endswith("read-only"):
+            # numpy's refusal to write into a read-only array: a Constant's, handed over read-only
+            raise MutationError(
+                f"f wrote into an array of a di.Constant (numpy: {exc!s}), which it must only read. "
+                "Compute out of place (y = c * 2, not c *= 2), or pass scratch space as di.Cache(array)."
+            ) from exc
         if _WRITE.search(text):
             # not a framework mismatch: f wrote in place into a traced array, which autograd
             # cannot differentiate. Raised from here (the caller is handling exc), so that the

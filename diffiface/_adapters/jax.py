@@ -8,6 +8,7 @@ inside a scoped ``jax.enable_x64(True)``; the global flag is never changed.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -15,8 +16,25 @@ import jax
 import jax.numpy as jnp
 
 from .. import _arrays
+from .._errors import MutationError
 from . import _base
-from ._base import Blocks, Fn, Leaves
+from ._base import Blocks, Fn, Leaves, raised_by, raised_in
+
+
+def _tracer_names() -> frozenset[str]:
+    names, todo = set(), [jax.core.Tracer]
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return frozenset(names)
+
+
+def _names_a_tracer(exc: BaseException) -> bool:
+    """Whether a library refused one of jax's traced arrays by its class name (an error raised
+    in compiled code, torch's say, has no Python frame to tell where it came from)."""
+    words = set(re.findall(r"\b\w*Tracer\b", str(exc)))
+    return bool(words) and bool(words & _tracer_names())
 
 
 class Adapter(_base.Adapter):
@@ -106,9 +124,17 @@ class Adapter(_base.Adapter):
                 "jax.lax.cond; pass a number that must stay a Python value as an int or a string; "
                 "or use AutoJAX(jit=False)."
             )
-        text = str(exc)
-        if isinstance(exc, TypeError) and ("Tensor" in text or "torch" in text):
-            return "f calls torch on jax arrays; differentiate a torch function with AutoTorch()."
+        if isinstance(exc, TypeError) and raised_by(exc) == "_unimplemented_setitem":
+            raise MutationError(
+                "f assigns into a jax array in place (x[i] = v). jax arrays are immutable: write "
+                "x = x.at[i].set(v), or pass scratch space as di.Cache."
+            ) from exc
+        if isinstance(exc, TypeError) and (raised_in(exc).startswith("torch") or _names_a_tracer(exc)):
+            return (
+                "f handed a traced jax array to a function that does not take jax arrays (torch, "
+                "say); differentiate a torch function with AutoTorch(), any function with "
+                "AutoFiniteDifferences()."
+            )
         return None
 
     # -- primitives ---------------------------------------------------------------------------------
