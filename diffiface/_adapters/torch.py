@@ -28,21 +28,25 @@ from .._errors import ArrayTypeError, InvalidInputError, InvalidOutputError, Mut
 from . import _base
 from ._base import Blocks, Fn, Leaves
 
-# torch scripts its forward-mode decompositions on the first forward-mode call of the process,
-# warning that torch.jit.script is deprecated: torch's own business, which must not reach f's
-# caller (an error under -W error). That one warning is silenced around the first call only.
+# torch scripts its forward-mode decompositions on the first make_dual of the process, warning
+# that torch.jit.script is deprecated: torch's own business, which must not reach f's caller (an
+# error under -W error). diffiface's first forward-mode call makes one throwaway dual first, with
+# that one warning silenced; f never runs inside the silence.
 _FORWARD_WARMED = [False]
 
 
 @contextlib.contextmanager
 def _first_forward() -> Any:
-    if _FORWARD_WARMED[0]:
-        yield
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.jit.script.*", category=DeprecationWarning)
-        yield
-    _FORWARD_WARMED[0] = True
+    if not _FORWARD_WARMED[0]:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.jit.script.*", category=DeprecationWarning)
+            try:
+                with forward_ad.dual_level():
+                    forward_ad.make_dual(torch.zeros(()), torch.zeros(()))
+            except RuntimeError:  # a dual level of the caller's is open: torch has loaded them
+                pass
+        _FORWARD_WARMED[0] = True
+    yield
 
 
 class _Namespace:
