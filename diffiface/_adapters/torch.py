@@ -519,14 +519,26 @@ def _carries_graph(x: Any) -> bool:
     return bool(_DUALS[0]) and forward_ad.unpack_dual(x).tangent is not None
 
 
+def _written(tensor: Any, version: int, copy: Any) -> bool:
+    return bool(tensor._version != version or (copy is not None and not torch.equal(tensor, copy)))
+
+
 def _raised_inside(exc: BaseException, package: str) -> bool:
-    """Whether ``exc`` was raised from inside ``package``'s code (a frame of its modules)."""
-    tb = exc.__traceback__
-    while tb is not None:
-        module = tb.tb_frame.f_globals.get("__name__", "")
-        if module == package or module.startswith(package + "."):
+    """Whether ``exc`` was raised from inside ``package``'s code (a frame of its modules), in
+    its traceback or in that of the exceptions it chains (jax hides its frames in one)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if type(current).__module__.startswith(package + "."):
             return True
-        tb = tb.tb_next
+        tb = current.__traceback__
+        while tb is not None:
+            module = tb.tb_frame.f_globals.get("__name__", "")
+            if module == package or module.startswith(package + "."):
+                return True
+            tb = tb.tb_next
+        current = current.__cause__ or current.__context__
     return False
 
 
@@ -587,13 +599,13 @@ def _guarded(
         xs = tuple([x.clone() for x in xs])
         ts = tuple([t.clone() for t in ts])
     versions = [x._version for x in xs]
-    constants: list[tuple[int, Any]] = []
+    constants: list[tuple[int, Any, int]] = []
     if dynamic:
         fresh = list(dynamic)
         for i, (value, cache) in enumerate(zip(dynamic, cache_dynamic, strict=False)):
             if not cache and isinstance(value, torch.Tensor):
-                fresh[i] = value.clone()
-                constants.append((i, fresh[i]))
+                fresh[i] = copy = value.clone()
+                constants.append((i, copy, copy._version))
         dynamic = tuple(fresh)
     modules = _module_states(static, cache_static) if static is not None else None
     stack = _CALLS.keep
@@ -641,7 +653,7 @@ def _mutation(
     xs: Leaves,
     versions: list[int],
     copied: bool,
-    constants: list[tuple[int, Any]],
+    constants: list[tuple[int, Any, int]],
     modules: list[tuple[str, Any, int, Any]] | None,
 ) -> str | None:
     """What f wrote into, restored where a copy was kept; None if it wrote nothing."""
@@ -654,16 +666,18 @@ def _mutation(
                 f"f wrote in place into its input ({where}) past torch's check (under torch.no_grad() or "
                 f"through .data), which changed the caller's tensor. {_FIX}"
             )
-    for i, tensor in constants:
-        if tensor._version != 0:
+    for i, tensor, version in constants:
+        if tensor._version != version:
             return (
                 f"f wrote in place into a tensor of a di.Constant (array context leaf {i}); the caller's "
                 f"tensor is unchanged. A Constant is read-only: {_FIX}"
             )
     if modules:
-        changed = [name for name, tensor, version, _ in modules if tensor._version != version]
+        # buffers by value too: torch's batch norm kernels update running statistics in place
+        # without a version bump
+        changed = [name for name, tensor, version, copy in modules if _written(tensor, version, copy)]
         for _, tensor, version, copy in modules:
-            if tensor._version != version and copy is not None:
+            if copy is not None and _written(tensor, version, copy):
                 with torch.no_grad():
                     tensor.copy_(copy)
         for name in changed[:1]:
