@@ -236,9 +236,7 @@ class Adapter(_base.Adapter):
         try:
             try:
                 # x itself where it carries an outer graph (reverse over forward), else detached
-                duals = tuple(
-                    forward_ad.make_dual(x if keep else x.detach(), t) for x, t in zip(xs, txs, strict=True)
-                )
+                duals = tuple(forward_ad.make_dual(x if keep else x.detach(), t) for x, t in zip(xs, txs, strict=True))
             except RuntimeError as exc:  # duals of torch.func's wrapped tensors
                 raise _autograd_in_func() from exc
             out, aux = fn(duals)
@@ -682,10 +680,10 @@ def _mutation(
                     tensor.copy_(copy)
         for name in changed[:1]:
             return (
-                    f"f updated the {name} of a torch.nn.Module passed as a di.Constant (a BatchNorm in "
-                    "train mode updates its running statistics); it has been put back. Call the module "
-                    "through torch.func.functional_call(model, {**params, **{k: b.clone() for k, b in "
-                    "model.named_buffers()}}, args) and return the new buffers as an aux with "
-                    "di.value_and_gradient(..., has_aux=True), or put the module in eval mode."
-                )
+                f"f updated the {name} of a torch.nn.Module passed as a di.Constant (a BatchNorm in "
+                "train mode updates its running statistics); it has been put back. Call the module "
+                "through torch.func.functional_call(model, {**params, **{k: b.clone() for k, b in "
+                "model.named_buffers()}}, args) and return the new buffers as an aux with "
+                "di.value_and_gradient(..., has_aux=True), or put the module in eval mode."
+            )
     return None
