@@ -7,6 +7,7 @@ once torch has been imported, so a framework that is not imported needs no check
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any, Literal
 
 import numpy as np
@@ -154,3 +155,16 @@ def family(kinds: set[Kind]) -> Kind:
     if len(arrays) == 1:
         return next(iter(arrays))
     return "other"
+
+
+class _GraphState(threading.local):
+    """Whether the results of the current call keep their autograd graph.
+
+    Set by an adapter at the start of each call (torch: when an input carried an outer
+    graph, a nested call), read where results are converted: a result is detached only
+    where the call's inputs carried no graph."""
+
+    keep = False
+
+
+graph_state = _GraphState()

@@ -25,7 +25,7 @@ from . import tree as _tree
 from ._adapters import adapter_for, info, normalize
 from ._adapters._base import Adapter, force
 from ._backends import Backend, SecondOrder
-from ._contexts import Constant, Context
+from ._contexts import Cache, Constant, Context
 from ._errors import (
     ArrayTypeError,
     ContextError,
@@ -700,6 +700,12 @@ def _program(
             return (force(result[only]),)
         return tuple([force(result[i]) for i in picked])
 
+    # what an adapter's compile may read to guard the call (torch: which context leaves f may
+    # write, the Cache ones; which operator, to know which inputs f sees)
+    cache = [kind is Cache for kind, _, leaves in sig.contexts for _ in leaves]
+    program.operator = op.name  # type: ignore[attr-defined]
+    program.cache_dynamic = tuple(c for c, m in zip(cache, plan.mask, strict=True) if m)  # type: ignore[attr-defined]
+    program.cache_static = tuple(c for c, m in zip(cache, plan.mask, strict=True) if not m)  # type: ignore[attr-defined]
     return program
 
 
@@ -1134,7 +1140,8 @@ def _to_family(value: Any, family: str, python_x: bool, like: Any) -> Any:
         array = np.asarray(value) if kind == "numpy" else _arrays.to_numpy(value)
         return array.item() if python_x and array.ndim == 0 else array
     if kind == family:
-        return value.detach() if kind == "torch" else value
+        # a nested call keeps the graph its inputs carried (_arrays.graph_state, set by the adapter)
+        return value.detach() if kind == "torch" and not _arrays.graph_state.keep else value
     if kind not in ("python", "numpy", "autograd", "jax", "torch"):
         return value
     array = np.asarray(_arrays.to_numpy(value))
@@ -1159,7 +1166,7 @@ def _mirror(value: Any, like: Any) -> Any:
         array = value if value_kind == "numpy" else _arrays.to_numpy(value)
         return np.asarray(array, dtype=like.dtype)
     if kind == "torch" and value_kind == "torch":  # computed on like's device
-        if value.requires_grad:
+        if value.requires_grad and not _arrays.graph_state.keep:  # kept where x carried a graph
             value = value.detach()
         return value if value.dtype == like.dtype else value.to(like.dtype)
     if kind == "jax" and value_kind == "jax":

@@ -187,7 +187,8 @@ def test_torch_dtype_change_is_not_matched() -> None:
     assert prep.fast("gradient", loss, backend, torch.ones(3, dtype=torch.float64), None, (), False) is MISS
     parameter = torch.nn.Parameter(torch.ones(3))  # a subclass: the full signature decides
     assert prep.fast("gradient", loss, backend, parameter, None, (), False) is MISS
-    assert di.gradient(loss, backend, parameter, prep=prep).requires_grad is False
+    with torch.no_grad():  # (under grad mode a parameter's gradient keeps its graph, for nesting)
+        assert di.gradient(loss, backend, parameter, prep=prep).requires_grad is False
 
 
 @pytest.mark.parametrize("operator", ["gradient", "hvp"])

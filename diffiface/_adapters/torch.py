@@ -24,15 +24,29 @@ from torch import func
 
 from .. import _arrays
 from .. import tree as _tree
+from .._errors import ArrayTypeError, InvalidInputError, InvalidOutputError, MutationError, UnsupportedOperationError
 from . import _base
 from ._base import Blocks, Fn, Leaves
 
-# torch scripts its forward-mode decompositions on the first make_dual, warning that
-# torch.jit.script is deprecated: torch's own business, which must not reach f's caller
-# (an error under -W error). Load them once here, with that one warning silenced.
-with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message=".*torch.jit.script.*", category=DeprecationWarning)
-    getattr(forward_ad, "_maybe_load_decompositions", lambda: None)()
+# torch scripts its forward-mode decompositions on the first make_dual of the process, warning
+# that torch.jit.script is deprecated: torch's own business, which must not reach f's caller (an
+# error under -W error). diffiface's first forward-mode call makes one throwaway dual first, with
+# that one warning silenced; f never runs inside the silence.
+_FORWARD_WARMED = [False]
+
+
+@contextlib.contextmanager
+def _first_forward() -> Any:
+    if not _FORWARD_WARMED[0]:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.jit.script.*", category=DeprecationWarning)
+            try:
+                with forward_ad.dual_level():
+                    forward_ad.make_dual(torch.zeros(()), torch.zeros(()))
+            except RuntimeError:  # a dual level of the caller's is open: torch has loaded them
+                pass
+        _FORWARD_WARMED[0] = True
+    yield
 
 
 class _Namespace:
@@ -55,6 +69,28 @@ class _Namespace:
 _FORWARD_LOCK = threading.RLock()
 
 
+_DUALS = [0]
+"""How many of diffiface's forward-mode (dual level) calls are open, in the thread that holds
+``_FORWARD_LOCK``: while one is, inputs may be dual tensors whose tangents must be kept."""
+
+_FORWARD_OPERATORS = frozenset({"jvp", "value_and_jvp", "derivative", "value_and_derivative"})
+"""The operators by which autograd mode hands f dual tensors, which share the caller's memory."""
+
+
+class _Calls(threading.local):
+    def __init__(self) -> None:
+        self.keep: list[bool] = []  # per open call, innermost last: does it keep its graph?
+
+
+_CALLS = _Calls()
+
+
+def _keeping() -> bool:
+    """Whether the innermost open call keeps its graph (its inputs carried an outer one)."""
+    stack = _CALLS.keep
+    return stack[-1] if stack else False
+
+
 class Adapter(_base.Adapter):
     xp = _Namespace
 
@@ -64,24 +100,48 @@ class Adapter(_base.Adapter):
 
     def to_native(self, leaf: Any) -> Any:
         kind = _arrays.kind(leaf)
+        if kind == "torch":
+            if leaf.is_meta:
+                raise InvalidInputError(
+                    "x (or a tangent) is a meta tensor, which has a shape but no values to differentiate "
+                    "at. Create it on a real device (device='cpu' or 'cuda')."
+                )
+            return leaf
         if kind == "python":
             return torch.tensor(leaf, dtype=torch.float64)
         if kind == "numpy":
-            return torch.tensor(leaf)  # a copy: x stays the caller's
-        return leaf
+            # a C-ordered copy: x stays the caller's, and torch takes no negative strides
+            return torch.from_numpy(np.array(leaf, order="C"))
+        raise ArrayTypeError(
+            f"The torch backend was given a {type(leaf).__module__}.{type(leaf).__name__} where it takes "
+            "torch tensors, numpy arrays or floats (a tangent of another framework?). Convert it to a "
+            "torch tensor of x's dtype."
+        )
 
     def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
         if isinstance(leaf, np.ndarray):
             device = like.device if isinstance(like, torch.Tensor) else None
-            tensor = torch.from_numpy(leaf) if leaf.flags.writeable else torch.tensor(leaf)
+            # a copy (np.array, C-ordered: torch takes no negative strides): f may not reach the
+            # caller's array through it; from_numpy then shares the copy without a second one
+            tensor = torch.from_numpy(np.array(leaf, order="C"))
             return tensor.to(device) if device is not None else tensor, True
+        if isinstance(leaf, torch.Tensor) and leaf.is_meta:
+            raise InvalidInputError(
+                "A context holds a meta tensor, which has a shape but no values. Create it on a real device."
+            )
         return leaf, isinstance(leaf, torch.Tensor)
 
     def output_leaf(self, leaf: Any, like: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
             return leaf
-        dtype = like.dtype if isinstance(like, torch.Tensor) else None
-        return torch.as_tensor(np.asarray(leaf) if _arrays.kind(leaf) == "numpy" else leaf, dtype=dtype)
+        # a Python number or numpy array out of a torch f has left torch's graph (float(...),
+        # .item(), .numpy()): its derivative would read as zero
+        raise InvalidOutputError(
+            f"f returned a {type(leaf).__name__} where the torch backend needs a torch tensor: a number "
+            "made with float(...), .item() or .numpy() is cut from torch's graph, and its derivative would "
+            "read as zero. Keep the output a tensor (return y, not y.item()); for a constant, return "
+            "torch.tensor(c)."
+        )
 
     def explain_failure(self, exc: BaseException) -> str | None:
         text = str(exc)
@@ -91,9 +151,25 @@ class Adapter(_base.Adapter):
                 ".numpy() on its input). Write f with torch operations, or differentiate a numpy f "
                 "with AutoFiniteDifferences()."
             )
-        if isinstance(exc, TypeError) and ("jax" in text.lower() or "JAX" in text):
+        if isinstance(exc, TypeError) and _raised_inside(exc, "jax"):
             return "f calls jax on torch tensors; differentiate a jax function with AutoJAX()."
         return None
+
+    # -- the guard around every call: state, nesting, writes into the inputs --------------------
+
+    def compile(self, program: Callable[..., Any], static: bool = True, arrays: bool = False) -> Callable[..., Any]:
+        operator = getattr(program, "operator", "")
+        # the inputs f sees share memory with the caller's where f gets duals (forward mode) or
+        # torch.func's wrappers: it gets copies there; autograd's reverse mode hands f leaves
+        # that require grad, into which torch itself refuses writes
+        exposed = self.functional or operator in _FORWARD_OPERATORS
+        cache_dynamic = getattr(program, "cache_dynamic", ())
+        cache_static = getattr(program, "cache_static", ())
+
+        def guarded(xs: Leaves, ts: Leaves, dynamic: Leaves, static_: Any) -> Any:
+            return _guarded(program, exposed, cache_dynamic, cache_static, xs, ts, dynamic, static_)
+
+        return guarded
 
     # -- primitives ---------------------------------------------------------------------------
 
@@ -112,18 +188,19 @@ class Adapter(_base.Adapter):
             if len(xs) == 1:
                 return out, rebuild(aux), lambda touts: (pullback(touts)[0],)
             return out, rebuild(aux), lambda touts: pullback(touts)[0]
+        keep = _keeping()
         with torch.enable_grad():
             inputs = _requiring_grad(xs)
             out, aux = fn(inputs)
 
         def vjp(touts: Any) -> Leaves:
             pairs = [(y, t) for y, t in zip(_leaves(out), _leaves(touts), strict=True) if y.requires_grad]
-            return _grad([y for y, _ in pairs], inputs, [t for _, t in pairs])
+            return _grad([y for y, _ in pairs], inputs, [t for _, t in pairs], create_graph=keep)
 
-        return _detached(out), _detached(aux), vjp
+        return _detached(out, keep), _detached(aux, keep), vjp
 
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
-        with _FORWARD_LOCK:
+        with _FORWARD_LOCK, _first_forward():
             return self._value_and_pushforward(fn, xs, txs)
 
     def _value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
@@ -145,12 +222,30 @@ class Adapter(_base.Adapter):
             else:
                 tout = _tree.map(lambda t, y: t.to(y.dtype) if t.dtype != y.dtype else t, tout, out)
             return out, rebuild(aux), tout
-        with forward_ad.dual_level():
-            duals = tuple(forward_ad.make_dual(x.detach(), t) for x, t in zip(xs, txs, strict=True))
+        if _DUALS[0]:  # inside diffiface's own forward-mode call: torch has one dual level
+            raise _nested_forward()
+        keep = _keeping()
+        if keep and any(x.requires_grad and _wrapped(x) for x in xs):
+            raise _autograd_in_func()
+        level = forward_ad.dual_level()
+        try:
+            level.__enter__()
+        except RuntimeError as exc:  # the caller's own dual level is open
+            raise _nested_forward() from exc
+        _DUALS[0] += 1
+        try:
+            try:
+                # x itself where it carries an outer graph (reverse over forward), else detached
+                duals = tuple(forward_ad.make_dual(x if keep else x.detach(), t) for x, t in zip(xs, txs, strict=True))
+            except RuntimeError as exc:  # duals of torch.func's wrapped tensors
+                raise _autograd_in_func() from exc
             out, aux = fn(duals)
             primal = _tree.map(_primal, out)
             tangent = _tree.map(_tangent, out)
             aux = _tree.map(_primal, aux)
+        finally:
+            _DUALS[0] -= 1
+            level.__exit__(None, None, None)
         return primal, aux, tangent
 
     def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
@@ -164,9 +259,10 @@ class Adapter(_base.Adapter):
         if not torch.is_grad_enabled():  # entering enable_grad costs more than asking
             with torch.enable_grad():
                 return self.value_and_gradient(fn, xs)
+        keep = _keeping()
         inputs = _requiring_grad(xs)
         value, aux = fn(inputs)
-        grads = _grad([value] if value.requires_grad else [], inputs, retain=False)
+        grads = _grad([value] if value.requires_grad else [], inputs, retain=keep, create_graph=keep)
         return value, aux, grads  # results are detached as they are converted, if they are returned
 
     def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Blocks]:
@@ -180,7 +276,7 @@ class Adapter(_base.Adapter):
             one = type(out) is tuple and len(out) == 1  # one output tensor, differentiated bare
             return out[0] if one else out, (out, aux)
 
-        with _FORWARD_LOCK if mode == "forward" else contextlib.nullcontext():
+        with _FORWARD_LOCK if mode == "forward" else contextlib.nullcontext(), _first_forward():
             if len(xs) == 1:  # one tensor, not a tuple: a block per output, no tuple of one per input
                 per_output, (out, aux) = transform(_on_one(with_value), has_aux=True)(xs[0])
                 blocks: Blocks
@@ -201,6 +297,7 @@ class Adapter(_base.Adapter):
     def gradient_and_hvp(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Leaves, Leaves]:
         if self.functional:
             return super().gradient_and_hvp(fn, xs, txs)
+        keep = _keeping()
         with torch.enable_grad():
             inputs = _requiring_grad(xs)
             value, aux = fn(inputs)
@@ -208,19 +305,20 @@ class Adapter(_base.Adapter):
             # the gradient's pullback along txs (torch.autograd.grad's grad_outputs), not the
             # gradient of <grad, txs>: no extra products and sums in the graph
             pairs = [(g, t) for g, t in zip(grads, txs, strict=True) if g.requires_grad]
-            hvps = _grad([g for g, _ in pairs], inputs, [t for _, t in pairs])
-        return value.detach(), _detached(aux), _detached(grads), hvps
+            hvps = _grad([g for g, _ in pairs], inputs, [t for _, t in pairs], create_graph=keep)
+        return _detached(value, keep), _detached(aux, keep), _detached(grads, keep), hvps
 
     def value_gradient_and_hessian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Blocks]:
         if self.functional:
             return super().value_gradient_and_hessian(fn, xs)
+        keep = _keeping()
         with torch.enable_grad():
             inputs = _requiring_grad(xs)
             value, aux = fn(inputs)
             grads = _grad(_if_graph(value), inputs, create_graph=True)
             blocks = []
             for g, x in zip(grads, xs, strict=True):
-                rows = [_grad(_if_graph(entry), inputs) for entry in g.reshape(-1)]
+                rows = [_grad(_if_graph(entry), inputs, create_graph=keep) for entry in g.reshape(-1)]
                 blocks.append(
                     tuple(
                         torch.stack([row[j] for row in rows]).reshape((*x.shape, *xj.shape))
@@ -229,21 +327,22 @@ class Adapter(_base.Adapter):
                         for j, xj in enumerate(xs)
                     )
                 )
-        return value.detach(), _detached(aux), _detached(grads), tuple(blocks)
+        return _detached(value, keep), _detached(aux, keep), _detached(grads, keep), tuple(blocks)
 
     def value_derivative_and_second_derivative(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any, Any]:
         if self.functional:
             return super().value_derivative_and_second_derivative(fn, xs)
+        keep = _keeping()
         with torch.enable_grad():
             inputs = _requiring_grad(xs)
             out, aux = fn(inputs)
             derivs, seconds = [], []
             for y in _leaves(out):
                 firsts = [_grad(_if_graph(entry), inputs, create_graph=True)[0] for entry in y.reshape(-1)]
-                lasts = [_grad(_if_graph(d), inputs)[0] for d in firsts]
-                derivs.append(_stacked(firsts, y).detach())
+                lasts = [_grad(_if_graph(d), inputs, create_graph=keep)[0] for d in firsts]
+                derivs.append(_detached(_stacked(firsts, y), keep))
                 seconds.append(_stacked(lasts, y))
-        return _detached(out), _detached(aux), tuple(derivs), tuple(seconds)
+        return _detached(out, keep), _detached(aux, keep), tuple(derivs), tuple(seconds)
 
 
 def _tensor_aux(fn: Fn) -> tuple[Fn, Callable[[Any], Any]]:
@@ -313,10 +412,29 @@ def _bare_output(g: Callable[[Any], Any], has_aux: bool) -> tuple[Callable[[Any]
 
 
 def _requiring_grad(xs: Leaves) -> Leaves:
-    """Fresh leaves of the graph: the caller's tensors and their flags stay as they are."""
-    if len(xs) == 1:
-        return (xs[0].detach().requires_grad_(True),)
-    return tuple(x.detach().requires_grad_(True) for x in xs)
+    """Fresh leaves of the graph: the caller's tensors and their flags stay as they are.
+
+    Where x carries an outer graph (a nested call), an alias of x in that graph, so that the
+    outer differentiation sees through this one; where x is a dual tensor of an outer forward
+    mode, an alias that keeps its tangent."""
+    if len(xs) == 1 and not xs[0].requires_grad and not _DUALS[0]:  # the common case
+        x = xs[0]
+        try:
+            return (x.detach().requires_grad_(True),)
+        except RuntimeError as exc:  # a tensor of a torch.func transform (jvp, vmap)
+            raise _autograd_in_func() from exc
+    leaves = []
+    for x in xs:
+        if x.requires_grad and torch.is_grad_enabled():
+            if _wrapped(x):
+                raise _autograd_in_func()
+            leaves.append(x.view_as(x))
+            continue
+        try:
+            leaves.append((x.view_as(x) if _DUALS[0] else x.detach()).requires_grad_(True))
+        except RuntimeError as exc:
+            raise _autograd_in_func() from exc
+    return tuple(leaves)
 
 
 def _if_graph(value: Any) -> list[Any]:
@@ -357,9 +475,12 @@ def _leaves(out: Any) -> tuple[Any, ...]:
     return out if isinstance(out, tuple) else (out,)
 
 
-def _detached(tree: Any) -> Any:
-    if tree is None:
-        return None
+def _detached(tree: Any, keep: bool) -> Any:
+    """``tree`` out of the graph, unless the call keeps it (its inputs carried one)."""
+    if tree is None or keep:
+        return tree
+    if isinstance(tree, torch.Tensor):
+        return tree.detach()
     if type(tree) is tuple and len(tree) == 1 and isinstance(tree[0], torch.Tensor):
         return (tree[0].detach(),)  # the common case of one output tensor
     return _tree.map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, tree)
@@ -374,3 +495,195 @@ def _tangent(value: Any) -> Any:
         return value
     primal, tangent = forward_ad.unpack_dual(value)
     return torch.zeros_like(primal) if tangent is None else tangent
+
+
+# -- the guard: process state, nesting, writes into the inputs --------------------------------
+
+
+def _wrapped(x: Any) -> bool:
+    """Whether ``x`` is a tensor of a torch.func transform (such tensors have no storage)."""
+    try:
+        x.data_ptr()
+    except RuntimeError:
+        return True
+    return False
+
+
+def _carries_graph(x: Any) -> bool:
+    """Whether ``x`` carries an outer differentiation: it requires grad under grad mode (or in
+    a torch.func transform), or is a dual tensor of diffiface's open forward-mode call."""
+    if x.requires_grad:
+        return torch.is_grad_enabled() or _wrapped(x)
+    return bool(_DUALS[0]) and forward_ad.unpack_dual(x).tangent is not None
+
+
+def _written(tensor: Any, version: int, copy: Any) -> bool:
+    return bool(tensor._version != version or (copy is not None and not torch.equal(tensor, copy)))
+
+
+def _raised_inside(exc: BaseException, package: str) -> bool:
+    """Whether ``exc`` was raised from inside ``package``'s code (a frame of its modules), in
+    its traceback or in that of the exceptions it chains (jax hides its frames in one)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if type(current).__module__.startswith(package + "."):
+            return True
+        tb = current.__traceback__
+        while tb is not None:
+            module = tb.tb_frame.f_globals.get("__name__", "")
+            if module == package or module.startswith(package + "."):
+                return True
+            tb = tb.tb_next
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _autograd_in_func() -> UnsupportedOperationError:
+    return UnsupportedOperationError(
+        "AutoTorch(mode='autograd') was called on a tensor of a torch.func transform (an outer "
+        "AutoTorch(mode='func') call, or torch.func.grad/jvp/vmap around it): torch does not support "
+        "torch.autograd.grad or forward_ad inside torch.func transforms. Use AutoTorch(mode='func') for "
+        "the inner call, or AutoTorch(mode='autograd') for the outer one."
+    )
+
+
+def _nested_forward() -> UnsupportedOperationError:
+    return UnsupportedOperationError(
+        "AutoTorch(mode='autograd') computes forward mode (jvp, derivative) with torch.autograd.forward_ad, "
+        "which has one dual level per process: it cannot run inside another forward-mode differentiation. "
+        "Use AutoTorch(mode='func') for the inner or the outer call, or a reverse-mode operator (gradient, "
+        "vjp) inside."
+    )
+
+
+_FIX = "Compute out of place (y = x * 2, not x.mul_(2)); for scratch space f may overwrite, pass a di.Cache."
+
+
+def _guarded(
+    program: Callable[..., Any],
+    exposed: bool,
+    cache_dynamic: tuple[bool, ...],
+    cache_static: tuple[bool, ...],
+    xs: Leaves,
+    ts: Leaves,
+    dynamic: Leaves,
+    static: Any,
+) -> Any:
+    """``program`` run so that the caller's state and arrays come out as they went in.
+
+    - Under the caller's ``inference_mode`` it runs with inference mode off (nothing is recorded
+      in inference mode); inference tensors are copied into normal ones. Grad mode is set by
+      each method where it needs it. Both are restored on the way out, also on errors.
+    - Where an input carries an outer graph (a nested call), results keep their graph.
+    - f gets copies of x and tangents where what it gets would share the caller's memory (dual
+      tensors, torch.func's wrappers), and of every Constant tensor; version counters show a
+      write into any of them, or into the buffers of a Constant module (kept in copies, put
+      back), and it is refused with a MutationError.
+    """
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):
+            return _guarded(program, exposed, cache_dynamic, cache_static, xs, ts, dynamic, static)
+    keep = False
+    inference = False
+    for x in xs:
+        if x.is_inference():
+            inference = True
+        elif _carries_graph(x):
+            keep = True
+    copied = exposed or keep or inference
+    if copied:  # f writes nothing of the caller's through what it gets
+        xs = tuple([x.clone() for x in xs])
+        ts = tuple([t.clone() for t in ts])
+    versions = [x._version for x in xs]
+    constants: list[tuple[int, Any, int]] = []
+    if dynamic:
+        fresh = list(dynamic)
+        for i, (value, cache) in enumerate(zip(dynamic, cache_dynamic, strict=False)):
+            if not cache and isinstance(value, torch.Tensor):
+                fresh[i] = copy = value.clone()
+                constants.append((i, copy, copy._version))
+        dynamic = tuple(fresh)
+    modules = _module_states(static, cache_static) if static is not None else None
+    stack = _CALLS.keep
+    stack.append(keep)
+    try:
+        result = program(xs, ts, dynamic, static)
+    except BaseException as exc:
+        stack.pop()
+        _arrays.graph_state.keep = keep
+        problem = _mutation(xs, versions, copied, constants, modules)
+        if problem is not None:
+            raise MutationError(problem) from exc
+        if isinstance(exc, RuntimeError) and _LEAF_WRITE in str(exc):
+            # torch refused a write into the leaf f got for x (refused before writing)
+            raise MutationError(f"f wrote in place into its input x; torch refused it. {_FIX}") from exc
+        raise
+    stack.pop()
+    _arrays.graph_state.keep = keep
+    problem = _mutation(xs, versions, copied, constants, modules)
+    if problem is not None:
+        raise MutationError(problem)
+    return result
+
+
+_LEAF_WRITE = "a leaf Variable that requires grad is being used in an in-place operation"
+"""torch's refusal of a write into a leaf that requires grad, such as the leaf f gets for x."""
+
+
+def _module_states(static: Any, cache_static: tuple[bool, ...]) -> list[tuple[str, Any, int, Any]] | None:
+    """For each Constant ``torch.nn.Module``: its buffers and parameters, their version
+    counters, and copies of those torch would let f write (buffers, parameters without grad)."""
+    states: list[tuple[str, Any, int, Any]] = []
+    for value, cache in zip(static.leaves, cache_static, strict=False):
+        if cache or not isinstance(value, torch.nn.Module):
+            continue
+        for name, tensor in value.named_buffers():
+            states.append((f"buffer {name!r}", tensor, tensor._version, tensor.detach().clone()))
+        for name, tensor in value.named_parameters():
+            copy = None if tensor.requires_grad else tensor.detach().clone()
+            states.append((f"parameter {name!r}", tensor, tensor._version, copy))
+    return states or None
+
+
+def _mutation(
+    xs: Leaves,
+    versions: list[int],
+    copied: bool,
+    constants: list[tuple[int, Any, int]],
+    modules: list[tuple[str, Any, int, Any]] | None,
+) -> str | None:
+    """What f wrote into, restored where a copy was kept; None if it wrote nothing."""
+    for i, (x, version) in enumerate(zip(xs, versions, strict=True)):
+        if x._version != version:
+            where = f"leaf {i} of x" if len(xs) > 1 else "x"
+            if copied:
+                return f"f wrote in place into its input ({where}); the caller's x and tangent are unchanged. {_FIX}"
+            return (
+                f"f wrote in place into its input ({where}) past torch's check (under torch.no_grad() or "
+                f"through .data), which changed the caller's tensor. {_FIX}"
+            )
+    for i, tensor, version in constants:
+        if tensor._version != version:
+            return (
+                f"f wrote in place into a tensor of a di.Constant (array context leaf {i}); the caller's "
+                f"tensor is unchanged. A Constant is read-only: {_FIX}"
+            )
+    if modules:
+        # buffers by value too: torch's batch norm kernels update running statistics in place
+        # without a version bump
+        changed = [name for name, tensor, version, copy in modules if _written(tensor, version, copy)]
+        for _, tensor, version, copy in modules:
+            if copy is not None and _written(tensor, version, copy):
+                with torch.no_grad():
+                    tensor.copy_(copy)
+        for name in changed[:1]:
+            return (
+                f"f updated the {name} of a torch.nn.Module passed as a di.Constant (a BatchNorm in "
+                "train mode updates its running statistics); it has been put back. Call the module "
+                "through torch.func.functional_call(model, {**params, **{k: b.clone() for k, b in "
+                "model.named_buffers()}}, args) and return the new buffers as an aux with "
+                "di.value_and_gradient(..., has_aux=True), or put the module in eval mode."
+            )
+    return None
