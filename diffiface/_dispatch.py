@@ -43,7 +43,9 @@ class Operator:
 
     ``compute`` names the adapter method; ``parts`` picks ``(index, kind)`` pieces of its
     result, where kind says what the piece mirrors: ``value`` (a scalar), ``y`` (the output
-    of f), ``x``, ``jacobian`` (y-structure of x-structure), ``hessian`` (x of x).
+    of f), ``dy`` (a derivative shaped as f's output), ``x``, ``jacobian`` (y-structure of
+    x-structure), ``hessian`` (x of x). The dtype of ``dy``, ``jacobian`` and ``hessian``
+    pieces is that of the pair of leaves they relate, promoted (:func:`promoted_dtype`).
     """
 
     name: str
@@ -56,13 +58,13 @@ class Operator:
 
 
 _OPERATORS = (
-    Operator("derivative", "value_and_derivative", ((2, "y"),), scalar_input=True),
-    Operator("value_and_derivative", "value_and_derivative", ((0, "y"), (2, "y")), scalar_input=True),
-    Operator("second_derivative", "value_derivative_and_second_derivative", ((3, "y"),), scalar_input=True),
+    Operator("derivative", "value_and_derivative", ((2, "dy"),), scalar_input=True),
+    Operator("value_and_derivative", "value_and_derivative", ((0, "y"), (2, "dy")), scalar_input=True),
+    Operator("second_derivative", "value_derivative_and_second_derivative", ((3, "dy"),), scalar_input=True),
     Operator(
         "value_derivative_and_second_derivative",
         "value_derivative_and_second_derivative",
-        ((0, "y"), (2, "y"), (3, "y")),
+        ((0, "y"), (2, "dy"), (3, "dy")),
         scalar_input=True,
     ),
     Operator("gradient", "value_and_gradient", ((2, "x"),), scalar_output=True),
@@ -404,7 +406,9 @@ def _flat_program(
                 return value
             if kind == "hessian" or (kind == "jacobian" and output.spec is _LEAF):
                 inside[0] = True
-                return value[0][0]
+                target = dtype if kind == "hessian" else promoted_dtype(output.dtypes[0], str(dtype))
+                leaf = value[0][0]
+                return leaf if target is None or leaf.dtype == target else leaf.astype(target)
             if kind == "y" and output.spec is _LEAF:
                 inside[0] = True
                 return value[0]
@@ -634,7 +638,9 @@ def static_key(value: Any) -> Any:
         return (cls, value)
     if isinstance(value, (*_CODE, enum.Enum)):
         return (cls, id(value))
-    if cls.__hash__ is None or (cls.__hash__ is object.__hash__ and cls.__eq__ is object.__eq__):
+    if cls.__hash__ is None or (
+        cls.__hash__ is object.__hash__ and cls.__eq__ is object.__eq__  # type: ignore[comparison-overlap]
+    ):
         return None  # unhashable, or hashed by identity: a change to it would go unseen
     try:
         hash(value)
@@ -1067,26 +1073,51 @@ def _finisher(
 
     single_x = x_spec == _LEAF
 
+    x_dtypes = [_weak_or_dtype(leaf) for leaf in x_likes]
+
+    def block(value: Any, dtype: str | None) -> Any:
+        return _cast(as_y(value), dtype)
+
     def convert(kind: str, value: Any) -> Any:
         # (f's output is one array when its recorded structure is _LEAF itself)
         if kind == "value":
             return as_y(value)
-        if kind == "y":
+        if kind in ("y", "dy"):
+            if kind == "y":
+                if output.spec is _LEAF:
+                    return as_y(value[0])
+                return optree.tree_unflatten(output.spec, [as_y(v) for v in value])
+            x_dtype = x_dtypes[0] if x_dtypes else None
+            dtypes = output.dtypes
             if output.spec is _LEAF:
-                return as_y(value[0])
-            return optree.tree_unflatten(output.spec, [as_y(v) for v in value])
+                return block(value[0], promoted_dtype(dtypes[0] if dtypes else None, x_dtype))
+            return optree.tree_unflatten(
+                output.spec,
+                [block(v, promoted_dtype(d, x_dtype)) for v, d in zip(value, _padded(dtypes, len(value)), strict=True)],
+            )
         if kind == "x":
             if single_x:
                 return _mirror(value[0], like)
             return optree.tree_unflatten(x_spec, [_mirror(v, like) for v, like in zip(value, x_likes, strict=True)])
         if kind == "jacobian":
+            dtypes = _padded(output.dtypes, len(value))
             if single_x and output.spec is _LEAF:
-                return as_y(value[0][0])
-            rows = [optree.tree_unflatten(x_spec, [as_y(b) for b in row]) for row in value]
+                return block(value[0][0], promoted_dtype(dtypes[0], x_dtypes[0]))
+            rows = [
+                optree.tree_unflatten(
+                    x_spec, [block(b, promoted_dtype(dy, dx)) for b, dx in zip(row, x_dtypes, strict=True)]
+                )
+                for row, dy in zip(value, dtypes, strict=True)
+            ]
             return optree.tree_unflatten(output.spec, rows)
         if single_x:
-            return as_y(value[0][0])
-        rows = [optree.tree_unflatten(x_spec, [as_y(b) for b in row]) for row in value]
+            return block(value[0][0], x_dtypes[0])
+        rows = [
+            optree.tree_unflatten(
+                x_spec, [block(b, promoted_dtype(di, dj)) for b, dj in zip(row, x_dtypes, strict=True)]
+            )
+            for row, di in zip(value, x_dtypes, strict=True)
+        ]
         return optree.tree_unflatten(x_spec, rows)
 
     has_aux = call.signature.has_aux
@@ -1129,6 +1160,45 @@ def _finisher(
 
         return first, mirror
     return finish, None
+
+
+_PRECISION = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64}
+
+
+def promoted_dtype(a: str | None, b: str | None) -> str | None:
+    """The dtype of a derivative relating a leaf of dtype ``a`` to one of dtype ``b``: the wider
+    of the two, so that no precision is lost on either side (float16 with bfloat16 gives
+    float32, as both jax and torch promote them). ``None`` is a Python number's weak dtype,
+    which takes the other's."""
+    if a is None or a == b:
+        return b
+    if b is None:
+        return a
+    width = max(_PRECISION.get(a, 64), _PRECISION.get(b, 64))
+    if width == 16:
+        return "float32"
+    return "float64" if width == 64 else "float32"
+
+
+def _weak_or_dtype(leaf: Any) -> str | None:
+    """A leaf's dtype name; None for a Python number, which takes the dtype it meets."""
+    return None if _arrays.kind(leaf) == "python" else _arrays.dtype_name(leaf)
+
+
+def _padded(dtypes: tuple[str | None, ...], count: int) -> tuple[str | None, ...]:
+    return dtypes if len(dtypes) == count else (None,) * count
+
+
+def _cast(value: Any, dtype: str | None) -> Any:
+    """A result block in the dtype the promotion rule gives (where it is an array)."""
+    if dtype is None:
+        return value
+    current = getattr(value, "dtype", None)
+    if current is None or _arrays.dtype_name(value) == dtype or not _arrays.is_float_dtype(_arrays.dtype_name(value)):
+        return value
+    if _arrays.kind(value) == "torch":
+        return value.to(getattr(sys.modules["torch"], dtype))
+    return value.astype(dtype)
 
 
 def _to_family(value: Any, family: str, python_x: bool, like: Any) -> Any:

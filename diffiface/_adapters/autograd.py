@@ -34,6 +34,10 @@ _WRITE = re.compile(
     r"|argument 1 must be a numpy\.ndarray, not ArrayBox"
 )
 
+# How numpy and other libraries name autograd's traced array when they refuse it: its class
+# quoted or its repr, never the bare word (which f's own message may hold)
+_NAMES_A_BOX = re.compile(r"'ArrayBox'|ArrayBox with value|numpy_boxes\.ArrayBox|'ArrayVSpace'")
+
 # A function whose output does not depend on x is fine: its derivative is zero.
 warnings.filterwarnings("ignore", message="Output seems independent of input", module="autograd")
 
@@ -83,7 +87,7 @@ class Adapter(_base.Adapter):
                 "it): an item assignment, an out= argument, or an in-place method. autograd "
                 "differentiates only out-of-place code: write y = x * 2, not x *= 2 or x[0] = ..."
             ) from exc
-        if "ArrayBox" in text or "ArrayVSpace" in text:
+        if _NAMES_A_BOX.search(text):
             return (
                 "f passed autograd's traced array (ArrayBox) to a function autograd does not know "
                 "(torch, jax, or plain numpy imported as `numpy` instead of `autograd.numpy`). "

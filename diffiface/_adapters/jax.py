@@ -22,7 +22,8 @@ from ._base import Blocks, Fn, Leaves, raised_by, raised_in
 
 
 def _tracer_names() -> frozenset[str]:
-    names, todo = set(), [jax.core.Tracer]
+    names: set[str] = set()
+    todo: list[Any] = [jax.core.Tracer]
     while todo:
         cls = todo.pop()
         names.add(cls.__name__)
