@@ -257,7 +257,7 @@ def check_case(
             raise AssertionError(
                 f"expected {' or '.join(a.__name__ for a in allowed)}, got {type(error).__name__}: {error}"
             ) from error
-        assert str(error).strip(), "a DiffifaceError must say what is wrong"
+        assert_says_what(error)
         return error
     except Exception as error:
         snapshot.assert_unchanged()
@@ -272,6 +272,14 @@ def check_case(
     else:
         assert_tree_close(result, expected, rtol=rtol, atol=atol, dtype=dtype)
     return result
+
+
+def assert_says_what(error: BaseException, *words: str) -> None:
+    """A DiffifaceError's message is not empty, and names one of ``words`` when given."""
+    message = str(error)
+    assert message.strip(), f"{type(error).__name__} with an empty message"
+    if words:
+        assert any(w in message.lower() for w in words), f"the message names none of {words}: {message}"
 
 
 def describe(expect: Expect) -> str:

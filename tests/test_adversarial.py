@@ -31,6 +31,7 @@ from _adversarial_helpers import (
     RIGHT_OR_MUTATION,
     Snapshot,
     as_input,
+    assert_says_what,
     check_case,
     d2h,
     dh,
@@ -283,8 +284,8 @@ def _torch_case(op: str, backend_id: str) -> tuple[Callable[[Any], Any], Any, An
     return (lambda x_: di.hvp(lambda v: total(h(torch, v)), backend, x_, t)), x, t, d2h(X0) * T0
 
 
-@pytest.mark.parametrize("op", ("gradient", "jacobian", "jvp", "hvp"))
-@pytest.mark.parametrize("backend_id", ("torch-autograd", "torch-func"))
+@pytest.mark.parametrize("op", ["gradient", "jacobian", "jvp", "hvp"])
+@pytest.mark.parametrize("backend_id", ["torch-autograd", "torch-func"])
 @pytest.mark.parametrize("grad_mode", GRAD_MODES)
 def test_call_site_grad_mode(grad_mode: str, backend_id: str, op: str) -> None:
     need(backend_id)
@@ -311,8 +312,8 @@ def test_call_site_grad_mode(grad_mode: str, backend_id: str, op: str) -> None:
             torch.set_grad_enabled(previous)
 
 
-@pytest.mark.parametrize("op", ("gradient", "jacobian", "jvp", "hvp"))
-@pytest.mark.parametrize("backend_id", ("torch-autograd", "torch-func"))
+@pytest.mark.parametrize("op", ["gradient", "jacobian", "jvp", "hvp"])
+@pytest.mark.parametrize("backend_id", ["torch-autograd", "torch-func"])
 def test_inference_tensor_as_x(backend_id: str, op: str) -> None:
     need(backend_id)
     import torch
@@ -347,7 +348,7 @@ def _check_context_case(call: Callable[[], Any], expected: np.ndarray, inputs: t
         result = call()
     except di.ContextError as error:
         snapshot.assert_unchanged()
-        assert "static" in str(error).lower() or "context" in str(error).lower(), str(error)
+        assert_says_what(error, "static", "context")
         return
     except Exception as error:
         snapshot.assert_unchanged()
@@ -378,7 +379,11 @@ def _mutable_contexts() -> dict[str, tuple[Callable[[], Any], Callable[[Any], No
         "object-attribute": (lambda: _Holder(2.0), set_attr, lambda c: c.a),
         "dict-of-floats": (lambda: {"a": 2.0}, set_key, lambda c: c["a"]),
         "list-of-floats": (lambda: [2.0, 1.0], set_item, lambda c: c[0]),
-        "nested-dict-new-array": (lambda: {"layer": {"w": np.array([2.0])}}, set_nested_array, lambda c: c["layer"]["w"][0]),
+        "nested-dict-new-array": (
+            lambda: {"layer": {"w": np.array([2.0])}},
+            set_nested_array,
+            lambda c: c["layer"]["w"][0],
+        ),
         "nested-dict-written-array": (
             lambda: {"layer": {"w": np.array([2.0])}},
             write_nested_array,
@@ -387,7 +392,7 @@ def _mutable_contexts() -> dict[str, tuple[Callable[[], Any], Callable[[Any], No
     }
 
 
-@pytest.mark.parametrize("prepared", (False, True), ids=("unprepared", "prepared"))
+@pytest.mark.parametrize("prepared", [False, True], ids=("unprepared", "prepared"))
 @pytest.mark.parametrize("kind", list(_mutable_contexts()))
 def test_mutable_context_under_jit(kind: str, prepared: bool) -> None:
     need("jax")
@@ -404,7 +409,9 @@ def test_mutable_context_under_jit(kind: str, prepared: bool) -> None:
     prep = di.prepare_gradient(f, backend, x, di.Constant(value)) if prepared else None
     kwargs = {"prep": prep} if prepared else {}
     expect = RIGHT  # the first call: nothing changed yet
-    check_case(lambda: di.gradient(f, backend, x, di.Constant(value), **kwargs), expect, _jax_grad_scaled(2.0), inputs=(x,))
+    check_case(
+        lambda: di.gradient(f, backend, x, di.Constant(value), **kwargs), expect, _jax_grad_scaled(2.0), inputs=(x,)
+    )
     change(value)
     _check_context_case(lambda: di.gradient(f, backend, x, di.Constant(value), **kwargs), _jax_grad_scaled(3.0), (x,))
 
@@ -425,7 +432,9 @@ def test_python_float_context_changing_every_call() -> None:
     expect = RIGHT
     for i in range(20):
         scale = 1.0 + 0.137 * i
-        check_case(lambda s=scale: di.gradient(f, backend, x, di.Constant(s)), expect, _jax_grad_scaled(scale), inputs=(x,))
+        check_case(
+            lambda s=scale: di.gradient(f, backend, x, di.Constant(s)), expect, _jax_grad_scaled(scale), inputs=(x,)
+        )
     assert len(prep_cache) - before <= 4, f"the prep cache grew by {len(prep_cache) - before} for one f"
 
 
@@ -447,7 +456,9 @@ def test_nnx_state_updated_in_place() -> None:
 
     backend = di.AutoJAX()
     expected2 = (2.0 * dh(X0.astype(np.float64))).astype(np.float32)
-    check_case(lambda: di.gradient(f, backend, x, di.Constant(state)), RIGHT, expected2, inputs=(x,), rtol=1e-5, atol=1e-6)
+    check_case(
+        lambda: di.gradient(f, backend, x, di.Constant(state)), RIGHT, expected2, inputs=(x,), rtol=1e-5, atol=1e-6
+    )
     state["w"][...] = jnp.array(3.0, dtype=jnp.float32)
     snapshot = Snapshot(x)
     try:
@@ -571,7 +582,7 @@ def test_second_order_pairing(outer: str, inner: str, op: str) -> None:
     try:
         backend = di.SecondOrder(ob, ib)
     except di.UnsupportedOperationError as error:
-        assert str(error).strip()
+        assert_says_what(error)
         return  # refusing the pairing at construction is allowed
     expect = RIGHT  # constructed: the results must be right
     fw = _fw_of_pair_id(inner)
@@ -617,11 +628,13 @@ def test_jax_jvp_along_infinite_tangent_is_the_reference() -> None:
     import jax
     import jax.numpy as jnp
 
-    _, out = jax.jvp(lambda v: h(jnp, v), (jnp.asarray(X0, dtype=jnp.float32),), (jnp.asarray([np.inf, 0, 0], dtype=jnp.float32),))
+    _, out = jax.jvp(
+        lambda v: h(jnp, v), (jnp.asarray(X0, dtype=jnp.float32),), (jnp.asarray([np.inf, 0, 0], dtype=jnp.float32),)
+    )
     assert np.array_equal(~np.isfinite(np.asarray(out)), [True, False, False])
 
 
-@pytest.mark.parametrize("op", ("gradient", "jvp"))
+@pytest.mark.parametrize("op", ["gradient", "jvp"])
 @pytest.mark.parametrize("backend_id", list(BACKENDS))
 def test_nan_in_x_propagates(backend_id: str, op: str) -> None:
     need(backend_id)
@@ -675,7 +688,7 @@ def test_bad_backend_option(name: str) -> None:
     try:
         backend = BAD_OPTIONS[name]()
     except di.InvalidBackendOptionError as error:
-        assert str(error).strip()
+        assert_says_what(error)
         return
     need(backend)
     if name != "fd-step-1e-300":
@@ -718,7 +731,7 @@ def test_memmap_x(backend_id: str, tmp_path: Any) -> None:
     )
 
 
-@pytest.mark.parametrize("backend_id", ("torch-autograd", "torch-func", "fd-central"))
+@pytest.mark.parametrize("backend_id", ["torch-autograd", "torch-func", "fd-central"])
 def test_torch_meta_tensor_x(backend_id: str) -> None:
     need(backend_id)
     import torch
@@ -729,11 +742,13 @@ def test_torch_meta_tensor_x(backend_id: str) -> None:
         assert isinstance(result, torch.Tensor) and result.is_meta, f"got {result!r}"
         assert result.shape == (3,) and result.dtype == torch.float64
 
-    check_case(lambda: di.gradient(lambda v: total(h(torch, v)), BACKENDS[backend_id], x), RIGHT_OR_ERROR, check, inputs=(x,))
+    check_case(
+        lambda: di.gradient(lambda v: total(h(torch, v)), BACKENDS[backend_id], x), RIGHT_OR_ERROR, check, inputs=(x,)
+    )
 
 
-@pytest.mark.parametrize("op", ("jvp", "hvp"))
-@pytest.mark.parametrize("backend_id", ("torch-autograd", "torch-func", "jax"))
+@pytest.mark.parametrize("op", ["jvp", "hvp"])
+@pytest.mark.parametrize("backend_id", ["torch-autograd", "torch-func", "jax"])
 def test_tangent_from_another_framework(backend_id: str, op: str) -> None:
     need(backend_id, "jax", "torch-autograd")
     import jax.numpy as jnp
@@ -748,14 +763,16 @@ def test_tangent_from_another_framework(backend_id: str, op: str) -> None:
     if op == "jvp":
         check_case(lambda: di.jvp(lambda v: h(xp, v), backend, x, t), expect, dh(X0) * T0, inputs=(x, t), rtol=1e-6)
     else:
-        check_case(lambda: di.hvp(lambda v: total(h(xp, v)), backend, x, t), expect, d2h(X0) * T0, inputs=(x, t), rtol=1e-6)
+        check_case(
+            lambda: di.hvp(lambda v: total(h(xp, v)), backend, x, t), expect, d2h(X0) * T0, inputs=(x, t), rtol=1e-6
+        )
 
 
 class UserTypeError(TypeError):
     """f's own error; it must reach the caller as it is."""
 
 
-@pytest.mark.parametrize("text", ("expected a Tensor, got a list", "my jax config is wrong"), ids=("Tensor", "jax"))
+@pytest.mark.parametrize("text", ["expected a Tensor, got a list", "my jax config is wrong"], ids=("Tensor", "jax"))
 @pytest.mark.parametrize("backend_id", list(BACKENDS))
 def test_f_own_type_error_propagates(backend_id: str, text: str) -> None:
     need(backend_id)
@@ -773,7 +790,7 @@ def test_f_own_type_error_propagates(backend_id: str, text: str) -> None:
     assert not isinstance(info.value, di.FrameworkMismatchError)
 
 
-@pytest.mark.parametrize("backend_id", ("jax", "torch-autograd", "fd-central"))
+@pytest.mark.parametrize("backend_id", ["jax", "torch-autograd", "fd-central"])
 def test_has_aux_on_gradient(backend_id: str) -> None:
     need(backend_id)
     fw = framework(backend_id)
@@ -786,7 +803,7 @@ def test_has_aux_on_gradient(backend_id: str) -> None:
     )
 
 
-@pytest.mark.parametrize("backend_id", ("jax", "torch-autograd", "fd-central"))
+@pytest.mark.parametrize("backend_id", ["jax", "torch-autograd", "fd-central"])
 def test_prep_passed_positionally(backend_id: str) -> None:
     need(backend_id)
     fw = framework(backend_id)
@@ -802,8 +819,8 @@ def test_prep_passed_positionally(backend_id: str) -> None:
     assert "prep=" in str(error), str(error)
 
 
-@pytest.mark.parametrize("cut", ("float", "new-tensor"))
-@pytest.mark.parametrize("backend_id", ("torch-autograd", "torch-func"))
+@pytest.mark.parametrize("cut", ["float", "new-tensor"])
+@pytest.mark.parametrize("backend_id", ["torch-autograd", "torch-func"])
 def test_torch_graph_cut(backend_id: str, cut: str) -> None:
     need(backend_id)
     import torch
@@ -831,8 +848,8 @@ def test_output_length_changes_between_evaluations(backend_id: str) -> None:
     check_case(lambda: di.jacobian(f, BACKENDS[backend_id], x), di.DiffifaceError, inputs=(x,))
 
 
-@pytest.mark.parametrize("problem", ("wrong-length", "wrong-dtype"))
-@pytest.mark.parametrize("kind", ("numpy", "torch"))
+@pytest.mark.parametrize("problem", ["wrong-length", "wrong-dtype"])
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
 def test_unravel_refuses_a_wrong_vector(kind: str, problem: str) -> None:
     if kind == "torch":
         need("torch-autograd")
@@ -901,7 +918,9 @@ def test_hessian_of_mixed_precision_pytree(backend_id: str) -> None:
     ha, hb = np.diag(d2h(a0.astype(np.float64))), np.diag(d2h(b0))
     expected = {"a": {"a": ha, "b": np.zeros((2, 2))}, "b": {"a": np.zeros((2, 2)), "b": hb}}
     f32, f64 = np.dtype(np.float32), np.dtype(np.float64)
-    rule = {(i, j): np.promote_types(d_i, d_j) for i, d_i in (("a", f32), ("b", f64)) for j, d_j in (("a", f32), ("b", f64))}
+    rule = {
+        (i, j): np.promote_types(d_i, d_j) for i, d_i in (("a", f32), ("b", f64)) for j, d_j in (("a", f32), ("b", f64))
+    }
 
     def check(result: Any) -> None:
         from _adversarial_helpers import to_numpy
