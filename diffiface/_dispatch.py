@@ -273,6 +273,8 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
     row = info(backend)
     _check_x(op, backend, row.any_array_type, call)
     adapter = adapter_for(backend)
+    if op.tangent is not None:
+        _check_tangent_kinds(op, backend, row.any_array_type, call)
     if op.tangent == "x":
         _check_tangent_like_x(op, call)
     function = FunctionRef(f)
@@ -657,7 +659,7 @@ def _refuse_unseen_static(adapter: Adapter, signature: Signature, index: int, le
     kind = signature.contexts[index][0].__name__
     raise ContextError(
         f"Context {index} (a di.{kind}) holds a {type(leaf).__name__}, which the compiled "
-        f"{adapter.backend.name} program must take as fixed, compile-time data. It is compared by "
+        f"{adapter.backend.name} program must take as static, compile-time data. It is compared by "
         "identity, not by value, so a later change to it (an attribute set, an in-place update) "
         "would silently reuse the old value. Pass its numbers as arrays or in a dict or dataclass "
         "registered as a pytree (di.Constant({'a': obj.a})), make it a frozen dataclass, or use "
@@ -735,6 +737,7 @@ def _closer(
     checked = output.checked
     scalar = op.scalar_output
     output_leaf = adapter.output_leaf
+    untracked = adapter.untracked
     batches = adapter.batches
 
     def close(f: Callable[..., Any], context_values: tuple[Any, ...], like: Any) -> Callable[..., Any]:
@@ -755,12 +758,18 @@ def _closer(
                     )
                 result, aux = result
             if scalar:
+                if untracked(result, xs):
+                    _refuse_cut(f, context_values, xs, adapter, x_spec)
                 # a scalar of a type and dtype seen before needs no more checks (nor recording:
                 # what the results of scalar functions mirror does not depend on f's output)
                 if (type(result), getattr(result, "dtype", None)) in checked and getattr(result, "shape", ()) == ():
                     return output_leaf(result, like), aux
                 return output_leaf(_checked(op, result, output, adapter)[0], like), aux
             leaves = _checked(op, result, output, adapter)
+            for leaf in leaves:
+                if untracked(leaf, xs):
+                    _refuse_cut(f, context_values, xs, adapter, x_spec)
+                    break
             if len(leaves) == 1:
                 return (output_leaf(leaves[0], like),), aux
             return tuple([output_leaf(leaf, like) for leaf in leaves]), aux
@@ -781,6 +790,35 @@ def _closer(
         return fn
 
     return close
+
+
+def _refuse_cut(
+    f: Callable[..., Any], context_values: tuple[Any, ...], xs: tuple[Any, ...], adapter: Adapter, x_spec: Any
+) -> None:
+    """f returned a value the engine does not trace back to x. If f's value changes when x
+    does, f cut the trace (its derivative would read as zero): refused. Else f does not depend
+    on x, and zero is its derivative."""
+    plain = [adapter.plain(leaf) for leaf in xs]
+    moved = [leaf + 1e-3 * (1 + abs(leaf)) for leaf in plain]
+
+    def value(leaves: list[Any]) -> list[np.ndarray]:
+        x = leaves[0] if x_spec == _LEAF else optree.tree_unflatten(x_spec, leaves)
+        # (through tolist: a torch.func tensor has no storage for numpy to read)
+        return [
+            np.asarray(leaf.detach().tolist() if _arrays.kind(leaf) == "torch" else _arrays.to_numpy(leaf))
+            for leaf in _tree.leaves(f(x, *context_values))
+        ]
+
+    before, after = value(plain), value(moved)
+    if len(before) != len(after) or any(
+        a.shape != b.shape or not np.array_equal(a, b, equal_nan=True) for a, b in zip(before, after, strict=True)
+    ):
+        raise InvalidOutputError(
+            f"f's output changes with x, but not through the {adapter.backend.name} engine's trace: f turned a "
+            "traced value into a plain number or a new array (float(y), y.item(), y.numpy(), "
+            "torch.tensor(y.item()), np.asarray(y)), so its derivative would read as zero. Keep the "
+            "computation in the engine's arrays from x to the output."
+        )
 
 
 def _checked(op: Operator, result: Any, output: _Output, adapter: Adapter) -> list[Any]:
@@ -960,6 +998,11 @@ def _check_x(op: Operator, backend: Backend, any_array_type: bool, call: Call) -
                 "di.Constant(...)."
             )
         kinds.add(kind)
+        if kind == "torch" and leaf.is_meta:
+            raise InvalidInputError(
+                f"x{path} is a meta tensor, which has a shape but no values to differentiate at. Create it "
+                "on a real device (torch.ones(..., device='cpu'))."
+            )
         if not _arrays.is_float_dtype(dtype):
             what = "complex" if "complex" in dtype else dtype
             raise InvalidInputError(
@@ -1015,6 +1058,24 @@ def _autograd_only(backend: Backend) -> bool:
 def backend_family(backend: Backend) -> str:
     inner = backend.inner if isinstance(backend, SecondOrder) else backend
     return {"jax": "jax", "torch": "torch", "autograd": "numpy"}.get(inner.name, "numpy")
+
+
+def _check_tangent_kinds(op: Operator, backend: Backend, any_array_type: bool, call: Call) -> None:
+    """A tangent's leaves are Python numbers, numpy arrays, or arrays of x's framework (of the
+    backend's for an engine that takes one framework): never another framework's."""
+    x_family = _arrays.family({_arrays.kind(leaf) for leaf in call.x_leaves})
+    allowed = {"python", "numpy", x_family}
+    if not any_array_type:
+        allowed.add(backend_family(backend))
+    role = "tangent" if op.tangent == "x" else "cotangent"
+    for path, leaf in zip(call.signature.tangent_spec.paths(), call.tangent_leaves, strict=True):
+        kind = _arrays.kind(leaf)
+        if kind not in allowed:
+            raise ArrayTypeError(
+                f"The {role}{_path(path)} of {op.name} is {kind} ({type(leaf).__name__}), but x holds "
+                f"{x_family} arrays under the {backend.name} backend. Pass the {role} as numpy or "
+                f"{x_family if x_family != 'python' else backend_family(backend)} arrays."
+            )
 
 
 def _check_tangent_like_x(op: Operator, call: Call) -> None:

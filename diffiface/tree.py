@@ -167,8 +167,10 @@ def ravel(tree: PyTree) -> tuple[Any, Callable[[Any], PyTree]]:
     flat = xp.concatenate([xp.reshape(a, (-1,)) for a in arrays]) if arrays else xp.zeros((0,))
     offsets = np.cumsum([0, *sizes])
 
+    flat_dtype = _arrays.dtype_name(flat)
+
     def unravel(vector: Any) -> PyTree:
-        _check_vector(vector, family, int(offsets[-1]))
+        _check_vector(vector, family, int(offsets[-1]), flat_dtype)
         rebuilt = []
         for i, (kind, shape_, dtype) in enumerate(zip(kinds, shapes, dtypes, strict=True)):
             piece = xp.reshape(vector[offsets[i] : offsets[i + 1]], shape_)
@@ -179,9 +181,13 @@ def ravel(tree: PyTree) -> tuple[Any, Callable[[Any], PyTree]]:
     return flat, unravel
 
 
-def _check_vector(vector: Any, family: str, size: int) -> None:
+_WIDTH = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64}
+
+
+def _check_vector(vector: Any, family: str, size: int, flat_dtype: str) -> None:
     """What unravel takes: a real vector of the raveled tree's size and array type (numpy for
-    Python numbers), so that no leaf comes back of another type or narrowed."""
+    Python numbers), at least as precise as the raveled vector, so that no leaf comes back of
+    another type, or typed wider than the precision its values hold."""
     kind = _arrays.kind(vector)
     expected = "numpy" if family == "python" else family
     if kind != expected and not (kind == "autograd" and expected == "numpy"):
@@ -197,6 +203,11 @@ def _check_vector(vector: Any, family: str, size: int) -> None:
         raise InvalidInputError(
             f"unravel takes a real vector; got dtype {dtype}, whose imaginary part would be dropped. "
             "Pass the real and imaginary parts separately."
+        )
+    if _WIDTH.get(dtype, 64) < _WIDTH.get(flat_dtype, 0):
+        raise InvalidInputError(
+            f"unravel takes a vector of dtype {flat_dtype}, as tree.ravel returned; got {dtype}, which "
+            f"would come back as {flat_dtype} leaves holding {dtype} precision. Cast it to {flat_dtype} first."
         )
 
 

@@ -130,6 +130,10 @@ SCALAR_OPS = ("gradient", "hvp", "hessian")
 def _in_place_expectation(backend_id: str, write: Write) -> Any:
     fw = framework(backend_id)
     if write.name == "cache-write":
+        if backend_id == "torch-func":
+            # torch.func refuses, before anything is written, every in-place write into a tensor
+            # that f closes over: refused with the reason and the mode that takes it
+            return di.MutationError
         return RIGHT  # a Cache is scratch space f may overwrite
     if write.name == "imul" and fw in ("jax", "autograd"):
         return RIGHT  # `x *= 2` rebinds an immutable array: no write happens
@@ -406,12 +410,19 @@ def test_mutable_context_under_jit(kind: str, prepared: bool) -> None:
 
     value = make()
     x = np.array(X0)
-    prep = di.prepare_gradient(f, backend, x, di.Constant(value)) if prepared else None
-    kwargs = {"prep": prep} if prepared else {}
-    expect = RIGHT  # the first call: nothing changed yet
-    check_case(
-        lambda: di.gradient(f, backend, x, di.Constant(value), **kwargs), expect, _jax_grad_scaled(2.0), inputs=(x,)
-    )
+    # A context that cannot be compared between calls may be refused from the start (the
+    # contract: "hashed by value, or refused with a message"): then there is nothing more to check.
+    snapshot = Snapshot(x)
+    try:
+        prep = di.prepare_gradient(f, backend, x, di.Constant(value)) if prepared else None
+        kwargs = {"prep": prep} if prepared else {}
+        first = di.gradient(f, backend, x, di.Constant(value), **kwargs)
+    except di.ContextError as error:
+        snapshot.assert_unchanged()
+        assert_says_what(error, "static", "context")
+        return
+    snapshot.assert_unchanged()
+    np.testing.assert_allclose(np.asarray(first), _jax_grad_scaled(2.0), rtol=1e-6, atol=1e-9)
     change(value)
     _check_context_case(lambda: di.gradient(f, backend, x, di.Constant(value), **kwargs), _jax_grad_scaled(3.0), (x,))
 
@@ -836,7 +847,9 @@ def test_torch_graph_cut(backend_id: str, cut: str) -> None:
     check_case(lambda: di.gradient(f, BACKENDS[backend_id], x), di.DiffifaceError, inputs=(x,))
 
 
-@pytest.mark.parametrize("backend_id", BLACK_BOX_IDS)
+# (not the complex step: it evaluates f at x + ih, whose real part never crosses a real
+# boundary, and is documented for analytic f only; nothing at complex points can show the jump)
+@pytest.mark.parametrize("backend_id", [b for b in BLACK_BOX_IDS if b != "fd-complex"])
 def test_output_length_changes_between_evaluations(backend_id: str) -> None:
     need(backend_id)
     x = np.array([0.5, 0.5 + 1e-12, 0.9])  # perturbations cross the boundary x > 0.5 either way

@@ -397,7 +397,7 @@ def test_foreign_tangent(mode: str, framework: str, watch: _Watch) -> None:
         boxes = []
         ag.grad(lambda z: boxes.append(z) or z.sum())(np.ones(3, dtype=np.float32))
         tangent = boxes[0]
-    with pytest.raises(di.DiffifaceError, match="torch tensor"):
+    with pytest.raises(di.ArrayTypeError, match=r"tangent of jvp is (jax|autograd).*numpy or torch arrays"):
         di.jvp(torch.sin, tb(mode), x, tangent)
 
 

@@ -101,6 +101,17 @@ class Adapter:
         """A leaf of ``f``'s output as the engine's array (``like``: a leaf of x)."""
         return leaf
 
+    def untracked(self, leaf: Any, xs: Leaves) -> bool:
+        """Whether ``xs`` are traced by the engine and the output ``leaf`` of ``f`` is not: ``f``
+        either does not depend on x (its derivative is zero) or cut the trace (``float(y)``,
+        ``torch.tensor(y.item())``), which only evaluating ``f`` elsewhere can tell apart.
+        Engines whose traced values cannot leave the trace unnoticed keep the default, False."""
+        return False
+
+    def plain(self, leaf: Any) -> Any:
+        """A traced input leaf's value, outside any trace (for evaluating ``f`` elsewhere)."""
+        return leaf
+
     def scope(self) -> contextlib.AbstractContextManager[Any] | None:
         """The context to run in when a float64 array is involved; None if there is none.
 
@@ -326,6 +337,12 @@ class SecondOrderAdapter(Adapter):
 
     def constant_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
         return self.inner.constant_to_native(leaf, like)
+
+    def untracked(self, leaf: Any, xs: Leaves) -> bool:
+        return self.inner.untracked(leaf, xs)
+
+    def plain(self, leaf: Any) -> Any:
+        return self.inner.plain(leaf)
 
     def output_leaf(self, leaf: Any, like: Any) -> Any:
         return self.inner.output_leaf(leaf, like)

@@ -55,6 +55,12 @@ class Adapter(_base.Adapter):
     def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
         return leaf, isinstance(leaf, (np.ndarray, Box))  # a Box: traced by an enclosing autograd call
 
+    def untracked(self, leaf: Any, xs: Leaves) -> bool:
+        return not isinstance(leaf, Box) and any(isinstance(x, Box) for x in xs)
+
+    def plain(self, leaf: Any) -> Any:
+        return getval(leaf)
+
     def output_leaf(self, leaf: Any, like: Any) -> Any:
         if _arrays.kind(leaf) == "python":
             return np.asarray(leaf, dtype=getattr(like, "dtype", np.float64))

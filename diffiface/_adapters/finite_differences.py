@@ -33,7 +33,13 @@ from typing import Any
 import numpy as np
 
 from .. import _arrays
-from .._errors import InputTooLargeError, InvalidBackendOptionError, InvalidOutputError, MutationError
+from .._errors import (
+    InputTooLargeError,
+    InvalidBackendOptionError,
+    InvalidOutputError,
+    MutationError,
+    UnsupportedOperationError,
+)
 from . import _base
 from ._base import Blocks, Deferred, Fn, Leaves
 
@@ -189,10 +195,40 @@ def constant_like_x(leaf: Any, like: Any) -> tuple[Any, bool]:
     return context_like_x(leaf, like)
 
 
+def _traced_by_torch(x: Any) -> bool:
+    """Whether a tensor carries an outer torch differentiation, which evaluating f on numbers
+    would cut: it was computed from tensors that require grad, or is the input of an enclosing
+    diffiface torch call, or a torch.func tensor (these have no storage), or a forward-mode
+    dual. A leaf the caller made requiring grad (a module's parameter) is not: its finite
+    differences are numbers, as a checker expects."""
+    torch = sys.modules["torch"]
+    if x.requires_grad and torch.is_grad_enabled():
+        if x.grad_fn is not None:
+            return True
+        adapter = sys.modules.get("diffiface._adapters.torch")
+        if adapter is not None and adapter.inside_a_call():
+            return True
+    if x.device.type != "meta":
+        try:
+            x.data_ptr()
+        except RuntimeError:
+            return True
+    return torch.autograd.forward_ad.unpack_dual(x).tangent is not None
+
+
 class _Point:
     """``x`` as one float64 vector, with the way back to leaves of x's kinds and dtypes."""
 
     def __init__(self, xs: Leaves, promote: bool = False) -> None:
+        for x in xs:
+            if _arrays.kind(x) == "torch" and _traced_by_torch(x):
+                raise UnsupportedOperationError(
+                    "Finite differences were asked for inside a torch differentiation (x carries torch's "
+                    "graph, a torch.func transform or a forward-mode dual): torch cannot differentiate "
+                    "through them, and the outer derivative would silently lose this part. Differentiate "
+                    "the inner function with AutoTorch() too, or make the outer call finite differences "
+                    "(di.SecondOrder(di.AutoFiniteDifferences(), di.AutoTorch()) for second order)."
+                )
         self.likes = tuple(_promoted(x) for x in xs) if promote else xs
         arrays = [_arrays.to_numpy(x) for x in xs]
         self.shapes = [a.shape for a in arrays]

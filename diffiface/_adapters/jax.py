@@ -153,6 +153,10 @@ class Adapter(_base.Adapter):
         return value, aux, grads
 
     def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Blocks]:
+        if len({x.dtype for x in xs}) > 1:
+            # jax's jacfwd/jacrev build one basis for all leaves, promoting their dtypes together,
+            # which fails under strict promotion: row by row, each leaf in its own dtype
+            return super().value_and_jacobian(fn, xs, mode)
         transform = jax.jacfwd if mode == "forward" else jax.jacrev
 
         def with_value(xs_: Leaves) -> tuple[Any, Any]:

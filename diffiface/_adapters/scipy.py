@@ -158,8 +158,7 @@ class Adapter(_base.Adapter):
                 shifts = s.reshape(-1)
                 return batched(point.vector[:, None] + u[:, None] * shifts[None, :]).reshape((flat.size, *s.shape[1:]))  # type: ignore[no-any-return]
 
-            result = scipy.differentiate.jacobian(g, np.zeros(1), **self._options)
-            return np.asarray(result.df).reshape(flat.size), np.asarray(result.error).reshape(flat.size)
+            return _directional(g, flat.size, self._options)
 
         column, error = _linear_in(along, t, flat.size)
         touts = _split_out(column, layout)
@@ -210,8 +209,7 @@ class Adapter(_base.Adapter):
                 grads_along = [gradient(point.vector + shift * u) for shift in s.reshape(-1)]
                 return np.stack(grads_along, axis=-1).reshape((point.size, *s.shape[1:]))
 
-            result = scipy.differentiate.jacobian(g, np.zeros(1), **self._options)
-            return np.asarray(result.df).reshape(point.size), np.asarray(result.error).reshape(point.size)
+            return _directional(g, point.size, self._options)
 
         hv, error = _linear_in(along, v, point.size)
         self._local.error = (_zeros_like(out), None, grad_err, _split(error, point))
@@ -228,6 +226,28 @@ class Adapter(_base.Adapter):
             seconds[k], errors[k] = np.asarray(result.ddf).reshape(-1)[0], np.asarray(result.error).reshape(-1)[0]
         self._local.error = (_zeros_like(out), None, deriv_err, _split_out(errors, layout))
         return out, aux, derivs, _split_out(seconds, layout)
+
+
+def _directional(g: Any, size: int, options: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """``d/ds g(s)`` at 0 for ``g: R -> R^size`` (on a batch of ``s``) by scipy's adaptive
+    differences, and its error estimate. An output that took one value at every point scipy
+    evaluated has derivative exactly 0 (scipy's weighted sum of equal values leaves rounding,
+    which an infinite tangent would turn into inf), as forward mode gives it."""
+    low = np.full(size, np.inf)
+    high = np.full(size, -np.inf)
+
+    def recorded(s: np.ndarray) -> np.ndarray:
+        values = g(s)
+        flat = values.reshape(size, -1)
+        np.minimum(low, flat.min(axis=1, initial=np.inf), out=low)
+        np.maximum(high, flat.max(axis=1, initial=-np.inf), out=high)
+        return values  # type: ignore[no-any-return]
+
+    result = scipy.differentiate.jacobian(recorded, np.zeros(1), **options)
+    df = np.asarray(result.df).reshape(size)
+    error = np.asarray(result.error).reshape(size)
+    constant = low == high
+    return np.where(constant, 0.0, df), np.where(constant, 0.0, error)
 
 
 def _linear_in(along: Any, t: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:

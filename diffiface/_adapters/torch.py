@@ -85,6 +85,11 @@ class _Calls(threading.local):
 _CALLS = _Calls()
 
 
+def inside_a_call() -> bool:
+    """Whether this thread is inside a diffiface torch call (f is being differentiated)."""
+    return bool(_CALLS.keep)
+
+
 def _keeping() -> bool:
     """Whether the innermost open call keeps its graph (its inputs carried an outer one)."""
     stack = _CALLS.keep
@@ -131,6 +136,20 @@ class Adapter(_base.Adapter):
             )
         return leaf, isinstance(leaf, torch.Tensor)
 
+    def untracked(self, leaf: Any, xs: Leaves) -> bool:
+        if not isinstance(leaf, torch.Tensor) or not torch.is_grad_enabled():
+            return False
+        if any(x.requires_grad for x in xs):  # reverse mode, torch.autograd's or torch.func's
+            return not leaf.requires_grad
+        if _DUALS[0] and any(forward_ad.unpack_dual(x).tangent is not None for x in xs):
+            return forward_ad.unpack_dual(leaf).tangent is None
+        return False  # (torch.func's forward mode: every tensor made inside is wrapped alike)
+
+    def plain(self, leaf: Any) -> Any:
+        if _wrapped(leaf):  # a torch.func tensor: its value is reached through the transform
+            return leaf
+        return forward_ad.unpack_dual(leaf).primal.detach() if isinstance(leaf, torch.Tensor) else leaf
+
     def output_leaf(self, leaf: Any, like: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
             return leaf
@@ -153,6 +172,14 @@ class Adapter(_base.Adapter):
             )
         if isinstance(exc, TypeError) and _raised_inside(exc, "jax"):
             return "f calls jax on torch tensors; differentiate a jax function with AutoJAX()."
+        if self.functional and isinstance(exc, RuntimeError) and "mutate a captured Tensor" in text:
+            # torch.func's refusal, raised before the write: nothing of the caller's changed
+            raise MutationError(
+                "f writes in place into a tensor it closes over (an array of a di.Constant or di.Cache, "
+                "or a global), which torch.func refuses inside its transforms; nothing was written. "
+                "A Constant must only be read: compute out of place (y = c * 2, not c.mul_(2)). For an "
+                "f that writes into scratch space (a di.Cache), use AutoTorch(mode='autograd')."
+            ) from exc
         return None
 
     # -- the guard around every call: state, nesting, writes into the inputs --------------------
@@ -597,6 +624,7 @@ def _guarded(
         xs = tuple([x.clone() for x in xs])
         ts = tuple([t.clone() for t in ts])
     versions = [x._version for x in xs]
+    tangent_versions = [t._version for t in ts]
     constants: list[tuple[int, Any, int]] = []
     if dynamic:
         fresh = list(dynamic)
@@ -625,6 +653,9 @@ def _guarded(
     problem = _mutation(xs, versions, copied, constants, modules)
     if problem is not None:
         raise MutationError(problem)
+    if any(t._version != v for t, v in zip(ts, tangent_versions, strict=True)):
+        # (the tangent f reaches through its dual input: a write changes the derivative itself)
+        raise MutationError(f"f wrote in place into the tangent of its input (forward mode). {_FIX}")
     return result
 
 
