@@ -709,9 +709,8 @@ def _program(
         return tuple([force(result[i]) for i in picked])
 
     # what an adapter's compile may read to guard the call (torch: which context leaves f may
-    # write, the Cache ones; which operator, to know which inputs f sees)
+    # write, the Cache ones)
     cache = [kind is Cache for kind, _, leaves in sig.contexts for _ in leaves]
-    program.operator = op.name  # type: ignore[attr-defined]
     program.cache_dynamic = tuple(c for c, m in zip(cache, plan.mask, strict=True) if m)  # type: ignore[attr-defined]
     program.cache_static = tuple(c for c, m in zip(cache, plan.mask, strict=True) if not m)  # type: ignore[attr-defined]
     return program

@@ -73,7 +73,6 @@ _DUALS = [0]
 """How many of diffiface's forward-mode (dual level) calls are open, in the thread that holds
 ``_FORWARD_LOCK``: while one is, inputs may be dual tensors whose tangents must be kept."""
 
-_FORWARD_OPERATORS = frozenset({"jvp", "value_and_jvp", "derivative", "value_and_derivative"})
 """The operators by which autograd mode hands f dual tensors, which share the caller's memory."""
 
 
@@ -185,11 +184,10 @@ class Adapter(_base.Adapter):
     # -- the guard around every call: state, nesting, writes into the inputs --------------------
 
     def compile(self, program: Callable[..., Any], static: bool = True, arrays: bool = False) -> Callable[..., Any]:
-        operator = getattr(program, "operator", "")
-        # the inputs f sees share memory with the caller's where f gets duals (forward mode) or
-        # torch.func's wrappers: it gets copies there; autograd's reverse mode hands f leaves
-        # that require grad, into which torch itself refuses writes
-        exposed = self.functional or operator in _FORWARD_OPERATORS
+        # the inputs f sees would share memory with the caller's (duals in forward mode,
+        # torch.func's wrappers, and in reverse mode the detached leaf, which torch lets f write
+        # into under no_grad): f gets copies, so that a write found afterwards lost nothing
+        exposed = True
         cache_dynamic = getattr(program, "cache_dynamic", ())
         cache_static = getattr(program, "cache_static", ())
 
