@@ -221,6 +221,13 @@ class _Point:
 
     def __init__(self, xs: Leaves, promote: bool = False) -> None:
         for x in xs:
+            if _arrays.kind(x) == "jax" and isinstance(x, sys.modules["jax"].core.Tracer):
+                raise UnsupportedOperationError(
+                    "Finite differences were asked for inside a jax transformation (x is a traced jax "
+                    "array): they evaluate f at numbers, which jax cannot trace. Differentiate the inner "
+                    "function with AutoJAX() too, or make the outer call finite differences "
+                    "(di.SecondOrder(di.AutoFiniteDifferences(), di.AutoJAX()) for second order)."
+                )
             if _arrays.kind(x) == "torch" and _traced_by_torch(x):
                 raise UnsupportedOperationError(
                     "Finite differences were asked for inside a torch differentiation (x carries torch's "
