@@ -302,7 +302,8 @@ class _PrepCache:
             self._strong.clear()
 
     def __len__(self) -> int:
-        return sum(len(e) for e in list(self._weak.values())) + sum(len(e) for e in self._strong.values())
+        with self._lock:  # (entries are added under the lock: none while this counts)
+            return sum(len(e) for e in list(self._weak.values())) + sum(len(e) for e in self._strong.values())
 
 
 prep_cache = _PrepCache()

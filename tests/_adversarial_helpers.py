@@ -191,7 +191,7 @@ def process_state() -> dict[str, Any]:
         state["torch.get_default_dtype"] = torch.get_default_dtype()
         try:  # outside any dual level, making a dual tensor must fail
             with warnings.catch_warnings():  # torch scripts its decompositions on first use
-                warnings.filterwarnings("ignore", message=".*torch.jit.script.*", category=DeprecationWarning)
+                warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*")  # Deprecation- or FutureWarning
                 fwad.make_dual(torch.zeros(1), torch.zeros(1))
             state["forward-AD level open"] = True
         except RuntimeError:

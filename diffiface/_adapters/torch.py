@@ -39,7 +39,7 @@ _FORWARD_WARMED = [False]
 def _first_forward() -> Any:
     if not _FORWARD_WARMED[0]:
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.jit.script.*", category=DeprecationWarning)
+            warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*")  # Deprecation- or FutureWarning
             try:
                 with forward_ad.dual_level():
                     forward_ad.make_dual(torch.zeros(()), torch.zeros(()))
