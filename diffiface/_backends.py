@@ -46,8 +46,10 @@ class AutoJAX(Backend):
     Parameters
     ----------
     jit:
-        Compile each prepared operator with ``jax.jit``. Contexts are passed to the compiled
-        function as arguments, so new context values never trigger a recompilation.
+        Compile each prepared operator with ``jax.jit``. Context arrays and floats are arguments
+        of the compiled function, so new values never recompile; ints, strings and other
+        hashable values are static, compared by value; an object that can only be compared by
+        identity is refused (a change to it would go unseen), unless ``jit=False``.
     """
 
     name: ClassVar[str] = "jax"

@@ -1,7 +1,7 @@
 """jax: ``jax.vjp``, ``jax.jvp``, ``jax.value_and_grad``, ``jax.jacrev``/``jacfwd``, and ``jax.jit``.
 
-Every operator is one program compiled with ``jax.jit``; contexts that are arrays are its
-arguments (new values never recompile), other context leaves are static. float64 work runs
+Every operator is one program compiled with ``jax.jit``; context arrays and floats are its
+arguments (new values never recompile), other context leaves are static, compared by value. float64 work runs
 inside a scoped ``jax.enable_x64(True)``; the global flag is never changed.
 """
 
