@@ -10,6 +10,7 @@ Importing diffiface imports no array framework; each engine is imported on first
 """
 
 from . import tree as tree
+from ._torch_module import functional as functional
 from ._adapters import available as available
 from ._backends import AutoAutograd as AutoAutograd
 from ._backends import AutoFiniteDifferences as AutoFiniteDifferences
@@ -85,6 +86,8 @@ __all__ = [
     "Cache",
     "Constant",
     "Context",
+    # frameworks' models
+    "functional",
     # first-order operators
     "derivative",
     "value_and_derivative",
