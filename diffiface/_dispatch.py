@@ -722,6 +722,8 @@ class _Static:
 
 
 _BY_VALUE = (int, float, complex, str, bytes, bool, type(None))
+# jax's wrapped functions (jax.nn.relu is a jitted function, others custom_jvp objects): code
+_JAX_CODE = frozenset({"jax", "jaxlib"})
 _CODE = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType, type, functools.partial)
 
 
@@ -732,7 +734,7 @@ def static_key(value: Any) -> Any:
     cls = type(value)
     if cls in _BY_VALUE:
         return (cls, value)
-    if isinstance(value, (*_CODE, enum.Enum)):
+    if isinstance(value, (*_CODE, enum.Enum)) or (callable(value) and cls.__module__.split(".")[0] in _JAX_CODE):
         return (cls, id(value))
     if cls.__hash__ is None or (
         cls.__hash__ is object.__hash__ and cls.__eq__ is object.__eq__  # type: ignore[comparison-overlap]
