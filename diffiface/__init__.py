@@ -10,7 +10,6 @@ Importing diffiface imports no array framework; each engine is imported on first
 """
 
 from . import tree as tree
-from ._torch_module import functional as functional
 from ._adapters import available as available
 from ._backends import AutoAutograd as AutoAutograd
 from ._backends import AutoFiniteDifferences as AutoFiniteDifferences
@@ -69,6 +68,7 @@ from ._operators import value_derivative_and_second_derivative as value_derivati
 from ._operators import value_gradient_and_hessian as value_gradient_and_hessian
 from ._operators import vjp as vjp
 from ._prep import Prep as Prep
+from ._torch_module import functional as functional
 
 __version__ = "0.1.0"
 

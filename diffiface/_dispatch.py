@@ -383,6 +383,7 @@ class _DynamicView(Call):
     back. ``rebuild(xs)`` makes f's x of those leaves and the prepared static ones."""
 
     __slots__ = ("rebuild",)
+    rebuild: Callable[[Any], Any]
 
 
 def _dynamic_view(op: Operator, adapter: Adapter, call: Call) -> tuple[Call, list[int] | None]:
@@ -839,6 +840,7 @@ def _closer(
 
         def rebuild(xs: Any) -> Any:
             return optree.tree_unflatten(x_spec, list(xs))
+
     checked = output.checked
     scalar = op.scalar_output
     output_leaf = adapter.output_leaf

@@ -72,7 +72,9 @@ def test_equinox_module_as_x_matches_filter_grad(backend: str) -> None:
     grad = di.gradient(_mlp_loss, _backend(backend), model, di.Constant(inputs))
     assert type(grad) is type(model) and grad.activation is None and grad.final_activation is None
     same_tree(grad, expected, rtol=1e-6 if backend == "finite_differences" else 1e-12)
-    for a, b in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))):
+    for a, b in zip(
+        jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array)), strict=False
+    ):
         np.testing.assert_array_equal(a, np.asarray(b))
     again = di.gradient(_mlp_loss, _backend(backend), model, di.Constant(inputs))  # the prep, reused
     same_tree(again, grad, rtol=0, atol=0)
@@ -95,7 +97,7 @@ def test_equinox_module_float32_on_jax_and_static_value_changes() -> None:
 
 
 def test_equinox_module_as_context() -> None:
-    jax, eqx = need("jax"), need("equinox")
+    jax, _eqx = need("jax"), need("equinox")
     jnp = jax.numpy
     with x64():
         model = _mlp(dtype=jnp.float64)
@@ -164,7 +166,9 @@ def test_integer_array_in_module_is_refused_with_the_way_out() -> None:
         assert "eqx.partition" in str(caught.value) and "di.Constant" in str(caught.value)
     # the documented way: the integer part as a Constant
     params, static = eqx.partition(model, eqx.is_inexact_array)
-    grad = di.gradient(lambda p, s: eqx.combine(p, s).weight[eqx.combine(p, s).index].sum(), "jax", params, di.Constant(static))
+    grad = di.gradient(
+        lambda p, s: eqx.combine(p, s).weight[eqx.combine(p, s).index].sum(), "jax", params, di.Constant(static)
+    )
     np.testing.assert_array_equal(np.asarray(grad.weight), [1.0, 1.0, 0.0])
 
 
@@ -243,7 +247,9 @@ def test_flax_nnx_state_as_x_and_as_context() -> None:
         grad = di.gradient(loss, _backend(backend), state, di.Constant(graphdef), di.Constant(inputs))
         assert isinstance(grad, nnx.State)
         same_tree(grad, expected, rtol=1e-6)
-        by_input = di.gradient(lambda i, s, g: loss(s, g, i), _backend(backend), inputs, di.Constant(state), di.Constant(graphdef))
+        by_input = di.gradient(
+            lambda i, s, g: loss(s, g, i), _backend(backend), inputs, di.Constant(state), di.Constant(graphdef)
+        )
         np.testing.assert_allclose(np.asarray(by_input), np.asarray(expected_inputs), rtol=1e-6)
     flat, unravel = tree.ravel(state)
     assert flat.shape == (3 * 2 + 2,) and isinstance(unravel(flat), nnx.State)
@@ -298,7 +304,7 @@ def test_functional_gives_detached_params_and_buffers() -> None:
     module.eval()
     inputs = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(f(params, buffers, inputs), module(inputs), rtol=0, atol=0)
-    with pytest.raises(di.InvalidInputError, match="torch.nn.Module"):
+    with pytest.raises(di.InvalidInputError, match=r"torch\.nn\.Module"):
         di.functional(lambda x: x)
 
 
@@ -307,6 +313,10 @@ def test_torch_batchnorm_train_mode_through_has_aux() -> None:
     module's own buffers bit-identical after; torch agrees with finite differences."""
     torch = need("torch")
     module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Tanh()).double().train()
+    seeded = torch.Generator().manual_seed(3)  # values independent of the tests run before
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.copy_(torch.randn(parameter.shape, dtype=torch.float64, generator=seeded))
     f, params, buffers = di.functional(module)
     before = {name: b.clone() for name, b in module.named_buffers()}
     inputs = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
@@ -318,7 +328,7 @@ def test_torch_batchnorm_train_mode_through_has_aux() -> None:
 
     results = {}
     for backend in ("torch", di.AutoTorch(mode="func"), "finite_differences"):
-        (value, new_buffers), grad = di.value_and_gradient(
+        (_value, new_buffers), grad = di.value_and_gradient(
             loss, backend, params, di.Constant(buffers), di.Constant(inputs), has_aux=True
         )
         results[str(backend)] = grad
@@ -332,7 +342,7 @@ def test_torch_batchnorm_train_mode_through_has_aux() -> None:
     reference = results["finite_differences"]
     for grad in results.values():
         for name in params:
-            torch.testing.assert_close(grad[name], reference[name], rtol=1e-6, atol=1e-8)
+            torch.testing.assert_close(grad[name], reference[name], rtol=1e-5, atol=1e-7)
 
 
 def _dropout_model(torch: Any) -> Any:
@@ -373,7 +383,11 @@ def test_torch_module_scenarios_hold_the_recipes() -> None:
     need("torch")
     from diffiface.test import test_differentiation, torch_module_scenarios
 
-    recipes = [s for s in torch_module_scenarios() if s.name.endswith(("batch_norm_train_aux-float64", "dropout_generator-float64"))]
+    recipes = [
+        s
+        for s in torch_module_scenarios()
+        if s.name.endswith(("batch_norm_train_aux-float64", "dropout_generator-float64"))
+    ]
     assert len(recipes) == 2 and recipes[0].has_aux
     report = test_differentiation([di.AutoTorch(), di.AutoFiniteDifferences()], recipes)
     assert {row.status for row in report.rows} == {"passed"}
