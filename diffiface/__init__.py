@@ -68,6 +68,7 @@ from ._operators import value_derivative_and_second_derivative as value_derivati
 from ._operators import value_gradient_and_hessian as value_gradient_and_hessian
 from ._operators import vjp as vjp
 from ._prep import Prep as Prep
+from ._torch_module import functional as functional
 
 __version__ = "0.1.0"
 
@@ -85,6 +86,8 @@ __all__ = [
     "Cache",
     "Constant",
     "Context",
+    # frameworks' models
+    "functional",
     # first-order operators
     "derivative",
     "value_and_derivative",

@@ -110,8 +110,10 @@ class Call:
             raise _misplaced_context(op, "tangent" if op.tangent == "x" else "cotangent", tangent)
         if _arrays.kind(x) in _ARRAY_KINDS:  # one array: no tree to flatten
             self.x_leaves, x_spec = [x], _LEAF
+            x_signature: tuple[Any, ...] = (leaf_signature(x),)
         else:
             self.x_leaves, x_spec = _tree.flatten(x)
+            x_signature = _x_signature(self.x_leaves)
         if op.tangent is None:
             self.tangent_leaves: list[Any] = []
             t_spec = None
@@ -140,11 +142,38 @@ class Call:
             backend,
             has_aux,
             x_spec,
-            tuple(leaf_signature(leaf) for leaf in self.x_leaves),
+            x_signature,
             t_spec,
             tuple(leaf_signature(leaf) for leaf in self.tangent_leaves),
             tuple(context_signature),
         )
+
+
+def _x_signature(leaves: list[Any]) -> tuple[Any, ...]:
+    """The signatures of x's leaves. A static leaf (:func:`_is_static`) is passed to f as it is,
+    so a prep is made for its value: it is known by :func:`static_key`, or by identity (the prep
+    holds it, so that identity is not reused)."""
+    leaf_signature = _arrays.leaf_signature
+    signature = tuple([leaf_signature(leaf) for leaf in leaves])
+    for entry in signature:  # the common case, all arrays and floats: nothing more to do
+        if entry[0] == "other" or (entry[0] == "python" and entry[1] is not float):
+            return tuple(
+                ("static", type(leaf), _static_x_key(leaf)) if _is_static(leaf) else entry
+                for leaf, entry in zip(leaves, signature, strict=True)
+            )
+    return signature
+
+
+def _is_static(leaf: Any) -> bool:
+    """A leaf of x that is not differentiated but passed to f as it is, as ``eqx.filter_grad``
+    treats it: anything but an array or a Python float (a function, an int, a bool, a string)."""
+    kind = _arrays.kind(leaf)
+    return kind == "other" or (kind == "python" and not isinstance(leaf, float))
+
+
+def _static_x_key(leaf: Any) -> Any:
+    key = static_key(leaf)
+    return ("identity", id(leaf)) if key is None else key
 
 
 def _misplaced_context(op: Operator, role: str, value: Context[Any]) -> ContextError:
@@ -269,10 +298,12 @@ def prepare(
 
 
 def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, strict: bool) -> Prep:
-    signature = call.signature
+    full_signature = call.signature
     row = info(backend)
-    _check_x(op, backend, row.any_array_type, call)
     adapter = adapter_for(backend)
+    call, dynamic_index = _dynamic_view(op, adapter, call)  # from here on, x's leaves to differentiate
+    signature = call.signature
+    _check_x(op, backend, row.any_array_type, call)
     if op.tangent is not None:
         _check_tangent_kinds(op, backend, row.any_array_type, call)
     if op.tangent == "x":
@@ -289,7 +320,16 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
         # a compiled program on flat arguments (x, [tangent,] *context arrays), which returns
         # the result itself where it is x's one leaf: no pytree for jit to take apart or build
         flat, finished, finish_rest = _flat_program(
-            adapter, program, op, output, mirror, finish, bool(call.tangent_leaves), call.x_leaves[0], signature.has_aux
+            adapter,
+            program,
+            op,
+            output,
+            mirror,
+            finish,
+            bool(call.tangent_leaves),
+            call.x_leaves[0],
+            signature.has_aux,
+            signature.x_spec == _LEAF,
         )
 
         def finish(out: Any) -> Any:
@@ -328,7 +368,60 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
 
     runner = scoped if plan.float64 else run
     fast = _fast_path(op, function, call, estimates, direct_ok, flat, finished, finish_rest, compiled, finish, runner)
-    return Prep(function, signature, runner, strict, estimates, fast)
+    if dynamic_index is not None:  # x has static leaves: the program takes the others
+        on_dynamic = runner
+
+        def runner(x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]) -> tuple[Any, Any]:
+            return on_dynamic([x_leaves[i] for i in dynamic_index], tangent_leaves, context_leaves)
+
+    return Prep(function, full_signature, runner, strict, estimates, fast)
+
+
+class _DynamicView(Call):
+    """A call whose x holds static leaves, seen as the tree of the leaves to differentiate:
+    x's structure with ``None`` in place of each static leaf, which is how the results come
+    back. ``rebuild(xs)`` makes f's x of those leaves and the prepared static ones."""
+
+    __slots__ = ("rebuild",)
+    rebuild: Callable[[Any], Any]
+
+
+def _dynamic_view(op: Operator, adapter: Adapter, call: Call) -> tuple[Call, list[int] | None]:
+    """``call`` itself where every leaf of x is differentiated (or none is: then x is refused
+    as before); else the :class:`_DynamicView` of its leaves to differentiate, and their indices."""
+    static = [_is_static(leaf) for leaf in call.x_leaves]
+    if not any(static) or all(static):
+        return call, None
+    sig = call.signature
+    paths = sig.x_spec.paths()
+    if adapter.compiles:
+        for path, leaf, is_static in zip(paths, call.x_leaves, static, strict=True):
+            if is_static and static_key(leaf) is None and not callable(leaf):
+                raise InvalidInputError(
+                    f"x{_path(path)} is a {type(leaf).__name__}, which is not differentiated but passed to f "
+                    f"as static, compile-time data of the {adapter.backend.name} program. It is compared by "
+                    "identity, not by value, so a later change to it would silently reuse the old value. "
+                    "Pass it as a di.Constant, separate it from x (eqx.partition), or use AutoJAX(jit=False)."
+                )
+    dynamic_index = [i for i, is_static in enumerate(static) if not is_static]
+    full_spec, prepared = sig.x_spec, list(call.x_leaves)
+    view_spec = _tree.structure(
+        optree.tree_unflatten(full_spec, [None if is_static else 0 for is_static in static])  # type: ignore[arg-type]
+    )
+    view = _DynamicView.__new__(_DynamicView)
+    view.x_leaves = [prepared[i] for i in dynamic_index]
+    view.tangent_leaves = call.tangent_leaves
+    view.context_leaves, view.context_specs = call.context_leaves, call.context_specs
+    view.signature = sig._replace(x_spec=view_spec, x_leaves=tuple(sig.x_leaves[i] for i in dynamic_index))
+
+    def rebuild(xs: tuple[Any, ...] | list[Any]) -> Any:
+        leaves = list(prepared)
+        for i, leaf in zip(dynamic_index, xs, strict=True):
+            leaves[i] = leaf
+        return optree.tree_unflatten(full_spec, leaves)
+
+    view.rebuild = rebuild
+    return view, dynamic_index
 
 
 def _fast_path(
@@ -384,6 +477,7 @@ def _flat_program(
     tangent: bool,
     like: Any,
     has_aux: bool,
+    bare_x: bool,
 ) -> tuple[Callable[..., Any], list[bool], Callable[[Any], Any]]:
     """``program`` compiled on flat arguments; a cell that holds True once its results are
     known to come out finished; the finisher of its results otherwise.
@@ -393,8 +487,9 @@ def _flat_program(
     one array, the program finishes it: a cast to x's dtype for a gradient, nothing for the
     others; whether f's output is one array (for jvp and jacobian) shows when it is traced."""
     kinds = [kind for _, kind in op.parts]
-    candidate = adapter.returns_like(like) and len(kinds) == 1 and not has_aux
     kind = kinds[0]
+    # (a result that mirrors x is x's one leaf only where x is that leaf, not a tree holding it)
+    candidate = adapter.returns_like(like) and len(kinds) == 1 and not has_aux and (bare_x or kind in ("value", "y"))
     inside = [candidate and kind in ("x", "value", "hessian")]  # settled by the trace for "y" and "jacobian"
     dtype = like.dtype if candidate else None
 
@@ -628,6 +723,8 @@ class _Static:
 
 
 _BY_VALUE = (int, float, complex, str, bytes, bool, type(None))
+# jax's wrapped functions (jax.nn.relu is a jitted function, others custom_jvp objects): code
+_JAX_CODE = frozenset({"jax", "jaxlib"})
 _CODE = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType, type, functools.partial)
 
 
@@ -638,7 +735,7 @@ def static_key(value: Any) -> Any:
     cls = type(value)
     if cls in _BY_VALUE:
         return (cls, value)
-    if isinstance(value, (*_CODE, enum.Enum)):
+    if isinstance(value, (*_CODE, enum.Enum)) or (callable(value) and cls.__module__.split(".")[0] in _JAX_CODE):
         return (cls, id(value))
     if cls.__hash__ is None or (
         cls.__hash__ is object.__hash__ and cls.__eq__ is object.__eq__  # type: ignore[comparison-overlap]
@@ -677,7 +774,7 @@ def _program(
     context_sizes = [len(leaves) for leaves in call.context_leaves]
     # one array leaf per context: the dynamic arguments are the context values
     leaf_contexts = all(spec == _LEAF for spec in context_specs) and all(plan.mask)
-    close = _closer(op, adapter, sig.x_spec, has_aux, output)
+    close = _closer(op, adapter, sig.x_spec, has_aux, output, getattr(call, "rebuild", None))
     method = getattr(adapter, op.compute)
     pullback = op.compute == "value_and_pullback"
     picked = [i for i, _ in op.parts] + ([1] if has_aux else [])  # the aux comes last
@@ -728,11 +825,22 @@ def _merge_contexts(specs: list[Any], sizes: list[int], dynamic: tuple[Any, ...]
 
 
 def _closer(
-    op: Operator, adapter: Adapter, x_spec: Any, has_aux: bool, output: _Output
+    op: Operator,
+    adapter: Adapter,
+    x_spec: Any,
+    has_aux: bool,
+    output: _Output,
+    rebuild: Callable[[Any], Any] | None = None,
 ) -> Callable[[Callable[..., Any], tuple[Any, ...], Any], Callable[[tuple[Any, ...]], tuple[Any, Any]]]:
     """``close(f, context_values, like)``: ``f`` with its contexts bound, on a tuple of leaves,
-    ``xs -> (out, aux)``, its output checked (``like``: a leaf of x, native)."""
+    ``xs -> (out, aux)``, its output checked (``like``: a leaf of x, native). ``rebuild(xs)``:
+    f's x from the leaves, where it is not ``x_spec`` of them (x has static leaves)."""
     single = x_spec == _LEAF
+    if rebuild is None:
+
+        def rebuild(xs: Any) -> Any:
+            return optree.tree_unflatten(x_spec, list(xs))
+
     checked = output.checked
     scalar = op.scalar_output
     output_leaf = adapter.output_leaf
@@ -741,7 +849,7 @@ def _closer(
 
     def close(f: Callable[..., Any], context_values: tuple[Any, ...], like: Any) -> Callable[..., Any]:
         def fn(xs: tuple[Any, ...]) -> tuple[Any, Any]:
-            x = xs[0] if single else optree.tree_unflatten(x_spec, list(xs))
+            x = xs[0] if single else rebuild(xs)
             try:
                 result = f(x, *context_values)
             except Exception as exc:
@@ -758,7 +866,7 @@ def _closer(
                 result, aux = result
             if scalar:
                 if untracked(result, xs):
-                    _refuse_cut(f, context_values, xs, adapter, x_spec)
+                    _refuse_cut(f, context_values, xs, adapter, x_spec, rebuild)
                 # a scalar of a type and dtype seen before needs no more checks (nor recording:
                 # what the results of scalar functions mirror does not depend on f's output)
                 if (type(result), getattr(result, "dtype", None)) in checked and getattr(result, "shape", ()) == ():
@@ -767,7 +875,7 @@ def _closer(
             leaves = _checked(op, result, output, adapter)
             for leaf in leaves:
                 if untracked(leaf, xs):
-                    _refuse_cut(f, context_values, xs, adapter, x_spec)
+                    _refuse_cut(f, context_values, xs, adapter, x_spec, rebuild)
                     break
             if len(leaves) == 1:
                 return (output_leaf(leaves[0], like),), aux
@@ -779,7 +887,7 @@ def _closer(
             def batched(xs: tuple[Any, ...]) -> tuple[Any, ...]:
                 """f on a batch of points (a leading axis on every leaf), its output leaves unchecked:
                 for finite differences with ``vectorize=True``."""
-                x = xs[0] if single else optree.tree_unflatten(x_spec, list(xs))
+                x = xs[0] if single else rebuild(xs)
                 result = f(x, *context_values)
                 leaves, spec = _tree.flatten(result[0] if has_aux else result)
                 output.record(spec, leaves, batched=True)
@@ -792,7 +900,12 @@ def _closer(
 
 
 def _refuse_cut(
-    f: Callable[..., Any], context_values: tuple[Any, ...], xs: tuple[Any, ...], adapter: Adapter, x_spec: Any
+    f: Callable[..., Any],
+    context_values: tuple[Any, ...],
+    xs: tuple[Any, ...],
+    adapter: Adapter,
+    x_spec: Any,
+    rebuild: Callable[[Any], Any],
 ) -> None:
     """f returned a value the engine does not trace back to x. If f's value changes when x
     does, f cut the trace (its derivative would read as zero): refused. Else f does not depend
@@ -801,7 +914,7 @@ def _refuse_cut(
     moved = [leaf + 1e-3 * (1 + abs(leaf)) for leaf in plain]
 
     def value(leaves: list[Any]) -> list[np.ndarray]:
-        x = leaves[0] if x_spec == _LEAF else optree.tree_unflatten(x_spec, leaves)
+        x = leaves[0] if x_spec == _LEAF else rebuild(leaves)
         # (through tolist: a torch.func tensor has no storage for numpy to read)
         return [
             np.asarray(leaf.detach().tolist() if _arrays.kind(leaf) == "torch" else _arrays.to_numpy(leaf))
@@ -987,14 +1100,12 @@ def _check_x(op: Operator, backend: Backend, any_array_type: bool, call: Call) -
     for path, leaf in zip(paths, call.x_leaves, strict=True):
         kind = _arrays.kind(leaf)
         dtype = _arrays.dtype_name(leaf)
-        if kind == "other":
-            if getattr(backend, "name", None) == "jax" and sig.x_leaves[paths.index(path)][2:]:
-                kinds.add("jax")
-                continue
+        if kind == "other":  # (x holds nothing else to differentiate: else it would be static)
             raise InvalidInputError(
-                f"x{path} is a {type(leaf).__name__}; diffiface differentiates floats and float arrays "
-                "(numpy, torch, jax) in dicts, lists, tuples and namedtuples. Pass other values as "
-                "di.Constant(...)."
+                f"x{path} is a {type(leaf).__name__} and x holds no float or float array to differentiate; "
+                "diffiface differentiates floats and float arrays (numpy, torch, jax) in pytrees (dicts, "
+                "lists, tuples, namedtuples, equinox modules...), passing their other leaves to f as they "
+                "are. Pass other values as di.Constant(...)."
             )
         kinds.add(kind)
         if kind == "torch" and leaf.is_meta:
@@ -1009,7 +1120,9 @@ def _check_x(op: Operator, backend: Backend, any_array_type: bool, call: Call) -
                 + (
                     "Split a complex input into its real and imaginary parts."
                     if what == "complex"
-                    else "Cast it to a float dtype, or pass it as a di.Constant if it is not differentiated."
+                    else "Cast it to a float dtype, or pass it as a di.Constant if it is not differentiated "
+                    "(for a model, split its integer arrays off with eqx.partition(model, eqx.is_inexact_array) "
+                    "and pass them as a di.Constant)."
                 )
             )
         if dtype in ("float16", "bfloat16") and any_array_type:
@@ -1080,8 +1193,9 @@ def _check_tangent_kinds(op: Operator, backend: Backend, any_array_type: bool, c
 def _check_tangent_like_x(op: Operator, call: Call) -> None:
     sig = call.signature
     if sig.tangent_spec != sig.x_spec:
+        static = " (None at the leaves of x that are not differentiated)" if isinstance(call, _DynamicView) else ""
         raise TangentMismatchError(
-            f"The tangent of {op.name} must have the structure of x, {sig.x_spec}; it has {sig.tangent_spec}."
+            f"The tangent of {op.name} must have the structure of x{static}, {sig.x_spec}; it has {sig.tangent_spec}."
         )
     paths = [_path(p) for p in sig.x_spec.paths()]
     for path, x, t in zip(paths, call.x_leaves, call.tangent_leaves, strict=True):

@@ -15,6 +15,7 @@ Examples
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from collections.abc import Callable
@@ -160,11 +161,13 @@ def ravel(tree: PyTree) -> tuple[Any, Callable[[Any], PyTree]]:
             f"any); found {sorted(set(kinds))}. Convert the leaves to one framework first."
         )
     xp = _namespace(family)
-    arrays = [_as_family(leaf, kind, family) for leaf, kind in zip(leaves_, kinds, strict=True)]
-    shapes = [tuple(a.shape) for a in arrays]
-    sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
-    dtypes = [a.dtype for a in arrays]
-    flat = xp.concatenate([xp.reshape(a, (-1,)) for a in arrays]) if arrays else xp.zeros((0,))
+    wide = family == "jax" and any(_arrays.dtype_name(leaf) == "float64" for leaf in leaves_)
+    with _x64(wide):  # jax makes float64 arrays only where x64 is on: on here, never globally
+        arrays = [_as_family(leaf, kind, family) for leaf, kind in zip(leaves_, kinds, strict=True)]
+        shapes = [tuple(a.shape) for a in arrays]
+        sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+        dtypes = [a.dtype for a in arrays]
+        flat = xp.concatenate([xp.reshape(a, (-1,)) for a in arrays]) if arrays else xp.zeros((0,))
     offsets = np.cumsum([0, *sizes])
 
     flat_dtype = _arrays.dtype_name(flat)
@@ -172,10 +175,11 @@ def ravel(tree: PyTree) -> tuple[Any, Callable[[Any], PyTree]]:
     def unravel(vector: Any) -> PyTree:
         _check_vector(vector, family, int(offsets[-1]), flat_dtype)
         rebuilt = []
-        for i, (kind, shape_, dtype) in enumerate(zip(kinds, shapes, dtypes, strict=True)):
-            piece = xp.reshape(vector[offsets[i] : offsets[i + 1]], shape_)
-            piece = _cast(piece, dtype, family)
-            rebuilt.append(_python_scalar(piece) if kind == "python" else piece)
+        with _x64(wide):
+            for i, (kind, shape_, dtype) in enumerate(zip(kinds, shapes, dtypes, strict=True)):
+                piece = xp.reshape(vector[offsets[i] : offsets[i + 1]], shape_)
+                piece = _cast(piece, dtype, family)
+                rebuilt.append(_python_scalar(piece) if kind == "python" else piece)
         return optree.tree_unflatten(spec, rebuilt)
 
     return flat, unravel
@@ -209,6 +213,11 @@ def _check_vector(vector: Any, family: str, size: int, flat_dtype: str) -> None:
             f"unravel takes a vector of dtype {flat_dtype}, as tree.ravel returned; got {dtype}, which "
             f"would come back as {flat_dtype} leaves holding {dtype} precision. Cast it to {flat_dtype} first."
         )
+
+
+def _x64(on: bool) -> Any:
+    """A scope where jax keeps float64 (``jax.enable_x64``) when ``on``; else nothing."""
+    return sys.modules["jax"].enable_x64(True) if on else contextlib.nullcontext()
 
 
 def _namespace(family: str) -> Any:

@@ -42,6 +42,9 @@ class TorchModuleCase:
     note: str = ""
     #: The name of the zoo case computing the same loss at the same point, if any.
     twin: str | None = None
+    #: Whether ``loss`` returns ``(value, aux)``: the new state of a stateful layer, returned
+    #: instead of written into the module (differentiate with ``has_aux=True``).
+    has_aux: bool = False
 
     @property
     def param_count(self) -> int:
@@ -78,6 +81,106 @@ def module_loss(
         output = output[0]
     residual = output - tensor(data["target"])
     return torch.sum(residual * residual) / 2
+
+
+def batch_norm_train_loss(params: dict[str, Any], module: Any, data: dict[str, Any]) -> tuple[Any, Any]:
+    """:func:`module_loss` of a module in train mode, its buffers cloned inside the loss: the
+    BatchNorm updates the clones, returned as the aux, and the module is left as it was."""
+    import torch
+
+    buffers = {name: buffer.clone() for name, buffer in module.named_buffers()}
+    like = next(iter(params.values()))
+    inputs = torch.as_tensor(data["x"], device=like.device).to(like.dtype)
+    output = torch.func.functional_call(module, (params, buffers), (inputs,))
+    residual = output - torch.as_tensor(data["target"], device=like.device).to(like.dtype)
+    return torch.sum(residual * residual) / 2, {name: buffer.detach() for name, buffer in buffers.items()}
+
+
+def generator_dropout_loss(params: dict[str, Any], module: Any, data: dict[str, Any]) -> Any:
+    """:func:`module_loss` of a dense layer and a dropout whose mask comes from the generator
+    ``data['generator']``: a copy of it is drawn from, so that every call (and every point a
+    finite difference evaluates) sees the same mask and the caller's generator does not advance."""
+    import torch
+
+    source = data["generator"]
+    generator = torch.Generator(device=source.device)
+    generator.set_state(source.get_state())
+    like = next(iter(params.values()))
+    inputs = torch.as_tensor(data["x"], device=like.device).to(like.dtype)
+    output = torch.func.functional_call(module, params, (inputs,), {"generator": generator})
+    residual = output - torch.as_tensor(data["target"], device=like.device).to(like.dtype)
+    return torch.sum(residual * residual) / 2
+
+
+@functools.lru_cache(maxsize=1)
+def _generator_dropout_type() -> type:
+    import torch
+
+    class GeneratorDropout(torch.nn.Module):
+        """A dense layer, then dropout with rate ``p`` drawn from the generator passed to
+        ``forward`` (``torch.nn.Dropout`` draws from the global generator, which makes a loss
+        change between two calls at the same point)."""
+
+        def __init__(self, features_in: int, features_out: int, p: float) -> None:
+            super().__init__()
+            self.dense = torch.nn.Linear(features_in, features_out)
+            self.p = p
+
+        def forward(self, inputs: Any, generator: Any) -> Any:
+            hidden = torch.tanh(self.dense(inputs))
+            keep = torch.rand(hidden.shape, generator=generator, device=hidden.device) >= self.p
+            return torch.where(keep, hidden / (1 - self.p), torch.zeros_like(hidden))
+
+    return GeneratorDropout
+
+
+def _functional_cases(torch: Any, torch_dtype: Any, dtype: Any, seed: int) -> list[TorchModuleCase]:
+    """The recipes of stateful and random modules: a train-mode BatchNorm through ``has_aux``,
+    and a dropout driven by an explicit generator."""
+    cases = []
+    for zoo_case in layer_cases(dtype, seed):
+        if zoo_case.name != "batch_norm_train":
+            continue
+        module = _modules(torch)["batch_norm_train"](zoo_case).to(torch_dtype)
+        values = _zoo_to_module_names(zoo_case)
+        with torch.no_grad():
+            for name, parameter in module.named_parameters():
+                parameter.copy_(torch.as_tensor(values[name]))
+        module.train()
+        cases.append(
+            TorchModuleCase(
+                name="batch_norm_train_aux",
+                module=module,
+                params={name: numpy.array(value) for name, value in values.items()},
+                data={"x": zoo_case.data["x"], "target": zoo_case.data["target"]},
+                loss=batch_norm_train_loss,
+                tags=frozenset({"stateful", "normalization"}),
+                note="train-mode BatchNorm2d on cloned buffers: the new running statistics come back as the aux",
+                has_aux=True,
+            )
+        )
+    rng = numpy.random.default_rng(seed)
+    module = _generator_dropout_type()(4, 3, 0.5).to(torch_dtype)
+    params = {name: rng.standard_normal(tuple(p.shape)).astype(dtype) for name, p in module.named_parameters()}
+    with torch.no_grad():
+        for name, parameter in module.named_parameters():
+            parameter.copy_(torch.as_tensor(params[name]))
+    cases.append(
+        TorchModuleCase(
+            name="dropout_generator",
+            module=module,
+            params=params,
+            data={
+                "x": rng.standard_normal((5, 4)).astype(dtype),
+                "target": rng.standard_normal((5, 3)).astype(dtype),
+                "generator": torch.Generator().manual_seed(seed),
+            },
+            loss=generator_dropout_loss,
+            tags=frozenset({"random"}),
+            note="dropout whose mask comes from a copy of an explicit torch.Generator passed in the data",
+        )
+    )
+    return cases
 
 
 @functools.lru_cache(maxsize=1)
@@ -274,7 +377,9 @@ def torch_module_cases(dtype: Any = numpy.float64, seed: int = 0) -> list[TorchM
     list of TorchModuleCase
         Fresh modules on every call. All are in eval mode except ``batch_norm_train``, whose
         module updates its running-statistics buffers in place on every call (tag
-        ``"mutates_state"``).
+        ``"mutates_state"``), and ``batch_norm_train_aux``, the same module in train mode
+        whose loss clones the buffers and returns their new values (``has_aux``). Last comes
+        ``dropout_generator``, a dropout driven by an explicit ``torch.Generator``.
     """
     import torch
 
@@ -322,4 +427,4 @@ def torch_module_cases(dtype: Any = numpy.float64, seed: int = 0) -> list[TorchM
                 twin=zoo_case.name,
             )
         )
-    return cases
+    return cases + _functional_cases(torch, torch_dtype, dtype, seed)
