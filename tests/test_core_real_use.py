@@ -11,29 +11,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import FIRST_ORDER, require
+from conftest import FIRST_ORDER, namespace, require
 
 import diffiface as di
 from diffiface._prep import prep_cache
 
 EVERY = [pytest.param(name, id=name) for name in FIRST_ORDER]
-
-
-def _xp(x: Any) -> Any:
-    module = type(x).__module__
-    if module.startswith("torch"):
-        import torch
-
-        return torch
-    if module.startswith("jax"):
-        import jax.numpy as jnp
-
-        return jnp
-    if module.startswith("autograd"):
-        import autograd.numpy as anp
-
-        return anp
-    return np
 
 
 # -- contexts under a compiled program ---------------------------------------------------------
@@ -323,7 +306,7 @@ def test_write_into_a_numpy_constant(name: str) -> None:
 
 
 def _widened(x: Any) -> Any:
-    xp = _xp(x)
+    xp = namespace(x)
     if xp is np or xp.__name__.startswith("autograd"):
         return x.astype(np.float64) * 2
     if xp.__name__ == "torch":
@@ -333,7 +316,7 @@ def _widened(x: Any) -> Any:
 
 def _mixed(x: Any) -> Any:
     a, b = x["a"], x["b"]
-    xp = _xp(a)
+    xp = namespace(a)
     if xp.__name__ == "torch":
         a64 = a.to(xp.float64)
     elif xp is np or xp.__name__.startswith("autograd"):

@@ -131,7 +131,9 @@ def test_code_blocks_run(page: pathlib.Path) -> None:
     namespace: dict[str, Any] = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
     for block in _blocks(page):
         where = f"{_page_id(page)}:{block.line}"
-        code = compile(block.source, where, "exec", dont_inherit=True)  # valid Python even if skipped; no flags of this file
+        code = compile(
+            block.source, where, "exec", dont_inherit=True
+        )  # valid Python even if skipped; no flags of this file
         if block.skip or not all(_exists(name) for name in block.needs):
             continue
         try:
