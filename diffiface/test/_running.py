@@ -309,6 +309,14 @@ def _hint_differences_at_fault(scenario: Scenario, failures: list[tuple[Row, Any
         )
 
 
+def run_cli_part(*args: Any) -> list[Row]:
+    """A part of ``python -m diffiface.test`` in a worker process (a function the worker can
+    find by its module: one defined in the command's ``__main__`` could not be)."""
+    from .__main__ import _run_part
+
+    return _run_part(*args)
+
+
 def _matches(selector: Selector, label: str, scenario: Scenario) -> bool:
     if not selector:
         return False
