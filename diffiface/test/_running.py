@@ -481,13 +481,14 @@ def _reference(scenario: Scenario, backend: Backend, cache: dict[Any, Any]) -> t
         reference_backend = AutoScipy()
     key = (id(scenario), backend_label(reference_backend))
     if key not in cache:
-        cache[key] = _computed_reference(scenario, reference_backend)
-    return cache[key], _reference_label(scenario, reference_backend)
+        wide = _promotes(scenario) and not _changes_in_float64(scenario, _value(scenario))
+        cache[key] = (_computed_reference(scenario, reference_backend, wide), _reference_label(reference_backend, wide))
+    return cache[key]  # type: ignore[no-any-return]
 
 
-def _reference_label(scenario: Scenario, backend: Backend) -> str:
+def _reference_label(backend: Backend, wide: bool) -> str:
     label = backend_label(backend)
-    return f"{label} (float64)" if _promotes(scenario) else label
+    return f"{label} (float64)" if wide else label
 
 
 def _promotes(scenario: Scenario) -> bool:
@@ -505,11 +506,13 @@ def _scipy_can_judge(backend: Backend, scenario: Scenario) -> bool:
     return not isinstance(backend, AutoScipy) and "piecewise" not in scenario.tags and available(AutoScipy())
 
 
-def _computed_reference(scenario: Scenario, backend: Backend) -> Any:
+def _computed_reference(scenario: Scenario, backend: Backend, wide: bool | None = None) -> Any:
     """The reference backend's result, in float64 when the scenario is float32 and allows it."""
     operator = getattr(di, scenario.operator)
     kwargs = {"has_aux": True} if scenario.has_aux else {}
-    if _promotes(scenario):
+    if wide is None:
+        wide = _promotes(scenario) and not _changes_in_float64(scenario, _value(scenario))
+    if wide:
         head = (promote(scenario.x),) if scenario.tangent is None else (promote(scenario.x), promote(scenario.tangent))
         result = operator(scenario.f, backend, *head, *promote_contexts(scenario.contexts), **kwargs)
     else:
@@ -574,8 +577,10 @@ def check_gradients(
     without ``setup_context``) is reported skipped, with the reason.
 
     The ground truth runs in float64 whatever x's dtype (float32 leaves of x and of the
-    Constant contexts are cast, the structure kept), and its own noise, about
-    ``eps**(2/3) * |f(x)| * sqrt(n)`` for n inputs, is added to ``atol``. For a large ``x``
+    Constant contexts are cast, the structure kept; when f computes another value in float64,
+    say it draws random numbers of the default dtype, it stays at x's precision), and its own
+    noise, about ``eps**(2/3) * |f(x)| * sqrt(n)`` for n inputs, is added to the default
+    ``atol`` (a given ``atol`` is used as it is). For a large ``x``
     (more than 4096 numbers, or when ``projections`` is given) the comparison is on ``k``
     random directions ``u``: ``u . grad f`` against a Richardson-extrapolated central
     difference of ``t -> f(x + t u)`` in float64, which costs 4k evaluations of f instead of 2n.
@@ -627,12 +632,10 @@ def check_gradients(
                 # no backend checks itself: scipy's adaptive differences judge finite differences
                 reference_backend = AutoScipy() if available(AutoScipy()) else reference_backend
             truth_scenario = dataclasses.replace(scenario, reference=reference_backend)
-            if _promotes(truth_scenario) and _changes_in_float64(truth_scenario, value):
-                # f is another function in float64 (it draws random numbers of the default
-                # dtype, say): the ground truth stays at x's precision
-                truth_scenario = dataclasses.replace(truth_scenario, tags=frozenset({"no_promote"}))
+            wide = _promotes(truth_scenario) and not _changes_in_float64(truth_scenario, value)
+            truth_scenario = dataclasses.replace(truth_scenario, tags=frozenset(() if wide else {"no_promote"}))
             truth, estimate = _reference_with_estimate(truth_scenario, reference_backend)
-            truth_label = _reference_label(truth_scenario, reference_backend)
+            truth_label = _reference_label(reference_backend, wide)
     gradients: dict[str, Any] = {}
     against_truth: dict[str, float] = {}
     for backend in chosen:
@@ -687,11 +690,16 @@ def check_gradients(
     return report
 
 
+def _value(scenario: Scenario) -> Any:
+    value = scenario.evaluate()
+    return value[0] if scenario.has_aux else value
+
+
 def _changes_in_float64(scenario: Scenario, value: Any) -> bool:
     """Whether f on float64 copies of its arguments computes another value than f itself."""
     try:
         with _no_grad(), _float64_scope():
-            wide = scenario.f(promote(scenario.x), *promote_contexts(scenario.contexts))
+            wide = scenario.f(promote(scenario.x), *(c.value for c in promote_contexts(scenario.contexts)))
         wide = wide[0] if scenario.has_aux else wide
         assert_allclose(wide, _like(value, wide), *default_tolerances("float32"), check_dtype=False)
     except Exception:
@@ -703,7 +711,7 @@ def _reference_with_estimate(scenario: Scenario, backend: Backend) -> tuple[Any,
     """The ground truth (value dropped when f has an aux), and scipy's own error estimate when
     scipy computes it."""
     if not isinstance(backend, AutoScipy):
-        result = _computed_reference(scenario, backend)
+        result = _computed_reference(scenario, backend, _promotes(scenario))
         return (result[1] if scenario.has_aux else result), None
     head = (promote(scenario.x),) if _promotes(scenario) else (scenario.x,)
     contexts = promote_contexts(scenario.contexts) if _promotes(scenario) else scenario.contexts
@@ -730,11 +738,10 @@ def _difference_noise(value: Any, size: int) -> float:
 
 
 def _with_noise(atol: float | None, x: Any, noise: float) -> float | None:
-    if not noise:
+    """A given ``atol`` as it is; by default, the widest dtype default of x plus the noise."""
+    if atol is not None or not noise:
         return atol
-    if atol is None:
-        atol = max((default_tolerances(_arrays.dtype_name(leaf))[1] for leaf in _tree.leaves(x)), default=0.0)
-    return atol + noise
+    return max((default_tolerances(_arrays.dtype_name(leaf))[1] for leaf in _tree.leaves(x)), default=0.0) + noise
 
 
 def _hint_truth_at_fault(
@@ -832,7 +839,7 @@ def _close_projections(
     got: np.ndarray, truth: Any, rtol: float | None, atol: float | None, noise: float, row: Row
 ) -> None:
     rtol = 1e-4 if rtol is None else rtol
-    atol = (1e-6 if atol is None else atol) + noise
+    atol = 1e-6 + noise if atol is None else atol
     scale = max(1.0, float(np.max(np.abs(truth))))
     err = np.abs(got - truth)
     row.abs_error = float(np.max(err)) if err.size else 0.0
