@@ -26,7 +26,7 @@ def _run(args, capsys):
 
 
 @pytest.mark.parametrize(
-    "args, known",
+    ("args", "known"),
     [
         (["--scenarios", "core,layer"], "core, layers, torch"),
         (["--scenarios", ""], "core, layers, torch"),
@@ -103,7 +103,7 @@ def test_no_progress_bar_off_a_terminal():
     assert "passed" in result.stdout
 
 
-@pytest.mark.parametrize("name, mode", [("torch-func", "func"), ("torch-autograd", "autograd")])
+@pytest.mark.parametrize(("name", "mode"), [("torch-func", "func"), ("torch-autograd", "autograd")])
 def test_cli_backend_names_are_api_names(name, mode):
     pytest.importorskip("torch")
     assert cli._BACKENDS.get(name, di.AutoTorch(mode=mode)) == di.AutoTorch(mode=mode)

@@ -335,11 +335,17 @@ def test_every_row_names_its_reference():
     torch = pytest.importorskip("torch")
     report = check_gradients(lambda v: (v.sin() ** 2).sum(), torch.linspace(0, 1, 5, dtype=torch.float64))
     references = {row.backend: row.reference for row in report.rows}
-    assert references == {"torch": "finite_differences", "torch-func": "finite_differences", "torch vs torch-func": "torch-func"}
+    assert references == {
+        "torch": "finite_differences",
+        "torch-func": "finite_differences",
+        "torch vs torch-func": "torch-func",
+    }
     scenarios = [
         Scenario("fd", lambda v: (v**2).sum(), np.ones(2), "gradient"),
         Scenario("exact", lambda v: (v**2).sum(), np.ones(2), "gradient", reference=np.full(2, 2.0)),
-        Scenario("cross", lambda v: (v**2).sum(), np.ones(2), "gradient", reference="cross", frameworks=frozenset({"torch"})),
+        Scenario(
+            "cross", lambda v: (v**2).sum(), np.ones(2), "gradient", reference="cross", frameworks=frozenset({"torch"})
+        ),
     ]
     report = test_differentiation([di.AutoTorch()], scenarios)
     assert [row.reference for row in report.rows] == ["finite_differences", "analytic", "cross: torch-func"]
@@ -366,7 +372,14 @@ def test_a_lone_failure_within_the_differences_noise_is_flagged():
     """scipy as the reference gives its own error estimate, quoted in the hint."""
     pytest.importorskip("scipy")
     with pytest.raises(AssertionError, match="scipy's error estimate") as info:
-        check_gradients(lambda v: 1e4 * np.exp(v).sum(), np.linspace(0, 1, 3), backends=["autograd"], reference=di.AutoScipy(), atol=0.0, rtol=0.0)
+        check_gradients(
+            lambda v: 1e4 * np.exp(v).sum(),
+            np.linspace(0, 1, 3),
+            backends=["autograd"],
+            reference=di.AutoScipy(),
+            atol=0.0,
+            rtol=0.0,
+        )
     assert "may be the side at fault" in str(info.value)
 
 
@@ -413,7 +426,9 @@ def test_typed_jax_key_in_a_context():
 
     report = check_gradients(noisy, jnp.linspace(0.5, 1.0, 3), key)
     assert not report.failed and report.rows[0].status == "passed"
-    scenario = Scenario("typed_key", noisy, jnp.linspace(0.5, 1.0, 3), "gradient", (key,), frameworks=frozenset({"jax"}))
+    scenario = Scenario(
+        "typed_key", noisy, jnp.linspace(0.5, 1.0, 3), "gradient", (key,), frameworks=frozenset({"jax"})
+    )
     assert test_differentiation([di.AutoJAX()], [scenario]).counts() == {"passed": 1}
 
 
@@ -424,13 +439,17 @@ def test_torch_func_refusing_a_classic_autograd_function_is_skipped():
     status = {row.backend: (row.status, row.message) for row in report.rows}
     assert status["torch"][0] == "passed"
     assert status["torch-func"][0] == "skipped" and "setup_context" in status["torch-func"][1]
-    scenario = Scenario("classic_function", lambda v: square.apply(v).sum(), x, "gradient", frameworks=frozenset({"torch"}))
+    scenario = Scenario(
+        "classic_function", lambda v: square.apply(v).sum(), x, "gradient", frameworks=frozenset({"torch"})
+    )
     report = test_differentiation([di.AutoTorch(), di.AutoTorch(mode="func")], [scenario])
     assert [row.status for row in report.rows] == ["passed", "skipped"]
     assert "skip reasons" in report.table().splitlines()[0] and "setup_context" in report.table()
 
 
-@pytest.mark.xfail(strict=True, reason="core: torch.func's refusal of a classic autograd.Function escapes as a raw RuntimeError")
+@pytest.mark.xfail(
+    strict=True, reason="core: torch.func's refusal of a classic autograd.Function escapes as a raw RuntimeError"
+)
 def test_torch_func_refusal_is_a_diffiface_error():
     torch, square = _square_function()
     with pytest.raises(di.DiffifaceError):

@@ -56,7 +56,9 @@ def _explain_skips(rows: list[Row]) -> list[Row]:
     return rows
 
 
-def _scenarios(groups: Sequence[str], quick: bool, operators: Sequence[str] | None = None) -> tuple[list[Scenario], list[str]]:
+def _scenarios(
+    groups: Sequence[str], quick: bool, operators: Sequence[str] | None = None
+) -> tuple[list[Scenario], list[str]]:
     from . import _scenarios
 
     chosen: list[Scenario] = []
@@ -139,9 +141,7 @@ def _run_part(
         _WORKER_SCENARIOS[key] = _scenarios(groups, quick, operators)[0]
     scenarios = [_WORKER_SCENARIOS[key][i] for i in indices]
     backends = [_BACKENDS[name] for name in backend_names]
-    report = test_differentiation(
-        backends, scenarios, skip=_QUICK_SKIP if quick else _SKIP, raise_on_failure=False
-    )
+    report = test_differentiation(backends, scenarios, skip=_QUICK_SKIP if quick else _SKIP, raise_on_failure=False)
     return _explain_skips(report.rows)
 
 
@@ -169,9 +169,7 @@ def _run(
     done = 0
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-        futures = {
-            pool.submit(run_cli_part, groups, quick, operators, backend_names, part): part for part in parts
-        }
+        futures = {pool.submit(run_cli_part, groups, quick, operators, backend_names, part): part for part in parts}
         for future in concurrent.futures.as_completed(futures):
             part = futures[future]
             for index, start in zip(part, range(0, len(part) * len(backends), len(backends)), strict=True):
@@ -200,7 +198,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--scenarios", default=",".join(_GROUPS), help=f"comma-separated groups, from {', '.join(_GROUPS)}"
     )
-    parser.add_argument("--operators", default=None, help="comma-separated operator names, such as gradient,hvp (default: all)")
+    parser.add_argument(
+        "--operators", default=None, help="comma-separated operator names, such as gradient,hvp (default: all)"
+    )
     parser.add_argument("--format", choices=("table", "markdown", "json"), default="table")
     parser.add_argument("--quick", action="store_true", help="a small subset in float64")
     parser.add_argument(
@@ -216,7 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     groups = _names(args.scenarios)
     unknown = [name for name in groups if name not in _GROUPS]
     if unknown or not groups:
-        parser.error(f"unknown scenario groups {', '.join(unknown) or '(none given)'}; choose from {', '.join(_GROUPS)}")
+        parser.error(
+            f"unknown scenario groups {', '.join(unknown) or '(none given)'}; choose from {', '.join(_GROUPS)}"
+        )
     operators = _names(args.operators) if args.operators else None
     unknown = [name for name in operators or () if name not in OPERATORS]
     if unknown:
@@ -262,7 +264,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             json.dumps(
                 {
-                    "rows": [vars(row) | {"tags": sorted(row.tags), "warnings": list(row.warnings)} for row in report.rows],
+                    "rows": [
+                        vars(row) | {"tags": sorted(row.tags), "warnings": list(row.warnings)} for row in report.rows
+                    ],
                     "warnings": report.warnings,
                     "seconds": round(seconds, 3),
                 },

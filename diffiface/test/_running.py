@@ -610,7 +610,7 @@ def check_gradients(
     scenario = Scenario("f", f, x, operator, tuple(contexts), reference=None, has_aux=has_aux)
     outside = Row("(reference)", "f", "gradient", "passed")
     wide = any(_arrays.dtype_name(leaf) == "float64" for leaf in _tree.leaves(x))
-    with _warnings_apart(outside), (_float64_scope() if wide else contextlib.nullcontext()):
+    with _warnings_apart(outside), _float64_scope() if wide else contextlib.nullcontext():
         problem = _determinism_problem(scenario)
         if problem:
             raise AssertionError(problem)
