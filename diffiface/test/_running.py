@@ -204,6 +204,13 @@ def test_differentiation(
     scenario names or tags: skipped; expected to fail (an unexpected pass is a failure);
     failures reported but not raised.
 
+    Each row names its reference (a backend label, ``analytic``, ``cross: <label>``); a
+    float32 scenario's finite-difference reference runs on float64 copies. A backend that
+    cannot run ``f`` (another framework's f; torch.func and a ``torch.autograd.Function``
+    without ``setup_context``) is skipped with the reason. When automatic engines fail against
+    finite differences and agree with each other, their rows say the differences may be at
+    fault. Warnings raised during a check are recorded on its row, never a failure.
+
     Returns a :class:`Report`; raises ``AssertionError`` with its summary when anything failed
     (unless ``raise_on_failure=False``).
     """
