@@ -291,3 +291,183 @@ def test_a_backend_is_not_its_own_reference():
     report = test_differentiation([coarse], [scenario], raise_on_failure=False)
     assert report.counts() == {"failed": 1}
     assert "values differ" in report.failed[0].message
+
+
+# -- check_gradients and test_differentiation: aux, references, precision, skips, warnings ---------
+
+
+def _square_function():
+    torch = pytest.importorskip("torch")
+
+    class Square(torch.autograd.Function):  # the classic form: no setup_context
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x**2
+
+        @staticmethod
+        def backward(ctx, grad):
+            (x,) = ctx.saved_tensors
+            return 2 * x * grad
+
+    return torch, Square
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_check_gradients_has_aux_ignores_the_aux(framework):
+    module = pytest.importorskip(framework)
+    x = module.numpy.linspace(0.1, 1.0, 4) if framework == "jax" else module.linspace(0.1, 1.0, 4, dtype=module.float64)
+
+    def loss(v):
+        return (v**3).sum(), {"mean": v.mean(), "note": "state"}
+
+    report = check_gradients(loss, x, has_aux=True)
+    assert report.counts()["passed"] >= 1 and not report.failed
+
+
+def test_check_gradients_has_aux_refuses_a_random_aux():
+    rng = np.random.default_rng(0)
+    with pytest.raises(AssertionError, match="not deterministic"):
+        check_gradients(lambda v: ((v**2).sum(), rng.normal()), np.ones(3), backends=["autograd"], has_aux=True)
+
+
+def test_every_row_names_its_reference():
+    torch = pytest.importorskip("torch")
+    report = check_gradients(lambda v: (v.sin() ** 2).sum(), torch.linspace(0, 1, 5, dtype=torch.float64))
+    references = {row.backend: row.reference for row in report.rows}
+    assert references == {
+        "torch": "finite_differences",
+        "torch-func": "finite_differences",
+        "torch vs torch-func": "torch-func",
+    }
+    scenarios = [
+        Scenario("fd", lambda v: (v**2).sum(), np.ones(2), "gradient"),
+        Scenario("exact", lambda v: (v**2).sum(), np.ones(2), "gradient", reference=np.full(2, 2.0)),
+        Scenario(
+            "cross", lambda v: (v**2).sum(), np.ones(2), "gradient", reference="cross", frameworks=frozenset({"torch"})
+        ),
+    ]
+    report = test_differentiation([di.AutoTorch()], scenarios)
+    assert [row.reference for row in report.rows] == ["finite_differences", "analytic", "cross: torch-func"]
+    table = report.table()
+    assert "references" in table.splitlines()[0] and "cross: torch-func" in table
+
+
+def test_finite_differences_named_as_the_suspect_when_engines_agree():
+    """A coarse fixed step makes the finite differences wrong; torch's two modes agree with each
+    other, so the failure says the finite differences may be at fault."""
+    torch = pytest.importorskip("torch")
+    x = torch.linspace(0.0, 1.0, 4, dtype=torch.float64)
+    coarse = di.AutoFiniteDifferences(step=0.3)
+    with pytest.raises(AssertionError, match="finite differences may be the side at fault") as info:
+        check_gradients(lambda v: torch.sin(3 * v).sum(), x, reference=coarse)
+    assert "agree with each other" in str(info.value)
+    scenario = Scenario("coarse", lambda v: (3 * v).sin().sum(), x, "gradient", reference=coarse)
+    report = test_differentiation([di.AutoTorch(), di.AutoTorch(mode="func")], [scenario], raise_on_failure=False)
+    assert len(report.failed) == 2
+    assert all("finite differences may be the side at fault" in row.message for row in report.failed)
+
+
+def test_a_lone_failure_within_the_differences_noise_is_flagged():
+    """scipy as the reference gives its own error estimate, quoted in the hint."""
+    pytest.importorskip("scipy")
+    with pytest.raises(AssertionError, match="scipy's error estimate") as info:
+        check_gradients(
+            lambda v: 1e4 * np.exp(v).sum(),
+            np.linspace(0, 1, 3),
+            backends=["autograd"],
+            reference=di.AutoScipy(),
+            atol=0.0,
+            rtol=0.0,
+        )
+    assert "may be the side at fault" in str(info.value)
+
+
+def test_float32_input_float64_ground_truth():
+    """torch float32: the ground truth runs on float64 copies, so the float32 gradient is off
+    by float32 rounding only (a float32 difference would be off by ~1e-3)."""
+    torch = pytest.importorskip("torch")
+    x = torch.linspace(0.1, 2.0, 6)
+    report = check_gradients(lambda v: (v.exp() * v.sin()).sum(), x, backends=[di.AutoTorch()])
+    (row,) = report.rows
+    assert row.reference == "finite_differences (float64)"
+    assert 0 < row.rel_error < 1e-6
+    assert x.dtype == torch.float32
+
+
+def test_projections_run_in_float64_for_a_float64_jax_model():
+    """6000 float64 parameters of a jax model (x64 off): evaluated in float32, the projections'
+    differences would be off by ~1; under the engines' x64 scope they are right."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    assert not jax.config.read("jax_enable_x64")
+    rng = np.random.default_rng(0)
+    with jax.enable_x64(True):
+        params = {"w": jnp.asarray(rng.normal(size=(200, 30))), "b": jnp.asarray(rng.normal(size=30))}
+    data = di.Constant(rng.normal(size=(8, 200)))
+
+    def loss(p, inputs):
+        return jnp.sum(jnp.log(jnp.cosh(inputs @ p["w"] + p["b"][None, :]))) + 1e3
+
+    report = check_gradients(loss, params, data, backends=[di.AutoJAX()])
+    (row,) = report.rows
+    assert row.status == "passed" and "random directions (float64)" in row.reference
+    assert row.rel_error < 1e-7
+    assert not jax.config.read("jax_enable_x64")
+
+
+def test_typed_jax_key_in_a_context():
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    key = di.Constant(jax.random.key(0))
+
+    def noisy(v, k):
+        return jnp.sum(v**2 * jax.random.uniform(k, v.shape, dtype=v.dtype))
+
+    report = check_gradients(noisy, jnp.linspace(0.5, 1.0, 3), key)
+    assert not report.failed and report.rows[0].status == "passed"
+    scenario = Scenario(
+        "typed_key", noisy, jnp.linspace(0.5, 1.0, 3), "gradient", (key,), frameworks=frozenset({"jax"})
+    )
+    assert test_differentiation([di.AutoJAX()], [scenario]).counts() == {"passed": 1}
+
+
+def test_torch_func_refusing_a_classic_autograd_function_is_skipped():
+    torch, square = _square_function()
+    x = torch.linspace(0.5, 1.5, 3, dtype=torch.float64)
+    report = check_gradients(lambda v: square.apply(v).sum(), x)
+    status = {row.backend: (row.status, row.message) for row in report.rows}
+    assert status["torch"][0] == "passed"
+    assert status["torch-func"][0] == "skipped" and "setup_context" in status["torch-func"][1]
+    scenario = Scenario(
+        "classic_function", lambda v: square.apply(v).sum(), x, "gradient", frameworks=frozenset({"torch"})
+    )
+    report = test_differentiation([di.AutoTorch(), di.AutoTorch(mode="func")], [scenario])
+    assert [row.status for row in report.rows] == ["passed", "skipped"]
+    assert "skip reasons" in report.table().splitlines()[0] and "setup_context" in report.table()
+
+
+@pytest.mark.xfail(
+    strict=True, reason="core: torch.func's refusal of a classic autograd.Function escapes as a raw RuntimeError"
+)
+def test_torch_func_refusal_is_a_diffiface_error():
+    torch, square = _square_function()
+    with pytest.raises(di.DiffifaceError):
+        di.gradient(lambda v: square.apply(v).sum(), di.AutoTorch(mode="func"), torch.ones(3, dtype=torch.float64))
+
+
+def test_engine_warnings_are_apart_never_failures():
+    """pytest runs with warnings as errors here: the warning is still collected, not raised."""
+    import warnings
+
+    def loud(v):
+        warnings.warn("loud loss", RuntimeWarning, stacklevel=1)
+        return (v**2).sum()
+
+    report = check_gradients(loud, np.ones(3), backends=["autograd", "finite_differences"])
+    assert not report.failed
+    assert report.warnings == ["RuntimeWarning: loud loss"]
+    assert report.summary().count("loud loss") == 1
+    scenario = Scenario("loud", loud, np.ones(3), "gradient")
+    report = test_differentiation([di.AutoAutograd()], [scenario])
+    assert report.counts() == {"passed": 1} and report.warnings == ["RuntimeWarning: loud loss"]

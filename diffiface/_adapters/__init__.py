@@ -107,6 +107,12 @@ BACKENDS: tuple[BackendInfo, ...] = (
 
 _BY_NAME = {row.name: row for row in BACKENDS}
 _BY_CONFIG = {row.config: row for row in BACKENDS}
+#: Names of a backend with an option set: the labels that ``python -m diffiface.test`` and its
+#: reports use, accepted wherever a backend name is.
+_ALIASES: dict[str, Backend] = {
+    "torch-func": AutoTorch(mode="func"),
+    "torch-autograd": AutoTorch(mode="autograd"),
+}
 
 
 def normalize(backend: Backend | str) -> Backend:
@@ -116,11 +122,14 @@ def normalize(backend: Backend | str) -> Backend:
             raise UnknownBackendError(f"{backend!r} is not a backend diffiface knows.")
         return backend
     if isinstance(backend, str):
+        alias = _ALIASES.get(backend)
+        if alias is not None:
+            return alias
         row = _BY_NAME.get(backend)
         if row is None:
             raise UnknownBackendError(
                 f"Unknown backend name {backend!r}; the names are "
-                f"{', '.join(map(repr, _BY_NAME))}, or pass a backend object such as "
+                f"{', '.join(map(repr, [*_BY_NAME, *_ALIASES]))}, or pass a backend object such as "
                 "di.AutoJAX()."
             )
         return row.config()

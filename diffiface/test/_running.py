@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -17,7 +20,7 @@ from .. import tree as _tree
 from .._adapters import available, info, install_hint, normalize
 from .._backends import AutoFiniteDifferences, AutoJAX, AutoScipy, AutoTorch, Backend, SecondOrder
 from .._errors import FrameworkMismatchError, PreparationMismatchError
-from ._compare import assert_allclose, max_errors
+from ._compare import assert_allclose, default_tolerances, max_errors
 from ._scenario import Scenario, promote, promote_contexts, shifted
 from ._snapshot import changes, snapshot
 
@@ -39,6 +42,10 @@ class Row:
     rel_error: float = 0.0
     seconds: float = 0.0
     tags: frozenset[str] = frozenset()
+    reference: str = ""
+    """What the row was compared with: a backend label, ``analytic``, ``cross: <label>``..."""
+    warnings: tuple[str, ...] = ()
+    """Warnings the engines raised during the check: shown apart, never a failure."""
 
 
 @dataclasses.dataclass
@@ -57,12 +64,27 @@ class Report:
             found[row.status] = found.get(row.status, 0) + 1
         return found
 
+    @property
+    def warnings(self) -> list[str]:
+        """Every distinct warning the engines raised, once, in the order first seen."""
+        return list(dict.fromkeys(w for row in self.rows for w in row.warnings))
+
     def summary(self) -> str:
-        """A readable account of every failure."""
+        """A readable account of every failure (with the reference it was measured against), then
+        the engines' warnings, once each."""
         lines = [f"{len(self.failed)} of {len(self.rows)} checks failed:"]
         for row in self.failed:
-            lines.append(f"- {row.backend} on {row.scenario} ({row.operator}): {row.status}: {row.message}")
+            against = f" against {row.reference}" if row.reference else ""
+            lines.append(f"- {row.backend} on {row.scenario} ({row.operator}){against}: {row.status}: {row.message}")
+        lines.extend(self.warnings_text())
         return "\n".join(lines)
+
+    def warnings_text(self) -> list[str]:
+        """The engines' warnings as lines, once each (empty when there were none)."""
+        found = self.warnings
+        if not found:
+            return []
+        return [f"{len(found)} distinct warning(s) raised by the engines (not failures):", *(f"  {w}" for w in found)]
 
     def grouped(self, by: Callable[[Row], str] | None = None) -> list[dict[str, Any]]:
         """One line per backend and scenario group: passed, failed, skipped, worst error."""
@@ -81,6 +103,8 @@ class Report:
                     "xfailed": 0,
                     "worst rel error": 0.0,
                     "seconds": 0.0,
+                    "references": [],
+                    "skip reasons": [],
                 },
             )
             status = {"xpassed": "failed", "soft_failed": "failed"}.get(row.status, row.status)
@@ -88,6 +112,13 @@ class Report:
             if row.status == "passed":
                 g["worst rel error"] = max(g["worst rel error"], row.rel_error)
             g["seconds"] += row.seconds
+            if row.reference and row.reference not in g["references"]:
+                g["references"].append(row.reference)
+            if row.status == "skipped" and row.message not in g["skip reasons"]:
+                g["skip reasons"].append(row.message)
+        for g in groups.values():
+            g["references"] = ", ".join(g["references"])
+            g["skip reasons"] = "; ".join(g["skip reasons"])
         return list(groups.values())
 
     def table(self, fmt: str = "table", lines: list[dict[str, Any]] | None = None) -> str:
@@ -96,7 +127,7 @@ class Report:
         if not lines:
             return "(no checks)"
         columns = list(lines[0])
-        cells = [[_cell(line[c]) for c in columns] for line in lines]
+        cells = [[_cell(line[c], c) for c in columns] for line in lines]
         if fmt == "markdown":
             head = "| " + " | ".join(columns) + " |"
             rule = "|" + "|".join("---" for _ in columns) + "|"
@@ -108,19 +139,22 @@ class Report:
         return "\n".join(text)
 
 
-_GROUPS = ("core", "layer", "torch_module")
+#: The tag of each bundled list, and the group name ``python -m diffiface.test --scenarios`` takes.
+_GROUPS = {"core": "core", "layer": "layers", "torch_module": "torch"}
 
 
 def _group(row: Row) -> str:
-    """The scenario list a row comes from, else its first tag."""
-    for group in _GROUPS:
-        if group in row.tags:
+    """The scenario list a row comes from (by the name ``--scenarios`` takes), else its first tag."""
+    for tag, group in _GROUPS.items():
+        if tag in row.tags:
             return group
     return min(row.tags) if row.tags else ""
 
 
-def _cell(value: Any) -> str:
+def _cell(value: Any, column: str = "") -> str:
     if isinstance(value, float):
+        if column == "seconds":
+            return f"{value:.1f}"
         return f"{value:.2g}" if value else "0"
     return str(value)
 
@@ -170,6 +204,13 @@ def test_differentiation(
     scenario names or tags: skipped; expected to fail (an unexpected pass is a failure);
     failures reported but not raised.
 
+    Each row names its reference (a backend label, ``analytic``, ``cross: <label>``); a
+    float32 scenario's finite-difference reference runs on float64 copies. A backend that
+    cannot run ``f`` (another framework's f; torch.func and a ``torch.autograd.Function``
+    without ``setup_context``) is skipped with the reason. When automatic engines fail against
+    finite differences and agree with each other, their rows say the differences may be at
+    fault. Warnings raised during a check are recorded on its row, never a failure.
+
     Returns a :class:`Report`; raises ``AssertionError`` with its summary when anything failed
     (unless ``raise_on_failure=False``).
     """
@@ -182,6 +223,9 @@ def test_differentiation(
     deterministic: dict[int, str | None] = {}
     refusal_checked: set[tuple[str, str]] = set()
     for scenario in scenarios:
+        # the results of automatic engines that failed against finite differences: when they
+        # agree with each other, the finite differences are the suspect
+        against_differences: list[tuple[Row, Any]] = []
         for backend in chosen:
             label = backend_label(backend)
             done += 1
@@ -194,25 +238,90 @@ def test_differentiation(
                 row.status, row.message = "skipped", reason
                 continue
             start = time.perf_counter()
-            try:
-                if check_determinism:
-                    if id(scenario) not in deterministic:
-                        deterministic[id(scenario)] = _determinism_problem(scenario)
-                    if deterministic[id(scenario)]:
-                        raise AssertionError(deterministic[id(scenario)])
-                reference = _reference(scenario, backend, references)
-                for use_prep in prepared:
-                    _check_backend(scenario, backend, reference, use_prep, check_mutation, row)
-                if check_preparation and (label, scenario.operator) not in refusal_checked:
-                    _check_refusal(scenario, backend)
-                    refusal_checked.add((label, scenario.operator))
-            except Exception as exc:
-                row.status, row.message = "failed", f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+            seen: list[Any] = []
+            with _warnings_apart(row):
+                try:
+                    if check_determinism:
+                        if id(scenario) not in deterministic:
+                            deterministic[id(scenario)] = _determinism_problem(scenario)
+                        if deterministic[id(scenario)]:
+                            raise AssertionError(deterministic[id(scenario)])
+                    reference, row.reference = _reference(scenario, backend, references)
+                    for use_prep in prepared:
+                        _check_backend(scenario, backend, reference, use_prep, check_mutation, row, seen)
+                    if check_preparation and (label, scenario.operator) not in refusal_checked:
+                        _check_refusal(scenario, backend)
+                        refusal_checked.add((label, scenario.operator))
+                except Exception as exc:
+                    row.status, row.message = _outcome(exc)
+                    if row.status == "failed" and seen and _is_difference(row.reference) and _family(backend):
+                        against_differences.append((row, seen[-1]))
             row.seconds = time.perf_counter() - start
+        _hint_differences_at_fault(scenario, against_differences)
+        for row in report.rows[-len(chosen) :] if chosen else []:
             _apply_expectations(row, scenario, broken, soft_fail)
     if raise_on_failure and report.failed:
         raise AssertionError(report.summary())
     return report
+
+
+@contextlib.contextmanager
+def _warnings_apart(row: Row) -> Any:
+    """Record the warnings raised inside, onto ``row``: a warning is never a failed check, even
+    when the caller runs with ``-W error`` (the filter here records every warning instead)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            found = [f"{w.category.__name__}: {str(w.message).splitlines()[0][:300]}" for w in caught]
+            row.warnings = tuple(dict.fromkeys([*row.warnings, *found]))
+
+
+def _outcome(exc: BaseException) -> tuple[str, str]:
+    """``(status, message)`` of a check that raised: skipped when the backend cannot run ``f``
+    at all (f is written for another framework; torch.func refuses a classic
+    ``torch.autograd.Function``), else failed."""
+    message = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+    if isinstance(exc, FrameworkMismatchError):
+        return "skipped", f"cannot run f: {message}"
+    if isinstance(exc, RuntimeError) and "setup_context" in str(exc):
+        return "skipped", (
+            "cannot run f: torch.func refuses a torch.autograd.Function without a setup_context "
+            "staticmethod (use mode='autograd', or give the Function setup_context)"
+        )
+    return "failed", message
+
+
+def _is_difference(reference: str) -> bool:
+    return reference.startswith(("finite_differences", "scipy"))
+
+
+def _hint_differences_at_fault(scenario: Scenario, failures: list[tuple[Row, Any]]) -> None:
+    """Two or more automatic engines that agree with each other, not with finite differences:
+    say that the finite differences may be the side at fault."""
+    if len(failures) < 2:
+        return
+    first = failures[0][1]
+    for _, other in failures[1:]:
+        try:
+            assert_allclose(other, _like(first, other), scenario.rtol, scenario.atol, check_dtype=False)
+        except AssertionError:
+            return
+    engines = ", ".join(row.backend for row, _ in failures)
+    for row, _ in failures:
+        row.message += (
+            f" [the automatic engines {engines} agree with each other but not with {row.reference}: "
+            "finite differences may be the side at fault (a large or ill-conditioned f, a kink near x)]"
+        )
+
+
+def run_cli_part(*args: Any) -> list[Row]:
+    """A part of ``python -m diffiface.test`` in a worker process (a function the worker can
+    find by its module: one defined in the command's ``__main__`` could not be)."""
+    from .__main__ import _run_part
+
+    return _run_part(*args)
 
 
 def _matches(selector: Selector, label: str, scenario: Scenario) -> bool:
@@ -267,7 +376,13 @@ def _call(scenario: Scenario, backend: Backend, prep: Any = None, **extra: Any) 
 
 
 def _check_backend(
-    scenario: Scenario, backend: Backend, reference: Any, use_prep: bool, check_mutation: bool, row: Row
+    scenario: Scenario,
+    backend: Backend,
+    reference: Any,
+    use_prep: bool,
+    check_mutation: bool,
+    row: Row,
+    seen: list[Any] | None = None,
 ) -> None:
     taken = (
         snapshot((scenario.x, scenario.tangent, [c for c in scenario.contexts if isinstance(c, di.Constant)]))
@@ -284,6 +399,8 @@ def _check_backend(
     for attempt in (1, 2):
         result = _call(scenario, backend, prep)
         compared = _without_aux(scenario, result)
+        if seen is not None:
+            seen.append(compared)
         try:
             _mirrors(scenario, compared, reference)
             assert_allclose(compared, _like(reference, compared), scenario.rtol, scenario.atol)
@@ -342,7 +459,10 @@ def _leaf_like(reference: Any, like: Any) -> Any:
     array = np.asarray(_arrays.to_numpy(reference))
     if kind == "numpy":
         return array.astype(like.dtype)
-    if kind in ("torch", "jax"):
+    if kind == "jax":
+        with _float64_scope():  # a float64 result stays float64 (jax demotes outside x64)
+            return _arrays.from_numpy(array, like)
+    if kind == "torch":
         return _arrays.from_numpy(array, like)
     return reference
 
@@ -350,16 +470,17 @@ def _leaf_like(reference: Any, like: Any) -> Any:
 # -- references -----------------------------------------------------------------------------------
 
 
-def _reference(scenario: Scenario, backend: Backend, cache: dict[Any, Any]) -> Any:
+def _reference(scenario: Scenario, backend: Backend, cache: dict[Any, Any]) -> tuple[Any, str]:
+    """The result ``backend`` must match on ``scenario``, and the name of where it comes from."""
     reference = scenario.reference
     if not isinstance(reference, (Backend, str)):
-        return _without_aux(scenario, reference) if scenario.has_aux else reference
+        return (_without_aux(scenario, reference) if scenario.has_aux else reference), "analytic"
     if reference == "cross":
         twin = _cross_twin(backend, scenario)
         key = (id(scenario), backend_label(twin))
         if key not in cache:
             cache[key] = _without_aux(scenario, _call(scenario, twin))
-        return cache[key]
+        return cache[key], f"cross: {backend_label(twin)}"
     reference_backend = normalize(reference)
     if reference_backend == backend and _scipy_can_judge(backend, scenario):
         # no backend checks itself: finite differences are checked against scipy's adaptive
@@ -367,8 +488,24 @@ def _reference(scenario: Scenario, backend: Backend, cache: dict[Any, Any]) -> A
         reference_backend = AutoScipy()
     key = (id(scenario), backend_label(reference_backend))
     if key not in cache:
-        cache[key] = _computed_reference(scenario, reference_backend)
-    return cache[key]
+        wide = _promotes(scenario) and not _changes_in_float64(scenario, _value(scenario))
+        cache[key] = (_computed_reference(scenario, reference_backend, wide), _reference_label(reference_backend, wide))
+    return cache[key]  # type: ignore[no-any-return]
+
+
+def _reference_label(backend: Backend, wide: bool) -> str:
+    label = backend_label(backend)
+    return f"{label} (float64)" if wide else label
+
+
+def _promotes(scenario: Scenario) -> bool:
+    """Whether the ground truth runs on float64 copies of x, tangent and contexts."""
+    if "no_promote" in scenario.tags:
+        return False
+    if "float32" in scenario.tags:
+        return True
+    leaves = [*_tree.leaves(scenario.x), *_tree.leaves(scenario.tangent)]
+    return any(_arrays.dtype_name(leaf) in ("float32", "float16", "bfloat16") for leaf in leaves)
 
 
 def _scipy_can_judge(backend: Backend, scenario: Scenario) -> bool:
@@ -376,11 +513,13 @@ def _scipy_can_judge(backend: Backend, scenario: Scenario) -> bool:
     return not isinstance(backend, AutoScipy) and "piecewise" not in scenario.tags and available(AutoScipy())
 
 
-def _computed_reference(scenario: Scenario, backend: Backend) -> Any:
+def _computed_reference(scenario: Scenario, backend: Backend, wide: bool | None = None) -> Any:
     """The reference backend's result, in float64 when the scenario is float32 and allows it."""
     operator = getattr(di, scenario.operator)
     kwargs = {"has_aux": True} if scenario.has_aux else {}
-    if "float32" in scenario.tags and "no_promote" not in scenario.tags:
+    if wide is None:
+        wide = _promotes(scenario) and not _changes_in_float64(scenario, _value(scenario))
+    if wide:
         head = (promote(scenario.x),) if scenario.tangent is None else (promote(scenario.x), promote(scenario.tangent))
         result = operator(scenario.f, backend, *head, *promote_contexts(scenario.contexts), **kwargs)
     else:
@@ -434,17 +573,31 @@ def check_gradients(
     atol: float | None = None,
     projections: int | None = None,
     seed: int = 0,
+    has_aux: bool = False,
 ) -> Report:
     """Check the gradient of ``f`` at ``x`` on every backend, in one call.
 
-    Every requested backend (by default every installed engine that takes x's framework; one
-    that ``f`` turns out not to be written for is reported skipped) is compared with the finite-difference ground truth and with each other; ``x`` and the
-    contexts must not be mutated and ``f`` must be deterministic. For a large ``x`` (more
-    than 4096 numbers, or when ``projections`` is given) the comparison is on ``k`` random
-    directions ``u``: ``u . grad f`` against a Richardson-extrapolated central difference of
-    ``t -> f(x + t u)``, which costs 4k evaluations of f instead of 2n.
+    Every requested backend (by default every installed engine that takes x's framework) is
+    compared with the finite-difference ground truth and with each other; ``x`` and the
+    contexts must not be mutated and ``f`` must be deterministic. A backend that cannot run
+    ``f`` (written for another framework; torch.func and a ``torch.autograd.Function``
+    without ``setup_context``) is reported skipped, with the reason.
 
-    Returns the :class:`Report`; raises ``AssertionError`` naming every disagreement.
+    The ground truth runs in float64 whatever x's dtype (float32 leaves of x and of the
+    Constant contexts are cast, the structure kept; when f computes another value in float64,
+    say it draws random numbers of the default dtype, it stays at x's precision), and its own
+    noise, about ``eps**(2/3) * |f(x)| * sqrt(n)`` for n inputs, is added to the default
+    ``atol`` (a given ``atol`` is used as it is). For a large ``x``
+    (more than 4096 numbers, or when ``projections`` is given) the comparison is on ``k``
+    random directions ``u``: ``u . grad f`` against a Richardson-extrapolated central
+    difference of ``t -> f(x + t u)`` in float64, which costs 4k evaluations of f instead of 2n.
+
+    With ``has_aux=True``, ``f`` returns ``(value, aux)``: the value is differentiated and the
+    aux ignored (it must be deterministic too).
+
+    Each row of the returned :class:`Report` names its reference. Warnings the engines raise
+    are collected on the rows (:attr:`Report.warnings`), never failures. Raises
+    ``AssertionError`` naming every disagreement.
 
     Examples
     --------
@@ -452,66 +605,174 @@ def check_gradients(
     >>> from diffiface.test import check_gradients
     >>> report = check_gradients(lambda x, c: (c * np.sin(x)).sum(), np.linspace(0, 1, 5),
     ...                          di.Constant(2.0), backends=["finite_differences"])
-    >>> [row.status for row in report.rows]
-    ['passed']
+    >>> [(row.status, row.reference) for row in report.rows]
+    [('passed', 'scipy')]
     """
     report = Report()
     automatic = backends == "available"
     chosen = _available_backends(x) if automatic else [normalize(b) for b in backends]
     if not chosen:
         raise AssertionError('no backend to check: install one (pip install "diffiface[jax]") or pass backends=...')
-    problem = _determinism_problem(Scenario("f", f, x, "gradient", tuple(contexts), reference=None))
-    if problem:
-        raise AssertionError(problem)
+    operator = "value_and_gradient" if has_aux else "gradient"
+    scenario = Scenario("f", f, x, operator, tuple(contexts), reference=None, has_aux=has_aux)
+    outside = Row("(reference)", "f", "gradient", "passed")
+    wide = any(_arrays.dtype_name(leaf) == "float64" for leaf in _tree.leaves(x))
+    with _warnings_apart(outside), _float64_scope() if wide else contextlib.nullcontext():
+        problem = _determinism_problem(scenario)
+        if problem:
+            raise AssertionError(problem)
+        value = f(x, *scenario.context_values)
+        value = value[0] if has_aux else value
     size = sum(int(np.prod(_arrays.shape(leaf))) for leaf in _tree.leaves(x))
+    noise = _difference_noise(value, size)
     k = projections if projections is not None else (8 if size > _PROJECTION_THRESHOLD else 0)
     rng = np.random.default_rng(seed)
     directions = [_random_direction(x, rng) for _ in range(k)]
-    truth = _projected_truth(f, x, contexts, directions) if k else None
-    if not k:
-        reference_backend = reference or AutoFiniteDifferences()
-        scenario = Scenario("f", f, x, "gradient", tuple(contexts), reference=reference_backend)
-        truth_full = _computed_reference(scenario, reference_backend)
+    estimate: float | None = None
+    with _warnings_apart(outside):
+        if k:
+            truth = _projected_truth(f, x, contexts, directions, has_aux)
+            truth_label = "central differences along random directions (float64)"
+        else:
+            reference_backend = normalize(reference) if reference is not None else AutoFiniteDifferences()
+            if isinstance(reference_backend, AutoFiniteDifferences) and reference_backend in chosen:
+                # no backend checks itself: scipy's adaptive differences judge finite differences
+                reference_backend = AutoScipy() if available(AutoScipy()) else reference_backend
+            truth_scenario = dataclasses.replace(scenario, reference=reference_backend)
+            wide = _promotes(truth_scenario) and not _changes_in_float64(truth_scenario, value)
+            truth_scenario = dataclasses.replace(truth_scenario, tags=frozenset(() if wide else {"no_promote"}))
+            truth, estimate = _reference_with_estimate(truth_scenario, reference_backend)
+            truth_label = _reference_label(reference_backend, wide)
     gradients: dict[str, Any] = {}
+    against_truth: dict[str, float] = {}
     for backend in chosen:
         label = backend_label(backend)
-        row = Row(label, "f", "gradient", "passed")
+        row = Row(label, "f", "gradient", "passed", reference=truth_label, warnings=outside.warnings)
         report.rows.append(row)
         if not available(backend):
             row.status, row.message = "skipped", f"not installed: {install_hint(backend)}"
             continue
         taken = snapshot((x, [c for c in contexts if isinstance(c, di.Constant)]))
         start = time.perf_counter()
-        try:
-            gradient = di.gradient(f, backend, x, *contexts)
-            row.seconds = time.perf_counter() - start
-            changed = changes(taken)
-            if changed:
-                raise AssertionError(f"the call mutated {', '.join(changed[:4])}")
-            if k:
-                got = np.array([_dot(gradient, u) for u in directions])
-                _close_projections(got, truth, rtol, atol, row)
-            else:
-                assert_allclose(gradient, _like(truth_full, gradient), rtol, atol)
-                row.abs_error, row.rel_error = max_errors(gradient, _like(truth_full, gradient))
-            gradients[label] = gradient
-        except FrameworkMismatchError as exc:
-            # an engine found for the user, which f was not written for: not a failure of f
-            row.status, row.message = ("skipped" if automatic else "failed"), str(exc)
-        except Exception as exc:
-            row.status, row.message = "failed", f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+        with _warnings_apart(row):
+            try:
+                if has_aux:
+                    (_, _aux), gradient = di.value_and_gradient(f, backend, x, *contexts, has_aux=True)
+                else:
+                    gradient = di.gradient(f, backend, x, *contexts)
+                row.seconds = time.perf_counter() - start
+                changed = changes(taken)
+                if changed:
+                    raise AssertionError(f"the call mutated {', '.join(changed[:4])}")
+                gradients[label] = gradient
+                if k:
+                    got = np.array([_dot(gradient, u) for u in directions])
+                    _close_projections(got, truth, rtol, atol, noise, row)
+                else:
+                    tolerance = _with_noise(atol, x, noise if _is_difference(truth_label) else 0.0)
+                    row.abs_error, row.rel_error = max_errors(gradient, _like(truth, gradient))
+                    try:
+                        assert_allclose(gradient, _like(truth, gradient), rtol, tolerance)
+                    except AssertionError:
+                        against_truth[label] = row.abs_error
+                        raise
+            except Exception as exc:
+                row.status, row.message = _outcome(exc)
+                if k and row.status == "failed" and label in gradients:
+                    against_truth[label] = row.abs_error
     labels = list(gradients)
+    disagreements: set[str] = set()
     for i, a in enumerate(labels):
         for b in labels[i + 1 :]:
-            row = Row(f"{a} vs {b}", "f", "gradient", "passed")
+            row = Row(f"{a} vs {b}", "f", "gradient", "passed", reference=b)
             report.rows.append(row)
             try:
                 assert_allclose(gradients[a], _like(gradients[b], gradients[a]), rtol, atol, check_dtype=False)
             except AssertionError as exc:
                 row.status, row.message = "failed", str(exc)
+                disagreements.update((a, b))
+    _hint_truth_at_fault(report, against_truth, disagreements, noise, estimate)
     if report.failed:
         raise AssertionError(report.summary())
     return report
+
+
+def _value(scenario: Scenario) -> Any:
+    value = scenario.evaluate()
+    return value[0] if scenario.has_aux else value
+
+
+def _changes_in_float64(scenario: Scenario, value: Any) -> bool:
+    """Whether f on float64 copies of its arguments computes another value than f itself."""
+    try:
+        with _no_grad(), _float64_scope():
+            wide = scenario.f(promote(scenario.x), *(c.value for c in promote_contexts(scenario.contexts)))
+        wide = wide[0] if scenario.has_aux else wide
+        assert_allclose(wide, _like(value, wide), *default_tolerances("float32"), check_dtype=False)
+    except Exception:
+        return True
+    return False
+
+
+def _reference_with_estimate(scenario: Scenario, backend: Backend) -> tuple[Any, float | None]:
+    """The ground truth (value dropped when f has an aux), and scipy's own error estimate when
+    scipy computes it."""
+    if not isinstance(backend, AutoScipy):
+        result = _computed_reference(scenario, backend, _promotes(scenario))
+        return (result[1] if scenario.has_aux else result), None
+    head = (promote(scenario.x),) if _promotes(scenario) else (scenario.x,)
+    contexts = promote_contexts(scenario.contexts) if _promotes(scenario) else scenario.contexts
+    kwargs = {"has_aux": True} if scenario.has_aux else {}
+    prep = getattr(di, f"prepare_{scenario.operator}")(scenario.f, backend, *head, *contexts, **kwargs)
+    result = getattr(di, scenario.operator)(scenario.f, backend, *head, *contexts, prep=prep, **kwargs)
+    error = prep.error
+    gradient_error = error[1] if scenario.has_aux and isinstance(error, tuple) else error
+    leaves = [np.asarray(_arrays.to_numpy(e), dtype=np.float64) for e in _tree.leaves(gradient_error)]
+    estimate = max((float(np.max(e)) for e in leaves if e.size), default=None)
+    return (result[1] if scenario.has_aux else result), estimate
+
+
+def _difference_noise(value: Any, size: int) -> float:
+    """The rounding noise of a float64 central difference of ``f``: each evaluation of f errs by
+    about ``eps * |f| * sqrt(n)`` (n, the number of inputs, stands for the number of terms a
+    loss sums), divided by a step of ``eps**(1/3)`` at least."""
+    values = [np.asarray(_arrays.to_numpy(v), dtype=np.float64) for v in _tree.leaves(value)]
+    magnitude = max((float(np.max(np.abs(v))) for v in values if v.size), default=0.0)
+    if not np.isfinite(magnitude):
+        return 0.0
+    eps = float(np.finfo(np.float64).eps)
+    return float(eps ** (2 / 3) * magnitude * np.sqrt(max(size, 1)))
+
+
+def _with_noise(atol: float | None, x: Any, noise: float) -> float | None:
+    """A given ``atol`` as it is; by default, the widest dtype default of x plus the noise."""
+    if atol is not None or not noise:
+        return atol
+    return max((default_tolerances(_arrays.dtype_name(leaf))[1] for leaf in _tree.leaves(x)), default=0.0) + noise
+
+
+def _hint_truth_at_fault(
+    report: Report, against_truth: dict[str, float], disagreements: set[str], noise: float, estimate: float | None
+) -> None:
+    """Say when finite differences may be the side at fault: the engines that failed against
+    them agree with each other, or the error is within the differences' own error."""
+    failed = [row for row in report.rows if row.backend in against_truth and row.status == "failed"]
+    if not failed:
+        return
+    own = f"scipy's error estimate is {estimate:.3g}" if estimate is not None else f"their noise is about {noise:.3g}"
+    agreeing = len(failed) >= 2 and not (disagreements & set(against_truth))
+    for row in failed:
+        if agreeing:
+            names = ", ".join(r.backend for r in failed)
+            row.message += (
+                f" [the automatic engines {names} agree with each other but not with {row.reference}: "
+                f"finite differences may be the side at fault ({own}; a large or ill-conditioned f, a kink near x)]"
+            )
+        elif against_truth[row.backend] <= 10 * max(noise, estimate or 0.0):
+            row.message += (
+                f" [the error is within ten times the finite differences' own error ({own}): "
+                "they may be the side at fault]"
+            )
 
 
 def _available_backends(x: Any) -> list[Backend]:
@@ -540,36 +801,52 @@ def _dot(gradient: Any, direction: list[np.ndarray]) -> float:
 
 
 def _projected_truth(
-    f: Callable[..., Any], x: Any, contexts: tuple[Any, ...], directions: list[list[np.ndarray]]
+    f: Callable[..., Any],
+    x: Any,
+    contexts: tuple[Any, ...],
+    directions: list[list[np.ndarray]],
+    has_aux: bool = False,
 ) -> np.ndarray:
-    """``u . grad f`` by Richardson-extrapolated central differences of ``t -> f(x + t u)``."""
-    leaves, spec = _tree.flatten(x)
-    values = tuple(c.value for c in contexts)
+    """``u . grad f`` by Richardson-extrapolated central differences of ``t -> f(x + t u)``,
+    in float64: x and the Constant contexts cast (their structure and array types kept), and
+    f evaluated under the scope the engines use for float64 (jax's x64, scoped)."""
+    leaves, spec = _tree.flatten(promote(x))
+    values = tuple(c.value for c in promote_contexts(tuple(contexts)))
     scale = max(
         [1.0] + [float(np.max(np.abs(_arrays.to_numpy(leaf)))) for leaf in leaves if np.size(_arrays.to_numpy(leaf))]
     )
-    dtypes = {_arrays.dtype_name(leaf) for leaf in leaves}
-    eps = np.finfo(np.float32 if dtypes <= {"float32"} else np.float64).eps
-    h = float(eps ** (1 / 5)) * scale
+    h = float(np.finfo(np.float64).eps ** (1 / 5)) * scale
 
     def along(direction: list[np.ndarray], t: float) -> float:
         moved = [
             _arrays.from_numpy(np.asarray(_arrays.to_numpy(leaf), dtype=np.float64) + t * u, leaf)
             for leaf, u in zip(leaves, direction, strict=True)
         ]
-        with _no_grad():
-            return float(np.asarray(_arrays.to_numpy(f(optree.tree_unflatten(spec, moved), *values)), dtype=np.float64))
+        out = f(optree.tree_unflatten(spec, moved), *values)
+        return float(np.asarray(_arrays.to_numpy(out[0] if has_aux else out), dtype=np.float64))
 
     def central(u: list[np.ndarray], step: float) -> float:
         return (along(u, step) - along(u, -step)) / (2 * step)
 
-    # Richardson: the O(h^2) terms of two central differences cancel
-    return np.array([(4 * central(u, h / 2) - central(u, h)) / 3 for u in directions])
+    with _no_grad(), _float64_scope():
+        # Richardson: the O(h^2) terms of two central differences cancel
+        return np.array([(4 * central(u, h / 2) - central(u, h)) / 3 for u in directions])
 
 
-def _close_projections(got: np.ndarray, truth: Any, rtol: float | None, atol: float | None, row: Row) -> None:
+def _float64_scope() -> Any:
+    """jax's x64 for the duration (scoped, the global flag untouched), as the engines run a
+    float64 computation; nothing when jax is not loaded or x64 is already on."""
+    jax = sys.modules.get("jax")
+    if jax is not None and not jax.config.read("jax_enable_x64"):
+        return jax.enable_x64(True)
+    return contextlib.nullcontext()
+
+
+def _close_projections(
+    got: np.ndarray, truth: Any, rtol: float | None, atol: float | None, noise: float, row: Row
+) -> None:
     rtol = 1e-4 if rtol is None else rtol
-    atol = 1e-6 if atol is None else atol
+    atol = 1e-6 + noise if atol is None else atol
     scale = max(1.0, float(np.max(np.abs(truth))))
     err = np.abs(got - truth)
     row.abs_error = float(np.max(err)) if err.size else 0.0
@@ -583,9 +860,6 @@ def _close_projections(got: np.ndarray, truth: Any, rtol: float | None, atol: fl
 
 
 def _no_grad() -> Any:
-    import contextlib
-    import sys
-
     torch = sys.modules.get("torch")
     return torch.no_grad() if torch is not None else contextlib.nullcontext()
 

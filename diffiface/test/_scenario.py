@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -159,10 +161,20 @@ def promote(tree: Any) -> Any:
         if kind == "torch":
             return leaf.double()
         if kind == "jax":
-            return np.asarray(leaf, dtype=np.float64)
+            return _jax_float64(leaf)
         return leaf
 
     return _tree.map(up, tree)
+
+
+def _jax_float64(leaf: Any) -> Any:
+    """A float64 jax array of ``leaf`` (made under a scoped x64; the global flag is untouched).
+    Engines run f under x64 when a float64 array is involved, so the values stay float64."""
+    jax = sys.modules["jax"]
+    with contextlib.ExitStack() as stack:
+        if not jax.config.read("jax_enable_x64"):
+            stack.enter_context(jax.enable_x64(True))
+        return jax.numpy.asarray(np.asarray(leaf, dtype=np.float64))
 
 
 def promote_contexts(contexts: tuple[Context[Any], ...]) -> tuple[Context[Any], ...]:

@@ -53,7 +53,7 @@ def _state(leaf: Any) -> dict[str, Any] | None:
     if kind == "numpy":
         return {"": np.array(leaf, copy=True)}
     if kind == "jax":
-        return {"": np.array(leaf, copy=True)} if not _is_tracer(leaf) else None
+        return {"": _jax_copy(leaf)} if not _is_tracer(leaf) else None
     if kind == "torch":
         return _tensor_state("", leaf)
     torch = sys.modules.get("torch")
@@ -72,6 +72,15 @@ def _tensor_state(prefix: str, tensor: Any) -> dict[str, Any]:
         f"{prefix}.requires_grad": tensor.requires_grad,
         f"{prefix}.grad": None if grad is None else grad.detach().cpu().numpy().copy(),
     }
+
+
+def _jax_copy(leaf: Any) -> np.ndarray:
+    """The bits of a jax array; a typed key (``jax.random.key(0)``) by its key data, since
+    numpy cannot hold a key dtype."""
+    jax = sys.modules["jax"]
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        return np.array(jax.random.key_data(leaf), copy=True)
+    return np.array(leaf, copy=True)
 
 
 def _is_tracer(leaf: Any) -> bool:
