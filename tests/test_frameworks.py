@@ -405,21 +405,7 @@ def _wide_mlp(dtype: Any) -> tuple[Any, Any]:
     return model, inputs
 
 
-@pytest.mark.parametrize(
-    "precision",
-    [
-        pytest.param(
-            "float64",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="check_gradients' projected finite differences (diffiface/test/_running.py, "
-                "_projected_truth) build the moved points x + t u as jax float64 arrays outside a "
-                "jax.enable_x64 scope: jax truncates them to float32 (a UserWarning, an error here)",
-            ),
-        ),
-        "float32",
-    ],
-)
+@pytest.mark.parametrize("precision", ["float64", "float32"])
 def test_check_gradients_on_a_200k_parameter_model(precision: str) -> None:
     jax, eqx = need("jax"), need("equinox")
     with x64() if precision == "float64" else _nothing():

@@ -171,6 +171,13 @@ class Adapter(_base.Adapter):
             )
         if isinstance(exc, TypeError) and _raised_inside(exc, "jax"):
             return "f calls jax on torch tensors; differentiate a jax function with AutoJAX()."
+        if self.functional and isinstance(exc, RuntimeError) and "override the setup_context" in text:
+            # torch.func's refusal of a classic torch.autograd.Function: the engine cannot run f
+            raise UnsupportedOperationError(
+                "f uses a torch.autograd.Function without a setup_context staticmethod, which torch.func "
+                "cannot transform. Use AutoTorch(mode='autograd'), or give the Function setup_context "
+                "(forward without ctx, and setup_context(ctx, inputs, output))."
+            ) from exc
         if self.functional and isinstance(exc, RuntimeError) and "mutate a captured Tensor" in text:
             # torch.func's refusal, raised before the write: nothing of the caller's changed
             raise MutationError(

@@ -19,7 +19,7 @@ from .. import _arrays
 from .. import tree as _tree
 from .._adapters import available, info, install_hint, normalize
 from .._backends import AutoFiniteDifferences, AutoJAX, AutoScipy, AutoTorch, Backend, SecondOrder
-from .._errors import FrameworkMismatchError, PreparationMismatchError
+from .._errors import FrameworkMismatchError, PreparationMismatchError, UnsupportedOperationError
 from ._compare import assert_allclose, default_tolerances, max_errors
 from ._scenario import Scenario, promote, promote_contexts, shifted
 from ._snapshot import changes, snapshot
@@ -283,13 +283,8 @@ def _outcome(exc: BaseException) -> tuple[str, str]:
     at all (f is written for another framework; torch.func refuses a classic
     ``torch.autograd.Function``), else failed."""
     message = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
-    if isinstance(exc, FrameworkMismatchError):
+    if isinstance(exc, (FrameworkMismatchError, UnsupportedOperationError)):
         return "skipped", f"cannot run f: {message}"
-    if isinstance(exc, RuntimeError) and "setup_context" in str(exc):
-        return "skipped", (
-            "cannot run f: torch.func refuses a torch.autograd.Function without a setup_context "
-            "staticmethod (use mode='autograd', or give the Function setup_context)"
-        )
     return "failed", message
 
 
