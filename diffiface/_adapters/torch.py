@@ -191,15 +191,11 @@ class Adapter(_base.Adapter):
     # -- the guard around every call: state, nesting, writes into the inputs --------------------
 
     def compile(self, program: Callable[..., Any], static: bool = True, arrays: bool = False) -> Callable[..., Any]:
-        # the inputs f sees would share memory with the caller's (duals in forward mode,
-        # torch.func's wrappers, and in reverse mode the detached leaf, which torch lets f write
-        # into under no_grad): f gets copies, so that a write found afterwards lost nothing
-        exposed = True
         cache_dynamic = getattr(program, "cache_dynamic", ())
         cache_static = getattr(program, "cache_static", ())
 
         def guarded(xs: Leaves, ts: Leaves, dynamic: Leaves, static_: Any) -> Any:
-            return _guarded(program, exposed, cache_dynamic, cache_static, xs, ts, dynamic, static_)
+            return _guarded(program, cache_dynamic, cache_static, xs, ts, dynamic, static_)
 
         return guarded
 
@@ -595,7 +591,6 @@ _FIX = "Compute out of place (y = x * 2, not x.mul_(2)); for scratch space f may
 
 def _guarded(
     program: Callable[..., Any],
-    exposed: bool,
     cache_dynamic: tuple[bool, ...],
     cache_static: tuple[bool, ...],
     xs: Leaves,
@@ -609,25 +604,21 @@ def _guarded(
       in inference mode); inference tensors are copied into normal ones. Grad mode is set by
       each method where it needs it. Both are restored on the way out, also on errors.
     - Where an input carries an outer graph (a nested call), results keep their graph.
-    - f gets copies of x and tangents where what it gets would share the caller's memory (dual
-      tensors, torch.func's wrappers), and of every Constant tensor; version counters show a
-      write into any of them, or into the buffers of a Constant module (kept in copies, put
-      back), and it is refused with a MutationError.
+    - f gets copies of x, of the tangents and of every Constant tensor: what it would get
+      otherwise shares the caller's memory (duals in forward mode, torch.func's wrappers, and in
+      reverse mode the detached leaf, which torch lets f write into under no_grad). Version
+      counters show a write into any of them, or into the buffers of a Constant module (kept in
+      copies, put back), and it is refused with a MutationError; the caller's tensors lost nothing.
     """
     if torch.is_inference_mode_enabled():
         with torch.inference_mode(False):
-            return _guarded(program, exposed, cache_dynamic, cache_static, xs, ts, dynamic, static)
+            return _guarded(program, cache_dynamic, cache_static, xs, ts, dynamic, static)
     keep = False
-    inference = False
     for x in xs:
-        if x.is_inference():
-            inference = True
-        elif _carries_graph(x):
+        if not x.is_inference() and _carries_graph(x):
             keep = True
-    copied = exposed or keep or inference
-    if copied:  # f writes nothing of the caller's through what it gets
-        xs = tuple([x.clone() for x in xs])
-        ts = tuple([t.clone() for t in ts])
+    xs = tuple([x.clone() for x in xs])  # (a clone of an inference tensor is a normal one)
+    ts = tuple([t.clone() for t in ts])
     versions = [x._version for x in xs]
     tangent_versions = [t._version for t in ts]
     constants: list[tuple[int, Any, int]] = []
@@ -646,7 +637,7 @@ def _guarded(
     except BaseException as exc:
         stack.pop()
         _arrays.graph_state.keep = keep
-        problem = _mutation(xs, versions, copied, constants, modules)
+        problem = _mutation(xs, versions, constants, modules)
         if problem is not None:
             raise MutationError(problem) from exc
         if isinstance(exc, RuntimeError) and _LEAF_WRITE in str(exc):
@@ -655,7 +646,7 @@ def _guarded(
         raise
     stack.pop()
     _arrays.graph_state.keep = keep
-    problem = _mutation(xs, versions, copied, constants, modules)
+    problem = _mutation(xs, versions, constants, modules)
     if problem is not None:
         raise MutationError(problem)
     if any(t._version != v for t, v in zip(ts, tangent_versions, strict=True)):
@@ -686,7 +677,6 @@ def _module_states(static: Any, cache_static: tuple[bool, ...]) -> list[tuple[st
 def _mutation(
     xs: Leaves,
     versions: list[int],
-    copied: bool,
     constants: list[tuple[int, Any, int]],
     modules: list[tuple[str, Any, int, Any]] | None,
 ) -> str | None:
@@ -694,12 +684,7 @@ def _mutation(
     for i, (x, version) in enumerate(zip(xs, versions, strict=True)):
         if x._version != version:
             where = f"leaf {i} of x" if len(xs) > 1 else "x"
-            if copied:
-                return f"f wrote in place into its input ({where}); the caller's x and tangent are unchanged. {_FIX}"
-            return (
-                f"f wrote in place into its input ({where}) past torch's check (under torch.no_grad() or "
-                f"through .data), which changed the caller's tensor. {_FIX}"
-            )
+            return f"f wrote in place into its input ({where}); the caller's x and tangent are unchanged. {_FIX}"
     for i, tensor, version in constants:
         if tensor._version != version:
             return (
