@@ -38,15 +38,25 @@ Fn = Callable[[Leaves], tuple[Any, Any]]
 Blocks = tuple[tuple[Any, ...], ...]
 
 
-def raised_in(exc: BaseException) -> str:
-    """The module whose code raised ``exc`` (its innermost traceback frame), so that a failure
-    is classified by where it happened, never by words in its message (which ``f`` may write)."""
-    tb = exc.__traceback__
-    if tb is None:
-        return ""
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    return str(tb.tb_frame.f_globals.get("__name__", ""))
+def raised_inside(exc: BaseException, package: str) -> bool:
+    """Whether ``exc`` was raised from inside ``package``'s code (a frame of its modules), in
+    its traceback or in that of the exceptions it chains (jax hides its frames in one): a
+    failure is classified by where it happened, never by words in its message, which ``f``
+    may have written."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if type(current).__module__.startswith(package + "."):
+            return True
+        tb = current.__traceback__
+        while tb is not None:
+            module = tb.tb_frame.f_globals.get("__name__", "")
+            if module == package or module.startswith(package + "."):
+                return True
+            tb = tb.tb_next
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def raised_by(exc: BaseException) -> str:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from .. import _arrays
 from .._errors import MutationError
 from . import _base
-from ._base import Blocks, Fn, Leaves, raised_by, raised_in
+from ._base import Blocks, Fn, Leaves, raised_by, raised_inside
 
 
 def _tracer_names() -> frozenset[str]:
@@ -130,7 +130,7 @@ class Adapter(_base.Adapter):
                 "f assigns into a jax array in place (x[i] = v). jax arrays are immutable: write "
                 "x = x.at[i].set(v), or pass scratch space as di.Cache."
             ) from exc
-        if isinstance(exc, TypeError) and (raised_in(exc).startswith("torch") or _names_a_tracer(exc)):
+        if isinstance(exc, TypeError) and (raised_inside(exc, "torch") or _names_a_tracer(exc)):
             return (
                 "f handed a traced jax array to a function that does not take jax arrays (torch, "
                 "say); differentiate a torch function with AutoTorch(), any function with "

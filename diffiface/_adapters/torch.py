@@ -26,7 +26,7 @@ from .. import _arrays
 from .. import tree as _tree
 from .._errors import ArrayTypeError, InvalidInputError, InvalidOutputError, MutationError, UnsupportedOperationError
 from . import _base
-from ._base import Blocks, Fn, Leaves
+from ._base import Blocks, Fn, Leaves, raised_inside
 
 # torch scripts its forward-mode decompositions on the first make_dual of the process, warning
 # that torch.jit.script is deprecated: torch's own business, which must not reach f's caller (an
@@ -169,7 +169,7 @@ class Adapter(_base.Adapter):
                 ".numpy() on its input). Write f with torch operations, or differentiate a numpy f "
                 "with AutoFiniteDifferences()."
             )
-        if isinstance(exc, TypeError) and _raised_inside(exc, "jax"):
+        if isinstance(exc, TypeError) and raised_inside(exc, "jax"):
             return "f calls jax on torch tensors; differentiate a jax function with AutoJAX()."
         if self.functional and isinstance(exc, RuntimeError) and "override the setup_context" in text:
             # torch.func's refusal of a classic torch.autograd.Function: the engine cannot run f
@@ -547,25 +547,6 @@ def _carries_graph(x: Any) -> bool:
 
 def _written(tensor: Any, version: int, copy: Any) -> bool:
     return bool(tensor._version != version or (copy is not None and not torch.equal(tensor, copy)))
-
-
-def _raised_inside(exc: BaseException, package: str) -> bool:
-    """Whether ``exc`` was raised from inside ``package``'s code (a frame of its modules), in
-    its traceback or in that of the exceptions it chains (jax hides its frames in one)."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if type(current).__module__.startswith(package + "."):
-            return True
-        tb = current.__traceback__
-        while tb is not None:
-            module = tb.tb_frame.f_globals.get("__name__", "")
-            if module == package or module.startswith(package + "."):
-                return True
-            tb = tb.tb_next
-        current = current.__cause__ or current.__context__
-    return False
 
 
 def _autograd_in_func() -> UnsupportedOperationError:
