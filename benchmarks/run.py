@@ -407,6 +407,543 @@ def run_main_job(full=True, jobs=None):
     return rows
 
 
+# ---------------------------------------------------------------------------------------------
+# Call shapes: every pytree layout users pass, for every operator, against the engine's own call
+# ---------------------------------------------------------------------------------------------
+
+SHAPE_GOALS = {("mlp", True): 1.05, ("mlp", False): 1.10, ("10-input", True): 1.25}
+"""Gradient, diffiface / native, the most the overhead may be, by (size, prepared): 1.05 prepared
+at MLP size, 1.10 unprepared at MLP size, 1.25 prepared on the 10-input function."""
+
+SHAPE_BACKENDS = ("jax", "jax-x64", "torch", "torch-func", "autograd")
+SHAPE_ORDER = ("flat", "tuple", "dict", "flax", "torch-module")
+OPS_ALL = ("gradient", "jvp", "vjp", "hvp", "jacobian")
+
+
+def shape_goal(size, operator, prepared):
+    """The goal of a row of the shapes section (None: no goal for that row)."""
+    if operator != "gradient":
+        return None
+    return SHAPE_GOALS.get((size, prepared))
+
+
+def shape_table(rows, size="mlp"):
+    """One line per shape, one column per backend: the gradient's ratio "prepared (unprepared)"
+    at ``size``; "-" where the shape does not apply to the backend or the call failed."""
+    cells = {}
+    for r in rows:
+        if r.get("size") != size or r.get("operator") != "gradient" or r.get("ratio") is None:
+            continue
+        cells.setdefault((r["shape"], r["backend"]), {})[r["prepared"]] = r["ratio"]
+    backends = [b for b in SHAPE_BACKENDS if any(k[1] == b for k in cells)]
+    shapes = [s for s in SHAPE_ORDER if any(k[0] == s for k in cells)]
+    out = []
+    for shape in shapes:
+        line = {"shape": shape}
+        for b in backends:
+            got = cells.get((shape, b), {})
+            prep, unprep = got.get(True), got.get(False)
+            text = "-" if prep is None else f"{prep:.2f}"
+            if unprep is not None:
+                text += f" ({unprep:.2f})"
+            line[b] = text
+        out.append(line)
+    return out, ["shape", *backends]
+
+
+def _leaf_module(tree):
+    import optree
+
+    return ns(optree.tree_leaves(tree)[0])
+
+
+def _head4(z):
+    """A small output: the batch mean of the first 4 columns."""
+    return _leaf_module(z).mean(z[:, :4], 0)
+
+
+def _mlp_out(params, data):
+    m = ns(params)
+    d, h = 48, 96
+    i = 0
+    w1 = m.reshape(params[i : i + d * h], (d, h))
+    i += d * h
+    b1 = params[i : i + h]
+    i += h
+    w2 = m.reshape(params[i : i + h * d], (h, d))
+    i += h * d
+    b2 = params[i : i + d]
+    i += d
+    w3 = m.reshape(params[i : i + d * 4], (d, 4))
+    z = m.tanh(data @ w1 + b1)
+    z = m.tanh(z @ w2 + b2)
+    return z @ w3
+
+
+def flat_head(params, data):
+    return _head4(_mlp_out(params, data))
+
+
+def tuple_loss(wb, xy):
+    w, b = wb
+    x, y = xy
+    m = ns(w)
+    r = m.tanh(x @ w + b) - y
+    return m.mean(r * r)
+
+
+def tuple_head(wb, xy):
+    w, b = wb
+    return _head4(ns(w).tanh(xy[0] @ w + b))
+
+
+def _dict_out(params, batch):
+    m = ns(params["layer1"]["w"])
+    z = m.tanh(batch["x"] @ params["layer1"]["w"] + params["layer1"]["b"])
+    return z @ params["layer2"]["w"] + params["layer2"]["b"]
+
+
+def dict_loss(params, batch):
+    r = _dict_out(params, batch) - batch["y"]
+    return ns(r).mean(r * r)
+
+
+def small_loss(x, c):
+    m = ns(x)
+    return m.sum(m.tanh(x * c) * x)
+
+
+def small_map(x, c):
+    return ns(x).tanh(x * c) * x
+
+
+def small_tuple_loss(ab, cd):
+    return small_loss(ab[0], cd[0]) + small_loss(ab[1], cd[1])
+
+
+def small_tuple_map(ab, cd):
+    m = ns(ab[0])
+    return m.tanh(ab[0] * cd[0]) * ab[1] + cd[1]
+
+
+def small_dict_loss(params, batch):
+    m = ns(params["layer1"]["w"])
+    z = m.tanh(params["layer1"]["w"] * batch["x"] + m.sum(params["layer1"]["b"]))
+    out = m.sum(params["layer2"]["w"] * z) * params["layer2"]["b"]
+    r = out - batch["y"]
+    return m.sum(r * r)
+
+
+def shape_cases(name, rng):
+    """The cases of the shapes section for one backend label: dicts of shape, size, the scalar
+    loss and small-output head, x, the contexts (each passed as one ``di.Constant``), the
+    operators, and a tangent for x and a cotangent for the head's output."""
+    fw = FRAMEWORK[name.replace("-x64", "")]
+
+    def arr(values):
+        values = np.asarray(values)
+        if fw == "jax":
+            import jax.numpy as jnp
+
+            return jnp.asarray(values, dtype=jnp.float64 if name == "jax-x64" else jnp.float32)
+        return array(fw, values)
+
+    def normal(*shape, scale=1.0):
+        return arr(rng.normal(size=shape) * scale)
+
+    def like(tree):
+        import optree
+
+        return optree.tree_map(lambda leaf: normal(*leaf.shape), tree)
+
+    cases = []
+    data = normal(64, 48)
+    n_flat = 48 * 96 + 96 + 96 * 48 + 48 + 48 * 4
+    flat = normal(n_flat, scale=0.1)
+    cases.append(
+        {
+            "shape": "flat",
+            "size": "mlp",
+            "loss": mlp_loss_shapes,
+            "head": flat_head,
+            "x": flat,
+            "ctx": (data,),
+            "ops": OPS_ALL,
+        }
+    )
+    wb = (normal(48, 192, scale=0.1), normal(192, scale=0.1))
+    xy = (data, normal(64, 192))
+    cases.append(
+        {"shape": "tuple", "size": "mlp", "loss": tuple_loss, "head": tuple_head, "x": wb, "ctx": (xy,), "ops": OPS_ALL}
+    )
+    params = {
+        "layer1": {"w": normal(48, 96, scale=0.1), "b": normal(96, scale=0.1)},
+        "layer2": {"w": normal(96, 48, scale=0.1), "b": normal(48, scale=0.1)},
+    }
+    batch = {"x": data, "y": normal(64, 48)}
+    cases.append(
+        {
+            "shape": "dict",
+            "size": "mlp",
+            "loss": dict_loss,
+            "head": None,
+            "x": params,
+            "ctx": (batch,),
+            "ops": ("gradient",),
+        }
+    )
+    if fw == "jax":
+        try:
+            import flax.linen as nn
+            import jax
+        except ImportError as error:
+            cases.append({"shape": "flax", "size": "mlp", "skip": f"flax is not installed ({error})"})
+        else:
+
+            class Net(nn.Module):
+                @nn.compact
+                def __call__(self, z):
+                    return nn.Dense(48)(jax.numpy.tanh(nn.Dense(96)(z)))
+
+            net = Net()
+            flax_params = net.init(jax.random.PRNGKey(0), batch["x"])["params"]
+
+            def flax_loss(p, b):
+                r = net.apply({"params": p}, b["x"]) - b["y"]
+                return jax.numpy.mean(r * r)
+
+            cases.append(
+                {
+                    "shape": "flax",
+                    "size": "mlp",
+                    "loss": flax_loss,
+                    "head": None,
+                    "x": flax_params,
+                    "ctx": (batch,),
+                    "ops": ("gradient",),
+                }
+            )
+    if fw == "torch":
+        import torch
+
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(48, 96), torch.nn.Tanh(), torch.nn.Linear(96, 48))
+        named = {k: v.detach() for k, v in module.named_parameters()}  # detached: see the notes
+
+        def module_loss(p, b):
+            r = torch.func.functional_call(module, p, (b["x"],)) - b["y"]
+            return torch.mean(r * r)
+
+        cases.append(
+            {
+                "shape": "torch-module",
+                "size": "mlp",
+                "loss": module_loss,
+                "head": None,
+                "x": named,
+                "ctx": (batch,),
+                "ops": ("gradient",),
+            }
+        )
+    c10 = normal(10)
+    ops10 = (*OPS_ALL, "hessian")
+    cases.append(
+        {
+            "shape": "flat",
+            "size": "10-input",
+            "loss": small_loss,
+            "head": small_map,
+            "x": normal(10),
+            "ctx": (c10,),
+            "ops": ops10,
+        }
+    )
+    cases.append(
+        {
+            "shape": "tuple",
+            "size": "10-input",
+            "loss": small_tuple_loss,
+            "head": small_tuple_map,
+            "x": (normal(5), normal(5)),
+            "ctx": ((normal(5), normal(5)),),
+            "ops": ops10,
+        }
+    )
+    small_params = {"layer1": {"w": normal(3), "b": normal(2)}, "layer2": {"w": normal(3), "b": normal(2)}}
+    cases.append(
+        {
+            "shape": "dict",
+            "size": "10-input",
+            "loss": small_dict_loss,
+            "head": None,
+            "x": small_params,
+            "ctx": ({"x": normal(3), "y": normal(2)},),
+            "ops": ("gradient",),
+        }
+    )
+    for case in cases:
+        if "skip" in case:
+            continue
+        case["tx"] = like(case["x"])
+        if case["head"] is not None:
+            case["ty"] = like(case["head"](case["x"], *case["ctx"]))
+    return cases
+
+
+def mlp_loss_shapes(params, data):
+    out = _mlp_out(params, data)
+    return ns(out).mean(out * out)
+
+
+def shape_native(name, op, f, x, ctx, t):
+    """The engine's own call for ``op`` on pytree ``x`` with contexts ``ctx`` (closed over, but
+    under jax.jit they are arguments, as in diffiface's program); None where there is none."""
+    fw = FRAMEWORK[name.replace("-x64", "")]
+    if fw == "jax":
+        import jax
+
+        def bound(c):
+            return lambda z: f(z, *c)
+
+        transforms = {
+            "gradient": lambda z, *c: jax.grad(f)(z, *c),
+            "jacobian": lambda z, *c: jax.jacrev(f)(z, *c),
+            "hessian": lambda z, *c: jax.hessian(f)(z, *c),
+            "jvp": lambda z, v, *c: jax.jvp(bound(c), (z,), (v,))[1],
+            "vjp": lambda z, v, *c: jax.vjp(bound(c), z)[1](v)[0],
+            "hvp": lambda z, v, *c: jax.jvp(lambda w: jax.grad(f)(w, *c), (z,), (v,))[1],
+        }
+        fn = jax.jit(transforms[op])
+        args = (x, *ctx) if t is None else (x, t, *ctx)
+        return functools.partial(fn, *args)
+    if name == "torch-func":
+        import torch.func as tf
+
+        def g(z):
+            return f(z, *ctx)
+
+        if op == "gradient":
+            fn = tf.grad(f)
+            return lambda: fn(x, *ctx)
+        if op == "jacobian":
+            fn = tf.jacrev(f)
+            return lambda: fn(x, *ctx)
+        if op == "hessian":
+            fn = tf.hessian(f)
+            return lambda: fn(x, *ctx)
+        if op == "jvp":
+            return lambda: tf.jvp(g, (x,), (t,))[1]
+        if op == "vjp":
+            return lambda: tf.vjp(g, x)[1](t)[0]
+        grad = tf.grad(f)
+        return lambda: tf.jvp(lambda w: grad(w, *ctx), (x,), (t,))[1]
+    if fw == "torch":
+        import optree
+        import torch
+
+        leaves, spec = optree.tree_flatten(x)
+
+        def on_leaves(*ls):
+            return f(optree.tree_unflatten(spec, list(ls)), *ctx)
+
+        if op == "gradient":
+
+            def grad():
+                zs = [leaf.detach().requires_grad_(True) for leaf in leaves]
+                return optree.tree_unflatten(spec, list(torch.autograd.grad(on_leaves(*zs), zs)))
+
+            return grad
+        if op == "hvp":
+            tl = optree.tree_leaves(t)
+
+            def double_backward():
+                zs = [leaf.detach().requires_grad_(True) for leaf in leaves]
+                gs = torch.autograd.grad(on_leaves(*zs), zs, create_graph=True)
+                return optree.tree_unflatten(spec, list(torch.autograd.grad(gs, zs, grad_outputs=tl)))
+
+            return double_backward
+        functional = torch.autograd.functional
+        if op == "jvp":
+            tl = tuple(optree.tree_leaves(t))
+            return lambda: functional.jvp(on_leaves, tuple(leaves), tl)[1]
+        if op == "vjp":
+            return lambda: optree.tree_unflatten(spec, list(functional.vjp(on_leaves, tuple(leaves), t)[1]))
+        if op == "jacobian":
+            return lambda: optree.tree_unflatten(spec, list(functional.jacobian(on_leaves, tuple(leaves))))
+        return lambda: functional.hessian(on_leaves, tuple(leaves))
+    import autograd
+
+    if op == "gradient":
+        fn = autograd.grad(f)
+        return lambda: fn(x, *ctx)
+    if op == "jacobian":
+        fn = autograd.jacobian(f)
+        return lambda: fn(x, *ctx)
+    if op == "hessian":
+        fn = autograd.hessian(f)
+        return lambda: fn(x, *ctx)
+    if op == "hvp":
+        fn = autograd.hessian_vector_product(f)
+        return lambda: fn(x, *ctx, t)
+    if op == "vjp":
+        return lambda: autograd.make_vjp(lambda z: f(z, *ctx))(x)[0](t)
+    fn = autograd.differential_operators.make_jvp_reversemode(lambda z: f(z, *ctx))
+    return lambda: fn(x)(t)
+
+
+def _as_numpy_leaves(tree):
+    import optree
+
+    out = []
+    for leaf in optree.tree_leaves(tree):
+        if hasattr(leaf, "detach"):
+            leaf = leaf.detach().cpu().numpy()
+        out.append(np.asarray(leaf, dtype=np.float64))
+    return out
+
+
+def same_values(ours, theirs, rtol=1e-4, atol=1e-5):
+    """Whether two results hold the same values leaf by leaf (pytree containers may differ in kind)."""
+    a, b = _as_numpy_leaves(ours), _as_numpy_leaves(theirs)
+    return len(a) == len(b) and all(
+        u.shape == v.shape and np.allclose(u, v, rtol=rtol, atol=atol) for u, v in zip(a, b, strict=True)
+    )
+
+
+def _shape_rows_for(name, rounds):
+    rows = []
+    b = backend(name.replace("-x64", ""))
+    for case in shape_cases(name, np.random.default_rng(7)):
+        base = {"backend": name, "shape": case["shape"], "size": case["size"]}
+        if "skip" in case:
+            rows.append({**base, "operator": "gradient", "note": case["skip"]})
+            continue
+        constants = tuple(di.Constant(c) for c in case["ctx"])
+        for op in case["ops"]:
+            scalar = op in ("gradient", "hvp", "hessian")
+            f = case["loss"] if scalar else case["head"]
+            t = {"jvp": case["tx"], "hvp": case["tx"], "vjp": case.get("ty")}.get(op)
+            args = (case["x"],) if t is None else (case["x"], t)
+            for prepared in (True, False) if op == "gradient" else (True,):
+                row = {**base, "operator": op, "prepared": prepared}
+                row["goal"] = shape_goal(case["size"], op, prepared)
+                try:
+                    kw = {"prep": getattr(di, "prepare_" + op)(f, b, *args, *constants)} if prepared else {}
+                    ours = functools.partial(getattr(di, op), f, b, *args, *constants, **kw)
+                    native = shape_native(name, op, f, case["x"], case["ctx"], t)
+                    row["check"] = "same" if same_values(ours(), native()) else "DIFFERENT"
+                    us, _, them, ratio = time_pair(ours, native, rounds)
+                    row.update(diffiface_s=us, native_s=them, ratio=ratio)
+                except Exception as error:  # recorded, so that one failure does not hide the rest
+                    row["note"] = f"{type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}"
+                rows.append(row)
+    return rows
+
+
+def run_shapes(names, rounds):
+    rows = []
+    for name in names:
+        print(f"shapes: {name}", flush=True)
+        if name == "jax-x64":
+            import jax
+
+            with jax.enable_x64(True):  # the scope covers the arrays, diffiface's calls and the native ones
+                rows += _shape_rows_for(name, rounds)
+        else:
+            rows += _shape_rows_for(name, rounds)
+    return rows
+
+
+def plot_shapes(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("MLP (~9.4k parameters), prepared", lambda r: r["size"] == "mlp" and r["prepared"], 1.05),
+        ("MLP, unprepared gradient", lambda r: r["size"] == "mlp" and not r["prepared"], 1.10),
+        ("10-input function, prepared", lambda r: r["size"] == "10-input" and r["prepared"], 1.25),
+        ("10-input function, unprepared gradient", lambda r: r["size"] == "10-input" and not r["prepared"], None),
+    ]
+    timed = [r for r in rows if r.get("ratio") is not None]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(14, 16))
+    for ax, (title, keep, goal) in zip(axes, panels, strict=True):
+        sel = [r for r in timed if keep(r)]
+        labels = [f"{r['backend']} {r['shape']} {r['operator']}" for r in sel]
+        ratios = [r["ratio"] for r in sel]
+        colours = ["C0" if r["operator"] == "gradient" else "C1" for r in sel]
+        ax.bar(np.arange(len(sel)), ratios, color=colours)
+        ax.axhline(1.0, color="k", lw=0.8)
+        if goal is not None:
+            ax.axhline(goal, color="red", ls="--", lw=1, label=f"goal (gradient): {goal}")
+            ax.legend(loc="upper left")
+        ax.set_xticks(np.arange(len(sel)), labels, fontsize=6, rotation=90)
+        ax.set_ylabel("diffiface / native")
+        ax.set_title(title + " (blue: gradient, orange: other operators)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_shapes(rows, meta):
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "shapes.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    mlp, mlp_keys = shape_table(rows, "mlp")
+    small, small_keys = shape_table(rows, "10-input")
+    skipped = [r for r in rows if r.get("ratio") is None]
+    md = [
+        "# diffiface on every call shape",
+        "",
+        f"Generated by `python benchmarks/run.py --shapes{' --quick' if meta['quick'] else ''}` on {meta['date']} "
+        f"({meta['machine']}, {meta['cpu_count']} CPUs, load average {meta['load_average_before']} before and "
+        f"{meta['load_average_after']} after: other jobs were running on the machine). `ratio` = diffiface time / "
+        f"native time, the median over {meta['rounds']} interleaved rounds of the ratio within a round.",
+        "",
+        "Natives: jax `jax.jit(jax.grad(f))(params, *contexts)` (and `jax.jvp`, `jax.vjp`, forward-over-reverse "
+        "hvp, `jax.jacrev`, `jax.hessian`, jitted, contexts as arguments), jax-x64 the same under "
+        "`jax.enable_x64(True)` with float64 arrays; torch `torch.autograd.grad` on the leaves (and "
+        "`torch.autograd.functional` for jvp, vjp, jacobian, hessian, double backward for hvp); torch-func "
+        "`torch.func.grad` / `jvp` / `vjp` / `jacrev` / `hessian` on the pytree; autograd `autograd.grad` etc. "
+        "Shapes: `flat` one vector and one array context; `tuple` `(W, b)` with an `(X, Y)` context; `dict` "
+        "`{'layer1': {'w', 'b'}, 'layer2': {...}}` with a `{'x', 'y'}` batch; `flax` a linen Dense stack's "
+        "`params`; `torch-module` `torch.func.functional_call` on a `named_parameters()` dict. The torch "
+        "parameters are passed detached: a tensor that requires grad gets results that keep their graph, by "
+        "design, and that is not the case timed. `check`: diffiface's result and the native one hold the same "
+        "values.",
+        "",
+        "## Gradient by shape, MLP size: prepared (unprepared)",
+        "",
+        "Goals: 1.05 prepared, 1.10 unprepared.",
+        "",
+        table(mlp, mlp_keys),
+        "",
+        "## Gradient by shape, 10-input function: prepared (unprepared)",
+        "",
+        "Goal: 1.25 prepared.",
+        "",
+        table(small, small_keys),
+        "",
+        "## Every row",
+        "",
+        table(
+            [r for r in rows if r.get("ratio") is not None],
+            ["backend", "shape", "size", "operator", "prepared", "diffiface_s", "native_s", "ratio", "goal", "check"],
+        ),
+        "",
+        *(
+            ["## Not timed", "", table(skipped, ["backend", "shape", "size", "operator", "prepared", "note"]), ""]
+            if skipped
+            else []
+        ),
+        "![shapes](shapes.png)",
+        "",
+    ]
+    (RESULTS / "shapes.md").write_text("\n".join(md))
+    plot_shapes(rows, RESULTS / "shapes.png")
+    return "\n".join(md)
+
+
 def fmt(v):
     if v is None:
         return "-"
@@ -501,6 +1038,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer rounds, no 1e6 size")
     parser.add_argument("--cpus", help="run on these CPUs only, as in --cpus 0 or --cpus 0,1")
+    parser.add_argument(
+        "--shapes",
+        action="store_true",
+        help="time every call shape (flat, tuple, dict, flax, torch module) for every operator, "
+        "write shapes.json/md/png, stop",
+    )
     parser.add_argument("--overhead-only", action="store_true", help="print the overhead rows as JSON, and stop")
     parser.add_argument(
         "--main-job",
@@ -534,6 +1077,24 @@ def main():
         )
         (RESULTS / "main_job.md").write_text(text)
         print(text)
+        return
+    if args.shapes:
+        shape_names = [n for n in SHAPE_BACKENDS if n.replace("-x64", "") in names]
+        meta = {
+            "quick": args.quick,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "machine": platform.platform(),
+            "python": platform.python_version(),
+            "cpu_count": os.cpu_count(),
+            "cpus": sorted(os.sched_getaffinity(0)),
+            "rounds": rounds,
+            "load_average_before": [round(v, 2) for v in os.getloadavg()],
+        }
+        start = time.perf_counter()
+        rows = run_shapes(shape_names, rounds)
+        meta["load_average_after"] = [round(v, 2) for v in os.getloadavg()]
+        meta["wall_s"] = round(time.perf_counter() - start, 1)
+        print(write_shapes(rows, meta))
         return
     if args.overhead_only:
         with contextlib.redirect_stdout(sys.stderr):
