@@ -91,3 +91,53 @@ def test_goal_rows_judge_each_gradient_against_its_goal():
         (mlp, True, 1.05, "no (+1.0%)"),
         (mlp, False, 1.5, "yes"),
     ]
+
+
+def test_shape_goal_by_size_operator_and_preparation():
+    run = _run_module()
+    assert run.shape_goal("mlp", "gradient", True) == 1.05
+    assert run.shape_goal("mlp", "gradient", False) == 1.10
+    assert run.shape_goal("10-input", "gradient", True) == 1.25
+    assert run.shape_goal("10-input", "gradient", False) is None
+    assert run.shape_goal("mlp", "hvp", True) is None
+
+
+def test_shape_table_pivots_gradient_ratios_by_shape_and_backend():
+    run = _run_module()
+
+    def row(backend, shape, prepared, ratio, size="mlp", operator="gradient"):
+        return {
+            "backend": backend,
+            "shape": shape,
+            "size": size,
+            "operator": operator,
+            "prepared": prepared,
+            "ratio": ratio,
+        }
+
+    rows = [
+        row("torch", "dict", True, 1.031),
+        row("jax", "flat", True, 1.004),
+        row("jax", "flat", False, 1.087),
+        row("jax", "flax", True, 1.2),
+        row("jax", "dict", True, 9.0, size="10-input"),  # another size: not in this table
+        row("torch", "flat", True, 3.0, operator="hvp"),  # not a gradient
+        row("torch", "flat", True, None),  # failed: no ratio
+    ]
+    lines, keys = run.shape_table(rows, "mlp")
+    assert keys == ["shape", "jax", "torch"]
+    assert lines == [
+        {"shape": "flat", "jax": "1.00 (1.09)", "torch": "-"},
+        {"shape": "dict", "jax": "-", "torch": "1.03"},
+        {"shape": "flax", "jax": "1.20", "torch": "-"},
+    ]
+
+
+def test_same_values_compares_leaves_across_container_kinds():
+    run = _run_module()
+    a = {"w": np.ones((2, 3)), "b": np.zeros(3)}
+    assert run.same_values(a, {"b": np.zeros(3), "w": np.ones((2, 3))})  # optree sorts dict keys
+    assert run.same_values((np.ones(2), np.zeros(1)), [np.ones(2), np.zeros(1)])
+    assert not run.same_values((np.ones(2), np.zeros(1)), (np.ones(2), np.ones(1)))
+    assert not run.same_values((np.ones(2),), (np.ones(2), np.ones(1)))
+    assert not run.same_values(np.ones((2, 1)), np.ones((1, 2)))
