@@ -3,6 +3,7 @@ against f's cost as the input grows, finite-difference evaluation counts, import
 first-call (preparation) time.
 
     python benchmarks/run.py [--quick] [--cpus 0]
+    python benchmarks/run.py --shapes [--quick] [--cpus 0]   # every call shape only: shapes.json/md/png
 
 Writes benchmarks/results/results.json, results.md and PNG plots beside them. With
 ``--cpus``, the process runs on those CPUs only (``os.sched_setaffinity``), diffiface and the
