@@ -138,6 +138,8 @@ class Adapter(_base.Adapter):
     def untracked(self, leaf: Any, xs: Leaves) -> bool:
         if not isinstance(leaf, torch.Tensor) or not torch.is_grad_enabled():
             return False
+        if leaf.requires_grad and not _DUALS[0]:  # the common case: tracked in reverse mode
+            return False
         if any(x.requires_grad for x in xs):  # reverse mode, torch.autograd's or torch.func's
             return not leaf.requires_grad
         if _DUALS[0] and any(forward_ad.unpack_dual(x).tangent is not None for x in xs):
@@ -191,13 +193,7 @@ class Adapter(_base.Adapter):
     # -- the guard around every call: state, nesting, writes into the inputs --------------------
 
     def compile(self, program: Callable[..., Any], static: bool = True, arrays: bool = False) -> Callable[..., Any]:
-        cache_dynamic = getattr(program, "cache_dynamic", ())
-        cache_static = getattr(program, "cache_static", ())
-
-        def guarded(xs: Leaves, ts: Leaves, dynamic: Leaves, static_: Any) -> Any:
-            return _guarded(program, cache_dynamic, cache_static, xs, ts, dynamic, static_)
-
-        return guarded
+        return _guard(program, getattr(program, "cache_dynamic", ()), getattr(program, "cache_static", ()))
 
     # -- primitives ---------------------------------------------------------------------------
 
@@ -287,10 +283,21 @@ class Adapter(_base.Adapter):
         if not torch.is_grad_enabled():  # entering enable_grad costs more than asking
             with torch.enable_grad():
                 return self.value_and_gradient(fn, xs)
-        keep = _keeping()
-        inputs = _requiring_grad(xs)
+        stack = _CALLS.keep
+        keep = stack[-1] if stack else False  # (_keeping(), inlined: this is the hot path)
+        if len(xs) == 1 and not xs[0].requires_grad and not _DUALS[0]:  # the common case
+            try:
+                inputs = (xs[0].detach().requires_grad_(True),)
+            except RuntimeError as exc:  # a tensor of a torch.func transform (jvp, vmap)
+                raise _autograd_in_func() from exc
+        else:
+            inputs = _requiring_grad(xs)
         value, aux = fn(inputs)
-        grads = _grad([value] if value.requires_grad else [], inputs, retain=keep, create_graph=keep)
+        if not value.requires_grad:
+            return value, aux, _grad([], inputs)
+        grads = torch.autograd.grad((value,), inputs, retain_graph=keep, create_graph=keep, allow_unused=True)
+        if len(grads) != 1 or grads[0] is None:  # zeros where an input did not matter
+            grads = tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs, strict=True))
         return value, aux, grads  # results are detached as they are converted, if they are returned
 
     def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Blocks]:
@@ -570,15 +577,9 @@ def _nested_forward() -> UnsupportedOperationError:
 _FIX = "Compute out of place (y = x * 2, not x.mul_(2)); for scratch space f may overwrite, pass a di.Cache."
 
 
-def _guarded(
-    program: Callable[..., Any],
-    cache_dynamic: tuple[bool, ...],
-    cache_static: tuple[bool, ...],
-    xs: Leaves,
-    ts: Leaves,
-    dynamic: Leaves,
-    static: Any,
-) -> Any:
+def _guard(
+    program: Callable[..., Any], cache_dynamic: tuple[bool, ...], cache_static: tuple[bool, ...]
+) -> Callable[..., Any]:
     """``program`` run so that the caller's state and arrays come out as they went in.
 
     - Under the caller's ``inference_mode`` it runs with inference mode off (nothing is recorded
@@ -590,50 +591,78 @@ def _guarded(
       reverse mode the detached leaf, which torch lets f write into under no_grad). Version
       counters show a write into any of them, or into the buffers of a Constant module (kept in
       copies, put back), and it is refused with a MutationError; the caller's tensors lost nothing.
+
+    The common call (one x, no tangent, one Constant tensor or none) takes no Python call
+    besides ``program``'s: this runs on every call, and its cost is the library's overhead.
     """
-    if torch.is_inference_mode_enabled():
-        with torch.inference_mode(False):
-            return _guarded(program, cache_dynamic, cache_static, xs, ts, dynamic, static)
-    keep = False
-    for x in xs:
-        if not x.is_inference() and _carries_graph(x):
-            keep = True
-    xs = tuple([x.clone() for x in xs])  # (a clone of an inference tensor is a normal one)
-    ts = tuple([t.clone() for t in ts])
-    versions = [x._version for x in xs]
-    tangent_versions = [t._version for t in ts]
-    constants: list[tuple[int, Any, int]] = []
-    if dynamic:
-        fresh = list(dynamic)
-        for i, (value, cache) in enumerate(zip(dynamic, cache_dynamic, strict=False)):
-            if not cache and isinstance(value, torch.Tensor):
-                fresh[i] = copy = value.clone()
-                constants.append((i, copy, copy._version))
-        dynamic = tuple(fresh)
-    modules = _module_states(static, cache_static) if static is not None else None
-    stack = _CALLS.keep
-    stack.append(keep)
-    try:
-        result = program(xs, ts, dynamic, static)
-    except BaseException as exc:
+    # which dynamic context leaves are Constants (copied, watched), not Caches (f's scratch space)
+    constant_at = tuple(i for i, cache in enumerate(cache_dynamic) if not cache)
+    watch_static = not all(cache_static)  # a Constant static leaf may be a torch.nn.Module
+
+    def guarded(xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False):
+                return guarded(xs, ts, dynamic, static)
+        keep = False
+        if len(xs) == 1:
+            x = xs[0]
+            # (_carries_graph is False unless x requires grad or a dual level of ours is open)
+            keep = bool((x.requires_grad or _DUALS[0]) and not x.is_inference() and _carries_graph(x))
+            x = x.clone()  # (a clone of an inference tensor is a normal one)
+            xs = (x,)
+            versions = [x._version]  # (a fresh clone's counter starts at 0; read, not assumed)
+        else:
+            for x in xs:
+                if (x.requires_grad or _DUALS[0]) and not x.is_inference() and _carries_graph(x):
+                    keep = True
+            xs = tuple([x.clone() for x in xs])
+            versions = [x._version for x in xs]
+        if ts:
+            ts = tuple([t.clone() for t in ts])
+            tangent_versions = [t._version for t in ts]
+        constants: list[tuple[int, Any, int]] = []
+        if dynamic and constant_at:
+            fresh = list(dynamic)
+            for i in constant_at:
+                if i >= len(fresh):
+                    break
+                value = fresh[i]
+                if isinstance(value, torch.Tensor):
+                    fresh[i] = copy = value.clone()
+                    constants.append((i, copy, copy._version))
+            dynamic = tuple(fresh)
+        modules = _module_states(static, cache_static) if static is not None and watch_static else None
+        stack = _CALLS.keep
+        stack.append(keep)
+        try:
+            result = program(xs, ts, dynamic, static)
+        except BaseException as exc:
+            stack.pop()
+            _arrays.graph_state.keep = keep
+            problem = _mutation(xs, versions, constants, modules)
+            if problem is not None:
+                raise MutationError(problem) from exc
+            if isinstance(exc, RuntimeError) and _LEAF_WRITE in str(exc):
+                # torch refused a write into the leaf f got for x (refused before writing)
+                raise MutationError(f"f wrote in place into its input x; torch refused it. {_FIX}") from exc
+            raise
         stack.pop()
         _arrays.graph_state.keep = keep
-        problem = _mutation(xs, versions, constants, modules)
-        if problem is not None:
-            raise MutationError(problem) from exc
-        if isinstance(exc, RuntimeError) and _LEAF_WRITE in str(exc):
-            # torch refused a write into the leaf f got for x (refused before writing)
-            raise MutationError(f"f wrote in place into its input x; torch refused it. {_FIX}") from exc
-        raise
-    stack.pop()
-    _arrays.graph_state.keep = keep
-    problem = _mutation(xs, versions, constants, modules)
-    if problem is not None:
-        raise MutationError(problem)
-    if any(t._version != v for t, v in zip(ts, tangent_versions, strict=True)):
-        # (the tangent f reaches through its dual input: a write changes the derivative itself)
-        raise MutationError(f"f wrote in place into the tangent of its input (forward mode). {_FIX}")
-    return result
+        dirty = len(xs) != 1 or xs[0]._version != versions[0] or modules is not None
+        for _, copy, version in constants:
+            dirty = dirty or copy._version != version
+        if dirty:
+            problem = _mutation(xs, versions, constants, modules)
+            if problem is not None:
+                raise MutationError(problem)
+        if ts:
+            for t, v in zip(ts, tangent_versions, strict=True):
+                if t._version != v:
+                    # (the tangent f reaches through its dual input: a write changes the derivative itself)
+                    raise MutationError(f"f wrote in place into the tangent of its input (forward mode). {_FIX}")
+        return result
+
+    return guarded
 
 
 _LEAF_WRITE = "a leaf Variable that requires grad is being used in an in-place operation"
