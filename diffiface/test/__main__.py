@@ -188,7 +188,7 @@ def _names(text: str) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .._dispatch import OPERATORS
+    from .._call import OPERATORS
 
     parser = argparse.ArgumentParser(
         prog="python -m diffiface.test",

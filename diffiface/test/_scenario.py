@@ -13,8 +13,8 @@ import numpy as np
 from .. import _arrays
 from .. import tree as _tree
 from .._backends import AutoFiniteDifferences, Backend
+from .._call import OPERATORS
 from .._contexts import Constant, Context
-from .._dispatch import OPERATORS
 
 __all__ = ["Scenario"]
 

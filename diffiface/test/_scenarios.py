@@ -12,8 +12,8 @@ import optree
 from .. import _arrays
 from .. import tree as _tree
 from .._backends import AutoFiniteDifferences
+from .._call import OPERATORS
 from .._contexts import Cache, Constant
-from .._dispatch import OPERATORS
 from ._scenario import Scenario
 
 __all__ = ["core_scenarios", "layer_scenarios", "torch_module_scenarios"]

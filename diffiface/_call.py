@@ -1,0 +1,278 @@
+"""A call: the operator, the flattened arguments and the signature a prep is matched against.
+
+Here too is x's static-leaf view: the leaves of x that are not differentiated (ints, strings,
+functions) are passed to f as they are, and :func:`static_key` says what such a leaf (or a
+static context leaf) is compared by between calls. :class:`Operator` lives here, at the bottom
+of the dispatch modules, because every other one speaks of it.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+
+from . import _arrays
+from . import tree as _tree
+from ._adapters._base import Adapter
+from ._backends import Backend
+from ._contexts import Context
+from ._errors import ContextError, InvalidInputError
+from ._prep import Prep, Signature
+
+
+@dataclass(frozen=True)
+class Operator:
+    """How one public operator is computed and what it returns.
+
+    ``compute`` names the adapter method; ``parts`` picks ``(index, kind)`` pieces of its
+    result, where kind says what the piece mirrors: ``value`` (a scalar), ``y`` (the output
+    of f), ``dy`` (a derivative shaped as f's output), ``x``, ``jacobian`` (y-structure of
+    x-structure), ``hessian`` (x of x). The dtype of ``dy``, ``jacobian`` and ``hessian``
+    pieces is that of the pair of leaves they relate, promoted (:func:`promoted_dtype`).
+    """
+
+    name: str
+    compute: str
+    parts: tuple[tuple[int, str], ...]
+    tangent: str | None = None
+    scalar_output: bool = False
+    scalar_input: bool = False
+    aux: bool = False
+
+
+_OPERATORS = (
+    Operator("derivative", "value_and_derivative", ((2, "dy"),), scalar_input=True),
+    Operator("value_and_derivative", "value_and_derivative", ((0, "y"), (2, "dy")), scalar_input=True),
+    Operator("second_derivative", "value_derivative_and_second_derivative", ((3, "dy"),), scalar_input=True),
+    Operator(
+        "value_derivative_and_second_derivative",
+        "value_derivative_and_second_derivative",
+        ((0, "y"), (2, "dy"), (3, "dy")),
+        scalar_input=True,
+    ),
+    Operator("gradient", "value_and_gradient", ((2, "x"),), scalar_output=True),
+    Operator("value_and_gradient", "value_and_gradient", ((0, "value"), (2, "x")), scalar_output=True, aux=True),
+    Operator("jacobian", "value_and_jacobian", ((2, "jacobian"),)),
+    Operator("value_and_jacobian", "value_and_jacobian", ((0, "y"), (2, "jacobian"))),
+    Operator("hessian", "value_gradient_and_hessian", ((3, "hessian"),), scalar_output=True),
+    Operator(
+        "value_gradient_and_hessian",
+        "value_gradient_and_hessian",
+        ((0, "value"), (2, "x"), (3, "hessian")),
+        scalar_output=True,
+    ),
+    Operator("jvp", "value_and_pushforward", ((2, "y"),), tangent="x"),
+    Operator("value_and_jvp", "value_and_pushforward", ((0, "y"), (2, "y")), tangent="x", aux=True),
+    Operator("vjp", "value_and_pullback", ((2, "x"),), tangent="y"),
+    Operator("value_and_vjp", "value_and_pullback", ((0, "y"), (2, "x")), tangent="y", aux=True),
+    Operator("hvp", "gradient_and_hvp", ((3, "x"),), tangent="x", scalar_output=True),
+    Operator("gradient_and_hvp", "gradient_and_hvp", ((2, "x"), (3, "x")), tangent="x", scalar_output=True),
+)
+
+
+OPERATORS: dict[str, Operator] = {op.name: op for op in _OPERATORS}
+
+
+# -- a call: flattened arguments and their signature ------------------------------------------
+
+
+_LEAF = _tree.structure(0)  # type: ignore[arg-type]  # a leaf's structure
+
+
+_ARRAY_KINDS = frozenset({"numpy", "torch", "jax"})
+
+
+class Call:
+    """The flattened arguments of one call, and the signature a prep is matched against."""
+
+    __slots__ = ("context_leaves", "context_specs", "signature", "tangent_leaves", "x_leaves")
+
+    def __init__(
+        self, op: Operator, backend: Backend, x: Any, tangent: Any, contexts: tuple[Any, ...], has_aux: bool
+    ) -> None:
+        leaf_signature = _arrays.leaf_signature
+        if isinstance(x, Context):
+            raise _misplaced_context(op, "x", x)
+        if op.tangent is not None and isinstance(tangent, Context):
+            raise _misplaced_context(op, "tangent" if op.tangent == "x" else "cotangent", tangent)
+        if _arrays.kind(x) in _ARRAY_KINDS:  # one array: no tree to flatten
+            self.x_leaves, x_spec = [x], _LEAF
+            x_signature: tuple[Any, ...] = (leaf_signature(x),)
+        else:
+            self.x_leaves, x_spec = _tree.flatten(x)
+            x_signature = _x_signature(self.x_leaves)
+        if op.tangent is None:
+            self.tangent_leaves: list[Any] = []
+            t_spec = None
+        else:
+            self.tangent_leaves, t_spec = _tree.flatten(tangent)
+        context_signature = []
+        self.context_leaves = []
+        self.context_specs = []
+        for i, context in enumerate(contexts):
+            if not isinstance(context, Context):
+                raise _bare_argument(op, i, context)
+            leaves, spec = _tree.flatten(context.value)
+            self.context_leaves.append(leaves)
+            self.context_specs.append(spec)
+            context_signature.append(
+                (
+                    type(context),
+                    spec,
+                    tuple(
+                        leaf_signature(leaf) if _arrays.is_array(leaf) else ("static", type(leaf)) for leaf in leaves
+                    ),
+                )
+            )
+        self.signature = Signature(
+            op.name,
+            backend,
+            has_aux,
+            x_spec,
+            x_signature,
+            t_spec,
+            tuple(leaf_signature(leaf) for leaf in self.tangent_leaves),
+            tuple(context_signature),
+        )
+
+
+def _x_signature(leaves: list[Any]) -> tuple[Any, ...]:
+    """The signatures of x's leaves. A static leaf (:func:`_is_static`) is passed to f as it is,
+    so a prep is made for its value: it is known by :func:`static_key`, or by identity (the prep
+    holds it, so that identity is not reused)."""
+    leaf_signature = _arrays.leaf_signature
+    signature = tuple([leaf_signature(leaf) for leaf in leaves])
+    for entry in signature:  # the common case, all arrays and floats: nothing more to do
+        if entry[0] == "other" or (entry[0] == "python" and entry[1] is not float):
+            return tuple(
+                ("static", type(leaf), _static_x_key(leaf)) if _is_static(leaf) else entry
+                for leaf, entry in zip(leaves, signature, strict=True)
+            )
+    return signature
+
+
+def _is_static(leaf: Any) -> bool:
+    """A leaf of x that is not differentiated but passed to f as it is, as ``eqx.filter_grad``
+    treats it: anything but an array or a Python float (a function, an int, a bool, a string)."""
+    kind = _arrays.kind(leaf)
+    return kind == "other" or (kind == "python" and not isinstance(leaf, float))
+
+
+def _static_x_key(leaf: Any) -> Any:
+    key = static_key(leaf)
+    return ("identity", id(leaf)) if key is None else key
+
+
+_BY_VALUE = (int, float, complex, str, bytes, bool, type(None))
+
+
+# jax's wrapped functions (jax.nn.relu is a jitted function, others custom_jvp objects): code
+_JAX_CODE = frozenset({"jax", "jaxlib"})
+
+
+_CODE = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType, type, functools.partial)
+
+
+def static_key(value: Any) -> Any:
+    """What a static context leaf is compared by between calls of a compiled program: its
+    value where it has one that can be hashed, its identity where it is code, which does not
+    change; ``None`` where neither holds (a mutable object hashed by identity)."""
+    cls = type(value)
+    if cls in _BY_VALUE:
+        return (cls, value)
+    if isinstance(value, (*_CODE, enum.Enum)) or (callable(value) and cls.__module__.split(".")[0] in _JAX_CODE):
+        return (cls, id(value))
+    if cls.__hash__ is None or (
+        cls.__hash__ is object.__hash__ and cls.__eq__ is object.__eq__  # type: ignore[comparison-overlap]
+    ):
+        return None  # unhashable, or hashed by identity: a change to it would go unseen
+    try:
+        hash(value)
+    except TypeError:
+        return None
+    return (cls, value)
+
+
+# -- the view of x without its static leaves ---------------------------------------------------
+
+
+class _DynamicView(Call):
+    """A call whose x holds static leaves, seen as the tree of the leaves to differentiate:
+    x's structure with ``None`` in place of each static leaf, which is how the results come
+    back. ``rebuild(xs)`` makes f's x of those leaves and the prepared static ones."""
+
+    __slots__ = ("rebuild",)
+    rebuild: Callable[[Any], Any]
+
+
+def _dynamic_view(op: Operator, adapter: Adapter, call: Call) -> tuple[Call, list[int] | None]:
+    """``call`` itself where every leaf of x is differentiated (or none is: then x is refused
+    as before); else the :class:`_DynamicView` of its leaves to differentiate, and their indices."""
+    static = [_is_static(leaf) for leaf in call.x_leaves]
+    if not any(static) or all(static):
+        return call, None
+    sig = call.signature
+    paths = sig.x_spec.paths()
+    if adapter.compiles:
+        for path, leaf, is_static in zip(paths, call.x_leaves, static, strict=True):
+            if is_static and static_key(leaf) is None and not callable(leaf):
+                raise InvalidInputError(
+                    f"x{_path(path)} is a {type(leaf).__name__}, which is not differentiated but passed to f "
+                    f"as static, compile-time data of the {adapter.backend.name} program. It is compared by "
+                    "identity, not by value, so a later change to it would silently reuse the old value. "
+                    "Pass it as a di.Constant, separate it from x (eqx.partition), or use AutoJAX(jit=False)."
+                )
+    dynamic_index = [i for i, is_static in enumerate(static) if not is_static]
+    full_spec, prepared = sig.x_spec, list(call.x_leaves)
+    view_spec = _tree.structure(
+        optree.tree_unflatten(full_spec, [None if is_static else 0 for is_static in static])  # type: ignore[arg-type]
+    )
+    view = _DynamicView.__new__(_DynamicView)
+    view.x_leaves = [prepared[i] for i in dynamic_index]
+    view.tangent_leaves = call.tangent_leaves
+    view.context_leaves, view.context_specs = call.context_leaves, call.context_specs
+    view.signature = sig._replace(x_spec=view_spec, x_leaves=tuple(sig.x_leaves[i] for i in dynamic_index))
+
+    def rebuild(xs: tuple[Any, ...] | list[Any]) -> Any:
+        leaves = list(prepared)
+        for i, leaf in zip(dynamic_index, xs, strict=True):
+            leaves[i] = leaf
+        return optree.tree_unflatten(full_spec, leaves)
+
+    view.rebuild = rebuild
+    return view, dynamic_index
+
+
+def _path(path: tuple[Any, ...]) -> str:
+    return "".join(f"[{entry!r}]" for entry in path)
+
+
+# -- arguments in the wrong place ----------------------------------------------------------------
+
+
+def _misplaced_context(op: Operator, role: str, value: Context[Any]) -> ContextError:
+    signature = f"di.{op.name}(f, backend, x{', tx' if op.tangent == 'x' else ', ty' if op.tangent else ''}, *contexts)"
+    return ContextError(
+        f"The {role} of {op.name} is a di.{type(value).__name__}, but the {role} is passed bare, "
+        f"not wrapped: {signature}. Only the extra arguments of f after it are contexts."
+    )
+
+
+def _bare_argument(op: Operator, index: int, value: Any) -> ContextError:
+    position = index + (5 if op.tangent else 4)
+    if isinstance(value, Prep):
+        return ContextError(
+            f"Argument {position} of {op.name} is a Prep, passed positionally, where f's contexts go. "
+            f"Pass it by keyword: di.{op.name}(f, backend, x, ..., prep=prep)."
+        )
+    return ContextError(
+        f"Argument {position} of {op.name} is a {type(value).__name__}, not a context. Extra "
+        "arguments of f must be wrapped: di.Constant(value) for data f only reads (a model, a "
+        "batch, a state), di.Cache(value) for scratch space f may overwrite."
+    )

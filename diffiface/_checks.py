@@ -1,0 +1,268 @@
+"""Validation of a call's arguments and of f's output: x, tangents and cotangents once, when a
+prep is made; output leaves the first time each (type, dtype) is seen."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import _arrays
+from . import tree as _tree
+from ._adapters._base import Adapter
+from ._backends import Backend, SecondOrder
+from ._call import _ARRAY_KINDS, _LEAF, Call, Operator, _DynamicView, _path
+from ._errors import ArrayTypeError, InvalidInputError, InvalidOutputError, TangentMismatchError
+from ._prep import Signature
+
+if TYPE_CHECKING:  # (_programs builds on these checks)
+    from ._programs import _Output
+
+
+# -- validation of x and tangents --------------------------------------------------------------------
+
+
+def _check_x(op: Operator, backend: Backend, any_array_type: bool, call: Call) -> None:
+    sig = call.signature
+    paths = [_path(p) for p in sig.x_spec.paths()]
+    kinds: set[_arrays.Kind] = set()
+    for path, leaf in zip(paths, call.x_leaves, strict=True):
+        kind = _arrays.kind(leaf)
+        dtype = _arrays.dtype_name(leaf)
+        if kind == "other":  # (x holds nothing else to differentiate: else it would be static)
+            raise InvalidInputError(
+                f"x{path} is a {type(leaf).__name__} and x holds no float or float array to differentiate; "
+                "diffiface differentiates floats and float arrays (numpy, torch, jax) in pytrees (dicts, "
+                "lists, tuples, namedtuples, equinox modules...), passing their other leaves to f as they "
+                "are. Pass other values as di.Constant(...)."
+            )
+        kinds.add(kind)
+        if kind == "torch" and leaf.is_meta:
+            raise InvalidInputError(
+                f"x{path} is a meta tensor, which has a shape but no values to differentiate at. Create it "
+                "on a real device (torch.ones(..., device='cpu'))."
+            )
+        if not _arrays.is_float_dtype(dtype):
+            what = "complex" if "complex" in dtype else dtype
+            raise InvalidInputError(
+                f"x{path} has dtype {what}; only real floating-point inputs can be differentiated. "
+                + (
+                    "Split a complex input into its real and imaginary parts."
+                    if what == "complex"
+                    else "Cast it to a float dtype, or pass it as a di.Constant if it is not differentiated "
+                    "(for a model, split its integer arrays off with eqx.partition(model, eqx.is_inexact_array) "
+                    "and pass them as a di.Constant)."
+                )
+            )
+        if dtype in ("float16", "bfloat16") and any_array_type:
+            raise InvalidInputError(
+                f"x{path} has dtype {dtype}: finite differences in {dtype} have no correct digits. "
+                "Cast x to float32 or float64 for finite differences."
+            )
+    family = _arrays.family(kinds)
+    if "autograd" in kinds and not _autograd_only(backend):
+        # autograd's traced arrays (an outer autograd call differentiates through this one):
+        # only autograd can carry its trace on; another engine would read plain numbers
+        raise ArrayTypeError(
+            f"x holds arrays traced by autograd (ArrayBox): an autograd computation is "
+            f"differentiating through this call, which the {backend.name} backend cannot trace. "
+            "Use the autograd backend for this inner call (autograd nests in itself), or call it "
+            "outside the autograd computation."
+        )
+    if family == "other":
+        raise ArrayTypeError(
+            f"x mixes arrays of several frameworks ({', '.join(sorted(kinds - {'python'}))}); use one "
+            "framework for all leaves of x."
+        )
+    if not any_array_type and family not in ("python", "numpy", "autograd", backend_family(backend)):
+        raise ArrayTypeError(
+            f"x holds {family} arrays, but the {backend.name} backend differentiates "
+            f"{backend_family(backend)} arrays. Pass numpy or {backend_family(backend)} arrays, or use the "
+            f"{family} backend."
+        )
+    scalar = len(call.x_leaves) == 1 and _arrays.shape(call.x_leaves[0]) == () and sig.x_spec.num_nodes == 1
+    if op.scalar_input and not scalar:
+        shape = _arrays.shape(call.x_leaves[0]) if len(call.x_leaves) == 1 else f"{len(call.x_leaves)} leaves"
+        raise InvalidInputError(
+            f"{op.name} needs a scalar x (a float or a 0-d array), got {shape}. For an array "
+            "x use jacobian, or jvp for one direction."
+        )
+
+
+def _autograd_only(backend: Backend) -> bool:
+    """True when autograd does all the work, so that autograd's traced arrays may come in."""
+    if isinstance(backend, SecondOrder):
+        return _autograd_only(backend.outer) and _autograd_only(backend.inner)
+    return backend.name == "autograd"
+
+
+def backend_family(backend: Backend) -> str:
+    inner = backend.inner if isinstance(backend, SecondOrder) else backend
+    return {"jax": "jax", "torch": "torch", "autograd": "numpy"}.get(inner.name, "numpy")
+
+
+def _check_tangent_kinds(op: Operator, backend: Backend, any_array_type: bool, call: Call) -> None:
+    """A tangent's leaves are Python numbers, numpy arrays, or arrays of x's framework (of the
+    backend's for an engine that takes one framework): never another framework's."""
+    x_family = _arrays.family({_arrays.kind(leaf) for leaf in call.x_leaves})
+    allowed = {"python", "numpy", x_family}
+    if not any_array_type:
+        allowed.add(backend_family(backend))
+    role = "tangent" if op.tangent == "x" else "cotangent"
+    for path, leaf in zip(call.signature.tangent_spec.paths(), call.tangent_leaves, strict=True):
+        kind = _arrays.kind(leaf)
+        if kind not in allowed:
+            raise ArrayTypeError(
+                f"The {role}{_path(path)} of {op.name} is {kind} ({type(leaf).__name__}), but x holds "
+                f"{x_family} arrays under the {backend.name} backend. Pass the {role} as numpy or "
+                f"{x_family if x_family != 'python' else backend_family(backend)} arrays."
+            )
+
+
+def _check_tangent_like_x(op: Operator, call: Call) -> None:
+    sig = call.signature
+    if sig.tangent_spec != sig.x_spec:
+        static = " (None at the leaves of x that are not differentiated)" if isinstance(call, _DynamicView) else ""
+        raise TangentMismatchError(
+            f"The tangent of {op.name} must have the structure of x{static}, {sig.x_spec}; it has {sig.tangent_spec}."
+        )
+    paths = [_path(p) for p in sig.x_spec.paths()]
+    for path, x, t in zip(paths, call.x_leaves, call.tangent_leaves, strict=True):
+        if _arrays.shape(x) != _arrays.shape(t):
+            raise TangentMismatchError(
+                f"The tangent{path} has shape {_arrays.shape(t)}, but x{path} has shape {_arrays.shape(x)}."
+            )
+        tx, tt = _arrays.dtype_name(x), _arrays.dtype_name(t)
+        if isinstance(t, float) or (isinstance(x, float) and tt == "float64"):
+            continue
+        if tt != tx:
+            raise TangentMismatchError(
+                f"The tangent{path} has dtype {tt}, but x{path} has dtype {tx}; cast the tangent to {tx}."
+            )
+
+
+# -- validation of f's output and of a cotangent against it ------------------------------------------
+
+
+_OUTPUT_LEAF_KINDS = _ARRAY_KINDS | {"autograd"}  # autograd's traced arrays are leaves too
+
+
+def _refuse_cut(
+    f: Callable[..., Any],
+    context_values: tuple[Any, ...],
+    xs: tuple[Any, ...],
+    adapter: Adapter,
+    x_spec: Any,
+    rebuild: Callable[[Any], Any],
+) -> None:
+    """f returned a value the engine does not trace back to x. If f's value changes when x
+    does, f cut the trace (its derivative would read as zero): refused. Else f does not depend
+    on x, and zero is its derivative."""
+    plain = [adapter.plain(leaf) for leaf in xs]
+    moved = [leaf + 1e-3 * (1 + abs(leaf)) for leaf in plain]
+
+    def value(leaves: list[Any]) -> list[np.ndarray]:
+        x = leaves[0] if x_spec == _LEAF else rebuild(leaves)
+        # (through tolist: a torch.func tensor has no storage for numpy to read)
+        return [
+            np.asarray(leaf.detach().tolist() if _arrays.kind(leaf) == "torch" else _arrays.to_numpy(leaf))
+            for leaf in _tree.leaves(f(x, *context_values))
+        ]
+
+    before, after = value(plain), value(moved)
+    if len(before) != len(after) or any(
+        a.shape != b.shape or not np.array_equal(a, b, equal_nan=True) for a, b in zip(before, after, strict=True)
+    ):
+        raise InvalidOutputError(
+            f"f's output changes with x, but not through the {adapter.backend.name} engine's trace: f turned a "
+            "traced value into a plain number or a new array (float(y), y.item(), y.numpy(), "
+            "torch.tensor(y.item()), np.asarray(y)), so its derivative would read as zero. Keep the "
+            "computation in the engine's arrays from x to the output."
+        )
+
+
+def _checked(op: Operator, result: Any, output: _Output, adapter: Adapter) -> list[Any]:
+    """The leaves of ``f``'s output, recorded and checked: numeric, and one scalar for the
+    operators of scalar functions."""
+    if result is None:
+        raise InvalidOutputError(
+            f"f returned None where {op.name} needs floating-point numbers (float arrays or floats). "
+            "Return the value from f (a missing return statement?)."
+        )
+    if _arrays.kind(result) in _OUTPUT_LEAF_KINDS:
+        leaves, spec = [result], _LEAF
+    else:
+        leaves, spec = _tree.flatten(result)
+    output.record(spec, leaves)
+    checked = output.checked
+    for leaf in leaves:
+        key = (type(leaf), getattr(leaf, "dtype", None))
+        if key not in checked:
+            _check_numeric(op, leaf, adapter.complex_outputs)
+            checked.add(key)
+    if op.scalar_output and (len(leaves) != 1 or _arrays.shape(leaves[0]) != ()):
+        raise InvalidOutputError(
+            f"{op.name} needs f to return a scalar, but it returned {_describe(result)}. Reduce the "
+            "output (say with .sum()), or use jacobian / vjp for a non-scalar output."
+        )
+    return leaves
+
+
+def _describe(value: Any) -> str:
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"an array of shape {tuple(value.shape)} and dtype {_arrays.dtype_name(value)}"
+    leaves = _tree.leaves(value)
+    if len(leaves) != 1 or leaves[0] is not value:
+        return f"a {type(value).__name__} with {len(leaves)} leaves"
+    return f"a {type(value).__name__}"
+
+
+def _check_numeric(op: Operator, leaf: Any, complex_ok: bool) -> None:
+    kind = _arrays.kind(leaf)
+    if kind == "autograd" or (
+        kind == "python" and not isinstance(leaf, bool) and (complex_ok or not isinstance(leaf, complex))
+    ):
+        return
+    dtype = _arrays.dtype_name(leaf)
+    if (
+        kind == "other"
+        or kind == "python"
+        or not (_arrays.is_float_dtype(dtype) or (complex_ok and "complex" in dtype))
+    ):
+        what = type(leaf).__name__ if kind in ("other", "python") else f"array of dtype {_arrays.dtype_name(leaf)}"
+        raise InvalidOutputError(
+            f"f returned a {what} where {op.name} needs floating-point numbers (float arrays or "
+            "floats). Compute the output in floating point."
+        )
+
+
+def _check_cotangent(sig: Signature, output: _Output, ts: tuple[Any, ...]) -> None:
+    """The cotangent against f(x), whose structure and shapes the last evaluation recorded.
+
+    A prep's signature fixes the cotangent's structure, shapes and dtypes, so an output
+    structure and shapes the cotangent fitted before need no second look."""
+    out_spec, out_shapes, out_dtypes = output.spec, output.shapes, output.dtypes
+    fitted = output.cotangent_fits
+    if fitted is not None and fitted[1] == out_shapes and (fitted[0] is out_spec or fitted[0] == out_spec):
+        return
+    if out_spec != sig.tangent_spec:
+        raise TangentMismatchError(
+            f"The cotangent must have the structure of f(x), {out_spec}; it has {sig.tangent_spec}."
+        )
+    for i, (shape, t) in enumerate(zip(out_shapes, ts, strict=True)):
+        if shape != _arrays.shape(t):
+            raise TangentMismatchError(
+                f"Cotangent leaf {i} has shape {_arrays.shape(t)}, but f(x)'s leaf {i} has shape "
+                f"{shape}; a cotangent has the shape of f(x)."
+            )
+    for i, (dtype, t) in enumerate(zip(out_dtypes, sig.tangent_leaves, strict=False)):
+        if dtype is None or t[0] == "python":
+            continue
+        found = str(t[2]).removeprefix("torch.")
+        if found != dtype:
+            raise TangentMismatchError(
+                f"Cotangent leaf {i} has dtype {found}, but f(x)'s leaf {i} has dtype {dtype}; cast the "
+                f"cotangent to {dtype}."
+            )
+    output.cotangent_fits = (out_spec, out_shapes)

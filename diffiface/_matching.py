@@ -1,0 +1,145 @@
+"""The quick match of a prepared call (:attr:`Prep.fast`): a few type, shape and dtype
+comparisons in front of the most direct way the prep can run, ``MISS`` where they do not
+settle it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from . import _arrays
+from ._call import _ARRAY_KINDS, _LEAF, Call, Operator
+from ._prep import MISS, FunctionRef
+
+# -- the quick match of a prepared call --------------------------------------------------------
+
+
+def _fast_path(
+    op: Operator,
+    function: FunctionRef,
+    call: Call,
+    estimates: bool,
+    direct_ok: bool,
+    flat: Callable[..., Any] | None,
+    finished: list[bool],
+    finish_rest: Callable[[Any], Any],
+    compiled: Callable[..., Any],
+    finish: Callable[[Any], Any],
+    runner: Callable[..., Any],
+) -> Callable[..., Any]:
+    """:attr:`Prep.fast`: the quick match in front of the most direct way this prep can run."""
+    with_tangent = bool(call.tangent_leaves)
+    if estimates:  # the error estimate goes to the prep that runs: through Prep.run
+        return _miss
+    if flat is not None and finished[0]:  # the program's result is the call's
+        return _matcher(op, function, call, flat)
+    if flat is not None:
+        compiled_flat = flat
+
+        def direct_flat(*arrays: Any) -> Any:
+            out = compiled_flat(*arrays)
+            return out if finished[0] else finish_rest(out)
+
+        return _matcher(op, function, call, direct_flat)
+    if direct_ok:  # the engine takes the arguments as they are: straight to the program
+
+        def direct(x: Any, *rest: Any) -> Any:
+            if with_tangent:
+                return finish(compiled((x,), rest[:1], rest[1:], None))
+            return finish(compiled((x,), (), rest, None))
+
+        return _matcher(op, function, call, direct)
+
+    def converted(x: Any, *rest: Any) -> Any:
+        tangents = [rest[0]] if with_tangent else []
+        return runner([x], tangents, [[value] for value in rest[len(tangents) :]])[0]
+
+    return _matcher(op, function, call, converted)
+
+
+def _same_as(leaf: Any) -> tuple[type, Callable[[Any], bool] | None]:
+    """How a quick match knows a leaf like ``leaf``: its type, and for an array a test of shape
+    and dtype (and device), which reads a jax array's shape and dtype from its abstract value
+    at a quarter of the cost of its properties. None: the type says all (not an array)."""
+    kind = _arrays.kind(leaf)
+    shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+
+    def same_jax(value: Any) -> bool:
+        aval = value.aval
+        return aval.shape == shape and aval.dtype == dtype  # type: ignore[no-any-return]
+
+    def same_numpy(value: Any) -> bool:
+        return value.shape == shape and value.dtype == dtype  # type: ignore[no-any-return]
+
+    def same_torch(value: Any) -> bool:
+        return value.shape == shape and value.dtype == dtype and value.device == device  # type: ignore[no-any-return]
+
+    if kind == "torch":
+        device = leaf.device
+        return type(leaf), same_torch
+    return type(leaf), {"jax": same_jax, "numpy": same_numpy}.get(kind)
+
+
+def _miss(*args: Any) -> Any:
+    return MISS
+
+
+def _matcher(op: Operator, function: FunctionRef, call: Call, then: Callable[..., Any]) -> Callable[..., Any]:
+    """:attr:`Prep.fast` for the common case of one leaf each (x, the tangent, every context):
+    ``then(x, [tangent,] *context_values)`` if a few types, shapes and dtypes show that the
+    call has the prep's signature; ``MISS`` otherwise, to leave the decision to the full
+    signature."""
+    sig = call.signature
+    one_leaf = sig.x_spec == _LEAF and _arrays.kind(call.x_leaves[0]) in _ARRAY_KINDS | {"python"}
+    if op.tangent is not None:
+        one_leaf = one_leaf and sig.tangent_spec == _LEAF and _arrays.kind(call.tangent_leaves[0]) != "other"
+    if not one_leaf or any(spec != _LEAF for spec in call.context_specs):
+        return _miss
+    backend, has_aux, ref, name = sig.backend, sig.has_aux, function.ref, op.name
+    x_cls, x_same = _same_as(call.x_leaves[0])
+    with_tangent = op.tangent is not None
+    t_cls, t_same = _same_as(call.tangent_leaves[0]) if with_tangent else (type(None), None)
+    kinds = tuple(spec[0] for spec in sig.contexts)
+    sames = tuple(_same_as(leaves[0]) for leaves in call.context_leaves)
+    count = len(kinds)
+    first_kind, (first_cls, first_same) = (kinds[0], sames[0]) if count else (None, (None, None))
+    # Hot code: no comprehensions, generators or zip(strict=True) (the lengths are compared
+    # first), each of which costs more than all the checks once an engine's work has evicted
+    # this code from the processor's caches.
+
+    def match(
+        operator: str, f: Any, backend_: Any, x: Any, tangent: Any, contexts: tuple[Any, ...], has_aux_: bool
+    ) -> Any:
+        if (
+            operator != name
+            or (ref() is not f and not function.matches(f))
+            or (backend_ is not backend and backend_ != backend)
+            or has_aux_ != has_aux
+            or len(contexts) != count
+            or type(x) is not x_cls
+            or (x_same is not None and not x_same(x))
+        ):
+            return MISS
+        if with_tangent and (type(tangent) is not t_cls or (t_same is not None and not t_same(tangent))):
+            return MISS
+        if count == 0:
+            return then(x, tangent) if with_tangent else then(x)
+        if count == 1:  # the common case of one context, without a loop
+            context = contexts[0]
+            if type(context) is not first_kind:
+                return MISS
+            value = context.value
+            if type(value) is not first_cls or (first_same is not None and not first_same(value)):
+                return MISS
+            return then(x, tangent, value) if with_tangent else then(x, value)
+        values = [tangent] if with_tangent else []
+        for context, kind, (cls, same) in zip(contexts, kinds, sames, strict=False):
+            if type(context) is not kind:
+                return MISS
+            value = context.value
+            if type(value) is not cls or (same is not None and not same(value)):
+                return MISS
+            values.append(value)
+        return then(x, *values)
+
+    return match

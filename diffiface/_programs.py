@@ -1,0 +1,429 @@
+"""The program a prep runs, ``(xs, ts, dynamic_contexts, static_contexts) -> native parts``:
+how a call's leaves become its arguments (:class:`_Conversions`), f closed over its contexts
+and checked (:func:`_closer`), the record of f's output (:class:`_Output`), and the static
+argument of a compiled program (:class:`_Static`)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import optree
+
+from . import _arrays
+from . import tree as _tree
+from ._adapters._base import Adapter, force
+from ._call import _LEAF, Call, Operator, static_key
+from ._checks import _check_cotangent, _checked, _describe, _refuse_cut
+from ._contexts import Cache, Constant
+from ._errors import ContextError, FrameworkMismatchError, InvalidOutputError
+from ._prep import FunctionRef, Signature
+from ._results import promoted_dtype
+
+# -- the program --------------------------------------------------------------------------------------
+
+
+def _program(
+    op: Operator, adapter: Adapter, function: FunctionRef, call: Call, output: _Output, plan: _Conversions
+) -> Callable[..., Any]:
+    """The program ``(xs, ts, dynamic_contexts, static_contexts) -> native parts``."""
+    sig = call.signature
+    has_aux = sig.has_aux
+    context_specs = list(call.context_specs)
+    context_sizes = [len(leaves) for leaves in call.context_leaves]
+    # one array leaf per context: the dynamic arguments are the context values
+    leaf_contexts = all(spec == _LEAF for spec in context_specs) and all(plan.mask)
+    close = _closer(op, adapter, sig.x_spec, has_aux, output, getattr(call, "rebuild", None))
+    method = getattr(adapter, op.compute)
+    pullback = op.compute == "value_and_pullback"
+    picked = [i for i, _ in op.parts] + ([1] if has_aux else [])  # the aux comes last
+    only = picked[0] if len(picked) == 1 else None
+    compiles = adapter.compiles
+
+    empty = plan.empty
+
+    def program(
+        xs: tuple[Any, ...], ts: tuple[Any, ...], dynamic: tuple[Any, ...], static: _Static | None
+    ) -> tuple[Any, ...]:
+        if leaf_contexts:
+            context_values = dynamic
+        else:
+            context_values = _merge_contexts(context_specs, context_sizes, dynamic, static or empty)
+        fn = close(function(), context_values, xs[0] if xs else None)
+        if pullback:
+            out, aux, vjp = adapter.pullback_function(fn, xs)
+            _check_cotangent(sig, output, ts)
+            result: tuple[Any, ...] = (out, aux, vjp(ts))
+        elif op.tangent is None:
+            result = method(fn, xs)
+        else:
+            result = method(fn, xs, ts)
+        if compiles:
+            output.remember(static)
+        if only is not None:
+            return (force(result[only]),)
+        return tuple([force(result[i]) for i in picked])
+
+    # what an adapter's compile may read to guard the call (torch: which context leaves f may
+    # write, the Cache ones)
+    cache = [kind is Cache for kind, _, leaves in sig.contexts for _ in leaves]
+    program.cache_dynamic = tuple(c for c, m in zip(cache, plan.mask, strict=True) if m)  # type: ignore[attr-defined]
+    program.cache_static = tuple(c for c, m in zip(cache, plan.mask, strict=True) if not m)  # type: ignore[attr-defined]
+    return program
+
+
+def _merge_contexts(specs: list[Any], sizes: list[int], dynamic: tuple[Any, ...], static: _Static) -> tuple[Any, ...]:
+    dyn = iter(dynamic)
+    stat = iter(static.leaves)
+    flags = iter(static.mask)
+    values = []
+    for spec, size in zip(specs, sizes, strict=True):
+        leaves = [next(dyn) if next(flags) else next(stat) for _ in range(size)]
+        values.append(optree.tree_unflatten(spec, leaves))
+    return tuple(values)
+
+
+def _closer(
+    op: Operator,
+    adapter: Adapter,
+    x_spec: Any,
+    has_aux: bool,
+    output: _Output,
+    rebuild: Callable[[Any], Any] | None = None,
+) -> Callable[[Callable[..., Any], tuple[Any, ...], Any], Callable[[tuple[Any, ...]], tuple[Any, Any]]]:
+    """``close(f, context_values, like)``: ``f`` with its contexts bound, on a tuple of leaves,
+    ``xs -> (out, aux)``, its output checked (``like``: a leaf of x, native). ``rebuild(xs)``:
+    f's x from the leaves, where it is not ``x_spec`` of them (x has static leaves)."""
+    single = x_spec == _LEAF
+    if rebuild is None:
+
+        def rebuild(xs: Any) -> Any:
+            return optree.tree_unflatten(x_spec, list(xs))
+
+    checked = output.checked
+    scalar = op.scalar_output
+    output_leaf = adapter.output_leaf
+    untracked = adapter.untracked
+    batches = adapter.batches
+
+    def close(f: Callable[..., Any], context_values: tuple[Any, ...], like: Any) -> Callable[..., Any]:
+        def fn(xs: tuple[Any, ...]) -> tuple[Any, Any]:
+            x = xs[0] if single else rebuild(xs)
+            try:
+                result = f(x, *context_values)
+            except Exception as exc:
+                hint = adapter.explain_failure(exc)
+                if hint is not None:
+                    raise FrameworkMismatchError(f"f failed under the {adapter.backend.name} backend: {hint}") from exc
+                raise
+            aux = None
+            if has_aux:
+                if not (isinstance(result, (tuple, list)) and len(result) == 2):
+                    raise InvalidOutputError(
+                        f"With has_aux=True, f must return a pair (value, aux); it returned {_describe(result)}."
+                    )
+                result, aux = result
+            if scalar:
+                if untracked(result, xs):
+                    _refuse_cut(f, context_values, xs, adapter, x_spec, rebuild)
+                # a scalar of a type and dtype seen before needs no more checks (nor recording:
+                # what the results of scalar functions mirror does not depend on f's output)
+                if (type(result), getattr(result, "dtype", None)) in checked and getattr(result, "shape", ()) == ():
+                    return output_leaf(result, like), aux
+                return output_leaf(_checked(op, result, output, adapter)[0], like), aux
+            leaves = _checked(op, result, output, adapter)
+            for leaf in leaves:
+                if untracked(leaf, xs):
+                    _refuse_cut(f, context_values, xs, adapter, x_spec, rebuild)
+                    break
+            if len(leaves) == 1:
+                return (output_leaf(leaves[0], like),), aux
+            return tuple([output_leaf(leaf, like) for leaf in leaves]), aux
+
+        fn.has_aux = has_aux  # type: ignore[attr-defined]  # without, an engine may skip its aux handling
+        if batches:
+
+            def batched(xs: tuple[Any, ...]) -> tuple[Any, ...]:
+                """f on a batch of points (a leading axis on every leaf), its output leaves unchecked:
+                for finite differences with ``vectorize=True``."""
+                x = xs[0] if single else rebuild(xs)
+                result = f(x, *context_values)
+                leaves, spec = _tree.flatten(result[0] if has_aux else result)
+                output.record(spec, leaves, batched=True)
+                return tuple(leaves)
+
+            fn.batched = batched  # type: ignore[attr-defined]
+        return fn
+
+    return close
+
+
+def _flat_program(
+    adapter: Adapter,
+    program: Callable[..., Any],
+    op: Operator,
+    output: _Output,
+    mirror: Callable[[Any], Any] | None,
+    finish: Callable[[Any], Any],
+    tangent: bool,
+    like: Any,
+    has_aux: bool,
+    bare_x: bool,
+) -> tuple[Callable[..., Any], list[bool], Callable[[Any], Any]]:
+    """``program`` compiled on flat arguments; a cell that holds True once its results are
+    known to come out finished; the finisher of its results otherwise.
+
+    Where the result mirrors x's one leaf (``mirror``), the program returns that leaf itself.
+    Where besides the engine's arrays are x's own type (``returns_like``) and the result is
+    one array, the program finishes it: a cast to x's dtype for a gradient, nothing for the
+    others; whether f's output is one array (for jvp and jacobian) shows when it is traced."""
+    kinds = [kind for _, kind in op.parts]
+    kind = kinds[0]
+    # (a result that mirrors x is x's one leaf only where x is that leaf, not a tree holding it)
+    candidate = adapter.returns_like(like) and len(kinds) == 1 and not has_aux and (bare_x or kind in ("value", "y"))
+    inside = [candidate and kind in ("x", "value", "hessian")]  # settled by the trace for "y" and "jacobian"
+    dtype = like.dtype if candidate else None
+
+    def pick(native: tuple[Any, ...]) -> Any:
+        if candidate:
+            value = native[0]
+            if kind == "x":
+                leaf = value[0]  # cast only where needed: a weak type stays weak
+                return leaf if leaf.dtype == dtype else leaf.astype(dtype)
+            if kind == "value":
+                return value
+            if kind == "hessian" or (kind == "jacobian" and output.spec is _LEAF):
+                inside[0] = True
+                target = dtype if kind == "hessian" else promoted_dtype(output.dtypes[0], str(dtype))
+                leaf = value[0][0]
+                return leaf if target is None or leaf.dtype == target else leaf.astype(target)
+            if kind == "y" and output.spec is _LEAF:
+                inside[0] = True
+                return value[0]
+        return native[0][0] if mirror is not None else native
+
+    def with_tangent(x: Any, t: Any, *values: Any) -> Any:
+        return pick(program((x,), (t,), values, None))
+
+    def without(x: Any, *values: Any) -> Any:
+        return pick(program((x,), (), values, None))
+
+    compiled = adapter.compile(with_tangent if tangent else without, static=False, arrays=not has_aux)
+    return compiled, inside, mirror or finish
+
+
+# -- the record of f's output --------------------------------------------------------------------------
+
+
+class _Output:
+    """What a prep learns of f(x) from evaluating it: its structure, leaf shapes and dtypes, and
+    the (type, dtype) pairs of output leaves already validated.
+
+    The structure may depend on the contexts (a tuple for one value, a dict for another), so
+    the record of the last evaluation is kept per thread, and where a compiled program does not
+    evaluate f again, per value of its static argument, recorded when it was traced."""
+
+    __slots__ = ("_by_static", "_local", "checked", "cotangent_fits")
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._by_static: dict[Any, tuple[Any, Any, Any]] = {}
+        self.checked: set[tuple[type, Any]] = set()
+        self.cotangent_fits: tuple[Any, Any] | None = None  # the (spec, shapes) a cotangent was found to fit
+
+    def _current(self) -> tuple[Any, Any, Any]:
+        local = self._local
+        try:
+            return local.spec, local.shapes, local.dtypes
+        except AttributeError:  # a thread that has only run compiled programs traced by others
+            return self._by_static.get(None, (None, (), ()))
+
+    @property
+    def spec(self) -> Any:
+        try:
+            return self._local.spec
+        except AttributeError:
+            return self._current()[0]
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        return self._current()[1]  # type: ignore[no-any-return]
+
+    @property
+    def dtypes(self) -> tuple[str | None, ...]:
+        return self._current()[2]  # type: ignore[no-any-return]
+
+    def record(self, spec: Any, leaves: list[Any], batched: bool = False) -> None:
+        """From one evaluation; ``batched``: the leaves hold a batch along a leading axis."""
+        local = self._local
+        if len(leaves) == 1 and not batched:
+            shapes: tuple[tuple[int, ...], ...] = (_arrays.shape(leaves[0]),)
+        else:
+            shapes = tuple([_arrays.shape(leaf)[1:] if batched else _arrays.shape(leaf) for leaf in leaves])
+        previous = getattr(local, "spec", None)
+        if not getattr(local, "dtypes", ()) or (previous is not spec and previous != spec):
+            # from the first evaluation of a structure, at x: scipy evaluates later ones promoted to float64
+            local.dtypes = tuple(_output_dtype(leaf) for leaf in leaves)
+        local.spec, local.shapes = spec, shapes
+
+    def remember(self, static: Any) -> None:
+        """Keep the record of a trace for the compiled program of this static argument."""
+        self._by_static[static] = (self.spec, self.shapes, self.dtypes)
+
+    def recall(self, static: Any) -> None:
+        """Make the record of the compiled program of this static argument the current one."""
+        found = self._by_static.get(static)
+        if found is not None:
+            local = self._local
+            local.spec, local.shapes, local.dtypes = found
+
+
+def _output_dtype(leaf: Any) -> str | None:
+    """The dtype a cotangent of this output leaf must have; None where any float will do."""
+    if _arrays.kind(leaf) == "python":
+        return None
+    name = {"complex64": "float32", "complex128": "float64"}.get(_arrays.dtype_name(leaf), _arrays.dtype_name(leaf))
+    return name if _arrays.is_float_dtype(name) else None  # a complex step evaluates f at complex points
+
+
+# -- the program's arguments ---------------------------------------------------------------------------
+
+
+class _Conversions:
+    """How a call's leaves become the program's arguments ``(xs, ts, dynamic, static)``,
+    settled once from the prepared call: a signature fixes every leaf's kind, and with it
+    which conversions do nothing and which context leaves are arrays."""
+
+    __slots__ = ("adapter", "empty", "float64", "mask", "op", "passthrough", "signature", "tangent_native", "x_native")
+
+    def __init__(self, adapter: Adapter, op: Operator, call: Call) -> None:
+        self.adapter, self.op, self.signature = adapter, op, call.signature
+        self.float64 = _involves_float64(call)
+        scope = adapter.scope() if self.float64 else None
+        with scope if scope is not None else contextlib.nullcontext():
+            xs = [adapter.to_native(leaf) for leaf in call.x_leaves]
+            self.x_native = all(a is b for a, b in zip(xs, call.x_leaves, strict=True))
+            self.tangent_native = all(
+                a is b for a, b in zip(self._tangents(call.tangent_leaves, xs), call.tangent_leaves, strict=True)
+            )
+            like = xs[0] if xs else None
+            mask: list[bool] = []
+            passthrough = True
+            for index, leaves in enumerate(call.context_leaves):
+                for leaf in leaves:
+                    native, is_array = self._context(leaf, like, index)
+                    if not is_array and adapter.compiles:
+                        _refuse_unseen_static(adapter, self.signature, index, native)
+                    mask.append(is_array)
+                    passthrough = passthrough and is_array and native is leaf
+        self.mask = tuple(mask)
+        self.passthrough = passthrough  # every context leaf an array the engine takes as it is
+        self.empty = _Static([], self.mask)  # the static argument when no leaf is static
+
+    def _tangents(self, leaves: list[Any], xs: tuple[Any, ...] | list[Any]) -> tuple[Any, ...]:
+        """Tangent leaves for the engine: those of a tangent of x take the dtypes of x's leaves."""
+        if self.op.tangent == "x":
+            return tuple(_tangent_to_native(self.adapter, t, x) for t, x in zip(leaves, xs, strict=True))
+        return tuple(map(self.adapter.to_native, leaves))
+
+    def _context(self, leaf: Any, like: Any, index: int) -> tuple[Any, bool]:
+        # A Constant's arrays reach f read-only or watched (Adapter.constant_to_native); a Cache's
+        # as they are, for f to write into.
+        convert = self.adapter.context_to_native
+        if issubclass(self.signature.contexts[index][0], Constant):
+            convert = self.adapter.constant_to_native
+        try:
+            return convert(leaf, like)
+        except (TypeError, ValueError) as exc:
+            raise _unconvertible_context(self.adapter, self.signature, index, leaf) from exc
+
+    def native(
+        self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]
+    ) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...], _Static | None]:
+        """The program's arguments; the static one is None when no context leaf is static
+        (cheaper for jit to compare than an empty :class:`_Static`)."""
+        xs = tuple(x_leaves) if self.x_native else tuple(map(self.adapter.to_native, x_leaves))
+        ts = tuple(tangent_leaves) if self.tangent_native else self._tangents(tangent_leaves, xs)
+        if self.passthrough:
+            if not context_leaves:
+                return xs, ts, (), None
+            return xs, ts, tuple(leaf for leaves in context_leaves for leaf in leaves), None
+        like = xs[0] if xs else None
+        dynamic: list[Any] = []
+        static: list[Any] = []
+        for index, leaves in enumerate(context_leaves):
+            for leaf in leaves:
+                native, is_array = self._context(leaf, like, index)
+                (dynamic if is_array else static).append(native)
+        return xs, ts, tuple(dynamic), _Static(static, self.mask) if static else None
+
+
+def _involves_float64(call: Call) -> bool:
+    for leaf in (*call.x_leaves, *call.tangent_leaves):
+        if isinstance(leaf, float) or _arrays.dtype_name(leaf) == "float64":
+            return True
+    return any(
+        _arrays.is_array(leaf) and _arrays.dtype_name(leaf) == "float64"
+        for leaves in call.context_leaves
+        for leaf in leaves
+    )
+
+
+def _unconvertible_context(adapter: Adapter, signature: Signature, index: int, leaf: Any) -> ContextError:
+    kind = signature.contexts[index][0].__name__
+    what = f"an array of dtype {_arrays.dtype_name(leaf)}" if hasattr(leaf, "dtype") else f"a {type(leaf).__name__}"
+    return ContextError(
+        f"Context {index} (a di.{kind}) holds {what}, which the {adapter.backend.name} backend "
+        "cannot convert to its arrays. Pass non-numeric data as a Python list or tuple "
+        "(array.tolist()), or convert it to a numeric dtype."
+    )
+
+
+def _tangent_to_native(adapter: Adapter, t: Any, like: Any) -> Any:
+    """A tangent leaf for the engine; a Python number takes the dtype of its primal leaf."""
+    if isinstance(t, (int, float)) and hasattr(like, "dtype"):
+        t = np.asarray(t, dtype=np.dtype(_arrays.dtype_name(like)))
+    return adapter.to_native(t)
+
+
+class _Static:
+    """The non-array context leaves, hashable so that jit can take them as a static argument.
+
+    Each leaf is compared by value (numbers, strings, frozen dataclasses, anything with its own
+    ``__eq__`` and ``__hash__``) or, for code (functions, classes, modules), by identity: see
+    :func:`static_key`. A compiling engine refuses other leaves at preparation, since a change
+    to them would not be seen (:func:`_refuse_unseen_static`).
+    """
+
+    __slots__ = ("_hash", "_key", "leaves", "mask")
+
+    def __init__(self, leaves: list[Any], mask: tuple[bool, ...]) -> None:
+        self.leaves = leaves
+        self.mask = mask
+        self._key = tuple(static_key(v) for v in leaves)
+        self._hash = hash((self._key, self.mask))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Static) and self._key == other._key and self.mask == other.mask
+
+
+def _refuse_unseen_static(adapter: Adapter, signature: Signature, index: int, leaf: Any) -> None:
+    """A compiled program bakes static context leaves in; one it could not tell changed from
+    unchanged would be reused stale, so it is refused."""
+    if static_key(leaf) is not None:
+        return
+    kind = signature.contexts[index][0].__name__
+    raise ContextError(
+        f"Context {index} (a di.{kind}) holds a {type(leaf).__name__}, which the compiled "
+        f"{adapter.backend.name} program must take as static, compile-time data. It is compared by "
+        "identity, not by value, so a later change to it (an attribute set, an in-place update) "
+        "would silently reuse the old value. Pass its numbers as arrays or in a dict or dataclass "
+        "registered as a pytree (di.Constant({'a': obj.a})), make it a frozen dataclass, or use "
+        "AutoJAX(jit=False)."
+    )
