@@ -468,3 +468,14 @@ def test_engine_warnings_are_apart_never_failures():
     scenario = Scenario("loud", loud, np.ones(3), "gradient")
     report = test_differentiation([di.AutoAutograd()], [scenario])
     assert report.counts() == {"passed": 1} and report.warnings == ["RuntimeWarning: loud loss"]
+
+
+def test_skip_reasons_cell_is_short():
+    """A group's skip reasons in the table: the first one, cut, and the count of the others."""
+    from diffiface.test._running import _short_reasons
+
+    assert _short_reasons([]) == ""
+    assert _short_reasons(["one"]) == "one"
+    assert _short_reasons(["one", "two", "three"]) == "one (+2 more)"
+    cell = _short_reasons(["x" * 300, "y"])
+    assert cell.startswith("x" * 117 + "...") and cell.endswith("(+1 more)") and len(cell) < 140

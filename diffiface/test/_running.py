@@ -118,7 +118,7 @@ class Report:
                 g["skip reasons"].append(row.message)
         for g in groups.values():
             g["references"] = ", ".join(g["references"])
-            g["skip reasons"] = "; ".join(g["skip reasons"])
+            g["skip reasons"] = _short_reasons(g["skip reasons"])
         return list(groups.values())
 
     def table(self, fmt: str = "table", lines: list[dict[str, Any]] | None = None) -> str:
@@ -286,6 +286,15 @@ def _outcome(exc: BaseException) -> tuple[str, str]:
     if isinstance(exc, (FrameworkMismatchError, UnsupportedOperationError)):
         return "skipped", f"cannot run f: {message}"
     return "failed", message
+
+
+def _short_reasons(reasons: list[str], width: int = 120) -> str:
+    """A table cell for a group's skip reasons: the first, cut to ``width`` characters, and how
+    many others there are (each row's reason is in the rows, ``--format json``)."""
+    if not reasons:
+        return ""
+    first = reasons[0] if len(reasons[0]) <= width else reasons[0][: width - 3] + "..."
+    return first if len(reasons) == 1 else f"{first} (+{len(reasons) - 1} more)"
 
 
 def _is_difference(reference: str) -> bool:
