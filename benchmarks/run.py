@@ -59,7 +59,9 @@ def tiny_map(x):
     return ns(x).tanh(x) * x
 
 
-def mlp_loss(params, data):
+def _mlp_hidden(params, data):
+    """The two tanh layers of the benchmark MLP on one flat parameter vector: their output,
+    the array namespace, and the offset where the head's parameters start."""
     m = ns(params)
     d, h = 48, 96
     i = 0
@@ -71,12 +73,14 @@ def mlp_loss(params, data):
     i += h * d
     b2 = params[i : i + d]
     i += d
-    w3 = params[i : i + d]
-    i += d
-    b3 = params[i]
     z = m.tanh(data @ w1 + b1)
-    z = m.tanh(z @ w2 + b2)
-    out = z @ w3 + b3
+    return m.tanh(z @ w2 + b2), m, i
+
+
+def mlp_loss(params, data):
+    z, m, i = _mlp_hidden(params, data)
+    d = z.shape[-1]
+    out = z @ params[i : i + d] + params[i + d]
     return m.mean(out * out)
 
 
@@ -464,21 +468,9 @@ def _head4(z):
 
 
 def _mlp_out(params, data):
-    m = ns(params)
-    d, h = 48, 96
-    i = 0
-    w1 = m.reshape(params[i : i + d * h], (d, h))
-    i += d * h
-    b1 = params[i : i + h]
-    i += h
-    w2 = m.reshape(params[i : i + h * d], (h, d))
-    i += h * d
-    b2 = params[i : i + d]
-    i += d
-    w3 = m.reshape(params[i : i + d * 4], (d, 4))
-    z = m.tanh(data @ w1 + b1)
-    z = m.tanh(z @ w2 + b2)
-    return z @ w3
+    z, m, i = _mlp_hidden(params, data)
+    d = z.shape[-1]
+    return z @ m.reshape(params[i : i + d * 4], (d, 4))
 
 
 def flat_head(params, data):
