@@ -19,7 +19,7 @@ from ._backends import Backend
 from ._call import _LEAF, OPERATORS, Call, Operator, _dynamic_view
 from ._checks import _check_tangent_kinds, _check_tangent_like_x, _check_x
 from ._errors import InvalidInputError
-from ._matching import _fast_path
+from ._matching import _fast_path, _tree_matcher
 from ._prep import MISS, FunctionRef, Prep, describe_mismatch, mismatch_error, prep_cache
 from ._programs import _Conversions, _flat_program, _Output, _program
 from ._results import _finisher
@@ -125,6 +125,7 @@ def prepare(
 
 
 def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, strict: bool) -> Prep:
+    full_call = call
     full_signature = call.signature
     row = info(backend)
     adapter = adapter_for(backend)
@@ -165,8 +166,8 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
         def compiled(xs: Any, ts: Any, dynamic: Any, static: Any) -> Any:
             return flat(*xs, *ts, *dynamic)  # type: ignore[misc]
 
-    else:
-        compiled = adapter.compile(program)
+    else:  # (jit returns arrays only: a program whose result holds none but arrays needs no help)
+        compiled = adapter.compile(program, arrays=not signature.has_aux)
     estimates = adapter.estimates_errors
     parts = [i for i, _ in op.parts]
 
@@ -200,5 +201,12 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
 
         def runner(x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]) -> tuple[Any, Any]:
             return on_dynamic([x_leaves[i] for i in dynamic_index], tangent_leaves, context_leaves)
+
+        if not estimates:  # the quick match compares the static leaves too: on the whole call
+
+            def leaves(x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]) -> Any:
+                return runner(x_leaves, tangent_leaves, context_leaves)[0]
+
+            fast = _tree_matcher(op, function, full_call, leaves)
 
     return Prep(function, full_signature, runner, strict, estimates, fast)
