@@ -1,0 +1,271 @@
+"""Which route a call takes: every shape users pass (a flat vector, a tuple of weights, a
+nested params dict with a dict batch, flax and haiku params, an equinox module, a torch
+module's named parameters) is answered by the quick match once prepared, on every backend
+and operator, float32 and float64. The route is counted (the full path's argument handling
+is not entered), not timed; the quick result equals the full path's."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import optree
+import pytest
+from conftest import FIRST_ORDER, namespace, require, to_numpy
+
+import diffiface as di
+from diffiface import _dispatch
+
+# -- the shapes: (x, context values) of numpy arrays, made native per backend -----------------
+
+
+def _shapes(rng: np.random.Generator) -> dict[str, tuple[Any, tuple[Any, ...]]]:
+    def normal(*shape: int) -> np.ndarray:
+        return rng.normal(size=shape) * 0.5
+
+    return {
+        "flat": (normal(6), (normal(6),)),
+        "tuple": ((normal(3, 2), normal(2)), ((normal(4, 3), normal(4, 2)),)),
+        "dict": (
+            {"l1": {"w": normal(3, 2), "b": normal(2)}, "l2": {"w": normal(2, 2), "b": normal(2)}},
+            ({"x": normal(4, 3), "y": normal(4, 2)},),
+        ),
+        "list-and-none": ([normal(3, 2), None, normal(2)], (normal(4, 3), [normal(4, 2)])),
+    }
+
+
+def _layers(x: Any) -> list[tuple[Any, Any]]:
+    """(weight, bias) pairs of any of the shapes above."""
+    if isinstance(x, dict):
+        return [(x[k]["w"], x[k]["b"]) for k in sorted(x)]
+    leaves = [leaf for leaf in x if leaf is not None]
+    return [(leaves[0], leaves[1])]
+
+
+def _inputs_targets(contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+    first = contexts[0]
+    if isinstance(first, dict):
+        return first["x"], first["y"]
+    if isinstance(first, tuple):
+        return first
+    return first, contexts[1][0]
+
+
+def head(x: Any, *contexts: Any) -> Any:
+    """A small network: its outputs as a tree (for jvp, vjp, jacobian)."""
+    if not isinstance(x, (dict, tuple, list)):  # the flat shape
+        xp = namespace(x)
+        return {"y": xp.sin(x) * contexts[0], "s": xp.sum(x * x)}
+    inputs, _ = _inputs_targets(contexts)
+    xp = namespace(inputs)
+    out = inputs
+    for w, b in _layers(x):
+        out = xp.tanh(out @ w + b[None])
+    return {"y": out, "s": xp.sum(out)}
+
+
+def loss(x: Any, *contexts: Any) -> Any:
+    if not isinstance(x, (dict, tuple, list)):
+        xp = namespace(x)
+        return xp.sum(xp.sin(x) * contexts[0] * x)
+    inputs, targets = _inputs_targets(contexts)
+    xp = namespace(inputs)
+    out = inputs
+    for w, b in _layers(x):
+        out = xp.tanh(out @ w + b[None])
+    r = out - targets
+    return xp.sum(r * r)
+
+
+# -- native arrays --------------------------------------------------------------------------------
+
+
+def _native(backend_id: str, tree: Any, dtype: str) -> Any:
+    def leaf(a: Any) -> Any:
+        a = np.asarray(a, dtype=dtype)
+        if backend_id == "jax":
+            import jax.numpy as jnp
+
+            return jnp.asarray(a)
+        if backend_id.startswith("torch"):
+            import torch
+
+            return torch.from_numpy(a.copy())
+        return a
+
+    return optree.tree_map(leaf, tree, none_is_leaf=False)
+
+
+@contextlib.contextmanager
+def _precision(backend_id: str, dtype: str) -> Iterator[None]:
+    if backend_id == "jax" and dtype == "float64":
+        import jax
+
+        with jax.enable_x64(True):
+            yield
+    else:
+        yield
+
+
+class _FullPathCounter:
+    """Counts the calls that took the full path (built a signature from the arguments)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        original = _dispatch._arguments
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(_dispatch, "_arguments", counted)
+
+
+_OPERATORS: list[tuple[str, Callable[..., Any], str | None]] = [
+    ("gradient", loss, None),
+    ("value_and_gradient", loss, None),
+    ("hessian", loss, None),
+    ("hvp", loss, "x"),
+    ("jvp", head, "x"),
+    ("vjp", head, "y"),
+    ("jacobian", head, None),
+]
+
+_BACKENDS = ["jax", "torch-autograd", "torch-func", "autograd", "finite_differences"]
+
+
+def _leaves_equal(a: Any, b: Any) -> None:
+    a_leaves, a_spec = optree.tree_flatten(a)
+    b_leaves, b_spec = optree.tree_flatten(b)
+    assert a_spec == b_spec
+    for u, v in zip(a_leaves, b_leaves, strict=True):
+        assert type(u) is type(v)
+        np.testing.assert_array_equal(to_numpy(u), to_numpy(v))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("shape", ["flat", "tuple", "dict", "list-and-none"])
+@pytest.mark.parametrize(("operator", "f", "tangent"), _OPERATORS, ids=[op[0] for op in _OPERATORS])
+@pytest.mark.parametrize("backend_id", _BACKENDS)
+def test_every_shape_takes_the_quick_route(
+    backend_id: str,
+    operator: str,
+    f: Callable[..., Any],
+    tangent: str | None,
+    shape: str,
+    dtype: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    backend = require(FIRST_ORDER[backend_id])
+    if backend_id in ("autograd", "finite_differences") and dtype == "float32" and operator == "hessian":
+        dtype = "float64"  # (second differences in float32 are noise; the route is what is counted)
+    x_np, contexts_np = _shapes(np.random.default_rng(0))[shape]
+    with _precision(backend_id, dtype):
+        x = _native(backend_id, x_np, dtype)
+        contexts = tuple(di.Constant(_native(backend_id, c, dtype)) for c in contexts_np)
+        args: tuple[Any, ...] = (x,)
+        if tangent == "x":
+            args = (x, _native(backend_id, optree.tree_map(np.ones_like, x_np), dtype))
+        elif tangent == "y":
+            y = head(x, *(c.value for c in contexts))
+            args = (x, optree.tree_map(lambda leaf: leaf * 0 + 1, y))
+        operate = getattr(di, operator)
+        prep = getattr(di, "prepare_" + operator)(f, backend, *args, *contexts)
+        full = operate(f, backend, *args, *contexts, prep=prep)  # (may be the quick route too)
+        counter = _FullPathCounter(monkeypatch)
+        prepared = [operate(f, backend, *args, *contexts, prep=prep) for _ in range(2)]
+        assert counter.count == 0, "a prepared call took the full path"
+        unprepared = [operate(f, backend, *args, *contexts) for _ in range(2)]
+        assert counter.count == 0, "an unprepared call took the full path"
+        for result in (*prepared, *unprepared):
+            _leaves_equal(result, full)
+
+
+@pytest.mark.parametrize("backend_id", _BACKENDS)
+def test_a_call_that_does_not_fit_leaves_the_quick_route(backend_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A leaf of another dtype, another shape, or another structure misses the quick match and
+    meets the strict check of the full path."""
+    backend = require(FIRST_ORDER[backend_id])
+    x_np, contexts_np = _shapes(np.random.default_rng(0))["dict"]
+    x = _native(backend_id, x_np, "float32")
+    batch = di.Constant(_native(backend_id, contexts_np[0], "float32"))
+    prep = di.prepare_gradient(loss, backend, x, batch)
+    counter = _FullPathCounter(monkeypatch)
+    other_dtype = {
+        **x,
+        "l2": {**x["l2"], "b": _native(backend_id, x_np["l2"]["b"], "float16")},
+    }  # (jax without x64 has no float64)
+    other_shape = {**x, "l2": {"w": x["l2"]["w"], "b": _native(backend_id, np.zeros(3), "float32")}}
+    other_structure = {**x, "l3": x["l2"]}
+    for bad, part in ((other_dtype, "['l2']['b']"), (other_shape, "['l2']['b']"), (other_structure, "structure")):
+        with pytest.raises(di.PreparationMismatchError, match=part.replace("[", r"\[").replace("]", r"\]")):
+            di.gradient(loss, backend, bad, batch, prep=prep)
+    assert counter.count == 3
+
+
+@pytest.mark.parametrize("framework", ["flax", "haiku", "equinox"])
+def test_jax_frameworks_take_the_quick_route(framework: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = require("jax")
+    import jax
+    import jax.numpy as jnp
+
+    key = jax.random.PRNGKey(0)
+    inputs = jax.random.normal(key, (4, 3))
+    targets = jax.random.normal(key, (4, 2))
+    if framework == "flax":
+        nn = pytest.importorskip("flax.linen", reason="flax is not installed: pip install flax")
+        model = nn.Dense(2)
+        x = model.init(key, inputs)["params"]
+
+        def f(p: Any, batch: Any) -> Any:
+            return jnp.sum((model.apply({"params": p}, batch["x"]) - batch["y"]) ** 2)
+
+    elif framework == "haiku":
+        hk = pytest.importorskip("haiku", reason="dm-haiku is not installed: pip install dm-haiku")
+        net = hk.without_apply_rng(hk.transform(lambda z: hk.Linear(2)(z)))
+        x = net.init(key, inputs)
+
+        def f(p: Any, batch: Any) -> Any:
+            return jnp.sum((net.apply(p, batch["x"]) - batch["y"]) ** 2)
+
+    else:
+        eqx = pytest.importorskip("equinox", reason="equinox is not installed: pip install equinox")
+        x = eqx.nn.Linear(3, 2, key=key)  # a module: arrays and static leaves (its activation-free call)
+
+        def f(m: Any, batch: Any) -> Any:
+            return jnp.sum((jax.vmap(m)(batch["x"]) - batch["y"]) ** 2)
+
+    batch = di.Constant({"x": inputs, "y": targets})
+    prep = di.prepare_gradient(f, backend, x, batch)
+    full = di.gradient(f, backend, x, batch, prep=prep)
+    counter = _FullPathCounter(monkeypatch)
+    results = [di.gradient(f, backend, x, batch, prep=prep), di.gradient(f, backend, x, batch)]
+    assert counter.count == 0
+    for result in results:
+        assert jax.tree_util.tree_structure(result) == jax.tree_util.tree_structure(full)
+        for a, b in zip(jax.tree_util.tree_leaves(result), jax.tree_util.tree_leaves(full), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("mode", ["autograd", "func"])
+def test_torch_module_parameters_take_the_quick_route(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = require(di.AutoTorch(mode=mode))
+    import torch
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    params = {name: p.detach() for name, p in module.named_parameters()}
+    batch = di.Constant({"x": torch.randn(5, 3), "y": torch.randn(5, 2)})
+
+    def f(p: Any, b: Any) -> Any:
+        return torch.sum((torch.func.functional_call(module, p, (b["x"],)) - b["y"]) ** 2)
+
+    prep = di.prepare_gradient(f, backend, params, batch)
+    full = di.gradient(f, backend, params, batch, prep=prep)
+    counter = _FullPathCounter(monkeypatch)
+    results = [di.gradient(f, backend, params, batch, prep=prep), di.gradient(f, backend, params, batch)]
+    assert counter.count == 0
+    for result in results:
+        _leaves_equal(result, full)
