@@ -141,7 +141,7 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
     plan = _Conversions(adapter, op, call)
     program = _program(op, adapter, function, call, output, plan)
     finish, mirror = _finisher(op, call, output)
-    direct_ok = plan.passthrough and plan.x_native and plan.tangent_native and not plan.float64
+    direct_ok = plan.passthrough and plan.x_native and plan.tangent_native
     flat: Callable[..., Any] | None = None
     finished, finish_rest = [False], finish
     if direct_ok and adapter.compiles and len(call.x_leaves) == 1 and len(call.tangent_leaves) <= 1:
@@ -194,8 +194,11 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
         with scope:
             return run(x_leaves, tangent_leaves, context_leaves)
 
-    runner = scoped if plan.float64 else run
-    fast = _fast_path(op, function, call, estimates, direct_ok, flat, finished, finish_rest, compiled, finish, runner)
+    runner = scoped if plan.scoped else run
+    precision = adapter.scope if plan.scoped else None
+    fast = _fast_path(
+        op, function, call, estimates, direct_ok, flat, finished, finish_rest, compiled, finish, runner, precision
+    )
     if dynamic_index is not None:  # x has static leaves: the program takes the others
         on_dynamic = runner
 

@@ -35,8 +35,11 @@ def _fast_path(
     compiled: Callable[..., Any],
     finish: Callable[[Any], Any],
     runner: Callable[..., Any],
+    precision: Callable[[], Any] | None = None,
 ) -> Callable[..., Any]:
-    """:attr:`Prep.fast`: the quick match in front of the most direct way this prep can run."""
+    """:attr:`Prep.fast`: the quick match in front of the most direct way this prep can run.
+    ``precision``: the adapter's scope where a float64 call may need one (jax's x64 when it is
+    off); the direct route is taken where it gives none, the runner, which enters it, otherwise."""
     with_tangent = bool(call.tangent_leaves)
     if estimates:  # the error estimate goes to the prep that runs: through Prep.run
         return _miss
@@ -57,11 +60,19 @@ def _fast_path(
                 return finish(compiled((x,), rest[:1], rest[1:], None))
             return finish(compiled((x,), (), rest, None))
 
-    else:
+    def converted(x: Any, *rest: Any) -> Any:
+        tangents = [rest[0]] if with_tangent else []
+        return runner([x], tangents, [[value] for value in rest[len(tangents) :]])[0]
 
-        def then(x: Any, *rest: Any) -> Any:
-            tangents = [rest[0]] if with_tangent else []
-            return runner([x], tangents, [[value] for value in rest[len(tangents) :]])[0]
+    if not (flat is not None or direct_ok):
+        then = converted
+    elif precision is not None:
+        direct = then
+
+        def then(*arguments: Any) -> Any:
+            if precision() is None:
+                return direct(*arguments)
+            return converted(*arguments)
 
     match = _matcher(op, function, call, then)
     if match is not _miss:

@@ -297,12 +297,13 @@ class _Conversions:
     settled once from the prepared call: a signature fixes every leaf's kind, and with it
     which conversions do nothing and which context leaves are arrays."""
 
-    __slots__ = ("adapter", "empty", "float64", "mask", "op", "passthrough", "signature", "tangent_native", "x_native")
+    __slots__ = ("adapter", "empty", "mask", "op", "passthrough", "scoped", "signature", "tangent_native", "x_native")
 
     def __init__(self, adapter: Adapter, op: Operator, call: Call) -> None:
         self.adapter, self.op, self.signature = adapter, op, call.signature
-        self.float64 = _involves_float64(call)
-        scope = adapter.scope() if self.float64 else None
+        # float64 work that may need the adapter's precision scope (jax's x64), checked per call
+        self.scoped = adapter.scoped and _involves_float64(call)
+        scope = adapter.scope() if self.scoped else None
         with scope if scope is not None else contextlib.nullcontext():
             xs = [adapter.to_native(leaf) for leaf in call.x_leaves]
             self.x_native = all(a is b for a, b in zip(xs, call.x_leaves, strict=True))

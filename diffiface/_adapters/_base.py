@@ -122,6 +122,12 @@ class Adapter:
         """A traced input leaf's value, outside any trace (for evaluating ``f`` elsewhere)."""
         return leaf
 
+    @property
+    def scoped(self) -> bool:
+        """Whether :meth:`scope` may give a context: where it never does, float64 calls take
+        the same direct route as float32 ones."""
+        return self.info.any_array_type
+
     def scope(self) -> contextlib.AbstractContextManager[Any] | None:
         """The context to run in when a float64 array is involved; None if there is none.
 
@@ -356,6 +362,10 @@ class SecondOrderAdapter(Adapter):
 
     def output_leaf(self, leaf: Any, like: Any) -> Any:
         return self.inner.output_leaf(leaf, like)
+
+    @property
+    def scoped(self) -> bool:
+        return self.inner.scoped or self.outer.scoped
 
     def scope(self) -> contextlib.AbstractContextManager[Any] | None:
         return self.inner.scope()

@@ -66,6 +66,8 @@ class Adapter(_base.Adapter):
             return jnp.asarray(leaf)
         return leaf
 
+    scoped = True
+
     def scope(self) -> contextlib.AbstractContextManager[Any] | None:
         if not jax.config.read("jax_enable_x64"):
             return jax.enable_x64(True)  # type: ignore[no-any-return]
