@@ -618,8 +618,8 @@ class Adapter(_base.Adapter):
                 "Pass a finite tangent."
             )
         name = self.backend.name
-        fresh = tuple(x.clone() for x in xs)  # f gets copies: it may not reach the caller's x
-        evaluated = Deferred(lambda: run_f(fn, fresh, name))
+        # f(x) on copies (f may not reach the caller's x), made only where f(x) is asked for
+        evaluated = Deferred(lambda: run_f(fn, tuple(x.clone() for x in xs), name))
         if scale_t == 0.0:
             out = _base.force(evaluated.force()[0])
             zeros = tuple(torch.zeros_like(y) for y in _leaves_of(out))

@@ -289,7 +289,9 @@ class Adapter(_base.Adapter):
                 grads, (value, aux) = func.grad_and_value(g, has_aux=True)(xs[0] if len(xs) == 1 else xs)
             else:
                 (grads, value), aux = func.grad_and_value(g)(xs[0] if len(xs) == 1 else xs), None
-            return value, rebuild(aux), _placed((grads,) if len(xs) == 1 else grads, xs)
+            if len(xs) == 1:
+                return value, rebuild(aux), (grads,) if type(grads) is torch.Tensor else _placed((grads,), xs)
+            return value, rebuild(aux), _placed(grads, xs)
         if not torch.is_grad_enabled():  # entering enable_grad costs more than asking
             with torch.enable_grad():
                 return self.value_and_gradient(fn, xs)
@@ -543,7 +545,10 @@ def _placed(grads: Leaves, xs: Leaves) -> Leaves:
     torch's backward chooses its own placements (a sharded weight used in a matrix product
     gets a replicated gradient, an elementwise use a sharded one); redistributing to x's
     slices a replicated gradient locally or reduce-scatters a partial one, never gathers."""
-    if all(type(g) is torch.Tensor for g in grads):
+    for g in grads:  # (a loop, not all(...): this runs on every call of several leaves)
+        if type(g) is not torch.Tensor:
+            break
+    else:
         return grads
     return tuple(
         g.redistribute(x.device_mesh, x.placements)
