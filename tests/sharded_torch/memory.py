@@ -2,7 +2,7 @@
 
 Not a test (it takes a minute and a few GB): run by hand,
 
-    python tests/sharded_torch/memory.py [MEGABYTES_PER_RANK]
+    python tests/sharded_torch/memory.py [MEGABYTES_PER_RANK [OPERATOR_SUBSTRING]]
 
 It starts one 2-process gloo group per operator (fresh processes: ``ru_maxrss`` is a
 high-water mark). Each rank builds its shard of w (float32, Shard(0)) in place with
@@ -91,7 +91,8 @@ def rank_main(rank: int, port: str, operator: str, megabytes: int) -> None:
 
 def main() -> None:
     megabytes = int(sys.argv[1]) if len(sys.argv) > 1 else 256
-    for operator in OPERATORS:
+    chosen = sys.argv[2] if len(sys.argv) > 2 else ""
+    for operator in (op for op in OPERATORS if chosen in op):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = str(sock.getsockname()[1])
