@@ -315,6 +315,8 @@ class Adapter(_base.Adapter):
         return value, aux, grads  # results are detached as they are converted, if they are returned
 
     def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Blocks]:
+        if _any_dtensor(xs):
+            raise _dense_of_dtensors("A Jacobian")
         if not self.functional or any(x.numel() == 0 for x in xs):  # torch.func.jacfwd fails on empty inputs
             return super().value_and_jacobian(fn, xs, mode)
         transform = func.jacfwd if mode == "forward" else func.jacrev
@@ -359,6 +361,8 @@ class Adapter(_base.Adapter):
         return _detached(value, keep), _detached(aux, keep), _detached(grads, keep), hvps
 
     def value_gradient_and_hessian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Blocks]:
+        if _any_dtensor(xs):
+            raise _dense_of_dtensors("A Hessian")
         if self.functional:
             return super().value_gradient_and_hessian(fn, xs)
         keep = _keeping()
@@ -380,6 +384,8 @@ class Adapter(_base.Adapter):
         return _detached(value, keep), _detached(aux, keep), _detached(grads, keep), tuple(blocks)
 
     def value_derivative_and_second_derivative(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any, Any]:
+        if _any_dtensor(xs):
+            raise _dense_of_dtensors("A second derivative")
         if self.functional:
             return super().value_derivative_and_second_derivative(fn, xs)
         keep = _keeping()
@@ -536,7 +542,10 @@ def is_dtensor(leaf: Any) -> bool:
 
 
 def _any_dtensor(leaves: Any) -> bool:
-    return any(type(leaf) is not torch.Tensor and is_dtensor(leaf) for leaf in leaves)
+    for leaf in leaves:  # (a loop, not any(...): this runs on every forward-mode call)
+        if type(leaf) is not torch.Tensor and is_dtensor(leaf):
+            return True
+    return False
 
 
 def _placed(grads: Leaves, xs: Leaves) -> Leaves:
@@ -579,6 +588,15 @@ def _forward_on_dtensors(functional: bool) -> UnsupportedOperationError:
         "rule for the operators that make dual tensors. For a jvp of a sharded f use "
         "di.jvp(f, di.AutoFiniteDifferences(), x, t) with a DTensor tangent (one collective difference "
         "along t) or a vjp; for an hvp use AutoTorch(mode='autograd') (reverse over reverse)."
+    )
+
+
+def _dense_of_dtensors(what: str) -> UnsupportedOperationError:
+    return UnsupportedOperationError(
+        f"{what} with respect to a DTensor x is a dense matrix built one row or entry at a time, which "
+        "torch cannot do on sharded tensors without gathering them (and which would be as large as the "
+        "model squared). Use products, which stay sharded: di.vjp (a row), di.hvp with "
+        "AutoTorch(mode='autograd') (a Hessian column), di.gradient."
     )
 
 

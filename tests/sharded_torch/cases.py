@@ -175,6 +175,17 @@ def forward_mode_refused_on_dtensors(mesh: Any) -> None:
 
 
 @case
+def jacobian_and_hessian_refused(mesh: Any) -> None:
+    w = distribute_tensor(full_problem()[0]["w"], mesh, [Shard(0)])
+    for mode in ("autograd", "func"):
+        backend = di.AutoTorch(mode=mode)
+        raises(di.UnsupportedOperationError, "A Jacobian", lambda b=backend: di.jacobian(torch.sin, b, w))
+        raises(di.UnsupportedOperationError, "A Hessian", lambda b=backend: di.hessian(elementwise, b, w))
+    over = di.SecondOrder(di.AutoTorch(), di.AutoTorch())
+    raises(di.UnsupportedOperationError, "DTensor", lambda: di.hessian(elementwise, over, w))
+
+
+@case
 def hvp_autograd(mesh: Any) -> None:
     x, data = sharded_problem(mesh)
     params, full_data = full_problem()
