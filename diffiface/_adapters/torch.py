@@ -232,12 +232,12 @@ class Adapter(_base.Adapter):
         return _detached(out, keep), _detached(aux, keep), vjp
 
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
+        if _any_dtensor(xs) or _any_dtensor(txs):
+            raise _forward_on_dtensors(self.functional)
         with _FORWARD_LOCK, _first_forward():
             return self._value_and_pushforward(fn, xs, txs)
 
     def _value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
-        if _any_dtensor(xs) or _any_dtensor(txs):
-            raise _forward_on_dtensors(self.functional)
         if self.functional:
             g, has_aux, rebuild = _for_func(fn, xs)
             g, bare = _bare_output(g, has_aux)
@@ -542,10 +542,7 @@ def is_dtensor(leaf: Any) -> bool:
 
 
 def _any_dtensor(leaves: Any) -> bool:
-    for leaf in leaves:  # (a loop, not any(...): this runs on every forward-mode call)
-        if type(leaf) is not torch.Tensor and is_dtensor(leaf):
-            return True
-    return False
+    return any(type(leaf) is not torch.Tensor and is_dtensor(leaf) for leaf in leaves)
 
 
 def _placed(grads: Leaves, xs: Leaves) -> Leaves:
