@@ -124,10 +124,23 @@ def to_numpy(leaf: Any) -> np.ndarray:
     """A numpy copy or view of a leaf of any kind (detached from any graph)."""
     k = kind(leaf)
     if k == "torch":
+        if type(leaf) is not sys.modules["torch"].Tensor and hasattr(leaf, "device_mesh"):
+            raise _gather_refused(leaf)
         return leaf.detach().cpu().numpy()  # type: ignore[no-any-return]
     if k == "python":
         return np.asarray(leaf, dtype=np.complex128 if isinstance(leaf, complex) else np.float64)
     return np.asarray(leaf)
+
+
+def _gather_refused(leaf: Any) -> Exception:
+    from ._errors import UnsupportedOperationError
+
+    return UnsupportedOperationError(
+        f"A DTensor (shape {tuple(leaf.shape)}, placements {tuple(leaf.placements)}) reached a step that "
+        "works on one whole numpy array, which would gather it in one process; diffiface never does. Use "
+        "AutoTorch() on DTensors, AutoFiniteDifferences() only for a jvp along a DTensor tangent, and "
+        "diffiface.test.check_gradients for checks (random directions, collective)."
+    )
 
 
 def from_numpy(array: np.ndarray, like: Any, dtype: Any = None) -> Any:

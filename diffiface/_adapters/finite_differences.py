@@ -36,6 +36,7 @@ from .. import _arrays
 from .._errors import (
     InputTooLargeError,
     InvalidBackendOptionError,
+    InvalidInputError,
     InvalidOutputError,
     MutationError,
     UnsupportedOperationError,
@@ -216,10 +217,21 @@ def _traced_by_torch(x: Any) -> bool:
     return torch.autograd.forward_ad.unpack_dual(x).tangent is not None
 
 
+def _inside_torch() -> UnsupportedOperationError:
+    return UnsupportedOperationError(
+        "Finite differences were asked for inside a torch differentiation (x carries torch's "
+        "graph, a torch.func transform or a forward-mode dual): torch cannot differentiate "
+        "through them, and the outer derivative would silently lose this part. Differentiate "
+        "the inner function with AutoTorch() too, or make the outer call finite differences "
+        "(di.SecondOrder(di.AutoFiniteDifferences(), di.AutoTorch()) for second order)."
+    )
+
+
 class _Point:
     """``x`` as one float64 vector, with the way back to leaves of x's kinds and dtypes."""
 
     def __init__(self, xs: Leaves, promote: bool = False) -> None:
+        _refuse_sharded(xs)
         for x in xs:
             if _arrays.kind(x) == "jax" and isinstance(x, sys.modules["jax"].core.Tracer):
                 raise UnsupportedOperationError(
@@ -229,13 +241,7 @@ class _Point:
                     "(di.SecondOrder(di.AutoFiniteDifferences(), di.AutoJAX()) for second order)."
                 )
             if _arrays.kind(x) == "torch" and _traced_by_torch(x):
-                raise UnsupportedOperationError(
-                    "Finite differences were asked for inside a torch differentiation (x carries torch's "
-                    "graph, a torch.func transform or a forward-mode dual): torch cannot differentiate "
-                    "through them, and the outer derivative would silently lose this part. Differentiate "
-                    "the inner function with AutoTorch() too, or make the outer call finite differences "
-                    "(di.SecondOrder(di.AutoFiniteDifferences(), di.AutoTorch()) for second order)."
-                )
+                raise _inside_torch()
         self.likes = tuple(_promoted(x) for x in xs) if promote else xs
         arrays = [_arrays.to_numpy(x) for x in xs]
         self.shapes = [a.shape for a in arrays]
@@ -564,6 +570,8 @@ class Adapter(_base.Adapter):
         return out, aux, vjp
 
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
+        if _sharded_torch(xs) or _sharded_torch(txs):
+            return self._sharded_pushforward(fn, xs, txs)
         point, out, aux, value, layout = self._start(fn, xs)
         direction = _Point(txs).vector if txs else np.zeros(0)
         finite = np.isfinite(direction)
@@ -582,6 +590,62 @@ class Adapter(_base.Adapter):
             column = np.zeros(sum(math.prod(shape) for shape, _ in layout))
         touts = _split_out(column, layout)
         return out, aux, touts if layout.tuple_out else touts[0]
+
+    def _sharded_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
+        """``J @ t`` of an f of DTensors by one difference along ``t``, computed collectively on
+        every rank: the points ``x ± h t`` are DTensor arithmetic on each rank's own slices, and
+        the only numbers brought together are scalars (the largest ``|x_i|`` and ``|t_i|``, for
+        the step). f's outputs stay as f returned them (DTensors: on their mesh, as placed)."""
+        torch = sys.modules["torch"]
+        if any(_arrays.kind(x) == "torch" and _traced_by_torch(x) for x in xs):
+            raise _inside_torch()
+        if self.method == "complex":
+            raise UnsupportedOperationError(
+                "AutoFiniteDifferences(method='complex') on DTensors: complex DTensor arithmetic has no "
+                "sharding rules for every operator f may use. Use method='central' (the default)."
+            )
+        if len(txs) != len(xs) or any(_is_dtensor(x) != _is_dtensor(t) for x, t in zip(xs, txs, strict=False)):
+            raise InvalidInputError(
+                "The tangent of a DTensor x must be a DTensor like it (same device mesh; same placements "
+                "or any other, torch redistributes), and a plain tensor's a plain tensor: make it with "
+                "torch.distributed.tensor.distribute_tensor(t, x.device_mesh, x.placements)."
+            )
+        scale_t = max((_largest(t) for t in txs), default=0.0)
+        if not math.isfinite(scale_t):
+            raise InvalidInputError(
+                "A tangent of a DTensor x holds inf or NaN: one finite difference along it cannot give "
+                "the product that forward mode would (inf or NaN only where f depends on those entries). "
+                "Pass a finite tangent."
+            )
+        name = self.backend.name
+        # f(x) on copies (f may not reach the caller's x), made only where f(x) is asked for
+        evaluated = Deferred(lambda: run_f(fn, tuple(x.clone() for x in xs), name))
+        if scale_t == 0.0:
+            out = _base.force(evaluated.force()[0])
+            zeros = tuple(torch.zeros_like(y) for y in _leaves_of(out))
+            return out, evaluated.force()[1], zeros if isinstance(out, tuple) else zeros[0]
+        eps = max(float(torch.finfo(x.dtype).eps) for x in xs)
+        if self.fixed_step is not None:
+            h = self.fixed_step / scale_t
+        else:
+            scale_x = max([1.0, *(_largest(x) for x in xs)])
+            h = eps ** _POWER[self.method] * scale_x / scale_t
+
+        def at(sign: float) -> Any:
+            return run_f(fn, tuple(x + (sign * h) * t for x, t in zip(xs, txs, strict=True)), name)[0]
+
+        def value() -> Any:
+            return _base.force(evaluated.force()[0])
+
+        plus = at(1.0) if self.method != "backward" else value()
+        minus = at(-1.0) if self.method != "forward" else value()
+        width = 1.0 if self.method != "central" else 2.0
+        touts = tuple(
+            ((a.to(torch.float64) - b.to(torch.float64)) / (width * h)).to(a.dtype)
+            for a, b in zip(_leaves_of(plus), _leaves_of(minus), strict=True)
+        )
+        out = Deferred(value) if self.method == "central" else value()
+        return out, Deferred(lambda: evaluated.force()[1]), touts if isinstance(plus, tuple) else touts[0]
 
     def _directional(
         self, fn: Fn, point: _Point, direction: np.ndarray, value: np.ndarray | None, layout: _Layout
@@ -673,6 +737,51 @@ class Adapter(_base.Adapter):
             else f0 * 0
         )
         return out, aux, derivs, _split_out(second, layout)
+
+
+# -- DTensors (torch.distributed.tensor): collective directional differences only ------------
+
+
+def _is_dtensor(leaf: Any) -> bool:
+    kind = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return kind is not None and isinstance(leaf, kind)
+
+
+def _sharded_torch(leaves: Leaves) -> bool:
+    """Whether a leaf is a DTensor (checked only once torch.distributed.tensor is imported)."""
+    return "torch.distributed.tensor" in sys.modules and any(
+        _arrays.kind(x) == "torch" and _is_dtensor(x) for x in leaves
+    )
+
+
+def _refuse_sharded(xs: Leaves) -> None:
+    if _sharded_torch(xs):
+        raise UnsupportedOperationError(
+            "x holds a DTensor (a tensor sharded over processes): finite differences of a gradient, vjp, "
+            "Jacobian or Hessian perturb x one entry at a time, which needs x gathered in one process. "
+            "Check the gradient along random directions instead (collective, nothing gathered): "
+            "diffiface.test.check_gradients(f, x, ...) does so for DTensors, or "
+            "di.jvp(f, di.AutoFiniteDifferences(), x, t) with a DTensor tangent t gives one product."
+        )
+
+
+def _largest(tensor: Any) -> float:
+    """``max |tensor_i|`` as a Python float, the same on every rank for a DTensor (one scalar
+    all-reduce); 0 for an empty tensor."""
+    if tensor.numel() == 0:
+        return 0.0
+    largest = tensor.detach().abs().max()
+    if _is_dtensor(largest):
+        largest = largest.redistribute(largest.device_mesh, [_replicate()] * largest.device_mesh.ndim).to_local()
+    return float(largest)
+
+
+def _replicate() -> Any:
+    return sys.modules["torch.distributed.tensor"].Replicate()
+
+
+def _leaves_of(out: Any) -> Leaves:
+    return out if isinstance(out, tuple) else (out,)
 
 
 def _times_non_finite(column: np.ndarray, t: float) -> np.ndarray:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -171,6 +172,12 @@ class Adapter(_base.Adapter):
                 ".numpy() on its input). Write f with torch operations, or differentiate a numpy f "
                 "with AutoFiniteDifferences()."
             )
+        if "mixed torch.Tensor and DTensor" in text:
+            return (
+                "f mixes a DTensor (x is sharded) with a plain torch tensor (a di.Constant or a tensor f "
+                "makes). Make every tensor f combines with x a DTensor on x's device mesh, e.g. "
+                "torch.distributed.tensor.distribute_tensor(data, mesh, [Replicate()])."
+            )
         if isinstance(exc, TypeError) and raised_inside(exc, "jax"):
             return "f calls jax on torch tensors; differentiate a jax function with AutoJAX()."
         if self.functional and isinstance(exc, RuntimeError) and "override the setup_context" in text:
@@ -210,20 +217,23 @@ class Adapter(_base.Adapter):
                 out, inner = (out,), pullback
                 pullback = lambda touts: inner(touts[0])  # noqa: E731
             if len(xs) == 1:
-                return out, rebuild(aux), lambda touts: (pullback(touts)[0],)
-            return out, rebuild(aux), lambda touts: pullback(touts)[0]
+                return out, rebuild(aux), lambda touts: _placed((pullback(_cotangents(out, touts))[0],), xs)
+            return out, rebuild(aux), lambda touts: _placed(pullback(_cotangents(out, touts))[0], xs)
         keep = _keeping()
         with torch.enable_grad():
             inputs = _requiring_grad(xs)
             out, aux = fn(inputs)
 
         def vjp(touts: Any) -> Leaves:
+            touts = _cotangents(out, touts)
             pairs = [(y, t) for y, t in zip(_leaves(out), _leaves(touts), strict=True) if y.requires_grad]
-            return _grad([y for y, _ in pairs], inputs, [t for _, t in pairs], create_graph=keep)
+            return _placed(_grad([y for y, _ in pairs], inputs, [t for _, t in pairs], create_graph=keep), inputs)
 
         return _detached(out, keep), _detached(aux, keep), vjp
 
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
+        if _any_dtensor(xs) or _any_dtensor(txs):
+            raise _forward_on_dtensors(self.functional)
         with _FORWARD_LOCK, _first_forward():
             return self._value_and_pushforward(fn, xs, txs)
 
@@ -279,7 +289,9 @@ class Adapter(_base.Adapter):
                 grads, (value, aux) = func.grad_and_value(g, has_aux=True)(xs[0] if len(xs) == 1 else xs)
             else:
                 (grads, value), aux = func.grad_and_value(g)(xs[0] if len(xs) == 1 else xs), None
-            return value, rebuild(aux), (grads,) if len(xs) == 1 else grads
+            if len(xs) == 1:
+                return value, rebuild(aux), (grads,) if type(grads) is torch.Tensor else _placed((grads,), xs)
+            return value, rebuild(aux), _placed(grads, xs)
         if not torch.is_grad_enabled():  # entering enable_grad costs more than asking
             with torch.enable_grad():
                 return self.value_and_gradient(fn, xs)
@@ -298,9 +310,13 @@ class Adapter(_base.Adapter):
         grads = torch.autograd.grad((value,), inputs, retain_graph=keep, create_graph=keep, allow_unused=True)
         if len(grads) != 1 or grads[0] is None:  # zeros where an input did not matter
             grads = tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs, strict=True))
+        if type(grads[0]) is not torch.Tensor or len(grads) != 1:  # (a DTensor, or several leaves)
+            grads = _placed(grads, inputs)
         return value, aux, grads  # results are detached as they are converted, if they are returned
 
     def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Blocks]:
+        if _any_dtensor(xs):
+            raise _dense_of_dtensors("A Jacobian")
         if not self.functional or any(x.numel() == 0 for x in xs):  # torch.func.jacfwd fails on empty inputs
             return super().value_and_jacobian(fn, xs, mode)
         transform = func.jacfwd if mode == "forward" else func.jacrev
@@ -341,9 +357,12 @@ class Adapter(_base.Adapter):
             # gradient of <grad, txs>: no extra products and sums in the graph
             pairs = [(g, t) for g, t in zip(grads, txs, strict=True) if g.requires_grad]
             hvps = _grad([g for g, _ in pairs], inputs, [t for _, t in pairs], create_graph=keep)
+        grads, hvps = _placed(grads, inputs), _placed(hvps, inputs)
         return _detached(value, keep), _detached(aux, keep), _detached(grads, keep), hvps
 
     def value_gradient_and_hessian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Blocks]:
+        if _any_dtensor(xs):
+            raise _dense_of_dtensors("A Hessian")
         if self.functional:
             return super().value_gradient_and_hessian(fn, xs)
         keep = _keeping()
@@ -365,6 +384,8 @@ class Adapter(_base.Adapter):
         return _detached(value, keep), _detached(aux, keep), _detached(grads, keep), tuple(blocks)
 
     def value_derivative_and_second_derivative(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any, Any]:
+        if _any_dtensor(xs):
+            raise _dense_of_dtensors("A second derivative")
         if self.functional:
             return super().value_derivative_and_second_derivative(fn, xs)
         keep = _keeping()
@@ -500,6 +521,80 @@ def _grad(
     if len(grads) == 1 and grads[0] is not None:
         return grads  # type: ignore[no-any-return]
     return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs, strict=True))
+
+
+# -- DTensors (torch.distributed.tensor): sharded over processes, never gathered ----------------
+
+
+def _dtensor_class() -> Any:
+    """torch's DTensor class, or None while torch.distributed.tensor is not imported (then no
+    tensor can be one)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def is_dtensor(leaf: Any) -> bool:
+    """Whether ``leaf`` is a DTensor (a tensor sharded or replicated over a device mesh)."""
+    if type(leaf) is torch.Tensor:
+        return False
+    cls = _dtensor_class()
+    return cls is not None and isinstance(leaf, cls)
+
+
+def _any_dtensor(leaves: Any) -> bool:
+    return any(type(leaf) is not torch.Tensor and is_dtensor(leaf) for leaf in leaves)
+
+
+def _placed(grads: Leaves, xs: Leaves) -> Leaves:
+    """Derivatives laid out as their inputs: a DTensor's on x's device mesh with x's placements.
+
+    torch's backward chooses its own placements (a sharded weight used in a matrix product
+    gets a replicated gradient, an elementwise use a sharded one); redistributing to x's
+    slices a replicated gradient locally or reduce-scatters a partial one, never gathers."""
+    for g in grads:  # (a loop, not all(...): this runs on every call of several leaves)
+        if type(g) is not torch.Tensor:
+            break
+    else:
+        return grads
+    return tuple(
+        g.redistribute(x.device_mesh, x.placements)
+        if is_dtensor(g) and is_dtensor(x) and (g.placements != x.placements or g.device_mesh != x.device_mesh)
+        else g
+        for g, x in zip(grads, xs, strict=True)
+    )
+
+
+def _cotangents(out: Any, touts: Any) -> Any:
+    """``touts``, refused where a plain tensor stands for a DTensor output (torch would fail on
+    the mix half-way through its backward pass)."""
+    for y, t in zip(_leaves(out), _leaves(touts), strict=False):
+        if is_dtensor(y) and isinstance(t, torch.Tensor) and not is_dtensor(t):
+            raise InvalidInputError(
+                "The cotangent of a DTensor output of f is a plain torch tensor: torch cannot mix the two. "
+                "Make it a DTensor on the output's device mesh, e.g. "
+                "torch.distributed.tensor.distribute_tensor(t, y.device_mesh, y.placements) (same t on "
+                "every rank), or DTensor.from_local(local_t, mesh, placements) for a sharded one."
+            )
+    return touts
+
+
+def _forward_on_dtensors(functional: bool) -> UnsupportedOperationError:
+    mode = "torch.func.jvp" if functional else "torch.autograd.forward_ad"
+    return UnsupportedOperationError(
+        f"Forward mode ({mode}) does not run on DTensors in torch {torch.__version__}: torch has no sharding "
+        "rule for the operators that make dual tensors. For a jvp of a sharded f use "
+        "di.jvp(f, di.AutoFiniteDifferences(), x, t) with a DTensor tangent (one collective difference "
+        "along t) or a vjp; for an hvp use AutoTorch(mode='autograd') (reverse over reverse)."
+    )
+
+
+def _dense_of_dtensors(what: str) -> UnsupportedOperationError:
+    return UnsupportedOperationError(
+        f"{what} with respect to a DTensor x is a dense matrix built one row or entry at a time, which "
+        "torch cannot do on sharded tensors without gathering them (and which would be as large as the "
+        "model squared). Use products, which stay sharded: di.vjp (a row), di.hvp with "
+        "AutoTorch(mode='autograd') (a Hessian column), di.gradient."
+    )
 
 
 def _stacked(entries: list[Any], like: Any) -> Any:
@@ -676,12 +771,31 @@ def _module_states(static: Any, cache_static: tuple[bool, ...]) -> list[tuple[st
     for value, cache in zip(static.leaves, cache_static, strict=False):
         if cache or not isinstance(value, torch.nn.Module):
             continue
+        _refuse_fully_sharded(value)
         for name, tensor in value.named_buffers():
             states.append((f"buffer {name!r}", tensor, tensor._version, tensor.detach().clone()))
         for name, tensor in value.named_parameters():
             copy = None if tensor.requires_grad else tensor.detach().clone()
             states.append((f"parameter {name!r}", tensor, tensor._version, copy))
     return states or None
+
+
+def _refuse_fully_sharded(module: Any) -> None:
+    """Refuse a module sharded by FSDP2's ``fully_shard``: its forward hooks gather its own
+    parameters and put them in place of those ``torch.func.functional_call`` passes, so f would
+    not depend on x and its gradient would read zero."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    kind = getattr(fsdp, "FSDPModule", None)
+    if kind is None or not any(isinstance(m, kind) for m in module.modules()):
+        return
+    raise UnsupportedOperationError(
+        "A di.Constant holds a module sharded by FSDP2 (fully_shard): its forward hooks gather its own "
+        "parameters and use them in place of any passed by torch.func.functional_call, so the gradient "
+        "with respect to x would read zero. Differentiate an unwrapped copy of the module whose parameters "
+        "are DTensors (torch.distributed.tensor.distribute_module or distribute_tensor on each parameter), "
+        "with x = its parameters and f calling torch.func.functional_call; or train the FSDP2 module with "
+        "its own loss.backward()."
+    )
 
 
 def _mutation(

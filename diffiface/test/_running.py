@@ -621,20 +621,25 @@ def check_gradients(
     scenario = Scenario("f", f, x, operator, tuple(contexts), reference=None, has_aux=has_aux)
     outside = Row("(reference)", "f", "gradient", "passed")
     wide = any(_arrays.dtype_name(leaf) == "float64" for leaf in _tree.leaves(x))
+    sharded = _sharded(x)  # DTensors: checked along random directions, collectively, nothing gathered
     with _warnings_apart(outside), _float64_scope() if wide else contextlib.nullcontext():
-        problem = _determinism_problem(scenario)
+        problem = _sharded_determinism_problem(scenario) if sharded else _determinism_problem(scenario)
         if problem:
             raise AssertionError(problem)
         value = f(x, *scenario.context_values)
         value = value[0] if has_aux else value
     size = sum(int(np.prod(_arrays.shape(leaf))) for leaf in _tree.leaves(x))
-    noise = _difference_noise(value, size)
-    k = projections if projections is not None else (8 if size > _PROJECTION_THRESHOLD else 0)
+    noise = _difference_noise(_sharded_scalar(value) if sharded else value, size)
+    k = projections if projections is not None else (8 if size > _PROJECTION_THRESHOLD or sharded else 0)
     rng = np.random.default_rng(seed)
-    directions = [_random_direction(x, rng) for _ in range(k)]
+    directions = [_sharded_direction(x, seed, i) if sharded else _random_direction(x, rng) for i in range(k)]
+    projected: dict[str, np.ndarray] = {}
     estimate: float | None = None
     with _warnings_apart(outside):
-        if k:
+        if k and sharded:
+            truth = _sharded_projected_truth(f, x, contexts, directions, has_aux)
+            truth_label = "central differences along random directions (float64, collective)"
+        elif k:
             truth = _projected_truth(f, x, contexts, directions, has_aux)
             truth_label = "central differences along random directions (float64)"
         else:
@@ -656,7 +661,8 @@ def check_gradients(
         if not available(backend):
             row.status, row.message = "skipped", f"not installed: {install_hint(backend)}"
             continue
-        taken = snapshot((x, [c for c in contexts if isinstance(c, di.Constant)]))
+        constants = [c for c in contexts if isinstance(c, di.Constant)]
+        taken = snapshot(_local_views((x, [c.value for c in constants])) if sharded else (x, constants))
         start = time.perf_counter()
         with _warnings_apart(row):
             try:
@@ -670,7 +676,8 @@ def check_gradients(
                     raise AssertionError(f"the call mutated {', '.join(changed[:4])}")
                 gradients[label] = gradient
                 if k:
-                    got = np.array([_dot(gradient, u) for u in directions])
+                    dot = _sharded_dot if sharded else _dot
+                    got = projected[label] = np.array([dot(gradient, u) for u in directions])
                     _close_projections(got, truth, rtol, atol, noise, row)
                 else:
                     tolerance = _with_noise(atol, x, noise if _is_difference(truth_label) else 0.0)
@@ -691,7 +698,10 @@ def check_gradients(
             row = Row(f"{a} vs {b}", "f", "gradient", "passed", reference=b)
             report.rows.append(row)
             try:
-                assert_allclose(gradients[a], _like(gradients[b], gradients[a]), rtol, atol, check_dtype=False)
+                if sharded:  # their projections: nothing but scalars leaves a rank
+                    _close_projections(projected[a], projected[b], rtol, atol, 0.0, row)
+                else:
+                    assert_allclose(gradients[a], _like(gradients[b], gradients[a]), rtol, atol, check_dtype=False)
             except AssertionError as exc:
                 row.status, row.message = "failed", str(exc)
                 disagreements.update((a, b))
@@ -861,6 +871,115 @@ def _close_projections(
             f"projection {i}: u . grad f = {got[i]:.8g}, finite differences give {truth[i]:.8g} "
             f"(abs error {err[i]:.3g}, rtol {rtol:g}, atol {atol:g})"
         )
+
+
+# -- DTensors (torch.distributed.tensor): every rank runs check_gradients; scalars are all it shares --
+
+
+def _dtensor_class() -> Any:
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+
+
+def _sharded(x: Any) -> bool:
+    """Whether a leaf of ``x`` is a DTensor."""
+    kind = _dtensor_class()
+    return kind is not None and any(isinstance(leaf, kind) for leaf in _tree.leaves(x))
+
+
+def _sharded_scalar(value: Any) -> float:
+    """A scalar as a float, the same on every rank: a DTensor's (partial or replicated) by one
+    scalar all-reduce."""
+    if isinstance(value, _dtensor_class()):
+        if value.numel() != 1:
+            raise AssertionError(f"f must return a scalar; it returned a DTensor of shape {tuple(value.shape)}")
+        replicate = sys.modules["torch.distributed.tensor"].Replicate()
+        value = value.redistribute(value.device_mesh, [replicate] * value.device_mesh.ndim).to_local()
+    return float(np.asarray(_arrays.to_numpy(value), dtype=np.float64))
+
+
+def _local_views(tree: Any) -> Any:
+    """DTensor leaves as this rank's slices (views: a write into x shows), for the snapshot."""
+    kind = _dtensor_class()
+    return _tree.map(lambda leaf: leaf.to_local() if isinstance(leaf, kind) else leaf, tree)
+
+
+def _sharded_determinism_problem(scenario: Scenario) -> str | None:
+    first, second = _sharded_scalar(_value(scenario)), _sharded_scalar(_value(scenario))
+    if first == second or (np.isnan(first) and np.isnan(second)):
+        return None
+    return (
+        "f is not deterministic: two calls with the same input gave different values, so it probably draws "
+        "from a global random generator. Pass a seeded generator as a di.Constant and draw from it explicitly."
+    )
+
+
+def _sharded_direction(x: Any, seed: int, index: int) -> list[Any]:
+    """A random unit direction with x's structure: float64 DTensors on each leaf's mesh with its
+    placements (partial ones drawn replicated), plain tensors for plain leaves. Each rank draws
+    only its own slice, from a generator seeded by ``seed``, the direction's index, the leaf and
+    the rank's coordinates along the sharded mesh dimensions: ranks holding the same slice draw
+    the same numbers, on every run."""
+    torch = sys.modules["torch"]
+    tensor_module = sys.modules["torch.distributed.tensor"]
+    kind = _dtensor_class()
+    parts = []
+    for i, leaf in enumerate(_tree.leaves(x)):
+        if not isinstance(leaf, kind):
+            key = [seed, index, i]
+            generator = torch.Generator().manual_seed(int(np.random.SeedSequence(key).generate_state(1)[0]))
+            parts.append(torch.randn(tuple(leaf.shape), generator=generator, dtype=torch.float64).to(leaf.device))
+            continue
+        mesh, placements = leaf.device_mesh, leaf.placements
+        coordinate = mesh.get_coordinate() or []
+        sharded = [c for c, p in zip(coordinate, placements, strict=True) if p.is_shard()]
+        key = [seed, index, i, *sharded]
+        generator = torch.Generator().manual_seed(int(np.random.SeedSequence(key).generate_state(1)[0]))
+        local = torch.randn(tuple(leaf.to_local().shape), generator=generator, dtype=torch.float64)
+        placed = [tensor_module.Replicate() if p.is_partial() else p for p in placements]
+        parts.append(
+            kind.from_local(
+                local.to(leaf.device), mesh, placed, run_check=False, shape=leaf.shape, stride=leaf.stride()
+            )
+        )
+    norm = float(np.sqrt(sum(_sharded_scalar((p * p).sum()) for p in parts))) or 1.0
+    return [p / norm for p in parts]
+
+
+def _sharded_dot(gradient: Any, direction: list[Any]) -> float:
+    """``u . grad`` in float64, per leaf a local product and one scalar all-reduce."""
+    leaves = _tree.leaves(gradient)
+    return sum(
+        (_sharded_scalar((g.double() * u).sum()) for g, u in zip(leaves, direction, strict=True)),
+        0.0,
+    )
+
+
+def _sharded_projected_truth(
+    f: Callable[..., Any],
+    x: Any,
+    contexts: tuple[Any, ...],
+    directions: list[list[Any]],
+    has_aux: bool = False,
+) -> np.ndarray:
+    """:func:`_projected_truth` on DTensors: the points ``x + t u`` are DTensor arithmetic, on
+    each rank's slices; f's values and the largest ``|x_i|`` are the only numbers shared."""
+    from .._adapters.finite_differences import _largest
+
+    leaves, spec = _tree.flatten(promote(x))
+    values = tuple(c.value for c in promote_contexts(tuple(contexts)))
+    scale = max([1.0, *(_largest(leaf) for leaf in leaves)])
+    h = float(np.finfo(np.float64).eps ** (1 / 5)) * scale
+
+    def along(direction: list[Any], t: float) -> float:
+        moved = [leaf.double() + t * u for leaf, u in zip(leaves, direction, strict=True)]
+        out = f(optree.tree_unflatten(spec, moved), *values)
+        return _sharded_scalar(out[0] if has_aux else out)
+
+    def central(u: list[Any], step: float) -> float:
+        return (along(u, step) - along(u, -step)) / (2 * step)
+
+    with _no_grad():
+        return np.array([(4 * central(u, h / 2) - central(u, h)) / 3 for u in directions])
 
 
 def _no_grad() -> Any:
