@@ -313,17 +313,29 @@ def run_hessian_modes(names, rounds, n=50):
     return rows
 
 
+def pair_cost(a, b):
+    m = ns(a)
+    return m.sum(m.tanh(a) * b) + m.sum(a * a)
+
+
+def pair_loss(ab):
+    return pair_cost(*ab)
+
+
 def run_pymanopt(rounds, n=100):
-    """The closest Python peer: pymanopt's autodiff backends, same gradient and hvp, numpy in/out."""
+    """The closest Python peer: pymanopt's autodiff backends, same gradient and hvp, numpy in/out,
+    on a flat point and on a point of two arrays (pymanopt's product manifold, a tuple here)."""
     try:
         import pymanopt
-        from pymanopt.manifolds import Euclidean
+        from pymanopt.manifolds import Euclidean, Product
     except ImportError:
         return [{"note": "pymanopt is not installed: pip install pymanopt (a benchmark-only dependency)"}]
     rows = []
     rng = np.random.default_rng(6)
     x, v = rng.normal(size=n), rng.normal(size=n)
-    manifold = Euclidean(n)
+    half = n // 2
+    pair = (rng.normal(size=half), rng.normal(size=half))
+    pair_v = (rng.normal(size=half), rng.normal(size=half))
     decorators = {
         "autograd": pymanopt.function.autograd,
         "torch": pymanopt.function.pytorch,
@@ -332,20 +344,37 @@ def run_pymanopt(rounds, n=100):
     for name, decorate in decorators.items():
         if not di.available(name):
             continue
-        cost = decorate(manifold)(tiny)
-        gradient, hvp = cost.get_gradient_operator(), cost.get_hessian_operator()
         b = backend(name)
-        prep_g = di.prepare_gradient(tiny, b, x)
-        prep_h = di.prepare_hvp(tiny, b, x, v)
-        for op, theirs, ours in (
-            ("gradient", functools.partial(gradient, x), functools.partial(di.gradient, tiny, b, x, prep=prep_g)),
-            ("hvp", functools.partial(hvp, x, v), functools.partial(di.hvp, tiny, b, x, v, prep=prep_h)),
+        for point, f_ours, f_theirs, manifold, at, along in (
+            ("flat", tiny, tiny, Euclidean(n), x, v),
+            ("tuple", pair_loss, pair_cost, Product([Euclidean(half), Euclidean(half)]), pair, pair_v),
         ):
-            assert np.allclose(np.asarray(theirs()), ours(), rtol=1e-5, atol=1e-8), (name, op)
-            us, _, pm, ratio = time_pair(ours, theirs, rounds)  # interleaved rounds: load weighs on both alike
-            rows.append(
-                {"backend": name, "operator": op, "n": n, "pymanopt_s": pm, "diffiface_s": us, "speedup": 1 / ratio}
-            )
+            cost = decorate(manifold)(f_theirs)
+            gradient, hvp = cost.get_gradient_operator(), cost.get_hessian_operator()
+            prep_g = di.prepare_gradient(f_ours, b, at)
+            prep_h = di.prepare_hvp(f_ours, b, at, along)
+            args = (*at, *along) if point == "tuple" else (at, along)
+            for op, theirs, ours in (
+                (
+                    "gradient",
+                    functools.partial(gradient, *(at if point == "tuple" else (at,))),
+                    functools.partial(di.gradient, f_ours, b, at, prep=prep_g),
+                ),
+                ("hvp", functools.partial(hvp, *args), functools.partial(di.hvp, f_ours, b, at, along, prep=prep_h)),
+            ):
+                assert same_values(ours(), tuple(theirs()) if point == "tuple" else theirs(), 1e-5, 1e-8), (name, op)
+                us, _, pm, ratio = time_pair(ours, theirs, rounds)  # interleaved rounds: load weighs on both alike
+                rows.append(
+                    {
+                        "backend": name,
+                        "operator": op,
+                        "point": point,
+                        "n": n,
+                        "pymanopt_s": pm,
+                        "diffiface_s": us,
+                        "speedup": 1 / ratio,
+                    }
+                )
     return rows
 
 
@@ -1044,6 +1073,7 @@ def main():
         "write shapes.json/md/png, stop",
     )
     parser.add_argument("--overhead-only", action="store_true", help="print the overhead rows as JSON, and stop")
+    parser.add_argument("--pymanopt-only", action="store_true", help="print the rows against pymanopt, and stop")
     parser.add_argument(
         "--main-job",
         choices=("quick", "full"),
@@ -1096,6 +1126,10 @@ def main():
         meta["load_average_after"] = [round(v, 2) for v in os.getloadavg()]
         meta["wall_s"] = round(time.perf_counter() - start, 1)
         print(write_shapes(rows, meta))
+        return
+    if args.pymanopt_only:
+        rows = run_pymanopt(rounds)
+        print(table(rows, list(rows[0])))
         return
     if args.overhead_only:
         with contextlib.redirect_stdout(sys.stderr):

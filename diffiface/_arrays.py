@@ -6,6 +6,7 @@ once torch has been imported, so a framework that is not imported needs no check
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from typing import Any, Literal
@@ -82,8 +83,17 @@ def dtype_name(leaf: Any) -> str:
     dtype = getattr(leaf, "dtype", None)
     if dtype is None:
         return type(leaf).__name__
-    name = str(dtype)
-    return name[6:] if name.startswith("torch.") else name
+    try:
+        return _DTYPE_NAMES[dtype]  # (str() of a dtype costs more than the rest of a quick call's checks)
+    except (KeyError, TypeError):
+        name = str(dtype)
+        name = name[6:] if name.startswith("torch.") else name
+        with contextlib.suppress(TypeError):  # an unhashable dtype of some other library: not kept
+            _DTYPE_NAMES[dtype] = name
+        return name
+
+
+_DTYPE_NAMES: dict[Any, str] = {}
 
 
 def shape(leaf: Any) -> tuple[int, ...]:
