@@ -525,6 +525,10 @@ def _dict_out(params, batch):
     return z @ params["layer2"]["w"] + params["layer2"]["b"]
 
 
+def dict_head(params, batch):
+    return _head4(_dict_out(params, batch))
+
+
 def dict_loss(params, batch):
     r = _dict_out(params, batch) - batch["y"]
     return ns(r).mean(r * r)
@@ -548,12 +552,15 @@ def small_tuple_map(ab, cd):
     return m.tanh(ab[0] * cd[0]) * ab[1] + cd[1]
 
 
-def small_dict_loss(params, batch):
+def small_dict_map(params, batch):
     m = ns(params["layer1"]["w"])
     z = m.tanh(params["layer1"]["w"] * batch["x"] + m.sum(params["layer1"]["b"]))
-    out = m.sum(params["layer2"]["w"] * z) * params["layer2"]["b"]
-    r = out - batch["y"]
-    return m.sum(r * r)
+    return m.sum(params["layer2"]["w"] * z) * params["layer2"]["b"]
+
+
+def small_dict_loss(params, batch):
+    r = small_dict_map(params, batch) - batch["y"]
+    return ns(r).sum(r * r)
 
 
 def shape_cases(name, rng):
@@ -608,10 +615,10 @@ def shape_cases(name, rng):
             "shape": "dict",
             "size": "mlp",
             "loss": dict_loss,
-            "head": None,
+            "head": dict_head,
             "x": params,
             "ctx": (batch,),
-            "ops": ("gradient",),
+            "ops": OPS_ALL,
         }
     )
     if fw == "jax":
@@ -634,15 +641,18 @@ def shape_cases(name, rng):
                 r = net.apply({"params": p}, b["x"]) - b["y"]
                 return jax.numpy.mean(r * r)
 
+            def flax_head(p, b):
+                return _head4(net.apply({"params": p}, b["x"]))
+
             cases.append(
                 {
                     "shape": "flax",
                     "size": "mlp",
                     "loss": flax_loss,
-                    "head": None,
+                    "head": flax_head,
                     "x": flax_params,
                     "ctx": (batch,),
-                    "ops": ("gradient",),
+                    "ops": OPS_ALL,
                 }
             )
     if fw == "torch":
@@ -656,15 +666,18 @@ def shape_cases(name, rng):
             r = torch.func.functional_call(module, p, (b["x"],)) - b["y"]
             return torch.mean(r * r)
 
+        def module_head(p, b):
+            return _head4(torch.func.functional_call(module, p, (b["x"],)))
+
         cases.append(
             {
                 "shape": "torch-module",
                 "size": "mlp",
                 "loss": module_loss,
-                "head": None,
+                "head": module_head,
                 "x": named,
                 "ctx": (batch,),
-                "ops": ("gradient",),
+                "ops": OPS_ALL,
             }
         )
     c10 = normal(10)
@@ -697,10 +710,10 @@ def shape_cases(name, rng):
             "shape": "dict",
             "size": "10-input",
             "loss": small_dict_loss,
-            "head": None,
+            "head": small_dict_map,
             "x": small_params,
             "ctx": ({"x": normal(3), "y": normal(2)},),
-            "ops": ("gradient",),
+            "ops": ops10,
         }
     )
     for case in cases:
