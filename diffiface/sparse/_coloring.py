@@ -10,6 +10,7 @@ coloring costs a few Python operations per nonzero (see the design notes for the
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +45,7 @@ class Coloring:
         The number of colors: the number of products the compression takes.
     seeds
         ``n x count`` (column, star) or ``m x count`` (row) float64 matrix of zeros and ones:
-        column ``k`` is the sum of the unit vectors of color ``k``.
+        column ``k`` is the sum of the unit vectors of color ``k``. Made on first use and kept.
     index
         int64, one entry per nonzero of ``pattern`` in its CSR data order:
         ``compressed.reshape(-1)[index]`` is the CSR data of the matrix, where ``compressed``
@@ -66,8 +67,13 @@ class Coloring:
     mode: str
     colors: np.ndarray
     count: int
-    seeds: np.ndarray
     index: np.ndarray
+
+    @functools.cached_property
+    def seeds(self) -> np.ndarray:
+        seeds = np.zeros((self.colors.shape[0], self.count))
+        seeds[np.arange(self.colors.shape[0]), self.colors] = 1.0
+        return seeds
 
     def decompress(self, compressed: Any) -> csr_array:
         """The matrix, as a ``scipy.sparse.csr_array``, from a numpy ``compressed`` product."""
@@ -234,17 +240,11 @@ def _row_index(pattern: csr_array, colors: np.ndarray) -> np.ndarray:
     return colors[rows] * pattern.shape[1] + pattern.indices  # type: ignore[no-any-return]
 
 
-def _seeds(colors: np.ndarray, count: int) -> np.ndarray:
-    seeds = np.zeros((colors.shape[0], count))
-    seeds[np.arange(colors.shape[0]), colors] = 1.0
-    return seeds
-
-
 def _make(pattern: csr_array, mode: str, colors: np.ndarray, index: np.ndarray | None = None) -> Coloring:
     count = int(colors.max()) + 1 if colors.size else 0
     if index is None:
         index = _column_index(pattern, colors, count) if mode == "column" else _row_index(pattern, colors)
-    return Coloring(pattern, mode, colors, count, _seeds(colors, count), index.astype(np.int64, copy=False))
+    return Coloring(pattern, mode, colors, count, index.astype(np.int64, copy=False))
 
 
 def color_jacobian(pattern: Any, mode: str = "auto", order: str = "natural") -> Coloring:
