@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _arrays, tree
-from .._errors import BackendUnavailableError, InvalidOutputError, UnsupportedOperationError
+from .._errors import BackendUnavailableError, DiffifaceError, InvalidOutputError, UnsupportedOperationError
 
 if TYPE_CHECKING:
     from scipy.sparse import csr_array
@@ -94,6 +94,8 @@ def _trace(fun: Callable[..., Any], x: Any, values: list[Any]) -> tuple[Any, int
     try:
         with _x64(True):
             closed = jax.make_jaxpr(run)(*structs, *context_structs)
+    except DiffifaceError:
+        raise
     except Exception as error:
         raise UnsupportedOperationError(
             f"GlobalDetector could not trace f with jax ({type(error).__name__}: {_first_line(error)}). It reads "
@@ -193,9 +195,7 @@ def hessian_pattern(f: Callable[..., Any], x: Any, values: list[Any]) -> csr_arr
 
     try:
         closed, k = _trace(grad, x, values)
-    except UnsupportedOperationError as error:
-        if isinstance(error.__cause__, InvalidOutputError):
-            raise error.__cause__ from None
+    except UnsupportedOperationError:
         # jax could trace f but not its gradient (a while loop with a traced bound): every pair
         # of inputs f depends on may interact.
         first = jacobian_pattern(scalar, x, values)
@@ -347,19 +347,23 @@ def _evaluate(eqn: Any, values: list[Any]) -> list[Any]:
 
 
 def _eqn_function(eqn: Any) -> tuple[Callable[..., Any], list[int]]:
-    """``eqn`` as a function of its variable operands (in the order given by the indices)."""
-    import jax.extend.core as jc
-
-    invars: list[Any] = []
-    order: list[int] = []
+    """``eqn`` as a function of its variable operands (each once, at the operand indices given),
+    bound as jax's own evaluator binds it."""
+    literals = {i: v.val for i, v in enumerate(eqn.invars) if type(v).__name__ == "Literal"}
+    first: dict[Any, int] = {}
     for i, v in enumerate(eqn.invars):
-        if type(v).__name__ != "Literal" and v not in invars:
-            invars.append(v)
-            order.append(i)
-    outvars = [v if type(v).__name__ != "DropVar" else jc.Var(v.aval) for v in eqn.outvars]
-    new_eqn = eqn.replace(outvars=outvars)
-    jaxpr = jc.Jaxpr([], invars, outvars, [new_eqn], eqn.effects)
-    return jc.jaxpr_as_fun(jc.ClosedJaxpr(jaxpr, [])), order
+        if i not in literals and v not in first:
+            first[v] = i
+    order = list(first.values())
+    params = eqn.primitive.get_bind_params(eqn.params)
+
+    def fun(*args: Any) -> list[Any]:
+        given = dict(zip(order, args, strict=True))
+        operands = [literals[i] if i in literals else given[first[v]] for i, v in enumerate(eqn.invars)]
+        out = eqn.primitive.bind(*operands, **params)
+        return list(out) if eqn.primitive.multiple_results else [out]
+
+    return fun, order
 
 
 def _call(eqn: Any, args: list[Any]) -> list[Any]:
