@@ -51,7 +51,7 @@ def dense_jacobian(f: Callable[..., Any], x: np.ndarray) -> np.ndarray:
 
 def dense_hessian(f: Callable[..., Any], x: np.ndarray) -> np.ndarray:
     with jax.enable_x64(True):
-        return np.asarray(jax.jacfwd(jax.jacfwd(f))(jnp.asarray(x))).reshape(x.size, x.size)
+        return np.asarray(jax.jit(jax.jacfwd(jax.jacfwd(f)))(jnp.asarray(x))).reshape(x.size, x.size)
 
 
 def band(n: int, b: int) -> np.ndarray:
