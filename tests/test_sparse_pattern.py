@@ -279,6 +279,19 @@ def _clip_gradient(x: Any) -> Any:
 _clip_gradient.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -1.0, 1.0),))
 
 
+@jax.custom_vjp
+def _mix(x: Any, y: Any) -> Any:
+    return x * y, x[::-1]
+
+
+def _mix_bwd(residuals: Any, g: Any) -> Any:  # the reverse rule adds a dependence the primal lacks
+    x, y = residuals
+    return g[0] * y + g[1][::-1], g[0] * x + jnp.roll(g[0], 1)
+
+
+_mix.defvjp(lambda x, y: (_mix(x, y), (x, y)), _mix_bwd)
+
+
 def _while(x: Any) -> Any:
     def body(state: Any) -> Any:
         i, y = state
@@ -318,6 +331,7 @@ CORPUS: dict[str, Callable[[Any], Any]] = {
     "relu-softplus": lambda x: jax.nn.relu(x - 1.0) + jax.nn.softplus(x[::-1]),
     "custom-jvp-rule": _odd_rule,
     "custom-vjp": lambda x: _clip_gradient(x) * x[0],
+    "custom-vjp-rule": lambda x: jnp.concatenate(_mix(x[:5], x[5:])),
     "convolve": lambda x: jnp.convolve(x, jnp.array([1.0, -2.0, 1.0]), mode="same"),
     "pad-interior": lambda x: jax.lax.pad(x, 0.0, ((1, -2, 1),)),
     "reshape-transpose": lambda x: (x.reshape(2, 5).T * jnp.arange(5.0)[:, None]).reshape(-1),
@@ -388,6 +402,11 @@ def test_global_patterns_are_exact_where_they_can_be() -> None:
     assert_same(
         sparse.jacobian_pattern(CORPUS["integer-ops"], x), np.eye(10, dtype=bool) | np.eye(10, dtype=bool)[[0] * 10]
     )
+    eye = np.eye(10, dtype=bool)
+    assert_same(sparse.jacobian_pattern(CORPUS["custom-vjp"], x), eye | eye[[0] * 10])
+    rule = sparse.jacobian_pattern(CORPUS["custom-vjp-rule"], x)
+    assert_same(rule, dense_jacobian(CORPUS["custom-vjp-rule"], x) != 0)
+    assert rule.toarray()[1, 5 + 2]  # from the reverse rule's roll alone: out[1] = x[1] * y[1]
 
 
 # --- inputs, contexts, pytrees, array API ------------------------------------------------------------------

@@ -67,7 +67,7 @@ def _abstract_values(values: list[Any]) -> tuple[list[Any], Callable[[list[Any]]
             new[i] = t
         import optree
 
-        return optree.tree_unflatten(spec, new)  # type: ignore[no-any-return]
+        return optree.tree_unflatten(spec, new)  # type: ignore[no-any-return,return-value]
 
     return structs, rebuild
 
@@ -877,6 +877,63 @@ def _custom_jvp(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) ->
     tangent_patterns = [ps[order[i]] for i in floats]
     primal_values = [vs[order[i]] for i in range(len(avals))]
     return it.run_closed(closed, primal_patterns + tangent_patterns, primal_values + [None] * len(floats))[0]
+
+
+@_rule("custom_vjp_call", "custom_vjp_call_jaxpr")
+def _custom_vjp(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
+    """The Jacobian of a function with a custom reverse rule is the one its rule gives: read from
+    jax.vjp's program, run on cotangents that each depend on one output number (so each operand's
+    cotangent tells which output numbers reach it: the transposed Jacobian)."""
+    import scipy.sparse as sp
+
+    jax = _jax()
+    fun, order = _eqn_function(eqn)
+    avals = [eqn.invars[i].aval for i in order]
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+    outs = [v.aval for v in eqn.outvars]
+    float_outs = [k for k, a in enumerate(outs) if _is_float(a)]
+    out_structs = [jax.ShapeDtypeStruct(outs[k].shape, outs[k].dtype) for k in float_outs]
+
+    def cotangents_in(*args: Any) -> Any:
+        primals, cts = args[: len(avals)], args[len(avals) :]
+        _, pull = jax.vjp(fun, *primals)
+        full = [np.zeros(a.shape, dtype=jax.dtypes.float0) for a in outs]
+        for k, ct in zip(float_outs, cts, strict=True):
+            full[k] = ct
+        return pull(full)
+
+    try:
+        closed = jax.make_jaxpr(cotangents_in)(*structs, *out_structs)
+    except Exception as error:
+        raise _Unknown from error
+    sizes = [_size(outs[k]) for k in float_outs]
+    m = sum(sizes)
+    identity = []
+    start = 0
+    for size in sizes:
+        identity.append(
+            sp.csr_array(
+                (np.ones(size, dtype=bool), np.arange(start, start + size), np.arange(size + 1)), shape=(size, m)
+            )
+        )
+        start += size
+    local = _Interpreter(m)
+    transposed = local.run_closed(closed, [None] * len(avals) + identity, [vs[i] for i in order] + [None] * len(sizes))[
+        0
+    ]
+    rows = None
+    for k, t in enumerate(transposed):
+        p = ps[order[k]]
+        if t is None or p is None:
+            continue
+        piece = _canonical(t.T.tocsr().astype(bool) @ p)
+        rows = piece if rows is None else rows + piece
+    results: list[Pattern] = [None] * len(outs)
+    start = 0
+    for k, size in zip(float_outs, sizes, strict=True):
+        results[k] = None if rows is None else _canonical(rows[start : start + size])
+        start += size
+    return results
 
 
 @_rule("cond")
