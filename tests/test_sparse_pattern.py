@@ -454,6 +454,8 @@ def test_array_api_function_and_dtypes() -> None:
     expected = np.vstack([expected, np.ones((1, 5), dtype=bool)])
     assert_same(sparse.jacobian_pattern(f, point(5)), expected)
     assert_same(sparse.jacobian_pattern(f, point(5).astype(np.float32)), expected)
+    for dtype in (jnp.bfloat16, jnp.float16):  # numpy does not count bfloat16 as floating
+        assert_same(sparse.jacobian_pattern(f, jnp.asarray(point(5), dtype=dtype)), expected)
     assert_same(sparse.jacobian_pattern(lambda x: jnp.sin(x), 1.5), np.ones((1, 1), dtype=bool))
 
 

@@ -45,11 +45,16 @@ def _jax() -> Any:
 # --- tracing ---------------------------------------------------------------------------------------
 
 
+def _dtype(leaf: Any) -> Any:
+    """A leaf's dtype as jax names it (bfloat16 included); a Python number is float64."""
+    return _jax().numpy.dtype(_arrays.dtype_name(leaf))
+
+
 def _abstract(x: Any) -> tuple[list[Any], Any, bool]:
     jax = _jax()
     leaves, spec = tree.flatten(x)
     wide = any(_arrays.dtype_name(leaf) == "float64" for leaf in leaves)
-    structs = [jax.ShapeDtypeStruct(_arrays.shape(leaf), np.dtype(_arrays.dtype_name(leaf))) for leaf in leaves]
+    structs = [jax.ShapeDtypeStruct(_arrays.shape(leaf), _dtype(leaf)) for leaf in leaves]
     return structs, spec, wide
 
 
@@ -59,7 +64,7 @@ def _abstract_values(values: list[Any]) -> tuple[list[Any], Callable[[list[Any]]
     jax = _jax()
     leaves, spec = tree.flatten(values)
     where = [i for i, leaf in enumerate(leaves) if _arrays.kind(leaf) in ("numpy", "jax", "torch")]
-    structs = [jax.ShapeDtypeStruct(_arrays.shape(leaves[i]), np.dtype(_arrays.dtype_name(leaves[i]))) for i in where]
+    structs = [jax.ShapeDtypeStruct(_arrays.shape(leaves[i]), _dtype(leaves[i])) for i in where]
 
     def rebuild(traced: list[Any]) -> list[Any]:
         new = list(leaves)
@@ -122,8 +127,10 @@ def _size(aval: Any) -> int:
 
 
 def _is_float(aval: Any) -> bool:
+    """Whether values of this type carry derivatives (floating or complex; bfloat16 included,
+    which numpy alone does not count as inexact; float0, integers and booleans do not)."""
     dtype = getattr(aval, "dtype", None)
-    return dtype is not None and np.issubdtype(np.dtype(dtype), np.inexact)
+    return dtype is not None and bool(_jax().numpy.issubdtype(dtype, np.inexact))
 
 
 def _inputs(closed: Any, k: int) -> tuple[list[Pattern], int]:
