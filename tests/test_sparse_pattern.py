@@ -381,6 +381,25 @@ def test_global_hessian_is_conservative(name: str) -> None:
         assert not (nonzero & ~pattern).any(), f"missed {np.argwhere(nonzero & ~pattern)[:5].tolist()}"
 
 
+ZOO = ("dense_tanh", "conv_maxpool", "maxout", "conv_transpose", "layer_norm", "embedding", "dropout")
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_global_hessian_holds_on_the_layer_zoo(name: str) -> None:
+    """The zoo's layers (array API, with Constant configs, data and states): the global pattern
+    holds every nonzero of jax's dense Hessian at a point near the parameters."""
+    from diffiface.test import layer_scenarios
+
+    (scenario,) = [s for s in layer_scenarios(("float64",)) if s.name == f"{name}-float64"]
+    found = sparse.hessian_pattern(scenario.f, scenario.x, *scenario.contexts)
+    local = sparse.hessian_pattern(
+        scenario.f, scenario.x, *scenario.contexts, detector=sparse.LocalDetector(points=1), backend="jax"
+    )
+    assert (local > found).nnz == 0
+    if name != "embedding":  # its indices are data (a Constant): unknown when tracing, so dense
+        assert found.nnz < found.shape[0] ** 2
+
+
 def test_global_patterns_are_exact_where_they_can_be() -> None:
     """Known zeros stay zeros: what makes a pattern worth having."""
     x = point(10)

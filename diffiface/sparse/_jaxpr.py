@@ -404,6 +404,7 @@ def _positions(shape: tuple[int, ...], offset: int = 0) -> np.ndarray:
 
 _ELEMENTWISE = [
     "add_any",
+    "complex",
     "abs",
     "acos",
     "acosh",
@@ -470,7 +471,7 @@ _ELEMENTWISE = [
 ]
 
 
-@_rule("optimization_barrier", "device_put")
+@_rule("optimization_barrier", "device_put", "sharding_constraint", "mesh_cast", "reshard", "pvary")
 def _identity(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
     return list(ps)
 
