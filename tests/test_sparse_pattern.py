@@ -308,6 +308,27 @@ def _scan(x: Any) -> Any:
     return jnp.concatenate([last[None], ys])
 
 
+_KERNEL = np.random.default_rng(3).uniform(0.5, 1.5, (3, 3, 2, 6))
+_KERNEL[:, :, 1, 2] = 0.0  # known zeros of a constant kernel are structural
+_KERNEL[0, 0] = 0.0
+
+
+def _conv_groups(x: Any) -> Any:
+    image = jnp.concatenate([x, x[::-1], x**2])[:30].reshape(1, 3, 5, 2)
+    image = jnp.concatenate([image, image], axis=3)
+    return jax.lax.conv_general_dilated(
+        image, _KERNEL, (2, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=2
+    ).reshape(-1)
+
+
+def _conv_both(x: Any) -> Any:
+    image = jnp.tile(x, 3)[:28].reshape(1, 1, 7, 4)
+    kernel = x[:8].reshape(2, 1, 2, 2) ** 2
+    return jax.lax.conv_general_dilated(
+        image, kernel, (1, 2), ((2, 0), (1, 1)), lhs_dilation=(2, 1), rhs_dilation=(1, 2)
+    ).reshape(-1)
+
+
 CORPUS: dict[str, Callable[[Any], Any]] = {
     "where": lambda x: jnp.where(x > 1.0, x**2, -x[::-1]),
     "cond": lambda x: jax.lax.cond(x[0] > 1.0, lambda y: y * 2.0, lambda y: jnp.roll(y, 2), x),
@@ -333,8 +354,11 @@ CORPUS: dict[str, Callable[[Any], Any]] = {
     "custom-vjp": lambda x: _clip_gradient(x) * x[0],
     "custom-vjp-rule": lambda x: jnp.concatenate(_mix(x[:5], x[5:])),
     "convolve": lambda x: jnp.convolve(x, jnp.array([1.0, -2.0, 1.0]), mode="same"),
+    "conv-groups-strides": _conv_groups,
+    "conv-dilations-both-inputs": _conv_both,
     "pad-interior": lambda x: jax.lax.pad(x, 0.0, ((1, -2, 1),)),
     "reshape-transpose": lambda x: (x.reshape(2, 5).T * jnp.arange(5.0)[:, None]).reshape(-1),
+    "tile-repeat": lambda x: jnp.tile(x[:4], 2) * jnp.repeat(x[4:8], 2),
     "split-concatenate": lambda x: jnp.concatenate(jnp.split(x, 2)[::-1]) * jnp.floor(x),
     "integer-ops": lambda x: x * (x > 1.0).astype(x.dtype) + jnp.round(x) * x[0],
     "clip-select": lambda x: jnp.select([x < 0.8, x > 1.2], [x, x**2], jnp.sin(x)),
@@ -423,6 +447,9 @@ def test_global_patterns_are_exact_where_they_can_be() -> None:
     )
     eye = np.eye(10, dtype=bool)
     assert_same(sparse.jacobian_pattern(CORPUS["custom-vjp"], x), eye | eye[[0] * 10])
+    assert_same(sparse.jacobian_pattern(CORPUS["convolve"], x), band(10, 1))
+    for name in ("conv-groups-strides", "conv-dilations-both-inputs"):
+        assert_same(sparse.jacobian_pattern(CORPUS[name], x), dense_jacobian(CORPUS[name], x) != 0)
     rule = sparse.jacobian_pattern(CORPUS["custom-vjp-rule"], x)
     assert_same(rule, dense_jacobian(CORPUS["custom-vjp-rule"], x) != 0)
     assert rule.toarray()[1, 5 + 2]  # from the reverse rule's roll alone: out[1] = x[1] * y[1]

@@ -471,7 +471,16 @@ _ELEMENTWISE = [
 ]
 
 
-@_rule("optimization_barrier", "device_put", "sharding_constraint", "mesh_cast", "reshard", "pvary")
+@_rule(
+    "optimization_barrier",
+    "device_put",
+    "sharding_constraint",
+    "mesh_cast",
+    "reshard",
+    "pvary",
+    "layout_constraint",
+    "stop_gradient",
+)
 def _identity(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
     return list(ps)
 
@@ -621,9 +630,24 @@ _RULES["rev"] = _copy_rule(lambda eqn, pos, vs: np.flip(pos[0], tuple(eqn.params
 _RULES["slice"] = _copy_rule(_slice)
 _RULES["concatenate"] = _copy_rule(lambda eqn, pos, vs: np.concatenate(pos, axis=eqn.params["dimension"]))
 _RULES["pad"] = _copy_rule(_pad)
+_RULES["tile"] = _copy_rule(lambda eqn, pos, vs: np.tile(pos[0], eqn.params["reps"]))
+_RULES["stack"] = _copy_rule(lambda eqn, pos, vs: np.stack(pos, axis=eqn.params["axis"]))
 _RULES["dynamic_slice"] = _copy_rule(_dynamic_slice)
 _RULES["dynamic_update_slice"] = _copy_rule(_dynamic_update_slice)
 _RULES["_gather_jax"] = _copy_rule(_jax_copy)
+
+
+@_rule("unstack")
+def _unstack(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
+    pos = _positions(_shape(eqn.invars[0]))
+    axis = eqn.params["axis"]
+    size = _size(eqn.invars[0].aval)
+    return [it.pick([(ps[0], size)], np.take(pos, k, axis=axis)) for k in range(pos.shape[axis])]
+
+
+@_rule("zeros_like")
+def _zeros(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
+    return [None for _ in eqn.outvars]
 
 
 @_rule("split")
@@ -844,10 +868,97 @@ def _dot_general(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -
     return [it.union(pieces)]
 
 
+@_rule("conv_general_dilated")
+def _conv(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
+    """out[n, o, s] unites lhs[n, i, source(t, s)] over the taps ``t`` and input channels ``i``
+    of o's group where the kernel may be nonzero, and rhs[o, i, t] where that lhs element may be
+    nonzero. ``source(t, s)`` (strides, padding, dilations) is computed by jax itself: one
+    convolution of the spatial positions with one one-hot kernel per tap."""
+    import scipy.sparse as sp
+    from jax import lax
+
+    params = eqn.params
+    if params["batch_group_count"] != 1:
+        raise _Unknown
+    lhs_spec, rhs_spec, out_spec = params["dimension_numbers"]
+    lhs_var, rhs_var = eqn.invars
+    out_var = eqn.outvars[0]
+    # every array in canonical layout (batch/out, feature/in, spatial...), holding its flat index
+    lhs_at = (_positions(_shape(lhs_var)) - 1).transpose(lhs_spec)
+    rhs_at = (_positions(_shape(rhs_var)) - 1).transpose(rhs_spec)
+    out_at = (_positions(_shape(out_var)) - 1).transpose(out_spec)
+    batch, channels, *space = lhs_at.shape
+    outs, group_in, *kernel = rhs_at.shape
+    groups = params["feature_group_count"]
+    per_group_out = outs // groups
+    out_space = out_at.shape[2:]
+    taps = int(np.prod(kernel, dtype=np.int64))
+    rank = len(space)
+    canonical = lax.ConvDimensionNumbers(tuple(range(rank + 2)), tuple(range(rank + 2)), tuple(range(rank + 2)))
+    probe = np.arange(1, int(np.prod(space, dtype=np.int64)) + 1, dtype=np.float64).reshape(1, 1, *space)
+    one_hot = np.eye(taps, dtype=np.float64).reshape(taps, 1, *kernel)
+    source = lax.conv_general_dilated(
+        probe,
+        one_hot,
+        params["window_strides"],
+        params["padding"],
+        params["lhs_dilation"],
+        params["rhs_dilation"],
+        canonical,
+        precision=lax.Precision.HIGHEST,
+    )
+    source = np.rint(np.asarray(source)).astype(np.int64).reshape(taps, -1) - 1  # -1: padding, holes
+
+    def may(value: Any, pattern: Pattern, spec: Sequence[int]) -> np.ndarray | None:
+        if value is None or pattern is not None:
+            return None  # may be nonzero anywhere
+        return (np.asarray(value) != 0).transpose(spec)  # type: ignore[no-any-return]
+
+    rhs_may = may(vs[1], ps[1], rhs_spec)
+    lhs_may = may(vs[0], ps[0], lhs_spec)
+    rhs_may_flat = (
+        np.ones((outs, group_in, taps), dtype=bool) if rhs_may is None else rhs_may.reshape(outs, group_in, taps)
+    )
+    o, ig, t = np.nonzero(rhs_may_flat)
+    i = (o // per_group_out) * group_in + ig
+    so = np.arange(int(np.prod(out_space, dtype=np.int64)))
+    src = source[t][:, None, :] + 0 * so[None, None, :]  # (entries, 1, out positions)
+    n = np.arange(batch)[None, :, None]
+    valid = np.broadcast_to(src >= 0, (t.size, batch, so.size))
+    if lhs_may is not None:
+        lhs_may_flat = lhs_may.reshape(batch, channels, -1)
+        valid = valid & lhs_may_flat[n, i[:, None, None], np.maximum(src, 0)]
+    out_flat = out_at.reshape(batch, outs, -1)
+    lhs_flat = lhs_at.reshape(batch, channels, -1)
+    rhs_flat = rhs_at.reshape(outs, group_in, -1)
+    rows = np.broadcast_to(out_flat[n, o[:, None, None], so[None, None, :]], valid.shape)[valid]
+    pieces = []
+    out_size, lhs_size, rhs_size = _size(out_var.aval), _size(lhs_var.aval), _size(rhs_var.aval)
+    if ps[0] is not None:
+        source_valid = np.broadcast_to(src >= 0, valid.shape)
+        rows_l = np.broadcast_to(out_flat[n, o[:, None, None], so[None, None, :]], valid.shape)[source_valid]
+        cols_l = np.broadcast_to(lhs_flat[n, i[:, None, None], np.maximum(src, 0)], valid.shape)[source_valid]
+        pieces.append(
+            it.combine(
+                sp.csr_array((np.ones(rows_l.size, dtype=bool), (rows_l, cols_l)), shape=(out_size, lhs_size)), ps[0]
+            )
+        )
+    if ps[1] is not None:
+        cols_r = np.broadcast_to(rhs_flat[o, ig, t][:, None, None], valid.shape)[valid]
+        pieces.append(
+            it.combine(
+                sp.csr_array((np.ones(rows.size, dtype=bool), (rows, cols_r)), shape=(out_size, rhs_size)), ps[1]
+            )
+        )
+    return [it.union(pieces)]
+
+
 # control flow and calls ------------------------------------------------------------------------------
 
 
-@_rule("jit", "pjit", "closed_call", "core_call", "remat", "checkpoint", "custom_lin", "xla_call", "named_call")
+@_rule(
+    "jit", "pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint", "custom_lin", "xla_call", "named_call"
+)
 def _call_rule(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
     inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
     if inner is None:
