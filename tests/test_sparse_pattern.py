@@ -358,6 +358,12 @@ CORPUS: dict[str, Callable[[Any], Any]] = {
     "conv-dilations-both-inputs": _conv_both,
     "pad-interior": lambda x: jax.lax.pad(x, 0.0, ((1, -2, 1),)),
     "reshape-transpose": lambda x: (x.reshape(2, 5).T * jnp.arange(5.0)[:, None]).reshape(-1),
+    "pooling": lambda x: jnp.concatenate(
+        [
+            jax.lax.reduce_window(x.reshape(2, 5), 0.0, jax.lax.add, (2, 2), (1, 2), "SAME").reshape(-1),
+            jax.lax.reduce_window(x.reshape(5, 2) ** 2, -jnp.inf, jax.lax.max, (3, 1), (2, 1), "VALID").reshape(-1),
+        ]
+    ),
     "tile-repeat": lambda x: jnp.tile(x[:4], 2) * jnp.repeat(x[4:8], 2),
     "split-concatenate": lambda x: jnp.concatenate(jnp.split(x, 2)[::-1]) * jnp.floor(x),
     "integer-ops": lambda x: x * (x > 1.0).astype(x.dtype) + jnp.round(x) * x[0],
@@ -448,7 +454,9 @@ def test_global_patterns_are_exact_where_they_can_be() -> None:
     eye = np.eye(10, dtype=bool)
     assert_same(sparse.jacobian_pattern(CORPUS["custom-vjp"], x), eye | eye[[0] * 10])
     assert_same(sparse.jacobian_pattern(CORPUS["convolve"], x), band(10, 1))
-    for name in ("conv-groups-strides", "conv-dilations-both-inputs"):
+    pooled = sparse.jacobian_pattern(CORPUS["pooling"], x)
+    assert_same(pooled[:6], dense_jacobian(CORPUS["pooling"], x)[:6] != 0)  # sums; a max reads its whole window
+    for name in ("conv-groups-strides", "conv-dilations-both-inputs", "tile-repeat"):
         assert_same(sparse.jacobian_pattern(CORPUS[name], x), dense_jacobian(CORPUS[name], x) != 0)
     rule = sparse.jacobian_pattern(CORPUS["custom-vjp-rule"], x)
     assert_same(rule, dense_jacobian(CORPUS["custom-vjp-rule"], x) != 0)

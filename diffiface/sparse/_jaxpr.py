@@ -953,6 +953,37 @@ def _conv(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[
     return [it.union(pieces)]
 
 
+@_rule("reduce_window_sum", "reduce_window_max", "reduce_window_min")
+def _reduce_window(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
+    """Pooling: each output unites its window, found as a convolution's taps are (padding and
+    dilation holes read nothing)."""
+    from jax import lax
+
+    params = eqn.params
+    shape = _shape(eqn.invars[0])
+    window = tuple(params["window_dimensions"])
+    rank = len(shape)
+    taps = int(np.prod(window, dtype=np.int64))
+    canonical = lax.ConvDimensionNumbers(tuple(range(rank + 2)), tuple(range(rank + 2)), tuple(range(rank + 2)))
+    probe = np.arange(1, _size(eqn.invars[0].aval) + 1, dtype=np.float64).reshape(1, 1, *shape)
+    one_hot = np.eye(taps, dtype=np.float64).reshape(taps, 1, *window)
+    source = lax.conv_general_dilated(
+        probe,
+        one_hot,
+        params["window_strides"],
+        params["padding"],
+        params["base_dilation"],
+        params["window_dilation"],
+        canonical,
+        precision=lax.Precision.HIGHEST,
+    )
+    source = np.rint(np.asarray(source)).astype(np.int64).reshape(taps, -1) - 1
+    out_size = source.shape[1]
+    t, o = np.nonzero(source >= 0)
+    matrix = _selection(o, source[t, o], (out_size, _size(eqn.invars[0].aval)))
+    return [it.combine(matrix, ps[0])]
+
+
 # control flow and calls ------------------------------------------------------------------------------
 
 
