@@ -868,6 +868,24 @@ def _dot_general(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -
     return [it.union(pieces)]
 
 
+def _tap_sources(
+    space: tuple[int, ...], kernel: tuple[int, ...], strides: Any, padding: Any, lhs_dilation: Any, rhs_dilation: Any
+) -> np.ndarray:
+    """taps x output positions: the flat input position each tap of a window reads for each
+    output position, -1 where it reads padding or a dilation hole. jax computes it: the input's
+    positions (1-based, exact in float64) convolved with one one-hot kernel per tap."""
+    lax: Any = _jax().lax
+    rank = len(space)
+    taps = int(np.prod(kernel, dtype=np.int64))
+    canonical = lax.ConvDimensionNumbers(tuple(range(rank + 2)), tuple(range(rank + 2)), tuple(range(rank + 2)))
+    probe = np.arange(1, int(np.prod(space, dtype=np.int64)) + 1, dtype=np.float64).reshape(1, 1, *space)
+    one_hot = np.eye(taps, dtype=np.float64).reshape(taps, 1, *kernel)
+    source = lax.conv_general_dilated(
+        probe, one_hot, strides, padding, lhs_dilation, rhs_dilation, canonical, precision=lax.Precision.HIGHEST
+    )
+    return np.rint(np.asarray(source)).astype(np.int64).reshape(taps, -1) - 1  # type: ignore[no-any-return]
+
+
 @_rule("conv_general_dilated")
 def _conv(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
     """out[n, o, s] unites lhs[n, i, source(t, s)] over the taps ``t`` and input channels ``i``
@@ -875,7 +893,6 @@ def _conv(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[
     nonzero. ``source(t, s)`` (strides, padding, dilations) is computed by jax itself: one
     convolution of the spatial positions with one one-hot kernel per tap."""
     import scipy.sparse as sp
-    from jax import lax
 
     params = eqn.params
     if params["batch_group_count"] != 1:
@@ -893,21 +910,14 @@ def _conv(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[
     per_group_out = outs // groups
     out_space = out_at.shape[2:]
     taps = int(np.prod(kernel, dtype=np.int64))
-    rank = len(space)
-    canonical = lax.ConvDimensionNumbers(tuple(range(rank + 2)), tuple(range(rank + 2)), tuple(range(rank + 2)))
-    probe = np.arange(1, int(np.prod(space, dtype=np.int64)) + 1, dtype=np.float64).reshape(1, 1, *space)
-    one_hot = np.eye(taps, dtype=np.float64).reshape(taps, 1, *kernel)
-    source = lax.conv_general_dilated(
-        probe,
-        one_hot,
+    source = _tap_sources(
+        tuple(space),
+        tuple(kernel),
         params["window_strides"],
         params["padding"],
         params["lhs_dilation"],
         params["rhs_dilation"],
-        canonical,
-        precision=lax.Precision.HIGHEST,
     )
-    source = np.rint(np.asarray(source)).astype(np.int64).reshape(taps, -1) - 1  # -1: padding, holes
 
     def may(value: Any, pattern: Pattern, spec: Sequence[int]) -> np.ndarray | None:
         if value is None or pattern is not None:
@@ -957,27 +967,12 @@ def _conv(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[
 def _reduce_window(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
     """Pooling: each output unites its window, found as a convolution's taps are (padding and
     dilation holes read nothing)."""
-    from jax import lax
-
     params = eqn.params
     shape = _shape(eqn.invars[0])
     window = tuple(params["window_dimensions"])
-    rank = len(shape)
-    taps = int(np.prod(window, dtype=np.int64))
-    canonical = lax.ConvDimensionNumbers(tuple(range(rank + 2)), tuple(range(rank + 2)), tuple(range(rank + 2)))
-    probe = np.arange(1, _size(eqn.invars[0].aval) + 1, dtype=np.float64).reshape(1, 1, *shape)
-    one_hot = np.eye(taps, dtype=np.float64).reshape(taps, 1, *window)
-    source = lax.conv_general_dilated(
-        probe,
-        one_hot,
-        params["window_strides"],
-        params["padding"],
-        params["base_dilation"],
-        params["window_dilation"],
-        canonical,
-        precision=lax.Precision.HIGHEST,
+    source = _tap_sources(
+        shape, window, params["window_strides"], params["padding"], params["base_dilation"], params["window_dilation"]
     )
-    source = np.rint(np.asarray(source)).astype(np.int64).reshape(taps, -1) - 1
     out_size = source.shape[1]
     t, o = np.nonzero(source >= 0)
     matrix = _selection(o, source[t, o], (out_size, _size(eqn.invars[0].aval)))
