@@ -463,6 +463,23 @@ def test_global_patterns_are_exact_where_they_can_be() -> None:
     assert rule.toarray()[1, 5 + 2]  # from the reverse rule's roll alone: out[1] = x[1] * y[1]
 
 
+def test_short_loops_are_followed_iteration_by_iteration() -> None:
+    """A fori_loop with static bounds is a scan: run step by step, its counter indexes exactly,
+    also in the reverse scan of its gradient."""
+    n = 12
+    x = point(n)
+
+    def pairs(x: Any) -> Any:
+        return jax.lax.fori_loop(0, n - 1, lambda i, s: s + (x[i + 1] - x[i]) ** 2, 0.0)
+
+    def steps(x: Any) -> Any:
+        return jax.lax.scan(lambda c, xi: (c * 0.5 + xi, c * xi), 1.0, x, reverse=True)[1]
+
+    assert_same(sparse.hessian_pattern(pairs, x), band(n, 1))
+    assert_same(sparse.jacobian_pattern(steps, x), dense_jacobian(steps, x) != 0)
+    assert_same(sparse.jacobian_pattern(steps, x), np.triu(np.ones((n, n), dtype=bool)))
+
+
 # --- inputs, contexts, pytrees, array API ------------------------------------------------------------------
 
 

@@ -30,6 +30,9 @@ Pattern = Any  # csr_array (elements x columns, bool) or None: depends on nothin
 MAX_FIXED_POINT_ROUNDS = 64
 """Rounds of a loop body before a loop's carried values are taken to depend on everything."""
 
+UNROLL_LIMIT = 4096
+"""A scan whose iterations times body operations stay within this is run iteration by iteration."""
+
 
 def _jax() -> Any:
     try:
@@ -319,7 +322,11 @@ class _Interpreter:
                     out_patterns = self.conservative(eqn, ps)
                 else:
                     try:
-                        out_patterns = rule(self, eqn, ps, vs)
+                        result = rule(self, eqn, ps, vs)
+                        if isinstance(result, tuple):  # patterns and the values the rule followed
+                            out_patterns, out_values = result
+                        else:
+                            out_patterns = result
                     except _Unknown:
                         out_patterns = self.conservative(eqn, ps)
             for v, p, val in zip(outs, out_patterns, out_values, strict=True):
@@ -1128,13 +1135,16 @@ def _while(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list
 
 
 @_rule("scan")
-def _scan(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
-    """Every iteration is taken to see the union of the slices of ``xs`` (rows of element e of a
-    slice: rows of element e of every slice), and the carry to its fixed point; each slice of
-    ``ys`` gets the union over iterations."""
+def _scan(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> Any:
+    """A short scan is run iteration by iteration (its carried values followed, so that a
+    ``fori_loop``'s counter indexes exactly). A long one: every iteration is taken to see the union
+    of the slices of ``xs`` (rows of element e of a slice: rows of element e of every slice), the
+    carry is taken to its fixed point, and each slice of ``ys`` gets the union over iterations."""
     nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
     length = eqn.params["length"]
     body = eqn.params["jaxpr"]
+    if length > 0 and length * max(len(body.jaxpr.eqns), 1) <= UNROLL_LIMIT:
+        return _scan_unrolled(it, eqn, ps, vs)
     consts_p, consts_v = list(ps[:nc]), list(vs[:nc])
     carry = list(ps[nc : nc + nk])
     xs_vars = eqn.invars[nc + nk :]
@@ -1157,6 +1167,46 @@ def _scan(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[
     for p in outs[nk:]:
         ys.append(None if p is None or not length else _canonical(p[np.tile(np.arange(p.shape[0]), length)]))
     return list(carry) + ys
+
+
+def _scan_unrolled(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> tuple[list[Pattern], list[Any]]:
+    nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+    length = eqn.params["length"]
+    body = eqn.params["jaxpr"]
+    consts_p, consts_v = list(ps[:nc]), list(vs[:nc])
+    carry_p, carry_v = list(ps[nc : nc + nk]), list(vs[nc : nc + nk])
+    xs_p, xs_v = list(ps[nc + nk :]), list(vs[nc + nk :])
+    xs_per = [_size(v.aval) // length for v in eqn.invars[nc + nk :]]
+    ys_vars = eqn.outvars[nk:]
+    ys_p: list[list[Pattern]] = [[None] * length for _ in ys_vars]
+    ys_v: list[list[Any]] = [[None] * length for _ in ys_vars]
+    steps = range(length - 1, -1, -1) if eqn.params.get("reverse", False) else range(length)
+    for t in steps:
+        slice_p = [
+            None if p is None else _canonical(p[t * per : (t + 1) * per]) for p, per in zip(xs_p, xs_per, strict=True)
+        ]
+        slice_v = [None if v is None else np.asarray(v)[t] for v in xs_v]
+        outs_p, outs_v = it.run_closed(body, consts_p + carry_p + slice_p, consts_v + carry_v + slice_v)
+        carry_p, carry_v = list(outs_p[:nk]), list(outs_v[:nk])
+        for j in range(len(ys_vars)):
+            ys_p[j][t] = outs_p[nk + j]
+            ys_v[j][t] = outs_v[nk + j]
+    import scipy.sparse as sp
+
+    ys_patterns: list[Pattern] = []
+    ys_values: list[Any] = []
+    for v, pieces, values in zip(ys_vars, ys_p, ys_v, strict=True):
+        per = _size(v.aval) // length
+        if all(p is None for p in pieces):
+            ys_patterns.append(None)
+        else:
+            ys_patterns.append(
+                _canonical(sp.vstack([p if p is not None else it.empty(per) for p in pieces], format="csr"))
+            )
+        ys_values.append(
+            np.stack([np.asarray(val) for val in values]) if all(val is not None for val in values) else None
+        )
+    return carry_p + ys_patterns, carry_v + ys_values
 
 
 def _fold(length: int, per: int) -> Any:
