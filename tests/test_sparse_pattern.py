@@ -465,7 +465,7 @@ def test_global_patterns_are_exact_where_they_can_be() -> None:
 
 def test_short_loops_are_followed_iteration_by_iteration() -> None:
     """A fori_loop with static bounds is a scan: run step by step, its counter indexes exactly,
-    also in the reverse scan of its gradient."""
+    also in the reverse scan of its gradient. A while loop with a known predicate likewise."""
     n = 12
     x = point(n)
 
@@ -476,6 +476,11 @@ def test_short_loops_are_followed_iteration_by_iteration() -> None:
         return jax.lax.scan(lambda c, xi: (c * 0.5 + xi, c * xi), 1.0, x, reverse=True)[1]
 
     assert_same(sparse.hessian_pattern(pairs, x), band(n, 1))
+
+    def counted(x: Any) -> Any:  # a while loop whose predicate reads only a counter
+        return jax.lax.while_loop(lambda s: s[0] < 3, lambda s: (s[0] + 1, jnp.roll(s[1], 1) * s[1]), (0, x))[1]
+
+    assert_same(sparse.jacobian_pattern(counted, x), dense_jacobian(counted, x) != 0)
     assert_same(sparse.jacobian_pattern(steps, x), dense_jacobian(steps, x) != 0)
     assert_same(sparse.jacobian_pattern(steps, x), np.triu(np.ones((n, n), dtype=bool)))
 

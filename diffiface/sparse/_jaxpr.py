@@ -1120,11 +1120,23 @@ def _same(a: Pattern, b: Pattern) -> bool:
 
 
 @_rule("while")
-def _while(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
+def _while(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> Any:
+    """While the predicate is known (it reads only values followed: a counter from a constant
+    start), the loop runs step by step, within the unrolling budget; from the first step where it
+    is not, the carry is taken to its fixed point (the loop stops at that step or a later one)."""
     cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-    body = eqn.params["body_jaxpr"]
+    body, cond = eqn.params["body_jaxpr"], eqn.params["cond_jaxpr"]
     consts_p, consts_v = list(ps[cn : cn + bn]), list(vs[cn : cn + bn])
-    carry = list(ps[cn + bn :])
+    cond_p, cond_v = list(ps[:cn]), list(vs[:cn])
+    carry, carry_v = list(ps[cn + bn :]), list(vs[cn + bn :])
+    budget = UNROLL_LIMIT // max(len(body.jaxpr.eqns) + len(cond.jaxpr.eqns), 1)
+    for _ in range(budget):
+        go = it.run_closed(cond, cond_p + carry, cond_v + carry_v)[1][0]
+        if go is None:
+            break
+        if not bool(np.asarray(go)):
+            return carry, carry_v
+        carry, carry_v = (list(r) for r in it.run_closed(body, consts_p + carry, consts_v + carry_v))
     everything = it.dense(ps)
     sizes = [_size(v.aval) for v in eqn.invars[cn + bn :]]
 
