@@ -481,6 +481,15 @@ def test_short_loops_are_followed_iteration_by_iteration() -> None:
         return jax.lax.while_loop(lambda s: s[0] < 3, lambda s: (s[0] + 1, jnp.roll(s[1], 1) * s[1]), (0, x))[1]
 
     assert_same(sparse.jacobian_pattern(counted, x), dense_jacobian(counted, x) != 0)
+
+    def alternating(x: Any) -> Any:  # a branch on the counter: known at each step
+        return jax.lax.fori_loop(
+            0, 4, lambda i, y: jax.lax.cond(i % 2 == 0, lambda z: z * 2.0, lambda z: jnp.roll(z, 1), y), x
+        )
+
+    assert_same(sparse.jacobian_pattern(alternating, x), np.roll(np.eye(n, dtype=bool), 2, axis=0))
+    clamped = sparse.jacobian_pattern(lambda x: jax.lax.switch(5, [lambda z: z, lambda z: z[::-1]], x), x)
+    assert_same(clamped, np.eye(n, dtype=bool)[::-1])  # jax clamps the index to the last branch
     assert_same(sparse.jacobian_pattern(steps, x), dense_jacobian(steps, x) != 0)
     assert_same(sparse.jacobian_pattern(steps, x), np.triu(np.ones((n, n), dtype=bool)))
 

@@ -1089,8 +1089,12 @@ def _custom_vjp(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) ->
 
 
 @_rule("cond")
-def _cond(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
+def _cond(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> Any:
     branches = eqn.params["branches"]
+    if vs[0] is not None:  # the branch is known (jax clamps the index)
+        index = min(max(int(np.asarray(vs[0])), 0), len(branches) - 1)
+        taken = it.run_closed(branches[index], list(ps[1:]), list(vs[1:]))
+        return list(taken[0]), list(taken[1])
     results = [it.run_closed(b, list(ps[1:]), list(vs[1:]))[0] for b in branches]
     return [it.union(list(outs)) for outs in zip(*results, strict=True)]
 
