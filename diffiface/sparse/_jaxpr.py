@@ -327,8 +327,9 @@ class _Interpreter:
                             out_patterns, out_values = result
                         else:
                             out_patterns = result
-                    except _Unknown:
+                    except Exception:  # _Unknown, or a form the rule does not know: never a wrong pattern
                         out_patterns = self.conservative(eqn, ps)
+                        out_values = [None] * len(outs)
             for v, p, val in zip(outs, out_patterns, out_values, strict=True):
                 if type(v).__name__ == "DropVar":
                     continue
