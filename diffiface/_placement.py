@@ -1,0 +1,67 @@
+"""Where a jax result lives: on x's devices, laid out as x (a sharded array's shards stay where
+they are; nothing goes through the host).
+
+jax decides a compiled program's output layout itself. Under a mesh with explicit axes
+(``jax.make_mesh``'s default) a gradient comes out sharded as its input; under automatic axes
+the compiler may choose otherwise (a gradient reduced over a data-sharded batch comes out
+replicated along the data axis). The rules diffiface keeps, whatever jax chose:
+
+- a result that mirrors x (a gradient, a vjp, an hvp) has x's sharding, leaf by leaf;
+- a Jacobian or Hessian block ``d y_i / d x_j`` (shape ``y_i.shape + x_j.shape``) is sharded as
+  ``x_j`` along its trailing dims and replicated along its leading dims: each row of it is laid
+  out as a gradient with respect to ``x_j``.
+
+A result already laid out so is returned as it is; else it is moved with ``jax.device_put``
+between devices (an explicit device-to-device copy, never through the host).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+
+def like_x(value: Any, like: Any) -> Any:
+    """``value`` (a jax array shaped as the jax array ``like``) with ``like``'s sharding."""
+    if _is_tracer(value) or _is_tracer(like):
+        return value
+    wanted = getattr(like, "sharding", None)
+    found = getattr(value, "sharding", None)
+    if wanted is None or found is None or found is wanted:
+        return value
+    if found == wanted or found.is_equivalent_to(wanted, len(value.shape)):
+        return value
+    return sys.modules["jax"].device_put(value, wanted)
+
+
+def block_like(value: Any, like: Any) -> Any:
+    """A Jacobian or Hessian block (a jax array of shape ``(*lead, *like.shape)``) sharded as
+    ``like`` along its trailing dims and replicated along the leading ones."""
+    if _is_tracer(value) or _is_tracer(like):
+        return value
+    wanted = getattr(like, "sharding", None)
+    found = getattr(value, "sharding", None)
+    if wanted is None or found is None:
+        return value
+    jax = sys.modules["jax"]
+    lead = len(value.shape) - len(like.shape)
+    if lead < 0:
+        return value
+    if isinstance(wanted, jax.sharding.NamedSharding):
+        spec = (*(None,) * lead, *_padded(wanted.spec, len(like.shape)))
+        wanted = jax.sharding.NamedSharding(wanted.mesh, jax.sharding.PartitionSpec(*spec), memory_kind=wanted.memory_kind)
+    elif not isinstance(wanted, jax.sharding.SingleDeviceSharding):
+        return value  # (another kind of layout: left as jax made it)
+    if found == wanted or (found.is_equivalent_to(wanted, len(value.shape))):
+        return value
+    return jax.device_put(value, wanted)
+
+
+def _padded(spec: Any, ndim: int) -> tuple[Any, ...]:
+    entries = tuple(spec)
+    return entries + (None,) * (ndim - len(entries))
+
+
+def _is_tracer(value: Any) -> bool:
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(value, jax.core.Tracer)
