@@ -17,6 +17,7 @@ between devices (an explicit device-to-device copy, never through the host).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
@@ -65,3 +66,23 @@ def _padded(spec: Any, ndim: int) -> tuple[Any, ...]:
 def _is_tracer(value: Any) -> bool:
     jax = sys.modules.get("jax")
     return jax is not None and isinstance(value, jax.core.Tracer)
+
+
+def pin(value: Any, layout: Any) -> Any:
+    """Inside a compiled program: ``value`` laid out as ``layout`` (jax's ``reshard`` for a mesh
+    with explicit axes, a sharding constraint otherwise)."""
+    jax = sys.modules["jax"]
+    mesh = getattr(layout, "mesh", None)
+    if mesh is not None and any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+        return jax.sharding.reshard(value, layout)
+    return jax.lax.with_sharding_constraint(value, layout)
+
+
+def on_mesh(layout: Any) -> Any:
+    """The mesh of ``layout`` as jax's current mesh (compiled programs that make arrays with
+    explicit-axis shardings need it); nothing for another layout."""
+    jax = sys.modules["jax"]
+    mesh = getattr(layout, "mesh", None)
+    if isinstance(mesh, jax.sharding.Mesh):
+        return jax.set_mesh(mesh)
+    return contextlib.nullcontext()

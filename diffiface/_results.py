@@ -224,6 +224,8 @@ def _mirror(value: Any, like: Any) -> Any:
         return value if value.dtype == like.dtype else value.to(like.dtype)
     if kind == "jax" and value_kind == "jax":
         return _placement.like_x(value if value.dtype == like.dtype else value.astype(like.dtype), like)
-    if kind in ("torch", "jax"):
+    if kind == "jax":
+        return _placement.like_x(_arrays.from_numpy(np.asarray(_arrays.to_numpy(value)), like), like)
+    if kind == "torch":
         return _arrays.from_numpy(np.asarray(_arrays.to_numpy(value)), like)
     return value

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _placement
 from .._errors import InvalidOutputError
 from ._base import Deferred, Fn, Leaves
 
@@ -43,7 +44,7 @@ def _programs() -> Any:
     jnp = sys.modules["jax.numpy"]
 
     # (each result is pinned to x's layout: the compiler would otherwise choose its own)
-    pin = jax.lax.with_sharding_constraint
+    pin = _placement.pin
 
     @functools.partial(jax.jit, static_argnums=(1, 2))
     def steps(leaf: Any, power: float, layout: Any) -> Any:
@@ -104,8 +105,6 @@ def _run(fn: Fn, leaves: Leaves, backend_name: str) -> tuple[Any, Any]:
 
 
 def value_and_gradient(fn: Fn, xs: Leaves, method: str, backend_name: str) -> tuple[Any, Any, Leaves]:
-    steps, bumped, entry, subtract, zeros, *_ = _programs()
-    power = _POWER[method]
     evaluated = Deferred(lambda: _run(fn, xs, backend_name))
     value = None
     if method != "central":
@@ -113,7 +112,19 @@ def value_and_gradient(fn: Fn, xs: Leaves, method: str, backend_name: str) -> tu
     grads = []
     for k, leaf in enumerate(xs):
         layout = leaf.sharding
-        h = steps(leaf, power, layout)
+        with _placement.on_mesh(layout):
+            grads.append(_leaf_gradient(fn, xs, k, method, value, backend_name))
+    out = Deferred(lambda: evaluated.force()[0])
+    aux = Deferred(lambda: evaluated.force()[1])
+    return out, aux, tuple(grads)
+
+
+def _leaf_gradient(fn: Fn, xs: Leaves, k: int, method: str, value: Any, backend_name: str) -> Any:
+    steps, bumped, entry, subtract, zeros, *_ = _programs()
+    leaf = xs[k]
+    layout = leaf.sharding
+    if True:
+        h = steps(leaf, _POWER[method], layout)
         grad = zeros(leaf, layout)
         for i in range(math.prod(leaf.shape)):
             index = _index(i, leaf)
@@ -129,10 +140,7 @@ def value_and_gradient(fn: Fn, xs: Leaves, method: str, backend_name: str) -> tu
             else:
                 difference, divisor = subtract(value, at(-1)), 1
             grad = entry(grad, h, index, difference, divisor, layout)
-        grads.append(grad)
-    out = Deferred(lambda: evaluated.force()[0])
-    aux = Deferred(lambda: evaluated.force()[1])
-    return out, aux, tuple(grads)
+    return grad
 
 
 def value_and_pushforward(fn: Fn, xs: Leaves, txs: Leaves, method: str, backend_name: str) -> tuple[Any, Any, Any]:
@@ -142,7 +150,11 @@ def value_and_pushforward(fn: Fn, xs: Leaves, txs: Leaves, method: str, backend_
     evaluated = Deferred(lambda: _run(fn, xs, backend_name))
 
     def at(sign: int) -> Any:
-        return _run(fn, tuple(along(x, t, h, sign, x.sharding) for x, t in zip(xs, txs, strict=True)), backend_name)[0]
+        moved = []
+        for x, t in zip(xs, txs, strict=True):
+            with _placement.on_mesh(x.sharding):
+                moved.append(along(x, t, h, sign, x.sharding))
+        return _run(fn, tuple(moved), backend_name)[0]
 
     if method == "central":
         plus, minus, divisor = at(1), at(-1), 2

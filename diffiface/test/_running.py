@@ -17,6 +17,7 @@ import diffiface as di
 
 from .. import _arrays
 from .. import tree as _tree
+from . import _on_device
 from .._adapters import available, info, install_hint, normalize
 from .._backends import AutoFiniteDifferences, AutoJAX, AutoScipy, AutoTorch, Backend, SecondOrder
 from .._errors import FrameworkMismatchError, PreparationMismatchError, UnsupportedOperationError
@@ -631,11 +632,16 @@ def check_gradients(
     noise = _difference_noise(value, size)
     k = projections if projections is not None else (8 if size > _PROJECTION_THRESHOLD else 0)
     rng = np.random.default_rng(seed)
-    directions = [_random_direction(x, rng) for _ in range(k)]
+    placed = bool(k) and _on_device.applies(x)  # jax arrays on devices of their own: kept there
+    directions = _on_device.random_directions(x, k, seed) if placed else [_random_direction(x, rng) for _ in range(k)]
     estimate: float | None = None
     with _warnings_apart(outside):
         if k:
-            truth = _projected_truth(f, x, contexts, directions, has_aux)
+            truth = (
+                np.array(_on_device.projected_truth(f, x, tuple(contexts), directions, has_aux))
+                if placed
+                else _projected_truth(f, x, contexts, directions, has_aux)
+            )
             truth_label = "central differences along random directions (float64)"
         else:
             reference_backend = normalize(reference) if reference is not None else AutoFiniteDifferences()
@@ -670,7 +676,8 @@ def check_gradients(
                     raise AssertionError(f"the call mutated {', '.join(changed[:4])}")
                 gradients[label] = gradient
                 if k:
-                    got = np.array([_dot(gradient, u) for u in directions])
+                    dot = _on_device.dot if placed else _dot
+                    got = np.array([dot(gradient, u) for u in directions])
                     _close_projections(got, truth, rtol, atol, noise, row)
                 else:
                     tolerance = _with_noise(atol, x, noise if _is_difference(truth_label) else 0.0)

@@ -1,0 +1,188 @@
+"""Sharded jax checks in one process with 8 simulated CPU devices (a 2 x 4 mesh).
+
+Run by tests/test_sharded_jax.py in a subprocess (XLA_FLAGS must be set before jax is
+imported); exits non-zero naming the check that failed."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+import diffiface as di
+from diffiface.test import check_gradients
+
+failures: list[str] = []
+
+
+def check(name: str, ok: bool, detail: str = "") -> None:
+    if not ok:
+        failures.append(f"{name}: {detail}")
+
+
+def loss(p, xb):
+    return jnp.sum(jnp.tanh(xb @ p["w"] + p["b"]) ** 2)
+
+
+def out(p, xb):
+    return jnp.tanh(xb @ p["w"] + p["b"])
+
+
+def same_layout(a, b) -> bool:
+    return a.sharding.is_equivalent_to(b.sharding, a.ndim)
+
+
+def run_mesh(axis_type: AxisType) -> None:
+    tag = axis_type.name
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type, axis_type))
+
+    def put(a, *spec):
+        return jax.device_put(a, NamedSharding(mesh, PartitionSpec(*spec)))
+
+    w = np.arange(32.0, dtype=np.float32).reshape(8, 4) / 32
+    b = np.linspace(-1, 1, 4, dtype=np.float32)
+    xb = np.linspace(0, 1, 128, dtype=np.float32).reshape(16, 8)
+    params = {"w": put(w, "data", "model"), "b": put(b, "model")}
+    batch = put(xb, "data", None)
+    plain = {"w": jnp.asarray(w), "b": jnp.asarray(b)}
+    plain_batch = jnp.asarray(xb)
+    ty = out(params, batch)
+    be = di.AutoJAX()
+    calls = {
+        "gradient": (di.gradient, loss, (params,)),
+        "value_and_gradient": (di.value_and_gradient, loss, (params,)),
+        "jvp": (di.jvp, out, (params, params)),
+        "vjp": (di.vjp, out, (params, ty)),
+        "hvp": (di.hvp, loss, (params, params)),
+        "jacobian": (di.jacobian, out, (params,)),
+        "hessian": (di.hessian, loss, (params,)),
+    }
+    expected = {
+        "gradient": jax.grad(loss)(plain, plain_batch),
+        "value_and_gradient": jax.value_and_grad(loss)(plain, plain_batch),
+        "jvp": jax.jvp(lambda p: out(p, plain_batch), (plain,), (plain,))[1],
+        "vjp": jax.vjp(lambda p: out(p, plain_batch), plain)[1](out(plain, plain_batch))[0],
+        "hvp": jax.jvp(jax.grad(lambda p: loss(p, plain_batch)), (plain,), (plain,))[1],
+        "jacobian": jax.jacrev(out)(plain, plain_batch),
+        "hessian": jax.hessian(loss)(plain, plain_batch),
+    }
+    for name, (op, f, head) in calls.items():
+        prepare = getattr(di, f"prepare_{name}")
+        for prepared in (False, True):
+            label = f"{tag} {name}{' prepared' if prepared else ''}"
+            try:
+                kwargs = {"prep": prepare(f, be, *head, di.Constant(batch))} if prepared else {}
+                with jax.transfer_guard("disallow"):
+                    result = op(f, be, *head, di.Constant(batch), **kwargs)
+            except Exception as exc:  # noqa: BLE001
+                check(label, False, f"raised {type(exc).__name__}: {str(exc)[:300]}")
+                continue
+            got = jax.tree.leaves(result)
+            want = jax.tree.leaves(expected[name])
+            for g, e in zip(got, want, strict=True):
+                check(label, np.allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-6), "values differ")
+            if name in ("gradient", "vjp", "hvp"):
+                for key in params:
+                    check(label, same_layout(result[key], params[key]), f"{key}: {result[key].sharding.spec}")
+            if name == "jvp":
+                check(label, same_layout(result, ty), f"{result.sharding}")
+            if name in ("jacobian", "hessian"):  # blocks: x_j's layout on the trailing dims
+                rows = result if name == "jacobian" else [result[k] for k in params]
+                for row in [rows] if name == "jacobian" else rows:
+                    for key in params:
+                        spec = tuple(row[key].sharding.spec)
+                        lead = row[key].ndim - params[key].ndim
+                        trail = spec[lead:] + (None,) * (row[key].ndim - len(spec))
+                        want_spec = tuple(params[key].sharding.spec) + (None,) * params[key].ndim
+                        check(label, all(s is None for s in spec[:lead]), f"{key}: leading dims {spec}")
+                        check(label, trail[: params[key].ndim] == want_spec[: params[key].ndim], f"{key}: {spec}")
+
+    # derivative of a scalar t: y keeps the batch's sharding
+    s = put(np.float32(0.5))
+    with jax.transfer_guard("disallow"):
+        d = di.derivative(lambda t, x: jnp.sin(t * x), be, s, di.Constant(batch))
+    check(f"{tag} derivative", same_layout(d, batch), str(d.sharding))
+
+    # finite differences: jvp on the devices; the gradient too on a mesh with automatic axes
+    fd = di.AutoFiniteDifferences()
+    with jax.transfer_guard("disallow"):
+        tj = di.jvp(out, fd, params, params, di.Constant(batch))
+    check(f"{tag} fd jvp layout", same_layout(tj, ty), str(tj.sharding))
+    check(f"{tag} fd jvp values", np.allclose(np.asarray(tj), np.asarray(expected["jvp"]), rtol=2e-2, atol=2e-3))
+    if axis_type == AxisType.Auto:
+        with jax.transfer_guard("disallow"):
+            g = di.gradient(loss, fd, params, di.Constant(batch))
+        for key in params:
+            check(f"{tag} fd gradient layout", same_layout(g[key], params[key]), str(g[key].sharding))
+            close = np.allclose(np.asarray(g[key]), np.asarray(expected["gradient"][key]), rtol=2e-2, atol=2e-3)
+            check(f"{tag} fd gradient values", close)
+
+    # check_gradients: directions and ground truth on the devices, scalars back
+    try:
+        with jax.transfer_guard("disallow"):
+            report = check_gradients(loss, params, di.Constant(batch), projections=3)
+        check(f"{tag} check_gradients", all(row.status == "passed" for row in report.rows), report.table())
+    except Exception as exc:  # noqa: BLE001
+        check(f"{tag} check_gradients", False, f"raised {type(exc).__name__}: {str(exc)[:300]}")
+
+    # a wrong gradient is caught on the devices too
+    def wrong(p, xb):
+        return loss(p, xb) + jax.lax.stop_gradient(jnp.sum(p["b"]))
+
+    try:
+        with jax.transfer_guard("disallow"):
+            check_gradients(wrong, params, di.Constant(batch), projections=2)
+        check(f"{tag} check_gradients catches", False, "a wrong gradient passed")
+    except AssertionError:
+        pass
+
+
+def run_device_three() -> None:
+    dev = jax.devices()[3]
+    x = jax.device_put(jnp.linspace(0.1, 1.0, 6, dtype=jnp.float32), dev)
+    t = jax.device_put(jnp.ones(6, jnp.float32), dev)
+    for backend in (di.AutoJAX(), di.AutoJAX(jit=False), di.AutoFiniteDifferences()):
+        for name, call in (
+            ("gradient", lambda: di.gradient(lambda v: jnp.sum(jnp.sin(v)), backend, x)),
+            ("jvp", lambda: di.jvp(jnp.sin, backend, x, t)),
+            ("vjp", lambda: di.vjp(jnp.sin, backend, x, t)),
+            ("jacobian", lambda: di.jacobian(jnp.sin, backend, x)),
+        ):
+            label = f"device 3 {backend.name} {name}"
+            try:
+                result = call()
+            except Exception as exc:  # noqa: BLE001
+                check(label, False, f"raised {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            check(label, result.sharding.device_set == {dev}, str(result.sharding))
+            reference = {"gradient": np.cos, "jvp": np.cos, "vjp": np.cos}.get(name)
+            if reference is not None:
+                check(label, np.allclose(np.asarray(result), np.cos(np.asarray(x)), rtol=1e-3, atol=1e-4), "values")
+    # single-device sharding stays a single-device sharding on device 3
+    check("device 3 kind", isinstance(x.sharding, SingleDeviceSharding), str(x.sharding))
+
+
+def main() -> int:
+    assert len(jax.devices()) == 8, jax.devices()
+    # one kind of mesh per process: jax caches compiled programs by sharding, and a mesh's
+    # explicit and automatic versions compare equal
+    part = sys.argv[1] if len(sys.argv) > 1 else "explicit"
+    if part == "explicit":
+        run_mesh(AxisType.Explicit)
+        run_device_three()
+    else:
+        run_mesh(AxisType.Auto)
+    for line in failures:
+        print("FAILED", line)
+    print(f"{len(failures)} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
