@@ -50,7 +50,9 @@ def block_like(value: Any, like: Any) -> Any:
         return value
     if isinstance(wanted, jax.sharding.NamedSharding):
         spec = (*(None,) * lead, *_padded(wanted.spec, len(like.shape)))
-        wanted = jax.sharding.NamedSharding(wanted.mesh, jax.sharding.PartitionSpec(*spec), memory_kind=wanted.memory_kind)
+        wanted = jax.sharding.NamedSharding(
+            wanted.mesh, jax.sharding.PartitionSpec(*spec), memory_kind=wanted.memory_kind
+        )
     elif not isinstance(wanted, jax.sharding.SingleDeviceSharding):
         return value  # (another kind of layout: left as jax made it)
     if found == wanted or (found.is_equivalent_to(wanted, len(value.shape))):

@@ -73,10 +73,7 @@ def _finisher(
             rows = [
                 optree.tree_unflatten(
                     x_spec,
-                    [
-                        block(b, promoted_dtype(dy, dx), lx)
-                        for b, dx, lx in zip(row, x_dtypes, x_likes, strict=True)
-                    ],
+                    [block(b, promoted_dtype(dy, dx), lx) for b, dx, lx in zip(row, x_dtypes, x_likes, strict=True)],
                 )
                 for row, dy in zip(value, dtypes, strict=True)
             ]

@@ -62,7 +62,7 @@ def _programs() -> Any:
         value = difference.reshape(-1)[0].astype(grad.dtype) / (divisor * h.reshape(-1)[index])
         return pin(flat.at[index].set(value).reshape(grad.shape), layout)
 
-    @jax.jit
+    @functools.partial(jax.jit)
     def subtract(a: Any, b: Any) -> Any:
         return a - b
 
@@ -129,7 +129,9 @@ def _leaf_gradient(fn: Fn, xs: Leaves, k: int, method: str, value: Any, backend_
         for i in range(math.prod(leaf.shape)):
             index = _index(i, leaf)
 
-            def at(sign: int, k: int = k, leaf: Any = leaf, h: Any = h, index: Any = index, layout: Any = layout) -> Any:
+            def at(
+                sign: int, k: int = k, leaf: Any = leaf, h: Any = h, index: Any = index, layout: Any = layout
+            ) -> Any:
                 moved = (*xs[:k], bumped(leaf, h, index, sign, layout), *xs[k + 1 :])
                 return _scalar(_run(fn, moved, backend_name)[0])
 

@@ -43,7 +43,7 @@ def _programs() -> Any:
         key = jax.random.fold_in(jax.random.key(seed), index)
         return pin(jax.random.normal(key, shape, jnp.float64), layout)
 
-    @jax.jit
+    @functools.partial(jax.jit)
     def squared_norm(parts: Any) -> Any:
         return sum((jnp.sum(p * p) for p in parts), jnp.zeros((), jnp.float64))
 
@@ -55,7 +55,7 @@ def _programs() -> Any:
     def wide(leaf: Any, layout: Any) -> Any:
         return pin(leaf.astype(jnp.float64), layout)
 
-    @jax.jit
+    @functools.partial(jax.jit)
     def dot(gradient: Any, direction: Any) -> Any:
         return sum(
             (jnp.sum(g.astype(jnp.float64) * u) for g, u in zip(gradient, direction, strict=True)),
@@ -66,7 +66,7 @@ def _programs() -> Any:
     def moved(leaf: Any, u: Any, t: float, layout: Any) -> Any:
         return pin(leaf + t * u, layout)
 
-    @jax.jit
+    @functools.partial(jax.jit)
     def largest(leaves: Any) -> Any:
         return jnp.max(jnp.stack([jnp.max(jnp.abs(leaf)) for leaf in leaves if leaf.size] + [jnp.ones(())]))
 

@@ -17,10 +17,10 @@ import diffiface as di
 
 from .. import _arrays
 from .. import tree as _tree
-from . import _on_device
 from .._adapters import available, info, install_hint, normalize
 from .._backends import AutoFiniteDifferences, AutoJAX, AutoScipy, AutoTorch, Backend, SecondOrder
 from .._errors import FrameworkMismatchError, PreparationMismatchError, UnsupportedOperationError
+from . import _on_device
 from ._compare import assert_allclose, default_tolerances, max_errors
 from ._scenario import Scenario, promote, promote_contexts, shifted
 from ._snapshot import changes, snapshot
