@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import optree
 
 from .. import _placement
@@ -38,8 +39,8 @@ def _programs() -> Any:
     jnp = sys.modules["jax.numpy"]
     pin = _placement.pin
 
-    @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-    def normal(seed: int, index: int, shape: tuple[int, ...], layout: Any) -> Any:
+    @functools.partial(jax.jit, static_argnums=(0, 2, 3))
+    def normal(seed: int, index: Any, shape: tuple[int, ...], layout: Any) -> Any:
         key = jax.random.fold_in(jax.random.key(seed), index)
         return pin(jax.random.normal(key, shape, jnp.float64), layout)
 
@@ -62,8 +63,8 @@ def _programs() -> Any:
             jnp.zeros((), jnp.float64),
         )
 
-    @functools.partial(jax.jit, static_argnums=(2, 3))
-    def moved(leaf: Any, u: Any, t: float, layout: Any) -> Any:
+    @functools.partial(jax.jit, static_argnums=3)
+    def moved(leaf: Any, u: Any, t: Any, layout: Any) -> Any:
         return pin(leaf + t * u, layout)
 
     @functools.partial(jax.jit)
@@ -71,6 +72,15 @@ def _programs() -> Any:
         return jnp.max(jnp.stack([jnp.max(jnp.abs(leaf)) for leaf in leaves if leaf.size] + [jnp.ones(())]))
 
     return normal, squared_norm, normalized, wide, dot, moved, largest
+
+
+def _scalar(value: Any, like: Any) -> Any:
+    """A number on ``like``'s devices, replicated (an explicit transfer of a few bytes)."""
+    jax = sys.modules["jax"]
+    sharding = like.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return jax.device_put(value, sharding)
 
 
 def random_directions(x: Any, k: int, seed: int) -> list[list[Any]]:
@@ -83,7 +93,8 @@ def random_directions(x: Any, k: int, seed: int) -> list[list[Any]]:
             parts = []
             for i, leaf in enumerate(leaves):
                 with _placement.on_mesh(leaf.sharding):
-                    parts.append(normal(seed, d * len(leaves) + i, tuple(leaf.shape), leaf.sharding))
+                    index = _scalar(np.uint32(d * len(leaves) + i), leaf)
+                    parts.append(normal(seed, index, tuple(leaf.shape), leaf.sharding))
             norm2 = squared_norm(parts)
             directions.append([normalized(p, norm2, leaf.sharding) for p, leaf in zip(parts, leaves, strict=True)])
     return directions
@@ -116,7 +127,9 @@ def projected_truth(
         h = float(2.220446049250313e-16 ** (1 / 5)) * scale
 
         def along(u: list[Any], t: float) -> float:
-            point = [moved(leaf, p, t, leaf.sharding) for leaf, p in zip(leaves, u, strict=True)]
+            point = [
+                moved(leaf, p, _scalar(np.float64(t), leaf), leaf.sharding) for leaf, p in zip(leaves, u, strict=True)
+            ]
             out = f(optree.tree_unflatten(spec, point), *values)
             return float(jax.device_get(out[0] if has_aux else out))
 
