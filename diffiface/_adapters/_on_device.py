@@ -51,24 +51,22 @@ def _programs() -> Any:
         h = jnp.finfo(leaf.dtype).eps ** power * jnp.maximum(1, jnp.abs(leaf))
         return pin((leaf + h) - leaf, layout)  # exact: x + h is representable
 
+    def mask(leaf: Any, index: Any, layout: Any) -> Any:
+        # the coordinate as a mask laid out as x (a sharded dimension takes no dynamic index)
+        return pin(jnp.arange(leaf.size).reshape(leaf.shape) == index, layout)
+
     @functools.partial(jax.jit, static_argnums=(3, 4))
     def bumped(leaf: Any, h: Any, index: Any, sign: int, layout: Any) -> Any:
-        flat = leaf.reshape(-1)
-        return pin(flat.at[index].add(sign * h.reshape(-1)[index]).reshape(leaf.shape), layout)
+        return pin(jnp.where(mask(leaf, index, layout), leaf + sign * h, leaf), layout)
 
-    @functools.partial(jax.jit, static_argnums=(4, 5))
-    def entry(grad: Any, h: Any, index: Any, difference: Any, divisor: int, layout: Any) -> Any:
-        flat = grad.reshape(-1)
-        value = difference.reshape(-1)[0].astype(grad.dtype) / (divisor * h.reshape(-1)[index])
-        return pin(flat.at[index].set(value).reshape(grad.shape), layout)
+    @functools.partial(jax.jit, static_argnums=(2, 3))
+    def assemble(differences: Any, h: Any, divisor: int, layout: Any) -> Any:
+        flat = jnp.stack([d.reshape(-1)[0] for d in differences]).astype(h.dtype)
+        return pin(flat.reshape(h.shape) / (divisor * h), layout)
 
     @functools.partial(jax.jit)
     def subtract(a: Any, b: Any) -> Any:
         return a - b
-
-    @functools.partial(jax.jit, static_argnums=1)
-    def zeros(leaf: Any, layout: Any) -> Any:
-        return pin(jnp.zeros_like(leaf), layout)
 
     @functools.partial(jax.jit, static_argnums=2)
     def tangent_step(xs: Any, ts: Any, power: float) -> Any:
@@ -86,7 +84,7 @@ def _programs() -> Any:
     def quotient(a: Any, b: Any, h: Any, divisor: int, zero: Any) -> Any:
         return jnp.where(zero, jnp.zeros_like(a), (a - b) / (divisor * h).astype(a.dtype))
 
-    return steps, bumped, entry, subtract, zeros, tangent_step, along, quotient
+    return steps, bumped, assemble, subtract, tangent_step, along, quotient
 
 
 def _index(i: int, like: Any) -> Any:
@@ -120,29 +118,27 @@ def value_and_gradient(fn: Fn, xs: Leaves, method: str, backend_name: str) -> tu
 
 
 def _leaf_gradient(fn: Fn, xs: Leaves, k: int, method: str, value: Any, backend_name: str) -> Any:
-    steps, bumped, entry, subtract, zeros, *_ = _programs()
+    steps, bumped, assemble, subtract, *_ = _programs()
     leaf = xs[k]
     layout = leaf.sharding
-    if True:
-        h = steps(leaf, _POWER[method], layout)
-        grad = zeros(leaf, layout)
-        for i in range(math.prod(leaf.shape)):
-            index = _index(i, leaf)
+    h = steps(leaf, _POWER[method], layout)
+    differences = []
+    for i in range(math.prod(leaf.shape)):
+        index = _index(i, leaf)
 
-            def at(
-                sign: int, k: int = k, leaf: Any = leaf, h: Any = h, index: Any = index, layout: Any = layout
-            ) -> Any:
-                moved = (*xs[:k], bumped(leaf, h, index, sign, layout), *xs[k + 1 :])
-                return _scalar(_run(fn, moved, backend_name)[0])
+        def at(sign: int, index: Any = index) -> Any:
+            moved = (*xs[:k], bumped(leaf, h, index, sign, layout), *xs[k + 1 :])
+            return _scalar(_run(fn, moved, backend_name)[0])
 
-            if method == "central":
-                difference, divisor = subtract(at(1), at(-1)), 2
-            elif method == "forward":
-                difference, divisor = subtract(at(1), value), 1
-            else:
-                difference, divisor = subtract(value, at(-1)), 1
-            grad = entry(grad, h, index, difference, divisor, layout)
-    return grad
+        if method == "central":
+            differences.append(subtract(at(1), at(-1)))
+        elif method == "forward":
+            differences.append(subtract(at(1), value))
+        else:
+            differences.append(subtract(value, at(-1)))
+    # one program at the end: the differences (replicated numbers) divided by the steps, in x's
+    # layout; no collective besides f's own
+    return assemble(tuple(differences), h, 2 if method == "central" else 1, layout)
 
 
 def value_and_pushforward(fn: Fn, xs: Leaves, txs: Leaves, method: str, backend_name: str) -> tuple[Any, Any, Any]:
