@@ -12,16 +12,16 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 
 import jax
 import jax.numpy as jnp
-
-# Simulated CPU devices on few cores: one program at a time, so that two programs' collectives
-# never wait on each other for the same threads (XLA's CPU rendezvous gives up after 40 s).
-jax.config.update("jax_cpu_enable_async_dispatch", False)
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 import diffiface as di
 from diffiface import tree
 from diffiface.test import check_gradients
+
+# Simulated CPU devices on few cores: one program at a time, so that two programs' collectives
+# never wait on each other for the same threads (XLA's CPU rendezvous gives up after 40 s).
+jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 failures: list[str] = []
 
