@@ -5,6 +5,7 @@ direction and backend) come back to the host, each by an explicit ``jax.device_g
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from collections.abc import Callable
@@ -39,39 +40,44 @@ def _programs() -> Any:
     jnp = sys.modules["jax.numpy"]
     pin = _placement.pin
 
-    @functools.partial(jax.jit, static_argnums=(0, 2, 3))
-    def normal(seed: int, index: Any, shape: tuple[int, ...], layout: Any) -> Any:
+    # A direction is never stored: each program draws its part of it again from (seed,
+    # direction, leaf), laid out as the leaf, so that no array of the model's size outlives
+    # the program that needs it.
+    def normal(seed: int, index: Any, leaf: Any, layout: Any) -> Any:
         key = jax.random.fold_in(jax.random.key(seed), index)
-        return pin(jax.random.normal(key, shape, jnp.float64), layout)
+        return pin(jax.random.normal(key, leaf.shape, jnp.float64), layout)
 
-    @functools.partial(jax.jit)
-    def squared_norm(parts: Any) -> Any:
+    @functools.partial(jax.jit, static_argnums=(0, 3))
+    def squared_norm(seed: int, indices: Any, leaves: Any, layouts: Any) -> Any:
+        parts = [normal(seed, i, leaf, layout) for i, leaf, layout in zip(indices, leaves, layouts, strict=True)]
         return sum((jnp.sum(p * p) for p in parts), jnp.zeros((), jnp.float64))
 
-    @functools.partial(jax.jit, static_argnums=2)
-    def normalized(part: Any, norm2: Any, layout: Any) -> Any:
-        return pin(part / jnp.where(norm2 > 0, jnp.sqrt(norm2), 1), layout)
+    @functools.partial(jax.jit, static_argnums=(0, 4))
+    def dot(seed: int, indices: Any, norm2: Any, gradient: Any, layouts: Any) -> Any:
+        total = jnp.zeros((), jnp.float64)
+        for i, g, layout in zip(indices, gradient, layouts, strict=True):
+            total = total + jnp.sum(g.astype(jnp.float64) * normal(seed, i, g, layout))
+        return total / jnp.sqrt(norm2)
+
+    @functools.partial(jax.jit, static_argnums=(0, 5))
+    def moved(seed: int, index: Any, norm2: Any, leaf: Any, t: Any, layout: Any) -> Any:
+        u = normal(seed, index, leaf, layout) / jnp.sqrt(norm2)
+        return pin(leaf.astype(jnp.float64) + t * u, layout)
 
     @functools.partial(jax.jit, static_argnums=1)
     def wide(leaf: Any, layout: Any) -> Any:
         return pin(leaf.astype(jnp.float64), layout)
 
     @functools.partial(jax.jit)
-    def dot(gradient: Any, direction: Any) -> Any:
-        return sum(
-            (jnp.sum(g.astype(jnp.float64) * u) for g, u in zip(gradient, direction, strict=True)),
-            jnp.zeros((), jnp.float64),
+    def largest(leaves: Any) -> Any:
+        return jnp.max(
+            jnp.stack(
+                [jnp.max(jnp.abs(leaf)).astype(jnp.float64) for leaf in leaves if leaf.size]
+                + [jnp.ones((), jnp.float64)]
+            )
         )
 
-    @functools.partial(jax.jit, static_argnums=3)
-    def moved(leaf: Any, u: Any, t: Any, layout: Any) -> Any:
-        return pin(leaf + t * u, layout)
-
-    @functools.partial(jax.jit)
-    def largest(leaves: Any) -> Any:
-        return jnp.max(jnp.stack([jnp.max(jnp.abs(leaf)) for leaf in leaves if leaf.size] + [jnp.ones(())]))
-
-    return normal, squared_norm, normalized, wide, dot, moved, largest
+    return squared_norm, dot, moved, wide, largest
 
 
 def _scalar(value: Any, like: Any) -> Any:
@@ -83,40 +89,49 @@ def _scalar(value: Any, like: Any) -> Any:
     return jax.device_put(value, sharding)
 
 
-def random_directions(x: Any, k: int, seed: int) -> list[list[Any]]:
-    """``k`` random unit directions (float64, one array per leaf of x, in its sharding)."""
-    normal, squared_norm, normalized, *_ = _programs()
+class Direction:
+    """One random unit direction, by its seed, its number and its squared norm (a number on
+    the devices): its values are drawn where they are used."""
+
+    def __init__(self, seed: int, number: int, leaves: list[Any]) -> None:
+        self.seed = seed
+        self.indices = tuple(_scalar(np.uint32(number * len(leaves) + i), leaf) for i, leaf in enumerate(leaves))
+        self.layouts = tuple(leaf.sharding for leaf in leaves)
+        with _on_meshes(self.layouts):
+            self.norm2 = _programs()[0](seed, self.indices, list(leaves), self.layouts)
+
+
+def _on_meshes(layouts: tuple[Any, ...]) -> Any:
+    return _placement.on_mesh(layouts[0]) if layouts else contextlib.nullcontext()
+
+
+def random_directions(x: Any, k: int, seed: int) -> list[Direction]:
+    """``k`` random unit directions (float64, drawn on x's devices in each leaf's sharding)."""
     leaves = _tree.leaves(x)
-    directions = []
     with _x64():
-        for d in range(k):
-            parts = []
-            for i, leaf in enumerate(leaves):
-                with _placement.on_mesh(leaf.sharding):
-                    index = _scalar(np.uint32(d * len(leaves) + i), leaf)
-                    parts.append(normal(seed, index, tuple(leaf.shape), leaf.sharding))
-            norm2 = squared_norm(parts)
-            directions.append([normalized(p, norm2, leaf.sharding) for p, leaf in zip(parts, leaves, strict=True)])
-    return directions
+        return [Direction(seed, d, leaves) for d in range(k)]
 
 
-def dot(gradient: Any, direction: list[Any]) -> float:
+def dot(gradient: Any, direction: Direction) -> float:
     """``gradient . direction`` on the devices; one number comes back."""
     jax = sys.modules["jax"]
-    with _x64():
-        return float(jax.device_get(_programs()[4](_tree.leaves(gradient), direction)))
+    with _x64(), _on_meshes(direction.layouts):
+        total = _programs()[1](
+            direction.seed, direction.indices, direction.norm2, _tree.leaves(gradient), direction.layouts
+        )
+        return float(jax.device_get(total))
 
 
 def projected_truth(
-    f: Callable[..., Any], x: Any, contexts: tuple[Any, ...], directions: list[list[Any]], has_aux: bool
+    f: Callable[..., Any], x: Any, contexts: tuple[Any, ...], directions: list[Direction], has_aux: bool
 ) -> list[float]:
     """``u . grad f`` by Richardson-extrapolated central differences of ``t -> f(x + t u)`` in
-    float64, every point made on x's devices; one number per evaluation comes back."""
+    float64, every point made on x's devices (x itself stays at its precision: each point is
+    cast and moved in one program); one number per evaluation comes back."""
     jax = sys.modules["jax"]
-    *_, wide, _, moved, largest = _programs()
+    _, _, moved, wide, largest = _programs()
     with _x64():
         leaves, spec = _tree.flatten(x)
-        leaves = [wide(leaf, leaf.sharding) for leaf in leaves]
         values = tuple(
             _tree.map(lambda v: wide(v, v.sharding) if _float32_jax(v) else v, c.value)
             if isinstance(c, Constant)
@@ -126,14 +141,16 @@ def projected_truth(
         scale = float(jax.device_get(largest(leaves)))
         h = float(2.220446049250313e-16 ** (1 / 5)) * scale
 
-        def along(u: list[Any], t: float) -> float:
-            point = [
-                moved(leaf, p, _scalar(np.float64(t), leaf), leaf.sharding) for leaf, p in zip(leaves, u, strict=True)
-            ]
+        def along(u: Direction, t: float) -> float:
+            point = []
+            for leaf, index in zip(leaves, u.indices, strict=True):
+                with _placement.on_mesh(leaf.sharding):
+                    point.append(moved(u.seed, index, u.norm2, leaf, _scalar(np.float64(t), leaf), leaf.sharding))
             out = f(optree.tree_unflatten(spec, point), *values)
+            del point
             return float(jax.device_get(out[0] if has_aux else out))
 
-        def central(u: list[Any], step: float) -> float:
+        def central(u: Direction, step: float) -> float:
             return (along(u, step) - along(u, -step)) / (2 * step)
 
         return [(4 * central(u, h / 2) - central(u, h)) / 3 for u in directions]

@@ -633,12 +633,14 @@ def check_gradients(
     k = projections if projections is not None else (8 if size > _PROJECTION_THRESHOLD else 0)
     rng = np.random.default_rng(seed)
     placed = bool(k) and _on_device.applies(x)  # jax arrays on devices of their own: kept there
-    directions = _on_device.random_directions(x, k, seed) if placed else [_random_direction(x, rng) for _ in range(k)]
+    directions: list[Any] = (
+        list(_on_device.random_directions(x, k, seed)) if placed else [_random_direction(x, rng) for _ in range(k)]
+    )
     estimate: float | None = None
     with _warnings_apart(outside):
         if k:
             truth = (
-                np.array(_on_device.projected_truth(f, x, tuple(contexts), directions, has_aux))
+                np.array(_on_device.projected_truth(f, x, tuple(contexts), directions, has_aux), dtype=np.float64)
                 if placed
                 else _projected_truth(f, x, contexts, directions, has_aux)
             )
@@ -676,7 +678,7 @@ def check_gradients(
                     raise AssertionError(f"the call mutated {', '.join(changed[:4])}")
                 gradients[label] = gradient
                 if k:
-                    dot = _on_device.dot if placed else _dot
+                    dot: Callable[[Any, Any], float] = _on_device.dot if placed else _dot
                     got = np.array([dot(gradient, u) for u in directions])
                     _close_projections(got, truth, rtol, atol, noise, row)
                 else:
