@@ -18,7 +18,10 @@ between devices (an explicit device-to-device copy, never through the host).
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
+import threading
+from collections.abc import Callable
 from typing import Any
 
 
@@ -88,3 +91,66 @@ def on_mesh(layout: Any) -> Any:
     if isinstance(mesh, jax.sharding.Mesh):
         return jax.set_mesh(mesh)
     return contextlib.nullcontext()
+
+
+# -- inside compiled programs: results laid out as x from the start ---------------------------------
+#
+# Under a mesh with automatic axes the compiler may lay a gradient out otherwise than x (say
+# replicated, the whole model on every device), and moving it afterwards comes too late for
+# memory. A program records, while jit traces it, which traced array stands for which concrete
+# argument's layout; the engine's primitives then constrain their x-shaped results to it. A
+# prep is made for one layout of its arguments (the sharding is part of the signature), so a
+# trace's layouts hold for every later run of its program.
+
+
+class _Layouts(threading.local):
+    pending: tuple[Any, ...] | None = None
+    by_tracer: dict[int, Any] | None = None
+
+
+_layouts = _Layouts()
+
+
+def record(args: tuple[Any, ...]) -> None:
+    """Note the concrete arguments of the compiled call about to run (read only if it traces)."""
+    _layouts.pending = args
+
+
+def laid_out(program: Callable[..., Any]) -> Callable[..., Any]:
+    """``program`` (to be compiled by jax.jit) that knows its arguments' layouts while traced."""
+    jax = sys.modules["jax"]
+
+    @functools.wraps(program)
+    def traced(*args: Any) -> Any:
+        pending, _layouts.pending = _layouts.pending, None
+        if pending is None:
+            return program(*args)
+        leaves = jax.tree_util.tree_leaves(args)
+        concrete = jax.tree_util.tree_leaves(pending)
+        if len(concrete) != len(leaves):
+            return program(*args)
+        before = _layouts.by_tracer
+        _layouts.by_tracer = {
+            id(t): c.sharding
+            for t, c in zip(leaves, concrete, strict=True)
+            if isinstance(c, jax.Array) and not isinstance(c, jax.core.Tracer)
+        }
+        try:
+            return program(*args)
+        finally:
+            _layouts.by_tracer = before
+
+    return traced
+
+
+def as_inputs(results: Any, xs: Any) -> Any:
+    """x-shaped results (a gradient, a vjp) constrained to the layouts of the traced ``xs``,
+    where this trace knows them; else as they are."""
+    by_tracer = _layouts.by_tracer
+    if not by_tracer:
+        return results
+    out = []
+    for result, x in zip(results, xs, strict=True):
+        layout = by_tracer.get(id(x))
+        out.append(result if layout is None or len(layout.device_set) < 2 else pin(result, layout))
+    return type(results)(out) if isinstance(results, (tuple, list)) else out
