@@ -128,6 +128,7 @@ def main() -> None:
                 "first_call_s": round(first, 3),
                 "seconds": round(seconds, 3),
                 "peak_per_device_bytes": memory.peak,
+                "before_in_shards": round(base.peak / shard, 2),
                 "peak_in_shards": round(memory.peak / shard, 2),
                 "extra_in_shards": round((memory.peak - base.peak) / shard, 2),
             }
@@ -158,12 +159,13 @@ def main() -> None:
         "the call, the model and batch included; extra: above what was live before the call. "
         "Second call timed (the first compiles).",
         "",
-        "| operator | first call (s) | time (s) | peak per device (shards) | extra (shards) |",
-        "|---|---|---|---|---|",
+        "| operator | first call (s) | time (s) | live before (shards) | peak per device (shards) | extra (shards) |",
+        "|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
-            f"| {row['operator']} | {row['first_call_s']} | {row['seconds']} | {row['peak_in_shards']} | "
+            f"| {row['operator']} | {row['first_call_s']} | {row['seconds']} | {row['before_in_shards']} | "
+            f"{row['peak_in_shards']} | "
             f"{row['extra_in_shards']} |"
         )
     lines += ["", f"jax {jax.__version__}, {platform.machine()}, {os.cpu_count()} CPUs (shared)."]

@@ -152,5 +152,8 @@ def as_inputs(results: Any, xs: Any) -> Any:
     out = []
     for result, x in zip(results, xs, strict=True):
         layout = by_tracer.get(id(x))
+        while layout is None and hasattr(x, "primal"):  # inside a forward-mode pass (an hvp)
+            x = x.primal
+            layout = by_tracer.get(id(x))
         out.append(result if layout is None or len(layout.device_set) < 2 else pin(result, layout))
     return type(results)(out) if isinstance(results, (tuple, list)) else out
