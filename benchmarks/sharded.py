@@ -50,10 +50,8 @@ class PeakMemory:
             per_device: dict[object, int] = defaultdict(int)
             for array in jax.live_arrays():
                 try:  # (from the sharding: reading addressable_shards would make arrays of its own)
-                    sharding = array.sharding
-                    nbytes = int(np.prod(sharding.shard_shape(array.shape))) * array.dtype.itemsize
-                    for device in sharding.device_set:
-                        per_device[device] += nbytes
+                    for device in array.sharding.device_set:
+                        per_device[device] += _shard_bytes(array, device)
                 except Exception:  # an array deleted while it was being read
                     continue
             self.peak = max(self.peak, max(per_device.values(), default=0))
@@ -67,6 +65,14 @@ class PeakMemory:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def _shard_bytes(array, device) -> int:
+    """The bytes of ``array``'s shard on ``device``, from its sharding (``addressable_shards``
+    would keep an array per shard alive, counted twice by the sampler)."""
+    if device not in array.sharding.device_set:
+        return 0
+    return int(np.prod(array.sharding.shard_shape(array.shape))) * array.dtype.itemsize
 
 
 def loss(p, x):
@@ -94,8 +100,8 @@ def main() -> None:
     batch = put((BATCH, WIDTH), "data", None)
     size = sum(leaf.size for leaf in params.values())
     device = jax.devices()[0]
-    shard = sum(s.data.nbytes for leaf in params.values() for s in leaf.addressable_shards if s.device == device)
-    batch_shard = sum(s.data.nbytes for s in batch.addressable_shards if s.device == device)
+    shard = sum(_shard_bytes(leaf, device) for leaf in params.values())
+    batch_shard = _shard_bytes(batch, device)
     print(f"{size:,} parameters, {shard / 2**20:.2f} MiB per device (batch {batch_shard / 2**20:.2f} MiB)")
     be = di.AutoJAX()
     scalar = jax.device_put(np.float32(1.0), NamedSharding(mesh, PartitionSpec()))
