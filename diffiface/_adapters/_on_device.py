@@ -87,6 +87,25 @@ def _programs() -> Any:
     return steps, bumped, assemble, subtract, tangent_step, along, quotient
 
 
+def finite(txs: Leaves) -> bool:
+    """Whether every entry of the tangent is finite: one boolean comes back, by an explicit
+    ``jax.device_get`` (a non-finite entry takes the numpy path, which gives ``J[:, i] * t_i``
+    as forward mode would)."""
+    jax = sys.modules["jax"]
+    return bool(jax.device_get(_all_finite(tuple(txs))))
+
+
+@functools.cache
+def _finite_program() -> Any:
+    jax = sys.modules["jax"]
+    jnp = sys.modules["jax.numpy"]
+    return jax.jit(lambda ts: jnp.all(jnp.stack([jnp.all(jnp.isfinite(t)) for t in ts] or [jnp.bool_(True)])))
+
+
+def _all_finite(txs: Leaves) -> Any:
+    return _finite_program()(txs)
+
+
 def _index(i: int, like: Any) -> Any:
     """The coordinate ``i`` on ``like``'s devices, replicated (an explicit transfer of an int)."""
     jax = sys.modules["jax"]

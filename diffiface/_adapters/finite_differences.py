@@ -566,8 +566,10 @@ class Adapter(_base.Adapter):
         return out, aux, vjp
 
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
-        if _on_device.applies(xs, self.method, self.fixed_step, self.vectorize) and all(
-            isinstance(t, sys.modules["jax"].Array) for t in txs
+        if (
+            _on_device.applies(xs, self.method, self.fixed_step, self.vectorize)
+            and all(isinstance(t, sys.modules["jax"].Array) for t in txs)
+            and _on_device.finite(txs)
         ):
             return _on_device.value_and_pushforward(fn, xs, txs, self.method, self.backend.name)
         point, out, aux, value, layout = self._start(fn, xs)

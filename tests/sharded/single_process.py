@@ -132,6 +132,10 @@ def run_mesh(axis_type: AxisType) -> None:
         tj = di.jvp(out, fd, params, params, di.Constant(batch))
     check(f"{tag} fd jvp layout", same_layout(tj, ty), str(tj.sharding))
     check(f"{tag} fd jvp values", np.allclose(np.asarray(tj), np.asarray(expected["jvp"]), rtol=2e-2, atol=2e-3))
+    # a non-finite tangent entry: J[:, i] * t_i, as forward mode (through numpy), never all NaN
+    t_inf = put(np.where(np.arange(8) == 2, np.inf, 0.0).astype(np.float32), None)
+    ti = di.jvp(lambda v: v * v, fd, put(np.linspace(0, 1, 8, dtype=np.float32), None), t_inf)
+    check(f"{tag} fd jvp non-finite", np.isinf(np.asarray(ti)[2]) and not np.isnan(np.asarray(ti)[3]), str(ti))
     try:
         with jax.transfer_guard("disallow"):
             g = di.gradient(loss, fd, params, di.Constant(batch))
