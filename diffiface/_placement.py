@@ -38,6 +38,23 @@ def like_x(value: Any, like: Any) -> Any:
     return sys.modules["jax"].device_put(value, wanted)
 
 
+def on_devices_of(value: Any, like: Any) -> Any:
+    """A jax array shaped otherwise than x (f's output, from a numpy computation) on x's
+    devices: on x's one device, or replicated over x's mesh."""
+    if _is_tracer(value) or _is_tracer(like):
+        return value
+    jax = sys.modules["jax"]
+    wanted = getattr(like, "sharding", None)
+    if isinstance(wanted, jax.sharding.NamedSharding):
+        wanted = jax.sharding.NamedSharding(wanted.mesh, jax.sharding.PartitionSpec())
+    elif not isinstance(wanted, jax.sharding.SingleDeviceSharding):
+        return value
+    found = value.sharding
+    if found == wanted or found.is_equivalent_to(wanted, len(value.shape)):
+        return value
+    return jax.device_put(value, wanted)
+
+
 def block_like(value: Any, like: Any) -> Any:
     """A Jacobian or Hessian block (a jax array of shape ``(*lead, *like.shape)``) sharded as
     ``like`` along its trailing dims and replicated along the leading ones."""

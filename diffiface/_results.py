@@ -195,7 +195,8 @@ def _to_family(value: Any, family: str, python_x: bool, like: Any) -> Any:
     if kind not in ("python", "numpy", "autograd", "jax", "torch"):
         return value
     array = np.asarray(_arrays.to_numpy(value))
-    return _arrays.from_numpy(array, like, dtype=_framework_dtype(array.dtype, family))
+    converted = _arrays.from_numpy(array, like, dtype=_framework_dtype(array.dtype, family))
+    return _placement.on_devices_of(converted, like) if family == "jax" else converted
 
 
 def _framework_dtype(dtype: np.dtype[Any], family: str) -> Any:

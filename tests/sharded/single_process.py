@@ -185,7 +185,7 @@ def run_device_three() -> None:
     dev = jax.devices()[3]
     x = jax.device_put(jnp.linspace(0.1, 1.0, 6, dtype=jnp.float32), dev)
     t = jax.device_put(jnp.ones(6, jnp.float32), dev)
-    for backend in (di.AutoJAX(), di.AutoJAX(jit=False), di.AutoFiniteDifferences()):
+    for backend in (di.AutoJAX(), di.AutoJAX(jit=False), di.AutoFiniteDifferences(), di.AutoScipy()):
         for name, call in (
             ("gradient", lambda backend=backend: di.gradient(lambda v: jnp.sum(jnp.sin(v)), backend, x)),
             ("jvp", lambda backend=backend: di.jvp(jnp.sin, backend, x, t)),
