@@ -116,6 +116,9 @@ def leaf_signature(leaf: Any) -> tuple[Any, ...]:
         return (k, type(leaf))
     if k == "other":
         return (k, type(leaf), *_foreign_tree(leaf))
+    if k == "jax" and not isinstance(leaf, sys.modules["jax"].core.Tracer):
+        # where its shards live: results are laid out as x (diffiface._placement)
+        return (k, tuple(leaf.shape), leaf.dtype, leaf.sharding)
     return (k, tuple(getattr(leaf, "shape", ())), getattr(leaf, "dtype", type(leaf)))
 
 

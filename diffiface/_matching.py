@@ -10,6 +10,7 @@ prep on the leaves. Either way, no signature is built."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -93,7 +94,12 @@ def _same_as(leaf: Any) -> tuple[type, Callable[[Any], bool] | None]:
 
     def same_jax(value: Any) -> bool:
         aval = value.aval
-        return aval.shape == shape and aval.dtype == dtype  # type: ignore[no-any-return]
+        if aval.shape != shape or aval.dtype != dtype:
+            return False
+        if sharding is None:  # (a traced x: its layout is the trace's)
+            return True
+        found = value.sharding  # (results are laid out as x: another layout is another prep)
+        return found is sharding or found == sharding  # type: ignore[no-any-return]
 
     def same_numpy(value: Any) -> bool:
         return value.shape == shape and value.dtype == dtype  # type: ignore[no-any-return]
@@ -104,6 +110,8 @@ def _same_as(leaf: Any) -> tuple[type, Callable[[Any], bool] | None]:
     if kind == "torch":
         device = leaf.device
         return type(leaf), same_torch
+    concrete = kind == "jax" and not isinstance(leaf, sys.modules["jax"].core.Tracer)
+    sharding = leaf.sharding if concrete else None
     return type(leaf), {"jax": same_jax, "numpy": same_numpy}.get(kind)
 
 

@@ -198,6 +198,8 @@ def _describe_leaf(signature: tuple[Any, ...]) -> str:
     text = f"a {kind} array of shape {shape} and dtype {dtype}"
     if kind == "torch":
         text += f" on {signature[3]}"
+    if kind == "jax" and len(signature) > 3:
+        text += f" laid out as {signature[3]}"
     return text
 
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import optree
 
-from . import _arrays
+from . import _arrays, _placement
 from . import tree as _tree
 from ._call import _ARRAY_KINDS, _LEAF, Call, Operator
 
@@ -40,7 +40,9 @@ def _finisher(
 
     x_dtypes = [_weak_or_dtype(leaf) for leaf in x_likes]
 
-    def block(value: Any, dtype: str | None) -> Any:
+    def block(value: Any, dtype: str | None, like_j: Any = None) -> Any:
+        if family == "jax" and like_j is not None:  # laid out as x_j (_placement's rule)
+            return _cast(_placement.block_like(as_y(value), like_j), dtype)
         return _cast(as_y(value), dtype)
 
     def convert(kind: str, value: Any) -> Any:
@@ -67,19 +69,21 @@ def _finisher(
         if kind == "jacobian":
             dtypes = _padded(output.dtypes, len(value))
             if single_x and output.spec is _LEAF:
-                return block(value[0][0], promoted_dtype(dtypes[0], x_dtypes[0]))
+                return block(value[0][0], promoted_dtype(dtypes[0], x_dtypes[0]), like)
             rows = [
                 optree.tree_unflatten(
-                    x_spec, [block(b, promoted_dtype(dy, dx)) for b, dx in zip(row, x_dtypes, strict=True)]
+                    x_spec,
+                    [block(b, promoted_dtype(dy, dx), lx) for b, dx, lx in zip(row, x_dtypes, x_likes, strict=True)],
                 )
                 for row, dy in zip(value, dtypes, strict=True)
             ]
             return optree.tree_unflatten(output.spec, rows)
         if single_x:
-            return block(value[0][0], x_dtypes[0])
+            return block(value[0][0], x_dtypes[0], like)
         rows = [
             optree.tree_unflatten(
-                x_spec, [block(b, promoted_dtype(di, dj)) for b, dj in zip(row, x_dtypes, strict=True)]
+                x_spec,
+                [block(b, promoted_dtype(di, dj), lj) for b, dj, lj in zip(row, x_dtypes, x_likes, strict=True)],
             )
             for row, di in zip(value, x_dtypes, strict=True)
         ]
@@ -111,15 +115,26 @@ def _finisher(
         # the hot path of gradient, vjp and hvp on one array: no tree to rebuild, and most
         # often nothing to convert
         cls, dtype, tensor = type(like), like.dtype, _arrays.kind(like) == "torch"
+        sharding = getattr(like, "sharding", None)  # jax: the result stays laid out as x
 
         def mirror(value: Any) -> Any:
-            if type(value) is cls and value.dtype == dtype and not (tensor and value.requires_grad):
+            if (
+                type(value) is cls
+                and value.dtype == dtype
+                and not (tensor and value.requires_grad)
+                and (sharding is None or value.sharding is sharding or value.sharding == sharding)
+            ):
                 return value
             return _mirror(value, like)
 
         def first(native: tuple[Any, ...]) -> Any:
             value = native[0][0]
-            if type(value) is cls and value.dtype == dtype and not (tensor and value.requires_grad):
+            if (
+                type(value) is cls
+                and value.dtype == dtype
+                and not (tensor and value.requires_grad)
+                and (sharding is None or value.sharding is sharding or value.sharding == sharding)
+            ):
                 return value
             return _mirror(value, like)
 
@@ -201,7 +216,8 @@ def _to_family(value: Any, family: str, python_x: bool, like: Any) -> Any:
     if kind not in ("python", "numpy", "autograd", "jax", "torch"):
         return value
     array = np.asarray(_arrays.to_numpy(value))
-    return _arrays.from_numpy(array, like, dtype=_framework_dtype(array.dtype, family))
+    converted = _arrays.from_numpy(array, like, dtype=_framework_dtype(array.dtype, family))
+    return _placement.on_devices_of(converted, like) if family == "jax" else converted
 
 
 def _framework_dtype(dtype: np.dtype[Any], family: str) -> Any:
@@ -226,7 +242,9 @@ def _mirror(value: Any, like: Any) -> Any:
             value = value.detach()
         return value if value.dtype == like.dtype else value.to(like.dtype)
     if kind == "jax" and value_kind == "jax":
-        return value if value.dtype == like.dtype else value.astype(like.dtype)
-    if kind in ("torch", "jax"):
+        return _placement.like_x(value if value.dtype == like.dtype else value.astype(like.dtype), like)
+    if kind == "jax":
+        return _placement.like_x(_arrays.from_numpy(np.asarray(_arrays.to_numpy(value)), like), like)
+    if kind == "torch":
         return _arrays.from_numpy(np.asarray(_arrays.to_numpy(value)), like)
     return value

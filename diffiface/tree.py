@@ -162,6 +162,9 @@ def ravel(tree: PyTree) -> tuple[Any, Callable[[Any], PyTree]]:
         )
     xp = _namespace(family)
     wide = family == "jax" and any(_arrays.dtype_name(leaf) == "float64" for leaf in leaves_)
+    placed = _placed_on_one_mesh(leaves_) if family == "jax" else None
+    if placed is not None:
+        return _ravel_on_devices(leaves_, spec, placed, wide)
     with _x64(wide):  # jax makes float64 arrays only where x64 is on: on here, never globally
         arrays = [_as_family(leaf, kind, family) for leaf, kind in zip(leaves_, kinds, strict=True)]
         shapes = [tuple(a.shape) for a in arrays]
@@ -181,6 +184,64 @@ def ravel(tree: PyTree) -> tuple[Any, Callable[[Any], PyTree]]:
                 piece = _cast(piece, dtype, family)
                 rebuilt.append(_python_scalar(piece) if kind == "python" else piece)
         return optree.tree_unflatten(spec, rebuilt)
+
+    return flat, unravel
+
+
+def _placed_on_one_mesh(leaves_: list[Any]) -> Any:
+    """The mesh of jax leaves that are all sharded over one mesh (not traced); else None."""
+    jax = sys.modules["jax"]
+    meshes = set()
+    for leaf in leaves_:
+        if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
+            return None
+        sharding = leaf.sharding
+        if not isinstance(sharding, jax.sharding.NamedSharding):
+            return None
+        meshes.add(sharding.mesh)
+    return next(iter(meshes)) if len(meshes) == 1 and len(next(iter(meshes)).devices.flat) > 1 else None
+
+
+def _ravel_on_devices(leaves_: list[Any], spec: Any, mesh: Any, wide: bool) -> tuple[Any, Callable[[Any], PyTree]]:
+    """ravel for leaves sharded over one mesh: the flat vector is made on the mesh's devices,
+    sharded along all its axes (replicated when its size does not divide), and unravel gives
+    back each leaf's sharding; nothing goes through the host."""
+    jax = sys.modules["jax"]
+    jnp = sys.modules["jax.numpy"]
+    shapes = [tuple(leaf.shape) for leaf in leaves_]
+    dtypes = [leaf.dtype for leaf in leaves_]
+    shardings = [leaf.sharding for leaf in leaves_]
+    sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+    offsets = [int(o) for o in np.cumsum([0, *sizes])]
+    total = offsets[-1]
+    axes = tuple(mesh.axis_names)
+    split = jax.sharding.PartitionSpec(axes) if total % mesh.devices.size == 0 else jax.sharding.PartitionSpec()
+    flat_sharding = jax.sharding.NamedSharding(mesh, split)
+    explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+
+    def program(body: Callable[[Any], Any], out: Any) -> Callable[[Any], Any]:
+        if explicit:  # (reshapes across sharded dims are the compiler's to lay out)
+            return jax.jit(lambda arg: jax.sharding.auto_axes(body, out_sharding=out)(arg))  # type: ignore[no-any-return]
+        return jax.jit(body, out_shardings=out)  # type: ignore[no-any-return]
+
+    def join(arrays: list[Any]) -> Any:
+        return jnp.concatenate([a.reshape(-1) for a in arrays])
+
+    def part(vector: Any) -> list[Any]:
+        return [
+            vector[offsets[i] : offsets[i + 1]].reshape(shape).astype(dtype)
+            for i, (shape, dtype) in enumerate(zip(shapes, dtypes, strict=True))
+        ]
+
+    with _x64(wide):
+        flat = program(join, flat_sharding)(list(leaves_))
+    flat_dtype = _arrays.dtype_name(flat)
+    parts = program(part, shardings)
+
+    def unravel(vector: Any) -> PyTree:
+        _check_vector(vector, "jax", total, flat_dtype)
+        with _x64(wide):
+            return optree.tree_unflatten(spec, parts(vector))
 
     return flat, unravel
 

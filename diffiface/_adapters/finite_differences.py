@@ -41,7 +41,7 @@ from .._errors import (
     MutationError,
     UnsupportedOperationError,
 )
-from . import _base
+from . import _base, _on_device
 from ._base import Blocks, Deferred, Fn, Leaves
 
 _POWER = {"central": 1 / 3, "forward": 1 / 2, "backward": 1 / 2}
@@ -542,6 +542,8 @@ class Adapter(_base.Adapter):
 
     def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
         self._check_size(xs, "A gradient")
+        if _on_device.applies(xs, self.method, self.fixed_step, self.vectorize):
+            return _on_device.value_and_gradient(fn, xs, self.method, self.backend.name)
         point, out, aux, value, layout = self._start(fn, xs)
         columns = self._unit_columns(fn, point, value, layout)
         grad = np.array([column[0] for column in columns], dtype=np.float64)
@@ -572,6 +574,12 @@ class Adapter(_base.Adapter):
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
         if _sharded_torch(xs) or _sharded_torch(txs):
             return self._sharded_pushforward(fn, xs, txs)
+        if (
+            _on_device.applies(xs, self.method, self.fixed_step, self.vectorize)
+            and all(isinstance(t, sys.modules["jax"].Array) for t in txs)
+            and _on_device.finite(txs)
+        ):
+            return _on_device.value_and_pushforward(fn, xs, txs, self.method, self.backend.name)
         point, out, aux, value, layout = self._start(fn, xs)
         direction = _Point(txs).vector if txs else np.zeros(0)
         finite = np.isfinite(direction)

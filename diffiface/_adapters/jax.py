@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .. import _arrays
+from .. import _arrays, _placement
 from .._errors import MutationError
 from . import _base
 from ._base import Blocks, Fn, Leaves, raised_by, raised_inside
@@ -83,8 +83,16 @@ class Adapter(_base.Adapter):
     def compile(self, program: Callable[..., Any], static: bool = True, arrays: bool = False) -> Callable[..., Any]:
         if not self.compiles:
             return program
+        program = _placement.laid_out(program)
         if arrays:
-            return jax.jit(program, static_argnums=3 if static else ())  # type: ignore[no-any-return]
+            compiled = jax.jit(program, static_argnums=3 if static else ())
+            record = _placement.record
+
+            def call(*args: Any) -> Any:
+                record(args)
+                return compiled(*args)
+
+            return call
         # jit returns arrays only; the other leaves of a result (an aux holding a string,
         # say) are kept from the trace, per value of the static argument.
         kept: dict[Any, tuple[Any, list[bool], list[Any]] | None] = {}
@@ -103,6 +111,7 @@ class Adapter(_base.Adapter):
         jitted = jax.jit(arrays_only, static_argnums=3 if static else ())
 
         def run(*args: Any) -> Any:
+            _placement.record(args)
             out = jitted(*args)
             found = kept[args[3] if static else None]
             if found is None:
@@ -144,7 +153,7 @@ class Adapter(_base.Adapter):
 
     def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
         out, vjp, aux = jax.vjp(fn, xs, has_aux=True)
-        return out, aux, lambda touts: vjp(touts)[0]
+        return out, aux, lambda touts: _placement.as_inputs(vjp(touts)[0], xs)
 
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
         out, tout, aux = jax.jvp(fn, (xs,), (txs,), has_aux=True)
@@ -152,7 +161,7 @@ class Adapter(_base.Adapter):
 
     def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
         (value, aux), grads = jax.value_and_grad(fn, has_aux=True)(xs)
-        return value, aux, grads
+        return value, aux, _placement.as_inputs(grads, xs)
 
     def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Blocks]:
         if len({x.dtype for x in xs}) > 1:

@@ -20,6 +20,7 @@ from .. import tree as _tree
 from .._adapters import available, info, install_hint, normalize
 from .._backends import AutoFiniteDifferences, AutoJAX, AutoScipy, AutoTorch, Backend, SecondOrder
 from .._errors import FrameworkMismatchError, PreparationMismatchError, UnsupportedOperationError
+from . import _on_device
 from ._compare import assert_allclose, default_tolerances, max_errors
 from ._scenario import Scenario, promote, promote_contexts, shifted
 from ._snapshot import changes, snapshot
@@ -632,7 +633,14 @@ def check_gradients(
     noise = _difference_noise(_sharded_scalar(value) if sharded else value, size)
     k = projections if projections is not None else (8 if size > _PROJECTION_THRESHOLD or sharded else 0)
     rng = np.random.default_rng(seed)
-    directions = [_sharded_direction(x, seed, i) if sharded else _random_direction(x, rng) for i in range(k)]
+    placed = bool(k) and not sharded and _on_device.applies(x)  # jax arrays on devices of their own: kept there
+    directions: list[Any]
+    if sharded:
+        directions = [_sharded_direction(x, seed, i) for i in range(k)]
+    elif placed:
+        directions = list(_on_device.random_directions(x, k, seed))
+    else:
+        directions = [_random_direction(x, rng) for _ in range(k)]
     projected: dict[str, np.ndarray] = {}
     estimate: float | None = None
     with _warnings_apart(outside):
@@ -640,7 +648,11 @@ def check_gradients(
             truth = _sharded_projected_truth(f, x, contexts, directions, has_aux)
             truth_label = "central differences along random directions (float64, collective)"
         elif k:
-            truth = _projected_truth(f, x, contexts, directions, has_aux)
+            truth = (
+                np.array(_on_device.projected_truth(f, x, tuple(contexts), directions, has_aux), dtype=np.float64)
+                if placed
+                else _projected_truth(f, x, contexts, directions, has_aux)
+            )
             truth_label = "central differences along random directions (float64)"
         else:
             reference_backend = normalize(reference) if reference is not None else AutoFiniteDifferences()
@@ -676,7 +688,9 @@ def check_gradients(
                     raise AssertionError(f"the call mutated {', '.join(changed[:4])}")
                 gradients[label] = gradient
                 if k:
-                    dot = _sharded_dot if sharded else _dot
+                    dot: Callable[[Any, Any], float] = (
+                        _sharded_dot if sharded else _on_device.dot if placed else _dot
+                    )
                     got = projected[label] = np.array([dot(gradient, u) for u in directions])
                     _close_projections(got, truth, rtol, atol, noise, row)
                 else:

@@ -53,7 +53,13 @@ def _state(leaf: Any) -> dict[str, Any] | None:
     if kind == "numpy":
         return {"": np.array(leaf, copy=True)}
     if kind == "jax":
-        return {"": _jax_copy(leaf)} if not _is_tracer(leaf) else None
+        if _is_tracer(leaf):
+            return None
+        if _placed(leaf):
+            # a jax array cannot change in place, only be deleted (a donated buffer): the array
+            # itself is its state, and its shards stay on their devices
+            return {"": _Held(leaf)}
+        return {"": _jax_copy(leaf)}
     if kind == "torch":
         return _tensor_state("", leaf)
     torch = sys.modules.get("torch")
@@ -81,6 +87,26 @@ def _jax_copy(leaf: Any) -> np.ndarray:
     if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
         return np.array(jax.random.key_data(leaf), copy=True)
     return np.array(leaf, copy=True)
+
+
+def _placed(leaf: Any) -> bool:
+    """Whether a jax array spans several devices or lives away from the default one."""
+    devices = leaf.sharding.device_set
+    return len(devices) > 1 or devices != {sys.modules["jax"].devices()[0]}
+
+
+class _Held:
+    """A jax array's identity, and whether its buffers were deleted."""
+
+    __slots__ = ("array", "deleted")
+
+    def __init__(self, array: Any) -> None:
+        self.array, self.deleted = array, array.is_deleted()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Held) and other.array is self.array and other.deleted == self.deleted
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 def _is_tracer(leaf: Any) -> bool:

@@ -1,0 +1,190 @@
+"""Finite differences on jax arrays that live on devices of their own (sharded over several, or
+committed to one other than the default): every perturbed point is made on x's devices, with
+x's sharding, and the differences are taken there; nothing goes through the host.
+
+The steps are those of the numpy path: ``eps**p * max(1, |x_i|)`` per coordinate for a gradient
+(rounded so that ``x_i + h`` is exact), ``eps**p * max(1, max|x|) / max|t|`` along a tangent.
+The arithmetic runs in small compiled programs (jax's eager arithmetic would send Python
+constants from the host); a coordinate's index goes to the devices explicitly, a few bytes.
+Only the first-order operators of a scalar ``f`` (gradient) and of any ``f`` along a tangent
+(jvp, derivative) take this path; the others build matrices in numpy.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+from typing import Any
+
+import numpy as np
+
+from .. import _placement
+from .._errors import InvalidOutputError
+from ._base import Deferred, Fn, Leaves
+
+_POWER = {"central": 1 / 3, "forward": 1 / 2, "backward": 1 / 2}
+
+
+def applies(xs: Leaves, method: str, fixed_step: float | None, vectorize: bool) -> bool:
+    """Whether x is all jax arrays placed away from the default device (sharded, or committed
+    elsewhere), and the method is one this path takes."""
+    jax = sys.modules.get("jax")
+    if jax is None or not xs or method not in _POWER or fixed_step is not None or vectorize:
+        return False
+    if not all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) for x in xs):
+        return False
+    default = jax.devices()[0]
+    return any(len(x.sharding.device_set) > 1 or x.sharding.device_set != {default} for x in xs)
+
+
+@functools.cache
+def _programs() -> Any:
+    jax = sys.modules["jax"]
+    jnp = sys.modules["jax.numpy"]
+
+    # (each result is pinned to x's layout: the compiler would otherwise choose its own)
+    pin = _placement.pin
+
+    @functools.partial(jax.jit, static_argnums=(1, 2))
+    def steps(leaf: Any, power: float, layout: Any) -> Any:
+        h = jnp.finfo(leaf.dtype).eps ** power * jnp.maximum(1, jnp.abs(leaf))
+        return pin((leaf + h) - leaf, layout)  # exact: x + h is representable
+
+    def mask(leaf: Any, index: Any, layout: Any) -> Any:
+        # the coordinate as a mask laid out as x (a sharded dimension takes no dynamic index)
+        return pin(jnp.arange(leaf.size).reshape(leaf.shape) == index, layout)
+
+    @functools.partial(jax.jit, static_argnums=(3, 4))
+    def bumped(leaf: Any, h: Any, index: Any, sign: int, layout: Any) -> Any:
+        return pin(jnp.where(mask(leaf, index, layout), leaf + sign * h, leaf), layout)
+
+    @functools.partial(jax.jit, static_argnums=(2, 3))
+    def assemble(differences: Any, h: Any, divisor: int, layout: Any) -> Any:
+        flat = jnp.stack([d.reshape(-1)[0] for d in differences]).astype(h.dtype)
+        return pin(flat.reshape(h.shape) / (divisor * h), layout)
+
+    @functools.partial(jax.jit)
+    def subtract(a: Any, b: Any) -> Any:
+        return a - b
+
+    @functools.partial(jax.jit, static_argnums=2)
+    def tangent_step(xs: Any, ts: Any, power: float) -> Any:
+        eps = max(float(jnp.finfo(x.dtype).eps) for x in xs)
+        size = jnp.max(jnp.stack([jnp.max(jnp.abs(x)).astype(jnp.float32) for x in xs if x.size] or [jnp.zeros(())]))
+        scale = jnp.max(jnp.stack([jnp.max(jnp.abs(t)).astype(jnp.float32) for t in ts if t.size] or [jnp.zeros(())]))
+        h = eps**power * jnp.maximum(1, size) / jnp.where(scale == 0, 1, scale)
+        return h, scale == 0
+
+    @functools.partial(jax.jit, static_argnums=(3, 4))
+    def along(x: Any, t: Any, h: Any, sign: int, layout: Any) -> Any:
+        return pin((x + (sign * h * t).astype(x.dtype)).astype(x.dtype), layout)
+
+    @functools.partial(jax.jit, static_argnums=3)
+    def quotient(a: Any, b: Any, h: Any, divisor: int, zero: Any) -> Any:
+        return jnp.where(zero, jnp.zeros_like(a), (a - b) / (divisor * h).astype(a.dtype))
+
+    return steps, bumped, assemble, subtract, tangent_step, along, quotient
+
+
+def finite(txs: Leaves) -> bool:
+    """Whether every entry of the tangent is finite: one boolean comes back, by an explicit
+    ``jax.device_get`` (a non-finite entry takes the numpy path, which gives ``J[:, i] * t_i``
+    as forward mode would)."""
+    jax = sys.modules["jax"]
+    return bool(jax.device_get(_all_finite(tuple(txs))))
+
+
+@functools.cache
+def _finite_program() -> Any:
+    jax = sys.modules["jax"]
+    jnp = sys.modules["jax.numpy"]
+    return jax.jit(lambda ts: jnp.all(jnp.stack([jnp.all(jnp.isfinite(t)) for t in ts] or [jnp.bool_(True)])))
+
+
+def _all_finite(txs: Leaves) -> Any:
+    return _finite_program()(txs)
+
+
+def _index(i: int, like: Any) -> Any:
+    """The coordinate ``i`` on ``like``'s devices, replicated (an explicit transfer of an int)."""
+    jax = sys.modules["jax"]
+    sharding = like.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return jax.device_put(np.int32(i), sharding)
+
+
+def _run(fn: Fn, leaves: Leaves, backend_name: str) -> tuple[Any, Any]:
+    from .finite_differences import run_f  # (one module imports the other)
+
+    return run_f(fn, tuple(leaves), backend_name)  # type: ignore[no-any-return]
+
+
+def value_and_gradient(fn: Fn, xs: Leaves, method: str, backend_name: str) -> tuple[Any, Any, Leaves]:
+    evaluated = Deferred(lambda: _run(fn, xs, backend_name))
+    value = None
+    if method != "central":
+        value = _scalar(evaluated.force()[0])
+    grads = []
+    for k, leaf in enumerate(xs):
+        layout = leaf.sharding
+        with _placement.on_mesh(layout):
+            grads.append(_leaf_gradient(fn, xs, k, method, value, backend_name))
+    out = Deferred(lambda: evaluated.force()[0])
+    aux = Deferred(lambda: evaluated.force()[1])
+    return out, aux, tuple(grads)
+
+
+def _leaf_gradient(fn: Fn, xs: Leaves, k: int, method: str, value: Any, backend_name: str) -> Any:
+    steps, bumped, assemble, subtract, *_ = _programs()
+    leaf = xs[k]
+    layout = leaf.sharding
+    h = steps(leaf, _POWER[method], layout)
+    differences = []
+    for i in range(math.prod(leaf.shape)):
+        index = _index(i, leaf)
+
+        def at(sign: int, index: Any = index) -> Any:
+            moved = (*xs[:k], bumped(leaf, h, index, sign, layout), *xs[k + 1 :])
+            return _scalar(_run(fn, moved, backend_name)[0])
+
+        if method == "central":
+            differences.append(subtract(at(1), at(-1)))
+        elif method == "forward":
+            differences.append(subtract(at(1), value))
+        else:
+            differences.append(subtract(value, at(-1)))
+    # one program at the end: the differences (replicated numbers) divided by the steps, in x's
+    # layout; no collective besides f's own
+    return assemble(tuple(differences), h, 2 if method == "central" else 1, layout)
+
+
+def value_and_pushforward(fn: Fn, xs: Leaves, txs: Leaves, method: str, backend_name: str) -> tuple[Any, Any, Any]:
+    jax = sys.modules["jax"]
+    *_, tangent_step, along, quotient = _programs()
+    h, zero = tangent_step(tuple(xs), tuple(txs), _POWER[method])
+    evaluated = Deferred(lambda: _run(fn, xs, backend_name))
+
+    def at(sign: int) -> Any:
+        moved = []
+        for x, t in zip(xs, txs, strict=True):
+            with _placement.on_mesh(x.sharding):
+                moved.append(along(x, t, h, sign, x.sharding))
+        return _run(fn, tuple(moved), backend_name)[0]
+
+    if method == "central":
+        plus, minus, divisor = at(1), at(-1), 2
+    elif method == "forward":
+        plus, minus, divisor = at(1), evaluated.force()[0], 1
+    else:
+        plus, minus, divisor = evaluated.force()[0], at(-1), 1
+    tout = jax.tree_util.tree_map(lambda a, b: quotient(a, b, h, divisor, zero), plus, minus)
+    return Deferred(lambda: evaluated.force()[0]), Deferred(lambda: evaluated.force()[1]), tout
+
+
+def _scalar(out: Any) -> Any:
+    leaves = sys.modules["jax"].tree_util.tree_leaves(out)
+    if len(leaves) != 1 or getattr(leaves[0], "size", 1) != 1:
+        raise InvalidOutputError("a gradient needs f to return a scalar")
+    return leaves[0]
