@@ -128,8 +128,8 @@ class _Layouts(threading.local):
 _layouts = _Layouts()
 
 
-def record(args: tuple[Any, ...]) -> None:
-    """Note the concrete arguments of the compiled call about to run (read only if it traces)."""
+def record(args: tuple[Any, ...] | None) -> None:
+    """Note the concrete arguments of the compiled call about to run (read only if it traces); None after it."""
     _layouts.pending = args
 
 

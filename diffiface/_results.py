@@ -146,15 +146,22 @@ def _finisher(
     ):
         # a gradient, vjp or hvp of a tree of arrays: where each leaf came back in its type and
         # dtype (and for torch, detached), the tree is only rebuilt
-        expected = [(type(leaf), leaf.dtype, _arrays.kind(leaf) == "torch") for leaf in x_likes]
+        expected = [
+            (type(leaf), leaf.dtype, _arrays.kind(leaf) == "torch", getattr(leaf, "sharding", None)) for leaf in x_likes
+        ]
         unflatten = optree.tree_unflatten
         count = len(expected)
 
         def tree(native: tuple[Any, ...]) -> Any:
             values = native[0]
             if len(values) == count:
-                for value, (cls, dtype, tensor) in zip(values, expected, strict=False):
-                    if type(value) is not cls or value.dtype != dtype or (tensor and value.requires_grad):
+                for value, (cls, dtype, tensor, sharding) in zip(values, expected, strict=False):
+                    if (
+                        type(value) is not cls
+                        or value.dtype != dtype
+                        or (tensor and value.requires_grad)
+                        or (sharding is not None and value.sharding is not sharding and value.sharding != sharding)
+                    ):
                         return finish(native)
                 return unflatten(x_spec, list(values))
             return finish(native)  # pragma: no cover - the engine returns one leaf per leaf of x

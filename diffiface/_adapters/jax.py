@@ -90,7 +90,10 @@ class Adapter(_base.Adapter):
 
             def call(*args: Any) -> Any:
                 record(args)
-                return compiled(*args)
+                try:
+                    return compiled(*args)
+                finally:
+                    record(None)  # (a stale record would keep the last call's arrays alive)
 
             return call
         # jit returns arrays only; the other leaves of a result (an aux holding a string,
@@ -112,7 +115,10 @@ class Adapter(_base.Adapter):
 
         def run(*args: Any) -> Any:
             _placement.record(args)
-            out = jitted(*args)
+            try:
+                out = jitted(*args)
+            finally:
+                _placement.record(None)
             found = kept[args[3] if static else None]
             if found is None:
                 return out
