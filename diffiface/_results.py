@@ -115,7 +115,7 @@ def _finisher(
         # the hot path of gradient, vjp and hvp on one array: no tree to rebuild, and most
         # often nothing to convert
         cls, dtype, tensor = type(like), like.dtype, _arrays.kind(like) == "torch"
-        sharding = getattr(like, "sharding", None)  # jax: the result stays laid out as x
+        sharding = _concrete_sharding(like)  # jax: the result stays laid out as x
 
         def mirror(value: Any) -> Any:
             if (
@@ -147,7 +147,7 @@ def _finisher(
         # a gradient, vjp or hvp of a tree of arrays: where each leaf came back in its type and
         # dtype (and for torch, detached), the tree is only rebuilt
         expected = [
-            (type(leaf), leaf.dtype, _arrays.kind(leaf) == "torch", getattr(leaf, "sharding", None)) for leaf in x_likes
+            (type(leaf), leaf.dtype, _arrays.kind(leaf) == "torch", _concrete_sharding(leaf)) for leaf in x_likes
         ]
         unflatten = optree.tree_unflatten
         count = len(expected)
@@ -168,6 +168,14 @@ def _finisher(
 
         return tree, None
     return finish, None
+
+
+def _concrete_sharding(leaf: Any) -> Any:
+    """A concrete jax array's sharding; None for other leaves (a traced one's layout is the trace's)."""
+    jax = sys.modules.get("jax")
+    if jax is None or _arrays.kind(leaf) != "jax" or isinstance(leaf, jax.core.Tracer):
+        return None
+    return leaf.sharding
 
 
 _PRECISION = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64}

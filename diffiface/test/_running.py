@@ -688,9 +688,7 @@ def check_gradients(
                     raise AssertionError(f"the call mutated {', '.join(changed[:4])}")
                 gradients[label] = gradient
                 if k:
-                    dot: Callable[[Any, Any], float] = (
-                        _sharded_dot if sharded else _on_device.dot if placed else _dot
-                    )
+                    dot: Callable[[Any, Any], float] = _sharded_dot if sharded else _on_device.dot if placed else _dot
                     got = projected[label] = np.array([dot(gradient, u) for u in directions])
                     _close_projections(got, truth, rtol, atol, noise, row)
                 else:
