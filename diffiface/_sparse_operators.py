@@ -17,6 +17,7 @@ signature (the prep cache of the dense operators), so the pattern is found once 
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -243,12 +244,15 @@ class _Plan:
         if self.family == "torch":
             torch = sys.modules["torch"]
             device = values.device
-            return torch.sparse_csr_tensor(
-                torch.from_numpy(self.indptr.copy()).to(device),
-                torch.from_numpy(self.indices.copy()).to(device),
-                values,
-                size=shape,
-            )
+            with warnings.catch_warnings():  # torch says once per process that sparse CSR is in beta
+                warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta", UserWarning)
+                return torch.sparse_csr_tensor(
+                    torch.from_numpy(self.indptr.copy()).to(device),
+                    torch.from_numpy(self.indices.copy()).to(device),
+                    values,
+                    size=shape,
+                    check_invariants=False,  # built from a canonical pattern
+                )
         if self.family == "jax":
             from jax.experimental import sparse as jax_sparse
 
