@@ -73,6 +73,16 @@ from ._torch_module import functional as functional
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    # di.sparse (sparsity patterns and colorings) is imported on first use: it needs scipy.
+    if name == "sparse":
+        import importlib
+
+        return importlib.import_module(".sparse", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     # backends
     "AutoAutograd",

@@ -1,0 +1,288 @@
+"""Sparsity patterns of Jacobians and Hessians: traced once (global), sampled (local), or given."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .. import _arrays, tree
+from .._contexts import Context
+from .._errors import ContextError, InvalidInputError
+from ._coloring import as_pattern
+
+if TYPE_CHECKING:
+    from scipy.sparse import csr_array
+
+__all__ = ["Detector", "GlobalDetector", "KnownPattern", "LocalDetector", "hessian_pattern", "jacobian_pattern"]
+
+
+@dataclass(frozen=True)
+class GlobalDetector:
+    """The pattern read from ``f``'s program, traced once with ``jax.make_jaxpr``.
+
+    Works for jax functions and for functions written against the array API
+    (``array_api_compat.array_namespace(x)`` gives ``jax.numpy`` while tracing), whatever engine
+    differentiates them later. The pattern holds for every ``x`` and every value of the contexts
+    (they are traced as abstract arrays): it is conservative, never missing a nonzero anywhere in
+    the domain; where an operation's structure is not known, each of its outputs depends on
+    everything its inputs depend on. Arrays ``f`` closes over are constants: their values count
+    (indices, zeros of a matrix).
+
+    A Hessian pattern is the Jacobian pattern of ``jax.grad(f)``'s program, made symmetric.
+    """
+
+
+@dataclass(frozen=True)
+class LocalDetector:
+    """The nonzeros of ``points`` dense Jacobians (Hessians) at random points near ``x``,
+    computed with the dense ``backend`` given, united.
+
+    Local: a nonzero that vanishes at each of those points (a branch not taken there, a product
+    with a coordinate that happens to be zero) is missed, and a sparse operator built on the
+    pattern then returns zero for it. Use it for functions jax cannot trace, and check it, or
+    give the pattern (:class:`KnownPattern`) where it is known.
+
+    Each point multiplies each coordinate of ``x`` by ``1 + u / 10`` (``u`` uniform in
+    ``[-1, 1]``, seeded by ``seed``), and sets a zero coordinate to ``u / 10``; signs are kept, so a
+    function defined for positive inputs stays defined.
+    """
+
+    points: int = 3
+    seed: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class KnownPattern:
+    """A pattern the user knows: a scipy.sparse matrix or array, or a boolean (or numeric) 2-d
+    array whose nonzeros are the pattern. Validated when used: ``m x n`` for a Jacobian (``m``
+    numbers out, ``n`` in, flattened in ``diffiface.tree.ravel`` order), ``n x n`` for a Hessian
+    (made symmetric). Compared and hashed by identity."""
+
+    pattern: Any = field(repr=False)
+
+
+Detector = GlobalDetector | LocalDetector | KnownPattern
+
+
+# --- arguments ---------------------------------------------------------------------------------
+
+
+def _context_values(contexts: tuple[Any, ...]) -> list[Any]:
+    values = []
+    for i, context in enumerate(contexts):
+        if not isinstance(context, Context):
+            raise ContextError(
+                f"Extra argument {i} of f is a bare {type(context).__name__}; wrap it as di.Constant(...) "
+                "(read-only data) or di.Cache(...) (scratch space)."
+            )
+        values.append(context.value)
+    return values
+
+
+def _input_size(x: Any) -> tuple[list[Any], int]:
+    leaves = tree.leaves(x)
+    for leaf in leaves:
+        if not _arrays.is_float_dtype(_arrays.dtype_name(leaf)):
+            raise InvalidInputError(
+                f"x must hold floating-point numbers to have a sparsity pattern; found a leaf of dtype "
+                f"{_arrays.dtype_name(leaf)}."
+            )
+    return leaves, sum(int(np.prod(_arrays.shape(leaf), dtype=np.int64)) for leaf in leaves)
+
+
+def _check_detector(detector: Any) -> None:
+    if not isinstance(detector, (GlobalDetector, LocalDetector, KnownPattern)):
+        raise InvalidInputError(
+            f"detector must be GlobalDetector(), LocalDetector(...) or KnownPattern(pattern); got {detector!r}."
+        )
+
+
+# --- the public functions ------------------------------------------------------------------------
+
+
+def jacobian_pattern(
+    f: Callable[..., Any],
+    x: Any,
+    *contexts: Any,
+    detector: Any = GlobalDetector(),
+    backend: Any = None,
+) -> csr_array:
+    """The sparsity pattern of the Jacobian of ``f`` at ``x``: an ``m x n`` boolean
+    ``scipy.sparse.csr_array`` (canonical: sorted indices, no duplicates), ``n`` the numbers in
+    ``x`` and ``m`` those in ``f(x, *context_values)``, both in ``diffiface.tree.ravel`` order.
+
+    Parameters
+    ----------
+    detector
+        :class:`GlobalDetector` (default), :class:`LocalDetector` or :class:`KnownPattern`.
+    backend
+        The dense backend :class:`LocalDetector` differentiates with (required for it).
+
+    Raises
+    ------
+    InvalidInputError
+        A known pattern of the wrong shape; a LocalDetector without a backend.
+    UnsupportedOperationError
+        ``f`` cannot be traced by jax under :class:`GlobalDetector`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from diffiface.sparse import KnownPattern, jacobian_pattern
+    >>> jacobian_pattern(lambda x: x**2, np.ones(3), detector=KnownPattern(np.eye(3))).toarray()
+    array([[ True, False, False],
+           [False,  True, False],
+           [False, False,  True]])
+    """
+    _check_detector(detector)
+    values = _context_values(contexts)
+    _, n = _input_size(x)
+    if isinstance(detector, KnownPattern):
+        p = as_pattern(detector.pattern, what="known Jacobian pattern")
+        if p.shape[1] != n:
+            raise InvalidInputError(
+                f"The known Jacobian pattern has shape {tuple(p.shape)}: {p.shape[1]} columns, but x holds "
+                f"{n} numbers. A Jacobian pattern is m x n, n the numbers in x and m those in f(x), both "
+                "in diffiface.tree.ravel order."
+            )
+        m = _output_size(f, x, values)
+        if m is not None and p.shape[0] != m:
+            raise InvalidInputError(
+                f"The known Jacobian pattern has shape {tuple(p.shape)}: {p.shape[0]} rows, but f(x) holds "
+                f"{m} numbers. A Jacobian pattern is m x n, n the numbers in x and m those in f(x)."
+            )
+        return p
+    if isinstance(detector, LocalDetector):
+        return _local(f, x, contexts, detector, backend, n, hessian=False)
+    from . import _jaxpr
+
+    return _jaxpr.jacobian_pattern(f, x, values)
+
+
+def hessian_pattern(
+    f: Callable[..., Any],
+    x: Any,
+    *contexts: Any,
+    detector: Any = GlobalDetector(),
+    backend: Any = None,
+) -> csr_array:
+    """The sparsity pattern of the Hessian of a scalar-valued ``f`` at ``x``: a symmetric
+    ``n x n`` boolean ``scipy.sparse.csr_array``, ``n`` the numbers in ``x`` in
+    ``diffiface.tree.ravel`` order.
+
+    Parameters and errors as :func:`jacobian_pattern`; a known pattern is made symmetric.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from diffiface.sparse import KnownPattern, hessian_pattern
+    >>> known = np.array([[1, 1, 0], [0, 1, 0], [0, 0, 1]])
+    >>> hessian_pattern(lambda x: (x**2).sum(), np.ones(3), detector=KnownPattern(known)).toarray()
+    array([[ True,  True, False],
+           [ True,  True, False],
+           [False, False,  True]])
+    """
+    _check_detector(detector)
+    values = _context_values(contexts)
+    _, n = _input_size(x)
+    if isinstance(detector, KnownPattern):
+        p = as_pattern(detector.pattern, what="known Hessian pattern")
+        if tuple(p.shape) != (n, n):
+            raise InvalidInputError(
+                f"The known Hessian pattern has shape {tuple(p.shape)}; x holds {n} numbers, so it must be "
+                f"({n}, {n}), in diffiface.tree.ravel order."
+            )
+        return as_pattern(p + p.T, what="known Hessian pattern")
+    if isinstance(detector, LocalDetector):
+        return _local(f, x, contexts, detector, backend, n, hessian=True)
+    from . import _jaxpr
+
+    return _jaxpr.hessian_pattern(f, x, values)
+
+
+def _output_size(f: Callable[..., Any], x: Any, values: list[Any]) -> int | None:
+    """The numbers in ``f(x)`` when jax can tell without running f (None when it cannot: the
+    check is then left to the operator that runs ``f``)."""
+    if "jax" not in sys.modules:  # not worth importing jax for a check the operator makes anyway
+        return None
+    try:
+        from . import _jaxpr
+
+        return _jaxpr.output_size(f, x, values)
+    except Exception:
+        return None
+
+
+# --- local detection -------------------------------------------------------------------------------
+
+
+def _near(x: Any, rng: np.random.Generator) -> Any:
+    def move(leaf: Any) -> Any:
+        a = _arrays.to_numpy(leaf).astype(np.float64)
+        u = rng.uniform(-1.0, 1.0, a.shape) / 10
+        moved = np.where(a == 0, u, a * (1 + u))
+        return _arrays.from_numpy(np.asarray(moved), like=leaf)
+
+    return tree.map(move, x)
+
+
+def _local(
+    f: Callable[..., Any],
+    x: Any,
+    contexts: tuple[Any, ...],
+    detector: LocalDetector,
+    backend: Any,
+    n: int,
+    hessian: bool,
+) -> csr_array:
+    import scipy.sparse as sp
+
+    from .. import _operators
+
+    if backend is None:
+        raise InvalidInputError(
+            "LocalDetector differentiates f densely at a few points and needs the dense backend to do it "
+            "with: pass backend=... (say di.AutoJAX() or 'finite_differences')."
+        )
+    if detector.points < 1:
+        raise InvalidInputError(f"LocalDetector needs at least one point; got points={detector.points}.")
+    rng = np.random.default_rng(detector.seed)
+    x_sizes = [int(np.prod(_arrays.shape(leaf), dtype=np.int64)) for leaf in tree.leaves(x)]
+    found: np.ndarray | None = None
+    for _ in range(detector.points):
+        point = _near(x, rng)
+        if hessian:
+            dense = _assemble(tree.leaves(_operators.hessian(f, backend, point, *contexts)), x_sizes, x_sizes)
+        else:
+            dense = _assemble(tree.leaves(_operators.jacobian(f, backend, point, *contexts)), None, x_sizes)
+        nonzero = dense != 0  # NaN counts as a nonzero
+        found = nonzero if found is None else found | nonzero
+    assert found is not None
+    if hessian:
+        found = found | found.T
+    return as_pattern(sp.csr_array(found))
+
+
+def _assemble(blocks: list[Any], row_sizes: list[int] | None, col_sizes: list[int]) -> np.ndarray:
+    """One dense matrix from the leaves of a nested Jacobian (Hessian): row leaf i of column
+    leaf j is ``blocks[i * len(col_sizes) + j]``."""
+    k = len(col_sizes)
+    n = sum(col_sizes)
+    if k == 0:
+        return np.zeros((0 if row_sizes is None else sum(row_sizes), 0))
+    rows = []
+    for i in range(len(blocks) // k):
+        row = [
+            _arrays.to_numpy(blocks[i * k + j]).astype(np.float64).reshape(-1, col_sizes[j]) if col_sizes[j] else None
+            for j in range(k)
+        ]
+        height = next((b.shape[0] for b in row if b is not None), None)
+        if height is None:  # every leaf of x is empty: the rows' heights are unknown from here
+            height = row_sizes[i] if row_sizes is not None else 0
+        rows.append(np.concatenate([b if b is not None else np.zeros((height, 0)) for b in row], axis=1))
+    dense = np.concatenate(rows, axis=0) if rows else np.zeros((0, n))
+    return dense
