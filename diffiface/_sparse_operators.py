@@ -225,6 +225,7 @@ class _Plan:
             self.stacked_index = (index % max(self.count, 1)) * rows + index // max(self.count, 1)
         self.indptr = np.asarray(pattern.indptr, dtype=np.int64)
         self.indices = np.asarray(pattern.indices, dtype=np.int64)
+        self._bcoo_treedef: Any = None
         self.route: _Route = _route(self, f, x, contexts)
 
     def run(self, name: str, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> Any:
@@ -254,11 +255,16 @@ class _Plan:
                     check_invariants=False,  # built from a canonical pattern
                 )
         if self.family == "jax":
-            from jax.experimental import sparse as jax_sparse
+            treedef = self._bcoo_treedef
+            if treedef is None:
+                from jax.experimental import sparse as jax_sparse
 
-            return jax_sparse.BCOO(
-                (values, self.route.bcoo_indices()), shape=shape, indices_sorted=True, unique_indices=True
-            )
+                made = jax_sparse.BCOO((values, _bcoo_indices(self)), shape=shape, indices_sorted=True, unique_indices=True)
+                self._bcoo_treedef = sys.modules["jax"].tree_util.tree_structure(made)
+                return made
+            # rebuilt from its parts: BCOO's constructor checks its arguments, which costs more
+            # than the products of a small Jacobian
+            return treedef.unflatten((values, _bcoo_indices(self)))
         import scipy.sparse
 
         return scipy.sparse.csr_array((np.asarray(values), self.indices.copy(), self.indptr.copy()), shape=shape)
@@ -296,9 +302,6 @@ class _Route:
     y_layout: _Layout
 
     def run(self, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> tuple[Any, ...]:
-        raise NotImplementedError
-
-    def bcoo_indices(self) -> Any:
         raise NotImplementedError
 
     def check(self, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...], values: Any) -> None:
@@ -389,9 +392,6 @@ class _ProductRoute(_Route):
             return _cast(xp.zeros((0,)), dtype, self.plan.family)
         stacked = xp.stack([_cast(v, dtype, self.plan.family) for v in flats])
         return xp.reshape(stacked, (-1,))[self.index]
-
-    def bcoo_indices(self) -> Any:
-        return _bcoo_indices(self.plan)
 
     def check(self, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...], values: Any) -> None:
         _check_against_dense(self.plan, f, x, contexts, values)
@@ -484,9 +484,6 @@ class _CompressedInputRoute(_Route):
         )
         values = _cast(compressed, self.dtype, self.plan.family).reshape(-1)[self.index]
         return (self.unravel_y(y_flat), values)
-
-    def bcoo_indices(self) -> Any:
-        return _bcoo_indices(self.plan)
 
     def check(self, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...], values: Any) -> None:
         _check_against_dense(self.plan, f, x, contexts, values)
@@ -605,9 +602,6 @@ class _JaxRoute(_Route):
             piece = flat[layout.offsets[i] : layout.offsets[i + 1]].reshape(shape).astype(layout.dtypes[i])
             leaves.append(float(piece) if self.x_python[i] else piece)
         return optree.tree_unflatten(layout.spec, leaves)
-
-    def bcoo_indices(self) -> Any:
-        return _bcoo_indices(self.plan)
 
     def check(self, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...], values: Any) -> None:
         _check_against_dense(self.plan, f, x, contexts, values)
