@@ -28,7 +28,7 @@ from . import _arrays
 from . import tree as _tree
 from ._backends import AutoJAX, AutoScipy, AutoSparse, SecondOrder
 from ._call import OPERATORS, Call
-from ._contexts import Constant, Context
+from ._contexts import Constant
 from ._errors import InvalidInputError, UnsupportedOperationError
 from ._prep import MISS, FunctionRef, Prep, describe_mismatch, mismatch_error, prep_cache
 
@@ -55,7 +55,7 @@ class SparsePrep(Prep):
 
     @property
     def pattern(self) -> Any:
-        """The sparsity pattern, a boolean ``scipy.sparse.csr_array`` (m×n, or n×n for a Hessian)."""
+        """The sparsity pattern, a boolean ``scipy.sparse.csr_array`` (m-by-n, or n-by-n for a Hessian)."""
         return self.plan.coloring.pattern
 
     @property
@@ -70,7 +70,9 @@ class SparsePrep(Prep):
 # -- entry points ---------------------------------------------------------------------------------
 
 
-def _call(name: str, f: Callable[..., Any], backend: AutoSparse, x: Any, contexts: tuple[Any, ...], has_aux: bool) -> Call:
+def _call(
+    name: str, f: Callable[..., Any], backend: AutoSparse, x: Any, contexts: tuple[Any, ...], has_aux: bool
+) -> Call:
     if not callable(f):
         raise InvalidInputError(
             f"f must be a callable f(x, *contexts), got {type(f).__name__}. The argument order is "
@@ -179,7 +181,9 @@ def _x64(on: bool) -> Any:
 
 
 class _Plan:
-    def __init__(self, name: str, f: Callable[..., Any], backend: AutoSparse, x: Any, contexts: tuple[Any, ...]) -> None:
+    def __init__(
+        self, name: str, f: Callable[..., Any], backend: AutoSparse, x: Any, contexts: tuple[Any, ...]
+    ) -> None:
         from . import sparse
 
         self.hessian = name in _HESSIANS
@@ -259,7 +263,9 @@ class _Plan:
             if treedef is None:
                 from jax.experimental import sparse as jax_sparse
 
-                made = jax_sparse.BCOO((values, _bcoo_indices(self)), shape=shape, indices_sorted=True, unique_indices=True)
+                made = jax_sparse.BCOO(
+                    (values, _bcoo_indices(self)), shape=shape, indices_sorted=True, unique_indices=True
+                )
                 self._bcoo_treedef = sys.modules["jax"].tree_util.tree_structure(made)
                 return made
             # rebuilt from its parts: BCOO's constructor checks its arguments, which costs more
@@ -309,12 +315,12 @@ class _Route:
 
 
 def _route(plan: _Plan, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> _Route:
-    if isinstance(plan.engine, AutoJAX) and plan.engine.jit and plan.family in ("numpy", "jax"):
-        if all(_jax_ready(leaf) for c in contexts if isinstance(c, Context) for leaf in _tree.leaves(c.value)):
-            try:
-                return _JaxRoute(plan, f, x, contexts)
-            except Exception:  # noqa: BLE001 - f that jax cannot compile as is: the generic route says why
-                pass
+    compiled = isinstance(plan.engine, AutoJAX) and plan.engine.jit and plan.family in ("numpy", "jax")
+    if compiled and all(_jax_ready(leaf) for c in contexts for leaf in _tree.leaves(c.value)):
+        try:
+            return _JaxRoute(plan, f, x, contexts)
+        except Exception:  # f that jax cannot compile as is (say it writes into a Cache): the
+            pass  # generic route runs it through diffiface's jax adapter, which says why or copes
     if isinstance(plan.engine, AutoScipy):
         return _CompressedInputRoute(plan, f, x, contexts)
     return _ProductRoute(plan, f, x, contexts)
@@ -557,8 +563,7 @@ class _JaxRoute(_Route):
         self.contexts_spec = None
         with _x64(self.wide):
             xs = self._xs(x)
-            out = self.program(xs, self._values(contexts))
-            jax.block_until_ready(out)
+            out = self.program(xs, self._values(contexts))  # traced and compiled here
         if hessian:
             value = out[0]
             self.y_layout = _Layout(_numpy_float(value) if self.to_numpy else value)
@@ -651,4 +656,3 @@ def _check_against_dense(plan: _Plan, f: Callable[..., Any], x: Any, contexts: t
             f"of the {what}. A LocalDetector or KnownPattern pattern holds only where it was found; use "
             "GlobalDetector() or a pattern that covers every nonzero."
         )
-
