@@ -10,6 +10,7 @@ coloring costs a few Python operations per nonzero (see the design notes for the
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,8 +23,14 @@ if TYPE_CHECKING:
 
 __all__ = ["ORDERS", "Coloring", "as_pattern", "color_hessian", "color_jacobian"]
 
-ORDERS = ("natural", "largest_first", "smallest_last", "incidence_degree")
-"""The vertex orders the greedy colorings take."""
+ORDERS = ("natural", "largest_first", "smallest_last")
+"""The vertex orders the greedy colorings take: ``natural`` (index order; a banded pattern gets
+one color per diagonal), ``largest_first`` (most neighbors first), ``smallest_last``
+(repeatedly set aside a vertex of fewest remaining neighbors, color in reverse)."""
+
+GRAPH_LIMIT = 20_000_000
+"""smallest_last for a Jacobian needs the column (row) intersection graph; where it would hold more
+entries than this (a dense row), the coloring uses largest_first instead."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,7 +51,7 @@ class Coloring:
         The number of colors: the number of products the compression takes.
     seeds
         ``n x count`` (column, star) or ``m x count`` (row) float64 matrix of zeros and ones:
-        column ``k`` is the sum of the unit vectors of color ``k``.
+        column ``k`` is the sum of the unit vectors of color ``k``. Made on first use and kept.
     index
         int64, one entry per nonzero of ``pattern`` in its CSR data order:
         ``compressed.reshape(-1)[index]`` is the CSR data of the matrix, where ``compressed``
@@ -66,8 +73,13 @@ class Coloring:
     mode: str
     colors: np.ndarray
     count: int
-    seeds: np.ndarray
     index: np.ndarray
+
+    @functools.cached_property
+    def seeds(self) -> np.ndarray:
+        seeds = np.zeros((self.colors.shape[0], self.count))
+        seeds[np.arange(self.colors.shape[0]), self.colors] = 1.0
+        return seeds
 
     def decompress(self, compressed: Any) -> csr_array:
         """The matrix, as a ``scipy.sparse.csr_array``, from a numpy ``compressed`` product."""
@@ -168,6 +180,9 @@ def _order(matrix: csr_array, by_column: Any, order: str) -> list[int]:
         col_of_entries = np.repeat(np.arange(n), np.diff(by_column.indptr))
         weight = np.bincount(col_of_entries, weights=lengths_of_entries - 1, minlength=n)
         return np.argsort(-weight, kind="stable").tolist()  # type: ignore[no-any-return]
+    row_lengths = np.diff(matrix.indptr).astype(np.float64)
+    if float((row_lengths**2).sum()) > GRAPH_LIMIT:
+        return _order(matrix, by_column, "largest_first")
     return _graph_order(_intersection_graph(matrix, by_column), order)
 
 
@@ -180,48 +195,34 @@ def _intersection_graph(matrix: csr_array, by_column: Any) -> Any:
 
 
 def _graph_order(graph: Any, order: str) -> list[int]:
-    """smallest_last or incidence_degree order of the vertices of a symmetric CSR graph."""
+    """The smallest_last order of the vertices of a symmetric CSR graph (no diagonal): remove a
+    vertex of smallest remaining degree, again and again; color in the reverse order. Buckets of
+    vertices by degree keep it linear in the edges."""
     n = graph.shape[0]
     indptr = graph.indptr.tolist()
     indices = graph.indices.tolist()
     degree = np.diff(graph.indptr).tolist()
-    if order == "incidence_degree":
-        # Next: the vertex with the most neighbors already ordered (ties: the lowest index).
-        return _bucket_order(n, indptr, indices, [0] * n, +1)[0]
-    # smallest_last: repeatedly remove a vertex of smallest degree; color in reverse removal order.
-    removed, _ = _bucket_order(n, indptr, indices, degree, -1)
-    return removed[::-1]
-
-
-def _bucket_order(n: int, indptr: list[int], indices: list[int], key: list[int], step: int) -> tuple[list[int], int]:
-    """Pick vertices one by one by ``key`` (the largest for step +1, the smallest for step -1),
-    each pick adding ``step`` to its remaining neighbors' keys; buckets keep it O(edges)."""
-    key = list(key)
-    top = max(key, default=0) + (n if step > 0 else 0) + 1
-    buckets: list[dict[int, None]] = [{} for _ in range(top + 1)]
+    buckets: list[dict[int, None]] = [{} for _ in range(max(degree, default=0) + 1)]
     for v in range(n):
-        buckets[key[v]][v] = None
-    done = [False] * n
+        buckets[degree[v]][v] = None
+    removed = [False] * n
     picked: list[int] = []
-    current = 0 if step < 0 else max(key, default=0)
+    low = 0
     for _ in range(n):
-        if step < 0:
-            while not buckets[current]:
-                current += 1
-        else:
-            while not buckets[current]:
-                current -= 1
-        v = next(iter(buckets[current]))
-        del buckets[current][v]
-        done[v] = True
+        while not buckets[low]:
+            low += 1
+        v = next(iter(buckets[low]))
+        del buckets[low][v]
+        removed[v] = True
         picked.append(v)
         for w in indices[indptr[v] : indptr[v + 1]]:
-            if not done[w]:
-                del buckets[key[w]][w]
-                key[w] += step
-                buckets[key[w]][w] = None
-        current = max(current - 1, 0) if step < 0 else min(current + 1, top)
-    return picked, 0
+            if not removed[w]:
+                d = degree[w]
+                del buckets[d][w]
+                degree[w] = d - 1
+                buckets[d - 1][w] = None
+        low = max(low - 1, 0)
+    return picked[::-1]
 
 
 def _column_index(pattern: csr_array, colors: np.ndarray, count: int) -> np.ndarray:
@@ -234,17 +235,11 @@ def _row_index(pattern: csr_array, colors: np.ndarray) -> np.ndarray:
     return colors[rows] * pattern.shape[1] + pattern.indices  # type: ignore[no-any-return]
 
 
-def _seeds(colors: np.ndarray, count: int) -> np.ndarray:
-    seeds = np.zeros((colors.shape[0], count))
-    seeds[np.arange(colors.shape[0]), colors] = 1.0
-    return seeds
-
-
 def _make(pattern: csr_array, mode: str, colors: np.ndarray, index: np.ndarray | None = None) -> Coloring:
     count = int(colors.max()) + 1 if colors.size else 0
     if index is None:
         index = _column_index(pattern, colors, count) if mode == "column" else _row_index(pattern, colors)
-    return Coloring(pattern, mode, colors, count, _seeds(colors, count), index.astype(np.int64, copy=False))
+    return Coloring(pattern, mode, colors, count, index.astype(np.int64, copy=False))
 
 
 def color_jacobian(pattern: Any, mode: str = "auto", order: str = "natural") -> Coloring:
@@ -260,8 +255,8 @@ def color_jacobian(pattern: Any, mode: str = "auto", order: str = "natural") -> 
         product per color), or ``"auto"``: whichever needs fewer colors, column on a tie.
     order
         The order the greedy coloring visits columns (rows) in: ``"natural"`` (index order:
-        a banded pattern gets one color per diagonal), ``"largest_first"``, ``"smallest_last"``
-        or ``"incidence_degree"``.
+        a banded pattern gets one color per diagonal), ``"largest_first"`` or ``"smallest_last"``
+        (see :data:`ORDERS`).
 
     Examples
     --------
@@ -339,34 +334,37 @@ def _star(pattern: csr_array, order: str) -> np.ndarray:
     color = [-1] * n
     seen = [0] * n  # per vertex: the colors of its colored neighbors, as bits
     twice = [0] * n  # per colored w: colors of neighbors x with >= 2 neighbors of w's color
-    groups: list[dict[int, list[int]]] = [{} for _ in range(n)]  # x -> color -> colored neighbors
+    # per (x, color): the one colored neighbor of x of that color, or -1 once there are two or more
+    holder: dict[int, int] = {}
     for v in visit:
         neighbors = indices[indptr[v] : indptr[v + 1]]
         forbidden = 0
         for w in neighbors:
             cw = color[w]
             forbidden |= seen[w] if cw < 0 else (1 << cw) | twice[w]
-        c = _lowest_free(forbidden)
+        c = (~forbidden & (forbidden + 1)).bit_length() - 1
         color[v] = c
         bit = 1 << c
         mine = 0
+        base = v * n
         for x in neighbors:
             seen[x] |= bit
-            group = groups[x].setdefault(c, [])
-            group.append(v)
+            key = x * n + c
+            first = holder.get(key)
             cx = color[x]
-            if cx >= 0:
-                if len(group) == 2:
-                    twice[group[0]] |= 1 << cx  # v is told below, with the others
-                if len(group) >= 2:
+            if first is None:
+                holder[key] = v
+            else:
+                if first >= 0:
+                    holder[key] = -1
+                    if cx >= 0:
+                        twice[first] |= 1 << cx
+                if cx >= 0:
                     mine |= 1 << cx
+            # v is an x for its colored neighbor x (as a w): two of x's color around v -> x learns c
+            if cx >= 0 and holder.get(base + cx) == -1:
+                twice[x] |= bit
         twice[v] = mine
-        # v is now an x for its colored neighbors w: v holds two of w's color -> w learns c.
-        own = groups[v]
-        for w in neighbors:
-            cw = color[w]
-            if cw >= 0 and len(own.get(cw, ())) >= 2:
-                twice[w] |= bit
     return np.asarray(color, dtype=np.int64)
 
 

@@ -1,18 +1,34 @@
-"""Global sparsity detection: the dependencies of each output number on each input number,
-read from the program jax traces."""
+"""Global sparsity detection: which input numbers each output number depends on, read from the
+program jax traces of ``f``.
+
+Each variable of the program gets a boolean ``scipy.sparse.csr_array`` (one row per element of
+the variable, one column per input number), or ``None`` where it depends on no input. An
+operation maps its operands' rows to its outputs' rows: elementwise operations unite the rows of
+their operands, copies (reshape, slices, gathers from known indices...) pick rows, reductions and
+contractions unite the rows they combine. What is not known is made conservative: every output
+of an unknown operation depends on everything any of its operands depends on.
+
+Values are followed too, where they do not depend on the inputs (the arrays ``f`` closes over,
+``iota``, what is computed from them), so that indices known when ``f`` is traced pick exact rows.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import _arrays, tree
-from .._errors import BackendUnavailableError, UnsupportedOperationError
+from .._errors import BackendUnavailableError, InvalidOutputError, UnsupportedOperationError
 
 if TYPE_CHECKING:
     from scipy.sparse import csr_array
+
+Pattern = Any  # csr_array (elements x columns, bool) or None: depends on nothing
+
+MAX_FIXED_POINT_ROUNDS = 64
+"""Rounds of a loop body before a loop's carried values are taken to depend on everything."""
 
 
 def _jax() -> Any:
@@ -26,45 +42,921 @@ def _jax() -> Any:
     return jax
 
 
+# --- tracing ---------------------------------------------------------------------------------------
+
+
 def _abstract(x: Any) -> tuple[list[Any], Any, bool]:
     jax = _jax()
     leaves, spec = tree.flatten(x)
     wide = any(_arrays.dtype_name(leaf) == "float64" for leaf in leaves)
-    structs = []
-    for leaf in leaves:
-        name = _arrays.dtype_name(leaf)
-        structs.append(jax.ShapeDtypeStruct(_arrays.shape(leaf), np.dtype(name)))
+    structs = [jax.ShapeDtypeStruct(_arrays.shape(leaf), np.dtype(_arrays.dtype_name(leaf))) for leaf in leaves]
     return structs, spec, wide
 
 
-def output_size(f: Callable[..., Any], x: Any, values: list[Any]) -> int:
+def _abstract_values(values: list[Any]) -> tuple[list[Any], Callable[[list[Any]], list[Any]]]:
+    """The array leaves of the contexts as abstract jax arrays (so that the pattern holds for every
+    value they take), and what puts traced leaves back into the contexts."""
     jax = _jax()
-    structs, spec, wide = _abstract(x)
+    leaves, spec = tree.flatten(values)
+    where = [i for i, leaf in enumerate(leaves) if _arrays.kind(leaf) in ("numpy", "jax", "torch")]
+    structs = [jax.ShapeDtypeStruct(_arrays.shape(leaves[i]), np.dtype(_arrays.dtype_name(leaves[i]))) for i in where]
+
+    def rebuild(traced: list[Any]) -> list[Any]:
+        new = list(leaves)
+        for i, t in zip(where, traced, strict=True):
+            new[i] = t
+        import optree
+
+        return optree.tree_unflatten(spec, new)  # type: ignore[no-any-return]
+
+    return structs, rebuild
+
+
+def _x64(on: bool) -> Any:
+    import contextlib
+
+    return _jax().enable_x64(True) if on else contextlib.nullcontext()
+
+
+def _trace(fun: Callable[..., Any], x: Any, values: list[Any]) -> tuple[Any, int]:
+    """The closed jaxpr of ``fun(x, *values)`` over the leaves of ``x`` then the context arrays,
+    its outputs the leaves of the result; and the number of x leaves."""
+    jax = _jax()
+    structs, spec, _ = _abstract(x)
+    context_structs, rebuild = _abstract_values(values)
+    k = len(structs)
     import optree
 
-    def run(*xs: Any) -> Any:
-        return tree.leaves(f(optree.tree_unflatten(spec, list(xs)), *values))
+    def run(*args: Any) -> Any:
+        xs = optree.tree_unflatten(spec, list(args[:k]))
+        return tree.leaves(fun(xs, *rebuild(list(args[k:]))))
 
-    with jax.enable_x64(True) if wide else _null():
-        out = jax.eval_shape(run, *structs)
-    return sum(int(np.prod(o.shape, dtype=np.int64)) for o in out)
+    try:
+        with _x64(True):
+            closed = jax.make_jaxpr(run)(*structs, *context_structs)
+    except Exception as error:
+        raise UnsupportedOperationError(
+            f"GlobalDetector could not trace f with jax ({type(error).__name__}: {_first_line(error)}). It reads "
+            "the pattern from the program jax traces, so f must be written with jax.numpy or the array API "
+            "(array_api_compat.array_namespace), without Python branches on values. Use "
+            "LocalDetector(...) (dense derivatives at a few points, with the backend given) or "
+            "KnownPattern(pattern) instead."
+        ) from error
+    return closed, k
 
 
-class _null:
-    def __enter__(self) -> None:
-        return None
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:200] if text else ""
 
-    def __exit__(self, *args: Any) -> None:
-        return None
+
+def output_size(f: Callable[..., Any], x: Any, values: list[Any]) -> int:
+    closed, _ = _trace(f, x, values)
+    return sum(_size(v.aval) for v in closed.jaxpr.outvars)
+
+
+def _size(aval: Any) -> int:
+    return int(np.prod(getattr(aval, "shape", ()), dtype=np.int64))
+
+
+def _is_float(aval: Any) -> bool:
+    dtype = getattr(aval, "dtype", None)
+    return dtype is not None and np.issubdtype(np.dtype(dtype), np.inexact)
+
+
+def _inputs(closed: Any, k: int) -> tuple[list[Pattern], int]:
+    """Patterns of the jaxpr's inputs: the x leaves share the identity, contexts depend on nothing."""
+    import scipy.sparse as sp
+
+    invars = closed.jaxpr.invars
+    sizes = [_size(v.aval) for v in invars[:k]]
+    n = sum(sizes)
+    patterns: list[Pattern] = []
+    start = 0
+    for size in sizes:
+        block = sp.csr_array(
+            (np.ones(size, dtype=bool), np.arange(start, start + size), np.arange(size + 1)), shape=(size, n)
+        )
+        patterns.append(block)
+        start += size
+    patterns.extend([None] * (len(invars) - k))
+    return patterns, n
+
+
+def _stack(patterns: Sequence[Pattern], avals: Sequence[Any], n: int) -> csr_array:
+    import scipy.sparse as sp
+
+    blocks = [
+        p if p is not None else sp.csr_array((_size(a), n), dtype=bool) for p, a in zip(patterns, avals, strict=True)
+    ]
+    if not blocks:
+        return sp.csr_array((0, n), dtype=bool)
+    return _canonical(sp.vstack(blocks, format="csr"))
+
+
+def _canonical(p: Any) -> csr_array:
+    import scipy.sparse as sp
+
+    p = sp.csr_array(p)
+    p.sum_duplicates()
+    p = p.astype(bool)
+    p.eliminate_zeros()
+    p.sort_indices()
+    p.indices = p.indices.astype(np.int64, copy=False)
+    p.indptr = p.indptr.astype(np.int64, copy=False)
+    return p
 
 
 def jacobian_pattern(f: Callable[..., Any], x: Any, values: list[Any]) -> csr_array:
-    raise UnsupportedOperationError(
-        "GlobalDetector is not written yet; use LocalDetector(...) or KnownPattern(pattern)."
-    )
+    closed, k = _trace(f, x, values)
+    inputs, n = _inputs(closed, k)
+    with _x64(True):
+        outs = _Interpreter(n).run_closed(closed, inputs, [None] * len(inputs))[0]
+    return _stack(outs, [v.aval for v in closed.jaxpr.outvars], n)
 
 
 def hessian_pattern(f: Callable[..., Any], x: Any, values: list[Any]) -> csr_array:
-    raise UnsupportedOperationError(
-        "GlobalDetector is not written yet; use LocalDetector(...) or KnownPattern(pattern)."
+    jax = _jax()
+
+    def scalar(xs: Any, *vals: Any) -> Any:
+        out = tree.leaves(f(xs, *vals))
+        if len(out) != 1 or tuple(getattr(out[0], "shape", ())) != ():
+            raise InvalidOutputError(
+                "A Hessian needs f to return one scalar; got "
+                + ", ".join(str(getattr(o, "shape", type(o).__name__)) for o in out)
+                + "."
+            )
+        return out[0]
+
+    def grad(xs: Any, *vals: Any) -> Any:
+        return jax.grad(lambda z: scalar(z, *vals))(xs)
+
+    try:
+        closed, k = _trace(grad, x, values)
+    except UnsupportedOperationError as error:
+        if isinstance(error.__cause__, InvalidOutputError):
+            raise error.__cause__ from None
+        # jax could trace f but not its gradient (a while loop with a traced bound): every pair
+        # of inputs f depends on may interact.
+        first = jacobian_pattern(scalar, x, values)
+        used = first.toarray().reshape(-1) if first.shape[0] else np.zeros(first.shape[1], dtype=bool)
+        import scipy.sparse as sp
+
+        support = sp.csr_array(used[:, None])
+        return _canonical(support @ support.T)
+    inputs, n = _inputs(closed, k)
+    with _x64(True):
+        outs = _Interpreter(n).run_closed(closed, inputs, [None] * len(inputs))[0]
+    jac = _stack(outs, [v.aval for v in closed.jaxpr.outvars], n)
+    return _canonical(jac + jac.T)
+
+
+# --- the interpreter -------------------------------------------------------------------------------
+
+
+class _Interpreter:
+    """Runs a jaxpr on patterns (and on values where they are known)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    # patterns ------------------------------------------------------------------------------------
+
+    def empty(self, size: int) -> csr_array:
+        import scipy.sparse as sp
+
+        return sp.csr_array((size, self.n), dtype=bool)
+
+    def dense(self, patterns: Sequence[Pattern]) -> Pattern:
+        """The union of all rows of ``patterns`` as one row, or None."""
+        union = None
+        for p in patterns:
+            if p is None or p.nnz == 0:
+                continue
+            row = np.zeros(self.n, dtype=bool)
+            row[p.indices] = True
+            union = row if union is None else union | row
+        if union is None:
+            return None
+        import scipy.sparse as sp
+
+        return sp.csr_array(union[None, :])
+
+    def repeat(self, row: Pattern, size: int) -> Pattern:
+        if row is None:
+            return None
+        return _canonical(row[np.zeros(size, dtype=np.int64)])
+
+    def pick(self, sources: Sequence[tuple[Pattern, int]], positions: np.ndarray) -> Pattern:
+        """Rows picked by ``positions`` (1-based into the sources stacked; anything else: none)."""
+        if all(p is None for p, _ in sources):
+            return None
+        import scipy.sparse as sp
+
+        stacked = sp.vstack([self.empty(1)] + [p if p is not None else self.empty(s) for p, s in sources], format="csr")
+        pos = np.asarray(positions).reshape(-1).astype(np.int64)
+        pos = np.where((pos >= 1) & (pos < stacked.shape[0]), pos, 0)
+        return _canonical(stacked[pos])
+
+    def combine(self, matrix: Any, pattern: Pattern) -> Pattern:
+        """``matrix`` (outputs x elements, bool) applied to a pattern: each output unites the rows
+        of its elements."""
+        if pattern is None:
+            return None
+        return _canonical(matrix.astype(bool) @ pattern)
+
+    @staticmethod
+    def union(patterns: Sequence[Pattern]) -> Pattern:
+        result = None
+        for p in patterns:
+            if p is None:
+                continue
+            result = p if result is None else result + p
+        return None if result is None else _canonical(result)
+
+    # running -----------------------------------------------------------------------------------------
+
+    def run_closed(self, closed: Any, patterns: list[Pattern], values: list[Any]) -> tuple[list[Pattern], list[Any]]:
+        return self.run(closed.jaxpr, list(closed.consts), patterns, values)
+
+    def run(
+        self, jaxpr: Any, consts: list[Any], patterns: list[Pattern], values: list[Any]
+    ) -> tuple[list[Pattern], list[Any]]:
+        pattern_of: dict[Any, Pattern] = {}
+        value_of: dict[Any, Any] = {}
+        for v, c in zip(jaxpr.constvars, consts, strict=True):
+            pattern_of[v] = None
+            value_of[v] = c
+        for v, p, val in zip(jaxpr.invars, patterns, values, strict=True):
+            pattern_of[v] = p
+            value_of[v] = val
+
+        def read(v: Any) -> tuple[Pattern, Any]:
+            if type(v).__name__ == "Literal":
+                return None, v.val
+            return pattern_of.get(v), value_of.get(v)
+
+        for eqn in jaxpr.eqns:
+            read_in = [read(v) for v in eqn.invars]
+            ps = [p for p, _ in read_in]
+            vs = [val for _, val in read_in]
+            outs = eqn.outvars
+            out_values: list[Any] = [None] * len(outs)
+            if all(p is None for p in ps):
+                out_patterns: list[Pattern] = [None] * len(outs)
+                if all(val is not None for val in vs) and not eqn.effects:
+                    out_values = _evaluate(eqn, vs)
+            else:
+                rule = _RULES.get(eqn.primitive.name)
+                if rule is None:
+                    out_patterns = self.conservative(eqn, ps)
+                else:
+                    try:
+                        out_patterns = rule(self, eqn, ps, vs)
+                    except _Unknown:
+                        out_patterns = self.conservative(eqn, ps)
+            for v, p, val in zip(outs, out_patterns, out_values, strict=True):
+                if type(v).__name__ == "DropVar":
+                    continue
+                if p is not None and (not _is_float(v.aval) or p.nnz == 0):
+                    p = None  # integers and booleans carry no derivative
+                if p is not None and p.shape[0] != _size(v.aval):
+                    raise AssertionError(f"internal error: {eqn.primitive.name} gave {p.shape[0]} rows for {v.aval}")
+                pattern_of[v] = p
+                value_of[v] = val
+        results = [read(v) for v in jaxpr.outvars]
+        return [p for p, _ in results], [val for _, val in results]
+
+    def conservative(self, eqn: Any, ps: Sequence[Pattern]) -> list[Pattern]:
+        row = self.dense(ps)
+        return [self.repeat(row, _size(v.aval)) for v in eqn.outvars]
+
+
+class _Unknown(Exception):
+    """A rule cannot tell (an index not known when tracing): the operation is made conservative."""
+
+
+def _evaluate(eqn: Any, values: list[Any]) -> list[Any]:
+    """The outputs of ``eqn`` on known values, or Nones where jax cannot compute them."""
+    try:
+        fun, order = _eqn_function(eqn)
+        args = [values[i] for i in order]
+        return list(fun(*args))
+    except Exception:
+        return [None] * len(eqn.outvars)
+
+
+def _eqn_function(eqn: Any) -> tuple[Callable[..., Any], list[int]]:
+    """``eqn`` as a function of its variable operands (in the order given by the indices)."""
+    import jax.extend.core as jc
+
+    invars: list[Any] = []
+    order: list[int] = []
+    for i, v in enumerate(eqn.invars):
+        if type(v).__name__ != "Literal" and v not in invars:
+            invars.append(v)
+            order.append(i)
+    outvars = [v if type(v).__name__ != "DropVar" else jc.Var(v.aval) for v in eqn.outvars]
+    new_eqn = eqn.replace(outvars=outvars)
+    jaxpr = jc.Jaxpr([], invars, outvars, [new_eqn], eqn.effects)
+    return jc.jaxpr_as_fun(jc.ClosedJaxpr(jaxpr, [])), order
+
+
+def _call(eqn: Any, args: list[Any]) -> list[Any]:
+    """Runs ``eqn`` on ``args`` (one per operand, literals included)."""
+    fun, order = _eqn_function(eqn)
+    return list(fun(*[args[i] for i in order]))
+
+
+# --- rules -------------------------------------------------------------------------------------------
+
+Rule = Callable[[_Interpreter, Any, list[Pattern], list[Any]], list[Pattern]]
+_RULES: dict[str, Rule] = {}
+
+
+def _rule(*names: str) -> Callable[[Rule], Rule]:
+    def register(rule: Rule) -> Rule:
+        for name in names:
+            _RULES[name] = rule
+        return rule
+
+    return register
+
+
+def _shape(v: Any) -> tuple[int, ...]:
+    return tuple(getattr(v.aval, "shape", ()))
+
+
+def _positions(shape: tuple[int, ...], offset: int = 0) -> np.ndarray:
+    return offset + 1 + np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.int64).reshape(shape)
+
+
+_ELEMENTWISE = [
+    "add_any",
+    "abs",
+    "acos",
+    "acosh",
+    "add",
+    "asin",
+    "asinh",
+    "atan",
+    "atan2",
+    "atanh",
+    "cbrt",
+    "ceil",
+    "clamp",
+    "conj",
+    "convert_element_type",
+    "copy",
+    "copy_p",
+    "cos",
+    "cosh",
+    "digamma",
+    "div",
+    "erf",
+    "erf_inv",
+    "erfc",
+    "exp",
+    "exp2",
+    "expm1",
+    "floor",
+    "igamma",
+    "igammac",
+    "imag",
+    "integer_pow",
+    "is_finite",
+    "lgamma",
+    "log",
+    "log1p",
+    "logistic",
+    "max",
+    "min",
+    "mul",
+    "ne",
+    "neg",
+    "nextafter",
+    "polygamma",
+    "pow",
+    "real",
+    "reduce_precision",
+    "rem",
+    "round",
+    "rsqrt",
+    "select_n",
+    "sign",
+    "sin",
+    "sinh",
+    "sqrt",
+    "square",
+    "sub",
+    "tan",
+    "tanh",
+    "bessel_i0e",
+    "bessel_i1e",
+    "random_gamma_grad",
+    "regularized_incomplete_beta",
+    "zeta",
+]
+
+
+@_rule("optimization_barrier", "device_put")
+def _identity(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
+    return list(ps)
+
+
+@_rule(*_ELEMENTWISE)
+def _elementwise(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
+    outs = []
+    for out in eqn.outvars:
+        shape = _shape(out)
+        pieces = []
+        for v, p in zip(eqn.invars, ps, strict=True):
+            if p is None:
+                continue
+            in_shape = _shape(v)
+            if in_shape == shape:
+                pieces.append(p)
+            elif int(np.prod(in_shape, dtype=np.int64)) == 1:
+                pieces.append(it.repeat(p, _size(out.aval)))
+            else:
+                pos = np.broadcast_to(_positions(in_shape), shape)
+                pieces.append(it.pick([(p, _size(v.aval))], pos))
+        outs.append(it.union(pieces))
+    return outs
+
+
+def _copy_rule(make: Callable[[Any, list[np.ndarray], list[Any]], np.ndarray]) -> Rule:
+    """A rule for an operation that copies elements: ``make(eqn, positions, values)`` applies it
+    to the operands' 1-based positions."""
+
+    def rule(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
+        offset = 0
+        positions = []
+        sources = []
+        for v, p in zip(eqn.invars, ps, strict=True):
+            shape = _shape(v)
+            positions.append(_positions(shape, offset))
+            sources.append((p, _size(v.aval)))
+            offset += _size(v.aval)
+        return [it.pick(sources, make(eqn, positions, vs))]
+
+    return rule
+
+
+def _reshape(eqn: Any, pos: list[np.ndarray], vs: list[Any]) -> np.ndarray:
+    p = pos[0]
+    dims = eqn.params.get("dimensions")
+    if dims is not None:
+        p = p.transpose(dims)
+    return p.reshape(_shape(eqn.outvars[0]))
+
+
+def _broadcast_in_dim(eqn: Any, pos: list[np.ndarray], vs: list[Any]) -> np.ndarray:
+    shape = tuple(eqn.params["shape"])
+    dims = eqn.params["broadcast_dimensions"]
+    expanded = [1] * len(shape)
+    for d, size in zip(dims, pos[0].shape, strict=True):
+        expanded[d] = size
+    return np.broadcast_to(pos[0].reshape(expanded), shape)
+
+
+def _slice(eqn: Any, pos: list[np.ndarray], vs: list[Any]) -> np.ndarray:
+    strides = eqn.params.get("strides") or (1,) * pos[0].ndim
+    index = tuple(
+        slice(s, e, st)
+        for s, e, st in zip(eqn.params["start_indices"], eqn.params["limit_indices"], strides, strict=True)
     )
+    return pos[0][index]
+
+
+def _pad(eqn: Any, pos: list[np.ndarray], vs: list[Any]) -> np.ndarray:
+    operand = pos[0]
+    fill = pos[1].reshape(())
+    for axis, (lo, hi, interior) in enumerate(eqn.params["padding_config"]):
+        lo, hi, interior = int(lo), int(hi), int(interior)
+        d = operand.shape[axis]
+        size = d + max(d - 1, 0) * interior
+        shape = list(operand.shape)
+        shape[axis] = size
+        spread = np.full(shape, fill, dtype=np.int64)
+        index: list[Any] = [slice(None)] * operand.ndim
+        index[axis] = slice(0, size, interior + 1)
+        spread[tuple(index)] = operand
+        widths = [(0, 0)] * operand.ndim
+        widths[axis] = (max(lo, 0), max(hi, 0))
+        spread = np.pad(spread, widths, constant_values=fill)
+        index = [slice(None)] * operand.ndim
+        index[axis] = slice(max(-lo, 0), spread.shape[axis] - max(-hi, 0))
+        operand = spread[tuple(index)]
+    return operand
+
+
+def _known_ints(values: Sequence[Any]) -> list[int]:
+    ints = []
+    for val in values:
+        if val is None:
+            raise _Unknown
+        ints.append(int(np.asarray(val)))
+    return ints
+
+
+def _dynamic_slice(eqn: Any, pos: list[np.ndarray], vs: list[Any]) -> np.ndarray:
+    operand = pos[0]
+    starts = _known_ints(vs[1 : 1 + operand.ndim])
+    sizes = eqn.params["slice_sizes"]
+    index = []
+    for s, size, d in zip(starts, sizes, operand.shape, strict=True):
+        s = min(max(s, 0), d - size)  # jax clamps the start so that the slice fits
+        index.append(slice(s, s + size))
+    return operand[tuple(index)]
+
+
+def _dynamic_update_slice(eqn: Any, pos: list[np.ndarray], vs: list[Any]) -> np.ndarray:
+    operand, update = pos[0], pos[1]
+    starts = _known_ints(vs[2 : 2 + operand.ndim])
+    result = operand.copy()
+    index = []
+    for s, size, d in zip(starts, update.shape, operand.shape, strict=True):
+        s = min(max(s, 0), d - size)
+        index.append(slice(s, s + size))
+    result[tuple(index)] = update
+    return result
+
+
+def _jax_copy(eqn: Any, pos: list[np.ndarray], vs: list[Any]) -> np.ndarray:
+    """The operation itself run by jax on positions, its other operands known values (gather)."""
+    args: list[Any] = []
+    for i, v in enumerate(eqn.invars):
+        if _is_float(v.aval):
+            args.append(pos[i])
+        elif vs[i] is None:
+            raise _Unknown
+        else:
+            args.append(vs[i])
+    params = dict(eqn.params)
+    if params.get("fill_value") is not None:
+        params["fill_value"] = None  # a fill is a constant: the default fill is no position
+    eqn_ints = eqn.replace(params=params)
+    return np.asarray(_call(eqn_ints, args)[0])
+
+
+_RULES["reshape"] = _copy_rule(_reshape)
+_RULES["squeeze"] = _copy_rule(lambda eqn, pos, vs: pos[0].reshape(_shape(eqn.outvars[0])))
+_RULES["expand_dims"] = _RULES["squeeze"]
+_RULES["broadcast_in_dim"] = _copy_rule(_broadcast_in_dim)
+_RULES["transpose"] = _copy_rule(lambda eqn, pos, vs: pos[0].transpose(eqn.params["permutation"]))
+_RULES["rev"] = _copy_rule(lambda eqn, pos, vs: np.flip(pos[0], tuple(eqn.params["dimensions"])))
+_RULES["slice"] = _copy_rule(_slice)
+_RULES["concatenate"] = _copy_rule(lambda eqn, pos, vs: np.concatenate(pos, axis=eqn.params["dimension"]))
+_RULES["pad"] = _copy_rule(_pad)
+_RULES["dynamic_slice"] = _copy_rule(_dynamic_slice)
+_RULES["dynamic_update_slice"] = _copy_rule(_dynamic_update_slice)
+_RULES["_gather_jax"] = _copy_rule(_jax_copy)
+
+
+@_rule("split")
+def _split(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
+    pos = _positions(_shape(eqn.invars[0]))
+    cuts = np.cumsum(eqn.params["sizes"])[:-1]
+    pieces = np.split(pos, cuts, axis=eqn.params["axis"])
+    return [it.pick([(ps[0], _size(eqn.invars[0].aval))], piece) for piece in pieces]
+
+
+def _window_sources(
+    operand_shape: tuple[int, ...],
+    indices: np.ndarray,
+    index_map: Sequence[int],
+    batch: list[np.ndarray],
+    window_dims: Sequence[int],
+    window: list[np.ndarray],
+    window_sizes: Sequence[int],
+) -> tuple[np.ndarray, np.ndarray]:
+    """(element, operand flat index) pairs for a gather's outputs or a scatter's updates.
+
+    Element ``e`` reads (writes) the operand at ``start + offset``: ``start`` from the index
+    vector ``indices[batch[:, e]]`` (placed on the operand dimensions ``index_map``), ``offset``
+    the window coordinates ``window[:, e]`` on ``window_dims``. jax clamps the start so that the
+    window fits (clip), or fills and drops (fill or drop), or assumes it fits: both the clamped
+    position and the unclamped one where it is in bounds are kept, which covers every mode.
+    """
+    rank = len(operand_shape)
+    count = batch[0].size if batch else (window[0].size if window else 1)
+    vectors = indices[tuple(batch)] if batch else np.broadcast_to(indices, (count, indices.shape[-1]))
+    vectors = vectors.reshape(count, -1).astype(np.int64)
+    start = np.zeros((rank, count), dtype=np.int64)
+    for j, d in enumerate(index_map):
+        start[d] = vectors[:, j]
+    offset = np.zeros((rank, count), dtype=np.int64)
+    for d, w in zip(window_dims, window, strict=True):
+        offset[d] = w.reshape(-1)
+    dims = np.asarray(operand_shape, dtype=np.int64)[:, None]
+    sizes = np.asarray(window_sizes, dtype=np.int64)[:, None]
+    clipped = np.clip(start, 0, np.maximum(dims - sizes, 0)) + offset
+    raw = start + offset
+    inside = ((raw >= 0) & (raw < dims)).all(axis=0)
+    elements = np.arange(count)
+    if rank == 0:
+        return elements, np.zeros(count, dtype=np.int64)
+    flat_clipped = np.ravel_multi_index(tuple(np.minimum(clipped, dims - 1)), operand_shape)
+    flat_raw = np.ravel_multi_index(tuple(raw[:, inside]), operand_shape)
+    return np.concatenate([elements, elements[inside]]), np.concatenate([flat_clipped, flat_raw])
+
+
+def _selection(rows: np.ndarray, cols: np.ndarray, shape: tuple[int, int]) -> Any:
+    import scipy.sparse as sp
+
+    return sp.csr_array((np.ones(rows.size, dtype=bool), (rows, cols)), shape=shape)
+
+
+@_rule("gather")
+def _gather(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
+    if vs[1] is None:
+        raise _Unknown
+    dn = eqn.params["dimension_numbers"]
+    if getattr(dn, "operand_batching_dims", ()) or getattr(dn, "start_indices_batching_dims", ()):
+        return _RULES["_gather_jax"](it, eqn, ps, vs)
+    operand_shape = _shape(eqn.invars[0])
+    out = eqn.outvars[0]
+    out_shape = _shape(out)
+    coords = np.indices(out_shape).reshape(len(out_shape), -1) if out_shape else np.zeros((0, 1), dtype=np.int64)
+    batch_dims = [d for d in range(len(out_shape)) if d not in dn.offset_dims]
+    window_dims = [d for d in range(len(operand_shape)) if d not in dn.collapsed_slice_dims]
+    indices = np.asarray(vs[1])
+    rows, cols = _window_sources(
+        operand_shape,
+        indices,
+        dn.start_index_map,
+        [coords[d] for d in batch_dims],
+        window_dims,
+        [coords[d] for d in dn.offset_dims],
+        eqn.params["slice_sizes"],
+    )
+    return [it.combine(_selection(rows, cols, (_size(out.aval), _size(eqn.invars[0].aval))), ps[0])]
+
+
+@_rule("scatter-add", "scatter_add", "scatter", "scatter-mul", "scatter_mul", "scatter-min", "scatter_min",
+       "scatter-max", "scatter_max", "scatter-sub", "scatter_sub")  # fmt: skip
+def _scatter(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
+    """operand, indices, updates: each output unites its operand element and the updates sent to
+    it (also where an update overwrites, or multiplies: conservative)."""
+    operand_var, _, updates_var = eqn.invars[:3]
+    if vs[1] is None:
+        raise _Unknown
+    dn = eqn.params["dimension_numbers"]
+    if getattr(dn, "operand_batching_dims", ()) or getattr(dn, "scatter_indices_batching_dims", ()):
+        raise _Unknown
+    operand_shape = _shape(operand_var)
+    updates_shape = _shape(updates_var)
+    pieces = [ps[0]]
+    if ps[2] is not None and _size(updates_var.aval):
+        coords = np.indices(updates_shape).reshape(len(updates_shape), -1)
+        scatter_dims = [d for d in range(len(updates_shape)) if d not in dn.update_window_dims]
+        window_dims = [d for d in range(len(operand_shape)) if d not in dn.inserted_window_dims]
+        sizes = [1] * len(operand_shape)
+        for d, u in zip(window_dims, dn.update_window_dims, strict=True):
+            sizes[d] = updates_shape[u]
+        cols, rows = _window_sources(
+            operand_shape,
+            np.asarray(vs[1]),
+            dn.scatter_dims_to_operand_dims,
+            [coords[d] for d in scatter_dims],
+            window_dims,
+            [coords[d] for d in dn.update_window_dims],
+            sizes,
+        )
+        matrix = _selection(rows, cols, (_size(operand_var.aval), _size(updates_var.aval)))
+        pieces.append(it.combine(matrix, ps[2]))
+    return [it.union(pieces)]
+
+
+def _reduction_matrix(shape: tuple[int, ...], axes: Sequence[int]) -> Any:
+    """outputs x inputs: which input elements each output of a reduction over ``axes`` combines."""
+    import scipy.sparse as sp
+
+    kept = [1 if a in axes else d for a, d in enumerate(shape)]
+    out_size = int(np.prod(kept, dtype=np.int64))
+    dest = np.broadcast_to(np.arange(out_size).reshape(kept), shape).reshape(-1)
+    size = dest.size
+    return sp.csr_array((np.ones(size, dtype=bool), (dest, np.arange(size))), shape=(out_size, size))
+
+
+@_rule("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin", "reduce_and", "reduce_or")
+def _reduce(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
+    matrix = _reduction_matrix(_shape(eqn.invars[0]), tuple(eqn.params["axes"]))
+    return [it.combine(matrix, ps[0])]
+
+
+@_rule("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
+def _cumulative(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
+    import scipy.sparse as sp
+
+    shape = _shape(eqn.invars[0])
+    axis = eqn.params["axis"]
+    reverse = eqn.params.get("reverse", False)
+    pos = _positions(shape) - 1
+    lines = np.moveaxis(pos, axis, -1).reshape(-1, shape[axis])  # each row: one line's positions
+    length = shape[axis]
+    out_k, in_k = np.tril_indices(length) if not reverse else np.triu_indices(length)
+    rows = lines[:, out_k].reshape(-1)
+    cols = lines[:, in_k].reshape(-1)
+    size = pos.size
+    matrix = sp.csr_array((np.ones(rows.size, dtype=bool), (rows, cols)), shape=(size, size))
+    return [it.combine(matrix, ps[0])]
+
+
+@_rule("sort", "top_k")
+def _sort(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
+    """Each output unites the whole line (along the sorted axis) of every operand."""
+    shape = _shape(eqn.invars[0])
+    axis = eqn.params.get("dimension", len(shape) - 1)
+    matrix = _reduction_matrix(shape, (axis,))
+    line = it.union([it.combine(matrix, p) for p in ps])
+    outs = []
+    for out in eqn.outvars:
+        out_shape = _shape(out)
+        kept = [1 if a == axis else d for a, d in enumerate(out_shape)]
+        index = np.broadcast_to(_positions(tuple(kept)), out_shape)
+        outs.append(it.pick([(line, int(np.prod(kept)))], index))
+    return outs
+
+
+@_rule("dot_general")
+def _dot_general(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
+    """out[b, i, j] unites lhs[b, i, k] where rhs[b, k, j] may be nonzero, and rhs[b, k, j] where
+    lhs[b, i, k] may be nonzero (a known operand's zeros are zeros)."""
+    import scipy.sparse as sp
+
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs, rhs = eqn.invars
+    ls, rs = _shape(lhs), _shape(rhs)
+    lf = [d for d in range(len(ls)) if d not in lc and d not in lb]
+    rf = [d for d in range(len(rs)) if d not in rc and d not in rb]
+    lpos = _positions(ls).transpose([*lb, *lf, *lc])
+    rpos = _positions(rs).transpose([*rb, *rc, *rf])
+    B = int(np.prod([ls[d] for d in lb], dtype=np.int64))
+    I = int(np.prod([ls[d] for d in lf], dtype=np.int64))  # noqa: E741
+    K = int(np.prod([ls[d] for d in lc], dtype=np.int64))
+    J = int(np.prod([rs[d] for d in rf], dtype=np.int64))
+    lpos = lpos.reshape(B, I, K) - 1
+    rpos = rpos.reshape(B, K, J) - 1
+
+    def may(
+        value: Any, pattern: Pattern, shape: tuple[int, ...], order: list[int], shaped: tuple[int, ...]
+    ) -> np.ndarray:
+        if value is None or pattern is not None:
+            return np.ones(shaped, dtype=bool)
+        return (np.asarray(value) != 0).transpose(order).reshape(shaped)  # type: ignore[no-any-return]
+
+    lmay = may(vs[0], ps[0], ls, [*lb, *lf, *lc], (B, I, K))
+    rmay = may(vs[1], ps[1], rs, [*rb, *rc, *rf], (B, K, J))
+    out_size = B * I * J
+    pieces = []
+    if ps[0] is not None:
+        b, k, j = np.nonzero(rmay)
+        i = np.arange(I)
+        rows = ((b * I)[:, None] + i[None, :]) * J + j[:, None]
+        cols = lpos[b[:, None], i[None, :], k[:, None]]
+        matrix = sp.csr_array(
+            (np.ones(rows.size, dtype=bool), (rows.reshape(-1), cols.reshape(-1))), shape=(out_size, lpos.size)
+        )
+        pieces.append(it.combine(matrix, ps[0]))
+    if ps[1] is not None:
+        b, i, k = np.nonzero(lmay)
+        j = np.arange(J)
+        rows = ((b * I + i) * J)[:, None] + j[None, :]
+        cols = rpos[b[:, None], k[:, None], j[None, :]]
+        matrix = sp.csr_array(
+            (np.ones(rows.size, dtype=bool), (rows.reshape(-1), cols.reshape(-1))), shape=(out_size, rpos.size)
+        )
+        pieces.append(it.combine(matrix, ps[1]))
+    return [it.union(pieces)]
+
+
+# control flow and calls ------------------------------------------------------------------------------
+
+
+@_rule("jit", "pjit", "closed_call", "core_call", "remat", "checkpoint", "custom_lin", "xla_call", "named_call")
+def _call_rule(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
+    inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if inner is None:
+        raise _Unknown
+    if hasattr(inner, "consts"):
+        return it.run_closed(inner, list(ps), list(vs))[0]
+    return it.run(inner, [], list(ps), list(vs))[0]
+
+
+@_rule("custom_jvp_call")
+def _custom_jvp(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
+    """The Jacobian of a function with a custom derivative is the one its rule gives: the rule's
+    tangent outputs are read from jax.jvp's program, tangents in, primals depending on nothing."""
+    jax = _jax()
+    fun, order = _eqn_function(eqn)
+    avals = [eqn.invars[i].aval for i in order]
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+    floats = [i for i, a in enumerate(avals) if _is_float(a)]
+
+    def tangents_out(*args: Any) -> Any:
+        primals, tangents = args[: len(avals)], args[len(avals) :]
+        full_tangents: list[Any] = []
+        for i, a in enumerate(avals):
+            if i in floats:
+                full_tangents.append(tangents[floats.index(i)])
+            else:
+                full_tangents.append(np.zeros(a.shape, dtype=jax.dtypes.float0))
+        return jax.jvp(lambda *p: fun(*p), tuple(primals), tuple(full_tangents))[1]
+
+    try:
+        closed = jax.make_jaxpr(tangents_out)(*structs, *[structs[i] for i in floats])
+    except Exception as error:
+        raise _Unknown from error
+    primal_patterns = [None] * len(avals)
+    tangent_patterns = [ps[order[i]] for i in floats]
+    primal_values = [vs[order[i]] for i in range(len(avals))]
+    return it.run_closed(closed, primal_patterns + tangent_patterns, primal_values + [None] * len(floats))[0]
+
+
+@_rule("cond")
+def _cond(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
+    branches = eqn.params["branches"]
+    results = [it.run_closed(b, list(ps[1:]), list(vs[1:]))[0] for b in branches]
+    return [it.union(list(outs)) for outs in zip(*results, strict=True)]
+
+
+def _fixed_point(
+    it: _Interpreter,
+    body: Callable[[list[Pattern]], list[Pattern]],
+    carry: list[Pattern],
+    sizes: list[int],
+    everything: Pattern,
+) -> list[Pattern]:
+    """The least patterns containing ``carry`` that ``body`` keeps; if they do not settle within
+    the rounds allowed, each carried element depends on ``everything`` (what every operand of the
+    loop depends on: a set the body cannot leave)."""
+    for _ in range(MAX_FIXED_POINT_ROUNDS):
+        new = [it.union([c, b]) for c, b in zip(carry, body(carry), strict=True)]
+        if all(_same(a, b) for a, b in zip(new, carry, strict=True)):
+            return new
+        carry = new
+    return [it.repeat(everything, size) for size in sizes]
+
+
+def _same(a: Pattern, b: Pattern) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return bool(a.nnz == b.nnz and (a != b).nnz == 0)
+
+
+@_rule("while")
+def _while(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
+    cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    body = eqn.params["body_jaxpr"]
+    consts_p, consts_v = list(ps[cn : cn + bn]), list(vs[cn : cn + bn])
+    carry = list(ps[cn + bn :])
+    everything = it.dense(ps)
+    sizes = [_size(v.aval) for v in eqn.invars[cn + bn :]]
+
+    def step(c: list[Pattern]) -> list[Pattern]:
+        return it.run_closed(body, consts_p + c, consts_v + [None] * len(c))[0]
+
+    return _fixed_point(it, step, carry, sizes, everything)
+
+
+@_rule("scan")
+def _scan(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
+    """Every iteration is taken to see the union of the slices of ``xs`` (rows of element e of a
+    slice: rows of element e of every slice), and the carry to its fixed point; each slice of
+    ``ys`` gets the union over iterations."""
+    nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+    length = eqn.params["length"]
+    body = eqn.params["jaxpr"]
+    consts_p, consts_v = list(ps[:nc]), list(vs[:nc])
+    carry = list(ps[nc : nc + nk])
+    xs_vars = eqn.invars[nc + nk :]
+    slices: list[Pattern] = []
+    for v, p in zip(xs_vars, ps[nc + nk :], strict=True):
+        if p is None or length == 0:
+            slices.append(None)
+            continue
+        per = _size(v.aval) // length
+        matrix = _fold(length, per)
+        slices.append(it.combine(matrix, p))
+    everything = it.dense(ps)
+
+    def step(c: list[Pattern]) -> list[Pattern]:
+        return it.run_closed(body, consts_p + c + slices, consts_v + [None] * (len(c) + len(slices)))[0][:nk]
+
+    carry = _fixed_point(it, step, carry, [_size(v.aval) for v in eqn.invars[nc : nc + nk]], everything)
+    outs = it.run_closed(body, consts_p + carry + slices, consts_v + [None] * (len(carry) + len(slices)))[0]
+    ys = []
+    for p in outs[nk:]:
+        ys.append(None if p is None or not length else _canonical(p[np.tile(np.arange(p.shape[0]), length)]))
+    return list(carry) + ys
+
+
+def _fold(length: int, per: int) -> Any:
+    """per x (length * per): element e of a slice gathers element e of every slice."""
+    import scipy.sparse as sp
+
+    cols = np.arange(length * per)
+    rows = cols % per
+    return sp.csr_array((np.ones(cols.size, dtype=bool), (rows, cols)), shape=(per, length * per))
