@@ -313,8 +313,11 @@ class AutoSparse(Backend):
                 f"AutoSparse(coloring={self.coloring!r}) is not a coloring; choose one of "
                 f"{', '.join(map(repr, _SPARSE_COLORINGS))}."
             )
-        if not isinstance(self.order, str):
-            raise InvalidBackendOptionError(f"AutoSparse(order={self.order!r}): the order is a name such as 'natural'.")
+        if not isinstance(self.order, str) or self.order not in sparse.ORDERS:
+            raise InvalidBackendOptionError(
+                f"AutoSparse(order={self.order!r}) is not a coloring order; choose one of "
+                f"{', '.join(map(repr, sparse.ORDERS))}."
+            )
         _check_bool(self, "dense", self.dense)
         _check_bool(self, "check", self.check)
         if self.coloring == "row" and backend.black_box:

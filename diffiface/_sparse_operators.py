@@ -169,7 +169,7 @@ def _promote(family: str, names: list[str]) -> Any:
             dtype = torch.promote_types(dtype, getattr(torch, name))
         return dtype
     if family == "jax":
-        return sys.modules["jax.numpy"].result_type(*floats)
+        return sys.modules["jax.numpy"].dtype(np.result_type(*floats).name)  # numpy's rule: no strict mode
     return np.result_type(*floats)
 
 
@@ -518,6 +518,8 @@ class _JaxRoute(_Route):
         offsets, shapes, dtypes, spec = layout.offsets, layout.shapes, layout.dtypes, layout.spec
         y_info: list[Any] = []
 
+        x_dtype = plan.flat_dtype
+
         def unflatten(flat: Any) -> Any:
             leaves = [
                 jnp.reshape(flat[offsets[i] : offsets[i + 1]], shapes[i]).astype(dtypes[i]) for i in range(len(shapes))
@@ -530,10 +532,17 @@ class _JaxRoute(_Route):
             arrays = [jnp.asarray(leaf) for leaf in leaves]
             if not y_info:
                 y_info.append(y_spec)
-            return jnp.concatenate([a.reshape(-1) for a in arrays]) if arrays else jnp.zeros((0,)), arrays
+            if not arrays:
+                return jnp.zeros((0,)), arrays
+            common = np.result_type(*[a.dtype.name for a in arrays]).name  # cast explicitly: jax
+            return jnp.concatenate([a.reshape(-1).astype(common) for a in arrays]), arrays  # may be strict
 
         def program(xs: tuple[Any, ...], values: tuple[Any, ...]) -> Any:
-            flat = jnp.concatenate([jnp.reshape(jnp.asarray(leaf), (-1,)) for leaf in xs]) if xs else jnp.zeros((0,))
+            flat = (
+                jnp.concatenate([jnp.reshape(jnp.asarray(leaf), (-1,)).astype(x_dtype) for leaf in xs])
+                if xs
+                else jnp.zeros((0,))
+            )
             seeds = jnp.asarray(seeds_t, dtype=flat.dtype)
             if hessian:
 
@@ -555,7 +564,7 @@ class _JaxRoute(_Route):
             else:
                 (y_flat, y_leaves), linear = jax.linearize(lambda v: flat_output(v, values), flat)
                 stacked = jax.vmap(lambda s: linear(s)[0])(seeds) if count else jnp.zeros((0,), y_flat.dtype)
-            dtype = jnp.result_type(flat.dtype, y_flat.dtype)
+            dtype = np.result_type(flat.dtype.name, y_flat.dtype.name).name
             return tuple(y_leaves), stacked.astype(dtype).reshape(-1)[index]
 
         self.program = jax.jit(program)
