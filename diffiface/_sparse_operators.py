@@ -36,6 +36,7 @@ __all__ = ["SPARSE_OPERATORS", "SparsePrep", "evaluate", "prepare"]
 
 SPARSE_OPERATORS = frozenset({"jacobian", "value_and_jacobian", "hessian", "value_gradient_and_hessian"})
 _HESSIANS = frozenset({"hessian", "value_gradient_and_hessian"})
+_ARRAY_KINDS = frozenset({"numpy", "torch", "jax"})
 
 
 def _miss(*args: Any) -> Any:
@@ -95,6 +96,18 @@ def evaluate(
     prep: Prep | None,
     has_aux: bool = False,
 ) -> Any:
+    if type(prep) is SparsePrep and not contexts and not has_aux:
+        # the common prepared call, one array x: its signature told without flattening anything
+        key = prep.plan.array_key
+        if (
+            key is not None
+            and prep.signature.operator == name
+            and (backend is prep.signature.backend or backend == prep.signature.backend)
+            and _arrays.kind(x) in _ARRAY_KINDS
+            and _arrays.leaf_signature(x) == key
+            and prep.function.matches(f)
+        ):
+            return prep.plan.run(name, f, x, contexts)
     if prep is not None and not isinstance(prep, Prep):
         raise InvalidInputError(f"prep must come from di.prepare_{name}(...), got {type(prep).__name__}.")
     call = _call(name, f, backend, x, contexts, has_aux)
@@ -187,6 +200,7 @@ class _Plan:
         from . import sparse
 
         self.hessian = name in _HESSIANS
+        self.with_value = name.startswith("value")
         self.backend = backend
         engine = backend.backend
         first = engine.inner if isinstance(engine, SecondOrder) else engine
@@ -227,6 +241,9 @@ class _Plan:
         else:  # the products J @ seed_k (H @ seed_k) stacked as rows: transpose the index
             rows = self.n if self.hessian else self.m
             self.stacked_index = (index % max(self.count, 1)) * rows + index // max(self.count, 1)
+        kind = _arrays.kind(x)
+        self.array_key = _arrays.leaf_signature(x) if kind in _ARRAY_KINDS and not contexts else None
+        """The signature of x where x is one array and there are no contexts (the fast check)."""
         self.indptr = np.asarray(pattern.indptr, dtype=np.int64)
         self.indices = np.asarray(pattern.indices, dtype=np.int64)
         self._bcoo_treedef: Any = None
@@ -318,7 +335,7 @@ def _route(plan: _Plan, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]
     compiled = isinstance(plan.engine, AutoJAX) and plan.engine.jit and plan.family in ("numpy", "jax")
     if compiled and all(_jax_ready(leaf) for c in contexts for leaf in _tree.leaves(c.value)):
         try:
-            return _JaxRoute(plan, f, x, contexts)
+            return _JaxRoute(plan, f, x, contexts, plan.with_value)
         except Exception:  # f that jax cannot compile as is (say it writes into a Cache): the
             pass  # generic route runs it through diffiface's jax adapter, which says why or copes
     if isinstance(plan.engine, AutoScipy):
@@ -503,7 +520,7 @@ def _untransposed(plan: _Plan) -> np.ndarray:
 
 
 class _JaxRoute(_Route):
-    def __init__(self, plan: _Plan, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> None:
+    def __init__(self, plan: _Plan, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...], with_value: bool) -> None:
         import jax
         import jax.numpy as jnp
 
@@ -513,7 +530,9 @@ class _JaxRoute(_Route):
             _arrays.dtype_name(leaf) for c in contexts for leaf in _tree.leaves(c.value)
         }
         seeds_t = np.ascontiguousarray(np.asarray(plan.coloring.seeds).T)
-        index = plan.stacked_index
+        index = plan.stacked_index.astype(
+            np.int32 if plan.stacked_index.size and plan.stacked_index.max() < 2**31 else np.int64
+        )
         mode, hessian, count = plan.coloring.mode, plan.hessian, plan.count
         offsets, shapes, dtypes, spec = layout.offsets, layout.shapes, layout.dtypes, layout.spec
         y_info: list[Any] = []
@@ -568,19 +587,30 @@ class _JaxRoute(_Route):
             return tuple(y_leaves), stacked.astype(dtype).reshape(-1)[index]
 
         self.program = jax.jit(program)
+        # one array x and no contexts: a program of that array alone, which jax calls without
+        # taking a tree apart; for jacobian and hessian, one that returns the values alone
+        self.single = len(layout.shapes) == 1 and not contexts and layout.kinds[0] != "python"
+        self.values_only = self.single and not with_value
+        self.flat: Any = None
+        if self.single:
+            self.flat = jax.jit(
+                (lambda leaf: program((leaf,), ())[-1]) if self.values_only else (lambda leaf: program((leaf,), ()))
+            )
         self.to_numpy = plan.family == "numpy"
-        self.contexts_spec = None
         with _x64(self.wide):
             xs = self._xs(x)
-            out = self.program(xs, self._values(contexts))  # traced and compiled here
+            values = self._values(contexts)
+            structs = jax.eval_shape(program, xs, values)  # f's output structure, without compiling
+            out = self.program(xs, values) if self.flat is None else self.flat(xs[0])  # traced, compiled
         if hessian:
-            value = out[0]
-            self.y_layout = _Layout(_numpy_float(value) if self.to_numpy else value)
+            self.y_layout = _Layout(np.zeros(structs[0].shape, structs[0].dtype))
         else:
-            y = optree.tree_unflatten(y_info[0], list(out[0]))
             self.y_spec = y_info[0]
-            self.y_layout = _Layout(y)
+            self.y_layout = _Layout(
+                optree.tree_unflatten(self.y_spec, [np.zeros(a.shape, a.dtype) for a in structs[0]])
+            )
             _check_rows(plan, self.y_layout)
+        del out
         self.x_python = [kind == "python" for kind in layout.kinds]
 
     def _xs(self, x: Any) -> tuple[Any, ...]:
@@ -590,11 +620,18 @@ class _JaxRoute(_Route):
         return tuple(c.value for c in contexts)
 
     def run(self, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> tuple[Any, ...]:
-        if self.wide:
+        if self.flat is not None and not self.wide:
+            out = self.flat(x)
+        elif self.flat is not None:
+            with _x64(True):
+                out = self.flat(x)
+        elif self.wide:
             with _x64(True):
                 out = self.program(self._xs(x), self._values(contexts))
         else:
             out = self.program(self._xs(x), self._values(contexts))
+        if self.values_only:
+            return (np.asarray(out) if self.to_numpy else out,)
         if self.plan.hessian:
             value, grad, values = out
             if self.to_numpy:
