@@ -265,7 +265,9 @@ class AutoSparse(Backend):
         ``f`` with jax, valid at every x), ``LocalDetector()`` (at points near x: may miss a
         nonzero that vanishes there) or ``KnownPattern(pattern)`` (yours).
     coloring:
-        ``"auto"`` (the fewer colors of columns and rows; black-box engines take columns),
+        ``"auto"`` (the fewer colors of columns and rows; on a tie, rows on torch and
+        autograd, whose reverse products cost less, columns elsewhere; black-box engines
+        always take columns),
         ``"column"`` (forward products, one jvp per color) or ``"row"`` (reverse products, one
         vjp per color). Hessians always take a star coloring (one hvp per color).
     order:
