@@ -240,6 +240,11 @@ def write(results: dict[str, Any]) -> str:
     ]
     for row in results["colors"]:
         lines.append("| " + " | ".join(str(v) for v in row.values()) + " |")
+    lines += [
+        "",
+        "Star colors are those of the pattern made symmetric, whose bandwidth is twice the larger side: "
+        "an odd bandwidth (2 below, 3 above for 5) becomes 6, hence 7 colors.",
+    ]
     return "\n".join(lines) + "\n"
 
 
