@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _arrays, tree
-from .._errors import BackendUnavailableError, InvalidOutputError, UnsupportedOperationError
+from .._errors import BackendUnavailableError, DiffifaceError, InvalidOutputError, UnsupportedOperationError
 
 if TYPE_CHECKING:
     from scipy.sparse import csr_array
@@ -29,6 +29,9 @@ Pattern = Any  # csr_array (elements x columns, bool) or None: depends on nothin
 
 MAX_FIXED_POINT_ROUNDS = 64
 """Rounds of a loop body before a loop's carried values are taken to depend on everything."""
+
+UNROLL_LIMIT = 4096
+"""A scan whose iterations times body operations stay within this is run iteration by iteration."""
 
 
 def _jax() -> Any:
@@ -45,11 +48,16 @@ def _jax() -> Any:
 # --- tracing ---------------------------------------------------------------------------------------
 
 
+def _dtype(leaf: Any) -> Any:
+    """A leaf's dtype as jax names it (bfloat16 included); a Python number is float64."""
+    return _jax().numpy.dtype(_arrays.dtype_name(leaf))
+
+
 def _abstract(x: Any) -> tuple[list[Any], Any, bool]:
     jax = _jax()
     leaves, spec = tree.flatten(x)
     wide = any(_arrays.dtype_name(leaf) == "float64" for leaf in leaves)
-    structs = [jax.ShapeDtypeStruct(_arrays.shape(leaf), np.dtype(_arrays.dtype_name(leaf))) for leaf in leaves]
+    structs = [jax.ShapeDtypeStruct(_arrays.shape(leaf), _dtype(leaf)) for leaf in leaves]
     return structs, spec, wide
 
 
@@ -59,7 +67,7 @@ def _abstract_values(values: list[Any]) -> tuple[list[Any], Callable[[list[Any]]
     jax = _jax()
     leaves, spec = tree.flatten(values)
     where = [i for i, leaf in enumerate(leaves) if _arrays.kind(leaf) in ("numpy", "jax", "torch")]
-    structs = [jax.ShapeDtypeStruct(_arrays.shape(leaves[i]), np.dtype(_arrays.dtype_name(leaves[i]))) for i in where]
+    structs = [jax.ShapeDtypeStruct(_arrays.shape(leaves[i]), _dtype(leaves[i])) for i in where]
 
     def rebuild(traced: list[Any]) -> list[Any]:
         new = list(leaves)
@@ -67,7 +75,7 @@ def _abstract_values(values: list[Any]) -> tuple[list[Any], Callable[[list[Any]]
             new[i] = t
         import optree
 
-        return optree.tree_unflatten(spec, new)  # type: ignore[no-any-return]
+        return optree.tree_unflatten(spec, new)  # type: ignore[no-any-return,return-value]
 
     return structs, rebuild
 
@@ -94,6 +102,8 @@ def _trace(fun: Callable[..., Any], x: Any, values: list[Any]) -> tuple[Any, int
     try:
         with _x64(True):
             closed = jax.make_jaxpr(run)(*structs, *context_structs)
+    except DiffifaceError:
+        raise
     except Exception as error:
         raise UnsupportedOperationError(
             f"GlobalDetector could not trace f with jax ({type(error).__name__}: {_first_line(error)}). It reads "
@@ -120,8 +130,10 @@ def _size(aval: Any) -> int:
 
 
 def _is_float(aval: Any) -> bool:
+    """Whether values of this type carry derivatives (floating or complex; bfloat16 included,
+    which numpy alone does not count as inexact; float0, integers and booleans do not)."""
     dtype = getattr(aval, "dtype", None)
-    return dtype is not None and np.issubdtype(np.dtype(dtype), np.inexact)
+    return dtype is not None and bool(_jax().numpy.issubdtype(dtype, np.inexact))
 
 
 def _inputs(closed: Any, k: int) -> tuple[list[Pattern], int]:
@@ -193,9 +205,7 @@ def hessian_pattern(f: Callable[..., Any], x: Any, values: list[Any]) -> csr_arr
 
     try:
         closed, k = _trace(grad, x, values)
-    except UnsupportedOperationError as error:
-        if isinstance(error.__cause__, InvalidOutputError):
-            raise error.__cause__ from None
+    except UnsupportedOperationError:
         # jax could trace f but not its gradient (a while loop with a traced bound): every pair
         # of inputs f depends on may interact.
         first = jacobian_pattern(scalar, x, values)
@@ -312,7 +322,11 @@ class _Interpreter:
                     out_patterns = self.conservative(eqn, ps)
                 else:
                     try:
-                        out_patterns = rule(self, eqn, ps, vs)
+                        result = rule(self, eqn, ps, vs)
+                        if isinstance(result, tuple):  # patterns and the values the rule followed
+                            out_patterns, out_values = result
+                        else:
+                            out_patterns = result
                     except _Unknown:
                         out_patterns = self.conservative(eqn, ps)
             for v, p, val in zip(outs, out_patterns, out_values, strict=True):
@@ -347,19 +361,23 @@ def _evaluate(eqn: Any, values: list[Any]) -> list[Any]:
 
 
 def _eqn_function(eqn: Any) -> tuple[Callable[..., Any], list[int]]:
-    """``eqn`` as a function of its variable operands (in the order given by the indices)."""
-    import jax.extend.core as jc
-
-    invars: list[Any] = []
-    order: list[int] = []
+    """``eqn`` as a function of its variable operands (each once, at the operand indices given),
+    bound as jax's own evaluator binds it."""
+    literals = {i: v.val for i, v in enumerate(eqn.invars) if type(v).__name__ == "Literal"}
+    first: dict[Any, int] = {}
     for i, v in enumerate(eqn.invars):
-        if type(v).__name__ != "Literal" and v not in invars:
-            invars.append(v)
-            order.append(i)
-    outvars = [v if type(v).__name__ != "DropVar" else jc.Var(v.aval) for v in eqn.outvars]
-    new_eqn = eqn.replace(outvars=outvars)
-    jaxpr = jc.Jaxpr([], invars, outvars, [new_eqn], eqn.effects)
-    return jc.jaxpr_as_fun(jc.ClosedJaxpr(jaxpr, [])), order
+        if i not in literals and v not in first:
+            first[v] = i
+    order = list(first.values())
+    params = eqn.primitive.get_bind_params(eqn.params)
+
+    def fun(*args: Any) -> list[Any]:
+        given = dict(zip(order, args, strict=True))
+        operands = [literals[i] if i in literals else given[first[v]] for i, v in enumerate(eqn.invars)]
+        out = eqn.primitive.bind(*operands, **params)
+        return list(out) if eqn.primitive.multiple_results else [out]
+
+    return fun, order
 
 
 def _call(eqn: Any, args: list[Any]) -> list[Any]:
@@ -393,6 +411,7 @@ def _positions(shape: tuple[int, ...], offset: int = 0) -> np.ndarray:
 
 _ELEMENTWISE = [
     "add_any",
+    "complex",
     "abs",
     "acos",
     "acosh",
@@ -459,7 +478,16 @@ _ELEMENTWISE = [
 ]
 
 
-@_rule("optimization_barrier", "device_put")
+@_rule(
+    "optimization_barrier",
+    "device_put",
+    "sharding_constraint",
+    "mesh_cast",
+    "reshard",
+    "pvary",
+    "layout_constraint",
+    "stop_gradient",
+)
 def _identity(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
     return list(ps)
 
@@ -609,9 +637,24 @@ _RULES["rev"] = _copy_rule(lambda eqn, pos, vs: np.flip(pos[0], tuple(eqn.params
 _RULES["slice"] = _copy_rule(_slice)
 _RULES["concatenate"] = _copy_rule(lambda eqn, pos, vs: np.concatenate(pos, axis=eqn.params["dimension"]))
 _RULES["pad"] = _copy_rule(_pad)
+_RULES["tile"] = _copy_rule(lambda eqn, pos, vs: np.tile(pos[0], eqn.params["reps"]))
+_RULES["stack"] = _copy_rule(lambda eqn, pos, vs: np.stack(pos, axis=eqn.params["axis"]))
 _RULES["dynamic_slice"] = _copy_rule(_dynamic_slice)
 _RULES["dynamic_update_slice"] = _copy_rule(_dynamic_update_slice)
 _RULES["_gather_jax"] = _copy_rule(_jax_copy)
+
+
+@_rule("unstack")
+def _unstack(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
+    pos = _positions(_shape(eqn.invars[0]))
+    axis = eqn.params["axis"]
+    size = _size(eqn.invars[0].aval)
+    return [it.pick([(ps[0], size)], np.take(pos, k, axis=axis)) for k in range(pos.shape[axis])]
+
+
+@_rule("zeros_like")
+def _zeros(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
+    return [None for _ in eqn.outvars]
 
 
 @_rule("split")
@@ -832,10 +875,123 @@ def _dot_general(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -
     return [it.union(pieces)]
 
 
+def _tap_sources(
+    space: tuple[int, ...], kernel: tuple[int, ...], strides: Any, padding: Any, lhs_dilation: Any, rhs_dilation: Any
+) -> np.ndarray:
+    """taps x output positions: the flat input position each tap of a window reads for each
+    output position, -1 where it reads padding or a dilation hole. jax computes it: the input's
+    positions (1-based, exact in float64) convolved with one one-hot kernel per tap."""
+    lax: Any = _jax().lax
+    rank = len(space)
+    taps = int(np.prod(kernel, dtype=np.int64))
+    canonical = lax.ConvDimensionNumbers(tuple(range(rank + 2)), tuple(range(rank + 2)), tuple(range(rank + 2)))
+    probe = np.arange(1, int(np.prod(space, dtype=np.int64)) + 1, dtype=np.float64).reshape(1, 1, *space)
+    one_hot = np.eye(taps, dtype=np.float64).reshape(taps, 1, *kernel)
+    source = lax.conv_general_dilated(
+        probe, one_hot, strides, padding, lhs_dilation, rhs_dilation, canonical, precision=lax.Precision.HIGHEST
+    )
+    return np.rint(np.asarray(source)).astype(np.int64).reshape(taps, -1) - 1  # type: ignore[no-any-return]
+
+
+@_rule("conv_general_dilated")
+def _conv(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
+    """out[n, o, s] unites lhs[n, i, source(t, s)] over the taps ``t`` and input channels ``i``
+    of o's group where the kernel may be nonzero, and rhs[o, i, t] where that lhs element may be
+    nonzero. ``source(t, s)`` (strides, padding, dilations) is computed by jax itself: one
+    convolution of the spatial positions with one one-hot kernel per tap."""
+    import scipy.sparse as sp
+
+    params = eqn.params
+    if params["batch_group_count"] != 1:
+        raise _Unknown
+    lhs_spec, rhs_spec, out_spec = params["dimension_numbers"]
+    lhs_var, rhs_var = eqn.invars
+    out_var = eqn.outvars[0]
+    # every array in canonical layout (batch/out, feature/in, spatial...), holding its flat index
+    lhs_at = (_positions(_shape(lhs_var)) - 1).transpose(lhs_spec)
+    rhs_at = (_positions(_shape(rhs_var)) - 1).transpose(rhs_spec)
+    out_at = (_positions(_shape(out_var)) - 1).transpose(out_spec)
+    batch, channels, *space = lhs_at.shape
+    outs, group_in, *kernel = rhs_at.shape
+    groups = params["feature_group_count"]
+    per_group_out = outs // groups
+    out_space = out_at.shape[2:]
+    taps = int(np.prod(kernel, dtype=np.int64))
+    source = _tap_sources(
+        tuple(space),
+        tuple(kernel),
+        params["window_strides"],
+        params["padding"],
+        params["lhs_dilation"],
+        params["rhs_dilation"],
+    )
+
+    def may(value: Any, pattern: Pattern, spec: Sequence[int]) -> np.ndarray | None:
+        if value is None or pattern is not None:
+            return None  # may be nonzero anywhere
+        return (np.asarray(value) != 0).transpose(spec)  # type: ignore[no-any-return]
+
+    rhs_may = may(vs[1], ps[1], rhs_spec)
+    lhs_may = may(vs[0], ps[0], lhs_spec)
+    rhs_may_flat = (
+        np.ones((outs, group_in, taps), dtype=bool) if rhs_may is None else rhs_may.reshape(outs, group_in, taps)
+    )
+    o, ig, t = np.nonzero(rhs_may_flat)
+    i = (o // per_group_out) * group_in + ig
+    so = np.arange(int(np.prod(out_space, dtype=np.int64)))
+    src = source[t][:, None, :] + 0 * so[None, None, :]  # (entries, 1, out positions)
+    n = np.arange(batch)[None, :, None]
+    valid = np.broadcast_to(src >= 0, (t.size, batch, so.size))
+    if lhs_may is not None:
+        lhs_may_flat = lhs_may.reshape(batch, channels, -1)
+        valid = valid & lhs_may_flat[n, i[:, None, None], np.maximum(src, 0)]
+    out_flat = out_at.reshape(batch, outs, -1)
+    lhs_flat = lhs_at.reshape(batch, channels, -1)
+    rhs_flat = rhs_at.reshape(outs, group_in, -1)
+    rows = np.broadcast_to(out_flat[n, o[:, None, None], so[None, None, :]], valid.shape)[valid]
+    pieces = []
+    out_size, lhs_size, rhs_size = _size(out_var.aval), _size(lhs_var.aval), _size(rhs_var.aval)
+    if ps[0] is not None:
+        source_valid = np.broadcast_to(src >= 0, valid.shape)
+        rows_l = np.broadcast_to(out_flat[n, o[:, None, None], so[None, None, :]], valid.shape)[source_valid]
+        cols_l = np.broadcast_to(lhs_flat[n, i[:, None, None], np.maximum(src, 0)], valid.shape)[source_valid]
+        pieces.append(
+            it.combine(
+                sp.csr_array((np.ones(rows_l.size, dtype=bool), (rows_l, cols_l)), shape=(out_size, lhs_size)), ps[0]
+            )
+        )
+    if ps[1] is not None:
+        cols_r = np.broadcast_to(rhs_flat[o, ig, t][:, None, None], valid.shape)[valid]
+        pieces.append(
+            it.combine(
+                sp.csr_array((np.ones(rows.size, dtype=bool), (rows, cols_r)), shape=(out_size, rhs_size)), ps[1]
+            )
+        )
+    return [it.union(pieces)]
+
+
+@_rule("reduce_window_sum", "reduce_window_max", "reduce_window_min")
+def _reduce_window(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
+    """Pooling: each output unites its window, found as a convolution's taps are (padding and
+    dilation holes read nothing)."""
+    params = eqn.params
+    shape = _shape(eqn.invars[0])
+    window = tuple(params["window_dimensions"])
+    source = _tap_sources(
+        shape, window, params["window_strides"], params["padding"], params["base_dilation"], params["window_dilation"]
+    )
+    out_size = source.shape[1]
+    t, o = np.nonzero(source >= 0)
+    matrix = _selection(o, source[t, o], (out_size, _size(eqn.invars[0].aval)))
+    return [it.combine(matrix, ps[0])]
+
+
 # control flow and calls ------------------------------------------------------------------------------
 
 
-@_rule("jit", "pjit", "closed_call", "core_call", "remat", "checkpoint", "custom_lin", "xla_call", "named_call")
+@_rule(
+    "jit", "pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint", "custom_lin", "xla_call", "named_call"
+)
 def _call_rule(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
     inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
     if inner is None:
@@ -875,9 +1031,70 @@ def _custom_jvp(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) ->
     return it.run_closed(closed, primal_patterns + tangent_patterns, primal_values + [None] * len(floats))[0]
 
 
+@_rule("custom_vjp_call", "custom_vjp_call_jaxpr")
+def _custom_vjp(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
+    """The Jacobian of a function with a custom reverse rule is the one its rule gives: read from
+    jax.vjp's program, run on cotangents that each depend on one output number (so each operand's
+    cotangent tells which output numbers reach it: the transposed Jacobian)."""
+    import scipy.sparse as sp
+
+    jax = _jax()
+    fun, order = _eqn_function(eqn)
+    avals = [eqn.invars[i].aval for i in order]
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+    outs = [v.aval for v in eqn.outvars]
+    float_outs = [k for k, a in enumerate(outs) if _is_float(a)]
+    out_structs = [jax.ShapeDtypeStruct(outs[k].shape, outs[k].dtype) for k in float_outs]
+
+    def cotangents_in(*args: Any) -> Any:
+        primals, cts = args[: len(avals)], args[len(avals) :]
+        _, pull = jax.vjp(fun, *primals)
+        full = [np.zeros(a.shape, dtype=jax.dtypes.float0) for a in outs]
+        for k, ct in zip(float_outs, cts, strict=True):
+            full[k] = ct
+        return pull(full)
+
+    try:
+        closed = jax.make_jaxpr(cotangents_in)(*structs, *out_structs)
+    except Exception as error:
+        raise _Unknown from error
+    sizes = [_size(outs[k]) for k in float_outs]
+    m = sum(sizes)
+    identity = []
+    start = 0
+    for size in sizes:
+        identity.append(
+            sp.csr_array(
+                (np.ones(size, dtype=bool), np.arange(start, start + size), np.arange(size + 1)), shape=(size, m)
+            )
+        )
+        start += size
+    local = _Interpreter(m)
+    transposed = local.run_closed(closed, [None] * len(avals) + identity, [vs[i] for i in order] + [None] * len(sizes))[
+        0
+    ]
+    rows = None
+    for k, t in enumerate(transposed):
+        p = ps[order[k]]
+        if t is None or p is None:
+            continue
+        piece = _canonical(t.T.tocsr().astype(bool) @ p)
+        rows = piece if rows is None else rows + piece
+    results: list[Pattern] = [None] * len(outs)
+    start = 0
+    for k, size in zip(float_outs, sizes, strict=True):
+        results[k] = None if rows is None else _canonical(rows[start : start + size])
+        start += size
+    return results
+
+
 @_rule("cond")
-def _cond(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
+def _cond(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> Any:
     branches = eqn.params["branches"]
+    if vs[0] is not None:  # the branch is known (jax clamps the index)
+        index = min(max(int(np.asarray(vs[0])), 0), len(branches) - 1)
+        taken = it.run_closed(branches[index], list(ps[1:]), list(vs[1:]))
+        return list(taken[0]), list(taken[1])
     results = [it.run_closed(b, list(ps[1:]), list(vs[1:]))[0] for b in branches]
     return [it.union(list(outs)) for outs in zip(*results, strict=True)]
 
@@ -907,11 +1124,23 @@ def _same(a: Pattern, b: Pattern) -> bool:
 
 
 @_rule("while")
-def _while(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
+def _while(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> Any:
+    """While the predicate is known (it reads only values followed: a counter from a constant
+    start), the loop runs step by step, within the unrolling budget; from the first step where it
+    is not, the carry is taken to its fixed point (the loop stops at that step or a later one)."""
     cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-    body = eqn.params["body_jaxpr"]
+    body, cond = eqn.params["body_jaxpr"], eqn.params["cond_jaxpr"]
     consts_p, consts_v = list(ps[cn : cn + bn]), list(vs[cn : cn + bn])
-    carry = list(ps[cn + bn :])
+    cond_p, cond_v = list(ps[:cn]), list(vs[:cn])
+    carry, carry_v = list(ps[cn + bn :]), list(vs[cn + bn :])
+    budget = UNROLL_LIMIT // max(len(body.jaxpr.eqns) + len(cond.jaxpr.eqns), 1)
+    for _ in range(budget):
+        go = it.run_closed(cond, cond_p + carry, cond_v + carry_v)[1][0]
+        if go is None:
+            break
+        if not bool(np.asarray(go)):
+            return carry, carry_v
+        carry, carry_v = (list(r) for r in it.run_closed(body, consts_p + carry, consts_v + carry_v))
     everything = it.dense(ps)
     sizes = [_size(v.aval) for v in eqn.invars[cn + bn :]]
 
@@ -922,13 +1151,16 @@ def _while(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list
 
 
 @_rule("scan")
-def _scan(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
-    """Every iteration is taken to see the union of the slices of ``xs`` (rows of element e of a
-    slice: rows of element e of every slice), and the carry to its fixed point; each slice of
-    ``ys`` gets the union over iterations."""
+def _scan(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> Any:
+    """A short scan is run iteration by iteration (its carried values followed, so that a
+    ``fori_loop``'s counter indexes exactly). A long one: every iteration is taken to see the union
+    of the slices of ``xs`` (rows of element e of a slice: rows of element e of every slice), the
+    carry is taken to its fixed point, and each slice of ``ys`` gets the union over iterations."""
     nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
     length = eqn.params["length"]
     body = eqn.params["jaxpr"]
+    if length > 0 and length * max(len(body.jaxpr.eqns), 1) <= UNROLL_LIMIT:
+        return _scan_unrolled(it, eqn, ps, vs)
     consts_p, consts_v = list(ps[:nc]), list(vs[:nc])
     carry = list(ps[nc : nc + nk])
     xs_vars = eqn.invars[nc + nk :]
@@ -951,6 +1183,46 @@ def _scan(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[
     for p in outs[nk:]:
         ys.append(None if p is None or not length else _canonical(p[np.tile(np.arange(p.shape[0]), length)]))
     return list(carry) + ys
+
+
+def _scan_unrolled(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> tuple[list[Pattern], list[Any]]:
+    nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+    length = eqn.params["length"]
+    body = eqn.params["jaxpr"]
+    consts_p, consts_v = list(ps[:nc]), list(vs[:nc])
+    carry_p, carry_v = list(ps[nc : nc + nk]), list(vs[nc : nc + nk])
+    xs_p, xs_v = list(ps[nc + nk :]), list(vs[nc + nk :])
+    xs_per = [_size(v.aval) // length for v in eqn.invars[nc + nk :]]
+    ys_vars = eqn.outvars[nk:]
+    ys_p: list[list[Pattern]] = [[None] * length for _ in ys_vars]
+    ys_v: list[list[Any]] = [[None] * length for _ in ys_vars]
+    steps = range(length - 1, -1, -1) if eqn.params.get("reverse", False) else range(length)
+    for t in steps:
+        slice_p = [
+            None if p is None else _canonical(p[t * per : (t + 1) * per]) for p, per in zip(xs_p, xs_per, strict=True)
+        ]
+        slice_v = [None if v is None else np.asarray(v)[t] for v in xs_v]
+        outs_p, outs_v = it.run_closed(body, consts_p + carry_p + slice_p, consts_v + carry_v + slice_v)
+        carry_p, carry_v = list(outs_p[:nk]), list(outs_v[:nk])
+        for j in range(len(ys_vars)):
+            ys_p[j][t] = outs_p[nk + j]
+            ys_v[j][t] = outs_v[nk + j]
+    import scipy.sparse as sp
+
+    ys_patterns: list[Pattern] = []
+    ys_values: list[Any] = []
+    for v, pieces, values in zip(ys_vars, ys_p, ys_v, strict=True):
+        per = _size(v.aval) // length
+        if all(p is None for p in pieces):
+            ys_patterns.append(None)
+        else:
+            ys_patterns.append(
+                _canonical(sp.vstack([p if p is not None else it.empty(per) for p in pieces], format="csr"))
+            )
+        ys_values.append(
+            np.stack([np.asarray(val) for val in values]) if all(val is not None for val in values) else None
+        )
+    return carry_p + ys_patterns, carry_v + ys_values
 
 
 def _fold(length: int, per: int) -> Any:
