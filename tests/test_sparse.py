@@ -352,3 +352,42 @@ def test_nothing_mutated(name: str) -> None:
         di.jacobian(broken, di.AutoSparse(engine, detector=sparse.KnownPattern(np.eye(6))), x, di.Constant(scale))
     np.testing.assert_array_equal(x, x_copy)
     np.testing.assert_array_equal(scale, scale_copy)
+
+
+# -- second order and torch Hessians -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        di.SecondOrder(di.AutoJAX(), di.AutoJAX()),
+        di.SecondOrder(di.AutoFiniteDifferences(), di.AutoAutograd()),
+        di.SecondOrder(di.AutoTorch(), di.AutoTorch()),
+    ],
+    ids=["jax-over-jax", "differences-over-autograd", "torch-over-torch"],
+)
+def test_second_order_hessians(engine: di.SecondOrder) -> None:
+    if not di.available(engine):
+        pytest.skip(f"{engine.outer.name} or {engine.inner.name} is not installed")
+    x = np.linspace(0.1, 1.0, 12)
+    prep = di.prepare_hessian(chain, di.AutoSparse(engine), x)
+    assert prep.coloring.count == 3
+    hess = di.hessian(chain, di.AutoSparse(engine), x, prep=prep)
+    np.testing.assert_allclose(hess.toarray(), di.hessian(chain, engine, x), rtol=1e-5, atol=1e-6)
+    # first-order operators and Jacobians use the inner backend
+    jac = di.jacobian(tridiagonal, di.AutoSparse(engine), x)
+    expected = np.concatenate(di.jacobian(tridiagonal, engine.inner, x))
+    np.testing.assert_allclose(jac.toarray(), expected, rtol=1e-6, atol=1e-8)
+
+
+@needs_torch
+def test_torch_hessian_is_sparse_csr() -> None:
+    import torch
+
+    x = torch.linspace(0.1, 1.0, 10, dtype=torch.float64)
+    value, gradient, hess = di.value_gradient_and_hessian(chain, di.AutoSparse("torch"), x)
+    dense_value, dense_gradient, dense_hess = di.value_gradient_and_hessian(chain, "torch", x)
+    assert hess.layout == torch.sparse_csr and hess.dtype == torch.float64
+    torch.testing.assert_close(hess.to_dense(), dense_hess)
+    assert_allclose(gradient, dense_gradient)
+    assert_allclose(value, dense_value)
