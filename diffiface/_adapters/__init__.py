@@ -153,8 +153,8 @@ def info(backend: Backend | str) -> BackendInfo:
 def available(backend: Backend | str) -> bool:
     """Whether the engine of ``backend`` is installed (checked without importing it)."""
     backend = normalize(backend)
-    if isinstance(backend, AutoSparse):
-        return available(backend.backend)
+    if isinstance(backend, AutoSparse):  # patterns and colorings are scipy.sparse matrices
+        return available(backend.backend) and importlib.util.find_spec("scipy") is not None
     if isinstance(backend, SecondOrder):
         return available(backend.outer) and available(backend.inner)
     return all(importlib.util.find_spec(name) is not None for name in info(backend).requires)
