@@ -18,8 +18,7 @@ from conftest import FIRST_ORDER
 import diffiface as di
 import diffiface._operators as operators
 from diffiface import sparse
-from diffiface.test import assert_allclose
-from diffiface.test._sparse_scenarios import run_sparse, sparse_scenarios
+from diffiface.test import assert_allclose, run_sparse, sparse_scenarios
 
 HAS_JAX = importlib.util.find_spec("jax") is not None
 HAS_TORCH = importlib.util.find_spec("torch") is not None
