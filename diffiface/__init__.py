@@ -9,6 +9,8 @@ array([4., 4., 4.])
 Importing diffiface imports no array framework; each engine is imported on first use.
 """
 
+from typing import TYPE_CHECKING
+
 from . import tree as tree
 from ._adapters import available as available
 from ._backends import AutoAutograd as AutoAutograd
@@ -72,6 +74,9 @@ from ._prep import Prep as Prep
 from ._torch_module import functional as functional
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from . import sparse as sparse
 
 
 def __getattr__(name: str) -> object:

@@ -364,6 +364,10 @@ CORPUS: dict[str, Callable[[Any], Any]] = {
             jax.lax.reduce_window(x.reshape(5, 2) ** 2, -jnp.inf, jax.lax.max, (3, 1), (2, 1), "VALID").reshape(-1),
         ]
     ),
+    "take-along-axis": lambda x: jnp.take_along_axis(x.reshape(2, 5), np.array([[4, 0], [1, 1]]), axis=1).ravel(),
+    "vmap-gather-scatter": lambda x: jax.vmap(lambda r, i: r.at[i].add(r[0] ** 2) * r[i])(
+        x.reshape(2, 5), np.array([3, 1])
+    ).ravel(),
     "tile-repeat": lambda x: jnp.tile(x[:4], 2) * jnp.repeat(x[4:8], 2),
     "split-concatenate": lambda x: jnp.concatenate(jnp.split(x, 2)[::-1]) * jnp.floor(x),
     "integer-ops": lambda x: x * (x > 1.0).astype(x.dtype) + jnp.round(x) * x[0],
@@ -456,7 +460,13 @@ def test_global_patterns_are_exact_where_they_can_be() -> None:
     assert_same(sparse.jacobian_pattern(CORPUS["convolve"], x), band(10, 1))
     pooled = sparse.jacobian_pattern(CORPUS["pooling"], x)
     assert_same(pooled[:6], dense_jacobian(CORPUS["pooling"], x)[:6] != 0)  # sums; a max reads its whole window
-    for name in ("conv-groups-strides", "conv-dilations-both-inputs", "tile-repeat"):
+    for name in (
+        "conv-groups-strides",
+        "conv-dilations-both-inputs",
+        "tile-repeat",
+        "take-along-axis",
+        "vmap-gather-scatter",
+    ):
         assert_same(sparse.jacobian_pattern(CORPUS[name], x), dense_jacobian(CORPUS[name], x) != 0)
     rule = sparse.jacobian_pattern(CORPUS["custom-vjp-rule"], x)
     assert_same(rule, dense_jacobian(CORPUS["custom-vjp-rule"], x) != 0)

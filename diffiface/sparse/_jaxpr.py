@@ -327,8 +327,9 @@ class _Interpreter:
                             out_patterns, out_values = result
                         else:
                             out_patterns = result
-                    except _Unknown:
+                    except Exception:  # _Unknown, or a form the rule does not know: never a wrong pattern
                         out_patterns = self.conservative(eqn, ps)
+                        out_values = [None] * len(outs)
             for v, p, val in zip(outs, out_patterns, out_values, strict=True):
                 if type(v).__name__ == "DropVar":
                     continue
@@ -378,12 +379,6 @@ def _eqn_function(eqn: Any) -> tuple[Callable[..., Any], list[int]]:
         return list(out) if eqn.primitive.multiple_results else [out]
 
     return fun, order
-
-
-def _call(eqn: Any, args: list[Any]) -> list[Any]:
-    """Runs ``eqn`` on ``args`` (one per operand, literals included)."""
-    fun, order = _eqn_function(eqn)
-    return list(fun(*[args[i] for i in order]))
 
 
 # --- rules -------------------------------------------------------------------------------------------
@@ -611,23 +606,6 @@ def _dynamic_update_slice(eqn: Any, pos: list[np.ndarray], vs: list[Any]) -> np.
     return result
 
 
-def _jax_copy(eqn: Any, pos: list[np.ndarray], vs: list[Any]) -> np.ndarray:
-    """The operation itself run by jax on positions, its other operands known values (gather)."""
-    args: list[Any] = []
-    for i, v in enumerate(eqn.invars):
-        if _is_float(v.aval):
-            args.append(pos[i])
-        elif vs[i] is None:
-            raise _Unknown
-        else:
-            args.append(vs[i])
-    params = dict(eqn.params)
-    if params.get("fill_value") is not None:
-        params["fill_value"] = None  # a fill is a constant: the default fill is no position
-    eqn_ints = eqn.replace(params=params)
-    return np.asarray(_call(eqn_ints, args)[0])
-
-
 _RULES["reshape"] = _copy_rule(_reshape)
 _RULES["squeeze"] = _copy_rule(lambda eqn, pos, vs: pos[0].reshape(_shape(eqn.outvars[0])))
 _RULES["expand_dims"] = _RULES["squeeze"]
@@ -641,7 +619,6 @@ _RULES["tile"] = _copy_rule(lambda eqn, pos, vs: np.tile(pos[0], eqn.params["rep
 _RULES["stack"] = _copy_rule(lambda eqn, pos, vs: np.stack(pos, axis=eqn.params["axis"]))
 _RULES["dynamic_slice"] = _copy_rule(_dynamic_slice)
 _RULES["dynamic_update_slice"] = _copy_rule(_dynamic_update_slice)
-_RULES["_gather_jax"] = _copy_rule(_jax_copy)
 
 
 @_rule("unstack")
@@ -673,6 +650,7 @@ def _window_sources(
     window_dims: Sequence[int],
     window: list[np.ndarray],
     window_sizes: Sequence[int],
+    batching: Sequence[tuple[int, np.ndarray]] = (),
 ) -> tuple[np.ndarray, np.ndarray]:
     """(element, operand flat index) pairs for a gather's outputs or a scatter's updates.
 
@@ -689,6 +667,8 @@ def _window_sources(
     start = np.zeros((rank, count), dtype=np.int64)
     for j, d in enumerate(index_map):
         start[d] = vectors[:, j]
+    for d, coordinate in batching:  # batched dimensions: the element's own batch coordinate
+        start[d] = coordinate.reshape(-1)
     offset = np.zeros((rank, count), dtype=np.int64)
     for d, w in zip(window_dims, window, strict=True):
         offset[d] = w.reshape(-1)
@@ -716,23 +696,24 @@ def _gather(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> lis
     if vs[1] is None:
         raise _Unknown
     dn = eqn.params["dimension_numbers"]
-    if getattr(dn, "operand_batching_dims", ()) or getattr(dn, "start_indices_batching_dims", ()):
-        return _RULES["_gather_jax"](it, eqn, ps, vs)
+    operand_batching = tuple(getattr(dn, "operand_batching_dims", ()))
+    indices_batching = tuple(getattr(dn, "start_indices_batching_dims", ()))
     operand_shape = _shape(eqn.invars[0])
     out = eqn.outvars[0]
     out_shape = _shape(out)
     coords = np.indices(out_shape).reshape(len(out_shape), -1) if out_shape else np.zeros((0, 1), dtype=np.int64)
-    batch_dims = [d for d in range(len(out_shape)) if d not in dn.offset_dims]
-    window_dims = [d for d in range(len(operand_shape)) if d not in dn.collapsed_slice_dims]
-    indices = np.asarray(vs[1])
+    batch = [coords[d] for d in range(len(out_shape)) if d not in dn.offset_dims]
+    skipped = set(dn.collapsed_slice_dims) | set(operand_batching)
+    window_dims = [d for d in range(len(operand_shape)) if d not in skipped]
     rows, cols = _window_sources(
         operand_shape,
-        indices,
+        np.asarray(vs[1]),
         dn.start_index_map,
-        [coords[d] for d in batch_dims],
+        batch,
         window_dims,
         [coords[d] for d in dn.offset_dims],
         eqn.params["slice_sizes"],
+        [(d, batch[k]) for d, k in zip(operand_batching, indices_batching, strict=True)],
     )
     return [it.combine(_selection(rows, cols, (_size(out.aval), _size(eqn.invars[0].aval))), ps[0])]
 
@@ -746,15 +727,16 @@ def _scatter(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> li
     if vs[1] is None:
         raise _Unknown
     dn = eqn.params["dimension_numbers"]
-    if getattr(dn, "operand_batching_dims", ()) or getattr(dn, "scatter_indices_batching_dims", ()):
-        raise _Unknown
+    operand_batching = tuple(getattr(dn, "operand_batching_dims", ()))
+    indices_batching = tuple(getattr(dn, "scatter_indices_batching_dims", ()))
     operand_shape = _shape(operand_var)
     updates_shape = _shape(updates_var)
     pieces = [ps[0]]
     if ps[2] is not None and _size(updates_var.aval):
         coords = np.indices(updates_shape).reshape(len(updates_shape), -1)
-        scatter_dims = [d for d in range(len(updates_shape)) if d not in dn.update_window_dims]
-        window_dims = [d for d in range(len(operand_shape)) if d not in dn.inserted_window_dims]
+        batch = [coords[d] for d in range(len(updates_shape)) if d not in dn.update_window_dims]
+        skipped = set(dn.inserted_window_dims) | set(operand_batching)
+        window_dims = [d for d in range(len(operand_shape)) if d not in skipped]
         sizes = [1] * len(operand_shape)
         for d, u in zip(window_dims, dn.update_window_dims, strict=True):
             sizes[d] = updates_shape[u]
@@ -762,10 +744,11 @@ def _scatter(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> li
             operand_shape,
             np.asarray(vs[1]),
             dn.scatter_dims_to_operand_dims,
-            [coords[d] for d in scatter_dims],
+            batch,
             window_dims,
             [coords[d] for d in dn.update_window_dims],
             sizes,
+            [(d, batch[k]) for d, k in zip(operand_batching, indices_batching, strict=True)],
         )
         matrix = _selection(rows, cols, (_size(operand_var.aval), _size(updates_var.aval)))
         pieces.append(it.combine(matrix, ps[2]))
