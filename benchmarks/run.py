@@ -4,6 +4,7 @@ first-call (preparation) time.
 
     python benchmarks/run.py [--quick] [--cpus 0]
     python benchmarks/run.py --shapes [--quick] [--cpus 0]   # every call shape only: shapes.json/md/png
+    python benchmarks/run.py --sparse [--quick]              # sparse Jacobians: sparse.json/md/png
 
 Writes benchmarks/results/results.json, results.md and PNG plots beside them. With
 ``--cpus``, the process runs on those CPUs only (``os.sched_setaffinity``), diffiface and the
@@ -1087,6 +1088,7 @@ def main():
     )
     parser.add_argument("--overhead-only", action="store_true", help="print the overhead rows as JSON, and stop")
     parser.add_argument("--pymanopt-only", action="store_true", help="print the rows against pymanopt, and stop")
+    parser.add_argument("--sparse", action="store_true", help="run benchmarks/sparse.py (sparse.json/md/png), stop")
     parser.add_argument(
         "--main-job",
         choices=("quick", "full"),
@@ -1095,6 +1097,12 @@ def main():
     args = parser.parse_args()
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+    if args.sparse:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import sparse  # benchmarks/sparse.py
+
+        sparse.main(["--quick"] if args.quick else [])
+        return
     names = [
         n
         for n in ("jax", "torch", "torch-func", "autograd")

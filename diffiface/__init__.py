@@ -17,6 +17,7 @@ from ._backends import AutoAutograd as AutoAutograd
 from ._backends import AutoFiniteDifferences as AutoFiniteDifferences
 from ._backends import AutoJAX as AutoJAX
 from ._backends import AutoScipy as AutoScipy
+from ._backends import AutoSparse as AutoSparse
 from ._backends import AutoTorch as AutoTorch
 from ._backends import Backend as Backend
 from ._backends import SecondOrder as SecondOrder
@@ -93,6 +94,7 @@ __all__ = [
     "AutoFiniteDifferences",
     "AutoJAX",
     "AutoScipy",
+    "AutoSparse",
     "AutoTorch",
     "Backend",
     "SecondOrder",

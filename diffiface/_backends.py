@@ -11,7 +11,7 @@ import math
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from ._errors import InvalidBackendOptionError, UnsupportedOperationError
 
@@ -20,6 +20,7 @@ __all__ = [
     "AutoFiniteDifferences",
     "AutoJAX",
     "AutoScipy",
+    "AutoSparse",
     "AutoTorch",
     "Backend",
     "SecondOrder",
@@ -238,6 +239,106 @@ class SecondOrder(Backend):
     @property
     def black_box(self) -> bool:
         return self.outer.black_box and self.inner.black_box
+
+
+_SPARSE_COLORINGS = ("auto", "column", "row")
+
+
+@dataclass(frozen=True)
+class AutoSparse(Backend):
+    """Sparse Jacobians and Hessians from ``backend``: detect the pattern, color it, and
+    compute one product per color instead of one per row or column.
+
+    ``jacobian``, ``value_and_jacobian``, ``hessian`` and ``value_gradient_and_hessian`` (and
+    their ``prepare_*``) give sparse matrices: ``scipy.sparse.csr_array`` for numpy inputs,
+    ``jax.experimental.sparse.BCOO`` for jax, a torch sparse CSR tensor for torch; x and f(x)
+    are flattened to one vector each in :func:`diffiface.tree.ravel` order. Every other
+    operator is the wrapped backend's own. See docs/sparse.md.
+
+    Parameters
+    ----------
+    backend:
+        The engine of the products: a first-order backend (or its name), or a
+        :class:`SecondOrder` for Hessians.
+    detector:
+        How the pattern is found: ``diffiface.sparse.GlobalDetector()`` (the default; traces
+        ``f`` with jax, valid at every x), ``LocalDetector()`` (at points near x: may miss a
+        nonzero that vanishes there) or ``KnownPattern(pattern)`` (yours).
+    coloring:
+        ``"auto"`` (the fewer colors of columns and rows; on a tie, rows on torch and
+        autograd, whose reverse products cost less, columns elsewhere; black-box engines
+        always take columns),
+        ``"column"`` (forward products, one jvp per color) or ``"row"`` (reverse products, one
+        vjp per color). Hessians always take a star coloring (one hvp per color).
+    order:
+        The vertex order of the greedy coloring (``"natural"``, ``"largest_first"``...).
+    dense:
+        Return the dense array the dense operator returns instead, computed the sparse way.
+    check:
+        After each call, compare the result with one dense product along a random direction
+        and raise :class:`~diffiface.DiffifaceError` where they differ (a pattern that misses
+        a nonzero). Costs one more product per call.
+    """
+
+    name: ClassVar[str] = "sparse"
+    backend: Backend
+    detector: Any = None
+    coloring: Literal["auto", "column", "row"] = "auto"
+    order: str = "natural"
+    dense: bool = False
+    check: bool = False
+
+    def __post_init__(self) -> None:
+        backend = self.backend
+        if isinstance(backend, str):
+            from ._adapters import normalize
+
+            backend = normalize(backend)
+            object.__setattr__(self, "backend", backend)
+        if not isinstance(backend, Backend) or isinstance(backend, AutoSparse):
+            raise InvalidBackendOptionError(
+                f"AutoSparse(backend={backend!r}): the backend must be a backend object or name such as "
+                "AutoJAX() or 'torch' (not another AutoSparse)."
+            )
+        from . import sparse
+
+        if self.detector is None:
+            object.__setattr__(self, "detector", sparse.GlobalDetector())
+        detectors = (sparse.GlobalDetector, sparse.LocalDetector, sparse.KnownPattern)
+        if not isinstance(self.detector, detectors):
+            raise InvalidBackendOptionError(
+                f"AutoSparse(detector={self.detector!r}): the detector must be diffiface.sparse.GlobalDetector(), "
+                "LocalDetector() or KnownPattern(pattern)."
+            )
+        if self.coloring not in _SPARSE_COLORINGS:
+            raise InvalidBackendOptionError(
+                f"AutoSparse(coloring={self.coloring!r}) is not a coloring; choose one of "
+                f"{', '.join(map(repr, _SPARSE_COLORINGS))}."
+            )
+        if not isinstance(self.order, str) or self.order not in sparse.ORDERS:
+            raise InvalidBackendOptionError(
+                f"AutoSparse(order={self.order!r}) is not a coloring order; choose one of "
+                f"{', '.join(map(repr, sparse.ORDERS))}."
+            )
+        _check_bool(self, "dense", self.dense)
+        _check_bool(self, "check", self.check)
+        if self.coloring == "row" and backend.black_box:
+            raise InvalidBackendOptionError(
+                f"AutoSparse({_short(backend)}, coloring='row'): {backend.name} has no reverse mode, so each "
+                "row would cost a full Jacobian; use coloring='column' (or 'auto')."
+            )
+
+    def __repr__(self) -> str:
+        options = [_short(self.backend)]
+        for field in dataclasses.fields(self)[1:]:
+            value = getattr(self, field.name)
+            if field.name == "detector" or value != field.default:
+                options.append(f"{field.name}={value!r}")
+        return f"AutoSparse({', '.join(options)})"
+
+    @property
+    def black_box(self) -> bool:
+        return self.backend.black_box
 
 
 def one_difference_engine(outer: Backend, inner: Backend) -> bool:

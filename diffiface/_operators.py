@@ -7,6 +7,9 @@ Every operator ``op`` has ``prepare_op``, taking the same arguments (without ``p
 ``has_aux=True`` (``f`` returns ``(value, aux)``) is taken by ``value_and_gradient``,
 ``value_and_jvp`` and ``value_and_vjp``; every other operator accepts the keyword only to
 refuse it with :class:`~diffiface.InvalidInputError`, naming the operator that takes it.
+
+With an :class:`~diffiface.AutoSparse` backend the Jacobian and Hessian operators take the
+sparse route of :mod:`diffiface._sparse_operators`; the others use the wrapped backend.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ._backends import Backend
+from . import _sparse_operators as _sparse
+from ._backends import AutoSparse, Backend
 from ._dispatch import evaluate, prepare
 from ._prep import Prep
 
@@ -69,6 +73,8 @@ def derivative(
     >>> di.derivative(lambda x: x**3, "finite_differences", 2.0)  # doctest: +ELLIPSIS
     12.0000000...
     """
+    if type(backend) is AutoSparse:  # only its four sparse operators differ
+        backend = backend.backend
     return evaluate("derivative", f, backend, x, None, contexts, prep, has_aux)
 
 
@@ -76,6 +82,8 @@ def prepare_derivative(
     f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
 ) -> Prep:
     """Prepare :func:`derivative` for arguments shaped like these; pass the result as ``prep=``."""
+    if type(backend) is AutoSparse:  # only its four sparse operators differ
+        backend = backend.backend
     return prepare("derivative", f, backend, x, None, contexts, strict, has_aux)
 
 
@@ -86,6 +94,8 @@ def value_and_derivative(
 
     See :func:`prepare_value_and_derivative` to do the one-time work once.
     """
+    if type(backend) is AutoSparse:  # only its four sparse operators differ
+        backend = backend.backend
     return evaluate("value_and_derivative", f, backend, x, None, contexts, prep, has_aux)
 
 
@@ -93,6 +103,8 @@ def prepare_value_and_derivative(
     f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
 ) -> Prep:
     """Prepare :func:`value_and_derivative` for arguments shaped like these; pass the result as ``prep=``."""
+    if type(backend) is AutoSparse:  # only its four sparse operators differ
+        backend = backend.backend
     return prepare("value_and_derivative", f, backend, x, None, contexts, strict, has_aux)
 
 
@@ -103,6 +115,8 @@ def second_derivative(
 
     See :func:`prepare_second_derivative` to do the one-time work once.
     """
+    if type(backend) is AutoSparse:  # only its four sparse operators differ
+        backend = backend.backend
     return evaluate("second_derivative", f, backend, x, None, contexts, prep, has_aux)
 
 
@@ -110,6 +124,8 @@ def prepare_second_derivative(
     f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
 ) -> Prep:
     """Prepare :func:`second_derivative` for arguments shaped like these; pass the result as ``prep=``."""
+    if type(backend) is AutoSparse:  # only its four sparse operators differ
+        backend = backend.backend
     return prepare("second_derivative", f, backend, x, None, contexts, strict, has_aux)
 
 
@@ -120,6 +136,8 @@ def value_derivative_and_second_derivative(
 
     See :func:`prepare_value_derivative_and_second_derivative` to do the one-time work once.
     """
+    if type(backend) is AutoSparse:  # only its four sparse operators differ
+        backend = backend.backend
     return evaluate("value_derivative_and_second_derivative", f, backend, x, None, contexts, prep, has_aux)
 
 
@@ -127,6 +145,8 @@ def prepare_value_derivative_and_second_derivative(
     f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
 ) -> Prep:
     """Prepare :func:`value_derivative_and_second_derivative` for arguments shaped like these; pass the result as ``prep=``."""
+    if type(backend) is AutoSparse:  # only its four sparse operators differ
+        backend = backend.backend
     return prepare("value_derivative_and_second_derivative", f, backend, x, None, contexts, strict, has_aux)
 
 
@@ -143,6 +163,8 @@ def gradient(
     >>> di.gradient(lambda x: (x**2).sum(), "finite_differences", np.array([1.0, 2.0])).round(6)
     array([2., 4.])
     """
+    if type(backend) is AutoSparse:  # only its four sparse operators differ
+        backend = backend.backend
     return evaluate("gradient", f, backend, x, None, contexts, prep, has_aux)
 
 
@@ -150,6 +172,8 @@ def prepare_gradient(
     f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
 ) -> Prep:
     """Prepare :func:`gradient` for arguments shaped like these; pass the result as ``prep=``."""
+    if type(backend) is AutoSparse:  # only its four sparse operators differ
+        backend = backend.backend
     return prepare("gradient", f, backend, x, None, contexts, strict, has_aux)
 
 
@@ -160,6 +184,8 @@ def value_and_gradient(
 
     See :func:`prepare_value_and_gradient` to do the one-time work once.
     """
+    if type(backend) is AutoSparse:  # only its four sparse operators differ
+        backend = backend.backend
     return evaluate("value_and_gradient", f, backend, x, None, contexts, prep, has_aux)
 
 
@@ -167,6 +193,8 @@ def prepare_value_and_gradient(
     f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
 ) -> Prep:
     """Prepare :func:`value_and_gradient` for arguments shaped like these; pass the result as ``prep=``."""
+    if type(backend) is AutoSparse:  # only its four sparse operators differ
+        backend = backend.backend
     return prepare("value_and_gradient", f, backend, x, None, contexts, strict, has_aux)
 
 
@@ -185,6 +213,8 @@ def jacobian(
     array([[2., 0.],
            [0., 2.]])
     """
+    if type(backend) is AutoSparse:
+        return _sparse.evaluate("jacobian", f, backend, x, contexts, prep, has_aux)
     return evaluate("jacobian", f, backend, x, None, contexts, prep, has_aux)
 
 
@@ -192,6 +222,8 @@ def prepare_jacobian(
     f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
 ) -> Prep:
     """Prepare :func:`jacobian` for arguments shaped like these; pass the result as ``prep=``."""
+    if type(backend) is AutoSparse:
+        return _sparse.prepare("jacobian", f, backend, x, contexts, strict, has_aux)
     return prepare("jacobian", f, backend, x, None, contexts, strict, has_aux)
 
 
@@ -202,6 +234,8 @@ def value_and_jacobian(
 
     See :func:`prepare_value_and_jacobian` to do the one-time work once.
     """
+    if type(backend) is AutoSparse:
+        return _sparse.evaluate("value_and_jacobian", f, backend, x, contexts, prep, has_aux)
     return evaluate("value_and_jacobian", f, backend, x, None, contexts, prep, has_aux)
 
 
@@ -209,6 +243,8 @@ def prepare_value_and_jacobian(
     f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
 ) -> Prep:
     """Prepare :func:`value_and_jacobian` for arguments shaped like these; pass the result as ``prep=``."""
+    if type(backend) is AutoSparse:
+        return _sparse.prepare("value_and_jacobian", f, backend, x, contexts, strict, has_aux)
     return prepare("value_and_jacobian", f, backend, x, None, contexts, strict, has_aux)
 
 
@@ -227,6 +263,8 @@ def hessian(
     array([[0., 1.],
            [1., 0.]])
     """
+    if type(backend) is AutoSparse:
+        return _sparse.evaluate("hessian", f, backend, x, contexts, prep, has_aux)
     return evaluate("hessian", f, backend, x, None, contexts, prep, has_aux)
 
 
@@ -234,6 +272,8 @@ def prepare_hessian(
     f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
 ) -> Prep:
     """Prepare :func:`hessian` for arguments shaped like these; pass the result as ``prep=``."""
+    if type(backend) is AutoSparse:
+        return _sparse.prepare("hessian", f, backend, x, contexts, strict, has_aux)
     return prepare("hessian", f, backend, x, None, contexts, strict, has_aux)
 
 
@@ -244,6 +284,8 @@ def value_gradient_and_hessian(
 
     See :func:`prepare_value_gradient_and_hessian` to do the one-time work once.
     """
+    if type(backend) is AutoSparse:
+        return _sparse.evaluate("value_gradient_and_hessian", f, backend, x, contexts, prep, has_aux)
     return evaluate("value_gradient_and_hessian", f, backend, x, None, contexts, prep, has_aux)
 
 
@@ -251,6 +293,8 @@ def prepare_value_gradient_and_hessian(
     f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
 ) -> Prep:
     """Prepare :func:`value_gradient_and_hessian` for arguments shaped like these; pass the result as ``prep=``."""
+    if type(backend) is AutoSparse:
+        return _sparse.prepare("value_gradient_and_hessian", f, backend, x, contexts, strict, has_aux)
     return prepare("value_gradient_and_hessian", f, backend, x, None, contexts, strict, has_aux)
 
 
@@ -273,6 +317,8 @@ def jvp(
     >>> di.jvp(lambda x: x**2, "finite_differences", np.array([1.0, 2.0]), np.array([1.0, 0.0])).round(6)
     array([2., 0.])
     """
+    if type(backend) is AutoSparse:  # only its four sparse operators differ
+        backend = backend.backend
     return evaluate("jvp", f, backend, x, tx, contexts, prep, has_aux)
 
 
@@ -286,6 +332,8 @@ def prepare_jvp(
     has_aux: bool = False,
 ) -> Prep:
     """Prepare :func:`jvp` for arguments shaped like these; pass the result as ``prep=``."""
+    if type(backend) is AutoSparse:  # only its four sparse operators differ
+        backend = backend.backend
     return prepare("jvp", f, backend, x, tx, contexts, strict, has_aux)
 
 
@@ -302,6 +350,8 @@ def value_and_jvp(
 
     See :func:`prepare_value_and_jvp` to do the one-time work once.
     """
+    if type(backend) is AutoSparse:  # only its four sparse operators differ
+        backend = backend.backend
     return evaluate("value_and_jvp", f, backend, x, tx, contexts, prep, has_aux)
 
 
@@ -315,6 +365,8 @@ def prepare_value_and_jvp(
     has_aux: bool = False,
 ) -> Prep:
     """Prepare :func:`value_and_jvp` for arguments shaped like these; pass the result as ``prep=``."""
+    if type(backend) is AutoSparse:  # only its four sparse operators differ
+        backend = backend.backend
     return prepare("value_and_jvp", f, backend, x, tx, contexts, strict, has_aux)
 
 
@@ -337,6 +389,8 @@ def vjp(
     >>> di.vjp(lambda x: x**2, "finite_differences", np.array([1.0, 2.0]), np.array([0.0, 1.0])).round(6)
     array([0., 4.])
     """
+    if type(backend) is AutoSparse:  # only its four sparse operators differ
+        backend = backend.backend
     return evaluate("vjp", f, backend, x, ty, contexts, prep, has_aux)
 
 
@@ -350,6 +404,8 @@ def prepare_vjp(
     has_aux: bool = False,
 ) -> Prep:
     """Prepare :func:`vjp` for arguments shaped like these; pass the result as ``prep=``."""
+    if type(backend) is AutoSparse:  # only its four sparse operators differ
+        backend = backend.backend
     return prepare("vjp", f, backend, x, ty, contexts, strict, has_aux)
 
 
@@ -366,6 +422,8 @@ def value_and_vjp(
 
     See :func:`prepare_value_and_vjp` to do the one-time work once.
     """
+    if type(backend) is AutoSparse:  # only its four sparse operators differ
+        backend = backend.backend
     return evaluate("value_and_vjp", f, backend, x, ty, contexts, prep, has_aux)
 
 
@@ -379,6 +437,8 @@ def prepare_value_and_vjp(
     has_aux: bool = False,
 ) -> Prep:
     """Prepare :func:`value_and_vjp` for arguments shaped like these; pass the result as ``prep=``."""
+    if type(backend) is AutoSparse:  # only its four sparse operators differ
+        backend = backend.backend
     return prepare("value_and_vjp", f, backend, x, ty, contexts, strict, has_aux)
 
 
@@ -395,6 +455,8 @@ def hvp(
 
     See :func:`prepare_hvp` to do the one-time work once.
     """
+    if type(backend) is AutoSparse:  # only its four sparse operators differ
+        backend = backend.backend
     return evaluate("hvp", f, backend, x, tx, contexts, prep, has_aux)
 
 
@@ -408,6 +470,8 @@ def prepare_hvp(
     has_aux: bool = False,
 ) -> Prep:
     """Prepare :func:`hvp` for arguments shaped like these; pass the result as ``prep=``."""
+    if type(backend) is AutoSparse:  # only its four sparse operators differ
+        backend = backend.backend
     return prepare("hvp", f, backend, x, tx, contexts, strict, has_aux)
 
 
@@ -424,6 +488,8 @@ def gradient_and_hvp(
 
     See :func:`prepare_gradient_and_hvp` to do the one-time work once.
     """
+    if type(backend) is AutoSparse:  # only its four sparse operators differ
+        backend = backend.backend
     return evaluate("gradient_and_hvp", f, backend, x, tx, contexts, prep, has_aux)
 
 
@@ -437,4 +503,6 @@ def prepare_gradient_and_hvp(
     has_aux: bool = False,
 ) -> Prep:
     """Prepare :func:`gradient_and_hvp` for arguments shaped like these; pass the result as ``prep=``."""
+    if type(backend) is AutoSparse:  # only its four sparse operators differ
+        backend = backend.backend
     return prepare("gradient_and_hvp", f, backend, x, tx, contexts, strict, has_aux)

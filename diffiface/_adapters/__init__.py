@@ -18,6 +18,7 @@ from .._backends import (
     AutoFiniteDifferences,
     AutoJAX,
     AutoScipy,
+    AutoSparse,
     AutoTorch,
     Backend,
     SecondOrder,
@@ -118,7 +119,7 @@ _ALIASES: dict[str, Backend] = {
 def normalize(backend: Backend | str) -> Backend:
     """A backend object from a backend object or its string name."""
     if isinstance(backend, Backend):
-        if not isinstance(backend, SecondOrder) and type(backend) not in _BY_CONFIG:
+        if not isinstance(backend, (SecondOrder, AutoSparse)) and type(backend) not in _BY_CONFIG:
             raise UnknownBackendError(f"{backend!r} is not a backend diffiface knows.")
         return backend
     if isinstance(backend, str):
@@ -140,8 +141,10 @@ def normalize(backend: Backend | str) -> Backend:
 
 
 def info(backend: Backend | str) -> BackendInfo:
-    """The registry row of a (first-order) backend."""
+    """The registry row of a (first-order) backend; an AutoSparse's is its engine's."""
     backend = normalize(backend)
+    if isinstance(backend, AutoSparse):
+        return info(backend.backend)
     if isinstance(backend, SecondOrder):
         return _BY_CONFIG[type(backend.inner)]
     return _BY_CONFIG[type(backend)]
@@ -150,6 +153,8 @@ def info(backend: Backend | str) -> BackendInfo:
 def available(backend: Backend | str) -> bool:
     """Whether the engine of ``backend`` is installed (checked without importing it)."""
     backend = normalize(backend)
+    if isinstance(backend, AutoSparse):  # patterns and colorings are scipy.sparse matrices
+        return available(backend.backend) and importlib.util.find_spec("scipy") is not None
     if isinstance(backend, SecondOrder):
         return available(backend.outer) and available(backend.inner)
     return all(importlib.util.find_spec(name) is not None for name in info(backend).requires)
@@ -178,6 +183,8 @@ def adapter_for(backend: Backend) -> Adapter:
 
 
 def _make(backend: Backend) -> Adapter:
+    if isinstance(backend, AutoSparse):  # its products are its engine's
+        return adapter_for(backend.backend)
     if isinstance(backend, SecondOrder):
         from ._base import SecondOrderAdapter
 

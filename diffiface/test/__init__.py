@@ -2,6 +2,8 @@
 
 - :class:`Scenario` and the bundled lists :func:`core_scenarios`, :func:`layer_scenarios`
   (the layer zoo, written once against the array API) and :func:`torch_module_scenarios`;
+- :func:`sparse_scenarios` (sparse Jacobians and Hessians with analytic references and
+  patterns) and :func:`run_sparse`, which runs them on AutoSparse of each engine and detector;
 - :func:`test_differentiation`: every backend on every scenario, against its reference;
 - :func:`check_gradients`: one call for a layer author;
 - :func:`assert_allclose`: the definition of "the right derivative";
@@ -21,11 +23,16 @@ from ._scenario import Scenario as Scenario
 from ._scenarios import core_scenarios as core_scenarios
 from ._scenarios import layer_scenarios as layer_scenarios
 from ._scenarios import torch_module_scenarios as torch_module_scenarios
+from ._sparse_scenarios import SparseScenario as SparseScenario
+from ._sparse_scenarios import run_sparse as run_sparse
+from ._sparse_scenarios import sparse_backends as sparse_backends
+from ._sparse_scenarios import sparse_scenarios as sparse_scenarios
 
 __all__ = [
     "Report",
     "Row",
     "Scenario",
+    "SparseScenario",
     "assert_allclose",
     "backend_label",
     "benchmark_differentiation",
@@ -34,6 +41,9 @@ __all__ = [
     "default_tolerances",
     "layer_scenarios",
     "parametrize",
+    "run_sparse",
+    "sparse_backends",
+    "sparse_scenarios",
     "test_differentiation",
     "torch_module_scenarios",
 ]

@@ -31,7 +31,7 @@ _BACKENDS: dict[str, Backend] = {
     "autograd": AutoAutograd(),
     "scipy": AutoScipy(),
 }
-_GROUPS = ("core", "layers", "torch")
+_GROUPS = ("core", "layers", "torch", "sparse")
 
 #: Known limits of the bundled suite, by backend label: skipped, with the reason in the docs.
 _SKIP: dict[str, Iterable[str]] = {
@@ -79,6 +79,15 @@ def _scenarios(
     if operators:
         chosen = [s for s in chosen if s.operator in operators]
     return chosen, notes
+
+
+def _sparse_parts(groups: Sequence[str], quick: bool, operators: Sequence[str] | None) -> list[int]:
+    """The indices of the sparse scenarios to run (each runs on every engine and detector)."""
+    if "sparse" not in groups:
+        return []
+    from ._sparse_scenarios import sparse_scenarios
+
+    return [i for i, s in enumerate(sparse_scenarios(quick=quick)) if not operators or s.operator in operators]
 
 
 # -- progress -------------------------------------------------------------------------------------
@@ -153,12 +162,20 @@ def _run(
     scenarios: list[Scenario],
     jobs: int,
     progress: Progress | None,
+    sparse: Sequence[int] = (),
 ) -> Report:
+    """The rows of every scenario on every backend, then those of the sparse scenarios at
+    ``sparse`` (each on AutoSparse of every backend and detector), in worker processes when
+    ``jobs > 1``."""
+    from ._sparse_scenarios import run_sparse_part
+
     backends = [_BACKENDS[name] for name in backend_names]
     skip = _QUICK_SKIP if quick else _SKIP
-    if jobs <= 1 or len(scenarios) < 2:
+    if jobs <= 1 or len(scenarios) + len(sparse) < 2:
         report = test_differentiation(backends, scenarios, skip=skip, raise_on_failure=False, progress=progress)
         _explain_skips(report.rows)
+        for index in sparse:
+            report.rows += run_sparse_part(quick, tuple(backends), index)
         return report
     # Scenarios dealt round-robin into small parts (each scenario's backends stay together and
     # share its reference); the parts run in processes started afresh (jax does not survive a
@@ -168,16 +185,25 @@ def _run(
     rows: dict[int, list[Row]] = {}
     done = 0
     context = multiprocessing.get_context("spawn")
+    sparse_rows: dict[int, list[Row]] = {}
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
         futures = {pool.submit(run_cli_part, groups, quick, operators, backend_names, part): part for part in parts}
-        for future in concurrent.futures.as_completed(futures):
+        # the sparse scenarios in the same processes (started once: each start imports the engines)
+        sparse_futures = {pool.submit(run_sparse_part, quick, tuple(backends), index): index for index in sparse}
+        for future in concurrent.futures.as_completed([*futures, *sparse_futures]):
+            if future in sparse_futures:
+                sparse_rows[sparse_futures[future]] = future.result()
+                continue
             part = futures[future]
             for index, start in zip(part, range(0, len(part) * len(backends), len(backends)), strict=True):
                 rows[index] = future.result()[start : start + len(backends)]
             done += len(part) * len(backends)
             if progress is not None:
                 progress(done, total, scenarios[part[-1]].name)
-    return Report([row for index in range(len(scenarios)) for row in rows[index]])
+    return Report(
+        [row for index in range(len(scenarios)) for row in rows[index]]
+        + [row for index in sparse for row in sparse_rows[index]]
+    )
 
 
 # -- the command ------------------------------------------------------------------------------------
@@ -243,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             scenarios,
             args.jobs,
             progress,
+            _sparse_parts(groups, args.quick, operators),
         )
     finally:
         stop()

@@ -18,7 +18,7 @@ import diffiface as di
 from .. import _arrays
 from .. import tree as _tree
 from .._adapters import available, info, install_hint, normalize
-from .._backends import AutoFiniteDifferences, AutoJAX, AutoScipy, AutoTorch, Backend, SecondOrder
+from .._backends import AutoFiniteDifferences, AutoJAX, AutoScipy, AutoSparse, AutoTorch, Backend, SecondOrder
 from .._errors import FrameworkMismatchError, PreparationMismatchError, UnsupportedOperationError
 from . import _on_device
 from ._compare import assert_allclose, default_tolerances, max_errors
@@ -141,7 +141,7 @@ class Report:
 
 
 #: The tag of each bundled list, and the group name ``python -m diffiface.test --scenarios`` takes.
-_GROUPS = {"core": "core", "layer": "layers", "torch_module": "torch"}
+_GROUPS = {"core": "core", "layer": "layers", "torch_module": "torch", "sparse": "sparse"}
 
 
 def _group(row: Row) -> str:
@@ -165,6 +165,10 @@ def backend_label(backend: Backend | str) -> str:
     backend = normalize(backend)
     if isinstance(backend, SecondOrder):
         return f"{backend_label(backend.outer)}-over-{backend_label(backend.inner)}"
+    if isinstance(backend, AutoSparse):
+        detector = type(backend.detector).__name__.removesuffix("Detector").removesuffix("Pattern").lower()
+        label = f"sparse-{backend_label(backend.backend)}-{detector}"
+        return label + ("-dense" if backend.dense else "")
     label = backend.name
     defaults = type(backend)()
     for field in dataclasses.fields(backend):
@@ -356,6 +360,8 @@ def _skip_reason(backend: Backend, scenario: Scenario, label: str, skip: Selecto
 
 def _family(backend: Backend) -> str | None:
     """The framework of arrays f receives under ``backend``; None for any (black boxes)."""
+    if isinstance(backend, AutoSparse):
+        backend = backend.backend
     inner = backend.inner if isinstance(backend, SecondOrder) else backend
     if info(inner).any_array_type:
         return None
