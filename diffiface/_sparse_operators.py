@@ -29,7 +29,7 @@ from . import tree as _tree
 from ._backends import AutoAutograd, AutoJAX, AutoScipy, AutoSparse, AutoTorch, Backend, SecondOrder
 from ._call import OPERATORS, Call
 from ._contexts import Constant
-from ._errors import InvalidInputError, UnsupportedOperationError
+from ._errors import InvalidInputError
 from ._prep import MISS, FunctionRef, Prep, describe_mismatch, mismatch_error, prep_cache
 
 __all__ = ["SPARSE_OPERATORS", "SparsePrep", "evaluate", "prepare"]
@@ -205,12 +205,6 @@ class _Plan:
         engine = backend.backend
         first = engine.inner if isinstance(engine, SecondOrder) else engine
         self.engine, self.first = engine, first
-        if self.hessian and isinstance(engine, AutoScipy):
-            raise UnsupportedOperationError(
-                "AutoSparse(AutoScipy()) cannot give sparse Hessians: scipy has no Hessian-vector product "
-                "cheaper than the full Hessian. Use AutoSparse(AutoFiniteDifferences()), an AD backend, or "
-                "AutoSparse(SecondOrder(AutoScipy(), <an AD backend>))."
-            )
         flat, _ = _tree.ravel(x)
         self.x_layout = _Layout(x)
         self.family = _family(flat)
@@ -345,7 +339,7 @@ def _route(plan: _Plan, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]
             return _JaxRoute(plan, f, x, contexts, plan.with_value)
         except Exception:  # f that jax cannot compile as is (say it writes into a Cache): the
             pass  # generic route runs it through diffiface's jax adapter, which says why or copes
-    if isinstance(plan.engine, AutoScipy):
+    if isinstance(plan.engine, AutoScipy) and not plan.hessian:  # (its Hessians: one directional hvp per color)
         return _CompressedInputRoute(plan, f, x, contexts)
     return _ProductRoute(plan, f, x, contexts)
 

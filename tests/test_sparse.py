@@ -52,11 +52,12 @@ def test_sparse_scenarios(engine: di.Backend) -> None:
     report = run_sparse([engine], quick=True)
     assert not report.failed, report.summary()
     counts = report.counts()
-    # every scenario ran with the global, local and known detectors (scipy refuses Hessians)
+    # every scenario ran with the global, local and known detectors (scipy's local Hessian
+    # patterns, dense adaptive Hessians, are skipped with the reason: too slow for a test)
     expected = 3 * len(sparse_scenarios(quick=True))
     assert counts.get("passed", 0) + counts.get("skipped", 0) == expected
-    refused = 6 if isinstance(engine, di.AutoScipy) else 0
-    assert counts.get("skipped", 0) == refused, report.table()
+    hessians = sum("hessian" in s.operator for s in sparse_scenarios(quick=True))
+    assert counts.get("skipped", 0) == (hessians if isinstance(engine, di.AutoScipy) else 0), report.table()
 
 
 def test_scenario_references_are_right() -> None:
@@ -211,10 +212,6 @@ def test_value_forms(name: str) -> None:
     y, jac = di.value_and_jacobian(tridiagonal, di.AutoSparse(engine), x)
     assert_allclose(y, tridiagonal(x))
     assert jac.shape == (6, 6)
-    if isinstance(engine, di.AutoScipy):
-        with pytest.raises(di.UnsupportedOperationError, match="Hessian"):
-            di.value_gradient_and_hessian(chain, di.AutoSparse(engine), x)
-        return
     value, gradient, hess = di.value_gradient_and_hessian(chain, di.AutoSparse(engine), x)
     dense_value, dense_gradient, dense_hess = di.value_gradient_and_hessian(chain, engine, x)
     assert_allclose(value, dense_value)

@@ -350,12 +350,27 @@ def _skip_reason(backend: Backend, scenario: Scenario, label: str, skip: Selecto
         return f"{label} is not installed: {install_hint(backend)}"
     if _matches(skip, label, scenario):
         return "skipped on request"
+    if isinstance(backend, AutoSparse) and _dense_scipy_hessians(backend, scenario):
+        return (
+            "a local Hessian pattern on scipy evaluates dense adaptive Hessians at 3 points (50 s at 30 "
+            "inputs); the same engine runs here with the global and the known pattern"
+        )
     family = _family(backend)
     if family is None and not scenario.finite_differences_ok:
         return f"finite differences cannot serve here: {scenario.note}"
     if family is not None and family not in scenario.frameworks:
         return f"f is written for {', '.join(sorted(scenario.frameworks))}, not {family}"
     return None
+
+
+def _dense_scipy_hessians(backend: AutoSparse, scenario: Scenario) -> bool:
+    from .. import sparse
+
+    return (
+        isinstance(backend.backend, AutoScipy)
+        and isinstance(backend.detector, sparse.LocalDetector)
+        and "hessian" in scenario.operator
+    )
 
 
 def _family(backend: Backend) -> str | None:

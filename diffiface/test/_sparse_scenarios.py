@@ -259,8 +259,7 @@ def run_sparse(
 ) -> Any:
     """:func:`test_differentiation` of the sparse scenarios (all, or those at ``indices`` of
     :func:`sparse_scenarios`) on :func:`sparse_backends` of ``engines``; one :class:`Report`.
-    ``options`` go to test_differentiation. scipy's Hessians are refused by AutoSparse, hence
-    reported skipped, with the reason."""
+    ``options`` go to test_differentiation."""
     from ._running import Report, test_differentiation
 
     scenarios = sparse_scenarios(quick=quick)
