@@ -584,7 +584,15 @@ def shape_cases(name, rng):
     def like(tree):
         import optree
 
-        return optree.tree_map(lambda leaf: normal(*leaf.shape), tree)
+        def leaf_like(leaf):
+            values = rng.normal(size=leaf.shape)
+            if fw == "jax":
+                import jax.numpy as jnp
+
+                return jnp.asarray(values, dtype=leaf.dtype)  # (flax params stay float32 under x64)
+            return array(fw, values)
+
+        return optree.tree_map(leaf_like, tree)
 
     cases = []
     data = normal(64, 48)
