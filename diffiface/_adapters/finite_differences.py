@@ -763,6 +763,22 @@ def _sharded_torch(leaves: Leaves) -> bool:
 
 
 def _refuse_sharded(xs: Leaves) -> None:
+    jax = sys.modules.get("jax")
+    if jax is not None and any(
+        isinstance(x, jax.Array)
+        and not isinstance(x, jax.core.Tracer)
+        and len(x.sharding.device_set) > 1
+        and not x.sharding.is_fully_replicated  # (a replicated array is read from one device)
+        for x in xs
+    ):
+        raise UnsupportedOperationError(
+            "x holds a jax array sharded over several devices: finite differences of a Jacobian, vjp, "
+            "Hessian or hvp (and of a gradient or jvp with the complex step, a fixed step, vectorize=True "
+            "or a non-finite tangent) build their matrices in numpy, which would gather x on the host. "
+            "On sharded arrays, finite differences give di.gradient and di.jvp on the devices; "
+            "diffiface.test.check_gradients(f, x, ...) checks a gradient along random directions on "
+            "them; AutoJAX() gives every operator without moving x."
+        )
     if _sharded_torch(xs):
         raise UnsupportedOperationError(
             "x holds a DTensor (a tensor sharded over processes): finite differences of a gradient, vjp, "

@@ -136,6 +136,13 @@ def run_mesh(axis_type: AxisType) -> None:
     t_inf = put(np.where(np.arange(8) == 2, np.inf, 0.0).astype(np.float32), None)
     ti = di.jvp(lambda v: v * v, fd, put(np.linspace(0, 1, 8, dtype=np.float32), None), t_inf)
     check(f"{tag} fd jvp non-finite", np.isinf(np.asarray(ti)[2]) and not np.isnan(np.asarray(ti)[3]), str(ti))
+    # the operators that finite differences build in numpy are refused on sharded x, never gathered
+    for name in ("jacobian", "hessian"):
+        try:
+            getattr(di, name)(loss if name == "hessian" else out, fd, params, di.Constant(batch))
+            check(f"{tag} fd {name} refused", False, "a sharded x was gathered on the host")
+        except di.UnsupportedOperationError as exc:
+            check(f"{tag} fd {name} refused", "sharded over several devices" in str(exc), str(exc)[:200])
     try:
         with jax.transfer_guard("disallow"):
             g = di.gradient(loss, fd, params, di.Constant(batch))
