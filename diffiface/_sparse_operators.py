@@ -193,6 +193,16 @@ def _x64(on: bool) -> Any:
 # -- the plan: pattern, coloring, the engine's product --------------------------------------------
 
 
+_TORCH_CSR_WARNED = False
+"""Whether torch has given its once-per-process warning on sparse CSR tensors (under a filter
+that hid it): later results are built without changing the warning filters."""
+
+
+def _torch_csr_warned() -> None:
+    global _TORCH_CSR_WARNED
+    _TORCH_CSR_WARNED = True
+
+
 class _Plan:
     def __init__(
         self, name: str, f: Callable[..., Any], backend: AutoSparse, x: Any, contexts: tuple[Any, ...]
@@ -267,8 +277,7 @@ class _Plan:
         if self.family == "torch":
             torch = sys.modules["torch"]
             device = values.device
-            with warnings.catch_warnings():  # torch says once per process that sparse CSR is in beta
-                warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta", UserWarning)
+            def build() -> Any:
                 return torch.sparse_csr_tensor(
                     torch.from_numpy(self.indptr.copy()).to(device),
                     torch.from_numpy(self.indices.copy()).to(device),
@@ -276,6 +285,14 @@ class _Plan:
                     size=shape,
                     check_invariants=False,  # built from a canonical pattern
                 )
+
+            if _TORCH_CSR_WARNED:
+                return build()
+            with warnings.catch_warnings():  # torch says once per process that sparse CSR is in beta
+                warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta", UserWarning)
+                matrix = build()
+            _torch_csr_warned()
+            return matrix
         if self.family == "jax":
             treedef = self._bcoo_treedef
             if treedef is None:
