@@ -16,7 +16,7 @@ from typing import Any
 
 import optree
 
-from . import _arrays
+from . import _arrays, _placement
 from ._call import _ARRAY_KINDS, _LEAF, Call, Operator, _is_static, _static_x_key
 from ._prep import MISS, FunctionRef
 from .tree import NAMESPACE
@@ -96,10 +96,8 @@ def _same_as(leaf: Any) -> tuple[type, Callable[[Any], bool] | None]:
         aval = value.aval
         if aval.shape != shape or aval.dtype != dtype:
             return False
-        if sharding is None:  # (a traced x: its layout is the trace's)
-            return True
-        found = value.sharding  # (results are laid out as x: another layout is another prep)
-        return found is sharding or found == sharding  # type: ignore[no-any-return]
+        # (results are laid out as x: another layout is another prep; a traced x's is the trace's)
+        return layout is None or layout.holds(value)
 
     def same_numpy(value: Any) -> bool:
         return value.shape == shape and value.dtype == dtype  # type: ignore[no-any-return]
@@ -111,7 +109,7 @@ def _same_as(leaf: Any) -> tuple[type, Callable[[Any], bool] | None]:
         device = leaf.device
         return type(leaf), same_torch
     concrete = kind == "jax" and not isinstance(leaf, sys.modules["jax"].core.Tracer)
-    sharding = leaf.sharding if concrete else None
+    layout = _placement.Layout(leaf.sharding) if concrete else None
     return type(leaf), {"jax": same_jax, "numpy": same_numpy}.get(kind)
 
 

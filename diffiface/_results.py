@@ -115,14 +115,14 @@ def _finisher(
         # the hot path of gradient, vjp and hvp on one array: no tree to rebuild, and most
         # often nothing to convert
         cls, dtype, tensor = type(like), like.dtype, _arrays.kind(like) == "torch"
-        sharding = _concrete_sharding(like)  # jax: the result stays laid out as x
+        layout = _layout(like)  # jax: the result stays laid out as x
 
         def mirror(value: Any) -> Any:
             if (
                 type(value) is cls
                 and value.dtype == dtype
                 and not (tensor and value.requires_grad)
-                and (sharding is None or value.sharding is sharding or value.sharding == sharding)
+                and (layout is None or layout.holds(value))
             ):
                 return value
             return _mirror(value, like)
@@ -133,7 +133,7 @@ def _finisher(
                 type(value) is cls
                 and value.dtype == dtype
                 and not (tensor and value.requires_grad)
-                and (sharding is None or value.sharding is sharding or value.sharding == sharding)
+                and (layout is None or layout.holds(value))
             ):
                 return value
             return _mirror(value, like)
@@ -147,7 +147,7 @@ def _finisher(
         # a gradient, vjp or hvp of a tree of arrays: where each leaf came back in its type and
         # dtype (and for torch, detached), the tree is only rebuilt
         expected = [
-            (type(leaf), leaf.dtype, _arrays.kind(leaf) == "torch", _concrete_sharding(leaf)) for leaf in x_likes
+            (type(leaf), leaf.dtype, _arrays.kind(leaf) == "torch", _layout(leaf)) for leaf in x_likes
         ]
         unflatten = optree.tree_unflatten
         count = len(expected)
@@ -155,12 +155,12 @@ def _finisher(
         def tree(native: tuple[Any, ...]) -> Any:
             values = native[0]
             if len(values) == count:
-                for value, (cls, dtype, tensor, sharding) in zip(values, expected, strict=False):
+                for value, (cls, dtype, tensor, layout) in zip(values, expected, strict=False):
                     if (
                         type(value) is not cls
                         or value.dtype != dtype
                         or (tensor and value.requires_grad)
-                        or (sharding is not None and value.sharding is not sharding and value.sharding != sharding)
+                        or (layout is not None and not layout.holds(value))
                     ):
                         return finish(native)
                 return unflatten(x_spec, list(values))
@@ -170,12 +170,13 @@ def _finisher(
     return finish, None
 
 
-def _concrete_sharding(leaf: Any) -> Any:
-    """A concrete jax array's sharding; None for other leaves (a traced one's layout is the trace's)."""
+def _layout(leaf: Any) -> _placement.Layout | None:
+    """The test of a concrete jax array's layout; None for other leaves (a traced one's layout
+    is the trace's)."""
     jax = sys.modules.get("jax")
     if jax is None or _arrays.kind(leaf) != "jax" or isinstance(leaf, jax.core.Tracer):
         return None
-    return leaf.sharding
+    return _placement.Layout(leaf.sharding)
 
 
 _PRECISION = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64}
