@@ -146,9 +146,7 @@ def _finisher(
     ):
         # a gradient, vjp or hvp of a tree of arrays: where each leaf came back in its type and
         # dtype (and for torch, detached), the tree is only rebuilt
-        expected = [
-            (type(leaf), leaf.dtype, _arrays.kind(leaf) == "torch", _layout(leaf)) for leaf in x_likes
-        ]
+        expected = [(type(leaf), leaf.dtype, _arrays.kind(leaf) == "torch", _layout(leaf)) for leaf in x_likes]
         unflatten = optree.tree_unflatten
         count = len(expected)
 

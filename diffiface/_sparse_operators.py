@@ -277,6 +277,7 @@ class _Plan:
         if self.family == "torch":
             torch = sys.modules["torch"]
             device = values.device
+
             def build() -> Any:
                 return torch.sparse_csr_tensor(
                     torch.from_numpy(self.indptr.copy()).to(device),
