@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from . import _sparse_operators as _sparse
 from ._adapters import adapter_for, info, normalize
-from ._backends import Backend
+from ._backends import AutoSparse, Backend
 from ._call import _LEAF, OPERATORS, Call, Operator, _dynamic_view
 from ._checks import _check_tangent_kinds, _check_tangent_like_x, _check_x
 from ._errors import InvalidInputError
@@ -74,6 +75,10 @@ def evaluate(
     prep: Prep | None,
     has_aux: bool = False,
 ) -> Any:
+    if type(backend) is AutoSparse:  # its Jacobians and Hessians take their own route; the rest, the wrapped backend
+        if name in _sparse.SPARSE_OPERATORS:
+            return _sparse.evaluate(name, f, backend, x, contexts, prep, has_aux)
+        backend = backend.backend
     if prep is None:
         recent = prep_cache.recent(f, name)  # the prep f used last, likely to fit again
         if recent is not None:
@@ -110,6 +115,10 @@ def prepare(
     strict: bool,
     has_aux: bool = False,
 ) -> Prep:
+    if type(backend) is AutoSparse:  # as in evaluate
+        if name in _sparse.SPARSE_OPERATORS:
+            return _sparse.prepare(name, f, backend, x, contexts, strict, has_aux)
+        backend = backend.backend
     op, backend, call = _arguments(name, f, backend, x, tangent, contexts, has_aux)
     cached = prep_cache.get(f, call.signature)
     if cached is not None:  # the work is done already: share it

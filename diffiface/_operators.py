@@ -9,7 +9,8 @@ Every operator ``op`` has ``prepare_op``, taking the same arguments (without ``p
 refuse it with :class:`~diffiface.InvalidInputError`, naming the operator that takes it.
 
 With an :class:`~diffiface.AutoSparse` backend the Jacobian and Hessian operators take the
-sparse route of :mod:`diffiface._sparse_operators`; the others use the wrapped backend.
+sparse route of :mod:`diffiface._sparse_operators` and the others use the wrapped backend:
+:mod:`diffiface._dispatch` decides, once for every operator.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import _sparse_operators as _sparse
-from ._backends import AutoSparse, Backend
+from ._backends import Backend
 from ._dispatch import evaluate, prepare
 from ._prep import Prep
 
@@ -73,8 +73,6 @@ def derivative(
     >>> di.derivative(lambda x: x**3, "finite_differences", 2.0)  # doctest: +ELLIPSIS
     12.0000000...
     """
-    if type(backend) is AutoSparse:  # only its four sparse operators differ
-        backend = backend.backend
     return evaluate("derivative", f, backend, x, None, contexts, prep, has_aux)
 
 
@@ -82,8 +80,6 @@ def prepare_derivative(
     f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
 ) -> Prep:
     """Prepare :func:`derivative` for arguments shaped like these; pass the result as ``prep=``."""
-    if type(backend) is AutoSparse:  # only its four sparse operators differ
-        backend = backend.backend
     return prepare("derivative", f, backend, x, None, contexts, strict, has_aux)
 
 
@@ -94,8 +90,6 @@ def value_and_derivative(
 
     See :func:`prepare_value_and_derivative` to do the one-time work once.
     """
-    if type(backend) is AutoSparse:  # only its four sparse operators differ
-        backend = backend.backend
     return evaluate("value_and_derivative", f, backend, x, None, contexts, prep, has_aux)
 
 
@@ -103,8 +97,6 @@ def prepare_value_and_derivative(
     f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
 ) -> Prep:
     """Prepare :func:`value_and_derivative` for arguments shaped like these; pass the result as ``prep=``."""
-    if type(backend) is AutoSparse:  # only its four sparse operators differ
-        backend = backend.backend
     return prepare("value_and_derivative", f, backend, x, None, contexts, strict, has_aux)
 
 
@@ -115,8 +107,6 @@ def second_derivative(
 
     See :func:`prepare_second_derivative` to do the one-time work once.
     """
-    if type(backend) is AutoSparse:  # only its four sparse operators differ
-        backend = backend.backend
     return evaluate("second_derivative", f, backend, x, None, contexts, prep, has_aux)
 
 
@@ -124,8 +114,6 @@ def prepare_second_derivative(
     f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
 ) -> Prep:
     """Prepare :func:`second_derivative` for arguments shaped like these; pass the result as ``prep=``."""
-    if type(backend) is AutoSparse:  # only its four sparse operators differ
-        backend = backend.backend
     return prepare("second_derivative", f, backend, x, None, contexts, strict, has_aux)
 
 
@@ -136,8 +124,6 @@ def value_derivative_and_second_derivative(
 
     See :func:`prepare_value_derivative_and_second_derivative` to do the one-time work once.
     """
-    if type(backend) is AutoSparse:  # only its four sparse operators differ
-        backend = backend.backend
     return evaluate("value_derivative_and_second_derivative", f, backend, x, None, contexts, prep, has_aux)
 
 
@@ -145,8 +131,6 @@ def prepare_value_derivative_and_second_derivative(
     f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
 ) -> Prep:
     """Prepare :func:`value_derivative_and_second_derivative` for arguments shaped like these; pass the result as ``prep=``."""
-    if type(backend) is AutoSparse:  # only its four sparse operators differ
-        backend = backend.backend
     return prepare("value_derivative_and_second_derivative", f, backend, x, None, contexts, strict, has_aux)
 
 
@@ -163,8 +147,6 @@ def gradient(
     >>> di.gradient(lambda x: (x**2).sum(), "finite_differences", np.array([1.0, 2.0])).round(6)
     array([2., 4.])
     """
-    if type(backend) is AutoSparse:  # only its four sparse operators differ
-        backend = backend.backend
     return evaluate("gradient", f, backend, x, None, contexts, prep, has_aux)
 
 
@@ -172,8 +154,6 @@ def prepare_gradient(
     f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
 ) -> Prep:
     """Prepare :func:`gradient` for arguments shaped like these; pass the result as ``prep=``."""
-    if type(backend) is AutoSparse:  # only its four sparse operators differ
-        backend = backend.backend
     return prepare("gradient", f, backend, x, None, contexts, strict, has_aux)
 
 
@@ -184,8 +164,6 @@ def value_and_gradient(
 
     See :func:`prepare_value_and_gradient` to do the one-time work once.
     """
-    if type(backend) is AutoSparse:  # only its four sparse operators differ
-        backend = backend.backend
     return evaluate("value_and_gradient", f, backend, x, None, contexts, prep, has_aux)
 
 
@@ -193,8 +171,6 @@ def prepare_value_and_gradient(
     f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
 ) -> Prep:
     """Prepare :func:`value_and_gradient` for arguments shaped like these; pass the result as ``prep=``."""
-    if type(backend) is AutoSparse:  # only its four sparse operators differ
-        backend = backend.backend
     return prepare("value_and_gradient", f, backend, x, None, contexts, strict, has_aux)
 
 
@@ -213,8 +189,6 @@ def jacobian(
     array([[2., 0.],
            [0., 2.]])
     """
-    if type(backend) is AutoSparse:
-        return _sparse.evaluate("jacobian", f, backend, x, contexts, prep, has_aux)
     return evaluate("jacobian", f, backend, x, None, contexts, prep, has_aux)
 
 
@@ -222,8 +196,6 @@ def prepare_jacobian(
     f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
 ) -> Prep:
     """Prepare :func:`jacobian` for arguments shaped like these; pass the result as ``prep=``."""
-    if type(backend) is AutoSparse:
-        return _sparse.prepare("jacobian", f, backend, x, contexts, strict, has_aux)
     return prepare("jacobian", f, backend, x, None, contexts, strict, has_aux)
 
 
@@ -234,8 +206,6 @@ def value_and_jacobian(
 
     See :func:`prepare_value_and_jacobian` to do the one-time work once.
     """
-    if type(backend) is AutoSparse:
-        return _sparse.evaluate("value_and_jacobian", f, backend, x, contexts, prep, has_aux)
     return evaluate("value_and_jacobian", f, backend, x, None, contexts, prep, has_aux)
 
 
@@ -243,8 +213,6 @@ def prepare_value_and_jacobian(
     f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
 ) -> Prep:
     """Prepare :func:`value_and_jacobian` for arguments shaped like these; pass the result as ``prep=``."""
-    if type(backend) is AutoSparse:
-        return _sparse.prepare("value_and_jacobian", f, backend, x, contexts, strict, has_aux)
     return prepare("value_and_jacobian", f, backend, x, None, contexts, strict, has_aux)
 
 
@@ -263,8 +231,6 @@ def hessian(
     array([[0., 1.],
            [1., 0.]])
     """
-    if type(backend) is AutoSparse:
-        return _sparse.evaluate("hessian", f, backend, x, contexts, prep, has_aux)
     return evaluate("hessian", f, backend, x, None, contexts, prep, has_aux)
 
 
@@ -272,8 +238,6 @@ def prepare_hessian(
     f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
 ) -> Prep:
     """Prepare :func:`hessian` for arguments shaped like these; pass the result as ``prep=``."""
-    if type(backend) is AutoSparse:
-        return _sparse.prepare("hessian", f, backend, x, contexts, strict, has_aux)
     return prepare("hessian", f, backend, x, None, contexts, strict, has_aux)
 
 
@@ -284,8 +248,6 @@ def value_gradient_and_hessian(
 
     See :func:`prepare_value_gradient_and_hessian` to do the one-time work once.
     """
-    if type(backend) is AutoSparse:
-        return _sparse.evaluate("value_gradient_and_hessian", f, backend, x, contexts, prep, has_aux)
     return evaluate("value_gradient_and_hessian", f, backend, x, None, contexts, prep, has_aux)
 
 
@@ -293,8 +255,6 @@ def prepare_value_gradient_and_hessian(
     f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
 ) -> Prep:
     """Prepare :func:`value_gradient_and_hessian` for arguments shaped like these; pass the result as ``prep=``."""
-    if type(backend) is AutoSparse:
-        return _sparse.prepare("value_gradient_and_hessian", f, backend, x, contexts, strict, has_aux)
     return prepare("value_gradient_and_hessian", f, backend, x, None, contexts, strict, has_aux)
 
 
@@ -317,8 +277,6 @@ def jvp(
     >>> di.jvp(lambda x: x**2, "finite_differences", np.array([1.0, 2.0]), np.array([1.0, 0.0])).round(6)
     array([2., 0.])
     """
-    if type(backend) is AutoSparse:  # only its four sparse operators differ
-        backend = backend.backend
     return evaluate("jvp", f, backend, x, tx, contexts, prep, has_aux)
 
 
@@ -332,8 +290,6 @@ def prepare_jvp(
     has_aux: bool = False,
 ) -> Prep:
     """Prepare :func:`jvp` for arguments shaped like these; pass the result as ``prep=``."""
-    if type(backend) is AutoSparse:  # only its four sparse operators differ
-        backend = backend.backend
     return prepare("jvp", f, backend, x, tx, contexts, strict, has_aux)
 
 
@@ -350,8 +306,6 @@ def value_and_jvp(
 
     See :func:`prepare_value_and_jvp` to do the one-time work once.
     """
-    if type(backend) is AutoSparse:  # only its four sparse operators differ
-        backend = backend.backend
     return evaluate("value_and_jvp", f, backend, x, tx, contexts, prep, has_aux)
 
 
@@ -365,8 +319,6 @@ def prepare_value_and_jvp(
     has_aux: bool = False,
 ) -> Prep:
     """Prepare :func:`value_and_jvp` for arguments shaped like these; pass the result as ``prep=``."""
-    if type(backend) is AutoSparse:  # only its four sparse operators differ
-        backend = backend.backend
     return prepare("value_and_jvp", f, backend, x, tx, contexts, strict, has_aux)
 
 
@@ -389,8 +341,6 @@ def vjp(
     >>> di.vjp(lambda x: x**2, "finite_differences", np.array([1.0, 2.0]), np.array([0.0, 1.0])).round(6)
     array([0., 4.])
     """
-    if type(backend) is AutoSparse:  # only its four sparse operators differ
-        backend = backend.backend
     return evaluate("vjp", f, backend, x, ty, contexts, prep, has_aux)
 
 
@@ -404,8 +354,6 @@ def prepare_vjp(
     has_aux: bool = False,
 ) -> Prep:
     """Prepare :func:`vjp` for arguments shaped like these; pass the result as ``prep=``."""
-    if type(backend) is AutoSparse:  # only its four sparse operators differ
-        backend = backend.backend
     return prepare("vjp", f, backend, x, ty, contexts, strict, has_aux)
 
 
@@ -422,8 +370,6 @@ def value_and_vjp(
 
     See :func:`prepare_value_and_vjp` to do the one-time work once.
     """
-    if type(backend) is AutoSparse:  # only its four sparse operators differ
-        backend = backend.backend
     return evaluate("value_and_vjp", f, backend, x, ty, contexts, prep, has_aux)
 
 
@@ -437,8 +383,6 @@ def prepare_value_and_vjp(
     has_aux: bool = False,
 ) -> Prep:
     """Prepare :func:`value_and_vjp` for arguments shaped like these; pass the result as ``prep=``."""
-    if type(backend) is AutoSparse:  # only its four sparse operators differ
-        backend = backend.backend
     return prepare("value_and_vjp", f, backend, x, ty, contexts, strict, has_aux)
 
 
@@ -455,8 +399,6 @@ def hvp(
 
     See :func:`prepare_hvp` to do the one-time work once.
     """
-    if type(backend) is AutoSparse:  # only its four sparse operators differ
-        backend = backend.backend
     return evaluate("hvp", f, backend, x, tx, contexts, prep, has_aux)
 
 
@@ -470,8 +412,6 @@ def prepare_hvp(
     has_aux: bool = False,
 ) -> Prep:
     """Prepare :func:`hvp` for arguments shaped like these; pass the result as ``prep=``."""
-    if type(backend) is AutoSparse:  # only its four sparse operators differ
-        backend = backend.backend
     return prepare("hvp", f, backend, x, tx, contexts, strict, has_aux)
 
 
@@ -488,8 +428,6 @@ def gradient_and_hvp(
 
     See :func:`prepare_gradient_and_hvp` to do the one-time work once.
     """
-    if type(backend) is AutoSparse:  # only its four sparse operators differ
-        backend = backend.backend
     return evaluate("gradient_and_hvp", f, backend, x, tx, contexts, prep, has_aux)
 
 
@@ -503,6 +441,4 @@ def prepare_gradient_and_hvp(
     has_aux: bool = False,
 ) -> Prep:
     """Prepare :func:`gradient_and_hvp` for arguments shaped like these; pass the result as ``prep=``."""
-    if type(backend) is AutoSparse:  # only its four sparse operators differ
-        backend = backend.backend
     return prepare("gradient_and_hvp", f, backend, x, tx, contexts, strict, has_aux)
