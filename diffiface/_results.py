@@ -128,15 +128,7 @@ def _finisher(
             return _mirror(value, like)
 
         def first(native: tuple[Any, ...]) -> Any:
-            value = native[0][0]
-            if (
-                type(value) is cls
-                and value.dtype == dtype
-                and not (tensor and value.requires_grad)
-                and (layout is None or layout.holds(value))
-            ):
-                return value
-            return _mirror(value, like)
+            return mirror(native[0][0])
 
         return first, mirror
     if (
