@@ -11,6 +11,7 @@ Importing diffiface imports no array framework; each engine is imported on first
 
 from typing import TYPE_CHECKING
 
+from . import _sparse_operators  # noqa: F401  (registers AutoSparse's program with the route)
 from . import tree as tree
 from ._adapters import available as available
 from ._backends import AutoAutograd as AutoAutograd

@@ -8,9 +8,6 @@ of the dispatch modules, because every other one speaks of it.
 
 from __future__ import annotations
 
-import enum
-import functools
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +20,9 @@ from ._adapters._base import Adapter
 from ._backends import Backend
 from ._contexts import Context
 from ._errors import ContextError, InvalidInputError
+from ._keys import is_static as _is_static
+from ._keys import static_key
+from ._keys import static_x_key as _static_x_key
 from ._prep import Prep, Signature
 
 
@@ -94,8 +94,17 @@ class Call:
     __slots__ = ("context_leaves", "context_specs", "signature", "tangent_leaves", "x_leaves")
 
     def __init__(
-        self, op: Operator, backend: Backend, x: Any, tangent: Any, contexts: tuple[Any, ...], has_aux: bool
+        self,
+        op: Operator,
+        backend: Backend,
+        x: Any,
+        tangent: Any,
+        contexts: tuple[Any, ...],
+        has_aux: bool,
+        by_value: bool = False,
     ) -> None:
+        """``by_value``: the program is built for the values of the contexts' leaves that are not
+        arrays (a sparsity pattern is), so they are part of the signature."""
         leaf_signature = _arrays.leaf_signature
         if isinstance(x, Context):
             raise _misplaced_context(op, "x", x)
@@ -125,9 +134,7 @@ class Call:
                 (
                     type(context),
                     spec,
-                    tuple(
-                        leaf_signature(leaf) if _arrays.is_array(leaf) else ("static", type(leaf)) for leaf in leaves
-                    ),
+                    tuple(_context_leaf_signature(leaf, by_value) for leaf in leaves),
                 )
             )
         self.signature = Signature(
@@ -140,6 +147,15 @@ class Call:
             tuple(leaf_signature(leaf) for leaf in self.tangent_leaves),
             tuple(context_signature),
         )
+
+
+def _context_leaf_signature(leaf: Any, by_value: bool) -> tuple[Any, ...]:
+    if _arrays.is_array(leaf):
+        return _arrays.leaf_signature(leaf)
+    if by_value:
+        key = static_key(leaf)
+        return ("static", type(leaf), ("identity", id(leaf)) if key is None else key)
+    return ("static", type(leaf))
 
 
 def _x_signature(leaves: list[Any]) -> tuple[Any, ...]:
@@ -155,48 +171,6 @@ def _x_signature(leaves: list[Any]) -> tuple[Any, ...]:
                 for leaf, entry in zip(leaves, signature, strict=True)
             )
     return signature
-
-
-def _is_static(leaf: Any) -> bool:
-    """A leaf of x that is not differentiated but passed to f as it is, as ``eqx.filter_grad``
-    treats it: anything but an array or a Python float (a function, an int, a bool, a string)."""
-    kind = _arrays.kind(leaf)
-    return kind == "other" or (kind == "python" and not isinstance(leaf, float))
-
-
-def _static_x_key(leaf: Any) -> Any:
-    key = static_key(leaf)
-    return ("identity", id(leaf)) if key is None else key
-
-
-_BY_VALUE = (int, float, complex, str, bytes, bool, type(None))
-
-
-# jax's wrapped functions (jax.nn.relu is a jitted function, others custom_jvp objects): code
-_JAX_CODE = frozenset({"jax", "jaxlib"})
-
-
-_CODE = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType, type, functools.partial)
-
-
-def static_key(value: Any) -> Any:
-    """What a static context leaf is compared by between calls of a compiled program: its
-    value where it has one that can be hashed, its identity where it is code, which does not
-    change; ``None`` where neither holds (a mutable object hashed by identity)."""
-    cls = type(value)
-    if cls in _BY_VALUE:
-        return (cls, value)
-    if isinstance(value, (*_CODE, enum.Enum)) or (callable(value) and cls.__module__.split(".")[0] in _JAX_CODE):
-        return (cls, id(value))
-    if cls.__hash__ is None or (
-        cls.__hash__ is object.__hash__ and cls.__eq__ is object.__eq__  # type: ignore[comparison-overlap]
-    ):
-        return None  # unhashable, or hashed by identity: a change to it would go unseen
-    try:
-        hash(value)
-    except TypeError:
-        return None
-    return (cls, value)
 
 
 # -- the view of x without its static leaves ---------------------------------------------------

@@ -1,12 +1,15 @@
-"""The machinery behind the public operators of ``_operators``: validate, normalise, prepare or reuse, run.
+"""The one route of every call: flatten the arguments once, compare them with a plan, run the
+plan's program on the leaves.
 
-Data flows one way: arguments are flattened and their signature taken; a prep is checked
-(or found in the cache, or made); the adapter works on native arrays inside a program
-(compiled where the engine compiles); results are converted to mirror the inputs.
+Prepared or not (an unprepared call finds its prep in the cache), backend by name or as an
+object, dense or sparse, first or second order, on any shape of arguments: every call takes
+the same steps. Where the leaves do not fit the plan, the call's full signature decides: a
+strict prep refuses the call, naming what differs; anything else is prepared (once: the
+cache keeps it, keyed by that signature).
 
-This module holds the entry points; each concern has its own module: the call and its
-signature (``_call``), validation (``_checks``), the program (``_programs``), finishing
-(``_results``) and the quick match (``_matching``).
+Each concern has its own module: the call and its signature (``_call``), validation
+(``_checks``), the plan (``_plan``), the program (``_programs``; sparse ones in
+``_sparse_operators``), finishing (``_results``), preps and their cache (``_prep``).
 """
 
 from __future__ import annotations
@@ -14,19 +17,88 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import _sparse_operators as _sparse
-from ._adapters import adapter_for, info, normalize
+from ._adapters import adapter_for, info, names_of, normalize
 from ._backends import AutoSparse, Backend
 from ._call import _LEAF, OPERATORS, Call, Operator, _dynamic_view
 from ._checks import _check_tangent_kinds, _check_tangent_like_x, _check_x
 from ._errors import InvalidInputError
-from ._matching import _fast_path, _tree_matcher
-from ._prep import MISS, FunctionRef, Prep, describe_mismatch, mismatch_error, prep_cache
-from ._programs import _Conversions, _flat_program, _Output, _program
-from ._results import _finisher
+from ._plan import Plan, leaf_check
+from ._prep import Closure, FunctionRef, Prep, describe_mismatch, mismatch_error, prep_cache
+from ._programs import FlatFinish, FlatProgram, OnDynamic, Run, Scoped, _Conversions, _Output, _program
+from ._results import finisher
 from ._results import promoted_dtype as promoted_dtype  # imported from here by the tests
 
-# -- the entry point of every operator --------------------------------------------------------
+# -- programs the route does not build itself ---------------------------------------------------------
+
+ProgramBuilder = Callable[[str, Callable[..., Any], Backend, Call], tuple[Callable[..., Any], type[Prep]]]
+_BUILDERS: dict[type[Backend], ProgramBuilder] = {}
+
+
+def register_program(config: type[Backend], builder: ProgramBuilder) -> None:
+    """Let ``builder(name, f, backend, call) -> (program, prep class)`` make the programs of
+    backends of type ``config`` (AutoSparse's, from ``_sparse_operators``, which calls the
+    public operators and so sits above this route)."""
+    _BUILDERS[config] = builder
+
+
+# -- the route --------------------------------------------------------------------------------------
+
+
+def evaluate(
+    name: str,
+    f: Callable[..., Any],
+    backend: Backend | str,
+    x: Any,
+    tangent: Any,
+    contexts: tuple[Any, ...],
+    prep: Prep | None,
+    has_aux: bool = False,
+) -> Any:
+    if prep is None:
+        recent = prep_cache.recent(f, name)  # the prep f used last, likely to fit again
+        if recent is not None:
+            leaves = recent.plan.leaves(name, f, backend, x, tangent, contexts, has_aux)
+            if leaves is not None and (recent.closure is None or recent.closure.holds(f)):
+                return recent.run(*leaves)
+        op, backend, call = _arguments(name, f, backend, x, tangent, contexts, has_aux)
+        prep = prep_cache.get(f, call.signature)
+        if prep is None or (prep.closure is not None and not prep.closure.holds(f)):
+            prep = _prepare(op, f, backend, call, strict=True)
+            prep_cache.put(f, call.signature, prep)
+        return prep.run(call.x_leaves, call.tangent_leaves, call.context_leaves)
+    if not isinstance(prep, Prep):
+        raise InvalidInputError(f"prep must come from di.prepare_{name}(...), got {type(prep).__name__}.")
+    leaves = prep.plan.leaves(name, f, backend, x, tangent, contexts, has_aux)
+    if leaves is not None:
+        return prep.run(*leaves)
+    op, backend, call = _arguments(name, f, backend, x, tangent, contexts, has_aux)
+    reason = describe_mismatch(prep, f, call.signature)
+    if reason is None:  # (the same signature, told apart by a leaf test that is stricter: a weak type)
+        return prep.run(call.x_leaves, call.tangent_leaves, call.context_leaves)
+    if prep.strict:
+        raise mismatch_error(prep, reason)
+    return evaluate(name, f, backend, x, tangent, contexts, None, has_aux)
+
+
+def prepare(
+    name: str,
+    f: Callable[..., Any],
+    backend: Backend | str,
+    x: Any,
+    tangent: Any,
+    contexts: tuple[Any, ...],
+    strict: bool,
+    has_aux: bool = False,
+) -> Prep:
+    op, backend, call = _arguments(name, f, backend, x, tangent, contexts, has_aux)
+    cached = prep_cache.get(f, call.signature)
+    if cached is not None and (cached.closure is None or cached.closure.holds(f)):  # the work is done: share it
+        return cached.with_strictness(strict)
+    prep = _prepare(op, f, backend, call, strict)
+    if type(backend) not in _BUILDERS and adapter_for(backend).compiles:
+        prep.run(call.x_leaves, call.tangent_leaves, call.context_leaves)  # trace and compile now
+    prep_cache.put(f, call.signature, prep)
+    return prep
 
 
 def _arguments(
@@ -49,7 +121,11 @@ def _arguments(
     if has_aux and not op.aux:
         raise _no_aux(op)
     backend = normalize(backend)
-    return op, backend, Call(op, backend, x, tangent, contexts, has_aux)
+    sparse = type(backend) is AutoSparse
+    if sparse and name not in AutoSparse.operators:  # its other operators are its engine's
+        backend, sparse = backend.backend, False  # type: ignore[attr-defined]
+    # (a sparsity pattern is detected for the values of the contexts' other leaves)
+    return op, backend, Call(op, backend, x, tangent, contexts, has_aux, by_value=sparse)
 
 
 def _no_aux(op: Operator) -> InvalidInputError:
@@ -65,160 +141,106 @@ def _no_aux(op: Operator) -> InvalidInputError:
     )
 
 
-def evaluate(
-    name: str,
-    f: Callable[..., Any],
-    backend: Backend | str,
-    x: Any,
-    tangent: Any,
-    contexts: tuple[Any, ...],
-    prep: Prep | None,
-    has_aux: bool = False,
-) -> Any:
-    if type(backend) is AutoSparse:  # its Jacobians and Hessians take their own route; the rest, the wrapped backend
-        if name in _sparse.SPARSE_OPERATORS:
-            return _sparse.evaluate(name, f, backend, x, contexts, prep, has_aux)
-        backend = backend.backend
-    if prep is None:
-        recent = prep_cache.recent(f, name)  # the prep f used last, likely to fit again
-        if recent is not None:
-            result = recent.fast(name, f, backend, x, tangent, contexts, has_aux)
-            if result is not MISS:
-                return result
-    elif isinstance(prep, Prep):
-        result = prep.fast(name, f, backend, x, tangent, contexts, has_aux)
-        if result is not MISS:
-            return result
-    else:
-        raise InvalidInputError(f"prep must come from di.prepare_{name}(...), got {type(prep).__name__}.")
-    op, backend, call = _arguments(name, f, backend, x, tangent, contexts, has_aux)
-    if prep is None:
-        prep = prep_cache.get(f, call.signature)
-        if prep is None:
-            prep = _prepare(op, f, backend, call, strict=True)
-            prep_cache.put(f, call.signature, prep)
-    elif prep.signature != call.signature or not prep.function.matches(f):
-        reason = describe_mismatch(prep, f, call.signature)
-        if prep.strict and reason is not None:
-            raise mismatch_error(prep, reason)
-        return evaluate(name, f, backend, x, tangent, contexts, None, has_aux)
-    return prep.run(call.x_leaves, call.tangent_leaves, call.context_leaves)
-
-
-def prepare(
-    name: str,
-    f: Callable[..., Any],
-    backend: Backend | str,
-    x: Any,
-    tangent: Any,
-    contexts: tuple[Any, ...],
-    strict: bool,
-    has_aux: bool = False,
-) -> Prep:
-    if type(backend) is AutoSparse:  # as in evaluate
-        if name in _sparse.SPARSE_OPERATORS:
-            return _sparse.prepare(name, f, backend, x, contexts, strict, has_aux)
-        backend = backend.backend
-    op, backend, call = _arguments(name, f, backend, x, tangent, contexts, has_aux)
-    cached = prep_cache.get(f, call.signature)
-    if cached is not None:  # the work is done already: share it
-        return cached.with_strictness(strict)
-    prep = _prepare(op, f, backend, call, strict)
-    if adapter_for(backend).compiles:
-        prep.run(call.x_leaves, call.tangent_leaves, call.context_leaves)  # trace and compile now
-    prep_cache.put(f, call.signature, prep)
-    return prep
-
-
-# -- preparation: validate once, build the program -----------------------------------------------
+# -- preparation: validate once, build the plan -----------------------------------------------------
 
 
 def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, strict: bool) -> Prep:
-    full_call = call
-    full_signature = call.signature
+    function = FunctionRef(f)
+    builder = _BUILDERS.get(type(backend))
+    if builder is not None:  # (its program is built for f's closure and the contexts' values too)
+        program, kind = builder(op.name, f, backend, call)
+        plan = _plan(op, backend, function, call, program, estimates=False, by_value=True)
+        return kind(plan, call.signature, strict, Closure(f))
+    adapter = adapter_for(backend)
+    program, estimates = _program_of(op, f, backend, call, function)
+    plan = _plan(op, backend, function, call, program, estimates)
+    return Prep(plan, call.signature, strict, Closure(f) if adapter.compiles else None)
+
+
+def _plan(
+    op: Operator,
+    backend: Backend,
+    function: FunctionRef,
+    call: Call,
+    program: Callable[..., Any],
+    estimates: bool,
+    by_value: bool = False,
+) -> Plan:
+    sig = call.signature
+    x_checks = _checks_of([leaf_check(leaf, static_x=True) for leaf in call.x_leaves])
+    tangent_checks = _checks_of([leaf_check(leaf) for leaf in call.tangent_leaves])
+    context_checks: list[tuple[Any, ...]] | None = []
+    for leaves in call.context_leaves:
+        checks = _checks_of([leaf_check(leaf, by_value=by_value) for leaf in leaves])
+        if checks is None or context_checks is None:
+            context_checks = None
+        else:
+            context_checks.append(checks)
+    return Plan(
+        operator=op.name,
+        backend=backend,
+        names=names_of(backend),
+        function=function,
+        has_aux=sig.has_aux,
+        x_spec=sig.x_spec,
+        x_checks=x_checks,
+        tangent=op.tangent is not None,
+        tangent_spec=sig.tangent_spec,
+        tangent_checks=tangent_checks,
+        context_kinds=tuple(spec[0] for spec in sig.contexts),
+        context_specs=tuple(call.context_specs),
+        context_checks=None if context_checks is None else tuple(context_checks),
+        program=program,
+        estimates=estimates,
+    )
+
+
+def _checks_of(checks: list[Any]) -> tuple[Any, ...] | None:
+    return None if any(check is None for check in checks) else tuple(checks)
+
+
+def _program_of(
+    op: Operator, f: Callable[..., Any], backend: Backend, call: Call, function: FunctionRef
+) -> tuple[Callable[..., Any], bool]:
+    """The program of a dense operator on a call's leaves, and whether it estimates its error."""
     row = info(backend)
     adapter = adapter_for(backend)
+    full_call = call
     call, dynamic_index = _dynamic_view(op, adapter, call)  # from here on, x's leaves to differentiate
-    signature = call.signature
     _check_x(op, backend, row.any_array_type, call)
     if op.tangent is not None:
         _check_tangent_kinds(op, backend, row.any_array_type, call)
     if op.tangent == "x":
         _check_tangent_like_x(op, call)
-    function = FunctionRef(f)
+    del full_call
+    signature = call.signature
     output = _Output()
-    plan = _Conversions(adapter, op, call)
-    program = _program(op, adapter, function, call, output, plan)
-    finish, mirror = _finisher(op, call, output)
-    direct_ok = plan.passthrough and plan.x_native and plan.tangent_native
-    flat: Callable[..., Any] | None = None
-    finished, finish_rest = [False], finish
-    if direct_ok and adapter.compiles and len(call.x_leaves) == 1 and len(call.tangent_leaves) <= 1:
+    conversions = _Conversions(adapter, op, call)
+    traced = _program(op, adapter, function, call, output, conversions)
+    finish, one = finisher(op, call, output, compiled=adapter.compiles)
+    direct = conversions.passthrough and conversions.x_native and conversions.tangent_native
+    compiled: Callable[..., Any]
+    if direct and adapter.compiles and len(call.x_leaves) == 1 and len(call.tangent_leaves) <= 1:
         # a compiled program on flat arguments (x, [tangent,] *context arrays), which returns
         # the result itself where it is x's one leaf: no pytree for jit to take apart or build
-        flat, finished, finish_rest = _flat_program(
+        flat = FlatProgram(
             adapter,
-            program,
+            traced,
             op,
             output,
-            mirror,
-            finish,
+            one,
             bool(call.tangent_leaves),
             call.x_leaves[0],
             signature.has_aux,
             signature.x_spec == _LEAF,
         )
-
-        def finish(out: Any) -> Any:
-            return out if finished[0] else finish_rest(out)
-
-        def compiled(xs: Any, ts: Any, dynamic: Any, static: Any) -> Any:
-            return flat(*xs, *ts, *dynamic)  # type: ignore[misc]
-
+        compiled = flat
+        finish = FlatFinish(flat, one.mirror if one is not None else finish)
     else:  # (jit returns arrays only: a program whose result holds none but arrays needs no help)
-        compiled = adapter.compile(program, arrays=not signature.has_aux)
-    estimates = adapter.estimates_errors
-    parts = [i for i, _ in op.parts]
-
-    compiles = adapter.compiles
-
-    def run(x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]) -> tuple[Any, Any]:
-        arguments = plan.native(x_leaves, tangent_leaves, context_leaves)
-        native = compiled(*arguments)
-        if compiles:  # a program from jit's cache did not evaluate f: its trace's record holds
-            output.recall(arguments[3])
-        result = finish(native)
-        if not estimates:
-            return result, None
-        error = adapter.take_error()
-        if error is None:
-            return result, None
-        picked = tuple(error[i] for i in parts)
-        return result, finish((*picked, None) if signature.has_aux else picked)
-
-    def scoped(x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]) -> tuple[Any, Any]:
-        scope = adapter.scope()
-        if scope is None:
-            return run(x_leaves, tangent_leaves, context_leaves)
-        with scope:
-            return run(x_leaves, tangent_leaves, context_leaves)
-
-    runner = scoped if plan.scoped else run
-    precision = adapter.scope if plan.scoped else None
-    fast = _fast_path(
-        op, function, call, estimates, direct_ok, flat, finished, finish_rest, compiled, finish, runner, precision
-    )
+        compiled = adapter.compile(traced, arrays=not signature.has_aux)
+    program: Callable[..., Any] = Run(adapter, conversions, compiled, output, finish, op, signature.has_aux)
+    if conversions.scoped:
+        program = Scoped(adapter, program)
     if dynamic_index is not None:  # x has static leaves: the program takes the others
-        on_dynamic = runner
-
-        def runner(x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]) -> tuple[Any, Any]:
-            return on_dynamic([x_leaves[i] for i in dynamic_index], tangent_leaves, context_leaves)
-
-        if not estimates:  # the quick match compares the static leaves too: on the whole call
-
-            def leaves(x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]) -> Any:
-                return runner(x_leaves, tangent_leaves, context_leaves)[0]
-
-            fast = _tree_matcher(op, function, full_call, leaves)
-
-    return Prep(function, full_signature, runner, strict, estimates, fast)
+        program = OnDynamic(program, dynamic_index)
+    return program, adapter.estimates_errors

@@ -9,16 +9,17 @@ import types
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
 
 from ._errors import PreparationMismatchError
 from .tree import path_string
 
-__all__ = ["MISS", "FunctionRef", "Prep", "Signature", "describe_mismatch", "prep_cache"]
+if TYPE_CHECKING:
+    from ._plan import Plan
 
-MISS: Any = object()
-"""What :attr:`Prep.fast` returns for a call it cannot vouch for."""
-
+__all__ = ["Closure", "FunctionRef", "Prep", "Signature", "describe_mismatch", "prep_cache"]
 
 class Signature(NamedTuple):
     """Everything a prep depends on, except ``f`` itself (compared by identity).
@@ -90,25 +91,21 @@ class Prep:
     A prep may be shared between threads.
     """
 
-    def __init__(
-        self,
-        function: FunctionRef,
-        signature: Signature,
-        runner: Callable[..., Any],
-        strict: bool,
-        estimates: bool,
-        fast: Callable[..., Any],
-    ) -> None:
-        self.function = function
+    __slots__ = ("_local", "closure", "plan", "signature", "strict")
+
+    def __init__(self, plan: Plan, signature: Signature, strict: bool, closure: Closure | None = None) -> None:
+        self.plan = plan
+        """The plan: what the prep was made for, field by field, and its program."""
         self.signature = signature
         self.strict = strict
-        self.fast = fast
-        """``fast(operator, f, backend, x, tangent, contexts, has_aux)``: the result of a call
-        that visibly has this prep's signature, told without flattening anything; ``MISS``
-        where that cannot be told so quickly (the full signature decides)."""
-        self._runner = runner
-        self._estimates = estimates
+        self.closure = closure
+        """What f read when its program was built, where the program keeps it (a compiled
+        program bakes in the values f closes over): an unprepared call checks it still holds."""
         self._local = threading.local()
+
+    @property
+    def function(self) -> FunctionRef:
+        return self.plan.function  # type: ignore[no-any-return]
 
     @property
     def operator(self) -> str:
@@ -128,12 +125,12 @@ class Prep:
 
     def with_strictness(self, strict: bool) -> Prep:
         """A prep sharing this one's work, with its own strictness and error estimate."""
-        return Prep(self.function, self.signature, self._runner, strict, self._estimates, self.fast)
+        return type(self)(self.plan, self.signature, strict, self.closure)
 
     def run(self, x_leaves: Any, tangent_leaves: Any, context_leaves: Any) -> Any:
         """The operator on flattened arguments that have this prep's signature."""
-        result, error = self._runner(x_leaves, tangent_leaves, context_leaves)
-        if self._estimates:
+        result, error = self.plan.program(x_leaves, tangent_leaves, context_leaves)
+        if error is not None or self.plan.estimates:
             self._local.error = error
         return result
 
@@ -142,6 +139,62 @@ class Prep:
             f"<Prep {self.operator} of {self.function.name} with {self.backend!r}"
             f"{'' if self.strict else ', strict=False'}>"
         )
+
+
+class Closure:
+    """What ``f`` reads besides its arguments, where a program keeps it: the objects its closure
+    cells hold, the globals its code names (and its nested functions'), and its defaults, each
+    by identity; numpy arrays among them also by their values, which can change in place.
+
+    A compiled program bakes these in when it traces f (as ``jax.jit`` does), and a sparsity
+    pattern is detected for them, so an unprepared call whose f reads anything else prepares
+    again rather than reuse a stale program. What objects hold (an attribute set on a model
+    f reads) is not followed: pass such data as a :class:`~diffiface.Constant`."""
+
+    __slots__ = ("_arrays", "_ids", "_keep")
+
+    def __init__(self, f: Callable[..., Any]) -> None:
+        values = _read_values(f)
+        self._keep = values  # (the ids stay those of live objects)
+        self._ids = tuple(map(id, values))
+        self._arrays = [(i, v.copy()) for i, v in enumerate(values) if type(v) is np.ndarray and v.size <= _COPIED]
+
+    def holds(self, f: Callable[..., Any]) -> bool:
+        values = _read_values(f)
+        if tuple(map(id, values)) != self._ids:
+            return False
+        return all(np.array_equal(values[i], copy, equal_nan=copy.dtype.kind in "fc") for i, copy in self._arrays)
+
+
+_COPIED = 1 << 16  # numpy arrays f reads are compared by value up to this size; larger, by identity
+
+
+def _read_values(f: Callable[..., Any]) -> list[Any]:
+    function = getattr(f, "__func__", f)
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return []
+    values: list[Any] = []
+    for cell in getattr(function, "__closure__", None) or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            values.append(None)
+    namespace = getattr(function, "__globals__", {})
+    for name in _names(code):
+        if name in namespace:
+            values.append(namespace[name])
+    values.extend(getattr(function, "__defaults__", None) or ())
+    return values
+
+
+@functools.lru_cache(maxsize=1024)
+def _names(code: types.CodeType) -> tuple[str, ...]:
+    names = list(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names.extend(_names(const))
+    return tuple(names)
 
 
 def describe_mismatch(prep: Prep, f: Callable[..., Any], signature: Signature) -> str | None:

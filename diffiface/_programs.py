@@ -161,34 +161,47 @@ def _closer(
     return close
 
 
-def _flat_program(
-    adapter: Adapter,
-    program: Callable[..., Any],
-    op: Operator,
-    output: _Output,
-    mirror: Callable[[Any], Any] | None,
-    finish: Callable[[Any], Any],
-    tangent: bool,
-    like: Any,
-    has_aux: bool,
-    bare_x: bool,
-) -> tuple[Callable[..., Any], list[bool], Callable[[Any], Any]]:
-    """``program`` compiled on flat arguments; a cell that holds True once its results are
-    known to come out finished; the finisher of its results otherwise.
+class FlatProgram:
+    """``program`` on flat arguments ``(x, [tangent,] *context arrays)``, compiled: no pytree for
+    jit to take apart or build, where x is one array.
 
     Where the result mirrors x's one leaf (``mirror``), the program returns that leaf itself.
-    Where besides the engine's arrays are x's own type (``returns_like``) and the result is
-    one array, the program finishes it: a cast to x's dtype for a gradient, nothing for the
-    others; whether f's output is one array (for jvp and jacobian) shows when it is traced."""
-    kinds = [kind for _, kind in op.parts]
-    kind = kinds[0]
-    # (a result that mirrors x is x's one leaf only where x is that leaf, not a tree holding it)
-    candidate = adapter.returns_like(like) and len(kinds) == 1 and not has_aux and (bare_x or kind in ("value", "y"))
-    inside = [candidate and kind in ("x", "value", "hessian")]  # settled by the trace for "y" and "jacobian"
-    dtype = like.dtype if candidate else None
+    Where besides the engine's arrays are x's own type (``returns_like``) and the result is one
+    array, the program finishes it: a cast to x's dtype for a gradient, nothing for the others;
+    whether f's output is one array (for jvp and jacobian) shows when it is traced, and
+    :attr:`finished` says so from then on."""
 
-    def pick(native: tuple[Any, ...]) -> Any:
-        if candidate:
+    __slots__ = ("candidate", "compiled", "dtype", "finished", "kind", "mirror", "output", "program")
+
+    def __init__(
+        self,
+        adapter: Adapter,
+        program: Callable[..., Any],
+        op: Operator,
+        output: _Output,
+        mirror: Callable[[Any], Any] | None,
+        tangent: bool,
+        like: Any,
+        has_aux: bool,
+        bare_x: bool,
+    ) -> None:
+        kind = op.parts[0][1]
+        # (a result that mirrors x is x's one leaf only where x is that leaf, not a tree holding it)
+        self.candidate = (
+            adapter.returns_like(like) and len(op.parts) == 1 and not has_aux and (bare_x or kind in ("value", "y"))
+        )
+        self.kind = kind
+        self.finished = self.candidate and kind in ("x", "value", "hessian")  # the trace settles "y", "jacobian"
+        self.dtype = like.dtype if self.candidate else None
+        self.output = output
+        self.mirror = mirror
+        self.program = program
+        self.compiled = adapter.compile(self.with_tangent if tangent else self.without, static=False, arrays=not has_aux)
+
+    def pick(self, native: tuple[Any, ...]) -> Any:
+        """Inside the trace: the program's result, finished where it can be."""
+        if self.candidate:
+            kind, dtype, output = self.kind, self.dtype, self.output
             value = native[0]
             if kind == "x":
                 leaf = value[0]  # cast only where needed: a weak type stays weak
@@ -196,23 +209,128 @@ def _flat_program(
             if kind == "value":
                 return value
             if kind == "hessian" or (kind == "jacobian" and output.spec is _LEAF):
-                inside[0] = True
+                self.finished = True
                 target = dtype if kind == "hessian" else promoted_dtype(output.dtypes[0], str(dtype))
                 leaf = value[0][0]
                 return leaf if target is None or leaf.dtype == target else leaf.astype(target)
             if kind == "y" and output.spec is _LEAF:
-                inside[0] = True
+                self.finished = True
                 return value[0]
-        return native[0][0] if mirror is not None else native
+        return native[0][0] if self.mirror is not None else native
 
-    def with_tangent(x: Any, t: Any, *values: Any) -> Any:
-        return pick(program((x,), (t,), values, None))
+    def with_tangent(self, x: Any, t: Any, *values: Any) -> Any:
+        return self.pick(self.program((x,), (t,), values, None))
 
-    def without(x: Any, *values: Any) -> Any:
-        return pick(program((x,), (), values, None))
+    def without(self, x: Any, *values: Any) -> Any:
+        return self.pick(self.program((x,), (), values, None))
 
-    compiled = adapter.compile(with_tangent if tangent else without, static=False, arrays=not has_aux)
-    return compiled, inside, mirror or finish
+    def __call__(self, xs: tuple[Any, ...], ts: tuple[Any, ...], dynamic: tuple[Any, ...], static: Any) -> Any:
+        return self.compiled(*xs, *ts, *dynamic)
+
+
+class FlatFinish:
+    """The finisher of a :class:`FlatProgram`'s results: none once they come out finished."""
+
+    __slots__ = ("flat", "rest")
+
+    def __init__(self, flat: FlatProgram, rest: Callable[[Any], Any]) -> None:
+        self.flat, self.rest = flat, rest
+
+    def __call__(self, out: Any) -> Any:
+        return out if self.flat.finished else self.rest(out)
+
+
+# -- what a prep runs: objects with named fields --------------------------------------------------
+
+
+class Run:
+    """A prep's program on a call's leaves: the leaves made the engine's arguments
+    (:class:`_Conversions`), the compiled (or plain) program, the result finished to mirror the
+    inputs; ``(result, error estimate or None)``."""
+
+    __slots__ = (
+        "adapter",
+        "compiled",
+        "conversions",
+        "estimates",
+        "finish",
+        "has_aux",
+        "output",
+        "parts",
+        "passthrough",
+        "records",
+    )
+
+    def __init__(
+        self,
+        adapter: Adapter,
+        conversions: _Conversions,
+        compiled: Callable[..., Any],
+        output: _Output,
+        finish: Callable[[Any], Any],
+        op: Operator,
+        has_aux: bool,
+    ) -> None:
+        self.adapter = adapter
+        self.conversions = conversions
+        self.compiled = compiled
+        self.output = output
+        self.finish = finish
+        # a program from jit's cache does not evaluate f: where the finisher reads the record
+        # of f's output, the record of its trace is made the current one
+        self.records = adapter.compiles and any(kind in ("y", "dy", "jacobian") for _, kind in op.parts)
+        self.estimates = adapter.estimates_errors
+        self.parts = tuple(i for i, _ in op.parts)
+        self.passthrough = conversions.passthrough and conversions.x_native and conversions.tangent_native
+        self.has_aux = has_aux
+
+    def __call__(self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]) -> tuple[Any, Any]:
+        if self.passthrough and not self.records:
+            # the engine takes the leaves as they are, and no record of f's output is needed
+            dynamic = tuple([leaf for leaves in context_leaves for leaf in leaves]) if context_leaves else ()
+            result = self.finish(self.compiled(tuple(x_leaves), tuple(tangent_leaves), dynamic, None))
+        else:
+            arguments = self.conversions.native(x_leaves, tangent_leaves, context_leaves)
+            native = self.compiled(*arguments)
+            if self.records:
+                self.output.recall(arguments[3])
+            result = self.finish(native)
+        if not self.estimates:
+            return result, None
+        error = self.adapter.take_error()
+        if error is None:
+            return result, None
+        picked = tuple(error[i] for i in self.parts)
+        return result, self.finish((*picked, None) if self.has_aux else picked)
+
+
+class Scoped:
+    """A program run inside the adapter's precision scope where it gives one (jax's x64, for
+    float64 work while the global flag is off)."""
+
+    __slots__ = ("adapter", "program")
+
+    def __init__(self, adapter: Adapter, program: Callable[..., tuple[Any, Any]]) -> None:
+        self.adapter, self.program = adapter, program
+
+    def __call__(self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]) -> tuple[Any, Any]:
+        scope = self.adapter.scope()
+        if scope is None:
+            return self.program(x_leaves, tangent_leaves, context_leaves)
+        with scope:
+            return self.program(x_leaves, tangent_leaves, context_leaves)
+
+
+class OnDynamic:
+    """A program on the leaves of x to differentiate, where x holds static ones too."""
+
+    __slots__ = ("index", "program")
+
+    def __init__(self, program: Callable[..., tuple[Any, Any]], index: list[int]) -> None:
+        self.program, self.index = program, index
+
+    def __call__(self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]) -> tuple[Any, Any]:
+        return self.program([x_leaves[i] for i in self.index], tangent_leaves, context_leaves)
 
 
 # -- the record of f's output --------------------------------------------------------------------------

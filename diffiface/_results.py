@@ -21,39 +21,43 @@ if TYPE_CHECKING:  # (_programs finishes inside a compiled program with promoted
 # -- results: mirror the inputs ----------------------------------------------------------------------
 
 
-def _finisher(
-    op: Operator, call: Call, output: _Output
-) -> tuple[Callable[[tuple[Any, ...]], Any], Callable[[Any], Any] | None]:
-    """``finish(native_parts)``: the result mirroring the inputs; and where the result is one
-    leaf mirroring x's one leaf, ``mirror(leaf)`` for it (else None)."""
-    x_spec = call.signature.x_spec
-    x_likes = list(call.x_leaves)
-    family = _arrays.family({_arrays.kind(leaf) for leaf in x_likes}) if x_likes else "numpy"
-    python_x = family == "python"
+class Finisher:
+    """``finish(native_parts)``: a program's result mirroring the inputs: x's structure, array
+    type, dtype and device for what mirrors x, f's output structure for what mirrors f(x), the
+    promoted dtype (:func:`promoted_dtype`) for blocks relating two leaves."""
 
-    like: Any = x_likes[0] if x_likes else None
+    __slots__ = ("family", "has_aux", "kinds", "like", "output", "python_x", "single_x", "x_dtypes", "x_likes", "x_spec")
 
-    def as_y(value: Any) -> Any:
-        return _to_family(value, family, python_x, like)
+    def __init__(self, op: Operator, call: Call, output: _Output) -> None:
+        self.x_spec = call.signature.x_spec
+        self.x_likes = list(call.x_leaves)
+        self.family = _arrays.family({_arrays.kind(leaf) for leaf in self.x_likes}) if self.x_likes else "numpy"
+        self.python_x = self.family == "python"
+        self.like: Any = self.x_likes[0] if self.x_likes else None
+        self.single_x = self.x_spec == _LEAF
+        self.x_dtypes = [_weak_or_dtype(leaf) for leaf in self.x_likes]
+        self.output = output
+        self.has_aux = call.signature.has_aux
+        self.kinds = [kind for _, kind in op.parts]
 
-    single_x = x_spec == _LEAF
+    def as_y(self, value: Any) -> Any:
+        return _to_family(value, self.family, self.python_x, self.like)
 
-    x_dtypes = [_weak_or_dtype(leaf) for leaf in x_likes]
+    def block(self, value: Any, dtype: str | None, like_j: Any = None) -> Any:
+        if self.family == "jax" and like_j is not None:  # laid out as x_j (_placement's rule)
+            return _cast(_placement.block_like(self.as_y(value), like_j), dtype)
+        return _cast(self.as_y(value), dtype)
 
-    def block(value: Any, dtype: str | None, like_j: Any = None) -> Any:
-        if family == "jax" and like_j is not None:  # laid out as x_j (_placement's rule)
-            return _cast(_placement.block_like(as_y(value), like_j), dtype)
-        return _cast(as_y(value), dtype)
-
-    def convert(kind: str, value: Any) -> Any:
+    def convert(self, kind: str, value: Any) -> Any:
         # (f's output is one array when its recorded structure is _LEAF itself)
+        output, x_spec, x_dtypes, x_likes, block = self.output, self.x_spec, self.x_dtypes, self.x_likes, self.block
         if kind == "value":
-            return as_y(value)
-        if kind in ("y", "dy"):
-            if kind == "y":
-                if output.spec is _LEAF:
-                    return as_y(value[0])
-                return optree.tree_unflatten(output.spec, [as_y(v) for v in value])
+            return self.as_y(value)
+        if kind == "y":
+            if output.spec is _LEAF:
+                return self.as_y(value[0])
+            return optree.tree_unflatten(output.spec, [self.as_y(v) for v in value])
+        if kind == "dy":
             x_dtype = x_dtypes[0] if x_dtypes else None
             dtypes = output.dtypes
             if output.spec is _LEAF:
@@ -63,13 +67,13 @@ def _finisher(
                 [block(v, promoted_dtype(d, x_dtype)) for v, d in zip(value, _padded(dtypes, len(value)), strict=True)],
             )
         if kind == "x":
-            if single_x:
-                return _mirror(value[0], like)
+            if self.single_x:
+                return _mirror(value[0], self.like)
             return optree.tree_unflatten(x_spec, [_mirror(v, like) for v, like in zip(value, x_likes, strict=True)])
         if kind == "jacobian":
             dtypes = _padded(output.dtypes, len(value))
-            if single_x and output.spec is _LEAF:
-                return block(value[0][0], promoted_dtype(dtypes[0], x_dtypes[0]), like)
+            if self.single_x and output.spec is _LEAF:
+                return block(value[0][0], promoted_dtype(dtypes[0], x_dtypes[0]), self.like)
             rows = [
                 optree.tree_unflatten(
                     x_spec,
@@ -78,8 +82,8 @@ def _finisher(
                 for row, dy in zip(value, dtypes, strict=True)
             ]
             return optree.tree_unflatten(output.spec, rows)
-        if single_x:
-            return block(value[0][0], x_dtypes[0], like)
+        if self.single_x:  # a hessian
+            return block(value[0][0], x_dtypes[0], self.like)
         rows = [
             optree.tree_unflatten(
                 x_spec,
@@ -89,74 +93,93 @@ def _finisher(
         ]
         return optree.tree_unflatten(x_spec, rows)
 
-    has_aux = call.signature.has_aux
-    kinds = [kind for _, kind in op.parts]
-
-    def finish(native: tuple[Any, ...]) -> Any:
-        parts = [convert(kind, value) for kind, value in zip(kinds, native, strict=False)]
-        if has_aux:
-            aux = _tree.map(as_y, native[-1])
+    def __call__(self, native: tuple[Any, ...]) -> Any:
+        kinds = self.kinds
+        if len(kinds) == 1 and not self.has_aux:
+            return self.convert(kinds[0], native[0])
+        parts = [self.convert(kind, value) for kind, value in zip(kinds, native, strict=False)]
+        if self.has_aux:
+            aux = _tree.map(self.as_y, native[-1])
             return ((parts[0], aux), *parts[1:]) if len(parts) > 1 else (parts[0], aux)
         return parts[0] if len(parts) == 1 else tuple(parts)
 
-    if len(kinds) == 1 and not has_aux:
-        only = kinds[0]
 
-        def finish(native: tuple[Any, ...]) -> Any:
-            return convert(only, native[0])
+class MirrorOne:
+    """The finisher of a gradient, vjp or hvp of one array: most often nothing to convert."""
 
-    if (
-        kinds == ["x"]
-        and not has_aux
-        and x_spec == _LEAF
-        and _arrays.kind(like) in _ARRAY_KINDS
-        and not isinstance(like, np.generic)  # a numpy scalar x gets a 0-d array, as from _mirror
-    ):
-        # the hot path of gradient, vjp and hvp on one array: no tree to rebuild, and most
-        # often nothing to convert
-        cls, dtype, tensor = type(like), like.dtype, _arrays.kind(like) == "torch"
-        layout = _layout(like)  # jax: the result stays laid out as x
+    __slots__ = ("cls", "dtype", "layout", "like", "tensor")
 
-        def mirror(value: Any) -> Any:
+    def __init__(self, like: Any) -> None:
+        self.like = like
+        self.cls, self.dtype, self.tensor = type(like), like.dtype, _arrays.kind(like) == "torch"
+        self.layout = _layout(like)  # jax: the result stays laid out as x
+
+    def mirror(self, value: Any) -> Any:
+        if (
+            type(value) is self.cls
+            and value.dtype == self.dtype
+            and not (self.tensor and value.requires_grad)
+            and (self.layout is None or self.layout.holds(value))
+        ):
+            return value
+        return _mirror(value, self.like)
+
+    def __call__(self, native: tuple[Any, ...]) -> Any:
+        return self.mirror(native[0][0])
+
+
+class RebuildTree:
+    """The finisher of a gradient, vjp or hvp of a tree of arrays: where each leaf came back in
+    its type and dtype (and for torch, detached; for jax, laid out as x), the tree is only
+    rebuilt. ``trusted``: a compiled program, whose results' types, dtypes and layouts are the
+    same on every run: once they are seen to fit, only rebuilt."""
+
+    __slots__ = ("expected", "finish", "seen_fit", "trusted", "x_spec")
+
+    def __init__(self, call: Call, finish: Finisher, trusted: bool) -> None:
+        self.x_spec = call.signature.x_spec
+        self.expected = [
+            (type(leaf), leaf.dtype, _arrays.kind(leaf) == "torch", _layout(leaf)) for leaf in call.x_leaves
+        ]
+        self.finish = finish
+        self.trusted = trusted
+        self.seen_fit = False
+
+    def __call__(self, native: tuple[Any, ...]) -> Any:
+        values = native[0]
+        if self.seen_fit:
+            return optree.tree_unflatten(self.x_spec, list(values))
+        if len(values) != len(self.expected):  # pragma: no cover - the engine returns one leaf per leaf of x
+            return self.finish(native)
+        for value, (cls, dtype, tensor, layout) in zip(values, self.expected, strict=False):
             if (
-                type(value) is cls
-                and value.dtype == dtype
-                and not (tensor and value.requires_grad)
-                and (layout is None or layout.holds(value))
+                type(value) is not cls
+                or value.dtype != dtype
+                or (tensor and value.requires_grad)
+                or (layout is not None and not layout.holds(value))
             ):
-                return value
-            return _mirror(value, like)
+                return self.finish(native)
+        self.seen_fit = self.trusted
+        return optree.tree_unflatten(self.x_spec, list(values))
 
-        def first(native: tuple[Any, ...]) -> Any:
-            return mirror(native[0][0])
 
-        return first, mirror
-    if (
-        kinds == ["x"]
-        and not has_aux
-        and all(_arrays.kind(leaf) in _ARRAY_KINDS and not isinstance(leaf, np.generic) for leaf in x_likes)
-    ):
-        # a gradient, vjp or hvp of a tree of arrays: where each leaf came back in its type and
-        # dtype (and for torch, detached), the tree is only rebuilt
-        expected = [(type(leaf), leaf.dtype, _arrays.kind(leaf) == "torch", _layout(leaf)) for leaf in x_likes]
-        unflatten = optree.tree_unflatten
-        count = len(expected)
-
-        def tree(native: tuple[Any, ...]) -> Any:
-            values = native[0]
-            if len(values) == count:
-                for value, (cls, dtype, tensor, layout) in zip(values, expected, strict=False):
-                    if (
-                        type(value) is not cls
-                        or value.dtype != dtype
-                        or (tensor and value.requires_grad)
-                        or (layout is not None and not layout.holds(value))
-                    ):
-                        return finish(native)
-                return unflatten(x_spec, list(values))
-            return finish(native)  # pragma: no cover - the engine returns one leaf per leaf of x
-
-        return tree, None
+def finisher(op: Operator, call: Call, output: _Output, compiled: bool) -> tuple[Callable[[Any], Any], Any]:
+    """The finisher of a program's results; and where the result is one leaf mirroring x's one
+    leaf, the :class:`MirrorOne` that mirrors it (else None). ``compiled``: the program's result
+    types are fixed by its trace."""
+    finish = Finisher(op, call, output)
+    kinds = finish.kinds
+    like = finish.like
+    if kinds == ["x"] and not finish.has_aux:
+        arrays = all(
+            _arrays.kind(leaf) in _ARRAY_KINDS and not isinstance(leaf, np.generic)  # a numpy scalar: a 0-d array
+            for leaf in finish.x_likes
+        )
+        if arrays and finish.single_x:
+            one = MirrorOne(like)
+            return one, one
+        if arrays:
+            return RebuildTree(call, finish, compiled), None
     return finish, None
 
 

@@ -10,8 +10,12 @@ operators, so their checks (mutation, dtypes, contexts) hold unchanged. Scipy, w
 product cheaper than a full Jacobian, differentiates ``z -> f(x + S z)`` for the ``count``
 inputs ``z``.
 
-An unprepared call reuses the preparation of an earlier call of the same ``f`` with the same
-signature (the prep cache of the dense operators), so the pattern is found once per signature.
+A sparse prep is a plan of the one route (:mod:`diffiface._dispatch`) whose program runs the
+products and the decompression: the route registers :class:`SparseProgram` for AutoSparse
+(:func:`~diffiface._dispatch.register_program`), so that this module, which calls the public
+operators, sits above them. An unprepared call finds its prep in the one prep cache, keyed by
+the signature with the values of the contexts' other leaves (the pattern is detected for
+them), so the pattern is found once per signature.
 """
 
 from __future__ import annotations
@@ -26,121 +30,75 @@ import optree
 
 from . import _arrays
 from . import tree as _tree
+from . import _operators as ops
 from ._backends import AutoAutograd, AutoJAX, AutoScipy, AutoSparse, AutoTorch, Backend, SecondOrder
-from ._call import OPERATORS, Call
+from ._call import Call
 from ._contexts import Constant
+from ._dispatch import register_program
 from ._errors import InvalidInputError
-from ._prep import MISS, FunctionRef, Prep, describe_mismatch, mismatch_error, prep_cache
+from ._prep import FunctionRef, Prep
 
-__all__ = ["SPARSE_OPERATORS", "SparsePrep", "evaluate", "prepare"]
+__all__ = ["SPARSE_OPERATORS", "SparsePrep", "SparseProgram"]
 
-SPARSE_OPERATORS = frozenset({"jacobian", "value_and_jacobian", "hessian", "value_gradient_and_hessian"})
+SPARSE_OPERATORS = AutoSparse.operators
 _HESSIANS = frozenset({"hessian", "value_gradient_and_hessian"})
 _ARRAY_KINDS = frozenset({"numpy", "torch", "jax"})
-
-
-def _miss(*args: Any) -> Any:
-    return MISS
-
-
-def _no_runner(*args: Any) -> Any:  # pragma: no cover - a SparsePrep runs through its plan
-    raise AssertionError("a sparse prep runs through diffiface._sparse_operators")
 
 
 class SparsePrep(Prep):
     """A prep of a sparse operator: the pattern, its coloring and the engine's prepared product."""
 
-    def __init__(self, function: FunctionRef, signature: Any, strict: bool, plan: _Plan) -> None:
-        super().__init__(function, signature, _no_runner, strict, False, _miss)
-        self.plan = plan
+    __slots__ = ()
 
     @property
     def pattern(self) -> Any:
         """The sparsity pattern, a boolean ``scipy.sparse.csr_array`` (m-by-n, or n-by-n for a Hessian)."""
-        return self.plan.coloring.pattern
+        return self.plan.program.sparse.coloring.pattern
 
     @property
     def coloring(self) -> Any:
         """The :class:`diffiface.sparse.Coloring` used: ``coloring.count`` products per call."""
-        return self.plan.coloring
-
-    def with_strictness(self, strict: bool) -> Prep:
-        return SparsePrep(self.function, self.signature, strict, self.plan)
+        return self.plan.program.sparse.coloring
 
 
-# -- entry points ---------------------------------------------------------------------------------
+class SparseProgram:
+    """The program of a sparse prep, on a call's leaves: x and the contexts rebuilt, then one
+    product per color and the decompression (:class:`_Plan`)."""
 
+    __slots__ = ("context_kinds", "context_specs", "function", "name", "sparse", "x_spec")
 
-def _call(
-    name: str, f: Callable[..., Any], backend: AutoSparse, x: Any, contexts: tuple[Any, ...], has_aux: bool
-) -> Call:
-    if not callable(f):
-        raise InvalidInputError(
-            f"f must be a callable f(x, *contexts), got {type(f).__name__}. The argument order is "
-            f"di.{name}(f, backend, x, *contexts)."
+    def __init__(self, name: str, f: Callable[..., Any], backend: AutoSparse, call: Call) -> None:
+        if call.signature.has_aux:
+            raise InvalidInputError(
+                f"{name} does not take has_aux=True: only value_and_gradient, value_and_jvp and value_and_vjp "
+                "do. Drop the aux inside f (lambda x, *c: f(x, *c)[0])."
+            )
+        self.name = name
+        self.function = FunctionRef(f)
+        self.x_spec = call.signature.x_spec
+        self.context_kinds = tuple(spec[0] for spec in call.signature.contexts)
+        self.context_specs = tuple(call.context_specs)
+        x, contexts = self.arguments(call.x_leaves, call.context_leaves)
+        self.sparse = _Plan(name, f, backend, x, contexts)
+
+    def arguments(self, x_leaves: list[Any], context_leaves: list[list[Any]]) -> tuple[Any, tuple[Any, ...]]:
+        x = optree.tree_unflatten(self.x_spec, x_leaves)
+        contexts = tuple(
+            kind(optree.tree_unflatten(spec, leaves))
+            for kind, spec, leaves in zip(self.context_kinds, self.context_specs, context_leaves, strict=True)
         )
-    if has_aux:
-        raise InvalidInputError(
-            f"{name} does not take has_aux=True: only value_and_gradient, value_and_jvp and value_and_vjp "
-            "do. Drop the aux inside f (lambda x, *c: f(x, *c)[0])."
-        )
-    return Call(OPERATORS[name], backend, x, None, contexts, False)
+        return x, contexts
+
+    def __call__(self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]) -> tuple[Any, Any]:
+        x, contexts = self.arguments(x_leaves, context_leaves)
+        return self.sparse.run(self.name, self.function(), x, contexts), None
 
 
-def evaluate(
-    name: str,
-    f: Callable[..., Any],
-    backend: AutoSparse,
-    x: Any,
-    contexts: tuple[Any, ...],
-    prep: Prep | None,
-    has_aux: bool = False,
-) -> Any:
-    if type(prep) is SparsePrep and not contexts and not has_aux:
-        # the common prepared call, one array x: its signature told without flattening anything
-        key = prep.plan.array_key
-        if (
-            key is not None
-            and prep.signature.operator == name
-            and (backend is prep.signature.backend or backend == prep.signature.backend)
-            and _arrays.kind(x) in _ARRAY_KINDS
-            and _arrays.leaf_signature(x) == key
-            and prep.function.matches(f)
-        ):
-            return prep.plan.run(name, f, x, contexts)
-    if prep is not None and not isinstance(prep, Prep):
-        raise InvalidInputError(f"prep must come from di.prepare_{name}(...), got {type(prep).__name__}.")
-    call = _call(name, f, backend, x, contexts, has_aux)
-    if prep is None:
-        found = prep_cache.get(f, call.signature)
-        if not isinstance(found, SparsePrep):
-            found = SparsePrep(FunctionRef(f), call.signature, True, _Plan(name, f, backend, x, contexts))
-            prep_cache.put(f, call.signature, found)
-        prep = found
-    elif not isinstance(prep, SparsePrep) or prep.signature != call.signature or not prep.function.matches(f):
-        reason = describe_mismatch(prep, f, call.signature) or f"it was prepared for {prep!r}"
-        if prep.strict:
-            raise mismatch_error(prep, reason)
-        return evaluate(name, f, backend, x, contexts, None)
-    return prep.plan.run(name, f, x, contexts)
+def _sparse_program(name: str, f: Callable[..., Any], backend: Any, call: Call) -> tuple[SparseProgram, type[Prep]]:
+    return SparseProgram(name, f, backend, call), SparsePrep
 
 
-def prepare(
-    name: str,
-    f: Callable[..., Any],
-    backend: AutoSparse,
-    x: Any,
-    contexts: tuple[Any, ...],
-    strict: bool,
-    has_aux: bool = False,
-) -> Prep:
-    call = _call(name, f, backend, x, contexts, has_aux)
-    cached = prep_cache.get(f, call.signature)
-    if isinstance(cached, SparsePrep):
-        return cached.with_strictness(strict)
-    prep = SparsePrep(FunctionRef(f), call.signature, strict, _Plan(name, f, backend, x, contexts))
-    prep_cache.put(f, call.signature, prep)
-    return prep
+register_program(AutoSparse, _sparse_program)
 
 
 # -- layouts: a tree's leaves as one flat vector --------------------------------------------------
@@ -376,8 +334,6 @@ def _jax_ready(leaf: Any) -> bool:
 
 class _ProductRoute(_Route):
     def __init__(self, plan: _Plan, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> None:
-        from . import _operators as ops
-
         self.plan = plan
         flat, unravel = _tree.ravel(x)
         self.xp = _xp(plan.family)
@@ -407,8 +363,6 @@ class _ProductRoute(_Route):
         self.index = _index_like(plan.family, flat, plan.stacked_index)
 
     def run(self, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> tuple[Any, ...]:
-        from . import _operators as ops
-
         plan, prep = self.plan, getattr(self, "product_prep", None)
         products: list[Any] = []
         head: tuple[Any, ...] = ()
@@ -507,8 +461,6 @@ def _check_rows(plan: _Plan, y_layout: _Layout) -> None:
 
 class _CompressedInputRoute(_Route):
     def __init__(self, plan: _Plan, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> None:
-        from . import _operators as ops
-
         self.plan = plan
         flat, unravel = _tree.ravel(x)
         family = plan.family
@@ -529,8 +481,6 @@ class _CompressedInputRoute(_Route):
         self.index = _index_like(family, flat, _untransposed(plan))
 
     def run(self, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> tuple[Any, ...]:
-        from . import _operators as ops
-
         flat, _ = _tree.ravel(x)
         y_flat, compressed = ops.value_and_jacobian(
             self.compressed, self.plan.engine, self.z, Constant(flat), *contexts, prep=self.jacobian_prep
@@ -698,7 +648,6 @@ def _numpy_float(value: Any) -> Any:
 def _check_against_dense(plan: _Plan, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...], values: Any) -> None:
     import scipy.sparse
 
-    from . import _operators as ops
     from ._errors import DiffifaceError
 
     flat, unravel = _tree.ravel(x)

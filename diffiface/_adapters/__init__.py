@@ -28,7 +28,7 @@ from .._errors import BackendUnavailableError, UnknownBackendError
 if TYPE_CHECKING:
     from ._base import Adapter
 
-__all__ = ["BACKENDS", "BackendInfo", "adapter_for", "available", "info", "normalize"]
+__all__ = ["BACKENDS", "BackendInfo", "adapter_for", "available", "info", "names_of", "normalize"]
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,13 @@ def normalize(backend: Backend | str) -> Backend:
         f"backend must be a backend object (di.AutoJAX(), di.AutoTorch(), ...) or its name, "
         f"got {type(backend).__name__}: {backend!r}."
     )
+
+
+def names_of(backend: Backend) -> frozenset[str]:
+    """The string names that mean ``backend`` (``"jax"`` for ``AutoJAX()``): a call may pass either."""
+    names = {name for name, alias in _ALIASES.items() if alias == backend}
+    names.update(row.name for row in BACKENDS if type(backend) is row.config and backend == row.config())
+    return frozenset(names)
 
 
 def info(backend: Backend | str) -> BackendInfo:

@@ -1,0 +1,56 @@
+"""What a leaf that is not an array is compared by between calls: its value where it has one
+that can be hashed, its identity where it is code. Static leaves of x (ints, strings,
+functions, passed to f as they are) and static context leaves are known by these keys."""
+
+from __future__ import annotations
+
+import enum
+import functools
+import types
+from typing import Any
+
+from . import _arrays
+
+__all__ = ["is_static", "static_key", "static_x_key"]
+
+
+def is_static(leaf: Any) -> bool:
+    """A leaf of x that is not differentiated but passed to f as it is, as ``eqx.filter_grad``
+    treats it: anything but an array or a Python float (a function, an int, a bool, a string)."""
+    kind = _arrays.kind(leaf)
+    return kind == "other" or (kind == "python" and not isinstance(leaf, float))
+
+
+def static_x_key(leaf: Any) -> Any:
+    key = static_key(leaf)
+    return ("identity", id(leaf)) if key is None else key
+
+
+_BY_VALUE = (int, float, complex, str, bytes, bool, type(None))
+
+
+# jax's wrapped functions (jax.nn.relu is a jitted function, others custom_jvp objects): code
+_JAX_CODE = frozenset({"jax", "jaxlib"})
+
+
+_CODE = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType, type, functools.partial)
+
+
+def static_key(value: Any) -> Any:
+    """What a static context leaf is compared by between calls of a compiled program: its
+    value where it has one that can be hashed, its identity where it is code, which does not
+    change; ``None`` where neither holds (a mutable object hashed by identity)."""
+    cls = type(value)
+    if cls in _BY_VALUE:
+        return (cls, value)
+    if isinstance(value, (*_CODE, enum.Enum)) or (callable(value) and cls.__module__.split(".")[0] in _JAX_CODE):
+        return (cls, id(value))
+    if cls.__hash__ is None or (
+        cls.__hash__ is object.__hash__ and cls.__eq__ is object.__eq__  # type: ignore[comparison-overlap]
+    ):
+        return None  # unhashable, or hashed by identity: a change to it would go unseen
+    try:
+        hash(value)
+    except TypeError:
+        return None
+    return (cls, value)

@@ -1,0 +1,226 @@
+"""A prep's plan: what it was made for, field by field, and the program it runs.
+
+Every call takes one route (:mod:`diffiface._dispatch`): flatten each argument once, compare
+it with a plan (:meth:`Plan.leaves`), run the plan's program on the leaves. The plan holds,
+in named fields, the operator, the backend (normalised once, and the names that mean it), f,
+the tree structures of x, the tangent and every context with a test per leaf (its type, and
+for an array its shape, dtype and device or layout), and the program. Operators, engines,
+sparse and second-order backends differ in their programs only.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import optree
+
+from . import _arrays, _placement
+from ._backends import AutoSparse
+from ._keys import static_key, static_x_key
+from .tree import NAMESPACE
+
+__all__ = ["Check", "Plan", "leaf_check"]
+
+Check = tuple[type, Callable[[Any], bool] | None]
+"""How a plan knows a leaf: its type, and a test of the rest (None: the type says all)."""
+
+_LEAF = optree.tree_structure(0)  # a leaf's structure
+
+
+class _Same:
+    """Tests of one leaf's shape and dtype (and device or layout), by kind of array."""
+
+    __slots__ = ("device", "dtype", "key", "layout", "shape")
+
+    def __init__(self, leaf: Any) -> None:
+        self.shape = getattr(leaf, "shape", None)
+        self.dtype = getattr(leaf, "dtype", None)
+        self.device = getattr(leaf, "device", None) if _arrays.kind(leaf) == "torch" else None
+        concrete = _arrays.kind(leaf) == "jax" and not isinstance(leaf, sys.modules["jax"].core.Tracer)
+        self.layout = _placement.Layout(leaf.sharding) if concrete else None
+
+    def numpy(self, value: Any) -> bool:
+        return value.shape == self.shape and value.dtype == self.dtype  # type: ignore[no-any-return]
+
+    def torch(self, value: Any) -> bool:
+        return (  # type: ignore[no-any-return]
+            value.shape == self.shape and value.dtype == self.dtype and value.device == self.device
+        )
+
+    def jax(self, value: Any) -> bool:
+        # (a jax array's abstract value answers shape and dtype at a quarter of its properties' cost)
+        aval = value.aval
+        if aval.shape != self.shape or aval.dtype != self.dtype:
+            return False
+        # (results are laid out as x: another layout is another prep; a traced x's is the trace's)
+        layout = self.layout
+        return layout is None or layout.holds(value)
+
+
+class _ByValue:
+    """The test of a leaf compared by value (a static leaf of x, or a context value a program
+    is built for): equal :func:`~diffiface._keys.static_key`."""
+
+    __slots__ = ("key", "keyed")
+
+    def __init__(self, leaf: Any, keyed: Callable[[Any], Any]) -> None:
+        self.keyed = keyed
+        self.key = keyed(leaf)
+
+    def __call__(self, value: Any) -> bool:
+        return bool(self.keyed(value) == self.key)
+
+
+def leaf_check(leaf: Any, static_x: bool = False, by_value: bool = False) -> Check | None:
+    """How a plan knows a leaf like ``leaf``. A static leaf of x (``static_x``: passed to f as
+    it is, and prepared for its value) and, with ``by_value``, any leaf that is not an array
+    (a context a program was built for) are compared by value. None: a leaf no test can vouch
+    for (a pytree only jax knows); the plan then compares whole signatures."""
+    kind = _arrays.kind(leaf)
+    if static_x and (kind == "other" or (kind == "python" and not isinstance(leaf, float))):
+        return type(leaf), _ByValue(leaf, static_x_key)
+    if kind == "other" and not by_value:
+        return None
+    if by_value and kind in ("python", "other"):
+        return type(leaf), _ByValue(leaf, _identity_or_value)
+    same = _Same(leaf)
+    test = {"jax": same.jax, "numpy": same.numpy, "torch": same.torch}.get(kind)
+    return type(leaf), test
+
+
+def _identity_or_value(value: Any) -> Any:
+    key = static_key(value)
+    return ("identity", id(value)) if key is None else key
+
+
+def _same(leaves: list[Any], checks: tuple[Check, ...]) -> bool:
+    # Hot code: a plain loop (no generator, no zip(strict=True): the lengths are compared first)
+    if len(leaves) != len(checks):
+        return False
+    for leaf, (cls, test) in zip(leaves, checks, strict=False):
+        if type(leaf) is not cls or (test is not None and not test(leaf)):
+            return False
+    return True
+
+
+class Plan:
+    """What a prep was made for and what it runs.
+
+    ``leaves(...)`` flattens a call's arguments once and compares them with the fields: the
+    leaves ``(x_leaves, tangent_leaves, context_leaves)`` where they fit, None where they do
+    not (the full signature then decides, :mod:`diffiface._dispatch`). ``program(x_leaves,
+    tangent_leaves, context_leaves)`` returns ``(result, error estimate or None)``.
+    """
+
+    __slots__ = (
+        "backend",
+        "context_kinds",
+        "context_specs",
+        "context_checks",
+        "estimates",
+        "function",
+        "has_aux",
+        "names",
+        "operator",
+        "program",
+        "tangent",
+        "tangent_checks",
+        "tangent_spec",
+        "x_checks",
+        "x_class",
+        "x_spec",
+    )
+
+    def __init__(
+        self,
+        operator: str,
+        backend: Any,
+        names: frozenset[str],
+        function: Any,
+        has_aux: bool,
+        x_spec: Any,
+        x_checks: tuple[Check, ...] | None,
+        tangent: bool,
+        tangent_spec: Any,
+        tangent_checks: tuple[Check, ...] | None,
+        context_kinds: tuple[type, ...],
+        context_specs: tuple[Any, ...],
+        context_checks: tuple[tuple[Check, ...], ...] | None,
+        program: Callable[..., tuple[Any, Any]],
+        estimates: bool = False,
+    ) -> None:
+        self.operator = operator
+        self.backend = backend
+        self.names = names
+        """The string names that mean :attr:`backend` (``"jax"`` for ``AutoJAX()``)."""
+        self.function = function
+        self.has_aux = has_aux
+        self.x_spec = x_spec
+        self.x_checks = x_checks
+        # one array x: its type is its structure (optree takes arrays for leaves)
+        self.x_class = x_checks[0][0] if x_spec == _LEAF and x_checks is not None else None
+        self.tangent = tangent
+        self.tangent_spec = tangent_spec
+        self.tangent_checks = tangent_checks
+        self.context_kinds = context_kinds
+        self.context_specs = context_specs
+        self.context_checks = context_checks
+        self.program = program
+        self.estimates = estimates
+        """Whether the program estimates its error (the prep keeps the last estimate)."""
+
+    @property
+    def checkable(self) -> bool:
+        """Whether every leaf has a test (else only whole signatures compare)."""
+        return self.x_checks is not None and self.tangent_checks is not None and self.context_checks is not None
+
+    def fits(self, operator: str, f: Any, backend: Any, has_aux: bool, count: int) -> bool:
+        """Whether a call's operator, f, backend, has_aux and number of contexts are the plan's."""
+        if operator != self.operator or has_aux != self.has_aux or count != len(self.context_kinds):
+            return False
+        function = self.function
+        if function.ref() is not f and not function.matches(f):
+            return False
+        mine = self.backend
+        if backend is mine:
+            return True
+        if type(backend) is str:
+            return backend in self.names
+        # (an AutoSparse's operators other than Jacobians and Hessians are its engine's)
+        return bool(backend == mine) or (type(backend) is AutoSparse and backend.backend == mine)
+
+    def leaves(
+        self, operator: str, f: Any, backend: Any, x: Any, tangent: Any, contexts: tuple[Any, ...], has_aux: bool
+    ) -> tuple[list[Any], list[Any], list[list[Any]]] | None:
+        """A call's leaves where it fits this plan; None where it does not."""
+        if not self.fits(operator, f, backend, has_aux, len(contexts)):
+            return None
+        x_checks = self.x_checks
+        if x_checks is None or self.tangent_checks is None or self.context_checks is None:
+            return None
+        if type(x) is self.x_class:
+            x_leaves = [x]
+            if not _same(x_leaves, x_checks):
+                return None
+        else:
+            x_leaves, spec = optree.tree_flatten(x, namespace=NAMESPACE)
+            if spec != self.x_spec or not _same(x_leaves, x_checks):
+                return None
+        tangent_leaves: list[Any] = []
+        if self.tangent:
+            tangent_leaves, spec = optree.tree_flatten(tangent, namespace=NAMESPACE)
+            if spec != self.tangent_spec or not _same(tangent_leaves, self.tangent_checks):
+                return None
+        context_leaves = []
+        for context, kind, context_spec, checks in zip(
+            contexts, self.context_kinds, self.context_specs, self.context_checks, strict=False
+        ):
+            if type(context) is not kind:
+                return None
+            leaves, spec = optree.tree_flatten(context.value, namespace=NAMESPACE)
+            if spec != context_spec or not _same(leaves, checks):
+                return None
+            context_leaves.append(leaves)
+        return x_leaves, tangent_leaves, context_leaves
