@@ -52,11 +52,18 @@ class Adapter(_base.Adapter):
     def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
         kind = _arrays.kind(leaf)
         if kind == "numpy":
-            return jnp.asarray(leaf), True
+            # a compiled program takes numpy arrays as jit does, moved to the device in its own
+            # call (where f sees only traced arrays, which it cannot write into)
+            return (leaf if self.compiles else jnp.asarray(leaf)), True
         # A float is an argument of the compiled program, as jit takes one: a new value runs
         # the same program, and is never a stale constant. Integers and booleans stay static
         # (sizes, flags, indices), compared by value.
         return leaf, kind == "jax" or type(leaf) in (float, complex)
+
+    def constant_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
+        if self.compiles:  # (under jit f sees a Constant's arrays traced: nothing to write into)
+            return self.context_to_native(leaf, like)
+        return super().constant_to_native(leaf, like)
 
     def output_leaf(self, leaf: Any, like: Any) -> Any:
         kind = _arrays.kind(leaf)
