@@ -31,7 +31,8 @@ import optree
 from . import _arrays
 from . import tree as _tree
 from . import _operators as ops
-from ._backends import AutoAutograd, AutoJAX, AutoScipy, AutoSparse, AutoTorch, Backend, SecondOrder
+from . import sparse
+from ._backends import LATER, AutoAutograd, AutoJAX, AutoScipy, AutoSparse, AutoTorch, Backend, SecondOrder
 from ._call import Call
 from ._contexts import Constant
 from ._dispatch import register_program
@@ -99,6 +100,9 @@ def _sparse_program(name: str, f: Callable[..., Any], backend: Any, call: Call) 
 
 
 register_program(AutoSparse, _sparse_program)
+LATER.default_detector = sparse.GlobalDetector
+LATER.detectors = (sparse.GlobalDetector, sparse.LocalDetector, sparse.KnownPattern)
+LATER.orders = sparse.ORDERS
 
 
 # -- layouts: a tree's leaves as one flat vector --------------------------------------------------
@@ -165,8 +169,6 @@ class _Plan:
     def __init__(
         self, name: str, f: Callable[..., Any], backend: AutoSparse, x: Any, contexts: tuple[Any, ...]
     ) -> None:
-        from . import sparse
-
         self.hessian = name in _HESSIANS
         self.with_value = name.startswith("value")
         self.backend = backend

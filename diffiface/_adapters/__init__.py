@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._backends import (
+    LATER,
     AutoAutograd,
     AutoFiniteDifferences,
     AutoJAX,
@@ -147,6 +148,9 @@ def names_of(backend: Backend) -> frozenset[str]:
     return frozenset(names)
 
 
+LATER.normalize = normalize  # (AutoSparse("torch") takes a name)
+
+
 def info(backend: Backend | str) -> BackendInfo:
     """The registry row of a (first-order) backend; an AutoSparse's is its engine's."""
     backend = normalize(backend)
@@ -195,7 +199,7 @@ def _make(backend: Backend) -> Adapter:
     if isinstance(backend, SecondOrder):
         from ._base import SecondOrderAdapter
 
-        return SecondOrderAdapter(backend, adapter_for(backend.outer), adapter_for(backend.inner))
+        return SecondOrderAdapter(backend, adapter_for(backend.outer), adapter_for(backend.inner), adapter_for)
     row = _BY_CONFIG[type(backend)]
     try:
         for name in row.requires:

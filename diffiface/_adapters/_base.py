@@ -320,7 +320,10 @@ def second_derivative_of(outer: Adapter, inner: Adapter, fn: Fn, xs: Leaves) -> 
 class SecondOrderAdapter(Adapter):
     """First order by ``inner``; second order by ``outer`` differentiating ``inner``'s results."""
 
-    def __init__(self, backend: SecondOrder, outer: Adapter, inner: Adapter) -> None:
+    def __init__(
+        self, backend: SecondOrder, outer: Adapter, inner: Adapter, make: Callable[[Backend], Adapter]
+    ) -> None:
+        """``make(backend)``: the registry's adapter of a backend."""
         from .._backends import one_difference_engine
 
         super().__init__(backend, inner.info)
@@ -331,10 +334,8 @@ class SecondOrderAdapter(Adapter):
         elif outer.batches:
             # the outer evaluates the inner engine's derivative, which takes one point at a
             # time: its evaluations cannot be batched
-            from . import adapter_for
-
             unbatched: Any = outer.backend
-            outer = adapter_for(dataclasses.replace(unbatched, vectorize=False))
+            outer = make(dataclasses.replace(unbatched, vectorize=False))
         self.outer = outer
         self.inner = inner
         self.xp = inner.xp

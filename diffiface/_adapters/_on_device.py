@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -115,14 +116,12 @@ def _index(i: int, like: Any) -> Any:
     return jax.device_put(np.int32(i), sharding)
 
 
-def _run(fn: Fn, leaves: Leaves, backend_name: str) -> tuple[Any, Any]:
-    from .finite_differences import run_f  # (one module imports the other)
-
-    return run_f(fn, tuple(leaves), backend_name)  # type: ignore[no-any-return]
+Run = Callable[[Fn, Leaves], tuple[Any, Any]]
+"""How the engine evaluates f (``run(fn, leaves)``: its guard against writes into the inputs)."""
 
 
-def value_and_gradient(fn: Fn, xs: Leaves, method: str, backend_name: str) -> tuple[Any, Any, Leaves]:
-    evaluated = Deferred(lambda: _run(fn, xs, backend_name))
+def value_and_gradient(fn: Fn, xs: Leaves, method: str, run: Run) -> tuple[Any, Any, Leaves]:
+    evaluated = Deferred(lambda: run(fn, tuple(xs)))
     value = None
     if method != "central":
         value = _scalar(evaluated.force()[0])
@@ -130,13 +129,13 @@ def value_and_gradient(fn: Fn, xs: Leaves, method: str, backend_name: str) -> tu
     for k, leaf in enumerate(xs):
         layout = leaf.sharding
         with _placement.on_mesh(layout):
-            grads.append(_leaf_gradient(fn, xs, k, method, value, backend_name))
+            grads.append(_leaf_gradient(fn, xs, k, method, value, run))
     out = Deferred(lambda: evaluated.force()[0])
     aux = Deferred(lambda: evaluated.force()[1])
     return out, aux, tuple(grads)
 
 
-def _leaf_gradient(fn: Fn, xs: Leaves, k: int, method: str, value: Any, backend_name: str) -> Any:
+def _leaf_gradient(fn: Fn, xs: Leaves, k: int, method: str, value: Any, run: Run) -> Any:
     steps, bumped, assemble, subtract, *_ = _programs()
     leaf = xs[k]
     layout = leaf.sharding
@@ -147,7 +146,7 @@ def _leaf_gradient(fn: Fn, xs: Leaves, k: int, method: str, value: Any, backend_
 
         def at(sign: int, index: Any = index) -> Any:
             moved = (*xs[:k], bumped(leaf, h, index, sign, layout), *xs[k + 1 :])
-            return _scalar(_run(fn, moved, backend_name)[0])
+            return _scalar(run(fn, tuple(moved))[0])
 
         if method == "central":
             differences.append(subtract(at(1), at(-1)))
@@ -160,18 +159,18 @@ def _leaf_gradient(fn: Fn, xs: Leaves, k: int, method: str, value: Any, backend_
     return assemble(tuple(differences), h, 2 if method == "central" else 1, layout)
 
 
-def value_and_pushforward(fn: Fn, xs: Leaves, txs: Leaves, method: str, backend_name: str) -> tuple[Any, Any, Any]:
+def value_and_pushforward(fn: Fn, xs: Leaves, txs: Leaves, method: str, run: Run) -> tuple[Any, Any, Any]:
     jax = sys.modules["jax"]
     *_, tangent_step, along, quotient = _programs()
     h, zero = tangent_step(tuple(xs), tuple(txs), _POWER[method])
-    evaluated = Deferred(lambda: _run(fn, xs, backend_name))
+    evaluated = Deferred(lambda: run(fn, tuple(xs)))
 
     def at(sign: int) -> Any:
         moved = []
         for x, t in zip(xs, txs, strict=True):
             with _placement.on_mesh(x.sharding):
                 moved.append(along(x, t, h, sign, x.sharding))
-        return _run(fn, tuple(moved), backend_name)[0]
+        return run(fn, tuple(moved))[0]
 
     if method == "central":
         plus, minus, divisor = at(1), at(-1), 2

@@ -394,6 +394,10 @@ class Adapter(_base.Adapter):
 
     # -- evaluations ----------------------------------------------------------------------------
 
+    def run(self, fn: Fn, leaves: Leaves) -> tuple[Any, Any]:
+        """f at ``leaves``, guarded (:func:`run_f`)."""
+        return run_f(fn, leaves, self.backend.name)  # type: ignore[no-any-return]
+
     def _call(self, fn: Fn, point: _Point, vector: np.ndarray) -> tuple[Any, Any]:
         return run_f(fn, point.leaves(vector), self.backend.name)  # type: ignore[no-any-return]
 
@@ -543,7 +547,7 @@ class Adapter(_base.Adapter):
     def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
         self._check_size(xs, "A gradient")
         if _on_device.applies(xs, self.method, self.fixed_step, self.vectorize):
-            return _on_device.value_and_gradient(fn, xs, self.method, self.backend.name)
+            return _on_device.value_and_gradient(fn, xs, self.method, self.run)
         point, out, aux, value, layout = self._start(fn, xs)
         columns = self._unit_columns(fn, point, value, layout)
         grad = np.array([column[0] for column in columns], dtype=np.float64)
@@ -579,7 +583,7 @@ class Adapter(_base.Adapter):
             and all(isinstance(t, sys.modules["jax"].Array) for t in txs)
             and _on_device.finite(txs)
         ):
-            return _on_device.value_and_pushforward(fn, xs, txs, self.method, self.backend.name)
+            return _on_device.value_and_pushforward(fn, xs, txs, self.method, self.run)
         point, out, aux, value, layout = self._start(fn, xs)
         direction = _Point(txs).vector if txs else np.zeros(0)
         finite = np.isfinite(direction)
