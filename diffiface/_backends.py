@@ -296,7 +296,9 @@ class AutoSparse(Backend):
     """
 
     name: ClassVar[str] = "sparse"
-    operators: ClassVar[frozenset[str]] = frozenset({"jacobian", "value_and_jacobian", "hessian", "value_gradient_and_hessian"})
+    operators: ClassVar[frozenset[str]] = frozenset(
+        {"jacobian", "value_and_jacobian", "hessian", "value_gradient_and_hessian"}
+    )
     """The operators it makes sparse; the others are its engine's."""
     backend: Backend
     detector: Any = None

@@ -120,12 +120,12 @@ def _arguments(
         )
     if has_aux and not op.aux:
         raise _no_aux(op)
-    backend = normalize(backend)
-    sparse = type(backend) is AutoSparse
+    engine = normalize(backend)
+    sparse = type(engine) is AutoSparse
     if sparse and name not in AutoSparse.operators:  # its other operators are its engine's
-        backend, sparse = backend.backend, False  # type: ignore[attr-defined]
+        engine, sparse = engine.backend, False  # type: ignore[attr-defined]
     # (a sparsity pattern is detected for the values of the contexts' other leaves)
-    return op, backend, Call(op, backend, x, tangent, contexts, has_aux, by_value=sparse)
+    return op, engine, Call(op, engine, x, tangent, contexts, has_aux, by_value=sparse)
 
 
 def _no_aux(op: Operator) -> InvalidInputError:

@@ -26,7 +26,7 @@ __all__ = ["Check", "Plan", "leaf_check"]
 Check = tuple[type, Callable[[Any], bool] | None]
 """How a plan knows a leaf: its type, and a test of the rest (None: the type says all)."""
 
-_LEAF = optree.tree_structure(0)  # a leaf's structure
+_LEAF = optree.tree_structure(0)  # type: ignore[arg-type]  # a leaf's structure
 
 
 class _Same:
@@ -116,9 +116,9 @@ class Plan:
 
     __slots__ = (
         "backend",
+        "context_checks",
         "context_kinds",
         "context_specs",
-        "context_checks",
         "estimates",
         "function",
         "has_aux",
@@ -219,7 +219,7 @@ class Plan:
         ):
             if type(context) is not kind:
                 return None
-            leaves, spec = optree.tree_flatten(context.value, namespace=NAMESPACE)
+            leaves, spec = optree.tree_flatten(context.value, namespace=NAMESPACE)  # type: ignore[attr-defined]
             if spec != context_spec or not _same(leaves, checks):
                 return None
             context_leaves.append(leaves)

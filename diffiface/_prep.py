@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Closure", "FunctionRef", "Prep", "Signature", "describe_mismatch", "prep_cache"]
 
+
 class Signature(NamedTuple):
     """Everything a prep depends on, except ``f`` itself (compared by identity).
 

@@ -16,10 +16,11 @@ import optree
 from . import _arrays
 from . import tree as _tree
 from ._adapters._base import Adapter, force
-from ._call import _LEAF, Call, Operator, static_key
+from ._call import _LEAF, Call, Operator
 from ._checks import _check_cotangent, _checked, _describe, _refuse_cut
 from ._contexts import Cache, Constant
 from ._errors import ContextError, FrameworkMismatchError, InvalidOutputError
+from ._keys import static_key
 from ._prep import FunctionRef, Signature
 from ._results import promoted_dtype
 
@@ -196,7 +197,9 @@ class FlatProgram:
         self.output = output
         self.mirror = mirror
         self.program = program
-        self.compiled = adapter.compile(self.with_tangent if tangent else self.without, static=False, arrays=not has_aux)
+        self.compiled = adapter.compile(
+            self.with_tangent if tangent else self.without, static=False, arrays=not has_aux
+        )
 
     def pick(self, native: tuple[Any, ...]) -> Any:
         """Inside the trace: the program's result, finished where it can be."""
@@ -284,7 +287,9 @@ class Run:
         self.passthrough = conversions.passthrough and conversions.x_native and conversions.tangent_native
         self.has_aux = has_aux
 
-    def __call__(self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]) -> tuple[Any, Any]:
+    def __call__(
+        self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]
+    ) -> tuple[Any, Any]:
         if self.passthrough and not self.records:
             # the engine takes the leaves as they are, and no record of f's output is needed
             dynamic = tuple([leaf for leaves in context_leaves for leaf in leaves]) if context_leaves else ()
@@ -313,7 +318,9 @@ class Scoped:
     def __init__(self, adapter: Adapter, program: Callable[..., tuple[Any, Any]]) -> None:
         self.adapter, self.program = adapter, program
 
-    def __call__(self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]) -> tuple[Any, Any]:
+    def __call__(
+        self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]
+    ) -> tuple[Any, Any]:
         scope = self.adapter.scope()
         if scope is None:
             return self.program(x_leaves, tangent_leaves, context_leaves)
@@ -329,7 +336,9 @@ class OnDynamic:
     def __init__(self, program: Callable[..., tuple[Any, Any]], index: list[int]) -> None:
         self.program, self.index = program, index
 
-    def __call__(self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]) -> tuple[Any, Any]:
+    def __call__(
+        self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]
+    ) -> tuple[Any, Any]:
         return self.program([x_leaves[i] for i in self.index], tangent_leaves, context_leaves)
 
 

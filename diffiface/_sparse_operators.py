@@ -28,10 +28,9 @@ from typing import Any
 import numpy as np
 import optree
 
-from . import _arrays
-from . import tree as _tree
+from . import _arrays, sparse
 from . import _operators as ops
-from . import sparse
+from . import tree as _tree
 from ._backends import LATER, AutoAutograd, AutoJAX, AutoScipy, AutoSparse, AutoTorch, Backend, SecondOrder
 from ._call import Call
 from ._contexts import Constant
@@ -54,12 +53,12 @@ class SparsePrep(Prep):
     @property
     def pattern(self) -> Any:
         """The sparsity pattern, a boolean ``scipy.sparse.csr_array`` (m-by-n, or n-by-n for a Hessian)."""
-        return self.plan.program.sparse.coloring.pattern
+        return self.plan.program.sparse.coloring.pattern  # type: ignore[attr-defined]
 
     @property
     def coloring(self) -> Any:
         """The :class:`diffiface.sparse.Coloring` used: ``coloring.count`` products per call."""
-        return self.plan.program.sparse.coloring
+        return self.plan.program.sparse.coloring  # type: ignore[attr-defined]
 
 
 class SparseProgram:
@@ -90,7 +89,9 @@ class SparseProgram:
         )
         return x, contexts
 
-    def __call__(self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]) -> tuple[Any, Any]:
+    def __call__(
+        self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]
+    ) -> tuple[Any, Any]:
         x, contexts = self.arguments(x_leaves, context_leaves)
         return self.sparse.run(self.name, self.function(), x, contexts), None
 

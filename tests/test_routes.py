@@ -279,3 +279,91 @@ def _assert_quick_gradient(
             _leaves_equal(jax.tree_util.tree_leaves(result), jax.tree_util.tree_leaves(full))
         else:
             _leaves_equal(result, full)
+
+
+# -- a backend by name, numpy contexts under jax, AutoSparse and SecondOrder ----------------------
+
+
+def mlp_loss(params: Any, batch: Any) -> Any:
+    import jax.numpy as jnp
+
+    hidden = jnp.tanh(batch["x"] @ params["l1"]["w"] + params["l1"]["b"][None])
+    return jnp.mean((hidden @ params["l2"]["w"] - batch["y"]) ** 2)
+
+
+def _mlp(rng: np.random.Generator) -> tuple[Any, Any]:
+    import jax.numpy as jnp
+
+    params = {
+        "l1": {"w": jnp.asarray(rng.normal(size=(4, 8)), jnp.float32), "b": jnp.zeros(8, jnp.float32)},
+        "l2": {"w": jnp.asarray(rng.normal(size=(8, 2)), jnp.float32)},
+    }
+    batch = {"x": rng.normal(size=(5, 4)).astype(np.float32), "y": rng.normal(size=(5, 2)).astype(np.float32)}
+    return params, batch
+
+
+@pytest.mark.parametrize("name", ["jax", "AutoJAX()"])
+@pytest.mark.parametrize("batch_kind", ["numpy", "jax"])
+def test_a_backend_by_name_and_numpy_contexts_take_the_plan(
+    name: str, batch_kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's style, ``di.gradient(loss, "jax", params, di.Constant(batch), prep=prep)``,
+    with the batch as numpy arrays or jax arrays: never the full signature once prepared."""
+    require(di.AutoJAX())
+    import jax.numpy as jnp
+
+    params, batch = _mlp(np.random.default_rng(0))
+    if batch_kind == "jax":
+        batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    backend: Any = "jax" if name == "jax" else di.AutoJAX()
+    prep = di.prepare_gradient(mlp_loss, backend, params, di.Constant(batch))
+    expected = di.gradient(mlp_loss, di.AutoJAX(), params, di.Constant(batch), prep=prep)
+    counter = _FullPathCounter(monkeypatch)
+    for other in ("jax", di.AutoJAX()):  # either spelling fits a prep made with the other
+        got = di.gradient(mlp_loss, other, params, di.Constant(batch), prep=prep)
+        for a, b in zip(di.tree.leaves(got), di.tree.leaves(expected), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    di.gradient(mlp_loss, backend, params, di.Constant(batch))  # unprepared: the cached prep
+    assert counter.count == 0
+
+
+def test_numpy_contexts_reach_the_compiled_program_unconverted() -> None:
+    """Under jit a numpy Constant is an argument of the compiled program as it is: no jax copy
+    per call (f sees it traced, so it cannot write into it)."""
+    require(di.AutoJAX())
+    params, batch = _mlp(np.random.default_rng(1))
+    prep = di.prepare_gradient(mlp_loss, "jax", params, di.Constant(batch))
+    program = prep.plan.program
+    while not hasattr(program, "passthrough"):  # (through the precision scope, where there is one)
+        program = program.program
+    assert program.passthrough
+
+
+@pytest.mark.parametrize("backend_id", ["finite_differences", "jax", "torch"])
+def test_autosparse_and_second_order_take_the_plan(backend_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    engines = {"finite_differences": di.AutoFiniteDifferences(), "jax": di.AutoJAX(), "torch": di.AutoTorch()}
+    engine = require(engines[backend_id])
+    x = np.linspace(0.5, 1.5, 6)
+
+    def residual(v: Any, scale: Any) -> Any:
+        return v[1:] ** 2 - scale * v[:-1]
+
+    def energy(v: Any) -> Any:
+        return ((v[1:] - v[:-1]) ** 2).sum() + (v**4).sum()
+
+    sparse = di.AutoSparse(engine)
+    jacobian_prep = di.prepare_jacobian(residual, sparse, x, di.Constant(2.0))
+    second = di.SecondOrder(engine, engine)
+    hessian_prep = di.prepare_hessian(energy, second, x)
+    first_j = di.jacobian(residual, sparse, x, di.Constant(2.0), prep=jacobian_prep)
+    first_h = di.hessian(energy, second, x, prep=hessian_prep)
+    counter = _FullPathCounter(monkeypatch)
+    np.testing.assert_array_equal(
+        di.jacobian(residual, sparse, x, di.Constant(2.0), prep=jacobian_prep).toarray(), first_j.toarray()
+    )
+    np.testing.assert_array_equal(di.hessian(energy, second, x, prep=hessian_prep), first_h)
+    assert counter.count == 0
+    expected = np.zeros((5, 6))
+    expected[np.arange(5), np.arange(1, 6)] = 2 * x[1:]
+    expected[np.arange(5), np.arange(5)] = -2.0
+    np.testing.assert_allclose(first_j.toarray(), expected, rtol=1e-5, atol=1e-5)
