@@ -10,6 +10,7 @@ import numpy as np
 
 from . import _arrays
 from . import tree as _tree
+from ._adapters import info
 from ._adapters._base import Adapter
 from ._backends import Backend, SecondOrder
 from ._call import _ARRAY_KINDS, _LEAF, Call, Operator, _DynamicView, _path
@@ -78,7 +79,7 @@ def _check_x(op: Operator, backend: Backend, any_array_type: bool, call: Call) -
     if not any_array_type and family not in ("python", "numpy", "autograd", backend_family(backend)):
         raise ArrayTypeError(
             f"x holds {family} arrays, but the {backend.name} backend differentiates "
-            f"{backend_family(backend)} arrays. Pass numpy or {backend_family(backend)} arrays, or use the "
+            f"{backend_family(backend)} arrays. Pass {_pass_arrays(backend)}, or use the "
             f"{family} backend."
         )
     scalar = len(call.x_leaves) == 1 and _arrays.shape(call.x_leaves[0]) == () and sig.x_spec.num_nodes == 1
@@ -98,8 +99,14 @@ def _autograd_only(backend: Backend) -> bool:
 
 
 def backend_family(backend: Backend) -> str:
-    inner = backend.inner if isinstance(backend, SecondOrder) else backend
-    return {"jax": "jax", "torch": "torch", "autograd": "numpy"}.get(inner.name, "numpy")
+    """The arrays the engine differentiates, from the registry (numpy for the black boxes)."""
+    arrays = info(backend).arrays
+    return "numpy" if arrays == "any" else arrays
+
+
+def _pass_arrays(backend: Backend) -> str:
+    family = backend_family(backend)
+    return "numpy arrays" if family == "numpy" else f"numpy or {family} arrays"
 
 
 def _check_tangent_kinds(op: Operator, backend: Backend, any_array_type: bool, call: Call) -> None:

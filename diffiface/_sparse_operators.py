@@ -31,7 +31,8 @@ import optree
 from . import _arrays, sparse
 from . import _operators as ops
 from . import tree as _tree
-from ._backends import LATER, AutoAutograd, AutoJAX, AutoScipy, AutoSparse, AutoTorch, Backend, SecondOrder
+from ._adapters import info
+from ._backends import LATER, AutoJAX, AutoScipy, AutoSparse, Backend, SecondOrder
 from ._call import Call
 from ._contexts import Constant
 from ._dispatch import register_program
@@ -324,7 +325,7 @@ def _route(plan: _Plan, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]
 
 
 def _reverse_first(engine: Backend) -> bool:
-    return isinstance(engine, (AutoTorch, AutoAutograd))
+    return info(engine).reverse_first
 
 
 def _jax_ready(leaf: Any) -> bool:

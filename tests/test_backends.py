@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import numpy as np
 import pytest
@@ -151,3 +152,35 @@ def test_second_order_adapter_made_first_in_a_fresh_process() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "True"
+
+
+_METHODS = {
+    "pullback_function": "pullback",
+    "value_and_pullback": "pullback",
+    "value_and_pushforward": "pushforward",
+    "value_and_gradient": "gradient",
+    "value_and_jacobian": "jacobian",
+    "value_gradient_and_hessian": "hessian",
+    "gradient_and_hvp": "hvp",
+    "value_and_derivative": "derivative",
+    "value_derivative_and_second_derivative": "second_derivative",
+}
+
+
+@pytest.mark.parametrize("row", registry.BACKENDS, ids=[row.name for row in registry.BACKENDS])
+def test_the_registry_says_what_each_adapter_computes_itself(row: Any) -> None:
+    """The registry's ``native`` column (which feeds the docs' support matrix) names exactly
+    the operators whose methods the engine's adapter overrides: it cannot drift."""
+    if not di.available(row.config()):
+        pytest.skip(f"{row.name} is not installed")
+    import importlib
+
+    from diffiface._adapters._base import Adapter as BaseAdapter
+
+    adapter = importlib.import_module(row.module).Adapter
+    overridden = {
+        operator
+        for method, operator in _METHODS.items()
+        if getattr(adapter, method, None) is not getattr(BaseAdapter, method, None)
+    }
+    assert overridden == set(row.native)

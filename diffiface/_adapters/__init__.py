@@ -44,10 +44,21 @@ class BackendInfo:
     forward_mode: bool
     reverse_mode: bool
     native: frozenset[str]
-    """Operators the engine computes itself; the others are derived in ``_base``."""
+    """Operators the adapter computes itself (the methods it overrides); the others are derived
+    in ``_base``. tests/test_backends.py compares this with each adapter's methods."""
+    arrays: str = "numpy"
+    """The arrays the engine differentiates and calls ``f`` with: ``"jax"``, ``"torch"``,
+    ``"numpy"`` (autograd traces numpy code), or ``"any"`` (the input's own array type,
+    whatever framework it is: the black-box engines)."""
     jit: bool = False
-    any_array_type: bool = False
-    """True when ``f`` is called with the input's own array type, whatever framework it is."""
+    reverse_first: bool = False
+    """Whether its reverse products cost less than its forward ones (autograd's forward mode
+    is two reverse passes; torch's runs decompositions): a sparse Jacobian takes rows on a tie."""
+
+    @property
+    def any_array_type(self) -> bool:
+        """True when ``f`` is called with the input's own array type, whatever framework it is."""
+        return self.arrays == "any"
 
 
 _FIRST = frozenset({"pushforward", "pullback", "gradient"})
@@ -60,7 +71,8 @@ BACKENDS: tuple[BackendInfo, ...] = (
         extra="jax",
         forward_mode=True,
         reverse_mode=True,
-        native=_FIRST | {"jacobian", "hessian", "hvp", "derivative"},
+        native=_FIRST | {"jacobian"},
+        arrays="jax",
         jit=True,
     ),
     BackendInfo(
@@ -71,7 +83,9 @@ BACKENDS: tuple[BackendInfo, ...] = (
         extra="torch",
         forward_mode=True,
         reverse_mode=True,
-        native=_FIRST | {"jacobian", "hessian", "hvp"},
+        native=_FIRST | {"jacobian", "hessian", "hvp", "second_derivative"},
+        arrays="torch",
+        reverse_first=True,
     ),
     BackendInfo(
         name="autograd",
@@ -82,6 +96,8 @@ BACKENDS: tuple[BackendInfo, ...] = (
         forward_mode=False,
         reverse_mode=True,
         native=frozenset({"pullback", "gradient", "pushforward"}),  # pushforward: two reverse passes
+        arrays="numpy",
+        reverse_first=True,
     ),
     BackendInfo(
         name="finite_differences",
@@ -92,7 +108,7 @@ BACKENDS: tuple[BackendInfo, ...] = (
         forward_mode=True,
         reverse_mode=False,
         native=_FIRST | {"jacobian", "hessian", "hvp", "derivative", "second_derivative"},
-        any_array_type=True,
+        arrays="any",
     ),
     BackendInfo(
         name="scipy",
@@ -102,8 +118,8 @@ BACKENDS: tuple[BackendInfo, ...] = (
         extra="scipy",
         forward_mode=False,
         reverse_mode=False,
-        native=frozenset({"jacobian", "hessian"}),
-        any_array_type=True,
+        native=_FIRST | {"jacobian", "hessian", "hvp", "derivative", "second_derivative"},
+        arrays="any",
     ),
 )
 
