@@ -467,7 +467,7 @@ def shape_table(rows, size="mlp"):
     at ``size``; "-" where the shape does not apply to the backend or the call failed."""
     cells = {}
     for r in rows:
-        if r.get("size") != size or r.get("operator") != "gradient" or r.get("ratio") is None:
+        if r.get("size") != size or r.get("operator") != "gradient" or r.get("ratio") is None or r.get("variant"):
             continue
         cells.setdefault((r["shape"], r["backend"]), {})[r["prepared"]] = r["ratio"]
     backends = [b for b in SHAPE_BACKENDS if any(k[1] == b for k in cells)]
@@ -886,6 +886,40 @@ def _shape_rows_for(name, rounds):
                     message = str(error).splitlines()[0][:100] if str(error) else ""
                     row["note"] = f"{side} call failed: {type(error).__name__}: {message}"
                 rows.append(row)
+            if op == "gradient":
+                rows += _variant_rows(name, case, base, f, args, rounds)
+    return rows
+
+
+def _numpy_tree(tree):
+    import optree
+
+    return optree.tree_map(lambda leaf: np.asarray(leaf), tree)
+
+
+def _variant_rows(name, case, base, f, args, rounds):
+    """The prepared gradient as users also call it: the backend by its string name (the
+    README's style), and under jax the batch as numpy arrays, against jit given the same
+    numpy arrays."""
+    variants = [("backend by name", name.replace("-x64", ""), case["ctx"])]
+    if name.startswith("jax") and case["shape"] in ("flat", "tuple", "dict"):
+        variants.append(("numpy contexts", backend(name.replace("-x64", "")), tuple(map(_numpy_tree, case["ctx"]))))
+    rows = []
+    for variant, b, ctx in variants:
+        row = {**base, "operator": "gradient", "prepared": True, "variant": variant}
+        row["goal"] = shape_goal(case["size"], "gradient", True)
+        constants = tuple(di.Constant(c) for c in ctx)
+        try:
+            prep = di.prepare_gradient(f, b, *args, *constants)
+            ours = functools.partial(di.gradient, f, b, *args, *constants, prep=prep)
+            native = shape_native(name, "gradient", f, case["x"], ctx, None)
+            row["check"] = "same" if same_values(ours(), native()) else "DIFFERENT"
+            us, _, them, ratio = time_pair(ours, native, rounds)
+            row.update(diffiface_s=us, native_s=them, ratio=ratio)
+        except Exception as error:
+            message = str(error).splitlines()[0][:100] if str(error) else ""
+            row["note"] = f"call failed: {type(error).__name__}: {message}"
+        rows.append(row)
     return rows
 
 
@@ -974,10 +1008,21 @@ def write_shapes(rows, meta):
         "",
         table(small, small_keys),
         "",
+        "## The prepared gradient as users also call it",
+        "",
+        "`backend by name`: `di.gradient(f, \"jax\", x, di.Constant(batch), prep=prep)`, the README's style; "
+        "`numpy contexts`: the batch as numpy arrays under jax, against `jax.jit` given the same numpy arrays. "
+        "Goal: no slower than the object form and jit.",
+        "",
+        table(
+            [r for r in rows if r.get("variant") and r.get("ratio") is not None],
+            ["backend", "shape", "size", "variant", "diffiface_s", "native_s", "ratio", "check"],
+        ),
+        "",
         "## Every row",
         "",
         table(
-            [r for r in rows if r.get("ratio") is not None],
+            [r for r in rows if r.get("ratio") is not None and not r.get("variant")],
             ["backend", "shape", "size", "operator", "prepared", "diffiface_s", "native_s", "ratio", "goal", "check"],
         ),
         "",

@@ -22,7 +22,7 @@ from ._backends import AutoSparse, Backend
 from ._call import _LEAF, OPERATORS, Call, Operator, _dynamic_view
 from ._checks import _check_tangent_kinds, _check_tangent_like_x, _check_x
 from ._errors import InvalidInputError
-from ._plan import Plan, leaf_check
+from ._plan import Plan, leaf_check, leaves_check
 from ._prep import Closure, FunctionRef, Prep, describe_mismatch, mismatch_error, prep_cache
 from ._programs import FlatFinish, FlatProgram, OnDynamic, Run, Scoped, _Conversions, _Output, _program
 from ._results import finisher
@@ -167,11 +167,11 @@ def _plan(
     by_value: bool = False,
 ) -> Plan:
     sig = call.signature
-    x_checks = _checks_of([leaf_check(leaf, static_x=True) for leaf in call.x_leaves])
-    tangent_checks = _checks_of([leaf_check(leaf) for leaf in call.tangent_leaves])
-    context_checks: list[tuple[Any, ...]] | None = []
+    x_checks = _checks_of(call.x_leaves, static_x=True)
+    tangent_checks = _checks_of(call.tangent_leaves)
+    context_checks: list[Any] | None = []
     for leaves in call.context_leaves:
-        checks = _checks_of([leaf_check(leaf, by_value=by_value) for leaf in leaves])
+        checks = _checks_of(leaves, by_value=by_value)
         if checks is None or context_checks is None:
             context_checks = None
         else:
@@ -184,6 +184,7 @@ def _plan(
         has_aux=sig.has_aux,
         x_spec=sig.x_spec,
         x_checks=x_checks,
+        x_class=type(call.x_leaves[0]) if len(call.x_leaves) == 1 else None,
         tangent=op.tangent is not None,
         tangent_spec=sig.tangent_spec,
         tangent_checks=tangent_checks,
@@ -195,8 +196,12 @@ def _plan(
     )
 
 
-def _checks_of(checks: list[Any]) -> tuple[Any, ...] | None:
-    return None if any(check is None for check in checks) else tuple(checks)
+def _checks_of(leaves: list[Any], static_x: bool = False, by_value: bool = False) -> Callable[[list[Any]], bool] | None:
+    """The test of leaves like these; None where a leaf has none (a pytree only jax knows)."""
+    checks = [leaf_check(leaf, static_x=static_x, by_value=by_value) for leaf in leaves]
+    if any(check is None for check in checks):
+        return None
+    return leaves_check(leaves, tuple(checks))  # type: ignore[arg-type]
 
 
 def _program_of(

@@ -126,6 +126,8 @@ class _Layouts(threading.local):
 
 
 _layouts = _Layouts()
+pending_layouts = _layouts
+"""Where a compiled call notes its concrete arguments (as :func:`record` does, inline on the hot path)."""
 
 
 def record(args: tuple[Any, ...] | None) -> None:

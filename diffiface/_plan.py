@@ -21,7 +21,7 @@ from ._backends import AutoSparse
 from ._keys import static_key, static_x_key
 from .tree import NAMESPACE
 
-__all__ = ["Check", "Plan", "leaf_check"]
+__all__ = ["Check", "Plan", "leaf_check", "leaves_check"]
 
 Check = tuple[type, Callable[[Any], bool] | None]
 """How a plan knows a leaf: its type, and a test of the rest (None: the type says all)."""
@@ -95,14 +95,63 @@ def _identity_or_value(value: Any) -> Any:
     return ("identity", id(value)) if key is None else key
 
 
-def _same(leaves: list[Any], checks: tuple[Check, ...]) -> bool:
-    # Hot code: a plain loop (no generator, no zip(strict=True): the lengths are compared first)
-    if len(leaves) != len(checks):
-        return False
-    for leaf, (cls, test) in zip(leaves, checks, strict=False):
-        if type(leaf) is not cls or (test is not None and not test(leaf)):
+class _Leaves:
+    """The test of a list of leaves, leaf by leaf (:func:`leaf_check`)."""
+
+    __slots__ = ("checks",)
+
+    def __init__(self, checks: tuple[Check, ...]) -> None:
+        self.checks = checks
+
+    def __call__(self, leaves: list[Any]) -> bool:
+        # Hot code: a plain loop (no generator, no zip(strict=True): the lengths are compared first)
+        checks = self.checks
+        if len(leaves) != len(checks):
             return False
-    return True
+        for leaf, (cls, test) in zip(leaves, checks, strict=False):
+            if type(leaf) is not cls or (test is not None and not test(leaf)):
+                return False
+        return True
+
+
+class _JaxLeaves:
+    """The test of a list of concrete jax arrays, the common case under jax, with no call per
+    leaf but the one its layout takes: type, abstract value's shape and dtype, layout."""
+
+    __slots__ = ("expected",)
+
+    def __init__(self, leaves: list[Any]) -> None:
+        self.expected = tuple(
+            (type(leaf), leaf.aval.shape, leaf.aval.dtype, _placement.Layout(leaf.sharding)) for leaf in leaves
+        )
+
+    def __call__(self, leaves: list[Any]) -> bool:
+        expected = self.expected
+        if len(leaves) != len(expected):
+            return False
+        for leaf, (cls, shape, dtype, layout) in zip(leaves, expected, strict=False):
+            if type(leaf) is not cls:
+                return False
+            aval = leaf.aval
+            if aval.shape != shape or aval.dtype != dtype:
+                return False
+            found = leaf.sharding
+            if found is not layout.seen and found is not layout.sharding and not layout.holds(leaf):
+                return False
+        return True
+
+
+def leaves_check(leaves: list[Any], checks: tuple[Check, ...]) -> Callable[[list[Any]], bool]:
+    """The test of a list of leaves like ``leaves``, each known by ``checks``: one that reads
+    jax arrays inline where every leaf is a concrete one."""
+    jax = sys.modules.get("jax")
+    if leaves and jax is not None:
+        array, tracer = jax.Array, jax.core.Tracer
+        if all(
+            isinstance(leaf, array) and not isinstance(leaf, tracer) and _arrays.kind(leaf) == "jax" for leaf in leaves
+        ):
+            return _JaxLeaves(leaves)
+    return _Leaves(checks)
 
 
 class Plan:
@@ -141,13 +190,14 @@ class Plan:
         function: Any,
         has_aux: bool,
         x_spec: Any,
-        x_checks: tuple[Check, ...] | None,
+        x_checks: Callable[[list[Any]], bool] | None,
+        x_class: type | None,
         tangent: bool,
         tangent_spec: Any,
-        tangent_checks: tuple[Check, ...] | None,
+        tangent_checks: Callable[[list[Any]], bool] | None,
         context_kinds: tuple[type, ...],
         context_specs: tuple[Any, ...],
-        context_checks: tuple[tuple[Check, ...], ...] | None,
+        context_checks: tuple[Callable[[list[Any]], bool], ...] | None,
         program: Callable[..., tuple[Any, Any]],
         estimates: bool = False,
     ) -> None:
@@ -160,7 +210,7 @@ class Plan:
         self.x_spec = x_spec
         self.x_checks = x_checks
         # one array x: its type is its structure (optree takes arrays for leaves)
-        self.x_class = x_checks[0][0] if x_spec == _LEAF and x_checks is not None else None
+        self.x_class = x_class if x_spec == _LEAF else None
         self.tangent = tangent
         self.tangent_spec = tangent_spec
         self.tangent_checks = tangent_checks
@@ -202,16 +252,16 @@ class Plan:
             return None
         if type(x) is self.x_class:
             x_leaves = [x]
-            if not _same(x_leaves, x_checks):
+            if not x_checks(x_leaves):
                 return None
         else:
             x_leaves, spec = optree.tree_flatten(x, namespace=NAMESPACE)
-            if spec != self.x_spec or not _same(x_leaves, x_checks):
+            if spec != self.x_spec or not x_checks(x_leaves):
                 return None
         tangent_leaves: list[Any] = []
         if self.tangent:
             tangent_leaves, spec = optree.tree_flatten(tangent, namespace=NAMESPACE)
-            if spec != self.tangent_spec or not _same(tangent_leaves, self.tangent_checks):
+            if spec != self.tangent_spec or not self.tangent_checks(tangent_leaves):
                 return None
         context_leaves = []
         for context, kind, context_spec, checks in zip(
@@ -220,7 +270,7 @@ class Plan:
             if type(context) is not kind:
                 return None
             leaves, spec = optree.tree_flatten(context.value, namespace=NAMESPACE)  # type: ignore[attr-defined]
-            if spec != context_spec or not _same(leaves, checks):
+            if spec != context_spec or not checks(leaves):
                 return None
             context_leaves.append(leaves)
         return x_leaves, tangent_leaves, context_leaves

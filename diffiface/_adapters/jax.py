@@ -93,14 +93,14 @@ class Adapter(_base.Adapter):
         program = _placement.laid_out(program)
         if arrays:
             compiled = jax.jit(program, static_argnums=3 if static else ())
-            record = _placement.record
+            layouts = _placement.pending_layouts
 
             def call(*args: Any) -> Any:
-                record(args)
+                layouts.pending = args  # (read only if jit traces: _placement.record)
                 try:
                     return compiled(*args)
                 finally:
-                    record(None)  # (a stale record would keep the last call's arrays alive)
+                    layouts.pending = None  # (a stale record would keep the last call's arrays alive)
 
             return call
         # jit returns arrays only; the other leaves of a result (an aux holding a string,
