@@ -308,8 +308,10 @@ class Adapter(_base.Adapter):
         if not value.requires_grad:
             return value, aux, _grad([], inputs)
         grads = torch.autograd.grad((value,), inputs, retain_graph=keep, create_graph=keep, allow_unused=True)
-        if len(grads) != 1 or grads[0] is None:  # zeros where an input did not matter
-            grads = tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs, strict=True))
+        for g in grads:  # (a loop, not a comprehension: this runs on every call)
+            if g is None:  # zeros where an input did not matter
+                grads = tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs, strict=True))
+                break
         if type(grads[0]) is not torch.Tensor or len(grads) != 1:  # (a DTensor, or several leaves)
             grads = _placed(grads, inputs)
         return value, aux, grads  # results are detached as they are converted, if they are returned
@@ -743,7 +745,10 @@ def _guard(
             raise
         stack.pop()
         _arrays.graph_state.keep = keep
-        dirty = len(xs) != 1 or xs[0]._version != versions[0] or modules is not None
+        dirty = modules is not None
+        for x, version in zip(xs, versions, strict=False):  # (a loop: this runs on every call)
+            if x._version != version:
+                dirty = True
         for _, copy, version in constants:
             dirty = dirty or copy._version != version
         if dirty:
