@@ -46,13 +46,13 @@ class Adapter(_base.Adapter):
         if kind == "python":
             return jnp.asarray(leaf, dtype=jnp.float64)
         if kind == "numpy":
-            return jnp.asarray(leaf)
+            return jnp.asarray(_arrays.in_native_byte_order(leaf))
         return leaf
 
     def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
         kind = _arrays.kind(leaf)
         if kind == "numpy":
-            return jnp.asarray(leaf), True
+            return jnp.asarray(_arrays.in_native_byte_order(leaf)), True
         # A float is an argument of the compiled program, as jit takes one: a new value runs
         # the same program, and is never a stale constant. Integers and booleans stay static
         # (sizes, flags, indices), compared by value.
