@@ -36,7 +36,15 @@ def kind(leaf: Any) -> Kind:
     return found
 
 
+def kind_of_type(cls: type) -> Kind:
+    """The array kind of the leaves of class ``cls``."""
+    found = _KIND_BY_TYPE.get(cls)
+    return found if found is not None else _classify(cls)
+
+
 def _classify(cls: type) -> Kind:
+    if issubclass(cls, np.ma.MaskedArray):
+        raise _masked_refused()
     if issubclass(cls, (np.ndarray, np.generic)):
         return "numpy"
     if issubclass(cls, (float, int, complex)):
@@ -50,6 +58,18 @@ def _classify(cls: type) -> Kind:
     if cls.__module__.startswith("autograd"):
         return "autograd"
     return "other"
+
+
+def _masked_refused() -> Exception:
+    from ._errors import InvalidInputError
+
+    # (never cached as a kind: every leaf of the class is refused, wherever it is met)
+    return InvalidInputError(
+        "A numpy masked array (np.ma.MaskedArray) was passed as x, as a tangent or in a context. "
+        "No engine differentiates through its mask: jax refuses it, the others would drop the mask "
+        "and compute on the hidden values too. Pass its values, a.filled(fill_value) or a.data, and "
+        "its mask as a di.Constant(a.mask) that f applies (np.where(mask, 0.0, x), say)."
+    )
 
 
 def numpy_like(leaf: Any) -> Any:
@@ -86,7 +106,8 @@ def dtype_name(leaf: Any) -> str:
     try:
         return _DTYPE_NAMES[dtype]  # (str() of a dtype costs more than the rest of a quick call's checks)
     except (KeyError, TypeError):
-        name = str(dtype)
+        # (a non-native byte order, ">f8" as read from FITS or HDF5, is the same number type)
+        name = str(native_dtype(dtype))
         name = name[6:] if name.startswith("torch.") else name
         with contextlib.suppress(TypeError):  # an unhashable dtype of some other library: not kept
             _DTYPE_NAMES[dtype] = name
@@ -94,6 +115,20 @@ def dtype_name(leaf: Any) -> str:
 
 
 _DTYPE_NAMES: dict[Any, str] = {}
+
+
+def in_native_byte_order(array: np.ndarray) -> np.ndarray:
+    """``array`` itself where its bytes are in this machine's order, else a copy that is: a
+    big-endian ``>f8`` array (as read from FITS or HDF5) is a float64 array, which jax and
+    torch take only in native order."""
+    return array if array.dtype.isnative else array.astype(array.dtype.newbyteorder("="))
+
+
+def native_dtype(dtype: Any) -> Any:
+    """``dtype`` in this machine's byte order (a numpy dtype; any other dtype as it is)."""
+    if isinstance(dtype, np.dtype) and not dtype.isnative:
+        return dtype.newbyteorder("=")
+    return dtype
 
 
 def shape(leaf: Any) -> tuple[int, ...]:

@@ -117,6 +117,11 @@ def _check_tangent_kinds(op: Operator, backend: Backend, any_array_type: bool, c
     if not any_array_type:
         allowed.add(backend_family(backend))
     role = "tangent" if op.tangent == "x" else "cotangent"
+    if role == "cotangent" and any_array_type:
+        # an engine that runs f on any array type: f's output may be of another framework than
+        # x (a float x, a torch f); the cotangent is checked against that output once f has
+        # run (_check_cotangent)
+        return
     for path, leaf in zip(call.signature.tangent_spec.paths(), call.tangent_leaves, strict=True):
         kind = _arrays.kind(leaf)
         if kind not in allowed:
@@ -257,6 +262,16 @@ def _check_cotangent(sig: Signature, output: _Output, ts: tuple[Any, ...]) -> No
         raise TangentMismatchError(
             f"The cotangent must have the structure of f(x), {out_spec}; it has {sig.tangent_spec}."
         )
+    out_kinds = {_arrays.kind_of_type(cls) for cls, _ in output.checked}
+    allowed = {"python", "numpy"} | out_kinds
+    for i, t in enumerate(sig.tangent_leaves):
+        if t[0] not in allowed:
+            frameworks = " or ".join(sorted(out_kinds - {"python", "numpy", "other"}))
+            fix = f"numpy or {frameworks} arrays" if frameworks else "numpy arrays or floats"
+            raise ArrayTypeError(
+                f"Cotangent leaf {i} is a {t[0]} array, but f(x) holds {frameworks or 'numpy'} arrays. Pass "
+                f"the cotangent as {fix}, as f(x)."
+            )
     for i, (shape, t) in enumerate(zip(out_shapes, ts, strict=True)):
         if shape != _arrays.shape(t):
             raise TangentMismatchError(

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from ._errors import ContextError
+
 __all__ = ["Cache", "Constant", "Context"]
 
 T = TypeVar("T")
@@ -15,6 +17,18 @@ class Context(Generic[T]):
     """Base class of context wrappers; holds one value (any pytree)."""
 
     value: T
+
+    def __post_init__(self) -> None:
+        if isinstance(self.value, Context):
+            outer, inner = type(self).__name__, type(self.value).__name__
+            fix = (
+                f"Pass di.{outer}(value)."
+                if outer == inner
+                else f"Pass di.{outer}(value) or di.{inner}(value), whichever the value is, not one inside the other."
+            )
+            raise ContextError(
+                f"di.{outer}(di.{inner}(...)) wraps a context in another; a context is wrapped once. {fix}"
+            )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.value!r})"

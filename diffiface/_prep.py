@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from ._errors import PreparationMismatchError
+from ._errors import PreparationMismatchError, UnsupportedOperationError
 from .tree import path_string
 
 if TYPE_CHECKING:
@@ -134,6 +134,27 @@ class Prep:
         if error is not None or self.plan.estimates:
             self._local.error = error
         return result
+
+    # A prep holds compiled programs and a reference to f, which neither pickle nor copy
+    # faithfully (jit's and torch's programs belong to this process; a copy of f's reference
+    # would be another f): both are refused, with what to do instead.
+
+    def __reduce__(self) -> Any:
+        raise self._not_copied("pickled", "in the new process")
+
+    def __copy__(self) -> Prep:
+        raise self._not_copied("copied", "where the copy is needed")
+
+    def __deepcopy__(self, memo: Any) -> Prep:
+        raise self._not_copied("deep-copied", "where the copy is needed")
+
+    def _not_copied(self, done: str, where: str) -> UnsupportedOperationError:
+        return UnsupportedOperationError(
+            f"A prep cannot be {done}: it holds compiled programs and a reference to f, which belong to "
+            f"this process. Call di.prepare_{self.operator}(f, backend, x, ...) again {where}. Within one "
+            "process there is no need to copy it: a prep may be shared, also between threads, and "
+            "prep.with_strictness(...) gives one with another strictness."
+        )
 
     def __repr__(self) -> str:
         return (

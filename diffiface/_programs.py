@@ -127,6 +127,9 @@ def _closer(
                         f"With has_aux=True, f must return a pair (value, aux); it returned {_describe(result)}."
                     )
                 result, aux = result
+                # its leaves and structure, apart: an engine takes the leaves through as a tuple,
+                # and the structure, f's own (dict key order included), is rebuilt from it
+                aux = tuple(_tree.flatten(aux))
             if scalar:
                 if untracked(result, xs):
                     _refuse_cut(f, context_values, xs, adapter, x_spec, rebuild)

@@ -11,7 +11,6 @@ import numpy as np
 import optree
 
 from . import _arrays, _placement
-from . import tree as _tree
 from ._call import _ARRAY_KINDS, _LEAF, Call, Operator
 
 if TYPE_CHECKING:  # (_programs finishes inside a compiled program with promoted_dtype)
@@ -110,7 +109,7 @@ class Finisher:
             return self.convert(kinds[0], native[0])
         parts = [self.convert(kind, value) for kind, value in zip(kinds, native, strict=False)]
         if self.has_aux:
-            aux = _tree.map(self.as_y, native[-1])
+            aux = _aux_as_returned(native[-1], self.as_y)
             return ((parts[0], aux), *parts[1:]) if len(parts) > 1 else (parts[0], aux)
         return parts[0] if len(parts) == 1 else tuple(parts)
 
@@ -192,6 +191,19 @@ def finisher(op: Operator, call: Call, output: _Output, compiled: bool) -> tuple
         if arrays:
             return RebuildTree(call, finish, compiled), None
     return finish, None
+
+
+def _aux_as_returned(riding: Any, as_y: Callable[[Any], Any]) -> Any:
+    """f's aux from its leaves and structure (as ``_closer`` set them apart): in f's structure
+    and key order; array leaves in x's array type, every other leaf (a string, a number,
+    None) as f returned it. None where no aux came (an error estimate has none)."""
+    if riding is None:
+        return None
+    leaves, spec = riding
+    return optree.tree_unflatten(spec, [as_y(leaf) if _arrays.kind(leaf) in _AUX_ARRAYS else leaf for leaf in leaves])
+
+
+_AUX_ARRAYS = frozenset(("numpy", "torch", "jax", "autograd"))
 
 
 def _layout(leaf: Any) -> _placement.Layout | None:
@@ -276,7 +288,7 @@ def _mirror(value: Any, like: Any) -> Any:
         return float(np.asarray(_arrays.to_numpy(value)))
     if kind == "numpy":
         array = value if value_kind == "numpy" else _arrays.to_numpy(value)
-        return np.asarray(array, dtype=like.dtype)
+        return np.asarray(array, dtype=_arrays.native_dtype(like.dtype))  # (as numpy's own operations return)
     if kind == "torch" and value_kind == "torch":  # computed on like's device
         if value.requires_grad and not _arrays.graph_state.keep:  # kept where x carried a graph
             value = value.detach()

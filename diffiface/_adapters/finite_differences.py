@@ -424,34 +424,26 @@ class Adapter(_base.Adapter):
             _fit(layout, found)
         return out, aux, flat.astype(np.float64), found
 
-    def _columns(
-        self,
-        fn: Fn,
-        point: _Point,
-        directions: Iterator[tuple[Any, float]],
-        value: np.ndarray | None,
-        layout: _Layout,
-    ) -> Iterator[np.ndarray]:
-        """``(f(x + h d) - f(x - h d)) / 2h`` (or the one-sided or complex-step form) per direction
-        ``d`` (an array, or the index of a unit vector)."""
+    def _column(
+        self, fn: Fn, point: _Point, direction: Any, h: float, value: np.ndarray | None, layout: _Layout
+    ) -> np.ndarray:
+        """``(f(x + h d) - f(x - h d)) / 2h`` (or the one-sided or complex-step form) along
+        ``d`` (an array, or the index of a unit vector). A plain function, not a generator:
+        a StopIteration that f raises reaches the caller as it is."""
         x = point.vector
-        for direction, h in directions:
-            if self.method == "central":
-                plus = self._evaluate(fn, point, _shifted(x, direction, h), layout)
-                yield (plus - self._evaluate(fn, point, _shifted(x, direction, -h), layout)) / (2 * h)
-            elif self.method == "forward":
-                assert value is not None
-                yield (self._evaluate(fn, point, _shifted(x, direction, h), layout) - value) / h
-            elif self.method == "backward":
-                assert value is not None
-                yield (value - self._evaluate(fn, point, _shifted(x, direction, -h), layout)) / h
-            else:
-                yield self._evaluate(fn, point, _shifted(x, direction, 1j * h), layout) / h
-
-    def _unit_directions(self, point: _Point) -> Iterator[tuple[Any, float]]:
-        steps = self._steps(point)
-        for i in range(point.size):
-            yield i, steps[i]
+        column: np.ndarray
+        if self.method == "central":
+            plus = self._evaluate(fn, point, _shifted(x, direction, h), layout)
+            column = (plus - self._evaluate(fn, point, _shifted(x, direction, -h), layout)) / (2 * h)
+        elif self.method == "forward":
+            assert value is not None
+            column = (self._evaluate(fn, point, _shifted(x, direction, h), layout) - value) / h
+        elif self.method == "backward":
+            assert value is not None
+            column = (value - self._evaluate(fn, point, _shifted(x, direction, -h), layout)) / h
+        else:
+            column = self._evaluate(fn, point, _shifted(x, direction, 1j * h), layout) / h
+        return column
 
     def _steps(self, point: _Point, power: float | None = None) -> np.ndarray:
         if power is None and self.method == "complex":  # no cancellation: any tiny step will do, and no rounding
@@ -489,7 +481,9 @@ class Adapter(_base.Adapter):
         batched call of f when ``vectorize``."""
         if not self.vectorize:
             columns: list[np.ndarray] = []
-            for column in self._columns(fn, point, self._unit_directions(point), value, layout):
+            steps = self._steps(point)
+            for i in range(point.size):
+                column = self._column(fn, point, i, steps[i], value, layout)
                 if not columns:  # the first tells the number of outputs: refuse a huge matrix now
                     check_entries(self.backend, column.size, point.size)
                 columns.append(column)
@@ -594,7 +588,7 @@ class Adapter(_base.Adapter):
         for i in np.flatnonzero(~finite):
             if unit_steps is None:
                 unit_steps = self._steps(point)
-            unit = next(self._columns(fn, point, iter([(int(i), unit_steps[i])]), value, layout))
+            unit = self._column(fn, point, int(i), unit_steps[i], value, layout)
             part = _times_non_finite(unit, direction[i])
             column = part if column is None else column + part
         layout = self._layout(out, layout)
@@ -677,7 +671,7 @@ class Adapter(_base.Adapter):
                 point.check_complex_step(self.backend, h * scale)
             else:
                 point.check_step(self.backend, point._exact(h * direction), direction != 0)
-        return next(self._columns(fn, point, iter([(direction, h)]), value, layout))
+        return self._column(fn, point, direction, h, value, layout)
 
     # -- second order ---------------------------------------------------------------------------
 

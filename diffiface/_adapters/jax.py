@@ -46,7 +46,7 @@ class Adapter(_base.Adapter):
         if kind == "python":
             return jnp.asarray(leaf, dtype=jnp.float64)
         if kind == "numpy":
-            return jnp.asarray(leaf)
+            return jnp.asarray(_arrays.in_native_byte_order(leaf))
         return leaf
 
     def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
@@ -54,7 +54,9 @@ class Adapter(_base.Adapter):
         if kind == "numpy":
             # a compiled program takes numpy arrays as jit does, moved to the device in its own
             # call (where f sees only traced arrays, which it cannot write into)
-            return (leaf if self.compiles else jnp.asarray(leaf)), True
+            leaf = _arrays.in_native_byte_order(leaf)
+            numeric = leaf.dtype.kind in "biufc"  # (jnp.asarray refuses the others, as it should)
+            return (leaf if self.compiles and numeric else jnp.asarray(leaf)), True
         # A float is an argument of the compiled program, as jit takes one: a new value runs
         # the same program, and is never a stale constant. Integers and booleans stay static
         # (sizes, flags, indices), compared by value.

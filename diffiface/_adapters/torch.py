@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import contextlib
+import dis
+import re
 import sys
 import threading
 import warnings
@@ -115,8 +117,9 @@ class Adapter(_base.Adapter):
         if kind == "python":
             return torch.tensor(leaf, dtype=torch.float64)
         if kind == "numpy":
-            # a C-ordered copy: x stays the caller's, and torch takes no negative strides
-            return torch.from_numpy(np.array(leaf, order="C"))
+            # a C-ordered copy in native byte order: x stays the caller's, and torch takes no
+            # negative strides nor a big-endian array
+            return torch.from_numpy(np.array(leaf, dtype=_arrays.native_dtype(leaf.dtype), order="C"))
         raise ArrayTypeError(
             f"The torch backend was given a {type(leaf).__module__}.{type(leaf).__name__} where it takes "
             "torch tensors, numpy arrays or floats (a tangent of another framework?). Convert it to a "
@@ -128,7 +131,7 @@ class Adapter(_base.Adapter):
             device = like.device if isinstance(like, torch.Tensor) else None
             # a copy (np.array, C-ordered: torch takes no negative strides): f may not reach the
             # caller's array through it; from_numpy then shares the copy without a second one
-            tensor = torch.from_numpy(np.array(leaf, order="C"))
+            tensor = torch.from_numpy(np.array(leaf, dtype=_arrays.native_dtype(leaf.dtype), order="C"))
             return tensor.to(device) if device is not None else tensor, True
         if isinstance(leaf, torch.Tensor) and leaf.is_meta:
             raise InvalidInputError(
@@ -177,6 +180,15 @@ class Adapter(_base.Adapter):
                 "f mixes a DTensor (x is sharded) with a plain torch tensor (a di.Constant or a tensor f "
                 "makes). Make every tensor f combines with x a DTensor on x's device mesh, e.g. "
                 "torch.distributed.tensor.distribute_tensor(data, mesh, [Replicate()])."
+            )
+        operator = _numpy_operator_on_tensor(exc)
+        if operator is not None:
+            return (
+                f"f applies {operator} to a numpy array and a torch tensor, which neither numpy nor torch "
+                "computes: a numpy array f holds (a global, a closed-over matrix A in A @ x) meets the tensor "
+                "diffiface gives f for x. Make that array a torch tensor (torch.as_tensor(A)) or pass it to f "
+                "as a di.Constant (its numpy arrays reach f as torch tensors); or differentiate a numpy f with "
+                "AutoFiniteDifferences()."
             )
         if isinstance(exc, TypeError) and raised_inside(exc, "jax"):
             return "f calls jax on torch tensors; differentiate a jax function with AutoJAX()."
@@ -308,9 +320,9 @@ class Adapter(_base.Adapter):
         if not value.requires_grad:
             return value, aux, _grad([], inputs)
         grads = torch.autograd.grad((value,), inputs, retain_graph=keep, create_graph=keep, allow_unused=True)
-        for g in grads:  # (a loop, not a comprehension: this runs on every call)
-            if g is None:  # zeros where an input did not matter
-                grads = tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs, strict=True))
+        for found in grads:  # (a loop, not a comprehension: this runs on every call)
+            if found is None:  # zeros where an input did not matter
+                grads = tuple(torch.zeros_like(x) if d is None else d for d, x in zip(grads, inputs, strict=True))
                 break
         if type(grads[0]) is not torch.Tensor or len(grads) != 1:  # (a DTensor, or several leaves)
             grads = _placed(grads, inputs)
@@ -467,6 +479,55 @@ def _bare_output(g: Callable[[Any], Any], has_aux: bool) -> tuple[Callable[[Any]
         return (out[0], result[1]) if has_aux else out[0]
 
     return unwrapped, bare
+
+
+_OPERAND_TYPES = re.compile(
+    r"(?:unsupported operand type\(s\) for (?P<binary>.+?):|'(?P<compare>.+?)' not supported between instances of)"
+    r" '(?P<a>[\w.]+)' and '(?P<b>[\w.]+)'"
+)
+_NUMPY_CONCATENATION = "Concatenation operation is not implemented for NumPy arrays"
+"""numpy's refusal of ``array + tensor`` (numpy defers to the tensor, which declines)."""
+
+
+def _numpy_operator_on_tensor(exc: BaseException) -> str | None:
+    """The operator (``@``, ``+``, ``<``...) of ``exc`` where the interpreter itself raised it at
+    an operator of f's code, between a numpy array and a torch tensor; else None.
+
+    Told by where it was raised: the innermost frame is executing an operator instruction
+    (not a ``raise`` statement of f, not a library's Python code); only then is the message,
+    the interpreter's own, read for the operand types."""
+    if type(exc) is not TypeError:
+        return None
+    tb = exc.__traceback__
+    if tb is None:
+        return None
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    instruction = next((i for i in dis.get_instructions(tb.tb_frame.f_code) if i.offset == tb.tb_lasti), None)
+    if instruction is None or instruction.opname not in ("BINARY_OP", "COMPARE_OP"):
+        return None
+    text = str(exc)
+    if text.startswith(_NUMPY_CONCATENATION):
+        return "+"
+    found = _OPERAND_TYPES.fullmatch(text)
+    if found is None:
+        return None
+    types = {found["a"], found["b"]}
+    numpy_side = any(name.startswith("numpy.") for name in types)
+    tensor_side = bool(types & _tensor_class_names())
+    if not (numpy_side and tensor_side):
+        return None
+    return found["binary"] or found["compare"]
+
+
+def _tensor_class_names() -> set[str]:
+    names: set[str] = set()
+    todo: list[type] = [torch.Tensor]
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return names
 
 
 def _requiring_grad(xs: Leaves) -> Leaves:
@@ -681,7 +742,8 @@ def _guard(
 
     - Under the caller's ``inference_mode`` it runs with inference mode off (nothing is recorded
       in inference mode); inference tensors are copied into normal ones. Grad mode is set by
-      each method where it needs it. Both are restored on the way out, also on errors.
+      each method where it needs it. Both are restored on the way out, also on errors, and also
+      where f itself switched grad mode and left it switched.
     - Where an input carries an outer graph (a nested call), results keep their graph.
     - f gets copies of x, of the tangents and of every Constant tensor: what it would get
       otherwise shares the caller's memory (duals in forward mode, torch.func's wrappers, and in
@@ -731,10 +793,13 @@ def _guard(
         modules = _module_states(static, cache_static) if static is not None and watch_static else None
         stack = _CALLS.keep
         stack.append(keep)
+        grad_mode = torch.is_grad_enabled()  # f may switch it (torch.set_grad_enabled) and not switch back
         try:
             result = program(xs, ts, dynamic, static)
         except BaseException as exc:
             stack.pop()
+            if torch.is_grad_enabled() is not grad_mode:
+                torch.set_grad_enabled(grad_mode)
             _arrays.graph_state.keep = keep
             problem = _mutation(xs, versions, constants, modules)
             if problem is not None:
@@ -744,6 +809,8 @@ def _guard(
                 raise MutationError(f"f wrote in place into its input x; torch refused it. {_FIX}") from exc
             raise
         stack.pop()
+        if torch.is_grad_enabled() is not grad_mode:
+            torch.set_grad_enabled(grad_mode)
         _arrays.graph_state.keep = keep
         dirty = modules is not None
         for x, version in zip(xs, versions, strict=False):  # (a loop: this runs on every call)
