@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from . import _complex
 from . import _sparse_operators as _sparse
 from ._adapters import adapter_for, info, normalize
 from ._backends import AutoSparse, Backend
@@ -145,6 +146,7 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
         _check_tangent_kinds(op, backend, row.any_array_type, call)
     if op.tangent == "x":
         _check_tangent_like_x(op, call)
+    adapter = _complex.adapter_for_call(op, adapter, call, f)  # complex numbers in the convention
     function = FunctionRef(f)
     output = _Output()
     plan = _Conversions(adapter, op, call)

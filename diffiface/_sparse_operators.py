@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import optree
 
-from . import _arrays
+from . import _arrays, _complex
 from . import tree as _tree
 from ._backends import AutoAutograd, AutoJAX, AutoScipy, AutoSparse, AutoTorch, Backend, SecondOrder
 from ._call import OPERATORS, Call
@@ -84,7 +84,9 @@ def _call(
             f"{name} does not take has_aux=True: only value_and_gradient, value_and_jvp and value_and_vjp "
             "do. Drop the aux inside f (lambda x, *c: f(x, *c)[0])."
         )
-    return Call(OPERATORS[name], backend, x, None, contexts, False)
+    call = Call(OPERATORS[name], backend, x, None, contexts, False)
+    _complex.refuse_sparse(call)
+    return call
 
 
 def evaluate(
