@@ -232,7 +232,7 @@ def _check_numeric(op: Operator, leaf: Any, complex_ok: bool) -> None:
         )
 
 
-def _check_cotangent(sig: Signature, output: _Output, ts: tuple[Any, ...]) -> None:
+def _check_cotangent(sig: Signature, output: _Output, ts: tuple[Any, ...], complex_step: bool = False) -> None:
     """The cotangent against f(x), whose structure and shapes the last evaluation recorded.
 
     A prep's signature fixes the cotangent's structure, shapes and dtypes, so an output
@@ -255,7 +255,7 @@ def _check_cotangent(sig: Signature, output: _Output, ts: tuple[Any, ...]) -> No
         if dtype is None or t[0] == "python":
             continue
         found = str(t[2]).removeprefix("torch.")
-        if found != dtype and not _complex.cotangent_fits(found, dtype):
+        if found != dtype and not (complex_step and _complex.cotangent_fits(found, dtype)):
             raise TangentMismatchError(
                 f"Cotangent leaf {i} has dtype {found}, but f(x)'s leaf {i} has dtype {dtype}; cast the "
                 f"cotangent to {dtype}."

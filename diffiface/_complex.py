@@ -78,8 +78,8 @@ def _width(name: str) -> int:
 
 
 def cotangent_fits(found: str, expected: str) -> bool:
-    """A real cotangent of a complex output leaf, of its precision: the cotangent with zero
-    imaginary part."""
+    """A real cotangent of an output leaf that is complex only because the complex step
+    evaluates f at complex points, of its precision."""
     return _REAL_OF.get(expected) == found
 
 
@@ -143,9 +143,25 @@ def adapter_for_call(op: Operator, adapter: Adapter, call: Call, f: Any) -> Adap
             "derivative (di.derivative(lambda z: di.derivative(f, backend, z), backend, x)), which "
             "checks that each is holomorphic, or use jvp."
         )
-    if not (x_complex or t_complex or not op.scalar_output):
+    if not (x_complex or t_complex or _may_return_complex(op, adapter)):
         return adapter
     return cast("Adapter", ComplexAdapter(adapter, op, holomorphic_asserted(f), x_complex))
+
+
+def _may_return_complex(op: Operator, adapter: Adapter) -> bool:
+    """Whether a call on real x and tangents needs the :class:`ComplexAdapter` in case f returns
+    complex values (known only once f runs). Not for jvp and vjp on an engine that differentiates
+    complex numbers: its jvp is the convention, and so is its vjp along a real cotangent, where
+    ``conj(vjp(conj(w))) = vjp(w)`` for real x. Yes for Jacobians and derivatives, whose rows or
+    columns along real units would miss the imaginary parts, and for engines that see real
+    numbers only."""
+    if op.scalar_output:
+        return False
+    return (
+        op.compute in _JACOBIAN_FAMILY
+        or op.compute == "value_derivative_and_second_derivative"
+        or (convention_of(adapter) == "split")
+    )
 
 
 # -- holomorphy, asserted by the caller -------------------------------------------------------------
@@ -402,13 +418,20 @@ def complex_blocks(
                 joined.append(next(columns))
                 continue
             d_re, d_im = next(columns), next(columns)
-            d_z = (d_re - 1j * d_im) / 2
+            d_z = _half_sum(d_re, d_im, -1.0)
             if check:
-                d_conj = (d_re + 1j * d_im) / 2
-                _check_holomorphic(d_z, d_conj, out_flags[i], what, i, j)
+                _check_holomorphic(d_z, _half_sum(d_re, d_im, 1.0), out_flags[i], what, i, j)
             joined.append(d_z)
         result.append(tuple(joined))
     return tuple(result)
+
+
+def _half_sum(a: Any, b: Any, sign: float) -> Any:
+    """``(a + sign i b) / 2``, through the parts of each (no mixed-type arithmetic, which jax's
+    strict dtype promotion refuses)."""
+    a_re, a_im = _parts(a) if is_complex(a) else (a, _zeros_like(a))
+    b_re, b_im = _parts(b) if is_complex(b) else (b, _zeros_like(b))
+    return _join((a_re - sign * b_im) / 2, (a_im + sign * b_re) / 2)
 
 
 def _check_holomorphic(d_z: Any, d_conj: Any, complex_out: bool, what: str, i: int, j: int) -> None:

@@ -55,7 +55,7 @@ def _program(
         fn = close(function(), context_values, xs[0] if xs else None)
         if pullback:
             out, aux, vjp = adapter.pullback_function(fn, xs)
-            _check_cotangent(sig, output, ts)
+            _check_cotangent(sig, output, ts, adapter.complex_outputs)
             result: tuple[Any, ...] = (out, aux, vjp(ts))
         elif op.tangent is None:
             result = method(fn, xs)
@@ -286,7 +286,7 @@ def _output_dtype(leaf: Any) -> str | None:
     if _arrays.kind(leaf) == "python":
         return None
     name = _arrays.dtype_name(leaf)
-    # (a complex output takes a real cotangent too, as a complex step's output does: _complex.cotangent_fits)
+    # (a complex step's output is complex at its complex points; its cotangent is real: _complex.cotangent_fits)
     return name if _arrays.is_float_dtype(name) or "complex" in name else None
 
 

@@ -330,7 +330,9 @@ def _(mp):
     return lambda: di.gradient(lambda x: (x * x).sum(), "torch", x), (x,)
 
 
-@case("x-complex-step-on-complex", (), di.InvalidBackendOptionError, r"method='complex'.*complex x.*central differences")
+@case(
+    "x-complex-step-on-complex", (), di.InvalidBackendOptionError, r"method='complex'.*complex x.*central differences"
+)
 def _(mp):
     x = vec() + 1j
     return lambda: di.gradient(lambda x: abs(x).sum(), di.AutoFiniteDifferences(method="complex"), x), (x,)

@@ -152,7 +152,15 @@ def _for_dtype(dtype: str) -> list[Scenario]:
         add(name, f, x, "vjp", grad, contexts=contexts, tangent=one)
         if "tangent" in kw:  # jvp of a real loss: Re<grad, v>
             tangent = kw["tangent"]
-            add(name, f, x, "jvp", np.asarray(np.real(np.vdot(grad, tangent)), dtype=real), contexts=contexts, tangent=tangent)
+            add(
+                name,
+                f,
+                x,
+                "jvp",
+                np.asarray(np.real(np.vdot(grad, tangent)), dtype=real),
+                contexts=contexts,
+                tangent=tangent,
+            )
         if "hvp" in kw:
             loose = {} if dtype == "complex128" else {"rtol": 3e-2, "atol": 3e-2}  # second differences in float32
             add(
