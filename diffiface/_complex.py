@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import numpy as np
 
 from . import _arrays
+from ._adapters._base import Deferred
 from ._errors import InvalidBackendOptionError, InvalidOutputError, UnsupportedOperationError
 
 if TYPE_CHECKING:
@@ -278,7 +279,7 @@ def _parts(leaf: Any) -> tuple[Any, Any]:
     return np.array(array.real), np.array(array.imag)
 
 
-def _join(re: Any, im: Any) -> Any:
+def from_parts(re: Any, im: Any) -> Any:
     """``re + i im``, in the complex dtype of their precision, differentiable by their engine."""
     kind = _arrays.kind(re)
     if kind == "torch" and _arrays.kind(im) == "torch":
@@ -323,7 +324,7 @@ class _Split:
 
     def join(self, leaves: Leaves) -> Leaves:
         it = iter(leaves)
-        return tuple(_join(next(it), next(it)) if flag else next(it) for flag in self.flags)
+        return tuple(from_parts(next(it), next(it)) if flag else next(it) for flag in self.flags)
 
     def join_bound(self, leaves: Leaves) -> Leaves:
         """Error estimates of split leaves joined: ``err_re + i err_im``."""
@@ -359,7 +360,9 @@ class _Realified:
     def _xs(self, rs: Leaves) -> Leaves:
         if self.held is None:
             return self.x_split.join(rs)
-        return tuple(_join(r, im) if flag else r for r, im, flag in zip(rs, self.held, self.x_split.flags, strict=True))
+        return tuple(
+            from_parts(r, im) if flag else r for r, im, flag in zip(rs, self.held, self.x_split.flags, strict=True)
+        )
 
     def _out(self, out: Any) -> Any:
         if isinstance(out, tuple):
@@ -379,6 +382,8 @@ class _Realified:
         return split.split(outs) if split.any else outs
 
     def join_out(self, out: Any) -> Any:
+        if isinstance(out, Deferred):  # f(x) a black-box engine computes only when asked
+            return Deferred(lambda: self.join_out(out.force()))
         if isinstance(out, tuple) and self.out_split is not None and self.out_split.any:
             return self.out_split.join(out)
         return out
@@ -404,7 +409,7 @@ def complex_blocks(
     for flag in out_flags:  # rows: complex outputs' two parts joined
         if flag:
             re, im = blocks[index], blocks[index + 1]
-            rows.append(tuple(_join(a, b) for a, b in zip(re, im, strict=True)))
+            rows.append(tuple(from_parts(a, b) for a, b in zip(re, im, strict=True)))
             index += 2
         else:
             rows.append(blocks[index])
@@ -431,7 +436,7 @@ def _half_sum(a: Any, b: Any, sign: float) -> Any:
     strict dtype promotion refuses)."""
     a_re, a_im = _parts(a) if is_complex(a) else (a, _zeros_like(a))
     b_re, b_im = _parts(b) if is_complex(b) else (b, _zeros_like(b))
-    return _join((a_re - sign * b_im) / 2, (a_im + sign * b_re) / 2)
+    return from_parts((a_re - sign * b_im) / 2, (a_im + sign * b_re) / 2)
 
 
 def _check_holomorphic(d_z: Any, d_conj: Any, complex_out: bool, what: str, i: int, j: int) -> None:
@@ -566,7 +571,9 @@ class ComplexAdapter:
         x_split = _Split(xs)
         along_real_axis = self._holomorphic
         if along_real_axis and x_split.any:
-            g = _Realified(fn, x_split, held=tuple(_parts(x)[1] if f else None for x, f in zip(xs, x_split.flags)))
+            g = _Realified(
+                fn, x_split, held=tuple(_parts(x)[1] if f else None for x, f in zip(xs, x_split.flags, strict=True))
+            )
             rs = tuple(_parts(x)[0] if f else x for x, f in zip(xs, x_split.flags, strict=True))
         else:
             g = _Realified(fn, x_split)
@@ -614,4 +621,9 @@ class ComplexAdapter:
         g = _Realified(fn, x_split)
         value, aux, grads, hvps = self._inner.gradient_and_hvp(g, x_split.split(xs), x_split.split(txs))
         self._errors(lambda e: (e[0], e[1], x_split.join_bound(e[2]), x_split.join_bound(e[3])))
-        return value, aux, x_split.join(tuple(grads)), x_split.join(tuple(hvps))
+        if isinstance(grads, Deferred):  # (a black-box outer engine defers the gradient)
+            deferred = grads
+            joined: Any = Deferred(lambda: x_split.join(tuple(deferred.force())))
+        else:
+            joined = x_split.join(tuple(grads))
+        return value, aux, joined, x_split.join(tuple(hvps))

@@ -68,6 +68,10 @@ def test_second_order_pairs_on_the_complex_hvp_scenarios(pair: str) -> None:
     scenarios = [s for s in complex_scenarios(("complex128",)) if s.operator in ("hvp", "gradient")]
     report = test_differentiation([backend], scenarios)
     assert report.counts().get("passed", 0) == len(scenarios), report.summary()
+    z = _as("torch" if "torch" in pair else "numpy", Z)
+    gradient, hvp = di.gradient_and_hvp(abs2_sum, backend, z, z)  # (a black-box outer defers the gradient)
+    np.testing.assert_allclose(_numpy(gradient), 2 * Z, rtol=1e-6)
+    np.testing.assert_allclose(_numpy(hvp), 2 * Z, rtol=1e-5)
 
 
 # -- the convention, by its example ---------------------------------------------------------------------
@@ -301,3 +305,22 @@ def test_check_gradients_checks_an_asserted_holomorphy() -> None:
     assert not report.failed
     with pytest.raises(AssertionError, match=r"not holomorphic at x"):
         check_gradients(conj_times, Z, backends=["finite_differences"], holomorphic=True)
+
+
+@pytest.mark.parametrize("backend_id", list(FIRST_ORDER))
+def test_the_value_beside_a_complex_derivative_is_complex(backend_id: str) -> None:
+    """A black-box engine computes f(x) only when asked: that value, too, is joined from its parts."""
+    backend = require(backend_id)
+    z, v = _as(backend_id, Z), _as(backend_id, Z[::-1].copy())
+    value, jvp = di.value_and_jvp(square, backend, z, v)
+    np.testing.assert_allclose(_numpy(value), Z * Z, rtol=1e-6)
+    np.testing.assert_allclose(_numpy(jvp), 2 * Z * Z[::-1], rtol=1e-6)
+    value, vjp = di.value_and_vjp(square, backend, z, v)
+    np.testing.assert_allclose(_numpy(value), Z * Z, rtol=1e-6)
+    np.testing.assert_allclose(_numpy(vjp), np.conj(2 * Z) * Z[::-1], rtol=1e-6)
+    value, jacobian = di.value_and_jacobian(square, backend, z)
+    np.testing.assert_allclose(_numpy(value), Z * Z, rtol=1e-6)
+    np.testing.assert_allclose(_numpy(jacobian), np.diag(2 * Z), rtol=1e-6, atol=1e-8)
+    gradient, hvp = di.gradient_and_hvp(abs2_sum, backend, z, v)
+    np.testing.assert_allclose(_numpy(gradient), 2 * Z, rtol=1e-6)
+    np.testing.assert_allclose(_numpy(hvp), 2 * Z[::-1], rtol=1e-6)

@@ -215,9 +215,9 @@ def check_holomorphic(
     with _no_grad(), _scope():
         y = at(wide)
         for k in range(wide.size):
-            unit = np.zeros(wide.size, dtype=np.complex128)
-            unit[k] = 1.0
-            unit = unit.reshape(wide.shape)
+            flat = np.zeros(wide.size, dtype=np.complex128)
+            flat[k] = 1.0
+            unit = flat.reshape(wide.shape)
             columns_re.append(((at(wide + h * unit) - at(wide - h * unit)) / (2 * h)).reshape(-1))
             columns_im.append(((at(wide + 1j * h * unit) - at(wide - 1j * h * unit)) / (2 * h)).reshape(-1))
     d_re = np.stack(columns_re, axis=-1) if columns_re else np.zeros((y.size, 0), dtype=np.complex128)

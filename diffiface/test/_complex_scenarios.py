@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from .. import _arrays
+from .._complex import from_parts
 from .._contexts import Constant
 from ._scenario import Scenario
 
@@ -64,7 +65,8 @@ def linear_loss(params: dict[str, Any], data: Any, target: Any) -> Any:
 def phase_fidelity(theta: Any, psi: Any, phi: Any) -> Any:
     """``|<psi, diag(exp(i theta)) phi>|^2``: real x, complex inside."""
     xp = _xp(theta)
-    amplitude = (xp.conj(psi) * xp.exp(1j * theta) * phi).sum()
+    phases = xp.exp(from_parts(xp.zeros_like(theta), theta))  # exp(i theta), without float * complex
+    amplitude = (xp.conj(psi) * phases * phi).sum()
     return xp.abs(amplitude) ** 2
 
 
@@ -95,11 +97,15 @@ def conj_times(z: Any) -> Any:
 
 
 def real_times(z: Any) -> Any:
-    return _xp(z).real(z) * z
+    """``Re(z) z``, the real part as ``(z + conj z) / 2`` (complex: jax's strict promotion takes
+    no float * complex)."""
+    return (z + _xp(z).conj(z)) / 2 * z
 
 
 def abs_times(z: Any) -> Any:
-    return _xp(z).abs(z) * z
+    """``|z| z``, the modulus as ``sqrt(conj(z) z)`` (complex, as in :func:`real_times`)."""
+    xp = _xp(z)
+    return xp.sqrt(xp.conj(z) * z) * z
 
 
 # -- the scenarios -------------------------------------------------------------------------------------
@@ -121,10 +127,10 @@ def _for_dtype(dtype: str) -> list[Scenario]:
     def draw(*shape: int) -> np.ndarray:
         return (rng.uniform(-1.5, 1.5, shape) + 1j * rng.uniform(-1.5, 1.5, shape)).astype(c)
 
-    z = np.array([3 + 4j, 0.5 - 1.25j, -0.75 + 0.25j], dtype=c)
+    z: np.ndarray = np.array([3 + 4j, 0.5 - 1.25j, -0.75 + 0.25j], dtype=c)
     v = draw(3)  # a tangent of z
     w = draw(3)  # a cotangent of f(z), or a constant
-    z_scalar = np.asarray(1.25 - 0.5j, dtype=c)
+    z_scalar: np.ndarray = np.asarray(1.25 - 0.5j, dtype=c)
     a = draw(2, 3)
     out: list[Scenario] = []
     tags = frozenset({"complex", dtype})
@@ -209,7 +215,7 @@ def _for_dtype(dtype: str) -> list[Scenario]:
     }
     value = np.asarray(s**2 * np.sum(np.abs(residual) ** 2), dtype=real)
     real_loss("linear_layer", linear_loss, params, value, grads, (Constant(data), Constant(target)))
-    theta = np.array([0.3, -1.1, 2.0], dtype=real)
+    theta: np.ndarray = np.array([0.3, -1.1, 2.0], dtype=real)
     psi, phi = draw(3), draw(3)
     terms = np.conj(psi) * np.exp(1j * theta) * phi
     amplitude = terms.sum()
@@ -267,4 +273,5 @@ def _cayley_gradient(m: np.ndarray, psi: np.ndarray, phi: np.ndarray) -> np.ndar
     a = np.vdot(psi, u)
     left = np.linalg.solve(np.conj(s).T, psi)
     g_k = -2 * a * np.outer(left, np.conj(phi + u))
-    return (g_k - np.conj(g_k).T).astype(m.dtype)
+    gradient: np.ndarray = (g_k - np.conj(g_k).T).astype(m.dtype)
+    return gradient
