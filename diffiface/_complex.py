@@ -17,8 +17,8 @@ Each adapter declares once how its engine differentiates complex numbers, in its
   sees each complex leaf as two real leaves, its real and imaginary parts.
 
 :func:`adapter_for_call` wraps an adapter in :class:`ComplexAdapter` for the calls that need it;
-the conversions themselves are the functions :func:`to_convention`, :func:`split_leaves` and
-:func:`complex_blocks`. Jacobians, derivatives and Hessian-vector products are computed on the
+the conversions themselves are :func:`to_convention` (an engine's own results), :class:`_Split`
+(complex leaves as their two real parts and back) and :func:`complex_blocks` (Jacobians). Jacobians, derivatives and Hessian-vector products are computed on the
 split function on every engine, so that no mode of any engine needs its own conversion.
 """
 
@@ -312,29 +312,9 @@ class _Split:
                 out.append(leaf)
         return tuple(out)
 
-    def split_cotangent(self, leaves: Leaves) -> Leaves:
-        """As :meth:`split`; a real cotangent of a complex leaf has imaginary part zero."""
-        out: list[Any] = []
-        for leaf, flag in zip(leaves, self.flags, strict=True):
-            if flag:
-                out.extend(_parts(leaf) if is_complex(leaf) else (leaf, _zeros_like(leaf)))
-            else:
-                out.append(leaf)
-        return tuple(out)
-
     def join(self, leaves: Leaves) -> Leaves:
         it = iter(leaves)
         return tuple(from_parts(next(it), next(it)) if flag else next(it) for flag in self.flags)
-
-    def join_bound(self, leaves: Leaves) -> Leaves:
-        """Error estimates of split leaves joined: ``err_re + i err_im``."""
-        return self.join(leaves)
-
-
-def split_leaves(leaves: Leaves) -> tuple[_Split, Leaves]:
-    """``(split, real_leaves)``: each complex leaf as its real and imaginary parts."""
-    split = _Split(leaves)
-    return split, split.split(leaves)
 
 
 def _zeros_like(leaf: Any) -> Any:
@@ -351,7 +331,6 @@ class _Realified:
         self.x_split = x_split
         self.held = held  # the imaginary parts, for the real axis only (None: both parts vary)
         self.out_split: _Split | None = None
-        self.scalar = False
         self.has_aux = getattr(fn, "has_aux", True)
         batched = getattr(fn, "batched", None)
         if batched is not None:
@@ -369,7 +348,6 @@ class _Realified:
             split = _Split(out)
             self.out_split = split
             return split.split(out) if split.any else out
-        self.scalar = True
         return out
 
     def __call__(self, rs: Leaves) -> tuple[Any, Any]:
@@ -396,13 +374,15 @@ def complex_blocks(
     along_real_axis: bool,
     check: bool,
     what: str,
+    errors: bool = False,
 ) -> tuple[tuple[Any, ...], ...]:
     """The Jacobian blocks ``df_i/dz_j`` from those of the split function.
 
     With both parts of ``z_j`` varied, ``df/dz = (df/dRe z - i df/dIm z) / 2`` and
     ``df/dconj z = (df/dRe z + i df/dIm z) / 2``; f is holomorphic where the second is zero
     (the Cauchy-Riemann equations), which ``check`` asserts. Along the real axis only
-    (holomorphy asserted), ``df/dz = df/dRe z``."""
+    (holomorphy asserted), ``df/dz = df/dRe z``. With ``errors``, the blocks are error estimates
+    of the split blocks, combined as bounds (each part the half sum of the parts it is made of)."""
     out_flags = out_split.flags if out_split is not None else (False,) * len(blocks)
     rows: list[tuple[Any, ...]] = []
     index = 0
@@ -423,7 +403,7 @@ def complex_blocks(
                 joined.append(next(columns))
                 continue
             d_re, d_im = next(columns), next(columns)
-            d_z = _half_sum(d_re, d_im, -1.0)
+            d_z = _half_sum(d_re, d_im, -1.0, errors)
             if check:
                 _check_holomorphic(d_z, _half_sum(d_re, d_im, 1.0), out_flags[i], what, i, j)
             joined.append(d_z)
@@ -431,11 +411,13 @@ def complex_blocks(
     return tuple(result)
 
 
-def _half_sum(a: Any, b: Any, sign: float) -> Any:
+def _half_sum(a: Any, b: Any, sign: float, bound: bool = False) -> Any:
     """``(a + sign i b) / 2``, through the parts of each (no mixed-type arithmetic, which jax's
-    strict dtype promotion refuses)."""
+    strict dtype promotion refuses); with ``bound``, of error estimates: ``|.|`` of each part summed."""
     a_re, a_im = _parts(a) if is_complex(a) else (a, _zeros_like(a))
     b_re, b_im = _parts(b) if is_complex(b) else (b, _zeros_like(b))
+    if bound:
+        return from_parts((abs(a_re) + abs(b_im)) / 2, (abs(a_im) + abs(b_re)) / 2)
     return from_parts((a_re - sign * b_im) / 2, (a_im + sign * b_re) / 2)
 
 
@@ -522,7 +504,7 @@ class ComplexAdapter:
         if self._convention == "split":
             g = _Realified(fn, x_split)
             value, aux, grads = self._inner.value_and_gradient(g, x_split.split(xs))
-            self._errors(lambda e: (e[0], e[1], x_split.join_bound(e[2])))
+            self._errors(lambda e: (e[0], e[1], x_split.join(e[2])))
             return value, aux, x_split.join(grads)
         value, aux, grads = self._inner.value_and_gradient(fn, xs)
         return value, aux, to_convention("gradient", self._convention, tuple(grads))
@@ -555,10 +537,10 @@ class ComplexAdapter:
 
         def split_pullback(touts: Any) -> Leaves:
             if isinstance(touts, tuple) and g.out_split is not None and g.out_split.any:
-                touts = g.out_split.split_cotangent(touts)
+                touts = g.out_split.split(touts)
             return x_split.join(tuple(vjp(touts)))
 
-        self._errors(lambda e: (g.join_out(e[0]), e[1], x_split.join_bound(e[2])))
+        self._errors(lambda e: (g.join_out(e[0]), e[1], x_split.join(e[2])))
         return g.join_out(out), aux, split_pullback
 
     def value_and_pullback(self, fn: Callable[[Leaves], Any], xs: Leaves, touts: Any) -> tuple[Any, Any, Leaves]:
@@ -584,7 +566,7 @@ class ComplexAdapter:
             lambda e: (
                 g.join_out(e[0]),
                 e[1],
-                complex_blocks(e[2], g.out_split, x_split, along_real_axis, False, "Jacobian"),
+                complex_blocks(e[2], g.out_split, x_split, along_real_axis, False, "Jacobian", errors=True),
             )
         )
         return g.join_out(out), aux, result
@@ -620,7 +602,7 @@ class ComplexAdapter:
             return self._inner.gradient_and_hvp(fn, xs, txs)
         g = _Realified(fn, x_split)
         value, aux, grads, hvps = self._inner.gradient_and_hvp(g, x_split.split(xs), x_split.split(txs))
-        self._errors(lambda e: (e[0], e[1], x_split.join_bound(e[2]), x_split.join_bound(e[3])))
+        self._errors(lambda e: (e[0], e[1], x_split.join(e[2]), x_split.join(e[3])))
         if isinstance(grads, Deferred):  # (a black-box outer engine defers the gradient)
             deferred = grads
             joined: Any = Deferred(lambda: x_split.join(tuple(deferred.force())))

@@ -15,8 +15,8 @@ import pytest
 from conftest import FIRST_ORDER, SECOND_ORDER, require
 
 import diffiface as di
-from diffiface.test import check_gradients, test_differentiation
-from diffiface.test._complex_scenarios import abs2_sum, complex_scenarios, conj_times, square
+from diffiface.test import check_gradients, complex_scenarios, test_differentiation
+from diffiface.test._complex_scenarios import abs2_sum, conj_times, square
 
 Z = np.array([3 + 4j, 0.5 - 1.25j, -0.75 + 0.25j])
 
@@ -324,3 +324,16 @@ def test_the_value_beside_a_complex_derivative_is_complex(backend_id: str) -> No
     gradient, hvp = di.gradient_and_hvp(abs2_sum, backend, z, v)
     np.testing.assert_allclose(_numpy(gradient), 2 * Z, rtol=1e-6)
     np.testing.assert_allclose(_numpy(hvp), 2 * Z[::-1], rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend_id", ["torch-autograd", "torch-func"])
+def test_a_torch_conjugate_view_comes_back_as_numpy(backend_id: str) -> None:
+    """torch.conj(z) is a lazy view numpy cannot read until resolved: numpy x, numpy result."""
+    backend = require(backend_id)
+    import torch
+
+    v = Z[::-1].copy()
+    np.testing.assert_allclose(di.jvp(lambda z: torch.conj(z), backend, Z, v), np.conj(v))
+    np.testing.assert_allclose(di.vjp(lambda z: torch.conj(z), backend, Z, v), np.conj(v))
+    value, _ = di.value_and_jvp(lambda z: torch.conj(z), backend, Z, v)
+    np.testing.assert_allclose(value, np.conj(Z))

@@ -141,7 +141,7 @@ class Report:
 
 
 #: The tag of each bundled list, and the group name ``python -m diffiface.test --scenarios`` takes.
-_GROUPS = {"core": "core", "layer": "layers", "torch_module": "torch", "sparse": "sparse"}
+_GROUPS = {"core": "core", "layer": "layers", "torch_module": "torch", "sparse": "sparse", "complex": "complex"}
 
 
 def _group(row: Row) -> str:
