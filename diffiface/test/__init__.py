@@ -14,8 +14,8 @@
 
 from ._benchmark import benchmark_differentiation as benchmark_differentiation
 from ._compare import assert_allclose as assert_allclose
-from ._complex_scenarios import complex_scenarios as complex_scenarios
 from ._compare import default_tolerances as default_tolerances
+from ._complex_scenarios import complex_scenarios as complex_scenarios
 from ._pytest import parametrize as parametrize
 from ._running import Report as Report
 from ._running import Row as Row
