@@ -174,7 +174,8 @@ def to_numpy(leaf: Any) -> np.ndarray:
     if k == "torch":
         if type(leaf) is not sys.modules["torch"].Tensor and hasattr(leaf, "device_mesh"):
             raise _gather_refused(leaf)
-        return leaf.detach().cpu().numpy()  # type: ignore[no-any-return]
+        # (a conjugate view, torch.conj(z), has no memory of its own for numpy to read)
+        return leaf.detach().cpu().resolve_conj().resolve_neg().numpy()  # type: ignore[no-any-return]
     if k == "python":
         return np.asarray(leaf, dtype=np.complex128 if isinstance(leaf, complex) else np.float64)
     return np.asarray(leaf)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import _arrays
+from . import _arrays, _complex
 from . import tree as _tree
 from ._adapters import info
 from ._adapters._base import Adapter
@@ -44,17 +44,12 @@ def _check_x(op: Operator, backend: Backend, any_array_type: bool, call: Call) -
                 f"x{path} is a meta tensor, which has a shape but no values to differentiate at. Create it "
                 "on a real device (torch.ones(..., device='cpu'))."
             )
-        if not _arrays.is_float_dtype(dtype):
-            what = "complex" if "complex" in dtype else dtype
+        if not _arrays.is_float_dtype(dtype) and not _complex.is_complex_dtype(dtype):
             raise InvalidInputError(
-                f"x{path} has dtype {what}; only real floating-point inputs can be differentiated. "
-                + (
-                    "Split a complex input into its real and imaginary parts."
-                    if what == "complex"
-                    else "Cast it to a float dtype, or pass it as a di.Constant if it is not differentiated "
-                    "(for a model, split its integer arrays off with eqx.partition(model, eqx.is_inexact_array) "
-                    "and pass them as a di.Constant)."
-                )
+                f"x{path} has dtype {dtype}; only floating-point and complex (complex64, complex128) inputs "
+                "can be differentiated. Cast it to a float dtype, or pass it as a di.Constant if it is not "
+                "differentiated (for a model, split its integer arrays off with "
+                "eqx.partition(model, eqx.is_inexact_array) and pass them as a di.Constant)."
             )
         if dtype in ("float16", "bfloat16") and any_array_type:
             raise InvalidInputError(
@@ -211,7 +206,7 @@ def _checked(op: Operator, result: Any, output: _Output, adapter: Adapter) -> li
     for leaf in leaves:
         key = (type(leaf), getattr(leaf, "dtype", None))
         if key not in checked:
-            _check_numeric(op, leaf, adapter.complex_outputs)
+            _check_numeric(op, leaf, adapter.complex_outputs or _complex.complex_output_ok(op, leaf))
             checked.add(key)
     if op.scalar_output and (len(leaves) != 1 or _arrays.shape(leaves[0]) != ()):
         raise InvalidOutputError(
@@ -249,7 +244,7 @@ def _check_numeric(op: Operator, leaf: Any, complex_ok: bool) -> None:
         )
 
 
-def _check_cotangent(sig: Signature, output: _Output, ts: tuple[Any, ...]) -> None:
+def _check_cotangent(sig: Signature, output: _Output, ts: tuple[Any, ...], complex_step: bool = False) -> None:
     """The cotangent against f(x), whose structure and shapes the last evaluation recorded.
 
     A prep's signature fixes the cotangent's structure, shapes and dtypes, so an output
@@ -282,7 +277,7 @@ def _check_cotangent(sig: Signature, output: _Output, ts: tuple[Any, ...]) -> No
         if dtype is None or t[0] == "python":
             continue
         found = str(t[2]).removeprefix("torch.")
-        if found != dtype:
+        if found != dtype and not (complex_step and _complex.cotangent_fits(found, dtype)):
             raise TangentMismatchError(
                 f"Cotangent leaf {i} has dtype {found}, but f(x)'s leaf {i} has dtype {dtype}; cast the "
                 f"cotangent to {dtype}."

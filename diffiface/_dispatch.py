@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from . import _complex
 from ._adapters import adapter_for, info, names_of, normalize
 from ._backends import AutoSparse, Backend
 from ._call import _LEAF, OPERATORS, Call, Operator, _dynamic_view
@@ -219,6 +220,7 @@ def _program_of(
         _check_tangent_like_x(op, call)
     del full_call
     signature = call.signature
+    adapter = _complex.adapter_for_call(op, adapter, call, f)  # complex numbers in the convention
     output = _Output()
     conversions = _Conversions(adapter, op, call)
     traced = _program(op, adapter, function, call, output, conversions)

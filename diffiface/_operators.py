@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._backends import Backend
+from ._complex import holomorphic as _holomorphic
 from ._dispatch import evaluate, prepare
 from ._prep import Prep
 
@@ -61,9 +62,20 @@ BackendLike = Backend | str
 
 
 def derivative(
-    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None, has_aux: bool = False
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    *contexts: Any,
+    prep: Prep | None = None,
+    has_aux: bool = False,
+    holomorphic: bool = False,
 ) -> Any:
     """The derivative of ``f`` at a scalar ``x``, shaped as ``f(x)``.
+
+    For a complex ``x``, ``f`` must be holomorphic and the result is ``f'(x)``; a map that is not
+    is refused (:class:`~diffiface.UnsupportedOperationError`, checked on the values, which
+    runs jax without jit). ``holomorphic=True`` asserts it: then nothing is checked and the
+    derivative is taken along the real axis (see docs/complex.md).
 
     See :func:`prepare_derivative` to do the one-time work once.
 
@@ -73,31 +85,53 @@ def derivative(
     >>> di.derivative(lambda x: x**3, "finite_differences", 2.0)  # doctest: +ELLIPSIS
     12.0000000...
     """
-    return evaluate("derivative", f, backend, x, None, contexts, prep, has_aux)
+    return evaluate("derivative", _holomorphic(f) if holomorphic else f, backend, x, None, contexts, prep, has_aux)
 
 
 def prepare_derivative(
-    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    *contexts: Any,
+    strict: bool = True,
+    has_aux: bool = False,
+    holomorphic: bool = False,
 ) -> Prep:
     """Prepare :func:`derivative` for arguments shaped like these; pass the result as ``prep=``."""
-    return prepare("derivative", f, backend, x, None, contexts, strict, has_aux)
+    return prepare("derivative", _holomorphic(f) if holomorphic else f, backend, x, None, contexts, strict, has_aux)
 
 
 def value_and_derivative(
-    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None, has_aux: bool = False
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    *contexts: Any,
+    prep: Prep | None = None,
+    has_aux: bool = False,
+    holomorphic: bool = False,
 ) -> Any:
     """``(f(x), derivative)`` at a scalar ``x``.
 
     See :func:`prepare_value_and_derivative` to do the one-time work once.
     """
-    return evaluate("value_and_derivative", f, backend, x, None, contexts, prep, has_aux)
+    return evaluate(
+        "value_and_derivative", _holomorphic(f) if holomorphic else f, backend, x, None, contexts, prep, has_aux
+    )
 
 
 def prepare_value_and_derivative(
-    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    *contexts: Any,
+    strict: bool = True,
+    has_aux: bool = False,
+    holomorphic: bool = False,
 ) -> Prep:
     """Prepare :func:`value_and_derivative` for arguments shaped like these; pass the result as ``prep=``."""
-    return prepare("value_and_derivative", f, backend, x, None, contexts, strict, has_aux)
+    return prepare(
+        "value_and_derivative", _holomorphic(f) if holomorphic else f, backend, x, None, contexts, strict, has_aux
+    )
 
 
 def second_derivative(
@@ -175,10 +209,21 @@ def prepare_value_and_gradient(
 
 
 def jacobian(
-    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None, has_aux: bool = False
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    *contexts: Any,
+    prep: Prep | None = None,
+    has_aux: bool = False,
+    holomorphic: bool = False,
 ) -> Any:
     """The Jacobian of ``f`` at ``x``: per leaf ``y.shape + x.shape``; for pytrees the structure of
     ``f(x)`` holding the structure of ``x``, as ``jax.jacobian`` nests it.
+
+    For a complex ``x`` the entries are ``df_i/dz_j`` of a holomorphic ``f``; a map that is not
+    holomorphic is refused (:class:`~diffiface.UnsupportedOperationError`, checked on the
+    values, which runs jax without jit), unless ``holomorphic=True`` asserts it: then nothing
+    is checked and the Jacobian is taken along the real axis (see docs/complex.md).
 
     See :func:`prepare_jacobian` to do the one-time work once.
 
@@ -189,31 +234,53 @@ def jacobian(
     array([[2., 0.],
            [0., 2.]])
     """
-    return evaluate("jacobian", f, backend, x, None, contexts, prep, has_aux)
+    return evaluate("jacobian", _holomorphic(f) if holomorphic else f, backend, x, None, contexts, prep, has_aux)
 
 
 def prepare_jacobian(
-    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    *contexts: Any,
+    strict: bool = True,
+    has_aux: bool = False,
+    holomorphic: bool = False,
 ) -> Prep:
     """Prepare :func:`jacobian` for arguments shaped like these; pass the result as ``prep=``."""
-    return prepare("jacobian", f, backend, x, None, contexts, strict, has_aux)
+    return prepare("jacobian", _holomorphic(f) if holomorphic else f, backend, x, None, contexts, strict, has_aux)
 
 
 def value_and_jacobian(
-    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None, has_aux: bool = False
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    *contexts: Any,
+    prep: Prep | None = None,
+    has_aux: bool = False,
+    holomorphic: bool = False,
 ) -> Any:
     """``(f(x), jacobian)``.
 
     See :func:`prepare_value_and_jacobian` to do the one-time work once.
     """
-    return evaluate("value_and_jacobian", f, backend, x, None, contexts, prep, has_aux)
+    return evaluate(
+        "value_and_jacobian", _holomorphic(f) if holomorphic else f, backend, x, None, contexts, prep, has_aux
+    )
 
 
 def prepare_value_and_jacobian(
-    f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, strict: bool = True, has_aux: bool = False
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    *contexts: Any,
+    strict: bool = True,
+    has_aux: bool = False,
+    holomorphic: bool = False,
 ) -> Prep:
     """Prepare :func:`value_and_jacobian` for arguments shaped like these; pass the result as ``prep=``."""
-    return prepare("value_and_jacobian", f, backend, x, None, contexts, strict, has_aux)
+    return prepare(
+        "value_and_jacobian", _holomorphic(f) if holomorphic else f, backend, x, None, contexts, strict, has_aux
+    )
 
 
 def hessian(

@@ -56,7 +56,7 @@ def _program(
         fn = close(function(), context_values, xs[0] if xs else None)
         if pullback:
             out, aux, vjp = adapter.pullback_function(fn, xs)
-            _check_cotangent(sig, output, ts)
+            _check_cotangent(sig, output, ts, adapter.complex_outputs)
             result: tuple[Any, ...] = (out, aux, vjp(ts))
         elif op.tangent is None:
             result = method(fn, xs)
@@ -415,8 +415,9 @@ def _output_dtype(leaf: Any) -> str | None:
     """The dtype a cotangent of this output leaf must have; None where any float will do."""
     if _arrays.kind(leaf) == "python":
         return None
-    name = {"complex64": "float32", "complex128": "float64"}.get(_arrays.dtype_name(leaf), _arrays.dtype_name(leaf))
-    return name if _arrays.is_float_dtype(name) else None  # a complex step evaluates f at complex points
+    name = _arrays.dtype_name(leaf)
+    # (a complex step's output is complex at its complex points; its cotangent is real: _complex.cotangent_fits)
+    return name if _arrays.is_float_dtype(name) or "complex" in name else None
 
 
 # -- the program's arguments ---------------------------------------------------------------------------
@@ -494,10 +495,10 @@ class _Conversions:
 
 def _involves_float64(call: Call) -> bool:
     for leaf in (*call.x_leaves, *call.tangent_leaves):
-        if isinstance(leaf, float) or _arrays.dtype_name(leaf) == "float64":
+        if isinstance(leaf, (float, complex)) or _arrays.dtype_name(leaf) in ("float64", "complex128"):
             return True
     return any(
-        _arrays.is_array(leaf) and _arrays.dtype_name(leaf) == "float64"
+        _arrays.is_array(leaf) and _arrays.dtype_name(leaf) in ("float64", "complex128")
         for leaves in call.context_leaves
         for leaf in leaves
     )

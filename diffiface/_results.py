@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import optree
 
-from . import _arrays, _placement
+from . import _arrays, _complex, _placement
 from ._call import _ARRAY_KINDS, _LEAF, Call, Operator
 
 if TYPE_CHECKING:  # (_programs finishes inside a compiled program with promoted_dtype)
@@ -227,6 +227,8 @@ def promoted_dtype(a: str | None, b: str | None) -> str | None:
         return b
     if b is None:
         return a
+    if "complex" in a or "complex" in b:
+        return _complex.promoted(a, b)
     width = max(_PRECISION.get(a, 64), _PRECISION.get(b, 64))
     if width == 16:
         return "float32"
@@ -247,7 +249,12 @@ def _cast(value: Any, dtype: str | None) -> Any:
     if dtype is None:
         return value
     current = getattr(value, "dtype", None)
-    if current is None or _arrays.dtype_name(value) == dtype or not _arrays.is_float_dtype(_arrays.dtype_name(value)):
+    if (
+        current is None
+        or _arrays.dtype_name(value) == dtype
+        or not _arrays.is_float_dtype(_arrays.dtype_name(value))
+        or not _arrays.is_float_dtype(dtype)  # a real block stays real: a complex step's output is complex
+    ):
         return value
     if _arrays.kind(value) == "torch":
         return value.to(getattr(sys.modules["torch"], dtype))
@@ -285,7 +292,8 @@ def _mirror(value: Any, like: Any) -> Any:
         return value
     kind = _arrays.kind(like)
     if kind == "python":
-        return float(np.asarray(_arrays.to_numpy(value)))
+        number = np.asarray(_arrays.to_numpy(value))
+        return complex(number) if isinstance(like, complex) else float(number)
     if kind == "numpy":
         array = value if value_kind == "numpy" else _arrays.to_numpy(value)
         return np.asarray(array, dtype=_arrays.native_dtype(like.dtype))  # (as numpy's own operations return)

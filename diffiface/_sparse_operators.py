@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import optree
 
-from . import _arrays, sparse
+from . import _arrays, _complex, sparse
 from . import _operators as ops
 from . import tree as _tree
 from ._adapters import info
@@ -74,6 +74,7 @@ class SparseProgram:
                 f"{name} does not take has_aux=True: only value_and_gradient, value_and_jvp and value_and_vjp "
                 "do. Drop the aux inside f (lambda x, *c: f(x, *c)[0])."
             )
+        _complex.refuse_sparse(call)
         self.name = name
         self.function = FunctionRef(f)
         self.x_spec = call.signature.x_spec

@@ -275,7 +275,7 @@ def _(mp):
     "x-integer-array",
     ("jax",),
     di.InvalidInputError,
-    r"x has dtype int64; only real floating-point.*Cast it to a float dtype.*di\.Constant",
+    r"x has dtype int64; only floating-point and complex.*Cast it to a float dtype.*di\.Constant",
 )
 def _(mp):
     x = np.arange(3)
@@ -318,16 +318,36 @@ def _(mp):
     return lambda: di.gradient(lambda x: float(len(x["name"])), "finite_differences", x), (x,)
 
 
-@case("x-complex", (), di.InvalidInputError, r"x has dtype complex; only real floating-point.*real and imaginary parts")
+@case("x-complex-valued-gradient", (), di.InvalidOutputError, r"f returned a complex value.*gradient.*Use jvp.*vjp")
 def _(mp):
     x = vec() + 1j
-    return lambda: di.gradient(lambda x: abs(x).sum(), "finite_differences", x), (x,)
+    return lambda: di.gradient(lambda x: (x * x).sum(), "finite_differences", x), (x,)
 
 
-@case("x-complex-torch", ("torch",), di.InvalidInputError, r"x has dtype complex.*real and imaginary parts")
+@case("x-complex-valued-gradient-torch", ("torch",), di.InvalidOutputError, r"complex value.*Use jvp.*vjp")
 def _(mp):
     x = _torch().ones(3, dtype=_torch().complex64)
-    return lambda: di.gradient(lambda x: x.abs().sum(), "torch", x), (x,)
+    return lambda: di.gradient(lambda x: (x * x).sum(), "torch", x), (x,)
+
+
+@case(
+    "x-complex-step-on-complex", (), di.InvalidBackendOptionError, r"method='complex'.*complex x.*central differences"
+)
+def _(mp):
+    x = vec() + 1j
+    return lambda: di.gradient(lambda x: abs(x).sum(), di.AutoFiniteDifferences(method="complex"), x), (x,)
+
+
+@case("x-complex-hessian", (), di.UnsupportedOperationError, r"hessian of a function of complex x.*Use hvp")
+def _(mp):
+    x = vec() + 1j
+    return lambda: di.hessian(lambda x: (abs(x) ** 2).sum(), "finite_differences", x), (x,)
+
+
+@case("x-complex-not-holomorphic", (), di.UnsupportedOperationError, r"not holomorphic.*Use jvp.*holomorphic=True")
+def _(mp):
+    x = vec() + 1j
+    return lambda: di.jacobian(lambda x: x.conj() * x, "finite_differences", x), (x,)
 
 
 @case(

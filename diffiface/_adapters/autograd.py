@@ -44,12 +44,13 @@ warnings.filterwarnings("ignore", message="Output seems independent of input", m
 
 class Adapter(_base.Adapter):
     xp = anp
+    complex_convention = "conjugate"  # autograd.grad gives df/dRe z - i df/dIm z (diffiface._complex)
 
     def to_native(self, leaf: Any) -> Any:
         if type(leaf) is np.ndarray:
             return leaf
         if _arrays.kind(leaf) == "python":
-            return np.asarray(leaf, dtype=np.float64)
+            return np.asarray(leaf, dtype=np.complex128 if isinstance(leaf, complex) else np.float64)
         return leaf
 
     def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:

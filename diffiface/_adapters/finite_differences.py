@@ -362,6 +362,7 @@ def _real_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
 
 
 class Adapter(_base.Adapter):
+    complex_convention = "split"  # a complex leaf is differenced along its real and imaginary axes
     xp = np
 
     def __init__(self, backend: Any, info: Any) -> None:

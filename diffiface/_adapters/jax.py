@@ -40,11 +40,12 @@ def _names_a_tracer(exc: BaseException) -> bool:
 
 class Adapter(_base.Adapter):
     xp = jnp
+    complex_convention = "conjugate"  # jax.grad gives df/dRe z - i df/dIm z (diffiface._complex)
 
     def to_native(self, leaf: Any) -> Any:
         kind = _arrays.kind(leaf)
         if kind == "python":
-            return jnp.asarray(leaf, dtype=jnp.float64)
+            return jnp.asarray(leaf, dtype=jnp.complex128 if isinstance(leaf, complex) else jnp.float64)
         if kind == "numpy":
             return jnp.asarray(_arrays.in_native_byte_order(leaf))
         return leaf

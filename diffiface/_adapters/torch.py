@@ -100,6 +100,7 @@ def _keeping() -> bool:
 
 class Adapter(_base.Adapter):
     xp = _Namespace
+    complex_convention = "torch"  # df/dRe z + i df/dIm z, the convention itself (diffiface._complex)
 
     def __init__(self, backend: Any, info: Any) -> None:
         super().__init__(backend, info)
@@ -115,7 +116,7 @@ class Adapter(_base.Adapter):
                 )
             return leaf
         if kind == "python":
-            return torch.tensor(leaf, dtype=torch.float64)
+            return torch.tensor(leaf, dtype=torch.complex128 if isinstance(leaf, complex) else torch.float64)
         if kind == "numpy":
             # a C-ordered copy in native byte order: x stays the caller's, and torch takes no
             # negative strides nor a big-endian array

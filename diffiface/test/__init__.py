@@ -2,6 +2,8 @@
 
 - :class:`Scenario` and the bundled lists :func:`core_scenarios`, :func:`layer_scenarios`
   (the layer zoo, written once against the array API) and :func:`torch_module_scenarios`;
+- :func:`complex_scenarios` (complex inputs and outputs, with analytic references in torch's
+  convention: see docs/complex.md);
 - :func:`sparse_scenarios` (sparse Jacobians and Hessians with analytic references and
   patterns) and :func:`run_sparse`, which runs them on AutoSparse of each engine and detector;
 - :func:`test_differentiation`: every backend on every scenario, against its reference;
@@ -13,6 +15,7 @@
 from ._benchmark import benchmark_differentiation as benchmark_differentiation
 from ._compare import assert_allclose as assert_allclose
 from ._compare import default_tolerances as default_tolerances
+from ._complex_scenarios import complex_scenarios as complex_scenarios
 from ._pytest import parametrize as parametrize
 from ._running import Report as Report
 from ._running import Row as Row
@@ -37,6 +40,7 @@ __all__ = [
     "backend_label",
     "benchmark_differentiation",
     "check_gradients",
+    "complex_scenarios",
     "core_scenarios",
     "default_tolerances",
     "layer_scenarios",

@@ -31,7 +31,7 @@ _BACKENDS: dict[str, Backend] = {
     "autograd": AutoAutograd(),
     "scipy": AutoScipy(),
 }
-_GROUPS = ("core", "layers", "torch", "sparse")
+_GROUPS = ("core", "layers", "torch", "sparse", "complex")
 
 #: Known limits of the bundled suite, by backend label: skipped, with the reason in the docs.
 _SKIP: dict[str, Iterable[str]] = {
@@ -76,6 +76,10 @@ def _scenarios(
             notes.append('torch modules: skipped, torch is not installed: pip install "diffiface[torch]"')
         elif not quick:
             chosen += _scenarios.torch_module_scenarios()
+    if "complex" in groups:
+        from ._complex_scenarios import complex_scenarios
+
+        chosen += complex_scenarios(dtypes=("complex128",) if quick else ("complex128", "complex64"))
     if operators:
         chosen = [s for s in chosen if s.operator in operators]
     return chosen, notes

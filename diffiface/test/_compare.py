@@ -18,6 +18,8 @@ _TOLERANCES = {
     "float32": (1e-3, 1e-4),
     "float16": (3e-2, 1e-2),
     "bfloat16": (5e-2, 2e-2),
+    "complex128": (1e-6, 1e-8),  # |actual - expected| of complex numbers, at their parts' precision
+    "complex64": (1e-3, 1e-4),
 }
 
 
@@ -86,8 +88,7 @@ def _compare_leaf(path: str, a: Any, e: Any, rtol: float | None, atol: float | N
 
 def worst_error(a: Any, e: Any, rtol: float, atol: float) -> tuple[tuple[int, ...], float, float, float, float] | None:
     """The worst element out of tolerance as ``(index, actual, expected, abs, rel)``; None if all fit."""
-    va = np.asarray(_arrays.to_numpy(a), dtype=np.float64)
-    ve = np.asarray(_arrays.to_numpy(e), dtype=np.float64)
+    va, ve = _numbers(a), _numbers(e)
     with np.errstate(invalid="ignore", over="ignore"):
         nan_mismatch = np.isnan(va) != np.isnan(ve)
         inf_mismatch = (np.isinf(va) | np.isinf(ve)) & (va != ve) & ~np.isnan(va) & ~np.isnan(ve)
@@ -99,7 +100,7 @@ def worst_error(a: Any, e: Any, rtol: float, atol: float) -> tuple[tuple[int, ..
         return None
     flat = int(np.argmax(excess))
     index = tuple(int(i) for i in np.unravel_index(flat, va.shape)) if va.shape else ()
-    x, y = float(va.reshape(-1)[flat]), float(ve.reshape(-1)[flat])
+    x, y = va.reshape(-1)[flat].item(), ve.reshape(-1)[flat].item()
     abs_err = abs(x - y) if np.isfinite(x) and np.isfinite(y) else float("inf")
     rel_err = abs_err / abs(y) if y else float("inf")
     return index, x, y, abs_err, rel_err
@@ -110,8 +111,7 @@ def max_errors(actual: Any, expected: Any) -> tuple[float, float]:
     ``max|a - e| / max|e|`` over the whole result (finite elements only)."""
     worst_abs = scale = 0.0
     for a, e in zip(_tree.leaves(actual), _tree.leaves(expected), strict=False):
-        va = np.asarray(_arrays.to_numpy(a), dtype=np.float64)
-        ve = np.asarray(_arrays.to_numpy(e), dtype=np.float64)
+        va, ve = _numbers(a), _numbers(e)
         if va.shape != ve.shape or va.size == 0:
             continue
         with np.errstate(invalid="ignore"):
@@ -121,6 +121,12 @@ def max_errors(actual: Any, expected: Any) -> tuple[float, float]:
             worst_abs = max(worst_abs, float(np.max(diff[finite])))
             scale = max(scale, float(np.max(np.abs(ve[finite]))))
     return worst_abs, (worst_abs / scale if scale else (0.0 if worst_abs == 0 else float("inf")))
+
+
+def _numbers(leaf: Any) -> np.ndarray:
+    """A leaf's values in float64, or complex128 where it is complex (never its real part alone)."""
+    array = np.asarray(_arrays.to_numpy(leaf))
+    return array.astype(np.complex128 if np.iscomplexobj(array) else np.float64)
 
 
 def _describe(leaf: Any) -> str:

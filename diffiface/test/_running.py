@@ -141,7 +141,7 @@ class Report:
 
 
 #: The tag of each bundled list, and the group name ``python -m diffiface.test --scenarios`` takes.
-_GROUPS = {"core": "core", "layer": "layers", "torch_module": "torch", "sparse": "sparse"}
+_GROUPS = {"core": "core", "layer": "layers", "torch_module": "torch", "sparse": "sparse", "complex": "complex"}
 
 
 def _group(row: Row) -> str:
@@ -600,6 +600,7 @@ def check_gradients(
     projections: int | None = None,
     seed: int = 0,
     has_aux: bool = False,
+    holomorphic: bool = False,
 ) -> Report:
     """Check the gradient of ``f`` at ``x`` on every backend, in one call.
 
@@ -621,6 +622,12 @@ def check_gradients(
     With ``has_aux=True``, ``f`` returns ``(value, aux)``: the value is differentiated and the
     aux ignored (it must be deterministic too).
 
+    For a complex x, the gradient is ``df/dRe x + i df/dIm x`` (docs/complex.md), checked also
+    along random complex directions, which tell a gradient from its conjugate (a custom rule
+    returning the conjugate fails, and is told so). ``holomorphic=True`` checks a
+    complex-valued ``f`` asserted holomorphic instead: the Cauchy-Riemann equations, and each
+    backend's ``jacobian(..., holomorphic=True)``.
+
     Each row of the returned :class:`Report` names its reference. Warnings the engines raise
     are collected on the rows (:attr:`Report.warnings`), never failures. Raises
     ``AssertionError`` naming every disagreement.
@@ -639,6 +646,11 @@ def check_gradients(
     chosen = _available_backends(x) if automatic else [normalize(b) for b in backends]
     if not chosen:
         raise AssertionError('no backend to check: install one (pip install "diffiface[jax]") or pass backends=...')
+    from . import _complex_checks  # complex x: its own truth (the lead re-wires this after the merge)
+
+    if holomorphic:
+        return _complex_checks.check_holomorphic(f, x, contexts, chosen, rtol, atol)
+    complex_x = _complex_checks.applies(x)
     operator = "value_and_gradient" if has_aux else "gradient"
     scenario = Scenario("f", f, x, operator, tuple(contexts), reference=None, has_aux=has_aux)
     outside = Row("(reference)", "f", "gradient", "passed")
@@ -653,6 +665,7 @@ def check_gradients(
     size = sum(int(np.prod(_arrays.shape(leaf))) for leaf in _tree.leaves(x))
     noise = _difference_noise(_sharded_scalar(value) if sharded else value, size)
     k = projections if projections is not None else (8 if size > _PROJECTION_THRESHOLD or sharded else 0)
+    k = 0 if complex_x else k  # (complex x: its directions below)
     rng = np.random.default_rng(seed)
     placed = bool(k) and not sharded and _on_device.applies(x)  # jax arrays on devices of their own: kept there
     directions: list[Any]
@@ -724,6 +737,8 @@ def check_gradients(
                 row.status, row.message = _outcome(exc)
                 if k and row.status == "failed" and label in gradients:
                     against_truth[label] = row.abs_error
+    if complex_x:
+        _complex_checks.check_adjoint(report, f, x, contexts, gradients, has_aux, seed, rtol)
     labels = list(gradients)
     disagreements: set[str] = set()
     for i, a in enumerate(labels):

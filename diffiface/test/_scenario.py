@@ -187,7 +187,8 @@ def shifted(tree: Any, amount: float = 0.25) -> Any:
     def shift(leaf: Any) -> Any:
         if isinstance(leaf, float):
             return leaf + amount
-        if _arrays.kind(leaf) in ("numpy", "torch", "jax") and _arrays.is_float_dtype(_arrays.dtype_name(leaf)):
+        dtype = _arrays.dtype_name(leaf)
+        if _arrays.kind(leaf) in ("numpy", "torch", "jax") and (_arrays.is_float_dtype(dtype) or "complex" in dtype):
             return leaf + amount
         return leaf
 

@@ -1,0 +1,611 @@
+"""Complex numbers, with one convention on every engine: torch's.
+
+- The gradient of a real-valued ``f`` of complex ``x`` is ``df/dRe x + i df/dIm x`` (|z|^2 at
+  3+4j gives 6+8j).
+- ``jvp`` is the directional derivative ``lim (f(x + h xdot) - f(x)) / h`` over real ``h``.
+- ``vjp`` is its adjoint under ``Re<a, b> = Re sum(conj(a) b)``.
+- ``jacobian`` and ``derivative`` of a holomorphic ``f`` hold ``df_i/dz_j``; a map that is not
+  holomorphic has no complex Jacobian and is refused, unless the caller asserts holomorphy.
+
+Each adapter declares once how its engine differentiates complex numbers, in its
+``complex_convention`` attribute:
+
+- ``"torch"``: the engine's gradient and vjp are the convention already (torch);
+- ``"conjugate"``: its gradient is the conjugate, its vjp ``conj(vjp(conj(ybar)))`` of the
+  convention's (jax, autograd);
+- ``"split"``: the engine differentiates real numbers only (finite differences, scipy); it
+  sees each complex leaf as two real leaves, its real and imaginary parts.
+
+:func:`adapter_for_call` wraps an adapter in :class:`ComplexAdapter` for the calls that need it;
+the conversions themselves are :func:`to_convention` (an engine's own results), :class:`_Split`
+(complex leaves as their two real parts and back) and :func:`complex_blocks` (Jacobians). Jacobians, derivatives and Hessian-vector products are computed on the
+split function on every engine, so that no mode of any engine needs its own conversion.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+import numpy as np
+
+from . import _arrays
+from ._adapters._base import Deferred
+from ._errors import InvalidBackendOptionError, InvalidOutputError, UnsupportedOperationError
+
+if TYPE_CHECKING:
+    from ._adapters._base import Adapter
+    from ._call import Call, Operator
+
+Convention = Literal["torch", "conjugate", "split"]
+Leaves = tuple[Any, ...]
+
+_COMPLEX_DTYPES = frozenset({"complex64", "complex128"})
+_REAL_OF = {"complex64": "float32", "complex128": "float64"}
+_COMPLEX_OF = {"float32": "complex64", "float64": "complex128"}
+_JACOBIAN_FAMILY = frozenset({"value_and_jacobian", "value_and_derivative"})
+
+
+# -- dtypes -----------------------------------------------------------------------------------------
+
+
+def is_complex_dtype(name: str) -> bool:
+    return name in _COMPLEX_DTYPES
+
+
+def is_complex(leaf: Any) -> bool:
+    """Whether a leaf (an array of any framework, a traced one, or a Python number) is complex."""
+    if isinstance(leaf, complex):
+        return True
+    dtype = getattr(leaf, "dtype", None)
+    return dtype is not None and _arrays.dtype_name(leaf) in _COMPLEX_DTYPES
+
+
+def promoted(a: str, b: str) -> str | None:
+    """The dtype of a derivative relating a complex leaf of dtype ``a`` to a leaf of dtype ``b``
+    (one of them complex): complex, at the wider precision of the two. None where neither is."""
+    if a not in _COMPLEX_DTYPES and b not in _COMPLEX_DTYPES:
+        return None
+    width = max(_width(a), _width(b))
+    return "complex128" if width == 64 else "complex64"
+
+
+def _width(name: str) -> int:
+    return {"complex64": 32, "float32": 32, "float16": 32, "bfloat16": 32}.get(name, 64)
+
+
+def cotangent_fits(found: str, expected: str) -> bool:
+    """A real cotangent of an output leaf that is complex only because the complex step
+    evaluates f at complex points, of its precision."""
+    return _REAL_OF.get(expected) == found
+
+
+# -- checks: what is refused, and where ---------------------------------------------------------------
+
+
+def convention_of(adapter: Adapter) -> Convention:
+    """The adapter's declared convention; a SecondOrder pair's first order is its inner engine's."""
+    inner = getattr(adapter, "inner", None)
+    if inner is not None and inner is not adapter:
+        return convention_of(inner)
+    return cast(Convention, getattr(adapter, "complex_convention", "split"))
+
+
+def complex_output_ok(op: Operator, leaf: Any) -> bool:
+    """Whether f may return this leaf complex: not where the operator needs a real scalar
+    (refused, with what to use instead)."""
+    if op.scalar_output and is_complex(leaf):
+        raise InvalidOutputError(
+            f"f returned a complex value (dtype {_arrays.dtype_name(leaf)}) where {op.name} needs a real "
+            "scalar: a complex-valued function has no gradient. Use jvp (the directional derivative) or "
+            "vjp (its adjoint under Re<a, b>), or differentiate a real loss of it (abs(y)**2, y.real)."
+        )
+    return True
+
+
+def refuse_sparse(call: Call) -> None:
+    """AutoSparse compresses Jacobian columns along real seeds; complex x is not taken."""
+    if any(is_complex(leaf) for leaf in call.x_leaves):
+        raise UnsupportedOperationError(
+            "AutoSparse does not take a complex x: its compressed columns are real directions, which give "
+            "the derivative along the real axis only, and the holomorphy of f would go unchecked. Use the "
+            "wrapped backend itself (dense), or split x into its real and imaginary parts."
+        )
+
+
+def adapter_for_call(op: Operator, adapter: Adapter, call: Call, f: Any) -> Adapter:
+    """The adapter a prepared call runs on: ``adapter`` itself where nothing is complex, else
+    the :class:`ComplexAdapter` around it. Refuses what has no meaning for complex ``x``."""
+    x_complex = any(is_complex(leaf) for leaf in call.x_leaves)
+    t_complex = any(is_complex(leaf) for leaf in call.tangent_leaves)
+    if adapter.complex_outputs:  # the complex step evaluates f at complex points of a real x
+        if x_complex or t_complex:
+            raise InvalidBackendOptionError(
+                f"{type(adapter.backend).__name__}(method='complex') cannot differentiate complex "
+                f"{'x' if x_complex else 'tangents'}: the complex step takes the imaginary axis for its "
+                "step, which a complex x already uses. Use central differences "
+                "(AutoFiniteDifferences(method='central'), the default)."
+            )
+        return adapter
+    if x_complex and op.compute == "value_gradient_and_hessian":
+        raise UnsupportedOperationError(
+            f"{op.name} of a function of complex x: its second derivative is a real-linear map "
+            "v -> H v, which no complex matrix represents in general. Use hvp (the jvp of the "
+            "gradient map, v -> d/dh grad f(x + h v)), or split x into its real and imaginary parts "
+            "for the real Hessian."
+        )
+    if x_complex and op.compute == "value_derivative_and_second_derivative":
+        raise UnsupportedOperationError(
+            f"{op.name} of a function of complex x is not computed: take the derivative of the "
+            "derivative (di.derivative(lambda z: di.derivative(f, backend, z), backend, x)), which "
+            "checks that each is holomorphic, or use jvp."
+        )
+    if not (x_complex or t_complex or _may_return_complex(op, adapter)):
+        return adapter
+    return cast("Adapter", ComplexAdapter(adapter, op, holomorphic_asserted(f), x_complex))
+
+
+def _may_return_complex(op: Operator, adapter: Adapter) -> bool:
+    """Whether a call on real x and tangents needs the :class:`ComplexAdapter` in case f returns
+    complex values (known only once f runs). Not for jvp and vjp on an engine that differentiates
+    complex numbers: its jvp is the convention, and so is its vjp along a real cotangent, where
+    ``conj(vjp(conj(w))) = vjp(w)`` for real x. Yes for Jacobians and derivatives, whose rows or
+    columns along real units would miss the imaginary parts, and for engines that see real
+    numbers only."""
+    if op.scalar_output:
+        return False
+    return (
+        op.compute in _JACOBIAN_FAMILY
+        or op.compute == "value_derivative_and_second_derivative"
+        or (convention_of(adapter) == "split")
+    )
+
+
+# -- holomorphy, asserted by the caller -------------------------------------------------------------
+
+
+class Holomorphic:
+    """``f``, asserted holomorphic by the caller (``holomorphic=True``): its Jacobian is taken
+    along the real axis only, ``df/dz = df/dRe z``, unchecked."""
+
+    __slots__ = ("__weakref__", "_f")
+
+    def __init__(self, f: Callable[..., Any]) -> None:
+        self._f = f
+
+    @property
+    def function(self) -> Callable[..., Any]:
+        return self._f
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._f(*args, **kwargs)
+
+
+_HOLOMORPHIC: dict[int, tuple[Any, Holomorphic]] = {}
+_HOLOMORPHIC_LOCK = threading.Lock()
+
+
+def holomorphic(f: Callable[..., Any]) -> Holomorphic:
+    """The one :class:`Holomorphic` of ``f`` (the same object each time, so that preps and the
+    prep cache know it again); dropped when ``f`` is collected."""
+    if isinstance(f, Holomorphic):
+        return f
+    key = id(f)
+    with _HOLOMORPHIC_LOCK:
+        found = _HOLOMORPHIC.get(key)
+        if found is not None and found[0]() is f:
+            return found[1]
+        marked = Holomorphic(f)
+        try:
+            ref: Any = weakref.ref(f, functools.partial(_forget, key))
+        except TypeError:  # no weak references (a builtin): kept, as builtins live long
+            ref = _Strong(f)
+        _HOLOMORPHIC[key] = (ref, marked)
+        return marked
+
+
+def _forget(key: int, _: Any) -> None:
+    table = _HOLOMORPHIC  # (None while the interpreter shuts down)
+    if table is not None:
+        table.pop(key, None)
+
+
+class _Strong:
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __call__(self) -> Any:
+        return self.value
+
+
+def holomorphic_asserted(f: Any) -> bool:
+    return isinstance(f, Holomorphic)
+
+
+def _tolerance(dtype: str) -> float:
+    """How far from holomorphic (|B| against |A| + |B|, B = df/dconj z) a Jacobian computed in this
+    precision may be before f is declared not holomorphic: eps ** (1/4), generous enough for the
+    truncation error of finite differences (whose error is about eps ** (2/3))."""
+    eps = float(np.finfo(np.float32 if dtype in ("float32", "complex64") else np.float64).eps)
+    return float(eps**0.25)
+
+
+# -- conversions --------------------------------------------------------------------------------------
+
+
+def to_convention(part: str, convention: Convention, values: Leaves) -> Leaves:
+    """An engine's ``gradient``, ``vjp`` or ``cotangent`` leaves in the convention (or, for a
+    cotangent, as the engine takes it). ``jvp`` needs nothing: every engine agrees on it."""
+    if convention == "conjugate" and part in ("gradient", "vjp", "cotangent"):
+        return tuple(_conj(v) if is_complex(v) else v for v in values)
+    return values
+
+
+def _conj(leaf: Any) -> Any:
+    kind = _arrays.kind(leaf)
+    if kind == "torch":
+        return leaf.conj().resolve_conj()
+    if kind == "jax":
+        return sys.modules["jax.numpy"].conj(leaf)
+    if kind == "autograd":
+        return sys.modules["autograd.numpy"].conj(leaf)
+    if kind == "python":
+        return leaf.conjugate()
+    return np.conj(leaf)
+
+
+def _parts(leaf: Any) -> tuple[Any, Any]:
+    """The real and imaginary parts of a complex leaf, as new arrays of its framework (never
+    views of the caller's memory: a black-box engine may perturb them in place)."""
+    kind = _arrays.kind(leaf)
+    if kind == "torch":
+        torch = sys.modules["torch"]
+        return torch.real(leaf).clone(), torch.imag(leaf).clone()
+    if kind == "jax":
+        jnp = sys.modules["jax.numpy"]
+        return jnp.real(leaf), jnp.imag(leaf)
+    if kind == "autograd":
+        anp = sys.modules["autograd.numpy"]
+        return anp.real(leaf), anp.imag(leaf)
+    if kind == "python":
+        return leaf.real, leaf.imag
+    array = np.asarray(leaf)
+    return np.array(array.real), np.array(array.imag)
+
+
+def from_parts(re: Any, im: Any) -> Any:
+    """``re + i im``, in the complex dtype of their precision, differentiable by their engine."""
+    kind = _arrays.kind(re)
+    if kind == "torch" and _arrays.kind(im) == "torch":
+        return sys.modules["torch"].complex(re, im)
+    if kind == "jax" or _arrays.kind(im) == "jax":
+        return sys.modules["jax"].lax.complex(re, im)
+    if kind == "python" and _arrays.kind(im) == "python":
+        return complex(re, im)
+    return re + 1j * im
+
+
+class _Split:
+    """Which leaves of a tuple are complex, each seen as two real leaves (real, imaginary)."""
+
+    __slots__ = ("flags",)
+
+    def __init__(self, leaves: Leaves) -> None:
+        self.flags = tuple(is_complex(leaf) for leaf in leaves)
+
+    @property
+    def any(self) -> bool:
+        return any(self.flags)
+
+    def split(self, leaves: Leaves) -> Leaves:
+        out: list[Any] = []
+        for leaf, flag in zip(leaves, self.flags, strict=True):
+            if flag:
+                out.extend(_parts(leaf))
+            else:
+                out.append(leaf)
+        return tuple(out)
+
+    def join(self, leaves: Leaves) -> Leaves:
+        it = iter(leaves)
+        return tuple(from_parts(next(it), next(it)) if flag else next(it) for flag in self.flags)
+
+
+def _zeros_like(leaf: Any) -> Any:
+    return _arrays.numpy_like(leaf).zeros_like(leaf)
+
+
+class _Realified:
+    """``fn`` as a function of real leaves with real outputs: each complex leaf of x given as
+    its two parts (or, along the real axis only, its real part, the imaginary part held), each
+    complex output leaf returned as its two parts. ``out_split`` is learned on evaluation."""
+
+    def __init__(self, fn: Callable[[Leaves], tuple[Any, Any]], x_split: _Split, held: Leaves | None = None) -> None:
+        self.fn = fn
+        self.x_split = x_split
+        self.held = held  # the imaginary parts, for the real axis only (None: both parts vary)
+        self.out_split: _Split | None = None
+        self.has_aux = getattr(fn, "has_aux", True)
+        batched = getattr(fn, "batched", None)
+        if batched is not None:
+            self.batched = self._batched
+
+    def _xs(self, rs: Leaves) -> Leaves:
+        if self.held is None:
+            return self.x_split.join(rs)
+        return tuple(
+            from_parts(r, im) if flag else r for r, im, flag in zip(rs, self.held, self.x_split.flags, strict=True)
+        )
+
+    def _out(self, out: Any) -> Any:
+        if isinstance(out, tuple):
+            split = _Split(out)
+            self.out_split = split
+            return split.split(out) if split.any else out
+        return out
+
+    def __call__(self, rs: Leaves) -> tuple[Any, Any]:
+        out, aux = self.fn(self._xs(rs))
+        return self._out(out), aux
+
+    def _batched(self, rs: Leaves) -> Leaves:
+        outs = self.fn.batched(self._xs(rs))  # type: ignore[attr-defined]
+        split = _Split(outs)
+        return split.split(outs) if split.any else outs
+
+    def join_out(self, out: Any) -> Any:
+        if isinstance(out, Deferred):  # f(x) a black-box engine computes only when asked
+            return Deferred(lambda: self.join_out(out.force()))
+        if isinstance(out, tuple) and self.out_split is not None and self.out_split.any:
+            return self.out_split.join(out)
+        return out
+
+
+def complex_blocks(
+    blocks: tuple[tuple[Any, ...], ...],
+    out_split: _Split | None,
+    x_split: _Split,
+    along_real_axis: bool,
+    check: bool,
+    what: str,
+    errors: bool = False,
+) -> tuple[tuple[Any, ...], ...]:
+    """The Jacobian blocks ``df_i/dz_j`` from those of the split function.
+
+    With both parts of ``z_j`` varied, ``df/dz = (df/dRe z - i df/dIm z) / 2`` and
+    ``df/dconj z = (df/dRe z + i df/dIm z) / 2``; f is holomorphic where the second is zero
+    (the Cauchy-Riemann equations), which ``check`` asserts. Along the real axis only
+    (holomorphy asserted), ``df/dz = df/dRe z``. With ``errors``, the blocks are error estimates
+    of the split blocks, combined as bounds (each part the half sum of the parts it is made of)."""
+    out_flags = out_split.flags if out_split is not None else (False,) * len(blocks)
+    rows: list[tuple[Any, ...]] = []
+    index = 0
+    for flag in out_flags:  # rows: complex outputs' two parts joined
+        if flag:
+            re, im = blocks[index], blocks[index + 1]
+            rows.append(tuple(from_parts(a, b) for a, b in zip(re, im, strict=True)))
+            index += 2
+        else:
+            rows.append(blocks[index])
+            index += 1
+    result: list[tuple[Any, ...]] = []
+    for i, row in enumerate(rows):
+        columns = iter(row)
+        joined: list[Any] = []
+        for j, flag in enumerate(x_split.flags):
+            if not flag or along_real_axis:
+                joined.append(next(columns))
+                continue
+            d_re, d_im = next(columns), next(columns)
+            d_z = _half_sum(d_re, d_im, -1.0, errors)
+            if check:
+                _check_holomorphic(d_z, _half_sum(d_re, d_im, 1.0), out_flags[i], what, i, j)
+            joined.append(d_z)
+        result.append(tuple(joined))
+    return tuple(result)
+
+
+def _half_sum(a: Any, b: Any, sign: float, bound: bool = False) -> Any:
+    """``(a + sign i b) / 2``, through the parts of each (no mixed-type arithmetic, which jax's
+    strict dtype promotion refuses); with ``bound``, of error estimates: ``|.|`` of each part summed."""
+    a_re, a_im = _parts(a) if is_complex(a) else (a, _zeros_like(a))
+    b_re, b_im = _parts(b) if is_complex(b) else (b, _zeros_like(b))
+    if bound:
+        return from_parts((abs(a_re) + abs(b_im)) / 2, (abs(a_im) + abs(b_re)) / 2)
+    return from_parts((a_re - sign * b_im) / 2, (a_im + sign * b_re) / 2)
+
+
+def _check_holomorphic(d_z: Any, d_conj: Any, complex_out: bool, what: str, i: int, j: int) -> None:
+    a = _norm(d_z)
+    b = _norm(d_conj)
+    if not np.isfinite(a + b):
+        return  # NaN and inf propagate
+    dtype = _arrays.dtype_name(d_z)
+    if b <= _tolerance(dtype) * (a + b) or b == 0.0:
+        return
+    where = "" if i == 0 and j == 0 else f" (output leaf {i}, x leaf {j})"
+    if not complex_out:
+        raise UnsupportedOperationError(
+            f"f is real-valued, so it is not holomorphic in its complex x{where}, and has no complex "
+            f"{what}: use gradient (df/dRe x + i df/dIm x) for a real scalar, or jvp/vjp."
+        )
+    raise UnsupportedOperationError(
+        f"f is not holomorphic in its complex x{where}: |df/dconj z| = {b:.3g} against |df/dz| = {a:.3g}, "
+        f"so it has no complex {what}. Use jvp (the directional derivative, A xdot + B conj(xdot)) or "
+        "vjp, or gradient for a real-valued f; pass holomorphic=True only if f is holomorphic (then "
+        "nothing is checked, and the derivative is taken along the real axis)."
+    )
+
+
+def _norm(value: Any) -> float:
+    kind = _arrays.kind(value)
+    if kind == "torch":
+        return float(value.detach().abs().square().sum().sqrt())
+    array = np.asarray(_arrays.to_numpy(value)) if kind != "python" else np.asarray(value)
+    return float(np.sqrt(np.sum(np.abs(array) ** 2)))
+
+
+# -- the adapter for complex calls ---------------------------------------------------------------------
+
+
+class ComplexAdapter:
+    """An adapter that runs ``inner`` in the convention: everything not overridden here is
+    ``inner``'s own (reached through ``__getattr__``)."""
+
+    def __init__(self, inner: Adapter, op: Operator, holomorphic: bool, x_complex: bool) -> None:
+        self._inner = inner
+        self._convention = convention_of(inner)
+        self._holomorphic = holomorphic
+        # checking holomorphy reads the Jacobian's values: not inside a compiled trace
+        self._eager = x_complex and not holomorphic and op.compute in _JACOBIAN_FAMILY and inner.compiles
+        self._local = threading.local()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    # -- compilation: none where holomorphy is checked on values --------------------------------
+
+    @property
+    def compiles(self) -> bool:
+        return bool(self._inner.compiles) and not self._eager
+
+    def compile(self, program: Callable[..., Any], static: bool = True, arrays: bool = False) -> Callable[..., Any]:
+        if self._eager:
+            return program
+        return self._inner.compile(program, static, arrays)
+
+    def returns_like(self, leaf: Any) -> bool:
+        return self.compiles and self._inner.returns_like(leaf)
+
+    def take_error(self) -> Any:
+        error = self._inner.take_error()
+        rejoin = getattr(self._local, "rejoin", None)
+        self._local.rejoin = None
+        if error is None or rejoin is None:
+            return error
+        return rejoin(error)
+
+    def _errors(self, rejoin: Callable[[Any], Any] | None) -> None:
+        if self._inner.estimates_errors:
+            self._local.rejoin = rejoin
+
+    # -- first order --------------------------------------------------------------------------------
+
+    def value_and_gradient(self, fn: Callable[[Leaves], Any], xs: Leaves) -> tuple[Any, Any, Leaves]:
+        x_split = _Split(xs)
+        if not x_split.any:
+            return self._inner.value_and_gradient(fn, xs)
+        if self._convention == "split":
+            g = _Realified(fn, x_split)
+            value, aux, grads = self._inner.value_and_gradient(g, x_split.split(xs))
+            self._errors(lambda e: (e[0], e[1], x_split.join(e[2])))
+            return value, aux, x_split.join(grads)
+        value, aux, grads = self._inner.value_and_gradient(fn, xs)
+        return value, aux, to_convention("gradient", self._convention, tuple(grads))
+
+    def value_and_pushforward(self, fn: Callable[[Leaves], Any], xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
+        if self._convention != "split":  # every engine's jvp is the directional derivative
+            return self._inner.value_and_pushforward(fn, xs, txs)
+        x_split = _Split(xs)
+        g = _Realified(fn, x_split)
+        out, aux, touts = self._inner.value_and_pushforward(g, x_split.split(xs), x_split.split(txs))
+        self._errors(lambda e: (g.join_out(e[0]), e[1], g.join_out(e[2])))
+        return g.join_out(out), aux, g.join_out(touts)
+
+    def pullback_function(self, fn: Callable[[Leaves], Any], xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
+        convention = self._convention
+        if convention == "torch":
+            return self._inner.pullback_function(fn, xs)
+        if convention == "conjugate":
+            out, aux, vjp = self._inner.pullback_function(fn, xs)
+
+            def pullback(touts: Any) -> Leaves:
+                engine = to_convention("cotangent", convention, touts if isinstance(touts, tuple) else (touts,))
+                grads = vjp(engine if isinstance(touts, tuple) else engine[0])
+                return to_convention("vjp", convention, tuple(grads))
+
+            return out, aux, pullback
+        x_split = _Split(xs)
+        g = _Realified(fn, x_split)
+        out, aux, vjp = self._inner.pullback_function(g, x_split.split(xs))
+
+        def split_pullback(touts: Any) -> Leaves:
+            if isinstance(touts, tuple) and g.out_split is not None and g.out_split.any:
+                touts = g.out_split.split(touts)
+            return x_split.join(tuple(vjp(touts)))
+
+        self._errors(lambda e: (g.join_out(e[0]), e[1], x_split.join(e[2])))
+        return g.join_out(out), aux, split_pullback
+
+    def value_and_pullback(self, fn: Callable[[Leaves], Any], xs: Leaves, touts: Any) -> tuple[Any, Any, Leaves]:
+        out, aux, vjp = self.pullback_function(fn, xs)
+        return out, aux, vjp(touts)
+
+    def value_and_jacobian(
+        self, fn: Callable[[Leaves], Any], xs: Leaves, mode: str | None = None
+    ) -> tuple[Any, Any, tuple[tuple[Any, ...], ...]]:
+        x_split = _Split(xs)
+        along_real_axis = self._holomorphic
+        if along_real_axis and x_split.any:
+            g = _Realified(
+                fn, x_split, held=tuple(_parts(x)[1] if f else None for x, f in zip(xs, x_split.flags, strict=True))
+            )
+            rs = tuple(_parts(x)[0] if f else x for x, f in zip(xs, x_split.flags, strict=True))
+        else:
+            g = _Realified(fn, x_split)
+            rs = x_split.split(xs)
+        out, aux, blocks = self._inner.value_and_jacobian(g, rs, mode)
+        result = complex_blocks(blocks, g.out_split, x_split, along_real_axis, not along_real_axis, "Jacobian")
+        self._errors(
+            lambda e: (
+                g.join_out(e[0]),
+                e[1],
+                complex_blocks(e[2], g.out_split, x_split, along_real_axis, False, "Jacobian", errors=True),
+            )
+        )
+        return g.join_out(out), aux, result
+
+    def value_and_derivative(self, fn: Callable[[Leaves], Any], xs: Leaves) -> tuple[Any, Any, Any]:
+        x_split = _Split(xs)
+        if x_split.any:  # both columns (along 1 and along i) of the split Jacobian
+            out, aux, blocks = self.value_and_jacobian(fn, xs)
+            rejoin = getattr(self._local, "rejoin", None)
+            if rejoin is not None:
+                self._local.rejoin = lambda e: (lambda r: (r[0], r[1], tuple(row[0] for row in r[2])))(rejoin(e))
+            return out, aux, tuple(row[0] for row in blocks)
+        g = _Realified(fn, x_split)
+        out, aux, deriv = self._inner.value_and_derivative(g, xs)
+        self._errors(lambda e: (g.join_out(e[0]), e[1], g.join_out(e[2])))
+        return g.join_out(out), aux, g.join_out(deriv)
+
+    def value_derivative_and_second_derivative(
+        self, fn: Callable[[Leaves], Any], xs: Leaves
+    ) -> tuple[Any, Any, Any, Any]:
+        g = _Realified(fn, _Split(xs))  # (complex x is refused at preparation)
+        out, aux, deriv, second = self._inner.value_derivative_and_second_derivative(g, xs)
+        self._errors(lambda e: (g.join_out(e[0]), e[1], g.join_out(e[2]), g.join_out(e[3])))
+        return g.join_out(out), aux, g.join_out(deriv), g.join_out(second)
+
+    # -- second order ---------------------------------------------------------------------------------
+
+    def gradient_and_hvp(self, fn: Callable[[Leaves], Any], xs: Leaves, txs: Leaves) -> tuple[Any, Any, Leaves, Leaves]:
+        """The jvp of the gradient map, ``v -> d/dh grad f(x + h v)``: on the split function the
+        real Hessian-vector product, whose two parts are joined as the gradient's are."""
+        x_split = _Split(xs)
+        if not x_split.any:
+            return self._inner.gradient_and_hvp(fn, xs, txs)
+        g = _Realified(fn, x_split)
+        value, aux, grads, hvps = self._inner.gradient_and_hvp(g, x_split.split(xs), x_split.split(txs))
+        self._errors(lambda e: (e[0], e[1], x_split.join(e[2]), x_split.join(e[3])))
+        if isinstance(grads, Deferred):  # (a black-box outer engine defers the gradient)
+            deferred = grads
+            joined: Any = Deferred(lambda: x_split.join(tuple(deferred.force())))
+        else:
+            joined = x_split.join(tuple(grads))
+        return value, aux, joined, x_split.join(tuple(hvps))
