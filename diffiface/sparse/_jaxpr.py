@@ -123,6 +123,13 @@ def _tracing_error(error: BaseException) -> bool:
     jax = _jax()
     if isinstance(error, (jax.errors.JAXTypeError, jax.errors.JAXIndexError)):
         return True
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:  # jax chains its own frames as a cause
+        seen.add(id(current))
+        if type(current).__module__.startswith(("jax.", "jaxlib.")):
+            return True
+        current = current.__cause__ or current.__context__
     text = f"{type(error).__name__} {error}"
     return any(word in text for word in ("Tracer", "tracer", "jax", "Jaxpr", "ShapeDtypeStruct", "abstract"))
 

@@ -200,6 +200,11 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
     # -- indexing ----------------------------------------------------------------------------------
 
     def __getitem__(self, key: Any) -> Any:
+        unknown = _unknown_indices(key)
+        if unknown is not None:  # integers whose values are not known: any element may be read
+            where = sets.positions(self.shape)[unknown]
+            rows = sets.all_of(self.rows, where.size) if self.rows is not None else None
+            return IndexSetArray(self.trace, np.shape(where), rows, self.dtype)
         key = _index_key(key)
         where = sets.positions(self.shape)[key]
         rows = sets.gather([self.rows], [self.size], where, self.trace.n) if self.rows is not None else None
@@ -258,6 +263,16 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
 
 
 # --- helpers ----------------------------------------------------------------------------------------
+
+
+def _unknown_indices(key: Any) -> Any:
+    """``key`` with each integer IndexSetArray replaced by zeros of its shape (what gives the
+    result's shape), or None where there is none."""
+    keys = key if isinstance(key, tuple) else (key,)
+    if not any(isinstance(k, IndexSetArray) and k.dtype.kind in "iu" for k in keys):
+        return None
+    replaced = tuple(np.zeros(k.shape, dtype=np.int64) if isinstance(k, IndexSetArray) and k.dtype.kind in "iu" else k for k in keys)
+    return replaced if isinstance(key, tuple) else replaced[0]
 
 
 def _index_key(key: Any) -> Any:
@@ -665,6 +680,15 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
         )
         traced.append(IndexSetArray(trace, _arrays.shape(leaf), rows, np.dtype(_arrays.dtype_name(leaf))))
         offset += size
+    # the contexts' arrays are abstract: the pattern holds for every value they take
+    context_leaves, context_spec = tree.flatten(values)
+    abstract = [
+        IndexSetArray(trace, leaf.shape, None, leaf.dtype)
+        if isinstance(leaf, np.ndarray) and leaf.dtype.kind in "fciub"
+        else leaf
+        for leaf in context_leaves
+    ]
+    values = optree.tree_unflatten(context_spec, abstract)  # type: ignore[assignment]
     try:
         with _autograd_arrays():
             out = f(optree.tree_unflatten(spec, traced), *values)
