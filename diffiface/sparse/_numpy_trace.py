@@ -610,14 +610,18 @@ def _move(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
 
 
 def _dense(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    """An unknown function: its outputs' shapes from a run on ones, each element depending on
-    everything its operands depend on."""
+    """An unknown function: its outputs' shapes from a run on numbers in [0.5, 1.5] (inside the
+    domain of logarithms and roots, rarely singular), each element depending on everything its
+    operands depend on."""
     found: list[Any] = []
+    rng = np.random.default_rng(0)
 
     def substitute(a: Any) -> Any:
         if isinstance(a, IndexSetArray):
             found.append(a.rows)
-            return np.ones(a.shape, a.dtype)
+            if a.dtype.kind not in "fc":
+                return np.ones(a.shape, a.dtype)
+            return rng.uniform(0.5, 1.5, a.shape).astype(a.dtype)
         if isinstance(a, (list, tuple)):
             return type(a)(substitute(b) for b in a)
         if isinstance(a, dict):
@@ -628,9 +632,15 @@ def _dense(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     probe_kwargs = substitute(dict(kwargs))
     import warnings
 
-    with np.errstate(all="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = func(*probe_args, **probe_kwargs)
+    try:
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = func(*probe_args, **probe_kwargs)
+    except Exception as error:
+        raise TracerRefusal(
+            f"f calls numpy.{func.__name__}, which the detector does not know and could not run on sample "
+            f"values to learn its result's shape ({type(error).__name__}: {error})"
+        ) from error
     every = sets.union(found)
     trace.notes.append(f"numpy.{func.__name__} is not known to the numpy detector: dense")
     if trace.pairs is not None:
