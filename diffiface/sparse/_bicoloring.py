@@ -13,7 +13,7 @@ columns of one color share no row outside ``R`` (a column coloring of ``J[~R, :]
 
 Every nonzero is read from exactly one product, alone in its entry, so decompression is a gather,
 as one-sided colorings. The same holds with the roles of rows and columns exchanged (columns of
-a set ``C`` by forward products, the rest by rows). An arrowhead (one dense row, one dense column,
+a set ``C`` by forward products, the rest by rows; a nonzero is then read by its column). An arrowhead (one dense row, one dense column,
 a diagonal) takes 1 reverse and 2 forward products at any size, where a one-sided coloring takes
 ``n``.
 
@@ -34,7 +34,7 @@ import numpy as np
 if TYPE_CHECKING:
     from scipy.sparse import csr_array
 
-__all__ = ["CANDIDATES", "Split", "split"]
+__all__ = ["CANDIDATES", "Split", "index", "split"]
 
 CANDIDATES = 12
 """Split sizes tried on each side: one per distinct length among the longest rows (columns)."""
@@ -44,7 +44,8 @@ class Split:
     """A bidirectional coloring: ``row_colors[r]`` (``-1`` outside ``R``) and ``column_colors[j]``
     (``-1`` for a column no forward product needs)."""
 
-    def __init__(self, row_colors: np.ndarray, column_colors: np.ndarray) -> None:
+    def __init__(self, row_colors: np.ndarray, column_colors: np.ndarray, by: str = "rows") -> None:
+        self.by = by  # "rows": a nonzero of a row of R is read in reverse; "columns": of a column of C, forward
         self.row_colors = row_colors
         self.column_colors = column_colors
         self.row_count = int(row_colors.max()) + 1 if row_colors.size and row_colors.max() >= 0 else 0
@@ -110,7 +111,7 @@ def split(pattern: csr_array, order: str = "natural") -> Split:
     column_lengths = np.diff(transposed.indptr)
     for chosen in _prefixes(column_lengths):
         flipped = _by_rows(transposed, chosen, order)  # columns of C forward, the rest by rows
-        candidate = Split(flipped.column_colors, flipped.row_colors)
+        candidate = Split(flipped.column_colors, flipped.row_colors, by="columns")
         if best is None or candidate.count < best.count:
             best = candidate
     assert best is not None
@@ -124,17 +125,14 @@ def index(pattern: csr_array, found: Split) -> np.ndarray:
     m, n = pattern.shape
     rows = np.repeat(np.arange(m, dtype=np.int64), np.diff(pattern.indptr))
     cols = pattern.indices.astype(np.int64)
-    reverse = found.row_colors[rows] >= 0
+    if found.by == "rows":
+        reverse = found.row_colors[rows] >= 0
+    else:
+        reverse = found.column_colors[cols] < 0
     forward_at = found.column_colors[cols] * m + rows
     reverse_at = found.column_count * m + found.row_colors[rows] * n + cols
     at = np.where(reverse, reverse_at, forward_at)
-    if (~reverse & (found.column_colors[cols] < 0)).any():  # pragma: no cover - by construction
-        raise AssertionError("internal error: a nonzero read by no product of the bidirectional coloring")
+    unread = (~reverse & (found.column_colors[cols] < 0)) | (reverse & (found.row_colors[rows] < 0))
+    if unread.any() or np.unique(at).size != at.size:  # a wrong index would be a wrong value: checked
+        raise AssertionError("internal error: the bidirectional coloring does not read each nonzero alone")
     return at  # type: ignore[no-any-return]
-
-
-def check(pattern: csr_array, found: Split) -> None:
-    """Raise AssertionError where two nonzeros would share an entry of the products."""
-    at = index(pattern, found)
-    if np.unique(at).size != at.size:
-        raise AssertionError("internal error: the bidirectional coloring does not separate its nonzeros")
