@@ -230,7 +230,6 @@ def run_engines_own_code(n: int, rounds: int) -> dict[str, Any]:
         )
     if di.available("jax"):
         import jax.numpy as jnp
-
         from jax import config
 
         config.update("jax_enable_x64", True)
@@ -238,7 +237,9 @@ def run_engines_own_code(n: int, rounds: int) -> dict[str, Any]:
         out["arrowhead jax"] = _sparse_against_dense(arrowhead_jax, di.AutoJAX(), x, max(2, rounds // 5), ready=_ready)
     if di.available("autograd"):
         x = np.linspace(0.1, 1.0, n)
-        out["detect autograd rosenbrock hessian"] = _detection_seconds(rosenbrock_autograd, x, max(3, rounds // 2), True)
+        out["detect autograd rosenbrock hessian"] = _detection_seconds(
+            rosenbrock_autograd, x, max(3, rounds // 2), True
+        )
         out["rosenbrock hessian autograd"] = _sparse_against_dense(rosenbrock_autograd, di.AutoAutograd(), x, 1, True)
     return out
 

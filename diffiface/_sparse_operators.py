@@ -227,7 +227,9 @@ class _Plan:
         self.family = _family(flat)
         self.flat_dtype = _arrays.dtype_name(flat)
         n = self.x_layout.size
-        self.detection = sparse.detect(f, x, contexts, backend.detector, engine if self.hessian else first, self.hessian)
+        self.detection = sparse.detect(
+            f, x, contexts, backend.detector, engine if self.hessian else first, self.hessian
+        )
         pattern = self.detection.pattern
         if pattern.shape[1] != n or (self.hessian and pattern.shape[0] != n):
             expected = f"({n}, {n})" if self.hessian else f"(m, {n})"
@@ -245,8 +247,8 @@ class _Plan:
             column = sparse.color_jacobian(pattern, mode="column", order=backend.order)
             row = sparse.color_jacobian(pattern, mode="row", order=backend.order)
             coloring = row if row.count <= column.count else column
-            both = sparse.color_jacobian(pattern, mode="bidirectional", order=backend.order)
-            coloring = both if both.count < coloring.count else coloring
+            best = sparse.color_jacobian(pattern, mode="auto", order=backend.order)  # bidirectional where it wins
+            coloring = best if best.mode == "bidirectional" and best.count < coloring.count else coloring
         else:
             coloring = sparse.color_jacobian(pattern, mode=backend.coloring, order=backend.order)
         self.coloring = coloring
@@ -794,7 +796,9 @@ def _difference_error(
     if not isinstance(engine, AutoFiniteDifferences) or engine.method == "complex":
         return None
     flat, _ = _tree.ravel(x)
-    eps = float(np.finfo(np.dtype(plan.flat_dtype) if plan.flat_dtype in ("float16", "float32", "float64") else np.float64).eps)
+    eps = float(
+        np.finfo(np.dtype(plan.flat_dtype) if plan.flat_dtype in ("float16", "float32", "float64") else np.float64).eps
+    )
     power = 0.25 if plan.hessian else (1.0 / 3.0 if engine.method == "central" else 0.5)
     size = max(1.0, float(np.max(np.abs(_arrays.to_numpy(flat)), initial=0.0)))
     step = 4.0 * (engine.step if engine.step is not None else eps**power * size)
@@ -805,5 +809,5 @@ def _difference_error(
         other = _tree.ravel(ops.jvp(f, longer, x, tangent, *contexts))[0]
     difference = float(np.max(np.abs(_arrays.to_numpy(other).astype(np.float64) - reference), initial=0.0))
     scale = 1.0 + float(np.max(np.abs(reference), initial=0.0))
-    balanced = eps ** (1.0 - power if not plan.hessian else 0.5) * scale
+    balanced = float(eps ** (1.0 - power if not plan.hessian else 0.5)) * scale
     return 10.0 * max(difference, balanced)

@@ -70,7 +70,9 @@ def test_scenario_references_are_right() -> None:
     for scenario in sparse_scenarios():
         own = {"torch": "torch", "autograd": "autograd"}
         engine = next((own[k] for k in own if k in scenario.frameworks and di.available(own[k])), None)
-        engine = engine or ("autograd" if di.available("autograd") and "numpy" not in scenario.frameworks else "finite_differences")
+        engine = engine or (
+            "autograd" if di.available("autograd") and "numpy" not in scenario.frameworks else "finite_differences"
+        )
         result = getattr(di, scenario.operator)(scenario.f, engine, *scenario.arguments())
         assert_allclose(result, scenario.reference, rtol=1e-5, atol=1e-5)
         assert scenario.pattern.shape[1] == int(np.prod(np.shape(np.asarray(scenario.x))))

@@ -242,13 +242,20 @@ def test_value_dependent_control_flow_is_refused_with_the_reason() -> None:
     with pytest.raises(di.UnsupportedOperationError, match="Python number"):
         sparse.jacobian_pattern(lambda x: x * x[0].item(), torch.tensor(_points(1)[0]))
     with pytest.raises(di.UnsupportedOperationError, match="Python number"):
-        sparse.jacobian_pattern(lambda x: x * float(x[0]), _points(1)[0], detector=sparse.GlobalDetector(tracer="numpy"))
+        sparse.jacobian_pattern(
+            lambda x: x * float(x[0]), _points(1)[0], detector=sparse.GlobalDetector(tracer="numpy")
+        )
 
 
 def test_an_unknown_operation_is_dense_with_a_note() -> None:
     x = _points(1)[0]
     found = sparse.detect(
-        lambda t: torch.linalg.inv(t[:4].reshape(2, 2)).reshape(-1), torch.tensor(x), (), sparse.GlobalDetector(), None, False
+        lambda t: torch.linalg.inv(t[:4].reshape(2, 2)).reshape(-1),
+        torch.tensor(x),
+        (),
+        sparse.GlobalDetector(),
+        None,
+        False,
     )
     assert found.notes and "inv" in found.notes[0]
     assert found.pattern.toarray()[:, :4].all() and not found.pattern.toarray()[:, 4:].any()
@@ -257,7 +264,9 @@ def test_an_unknown_operation_is_dense_with_a_note() -> None:
     )
     assert found.notes and "inv" in found.notes[0]
     assert found.pattern.toarray()[:, :4].all() and not found.pattern.toarray()[:, 4:].any()
-    prep = di.prepare_jacobian(lambda t: np.linalg.inv(t[:4].reshape(2, 2)).reshape(-1), di.AutoSparse("finite_differences"), x)
+    prep = di.prepare_jacobian(
+        lambda t: np.linalg.inv(t[:4].reshape(2, 2)).reshape(-1), di.AutoSparse("finite_differences"), x
+    )
     assert prep.detection.notes == found.notes
 
 

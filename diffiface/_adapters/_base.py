@@ -190,7 +190,11 @@ class Adapter:
     def value_and_pullbacks(self, fn: Fn, xs: Leaves, batch: Sequence[Any]) -> tuple[Any, Any, list[Leaves]]:
         """``(out, aux, grads)``: ``grads[k]`` the vector-Jacobian product of ``batch[k]``."""
         out, aux, vjp = self.pullback_function(fn, xs)
-        return out, aux, [vjp(touts) for touts in batch]
+        return out, aux, self.pullbacks(vjp, xs, batch)
+
+    def pullbacks(self, vjp: Callable[[Any], Leaves], xs: Leaves, batch: Sequence[Any]) -> list[Leaves]:
+        """``vjp`` (of :meth:`pullback_function`) of each cotangent of ``batch``."""
+        return [vjp(touts) for touts in batch]
 
     # -- first order, derived --------------------------------------------------------------------
 
@@ -263,7 +267,7 @@ class Adapter:
             for i, y in enumerate(outs)
             for k in range(_size(y))
         ]
-        every = self.value_and_pullbacks(fn, xs, seeds)[2] if seeds else []
+        every = self.pullbacks(vjp, xs, seeds) if seeds else []
         blocks = []
         start = 0
         for y in outs:

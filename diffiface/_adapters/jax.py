@@ -173,13 +173,12 @@ class Adapter(_base.Adapter):
         touts = jax.vmap(linear)(stacked)  # one program for the whole batch
         return out, aux, [jax.tree.map(lambda t, k=k: t[k], touts) for k in range(len(batch))]
 
-    def value_and_pullbacks(self, fn: Fn, xs: Leaves, batch: Any) -> tuple[Any, Any, list[Leaves]]:
+    def pullbacks(self, vjp: Callable[[Any], Leaves], xs: Leaves, batch: Any) -> list[Leaves]:
         if len(batch) < 2:
-            return super().value_and_pullbacks(fn, xs, batch)
-        out, vjp, aux = jax.vjp(fn, xs, has_aux=True)
+            return super().pullbacks(vjp, xs, batch)
         stacked = jax.tree.map(lambda *ts: jnp.stack(ts), *batch)
-        grads = jax.vmap(vjp)(stacked)[0]
-        return out, aux, [_placement.as_inputs(jax.tree.map(lambda g, k=k: g[k], grads), xs) for k in range(len(batch))]
+        grads = jax.vmap(vjp)(stacked)  # one program for the whole batch
+        return [jax.tree.map(lambda g, k=k: g[k], grads) for k in range(len(batch))]
 
     def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
         (value, aux), grads = jax.value_and_grad(fn, has_aux=True)(xs)

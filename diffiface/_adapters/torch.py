@@ -292,13 +292,12 @@ class Adapter(_base.Adapter):
             rest = func.vmap(lambda txs: self._value_and_pushforward(fn, xs, txs)[2])(stacked)
         return out, aux, [first, *[optree.tree_map(lambda t, k=k: t[k], rest) for k in range(len(batch) - 1)]]
 
-    def value_and_pullbacks(self, fn: Fn, xs: Leaves, batch: Any) -> tuple[Any, Any, list[Leaves]]:
+    def pullbacks(self, vjp: Callable[[Any], Leaves], xs: Leaves, batch: Any) -> list[Leaves]:
         if not self.functional or len(batch) < 2 or _any_dtensor(xs):
-            return super().value_and_pullbacks(fn, xs, batch)
-        out, aux, vjp = self.pullback_function(fn, xs)
+            return super().pullbacks(vjp, xs, batch)
         stacked = optree.tree_map(lambda *ts: torch.stack(ts), batch[0], *batch[1:])
-        grads = func.vmap(vjp)(stacked)
-        return out, aux, [tuple(g[k] for g in grads) for k in range(len(batch))]
+        grads = func.vmap(vjp)(stacked)  # one program for the whole batch
+        return [tuple(g[k] for g in grads) for k in range(len(batch))]
 
     def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
         if self.functional:

@@ -96,25 +96,40 @@ def _prefixes(lengths: np.ndarray) -> list[np.ndarray]:
     return [lengths >= value for value in distinct]
 
 
-def split(pattern: csr_array, order: str = "natural") -> Split:
-    """The bidirectional coloring of fewest products among the splits tried (see the module)."""
+def _lower_bound(pattern: csr_array, chosen: np.ndarray, lengths: np.ndarray) -> int:
+    """Products a split by rows ``chosen`` needs at least: the rows of R sharing a column need
+    distinct reverse colors, and the longest row outside R as many forward ones as its length."""
+    rest = int(lengths[~chosen].max(initial=0))
+    entries = np.repeat(chosen, lengths)
+    shared = np.bincount(pattern.indices[entries], minlength=pattern.shape[1]).max(initial=0) if chosen.any() else 0
+    return int(shared) + rest
+
+
+def split(pattern: csr_array, order: str = "natural", to_beat: int | None = None) -> Split | None:
+    """The bidirectional coloring of fewest products among the splits tried (see the module).
+    With ``to_beat`` (the products of a one-sided coloring already found), splits that cannot
+    take fewer are not colored, and None is returned where none does."""
     import scipy.sparse as sp
 
-    m, n = pattern.shape
+    m = pattern.shape[0]
     best: Split | None = None
+    limit = to_beat
+
+    def better(candidate: Split) -> None:
+        nonlocal best, limit
+        if limit is None or candidate.count < limit:
+            best, limit = candidate, candidate.count
+
     row_lengths = np.diff(pattern.indptr)
     for chosen in [np.zeros(m, dtype=bool), *_prefixes(row_lengths)]:
-        candidate = _by_rows(pattern, chosen, order)
-        if best is None or candidate.count < best.count:
-            best = candidate
+        if limit is None or _lower_bound(pattern, chosen, row_lengths) < limit:
+            better(_by_rows(pattern, chosen, order))
     transposed = sp.csr_array(pattern.T)
     column_lengths = np.diff(transposed.indptr)
     for chosen in _prefixes(column_lengths):
-        flipped = _by_rows(transposed, chosen, order)  # columns of C forward, the rest by rows
-        candidate = Split(flipped.column_colors, flipped.row_colors, by="columns")
-        if best is None or candidate.count < best.count:
-            best = candidate
-    assert best is not None
+        if limit is None or _lower_bound(transposed, chosen, column_lengths) < limit:
+            flipped = _by_rows(transposed, chosen, order)  # columns of C forward, the rest by rows
+            better(Split(flipped.column_colors, flipped.row_colors, by="columns"))
     return best
 
 
@@ -125,10 +140,7 @@ def index(pattern: csr_array, found: Split) -> np.ndarray:
     m, n = pattern.shape
     rows = np.repeat(np.arange(m, dtype=np.int64), np.diff(pattern.indptr))
     cols = pattern.indices.astype(np.int64)
-    if found.by == "rows":
-        reverse = found.row_colors[rows] >= 0
-    else:
-        reverse = found.column_colors[cols] < 0
+    reverse = found.row_colors[rows] >= 0 if found.by == "rows" else found.column_colors[cols] < 0
     forward_at = found.column_colors[cols] * m + rows
     reverse_at = found.column_count * m + found.row_colors[rows] * n + cols
     at = np.where(reverse, reverse_at, forward_at)

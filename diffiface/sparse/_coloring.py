@@ -315,9 +315,7 @@ def color_jacobian(pattern: Any, mode: str = "auto", order: str = "natural") -> 
     _check_order(order)
     p = as_pattern(pattern)
     if mode not in ("auto", "column", "row", "bidirectional"):
-        raise InvalidInputError(
-            f"Unknown coloring mode {mode!r}; use 'auto', 'column', 'row' or 'bidirectional'."
-        )
+        raise InvalidInputError(f"Unknown coloring mode {mode!r}; use 'auto', 'column', 'row' or 'bidirectional'.")
     if mode == "bidirectional":
         return _bidirectional(p, order)
     if mode == "column":
@@ -327,14 +325,17 @@ def color_jacobian(pattern: Any, mode: str = "auto", order: str = "natural") -> 
     columns = _partial_distance2(p, order)
     rows = _partial_distance2(as_pattern(p.T), order)
     one_sided = _make(p, "row", rows) if rows.max(initial=-1) < columns.max(initial=-1) else _make(p, "column", columns)
-    both = _bidirectional(p, order)
-    return both if both.count < one_sided.count else one_sided
+    both = _bidirectional(p, order, to_beat=one_sided.count)
+    return both if both is not None and both.count < one_sided.count else one_sided
 
 
-def _bidirectional(p: csr_array, order: str) -> Coloring:
+def _bidirectional(p: csr_array, order: str, to_beat: int | None = None) -> Any:
+    """The bidirectional coloring (None where, given ``to_beat``, none takes fewer products)."""
     from . import _bicoloring
 
-    found = _bicoloring.split(p, order)
+    found = _bicoloring.split(p, order, to_beat)
+    if found is None:
+        return None
     index = _bicoloring.index(p, found)
     return Coloring(p, "bidirectional", found.column_colors, found.count, index, found.row_colors, found.row_count)
 

@@ -17,7 +17,17 @@ from ._coloring import as_pattern
 if TYPE_CHECKING:
     from scipy.sparse import csr_array
 
-__all__ = ["TRACERS", "Detection", "Detector", "GlobalDetector", "detect", "KnownPattern", "LocalDetector", "hessian_pattern", "jacobian_pattern"]
+__all__ = [
+    "TRACERS",
+    "Detection",
+    "Detector",
+    "GlobalDetector",
+    "detect",
+    "KnownPattern",
+    "LocalDetector",
+    "hessian_pattern",
+    "jacobian_pattern",
+]
 
 
 TRACERS = ("auto", "jax", "torch", "numpy")
@@ -292,7 +302,9 @@ def detect(
     return Detection(pattern, "local" if isinstance(detector, LocalDetector) else "known")
 
 
-def _global(f: Callable[..., Any], x: Any, values: list[Any], detector: GlobalDetector, backend: Any, hessian: bool) -> Detection:
+def _global(
+    f: Callable[..., Any], x: Any, values: list[Any], detector: GlobalDetector, backend: Any, hessian: bool
+) -> Detection:
     """The global pattern of f's Jacobian (Hessian), read by the tracer ``detector`` names."""
     from .._errors import UnsupportedOperationError
 

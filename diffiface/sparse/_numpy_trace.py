@@ -76,8 +76,8 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
         return self.dtype.kind in "fc"
 
     @property
-    def T(self) -> IndexSetArray:  # noqa: N802 - numpy's name
-        return np.transpose(self)  # type: ignore[no-any-return]
+    def T(self) -> IndexSetArray:
+        return np.transpose(self)  # type: ignore[return-value]
 
     @property
     def real(self) -> IndexSetArray:
@@ -98,9 +98,7 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
     # -- what depends on values: refused ---------------------------------------------------------
 
     def _refuse(self, what: str) -> TracerRefusal:
-        return TracerRefusal(
-            f"f {what} of an array computed from x; the pattern could then change with x's values"
-        )
+        return TracerRefusal(f"f {what} of an array computed from x; the pattern could then change with x's values")
 
     def __bool__(self) -> bool:
         raise self._refuse("branches (a Python `if`, `and`, `or`, `while`) on a value")
@@ -235,7 +233,9 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
 
     def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
         if kwargs.get("out") is not None:
-            raise TracerRefusal(f"f writes the result of np.{ufunc.__name__} into out=..., which the detector does not follow")
+            raise TracerRefusal(
+                f"f writes the result of np.{ufunc.__name__} into out=..., which the detector does not follow"
+            )
         if method == "__call__":
             if ufunc.__name__ == "matmul":
                 return _matmul(self.trace, inputs[0], inputs[1])
@@ -271,7 +271,9 @@ def _unknown_indices(key: Any) -> Any:
     keys = key if isinstance(key, tuple) else (key,)
     if not any(isinstance(k, IndexSetArray) and k.dtype.kind in "iu" for k in keys):
         return None
-    replaced = tuple(np.zeros(k.shape, dtype=np.int64) if isinstance(k, IndexSetArray) and k.dtype.kind in "iu" else k for k in keys)
+    replaced = tuple(
+        np.zeros(k.shape, dtype=np.int64) if isinstance(k, IndexSetArray) and k.dtype.kind in "iu" else k for k in keys
+    )
     return replaced if isinstance(key, tuple) else replaced[0]
 
 
@@ -512,7 +514,7 @@ def _where(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
 
 def _along(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     """sort and friends: each output depends on the whole slice along the axis."""
-    a = _lift(trace, args[0])
+    a: Any = _lift(trace, args[0])
     axis = _argument(args, kwargs, 1, "axis", -1)
     if axis is None:
         a, axis = np.ravel(a), 0
@@ -707,8 +709,10 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
     except Exception as error:
         if "IndexSetArray" in str(error):
             raise UnsupportedOperationError(
-                _refusal(f"f calls something that does not take numpy's array protocols ({type(error).__name__}: "
-                         f"{str(error).splitlines()[0][:200] if str(error) else ''})")
+                _refusal(
+                    f"f calls something that does not take numpy's array protocols ({type(error).__name__}: "
+                    f"{str(error).splitlines()[0][:200] if str(error) else ''})"
+                )
             ) from error
         raise
     blocks = []

@@ -127,7 +127,9 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
     tensor_at = [i for i, leaf in enumerate(context_leaves) if isinstance(leaf, torch.Tensor)]
     k = len(leaves)
     inputs = [
-        leaf if isinstance(leaf, torch.Tensor) else torch.as_tensor(leaf, dtype=getattr(torch, _arrays.dtype_name(leaf)))
+        leaf
+        if isinstance(leaf, torch.Tensor)
+        else torch.as_tensor(leaf, dtype=getattr(torch, _arrays.dtype_name(leaf)))
         for leaf in leaves
     ]
 
@@ -141,9 +143,9 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
 
     try:
         with torch.no_grad():
-            graph = make_fx(functionalize(run, remove="mutations_and_views"), tracing_mode="fake", _allow_non_fake_inputs=True)(
-                *inputs, *[context_leaves[i] for i in tensor_at]
-            )
+            graph = make_fx(
+                functionalize(run, remove="mutations_and_views"), tracing_mode="fake", _allow_non_fake_inputs=True
+            )(*inputs, *[context_leaves[i] for i in tensor_at])
     except Exception as error:
         reason = _tracer_error(error)
         if reason is None:
@@ -304,10 +306,7 @@ class _Interpreter:
                 rows = self.along(node, first)
             elif name in ("cummax", "cummin"):
                 rows = self.cumulative(node, name, first)
-            elif name == "aminmax":
-                rows = self.reduction(node, name, first)
-                return [rows, rows]
-            elif name in ("var_mean", "std_mean"):
+            elif name in ("aminmax", "var_mean", "std_mean"):
                 rows = self.reduction(node, name, first)
                 return [rows, rows]
             elif name in ("max", "min"):
@@ -320,7 +319,9 @@ class _Interpreter:
         if self.pairs is not None:
             self.pairs.add_all(sets.all_of(every, 1))
         self.notes.append(f"{_qualified(node.target)} is not known to the torch detector: dense")
-        return [sets.all_of(every, sets.size(s)) if _is_float_meta(m) else None for s, m in zip(shapes, metas, strict=True)]
+        return [
+            sets.all_of(every, sets.size(s)) if _is_float_meta(m) else None for s, m in zip(shapes, metas, strict=True)
+        ]
 
     def operand_rows(self, node: Any) -> list[Any]:
         return [self.rows.get(a) for a in _nodes(node.args) + _nodes(node.kwargs)]
@@ -400,7 +401,7 @@ class _Interpreter:
                 pass  # a product with a constant is linear
             elif name == "mul" and len(present) == 2:
                 self.pairs.add(present[0], present[1])
-            elif name == "div" and len(broadcast) >= 1 and broadcast[0] is not None and len(present) == 1:
+            elif name == "div" and _numerator_alone(node, self.rows):
                 pass  # a quotient by a constant is linear
             elif name == "where" and len(present) >= 1:
                 pass  # a selection, linear in each branch
@@ -561,6 +562,14 @@ def _nodes(a: Any) -> list[Any]:
     return [a] if hasattr(a, "op") else []
 
 
+def _numerator_alone(node: Any, rows: dict[Any, Any]) -> bool:
+    """Whether a division's numerator depends on x and its denominator does not."""
+    numerator, denominator = node.args[0], node.args[1] if len(node.args) > 1 else None
+    if not hasattr(numerator, "op") or rows.get(numerator) is None:
+        return False
+    return not hasattr(denominator, "op") or rows.get(denominator) is None
+
+
 def _accumulates(node: Any) -> bool:
     """Whether a scatter adds (or reduces) into its target instead of writing: not a move."""
     overload = str(getattr(node.target, "_overloadname", ""))
@@ -618,8 +627,8 @@ def _batched_mm(
     for t in range(batch):
         ta = 0 if a_shape[0] == 1 else t
         tb = 0 if b_shape[0] == 1 else t
-        am = a_mask if a_all is None else a_all[ta]
-        bm = b_mask if b_all is None else b_all[tb]
+        am: Any = a_mask if a_all is None else a_all[ta]
+        bm: Any = b_mask if b_all is None else b_all[tb]
         # out (i, j) <- a (i, l) where b (l, j): kron(I_m, bm.T) ; out (i, j) <- b (l, j) where a (i, l): kron(am, I_p)
         blocks_a.append(sp.kron(sp.eye_array(m), sp.csr_array(bm.T.astype(np.float32)), format="csr"))
         blocks_b.append(sp.kron(sp.csr_array(am.astype(np.float32)), sp.eye_array(p), format="csr"))
@@ -672,7 +681,7 @@ def _conv_pairs(
     o_idx, c_local = taps[:, 0], taps[:, 1]
     k_idx = taps[:, 2:]
     c_idx = (o_idx // per_group_out) * per_group_in + c_local
-    w_flat = np.ravel_multi_index(tuple(taps.T), tuple(w_shape)) if taps.size else np.zeros(0, dtype=np.int64)
+    w_flat: Any = np.ravel_multi_index(tuple(taps.T), tuple(w_shape)) if taps.size else np.zeros(0, dtype=np.int64)
     out_spatial = tuple(out_shape[2:])
     grid = np.indices(out_spatial).reshape(spatial, -1).T  # (P, spatial)
     in_rows, in_cols, w_rows, w_cols = [], [], [], []
@@ -686,7 +695,9 @@ def _conv_pairs(
             w_rows.append(out_flat)
             w_cols.append(np.full(out_flat.size, w_flat[t]))
             loc = location[inside]
-            in_flat = np.ravel_multi_index((np.full(loc.shape[0], b), np.full(loc.shape[0], c_idx[t]), *loc.T), tuple(in_shape))
+            in_flat = np.ravel_multi_index(
+                (np.full(loc.shape[0], b), np.full(loc.shape[0], c_idx[t]), *loc.T), tuple(in_shape)
+            )
             in_rows.append(out_flat[inside])
             in_cols.append(in_flat)
     del channels

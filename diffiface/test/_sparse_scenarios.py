@@ -21,7 +21,14 @@ from .._backends import AutoSparse, Backend
 from .._contexts import Constant
 from ._scenario import Scenario
 
-__all__ = ["SparseScenario", "engines_own_code_scenarios", "run_sparse", "run_sparse_part", "sparse_backends", "sparse_scenarios"]
+__all__ = [
+    "SparseScenario",
+    "engines_own_code_scenarios",
+    "run_sparse",
+    "run_sparse_part",
+    "sparse_backends",
+    "sparse_scenarios",
+]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -281,7 +288,14 @@ def engines_own_code_scenarios(quick: bool = False) -> list[SparseScenario]:
             ("torch_tridiagonal", _tridiagonal_torch, xt, "jacobian", _tridiagonal_jacobian(x), torch_only),
             ("torch_conv1d", _conv1d_torch, xt, "jacobian", _two_diagonals(n), torch_only),
             ("torch_arrowhead", _arrowhead_torch, xt, "jacobian", _arrowhead_jacobian(x), torch_only),
-            ("torch_rosenbrock", _rosenbrock_torch, xt, "hessian", _rosenbrock_value_gradient_hessian(x)[2], torch_only),
+            (
+                "torch_rosenbrock",
+                _rosenbrock_torch,
+                xt,
+                "hessian",
+                _rosenbrock_value_gradient_hessian(x)[2],
+                torch_only,
+            ),
         ]
     if _installed("autograd"):
         own = frozenset({"autograd"})
