@@ -22,6 +22,9 @@ from ._backends import AutoSparse as AutoSparse
 from ._backends import AutoTorch as AutoTorch
 from ._backends import Backend as Backend
 from ._backends import SecondOrder as SecondOrder
+from ._batched import Tangents as Tangents
+from ._batched import batched_jvp as batched_jvp
+from ._batched import batched_vjp as batched_vjp
 from ._contexts import Cache as Cache
 from ._contexts import Constant as Constant
 from ._contexts import Context as Context
@@ -117,6 +120,10 @@ __all__ = [
     "value_and_jvp",
     "vjp",
     "value_and_vjp",
+    # batches of products
+    "Tangents",
+    "batched_jvp",
+    "batched_vjp",
     # second-order operators
     "second_derivative",
     "value_derivative_and_second_derivative",

@@ -241,7 +241,7 @@ class SecondOrder(Backend):
         return self.outer.black_box and self.inner.black_box
 
 
-_SPARSE_COLORINGS = ("auto", "column", "row")
+_SPARSE_COLORINGS = ("auto", "column", "row", "bidirectional")
 
 
 class _Later:
@@ -280,11 +280,14 @@ class AutoSparse(Backend):
         ``f`` with jax, valid at every x), ``LocalDetector()`` (at points near x: may miss a
         nonzero that vanishes there) or ``KnownPattern(pattern)`` (yours).
     coloring:
-        ``"auto"`` (the fewer colors of columns and rows; on a tie, rows on torch and
+        ``"auto"`` (the fewest colors of columns, rows and both; on a tie, rows on torch and
         autograd, whose reverse products cost less, columns elsewhere; black-box engines
         always take columns),
-        ``"column"`` (forward products, one jvp per color) or ``"row"`` (reverse products, one
-        vjp per color). Hessians always take a star coloring (one hvp per color).
+        ``"column"`` (forward products, one jvp per color), ``"row"`` (reverse products, one
+        vjp per color) or ``"bidirectional"`` (reverse products for some rows, forward ones for
+        the rest: an arrowhead takes 3); ``"auto"`` takes a bidirectional coloring where it
+        needs fewer products than both one-sided ones (``prep.coloring.sides`` tells the
+        products per side). Hessians always take a star coloring (one hvp per color).
     order:
         The vertex order of the greedy coloring (``"natural"``, ``"largest_first"``...).
     dense:
@@ -302,7 +305,7 @@ class AutoSparse(Backend):
     """The operators it makes sparse; the others are its engine's."""
     backend: Backend
     detector: Any = None
-    coloring: Literal["auto", "column", "row"] = "auto"
+    coloring: Literal["auto", "column", "row", "bidirectional"] = "auto"
     order: str = "natural"
     dense: bool = False
     check: bool = False
@@ -336,9 +339,9 @@ class AutoSparse(Backend):
             )
         _check_bool(self, "dense", self.dense)
         _check_bool(self, "check", self.check)
-        if self.coloring == "row" and backend.black_box:
+        if self.coloring in ("row", "bidirectional") and backend.black_box:
             raise InvalidBackendOptionError(
-                f"AutoSparse({_short(backend)}, coloring='row'): {backend.name} has no reverse mode, so each "
+                f"AutoSparse({_short(backend)}, coloring={self.coloring!r}): {backend.name} has no reverse mode, so each "
                 "row would cost a full Jacobian; use coloring='column' (or 'auto')."
             )
 

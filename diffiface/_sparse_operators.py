@@ -58,8 +58,15 @@ class SparsePrep(Prep):
 
     @property
     def coloring(self) -> Any:
-        """The :class:`diffiface.sparse.Coloring` used: ``coloring.count`` products per call."""
+        """The :class:`diffiface.sparse.Coloring` used: ``coloring.count`` products per call,
+        ``coloring.sides`` of them forward and reverse."""
         return self.plan.program.sparse.coloring  # type: ignore[attr-defined]
+
+    @property
+    def detection(self) -> Any:
+        """How the pattern was found: a :class:`diffiface.sparse.Detection` (its ``tracer``, and
+        ``notes`` naming the operations taken as dense), or None for a local or known pattern."""
+        return self.plan.program.sparse.detection  # type: ignore[attr-defined]
 
 
 class SparseProgram:
@@ -183,10 +190,10 @@ class _Plan:
         self.family = _family(flat)
         self.flat_dtype = _arrays.dtype_name(flat)
         n = self.x_layout.size
-        if self.hessian:
-            pattern = sparse.hessian_pattern(f, x, *contexts, detector=backend.detector, backend=engine)
-        else:
-            pattern = sparse.jacobian_pattern(f, x, *contexts, detector=backend.detector, backend=first)
+        self.detection = sparse.detect(
+            f, x, contexts, backend.detector, engine if self.hessian else first, self.hessian
+        )
+        pattern = self.detection.pattern
         if pattern.shape[1] != n or (self.hessian and pattern.shape[0] != n):
             expected = f"({n}, {n})" if self.hessian else f"(m, {n})"
             raise InvalidInputError(
@@ -203,6 +210,8 @@ class _Plan:
             column = sparse.color_jacobian(pattern, mode="column", order=backend.order)
             row = sparse.color_jacobian(pattern, mode="row", order=backend.order)
             coloring = row if row.count <= column.count else column
+            best = sparse.color_jacobian(pattern, mode="auto", order=backend.order)  # bidirectional where it wins
+            coloring = best if best.mode == "bidirectional" and best.count < coloring.count else coloring
         else:
             coloring = sparse.color_jacobian(pattern, mode=backend.coloring, order=backend.order)
         self.coloring = coloring
@@ -210,8 +219,8 @@ class _Plan:
         self.n = n
         self.count = int(coloring.count)
         index = np.asarray(coloring.index, dtype=np.int64)
-        if coloring.mode == "row":
-            self.stacked_index = index  # the products are the rows of seeds.T @ J, stacked
+        if coloring.mode in ("row", "bidirectional"):
+            self.stacked_index = index  # the products laid end to end (rows of seeds.T @ J, stacked)
         else:  # the products J @ seed_k (H @ seed_k) stacked as rows: transpose the index
             rows = self.n if self.hessian else self.m
             self.stacked_index = (index % max(self.count, 1)) * rows + index // max(self.count, 1)
@@ -347,12 +356,12 @@ class _ProductRoute(_Route):
         if mode == "row":
             y, _ = ops.value_and_jvp(f, plan.first, x, unravel(_like(flat, np.zeros(plan.n))), *contexts)
         else:
-            self.tangents = [unravel(_like(flat, seeds[:, k])) for k in range(plan.count)]
+            self.tangents = [unravel(_like(flat, seeds[:, k])) for k in range(seeds.shape[1])]
             if plan.hessian:
                 self.gradient_prep = ops.prepare_value_and_gradient(f, plan.engine, x, *contexts)
                 y, _ = ops.value_and_gradient(f, plan.engine, x, *contexts, prep=self.gradient_prep)
             else:
-                tangent = self.tangents[0] if plan.count else unravel(_like(flat, np.zeros(plan.n)))
+                tangent = self.tangents[0] if self.tangents else unravel(_like(flat, np.zeros(plan.n)))
                 self.product_prep = ops.prepare_value_and_jvp(f, plan.first, x, tangent, *contexts)
                 y, _ = ops.value_and_jvp(f, plan.first, x, tangent, *contexts, prep=self.product_prep)
         self.y_layout = _Layout(y)
@@ -362,6 +371,12 @@ class _ProductRoute(_Route):
             self.cotangents = [unravel_y(_like(y_flat, seeds[:, k])) for k in range(plan.count)]
             cotangent = self.cotangents[0] if plan.count else y
             self.product_prep = ops.prepare_value_and_vjp(f, plan.first, x, cotangent, *contexts)
+        elif mode == "bidirectional":  # the rows of the reverse side, after the forward ones
+            y_flat, unravel_y = _tree.ravel(y)
+            row_seeds = np.asarray(plan.coloring.row_seeds)
+            self.cotangents = [unravel_y(_like(y_flat, row_seeds[:, k])) for k in range(row_seeds.shape[1])]
+            cotangent = self.cotangents[0] if self.cotangents else y
+            self.reverse_prep = ops.prepare_value_and_vjp(f, plan.first, x, cotangent, *contexts)
         elif plan.hessian and plan.count:
             self.product_prep = ops.prepare_hvp(f, plan.engine, x, self.tangents[0], *contexts)
         self.dtype = _promote(plan.family, [*plan.x_layout.dtypes, *self.y_layout.dtypes])
@@ -386,6 +401,11 @@ class _ProductRoute(_Route):
                 y, product = ops.value_and_jvp(f, plan.first, x, tangent, *contexts, prep=prep)
                 head = (y,)
                 products.append(product)
+            if plan.coloring.mode == "bidirectional":
+                for cotangent in self.cotangents:
+                    y, product = ops.value_and_vjp(f, plan.first, x, cotangent, *contexts, prep=self.reverse_prep)
+                    head = (y,)
+                    products.append(product)
         if not head:  # no colors: an empty pattern, and f's value from one call
             head = (_value(f, x, contexts),) if not plan.hessian else head
         values = self._gather([_tree.ravel(p)[0] for p in products])
@@ -395,7 +415,7 @@ class _ProductRoute(_Route):
         xp, dtype = self.xp, self.dtype
         if not flats:
             return _cast(xp.zeros((0,)), dtype, self.plan.family)
-        stacked = xp.stack([_cast(v, dtype, self.plan.family) for v in flats])
+        stacked = xp.concatenate([_cast(v.reshape(-1), dtype, self.plan.family) for v in flats])
         return _take(self.plan.family, stacked, self.index)
 
     def check(self, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...], values: Any) -> None:
@@ -515,6 +535,8 @@ class _JaxRoute(_Route):
             _arrays.dtype_name(leaf) for c in contexts for leaf in _tree.leaves(c.value)
         }
         seeds_t = np.ascontiguousarray(np.asarray(plan.coloring.seeds).T)
+        forward_t = seeds_t
+        backward_t = np.ascontiguousarray(np.asarray(plan.coloring.row_seeds).T)
         index = plan.stacked_index.astype(
             np.int32 if plan.stacked_index.size and plan.stacked_index.max() < 2**31 else np.int64
         )
@@ -557,6 +579,24 @@ class _JaxRoute(_Route):
                 (value, grad), linear = jax.linearize(jax.value_and_grad(scalar), flat)
                 stacked = jax.vmap(lambda s: linear(s)[1])(seeds) if count else jnp.zeros((0,), flat.dtype)
                 return value, grad, stacked.reshape(-1)[index]
+            if mode == "bidirectional":  # forward products for the columns, reverse for the rows
+                (y_flat, y_leaves), pull = jax.vjp(lambda v: flat_output(v, values), flat)
+                cotangent_leaves = [jnp.zeros_like(a) for a in y_leaves]
+                forward = jnp.asarray(forward_t, dtype=flat.dtype)
+                backward = jnp.asarray(backward_t, dtype=flat.dtype)
+                pushed = (
+                    jax.vmap(lambda s: jax.jvp(lambda v: flat_output(v, values)[0], (flat,), (s,))[1])(forward)
+                    if forward.shape[0]
+                    else jnp.zeros((0,), y_flat.dtype)
+                )
+                pulled = (
+                    jax.vmap(lambda s: pull((s.astype(y_flat.dtype), cotangent_leaves))[0])(backward)
+                    if backward.shape[0]
+                    else jnp.zeros((0,), flat.dtype)
+                )
+                dtype = np.result_type(flat.dtype.name, y_flat.dtype.name).name
+                both = jnp.concatenate([pushed.astype(dtype).reshape(-1), pulled.astype(dtype).reshape(-1)])
+                return tuple(y_leaves), both[index]
             if mode == "row":
                 (y_flat, y_leaves), pull = jax.vjp(lambda v: flat_output(v, values), flat)
                 cotangent_leaves = [jnp.zeros_like(a) for a in y_leaves]
@@ -659,6 +699,7 @@ def _check_against_dense(plan: _Plan, f: Callable[..., Any], x: Any, contexts: t
     data = _arrays.to_numpy(values).astype(np.float64)
     matrix = scipy.sparse.csr_array((data, plan.indices, plan.indptr), shape=(plan.m, plan.n))
     rng = np.random.default_rng(0)
+    tangent: Any = None
     if plan.coloring.mode == "row":
         y, _ = ops.value_and_jvp(f, plan.first, x, unravel(_like(flat, np.zeros(plan.n))), *contexts)
         y_flat, unravel_y = _tree.ravel(y)
@@ -674,9 +715,13 @@ def _check_against_dense(plan: _Plan, f: Callable[..., Any], x: Any, contexts: t
             dense = _tree.ravel(ops.jvp(f, plan.first, x, tangent, *contexts))[0]
         sparse_product = matrix @ v
     reference = _arrays.to_numpy(dense).astype(np.float64)
-    exact = not plan.engine.black_box and "float64" in plan.flat_dtype
-    tolerance = 1e-8 if exact else 1e-3
     scale = 1.0 + float(np.max(np.abs(reference), initial=0.0))
+    estimated = _difference_error(plan, f, x, contexts, tangent, reference) if plan.coloring.mode != "row" else None
+    if estimated is not None:
+        tolerance = estimated / scale
+    else:
+        exact = not plan.engine.black_box and "float64" in plan.flat_dtype
+        tolerance = 1e-8 if exact else 1e-3
     worst = float(np.max(np.abs(sparse_product - reference), initial=0.0))
     if worst > tolerance * scale:
         what = "Hessian" if plan.hessian else "Jacobian"
@@ -686,3 +731,37 @@ def _check_against_dense(plan: _Plan, f: Callable[..., Any], x: Any, contexts: t
             f"of the {what}. A LocalDetector or KnownPattern pattern holds only where it was found; use "
             "GlobalDetector() or a pattern that covers every nonzero."
         )
+
+
+def _difference_error(
+    plan: _Plan, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...], tangent: Any, reference: np.ndarray
+) -> float | None:
+    """The error of a finite-difference product, from the engine's own error: the same product
+    with a step four times as long differs from it by about its truncation error times 16 (2 for
+    one-sided differences), and by its rounding error; ten times that difference, and never less
+    than ten times the error the method's step balances to, is the tolerance. None where the
+    engine is not finite differences of a known step."""
+    import dataclasses
+
+    from . import _operators as ops
+    from ._backends import AutoFiniteDifferences
+
+    engine = plan.engine if plan.hessian else plan.first
+    if not isinstance(engine, AutoFiniteDifferences) or engine.method == "complex":
+        return None
+    flat, _ = _tree.ravel(x)
+    eps = float(
+        np.finfo(np.dtype(plan.flat_dtype) if plan.flat_dtype in ("float16", "float32", "float64") else np.float64).eps
+    )
+    power = 0.25 if plan.hessian else (1.0 / 3.0 if engine.method == "central" else 0.5)
+    size = max(1.0, float(np.max(np.abs(_arrays.to_numpy(flat)), initial=0.0)))
+    step = 4.0 * (engine.step if engine.step is not None else eps**power * size)
+    longer = dataclasses.replace(engine, step=step)
+    if plan.hessian:
+        other = _tree.ravel(ops.hvp(f, longer, x, tangent, *contexts))[0]
+    else:
+        other = _tree.ravel(ops.jvp(f, longer, x, tangent, *contexts))[0]
+    difference = float(np.max(np.abs(_arrays.to_numpy(other).astype(np.float64) - reference), initial=0.0))
+    scale = 1.0 + float(np.max(np.abs(reference), initial=0.0))
+    balanced = float(eps ** (1.0 - power if not plan.hessian else 0.5)) * scale
+    return 10.0 * max(difference, balanced)

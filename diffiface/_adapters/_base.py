@@ -24,7 +24,7 @@ import dataclasses
 import math
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -174,6 +174,28 @@ class Adapter:
         touts = _apply(self.xp, blocks, txs, _as_tuple(out))
         return out, aux, touts if isinstance(out, tuple) else touts[0]
 
+    # -- batches of products: one program where the engine has vmap, a loop here -------------
+
+    def value_and_pushforwards(self, fn: Fn, xs: Leaves, batch: Sequence[Leaves]) -> tuple[Any, Any, list[Any]]:
+        """``(out, aux, touts)``: ``touts[k]`` the Jacobian-vector product along ``batch[k]``."""
+        touts = []
+        out = aux = None
+        for txs in batch:
+            out, aux, tout = self.value_and_pushforward(fn, xs, txs)
+            touts.append(tout)
+        if out is None:  # an empty batch: evaluate once for the value
+            out, aux = fn(xs)
+        return out, aux, touts
+
+    def value_and_pullbacks(self, fn: Fn, xs: Leaves, batch: Sequence[Any]) -> tuple[Any, Any, list[Leaves]]:
+        """``(out, aux, grads)``: ``grads[k]`` the vector-Jacobian product of ``batch[k]``."""
+        out, aux, vjp = self.pullback_function(fn, xs)
+        return out, aux, self.pullbacks(vjp, xs, batch)
+
+    def pullbacks(self, vjp: Callable[[Any], Leaves], xs: Leaves, batch: Sequence[Any]) -> list[Leaves]:
+        """``vjp`` (of :meth:`pullback_function`) of each cotangent of ``batch``."""
+        return [vjp(touts) for touts in batch]
+
     # -- first order, derived --------------------------------------------------------------------
 
     def value_and_pullback(self, fn: Fn, xs: Leaves, touts: Any) -> tuple[Any, Any, Leaves]:
@@ -240,14 +262,17 @@ class Adapter:
         xp = self.xp
         out, aux, vjp = self.pullback_function(fn, xs)
         outs = _as_tuple(out)
+        seeds = [
+            _shaped_as(out, tuple(self.basis(y, k) if m == i else xp.zeros_like(z) for m, z in enumerate(outs)))
+            for i, y in enumerate(outs)
+            for k in range(_size(y))
+        ]
+        every = self.pullbacks(vjp, xs, seeds) if seeds else []
         blocks = []
-        for i, y in enumerate(outs):
-            rows = [
-                vjp(
-                    _shaped_as(out, tuple(self.basis(y, k) if m == i else xp.zeros_like(z) for m, z in enumerate(outs)))
-                )
-                for k in range(_size(y))
-            ]
+        start = 0
+        for y in outs:
+            rows = every[start : start + _size(y)]
+            start += _size(y)
             blocks.append(
                 tuple(
                     xp.reshape(xp.stack([row[j] for row in rows]), (*y.shape, *x.shape))
@@ -261,17 +286,13 @@ class Adapter:
     def _jacobian_by_columns(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Blocks]:
         xp = self.xp
         zeros = tuple(xp.zeros_like(x) for x in xs)
+        seeds = [(*zeros[:j], self.basis(x, k), *zeros[j + 1 :]) for j, x in enumerate(xs) for k in range(_size(x))]
+        out, aux, touts = self.value_and_pushforwards(fn, xs, seeds)  # (every leaf empty: f once, for the value)
         columns: list[list[Leaves]] = []
-        out = aux = None
-        for j, x in enumerate(xs):
-            cols = []
-            for k in range(_size(x)):
-                txs = (*zeros[:j], self.basis(x, k), *zeros[j + 1 :])
-                out, aux, tout = self.value_and_pushforward(fn, xs, txs)
-                cols.append(_as_tuple(tout))
-            columns.append(cols)
-        if out is None:  # every leaf of x is empty: evaluate once for the value
-            out, aux = fn(xs)
+        start = 0
+        for x in xs:
+            columns.append([_as_tuple(t) for t in touts[start : start + _size(x)]])
+            start += _size(x)
         outs = _as_tuple(out)
         blocks = tuple(
             tuple(

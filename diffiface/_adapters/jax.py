@@ -175,6 +175,21 @@ class Adapter(_base.Adapter):
         out, tout, aux = jax.jvp(fn, (xs,), (txs,), has_aux=True)
         return out, aux, tout
 
+    def value_and_pushforwards(self, fn: Fn, xs: Leaves, batch: Any) -> tuple[Any, Any, list[Any]]:
+        if len(batch) < 2:
+            return super().value_and_pushforwards(fn, xs, batch)
+        stacked = tuple(jnp.stack([txs[j] for txs in batch]) for j in range(len(xs)))
+        out, linear, aux = jax.linearize(fn, xs, has_aux=True)
+        touts = jax.vmap(linear)(stacked)  # one program for the whole batch
+        return out, aux, [jax.tree.map(lambda t, k=k: t[k], touts) for k in range(len(batch))]
+
+    def pullbacks(self, vjp: Callable[[Any], Leaves], xs: Leaves, batch: Any) -> list[Leaves]:
+        if len(batch) < 2:
+            return super().pullbacks(vjp, xs, batch)
+        stacked = jax.tree.map(lambda *ts: jnp.stack(ts), *batch)
+        grads = jax.vmap(vjp)(stacked)  # one program for the whole batch
+        return [jax.tree.map(lambda g, k=k: g[k], grads) for k in range(len(batch))]
+
     def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
         (value, aux), grads = jax.value_and_grad(fn, has_aux=True)(xs)
         return value, aux, _placement.as_inputs(grads, xs)

@@ -295,6 +295,23 @@ class Adapter(_base.Adapter):
             level.__exit__(None, None, None)
         return primal, aux, tangent
 
+    def value_and_pushforwards(self, fn: Fn, xs: Leaves, batch: Any) -> tuple[Any, Any, list[Any]]:
+        if not self.functional or len(batch) < 2 or _any_dtensor(xs):
+            return super().value_and_pushforwards(fn, xs, batch)
+        # the first tangent alone gives the value; torch.func.vmap runs the rest as one program
+        out, aux, first = self.value_and_pushforward(fn, xs, batch[0])
+        stacked = tuple(torch.stack([txs[j] for txs in batch[1:]]) for j in range(len(xs)))
+        with _FORWARD_LOCK, _first_forward():
+            rest = func.vmap(lambda txs: self._value_and_pushforward(fn, xs, txs)[2])(stacked)
+        return out, aux, [first, *[optree.tree_map(lambda t, k=k: t[k], rest) for k in range(len(batch) - 1)]]
+
+    def pullbacks(self, vjp: Callable[[Any], Leaves], xs: Leaves, batch: Any) -> list[Leaves]:
+        if not self.functional or len(batch) < 2 or _any_dtensor(xs):
+            return super().pullbacks(vjp, xs, batch)
+        stacked = optree.tree_map(lambda *ts: torch.stack(ts), batch[0], *batch[1:])
+        grads = func.vmap(vjp)(stacked)  # one program for the whole batch
+        return [tuple(g[k] for g in grads) for k in range(len(batch))]
+
     def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
         if self.functional:
             g, has_aux, rebuild = _for_func(fn, xs)

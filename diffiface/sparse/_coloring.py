@@ -44,18 +44,28 @@ class Coloring:
         canonical boolean ``scipy.sparse.csr_array``.
     mode
         ``"column"`` (compress with ``J @ seeds``, forward mode), ``"row"`` (``seeds.T @ J``,
-        reverse mode) or ``"star"`` (``H @ seeds``, Hessian-vector products).
+        reverse mode), ``"star"`` (``H @ seeds``, Hessian-vector products) or
+        ``"bidirectional"`` (both: ``J @ seeds`` for the columns, ``row_seeds.T @ J`` for the
+        rows of ``row_colors >= 0``; see ``diffiface.sparse._bicoloring``).
     colors
-        The color of each column (column, star) or row (row), ``0 .. count - 1``.
+        The color of each column (column, star, bidirectional: ``-1`` for a column no forward
+        product needs) or row (row), ``0 .. count - 1``.
     count
-        The number of colors: the number of products the compression takes.
+        The number of colors: the number of products the compression takes (bidirectional:
+        forward and reverse together).
     seeds
         ``n x count`` (column, star) or ``m x count`` (row) float64 matrix of zeros and ones:
         column ``k`` is the sum of the unit vectors of color ``k``. Made on first use and kept.
     index
         int64, one entry per nonzero of ``pattern`` in its CSR data order:
         ``compressed.reshape(-1)[index]`` is the CSR data of the matrix, where ``compressed``
-        is the product named under ``mode``.
+        is the product named under ``mode``; bidirectional: the products laid end to end, the
+        ``column_count`` forward ones (``m`` numbers each) then the ``row_count`` reverse ones
+        (``n`` each).
+    row_colors
+        Bidirectional only: the color of each row read by reverse products, ``-1`` for the others.
+    row_count
+        Bidirectional only: the number of reverse products.
 
     Examples
     --------
@@ -74,20 +84,53 @@ class Coloring:
     colors: np.ndarray
     count: int
     index: np.ndarray
+    row_colors: np.ndarray | None = None
+    row_count: int = 0
+
+    @property
+    def column_count(self) -> int:
+        """The forward products (bidirectional), or ``count``."""
+        return self.count - self.row_count
+
+    @property
+    def sides(self) -> dict[str, int]:
+        """The products per side: ``{"forward": ..., "reverse": ...}`` (a star coloring's
+        Hessian-vector products count as forward)."""
+        if self.mode == "row":
+            return {"forward": 0, "reverse": self.count}
+        return {"forward": self.column_count, "reverse": self.row_count}
 
     @functools.cached_property
     def seeds(self) -> np.ndarray:
-        seeds = np.zeros((self.colors.shape[0], self.count))
-        seeds[np.arange(self.colors.shape[0]), self.colors] = 1.0
-        return seeds
+        """The column seeds (column, star, bidirectional) or row seeds (row)."""
+        return _seeds(self.colors, self.column_count)
 
-    def decompress(self, compressed: Any) -> csr_array:
-        """The matrix, as a ``scipy.sparse.csr_array``, from a numpy ``compressed`` product."""
+    @functools.cached_property
+    def row_seeds(self) -> np.ndarray:
+        """Bidirectional: the ``m x row_count`` seeds of the reverse products."""
+        if self.row_colors is None:
+            return np.zeros((self.pattern.shape[0], 0))
+        return _seeds(self.row_colors, self.row_count)
+
+    def decompress(self, compressed: Any, reverse: Any = None) -> csr_array:
+        """The matrix, as a ``scipy.sparse.csr_array``, from a numpy ``compressed`` product
+        (bidirectional: ``J @ seeds`` and ``reverse``, ``row_seeds.T @ J``)."""
         import scipy.sparse as sp
 
+        if self.mode == "bidirectional":
+            forward = np.asarray(compressed).reshape(self.pattern.shape[0], self.column_count)
+            backward = np.zeros((0,)) if reverse is None else np.asarray(reverse)
+            compressed = np.concatenate([forward.T.reshape(-1), backward.reshape(-1)])
         data = np.asarray(compressed).reshape(-1)[self.index]
         p = self.pattern
         return sp.csr_array((data, p.indices.copy(), p.indptr.copy()), shape=p.shape)
+
+
+def _seeds(colors: np.ndarray, count: int) -> np.ndarray:
+    seeds = np.zeros((colors.shape[0], count))
+    used = colors >= 0
+    seeds[np.arange(colors.shape[0])[used], colors[used]] = 1.0
+    return seeds
 
 
 def as_pattern(pattern: Any, shape: tuple[int, int] | None = None, what: str = "pattern") -> csr_array:
@@ -252,7 +295,9 @@ def color_jacobian(pattern: Any, mode: str = "auto", order: str = "natural") -> 
     mode
         ``"column"`` (columns sharing no row share a color: ``J @ seeds``, one
         Jacobian-vector product per color), ``"row"`` (``seeds.T @ J``, one vector-Jacobian
-        product per color), or ``"auto"``: whichever needs fewer colors, column on a tie.
+        product per color), ``"bidirectional"`` (some rows by reverse products, the rest by
+        forward ones: see :attr:`Coloring.row_colors`), or ``"auto"``: whichever needs fewest
+        colors, column on a tie, bidirectional only where it takes fewer than both.
     order
         The order the greedy coloring visits columns (rows) in: ``"natural"`` (index order:
         a banded pattern gets one color per diagonal), ``"largest_first"`` or ``"smallest_last"``
@@ -269,17 +314,30 @@ def color_jacobian(pattern: Any, mode: str = "auto", order: str = "natural") -> 
     """
     _check_order(order)
     p = as_pattern(pattern)
-    if mode not in ("auto", "column", "row"):
-        raise InvalidInputError(f"Unknown coloring mode {mode!r}; use 'auto', 'column' or 'row'.")
+    if mode not in ("auto", "column", "row", "bidirectional"):
+        raise InvalidInputError(f"Unknown coloring mode {mode!r}; use 'auto', 'column', 'row' or 'bidirectional'.")
+    if mode == "bidirectional":
+        return _bidirectional(p, order)
     if mode == "column":
         return _make(p, "column", _partial_distance2(p, order))
     if mode == "row":
         return _make(p, "row", _partial_distance2(as_pattern(p.T), order))
     columns = _partial_distance2(p, order)
     rows = _partial_distance2(as_pattern(p.T), order)
-    if (rows.max(initial=-1)) < (columns.max(initial=-1)):
-        return _make(p, "row", rows)
-    return _make(p, "column", columns)
+    one_sided = _make(p, "row", rows) if rows.max(initial=-1) < columns.max(initial=-1) else _make(p, "column", columns)
+    both = _bidirectional(p, order, to_beat=one_sided.count)
+    return both if both is not None and both.count < one_sided.count else one_sided
+
+
+def _bidirectional(p: csr_array, order: str, to_beat: int | None = None) -> Any:
+    """The bidirectional coloring (None where, given ``to_beat``, none takes fewer products)."""
+    from . import _bicoloring
+
+    found = _bicoloring.split(p, order, to_beat)
+    if found is None:
+        return None
+    index = _bicoloring.index(p, found)
+    return Coloring(p, "bidirectional", found.column_colors, found.count, index, found.row_colors, found.row_count)
 
 
 def color_hessian(pattern: Any, order: str = "natural") -> Coloring:

@@ -17,23 +17,58 @@ from ._coloring import as_pattern
 if TYPE_CHECKING:
     from scipy.sparse import csr_array
 
-__all__ = ["Detector", "GlobalDetector", "KnownPattern", "LocalDetector", "hessian_pattern", "jacobian_pattern"]
+__all__ = [
+    "TRACERS",
+    "Detection",
+    "Detector",
+    "GlobalDetector",
+    "detect",
+    "KnownPattern",
+    "LocalDetector",
+    "hessian_pattern",
+    "jacobian_pattern",
+]
+
+
+TRACERS = ("auto", "jax", "torch", "numpy")
+"""The tracers of :class:`GlobalDetector`."""
 
 
 @dataclass(frozen=True)
 class GlobalDetector:
-    """The pattern read from ``f``'s program, traced once with ``jax.make_jaxpr``.
+    """The pattern read from ``f``'s program, traced once, for every ``x`` and every value of the
+    contexts (their arrays are traced as abstract arrays): conservative, never missing a nonzero
+    anywhere in the domain. Where an operation's structure is not known, each of its outputs
+    depends on everything its inputs depend on (and the detection's notes name it). Arrays ``f``
+    closes over are constants: their values count (indices, zeros of a matrix). A ``f`` whose
+    program depends on x's values (a Python ``if`` on them) is refused with the reason.
 
-    Works for jax functions and for functions written against the array API
-    (``array_api_compat.array_namespace(x)`` gives ``jax.numpy`` while tracing), whatever engine
-    differentiates them later. The pattern holds for every ``x`` and every value of the contexts
-    (they are traced as abstract arrays): it is conservative, never missing a nonzero anywhere in
-    the domain; where an operation's structure is not known, each of its outputs depends on
-    everything its inputs depend on. Arrays ``f`` closes over are constants: their values count
-    (indices, zeros of a matrix).
+    ``tracer`` says which tracer reads the program:
 
-    A Hessian pattern is the Jacobian pattern of ``jax.grad(f)``'s program, made symmetric.
+    - ``"jax"``: ``jax.make_jaxpr``, for jax functions and functions written against the array
+      API; a Hessian pattern is the Jacobian pattern of ``jax.grad(f)``'s program.
+    - ``"torch"``: ``make_fx`` to a graph of aten operations on fake tensors, for torch-written f.
+    - ``"numpy"``: f run once on an array of index sets that follows numpy's array protocols,
+      for numpy- and autograd.numpy-written f.
+    - ``"auto"`` (the default): torch when x holds torch tensors or the backend is torch's; jax
+      when x holds jax arrays or the backend is jax's; numpy otherwise (autograd, finite
+      differences, scipy on numpy x), then jax where the numpy tracer cannot follow f (a
+      function written with jax.numpy).
+
+    The torch and numpy tracers find a Hessian pattern with one more accumulator: each nonlinear
+    operation adds the pairs of inputs its second derivative couples.
     """
+
+    tracer: str = "auto"
+
+    def __repr__(self) -> str:
+        return "GlobalDetector()" if self.tracer == "auto" else f"GlobalDetector(tracer={self.tracer!r})"
+
+    def __post_init__(self) -> None:
+        if self.tracer not in TRACERS:
+            raise InvalidInputError(
+                f"GlobalDetector(tracer={self.tracer!r}) is not a tracer; choose one of {', '.join(map(repr, TRACERS))}."
+            )
 
 
 @dataclass(frozen=True)
@@ -53,6 +88,15 @@ class LocalDetector:
 
     points: int = 3
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name, low in (("points", 1), ("seed", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                raise InvalidInputError(
+                    f"LocalDetector({name}={value!r}): {name} must be an integer of at least {low}"
+                    + (" (the number of random points)." if name == "points" else " (the seed of the points).")
+                )
 
 
 @dataclass(frozen=True, eq=False)
@@ -158,9 +202,7 @@ def jacobian_pattern(
         return p
     if isinstance(detector, LocalDetector):
         return _local(f, x, contexts, detector, backend, n, hessian=False)
-    from . import _jaxpr
-
-    return _jaxpr.jacobian_pattern(f, x, values)
+    return _global(f, x, values, detector, backend, hessian=False).pattern
 
 
 def hessian_pattern(
@@ -199,9 +241,106 @@ def hessian_pattern(
         return as_pattern(p + p.T, what="known Hessian pattern")
     if isinstance(detector, LocalDetector):
         return _local(f, x, contexts, detector, backend, n, hessian=True)
+    return _global(f, x, values, detector, backend, hessian=True).pattern
+
+
+# --- global detection: the tracer of f's own engine ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Detection:
+    """A pattern found by :class:`GlobalDetector`, the tracer that read it, and its notes (the
+    operations it did not know, taken as dense)."""
+
+    pattern: Any
+    tracer: str
+    notes: tuple[str, ...] = ()
+
+
+def choose_tracer(x: Any, values: list[Any], backend: Any) -> str:
+    """The tracer ``GlobalDetector(tracer="auto")`` uses for ``f(x, *values)`` under ``backend``."""
+    kinds = {_arrays.kind(leaf) for leaf in tree.leaves(x)}
+    if "torch" in kinds:
+        return "torch"
+    if "jax" in kinds:
+        return "jax"
+    engines = _engines(backend)
+    if "torch" in engines:
+        return "torch"
+    if "jax" in engines:
+        return "jax"
+    return "numpy"
+
+
+def _engines(backend: Any) -> set[str]:
+    if backend is None:
+        return set()
+    from .._backends import SecondOrder
+
+    if isinstance(backend, str):
+        from .._adapters import normalize
+
+        backend = normalize(backend)
+    if isinstance(backend, SecondOrder):
+        return _engines(backend.outer) | _engines(backend.inner)
+    return {str(getattr(backend, "name", ""))}
+
+
+def detect(
+    f: Callable[..., Any], x: Any, contexts: tuple[Any, ...], detector: Any, backend: Any, hessian: bool
+) -> Detection:
+    """The Jacobian (``hessian=False``) or Hessian pattern of ``f`` at ``x`` with what found it:
+    :func:`jacobian_pattern` (:func:`hessian_pattern`) with the detection's ``tracer`` (``"jax"``,
+    ``"torch"``, ``"numpy"``; ``"local"`` or ``"known"`` for the other detectors) and notes."""
+    if isinstance(detector, GlobalDetector):
+        _check_detector(detector)
+        values = _context_values(contexts)
+        _input_size(x)
+        return _global(f, x, values, detector, backend, hessian)
+    find = hessian_pattern if hessian else jacobian_pattern
+    pattern = find(f, x, *contexts, detector=detector, backend=backend)
+    return Detection(pattern, "local" if isinstance(detector, LocalDetector) else "known")
+
+
+def _global(
+    f: Callable[..., Any], x: Any, values: list[Any], detector: GlobalDetector, backend: Any, hessian: bool
+) -> Detection:
+    """The global pattern of f's Jacobian (Hessian), read by the tracer ``detector`` names."""
+    from .._errors import UnsupportedOperationError
+
+    tracer = detector.tracer if detector.tracer != "auto" else choose_tracer(x, values, backend)
+    if tracer == "jax":
+        return _with_jax(f, x, values, hessian)
+    if tracer == "torch":
+        from . import _torch_trace
+
+        found = _torch_trace.trace_pattern(f, x, values, hessian)
+        return Detection(found.pattern, "torch", found.notes)
+    from . import _numpy_trace
+
+    try:
+        found = _numpy_trace.trace_pattern(f, x, values, hessian)
+    except (UnsupportedOperationError, TypeError, AttributeError) as error:
+        if detector.tracer != "auto" or not _jax_installed():
+            raise
+        try:  # a function written with jax.numpy (or the array API) on numpy x
+            return _with_jax(f, x, values, hessian)
+        except UnsupportedOperationError:
+            raise error from None
+    return Detection(found.pattern, "numpy", found.notes)
+
+
+def _with_jax(f: Callable[..., Any], x: Any, values: list[Any], hessian: bool) -> Detection:
     from . import _jaxpr
 
-    return _jaxpr.hessian_pattern(f, x, values)
+    pattern = _jaxpr.hessian_pattern(f, x, values) if hessian else _jaxpr.jacobian_pattern(f, x, values)
+    return Detection(pattern, "jax")
+
+
+def _jax_installed() -> bool:
+    import importlib.util
+
+    return "jax" in sys.modules or importlib.util.find_spec("jax") is not None
 
 
 def _output_size(f: Callable[..., Any], x: Any, values: list[Any]) -> int | None:
@@ -248,8 +387,6 @@ def _local(
             "LocalDetector differentiates f densely at a few points and needs the dense backend to do it "
             "with: pass backend=... (say di.AutoJAX() or 'finite_differences')."
         )
-    if detector.points < 1:
-        raise InvalidInputError(f"LocalDetector needs at least one point; got points={detector.points}.")
     rng = np.random.default_rng(detector.seed)
     x_sizes = [int(np.prod(_arrays.shape(leaf), dtype=np.int64)) for leaf in tree.leaves(x)]
     found: np.ndarray | None = None

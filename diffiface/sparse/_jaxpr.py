@@ -105,6 +105,8 @@ def _trace(fun: Callable[..., Any], x: Any, values: list[Any]) -> tuple[Any, int
     except DiffifaceError:
         raise
     except Exception as error:
+        if not _tracing_error(error):
+            raise  # f's own exception (a ValueError f raises on its input), as f raised it
         raise UnsupportedOperationError(
             f"GlobalDetector could not trace f with jax ({type(error).__name__}: {_first_line(error)}). It reads "
             "the pattern from the program jax traces, so f must be written with jax.numpy or the array API "
@@ -113,6 +115,23 @@ def _trace(fun: Callable[..., Any], x: Any, values: list[Any]) -> tuple[Any, int
             "KnownPattern(pattern) instead."
         ) from error
     return closed, k
+
+
+def _tracing_error(error: BaseException) -> bool:
+    """Whether ``error`` comes from tracing f with jax (a tracer where f needs a value, a function
+    of another library given a tracer) rather than from f itself."""
+    jax = _jax()
+    if isinstance(error, (jax.errors.JAXTypeError, jax.errors.JAXIndexError)):
+        return True
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:  # jax chains its own frames as a cause
+        seen.add(id(current))
+        if type(current).__module__.startswith(("jax.", "jaxlib.")):
+            return True
+        current = current.__cause__ or current.__context__
+    text = f"{type(error).__name__} {error}"
+    return any(word in text for word in ("Tracer", "tracer", "jax", "Jaxpr", "ShapeDtypeStruct", "abstract"))
 
 
 def _first_line(error: BaseException) -> str:

@@ -21,7 +21,14 @@ from .._backends import AutoSparse, Backend
 from .._contexts import Constant
 from ._scenario import Scenario
 
-__all__ = ["SparseScenario", "run_sparse", "run_sparse_part", "sparse_backends", "sparse_scenarios"]
+__all__ = [
+    "SparseScenario",
+    "engines_own_code_scenarios",
+    "run_sparse",
+    "run_sparse_part",
+    "sparse_backends",
+    "sparse_scenarios",
+]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -156,6 +163,191 @@ def _hessian_cases(n: int, bands: Sequence[int]) -> list[tuple[Any, ...]]:
     return cases
 
 
+# --- functions written with each engine's own library: the default detector reads each ----------
+
+
+_KERNEL = (1.0, 0.0, -2.0)  # a zero tap: the convolution is a map of two diagonals
+
+
+def _tridiagonal_torch(x: Any) -> Any:
+    import torch
+
+    return torch.cat([x[:1], x[1:-1] ** 2 - x[:-2] + torch.sin(x[2:]), x[-1:]])
+
+
+def _conv1d_torch(x: Any) -> Any:
+    import torch
+
+    kernel = torch.tensor(_KERNEL, dtype=x.dtype).reshape(1, 1, 3)
+    return torch.nn.functional.conv1d(x.reshape(1, 1, -1), kernel, padding=1).reshape(-1)
+
+
+def _arrowhead_torch(x: Any) -> Any:
+    import torch
+
+    return torch.cat([torch.sum(x**2).reshape(1), x[1:] * x[0]])
+
+
+def _rosenbrock_torch(x: Any) -> Any:
+    return (100 * (x[1:] - x[:-1] ** 2) ** 2 + (1 - x[:-1]) ** 2).sum()
+
+
+def _tridiagonal_autograd(x: Any) -> Any:
+    import autograd.numpy as anp
+
+    return anp.concatenate([x[:1], x[1:-1] ** 2 - x[:-2] + anp.sin(x[2:]), x[-1:]])
+
+
+def _roll_autograd(x: Any) -> Any:
+    import autograd.numpy as anp
+
+    return anp.roll(x, 1) * x
+
+
+def _cumsum_autograd(x: Any) -> Any:
+    import autograd.numpy as anp
+
+    return anp.cumsum(x) ** 2
+
+
+def _rosenbrock_autograd(x: Any) -> Any:
+    import autograd.numpy as anp
+
+    return anp.sum(100 * (x[1:] - x[:-1] ** 2) ** 2 + (1 - x[:-1]) ** 2)
+
+
+def _convolve_numpy(x: Any) -> Any:
+    return np.convolve(x, np.array(_KERNEL), mode="same")
+
+
+def _diff_numpy(x: Any) -> Any:
+    return np.sum(np.diff(x) ** 2)
+
+
+def _tridiagonal_jacobian(x: np.ndarray) -> np.ndarray:
+    n = x.size
+    jac = np.zeros((n, n))
+    jac[0, 0] = jac[-1, -1] = 1.0
+    i = np.arange(1, n - 1)
+    jac[i, i] = 2 * x[i]
+    jac[i, i - 1] = -1.0
+    jac[i, i + 1] = np.cos(x[i + 1])
+    return jac
+
+
+def _two_diagonals(n: int) -> np.ndarray:
+    """The Jacobian of y_i = x_{i-1} - 2 x_{i+1} (zero beyond the ends)."""
+    return np.eye(n, k=-1) - 2.0 * np.eye(n, k=1)
+
+
+def _arrowhead_jacobian(x: np.ndarray) -> np.ndarray:
+    n = x.size
+    jac = np.zeros((n, n))
+    jac[0] = 2 * x
+    jac[np.arange(1, n), 0] = x[1:]
+    jac[np.arange(1, n), np.arange(1, n)] = x[0]
+    return jac
+
+
+def _rosenbrock_value_gradient_hessian(x: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+    n = x.size
+    inner = x[1:] - x[:-1] ** 2
+    value = float(np.sum(100 * inner**2 + (1 - x[:-1]) ** 2))
+    gradient = np.zeros(n)
+    gradient[:-1] += -400 * x[:-1] * inner - 2 * (1 - x[:-1])
+    gradient[1:] += 200 * inner
+    hessian = np.zeros((n, n))
+    i = np.arange(n - 1)
+    hessian[i, i] += 1200 * x[:-1] ** 2 - 400 * x[1:] + 2
+    hessian[i + 1, i + 1] += 200
+    hessian[i, i + 1] = hessian[i + 1, i] = -400 * x[:-1]
+    return value, gradient, hessian
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def engines_own_code_scenarios(quick: bool = False) -> list[SparseScenario]:
+    """Functions written with torch (x torch tensors), autograd.numpy and numpy (x numpy arrays),
+    each with an analytic reference: the default detector reads each with the tracer of its code
+    (torch's make_fx graph, the numpy tracer). The frameworks each runs on are its own (numpy-
+    written ones on finite differences and scipy alone). Frameworks not installed give none."""
+    n = 12
+    x = np.linspace(0.3, 1.4, n)
+    cases: list[tuple[str, Any, Any, str, Any, frozenset[str]]] = []
+    diff = np.eye(n - 1, n, k=1) - np.eye(n - 1, n)
+    if _installed("torch"):
+        import torch
+
+        xt = torch.tensor(x)
+        torch_only = frozenset({"torch"})
+        cases += [
+            ("torch_tridiagonal", _tridiagonal_torch, xt, "jacobian", _tridiagonal_jacobian(x), torch_only),
+            ("torch_conv1d", _conv1d_torch, xt, "jacobian", _two_diagonals(n), torch_only),
+            ("torch_arrowhead", _arrowhead_torch, xt, "jacobian", _arrowhead_jacobian(x), torch_only),
+            (
+                "torch_rosenbrock",
+                _rosenbrock_torch,
+                xt,
+                "hessian",
+                _rosenbrock_value_gradient_hessian(x)[2],
+                torch_only,
+            ),
+        ]
+    if _installed("autograd"):
+        own = frozenset({"autograd"})
+        rolled = np.roll(x, 1)
+        roll_jac = np.diag(rolled)
+        roll_jac[np.arange(n), np.arange(-1, n - 1) % n] = x
+        csum = np.cumsum(x)
+        cumsum_jac = np.tril(np.ones((n, n))) * (2 * csum)[:, None]
+        cases += [
+            ("autograd_tridiagonal", _tridiagonal_autograd, x, "jacobian", _tridiagonal_jacobian(x), own),
+            ("autograd_roll", _roll_autograd, x, "jacobian", roll_jac, own),
+            ("autograd_cumsum", _cumsum_autograd, x, "jacobian", cumsum_jac, own),
+            ("autograd_rosenbrock", _rosenbrock_autograd, x, "hessian", _rosenbrock_value_gradient_hessian(x)[2], own),
+        ]
+    numpy_only = frozenset({"numpy"})
+    cases += [
+        ("numpy_convolve", _convolve_numpy, x, "jacobian", _convolve_jacobian(n), numpy_only),
+        ("numpy_diff", _diff_numpy, x, "hessian", 2 * diff.T @ diff, numpy_only),
+    ]
+    wanted = {"torch_arrowhead", "autograd_rosenbrock", "numpy_convolve"}
+    scenarios = []
+    for name, f, point, operator, reference, frameworks in cases:
+        if quick and name not in wanted:
+            continue
+        pattern = reference != 0
+        if frameworks == {"torch"}:  # results mirror x: torch tensors
+            import torch
+
+            reference = torch.tensor(reference)
+        scenarios.append(
+            SparseScenario(
+                name,
+                f,
+                point,
+                operator,
+                (),
+                reference=reference,
+                tags=frozenset({"sparse", "jacobian" if operator == "jacobian" else "hessian", "own_code"}),
+                pattern=pattern,
+                rtol=_RTOL,
+                atol=_ATOL if operator == "jacobian" else _HESSIAN_ATOL,
+                frameworks=frameworks,
+            )
+        )
+    return scenarios
+
+
+def _convolve_jacobian(n: int) -> np.ndarray:
+    """The Jacobian of np.convolve(x, (1, 0, -2), "same"): y_k = x_{k+1} - 2 x_{k-1}."""
+    return np.eye(n, k=1) - 2.0 * np.eye(n, k=-1)
+
+
 def _pattern(dense: Any, rows: int) -> np.ndarray:
     leaves = dense.values() if isinstance(dense, dict) else [dense]
     flat = np.concatenate([np.asarray(leaf).reshape(-1) for leaf in leaves])
@@ -169,7 +361,8 @@ def sparse_scenarios(quick: bool = False) -> list[SparseScenario]:
     block-diagonal Hessian of a sum of separable terms. Each as ``jacobian`` and
     ``value_and_jacobian`` (or ``hessian`` and ``value_gradient_and_hessian``), with analytic
     references and patterns; ``quick``: the plain operators of four cases (the differences,
-    the arrowhead, the sum of differences, the separable blocks)."""
+    the arrowhead, the sum of differences, the separable blocks). Then the functions written with
+    each engine's own library (:func:`engines_own_code_scenarios`)."""
     n = 30
     bands = () if quick else (5, 10, 20)
     wanted = {"differences", "arrowhead", "differences_sum", "separable_blocks"}
@@ -242,7 +435,7 @@ def sparse_scenarios(quick: bool = False) -> list[SparseScenario]:
                     atol=_HESSIAN_ATOL,
                 )
             )
-    return scenarios
+    return scenarios + engines_own_code_scenarios(quick)
 
 
 def sparse_backends(engines: Iterable[Backend], scenario: SparseScenario) -> list[AutoSparse]:

@@ -1,0 +1,178 @@
+"""Index sets: which input numbers each element of an array depends on, and the rules that carry
+them through operations. Shared by the tracers of torch-written (``_torch_trace``) and
+numpy-written (``_numpy_trace``) functions.
+
+An array's sets are a boolean ``scipy.sparse.csr_array`` with one row per element (C order) and
+one column per input number, or ``None`` where the array depends on no input. Every rule is
+conservative: it may add a dependency, never drop one.
+
+Positions. An operation that only moves elements (a slice, a roll, a concatenation, an index
+with known indices, a pad) is run by its own library on arrays of *positions*: element ``e`` of
+operand ``k`` holds ``1 + offset_k + e``, ``0`` stands for "depends on nothing" (a constant, a
+padding), so the library's own code says where each output element comes from, and
+:func:`gather` picks those rows.
+
+Second order. A Hessian pattern is found with the same sets and one accumulator, :class:`Pairs`:
+every nonlinear operation adds the pairs of inputs its second derivative may couple (for an
+elementwise ``g(u)``, ``S_u x S_u`` per element, ``S`` the sets; for a product ``u * v``,
+``S_u x S_v``). By the chain rule for second derivatives, the Hessian of the output is a sum
+over operations of such terms, so the union of the pairs holds every nonzero of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from scipy.sparse import csr_array
+
+Rows = Any  # csr_array (elements x inputs, bool), or None: depends on nothing
+
+__all__ = ["Pairs", "Rows", "broadcast_positions", "gather", "positions", "union"]
+
+
+def _sp() -> Any:
+    import scipy.sparse as sp
+
+    return sp
+
+
+def size(shape: Sequence[int]) -> int:
+    return int(np.prod(shape, dtype=np.int64))
+
+
+def empty(rows: int, n: int) -> csr_array:
+    return _sp().csr_array((rows, n), dtype=bool)
+
+
+def canonical(rows: Any) -> csr_array:
+    rows = _sp().csr_array(rows)
+    rows.sum_duplicates()
+    if rows.dtype != bool:
+        rows.data = rows.data != 0
+        rows = rows.astype(bool)
+    rows.eliminate_zeros()
+    return rows
+
+
+def positions(shape: Sequence[int], offset: int = 0) -> np.ndarray:
+    """1-based positions of an array of ``shape`` whose first element sits at ``offset``."""
+    return np.arange(1 + offset, 1 + offset + size(shape), dtype=np.int64).reshape(tuple(shape))
+
+
+def broadcast_positions(shape: Sequence[int], out_shape: Sequence[int]) -> np.ndarray:
+    return np.broadcast_to(positions(shape), tuple(out_shape))
+
+
+def gather(sources: Sequence[Rows], sizes: Sequence[int], where: Any, n: int) -> Rows:
+    """The rows picked by the 1-based positions ``where`` (any shape; ``0``: nothing) from the
+    operands' rows laid end to end (operand ``k`` has ``sizes[k]`` elements)."""
+    if all(s is None for s in sources):
+        return None
+    where = np.asarray(where, dtype=np.int64).reshape(-1)
+    blocks = [empty(1, n)]
+    for rows, k in zip(sources, sizes, strict=True):
+        blocks.append(empty(k, n) if rows is None else rows)
+    stacked = _sp().vstack(blocks, format="csr")
+    return canonical(stacked[where])
+
+
+def union(rows: Sequence[Rows]) -> Rows:
+    present = [r for r in rows if r is not None]
+    if not present:
+        return None
+    total = present[0]
+    for r in present[1:]:
+        total = total + r
+    return canonical(total)
+
+
+def apply(matrix: Any, rows: Rows) -> Rows:
+    """``matrix @ rows`` as sets: output ``i`` unites the rows ``j`` with ``matrix[i, j] != 0``."""
+    if rows is None:
+        return None
+    m = _sp().csr_array(matrix).astype(np.float32)
+    m.eliminate_zeros()  # (kron builds dense blocks, with their zeros stored)
+    m.data = np.ones_like(m.data)
+    return canonical(m @ rows.astype(np.float32))
+
+
+def all_of(rows: Rows, count: int) -> Rows:
+    """Each of ``count`` elements depending on everything in ``rows``."""
+    if rows is None:
+        return None
+    columns = np.unique(rows.indices)
+    grid_rows = np.repeat(np.arange(count, dtype=np.int64), columns.size)
+    grid_cols = np.tile(columns, count)
+    data = np.ones(grid_rows.size, dtype=bool)
+    return canonical(_sp().csr_array((data, (grid_rows, grid_cols)), shape=(count, rows.shape[1])))
+
+
+def broadcast(rows: Rows, shape: Sequence[int], out_shape: Sequence[int], n: int) -> Rows:
+    """The rows of an operand of ``shape`` broadcast to ``out_shape``."""
+    if rows is None:
+        return None
+    if tuple(shape) == tuple(out_shape):
+        return rows
+    return gather([rows], [size(shape)], broadcast_positions(shape, out_shape), n)
+
+
+def elementwise(operands: Sequence[tuple[Rows, Sequence[int]]], out_shape: Sequence[int], n: int) -> list[Rows]:
+    """Each operand's rows broadcast to ``out_shape`` (the sets an elementwise operation unites)."""
+    return [broadcast(rows, shape, out_shape, n) for rows, shape in operands]
+
+
+def reduction_matrix(shape: Sequence[int], axes: Sequence[int]) -> Any:
+    """The 0/1 matrix (outputs x inputs) of a reduction of ``shape`` over ``axes`` (kept dims)."""
+    shape = tuple(shape)
+    axes = sorted({a % len(shape) for a in axes}) if shape else []
+    out_shape = tuple(1 if d in axes else s for d, s in enumerate(shape))
+    source = np.arange(size(shape), dtype=np.int64)
+    grid = np.indices(shape).reshape(len(shape), -1) if shape else np.zeros((0, 1), dtype=np.int64)
+    for a in axes:
+        grid[a] = 0
+    target = np.ravel_multi_index(tuple(grid), out_shape) if shape else np.zeros(1, dtype=np.int64)
+    return _sp().csr_array(
+        (np.ones(source.size, dtype=np.float32), (target, source)), shape=(size(out_shape), size(shape))
+    )
+
+
+def cumulative_matrix(shape: Sequence[int], axis: int) -> Any:
+    """The 0/1 matrix of a cumulative operation (cumsum, cumprod, cummax) along ``axis``."""
+    sp = _sp()
+    shape = tuple(shape)
+    axis %= len(shape)
+    before, length, after = size(shape[:axis]), shape[axis], size(shape[axis + 1 :])
+    lower = sp.csr_array(np.tril(np.ones((length, length), dtype=np.float32)))
+    return sp.kron(sp.kron(sp.eye_array(before), lower), sp.eye_array(after), format="csr")
+
+
+class Pairs:
+    """The pairs of inputs that a Hessian may couple, accumulated over the nonlinear operations
+    of a trace (``None`` when only the first order is asked for)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.terms: list[Any] = []
+
+    def add(self, left: Rows, right: Rows) -> None:
+        """Couple, element by element, the sets of ``left`` with those of ``right`` (same rows)."""
+        if left is None or right is None:
+            return
+        term = left.astype(np.float32).T @ right.astype(np.float32)
+        self.terms.append(canonical(term))
+
+    def add_all(self, rows: Rows) -> None:
+        """Element by element, every pair of the sets of ``rows``: a nonlinear elementwise map."""
+        self.add(rows, rows)
+
+    def pattern(self) -> csr_array:
+        sp = _sp()
+        total = sp.csr_array((self.n, self.n), dtype=np.float32)
+        for term in self.terms:
+            total = total + term.astype(np.float32)
+        total = total + total.T
+        return canonical(total)

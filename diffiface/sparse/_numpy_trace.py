@@ -1,0 +1,765 @@
+"""Global sparsity detection for numpy- and autograd.numpy-written functions: ``f`` runs once on
+:class:`IndexSetArray`, an array type that holds no values, only the index sets of its elements
+(``_index_sets``), and follows numpy's ``__array_ufunc__`` and ``__array_function__`` protocols.
+autograd.numpy calls numpy's own functions on arguments that are not autograd's boxes, so the
+same type follows autograd-written code.
+
+Rules: ufuncs unite their operands' sets (broadcast); functions that only move elements
+(concatenate, stack, roll, pad, take, indexing with known indices...) are run by numpy on arrays
+of positions; reductions, cumulative functions, diff, dot/matmul, convolve and sort have their
+own rules; any other function is dense (each output element depends on everything its operands
+depend on) and named in the notes. Comparisons give booleans whose values are not known: a
+Python ``if`` on them, ``float(x[0])``, or indexing with them is refused with the reason, since
+the pattern could change with x.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.lib.mixins
+
+from .. import _arrays, tree
+from .._errors import UnsupportedOperationError
+from . import _index_sets as sets
+from ._torch_trace import Detection
+
+__all__ = ["IndexSetArray", "trace_pattern"]
+
+
+class TracerRefusal(Exception):
+    """f did something whose result depends on values the detector does not have."""
+
+
+class _Trace:
+    def __init__(self, n: int, hessian: bool) -> None:
+        self.n = n
+        self.pairs = sets.Pairs(n) if hessian else None
+        self.notes: list[str] = []
+
+
+_LINEAR_UFUNCS = {"add", "subtract", "negative", "positive", "conjugate", "real"}
+_PIECEWISE_LINEAR = {"absolute", "fabs", "maximum", "minimum", "fmax", "fmin", "clip", "sign", "floor", "ceil"}
+
+
+class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
+    """An array of index sets: ``rows`` (elements x inputs, boolean csr) or ``None`` (depends on
+    no input). ``known`` is False for booleans and integers computed from x: their values are
+    not known."""
+
+    __array_priority__ = 1000
+
+    def __init__(self, trace: _Trace, shape: Sequence[int], rows: Any, dtype: Any = np.float64, view: bool = False):
+        self.trace = trace
+        self.shape = tuple(int(s) for s in shape)
+        self.rows = rows
+        self.dtype = np.dtype(dtype)
+        self.is_view = view
+
+    # -- array attributes ----------------------------------------------------------------------
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return sets.size(self.shape)
+
+    @property
+    def floating(self) -> bool:
+        return self.dtype.kind in "fc"
+
+    @property
+    def T(self) -> IndexSetArray:
+        return np.transpose(self)  # type: ignore[return-value]
+
+    @property
+    def real(self) -> IndexSetArray:
+        return self
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d array")
+        return self.shape[0]
+
+    def __iter__(self) -> Any:
+        for i in range(len(self)):
+            yield self[i]
+
+    def __repr__(self) -> str:
+        return f"IndexSetArray(shape={self.shape}, dtype={self.dtype})"
+
+    # -- what depends on values: refused ---------------------------------------------------------
+
+    def _refuse(self, what: str) -> TracerRefusal:
+        return TracerRefusal(f"f {what} of an array computed from x; the pattern could then change with x's values")
+
+    def __bool__(self) -> bool:
+        raise self._refuse("branches (a Python `if`, `and`, `or`, `while`) on a value")
+
+    def __float__(self) -> float:
+        raise self._refuse("converts to a Python number (float(...)) a value")
+
+    def __int__(self) -> int:
+        raise self._refuse("converts to a Python number (int(...)) a value")
+
+    def __index__(self) -> int:
+        raise self._refuse("uses as an index a value")
+
+    def item(self, *args: Any) -> Any:
+        raise self._refuse("reads a Python number (.item()) from a value")
+
+    def tolist(self) -> Any:
+        raise self._refuse("reads Python numbers (.tolist()) from the values")
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        raise TracerRefusal(
+            "f turns an array computed from x into a plain numpy array (np.array(...), np.asarray(...), "
+            "writing it into an array made with np.zeros(...) or np.empty(...)), which drops what it depends "
+            "on; make such arrays with np.zeros_like(x) (or concatenate the pieces) instead"
+        )
+
+    # -- methods -----------------------------------------------------------------------------------
+
+    def view(self, *args: Any) -> IndexSetArray:
+        return self
+
+    def copy(self) -> IndexSetArray:
+        return IndexSetArray(self.trace, self.shape, self.rows, self.dtype)
+
+    def astype(self, dtype: Any, **kwargs: Any) -> IndexSetArray:
+        dtype = np.dtype(dtype)
+        return IndexSetArray(self.trace, self.shape, self.rows if dtype.kind in "fc" else None, dtype)
+
+    def reshape(self, *shape: Any, **kwargs: Any) -> Any:
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        return np.reshape(self, shape, **kwargs)
+
+    def ravel(self, *args: Any) -> Any:
+        return np.ravel(self)
+
+    def flatten(self, *args: Any) -> Any:
+        return np.ravel(self).copy()
+
+    def transpose(self, *axes: Any) -> Any:
+        if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
+            axes = tuple(axes[0])
+        return np.transpose(self, axes or None)
+
+    def squeeze(self, axis: Any = None) -> Any:
+        return np.squeeze(self, axis)
+
+    def swapaxes(self, a: int, b: int) -> Any:
+        return np.swapaxes(self, a, b)
+
+    def sum(self, *args: Any, **kwargs: Any) -> Any:
+        return np.sum(self, *args, **kwargs)
+
+    def mean(self, *args: Any, **kwargs: Any) -> Any:
+        return np.mean(self, *args, **kwargs)
+
+    def prod(self, *args: Any, **kwargs: Any) -> Any:
+        return np.prod(self, *args, **kwargs)
+
+    def max(self, *args: Any, **kwargs: Any) -> Any:
+        return np.max(self, *args, **kwargs)
+
+    def min(self, *args: Any, **kwargs: Any) -> Any:
+        return np.min(self, *args, **kwargs)
+
+    def std(self, *args: Any, **kwargs: Any) -> Any:
+        return np.std(self, *args, **kwargs)
+
+    def var(self, *args: Any, **kwargs: Any) -> Any:
+        return np.var(self, *args, **kwargs)
+
+    def cumsum(self, *args: Any, **kwargs: Any) -> Any:
+        return np.cumsum(self, *args, **kwargs)
+
+    def cumprod(self, *args: Any, **kwargs: Any) -> Any:
+        return np.cumprod(self, *args, **kwargs)
+
+    def dot(self, other: Any) -> Any:
+        return np.dot(self, other)
+
+    def clip(self, *args: Any, **kwargs: Any) -> Any:
+        return np.clip(self, *args, **kwargs)
+
+    def conj(self) -> IndexSetArray:
+        return self
+
+    # -- indexing ----------------------------------------------------------------------------------
+
+    def __getitem__(self, key: Any) -> Any:
+        unknown = _unknown_indices(key)
+        if unknown is not None:  # integers whose values are not known: any element may be read
+            where = sets.positions(self.shape)[unknown]
+            rows = sets.all_of(self.rows, where.size) if self.rows is not None else None
+            return IndexSetArray(self.trace, np.shape(where), rows, self.dtype)
+        key = _index_key(key)
+        where = sets.positions(self.shape)[key]
+        rows = sets.gather([self.rows], [self.size], where, self.trace.n) if self.rows is not None else None
+        view = not _fancy(key)
+        return IndexSetArray(self.trace, np.shape(where), rows, self.dtype, view=view)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if self.is_view:
+            raise TracerRefusal(
+                "f writes into a slice or view of an array (y = a[1:]; y[0] = ...), which the detector does "
+                "not follow back to the array; write into the array itself (a[1] = ...)"
+            )
+        key = _index_key(key)
+        own = sets.positions(self.shape)
+        value_shape = np.shape(own[key])
+        if isinstance(value, IndexSetArray):
+            source = value.rows
+            value_positions = np.broadcast_to(sets.positions(value.shape, self.size), value_shape)
+            size = value.size
+        else:
+            source = None
+            value_positions = np.zeros(value_shape, dtype=np.int64)
+            size = 0
+        own[key] = value_positions
+        self.rows = sets.gather([self.rows, source], [self.size, size], own, self.trace.n)
+
+    # -- the protocols ---------------------------------------------------------------------------
+
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        if kwargs.get("out") is not None:
+            raise TracerRefusal(
+                f"f writes the result of np.{ufunc.__name__} into out=..., which the detector does not follow"
+            )
+        if method == "__call__":
+            if ufunc.__name__ == "matmul":
+                return _matmul(self.trace, inputs[0], inputs[1])
+            return _ufunc(self.trace, ufunc, inputs, kwargs)
+        if method == "reduce":
+            axis = kwargs.get("axis", 0)
+            keepdims = kwargs.get("keepdims", False)
+            linear = ufunc.__name__ in _LINEAR_UFUNCS
+            return _reduce(self.trace, inputs[0], axis, keepdims, linear)
+        if method == "accumulate":
+            return _cumulative(self.trace, inputs[0], kwargs.get("axis", 0), ufunc.__name__ == "add")
+        if method == "outer":
+            a, b = (_lift(self.trace, v) for v in inputs[:2])
+            a2 = np.reshape(a, a.shape + (1,) * b.ndim)
+            return _ufunc(self.trace, ufunc, (a2, b), kwargs)
+        raise TracerRefusal(f"f calls np.{ufunc.__name__}.{method}, which the detector does not follow")
+
+    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        handler = _FUNCTIONS.get(func.__name__)
+        if handler is not None:
+            return handler(self.trace, func, args, kwargs)
+        if func.__name__ in _MOVES:
+            return _move(self.trace, func, args, kwargs)
+        return _dense(self.trace, func, args, kwargs)
+
+
+# --- helpers ----------------------------------------------------------------------------------------
+
+
+def _unknown_indices(key: Any) -> Any:
+    """``key`` with each integer IndexSetArray replaced by zeros of its shape (what gives the
+    result's shape), or None where there is none."""
+    keys = key if isinstance(key, tuple) else (key,)
+    if not any(isinstance(k, IndexSetArray) and k.dtype.kind in "iu" for k in keys):
+        return None
+    replaced = tuple(
+        np.zeros(k.shape, dtype=np.int64) if isinstance(k, IndexSetArray) and k.dtype.kind in "iu" else k for k in keys
+    )
+    return replaced if isinstance(key, tuple) else replaced[0]
+
+
+def _index_key(key: Any) -> Any:
+    if isinstance(key, IndexSetArray):
+        raise key._refuse("indexes with values (a boolean mask or integers)")
+    if isinstance(key, tuple):
+        for k in key:
+            if isinstance(k, IndexSetArray):
+                raise k._refuse("indexes with values (a boolean mask or integers)")
+    return key
+
+
+def _fancy(key: Any) -> bool:
+    keys = key if isinstance(key, tuple) else (key,)
+    return any(isinstance(k, (list, np.ndarray)) for k in keys)
+
+
+def _lift(trace: _Trace, value: Any) -> IndexSetArray:
+    if isinstance(value, IndexSetArray):
+        return value
+    array = np.asarray(value)
+    return IndexSetArray(trace, array.shape, None, array.dtype if array.dtype.kind in "fcbiu" else np.float64)
+
+
+def _known(value: Any) -> bool:
+    return not isinstance(value, IndexSetArray)
+
+
+def _shape_of(value: Any) -> tuple[int, ...]:
+    return value.shape if isinstance(value, IndexSetArray) else np.shape(value)
+
+
+def _ufunc(trace: _Trace, ufunc: Any, inputs: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    shapes = [_shape_of(v) for v in inputs]
+    out_shape = np.broadcast_shapes(*shapes)
+    float_inputs = [v for v in inputs if isinstance(v, IndexSetArray) and v.floating]
+    broadcast = sets.elementwise([(v.rows, v.shape) for v in float_inputs], out_shape, trace.n)
+    rows = sets.union(broadcast)
+    # the dtype numpy would give, from the operands' dtypes
+    probes = [np.ones((), dtype=v.dtype) if isinstance(v, IndexSetArray) else v for v in inputs]
+    with np.errstate(all="ignore"):
+        try:
+            sample = ufunc(*probes)
+        except Exception:
+            sample = np.ones(())
+    samples = sample if isinstance(sample, tuple) else (sample,)
+    name = ufunc.__name__
+    if trace.pairs is not None and rows is not None:
+        present = [r for r in broadcast if r is not None]
+        if name in _LINEAR_UFUNCS or name in _PIECEWISE_LINEAR:
+            pass
+        elif name == "multiply" and len(present) == 2:
+            trace.pairs.add(present[0], present[1])
+        elif name == "multiply" or (name in ("true_divide", "divide") and broadcast and broadcast[-1] is None):
+            pass  # by a constant: linear
+        else:
+            trace.pairs.add_all(rows)
+    outputs = []
+    for s in samples:
+        dtype = np.asarray(s).dtype
+        floating = dtype.kind in "fc"
+        outputs.append(IndexSetArray(trace, out_shape, rows if floating else None, dtype))
+    return tuple(outputs) if len(outputs) > 1 else outputs[0]
+
+
+def _axes(axis: Any, ndim: int) -> list[int]:
+    if axis is None:
+        return list(range(ndim))
+    if isinstance(axis, (tuple, list)):
+        return [int(a) % max(ndim, 1) for a in axis]
+    return [int(axis) % max(ndim, 1)]
+
+
+def _reduce(trace: _Trace, a: Any, axis: Any, keepdims: bool, linear: bool) -> Any:
+    a = _lift(trace, a)
+    axes = _axes(axis, a.ndim) if a.ndim else []
+    kept = tuple(1 if d in axes else s for d, s in enumerate(a.shape))
+    out_shape = kept if keepdims else tuple(s for d, s in enumerate(a.shape) if d not in axes)
+    rows = sets.apply(sets.reduction_matrix(a.shape, axes), a.rows) if a.shape else a.rows
+    if trace.pairs is not None and not linear:
+        trace.pairs.add_all(rows)
+    return IndexSetArray(trace, out_shape, rows, a.dtype if a.floating else np.float64)
+
+
+def _cumulative(trace: _Trace, a: Any, axis: Any, linear: bool) -> Any:
+    a = _lift(trace, a)
+    if axis is None:
+        a = np.ravel(a)
+        axis = 0
+    rows = sets.apply(sets.cumulative_matrix(a.shape, int(axis)), a.rows) if a.shape else a.rows
+    if trace.pairs is not None and not linear:
+        trace.pairs.add_all(rows)
+    return IndexSetArray(trace, a.shape, rows, a.dtype)
+
+
+def _argument(args: Any, kwargs: dict[str, Any], position: int, name: str, default: Any) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[position] if len(args) > position else default
+
+
+def _sum(linear: bool) -> Any:
+    def handler(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        if kwargs.get("out") is not None or kwargs.get("where") is not None:
+            return _dense(trace, func, args, kwargs)
+        axis = _argument(args, kwargs, 1, "axis", None)
+        keepdims = bool(kwargs.get("keepdims", False))
+        return _reduce(trace, args[0], axis, keepdims, linear)
+
+    return handler
+
+
+def _norm(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    a = _lift(trace, args[0])
+    axis = _argument(args, kwargs, 2, "axis", None)
+    if axis is None and a.ndim == 2 and _argument(args, kwargs, 1, "ord", None) not in (None, "fro"):
+        axis = (0, 1)
+    return _reduce(trace, a, axis, bool(kwargs.get("keepdims", False)), False)
+
+
+def _cumsum(linear: bool) -> Any:
+    def handler(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        return _cumulative(trace, args[0], _argument(args, kwargs, 1, "axis", None), linear)
+
+    return handler
+
+
+def _diff(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    a = _lift(trace, args[0])
+    order = int(_argument(args, kwargs, 1, "n", 1))
+    axis = int(_argument(args, kwargs, 2, "axis", -1)) % max(a.ndim, 1)
+    for name in ("prepend", "append"):
+        if kwargs.get(name) is not None:
+            return _dense(trace, func, args, kwargs)
+    for _ in range(order):
+        upper = [slice(None)] * a.ndim
+        lower = [slice(None)] * a.ndim
+        upper[axis] = slice(1, None)
+        lower[axis] = slice(None, -1)
+        a = a[tuple(upper)] - a[tuple(lower)]
+    return a.copy()
+
+
+def _dot(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    a, b = args[0], args[1]
+    a_shape, b_shape = _shape_of(a), _shape_of(b)
+    if len(a_shape) == 0 or len(b_shape) == 0:
+        return np.multiply(a, b)
+    if len(a_shape) <= 2 and len(b_shape) <= 2:
+        return _matmul(trace, a, b)
+    return _dense(trace, func, args, kwargs)
+
+
+def _inner(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    a, b = args[0], args[1]
+    if len(_shape_of(a)) == 1 and len(_shape_of(b)) == 1:
+        return _matmul(trace, a, b)
+    return _dense(trace, func, args, kwargs)
+
+
+def _outer(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    a, b = (np.ravel(_lift(trace, v)) if isinstance(v, IndexSetArray) else np.ravel(v) for v in args[:2])
+    return np.multiply(np.reshape(a, (-1, 1)), b)
+
+
+def _matmul(trace: _Trace, a: Any, b: Any) -> Any:
+    from ._torch_trace import _batched_mm
+
+    a_shape, b_shape = _shape_of(a), _shape_of(b)
+    if not (1 <= len(a_shape) <= 3 and 1 <= len(b_shape) <= 3):
+        return _dense(trace, np.matmul, (a, b), {})
+    squeeze_front = len(a_shape) == 1
+    squeeze_back = len(b_shape) == 1
+    a3 = (1, 1, a_shape[0]) if squeeze_front else (1, *a_shape) if len(a_shape) == 2 else a_shape
+    b3 = (1, b_shape[0], 1) if squeeze_back else (1, *b_shape) if len(b_shape) == 2 else b_shape
+    if a3[0] != b3[0] and 1 not in (a3[0], b3[0]):
+        return _dense(trace, np.matmul, (a, b), {})
+    rows = _batched_mm(
+        a.rows if isinstance(a, IndexSetArray) else None,
+        None if isinstance(a, IndexSetArray) else np.asarray(a) != 0,
+        a3,
+        b.rows if isinstance(b, IndexSetArray) else None,
+        None if isinstance(b, IndexSetArray) else np.asarray(b) != 0,
+        b3,
+        trace.n,
+        trace.pairs,
+    )
+    out = [max(a3[0], b3[0]), a3[1], b3[2]]
+    if len(a_shape) < 3 and len(b_shape) < 3:
+        out = out[1:]
+    if squeeze_back:
+        out = out[:-1]
+    if squeeze_front:
+        out = out[:-1] if squeeze_back else out[:-2] + out[-1:]
+    return IndexSetArray(trace, tuple(out), rows)
+
+
+def _convolve(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """np.convolve(a, v, mode): a banded map of a where v is constant."""
+    import scipy.sparse as sp
+
+    a, v = args[0], args[1]
+    mode = _argument(args, kwargs, 2, "mode", "full")
+    la, lv = int(np.size(a) if _known(a) else a.size), int(np.size(v) if _known(v) else v.size)
+    full = la + lv - 1
+    start = {"full": 0, "same": (lv - 1) // 2 if la >= lv else (la - 1) // 2, "valid": min(la, lv) - 1}[mode]
+    length = {"full": full, "same": max(la, lv), "valid": max(la, lv) - min(la, lv) + 1}[mode]
+    taps_a = np.ones(la, dtype=bool) if not _known(a) else np.asarray(a) != 0
+    taps_v = np.ones(lv, dtype=bool) if not _known(v) else np.asarray(v) != 0
+    # out[k] = sum_i a[i] v[k - i]
+    i, j = np.nonzero(np.outer(taps_a, taps_v))
+    k = i + j - start
+    inside = (k >= 0) & (k < length)
+    parts = []
+    ones = np.ones(int(inside.sum()), dtype=np.float32)
+    if isinstance(a, IndexSetArray) and a.rows is not None:
+        parts.append(sets.apply(sp.csr_array((ones, (k[inside], i[inside])), shape=(length, la)), a.rows))
+    if isinstance(v, IndexSetArray) and v.rows is not None:
+        parts.append(sets.apply(sp.csr_array((ones, (k[inside], j[inside])), shape=(length, lv)), v.rows))
+    rows = sets.union(parts)
+    if trace.pairs is not None and len(parts) == 2:
+        trace.pairs.add_all(sets.all_of(rows, 1))
+    return IndexSetArray(trace, (length,), rows)
+
+
+def _where(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    if len(args) == 1:
+        raise TracerRefusal("f calls np.where(condition) with one argument: its size depends on values")
+    condition = args[0]
+    if _known(condition):
+        return _move(trace, func, args, kwargs)
+    a, b = _lift(trace, args[1]), _lift(trace, args[2])
+    out_shape = np.broadcast_shapes(condition.shape, a.shape, b.shape)
+    rows = sets.union(sets.elementwise([(a.rows, a.shape), (b.rows, b.shape)], out_shape, trace.n))
+    return IndexSetArray(trace, out_shape, rows, np.result_type(a.dtype, b.dtype))
+
+
+def _along(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """sort and friends: each output depends on the whole slice along the axis."""
+    a: Any = _lift(trace, args[0])
+    axis = _argument(args, kwargs, 1, "axis", -1)
+    if axis is None:
+        a, axis = np.ravel(a), 0
+    r = sets.reduction_matrix(a.shape, [int(axis)])
+    rows = sets.apply(r.T @ r, a.rows)
+    if trace.pairs is not None:
+        trace.pairs.add_all(rows)
+    return IndexSetArray(trace, a.shape, rows, a.dtype)
+
+
+def _like(fill: bool) -> Any:
+    def handler(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        a = args[0]
+        shape = kwargs.get("shape") or _shape_of(a)
+        dtype = kwargs.get("dtype") or (a.dtype if isinstance(a, IndexSetArray) else np.float64)
+        if fill and isinstance(_argument(args, kwargs, 1, "fill_value", 0), IndexSetArray):
+            return _dense(trace, func, args, kwargs)
+        return IndexSetArray(trace, shape, None, dtype)
+
+    return handler
+
+
+def _shape_only(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    probe = [np.zeros(v.shape, v.dtype) if isinstance(v, IndexSetArray) else v for v in args]
+    return func(*probe, **kwargs)
+
+
+def _clip(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    a = _lift(trace, args[0])
+    bounds = [_argument(args, kwargs, 1, "a_min", None), _argument(args, kwargs, 2, "a_max", None)]
+    bounds = [_lift(trace, b) for b in bounds if b is not None]
+    out_shape = np.broadcast_shapes(a.shape, *[b.shape for b in bounds])
+    rows = sets.union(sets.elementwise([(v.rows, v.shape) for v in (a, *bounds)], out_shape, trace.n))
+    return IndexSetArray(trace, out_shape, rows, a.dtype)
+
+
+_MOVES = {
+    "concatenate", "stack", "hstack", "vstack", "dstack", "column_stack", "roll", "reshape", "ravel", "transpose",
+    "moveaxis", "swapaxes", "flip", "fliplr", "flipud", "rot90", "squeeze", "expand_dims", "broadcast_to", "take",
+    "take_along_axis", "repeat", "tile", "pad", "diagonal", "triu", "tril", "atleast_1d", "atleast_2d",
+    "atleast_3d", "split", "array_split", "hsplit", "vsplit", "dsplit", "copy", "append", "delete", "insert",
+    "real", "block", "rollaxis", "diag", "select", "broadcast_arrays", "put_along_axis", "row_stack",
+    "unstack", "permute_dims", "concat", "asarray", "asanyarray", "ascontiguousarray", "array_equal",
+}  # fmt: skip
+"""Functions that only move elements: run by numpy on positions."""
+
+
+_COPIES = {
+    "concatenate", "stack", "hstack", "vstack", "dstack", "column_stack", "roll", "take", "take_along_axis",
+    "repeat", "tile", "pad", "triu", "tril", "copy", "append", "delete", "insert", "block", "diag", "select",
+    "row_stack", "concat", "rot90",
+}  # fmt: skip
+"""Moves that give a new array (the others give views, into which f may not write)."""
+
+
+def _move(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    if func.__name__ == "array_equal":
+        raise TracerRefusal("f compares arrays computed from x for equality: the pattern could change with values")
+    sources: list[Any] = []
+    sizes: list[int] = []
+    offset = [0]
+    floating: list[bool] = []
+
+    def substitute(a: Any) -> Any:
+        if isinstance(a, IndexSetArray):
+            if not a.floating:
+                raise a._refuse(f"passes to np.{func.__name__} integers or booleans computed from x as the values")
+            pos = sets.positions(a.shape, offset[0])
+            sources.append(a.rows)
+            sizes.append(a.size)
+            offset[0] += a.size
+            floating.append(True)
+            return pos
+        if isinstance(a, (list, tuple)):
+            return type(a)(substitute(b) for b in a)
+        if isinstance(a, np.ndarray) and a.dtype.kind in "fc":
+            return np.zeros(a.shape, dtype=np.int64)
+        if isinstance(a, float):
+            return 0
+        return a
+
+    moved_args = substitute(tuple(args))
+    moved_kwargs = {k: substitute(v) for k, v in kwargs.items() if k != "dtype"}
+    out = func(*moved_args, **moved_kwargs)
+
+    view = func.__name__ not in _COPIES
+
+    def wrap(o: Any) -> Any:
+        if isinstance(o, (list, tuple)):
+            return type(o)(wrap(p) for p in o)
+        o = np.asarray(o)
+        return IndexSetArray(trace, o.shape, sets.gather(sources, sizes, o, trace.n), view=view)
+
+    return wrap(out)
+
+
+def _dense(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """An unknown function: its outputs' shapes from a run on numbers in [0.5, 1.5] (inside the
+    domain of logarithms and roots, rarely singular), each element depending on everything its
+    operands depend on."""
+    found: list[Any] = []
+    rng = np.random.default_rng(0)
+
+    def substitute(a: Any) -> Any:
+        if isinstance(a, IndexSetArray):
+            found.append(a.rows)
+            if a.dtype.kind not in "fc":
+                return np.ones(a.shape, a.dtype)
+            return rng.uniform(0.5, 1.5, a.shape).astype(a.dtype)
+        if isinstance(a, (list, tuple)):
+            return type(a)(substitute(b) for b in a)
+        if isinstance(a, dict):
+            return {k: substitute(v) for k, v in a.items()}
+        return a
+
+    probe_args = substitute(tuple(args))
+    probe_kwargs = substitute(dict(kwargs))
+    import warnings
+
+    try:
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = func(*probe_args, **probe_kwargs)
+    except Exception as error:
+        raise TracerRefusal(
+            f"f calls numpy.{func.__name__}, which the detector does not know and could not run on sample "
+            f"values to learn its result's shape ({type(error).__name__}: {error})"
+        ) from error
+    every = sets.union(found)
+    trace.notes.append(f"numpy.{func.__name__} is not known to the numpy detector: dense")
+    if trace.pairs is not None:
+        trace.pairs.add_all(sets.all_of(every, 1))
+
+    def wrap(o: Any) -> Any:
+        if isinstance(o, (list, tuple)):
+            return type(o)(wrap(p) for p in o)
+        if not isinstance(o, np.ndarray) and not np.isscalar(o):
+            return o
+        o = np.asarray(o)
+        floating = o.dtype.kind in "fc"
+        return IndexSetArray(trace, o.shape, sets.all_of(every, o.size) if floating else None, o.dtype)
+
+    return wrap(out)
+
+
+_FUNCTIONS: dict[str, Callable[[_Trace, Any, Any, dict[str, Any]], Any]] = {
+    "sum": _sum(True), "mean": _sum(True), "nansum": _sum(True), "nanmean": _sum(True), "average": _sum(True),
+    "prod": _sum(False), "max": _sum(False), "amax": _sum(False), "min": _sum(False), "amin": _sum(False),
+    "std": _sum(False), "var": _sum(False), "nanmax": _sum(False), "nanmin": _sum(False), "ptp": _sum(False),
+    "norm": _norm, "cumsum": _cumsum(True), "cumprod": _cumsum(False), "diff": _diff, "dot": _dot,
+    "vdot": _inner, "inner": _inner, "outer": _outer, "matmul": lambda t, f, a, k: _matmul(t, a[0], a[1]),
+    "convolve": _convolve, "where": _where, "sort": _along, "zeros_like": _like(False), "ones_like": _like(False),
+    "empty_like": _like(False), "full_like": _like(True), "shape": _shape_only, "ndim": _shape_only,
+    "size": _shape_only, "clip": _clip, "result_type": _shape_only,
+}  # fmt: skip
+
+
+# --- the entry ------------------------------------------------------------------------------------
+
+
+def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: bool) -> Detection:
+    """The Jacobian (``hessian=False``) or Hessian pattern of numpy-written ``f`` at ``x``."""
+    import optree
+    import scipy.sparse as sp
+
+    leaves, spec = tree.flatten(x)
+    sizes = [int(np.prod(_arrays.shape(leaf), dtype=np.int64)) for leaf in leaves]
+    n = int(sum(sizes))
+    trace = _Trace(n, hessian)
+    traced = []
+    offset = 0
+    for leaf, size in zip(leaves, sizes, strict=True):
+        rows = sp.csr_array(
+            (np.ones(size, dtype=bool), (np.arange(size), np.arange(offset, offset + size))), shape=(size, n)
+        )
+        traced.append(IndexSetArray(trace, _arrays.shape(leaf), rows, np.dtype(_arrays.dtype_name(leaf))))
+        offset += size
+    # the contexts' arrays are abstract: the pattern holds for every value they take
+    context_leaves, context_spec = tree.flatten(values)
+    abstract = [
+        IndexSetArray(trace, leaf.shape, None, leaf.dtype)
+        if isinstance(leaf, np.ndarray) and leaf.dtype.kind in "fciub"
+        else leaf
+        for leaf in context_leaves
+    ]
+    values = optree.tree_unflatten(context_spec, abstract)  # type: ignore[assignment]
+    try:
+        with _autograd_arrays():
+            out = f(optree.tree_unflatten(spec, traced), *values)
+    except TracerRefusal as error:
+        raise UnsupportedOperationError(_refusal(str(error))) from error
+    except Exception as error:
+        if "IndexSetArray" in str(error):
+            raise UnsupportedOperationError(
+                _refusal(
+                    f"f calls something that does not take numpy's array protocols ({type(error).__name__}: "
+                    f"{str(error).splitlines()[0][:200] if str(error) else ''})"
+                )
+            ) from error
+        raise
+    blocks = []
+    for leaf in tree.leaves(out):
+        if isinstance(leaf, IndexSetArray):
+            blocks.append(leaf.rows if leaf.rows is not None and leaf.floating else sets.empty(leaf.size, n))
+        else:
+            blocks.append(sets.empty(int(np.size(leaf)), n))
+    if trace.pairs is not None:
+        if sum(b.shape[0] for b in blocks) != 1:
+            raise UnsupportedOperationError(_refusal("a Hessian pattern needs f to return one number"))
+        pattern = trace.pairs.pattern()
+    else:
+        pattern = sets.canonical(sp.vstack(blocks, format="csr")) if blocks else sets.empty(0, n)
+    return Detection(pattern, tuple(dict.fromkeys(trace.notes)))
+
+
+_PATCH_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _autograd_arrays() -> Any:
+    """While f is traced, autograd.numpy's ``array(a)`` hands an IndexSetArray back as it is
+    (autograd's stack, hstack and friends call it on each operand; numpy's ``np.array`` cannot be
+    taught to). Every other argument goes to autograd's own function, unchanged."""
+    module = sys.modules.get("autograd.numpy.numpy_wrapper")
+    original = getattr(module, "_array_from_scalar_or_array", None)
+    if original is None or getattr(original, "_diffiface_patch", False):
+        yield
+        return
+
+    def passing(array_args: Any, array_kwargs: Any, scalar: Any) -> Any:
+        if isinstance(scalar, IndexSetArray):
+            return scalar
+        return original(array_args, array_kwargs, scalar)
+
+    passing._diffiface_patch = True  # type: ignore[attr-defined]
+    with _PATCH_LOCK:
+        module._array_from_scalar_or_array = passing  # type: ignore[union-attr]
+        try:
+            yield
+        finally:
+            module._array_from_scalar_or_array = original  # type: ignore[union-attr]
+
+
+def _refusal(reason: str) -> str:
+    return (
+        f"GlobalDetector could not read the sparsity pattern of numpy-written f: {reason}. Use "
+        "LocalDetector(...) (dense derivatives at a few points, with the backend given) or KnownPattern(pattern)."
+    )

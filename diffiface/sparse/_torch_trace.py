@@ -1,0 +1,709 @@
+"""Global sparsity detection for torch-written functions: ``f`` traced to a graph of aten
+operations with ``make_fx`` on fake tensors (so the pattern holds for every value of x and of the
+contexts' tensors), and index sets (``_index_sets``) carried through the graph.
+
+Rules: operations tagged ``torch.Tag.pointwise`` unite their operands' sets (broadcast);
+operations that only move elements (views, slices, indexing with known indices, cat, stack, roll,
+pad, scatter of known indices) are run by torch itself on tensors of positions; reductions,
+cumulative operations, softmax and sort unite along their dimensions; mm, mv, bmm, addmm and dot
+read the zeros of a constant operand; convolution reads the zeros of a constant kernel. Any other
+operation is dense (each output element depends on everything its operands depend on) and
+named in the detection's notes. Tensors ``f`` closes over are constants: their values count.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .. import _arrays, tree
+from .._errors import UnsupportedOperationError
+from . import _index_sets as sets
+
+__all__ = ["Detection", "trace_pattern"]
+
+
+class Detection:
+    """A pattern and the notes of the detection (operations made dense)."""
+
+    def __init__(self, pattern: Any, notes: tuple[str, ...]) -> None:
+        self.pattern = pattern
+        self.notes = notes
+
+
+_MOVES = {
+    "view", "_unsafe_view", "reshape", "slice", "select", "index", "index_select", "gather", "roll", "flip",
+    "permute", "transpose", "t", "expand", "unsqueeze", "squeeze", "cat", "stack", "alias", "narrow",
+    "diagonal", "unfold", "repeat", "constant_pad_nd", "split", "split_with_sizes", "unbind", "chunk",
+    "expand_copy", "view_copy", "slice_copy", "select_copy", "permute_copy", "transpose_copy", "t_copy",
+    "copy", "tril", "triu", "index_put", "select_scatter", "slice_scatter", "diagonal_scatter",
+    "masked_fill", "movedim", "flatten", "unflatten", "lift_fresh_copy", "take", "take_along_dim",
+    "reflection_pad1d", "reflection_pad2d", "replication_pad1d", "replication_pad2d", "circular_pad1d",
+    "repeat_interleave", "rot90", "where", "scatter", "fill", "zero", "masked_scatter", "squeeze_copy",
+    "unsqueeze_copy", "_reshape_alias", "_unsafe_index",
+}  # fmt: skip
+"""Operations that only move elements: run on positions by torch itself."""
+
+_COPIES = {"clone", "_to_copy", "contiguous", "detach", "alias", "lift_fresh", "positive", "to"}
+_FACTORIES = {
+    "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "new_zeros", "new_ones",
+    "new_empty", "new_full", "randint_like", "empty_strided", "scalar_tensor", "_local_scalar_dense_",
+}  # fmt: skip
+"""Operations whose result depends on an operand's shape alone."""
+_LINEAR_POINTWISE = {"add", "sub", "neg", "rsub", "clone", "_to_copy", "real", "conj", "positive"}
+_REDUCTIONS = {
+    "sum", "mean", "amax", "amin", "max", "min", "prod", "logsumexp", "linalg_vector_norm", "norm", "var",
+    "std", "nansum", "nanmean", "all", "any", "aminmax", "var_mean", "std_mean",
+}  # fmt: skip
+_LINEAR_REDUCTIONS = {"sum", "mean", "nansum", "nanmean"}
+_CUMULATIVE = {"cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"}
+_ALONG = {"_softmax", "_log_softmax", "softmax", "log_softmax", "sort"}
+_CONTRACTIONS = {"mm", "mv", "bmm", "addmm", "dot", "vdot", "addmv", "baddbmm", "addbmm"}
+
+
+class _Refused(Exception):
+    pass
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def _is_float_meta(meta: Any) -> bool:
+    torch = _torch()
+    return isinstance(meta, torch.Tensor) and (meta.dtype.is_floating_point or meta.dtype.is_complex)
+
+
+def _concrete_shape(meta: Any, what: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(s) for s in meta.shape)
+    except Exception as error:
+        raise _Refused(
+            f"the size of {what} depends on the values of x (a boolean mask, nonzero, unique): a sparsity "
+            "pattern needs sizes known without values"
+        ) from error
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:200] if text else ""
+
+
+def _tracer_error(error: BaseException) -> str | None:
+    """The reason, when ``error`` comes from tracing rather than from f itself."""
+    name = type(error).__name__
+    text = str(error)
+    if name in ("GuardOnDataDependentSymNode", "DataDependentOutputException", "DynamicOutputShapeException"):
+        return (
+            "f branches on, or converts to a Python number, a value computed from x (a Python `if` on a "
+            f"tensor, float(t), int(t)): the pattern could differ from one x to the next ({_first_line(error)})"
+        )
+    if name in ("UnsupportedOperatorException", "UnsupportedFakeTensorException"):
+        return f"torch cannot trace an operation of f on fake tensors ({_first_line(error)})"
+    if "FakeTensor" in text or "tensor subclass" in text or "Proxy" in text or "SymFloat" in text:
+        return f"f does something torch cannot trace without values ({type(error).__name__}: {_first_line(error)})"
+    return None
+
+
+def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: bool) -> Detection:
+    """The Jacobian (``hessian=False``) or Hessian pattern of torch-written ``f`` at ``x``."""
+    torch = _torch()
+    import optree
+    from torch.func import functionalize
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    leaves, spec = tree.flatten(x)
+    context_leaves, context_spec = tree.flatten(values)
+    # numpy arrays in the contexts reach f as tensors, as under the torch backend
+    context_leaves = [
+        torch.as_tensor(leaf) if isinstance(leaf, np.ndarray) and leaf.dtype.kind in "fciub" else leaf
+        for leaf in context_leaves
+    ]
+    tensor_at = [i for i, leaf in enumerate(context_leaves) if isinstance(leaf, torch.Tensor)]
+    k = len(leaves)
+    inputs = [
+        leaf
+        if isinstance(leaf, torch.Tensor)
+        else torch.as_tensor(leaf, dtype=getattr(torch, _arrays.dtype_name(leaf)))
+        for leaf in leaves
+    ]
+
+    def run(*args: Any) -> Any:
+        xs = optree.tree_unflatten(spec, list(args[:k]))
+        new = list(context_leaves)
+        for i, t in zip(tensor_at, args[k:], strict=True):
+            new[i] = t
+        out = f(xs, *optree.tree_unflatten(context_spec, new))
+        return tree.leaves(out)
+
+    try:
+        with torch.no_grad():
+            graph = make_fx(
+                functionalize(run, remove="mutations_and_views"), tracing_mode="fake", _allow_non_fake_inputs=True
+            )(*inputs, *[context_leaves[i] for i in tensor_at])
+    except Exception as error:
+        reason = _tracer_error(error)
+        if reason is None:
+            raise  # f's own exception, as f raised it
+        raise UnsupportedOperationError(_refusal(reason)) from error
+    sizes = [int(np.prod(_arrays.shape(leaf), dtype=np.int64)) for leaf in leaves]
+    try:
+        return _Interpreter(graph, sizes, hessian).run()
+    except _Refused as error:
+        raise UnsupportedOperationError(_refusal(str(error))) from error
+
+
+def _refusal(reason: str) -> str:
+    return (
+        f"GlobalDetector could not read the sparsity pattern of torch-written f: {reason}. Write f without "
+        "branches on values, or use LocalDetector(...) (dense derivatives at a few points, with the backend "
+        "given) or KnownPattern(pattern)."
+    )
+
+
+class _Interpreter:
+    def __init__(self, graph: Any, sizes: list[int], hessian: bool) -> None:
+        self.graph = graph
+        self.sizes = sizes
+        self.n = int(sum(sizes))
+        self.pairs = sets.Pairs(self.n) if hessian else None
+        self.hessian = hessian
+        self.notes: list[str] = []
+        self.rows: dict[Any, Any] = {}
+        self.values: dict[Any, Any] = {}
+
+    # -- the walk --------------------------------------------------------------------------------
+
+    def run(self) -> Detection:
+        import scipy.sparse as sp
+
+        torch = _torch()
+        placeholders = 0
+        offset = 0
+        outputs: list[Any] = []
+        for node in self.graph.graph.nodes:
+            if node.op == "placeholder":
+                if placeholders < len(self.sizes):
+                    size = self.sizes[placeholders]
+                    self.rows[node] = sp.csr_array(
+                        (np.ones(size, dtype=bool), (np.arange(size), np.arange(offset, offset + size))),
+                        shape=(size, self.n),
+                    )
+                    offset += size
+                else:
+                    self.rows[node] = None
+                placeholders += 1
+            elif node.op == "get_attr":
+                self.rows[node] = None
+                self.values[node] = getattr(self.graph, node.target)
+            elif node.op == "call_function":
+                self.call(node)
+            elif node.op == "output":
+                outputs = list(node.args[0])
+        blocks = []
+        for out in outputs:
+            if hasattr(out, "op"):
+                meta = out.meta.get("val")
+                size = sets.size(_concrete_shape(meta, "f's output"))
+                rows = self.rows.get(out) if _is_float_meta(meta) else None
+            else:
+                size = sets.size(np.shape(out.detach().numpy() if isinstance(out, torch.Tensor) else out))
+                rows = None
+            blocks.append(sets.empty(size, self.n) if rows is None else rows)
+        if self.pairs is not None:
+            if sum(b.shape[0] for b in blocks) != 1:
+                raise _Refused("a Hessian pattern needs f to return one number")
+            pattern = self.pairs.pattern()
+        else:
+            pattern = sets.canonical(sp.vstack(blocks, format="csr")) if blocks else sets.empty(0, self.n)
+        return Detection(pattern, tuple(dict.fromkeys(self.notes)))
+
+    def call(self, node: Any) -> None:
+        torch = _torch()
+        target = node.target
+        if target is operator.getitem:
+            source, i = node.args
+            self.rows[node] = self.rows[source][i] if isinstance(self.rows[source], list) else self.rows[source]
+            value = self.values.get(source)
+            if value is not None:
+                self.values[node] = value[i]
+            return
+        operands = [a for a in _nodes(node.args) + _nodes(node.kwargs) if a.op != "output"]
+        depends = any(_any_rows(self.rows.get(a)) for a in operands)
+        if not depends:
+            self.rows[node] = None
+            if all(a in self.values for a in operands):
+                try:
+                    with torch.no_grad():
+                        self.values[node] = target(*self._with_values(node.args), **self._with_values(node.kwargs))
+                except Exception:
+                    pass
+            return
+        name = _name(target)
+        meta = node.meta.get("val")
+        schema = getattr(target, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            raise _Refused(f"the traced program writes in place ({target}), which the detector does not follow")
+        if name in _FACTORIES:
+            self.rows[node] = None
+            return
+        if name == "_local_scalar_dense":
+            raise _Refused("f reads a value computed from x as a Python number (.item(), float(t))")
+        if not isinstance(meta, torch.Tensor):
+            if isinstance(meta, (list, tuple)) and all(isinstance(m, torch.Tensor) for m in meta):
+                self.rows[node] = self.multiple(node, name, list(meta))
+                return
+            self.rows[node] = None
+            return
+        shape = _concrete_shape(meta, f"the result of {name}")
+        if not _is_float_meta(meta):
+            self.rows[node] = None  # integers and booleans: no derivative
+            return
+        self.rows[node] = self.single(node, name, shape)
+
+    # -- rules -------------------------------------------------------------------------------
+
+    def single(self, node: Any, name: str, shape: tuple[int, ...]) -> Any:
+        torch = _torch()
+        if name in _COPIES and node.args and hasattr(node.args[0], "op"):
+            source = node.args[0]
+            if sets.size(_shape(source)) == sets.size(shape):
+                return self.rows[source]
+        if name in _MOVES and not _accumulates(node):
+            moved = self.move(node, shape)
+            if moved is not _UNKNOWN:
+                return moved
+        if torch.Tag.pointwise in getattr(node.target, "tags", ()):
+            return self.pointwise(node, name, shape)
+        if name in _REDUCTIONS:
+            return self.reduction(node, name, shape)
+        if name in _CUMULATIVE:
+            return self.cumulative(node, name, shape)
+        if name in _ALONG:
+            return self.along(node, shape)
+        if name in _CONTRACTIONS:
+            return self.contraction(node, name, shape)
+        if name == "convolution":
+            result = self.convolution(node, shape)
+            if result is not _UNKNOWN:
+                return result
+        return self.dense(node, name, sets.size(shape))
+
+    def multiple(self, node: Any, name: str, metas: list[Any]) -> list[Any]:
+        shapes = [_concrete_shape(m, f"a result of {name}") for m in metas]
+        if name in _MOVES:
+            moved = self.move(node, None)
+            if moved is not _UNKNOWN:
+                return [r if _is_float_meta(m) else None for r, m in zip(moved, metas, strict=True)]
+        first = shapes[0]
+        if name in ("max", "min", "sort", "cummax", "cummin", "aminmax", "var_mean", "std_mean", "topk", "kthvalue"):
+            if name == "sort":
+                rows = self.along(node, first)
+            elif name in ("cummax", "cummin"):
+                rows = self.cumulative(node, name, first)
+            elif name in ("aminmax", "var_mean", "std_mean"):
+                rows = self.reduction(node, name, first)
+                return [rows, rows]
+            elif name in ("max", "min"):
+                rows = self.reduction(node, name, first)
+            else:
+                rows = self.dense(node, name, sets.size(first))
+            return [rows if _is_float_meta(m) else None for m in metas]
+        operands = self.operand_rows(node)
+        every = sets.union(operands)
+        if self.pairs is not None:
+            self.pairs.add_all(sets.all_of(every, 1))
+        self.notes.append(f"{_qualified(node.target)} is not known to the torch detector: dense")
+        return [
+            sets.all_of(every, sets.size(s)) if _is_float_meta(m) else None for s, m in zip(shapes, metas, strict=True)
+        ]
+
+    def operand_rows(self, node: Any) -> list[Any]:
+        return [self.rows.get(a) for a in _nodes(node.args) + _nodes(node.kwargs)]
+
+    def dense(self, node: Any, name: str, size: int) -> Any:
+        every = sets.union([r for r in self.operand_rows(node) if not isinstance(r, list)])
+        self.notes.append(f"{_qualified(node.target)} is not known to the torch detector: dense")
+        out = sets.all_of(every, size)
+        if self.pairs is not None:
+            self.pairs.add_all(sets.all_of(every, 1))
+        return out
+
+    def move(self, node: Any, shape: tuple[int, ...] | None) -> Any:
+        """Run the operation on positions; _UNKNOWN where an index it needs is not known."""
+        torch = _torch()
+        sources: list[Any] = []
+        sizes: list[int] = []
+        offset = [0]
+        unknown = [False]
+
+        def substitute(a: Any) -> Any:
+            if isinstance(a, (list, tuple)):
+                return type(a)(substitute(b) for b in a)
+            if isinstance(a, float):
+                return 0  # a fill value: depends on nothing
+            if not hasattr(a, "op"):
+                return a
+            meta = a.meta.get("val")
+            if not isinstance(meta, torch.Tensor):
+                if a in self.values:
+                    return self.values[a]
+                unknown[0] = True
+                return a
+            if _is_float_meta(meta):
+                a_shape = _shape(a)
+                rows = self.rows.get(a)
+                if rows is None:
+                    return torch.zeros(a_shape, dtype=torch.int64)
+                pos = torch.from_numpy(sets.positions(a_shape, offset[0]).copy())
+                sources.append(rows)
+                sizes.append(sets.size(a_shape))
+                offset[0] += sets.size(a_shape)
+                return pos
+            if a in self.values:
+                return self.values[a]
+            unknown[0] = True
+            return a
+
+        args = substitute(node.args)
+        kwargs = {key: substitute(v) for key, v in node.kwargs.items() if key != "dtype"}
+        if unknown[0]:
+            return _UNKNOWN
+        try:
+            with torch.no_grad():
+                out = node.target(*args, **kwargs)
+        except Exception:
+            return _UNKNOWN
+        if isinstance(out, (list, tuple)):
+            return [sets.gather(sources, sizes, o.numpy(), self.n) for o in out]
+        if shape is not None and tuple(out.shape) != shape:
+            return _UNKNOWN
+        return sets.gather(sources, sizes, out.numpy(), self.n)
+
+    def pointwise(self, node: Any, name: str, shape: tuple[int, ...]) -> Any:
+        operands = [
+            (self.rows.get(a), _shape(a))
+            for a in _nodes(node.args) + _nodes(node.kwargs)
+            if _is_float_meta(a.meta.get("val"))
+        ]
+        broadcast = sets.elementwise(operands, shape, self.n)
+        out = sets.union(broadcast)
+        if self.pairs is not None:
+            present = [r for r in broadcast if r is not None]
+            if name in _LINEAR_POINTWISE or len(present) == 0:
+                pass
+            elif name == "mul" and len(present) == 1 and len(broadcast) >= 1:
+                pass  # a product with a constant is linear
+            elif name == "mul" and len(present) == 2:
+                self.pairs.add(present[0], present[1])
+            elif name == "div" and _numerator_alone(node, self.rows):
+                pass  # a quotient by a constant is linear
+            elif name == "where" and len(present) >= 1:
+                pass  # a selection, linear in each branch
+            else:
+                self.pairs.add_all(out)
+        return out
+
+    def _dims(self, node: Any, name: str, rank: int) -> list[int]:
+        args, kwargs = node.args, node.kwargs
+        position = 2 if name in ("linalg_vector_norm", "norm") else 1
+        dim = kwargs.get("dim", args[position] if len(args) > position else None)
+        if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+            return list(range(rank))
+        if isinstance(dim, int):
+            return [dim % max(rank, 1)]
+        return [int(d) % max(rank, 1) for d in dim]
+
+    def reduction(self, node: Any, name: str, shape: tuple[int, ...]) -> Any:
+        source = node.args[0]
+        in_shape = _shape(source)
+        rows = self.rows.get(source)
+        if rows is None:
+            return None
+        dims = self._dims(node, name, len(in_shape)) if in_shape else []
+        matrix = sets.reduction_matrix(in_shape, dims)
+        if matrix.shape[0] != sets.size(shape):
+            return self.dense(node, name, sets.size(shape))
+        out = sets.apply(matrix, rows)
+        if self.pairs is not None and name not in _LINEAR_REDUCTIONS:
+            self.pairs.add_all(out)
+        return out
+
+    def cumulative(self, node: Any, name: str, shape: tuple[int, ...]) -> Any:
+        source = node.args[0]
+        in_shape = _shape(source)
+        rows = self.rows.get(source)
+        if rows is None:
+            return None
+        if not in_shape:
+            return rows
+        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+        out = sets.apply(sets.cumulative_matrix(in_shape, int(dim)), rows)
+        if self.pairs is not None and name != "cumsum":
+            self.pairs.add_all(out)
+        return out
+
+    def along(self, node: Any, shape: tuple[int, ...]) -> Any:
+        """Each output depends on the whole slice of its input along the operation's dimension."""
+        source = node.args[0]
+        in_shape = _shape(source)
+        rows = self.rows.get(source)
+        if rows is None:
+            return None
+        if not in_shape:
+            return rows
+        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else -1)
+        dim = -1 if not isinstance(dim, int) else dim
+        r = sets.reduction_matrix(in_shape, [dim])
+        out = sets.apply(r.T @ r, rows)
+        if self.pairs is not None:
+            self.pairs.add_all(out)
+        return out
+
+    def _value_or_none(self, a: Any) -> Any:
+        if not hasattr(a, "op"):
+            return None
+        value = self.values.get(a)
+        return None if value is None else value.detach().to("cpu").numpy() != 0
+
+    def contraction(self, node: Any, name: str, shape: tuple[int, ...]) -> Any:
+        args = list(node.args)
+        bias = None
+        if name in ("addmm", "addmv", "baddbmm", "addbmm"):
+            bias, args = args[0], args[1:]
+        a, b = args[0], args[1]
+        a_shape, b_shape = _shape(a), _shape(b)
+        if name == "mv":
+            b_shape = (*b_shape, 1)
+        elif name in ("dot", "vdot"):
+            a_shape, b_shape = (1, *a_shape), (*b_shape, 1)
+        if len(a_shape) == 2 and len(b_shape) == 2:
+            a_shape, b_shape = (1, *a_shape), (1, *b_shape)
+        if len(a_shape) != 3 or len(b_shape) != 3 or name == "addbmm":
+            return self.dense(node, name, sets.size(shape))
+        out = _batched_mm(
+            self.rows.get(a),
+            self._value_or_none(a),
+            a_shape,
+            self.rows.get(b),
+            self._value_or_none(b),
+            b_shape,
+            self.n,
+            self.pairs,
+        )
+        if bias is not None and hasattr(bias, "op"):
+            out = sets.union([out, sets.broadcast(self.rows.get(bias), _shape(bias), shape, self.n)])
+        return out
+
+    def convolution(self, node: Any, shape: tuple[int, ...]) -> Any:
+        args = list(node.args)
+        source, weight, bias = args[0], args[1], args[2]
+        stride, padding, dilation, transposed, _, groups = args[3:9]
+        if transposed:
+            return _UNKNOWN
+        in_shape, w_shape = _shape(source), _shape(weight)
+        kernel = self._value_or_none(weight)
+        if kernel is None:
+            kernel = np.ones(w_shape, dtype=bool)
+        pairs_in, pairs_w = _conv_pairs(in_shape, w_shape, shape, kernel, stride, padding, dilation, groups)
+        import scipy.sparse as sp
+
+        out_size = sets.size(shape)
+        parts = []
+        x_rows = self.rows.get(source)
+        w_rows = self.rows.get(weight)
+        if x_rows is not None:
+            m = sp.csr_array(
+                (np.ones(pairs_in[0].size, dtype=np.float32), pairs_in), shape=(out_size, sets.size(in_shape))
+            )
+            parts.append(sets.apply(m, x_rows))
+        if w_rows is not None:
+            m = sp.csr_array(
+                (np.ones(pairs_w[0].size, dtype=np.float32), pairs_w), shape=(out_size, sets.size(w_shape))
+            )
+            parts.append(sets.apply(m, w_rows))
+        if bias is not None and hasattr(bias, "op") and self.rows.get(bias) is not None:
+            channel = np.indices(shape)[1].reshape(-1)
+            m = sp.csr_array(
+                (np.ones(out_size, dtype=np.float32), (np.arange(out_size), channel)), shape=(out_size, shape[1])
+            )
+            parts.append(sets.apply(m, self.rows.get(bias)))
+        if self.pairs is not None and x_rows is not None and w_rows is not None:
+            self.pairs.add_all(sets.all_of(sets.union(parts), 1))
+        return sets.union(parts)
+
+    def _with_values(self, a: Any) -> Any:
+        if isinstance(a, dict):
+            return {k: self._with_values(v) for k, v in a.items()}
+        if isinstance(a, (list, tuple)):
+            return type(a)(self._with_values(b) for b in a)
+        if hasattr(a, "op"):
+            return self.values[a]
+        return a
+
+
+class _UnknownType:
+    pass
+
+
+_UNKNOWN: Any = _UnknownType()
+
+
+def _nodes(a: Any) -> list[Any]:
+    if isinstance(a, dict):
+        return [n for v in a.values() for n in _nodes(v)]
+    if isinstance(a, (list, tuple)):
+        return [n for b in a for n in _nodes(b)]
+    return [a] if hasattr(a, "op") else []
+
+
+def _numerator_alone(node: Any, rows: dict[Any, Any]) -> bool:
+    """Whether a division's numerator depends on x and its denominator does not."""
+    numerator, denominator = node.args[0], node.args[1] if len(node.args) > 1 else None
+    if not hasattr(numerator, "op") or rows.get(numerator) is None:
+        return False
+    return not hasattr(denominator, "op") or rows.get(denominator) is None
+
+
+def _accumulates(node: Any) -> bool:
+    """Whether a scatter adds (or reduces) into its target instead of writing: not a move."""
+    overload = str(getattr(node.target, "_overloadname", ""))
+    if "reduce" in overload or "reduce" in node.kwargs:
+        return True
+    if _name(node.target) == "index_put":
+        return bool(node.kwargs.get("accumulate", node.args[3] if len(node.args) > 3 else False))
+    return False
+
+
+def _any_rows(rows: Any) -> bool:
+    if isinstance(rows, list):
+        return any(r is not None for r in rows)
+    return rows is not None
+
+
+def _shape(node: Any) -> tuple[int, ...]:
+    return tuple(int(s) for s in node.meta["val"].shape)
+
+
+def _name(target: Any) -> str:
+    packet = getattr(target, "overloadpacket", None)
+    name = getattr(packet, "__name__", None) or getattr(target, "__name__", str(target))
+    return str(name).split(".")[-1]
+
+
+def _qualified(target: Any) -> str:
+    return str(target)
+
+
+def _batched_mm(
+    a_rows: Any,
+    a_nonzero: Any,
+    a_shape: Sequence[int],
+    b_rows: Any,
+    b_nonzero: Any,
+    b_shape: Sequence[int],
+    n: int,
+    pairs: sets.Pairs | None,
+) -> Any:
+    """The sets of ``a @ b`` for ``a`` of shape (B, m, k) and ``b`` (B, k, p) (B may broadcast from 1):
+    ``out[t, i, j]`` depends on ``a[t, i, l]`` where ``b[t, l, j]`` may be nonzero, and on ``b[t, l, j]``
+    where ``a[t, i, l]`` may be nonzero."""
+    import scipy.sparse as sp
+
+    batch = max(a_shape[0], b_shape[0])
+    _, m, k = a_shape
+    _, _, p = b_shape
+    a_mask = np.ones((m, k), dtype=bool) if a_nonzero is None else None
+    b_mask = np.ones((k, p), dtype=bool) if b_nonzero is None else None
+    parts = []
+    a_all = np.asarray(a_nonzero).reshape(a_shape) if a_nonzero is not None else None
+    b_all = np.asarray(b_nonzero).reshape(b_shape) if b_nonzero is not None else None
+    blocks_a, blocks_b = [], []
+    for t in range(batch):
+        ta = 0 if a_shape[0] == 1 else t
+        tb = 0 if b_shape[0] == 1 else t
+        am: Any = a_mask if a_all is None else a_all[ta]
+        bm: Any = b_mask if b_all is None else b_all[tb]
+        # out (i, j) <- a (i, l) where b (l, j): kron(I_m, bm.T) ; out (i, j) <- b (l, j) where a (i, l): kron(am, I_p)
+        blocks_a.append(sp.kron(sp.eye_array(m), sp.csr_array(bm.T.astype(np.float32)), format="csr"))
+        blocks_b.append(sp.kron(sp.csr_array(am.astype(np.float32)), sp.eye_array(p), format="csr"))
+    if a_rows is not None:
+        select = _batch_select(blocks_a, a_shape, m * k)
+        parts.append(sets.apply(select, a_rows))
+    if b_rows is not None:
+        select = _batch_select(blocks_b, b_shape, k * p)
+        parts.append(sets.apply(select, b_rows))
+    if pairs is not None and a_rows is not None and b_rows is not None:
+        for t in range(batch):
+            ta = 0 if a_shape[0] == 1 else t
+            tb = 0 if b_shape[0] == 1 else t
+            a_t = a_rows[ta * m * k : (ta + 1) * m * k]
+            b_t = b_rows[tb * k * p : (tb + 1) * k * p]
+            # column l of a with row l of b: the products a[i, l] * b[l, j]
+            columns = sets.apply(sets.reduction_matrix((m, k), [0]), a_t)
+            rows_b = sets.apply(sets.reduction_matrix((k, p), [1]), b_t)
+            pairs.add(columns, rows_b)
+    return sets.union(parts)
+
+
+def _batch_select(blocks: list[Any], shape: Sequence[int], per: int) -> Any:
+    import scipy.sparse as sp
+
+    if shape[0] == len(blocks):
+        return sp.block_diag(blocks, format="csr")
+    return sp.vstack(blocks, format="csr")  # one operand broadcast over the batch
+
+
+def _conv_pairs(
+    in_shape: Sequence[int],
+    w_shape: Sequence[int],
+    out_shape: Sequence[int],
+    kernel: np.ndarray,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """(output, input) and (output, weight) flat index pairs of a convolution, where the kernel may be
+    nonzero. Input (B, C, *L), weight (O, C / groups, *K), output (B, O, *L_out)."""
+    spatial = len(in_shape) - 2
+    batch, channels = in_shape[0], in_shape[1]
+    outs = w_shape[0]
+    per_group_in = w_shape[1]
+    per_group_out = outs // groups
+    # every (o, c_local, *k) tap where the kernel may be nonzero
+    taps = np.argwhere(kernel.reshape(w_shape))
+    o_idx, c_local = taps[:, 0], taps[:, 1]
+    k_idx = taps[:, 2:]
+    c_idx = (o_idx // per_group_out) * per_group_in + c_local
+    w_flat: Any = np.ravel_multi_index(tuple(taps.T), tuple(w_shape)) if taps.size else np.zeros(0, dtype=np.int64)
+    out_spatial = tuple(out_shape[2:])
+    grid = np.indices(out_spatial).reshape(spatial, -1).T  # (P, spatial)
+    in_rows, in_cols, w_rows, w_cols = [], [], [], []
+    for b in range(batch):
+        for t in range(taps.shape[0]):
+            location = grid * np.asarray(stride) - np.asarray(padding) + k_idx[t] * np.asarray(dilation)
+            inside = np.all((location >= 0) & (location < np.asarray(in_shape[2:])), axis=1)
+            out_flat = np.ravel_multi_index(
+                (np.full(grid.shape[0], b), np.full(grid.shape[0], o_idx[t]), *grid.T), tuple(out_shape)
+            )
+            w_rows.append(out_flat)
+            w_cols.append(np.full(out_flat.size, w_flat[t]))
+            loc = location[inside]
+            in_flat = np.ravel_multi_index(
+                (np.full(loc.shape[0], b), np.full(loc.shape[0], c_idx[t]), *loc.T), tuple(in_shape)
+            )
+            in_rows.append(out_flat[inside])
+            in_cols.append(in_flat)
+    del channels
+    cat = np.concatenate
+    empty = np.zeros(0, dtype=np.int64)
+    return (
+        (cat(in_rows) if in_rows else empty, cat(in_cols) if in_cols else empty),
+        (cat(w_rows) if w_rows else empty, cat(w_cols) if w_cols else empty),
+    )

@@ -1,0 +1,333 @@
+"""The detectors of each engine's own code (torch's make_fx graphs, numpy's and autograd.numpy's
+array protocols): conservative on corpora of each style, chosen by the default detector, and
+refusing what depends on values. Also the sparse-side reproductions of issue 18."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import diffiface as di
+from diffiface import sparse
+
+torch = pytest.importorskip("torch")
+anp = pytest.importorskip("autograd.numpy")
+autograd = pytest.importorskip("autograd")
+
+N = 7
+RNG = np.random.default_rng(0)
+A = RNG.standard_normal((N, N))
+A[np.abs(A) < 0.9] = 0.0  # a constant matrix with structural zeros
+INDEX = np.array([3, 0, 6, 1])
+KERNEL = np.array([1.0, 0.0, -2.0])  # a zero tap: conv1d as a banded map of two diagonals
+
+
+def _torch_corpus() -> dict[str, Callable[[Any], Any]]:
+    a, index = torch.tensor(A), torch.tensor(INDEX)
+    kernel = torch.tensor(KERNEL).reshape(1, 1, 3)
+
+    def setitem(x: Any) -> Any:
+        y = torch.zeros_like(x)
+        y[1:] = x[:-1] ** 2
+        return y + x
+
+    return {
+        "cat": lambda x: torch.cat([x[:2] * 3, torch.sin(x[2:]) * x[:-2]]),
+        "stack": lambda x: torch.stack([x, x.flip(0)]).sum(0),
+        "roll": lambda x: torch.roll(x, 2) * x,
+        "cumsum": lambda x: torch.cumsum(x, 0),
+        "conv1d": lambda x: torch.nn.functional.conv1d(x.reshape(1, 1, -1), kernel, padding=1).reshape(-1),
+        "indexing": lambda x: x[index] ** 2 + (a @ x)[index],
+        "diff": lambda x: torch.diff(x) * x[1:],
+        "matmul": lambda x: (x[:6].reshape(2, 3) @ x[1:].reshape(3, 2)).reshape(-1),
+        "softmax": lambda x: torch.softmax(x[:6].reshape(2, 3), dim=1).reshape(-1),
+        "reductions": lambda x: torch.stack([x.sum(), x[:3].prod(), x.max(), torch.linalg.norm(x[2:])]),
+        "where": lambda x: torch.where(x > 0, torch.exp(x), x.roll(1)),
+        "pad": lambda x: torch.nn.functional.pad(x, (1, 2))[:N] * x,
+        "setitem": setitem,
+        "tridiagonal": lambda x: torch.cat([x[:1], x[1:-1] ** 2 - x[:-2] + torch.sin(x[2:]), x[-1:]]),
+    }
+
+
+def _numpy_corpus(xp: Any) -> dict[str, Callable[[Any], Any]]:
+    corpus = {
+        "cat": lambda x: xp.concatenate([x[:2] * 3, xp.sin(x[2:]) * x[:-2]]),
+        "stack": lambda x: xp.sum(xp.stack([x, x[::-1]]), axis=0),
+        "roll": lambda x: xp.roll(x, 2) * x,
+        "cumsum": lambda x: xp.cumsum(x),
+        "indexing": lambda x: x[INDEX] ** 2 + xp.dot(A, x)[INDEX],
+        "diff": lambda x: xp.diff(x) * x[1:],
+        "diff2": lambda x: xp.diff(x, n=2),
+        "matmul": lambda x: (x[:6].reshape(2, 3) @ x[1:].reshape(3, 2)).reshape(-1),
+        "reductions": lambda x: xp.stack([xp.sum(x), xp.prod(x[:3]), xp.max(x), xp.linalg.norm(x[2:])]),
+        "where": lambda x: xp.where(x > 0, xp.exp(x), xp.roll(x, 1)),
+        "tridiagonal": lambda x: xp.concatenate([x[:1], x[1:-1] ** 2 - x[:-2] + xp.sin(x[2:]), x[-1:]]),
+        "outer": lambda x: xp.outer(x[:2], x[3:5]).ravel(),
+        "tanh-ratio": lambda x: xp.tanh(x) / (1 + x[::-1] ** 2),
+    }
+    if xp is np:  # (autograd differentiates neither)
+        corpus["conv1d"] = lambda x: np.convolve(x, KERNEL, mode="same")
+        corpus["sort"] = lambda x: np.sort(x)
+
+        def setitem(x: Any) -> Any:
+            y = np.zeros_like(x)
+            y[1:] = x[:-1] ** 2
+            return y + x
+
+        corpus["setitem"] = setitem
+    else:
+        corpus["conv1d"] = lambda x: x[:-2] * KERNEL[2] + x[2:] * KERNEL[0]
+    return corpus
+
+
+TORCH = _torch_corpus()
+NUMPY = _numpy_corpus(np)
+AUTOGRAD = _numpy_corpus(anp)
+
+
+def _points(count: int = 3) -> list[np.ndarray]:
+    rng = np.random.default_rng(1)
+    return [rng.uniform(-1.5, 1.5, N) for _ in range(count)]
+
+
+def _torch_jacobian(f: Callable[[Any], Any], x: np.ndarray) -> np.ndarray:
+    return torch.autograd.functional.jacobian(f, torch.tensor(x)).reshape(-1, N).numpy()
+
+
+def _torch_hessian(f: Callable[[Any], Any], x: np.ndarray) -> np.ndarray:
+    g = lambda t: (f(t) ** 2).sum() + f(t).sum()  # noqa: E731
+    return torch.autograd.functional.hessian(g, torch.tensor(x)).numpy()
+
+
+def _missing(pattern: Any, dense: np.ndarray) -> list[tuple[int, int]]:
+    found = pattern.toarray()
+    assert found.shape == dense.shape
+    return [tuple(ij) for ij in np.argwhere((dense != 0) & ~found)]
+
+
+# --- conservative on each corpus -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(TORCH))
+def test_torch_detector_never_misses_a_nonzero(name: str) -> None:
+    f = TORCH[name]
+    detector = sparse.GlobalDetector(tracer="torch")
+    x = torch.tensor(_points(1)[0])
+    pattern = sparse.jacobian_pattern(f, x, detector=detector)
+    hessian = sparse.hessian_pattern(lambda t: (f(t) ** 2).sum() + f(t).sum(), x, detector=detector)
+    for point in _points():
+        assert not _missing(pattern, _torch_jacobian(f, point)), name
+        assert not _missing(hessian, _torch_hessian(f, point)), name
+
+
+@pytest.mark.parametrize("name", sorted(NUMPY))
+def test_numpy_detector_never_misses_a_nonzero(name: str) -> None:
+    f = NUMPY[name]
+    pattern = sparse.jacobian_pattern(f, _points(1)[0], detector=sparse.GlobalDetector(tracer="numpy"))
+    for point in _points():
+        dense = np.asarray(di.jacobian(f, "finite_differences", point)).reshape(-1, N)
+        assert not _missing(pattern, dense), name
+
+
+@pytest.mark.parametrize("name", sorted(AUTOGRAD))
+def test_autograd_detector_never_misses_a_nonzero(name: str) -> None:
+    f = AUTOGRAD[name]
+
+    def g(x: Any) -> Any:
+        return anp.sum(f(x) ** 2) + anp.sum(f(x))
+
+    detector = sparse.GlobalDetector(tracer="numpy")
+    pattern = sparse.jacobian_pattern(f, _points(1)[0], detector=detector)
+    hessian = sparse.hessian_pattern(g, _points(1)[0], detector=detector)
+    for point in _points():
+        assert not _missing(pattern, autograd.jacobian(f)(point).reshape(-1, N)), name
+        assert not _missing(hessian, autograd.hessian(g)(point)), name
+
+
+def test_structure_is_read_exactly_where_it_is_known() -> None:
+    """Conservative, yet not dense: banded maps give their bands, indexing its rows."""
+    tri = np.eye(N, dtype=bool) | np.eye(N, k=-1, dtype=bool) | np.eye(N, k=1, dtype=bool)
+    tri[0] = tri[-1] = False
+    tri[0, 0] = tri[-1, -1] = True
+    torch_x = torch.tensor(_points(1)[0])
+    assert (sparse.jacobian_pattern(TORCH["tridiagonal"], torch_x).toarray() == tri).all()
+    assert (sparse.jacobian_pattern(AUTOGRAD["tridiagonal"], _points(1)[0]).toarray() == tri).all()
+    conv = sparse.jacobian_pattern(TORCH["conv1d"], torch_x).toarray()
+    assert (conv == (np.eye(N, k=-1, dtype=bool) | np.eye(N, k=1, dtype=bool))).all()  # the zero tap drops
+    cumsum = sparse.jacobian_pattern(NUMPY["cumsum"], _points(1)[0]).toarray()
+    assert (cumsum == np.tril(np.ones((N, N), dtype=bool))).all()
+    diff = sparse.jacobian_pattern(lambda x: np.diff(x), _points(1)[0]).toarray()
+    assert (diff == (np.eye(N - 1, N, dtype=bool) | np.eye(N - 1, N, k=1, dtype=bool))).all()
+    rosenbrock = sparse.hessian_pattern(
+        lambda x: anp.sum(100 * (x[1:] - x[:-1] ** 2) ** 2 + (1 - x[:-1]) ** 2), _points(1)[0]
+    ).toarray()
+    band = np.abs(np.subtract.outer(np.arange(N), np.arange(N))) <= 1
+    assert (rosenbrock == band).all()
+
+
+# --- the default detector follows the engine ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("backend", "f", "tracer", "as_torch"),
+    [
+        ("torch", TORCH["tridiagonal"], "torch", True),
+        ("torch-func", TORCH["conv1d"], "torch", True),
+        ("autograd", AUTOGRAD["tridiagonal"], "numpy", False),
+        ("finite_differences", AUTOGRAD["indexing"], "numpy", False),
+        ("finite_differences", NUMPY["conv1d"], "numpy", False),
+    ],
+    ids=["torch", "torch-func", "autograd", "fd-autograd-code", "fd-numpy-code"],
+)
+def test_default_detector_works_on_the_engines_own_code(
+    backend: str, f: Callable[[Any], Any], tracer: str, as_torch: bool
+) -> None:
+    x = _points(1)[0]
+    xs = torch.tensor(x) if as_torch else x
+    sparse_backend = di.AutoSparse(backend)
+    prep = di.prepare_jacobian(f, sparse_backend, xs)
+    assert prep.detection.tracer == tracer
+    result = di.jacobian(f, sparse_backend, xs, prep=prep)
+    dense = di.jacobian(f, backend, xs)
+    matrix = result.to_dense().numpy() if as_torch else result.toarray()
+    expected = dense.numpy() if as_torch else np.asarray(dense)
+    np.testing.assert_allclose(matrix, expected, rtol=1e-7, atol=1e-9)
+
+
+def test_default_detector_hessian_of_autograd_code() -> None:
+    def rosenbrock(x: Any) -> Any:
+        return anp.sum(100 * (x[1:] - x[:-1] ** 2) ** 2 + (1 - x[:-1]) ** 2)
+
+    x = _points(1)[0]
+    prep = di.prepare_hessian(rosenbrock, di.AutoSparse("autograd"), x)
+    assert prep.detection.tracer == "numpy"
+    assert prep.coloring.count == 3
+    np.testing.assert_allclose(
+        di.hessian(rosenbrock, di.AutoSparse("autograd"), x, prep=prep).toarray(),
+        di.hessian(rosenbrock, "autograd", x),
+        rtol=1e-12,
+    )
+
+
+def test_contexts_are_abstract_for_the_new_tracers() -> None:
+    """A pattern holds for every value of a Constant: its zeros are not structural, its
+    integers not known."""
+    x = _points(1)[0]
+    scale = np.zeros(N)
+    for tracer, xs in (("numpy", x), ("torch", torch.tensor(x))):
+        detector = sparse.GlobalDetector(tracer=tracer)
+        scaled = sparse.jacobian_pattern(lambda x, c: x * c, xs, di.Constant(scale), detector=detector)
+        assert (scaled.toarray() == np.eye(N, dtype=bool)).all()
+        picked = sparse.jacobian_pattern(lambda x, i: x[i], xs, di.Constant(np.array([0, 1])), detector=detector)
+        assert picked.toarray().all()
+
+
+# --- refusals, notes and f's own errors --------------------------------------------------------------
+
+
+def test_value_dependent_control_flow_is_refused_with_the_reason() -> None:
+    def torch_branch(x: Any) -> Any:
+        return x * 2 if x.sum() > 0 else -x
+
+    def numpy_branch(x: Any) -> Any:
+        return x * 2 if x[0] > 0 else -x
+
+    with pytest.raises(di.UnsupportedOperationError, match="branches"):
+        sparse.jacobian_pattern(torch_branch, torch.tensor(_points(1)[0]))
+    with pytest.raises(di.UnsupportedOperationError, match="branches"):
+        sparse.jacobian_pattern(numpy_branch, _points(1)[0], detector=sparse.GlobalDetector(tracer="numpy"))
+    with pytest.raises(di.UnsupportedOperationError, match="Python number"):
+        sparse.jacobian_pattern(lambda x: x * x[0].item(), torch.tensor(_points(1)[0]))
+    with pytest.raises(di.UnsupportedOperationError, match="Python number"):
+        sparse.jacobian_pattern(
+            lambda x: x * float(x[0]), _points(1)[0], detector=sparse.GlobalDetector(tracer="numpy")
+        )
+
+
+def test_an_unknown_operation_is_dense_with_a_note() -> None:
+    x = _points(1)[0]
+    found = sparse.detect(
+        lambda t: torch.linalg.inv(t[:4].reshape(2, 2)).reshape(-1),
+        torch.tensor(x),
+        (),
+        sparse.GlobalDetector(),
+        None,
+        False,
+    )
+    assert found.notes and "inv" in found.notes[0]
+    assert found.pattern.toarray()[:, :4].all() and not found.pattern.toarray()[:, 4:].any()
+    found = sparse.detect(
+        lambda t: np.linalg.inv(t[:4].reshape(2, 2)).reshape(-1), x, (), sparse.GlobalDetector("numpy"), None, False
+    )
+    assert found.notes and "inv" in found.notes[0]
+    assert found.pattern.toarray()[:, :4].all() and not found.pattern.toarray()[:, 4:].any()
+    prep = di.prepare_jacobian(
+        lambda t: np.linalg.inv(t[:4].reshape(2, 2)).reshape(-1), di.AutoSparse("finite_differences"), x
+    )
+    assert prep.detection.notes == found.notes
+
+
+@pytest.mark.parametrize("tracer", ["jax", "torch", "numpy"])
+def test_fs_own_exception_reaches_the_caller(tracer: str) -> None:
+    """Issue 18: under the default detector, f's ValueError became UnsupportedOperationError."""
+    if tracer == "jax":
+        pytest.importorskip("jax")
+
+    def f(x: Any) -> Any:
+        raise ValueError("f refuses this input")
+
+    x: Any = torch.tensor(_points(1)[0]) if tracer == "torch" else _points(1)[0]
+    with pytest.raises(ValueError, match="f refuses this input"):
+        sparse.jacobian_pattern(f, x, detector=sparse.GlobalDetector(tracer=tracer))
+    backend = {"jax": "jax", "torch": "torch", "numpy": "autograd"}[tracer]
+    with pytest.raises(ValueError, match="f refuses this input"):
+        di.jacobian(f, di.AutoSparse(backend), x)
+
+
+@pytest.mark.parametrize("options", [{"points": 2.0}, {"points": 0}, {"points": True}, {"seed": -1}, {"seed": 0.5}])
+def test_local_detector_options_are_validated(options: dict[str, Any]) -> None:
+    """Issue 18: LocalDetector(points=2.0) and LocalDetector(seed=-1) gave raw errors."""
+    with pytest.raises(di.InvalidInputError, match=next(iter(options))):
+        sparse.LocalDetector(**options)
+
+
+def test_unknown_tracer_is_refused() -> None:
+    with pytest.raises(di.InvalidInputError, match="tracer"):
+        sparse.GlobalDetector(tracer="tensorflow")
+
+
+# --- the check of finite differences: its tolerance from the step's error ---------------------
+
+
+def _small_entry(x: Any) -> Any:
+    return anp.stack([3 * x[0] + 0.002 * x[1], 2 * x[1], 3 * anp.sin(x[2])])
+
+
+@pytest.mark.parametrize("backend", ["finite_differences", di.AutoFiniteDifferences(method="forward"), "autograd"])
+def test_check_catches_a_missing_small_entry(backend: Any) -> None:
+    """Issue 18: a missing entry of 0.002 next to one of 3 slipped through the check of finite
+    differences (a tolerance of 1e-3 of the scale); jax and autograd caught it."""
+    x = np.array([0.3, 0.5, 0.7])
+    missing = sparse.KnownPattern(np.eye(3))
+    with pytest.raises(di.DiffifaceError, match="misses nonzeros"):
+        di.jacobian(_small_entry, di.AutoSparse(backend, detector=missing, check=True), x)
+
+
+@pytest.mark.parametrize("name", sorted(AUTOGRAD))
+def test_check_does_not_cry_wolf_on_finite_differences(name: str) -> None:
+    f = AUTOGRAD[name]
+    for method in ("central", "forward"):
+        backend = di.AutoSparse(di.AutoFiniteDifferences(method=method), check=True)
+        for point in _points(2):
+            di.jacobian(f, backend, point)  # raises where the check fails
+
+
+def test_check_does_not_cry_wolf_on_a_finite_difference_hessian() -> None:
+    def rosenbrock(x: Any) -> Any:
+        return anp.sum(100 * (x[1:] - x[:-1] ** 2) ** 2 + (1 - x[:-1]) ** 2)
+
+    for point in _points(2):
+        di.hessian(rosenbrock, di.AutoSparse("finite_differences", check=True), point)
