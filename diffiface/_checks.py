@@ -184,8 +184,9 @@ def _refuse_cut(
         raise InvalidOutputError(
             f"f's output changes with x, but not through the {adapter.backend.name} engine's trace: f turned a "
             "traced value into a plain number or a new array (float(y), y.item(), y.numpy(), "
-            "torch.tensor(y.item()), np.asarray(y)), so its derivative would read as zero. Keep the "
-            "computation in the engine's arrays from x to the output."
+            "torch.tensor(y.item()), np.asarray(y)), or computed it with torch's grad mode off (torch.no_grad(), "
+            "torch.set_grad_enabled(False)), so its derivative would read as zero. Keep the computation in the "
+            "engine's arrays, traced, from x to the output."
         )
 
 
@@ -257,10 +258,11 @@ def _check_cotangent(sig: Signature, output: _Output, ts: tuple[Any, ...], compl
         raise TangentMismatchError(
             f"The cotangent must have the structure of f(x), {out_spec}; it has {sig.tangent_spec}."
         )
+    # (the array types of f's output leaves, from those validated; none yet: nothing to compare)
     out_kinds = {_arrays.kind_of_type(cls) for cls, _ in output.checked}
     allowed = {"python", "numpy"} | out_kinds
     for i, t in enumerate(sig.tangent_leaves):
-        if t[0] not in allowed:
+        if out_kinds and t[0] not in allowed:
             frameworks = " or ".join(sorted(out_kinds - {"python", "numpy", "other"}))
             fix = f"numpy or {frameworks} arrays" if frameworks else "numpy arrays or floats"
             raise ArrayTypeError(

@@ -141,8 +141,16 @@ class Adapter(_base.Adapter):
         return leaf, isinstance(leaf, torch.Tensor)
 
     def untracked(self, leaf: Any, xs: Leaves) -> bool:
-        if not isinstance(leaf, torch.Tensor) or not torch.is_grad_enabled():
+        if not isinstance(leaf, torch.Tensor):
             return False
+        if not torch.is_grad_enabled():
+            if not any(x.requires_grad for x in xs):
+                return False
+            # x requires grad only where the engine traces with grad mode on: f switched it off
+            # (torch.set_grad_enabled(False)) and left it off. Back on for the engine's own work
+            # (a double backward); the guard restores the caller's mode on the way out.
+            torch.set_grad_enabled(True)
+            return not leaf.requires_grad
         if leaf.requires_grad and not _DUALS[0]:  # the common case: tracked in reverse mode
             return False
         if any(x.requires_grad for x in xs):  # reverse mode, torch.autograd's or torch.func's
