@@ -21,6 +21,8 @@ from ._backends import AutoSparse as AutoSparse
 from ._backends import AutoTorch as AutoTorch
 from ._backends import Backend as Backend
 from ._backends import SecondOrder as SecondOrder
+from ._bridges import DifferentiateWith as DifferentiateWith
+from ._bridges import differentiate_with as differentiate_with
 from ._contexts import Cache as Cache
 from ._contexts import Constant as Constant
 from ._contexts import Context as Context
@@ -105,6 +107,9 @@ __all__ = [
     "Context",
     # frameworks' models
     "functional",
+    # one engine's function inside another engine's differentiation
+    "differentiate_with",
+    "DifferentiateWith",
     # first-order operators
     "derivative",
     "value_and_derivative",
