@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -56,6 +57,7 @@ class DifferentiateWith:
         self._plan: Plan | None = None
         self._sites: OrderedDict[tuple[int, ...], Site] = OrderedDict()
         self._lock = threading.Lock()
+        weakref.finalize(self, _release_all, self._sites)
 
     def __repr__(self) -> str:
         return f"differentiate_with({getattr(self.f, '__name__', self.f)!r}, {self.backend!r})"
@@ -106,7 +108,7 @@ class DifferentiateWith:
                 site = Site(self._inner, plan, contexts)
                 self._sites[key] = site
                 while len(self._sites) > _SITES_KEPT:
-                    self._sites.popitem(last=False)
+                    self._sites.popitem(last=False)[1].release()
             else:
                 self._sites.move_to_end(key)
             return site
@@ -161,6 +163,11 @@ class DifferentiateWith:
         site = self.site(spec, avals, contexts, x_inner)
         y = self._inner.value(site.plan, x_inner, contexts)
         return site.plan.y_spec.unflatten([to_numpy(leaf) for leaf in y])
+
+
+def _release_all(sites: OrderedDict[tuple[int, ...], Site]) -> None:
+    for site in sites.values():
+        site.release()
 
 
 def differentiate_with(f: Callable[..., Any], backend: Backend | str) -> DifferentiateWith:

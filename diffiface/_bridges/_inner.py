@@ -12,7 +12,6 @@ import contextlib
 import itertools
 import sys
 import threading
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -272,6 +271,31 @@ class Inner:
             y = self.f(plan.x_spec.unflatten(x), *_context_values(contexts, self.kind))
             return self._leaves_of(plan, y)
 
+    def operands(self, what: str, plan: Plan, rest: Leaves) -> Leaves:
+        """The linear operands of product ``what`` in the dtypes of g's prep."""
+        x_avals, y_avals = list(plan.x_avals), list(plan.y_avals)
+        avals = {
+            "call": [],
+            "jvp": x_avals,
+            "vjp": y_avals,
+            "second_jvp": x_avals + x_avals,
+            "second_vjp": y_avals + x_avals,
+        }[what]
+        return self.cast(rest, avals)
+
+    def cast(self, leaves: Leaves, avals: Sequence[Aval]) -> Leaves:
+        """Tangents and cotangents in the dtypes of g's prep: the outer engine may hold f(x) in
+        another dtype than f gives (jax without x64 holds float32 where f gives float64)."""
+        out = []
+        for leaf, aval in zip(leaves, avals, strict=True):
+            if _arrays.dtype_name(leaf) != aval.dtype:
+                if self.kind == "torch":
+                    leaf = leaf.to(getattr(_namespace("torch"), aval.dtype))
+                else:
+                    leaf = leaf.astype(aval.dtype)
+            out.append(leaf)
+        return out
+
     def jvp(self, plan: Plan, x: Leaves, tx: Leaves, contexts: Sequence[Context[Any]]) -> Leaves:
         import diffiface as di
 
@@ -467,7 +491,8 @@ class Site:
     ops, whose schema takes no Python objects."""
 
     _ids = itertools.count()
-    registry: weakref.WeakValueDictionary[int, Site] = weakref.WeakValueDictionary()
+    #: the sites that a g holds, by number; a g removes its own when it drops them or is collected
+    registry: dict[int, Site] = {}
     _lock = threading.Lock()
 
     def __init__(self, inner: Inner, plan: Plan, contexts: tuple[Context[Any], ...]) -> None:
@@ -477,6 +502,10 @@ class Site:
         with Site._lock:
             self.number = next(Site._ids)
             Site.registry[self.number] = self
+
+    def release(self) -> None:
+        with Site._lock:
+            Site.registry.pop(self.number, None)
 
     def __repr__(self) -> str:
         return f"Site({self.number})"

@@ -84,7 +84,7 @@ def _host(primitive: Primitive, site: Site, batch: int, arrays: Sequence[Any]) -
     n, m = len(plan.x_avals), len(plan.y_avals)
     try:
         args = [to_inner(a, inner.kind) for a in arrays]
-        x, rest = args[:n], args[n:]
+        x, rest = args[:n], inner.operands(primitive.name[len('diffiface_') :], plan, args[n:])
         if primitive is call_p:
             return inner.value(plan, x, contexts)
         if primitive is jvp_p:

@@ -28,13 +28,26 @@ __all__ = ["call"]
 def call(g: Any, x: Any, leaves: list[Any], spec: Any, contexts: tuple[Any, ...]) -> Any:
     """g(x) for x of torch tensors."""
     leaves = [torch.as_tensor(leaf) if _arrays.kind(leaf) == "python" else leaf for leaf in leaves]
+    site = _prepare(g, leaves, spec, contexts)
+    # dynamo cannot trace a Function with a jvp rule; compiled programs take the one without
+    function = _CallCompiled if torch.compiler.is_compiling() else _Call
+    return _rebuild(site, function.apply(site.number, *leaves))
+
+
+@torch.compiler.disable  # type: ignore[misc]
+def _rebuild(site: Site, outs: Sequence[torch.Tensor]) -> Any:
+    return site.plan.y_spec.unflatten(list(outs))
+
+
+@torch.compiler.disable  # type: ignore[misc]
+def _prepare(g: Any, leaves: list[torch.Tensor], spec: Any, contexts: tuple[Any, ...]) -> Site:
+    """g's prep and site, outside torch.compile's graph (it evaluates f on the inner engine)."""
     avals = tuple(Aval(tuple(leaf.shape), _arrays.dtype_name(leaf)) for leaf in leaves)
     x_inner = None
     if g.plan is None:
         with _x64([a.dtype for a in avals]):
             x_inner = [to_inner(leaf, g._inner.kind) for leaf in leaves]
-    site = g.site(spec, avals, contexts, x_inner)
-    return site.plan.y_spec.unflatten(list(_Call.apply(site, *leaves)))
+    return g.site(spec, avals, contexts, x_inner)  # type: ignore[no-any-return]
 
 
 # --- the op ---------------------------------------------------------------------------------------
@@ -72,7 +85,7 @@ def _bridge(what: str, number: int, batch: int, args: list[torch.Tensor]) -> lis
     with _x64([_arrays.dtype_name(a) for a in args]):
         try:
             inner_args = [to_inner(a, inner.kind) for a in args]
-            x, rest = inner_args[:n], inner_args[n:]
+            x, rest = inner_args[:n], inner.operands(what, plan, inner_args[n:])
             if what == "call":
                 outs = inner.value(plan, x, contexts)
             elif what == "jvp":
@@ -125,8 +138,8 @@ def _bridge_fake(what: str, number: int, batch: int, args: list[torch.Tensor]) -
     return [torch.empty(a.shape, dtype=_torch_dtype(a.dtype), device=device) for a in _out_avals(what, site, batch)]
 
 
-def _op(what: str, site: Site, args: Sequence[torch.Tensor], batch: int = 0) -> tuple[torch.Tensor, ...]:
-    return tuple(torch.ops.diffiface.bridge(what, site.number, batch, list(args)))
+def _op(what: str, number: int, args: Sequence[torch.Tensor], batch: int = 0) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.ops.diffiface.bridge(what, number, batch, list(args)))
 
 
 # --- the Functions -------------------------------------------------------------------------------
@@ -153,36 +166,56 @@ def _vmap_loop(function: Any, info: Any, in_dims: Sequence[Any], args: Sequence[
     return stacked, (0,) * len(stacked)
 
 
-class _Call(torch.autograd.Function):
+class _CallCompiled(torch.autograd.Function):
+    """f(x) with reverse mode and vmap: the form torch.compile traces, one op forward and one op
+    backward (dynamo traces neither a jvp rule nor a Function inside a backward)."""
+
     generate_vmap_rule = False
 
     @staticmethod
-    def forward(site: Site, *x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        return _op("call", site, x)
+    def forward(number: int, *x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return _op("call", number, x)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.site = inputs[0]
+        ctx.number = inputs[0]
         ctx.save_for_backward(*inputs[1:])
         ctx.save_for_forward(*inputs[1:])
 
     @staticmethod
     def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        site: Site = ctx.site
+        site = _site(ctx.number)
         x = ctx.saved_tensors
         ct = _zeros_for(cotangents, site.plan.y_avals, x[0] if x else None)
-        return (None, *_Vjp.apply(site, *x, *ct))
+        return (None, *_op("vjp", ctx.number, (*x, *ct)))  # one op: compiled backward is not differentiated
 
     @staticmethod
-    def jvp(ctx: Any, _site: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        site: Site = ctx.site
+    def vmap(info: Any, in_dims: Sequence[Any], number: int, *x: torch.Tensor) -> Any:
+        return _vmap_loop(_CallCompiled, info, in_dims, (number, *x))
+
+
+class _Call(_CallCompiled):
+    """f(x) with forward mode, and a backward that is differentiable again (through _Vjp)."""
+
+    generate_vmap_rule = False
+
+    @staticmethod
+    def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        site = _site(ctx.number)
+        x = ctx.saved_tensors
+        ct = _zeros_for(cotangents, site.plan.y_avals, x[0] if x else None)
+        return (None, *_Vjp.apply(site.number, *x, *ct))
+
+    @staticmethod
+    def jvp(ctx: Any, _number_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        site = _site(ctx.number)
         x = ctx.saved_tensors
         t = _zeros_for(tangents, site.plan.x_avals, x[0] if x else None)
-        return _Jvp.apply(site, *x, *t)  # type: ignore[no-any-return]
+        return _Jvp.apply(site.number, *x, *t)  # type: ignore[no-any-return]
 
     @staticmethod
-    def vmap(info: Any, in_dims: Sequence[Any], site: Site, *x: torch.Tensor) -> Any:
-        return _vmap_loop(_Call, info, in_dims, (site, *x))
+    def vmap(info: Any, in_dims: Sequence[Any], number: int, *x: torch.Tensor) -> Any:
+        return _vmap_loop(_Call, info, in_dims, (number, *x))
 
 
 class _Jvp(torch.autograd.Function):
@@ -191,18 +224,18 @@ class _Jvp(torch.autograd.Function):
     generate_vmap_rule = False
 
     @staticmethod
-    def forward(site: Site, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        return _op("jvp", site, args)
+    def forward(number: int, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return _op("jvp", number, args)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.site = inputs[0]
+        ctx.number = inputs[0]
         ctx.save_for_backward(*inputs[1:])
         ctx.save_for_forward(*inputs[1:])
 
     @staticmethod
     def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        site: Site = ctx.site
+        site = _site(ctx.number)
         n = len(site.plan.x_avals)
         saved = ctx.saved_tensors
         x, t = saved[:n], saved[n:]
@@ -211,28 +244,28 @@ class _Jvp(torch.autograd.Function):
         if any(ctx.needs_input_grad[1 : 1 + n]):
             if not site.inner.nestable:
                 raise first_order_only(site.inner.backend, "differentiating g's jvp with respect to x")
-            grad_x = _Second.apply(site, "second_vjp", *x, *w, *t)
-        grad_t = _Vjp.apply(site, *x, *w) if any(ctx.needs_input_grad[1 + n :]) else (None,) * n
+            grad_x = _Second.apply(site.number, "second_vjp", *x, *w, *t)
+        grad_t = _Vjp.apply(site.number, *x, *w) if any(ctx.needs_input_grad[1 + n :]) else (None,) * n
         return (None, *grad_x, *grad_t)
 
     @staticmethod
-    def jvp(ctx: Any, _site: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        site: Site = ctx.site
+    def jvp(ctx: Any, _number_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        site = _site(ctx.number)
         n = len(site.plan.x_avals)
         saved = ctx.saved_tensors
         x, t = saved[:n], saved[n:]
         dx, dt = tangents[:n], tangents[n:]
-        out = _Jvp.apply(site, *x, *_zeros_for(dt, site.plan.x_avals, x[0] if x else None))
+        out = _Jvp.apply(site.number, *x, *_zeros_for(dt, site.plan.x_avals, x[0] if x else None))
         if any(d is not None for d in dx):
             if not site.inner.nestable:
                 raise first_order_only(site.inner.backend, "differentiating g's jvp with respect to x")
             dx = _zeros_for(dx, site.plan.x_avals, x[0] if x else None)
-            out = _sum(out, _Second.apply(site, "second_jvp", *x, *t, *dx))
+            out = _sum(out, _Second.apply(site.number, "second_jvp", *x, *t, *dx))
         return out  # type: ignore[no-any-return]
 
     @staticmethod
-    def vmap(info: Any, in_dims: Sequence[Any], site: Site, *args: torch.Tensor) -> Any:
-        return _vmap_loop(_Jvp, info, in_dims, (site, *args))
+    def vmap(info: Any, in_dims: Sequence[Any], number: int, *args: torch.Tensor) -> Any:
+        return _vmap_loop(_Jvp, info, in_dims, (number, *args))
 
 
 class _Vjp(torch.autograd.Function):
@@ -241,18 +274,18 @@ class _Vjp(torch.autograd.Function):
     generate_vmap_rule = False
 
     @staticmethod
-    def forward(site: Site, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        return _op("vjp", site, args)
+    def forward(number: int, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return _op("vjp", number, args)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.site = inputs[0]
+        ctx.number = inputs[0]
         ctx.save_for_backward(*inputs[1:])
         ctx.save_for_forward(*inputs[1:])
 
     @staticmethod
     def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        site: Site = ctx.site
+        site = _site(ctx.number)
         n = len(site.plan.x_avals)
         saved = ctx.saved_tensors
         x, c = saved[:n], saved[n:]
@@ -261,28 +294,28 @@ class _Vjp(torch.autograd.Function):
         if any(ctx.needs_input_grad[1 : 1 + n]):
             if not site.inner.nestable:
                 raise first_order_only(site.inner.backend, "differentiating g's gradient with respect to x")
-            grad_x = _Second.apply(site, "second_vjp", *x, *c, *w)
-        grad_c = _Jvp.apply(site, *x, *w) if any(ctx.needs_input_grad[1 + n :]) else (None,) * len(c)
+            grad_x = _Second.apply(site.number, "second_vjp", *x, *c, *w)
+        grad_c = _Jvp.apply(site.number, *x, *w) if any(ctx.needs_input_grad[1 + n :]) else (None,) * len(c)
         return (None, *grad_x, *grad_c)
 
     @staticmethod
-    def jvp(ctx: Any, _site: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        site: Site = ctx.site
+    def jvp(ctx: Any, _number_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        site = _site(ctx.number)
         n = len(site.plan.x_avals)
         saved = ctx.saved_tensors
         x, c = saved[:n], saved[n:]
         dx, dc = tangents[:n], tangents[n:]
-        out = _Vjp.apply(site, *x, *_zeros_for(dc, site.plan.y_avals, x[0] if x else None))
+        out = _Vjp.apply(site.number, *x, *_zeros_for(dc, site.plan.y_avals, x[0] if x else None))
         if any(d is not None for d in dx):
             if not site.inner.nestable:
                 raise first_order_only(site.inner.backend, "differentiating g's gradient with respect to x")
             dx = _zeros_for(dx, site.plan.x_avals, x[0] if x else None)
-            out = _sum(out, _Second.apply(site, "second_vjp", *x, *c, *dx))
+            out = _sum(out, _Second.apply(site.number, "second_vjp", *x, *c, *dx))
         return out  # type: ignore[no-any-return]
 
     @staticmethod
-    def vmap(info: Any, in_dims: Sequence[Any], site: Site, *args: torch.Tensor) -> Any:
-        return _vmap_loop(_Vjp, info, in_dims, (site, *args))
+    def vmap(info: Any, in_dims: Sequence[Any], number: int, *args: torch.Tensor) -> Any:
+        return _vmap_loop(_Vjp, info, in_dims, (number, *args))
 
 
 class _Second(torch.autograd.Function):
@@ -291,21 +324,21 @@ class _Second(torch.autograd.Function):
     generate_vmap_rule = False
 
     @staticmethod
-    def forward(site: Site, what: str, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        return _op(what, site, args)
+    def forward(number: int, what: str, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return _op(what, number, args)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.site = inputs[0]
+        ctx.number = inputs[0]
 
     @staticmethod
     def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        raise beyond_second_order(ctx.site.inner.backend)
+        raise beyond_second_order(_site(ctx.number).inner.backend)
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
-        raise beyond_second_order(ctx.site.inner.backend)
+        raise beyond_second_order(_site(ctx.number).inner.backend)
 
     @staticmethod
-    def vmap(info: Any, in_dims: Sequence[Any], site: Site, what: str, *args: torch.Tensor) -> Any:
-        return _vmap_loop(_Second, info, in_dims, (site, what, *args))
+    def vmap(info: Any, in_dims: Sequence[Any], number: int, what: str, *args: torch.Tensor) -> Any:
+        return _vmap_loop(_Second, info, in_dims, (number, what, *args))
