@@ -459,16 +459,16 @@ def _sparse_as_matrix(jac: Any) -> Any:
 def probe_avals(inner: Inner, x_spec: Any, x_avals: tuple[Aval, ...], contexts: Sequence[Context[Any]]) -> Any:
     """f's output structure and avals for inputs of ``x_avals``, found without concrete values
     (the outer engine is tracing): jax.eval_shape for jax, zeros for the others."""
-    values = _context_values(contexts, inner.kind)
     try:
         if inner.kind == "jax":
             import jax
 
             with _x64([a.dtype for a in x_avals]):
+                values = _context_values(contexts, inner.kind)
                 structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in x_avals]
                 out = jax.eval_shape(lambda *leaves: inner.f(x_spec.unflatten(list(leaves)), *values), *structs)
         else:
-            out = inner.f(x_spec.unflatten(_zeros(x_avals, inner.kind)), *values)
+            out = inner.f(x_spec.unflatten(_zeros(x_avals, inner.kind)), *_context_values(contexts, inner.kind))
     except DiffifaceError:
         raise
     except Exception as exc:

@@ -44,7 +44,10 @@ def _prepare(g: Any, leaves: list[torch.Tensor], spec: Any, contexts: tuple[Any,
     """g's prep and site, outside torch.compile's graph (it evaluates f on the inner engine)."""
     avals = tuple(Aval(tuple(leaf.shape), _arrays.dtype_name(leaf)) for leaf in leaves)
     x_inner = None
-    if g.plan is None:
+    # under torch.func's transforms the leaves are wrappers with no data of their own: g's prep
+    # then comes from f at zeros, as under jax's tracing
+    wrapped = any(torch._C._functorch.is_functorch_wrapped_tensor(leaf) for leaf in leaves)
+    if g.plan is None and not wrapped:
         with _x64([a.dtype for a in avals]):
             x_inner = [to_inner(leaf, g._inner.kind) for leaf in leaves]
     return g.site(spec, avals, contexts, x_inner)  # type: ignore[no-any-return]
