@@ -14,7 +14,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -113,9 +113,9 @@ class Plan:
 def _x64(dtypes: Sequence[str]) -> Any:
     """jax keeps float64 only inside ``jax.enable_x64``: entered where a float64 leaf travels."""
     jax = sys.modules.get("jax")
-    if jax is not None and any(d in ("float64", "complex128") for d in dtypes):
-        if not jax.config.read("jax_enable_x64"):
-            return jax.enable_x64(True)
+    wide = any(d in ("float64", "complex128") for d in dtypes)
+    if jax is not None and wide and not jax.config.read("jax_enable_x64"):
+        return jax.enable_x64(True)
     return contextlib.nullcontext()
 
 
@@ -208,7 +208,7 @@ def outer_traced(value: Any) -> str | None:
     that carries a graph or a torch.func wrapper), else None."""
     try:
         leaves = _tree.leaves(value)
-    except Exception:  # noqa: BLE001 - an object optree cannot walk holds no array we could see
+    except Exception:  # an object optree cannot walk holds no array we could see
         return None
     jax = sys.modules.get("jax")
     torch = sys.modules.get("torch")
@@ -263,13 +263,44 @@ class Inner:
         self.backend = backend
         self.kind = inner_kind(backend)
         self.nestable = nestable(backend)
+        # f(x) compiled once per set of contexts, for jax with jit: (contexts, program) pairs
+        self._programs: list[tuple[tuple[Context[Any], ...], Callable[..., Any]]] = []
+        self._programs_lock = threading.Lock()
 
     # every product takes and returns flat lists of inner leaves
 
     def value(self, plan: Plan, x: Leaves, contexts: Sequence[Context[Any]]) -> Leaves:
         with self._scope(plan):
+            program = self._program(plan, tuple(contexts))
+            if program is not None:
+                return list(program(x, [c.value for c in contexts]))
             y = self.f(plan.x_spec.unflatten(x), *_context_values(contexts, self.kind))
             return self._leaves_of(plan, y)
+
+    def _program(self, plan: Plan, contexts: tuple[Context[Any], ...]) -> Callable[..., Any] | None:
+        """f(x) under ``jax.jit`` for AutoJAX(jit=True), where every context leaf is an array (an
+        argument of the program, so new values never go unseen); None where f runs eagerly."""
+        backend = self.backend.backend if isinstance(self.backend, AutoSparse) else self.backend
+        if self.kind != "jax" or not getattr(backend, "jit", False):
+            return None
+        if not all(_arrays.is_array(leaf) for c in contexts for leaf in _tree.leaves(c.value)):
+            return None
+        with self._programs_lock:
+            for held, program in self._programs:
+                if len(held) == len(contexts) and all(a is b for a, b in zip(held, contexts, strict=True)):
+                    return program
+        import jax
+
+        f, spec = self.f, plan.x_spec
+
+        def run(x: Leaves, values: list[Any]) -> Any:
+            return self._leaves_of(plan, f(spec.unflatten(list(x)), *values))
+
+        program = jax.jit(run)
+        with self._programs_lock:
+            self._programs.append((contexts, program))
+            del self._programs[:-8]
+        return program
 
     def operands(self, what: str, plan: Plan, rest: Leaves) -> Leaves:
         """The linear operands of product ``what`` in the dtypes of g's prep."""
@@ -465,7 +496,7 @@ def probe_avals(inner: Inner, x_spec: Any, x_avals: tuple[Aval, ...], contexts: 
 
             with _x64([a.dtype for a in x_avals]):
                 values = _context_values(contexts, inner.kind)
-                structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in x_avals]
+                structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in x_avals]  # type: ignore[no-untyped-call]
                 out = jax.eval_shape(lambda *leaves: inner.f(x_spec.unflatten(list(leaves)), *values), *structs)
         else:
             out = inner.f(x_spec.unflatten(_zeros(x_avals, inner.kind)), *_context_values(contexts, inner.kind))
@@ -492,7 +523,7 @@ class Site:
 
     _ids = itertools.count()
     #: the sites that a g holds, by number; a g removes its own when it drops them or is collected
-    registry: dict[int, Site] = {}
+    registry: ClassVar[dict[int, Site]] = {}
     _lock = threading.Lock()
 
     def __init__(self, inner: Inner, plan: Plan, contexts: tuple[Context[Any], ...]) -> None:

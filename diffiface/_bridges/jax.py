@@ -84,7 +84,7 @@ def _host(primitive: Primitive, site: Site, batch: int, arrays: Sequence[Any]) -
     n, m = len(plan.x_avals), len(plan.y_avals)
     try:
         args = [to_inner(a, inner.kind) for a in arrays]
-        x, rest = args[:n], inner.operands(primitive.name[len('diffiface_') :], plan, args[n:])
+        x, rest = args[:n], inner.operands(primitive.name[len("diffiface_") :], plan, args[n:])
         if primitive is call_p:
             return inner.value(plan, x, contexts)
         if primitive is jvp_p:
@@ -237,7 +237,9 @@ def _vjp_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, site: Site, bat
     return out, d_out
 
 
-def _bilinear_jvp(primitive: Primitive, primals: Sequence[Any], tangents: Sequence[Any], *, site: Site, batch: int) -> Any:
+def _bilinear_jvp(
+    primitive: Primitive, primals: Sequence[Any], tangents: Sequence[Any], *, site: Site, batch: int
+) -> Any:
     n = len(site.plan.x_avals)
     first = len(site.plan.x_avals) if primitive is second_jvp_p else len(site.plan.y_avals)
     x, a, b = primals[:n], primals[n : n + first], primals[n + first :]
@@ -278,7 +280,7 @@ def _cotangents(cts: Sequence[Any], avals: Sequence[Any]) -> list[Any]:
 
 
 def _jvp_transpose(cts: Sequence[Any], *args: Any, site: Site, batch: int) -> list[Any]:
-    x, t = _split(site, args)
+    x, _ = _split(site, args)
     x = _defined(x, "jvp")
     if _all_zero(cts):
         return [None] * len(args)
@@ -287,7 +289,7 @@ def _jvp_transpose(cts: Sequence[Any], *args: Any, site: Site, batch: int) -> li
 
 
 def _vjp_transpose(cts: Sequence[Any], *args: Any, site: Site, batch: int) -> list[Any]:
-    x, c = _split(site, args)
+    x, _ = _split(site, args)
     x = _defined(x, "vjp")
     if _all_zero(cts):
         return [None] * len(args)
@@ -338,7 +340,10 @@ def _batch(primitive: Primitive, args: Sequence[Any], dims: Sequence[Any], *, si
     n = len(site.plan.x_avals)
     x_batched = any(d is not None for d in dims[:n])
     if primitive in (jvp_p, vjp_p) and not x_batched and not batch:
-        linear = [a if d is not None else jnp.broadcast_to(a, (size, *a.shape)) for a, d in zip(moved[n:], dims[n:], strict=True)]
+        linear = [
+            a if d is not None else jnp.broadcast_to(a, (size, *a.shape))
+            for a, d in zip(moved[n:], dims[n:], strict=True)
+        ]
         outs = primitive.bind(*moved[:n], *linear, site=site, batch=size)
         return outs, [0] * len(outs)
     rows = []

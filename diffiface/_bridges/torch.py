@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.utils.dlpack
 
 from .. import _arrays
 from ._inner import Aval, Site, _x64, beyond_second_order, first_order_only, to_inner, traced_refusal
@@ -34,12 +35,12 @@ def call(g: Any, x: Any, leaves: list[Any], spec: Any, contexts: tuple[Any, ...]
     return _rebuild(site, function.apply(site.number, *leaves))
 
 
-@torch.compiler.disable  # type: ignore[misc]
+@torch.compiler.disable  # type: ignore[misc, untyped-decorator]
 def _rebuild(site: Site, outs: Sequence[torch.Tensor]) -> Any:
     return site.plan.y_spec.unflatten(list(outs))
 
 
-@torch.compiler.disable  # type: ignore[misc]
+@torch.compiler.disable  # type: ignore[misc, untyped-decorator]
 def _prepare(g: Any, leaves: list[torch.Tensor], spec: Any, contexts: tuple[Any, ...]) -> Site:
     """g's prep and site, outside torch.compile's graph (it evaluates f on the inner engine)."""
     avals = tuple(Aval(tuple(leaf.shape), _arrays.dtype_name(leaf)) for leaf in leaves)
@@ -115,7 +116,7 @@ def _to_torch(out: Any, aval: Aval, device: torch.device) -> torch.Tensor:
         tensor = out.detach()
     elif kind == "jax":
         try:
-            tensor = torch.from_dlpack(out)  # zero-copy where jax and torch share the device
+            tensor = torch.utils.dlpack.from_dlpack(out)  # zero-copy where jax and torch share the device
         except (BufferError, RuntimeError, TypeError):
             tensor = torch.from_numpy(np.array(out))
     else:
@@ -131,7 +132,7 @@ def _to_torch(out: Any, aval: Aval, device: torch.device) -> torch.Tensor:
             f"g's product gave a result of shape {tuple(tensor.shape)} where g's prep recorded {aval.shape}: f "
             "must give results of one shape for every x of one shape."
         )
-    return tensor
+    return tensor  # type: ignore[no-any-return]
 
 
 @_bridge.register_fake
@@ -262,8 +263,7 @@ class _Jvp(torch.autograd.Function):
         if any(d is not None for d in dx):
             if not site.inner.nestable:
                 raise first_order_only(site.inner.backend, "differentiating g's jvp with respect to x")
-            dx = _zeros_for(dx, site.plan.x_avals, x[0] if x else None)
-            out = _sum(out, _Second.apply(site.number, "second_jvp", *x, *t, *dx))
+            out = _sum(out, _Second.apply(site.number, "second_jvp", *x, *t, *_zeros_for(dx, site.plan.x_avals, x[0])))
         return out  # type: ignore[no-any-return]
 
     @staticmethod
@@ -312,8 +312,7 @@ class _Vjp(torch.autograd.Function):
         if any(d is not None for d in dx):
             if not site.inner.nestable:
                 raise first_order_only(site.inner.backend, "differentiating g's gradient with respect to x")
-            dx = _zeros_for(dx, site.plan.x_avals, x[0] if x else None)
-            out = _sum(out, _Second.apply(site.number, "second_vjp", *x, *c, *dx))
+            out = _sum(out, _Second.apply(site.number, "second_vjp", *x, *c, *_zeros_for(dx, site.plan.x_avals, x[0])))
         return out  # type: ignore[no-any-return]
 
     @staticmethod
