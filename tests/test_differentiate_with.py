@@ -97,6 +97,21 @@ def test_jax_jacobian_of_a_torch_module(model_in_jax: Any, transform: str) -> No
     assert_allclose(np.asarray(got), _torch_jacobian(model, x))
 
 
+def test_jax_vmap_over_a_few_tangents(model_in_jax: Any) -> None:
+    """Two tangents at one point: one jvp each (fewer than a Jacobian's products)."""
+    model, g, _ = model_in_jax
+    x = _batch()
+    tangents = np.random.default_rng(4).normal(size=(2, *x.shape)).astype(np.float32)
+
+    def pushforward(t: Any) -> Any:
+        return jax.jvp(lambda x: g(x, di.Constant(model)), (jnp.asarray(x),), (t,))[1]
+
+    got = jax.jit(jax.vmap(pushforward))(jnp.asarray(tangents))
+    jacobian = _torch_jacobian(model, x).reshape(12, 20)
+    expected = np.stack([(jacobian @ t.reshape(-1)).reshape(4, 3) for t in tangents])
+    assert_allclose(np.asarray(got), expected)
+
+
 def test_jax_hessian_through_torch_nests(model_in_jax: Any) -> None:
     model, _, loss = model_in_jax
     x = _batch()[:1]
@@ -122,18 +137,43 @@ def test_jax_float64_stays_float64_inside_torch() -> None:
     assert_allclose(np.asarray(grad), _torch_gradient(model, x))
 
 
-def test_jax_input_reaches_torch_without_a_copy() -> None:
+def test_arrays_cross_without_a_copy() -> None:
     seen: list[int] = []
 
     def f(x: Any) -> Any:
-        seen.append(x.data_ptr())
+        seen.append(x.unsafe_buffer_pointer())
         return x * 2
 
-    x = jnp.arange(4.0, dtype=jnp.float32)
-    y = di.differentiate_with(f, "torch")(x)
-    assert seen == [x.unsafe_buffer_pointer()] * 2  # the prep's call and the call itself
-    assert isinstance(y, jax.Array)
-    assert_allclose(np.asarray(y), np.arange(4.0, dtype=np.float32) * 2)
+    x = torch.arange(4.0)
+    y = di.differentiate_with(f, di.AutoJAX(jit=False))(x)  # eager, so that f sees the arrays themselves
+    assert seen == [x.data_ptr()] * 2  # the prep's call and the call itself
+    assert isinstance(y, torch.Tensor)
+    assert_allclose(y, torch.arange(4.0) * 2)
+    views: list[Any] = []
+
+    def solver(b: np.ndarray) -> np.ndarray:
+        views.append(b)
+        return b * 2
+
+    b = jnp.arange(3.0, dtype=jnp.float32)
+    di.differentiate_with(solver, "finite_differences")(b)
+    assert views[-1].__array_interface__["data"][0] == b.unsafe_buffer_pointer()
+
+
+def test_f_never_writes_into_the_callers_arrays() -> None:
+    x = jnp.ones(3)
+    y = di.differentiate_with(lambda x: x.add_(1.0), "torch")(x)  # torch's f writes into a clone of x
+    np.testing.assert_array_equal(np.asarray(x), np.ones(3, dtype=np.float32))
+    assert_allclose(np.asarray(y), np.full(3, 2.0, dtype=np.float32))
+
+    def writes(b: np.ndarray) -> np.ndarray:
+        b[0] = 5.0
+        return b
+
+    t = torch.ones(3)
+    with pytest.raises(di.MutationError, match="wrote into its input"):
+        di.differentiate_with(writes, "finite_differences")(t)
+    assert torch.equal(t, torch.ones(3))
 
 
 # --- a jax network trained by torch ---------------------------------------------------------------
@@ -214,6 +254,21 @@ def test_torch_func_jvp_and_vmap_through_jax() -> None:
     got = torch.func.vmap(torch.func.grad(lambda p, row: g_row((p, row))), in_dims=(None, 0))(params, rows)
     want = torch.func.vmap(torch.func.grad(lambda p, row: _torch_net(p, row[None]).sum()), in_dims=(None, 0))(
         params, rows
+    )
+    assert_allclose(got, want)
+
+
+def test_torch_func_hessian_through_jax() -> None:
+    data = _batch(np.float64)
+    g = di.differentiate_with(_jax_net, "jax")
+    params = _params(torch.float64)
+
+    def loss(p: Any, net: Any) -> Any:
+        return (net(p) ** 2).sum()
+
+    got = torch.func.hessian(lambda w1: loss({**params, "w1": w1}, lambda p: g(p, di.Constant(data))))(params["w1"])
+    want = torch.func.hessian(lambda w1: loss({**params, "w1": w1}, lambda p: _torch_net(p, torch.tensor(data))))(
+        params["w1"]
     )
     assert_allclose(got, want)
 

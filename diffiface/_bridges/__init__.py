@@ -128,11 +128,8 @@ class DifferentiateWith:
     def _inner_value_tree(
         self, spec: Any, avals: tuple[Aval, ...], x_inner: Any, contexts: tuple[Context[Any], ...]
     ) -> Any:
-        from ._inner import _context_values
-
-        half = Plan(spec, avals, None, ())
-        with self._inner._scope(half):
-            return self.f(spec.unflatten(x_inner), *_context_values(contexts, self._inner.kind))
+        with self._inner._scope(Plan(spec, avals, None, ())):
+            return self._inner.evaluate(spec, x_inner, contexts)
 
     def _check(self, plan: Plan, spec: Any, avals: tuple[Aval, ...]) -> None:
         if spec != plan.x_spec:

@@ -36,6 +36,7 @@ from .._errors import (
     DiffifaceError,
     InvalidBackendOptionError,
     InvalidOutputError,
+    MutationError,
     UnsupportedOperationError,
 )
 
@@ -124,9 +125,11 @@ def to_inner(leaf: Any, kind: str) -> Any:
     through dlpack where the two can share memory, a copy otherwise; dtype kept."""
     source = _arrays.kind(leaf)
     if kind == "numpy":
-        if source == "torch":
-            return leaf.detach().cpu().numpy()
-        return np.asarray(leaf)
+        array = leaf.detach().cpu().numpy() if source == "torch" else np.asarray(leaf)
+        if array.flags.writeable and not array.flags.owndata:
+            array = array.view()  # a view of the caller's memory: f may read it, never write it
+            array.flags.writeable = False
+        return array
     if kind == "torch":
         torch = sys.modules.get("torch") or __import__("torch")
         if source == "torch":
@@ -274,8 +277,24 @@ class Inner:
             program = self._program(plan, tuple(contexts))
             if program is not None:
                 return list(program(x, [c.value for c in contexts]))
-            y = self.f(plan.x_spec.unflatten(x), *_context_values(contexts, self.kind))
-            return self._leaves_of(plan, y)
+            return self._leaves_of(plan, self.evaluate(plan.x_spec, x, contexts))
+
+    def evaluate(self, spec: Any, x: Leaves, contexts: Sequence[Context[Any]]) -> Any:
+        """f(x) as f returns it. x may share memory with the caller's arrays: numpy views are
+        read-only (a write raises before it lands) and jax arrays immutable, but torch checks an
+        in-place write to an inference tensor only after the kernel ran, so torch gets clones,
+        as the operators' torch engine makes its own."""
+        if self.kind == "torch":
+            x = [leaf.clone() for leaf in x]
+        try:
+            return self.f(spec.unflatten(x), *_context_values(contexts, self.kind))
+        except ValueError as exc:
+            if self.kind == "numpy" and "read-only" in str(exc):
+                raise MutationError(
+                    "f wrote into its input x, which g shares with the caller's arrays, read-only; write into a "
+                    "copy instead (x = x.copy()), or compute out of place."
+                ) from exc
+            raise
 
     def _program(self, plan: Plan, contexts: tuple[Context[Any], ...]) -> Callable[..., Any] | None:
         """f(x) under ``jax.jit`` for AutoJAX(jit=True), where every context leaf is an array (an
