@@ -415,6 +415,15 @@ def test_closing_over_a_torch_tensor_that_requires_grad_is_refused() -> None:
         g(torch.ones(3, requires_grad=True))
 
 
+def test_the_inner_engines_own_tensors_are_not_refused() -> None:
+    """A torch tensor that requires grad is f's business inside jax, not a traced array of jax."""
+    weight = torch.full((3,), 2.0, requires_grad=True)
+    g = di.differentiate_with(lambda x, w: x * w, "torch")
+    got = jax.grad(lambda x: jnp.sum(g(x, di.Constant(weight))))(jnp.ones(3))
+    assert_allclose(np.asarray(got), np.full(3, 2.0, dtype=np.float32))
+    assert weight.grad is None
+
+
 def test_a_bare_context_is_refused() -> None:
     g = di.differentiate_with(lambda x, c: x * c, "torch")
     with pytest.raises(di.ContextError, match=r"di\.Constant"):

@@ -69,13 +69,6 @@ class DifferentiateWith:
 
     def __call__(self, x: Any, *contexts: Any) -> Any:
         contexts = check_contexts(contexts)
-        for position, context in enumerate(contexts, start=2):
-            found = outer_traced(context.value)
-            if found is not None:
-                raise traced_refusal(f"g's argument {position}, a di.{type(context).__name__},", found)
-        found = closure_traced(self.f)
-        if found is not None:
-            raise traced_refusal(f"f ({getattr(self.f, '__qualname__', self.f)!r}) closes over a value that", found)
         leaves, spec = _tree.flatten(x)
         outer = _arrays.family({_arrays.kind(leaf) for leaf in leaves})
         if outer in ("numpy", "python") or outer == self._inner.kind:
@@ -87,6 +80,13 @@ class DifferentiateWith:
                 f"g takes jax arrays, torch tensors or numpy arrays (one kind in one x); x holds "
                 f"{' and '.join(kinds) or 'no array'} leaves. Convert x to one of those kinds first."
             )
+        for position, context in enumerate(contexts, start=2):
+            found = outer_traced(context.value, outer)
+            if found is not None:
+                raise traced_refusal(f"g's argument {position}, a di.{type(context).__name__},", found)
+        found = closure_traced(self.f, outer)
+        if found is not None:
+            raise traced_refusal(f"f ({getattr(self.f, '__qualname__', self.f)!r}) closes over a value that", found)
         bridge = importlib.import_module(module)
         return bridge.call(self, x, leaves, spec, contexts)
 

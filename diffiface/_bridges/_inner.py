@@ -206,15 +206,16 @@ def _context_values(contexts: Sequence[Context[Any]], kind: str) -> list[Any]:
     return [_tree.map(convert, c.value) for c in contexts]
 
 
-def outer_traced(value: Any) -> str | None:
-    """A description of the first outer traced array inside ``value`` (a jax tracer, a torch tensor
-    that carries a graph or a torch.func wrapper), else None."""
+def outer_traced(value: Any, outer: str) -> str | None:
+    """A description of the first array inside ``value`` that the outer engine traces (a jax
+    tracer; a torch tensor that requires grad, or a torch.func wrapper), else None. Arrays of the
+    inner engine are f's own business: a torch model's parameters inside jax are constants."""
     try:
         leaves = _tree.leaves(value)
     except Exception:  # an object optree cannot walk holds no array we could see
         return None
-    jax = sys.modules.get("jax")
-    torch = sys.modules.get("torch")
+    jax = sys.modules.get("jax") if outer == "jax" else None
+    torch = sys.modules.get("torch") if outer == "torch" else None
     for leaf in leaves:
         if jax is not None and isinstance(leaf, jax.core.Tracer):
             return f"a jax tracer of shape {tuple(leaf.shape)}"
@@ -226,7 +227,7 @@ def outer_traced(value: Any) -> str | None:
     return None
 
 
-def closure_traced(f: Callable[..., Any]) -> str | None:
+def closure_traced(f: Callable[..., Any], outer: str) -> str | None:
     """An outer traced array that f closes over (its closure cells and defaults), else None."""
     seen: list[Any] = []
     target = getattr(f, "__func__", f)  # a bound method closes over what its function does
@@ -238,7 +239,7 @@ def closure_traced(f: Callable[..., Any]) -> str | None:
     for value in seen:
         if callable(value) and not hasattr(value, "shape"):
             continue
-        found = outer_traced(value)
+        found = outer_traced(value, outer)
         if found is not None:
             return found
     return None
