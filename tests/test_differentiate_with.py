@@ -369,6 +369,22 @@ def test_auto_sparse_serves_jacfwd() -> None:
     assert_allclose(np.asarray(got), np.diag(np.cos(x) * x + np.sin(x)), rtol=1e-6, atol=1e-8)
 
 
+def test_autograd_inside_jax_and_torch_to_second_order() -> None:
+    anp = pytest.importorskip("autograd.numpy", reason="autograd is not installed")
+
+    def energy(x: Any) -> Any:
+        return anp.sum(anp.sin(x) ** 2)
+
+    x = np.linspace(0.1, 1.0, 3)
+    with jax.enable_x64(True):
+        g = di.differentiate_with(energy, "autograd")
+        assert_allclose(np.asarray(jax.grad(g)(jnp.asarray(x))), np.sin(2 * x))
+        assert_allclose(np.asarray(jax.hessian(g)(jnp.asarray(x))), np.diag(2 * np.cos(2 * x)))
+    g = di.differentiate_with(energy, "autograd")
+    t = torch.tensor(x, requires_grad=True)
+    assert torch.autograd.gradgradcheck(g, (t,))
+
+
 def test_numpy_in_numpy_out() -> None:
     g = di.differentiate_with(lambda x: x * 3.0, "torch")
     y = g(np.ones(2, dtype=np.float32))

@@ -447,7 +447,9 @@ class Inner:
         under AutoSparse."""
         import diffiface as di
 
-        xp = _namespace(self.kind)
+        base = self.backend.backend if isinstance(self.backend, AutoSparse) else self.backend
+        # autograd traces f with its own boxes, which numpy's concatenate would turn into objects
+        xp = _namespace(self.kind) if not isinstance(base, AutoAutograd) else __import__("autograd.numpy").numpy
         sizes = [a.size for a in plan.x_avals]
         cuts = list(itertools.accumulate(sizes))[:-1]
         f = self.f
@@ -490,9 +492,9 @@ def _split_vector(xp: Any, vector: Any, cuts: list[int]) -> Leaves:
 
 
 def _concat(xp: Any, pieces: Leaves, axis: int = 0) -> Any:
-    if xp is np or xp.__name__.startswith("jax"):
-        return xp.concatenate(pieces, axis=axis)
-    return xp.cat(pieces, dim=axis)
+    if xp.__name__ == "torch":
+        return xp.cat(pieces, dim=axis)
+    return xp.concatenate(pieces, axis=axis)
 
 
 def _sparse_as_matrix(jac: Any) -> Any:
