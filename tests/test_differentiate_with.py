@@ -302,6 +302,24 @@ def test_torch_compile_keeps_g_as_one_op() -> None:
     assert sum(calls) == 1 and sum(products) == 1, bodies  # one op forward, one op backward
 
 
+def test_torch_compile_sees_new_contexts() -> None:
+    """A compiled program never calls f with the contexts of an earlier call."""
+    g = di.differentiate_with(lambda x, s: x * s, "jax")
+    compiled = torch.compile(lambda x, s: g(x, di.Constant(s)).sum(), backend="eager")
+    x = torch.ones(3, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*should not be instantiated", category=DeprecationWarning)
+        warnings.filterwarnings(
+            "ignore", message="The .grad attribute of a Tensor that is not a leaf", category=UserWarning
+        )
+        for scale in (2.0, 3.0, 5.0):
+            x.grad = None
+            out = compiled(x, np.asarray(scale, dtype=np.float32))
+            out.backward()
+            assert out.item() == 3 * scale
+            assert_allclose(x.grad, torch.full((3,), scale))
+
+
 # --- a numpy black box under finite differences ----------------------------------------------------
 
 

@@ -81,8 +81,8 @@ def _site(number: int) -> Site:
 
 
 @torch.library.custom_op("diffiface::bridge", mutates_args=())
-def _bridge(what: str, number: int, batch: int, args: list[torch.Tensor]) -> list[torch.Tensor]:
-    site = _site(number)
+def _bridge(what: str, site_name: str, batch: int, args: list[torch.Tensor]) -> list[torch.Tensor]:
+    site = _site(int(site_name))
     inner, plan, contexts = site.inner, site.plan, site.contexts
     n, m = len(plan.x_avals), len(plan.y_avals)
     device = args[0].device if args else torch.device("cpu")
@@ -136,14 +136,16 @@ def _to_torch(out: Any, aval: Aval, device: torch.device) -> torch.Tensor:
 
 
 @_bridge.register_fake
-def _bridge_fake(what: str, number: int, batch: int, args: list[torch.Tensor]) -> list[torch.Tensor]:
-    site = _site(number)
+def _bridge_fake(what: str, site_name: str, batch: int, args: list[torch.Tensor]) -> list[torch.Tensor]:
+    site = _site(int(site_name))
     device = args[0].device if args else torch.device("cpu")
     return [torch.empty(a.shape, dtype=_torch_dtype(a.dtype), device=device) for a in _out_avals(what, site, batch)]
 
 
 def _op(what: str, number: int, args: Sequence[torch.Tensor], batch: int = 0) -> tuple[torch.Tensor, ...]:
-    return tuple(torch.ops.diffiface.bridge(what, number, batch, list(args)))
+    # the site goes as a string: torch.compile keeps strings constant (and guards on them), where
+    # an int that changes between calls would become a symbolic one
+    return tuple(torch.ops.diffiface.bridge(what, str(number), batch, list(args)))
 
 
 # --- the Functions -------------------------------------------------------------------------------
