@@ -181,6 +181,8 @@ def differentiate_with(f: Callable[..., Any], backend: Backend | str) -> Differe
     - inside torch, ``g`` is an ``autograd.Function`` over ``torch.library`` ops: ``.backward()``,
       double backward, ``torch.func.jvp``, ``grad``, ``vmap`` and ``torch.compile`` (one opaque op).
 
+    An x of f's own engine (or numpy with a numpy ``f``) crosses no engine: f is called as it is.
+
     Second derivatives work where ``backend`` nests (jax, torch, autograd); finite differences and
     scipy are first order only, and a second derivative through them is refused.
 
