@@ -126,6 +126,8 @@ def _eager(primitive: Primitive, *arrays: Any, site: Site, batch: int) -> list[A
     results = []
     for out, aval in zip(outs, avals, strict=True):
         if _arrays.kind(out) == "torch":
+            if out.is_leaf and out.requires_grad:  # f returned a parameter: jax must not see its updates
+                out = out.clone()
             out = out.detach()
             if out.dtype != getattr(sys_torch(), str(aval.dtype)):
                 out = out.to(getattr(sys_torch(), str(aval.dtype)))

@@ -120,10 +120,8 @@ def _to_torch(out: Any, aval: Aval, device: torch.device) -> torch.Tensor:
         except (BufferError, RuntimeError, TypeError):
             tensor = torch.from_numpy(np.array(out))
     else:
-        array = np.asarray(out)
-        if not (array.flags.writeable and array.flags.c_contiguous) or array.ndim == 0:
-            array = np.array(array)
-        tensor = torch.from_numpy(array)
+        # a copy: a black box may return a buffer of its own that it writes again on its next call
+        tensor = torch.from_numpy(np.array(out))
     tensor = tensor.to(device=device, dtype=_torch_dtype(aval.dtype))
     if tuple(tensor.shape) != aval.shape:
         from .._errors import InvalidOutputError
