@@ -25,6 +25,8 @@ from ._backends import SecondOrder as SecondOrder
 from ._batched import Tangents as Tangents
 from ._batched import batched_jvp as batched_jvp
 from ._batched import batched_vjp as batched_vjp
+from ._bridges import DifferentiateWith as DifferentiateWith
+from ._bridges import differentiate_with as differentiate_with
 from ._contexts import Cache as Cache
 from ._contexts import Constant as Constant
 from ._contexts import Context as Context
@@ -109,6 +111,9 @@ __all__ = [
     "Context",
     # frameworks' models
     "functional",
+    # one engine's function inside another engine's differentiation
+    "differentiate_with",
+    "DifferentiateWith",
     # first-order operators
     "derivative",
     "value_and_derivative",

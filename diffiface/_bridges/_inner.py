@@ -1,0 +1,555 @@
+"""The inner side of :func:`diffiface.differentiate_with`: ``f`` on its own engine's arrays.
+
+Everything here runs on the inner engine's arrays (numpy for the black-box engines, torch
+tensors, jax arrays) and reaches the engine only through diffiface's public operators
+(``jvp``, ``vjp``, ``jacobian``), so that the outer side (jax primitives, torch Functions)
+never needs to know which engine is inside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from .. import _arrays
+from .. import _operators as di
+from .. import tree as _tree
+from .._backends import (
+    AutoAutograd,
+    AutoFiniteDifferences,
+    AutoJAX,
+    AutoScipy,
+    AutoSparse,
+    AutoTorch,
+    Backend,
+    SecondOrder,
+)
+from .._contexts import Constant, Context
+from .._errors import (
+    ContextError,
+    DiffifaceError,
+    InvalidBackendOptionError,
+    InvalidOutputError,
+    MutationError,
+    UnsupportedOperationError,
+)
+
+Leaves = list[Any]
+
+
+def inner_kind(backend: Backend) -> str:
+    """Which arrays ``f`` takes under ``backend``: ``"jax"``, ``"torch"`` or ``"numpy"``."""
+    if isinstance(backend, AutoSparse):
+        return inner_kind(backend.backend)
+    if isinstance(backend, AutoJAX):
+        return "jax"
+    if isinstance(backend, AutoTorch):
+        return "torch"
+    if isinstance(backend, (AutoAutograd, AutoFiniteDifferences, AutoScipy)):
+        return "numpy"
+    if isinstance(backend, SecondOrder):
+        raise InvalidBackendOptionError(
+            f"differentiate_with(f, {backend!r}): the outer engine asks f for first-order products (jvp, "
+            "vjp) and builds its own second order from them; pass a first-order backend such as "
+            "di.AutoTorch(), or di.AutoSparse(...) of one."
+        )
+    raise InvalidBackendOptionError(f"differentiate_with cannot run f under {backend!r}.")
+
+
+def nestable(backend: Backend) -> bool:
+    """Whether ``backend`` can differentiate its own derivatives (second order through g)."""
+    if isinstance(backend, AutoSparse):
+        return nestable(backend.backend)
+    return isinstance(backend, (AutoJAX, AutoTorch, AutoAutograd))
+
+
+def first_order_only(backend: Backend, what: str) -> UnsupportedOperationError:
+    return UnsupportedOperationError(
+        f"differentiate_with(f, {backend!r}) is first order only: {what} needs the derivative of a "
+        f"derivative of f, and {backend!r} does not differentiate its own results (finite differences of "
+        "finite differences would be inaccurate, so diffiface refuses rather than return them). Use an "
+        "engine that nests (di.AutoJAX(), di.AutoTorch(), di.AutoAutograd()), or take the second order "
+        "from the outer engine by finite differences of g's gradient."
+    )
+
+
+def beyond_second_order(backend: Backend) -> UnsupportedOperationError:
+    return UnsupportedOperationError(
+        f"differentiate_with(f, {backend!r}) serves derivatives up to second order; a third derivative "
+        "of f was asked for. Differentiate f with its own engine for that."
+    )
+
+
+@dataclass(frozen=True)
+class Aval:
+    """Shape and dtype (by name) of one leaf."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What g's prep serves: the structure, shapes and dtypes of x, and those of f(x) there."""
+
+    x_spec: Any
+    x_avals: tuple[Aval, ...]
+    y_spec: Any
+    y_avals: tuple[Aval, ...]
+
+
+# --- arrays of the inner engine -----------------------------------------------------------------
+
+
+def _x64(dtypes: Sequence[str]) -> Any:
+    """jax keeps float64 only inside ``jax.enable_x64``: entered where a float64 leaf travels."""
+    jax = sys.modules.get("jax")
+    wide = any(d in ("float64", "complex128") for d in dtypes)
+    if jax is not None and wide and not jax.config.read("jax_enable_x64"):
+        return jax.enable_x64(True)
+    return contextlib.nullcontext()
+
+
+def to_inner(leaf: Any, kind: str) -> Any:
+    """An outer leaf (numpy, jax or torch array) as an array of the inner engine, zero-copy
+    through dlpack where the two can share memory, a copy otherwise; dtype kept."""
+    source = _arrays.kind(leaf)
+    if kind == "numpy":
+        array = leaf.detach().cpu().numpy() if source == "torch" else np.asarray(leaf)
+        if array.flags.writeable and not array.flags.owndata:
+            array = array.view()  # a view of the caller's memory: f may read it, never write it
+            array.flags.writeable = False
+        return array
+    if kind == "torch":
+        torch = sys.modules.get("torch") or __import__("torch")
+        if source == "torch":
+            return leaf.detach()
+        try:
+            return torch.from_dlpack(leaf)
+        except (BufferError, RuntimeError, TypeError):  # a layout or device dlpack cannot share
+            return torch.from_numpy(np.array(leaf))
+    jnp = _jax_numpy()
+    if source == "torch":
+        leaf = leaf.detach()
+        try:
+            return jnp.from_dlpack(leaf)
+        except (BufferError, RuntimeError, TypeError, ValueError):
+            leaf = leaf.cpu().numpy()
+    return jnp.asarray(leaf)
+
+
+def to_numpy(leaf: Any) -> np.ndarray:
+    """An inner result as numpy (zero-copy for torch on the CPU and jax on the CPU)."""
+    if _arrays.kind(leaf) == "torch":
+        return leaf.detach().cpu().resolve_conj().resolve_neg().numpy()  # type: ignore[no-any-return]
+    return np.asarray(leaf)
+
+
+def _jax_numpy() -> Any:
+    import jax.numpy as jnp
+
+    return jnp
+
+
+def _namespace(kind: str) -> Any:
+    if kind == "torch":
+        return sys.modules.get("torch") or __import__("torch")
+    if kind == "jax":
+        return _jax_numpy()
+    return np
+
+
+def _zeros(avals: Sequence[Aval], kind: str) -> Leaves:
+    xp = _namespace(kind)
+    if kind == "torch":
+        return [xp.zeros(a.shape, dtype=getattr(xp, a.dtype)) for a in avals]
+    return [xp.zeros(a.shape, dtype=a.dtype) for a in avals]
+
+
+def aval_of(leaf: Any) -> Aval:
+    return Aval(tuple(int(n) for n in _arrays.shape(leaf)), _arrays.dtype_name(leaf))
+
+
+# --- contexts --------------------------------------------------------------------------------------
+
+
+def check_contexts(contexts: Sequence[Any]) -> tuple[Context[Any], ...]:
+    for position, context in enumerate(contexts, start=2):
+        if not isinstance(context, Context):
+            raise ContextError(
+                f"g's argument {position} is a bare {type(context).__name__}; wrap what f only reads in "
+                "di.Constant(...) (or scratch space in di.Cache(...)), as for the operators: "
+                "g(x, di.Constant(model))."
+            )
+    return tuple(contexts)
+
+
+def _context_values(contexts: Sequence[Context[Any]], kind: str) -> list[Any]:
+    """The values f is called with, numpy leaves converted to the inner engine's arrays as the
+    operators convert them."""
+    if kind == "numpy":
+        return [c.value for c in contexts]
+
+    def convert(leaf: Any) -> Any:
+        return to_inner(leaf, kind) if isinstance(leaf, np.ndarray) else leaf
+
+    return [_tree.map(convert, c.value) for c in contexts]
+
+
+def outer_traced(value: Any, outer: str) -> str | None:
+    """A description of the first array inside ``value`` that the outer engine traces (a jax
+    tracer; a torch tensor that requires grad, or a torch.func wrapper), else None. Arrays of the
+    inner engine are f's own business: a torch model's parameters inside jax are constants."""
+    try:
+        leaves = _tree.leaves(value)
+    except Exception:  # an object optree cannot walk holds no array we could see
+        return None
+    jax = sys.modules.get("jax") if outer == "jax" else None
+    torch = sys.modules.get("torch") if outer == "torch" else None
+    for leaf in leaves:
+        if jax is not None and isinstance(leaf, jax.core.Tracer):
+            return f"a jax tracer of shape {tuple(leaf.shape)}"
+        if torch is not None and isinstance(leaf, torch.Tensor):
+            if leaf.requires_grad:
+                return f"a torch tensor of shape {tuple(leaf.shape)} that requires grad"
+            if torch._C._functorch.is_functorch_wrapped_tensor(leaf):
+                return f"a tensor of shape {tuple(leaf.shape)} traced by torch.func"
+    return None
+
+
+def closure_traced(f: Callable[..., Any], outer: str) -> str | None:
+    """An outer traced array that f closes over (its closure cells and defaults), else None."""
+    seen: list[Any] = []
+    target = getattr(f, "__func__", f)  # a bound method closes over what its function does
+    cells = getattr(target, "__closure__", None) or ()
+    for cell in cells:
+        with contextlib.suppress(ValueError):  # an empty cell
+            seen.append(cell.cell_contents)
+    seen.extend(getattr(target, "__defaults__", None) or ())
+    for value in seen:
+        if callable(value) and not hasattr(value, "shape"):
+            continue
+        found = outer_traced(value, outer)
+        if found is not None:
+            return found
+    return None
+
+
+def traced_refusal(where: str, found: str) -> DiffifaceError:
+    from .._errors import ArrayTypeError
+
+    return ArrayTypeError(
+        f"{where} holds {found} of the outer engine. g runs f on the inner engine's arrays, outside the "
+        "outer trace, so the outer engine could not see how f's result depends on it: its derivative "
+        "would be lost. Pass it to g as an argument instead, as part of x (g(x) with x a tuple or dict "
+        "holding it), so that the outer engine differentiates through it; or pass a concrete value."
+    )
+
+
+# --- the inner engine's work ------------------------------------------------------------------------
+
+
+class Inner:
+    """``f`` and its backend, with the products the outer side asks for, on inner arrays."""
+
+    def __init__(self, f: Callable[..., Any], backend: Backend) -> None:
+        self.f = f
+        self.backend = backend
+        self.kind = inner_kind(backend)
+        self.nestable = nestable(backend)
+        # f(x) compiled once per set of contexts, for jax with jit: (contexts, program) pairs
+        self._programs: list[tuple[tuple[Context[Any], ...], Callable[..., Any]]] = []
+        self._programs_lock = threading.Lock()
+
+    # every product takes and returns flat lists of inner leaves
+
+    def value(self, plan: Plan, x: Leaves, contexts: Sequence[Context[Any]]) -> Leaves:
+        with self._scope(plan):
+            program = self._program(plan, tuple(contexts))
+            if program is not None:
+                return list(program(x, [c.value for c in contexts]))
+            return self._leaves_of(plan, self.evaluate(plan.x_spec, x, contexts))
+
+    def evaluate(self, spec: Any, x: Leaves, contexts: Sequence[Context[Any]]) -> Any:
+        """f(x) as f returns it. x may share memory with the caller's arrays: numpy views are
+        read-only (a write raises before it lands) and jax arrays immutable, but torch checks an
+        in-place write to an inference tensor only after the kernel ran, so torch gets clones,
+        as the operators' torch engine makes its own."""
+        if self.kind == "torch":
+            x = [leaf.clone() for leaf in x]
+        try:
+            return self.f(spec.unflatten(x), *_context_values(contexts, self.kind))
+        except ValueError as exc:
+            if self.kind == "numpy" and "read-only" in str(exc):
+                raise MutationError(
+                    "f wrote into its input x, which g shares with the caller's arrays, read-only; write into a "
+                    "copy instead (x = x.copy()), or compute out of place."
+                ) from exc
+            raise
+
+    def _program(self, plan: Plan, contexts: tuple[Context[Any], ...]) -> Callable[..., Any] | None:
+        """f(x) under ``jax.jit`` for AutoJAX(jit=True), where every context leaf is an array (an
+        argument of the program, so new values never go unseen); None where f runs eagerly."""
+        backend = self.backend.backend if isinstance(self.backend, AutoSparse) else self.backend
+        if self.kind != "jax" or not getattr(backend, "jit", False):
+            return None
+        if not all(_arrays.is_array(leaf) for c in contexts for leaf in _tree.leaves(c.value)):
+            return None
+        with self._programs_lock:
+            for held, program in self._programs:
+                if len(held) == len(contexts) and all(a is b for a, b in zip(held, contexts, strict=True)):
+                    return program
+        import jax
+
+        f, spec = self.f, plan.x_spec
+
+        def run(x: Leaves, values: list[Any]) -> Any:
+            return self._leaves_of(plan, f(spec.unflatten(list(x)), *values))
+
+        program = jax.jit(run)
+        with self._programs_lock:
+            self._programs.append((contexts, program))
+            del self._programs[:-8]
+        return program
+
+    def operands(self, what: str, plan: Plan, rest: Leaves) -> Leaves:
+        """The linear operands of product ``what`` in the dtypes of g's prep."""
+        x_avals, y_avals = list(plan.x_avals), list(plan.y_avals)
+        avals = {
+            "call": [],
+            "jvp": x_avals,
+            "vjp": y_avals,
+            "second_jvp": x_avals + x_avals,
+            "second_vjp": y_avals + x_avals,
+        }[what]
+        return self.cast(rest, avals)
+
+    def cast(self, leaves: Leaves, avals: Sequence[Aval]) -> Leaves:
+        """Tangents and cotangents in the dtypes of g's prep: the outer engine may hold f(x) in
+        another dtype than f gives (jax without x64 holds float32 where f gives float64)."""
+        out = []
+        for leaf, aval in zip(leaves, avals, strict=True):
+            if _arrays.dtype_name(leaf) != aval.dtype:
+                if self.kind == "torch":
+                    leaf = leaf.to(getattr(_namespace("torch"), aval.dtype))
+                else:
+                    leaf = leaf.astype(aval.dtype)
+            out.append(leaf)
+        return out
+
+    def jvp(self, plan: Plan, x: Leaves, tx: Leaves, contexts: Sequence[Context[Any]]) -> Leaves:
+        ty = di.jvp(self.f, self.backend, plan.x_spec.unflatten(x), plan.x_spec.unflatten(tx), *contexts)
+        return self._leaves_of(plan, ty)
+
+    def vjp(self, plan: Plan, x: Leaves, ty: Leaves, contexts: Sequence[Context[Any]]) -> Leaves:
+        tx = di.vjp(self.f, self.backend, plan.x_spec.unflatten(x), plan.y_spec.unflatten(ty), *contexts)
+        return _tree.leaves(tx)
+
+    def jvps(self, plan: Plan, x: Leaves, tx: Leaves, contexts: Sequence[Context[Any]]) -> Leaves:
+        """jvps along a batch of tangents (a leading axis on each leaf): one Jacobian and a
+        contraction where that costs less than one product per tangent (or the backend is sparse),
+        else one jvp each."""
+        batch = int(_arrays.shape(tx[0])[0]) if tx else 0
+        if self._by_jacobian(plan, batch):
+            jac = self._flat_jacobian(plan, x, contexts)
+            tangents = self._stack_flat([t.reshape(batch, -1) for t in tx], axis=1)  # (batch, n)
+            products = (jac @ tangents.T).T  # (batch, m)
+            return self._split(products, plan.y_avals, batch)
+        rows = [self.jvp(plan, x, [t[b] for t in tx], contexts) for b in range(batch)]
+        return self._stack_rows(rows, len(plan.y_avals))
+
+    def vjps(self, plan: Plan, x: Leaves, ty: Leaves, contexts: Sequence[Context[Any]]) -> Leaves:
+        batch = int(_arrays.shape(ty[0])[0]) if ty else 0
+        if self._by_jacobian(plan, batch):
+            jac = self._flat_jacobian(plan, x, contexts)
+            cotangents = self._stack_flat([t.reshape(batch, -1) for t in ty], axis=1)  # (batch, m)
+            products = (jac.T @ cotangents.T).T  # (batch, n)
+            return self._split(products, plan.x_avals, batch)
+        rows = [self.vjp(plan, x, [t[b] for t in ty], contexts) for b in range(batch)]
+        return self._stack_rows(rows, len(plan.x_avals))
+
+    def second_jvp(self, plan: Plan, x: Leaves, t1: Leaves, t2: Leaves, contexts: Sequence[Context[Any]]) -> Leaves:
+        """D²f(x)[t1, t2], y-shaped: the jvp along t2 of x -> jvp(f, x, t1)."""
+        first = self._first_jvp(plan, t1, contexts)
+        ty = di.jvp(first, self.backend, plan.x_spec.unflatten(x), plan.x_spec.unflatten(t2))
+        return self._leaves_of(plan, ty)
+
+    def second_vjp(self, plan: Plan, x: Leaves, ct: Leaves, v: Leaves, contexts: Sequence[Context[Any]]) -> Leaves:
+        """Σ_k ct_k ∇²f_k(x) v, x-shaped: the jvp along v of x -> vjp(f, x, ct)."""
+        first = self._first_vjp(plan, ct, contexts)
+        tx = di.jvp(first, self.backend, plan.x_spec.unflatten(x), plan.x_spec.unflatten(v))
+        return _tree.leaves(tx)
+
+    # helpers
+
+    def _first_jvp(self, plan: Plan, t: Leaves, contexts: Sequence[Context[Any]]) -> Callable[[Any], Any]:
+        tangent = plan.x_spec.unflatten(t)
+
+        def first(x: Any) -> Any:
+            return di.jvp(self.f, self.backend, x, tangent, *contexts)
+
+        return first
+
+    def _first_vjp(self, plan: Plan, ct: Leaves, contexts: Sequence[Context[Any]]) -> Callable[[Any], Any]:
+        cotangent = plan.y_spec.unflatten(ct)
+
+        def first(x: Any) -> Any:
+            return di.vjp(self.f, self.backend, x, cotangent, *contexts)
+
+        return first
+
+    def _scope(self, plan: Plan) -> Any:
+        if self.kind != "jax":
+            return contextlib.nullcontext()
+        return _x64([a.dtype for a in plan.x_avals])
+
+    def _leaves_of(self, plan: Plan, y: Any) -> Leaves:
+        leaves, spec = _tree.flatten(y)
+        if spec != plan.y_spec:
+            raise InvalidOutputError(
+                f"f returned a result of structure {spec}, where g's prep recorded {plan.y_spec}; f must "
+                "return the same structure for every x of one shape."
+            )
+        return leaves
+
+    def _by_jacobian(self, plan: Plan, batch: int) -> bool:
+        dtypes = {a.dtype for a in (*plan.x_avals, *plan.y_avals)}
+        if len(dtypes) != 1 or not plan.x_avals or not plan.y_avals:
+            return False
+        n = sum(a.size for a in plan.x_avals)
+        m = sum(a.size for a in plan.y_avals)
+        return isinstance(self.backend, AutoSparse) or batch >= min(n, m)
+
+    def _flat_jacobian(self, plan: Plan, x: Leaves, contexts: Sequence[Context[Any]]) -> Any:
+        """The Jacobian of f from the flat vector of x to that of f(x): (m, n), dense, or sparse
+        under AutoSparse."""
+        base = self.backend.backend if isinstance(self.backend, AutoSparse) else self.backend
+        # autograd traces f with its own boxes, which numpy's concatenate would turn into objects
+        xp = _namespace(self.kind) if not isinstance(base, AutoAutograd) else __import__("autograd.numpy").numpy
+        sizes = [a.size for a in plan.x_avals]
+        cuts = list(itertools.accumulate(sizes))[:-1]
+        f = self.f
+
+        def flat_f(vector: Any, *values: Any) -> Any:
+            pieces = _split_vector(xp, vector, cuts)
+            x_tree = plan.x_spec.unflatten([p.reshape(a.shape) for p, a in zip(pieces, plan.x_avals, strict=True)])
+            y_leaves = _tree.leaves(f(x_tree, *values))
+            return _concat(xp, [leaf.reshape(-1) for leaf in y_leaves])
+
+        vector = _concat(xp, [leaf.reshape(-1) for leaf in x])
+        jac = di.jacobian(flat_f, self.backend, vector, *contexts)
+        return _sparse_as_matrix(jac)
+
+    def _stack_flat(self, pieces: Leaves, axis: int) -> Any:
+        return _concat(_namespace(self.kind), pieces, axis=axis)
+
+    def _split(self, products: Any, avals: Sequence[Aval], batch: int) -> Leaves:
+        sizes = [a.size for a in avals]
+        cuts = list(itertools.accumulate(sizes))[:-1]
+        out = []
+        start = 0
+        for a, end in zip(avals, [*cuts, sum(sizes)], strict=True):
+            out.append(products[:, start:end].reshape((batch, *a.shape)))
+            start = end
+        return out
+
+    def _stack_rows(self, rows: list[Leaves], count: int) -> Leaves:
+        xp = _namespace(self.kind)
+        return [xp.stack([row[i] for row in rows]) for i in range(count)]
+
+
+def _split_vector(xp: Any, vector: Any, cuts: list[int]) -> Leaves:
+    pieces = []
+    start = 0
+    for end in [*cuts, int(vector.shape[0])]:
+        pieces.append(vector[start:end])
+        start = end
+    return pieces
+
+
+def _concat(xp: Any, pieces: Leaves, axis: int = 0) -> Any:
+    if xp.__name__ == "torch":
+        return xp.cat(pieces, dim=axis)
+    return xp.concatenate(pieces, axis=axis)
+
+
+def _sparse_as_matrix(jac: Any) -> Any:
+    """A Jacobian that supports ``@`` with a dense matrix on both sides (scipy and jax sparse do;
+    torch's sparse CSR does with ``.T`` through ``to_sparse_coo``)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(jac, torch.Tensor) and jac.layout != torch.strided:
+        return jac.to_sparse_coo()
+    return jac
+
+
+# --- probing the shape of f(x) ------------------------------------------------------------------
+
+
+def probe_avals(inner: Inner, x_spec: Any, x_avals: tuple[Aval, ...], contexts: Sequence[Context[Any]]) -> Any:
+    """f's output structure and avals for inputs of ``x_avals``, found without concrete values
+    (the outer engine is tracing): jax.eval_shape for jax, zeros for the others."""
+    try:
+        if inner.kind == "jax":
+            import jax
+
+            with _x64([a.dtype for a in x_avals]):
+                values = _context_values(contexts, inner.kind)
+                structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in x_avals]  # type: ignore[no-untyped-call]
+                out = jax.eval_shape(lambda *leaves: inner.f(x_spec.unflatten(list(leaves)), *values), *structs)
+        else:
+            out = inner.f(x_spec.unflatten(_zeros(x_avals, inner.kind)), *_context_values(contexts, inner.kind))
+    except DiffifaceError:
+        raise
+    except Exception as exc:
+        raise UnsupportedOperationError(
+            f"g met x for the first time while the outer engine was tracing it, so it evaluated f at zeros "
+            f"of x's shapes to learn the shape of f(x), and f raised {type(exc).__name__}: {exc}. Call g once "
+            "on a concrete x of these shapes first (outside jit, vmap and grad): that call records its prep."
+        ) from exc
+    leaves, spec = _tree.flatten(out)
+    return spec, tuple(aval_of(leaf) for leaf in leaves)
+
+
+# --- sites: one g, one set of contexts --------------------------------------------------------------
+
+
+class Site:
+    """One g with one set of contexts: what the outer engine's primitive or op refers to.
+
+    Hashed by identity (jax primitives take it as a parameter); registered by number for torch's
+    ops, whose schema takes no Python objects."""
+
+    _ids = itertools.count()
+    #: the sites that a g holds, by number; a g removes its own when it drops them or is collected
+    registry: ClassVar[dict[int, Site]] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, inner: Inner, plan: Plan, contexts: tuple[Context[Any], ...]) -> None:
+        self.inner = inner
+        self.plan = plan
+        self.contexts = contexts
+        with Site._lock:
+            self.number = next(Site._ids)
+            Site.registry[self.number] = self
+
+    def release(self) -> None:
+        with Site._lock:
+            Site.registry.pop(self.number, None)
+
+    def __repr__(self) -> str:
+        return f"Site({self.number})"
+
+
+def constant_values(contexts: Sequence[Context[Any]]) -> tuple[int, ...]:
+    return tuple(id(c.value) for c in contexts) + tuple(isinstance(c, Constant) for c in contexts)

@@ -1,0 +1,360 @@
+"""g inside jax: five primitives that run f's engine through jax's host callbacks.
+
+- ``call``: f(x);
+- ``jvp``: J(x) t, linear in t, computed by ``di.jvp``; its transpose is ``vjp``;
+- ``vjp``: J(x)ᵀ c, linear in c, computed by ``di.vjp``; its transpose is ``jvp``;
+- ``second_jvp``: D²f(x)[t1, t2] and ``second_vjp``: Σₖ cₖ ∇²fₖ(x) v, the derivatives of the two
+  above with respect to x, bilinear, each the transpose of the other in one argument; served only
+  where the inner backend nests (second order), and differentiating them again is refused.
+
+Each primitive has its shapes from g's prep (abstract evaluation), a host implementation (eager
+and, through ``jax.pure_callback``, compiled), JVP and transpose rules, and a batching rule:
+``jvp``/``vjp`` with only the linear argument batched run once on the whole batch (one Jacobian
+and a contraction when that is cheaper), everything else loops over the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from .. import _arrays
+from ._inner import Aval, Site, beyond_second_order, first_order_only, to_inner, to_numpy
+
+__all__ = ["call"]
+
+
+def _primitive(name: str) -> Primitive:
+    primitive = Primitive(f"diffiface_{name}")
+    primitive.multiple_results = True
+    return primitive
+
+
+call_p = _primitive("call")
+jvp_p = _primitive("jvp")
+vjp_p = _primitive("vjp")
+second_jvp_p = _primitive("second_jvp")
+second_vjp_p = _primitive("second_vjp")
+
+_Y_SHAPED = (call_p, jvp_p, second_jvp_p)
+
+
+def call(g: Any, x: Any, leaves: list[Any], spec: Any, contexts: tuple[Any, ...]) -> Any:
+    """g(x) for x of jax arrays."""
+    leaves = [jnp.asarray(leaf) if _arrays.kind(leaf) == "python" else leaf for leaf in leaves]
+    avals = tuple(Aval(tuple(leaf.shape), _arrays.dtype_name(leaf)) for leaf in leaves)
+    x_inner = None
+    if g.plan is None and not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        x_inner = [to_inner(leaf, g._inner.kind) for leaf in leaves]
+    site = g.site(spec, avals, contexts, x_inner)
+    return site.plan.y_spec.unflatten(call_p.bind(*leaves, site=site, batch=0))
+
+
+# --- shapes ---------------------------------------------------------------------------------------
+
+
+def _jax_dtype(name: str) -> Any:
+    return jax.dtypes.canonicalize_dtype(np.dtype(name))
+
+
+def _out_avals(primitive: Primitive, site: Site, batch: int) -> list[jax.core.ShapedArray]:
+    plan = site.plan
+    base = plan.y_avals if primitive in _Y_SHAPED else plan.x_avals
+    prefix = (batch,) if batch else ()
+    return [jax.core.ShapedArray(prefix + a.shape, _jax_dtype(a.dtype)) for a in base]
+
+
+def _abstract_eval(primitive: Primitive, *args: Any, site: Site, batch: int) -> list[jax.core.ShapedArray]:
+    return _out_avals(primitive, site, batch)
+
+
+# --- host work -------------------------------------------------------------------------------------
+
+
+def _host(primitive: Primitive, site: Site, batch: int, arrays: Sequence[Any]) -> list[Any]:
+    """The primitive's result as inner leaves, from its operands (numpy or concrete jax arrays)."""
+    inner, plan, contexts = site.inner, site.plan, site.contexts
+    n, m = len(plan.x_avals), len(plan.y_avals)
+    try:
+        args = [to_inner(a, inner.kind) for a in arrays]
+        x, rest = args[:n], inner.operands(primitive.name[len("diffiface_") :], plan, args[n:])
+        if primitive is call_p:
+            return inner.value(plan, x, contexts)
+        if primitive is jvp_p:
+            return inner.jvps(plan, x, rest, contexts) if batch else inner.jvp(plan, x, rest, contexts)
+        if primitive is vjp_p:
+            return inner.vjps(plan, x, rest, contexts) if batch else inner.vjp(plan, x, rest, contexts)
+        if primitive is second_jvp_p:
+            return inner.second_jvp(plan, x, rest[:n], rest[n:], contexts)
+        return inner.second_vjp(plan, x, rest[:m], rest[m:], contexts)
+    except (jax.errors.TracerArrayConversionError, jax.errors.UnexpectedTracerError) as exc:
+        from ._inner import traced_refusal
+
+        raise traced_refusal("f reads a value that", "a jax tracer") from exc
+
+
+def _as_results(primitive: Primitive, site: Site, batch: int, outs: list[Any]) -> list[np.ndarray]:
+    avals = _out_avals(primitive, site, batch)
+    results = []
+    for out, aval in zip(outs, avals, strict=True):
+        array = np.asarray(to_numpy(out), dtype=aval.dtype)
+        if array.shape != aval.shape:
+            raise _shape_error(primitive, aval.shape, array.shape)
+        results.append(array)
+    return results
+
+
+def _shape_error(primitive: Primitive, want: tuple[int, ...], got: tuple[int, ...]) -> Exception:
+    from .._errors import InvalidOutputError
+
+    return InvalidOutputError(
+        f"{primitive.name} of g gave a result of shape {got} where g's prep recorded {want}: f must give "
+        "results of one shape for every x of one shape."
+    )
+
+
+def _eager(primitive: Primitive, *arrays: Any, site: Site, batch: int) -> list[Any]:
+    outs = _host(primitive, site, batch, arrays)
+    avals = _out_avals(primitive, site, batch)
+    results = []
+    for out, aval in zip(outs, avals, strict=True):
+        if _arrays.kind(out) == "torch":
+            if out.is_leaf and out.requires_grad:  # f returned a parameter: jax must not see its updates
+                out = out.clone()
+            out = out.detach()
+            if out.dtype != getattr(sys_torch(), str(aval.dtype)):
+                out = out.to(getattr(sys_torch(), str(aval.dtype)))
+            try:
+                array = jnp.from_dlpack(out.contiguous())  # zero-copy on a shared device
+            except (BufferError, RuntimeError, TypeError, ValueError):
+                array = jnp.asarray(to_numpy(out))
+        else:
+            array = jnp.asarray(np.asarray(to_numpy(out), dtype=aval.dtype))
+        if tuple(array.shape) != aval.shape:
+            raise _shape_error(primitive, aval.shape, tuple(array.shape))
+        results.append(array)
+    return results
+
+
+def sys_torch() -> Any:
+    import sys
+
+    return sys.modules["torch"]
+
+
+def _lowered(primitive: Primitive, *args: Any, site: Site, batch: int) -> Any:
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in _out_avals(primitive, site, batch)]
+
+    def host(*arrays: Any) -> list[np.ndarray]:
+        return _as_results(primitive, site, batch, _host(primitive, site, batch, arrays))
+
+    return jax.pure_callback(host, shapes, *args)
+
+
+for _p in (call_p, jvp_p, vjp_p, second_jvp_p, second_vjp_p):
+    _p.def_abstract_eval(partial(_abstract_eval, _p))
+    _p.def_impl(partial(_eager, _p))
+    mlir.register_lowering(_p, mlir.lower_fun(partial(_lowered, _p), multiple_results=True))
+
+
+# --- JVP rules ---------------------------------------------------------------------------------
+
+
+def _instantiate(tangents: Sequence[Any]) -> list[Any]:
+    return [ad.instantiate_zeros(t) for t in tangents]
+
+
+def _all_zero(tangents: Sequence[Any]) -> bool:
+    return all(type(t) is ad.Zero for t in tangents)
+
+
+def _zeros_out(primitive: Primitive, site: Site, batch: int) -> list[Any]:
+    return [ad.Zero(a.to_tangent_aval()) for a in _out_avals(primitive, site, batch)]
+
+
+def _add(a: list[Any], b: list[Any]) -> list[Any]:
+    return [p + q for p, q in zip(a, b, strict=True)]
+
+
+def _call_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, site: Site, batch: int) -> Any:
+    y = call_p.bind(*primals, site=site, batch=batch)
+    if _all_zero(tangents):
+        return y, _zeros_out(call_p, site, batch)
+    return y, jvp_p.bind(*primals, *_instantiate(tangents), site=site, batch=0)
+
+
+def _split(site: Site, values: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    n = len(site.plan.x_avals)
+    return list(values[:n]), list(values[n:])
+
+
+def _per_row(primitive: Primitive, x: list[Any], rows: list[Any], last: list[Any], site: Site, batch: int) -> list[Any]:
+    """``primitive(x, rows[b], last)`` stacked over b: the second-order term of a batched product."""
+    if not batch:
+        return list(primitive.bind(*x, *rows, *last, site=site, batch=0))
+    outs = [primitive.bind(*x, *[r[b] for r in rows], *last, site=site, batch=0) for b in range(batch)]
+    return [jnp.stack([o[i] for o in outs]) for i in range(len(outs[0]))]
+
+
+def _jvp_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, site: Site, batch: int) -> Any:
+    x, t = _split(site, primals)
+    dx, dt = _split(site, tangents)
+    out = jvp_p.bind(*primals, site=site, batch=batch)
+    if _all_zero(dx) and _all_zero(dt):
+        return out, _zeros_out(jvp_p, site, batch)
+    d_out = (
+        list(jvp_p.bind(*x, *_instantiate(dt), site=site, batch=batch))
+        if not _all_zero(dt)
+        else [jnp.zeros(a.shape, a.dtype) for a in _out_avals(jvp_p, site, batch)]
+    )
+    if not _all_zero(dx):
+        if not site.inner.nestable:
+            raise first_order_only(site.inner.backend, "differentiating g's jvp with respect to x")
+        d_out = _add(d_out, _per_row(second_jvp_p, x, t, _instantiate(dx), site, batch))
+    return out, d_out
+
+
+def _vjp_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, site: Site, batch: int) -> Any:
+    x, c = _split(site, primals)
+    dx, dc = _split(site, tangents)
+    out = vjp_p.bind(*primals, site=site, batch=batch)
+    if _all_zero(dx) and _all_zero(dc):
+        return out, _zeros_out(vjp_p, site, batch)
+    d_out = (
+        list(vjp_p.bind(*x, *_instantiate(dc), site=site, batch=batch))
+        if not _all_zero(dc)
+        else [jnp.zeros(a.shape, a.dtype) for a in _out_avals(vjp_p, site, batch)]
+    )
+    if not _all_zero(dx):
+        if not site.inner.nestable:
+            raise first_order_only(site.inner.backend, "differentiating g's gradient (vjp) with respect to x")
+        d_out = _add(d_out, _per_row(second_vjp_p, x, c, _instantiate(dx), site, batch))
+    return out, d_out
+
+
+def _bilinear_jvp(
+    primitive: Primitive, primals: Sequence[Any], tangents: Sequence[Any], *, site: Site, batch: int
+) -> Any:
+    n = len(site.plan.x_avals)
+    first = len(site.plan.x_avals) if primitive is second_jvp_p else len(site.plan.y_avals)
+    x, a, b = primals[:n], primals[n : n + first], primals[n + first :]
+    dx, da, db = tangents[:n], tangents[n : n + first], tangents[n + first :]
+    out = primitive.bind(*primals, site=site, batch=batch)
+    if not _all_zero(dx):
+        raise beyond_second_order(site.inner.backend)
+    d_out = [jnp.zeros(v.shape, v.dtype) for v in _out_avals(primitive, site, batch)]
+    if not _all_zero(da):
+        d_out = _add(d_out, list(primitive.bind(*x, *_instantiate(da), *b, site=site, batch=batch)))
+    if not _all_zero(db):
+        d_out = _add(d_out, list(primitive.bind(*x, *a, *_instantiate(db), site=site, batch=batch)))
+    return out, d_out
+
+
+ad.primitive_jvps[call_p] = _call_jvp
+ad.primitive_jvps[jvp_p] = _jvp_jvp
+ad.primitive_jvps[vjp_p] = _vjp_jvp
+ad.primitive_jvps[second_jvp_p] = partial(_bilinear_jvp, second_jvp_p)
+ad.primitive_jvps[second_vjp_p] = partial(_bilinear_jvp, second_vjp_p)
+
+
+# --- transposes -------------------------------------------------------------------------------------
+
+
+def _undefined(values: Sequence[Any]) -> bool:
+    return any(ad.is_undefined_primal(v) for v in values)
+
+
+def _defined(values: Sequence[Any], primitive: str) -> list[Any]:
+    if _undefined(values):
+        raise TypeError(f"diffiface_{primitive} is not linear in x; jax asked to transpose it there.")
+    return list(values)
+
+
+def _cotangents(cts: Sequence[Any], avals: Sequence[Any]) -> list[Any]:
+    return [jnp.zeros(a.shape, a.dtype) if type(c) is ad.Zero else c for c, a in zip(cts, avals, strict=True)]
+
+
+def _jvp_transpose(cts: Sequence[Any], *args: Any, site: Site, batch: int) -> list[Any]:
+    x, _ = _split(site, args)
+    x = _defined(x, "jvp")
+    if _all_zero(cts):
+        return [None] * len(args)
+    ct = _cotangents(cts, _out_avals(jvp_p, site, batch))
+    return [None] * len(x) + list(vjp_p.bind(*x, *ct, site=site, batch=batch))
+
+
+def _vjp_transpose(cts: Sequence[Any], *args: Any, site: Site, batch: int) -> list[Any]:
+    x, _ = _split(site, args)
+    x = _defined(x, "vjp")
+    if _all_zero(cts):
+        return [None] * len(args)
+    ct = _cotangents(cts, _out_avals(vjp_p, site, batch))
+    return [None] * len(x) + list(jvp_p.bind(*x, *ct, site=site, batch=batch))
+
+
+def _second_transpose(primitive: Primitive, cts: Sequence[Any], *args: Any, site: Site, batch: int) -> list[Any]:
+    """second_jvp(x, t1, t2) (y-shaped) and second_vjp(x, c, v) (x-shaped), bilinear: with w the
+    cotangent, second_jvp's transpose in t2 is second_vjp(x, w, t1), second_vjp's in v is
+    second_vjp(x, c, w) (Hessians are symmetric) and in c is second_jvp(x, v, w)."""
+    n = len(site.plan.x_avals)
+    first = n if primitive is second_jvp_p else len(site.plan.y_avals)
+    x, a, b = list(args[:n]), list(args[n : n + first]), list(args[n + first :])
+    x = _defined(x, primitive.name)
+    if batch:
+        raise beyond_second_order(site.inner.backend)
+    if _all_zero(cts):
+        return [None] * len(args)
+    w = _cotangents(cts, _out_avals(primitive, site, batch))
+    a_undefined, b_undefined = _undefined(a), _undefined(b)
+    if a_undefined and b_undefined:
+        raise TypeError(f"{primitive.name} is bilinear; jax asked to transpose it in both arguments at once.")
+    if primitive is second_jvp_p:
+        known = b if a_undefined else a
+        result = list(second_vjp_p.bind(*x, *w, *known, site=site, batch=0))
+    elif b_undefined:
+        result = list(second_vjp_p.bind(*x, *a, *w, site=site, batch=0))
+    else:
+        result = list(second_jvp_p.bind(*x, *b, *w, site=site, batch=0))
+    if a_undefined:
+        return [None] * n + result + [None] * len(b)
+    return [None] * (n + len(a)) + result
+
+
+ad.primitive_transposes[jvp_p] = _jvp_transpose
+ad.primitive_transposes[vjp_p] = _vjp_transpose
+ad.primitive_transposes[second_jvp_p] = partial(_second_transpose, second_jvp_p)
+ad.primitive_transposes[second_vjp_p] = partial(_second_transpose, second_vjp_p)
+
+
+# --- batching ----------------------------------------------------------------------------------------
+
+
+def _batch(primitive: Primitive, args: Sequence[Any], dims: Sequence[Any], *, site: Site, batch: int) -> Any:
+    size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
+    moved = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims, strict=True)]
+    n = len(site.plan.x_avals)
+    x_batched = any(d is not None for d in dims[:n])
+    if primitive in (jvp_p, vjp_p) and not x_batched and not batch:
+        linear = [
+            a if d is not None else jnp.broadcast_to(a, (size, *a.shape))
+            for a, d in zip(moved[n:], dims[n:], strict=True)
+        ]
+        outs = primitive.bind(*moved[:n], *linear, site=site, batch=size)
+        return outs, [0] * len(outs)
+    rows = []
+    for b in range(size):
+        row = [a if d is None else a[b] for a, d in zip(moved, dims, strict=True)]
+        rows.append(primitive.bind(*row, site=site, batch=batch))
+    outs = [jnp.stack([r[i] for r in rows]) for i in range(len(rows[0]))]
+    return outs, [0] * len(outs)
+
+
+for _p in (call_p, jvp_p, vjp_p, second_jvp_p, second_vjp_p):
+    batching.primitive_batchers[_p] = partial(_batch, _p)

@@ -1,0 +1,346 @@
+"""g inside torch: autograd Functions over one ``torch.library`` op.
+
+- ``_Call``: f(x); backward through ``_Vjp``, forward mode (``jvp``) through ``_Jvp``;
+- ``_Jvp``: J(x) t and ``_Vjp``: J(x)ᵀ c, each the other's backward in its linear argument, so
+  that double backward and forward-over-reverse work; their derivatives in x are the second
+  products (``_Second``), served where the inner backend nests and refused as first order only
+  elsewhere; differentiating ``_Second`` again is refused (third order).
+
+Every Function has ``setup_context`` (torch.func needs it) and a ``vmap`` rule (one product per
+example). The engine's work runs inside the op ``diffiface::bridge``, registered with a fake
+implementation from g's prep, so that ``torch.compile`` keeps each call as one opaque op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils.dlpack
+
+from .. import _arrays
+from ._inner import Aval, Site, _x64, beyond_second_order, first_order_only, to_inner, traced_refusal
+
+__all__ = ["call"]
+
+
+def call(g: Any, x: Any, leaves: list[Any], spec: Any, contexts: tuple[Any, ...]) -> Any:
+    """g(x) for x of torch tensors."""
+    leaves = [torch.as_tensor(leaf) if _arrays.kind(leaf) == "python" else leaf for leaf in leaves]
+    site = _prepare(g, leaves, spec, contexts)
+    # dynamo cannot trace a Function with a jvp rule; compiled programs take the one without
+    function = _CallCompiled if torch.compiler.is_compiling() else _Call
+    return _rebuild(site, function.apply(site.number, *leaves))
+
+
+@torch.compiler.disable  # type: ignore[misc, untyped-decorator]
+def _rebuild(site: Site, outs: Sequence[torch.Tensor]) -> Any:
+    return site.plan.y_spec.unflatten(list(outs))
+
+
+@torch.compiler.disable  # type: ignore[misc, untyped-decorator]
+def _prepare(g: Any, leaves: list[torch.Tensor], spec: Any, contexts: tuple[Any, ...]) -> Site:
+    """g's prep and site, outside torch.compile's graph (it evaluates f on the inner engine)."""
+    avals = tuple(Aval(tuple(leaf.shape), _arrays.dtype_name(leaf)) for leaf in leaves)
+    x_inner = None
+    # under torch.func's transforms the leaves are wrappers with no data of their own: g's prep
+    # then comes from f at zeros, as under jax's tracing
+    wrapped = any(torch._C._functorch.is_functorch_wrapped_tensor(leaf) for leaf in leaves)
+    if g.plan is None and not wrapped:
+        with _x64([a.dtype for a in avals]):
+            x_inner = [to_inner(leaf, g._inner.kind) for leaf in leaves]
+    return g.site(spec, avals, contexts, x_inner)  # type: ignore[no-any-return]
+
+
+# --- the op ---------------------------------------------------------------------------------------
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)  # type: ignore[no-any-return]
+
+
+def _out_avals(what: str, site: Site, batch: int) -> list[Aval]:
+    plan = site.plan
+    base = plan.y_avals if what in ("call", "jvp", "second_jvp") else plan.x_avals
+    prefix = (batch,) if batch else ()
+    return [Aval(prefix + a.shape, a.dtype) for a in base]
+
+
+def _site(number: int) -> Site:
+    site = Site.registry.get(number)
+    if site is None:
+        from .._errors import DiffifaceError
+
+        raise DiffifaceError(
+            f"diffiface::bridge was called for site {number}, which no g holds any more: a torch.compile'd "
+            "program outlived the g it was traced with. Compile again with the g you call."
+        )
+    return site
+
+
+@torch.library.custom_op("diffiface::bridge", mutates_args=())
+def _bridge(what: str, site_name: str, batch: int, args: list[torch.Tensor]) -> list[torch.Tensor]:
+    site = _site(int(site_name))
+    inner, plan, contexts = site.inner, site.plan, site.contexts
+    n, m = len(plan.x_avals), len(plan.y_avals)
+    device = args[0].device if args else torch.device("cpu")
+    with _x64([_arrays.dtype_name(a) for a in args]):
+        try:
+            inner_args = [to_inner(a, inner.kind) for a in args]
+            x, rest = inner_args[:n], inner.operands(what, plan, inner_args[n:])
+            if what == "call":
+                outs = inner.value(plan, x, contexts)
+            elif what == "jvp":
+                outs = inner.jvps(plan, x, rest, contexts) if batch else inner.jvp(plan, x, rest, contexts)
+            elif what == "vjp":
+                outs = inner.vjps(plan, x, rest, contexts) if batch else inner.vjp(plan, x, rest, contexts)
+            elif what == "second_jvp":
+                outs = inner.second_jvp(plan, x, rest[:n], rest[n:], contexts)
+            else:
+                outs = inner.second_vjp(plan, x, rest[:m], rest[m:], contexts)
+        except TypeError as exc:
+            if "Tensor" in str(exc) and "requires grad" in str(exc):
+                raise traced_refusal("f reads a value that", "a torch tensor that requires grad") from exc
+            raise
+        results = [_to_torch(out, aval, device) for out, aval in zip(outs, _out_avals(what, site, batch), strict=True)]
+    inputs = {a.untyped_storage().data_ptr() for a in args if a.numel()}
+    # an op's results may not share memory with its inputs (f returned its input, or a view of it)
+    return [r.clone() if r.numel() and r.untyped_storage().data_ptr() in inputs else r for r in results]
+
+
+def _to_torch(out: Any, aval: Aval, device: torch.device) -> torch.Tensor:
+    kind = _arrays.kind(out)
+    if kind == "torch":
+        tensor = out.detach()
+    elif kind == "jax":
+        try:
+            tensor = torch.utils.dlpack.from_dlpack(out)  # zero-copy where jax and torch share the device
+        except (BufferError, RuntimeError, TypeError):
+            tensor = torch.from_numpy(np.array(out))
+    else:
+        # a copy: a black box may return a buffer of its own that it writes again on its next call
+        tensor = torch.from_numpy(np.array(out))
+    tensor = tensor.to(device=device, dtype=_torch_dtype(aval.dtype))
+    if tuple(tensor.shape) != aval.shape:
+        from .._errors import InvalidOutputError
+
+        raise InvalidOutputError(
+            f"g's product gave a result of shape {tuple(tensor.shape)} where g's prep recorded {aval.shape}: f "
+            "must give results of one shape for every x of one shape."
+        )
+    return tensor  # type: ignore[no-any-return]
+
+
+@_bridge.register_fake
+def _bridge_fake(what: str, site_name: str, batch: int, args: list[torch.Tensor]) -> list[torch.Tensor]:
+    site = _site(int(site_name))
+    device = args[0].device if args else torch.device("cpu")
+    return [torch.empty(a.shape, dtype=_torch_dtype(a.dtype), device=device) for a in _out_avals(what, site, batch)]
+
+
+def _op(what: str, number: int, args: Sequence[torch.Tensor], batch: int = 0) -> tuple[torch.Tensor, ...]:
+    # the site goes as a string: torch.compile keeps strings constant (and guards on them), where
+    # an int that changes between calls would become a symbolic one
+    return tuple(torch.ops.diffiface.bridge(what, str(number), batch, list(args)))
+
+
+# --- the Functions -------------------------------------------------------------------------------
+
+
+def _zeros_for(values: Sequence[Any], avals: Sequence[Aval], like: torch.Tensor | None) -> list[torch.Tensor]:
+    device = like.device if like is not None else None
+    return [
+        v if v is not None else torch.zeros(a.shape, dtype=_torch_dtype(a.dtype), device=device)
+        for v, a in zip(values, avals, strict=True)
+    ]
+
+
+def _sum(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    return tuple(p + q for p, q in zip(a, b, strict=True))
+
+
+def _vmap_loop(function: Any, info: Any, in_dims: Sequence[Any], args: Sequence[Any]) -> Any:
+    outs = []
+    for b in range(info.batch_size):
+        row = [a if d is None else a.select(d, b) for a, d in zip(args, in_dims, strict=True)]
+        outs.append(function.apply(*row))
+    stacked = tuple(torch.stack([o[i] for o in outs]) for i in range(len(outs[0])))
+    return stacked, (0,) * len(stacked)
+
+
+class _CallCompiled(torch.autograd.Function):
+    """f(x) with reverse mode and vmap: the form torch.compile traces, one op forward and one op
+    backward (dynamo traces neither a jvp rule nor a Function inside a backward)."""
+
+    generate_vmap_rule = False
+
+    @staticmethod
+    def forward(number: int, *x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return _op("call", number, x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.number = inputs[0]
+        ctx.save_for_backward(*inputs[1:])
+        ctx.save_for_forward(*inputs[1:])
+
+    @staticmethod
+    def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        site = _site(ctx.number)
+        x = ctx.saved_tensors
+        ct = _zeros_for(cotangents, site.plan.y_avals, x[0] if x else None)
+        return (None, *_op("vjp", ctx.number, (*x, *ct)))  # one op: compiled backward is not differentiated
+
+    @staticmethod
+    def vmap(info: Any, in_dims: Sequence[Any], number: int, *x: torch.Tensor) -> Any:
+        return _vmap_loop(_CallCompiled, info, in_dims, (number, *x))
+
+
+class _Call(_CallCompiled):
+    """f(x) with forward mode, and a backward that is differentiable again (through _Vjp)."""
+
+    generate_vmap_rule = False
+
+    @staticmethod
+    def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        site = _site(ctx.number)
+        x = ctx.saved_tensors
+        ct = _zeros_for(cotangents, site.plan.y_avals, x[0] if x else None)
+        return (None, *_Vjp.apply(site.number, *x, *ct))
+
+    @staticmethod
+    def jvp(ctx: Any, _number_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        site = _site(ctx.number)
+        x = ctx.saved_tensors
+        t = _zeros_for(tangents, site.plan.x_avals, x[0] if x else None)
+        return _Jvp.apply(site.number, *x, *t)  # type: ignore[no-any-return]
+
+    @staticmethod
+    def vmap(info: Any, in_dims: Sequence[Any], number: int, *x: torch.Tensor) -> Any:
+        return _vmap_loop(_Call, info, in_dims, (number, *x))
+
+
+class _Jvp(torch.autograd.Function):
+    """J(x) t: its backward in t is _Vjp; in x, the second product (where the engine nests)."""
+
+    generate_vmap_rule = False
+
+    @staticmethod
+    def forward(number: int, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return _op("jvp", number, args)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.number = inputs[0]
+        ctx.save_for_backward(*inputs[1:])
+        ctx.save_for_forward(*inputs[1:])
+
+    @staticmethod
+    def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        site = _site(ctx.number)
+        n = len(site.plan.x_avals)
+        saved = ctx.saved_tensors
+        x, t = saved[:n], saved[n:]
+        w = _zeros_for(cotangents, site.plan.y_avals, x[0] if x else None)
+        grad_x: tuple[Any, ...] = (None,) * n
+        if any(ctx.needs_input_grad[1 : 1 + n]):
+            if not site.inner.nestable:
+                raise first_order_only(site.inner.backend, "differentiating g's jvp with respect to x")
+            grad_x = _Second.apply(site.number, "second_vjp", *x, *w, *t)
+        grad_t = _Vjp.apply(site.number, *x, *w) if any(ctx.needs_input_grad[1 + n :]) else (None,) * n
+        return (None, *grad_x, *grad_t)
+
+    @staticmethod
+    def jvp(ctx: Any, _number_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        site = _site(ctx.number)
+        n = len(site.plan.x_avals)
+        saved = ctx.saved_tensors
+        x, t = saved[:n], saved[n:]
+        dx, dt = tangents[:n], tangents[n:]
+        out = _Jvp.apply(site.number, *x, *_zeros_for(dt, site.plan.x_avals, x[0] if x else None))
+        if any(d is not None for d in dx):
+            if not site.inner.nestable:
+                raise first_order_only(site.inner.backend, "differentiating g's jvp with respect to x")
+            out = _sum(out, _Second.apply(site.number, "second_jvp", *x, *t, *_zeros_for(dx, site.plan.x_avals, x[0])))
+        return out  # type: ignore[no-any-return]
+
+    @staticmethod
+    def vmap(info: Any, in_dims: Sequence[Any], number: int, *args: torch.Tensor) -> Any:
+        return _vmap_loop(_Jvp, info, in_dims, (number, *args))
+
+
+class _Vjp(torch.autograd.Function):
+    """J(x)ᵀ c: its backward in c is _Jvp; in x, the second product (where the engine nests)."""
+
+    generate_vmap_rule = False
+
+    @staticmethod
+    def forward(number: int, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return _op("vjp", number, args)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.number = inputs[0]
+        ctx.save_for_backward(*inputs[1:])
+        ctx.save_for_forward(*inputs[1:])
+
+    @staticmethod
+    def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        site = _site(ctx.number)
+        n = len(site.plan.x_avals)
+        saved = ctx.saved_tensors
+        x, c = saved[:n], saved[n:]
+        w = _zeros_for(cotangents, site.plan.x_avals, x[0] if x else None)
+        grad_x: tuple[Any, ...] = (None,) * n
+        if any(ctx.needs_input_grad[1 : 1 + n]):
+            if not site.inner.nestable:
+                raise first_order_only(site.inner.backend, "differentiating g's gradient with respect to x")
+            grad_x = _Second.apply(site.number, "second_vjp", *x, *c, *w)
+        grad_c = _Jvp.apply(site.number, *x, *w) if any(ctx.needs_input_grad[1 + n :]) else (None,) * len(c)
+        return (None, *grad_x, *grad_c)
+
+    @staticmethod
+    def jvp(ctx: Any, _number_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        site = _site(ctx.number)
+        n = len(site.plan.x_avals)
+        saved = ctx.saved_tensors
+        x, c = saved[:n], saved[n:]
+        dx, dc = tangents[:n], tangents[n:]
+        out = _Vjp.apply(site.number, *x, *_zeros_for(dc, site.plan.y_avals, x[0] if x else None))
+        if any(d is not None for d in dx):
+            if not site.inner.nestable:
+                raise first_order_only(site.inner.backend, "differentiating g's gradient with respect to x")
+            out = _sum(out, _Second.apply(site.number, "second_vjp", *x, *c, *_zeros_for(dx, site.plan.x_avals, x[0])))
+        return out  # type: ignore[no-any-return]
+
+    @staticmethod
+    def vmap(info: Any, in_dims: Sequence[Any], number: int, *args: torch.Tensor) -> Any:
+        return _vmap_loop(_Vjp, info, in_dims, (number, *args))
+
+
+class _Second(torch.autograd.Function):
+    """D²f(x)[t1, t2] (``second_jvp``) or Σₖ cₖ ∇²fₖ(x) v (``second_vjp``); not differentiated again."""
+
+    generate_vmap_rule = False
+
+    @staticmethod
+    def forward(number: int, what: str, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return _op(what, number, args)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.number = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        raise beyond_second_order(_site(ctx.number).inner.backend)
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        raise beyond_second_order(_site(ctx.number).inner.backend)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: Sequence[Any], number: int, what: str, *args: torch.Tensor) -> Any:
+        return _vmap_loop(_Second, info, in_dims, (number, what, *args))
