@@ -21,6 +21,34 @@ if TYPE_CHECKING:  # (_programs builds on these checks)
     from ._programs import _Output
 
 
+# -- the call itself -----------------------------------------------------------------------------
+
+
+def _check_call(op: Operator, f: Any, has_aux: bool) -> None:
+    """f is callable, and has_aux is asked of an operator that takes it."""
+    if not callable(f):
+        tangent_name = {"x": ", tx", "y": ", ty"}.get(op.tangent or "", "")
+        raise InvalidInputError(
+            f"f must be a callable f(x, *contexts), got {type(f).__name__}. The argument order "
+            f"is di.{op.name}(f, backend, x{tangent_name}, *contexts)."
+        )
+    if has_aux and not op.aux:
+        raise _no_aux(op)
+
+
+def _no_aux(op: Operator) -> InvalidInputError:
+    with_aux = {"gradient": "value_and_gradient", "jvp": "value_and_jvp", "vjp": "value_and_vjp"}.get(op.name)
+    if with_aux is not None:
+        return InvalidInputError(
+            f"{op.name} does not take has_aux=True; di.{with_aux}(..., has_aux=True) does, and returns "
+            f"((value, aux), {op.name.removeprefix('value_and_')})."
+        )
+    return InvalidInputError(
+        f"{op.name} does not take has_aux=True: only value_and_gradient, value_and_jvp and value_and_vjp "
+        "do. Drop the aux inside f (lambda x, *c: f(x, *c)[0])."
+    )
+
+
 # -- validation of x and tangents --------------------------------------------------------------------
 
 

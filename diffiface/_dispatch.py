@@ -21,7 +21,7 @@ from . import _complex
 from ._adapters import adapter_for, info, names_of, normalize
 from ._backends import AutoSparse, Backend
 from ._call import _LEAF, OPERATORS, Call, Operator, _dynamic_view
-from ._checks import _check_tangent_kinds, _check_tangent_like_x, _check_x
+from ._checks import _check_call, _check_tangent_kinds, _check_tangent_like_x, _check_x
 from ._errors import InvalidInputError
 from ._plan import Plan, leaf_check, leaves_check
 from ._prep import Closure, FunctionRef, Prep, describe_mismatch, mismatch_error, prep_cache
@@ -113,33 +113,13 @@ def _arguments(
 ) -> tuple[Operator, Backend, Call]:
     """The operator, the backend object and the flattened call; a non-callable f is refused."""
     op = OPERATORS[name]
-    if not callable(f):
-        tangent_name = {"x": ", tx", "y": ", ty"}.get(op.tangent or "", "")
-        raise InvalidInputError(
-            f"f must be a callable f(x, *contexts), got {type(f).__name__}. The argument order "
-            f"is di.{name}(f, backend, x{tangent_name}, *contexts)."
-        )
-    if has_aux and not op.aux:
-        raise _no_aux(op)
+    _check_call(op, f, has_aux)
     engine = normalize(backend)
     sparse = type(engine) is AutoSparse
     if sparse and name not in AutoSparse.operators:  # its other operators are its engine's
         engine, sparse = engine.backend, False  # type: ignore[attr-defined]
     # (a sparsity pattern is detected for the values of the contexts' other leaves)
     return op, engine, Call(op, engine, x, tangent, contexts, has_aux, by_value=sparse)
-
-
-def _no_aux(op: Operator) -> InvalidInputError:
-    with_aux = {"gradient": "value_and_gradient", "jvp": "value_and_jvp", "vjp": "value_and_vjp"}.get(op.name)
-    if with_aux is not None:
-        return InvalidInputError(
-            f"{op.name} does not take has_aux=True; di.{with_aux}(..., has_aux=True) does, and returns "
-            f"((value, aux), {op.name.removeprefix('value_and_')})."
-        )
-    return InvalidInputError(
-        f"{op.name} does not take has_aux=True: only value_and_gradient, value_and_jvp and value_and_vjp "
-        "do. Drop the aux inside f (lambda x, *c: f(x, *c)[0])."
-    )
 
 
 # -- preparation: validate once, build the plan -----------------------------------------------------

@@ -76,11 +76,6 @@ class SparseProgram:
     __slots__ = ("context_kinds", "context_specs", "function", "name", "sparse", "x_spec")
 
     def __init__(self, name: str, f: Callable[..., Any], backend: AutoSparse, call: Call) -> None:
-        if call.signature.has_aux:
-            raise InvalidInputError(
-                f"{name} does not take has_aux=True: only value_and_gradient, value_and_jvp and value_and_vjp "
-                "do. Drop the aux inside f (lambda x, *c: f(x, *c)[0])."
-            )
         _complex.refuse_sparse(call)
         self.name = name
         self.function = FunctionRef(f)
