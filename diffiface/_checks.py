@@ -235,7 +235,7 @@ def _checked(op: Operator, result: Any, output: _Output, adapter: Adapter) -> li
     for leaf in leaves:
         key = (type(leaf), getattr(leaf, "dtype", None))
         if key not in checked:
-            _check_numeric(op, leaf, adapter.complex_outputs or _complex.complex_output_ok(op, leaf))
+            _check_numeric(op, leaf, adapter.complex_outputs or _complex.complex_output_ok(op, leaf, adapter))
             checked.add(key)
     if op.scalar_output and (len(leaves) != 1 or _arrays.shape(leaves[0]) != ()):
         raise InvalidOutputError(

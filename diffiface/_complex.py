@@ -95,9 +95,16 @@ def convention_of(adapter: Adapter) -> Convention:
     return cast(Convention, getattr(adapter, "complex_convention", "split"))
 
 
-def complex_output_ok(op: Operator, leaf: Any) -> bool:
+def complex_output_ok(op: Operator, leaf: Any, adapter: Any = None) -> bool:
     """Whether f may return this leaf complex: not where the operator needs a real scalar
-    (refused, with what to use instead)."""
+    (refused, with what to use instead), nor where the call runs on the engine directly because
+    f's outputs were real when it was first made (:class:`ComplexAdapter`)."""
+    if isinstance(adapter, ComplexAdapter) and adapter.real_outputs and is_complex(leaf):
+        raise InvalidOutputError(
+            f"f returned a complex value (dtype {_arrays.dtype_name(leaf)}) where it returned real ones "
+            f"when this {op.name} was first run with x of these dtypes. Make f's output dtype depend on x's "
+            "dtype alone (say, cast to complex always), or call without this prep."
+        )
     if op.scalar_output and is_complex(leaf):
         raise InvalidOutputError(
             f"f returned a complex value (dtype {_arrays.dtype_name(leaf)}) where {op.name} needs a real "
@@ -146,7 +153,7 @@ def adapter_for_call(op: Operator, adapter: Adapter, call: Call, f: Any) -> Adap
         )
     if not (x_complex or t_complex or _may_return_complex(op, adapter)):
         return adapter
-    return cast("Adapter", ComplexAdapter(adapter, op, holomorphic_asserted(f), x_complex))
+    return cast("Adapter", ComplexAdapter(adapter, op, holomorphic_asserted(f), x_complex, t_complex))
 
 
 def _may_return_complex(op: Operator, adapter: Adapter) -> bool:
@@ -458,8 +465,14 @@ class ComplexAdapter:
     """An adapter that runs ``inner`` in the convention: everything not overridden here is
     ``inner``'s own (reached through ``__getattr__``)."""
 
-    def __init__(self, inner: Adapter, op: Operator, holomorphic: bool, x_complex: bool) -> None:
+    def __init__(
+        self, inner: Adapter, op: Operator, holomorphic: bool, x_complex: bool, t_complex: bool = False
+    ) -> None:
         self._inner = inner
+        # a call on real x and tangents whose f returned real outputs when first run (its output
+        # dtypes are fixed by x's): the engine's own methods, directly, from then on
+        self._real = not (x_complex or t_complex)
+        self.real_outputs = False
         self._convention = convention_of(inner)
         self._holomorphic = holomorphic
         # checking holomorphy reads the Jacobian's values: not inside a compiled trace
@@ -495,6 +508,10 @@ class ComplexAdapter:
         if self._inner.estimates_errors:
             self._local.rejoin = rejoin
 
+    def _learn(self, g: _Realified) -> None:
+        if self._real and g.out_split is not None and not g.out_split.any:
+            self.real_outputs = True
+
     # -- first order --------------------------------------------------------------------------------
 
     def value_and_gradient(self, fn: Callable[[Leaves], Any], xs: Leaves) -> tuple[Any, Any, Leaves]:
@@ -512,9 +529,12 @@ class ComplexAdapter:
     def value_and_pushforward(self, fn: Callable[[Leaves], Any], xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
         if self._convention != "split":  # every engine's jvp is the directional derivative
             return self._inner.value_and_pushforward(fn, xs, txs)
+        if self.real_outputs:
+            return self._inner.value_and_pushforward(fn, xs, txs)
         x_split = _Split(xs)
         g = _Realified(fn, x_split)
         out, aux, touts = self._inner.value_and_pushforward(g, x_split.split(xs), x_split.split(txs))
+        self._learn(g)
         self._errors(lambda e: (g.join_out(e[0]), e[1], g.join_out(e[2])))
         return g.join_out(out), aux, g.join_out(touts)
 
@@ -531,9 +551,12 @@ class ComplexAdapter:
                 return to_convention("vjp", convention, tuple(grads))
 
             return out, aux, pullback
+        if self.real_outputs:
+            return self._inner.pullback_function(fn, xs)
         x_split = _Split(xs)
         g = _Realified(fn, x_split)
         out, aux, vjp = self._inner.pullback_function(g, x_split.split(xs))
+        self._learn(g)
 
         def split_pullback(touts: Any) -> Leaves:
             if isinstance(touts, tuple) and g.out_split is not None and g.out_split.any:
@@ -550,6 +573,8 @@ class ComplexAdapter:
     def value_and_jacobian(
         self, fn: Callable[[Leaves], Any], xs: Leaves, mode: str | None = None
     ) -> tuple[Any, Any, tuple[tuple[Any, ...], ...]]:
+        if self.real_outputs:
+            return self._inner.value_and_jacobian(fn, xs, mode)
         x_split = _Split(xs)
         along_real_axis = self._holomorphic
         if along_real_axis and x_split.any:
@@ -561,6 +586,7 @@ class ComplexAdapter:
             g = _Realified(fn, x_split)
             rs = x_split.split(xs)
         out, aux, blocks = self._inner.value_and_jacobian(g, rs, mode)
+        self._learn(g)
         result = complex_blocks(blocks, g.out_split, x_split, along_real_axis, not along_real_axis, "Jacobian")
         self._errors(
             lambda e: (
@@ -572,6 +598,8 @@ class ComplexAdapter:
         return g.join_out(out), aux, result
 
     def value_and_derivative(self, fn: Callable[[Leaves], Any], xs: Leaves) -> tuple[Any, Any, Any]:
+        if self.real_outputs:
+            return self._inner.value_and_derivative(fn, xs)
         x_split = _Split(xs)
         if x_split.any:  # both columns (along 1 and along i) of the split Jacobian
             out, aux, blocks = self.value_and_jacobian(fn, xs)
@@ -581,14 +609,18 @@ class ComplexAdapter:
             return out, aux, tuple(row[0] for row in blocks)
         g = _Realified(fn, x_split)
         out, aux, deriv = self._inner.value_and_derivative(g, xs)
+        self._learn(g)
         self._errors(lambda e: (g.join_out(e[0]), e[1], g.join_out(e[2])))
         return g.join_out(out), aux, g.join_out(deriv)
 
     def value_derivative_and_second_derivative(
         self, fn: Callable[[Leaves], Any], xs: Leaves
     ) -> tuple[Any, Any, Any, Any]:
+        if self.real_outputs:
+            return self._inner.value_derivative_and_second_derivative(fn, xs)
         g = _Realified(fn, _Split(xs))  # (complex x is refused at preparation)
         out, aux, deriv, second = self._inner.value_derivative_and_second_derivative(g, xs)
+        self._learn(g)
         self._errors(lambda e: (g.join_out(e[0]), e[1], g.join_out(e[2]), g.join_out(e[3])))
         return g.join_out(out), aux, g.join_out(deriv), g.join_out(second)
 

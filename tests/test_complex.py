@@ -337,3 +337,17 @@ def test_a_torch_conjugate_view_comes_back_as_numpy(backend_id: str) -> None:
     np.testing.assert_allclose(di.vjp(lambda z: torch.conj(z), backend, Z, v), np.conj(v))
     value, _ = di.value_and_jvp(lambda z: torch.conj(z), backend, Z, v)
     np.testing.assert_allclose(value, np.conj(Z))
+
+
+def test_a_prep_made_on_real_outputs_refuses_complex_ones_later() -> None:
+    """A call on real x whose f returned real values runs on the engine directly afterwards;
+    an f whose output turns complex at another x of the same dtype is refused, never read as
+    its real part."""
+    prep = di.prepare_jvp(np.emath.sqrt, "finite_differences", np.array([4.0, 9.0]), np.ones(2))
+    np.testing.assert_allclose(
+        di.jvp(np.emath.sqrt, "finite_differences", np.array([4.0, 9.0]), np.ones(2), prep=prep),
+        [0.25, 1 / 6],
+        rtol=1e-6,
+    )
+    with pytest.raises(di.InvalidOutputError, match="returned real ones"):
+        di.jvp(np.emath.sqrt, "finite_differences", np.array([-4.0, 9.0]), np.ones(2), prep=prep)
