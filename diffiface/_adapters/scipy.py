@@ -25,7 +25,7 @@ import scipy.differentiate
 from .. import _arrays
 from . import _base
 from ._base import Blocks, Fn, Leaves
-from .finite_differences import (
+from ._black_box import (
     _blocks,
     _fit,
     _flatten_out,

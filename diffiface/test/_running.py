@@ -1011,7 +1011,7 @@ def _sharded_projected_truth(
 ) -> np.ndarray:
     """:func:`_projected_truth` on DTensors: the points ``x + t u`` are DTensor arithmetic, on
     each rank's slices; f's values and the largest ``|x_i|`` are the only numbers shared."""
-    from .._adapters.finite_differences import _largest
+    from .._adapters._black_box import _largest
 
     leaves, spec = _tree.flatten(promote(x))
     values = tuple(c.value for c in promote_contexts(tuple(contexts)))

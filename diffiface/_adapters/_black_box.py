@@ -1,0 +1,503 @@
+"""What the black-box engines share (finite differences and scipy's adaptive differences):
+``x`` as one float64 vector and back (:class:`_Point`), f's output as one vector
+(:func:`_flatten_out`), the guard that hands f read-only or watched points and Constants
+(:func:`run_f`), the size limits, and the blocks of Jacobians and Hessians. Neither engine's
+adapter imports the other's: both import this module."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from .. import _arrays
+from .._errors import (
+    InputTooLargeError,
+    InvalidBackendOptionError,
+    InvalidOutputError,
+    MutationError,
+    UnsupportedOperationError,
+)
+from ._base import Blocks, Leaves
+
+MAX_JACOBIAN_ENTRIES = 25_000_000
+"""The most entries (outputs times inputs) of a Jacobian built by finite differences (200 MB in float64)."""
+
+
+def check_size(backend: Any, xs: Leaves, operator: str, limit: int, what: str) -> None:
+    """Refuse, before any allocation, an ``x`` with more inputs than ``limit`` (or the
+    backend's ``max_inputs`` when set)."""
+    n = sum(math.prod(_arrays.shape(x)) for x in xs)
+    chosen = getattr(backend, "max_inputs", None)
+    limit = limit if chosen is None else chosen
+    if n > limit:
+        raise InputTooLargeError(
+            f"{operator} by {type(backend).__name__} of an x with {n:,} inputs: above the limit of "
+            f"{limit:,} inputs ({what}). Use an automatic-differentiation backend (jax, torch, autograd), "
+            "or check gradients along a few random directions with diffiface.test.check_gradients; for a "
+            f"deliberate run, raise the limit with {type(backend).__name__}(max_inputs={n})."
+        )
+
+
+def check_entries(backend: Any, m: int, n: int) -> None:
+    """Refuse a Jacobian of more than :data:`MAX_JACOBIAN_ENTRIES` entries (unless ``max_inputs`` is set)."""
+    if getattr(backend, "max_inputs", None) is None and m * n > MAX_JACOBIAN_ENTRIES:
+        raise InputTooLargeError(
+            f"A Jacobian by {type(backend).__name__} of {m:,} outputs by {n:,} inputs has {m * n:,} entries: "
+            f"above the limit of {MAX_JACOBIAN_ENTRIES:,}. Use vjp or jvp (one row or column), an "
+            "automatic-differentiation backend, or, for a deliberate run, set "
+            f"{type(backend).__name__}(max_inputs=...)."
+        )
+
+
+# -- what f must not write into -------------------------------------------------------------
+
+
+class _Watch:
+    """The arrays of one call that f must only read: torch Constant copies with their version
+    counters, and whether numpy Constants were handed over read-only."""
+
+    __slots__ = ("numpy_constants", "tensors")
+
+    def __init__(self) -> None:
+        self.tensors: list[tuple[Any, int | None]] = []
+        self.numpy_constants = False
+
+
+_pending = threading.local()
+"""Constants converted for the call about to run in this thread; its closed ``fn`` takes them
+at its first evaluation (conversion happens right before the adapter runs, so a nested call's
+Constants go to the nested ``fn``)."""
+
+
+def _pending_watch() -> _Watch:
+    watch = getattr(_pending, "watch", None)
+    if watch is None:
+        watch = _pending.watch = _Watch()
+    return watch
+
+
+def _watch_of(fn: Any) -> _Watch:
+    watch = getattr(fn, "_diffiface_watch", None)
+    if watch is None:
+        watch = getattr(_pending, "watch", None) or _Watch()
+        _pending.watch = None
+        with contextlib.suppress(AttributeError):
+            fn._diffiface_watch = watch
+    return watch  # type: ignore[no-any-return]
+
+
+def _read_only(array: Any) -> Any:
+    """A read-only view of a numpy array (other leaves as they are)."""
+    if type(array) is np.ndarray:
+        view = array.view()
+        view.flags.writeable = False
+        return view
+    return array
+
+
+def _version(tensor: Any) -> int | None:
+    try:
+        return tensor._version  # type: ignore[no-any-return]
+    except (AttributeError, RuntimeError):  # inference tensors keep no version counter
+        return None
+
+
+def _is_read_only_write(exc: BaseException) -> bool:
+    return type(exc) is ValueError and str(exc).endswith("read-only")
+
+
+def run_f(fn: Any, leaves: Leaves, backend_name: str, batched: bool = False) -> Any:
+    """``fn(leaves)`` (or ``fn.batched``) under ``torch.no_grad()``, refusing writes into the
+    leaves (handed read-only or watched) and into the call's Constants."""
+    watch = _watch_of(fn)
+    tensors = [(t, _version(t)) for t in leaves if _arrays.kind(t) == "torch"] if "torch" in sys.modules else []
+    try:
+        with _no_grad():
+            out = fn.batched(leaves) if batched else fn(leaves)
+    except ValueError as exc:
+        if _is_read_only_write(exc) and (watch.numpy_constants or any(type(a) is np.ndarray for a in leaves)):
+            what = "its input x or a di.Constant" if watch.numpy_constants else "its input x"
+            raise MutationError(
+                f"f wrote into {what} (numpy: {exc!s}), which it must only read. The {backend_name} backend "
+                "evaluates f at points near x and hands them to f read-only, since a write would shift the "
+                "points that follow. Compute out of place (y = x * 2, not x *= 2), or pass scratch space "
+                "as di.Cache(array)."
+            ) from exc
+        raise
+    for tensor, version in tensors:
+        if version is not None and _version(tensor) != version:
+            raise MutationError(_torch_write(backend_name, "its input x"))
+    for tensor, version in watch.tensors:
+        if _version(tensor) != version:
+            raise MutationError(_torch_write(backend_name, "a di.Constant"))
+    return out
+
+
+def _torch_write(backend_name: str, what: str) -> str:
+    return (
+        f"f wrote into {what} in place (its tensor's version counter moved: an operation such as "
+        f"x.add_(1), x *= 2 or x[0] = 0), which it must only read. The {backend_name} backend evaluates f "
+        "at points near x, and a write would shift the points that follow. Compute out of place "
+        "(y = x * 2), or pass scratch space as di.Cache(tensor)."
+    )
+
+
+def constant_like_x(leaf: Any, like: Any) -> tuple[Any, bool]:
+    """A Constant's leaf for f: numpy read-only (or, for torch x, a watched torch copy), torch
+    a watched copy; so f can write into none of the caller's arrays unnoticed."""
+    if type(leaf) is np.ndarray:
+        target = _arrays.kind(like)
+        if target == "torch":
+            tensor = _arrays.from_numpy(np.array(leaf), like, dtype=_same_dtype(leaf, like))
+            _pending_watch().tensors.append((tensor, _version(tensor)))
+            return tensor, True
+        if target == "jax":
+            return context_like_x(leaf, like)  # jax copies into an immutable array
+        _pending_watch().numpy_constants = True
+        return _read_only(leaf), True
+    if _arrays.kind(leaf) == "torch":
+        tensor = leaf.detach().clone()
+        _pending_watch().tensors.append((tensor, _version(tensor)))
+        return tensor, True
+    return context_like_x(leaf, like)
+
+
+def _traced_by_torch(x: Any) -> bool:
+    """Whether a tensor carries an outer torch differentiation, which evaluating f on numbers
+    would cut: it was computed from tensors that require grad, or is the input of an enclosing
+    diffiface torch call, or a torch.func tensor (these have no storage), or a forward-mode
+    dual. A leaf the caller made requiring grad (a module's parameter) is not: its finite
+    differences are numbers, as a checker expects."""
+    torch = sys.modules["torch"]
+    if x.requires_grad and torch.is_grad_enabled():
+        if x.grad_fn is not None:
+            return True
+        adapter = sys.modules.get("diffiface._adapters.torch")
+        if adapter is not None and adapter.inside_a_call():
+            return True
+    if x.device.type != "meta":
+        try:
+            x.data_ptr()
+        except RuntimeError:
+            return True
+    return torch.autograd.forward_ad.unpack_dual(x).tangent is not None
+
+
+def _inside_torch() -> UnsupportedOperationError:
+    return UnsupportedOperationError(
+        "Finite differences were asked for inside a torch differentiation (x carries torch's "
+        "graph, a torch.func transform or a forward-mode dual): torch cannot differentiate "
+        "through them, and the outer derivative would silently lose this part. Differentiate "
+        "the inner function with AutoTorch() too, or make the outer call finite differences "
+        "(di.SecondOrder(di.AutoFiniteDifferences(), di.AutoTorch()) for second order)."
+    )
+
+
+class _Point:
+    """``x`` as one float64 vector, with the way back to leaves of x's kinds and dtypes."""
+
+    def __init__(self, xs: Leaves, promote: bool = False) -> None:
+        _refuse_sharded(xs)
+        for x in xs:
+            if _arrays.kind(x) == "jax" and isinstance(x, sys.modules["jax"].core.Tracer):
+                raise UnsupportedOperationError(
+                    "Finite differences were asked for inside a jax transformation (x is a traced jax "
+                    "array): they evaluate f at numbers, which jax cannot trace. Differentiate the inner "
+                    "function with AutoJAX() too, or make the outer call finite differences "
+                    "(di.SecondOrder(di.AutoFiniteDifferences(), di.AutoJAX()) for second order)."
+                )
+            if _arrays.kind(x) == "torch" and _traced_by_torch(x):
+                raise _inside_torch()
+        self.likes = tuple(_promoted(x) for x in xs) if promote else xs
+        arrays = [_arrays.to_numpy(x) for x in xs]
+        self.shapes = [a.shape for a in arrays]
+        self.dtypes = [a.dtype for a in arrays]  # x's own, also when the likes are promoted
+        self.offsets = np.cumsum([0, *(a.size for a in arrays)])
+        self.vector = np.concatenate([a.reshape(-1).astype(np.float64) for a in arrays]) if arrays else np.zeros(0)
+        self.eps = np.concatenate([np.full(a.size, np.finfo(a.dtype).eps) for a in arrays]) if arrays else np.zeros(0)
+        self.size = self.vector.size
+
+    def leaves(self, vector: np.ndarray) -> Leaves:
+        complex_step = np.iscomplexobj(vector)
+        leaves = []
+        for i, like in enumerate(self.likes):
+            piece = vector[self.offsets[i] : self.offsets[i + 1]].reshape(self.shapes[i])
+            if isinstance(like, float):
+                leaves.append(complex(piece.item()) if complex_step else float(piece.item()))
+                continue
+            dtype = _complex_dtype(like) if complex_step else None
+            leaves.append(_read_only(_arrays.from_numpy(piece, like, dtype=dtype)))
+        return tuple(leaves)
+
+    def batch_leaves(self, points: np.ndarray) -> Leaves:
+        """Leaves holding ``k`` points along a new leading axis (``points`` is ``(k, n)``)."""
+        complex_step = np.iscomplexobj(points)
+        k = points.shape[0]
+        leaves = []
+        for i, like in enumerate(self.likes):
+            piece = points[:, self.offsets[i] : self.offsets[i + 1]].reshape((k, *self.shapes[i]))
+            if isinstance(like, float):
+                leaves.append(_read_only(piece))
+                continue
+            dtype = _complex_dtype(like) if complex_step else None
+            leaves.append(_read_only(_arrays.from_numpy(piece, like, dtype=dtype)))
+        return tuple(leaves)
+
+    def steps(self, power: float, fixed: float | None, exact: bool = True) -> np.ndarray:
+        if fixed is not None:
+            steps = np.full(self.size, float(fixed))
+        else:
+            steps = self.eps**power * np.maximum(1.0, np.abs(self.vector))
+        return self._exact(steps) if exact else steps
+
+    def check_step(self, backend: Any, steps: np.ndarray, where: np.ndarray | None = None) -> None:
+        """Refuse a fixed step that rounds to 0 (``x_i + h == x_i`` in x's dtype) on some input
+        (among ``where``): its derivative would come out 0."""
+        lost = (steps == 0) & np.isfinite(self.vector)
+        if where is not None:
+            lost &= where
+        if not lost.any():
+            return
+        spacing = np.zeros(self.size)
+        for i, dtype in enumerate(self.dtypes):
+            lo, hi = self.offsets[i], self.offsets[i + 1]
+            spacing[lo:hi] = np.spacing(np.abs(self.vector[lo:hi]).astype(dtype)).astype(np.float64)
+        smallest = float(np.max(spacing[lost]))
+        raise InvalidBackendOptionError(
+            f"{type(backend).__name__}(step={backend.step!r}) is too small for this x: x_i + step == x_i in "
+            f"x's dtype for {int(lost.sum())} of its {self.size} inputs, whose derivatives would come out 0. "
+            f"The smallest step that moves every input is {smallest:.3g} (one spacing of floating-point "
+            "numbers there); a much larger one balances rounding against truncation. Or use step=None to "
+            "choose each input's step from its dtype and magnitude."
+        )
+
+    def check_complex_step(self, backend: Any, step: float) -> None:
+        """Refuse a complex step below the smallest normal number of x's dtype: ``Im f(x + ih)``
+        would lose its precision (or vanish) there."""
+        tiny = max((float(np.finfo(np.result_type(d, np.float32)).tiny) for d in self.dtypes), default=0.0)
+        if step < tiny:
+            raise InvalidBackendOptionError(
+                f"{type(backend).__name__}(step={backend.step!r}, method='complex') is too small for this x: "
+                f"the imaginary parts of f would be subnormal or 0. Use a step of at least {tiny:.3g} "
+                "(1e-20 serves nearly every function), or step=None."
+            )
+
+    def _exact(self, steps: np.ndarray) -> np.ndarray:
+        """Steps rounded so that ``x + h`` is representable in each leaf's dtype."""
+        out = np.empty_like(steps)
+        for i, like in enumerate(self.likes):
+            lo, hi = self.offsets[i], self.offsets[i + 1]
+            dtype = np.dtype(_arrays.dtype_name(like))
+            x = self.vector[lo:hi].astype(dtype)
+            out[lo:hi] = (x + steps[lo:hi].astype(dtype)).astype(np.float64) - x.astype(np.float64)
+        return out
+
+
+def _promoted(leaf: Any) -> Any:
+    """A float32 numpy leaf as float64 (f then computes in float64); other leaves as they are."""
+    if isinstance(leaf, np.ndarray) and leaf.dtype != np.float64:
+        return leaf.astype(np.float64)
+    return leaf
+
+
+def _complex_dtype(like: Any) -> Any:
+    name = _arrays.dtype_name(like)
+    target = "complex64" if name in ("float32", "float16", "bfloat16") else "complex128"
+    if _arrays.kind(like) == "torch":
+        return getattr(sys.modules["torch"], target)
+    return np.dtype(target)
+
+
+class _Layout(list[tuple[tuple[int, ...], Any]]):
+    """Shapes and dtypes of the leaves of f(x); ``tuple_out`` tells a tuple from one leaf."""
+
+    tuple_out = True
+
+
+def _flatten_out(out: Any) -> tuple[np.ndarray, _Layout]:
+    leaves = out if isinstance(out, tuple) else (out,)
+    arrays = [np.asarray(_arrays.to_numpy(leaf)) for leaf in leaves]
+    layout = _Layout((a.shape, _real_dtype(a.dtype)) for a in arrays)
+    layout.tuple_out = isinstance(out, tuple)
+    vector = np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.zeros(0)
+    return vector, layout
+
+
+def _real_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
+    return np.dtype(np.float32) if dtype == np.complex64 else np.dtype(np.float64) if dtype.kind == "c" else dtype
+
+
+# -- DTensors (torch.distributed.tensor): collective directional differences only ------------
+
+
+def _is_dtensor(leaf: Any) -> bool:
+    kind = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return kind is not None and isinstance(leaf, kind)
+
+
+def _sharded_torch(leaves: Leaves) -> bool:
+    """Whether a leaf is a DTensor (checked only once torch.distributed.tensor is imported)."""
+    return "torch.distributed.tensor" in sys.modules and any(
+        _arrays.kind(x) == "torch" and _is_dtensor(x) for x in leaves
+    )
+
+
+def _refuse_sharded(xs: Leaves) -> None:
+    jax = sys.modules.get("jax")
+    if jax is not None and any(
+        isinstance(x, jax.Array)
+        and not isinstance(x, jax.core.Tracer)
+        and len(x.sharding.device_set) > 1
+        and not x.sharding.is_fully_replicated  # (a replicated array is read from one device)
+        for x in xs
+    ):
+        raise UnsupportedOperationError(
+            "x holds a jax array sharded over several devices: finite differences of a Jacobian, vjp, "
+            "Hessian or hvp (and of a gradient or jvp with the complex step, a fixed step, vectorize=True "
+            "or a non-finite tangent) build their matrices in numpy, which would gather x on the host. "
+            "On sharded arrays, finite differences give di.gradient and di.jvp on the devices; "
+            "diffiface.test.check_gradients(f, x, ...) checks a gradient along random directions on "
+            "them; AutoJAX() gives every operator without moving x."
+        )
+    if _sharded_torch(xs):
+        raise UnsupportedOperationError(
+            "x holds a DTensor (a tensor sharded over processes): finite differences of a gradient, vjp, "
+            "Jacobian or Hessian perturb x one entry at a time, which needs x gathered in one process. "
+            "Check the gradient along random directions instead (collective, nothing gathered): "
+            "diffiface.test.check_gradients(f, x, ...) does so for DTensors, or "
+            "di.jvp(f, di.AutoFiniteDifferences(), x, t) with a DTensor tangent t gives one product."
+        )
+
+
+def _largest(tensor: Any) -> float:
+    """``max |tensor_i|`` as a Python float, the same on every rank for a DTensor (one scalar
+    all-reduce); 0 for an empty tensor."""
+    if tensor.numel() == 0:
+        return 0.0
+    largest = tensor.detach().abs().max()
+    if _is_dtensor(largest):
+        largest = largest.redistribute(largest.device_mesh, [_replicate()] * largest.device_mesh.ndim).to_local()
+    return float(largest)
+
+
+def _replicate() -> Any:
+    return sys.modules["torch.distributed.tensor"].Replicate()
+
+
+def _leaves_of(out: Any) -> Leaves:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _times_non_finite(column: np.ndarray, t: float) -> np.ndarray:
+    """``column * t`` for a non-finite ``t``, with exact zeros of ``column`` (outputs that do not
+    depend on that input) kept 0, as a forward-mode engine gives them."""
+    with np.errstate(invalid="ignore"):
+        return np.where(column != 0, column * t, 0.0)  # type: ignore[no-any-return]
+
+
+def _shifted(x: np.ndarray, direction: Any, amount: Any) -> np.ndarray:
+    """A fresh ``x + amount * direction``; ``direction`` an array or the index of a unit vector."""
+    if isinstance(direction, (int, np.integer)):
+        shifted = x.astype(np.result_type(x, amount))  # a copy
+        shifted[direction] += amount
+        return shifted
+    return x + amount * direction  # type: ignore[no-any-return]
+
+
+def _fit(layout: _Layout, found: _Layout) -> None:
+    """Fill an empty ``layout`` with ``found``, or check that f's output kept its shapes."""
+    if not layout:
+        layout.extend(found)
+        layout.tuple_out = found.tuple_out
+        return
+    before, after = [shape for shape, _ in layout], [shape for shape, _ in found]
+    if before != after:
+        raise InvalidOutputError(
+            f"f's output changed shape between evaluations at nearby points: {_shapes(before)} at one, "
+            f"{_shapes(after)} at another. Its derivative does not exist there (an output whose length "
+            "depends on x's values, as x[x > 0], jumps). Return an output whose shape does not depend "
+            "on x's values (say np.where(x > 0, x, 0) instead of x[x > 0])."
+        )
+
+
+def _shapes(shapes: list[tuple[int, ...]]) -> str:
+    return ", ".join(f"shape {shape}" for shape in shapes) if shapes else "no output"
+
+
+# -- reshaping flat results --------------------------------------------------------------------
+
+
+def context_like_x(leaf: Any, like: Any) -> tuple[Any, bool]:
+    """A numpy context leaf in x's framework, so that f sees one framework."""
+    if isinstance(leaf, np.ndarray) and _arrays.kind(like) in ("torch", "jax"):
+        return _arrays.from_numpy(leaf, like, dtype=_same_dtype(leaf, like)), True
+    return leaf, _arrays.is_array(leaf)
+
+
+def _same_dtype(array: np.ndarray, like: Any) -> Any:
+    if _arrays.kind(like) == "torch":
+        return getattr(sys.modules["torch"], array.dtype.name, None)
+    return array.dtype
+
+
+def _split(vector: np.ndarray, point: _Point) -> Leaves:
+    """A flat vector shaped as x (numpy pieces; the caller converts to x's kinds)."""
+    return tuple(
+        vector[point.offsets[i] : point.offsets[i + 1]].reshape(point.shapes[i]) for i in range(len(point.shapes))
+    )
+
+
+def _split_out(vector: np.ndarray, layout: list[Any]) -> Leaves:
+    """A flat vector shaped as f(x), each piece in its output leaf's dtype."""
+    pieces, start = [], 0
+    for shape, dtype in layout:
+        size = math.prod(shape)
+        pieces.append(vector[start : start + size].reshape(shape).astype(dtype))
+        start += size
+    return tuple(pieces)
+
+
+def _blocks(matrix: np.ndarray, layout: list[Any], point: _Point) -> Blocks:
+    rows, start = [], 0
+    for shape, dtype in layout:
+        size = math.prod(shape)
+        row = matrix[start : start + size]
+        rows.append(
+            tuple(
+                row[:, point.offsets[j] : point.offsets[j + 1]].reshape((*shape, *point.shapes[j])).astype(dtype)
+                for j in range(len(point.shapes))
+            )
+        )
+        start += size
+    return tuple(rows)
+
+
+def _hessian_blocks(matrix: np.ndarray, point: _Point, layout: list[Any]) -> Blocks:
+    """Blocks ``(i, j)`` in the dtype of x's leaves (float32 x gets a float32 Hessian)."""
+    dtypes = point.dtypes
+    return tuple(
+        tuple(
+            matrix[point.offsets[i] : point.offsets[i + 1], point.offsets[j] : point.offsets[j + 1]]
+            .reshape((*point.shapes[i], *point.shapes[j]))
+            .astype(np.result_type(dtypes[i], dtypes[j]))
+            for j in range(len(point.shapes))
+        )
+        for i in range(len(point.shapes))
+    )
+
+
+@contextlib.contextmanager
+def _no_grad() -> Iterator[None]:
+    """``torch.no_grad()`` when torch is loaded: f is evaluated, never traced."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        yield
+        return
+    with torch.no_grad():
+        yield
