@@ -7,8 +7,8 @@
 - ``jacobian`` and ``derivative`` of a holomorphic ``f`` hold ``df_i/dz_j``; a map that is not
   holomorphic has no complex Jacobian and is refused, unless the caller asserts holomorphy.
 
-Each adapter declares once how its engine differentiates complex numbers, in its
-``complex_convention`` attribute:
+The registry row of each engine (``diffiface._adapters.BACKENDS``) declares once how it
+differentiates complex numbers, in its ``complex_convention`` field:
 
 - ``"torch"``: the engine's gradient and vjp are the convention already (torch);
 - ``"conjugate"``: its gradient is the conjugate, its vjp ``conj(vjp(conj(ybar)))`` of the
@@ -92,7 +92,7 @@ def convention_of(adapter: Adapter) -> Convention:
     inner = getattr(adapter, "inner", None)
     if inner is not None and inner is not adapter:
         return convention_of(inner)
-    return cast(Convention, getattr(adapter, "complex_convention", "split"))
+    return cast(Convention, adapter.info.complex_convention)
 
 
 def complex_output_ok(op: Operator, leaf: Any, adapter: Any = None) -> bool:

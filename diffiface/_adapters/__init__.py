@@ -50,6 +50,12 @@ class BackendInfo:
     """The arrays the engine differentiates and calls ``f`` with: ``"jax"``, ``"torch"``,
     ``"numpy"`` (autograd traces numpy code), or ``"any"`` (the input's own array type,
     whatever framework it is: the black-box engines)."""
+    complex_convention: str = "split"
+    """How the engine differentiates complex numbers (diffiface._complex converts, once):
+    ``"torch"``, its gradient and vjp are the convention already; ``"conjugate"``, its gradient
+    is the conjugate and its vjp ``conj(vjp(conj(ybar)))`` of the convention's (jax, autograd);
+    ``"split"``, it differentiates real numbers only and sees a complex leaf as its real and
+    imaginary parts (the black boxes)."""
     jit: bool = False
     reverse_first: bool = False
     """Whether its reverse products cost less than its forward ones (autograd's forward mode
@@ -73,6 +79,7 @@ BACKENDS: tuple[BackendInfo, ...] = (
         reverse_mode=True,
         native=_FIRST | {"jacobian"},
         arrays="jax",
+        complex_convention="conjugate",
         jit=True,
     ),
     BackendInfo(
@@ -85,6 +92,7 @@ BACKENDS: tuple[BackendInfo, ...] = (
         reverse_mode=True,
         native=_FIRST | {"jacobian", "hessian", "hvp", "second_derivative"},
         arrays="torch",
+        complex_convention="torch",
         reverse_first=True,
     ),
     BackendInfo(
@@ -97,6 +105,7 @@ BACKENDS: tuple[BackendInfo, ...] = (
         reverse_mode=True,
         native=frozenset({"pullback", "gradient", "pushforward"}),  # pushforward: two reverse passes
         arrays="numpy",
+        complex_convention="conjugate",
         reverse_first=True,
     ),
     BackendInfo(

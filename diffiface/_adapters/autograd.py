@@ -44,7 +44,6 @@ warnings.filterwarnings("ignore", message="Output seems independent of input", m
 
 class Adapter(_base.Adapter):
     xp = anp
-    complex_convention = "conjugate"  # autograd.grad gives df/dRe z - i df/dIm z (diffiface._complex)
 
     def to_native(self, leaf: Any) -> Any:
         if type(leaf) is np.ndarray:

@@ -76,7 +76,6 @@ MAX_VECTORIZED_INPUTS = 4_000
 
 
 class Adapter(_base.Adapter):
-    complex_convention = "split"  # a complex leaf is differenced along its real and imaginary axes
     xp = np
 
     def __init__(self, backend: Any, info: Any) -> None:

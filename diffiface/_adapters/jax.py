@@ -40,7 +40,6 @@ def _names_a_tracer(exc: BaseException) -> bool:
 
 class Adapter(_base.Adapter):
     xp = jnp
-    complex_convention = "conjugate"  # jax.grad gives df/dRe z - i df/dIm z (diffiface._complex)
 
     def to_native(self, leaf: Any) -> Any:
         kind = _arrays.kind(leaf)

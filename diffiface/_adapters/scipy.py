@@ -51,7 +51,6 @@ _NAME = "scipy"
 
 
 class Adapter(_base.Adapter):
-    complex_convention = "split"  # a complex leaf is differenced as its real and imaginary parts
     xp = np
     estimates_errors = True
 

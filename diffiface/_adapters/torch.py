@@ -100,7 +100,6 @@ def _keeping() -> bool:
 
 class Adapter(_base.Adapter):
     xp = _Namespace
-    complex_convention = "torch"  # df/dRe z + i df/dIm z, the convention itself (diffiface._complex)
 
     def __init__(self, backend: Any, info: Any) -> None:
         super().__init__(backend, info)
