@@ -141,9 +141,27 @@ class _JaxLeaves:
         return True
 
 
+class _TorchLeaves:
+    """The test of a list of torch tensors, inline: type, shape, dtype, device."""
+
+    __slots__ = ("expected",)
+
+    def __init__(self, leaves: list[Any]) -> None:
+        self.expected = tuple((type(leaf), leaf.shape, leaf.dtype, leaf.device) for leaf in leaves)
+
+    def __call__(self, leaves: list[Any]) -> bool:
+        expected = self.expected
+        if len(leaves) != len(expected):
+            return False
+        for leaf, (cls, shape, dtype, device) in zip(leaves, expected, strict=False):
+            if type(leaf) is not cls or leaf.shape != shape or leaf.dtype != dtype or leaf.device != device:
+                return False
+        return True
+
+
 def leaves_check(leaves: list[Any], checks: tuple[Check, ...]) -> Callable[[list[Any]], bool]:
     """The test of a list of leaves like ``leaves``, each known by ``checks``: one that reads
-    jax arrays inline where every leaf is a concrete one."""
+    jax arrays or torch tensors inline where every leaf is one."""
     jax = sys.modules.get("jax")
     if leaves and jax is not None:
         array, tracer = jax.Array, jax.core.Tracer
@@ -151,6 +169,8 @@ def leaves_check(leaves: list[Any], checks: tuple[Check, ...]) -> Callable[[list
             isinstance(leaf, array) and not isinstance(leaf, tracer) and _arrays.kind(leaf) == "jax" for leaf in leaves
         ):
             return _JaxLeaves(leaves)
+    if leaves and all(_arrays.kind(leaf) == "torch" for leaf in leaves):
+        return _TorchLeaves(leaves)
     return _Leaves(checks)
 
 
