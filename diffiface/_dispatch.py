@@ -224,7 +224,8 @@ def _program_of(
         compiled = flat
         finish = FlatFinish(flat, one.mirror if one is not None else finish)
     else:  # (jit returns arrays only: a program whose result holds none but arrays needs no help)
-        compiled = adapter.compile(traced, arrays=not signature.has_aux)
+        # (a static argument costs jit a slower call: only where a context leaf is one)
+        compiled = adapter.compile(traced, static=not all(conversions.mask), arrays=not signature.has_aux)
     program: Callable[..., Any] = Run(adapter, conversions, compiled, output, finish, op, signature.has_aux)
     if conversions.scoped:
         program = Scoped(adapter, program)

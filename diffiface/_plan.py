@@ -19,7 +19,6 @@ import optree
 from . import _arrays, _placement
 from ._backends import AutoSparse
 from ._keys import static_key, static_x_key
-from .tree import NAMESPACE
 
 __all__ = ["Check", "Plan", "leaf_check", "leaves_check"]
 
@@ -174,6 +173,12 @@ def leaves_check(leaves: list[Any], checks: tuple[Check, ...]) -> Callable[[list
     return _Leaves(checks)
 
 
+def _namespace(spec: Any) -> str:
+    """The namespace a structure was made in: diffiface's where it holds a type registered there
+    (optree records it then), else optree's default one, which flattens faster."""
+    return "" if spec is None else str(spec.namespace)
+
+
 class Plan:
     """What a prep was made for and what it runs.
 
@@ -187,6 +192,7 @@ class Plan:
         "backend",
         "context_checks",
         "context_kinds",
+        "context_namespaces",
         "context_specs",
         "estimates",
         "function",
@@ -196,9 +202,11 @@ class Plan:
         "program",
         "tangent",
         "tangent_checks",
+        "tangent_namespace",
         "tangent_spec",
         "x_checks",
         "x_class",
+        "x_namespace",
         "x_spec",
     )
 
@@ -237,6 +245,13 @@ class Plan:
         self.context_kinds = context_kinds
         self.context_specs = context_specs
         self.context_checks = context_checks
+        # The namespace each argument is flattened in: optree's default where the structure
+        # holds none of the types registered in diffiface's (most trees: dicts, tuples,
+        # lists), since a namespace costs optree a slower lookup per node. A tree that holds
+        # such a type in another call then misses the plan, and its full signature decides.
+        self.x_namespace = _namespace(x_spec)
+        self.tangent_namespace = _namespace(tangent_spec)
+        self.context_namespaces = tuple(_namespace(spec) for spec in context_specs)
         self.program = program
         self.estimates = estimates
         """Whether the program estimates its error (the prep keeps the last estimate)."""
@@ -275,21 +290,21 @@ class Plan:
             if not x_checks(x_leaves):
                 return None
         else:
-            x_leaves, spec = optree.tree_flatten(x, namespace=NAMESPACE)
+            x_leaves, spec = optree.tree_flatten(x, namespace=self.x_namespace)
             if spec != self.x_spec or not x_checks(x_leaves):
                 return None
         tangent_leaves: list[Any] = []
         if self.tangent:
-            tangent_leaves, spec = optree.tree_flatten(tangent, namespace=NAMESPACE)
+            tangent_leaves, spec = optree.tree_flatten(tangent, namespace=self.tangent_namespace)
             if spec != self.tangent_spec or not self.tangent_checks(tangent_leaves):
                 return None
         context_leaves = []
-        for context, kind, context_spec, checks in zip(
-            contexts, self.context_kinds, self.context_specs, self.context_checks, strict=False
+        for context, kind, context_spec, checks, namespace in zip(
+            contexts, self.context_kinds, self.context_specs, self.context_checks, self.context_namespaces, strict=False
         ):
             if type(context) is not kind:
                 return None
-            leaves, spec = optree.tree_flatten(context.value, namespace=NAMESPACE)  # type: ignore[attr-defined]
+            leaves, spec = optree.tree_flatten(context.value, namespace=namespace)  # type: ignore[attr-defined]
             if spec != context_spec or not checks(leaves):
                 return None
             context_leaves.append(leaves)
