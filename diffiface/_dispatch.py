@@ -69,9 +69,12 @@ def evaluate(
         return prep.run(call.x_leaves, call.tangent_leaves, call.context_leaves)
     if not isinstance(prep, Prep):
         raise InvalidInputError(f"prep must come from di.prepare_{name}(...), got {type(prep).__name__}.")
-    leaves = prep.plan.leaves(name, f, backend, x, tangent, contexts, has_aux)
+    plan = prep.plan
+    leaves = plan.leaves(name, f, backend, x, tangent, contexts, has_aux)
     if leaves is not None:
-        return prep.run(*leaves)
+        if plan.estimates:  # (the prep keeps the estimate)
+            return prep.run(*leaves)
+        return plan.program(*leaves)[0]
     op, backend, call = _arguments(name, f, backend, x, tangent, contexts, has_aux)
     reason = describe_mismatch(prep, f, call.signature)
     if reason is None:  # (the same signature, told apart by a leaf test that is stricter: a weak type)

@@ -261,18 +261,9 @@ class Plan:
         """Whether every leaf has a test (else only whole signatures compare)."""
         return self.x_checks is not None and self.tangent_checks is not None and self.context_checks is not None
 
-    def fits(self, operator: str, f: Any, backend: Any, has_aux: bool, count: int) -> bool:
-        """Whether a call's operator, f, backend, has_aux and number of contexts are the plan's."""
-        if operator != self.operator or has_aux != self.has_aux or count != len(self.context_kinds):
-            return False
-        function = self.function
-        if function.ref() is not f and not function.matches(f):
-            return False
+    def fits_backend(self, backend: Any) -> bool:
+        """Whether a backend object other than the plan's own one means it."""
         mine = self.backend
-        if backend is mine:
-            return True
-        if type(backend) is str:
-            return backend in self.names
         # (an AutoSparse's operators other than Jacobians and Hessians are its engine's)
         return bool(backend == mine) or (type(backend) is AutoSparse and backend.backend == mine)
 
@@ -280,7 +271,14 @@ class Plan:
         self, operator: str, f: Any, backend: Any, x: Any, tangent: Any, contexts: tuple[Any, ...], has_aux: bool
     ) -> tuple[list[Any], list[Any], list[list[Any]]] | None:
         """A call's leaves where it fits this plan; None where it does not."""
-        if not self.fits(operator, f, backend, has_aux, len(contexts)):
+        # (fits, inlined: this runs on every call)
+        if operator != self.operator or has_aux != self.has_aux or len(contexts) != len(self.context_kinds):
+            return None
+        function = self.function
+        if function.ref() is not f and not function.matches(f):
+            return None
+        mine = self.backend
+        if backend is not mine and not (backend in self.names if type(backend) is str else self.fits_backend(backend)):
             return None
         x_checks = self.x_checks
         if x_checks is None or self.tangent_checks is None or self.context_checks is None:
