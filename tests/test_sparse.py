@@ -189,13 +189,13 @@ def test_prep_is_reused_and_strict() -> None:
 
 def test_unprepared_calls_detect_once_per_signature(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    original = sparse.jacobian_pattern
+    original = sparse.detect  # what a sparse operator's preparation calls
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(sparse, "jacobian_pattern", counting)
+    monkeypatch.setattr(sparse, "detect", counting)
 
     def f(x: Any) -> Any:  # a function of its own: no earlier call prepared it
         return tridiagonal(x)

@@ -252,7 +252,10 @@ def test_banded_patterns_get_one_color_per_diagonal(b: int) -> None:
 
 def test_known_patterns_and_their_colorings() -> None:
     assert sparse.color_hessian(arrow(50)).count == 2
-    assert sparse.color_jacobian(arrow(50)).count == 50  # a dense row and a dense column
+    for side in ("column", "row"):  # a dense row and a dense column: one side alone takes every color
+        assert sparse.color_jacobian(arrow(50), mode=side).count == 50
+    both = sparse.color_jacobian(arrow(50))  # auto: the dense row by a reverse product, the rest forward
+    assert (both.mode, both.count, both.sides) == ("bidirectional", 3, {"forward": 2, "reverse": 1})
     one_dense_column = np.eye(6, dtype=bool)
     one_dense_column[:, 0] = True
     assert (sparse.color_jacobian(one_dense_column).mode, sparse.color_jacobian(one_dense_column).count) == (
