@@ -416,8 +416,9 @@ def write(results: dict[str, Any]) -> str:
                 lines.append(f"| {name.removeprefix('detect ')} | {r['first_s']:.3f} | {r['median_s']:.3f} |")
         lines += [
             "",
-            "The first torch detection of a process includes torch's one-time start of make_fx and fake "
-            "tensors; later ones are the median column.",
+            "Detection alone, n = 10^4, on functions prepared earlier in the run: the torch tracer's one-time "
+            "start in a process (make_fx, fake tensors; about 2.5 s on this machine) was paid by the first "
+            "torch section's preparation, so the first call here is a warm one too.",
         ]
     batched = results.get("batched", {})
     if batched:
