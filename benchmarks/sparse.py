@@ -19,9 +19,11 @@ Writes benchmarks/results/sparse.json, sparse.md and sparse.png.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,9 +32,13 @@ from typing import Any
 import numpy as np
 
 import diffiface as di
-from diffiface import sparse
+from diffiface import sparse, tree
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+DENSE_ONCE = [False]
+"""--dense-once: each dense operator timed by one prepared call (after its warm-up), on a machine
+too loaded to repeat a dense Jacobian of 10^4 x 10^4 several times; the sparse ones by medians."""
 
 
 def tridiagonal_jax(x: Any) -> Any:
@@ -102,14 +108,17 @@ def run_jax(n: int, rounds: int) -> dict[str, Any]:
         rounds,
         repeat=20,
     )
-    with_dense = interleaved(
-        {
-            "diffiface": lambda: _ready(di.jacobian(tridiagonal_jax, backend, x, prep=prep)),
-            "dense": lambda: _ready(di.jacobian(tridiagonal_jax, "jax", x, prep=dense_prep)),
-        },
-        max(3, rounds // 3),
-        repeat=1,
-    )
+    contenders = {"diffiface": lambda: _ready(di.jacobian(tridiagonal_jax, backend, x, prep=prep))}
+    if DENSE_ONCE[0]:  # the dense call once (after its warm-up), the sparse one by its median
+        _ready(di.jacobian(tridiagonal_jax, "jax", x, prep=dense_prep))
+        start = time.perf_counter()
+        _ready(di.jacobian(tridiagonal_jax, "jax", x, prep=dense_prep))
+        once = time.perf_counter() - start
+    else:
+        contenders["dense"] = lambda: _ready(di.jacobian(tridiagonal_jax, "jax", x, prep=dense_prep))
+    with_dense = interleaved(contenders, max(3, rounds // 3), repeat=1)
+    if DENSE_ONCE[0]:
+        with_dense["dense"] = once
     return {
         "colors": int(prep.coloring.count),
         "seconds": sparse_only,
@@ -132,17 +141,16 @@ def run_torch(n: int, rounds: int, mode: str) -> dict[str, Any]:
     assert prep.detection.tracer == "torch" and (_banded(n, 2).astype(int) - prep.pattern.astype(int) > 0).nnz == 0
     dense_prep = di.prepare_jacobian(tridiagonal_torch, engine, x)
     ours = di.jacobian(tridiagonal_torch, backend, x, prep=prep)
+    start = time.perf_counter()
     dense = di.jacobian(tridiagonal_torch, engine, x, prep=dense_prep)
+    once = time.perf_counter() - start
     torch.testing.assert_close(ours.to_dense(), dense)
     del dense
-    timed = interleaved(
-        {
-            "diffiface": lambda: di.jacobian(tridiagonal_torch, backend, x, prep=prep),
-            "dense": lambda: di.jacobian(tridiagonal_torch, engine, x, prep=dense_prep),
-        },
-        max(3, rounds // 3),
-        repeat=1,
-    )
+    contenders = {"diffiface": lambda: di.jacobian(tridiagonal_torch, backend, x, prep=prep)}
+    if not DENSE_ONCE[0]:
+        contenders["dense"] = lambda: di.jacobian(tridiagonal_torch, engine, x, prep=dense_prep)
+    timed = interleaved(contenders, max(3, rounds // 3), repeat=1)
+    timed.setdefault("dense", once)
     return {
         "colors": int(prep.coloring.count),
         "seconds": timed,
@@ -186,11 +194,12 @@ def _sparse_against_dense(
     dense = operator(f, engine, x, prep=dense_prep)
     ready(dense)
     once = time.perf_counter() - start
-    matrix = ours.to_dense() if hasattr(ours, "to_dense") else ours.todense()
-    np.testing.assert_allclose(np.asarray(matrix), np.asarray(dense), rtol=1e-4, atol=1e-5)
+    with tree._x64("jax" in sys.modules):  # (a float64 BCOO densifies in float64 only there)
+        matrix = ours.to_dense() if hasattr(ours, "to_dense") else ours.todense()
+        np.testing.assert_allclose(np.asarray(matrix), np.asarray(dense), rtol=1e-4, atol=1e-5)
     del matrix, dense
     contenders = {"diffiface": lambda: ready(operator(f, backend, x, prep=prep))}
-    if rounds > 1:
+    if rounds > 1 and not DENSE_ONCE[0]:
         contenders["dense"] = lambda: ready(operator(f, engine, x, prep=dense_prep))
     timed = interleaved(contenders, max(rounds, 3), repeat=1)
     timed.setdefault("dense", once)  # a dense operator too slow to repeat: its one (prepared) call
@@ -229,11 +238,11 @@ def run_engines_own_code(n: int, rounds: int) -> dict[str, Any]:
             arrowhead_torch, di.AutoTorch(mode="func"), x, max(2, rounds // 5)
         )
     if di.available("jax"):
+        import jax
         import jax.numpy as jnp
-        from jax import config
 
-        config.update("jax_enable_x64", True)
-        x = jnp.linspace(0.1, 1.0, n, dtype=jnp.float64)
+        with jax.enable_x64(True):  # a float64 array, made in a scope: diffiface keeps float64 itself
+            x = jnp.linspace(0.1, 1.0, n, dtype=jnp.float64)
         out["arrowhead jax"] = _sparse_against_dense(arrowhead_jax, di.AutoJAX(), x, max(2, rounds // 5), ready=_ready)
     if di.available("autograd"):
         x = np.linspace(0.1, 1.0, n)
@@ -260,10 +269,18 @@ def run_batched(n: int, rounds: int) -> dict[str, Any]:
 
         xs = (x,)
         tangents = [(t,) for t in eye]
-        timed = interleaved(
-            {
+        gc.collect()
+        timed = interleaved(  # the public pair, then the adapters' pair: two groups, so that the garbage of
+            {  # the (eager, slow) adapter calls falls on neither of the first two
                 "jacobian (batched)": lambda: ready(di.jacobian(f, engine, x, prep=jac_prep)),
                 "one jvp per column": lambda: ready([di.jvp(f, engine, x, t, prep=jvp_prep) for t in eye]),
+            },
+            max(rounds, 5),
+            repeat=3,
+        )
+        gc.collect()
+        timed |= interleaved(
+            {
                 "adapter batch": lambda: ready(adapter.value_and_pushforwards(fn, xs, tangents)[2]),
                 "adapter loop": lambda: ready([adapter.value_and_pushforward(fn, xs, t)[2] for t in tangents]),
             },
@@ -340,7 +357,9 @@ def write(results: dict[str, Any]) -> str:
     lines = [
         "# Sparse Jacobians (AutoSparse)",
         "",
-        f"Generated by `python benchmarks/sparse.py{' --quick' if meta['quick'] else ''}` on {meta['date']} "
+        f"Generated by `python benchmarks/sparse.py{' --quick' if meta['quick'] else ''}"
+        f"{' --dense-once' if meta.get('dense_once') else ''}"
+        f"{' --torch-threads ' + str(meta['torch_threads']) if meta.get('torch_threads') else ''}` on {meta['date']} "
         f"({meta['cpu_count']} CPUs, {meta['machine']}; load average {meta['load_average_before']} before, "
         f"{meta.get('load_average_after')} after: a shared machine). "
         f"Tridiagonal f: R^n -> R^n, n = {n}, float32, prepared; medians of interleaved rounds.",
@@ -397,8 +416,9 @@ def write(results: dict[str, Any]) -> str:
                 lines.append(f"| {name.removeprefix('detect ')} | {r['first_s']:.3f} | {r['median_s']:.3f} |")
         lines += [
             "",
-            "The first torch detection of a process includes torch's one-time start of make_fx and fake "
-            "tensors; later ones are the median column.",
+            "Detection alone, n = 10^4, on functions prepared earlier in the run: the torch tracer's one-time "
+            "start in a process (make_fx, fake tensors; about 2.5 s on this machine) was paid by the first "
+            "torch section's preparation, so the first call here is a warm one too.",
         ]
     batched = results.get("batched", {})
     if batched:
@@ -414,8 +434,8 @@ def write(results: dict[str, Any]) -> str:
             t = r["seconds"]
             lines.append(
                 f"| {name} | {t['jacobian (batched)'] * 1e3:.2f} | {t['one jvp per column'] * 1e3:.2f} "
-                f"| {r['speedup']:.0f}x | {t['adapter batch'] * 1e3:.2f} | {t['adapter loop'] * 1e3:.2f} "
-                f"| {r['adapter_speedup']:.0f}x |"
+                f"| {r['speedup']:.1f}x | {t['adapter batch'] * 1e3:.2f} | {t['adapter loop'] * 1e3:.2f} "
+                f"| {r['adapter_speedup']:.1f}x |"
             )
         lines += [
             "",
@@ -475,11 +495,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument("--n", type=int, default=10_000, help="the size of x and f(x) (default 10000)")
+    parser.add_argument("--dense-once", action="store_true", help="time each dense operator by one call")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch's intra-op threads (on a loaded machine, 2 threads spin against other processes: torch.sin "
+        "of 10^4 numbers took 13 ms with 2 threads, 0.17 ms with 1)",
+    )
     args = parser.parse_args(argv)
+    DENSE_ONCE[0] = args.dense_once
+    if args.torch_threads is not None and di.available("torch"):
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     rounds = 5 if args.quick else 15
     results: dict[str, Any] = {
         "meta": {
             "quick": args.quick,
+            "dense_once": args.dense_once,
+            "torch_threads": args.torch_threads,
             "n": args.n,
             "rounds": rounds,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -489,15 +524,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "load_average_before": [round(v, 2) for v in os.getloadavg()],
         }
     }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+
+    def done(section: str) -> None:  # progress, and what is done kept should a later section fail
+        print(f"{time.strftime('%H:%M:%S')} {section} done (load {os.getloadavg()[0]:.1f})", flush=True)
+        (RESULTS / "sparse.json").write_text(json.dumps(results, indent=1))
+
     if di.available("jax"):
         results["jax"] = run_jax(args.n, rounds)
         results["detection"] = run_detection(args.n, max(3, rounds // 3))
+        done("jax")
     if di.available("torch"):
         for mode in ("autograd", "func"):
             results[f"torch-{mode}"] = run_torch(args.n, rounds, mode)
+            done(f"torch-{mode}")
     results["own_code"] = run_engines_own_code(args.n, rounds)
+    done("own code")
     results["meta"]["batched_n"] = 100
     results["batched"] = run_batched(100, rounds)
+    done("batched")
     results["colors"] = run_colors(args.n)
     results["meta"]["load_average_after"] = [round(v, 2) for v in os.getloadavg()]
     RESULTS.mkdir(parents=True, exist_ok=True)

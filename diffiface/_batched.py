@@ -26,9 +26,11 @@ __all__ = ["Tangents", "batched_jvp", "batched_vjp"]
 class Tangents:
     """A batch of tangents (or cotangents), each shaped as one tangent of x (or of f(x)).
 
+    Examples
+    --------
     >>> import numpy as np, diffiface as di
     >>> batch = di.Tangents(np.array([1.0, 0.0]), np.array([0.0, 1.0]))
-    >>> [t.tolist() for t in di.batched_jvp(lambda x: x**2, "finite_differences", np.array([1.0, 2.0]), batch)]
+    >>> [t.round(6).tolist() for t in di.batched_jvp(lambda x: x**2, "finite_differences", np.array([1.0, 2.0]), batch)]
     [[2.0, 0.0], [0.0, 4.0]]
     """
 

@@ -189,7 +189,7 @@ def test_prep_is_reused_and_strict() -> None:
 
 def test_unprepared_calls_detect_once_per_signature(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    original = sparse.detect
+    original = sparse.detect  # what a sparse operator's preparation calls
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)

@@ -49,7 +49,10 @@ def test_bidirectional_decompresses_exactly(seed: int, order: str) -> None:
         sparse.color_jacobian(pattern, mode="row", order=order).count,
     )
     assert coloring.count <= one_sided
-    assert sparse.color_jacobian(pattern, mode="auto", order=order).count <= coloring.count
+    auto = sparse.color_jacobian(pattern, mode="auto", order=order)
+    assert auto.count <= one_sided
+    if auto.mode != "bidirectional":  # auto takes a split wherever one with both sides needs fewer
+        assert coloring.count >= one_sided or not (coloring.row_count and coloring.column_count)
 
 
 def test_arrowhead_takes_three_products_at_ten_thousand() -> None:

@@ -90,6 +90,15 @@ def check_row(coloring: sparse.Coloring, J: np.ndarray) -> None:
     np.testing.assert_array_equal(compressed.reshape(-1)[coloring.index], J[pattern])
 
 
+def check_any(coloring: sparse.Coloring, J: np.ndarray) -> None:
+    """A coloring of any mode decompresses J exactly (bidirectional: forward and reverse products)."""
+    if coloring.mode == "bidirectional":
+        decompressed = coloring.decompress(J @ coloring.seeds, coloring.row_seeds.T @ J).toarray()
+        np.testing.assert_array_equal(decompressed, J)
+    else:
+        (check_column if coloring.mode == "column" else check_row)(coloring, J)
+
+
 def check_star(coloring: sparse.Coloring, H: np.ndarray) -> None:
     """Distance-1 proper, star (checked on every path of four vertices through each edge's
     neighborhood), and the direct decompression exact."""
@@ -204,8 +213,7 @@ def test_jacobian_family_global_is_analytic(name: str) -> None:
     check_column(sparse.color_jacobian(pattern, mode="column"), J)
     check_row(sparse.color_jacobian(pattern, mode="row"), J)
     for order in sparse.ORDERS:
-        coloring = sparse.color_jacobian(pattern, order=order)
-        (check_column if coloring.mode == "column" else check_row)(coloring, J)
+        check_any(sparse.color_jacobian(pattern, order=order), J)
 
 
 @pytest.mark.parametrize("name", JACOBIAN_FAMILIES)
@@ -244,7 +252,10 @@ def test_banded_patterns_get_one_color_per_diagonal(b: int) -> None:
 
 def test_known_patterns_and_their_colorings() -> None:
     assert sparse.color_hessian(arrow(50)).count == 2
-    assert sparse.color_jacobian(arrow(50)).count == 50  # a dense row and a dense column
+    for side in ("column", "row"):  # a dense row and a dense column: one side alone takes every color
+        assert sparse.color_jacobian(arrow(50), mode=side).count == 50
+    both = sparse.color_jacobian(arrow(50))  # auto: the dense row by a reverse product, the rest forward
+    assert (both.mode, both.count, both.sides) == ("bidirectional", 3, {"forward": 2, "reverse": 1})
     one_dense_column = np.eye(6, dtype=bool)
     one_dense_column[:, 0] = True
     assert (sparse.color_jacobian(one_dense_column).mode, sparse.color_jacobian(one_dense_column).count) == (
@@ -676,8 +687,11 @@ def test_colorings_of_random_patterns(seed: int) -> None:
         auto = sparse.color_jacobian(pattern, order=order)
         column = sparse.color_jacobian(pattern, mode="column", order=order)
         row = sparse.color_jacobian(pattern, mode="row", order=order)
-        assert auto.count == min(column.count, row.count)
-        assert auto.mode == ("row" if row.count < column.count else "column")
+        if auto.mode == "bidirectional":  # where a split of the rows takes fewer products than either side
+            assert auto.count < min(column.count, row.count) and auto.row_count and auto.column_count
+        else:
+            assert auto.count == min(column.count, row.count)
+            assert auto.mode == ("row" if row.count < column.count else "column")
         square = rng.uniform(size=(n, n)) < density
         square = square | square.T
         check_star(sparse.color_hessian(square, order=order), symmetric_values(square))

@@ -317,7 +317,8 @@ def color_jacobian(pattern: Any, mode: str = "auto", order: str = "natural") -> 
     if mode not in ("auto", "column", "row", "bidirectional"):
         raise InvalidInputError(f"Unknown coloring mode {mode!r}; use 'auto', 'column', 'row' or 'bidirectional'.")
     if mode == "bidirectional":
-        return _bidirectional(p, order)
+        found: Coloring = _bidirectional(p, order)
+        return found
     if mode == "column":
         return _make(p, "column", _partial_distance2(p, order))
     if mode == "row":
@@ -326,7 +327,10 @@ def color_jacobian(pattern: Any, mode: str = "auto", order: str = "natural") -> 
     rows = _partial_distance2(as_pattern(p.T), order)
     one_sided = _make(p, "row", rows) if rows.max(initial=-1) < columns.max(initial=-1) else _make(p, "column", columns)
     both = _bidirectional(p, order, to_beat=one_sided.count)
-    return both if both is not None and both.count < one_sided.count else one_sided
+    # taken where it has both sides and takes fewer products (forward products alone, of the
+    # columns some row needs, are a column coloring)
+    sides = both is not None and both.row_count and both.column_count
+    return both if sides and both.count < one_sided.count else one_sided
 
 
 def _bidirectional(p: csr_array, order: str, to_beat: int | None = None) -> Any:
