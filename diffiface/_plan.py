@@ -113,6 +113,28 @@ class _Leaves:
         return True
 
 
+class _OneDeviceJaxLeaves:
+    """:class:`_JaxLeaves` where jax has one device in this process: every concrete array lives
+    there, laid out the one way, so a layout needs no reading (a Python property per leaf)."""
+
+    __slots__ = ("expected",)
+
+    def __init__(self, leaves: list[Any]) -> None:
+        self.expected = tuple((type(leaf), leaf.aval.shape, leaf.aval.dtype) for leaf in leaves)
+
+    def __call__(self, leaves: list[Any]) -> bool:
+        expected = self.expected
+        if len(leaves) != len(expected):
+            return False
+        for leaf, (cls, shape, dtype) in zip(leaves, expected, strict=False):
+            if type(leaf) is not cls:
+                return False
+            aval = leaf.aval
+            if aval.shape != shape or aval.dtype != dtype:
+                return False
+        return True
+
+
 class _JaxLeaves:
     """The test of a list of concrete jax arrays, the common case under jax, with no call per
     leaf but the one its layout takes: type, abstract value's shape and dtype, layout."""
@@ -167,7 +189,8 @@ def leaves_check(leaves: list[Any], checks: tuple[Check, ...]) -> Callable[[list
         if all(
             isinstance(leaf, array) and not isinstance(leaf, tracer) and _arrays.kind(leaf) == "jax" for leaf in leaves
         ):
-            return _JaxLeaves(leaves)
+            one = jax.device_count() == 1 and all(len(leaf.sharding.device_set) == 1 for leaf in leaves)
+            return _OneDeviceJaxLeaves(leaves) if one else _JaxLeaves(leaves)
     if leaves and all(_arrays.kind(leaf) == "torch" for leaf in leaves):
         return _TorchLeaves(leaves)
     return _Leaves(checks)
