@@ -78,8 +78,8 @@ def _check_x(op: Operator, backend: Backend, any_array_type: bool, call: Call) -
     if not any_array_type and family not in ("python", "numpy", "autograd", backend_family(backend)):
         raise ArrayTypeError(
             f"x holds {family} arrays, but the {backend.name} backend differentiates "
-            f"{backend_family(backend)} arrays. Pass numpy or {backend_family(backend)} arrays, or use the "
-            f"{family} backend."
+            f"{backend_family(backend)} arrays. Pass {' or '.join(dict.fromkeys(('numpy', backend_family(backend))))} "
+            f"arrays, or use the {family} backend."
         )
     scalar = len(call.x_leaves) == 1 and _arrays.shape(call.x_leaves[0]) == () and sig.x_spec.num_nodes == 1
     if op.scalar_input and not scalar:
@@ -113,10 +113,11 @@ def _check_tangent_kinds(op: Operator, backend: Backend, any_array_type: bool, c
     for path, leaf in zip(call.signature.tangent_spec.paths(), call.tangent_leaves, strict=True):
         kind = _arrays.kind(leaf)
         if kind not in allowed:
+            wanted = dict.fromkeys(("numpy", x_family if x_family != "python" else backend_family(backend)))
             raise ArrayTypeError(
                 f"The {role}{_path(path)} of {op.name} is {kind} ({type(leaf).__name__}), but x holds "
-                f"{x_family} arrays under the {backend.name} backend. Pass the {role} as numpy or "
-                f"{x_family if x_family != 'python' else backend_family(backend)} arrays."
+                f"{x_family} arrays under the {backend.name} backend. Pass the {role} as "
+                f"{' or '.join(wanted)} arrays."
             )
 
 
