@@ -412,6 +412,18 @@ def run_import_time(repeats):
     }
 
 
+def _row_seconds_by_group(rows):
+    """Row-seconds per scenario group, scipy's apart: ``core 12.3 (scipy 4.5)``..."""
+    groups = {"core": "core", "layer": "layers", "torch_module": "torch", "sparse": "sparse"}
+    total, scipy = {}, {}
+    for row in rows:
+        group = next((name for tag, name in groups.items() if tag in row["tags"]), "other")
+        total[group] = total.get(group, 0.0) + row["seconds"]
+        if "scipy" in row["backend"]:
+            scipy[group] = scipy.get(group, 0.0) + row["seconds"]
+    return ", ".join(f"{g} {total[g]:.0f} (scipy {scipy.get(g, 0.0):.0f})" for g in total)
+
+
 def run_main_job(full=True, jobs=None):
     """Wall time of the main job, ``python -m diffiface.test`` (``--quick``, then the full job),
     each in a fresh process as a user runs it: imports, worker start-up and all."""
@@ -419,6 +431,7 @@ def run_main_job(full=True, jobs=None):
     for quick in (True, False) if full else (True,):
         command = [sys.executable, "-m", "diffiface.test", "--no-progress", "--format", "json"]
         command += (["--quick"] if quick else []) + (["-j", str(jobs)] if jobs else [])
+        load_before = os.getloadavg()[0]
         start, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
         done = subprocess.run(command, capture_output=True, text=True)
         wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -432,7 +445,11 @@ def run_main_job(full=True, jobs=None):
                 "jobs": jobs or os.cpu_count(),
                 "wall_s": round(wall, 1),
                 "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1),
-                "load_average": round(os.getloadavg()[0], 1),
+                "load_average": f"{load_before:.1f} to {os.getloadavg()[0]:.1f}",
+                # the rows' own seconds (summed over the processes), and scipy's share of them
+                "row_s": round(sum(row["seconds"] for row in report["rows"]), 1),
+                "scipy_row_s": round(sum(row["seconds"] for row in report["rows"] if "scipy" in row["backend"]), 1),
+                "row_s_by_group": _row_seconds_by_group(report["rows"]),
                 "checks": len(statuses),
                 "passed": statuses.count("passed"),
                 "failed": len(statuses) - statuses.count("passed") - statuses.count("skipped"),
