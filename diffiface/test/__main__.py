@@ -17,7 +17,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._adapters import available, install_hint
-from ._main_job import BACKENDS, GROUPS, Plan, Progress, dense_scenarios, parts, planned_rows, run, sparse_scenarios
+from ._main_job import (
+    BACKENDS,
+    GROUPS,
+    Plan,
+    Progress,
+    dense_scenarios,
+    parts,
+    planned_rows,
+    run,
+    sampling_first,
+    sparse_scenarios,
+)
 from ._running import Report, backend_label
 
 # the names tests and scripts know these by
@@ -122,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress = Progress(sys.stderr, planned_rows(plan, dense, sparse), args.jobs, terminal)
     start = time.perf_counter()
     try:
-        report = Report(run(plan, part_list, args.jobs, progress))
+        report = Report(run(plan, part_list, args.jobs, progress, sampling_first(part_list, dense)))
     finally:
         if progress is not None:
             progress.close()

@@ -243,13 +243,18 @@ def planned_rows(plan: Plan, dense: Sequence[Scenario], sparse: Sequence[SparseS
     return rows
 
 
-def run(plan: Plan, part_list: Sequence[Part], jobs: int, progress: Progress | None) -> list[Row]:
-    """Every part's rows, in the order of a run in one process; in ``jobs`` worker processes
-    (started afresh: jax does not survive a fork) when there are several parts."""
+def run(
+    plan: Plan, part_list: Sequence[Part], jobs: int, progress: Progress | None, order: Sequence[int] | None = None
+) -> list[Row]:
+    """Every part's rows, in plan order whatever the order they run in (``order``, by default
+    the plan's); in ``jobs`` worker processes (started afresh: jax does not survive a fork) when
+    there are several parts."""
     results: dict[int, list[Row]] = {}
+    order = range(len(part_list)) if order is None else order
     if jobs <= 1 or len(part_list) < 2:
         _WORKER.clear()  # scenarios built afresh for each run in this process
-        for number, part in enumerate(part_list):
+        for number in order:
+            part = part_list[number]
             results[number] = run_part(plan, part, None if progress is None else _reporter(progress, number))
             if progress is not None:
                 progress.part_done(number, results[number])
@@ -259,7 +264,7 @@ def run(plan: Plan, part_list: Sequence[Part], jobs: int, progress: Progress | N
     with concurrent.futures.ProcessPoolExecutor(
         max_workers=jobs, mp_context=context, initializer=_start_worker, initargs=(events,)
     ) as pool:
-        futures = {pool.submit(_run_in_worker, plan, n, part): n for n, part in enumerate(part_list)}
+        futures = {pool.submit(_run_in_worker, plan, n, part_list[n]): n for n in order}
         pending = set(futures)
         while pending:
             finished, pending = concurrent.futures.wait(
@@ -272,6 +277,15 @@ def run(plan: Plan, part_list: Sequence[Part], jobs: int, progress: Progress | N
                 if progress is not None:
                     progress.part_done(number, results[number])
     return [row for number in range(len(part_list)) for row in results[number]]
+
+
+def sampling_first(part_list: Sequence[Part], scenarios: Sequence[Scenario]) -> list[int]:
+    """The order to run the parts in: the first part of each group, then the rest, so that the
+    progress display measures rows of each kind early (the rows are put back in plan order)."""
+    firsts: dict[str, int] = {}
+    for number, (kind, indices) in enumerate(part_list):
+        firsts.setdefault("sparse" if kind == "sparse" else scenario_group(scenarios[indices[0]].tags), number)
+    return [*firsts.values(), *(n for n in range(len(part_list)) if n not in firsts.values())]
 
 
 def _reporter(progress: Progress, number: int) -> Callable[[Row], None]:
