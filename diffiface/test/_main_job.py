@@ -56,6 +56,14 @@ _TORCH_REASON = (
 #: With --quick, scipy checks one layer in this many (a fixed sample, by position).
 _LAYER_SAMPLE = 3
 _LAYER_REASON = f"--quick's scipy budget: scipy checks 1 layer in {_LAYER_SAMPLE} (a fixed sample)"
+#: Second-order operators whose scipy rows repeat another's adaptive Hessian (the value and
+#: gradient come with it): in the full run, scipy checks ``hessian``, ``hvp`` and
+#: ``second_derivative`` only.
+_REPEATS = ("value_gradient_and_hessian", "gradient_and_hvp", "value_derivative_and_second_derivative")
+_REPEATS_REASON = (
+    "scipy budget: scipy's second-order value_* variants are left out (its hessian, hvp and "
+    "second_derivative rows run the same adaptive differences)"
+)
 #: Sparse Hessians that take scipy minutes (an adaptive Hessian per color block).
 _COSTLY_SPARSE = ("banded5_quadratic", "banded10_quadratic", "banded20_quadratic")
 
@@ -132,7 +140,10 @@ def skip_selector(quick: bool, scenarios: Sequence[Scenario]) -> dict[str, Itera
     tags = set(_SCIPY_ALWAYS) | (set(_SCIPY_QUICK) if quick else set(_SCIPY_FULL))
     sampled, every = ("layer", _LAYER_SAMPLE) if quick else ("torch_module", _TORCH_SAMPLE)
     names = dict.fromkeys(s.name for s in scenarios if sampled in s.tags)
-    return {"scipy": tags | {name for i, name in enumerate(names) if i % every}}
+    left_out = {name for i, name in enumerate(names) if i % every}
+    if not quick:
+        left_out |= {s.name for s in scenarios if s.operator in _REPEATS and "core" in s.tags}
+    return {"scipy": tags | left_out}
 
 
 def explain_skips(rows: list[Row], quick: bool) -> list[Row]:
@@ -142,6 +153,8 @@ def explain_skips(rows: list[Row], quick: bool) -> list[Row]:
         if row.message == "skipped on request":
             found = next((reason for tag, reason in reasons.items() if tag in row.tags), None)
             sample = _LAYER_REASON if quick else _TORCH_REASON
+            if found is None and row.operator in _REPEATS and not quick:
+                found = _REPEATS_REASON
             row.message = found or (sample if {"layer", "torch_module"} & row.tags else row.message)
     return rows
 
@@ -217,7 +230,22 @@ def run_part(plan: Plan, part: Part, on_row: Callable[[Row], None] | None = None
     return rows
 
 
+#: In each worker, before any engine is imported: one thread per engine, since the workers
+#: already use every core (several threads per worker on a shared machine mostly wait for each
+#: other). A variable the user has set is left as it is.
+_ONE_THREAD = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false",
+}
+
+
 def _start_worker(events: Any) -> None:
+    import os
+
+    for name, value in _ONE_THREAD.items():
+        os.environ.setdefault(name, value)
     _WORKER["events"] = events
 
 
