@@ -412,6 +412,18 @@ def run_import_time(repeats):
     }
 
 
+def _row_seconds_by_group(rows):
+    """Row-seconds per scenario group, scipy's apart: ``core 12.3 (scipy 4.5)``..."""
+    groups = {"core": "core", "layer": "layers", "torch_module": "torch", "sparse": "sparse"}
+    total, scipy = {}, {}
+    for row in rows:
+        group = next((name for tag, name in groups.items() if tag in row["tags"]), "other")
+        total[group] = total.get(group, 0.0) + row["seconds"]
+        if "scipy" in row["backend"]:
+            scipy[group] = scipy.get(group, 0.0) + row["seconds"]
+    return ", ".join(f"{g} {total[g]:.0f} (scipy {scipy.get(g, 0.0):.0f})" for g in total)
+
+
 def run_main_job(full=True, jobs=None):
     """Wall time of the main job, ``python -m diffiface.test`` (``--quick``, then the full job),
     each in a fresh process as a user runs it: imports, worker start-up and all."""
@@ -419,6 +431,7 @@ def run_main_job(full=True, jobs=None):
     for quick in (True, False) if full else (True,):
         command = [sys.executable, "-m", "diffiface.test", "--no-progress", "--format", "json"]
         command += (["--quick"] if quick else []) + (["-j", str(jobs)] if jobs else [])
+        load_before = os.getloadavg()[0]
         start, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
         done = subprocess.run(command, capture_output=True, text=True)
         wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -432,7 +445,11 @@ def run_main_job(full=True, jobs=None):
                 "jobs": jobs or os.cpu_count(),
                 "wall_s": round(wall, 1),
                 "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1),
-                "load_average": round(os.getloadavg()[0], 1),
+                "load_average": f"{load_before:.1f} to {os.getloadavg()[0]:.1f}",
+                # the rows' own seconds (summed over the processes), and scipy's share of them
+                "row_s": round(sum(row["seconds"] for row in report["rows"]), 1),
+                "scipy_row_s": round(sum(row["seconds"] for row in report["rows"] if "scipy" in row["backend"]), 1),
+                "row_s_by_group": _row_seconds_by_group(report["rows"]),
                 "checks": len(statuses),
                 "passed": statuses.count("passed"),
                 "failed": len(statuses) - statuses.count("passed") - statuses.count("skipped"),
@@ -1054,28 +1071,62 @@ def table(rows, keys):
 
 
 def plots(results):
+    """overhead.png (the README's headline: one panel per backend, a bar per case, unprepared and
+    prepared, the goals drawn with their values) and scaling.png, from ``results``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
 
     rows = [r for r in results["overhead"] if r["ratio"] is not None]
-    labels = [f"{r['backend']}\n{r['scenario']}\n{r['operator']}" for r in rows if not r["prepared"]]
-    unprep = [r["ratio"] for r in rows if not r["prepared"]]
-    prep = [r["ratio"] for r in rows if r["prepared"]]
-    fig, ax = plt.subplots(figsize=(max(8, len(labels) * 0.7), 5))
-    pos = np.arange(len(labels))
-    ax.bar(pos - 0.2, unprep, 0.4, label="unprepared")
-    ax.bar(pos + 0.2, prep, 0.4, label="prepared")
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.axhline(GOALS["tiny-10"], color="gray", ls="--", lw=0.8, label="goal, tiny function (prepared)")
-    ax.axhline(GOALS[f"mlp-{MLP_SIZE}"], color="gray", ls=":", lw=0.8, label="goal, MLP (prepared)")
-    ax.set_yscale("log")
-    ax.set_xticks(pos, labels, fontsize=6, rotation=90)
-    ax.set_ylabel("diffiface time / native time")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(RESULTS / "overhead.png", dpi=120)
+    backends = list(dict.fromkeys(r["backend"] for r in rows))
+    ratios = [r["ratio"] for r in rows]
+    low, high = min([*ratios, 0.9]) / 1.1, max([*ratios, 1.5]) * 1.25
+    ticks = [t for t in (0.5, 0.6, 0.7, 0.8, 0.9, 1, 1.2, 1.5, 2, 3, 4, 5, 7, 10, 15, 20) if low <= t <= high]
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7.5), sharex=True)
+    colours = {False: "#4c72b0", True: "#dd8452"}
+    goals = [
+        (GOALS["tiny-10"], "--", f"goal {GOALS['tiny-10']:g}: tiny function, prepared"),
+        (GOALS[f"mlp-{MLP_SIZE}"], ":", f"goal {GOALS[f'mlp-{MLP_SIZE}']:g}: MLP, prepared"),
+    ]
+    for ax, backend in zip(axes.flat, backends, strict=False):
+        cases = list(dict.fromkeys((r["scenario"], r["operator"]) for r in rows if r["backend"] == backend))
+        by = {(r["scenario"], r["operator"], r["prepared"]): r["ratio"] for r in rows if r["backend"] == backend}
+        pos = np.arange(len(cases))
+        for shift, prepared in ((-0.2, False), (0.2, True)):
+            values = [by.get((*case, prepared)) for case in cases]
+            placed = [(p + shift, v) for p, v in zip(pos, values, strict=True) if v is not None]
+            ax.barh([p for p, _ in placed], [v for _, v in placed], 0.4, color=colours[prepared], left=0)
+            for p, v in placed:
+                ax.text(v * 1.02, p, f"{v:.2f}", va="center", fontsize=8)
+        ax.axvline(1.0, color="k", lw=0.8)
+        for value, style, _ in goals:
+            ax.axvline(value, color="#555555", ls=style, lw=1.0)
+        ax.set_yticks(pos, [f"{scenario} {operator}" for scenario, operator in cases], fontsize=9)
+        ax.invert_yaxis()
+        ax.set_title(backend, fontsize=11)
+        ax.set_xscale("log")
+        ax.set_xlim(low, high)
+        ax.xaxis.set_major_locator(FixedLocator(ticks))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.tick_params(axis="x", labelsize=9, labelbottom=True)
+        ax.grid(axis="x", color="#dddddd", lw=0.5)
+        ax.set_axisbelow(True)
+    for ax in axes.flat[len(backends) :]:
+        ax.set_visible(False)
+    fig.supxlabel("diffiface time / native time (log scale; 1: no overhead)", fontsize=10, y=0.06)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours[p]) for p in (False, True)]
+    handles += [plt.Line2D([0], [0], color="#555555", ls=style) for _, style, _ in goals]
+    labels = ["unprepared", "prepared", *(label for _, _, label in goals)]
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=9, frameon=False)
+    fig.suptitle(
+        f"Overhead of one call over the engine's own (median of {results['meta']['rounds']} rounds)", fontsize=12
+    )
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(RESULTS / "overhead.png", dpi=100)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -1143,11 +1194,17 @@ def main():
     parser.add_argument("--pymanopt-only", action="store_true", help="print the rows against pymanopt, and stop")
     parser.add_argument("--sparse", action="store_true", help="run benchmarks/sparse.py (sparse.json/md/png), stop")
     parser.add_argument(
+        "--plots-only", action="store_true", help="redraw overhead.png and scaling.png from results.json, and stop"
+    )
+    parser.add_argument(
         "--main-job",
         choices=("quick", "full"),
         help="time python -m diffiface.test (--quick only, or --quick and the full job), write main_job.json/md, stop",
     )
     args = parser.parse_args()
+    if args.plots_only:
+        plots(json.loads((RESULTS / "results.json").read_text()))
+        return
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     if args.sparse:

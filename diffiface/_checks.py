@@ -148,10 +148,11 @@ def _check_tangent_kinds(op: Operator, backend: Backend, any_array_type: bool, c
     for path, leaf in zip(call.signature.tangent_spec.paths(), call.tangent_leaves, strict=True):
         kind = _arrays.kind(leaf)
         if kind not in allowed:
+            wanted = dict.fromkeys(("numpy", x_family if x_family != "python" else backend_family(backend)))
             raise ArrayTypeError(
                 f"The {role}{_path(path)} of {op.name} is {kind} ({type(leaf).__name__}), but x holds "
-                f"{x_family} arrays under the {backend.name} backend. Pass the {role} as numpy or "
-                f"{x_family if x_family != 'python' else backend_family(backend)} arrays."
+                f"{x_family} arrays under the {backend.name} backend. Pass the {role} as "
+                f"{' or '.join(wanted)} arrays."
             )
 
 

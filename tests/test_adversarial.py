@@ -46,6 +46,7 @@ from _adversarial_helpers import (
 )
 
 import diffiface as di
+from diffiface.test import default_tolerances
 
 __all__ = ["process_state_unchanged"]  # the autouse fixture, imported so that pytest finds it
 
@@ -467,8 +468,9 @@ def test_nnx_state_updated_in_place() -> None:
 
     backend = di.AutoJAX()
     expected2 = (2.0 * dh(X0.astype(np.float64))).astype(np.float32)
+    rtol, atol = default_tolerances("float32")
     check_case(
-        lambda: di.gradient(f, backend, x, di.Constant(state)), RIGHT, expected2, inputs=(x,), rtol=1e-5, atol=1e-6
+        lambda: di.gradient(f, backend, x, di.Constant(state)), RIGHT, expected2, inputs=(x,), rtol=rtol, atol=atol
     )
     state["w"][...] = jnp.array(3.0, dtype=jnp.float32)
     snapshot = Snapshot(x)
@@ -478,7 +480,7 @@ def test_nnx_state_updated_in_place() -> None:
         snapshot.assert_unchanged()
         return
     snapshot.assert_unchanged()
-    np.testing.assert_allclose(np.asarray(result), 3.0 * dh(X0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(result), 3.0 * dh(X0), rtol=rtol, atol=atol)
 
 
 def test_equinox_module_field_changes() -> None:

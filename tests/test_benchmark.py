@@ -141,3 +141,22 @@ def test_same_values_compares_leaves_across_container_kinds():
     assert not run.same_values((np.ones(2), np.zeros(1)), (np.ones(2), np.ones(1)))
     assert not run.same_values((np.ones(2),), (np.ones(2), np.ones(1)))
     assert not run.same_values(np.ones((2, 1)), np.ones((1, 2)))
+
+
+def test_docs_quote_the_latest_main_job_measurement():
+    """README.md and docs/testing.md give the main job's durations of benchmarks/results/main_job.json,
+    with its date: a new measurement means new numbers in both."""
+    import json
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    measured = json.loads((root / "benchmarks" / "results" / "main_job.json").read_text())
+    date = measured["meta"]["date"][:10]
+    quick, full = measured["main_job"]
+    assert quick["job"].endswith("--quick") and not full["job"].endswith("--quick")
+    for page in ("README.md", "docs/testing.md"):
+        text = " ".join((root / page).read_text(encoding="utf-8").split())
+        assert f"measured {date}" in text, page
+        for row in (quick, full):
+            assert f"{row['cpu_s']:.0f} CPU-seconds" in text, (page, row["job"])
+            assert f"{row['checks']:,} checks" in text, (page, row["job"])

@@ -1,10 +1,12 @@
-"""``python -m diffiface.test``: wrong options exit 2 with the known names, the help has no
-markup, several processes give the table of one, no progress bar off a terminal, exit codes; and
-the CLI's backend names are names the API takes."""
+"""``python -m diffiface.test``: wrong options and selections that check nothing exit 2 with the
+known names, the help has no markup, several processes give the table of one, the progress (a bar
+over every planned row on a terminal, fed by every worker; a line per group off one), the table
+fits 120 columns, exit codes; and the CLI's backend names are names the API takes."""
 
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import subprocess
@@ -33,8 +35,24 @@ def _run(args, capsys):
         (["--operators", "gradient,grad"], "gradient_and_hvp"),
         (["--backends", "jax,tensorflow"], "torch-func"),
         (["-j", "0"], "positive"),
+        (["--backends", ""], "choose from finite_differences, jax"),
+        (["--backends", ","], "choose from finite_differences, jax"),
+        (["--operators", ","], "choose from derivative"),
+        (["--operators", "derivative", "--scenarios", "sparse"], "operators are hessian, jacobian"),
+        (["--operators", "hvp", "--scenarios", "sparse", "--quick"], "(--quick) have no scenario of hvp"),
     ],
-    ids=["unknown-group", "no-group", "unknown-operator", "unknown-backend", "no-jobs"],
+    ids=[
+        "unknown-group",
+        "no-group",
+        "unknown-operator",
+        "unknown-backend",
+        "no-jobs",
+        "no-backend",
+        "comma-backend",
+        "comma-operator",
+        "nothing-to-check",
+        "nothing-to-check-quick",
+    ],
 )
 def test_wrong_options_exit_2_with_the_known_names(args, known, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -58,7 +76,7 @@ def test_passing_subset_exits_0_and_names_groups_as_options_do(capsys):
     assert code == 0, out.out
     lines = out.out.splitlines()
     assert lines[0].split()[:2] == ["backend", "group"]
-    assert "references" in lines[0] and "skip reasons" in lines[0]
+    assert "references" in lines[0] and "skipped" in lines[0]
     groups = {line.split()[1] for line in lines[2:] if line.startswith(("finite_differences", "autograd"))}
     assert groups == {"core"}  # the name --scenarios takes
     assert "e-0" not in lines[-1] and "e+0" not in lines[-1]  # "... in 1.2 s"
@@ -68,7 +86,10 @@ def test_failure_exits_1_and_names_the_reference(capsys, monkeypatch):
     wrong = Scenario(
         "wrong_analytic", lambda x: (x**2).sum(), np.array([1.0, 2.0]), "gradient", reference=np.array([2.0, 5.0])
     )
-    monkeypatch.setattr(cli, "_scenarios", lambda groups, quick, operators=None: ([wrong], []))
+    from diffiface.test import _main_job
+
+    for module in (cli, _main_job):
+        monkeypatch.setattr(module, "dense_scenarios", lambda groups, quick, operators: [wrong])
     code, out = _run(["--backends", "autograd", "--scenarios", "core", "-j", "1"], capsys)
     assert code == 1
     assert "against analytic" in out.out and "values differ" in out.out
@@ -88,19 +109,112 @@ def test_two_processes_give_the_table_of_one(capsys):
     assert two == one
 
 
-def test_no_progress_bar_off_a_terminal():
-    assert cli._progress(io.StringIO())[0] is None
+def test_off_a_terminal_a_line_per_finished_group():
+    """No bar off a terminal: the plan first, then one line per group as it is finished (name,
+    counts, elapsed); --no-progress: nothing."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    result = subprocess.run(
-        [sys.executable, "-m", "diffiface.test", *SUBSET, "--operators", "gradient", "-j", "1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    args = [sys.executable, "-m", "diffiface.test", "--backends", "finite_differences,autograd"]
+    args += ["--scenarios", "core,sparse", "--operators", "gradient,jacobian", "--quick", "-j", "1"]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stderr == ""
-    assert "passed" in result.stdout
+    lines = result.stderr.splitlines()
+    assert "\r" not in result.stderr and len(lines) == 3, result.stderr
+    total = int(lines[0].split()[1])
+    assert lines[0].startswith(f"checking {total} rows (core ") and "sparse " in lines[0]
+    counts = []
+    for line, group in zip(lines[1:], ("core", "sparse"), strict=True):
+        assert line.startswith(f"{group}: ") and line.endswith(" elapsed"), line
+        counts.append(int(line.split()[1]))
+    assert sum(counts) == total
+    quiet = subprocess.run([*args, "--no-progress"], capture_output=True, text=True, timeout=300, env=env)
+    assert quiet.returncode == 0 and quiet.stderr == ""
+    assert "passed" in quiet.stdout
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def _draws(text):
+    """The (done, total) of every bar drawn."""
+    found = []
+    for frame in text.split("\r"):
+        if frame.startswith("[") and "] " in frame:
+            done, total = frame.split("] ", 1)[1].split()[0].split("/")
+            found.append((int(done), int(total)))
+    return found
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_the_bar_counts_every_planned_row_from_every_worker(jobs, capsys, monkeypatch):
+    """The total is known before the first row (sparse rows included) and never changes; the
+    bar moves row by row, with -j 2 as well (the workers report each row); it ends full."""
+    stream = _Terminal()
+    monkeypatch.setattr(sys, "stderr", stream)
+    args = [
+        "--backends", "finite_differences,autograd", "--scenarios", "core,sparse",
+        "--operators", "gradient,jacobian", "--quick", "-j", jobs,
+    ]  # fmt: skip
+    assert cli.main(args) == 0
+    draws = _draws(stream.getvalue())
+    rows = capsys.readouterr().out.splitlines()[-1]
+    total = sum(int(rows.split()[i]) for i in (0, 2, 4))  # passed, failed, skipped
+    assert draws[0] == (0, total) and {t for _, t in draws} == {total}
+    assert draws[-1] == (total, total)
+    dones = [d for d, _ in draws]
+    assert dones == sorted(dones)
+    steps = {b - a for a, b in itertools.pairwise(dones)} - {0}
+    assert steps and max(steps) < 10, steps  # row by row, not a part at a time
+    assert "sparse: " in stream.getvalue() and "core: " in stream.getvalue()
+
+
+def test_the_estimate_waits_for_measured_costs():
+    from diffiface.test._main_job import Progress
+    from diffiface.test._running import Row
+
+    stream = _Terminal()
+    planned = [("core", "jax")] * 10 + [("sparse", "sparse-scipy-known-dense")] * 10
+    progress = Progress(stream, planned, jobs=1, terminal=True)
+    assert progress.eta() is None
+    for i in range(10):
+        progress.row(0, "core", "jax", 1.0, f"jax {i}")
+    assert progress.eta() is None  # half the rows left are of a kind not measured yet
+    progress.row(1, "sparse", "sparse-scipy-known-dense", 3.0, "scipy 0")
+    eta = progress.eta()
+    assert eta is not None and eta > 0
+    progress.part_done(0, [Row("jax", f"s{i}", "gradient", "passed", tags=frozenset({"core"})) for i in range(10)])
+    assert "core: 10 rows, 10 passed, 0 failed, 0 skipped" in stream.getvalue()
+    assert "~" in stream.getvalue().split("\r")[-1] and " left " in stream.getvalue().split("\r")[-1]
+
+
+def test_the_table_fits_120_columns_and_names_each_reference_once(capsys):
+    from diffiface.test import Report
+    from diffiface.test._running import Row
+
+    long = "finite differences cannot serve here: " + "a reason that goes on " * 12
+    rows = [
+        Row("sparse-finite_differences-global-dense", "a", "jacobian", "passed", tags=frozenset({"sparse"}),
+            reference="analytic"),
+        Row("jax", "b", "gradient", "passed", tags=frozenset({"core"}), reference="finite_differences"),
+        Row("jax", "c", "gradient", "passed", tags=frozenset({"core"}), reference="finite_differences (float64)"),
+        Row("jax", "d", "gradient", "passed", tags=frozenset({"core"}), reference="analytic"),
+        Row("jax", "e", "gradient", "skipped", long, tags=frozenset({"core"})),
+        Row("jax", "f", "gradient", "skipped", "short reason", tags=frozenset({"core"})),
+        Row("torch-func", "g", "hvp", "skipped", "short reason", tags=frozenset({"layer"})),
+    ]  # fmt: skip
+    report = Report(rows)
+    text = report.table()
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 120
+    jax = next(line for line in lines if line.startswith("jax "))
+    assert jax.count("finite_differences") == 1 and "float64" not in jax and "analytic" in jax
+    assert "2 [1,2]" in jax and "1 [2]" in next(line for line in lines if line.startswith("torch-func"))
+    assert any(line.startswith("finite_differences-global  sparse") for line in lines)  # no sparse-, no -dense
+    assert "[1] finite differences cannot serve here" in text and text.count("...") >= 1 and long not in text
+    assert long.split()[-3] in " ".join(report.table(details=True).split())  # in full, wrapped
+    assert str(report) == f"{text}\n\n{report.summary()}"
+    assert report.summary() == "None of the 7 checks failed (4 passed, 3 skipped)."
 
 
 @pytest.mark.parametrize(("name", "mode"), [("torch-func", "func"), ("torch-autograd", "autograd")])

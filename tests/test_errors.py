@@ -398,6 +398,28 @@ def _(mp):
 
 
 @case(
+    "x-torch-under-autograd",
+    ("autograd", "torch"),
+    di.ArrayTypeError,
+    r"differentiates numpy arrays\. Pass numpy arrays, or use the torch backend\.$",
+)
+def _(mp):
+    x = _torch().ones(3)
+    return lambda: di.gradient(square_sum, "autograd", x), (x,)
+
+
+@case(
+    "tangent-torch-for-numpy-x",
+    ("torch",),
+    di.ArrayTypeError,
+    r"x holds numpy arrays under the finite_differences backend\. Pass the tangent as numpy arrays\.$",
+)
+def _(mp):
+    x, tangent = vec(), _torch().ones(3, dtype=_torch().float64)
+    return lambda: di.jvp(twice, "finite_differences", x, tangent), (x, tangent)
+
+
+@case(
     "derivative-of-array",
     (),
     di.InvalidInputError,

@@ -15,7 +15,7 @@ import pytest
 
 import diffiface as di
 from diffiface import tree
-from diffiface.test import assert_allclose, check_gradients
+from diffiface.test import assert_allclose, check_gradients, default_tolerances
 
 INSTALL = 'pip install "diffiface[frameworks]"'
 
@@ -29,13 +29,20 @@ def x64() -> Any:
     return need("jax").enable_x64(True)
 
 
-def same_tree(actual: Any, expected: Any, rtol: float = 1e-6, atol: float = 1e-9) -> None:
-    """Same jax structure (None where the other has None), leaves close."""
+def same_tree(actual: Any, expected: Any, rtol: float | None = None, atol: float | None = None) -> None:
+    """Same jax structure (None where the other has None), leaves close: by default within the
+    tolerances of the leaf's dtype (diffiface.test's, so float32 gets float32 tolerances)."""
     jax = need("jax")
     assert jax.tree_util.tree_structure(actual) == jax.tree_util.tree_structure(expected)
     for a, e in zip(jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected), strict=True):
         assert a.shape == e.shape and a.dtype == e.dtype
-        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
+        default_rtol, default_atol = default_tolerances(str(a.dtype))
+        np.testing.assert_allclose(
+            np.asarray(a),
+            np.asarray(e),
+            rtol=default_rtol if rtol is None else rtol,
+            atol=default_atol if atol is None else atol,
+        )
 
 
 # -- equinox -----------------------------------------------------------------------------------------
@@ -88,11 +95,11 @@ def test_equinox_module_float32_on_jax_and_static_value_changes() -> None:
     model = _mlp()
     inputs = jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(4, 3)
     grad = di.gradient(_mlp_loss, "jax", model, di.Constant(inputs))
-    same_tree(grad, eqx.filter_grad(_mlp_loss)(model, inputs), rtol=1e-6)
+    same_tree(grad, eqx.filter_grad(_mlp_loss)(model, inputs))
     assert grad.layers[0].weight.dtype == jnp.float32
     relu_model = eqx.tree_at(lambda m: m.activation, model, jax.nn.relu)
     relu_grad = di.gradient(_mlp_loss, "jax", relu_model, di.Constant(inputs))
-    same_tree(relu_grad, eqx.filter_grad(_mlp_loss)(relu_model, inputs), rtol=1e-6)
+    same_tree(relu_grad, eqx.filter_grad(_mlp_loss)(relu_model, inputs))
     assert not np.allclose(np.asarray(relu_grad.layers[0].weight), np.asarray(grad.layers[0].weight))
 
 
@@ -196,7 +203,7 @@ def test_tree_ravel_and_assert_allclose_on_equinox_gradients() -> None:
     assert type(rebuilt) is type(model) and rebuilt.activation is None
     inputs = jax.numpy.ones((4, 3))
     grad = di.gradient(_mlp_loss, "jax", model, di.Constant(inputs))
-    assert_allclose(grad, eqx.filter_grad(_mlp_loss)(model, inputs), rtol=1e-5, atol=1e-6)
+    assert_allclose(grad, eqx.filter_grad(_mlp_loss)(model, inputs))  # float32's tolerances
 
 
 # -- flax ----------------------------------------------------------------------------------------------

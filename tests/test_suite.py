@@ -12,6 +12,7 @@ import pytest
 
 import diffiface as di
 from diffiface.test import (
+    Report,
     Scenario,
     assert_allclose,
     check_gradients,
@@ -444,7 +445,7 @@ def test_torch_func_refusing_a_classic_autograd_function_is_skipped():
     )
     report = test_differentiation([di.AutoTorch(), di.AutoTorch(mode="func")], [scenario])
     assert [row.status for row in report.rows] == ["passed", "skipped"]
-    assert "skip reasons" in report.table().splitlines()[0] and "setup_context" in report.table()
+    assert "skipped" in report.table().splitlines()[0] and "setup_context" in report.table()
 
 
 def test_torch_func_refusal_is_a_diffiface_error():
@@ -470,12 +471,15 @@ def test_engine_warnings_are_apart_never_failures():
     assert report.counts() == {"passed": 1} and report.warnings == ["RuntimeWarning: loud loss"]
 
 
-def test_skip_reasons_cell_is_short():
-    """A group's skip reasons in the table: the first one, cut, and the count of the others."""
-    from diffiface.test._running import _short_reasons
-
-    assert _short_reasons([]) == ""
-    assert _short_reasons(["one"]) == "one"
-    assert _short_reasons(["one", "two", "three"]) == "one (+2 more)"
-    cell = _short_reasons(["x" * 300, "y"])
-    assert cell.startswith("x" * 117 + "...") and cell.endswith("(+1 more)") and len(cell) < 140
+def test_summaries_are_sentences():
+    """No dangling colon when nothing failed; a failure is listed after a sentence that says so."""
+    scenario = Scenario("square", lambda v: (v**2).sum(), np.ones(3), "gradient", reference=np.full(3, 2.0))
+    wrong = Scenario("wrong", lambda v: (v**2).sum(), np.ones(3), "gradient", reference=np.full(3, 3.0))
+    report = test_differentiation([di.AutoFiniteDifferences()], [scenario, scenario])
+    assert report.summary() == "None of the 2 checks failed (2 passed)."
+    assert Report().summary() == "No checks ran."
+    report = test_differentiation([di.AutoFiniteDifferences()], [scenario, wrong], raise_on_failure=False)
+    first, *failures = report.summary().splitlines()
+    assert first == "1 of the 2 checks failed (1 passed); each failure, with its reference:"
+    assert failures[0].startswith("- finite_differences on wrong (gradient) against analytic: failed: ")
+    assert str(report).endswith(report.summary()) and str(report).startswith(report.table())

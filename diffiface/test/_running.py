@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+import textwrap
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -51,9 +52,13 @@ class Row:
 
 @dataclasses.dataclass
 class Report:
-    """The rows of a run; :meth:`table` renders them, :attr:`failed` lists what went wrong."""
+    """The rows of a run. ``str(report)`` is the table and the summary; :meth:`table` renders
+    the rows grouped by backend and scenario group, :attr:`failed` lists what went wrong."""
 
     rows: list[Row] = dataclasses.field(default_factory=list)
+
+    def __str__(self) -> str:
+        return f"{self.table()}\n\n{self.summary()}"
 
     @property
     def failed(self) -> list[Row]:
@@ -71,12 +76,27 @@ class Report:
         return list(dict.fromkeys(w for row in self.rows for w in row.warnings))
 
     def summary(self) -> str:
-        """A readable account of every failure (with the reference it was measured against), then
-        the engines' warnings, once each."""
-        lines = [f"{len(self.failed)} of {len(self.rows)} checks failed:"]
-        for row in self.failed:
-            against = f" against {row.reference}" if row.reference else ""
-            lines.append(f"- {row.backend} on {row.scenario} ({row.operator}){against}: {row.status}: {row.message}")
+        """A readable account in sentences: how many checks passed, were skipped, failed; every
+        failure with the reference it was measured against; then the engines' warnings, once each."""
+        counts = self.counts()
+        total = len(self.rows)
+        checks = f"{total} check" + ("" if total == 1 else "s")
+        others = [
+            f"{counts[status]} {status}"
+            for status in ("passed", "skipped", "xfailed", "soft_failed")
+            if counts.get(status)
+        ]
+        if not self.failed:
+            head = f"None of the {checks} failed" if total else "No checks ran"
+            lines = [head + (f" ({', '.join(others)})." if others else ".")]
+        else:
+            rest = f" ({', '.join(others)})" if others else ""
+            lines = [f"{len(self.failed)} of the {checks} failed{rest}; each failure, with its reference:"]
+            for row in self.failed:
+                against = f" against {row.reference}" if row.reference else ""
+                lines.append(
+                    f"- {row.backend} on {row.scenario} ({row.operator}){against}: {row.status}: {row.message}"
+                )
         lines.extend(self.warnings_text())
         return "\n".join(lines)
 
@@ -85,14 +105,22 @@ class Report:
         found = self.warnings
         if not found:
             return []
-        return [f"{len(found)} distinct warning(s) raised by the engines (not failures):", *(f"  {w}" for w in found)]
+        head = (
+            "The engines raised 1 distinct warning"
+            if len(found) == 1
+            else f"The engines raised {len(found)} distinct warnings"
+        )
+        return [f"{head} (never a failure):", *(f"  {w}" for w in found)]
 
     def grouped(self, by: Callable[[Row], str] | None = None) -> list[dict[str, Any]]:
-        """One line per backend and scenario group: passed, failed, skipped, worst error."""
+        """One line per backend and scenario group: passed, failed, skipped, the worst relative
+        error of a passed row, seconds, the references (each named once) and the skip reasons
+        (each once, as a list)."""
         by = by or _group
         groups: dict[tuple[str, str], dict[str, Any]] = {}
         for row in self.rows:
-            key = (row.backend, by(row))
+            group = by(row)
+            key = (_shown_backend(row.backend, group), group)
             g = groups.setdefault(
                 key,
                 {
@@ -102,7 +130,7 @@ class Report:
                     "failed": 0,
                     "skipped": 0,
                     "xfailed": 0,
-                    "worst rel error": 0.0,
+                    "rel error": 0.0,
                     "seconds": 0.0,
                     "references": [],
                     "skip reasons": [],
@@ -111,32 +139,72 @@ class Report:
             status = {"xpassed": "failed", "soft_failed": "failed"}.get(row.status, row.status)
             g[status] = g.get(status, 0) + 1
             if row.status == "passed":
-                g["worst rel error"] = max(g["worst rel error"], row.rel_error)
+                g["rel error"] = max(g["rel error"], row.rel_error)
             g["seconds"] += row.seconds
-            if row.reference and row.reference not in g["references"]:
-                g["references"].append(row.reference)
+            reference = _reference_name(row.reference)
+            if reference and reference not in g["references"]:
+                g["references"].append(reference)
             if row.status == "skipped" and row.message not in g["skip reasons"]:
                 g["skip reasons"].append(row.message)
         for g in groups.values():
             g["references"] = ", ".join(g["references"])
-            g["skip reasons"] = _short_reasons(g["skip reasons"])
         return list(groups.values())
 
-    def table(self, fmt: str = "table", lines: list[dict[str, Any]] | None = None) -> str:
-        """The grouped rows as an aligned text table, or markdown."""
+    def table(
+        self, fmt: str = "table", lines: list[dict[str, Any]] | None = None, *, width: int = 120, details: bool = False
+    ) -> str:
+        """The grouped rows as an aligned text table of at most ``width`` columns, long cells cut
+        with ``...``; each group's skipped count cites its skip reasons by number (``3 [1,2]``),
+        and below the table they are listed (each on one line, cut; ``details=True``: in full).
+        ``fmt="markdown"``: a markdown table with the reasons in full in their own column."""
         lines = self.grouped() if lines is None else lines
         if not lines:
             return "(no checks)"
-        columns = list(lines[0])
-        cells = [[_cell(line[c], c) for c in columns] for line in lines]
+        columns = [c for c in lines[0] if c != "xfailed" or any(line.get(c) for line in lines)]
         if fmt == "markdown":
+            cells = [[_cell(line[c], c, "; ") for c in columns] for line in lines]
             head = "| " + " | ".join(columns) + " |"
             rule = "|" + "|".join("---" for _ in columns) + "|"
             return "\n".join([head, rule, *("| " + " | ".join(row) + " |" for row in cells)])
-        widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-        text = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
+        # the skip reasons numbered in order of first appearance, cited in the skipped column
+        reasons: list[str] = []
+        cited = "skip reasons" in columns and "skipped" in columns
+        if cited:
+            columns.remove("skip reasons")
+        cells = []
+        for line in lines:
+            row = [_cell(line[column], column) for column in columns]
+            if cited:
+                numbers = []
+                for reason in (
+                    line["skip reasons"] if isinstance(line["skip reasons"], list) else [line["skip reasons"]]
+                ):
+                    if reason and reason not in reasons:
+                        reasons.append(reason)
+                    if reason:
+                        numbers.append(reasons.index(reason) + 1)
+                i = columns.index("skipped")
+                row[i] = f"{row[i]} {_cited(numbers)}".strip()
+            cells.append(row)
+        widths = _fit([max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)], columns, width)
+        text = ["  ".join(_cut(c, w).ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
         text.append("  ".join("-" * w for w in widths))
-        text.extend("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in cells)
+        text.extend(
+            "  ".join(_cut(cell, w).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in cells
+        )
+        if reasons:
+            text.append("")
+            text.append(
+                "skip reasons:" + ("" if details else " (in full with --details, or per row with --format json)")
+            )
+            for number, reason in enumerate(reasons, 1):
+                mark = f"[{number}] "
+                if details:
+                    text.extend(
+                        textwrap.wrap(reason, width, initial_indent=mark, subsequent_indent=" " * len(mark)) or [mark]
+                    )
+                else:
+                    text.append(_cut(mark + reason, width))
         return "\n".join(text)
 
 
@@ -144,20 +212,80 @@ class Report:
 _GROUPS = {"core": "core", "layer": "layers", "torch_module": "torch", "sparse": "sparse", "complex": "complex"}
 
 
-def _group(row: Row) -> str:
-    """The scenario list a row comes from (by the name ``--scenarios`` takes), else its first tag."""
+def scenario_group(tags: frozenset[str]) -> str:
+    """The scenario list a scenario comes from, by its tags (the name ``--scenarios`` takes),
+    else its first tag."""
     for tag, group in _GROUPS.items():
-        if tag in row.tags:
+        if tag in tags:
             return group
-    return min(row.tags) if row.tags else ""
+    return min(tags) if tags else ""
 
 
-def _cell(value: Any, column: str = "") -> str:
+def _group(row: Row) -> str:
+    return scenario_group(row.tags)
+
+
+def _cell(value: Any, column: str = "", separator: str = ", ") -> str:
     if isinstance(value, float):
         if column == "seconds":
             return f"{value:.1f}"
         return f"{value:.2g}" if value else "0"
+    if isinstance(value, list):
+        return separator.join(str(v) for v in value)
     return str(value)
+
+
+#: The columns a table cuts first when it is too wide, in order, and the narrowest each may get.
+_CUTTABLE = {"references": 16, "skip reasons": 12, "backend": 18}
+
+
+def _fit(widths: list[int], columns: list[str], width: int) -> list[int]:
+    """Column widths that fit ``width`` (two spaces between columns), narrowing the cuttable
+    columns, widest first, down to their minimum."""
+    widths = list(widths)
+    excess = sum(widths) + 2 * (len(widths) - 1) - width
+    for column, narrowest in _CUTTABLE.items():
+        if excess <= 0:
+            break
+        if column in columns:
+            i = columns.index(column)
+            cut = min(excess, max(widths[i] - narrowest, 0))
+            widths[i] -= cut
+            excess -= cut
+    return widths
+
+
+def _cut(text: str, width: int) -> str:
+    """``text`` cut to ``width`` characters, ending in ``...`` where it was cut."""
+    return text if len(text) <= width else text[: max(width - 3, 0)] + "..."
+
+
+def _cited(numbers: list[int]) -> str:
+    """Footnote numbers as ``[1-3,5,6]``."""
+    if not numbers:
+        return ""
+    numbers = sorted(set(numbers))
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return "[" + ",".join(f"{a}-{b}" if b > a + 1 else ",".join(map(str, range(a, b + 1))) for a, b in spans) + "]"
+
+
+def _reference_name(reference: str) -> str:
+    """A row's reference as the table names it: the engine alone (``finite_differences (float64)``
+    is finite differences run on float64 copies of a float32 scenario: the same engine)."""
+    return reference.removesuffix(" (float64)")
+
+
+def _shown_backend(label: str, group: str) -> str:
+    """A backend as the table shows it: in the sparse group, whose rows all run AutoSparse with
+    dense results, without the ``sparse-`` and ``-dense`` that every one of them would carry."""
+    if group == "sparse" and label.startswith("sparse-"):
+        return label.removeprefix("sparse-").removesuffix("-dense")
+    return label
 
 
 def backend_label(backend: Backend | str) -> str:
@@ -196,6 +324,7 @@ def test_differentiation(
     check_preparation: bool = True,
     raise_on_failure: bool = True,
     progress: Callable[[int, int, str], None] | None = None,
+    on_row: Callable[[Row], None] | None = None,
 ) -> Report:
     """Check every backend on every scenario against its reference.
 
@@ -215,6 +344,9 @@ def test_differentiation(
     without ``setup_context``) is skipped with the reason. When automatic engines fail against
     finite differences and agree with each other, their rows say the differences may be at
     fault. Warnings raised during a check are recorded on its row, never a failure.
+
+    ``progress(done, total, what)`` is called as each row starts; ``on_row(row)`` as each row
+    is finished (before ``broken`` and ``soft_fail`` are applied to its scenario's rows).
 
     Returns a :class:`Report`; raises ``AssertionError`` with its summary when anything failed
     (unless ``raise_on_failure=False``).
@@ -241,6 +373,8 @@ def test_differentiation(
             reason = _skip_reason(backend, scenario, label, skip)
             if reason:
                 row.status, row.message = "skipped", reason
+                if on_row is not None:
+                    on_row(row)
                 continue
             start = time.perf_counter()
             seen: list[Any] = []
@@ -262,6 +396,8 @@ def test_differentiation(
                     if row.status == "failed" and seen and _is_difference(row.reference) and _family(backend):
                         against_differences.append((row, seen[-1]))
             row.seconds = time.perf_counter() - start
+            if on_row is not None:
+                on_row(row)
         _hint_differences_at_fault(scenario, against_differences)
         for row in report.rows[-len(chosen) :] if chosen else []:
             _apply_expectations(row, scenario, broken, soft_fail)
@@ -293,15 +429,6 @@ def _outcome(exc: BaseException) -> tuple[str, str]:
     return "failed", message
 
 
-def _short_reasons(reasons: list[str], width: int = 120) -> str:
-    """A table cell for a group's skip reasons: the first, cut to ``width`` characters, and how
-    many others there are (each row's reason is in the rows, ``--format json``)."""
-    if not reasons:
-        return ""
-    first = reasons[0] if len(reasons[0]) <= width else reasons[0][: width - 3] + "..."
-    return first if len(reasons) == 1 else f"{first} (+{len(reasons) - 1} more)"
-
-
 def _is_difference(reference: str) -> bool:
     return reference.startswith(("finite_differences", "scipy"))
 
@@ -323,14 +450,6 @@ def _hint_differences_at_fault(scenario: Scenario, failures: list[tuple[Row, Any
             f" [the automatic engines {engines} agree with each other but not with {row.reference}: "
             "finite differences may be the side at fault (a large or ill-conditioned f, a kink near x)]"
         )
-
-
-def run_cli_part(*args: Any) -> list[Row]:
-    """A part of ``python -m diffiface.test`` in a worker process (a function the worker can
-    find by its module: one defined in the command's ``__main__`` could not be)."""
-    from .__main__ import _run_part
-
-    return _run_part(*args)
 
 
 def _matches(selector: Selector, label: str, scenario: Scenario) -> bool:
