@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ._graphs import _partial_distance2, as_pattern
+
 if TYPE_CHECKING:
     from scipy.sparse import csr_array
 
@@ -57,8 +59,6 @@ class Split:
 
 
 def _colors(matrix: csr_array, order: str) -> np.ndarray:
-    from ._coloring import _partial_distance2, as_pattern
-
     return _partial_distance2(as_pattern(matrix), order)
 
 

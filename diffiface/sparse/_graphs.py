@@ -1,0 +1,160 @@
+"""The graph primitives of the colorings: a pattern read as a boolean CSR array, the vertex
+orders, and the greedy partial distance-2 coloring of a pattern's columns. The one-sided
+colorings (:mod:`._coloring`) and the bidirectional ones (:mod:`._bicoloring`) both build on
+them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .._errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from scipy.sparse import csr_array
+
+__all__ = ["GRAPH_LIMIT", "ORDERS", "as_pattern"]
+
+
+ORDERS = ("natural", "largest_first", "smallest_last")
+"""The vertex orders the greedy colorings take: ``natural`` (index order; a banded pattern gets
+one color per diagonal), ``largest_first`` (most neighbors first), ``smallest_last``
+(repeatedly set aside a vertex of fewest remaining neighbors, color in reverse)."""
+
+
+GRAPH_LIMIT = 20_000_000
+"""smallest_last for a Jacobian needs the column (row) intersection graph; where it would hold more
+entries than this (a dense row), the coloring uses largest_first instead."""
+
+
+def as_pattern(pattern: Any, shape: tuple[int, int] | None = None, what: str = "pattern") -> csr_array:
+    """``pattern`` (a scipy.sparse matrix or array, or a 2-d array-like whose nonzeros are the
+    pattern) as a canonical boolean ``csr_array``: sorted indices, no duplicates, no stored zeros.
+
+    Raises
+    ------
+    InvalidInputError
+        If it is not 2-d, or not of ``shape`` when given.
+    """
+    import scipy.sparse as sp
+
+    if sp.issparse(pattern):
+        matrix = sp.csr_array(pattern, copy=True)
+    else:
+        try:
+            dense = np.asarray(pattern)
+        except Exception as error:
+            raise InvalidInputError(
+                f"The {what} must be a scipy.sparse matrix or a 2-d boolean array; got {type(pattern).__name__}."
+            ) from error
+        if dense.ndim != 2 or dense.dtype == object:
+            raise InvalidInputError(
+                f"The {what} must be a scipy.sparse matrix or a 2-d boolean array; got "
+                f"{type(pattern).__name__} of shape {dense.shape} and dtype {dense.dtype}."
+            )
+        matrix = sp.csr_array(dense != 0)
+    if shape is not None and tuple(matrix.shape) != tuple(shape):
+        raise InvalidInputError(f"The {what} has shape {tuple(matrix.shape)}; expected {tuple(shape)}.")
+    matrix.sum_duplicates()
+    matrix.data = matrix.data != 0
+    matrix.eliminate_zeros()
+    matrix = matrix.astype(bool)
+    matrix.sort_indices()
+    matrix.indices = matrix.indices.astype(np.int64, copy=False)
+    matrix.indptr = matrix.indptr.astype(np.int64, copy=False)
+    return matrix
+
+
+def _check_order(order: str) -> None:
+    if order not in ORDERS:
+        raise InvalidInputError(f"Unknown coloring order {order!r}; use one of {', '.join(map(repr, ORDERS))}.")
+
+
+def _lowest_free(forbidden: int) -> int:
+    """The lowest bit not set in ``forbidden``."""
+    return (~forbidden & (forbidden + 1)).bit_length() - 1
+
+
+def _partial_distance2(matrix: csr_array, order: str) -> np.ndarray:
+    """Colors of the columns of ``matrix`` such that no two columns of one color share a row."""
+    import scipy.sparse as sp
+
+    m, n = matrix.shape
+    by_column = sp.csc_array(matrix)
+    by_column.sort_indices()
+    visit = _order(matrix, by_column, order)
+    cindptr = by_column.indptr.tolist()
+    crows = by_column.indices.tolist()
+    used = [0] * m  # per row: the colors of its columns colored so far, as bits
+    colors = [0] * n
+    for j in visit:
+        rows = crows[cindptr[j] : cindptr[j + 1]]
+        forbidden = 0
+        for r in rows:
+            forbidden |= used[r]
+        c = _lowest_free(forbidden)
+        colors[j] = c
+        bit = 1 << c
+        for r in rows:
+            used[r] |= bit
+    return np.asarray(colors, dtype=np.int64)
+
+
+def _order(matrix: csr_array, by_column: Any, order: str) -> list[int]:
+    """The order in which the columns of ``matrix`` are colored."""
+    n = matrix.shape[1]
+    if order == "natural" or n == 0:
+        return list(range(n))
+    if order == "largest_first":
+        # The degree in the column intersection graph, bounded by the sum over a column's rows of
+        # their lengths: exact where rows share at most one column with each other, and cheap
+        # where the graph itself would not fit in memory (one dense row).
+        row_lengths = np.diff(matrix.indptr)
+        lengths_of_entries = row_lengths[by_column.indices]
+        col_of_entries = np.repeat(np.arange(n), np.diff(by_column.indptr))
+        weight = np.bincount(col_of_entries, weights=lengths_of_entries - 1, minlength=n)
+        return np.argsort(-weight, kind="stable").tolist()  # type: ignore[no-any-return]
+    row_lengths = np.diff(matrix.indptr).astype(np.float64)
+    if float((row_lengths**2).sum()) > GRAPH_LIMIT:
+        return _order(matrix, by_column, "largest_first")
+    return _graph_order(_intersection_graph(matrix, by_column), order)
+
+
+def _intersection_graph(matrix: csr_array, by_column: Any) -> Any:
+    """The column intersection graph (CSR, no diagonal) of ``matrix``."""
+    graph = (by_column.T.astype(np.int32) @ matrix.astype(np.int32)).tocsr()
+    graph.setdiag(0)
+    graph.eliminate_zeros()
+    return graph
+
+
+def _graph_order(graph: Any, order: str) -> list[int]:
+    """The smallest_last order of the vertices of a symmetric CSR graph (no diagonal): remove a
+    vertex of smallest remaining degree, again and again; color in the reverse order. Buckets of
+    vertices by degree keep it linear in the edges."""
+    n = graph.shape[0]
+    indptr = graph.indptr.tolist()
+    indices = graph.indices.tolist()
+    degree = np.diff(graph.indptr).tolist()
+    buckets: list[dict[int, None]] = [{} for _ in range(max(degree, default=0) + 1)]
+    for v in range(n):
+        buckets[degree[v]][v] = None
+    removed = [False] * n
+    picked: list[int] = []
+    low = 0
+    for _ in range(n):
+        while not buckets[low]:
+            low += 1
+        v = next(iter(buckets[low]))
+        del buckets[low][v]
+        removed[v] = True
+        picked.append(v)
+        for w in indices[indptr[v] : indptr[v + 1]]:
+            if not removed[w]:
+                d = degree[w]
+                del buckets[d][w]
+                degree[w] = d - 1
+                buckets[d - 1][w] = None
+        low = max(low - 1, 0)
+    return picked[::-1]
