@@ -29,7 +29,7 @@ from .._errors import BackendUnavailableError, UnknownBackendError
 if TYPE_CHECKING:
     from ._base import Adapter
 
-__all__ = ["BACKENDS", "BackendInfo", "adapter_for", "available", "info", "names_of", "normalize"]
+__all__ = ["BACKENDS", "BackendInfo", "adapter_for", "available", "info", "labels", "names_of", "normalize"]
 
 
 @dataclass(frozen=True)
@@ -164,6 +164,18 @@ def normalize(backend: Backend | str) -> Backend:
         f"backend must be a backend object (di.AutoJAX(), di.AutoTorch(), ...) or its name, "
         f"got {type(backend).__name__}: {backend!r}."
     )
+
+
+def labels() -> dict[str, Backend]:
+    """Every engine of the registry by its name, and each option set that has a name of its own
+    (``"torch-func"``): the backends the main job and the reports know, in the registry's order."""
+    found: dict[str, Backend] = {}
+    for row in BACKENDS:
+        found[row.name] = row.config()
+        for name, alias in _ALIASES.items():
+            if type(alias) is row.config and alias != found[row.name]:
+                found[name] = alias
+    return found
 
 
 def names_of(backend: Backend) -> frozenset[str]:

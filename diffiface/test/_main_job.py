@@ -13,19 +13,13 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TextIO
 
-from .._backends import AutoAutograd, AutoFiniteDifferences, AutoJAX, AutoScipy, AutoTorch, Backend
+from .._adapters import labels
+from .._backends import Backend
 from ._running import Row, backend_label, scenario_group, test_differentiation
 from ._scenario import Scenario
 from ._sparse_scenarios import SparseScenario
 
-BACKENDS: dict[str, Backend] = {
-    "finite_differences": AutoFiniteDifferences(),
-    "jax": AutoJAX(),
-    "torch": AutoTorch(),
-    "torch-func": AutoTorch(mode="func"),
-    "autograd": AutoAutograd(),
-    "scipy": AutoScipy(),
-}
+BACKENDS: dict[str, Backend] = labels()  # (from the registry, the one table of engines)
 GROUPS = ("core", "layers", "torch", "sparse", "complex")
 
 # -- what is left out, and why ------------------------------------------------------------------------
