@@ -503,9 +503,8 @@ class _Check:
         known = np.isfinite(truth.errors)
         magnitude = float(np.max(np.abs(truth.values[known]), initial=0.0))
         atol = 1e-3 * rtol * magnitude if self.atol is None else self.atol
-        tol = _SAFETY * truth.errors + rtol * np.abs(truth.values) + atol
-        backend = normalize(label.split("-")[0]) if label.split("-")[0] in ("finite_differences", "scipy") else None
-        if backend is not None:
+        tol: np.ndarray = _SAFETY * truth.errors + rtol * np.abs(truth.values) + atol
+        if label.split("-")[0] in ("finite_differences", "scipy"):
             own = np.abs(truth.plain - truth.values) + _difference_noise(self.f0, self.flat.size)
             tol = tol + _SAFETY * np.nan_to_num(own, nan=np.inf)
         return tol
@@ -747,9 +746,14 @@ def _taylor_verdict(f0: float, taylor: _Taylor, slope: float, noise: float, size
                 f"remainders {shown} at f's rounding noise (an error would show as {floor / smallest:.2g} . |v|)",
             )
         return "inconclusive", f"remainders {shown} within f's rounding noise {noise:.2g}"
+    error = remainders[-1] / used[-1]  # what a first-order term of the last remainder would say <g, v> is off by
     if order >= (expected + 1) / 2:
-        return "right", f"remainders {shown} shrink as h^{order:.2g}"
-    error = remainders[-1] / used[-1]
+        if error <= 1e-4 * max(size, 1e-300):
+            return "right", f"remainders {shown} shrink as h^{order:.2g}"
+        return (
+            "inconclusive",
+            f"remainders {shown} shrink as h^{order:.2g}, yet at the last step <g, v> may be off by {error:.3g}",
+        )
     if 0.7 <= order <= 1.5 and error > _RESOLVES * max(size, 1e-300) * 1e-2:
         return "wrong", f"remainders {shown} shrink only as h^{order:.2g}: <g, v> is off by about {error:.3g}"
     return "inconclusive", f"remainders {shown} shrink as h^{order:.2g}"
