@@ -498,11 +498,13 @@ class _Check:
         atol (defaults by the gradient's dtype, atol relative to the gradient's scale); a
         finite-difference engine's own error (its plain central difference's) besides."""
         dtype = _arrays.dtype_name(next(iter(_tree.leaves(self.native[label])), 0.0))
-        default_rtol, _ = default_tolerances(dtype if dtype in ("float32", "float16", "bfloat16") else "float64")
+        default_rtol, default_atol = default_tolerances(
+            dtype if dtype in ("float32", "float16", "bfloat16") else "float64"
+        )
         rtol = default_rtol if self.rtol is None else self.rtol
         known = np.isfinite(truth.errors)
         magnitude = float(np.max(np.abs(truth.values[known]), initial=0.0))
-        atol = 1e-3 * rtol * magnitude if self.atol is None else self.atol
+        atol = default_atol * magnitude if self.atol is None else self.atol
         tol: np.ndarray = _SAFETY * truth.errors + rtol * np.abs(truth.values) + atol
         if label.split("-")[0] in ("finite_differences", "scipy"):
             own = np.abs(truth.plain - truth.values) + _difference_noise(self.f0, self.flat.size)
@@ -573,9 +575,11 @@ class _Check:
             row.reference = self.label
             got = np.array([float(np.dot(g, u)) for u in directions])
             dtype = _arrays.dtype_name(next(iter(_tree.leaves(self.native[label])), 0.0))
-            default_rtol, _ = default_tolerances(dtype if dtype in ("float32", "float16", "bfloat16") else "float64")
+            default_rtol, default_atol = default_tolerances(
+                dtype if dtype in ("float32", "float16", "bfloat16") else "float64"
+            )
             rtol = default_rtol if self.rtol is None else self.rtol
-            atol = 1e-3 * rtol * magnitude if self.atol is None else self.atol
+            atol = default_atol * magnitude if self.atol is None else self.atol
             tol = _SAFETY * errors + rtol * np.abs(values) + atol
             err = np.abs(got - values)
             row.abs_error = float(np.max(err[np.isfinite(err)], initial=0.0))
