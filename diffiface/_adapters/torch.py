@@ -313,7 +313,11 @@ class Adapter(_base.Adapter):
             grads = tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs, strict=True))
         if type(grads[0]) is not torch.Tensor or len(grads) != 1:  # (a DTensor, or several leaves)
             grads = _placed(grads, inputs)
-        return value, aux, _materialised(grads)  # results are detached as they are converted, if returned
+        for g in grads:  # (inline, not a call: this is the hot path)
+            if g._is_zerotensor():
+                grads = _materialised(grads)
+                break
+        return value, aux, grads  # results are detached as they are converted, if returned
 
     def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Blocks]:
         if _any_dtensor(xs):
@@ -549,12 +553,7 @@ def _any_dtensor(leaves: Any) -> bool:
 def _materialised(grads: Leaves) -> Leaves:
     """Gradients as ordinary tensors: torch answers an f whose derivative is zero by rule
     (``sgn``, ``sign``) with a ZeroTensor, which ``.numpy()`` and in-place updates refuse."""
-    for g in grads:  # (a loop, not any(...): this runs on every gradient)
-        if g._is_zerotensor():
-            return tuple(
-                torch.zeros(g.shape, dtype=g.dtype, device=g.device) if g._is_zerotensor() else g for g in grads
-            )
-    return grads
+    return tuple(torch.zeros(g.shape, dtype=g.dtype, device=g.device) if g._is_zerotensor() else g for g in grads)
 
 
 def _placed(grads: Leaves, xs: Leaves) -> Leaves:
