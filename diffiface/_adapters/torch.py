@@ -327,8 +327,9 @@ class Adapter(_base.Adapter):
             else:
                 (grads, value), aux = func.grad_and_value(g)(xs[0] if len(xs) == 1 else xs), None
             if len(xs) == 1:
-                return value, rebuild(aux), (grads,) if type(grads) is torch.Tensor else _placed((grads,), xs)
-            return value, rebuild(aux), _placed(grads, xs)
+                one = (grads,) if type(grads) is torch.Tensor else _placed((grads,), xs)
+                return value, rebuild(aux), _materialised(one)
+            return value, rebuild(aux), _materialised(_placed(grads, xs))
         if not torch.is_grad_enabled():  # entering enable_grad costs more than asking
             with torch.enable_grad():
                 return self.value_and_gradient(fn, xs)
@@ -351,7 +352,11 @@ class Adapter(_base.Adapter):
                 break
         if type(grads[0]) is not torch.Tensor or len(grads) != 1:  # (a DTensor, or several leaves)
             grads = _placed(grads, inputs)
-        return value, aux, grads  # results are detached as they are converted, if they are returned
+        for g in grads:  # (inline, not a call: this is the hot path)
+            if g._is_zerotensor():
+                grads = _materialised(grads)
+                break
+        return value, aux, grads  # results are detached as they are converted, if returned
 
     def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Blocks]:
         if _any_dtensor(xs):
@@ -631,6 +636,12 @@ def is_dtensor(leaf: Any) -> bool:
 
 def _any_dtensor(leaves: Any) -> bool:
     return any(type(leaf) is not torch.Tensor and is_dtensor(leaf) for leaf in leaves)
+
+
+def _materialised(grads: Leaves) -> Leaves:
+    """Gradients as ordinary tensors: torch answers an f whose derivative is zero by rule
+    (``sgn``, ``sign``) with a ZeroTensor, which ``.numpy()`` and in-place updates refuse."""
+    return tuple(torch.zeros(g.shape, dtype=g.dtype, device=g.device) if g._is_zerotensor() else g for g in grads)
 
 
 def _placed(grads: Leaves, xs: Leaves) -> Leaves:

@@ -13,6 +13,7 @@
 """
 
 from ._benchmark import benchmark_differentiation as benchmark_differentiation
+from ._checking import check_gradients as check_gradients
 from ._compare import assert_allclose as assert_allclose
 from ._compare import default_tolerances as default_tolerances
 from ._complex_scenarios import complex_scenarios as complex_scenarios
@@ -20,7 +21,6 @@ from ._pytest import parametrize as parametrize
 from ._running import Report as Report
 from ._running import Row as Row
 from ._running import backend_label as backend_label
-from ._running import check_gradients as check_gradients
 from ._running import test_differentiation as test_differentiation
 from ._scenario import Scenario as Scenario
 from ._scenarios import core_scenarios as core_scenarios

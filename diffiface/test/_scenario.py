@@ -76,6 +76,15 @@ class Scenario:
     finite_differences_ok: bool = True
 
     def __post_init__(self) -> None:
+        if isinstance(self.contexts, Context):  # one context, given bare
+            object.__setattr__(self, "contexts", (self.contexts,))
+        elif isinstance(self.contexts, list):
+            object.__setattr__(self, "contexts", tuple(self.contexts))
+        elif not isinstance(self.contexts, tuple):
+            raise ValueError(
+                f"Scenario {self.name!r}: contexts must be a tuple of di.Constant or di.Cache (or one of them), "
+                f"got {type(self.contexts).__name__}."
+            )
         op = OPERATORS.get(self.operator)
         if op is None:
             raise ValueError(

@@ -1,0 +1,1195 @@
+"""check_gradients: a layer author's one call, and its ground truth."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import optree
+
+import diffiface as di
+
+from .. import _arrays
+from .. import tree as _tree
+from .._adapters import available, install_hint, normalize
+from .._backends import AutoFiniteDifferences, AutoJAX, AutoScipy, AutoTorch, Backend
+from .._errors import InvalidOutputError
+from . import _complex_checks, _on_device
+from ._compare import assert_allclose, default_tolerances, max_errors
+from ._running import (
+    Report,
+    Row,
+    _changes_in_float64,
+    _computed_reference,
+    _determinism_problem,
+    _float64_scope,
+    _is_difference,
+    _like,
+    _no_grad,
+    _outcome,
+    _promotes,
+    _reference_label,
+    _value,
+    _warnings_apart,
+    backend_label,
+)
+from ._scenario import Scenario, promote, promote_contexts
+from ._snapshot import changes, snapshot
+
+__all__ = ["check_gradients"]
+
+
+# -- check_gradients ----------------------------------------------------------------------------------
+
+_PROJECTION_THRESHOLD = 4096
+"""Above this many inputs the gradient is compared along random directions (8 by default)."""
+
+_SAFETY = 4.0
+"""How many of its own error estimates a finite-difference value may be off."""
+
+_RESOLVES = 1e-3
+"""Finite differences certify a gradient when their error stays below this fraction of its scale
+(a 1% error is then seen by a margin of ten); else the Taylor test judges as well."""
+
+_TAYLOR_STEPS = 5
+_SHRINKS = 3
+"""At an edge of f's domain nearer than the step, the step shrinks by 16 at most this often..."""
+_SPARE_EVALUATIONS = 4
+"""... within this many evaluations of f in all (one shrink): the cost stays 4n + 20."""
+_NARROW_EPS = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
+_TAYLOR_RATIO = 4.0
+
+
+def check_gradients(
+    f: Callable[..., Any],
+    x: Any,
+    *contexts: Any,
+    backends: Sequence[Backend | str] | Backend | str = "available",
+    reference: Backend | str | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    projections: int | None = None,
+    seed: int = 0,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+) -> Report:
+    """Check the gradient of ``f`` at ``x`` on every backend, in one call.
+
+    Every requested backend (by default every installed engine that can run ``f``) is compared
+    with a finite-difference ground truth and with the other engines; ``x`` and the contexts must
+    not be mutated and ``f`` must be deterministic. A default engine that cannot run ``f``
+    (written for another framework, numpy code under torch, a pytree with function leaves) is
+    reported skipped with the reason: it is judged by its own evaluation of ``f``, which raised.
+    A string ``backends`` names one backend.
+
+    The ground truth stays in f's domain and knows its own error. Per input, central differences
+    at the finite-difference default step ``h = eps**(1/3) * max(1, |x_i|)`` and at ``2h``,
+    combined by Richardson extrapolation; their difference estimates the error, with the rounding
+    error ``eps * |f| / h``. Where a point raises or gives a non-finite value (an edge of f's
+    domain), the differences go one-sided. Each engine must agree with it within four times that
+    estimate plus ``rtol`` (default by dtype) of each entry; engines agree with each other within
+    the tolerances of their dtype. The ground truth runs on float64 copies of float32 leaves of x
+    and of the Constant contexts when f computes the same value there. It costs ``4n``
+    evaluations of f for ``n`` inputs.
+
+    Where finite differences cannot settle it (they disagree with an engine, or their error is
+    too large to see a 1% error: float32 f, large magnitudes, normalisation layers), the Taylor
+    remainder test decides, with no step to tune: along a direction ``v``, the remainder
+    ``|f(x + hv) - f(x) - h <g, v>|`` over ``h, h/4, ...`` shrinks as ``h**2`` (its odd part as
+    ``h**3``) for the right ``g`` and only as ``h`` for a wrong one. Where ``f(x + hv) + f(x - hv)
+    - 2 f(x)`` does not shrink as ``h**2``, f is not differentiable at x along v (a jump or a kink):
+    the row is skipped with that reason, and failed only if the engines disagree with each other.
+    10 more evaluations of f.
+
+    For a large ``x`` (more than 4096 numbers, or when ``projections`` is given) the comparison is
+    on ``k`` random directions ``u``: ``u . grad f`` against a central difference of
+    ``t -> f(x + t u)`` (``2k`` evaluations), the direction of the worst disagreement checked by
+    the Taylor test.
+
+    With ``has_aux=True``, ``f`` returns ``(value, aux)``: the value is differentiated and the
+    aux ignored (it must be deterministic too). A given ``reference`` backend replaces the ground
+    truth (compared with the default tolerances and its noise).
+
+    Each row of the returned :class:`Report` names its reference. Warnings the engines raise are
+    collected on the rows (:attr:`Report.warnings`), never failures. Raises ``AssertionError``
+    naming every disagreement.
+
+    For a complex x, the gradient is ``df/dRe x + i df/dIm x`` (docs/complex.md), judged by
+    finite differences along the real and imaginary axis of each entry, and also along random
+    complex directions, which tell a gradient from its conjugate (a custom rule returning the
+    conjugate fails, and is told so). ``holomorphic=True`` checks a complex-valued ``f``
+    asserted holomorphic instead: the Cauchy-Riemann equations, and each backend's
+    ``jacobian(..., holomorphic=True)``.
+
+    Examples
+    --------
+    >>> import numpy as np, diffiface as di
+    >>> from diffiface.test import check_gradients
+    >>> report = check_gradients(lambda x, c: (c * np.sin(x)).sum(), np.linspace(0, 1, 5),
+    ...                          di.Constant(2.0), backends=["finite_differences"])
+    >>> [(row.status, row.reference) for row in report.rows]
+    [('passed', 'finite_differences')]
+    """
+    automatic = isinstance(backends, str) and backends == "available"
+    if automatic:
+        chosen = _available_backends(x)
+    elif isinstance(backends, (str, Backend)):
+        chosen = [normalize(backends)]
+    else:
+        chosen = [normalize(b) for b in backends]
+    if not chosen:
+        raise AssertionError('no backend to check: install one (pip install "diffiface[jax]") or pass backends=...')
+    contexts = tuple(contexts)
+    if holomorphic:
+        return _complex_checks.check_holomorphic(f, x, contexts, chosen, rtol, atol)
+    complex_x = _complex_checks.applies(x)
+    if reference is not None or complex_x or _sharded(x) or _on_device.applies(x):
+        given = normalize(reference) if reference is not None else None
+        return _check_against_engines_reference(
+            f, x, contexts, chosen, given, rtol, atol, projections, seed, has_aux, complex_x
+        )
+    return _Check(f, x, contexts, chosen, automatic, rtol, atol, projections, seed, has_aux).run()
+
+
+class _Counted:
+    """f, counting its calls and the calls that returned: an engine whose own evaluation of f
+    raised, where f itself runs, cannot run f."""
+
+    def __init__(self, f: Callable[..., Any]) -> None:
+        self.f = f
+        self.calls = 0
+        self.returned = 0
+
+    def __call__(self, *args: Any) -> Any:
+        self.calls += 1
+        out = self.f(*args)
+        self.returned += 1
+        return out
+
+
+@dataclasses.dataclass
+class _Flat:
+    """The float leaves of x as one float64 vector, and the way back to f's arguments."""
+
+    leaves: list[Any]
+    spec: Any
+    where: list[int]
+    """The indices of the leaves that are floating-point numbers (the others stay as they are)."""
+    offsets: np.ndarray
+    vector: np.ndarray
+    eps: np.ndarray
+
+    @classmethod
+    def of(cls, x: Any) -> _Flat:
+        leaves, spec = _tree.flatten(x)
+        where, pieces, eps = [], [], []
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, bool) or not (
+                isinstance(leaf, float)
+                or (
+                    _arrays.kind(leaf) in ("numpy", "torch", "jax") and _arrays.is_float_dtype(_arrays.dtype_name(leaf))
+                )
+            ):
+                continue
+            array = np.asarray(_arrays.to_numpy(leaf))
+            where.append(i)
+            pieces.append(array.reshape(-1).astype(np.float64))
+            eps.append(np.full(array.size, np.finfo(array.dtype if array.dtype.kind == "f" else np.float64).eps))
+        vector = np.concatenate(pieces) if pieces else np.zeros(0)
+        offsets = np.cumsum([0, *(p.size for p in pieces)])
+        return cls(leaves, spec, where, offsets, vector, np.concatenate(eps) if eps else np.zeros(0))
+
+    @property
+    def size(self) -> int:
+        return int(self.vector.size)
+
+    def tree(self, vector: np.ndarray) -> Any:
+        leaves = list(self.leaves)
+        for j, i in enumerate(self.where):
+            like = leaves[i]
+            piece = vector[self.offsets[j] : self.offsets[j + 1]]
+            if isinstance(like, float):
+                leaves[i] = float(piece[0])
+            else:
+                leaves[i] = _arrays.from_numpy(piece.reshape(_arrays.shape(like)).copy(), like)
+        return optree.tree_unflatten(self.spec, leaves)
+
+    def read(self, tree: Any) -> np.ndarray:
+        """A gradient (x's structure) as a float64 vector over the float leaves."""
+        leaves = _tree.leaves(tree)
+        if len(leaves) == len(self.where) != len(self.leaves):  # the non-float leaves dropped (jax)
+            leaves = [leaves[self.where.index(i)] if i in self.where else None for i in range(len(self.leaves))]
+        if len(leaves) != len(self.leaves):
+            raise AssertionError(f"the gradient has {len(leaves)} leaves where x has {len(self.leaves)}")
+        pieces = [np.asarray(_arrays.to_numpy(leaves[i]), dtype=np.float64).reshape(-1) for i in self.where]
+        return np.concatenate(pieces) if pieces else np.zeros(0)
+
+    def exact(self, steps: np.ndarray) -> np.ndarray:
+        """Steps rounded so that ``x + h`` is representable in each leaf's dtype."""
+        out = np.empty_like(steps)
+        for j, i in enumerate(self.where):
+            lo, hi = self.offsets[j], self.offsets[j + 1]
+            dtype = (
+                np.asarray(_arrays.to_numpy(self.leaves[i])).dtype if not isinstance(self.leaves[i], float) else None
+            )
+            dtype = dtype if dtype is not None and dtype.kind == "f" else np.dtype(np.float64)
+            base = self.vector[lo:hi]
+            out[lo:hi] = (base.astype(dtype) + steps[lo:hi].astype(dtype)).astype(np.float64) - base
+        return out
+
+
+@dataclasses.dataclass
+class _Truth:
+    """Finite-difference derivatives (per input, or per direction) with their error estimates."""
+
+    values: np.ndarray
+    errors: np.ndarray
+    """Each value's error estimate; inf where no stencil stayed in f's domain."""
+    plain: np.ndarray
+    """The plain central difference at the default step (what a finite-difference engine gives)."""
+    one_sided: int = 0
+
+
+@dataclasses.dataclass
+class _Taylor:
+    """f along ``x + h v`` for a falling sequence of h (None where f raised or was not finite)."""
+
+    direction: np.ndarray
+    steps: np.ndarray
+    plus: list[float | None]
+    minus: list[float | None]
+    why: str
+
+
+class _Check:
+    def __init__(
+        self,
+        f: Callable[..., Any],
+        x: Any,
+        contexts: tuple[Any, ...],
+        chosen: list[Backend],
+        automatic: bool,
+        rtol: float | None,
+        atol: float | None,
+        projections: int | None,
+        seed: int,
+        has_aux: bool,
+    ) -> None:
+        self.f, self.x, self.contexts, self.chosen, self.automatic = f, x, contexts, chosen, automatic
+        self.rtol, self.atol, self.seed, self.has_aux = rtol, atol, seed, has_aux
+        self.counted = _Counted(f)
+        self.scenario = Scenario(
+            "f",
+            self.counted,
+            x,
+            "value_and_gradient" if has_aux else "gradient",
+            contexts,
+            reference=None,
+            has_aux=has_aux,
+        )
+        self.flat = _Flat.of(x)
+        self.projections = projections
+        self.report = Report()
+        self.outside = Row("(reference)", "f", "gradient", "passed")
+        self.wide_x = any(_arrays.dtype_name(leaf) == "float64" for leaf in _tree.leaves(x))
+
+    # -- evaluations of f ----------------------------------------------------------------------
+
+    def _scalar(self, out: Any) -> float:
+        if self.has_aux:
+            if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                raise InvalidOutputError(
+                    f"check_gradients(has_aux=True) needs f to return (value, aux); it returned "
+                    f"{_describe(out)}. Return a pair, or drop has_aux=True."
+                )
+            out = out[0]
+        leaves = _tree.leaves(out)
+        if len(leaves) != 1 or int(np.prod(_arrays.shape(leaves[0]))) != 1:
+            raise InvalidOutputError(
+                f"check_gradients checks the gradient of a scalar f; f returned {_describe(out)}. Sum or "
+                "reduce its output (or check a jvp/vjp with test_differentiation)."
+            )
+        return float(np.asarray(_arrays.to_numpy(leaves[0]), dtype=np.float64).reshape(-1)[0].real)
+
+    def _at(self, vector: np.ndarray) -> float | None:
+        """f at a point of the reference (its float64 copies where they serve), None where f
+        raises or is not finite there: an edge of its domain."""
+        try:
+            with _no_grad(), _float64_scope() if self.wide else contextlib.nullcontext():
+                out = self.counted(self.truth_flat.tree(vector), *self.truth_contexts)
+            value = self._scalar(out)
+            self.output_dtype = _arrays.dtype_name(_tree.leaves(out[0] if self.has_aux else out)[0])
+        except InvalidOutputError:
+            raise
+        except Exception:
+            return None
+        return value if np.isfinite(value) else None
+
+    # -- the run -------------------------------------------------------------------------------
+
+    def run(self) -> Report:
+        with _warnings_apart(self.outside), _float64_scope() if self.wide_x else contextlib.nullcontext():
+            first_out = self.f(self.x, *self.scenario.context_values)
+            self.counted.calls += 1
+            self.f0 = self._scalar(first_out)
+            second_out = self.f(self.x, *self.scenario.context_values)
+            self.counted.calls += 1
+            second = self._scalar(second_out)
+        if not np.isfinite(self.f0):
+            raise InvalidOutputError(f"f(x) = {self.f0}: there is no gradient to check at this x; choose another x.")
+        gradients = self._engines()
+        self._judge_determinism(second, first_out, second_out, gradients)
+        size = self.flat.size
+        k = self.projections if self.projections is not None else (8 if size > _PROJECTION_THRESHOLD else 0)
+        with _warnings_apart(self.outside):
+            self._prepare_truth(first_out)
+            if k:
+                self._projected(gradients, k)
+            else:
+                self._dense(gradients)
+        self._pairwise(gradients)
+        self._not_differentiable_but_disagreeing()
+        if self.report.failed:
+            raise AssertionError(self.report.summary())
+        return self.report
+
+    def _engines(self) -> dict[str, np.ndarray]:
+        """Each engine's gradient, flat; rows of engines that cannot run f are skipped."""
+        gradients: dict[str, np.ndarray] = {}
+        self.native: dict[str, Any] = {}
+        for backend in self.chosen:
+            label = backend_label(backend)
+            row = Row(label, "f", "gradient", "passed", warnings=self.outside.warnings)
+            self.report.rows.append(row)
+            if not available(backend):
+                row.status, row.message = "skipped", f"not installed: {install_hint(backend)}"
+                continue
+            constants = [c for c in self.contexts if isinstance(c, di.Constant)]
+            taken = snapshot((self.x, constants))
+            returned = self.counted.returned
+            start = time.perf_counter()
+            with _warnings_apart(row):
+                try:
+                    if self.has_aux:
+                        (_, _aux), gradient = di.value_and_gradient(
+                            self.counted, backend, self.x, *self.contexts, has_aux=True
+                        )
+                    else:
+                        gradient = di.gradient(self.counted, backend, self.x, *self.contexts)
+                    row.seconds = time.perf_counter() - start
+                    changed = changes(taken)
+                    if changed:
+                        raise AssertionError(
+                            f"the call mutated {', '.join(changed[:4])}. x and Constants must stay as they were: "
+                            "return new state through has_aux=True (say a BatchNorm's running statistics)."
+                        )
+                    gradients[label] = self.flat.read(gradient)
+                    self.native[label] = gradient
+                except Exception as exc:
+                    row.status, row.message = _outcome(exc)
+                    if row.status == "failed" and self.automatic and self.counted.returned == returned:
+                        # the engine's own evaluation of f raised, where f itself runs: it cannot run f
+                        row.status, row.message = "skipped", f"cannot run f: {row.message}"
+        if self.automatic and not gradients and not self.report.failed:
+            reasons = "; ".join(f"{r.backend}: {r.message}" for r in self.report.rows)
+            raise AssertionError(f"no installed engine can run f ({reasons}). Pass backends=... explicitly.")
+        return gradients
+
+    def _row(self, label: str) -> Row:
+        return next(r for r in self.report.rows if r.backend == label)
+
+    def _judge_determinism(
+        self, second: float, first_out: Any, second_out: Any, gradients: dict[str, np.ndarray]
+    ) -> None:
+        """Two calls of f at x agree within a few ulps times f's condition (rounding that changes
+        from run to run, say LAPACK's, is no random generator); a global random generator moves f
+        at f's own scale."""
+        condition = abs(self.f0) + max(
+            (float(np.sum(np.abs(self.flat.vector * g))) for g in gradients.values() if np.all(np.isfinite(g))),
+            default=0.0,
+        )
+        self.condition = condition
+        eps = self._output_eps()
+        moved = abs(second - self.f0) > 64 * eps * condition
+        if not moved and self.has_aux:
+            moved = not _same_within(first_out[1], second_out[1], 64 * eps)
+        if moved:
+            raise AssertionError(
+                "f is not deterministic: two calls with the same input gave different values "
+                f"({self.f0!r} and {second!r}), so it probably draws from a global random generator. "
+                "Pass a seeded generator or key as a di.Constant and draw from it explicitly."
+            )
+
+    def _output_eps(self) -> float:
+        dtypes = [np.asarray(_arrays.to_numpy(leaf)).dtype for leaf in _tree.leaves(self.x) if _arrays.is_array(leaf)]
+        floats = [d for d in dtypes if d.kind == "f"]
+        return float(max((np.finfo(d).eps for d in floats), default=np.finfo(np.float64).eps))
+
+    # -- the ground truth ---------------------------------------------------------------------------
+
+    def _prepare_truth(self, value: Any) -> None:
+        scenario = self.scenario
+        self.wide = _promotes(scenario) and not _changes_in_float64(scenario, value[0] if self.has_aux else value)
+        self.wide = self.wide or self.wide_x
+        promoted = _promotes(scenario) and self.wide
+        self.truth_flat = _Flat.of(promote(self.x)) if promoted else self.flat
+        self.truth_contexts = tuple(c.value for c in (promote_contexts(self.contexts) if promoted else self.contexts))
+        self.label = "finite_differences (float64)" if promoted else "finite_differences"
+        self.eps = self.truth_flat.eps  # of the dtype f runs in, per input
+        self.scale = np.maximum(1.0, np.abs(self.flat.vector))
+        # f(x) as the ground truth computes it (on the float64 copies, where they serve)
+        self.output_dtype = _arrays.dtype_name(_tree.leaves(value[0] if self.has_aux else value)[0])
+        center = self._at(self.truth_flat.vector) if promoted else self.f0
+        self.center = self.f0 if center is None else center
+        if self.output_dtype in ("float32", "float16", "bfloat16"):
+            # f computes in a narrower dtype than its inputs: its rounding is that dtype's
+            self.eps = np.maximum(self.eps, _NARROW_EPS[self.output_dtype])
+
+    def _dense(self, gradients: dict[str, np.ndarray]) -> None:
+        truth = self._coordinate_truth()
+        self.truth = truth
+        known = np.isfinite(truth.errors)
+        magnitude = float(np.max(np.abs(truth.values[known]), initial=0.0))
+        resolves = bool(np.all(_SAFETY * truth.errors[known] <= _RESOLVES * max(magnitude, np.finfo(float).tiny)))
+        noisy = not resolves or not bool(np.all(known))
+        disagreements: dict[str, np.ndarray] = {}
+        for label, g in gradients.items():
+            row = self._row(label)
+            row.reference = self.label
+            tol = self._tolerance(label, truth)
+            with np.errstate(invalid="ignore"):
+                err = np.abs(g - truth.values)
+            bad = known & ~(err <= tol)
+            bad |= known & ~np.isfinite(g)
+            finite = known & np.isfinite(err)
+            row.abs_error = float(np.max(err[finite], initial=0.0))
+            row.rel_error = row.abs_error / magnitude if magnitude else (0.0 if row.abs_error == 0 else float("inf"))
+            if np.any(bad):
+                i = int(np.flatnonzero(bad)[np.argmax(err[bad] / np.maximum(tol[bad], 1e-300))])
+                row.status = "failed"
+                row.message = (
+                    f"values differ at input {self._where(i)}: gradient {g[i]:.10g}, finite differences give {truth.values[i]:.10g} "
+                    f"(error estimate {truth.errors[i]:.3g}; abs error {err[i]:.3g}, tolerance {tol[i]:.3g}); "
+                    f"{int(np.sum(bad))} of {g.size} inputs differ"
+                )
+                disagreements[label] = np.where(bad | ~known, g - np.nan_to_num(truth.values), 0.0)
+        if disagreements or noisy:
+            first = next(iter(disagreements.values()), None)
+            if first is None and gradients:
+                # the engine's departure from the noisy differences: where a wrong entry shows
+                first = np.where(known, next(iter(gradients.values())) - np.nan_to_num(truth.values), 0.0)
+            if first is not None and np.all(np.isfinite(first)) and np.any(first):
+                direction = first * self.scale
+                why = "along the disagreement with finite differences" + (
+                    "" if disagreements else " (too noisy to judge alone)"
+                )
+            else:
+                direction = np.random.default_rng(self.seed).standard_normal(self.flat.size) * self.scale
+                why = "along a random direction (finite differences too noisy to judge alone)"
+            taylor = self._taylor(direction, why)
+            for label, g in gradients.items():
+                row = self._row(label)
+                if row.status == "failed" and label not in disagreements:
+                    continue
+                self._apply_taylor(row, taylor, g, fd_failed=label in disagreements)
+
+    def _where(self, i: int) -> str:
+        j = int(np.searchsorted(self.flat.offsets, i, side="right")) - 1
+        leaf = self.flat.leaves[self.flat.where[j]]
+        local = i - int(self.flat.offsets[j])
+        shape = _arrays.shape(leaf)
+        index = tuple(int(a) for a in np.unravel_index(local, shape)) if shape else ()
+        path = _tree.path_string(self.flat.spec.paths()[self.flat.where[j]]) if len(self.flat.leaves) > 1 else ""
+        return f"{path}{list(index) if index else ''}" or "x"
+
+    def _tolerance(self, label: str, truth: _Truth) -> np.ndarray:
+        """Per input: four times the ground truth's error estimate, plus rtol of the entry and
+        atol (defaults by the gradient's dtype, atol relative to the gradient's scale); a
+        finite-difference engine's own error (its plain central difference's) besides."""
+        dtype = _arrays.dtype_name(next(iter(_tree.leaves(self.native[label])), 0.0))
+        default_rtol, default_atol = default_tolerances(
+            dtype if dtype in ("float32", "float16", "bfloat16") else "float64"
+        )
+        rtol = default_rtol if self.rtol is None else self.rtol
+        known = np.isfinite(truth.errors)
+        magnitude = float(np.max(np.abs(truth.values[known]), initial=0.0))
+        atol = default_atol * magnitude if self.atol is None else self.atol
+        tol: np.ndarray = _SAFETY * truth.errors + rtol * np.abs(truth.values) + atol
+        if label.split("-")[0] in ("finite_differences", "scipy"):
+            own = np.abs(truth.plain - truth.values) + _difference_noise(self.f0, self.flat.size)
+            tol = tol + _SAFETY * np.nan_to_num(own, nan=np.inf)
+        return tol
+
+    def _coordinate_truth(self) -> _Truth:
+        """Richardson-extrapolated central differences at h and 2h, per input, one-sided at the
+        edges of f's domain, with their error estimates."""
+        x = self.truth_flat.vector
+        n = x.size
+        h = self.truth_flat.exact(self.eps ** (1 / 3) * self.scale)
+        h2 = self.truth_flat.exact(2 * h)
+        values, errors, plain = np.zeros(n), np.full(n, np.inf), np.full(n, np.nan)
+        one_sided = 0
+        self.edge_step = np.inf  # the smallest step an edge of f's domain asked for, relative to x's scale
+        spare = _SPARE_EVALUATIONS
+        for i in range(n):
+            point = x.copy()
+            near, far = h[i], h2[i]
+            for _ in range(_SHRINKS + 1):
+                samples = {}
+                for name, step in (("+1", near), ("-1", -near), ("+2", far), ("-2", -far)):
+                    point[i] = x[i] + step
+                    samples[name] = self._at(point)
+                one_side = (samples["+1"] is None) != (samples["-1"] is None)
+                if not one_side or spare < 4 or near < h[i] / 16**_SHRINKS:
+                    break
+                spare -= 4
+                # an edge of f's domain nearer than the step: smaller steps, until both sides serve
+                near, far = float(self.truth_flat.exact(np.full(n, near / 16))[i]), 0.0
+                far = float(self.truth_flat.exact(np.full(n, 2 * near))[i])
+            point[i] = x[i]
+            if near < h[i]:
+                self.edge_step = min(self.edge_step, near / self.scale[i])
+            rounding = 4 * self.eps[i] * (self.condition + 1e-300) / near
+            value, error, central = _stencil(self.center, samples, near, far, rounding)
+            values[i], errors[i], plain[i] = value, error, central
+            one_sided += int(samples["-1"] is None or samples["+1"] is None)
+        return _Truth(values, errors, plain, one_sided)
+
+    # -- projections ---------------------------------------------------------------------------------
+
+    def _projected(self, gradients: dict[str, np.ndarray], k: int) -> None:
+        rng = np.random.default_rng(self.seed)
+        directions = [u / np.linalg.norm(u) for u in (rng.standard_normal(self.flat.size) for _ in range(k))]
+        x = self.truth_flat.vector
+        eps = float(np.max(self.eps, initial=np.finfo(np.float64).eps))
+        h = eps ** (1 / 3) * float(np.max(self.scale, initial=1.0))
+        values, errors, plain = np.zeros(k), np.full(k, np.inf), np.zeros(k)
+        for j, u in enumerate(directions):
+            plus, minus = self._at(x + h * u), self._at(x - h * u)
+            rounding = 4 * eps * self.condition / h
+            if plus is not None and minus is not None:
+                values[j] = plain[j] = (plus - minus) / (2 * h)
+                # truncation, taking f's third derivative along u as its second over the scale of x
+                curvature = abs(plus + minus - 2 * self.center) / (h * h)
+                errors[j] = rounding + curvature * h * h / float(np.max(self.scale, initial=1.0))
+            elif plus is not None or minus is not None:
+                side, sign = (plus, 1.0) if plus is not None else (minus, -1.0)
+                assert side is not None
+                values[j] = plain[j] = sign * (side - self.center) / h
+                errors[j] = np.inf  # one-sided and first order: the Taylor test judges
+        self.label = "central differences along random directions" + (" (float64)" if self.wide else "")
+        truth = _Truth(values, errors, plain)
+        magnitude = float(np.max(np.abs(values), initial=0.0))
+        worst: tuple[float, int] | None = None
+        failing: set[str] = set()
+        for label, g in gradients.items():
+            row = self._row(label)
+            row.reference = self.label
+            got = np.array([float(np.dot(g, u)) for u in directions])
+            dtype = _arrays.dtype_name(next(iter(_tree.leaves(self.native[label])), 0.0))
+            default_rtol, default_atol = default_tolerances(
+                dtype if dtype in ("float32", "float16", "bfloat16") else "float64"
+            )
+            rtol = default_rtol if self.rtol is None else self.rtol
+            atol = default_atol * magnitude if self.atol is None else self.atol
+            tol = _SAFETY * errors + rtol * np.abs(values) + atol
+            err = np.abs(got - values)
+            row.abs_error = float(np.max(err[np.isfinite(err)], initial=0.0))
+            row.rel_error = row.abs_error / magnitude if magnitude else 0.0
+            bad = ~(err <= tol) | ~np.isfinite(got)
+            if np.any(bad):
+                ratio = np.where(bad, np.nan_to_num(err / np.maximum(tol, 1e-300), nan=np.inf, posinf=np.inf), 0.0)
+                j = int(np.argmax(ratio))
+                row.status = "failed"
+                row.message = (
+                    f"projection {j}: u . grad f = {got[j]:.10g}, finite differences give {values[j]:.10g} "
+                    f"(error estimate {errors[j]:.3g}, abs error {err[j]:.3g}, tolerance {tol[j]:.3g})"
+                )
+                failing.add(label)
+                if worst is None or ratio[j] > worst[0]:
+                    worst = (float(ratio[j]), j)
+        resolves = bool(np.all(_SAFETY * errors <= _RESOLVES * max(magnitude, np.finfo(float).tiny)))
+        if failing or not resolves:
+            j = worst[1] if worst is not None else 0
+            why = f"along projection {j}" + ("" if failing else " (finite differences too noisy to judge alone)")
+            # three steps (6 evaluations): projected mode stays within 2k + 10 evaluations of f
+            taylor = self._taylor(directions[j] * self.scale / float(np.max(self.scale)), why, count=3)
+            for label, g in gradients.items():
+                row = self._row(label)
+                if row.status == "failed" and label not in failing:
+                    continue
+                self._apply_taylor(row, taylor, g, fd_failed=label in failing)
+        self.truth = truth
+
+    # -- the Taylor remainder test --------------------------------------------------------------------
+
+    def _taylor(self, direction: np.ndarray, why: str, count: int = _TAYLOR_STEPS) -> _Taylor:
+        """f at ``x +- h v`` for h falling by 4 from ``1000 eps**(1/3)`` of the scale of x (at most
+        0.1 of it): the largest step moves each input by at most that much."""
+        v = direction / float(np.max(np.abs(direction) / self.scale))
+        eps = float(np.max(self.eps, initial=np.finfo(np.float64).eps))
+        # no step beyond an edge of f's domain the differences found near x
+        top = min(0.1, 1000 * eps ** (1 / 3), 16 * getattr(self, "edge_step", np.inf))
+        steps = top / _TAYLOR_RATIO ** np.arange(count)
+        x = self.truth_flat.vector
+        plus = [self._at(x + t * v) for t in steps]
+        minus = [self._at(x - t * v) for t in steps]
+        return _Taylor(v, steps, plus, minus, why)
+
+    def _apply_taylor(self, row: Row, taylor: _Taylor, g: np.ndarray, fd_failed: bool) -> None:
+        verdict, detail = _taylor_verdict(
+            self.center,
+            taylor,
+            float(np.dot(g, taylor.direction)),
+            self._noise(g, taylor),
+            float(np.sum(np.abs(g * taylor.direction))),
+        )
+        note = f"Taylor test {taylor.why}: {detail}"
+        if verdict == "wrong":
+            row.status = "failed"
+            row.message = f"{row.message}; {note}" if fd_failed else note
+        elif verdict == "not differentiable":
+            row.status = "skipped"
+            row.message = f"f is not differentiable at x along v: {note}" + (f" [{row.message}]" if fd_failed else "")
+            row.tags = row.tags | {"not_differentiable"}
+        elif verdict == "right":
+            if fd_failed:
+                row.status = "passed"
+                row.message = f"finite differences disagreed ({row.message}), but {note}: they are the side at fault"
+            else:
+                row.message = note
+        elif fd_failed:
+            row.message = f"{row.message}; {note}"
+        else:
+            row.message = note
+
+    def _noise(self, g: np.ndarray, taylor: _Taylor) -> float:
+        """The rounding noise of f's values: a few ulps of f and of the terms ``x_i g_i``."""
+        eps = float(np.max(self.eps, initial=np.finfo(np.float64).eps))
+        terms = float(np.sum(np.abs(self.truth_flat.vector * np.nan_to_num(g))))
+        return 2 * eps * (abs(self.center) + terms)
+
+    # -- engines against each other --------------------------------------------------------------------
+
+    def _pairwise(self, gradients: dict[str, np.ndarray]) -> None:
+        # finite-difference engines are judged by the ground truth alone: their own error is no
+        # tight tolerance
+        labels = [label for label in gradients if label.split("-")[0] not in ("finite_differences", "scipy")]
+        self.disagreeing: set[str] = set()
+        for i, a in enumerate(labels):
+            for b in labels[i + 1 :]:
+                row = Row(f"{a} vs {b}", "f", "gradient", "passed", reference=b)
+                self.report.rows.append(row)
+                try:
+                    assert_allclose(
+                        self.native[a], _like(self.native[b], self.native[a]), self.rtol, self.atol, check_dtype=False
+                    )
+                except AssertionError as exc:
+                    row.status, row.message = "failed", str(exc)
+                    self.disagreeing.update((a, b))
+
+    def _not_differentiable_but_disagreeing(self) -> None:
+        for row in self.report.rows:
+            if "not_differentiable" in row.tags and row.backend in self.disagreeing:
+                row.status = "failed"
+                row.message += " [and the engines disagree with each other]"
+
+
+def _stencil(
+    f0: float, samples: dict[str, float | None], h: float, h2: float, rounding: float
+) -> tuple[float, float, float]:
+    """``(value, error estimate, plain central difference)`` of one derivative from f at
+    ``x +- h`` and ``x +- 2h`` (None where f left its domain)."""
+    p1, m1, p2, m2 = samples["+1"], samples["-1"], samples["+2"], samples["-2"]
+    if p1 is not None and m1 is not None:
+        d1 = (p1 - m1) / (2 * h)
+        if p2 is not None and m2 is not None:
+            d2 = (p2 - m2) / (2 * h2)
+            r = d1 + (d1 - d2) * h * h / (h2 * h2 - h * h)  # Richardson: the h^2 terms cancel
+            return r, abs(d1 - d2) / 3 + 2 * rounding, d1
+        # the outer points left the domain: the one-sided differences bound the central one's error
+        spread = abs((p1 - f0) / h - (f0 - m1) / h)
+        return d1, spread + 2 * rounding, d1
+    for near, far, sign in ((p1, p2, 1.0), (m1, m2, -1.0)):
+        if near is None:
+            continue
+        if far is not None:
+            f1 = sign * (near - f0) / h
+            f2 = sign * (far - f0) / h2
+            r = f1 + (f1 - f2) * h / (h2 - h)  # one-sided Richardson: the h terms cancel
+            return r, abs(f1 - f2) + 4 * rounding, f1
+        return sign * (near - f0) / h, np.inf, sign * (near - f0) / h
+    return np.nan, np.inf, np.nan
+
+
+def _taylor_verdict(f0: float, taylor: _Taylor, slope: float, noise: float, size: float) -> tuple[str, str]:
+    """``(verdict, detail)``: right, wrong, not differentiable, or inconclusive, from the observed
+    orders of the remainders over the falling steps (those above 30 times the noise)."""
+    steps = taylor.steps
+    both = [i for i in range(len(steps)) if taylor.plus[i] is not None and taylor.minus[i] is not None]
+    floor = 10 * noise
+    if len(both) >= 3:
+        odd = [abs((taylor.plus[i] - taylor.minus[i]) / 2 - steps[i] * slope) for i in both]  # type: ignore[operator]
+        even = [abs(taylor.plus[i] + taylor.minus[i] - 2 * f0) for i in both]  # type: ignore[operator]
+        used = [steps[i] for i in both]
+        even_order = _last_order(used, even, floor)
+        if even_order is not None and even_order < 1.5 and even[-1] > floor:  # (a kink far away: f is smooth near x)
+            return "not differentiable", (
+                f"f(x+hv) + f(x-hv) - 2f(x) shrinks as h^{even_order:.2g}, not h^2, over h = {used[0]:.2g} .. "
+                f"{used[-1]:.2g} (a jump or a kink)"
+            )
+        order = _last_order(used, odd, floor)
+        expected, remainders = 3.0, odd
+    else:
+        one = [i for i in range(len(steps)) if taylor.plus[i] is not None]
+        sign = 1.0
+        if len(one) < 3:
+            one = [i for i in range(len(steps)) if taylor.minus[i] is not None]
+            sign = -1.0
+        if len(one) < 3:
+            return "inconclusive", "f left its domain at every step"
+        side = taylor.plus if sign > 0 else taylor.minus
+        remainders = [abs(side[i] - f0 - sign * steps[i] * slope) for i in one]  # type: ignore[operator]
+        used = [steps[i] for i in one]
+        order = _last_order(used, remainders, floor)
+        expected = 2.0
+    shown = ", ".join(f"{r:.2g}" for r in remainders)
+    if order is None:
+        smallest = used[-1]
+        if all(r <= floor for r in remainders[-2:]) and floor / smallest <= _RESOLVES * max(size, 1e-300):
+            return (
+                "right",
+                f"remainders {shown} at f's rounding noise (an error would show as {floor / smallest:.2g} . |v|)",
+            )
+        return "inconclusive", f"remainders {shown} within f's rounding noise {noise:.2g}"
+    error = remainders[-1] / used[-1]  # what a first-order term of the last remainder would say <g, v> is off by
+    if order >= (expected + 1) / 2:
+        if error <= 1e-4 * max(size, 1e-300):
+            return "right", f"remainders {shown} shrink as h^{order:.2g}"
+        return (
+            "inconclusive",
+            f"remainders {shown} shrink as h^{order:.2g}, yet at the last step <g, v> may be off by {error:.3g}",
+        )
+    if 0.7 <= order <= 1.5 and error > _RESOLVES * max(size, 1e-300) * 1e-2:
+        return "wrong", f"remainders {shown} shrink only as h^{order:.2g}: <g, v> is off by about {error:.3g}"
+    return "inconclusive", f"remainders {shown} shrink as h^{order:.2g}"
+
+
+def _last_order(steps: list[float], remainders: list[float], floor: float) -> float | None:
+    """The convergence order over the smallest two steps whose remainders are above the floor."""
+    above = [i for i, r in enumerate(remainders) if r > floor]
+    pairs = [(a, b) for a, b in itertools.pairwise(above) if b == a + 1]
+    if not pairs:
+        return None
+    a, b = pairs[-1]
+    return float(np.log(remainders[a] / remainders[b]) / np.log(steps[a] / steps[b]))
+
+
+def _same_within(a: Any, b: Any, rel: float) -> bool:
+    """Two auxes agree: the same structure, equal non-numbers, numbers within ``rel`` of their scale."""
+    try:
+        la, lb = _tree.leaves(a), _tree.leaves(b)
+    except Exception:
+        return True
+    if len(la) != len(lb):
+        return False
+    for u, v in zip(la, lb, strict=True):
+        if _arrays.kind(u) in ("numpy", "torch", "jax", "python") and not isinstance(u, str):
+            try:
+                p, q = np.asarray(_arrays.to_numpy(u)), np.asarray(_arrays.to_numpy(v))
+            except Exception:
+                continue
+            if p.shape != q.shape:
+                return False
+            if p.dtype.kind in "fc":
+                scale = float(np.max(np.abs(p[np.isfinite(p)]), initial=0.0))
+                with np.errstate(invalid="ignore"):
+                    if not np.all((np.abs(p - q) <= rel * scale) | (np.isnan(p) & np.isnan(q)) | (p == q)):
+                        return False
+            elif not np.array_equal(p, q):
+                return False
+    return True
+
+
+def _describe(out: Any) -> str:
+    leaves = _tree.leaves(out) if not isinstance(out, (int, float)) else [out]
+    if len(leaves) == 1:
+        return f"{type(out).__name__} of shape {_arrays.shape(leaves[0])}"
+    return f"a {type(out).__name__} of {len(leaves)} leaves"
+
+
+def _check_against_engines_reference(
+    f: Callable[..., Any],
+    x: Any,
+    contexts: tuple[Any, ...],
+    chosen: list[Backend],
+    reference: Backend | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    projections: int | None = None,
+    seed: int = 0,
+    has_aux: bool = False,
+    complex_x: bool = False,
+) -> Report:
+    """The seed's checker, kept where it serves: a given ``reference`` backend, complex x (its
+    truth along the real and imaginary axes, and the adjoint identity along complex directions,
+    diffiface.test._complex_checks), DTensors, and jax arrays placed on devices of their own
+    (random directions drawn and judged there)."""
+    report = Report()
+    operator = "value_and_gradient" if has_aux else "gradient"
+    scenario = Scenario("f", f, x, operator, tuple(contexts), reference=None, has_aux=has_aux)
+    outside = Row("(reference)", "f", "gradient", "passed")
+    wide = any(_arrays.dtype_name(leaf) == "float64" for leaf in _tree.leaves(x))
+    sharded = _sharded(x)  # DTensors: checked along random directions, collectively, nothing gathered
+    with _warnings_apart(outside), _float64_scope() if wide else contextlib.nullcontext():
+        problem = _sharded_determinism_problem(scenario) if sharded else _determinism_problem(scenario)
+        if problem:
+            raise AssertionError(problem)
+        value = f(x, *scenario.context_values)
+        value = value[0] if has_aux else value
+    size = sum(int(np.prod(_arrays.shape(leaf))) for leaf in _tree.leaves(x))
+    noise = _difference_noise(_sharded_scalar(value) if sharded else value, size)
+    k = projections if projections is not None else (8 if size > _PROJECTION_THRESHOLD or sharded else 0)
+    k = 0 if complex_x else k  # (complex x: its directions are the adjoint check's)
+    rng = np.random.default_rng(seed)
+    placed = bool(k) and not sharded and _on_device.applies(x)  # jax arrays on devices of their own: kept there
+    directions: list[Any]
+    if sharded:
+        directions = [_sharded_direction(x, seed, i) for i in range(k)]
+    elif placed:
+        directions = list(_on_device.random_directions(x, k, seed))
+    else:
+        directions = [_random_direction(x, rng) for _ in range(k)]
+    projected: dict[str, np.ndarray] = {}
+    estimate: float | None = None
+    with _warnings_apart(outside):
+        if k and sharded:
+            truth = _sharded_projected_truth(f, x, contexts, directions, has_aux)
+            truth_label = "central differences along random directions (float64, collective)"
+        elif k:
+            truth = (
+                np.array(_on_device.projected_truth(f, x, tuple(contexts), directions, has_aux), dtype=np.float64)
+                if placed
+                else _projected_truth(f, x, contexts, directions, has_aux)
+            )
+            truth_label = "central differences along random directions (float64)"
+        else:
+            reference_backend = normalize(reference) if reference is not None else AutoFiniteDifferences()
+            if isinstance(reference_backend, AutoFiniteDifferences) and reference_backend in chosen:
+                # no backend checks itself: scipy's adaptive differences judge finite differences
+                reference_backend = AutoScipy() if available(AutoScipy()) else reference_backend
+            truth_scenario = dataclasses.replace(scenario, reference=reference_backend)
+            wide = _promotes(truth_scenario) and not _changes_in_float64(truth_scenario, value)
+            truth_scenario = dataclasses.replace(truth_scenario, tags=frozenset(() if wide else {"no_promote"}))
+            truth, estimate = _reference_with_estimate(truth_scenario, reference_backend)
+            truth_label = _reference_label(reference_backend, wide)
+    gradients: dict[str, Any] = {}
+    against_truth: dict[str, float] = {}
+    for backend in chosen:
+        label = backend_label(backend)
+        row = Row(label, "f", "gradient", "passed", reference=truth_label, warnings=outside.warnings)
+        report.rows.append(row)
+        if not available(backend):
+            row.status, row.message = "skipped", f"not installed: {install_hint(backend)}"
+            continue
+        constants = [c for c in contexts if isinstance(c, di.Constant)]
+        taken = snapshot(_local_views((x, [c.value for c in constants])) if sharded else (x, constants))
+        start = time.perf_counter()
+        with _warnings_apart(row):
+            try:
+                if has_aux:
+                    (_, _aux), gradient = di.value_and_gradient(f, backend, x, *contexts, has_aux=True)
+                else:
+                    gradient = di.gradient(f, backend, x, *contexts)
+                row.seconds = time.perf_counter() - start
+                changed = changes(taken)
+                if changed:
+                    raise AssertionError(f"the call mutated {', '.join(changed[:4])}")
+                gradients[label] = gradient
+                if k:
+                    dot: Callable[[Any, Any], float] = _sharded_dot if sharded else _on_device.dot if placed else _dot
+                    got = projected[label] = np.array([dot(gradient, u) for u in directions])
+                    _close_projections(got, truth, rtol, atol, noise, row)
+                else:
+                    tolerance = _with_noise(atol, x, noise if _is_difference(truth_label) else 0.0)
+                    row.abs_error, row.rel_error = max_errors(gradient, _like(truth, gradient))
+                    try:
+                        assert_allclose(gradient, _like(truth, gradient), rtol, tolerance)
+                    except AssertionError:
+                        against_truth[label] = row.abs_error
+                        raise
+            except Exception as exc:
+                row.status, row.message = _outcome(exc)
+                if k and row.status == "failed" and label in gradients:
+                    against_truth[label] = row.abs_error
+    if complex_x:
+        _complex_checks.check_adjoint(report, f, x, contexts, gradients, has_aux, seed, rtol)
+    labels = list(gradients)
+    disagreements: set[str] = set()
+    for i, a in enumerate(labels):
+        for b in labels[i + 1 :]:
+            row = Row(f"{a} vs {b}", "f", "gradient", "passed", reference=b)
+            report.rows.append(row)
+            try:
+                if sharded:  # their projections: nothing but scalars leaves a rank
+                    _close_projections(projected[a], projected[b], rtol, atol, 0.0, row)
+                else:
+                    assert_allclose(gradients[a], _like(gradients[b], gradients[a]), rtol, atol, check_dtype=False)
+            except AssertionError as exc:
+                row.status, row.message = "failed", str(exc)
+                disagreements.update((a, b))
+    _hint_truth_at_fault(report, against_truth, disagreements, noise, estimate)
+    if report.failed:
+        raise AssertionError(report.summary())
+    return report
+
+
+def _reference_with_estimate(scenario: Scenario, backend: Backend) -> tuple[Any, float | None]:
+    """The ground truth (value dropped when f has an aux), and scipy's own error estimate when
+    scipy computes it."""
+    if not isinstance(backend, AutoScipy):
+        result = _computed_reference(scenario, backend, _promotes(scenario))
+        return (result[1] if scenario.has_aux else result), None
+    head = (promote(scenario.x),) if _promotes(scenario) else (scenario.x,)
+    contexts = promote_contexts(scenario.contexts) if _promotes(scenario) else scenario.contexts
+    kwargs = {"has_aux": True} if scenario.has_aux else {}
+    prep = getattr(di, f"prepare_{scenario.operator}")(scenario.f, backend, *head, *contexts, **kwargs)
+    result = getattr(di, scenario.operator)(scenario.f, backend, *head, *contexts, prep=prep, **kwargs)
+    error = prep.error
+    gradient_error = error[1] if scenario.has_aux and isinstance(error, tuple) else error
+    leaves = [np.asarray(_arrays.to_numpy(e), dtype=np.float64) for e in _tree.leaves(gradient_error)]
+    estimate = max((float(np.max(e)) for e in leaves if e.size), default=None)
+    return (result[1] if scenario.has_aux else result), estimate
+
+
+def _difference_noise(value: Any, size: int) -> float:
+    """The rounding noise of a float64 central difference of ``f``: each evaluation of f errs by
+    about ``eps * |f| * sqrt(n)`` (n, the number of inputs, stands for the number of terms a
+    loss sums), divided by a step of ``eps**(1/3)`` at least."""
+    values = [np.asarray(_arrays.to_numpy(v), dtype=np.float64) for v in _tree.leaves(value)]
+    magnitude = max((float(np.max(np.abs(v))) for v in values if v.size), default=0.0)
+    if not np.isfinite(magnitude):
+        return 0.0
+    eps = float(np.finfo(np.float64).eps)
+    return float(eps ** (2 / 3) * magnitude * np.sqrt(max(size, 1)))
+
+
+def _with_noise(atol: float | None, x: Any, noise: float) -> float | None:
+    """A given ``atol`` as it is; by default, the widest dtype default of x plus the noise."""
+    if atol is not None or not noise:
+        return atol
+    return max((default_tolerances(_arrays.dtype_name(leaf))[1] for leaf in _tree.leaves(x)), default=0.0) + noise
+
+
+def _hint_truth_at_fault(
+    report: Report, against_truth: dict[str, float], disagreements: set[str], noise: float, estimate: float | None
+) -> None:
+    """Say when finite differences may be the side at fault: the engines that failed against
+    them agree with each other, or the error is within the differences' own error."""
+    failed = [row for row in report.rows if row.backend in against_truth and row.status == "failed"]
+    if not failed:
+        return
+    own = f"scipy's error estimate is {estimate:.3g}" if estimate is not None else f"their noise is about {noise:.3g}"
+    agreeing = len(failed) >= 2 and not (disagreements & set(against_truth))
+    for row in failed:
+        if agreeing:
+            names = ", ".join(r.backend for r in failed)
+            row.message += (
+                f" [the automatic engines {names} agree with each other but not with {row.reference}: "
+                f"finite differences may be the side at fault ({own}; a large or ill-conditioned f, a kink near x)]"
+            )
+        elif against_truth[row.backend] <= 10 * max(noise, estimate or 0.0):
+            row.message += (
+                f" [the error is within ten times the finite differences' own error ({own}): "
+                "they may be the side at fault]"
+            )
+
+
+def _available_backends(x: Any) -> list[Backend]:
+    kinds = {_arrays.kind(leaf) for leaf in _tree.leaves(x)}
+    family = _arrays.family(kinds)
+    by_family: dict[str, list[Backend]] = {"torch": [AutoTorch(), AutoTorch(mode="func")], "jax": [AutoJAX()]}
+    candidates = by_family.get(family, [AutoJAX(), AutoTorch(), AutoTorch(mode="func"), di.AutoAutograd()])
+    return [b for b in candidates if available(b)]
+
+
+def _random_direction(x: Any, rng: np.random.Generator) -> list[np.ndarray]:
+    leaves = _tree.leaves(x)
+    parts = [rng.standard_normal(_arrays.shape(leaf)) for leaf in leaves]
+    norm = np.sqrt(sum(float(np.sum(p * p)) for p in parts)) or 1.0
+    return [p / norm for p in parts]
+
+
+def _dot(gradient: Any, direction: list[np.ndarray]) -> float:
+    leaves = _tree.leaves(gradient)
+    return float(
+        sum(
+            np.sum(np.asarray(_arrays.to_numpy(g), dtype=np.float64) * u)
+            for g, u in zip(leaves, direction, strict=True)
+        )
+    )
+
+
+def _projected_truth(
+    f: Callable[..., Any],
+    x: Any,
+    contexts: tuple[Any, ...],
+    directions: list[list[np.ndarray]],
+    has_aux: bool = False,
+) -> np.ndarray:
+    """``u . grad f`` by Richardson-extrapolated central differences of ``t -> f(x + t u)``,
+    in float64: x and the Constant contexts cast (their structure and array types kept), and
+    f evaluated under the scope the engines use for float64 (jax's x64, scoped)."""
+    leaves, spec = _tree.flatten(promote(x))
+    values = tuple(c.value for c in promote_contexts(tuple(contexts)))
+    scale = max(
+        [1.0] + [float(np.max(np.abs(_arrays.to_numpy(leaf)))) for leaf in leaves if np.size(_arrays.to_numpy(leaf))]
+    )
+    h = float(np.finfo(np.float64).eps ** (1 / 5)) * scale
+
+    def along(direction: list[np.ndarray], t: float) -> float:
+        moved = [
+            _arrays.from_numpy(np.asarray(_arrays.to_numpy(leaf), dtype=np.float64) + t * u, leaf)
+            for leaf, u in zip(leaves, direction, strict=True)
+        ]
+        out = f(optree.tree_unflatten(spec, moved), *values)
+        return float(np.asarray(_arrays.to_numpy(out[0] if has_aux else out), dtype=np.float64))
+
+    def central(u: list[np.ndarray], step: float) -> float:
+        return (along(u, step) - along(u, -step)) / (2 * step)
+
+    with _no_grad(), _float64_scope():
+        # Richardson: the O(h^2) terms of two central differences cancel
+        return np.array([(4 * central(u, h / 2) - central(u, h)) / 3 for u in directions])
+
+
+def _close_projections(
+    got: np.ndarray, truth: Any, rtol: float | None, atol: float | None, noise: float, row: Row
+) -> None:
+    rtol = 1e-4 if rtol is None else rtol
+    atol = 1e-6 + noise if atol is None else atol
+    scale = max(1.0, float(np.max(np.abs(truth))))
+    err = np.abs(got - truth)
+    row.abs_error = float(np.max(err)) if err.size else 0.0
+    row.rel_error = row.abs_error / scale
+    if np.any(err > atol + rtol * scale):
+        i = int(np.argmax(err))
+        raise AssertionError(
+            f"projection {i}: u . grad f = {got[i]:.8g}, finite differences give {truth[i]:.8g} "
+            f"(abs error {err[i]:.3g}, rtol {rtol:g}, atol {atol:g})"
+        )
+
+
+# -- DTensors (torch.distributed.tensor): every rank runs check_gradients; scalars are all it shares --
+
+
+def _dtensor_class() -> Any:
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+
+
+def _sharded(x: Any) -> bool:
+    """Whether a leaf of ``x`` is a DTensor."""
+    kind = _dtensor_class()
+    return kind is not None and any(isinstance(leaf, kind) for leaf in _tree.leaves(x))
+
+
+def _sharded_scalar(value: Any) -> float:
+    """A scalar as a float, the same on every rank: a DTensor's (partial or replicated) by one
+    scalar all-reduce."""
+    if isinstance(value, _dtensor_class()):
+        if value.numel() != 1:
+            raise AssertionError(f"f must return a scalar; it returned a DTensor of shape {tuple(value.shape)}")
+        replicate = sys.modules["torch.distributed.tensor"].Replicate()
+        value = value.redistribute(value.device_mesh, [replicate] * value.device_mesh.ndim).to_local()
+    return float(np.asarray(_arrays.to_numpy(value), dtype=np.float64))
+
+
+def _local_views(tree: Any) -> Any:
+    """DTensor leaves as this rank's slices (views: a write into x shows), for the snapshot."""
+    kind = _dtensor_class()
+    return _tree.map(lambda leaf: leaf.to_local() if isinstance(leaf, kind) else leaf, tree)
+
+
+def _sharded_determinism_problem(scenario: Scenario) -> str | None:
+    first, second = _sharded_scalar(_value(scenario)), _sharded_scalar(_value(scenario))
+    if first == second or (np.isnan(first) and np.isnan(second)):
+        return None
+    return (
+        "f is not deterministic: two calls with the same input gave different values, so it probably draws "
+        "from a global random generator. Pass a seeded generator as a di.Constant and draw from it explicitly."
+    )
+
+
+def _sharded_direction(x: Any, seed: int, index: int) -> list[Any]:
+    """A random unit direction with x's structure: float64 DTensors on each leaf's mesh with its
+    placements (partial ones drawn replicated), plain tensors for plain leaves. Each rank draws
+    only its own slice, from a generator seeded by ``seed``, the direction's index, the leaf and
+    the rank's coordinates along the sharded mesh dimensions: ranks holding the same slice draw
+    the same numbers, on every run."""
+    torch = sys.modules["torch"]
+    tensor_module = sys.modules["torch.distributed.tensor"]
+    kind = _dtensor_class()
+    parts = []
+    for i, leaf in enumerate(_tree.leaves(x)):
+        if not isinstance(leaf, kind):
+            key = [seed, index, i]
+            generator = torch.Generator().manual_seed(int(np.random.SeedSequence(key).generate_state(1)[0]))
+            parts.append(torch.randn(tuple(leaf.shape), generator=generator, dtype=torch.float64).to(leaf.device))
+            continue
+        mesh, placements = leaf.device_mesh, leaf.placements
+        coordinate = mesh.get_coordinate() or []
+        sharded = [c for c, p in zip(coordinate, placements, strict=True) if p.is_shard()]
+        key = [seed, index, i, *sharded]
+        generator = torch.Generator().manual_seed(int(np.random.SeedSequence(key).generate_state(1)[0]))
+        local = torch.randn(tuple(leaf.to_local().shape), generator=generator, dtype=torch.float64)
+        placed = [tensor_module.Replicate() if p.is_partial() else p for p in placements]
+        parts.append(
+            kind.from_local(
+                local.to(leaf.device), mesh, placed, run_check=False, shape=leaf.shape, stride=leaf.stride()
+            )
+        )
+    norm = float(np.sqrt(sum(_sharded_scalar((p * p).sum()) for p in parts))) or 1.0
+    return [p / norm for p in parts]
+
+
+def _sharded_dot(gradient: Any, direction: list[Any]) -> float:
+    """``u . grad`` in float64, per leaf a local product and one scalar all-reduce."""
+    leaves = _tree.leaves(gradient)
+    return sum(
+        (_sharded_scalar((g.double() * u).sum()) for g, u in zip(leaves, direction, strict=True)),
+        0.0,
+    )
+
+
+def _sharded_projected_truth(
+    f: Callable[..., Any],
+    x: Any,
+    contexts: tuple[Any, ...],
+    directions: list[list[Any]],
+    has_aux: bool = False,
+) -> np.ndarray:
+    """:func:`_projected_truth` on DTensors: the points ``x + t u`` are DTensor arithmetic, on
+    each rank's slices; f's values and the largest ``|x_i|`` are the only numbers shared."""
+    from .._adapters._black_box import _largest
+
+    leaves, spec = _tree.flatten(promote(x))
+    values = tuple(c.value for c in promote_contexts(tuple(contexts)))
+    scale = max([1.0, *(_largest(leaf) for leaf in leaves)])
+    h = float(np.finfo(np.float64).eps ** (1 / 5)) * scale
+
+    def along(direction: list[Any], t: float) -> float:
+        moved = [leaf.double() + t * u for leaf, u in zip(leaves, direction, strict=True)]
+        out = f(optree.tree_unflatten(spec, moved), *values)
+        return _sharded_scalar(out[0] if has_aux else out)
+
+    def central(u: list[Any], step: float) -> float:
+        return (along(u, step) - along(u, -step)) / (2 * step)
+
+    with _no_grad():
+        return np.array([(4 * central(u, h / 2) - central(u, h)) / 3 for u in directions])

@@ -1,0 +1,325 @@
+"""check_gradients, class by class of issue 19: the ground truth keeps to f's domain (1), steps
+over no kink (2), has no size limit (3), judges with its own error estimate (4), projections
+(5), determinism within rounding (6), default engines that cannot run f skipped (7), ordinary
+tensors (8), and its cost in evaluations of f (9)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import diffiface as di
+from diffiface.test import Scenario, check_gradients
+
+
+def _counting(f: Any) -> tuple[Any, list[int]]:
+    calls = [0]
+
+    def counted(*args: Any) -> Any:
+        calls[0] += 1
+        return f(*args)
+
+    return counted, calls
+
+
+def _scaled_backward(torch: Any, forward: Any, derivative: Any, factor: float = 1.01) -> Any:
+    class Scaled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, v: Any) -> Any:
+            ctx.save_for_backward(v)
+            return forward(v)
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            (v,) = ctx.saved_tensors
+            return grad * factor * derivative(v)
+
+    return Scaled.apply
+
+
+# -- 1. the reference stays in f's domain -------------------------------------------------------------
+
+
+def test_reference_stays_in_the_domain_of_acos():
+    torch = pytest.importorskip("torch")
+    x = torch.tensor([0.1, 0.8], dtype=torch.float64)
+    report = check_gradients(lambda v: torch.acos(v).sum(), x, backends=["torch", "finite_differences"])
+    assert [row.status for row in report.rows] == ["passed", "passed"]
+
+
+def test_an_edge_of_the_domain_goes_one_sided_and_still_catches_a_wrong_gradient():
+    """sqrt at 1e-7: x - h is outside the domain (NaN), and binary_cross_entropy raises there."""
+    torch = pytest.importorskip("torch")
+    x = torch.tensor([3e-6, 0.5, 2.0], dtype=torch.float64)
+    assert not check_gradients(lambda v: torch.sqrt(v).sum(), x, backends=["torch"]).failed
+    target = torch.tensor([0.0, 1.0, 0.3], dtype=torch.float64)
+    probabilities = torch.tensor([0.7, 0.5, 1 - 1e-7], dtype=torch.float64)  # one input at an edge
+    bce = torch.nn.functional.binary_cross_entropy
+    assert not check_gradients(lambda v: bce(v, target), probabilities, backends=["torch"]).failed
+    wrong = _scaled_backward(torch, torch.sqrt, lambda v: 0.5 / torch.sqrt(v))
+    with pytest.raises(AssertionError, match="values differ"):
+        check_gradients(lambda v: wrong(v).sum(), x, backends=["torch"])
+
+
+def test_jax_domains_arcsin_logit_erfinv():
+    jax = pytest.importorskip("jax")
+    jnp, special = jax.numpy, jax.scipy.special
+    with jax.enable_x64(True):
+        x = jnp.asarray([0.02, 0.5, 0.97])
+    for op in (jnp.arcsin, jnp.arccos, jnp.arctanh, special.logit, special.erfinv, special.ndtri):
+        report = check_gradients(lambda v, op=op: jnp.sum(op(v)), x, backends=["jax"])
+        assert report.rows[0].status == "passed", (op, report.rows[0].message)
+
+
+# -- 2. kinks ------------------------------------------------------------------------------------------
+
+
+def test_quantile_passes_and_a_kink_at_x_is_reported_not_failed():
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    with jax.enable_x64(True):
+        x = jnp.asarray([0.3, -1.2, 2.0, 0.7, 1.1])
+        at_kink = jnp.asarray([0.0, 1.0, -2.0])
+    assert not check_gradients(lambda v: jnp.quantile(v, 0.3), x, backends=["jax"]).failed
+    report = check_gradients(lambda v: jnp.sum(jax.nn.relu(v) * jnp.arange(1.0, 4.0)), at_kink, backends=["jax"])
+    (row,) = report.rows
+    assert row.status == "skipped" and "f is not differentiable at x along v" in row.message
+
+
+# -- 3. no size limit -----------------------------------------------------------------------------------
+
+
+def test_between_the_dense_limit_and_4096_inputs_no_size_error():
+    torch = pytest.importorskip("torch")
+    x = torch.linspace(-1, 1, 2000, dtype=torch.float64)
+    report = check_gradients(lambda v: (v.sin() * v).sum(), x, backends=["torch"])
+    assert report.rows[0].status == "passed" and report.rows[0].reference == "finite_differences"
+    report = check_gradients(lambda v: (v.sin() * v).sum(), torch.linspace(-1, 1, 5000, dtype=torch.float64))
+    assert all(row.status == "passed" for row in report.rows)
+    assert "random directions" in report.rows[0].reference
+
+
+# -- 4. tolerances from the reference's own error ----------------------------------------------------------
+
+
+def test_tolerances_follow_the_error_estimate():
+    torch = pytest.importorskip("torch")
+    v = torch.tensor([9.0, 0.01], dtype=torch.float64)
+    report = check_gradients(
+        lambda v: torch.sinh(v[0]) + 1e-3 * v[1], v, backends=["torch", "finite_differences", "torch-func"]
+    )
+    assert not report.failed
+    assert not check_gradients(lambda v: torch.tan(v).sum(), torch.tensor([1.565], dtype=torch.float64)).failed
+    wrong = _scaled_backward(torch, torch.tan, lambda v: 1 / torch.cos(v) ** 2)
+    with pytest.raises(AssertionError, match="values differ"):
+        check_gradients(lambda v: wrong(v).sum(), torch.tensor([1.565], dtype=torch.float64), backends=["torch"])
+
+
+# -- 5. projected mode -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", ["floor", "ceil", "round", "trunc", "frac"])
+def test_projections_over_jumps_are_no_false_failures(op):
+    torch = pytest.importorskip("torch")
+    x = torch.linspace(-2.3, 2.9, 40, dtype=torch.float64)
+    report = check_gradients(lambda v: getattr(torch, op)(v).sum(), x, projections=4)
+    for row in report.rows:
+        assert row.status in ("passed", "skipped"), row.message
+        if row.status == "skipped":
+            assert "not differentiable" in row.message
+
+
+def test_projections_catch_a_one_percent_error_on_small_projections():
+    torch = pytest.importorskip("torch")
+    x = torch.linspace(-3, 3, 5000, dtype=torch.float64)
+    assert not check_gradients(lambda v: (0.002 * torch.sin(v)).sum(), x, backends=["torch"]).failed
+    wrong = _scaled_backward(torch, lambda v: 0.002 * torch.sin(v), lambda v: 0.002 * torch.cos(v))
+    with pytest.raises(AssertionError, match="projection"):
+        check_gradients(lambda v: wrong(v).sum(), x, backends=["torch"])
+
+
+# -- 6. determinism within rounding ------------------------------------------------------------------------
+
+
+def test_run_to_run_rounding_is_not_a_random_generator():
+    """An f whose last bits change from call to call (as LAPACK's do) passes; lstsq itself too."""
+    calls = [0]
+
+    def jittery(v):
+        calls[0] += 1
+        return (np.sin(v) ** 2).sum() * (1 + (calls[0] % 3) * 2.0**-52)
+
+    assert not check_gradients(jittery, np.linspace(0, 1, 4), backends=["finite_differences"]).failed
+    torch = pytest.importorskip("torch")
+    a = torch.randn(8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def residual(b):
+        return (torch.linalg.lstsq(a, b[:, None]).solution ** 2).sum()
+
+    assert not check_gradients(residual, torch.linspace(0, 1, 8, dtype=torch.float64)).failed
+
+
+def test_a_global_random_generator_is_still_caught():
+    rng = np.random.default_rng(0)
+    with pytest.raises(AssertionError, match="global random generator"):
+        check_gradients(lambda v: (v**2).sum() * (1 + 1e-3 * rng.normal()), np.ones(3), backends=["autograd"])
+    torch = pytest.importorskip("torch")
+    with pytest.raises(AssertionError, match="global random generator"):
+        check_gradients(lambda v: (v * torch.rand(3, dtype=v.dtype)).sum(), torch.ones(3, dtype=torch.float64))
+
+
+def test_a_stateful_generator_and_a_batchnorm_updating_its_buffers_are_caught():
+    torch = pytest.importorskip("torch")
+    generator = torch.Generator().manual_seed(0)
+    x = torch.ones(3, dtype=torch.float64)
+    with pytest.raises(AssertionError, match=r"not deterministic|mutated"):
+        check_gradients(lambda v, g: (v * torch.rand(3, dtype=v.dtype, generator=g)).sum(), x, di.Constant(generator))
+    norm = torch.nn.BatchNorm1d(3).double().train()
+    params = {k: p.detach().clone() for k, p in norm.named_parameters()}
+    batch = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    def loss(p, model, inputs):
+        return (torch.func.functional_call(model, p, (inputs,)) ** 3).sum()
+
+    with pytest.raises(AssertionError, match=r"mutated|updated the buffer|not deterministic"):
+        check_gradients(loss, params, di.Constant(norm), di.Constant(batch), backends=["torch"])
+
+
+# -- 7. the engines that can run f ------------------------------------------------------------------------------
+
+
+def test_numpy_code_is_skipped_under_torch_with_the_reason():
+    a = np.random.default_rng(0).normal(size=(3, 3))
+    report = check_gradients(lambda v: ((a @ v) ** 2).sum(), np.linspace(0, 1, 3))
+    status = {row.backend: row for row in report.rows}
+    pytest.importorskip("torch")
+    assert status["torch"].status == "skipped" and "cannot run f" in status["torch"].message
+    assert any(row.status == "passed" for row in report.rows)
+    assert not report.failed
+
+
+def test_a_jax_dict_with_a_function_leaf_and_an_equinox_mlp():
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    with jax.enable_x64(True):
+        params = {"w": jnp.linspace(0.1, 1.0, 4), "act": jnp.tanh}
+
+    def loss(p):
+        return jnp.sum(p["act"](p["w"]) ** 2)
+
+    report = check_gradients(loss, params)
+    assert not report.failed and any(row.status == "passed" for row in report.rows)
+    eqx = pytest.importorskip("equinox")
+    with jax.enable_x64(True):
+        model = eqx.nn.MLP(3, 1, 4, 1, key=jax.random.key(0), dtype=jnp.float64)
+        inputs = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)
+
+    def mlp_loss(m, batch):
+        return jnp.sum(jax.vmap(m)(batch) ** 2)
+
+    report = check_gradients(mlp_loss, model, di.Constant(inputs))
+    assert not report.failed
+    assert {row.backend for row in report.rows if row.status == "passed"} >= {"jax"}
+
+
+def test_a_string_names_one_backend():
+    pytest.importorskip("jax")
+    report = check_gradients(lambda v: (v**2).sum(), np.ones(3), backends="jax")
+    assert [row.backend for row in report.rows] == ["jax"]
+
+
+def test_has_aux_with_a_bare_scalar_is_a_clear_error():
+    with pytest.raises(di.DiffifaceError, match=r"has_aux=True.*\(value, aux\)"):
+        check_gradients(lambda v: (v**2).sum(), np.ones(3), backends="finite_differences", has_aux=True)
+
+
+def test_scenario_takes_one_context_bare():
+    scenario = Scenario("one", lambda v, c: (c * v**2).sum(), np.ones(2), "gradient", contexts=di.Constant(2.0))
+    assert len(scenario.contexts) == 1 and scenario.evaluate() == 4.0
+    with pytest.raises(ValueError, match="contexts must be"):
+        Scenario("bad", lambda v, c: v, np.ones(2), "gradient", contexts=2.0)  # type: ignore[arg-type]
+
+
+# -- 8. ordinary tensors ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["autograd", "func"])
+def test_a_zero_by_rule_gradient_is_an_ordinary_tensor(mode):
+    torch = pytest.importorskip("torch")
+    x = torch.tensor([0.5, -1.0], dtype=torch.float64)
+    g = di.gradient(lambda v: torch.sgn(v).sum(), di.AutoTorch(mode=mode), x)
+    assert not g._is_zerotensor()
+    assert g.numpy().tolist() == [0.0, 0.0]
+    assert g.add_(1).tolist() == [1.0, 1.0]
+
+
+# -- 9. cost --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 30, 300])
+def test_at_most_4n_plus_20_evaluations(n):
+    torch = pytest.importorskip("torch")
+    counted, calls = _counting(lambda v: (torch.tanh(v) * v).sum())
+    check_gradients(counted, torch.linspace(-1, 1, n, dtype=torch.float64))
+    assert calls[0] <= 4 * n + 20, calls[0]
+    counted, calls = _counting(lambda v: (torch.tanh(v) * v).sum())
+    check_gradients(counted, torch.linspace(-1, 1, n))  # float32: a float64 ground truth
+    assert calls[0] <= 4 * n + 20, calls[0]
+
+
+def test_at_most_4n_plus_20_evaluations_with_the_taylor_test():
+    """Finite differences too noisy to judge alone (f at float32 on purpose): still 4n + 20."""
+    torch = pytest.importorskip("torch")
+    counted, calls = _counting(lambda v: (torch.tanh(v.float()) * 1e4).sum())
+    report = check_gradients(counted, torch.linspace(-1, 1, 50, dtype=torch.float64), backends=["torch"])
+    assert "Taylor test" in report.rows[0].message
+    assert calls[0] <= 4 * 50 + 20, calls[0]
+
+
+def test_projected_mode_at_most_2k_plus_10_evaluations():
+    torch = pytest.importorskip("torch")
+    for f in (lambda v: (torch.tanh(v) * v).sum(), lambda v: torch.floor(3 * v).sum()):
+        counted, calls = _counting(f)
+        check_gradients(counted, torch.linspace(-1, 1, 6000, dtype=torch.float64), backends=["torch"], projections=6)
+        assert calls[0] <= 2 * 6 + 10, calls[0]
+
+
+def _conv_net(torch: Any) -> tuple[Any, dict[str, Any], Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3, bias=False),
+        torch.nn.BatchNorm2d(4),
+        torch.nn.Tanh(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(16, 4),
+    ).train()
+    params = {k: p.detach().clone() for k, p in model.named_parameters()}
+    batch = torch.randn(6, 1, 4, 4, generator=torch.Generator().manual_seed(1))
+    return model, params, batch
+
+
+def test_a_112_parameter_conv_batchnorm_net_in_3_seconds():
+    torch = pytest.importorskip("torch")
+    model, params, batch = _conv_net(torch)
+    assert sum(p.numel() for p in params.values()) == 112
+    buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
+
+    def loss(p, model, inputs):
+        state = {k: b.clone() for k, b in buffers.items()}  # train mode updates copies, not the model
+        return (torch.func.functional_call(model, {**p, **state}, (inputs,)) ** 2).mean()
+
+    # CPU seconds of this process with one torch thread: on a machine shared with other jobs the
+    # wall clock measures them
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        start = time.process_time()
+        report = check_gradients(loss, params, di.Constant(model), di.Constant(batch))
+        seconds = time.process_time() - start
+    finally:
+        torch.set_num_threads(threads)
+    assert not report.failed and any(row.status == "passed" for row in report.rows)
+    assert seconds < 3.0, seconds
