@@ -55,6 +55,20 @@ BLACK_BOX = ("finite_differences", "scipy")
 """Backends that only evaluate f, so f may be written for any framework."""
 
 
+@pytest.fixture(autouse=True)
+def _x64_flag_left_as_found() -> Any:
+    """No test may flip jax's global x64 flag (diffiface never does: it scopes jax.enable_x64),
+    since the tests after it in the same worker would compute in another precision."""
+    import sys
+
+    jax_module = sys.modules.get("jax")
+    before = jax_module.config.read("jax_enable_x64") if jax_module is not None else None
+    yield
+    jax_module = sys.modules.get("jax")
+    if before is not None and jax_module is not None:
+        assert jax_module.config.read("jax_enable_x64") == before, "the test changed jax's global x64 flag"
+
+
 def require(backend: di.Backend | str) -> di.Backend:
     """``backend`` as an object; the test is skipped, naming the extra, if its engine is missing."""
     backend = ALL_BACKENDS.get(backend, backend) if isinstance(backend, str) else backend

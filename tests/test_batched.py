@@ -61,6 +61,16 @@ def test_a_tuple_is_never_a_batch() -> None:
 def test_adapter_batches_match_the_loop(backend: str) -> None:
     """The vmapped batch (jax, torch.func) gives what one product per tangent gives."""
     _installed(backend)
+    if backend == "jax":
+        import jax
+
+        with jax.enable_x64(True):  # (scoped: the global flag is the other tests' too)
+            _batches_match_the_loop(backend)
+    else:
+        _batches_match_the_loop(backend)
+
+
+def _batches_match_the_loop(backend: str) -> None:
     b = _adapters.normalize(backend)
     adapter = _adapters.adapter_for(b)
     xp = adapter.xp
@@ -72,9 +82,6 @@ def test_adapter_batches_match_the_loop(backend: str) -> None:
     else:
         lib = np
         if backend == "jax":
-            import jax
-
-            jax.config.update("jax_enable_x64", True)
             import jax.numpy as lib  # type: ignore[no-redef]
         xs = (lib.linspace(0.1, 1.0, 5), lib.asarray([2.0]))
         eye = [(lib.eye(5)[k], lib.zeros(1)) for k in range(5)]
