@@ -25,7 +25,7 @@ from ._checks import _check_call, _check_tangent_kinds, _check_tangent_like_x, _
 from ._errors import InvalidInputError
 from ._plan import Plan, leaf_check, leaves_check
 from ._prep import Closure, FunctionRef, Prep, describe_mismatch, mismatch_error, prep_cache
-from ._programs import FlatFinish, FlatProgram, OnDynamic, Run, Scoped, _Conversions, _Output, _program
+from ._programs import DirectFlat, FlatFinish, FlatProgram, OnDynamic, Run, Scoped, _Conversions, _Output, _program
 from ._results import finisher
 from ._results import promoted_dtype as promoted_dtype  # imported from here by the tests
 
@@ -177,6 +177,10 @@ def _plan(
         context_checks=None if context_checks is None else tuple(context_checks),
         program=program,
         estimates=estimates,
+        context_classes=tuple(
+            type(leaves[0]) if spec == _LEAF and leaves else None
+            for spec, leaves in zip(call.context_specs, call.context_leaves, strict=True)
+        ),
     )
 
 
@@ -225,13 +229,16 @@ def _program_of(
             signature.x_spec == _LEAF,
         )
         compiled = flat
-        finish = FlatFinish(flat, one.mirror if one is not None else finish)
+        rest = one.mirror if one is not None else finish
+        finish = FlatFinish(flat, rest)
     else:  # (jit returns arrays only: a program whose result holds none but arrays needs no help)
         # (a static argument costs jit a slower call: only where a context leaf is one)
         compiled = adapter.compile(traced, static=not all(conversions.mask), arrays=not signature.has_aux)
-    program: Callable[..., Any] = Run(adapter, conversions, compiled, output, finish, op, signature.has_aux)
-    if conversions.scoped:
-        program = Scoped(adapter, program)
+    run = Run(adapter, conversions, compiled, output, finish, op, signature.has_aux)
+    program: Callable[..., Any] = Scoped(adapter, run) if conversions.scoped else run
+    if isinstance(compiled, FlatProgram) and not adapter.estimates_errors and not run.records:
+        # the engine takes the leaves as they are: straight to the compiled call
+        program = DirectFlat(compiled, rest, program, adapter.scope if conversions.scoped else None)
     if dynamic_index is not None:  # x has static leaves: the program takes the others
         program = OnDynamic(program, dynamic_index)
     return program, adapter.estimates_errors

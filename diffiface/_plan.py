@@ -214,6 +214,7 @@ class Plan:
     __slots__ = (
         "backend",
         "context_checks",
+        "context_classes",
         "context_kinds",
         "context_namespaces",
         "context_specs",
@@ -251,6 +252,7 @@ class Plan:
         context_checks: tuple[Callable[[list[Any]], bool], ...] | None,
         program: Callable[..., tuple[Any, Any]],
         estimates: bool = False,
+        context_classes: tuple[type | None, ...] = (),
     ) -> None:
         self.operator = operator
         self.backend = backend
@@ -275,6 +277,8 @@ class Plan:
         self.x_namespace = _namespace(x_spec)
         self.tangent_namespace = _namespace(tangent_spec)
         self.context_namespaces = tuple(_namespace(spec) for spec in context_specs)
+        # a context of one array: its type is its structure, as for x
+        self.context_classes = context_classes or (None,) * len(context_specs)
         self.program = program
         self.estimates = estimates
         """Whether the program estimates its error (the prep keeps the last estimate)."""
@@ -320,13 +324,25 @@ class Plan:
             if spec != self.tangent_spec or not self.tangent_checks(tangent_leaves):
                 return None
         context_leaves = []
-        for context, kind, context_spec, checks, namespace in zip(
-            contexts, self.context_kinds, self.context_specs, self.context_checks, self.context_namespaces, strict=False
+        for context, kind, context_spec, checks, namespace, cls in zip(
+            contexts,
+            self.context_kinds,
+            self.context_specs,
+            self.context_checks,
+            self.context_namespaces,
+            self.context_classes,
+            strict=False,
         ):
             if type(context) is not kind:
                 return None
-            leaves, spec = optree.tree_flatten(context.value, namespace=namespace)  # type: ignore[attr-defined]
-            if spec != context_spec or not checks(leaves):
-                return None
+            value = context.value  # type: ignore[attr-defined]
+            if cls is not None and type(value) is cls:
+                leaves = [value]
+                if not checks(leaves):
+                    return None
+            else:
+                leaves, spec = optree.tree_flatten(value, namespace=namespace)
+                if spec != context_spec or not checks(leaves):
+                    return None
             context_leaves.append(leaves)
         return x_leaves, tangent_leaves, context_leaves

@@ -249,6 +249,36 @@ class FlatFinish:
 # -- what a prep runs: objects with named fields --------------------------------------------------
 
 
+class DirectFlat:
+    """The program of a call whose arguments the engine takes as they are, compiled on flat
+    arguments (:class:`FlatProgram`): the leaves go straight to the compiled call. Where the
+    adapter's precision scope may be needed (float64 with jax's x64 off), ``fallback`` (the
+    scoped :class:`Run`) runs the call instead whenever the scope is not empty."""
+
+    __slots__ = ("compiled", "fallback", "flat", "precision", "rest")
+
+    def __init__(
+        self,
+        flat: FlatProgram,
+        rest: Callable[[Any], Any],
+        fallback: Callable[..., tuple[Any, Any]],
+        precision: Callable[[], Any] | None,
+    ) -> None:
+        self.flat, self.rest, self.fallback, self.precision = flat, rest, fallback, precision
+        self.compiled = flat.compiled
+
+    def __call__(
+        self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]
+    ) -> tuple[Any, Any]:
+        if self.precision is not None and self.precision() is not None:
+            return self.fallback(x_leaves, tangent_leaves, context_leaves)
+        if context_leaves:
+            out = self.compiled(*x_leaves, *tangent_leaves, *[leaf for leaves in context_leaves for leaf in leaves])
+        else:
+            out = self.compiled(*x_leaves, *tangent_leaves)
+        return (out if self.flat.finished else self.rest(out)), None
+
+
 class Run:
     """A prep's program on a call's leaves: the leaves made the engine's arguments
     (:class:`_Conversions`), the compiled (or plain) program, the result finished to mirror the
