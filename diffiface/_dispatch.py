@@ -181,7 +181,21 @@ def _plan(
             type(leaves[0]) if spec == _LEAF and leaves else None
             for spec, leaves in zip(call.context_specs, call.context_leaves, strict=True)
         ),
+        single=_single(op, call, by_value),
     )
+
+
+def _single(op: Operator, call: Call, by_value: bool) -> Any:
+    """The tests of a call whose x and every context are one leaf, without a tangent."""
+    if op.tangent is not None or call.signature.x_spec != _LEAF or len(call.x_leaves) != 1:
+        return None
+    if any(spec != _LEAF for spec in call.context_specs):
+        return None
+    x_test = leaf_check(call.x_leaves[0], static_x=True)
+    tests = [leaf_check(leaves[0], by_value=by_value) for leaves in call.context_leaves]
+    if x_test is None or any(test is None for test in tests):
+        return None
+    return x_test, tuple(tests)
 
 
 def _checks_of(leaves: list[Any], static_x: bool = False, by_value: bool = False) -> Callable[[list[Any]], bool] | None:

@@ -57,6 +57,11 @@ class _Same:
         layout = self.layout
         return layout is None or layout.holds(value)
 
+    def jax_one_device(self, value: Any) -> bool:
+        """:meth:`jax` where jax has one device in this process: no layout to read."""
+        aval = value.aval
+        return aval.shape == self.shape and aval.dtype == self.dtype  # type: ignore[no-any-return]
+
 
 class _ByValue:
     """The test of a leaf compared by value (a static leaf of x, or a context value a program
@@ -85,8 +90,16 @@ def leaf_check(leaf: Any, static_x: bool = False, by_value: bool = False) -> Che
     if by_value and kind in ("python", "other"):
         return type(leaf), _ByValue(leaf, _identity_or_value)
     same = _Same(leaf)
-    test = {"jax": same.jax, "numpy": same.numpy, "torch": same.torch}.get(kind)
+    jax_test = same.jax
+    if kind == "jax" and same.layout is not None and _one_device(leaf):
+        jax_test = same.jax_one_device
+    test = {"jax": jax_test, "numpy": same.numpy, "torch": same.torch}.get(kind)
     return type(leaf), test
+
+
+def _one_device(leaf: Any) -> bool:
+    """Whether jax has one device in this process, where ``leaf`` lives."""
+    return bool(sys.modules["jax"].device_count() == 1 and len(leaf.sharding.device_set) == 1)
 
 
 def _identity_or_value(value: Any) -> Any:
@@ -224,6 +237,7 @@ class Plan:
         "names",
         "operator",
         "program",
+        "single",
         "tangent",
         "tangent_checks",
         "tangent_namespace",
@@ -253,6 +267,7 @@ class Plan:
         program: Callable[..., tuple[Any, Any]],
         estimates: bool = False,
         context_classes: tuple[type | None, ...] = (),
+        single: tuple[Check, tuple[Check, ...]] | None = None,
     ) -> None:
         self.operator = operator
         self.backend = backend
@@ -279,6 +294,9 @@ class Plan:
         self.context_namespaces = tuple(_namespace(spec) for spec in context_specs)
         # a context of one array: its type is its structure, as for x
         self.context_classes = context_classes or (None,) * len(context_specs)
+        self.single = single
+        """Where x and every context are one leaf each and there is no tangent (most calls): the
+        test of x's leaf and of each context's, compared without building a list of leaves."""
         self.program = program
         self.estimates = estimates
         """Whether the program estimates its error (the prep keeps the last estimate)."""
@@ -307,6 +325,22 @@ class Plan:
         mine = self.backend
         if backend is not mine and not (backend in self.names if type(backend) is str else self.fits_backend(backend)):
             return None
+        single = self.single
+        if single is not None:
+            (cls, test), context_tests = single
+            if type(x) is not cls or (test is not None and not test(x)):
+                return None
+            values = []
+            for context, kind, (context_cls, context_test) in zip(
+                contexts, self.context_kinds, context_tests, strict=False
+            ):
+                if type(context) is not kind:
+                    return None
+                value = context.value  # type: ignore[attr-defined]
+                if type(value) is not context_cls or (context_test is not None and not context_test(value)):
+                    return None
+                values.append([value])
+            return [x], [], values
         x_checks = self.x_checks
         if x_checks is None or self.tangent_checks is None or self.context_checks is None:
             return None

@@ -173,39 +173,45 @@ class Closure:
     again rather than reuse a stale program. What objects hold (an attribute set on a model
     f reads) is not followed: pass such data as a :class:`~diffiface.Constant`."""
 
-    __slots__ = ("_arrays", "_ids", "_keep")
+    __slots__ = ("_arrays", "_code", "_ids", "_keep", "_names")
 
     def __init__(self, f: Callable[..., Any]) -> None:
-        values = _read_values(f)
+        function = getattr(f, "__func__", f)
+        self._code = getattr(function, "__code__", None)
+        self._names = _names(self._code) if self._code is not None else ()
+        values = _read_values(function, self._names)
         self._keep = values  # (the ids stay those of live objects)
         self._ids = tuple(map(id, values))
         self._arrays = [(i, v.copy()) for i, v in enumerate(values) if type(v) is np.ndarray and v.size <= _COPIED]
 
     def holds(self, f: Callable[..., Any]) -> bool:
-        values = _read_values(f)
+        function = getattr(f, "__func__", f)
+        if getattr(function, "__code__", None) is not self._code:
+            return False
+        values = _read_values(function, self._names)
         if tuple(map(id, values)) != self._ids:
             return False
-        return all(np.array_equal(values[i], copy, equal_nan=copy.dtype.kind in "fc") for i, copy in self._arrays)
+        for i, copy in self._arrays:  # noqa: SIM110  (a loop, not all(generator): this runs on every unprepared call)
+            if not np.array_equal(values[i], copy, equal_nan=copy.dtype.kind in "fc"):
+                return False
+        return True
 
 
 _COPIED = 1 << 16  # numpy arrays f reads are compared by value up to this size; larger, by identity
 
 
-def _read_values(f: Callable[..., Any]) -> list[Any]:
-    function = getattr(f, "__func__", f)
-    code = getattr(function, "__code__", None)
-    if code is None:
-        return []
+def _read_values(function: Any, names: tuple[str, ...]) -> list[Any]:
     values: list[Any] = []
     for cell in getattr(function, "__closure__", None) or ():
         try:
             values.append(cell.cell_contents)
         except ValueError:  # an empty cell
             values.append(None)
-    namespace = getattr(function, "__globals__", {})
-    for name in _names(code):
-        if name in namespace:
-            values.append(namespace[name])
+    namespace = getattr(function, "__globals__", None)
+    if namespace is not None:
+        for name in names:
+            if name in namespace:
+                values.append(namespace[name])
     values.extend(getattr(function, "__defaults__", None) or ())
     return values
 
