@@ -1027,7 +1027,7 @@ def write_shapes(rows, meta):
         "",
         "## The prepared gradient as users also call it",
         "",
-        "`backend by name`: `di.gradient(f, \"jax\", x, di.Constant(batch), prep=prep)`, the README's style; "
+        '`backend by name`: `di.gradient(f, "jax", x, di.Constant(batch), prep=prep)`, the README\'s style; '
         "`numpy contexts`: the batch as numpy arrays under jax, against `jax.jit` given the same numpy arrays. "
         "Goal: no slower than the object form and jit.",
         "",
