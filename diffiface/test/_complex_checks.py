@@ -18,7 +18,6 @@ direction ``u``. Two checks follow from it:
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -77,15 +76,15 @@ def _back(values: np.ndarray, like: Any) -> Any:
 
 
 def _scope() -> Any:
-    jax = sys.modules.get("jax")
-    if jax is not None and not jax.config.read("jax_enable_x64"):
-        return jax.enable_x64(True)
-    return contextlib.nullcontext()
+    from ._running import _float64_scope
+
+    return _float64_scope()
 
 
 def _no_grad() -> Any:
-    torch = sys.modules.get("torch")
-    return torch.no_grad() if torch is not None else contextlib.nullcontext()
+    from ._running import _no_grad as no_grad
+
+    return no_grad()
 
 
 def directional_truth(
