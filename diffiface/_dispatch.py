@@ -59,11 +59,11 @@ def evaluate(
         recent = prep_cache.recent(f, name)  # the prep f used last, likely to fit again
         if recent is not None:
             leaves = recent.plan.leaves(name, f, backend, x, tangent, contexts, has_aux)
-            if leaves is not None and (recent.closure is None or recent.closure.holds(f)):
+            if leaves is not None and recent.still_for(f):
                 return recent.run(*leaves)
         op, backend, call = _arguments(name, f, backend, x, tangent, contexts, has_aux)
         prep = prep_cache.get(f, call.signature)
-        if prep is None or (prep.closure is not None and not prep.closure.holds(f)):
+        if prep is None or not prep.still_for(f):
             prep = _prepare(op, f, backend, call, strict=True)
             prep_cache.put(f, call.signature, prep)
         return prep.run(call.x_leaves, call.tangent_leaves, call.context_leaves)
@@ -96,7 +96,7 @@ def prepare(
 ) -> Prep:
     op, backend, call = _arguments(name, f, backend, x, tangent, contexts, has_aux)
     cached = prep_cache.get(f, call.signature)
-    if cached is not None and (cached.closure is None or cached.closure.holds(f)):  # the work is done: share it
+    if cached is not None and cached.still_for(f):  # the work is done: share it
         return cached.with_strictness(strict)
     prep = _prepare(op, f, backend, call, strict)
     if type(backend) not in _BUILDERS and adapter_for(backend).compiles:

@@ -202,7 +202,7 @@ def leaves_check(leaves: list[Any], checks: tuple[Check, ...]) -> Callable[[list
         if all(
             isinstance(leaf, array) and not isinstance(leaf, tracer) and _arrays.kind(leaf) == "jax" for leaf in leaves
         ):
-            one = jax.device_count() == 1 and all(len(leaf.sharding.device_set) == 1 for leaf in leaves)
+            one = all(_one_device(leaf) for leaf in leaves)
             return _OneDeviceJaxLeaves(leaves) if one else _JaxLeaves(leaves)
     if leaves and all(_arrays.kind(leaf) == "torch" for leaf in leaves):
         return _TorchLeaves(leaves)

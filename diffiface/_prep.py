@@ -128,6 +128,11 @@ class Prep:
         """A prep sharing this one's work, with its own strictness and error estimate."""
         return type(self)(self.plan, self.signature, strict, self.closure)
 
+    def still_for(self, f: Callable[..., Any]) -> bool:
+        """Whether f reads what it read when this prep's program was built (always, for a
+        program that bakes nothing in): an unprepared call may reuse the prep."""
+        return self.closure is None or self.closure.holds(f)
+
     def run(self, x_leaves: Any, tangent_leaves: Any, context_leaves: Any) -> Any:
         """The operator on flattened arguments that have this prep's signature."""
         result, error = self.plan.program(x_leaves, tangent_leaves, context_leaves)
