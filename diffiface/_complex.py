@@ -488,10 +488,12 @@ class ComplexAdapter:
     def compiles(self) -> bool:
         return bool(self._inner.compiles) and not self._eager
 
-    def compile(self, program: Callable[..., Any], static: bool = True, arrays: bool = False) -> Callable[..., Any]:
+    def compile(
+        self, program: Callable[..., Any], static: bool = True, arrays: bool = False, layouts: Any = None
+    ) -> Callable[..., Any]:
         if self._eager:
             return program
-        return self._inner.compile(program, static, arrays)
+        return self._inner.compile(program, static, arrays, layouts)
 
     def returns_like(self, leaf: Any) -> bool:
         return self.compiles and self._inner.returns_like(leaf)

@@ -228,20 +228,11 @@ def _program_of(
     finish, one = finisher(op, call, output, compiled=adapter.compiles)
     direct = conversions.passthrough and conversions.x_native and conversions.tangent_native
     compiled: Callable[..., Any]
-    if direct and adapter.compiles and len(call.x_leaves) == 1 and len(call.tangent_leaves) <= 1:
-        # a compiled program on flat arguments (x, [tangent,] *context arrays), which returns
-        # the result itself where it is x's one leaf: no pytree for jit to take apart or build
-        flat = FlatProgram(
-            adapter,
-            traced,
-            op,
-            output,
-            one,
-            bool(call.tangent_leaves),
-            call.x_leaves[0],
-            signature.has_aux,
-            signature.x_spec == _LEAF,
-        )
+    if direct and adapter.compiles and call.x_leaves:
+        # a compiled program on flat arguments (x's leaves, the tangent's, the context arrays),
+        # which returns the result itself where it is x's one leaf: no pytree for jit to take
+        # apart, nor to build where x is one array
+        flat = FlatProgram(adapter, traced, op, output, one, call, signature.has_aux, signature.x_spec == _LEAF)
         compiled = flat
         rest = one.mirror if one is not None else finish
         finish = FlatFinish(flat, rest)

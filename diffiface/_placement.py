@@ -162,6 +162,27 @@ def laid_out(program: Callable[..., Any]) -> Callable[..., Any]:
     return traced
 
 
+def laid_out_as(program: Callable[..., Any], layouts: tuple[Any, ...]) -> Callable[..., Any]:
+    """``program`` on flat array arguments, laid out as ``layouts`` in every call (one sharding
+    per argument, or None), to be compiled by jax.jit: it knows them while traced. Where no
+    argument spans devices, ``program`` itself (nothing to constrain)."""
+    if not any(layout is not None and len(layout.device_set) > 1 for layout in layouts):
+        return program
+
+    @functools.wraps(program)
+    def traced(*args: Any) -> Any:
+        before = _layouts.by_tracer
+        _layouts.by_tracer = {
+            id(arg): layout for arg, layout in zip(args, layouts, strict=False) if layout is not None
+        }
+        try:
+            return program(*args)
+        finally:
+            _layouts.by_tracer = before
+
+    return traced
+
+
 def as_inputs(results: Any, xs: Any) -> Any:
     """x-shaped results (a gradient, a vjp) constrained to the layouts of the traced ``xs``,
     where this trace knows them; else as they are."""

@@ -6,6 +6,7 @@ argument of a compiled program (:class:`_Static`)."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,8 @@ from ._errors import ContextError, FrameworkMismatchError, InvalidOutputError
 from ._keys import static_key
 from ._prep import FunctionRef, Signature
 from ._results import promoted_dtype
+
+_chain = itertools.chain.from_iterable
 
 # -- the program --------------------------------------------------------------------------------------
 
@@ -166,8 +169,8 @@ def _closer(
 
 
 class FlatProgram:
-    """``program`` on flat arguments ``(x, [tangent,] *context arrays)``, compiled: no pytree for
-    jit to take apart or build, where x is one array.
+    """``program`` on flat arguments ``(*x leaves, *tangent leaves, *context arrays)``, compiled:
+    no pytree for jit to take apart, and none to build where x is one array.
 
     Where the result mirrors x's one leaf (``mirror``), the program returns that leaf itself.
     Where besides the engine's arrays are x's own type (``returns_like``) and the result is one
@@ -175,7 +178,7 @@ class FlatProgram:
     whether f's output is one array (for jvp and jacobian) shows when it is traced, and
     :attr:`finished` says so from then on."""
 
-    __slots__ = ("candidate", "compiled", "dtype", "finished", "kind", "mirror", "output", "program")
+    __slots__ = ("candidate", "compiled", "dtype", "finished", "kind", "mirror", "output", "program", "sizes")
 
     def __init__(
         self,
@@ -184,12 +187,13 @@ class FlatProgram:
         op: Operator,
         output: _Output,
         mirror: Callable[[Any], Any] | None,
-        tangent: bool,
-        like: Any,
+        call: Call,
         has_aux: bool,
         bare_x: bool,
     ) -> None:
         kind = op.parts[0][1]
+        like = call.x_leaves[0]
+        self.sizes = (len(call.x_leaves), len(call.x_leaves) + len(call.tangent_leaves))
         # (a result that mirrors x is x's one leaf only where x is that leaf, not a tree holding it)
         self.candidate = (
             adapter.returns_like(like) and len(op.parts) == 1 and not has_aux and (bare_x or kind in ("value", "y"))
@@ -200,9 +204,10 @@ class FlatProgram:
         self.output = output
         self.mirror = mirror
         self.program = program
-        self.compiled = adapter.compile(
-            self.with_tangent if tangent else self.without, static=False, arrays=not has_aux
-        )
+        # (a prep is made for one layout of its arguments: x's leaves are laid out as the prep's)
+        layouts = [getattr(leaf, "sharding", None) for leaf in call.x_leaves]
+        layouts += [None] * (len(call.tangent_leaves) + sum(map(len, call.context_leaves)))
+        self.compiled = adapter.compile(self.on_flat, static=False, arrays=not has_aux, layouts=tuple(layouts))
 
     def pick(self, native: tuple[Any, ...]) -> Any:
         """Inside the trace: the program's result, finished where it can be."""
@@ -224,11 +229,10 @@ class FlatProgram:
                 return value[0]
         return native[0][0] if self.mirror is not None else native
 
-    def with_tangent(self, x: Any, t: Any, *values: Any) -> Any:
-        return self.pick(self.program((x,), (t,), values, None))
-
-    def without(self, x: Any, *values: Any) -> Any:
-        return self.pick(self.program((x,), (), values, None))
+    def on_flat(self, *arguments: Any) -> Any:
+        """The program on flat arguments (traced by the engine's compiler)."""
+        xs, ts = self.sizes
+        return self.pick(self.program(arguments[:xs], arguments[xs:ts], arguments[ts:], None))
 
     def __call__(self, xs: tuple[Any, ...], ts: tuple[Any, ...], dynamic: tuple[Any, ...], static: Any) -> Any:
         return self.compiled(*xs, *ts, *dynamic)
@@ -273,7 +277,7 @@ class DirectFlat:
         if self.precision is not None and self.precision() is not None:
             return self.fallback(x_leaves, tangent_leaves, context_leaves)
         if context_leaves:
-            out = self.compiled(*x_leaves, *tangent_leaves, *[leaf for leaves in context_leaves for leaf in leaves])
+            out = self.compiled(*x_leaves, *tangent_leaves, *_chain(context_leaves))
         else:
             out = self.compiled(*x_leaves, *tangent_leaves)
         return (out if self.flat.finished else self.rest(out)), None

@@ -141,10 +141,14 @@ class Adapter:
     compiles = False
     """True when :meth:`compile` compiles (jax under jit)."""
 
-    def compile(self, program: Callable[..., Any], static: bool = True, arrays: bool = False) -> Callable[..., Any]:
+    def compile(
+        self, program: Callable[..., Any], static: bool = True, arrays: bool = False, layouts: Any = None
+    ) -> Callable[..., Any]:
         """Compile a program ``(xs, ts, dynamic_contexts, static_contexts) -> results``, or
         with ``static=False`` one whose every argument is an array; ``arrays``: its results
-        are arrays only."""
+        are arrays only. ``layouts``: for a program on flat array arguments, where each one is
+        laid out in every call (the prep's, one per argument; None for any): the compiled
+        call then needs no record of its arguments."""
         return program
 
     def returns_like(self, leaf: Any) -> bool:
@@ -392,8 +396,10 @@ class SecondOrderAdapter(Adapter):
     def scope(self) -> contextlib.AbstractContextManager[Any] | None:
         return self.inner.scope()
 
-    def compile(self, program: Callable[..., Any], static: bool = True, arrays: bool = False) -> Callable[..., Any]:
-        return self.inner.compile(program, static, arrays) if self._same_engine else program
+    def compile(
+        self, program: Callable[..., Any], static: bool = True, arrays: bool = False, layouts: Any = None
+    ) -> Callable[..., Any]:
+        return self.inner.compile(program, static, arrays, layouts) if self._same_engine else program
 
     def returns_like(self, leaf: Any) -> bool:
         return self._same_engine and self.inner.returns_like(leaf)

@@ -89,9 +89,15 @@ class Adapter(_base.Adapter):
     def returns_like(self, leaf: Any) -> bool:
         return self.compiles and isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
 
-    def compile(self, program: Callable[..., Any], static: bool = True, arrays: bool = False) -> Callable[..., Any]:
+    def compile(
+        self, program: Callable[..., Any], static: bool = True, arrays: bool = False, layouts: Any = None
+    ) -> Callable[..., Any]:
         if not self.compiles:
             return program
+        if arrays and layouts is not None:
+            # Every call's arguments are laid out as the prep's: the trace takes its layouts
+            # from there, and the call goes straight to jit (on one device, none to know).
+            return jax.jit(_placement.laid_out_as(program, layouts), static_argnums=3 if static else ())
         program = _placement.laid_out(program)
         if arrays:
             compiled = jax.jit(program, static_argnums=3 if static else ())

@@ -219,7 +219,9 @@ class Adapter(_base.Adapter):
 
     # -- the guard around every call: state, nesting, writes into the inputs --------------------
 
-    def compile(self, program: Callable[..., Any], static: bool = True, arrays: bool = False) -> Callable[..., Any]:
+    def compile(
+        self, program: Callable[..., Any], static: bool = True, arrays: bool = False, layouts: Any = None
+    ) -> Callable[..., Any]:
         return _guard(program, getattr(program, "cache_dynamic", ()), getattr(program, "cache_static", ()))
 
     # -- primitives ---------------------------------------------------------------------------
