@@ -488,6 +488,10 @@ class ComplexAdapter:
     def compiles(self) -> bool:
         return bool(self._inner.compiles) and not self._eager
 
+    @property
+    def retraces(self) -> bool:
+        return bool(self._inner.retraces) and not self._eager
+
     def compile(
         self, program: Callable[..., Any], static: bool = True, arrays: bool = False, layouts: Any = None
     ) -> Callable[..., Any]:

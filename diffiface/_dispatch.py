@@ -25,7 +25,18 @@ from ._checks import _check_call, _check_tangent_kinds, _check_tangent_like_x, _
 from ._errors import InvalidInputError
 from ._plan import Plan, leaf_check, leaves_check
 from ._prep import Closure, FunctionRef, Prep, describe_mismatch, mismatch_error, prep_cache
-from ._programs import DirectFlat, FlatFinish, FlatProgram, OnDynamic, Run, Scoped, _Conversions, _Output, _program
+from ._programs import (
+    DirectFlat,
+    FlatFinish,
+    FlatProgram,
+    OnDynamic,
+    Run,
+    Scoped,
+    Unfit,
+    _Conversions,
+    _Output,
+    _program,
+)
 from ._results import finisher
 from ._results import promoted_dtype as promoted_dtype  # imported from here by the tests
 
@@ -60,7 +71,10 @@ def evaluate(
         if recent is not None:
             leaves = recent.plan.leaves(name, f, backend, x, tangent, contexts, has_aux)
             if leaves is not None and recent.still_for(f):
-                return recent.run(*leaves)
+                try:
+                    return recent.run(*leaves)
+                except Unfit:  # (shapes or dtypes its program checks itself: the signature decides)
+                    pass
         op, backend, call = _arguments(name, f, backend, x, tangent, contexts, has_aux)
         prep = prep_cache.get(f, call.signature)
         if prep is None or not prep.still_for(f):
@@ -72,9 +86,12 @@ def evaluate(
     plan = prep.plan
     leaves = plan.leaves(name, f, backend, x, tangent, contexts, has_aux)
     if leaves is not None:
-        if plan.estimates:  # (the prep keeps the estimate)
-            return prep.run(*leaves)
-        return plan.program(*leaves)[0]
+        try:
+            if plan.estimates:  # (the prep keeps the estimate)
+                return prep.run(*leaves)
+            return plan.program(*leaves)[0]
+        except Unfit:  # (shapes or dtypes its program checks itself: the signature decides)
+            pass
     op, backend, call = _arguments(name, f, backend, x, tangent, contexts, has_aux)
     reason = describe_mismatch(prep, f, call.signature)
     if reason is None:  # (the same signature, told apart by a leaf test that is stricter: a weak type)
@@ -136,8 +153,8 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
         plan = _plan(op, backend, function, call, program, estimates=False, by_value=True)
         return kind(plan, call.signature, strict, Closure(f))
     adapter = adapter_for(backend)
-    program, estimates = _program_of(op, f, backend, call, function)
-    plan = _plan(op, backend, function, call, program, estimates)
+    program, estimates, engine = _program_of(op, f, backend, call, function)
+    plan = _plan(op, backend, function, call, program, estimates, engine=engine)
     return Prep(plan, call.signature, strict, Closure(f) if adapter.compiles else None)
 
 
@@ -149,13 +166,16 @@ def _plan(
     program: Callable[..., Any],
     estimates: bool,
     by_value: bool = False,
+    engine: bool = False,
 ) -> Plan:
+    """``engine``: the program checks the shapes and dtypes of the leaves
+    :func:`~diffiface._plan.engine_checked` names (the plan then tests their types only)."""
     sig = call.signature
-    x_checks = _checks_of(call.x_leaves, static_x=True)
-    tangent_checks = _checks_of(call.tangent_leaves)
+    x_checks = _checks_of(call.x_leaves, static_x=True, engine=engine)
+    tangent_checks = _checks_of(call.tangent_leaves, engine=engine)
     context_checks: list[Any] | None = []
     for leaves in call.context_leaves:
-        checks = _checks_of(leaves, by_value=by_value)
+        checks = _checks_of(leaves, by_value=by_value, engine=engine)
         if checks is None or context_checks is None:
             context_checks = None
         else:
@@ -181,35 +201,38 @@ def _plan(
             type(leaves[0]) if spec == _LEAF and leaves else None
             for spec, leaves in zip(call.context_specs, call.context_leaves, strict=True)
         ),
-        single=_single(op, call, by_value),
+        single=_single(op, call, by_value, engine),
     )
 
 
-def _single(op: Operator, call: Call, by_value: bool) -> Any:
+def _single(op: Operator, call: Call, by_value: bool, engine: bool) -> Any:
     """The tests of a call whose x and every context are one leaf, without a tangent."""
     if op.tangent is not None or call.signature.x_spec != _LEAF or len(call.x_leaves) != 1:
         return None
     if any(spec != _LEAF for spec in call.context_specs):
         return None
-    x_test = leaf_check(call.x_leaves[0], static_x=True)
-    tests = [leaf_check(leaves[0], by_value=by_value) for leaves in call.context_leaves]
+    x_test = leaf_check(call.x_leaves[0], static_x=True, engine=engine)
+    tests = [leaf_check(leaves[0], by_value=by_value, engine=engine) for leaves in call.context_leaves]
     if x_test is None or any(test is None for test in tests):
         return None
     return x_test, tuple(tests)
 
 
-def _checks_of(leaves: list[Any], static_x: bool = False, by_value: bool = False) -> Callable[[list[Any]], bool] | None:
+def _checks_of(
+    leaves: list[Any], static_x: bool = False, by_value: bool = False, engine: bool = False
+) -> Callable[[list[Any]], bool] | None:
     """The test of leaves like these; None where a leaf has none (a pytree only jax knows)."""
-    checks = [leaf_check(leaf, static_x=static_x, by_value=by_value) for leaf in leaves]
+    checks = [leaf_check(leaf, static_x=static_x, by_value=by_value, engine=engine) for leaf in leaves]
     if any(check is None for check in checks):
         return None
-    return leaves_check(leaves, tuple(checks))  # type: ignore[arg-type]
+    return leaves_check(leaves, tuple(checks), engine)  # type: ignore[arg-type]
 
 
 def _program_of(
     op: Operator, f: Callable[..., Any], backend: Backend, call: Call, function: FunctionRef
-) -> tuple[Callable[..., Any], bool]:
-    """The program of a dense operator on a call's leaves, and whether it estimates its error."""
+) -> tuple[Callable[..., Any], bool, bool]:
+    """The program of a dense operator on a call's leaves, whether it estimates its error, and
+    whether it checks its leaves' shapes and dtypes itself (:class:`FlatProgram`)."""
     row = info(backend)
     adapter = adapter_for(backend)
     full_call = call
@@ -246,4 +269,4 @@ def _program_of(
         program = DirectFlat(compiled, rest, program, adapter.scope if conversions.scoped else None)
     if dynamic_index is not None:  # x has static leaves: the program takes the others
         program = OnDynamic(program, dynamic_index)
-    return program, adapter.estimates_errors
+    return program, adapter.estimates_errors, isinstance(compiled, FlatProgram) and compiled.checks

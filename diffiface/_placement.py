@@ -172,9 +172,7 @@ def laid_out_as(program: Callable[..., Any], layouts: tuple[Any, ...]) -> Callab
     @functools.wraps(program)
     def traced(*args: Any) -> Any:
         before = _layouts.by_tracer
-        _layouts.by_tracer = {
-            id(arg): layout for arg, layout in zip(args, layouts, strict=False) if layout is not None
-        }
+        _layouts.by_tracer = {id(arg): layout for arg, layout in zip(args, layouts, strict=False) if layout is not None}
         try:
             return program(*args)
         finally:

@@ -20,7 +20,7 @@ from . import _arrays, _placement
 from ._backends import AutoSparse
 from ._keys import static_key, static_x_key
 
-__all__ = ["Check", "Plan", "leaf_check", "leaves_check"]
+__all__ = ["Check", "Plan", "engine_checked", "leaf_check", "leaves_check"]
 
 Check = tuple[type, Callable[[Any], bool] | None]
 """How a plan knows a leaf: its type, and a test of the rest (None: the type says all)."""
@@ -77,11 +77,24 @@ class _ByValue:
         return bool(self.keyed(value) == self.key)
 
 
-def leaf_check(leaf: Any, static_x: bool = False, by_value: bool = False) -> Check | None:
+def engine_checked(leaf: Any) -> bool:
+    """Whether a program whose engine retraces for new shapes and dtypes (jit) checks this
+    leaf's itself (:class:`~diffiface._programs.FlatProgram`): a concrete jax array where jax
+    has one device (jit then keys its programs by exactly what a plan would compare)."""
+    jax = sys.modules.get("jax")
+    return (
+        jax is not None and _arrays.kind(leaf) == "jax" and not isinstance(leaf, jax.core.Tracer) and _one_device(leaf)
+    )
+
+
+def leaf_check(leaf: Any, static_x: bool = False, by_value: bool = False, engine: bool = False) -> Check | None:
     """How a plan knows a leaf like ``leaf``. A static leaf of x (``static_x``: passed to f as
     it is, and prepared for its value) and, with ``by_value``, any leaf that is not an array
-    (a context a program was built for) are compared by value. None: a leaf no test can vouch
-    for (a pytree only jax knows); the plan then compares whole signatures."""
+    (a context a program was built for) are compared by value. With ``engine``, a leaf the
+    program checks itself (:func:`engine_checked`) is known by its type. None: a leaf no test
+    can vouch for (a pytree only jax knows); the plan then compares whole signatures."""
+    if engine and engine_checked(leaf):
+        return type(leaf), None
     kind = _arrays.kind(leaf)
     if static_x and (kind == "other" or (kind == "python" and not isinstance(leaf, float))):
         return type(leaf), _ByValue(leaf, static_x_key)
@@ -193,9 +206,25 @@ class _TorchLeaves:
         return True
 
 
-def leaves_check(leaves: list[Any], checks: tuple[Check, ...]) -> Callable[[list[Any]], bool]:
+class _Types:
+    """The test of a list of leaves by their types alone, where the program checks the rest
+    itself (:func:`engine_checked`)."""
+
+    __slots__ = ("types",)
+
+    def __init__(self, leaves: list[Any]) -> None:
+        self.types = list(map(type, leaves))
+
+    def __call__(self, leaves: list[Any]) -> bool:
+        return list(map(type, leaves)) == self.types  # (no Python frame per leaf)
+
+
+def leaves_check(leaves: list[Any], checks: tuple[Check, ...], engine: bool = False) -> Callable[[list[Any]], bool]:
     """The test of a list of leaves like ``leaves``, each known by ``checks``: one that reads
-    jax arrays or torch tensors inline where every leaf is one."""
+    jax arrays or torch tensors inline where every leaf is one; with ``engine``, by their
+    types alone where the program checks every leaf itself."""
+    if engine and leaves and all(map(engine_checked, leaves)):
+        return _Types(leaves)
     jax = sys.modules.get("jax")
     if leaves and jax is not None:
         array, tracer = jax.Array, jax.core.Tracer

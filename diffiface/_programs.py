@@ -16,12 +16,13 @@ import optree
 
 from . import _arrays
 from . import tree as _tree
-from ._adapters._base import Adapter, force
+from ._adapters._base import Adapter, Deferred, force
 from ._call import _LEAF, Call, Operator
 from ._checks import _check_cotangent, _checked, _describe, _refuse_cut
 from ._contexts import Cache, Constant
-from ._errors import ContextError, FrameworkMismatchError, InvalidOutputError
+from ._errors import ContextError, FrameworkMismatchError, InvalidOutputError, PreparationMismatchError
 from ._keys import static_key
+from ._plan import engine_checked
 from ._prep import FunctionRef, Signature
 from ._results import promoted_dtype
 
@@ -68,7 +69,8 @@ def _program(
         if compiles:
             output.remember(static)
         if only is not None:
-            return (force(result[only]),)
+            value = result[only]
+            return (value.force() if type(value) is Deferred else value,)
         return tuple([force(result[i]) for i in picked])
 
     # what an adapter's compile may read to guard the call (torch: which context leaves f may
@@ -80,6 +82,12 @@ def _program(
 
 
 def _merge_contexts(specs: list[Any], sizes: list[int], dynamic: tuple[Any, ...], static: _Static) -> tuple[Any, ...]:
+    if not static.leaves:  # every leaf dynamic (the common case): slices, in order
+        values, start = [], 0
+        for spec, size in zip(specs, sizes, strict=True):
+            values.append(optree.tree_unflatten(spec, dynamic[start : start + size]))
+            start += size
+        return tuple(values)
     dyn = iter(dynamic)
     stat = iter(static.leaves)
     flags = iter(static.mask)
@@ -172,13 +180,30 @@ class FlatProgram:
     """``program`` on flat arguments ``(*x leaves, *tangent leaves, *context arrays)``, compiled:
     no pytree for jit to take apart, and none to build where x is one array.
 
+    Where the engine traces anew for arguments of other shapes or dtypes (jit), the trace
+    compares those of the leaves :func:`~diffiface._plan.engine_checked` names with the
+    prep's (:attr:`checks`), and raises :class:`Unfit` where they differ: the plan then tests
+    those leaves' types only, and a call whose arguments fit costs no check per leaf.
+
     Where the result mirrors x's one leaf (``mirror``), the program returns that leaf itself.
     Where besides the engine's arrays are x's own type (``returns_like``) and the result is one
     array, the program finishes it: a cast to x's dtype for a gradient, nothing for the others;
     whether f's output is one array (for jvp and jacobian) shows when it is traced, and
     :attr:`finished` says so from then on."""
 
-    __slots__ = ("candidate", "compiled", "dtype", "finished", "kind", "mirror", "output", "program", "sizes")
+    __slots__ = (
+        "candidate",
+        "checks",
+        "compiled",
+        "dtype",
+        "expected",
+        "finished",
+        "kind",
+        "mirror",
+        "output",
+        "program",
+        "sizes",
+    )
 
     def __init__(
         self,
@@ -194,6 +219,9 @@ class FlatProgram:
         kind = op.parts[0][1]
         like = call.x_leaves[0]
         self.sizes = (len(call.x_leaves), len(call.x_leaves) + len(call.tangent_leaves))
+        leaves = [*call.x_leaves, *call.tangent_leaves, *_chain(call.context_leaves)]
+        self.checks = bool(adapter.retraces)
+        self.expected = tuple((leaf.shape, leaf.dtype) if engine_checked(leaf) else None for leaf in leaves)
         # (a result that mirrors x is x's one leaf only where x is that leaf, not a tree holding it)
         self.candidate = (
             adapter.returns_like(like) and len(op.parts) == 1 and not has_aux and (bare_x or kind in ("value", "y"))
@@ -231,11 +259,23 @@ class FlatProgram:
 
     def on_flat(self, *arguments: Any) -> Any:
         """The program on flat arguments (traced by the engine's compiler)."""
+        if self.checks:
+            for argument, expected in zip(arguments, self.expected, strict=True):
+                if expected is not None and (argument.shape != expected[0] or argument.dtype != expected[1]):
+                    raise Unfit(
+                        f"An argument of shape {tuple(argument.shape)} and dtype {argument.dtype} reached a "
+                        f"program prepared for shape {tuple(expected[0])} and dtype {expected[1]}."
+                    )
         xs, ts = self.sizes
         return self.pick(self.program(arguments[:xs], arguments[xs:ts], arguments[ts:], None))
 
     def __call__(self, xs: tuple[Any, ...], ts: tuple[Any, ...], dynamic: tuple[Any, ...], static: Any) -> Any:
         return self.compiled(*xs, *ts, *dynamic)
+
+
+class Unfit(PreparationMismatchError):
+    """Raised while a :class:`FlatProgram` is traced for arguments whose shapes or dtypes are
+    not the prep's: the route then compares the call's whole signature with the prep's."""
 
 
 class FlatFinish:
@@ -329,7 +369,7 @@ class Run:
     ) -> tuple[Any, Any]:
         if self.passthrough and not self.records:
             # the engine takes the leaves as they are, and no record of f's output is needed
-            dynamic = tuple([leaf for leaves in context_leaves for leaf in leaves]) if context_leaves else ()
+            dynamic = tuple(_chain(context_leaves)) if context_leaves else ()
             result = self.finish(self.compiled(tuple(x_leaves), tuple(tangent_leaves), dynamic, None))
         else:
             arguments = self.conversions.native(x_leaves, tangent_leaves, context_leaves)

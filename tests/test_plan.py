@@ -13,14 +13,22 @@ from conftest import FIRST_ORDER, assert_tree_close, namespace, require, to_nump
 
 import diffiface as di
 from diffiface._dispatch import _arguments
+from diffiface._programs import Unfit
 
 MISS = object()
 
 
 def _fast(prep: Any, operator: str, f: Any, backend: Any, x: Any, t: Any, contexts: tuple[Any, ...], aux: bool) -> Any:
-    """The call run on the plan where its leaves fit, MISS where they do not."""
+    """The call run on the plan where its leaves fit, MISS where they do not: where the plan's
+    tests refuse them, or the program (a jit-compiled one checks the shapes and dtypes of jax
+    arrays itself, when traced for them)."""
     leaves = prep.plan.leaves(operator, f, backend, x, t, contexts, aux)
-    return MISS if leaves is None else prep.run(*leaves)
+    if leaves is None:
+        return MISS
+    try:
+        return prep.run(*leaves)
+    except Unfit:
+        return MISS
 
 
 def loss(x: Any, *contexts: Any) -> Any:
@@ -251,3 +259,71 @@ def test_equal_but_distinct_objects_do_not_share_preps() -> None:
     prep = di.prepare_gradient(b.loss, backend, x)
     np.testing.assert_allclose(di.gradient(b.loss, backend, x, prep=prep), 6 * x, rtol=1e-6)
     np.testing.assert_allclose(di.gradient(a.loss, backend, x), 2 * x, rtol=1e-6)
+
+
+def _tree_loss(p: Any, batch: Any) -> Any:
+    import jax.numpy as jnp
+
+    h = jnp.tanh(batch["x"] @ p["w"] + p["b"][None, :])
+    return jnp.sum((h - batch["y"]) ** 2)
+
+
+def _tree(rows: int, dtype: Any = np.float32) -> tuple[Any, Any]:
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(rows)
+    p = {"w": jnp.asarray(rng.normal(size=(3, 2)), dtype), "b": jnp.zeros(2, dtype)}
+    batch = {"x": jnp.asarray(rng.normal(size=(rows, 3)), dtype), "y": jnp.asarray(rng.normal(size=(rows, 2)), dtype)}
+    return p, batch
+
+
+@pytest.mark.parametrize("backend_name", ["jax", "object"])
+def test_a_jit_program_checks_the_shapes_and_dtypes_of_jax_arrays_itself(backend_name: str) -> None:
+    """Under jit the plan tests a jax array's type only and the traced program its shape and
+    dtype: a strict prep still refuses another batch shape or dtype, naming it; the unprepared
+    route prepares anew for it; a weak type, which jit tells apart, is served."""
+    require(di.AutoJAX())
+    import jax.numpy as jnp
+
+    backend = "jax" if backend_name == "jax" else di.AutoJAX()
+    p, batch = _tree(4)
+    prep = di.prepare_gradient(_tree_loss, backend, p, di.Constant(batch))
+    assert prep.plan.x_checks is not None and type(prep.plan.x_checks).__name__ == "_Types"
+    _, other_batch = _tree(5)
+    with pytest.raises(di.PreparationMismatchError, match="context") as refused:
+        di.gradient(_tree_loss, backend, p, di.Constant(other_batch), prep=prep)
+    assert not isinstance(refused.value, Unfit)  # the full check names the difference
+    wider = {"w": jnp.zeros((3, 3)), "b": jnp.zeros(3)}
+    with pytest.raises(di.PreparationMismatchError, match="x"):
+        di.gradient(_tree_loss, backend, wider, di.Constant(batch), prep=prep)
+    with pytest.raises(di.PreparationMismatchError):
+        di.gradient(
+            _tree_loss, backend, optree.tree_map(lambda v: v.astype(jnp.bfloat16), p), di.Constant(batch), prep=prep
+        )
+    # unprepared: another shape is another prep, never the old program
+    first = di.gradient(_tree_loss, backend, p, di.Constant(batch))
+    second = di.gradient(_tree_loss, backend, p, di.Constant(other_batch))
+    expected = di.gradient(_tree_loss, di.AutoJAX(jit=False), p, di.Constant(other_batch))
+    assert_tree_close(second, expected, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(np.asarray(first["w"]), np.asarray(second["w"]))
+    # a weak-typed leaf of the prep's shape and dtype: jit traces again, the prep serves it
+    weak = {"w": p["w"], "b": jnp.zeros(2, jnp.float32) + jnp.asarray(0.0)}
+    assert_tree_close(
+        di.gradient(_tree_loss, backend, p, di.Constant(batch), prep=prep),
+        di.gradient(_tree_loss, backend, weak, di.Constant(batch), prep=prep),
+        rtol=1e-6,
+        atol=1e-6,
+    )
+
+
+def test_numpy_contexts_under_jit_keep_the_plans_own_dtype_test() -> None:
+    """jit gives a float32 and a float64 numpy array the same traced type while x64 is off:
+    the plan, not the program, tells them apart."""
+    require(di.AutoJAX())
+    p, batch = _tree(4)
+    as_numpy = {k: np.asarray(v, dtype=np.float32) for k, v in batch.items()}
+    prep = di.prepare_gradient(_tree_loss, "jax", p, di.Constant(as_numpy))
+    with pytest.raises(di.PreparationMismatchError, match="context"):
+        di.gradient(
+            _tree_loss, "jax", p, di.Constant({k: v.astype(np.float64) for k, v in as_numpy.items()}), prep=prep
+        )

@@ -80,6 +80,9 @@ class Adapter:
     batches = False
     """True when the engine may evaluate ``f`` at many points in one call, through the
     ``batched`` attribute of the closed function."""
+    retraces = False
+    """True when a compiled program is traced anew for arguments of other shapes or dtypes
+    (jax's jit): a program on flat arguments then checks them itself, at no cost per call."""
 
     def __init__(self, backend: Backend, info: BackendInfo) -> None:
         self.backend = backend

@@ -85,6 +85,7 @@ class Adapter(_base.Adapter):
     def __init__(self, backend: Any, info: Any) -> None:
         super().__init__(backend, info)
         self.compiles = bool(backend.jit)
+        self.retraces = self.compiles  # (jit keys its programs by their arguments' shapes and dtypes)
 
     def returns_like(self, leaf: Any) -> bool:
         return self.compiles and isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dis
+import operator
 import re
 import sys
 import threading
@@ -164,7 +165,7 @@ class Adapter(_base.Adapter):
         return forward_ad.unpack_dual(leaf).primal.detach() if isinstance(leaf, torch.Tensor) else leaf
 
     def output_leaf(self, leaf: Any, like: Any) -> Any:
-        if isinstance(leaf, torch.Tensor):
+        if type(leaf) is torch.Tensor or isinstance(leaf, torch.Tensor):
             return leaf
         # a Python number or numpy array out of a torch f has left torch's graph (float(...),
         # .item(), .numpy()): its derivative would read as zero
@@ -352,10 +353,12 @@ class Adapter(_base.Adapter):
             if found is None:  # zeros where an input did not matter
                 grads = tuple(torch.zeros_like(x) if d is None else d for d, x in zip(grads, inputs, strict=True))
                 break
-        if type(grads[0]) is not torch.Tensor or len(grads) != 1:  # (a DTensor, or several leaves)
-            grads = _placed(grads, inputs)
-        for g in grads:  # (inline, not a call: this is the hot path)
-            if g._is_zerotensor():
+        for found in grads:  # (inline, not a call: this is the hot path)
+            if type(found) is not torch.Tensor:  # a DTensor
+                grads = _placed(grads, inputs)
+                break
+        for found in grads:
+            if found._is_zerotensor():
                 grads = _materialised(grads)
                 break
         return value, aux, grads  # results are detached as they are converted, if returned
@@ -812,11 +815,11 @@ def _guard(
             for x in xs:
                 if (x.requires_grad or _DUALS[0]) and not x.is_inference() and _carries_graph(x):
                     keep = True
-            xs = tuple([x.clone() for x in xs])
-            versions = [x._version for x in xs]
+            xs = tuple(map(_clone, xs))  # (map, not a comprehension: no frame on the hot path)
+            versions = list(map(_version, xs))
         if ts:
-            ts = tuple([t.clone() for t in ts])
-            tangent_versions = [t._version for t in ts]
+            ts = tuple(map(_clone, ts))
+            tangent_versions = list(map(_version, ts))
         constants: list[tuple[int, Any, int]] = []
         if dynamic and constant_at:
             fresh = list(dynamic)
@@ -869,6 +872,9 @@ def _guard(
 
     return guarded
 
+
+_clone = torch.Tensor.clone
+_version = operator.attrgetter("_version")
 
 _LEAF_WRITE = "a leaf Variable that requires grad is being used in an in-place operation"
 """torch's refusal of a write into a leaf that requires grad, such as the leaf f gets for x."""
