@@ -41,6 +41,7 @@ def batched_jvp(
     tangents: Tangents,
     *contexts: Any,
     prep: Prep | None = None,
+    has_aux: bool = False,
 ) -> Tangents:
     """The Jacobian-vector products of ``f`` at ``x`` along each tangent of the batch (each shaped
     as ``x``), as :class:`~diffiface.Tangents` of results shaped as ``f(x)``, in the batch's order.
@@ -57,15 +58,21 @@ def batched_jvp(
     >>> [t.round(6).tolist() for t in pushed]
     [[2.0, 0.0], [0.0, 4.0]]
     """
-    return evaluate("batched_jvp", f, backend, x, tangents, contexts, prep)  # type: ignore[no-any-return]
+    return evaluate("batched_jvp", f, backend, x, tangents, contexts, prep, has_aux)  # type: ignore[no-any-return]
 
 
 def prepare_batched_jvp(
-    f: Callable[..., Any], backend: BackendLike, x: Any, tangents: Tangents, *contexts: Any, strict: bool = True
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    tangents: Tangents,
+    *contexts: Any,
+    strict: bool = True,
+    has_aux: bool = False,
 ) -> Prep:
     """Prepare :func:`batched_jvp` for arguments shaped like these (a batch of this size); pass
     the result as ``prep=``."""
-    return prepare("batched_jvp", f, backend, x, tangents, contexts, strict)
+    return prepare("batched_jvp", f, backend, x, tangents, contexts, strict, has_aux)
 
 
 def value_and_batched_jvp(
@@ -102,6 +109,7 @@ def batched_vjp(
     cotangents: Tangents,
     *contexts: Any,
     prep: Prep | None = None,
+    has_aux: bool = False,
 ) -> Tangents:
     """The vector-Jacobian products of ``f`` at ``x`` with each cotangent of the batch (each shaped
     as ``f(x)``), as :class:`~diffiface.Tangents` of results shaped as ``x``, in the batch's order.
@@ -117,15 +125,21 @@ def batched_vjp(
     >>> [t.round(6).tolist() for t in pulled]
     [[2.0, 0.0], [0.0, 4.0]]
     """
-    return evaluate("batched_vjp", f, backend, x, cotangents, contexts, prep)  # type: ignore[no-any-return]
+    return evaluate("batched_vjp", f, backend, x, cotangents, contexts, prep, has_aux)  # type: ignore[no-any-return]
 
 
 def prepare_batched_vjp(
-    f: Callable[..., Any], backend: BackendLike, x: Any, cotangents: Tangents, *contexts: Any, strict: bool = True
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    cotangents: Tangents,
+    *contexts: Any,
+    strict: bool = True,
+    has_aux: bool = False,
 ) -> Prep:
     """Prepare :func:`batched_vjp` for arguments shaped like these (a batch of this size); pass
     the result as ``prep=``."""
-    return prepare("batched_vjp", f, backend, x, cotangents, contexts, strict)
+    return prepare("batched_vjp", f, backend, x, cotangents, contexts, strict, has_aux)
 
 
 def value_and_batched_vjp(

@@ -37,15 +37,21 @@ def _check_call(op: Operator, f: Any, has_aux: bool) -> None:
 
 
 def _no_aux(op: Operator) -> InvalidInputError:
-    with_aux = {"gradient": "value_and_gradient", "jvp": "value_and_jvp", "vjp": "value_and_vjp"}.get(op.name)
+    with_aux = {
+        "gradient": "value_and_gradient",
+        "jvp": "value_and_jvp",
+        "vjp": "value_and_vjp",
+        "batched_jvp": "value_and_batched_jvp",
+        "batched_vjp": "value_and_batched_vjp",
+    }.get(op.name)
     if with_aux is not None:
         return InvalidInputError(
             f"{op.name} does not take has_aux=True; di.{with_aux}(..., has_aux=True) does, and returns "
             f"((value, aux), {op.name.removeprefix('value_and_')})."
         )
     return InvalidInputError(
-        f"{op.name} does not take has_aux=True: only value_and_gradient, value_and_jvp and value_and_vjp "
-        "do. Drop the aux inside f (lambda x, *c: f(x, *c)[0])."
+        f"{op.name} does not take has_aux=True: only value_and_gradient, value_and_jvp, value_and_vjp and "
+        "their batched forms do. Drop the aux inside f (lambda x, *c: f(x, *c)[0])."
     )
 
 
