@@ -49,7 +49,6 @@ from ._errors import PreparationMismatchError as PreparationMismatchError
 from ._errors import TangentMismatchError as TangentMismatchError
 from ._errors import UnknownBackendError as UnknownBackendError
 from ._errors import UnsupportedOperationError as UnsupportedOperationError
-from ._tangents import Tangents as Tangents
 from ._operators import derivative as derivative
 from ._operators import gradient as gradient
 from ._operators import gradient_and_hvp as gradient_and_hvp
@@ -83,6 +82,7 @@ from ._operators import value_derivative_and_second_derivative as value_derivati
 from ._operators import value_gradient_and_hessian as value_gradient_and_hessian
 from ._operators import vjp as vjp
 from ._prep import Prep as Prep
+from ._tangents import Tangents as Tangents
 from ._torch_module import functional as functional
 
 __version__ = "0.1.0"

@@ -77,7 +77,9 @@ _OPERATORS = (
     Operator("vjp", "value_and_pullback", ((2, "x"),), tangent="y"),
     Operator("value_and_vjp", "value_and_pullback", ((0, "y"), (2, "x")), tangent="y", aux=True),
     Operator("batched_jvp", "value_and_pushforwards", ((2, "ys"),), tangent="x", batch=True),
-    Operator("value_and_batched_jvp", "value_and_pushforwards", ((0, "y"), (2, "ys")), tangent="x", aux=True, batch=True),
+    Operator(
+        "value_and_batched_jvp", "value_and_pushforwards", ((0, "y"), (2, "ys")), tangent="x", aux=True, batch=True
+    ),
     Operator("batched_vjp", "value_and_pullbacks", ((2, "xs"),), tangent="y", batch=True),
     Operator("value_and_batched_vjp", "value_and_pullbacks", ((0, "y"), (2, "xs")), tangent="y", aux=True, batch=True),
     Operator("hvp", "gradient_and_hvp", ((3, "x"),), tangent="x", scalar_output=True),

@@ -197,9 +197,7 @@ def _check_batch_like_x(op: Operator, call: Call) -> None:
         one = Call.__new__(Call)
         one.x_leaves = call.x_leaves
         one.tangent_leaves = call.tangent_leaves[start : start + size]
-        one.signature = sig._replace(
-            tangent_spec=spec, tangent_leaves=sig.tangent_leaves[start : start + size]
-        )
+        one.signature = sig._replace(tangent_spec=spec, tangent_leaves=sig.tangent_leaves[start : start + size])
         start += size
         try:
             _check_tangent_like_x(OPERATORS[op.name.replace("batched_", "")], one)

@@ -577,9 +577,7 @@ class ComplexAdapter:
     # -- batches: one product at a time, each in the convention (the engine's vmapped batch
     # would skip the conversion); an engine's estimates come one per product
 
-    def value_and_pushforwards(
-        self, fn: Callable[[Leaves], Any], xs: Leaves, batch: Any
-    ) -> tuple[Any, Any, list[Any]]:
+    def value_and_pushforwards(self, fn: Callable[[Leaves], Any], xs: Leaves, batch: Any) -> tuple[Any, Any, list[Any]]:
         estimates = self._inner.estimates_errors
         touts, errors = [], []
         out = aux = head = None

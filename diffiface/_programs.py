@@ -17,7 +17,7 @@ from . import _arrays
 from . import tree as _tree
 from ._adapters._base import Adapter, force
 from ._call import _LEAF, Call, Operator
-from ._checks import _check_cotangent, _check_cotangents, _checked, batch_sizes, _describe, _refuse_cut
+from ._checks import _check_cotangent, _check_cotangents, _checked, _describe, _refuse_cut, batch_sizes
 from ._contexts import Cache, Constant
 from ._errors import ContextError, FrameworkMismatchError, InvalidOutputError
 from ._keys import static_key

@@ -400,7 +400,9 @@ class _ProductRoute(_Route):
                 head = (y,)
                 products.extend(pushed)
             if self.cotangents:  # the reverse colors, one batch
-                y, pulled = batched.value_and_batched_vjp(f, plan.first, x, self.cobatch, *contexts, prep=self.reverse_prep)
+                y, pulled = batched.value_and_batched_vjp(
+                    f, plan.first, x, self.cobatch, *contexts, prep=self.reverse_prep
+                )
                 head = (y,)
                 products.extend(pulled)
         if not head:  # no colors: an empty pattern, and f's value from one call

@@ -91,7 +91,10 @@ def test_batched_operators_match_one_tangent_at_a_time(backend_id: str, dtype: s
                 return getattr(di, name)(f, backend, x, b, scale, prep=prepared[name] if prep else None)
 
             pushed, pulled = call("batched_jvp", batch), call("batched_vjp", cobatch)
-            (y1, pushed_too), (y2, pulled_too) = call("value_and_batched_jvp", batch), call("value_and_batched_vjp", cobatch)
+            (y1, pushed_too), (y2, pulled_too) = (
+                call("value_and_batched_jvp", batch),
+                call("value_and_batched_vjp", cobatch),
+            )
             for results, expected in ((pushed, pushes), (pushed_too, pushes), (pulled, pulls), (pulled_too, pulls)):
                 assert isinstance(results, di.Tangents) and len(results) == len(expected)
                 for result, want in zip(results, expected, strict=True):
@@ -120,7 +123,9 @@ def test_value_and_batched_jvp_with_aux() -> None:
     x = np.array([1.0, 2.0])
     for backend in ("jax", di.AutoTorch(mode="func"), "autograd"):
         require(backend)
-        (y, aux), pushed = di.value_and_batched_jvp(g, backend, x, di.Tangents(np.ones(2), np.array([1.0, 0.0])), has_aux=True)
+        (y, aux), pushed = di.value_and_batched_jvp(
+            g, backend, x, di.Tangents(np.ones(2), np.array([1.0, 0.0])), has_aux=True
+        )
         assert aux["note"] == "kept" and float(aux["sum"]) == 3.0
         assert_allclose(y, x**2)
         assert_allclose(pushed[1], np.array([2.0, 0.0]))
@@ -174,7 +179,9 @@ def test_the_other_engines_loop_over_the_batch() -> None:
     """torch.autograd and autograd: one forward product per tangent; one pullback of f for every cotangent."""
     for backend in ("torch-autograd", "autograd"):
         require(FIRST_ORDER[backend])
-        x, scale, tangents, cotangents = _batches("torch-func" if backend.startswith("torch") else "numpy", "float64", 5)
+        x, scale, tangents, cotangents = _batches(
+            "torch-func" if backend.startswith("torch") else "numpy", "float64", 5
+        )
         g = _Counted()
         di.batched_jvp(g, FIRST_ORDER[backend], x, di.Tangents(*tangents), scale)
         assert g.calls == 5
@@ -195,9 +202,9 @@ def test_a_tuple_is_never_a_batch() -> None:
     for bad in (one, [one, one], (one, one)):
         with pytest.raises(di.InvalidInputError, match=r"di\.Tangents\(t1, t2, \.\.\.\)"):
             di.batched_jvp(g, "finite_differences", x, bad)  # type: ignore[arg-type]
-    with pytest.raises(di.InvalidInputError, match="di.batched_jvp"):
+    with pytest.raises(di.InvalidInputError, match=r"di\.batched_jvp"):
         di.jvp(g, "finite_differences", x, di.Tangents(one, one))
-    with pytest.raises(di.InvalidInputError, match="di.batched_vjp"):
+    with pytest.raises(di.InvalidInputError, match=r"di\.batched_vjp"):
         di.vjp(g, "finite_differences", x, di.Tangents(np.ones(2)))
     prep = di.prepare_batched_jvp(g, "finite_differences", x, di.Tangents(one, one))
     with pytest.raises(di.InvalidInputError, match="Tangents"):  # (prepared: the same refusal)
@@ -212,13 +219,13 @@ def test_batches_that_do_not_fit_are_refused(backend_id: str) -> None:
         short = _native(backend_id, {"p": np.ones(2), "q": np.ones(2)}, "float64")
         with pytest.raises(di.TangentMismatchError, match=r"Tangent 1 of the batch.*\['p'\] has shape"):
             di.batched_jvp(f, backend, x, di.Tangents(tangents[0], short, tangents[2]), scale)
-        with pytest.raises(di.TangentMismatchError, match="Tangent 2 of the batch.*structure"):
+        with pytest.raises(di.TangentMismatchError, match=r"Tangent 2 of the batch.*structure"):
             di.batched_jvp(f, backend, x, di.Tangents(tangents[0], tangents[1], {"p": tangents[2]["p"]}), scale)
         bad_cotangent = {"a": cotangents[0]["a"][:2], "b": cotangents[0]["b"]}
-        with pytest.raises(di.TangentMismatchError, match="Cotangent 1 of the batch.*shape"):
+        with pytest.raises(di.TangentMismatchError, match=r"Cotangent 1 of the batch.*shape"):
             di.batched_vjp(f, backend, x, di.Tangents(cotangents[0], bad_cotangent), scale)
         for operator in ("batched_jvp", "batched_vjp"):
-            with pytest.raises(di.InvalidInputError, match="empty di.Tangents"):
+            with pytest.raises(di.InvalidInputError, match=r"empty di\.Tangents"):
                 getattr(di, operator)(f, backend, x, di.Tangents(), scale)
 
 

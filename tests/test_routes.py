@@ -135,6 +135,7 @@ _OPERATORS: list[tuple[str, Callable[..., Any], str | None]] = [
     ("value_and_batched_vjp", head, "ys"),
 ]
 
+
 def _unbatched(result: Any) -> Any:
     """A batched operator's Tangents (within its result) as a tuple, to compare leaf by leaf."""
     if isinstance(result, di.Tangents):
@@ -184,7 +185,15 @@ def test_every_shape_takes_the_quick_route(
             y = head(x, *(c.value for c in contexts))
             args = (x, optree.tree_map(lambda leaf: leaf * 0 + 1, y))
         elif tangent == "xs":  # a batch of three tangents
-            args = (x, di.Tangents(*(_native(backend_id, optree.tree_map(lambda a, k=k: np.full_like(a, k), x_np), dtype) for k in range(3))))
+            args = (
+                x,
+                di.Tangents(
+                    *(
+                        _native(backend_id, optree.tree_map(lambda a, k=k: np.full_like(a, k), x_np), dtype)
+                        for k in range(3)
+                    )
+                ),
+            )
         elif tangent == "ys":
             y = head(x, *(c.value for c in contexts))
             args = (x, di.Tangents(*(optree.tree_map(lambda leaf, k=k: leaf * 0 + k, y) for k in range(3))))

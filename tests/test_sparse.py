@@ -313,6 +313,7 @@ def test_one_batch_of_products_for_the_colors(monkeypatch: pytest.MonkeyPatch, c
 def test_the_colors_are_one_vmapped_program_on_torch_func(coloring: str) -> None:
     """On torch.func a sparse Jacobian evaluates f once for all its colors."""
     import torch
+
     calls = []
 
     def banded(x: Any) -> Any:

@@ -317,7 +317,7 @@ class Adapter(_base.Adapter):
             return out, tout
 
         with _FORWARD_LOCK, _first_forward():
-            out, touts = func.vmap(pushed, out_dims=(None, 0))(stacked)
+            out, touts = func.vmap(pushed, out_dims=(None, 0))(stacked)  # type: ignore[arg-type]  # (a prefix tree)
         return out, found[-1], [optree.tree_map(lambda t, k=k: t[k], touts) for k in range(len(batch))]
 
     def pullbacks(self, vjp: Callable[[Any], Leaves], xs: Leaves, batch: Any) -> list[Leaves]:
