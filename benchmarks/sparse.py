@@ -263,6 +263,12 @@ def run_batched(n: int, rounds: int) -> dict[str, Any]:
         adapter = _adapters.adapter_for(_adapters.normalize(engine))
         jvp_prep = di.prepare_jvp(f, engine, x, eye[0])
         jac_prep = di.prepare_jacobian(f, engine, x)
+        batch = di.Tangents(*eye)
+        batch_prep = di.prepare_batched_jvp(f, engine, x, batch)
+        cotangents = [t * 0.5 for t in eye]
+        vjp_prep = di.prepare_vjp(f, engine, x, cotangents[0])
+        cobatch = di.Tangents(*cotangents)
+        cobatch_prep = di.prepare_batched_vjp(f, engine, x, cobatch)
 
         def fn(leaves: Any) -> Any:
             return f(leaves[0]), None
@@ -274,6 +280,9 @@ def run_batched(n: int, rounds: int) -> dict[str, Any]:
             {  # the (eager, slow) adapter calls falls on neither of the first two
                 "jacobian (batched)": lambda: ready(di.jacobian(f, engine, x, prep=jac_prep)),
                 "one jvp per column": lambda: ready([di.jvp(f, engine, x, t, prep=jvp_prep) for t in eye]),
+                "batched_jvp": lambda: ready(list(di.batched_jvp(f, engine, x, batch, prep=batch_prep))),
+                "batched_vjp": lambda: ready(list(di.batched_vjp(f, engine, x, cobatch, prep=cobatch_prep))),
+                "one vjp per row": lambda: ready([di.vjp(f, engine, x, t, prep=vjp_prep) for t in cotangents]),
             },
             max(rounds, 5),
             repeat=3,
@@ -291,6 +300,8 @@ def run_batched(n: int, rounds: int) -> dict[str, Any]:
             "seconds": timed,
             "speedup": timed["one jvp per column"] / timed["jacobian (batched)"],
             "adapter_speedup": timed["adapter loop"] / timed["adapter batch"],
+            "batched_jvp_speedup": timed["one jvp per column"] / timed["batched_jvp"],
+            "batched_vjp_speedup": timed["one vjp per row"] / timed["batched_vjp"],
         }
 
     if di.available("jax"):
@@ -430,6 +441,15 @@ def write(results: dict[str, Any]) -> str:
             "| adapter loop (ms) | speed-up |",
             "|---|---|---|---|---|---|---|",
         ]
+        section = meta.get("batched_section")
+        if section is not None:  # (run alone, after the rest: --only batched)
+            lines[-3:-3] = [
+                "",
+                f"This section alone: `python benchmarks/sparse.py --only batched{' --quick' if section['quick'] else ''}"
+                f"{' --torch-threads ' + str(section['torch_threads']) if section.get('torch_threads') else ''}` on "
+                f"{section['date']} (load average {section['load_average_before']} before, "
+                f"{section.get('load_average_after')} after).",
+            ]
         for name, r in batched.items():
             t = r["seconds"]
             lines.append(
@@ -443,6 +463,29 @@ def write(results: dict[str, Any]) -> str:
             "jacrev/jacfwd); the second calls the adapters' value_and_pushforwards (one vmapped program) "
             "against value_and_pushforward per column, without the operators around them.",
         ]
+        if all("batched_jvp" in r["seconds"] for r in batched.values()):
+            lines += [
+                "",
+                f"### The public batched products: {meta.get('batched_n', 100)} tangents in one call against a "
+                "Python loop of prepared calls",
+                "",
+                "| engine | di.batched_jvp (ms) | loop of di.jvp (ms) | speed-up | di.batched_vjp (ms) "
+                "| loop of di.vjp (ms) | speed-up |",
+                "|---|---|---|---|---|---|---|",
+            ]
+            for name, r in batched.items():
+                t = r["seconds"]
+                lines.append(
+                    f"| {name} | {t['batched_jvp'] * 1e3:.2f} | {t['one jvp per column'] * 1e3:.2f} "
+                    f"| {r['batched_jvp_speedup']:.1f}x | {t['batched_vjp'] * 1e3:.2f} "
+                    f"| {t['one vjp per row'] * 1e3:.2f} | {r['batched_vjp_speedup']:.1f}x |"
+                )
+            lines += [
+                "",
+                "Both prepared (prepare_batched_jvp / prepare_jvp, and the vjp pair); the batch is one "
+                "vmapped program on both engines (jax: jit of jax.vmap over jax.linearize / jax.vjp; "
+                "torch.func: torch.func.vmap, f evaluated once).",
+            ]
     d = results["detection"]
     lines += [
         "",
@@ -503,6 +546,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="torch's intra-op threads (on a loaded machine, 2 threads spin against other processes: torch.sin "
         "of 10^4 numbers took 13 ms with 2 threads, 0.17 ms with 1)",
     )
+    parser.add_argument(
+        "--only",
+        choices=["batched"],
+        default=None,
+        help="run one section and put it into the results written before (sparse.json), keeping the others",
+    )
     args = parser.parse_args(argv)
     DENSE_ONCE[0] = args.dense_once
     if args.torch_threads is not None and di.available("torch"):
@@ -530,6 +579,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{time.strftime('%H:%M:%S')} {section} done (load {os.getloadavg()[0]:.1f})", flush=True)
         (RESULTS / "sparse.json").write_text(json.dumps(results, indent=1))
 
+    if args.only == "batched":  # the other sections as the last full run wrote them
+        previous = json.loads((RESULTS / "sparse.json").read_text())
+        previous["meta"]["batched_section"] = results["meta"]
+        results = previous
+        results["batched"] = run_batched(100, rounds)
+        results["meta"]["batched_section"]["load_average_after"] = [round(v, 2) for v in os.getloadavg()]
+        (RESULTS / "sparse.json").write_text(json.dumps(results, indent=1))
+        text = write(results)
+        (RESULTS / "sparse.md").write_text(text)
+        print(text)
+        return results
     if di.available("jax"):
         results["jax"] = run_jax(args.n, rounds)
         results["detection"] = run_detection(args.n, max(3, rounds // 3))

@@ -22,9 +22,14 @@ from ._backends import AutoSparse as AutoSparse
 from ._backends import AutoTorch as AutoTorch
 from ._backends import Backend as Backend
 from ._backends import SecondOrder as SecondOrder
-from ._batched import Tangents as Tangents
 from ._batched import batched_jvp as batched_jvp
 from ._batched import batched_vjp as batched_vjp
+from ._batched import prepare_batched_jvp as prepare_batched_jvp
+from ._batched import prepare_batched_vjp as prepare_batched_vjp
+from ._batched import prepare_value_and_batched_jvp as prepare_value_and_batched_jvp
+from ._batched import prepare_value_and_batched_vjp as prepare_value_and_batched_vjp
+from ._batched import value_and_batched_jvp as value_and_batched_jvp
+from ._batched import value_and_batched_vjp as value_and_batched_vjp
 from ._bridges import DifferentiateWith as DifferentiateWith
 from ._bridges import differentiate_with as differentiate_with
 from ._contexts import Cache as Cache
@@ -77,6 +82,7 @@ from ._operators import value_derivative_and_second_derivative as value_derivati
 from ._operators import value_gradient_and_hessian as value_gradient_and_hessian
 from ._operators import vjp as vjp
 from ._prep import Prep as Prep
+from ._tangents import Tangents as Tangents
 from ._torch_module import functional as functional
 
 __version__ = "0.1.0"
@@ -128,7 +134,9 @@ __all__ = [
     # batches of products
     "Tangents",
     "batched_jvp",
+    "value_and_batched_jvp",
     "batched_vjp",
+    "value_and_batched_vjp",
     # second-order operators
     "second_derivative",
     "value_derivative_and_second_derivative",
@@ -148,6 +156,10 @@ __all__ = [
     "prepare_value_and_jvp",
     "prepare_vjp",
     "prepare_value_and_vjp",
+    "prepare_batched_jvp",
+    "prepare_value_and_batched_jvp",
+    "prepare_batched_vjp",
+    "prepare_value_and_batched_vjp",
     "prepare_second_derivative",
     "prepare_value_derivative_and_second_derivative",
     "prepare_hessian",

@@ -1,92 +1,169 @@
-"""Many tangents at once: :class:`Tangents`, :func:`batched_jvp`, :func:`batched_vjp`.
+"""Many tangents at once: :func:`batched_jvp`, :func:`batched_vjp`, their ``value_and_`` forms
+and ``prepare_`` functions, over a :class:`~diffiface.Tangents` batch.
 
-Why a wrapper type. A tangent of x has x's structure, and x may be a tuple or a list: a tuple of
-tangents would read as one tangent of a tuple x, or the other way round, depending on x. A batch
-is therefore never a plain container: it is ``Tangents(t1, t2, ...)``, a type no pytree library
-flattens, so a batch passed where one tangent is expected fails with a clear error, and one
-tangent is never read as a batch.
-
-The engines run a batch as one program where they have vmap (jax: ``jax.vmap`` over
-``jax.linearize``/``jax.vjp``; torch.func: ``torch.func.vmap``), a loop elsewhere: the adapters'
-``value_and_pushforwards`` and ``value_and_pullbacks``, which the dense Jacobians by rows and
-columns use. The public functions here run the batch through the prepared ``jvp``/``vjp``
-operator (one preparation, every check of the operator on each tangent).
+They are operators of the one route (:mod:`diffiface._dispatch`): the batch is flattened with
+the call (its tangents' leaves one after another), compared with the prep's plan, and run as
+one program: the adapters' ``value_and_pushforwards`` / ``pullbacks``, one vmapped program on
+jax (``jax.vmap`` over ``jax.linearize`` and ``jax.vjp``) and torch.func (``torch.func.vmap``),
+a loop of the engine's product elsewhere. A prep is made for a batch of a given size, each
+tangent with its structure, shapes and dtypes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-from ._errors import InvalidInputError
+from ._backends import Backend
+from ._dispatch import evaluate, prepare
+from ._prep import Prep
+from ._tangents import Tangents
 
-__all__ = ["Tangents", "batched_jvp", "batched_vjp"]
+__all__ = [
+    "Tangents",
+    "batched_jvp",
+    "batched_vjp",
+    "prepare_batched_jvp",
+    "prepare_batched_vjp",
+    "prepare_value_and_batched_jvp",
+    "prepare_value_and_batched_vjp",
+    "value_and_batched_jvp",
+    "value_and_batched_vjp",
+]
+
+BackendLike = Backend | str
 
 
-class Tangents:
-    """A batch of tangents (or cotangents), each shaped as one tangent of x (or of f(x)).
+def batched_jvp(
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    tangents: Tangents,
+    *contexts: Any,
+    prep: Prep | None = None,
+    has_aux: bool = False,
+) -> Tangents:
+    """The Jacobian-vector products of ``f`` at ``x`` along each tangent of the batch (each shaped
+    as ``x``), as :class:`~diffiface.Tangents` of results shaped as ``f(x)``, in the batch's order.
+
+    One program for the batch where the engine has vmap (jax, ``AutoTorch(mode="func")``), a loop
+    elsewhere. A batch is always ``di.Tangents(...)``: a tuple or list is refused, since it would
+    be ambiguous with one tangent of a tuple x. See :func:`prepare_batched_jvp`.
 
     Examples
     --------
     >>> import numpy as np, diffiface as di
-    >>> batch = di.Tangents(np.array([1.0, 0.0]), np.array([0.0, 1.0]))
-    >>> [t.round(6).tolist() for t in di.batched_jvp(lambda x: x**2, "finite_differences", np.array([1.0, 2.0]), batch)]
+    >>> pushed = di.batched_jvp(lambda x: x**2, "finite_differences", np.array([1.0, 2.0]),
+    ...                         di.Tangents(np.array([1.0, 0.0]), np.array([0.0, 1.0])))
+    >>> [t.round(6).tolist() for t in pushed]
     [[2.0, 0.0], [0.0, 4.0]]
     """
-
-    __slots__ = ("items",)
-
-    def __init__(self, *items: Any) -> None:
-        self.items = tuple(items)
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.items)
-
-    def __getitem__(self, index: int) -> Any:
-        return self.items[index]
-
-    def __repr__(self) -> str:
-        return f"Tangents({len(self.items)} tangents)"
-
-    def __eq__(self, other: object) -> bool:
-        return self is other
-
-    def __hash__(self) -> int:
-        return id(self)
+    return evaluate("batched_jvp", f, backend, x, tangents, contexts, prep, has_aux)  # type: ignore[no-any-return]
 
 
-def _check(name: str, tangents: Any) -> Tangents:
-    if not isinstance(tangents, Tangents):
-        raise InvalidInputError(
-            f"{name} takes a batch as di.Tangents(t1, t2, ...), got {type(tangents).__name__}: a tuple or list "
-            "would be ambiguous with one tangent of a tuple or list x. For one tangent use di."
-            f"{name.removeprefix('batched_')}."
-        )
-    return tangents
+def prepare_batched_jvp(
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    tangents: Tangents,
+    *contexts: Any,
+    strict: bool = True,
+    has_aux: bool = False,
+) -> Prep:
+    """Prepare :func:`batched_jvp` for arguments shaped like these (a batch of this size); pass
+    the result as ``prep=``."""
+    return prepare("batched_jvp", f, backend, x, tangents, contexts, strict, has_aux)
 
 
-def batched_jvp(f: Callable[..., Any], backend: Any, x: Any, tangents: Tangents, *contexts: Any) -> Tangents:
-    """The Jacobian-vector products of ``f`` at ``x`` along each tangent of the batch, as
-    :class:`Tangents` (each result mirrors ``f(x)``). The jvp is prepared once for the batch."""
-    from . import _operators as ops
+def value_and_batched_jvp(
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    tangents: Tangents,
+    *contexts: Any,
+    prep: Prep | None = None,
+    has_aux: bool = False,
+) -> Any:
+    """``(f(x), batched_jvp)``; with ``has_aux=True``, ``((f(x), aux), batched_jvp)``. f is
+    evaluated once for the value and the batch. See :func:`prepare_value_and_batched_jvp`."""
+    return evaluate("value_and_batched_jvp", f, backend, x, tangents, contexts, prep, has_aux)
 
-    batch = _check("batched_jvp", tangents)
-    if not len(batch):
-        return Tangents()
-    prep = ops.prepare_jvp(f, backend, x, batch[0], *contexts)
-    return Tangents(*(ops.jvp(f, backend, x, t, *contexts, prep=prep) for t in batch))
+
+def prepare_value_and_batched_jvp(
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    tangents: Tangents,
+    *contexts: Any,
+    strict: bool = True,
+    has_aux: bool = False,
+) -> Prep:
+    """Prepare :func:`value_and_batched_jvp`; pass the result as ``prep=``."""
+    return prepare("value_and_batched_jvp", f, backend, x, tangents, contexts, strict, has_aux)
 
 
-def batched_vjp(f: Callable[..., Any], backend: Any, x: Any, cotangents: Tangents, *contexts: Any) -> Tangents:
-    """The vector-Jacobian products of ``f`` at ``x`` of each cotangent of the batch (each shaped
-    as ``f(x)``), as :class:`Tangents` (each result mirrors ``x``). The vjp is prepared once."""
-    from . import _operators as ops
+def batched_vjp(
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    cotangents: Tangents,
+    *contexts: Any,
+    prep: Prep | None = None,
+    has_aux: bool = False,
+) -> Tangents:
+    """The vector-Jacobian products of ``f`` at ``x`` with each cotangent of the batch (each shaped
+    as ``f(x)``), as :class:`~diffiface.Tangents` of results shaped as ``x``, in the batch's order.
 
-    batch = _check("batched_vjp", cotangents)
-    if not len(batch):
-        return Tangents()
-    prep = ops.prepare_vjp(f, backend, x, batch[0], *contexts)
-    return Tangents(*(ops.vjp(f, backend, x, t, *contexts, prep=prep) for t in batch))
+    f is evaluated once and its pullback applied to the whole batch: one vmapped program on jax
+    and ``AutoTorch(mode="func")``, a loop elsewhere. See :func:`prepare_batched_vjp`.
+
+    Examples
+    --------
+    >>> import numpy as np, diffiface as di
+    >>> pulled = di.batched_vjp(lambda x: x**2, "finite_differences", np.array([1.0, 2.0]),
+    ...                         di.Tangents(np.array([1.0, 0.0]), np.array([0.0, 1.0])))
+    >>> [t.round(6).tolist() for t in pulled]
+    [[2.0, 0.0], [0.0, 4.0]]
+    """
+    return evaluate("batched_vjp", f, backend, x, cotangents, contexts, prep, has_aux)  # type: ignore[no-any-return]
+
+
+def prepare_batched_vjp(
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    cotangents: Tangents,
+    *contexts: Any,
+    strict: bool = True,
+    has_aux: bool = False,
+) -> Prep:
+    """Prepare :func:`batched_vjp` for arguments shaped like these (a batch of this size); pass
+    the result as ``prep=``."""
+    return prepare("batched_vjp", f, backend, x, cotangents, contexts, strict, has_aux)
+
+
+def value_and_batched_vjp(
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    cotangents: Tangents,
+    *contexts: Any,
+    prep: Prep | None = None,
+    has_aux: bool = False,
+) -> Any:
+    """``(f(x), batched_vjp)``; with ``has_aux=True``, ``((f(x), aux), batched_vjp)``. See
+    :func:`prepare_value_and_batched_vjp`."""
+    return evaluate("value_and_batched_vjp", f, backend, x, cotangents, contexts, prep, has_aux)
+
+
+def prepare_value_and_batched_vjp(
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    cotangents: Tangents,
+    *contexts: Any,
+    strict: bool = True,
+    has_aux: bool = False,
+) -> Prep:
+    """Prepare :func:`value_and_batched_vjp`; pass the result as ``prep=``."""
+    return prepare("value_and_batched_vjp", f, backend, x, cotangents, contexts, strict, has_aux)

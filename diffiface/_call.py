@@ -24,6 +24,7 @@ from ._keys import is_static as _is_static
 from ._keys import static_key
 from ._keys import static_x_key as _static_x_key
 from ._prep import Prep, Signature
+from ._tangents import Tangents
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,8 @@ class Operator:
     result, where kind says what the piece mirrors: ``value`` (a scalar), ``y`` (the output
     of f), ``dy`` (a derivative shaped as f's output), ``x``, ``jacobian`` (y-structure of
     x-structure), ``hessian`` (x of x). The dtype of ``dy``, ``jacobian`` and ``hessian``
-    pieces is that of the pair of leaves they relate, promoted (:func:`promoted_dtype`).
+    pieces is that of the pair of leaves they relate, promoted (:func:`promoted_dtype`); ``ys``
+    and ``xs`` (batched operators) a :class:`~diffiface.Tangents` of ``y`` and ``x`` pieces.
     """
 
     name: str
@@ -44,6 +46,9 @@ class Operator:
     scalar_output: bool = False
     scalar_input: bool = False
     aux: bool = False
+    batch: bool = False
+    """The tangent is a :class:`~diffiface.Tangents` batch; ``compute`` takes them all at once
+    and the ``ys`` / ``xs`` parts hold one result per tangent."""
 
 
 _OPERATORS = (
@@ -71,6 +76,12 @@ _OPERATORS = (
     Operator("value_and_jvp", "value_and_pushforward", ((0, "y"), (2, "y")), tangent="x", aux=True),
     Operator("vjp", "value_and_pullback", ((2, "x"),), tangent="y"),
     Operator("value_and_vjp", "value_and_pullback", ((0, "y"), (2, "x")), tangent="y", aux=True),
+    Operator("batched_jvp", "value_and_pushforwards", ((2, "ys"),), tangent="x", batch=True),
+    Operator(
+        "value_and_batched_jvp", "value_and_pushforwards", ((0, "y"), (2, "ys")), tangent="x", aux=True, batch=True
+    ),
+    Operator("batched_vjp", "value_and_pullbacks", ((2, "xs"),), tangent="y", batch=True),
+    Operator("value_and_batched_vjp", "value_and_pullbacks", ((0, "y"), (2, "xs")), tangent="y", aux=True, batch=True),
     Operator("hvp", "gradient_and_hvp", ((3, "x"),), tangent="x", scalar_output=True),
     Operator("gradient_and_hvp", "gradient_and_hvp", ((2, "x"), (3, "x")), tangent="x", scalar_output=True),
 )
@@ -120,6 +131,8 @@ class Call:
             self.tangent_leaves: list[Any] = []
             t_spec = None
         else:
+            if op.batch or type(tangent) is Tangents:
+                _check_batch(op, tangent)
             self.tangent_leaves, t_spec = _tree.flatten(tangent)
         context_signature = []
         self.context_leaves = []
@@ -225,6 +238,32 @@ def _dynamic_view(op: Operator, adapter: Adapter, call: Call) -> tuple[Call, lis
 
 def _path(path: tuple[Any, ...]) -> str:
     return "".join(f"[{entry!r}]" for entry in path)
+
+
+# -- a batch of tangents ---------------------------------------------------------------------------
+
+
+def _check_batch(op: Operator, tangent: Any) -> None:
+    """A batched operator takes a non-empty :class:`Tangents`; any other takes one tangent."""
+    role = "tangent" if op.tangent == "x" else "cotangent"
+    if not op.batch:
+        batched = op.name.replace("jvp", "batched_jvp").replace("vjp", "batched_vjp")
+        where = f" di.{batched} pushes forward a batch." if batched != op.name else ""
+        raise InvalidInputError(
+            f"The {role} of {op.name} is a di.Tangents batch; {op.name} takes one {role}, shaped as "
+            f"{'x' if op.tangent == 'x' else 'f(x)'}.{where}"
+        )
+    if type(tangent) is not Tangents:
+        raise InvalidInputError(
+            f"{op.name} takes its {role}s as di.Tangents(t1, t2, ...), got a {type(tangent).__name__}: a tuple or "
+            f"list would be ambiguous with one {role} of a tuple or list. For one {role} use "
+            f"di.{op.name.replace('batched_', '')}."
+        )
+    if not len(tangent):
+        raise InvalidInputError(
+            f"{op.name} got an empty di.Tangents(): a batch holds at least one {role}, shaped as "
+            f"{'x' if op.tangent == 'x' else 'f(x)'}."
+        )
 
 
 # -- arguments in the wrong place ----------------------------------------------------------------

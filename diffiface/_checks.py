@@ -13,7 +13,7 @@ from . import tree as _tree
 from ._adapters import info
 from ._adapters._base import Adapter
 from ._backends import Backend, SecondOrder
-from ._call import _ARRAY_KINDS, _LEAF, Call, Operator, _DynamicView, _path
+from ._call import _ARRAY_KINDS, _LEAF, OPERATORS, Call, Operator, _DynamicView, _path
 from ._errors import ArrayTypeError, InvalidInputError, InvalidOutputError, TangentMismatchError
 from ._prep import Signature
 
@@ -37,15 +37,21 @@ def _check_call(op: Operator, f: Any, has_aux: bool) -> None:
 
 
 def _no_aux(op: Operator) -> InvalidInputError:
-    with_aux = {"gradient": "value_and_gradient", "jvp": "value_and_jvp", "vjp": "value_and_vjp"}.get(op.name)
+    with_aux = {
+        "gradient": "value_and_gradient",
+        "jvp": "value_and_jvp",
+        "vjp": "value_and_vjp",
+        "batched_jvp": "value_and_batched_jvp",
+        "batched_vjp": "value_and_batched_vjp",
+    }.get(op.name)
     if with_aux is not None:
         return InvalidInputError(
             f"{op.name} does not take has_aux=True; di.{with_aux}(..., has_aux=True) does, and returns "
             f"((value, aux), {op.name.removeprefix('value_and_')})."
         )
     return InvalidInputError(
-        f"{op.name} does not take has_aux=True: only value_and_gradient, value_and_jvp and value_and_vjp "
-        "do. Drop the aux inside f (lambda x, *c: f(x, *c)[0])."
+        f"{op.name} does not take has_aux=True: only value_and_gradient, value_and_jvp, value_and_vjp and "
+        "their batched forms do. Drop the aux inside f (lambda x, *c: f(x, *c)[0])."
     )
 
 
@@ -158,6 +164,9 @@ def _check_tangent_kinds(op: Operator, backend: Backend, any_array_type: bool, c
 
 def _check_tangent_like_x(op: Operator, call: Call) -> None:
     sig = call.signature
+    if op.batch:
+        _check_batch_like_x(op, call)
+        return
     if sig.tangent_spec != sig.x_spec:
         static = " (None at the leaves of x that are not differentiated)" if isinstance(call, _DynamicView) else ""
         raise TangentMismatchError(
@@ -176,6 +185,45 @@ def _check_tangent_like_x(op: Operator, call: Call) -> None:
             raise TangentMismatchError(
                 f"The tangent{path} has dtype {tt}, but x{path} has dtype {tx}; cast the tangent to {tx}."
             )
+
+
+def _check_batch_like_x(op: Operator, call: Call) -> None:
+    """Each tangent of a batch as one tangent of x (:func:`_check_tangent_like_x`), named by its
+    place in the batch."""
+    sig = call.signature
+    start = 0
+    for k, spec in enumerate(sig.tangent_spec.children()):
+        size = spec.num_leaves
+        one = Call.__new__(Call)
+        one.x_leaves = call.x_leaves
+        one.tangent_leaves = call.tangent_leaves[start : start + size]
+        one.signature = sig._replace(tangent_spec=spec, tangent_leaves=sig.tangent_leaves[start : start + size])
+        start += size
+        try:
+            _check_tangent_like_x(OPERATORS[op.name.replace("batched_", "")], one)
+        except TangentMismatchError as exc:
+            raise TangentMismatchError(f"Tangent {k} of the batch: {exc}") from None
+
+
+def batch_sizes(sig: Signature) -> tuple[int, ...]:
+    """The number of leaves of each tangent of a batch, in order."""
+    return tuple(spec.num_leaves for spec in sig.tangent_spec.children())
+
+
+def _check_cotangents(sig: Signature, output: _Output, groups: list[Any], complex_step: bool = False) -> None:
+    """Each cotangent of a batch against f(x) (:func:`_check_cotangent`), named by its place."""
+    fitted = output.cotangent_fits
+    if fitted is not None and fitted[1] == output.shapes and (fitted[0] is output.spec or fitted[0] == output.spec):
+        return
+    start = 0
+    for k, (spec, ts) in enumerate(zip(sig.tangent_spec.children(), groups, strict=True)):
+        one = sig._replace(tangent_spec=spec, tangent_leaves=sig.tangent_leaves[start : start + len(ts)])
+        start += len(ts)
+        output.cotangent_fits = None
+        try:
+            _check_cotangent(one, output, ts, complex_step)
+        except TangentMismatchError as exc:
+            raise TangentMismatchError(f"Cotangent {k} of the batch: {exc}") from None
 
 
 # -- validation of f's output and of a cotangent against it ------------------------------------------

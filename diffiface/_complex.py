@@ -503,6 +503,10 @@ class ComplexAdapter:
         return self.compiles and self._inner.returns_like(leaf)
 
     def take_error(self) -> Any:
+        batch_error = getattr(self._local, "batch_error", None)
+        if batch_error is not None:  # (of a batch: one estimate per product)
+            self._local.batch_error = None
+            return batch_error
         error = self._inner.take_error()
         rejoin = getattr(self._local, "rejoin", None)
         self._local.rejoin = None
@@ -575,6 +579,27 @@ class ComplexAdapter:
     def value_and_pullback(self, fn: Callable[[Leaves], Any], xs: Leaves, touts: Any) -> tuple[Any, Any, Leaves]:
         out, aux, vjp = self.pullback_function(fn, xs)
         return out, aux, vjp(touts)
+
+    # -- batches: one product at a time, each in the convention (the engine's vmapped batch
+    # would skip the conversion); an engine's estimates come one per product
+
+    def value_and_pushforwards(self, fn: Callable[[Leaves], Any], xs: Leaves, batch: Any) -> tuple[Any, Any, list[Any]]:
+        estimates = self._inner.estimates_errors
+        touts, errors = [], []
+        out = aux = head = None
+        for txs in batch:
+            out, aux, tout = self.value_and_pushforward(fn, xs, txs)
+            touts.append(tout)
+            if estimates:
+                error = self.take_error()
+                head = None if error is None else error[0]
+                errors.append(None if error is None else error[2])
+        if estimates and head is not None:
+            self._local.batch_error = (head, None, errors)
+        return out, aux, touts
+
+    def pullbacks(self, vjp: Callable[[Any], Leaves], xs: Leaves, batch: Any) -> list[Leaves]:
+        return [vjp(touts) for touts in batch]
 
     def value_and_jacobian(
         self, fn: Callable[[Leaves], Any], xs: Leaves, mode: str | None = None

@@ -18,7 +18,7 @@ from . import _arrays
 from . import tree as _tree
 from ._adapters._base import Adapter, Deferred, force
 from ._call import _LEAF, Call, Operator
-from ._checks import _check_cotangent, _checked, _describe, _refuse_cut
+from ._checks import _check_cotangent, _check_cotangents, _checked, _describe, _refuse_cut, batch_sizes
 from ._contexts import Cache, Constant
 from ._errors import ContextError, FrameworkMismatchError, InvalidOutputError, PreparationMismatchError
 from ._keys import static_key
@@ -49,6 +49,8 @@ def _program(
     compiles = adapter.compiles
 
     empty = plan.empty
+    sizes = batch_sizes(sig) if op.batch else None  # (a batch: the leaves of each tangent)
+    pullbacks = op.compute == "value_and_pullbacks"
 
     def program(
         xs: tuple[Any, ...], ts: tuple[Any, ...], dynamic: tuple[Any, ...], static: _Static | None
@@ -64,6 +66,8 @@ def _program(
             result: tuple[Any, ...] = (out, aux, vjp(ts))
         elif op.tangent is None:
             result = method(fn, xs)
+        elif sizes is not None:
+            result = _batch_products(adapter, fn, xs, ts, sizes, sig, output, pullbacks)
         else:
             result = method(fn, xs, ts)
         if compiles:
@@ -174,6 +178,30 @@ def _closer(
         return fn
 
     return close
+
+
+def _batch_products(
+    adapter: Adapter,
+    fn: Callable[..., Any],
+    xs: tuple[Any, ...],
+    ts: tuple[Any, ...],
+    sizes: tuple[int, ...],
+    sig: Signature,
+    output: _Output,
+    pullbacks: bool,
+) -> tuple[Any, Any, list[Any]]:
+    """A batched operator's products, ``(out, aux, [product per tangent])``: the adapter's
+    batch methods, one vmapped program on jax and torch.func, a loop elsewhere."""
+    groups = []
+    start = 0
+    for size in sizes:
+        groups.append(tuple(ts[start : start + size]))
+        start += size
+    if pullbacks:
+        out, aux, vjp = adapter.pullback_function(fn, xs)
+        _check_cotangents(sig, output, groups, adapter.complex_outputs)
+        return out, aux, adapter.pullbacks(vjp, xs, groups)
+    return adapter.value_and_pushforwards(fn, xs, groups)  # type: ignore[no-any-return]
 
 
 class FlatProgram:
@@ -358,7 +386,7 @@ class Run:
         self.finish = finish
         # a program from jit's cache does not evaluate f: where the finisher reads the record
         # of f's output, the record of its trace is made the current one
-        self.records = adapter.compiles and any(kind in ("y", "dy", "jacobian") for _, kind in op.parts)
+        self.records = adapter.compiles and any(kind in ("y", "dy", "jacobian", "ys") for _, kind in op.parts)
         self.estimates = adapter.estimates_errors
         self.parts = tuple(i for i, _ in op.parts)
         self.passthrough = conversions.passthrough and conversions.x_native and conversions.tangent_native
@@ -532,6 +560,8 @@ class _Conversions:
     def _tangents(self, leaves: list[Any], xs: tuple[Any, ...] | list[Any]) -> tuple[Any, ...]:
         """Tangent leaves for the engine: those of a tangent of x take the dtypes of x's leaves."""
         if self.op.tangent == "x":
+            if self.op.batch and xs:  # each tangent of the batch, leaf by leaf as x
+                xs = tuple(xs) * (len(leaves) // len(xs))
             return tuple(_tangent_to_native(self.adapter, t, x) for t, x in zip(leaves, xs, strict=True))
         return tuple(map(self.adapter.to_native, leaves))
 

@@ -12,6 +12,7 @@ import optree
 
 from . import _arrays, _complex, _placement
 from ._call import _ARRAY_KINDS, _LEAF, Call, Operator
+from ._tangents import Tangents
 
 if TYPE_CHECKING:  # (_programs finishes inside a compiled program with promoted_dtype)
     from ._programs import _Output
@@ -92,6 +93,16 @@ class Finisher:
                 for row, dy in zip(value, dtypes, strict=True)
             ]
             return optree.tree_unflatten(output.spec, rows)
+        if kind == "ys":  # a batch's products, each shaped as f(x)
+            if output.spec is _LEAF:
+                as_y = self.as_y
+                return Tangents(*[as_y(v[0]) for v in value])
+            return Tangents(*[self.convert("y", v) for v in value])
+        if kind == "xs":  # a batch's products, each shaped as x
+            if self.single_x:
+                like = self.like
+                return Tangents(*[_mirror(v[0], like) for v in value])
+            return Tangents(*[self.convert("x", v) for v in value])
         if self.single_x:  # a hessian
             return block(value[0][0], x_dtypes[0], self.like)
         rows = [

@@ -1,12 +1,13 @@
 """The sparse route of :class:`~diffiface.AutoSparse`: detect, color, one product per color, gather.
 
 Preparation finds the pattern (``diffiface.sparse``), colors it, and prepares the wrapped
-engine's product once; a call runs one jvp (column coloring), vjp (row coloring) or hvp (star
-coloring of a Hessian) per color and decompresses with the gather
+engine's products once; a call runs one batched jvp (column coloring) or vjp (row coloring) for
+all colors, or one hvp per color (star coloring of a Hessian), and decompresses with the gather
 ``compressed.reshape(-1)[index]``. x and f(x) are flattened in :func:`diffiface.tree.ravel`
 order. On jax the products and the gather are one compiled program (``vmap`` over the seeds);
-every other engine runs its own prepared ``jvp``/``vjp``/``hvp`` through diffiface's
-operators, so their checks (mutation, dtypes, contexts) hold unchanged. Scipy, which has no
+every other engine runs its own prepared batched ``jvp``/``vjp`` (one vmapped program on
+torch.func, a loop elsewhere) or ``hvp`` through diffiface's operators, so their checks
+(mutation, dtypes, contexts) hold unchanged. Scipy, which has no
 product cheaper than a full Jacobian, differentiates ``z -> f(x + S z)`` for the ``count``
 inputs ``z``.
 
@@ -29,6 +30,7 @@ import numpy as np
 import optree
 
 from . import _arrays, _complex, sparse
+from . import _batched as batched
 from . import _operators as ops
 from . import tree as _tree
 from ._adapters import info
@@ -38,6 +40,7 @@ from ._contexts import Constant
 from ._dispatch import register_program
 from ._errors import InvalidInputError
 from ._prep import FunctionRef, Prep
+from ._tangents import Tangents
 
 __all__ = ["SPARSE_OPERATORS", "SparsePrep", "SparseProgram"]
 
@@ -338,47 +341,52 @@ def _jax_ready(leaf: Any) -> bool:
     return (kind in ("numpy", "jax") and _arrays.is_float_dtype(_arrays.dtype_name(leaf))) or type(leaf) is float
 
 
-# -- every engine: its own prepared jvp / vjp / hvp, one per color ---------------------------------
+# -- every engine: its own prepared batch of jvps / vjps (hvps one per color) ------------------------
 
 
 class _ProductRoute(_Route):
+    """The colors' products as the engine's prepared batched jvp / vjp: one vmapped program on
+    torch.func (and jax without jit), a loop of the engine's products elsewhere; a Hessian's
+    colors one hvp each."""
+
     def __init__(self, plan: _Plan, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> None:
         self.plan = plan
         flat, unravel = _tree.ravel(x)
         self.xp = _xp(plan.family)
         seeds = np.asarray(plan.coloring.seeds)
         mode = plan.coloring.mode
-        if mode == "row":
-            y, _ = ops.value_and_jvp(f, plan.first, x, unravel(_like(flat, np.zeros(plan.n))), *contexts)
-        else:
+        self.product_prep: Prep | None = None
+        self.reverse_prep: Prep | None = None
+        self.tangents: list[Any] = []
+        self.cotangents: list[Any] = []
+        if mode != "row":
             self.tangents = [unravel(_like(flat, seeds[:, k])) for k in range(seeds.shape[1])]
-            if plan.hessian:
-                self.gradient_prep = ops.prepare_value_and_gradient(f, plan.engine, x, *contexts)
-                y, _ = ops.value_and_gradient(f, plan.engine, x, *contexts, prep=self.gradient_prep)
-            else:
-                tangent = self.tangents[0] if self.tangents else unravel(_like(flat, np.zeros(plan.n)))
-                self.product_prep = ops.prepare_value_and_jvp(f, plan.first, x, tangent, *contexts)
-                y, _ = ops.value_and_jvp(f, plan.first, x, tangent, *contexts, prep=self.product_prep)
+        self.batch = Tangents(*self.tangents)
+        if plan.hessian:
+            self.gradient_prep = ops.prepare_value_and_gradient(f, plan.engine, x, *contexts)
+            y, _ = ops.value_and_gradient(f, plan.engine, x, *contexts, prep=self.gradient_prep)
+        elif self.tangents:
+            batch = self.batch
+            self.product_prep = batched.prepare_value_and_batched_jvp(f, plan.first, x, batch, *contexts)
+            y, _ = batched.value_and_batched_jvp(f, plan.first, x, batch, *contexts, prep=self.product_prep)
+        else:  # (no forward colors: f's value, for its layout)
+            y, _ = ops.value_and_jvp(f, plan.first, x, unravel(_like(flat, np.zeros(plan.n))), *contexts)
         self.y_layout = _Layout(y)
         _check_rows(plan, self.y_layout)
-        if mode == "row":
+        if mode in ("row", "bidirectional"):  # the rows of the reverse side (after the forward ones)
             y_flat, unravel_y = _tree.ravel(y)
-            self.cotangents = [unravel_y(_like(y_flat, seeds[:, k])) for k in range(plan.count)]
-            cotangent = self.cotangents[0] if plan.count else y
-            self.product_prep = ops.prepare_value_and_vjp(f, plan.first, x, cotangent, *contexts)
-        elif mode == "bidirectional":  # the rows of the reverse side, after the forward ones
-            y_flat, unravel_y = _tree.ravel(y)
-            row_seeds = np.asarray(plan.coloring.row_seeds)
+            row_seeds = seeds if mode == "row" else np.asarray(plan.coloring.row_seeds)
             self.cotangents = [unravel_y(_like(y_flat, row_seeds[:, k])) for k in range(row_seeds.shape[1])]
-            cotangent = self.cotangents[0] if self.cotangents else y
-            self.reverse_prep = ops.prepare_value_and_vjp(f, plan.first, x, cotangent, *contexts)
+            self.cobatch = Tangents(*self.cotangents)
+            if self.cotangents:
+                self.reverse_prep = batched.prepare_value_and_batched_vjp(f, plan.first, x, self.cobatch, *contexts)
         elif plan.hessian and plan.count:
             self.product_prep = ops.prepare_hvp(f, plan.engine, x, self.tangents[0], *contexts)
         self.dtype = _promote(plan.family, [*plan.x_layout.dtypes, *self.y_layout.dtypes])
         self.index = _index_like(plan.family, flat, plan.stacked_index)
 
     def run(self, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> tuple[Any, ...]:
-        plan, prep = self.plan, getattr(self, "product_prep", None)
+        plan, prep = self.plan, self.product_prep
         products: list[Any] = []
         head: tuple[Any, ...] = ()
         if plan.hessian:
@@ -386,21 +394,17 @@ class _ProductRoute(_Route):
             head = (value, gradient)
             for tangent in self.tangents:
                 products.append(ops.hvp(f, plan.engine, x, tangent, *contexts, prep=prep))
-        elif plan.coloring.mode == "row":
-            for cotangent in self.cotangents:  # (one prep per operator: the value comes with each)
-                y, product = ops.value_and_vjp(f, plan.first, x, cotangent, *contexts, prep=prep)
-                head = (y,)
-                products.append(product)
         else:
-            for tangent in self.tangents:
-                y, product = ops.value_and_jvp(f, plan.first, x, tangent, *contexts, prep=prep)
+            if self.tangents:  # the forward colors, one batch
+                y, pushed = batched.value_and_batched_jvp(f, plan.first, x, self.batch, *contexts, prep=prep)
                 head = (y,)
-                products.append(product)
-            if plan.coloring.mode == "bidirectional":
-                for cotangent in self.cotangents:
-                    y, product = ops.value_and_vjp(f, plan.first, x, cotangent, *contexts, prep=self.reverse_prep)
-                    head = (y,)
-                    products.append(product)
+                products.extend(pushed)
+            if self.cotangents:  # the reverse colors, one batch
+                y, pulled = batched.value_and_batched_vjp(
+                    f, plan.first, x, self.cobatch, *contexts, prep=self.reverse_prep
+                )
+                head = (y,)
+                products.extend(pulled)
         if not head:  # no colors: an empty pattern, and f's value from one call
             head = (_value(f, x, contexts),) if not plan.hessian else head
         values = self._gather([_tree.ravel(p)[0] for p in products])
@@ -738,7 +742,6 @@ def _difference_error(
     engine is not finite differences of a known step."""
     import dataclasses
 
-    from . import _operators as ops
     from ._backends import AutoFiniteDifferences
 
     engine = plan.engine if plan.hessian else plan.first

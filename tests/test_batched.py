@@ -1,48 +1,196 @@
-"""Batches of products: di.Tangents, batched_jvp and batched_vjp, and the adapters' batched
-methods (vmapped on jax and torch.func, a loop elsewhere) against one product at a time."""
+"""Batches of products: di.Tangents and the batched operators (batched_jvp, batched_vjp, their
+value_and_ and prepare_ forms) against the operators of one tangent, on every engine, for a
+pytree x with a context, float32 and float64; one vmapped program on jax and torch.func
+(counted: f's evaluations), a loop elsewhere; and the adapters' batch methods."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import optree
 import pytest
+from conftest import FIRST_ORDER, namespace, require
 
 import diffiface as di
 from diffiface import _adapters
 from diffiface.test import assert_allclose
 
-BACKENDS = ["jax", "torch", "torch-func", "autograd", "finite_differences"]
+BACKENDS = ["jax", "torch-autograd", "torch-func", "autograd", "finite_differences"]
 
 
-def _installed(backend: str) -> None:
-    if not di.available(backend):
-        pytest.skip(f"{backend} is not installed")
+def f(x: Any, scale: Any) -> Any:
+    xp = namespace(x)
+    return {"a": xp.sin(x["p"]) * x["q"][0] * scale, "b": x["q"] ** 2 * 3.0}
 
 
-def f(x: Any) -> Any:
-    return {"a": x["p"] ** 2 * x["q"][0], "b": x["q"] * 3.0}
+def _point() -> tuple[dict[str, np.ndarray], np.ndarray]:
+    return {"p": np.array([1.0, 2.0, 3.0]), "q": np.array([0.5, -1.0])}, np.array([1.5, -0.5, 2.0])
 
 
-def _point() -> dict[str, np.ndarray]:
-    return {"p": np.array([1.0, 2.0, 3.0]), "q": np.array([0.5, -1.0])}
+def _native(backend_id: str, tree: Any, dtype: str) -> Any:
+    def leaf(a: Any) -> Any:
+        a = np.asarray(a, dtype=dtype)
+        if backend_id == "jax":
+            import jax.numpy as jnp
+
+            return jnp.asarray(a)
+        if backend_id.startswith("torch"):
+            import torch
+
+            return torch.from_numpy(a.copy())
+        return a
+
+    return optree.tree_map(leaf, tree)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_batched_jvp_and_vjp_match_one_at_a_time(backend: str) -> None:
-    _installed(backend)
-    x = _point()
+@contextlib.contextmanager
+def _precision(backend_id: str, dtype: str) -> Iterator[None]:
+    if backend_id == "jax" and dtype == "float64":
+        import jax
+
+        with jax.enable_x64(True):  # (scoped: the global flag is the other tests' too)
+            yield
+    else:
+        yield
+
+
+def _batches(backend_id: str, dtype: str, count: int = 4) -> tuple[Any, Any, Any, Any]:
     rng = np.random.default_rng(0)
-    tangents = [{"p": rng.standard_normal(3), "q": rng.standard_normal(2)} for _ in range(4)]
-    cotangents = [{"a": rng.standard_normal(3), "b": rng.standard_normal(2)} for _ in range(4)]
-    pushed = di.batched_jvp(f, backend, x, di.Tangents(*tangents))
-    pulled = di.batched_vjp(f, backend, x, di.Tangents(*cotangents))
-    assert isinstance(pushed, di.Tangents) and len(pushed) == 4
-    for t, result in zip(tangents, pushed, strict=True):
-        assert_allclose(result, di.jvp(f, backend, x, t))
-    for c, result in zip(cotangents, pulled, strict=True):
-        assert_allclose(result, di.vjp(f, backend, x, c))
-    assert len(di.batched_jvp(f, backend, x, di.Tangents())) == 0
+    x, scale = _point()
+    tangents = [{"p": rng.standard_normal(3), "q": rng.standard_normal(2)} for _ in range(count)]
+    cotangents = [{"a": rng.standard_normal(3), "b": rng.standard_normal(2)} for _ in range(count)]
+    native = [_native(backend_id, t, dtype) for t in (x, scale, tangents, cotangents)]
+    return native[0], di.Constant(native[1]), native[2], native[3]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("backend_id", BACKENDS)
+def test_batched_operators_match_one_tangent_at_a_time(backend_id: str, dtype: str) -> None:
+    backend = require(FIRST_ORDER[backend_id])
+    with _precision(backend_id, dtype):
+        x, scale, tangents, cotangents = _batches(backend_id, dtype)
+        pushes = [di.jvp(f, backend, x, t, scale) for t in tangents]
+        pulls = [di.vjp(f, backend, x, c, scale) for c in cotangents]
+        value = f(x, scale.value)
+        batch, cobatch = di.Tangents(*tangents), di.Tangents(*cotangents)
+        prepared = {
+            name: getattr(di, "prepare_" + name)(f, backend, x, b, scale)
+            for name, b in (
+                ("batched_jvp", batch),
+                ("value_and_batched_jvp", batch),
+                ("batched_vjp", cobatch),
+                ("value_and_batched_vjp", cobatch),
+            )
+        }
+        for prep in (None, "prepared"):
+
+            def call(name: str, b: Any, prep: Any = prep) -> Any:
+                return getattr(di, name)(f, backend, x, b, scale, prep=prepared[name] if prep else None)
+
+            pushed, pulled = call("batched_jvp", batch), call("batched_vjp", cobatch)
+            (y1, pushed_too), (y2, pulled_too) = (
+                call("value_and_batched_jvp", batch),
+                call("value_and_batched_vjp", cobatch),
+            )
+            for results, expected in ((pushed, pushes), (pushed_too, pushes), (pulled, pulls), (pulled_too, pulls)):
+                assert isinstance(results, di.Tangents) and len(results) == len(expected)
+                for result, want in zip(results, expected, strict=True):
+                    assert_allclose(result, want)
+            for y in (y1, y2):
+                assert_allclose(y, value)
+
+
+def test_a_batch_of_one_and_a_scalar_x() -> None:
+    """A batch of one tangent, and a Python-float x with float tangents."""
+    for backend in ("jax", "torch", "finite_differences"):
+        require(backend)
+        g = lambda x: x**3  # noqa: E731
+        assert [round(v, 6) for v in di.batched_jvp(g, backend, 2.0, di.Tangents(1.0, 0.5))] == [12.0, 6.0]
+        x = np.array([1.0, 2.0])
+        (one,) = di.batched_vjp(lambda x: x**2, backend, x, di.Tangents(np.array([1.0, 1.0])))
+        assert_allclose(one, di.vjp(lambda x: x**2, backend, x, np.array([1.0, 1.0])))
+
+
+def test_value_and_batched_jvp_with_aux() -> None:
+    require("torch")
+
+    def g(x: Any) -> Any:
+        return x**2, {"note": "kept", "sum": x.sum()}
+
+    x = np.array([1.0, 2.0])
+    for backend in ("jax", di.AutoTorch(mode="func"), "autograd"):
+        require(backend)
+        (y, aux), pushed = di.value_and_batched_jvp(
+            g, backend, x, di.Tangents(np.ones(2), np.array([1.0, 0.0])), has_aux=True
+        )
+        assert aux["note"] == "kept" and float(aux["sum"]) == 3.0
+        assert_allclose(y, x**2)
+        assert_allclose(pushed[1], np.array([2.0, 0.0]))
+
+
+# -- one program where the engine has vmap --------------------------------------------------------
+
+
+class _Counted:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, x: Any, scale: Any) -> Any:
+        self.calls += 1
+        return f(x, scale)
+
+
+@pytest.mark.parametrize("backend_id", ["jax-eager", "torch-func"])
+@pytest.mark.parametrize("operator", ["batched_jvp", "batched_vjp"])
+def test_a_batch_is_one_evaluation_of_f_on_the_vmapped_engines(backend_id: str, operator: str) -> None:
+    """Five tangents, one evaluation of f per call: one program, not a product per tangent."""
+    backend = require(di.AutoJAX(jit=False) if backend_id == "jax-eager" else FIRST_ORDER["torch-func"])
+    native = "jax" if backend_id == "jax-eager" else "torch-func"
+    x, scale, tangents, cotangents = _batches(native, "float32", count=5)
+    batch = di.Tangents(*(tangents if operator == "batched_jvp" else cotangents))
+    g = _Counted()
+    prep = getattr(di, "prepare_" + operator)(g, backend, x, batch, scale)
+    for _ in range(2):
+        before = g.calls
+        getattr(di, operator)(g, backend, x, batch, scale, prep=prep)
+        assert g.calls - before == 1
+    before = g.calls
+    getattr(di, operator)(g, backend, x, batch, scale)
+    assert g.calls - before == 1
+
+
+@pytest.mark.parametrize("operator", ["batched_jvp", "batched_vjp"])
+def test_jit_traces_f_once_for_the_batch(operator: str) -> None:
+    backend = require("jax")
+    x, scale, tangents, cotangents = _batches("jax", "float32", count=5)
+    batch = di.Tangents(*(tangents if operator == "batched_jvp" else cotangents))
+    g = _Counted()
+    prep = getattr(di, "prepare_" + operator)(g, backend, x, batch, scale)
+    assert g.calls == 1  # the trace
+    for _ in range(3):
+        getattr(di, operator)(g, backend, x, batch, scale, prep=prep)
+    assert g.calls == 1
+
+
+def test_the_other_engines_loop_over_the_batch() -> None:
+    """torch.autograd and autograd: one forward product per tangent; one pullback of f for every cotangent."""
+    for backend in ("torch-autograd", "autograd"):
+        require(FIRST_ORDER[backend])
+        x, scale, tangents, cotangents = _batches(
+            "torch-func" if backend.startswith("torch") else "numpy", "float64", 5
+        )
+        g = _Counted()
+        di.batched_jvp(g, FIRST_ORDER[backend], x, di.Tangents(*tangents), scale)
+        assert g.calls == 5
+        g.calls = 0
+        di.batched_vjp(g, FIRST_ORDER[backend], x, di.Tangents(*cotangents), scale)
+        assert g.calls == 1
+
+
+# -- what is refused ---------------------------------------------------------------------------
 
 
 def test_a_tuple_is_never_a_batch() -> None:
@@ -51,16 +199,72 @@ def test_a_tuple_is_never_a_batch() -> None:
     g = lambda x: x[0] * x[1]  # noqa: E731
     one = (np.array([1.0, 0.0]), np.array([0.0]))
     assert_allclose(di.jvp(g, "finite_differences", x, one), np.array([3.0, 0.0]))
-    with pytest.raises(di.InvalidInputError, match="Tangents"):
-        di.batched_jvp(g, "finite_differences", x, one)  # type: ignore[arg-type]
-    with pytest.raises(di.DiffifaceError):
+    for bad in (one, [one, one], (one, one)):
+        with pytest.raises(di.InvalidInputError, match=r"di\.Tangents\(t1, t2, \.\.\.\)"):
+            di.batched_jvp(g, "finite_differences", x, bad)  # type: ignore[arg-type]
+    with pytest.raises(di.InvalidInputError, match=r"di\.batched_jvp"):
         di.jvp(g, "finite_differences", x, di.Tangents(one, one))
+    with pytest.raises(di.InvalidInputError, match=r"di\.batched_vjp"):
+        di.vjp(g, "finite_differences", x, di.Tangents(np.ones(2)))
+    prep = di.prepare_batched_jvp(g, "finite_differences", x, di.Tangents(one, one))
+    with pytest.raises(di.InvalidInputError, match="Tangents"):  # (prepared: the same refusal)
+        di.batched_jvp(g, "finite_differences", x, (one, one), prep=prep)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend_id", BACKENDS)
+def test_batches_that_do_not_fit_are_refused(backend_id: str) -> None:
+    backend = require(FIRST_ORDER[backend_id])
+    with _precision(backend_id, "float64"):
+        x, scale, tangents, cotangents = _batches(backend_id, "float64", count=3)
+        short = _native(backend_id, {"p": np.ones(2), "q": np.ones(2)}, "float64")
+        with pytest.raises(di.TangentMismatchError, match=r"Tangent 1 of the batch.*\['p'\] has shape"):
+            di.batched_jvp(f, backend, x, di.Tangents(tangents[0], short, tangents[2]), scale)
+        with pytest.raises(di.TangentMismatchError, match=r"Tangent 2 of the batch.*structure"):
+            di.batched_jvp(f, backend, x, di.Tangents(tangents[0], tangents[1], {"p": tangents[2]["p"]}), scale)
+        bad_cotangent = {"a": cotangents[0]["a"][:2], "b": cotangents[0]["b"]}
+        with pytest.raises(di.TangentMismatchError, match=r"Cotangent 1 of the batch.*shape"):
+            di.batched_vjp(f, backend, x, di.Tangents(cotangents[0], bad_cotangent), scale)
+        for operator in ("batched_jvp", "batched_vjp"):
+            with pytest.raises(di.InvalidInputError, match=r"empty di\.Tangents"):
+                getattr(di, operator)(f, backend, x, di.Tangents(), scale)
+
+
+def test_a_prep_is_for_its_batch() -> None:
+    x, scale, tangents, _ = _batches("numpy", "float64", count=3)
+    prep = di.prepare_batched_jvp(f, "finite_differences", x, di.Tangents(*tangents), scale)
+    with pytest.raises(di.PreparationMismatchError, match="tangent"):
+        di.batched_jvp(f, "finite_differences", x, di.Tangents(*tangents[:2]), scale, prep=prep)
+    with pytest.raises(di.PreparationMismatchError, match="operator"):
+        di.jvp(f, "finite_differences", x, tangents[0], scale, prep=prep)
+    with pytest.raises(di.PreparationMismatchError, match="backend"):
+        di.batched_jvp(f, "autograd", x, di.Tangents(*tangents), scale, prep=prep)
+    loose = di.prepare_batched_jvp(f, "finite_differences", x, di.Tangents(*tangents), scale, strict=False)
+    two = di.batched_jvp(f, "finite_differences", x, di.Tangents(*tangents[:2]), scale, prep=loose)
+    assert_allclose(two[1], di.jvp(f, "finite_differences", x, tangents[1], scale))
+    with pytest.raises(di.InvalidInputError, match="has_aux"):
+        di.batched_jvp(f, "finite_differences", x, di.Tangents(*tangents), scale, has_aux=True)
+
+
+def test_nothing_is_mutated() -> None:
+    require("torch")
+    x, scale, tangents, cotangents = _batches("torch-func", "float64", count=3)
+    copies = optree.tree_map(lambda t: t.clone(), (x, scale.value, tangents, cotangents))
+    for backend in ("torch", di.AutoTorch(mode="func")):
+        di.batched_jvp(f, backend, x, di.Tangents(*tangents), scale)
+        di.batched_vjp(f, backend, x, di.Tangents(*cotangents), scale)
+    after = (x, scale.value, tangents, cotangents)
+    for a, b in zip(optree.tree_leaves(after), optree.tree_leaves(copies), strict=True):
+        assert a.equal(b) and not a.requires_grad and a.grad is None
+
+
+# -- the adapters' batch methods ----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("backend", ["jax", "torch-func", "torch", "autograd"])
 def test_adapter_batches_match_the_loop(backend: str) -> None:
     """The vmapped batch (jax, torch.func) gives what one product per tangent gives."""
-    _installed(backend)
+    if not di.available(backend):
+        pytest.skip(f"{backend} is not installed")
     if backend == "jax":
         import jax
 
@@ -92,6 +296,9 @@ def _batches_match_the_loop(backend: str) -> None:
 
     out, _, touts = adapter.value_and_pushforwards(fn, xs, eye)
     assert len(touts) == 5
+    expected_out = fn(xs)[0]
+    for got, want in zip(out, expected_out, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-12)
     for txs, tout in zip(eye, touts, strict=True):
         expected = adapter.value_and_pushforward(fn, xs, txs)[2]
         for got, want in zip(tout, expected, strict=True):

@@ -131,12 +131,25 @@ _OPERATORS: list[tuple[str, Callable[..., Any], str | None]] = [
     ("jvp", head, "x"),
     ("vjp", head, "y"),
     ("jacobian", head, None),
+    ("batched_jvp", head, "xs"),
+    ("value_and_batched_vjp", head, "ys"),
 ]
+
+
+def _unbatched(result: Any) -> Any:
+    """A batched operator's Tangents (within its result) as a tuple, to compare leaf by leaf."""
+    if isinstance(result, di.Tangents):
+        return ("batch", *result)
+    if isinstance(result, tuple):
+        return tuple(_unbatched(part) for part in result)
+    return result
+
 
 _BACKENDS = ["jax", "torch-autograd", "torch-func", "autograd", "finite_differences"]
 
 
 def _leaves_equal(a: Any, b: Any) -> None:
+    a, b = _unbatched(a), _unbatched(b)
     a_leaves, a_spec = optree.tree_flatten(a)
     b_leaves, b_spec = optree.tree_flatten(b)
     assert a_spec == b_spec
@@ -171,6 +184,19 @@ def test_every_shape_takes_the_quick_route(
         elif tangent == "y":
             y = head(x, *(c.value for c in contexts))
             args = (x, optree.tree_map(lambda leaf: leaf * 0 + 1, y))
+        elif tangent == "xs":  # a batch of three tangents
+            args = (
+                x,
+                di.Tangents(
+                    *(
+                        _native(backend_id, optree.tree_map(lambda a, k=k: np.full_like(a, k), x_np), dtype)
+                        for k in range(3)
+                    )
+                ),
+            )
+        elif tangent == "ys":
+            y = head(x, *(c.value for c in contexts))
+            args = (x, di.Tangents(*(optree.tree_map(lambda leaf, k=k: leaf * 0 + k, y) for k in range(3))))
         operate = getattr(di, operator)
         prep = getattr(di, "prepare_" + operator)(f, backend, *args, *contexts)
         full = operate(f, backend, *args, *contexts, prep=prep)  # (may be the quick route too)

@@ -16,6 +16,7 @@ import pytest
 from conftest import FIRST_ORDER
 
 import diffiface as di
+import diffiface._batched as batched
 import diffiface._operators as operators
 from diffiface import sparse
 from diffiface.test import assert_allclose, default_tolerances, run_sparse, sparse_scenarios
@@ -282,26 +283,50 @@ def test_check_catches_a_pattern_that_misses_nonzeros() -> None:
     assert di.jacobian(tridiagonal, right, x).nnz == 16
 
 
-# -- cost: one product per color ------------------------------------------------------------------------
+# -- cost: one batch of products for the colors --------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    ("coloring", "product"), [("column", "value_and_jvp"), ("row", "value_and_vjp")], ids=["column", "row"]
+    ("coloring", "product"),
+    [("column", "value_and_batched_jvp"), ("row", "value_and_batched_vjp")],
+    ids=["column", "row"],
 )
-def test_one_product_per_color(monkeypatch: pytest.MonkeyPatch, coloring: str, product: str) -> None:
-    calls = []
-    original = getattr(operators, product)
+def test_one_batch_of_products_for_the_colors(monkeypatch: pytest.MonkeyPatch, coloring: str, product: str) -> None:
+    """The colors' products are one batched call (one product per color in it, on autograd a loop)."""
+    batches: list[int] = []
+    original = getattr(batched, product)
 
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        return original(*args, **kwargs)
+    def counting(f: Any, backend: Any, x: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        batches.append(len(batch))
+        return original(f, backend, x, batch, *args, **kwargs)
 
     x = np.linspace(0.1, 1.0, 40)
     backend = di.AutoSparse("autograd", coloring=coloring)  # type: ignore[arg-type]
     prep = di.prepare_jacobian(tridiagonal, backend, x)
-    monkeypatch.setattr(operators, product, counting)
+    monkeypatch.setattr(batched, product, counting)
     di.jacobian(tridiagonal, backend, x, prep=prep)
-    assert prep.coloring.count == 3 and len(calls) == 3
+    assert prep.coloring.count == 3 and batches == [3]
+
+
+@needs_torch
+@pytest.mark.parametrize("coloring", ["column", "row"])
+def test_the_colors_are_one_vmapped_program_on_torch_func(coloring: str) -> None:
+    """On torch.func a sparse Jacobian evaluates f once for all its colors."""
+    import torch
+
+    calls = []
+
+    def banded(x: Any) -> Any:
+        calls.append(1)
+        return torch.cat([x[:1] ** 2, x[1:] * x[:-1], x[-1:] * 3.0])
+
+    x = torch.linspace(0.1, 1.0, 40, dtype=torch.float64)
+    backend = di.AutoSparse(di.AutoTorch(mode="func"), coloring=coloring)  # type: ignore[arg-type]
+    prep = di.prepare_jacobian(banded, backend, x)
+    calls.clear()
+    result = di.jacobian(banded, backend, x, prep=prep)
+    assert prep.coloring.count >= 2 and len(calls) == 1
+    assert_allclose(result.to_dense(), di.jacobian(banded, di.AutoTorch(mode="func"), x))
 
 
 def test_one_hvp_per_color(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -165,6 +165,19 @@ class Adapter(_base.Adapter):
         self._local.error = (_zeros_like(out), None, _split_out(error, layout))
         return out, aux, touts if layout.tuple_out else touts[0]
 
+    def value_and_pushforwards(self, fn: Fn, xs: Leaves, batch: Any) -> tuple[Any, Any, list[Any]]:
+        """One directional derivative per tangent, and the error estimate of each."""
+        touts, errors = [], []
+        out = aux = None
+        for txs in batch:
+            out, aux, tout = self.value_and_pushforward(fn, xs, txs)
+            touts.append(tout)
+            errors.append(self._local.error[2])
+        if out is None:  # an empty batch: evaluate once for the value
+            out, aux = fn(xs)
+        self._local.error = (_zeros_like(out), None, errors)
+        return out, aux, touts
+
     def value_and_pullback(self, fn: Fn, xs: Leaves, touts: Any) -> tuple[Any, Any, Leaves]:
         out, aux, jac, err, point, _ = self._jacobian(fn, xs, "A vjp (through the whole Jacobian)")
         t = _flat_tangent(touts)

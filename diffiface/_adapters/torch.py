@@ -308,12 +308,20 @@ class Adapter(_base.Adapter):
     def value_and_pushforwards(self, fn: Fn, xs: Leaves, batch: Any) -> tuple[Any, Any, list[Any]]:
         if not self.functional or len(batch) < 2 or _any_dtensor(xs):
             return super().value_and_pushforwards(fn, xs, batch)
-        # the first tangent alone gives the value; torch.func.vmap runs the rest as one program
-        out, aux, first = self.value_and_pushforward(fn, xs, batch[0])
-        stacked = tuple(torch.stack([txs[j] for txs in batch[1:]]) for j in range(len(xs)))
+        # torch.func.vmap runs the whole batch as one program, f evaluated once: the value does
+        # not depend on the tangent, so it comes out unbatched (out_dims None), and the aux,
+        # which may hold other leaves than tensors, is taken from the one evaluation
+        stacked = tuple(torch.stack([txs[j] for txs in batch]) for j in range(len(xs)))
+        found: list[Any] = []
+
+        def pushed(txs: Leaves) -> tuple[Any, Any]:
+            out, aux, tout = self._value_and_pushforward(fn, xs, txs)
+            found.append(aux)
+            return out, tout
+
         with _FORWARD_LOCK, _first_forward():
-            rest = func.vmap(lambda txs: self._value_and_pushforward(fn, xs, txs)[2])(stacked)
-        return out, aux, [first, *[optree.tree_map(lambda t, k=k: t[k], rest) for k in range(len(batch) - 1)]]
+            out, touts = func.vmap(pushed, out_dims=(None, 0))(stacked)  # type: ignore[arg-type]  # (a prefix tree)
+        return out, found[-1], [optree.tree_map(lambda t, k=k: t[k], touts) for k in range(len(batch))]
 
     def pullbacks(self, vjp: Callable[[Any], Leaves], xs: Leaves, batch: Any) -> list[Leaves]:
         if not self.functional or len(batch) < 2 or _any_dtensor(xs):
