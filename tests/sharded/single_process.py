@@ -8,7 +8,13 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+# (on a loaded machine of few cores a simulated device's thread may come late to a collective:
+# XLA's CPU rendezvous would abort the process after 40 s; it waits as long as the test's bound)
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + (
+    " --xla_force_host_platform_device_count=8"
+    " --xla_cpu_collective_call_warn_stuck_timeout_seconds=120"
+    " --xla_cpu_collective_call_terminate_timeout_seconds=280"
+)
 
 import jax
 import jax.numpy as jnp
