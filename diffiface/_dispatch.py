@@ -23,7 +23,7 @@ from ._backends import AutoSparse, Backend
 from ._call import _LEAF, OPERATORS, Call, Operator, _dynamic_view
 from ._checks import _check_call, _check_tangent_kinds, _check_tangent_like_x, _check_x
 from ._errors import InvalidInputError
-from ._plan import Plan, leaf_check, leaves_check
+from ._plan import Plan, flattener, leaf_check, leaves_check
 from ._prep import Closure, FunctionRef, Prep, describe_mismatch, mismatch_error, prep_cache
 from ._programs import (
     DirectFlat,
@@ -202,6 +202,13 @@ def _plan(
             for spec, leaves in zip(call.context_specs, call.context_leaves, strict=True)
         ),
         single=_single(op, call, by_value, engine),
+        flatteners=(
+            flattener(sig.x_spec, call.x_leaves),
+            flattener(sig.tangent_spec, call.tangent_leaves),
+            tuple(
+                flattener(spec, leaves) for spec, leaves in zip(call.context_specs, call.context_leaves, strict=True)
+            ),
+        ),
     )
 
 

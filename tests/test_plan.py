@@ -327,3 +327,37 @@ def test_numpy_contexts_under_jit_keep_the_plans_own_dtype_test() -> None:
         di.gradient(
             _tree_loss, "jax", p, di.Constant({k: v.astype(np.float64) for k, v in as_numpy.items()}), prep=prep
         )
+
+
+@pytest.mark.parametrize("backend_id", ["jax", "torch-autograd", "finite_differences"])
+def test_the_plans_flattening_tells_apart_the_trees_optree_does(backend_id: str) -> None:
+    """Where jax is imported the plan flattens with jax's pytrees (faster on nested dicts):
+    every tree whose structure optree tells apart from the prep's is refused all the same."""
+    import collections
+
+    require(di.AutoJAX())
+    backend = require(FIRST_ORDER[backend_id])
+
+    def total(p: Any) -> Any:
+        return sum((leaf**2).sum() for leaf in optree.tree_leaves(p))
+
+    a, b = native(backend_id, [0.5, -1.0]), native(backend_id, [2.0, 0.25])
+    x = {"outer": {"a": a, "b": b}, "c": [a, b]}
+    prep = di.prepare_gradient(total, backend, x)
+    import jax
+
+    assert prep.plan.x_flatten is jax.tree_util.tree_flatten
+    assert_tree_close(di.gradient(total, backend, x, prep=prep), di.gradient(total, backend, x), rtol=1e-6, atol=1e-6)
+    others = {
+        "extra key": {"outer": {"a": a, "b": b, "z": a}, "c": [a, b]},
+        "missing key": {"outer": {"a": a}, "c": [a, b]},
+        "tuple for list": {"outer": {"a": a, "b": b}, "c": (a, b)},
+        "node for leaf": {"outer": {"a": (a,), "b": b}, "c": [a, b]},
+        "None for leaf": {"outer": {"a": None, "b": b}, "c": [a, b]},
+        "ordered dict": {"outer": collections.OrderedDict(a=a, b=b), "c": [a, b]},
+        "renamed key": {"outer": {"a": a, "B": b}, "c": [a, b]},
+    }
+    for name, other in others.items():
+        assert optree.tree_structure(other) != optree.tree_structure(x), name
+        with pytest.raises(di.PreparationMismatchError):
+            di.gradient(total, backend, other, prep=prep)
