@@ -476,6 +476,8 @@ class _Check:
         self.reach = np.where(self.fixed, 0.0, self.scale)
         self.edge = np.zeros(self.flat.size, dtype=bool)
         self.unchecked = np.zeros(self.flat.size, dtype=bool)
+        self.inside: dict[float, float] = {}
+        """Per side of an edge (-1, 1), the point furthest that way an edge input found in f's domain."""
         # f(x) as the ground truth computes it (on the float64 copies, where they serve)
         self.output_dtype = _arrays.dtype_name(_tree.leaves(value[0] if self.has_aux else value)[0])
         center = self._at(self.truth_flat.vector) if promoted else self.f0
@@ -587,21 +589,30 @@ class _Check:
         values, errors, plain = np.zeros(n), np.full(n, np.inf), np.full(n, np.nan)
         one_sided = 0
         # what the edges may spend: the evaluations an ordinary input would have taken and what
-        # the 4n + 20 leaves beside f(x), the engines' evaluations and the Taylor test
+        # the 4n + 20 leaves beside f(x), the engines' evaluations and the Taylor test; 4 kept
+        # for each input still to come
         spare = max(_SPARE_EVALUATIONS, 20 - 2 * _TAYLOR_STEPS - self.counted.calls)
         budget = self.counted.calls + 4 * free.size + spare
-        edges: list[tuple[int, float, float | None]] = []
-        for i in free.tolist():
-            # the side towards the nearest integer first: the edges of domains sit there most often
-            # (log, sqrt at 0; acos, atanh, logit at 1 or -1)
-            toward = 1.0 if np.round(x[i]) > x[i] else -1.0
+        for position, i in enumerate(free.tolist()):
+            toward = self._first_side(x[i], h[i])
             first = self._moved(x, i, toward * h[i])
-            if first is None:
-                edges.append((i, toward, None))
-                continue
-            second = self._moved(x, i, -toward * h[i])
-            if second is None:
-                edges.append((i, -toward, first))
+            second = self._moved(x, i, -toward * h[i]) if first is not None else None
+            if first is None or second is None:
+                bad, good_at_h = (toward, None) if first is None else (-toward, first)
+                self.edge[i] = True
+                left = budget - 4 * (free.size - position - 1)
+                found = self._edge_stencil(x, i, bad, h[i], left) if left - self.counted.calls >= 3 else None
+                if found is None:
+                    # no step found in the domain within the budget: this entry is not checked (and
+                    # the row says so); the Taylor test keeps off this input
+                    self.reach[i] = 0.0
+                    self.unchecked[i] = True
+                    if good_at_h is not None:
+                        values[i], errors[i] = -bad * (good_at_h - self.center) / h[i], np.inf
+                    one_sided += 1
+                else:
+                    values[i], errors[i], room = found
+                    self.reach[i] = room / self._taylor_top()
                 continue
             samples: dict[str, float | None] = (
                 {"+1": first, "-1": second} if toward > 0 else {"+1": second, "-1": first}
@@ -610,21 +621,16 @@ class _Check:
             rounding = 4 * self.eps[i] * (self.condition + 1e-300) / h[i]
             values[i], errors[i], plain[i] = _stencil(self.center, samples, h[i], h2[i], rounding)
             one_sided += int(samples["-2"] is None or samples["+2"] is None)
-        for i, bad, good_at_h in edges:
-            self.edge[i] = True
-            found = self._edge_stencil(x, i, bad, h[i], budget) if budget - self.counted.calls >= 3 else None
-            if found is None:
-                # no step found in the domain within the budget: this entry is not checked (and
-                # the row says so); the Taylor test keeps off this input
-                self.reach[i] = 0.0
-                self.unchecked[i] = True
-                if good_at_h is not None:
-                    values[i], errors[i] = -bad * (good_at_h - self.center) / h[i], np.inf
-                one_sided += 1
-                continue
-            values[i], errors[i], room = found
-            self.reach[i] = room / self._taylor_top()
         return _Truth(values, errors, plain, one_sided)
+
+    def _first_side(self, value: float, h: float) -> float:
+        """The side to step to first: towards an edge another input found within h, else towards
+        the nearest integer, where the edges of domains sit most often (log, sqrt at 0; acos,
+        atanh, logit at 1 or -1). Where x_i + h crosses an edge there, that 1 evaluation finds it."""
+        for side, point in self.inside.items():
+            if 0 < (point - value) * side < h:
+                return side
+        return 1.0 if np.round(value) > value else -1.0
 
     def _moved(self, x: np.ndarray, i: int, step: float) -> float | None:
         point = x.copy()
@@ -637,16 +643,22 @@ class _Check:
         """``(value, error estimate, a step known to stay in f's domain towards the edge)`` of the
         derivative along input i, whose step h crosses an edge of f's domain on side ``bad``.
 
-        Probes towards the edge: first a step of 1/256 of x_i's distance to the nearest integer
-        (where most edges sit; then the derivative needs 2 evaluations more: a cubic through
-        x - c, x, x + c, x + 2c, its error estimated by the central difference's departure from it),
-        then steps falling by 64 (then central differences at half the probe's step and at it, the
-        probe's point reused: 3 more)."""
+        Probes towards the edge: first steps of 1/256 of x_i's distance to the point nearest the
+        edge another input found in the domain on that side (inputs often share an edge), and to
+        the nearest integer (where most edges sit); at either the derivative needs 2 evaluations
+        more: a cubic through x - c, x, x + c, x + 2c, its error estimated by the central
+        difference's departure from it. Then steps falling by 64 (central differences at half the
+        probe's step and at it, the probe's point reused: 3 more)."""
         n = x.size
         exact = self.truth_flat.exact
-        distance = abs(x[i] - np.round(x[i]))
-        hint = float(exact(np.full(n, distance / _HINT_MARGIN))[i])
-        candidates = [(hint, True)] if 0 < hint < h / _PROBE_FACTOR else []
+        candidates: list[tuple[float, bool]] = []
+        known = self.inside.get(bad)
+        distances = [abs(known - x[i])] if known is not None and (known - x[i]) * bad > 0 else []
+        distances.append(abs(x[i] - np.round(x[i])))
+        for distance in distances:
+            hint = float(exact(np.full(n, distance / _HINT_MARGIN))[i])
+            if 0 < hint < h / _PROBE_FACTOR and all(hint != c for c, _ in candidates):
+                candidates.append((hint, True))
         probe = h / _PROBE_FACTOR
         while probe > h * self.eps[i] and len(candidates) < _PROBES:
             candidates.append((float(exact(np.full(n, probe))[i]), False))
@@ -657,6 +669,8 @@ class _Check:
             at_edge_side = self._moved(x, i, bad * step)
             if at_edge_side is None:
                 continue
+            reached = x[i] + bad * step
+            self.inside[bad] = reached if known is None else (min if bad < 0 else max)(known, reached)
             if hinted:
                 near, far = self._moved(x, i, -bad * step), self._moved(x, i, -2 * bad * step)
                 if near is None or far is None:
