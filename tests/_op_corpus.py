@@ -11,7 +11,8 @@ The twins: a ``torch.autograd.Function`` or ``jax.custom_vjp`` whose backward re
 times the gradient (even positions in the list), or the gradient with its largest entry moved
 by 1% of the largest (odd positions; an absolute 0.01 where the gradient is zero).
 
-``python tests/_op_corpus.py [stride]`` prints the counts docs/testing.md quotes.
+``python tests/_op_corpus.py [stride] [torch,jax] [op,op...]`` prints the counts docs/testing.md
+quotes (the third argument: those ops alone, each with the twin the whole corpus gives it).
 """
 
 from __future__ import annotations
@@ -68,7 +69,10 @@ def torch_op_db() -> list[Any]:
     return list(op_db)
 
 
-def torch_cases(dtype: str = "float64", stride: int = 1, offset: int = 0) -> Iterator[Case]:
+def torch_cases(
+    dtype: str = "float64", stride: int = 1, offset: int = 0, names: frozenset[str] | None = None
+) -> Iterator[Case]:
+    """The torch cases; ``names`` keeps those ops alone (each with the twin the whole corpus gives it)."""
     import torch
 
     torch_dtype = getattr(torch, dtype)
@@ -82,10 +86,12 @@ def torch_cases(dtype: str = "float64", stride: int = 1, offset: int = 0) -> Ite
         if not any(word in op.name for word in NOT_FUNCTIONS) and not _gradcheck_skipped(op, torch_dtype)
     ]
     for position, op in enumerate(ops[offset::stride]):
+        name = op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
+        if names is not None and name not in names:
+            continue
         sample = _small_sample(op, torch_dtype)
         if sample is None:
             continue
-        name = op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
         f = _torch_function(op, sample, torch_dtype)
         if f is None:
             continue
@@ -302,7 +308,10 @@ def _jax_ops() -> list[tuple[str, Callable[[Any], Any], float, float]]:
     ]
 
 
-def jax_cases(dtype: str = "float64", stride: int = 1, offset: int = 0) -> Iterator[Case]:
+def jax_cases(
+    dtype: str = "float64", stride: int = 1, offset: int = 0, names: frozenset[str] | None = None
+) -> Iterator[Case]:
+    """The jax cases; ``names`` keeps those ops alone (each with the twin the whole corpus gives it)."""
     import jax
 
     rng = np.random.default_rng(0)
@@ -312,6 +321,8 @@ def jax_cases(dtype: str = "float64", stride: int = 1, offset: int = 0) -> Itera
         with jax.enable_x64(dtype == "float64"):
             x = jax.numpy.asarray(numbers, dtype=dtype)
             weights = jax.numpy.asarray(rng.standard_normal(np.shape(op(x))), dtype=dtype)
+        if names is not None and name not in names:
+            continue
         f = _jax_function(op, weights)
         yield Case(name, "jax", dtype, f, x, _jax_twin(f, kind), kind)
 
@@ -403,8 +414,13 @@ def _print(title: str, outcome: Outcome) -> None:
 if __name__ == "__main__":
     stride = int(sys.argv[1]) if len(sys.argv) > 1 else 1
     which = sys.argv[2] if len(sys.argv) > 2 else "torch,jax"
+    names = frozenset(sys.argv[3].split(",")) if len(sys.argv) > 3 else None
     di.AutoTorch()  # (nothing to do: keeps the import used for readers running this by hand)
     for framework in which.split(","):
         for dtype in ("float64", "float32"):
-            cases = torch_cases(dtype, stride) if framework == "torch" else jax_cases(dtype, stride)
+            cases = (
+                torch_cases(dtype, stride, names=names)
+                if framework == "torch"
+                else jax_cases(dtype, stride, names=names)
+            )
             _print(f"{framework} {dtype}", run(cases))

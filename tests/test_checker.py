@@ -74,6 +74,128 @@ def test_jax_domains_arcsin_logit_erfinv():
         assert report.rows[0].status == "passed", (op, report.rows[0].message)
 
 
+EDGE_OPS = {
+    # name: (torch op, jax op, numpy op, inputs: several nearer an edge than the step 6e-6)
+    "log": ("log", "log", "log", [1e-9, 3e-8, 1.0, 1e-7, 2.0, 2e-9]),
+    "sqrt": ("sqrt", "sqrt", "sqrt", [1e-9, 3e-8, 1.0, 1e-7, 2.0, 2e-9]),
+    "acos": ("acos", "arccos", "arccos", [1 - 1e-9, -1 + 3e-8, 0.3, 1 - 1e-7, -1 + 2e-9]),
+}
+FARTHER = {
+    # the same ops with their inputs between the float64 step and 1000 times it (the Taylor test's
+    # top step): in float64 and float32
+    "log": [1e-6, 3e-5, 1.0, 1e-4, 2.0, 2e-6],
+    "sqrt": [1e-6, 3e-5, 1.0, 1e-4, 2.0, 2e-6],
+    "acos": [1 - 1e-5, -1 + 3e-5, 0.3, 1 - 1e-4, -1 + 2e-5],
+}
+
+
+def _edge_case(name: str, backend: str, values: list[float], dtype: str) -> tuple[Any, Any]:
+    torch_name, jax_name, numpy_name, _ = EDGE_OPS[name]
+    if backend == "torch":
+        torch = pytest.importorskip("torch")
+        return getattr(torch, torch_name), torch.tensor(values, dtype=getattr(torch, dtype))
+    if backend == "jax":
+        jax = pytest.importorskip("jax")
+        with jax.enable_x64(dtype == "float64"):
+            return getattr(jax.numpy, jax_name), jax.numpy.asarray(values, dtype=dtype)
+    return getattr(np, numpy_name), np.asarray(values, dtype=dtype)
+
+
+@pytest.mark.parametrize(("where", "dtype"), [("nearer", "float64"), ("farther", "float64"), ("farther", "float32")])
+@pytest.mark.parametrize("backend", ["torch", "jax", "finite_differences"])
+@pytest.mark.parametrize("name", list(EDGE_OPS))
+def test_several_inputs_nearer_an_edge_than_the_step(name, backend, where, dtype):
+    """Each such input gets a step of its own, probed towards the edge, in 4n + 20 evaluations;
+    a finite-difference engine whose own step crosses the edge is skipped with the reason."""
+    values = EDGE_OPS[name][3] if where == "nearer" else FARTHER[name]
+    op, x = _edge_case(name, backend, values, dtype)
+    counted, calls = _counting(lambda v: op(v).sum())
+    report = check_gradients(counted, x, backends=[backend])
+    (row,) = report.rows
+    if backend == "finite_differences" and row.status == "skipped":
+        assert "its own step leaves f's domain" in row.message, row.message
+    else:
+        assert row.status == "passed", row.message
+    if backend == "finite_differences" and where == "nearer":
+        assert row.status == "skipped"  # its step, 6e-6, crosses the edges at 1e-9 .. 1e-7
+    assert calls[0] <= 4 * len(values) + 20 + (2 * len(values) + 1 if backend == "finite_differences" else 0)
+
+
+@pytest.mark.parametrize(("where", "dtype"), [("nearer", "float64"), ("farther", "float32")])
+@pytest.mark.parametrize("name", list(EDGE_OPS))
+def test_a_wrong_gradient_at_inputs_near_an_edge_is_caught(name, where, dtype):
+    torch = pytest.importorskip("torch")
+    op, x = _edge_case(name, "torch", EDGE_OPS[name][3] if where == "nearer" else FARTHER[name], dtype)
+
+    def derivative(v: Any) -> Any:
+        with torch.enable_grad():  # (called in a backward too, where grad mode is off)
+            w = v.detach().requires_grad_(True)
+            (g,) = torch.autograd.grad(op(w).sum(), w)
+        return g
+
+    wrong = _scaled_backward(torch, op, derivative)
+    with pytest.raises(AssertionError, match="values differ"):
+        check_gradients(lambda v: wrong(v).sum(), x, backends=["torch"])
+    # the largest entry (at the input nearest an edge) moved by 1%
+    g = derivative(x)
+    moved = g.clone()
+    moved[g.abs().argmax()] *= 1.01
+    wrong_one = _scaled_backward(torch, op, lambda v: moved, factor=1.0)
+    with pytest.raises(AssertionError, match="values differ"):
+        check_gradients(lambda v: wrong_one(v).sum(), x, backends=["torch"])
+
+
+def test_many_inputs_at_an_edge_within_4n_plus_20_evaluations():
+    torch = pytest.importorskip("torch")
+    x = torch.cat([torch.logspace(-10, -7, 40, dtype=torch.float64), 1 - torch.logspace(-10, -7, 40)])
+    counted, calls = _counting(lambda v: (torch.log(v) + torch.acos(v)).sum())
+    report = check_gradients(counted, x)
+    assert not report.failed and {row.status for row in report.rows} == {"passed"}
+    assert calls[0] <= 4 * 80 + 20, calls[0]
+
+
+def test_edges_beyond_the_budget_are_named_unchecked_not_failed():
+    """An edge off the integers takes probes falling by 64; the inputs after it start from the
+    point it found in the domain. In increasing order every input is checked; in decreasing
+    order the 4n + 20 cannot pay for all, and those left are named on the row as not checked."""
+    torch = pytest.importorskip("torch")
+    increasing = 0.5 + torch.logspace(-9, -8, 12, dtype=torch.float64)
+    for x, named in ((increasing, False), (increasing.flip(0), True)):
+        counted, calls = _counting(lambda v: torch.log(v - 0.5).sum())
+        report = check_gradients(counted, x, backends=["torch"])
+        (row,) = report.rows
+        assert row.status == "passed", row.message
+        assert ("nearer an edge of f's domain than any step" in row.message) == named, row.message
+        assert calls[0] <= 4 * 12 + 20, calls[0]
+
+
+def test_inputs_at_minus_infinity_are_held_fixed():
+    """A mask of -inf before a softmax: no difference along those inputs (they stay -inf), the
+    others checked as ever, a 1% error among them caught."""
+    torch = pytest.importorskip("torch")
+    weights = torch.linspace(-1, 2, 8, dtype=torch.float64)
+    x = torch.tensor([0.3, -float("inf"), 1.2, -0.5, -float("inf"), 2.0, -float("inf"), 0.1], dtype=torch.float64)
+    report = check_gradients(lambda v: (torch.softmax(v, 0) * weights).sum(), x, backends=["torch"])
+    assert report.rows[0].status == "passed" and "3 inputs of x are inf or NaN" in report.rows[0].message
+
+    w = x.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad((torch.softmax(w, 0) * weights).sum(), w)
+    moved = g.clone()
+    moved[g.abs().argmax()] *= 1.01
+
+    class Moved(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, v: Any) -> Any:
+            return (torch.softmax(v, 0) * weights).sum()
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            return grad * moved
+
+    with pytest.raises(AssertionError, match="values differ"):
+        check_gradients(Moved.apply, x, backends=["torch"])
+
+
 # -- 2. kinks ------------------------------------------------------------------------------------------
 
 
@@ -87,6 +209,91 @@ def test_quantile_passes_and_a_kink_at_x_is_reported_not_failed():
     report = check_gradients(lambda v: jnp.sum(jax.nn.relu(v) * jnp.arange(1.0, 4.0)), at_kink, backends=["jax"])
     (row,) = report.rows
     assert row.status == "skipped" and "f is not differentiable at x along v" in row.message
+
+
+def _relu_one_at_zero(jax: Any) -> Any:
+    """relu whose custom rule takes the subgradient 1 at 0 (jax.nn.relu and torch.relu take 0)."""
+
+    @jax.custom_vjp
+    def relu(v: Any) -> Any:
+        return jax.numpy.maximum(v, 0.0)
+
+    relu.defvjp(lambda v: (relu(v), v), lambda v, ct: (ct * jax.numpy.where(v >= 0, 1.0, 0.0),))
+    return relu
+
+
+def _either(torch: Any, jax: Any, torch_f: Any, jax_f: Any, numpy_f: Any) -> Any:
+    """One f for every engine: torch code for tensors, jax code for jax arrays, numpy otherwise
+    (the ground truth)."""
+
+    def f(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return torch_f(v)
+        if isinstance(v, jax.Array) or type(v).__module__.startswith("jax"):
+            return jax_f(v)
+        return numpy_f(v)
+
+    return f
+
+
+def test_a_kink_where_the_engines_disagree_is_a_failure_not_a_skip():
+    torch, jax = pytest.importorskip("torch"), pytest.importorskip("jax")
+    jnp = jax.numpy
+    w = np.arange(1.0, 4.0)
+    x = np.array([0.0, 1.0, -2.0])  # relu's kink at x[0]
+
+    def relu_loss(jax_relu: Any) -> Any:
+        return _either(
+            torch,
+            jax,
+            lambda v: (torch.relu(v) * torch.as_tensor(w)).sum(),
+            lambda v: jnp.sum(jax_relu(v) * w),
+            lambda v: float(np.sum(np.maximum(v, 0.0) * w)),
+        )
+
+    agreeing = check_gradients(relu_loss(jax.nn.relu), x, backends=["torch", "jax"])
+    assert [row.status for row in agreeing.rows] == ["skipped", "skipped", "passed"]
+    assert all("f is not differentiable at x along v" in row.message for row in agreeing.rows[:2])
+    with pytest.raises(AssertionError) as caught:
+        check_gradients(relu_loss(_relu_one_at_zero(jax)), x, backends=["torch", "jax"])
+    message = str(caught.value)
+    assert "3 of the 3 checks failed" in message
+    assert "f is not differentiable at x along v" in message and "the engines disagree with each other" in message
+
+
+def test_max_at_a_tie_with_a_torch_function_taking_another_subgradient_fails():
+    """max(x0, x1) at x0 == x1: jax splits the gradient between the two, this torch rule gives it
+    all to x0; finite differences (central: 1/2 each) agree with jax, and still the row fails."""
+    torch, jax = pytest.importorskip("torch"), pytest.importorskip("jax")
+    jnp = jax.numpy
+
+    class FirstTakesAll(torch.autograd.Function):
+        @staticmethod
+        def forward(v: Any) -> Any:
+            return torch.maximum(v[0], v[1]) + 0.5 * v[2] ** 2
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+            ctx.save_for_backward(inputs[0])
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            (v,) = ctx.saved_tensors
+            first = (v[0] >= v[1]).to(v.dtype)
+            return grad * torch.stack([first, 1 - first, v[2]])
+
+    f = _either(
+        torch,
+        jax,
+        FirstTakesAll.apply,
+        lambda v: jnp.maximum(v[0], v[1]) + 0.5 * v[2] ** 2,
+        lambda v: float(max(v[0], v[1]) + 0.5 * v[2] ** 2),
+    )
+    x = np.array([0.7, 0.7, -1.5])
+    with pytest.raises(AssertionError, match="the engines disagree with each other"):
+        check_gradients(f, x, backends=["torch", "jax"])
+    at_no_tie = np.array([0.9, 0.7, -1.5])
+    assert [row.status for row in check_gradients(f, at_no_tie, backends=["torch", "jax"]).rows] == ["passed"] * 3
 
 
 # -- 3. no size limit -----------------------------------------------------------------------------------

@@ -58,10 +58,15 @@ _RESOLVES = 1e-3
 (a 1% error is then seen by a margin of ten); else the Taylor test judges as well."""
 
 _TAYLOR_STEPS = 5
-_SHRINKS = 3
-"""At an edge of f's domain nearer than the step, the step shrinks by 16 at most this often..."""
+_PROBE_FACTOR = 64.0
+_PROBES = 6
+"""At an edge of f's domain nearer than the step, probes towards it fall by 64, at most 6 times..."""
+_HINT_MARGIN = 256.0
+"""The first probe: this fraction of x_i's distance to the nearest integer (the cubic's error
+estimate, the square of it, stays far below 1% there)."""
 _SPARE_EVALUATIONS = 4
-"""... within this many evaluations of f in all (one shrink): the cost stays 4n + 20."""
+"""... within the evaluations the input would have taken and at least this many more, for all the
+edges together: the cost stays 4n + 20."""
 _NARROW_EPS = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
 _TAYLOR_RATIO = 4.0
 
@@ -92,11 +97,12 @@ def check_gradients(
     at the finite-difference default step ``h = eps**(1/3) * max(1, |x_i|)`` and at ``2h``,
     combined by Richardson extrapolation; their difference estimates the error, with the rounding
     error ``eps * |f| / h``. Where a point raises or gives a non-finite value (an edge of f's
-    domain), the differences go one-sided. Each engine must agree with it within four times that
-    estimate plus ``rtol`` (default by dtype) of each entry; engines agree with each other within
-    the tolerances of their dtype. The ground truth runs on float64 copies of float32 leaves of x
-    and of the Constant contexts when f computes the same value there. It costs ``4n``
-    evaluations of f for ``n`` inputs.
+    domain), the input gets a step of its own, probed towards the edge (docs/testing.md); inputs
+    of x at inf or NaN are held fixed and their entries named unchecked. Each engine must agree
+    with it within four times that estimate plus ``rtol`` (default by dtype) of each entry;
+    engines agree with each other within the tolerances of their dtype. The ground truth runs on
+    float64 copies of float32 leaves of x and of the Constant contexts when f computes the same
+    value there. It costs ``4n`` evaluations of f for ``n`` inputs, edges included.
 
     Where finite differences cannot settle it (they disagree with an engine, or their error is
     too large to see a 1% error: float32 f, large magnitudes, normalisation layers), the Taylor
@@ -240,7 +246,8 @@ class _Flat:
             )
             dtype = dtype if dtype is not None and dtype.kind == "f" else np.dtype(np.float64)
             base = self.vector[lo:hi]
-            out[lo:hi] = (base.astype(dtype) + steps[lo:hi].astype(dtype)).astype(np.float64) - base
+            with np.errstate(invalid="ignore", over="ignore"):  # (inputs at inf: held fixed)
+                out[lo:hi] = (base.astype(dtype) + steps[lo:hi].astype(dtype)).astype(np.float64) - base
         return out
 
 
@@ -298,6 +305,10 @@ class _Check:
         self.report = Report()
         self.outside = Row("(reference)", "f", "gradient", "passed")
         self.wide_x = any(_arrays.dtype_name(leaf) == "float64" for leaf in _tree.leaves(x))
+        # entries of x at +-inf or NaN (a mask of -inf before a softmax): held where they are, no
+        # difference taken along them
+        self.fixed = ~np.isfinite(self.flat.vector)
+        self.finite_x = np.where(self.fixed, 0.0, self.flat.vector)
 
     # -- evaluations of f ----------------------------------------------------------------------
 
@@ -353,6 +364,23 @@ class _Check:
                 self._projected(gradients, k)
             else:
                 self._dense(gradients)
+        notes = []
+        if self.fixed.any():
+            held = ", ".join(self._where(int(i)) for i in np.flatnonzero(self.fixed)[:4])
+            notes.append(
+                f"[{int(self.fixed.sum())} inputs of x are inf or NaN ({held}, ...): held fixed, their "
+                "gradient entries not checked]"
+            )
+        if self.unchecked.any():
+            near = ", ".join(self._where(int(i)) for i in np.flatnonzero(self.unchecked)[:4])
+            notes.append(
+                f"[{int(self.unchecked.sum())} inputs nearer an edge of f's domain than any step the "
+                f"4n + 20 evaluations allowed ({near}, ...): their gradient entries not checked]"
+            )
+        for note in notes:
+            for label in gradients:
+                row = self._row(label)
+                row.message = f"{row.message} {note}".strip()
         self._pairwise(gradients)
         self._not_differentiable_but_disagreeing()
         if self.report.failed:
@@ -411,7 +439,7 @@ class _Check:
         from run to run, say LAPACK's, is no random generator); a global random generator moves f
         at f's own scale."""
         condition = abs(self.f0) + max(
-            (float(np.sum(np.abs(self.flat.vector * g))) for g in gradients.values() if np.all(np.isfinite(g))),
+            (float(np.sum(np.abs(self.finite_x * g))) for g in gradients.values() if np.all(np.isfinite(g))),
             default=0.0,
         )
         self.condition = condition
@@ -442,7 +470,14 @@ class _Check:
         self.truth_contexts = tuple(c.value for c in (promote_contexts(self.contexts) if promoted else self.contexts))
         self.label = "finite_differences (float64)" if promoted else "finite_differences"
         self.eps = self.truth_flat.eps  # of the dtype f runs in, per input
-        self.scale = np.maximum(1.0, np.abs(self.flat.vector))
+        self.scale = np.maximum(1.0, np.abs(self.finite_x))
+        # how far, per input, the Taylor test may move x (in units of its top step): x's scale, a
+        # step of its own at an edge of f's domain, nothing along inputs held fixed
+        self.reach = np.where(self.fixed, 0.0, self.scale)
+        self.edge = np.zeros(self.flat.size, dtype=bool)
+        self.unchecked = np.zeros(self.flat.size, dtype=bool)
+        self.inside: dict[float, float] = {}
+        """Per side of an edge (-1, 1), the point furthest that way an edge input found in f's domain."""
         # f(x) as the ground truth computes it (on the float64 copies, where they serve)
         self.output_dtype = _arrays.dtype_name(_tree.leaves(value[0] if self.has_aux else value)[0])
         center = self._at(self.truth_flat.vector) if promoted else self.f0
@@ -457,8 +492,9 @@ class _Check:
         known = np.isfinite(truth.errors)
         magnitude = float(np.max(np.abs(truth.values[known]), initial=0.0))
         resolves = bool(np.all(_SAFETY * truth.errors[known] <= _RESOLVES * max(magnitude, np.finfo(float).tiny)))
-        noisy = not resolves or not bool(np.all(known))
+        noisy = not resolves or not bool(np.all(known | self.fixed))
         disagreements: dict[str, np.ndarray] = {}
+        own_edge: dict[str, np.ndarray] = {}
         for label, g in gradients.items():
             row = self._row(label)
             row.reference = self.label
@@ -467,6 +503,12 @@ class _Check:
                 err = np.abs(g - truth.values)
             bad = known & ~(err <= tol)
             bad |= known & ~np.isfinite(g)
+            crossed = ~np.isfinite(g) & ~self.fixed
+            if label.split("-")[0] in ("finite_differences", "scipy") and np.any(crossed):
+                # f(x) is finite: a finite-difference engine's NaN is its own step crossing an edge
+                # of f's domain (the ground truth steps short of it), no fault of f's gradient
+                own_edge[label] = crossed
+                bad &= ~crossed
             finite = known & np.isfinite(err)
             row.abs_error = float(np.max(err[finite], initial=0.0))
             row.rel_error = row.abs_error / magnitude if magnitude else (0.0 if row.abs_error == 0 else float("inf"))
@@ -479,23 +521,33 @@ class _Check:
                     f"{int(np.sum(bad))} of {g.size} inputs differ"
                 )
                 disagreements[label] = np.where(bad | ~known, g - np.nan_to_num(truth.values), 0.0)
+        for label, where in own_edge.items():
+            row = self._row(label)
+            if row.status != "failed":
+                inputs = ", ".join(self._where(int(i)) for i in np.flatnonzero(where)[:4])
+                row.status = "skipped"
+                row.message = (
+                    f"its own step leaves f's domain at input {inputs} ({int(np.sum(where))} in all; "
+                    "the gradient is not finite there), nearer an edge than its step; the other inputs agree "
+                    "with the ground truth"
+                )
         if disagreements or noisy:
             first = next(iter(disagreements.values()), None)
             if first is None and gradients:
                 # the engine's departure from the noisy differences: where a wrong entry shows
                 first = np.where(known, next(iter(gradients.values())) - np.nan_to_num(truth.values), 0.0)
             if first is not None and np.all(np.isfinite(first)) and np.any(first):
-                direction = first * self.scale
+                direction = first * self.reach
                 why = "along the disagreement with finite differences" + (
                     "" if disagreements else " (too noisy to judge alone)"
                 )
             else:
-                direction = np.random.default_rng(self.seed).standard_normal(self.flat.size) * self.scale
+                direction = np.random.default_rng(self.seed).standard_normal(self.flat.size) * self.reach
                 why = "along a random direction (finite differences too noisy to judge alone)"
             taylor = self._taylor(direction, why)
             for label, g in gradients.items():
                 row = self._row(label)
-                if row.status == "failed" and label not in disagreements:
+                if (row.status == "failed" and label not in disagreements) or label in own_edge:
                     continue
                 self._apply_taylor(row, taylor, g, fd_failed=label in disagreements)
 
@@ -527,45 +579,142 @@ class _Check:
         return tol
 
     def _coordinate_truth(self) -> _Truth:
-        """Richardson-extrapolated central differences at h and 2h, per input, one-sided at the
-        edges of f's domain, with their error estimates."""
+        """Richardson-extrapolated central differences at h and 2h, per input, with their error
+        estimates. An input nearer an edge of f's domain than h gets a step of its own, found by
+        probing towards the edge (1 evaluation a probe), within the 4n + 20 of the whole check."""
         x = self.truth_flat.vector
         n = x.size
+        free = np.flatnonzero(~self.fixed)
         h = self.truth_flat.exact(self.eps ** (1 / 3) * self.scale)
         h2 = self.truth_flat.exact(2 * h)
         values, errors, plain = np.zeros(n), np.full(n, np.inf), np.full(n, np.nan)
         one_sided = 0
-        self.edge_step = np.inf  # the smallest step an edge of f's domain asked for, relative to x's scale
-        spare = _SPARE_EVALUATIONS
-        for i in range(n):
-            point = x.copy()
-            near, far = h[i], h2[i]
-            for _ in range(_SHRINKS + 1):
-                samples = {}
-                for name, step in (("+1", near), ("-1", -near), ("+2", far), ("-2", -far)):
-                    point[i] = x[i] + step
-                    samples[name] = self._at(point)
-                one_side = (samples["+1"] is None) != (samples["-1"] is None)
-                if not one_side or spare < 4 or near < h[i] / 16**_SHRINKS:
-                    break
-                spare -= 4
-                # an edge of f's domain nearer than the step: smaller steps, until both sides serve
-                near, far = float(self.truth_flat.exact(np.full(n, near / 16))[i]), 0.0
-                far = float(self.truth_flat.exact(np.full(n, 2 * near))[i])
-            point[i] = x[i]
-            if near < h[i]:
-                self.edge_step = min(self.edge_step, near / self.scale[i])
-            rounding = 4 * self.eps[i] * (self.condition + 1e-300) / near
-            value, error, central = _stencil(self.center, samples, near, far, rounding)
-            values[i], errors[i], plain[i] = value, error, central
-            one_sided += int(samples["-1"] is None or samples["+1"] is None)
+        # what the edges may spend: the evaluations an ordinary input would have taken and what
+        # the 4n + 20 leaves beside f(x), the engines' evaluations and the Taylor test; 4 kept
+        # for each input still to come
+        spare = max(_SPARE_EVALUATIONS, 20 - 2 * _TAYLOR_STEPS - self.counted.calls)
+        budget = self.counted.calls + 4 * free.size + spare
+        for position, i in enumerate(free.tolist()):
+            toward = self._first_side(x[i], h[i])
+            first = self._moved(x, i, toward * h[i])
+            second = self._moved(x, i, -toward * h[i]) if first is not None else None
+            if first is None or second is None:
+                bad, good_at_h = (toward, None) if first is None else (-toward, first)
+                self.edge[i] = True
+                left = budget - 4 * (free.size - position - 1)
+                found = self._edge_stencil(x, i, bad, h[i], left) if left - self.counted.calls >= 3 else None
+                if found is None:
+                    # no step found in the domain within the budget: this entry is not checked (and
+                    # the row says so); the Taylor test keeps off this input
+                    self.reach[i] = 0.0
+                    self.unchecked[i] = True
+                    if good_at_h is not None:
+                        values[i], errors[i] = -bad * (good_at_h - self.center) / h[i], np.inf
+                    one_sided += 1
+                else:
+                    values[i], errors[i], room = found
+                    self.reach[i] = room / self._taylor_top()
+                continue
+            samples: dict[str, float | None] = (
+                {"+1": first, "-1": second} if toward > 0 else {"+1": second, "-1": first}
+            )
+            samples["+2"], samples["-2"] = self._moved(x, i, h2[i]), self._moved(x, i, -h2[i])
+            rounding = 4 * self.eps[i] * (self.condition + 1e-300) / h[i]
+            values[i], errors[i], plain[i] = _stencil(self.center, samples, h[i], h2[i], rounding)
+            if samples["-2"] is None or samples["+2"] is None:
+                # an edge between h and 2h: x +- h are too near it for an accurate difference
+                one_sided += 1
+                self.edge[i] = True
+                bad = 1.0 if samples["+2"] is None else -1.0
+                left = budget - 4 * (free.size - position - 1)
+                found = self._edge_stencil(x, i, bad, h[i], left) if left - self.counted.calls >= 3 else None
+                if found is None:
+                    self.reach[i] = h[i] / self._taylor_top()
+                else:
+                    values[i], errors[i], room = found
+                    self.reach[i] = room / self._taylor_top()
         return _Truth(values, errors, plain, one_sided)
+
+    def _first_side(self, value: float, h: float) -> float:
+        """The side to step to first: towards an edge another input found within h, else towards
+        the nearest integer, where the edges of domains sit most often (log, sqrt at 0; acos,
+        atanh, logit at 1 or -1). Where x_i + h crosses an edge there, that 1 evaluation finds it."""
+        for side, point in self.inside.items():
+            if 0 < (point - value) * side < h:
+                return side
+        return 1.0 if np.round(value) > value else -1.0
+
+    def _moved(self, x: np.ndarray, i: int, step: float) -> float | None:
+        point = x.copy()
+        point[i] = x[i] + step
+        return self._at(point)
+
+    def _edge_stencil(
+        self, x: np.ndarray, i: int, bad: float, h: float, budget: int
+    ) -> tuple[float, float, float] | None:
+        """``(value, error estimate, a step known to stay in f's domain towards the edge)`` of the
+        derivative along input i, whose step h crosses an edge of f's domain on side ``bad``.
+
+        Probes towards the edge: first steps of 1/256 of x_i's distance to the point nearest the
+        edge another input found in the domain on that side (inputs often share an edge), and to
+        the nearest integer (where most edges sit); at either the derivative needs 2 evaluations
+        more: a cubic through x - c, x, x + c, x + 2c, its error estimated by the central
+        difference's departure from it. Then steps falling by 64 (central differences at half the
+        probe's step and at it, the probe's point reused: 3 more)."""
+        n = x.size
+        exact = self.truth_flat.exact
+        candidates: list[tuple[float, bool]] = []
+        known = self.inside.get(bad)
+        distances = [abs(known - x[i])] if known is not None and (known - x[i]) * bad > 0 else []
+        distances.append(abs(x[i] - np.round(x[i])))
+        for distance in distances:
+            hint = float(exact(np.full(n, distance / _HINT_MARGIN))[i])
+            if 0 < hint < h / _PROBE_FACTOR and all(hint != c for c, _ in candidates):
+                candidates.append((hint, True))
+        probe = h / _PROBE_FACTOR
+        while probe > h * self.eps[i] and len(candidates) < _PROBES:
+            candidates.append((float(exact(np.full(n, probe))[i]), False))
+            probe /= _PROBE_FACTOR
+        for step, hinted in candidates:
+            if step <= 0 or budget - self.counted.calls < (3 if hinted else 4):
+                return None
+            at_edge_side = self._moved(x, i, bad * step)
+            if at_edge_side is None:
+                continue
+            reached = x[i] + bad * step
+            self.inside[bad] = reached if known is None else (min if bad < 0 else max)(known, reached)
+            if hinted:
+                near, far = self._moved(x, i, -bad * step), self._moved(x, i, -2 * bad * step)
+                if near is None or far is None:
+                    return None
+                # the points at -1, 0, 1, 2 steps away from the edge (sign by ``bad``)
+                d1 = (near - at_edge_side) / (2 * step) * -bad
+                cubic = (-2 * at_edge_side - 3 * self.center + 6 * near - far) / (6 * step) * -bad
+                rounding = 4 * self.eps[i] * (self.condition + 1e-300) / step
+                return cubic, abs(d1 - cubic) + 3 * rounding, step
+            half = float(exact(np.full(n, step / 2))[i])
+            samples = {
+                "+1": self._moved(x, i, half),
+                "-1": self._moved(x, i, -half),
+                ("+2" if bad > 0 else "-2"): at_edge_side,
+                ("-2" if bad > 0 else "+2"): self._moved(x, i, -bad * step),
+            }
+            if samples["+1"] is None or samples["-1"] is None:
+                return None
+            rounding = 4 * self.eps[i] * (self.condition + 1e-300) / half
+            value, error, _ = _stencil(self.center, samples, half, step, rounding)
+            return value, error, step
+        return None
 
     # -- projections ---------------------------------------------------------------------------------
 
     def _projected(self, gradients: dict[str, np.ndarray], k: int) -> None:
         rng = np.random.default_rng(self.seed)
-        directions = [u / np.linalg.norm(u) for u in (rng.standard_normal(self.flat.size) for _ in range(k))]
+        # (no direction moves an input held fixed: inf or NaN)
+        directions = [
+            u / np.linalg.norm(u)
+            for u in (np.where(self.fixed, 0.0, rng.standard_normal(self.flat.size)) for _ in range(k))
+        ]
         x = self.truth_flat.vector
         eps = float(np.max(self.eps, initial=np.finfo(np.float64).eps))
         h = eps ** (1 / 3) * float(np.max(self.scale, initial=1.0))
@@ -632,15 +781,21 @@ class _Check:
     def _taylor(self, direction: np.ndarray, why: str, count: int = _TAYLOR_STEPS) -> _Taylor:
         """f at ``x +- h v`` for h falling by 4 from ``1000 eps**(1/3)`` of the scale of x (at most
         0.1 of it): the largest step moves each input by at most that much."""
-        v = direction / float(np.max(np.abs(direction) / self.scale))
-        eps = float(np.max(self.eps, initial=np.finfo(np.float64).eps))
-        # no step beyond an edge of f's domain the differences found near x
-        top = min(0.1, 1000 * eps ** (1 / 3), 16 * getattr(self, "edge_step", np.inf))
-        steps = top / _TAYLOR_RATIO ** np.arange(count)
+        movable = self.reach > 0
+        direction = np.where(movable, np.nan_to_num(direction), 0.0)
+        largest = float(np.max(np.abs(direction[movable]) / self.reach[movable], initial=0.0))
+        v = direction / largest if largest > 0 else direction
+        # no step beyond an edge of f's domain the differences found near x: its reach is the step
+        # found in the domain there, over the top step
+        steps = self._taylor_top() / _TAYLOR_RATIO ** np.arange(count)
         x = self.truth_flat.vector
         plus = [self._at(x + t * v) for t in steps]
         minus = [self._at(x - t * v) for t in steps]
         return _Taylor(v, steps, plus, minus, why)
+
+    def _taylor_top(self) -> float:
+        eps = float(np.max(self.eps, initial=np.finfo(np.float64).eps))
+        return float(min(0.1, 1000 * eps ** (1 / 3)))
 
     def _apply_taylor(self, row: Row, taylor: _Taylor, g: np.ndarray, fd_failed: bool) -> None:
         verdict, detail = _taylor_verdict(
@@ -672,7 +827,7 @@ class _Check:
     def _noise(self, g: np.ndarray, taylor: _Taylor) -> float:
         """The rounding noise of f's values: a few ulps of f and of the terms ``x_i g_i``."""
         eps = float(np.max(self.eps, initial=np.finfo(np.float64).eps))
-        terms = float(np.sum(np.abs(self.truth_flat.vector * np.nan_to_num(g))))
+        terms = float(np.sum(np.abs(self.finite_x * np.nan_to_num(g))))
         return 2 * eps * (abs(self.center) + terms)
 
     # -- engines against each other --------------------------------------------------------------------
@@ -732,6 +887,15 @@ def _taylor_verdict(f0: float, taylor: _Taylor, slope: float, noise: float, size
     """``(verdict, detail)``: right, wrong, not differentiable, or inconclusive, from the observed
     orders of the remainders over the falling steps (those above 30 times the noise)."""
     steps = taylor.steps
+    # where a step leaves f's domain, an edge lies within it: f is no polynomial at that scale, on
+    # either side, so only the steps 16 times smaller count
+    left = [steps[i] for i in range(len(steps)) if taylor.plus[i] is None or taylor.minus[i] is None]
+    limit = min(left, default=np.inf) / 16
+    taylor = dataclasses.replace(
+        taylor,
+        plus=[p if t < limit else None for p, t in zip(taylor.plus, steps, strict=True)],
+        minus=[m if t < limit else None for m, t in zip(taylor.minus, steps, strict=True)],
+    )
     both = [i for i in range(len(steps)) if taylor.plus[i] is not None and taylor.minus[i] is not None]
     floor = 10 * noise
     if len(both) >= 3:
@@ -753,6 +917,11 @@ def _taylor_verdict(f0: float, taylor: _Taylor, slope: float, noise: float, size
             one = [i for i in range(len(steps)) if taylor.minus[i] is not None]
             sign = -1.0
         if len(one) < 3:
+            if left:
+                return "inconclusive", (
+                    f"f left its domain at h = {min(left):.2g} along v: too near an edge for the steps "
+                    f"{steps[0]:.2g} .. {steps[-1]:.2g}"
+                )
             return "inconclusive", "f left its domain at every step"
         side = taylor.plus if sign > 0 else taylor.minus
         remainders = [abs(side[i] - f0 - sign * steps[i] * slope) for i in one]  # type: ignore[operator]
