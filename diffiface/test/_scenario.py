@@ -15,6 +15,7 @@ from .. import tree as _tree
 from .._backends import AutoFiniteDifferences, Backend
 from .._call import OPERATORS
 from .._contexts import Constant, Context
+from .._tangents import Tangents
 
 __all__ = ["Scenario"]
 
@@ -129,7 +130,7 @@ def result_layout(scenario: Scenario) -> Any:
     """The structure and shapes the operator's result must have (for checking references)."""
     op = OPERATORS[scenario.operator]
     x_layout = _layout(scenario.x)
-    y: Any = scenario.evaluate() if any(kind in ("y", "jacobian", "value") for _, kind in op.parts) else None
+    y: Any = scenario.evaluate() if any(kind in ("y", "ys", "jacobian", "value") for _, kind in op.parts) else None
     if scenario.has_aux and y is not None:
         y = y[0]
     pieces = []
@@ -138,6 +139,8 @@ def result_layout(scenario: Scenario) -> Any:
             pieces.append(x_layout)
         elif kind in ("y", "value"):
             pieces.append(_layout(y))
+        elif kind in ("ys", "xs"):  # one piece per tangent of the batch
+            pieces.append(Tangents(*[_layout(y if kind == "ys" else scenario.x)] * len(scenario.tangent)))
         elif kind == "jacobian":
             pieces.append(
                 _tree.map(lambda yl: _tree.map(lambda xl: (*_arrays.shape(yl), *_arrays.shape(xl)), scenario.x), y)

@@ -14,6 +14,7 @@ from .. import tree as _tree
 from .._backends import AutoFiniteDifferences
 from .._call import OPERATORS
 from .._contexts import Cache, Constant
+from .._tangents import Tangents
 from ._scenario import Scenario
 
 __all__ = ["core_scenarios", "layer_scenarios", "torch_module_scenarios"]
@@ -125,8 +126,11 @@ def _core(operator: str, input_name: str, x: Any, dtype: str, scale: Any, varian
     tangent = None
     if op.tangent == "x":
         tangent = _tangent(x, 1)
+        if op.batch:  # (a batch of two tangents, the second another draw)
+            tangent = Tangents(tangent, _tangent(x, 3))
     elif op.tangent == "y":
-        tangent = _tangent(f(x, *(c.value for c in contexts)) if variant != "cache" else base(x, scale), 2)
+        y = f(x, *(c.value for c in contexts)) if variant != "cache" else base(x, scale)
+        tangent = Tangents(_tangent(y, 2), _tangent(y, 4)) if op.batch else _tangent(y, 2)
     tags = {"core", dtype, input_name, variant}
     second = op.name in (
         "hessian",
