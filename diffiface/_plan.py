@@ -11,6 +11,7 @@ sparse and second-order backends differ in their programs only.
 from __future__ import annotations
 
 import functools
+import operator
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -190,21 +191,20 @@ class _JaxLeaves:
 
 
 class _TorchLeaves:
-    """The test of a list of torch tensors, inline: type, shape, dtype, device."""
+    """The test of a list of torch tensors: type, shape, dtype, device, read and compared in C
+    (no Python frame per leaf)."""
 
-    __slots__ = ("expected",)
+    __slots__ = ("metas", "types")
 
     def __init__(self, leaves: list[Any]) -> None:
-        self.expected = tuple((type(leaf), leaf.shape, leaf.dtype, leaf.device) for leaf in leaves)
+        self.types = list(map(type, leaves))
+        self.metas = list(map(_torch_meta, leaves))
 
     def __call__(self, leaves: list[Any]) -> bool:
-        expected = self.expected
-        if len(leaves) != len(expected):
-            return False
-        for leaf, (cls, shape, dtype, device) in zip(leaves, expected, strict=False):
-            if type(leaf) is not cls or leaf.shape != shape or leaf.dtype != dtype or leaf.device != device:
-                return False
-        return True
+        return list(map(type, leaves)) == self.types and list(map(_torch_meta, leaves)) == self.metas
+
+
+_torch_meta = operator.attrgetter("shape", "dtype", "device")
 
 
 class _Types:
