@@ -22,7 +22,7 @@ from . import _arrays, _placement
 from ._backends import AutoSparse
 from ._keys import static_key, static_x_key
 
-__all__ = ["Check", "Plan", "engine_checked", "leaf_check", "leaves_check"]
+__all__ = ["Check", "Plan", "engine_checked", "flattener", "jax_rebuilds_alike", "leaf_check", "leaves_check"]
 
 Check = tuple[type, Callable[[Any], bool] | None]
 """How a plan knows a leaf: its type, and a test of the rest (None: the type says all)."""
@@ -269,6 +269,33 @@ def flattener(spec: Any, leaves: list[Any]) -> tuple[Flatten, Any]:
     if len(jax_leaves) == len(leaves) and all(a is b for a, b in zip(jax_leaves, leaves, strict=True)):
         return jax.tree_util.tree_flatten, jax_spec
     return default, spec
+
+
+def jax_rebuilds_alike(spec: Any, leaves: list[Any]) -> bool:
+    """Whether jax's pytrees take the tree of structure ``spec`` (optree's) apart into these
+    leaves and rebuild it as optree does: the same node types, dict keys in the same order
+    (jax sorts them; optree keeps the order they were given in)."""
+    jax = sys.modules.get("jax")
+    if jax is None or spec is None or _namespace(spec):
+        return False
+    tree = optree.tree_unflatten(spec, leaves)
+    try:
+        jax_leaves, jax_spec = jax.tree_util.tree_flatten(tree)
+    except Exception:  # (a tree jax cannot take apart)
+        return False
+    if len(jax_leaves) != len(leaves) or not all(a is b for a, b in zip(jax_leaves, leaves, strict=True)):
+        return False
+    return _same_nodes(tree, jax.tree_util.tree_unflatten(jax_spec, leaves))
+
+
+def _same_nodes(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same_nodes(a[key], b[key]) for key in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_nodes(u, v) for u, v in zip(a, b, strict=True))
+    return True
 
 
 def _optree_in(spec: Any) -> Flatten:

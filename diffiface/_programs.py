@@ -22,7 +22,7 @@ from ._checks import _check_cotangent, _check_cotangents, _checked, _describe, _
 from ._contexts import Cache, Constant
 from ._errors import ContextError, FrameworkMismatchError, InvalidOutputError, PreparationMismatchError
 from ._keys import static_key
-from ._plan import engine_checked
+from ._plan import engine_checked, jax_rebuilds_alike
 from ._prep import FunctionRef, Signature
 from ._results import promoted_dtype
 
@@ -231,6 +231,7 @@ class FlatProgram:
         "output",
         "program",
         "sizes",
+        "tree",
     )
 
     def __init__(
@@ -257,6 +258,21 @@ class FlatProgram:
         self.kind = kind
         self.finished = self.candidate and kind in ("x", "value", "hessian")  # the trace settles "y", "jacobian"
         self.dtype = like.dtype if self.candidate else None
+        # A result shaped as a tree x (a gradient, a vjp, an hvp) where jax rebuilds x as optree
+        # does: cast and rebuilt inside the trace, so that jit returns it finished.
+        self.tree: tuple[Any, tuple[Any, ...]] | None = None
+        if (
+            kind == "x"
+            and not self.candidate
+            and len(op.parts) == 1
+            and not has_aux
+            and adapter.retraces
+            and not hasattr(call, "rebuild")  # (x has static leaves: the finisher rebuilds it whole)
+            and all(map(engine_checked, call.x_leaves))
+            and jax_rebuilds_alike(call.signature.x_spec, call.x_leaves)
+        ):
+            self.tree = (call.signature.x_spec, tuple(leaf.dtype for leaf in call.x_leaves))
+            self.finished = True
         self.output = output
         self.mirror = mirror
         self.program = program
@@ -283,6 +299,13 @@ class FlatProgram:
             if kind == "y" and output.spec is _LEAF:
                 self.finished = True
                 return value[0]
+        if self.tree is not None:
+            spec, dtypes = self.tree
+            leaves = [  # cast only where needed: a weak type stays weak
+                leaf if leaf.dtype == dtype else leaf.astype(dtype)
+                for leaf, dtype in zip(native[0], dtypes, strict=True)
+            ]
+            return optree.tree_unflatten(spec, leaves)
         return native[0][0] if self.mirror is not None else native
 
     def on_flat(self, *arguments: Any) -> Any:

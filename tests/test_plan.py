@@ -361,3 +361,37 @@ def test_the_plans_flattening_tells_apart_the_trees_optree_does(backend_id: str)
         assert optree.tree_structure(other) != optree.tree_structure(x), name
         with pytest.raises(di.PreparationMismatchError):
             di.gradient(total, backend, other, prep=prep)
+
+
+def test_a_jit_program_rebuilds_a_tree_x_where_jax_rebuilds_it_as_optree_does() -> None:
+    """Under jit a gradient of a tree x comes out of the compiled program finished where jax
+    rebuilds x as optree does (tuples, namedtuples, dicts with sorted keys); a dict whose keys
+    are not sorted (jax would sort them) is rebuilt in x's own order, as before."""
+    import collections
+
+    require(di.AutoJAX())
+    import jax.numpy as jnp
+
+    def total(p: Any) -> Any:
+        return sum(jnp.sum(jnp.sin(leaf) * leaf) for leaf in optree.tree_leaves(p))
+
+    pair = collections.namedtuple("pair", ["w", "b"])
+    a, b = jnp.asarray([0.5, -1.0], jnp.float32), jnp.asarray([2.0, 0.25, 1.0], jnp.float32)
+    cases = {
+        "tuple": ((a, b), True),
+        "namedtuple": (pair(a, b), True),
+        "sorted dict": ({"a": a, "b": {"c": b, "d": a}}, True),
+        "unsorted dict": ({"z": a, "a": b}, False),
+    }
+    for name, (x, finished) in cases.items():
+        prep = di.prepare_gradient(total, "jax", x)
+        program = prep.plan.program
+        assert type(program).__name__ == "DirectFlat", name
+        assert (program.flat.tree is not None) is finished, name
+        got = di.gradient(total, "jax", x, prep=prep)
+        want = di.gradient(total, di.AutoJAX(jit=False), x)
+        assert type(got) is type(x), name
+        if isinstance(x, dict):
+            assert list(got) == list(x), name
+        assert_tree_close(got, want, rtol=1e-6, atol=1e-6)
+        assert all(g.dtype == jnp.float32 for g in optree.tree_leaves(got)), name
