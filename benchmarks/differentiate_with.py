@@ -21,32 +21,17 @@ import json
 import os
 import platform
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _timing import interleaved
 
 import diffiface as di
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = (64, 128, 128, 10)
 BATCH = 64
-
-
-def interleaved(contenders: dict[str, Callable[[], Any]], rounds: int, repeat: int) -> dict[str, float]:
-    """Median seconds per call of each contender over ``rounds`` interleaved rounds."""
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    for call in contenders.values():  # warm up: preps, compilation
-        call()
-        call()
-    for _ in range(rounds):
-        for name, call in contenders.items():
-            start = time.perf_counter()
-            for _ in range(repeat):
-                call()
-            times[name].append((time.perf_counter() - start) / repeat)
-    return {name: float(np.median(values)) for name, values in times.items()}
 
 
 def _weights() -> dict[str, np.ndarray]:
@@ -97,6 +82,7 @@ def jax_inside_torch(rounds: int, repeat: int) -> dict[str, Any]:
         {"through g": through_g, "inner engine directly": inner_directly, "jax alone (jit)": jax_alone},
         rounds,
         repeat,
+        warmups=2,
     )
     return {"seconds": seconds, "overhead": seconds["through g"] / seconds["inner engine directly"]}
 
@@ -148,6 +134,7 @@ def torch_inside_jax(rounds: int, repeat: int) -> dict[str, Any]:
         },
         rounds,
         repeat,
+        warmups=2,
     )
     direct = seconds["inner engine directly"]
     return {

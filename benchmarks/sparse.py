@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _timing import interleaved
 
 import diffiface as di
 from diffiface import sparse, tree
@@ -59,21 +60,6 @@ def _ready(out: Any) -> Any:
 
     leaves = [getattr(out, "data", out)]
     return jax.block_until_ready(leaves)
-
-
-def interleaved(contenders: dict[str, Callable[[], Any]], rounds: int, repeat: int) -> dict[str, float]:
-    """Median seconds per call of each contender: ``rounds`` rounds, each calling every one
-    ``repeat`` times in turn."""
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    for call in contenders.values():  # warm up (compile) outside the timing
-        call()
-    for _ in range(rounds):
-        for name, call in contenders.items():
-            start = time.perf_counter()
-            for _ in range(repeat):
-                call()
-            times[name].append((time.perf_counter() - start) / repeat)
-    return {name: float(np.median(values)) for name, values in times.items()}
 
 
 def run_jax(n: int, rounds: int) -> dict[str, Any]:

@@ -248,6 +248,22 @@ def _namespace(spec: Any) -> str:
 Flatten = Callable[[Any], tuple[list[Any], Any]]
 
 
+def _jax_structure(spec: Any, leaves: list[Any]) -> tuple[Any, Any] | None:
+    """The tree of optree structure ``spec`` on these leaves and jax's structure of it, where
+    jax is imported and takes that tree apart into the same leaves; else None."""
+    jax = sys.modules.get("jax")
+    if jax is None or spec is None or _namespace(spec):
+        return None
+    tree = optree.tree_unflatten(spec, leaves)
+    try:
+        jax_leaves, jax_spec = jax.tree_util.tree_flatten(tree)
+    except Exception:  # (a tree jax cannot take apart)
+        return None
+    if len(jax_leaves) != len(leaves) or not all(a is b for a, b in zip(jax_leaves, leaves, strict=True)):
+        return None
+    return tree, jax_spec
+
+
 def flattener(spec: Any, leaves: list[Any]) -> tuple[Flatten, Any]:
     """How a plan flattens an argument of structure ``spec`` (optree's, with these leaves), and
     the structure as that flattening gives it, to compare calls with.
@@ -257,35 +273,21 @@ def flattener(spec: Any, leaves: list[Any]) -> tuple[Flatten, Any]:
     (dict keys sorted, None a node, a leaf of another type caught by the leaf tests). Else
     optree's, in the structure's namespace (optree's default one where it holds no type
     registered in diffiface's, since a namespace costs optree a slower lookup per node)."""
-    namespace = _namespace(spec)
-    default: Flatten = functools.partial(optree.tree_flatten, namespace=namespace)
-    jax = sys.modules.get("jax")
-    if spec is None or jax is None or namespace:
-        return default, spec
-    try:
-        jax_leaves, jax_spec = jax.tree_util.tree_flatten(optree.tree_unflatten(spec, leaves))
-    except Exception:
-        return default, spec
-    if len(jax_leaves) == len(leaves) and all(a is b for a, b in zip(jax_leaves, leaves, strict=True)):
-        return jax.tree_util.tree_flatten, jax_spec
-    return default, spec
+    found = _jax_structure(spec, leaves)
+    if found is not None:
+        return sys.modules["jax"].tree_util.tree_flatten, found[1]
+    return functools.partial(optree.tree_flatten, namespace=_namespace(spec)), spec
 
 
 def jax_rebuilds_alike(spec: Any, leaves: list[Any]) -> bool:
     """Whether jax's pytrees take the tree of structure ``spec`` (optree's) apart into these
     leaves and rebuild it as optree does: the same node types, dict keys in the same order
     (jax sorts them; optree keeps the order they were given in)."""
-    jax = sys.modules.get("jax")
-    if jax is None or spec is None or _namespace(spec):
+    found = _jax_structure(spec, leaves)
+    if found is None:
         return False
-    tree = optree.tree_unflatten(spec, leaves)
-    try:
-        jax_leaves, jax_spec = jax.tree_util.tree_flatten(tree)
-    except Exception:  # (a tree jax cannot take apart)
-        return False
-    if len(jax_leaves) != len(leaves) or not all(a is b for a, b in zip(jax_leaves, leaves, strict=True)):
-        return False
-    return _same_nodes(tree, jax.tree_util.tree_unflatten(jax_spec, leaves))
+    tree, jax_spec = found
+    return _same_nodes(tree, jax_spec.unflatten(leaves))
 
 
 def _same_nodes(a: Any, b: Any) -> bool:
@@ -296,10 +298,6 @@ def _same_nodes(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(_same_nodes(u, v) for u, v in zip(a, b, strict=True))
     return True
-
-
-def _optree_in(spec: Any) -> Flatten:
-    return functools.partial(optree.tree_flatten, namespace=_namespace(spec))
 
 
 class Plan:
@@ -358,7 +356,8 @@ class Plan:
         estimates: bool = False,
         context_classes: tuple[type | None, ...] = (),
         single: tuple[Check, tuple[Check, ...]] | None = None,
-        flatteners: tuple[tuple[Flatten, Any], tuple[Flatten, Any], tuple[tuple[Flatten, Any], ...]] | None = None,
+        *,
+        flatteners: tuple[tuple[Flatten, Any], tuple[Flatten, Any], tuple[tuple[Flatten, Any], ...]],
     ) -> None:
         self.operator = operator
         self.backend = backend
@@ -379,12 +378,6 @@ class Plan:
         # How each argument is flattened, and its structure as so flattened (:func:`flattener`).
         # A tree that holds a type registered in diffiface's namespace where the prep's did not
         # then misses the plan, and its full signature decides.
-        if flatteners is None:
-            flatteners = (
-                (_optree_in(x_spec), x_spec),
-                (_optree_in(tangent_spec), tangent_spec),
-                tuple((_optree_in(spec), spec) for spec in context_specs),
-            )
         (self.x_flatten, self.x_key), (self.tangent_flatten, self.tangent_key), contexts = flatteners
         self.context_flattens = tuple(flatten for flatten, _ in contexts)
         self.context_keys = tuple(key for _, key in contexts)

@@ -129,6 +129,24 @@ def namespace(tree: Any) -> Any:
 # -- comparing results ------------------------------------------------------------------------
 
 
+def native_tree(backend_id: str, tree: Any, dtype: str) -> Any:
+    """``tree`` with every leaf as the backend's own array of ``dtype`` (numpy for the others)."""
+
+    def leaf(a: Any) -> Any:
+        a = np.asarray(a, dtype=dtype)
+        if backend_id == "jax":
+            import jax.numpy as jnp
+
+            return jnp.asarray(a)
+        if backend_id.startswith("torch"):
+            import torch
+
+            return torch.from_numpy(a.copy())
+        return a
+
+    return optree.tree_map(leaf, tree)
+
+
 def to_numpy(leaf: Any) -> np.ndarray:
     if type(leaf).__module__.startswith("torch"):
         return leaf.detach().cpu().numpy()  # type: ignore[no-any-return]

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import optree
 import pytest
-from conftest import FIRST_ORDER, namespace, require
+from conftest import FIRST_ORDER, namespace, native_tree, require
 
 import diffiface as di
 from diffiface import _adapters
@@ -28,22 +28,6 @@ def f(x: Any, scale: Any) -> Any:
 
 def _point() -> tuple[dict[str, np.ndarray], np.ndarray]:
     return {"p": np.array([1.0, 2.0, 3.0]), "q": np.array([0.5, -1.0])}, np.array([1.5, -0.5, 2.0])
-
-
-def _native(backend_id: str, tree: Any, dtype: str) -> Any:
-    def leaf(a: Any) -> Any:
-        a = np.asarray(a, dtype=dtype)
-        if backend_id == "jax":
-            import jax.numpy as jnp
-
-            return jnp.asarray(a)
-        if backend_id.startswith("torch"):
-            import torch
-
-            return torch.from_numpy(a.copy())
-        return a
-
-    return optree.tree_map(leaf, tree)
 
 
 @contextlib.contextmanager
@@ -62,7 +46,7 @@ def _batches(backend_id: str, dtype: str, count: int = 4) -> tuple[Any, Any, Any
     x, scale = _point()
     tangents = [{"p": rng.standard_normal(3), "q": rng.standard_normal(2)} for _ in range(count)]
     cotangents = [{"a": rng.standard_normal(3), "b": rng.standard_normal(2)} for _ in range(count)]
-    native = [_native(backend_id, t, dtype) for t in (x, scale, tangents, cotangents)]
+    native = [native_tree(backend_id, t, dtype) for t in (x, scale, tangents, cotangents)]
     return native[0], di.Constant(native[1]), native[2], native[3]
 
 
@@ -216,7 +200,7 @@ def test_batches_that_do_not_fit_are_refused(backend_id: str) -> None:
     backend = require(FIRST_ORDER[backend_id])
     with _precision(backend_id, "float64"):
         x, scale, tangents, cotangents = _batches(backend_id, "float64", count=3)
-        short = _native(backend_id, {"p": np.ones(2), "q": np.ones(2)}, "float64")
+        short = native_tree(backend_id, {"p": np.ones(2), "q": np.ones(2)}, "float64")
         with pytest.raises(di.TangentMismatchError, match=r"Tangent 1 of the batch.*\['p'\] has shape"):
             di.batched_jvp(f, backend, x, di.Tangents(tangents[0], short, tangents[2]), scale)
         with pytest.raises(di.TangentMismatchError, match=r"Tangent 2 of the batch.*structure"):

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import optree
 import pytest
-from conftest import FIRST_ORDER, namespace, require, to_numpy
+from conftest import FIRST_ORDER, namespace, native_tree, require, to_numpy
 
 import diffiface as di
 from diffiface import _dispatch
@@ -80,22 +80,6 @@ def loss(x: Any, *contexts: Any) -> Any:
 
 
 # -- native arrays --------------------------------------------------------------------------------
-
-
-def _native(backend_id: str, tree: Any, dtype: str) -> Any:
-    def leaf(a: Any) -> Any:
-        a = np.asarray(a, dtype=dtype)
-        if backend_id == "jax":
-            import jax.numpy as jnp
-
-            return jnp.asarray(a)
-        if backend_id.startswith("torch"):
-            import torch
-
-            return torch.from_numpy(a.copy())
-        return a
-
-    return optree.tree_map(leaf, tree, none_is_leaf=False)
 
 
 @contextlib.contextmanager
@@ -176,11 +160,11 @@ def test_every_shape_takes_the_quick_route(
         dtype = "float64"  # (second differences in float32 are noise; the route is what is counted)
     x_np, contexts_np = _shapes(np.random.default_rng(0))[shape]
     with _precision(backend_id, dtype):
-        x = _native(backend_id, x_np, dtype)
-        contexts = tuple(di.Constant(_native(backend_id, c, dtype)) for c in contexts_np)
+        x = native_tree(backend_id, x_np, dtype)
+        contexts = tuple(di.Constant(native_tree(backend_id, c, dtype)) for c in contexts_np)
         args: tuple[Any, ...] = (x,)
         if tangent == "x":
-            args = (x, _native(backend_id, optree.tree_map(np.ones_like, x_np), dtype))
+            args = (x, native_tree(backend_id, optree.tree_map(np.ones_like, x_np), dtype))
         elif tangent == "y":
             y = head(x, *(c.value for c in contexts))
             args = (x, optree.tree_map(lambda leaf: leaf * 0 + 1, y))
@@ -189,7 +173,7 @@ def test_every_shape_takes_the_quick_route(
                 x,
                 di.Tangents(
                     *(
-                        _native(backend_id, optree.tree_map(lambda a, k=k: np.full_like(a, k), x_np), dtype)
+                        native_tree(backend_id, optree.tree_map(lambda a, k=k: np.full_like(a, k), x_np), dtype)
                         for k in range(3)
                     )
                 ),
@@ -215,15 +199,15 @@ def test_a_call_that_does_not_fit_leaves_the_quick_route(backend_id: str, monkey
     meets the strict check of the full path."""
     backend = require(FIRST_ORDER[backend_id])
     x_np, contexts_np = _shapes(np.random.default_rng(0))["dict"]
-    x = _native(backend_id, x_np, "float32")
-    batch = di.Constant(_native(backend_id, contexts_np[0], "float32"))
+    x = native_tree(backend_id, x_np, "float32")
+    batch = di.Constant(native_tree(backend_id, contexts_np[0], "float32"))
     prep = di.prepare_gradient(loss, backend, x, batch)
     counter = _FullPathCounter(monkeypatch)
     other_dtype = {
         **x,
-        "l2": {**x["l2"], "b": _native(backend_id, x_np["l2"]["b"], "float16")},
+        "l2": {**x["l2"], "b": native_tree(backend_id, x_np["l2"]["b"], "float16")},
     }  # (jax without x64 has no float64)
-    other_shape = {**x, "l2": {"w": x["l2"]["w"], "b": _native(backend_id, np.zeros(3), "float32")}}
+    other_shape = {**x, "l2": {"w": x["l2"]["w"], "b": native_tree(backend_id, np.zeros(3), "float32")}}
     other_structure = {**x, "l3": x["l2"]}
     for bad, part in ((other_dtype, "['l2']['b']"), (other_shape, "['l2']['b']"), (other_structure, "structure")):
         with pytest.raises(di.PreparationMismatchError, match=part.replace("[", r"\[").replace("]", r"\]")):
