@@ -23,13 +23,14 @@ from ._backends import AutoSparse, Backend
 from ._call import _LEAF, OPERATORS, Call, Operator, _dynamic_view
 from ._checks import _check_call, _check_tangent_kinds, _check_tangent_like_x, _check_x
 from ._errors import InvalidInputError
-from ._plan import Plan, flattener, leaf_check, leaves_check
+from ._plan import Plan, _value, flat_call, flattener, leaf_check, leaves_check
 from ._prep import Closure, FunctionRef, Prep, describe_mismatch, mismatch_error, prep_cache
 from ._programs import (
     DirectFlat,
     FlatFinish,
     FlatProgram,
     OnDynamic,
+    Recalled,
     Run,
     Scoped,
     Unfit,
@@ -67,12 +68,42 @@ def evaluate(
     has_aux: bool = False,
 ) -> Any:
     if prep is None:
-        recent = prep_cache.recent(f, name)  # the prep f used last, likely to fit again
-        if recent is not None:
-            leaves = recent.plan.leaves(name, f, backend, x, tangent, contexts, has_aux)
-            if leaves is not None and recent.still_for(f):
+        known = prep_cache.recent(f, name)  # the prep f used last, likely to fit again
+    elif isinstance(prep, Prep):
+        known = prep
+    else:
+        raise InvalidInputError(f"prep must come from di.prepare_{name}(...), got {type(prep).__name__}.")
+    fast = None if known is None else known.plan.flat_call
+    if (  # the plan's steps inline, where jit checks every leaf itself (a frame costs, see FlatCall)
+        fast is not None
+        and name == fast.operator
+        and has_aux == fast.has_aux
+        and fast.ref() is f
+        and (backend is fast.backend or (backend in fast.names if type(backend) is str else backend == fast.backend))
+        and list(map(type, contexts)) == fast.kinds
+        and (fast.precision is None or fast.precision() is None)
+        and (prep is not None or known.still_for(f))  # type: ignore[union-attr]
+    ):
+        values = list(map(_value, contexts))
+        try:
+            if fast.single:
+                arguments = [x, tangent, *values] if fast.tangent else [x, *values]
+                if list(map(type, arguments)) == fast.types:
+                    out = fast.compiled(*arguments)
+                    return out if fast.flat.finished else fast.rest(out)
+            else:
+                leaves, spec = fast.flatten([x, tangent, *values] if fast.tangent else [x, *values])
+                if spec == fast.spec and list(map(type, leaves)) == fast.types:
+                    out = fast.compiled(*leaves)
+                    return out if fast.flat.finished else fast.rest(out)
+        except Unfit:  # (shapes or dtypes the program checks itself: the signature decides)
+            pass
+    if prep is None:
+        if known is not None:
+            found = known.plan.leaves(name, f, backend, x, tangent, contexts, has_aux)
+            if found is not None and known.still_for(f):
                 try:
-                    return recent.run(*leaves)
+                    return known.run(*found)
                 except Unfit:  # (shapes or dtypes its program checks itself: the signature decides)
                     pass
         op, backend, call = _arguments(name, f, backend, x, tangent, contexts, has_aux)
@@ -81,8 +112,6 @@ def evaluate(
             prep = _prepare(op, f, backend, call, strict=True)
             prep_cache.put(f, call.signature, prep)
         return prep.run(call.x_leaves, call.tangent_leaves, call.context_leaves)
-    if not isinstance(prep, Prep):
-        raise InvalidInputError(f"prep must come from di.prepare_{name}(...), got {type(prep).__name__}.")
     plan = prep.plan
     leaves = plan.leaves(name, f, backend, x, tangent, contexts, has_aux)
     if leaves is not None:
@@ -155,6 +184,8 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
     adapter = adapter_for(backend)
     program, estimates, engine = _program_of(op, f, backend, call, function)
     plan = _plan(op, backend, function, call, program, estimates, engine=engine)
+    if type(program) is DirectFlat and plan.checkable:
+        plan.flat_call = flat_call(plan, program, call)
     return Prep(plan, call.signature, strict, Closure(f) if adapter.compiles else None)
 
 
@@ -271,9 +302,10 @@ def _program_of(
         compiled = adapter.compile(traced, static=not all(conversions.mask), arrays=not signature.has_aux)
     run = Run(adapter, conversions, compiled, output, finish, op, signature.has_aux)
     program: Callable[..., Any] = Scoped(adapter, run) if conversions.scoped else run
-    if isinstance(compiled, FlatProgram) and not adapter.estimates_errors and not run.records:
+    if isinstance(compiled, FlatProgram) and not adapter.estimates_errors:
         # the engine takes the leaves as they are: straight to the compiled call
-        program = DirectFlat(compiled, rest, program, adapter.scope if conversions.scoped else None)
+        tail = Recalled(output, rest) if run.records else rest
+        program = DirectFlat(compiled, tail, program, adapter.scope if conversions.scoped else None)
     if dynamic_index is not None:  # x has static leaves: the program takes the others
         program = OnDynamic(program, dynamic_index)
     return program, adapter.estimates_errors, isinstance(compiled, FlatProgram) and compiled.checks

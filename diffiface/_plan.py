@@ -22,7 +22,16 @@ from . import _arrays, _placement
 from ._backends import AutoSparse
 from ._keys import static_key, static_x_key
 
-__all__ = ["Check", "Plan", "engine_checked", "flattener", "jax_rebuilds_alike", "leaf_check", "leaves_check"]
+__all__ = [
+    "Check",
+    "FlatCall",
+    "Plan",
+    "engine_checked",
+    "flattener",
+    "jax_rebuilds_alike",
+    "leaf_check",
+    "leaves_check",
+]
 
 Check = tuple[type, Callable[[Any], bool] | None]
 """How a plan knows a leaf: its type, and a test of the rest (None: the type says all)."""
@@ -274,9 +283,12 @@ def flattener(spec: Any, leaves: list[Any]) -> tuple[Flatten, Any]:
     optree's, in the structure's namespace (optree's default one where it holds no type
     registered in diffiface's, since a namespace costs optree a slower lookup per node)."""
     found = _jax_structure(spec, leaves)
-    if found is not None:
-        return sys.modules["jax"].tree_util.tree_flatten, found[1]
-    return functools.partial(optree.tree_flatten, namespace=_namespace(spec)), spec
+    if found is not None:  # (the registry's own method: tree_flatten is a Python frame around it)
+        return sys.modules["jax"].tree_util.default_registry.flatten, found[1]
+    flatten = getattr(getattr(optree, "_C", None), "flatten", None)  # (likewise optree's, where it has it)
+    if flatten is None:  # pragma: no cover - optree without its C module's flatten
+        return functools.partial(optree.tree_flatten, namespace=_namespace(spec)), spec
+    return functools.partial(flatten, leaf_predicate=None, none_is_leaf=False, namespace=_namespace(spec)), spec
 
 
 def jax_rebuilds_alike(spec: Any, leaves: list[Any]) -> bool:
@@ -318,6 +330,7 @@ class Plan:
         "context_kinds",
         "context_specs",
         "estimates",
+        "flat_call",
         "function",
         "has_aux",
         "names",
@@ -389,6 +402,9 @@ class Plan:
         self.program = program
         self.estimates = estimates
         """Whether the program estimates its error (the prep keeps the last estimate)."""
+        self.flat_call: FlatCall | None = None
+        """Where the program is jit's on flat arguments that jit checks itself: the plan's steps
+        as one comparison of the call's types (:class:`FlatCall`), run by the route inline."""
 
     @property
     def checkable(self) -> bool:
@@ -469,3 +485,73 @@ class Plan:
                     return None
             context_leaves.append(leaves)
         return x_leaves, tangent_leaves, context_leaves
+
+
+_value = operator.attrgetter("value")
+
+
+class FlatCall:
+    """The plan's steps, fused, where every leaf of x, of the tangent and of the contexts is a
+    jax array that jit checks itself (:func:`engine_checked`) and the program is jit's on the
+    flat leaves (:class:`~diffiface._programs.DirectFlat`): the route (:func:`~diffiface._dispatch.evaluate`) flattens
+    x, the tangent and the context values in one call of jax's pytrees (none where each is one
+    array), compares the structure and the leaves' types with the prep's, and hands the leaves
+    to the compiled call. jit compares their shapes, dtypes and layouts as it always does, and
+    the traced program raises :class:`~diffiface._programs.Unfit` for any other than the prep's.
+
+    Each Python frame on this path costs about a microsecond on a core that has just run the
+    engine's program (its caches are cold), against the few the engine's own call takes; so
+    the route runs these steps inline, with no call but jit's and the context values' read."""
+
+    __slots__ = (
+        "backend",
+        "compiled",
+        "flat",
+        "flatten",
+        "has_aux",
+        "kinds",
+        "names",
+        "operator",
+        "precision",
+        "ref",
+        "rest",
+        "single",
+        "spec",
+        "tangent",
+        "types",
+    )
+
+    def __init__(self, plan: Plan, direct: Any, arguments: list[Any], jax_spec: Any) -> None:
+        self.operator, self.has_aux, self.ref = plan.operator, plan.has_aux, plan.function.ref
+        self.backend, self.names = plan.backend, plan.names
+        self.kinds = list(plan.context_kinds)
+        self.tangent = plan.tangent
+        self.compiled, self.flat, self.rest = direct.compiled, direct.flat, direct.rest
+        self.precision = direct.precision  # (float64 with jax's x64 off: the plan's own steps)
+        self.flatten = sys.modules["jax"].tree_util.default_registry.flatten
+        self.spec = jax_spec
+        self.single = jax_spec is None  # (x, the tangent and each context one array)
+        self.types = list(map(type, arguments if self.single else self.flatten(arguments)[0]))
+
+
+def flat_call(plan: Plan, program: Any, call: Any) -> FlatCall | None:
+    """The :class:`FlatCall` of a plan whose program is ``program`` (a
+    :class:`~diffiface._programs.DirectFlat`), for arguments like ``call``'s; None where the
+    plan's own steps are needed."""
+    if not program.flat.checks:
+        return None
+    sig = call.signature
+    rebuilt = [optree.tree_unflatten(sig.x_spec, call.x_leaves)]
+    if plan.tangent:
+        rebuilt.append(optree.tree_unflatten(sig.tangent_spec, call.tangent_leaves))
+    for spec, leaves in zip(call.context_specs, call.context_leaves, strict=True):
+        rebuilt.append(optree.tree_unflatten(spec, leaves))
+    leaves, spec = optree.tree_flatten(rebuilt)  # type: ignore[arg-type]
+    if not leaves or not all(map(engine_checked, leaves)):
+        return None
+    if len(leaves) == len(rebuilt) and all(a is b for a, b in zip(rebuilt, leaves, strict=True)):
+        return FlatCall(plan, program, rebuilt, None)  # (each argument one array)
+    found = _jax_structure(spec, leaves)  # (jax takes the arguments apart into optree's leaves)
+    if found is None:
+        return None
+    return FlatCall(plan, program, rebuilt, found[1])

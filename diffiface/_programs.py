@@ -47,6 +47,7 @@ def _program(
     picked = [i for i, _ in op.parts] + ([1] if has_aux else [])  # the aux comes last
     only = picked[0] if len(picked) == 1 else None
     compiles = adapter.compiles
+    ref = function.ref
 
     empty = plan.empty
     sizes = batch_sizes(sig) if op.batch else None  # (a batch: the leaves of each tangent)
@@ -59,7 +60,8 @@ def _program(
             context_values = dynamic
         else:
             context_values = _merge_contexts(context_specs, context_sizes, dynamic, static or empty)
-        fn = close(function(), context_values, xs[0] if xs else None)
+        f = ref()  # (the weak reference itself: FunctionRef's call is a Python frame)
+        fn = close(f if f is not None else function(), context_values, xs[0] if xs else None)
         if pullback:
             out, aux, vjp = adapter.pullback_function(fn, xs)
             _check_cotangent(sig, output, ts, adapter.complex_outputs)
@@ -89,7 +91,7 @@ def _merge_contexts(specs: list[Any], sizes: list[int], dynamic: tuple[Any, ...]
     if not static.leaves:  # every leaf dynamic (the common case): slices, in order
         values, start = [], 0
         for spec, size in zip(specs, sizes, strict=True):
-            values.append(optree.tree_unflatten(spec, dynamic[start : start + size]))
+            values.append(spec.unflatten(dynamic[start : start + size]))
             start += size
         return tuple(values)
     dyn = iter(dynamic)
@@ -98,7 +100,7 @@ def _merge_contexts(specs: list[Any], sizes: list[int], dynamic: tuple[Any, ...]
     values = []
     for spec, size in zip(specs, sizes, strict=True):
         leaves = [next(dyn) if next(flags) else next(stat) for _ in range(size)]
-        values.append(optree.tree_unflatten(spec, leaves))
+        values.append(spec.unflatten(leaves))
     return tuple(values)
 
 
@@ -115,9 +117,7 @@ def _closer(
     f's x from the leaves, where it is not ``x_spec`` of them (x has static leaves)."""
     single = x_spec == _LEAF
     if rebuild is None:
-
-        def rebuild(xs: Any) -> Any:
-            return optree.tree_unflatten(x_spec, list(xs))
+        rebuild = x_spec.unflatten  # (optree's, in C: a Python frame costs on every call)
 
     checked = output.checked
     scalar = op.scalar_output
@@ -339,6 +339,21 @@ class FlatFinish:
 
     def __call__(self, out: Any) -> Any:
         return out if self.flat.finished else self.rest(out)
+
+
+class Recalled:
+    """A finisher that reads the record of f's output (the structure of a jvp's or a
+    Jacobian's result), behind a compiled call on flat arguments: a program from jit's cache
+    does not evaluate f, so the record of its trace is made the current one first."""
+
+    __slots__ = ("output", "rest")
+
+    def __init__(self, output: _Output, rest: Callable[[Any], Any]) -> None:
+        self.output, self.rest = output, rest
+
+    def __call__(self, out: Any) -> Any:
+        self.output.recall(None)  # (a program on flat arguments has no static argument)
+        return self.rest(out)
 
 
 # -- what a prep runs: objects with named fields --------------------------------------------------

@@ -169,7 +169,7 @@ class RebuildTree:
     def __call__(self, native: tuple[Any, ...]) -> Any:
         values = native[0]
         if self.seen_fit:
-            return optree.tree_unflatten(self.x_spec, list(values))
+            return self.x_spec.unflatten(values)  # (in C: no Python frame)
         if len(values) != len(self.expected):  # pragma: no cover - the engine returns one leaf per leaf of x
             return self.finish(native)
         for value, (cls, dtype, tensor, layout) in zip(values, self.expected, strict=False):
@@ -181,7 +181,7 @@ class RebuildTree:
             ):
                 return self.finish(native)
         self.seen_fit = self.trusted
-        return optree.tree_unflatten(self.x_spec, list(values))
+        return self.x_spec.unflatten(values)  # (in C: no Python frame)
 
 
 def finisher(op: Operator, call: Call, output: _Output, compiled: bool) -> tuple[Callable[[Any], Any], Any]:

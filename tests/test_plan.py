@@ -346,7 +346,7 @@ def test_the_plans_flattening_tells_apart_the_trees_optree_does(backend_id: str)
     prep = di.prepare_gradient(total, backend, x)
     import jax
 
-    assert prep.plan.x_flatten is jax.tree_util.tree_flatten
+    assert prep.plan.x_flatten.__self__ is jax.tree_util.default_registry  # (jax's pytrees, in C)
     assert_tree_close(di.gradient(total, backend, x, prep=prep), di.gradient(total, backend, x), rtol=1e-6, atol=1e-6)
     others = {
         "extra key": {"outer": {"a": a, "b": b, "z": a}, "c": [a, b]},
@@ -395,3 +395,109 @@ def test_a_jit_program_rebuilds_a_tree_x_where_jax_rebuilds_it_as_optree_does() 
             assert list(got) == list(x), name
         assert_tree_close(got, want, rtol=1e-6, atol=1e-6)
         assert all(g.dtype == jnp.float32 for g in optree.tree_leaves(got)), name
+
+
+def _python_calls(call: Any) -> list[str]:
+    """The Python functions ``call()`` enters (C functions and jit's compiled call not counted)."""
+    import sys
+
+    names: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            names.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return names[1:]  # (the lambda itself)
+
+
+@pytest.mark.parametrize("shape", ["one array", "tuple", "dict with sorted keys"])
+@pytest.mark.parametrize("operator", ["gradient", "hvp", "jvp", "vjp", "jacobian", "value_and_gradient"])
+def test_a_prepared_jit_call_on_jax_arrays_runs_no_python_but_the_route(shape: str, operator: str) -> None:
+    """Where jit checks every leaf itself, the plan's steps run inline in the route (FlatCall):
+    a prepared call enters the public operator and the route, and no other Python function
+    where jit returns the result finished (a gradient or an hvp, a jvp of one array); by name
+    or by object. Its result is the one without jit."""
+    require(di.AutoJAX())
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    w, b = jnp.asarray(rng.normal(size=(3, 2)), jnp.float32), jnp.asarray(rng.normal(size=2), jnp.float32)
+    data = jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)
+    x: Any = {"one array": w, "tuple": (w, b), "dict with sorted keys": {"b": b, "w": w}}[shape]
+    scalar = operator in ("gradient", "hvp", "value_and_gradient")
+
+    def f(p: Any, d: Any) -> Any:
+        leaves = jax.tree_util.tree_leaves(p)
+        out = jnp.tanh(d @ next(leaf for leaf in leaves if leaf.ndim == 2)) * sum(jnp.sum(leaf) for leaf in leaves)
+        return jnp.sum(out**2) if scalar else out
+
+    batch = di.Constant(data)
+    tangent = {"hvp": x, "jvp": x, "vjp": f(x, data)}.get(operator)
+    args = (x,) if tangent is None else (x, optree.tree_map(jnp.ones_like, tangent))
+    op = getattr(di, operator)
+    expected = op(f, di.AutoJAX(jit=False), *args, batch)
+    for backend in ("jax", di.AutoJAX()):
+        prep = getattr(di, f"prepare_{operator}")(f, backend, *args, batch)
+        assert prep.plan.flat_call is not None
+        got = op(f, backend, *args, batch, prep=prep)
+        assert_tree_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert optree.tree_structure(got) == optree.tree_structure(expected)
+        calls = _python_calls(lambda: op(f, backend, *args, batch, prep=prep))  # noqa: B023
+        assert calls[:2] == [operator, "evaluate"] and "leaves" not in calls, calls
+        if operator in ("gradient", "hvp") or (operator == "jvp" and shape == "one array"):
+            # (the second prep is the first one, from the cache: its backend is an equal object)
+            assert calls == [operator, "evaluate"] + (["__eq__"] if backend != "jax" else []), calls
+
+
+def test_the_inline_steps_refuse_what_the_plan_refuses() -> None:
+    """The inline steps (FlatCall) compare the structure and each leaf's type; jit's trace the
+    shapes and dtypes: every call the plan's own steps refuse is refused, naming the difference,
+    and an unprepared call never reuses a program f's closure has outgrown."""
+    require(di.AutoJAX())
+    import jax.numpy as jnp
+
+    p, batch = _tree(4)
+    prep = di.prepare_gradient(_tree_loss, "jax", p, di.Constant(batch))
+    assert prep.plan.flat_call is not None and not prep.plan.flat_call.single
+    numpy_leaf = {"w": np.asarray(p["w"]), "b": p["b"]}
+    with pytest.raises(di.PreparationMismatchError, match="x"):
+        di.gradient(_tree_loss, "jax", numpy_leaf, di.Constant(batch), prep=prep)
+    with pytest.raises(di.PreparationMismatchError, match="context"):
+        di.gradient(_tree_loss, "jax", p, di.Cache(batch), prep=prep)
+    with pytest.raises(di.PreparationMismatchError, match="context"):
+        di.gradient(_tree_loss, "jax", p, di.Constant({**batch, "x": batch["x"][:, :2]}), prep=prep)
+    with pytest.raises(di.PreparationMismatchError):
+        di.gradient(_tree_loss, "jax", {"w": p["w"], "b": p["b"].astype(jnp.bfloat16)}, di.Constant(batch), prep=prep)
+    with pytest.raises(di.PreparationMismatchError):
+        di.gradient(_tree_loss, "torch", p, di.Constant(batch), prep=prep)
+    with pytest.raises(di.ContextError):
+        di.gradient(_tree_loss, "jax", p, batch, prep=prep)  # (a bare context)
+    assert_tree_close(  # an equal backend object is the prep's backend
+        di.gradient(_tree_loss, di.AutoJAX(), p, di.Constant(batch), prep=prep),
+        di.gradient(_tree_loss, di.AutoJAX(jit=False), p, di.Constant(batch)),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    # numpy leaves anywhere: the plan's own steps, which test their dtypes
+    assert (
+        di.prepare_gradient(_tree_loss, "jax", p, di.Constant(optree.tree_map(np.asarray, batch))).plan.flat_call
+        is None
+    )
+
+    # unprepared: f reads a closed-over scale; a new value is a new program, never the old one
+    scale = jnp.asarray(1.0)
+
+    def scaled(q: Any, d: Any) -> Any:
+        return _tree_loss(q, d) * scale
+
+    first = di.gradient(scaled, "jax", p, di.Constant(batch))
+    assert di.gradient(scaled, "jax", p, di.Constant(batch))["w"] is not first["w"]  # (served again)
+    scale = jnp.asarray(2.0)
+    second = di.gradient(scaled, "jax", p, di.Constant(batch))
+    assert_tree_close(second, optree.tree_map(lambda v: 2 * v, first), rtol=1e-5, atol=1e-5)
