@@ -1,6 +1,8 @@
-"""Global sparsity detection for torch-written functions: ``f`` traced to a graph of aten
-operations with ``make_fx`` on fake tensors (so the pattern holds for every value of x and of the
-contexts' tensors), and index sets (``_index_sets``) carried through the graph.
+"""Global sparsity detection for torch-written functions: ``f`` run once under a dispatch mode
+that sees each aten operation (after ``functionalize`` has turned in-place writes and views into
+operations that make new tensors), with x and the contexts' tensors as handles without values (so
+the pattern holds for every value of them), and index sets (``_index_sets``) carried through each
+operation as it runs.
 
 Rules: operations tagged ``torch.Tag.pointwise`` unite their operands' sets (broadcast);
 operations that only move elements (views, slices, indexing with known indices, cat, stack, roll,
@@ -94,19 +96,28 @@ def _first_line(error: BaseException) -> str:
     return text[0][:200] if text else ""
 
 
+_VALUE_REASON = (
+    "f branches on, or converts to a Python number, a value computed from x or a context (a Python `if` on a "
+    "tensor, float(t), int(t), .item()): the pattern could differ from one x to the next"
+)
+_SIZE_REASON = (
+    "the size of a result depends on the values of x or a context (a boolean mask, nonzero, unique): a "
+    "sparsity pattern needs sizes known without values"
+)
+
+
 def _tracer_error(error: BaseException) -> str | None:
-    """The reason, when ``error`` comes from tracing rather than from f itself."""
-    name = type(error).__name__
+    """The reason, when ``error`` comes from tracing rather than from f itself: f reached for the
+    values of a handle (they live on the meta device, which has none)."""
     text = str(error)
-    if name in ("GuardOnDataDependentSymNode", "DataDependentOutputException", "DynamicOutputShapeException"):
+    if "meta tensor" in text or "meta device" in text or "device='meta'" in text or "meta" in text.split():
+        if "item()" in text:
+            return f"{_VALUE_REASON} ({_first_line(error)})"
         return (
-            "f branches on, or converts to a Python number, a value computed from x (a Python `if` on a "
-            f"tensor, float(t), int(t)): the pattern could differ from one x to the next ({_first_line(error)})"
+            "f reads the values of a tensor computed from x or a context (numpy(), tolist(), a Python "
+            f"conversion): the pattern could differ from one x to the next ({type(error).__name__}: "
+            f"{_first_line(error)})"
         )
-    if name in ("UnsupportedOperatorException", "UnsupportedFakeTensorException"):
-        return f"torch cannot trace an operation of f on fake tensors ({_first_line(error)})"
-    if "FakeTensor" in text or "tensor subclass" in text or "Proxy" in text or "SymFloat" in text:
-        return f"f does something torch cannot trace without values ({type(error).__name__}: {_first_line(error)})"
     return None
 
 
@@ -115,7 +126,6 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
     torch = _torch()
     import optree
     from torch.func import functionalize
-    from torch.fx.experimental.proxy_tensor import make_fx
 
     leaves, spec = tree.flatten(x)
     context_leaves, context_spec = tree.flatten(values)
@@ -132,6 +142,12 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
         else torch.as_tensor(leaf, dtype=getattr(torch, _arrays.dtype_name(leaf)))
         for leaf in leaves
     ]
+    sizes = [int(np.prod(_arrays.shape(leaf), dtype=np.int64)) for leaf in leaves]
+    interpreter = _Interpreter(sizes, hessian)
+    device = inputs[0].device if inputs else torch.device("cpu")
+    mode = _Tracer(interpreter, device)
+    handles = [mode.placeholder(t, interpreter.input_rows(i)) for i, t in enumerate(inputs)]
+    handles += [mode.placeholder(context_leaves[i], None) for i in tensor_at]
 
     def run(*args: Any) -> Any:
         xs = optree.tree_unflatten(spec, list(args[:k]))
@@ -142,18 +158,22 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
         return tree.leaves(out)
 
     try:
-        with torch.no_grad():
-            graph = make_fx(
-                functionalize(run, remove="mutations_and_views"), tracing_mode="fake", _allow_non_fake_inputs=True
-            )(*inputs, *[context_leaves[i] for i in tensor_at])
+        # f's random draws must not move the caller's generator
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), mode:
+            outputs = functionalize(run, remove="mutations_and_views")(*handles)
+    except _Refused as error:
+        raise UnsupportedOperationError(_refusal(str(error))) from error
     except Exception as error:
+        if mode.refused is not None:
+            raise UnsupportedOperationError(_refusal(mode.refused)) from error
         reason = _tracer_error(error)
         if reason is None:
             raise  # f's own exception, as f raised it
         raise UnsupportedOperationError(_refusal(reason)) from error
-    sizes = [int(np.prod(_arrays.shape(leaf), dtype=np.int64)) for leaf in leaves]
+    if mode.refused is not None:  # refused inside f, and f caught it: its other branch is not f at x
+        raise UnsupportedOperationError(_refusal(mode.refused))
     try:
-        return _Interpreter(graph, sizes, hessian).run()
+        return interpreter.finish([mode.output(out) for out in outputs])
     except _Refused as error:
         raise UnsupportedOperationError(_refusal(str(error))) from error
 
@@ -166,9 +186,174 @@ def _refusal(reason: str) -> str:
     )
 
 
+class _Node:
+    """One recorded operation (or input, or constant), in the shape of an fx node: what the rules read."""
+
+    __slots__ = ("args", "kwargs", "meta", "op", "target")
+
+    def __init__(self, op: str, target: Any, args: Any, kwargs: Any, val: Any) -> None:
+        self.op = op
+        self.target = target
+        self.args = args
+        self.kwargs = kwargs
+        self.meta = {"val": val}
+
+
+_SHAPE_ONLY = {"is_same_size", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "dim", "size", "stride"}
+"""Operations whose non-tensor result reads shapes, not values."""
+
+
+def _tracer_class() -> Any:
+    """The dispatch mode, made on first use (torch is imported only by a torch-written f)."""
+    global _TRACER_CLASS
+    if _TRACER_CLASS is not None:
+        return _TRACER_CLASS
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Tracer(TorchDispatchMode):
+        """Records each aten operation of f as it runs and carries the index sets through it.
+
+        The tensors f sees for x and the contexts are handles on the meta device: no values, so f
+        cannot branch on them or read them into Python or numpy unnoticed. Each handle has a shadow,
+        a real tensor (a copy of x's or a context's values), on which the operation runs: that
+        gives the result's shape and dtype without torch's meta kernels (several are Python
+        functions that import torch's compiler, about 1.7 s, on their first call). The shadows'
+        values are never read by a rule; constants' values are (tensors f closes over, and what
+        is computed from them alone, run as they are). ``functionalize`` (outside this mode)
+        turns f's in-place writes and views into operations that make new tensors, so no
+        handle aliases another."""
+
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:
+            # torch wraps a mode's __torch_dispatch__ to keep its compiler out of it, and that
+            # wrapper imports the compiler on its first call; nothing here is compiled
+            return False
+
+        def __init__(self, interpreter: _Interpreter, device: Any) -> None:
+            super().__init__()
+            self.interpreter = interpreter
+            self.device = device
+            self.entries: dict[int, tuple[Any, Any, _Node]] = {}  # id(handle) -> handle, shadow, node
+            self.constants: dict[int, tuple[Any, _Node]] = {}
+            self.refused: str | None = None
+
+        def placeholder(self, tensor: Any, rows: Any) -> Any:
+            node = _Node("placeholder", None, (), {}, tensor)
+            self.interpreter.rows[node] = rows
+            return self.handle(tensor.detach().clone(), node)
+
+        def handle(self, shadow: Any, node: _Node) -> Any:
+            torch = _torch()
+            meta = torch.empty_strided(
+                tuple(shadow.shape), tuple(shadow.stride()), dtype=shadow.dtype, device="meta"
+            )
+            self.entries[id(meta)] = (meta, shadow, node)
+            return meta
+
+        def refuse(self, reason: str) -> Any:
+            if self.refused is None:
+                self.refused = reason
+            raise _Refused(reason)
+
+        def output(self, out: Any) -> Any:
+            torch = _torch()
+            if isinstance(out, torch.Tensor):
+                entry = self.entries.get(id(out))
+                if entry is not None:
+                    return entry[2]
+                if out.device.type == "meta":
+                    self.refuse("f returned a tensor on the meta device, which has no values")
+                return _Node("get_attr", None, (), {}, out)
+            return out
+
+        def node_of(self, a: Any) -> Any:
+            torch = _torch()
+            if not isinstance(a, torch.Tensor):
+                return a
+            entry = self.entries.get(id(a))
+            if entry is not None:
+                return entry[2]
+            if a.device.type == "meta":
+                self.refuse("f made a tensor on the meta device (its values are unknown to the detector)")
+            constant = self.constants.get(id(a))
+            if constant is None:
+                node = _Node("get_attr", None, (), {}, a)
+                self.interpreter.rows[node] = None
+                self.interpreter.values[node] = a
+                constant = self.constants[id(a)] = (a, node)
+            return constant[1]
+
+        def real(self, a: Any) -> Any:
+            torch = _torch()
+            if isinstance(a, torch.Tensor):
+                entry = self.entries.get(id(a))
+                return a if entry is None else entry[1]
+            if isinstance(a, torch.device) and a.type == "meta":
+                return self.device
+            return a
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            torch = _torch()
+            from torch.utils import _pytree as pytree
+
+            kwargs = kwargs or {}
+            flat = pytree.tree_leaves((args, kwargs))
+            handles = [a for a in flat if isinstance(a, torch.Tensor) and id(a) in self.entries]
+            schema = getattr(func, "_schema", None)
+            mutable = schema is not None and schema.is_mutable
+            name = _name(func)
+            if not handles:
+                if any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in flat):
+                    self.refuse("f made a tensor on the meta device (its values are unknown to the detector)")
+                if mutable and any(isinstance(a, torch.Tensor) for a in flat):
+                    self.refuse(
+                        f"f writes in place ({func}) into a tensor it closes over; the detector does not change "
+                        "f's tensors"
+                    )
+                # a constant: computed from constants alone, its values count
+                return func(*pytree.tree_map(self.real, args), **pytree.tree_map(self.real, kwargs))
+            tags = getattr(func, "tags", ())
+            if mutable:
+                self.refuse(f"the traced program writes in place ({func}), which the detector does not follow")
+            if torch.Tag.data_dependent_output in tags or name in ("_local_scalar_dense", "is_nonzero"):
+                self.refuse(_VALUE_REASON)
+            if torch.Tag.dynamic_output_shape in tags:
+                by_index = name in ("index", "_unsafe_index", "index_put")
+                if not by_index or any(h.dtype in (torch.bool, torch.uint8) for h in handles):
+                    self.refuse(_SIZE_REASON)
+            out = func(*pytree.tree_map(self.real, args), **pytree.tree_map(self.real, kwargs))
+            node = _Node(
+                "call_function", func, pytree.tree_map(self.node_of, args), pytree.tree_map(self.node_of, kwargs), out
+            )
+            self.interpreter.call(node)
+            if isinstance(out, torch.Tensor):
+                return self.handle(out, node)
+            if isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out):
+                wrapped = []
+                for i, o in enumerate(out):
+                    child = _Node("call_function", operator.getitem, (node, i), {}, o)
+                    self.interpreter.call(child)
+                    wrapped.append(self.handle(o, child))
+                return type(out)(wrapped)
+            if name not in _SHAPE_ONLY and any(
+                isinstance(o, (bool, int, float, complex)) for o in pytree.tree_leaves(out)
+            ):
+                self.refuse(_VALUE_REASON)
+            return out
+
+    _TRACER_CLASS = Tracer
+    return Tracer
+
+
+_TRACER_CLASS: Any = None
+
+
+def _Tracer(interpreter: _Interpreter, device: Any) -> Any:  # noqa: N802 (the class, made on first use)
+    return _tracer_class()(interpreter, device)
+
+
 class _Interpreter:
-    def __init__(self, graph: Any, sizes: list[int], hessian: bool) -> None:
-        self.graph = graph
+    def __init__(self, sizes: list[int], hessian: bool) -> None:
         self.sizes = sizes
         self.n = int(sum(sizes))
         self.pairs = sets.Pairs(self.n) if hessian else None
@@ -177,34 +362,19 @@ class _Interpreter:
         self.rows: dict[Any, Any] = {}
         self.values: dict[Any, Any] = {}
 
-    # -- the walk --------------------------------------------------------------------------------
-
-    def run(self) -> Detection:
+    def input_rows(self, i: int) -> Any:
+        """The sets of x's leaf ``i``: each element depends on itself."""
         import scipy.sparse as sp
 
-        torch = _torch()
-        placeholders = 0
-        offset = 0
-        outputs: list[Any] = []
-        for node in self.graph.graph.nodes:
-            if node.op == "placeholder":
-                if placeholders < len(self.sizes):
-                    size = self.sizes[placeholders]
-                    self.rows[node] = sp.csr_array(
-                        (np.ones(size, dtype=bool), (np.arange(size), np.arange(offset, offset + size))),
-                        shape=(size, self.n),
-                    )
-                    offset += size
-                else:
-                    self.rows[node] = None
-                placeholders += 1
-            elif node.op == "get_attr":
-                self.rows[node] = None
-                self.values[node] = getattr(self.graph, node.target)
-            elif node.op == "call_function":
-                self.call(node)
-            elif node.op == "output":
-                outputs = list(node.args[0])
+        size, offset = self.sizes[i], int(sum(self.sizes[:i]))
+        return sp.csr_array(
+            (np.ones(size, dtype=bool), (np.arange(size), np.arange(offset, offset + size))), shape=(size, self.n)
+        )
+
+    def finish(self, outputs: list[Any]) -> Detection:
+        """The pattern of f's outputs (nodes, or Python numbers)."""
+        import scipy.sparse as sp
+
         blocks = []
         for out in outputs:
             if hasattr(out, "op"):
@@ -212,7 +382,7 @@ class _Interpreter:
                 size = sets.size(_concrete_shape(meta, "f's output"))
                 rows = self.rows.get(out) if _is_float_meta(meta) else None
             else:
-                size = sets.size(np.shape(out.detach().numpy() if isinstance(out, torch.Tensor) else out))
+                size = sets.size(np.shape(out))
                 rows = None
             blocks.append(sets.empty(size, self.n) if rows is None else rows)
         if self.pairs is not None:
