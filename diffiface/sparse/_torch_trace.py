@@ -45,7 +45,9 @@ _MOVES = {
     "masked_fill", "movedim", "flatten", "unflatten", "lift_fresh_copy", "take", "take_along_dim",
     "reflection_pad1d", "reflection_pad2d", "replication_pad1d", "replication_pad2d", "circular_pad1d",
     "repeat_interleave", "rot90", "where", "scatter", "fill", "zero", "masked_scatter", "squeeze_copy",
-    "unsqueeze_copy", "_reshape_alias", "_unsafe_index",
+    "unsqueeze_copy", "_reshape_alias", "_unsafe_index", "diagonal_copy", "unfold_copy", "unbind_copy",
+    "split_copy", "split_with_sizes_copy", "narrow_copy", "alias_copy", "detach_copy", "_reshape_alias_copy",
+    "movedim_copy",
 }  # fmt: skip
 """Operations that only move elements: run on positions by torch itself."""
 
@@ -110,7 +112,13 @@ def _tracer_error(error: BaseException) -> str | None:
     """The reason, when ``error`` comes from tracing rather than from f itself: f reached for the
     values of a handle (they live on the meta device, which has none)."""
     text = str(error)
-    if "meta tensor" in text or "meta device" in text or "device='meta'" in text or "meta" in text.split():
+    if (
+        "unallocated storage" in text
+        or "meta tensor" in text
+        or "meta device" in text
+        or "device='meta'" in text
+        or "meta" in text.split()
+    ):
         if "item()" in text:
             return f"{_VALUE_REASON} ({_first_line(error)})"
         return (
@@ -145,7 +153,7 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
     sizes = [int(np.prod(_arrays.shape(leaf), dtype=np.int64)) for leaf in leaves]
     interpreter = _Interpreter(sizes, hessian)
     device = inputs[0].device if inputs else torch.device("cpu")
-    mode = _Tracer(interpreter, device)
+    mode = _new_tracer(interpreter, device)
     handles = [mode.placeholder(t, interpreter.input_rows(i)) for i, t in enumerate(inputs)]
     handles += [mode.placeholder(context_leaves[i], None) for i in tensor_at]
 
@@ -199,6 +207,8 @@ class _Node:
         self.meta = {"val": val}
 
 
+_RESHAPED_IN_PLACE = {"squeeze_", "unsqueeze_"}
+"""In-place operations that change a tensor's shape and keep its elements' order."""
 _SHAPE_ONLY = {"is_same_size", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "dim", "size", "stride"}
 """Operations whose non-tensor result reads shapes, not values."""
 
@@ -210,7 +220,7 @@ def _tracer_class() -> Any:
         return _TRACER_CLASS
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class Tracer(TorchDispatchMode):
+    class Tracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         """Records each aten operation of f as it runs and carries the index sets through it.
 
         The tensors f sees for x and the contexts are handles on the meta device: no values, so f
@@ -230,7 +240,7 @@ def _tracer_class() -> Any:
             return False
 
         def __init__(self, interpreter: _Interpreter, device: Any) -> None:
-            super().__init__()
+            super().__init__()  # type: ignore[no-untyped-call]
             self.interpreter = interpreter
             self.device = device
             self.entries: dict[int, tuple[Any, Any, _Node]] = {}  # id(handle) -> handle, shadow, node
@@ -244,9 +254,7 @@ def _tracer_class() -> Any:
 
         def handle(self, shadow: Any, node: _Node) -> Any:
             torch = _torch()
-            meta = torch.empty_strided(
-                tuple(shadow.shape), tuple(shadow.stride()), dtype=shadow.dtype, device="meta"
-            )
+            meta = torch.empty_strided(tuple(shadow.shape), tuple(shadow.stride()), dtype=shadow.dtype, device="meta")
             self.entries[id(meta)] = (meta, shadow, node)
             return meta
 
@@ -292,6 +300,17 @@ def _tracer_class() -> Any:
                 return self.device
             return a
 
+        def reshape_in_place(self, func: Any, args: Any, kwargs: Any) -> Any:
+            """``squeeze_``/``unsqueeze_`` of a handle (functionalize passes these down; torch's matmul
+            of a vector uses one): a new shape, the same elements in the same order."""
+            handle, shadow, node = self.entries[id(args[0])]
+            func(shadow, *args[1:], **kwargs)
+            func(handle, *args[1:], **kwargs)
+            reshaped = _Node("call_function", func, (node, *args[1:]), kwargs, shadow)
+            self.interpreter.rows[reshaped] = self.interpreter.rows.get(node)
+            self.entries[id(handle)] = (handle, shadow, reshaped)
+            return handle
+
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             torch = _torch()
             from torch.utils import _pytree as pytree
@@ -313,6 +332,8 @@ def _tracer_class() -> Any:
                 # a constant: computed from constants alone, its values count
                 return func(*pytree.tree_map(self.real, args), **pytree.tree_map(self.real, kwargs))
             tags = getattr(func, "tags", ())
+            if name in _RESHAPED_IN_PLACE and id(args[0]) in self.entries and len(handles) == 1:
+                return self.reshape_in_place(func, args, kwargs)
             if mutable:
                 self.refuse(f"the traced program writes in place ({func}), which the detector does not follow")
             if torch.Tag.data_dependent_output in tags or name in ("_local_scalar_dense", "is_nonzero"):
@@ -348,7 +369,7 @@ def _tracer_class() -> Any:
 _TRACER_CLASS: Any = None
 
 
-def _Tracer(interpreter: _Interpreter, device: Any) -> Any:  # noqa: N802 (the class, made on first use)
+def _new_tracer(interpreter: _Interpreter, device: Any) -> Any:
     return _tracer_class()(interpreter, device)
 
 
