@@ -69,6 +69,9 @@ def _torch_corpus() -> dict[str, Callable[[Any], Any]]:
         "view-of-view": view_of_view,
         "linear-of-vector": linear,  # (torch's matmul of a vector squeezes its result in place)
         "unfold": lambda x: x.unfold(0, 3, 2).sum(1),
+        "conv-transpose": lambda x: torch.nn.functional.conv_transpose1d(x.reshape(1, 1, -1), kernel, stride=2).reshape(
+            -1
+        ),
         "constant-mask": lambda x: x[torch.tensor(np.arange(N) % 3 != 1)] ** 2 * x[:5],
         "cat": lambda x: torch.cat([x[:2] * 3, torch.sin(x[2:]) * x[:-2]]),
         "stack": lambda x: torch.stack([x, x.flip(0)]).sum(0),
@@ -201,6 +204,38 @@ def test_structure_is_read_exactly_where_it_is_known() -> None:
     ).toarray()
     band = np.abs(np.subtract.outer(np.arange(N), np.arange(N))) <= 1
     assert (rosenbrock == band).all()
+
+
+def test_transposed_convolution_is_banded() -> None:
+    """A transposed convolution with a constant kernel: exactly the nonzeros of its Jacobian (strides,
+    padding, output padding, dilation, groups, zero taps), where it was dense."""
+    conv_t = torch.nn.functional.conv_transpose1d
+    kernel_1d = torch.tensor(KERNEL).reshape(1, 1, 3)
+    kernel_2d = torch.tensor(RNG.standard_normal((4, 3, 2, 3)))
+    kernel_2d[0, 1] = 0.0
+    kernel_2d[:, :, 1, 0] = 0.0
+    cases = {
+        "strided": (lambda x: conv_t(x.reshape(1, 1, -1), kernel_1d, stride=2).reshape(-1), 7),
+        "padded": (
+            lambda x: conv_t(x.reshape(1, 1, -1), kernel_1d, stride=2, padding=1, output_padding=1, dilation=2).reshape(
+                -1
+            ),
+            7,
+        ),
+        "grouped-2d": (
+            lambda x: torch.nn.functional.conv_transpose2d(
+                x.reshape(2, 4, 2, 3), kernel_2d, stride=(2, 1), padding=(0, 1), groups=2
+            ).reshape(-1),
+            48,
+        ),
+        "kernel-from-x": (lambda x: conv_t(x[:6].reshape(1, 2, 3), x[6:].reshape(2, 1, 3), stride=2).reshape(-1), 12),
+    }
+    rng = np.random.default_rng(2)
+    for name, (f, n) in cases.items():
+        found = sparse.detect(f, torch.tensor(rng.standard_normal(n)), (), sparse.GlobalDetector("torch"), None, False)
+        dense = torch.autograd.functional.jacobian(f, torch.tensor(rng.standard_normal(n))).reshape(-1, n).numpy()
+        assert not found.notes, name
+        assert (found.pattern.toarray() == (dense != 0)).all(), name
 
 
 # --- the default detector follows the engine ---------------------------------------------------

@@ -8,7 +8,8 @@ Rules: operations tagged ``torch.Tag.pointwise`` unite their operands' sets (bro
 operations that only move elements (views, slices, indexing with known indices, cat, stack, roll,
 pad, scatter of known indices) are run by torch itself on tensors of positions; reductions,
 cumulative operations, softmax and sort unite along their dimensions; mm, mv, bmm, addmm and dot
-read the zeros of a constant operand; convolution reads the zeros of a constant kernel. Any other
+read the zeros of a constant operand; convolution, transposed or not, reads the zeros of a constant
+kernel. Any other
 operation is dense (each output element depends on everything its operands depend on) and
 named in the detection's notes. Tensors ``f`` closes over are constants: their values count.
 """
@@ -695,13 +696,14 @@ class _Interpreter:
         args = list(node.args)
         source, weight, bias = args[0], args[1], args[2]
         stride, padding, dilation, transposed, _, groups = args[3:9]
-        if transposed:
-            return _UNKNOWN
         in_shape, w_shape = _shape(source), _shape(weight)
+        if len(in_shape) < 3 or len(w_shape) != len(in_shape):
+            return _UNKNOWN  # (an unbatched input reaches aten batched; anything else: dense)
         kernel = self._value_or_none(weight)
         if kernel is None:
             kernel = np.ones(w_shape, dtype=bool)
-        pairs_in, pairs_w = _conv_pairs(in_shape, w_shape, shape, kernel, stride, padding, dilation, groups)
+        pairs = _conv_transpose_pairs if transposed else _conv_pairs
+        pairs_in, pairs_w = pairs(in_shape, w_shape, shape, kernel, stride, padding, dilation, groups)
         import scipy.sparse as sp
 
         out_size = sets.size(shape)
@@ -892,6 +894,55 @@ def _conv_pairs(
             in_rows.append(out_flat[inside])
             in_cols.append(in_flat)
     del channels
+    cat = np.concatenate
+    empty = np.zeros(0, dtype=np.int64)
+    return (
+        (cat(in_rows) if in_rows else empty, cat(in_cols) if in_cols else empty),
+        (cat(w_rows) if w_rows else empty, cat(w_cols) if w_cols else empty),
+    )
+
+
+def _conv_transpose_pairs(
+    in_shape: Sequence[int],
+    w_shape: Sequence[int],
+    out_shape: Sequence[int],
+    kernel: np.ndarray,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """(output, input) and (output, weight) flat index pairs of a transposed convolution, where the
+    kernel may be nonzero: input element (b, c, *l) adds ``w[c, o_local, *k]`` times itself into
+    output (b, o, *(l * stride - padding + k * dilation)), o the channel o_local of c's group.
+    Input (B, C, *L), weight (C, O / groups, *K), output (B, O, *L_out); an output padding only
+    lengthens L_out (its elements read nothing)."""
+    spatial = len(in_shape) - 2
+    batch, channels = in_shape[0], in_shape[1]
+    per_group_in = channels // groups
+    per_group_out = w_shape[1]
+    taps = np.argwhere(kernel.reshape(w_shape))
+    c_idx, o_local = taps[:, 0], taps[:, 1]
+    k_idx = taps[:, 2:]
+    o_idx = (c_idx // per_group_in) * per_group_out + o_local
+    w_flat: Any = np.ravel_multi_index(tuple(taps.T), tuple(w_shape)) if taps.size else np.zeros(0, dtype=np.int64)
+    grid = np.indices(tuple(in_shape[2:])).reshape(spatial, -1).T  # (P, spatial): input positions
+    in_rows, in_cols, w_rows, w_cols = [], [], [], []
+    for b in range(batch):
+        for t in range(taps.shape[0]):
+            location = grid * np.asarray(stride) - np.asarray(padding) + k_idx[t] * np.asarray(dilation)
+            inside = np.all((location >= 0) & (location < np.asarray(out_shape[2:])), axis=1)
+            loc = location[inside]
+            out_flat = np.ravel_multi_index(
+                (np.full(loc.shape[0], b), np.full(loc.shape[0], o_idx[t]), *loc.T), tuple(out_shape)
+            )
+            in_flat = np.ravel_multi_index(
+                (np.full(loc.shape[0], b), np.full(loc.shape[0], c_idx[t]), *grid[inside].T), tuple(in_shape)
+            )
+            in_rows.append(out_flat)
+            in_cols.append(in_flat)
+            w_rows.append(out_flat)
+            w_cols.append(np.full(out_flat.size, w_flat[t]))
     cat = np.concatenate
     empty = np.zeros(0, dtype=np.int64)
     return (
