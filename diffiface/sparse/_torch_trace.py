@@ -9,9 +9,9 @@ operations that only move elements (views, slices, indexing with known indices, 
 pad, scatter of known indices) are run by torch itself on tensors of positions; reductions,
 cumulative operations, softmax and sort unite along their dimensions; mm, mv, bmm, addmm and dot
 read the zeros of a constant operand; convolution, transposed or not, reads the zeros of a constant
-kernel. Any other
-operation is dense (each output element depends on everything its operands depend on) and
-named in the detection's notes. Tensors ``f`` closes over are constants: their values count.
+kernel. Any other operation is dense (each output element depends on everything its operands
+depend on) and named in the detection's notes. Tensors ``f`` closes over are constants: their
+values count.
 """
 
 from __future__ import annotations
