@@ -383,6 +383,51 @@ def test_torch_detector_in_a_fresh_process() -> None:
     print(f"first torch detection in a fresh process, n = 10^4: {found['seconds']:.3f} s")
 
 
+def test_torch_cond_falls_back_to_make_fx() -> None:
+    """torch.cond (a higher-order operator, compiled by torch on the handles) is not followed by the
+    dispatch mode: make_fx traces f instead, in a fresh process (both branches: conservative); where
+    torch's compiler was imported before, a refusal with the reason."""
+    code = textwrap.dedent(
+        """
+        import sys
+        import numpy as np
+        import torch
+        from diffiface import sparse
+
+        def f(x):
+            return torch.cond(x.sum() > 0, lambda t: t * 2, lambda t: torch.sin(t) * t.roll(1), (x,))
+
+        x = torch.linspace(-1.0, 1.0, 5, dtype=torch.float64)
+        found = sparse.jacobian_pattern(f, x).toarray()
+        expected = np.eye(5, dtype=bool) | np.roll(np.eye(5, dtype=bool), 1, axis=1)
+        print(bool((found >= expected).all()))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_an_operation_with_sizes_beside_tensors_is_dense() -> None:
+    """An operation returning a tensor and a number (a library's own operator): its tensor is dense in
+    its operands, with a note, never without dependencies."""
+    library = torch.library.Library("diffiface_tracer_test", "DEF")
+    library.define("pair(Tensor x) -> (Tensor, int)")
+    library.impl("pair", lambda t: (t.flip(0) * 2, 3), "CompositeExplicitAutograd")
+
+    def f(x: Any) -> Any:
+        y, k = torch.ops.diffiface_tracer_test.pair(x[:3])
+        return torch.cat([y * k, x[3:]])
+
+    found = sparse.detect(f, torch.tensor(_points(1)[0]), (), sparse.GlobalDetector("torch"), None, False)
+    expected = np.zeros((N, N), dtype=bool)
+    expected[:3, :3] = True
+    expected[3:, 3:] = np.eye(N - 3, dtype=bool)
+    assert (found.pattern.toarray() == expected).all()
+    assert found.notes and "pair" in found.notes[0]
+
+
 def test_torch_detector_refuses_reading_values() -> None:
     """Values of x reach Python or numpy only by a refusal, with the reason, also where f catches it."""
     x = torch.tensor(_points(1)[0])

@@ -17,6 +17,7 @@ values count.
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -73,6 +74,10 @@ class _Refused(Exception):
     pass
 
 
+class _Unfollowed(Exception):
+    """What the dispatch mode cannot follow: make_fx traces f instead."""
+
+
 def _torch() -> Any:
     import torch
 
@@ -112,7 +117,16 @@ _SIZE_REASON = (
 def _tracer_error(error: BaseException) -> str | None:
     """The reason, when ``error`` comes from tracing rather than from f itself: f reached for the
     values of a handle (they live on the meta device, which has none)."""
+    name = type(error).__name__
     text = str(error)
+    if name in ("GuardOnDataDependentSymNode", "DataDependentOutputException"):
+        return f"{_VALUE_REASON} ({_first_line(error)})"
+    if name == "DynamicOutputShapeException":
+        return f"{_SIZE_REASON} ({_first_line(error)})"
+    if name in ("UnsupportedOperatorException", "UnsupportedFakeTensorException"):
+        return f"torch cannot trace an operation of f on fake tensors ({_first_line(error)})"
+    if "FakeTensor" in text or "tensor subclass" in text or "Proxy" in text or "SymFloat" in text:
+        return f"f does something torch cannot trace without values ({name}: {_first_line(error)})"
     if (
         "unallocated storage" in text
         or "meta tensor" in text
@@ -166,23 +180,79 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
         out = f(xs, *optree.tree_unflatten(context_spec, new))
         return tree.leaves(out)
 
+    devices = sorted({t.device.index or 0 for t in inputs if t.device.type == "cuda"})
+    compiler_before = "torch._dynamo" in sys.modules
+    fallback = False
     try:
-        # f's random draws must not move the caller's generator
-        with torch.random.fork_rng(devices=[]), torch.no_grad(), mode:
+        # f's random draws must not move the caller's generators
+        with _fork_rng(torch, devices), torch.no_grad(), mode:
             outputs = functionalize(run, remove="mutations_and_views")(*handles)
+    except _Unfollowed:
+        fallback = True
     except _Refused as error:
         raise UnsupportedOperationError(_refusal(str(error))) from error
     except Exception as error:
-        if mode.refused is not None:
+        if mode.unfollowed is None and mode.refused is not None:
             raise UnsupportedOperationError(_refusal(mode.refused)) from error
-        reason = _tracer_error(error)
-        if reason is None:
-            raise  # f's own exception, as f raised it
-        raise UnsupportedOperationError(_refusal(reason)) from error
+        if mode.unfollowed is None:
+            reason = _tracer_error(error)
+            if reason is None:
+                raise  # f's own exception, as f raised it
+            raise UnsupportedOperationError(_refusal(reason)) from error
+        fallback = True
+    if fallback or mode.unfollowed is not None:
+        # what the dispatch mode cannot follow (torch.cond and the other higher-order operators make
+        # tensors on the meta device): torch's own tracer, make_fx on fake tensors (slower to start)
+        if not compiler_before and "torch._dynamo" in sys.modules:
+            # torch.cond compiled its branches with dynamo on the handles, and dynamo keeps that
+            # failure; its caches hold nothing of the caller's (dynamo came in during this call)
+            import torch._dynamo
+
+            torch._dynamo.reset()
+        try:
+            with _fork_rng(torch, devices):
+                return _make_fx_pattern(run, [*inputs, *[context_leaves[i] for i in tensor_at]], sizes, hessian)
+        except Exception as error:
+            if type(error).__module__.startswith("torch._dynamo"):
+                raise UnsupportedOperationError(
+                    _refusal(
+                        f"{mode.unfollowed} (torch.cond or another higher-order operator): torch's tracers "
+                        f"cannot follow it here ({type(error).__name__}: {_first_line(error)})"
+                    )
+                ) from error
+            raise
     if mode.refused is not None:  # refused inside f, and f caught it: its other branch is not f at x
         raise UnsupportedOperationError(_refusal(mode.refused))
     try:
         return interpreter.finish([mode.output(out) for out in outputs])
+    except _Refused as error:
+        raise UnsupportedOperationError(_refusal(str(error))) from error
+
+
+def _fork_rng(torch: Any, devices: list[int]) -> Any:
+    if devices:
+        return torch.random.fork_rng(devices=devices, device_type="cuda")
+    return torch.random.fork_rng(devices=[])
+
+
+def _make_fx_pattern(run: Callable[..., Any], args: list[Any], sizes: list[int], hessian: bool) -> Detection:
+    """The pattern from make_fx's graph of ``run`` on fake tensors."""
+    torch = _torch()
+    from torch.func import functionalize
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    try:
+        with torch.no_grad():
+            graph = make_fx(
+                functionalize(run, remove="mutations_and_views"), tracing_mode="fake", _allow_non_fake_inputs=True
+            )(*args)
+    except Exception as error:
+        reason = _tracer_error(error)
+        if reason is None:
+            raise  # f's own exception, as f raised it
+        raise UnsupportedOperationError(_refusal(reason)) from error
+    try:
+        return _Interpreter(sizes, hessian).run_graph(graph)
     except _Refused as error:
         raise UnsupportedOperationError(_refusal(str(error))) from error
 
@@ -247,6 +317,7 @@ def _tracer_class() -> Any:
             self.entries: dict[int, tuple[Any, Any, _Node]] = {}  # id(handle) -> handle, shadow, node
             self.constants: dict[int, tuple[Any, _Node]] = {}
             self.refused: str | None = None
+            self.unfollowed: str | None = None
 
         def placeholder(self, tensor: Any, rows: Any) -> Any:
             node = _Node("placeholder", None, (), {}, tensor)
@@ -258,6 +329,11 @@ def _tracer_class() -> Any:
             meta = torch.empty_strided(tuple(shadow.shape), tuple(shadow.stride()), dtype=shadow.dtype, device="meta")
             self.entries[id(meta)] = (meta, shadow, node)
             return meta
+
+        def unfollow(self, reason: str) -> Any:
+            if self.unfollowed is None:
+                self.unfollowed = reason
+            raise _Unfollowed(reason)
 
         def refuse(self, reason: str) -> Any:
             if self.refused is None:
@@ -271,7 +347,7 @@ def _tracer_class() -> Any:
                 if entry is not None:
                     return entry[2]
                 if out.device.type == "meta":
-                    self.refuse("f returned a tensor on the meta device, which has no values")
+                    self.unfollow("f returned a tensor on the meta device")
                 return _Node("get_attr", None, (), {}, out)
             return out
 
@@ -283,7 +359,7 @@ def _tracer_class() -> Any:
             if entry is not None:
                 return entry[2]
             if a.device.type == "meta":
-                self.refuse("f made a tensor on the meta device (its values are unknown to the detector)")
+                self.unfollow("f made a tensor on the meta device")
             constant = self.constants.get(id(a))
             if constant is None:
                 node = _Node("get_attr", None, (), {}, a)
@@ -312,6 +388,26 @@ def _tracer_class() -> Any:
             self.entries[id(handle)] = (handle, shadow, reshaped)
             return handle
 
+        def mixed(self, node: _Node, out: Any) -> Any:
+            """Tensors beside other results (sizes, None): each tensor dense in the operands."""
+            torch = _torch()
+            interpreter = self.interpreter
+            every = sets.union([r for r in interpreter.operand_rows(node) if not isinstance(r, list)])
+            interpreter.notes.append(f"{_qualified(node.target)} is not known to the torch detector: dense")
+            if interpreter.pairs is not None:
+                interpreter.pairs.add_all(sets.all_of(every, 1))
+            results = []
+            for i, o in enumerate(out):
+                if isinstance(o, torch.Tensor):
+                    child = _Node("call_function", operator.getitem, (node, i), {}, o)
+                    interpreter.rows[child] = sets.all_of(every, o.numel()) if _is_float_meta(o) else None
+                    results.append(self.handle(o, child))
+                elif isinstance(o, (bool, float, complex)):
+                    self.refuse(_VALUE_REASON)
+                else:
+                    results.append(o)
+            return type(out)(results)
+
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             torch = _torch()
             from torch.utils import _pytree as pytree
@@ -324,7 +420,7 @@ def _tracer_class() -> Any:
             name = _name(func)
             if not handles:
                 if any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in flat):
-                    self.refuse("f made a tensor on the meta device (its values are unknown to the detector)")
+                    self.unfollow("f made a tensor on the meta device")
                 if mutable and any(isinstance(a, torch.Tensor) for a in flat):
                     self.refuse(
                         f"f writes in place ({func}) into a tensor it closes over; the detector does not change "
@@ -357,6 +453,8 @@ def _tracer_class() -> Any:
                     self.interpreter.call(child)
                     wrapped.append(self.handle(o, child))
                 return type(out)(wrapped)
+            if isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out):
+                return self.mixed(node, out)
             if name not in _SHAPE_ONLY and any(
                 isinstance(o, (bool, int, float, complex)) for o in pytree.tree_leaves(out)
             ):
@@ -393,6 +491,23 @@ class _Interpreter:
             (np.ones(size, dtype=bool), (np.arange(size), np.arange(offset, offset + size))), shape=(size, self.n)
         )
 
+    def run_graph(self, graph: Any) -> Detection:
+        """The pattern from make_fx's graph: its placeholders are x's leaves, then the contexts'."""
+        placeholders = 0
+        outputs: list[Any] = []
+        for node in graph.graph.nodes:
+            if node.op == "placeholder":
+                self.rows[node] = self.input_rows(placeholders) if placeholders < len(self.sizes) else None
+                placeholders += 1
+            elif node.op == "get_attr":
+                self.rows[node] = None
+                self.values[node] = getattr(graph, node.target)
+            elif node.op == "call_function":
+                self.call(node)
+            elif node.op == "output":
+                outputs = list(node.args[0])
+        return self.finish(outputs)
+
     def finish(self, outputs: list[Any]) -> Detection:
         """The pattern of f's outputs (nodes, or Python numbers)."""
         import scipy.sparse as sp
@@ -404,7 +519,8 @@ class _Interpreter:
                 size = sets.size(_concrete_shape(meta, "f's output"))
                 rows = self.rows.get(out) if _is_float_meta(meta) else None
             else:
-                size = sets.size(np.shape(out))
+                torch = _torch()
+                size = sets.size(np.shape(out.detach().cpu().numpy() if isinstance(out, torch.Tensor) else out))
                 rows = None
             blocks.append(sets.empty(size, self.n) if rows is None else rows)
         if self.pairs is not None:
