@@ -464,7 +464,8 @@ def write(results: dict[str, Any]) -> str:
         lines += [
             "",
             "Detection alone, n = 10^4 (the tridiagonal map in float32, the others in float64). In this "
-            "process the first call is a warm one where an earlier section prepared the same engine; the "
+            "process the first call is a warm one where an earlier section prepared the same engine (none does "
+            "under --only detection); the "
             "fresh-process rows are the first detection of a new process, timed from after `import torch, "
             "diffiface` (with scipy.sparse's import, about 0.25 s, unless imported before), and the median "
             "of the calls after it.",
