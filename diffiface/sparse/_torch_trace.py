@@ -115,8 +115,7 @@ _SIZE_REASON = (
 
 
 def _tracer_error(error: BaseException) -> str | None:
-    """The reason, when ``error`` comes from tracing rather than from f itself: f reached for the
-    values of a handle (they live on the meta device, which has none)."""
+    """The reason, when ``error`` comes from make_fx's tracing rather than from f itself."""
     name = type(error).__name__
     text = str(error)
     if name in ("GuardOnDataDependentSymNode", "DataDependentOutputException"):
@@ -127,21 +126,35 @@ def _tracer_error(error: BaseException) -> str | None:
         return f"torch cannot trace an operation of f on fake tensors ({_first_line(error)})"
     if "FakeTensor" in text or "tensor subclass" in text or "Proxy" in text or "SymFloat" in text:
         return f"f does something torch cannot trace without values ({name}: {_first_line(error)})"
-    if (
-        "unallocated storage" in text
-        or "meta tensor" in text
-        or "meta device" in text
-        or "device='meta'" in text
-        or "meta" in text.split()
-    ):
-        if "item()" in text:
-            return f"{_VALUE_REASON} ({_first_line(error)})"
-        return (
-            "f reads the values of a tensor computed from x or a context (numpy(), tolist(), a Python "
-            f"conversion): the pattern could differ from one x to the next ({type(error).__name__}: "
-            f"{_first_line(error)})"
-        )
     return None
+
+
+_VALUE_READS = (
+    "can't convert meta device type tensor to numpy",
+    "Cannot copy out of meta tensor",
+    "a tensor with unallocated storage",
+    "cannot be called on meta tensors",
+)
+"""What torch says where f reads a handle's values (numpy(), tolist(), item() outside the dispatcher)."""
+
+
+def _value_read(error: BaseException) -> str | None:
+    """The reason, when f reached for the values of a handle (they live on the meta device, which has none)."""
+    text = str(error)
+    if not any(read in text for read in _VALUE_READS):
+        return None
+    if "item()" in text:
+        return f"{_VALUE_REASON} ({_first_line(error)})"
+    return (
+        "f reads the values of a tensor computed from x or a context (numpy(), tolist(), item(), a Python "
+        f"conversion): the pattern could differ from one x to the next ({type(error).__name__}: {_first_line(error)})"
+    )
+
+
+def _mentions_meta(error: BaseException) -> bool:
+    """Whether torch refused something of the handles' device: make_fx may still follow f."""
+    text = str(error)
+    return isinstance(error, (RuntimeError, NotImplementedError, TypeError)) and "meta" in text
 
 
 def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: bool) -> Detection:
@@ -187,6 +200,7 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
         # f's random draws must not move the caller's generators
         with _fork_rng(torch, devices), torch.no_grad(), mode:
             outputs = functionalize(run, remove="mutations_and_views")(*handles)
+        results = [mode.output(out) for out in outputs]
     except _Unfollowed:
         fallback = True
     except _Refused as error:
@@ -195,14 +209,16 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
         if mode.unfollowed is None and mode.refused is not None:
             raise UnsupportedOperationError(_refusal(mode.refused)) from error
         if mode.unfollowed is None:
-            reason = _tracer_error(error)
-            if reason is None:
+            reason = _value_read(error)
+            if reason is not None:
+                raise UnsupportedOperationError(_refusal(reason)) from error
+            if not _mentions_meta(error):
                 raise  # f's own exception, as f raised it
-            raise UnsupportedOperationError(_refusal(reason)) from error
         fallback = True
     if fallback or mode.unfollowed is not None:
         # what the dispatch mode cannot follow (torch.cond and the other higher-order operators make
-        # tensors on the meta device): torch's own tracer, make_fx on fake tensors (slower to start)
+        # tensors on the meta device; a torch function that refuses the handles' device): torch's own
+        # tracer, make_fx on fake tensors (slower to start)
         if not compiler_before and "torch._dynamo" in sys.modules:
             # torch.cond compiled its branches with dynamo on the handles, and dynamo keeps that
             # failure; its caches hold nothing of the caller's (dynamo came in during this call)
@@ -224,7 +240,7 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
     if mode.refused is not None:  # refused inside f, and f caught it: its other branch is not f at x
         raise UnsupportedOperationError(_refusal(mode.refused))
     try:
-        return interpreter.finish([mode.output(out) for out in outputs])
+        return interpreter.finish(results)
     except _Refused as error:
         raise UnsupportedOperationError(_refusal(str(error))) from error
 
