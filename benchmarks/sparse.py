@@ -6,7 +6,7 @@ colors against bandwidth, and the time to detect and color a pattern.
 
 The function is tridiagonal, f: R^n -> R^n, y_i = 2 x_i**2 - x_{i-1} - x_{i+1}**3, in float32,
 written once with jax.numpy and once with torch (each found by the default detector: jax's
-jaxpr, torch's make_fx graph). Beside it: an arrowhead map (one dense row, one dense column;
+jaxpr, torch's aten operations as f runs). Beside it: an arrowhead map (one dense row, one dense column;
 the bidirectional coloring), the Hessian of a chained Rosenbrock function written with
 autograd.numpy (the numpy tracer), and dense Jacobians at n = 100 by batched products against
 one product per column.
@@ -121,7 +121,7 @@ def run_torch(n: int, rounds: int, mode: str) -> dict[str, Any]:
 
     x = torch.linspace(0.1, 1.0, n, dtype=torch.float32)
     engine = di.AutoTorch(mode=mode)
-    backend = di.AutoSparse(engine)  # the default detector: torch's own graph (make_fx)
+    backend = di.AutoSparse(engine)  # the default detector: torch's aten operations
     prep = di.prepare_jacobian(tridiagonal_torch, backend, x)
     # conservative: the band, and x[:1] * 0 (f's padding) counts as depending on x[0]
     assert prep.detection.tracer == "torch" and (_banded(n, 2).astype(int) - prep.pattern.astype(int) > 0).nnz == 0
@@ -211,7 +211,42 @@ def _detection_seconds(f: Callable[..., Any], x: Any, rounds: int, hessian: bool
     return {"first_s": times[0], "median_s": float(np.median(times[1:] if len(times) > 1 else times))}
 
 
-def run_engines_own_code(n: int, rounds: int) -> dict[str, Any]:
+_FRESH = """
+import json, sys, time
+sys.path.insert(0, {folder!r})
+{before}
+import torch
+import diffiface
+from diffiface import sparse as found
+import sparse as bench
+
+x = torch.linspace(0.1, 1.0, {n}, dtype=torch.float32)
+times = []
+for _ in range({rounds}):
+    start = time.perf_counter()
+    found.jacobian_pattern(bench.tridiagonal_torch, x)
+    times.append(time.perf_counter() - start)
+print(json.dumps(times))
+"""
+
+
+def _fresh_process_detection(n: int, rounds: int, scipy_before: bool = False) -> dict[str, float]:
+    """The torch tridiagonal map's detection in a new Python process: its first call pays every one-time
+    cost after ``import torch, diffiface`` (scipy.sparse's import too, unless ``scipy_before``)."""
+    import subprocess
+
+    folder = str(Path(__file__).resolve().parent)
+    code = _FRESH.format(folder=folder, before="import scipy.sparse" if scipy_before else "", n=n, rounds=rounds)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env, check=True
+    )
+    times = json.loads(result.stdout.strip().splitlines()[-1])
+    return {"first_s": times[0], "median_s": float(np.median(times[1:] if len(times) > 1 else times))}
+
+
+def run_detection_alone(n: int, rounds: int) -> dict[str, Any]:
+    """Detection alone, the torch and numpy tracers: in this process, and the torch one in fresh ones."""
     out: dict[str, Any] = {}
     if di.available("torch"):
         import torch
@@ -219,6 +254,24 @@ def run_engines_own_code(n: int, rounds: int) -> dict[str, Any]:
         x = torch.linspace(0.1, 1.0, n, dtype=torch.float64)
         out["detect torch tridiagonal"] = _detection_seconds(tridiagonal_torch, x.float(), max(3, rounds // 2))
         out["detect torch arrowhead"] = _detection_seconds(arrowhead_torch, x, max(3, rounds // 2))
+        out["detect torch tridiagonal, fresh process"] = _fresh_process_detection(n, max(3, rounds // 2))
+        out["detect torch tridiagonal, fresh process, scipy.sparse imported before"] = _fresh_process_detection(
+            n, max(3, rounds // 2), scipy_before=True
+        )
+    if di.available("autograd"):
+        x = np.linspace(0.1, 1.0, n)
+        out["detect autograd rosenbrock hessian"] = _detection_seconds(
+            rosenbrock_autograd, x, max(3, rounds // 2), True
+        )
+    return out
+
+
+def run_engines_own_code(n: int, rounds: int) -> dict[str, Any]:
+    out: dict[str, Any] = run_detection_alone(n, rounds)
+    if di.available("torch"):
+        import torch
+
+        x = torch.linspace(0.1, 1.0, n, dtype=torch.float64)
         out["arrowhead torch"] = _sparse_against_dense(arrowhead_torch, di.AutoTorch(), x, max(2, rounds // 5))
         out["arrowhead torch-func"] = _sparse_against_dense(
             arrowhead_torch, di.AutoTorch(mode="func"), x, max(2, rounds // 5)
@@ -232,9 +285,6 @@ def run_engines_own_code(n: int, rounds: int) -> dict[str, Any]:
         out["arrowhead jax"] = _sparse_against_dense(arrowhead_jax, di.AutoJAX(), x, max(2, rounds // 5), ready=_ready)
     if di.available("autograd"):
         x = np.linspace(0.1, 1.0, n)
-        out["detect autograd rosenbrock hessian"] = _detection_seconds(
-            rosenbrock_autograd, x, max(3, rounds // 2), True
-        )
         out["rosenbrock hessian autograd"] = _sparse_against_dense(rosenbrock_autograd, di.AutoAutograd(), x, 1, True)
     return out
 
@@ -413,10 +463,21 @@ def write(results: dict[str, Any]) -> str:
                 lines.append(f"| {name.removeprefix('detect ')} | {r['first_s']:.3f} | {r['median_s']:.3f} |")
         lines += [
             "",
-            "Detection alone, n = 10^4, on functions prepared earlier in the run: the torch tracer's one-time "
-            "start in a process (make_fx, fake tensors; about 2.5 s on this machine) was paid by the first "
-            "torch section's preparation, so the first call here is a warm one too.",
+            "Detection alone, n = 10^4 (the tridiagonal map in float32, the others in float64). In this "
+            "process the first call is a warm one where an earlier section prepared the same engine (none does "
+            "under --only detection); the "
+            "fresh-process rows are the first detection of a new process, timed from after `import torch, "
+            "diffiface` (with scipy.sparse's import, about 0.25 s, unless imported before), and the median "
+            "of the calls after it.",
         ]
+        section = meta.get("detection_section")
+        if section is not None:  # (run alone: --only detection)
+            lines += [
+                "",
+                f"The detection rows alone: `python benchmarks/sparse.py --only detection"
+                f"{' --quick' if section['quick'] else ''}` on {section['date']} (load average "
+                f"{section['load_average_before']} before, {section.get('load_average_after')} after).",
+            ]
     batched = results.get("batched", {})
     if batched:
         lines += [
@@ -534,7 +595,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument(
         "--only",
-        choices=["batched"],
+        choices=["batched", "detection"],
         default=None,
         help="run one section and put it into the results written before (sparse.json), keeping the others",
     )
@@ -571,6 +632,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results = previous
         results["batched"] = run_batched(100, rounds)
         results["meta"]["batched_section"]["load_average_after"] = [round(v, 2) for v in os.getloadavg()]
+        (RESULTS / "sparse.json").write_text(json.dumps(results, indent=1))
+        text = write(results)
+        (RESULTS / "sparse.md").write_text(text)
+        print(text)
+        return results
+    if args.only == "detection":  # the detection rows anew, the rest as the last full run wrote it
+        previous = json.loads((RESULTS / "sparse.json").read_text())
+        previous["meta"]["detection_section"] = results["meta"]
+        results = previous
+        results.setdefault("own_code", {}).update(run_detection_alone(args.n, rounds))
+        results["meta"]["detection_section"]["load_average_after"] = [round(v, 2) for v in os.getloadavg()]
         (RESULTS / "sparse.json").write_text(json.dumps(results, indent=1))
         text = write(results)
         (RESULTS / "sparse.md").write_text(text)

@@ -1,19 +1,23 @@
-"""Global sparsity detection for torch-written functions: ``f`` traced to a graph of aten
-operations with ``make_fx`` on fake tensors (so the pattern holds for every value of x and of the
-contexts' tensors), and index sets (``_index_sets``) carried through the graph.
+"""Global sparsity detection for torch-written functions: ``f`` run once under a dispatch mode
+that sees each aten operation (after ``functionalize`` has turned in-place writes and views into
+operations that make new tensors), with x and the contexts' tensors as handles without values (so
+the pattern holds for every value of them), and index sets (``_index_sets``) carried through each
+operation as it runs.
 
 Rules: operations tagged ``torch.Tag.pointwise`` unite their operands' sets (broadcast);
 operations that only move elements (views, slices, indexing with known indices, cat, stack, roll,
 pad, scatter of known indices) are run by torch itself on tensors of positions; reductions,
 cumulative operations, softmax and sort unite along their dimensions; mm, mv, bmm, addmm and dot
-read the zeros of a constant operand; convolution reads the zeros of a constant kernel. Any other
-operation is dense (each output element depends on everything its operands depend on) and
-named in the detection's notes. Tensors ``f`` closes over are constants: their values count.
+read the zeros of a constant operand; convolution, transposed or not, reads the zeros of a constant
+kernel. Any other operation is dense (each output element depends on everything its operands
+depend on) and named in the detection's notes. Tensors ``f`` closes over are constants: their
+values count.
 """
 
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,7 +47,9 @@ _MOVES = {
     "masked_fill", "movedim", "flatten", "unflatten", "lift_fresh_copy", "take", "take_along_dim",
     "reflection_pad1d", "reflection_pad2d", "replication_pad1d", "replication_pad2d", "circular_pad1d",
     "repeat_interleave", "rot90", "where", "scatter", "fill", "zero", "masked_scatter", "squeeze_copy",
-    "unsqueeze_copy", "_reshape_alias", "_unsafe_index",
+    "unsqueeze_copy", "_reshape_alias", "_unsafe_index", "diagonal_copy", "unfold_copy", "unbind_copy",
+    "split_copy", "split_with_sizes_copy", "narrow_copy", "alias_copy", "detach_copy", "_reshape_alias_copy",
+    "movedim_copy",
 }  # fmt: skip
 """Operations that only move elements: run on positions by torch itself."""
 
@@ -66,6 +72,10 @@ _CONTRACTIONS = {"mm", "mv", "bmm", "addmm", "dot", "vdot", "addmv", "baddbmm", 
 
 class _Refused(Exception):
     pass
+
+
+class _Unfollowed(Exception):
+    """What the dispatch mode cannot follow: make_fx traces f instead."""
 
 
 def _torch() -> Any:
@@ -94,20 +104,57 @@ def _first_line(error: BaseException) -> str:
     return text[0][:200] if text else ""
 
 
+_VALUE_REASON = (
+    "f branches on, or converts to a Python number, a value computed from x or a context (a Python `if` on a "
+    "tensor, float(t), int(t), .item()): the pattern could differ from one x to the next"
+)
+_SIZE_REASON = (
+    "the size of a result depends on the values of x or a context (a boolean mask, nonzero, unique): a "
+    "sparsity pattern needs sizes known without values"
+)
+
+
 def _tracer_error(error: BaseException) -> str | None:
-    """The reason, when ``error`` comes from tracing rather than from f itself."""
+    """The reason, when ``error`` comes from make_fx's tracing rather than from f itself."""
     name = type(error).__name__
     text = str(error)
-    if name in ("GuardOnDataDependentSymNode", "DataDependentOutputException", "DynamicOutputShapeException"):
-        return (
-            "f branches on, or converts to a Python number, a value computed from x (a Python `if` on a "
-            f"tensor, float(t), int(t)): the pattern could differ from one x to the next ({_first_line(error)})"
-        )
+    if name in ("GuardOnDataDependentSymNode", "DataDependentOutputException"):
+        return f"{_VALUE_REASON} ({_first_line(error)})"
+    if name == "DynamicOutputShapeException":
+        return f"{_SIZE_REASON} ({_first_line(error)})"
     if name in ("UnsupportedOperatorException", "UnsupportedFakeTensorException"):
         return f"torch cannot trace an operation of f on fake tensors ({_first_line(error)})"
     if "FakeTensor" in text or "tensor subclass" in text or "Proxy" in text or "SymFloat" in text:
-        return f"f does something torch cannot trace without values ({type(error).__name__}: {_first_line(error)})"
+        return f"f does something torch cannot trace without values ({name}: {_first_line(error)})"
     return None
+
+
+_VALUE_READS = (
+    "can't convert meta device type tensor to numpy",
+    "Cannot copy out of meta tensor",
+    "a tensor with unallocated storage",
+    "cannot be called on meta tensors",
+)
+"""What torch says where f reads a handle's values (numpy(), tolist(), item() outside the dispatcher)."""
+
+
+def _value_read(error: BaseException) -> str | None:
+    """The reason, when f reached for the values of a handle (they live on the meta device, which has none)."""
+    text = str(error)
+    if not any(read in text for read in _VALUE_READS):
+        return None
+    if "item()" in text:
+        return f"{_VALUE_REASON} ({_first_line(error)})"
+    return (
+        "f reads the values of a tensor computed from x or a context (numpy(), tolist(), item(), a Python "
+        f"conversion): the pattern could differ from one x to the next ({type(error).__name__}: {_first_line(error)})"
+    )
+
+
+def _mentions_meta(error: BaseException) -> bool:
+    """Whether torch refused something of the handles' device: make_fx may still follow f."""
+    text = str(error)
+    return isinstance(error, (RuntimeError, NotImplementedError, TypeError)) and "meta" in text
 
 
 def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: bool) -> Detection:
@@ -115,7 +162,6 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
     torch = _torch()
     import optree
     from torch.func import functionalize
-    from torch.fx.experimental.proxy_tensor import make_fx
 
     leaves, spec = tree.flatten(x)
     context_leaves, context_spec = tree.flatten(values)
@@ -132,6 +178,12 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
         else torch.as_tensor(leaf, dtype=getattr(torch, _arrays.dtype_name(leaf)))
         for leaf in leaves
     ]
+    sizes = [int(np.prod(_arrays.shape(leaf), dtype=np.int64)) for leaf in leaves]
+    interpreter = _Interpreter(sizes, hessian)
+    device = inputs[0].device if inputs else torch.device("cpu")
+    mode = _new_tracer(interpreter, device)
+    handles = [mode.placeholder(t, interpreter.input_rows(i)) for i, t in enumerate(inputs)]
+    handles += [mode.placeholder(context_leaves[i], None) for i in tensor_at]
 
     def run(*args: Any) -> Any:
         xs = optree.tree_unflatten(spec, list(args[:k]))
@@ -141,19 +193,82 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
         out = f(xs, *optree.tree_unflatten(context_spec, new))
         return tree.leaves(out)
 
+    devices = sorted({t.device.index or 0 for t in inputs if t.device.type == "cuda"})
+    compiler_before = "torch._dynamo" in sys.modules
+    fallback = False
+    try:
+        # f's random draws must not move the caller's generators
+        with _fork_rng(torch, devices), torch.no_grad(), mode:
+            outputs = functionalize(run, remove="mutations_and_views")(*handles)
+        results = [mode.output(out) for out in outputs]
+    except _Unfollowed:
+        fallback = True
+    except _Refused as error:
+        raise UnsupportedOperationError(_refusal(str(error))) from error
+    except Exception as error:
+        if mode.unfollowed is None and mode.refused is not None:
+            raise UnsupportedOperationError(_refusal(mode.refused)) from error
+        if mode.unfollowed is None:
+            reason = _value_read(error)
+            if reason is not None:
+                raise UnsupportedOperationError(_refusal(reason)) from error
+            if not _mentions_meta(error):
+                raise  # f's own exception, as f raised it
+        fallback = True
+    if fallback or mode.unfollowed is not None:
+        # what the dispatch mode cannot follow (torch.cond and the other higher-order operators make
+        # tensors on the meta device; a torch function that refuses the handles' device): torch's own
+        # tracer, make_fx on fake tensors (slower to start)
+        if not compiler_before and "torch._dynamo" in sys.modules:
+            # torch.cond compiled its branches with dynamo on the handles, and dynamo keeps that
+            # failure; its caches hold nothing of the caller's (dynamo came in during this call)
+            import torch._dynamo
+
+            torch._dynamo.reset()
+        try:
+            with _fork_rng(torch, devices):
+                return _make_fx_pattern(run, [*inputs, *[context_leaves[i] for i in tensor_at]], sizes, hessian)
+        except Exception as error:
+            if type(error).__module__.startswith("torch._dynamo"):
+                raise UnsupportedOperationError(
+                    _refusal(
+                        f"{mode.unfollowed} (torch.cond or another higher-order operator): torch's tracers "
+                        f"cannot follow it here ({type(error).__name__}: {_first_line(error)})"
+                    )
+                ) from error
+            raise
+    if mode.refused is not None:  # refused inside f, and f caught it: its other branch is not f at x
+        raise UnsupportedOperationError(_refusal(mode.refused))
+    try:
+        return interpreter.finish(results)
+    except _Refused as error:
+        raise UnsupportedOperationError(_refusal(str(error))) from error
+
+
+def _fork_rng(torch: Any, devices: list[int]) -> Any:
+    if devices:
+        return torch.random.fork_rng(devices=devices, device_type="cuda")
+    return torch.random.fork_rng(devices=[])
+
+
+def _make_fx_pattern(run: Callable[..., Any], args: list[Any], sizes: list[int], hessian: bool) -> Detection:
+    """The pattern from make_fx's graph of ``run`` on fake tensors."""
+    torch = _torch()
+    from torch.func import functionalize
+    from torch.fx.experimental.proxy_tensor import make_fx
+
     try:
         with torch.no_grad():
             graph = make_fx(
                 functionalize(run, remove="mutations_and_views"), tracing_mode="fake", _allow_non_fake_inputs=True
-            )(*inputs, *[context_leaves[i] for i in tensor_at])
+            )(*args)
     except Exception as error:
         reason = _tracer_error(error)
         if reason is None:
             raise  # f's own exception, as f raised it
         raise UnsupportedOperationError(_refusal(reason)) from error
-    sizes = [int(np.prod(_arrays.shape(leaf), dtype=np.int64)) for leaf in leaves]
     try:
-        return _Interpreter(graph, sizes, hessian).run()
+        return _Interpreter(sizes, hessian).run_graph(graph)
     except _Refused as error:
         raise UnsupportedOperationError(_refusal(str(error))) from error
 
@@ -166,9 +281,215 @@ def _refusal(reason: str) -> str:
     )
 
 
+class _Node:
+    """One recorded operation (or input, or constant), in the shape of an fx node: what the rules read."""
+
+    __slots__ = ("args", "kwargs", "meta", "op", "target")
+
+    def __init__(self, op: str, target: Any, args: Any, kwargs: Any, val: Any) -> None:
+        self.op = op
+        self.target = target
+        self.args = args
+        self.kwargs = kwargs
+        self.meta = {"val": val}
+
+
+_RESHAPED_IN_PLACE = {"squeeze_", "unsqueeze_"}
+"""In-place operations that change a tensor's shape and keep its elements' order."""
+_SHAPE_ONLY = {"is_same_size", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "dim", "size", "stride"}
+"""Operations whose non-tensor result reads shapes, not values."""
+
+
+def _tracer_class() -> Any:
+    """The dispatch mode, made on first use (torch is imported only by a torch-written f)."""
+    global _TRACER_CLASS
+    if _TRACER_CLASS is not None:
+        return _TRACER_CLASS
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Tracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
+        """Records each aten operation of f as it runs and carries the index sets through it.
+
+        The tensors f sees for x and the contexts are handles on the meta device: no values, so f
+        cannot branch on them or read them into Python or numpy unnoticed. Each handle has a shadow,
+        a real tensor (a copy of x's or a context's values), on which the operation runs: that
+        gives the result's shape and dtype without torch's meta kernels (several are Python
+        functions that import torch's compiler, about 1.7 s, on their first call). The shadows'
+        values are never read by a rule; constants' values are (tensors f closes over, and what
+        is computed from them alone, run as they are). ``functionalize`` (outside this mode)
+        turns f's in-place writes and views into operations that make new tensors, so no
+        handle aliases another."""
+
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:
+            # torch wraps a mode's __torch_dispatch__ to keep its compiler out of it, and that
+            # wrapper imports the compiler on its first call; nothing here is compiled
+            return False
+
+        def __init__(self, interpreter: _Interpreter, device: Any) -> None:
+            super().__init__()  # type: ignore[no-untyped-call]
+            self.interpreter = interpreter
+            self.device = device
+            self.entries: dict[int, tuple[Any, Any, _Node]] = {}  # id(handle) -> handle, shadow, node
+            self.constants: dict[int, tuple[Any, _Node]] = {}
+            self.refused: str | None = None
+            self.unfollowed: str | None = None
+
+        def placeholder(self, tensor: Any, rows: Any) -> Any:
+            node = _Node("placeholder", None, (), {}, tensor)
+            self.interpreter.rows[node] = rows
+            return self.handle(tensor.detach().clone(), node)
+
+        def handle(self, shadow: Any, node: _Node) -> Any:
+            torch = _torch()
+            meta = torch.empty_strided(tuple(shadow.shape), tuple(shadow.stride()), dtype=shadow.dtype, device="meta")
+            self.entries[id(meta)] = (meta, shadow, node)
+            return meta
+
+        def unfollow(self, reason: str) -> Any:
+            if self.unfollowed is None:
+                self.unfollowed = reason
+            raise _Unfollowed(reason)
+
+        def refuse(self, reason: str) -> Any:
+            if self.refused is None:
+                self.refused = reason
+            raise _Refused(reason)
+
+        def output(self, out: Any) -> Any:
+            torch = _torch()
+            if isinstance(out, torch.Tensor):
+                entry = self.entries.get(id(out))
+                if entry is not None:
+                    return entry[2]
+                if out.device.type == "meta":
+                    self.unfollow("f returned a tensor on the meta device")
+                return _Node("get_attr", None, (), {}, out)
+            return out
+
+        def node_of(self, a: Any) -> Any:
+            torch = _torch()
+            if not isinstance(a, torch.Tensor):
+                return a
+            entry = self.entries.get(id(a))
+            if entry is not None:
+                return entry[2]
+            if a.device.type == "meta":
+                self.unfollow("f made a tensor on the meta device")
+            constant = self.constants.get(id(a))
+            if constant is None:
+                node = _Node("get_attr", None, (), {}, a)
+                self.interpreter.rows[node] = None
+                self.interpreter.values[node] = a
+                constant = self.constants[id(a)] = (a, node)
+            return constant[1]
+
+        def real(self, a: Any) -> Any:
+            torch = _torch()
+            if isinstance(a, torch.Tensor):
+                entry = self.entries.get(id(a))
+                return a if entry is None else entry[1]
+            if isinstance(a, torch.device) and a.type == "meta":
+                return self.device
+            return a
+
+        def reshape_in_place(self, func: Any, args: Any, kwargs: Any) -> Any:
+            """``squeeze_``/``unsqueeze_`` of a handle (functionalize passes these down; torch's matmul
+            of a vector uses one): a new shape, the same elements in the same order."""
+            handle, shadow, node = self.entries[id(args[0])]
+            func(shadow, *args[1:], **kwargs)
+            func(handle, *args[1:], **kwargs)
+            reshaped = _Node("call_function", func, (node, *args[1:]), kwargs, shadow)
+            self.interpreter.rows[reshaped] = self.interpreter.rows.get(node)
+            self.entries[id(handle)] = (handle, shadow, reshaped)
+            return handle
+
+        def mixed(self, node: _Node, out: Any) -> Any:
+            """Tensors beside other results (sizes, None): each tensor dense in the operands."""
+            torch = _torch()
+            interpreter = self.interpreter
+            every = sets.union([r for r in interpreter.operand_rows(node) if not isinstance(r, list)])
+            interpreter.notes.append(f"{_qualified(node.target)} is not known to the torch detector: dense")
+            if interpreter.pairs is not None:
+                interpreter.pairs.add_all(sets.all_of(every, 1))
+            results = []
+            for i, o in enumerate(out):
+                if isinstance(o, torch.Tensor):
+                    child = _Node("call_function", operator.getitem, (node, i), {}, o)
+                    interpreter.rows[child] = sets.all_of(every, o.numel()) if _is_float_meta(o) else None
+                    results.append(self.handle(o, child))
+                elif isinstance(o, (bool, float, complex)):
+                    self.refuse(_VALUE_REASON)
+                else:
+                    results.append(o)
+            return type(out)(results)
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            torch = _torch()
+            from torch.utils import _pytree as pytree
+
+            kwargs = kwargs or {}
+            flat = pytree.tree_leaves((args, kwargs))
+            handles = [a for a in flat if isinstance(a, torch.Tensor) and id(a) in self.entries]
+            schema = getattr(func, "_schema", None)
+            mutable = schema is not None and schema.is_mutable
+            name = _name(func)
+            if not handles:
+                if any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in flat):
+                    self.unfollow("f made a tensor on the meta device")
+                if mutable and any(isinstance(a, torch.Tensor) for a in flat):
+                    self.refuse(
+                        f"f writes in place ({func}) into a tensor it closes over; the detector does not change "
+                        "f's tensors"
+                    )
+                # a constant: computed from constants alone, its values count
+                return func(*pytree.tree_map(self.real, args), **pytree.tree_map(self.real, kwargs))
+            tags = getattr(func, "tags", ())
+            if name in _RESHAPED_IN_PLACE and id(args[0]) in self.entries and len(handles) == 1:
+                return self.reshape_in_place(func, args, kwargs)
+            if mutable:
+                self.refuse(f"the traced program writes in place ({func}), which the detector does not follow")
+            if torch.Tag.data_dependent_output in tags or name in ("_local_scalar_dense", "is_nonzero"):
+                self.refuse(_VALUE_REASON)
+            if torch.Tag.dynamic_output_shape in tags:
+                by_index = name in ("index", "_unsafe_index", "index_put")
+                if not by_index or any(h.dtype in (torch.bool, torch.uint8) for h in handles):
+                    self.refuse(_SIZE_REASON)
+            out = func(*pytree.tree_map(self.real, args), **pytree.tree_map(self.real, kwargs))
+            node = _Node(
+                "call_function", func, pytree.tree_map(self.node_of, args), pytree.tree_map(self.node_of, kwargs), out
+            )
+            self.interpreter.call(node)
+            if isinstance(out, torch.Tensor):
+                return self.handle(out, node)
+            if isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out):
+                wrapped = []
+                for i, o in enumerate(out):
+                    child = _Node("call_function", operator.getitem, (node, i), {}, o)
+                    self.interpreter.call(child)
+                    wrapped.append(self.handle(o, child))
+                return type(out)(wrapped)
+            if isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out):
+                return self.mixed(node, out)
+            if name not in _SHAPE_ONLY and any(
+                isinstance(o, (bool, int, float, complex)) for o in pytree.tree_leaves(out)
+            ):
+                self.refuse(_VALUE_REASON)
+            return out
+
+    _TRACER_CLASS = Tracer
+    return Tracer
+
+
+_TRACER_CLASS: Any = None
+
+
+def _new_tracer(interpreter: _Interpreter, device: Any) -> Any:
+    return _tracer_class()(interpreter, device)
+
+
 class _Interpreter:
-    def __init__(self, graph: Any, sizes: list[int], hessian: bool) -> None:
-        self.graph = graph
+    def __init__(self, sizes: list[int], hessian: bool) -> None:
         self.sizes = sizes
         self.n = int(sum(sizes))
         self.pairs = sets.Pairs(self.n) if hessian else None
@@ -177,34 +498,36 @@ class _Interpreter:
         self.rows: dict[Any, Any] = {}
         self.values: dict[Any, Any] = {}
 
-    # -- the walk --------------------------------------------------------------------------------
-
-    def run(self) -> Detection:
+    def input_rows(self, i: int) -> Any:
+        """The sets of x's leaf ``i``: each element depends on itself."""
         import scipy.sparse as sp
 
-        torch = _torch()
+        size, offset = self.sizes[i], int(sum(self.sizes[:i]))
+        return sp.csr_array(
+            (np.ones(size, dtype=bool), (np.arange(size), np.arange(offset, offset + size))), shape=(size, self.n)
+        )
+
+    def run_graph(self, graph: Any) -> Detection:
+        """The pattern from make_fx's graph: its placeholders are x's leaves, then the contexts'."""
         placeholders = 0
-        offset = 0
         outputs: list[Any] = []
-        for node in self.graph.graph.nodes:
+        for node in graph.graph.nodes:
             if node.op == "placeholder":
-                if placeholders < len(self.sizes):
-                    size = self.sizes[placeholders]
-                    self.rows[node] = sp.csr_array(
-                        (np.ones(size, dtype=bool), (np.arange(size), np.arange(offset, offset + size))),
-                        shape=(size, self.n),
-                    )
-                    offset += size
-                else:
-                    self.rows[node] = None
+                self.rows[node] = self.input_rows(placeholders) if placeholders < len(self.sizes) else None
                 placeholders += 1
             elif node.op == "get_attr":
                 self.rows[node] = None
-                self.values[node] = getattr(self.graph, node.target)
+                self.values[node] = getattr(graph, node.target)
             elif node.op == "call_function":
                 self.call(node)
             elif node.op == "output":
                 outputs = list(node.args[0])
+        return self.finish(outputs)
+
+    def finish(self, outputs: list[Any]) -> Detection:
+        """The pattern of f's outputs (nodes, or Python numbers)."""
+        import scipy.sparse as sp
+
         blocks = []
         for out in outputs:
             if hasattr(out, "op"):
@@ -212,7 +535,8 @@ class _Interpreter:
                 size = sets.size(_concrete_shape(meta, "f's output"))
                 rows = self.rows.get(out) if _is_float_meta(meta) else None
             else:
-                size = sets.size(np.shape(out.detach().numpy() if isinstance(out, torch.Tensor) else out))
+                torch = _torch()
+                size = sets.size(np.shape(out.detach().cpu().numpy() if isinstance(out, torch.Tensor) else out))
                 rows = None
             blocks.append(sets.empty(size, self.n) if rows is None else rows)
         if self.pairs is not None:
@@ -504,13 +828,14 @@ class _Interpreter:
         args = list(node.args)
         source, weight, bias = args[0], args[1], args[2]
         stride, padding, dilation, transposed, _, groups = args[3:9]
-        if transposed:
-            return _UNKNOWN
         in_shape, w_shape = _shape(source), _shape(weight)
+        if len(in_shape) < 3 or len(w_shape) != len(in_shape):
+            return _UNKNOWN  # (an unbatched input reaches aten batched; anything else: dense)
         kernel = self._value_or_none(weight)
         if kernel is None:
             kernel = np.ones(w_shape, dtype=bool)
-        pairs_in, pairs_w = _conv_pairs(in_shape, w_shape, shape, kernel, stride, padding, dilation, groups)
+        pairs = _conv_transpose_pairs if transposed else _conv_pairs
+        pairs_in, pairs_w = pairs(in_shape, w_shape, shape, kernel, stride, padding, dilation, groups)
         import scipy.sparse as sp
 
         out_size = sets.size(shape)
@@ -701,6 +1026,55 @@ def _conv_pairs(
             in_rows.append(out_flat[inside])
             in_cols.append(in_flat)
     del channels
+    cat = np.concatenate
+    empty = np.zeros(0, dtype=np.int64)
+    return (
+        (cat(in_rows) if in_rows else empty, cat(in_cols) if in_cols else empty),
+        (cat(w_rows) if w_rows else empty, cat(w_cols) if w_cols else empty),
+    )
+
+
+def _conv_transpose_pairs(
+    in_shape: Sequence[int],
+    w_shape: Sequence[int],
+    out_shape: Sequence[int],
+    kernel: np.ndarray,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """(output, input) and (output, weight) flat index pairs of a transposed convolution, where the
+    kernel may be nonzero: input element (b, c, *l) adds ``w[c, o_local, *k]`` times itself into
+    output (b, o, *(l * stride - padding + k * dilation)), o the channel o_local of c's group.
+    Input (B, C, *L), weight (C, O / groups, *K), output (B, O, *L_out); an output padding only
+    lengthens L_out (its elements read nothing)."""
+    spatial = len(in_shape) - 2
+    batch, channels = in_shape[0], in_shape[1]
+    per_group_in = channels // groups
+    per_group_out = w_shape[1]
+    taps = np.argwhere(kernel.reshape(w_shape))
+    c_idx, o_local = taps[:, 0], taps[:, 1]
+    k_idx = taps[:, 2:]
+    o_idx = (c_idx // per_group_in) * per_group_out + o_local
+    w_flat: Any = np.ravel_multi_index(tuple(taps.T), tuple(w_shape)) if taps.size else np.zeros(0, dtype=np.int64)
+    grid = np.indices(tuple(in_shape[2:])).reshape(spatial, -1).T  # (P, spatial): input positions
+    in_rows, in_cols, w_rows, w_cols = [], [], [], []
+    for b in range(batch):
+        for t in range(taps.shape[0]):
+            location = grid * np.asarray(stride) - np.asarray(padding) + k_idx[t] * np.asarray(dilation)
+            inside = np.all((location >= 0) & (location < np.asarray(out_shape[2:])), axis=1)
+            loc = location[inside]
+            out_flat = np.ravel_multi_index(
+                (np.full(loc.shape[0], b), np.full(loc.shape[0], o_idx[t]), *loc.T), tuple(out_shape)
+            )
+            in_flat = np.ravel_multi_index(
+                (np.full(loc.shape[0], b), np.full(loc.shape[0], c_idx[t]), *grid[inside].T), tuple(in_shape)
+            )
+            in_rows.append(out_flat)
+            in_cols.append(in_flat)
+            w_rows.append(out_flat)
+            w_cols.append(np.full(out_flat.size, w_flat[t]))
     cat = np.concatenate
     empty = np.zeros(0, dtype=np.int64)
     return (
