@@ -530,3 +530,19 @@ def test_batched_hvp_mutates_nothing() -> None:
         di.gradient_and_batched_hvp(loss, backend, x, di.Tangents(*tangents), scale)
     for a, b in zip(optree.tree_leaves((x, scale.value, tangents)), optree.tree_leaves(copies), strict=True):
         assert a.equal(b) and not a.requires_grad and a.grad is None
+
+
+def test_scipy_estimates_the_error_of_each_hvp_of_the_batch() -> None:
+    """prep.error of a batched hvp on scipy: a Tangents of estimates, each the single hvp's."""
+    require("scipy")
+    x, scale, tangents = _hvp_batch("numpy", "float64", 2)
+    prep = di.prepare_gradient_and_batched_hvp(loss, "scipy", x, di.Tangents(*tangents), scale)
+    di.gradient_and_batched_hvp(loss, "scipy", x, di.Tangents(*tangents), scale, prep=prep)
+    gradient_error, hvp_errors = prep.error
+    assert isinstance(hvp_errors, di.Tangents) and len(hvp_errors) == 2
+    for t, error in zip(tangents, hvp_errors, strict=True):
+        one = di.prepare_gradient_and_hvp(loss, "scipy", x, t, scale)
+        di.gradient_and_hvp(loss, "scipy", x, t, scale, prep=one)
+        assert_allclose(gradient_error, one.error[0])
+        assert_allclose(error, one.error[1])
+        assert all(np.all(leaf < 1e-6) for leaf in optree.tree_leaves(error))
