@@ -22,10 +22,14 @@ from ._backends import AutoSparse as AutoSparse
 from ._backends import AutoTorch as AutoTorch
 from ._backends import Backend as Backend
 from ._backends import SecondOrder as SecondOrder
+from ._batched import batched_hvp as batched_hvp
 from ._batched import batched_jvp as batched_jvp
 from ._batched import batched_vjp as batched_vjp
+from ._batched import gradient_and_batched_hvp as gradient_and_batched_hvp
+from ._batched import prepare_batched_hvp as prepare_batched_hvp
 from ._batched import prepare_batched_jvp as prepare_batched_jvp
 from ._batched import prepare_batched_vjp as prepare_batched_vjp
+from ._batched import prepare_gradient_and_batched_hvp as prepare_gradient_and_batched_hvp
 from ._batched import prepare_value_and_batched_jvp as prepare_value_and_batched_jvp
 from ._batched import prepare_value_and_batched_vjp as prepare_value_and_batched_vjp
 from ._batched import value_and_batched_jvp as value_and_batched_jvp
@@ -137,6 +141,8 @@ __all__ = [
     "value_and_batched_jvp",
     "batched_vjp",
     "value_and_batched_vjp",
+    "batched_hvp",
+    "gradient_and_batched_hvp",
     # second-order operators
     "second_derivative",
     "value_derivative_and_second_derivative",
@@ -160,6 +166,8 @@ __all__ = [
     "prepare_value_and_batched_jvp",
     "prepare_batched_vjp",
     "prepare_value_and_batched_vjp",
+    "prepare_batched_hvp",
+    "prepare_gradient_and_batched_hvp",
     "prepare_second_derivative",
     "prepare_value_derivative_and_second_derivative",
     "prepare_hessian",

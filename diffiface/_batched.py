@@ -1,11 +1,16 @@
-"""Many tangents at once: :func:`batched_jvp`, :func:`batched_vjp`, their ``value_and_`` forms
-and ``prepare_`` functions, over a :class:`~diffiface.Tangents` batch.
+"""Many tangents at once: :func:`batched_jvp`, :func:`batched_vjp`, :func:`batched_hvp`, their
+``value_and_`` / ``gradient_and_`` forms and ``prepare_`` functions, over a
+:class:`~diffiface.Tangents` batch.
 
 They are operators of the one route (:mod:`diffiface._dispatch`): the batch is flattened with
 the call (its tangents' leaves one after another), compared with the prep's plan, and run as
 one program: the adapters' ``value_and_pushforwards`` / ``pullbacks``, one vmapped program on
 jax (``jax.vmap`` over ``jax.linearize`` and ``jax.vjp``) and torch.func (``torch.func.vmap``),
-a loop of the engine's product elsewhere. A prep is made for a batch of a given size, each
+a loop of the engine's product elsewhere. The batched hvp is the adapters'
+``gradient_and_hvps``: forward over reverse where the engine has a forward mode (the batch of
+pushforwards of the gradient map, so one vmapped program on jax and torch.func), the gradient's
+graph built once and pulled back along each tangent on torch's autograd mode and autograd, a
+loop of the engine's own hvp on finite differences and scipy. A prep is made for a batch of a given size, each
 tangent with its structure, shapes and dtypes.
 """
 
@@ -21,10 +26,14 @@ from ._tangents import Tangents
 
 __all__ = [
     "Tangents",
+    "batched_hvp",
     "batched_jvp",
     "batched_vjp",
+    "gradient_and_batched_hvp",
+    "prepare_batched_hvp",
     "prepare_batched_jvp",
     "prepare_batched_vjp",
+    "prepare_gradient_and_batched_hvp",
     "prepare_value_and_batched_jvp",
     "prepare_value_and_batched_vjp",
     "value_and_batched_jvp",
@@ -167,3 +176,84 @@ def prepare_value_and_batched_vjp(
 ) -> Prep:
     """Prepare :func:`value_and_batched_vjp`; pass the result as ``prep=``."""
     return prepare("value_and_batched_vjp", f, backend, x, cotangents, contexts, strict, has_aux)
+
+
+def batched_hvp(
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    tangents: Tangents,
+    *contexts: Any,
+    prep: Prep | None = None,
+    has_aux: bool = False,
+) -> Tangents:
+    """The Hessian-vector products of a scalar ``f`` at ``x`` along each tangent of the batch
+    (each shaped as ``x``), as :class:`~diffiface.Tangents` of results shaped as ``x``, in the
+    batch's order.
+
+    Forward over reverse, one vmapped program for the batch, on jax and
+    ``AutoTorch(mode="func")``; f and its gradient once, then one pullback per tangent, on
+    torch's autograd mode and autograd; the engine's own hvp per tangent on finite differences
+    and scipy (the gradient once). A batch is always ``di.Tangents(...)``, never a tuple or list.
+    See :func:`prepare_batched_hvp`.
+
+    Examples
+    --------
+    >>> import numpy as np, diffiface as di
+    >>> hvps = di.batched_hvp(lambda x: (x**3).sum(), "finite_differences", np.array([1.0, 2.0]),
+    ...                       di.Tangents(np.array([1.0, 0.0]), np.array([0.0, 1.0])))
+    >>> [t.round(4).tolist() for t in hvps]
+    [[6.0, 0.0], [0.0, 12.0]]
+    """
+    return evaluate("batched_hvp", f, backend, x, tangents, contexts, prep, has_aux)  # type: ignore[no-any-return]
+
+
+def prepare_batched_hvp(
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    tangents: Tangents,
+    *contexts: Any,
+    strict: bool = True,
+    has_aux: bool = False,
+) -> Prep:
+    """Prepare :func:`batched_hvp` for arguments shaped like these (a batch of this size); pass
+    the result as ``prep=``."""
+    return prepare("batched_hvp", f, backend, x, tangents, contexts, strict, has_aux)
+
+
+def gradient_and_batched_hvp(
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    tangents: Tangents,
+    *contexts: Any,
+    prep: Prep | None = None,
+    has_aux: bool = False,
+) -> tuple[Any, Tangents]:
+    """``(gradient, batched_hvp)``: the gradient of ``f`` at ``x`` and its Hessian-vector products
+    along each tangent of the batch, from the same evaluation of f where the engine allows. See
+    :func:`prepare_gradient_and_batched_hvp`.
+
+    Examples
+    --------
+    >>> import numpy as np, diffiface as di
+    >>> grad, hvps = di.gradient_and_batched_hvp(lambda x: (x**3).sum(), "finite_differences",
+    ...     np.array([1.0, 2.0]), di.Tangents(np.array([1.0, 1.0])))
+    >>> grad.round(4).tolist(), [t.round(4).tolist() for t in hvps]
+    ([3.0, 12.0], [[6.0, 12.0]])
+    """
+    return evaluate("gradient_and_batched_hvp", f, backend, x, tangents, contexts, prep, has_aux)  # type: ignore[no-any-return]
+
+
+def prepare_gradient_and_batched_hvp(
+    f: Callable[..., Any],
+    backend: BackendLike,
+    x: Any,
+    tangents: Tangents,
+    *contexts: Any,
+    strict: bool = True,
+    has_aux: bool = False,
+) -> Prep:
+    """Prepare :func:`gradient_and_batched_hvp`; pass the result as ``prep=``."""
+    return prepare("gradient_and_batched_hvp", f, backend, x, tangents, contexts, strict, has_aux)

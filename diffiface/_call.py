@@ -84,6 +84,15 @@ _OPERATORS = (
     Operator("value_and_batched_vjp", "value_and_pullbacks", ((0, "y"), (2, "xs")), tangent="y", aux=True, batch=True),
     Operator("hvp", "gradient_and_hvp", ((3, "x"),), tangent="x", scalar_output=True),
     Operator("gradient_and_hvp", "gradient_and_hvp", ((2, "x"), (3, "x")), tangent="x", scalar_output=True),
+    Operator("batched_hvp", "gradient_and_hvps", ((3, "xs"),), tangent="x", scalar_output=True, batch=True),
+    Operator(
+        "gradient_and_batched_hvp",
+        "gradient_and_hvps",
+        ((2, "x"), (3, "xs")),
+        tangent="x",
+        scalar_output=True,
+        batch=True,
+    ),
 )
 
 
@@ -243,12 +252,23 @@ def _path(path: tuple[Any, ...]) -> str:
 # -- a batch of tangents ---------------------------------------------------------------------------
 
 
+_BATCHED = {
+    "jvp": "batched_jvp",
+    "value_and_jvp": "value_and_batched_jvp",
+    "vjp": "batched_vjp",
+    "value_and_vjp": "value_and_batched_vjp",
+    "hvp": "batched_hvp",
+    "gradient_and_hvp": "gradient_and_batched_hvp",
+}
+"""The batched form of each operator of one tangent."""
+
+
 def _check_batch(op: Operator, tangent: Any) -> None:
     """A batched operator takes a non-empty :class:`Tangents`; any other takes one tangent."""
     role = "tangent" if op.tangent == "x" else "cotangent"
     if not op.batch:
-        batched = op.name.replace("jvp", "batched_jvp").replace("vjp", "batched_vjp")
-        where = f" di.{batched} pushes forward a batch." if batched != op.name else ""
+        batched = _BATCHED.get(op.name)
+        where = f" di.{batched} takes a batch." if batched is not None else ""
         raise InvalidInputError(
             f"The {role} of {op.name} is a di.Tangents batch; {op.name} takes one {role}, shaped as "
             f"{'x' if op.tangent == 'x' else 'f(x)'}.{where}"

@@ -672,3 +672,23 @@ class ComplexAdapter:
         else:
             joined = x_split.join(tuple(grads))
         return value, aux, joined, x_split.join(tuple(hvps))
+
+    def gradient_and_hvps(
+        self, fn: Callable[[Leaves], Any], xs: Leaves, batch: Any
+    ) -> tuple[Any, Any, Leaves, list[Leaves]]:
+        """:meth:`gradient_and_hvp` along each tangent of the batch: the split function's batch
+        of real Hessian-vector products (one program where the engine has one), each joined."""
+        x_split = _Split(xs)
+        if not x_split.any:
+            return self._inner.gradient_and_hvps(fn, xs, batch)  # type: ignore[no-any-return]
+        g = _Realified(fn, x_split)
+        value, aux, grads, hvps = self._inner.gradient_and_hvps(
+            g, x_split.split(xs), [x_split.split(txs) for txs in batch]
+        )
+        self._errors(lambda e: (e[0], e[1], x_split.join(e[2]), [x_split.join(tuple(h)) for h in e[3]]))
+        if isinstance(grads, Deferred):  # (a black-box outer engine defers the gradient)
+            deferred = grads
+            joined: Any = Deferred(lambda: x_split.join(tuple(deferred.force())))
+        else:
+            joined = x_split.join(tuple(grads))
+        return value, aux, joined, [x_split.join(tuple(h)) for h in hvps]

@@ -51,7 +51,7 @@ def _program(
 
     empty = plan.empty
     sizes = batch_sizes(sig) if op.batch else None  # (a batch: the leaves of each tangent)
-    pullbacks = op.compute == "value_and_pullbacks"
+    compute = op.compute
 
     def program(
         xs: tuple[Any, ...], ts: tuple[Any, ...], dynamic: tuple[Any, ...], static: _Static | None
@@ -69,7 +69,7 @@ def _program(
         elif op.tangent is None:
             result = method(fn, xs)
         elif sizes is not None:
-            result = _batch_products(adapter, fn, xs, ts, sizes, sig, output, pullbacks)
+            result = _batch_products(adapter, fn, xs, ts, sizes, sig, output, compute)
         else:
             result = method(fn, xs, ts)
         if compiles:
@@ -188,19 +188,22 @@ def _batch_products(
     sizes: tuple[int, ...],
     sig: Signature,
     output: _Output,
-    pullbacks: bool,
-) -> tuple[Any, Any, list[Any]]:
-    """A batched operator's products, ``(out, aux, [product per tangent])``: the adapter's
-    batch methods, one vmapped program on jax and torch.func, a loop elsewhere."""
+    compute: str,
+) -> tuple[Any, ...]:
+    """A batched operator's products, ``(out, aux, [product per tangent])`` (for hvps
+    ``(value, aux, gradient, [hvp per tangent])``): the adapter's batch methods, one vmapped
+    program on jax and torch.func, a loop elsewhere."""
     groups = []
     start = 0
     for size in sizes:
         groups.append(tuple(ts[start : start + size]))
         start += size
-    if pullbacks:
+    if compute == "value_and_pullbacks":
         out, aux, vjp = adapter.pullback_function(fn, xs)
         _check_cotangents(sig, output, groups, adapter.complex_outputs)
         return out, aux, adapter.pullbacks(vjp, xs, groups)
+    if compute == "gradient_and_hvps":
+        return adapter.gradient_and_hvps(fn, xs, groups)  # type: ignore[no-any-return]
     return adapter.value_and_pushforwards(fn, xs, groups)  # type: ignore[no-any-return]
 
 

@@ -2,11 +2,11 @@
 
 Preparation finds the pattern (``diffiface.sparse``), colors it, and prepares the wrapped
 engine's products once; a call runs one batched jvp (column coloring) or vjp (row coloring) for
-all colors, or one hvp per color (star coloring of a Hessian), and decompresses with the gather
+all colors, or one batched hvp (star coloring of a Hessian), and decompresses with the gather
 ``compressed.reshape(-1)[index]``. x and f(x) are flattened in :func:`diffiface.tree.ravel`
 order. On jax the products and the gather are one compiled program (``vmap`` over the seeds);
-every other engine runs its own prepared batched ``jvp``/``vjp`` (one vmapped program on
-torch.func, a loop elsewhere) or ``hvp`` through diffiface's operators, so their checks
+every other engine runs its own prepared batched ``jvp``/``vjp``/``hvp`` (one vmapped program
+on torch.func, a loop elsewhere) through diffiface's operators, so their checks
 (mutation, dtypes, contexts) hold unchanged. Scipy, which has no
 product cheaper than a full Jacobian, differentiates ``z -> f(x + S z)`` for the ``count``
 inputs ``z``.
@@ -341,13 +341,12 @@ def _jax_ready(leaf: Any) -> bool:
     return (kind in ("numpy", "jax") and _arrays.is_float_dtype(_arrays.dtype_name(leaf))) or type(leaf) is float
 
 
-# -- every engine: its own prepared batch of jvps / vjps (hvps one per color) ------------------------
+# -- every engine: its own prepared batch of jvps / vjps / hvps ----------------------------------------
 
 
 class _ProductRoute(_Route):
-    """The colors' products as the engine's prepared batched jvp / vjp: one vmapped program on
-    torch.func (and jax without jit), a loop of the engine's products elsewhere; a Hessian's
-    colors one hvp each."""
+    """The colors' products as the engine's prepared batched jvp / vjp / hvp: one vmapped
+    program on torch.func (and jax without jit), a loop of the engine's products elsewhere."""
 
     def __init__(self, plan: _Plan, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> None:
         self.plan = plan
@@ -362,9 +361,12 @@ class _ProductRoute(_Route):
         if mode != "row":
             self.tangents = [unravel(_like(flat, seeds[:, k])) for k in range(seeds.shape[1])]
         self.batch = Tangents(*self.tangents)
-        if plan.hessian:
+        self.gradient_prep: Prep | None = None
+        if plan.hessian and plan.with_value:  # (f's value and gradient, returned beside the Hessian)
             self.gradient_prep = ops.prepare_value_and_gradient(f, plan.engine, x, *contexts)
             y, _ = ops.value_and_gradient(f, plan.engine, x, *contexts, prep=self.gradient_prep)
+        elif plan.hessian:  # (f's value once, for its dtype)
+            y, _ = ops.value_and_gradient(f, plan.engine, x, *contexts)
         elif self.tangents:
             batch = self.batch
             self.product_prep = batched.prepare_value_and_batched_jvp(f, plan.first, x, batch, *contexts)
@@ -380,8 +382,8 @@ class _ProductRoute(_Route):
             self.cobatch = Tangents(*self.cotangents)
             if self.cotangents:
                 self.reverse_prep = batched.prepare_value_and_batched_vjp(f, plan.first, x, self.cobatch, *contexts)
-        elif plan.hessian and plan.count:
-            self.product_prep = ops.prepare_hvp(f, plan.engine, x, self.tangents[0], *contexts)
+        elif plan.hessian and plan.count:  # every color in one batch
+            self.product_prep = batched.prepare_batched_hvp(f, plan.engine, x, self.batch, *contexts)
         self.dtype = _promote(plan.family, [*plan.x_layout.dtypes, *self.y_layout.dtypes])
         self.index = _index_like(plan.family, flat, plan.stacked_index)
 
@@ -390,10 +392,11 @@ class _ProductRoute(_Route):
         products: list[Any] = []
         head: tuple[Any, ...] = ()
         if plan.hessian:
-            value, gradient = ops.value_and_gradient(f, plan.engine, x, *contexts, prep=self.gradient_prep)
-            head = (value, gradient)
-            for tangent in self.tangents:
-                products.append(ops.hvp(f, plan.engine, x, tangent, *contexts, prep=prep))
+            if self.gradient_prep is not None:
+                value, gradient = ops.value_and_gradient(f, plan.engine, x, *contexts, prep=self.gradient_prep)
+                head = (value, gradient)
+            if self.tangents:  # the colors, one batch
+                products.extend(batched.batched_hvp(f, plan.engine, x, self.batch, *contexts, prep=prep))
         else:
             if self.tangents:  # the forward colors, one batch
                 y, pushed = batched.value_and_batched_jvp(f, plan.first, x, self.batch, *contexts, prep=prep)

@@ -162,6 +162,7 @@ _METHODS = {
     "value_and_jacobian": "jacobian",
     "value_gradient_and_hessian": "hessian",
     "gradient_and_hvp": "hvp",
+    "gradient_and_hvps": "hvp",  # (an engine with its own hvp has its own batch of them)
     "value_and_derivative": "derivative",
     "value_derivative_and_second_derivative": "second_derivative",
 }

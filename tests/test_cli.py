@@ -37,7 +37,7 @@ def _run(args, capsys):
         (["-j", "0"], "positive"),
         (["--backends", ""], "choose from jax, torch, torch-func, autograd, finite_differences, scipy"),
         (["--backends", ","], "choose from jax, torch, torch-func, autograd, finite_differences, scipy"),
-        (["--operators", ","], "choose from batched_jvp, batched_vjp, derivative"),
+        (["--operators", ","], "choose from batched_hvp, batched_jvp, batched_vjp, derivative"),
         (["--operators", "derivative", "--scenarios", "sparse"], "operators are hessian, jacobian"),
         (["--operators", "hvp", "--scenarios", "sparse", "--quick"], "(--quick) have no scenario of hvp"),
     ],

@@ -117,6 +117,8 @@ _OPERATORS: list[tuple[str, Callable[..., Any], str | None]] = [
     ("jacobian", head, None),
     ("batched_jvp", head, "xs"),
     ("value_and_batched_vjp", head, "ys"),
+    ("batched_hvp", loss, "xs"),
+    ("gradient_and_batched_hvp", loss, "xs"),
 ]
 
 

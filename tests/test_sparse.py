@@ -329,19 +329,76 @@ def test_the_colors_are_one_vmapped_program_on_torch_func(coloring: str) -> None
     assert_allclose(result.to_dense(), di.jacobian(banded, di.AutoTorch(mode="func"), x))
 
 
-def test_one_hvp_per_color(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("operator", ["hessian", "value_gradient_and_hessian"])
+@pytest.mark.parametrize("engine", ["autograd", "finite_differences", "torch", "torch-func"])
+def test_the_colors_of_a_hessian_are_one_batched_hvp(
+    monkeypatch: pytest.MonkeyPatch, engine: str, operator: str
+) -> None:
+    """One batched hvp for every color (not one hvp per color), equal to the dense Hessian."""
+    backend: Any = di.AutoTorch(mode="func") if engine == "torch-func" else engine
+    if not di.available(backend):
+        pytest.skip(f"{engine} is not installed")
+    batches: list[int] = []
+    single: list[int] = []
+    original, original_single = batched.batched_hvp, operators.hvp
+
+    def counting(f: Any, backend: Any, x: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        batches.append(len(batch))
+        return original(f, backend, x, batch, *args, **kwargs)
+
+    def counting_single(*args: Any, **kwargs: Any) -> Any:
+        single.append(1)
+        return original_single(*args, **kwargs)
+
+    x: Any = np.linspace(0.1, 1.0, 40)
+    if engine.startswith("torch"):
+        import torch
+
+        x = torch.from_numpy(x)
+    sparse_backend = di.AutoSparse(backend)
+    prep = getattr(di, "prepare_" + operator)(chain, sparse_backend, x)
+    monkeypatch.setattr(batched, "batched_hvp", counting)
+    monkeypatch.setattr(operators, "hvp", counting_single)
+    result = getattr(di, operator)(chain, sparse_backend, x, prep=prep)
+    assert prep.coloring.count == 3 and batches == [3] and not single
+    # (the exact Hessian; second differences are good to about 1e-6 here)
+    tolerances = {"rtol": 1e-5, "atol": 1e-6} if engine == "finite_differences" else {}
+    hessian = result if operator == "hessian" else result[2]
+    hessian = np.asarray(hessian.to_dense() if engine.startswith("torch") else hessian.toarray())
+    assert_allclose(hessian, _chain_hessian(np.linspace(0.1, 1.0, 40)), **tolerances)
+    if operator == "value_gradient_and_hessian":
+        value, gradient, _ = di.value_gradient_and_hessian(chain, backend, x)
+        assert_allclose(result[0], value, **tolerances)
+        assert_allclose(result[1], gradient, **tolerances)
+
+
+def _chain_hessian(x: np.ndarray) -> np.ndarray:
+    """The Hessian of :func:`chain`: 2 D.T D + diag(12 x**2), D the forward differences."""
+    differences = np.diff(np.eye(x.size), axis=0)
+    return 2 * differences.T @ differences + np.diag(12 * x**2)
+
+
+@needs_torch
+@pytest.mark.parametrize(("operator", "evaluations"), [("hessian", 1), ("value_gradient_and_hessian", 2)])
+def test_a_sparse_hessian_on_torch_func_evaluates_f_once_for_its_colors(operator: str, evaluations: int) -> None:
+    """torch.func: the colors are one vmapped program, f evaluated once in it; the value and
+    gradient of value_gradient_and_hessian are one more evaluation."""
+    import torch
+
     calls = []
-    original = operators.hvp
 
-    def counting(*args: Any, **kwargs: Any) -> Any:
+    def counted(x: Any) -> Any:
         calls.append(1)
-        return original(*args, **kwargs)
+        return chain(x)
 
-    x = np.linspace(0.1, 1.0, 40)
-    prep = di.prepare_hessian(chain, di.AutoSparse("autograd"), x)
-    monkeypatch.setattr(operators, "hvp", counting)
-    di.hessian(chain, di.AutoSparse("autograd"), x, prep=prep)
-    assert len(calls) == prep.coloring.count <= 3
+    x = torch.linspace(0.1, 1.0, 40, dtype=torch.float64)
+    backend = di.AutoSparse(di.AutoTorch(mode="func"))
+    prep = getattr(di, "prepare_" + operator)(counted, backend, x)
+    calls.clear()
+    result = getattr(di, operator)(counted, backend, x, prep=prep)
+    assert prep.coloring.count == 3 and len(calls) == evaluations
+    hessian = result if operator == "hessian" else result[2]
+    assert_allclose(hessian.to_dense(), di.hessian(chain, di.AutoTorch(mode="func"), x))
 
 
 def test_finite_differences_evaluate_f_twice_per_color() -> None:

@@ -251,6 +251,10 @@ class Adapter:
         """``(value, aux, gradient, hessian @ txs)``."""
         return hvp_of(self, self, fn, xs, txs)
 
+    def gradient_and_hvps(self, fn: Fn, xs: Leaves, batch: Sequence[Leaves]) -> tuple[Any, Any, Leaves, list[Leaves]]:
+        """``(value, aux, gradient, hvps)``: ``hvps[k]`` the Hessian-vector product along ``batch[k]``."""
+        return hvps_of(self, self, fn, xs, batch)
+
     def value_gradient_and_hessian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Blocks]:
         return hessian_of(self, self, fn, xs)
 
@@ -330,6 +334,22 @@ def hvp_of(outer: Adapter, inner: Adapter, fn: Fn, xs: Leaves, txs: Leaves) -> t
 
     _, (value, aux, grads), hvps = outer.value_and_gradient(directional, xs)
     return value, aux, grads, hvps
+
+
+def hvps_of(
+    outer: Adapter, inner: Adapter, fn: Fn, xs: Leaves, batch: Sequence[Leaves]
+) -> tuple[Any, Any, Leaves, list[Leaves]]:
+    """:func:`hvp_of` for a batch of tangents. Forward over reverse: the outer engine's batch of
+    pushforwards of the gradient map (one vmapped program on jax and torch.func). Reverse over
+    reverse: the gradient map's pullback, built once and applied to each tangent (the Hessian is
+    symmetric, so its pullback along v is H v)."""
+    if outer.info.forward_mode or outer is not inner:
+        grads, packed, hvps = outer.value_and_pushforwards(inner.gradient_function(fn), xs, batch)
+        value, aux = force(packed)  # a black-box outer engine may defer it
+        return value, aux, grads, hvps
+    grads, packed, vjp = outer.pullback_function(inner.gradient_function(fn), xs)
+    value, aux = packed
+    return value, aux, grads, outer.pullbacks(vjp, xs, batch)
 
 
 def hessian_of(outer: Adapter, inner: Adapter, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Blocks]:
@@ -446,6 +466,12 @@ class SecondOrderAdapter(Adapter):
             return self._native.gradient_and_hvp(fn, xs, txs)
         self._local.second = "gradient"
         return hvp_of(self.outer, self.inner, fn, xs, txs)
+
+    def gradient_and_hvps(self, fn: Fn, xs: Leaves, batch: Sequence[Leaves]) -> tuple[Any, Any, Leaves, list[Leaves]]:
+        if self._native is not None:
+            return self._native.gradient_and_hvps(fn, xs, batch)
+        self._local.second = "gradient"
+        return hvps_of(self.outer, self.inner, fn, xs, batch)
 
     def value_gradient_and_hessian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Blocks]:
         if self._native is not None:

@@ -414,6 +414,16 @@ class Adapter(_base.Adapter):
         self._check_size(xs, "A Hessian-vector product")
         point = _Point(xs)
         out, aux, grads = self.value_and_gradient(fn, xs)
+        return out, aux, grads, self._hvp_along(fn, point, txs)
+
+    def gradient_and_hvps(self, fn: Fn, xs: Leaves, batch: Any) -> tuple[Any, Any, Leaves, list[Leaves]]:
+        """The gradient once, then the differences of the gradient along each tangent."""
+        self._check_size(xs, "A Hessian-vector product")
+        point = _Point(xs)
+        out, aux, grads = self.value_and_gradient(fn, xs)
+        return out, aux, grads, [self._hvp_along(fn, point, txs) for txs in batch]
+
+    def _hvp_along(self, fn: Fn, point: _Point, txs: Leaves) -> Leaves:
         v = _Point(txs).vector if txs else np.zeros(0)
         finite = np.isfinite(v)
         hv = self._hvp(fn, point, np.where(finite, v, 0.0))
@@ -421,7 +431,7 @@ class Adapter(_base.Adapter):
             unit = np.zeros(point.size)
             unit[i] = 1.0
             hv = hv + _times_non_finite(self._hvp(fn, point, unit), v[i])
-        return out, aux, grads, _split(hv, point)
+        return _split(hv, point)
 
     def _hvp(self, fn: Fn, point: _Point, v: np.ndarray) -> np.ndarray:
         """``H @ v`` for a finite ``v``: differences of the gradient along ``v``."""

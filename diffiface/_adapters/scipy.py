@@ -207,10 +207,17 @@ class Adapter(_base.Adapter):
         return out, aux, grads, _hessian_blocks(hess, point, [])
 
     def gradient_and_hvp(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Leaves, Leaves]:
+        out, aux, grads, (hv,) = self.gradient_and_hvps(fn, xs, (txs,))
+        value_err, _, grad_err, (error,) = self._local.error
+        self._local.error = (value_err, None, grad_err, error)
+        return out, aux, grads, hv
+
+    def gradient_and_hvps(self, fn: Fn, xs: Leaves, batch: Any) -> tuple[Any, Any, Leaves, list[Leaves]]:
+        """The gradient once, then one adaptive directional derivative of it per tangent, each
+        with its error estimate."""
         out, aux, grads = self.value_and_gradient(fn, xs)  # checks the size against MAX_INPUTS
         grad_err = self._local.error[2]
         _, _, _, _, batched, point = self._flat(fn, xs)
-        v = _Point(txs).vector if txs else np.zeros(0)
 
         def gradient(y: np.ndarray) -> np.ndarray:
             return np.asarray(scipy.differentiate.jacobian(lambda w: batched(w)[0], y, **self._options).df)  # type: ignore[no-any-return]
@@ -224,9 +231,13 @@ class Adapter(_base.Adapter):
 
             return _directional(g, point.size, self._options)
 
-        hv, error = _linear_in(along, v, point.size)
-        self._local.error = (_zeros_like(out), None, grad_err, _split(error, point))
-        return out, aux, grads, _split(hv, point)
+        hvps, errors = [], []
+        for txs in batch:
+            hv, error = _linear_in(along, _Point(txs).vector if txs else np.zeros(0), point.size)
+            hvps.append(_split(hv, point))
+            errors.append(_split(error, point))
+        self._local.error = (_zeros_like(out), None, grad_err, errors)
+        return out, aux, grads, hvps
 
     def value_derivative_and_second_derivative(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any, Any]:
         self._check(xs, "A second derivative", second=True)

@@ -417,6 +417,25 @@ class Adapter(_base.Adapter):
         grads, hvps = _placed(grads, inputs), _placed(hvps, inputs)
         return _detached(value, keep), _detached(aux, keep), _detached(grads, keep), hvps
 
+    def gradient_and_hvps(self, fn: Fn, xs: Leaves, batch: Any) -> tuple[Any, Any, Leaves, list[Leaves]]:
+        """torch.func: one vmapped program (``_base``); autograd mode: f and its gradient's graph
+        once, then the gradient's pullback along each tangent through that graph."""
+        if self.functional:
+            return super().gradient_and_hvps(fn, xs, batch)
+        keep = _keeping()
+        with torch.enable_grad():
+            inputs = _requiring_grad(xs)
+            value, aux = fn(inputs)
+            grads = _grad(_if_graph(value), inputs, create_graph=True)
+            wanted = [k for k, g in enumerate(grads) if g.requires_grad]
+            outputs = [grads[k] for k in wanted]
+            last = len(batch) - 1
+            hvps = [
+                _placed(_grad(outputs, inputs, [txs[k] for k in wanted], create_graph=keep, retain=i < last), inputs)
+                for i, txs in enumerate(batch)
+            ]
+        return _detached(value, keep), _detached(aux, keep), _detached(_placed(grads, inputs), keep), hvps
+
     def value_gradient_and_hessian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Blocks]:
         if _any_dtensor(xs):
             raise _dense_of_dtensors("A Hessian")

@@ -25,6 +25,7 @@ import numpy as np
 from .. import _arrays
 from .._complex import from_parts
 from .._contexts import Constant
+from .._tangents import Tangents
 from ._scenario import Scenario
 
 __all__ = ["complex_scenarios"]
@@ -177,6 +178,19 @@ def _for_dtype(dtype: str) -> list[Scenario]:
                 kw["hvp"],
                 contexts=contexts,
                 tangent=kw["tangent"],
+                extra_tags=frozenset({"second_order"}),
+                **loose,
+            )
+            # a batch of two: the hvp is real-linear in the tangent
+            half = np.asarray(-0.5, dtype=real)
+            add(
+                name,
+                f,
+                x,
+                "batched_hvp",
+                Tangents(kw["hvp"], (half * kw["hvp"]).astype(c)),
+                contexts=contexts,
+                tangent=Tangents(kw["tangent"], (half * kw["tangent"]).astype(c)),
                 extra_tags=frozenset({"second_order"}),
                 **loose,
             )

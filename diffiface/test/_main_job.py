@@ -53,7 +53,12 @@ _LAYER_REASON = f"--quick's scipy budget: scipy checks 1 layer in {_LAYER_SAMPLE
 #: Second-order operators whose scipy rows repeat another's adaptive Hessian (the value and
 #: gradient come with it): in the full run, scipy checks ``hessian``, ``hvp`` and
 #: ``second_derivative`` only.
-_REPEATS = ("value_gradient_and_hessian", "gradient_and_hvp", "value_derivative_and_second_derivative")
+_REPEATS = (
+    "value_gradient_and_hessian",
+    "gradient_and_hvp",
+    "gradient_and_batched_hvp",
+    "value_derivative_and_second_derivative",
+)
 _REPEATS_REASON = (
     "scipy budget: scipy's second-order value_* variants are left out (its hessian, hvp and "
     "second_derivative rows run the same adaptive differences)"

@@ -137,6 +137,8 @@ def _core(operator: str, input_name: str, x: Any, dtype: str, scale: Any, varian
         "value_gradient_and_hessian",
         "hvp",
         "gradient_and_hvp",
+        "batched_hvp",
+        "gradient_and_batched_hvp",
         "second_derivative",
         "value_derivative_and_second_derivative",
     )
