@@ -38,7 +38,7 @@ from ._programs import (
     _Output,
     _program,
 )
-from ._results import finisher
+from ._results import Settled, finisher
 from ._results import promoted_dtype as promoted_dtype  # imported from here by the tests
 
 # -- programs the route does not build itself ---------------------------------------------------------
@@ -82,7 +82,7 @@ def evaluate(
         and (backend is fast.backend or (backend in fast.names if type(backend) is str else backend == fast.backend))
         and list(map(type, contexts)) == fast.kinds
         and (fast.precision is None or fast.precision() is None)
-        and (prep is not None or known.still_for(f))  # type: ignore[union-attr]
+        and (prep is not None or known.closure is None or known.closure.holds(f))  # type: ignore[union-attr]
     ):
         values = list(map(_value, contexts))
         try:
@@ -295,7 +295,13 @@ def _program_of(
         # apart, nor to build where x is one array
         flat = FlatProgram(adapter, traced, op, output, one, call, signature.has_aux, signature.x_spec == _LEAF)
         compiled = flat
-        rest = one.mirror if one is not None else finish
+        if one is not None:
+            rest = one.mirror
+        elif signature.has_aux:  # (aux leaves are not the program's arrays alone)
+            rest = finish
+        else:
+            records = any(kind in ("y", "dy", "jacobian", "ys") for _, kind in op.parts)
+            rest = Settled(finish, output if records else None)
         finish = FlatFinish(flat, rest)
     else:  # (jit returns arrays only: a program whose result holds none but arrays needs no help)
         # (a static argument costs jit a slower call: only where a context leaf is one)
@@ -304,7 +310,7 @@ def _program_of(
     program: Callable[..., Any] = Scoped(adapter, run) if conversions.scoped else run
     if isinstance(compiled, FlatProgram) and not adapter.estimates_errors:
         # the engine takes the leaves as they are: straight to the compiled call
-        tail = Recalled(output, rest) if run.records else rest
+        tail = Recalled(output, rest) if run.records and type(rest) is not Settled else rest
         program = DirectFlat(compiled, tail, program, adapter.scope if conversions.scoped else None)
     if dynamic_index is not None:  # x has static leaves: the program takes the others
         program = OnDynamic(program, dynamic_index)

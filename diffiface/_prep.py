@@ -193,7 +193,19 @@ class Closure:
         function = getattr(f, "__func__", f)
         if getattr(function, "__code__", None) is not self._code:
             return False
-        values = _read_values(function, self._names)
+        # (_read_values, inlined: this runs on every unprepared call, where a frame costs)
+        values: list[Any] = []
+        for cell in getattr(function, "__closure__", None) or ():
+            try:
+                values.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                values.append(None)
+        namespace = getattr(function, "__globals__", None)
+        if namespace is not None:
+            for name in self._names:
+                if name in namespace:
+                    values.append(namespace[name])
+        values.extend(getattr(function, "__defaults__", None) or ())
         if tuple(map(id, values)) != self._ids:
             return False
         for i, copy in self._arrays:  # noqa: SIM110  (a loop, not all(generator): this runs on every unprepared call)
@@ -355,7 +367,8 @@ class _PrepCache:
     def recent(self, f: Callable[..., Any], operator: str) -> Prep | None:
         """The prep of ``operator`` that ``f`` used last; None if there is none."""
         if type(f) is types.FunctionType:  # the common case, without the checks of _owner
-            entries = self._weak.get(f)
+            # (the table's own dict, keyed by weak references: its get() is a Python frame)
+            entries = self._weak.data.get(weakref.ref(f))  # type: ignore[attr-defined]
             sub = None
         else:
             owner, sub, weak = self._owner(f)

@@ -204,6 +204,47 @@ def finisher(op: Operator, call: Call, output: _Output, compiled: bool) -> tuple
     return finish, None
 
 
+_flatten: Callable[[Any], tuple[list[Any], Any]] = (
+    getattr(getattr(optree, "_C", None), "flatten", None) or optree.tree_flatten
+)
+"""optree's flattening in C (its ``tree_flatten`` is a Python frame around it)."""
+
+
+class Settled:
+    """The finisher of a compiled program's results, once they are seen to need only
+    rebuilding: jit gives its results the same types, dtypes and layouts on every run, so
+    where the first finished result holds the program's own arrays (each the very object the
+    program returned, none converted, cast or moved), later results are the same structure
+    rebuilt on the new arrays: one flattening and one rebuilding, in C, where the finisher
+    takes a frame and more per block (a Jacobian or Hessian of a tree).
+
+    ``output``: where the finisher reads the record of f's output (a program from jit's cache
+    does not evaluate f), the record of the trace is made the current one before it runs."""
+
+    __slots__ = ("finish", "native_spec", "output", "result_spec")
+
+    def __init__(self, finish: Callable[[Any], Any], output: Any = None) -> None:
+        self.finish, self.output = finish, output
+        self.native_spec: Any = None
+        self.result_spec: Any = None
+
+    def __call__(self, native: Any) -> Any:
+        spec = self.result_spec
+        if spec is not None:
+            leaves, native_spec = _flatten(native)
+            if native_spec == self.native_spec:
+                return spec.unflatten(leaves)
+        if self.output is not None:
+            self.output.recall(None)  # (a program on flat arguments has no static argument)
+        result = self.finish(native)
+        if spec is None:
+            leaves, native_spec = _flatten(native)
+            found, result_spec = optree.tree_flatten(result)
+            if len(found) == len(leaves) and all(a is b for a, b in zip(found, leaves, strict=True)):
+                self.native_spec, self.result_spec = native_spec, result_spec
+        return result
+
+
 def _aux_as_returned(riding: Any, as_y: Callable[[Any], Any]) -> Any:
     """f's aux from its leaves and structure (as ``_closer`` set them apart): in f's structure
     and key order; array leaves in x's array type, every other leaf (a string, a number,

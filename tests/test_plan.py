@@ -501,3 +501,38 @@ def test_the_inline_steps_refuse_what_the_plan_refuses() -> None:
     scale = jnp.asarray(2.0)
     second = di.gradient(scaled, "jax", p, di.Constant(batch))
     assert_tree_close(second, optree.tree_map(lambda v: 2 * v, first), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("operator", ["jacobian", "hessian", "jvp"])
+def test_a_compiled_tree_result_that_needs_only_rebuilding_is_rebuilt_in_c(operator: str) -> None:
+    """jit gives its results the same types, dtypes and layouts on every run: where the first
+    finished result holds the program's own arrays, later ones are rebuilt on the new arrays
+    (Settled) with no frame per block; where the finisher casts a block (mixed dtypes) or
+    converts it (numpy x), it runs on every call. The results equal those without jit, call
+    after call."""
+    require(di.AutoJAX())
+    import jax.numpy as jnp
+
+    def f(p: Any, d: Any) -> Any:
+        out = {"h": jnp.tanh(d @ p[0]) * jnp.sum(p[1]).astype(jnp.float32), "s": (jnp.sum(p[0] ** 2),)}
+        return out["h"].sum() ** 2 + out["s"][0] if operator == "hessian" else out
+
+    rng = np.random.default_rng(1)
+    data = di.Constant(jnp.asarray(rng.normal(size=(4, 3)), jnp.float32))
+    same = (jnp.asarray(rng.normal(size=(3, 2)), jnp.float32), jnp.asarray(rng.normal(size=2), jnp.float32))
+    mixed = (same[0], same[1].astype(jnp.bfloat16))
+    as_numpy = tuple(np.asarray(leaf) for leaf in same)
+    op = getattr(di, operator)
+    # (a jvp's blocks are shaped and typed as f's output: mixed dtypes of x cast none of them)
+    for x, settles in ((same, True), (mixed, operator == "jvp"), (as_numpy, False)):
+        args = (x, x) if operator == "jvp" else (x,)
+        prep = getattr(di, f"prepare_{operator}")(f, "jax", *args, data)
+        expected = op(f, di.AutoJAX(jit=False), *args, data)
+        for _ in range(3):
+            got = op(f, "jax", *args, data, prep=prep)
+            assert optree.tree_structure(got) == optree.tree_structure(expected)
+            for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(expected), strict=True):
+                assert type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
+            assert_tree_close(got, expected, rtol=1e-2 if x is mixed else 1e-5, atol=1e-2 if x is mixed else 1e-5)
+        calls = _python_calls(lambda: op(f, "jax", *args, data, prep=prep))  # noqa: B023
+        assert (len(calls) <= 3) is settles, calls
