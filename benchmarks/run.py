@@ -922,6 +922,8 @@ def _variant_rows(name, case, base, f, args, rounds):
     if name.startswith("jax") and case["shape"] in ("flat", "tuple", "dict"):
         variants.append(("numpy contexts", backend(name.replace("-x64", "")), tuple(map(_numpy_tree, case["ctx"]))))
     rows = []
+    if name.startswith("jax"):  # the least any Python function around jit's call costs
+        rows.append(_one_frame_row(name, case, base, f, args, rounds))
     for variant, b, ctx in variants:
         row = {**base, "operator": "gradient", "prepared": True, "variant": variant}
         row["goal"] = shape_goal(case["size"], "gradient", True)
@@ -938,6 +940,28 @@ def _variant_rows(name, case, base, f, args, rounds):
             row["note"] = f"call failed: {type(error).__name__}: {message}"
         rows.append(row)
     return rows
+
+
+def _one_frame_row(name, case, base, f, args, rounds):
+    """jax's own jitted gradient called through one Python function of diffiface's signature
+    that reads the contexts' values and checks nothing: the floor of any API in Python, beside
+    which the goals can be read (on the core the benchmark pins, a frame costs more than warm)."""
+    import jax
+
+    row = {**base, "operator": "gradient", "prepared": True, "variant": "floor: one Python frame around jit"}
+    row["goal"] = shape_goal(case["size"], "gradient", True)
+    jitted = jax.jit(lambda z, *c: jax.grad(f)(z, *c))
+
+    def one_frame(f, backend, x, *contexts, prep=None):
+        return jitted(x, *[c.value for c in contexts])
+
+    constants = tuple(di.Constant(c) for c in case["ctx"])
+    ours = functools.partial(one_frame, f, "jax", *args, *constants, prep=None)
+    native = shape_native(name, "gradient", f, case["x"], case["ctx"], None)
+    row["check"] = "same" if same_values(ours(), native()) else "DIFFERENT"
+    us, _, them, ratio = time_pair(ours, native, rounds)
+    row.update(diffiface_s=us, native_s=them, ratio=ratio)
+    return row
 
 
 def run_shapes(names, rounds):
@@ -1029,7 +1053,10 @@ def write_shapes(rows, meta):
         "",
         '`backend by name`: `di.gradient(f, "jax", x, di.Constant(batch), prep=prep)`, the README\'s style; '
         "`numpy contexts`: the batch as numpy arrays under jax, against `jax.jit` given the same numpy arrays. "
-        "Goal: no slower than the object form and jit.",
+        "Goal: no slower than the object form and jit. "
+        "`floor: one Python frame around jit`: jax's own jitted gradient called through one Python function "
+        "of diffiface's signature that reads the contexts' values and checks nothing, the least any API in "
+        "Python costs on this core.",
         "",
         table(
             [r for r in rows if r.get("variant") and r.get("ratio") is not None],

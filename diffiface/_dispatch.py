@@ -81,7 +81,7 @@ def evaluate(
         and fast.ref() is f
         and (backend is fast.backend or (backend in fast.names if type(backend) is str else backend == fast.backend))
         and list(map(type, contexts)) == fast.kinds
-        and (fast.precision is None or fast.precision() is None)
+        and (fast.needs_x64 is None or fast.needs_x64.value)
         and (prep is not None or known.closure is None or known.closure.holds(f))  # type: ignore[union-attr]
     ):
         values = list(map(_value, contexts))

@@ -511,8 +511,8 @@ class FlatCall:
         "has_aux",
         "kinds",
         "names",
+        "needs_x64",
         "operator",
-        "precision",
         "ref",
         "rest",
         "single",
@@ -527,11 +527,31 @@ class FlatCall:
         self.kinds = list(plan.context_kinds)
         self.tangent = plan.tangent
         self.compiled, self.flat, self.rest = direct.compiled, direct.flat, direct.rest
-        self.precision = direct.precision  # (float64 with jax's x64 off: the plan's own steps)
+        # Where the program may need jax's x64 scope (float64 work): the flag's state, read per
+        # call (its value is read in C; jax.config.read is two Python frames). Off, the plan's
+        # own steps run the call in the scope.
+        self.needs_x64 = _x64_state() if direct.precision is not None else None
         self.flatten = sys.modules["jax"].tree_util.default_registry.flatten
         self.spec = jax_spec
         self.single = jax_spec is None  # (x, the tangent and each context one array)
         self.types = list(map(type, arguments if self.single else self.flatten(arguments)[0]))
+
+
+def _x64_state() -> Any:
+    """jax's x64 flag as an object whose ``value`` reads it."""
+    state = getattr(getattr(sys.modules["jax"], "_src", None), "config", None)
+    state = getattr(state, "enable_x64", None)
+    return state if isinstance(getattr(state, "value", None), bool) else _X64Read()
+
+
+class _X64Read:
+    """jax's x64 flag read through its public config (where jax keeps no state object)."""
+
+    __slots__ = ()
+
+    @property
+    def value(self) -> bool:
+        return bool(sys.modules["jax"].config.read("jax_enable_x64"))
 
 
 def flat_call(plan: Plan, program: Any, call: Any) -> FlatCall | None:

@@ -536,3 +536,26 @@ def test_a_compiled_tree_result_that_needs_only_rebuilding_is_rebuilt_in_c(opera
             assert_tree_close(got, expected, rtol=1e-2 if x is mixed else 1e-5, atol=1e-2 if x is mixed else 1e-5)
         calls = _python_calls(lambda: op(f, "jax", *args, data, prep=prep))  # noqa: B023
         assert (len(calls) <= 3) is settles, calls
+
+
+def test_a_float64_prep_under_x64_runs_inline_and_keeps_float64_when_x64_is_off() -> None:
+    """A float64 prep made with jax's x64 on runs the plan's steps inline while it stays on (the
+    flag read in C), and, with x64 off, the plan's own steps run it in the x64 scope: float64
+    either way."""
+    require(di.AutoJAX())
+    import jax
+    import jax.numpy as jnp
+
+    def f(x: Any, c: Any) -> Any:
+        return jnp.sum(jnp.sin(x) * c)
+
+    with jax.enable_x64(True):
+        x, c = jnp.linspace(0.1, 1.0, 10), di.Constant(jnp.linspace(1.0, 2.0, 10))
+        prep = di.prepare_gradient(f, "jax", x, c)
+        assert prep.plan.flat_call is not None and prep.plan.flat_call.needs_x64 is not None
+        inside = di.gradient(f, "jax", x, c, prep=prep)
+        assert _python_calls(lambda: di.gradient(f, "jax", x, c, prep=prep)) == ["gradient", "evaluate"]
+    outside = di.gradient(f, "jax", x, c, prep=prep)
+    assert inside.dtype == outside.dtype == np.float64
+    np.testing.assert_allclose(np.asarray(outside), np.cos(np.asarray(x)) * np.asarray(c.value), rtol=1e-14)
+    np.testing.assert_allclose(np.asarray(inside), np.asarray(outside), rtol=1e-14)
