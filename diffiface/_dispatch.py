@@ -23,7 +23,7 @@ from ._backends import AutoSparse, Backend
 from ._call import _LEAF, OPERATORS, Call, Operator, _dynamic_view
 from ._checks import _check_call, _check_tangent_kinds, _check_tangent_like_x, _check_x
 from ._errors import InvalidInputError
-from ._plan import Plan, _value, flat_call, flattener, leaf_check, leaves_check
+from ._plan import Plan, _numpy_meta, _value, flat_call, flattener, leaf_check, leaves_check
 from ._prep import Closure, FunctionRef, Prep, describe_mismatch, mismatch_error, prep_cache
 from ._programs import (
     DirectFlat,
@@ -87,15 +87,14 @@ def evaluate(
         values = list(map(_value, contexts))
         try:
             if fast.single:
-                arguments = [x, tangent, *values] if fast.tangent else [x, *values]
-                if list(map(type, arguments)) == fast.types:
-                    out = fast.compiled(*arguments)
-                    return out if fast.flat.finished else fast.rest(out)
+                leaves = [x, tangent, *values] if fast.tangent else [x, *values]
+                fits = list(map(type, leaves)) == fast.types
             else:
                 leaves, spec = fast.flatten([x, tangent, *values] if fast.tangent else [x, *values])
-                if spec == fast.spec and list(map(type, leaves)) == fast.types:
-                    out = fast.compiled(*leaves)
-                    return out if fast.flat.finished else fast.rest(out)
+                fits = spec == fast.spec and list(map(type, leaves)) == fast.types
+            if fits and (fast.numpy is None or list(map(_numpy_meta, fast.numpy(leaves))) == fast.numpy_meta):
+                out = fast.compiled(*leaves)
+                return out if fast.flat.finished else fast.rest(out)
         except Unfit:  # (shapes or dtypes the program checks itself: the signature decides)
             pass
     if prep is None:
@@ -113,12 +112,12 @@ def evaluate(
             prep_cache.put(f, call.signature, prep)
         return prep.run(call.x_leaves, call.tangent_leaves, call.context_leaves)
     plan = prep.plan
-    leaves = plan.leaves(name, f, backend, x, tangent, contexts, has_aux)
-    if leaves is not None:
+    found = plan.leaves(name, f, backend, x, tangent, contexts, has_aux)
+    if found is not None:
         try:
             if plan.estimates:  # (the prep keeps the estimate)
-                return prep.run(*leaves)
-            return plan.program(*leaves)[0]
+                return prep.run(*found)
+            return plan.program(*found)[0]
         except Unfit:  # (shapes or dtypes its program checks itself: the signature decides)
             pass
     op, backend, call = _arguments(name, f, backend, x, tangent, contexts, has_aux)

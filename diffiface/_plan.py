@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import optree
 
 from . import _arrays, _placement
@@ -491,13 +492,16 @@ _value = operator.attrgetter("value")
 
 
 class FlatCall:
-    """The plan's steps, fused, where every leaf of x, of the tangent and of the contexts is a
-    jax array that jit checks itself (:func:`engine_checked`) and the program is jit's on the
-    flat leaves (:class:`~diffiface._programs.DirectFlat`): the route (:func:`~diffiface._dispatch.evaluate`) flattens
-    x, the tangent and the context values in one call of jax's pytrees (none where each is one
-    array), compares the structure and the leaves' types with the prep's, and hands the leaves
-    to the compiled call. jit compares their shapes, dtypes and layouts as it always does, and
-    the traced program raises :class:`~diffiface._programs.Unfit` for any other than the prep's.
+    """The plan's steps, fused, where the program is jit's on the flat leaves
+    (:class:`~diffiface._programs.DirectFlat`) and every leaf of x, of the tangent and of the
+    contexts is a jax array that jit checks itself (:func:`engine_checked`) or a numpy array.
+    The route (:func:`~diffiface._dispatch.evaluate`) flattens x, the tangent and the context
+    values in one call of jax's pytrees (none where each is one array), compares the structure
+    and the leaves' types with the prep's, and the numpy leaves' shapes and dtypes (jit gives a
+    float32 and a float64 numpy array the same traced type while x64 is off), and hands the
+    leaves to the compiled call. jit compares the jax arrays' shapes, dtypes and layouts as it
+    always does, and the traced program raises :class:`~diffiface._programs.Unfit` for any
+    other than the prep's.
 
     Each Python frame on this path costs about a microsecond on a core that has just run the
     engine's program (its caches are cold), against the few the engine's own call takes; so
@@ -512,6 +516,8 @@ class FlatCall:
         "kinds",
         "names",
         "needs_x64",
+        "numpy",
+        "numpy_meta",
         "operator",
         "ref",
         "rest",
@@ -534,7 +540,16 @@ class FlatCall:
         self.flatten = sys.modules["jax"].tree_util.default_registry.flatten
         self.spec = jax_spec
         self.single = jax_spec is None  # (x, the tangent and each context one array)
-        self.types = list(map(type, arguments if self.single else self.flatten(arguments)[0]))
+        leaves = arguments if self.single else self.flatten(arguments)[0]
+        self.types = list(map(type, leaves))
+        # the numpy leaves, picked in C (a getter of one index is given it twice, so that it
+        # gives a tuple too), and their shapes and dtypes; None where there are none
+        at = [i for i, leaf in enumerate(leaves) if type(leaf) is np.ndarray]
+        self.numpy = operator.itemgetter(*(at * 2 if len(at) == 1 else at)) if at else None
+        self.numpy_meta = list(map(_numpy_meta, self.numpy(leaves))) if self.numpy is not None else None
+
+
+_numpy_meta = operator.attrgetter("shape", "dtype")
 
 
 def _x64_state() -> Any:
@@ -567,7 +582,7 @@ def flat_call(plan: Plan, program: Any, call: Any) -> FlatCall | None:
     for spec, leaves in zip(call.context_specs, call.context_leaves, strict=True):
         rebuilt.append(optree.tree_unflatten(spec, leaves))
     leaves, spec = optree.tree_flatten(rebuilt)  # type: ignore[arg-type]
-    if not leaves or not all(map(engine_checked, leaves)):
+    if not leaves or not all(engine_checked(leaf) or type(leaf) is np.ndarray for leaf in leaves):
         return None
     if len(leaves) == len(rebuilt) and all(a is b for a, b in zip(rebuilt, leaves, strict=True)):
         return FlatCall(plan, program, rebuilt, None)  # (each argument one array)

@@ -484,11 +484,23 @@ def test_the_inline_steps_refuse_what_the_plan_refuses() -> None:
         rtol=1e-5,
         atol=1e-5,
     )
-    # numpy leaves anywhere: the plan's own steps, which test their dtypes
-    assert (
-        di.prepare_gradient(_tree_loss, "jax", p, di.Constant(optree.tree_map(np.asarray, batch))).plan.flat_call
-        is None
-    )
+    # numpy leaves: their shapes and dtypes compared inline (jit gives float32 and float64 numpy
+    # arrays the same traced type while x64 is off)
+    as_numpy = optree.tree_map(np.asarray, batch)
+    numpy_prep = di.prepare_gradient(_tree_loss, "jax", p, di.Constant(as_numpy))
+    assert numpy_prep.plan.flat_call is not None and numpy_prep.plan.flat_call.numpy is not None
+    served = di.gradient(_tree_loss, "jax", p, di.Constant(as_numpy), prep=numpy_prep)
+    assert_tree_close(served, di.gradient(_tree_loss, "jax", p, di.Constant(batch)), rtol=1e-6, atol=1e-6)
+    numpy_batch = di.Constant(as_numpy)
+    calls = _python_calls(lambda: di.gradient(_tree_loss, "jax", p, numpy_batch, prep=numpy_prep))
+    assert calls[:2] == ["gradient", "evaluate"] and "leaves" not in calls, calls
+    for other in (
+        {**as_numpy, "y": as_numpy["y"].astype(np.float64)},
+        {**as_numpy, "x": as_numpy["x"][:2]},
+        {**as_numpy, "y": batch["y"]},  # (a jax array where a numpy one was prepared)
+    ):
+        with pytest.raises(di.PreparationMismatchError, match="context"):
+            di.gradient(_tree_loss, "jax", p, di.Constant(other), prep=numpy_prep)
 
     # unprepared: f reads a closed-over scale; a new value is a new program, never the old one
     scale = jnp.asarray(1.0)
