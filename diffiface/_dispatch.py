@@ -84,13 +84,13 @@ def evaluate(
         and (fast.needs_x64 is None or fast.needs_x64.value)
         and (prep is not None or known.closure is None or known.closure.holds(f))  # type: ignore[union-attr]
     ):
-        values = list(map(_value, contexts))
         try:
+            arguments = [x, tangent, *map(_value, contexts)] if fast.tangent else [x, *map(_value, contexts)]
             if fast.single:
-                leaves = [x, tangent, *values] if fast.tangent else [x, *values]
+                leaves = arguments
                 fits = list(map(type, leaves)) == fast.types
             else:
-                leaves, spec = fast.flatten([x, tangent, *values] if fast.tangent else [x, *values])
+                leaves, spec = fast.flatten(arguments)
                 fits = spec == fast.spec and list(map(type, leaves)) == fast.types
             if fits and (fast.numpy is None or list(map(_numpy_meta, fast.numpy(leaves))) == fast.numpy_meta):
                 out = fast.compiled(*leaves)
