@@ -50,6 +50,12 @@ class Operator:
     """The tangent is a :class:`~diffiface.Tangents` batch; ``compute`` takes them all at once
     and the ``ys`` / ``xs`` parts hold one result per tangent."""
 
+    @property
+    def shaped_as_output(self) -> bool:
+        """Whether a part is shaped as f's output, so that finishing it reads the record of f's
+        output (which a compiled program's cached run does not make afresh)."""
+        return any(kind in ("y", "dy", "jacobian", "ys") for _, kind in self.parts)
+
 
 _OPERATORS = (
     Operator("derivative", "value_and_derivative", ((2, "dy"),), scalar_input=True),

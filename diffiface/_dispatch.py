@@ -299,8 +299,7 @@ def _program_of(
         elif signature.has_aux:  # (aux leaves are not the program's arrays alone)
             rest = finish
         else:
-            records = any(kind in ("y", "dy", "jacobian", "ys") for _, kind in op.parts)
-            rest = Settled(finish, output if records else None)
+            rest = Settled(finish, output if op.shaped_as_output else None)
         finish = FlatFinish(flat, rest)
     else:  # (jit returns arrays only: a program whose result holds none but arrays needs no help)
         # (a static argument costs jit a slower call: only where a context leaf is one)

@@ -32,6 +32,7 @@ __all__ = [
     "jax_rebuilds_alike",
     "leaf_check",
     "leaves_check",
+    "optree_flatten",
 ]
 
 Check = tuple[type, Callable[[Any], bool] | None]
@@ -286,10 +287,16 @@ def flattener(spec: Any, leaves: list[Any]) -> tuple[Flatten, Any]:
     found = _jax_structure(spec, leaves)
     if found is not None:  # (the registry's own method: tree_flatten is a Python frame around it)
         return sys.modules["jax"].tree_util.default_registry.flatten, found[1]
-    flatten = getattr(getattr(optree, "_C", None), "flatten", None)  # (likewise optree's, where it has it)
+    return optree_flatten(_namespace(spec)), spec
+
+
+def optree_flatten(namespace: str = "") -> Flatten:
+    """optree's flattening in ``namespace``, by its C function where optree has it (its
+    ``tree_flatten`` is a Python frame around it)."""
+    flatten = getattr(getattr(optree, "_C", None), "flatten", None)
     if flatten is None:  # pragma: no cover - optree without its C module's flatten
-        return functools.partial(optree.tree_flatten, namespace=_namespace(spec)), spec
-    return functools.partial(flatten, leaf_predicate=None, none_is_leaf=False, namespace=_namespace(spec)), spec
+        return functools.partial(optree.tree_flatten, namespace=namespace)
+    return functools.partial(flatten, leaf_predicate=None, none_is_leaf=False, namespace=namespace)
 
 
 def jax_rebuilds_alike(spec: Any, leaves: list[Any]) -> bool:

@@ -427,7 +427,7 @@ class Run:
         self.finish = finish
         # a program from jit's cache does not evaluate f: where the finisher reads the record
         # of f's output, the record of its trace is made the current one
-        self.records = adapter.compiles and any(kind in ("y", "dy", "jacobian", "ys") for _, kind in op.parts)
+        self.records = adapter.compiles and op.shaped_as_output
         self.estimates = adapter.estimates_errors
         self.parts = tuple(i for i, _ in op.parts)
         self.passthrough = conversions.passthrough and conversions.x_native and conversions.tangent_native

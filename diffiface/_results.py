@@ -12,6 +12,7 @@ import optree
 
 from . import _arrays, _complex, _placement
 from ._call import _ARRAY_KINDS, _LEAF, Call, Operator
+from ._plan import optree_flatten
 from ._tangents import Tangents
 
 if TYPE_CHECKING:  # (_programs finishes inside a compiled program with promoted_dtype)
@@ -204,10 +205,7 @@ def finisher(op: Operator, call: Call, output: _Output, compiled: bool) -> tuple
     return finish, None
 
 
-_flatten: Callable[[Any], tuple[list[Any], Any]] = (
-    getattr(getattr(optree, "_C", None), "flatten", None) or optree.tree_flatten
-)
-"""optree's flattening in C (its ``tree_flatten`` is a Python frame around it)."""
+_flatten = optree_flatten()  # (in C)
 
 
 class Settled:
