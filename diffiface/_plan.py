@@ -21,6 +21,7 @@ import optree
 
 from . import _arrays, _placement
 from ._backends import AutoSparse
+from ._flatten import Flatten, structure_flatten
 from ._keys import static_key, static_x_key
 
 __all__ = [
@@ -256,9 +257,6 @@ def _namespace(spec: Any) -> str:
     return "" if spec is None else str(spec.namespace)
 
 
-Flatten = Callable[[Any], tuple[list[Any], Any]]
-
-
 def _jax_structure(spec: Any, leaves: list[Any]) -> tuple[Any, Any] | None:
     """The tree of optree structure ``spec`` on these leaves and jax's structure of it, where
     jax is imported and takes that tree apart into the same leaves; else None."""
@@ -286,8 +284,14 @@ def flattener(spec: Any, leaves: list[Any]) -> tuple[Flatten, Any]:
     registered in diffiface's, since a namespace costs optree a slower lookup per node)."""
     found = _jax_structure(spec, leaves)
     if found is not None:  # (the registry's own method: tree_flatten is a Python frame around it)
-        return sys.modules["jax"].tree_util.default_registry.flatten, found[1]
-    return optree_flatten(_namespace(spec)), spec
+        flatten, key = sys.modules["jax"].tree_util.default_registry.flatten, found[1]
+    else:
+        flatten, key = optree_flatten(_namespace(spec)), spec
+    if spec is None or spec == _LEAF:
+        return flatten, key
+    # a structure of tuples, lists and dicts: indexed by a function written for it (_flatten)
+    written = structure_flatten(spec, key, optree.tree_unflatten(spec, leaves), flatten)
+    return (flatten if written is None else written), key
 
 
 def optree_flatten(namespace: str = "") -> Flatten:
@@ -463,7 +467,12 @@ class Plan:
                 return None
         else:
             x_leaves, spec = self.x_flatten(x)
-            if spec != self.x_key or not x_checks(x_leaves):
+            if spec != self.x_key:
+                return None
+            if type(x_checks) is _TorchLeaves:  # (its test inline: a frame costs, see FlatCall)
+                if list(map(type, x_leaves)) != x_checks.types or list(map(_torch_meta, x_leaves)) != x_checks.metas:
+                    return None
+            elif not x_checks(x_leaves):
                 return None
         tangent_leaves: list[Any] = []
         if self.tangent:
@@ -489,7 +498,12 @@ class Plan:
                     return None
             else:
                 leaves, spec = flatten(value)
-                if spec != context_key or not checks(leaves):
+                if spec != context_key:
+                    return None
+                if type(checks) is _TorchLeaves:  # (inline, as x's)
+                    if list(map(type, leaves)) != checks.types or list(map(_torch_meta, leaves)) != checks.metas:
+                        return None
+                elif not checks(leaves):
                     return None
             context_leaves.append(leaves)
         return x_leaves, tangent_leaves, context_leaves
@@ -534,7 +548,7 @@ class FlatCall:
         "types",
     )
 
-    def __init__(self, plan: Plan, direct: Any, arguments: list[Any], jax_spec: Any) -> None:
+    def __init__(self, plan: Plan, direct: Any, arguments: list[Any], jax_spec: Any, spec: Any = None) -> None:
         self.operator, self.has_aux, self.ref = plan.operator, plan.has_aux, plan.function.ref
         self.backend, self.names = plan.backend, plan.names
         self.kinds = list(plan.context_kinds)
@@ -544,9 +558,12 @@ class FlatCall:
         # call (its value is read in C; jax.config.read is two Python frames). Off, the plan's
         # own steps run the call in the scope.
         self.needs_x64 = _x64_state() if direct.precision is not None else None
-        self.flatten = sys.modules["jax"].tree_util.default_registry.flatten
+        flatten = sys.modules["jax"].tree_util.default_registry.flatten
         self.spec = jax_spec
         self.single = jax_spec is None  # (x, the tangent and each context one array)
+        # (of tuples, lists and dicts: a function written for the structure, see _flatten)
+        written = None if self.single else structure_flatten(spec, jax_spec, arguments, flatten)
+        self.flatten = flatten if written is None else written
         leaves = arguments if self.single else self.flatten(arguments)[0]
         self.types = list(map(type, leaves))
         # the numpy leaves, picked in C (a getter of one index is given it twice, so that it
@@ -596,4 +613,4 @@ def flat_call(plan: Plan, program: Any, call: Any) -> FlatCall | None:
     found = _jax_structure(spec, leaves)  # (jax takes the arguments apart into optree's leaves)
     if found is None:
         return None
-    return FlatCall(plan, program, rebuilt, found[1])
+    return FlatCall(plan, program, rebuilt, found[1], spec)

@@ -84,7 +84,86 @@ def _program(
     cache = [kind is Cache for kind, _, leaves in sig.contexts for _ in leaves]
     program.cache_dynamic = tuple(c for c, m in zip(cache, plan.mask, strict=True) if m)  # type: ignore[attr-defined]
     program.cache_static = tuple(c for c, m in zip(cache, plan.mask, strict=True) if not m)  # type: ignore[attr-defined]
+    # what an engine that records its graph as f runs may run in one call (torch's autograd
+    # mode, :func:`~diffiface._adapters.torch.Adapter.compile`): a gradient of x's own leaves
+    if compute == "value_and_gradient" and not has_aux and not compiles and getattr(call, "rebuild", None) is None:
+        program.reverse = Reverse(  # type: ignore[attr-defined]
+            function,
+            sig.x_spec,
+            close.settle,  # type: ignore[attr-defined]
+            context_specs,
+            context_sizes,
+            all(plan.mask),
+            adapter,
+            len(picked) == 2,
+            output.checked,
+        )
     return program
+
+
+class Reverse:
+    """The parts of a gradient program that an adapter may run in one call of its own, without
+    the program's frames (torch in autograd mode: :class:`~diffiface._adapters.torch._Gradient`):
+
+    - ``function``: f's reference; ``ref``, its weak reference;
+    - ``single``: x is one leaf, else ``rebuild(leaves)`` is x;
+    - ``settle(result, f, context_values, xs, like)``: f's output checked as the program checks
+      it, where it is not a scalar of a type and dtype in ``checked`` (the record's validated
+      outputs);
+    - ``contexts(dynamic)``: the context values from the context leaves, where every leaf is
+      dynamic (``dynamic``); else the program's own steps are needed;
+    - ``adapter``: the adapter the program was built for; ``value``: the value is returned
+      before the gradient."""
+
+    __slots__ = (
+        "adapter",
+        "checked",
+        "dynamic",
+        "function",
+        "rebuild",
+        "ref",
+        "settle",
+        "single",
+        "sizes",
+        "specs",
+        "value",
+    )
+
+    def __init__(
+        self,
+        function: FunctionRef,
+        x_spec: Any,
+        settle: Callable[..., Any],
+        specs: list[Any],
+        sizes: list[int],
+        dynamic: bool,
+        adapter: Adapter,
+        value: bool,
+        checked: set[tuple[type, Any]],
+    ) -> None:
+        self.function, self.ref = function, function.ref
+        self.single = x_spec == _LEAF
+        self.rebuild = None if self.single else x_spec.unflatten
+        self.settle = settle
+        self.specs = None if all(spec == _LEAF for spec in specs) else specs
+        self.sizes = sizes
+        self.dynamic = dynamic
+        self.adapter = adapter
+        self.value = value
+        self.checked = checked
+
+    def contexts(self, dynamic: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The context values of these dynamic leaves (every context leaf is one)."""
+        specs = self.specs
+        if specs is None:  # one array per context: the leaves are the values
+            return dynamic
+        if len(specs) == 1:
+            return (specs[0].unflatten(dynamic),)
+        values, start = [], 0
+        for spec, size in zip(specs, self.sizes, strict=True):
+            values.append(spec.unflatten(dynamic[start : start + size]))
+            start += size
+        return tuple(values)
 
 
 def _merge_contexts(specs: list[Any], sizes: list[int], dynamic: tuple[Any, ...], static: _Static) -> tuple[Any, ...]:
@@ -125,6 +204,18 @@ def _closer(
     untracked = adapter.untracked
     batches = adapter.batches
 
+    def settle(
+        result: Any, f: Callable[..., Any], context_values: tuple[Any, ...], xs: tuple[Any, ...], like: Any
+    ) -> Any:
+        """f's output, checked, where f is scalar-valued."""
+        if untracked(result, xs):
+            _refuse_cut(f, context_values, xs, adapter, x_spec, rebuild)
+        # a scalar of a type and dtype seen before needs no more checks (nor recording:
+        # what the results of scalar functions mirror does not depend on f's output)
+        if (type(result), getattr(result, "dtype", None)) in checked and getattr(result, "shape", ()) == ():
+            return output_leaf(result, like)
+        return output_leaf(_checked(op, result, output, adapter)[0], like)
+
     def close(f: Callable[..., Any], context_values: tuple[Any, ...], like: Any) -> Callable[..., Any]:
         def fn(xs: tuple[Any, ...]) -> tuple[Any, Any]:
             x = xs[0] if single else rebuild(xs)
@@ -146,13 +237,13 @@ def _closer(
                 # and the structure, f's own (dict key order included), is rebuilt from it
                 aux = tuple(_tree.flatten(aux))
             if scalar:
-                if untracked(result, xs):
-                    _refuse_cut(f, context_values, xs, adapter, x_spec, rebuild)
-                # a scalar of a type and dtype seen before needs no more checks (nor recording:
-                # what the results of scalar functions mirror does not depend on f's output)
-                if (type(result), getattr(result, "dtype", None)) in checked and getattr(result, "shape", ()) == ():
-                    return output_leaf(result, like), aux
-                return output_leaf(_checked(op, result, output, adapter)[0], like), aux
+                if (
+                    (type(result), getattr(result, "dtype", None)) in checked
+                    and getattr(result, "shape", ()) == ()
+                    and not untracked(result, xs)
+                ):
+                    return output_leaf(result, like), aux  # (inline, not settle's frame: the common case)
+                return settle(result, f, context_values, xs, like), aux
             leaves = _checked(op, result, output, adapter)
             for leaf in leaves:
                 if untracked(leaf, xs):
@@ -177,6 +268,7 @@ def _closer(
             fn.batched = batched  # type: ignore[attr-defined]
         return fn
 
+    close.settle = settle  # type: ignore[attr-defined]
     return close
 
 

@@ -4,6 +4,7 @@ is never run on it."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -331,8 +332,10 @@ def test_numpy_contexts_under_jit_keep_the_plans_own_dtype_test() -> None:
 
 @pytest.mark.parametrize("backend_id", ["jax", "torch-autograd", "finite_differences"])
 def test_the_plans_flattening_tells_apart_the_trees_optree_does(backend_id: str) -> None:
-    """Where jax is imported the plan flattens with jax's pytrees (faster on nested dicts):
-    every tree whose structure optree tells apart from the prep's is refused all the same."""
+    """A structure of tuples, lists and dicts is flattened by a function written for it
+    (:mod:`diffiface._flatten`), whose structure it returns is jax's where jax is imported
+    (the plan compares jax's structures, from jax's faster C pytrees, elsewhere): every tree
+    whose structure optree tells apart from the prep's is refused all the same."""
     import collections
 
     require(di.AutoJAX())
@@ -346,7 +349,8 @@ def test_the_plans_flattening_tells_apart_the_trees_optree_does(backend_id: str)
     prep = di.prepare_gradient(total, backend, x)
     import jax
 
-    assert prep.plan.x_flatten.__self__ is jax.tree_util.default_registry  # (jax's pytrees, in C)
+    assert prep.plan.x_flatten.__code__.co_filename == "<diffiface: flatten a known structure>"
+    assert prep.plan.x_key == jax.tree_util.tree_structure(x)  # (jax's structure: jax's flattening elsewhere)
     assert_tree_close(di.gradient(total, backend, x, prep=prep), di.gradient(total, backend, x), rtol=1e-6, atol=1e-6)
     others = {
         "extra key": {"outer": {"a": a, "b": b, "z": a}, "c": [a, b]},
@@ -356,6 +360,11 @@ def test_the_plans_flattening_tells_apart_the_trees_optree_does(backend_id: str)
         "None for leaf": {"outer": {"a": None, "b": b}, "c": [a, b]},
         "ordered dict": {"outer": collections.OrderedDict(a=a, b=b), "c": [a, b]},
         "renamed key": {"outer": {"a": a, "B": b}, "c": [a, b]},
+        "longer list": {"outer": {"a": a, "b": b}, "c": [a, b, a]},
+        "shorter list": {"outer": {"a": a, "b": b}, "c": [a]},
+        "list for dict": {"outer": [a, b], "c": [a, b]},
+        "leaf for node": {"outer": a, "c": [a, b]},
+        "int key": {"outer": {"a": a, 1: b}, "c": [a, b]},
     }
     for name, other in others.items():
         assert optree.tree_structure(other) != optree.tree_structure(x), name
@@ -419,8 +428,8 @@ def _python_calls(call: Any) -> list[str]:
 @pytest.mark.parametrize("operator", ["gradient", "hvp", "jvp", "vjp", "jacobian", "value_and_gradient"])
 def test_a_prepared_jit_call_on_jax_arrays_runs_no_python_but_the_route(shape: str, operator: str) -> None:
     """Where jit checks every leaf itself, the plan's steps run inline in the route (FlatCall):
-    a prepared call enters the public operator and the route, and no other Python function
-    where jit returns the result finished (a gradient or an hvp, a jvp of one array); by name
+    a prepared call enters the public operator, the route and for a tree the function written
+    to flatten its structure, and no other Python function where jit returns the result finished (a gradient or an hvp, a jvp of one array); by name
     or by object. Its result is the one without jit."""
     require(di.AutoJAX())
     import jax
@@ -451,8 +460,10 @@ def test_a_prepared_jit_call_on_jax_arrays_runs_no_python_but_the_route(shape: s
         calls = _python_calls(lambda: op(f, backend, *args, batch, prep=prep))  # noqa: B023
         assert calls[:2] == [operator, "evaluate"] and "leaves" not in calls, calls
         if operator in ("gradient", "hvp") or (operator == "jvp" and shape == "one array"):
-            # (the second prep is the first one, from the cache: its backend is an equal object)
-            assert calls == [operator, "evaluate"] + (["__eq__"] if backend != "jax" else []), calls
+            # (the second prep is the first one, from the cache: its backend is an equal object;
+            # a tree is flattened by the function written for its structure)
+            written = ["flatten"] if shape != "one array" else []
+            assert calls == [operator, "evaluate"] + (["__eq__"] if backend != "jax" else []) + written, calls
 
 
 def test_the_inline_steps_refuse_what_the_plan_refuses() -> None:
@@ -547,7 +558,8 @@ def test_a_compiled_tree_result_that_needs_only_rebuilding_is_rebuilt_in_c(opera
                 assert type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
             assert_tree_close(got, expected, rtol=1e-2 if x is mixed else 1e-5, atol=1e-2 if x is mixed else 1e-5)
         calls = _python_calls(lambda: op(f, "jax", *args, data, prep=prep))  # noqa: B023
-        assert (len(calls) <= 3) is settles, calls
+        # (a tree x or argument list: the function written for its structure flattens it)
+        assert (len([name for name in calls if name != "flatten"]) <= 3) is settles, calls
 
 
 def test_a_float64_prep_under_x64_runs_inline_and_keeps_float64_when_x64_is_off() -> None:
@@ -571,3 +583,56 @@ def test_a_float64_prep_under_x64_runs_inline_and_keeps_float64_when_x64_is_off(
     assert inside.dtype == outside.dtype == np.float64
     np.testing.assert_allclose(np.asarray(outside), np.cos(np.asarray(x)) * np.asarray(c.value), rtol=1e-14)
     np.testing.assert_allclose(np.asarray(inside), np.asarray(outside), rtol=1e-14)
+
+
+def test_a_structure_of_tuples_lists_and_dicts_is_flattened_by_a_function_written_for_it() -> None:
+    """The function written for a structure (:mod:`diffiface._flatten`) gives the leaves and
+    structure optree gives, for any tree of that structure; for a tree of any other one, a
+    structure unequal to the prepared one from either side of ``==`` and ``!=`` (jax's among
+    them); and none is written for nodes it does not know, for one leaf or a huge tree."""
+    import collections
+
+    from diffiface._flatten import structure_flatten
+    from diffiface._plan import optree_flatten
+
+    flatten = optree_flatten()
+    tree = {"b": (np.ones(2), None, [np.zeros(3), 1.5]), "a": {"z": np.ones(1), 3: np.ones(4)}}
+    spec = flatten(tree)[1]
+    written = structure_flatten(spec, spec, tree, flatten)
+    assert written is not None
+    for same in (tree, optree.tree_map(lambda leaf: leaf * 2, tree)):
+        got, key = written(same)
+        want, want_key = flatten(same)
+        assert key is spec and want_key == spec
+        assert len(got) == len(want) and all(a is b for a, b in zip(got, want, strict=True))
+    others = {
+        "extra key": {**tree, "c": np.ones(1)},
+        "other key": {"b": tree["b"], "A": tree["a"]},
+        "list for tuple": {**tree, "b": list(tree["b"])},
+        "leaf for None": {**tree, "b": (np.ones(2), np.ones(2), [np.zeros(3), 1.5])},
+        "shorter list": {**tree, "b": (np.ones(2), None, [np.zeros(3)])},
+        "leaf for node": {**tree, "a": np.ones(2)},
+        "ordered dict": collections.OrderedDict(tree),
+        "not a tree": None,
+    }
+    structures = [spec]
+    jax = sys.modules.get("jax") or pytest.importorskip("jax")
+    structures.append(jax.tree_util.tree_structure([1, (2,)]))
+    for name, other in others.items():
+        got, key = written(other)
+        assert got is None, name
+        for structure in structures:
+            assert (key == structure) is False and (key != structure) is True, name
+            assert (structure == key) is False, name
+    assert structure_flatten(spec, spec, {"b": tree["b"]}, flatten) is None  # (not the prepared tree)
+    pair = collections.namedtuple("pair", ["a", "b"])
+    for unknown in (
+        pair(np.ones(1), np.ones(2)),
+        {"x": collections.OrderedDict(a=np.ones(1))},
+        {(1, 2): np.ones(1)},
+        [np.ones(1)] * 300,
+    ):
+        spec = flatten(unknown)[1]
+        assert structure_flatten(spec, spec, unknown, flatten) is None, type(unknown)
+    leaf = np.ones(2)
+    assert structure_flatten(flatten(leaf)[1], flatten(leaf)[1], leaf, flatten) is None

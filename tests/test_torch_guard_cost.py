@@ -26,7 +26,7 @@ def adapter_frames(call: Any) -> list[str]:
 
     def profile(frame: Any, event: str, arg: Any) -> None:
         if event == "call" and frame.f_code.co_filename.replace("\\", "/").endswith(ADAPTER_FILE):
-            entered.append(frame.f_code.co_name)
+            entered.append(frame.f_code.co_qualname)
 
     sys.setprofile(profile)
     try:
@@ -36,17 +36,49 @@ def adapter_frames(call: Any) -> list[str]:
     return entered
 
 
-def test_common_gradient_enters_only_the_guard_the_method_and_the_output_checks() -> None:
-    # expected: guarded, value_and_gradient, untracked, output_leaf; no helper, listcomp or genexpr
+@pytest.mark.parametrize("shape", ["one tensor", "nested dict, tuple batch"])
+@pytest.mark.parametrize("operator", ["gradient", "value_and_gradient"])
+@pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
+def test_common_gradient_enters_the_adapter_once(shape: str, operator: str, prepared: bool) -> None:
+    # expected: one call of the fused guard, program and backward pass (_Gradient), by name or
+    # by object; no helper, listcomp or genexpr; the result is the general steps' one
     w, data = torch.randn(5), torch.randn(7, 5)
-    backend, ctx = di.AutoTorch(), di.Constant(data)
-    prep = di.prepare_gradient(loss, backend, w, ctx)
+    x: Any = w if shape == "one tensor" else {"l": {"w": w, "b": torch.randn(7)}}
+    batch: Any = data if shape == "one tensor" else (data, torch.randn(7))
 
-    def call() -> None:
-        di.gradient(loss, backend, w, ctx, prep=prep)
+    def f(p: Any, d: Any) -> Any:
+        if shape == "one tensor":
+            return loss(p, d)
+        return loss(p["l"]["w"], d[0]) + ((p["l"]["b"] - d[1]) ** 2).sum()
 
-    call()
-    assert adapter_frames(call) == ["guarded", "value_and_gradient", "untracked", "output_leaf"]
+    op = getattr(di, operator)
+    for backend in ("torch", di.AutoTorch()):
+        ctx = di.Constant(batch)
+        prep = getattr(di, f"prepare_{operator}")(f, backend, x, ctx) if prepared else None
+
+        def call() -> Any:
+            return op(f, backend, x, ctx, prep=prep)  # noqa: B023
+
+        call()
+        assert adapter_frames(call) == ["_Gradient.__call__"]
+        # the general steps: the guard's, with x requiring grad (a nested call's shape)
+        with torch.enable_grad():
+            general = op(f, backend, optree_map(lambda t: t.clone().requires_grad_(True), x), ctx)
+        for got, want in zip(_leaves(call()), _leaves(general), strict=True):
+            assert not got.requires_grad
+            torch.testing.assert_close(got, want.detach())
+
+
+def optree_map(fn: Any, tree: Any) -> Any:
+    import optree
+
+    return optree.tree_map(fn, tree)
+
+
+def _leaves(tree: Any) -> list[Any]:
+    import optree
+
+    return optree.tree_leaves(tree)
 
 
 def _write_x(w: Any, data: Any) -> Any:

@@ -28,7 +28,14 @@ from torch import func
 
 from .. import _arrays
 from .. import tree as _tree
-from .._errors import ArrayTypeError, InvalidInputError, InvalidOutputError, MutationError, UnsupportedOperationError
+from .._errors import (
+    ArrayTypeError,
+    FrameworkMismatchError,
+    InvalidInputError,
+    InvalidOutputError,
+    MutationError,
+    UnsupportedOperationError,
+)
 from . import _base
 from ._base import Blocks, Fn, Leaves, raised_inside
 
@@ -223,7 +230,11 @@ class Adapter(_base.Adapter):
     def compile(
         self, program: Callable[..., Any], static: bool = True, arrays: bool = False, layouts: Any = None
     ) -> Callable[..., Any]:
-        return _guard(program, getattr(program, "cache_dynamic", ()), getattr(program, "cache_static", ()))
+        guarded = _guard(program, getattr(program, "cache_dynamic", ()), getattr(program, "cache_static", ()))
+        reverse = getattr(program, "reverse", None)
+        if reverse is not None and reverse.adapter is self and reverse.dynamic and not self.functional:
+            return _Gradient(guarded, reverse, program.cache_dynamic)  # type: ignore[attr-defined]
+        return guarded
 
     # -- primitives ---------------------------------------------------------------------------
 
@@ -902,6 +913,128 @@ def _guard(
 
 _clone = torch.Tensor.clone
 _version = operator.attrgetter("_version")
+_requires_grad = operator.attrgetter("requires_grad")
+_requiring = torch.Tensor.requires_grad_
+
+
+class _Gradient:
+    """The guard, the program and the backward pass of a gradient in autograd mode, in one call.
+
+    It serves the common call: grad mode on, inference mode off, no forward-mode call of ours
+    open, no leaf of x requiring grad (no outer graph), every context leaf dynamic. It does
+    what :func:`_guard` and the program do for it, in their order: copies of x's leaves (made
+    leaves of a fresh graph) and of the Constant tensors, f on them, f's output checked (a
+    scalar of a type and dtype seen before takes no more checks; any other output, the
+    program's own checks, ``settle``), ``torch.autograd.grad``, and the version counters
+    read, a write refused with a MutationError. Any other call is ``guarded``'s, before
+    anything has run.
+
+    Each Python frame between two calls of torch's kernels costs about a microsecond (their
+    caches are cold), and the steps it fuses took fourteen of them."""
+
+    __slots__ = ("checked", "constant_at", "guarded", "reverse")
+
+    def __init__(self, guarded: Callable[..., Any], reverse: Any, cache_dynamic: tuple[bool, ...]) -> None:
+        self.guarded = guarded
+        self.reverse = reverse
+        self.checked = reverse.checked
+        self.constant_at = tuple(i for i, cache in enumerate(cache_dynamic) if not cache)
+
+    def __call__(self, xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
+        if (
+            static is not None
+            or _DUALS[0]
+            or not torch.is_grad_enabled()
+            or torch.is_inference_mode_enabled()
+            or any(map(_requires_grad, xs))
+        ):
+            return self.guarded(xs, ts, dynamic, static)
+        try:
+            inputs = tuple(map(_requiring, map(_clone, xs)))  # (a clone of x that does not require grad: a leaf)
+        except RuntimeError:  # a tensor of a torch.func transform (the guard's steps say so)
+            return self.guarded(xs, ts, dynamic, static)
+        versions = list(map(_version, inputs))
+        constants: list[tuple[int, Any, int]] = []
+        if dynamic and self.constant_at:
+            fresh = list(dynamic)
+            for i in self.constant_at:
+                value = fresh[i]
+                if isinstance(value, torch.Tensor):
+                    fresh[i] = copy = value.clone()
+                    constants.append((i, copy, copy._version))
+            dynamic = tuple(fresh)
+        reverse = self.reverse
+        specs = reverse.specs
+        if specs is None:
+            context_values = dynamic
+        elif len(specs) == 1:
+            context_values = (specs[0].unflatten(dynamic),)
+        else:
+            context_values = reverse.contexts(dynamic)
+        f = reverse.ref()
+        if f is None:
+            f = reverse.function()
+        x = inputs[0] if reverse.single else reverse.rebuild(inputs)
+        stack = _CALLS.keep
+        stack.append(False)
+        try:
+            try:
+                value = f(x, *context_values)
+            except Exception as exc:
+                hint = reverse.adapter.explain_failure(exc)
+                if hint is not None:
+                    raise FrameworkMismatchError(
+                        f"f failed under the {reverse.adapter.backend.name} backend: {hint}"
+                    ) from exc
+                raise
+            if not (
+                type(value) is torch.Tensor
+                and value.requires_grad
+                and (torch.Tensor, value.dtype) in self.checked
+                and value.shape == ()
+                and torch.is_grad_enabled()
+            ):
+                value = reverse.settle(value, f, context_values, inputs, inputs[0])
+            if value.requires_grad:
+                grads = torch.autograd.grad((value,), inputs, allow_unused=True)
+            else:
+                grads = _grad([], inputs)
+        except BaseException as exc:
+            stack.pop()
+            if not torch.is_grad_enabled():
+                torch.set_grad_enabled(True)
+            _arrays.graph_state.keep = False
+            problem = _mutation(inputs, versions, constants, None)
+            if problem is not None:
+                raise MutationError(problem) from exc
+            if isinstance(exc, RuntimeError) and _LEAF_WRITE in str(exc):
+                raise MutationError(f"f wrote in place into its input x; torch refused it. {_FIX}") from exc
+            raise
+        stack.pop()
+        if not torch.is_grad_enabled():  # f switched it off (torch.set_grad_enabled) and did not switch back
+            torch.set_grad_enabled(True)
+        _arrays.graph_state.keep = False
+        dirty = list(map(_version, inputs)) != versions
+        for _, copy, version in constants:  # (a loop, not a generator: this runs on every call)
+            dirty = dirty or copy._version != version
+        if dirty:
+            problem = _mutation(inputs, versions, constants, None)
+            if problem is not None:
+                raise MutationError(problem)
+        for found in grads:
+            if found is None:  # zeros where an input did not matter
+                grads = tuple(torch.zeros_like(x) if d is None else d for d, x in zip(grads, inputs, strict=True))
+                break
+        for found in grads:
+            if type(found) is not torch.Tensor:  # a DTensor
+                grads = _placed(grads, inputs)
+                break
+        for found in grads:
+            if found._is_zerotensor():
+                grads = _materialised(grads)
+                break
+        return (value, grads) if reverse.value else (grads,)
+
 
 _LEAF_WRITE = "a leaf Variable that requires grad is being used in an in-place operation"
 """torch's refusal of a write into a leaf that requires grad, such as the leaf f gets for x."""
