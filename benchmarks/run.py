@@ -924,6 +924,8 @@ def _variant_rows(name, case, base, f, args, rounds):
     rows = []
     if name.startswith("jax"):  # the least any Python function around jit's call costs
         rows.append(_one_frame_row(name, case, base, f, args, rounds))
+    if name.startswith("torch"):  # the least a call that keeps the caller's x safe costs
+        rows.append(_clone_once_row(name, case, base, f, args, rounds))
     for variant, b, ctx in variants:
         row = {**base, "operator": "gradient", "prepared": True, "variant": variant}
         row["goal"] = shape_goal(case["size"], "gradient", True)
@@ -957,6 +959,43 @@ def _one_frame_row(name, case, base, f, args, rounds):
 
     constants = tuple(di.Constant(c) for c in case["ctx"])
     ours = functools.partial(one_frame, f, "jax", *args, *constants, prep=None)
+    native = shape_native(name, "gradient", f, case["x"], case["ctx"], None)
+    row["check"] = "same" if same_values(ours(), native()) else "DIFFERENT"
+    us, _, them, ratio = time_pair(ours, native, rounds)
+    row.update(diffiface_s=us, native_s=them, ratio=ratio)
+    return row
+
+
+def _clone_once_row(name, case, base, f, args, rounds):
+    """torch's own gradient through one Python function of diffiface's signature that does the
+    least a strict prepared call must: flatten x once (optree), compare its structure and each
+    leaf's (type, shape, dtype, device) with the prepared ones, copy x once (what keeps the
+    caller's tensors safe where f writes into its input), the engine's gradient (autograd's on
+    the copies' leaves, or ``torch.func.grad``), the result rebuilt. The torch goal is 1.05 times
+    this wrapper's ratio."""
+    import optree
+    import torch
+
+    row = {**base, "operator": "gradient", "prepared": True, "variant": "floor: a wrapper that copies x once"}
+    leaves, spec = optree.tree_flatten(case["x"])
+    sig = [(type(v), v.shape, v.dtype, v.device) for v in leaves]
+    functional = name == "torch-func"
+    grad = torch.func.grad(f) if functional else None
+
+    def clone_once(f, backend, x, *contexts, prep=None):
+        found, structure = optree.tree_flatten(x)
+        if structure != spec or [(type(v), v.shape, v.dtype, v.device) for v in found] != sig:
+            raise ValueError("not the prepared call")
+        values = [c.value for c in contexts]
+        if functional:
+            return grad(optree.tree_unflatten(spec, [v.clone() for v in found]), *values)
+        zs = [v.detach().clone().requires_grad_(True) for v in found]
+        with torch.enable_grad():
+            gs = torch.autograd.grad(f(optree.tree_unflatten(spec, zs), *values), zs)
+        return optree.tree_unflatten(spec, list(gs))
+
+    constants = tuple(di.Constant(c) for c in case["ctx"])
+    ours = functools.partial(clone_once, f, name, *args, *constants, prep=None)
     native = shape_native(name, "gradient", f, case["x"], case["ctx"], None)
     row["check"] = "same" if same_values(ours(), native()) else "DIFFERENT"
     us, _, them, ratio = time_pair(ours, native, rounds)
@@ -1056,7 +1095,10 @@ def write_shapes(rows, meta):
         "Goal: no slower than the object form and jit. "
         "`floor: one Python frame around jit`: jax's own jitted gradient called through one Python function "
         "of diffiface's signature that reads the contexts' values and checks nothing, the least any API in "
-        "Python costs on this core.",
+        "Python costs on this core. `floor: a wrapper that copies x once`: torch's own gradient through one "
+        "Python function that flattens x, compares its structure and each leaf's type, shape, dtype and device "
+        "with the prepared ones, copies x once and rebuilds the result, the least a strict prepared torch call "
+        "does; the torch and torch-func goal is 1.05 times its ratio.",
         "",
         table(
             [r for r in rows if r.get("variant") and r.get("ratio") is not None],

@@ -327,7 +327,7 @@ def _check_cotangent(sig: Signature, output: _Output, ts: tuple[Any, ...], compl
 
     A prep's signature fixes the cotangent's structure, shapes and dtypes, so an output
     structure and shapes the cotangent fitted before need no second look."""
-    out_spec, out_shapes, out_dtypes = output.spec, output.shapes, output.dtypes
+    out_spec, out_shapes, out_dtypes = output.current()  # (one read: this runs on every call)
     fitted = output.cotangent_fits
     if fitted is not None and fitted[1] == out_shapes and (fitted[0] is out_spec or fitted[0] == out_spec):
         return

@@ -477,7 +477,16 @@ class Plan:
         tangent_leaves: list[Any] = []
         if self.tangent:
             tangent_leaves, spec = self.tangent_flatten(tangent)
-            if spec != self.tangent_key or not self.tangent_checks(tangent_leaves):
+            if spec != self.tangent_key:
+                return None
+            checks = self.tangent_checks
+            if type(checks) is _TorchLeaves:  # (inline, as x's)
+                if (
+                    list(map(type, tangent_leaves)) != checks.types
+                    or list(map(_torch_meta, tangent_leaves)) != checks.metas
+                ):
+                    return None
+            elif not checks(tangent_leaves):
                 return None
         context_leaves = []
         for context, kind, context_key, checks, flatten, cls in zip(

@@ -599,7 +599,8 @@ class _Output:
         self.checked: set[tuple[type, Any]] = set()
         self.cotangent_fits: tuple[Any, Any] | None = None  # the (spec, shapes) a cotangent was found to fit
 
-    def _current(self) -> tuple[Any, Any, Any]:
+    def current(self) -> tuple[Any, Any, Any]:
+        """The record of this thread's last evaluation: (structure, leaf shapes, leaf dtypes)."""
         local = self._local
         try:
             return local.spec, local.shapes, local.dtypes
@@ -611,15 +612,15 @@ class _Output:
         try:
             return self._local.spec
         except AttributeError:
-            return self._current()[0]
+            return self.current()[0]
 
     @property
     def shapes(self) -> tuple[tuple[int, ...], ...]:
-        return self._current()[1]  # type: ignore[no-any-return]
+        return self.current()[1]  # type: ignore[no-any-return]
 
     @property
     def dtypes(self) -> tuple[str | None, ...]:
-        return self._current()[2]  # type: ignore[no-any-return]
+        return self.current()[2]  # type: ignore[no-any-return]
 
     def record(self, spec: Any, leaves: list[Any], batched: bool = False) -> None:
         """From one evaluation; ``batched``: the leaves hold a batch along a leading axis."""

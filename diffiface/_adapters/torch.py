@@ -46,18 +46,16 @@ from ._base import Blocks, Fn, Leaves, raised_inside
 _FORWARD_WARMED = [False]
 
 
-@contextlib.contextmanager
-def _first_forward() -> Any:
-    if not _FORWARD_WARMED[0]:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*")  # Deprecation- or FutureWarning
-            try:
-                with forward_ad.dual_level():
-                    forward_ad.make_dual(torch.zeros(()), torch.zeros(()))
-            except RuntimeError:  # a dual level of the caller's is open: torch has loaded them
-                pass
-        _FORWARD_WARMED[0] = True
-    yield
+def _warm_forward() -> None:
+    """The throwaway dual of the process's first forward-mode call (see above)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*")  # Deprecation- or FutureWarning
+        try:
+            with forward_ad.dual_level():
+                forward_ad.make_dual(torch.zeros(()), torch.zeros(()))
+        except RuntimeError:  # a dual level of the caller's is open: torch has loaded them
+            pass
+    _FORWARD_WARMED[0] = True
 
 
 class _Namespace:
@@ -151,7 +149,7 @@ class Adapter(_base.Adapter):
         if not isinstance(leaf, torch.Tensor):
             return False
         if not torch.is_grad_enabled():
-            if not any(x.requires_grad for x in xs):
+            if not any(map(_requires_grad, xs)):
                 return False
             # x requires grad only where the engine traces with grad mode on: f switched it off
             # (torch.set_grad_enabled(False)) and left it off. Back on for the engine's own work
@@ -160,7 +158,7 @@ class Adapter(_base.Adapter):
             return not leaf.requires_grad
         if leaf.requires_grad and not _DUALS[0]:  # the common case: tracked in reverse mode
             return False
-        if any(x.requires_grad for x in xs):  # reverse mode, torch.autograd's or torch.func's
+        if any(map(_requires_grad, xs)):  # reverse mode, torch.autograd's or torch.func's
             return not leaf.requires_grad
         if _DUALS[0] and any(forward_ad.unpack_dual(x).tangent is not None for x in xs):
             return forward_ad.unpack_dual(leaf).tangent is None
@@ -260,15 +258,21 @@ class Adapter(_base.Adapter):
 
         def vjp(touts: Any) -> Leaves:
             touts = _cotangents(out, touts)
-            pairs = [(y, t) for y, t in zip(_leaves(out), _leaves(touts), strict=True) if y.requires_grad]
-            return _placed(_grad([y for y, _ in pairs], inputs, [t for _, t in pairs], create_graph=keep), inputs)
+            ys, ts = [], []
+            for y, t in zip(_leaves(out), _leaves(touts), strict=True):  # (a loop: no frame per leaf)
+                if y.requires_grad:
+                    ys.append(y)
+                    ts.append(t)
+            return _placed(_grad(ys, inputs, ts, create_graph=keep), inputs)
 
         return _detached(out, keep), _detached(aux, keep), vjp
 
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
         if _any_dtensor(xs) or _any_dtensor(txs):
             raise _forward_on_dtensors(self.functional)
-        with _FORWARD_LOCK, _first_forward():
+        if not _FORWARD_WARMED[0]:
+            _warm_forward()
+        with _FORWARD_LOCK:
             return self._value_and_pushforward(fn, xs, txs)
 
     def _value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
@@ -304,7 +308,7 @@ class Adapter(_base.Adapter):
         try:
             try:
                 # x itself where it carries an outer graph (reverse over forward), else detached
-                duals = tuple(forward_ad.make_dual(x if keep else x.detach(), t) for x, t in zip(xs, txs, strict=True))
+                duals = tuple(map(forward_ad.make_dual, xs if keep else map(torch.Tensor.detach, xs), txs))
             except RuntimeError as exc:  # duals of torch.func's wrapped tensors
                 raise _autograd_in_func() from exc
             out, aux = fn(duals)
@@ -330,7 +334,9 @@ class Adapter(_base.Adapter):
             found.append(aux)
             return out, tout
 
-        with _FORWARD_LOCK, _first_forward():
+        if not _FORWARD_WARMED[0]:
+            _warm_forward()
+        with _FORWARD_LOCK:
             out, touts = func.vmap(pushed, out_dims=(None, 0))(stacked)  # type: ignore[arg-type]  # (a prefix tree)
         return out, found[-1], [optree.tree_map(lambda t, k=k: t[k], touts) for k in range(len(batch))]
 
@@ -395,7 +401,9 @@ class Adapter(_base.Adapter):
             one = type(out) is tuple and len(out) == 1  # one output tensor, differentiated bare
             return out[0] if one else out, (out, aux)
 
-        with _FORWARD_LOCK if mode == "forward" else contextlib.nullcontext(), _first_forward():
+        if not _FORWARD_WARMED[0]:
+            _warm_forward()
+        with _FORWARD_LOCK if mode == "forward" else contextlib.nullcontext():
             if len(xs) == 1:  # one tensor, not a tuple: a block per output, no tuple of one per input
                 per_output, (out, aux) = transform(_on_one(with_value), has_aux=True)(xs[0])
                 blocks: Blocks
@@ -654,9 +662,10 @@ def _grad(
         allow_unused=True,
     )
     # zeros where an input did not matter (cheaper than materialize_grads=True)
-    if len(grads) == 1 and grads[0] is not None:
-        return grads  # type: ignore[no-any-return]
-    return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs, strict=True))
+    for g in grads:  # (a loop, not a generator: this runs on every call)
+        if g is None:
+            return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs, strict=True))
+    return grads  # type: ignore[no-any-return]
 
 
 # -- DTensors (torch.distributed.tensor): sharded over processes, never gathered ----------------
@@ -678,7 +687,10 @@ def is_dtensor(leaf: Any) -> bool:
 
 
 def _any_dtensor(leaves: Any) -> bool:
-    return any(type(leaf) is not torch.Tensor and is_dtensor(leaf) for leaf in leaves)
+    for leaf in leaves:  # noqa: SIM110  # (a loop, not a generator: this runs on every call)
+        if type(leaf) is not torch.Tensor and is_dtensor(leaf):
+            return True
+    return False
 
 
 def _materialised(grads: Leaves) -> Leaves:
@@ -753,8 +765,12 @@ def _detached(tree: Any, keep: bool) -> Any:
         return tree
     if isinstance(tree, torch.Tensor):
         return tree.detach()
-    if type(tree) is tuple and len(tree) == 1 and isinstance(tree[0], torch.Tensor):
-        return (tree[0].detach(),)  # the common case of one output tensor
+    if type(tree) is tuple:  # the common case: a tuple of output tensors
+        for leaf in tree:
+            if type(leaf) is not torch.Tensor:
+                break
+        else:
+            return tuple(map(torch.Tensor.detach, tree))
     return _tree.map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, tree)
 
 
