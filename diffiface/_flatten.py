@@ -100,3 +100,59 @@ def _write(node: Any, expr: str, lines: list[str], leaves: list[str], names: Any
         _write(child, f"{name}[{entry!r}]", lines, leaves, names)
         for child, entry in zip(node.children(), entries, strict=True)
     )
+
+
+def structure_unflatten(spec: Any) -> Callable[[Any], Any] | None:
+    """A function ``leaves -> tree`` that builds a tree of optree structure ``spec`` as
+    ``spec.unflatten`` does (dict keys in the order ``spec`` keeps), written for the
+    structure; None where ``spec`` holds a node other than tuples, lists, dicts with str or
+    int keys and None, or is one leaf."""
+    if spec is None or spec.is_leaf() or spec.num_leaves > _LARGEST or str(spec.namespace):
+        return None
+    example = spec.unflatten(list(range(spec.num_leaves)))
+    expression = _build(example)
+    if expression is None:
+        return None
+    namespace: dict[str, Any] = {}
+    source = f"def unflatten(leaves):\n    return {expression}\n"
+    exec(compile(source, "<diffiface: build a known structure>", "exec"), namespace)
+    written: Callable[[Any], Any] = namespace["unflatten"]
+    leaves = [object() for _ in range(spec.num_leaves)]
+    built, expected = written(leaves), spec.unflatten(leaves)
+    if _shape_of(built) != _shape_of(expected):
+        return None
+    return written
+
+
+def _build(node: Any) -> str | None:
+    """The expression that builds ``node`` (a tree whose leaves are their indices) from
+    ``leaves``; None where a node is of a kind not written for."""
+    kind = type(node)
+    if kind is int:
+        return f"leaves[{node}]"
+    if node is None:
+        return "None"
+    if kind is dict:
+        if not all(type(key) in (str, int) for key in node):
+            return None
+        items = [(key, _build(value)) for key, value in node.items()]
+        if any(item is None for _, item in items):
+            return None
+        return "{" + ", ".join(f"{key!r}: {item}" for key, item in items) + "}"
+    if kind is tuple or kind is list:
+        parts = [_build(value) for value in node]
+        if any(part is None for part in parts):
+            return None
+        inner = ", ".join(parts)  # type: ignore[arg-type]
+        return f"({inner},)" if kind is tuple and parts else ("()" if kind is tuple else f"[{inner}]")
+    return None
+
+
+def _shape_of(tree: Any) -> Any:
+    """A tree's nodes, keys in order, and leaves by identity: what two builds must share."""
+    kind = type(tree)
+    if kind is dict:
+        return ("dict", [(key, _shape_of(value)) for key, value in tree.items()])
+    if kind is tuple or kind is list:
+        return (kind.__name__, [_shape_of(value) for value in tree])
+    return ("leaf", id(tree)) if tree is not None else ("none",)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,7 @@ from ._call import _LEAF, Call, Operator
 from ._checks import _check_cotangent, _check_cotangents, _checked, _describe, _refuse_cut, batch_sizes
 from ._contexts import Cache, Constant
 from ._errors import ContextError, FrameworkMismatchError, InvalidOutputError, PreparationMismatchError
+from ._flatten import structure_unflatten
 from ._keys import static_key
 from ._plan import engine_checked, jax_rebuilds_alike
 from ._prep import FunctionRef, Signature
@@ -111,7 +113,8 @@ class Reverse:
       it, where it is not a scalar of a type and dtype in ``checked`` (the record's validated
       outputs);
     - ``contexts(dynamic)``: the context values from the context leaves, where every leaf is
-      dynamic (``dynamic``); else the program's own steps are needed;
+      dynamic (``dynamic``; else the program's own steps are needed); ``rebuilds``, each
+      context's value from its leaves, None where each context is one leaf;
     - ``adapter``: the adapter the program was built for; ``value``: the value is returned
       before the gradient."""
 
@@ -121,11 +124,11 @@ class Reverse:
         "dynamic",
         "function",
         "rebuild",
+        "rebuilds",
         "ref",
         "settle",
         "single",
         "sizes",
-        "specs",
         "value",
     )
 
@@ -143,9 +146,10 @@ class Reverse:
     ) -> None:
         self.function, self.ref = function, function.ref
         self.single = x_spec == _LEAF
-        self.rebuild = None if self.single else x_spec.unflatten
+        self.rebuild = None if self.single else structure_unflatten(x_spec) or x_spec.unflatten
+        # (each context's structure rebuilt by the function written for it, where there is one)
         self.settle = settle
-        self.specs = None if all(spec == _LEAF for spec in specs) else specs
+        self.rebuilds = None if all(spec == _LEAF for spec in specs) else [_rebuilder(spec) for spec in specs]
         self.sizes = sizes
         self.dynamic = dynamic
         self.adapter = adapter
@@ -154,16 +158,23 @@ class Reverse:
 
     def contexts(self, dynamic: tuple[Any, ...]) -> tuple[Any, ...]:
         """The context values of these dynamic leaves (every context leaf is one)."""
-        specs = self.specs
-        if specs is None:  # one array per context: the leaves are the values
+        rebuilds = self.rebuilds
+        if rebuilds is None:  # one array per context: the leaves are the values
             return dynamic
-        if len(specs) == 1:
-            return (specs[0].unflatten(dynamic),)
+        if len(rebuilds) == 1:
+            return (rebuilds[0](dynamic),)
         values, start = [], 0
-        for spec, size in zip(specs, self.sizes, strict=True):
-            values.append(spec.unflatten(dynamic[start : start + size]))
+        for rebuild, size in zip(rebuilds, self.sizes, strict=True):
+            values.append(rebuild(dynamic[start : start + size]))
             start += size
         return tuple(values)
+
+
+def _rebuilder(spec: Any) -> Callable[[Any], Any]:
+    """``leaves -> tree`` of structure ``spec``: written for it where it can be (_flatten)."""
+    if spec == _LEAF:
+        return operator.itemgetter(0)
+    return structure_unflatten(spec) or spec.unflatten
 
 
 def _merge_contexts(specs: list[Any], sizes: list[int], dynamic: tuple[Any, ...], static: _Static) -> tuple[Any, ...]:
@@ -195,8 +206,8 @@ def _closer(
     ``xs -> (out, aux)``, its output checked (``like``: a leaf of x, native). ``rebuild(xs)``:
     f's x from the leaves, where it is not ``x_spec`` of them (x has static leaves)."""
     single = x_spec == _LEAF
-    if rebuild is None:
-        rebuild = x_spec.unflatten  # (optree's, in C: a Python frame costs on every call)
+    if rebuild is None:  # (written for the structure, see _flatten; else optree's, in C)
+        rebuild = (None if single else structure_unflatten(x_spec)) or x_spec.unflatten
 
     checked = output.checked
     scalar = op.scalar_output

@@ -12,6 +12,7 @@ import optree
 
 from . import _arrays, _complex, _placement
 from ._call import _ARRAY_KINDS, _LEAF, Call, Operator
+from ._flatten import structure_flatten, structure_unflatten
 from ._plan import optree_flatten
 from ._tangents import Tangents
 
@@ -156,10 +157,11 @@ class RebuildTree:
     rebuilt. ``trusted``: a compiled program, whose results' types, dtypes and layouts are the
     same on every run: once they are seen to fit, only rebuilt."""
 
-    __slots__ = ("expected", "finish", "seen_fit", "trusted", "x_spec")
+    __slots__ = ("expected", "finish", "rebuild", "seen_fit", "trusted")
 
     def __init__(self, call: Call, finish: Finisher, trusted: bool) -> None:
-        self.x_spec = call.signature.x_spec
+        spec = call.signature.x_spec
+        self.rebuild = structure_unflatten(spec) or spec.unflatten  # (written for the structure, see _flatten)
         self.expected = [
             (type(leaf), leaf.dtype, _arrays.kind(leaf) == "torch", _layout(leaf)) for leaf in call.x_leaves
         ]
@@ -170,7 +172,7 @@ class RebuildTree:
     def __call__(self, native: tuple[Any, ...]) -> Any:
         values = native[0]
         if self.seen_fit:
-            return self.x_spec.unflatten(values)  # (in C: no Python frame)
+            return self.rebuild(values)
         if len(values) != len(self.expected):  # pragma: no cover - the engine returns one leaf per leaf of x
             return self.finish(native)
         for value, (cls, dtype, tensor, layout) in zip(values, self.expected, strict=False):
@@ -182,7 +184,7 @@ class RebuildTree:
             ):
                 return self.finish(native)
         self.seen_fit = self.trusted
-        return self.x_spec.unflatten(values)  # (in C: no Python frame)
+        return self.rebuild(values)
 
 
 def finisher(op: Operator, call: Call, output: _Output, compiled: bool) -> tuple[Callable[[Any], Any], Any]:
@@ -219,27 +221,31 @@ class Settled:
     ``output``: where the finisher reads the record of f's output (a program from jit's cache
     does not evaluate f), the record of the trace is made the current one before it runs."""
 
-    __slots__ = ("finish", "native_spec", "output", "result_spec")
+    __slots__ = ("finish", "flatten", "native_spec", "output", "rebuild")
 
     def __init__(self, finish: Callable[[Any], Any], output: Any = None) -> None:
         self.finish, self.output = finish, output
         self.native_spec: Any = None
-        self.result_spec: Any = None
+        self.rebuild: Callable[[Any], Any] | None = None
+        self.flatten = _flatten
 
     def __call__(self, native: Any) -> Any:
-        spec = self.result_spec
-        if spec is not None:
-            leaves, native_spec = _flatten(native)
+        rebuild = self.rebuild
+        if rebuild is not None:
+            leaves, native_spec = self.flatten(native)
             if native_spec == self.native_spec:
-                return spec.unflatten(leaves)
+                return rebuild(leaves)
         if self.output is not None:
             self.output.recall(None)  # (a program on flat arguments has no static argument)
         result = self.finish(native)
-        if spec is None:
+        if rebuild is None:
             leaves, native_spec = _flatten(native)
             found, result_spec = optree.tree_flatten(result)
             if len(found) == len(leaves) and all(a is b for a, b in zip(found, leaves, strict=True)):
-                self.native_spec, self.result_spec = native_spec, result_spec
+                # (both written for their structures where they can be: see _flatten)
+                self.flatten = structure_flatten(native_spec, native_spec, native, _flatten) or _flatten
+                self.native_spec = native_spec
+                self.rebuild = structure_unflatten(result_spec) or result_spec.unflatten
         return result
 
 

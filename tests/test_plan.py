@@ -558,8 +558,9 @@ def test_a_compiled_tree_result_that_needs_only_rebuilding_is_rebuilt_in_c(opera
                 assert type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
             assert_tree_close(got, expected, rtol=1e-2 if x is mixed else 1e-5, atol=1e-2 if x is mixed else 1e-5)
         calls = _python_calls(lambda: op(f, "jax", *args, data, prep=prep))  # noqa: B023
-        # (a tree x or argument list: the function written for its structure flattens it)
-        assert (len([name for name in calls if name != "flatten"]) <= 3) is settles, calls
+        # (the functions written for a structure, see _flatten, flatten the arguments and
+        # flatten and rebuild the settled result)
+        assert (len([name for name in calls if name not in ("flatten", "unflatten")]) <= 3) is settles, calls
 
 
 def test_a_float64_prep_under_x64_runs_inline_and_keeps_float64_when_x64_is_off() -> None:
@@ -636,3 +637,26 @@ def test_a_structure_of_tuples_lists_and_dicts_is_flattened_by_a_function_writte
         assert structure_flatten(spec, spec, unknown, flatten) is None, type(unknown)
     leaf = np.ones(2)
     assert structure_flatten(flatten(leaf)[1], flatten(leaf)[1], leaf, flatten) is None
+
+
+def test_a_structure_of_tuples_lists_and_dicts_is_rebuilt_by_a_function_written_for_it() -> None:
+    """The function written to rebuild a structure (:func:`diffiface._flatten.structure_unflatten`)
+    builds what optree's ``unflatten`` builds: the same nodes, dict keys in the order the
+    structure keeps (not sorted), the leaves themselves; none is written for other nodes."""
+    import collections
+
+    from diffiface._flatten import structure_unflatten
+
+    tree = {"z": {"w": 1.0, "b": 2.0}, "a": (3.0, None, [4.0, ()]), 5: {}}
+    leaves, spec = optree.tree_flatten(tree)
+    rebuild = structure_unflatten(spec)
+    assert rebuild is not None
+    fresh = [np.ones(1) * i for i in range(len(leaves))]
+    built, expected = rebuild(fresh), spec.unflatten(fresh)
+    assert optree.tree_structure(built) == optree.tree_structure(expected)
+    assert list(built) == list(expected) == ["z", "a", 5] and list(built["z"]) == ["w", "b"]
+    assert type(built["a"]) is tuple and type(built["a"][2]) is list and built["a"][1] is None
+    assert all(a is b for a, b in zip(optree.tree_leaves(built), fresh, strict=True))
+    pair = collections.namedtuple("pair", ["a", "b"])
+    for unknown in (pair(1.0, 2.0), {"x": collections.OrderedDict(a=1.0)}, [1.0] * 300, 1.0):
+        assert structure_unflatten(optree.tree_structure(unknown)) is None, type(unknown)

@@ -980,11 +980,11 @@ class _Gradient:
                     constants.append((i, copy, copy._version))
             dynamic = tuple(fresh)
         reverse = self.reverse
-        specs = reverse.specs
-        if specs is None:
+        rebuilds = reverse.rebuilds
+        if rebuilds is None:
             context_values = dynamic
-        elif len(specs) == 1:
-            context_values = (specs[0].unflatten(dynamic),)
+        elif len(rebuilds) == 1:
+            context_values = (rebuilds[0](dynamic),)
         else:
             context_values = reverse.contexts(dynamic)
         f = reverse.ref()
