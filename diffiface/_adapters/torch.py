@@ -374,18 +374,7 @@ class Adapter(_base.Adapter):
         if not value.requires_grad:
             return value, aux, _grad([], inputs)
         grads = torch.autograd.grad((value,), inputs, retain_graph=keep, create_graph=keep, allow_unused=True)
-        for found in grads:  # (a loop, not a comprehension: this runs on every call)
-            if found is None:  # zeros where an input did not matter
-                grads = tuple(torch.zeros_like(x) if d is None else d for d, x in zip(grads, inputs, strict=True))
-                break
-        for found in grads:  # (inline, not a call: this is the hot path)
-            if type(found) is not torch.Tensor:  # a DTensor
-                grads = _placed(grads, inputs)
-                break
-        for found in grads:
-            if found._is_zerotensor():
-                grads = _materialised(grads)
-                break
+        grads = _whole(grads, inputs)
         return value, aux, grads  # results are detached as they are converted, if returned
 
     def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Blocks]:
@@ -693,6 +682,24 @@ def _any_dtensor(leaves: Any) -> bool:
     return False
 
 
+def _whole(grads: Leaves, inputs: Leaves) -> Leaves:
+    """``torch.autograd.grad``'s gradients (``allow_unused=True``) as diffiface returns them:
+    zeros where an input did not matter, laid out as the inputs (DTensors), ordinary tensors
+    for torch's ZeroTensors."""
+    for found in grads:  # (loops, not comprehensions: this runs on every call)
+        if found is None:
+            grads = tuple(torch.zeros_like(x) if d is None else d for d, x in zip(grads, inputs, strict=True))
+            break
+    for found in grads:
+        if type(found) is not torch.Tensor:  # a DTensor
+            grads = _placed(grads, inputs)
+            break
+    for found in grads:
+        if found._is_zerotensor():
+            return _materialised(grads)
+    return grads
+
+
 def _materialised(grads: Leaves) -> Leaves:
     """Gradients as ordinary tensors: torch answers an f whose derivative is zero by rule
     (``sgn``, ``sign``) with a ZeroTensor, which ``.numpy()`` and in-place updates refuse."""
@@ -892,16 +899,9 @@ def _guard(
         try:
             result = program(xs, ts, dynamic, static)
         except BaseException as exc:
-            stack.pop()
-            if torch.is_grad_enabled() is not grad_mode:
-                torch.set_grad_enabled(grad_mode)
-            _arrays.graph_state.keep = keep
-            problem = _mutation(xs, versions, constants, modules)
-            if problem is not None:
-                raise MutationError(problem) from exc
-            if isinstance(exc, RuntimeError) and _LEAF_WRITE in str(exc):
-                # torch refused a write into the leaf f got for x (refused before writing)
-                raise MutationError(f"f wrote in place into its input x; torch refused it. {_FIX}") from exc
+            refusal = _after_failure(exc, stack, grad_mode, keep, xs, versions, constants, modules)
+            if refusal is not None:
+                raise refusal from exc
             raise
         stack.pop()
         if torch.is_grad_enabled() is not grad_mode:
@@ -1016,15 +1016,9 @@ class _Gradient:
             else:
                 grads = _grad([], inputs)
         except BaseException as exc:
-            stack.pop()
-            if not torch.is_grad_enabled():
-                torch.set_grad_enabled(True)
-            _arrays.graph_state.keep = False
-            problem = _mutation(inputs, versions, constants, None)
-            if problem is not None:
-                raise MutationError(problem) from exc
-            if isinstance(exc, RuntimeError) and _LEAF_WRITE in str(exc):
-                raise MutationError(f"f wrote in place into its input x; torch refused it. {_FIX}") from exc
+            refusal = _after_failure(exc, stack, True, False, inputs, versions, constants, None)
+            if refusal is not None:
+                raise refusal from exc
             raise
         stack.pop()
         if not torch.is_grad_enabled():  # f switched it off (torch.set_grad_enabled) and did not switch back
@@ -1037,23 +1031,38 @@ class _Gradient:
             problem = _mutation(inputs, versions, constants, None)
             if problem is not None:
                 raise MutationError(problem)
-        for found in grads:
-            if found is None:  # zeros where an input did not matter
-                grads = tuple(torch.zeros_like(x) if d is None else d for d, x in zip(grads, inputs, strict=True))
-                break
-        for found in grads:
-            if type(found) is not torch.Tensor:  # a DTensor
-                grads = _placed(grads, inputs)
-                break
-        for found in grads:
-            if found._is_zerotensor():
-                grads = _materialised(grads)
-                break
+        grads = _whole(grads, inputs)
         return (value, grads) if reverse.value else (grads,)
 
 
 _LEAF_WRITE = "a leaf Variable that requires grad is being used in an in-place operation"
 """torch's refusal of a write into a leaf that requires grad, such as the leaf f gets for x."""
+
+
+def _after_failure(
+    exc: BaseException,
+    stack: list[bool],
+    grad_mode: bool,
+    keep: bool,
+    xs: Leaves,
+    versions: list[int],
+    constants: list[tuple[int, Any, int]],
+    modules: list[tuple[str, Any, int, Any]] | None,
+) -> MutationError | None:
+    """After f or the engine raised ``exc`` inside the guard: the caller's state put back (the
+    call's stack entry, grad mode, the graph flag), and the MutationError that names a write f
+    made, where it made one (None: ``exc`` itself is what the caller gets)."""
+    stack.pop()
+    if torch.is_grad_enabled() is not grad_mode:
+        torch.set_grad_enabled(grad_mode)
+    _arrays.graph_state.keep = keep
+    problem = _mutation(xs, versions, constants, modules)
+    if problem is not None:
+        return MutationError(problem)
+    if isinstance(exc, RuntimeError) and _LEAF_WRITE in str(exc):
+        # torch refused a write into the leaf f got for x (refused before writing)
+        return MutationError(f"f wrote in place into its input x; torch refused it. {_FIX}")
+    return None
 
 
 def _module_states(static: Any, cache_static: tuple[bool, ...]) -> list[tuple[str, Any, int, Any]] | None:
