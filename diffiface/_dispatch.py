@@ -90,8 +90,11 @@ def evaluate(
                 leaves = arguments
                 fits = list(map(type, leaves)) == fast.types
             else:
-                leaves, spec = fast.flatten(arguments)
-                fits = spec == fast.spec and list(map(type, leaves)) == fast.types
+                try:
+                    leaves, spec = fast.flatten(arguments)
+                except Exception:  # (a tree jax's pytrees cannot take apart, such as unsortable keys)
+                    leaves = spec = None  # (the plan's own steps say why)
+                fits = leaves is not None and spec == fast.spec and list(map(type, leaves)) == fast.types
             if fits and (fast.numpy is None or list(map(_numpy_meta, fast.numpy(leaves))) == fast.numpy_meta):
                 out = fast.compiled(*leaves)
                 return out if fast.flat.finished else fast.rest(out)

@@ -466,7 +466,10 @@ class Plan:
             if not x_checks(x_leaves):
                 return None
         else:
-            x_leaves, spec = self.x_flatten(x)
+            try:
+                x_leaves, spec = self.x_flatten(x)
+            except Exception:  # (a tree jax's pytrees cannot take apart, such as unsortable keys)
+                return None  # (the full signature says why)
             if spec != self.x_key:
                 return None
             if type(x_checks) is _TorchLeaves:  # (its test inline: a frame costs, see FlatCall)
@@ -476,7 +479,10 @@ class Plan:
                 return None
         tangent_leaves: list[Any] = []
         if self.tangent:
-            tangent_leaves, spec = self.tangent_flatten(tangent)
+            try:
+                tangent_leaves, spec = self.tangent_flatten(tangent)
+            except Exception:  # (as x's)
+                return None
             if spec != self.tangent_key:
                 return None
             checks = self.tangent_checks
@@ -506,7 +512,10 @@ class Plan:
                 if not checks(leaves):
                     return None
             else:
-                leaves, spec = flatten(value)
+                try:
+                    leaves, spec = flatten(value)
+                except Exception:  # (as x's)
+                    return None
                 if spec != context_key:
                     return None
                 if type(checks) is _TorchLeaves:  # (inline, as x's)

@@ -660,3 +660,27 @@ def test_a_structure_of_tuples_lists_and_dicts_is_rebuilt_by_a_function_written_
     pair = collections.namedtuple("pair", ["a", "b"])
     for unknown in (pair(1.0, 2.0), {"x": collections.OrderedDict(a=1.0)}, [1.0] * 300, 1.0):
         assert structure_unflatten(optree.tree_structure(unknown)) is None, type(unknown)
+
+
+def test_a_tree_jax_cannot_take_apart_is_refused_by_the_plan_not_raised_raw() -> None:
+    """A prep flattened by jax's pytrees (a namedtuple holds its dict, so no function is
+    written for the structure) meets a dict whose keys jax cannot sort: the plan's steps name
+    the difference (PreparationMismatchError), and the call without the prep is served."""
+    require(di.AutoJAX())
+    import collections
+
+    import jax.numpy as jnp
+
+    pair = collections.namedtuple("pair", ["a", "b"])
+
+    def total(p: Any) -> Any:
+        return sum((leaf**2).sum() for leaf in optree.tree_leaves(p))
+
+    x = pair(jnp.ones(2), {"u": jnp.ones(1), "v": jnp.ones(1)})
+    mixed = pair(jnp.ones(2), {"u": jnp.ones(1), 1: jnp.ones(1)})
+    for backend in ("jax", di.AutoJAX(jit=False)):
+        prep = di.prepare_gradient(total, backend, x)
+        with pytest.raises(di.PreparationMismatchError, match="x structure"):
+            di.gradient(total, backend, mixed, prep=prep)
+        got = di.gradient(total, backend, mixed)
+        assert type(got) is pair and float(got.b[1][0]) == 2.0
