@@ -92,9 +92,9 @@ def evaluate(
             else:
                 try:
                     leaves, spec = fast.flatten(arguments)
-                except Exception:  # (a tree jax's pytrees cannot take apart, such as unsortable keys)
-                    leaves = spec = None  # (the plan's own steps say why)
-                fits = leaves is not None and spec == fast.spec and list(map(type, leaves)) == fast.types
+                    fits = spec == fast.spec and list(map(type, leaves)) == fast.types
+                except Exception:  # (a tree jax's pytrees cannot take apart, such as unsortable keys:
+                    fits = False  # the plan's own steps say why)
             if fits and (fast.numpy is None or list(map(_numpy_meta, fast.numpy(leaves))) == fast.numpy_meta):
                 out = fast.compiled(*leaves)
                 return out if fast.flat.finished else fast.rest(out)
