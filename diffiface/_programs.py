@@ -26,7 +26,7 @@ from ._flatten import structure_unflatten
 from ._keys import static_key
 from ._plan import engine_checked, jax_rebuilds_alike
 from ._prep import FunctionRef, Signature
-from ._results import promoted_dtype
+from ._results import _cast, _padded, _weak_or_dtype, promoted_dtype
 
 _chain = itertools.chain.from_iterable
 
@@ -327,6 +327,7 @@ class FlatProgram:
 
     __slots__ = (
         "candidate",
+        "casts",
         "checks",
         "compiled",
         "dtype",
@@ -379,6 +380,12 @@ class FlatProgram:
         ):
             self.tree = (call.signature.x_spec, tuple(leaf.dtype for leaf in call.x_leaves))
             self.finished = True
+        # The blocks of a Jacobian or Hessian of a tree (of x or of f's output): cast inside the
+        # trace to the dtype the promotion rule gives, so that mixed dtypes (float32 params, a
+        # float64 batch) cost no cast per block on every call; x's dtypes, by leaf.
+        self.casts: tuple[str | None, ...] | None = None
+        if kind in ("jacobian", "hessian") and not self.candidate and adapter.retraces and not has_aux:
+            self.casts = tuple(map(_weak_or_dtype, call.x_leaves))
         self.output = output
         self.mirror = mirror
         self.program = program
@@ -412,6 +419,15 @@ class FlatProgram:
                 for leaf, dtype in zip(native[0], dtypes, strict=True)
             ]
             return optree.tree_unflatten(spec, leaves)
+        if self.casts is not None and len(native) == 1:
+            x_dtypes, rows = self.casts, native[0]
+            dys = _padded(self.output.dtypes, len(rows)) if self.kind == "jacobian" else x_dtypes
+            native = (
+                tuple(
+                    tuple(_cast(block, promoted_dtype(dy, dx)) for block, dx in zip(row, x_dtypes, strict=True))
+                    for row, dy in zip(rows, dys, strict=True)
+                ),
+            )
         return native[0][0] if self.mirror is not None else native
 
     def on_flat(self, *arguments: Any) -> Any:
