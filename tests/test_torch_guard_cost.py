@@ -134,3 +134,40 @@ def test_a_second_constant_written_is_seen() -> None:
     with pytest.raises(di.MutationError, match="Constant"):
         di.gradient(f, di.AutoTorch(), w, di.Constant(a), di.Constant(b))
     assert torch.equal(a, a0) and torch.equal(b, b0)
+
+
+@pytest.mark.parametrize("backend", ["torch", di.AutoTorch()], ids=["by name", "by object"])
+def test_the_fused_gradient_copies_the_constants_and_lets_f_write_its_caches(backend: Any) -> None:
+    # expected: with a Constant beside a Cache, a write into the Cache is f's own business (the
+    # gradient is right, the scratch space holds what f wrote), a write into the Constant is a
+    # MutationError with the caller's tensor unchanged; a constant f gets zeros; the caller's
+    # grad mode survives an f that turns it off
+    w, data, scratch = torch.randn(5), torch.randn(7, 5), torch.zeros(7)
+
+    def into_cache(w: Any, data: Any, scratch: Any) -> Any:
+        scratch.copy_(data @ w)
+        return (scratch**2).sum()
+
+    def into_constant(w: Any, data: Any, scratch: Any) -> Any:
+        data.mul_(2.0)
+        return (data @ w).sum()
+
+    def switches_grad_off(w: Any, data: Any, scratch: Any) -> Any:
+        y = (data @ w).sum()
+        torch.set_grad_enabled(False)
+        return y
+
+    contexts = (di.Constant(data), di.Cache(scratch))
+    prep = di.prepare_gradient(into_cache, backend, w, *contexts)
+    got = di.gradient(into_cache, backend, w, *contexts, prep=prep)
+    assert adapter_frames(lambda: di.gradient(into_cache, backend, w, *contexts, prep=prep))[0] == "_Gradient.__call__"
+    torch.testing.assert_close(got, 2 * data.T @ (data @ w))
+    torch.testing.assert_close(scratch, data @ w)
+    before = data.clone()
+    with pytest.raises(di.MutationError, match="Constant"):
+        di.gradient(into_constant, backend, w, *contexts)
+    assert torch.equal(data, before)
+    assert torch.equal(di.gradient(lambda w, d, s: (d**2).sum(), backend, w, *contexts), torch.zeros(5))
+    got = di.gradient(switches_grad_off, backend, w, *contexts)
+    assert torch.is_grad_enabled()
+    torch.testing.assert_close(got, data.sum(0))

@@ -974,6 +974,8 @@ class _Gradient:
         if dynamic and self.constant_at:
             fresh = list(dynamic)
             for i in self.constant_at:
+                if i >= len(fresh):  # (as the guard: only the leaves this call has)
+                    break
                 value = fresh[i]
                 if isinstance(value, torch.Tensor):
                     fresh[i] = copy = value.clone()
