@@ -312,9 +312,11 @@ class Adapter(_base.Adapter):
             except RuntimeError as exc:  # duals of torch.func's wrapped tensors
                 raise _autograd_in_func() from exc
             out, aux = fn(duals)
-            primal = _tree.map(_primal, out)
-            tangent = _tree.map(_tangent, out)
-            aux = _tree.map(_primal, aux)
+            if type(out) is tuple:  # (the closed function's output leaves: no tree to walk)
+                primal, tangent = tuple(map(_primal, out)), tuple(map(_tangent, out))
+            else:
+                primal, tangent = _tree.map(_primal, out), _tree.map(_tangent, out)
+            aux = None if aux is None else _tree.map(_primal, aux)
         finally:
             _DUALS[0] -= 1
             level.__exit__(None, None, None)
