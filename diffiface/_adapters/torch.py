@@ -705,7 +705,12 @@ def _whole(grads: Leaves, inputs: Leaves) -> Leaves:
 def _materialised(grads: Leaves) -> Leaves:
     """Gradients as ordinary tensors: torch answers an f whose derivative is zero by rule
     (``sgn``, ``sign``) with a ZeroTensor, which ``.numpy()`` and in-place updates refuse."""
-    return tuple(torch.zeros(g.shape, dtype=g.dtype, device=g.device) if g._is_zerotensor() else g for g in grads)
+    for g in grads:  # (a loop first: no generator where there is none, the common case)
+        if g._is_zerotensor():
+            return tuple(
+                torch.zeros(g.shape, dtype=g.dtype, device=g.device) if g._is_zerotensor() else g for g in grads
+            )
+    return grads
 
 
 def _placed(grads: Leaves, xs: Leaves) -> Leaves:
