@@ -43,6 +43,8 @@ def _program(
     context_sizes = [len(leaves) for leaves in call.context_leaves]
     # one array leaf per context: the dynamic arguments are the context values
     leaf_contexts = all(spec == _LEAF for spec in context_specs) and all(plan.mask)
+    # each context's value from its leaves (written for its structure where it can be, _flatten)
+    context_rebuilds = [_rebuilder(spec) for spec in context_specs]
     close = _closer(op, adapter, sig.x_spec, has_aux, output, getattr(call, "rebuild", None))
     method = getattr(adapter, op.compute)
     pullback = op.compute == "value_and_pullback"
@@ -61,7 +63,7 @@ def _program(
         if leaf_contexts:
             context_values = dynamic
         else:
-            context_values = _merge_contexts(context_specs, context_sizes, dynamic, static or empty)
+            context_values = _merge_contexts(context_rebuilds, context_sizes, dynamic, static or empty)
         f = ref()  # (the weak reference itself: FunctionRef's call is a Python frame)
         fn = close(f if f is not None else function(), context_values, xs[0] if xs else None)
         if pullback:
@@ -93,12 +95,13 @@ def _program(
             function,
             sig.x_spec,
             close.settle,  # type: ignore[attr-defined]
-            context_specs,
+            None if all(spec == _LEAF for spec in context_specs) else context_rebuilds,
             context_sizes,
             all(plan.mask),
             adapter,
             len(picked) == 2,
             output.checked,
+            empty,
         )
     return program
 
@@ -122,6 +125,7 @@ class Reverse:
         "adapter",
         "checked",
         "dynamic",
+        "empty",
         "function",
         "rebuild",
         "rebuilds",
@@ -137,37 +141,33 @@ class Reverse:
         function: FunctionRef,
         x_spec: Any,
         settle: Callable[..., Any],
-        specs: list[Any],
+        rebuilds: list[Callable[[Any], Any]] | None,
         sizes: list[int],
         dynamic: bool,
         adapter: Adapter,
         value: bool,
         checked: set[tuple[type, Any]],
+        empty: _Static,
     ) -> None:
         self.function, self.ref = function, function.ref
         self.single = x_spec == _LEAF
         self.rebuild = None if self.single else structure_unflatten(x_spec) or x_spec.unflatten
         # (each context's structure rebuilt by the function written for it, where there is one)
         self.settle = settle
-        self.rebuilds = None if all(spec == _LEAF for spec in specs) else [_rebuilder(spec) for spec in specs]
+        self.rebuilds = rebuilds
         self.sizes = sizes
         self.dynamic = dynamic
         self.adapter = adapter
         self.value = value
         self.checked = checked
+        self.empty = empty
 
     def contexts(self, dynamic: tuple[Any, ...]) -> tuple[Any, ...]:
         """The context values of these dynamic leaves (every context leaf is one)."""
         rebuilds = self.rebuilds
         if rebuilds is None:  # one array per context: the leaves are the values
             return dynamic
-        if len(rebuilds) == 1:
-            return (rebuilds[0](dynamic),)
-        values, start = [], 0
-        for rebuild, size in zip(rebuilds, self.sizes, strict=True):
-            values.append(rebuild(dynamic[start : start + size]))
-            start += size
-        return tuple(values)
+        return _merge_contexts(rebuilds, self.sizes, dynamic, self.empty)
 
 
 def _rebuilder(spec: Any) -> Callable[[Any], Any]:
@@ -177,20 +177,24 @@ def _rebuilder(spec: Any) -> Callable[[Any], Any]:
     return structure_unflatten(spec) or spec.unflatten
 
 
-def _merge_contexts(specs: list[Any], sizes: list[int], dynamic: tuple[Any, ...], static: _Static) -> tuple[Any, ...]:
+def _merge_contexts(
+    rebuilds: list[Callable[[Any], Any]], sizes: list[int], dynamic: tuple[Any, ...], static: _Static
+) -> tuple[Any, ...]:
+    """The context values from their dynamic and static leaves; ``rebuilds``: each context's
+    value from its leaves (:func:`_rebuilder`)."""
     if not static.leaves:  # every leaf dynamic (the common case): slices, in order
         values, start = [], 0
-        for spec, size in zip(specs, sizes, strict=True):
-            values.append(spec.unflatten(dynamic[start : start + size]))
+        for rebuild, size in zip(rebuilds, sizes, strict=True):
+            values.append(rebuild(dynamic[start : start + size]))
             start += size
         return tuple(values)
     dyn = iter(dynamic)
     stat = iter(static.leaves)
     flags = iter(static.mask)
     values = []
-    for spec, size in zip(specs, sizes, strict=True):
+    for rebuild, size in zip(rebuilds, sizes, strict=True):
         leaves = [next(dyn) if next(flags) else next(stat) for _ in range(size)]
-        values.append(spec.unflatten(leaves))
+        values.append(rebuild(leaves))
     return tuple(values)
 
 

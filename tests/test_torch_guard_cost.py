@@ -40,8 +40,9 @@ def adapter_frames(call: Any) -> list[str]:
 @pytest.mark.parametrize("operator", ["gradient", "value_and_gradient"])
 @pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
 def test_common_gradient_enters_the_adapter_once(shape: str, operator: str, prepared: bool) -> None:
-    # expected: one call of the fused guard, program and backward pass (_Gradient) and the
-    # gradients made whole (_whole), by name or by object; no other helper, listcomp or genexpr;
+    # expected: one call of the fused guard, program and backward pass (_Gradient), the
+    # Constant's copy (_copied_constants) and the gradients made whole (_whole), by name or by
+    # object; no other helper, listcomp or genexpr;
     # the result is the general steps' one
     w, data = torch.randn(5), torch.randn(7, 5)
     x: Any = w if shape == "one tensor" else {"l": {"w": w, "b": torch.randn(7)}}
@@ -61,7 +62,7 @@ def test_common_gradient_enters_the_adapter_once(shape: str, operator: str, prep
             return op(f, backend, x, ctx, prep=prep)  # noqa: B023
 
         call()
-        assert adapter_frames(call) == ["_Gradient.__call__", "_whole"]
+        assert adapter_frames(call) == ["_Gradient.__call__", "_copied_constants", "_whole"]
         # the general steps: the guard's, with x requiring grad (a nested call's shape)
         with torch.enable_grad():
             general = op(f, backend, optree_map(lambda t: t.clone().requires_grad_(True), x), ctx)

@@ -890,15 +890,7 @@ def _guard(
             tangent_versions = list(map(_version, ts))
         constants: list[tuple[int, Any, int]] = []
         if dynamic and constant_at:
-            fresh = list(dynamic)
-            for i in constant_at:
-                if i >= len(fresh):
-                    break
-                value = fresh[i]
-                if isinstance(value, torch.Tensor):
-                    fresh[i] = copy = value.clone()
-                    constants.append((i, copy, copy._version))
-            dynamic = tuple(fresh)
+            dynamic, constants = _copied_constants(dynamic, constant_at)
         modules = _module_states(static, cache_static) if static is not None and watch_static else None
         stack = _CALLS.keep
         stack.append(keep)
@@ -979,15 +971,7 @@ class _Gradient:
         versions = list(map(_version, inputs))
         constants: list[tuple[int, Any, int]] = []
         if dynamic and self.constant_at:
-            fresh = list(dynamic)
-            for i in self.constant_at:
-                if i >= len(fresh):  # (as the guard: only the leaves this call has)
-                    break
-                value = fresh[i]
-                if isinstance(value, torch.Tensor):
-                    fresh[i] = copy = value.clone()
-                    constants.append((i, copy, copy._version))
-            dynamic = tuple(fresh)
+            dynamic, constants = _copied_constants(dynamic, self.constant_at)
         reverse = self.reverse
         rebuilds = reverse.rebuilds
         if rebuilds is None:
@@ -1046,6 +1030,22 @@ class _Gradient:
 
 _LEAF_WRITE = "a leaf Variable that requires grad is being used in an in-place operation"
 """torch's refusal of a write into a leaf that requires grad, such as the leaf f gets for x."""
+
+
+def _copied_constants(dynamic: Leaves, constant_at: tuple[int, ...]) -> tuple[Leaves, list[tuple[int, Any, int]]]:
+    """The dynamic context leaves with a copy of each Constant tensor in its place (f may not
+    reach the caller's memory through it), and (index, copy, its version) for each copy, to
+    see a write by."""
+    fresh = list(dynamic)
+    constants = []
+    for i in constant_at:
+        if i >= len(fresh):  # (only the leaves this call has)
+            break
+        value = fresh[i]
+        if isinstance(value, torch.Tensor):
+            fresh[i] = copy = value.clone()
+            constants.append((i, copy, copy._version))
+    return tuple(fresh), constants
 
 
 def _after_failure(
