@@ -23,7 +23,7 @@ from ._backends import AutoSparse, Backend
 from ._call import _LEAF, OPERATORS, Call, Operator, _dynamic_view
 from ._checks import _check_call, _check_tangent_kinds, _check_tangent_like_x, _check_x
 from ._errors import InvalidInputError
-from ._plan import Plan, _numpy_meta, _value, flat_call, flattener, leaf_check, leaves_check
+from ._plan import MISSED, Plan, Unfit, flat_call, flattener, leaf_check, leaves_check
 from ._prep import Closure, FunctionRef, Prep, describe_mismatch, mismatch_error, prep_cache
 from ._programs import (
     DirectFlat,
@@ -33,7 +33,6 @@ from ._programs import (
     Recalled,
     Run,
     Scoped,
-    Unfit,
     _Conversions,
     _Output,
     _program,
@@ -74,32 +73,12 @@ def evaluate(
     else:
         raise InvalidInputError(f"prep must come from di.prepare_{name}(...), got {type(prep).__name__}.")
     fast = None if known is None else known.plan.flat_call
-    if (  # the plan's steps inline, where jit checks every leaf itself (a frame costs, see FlatCall)
-        fast is not None
-        and name == fast.operator
-        and has_aux == fast.has_aux
-        and fast.ref() is f
-        and (backend is fast.backend or (backend in fast.names if type(backend) is str else backend == fast.backend))
-        and list(map(type, contexts)) == fast.kinds
-        and (fast.needs_x64 is None or fast.needs_x64.value)
-        and (prep is not None or known.closure is None or known.closure.holds(f))  # type: ignore[union-attr]
-    ):
-        try:
-            arguments = [x, tangent, *map(_value, contexts)] if fast.tangent else [x, *map(_value, contexts)]
-            if fast.single:
-                leaves = arguments
-                fits = list(map(type, leaves)) == fast.types
-            else:
-                try:
-                    leaves, spec = fast.flatten(arguments)
-                    fits = spec == fast.spec and list(map(type, leaves)) == fast.types
-                except Exception:  # (a tree jax's pytrees cannot take apart, such as unsortable keys:
-                    fits = False  # the plan's own steps say why)
-            if fits and (fast.numpy is None or list(map(_numpy_meta, fast.numpy(leaves))) == fast.numpy_meta):
-                out = fast.compiled(*leaves)
-                return out if fast.flat.finished else fast.rest(out)
-        except Unfit:  # (shapes or dtypes the program checks itself: the signature decides)
-            pass
+    # (the plan's steps and jit's call written as one function for the plan: a frame and an
+    # object's read cost, see FlatCall)
+    if fast is not None and (prep is not None or known.closure is None or known.closure.holds(f)):  # type: ignore[union-attr]
+        out = fast.run(name, f, backend, x, tangent, contexts, has_aux)
+        if out is not MISSED:
+            return out
     if prep is None:
         if known is not None:
             found = known.plan.leaves(name, f, backend, x, tangent, contexts, has_aux)

@@ -10,7 +10,9 @@ sparse and second-order backends differ in their programs only.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 import operator
 import sys
 from collections.abc import Callable
@@ -21,12 +23,15 @@ import optree
 
 from . import _arrays, _placement
 from ._backends import AutoSparse
-from ._flatten import Flatten, structure_flatten
+from ._errors import PreparationMismatchError
+from ._flatten import Flatten, structure_flatten, structure_tests
 from ._keys import static_key, static_x_key
 
 __all__ = [
     "Check",
+    "MISSED",
     "FlatCall",
+    "Unfit",
     "Plan",
     "engine_checked",
     "flattener",
@@ -530,65 +535,170 @@ class Plan:
 _value = operator.attrgetter("value")
 
 
+class Unfit(PreparationMismatchError):
+    """Raised while a :class:`~diffiface._programs.FlatProgram` is traced for arguments whose
+    shapes or dtypes are not the prep's: the route then compares the call's whole signature
+    with the prep's."""
+
+
+class _Missed:
+    """What a :class:`FlatCall`'s ``run`` returns for a call that does not fit it."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "MISSED"
+
+
+MISSED = _Missed()
+
+
 class FlatCall:
-    """The plan's steps, fused, where the program is jit's on the flat leaves
-    (:class:`~diffiface._programs.DirectFlat`) and every leaf of x, of the tangent and of the
-    contexts is a jax array that jit checks itself (:func:`engine_checked`) or a numpy array.
-    The route (:func:`~diffiface._dispatch.evaluate`) flattens x, the tangent and the context
-    values in one call of jax's pytrees (none where each is one array), compares the structure
-    and the leaves' types with the prep's, and the numpy leaves' shapes and dtypes (jit gives a
-    float32 and a float64 numpy array the same traced type while x64 is off), and hands the
-    leaves to the compiled call. jit compares the jax arrays' shapes, dtypes and layouts as it
-    always does, and the traced program raises :class:`~diffiface._programs.Unfit` for any
-    other than the prep's.
+    """The plan's steps and the program's call, written as one Python function for this plan,
+    where the program is jit's on the flat leaves (:class:`~diffiface._programs.DirectFlat`)
+    and every leaf of x, of the tangent and of the contexts is a jax array that jit checks
+    itself (:func:`engine_checked`) or a numpy array.
 
-    Each Python frame on this path costs about a microsecond on a core that has just run the
-    engine's program (its caches are cold), against the few the engine's own call takes; so
-    the route runs these steps inline, with no call but jit's and the context values' read."""
+    ``run(name, f, backend, x, tangent, contexts, has_aux)`` (the route's arguments) tests, with
+    the prep's values as the function's own constants: the operator, f, the backend (by
+    identity, by one of its names, or by its fields), the number and kind of the contexts, jax's
+    x64 flag where the program needs it, each node of x, the tangent and the context values
+    (type and length, and dict keys, see :func:`~diffiface._flatten.structure_tests`; jax's
+    flattening for other nodes), each leaf's type, and the numpy leaves' shapes and dtypes (jit
+    gives a float32 and a float64 numpy array the same traced type while x64 is off). It then
+    calls the compiled program on the leaves, which compares the jax arrays' shapes, dtypes
+    and layouts as it always does, and whose trace raises :class:`Unfit` for any other than
+    the prep's. Where anything differs it returns :data:`MISSED`, and the route takes the
+    plan's own steps, which name the difference.
 
-    __slots__ = (
-        "backend",
-        "compiled",
-        "flat",
-        "flatten",
-        "has_aux",
-        "kinds",
-        "names",
-        "needs_x64",
-        "numpy",
-        "numpy_meta",
-        "operator",
-        "ref",
-        "rest",
-        "single",
-        "spec",
-        "tangent",
-        "types",
+    Each Python frame and each read of an object's attribute costs on a core that has just run
+    the engine's program (its caches are cold): written for the plan, the steps are one frame
+    that reads its constants as globals, with no list of leaves or types built."""
+
+    __slots__ = ("needs_x64", "numpy", "run", "single", "source")
+
+    def __init__(self, run: Callable[..., Any], source: str, single: bool, numpy: int, needs_x64: Any) -> None:
+        self.run, self.source, self.single = run, source, single
+        self.numpy = numpy
+        """How many leaves are numpy arrays (their shapes and dtypes compared)."""
+        self.needs_x64 = needs_x64
+        """jax's x64 flag, read per call where the program may need its scope; else None."""
+
+
+def _write_flat_call(plan: Plan, direct: Any, arguments: list[Any], spec: Any, jax_spec: Any) -> FlatCall | None:
+    """The :class:`FlatCall` of ``plan`` for the prepared ``arguments`` (``[x, tangent?,
+    *context values]``, of optree structure ``spec``, None where each is one array, and jax's
+    ``jax_spec``); None where the function written does not find the leaves jax's flattening
+    finds in them."""
+    roots = ["x", *(["tangent"] if plan.tangent else []), *(f"v{i}" for i in range(len(plan.context_kinds)))]
+    names = (f"n{i}" for i in itertools.count())
+    flatten = sys.modules["jax"].tree_util.default_registry.flatten
+    walk: list[str] = []
+    exprs: list[str] = []
+    if spec is None:  # (each argument one array)
+        exprs = roots
+    else:
+        walks = [structure_tests(child, root, names) for child, root in zip(spec.children(), roots, strict=True)]
+        if all(each is not None for each in walks) and not str(spec.namespace):
+            for lines, leaves in walks:  # type: ignore[misc]
+                walk += lines
+                exprs += leaves
+        else:  # (a node it does not write for: jax's flattening, in C)
+            exprs = [f"leaves[{i}]" for i in range(spec.num_leaves)]
+            walk = [
+                f"leaves, key = FLATTEN([{', '.join(roots)}])",
+                "if key != KEY: return MISS",
+            ]
+    expected = arguments if spec is None else flatten(arguments)[0]
+    leaves = [f"l{i}" for i in range(len(exprs))]
+    constants: dict[str, Any] = {
+        "MISS": MISSED,
+        "OPERATOR": plan.operator,
+        "HAS_AUX": plan.has_aux,
+        "REF": plan.function.ref,
+        "BACKEND": plan.backend,
+        "NAMES": plan.names,
+        "BACKEND_TYPE": type(plan.backend),
+        "BACKEND_FIELDS": getattr(plan.backend, "__dict__", None),
+        "COMPILED": direct.compiled,
+        "REST": direct.rest,
+        "FLAT": direct.flat,
+        "UNFIT": Unfit,
+        "FLATTEN": flatten,
+        "KEY": jax_spec,
+        "X64": _x64_state() if direct.precision is not None else None,
+    }
+    n = len(plan.context_kinds)
+    head = [
+        f"if name != OPERATOR or has_aux != HAS_AUX or REF() is not f or len(contexts) != {n}: return MISS",
+        "if backend is not BACKEND:",
+        "    if type(backend) is str:",
+        "        if backend not in NAMES: return MISS",
+        # (a frozen dataclass's fields are its __dict__, compared in C; its __eq__ is a frame)
+        "    elif type(backend) is not BACKEND_TYPE or vars(backend) != BACKEND_FIELDS: return MISS"
+        if _fields_only(plan.backend)
+        else "    elif backend != BACKEND: return MISS",
+    ]
+    if constants["X64"] is not None:  # (its value read in C; off, the plan's steps scope the call)
+        head.append("if not X64.value: return MISS")
+    if n:
+        head.append(f"{', '.join(f'c{i}' for i in range(n))}, = contexts")
+        for i, kind in enumerate(plan.context_kinds):
+            constants[f"K{i}"] = kind
+        head.append(f"if {' or '.join(f'type(c{i}) is not K{i}' for i in range(n))}: return MISS")
+        head += [f"v{i} = c{i}.value" for i in range(n)]
+    tests: list[str] = []
+    numpy = 0
+    for i, (leaf, value) in enumerate(zip(leaves, expected, strict=True)):
+        constants[f"T{i}"] = type(value)
+        tests.append(f"type({leaf}) is not T{i}")
+        if type(value) is np.ndarray:  # (jit traces a float64 numpy array as float32 without x64)
+            constants[f"M{i}"] = _numpy_meta(value)
+            tests.append(f"({leaf}.shape, {leaf}.dtype) != M{i}")
+            numpy += 1
+    caught = "Exception" if walk and walk[0].startswith("leaves, key") else "KeyError"  # (a dict's other keys)
+    body = [
+        *head,
+        "try:",
+        *(f"    {line}" for line in walk),
+        *(f"    {leaf} = {expr}" for leaf, expr in zip(leaves, exprs, strict=True)),
+        f"except {caught}:",
+        "    return MISS",
+        f"if {' or '.join(tests)}: return MISS",
+        "try:",
+        f"    out = COMPILED({', '.join(leaves)})",
+        "except UNFIT:",
+        "    return MISS",
+        "return out if FLAT.finished else REST(out)",  # (finished: set once the first results are)
+    ]
+    source = "def run(name, f, backend, x, tangent, contexts, has_aux):\n" + "".join(f"    {line}\n" for line in body)
+    # the same walk, giving the leaves: checked against jax's flattening on the prepared arguments
+    check = f"def leaves_of({', '.join(roots)}):\n" + "".join(
+        f"    {line}\n" for line in [*walk, f"return [{', '.join(exprs)}]"]
     )
+    namespace = dict(constants)
+    exec(compile(source, "<diffiface: the plan's steps and its program>", "exec"), namespace)
+    exec(compile(check, "<diffiface: the plan's leaves>", "exec"), namespace)
+    try:
+        got = namespace["leaves_of"](*arguments)
+    except Exception:
+        return None
+    if (
+        type(got) is not list
+        or len(got) != len(expected)
+        or not all(a is b for a, b in zip(got, expected, strict=True))
+    ):
+        return None
+    return FlatCall(namespace["run"], source, spec is None, numpy, constants["X64"])
 
-    def __init__(self, plan: Plan, direct: Any, arguments: list[Any], jax_spec: Any, spec: Any = None) -> None:
-        self.operator, self.has_aux, self.ref = plan.operator, plan.has_aux, plan.function.ref
-        self.backend, self.names = plan.backend, plan.names
-        self.kinds = list(plan.context_kinds)
-        self.tangent = plan.tangent
-        self.compiled, self.flat, self.rest = direct.compiled, direct.flat, direct.rest
-        # Where the program may need jax's x64 scope (float64 work): the flag's state, read per
-        # call (its value is read in C; jax.config.read is two Python frames). Off, the plan's
-        # own steps run the call in the scope.
-        self.needs_x64 = _x64_state() if direct.precision is not None else None
-        flatten = sys.modules["jax"].tree_util.default_registry.flatten
-        self.spec = jax_spec
-        self.single = jax_spec is None  # (x, the tangent and each context one array)
-        # (of tuples, lists and dicts: a function written for the structure, see _flatten)
-        written = None if self.single else structure_flatten(spec, jax_spec, arguments, flatten)
-        self.flatten = flatten if written is None else written
-        leaves = arguments if self.single else self.flatten(arguments)[0]
-        self.types = list(map(type, leaves))
-        # the numpy leaves, picked in C (a getter of one index is given it twice, so that it
-        # gives a tuple too), and their shapes and dtypes; None where there are none
-        at = [i for i, leaf in enumerate(leaves) if type(leaf) is np.ndarray]
-        self.numpy = operator.itemgetter(*(at * 2 if len(at) == 1 else at)) if at else None
-        self.numpy_meta = list(map(_numpy_meta, self.numpy(leaves))) if self.numpy is not None else None
+
+def _fields_only(backend: Any) -> bool:
+    """Whether a backend's attributes are its dataclass fields and nothing else (two such
+    backends of one type are equal when their ``vars`` are)."""
+    try:
+        return set(vars(backend)) == {field.name for field in dataclasses.fields(backend)}
+    except TypeError:
+        return False
 
 
 _numpy_meta = operator.attrgetter("shape", "dtype")
@@ -627,8 +737,8 @@ def flat_call(plan: Plan, program: Any, call: Any) -> FlatCall | None:
     if not leaves or not all(engine_checked(leaf) or type(leaf) is np.ndarray for leaf in leaves):
         return None
     if len(leaves) == len(rebuilt) and all(a is b for a, b in zip(rebuilt, leaves, strict=True)):
-        return FlatCall(plan, program, rebuilt, None)  # (each argument one array)
+        return _write_flat_call(plan, program, rebuilt, None, None)  # (each argument one array)
     found = _jax_structure(spec, leaves)  # (jax takes the arguments apart into optree's leaves)
     if found is None:
         return None
-    return FlatCall(plan, program, rebuilt, found[1], spec)
+    return _write_flat_call(plan, program, rebuilt, spec, found[1])

@@ -178,7 +178,7 @@ class Closure:
     again rather than reuse a stale program. What objects hold (an attribute set on a model
     f reads) is not followed: pass such data as a :class:`~diffiface.Constant`."""
 
-    __slots__ = ("_arrays", "_code", "_ids", "_keep", "_names")
+    __slots__ = ("_arrays", "_code", "_ids", "_keep", "_names", "holds")
 
     def __init__(self, f: Callable[..., Any]) -> None:
         function = getattr(f, "__func__", f)
@@ -188,30 +188,95 @@ class Closure:
         self._keep = values  # (the ids stay those of live objects)
         self._ids = tuple(map(id, values))
         self._arrays = [(i, v.copy()) for i, v in enumerate(values) if type(v) is np.ndarray and v.size <= _COPIED]
+        self.holds: Callable[[Callable[..., Any]], bool] = self._holds
+        """``holds(f)``: whether ``f`` reads the same objects (and the same array values)."""
+        if type(function) is types.FunctionType:
+            self.holds = _write_holds(function, self._names, values, self._arrays, self._holds)
 
-    def holds(self, f: Callable[..., Any]) -> bool:
+    def _holds(self, f: Callable[..., Any]) -> bool:
         function = getattr(f, "__func__", f)
         if getattr(function, "__code__", None) is not self._code:
             return False
-        # (_read_values, inlined: this runs on every unprepared call, where a frame costs)
-        values: list[Any] = []
-        for cell in getattr(function, "__closure__", None) or ():
-            try:
-                values.append(cell.cell_contents)
-            except ValueError:  # an empty cell
-                values.append(None)
-        namespace = getattr(function, "__globals__", None)
-        if namespace is not None:
-            for name in self._names:
-                if name in namespace:
-                    values.append(namespace[name])
-        values.extend(getattr(function, "__defaults__", None) or ())
+        values = _read_values(function, self._names)
         if tuple(map(id, values)) != self._ids:
             return False
-        for i, copy in self._arrays:  # noqa: SIM110  (a loop, not all(generator): this runs on every unprepared call)
+        for i, copy in self._arrays:  # noqa: SIM110
             if not np.array_equal(values[i], copy, equal_nan=copy.dtype.kind in "fc"):
                 return False
         return True
+
+
+def _write_holds(
+    function: types.FunctionType,
+    names: tuple[str, ...],
+    values: list[Any],
+    arrays: list[tuple[int, np.ndarray]],
+    slow: Callable[[Callable[..., Any]], bool],
+) -> Callable[[Callable[..., Any]], bool]:
+    """:meth:`Closure.holds` written for one function: each object it read compared by
+    identity with the one it read then, in one Python frame (it runs on every unprepared call,
+    where a frame and a loop cost). An empty closure cell is left to ``slow``, the general
+    test."""
+    constants: dict[str, Any] = {"FUNCTION": types.FunctionType, "CODE": function.__code__, "SLOW": slow}
+    constants["ARRAY_EQUAL"] = np.array_equal
+    lines = [
+        "function = f if type(f) is FUNCTION else getattr(f, '__func__', f)",
+        "if type(function) is not FUNCTION or function.__code__ is not CODE: return False",
+    ]
+    at = 0
+    cells = function.__closure__ or ()
+    if cells:
+        tests = []
+        for i in range(len(cells)):
+            constants[f"V{at}"] = values[at]
+            tests.append(f"cells[{i}].cell_contents is not V{at}")
+            at += 1
+        lines += [
+            "cells = function.__closure__",
+            "try:",
+            f"    if {' or '.join(tests)}: return False",
+            "except ValueError:  # (an empty cell)",
+            "    return SLOW(f)",
+        ]
+    namespace = function.__globals__
+    present = [name for name in dict.fromkeys(names) if name in namespace]
+    absent = [name for name in dict.fromkeys(names) if name not in namespace]
+    lines.append("g = function.__globals__")
+    tests = []
+    for name in names:
+        if name in namespace:
+            constants[f"V{at}"] = values[at]
+            tests.append(f"g[{name!r}] is not V{at}")
+            at += 1
+    if present:
+        lines += ["try:", f"    if {' or '.join(tests)}: return False", "except KeyError:", "    return False"]
+    if absent:
+        lines.append(f"if {' or '.join(f'{name!r} in g' for name in absent)}: return False")
+    defaults = function.__defaults__ or ()
+    constants["DEFAULTS"] = function.__defaults__
+    if defaults:
+        tests = []
+        for i in range(len(defaults)):
+            constants[f"V{at}"] = values[at]
+            tests.append(f"defaults[{i}] is not V{at}")
+            at += 1
+        lines += [
+            "defaults = function.__defaults__",
+            "if defaults is not DEFAULTS:",
+            f"    if defaults is None or len(defaults) != {len(defaults)} or {' or '.join(tests)}: return False",
+        ]
+    else:
+        lines.append("if function.__defaults__: return False")
+    if at != len(values):  # (never: the same reads as _read_values)
+        return slow
+    for i, copy in arrays:  # (the array is the one read then: its values now against the copy)
+        constants[f"C{i}"] = copy
+        nan = copy.dtype.kind in "fc"
+        lines.append(f"if not ARRAY_EQUAL(V{i}, C{i}, equal_nan={nan}): return False")
+    source = "def holds(f):\n" + "".join(f"    {line}\n" for line in lines) + "    return True\n"
+    exec(compile(source, "<diffiface: what f read, compared>", "exec"), constants)
+    written: Callable[[Callable[..., Any]], bool] = constants["holds"]
+    return written
 
 
 _COPIED = 1 << 16  # numpy arrays f reads are compared by value up to this size; larger, by identity

@@ -21,10 +21,10 @@ from ._adapters._base import Adapter, Deferred, force
 from ._call import _LEAF, Call, Operator
 from ._checks import _check_cotangent, _check_cotangents, _checked, _describe, _refuse_cut, batch_sizes
 from ._contexts import Cache, Constant
-from ._errors import ContextError, FrameworkMismatchError, InvalidOutputError, PreparationMismatchError
+from ._errors import ContextError, FrameworkMismatchError, InvalidOutputError
 from ._flatten import structure_unflatten
 from ._keys import static_key
-from ._plan import engine_checked, jax_rebuilds_alike
+from ._plan import Unfit, engine_checked, jax_rebuilds_alike
 from ._prep import FunctionRef, Signature
 from ._results import _cast, _padded, _weak_or_dtype, promoted_dtype
 
@@ -448,11 +448,6 @@ class FlatProgram:
 
     def __call__(self, xs: tuple[Any, ...], ts: tuple[Any, ...], dynamic: tuple[Any, ...], static: Any) -> Any:
         return self.compiled(*xs, *ts, *dynamic)
-
-
-class Unfit(PreparationMismatchError):
-    """Raised while a :class:`FlatProgram` is traced for arguments whose shapes or dtypes are
-    not the prep's: the route then compares the call's whole signature with the prep's."""
 
 
 class FlatFinish:

@@ -14,7 +14,7 @@ from conftest import FIRST_ORDER, assert_tree_close, namespace, require, to_nump
 
 import diffiface as di
 from diffiface._dispatch import _arguments
-from diffiface._programs import Unfit
+from diffiface._plan import Unfit
 
 MISS = object()
 
@@ -427,10 +427,11 @@ def _python_calls(call: Any) -> list[str]:
 @pytest.mark.parametrize("shape", ["one array", "tuple", "dict with sorted keys"])
 @pytest.mark.parametrize("operator", ["gradient", "hvp", "jvp", "vjp", "jacobian", "value_and_gradient"])
 def test_a_prepared_jit_call_on_jax_arrays_runs_no_python_but_the_route(shape: str, operator: str) -> None:
-    """Where jit checks every leaf itself, the plan's steps run inline in the route (FlatCall):
-    a prepared call enters the public operator, the route and for a tree the function written
-    to flatten its structure, and no other Python function where jit returns the result finished (a gradient or an hvp, a jvp of one array); by name
-    or by object. Its result is the one without jit."""
+    """Where jit checks every leaf itself, the plan's steps and jit's call are one function
+    written for the plan (FlatCall): a prepared call enters the public operator, the route and
+    that function, and no other Python function where jit returns the result finished (a
+    gradient or an hvp, a jvp of one array); by name or by an equal backend object (compared
+    by its fields, not its ``__eq__``). Its result is the one without jit."""
     require(di.AutoJAX())
     import jax
     import jax.numpy as jnp
@@ -460,14 +461,12 @@ def test_a_prepared_jit_call_on_jax_arrays_runs_no_python_but_the_route(shape: s
         calls = _python_calls(lambda: op(f, backend, *args, batch, prep=prep))  # noqa: B023
         assert calls[:2] == [operator, "evaluate"] and "leaves" not in calls, calls
         if operator in ("gradient", "hvp") or (operator == "jvp" and shape == "one array"):
-            # (the second prep is the first one, from the cache: its backend is an equal object;
-            # a tree is flattened by the function written for its structure)
-            written = ["flatten"] if shape != "one array" else []
-            assert calls == [operator, "evaluate"] + (["__eq__"] if backend != "jax" else []) + written, calls
+            # (the second prep is the first one, from the cache: its backend is an equal object)
+            assert calls == [operator, "evaluate", "run"], calls
 
 
 def test_the_inline_steps_refuse_what_the_plan_refuses() -> None:
-    """The inline steps (FlatCall) compare the structure and each leaf's type; jit's trace the
+    """The steps written for the plan (FlatCall) compare the structure and each leaf's type; jit's trace the
     shapes and dtypes: every call the plan's own steps refuse is refused, naming the difference,
     and an unprepared call never reuses a program f's closure has outgrown."""
     require(di.AutoJAX())
@@ -489,6 +488,33 @@ def test_the_inline_steps_refuse_what_the_plan_refuses() -> None:
         di.gradient(_tree_loss, "torch", p, di.Constant(batch), prep=prep)
     with pytest.raises(di.ContextError):
         di.gradient(_tree_loss, "jax", p, batch, prep=prep)  # (a bare context)
+    with pytest.raises(di.PreparationMismatchError, match="x"):  # (as many keys, another one)
+        di.gradient(_tree_loss, "jax", {"w": p["w"], "c": p["b"]}, di.Constant(batch), prep=prep)
+    with pytest.raises(di.PreparationMismatchError, match="context"):
+        di.gradient(_tree_loss, "jax", p, di.Constant(batch), di.Constant(batch), prep=prep)
+    with pytest.raises(di.PreparationMismatchError, match="backend"):  # (another field)
+        di.gradient(_tree_loss, di.AutoJAX(jit=False), p, di.Constant(batch), prep=prep)
+    with pytest.raises(di.PreparationMismatchError, match="operator"):
+        di.value_and_gradient(_tree_loss, "jax", p, di.Constant(batch), prep=prep)
+    with pytest.raises(di.InvalidInputError, match="has_aux"):
+        di.gradient(_tree_loss, "jax", p, di.Constant(batch), prep=prep, has_aux=True)
+    with pytest.raises(di.PreparationMismatchError, match="f"):
+        di.gradient(lambda q, d: _tree_loss(q, d), "jax", p, di.Constant(batch), prep=prep)
+    # a node the steps are not written for (a namedtuple): jax's flattening, then the same tests
+    import collections
+
+    Pair = collections.namedtuple("Pair", "w b")
+
+    def pair_f(q: Any, d: Any) -> Any:
+        return _tree_loss(q._asdict(), d)
+
+    pair_prep = di.prepare_gradient(pair_f, "jax", Pair(p["w"], p["b"]), di.Constant(batch))
+    assert pair_prep.plan.flat_call is not None and "FLATTEN" in pair_prep.plan.flat_call.source
+    got = di.gradient(pair_f, "jax", Pair(p["w"], p["b"]), di.Constant(batch), prep=pair_prep)
+    assert type(got) is Pair
+    assert_tree_close(got._asdict(), di.gradient(_tree_loss, "jax", p, di.Constant(batch)), rtol=1e-6, atol=1e-6)
+    with pytest.raises(di.PreparationMismatchError, match="x"):
+        di.gradient(pair_f, "jax", (p["w"], p["b"]), di.Constant(batch), prep=pair_prep)
     assert_tree_close(  # an equal backend object is the prep's backend
         di.gradient(_tree_loss, di.AutoJAX(), p, di.Constant(batch), prep=prep),
         di.gradient(_tree_loss, di.AutoJAX(jit=False), p, di.Constant(batch)),
@@ -499,7 +525,7 @@ def test_the_inline_steps_refuse_what_the_plan_refuses() -> None:
     # arrays the same traced type while x64 is off)
     as_numpy = optree.tree_map(np.asarray, batch)
     numpy_prep = di.prepare_gradient(_tree_loss, "jax", p, di.Constant(as_numpy))
-    assert numpy_prep.plan.flat_call is not None and numpy_prep.plan.flat_call.numpy is not None
+    assert numpy_prep.plan.flat_call is not None and numpy_prep.plan.flat_call.numpy == 2
     served = di.gradient(_tree_loss, "jax", p, di.Constant(as_numpy), prep=numpy_prep)
     assert_tree_close(served, di.gradient(_tree_loss, "jax", p, di.Constant(batch)), rtol=1e-6, atol=1e-6)
     numpy_batch = di.Constant(as_numpy)
@@ -559,9 +585,9 @@ def test_a_compiled_tree_result_that_needs_only_rebuilding_is_rebuilt_without_th
                 assert type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
             assert_tree_close(got, expected, rtol=1e-2 if x is mixed else 1e-5, atol=1e-2 if x is mixed else 1e-5)
         calls = _python_calls(lambda: op(f, "jax", *args, data, prep=prep))  # noqa: B023
-        # (the functions written for a structure, see _flatten, flatten the arguments and
-        # flatten and rebuild the settled result)
-        assert (len([name for name in calls if name not in ("flatten", "unflatten")]) <= 3) is settles, calls
+        # (the function written for the plan, FlatCall, runs the call; the functions written for
+        # a structure, see _flatten, flatten and rebuild the settled result)
+        assert (len([name for name in calls if name not in ("flatten", "unflatten")]) <= 4) is settles, calls
 
 
 def test_a_float64_prep_under_x64_runs_inline_and_keeps_float64_when_x64_is_off() -> None:
@@ -580,7 +606,7 @@ def test_a_float64_prep_under_x64_runs_inline_and_keeps_float64_when_x64_is_off(
         prep = di.prepare_gradient(f, "jax", x, c)
         assert prep.plan.flat_call is not None and prep.plan.flat_call.needs_x64 is not None
         inside = di.gradient(f, "jax", x, c, prep=prep)
-        assert _python_calls(lambda: di.gradient(f, "jax", x, c, prep=prep)) == ["gradient", "evaluate"]
+        assert _python_calls(lambda: di.gradient(f, "jax", x, c, prep=prep)) == ["gradient", "evaluate", "run"]
     outside = di.gradient(f, "jax", x, c, prep=prep)
     assert inside.dtype == outside.dtype == np.float64
     np.testing.assert_allclose(np.asarray(outside), np.cos(np.asarray(x)) * np.asarray(c.value), rtol=1e-14)
