@@ -15,6 +15,8 @@ import functools
 import itertools
 import operator
 import sys
+import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -629,8 +631,15 @@ def _write_flat_call(plan: Plan, direct: Any, arguments: list[Any], spec: Any, j
         "X64": _x64_state() if direct.precision is not None else None,
     }
     n = len(plan.context_kinds)
+    prepared = plan.function.ref()
+    if type(prepared) is types.MethodType:  # (made anew on each read: its instance and function)
+        constants.update(METHOD=types.MethodType, SELF=weakref.ref(prepared.__self__))
+        constants["FUNC"] = weakref.ref(prepared.__func__)  # (C weak references: no frame)
+        same_f = "type(f) is not METHOD or f.__self__ is not SELF() or f.__func__ is not FUNC()"
+    else:
+        same_f = "REF() is not f"
     head = [
-        f"if name != OPERATOR or has_aux != HAS_AUX or REF() is not f or len(contexts) != {n}: return MISS",
+        f"if name != OPERATOR or has_aux != HAS_AUX or len(contexts) != {n} or {same_f}: return MISS",
         "if backend is not BACKEND:",
         "    if type(backend) is str:",
         "        if backend not in NAMES: return MISS",

@@ -465,6 +465,35 @@ def test_a_prepared_jit_call_on_jax_arrays_runs_no_python_but_the_route(shape: s
             assert calls == [operator, "evaluate", "run"], calls
 
 
+def test_a_bound_method_is_served_by_the_written_steps_and_another_instance_is_not() -> None:
+    """A bound method is made anew on each read (``model.loss is not model.loss``): the steps
+    written for the plan compare its instance and function, so a prepared call on it enters
+    the operator, the route and those steps only, and the same method of another instance is
+    refused, naming f."""
+    require(di.AutoJAX())
+
+    class Model:
+        def __init__(self, scale: float) -> None:
+            self.scale = scale
+
+        def loss(self, p: Any, batch: Any) -> Any:
+            return _tree_loss(p, batch) * self.scale
+
+    p, batch = _tree(4)
+    model = Model(2.0)
+    prep = di.prepare_gradient(model.loss, "jax", p, di.Constant(batch))
+    got = di.gradient(model.loss, "jax", p, di.Constant(batch), prep=prep)
+    expected = di.gradient(_tree_loss, "jax", p, di.Constant(batch))
+    assert_tree_close(got, optree.tree_map(lambda v: 2 * v, expected), rtol=1e-5, atol=1e-5)
+    constant = di.Constant(batch)
+    calls = _python_calls(lambda: di.gradient(model.loss, "jax", p, constant, prep=prep))
+    # (then the settled result is rebuilt in the caller's key order: Settled, see _results)
+    assert calls[:3] == ["gradient", "evaluate", "run"] and "leaves" not in calls, calls
+    assert calls[3:] == ["__call__", "flatten", "unflatten"], calls
+    with pytest.raises(di.PreparationMismatchError, match="f"):
+        di.gradient(Model(3.0).loss, "jax", p, di.Constant(batch), prep=prep)
+
+
 def test_the_inline_steps_refuse_what_the_plan_refuses() -> None:
     """The steps written for the plan (FlatCall) compare the structure and each leaf's type; jit's trace the
     shapes and dtypes: every call the plan's own steps refuse is refused, naming the difference,
