@@ -905,6 +905,8 @@ def _shape_rows_for(name, rounds):
                 rows.append(row)
             if op == "gradient":
                 rows += _variant_rows(name, case, base, f, args, rounds)
+            elif name.startswith("torch") and op in ("vjp", "hvp"):  # (their bound, as the gradient's)
+                rows.append(_clone_once_row(name, case, base, f, args, rounds, op))
     return rows
 
 
@@ -966,37 +968,51 @@ def _one_frame_row(name, case, base, f, args, rounds):
     return row
 
 
-def _clone_once_row(name, case, base, f, args, rounds):
-    """torch's own gradient through one Python function of diffiface's signature that does the
-    least a strict prepared call must: flatten x once (optree), compare its structure and each
-    leaf's (type, shape, dtype, device) with the prepared ones, copy x once (what keeps the
-    caller's tensors safe where f writes into its input), the engine's gradient (autograd's on
-    the copies' leaves, or ``torch.func.grad``), the result rebuilt. The torch goal is 1.05 times
-    this wrapper's ratio."""
+def _clone_once_row(name, case, base, f, args, rounds, op="gradient"):
+    """torch's own ``op`` (gradient, vjp or hvp) through one Python function of diffiface's
+    signature that does the least a strict prepared call must: flatten x once (optree), compare
+    its structure and each leaf's (type, shape, dtype, device) with the prepared ones, copy x once
+    (what keeps the caller's tensors safe where f writes into its input), the engine's own
+    operation on the copies (autograd's on the copies' leaves: one backward pass, or two for the
+    hvp; or ``torch.func.grad``, ``vjp``, ``jvp`` of ``grad``), the result rebuilt. The torch goal is
+    1.05 times this wrapper's ratio."""
     import optree
     import torch
 
-    row = {**base, "operator": "gradient", "prepared": True, "variant": "floor: a wrapper that copies x once"}
+    row = {**base, "operator": op, "prepared": True, "variant": "floor: a wrapper that copies x once"}
     leaves, spec = optree.tree_flatten(case["x"])
     sig = [(type(v), v.shape, v.dtype, v.device) for v in leaves]
     functional = name == "torch-func"
     grad = torch.func.grad(f) if functional else None
 
-    def clone_once(f, backend, x, *contexts, prep=None):
+    def clone_once(f, backend, x, *rest, prep=None):
+        tangent, contexts = (None, rest) if op == "gradient" else (rest[0], rest[1:])
         found, structure = optree.tree_flatten(x)
         if structure != spec or [(type(v), v.shape, v.dtype, v.device) for v in found] != sig:
             raise ValueError("not the prepared call")
         values = [c.value for c in contexts]
         if functional:
-            return grad(optree.tree_unflatten(spec, [v.clone() for v in found]), *values)
+            copied = optree.tree_unflatten(spec, [v.clone() for v in found])
+            if op == "gradient":
+                return grad(copied, *values)
+            if op == "vjp":
+                return torch.func.vjp(lambda z: f(z, *values), copied)[1](tangent)[0]
+            return torch.func.jvp(lambda w: grad(w, *values), (copied,), (tangent,))[1]
         zs = [v.detach().clone().requires_grad_(True) for v in found]
         with torch.enable_grad():
-            gs = torch.autograd.grad(f(optree.tree_unflatten(spec, zs), *values), zs)
+            out = f(optree.tree_unflatten(spec, zs), *values)
+            if op == "gradient":
+                gs = torch.autograd.grad(out, zs)
+            elif op == "vjp":
+                gs = torch.autograd.grad(optree.tree_leaves(out), zs, grad_outputs=optree.tree_leaves(tangent))
+            else:
+                first = torch.autograd.grad(out, zs, create_graph=True)
+                gs = torch.autograd.grad(first, zs, grad_outputs=optree.tree_leaves(tangent))
         return optree.tree_unflatten(spec, list(gs))
 
     constants = tuple(di.Constant(c) for c in case["ctx"])
     ours = functools.partial(clone_once, f, name, *args, *constants, prep=None)
-    native = shape_native(name, "gradient", f, case["x"], case["ctx"], None)
+    native = shape_native(name, op, f, case["x"], case["ctx"], args[1] if len(args) > 1 else None)
     row["check"] = "same" if same_values(ours(), native()) else "DIFFERENT"
     us, _, them, ratio = time_pair(ours, native, rounds)
     row.update(diffiface_s=us, native_s=them, ratio=ratio)
@@ -1098,11 +1114,12 @@ def write_shapes(rows, meta):
         "Python costs on this core. `floor: a wrapper that copies x once`: torch's own gradient through one "
         "Python function that flattens x, compares its structure and each leaf's type, shape, dtype and device "
         "with the prepared ones, copies x once and rebuilds the result, the least a strict prepared torch call "
-        "does; the torch and torch-func goal is 1.05 times its ratio.",
+        "does; the torch and torch-func goal is 1.05 times its ratio. The same wrapper is timed for the vjp and "
+        "the hvp (the engine's own operation on the copy: one backward pass with the cotangent, or two).",
         "",
         table(
             [r for r in rows if r.get("variant") and r.get("ratio") is not None],
-            ["backend", "shape", "size", "variant", "diffiface_s", "native_s", "ratio", "check"],
+            ["backend", "shape", "size", "operator", "variant", "diffiface_s", "native_s", "ratio", "check"],
         ),
         "",
         "## Every row",
