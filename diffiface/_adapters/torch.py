@@ -251,21 +251,36 @@ class Adapter(_base.Adapter):
             if len(xs) == 1:
                 return out, rebuild(aux), lambda touts: _placed((pullback(_cotangents(out, touts))[0],), xs)
             return out, rebuild(aux), lambda touts: _placed(pullback(_cotangents(out, touts))[0], xs)
-        keep = _keeping()
-        with torch.enable_grad():
+        stack = _CALLS.keep
+        keep = stack[-1] if stack else False  # (_keeping(), inlined: this is the hot path)
+        if torch.is_grad_enabled() and not keep:  # (entering enable_grad costs more than asking)
             inputs = _requiring_grad(xs)
-            out, aux = fn(inputs)
+            out, aux = fn(inputs)  # (a grad mode f leaves switched off is restored by the guard)
+        else:
+            with torch.enable_grad():
+                inputs = _requiring_grad(xs)
+                out, aux = fn(inputs)
+        outs = out if type(out) is tuple else (out,)
+        plain = True  # (no DTensor among the outputs: the cotangents need no look)
+        for y in outs:  # (loops, not generators: this runs on every call)
+            if type(y) is not torch.Tensor:
+                plain = False
 
         def vjp(touts: Any) -> Leaves:
-            touts = _cotangents(out, touts)
+            if not plain:
+                touts = _cotangents(out, touts)
             ys, ts = [], []
-            for y, t in zip(_leaves(out), _leaves(touts), strict=True):  # (a loop: no frame per leaf)
+            for y, t in zip(outs, touts if type(touts) is tuple else (touts,), strict=True):
                 if y.requires_grad:
                     ys.append(y)
                     ts.append(t)
-            return _placed(_grad(ys, inputs, ts, create_graph=keep), inputs)
+            grads = _grad(ys, inputs, ts, create_graph=keep)
+            for g in grads:
+                if type(g) is not torch.Tensor:
+                    return _placed(grads, inputs)
+            return grads
 
-        return _detached(out, keep), _detached(aux, keep), vjp
+        return _detached(out, keep), (None if aux is None else _detached(aux, keep)), vjp
 
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
         if _any_dtensor(xs) or _any_dtensor(txs):
