@@ -223,51 +223,45 @@ def _write_holds(
         "function = f if type(f) is FUNCTION else getattr(f, '__func__', f)",
         "if type(function) is not FUNCTION or function.__code__ is not CODE: return False",
     ]
-    at = 0
+    read: list[str] = []  # (the objects read, in _read_values's order: each one's name)
+
+    def tests(expressions: list[str]) -> str:
+        """``e is not V<k>`` for each expression, V<k> the object it gave then, joined by ``or``."""
+        for expression in expressions:
+            constants[f"V{len(read)}"] = values[len(read)]
+            read.append(f"{expression} is not V{len(read)}")
+        return " or ".join(read[len(read) - len(expressions) :])
+
     cells = function.__closure__ or ()
     if cells:
-        tests = []
-        for i in range(len(cells)):
-            constants[f"V{at}"] = values[at]
-            tests.append(f"cells[{i}].cell_contents is not V{at}")
-            at += 1
         lines += [
             "cells = function.__closure__",
             "try:",
-            f"    if {' or '.join(tests)}: return False",
+            f"    if {tests([f'cells[{i}].cell_contents' for i in range(len(cells))])}: return False",
             "except ValueError:  # (an empty cell)",
             "    return SLOW(f)",
         ]
     namespace = function.__globals__
-    present = [name for name in dict.fromkeys(names) if name in namespace]
-    absent = [name for name in dict.fromkeys(names) if name not in namespace]
     lines.append("g = function.__globals__")
-    tests = []
-    for name in names:
-        if name in namespace:
-            constants[f"V{at}"] = values[at]
-            tests.append(f"g[{name!r}] is not V{at}")
-            at += 1
+    present = [name for name in names if name in namespace]
+    absent = [name for name in dict.fromkeys(names) if name not in namespace]
     if present:
-        lines += ["try:", f"    if {' or '.join(tests)}: return False", "except KeyError:", "    return False"]
+        found = tests([f"g[{name!r}]" for name in present])
+        lines += ["try:", f"    if {found}: return False", "except KeyError:", "    return False"]
     if absent:
         lines.append(f"if {' or '.join(f'{name!r} in g' for name in absent)}: return False")
     defaults = function.__defaults__ or ()
     constants["DEFAULTS"] = function.__defaults__
     if defaults:
-        tests = []
-        for i in range(len(defaults)):
-            constants[f"V{at}"] = values[at]
-            tests.append(f"defaults[{i}] is not V{at}")
-            at += 1
+        same = tests([f"defaults[{i}]" for i in range(len(defaults))])
         lines += [
             "defaults = function.__defaults__",
             "if defaults is not DEFAULTS:",
-            f"    if defaults is None or len(defaults) != {len(defaults)} or {' or '.join(tests)}: return False",
+            f"    if defaults is None or len(defaults) != {len(defaults)} or {same}: return False",
         ]
     else:
         lines.append("if function.__defaults__: return False")
-    if at != len(values):  # (never: the same reads as _read_values)
+    if len(read) != len(values):  # (never: the same reads as _read_values)
         return slow
     for i, copy in arrays:  # (the array is the one read then: its values now against the copy)
         constants[f"C{i}"] = copy
