@@ -17,7 +17,7 @@ import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["Flatten", "structure_flatten", "structure_tests", "structure_unflatten"]
+__all__ = ["Flatten", "structure_flatten", "structure_rebuild", "structure_tests", "structure_unflatten"]
 
 Flatten = Callable[[Any], tuple[Any, Any]]
 """``flatten(tree) -> (leaves, structure)``."""
@@ -77,7 +77,9 @@ def structure_flatten(spec: Any, key: Any, tree: Any, flatten: Flatten) -> Flatt
     return written
 
 
-def structure_tests(spec: Any, root: str, names: Iterator[str]) -> tuple[list[str], list[str]] | None:
+def structure_tests(
+    spec: Any, root: str, names: Iterator[str], miss: str = "return MISS"
+) -> tuple[list[str], list[str]] | None:
     """The lines of Python that test the nodes of a tree of optree structure ``spec`` held in
     the variable ``root`` (each node's type and length; each ends the function with ``return
     MISS`` where they differ, and a dict with other keys raises KeyError), and the expressions
@@ -87,10 +89,12 @@ def structure_tests(spec: Any, root: str, names: Iterator[str]) -> tuple[list[st
     :func:`structure_flatten` does)."""
     lines: list[str] = []
     leaves: list[str] = []
-    return (lines, leaves) if _write(spec, root, lines, leaves, names) else None
+    return (lines, leaves) if _write(spec, root, lines, leaves, names, miss) else None
 
 
-def _write(node: Any, expr: str, lines: list[str], leaves: list[str], names: Iterator[str]) -> bool:
+def _write(
+    node: Any, expr: str, lines: list[str], leaves: list[str], names: Iterator[str], miss: str = "return MISS"
+) -> bool:
     """Append the lines that test ``node``'s type and size at ``expr``, and its leaves'
     expressions; False where a node is of a kind not written for."""
     if node.is_leaf():
@@ -98,7 +102,7 @@ def _write(node: Any, expr: str, lines: list[str], leaves: list[str], names: Ite
         return True
     kind = node.type
     if kind is type(None):
-        lines.append(f"if {expr} is not None: return MISS")
+        lines.append(f"if {expr} is not None: {miss}")
         return True
     if kind not in (tuple, list, dict):
         return False
@@ -107,9 +111,9 @@ def _write(node: Any, expr: str, lines: list[str], leaves: list[str], names: Ite
         return False
     name = next(names)
     lines.append(f"{name} = {expr}")
-    lines.append(f"if type({name}) is not {kind.__name__} or len({name}) != {len(entries)}: return MISS")
+    lines.append(f"if type({name}) is not {kind.__name__} or len({name}) != {len(entries)}: {miss}")
     return all(
-        _write(child, f"{name}[{entry!r}]", lines, leaves, names)
+        _write(child, f"{name}[{entry!r}]", lines, leaves, names, miss)
         for child, entry in zip(node.children(), entries, strict=True)
     )
 
@@ -132,6 +136,37 @@ def structure_unflatten(spec: Any) -> Callable[[Any], Any] | None:
     leaves = [object() for _ in range(spec.num_leaves)]
     built, expected = written(leaves), spec.unflatten(leaves)
     if _shape_of(built) != _shape_of(expected):
+        return None
+    return written
+
+
+def structure_rebuild(
+    native_spec: Any, native: Any, result_spec: Any, result: Any, fallback: Callable[[Any], Any]
+) -> Callable[[Any], Any] | None:
+    """A function ``tree -> result`` that takes a tree of optree structure ``native_spec`` apart
+    and builds, on its leaves, a tree of structure ``result_spec`` (as ``spec.unflatten`` of
+    the other's leaves would), in one frame; for a tree of another structure, ``fallback(tree)``.
+    None where either structure holds a node not written for, or where the function does not
+    rebuild ``native`` into ``result`` (the same nodes, keys in order, and leaves by identity)."""
+    for spec in (native_spec, result_spec):
+        if spec is None or spec.num_leaves > _LARGEST or str(spec.namespace):
+            return None
+    tests = structure_tests(native_spec, "tree", (f"n{i}" for i in itertools.count()), "return FALLBACK(tree)")
+    expression = _build(result_spec.unflatten(list(range(result_spec.num_leaves))))
+    if tests is None or expression is None or native_spec.num_leaves != result_spec.num_leaves:
+        return None
+    lines, leaves = tests
+    source = (
+        "def rebuild(tree):\n"
+        "    try:\n" + "".join(f"        {line}\n" for line in lines) + f"        leaves = [{', '.join(leaves)}]\n"
+        "    except KeyError:\n"
+        "        return FALLBACK(tree)\n"
+        f"    return {expression}\n"
+    )
+    namespace: dict[str, Any] = {"FALLBACK": fallback}
+    exec(compile(source, "<diffiface: rebuild a known structure>", "exec"), namespace)
+    written: Callable[[Any], Any] = namespace["rebuild"]
+    if _shape_of(written(native)) != _shape_of(result):
         return None
     return written
 

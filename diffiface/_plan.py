@@ -678,7 +678,10 @@ def _write_flat_call(plan: Plan, direct: Any, arguments: list[Any], spec: Any, j
         f"    out = COMPILED({', '.join(leaves)})",
         "except UNFIT:",
         "    return MISS",
-        "return out if FLAT.finished else REST(out)",  # (finished: set once the first results are)
+        # (finished: set once the first results are; a settled result rebuilt by its `call`)
+        "return out if FLAT.finished else REST.call(out)"
+        if hasattr(direct.rest, "call")
+        else "return out if FLAT.finished else REST(out)",
     ]
     source = "def run(name, f, backend, x, tangent, contexts, has_aux):\n" + "".join(f"    {line}\n" for line in body)
     # the same walk, giving the leaves: checked against jax's flattening on the prepared arguments

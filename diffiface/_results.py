@@ -12,7 +12,7 @@ import optree
 
 from . import _arrays, _complex, _placement
 from ._call import _ARRAY_KINDS, _LEAF, Call, Operator
-from ._flatten import structure_flatten, structure_unflatten
+from ._flatten import structure_flatten, structure_rebuild, structure_unflatten
 from ._plan import optree_flatten
 from ._tangents import Tangents
 
@@ -221,13 +221,18 @@ class Settled:
     ``output``: where the finisher reads the record of f's output (a program from jit's cache
     does not evaluate f), the record of the trace is made the current one before it runs."""
 
-    __slots__ = ("finish", "flatten", "native_spec", "output", "rebuild")
+    __slots__ = ("call", "finish", "flatten", "native_spec", "output", "rebuild")
 
     def __init__(self, finish: Callable[[Any], Any], output: Any = None) -> None:
         self.finish, self.output = finish, output
         self.native_spec: Any = None
         self.rebuild: Callable[[Any], Any] | None = None
         self.flatten = _flatten
+        self.call: Callable[[Any], Any] = self
+        """What the route calls on a result (:class:`~diffiface._plan.FlatCall`): this object,
+        and once settled, where both structures are of tuples, lists and dicts, a function
+        written to take the result apart and rebuild it in one frame (falling back to this
+        object for any other structure, see :func:`~diffiface._flatten.structure_rebuild`)."""
 
     def __call__(self, native: Any) -> Any:
         rebuild = self.rebuild
@@ -246,6 +251,7 @@ class Settled:
                 self.flatten = structure_flatten(native_spec, native_spec, native, _flatten) or _flatten
                 self.native_spec = native_spec
                 self.rebuild = structure_unflatten(result_spec) or result_spec.unflatten
+                self.call = structure_rebuild(native_spec, native, result_spec, result, self) or self
         return result
 
 

@@ -487,9 +487,9 @@ def test_a_bound_method_is_served_by_the_written_steps_and_another_instance_is_n
     assert_tree_close(got, optree.tree_map(lambda v: 2 * v, expected), rtol=1e-5, atol=1e-5)
     constant = di.Constant(batch)
     calls = _python_calls(lambda: di.gradient(model.loss, "jax", p, constant, prep=prep))
-    # (then the settled result is rebuilt in the caller's key order: Settled, see _results)
-    assert calls[:3] == ["gradient", "evaluate", "run"] and "leaves" not in calls, calls
-    assert calls[3:] == ["__call__", "flatten", "unflatten"], calls
+    # (then the settled result is rebuilt in the caller's key order by the function Settled
+    # wrote for the two structures, see _results)
+    assert calls == ["gradient", "evaluate", "run", "rebuild"], calls
     with pytest.raises(di.PreparationMismatchError, match="f"):
         di.gradient(Model(3.0).loss, "jax", p, di.Constant(batch), prep=prep)
 
@@ -614,9 +614,10 @@ def test_a_compiled_tree_result_that_needs_only_rebuilding_is_rebuilt_without_th
                 assert type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
             assert_tree_close(got, expected, rtol=1e-2 if x is mixed else 1e-5, atol=1e-2 if x is mixed else 1e-5)
         calls = _python_calls(lambda: op(f, "jax", *args, data, prep=prep))  # noqa: B023
-        # (the function written for the plan, FlatCall, runs the call; the functions written for
-        # a structure, see _flatten, flatten and rebuild the settled result)
-        assert (len([name for name in calls if name not in ("flatten", "unflatten")]) <= 4) is settles, calls
+        # (the function written for the plan, FlatCall, runs the call; a settled result is
+        # rebuilt by the one function written for its two structures, see _flatten; any other
+        # result takes the finisher's frames)
+        assert (calls == [operator, "evaluate", "run", "rebuild"]) is settles, calls
 
 
 def test_a_float64_prep_under_x64_runs_inline_and_keeps_float64_when_x64_is_off() -> None:
@@ -740,3 +741,35 @@ def test_a_tree_jax_cannot_take_apart_is_refused_by_the_plan_not_raised_raw() ->
             di.gradient(total, backend, mixed, prep=prep)
         got = di.gradient(total, backend, mixed)
         assert type(got) is pair and float(got.b[1][0]) == 2.0
+
+
+def test_a_settled_result_is_rebuilt_by_one_function_written_for_its_two_structures() -> None:
+    """``structure_rebuild`` takes a tree of one structure apart and builds the other on its
+    leaves, as the two optree structures would; a tree of any other structure goes to the
+    fallback; and none is written for nodes it does not know, or for structures whose leaves
+    differ in number."""
+    import collections
+
+    from diffiface._flatten import structure_rebuild
+
+    a, b, c = object(), object(), object()
+    native = ((a, b), [c, None])
+    result_spec = optree.tree_structure({"w": 0, "inner": {"b": 0, "c": (0,)}})
+    result = optree.tree_unflatten(result_spec, [a, b, c])  # (keys in the dict's order, leaves sorted)
+    native_spec = optree.tree_structure(native)
+    missed: list[Any] = []
+    rebuild = structure_rebuild(native_spec, native, result_spec, result, lambda t: missed.append(t) or "fell back")
+    assert rebuild is not None
+    x, y, z = object(), object(), object()
+    got = rebuild(((x, y), [z, None]))
+    assert got == optree.tree_unflatten(result_spec, [x, y, z]) and list(got) == list(result) and not missed
+    for other in (((x, y), [z, 1]), ((x, y), (z, None)), ((x,), [y, None]), [(x, y), [z, None]]):
+        assert rebuild(other) == "fell back"
+    assert len(missed) == 4
+    Pair = collections.namedtuple("Pair", "p q")
+    named = Pair(a, b)
+    assert structure_rebuild(optree.tree_structure(named), named, optree.tree_structure((a, b)), (a, b), print) is None
+    assert structure_rebuild(native_spec, native, optree.tree_structure((a, b)), (a, b), print) is None
+    swapped = {"w": b, "inner": {"b": c, "c": (a,)}}  # (not what optree's structures would build)
+    assert swapped != result
+    assert structure_rebuild(native_spec, native, optree.tree_structure(swapped), swapped, print) is None
