@@ -597,6 +597,7 @@ def _write_flat_call(plan: Plan, direct: Any, arguments: list[Any], spec: Any, j
     flatten = sys.modules["jax"].tree_util.default_registry.flatten
     walk: list[str] = []
     exprs: list[str] = []
+    caught = "KeyError"  # (a dict with other keys, indexed)
     if spec is None:  # (each argument one array)
         exprs = roots
     else:
@@ -605,7 +606,8 @@ def _write_flat_call(plan: Plan, direct: Any, arguments: list[Any], spec: Any, j
             for lines, leaves in walks:  # type: ignore[misc]
                 walk += lines
                 exprs += leaves
-        else:  # (a node it does not write for: jax's flattening, in C)
+        else:  # (a node it does not write for: jax's flattening, in C, which may raise)
+            caught = "Exception"
             exprs = [f"leaves[{i}]" for i in range(spec.num_leaves)]
             walk = [
                 f"leaves, key = FLATTEN([{', '.join(roots)}])",
@@ -665,7 +667,6 @@ def _write_flat_call(plan: Plan, direct: Any, arguments: list[Any], spec: Any, j
             constants[f"M{i}"] = _numpy_meta(value)
             tests.append(f"({leaf}.shape, {leaf}.dtype) != M{i}")
             numpy += 1
-    caught = "Exception" if walk and walk[0].startswith("leaves, key") else "KeyError"  # (a dict's other keys)
     body = [
         *head,
         "try:",
