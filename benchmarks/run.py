@@ -928,6 +928,8 @@ def _variant_rows(name, case, base, f, args, rounds):
         rows.append(_one_frame_row(name, case, base, f, args, rounds))
     if name.startswith("torch"):  # the least a call that keeps the caller's x safe costs
         rows.append(_clone_once_row(name, case, base, f, args, rounds))
+        # (and the least one that keeps the whole contract: contexts checked, Constants copied)
+        rows.append(_clone_once_row(name, case, base, f, args, rounds, contract=True))
     for variant, b, ctx in variants:
         row = {**base, "operator": "gradient", "prepared": True, "variant": variant}
         row["goal"] = shape_goal(case["size"], "gradient", True)
@@ -968,39 +970,78 @@ def _one_frame_row(name, case, base, f, args, rounds):
     return row
 
 
-def _clone_once_row(name, case, base, f, args, rounds, op="gradient"):
+def _clone_once_row(name, case, base, f, args, rounds, op="gradient", contract=False):
     """torch's own ``op`` (gradient, vjp or hvp) through one Python function of diffiface's
     signature that does the least a strict prepared call must: flatten x once (optree), compare
     its structure and each leaf's (type, shape, dtype, device) with the prepared ones, copy x once
     (what keeps the caller's tensors safe where f writes into its input), the engine's own
     operation on the copies (autograd's on the copies' leaves: one backward pass, or two for the
     hvp; or ``torch.func.grad``, ``vjp``, ``jvp`` of ``grad``), the result rebuilt. The torch goal is
-    1.05 times this wrapper's ratio."""
+    1.05 times this wrapper's ratio.
+
+    With ``contract``, the wrapper also does what diffiface's contract asks of the contexts (a
+    strict prep compares their shapes and dtypes; a Constant is unchanged after any call, also
+    where f writes into it): it flattens each context value and compares its structure and each
+    leaf's (type, shape, dtype, device) with the prepared ones, gives f a copy of each Constant
+    tensor, and reads the version counters of the copies of x and of the Constants after f, to
+    see a write by."""
     import optree
     import torch
 
-    row = {**base, "operator": op, "prepared": True, "variant": "floor: a wrapper that copies x once"}
+    variant = "floor: a wrapper that keeps the contract" if contract else "floor: a wrapper that copies x once"
+    row = {**base, "operator": op, "prepared": True, "variant": variant}
     leaves, spec = optree.tree_flatten(case["x"])
     sig = [(type(v), v.shape, v.dtype, v.device) for v in leaves]
+    context_specs = [optree.tree_flatten(c) for c in case["ctx"]]
+    context_sigs = [[(type(v), v.shape, v.dtype, v.device) for v in found] for found, _ in context_specs]
     functional = name == "torch-func"
     grad = torch.func.grad(f) if functional else None
+
+    def contract_values(contexts):
+        values, copies = [], []
+        for c, (_, c_spec), c_sig in zip(contexts, context_specs, context_sigs, strict=True):
+            found, structure = optree.tree_flatten(c.value)
+            if structure != c_spec or [(type(v), v.shape, v.dtype, v.device) for v in found] != c_sig:
+                raise ValueError("not the prepared call")
+            fresh = [v.clone() for v in found]
+            copies += fresh
+            values.append(optree.tree_unflatten(structure, fresh))
+        return values, copies
+
+    def unwritten(copies, versions):
+        if [v._version for v in copies] != versions:
+            raise ValueError("f wrote into its input or a Constant")
 
     def clone_once(f, backend, x, *rest, prep=None):
         tangent, contexts = (None, rest) if op == "gradient" else (rest[0], rest[1:])
         found, structure = optree.tree_flatten(x)
         if structure != spec or [(type(v), v.shape, v.dtype, v.device) for v in found] != sig:
             raise ValueError("not the prepared call")
-        values = [c.value for c in contexts]
+        if contract:
+            values, copies = contract_values(contexts)
+        else:
+            values, copies = [c.value for c in contexts], []
         if functional:
-            copied = optree.tree_unflatten(spec, [v.clone() for v in found])
+            fresh = [v.clone() for v in found]
+            copied = optree.tree_unflatten(spec, fresh)
             if op == "gradient":
-                return grad(copied, *values)
+                if not contract:
+                    return grad(copied, *values)
+                copies += fresh
+                versions = [v._version for v in copies]
+                out = grad(copied, *values)
+                unwritten(copies, versions)
+                return out
             if op == "vjp":
                 return torch.func.vjp(lambda z: f(z, *values), copied)[1](tangent)[0]
             return torch.func.jvp(lambda w: grad(w, *values), (copied,), (tangent,))[1]
         zs = [v.detach().clone().requires_grad_(True) for v in found]
+        copies += zs
+        versions = [v._version for v in copies] if contract else None
         with torch.enable_grad():
             out = f(optree.tree_unflatten(spec, zs), *values)
+            if contract:
+                unwritten(copies, versions)
             if op == "gradient":
                 gs = torch.autograd.grad(out, zs)
             elif op == "vjp":
@@ -1065,6 +1106,41 @@ def plot_shapes(rows, path):
     plt.close(fig)
 
 
+def floor_table(rows):
+    """For each torch gradient row: diffiface's prepared ratio, each wrapper's (the floors), and
+    diffiface's ratio divided by each: the measure of the torch goal (1.05 times the copy-once
+    wrapper), and what is left over the whole contract's least cost."""
+    out = []
+    for r in rows:
+        if not (r["backend"].startswith("torch") and r["operator"] == "gradient" and r.get("prepared")):
+            continue
+        if r.get("variant") or r.get("ratio") is None:
+            continue
+
+        def floor(variant, r=r):
+            for other in rows:
+                same = all(other.get(k) == r[k] for k in ("backend", "shape", "size", "operator"))
+                if same and other.get("variant") == variant and other.get("ratio") is not None:
+                    return other["ratio"]
+            return None
+
+        once = floor("floor: a wrapper that copies x once")
+        whole = floor("floor: a wrapper that keeps the contract")
+        out.append(
+            {
+                "backend": r["backend"],
+                "shape": r["shape"],
+                "size": r["size"],
+                "diffiface": r["ratio"],
+                "copy-once wrapper": once,
+                "diffiface / it (goal 1.05)": None if once is None else round(r["ratio"] / once, 3),
+                "contract wrapper": whole,
+                "diffiface / it": None if whole is None else round(r["ratio"] / whole, 3),
+            }
+        )
+    return out
+
+
 def write_shapes(rows, meta):
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "shapes.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
@@ -1114,12 +1190,35 @@ def write_shapes(rows, meta):
         "Python costs on this core. `floor: a wrapper that copies x once`: torch's own gradient through one "
         "Python function that flattens x, compares its structure and each leaf's type, shape, dtype and device "
         "with the prepared ones, copies x once and rebuilds the result, the least a strict prepared torch call "
-        "does; the torch and torch-func goal is 1.05 times its ratio. The same wrapper is timed for the vjp and "
-        "the hvp (the engine's own operation on the copy: one backward pass with the cotangent, or two).",
+        "does for x; the torch and torch-func goal is 1.05 times its ratio. The same wrapper is timed for the "
+        "vjp and the hvp (the engine's own operation on the copy: one backward pass with the cotangent, or "
+        "two). `floor: a wrapper that keeps the contract`: the same wrapper doing also what diffiface's "
+        "contract asks of the contexts: each context flattened and each leaf's type, shape, dtype and device "
+        "compared with the prepared ones (a strict prep), a copy of each Constant tensor given to f, and the "
+        "version counters of the copies of x and of the Constants read after f (a write refused, the caller's "
+        "tensors unchanged).",
         "",
         table(
             [r for r in rows if r.get("variant") and r.get("ratio") is not None],
             ["backend", "shape", "size", "operator", "variant", "diffiface_s", "native_s", "ratio", "check"],
+        ),
+        "",
+        "## torch against its floors",
+        "",
+        "The prepared gradient's ratio, each wrapper's (same run), and diffiface's divided by each.",
+        "",
+        table(
+            floor_table(rows),
+            [
+                "backend",
+                "shape",
+                "size",
+                "diffiface",
+                "copy-once wrapper",
+                "diffiface / it (goal 1.05)",
+                "contract wrapper",
+                "diffiface / it",
+            ],
         ),
         "",
         "## Every row",

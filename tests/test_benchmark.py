@@ -1,6 +1,7 @@
 """Smoke test of benchmark_differentiation: row structure and call counts, never wall-clock."""
 
 import numpy as np
+import pytest
 
 import diffiface as di
 from diffiface.test import Scenario
@@ -131,6 +132,71 @@ def test_shape_table_pivots_gradient_ratios_by_shape_and_backend():
         {"shape": "dict", "jax": "-", "torch": "1.03"},
         {"shape": "flax", "jax": "1.20", "torch": "-"},
     ]
+
+
+def test_floor_table_divides_each_torch_gradient_by_its_wrappers():
+    run = _run_module()
+
+    def row(backend, ratio, variant=None, shape="tuple", operator="gradient", prepared=True):
+        base = {"backend": backend, "shape": shape, "size": "mlp", "operator": operator, "prepared": prepared}
+        return {**base, "ratio": ratio, **({"variant": variant} if variant else {})}
+
+    rows = [
+        row("torch", 1.16),
+        row("torch", 1.10, "floor: a wrapper that copies x once"),
+        row("torch", 1.16, "floor: a wrapper that keeps the contract"),
+        row("torch", 1.12, "floor: a wrapper that copies x once", shape="dict"),  # another shape's floor
+        row("torch", 1.3, prepared=False),  # unprepared: no floor
+        row("torch", 1.2, operator="vjp"),  # the table is the gradient's
+        row("torch-func", 1.2),  # no floor timed: None
+        row("jax", 1.01),  # not torch
+    ]
+    assert run.floor_table(rows) == [
+        {
+            "backend": "torch",
+            "shape": "tuple",
+            "size": "mlp",
+            "diffiface": 1.16,
+            "copy-once wrapper": 1.10,
+            "diffiface / it (goal 1.05)": 1.055,
+            "contract wrapper": 1.16,
+            "diffiface / it": 1.0,
+        },
+        {
+            "backend": "torch-func",
+            "shape": "tuple",
+            "size": "mlp",
+            "diffiface": 1.2,
+            "copy-once wrapper": None,
+            "diffiface / it (goal 1.05)": None,
+            "contract wrapper": None,
+            "diffiface / it": None,
+        },
+    ]
+
+
+def test_contract_wrapper_agrees_with_torch_and_refuses_a_write():
+    """The torch floor that keeps the contract computes torch's gradient, and it is not a floor
+    that skips the work: a write into a Constant is seen by its version counters."""
+    torch = pytest.importorskip("torch")
+    run = _run_module()
+    rng = np.random.default_rng(0)
+    for name in ("torch", "torch-func"):
+        case = next(c for c in run.shape_cases(name, rng) if c["shape"] == "tuple")
+        base = {"backend": name, "shape": "tuple", "size": "mlp"}
+        row = run._clone_once_row(name, case, base, case["loss"], (case["x"],), rounds=2, contract=True)
+        assert row["variant"] == "floor: a wrapper that keeps the contract"
+        assert row["check"] == "same" and row["ratio"] > 0
+
+        def writes(wb, xy):
+            with torch.no_grad():
+                xy[0].add_(1.0)  # into the Constant's copy
+            return run.tuple_loss(wb, xy)
+
+        before = case["ctx"][0][0].clone()
+        with pytest.raises(ValueError, match="wrote"):
+            run._clone_once_row(name, case, base, writes, (case["x"],), rounds=1, contract=True)
+        assert torch.equal(case["ctx"][0][0], before)  # the caller's tensor: unchanged
 
 
 def test_same_values_compares_leaves_across_container_kinds():
