@@ -36,14 +36,22 @@ def adapter_frames(call: Any) -> list[str]:
     return entered
 
 
+FUSED = {
+    "autograd": ["_Gradient.__call__", "_copied_constants", "_whole"],
+    # (torch.func's transform, built once for the prep, runs f through one method)
+    "func": ["_Gradient.__call__", "_copied_constants", "_Gradient.value", "_materialised"],
+}
+
+
 @pytest.mark.parametrize("shape", ["one tensor", "nested dict, tuple batch"])
 @pytest.mark.parametrize("operator", ["gradient", "value_and_gradient"])
 @pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
-def test_common_gradient_enters_the_adapter_once(shape: str, operator: str, prepared: bool) -> None:
-    # expected: one call of the fused guard, program and backward pass (_Gradient), the
-    # Constant's copy (_copied_constants) and the gradients made whole (_whole), by name or by
-    # object; no other helper, listcomp or genexpr;
-    # the result is the general steps' one
+@pytest.mark.parametrize("mode", ["autograd", "func"])
+def test_common_gradient_enters_the_adapter_once(shape: str, operator: str, prepared: bool, mode: str) -> None:
+    # expected: one call of the fused guard, program and backward pass (_Gradient; in torch.func mode
+    # its method f runs in), the Constant's copy (_copied_constants) and the
+    # gradients made whole (_whole; _materialised), by name or by object; no other helper,
+    # listcomp or genexpr; the result is the general steps' one
     w, data = torch.randn(5), torch.randn(7, 5)
     x: Any = w if shape == "one tensor" else {"l": {"w": w, "b": torch.randn(7)}}
     batch: Any = data if shape == "one tensor" else (data, torch.randn(7))
@@ -54,18 +62,24 @@ def test_common_gradient_enters_the_adapter_once(shape: str, operator: str, prep
         return loss(p["l"]["w"], d[0]) + ((p["l"]["b"] - d[1]) ** 2).sum()
 
     op = getattr(di, operator)
-    for backend in ("torch", di.AutoTorch()):
+    for backend in ("torch", di.AutoTorch()) if mode == "autograd" else ("torch", di.AutoTorch(mode="func")):
         ctx = di.Constant(batch)
         prep = getattr(di, f"prepare_{operator}")(f, backend, x, ctx) if prepared else None
 
         def call() -> Any:
             return op(f, backend, x, ctx, prep=prep)  # noqa: B023
 
+        if mode == "func" and backend == "torch":
+            continue  # (the name means autograd mode)
         call()
-        assert adapter_frames(call) == ["_Gradient.__call__", "_copied_constants", "_whole"]
+        assert adapter_frames(call) == FUSED[mode]
         # the general steps: the guard's, with x requiring grad (a nested call's shape)
         with torch.enable_grad():
             general = op(f, backend, optree_map(lambda t: t.clone().requires_grad_(True), x), ctx)
+        nested = adapter_frames(
+            lambda: op(f, backend, optree_map(lambda t: t.clone().requires_grad_(True), x), ctx)  # noqa: B023
+        )
+        assert nested[0] == FUSED[mode][0] and nested[1].endswith("guarded")  # (handed on before anything ran)
         for got, want in zip(_leaves(call()), _leaves(general), strict=True):
             assert not got.requires_grad
             torch.testing.assert_close(got, want.detach())
@@ -105,12 +119,13 @@ def _write_constant_then_raise(w: Any, data: Any) -> Any:
     ids=["x-under-no-grad", "constant", "constant-then-raise"],
 )
 @pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
-def test_fast_path_refuses_writes_and_loses_nothing(f: Any, prepared: bool) -> None:
+@pytest.mark.parametrize("mode", ["autograd", "func"])
+def test_fast_path_refuses_writes_and_loses_nothing(f: Any, prepared: bool, mode: str) -> None:
     # expected: a MutationError every time; w and data equal to their copies, versions unchanged
     w, data = torch.randn(5), torch.randn(7, 5)
     w0, data0 = w.clone(), data.clone()
     versions = (w._version, data._version)
-    backend, ctx = di.AutoTorch(), di.Constant(data)
+    backend, ctx = di.AutoTorch(mode=mode), di.Constant(data)
 
     def call() -> None:
         prep = di.prepare_gradient(f, backend, w, ctx) if prepared else None
@@ -137,6 +152,51 @@ def test_a_second_constant_written_is_seen() -> None:
     assert torch.equal(a, a0) and torch.equal(b, b0)
 
 
+def _into_cache(w: Any, data: Any, scratch: Any) -> Any:
+    scratch.copy_(data @ w)
+    return (scratch**2).sum()
+
+
+def _into_constant(w: Any, data: Any, scratch: Any) -> Any:
+    data.mul_(2.0)
+    return (data @ w).sum()
+
+
+def _switches_grad_off(w: Any, data: Any, scratch: Any) -> Any:
+    y = (data @ w).sum()
+    torch.set_grad_enabled(False)
+    return y
+
+
+def test_the_fused_func_gradient_refuses_writes_into_its_contexts_and_keeps_grad_mode() -> None:
+    # expected: under torch.func a write into a Cache or a Constant is refused (torch.func refuses
+    # writes into what f closes over; the fused call passes the contexts so that they stay
+    # closed over), the caller's tensors unchanged; a constant f gets zeros; the caller's grad
+    # mode survives an f that turns it off; a float output is refused
+    backend = di.AutoTorch(mode="func")
+    w, data, scratch = torch.randn(5), torch.randn(7, 5), torch.zeros(7)
+    contexts = (di.Constant(data), di.Cache(scratch))
+
+    def reads(w: Any, data: Any, scratch: Any) -> Any:
+        return ((data @ w) ** 2).sum()
+
+    prep = di.prepare_gradient(reads, backend, w, *contexts)
+    assert adapter_frames(lambda: di.gradient(reads, backend, w, *contexts, prep=prep))[0] == "_Gradient.__call__"
+    torch.testing.assert_close(di.gradient(reads, backend, w, *contexts, prep=prep), 2 * data.T @ (data @ w))
+
+    before, scratch_before = data.clone(), scratch.clone()
+    for g in (_into_cache, _into_constant):
+        with pytest.raises(di.MutationError):
+            di.gradient(g, backend, w, *contexts)
+        assert torch.equal(data, before) and torch.equal(scratch, scratch_before)
+    assert torch.equal(di.gradient(lambda w, d, s: (d**2).sum(), backend, w, *contexts), torch.zeros(5))
+    got = di.gradient(_switches_grad_off, backend, w, *contexts)
+    assert torch.is_grad_enabled()
+    torch.testing.assert_close(got, data.sum(0))
+    with pytest.raises(di.InvalidOutputError):
+        di.gradient(lambda w, d, s: float((d @ w).sum().detach()), backend, w, *contexts)
+
+
 @pytest.mark.parametrize("backend", ["torch", di.AutoTorch()], ids=["by name", "by object"])
 def test_the_fused_gradient_copies_the_constants_and_lets_f_write_its_caches(backend: Any) -> None:
     # expected: with a Constant beside a Cache, a write into the Cache is f's own business (the
@@ -145,30 +205,17 @@ def test_the_fused_gradient_copies_the_constants_and_lets_f_write_its_caches(bac
     # grad mode survives an f that turns it off
     w, data, scratch = torch.randn(5), torch.randn(7, 5), torch.zeros(7)
 
-    def into_cache(w: Any, data: Any, scratch: Any) -> Any:
-        scratch.copy_(data @ w)
-        return (scratch**2).sum()
-
-    def into_constant(w: Any, data: Any, scratch: Any) -> Any:
-        data.mul_(2.0)
-        return (data @ w).sum()
-
-    def switches_grad_off(w: Any, data: Any, scratch: Any) -> Any:
-        y = (data @ w).sum()
-        torch.set_grad_enabled(False)
-        return y
-
     contexts = (di.Constant(data), di.Cache(scratch))
-    prep = di.prepare_gradient(into_cache, backend, w, *contexts)
-    got = di.gradient(into_cache, backend, w, *contexts, prep=prep)
-    assert adapter_frames(lambda: di.gradient(into_cache, backend, w, *contexts, prep=prep))[0] == "_Gradient.__call__"
+    prep = di.prepare_gradient(_into_cache, backend, w, *contexts)
+    got = di.gradient(_into_cache, backend, w, *contexts, prep=prep)
+    assert adapter_frames(lambda: di.gradient(_into_cache, backend, w, *contexts, prep=prep))[0] == "_Gradient.__call__"
     torch.testing.assert_close(got, 2 * data.T @ (data @ w))
     torch.testing.assert_close(scratch, data @ w)
     before = data.clone()
     with pytest.raises(di.MutationError, match="Constant"):
-        di.gradient(into_constant, backend, w, *contexts)
+        di.gradient(_into_constant, backend, w, *contexts)
     assert torch.equal(data, before)
     assert torch.equal(di.gradient(lambda w, d, s: (d**2).sum(), backend, w, *contexts), torch.zeros(5))
-    got = di.gradient(switches_grad_off, backend, w, *contexts)
+    got = di.gradient(_switches_grad_off, backend, w, *contexts)
     assert torch.is_grad_enabled()
     torch.testing.assert_close(got, data.sum(0))

@@ -232,6 +232,8 @@ class Adapter(_base.Adapter):
         reverse = getattr(program, "reverse", None)
         if reverse is not None and reverse.adapter is self and reverse.dynamic and not self.functional:
             return _Gradient(guarded, reverse, program.cache_dynamic)  # type: ignore[attr-defined]
+        if reverse is not None and reverse.adapter is self and reverse.dynamic:
+            return _Gradient(guarded, reverse, program.cache_dynamic, functional=True)  # type: ignore[attr-defined]
         return guarded
 
     # -- primitives ---------------------------------------------------------------------------
@@ -948,41 +950,76 @@ _requiring = torch.Tensor.requires_grad_
 
 
 class _Gradient:
-    """The guard, the program and the backward pass of a gradient in autograd mode, in one call.
+    """The guard, the program and the engine's gradient of a gradient call, in one call.
 
     It serves the common call: grad mode on, inference mode off, no forward-mode call of ours
-    open, no leaf of x requiring grad (no outer graph), every context leaf dynamic. It does
-    what :func:`_guard` and the program do for it, in their order: copies of x's leaves (made
-    leaves of a fresh graph) and of the Constant tensors, f on them, f's output checked (a
-    scalar of a type and dtype seen before takes no more checks; any other output, the
-    program's own checks, ``settle``), ``torch.autograd.grad``, and the version counters
-    read, a write refused with a MutationError. Any other call is ``guarded``'s, before
-    anything has run.
+    open, no leaf of x requiring grad (no outer graph), every context leaf dynamic (and, under
+    torch.func, every leaf of x a plain tensor: a DTensor's gradient is laid out again). It
+    does what :func:`_guard` and the program do for it, in their order: copies of x's leaves
+    and of the Constant tensors, f on them, f's output checked (a scalar of a type and dtype
+    seen before takes no more checks; any other output, the program's own checks,
+    ``settle``), the gradient, and the version counters read, a write refused with a
+    MutationError. Any other call is ``guarded``'s, before anything has run.
+
+    The gradient is ``torch.autograd.grad`` on the copies made leaves of a fresh graph, or in
+    torch.func mode (``functional``) ``torch.func.grad_and_value`` of :meth:`value`, built once
+    here, where the program's steps build the transform and three closures around f on every
+    call.
 
     Each Python frame between two calls of torch's kernels costs about a microsecond (their
     caches are cold), and the steps it fuses took fourteen of them."""
 
-    __slots__ = ("checked", "constant_at", "guarded", "reverse")
+    __slots__ = ("checked", "constant_at", "functional", "guarded", "reverse", "transform")
 
-    def __init__(self, guarded: Callable[..., Any], reverse: Any, cache_dynamic: tuple[bool, ...]) -> None:
+    def __init__(
+        self, guarded: Callable[..., Any], reverse: Any, cache_dynamic: tuple[bool, ...], functional: bool = False
+    ) -> None:
         self.guarded = guarded
         self.reverse = reverse
         self.checked = reverse.checked
         self.constant_at = tuple(i for i, cache in enumerate(cache_dynamic) if not cache)
+        self.functional = functional
+        self.transform = func.grad_and_value(self.value) if functional else None
+
+    def value(self, x: Any, bound: _Bound) -> Any:
+        """torch.func mode: f's value at the transform's x (one tensor, or the tuple of x's
+        leaves), checked."""
+        reverse = self.reverse
+        f, context_values = bound.f, bound.context_values
+        try:
+            value = f(x if reverse.single else reverse.rebuild(x), *context_values)
+        except Exception as exc:
+            _explained(exc, reverse.adapter)
+            raise
+        if (
+            type(value) is torch.Tensor
+            and value.requires_grad
+            and (torch.Tensor, value.dtype) in self.checked
+            and value.shape == ()
+            and torch.is_grad_enabled()
+        ):
+            return value
+        xs = (x,) if reverse.single else x
+        return reverse.settle(value, f, context_values, xs, xs[0])
 
     def __call__(self, xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
+        functional = self.functional
         if (
             static is not None
             or _DUALS[0]
             or not torch.is_grad_enabled()
             or torch.is_inference_mode_enabled()
             or any(map(_requires_grad, xs))
+            or (functional and set(map(type, xs)) != _PLAIN)
         ):
             return self.guarded(xs, ts, dynamic, static)
-        try:
-            inputs = tuple(map(_requiring, map(_clone, xs)))  # (a clone of x that does not require grad: a leaf)
-        except RuntimeError:  # a tensor of a torch.func transform (the guard's steps say so)
-            return self.guarded(xs, ts, dynamic, static)
+        if functional:
+            inputs = tuple(map(_clone, xs))
+        else:
+            try:
+                inputs = tuple(map(_requiring, map(_clone, xs)))  # (a clone of x that does not require grad: a leaf)
+            except RuntimeError:  # a tensor of a torch.func transform (the guard's steps say so)
+                return self.guarded(xs, ts, dynamic, static)
         versions = list(map(_version, inputs))
         constants: list[tuple[int, Any, int]] = []
         if dynamic and self.constant_at:
@@ -998,31 +1035,31 @@ class _Gradient:
         f = reverse.ref()
         if f is None:
             f = reverse.function()
-        x = inputs[0] if reverse.single else reverse.rebuild(inputs)
         stack = _CALLS.keep
         stack.append(False)
         try:
-            try:
-                value = f(x, *context_values)
-            except Exception as exc:
-                hint = reverse.adapter.explain_failure(exc)
-                if hint is not None:
-                    raise FrameworkMismatchError(
-                        f"f failed under the {reverse.adapter.backend.name} backend: {hint}"
-                    ) from exc
-                raise
-            if not (
-                type(value) is torch.Tensor
-                and value.requires_grad
-                and (torch.Tensor, value.dtype) in self.checked
-                and value.shape == ()
-                and torch.is_grad_enabled()
-            ):
-                value = reverse.settle(value, f, context_values, inputs, inputs[0])
-            if value.requires_grad:
-                grads = torch.autograd.grad((value,), inputs, allow_unused=True)
+            if functional:
+                bound = _Bound()  # (its fields set here: no __init__ frame)
+                bound.f, bound.context_values = f, context_values
+                grads, value = self.transform(inputs[0] if reverse.single else inputs, bound)  # type: ignore[misc]
             else:
-                grads = _grad([], inputs)
+                try:
+                    value = f(inputs[0] if reverse.single else reverse.rebuild(inputs), *context_values)
+                except Exception as exc:
+                    _explained(exc, reverse.adapter)
+                    raise
+                if not (
+                    type(value) is torch.Tensor
+                    and value.requires_grad
+                    and (torch.Tensor, value.dtype) in self.checked
+                    and value.shape == ()
+                    and torch.is_grad_enabled()
+                ):
+                    value = reverse.settle(value, f, context_values, inputs, inputs[0])
+                if value.requires_grad:
+                    grads = torch.autograd.grad((value,), inputs, allow_unused=True)
+                else:
+                    grads = _grad([], inputs)
         except BaseException as exc:
             refusal = _after_failure(exc, stack, True, False, inputs, versions, constants, None)
             if refusal is not None:
@@ -1039,8 +1076,31 @@ class _Gradient:
             problem = _mutation(inputs, versions, constants, None)
             if problem is not None:
                 raise MutationError(problem)
-        grads = _whole(grads, inputs)
+        grads = _materialised((grads,) if reverse.single else grads) if functional else _whole(grads, inputs)
         return (value, grads) if reverse.value else (grads,)
+
+
+def _explained(exc: Exception, adapter: Adapter) -> None:
+    """Where f failed in a way the adapter explains (numpy code on torch tensors), a
+    FrameworkMismatchError that says so, raised from ``exc``; else nothing (``exc`` is f's own)."""
+    hint = adapter.explain_failure(exc)
+    if hint is not None:
+        raise FrameworkMismatchError(f"f failed under the {adapter.backend.name} backend: {hint}") from exc
+
+
+class _Bound:
+    """f and its context values, passed through torch.func's transform as one object: not a
+    tensor, so the transform does not wrap the contexts' tensors (they stay captured, and
+    torch.func refuses a write into them, as it does into anything f closes over)."""
+
+    __slots__ = ("context_values", "f")
+
+    f: Callable[..., Any]
+    context_values: tuple[Any, ...]
+
+
+_PLAIN = {torch.Tensor}
+"""The type of a plain tensor, as a set: the types of x's leaves compared with it in C."""
 
 
 _LEAF_WRITE = "a leaf Variable that requires grad is being used in an in-place operation"
