@@ -90,8 +90,10 @@ def _program(
     program.cache_static = tuple(c for c, m in zip(cache, plan.mask, strict=True) if not m)  # type: ignore[attr-defined]
     # what an engine that records its graph as f runs may run in one call (torch's autograd
     # mode, :func:`~diffiface._adapters.torch.Adapter.compile`): a gradient of x's own leaves
-    if compute == "value_and_gradient" and not has_aux and not compiles and getattr(call, "rebuild", None) is None:
-        program.reverse = Reverse(  # type: ignore[attr-defined]
+    # (or a vjp: f closed and checked by ``close``, the cotangent by ``cotangent``)
+    fusable = compute in ("value_and_gradient", "value_and_pullback") and not has_aux and not compiles
+    if fusable and getattr(call, "rebuild", None) is None:
+        reverse = Reverse(
             function,
             sig.x_spec,
             close.settle,  # type: ignore[attr-defined]
@@ -103,6 +105,10 @@ def _program(
             output.checked,
             empty,
         )
+        if pullback:
+            reverse.close = close
+            reverse.cotangent = lambda ts: _check_cotangent(sig, output, ts, adapter.complex_outputs)
+        program.reverse = reverse  # type: ignore[attr-defined]
     return program
 
 
@@ -119,11 +125,16 @@ class Reverse:
       dynamic (``dynamic``; else the program's own steps are needed); ``rebuilds``, each
       context's value from its leaves, None where each context is one leaf;
     - ``adapter``: the adapter the program was built for; ``value``: the value is returned
-      before the gradient."""
+      before the gradient;
+    - for a vjp (else None): ``close(f, context_values, like)``, f on a tuple of leaves with its
+      output checked and recorded (the program's own), and ``cotangent(ts)``, the cotangent
+      checked against that record."""
 
     __slots__ = (
         "adapter",
         "checked",
+        "close",
+        "cotangent",
         "dynamic",
         "empty",
         "function",
@@ -161,6 +172,8 @@ class Reverse:
         self.value = value
         self.checked = checked
         self.empty = empty
+        self.close: Callable[..., Any] | None = None
+        self.cotangent: Callable[[tuple[Any, ...]], None] | None = None
 
     def contexts(self, dynamic: tuple[Any, ...]) -> tuple[Any, ...]:
         """The context values of these dynamic leaves (every context leaf is one)."""

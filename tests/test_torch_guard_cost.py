@@ -85,6 +85,43 @@ def test_common_gradient_enters_the_adapter_once(shape: str, operator: str, prep
             torch.testing.assert_close(got, want.detach())
 
 
+@pytest.mark.parametrize("operator", ["vjp", "value_and_vjp"])
+@pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
+@pytest.mark.parametrize("backend", ["torch", di.AutoTorch()], ids=["by name", "by object"])
+def test_common_vjp_enters_the_adapter_once(operator: str, prepared: bool, backend: Any) -> None:
+    # expected: one call of the fused guard, program and backward pass (_Pullback), the
+    # Constant's copy, the output's two checks (the program's own), the backward pass (_grad)
+    # and, for the value, its detaching; the results are the general steps' ones
+    w = torch.randn(5)
+    x, batch = {"l": {"w": w, "b": torch.randn(7)}}, (torch.randn(7, 5), torch.randn(7))
+
+    def f(p: Any, d: Any) -> Any:
+        return {"y": torch.tanh(d[0] @ p["l"]["w"]) + p["l"]["b"] * d[1]}
+
+    t, ctx = {"y": torch.randn(7)}, di.Constant(batch)
+    op = getattr(di, operator)
+    prep = getattr(di, f"prepare_{operator}")(f, backend, x, t, ctx) if prepared else None
+
+    def call() -> Any:
+        return op(f, backend, x, t, ctx, prep=prep)
+
+    call()
+    frames = ["_Pullback.__call__", "_copied_constants", "Adapter.untracked", "Adapter.output_leaf", "_grad"]
+    assert adapter_frames(call) == frames + (["_detached"] if operator == "value_and_vjp" else [])
+    with torch.enable_grad():  # the general steps: x requiring grad (a nested call's shape)
+        general = op(f, backend, optree_map(lambda v: v.clone().requires_grad_(True), x), t, ctx)
+    got = call()
+    for a, b in zip(_leaves(got), _leaves(general), strict=True):
+        assert not a.requires_grad
+        torch.testing.assert_close(a, b.detach())
+    with torch.no_grad():  # the caller's grad mode off: the guard's steps, the same result
+        for a, b in zip(_leaves(call()), _leaves(got), strict=True):
+            torch.testing.assert_close(a, b)
+        assert not torch.is_grad_enabled()
+    with pytest.raises(di.TangentMismatchError):  # the cotangent checked against f(x), as before
+        op(f, backend, x, {"y": torch.randn(6)}, ctx)
+
+
 def optree_map(fn: Any, tree: Any) -> Any:
     import optree
 
@@ -119,15 +156,20 @@ def _write_constant_then_raise(w: Any, data: Any) -> Any:
     ids=["x-under-no-grad", "constant", "constant-then-raise"],
 )
 @pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
-@pytest.mark.parametrize("mode", ["autograd", "func"])
+@pytest.mark.parametrize("mode", ["autograd", "func", "autograd vjp"])
 def test_fast_path_refuses_writes_and_loses_nothing(f: Any, prepared: bool, mode: str) -> None:
     # expected: a MutationError every time; w and data equal to their copies, versions unchanged
     w, data = torch.randn(5), torch.randn(7, 5)
     w0, data0 = w.clone(), data.clone()
     versions = (w._version, data._version)
-    backend, ctx = di.AutoTorch(mode=mode), di.Constant(data)
+    backend, ctx = di.AutoTorch(mode=mode.split()[0]), di.Constant(data)
+    vjp = mode.endswith("vjp")  # (f's scalar output, its cotangent a 0-d tensor)
 
     def call() -> None:
+        if vjp:
+            prep = di.prepare_vjp(f, backend, w, torch.tensor(1.0), ctx) if prepared else None
+            di.vjp(f, backend, w, torch.tensor(1.0), ctx, prep=prep)
+            return
         prep = di.prepare_gradient(f, backend, w, ctx) if prepared else None
         di.gradient(f, backend, w, ctx, prep=prep)
 

@@ -230,11 +230,12 @@ class Adapter(_base.Adapter):
     ) -> Callable[..., Any]:
         guarded = _guard(program, getattr(program, "cache_dynamic", ()), getattr(program, "cache_static", ()))
         reverse = getattr(program, "reverse", None)
-        if reverse is not None and reverse.adapter is self and reverse.dynamic and not self.functional:
-            return _Gradient(guarded, reverse, program.cache_dynamic)  # type: ignore[attr-defined]
-        if reverse is not None and reverse.adapter is self and reverse.dynamic:
-            return _Gradient(guarded, reverse, program.cache_dynamic, functional=True)  # type: ignore[attr-defined]
-        return guarded
+        if reverse is None or reverse.adapter is not self or not reverse.dynamic:
+            return guarded
+        cache_dynamic = program.cache_dynamic  # type: ignore[attr-defined]
+        if reverse.close is not None:  # a vjp
+            return guarded if self.functional else _Pullback(guarded, reverse, cache_dynamic)
+        return _Gradient(guarded, reverse, cache_dynamic, functional=self.functional)
 
     # -- primitives ---------------------------------------------------------------------------
 
@@ -1078,6 +1079,79 @@ class _Gradient:
                 raise MutationError(problem)
         grads = _materialised((grads,) if reverse.single else grads) if functional else _whole(grads, inputs)
         return (value, grads) if reverse.value else (grads,)
+
+
+class _Pullback(_Gradient):
+    """:class:`_Gradient`'s one call for a vjp in autograd mode: the same guard's steps around
+    f closed and checked by the program's own ``close`` (its output recorded), the cotangent
+    checked against that record (``cotangent``), and one ``torch.autograd.grad`` with the
+    cotangent, where the guard, the program and the adapter's pullback took about fifteen
+    Python frames. It serves the call :class:`_Gradient` serves; any other is ``guarded``'s,
+    before anything has run."""
+
+    __slots__ = ()
+
+    def __call__(self, xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
+        if (
+            static is not None
+            or _DUALS[0]
+            or not torch.is_grad_enabled()
+            or torch.is_inference_mode_enabled()
+            or any(map(_requires_grad, xs))
+            or not xs
+        ):
+            return self.guarded(xs, ts, dynamic, static)
+        try:
+            inputs = tuple(map(_requiring, map(_clone, xs)))  # (as _Gradient's)
+        except RuntimeError:
+            return self.guarded(xs, ts, dynamic, static)
+        versions = list(map(_version, inputs))
+        constants: list[tuple[int, Any, int]] = []
+        if dynamic and self.constant_at:
+            dynamic, constants = _copied_constants(dynamic, self.constant_at)
+        reverse = self.reverse
+        f = reverse.ref()
+        if f is None:
+            f = reverse.function()
+        fn = reverse.close(f, reverse.contexts(dynamic), xs[0])
+        stack = _CALLS.keep
+        stack.append(False)
+        try:
+            out, _ = fn(inputs)
+            reverse.cotangent(ts)
+            outs = out if type(out) is tuple else (out,)
+            touts = ts
+            for y in outs:  # (a loop: no generator on the common path)
+                if type(y) is not torch.Tensor:  # a DTensor: its cotangents laid out as it is
+                    touts = _cotangents(out, ts)
+                    break
+            ys, gs = [], []
+            for y, t in zip(outs, touts, strict=True):
+                if y.requires_grad:
+                    ys.append(y)
+                    gs.append(t)
+            grads = _grad(ys, inputs, gs, retain=False)
+        except BaseException as exc:
+            refusal = _after_failure(exc, stack, True, False, inputs, versions, constants, None)
+            if refusal is not None:
+                raise refusal from exc
+            raise
+        stack.pop()
+        if not torch.is_grad_enabled():  # (as _Gradient's)
+            torch.set_grad_enabled(True)
+        _arrays.graph_state.keep = False
+        dirty = list(map(_version, inputs)) != versions
+        for _, copy, version in constants:
+            dirty = dirty or copy._version != version
+        if dirty:
+            problem = _mutation(inputs, versions, constants, None)
+            if problem is not None:
+                raise MutationError(problem)
+        for g in grads:
+            if type(g) is not torch.Tensor:
+                grads = _placed(grads, inputs)
+                break
+        return (_detached(out, False), grads) if reverse.value else (grads,)
 
 
 def _explained(exc: Exception, adapter: Adapter) -> None:
