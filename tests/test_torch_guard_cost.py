@@ -37,9 +37,9 @@ def adapter_frames(call: Any) -> list[str]:
 
 
 FUSED = {
-    "autograd": ["_Gradient.__call__", "_copied_constants", "_whole"],
+    "autograd": ["_Gradient.__call__", "_copied_constants", "_Gradient.engine", "_whole"],
     # (torch.func's transform, built once for the prep, runs f through one method)
-    "func": ["_Gradient.__call__", "_copied_constants", "_Gradient.value", "_materialised"],
+    "func": ["_Gradient.__call__", "_copied_constants", "_Gradient.engine", "_Gradient.value", "_materialised"],
 }
 
 
@@ -89,7 +89,7 @@ def test_common_gradient_enters_the_adapter_once(shape: str, operator: str, prep
 @pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
 @pytest.mark.parametrize("backend", ["torch", di.AutoTorch()], ids=["by name", "by object"])
 def test_common_vjp_enters_the_adapter_once(operator: str, prepared: bool, backend: Any) -> None:
-    # expected: one call of the fused guard, program and backward pass (_Pullback), the
+    # expected: one call of the fused guard, program and backward pass (_Pullback's engine), the
     # Constant's copy, the output's two checks (the program's own), the backward pass (_grad)
     # and, for the value, its detaching; the results are the general steps' ones
     w = torch.randn(5)
@@ -106,7 +106,8 @@ def test_common_vjp_enters_the_adapter_once(operator: str, prepared: bool, backe
         return op(f, backend, x, t, ctx, prep=prep)
 
     call()
-    frames = ["_Pullback.__call__", "_copied_constants", "Adapter.untracked", "Adapter.output_leaf", "_grad"]
+    frames = ["_Gradient.__call__", "_copied_constants", "_Pullback.engine", "Adapter.untracked", "Adapter.output_leaf"]
+    frames += ["_backward", "_grad"]
     assert adapter_frames(call) == frames + (["_detached"] if operator == "value_and_vjp" else [])
     with torch.enable_grad():  # the general steps: x requiring grad (a nested call's shape)
         general = op(f, backend, optree_map(lambda v: v.clone().requires_grad_(True), x), t, ctx)

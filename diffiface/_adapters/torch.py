@@ -272,16 +272,7 @@ class Adapter(_base.Adapter):
         def vjp(touts: Any) -> Leaves:
             if not plain:
                 touts = _cotangents(out, touts)
-            ys, ts = [], []
-            for y, t in zip(outs, touts if type(touts) is tuple else (touts,), strict=True):
-                if y.requires_grad:
-                    ys.append(y)
-                    ts.append(t)
-            grads = _grad(ys, inputs, ts, create_graph=keep)
-            for g in grads:
-                if type(g) is not torch.Tensor:
-                    return _placed(grads, inputs)
-            return grads
+            return _backward(outs, touts if type(touts) is tuple else (touts,), inputs, keep)
 
         return _detached(out, keep), (None if aux is None else _detached(aux, keep)), vjp
 
@@ -651,6 +642,22 @@ def _if_graph(value: Any) -> list[Any]:
     return [value] if value.requires_grad else []
 
 
+def _backward(outs: Leaves, touts: Leaves, inputs: Leaves, keep: bool = False) -> Leaves:
+    """A vjp's backward pass: the outputs that require grad with their cotangents, gradients
+    for ``inputs`` (zeros where one does not matter), laid out as ``inputs``; ``keep``: the
+    gradients keep their graph (a nested call)."""
+    ys, ts = [], []
+    for y, t in zip(outs, touts, strict=True):  # (a loop, not a comprehension: on every call)
+        if y.requires_grad:
+            ys.append(y)
+            ts.append(t)
+    grads = _grad(ys, inputs, ts, create_graph=keep)
+    for g in grads:
+        if type(g) is not torch.Tensor:
+            return _placed(grads, inputs)
+    return grads
+
+
 def _grad(
     outputs: list[Any],
     inputs: Leaves,
@@ -1010,6 +1017,7 @@ class _Gradient:
             or _DUALS[0]
             or not torch.is_grad_enabled()
             or torch.is_inference_mode_enabled()
+            or not xs
             or any(map(_requires_grad, xs))
             or (functional and set(map(type, xs)) != _PLAIN)
         ):
@@ -1039,28 +1047,7 @@ class _Gradient:
         stack = _CALLS.keep
         stack.append(False)
         try:
-            if functional:
-                bound = _Bound()  # (its fields set here: no __init__ frame)
-                bound.f, bound.context_values = f, context_values
-                grads, value = self.transform(inputs[0] if reverse.single else inputs, bound)  # type: ignore[misc]
-            else:
-                try:
-                    value = f(inputs[0] if reverse.single else reverse.rebuild(inputs), *context_values)
-                except Exception as exc:
-                    _explained(exc, reverse.adapter)
-                    raise
-                if not (
-                    type(value) is torch.Tensor
-                    and value.requires_grad
-                    and (torch.Tensor, value.dtype) in self.checked
-                    and value.shape == ()
-                    and torch.is_grad_enabled()
-                ):
-                    value = reverse.settle(value, f, context_values, inputs, inputs[0])
-                if value.requires_grad:
-                    grads = torch.autograd.grad((value,), inputs, allow_unused=True)
-                else:
-                    grads = _grad([], inputs)
+            result = self.engine(inputs, xs, ts, f, context_values)
         except BaseException as exc:
             refusal = _after_failure(exc, stack, True, False, inputs, versions, constants, None)
             if refusal is not None:
@@ -1077,7 +1064,35 @@ class _Gradient:
             problem = _mutation(inputs, versions, constants, None)
             if problem is not None:
                 raise MutationError(problem)
-        grads = _materialised((grads,) if reverse.single else grads) if functional else _whole(grads, inputs)
+        return result
+
+    def engine(self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves) -> Any:
+        """The engine's part of the call on the copies ``inputs`` of x's leaves ``xs``: the
+        program's results, ``(gradient,)`` or ``(value, gradient)``."""
+        reverse = self.reverse
+        if self.functional:
+            bound = _Bound()  # (its fields set here: no __init__ frame)
+            bound.f, bound.context_values = f, context_values
+            grads, value = self.transform(inputs[0] if reverse.single else inputs, bound)  # type: ignore[misc]
+            grads = _materialised((grads,) if reverse.single else grads)
+            return (value, grads) if reverse.value else (grads,)
+        try:
+            value = f(inputs[0] if reverse.single else reverse.rebuild(inputs), *context_values)
+        except Exception as exc:
+            _explained(exc, reverse.adapter)
+            raise
+        if not (
+            type(value) is torch.Tensor
+            and value.requires_grad
+            and (torch.Tensor, value.dtype) in self.checked
+            and value.shape == ()
+            and torch.is_grad_enabled()
+        ):
+            value = reverse.settle(value, f, context_values, inputs, inputs[0])
+        if value.requires_grad:
+            grads = _whole(torch.autograd.grad((value,), inputs, allow_unused=True), inputs)
+        else:
+            grads = _grad([], inputs)
         return (value, grads) if reverse.value else (grads,)
 
 
@@ -1091,66 +1106,17 @@ class _Pullback(_Gradient):
 
     __slots__ = ()
 
-    def __call__(self, xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
-        if (
-            static is not None
-            or _DUALS[0]
-            or not torch.is_grad_enabled()
-            or torch.is_inference_mode_enabled()
-            or any(map(_requires_grad, xs))
-            or not xs
-        ):
-            return self.guarded(xs, ts, dynamic, static)
-        try:
-            inputs = tuple(map(_requiring, map(_clone, xs)))  # (as _Gradient's)
-        except RuntimeError:
-            return self.guarded(xs, ts, dynamic, static)
-        versions = list(map(_version, inputs))
-        constants: list[tuple[int, Any, int]] = []
-        if dynamic and self.constant_at:
-            dynamic, constants = _copied_constants(dynamic, self.constant_at)
+    def engine(self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves) -> Any:
         reverse = self.reverse
-        f = reverse.ref()
-        if f is None:
-            f = reverse.function()
-        fn = reverse.close(f, reverse.contexts(dynamic), xs[0])
-        stack = _CALLS.keep
-        stack.append(False)
-        try:
-            out, _ = fn(inputs)
-            reverse.cotangent(ts)
-            outs = out if type(out) is tuple else (out,)
-            touts = ts
-            for y in outs:  # (a loop: no generator on the common path)
-                if type(y) is not torch.Tensor:  # a DTensor: its cotangents laid out as it is
-                    touts = _cotangents(out, ts)
-                    break
-            ys, gs = [], []
-            for y, t in zip(outs, touts, strict=True):
-                if y.requires_grad:
-                    ys.append(y)
-                    gs.append(t)
-            grads = _grad(ys, inputs, gs, retain=False)
-        except BaseException as exc:
-            refusal = _after_failure(exc, stack, True, False, inputs, versions, constants, None)
-            if refusal is not None:
-                raise refusal from exc
-            raise
-        stack.pop()
-        if not torch.is_grad_enabled():  # (as _Gradient's)
-            torch.set_grad_enabled(True)
-        _arrays.graph_state.keep = False
-        dirty = list(map(_version, inputs)) != versions
-        for _, copy, version in constants:
-            dirty = dirty or copy._version != version
-        if dirty:
-            problem = _mutation(inputs, versions, constants, None)
-            if problem is not None:
-                raise MutationError(problem)
-        for g in grads:
-            if type(g) is not torch.Tensor:
-                grads = _placed(grads, inputs)
+        out, _ = reverse.close(f, context_values, xs[0])(inputs)
+        reverse.cotangent(ts)
+        outs = out if type(out) is tuple else (out,)
+        touts = ts
+        for y in outs:  # (a loop: no generator on the common path)
+            if type(y) is not torch.Tensor:  # a DTensor: its cotangents laid out as it is
+                touts = _cotangents(out, ts)
                 break
+        grads = _backward(outs, touts, inputs)
         return (_detached(out, False), grads) if reverse.value else (grads,)
 
 
