@@ -6,6 +6,7 @@ argument of a compiled program (:class:`_Static`)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import operator
 import threading
@@ -107,7 +108,8 @@ def _program(
         )
         if pullback:
             reverse.close = close
-            reverse.cotangent = lambda ts: _check_cotangent(sig, output, ts, adapter.complex_outputs)
+            # (a partial, in C: no Python frame on the call)
+            reverse.cotangent = functools.partial(_check_cotangent, sig, output, complex_step=adapter.complex_outputs)
         program.reverse = reverse  # type: ignore[attr-defined]
     return program
 
