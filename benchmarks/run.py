@@ -905,7 +905,7 @@ def _shape_rows_for(name, rounds):
                 rows.append(row)
             if op == "gradient":
                 rows += _variant_rows(name, case, base, f, args, rounds)
-            elif name.startswith("torch") and op in ("vjp", "hvp"):  # (their bound, as the gradient's)
+            elif name.startswith("torch") and op in FLOORED:  # (their bound, as the gradient's)
                 rows.append(_clone_once_row(name, case, base, f, args, rounds, op))
     return rows
 
@@ -996,6 +996,15 @@ def _clone_once_row(name, case, base, f, args, rounds, op="gradient", contract=F
     context_sigs = [[(type(v), v.shape, v.dtype, v.device) for v in found] for found, _ in context_specs]
     functional = name == "torch-func"
     grad = torch.func.grad(f) if functional else None
+    if op == "jvp" and not functional:
+        import warnings
+
+        # (torch scripts its forward-mode decompositions on the process's first dual, warning
+        # that torch.jit.script is deprecated: a throwaway dual first, that warning silenced)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*")
+            with torch.autograd.forward_ad.dual_level():
+                torch.autograd.forward_ad.make_dual(torch.zeros(()), torch.zeros(()))
 
     def contract_values(contexts):
         values, copies = [], []
@@ -1034,7 +1043,16 @@ def _clone_once_row(name, case, base, f, args, rounds, op="gradient", contract=F
                 return out
             if op == "vjp":
                 return torch.func.vjp(lambda z: f(z, *values), copied)[1](tangent)[0]
+            if op == "jvp":
+                return torch.func.jvp(lambda z: f(z, *values), (copied,), (tangent,))[1]
             return torch.func.jvp(lambda w: grad(w, *values), (copied,), (tangent,))[1]
+        if op == "jvp":  # the engine's forward mode: duals of the copies
+            forward_ad = torch.autograd.forward_ad
+            with forward_ad.dual_level():
+                tangents = optree.tree_leaves(tangent)
+                duals = [forward_ad.make_dual(v.clone(), t) for v, t in zip(found, tangents, strict=True)]
+                out = f(optree.tree_unflatten(spec, duals), *values)
+                return optree.tree_map(lambda y: forward_ad.unpack_dual(y).tangent, out)
         zs = [v.detach().clone().requires_grad_(True) for v in found]
         copies += zs
         versions = [v._version for v in copies] if contract else None
@@ -1106,13 +1124,17 @@ def plot_shapes(rows, path):
     plt.close(fig)
 
 
+FLOORED = ("gradient", "jvp", "vjp", "hvp")
+"""The torch operators timed through the copy-once wrapper too (the contract wrapper: the gradient)."""
+
+
 def floor_table(rows):
-    """For each torch gradient row: diffiface's prepared ratio, each wrapper's (the floors), and
-    diffiface's ratio divided by each: the measure of the torch goal (1.05 times the copy-once
-    wrapper), and what is left over the whole contract's least cost."""
+    """For each prepared torch row of an operator in ``FLOORED``: diffiface's ratio, each
+    wrapper's (the floors), and diffiface's ratio divided by each: the measure of the torch goal
+    (1.05 times the copy-once wrapper), and what is left over the whole contract's least cost."""
     out = []
     for r in rows:
-        if not (r["backend"].startswith("torch") and r["operator"] == "gradient" and r.get("prepared")):
+        if not (r["backend"].startswith("torch") and r["operator"] in FLOORED and r.get("prepared")):
             continue
         if r.get("variant") or r.get("ratio") is None:
             continue
@@ -1131,6 +1153,7 @@ def floor_table(rows):
                 "backend": r["backend"],
                 "shape": r["shape"],
                 "size": r["size"],
+                "operator": r["operator"],
                 "diffiface": r["ratio"],
                 "copy-once wrapper": once,
                 "diffiface / it (goal 1.05)": None if once is None else round(r["ratio"] / once, 3),
@@ -1205,7 +1228,8 @@ def write_shapes(rows, meta):
         "",
         "## torch against its floors",
         "",
-        "The prepared gradient's ratio, each wrapper's (same run), and diffiface's divided by each.",
+        "Each prepared operator's ratio, each wrapper's (same run), and diffiface's divided by each: the ratio "
+        "of diffiface's time to the wrapper's, as both are timed against the same native call.",
         "",
         table(
             floor_table(rows),
@@ -1213,6 +1237,7 @@ def write_shapes(rows, meta):
                 "backend",
                 "shape",
                 "size",
+                "operator",
                 "diffiface",
                 "copy-once wrapper",
                 "diffiface / it (goal 1.05)",

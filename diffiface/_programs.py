@@ -90,56 +90,66 @@ def _program(
     program.cache_dynamic = tuple(c for c, m in zip(cache, plan.mask, strict=True) if m)  # type: ignore[attr-defined]
     program.cache_static = tuple(c for c, m in zip(cache, plan.mask, strict=True) if not m)  # type: ignore[attr-defined]
     # what an engine that records its graph as f runs may run in one call (torch's autograd
-    # mode, :func:`~diffiface._adapters.torch.Adapter.compile`): a gradient of x's own leaves
-    # (or a vjp: f closed and checked by ``close``, the cotangent by ``cotangent``)
-    fusable = compute in ("value_and_gradient", "value_and_pullback") and not has_aux and not compiles
+    # mode, :func:`~diffiface._adapters.torch.Adapter.compile`): a gradient, a vjp, a jvp or an
+    # hvp of x's own leaves (f closed and checked by ``close``; a vjp's cotangent by ``cotangent``)
+    fusable = compute in _FUSABLE and not has_aux and not compiles
     if fusable and getattr(call, "rebuild", None) is None:
-        reverse = Reverse(
+        fused = Fused(
             function,
             sig.x_spec,
-            close.settle,  # type: ignore[attr-defined]
+            close,
             None if all(spec == _LEAF for spec in context_specs) else context_rebuilds,
             context_sizes,
             all(plan.mask),
             adapter,
-            len(picked) == 2,
+            compute,
+            tuple(picked),
             output.checked,
             empty,
         )
         if pullback:
-            reverse.close = close
             # (a partial, in C: no Python frame on the call)
-            reverse.cotangent = functools.partial(_check_cotangent, sig, output, complex_step=adapter.complex_outputs)
-        program.reverse = reverse  # type: ignore[attr-defined]
+            fused.cotangent = functools.partial(_check_cotangent, sig, output, complex_step=adapter.complex_outputs)
+        program.fused = fused  # type: ignore[attr-defined]
     return program
 
 
-class Reverse:
-    """The parts of a gradient program that an adapter may run in one call of its own, without
-    the program's frames (torch in autograd mode: :class:`~diffiface._adapters.torch._Gradient`):
+_FUSABLE = ("value_and_gradient", "value_and_pullback", "value_and_pushforward", "gradient_and_hvp")
+"""The computations whose program an adapter may run in one call of its own (:class:`Fused`)."""
+
+
+class Fused:
+    """The parts of a program that an adapter may run in one call of its own, without the
+    program's frames (torch in autograd mode: :class:`~diffiface._adapters.torch._Gradient`
+    and the classes beside it):
 
     - ``function``: f's reference; ``ref``, its weak reference;
     - ``single``: x is one leaf, else ``rebuild(leaves)`` is x;
-    - ``settle(result, f, context_values, xs, like)``: f's output checked as the program checks
-      it, where it is not a scalar of a type and dtype in ``checked`` (the record's validated
-      outputs);
+    - ``close(f, context_values, like)``: f on a tuple of leaves, its output checked (and
+      recorded, where it is not a scalar) as the program checks it; ``settle(result, f,
+      context_values, xs, like)``: a scalar output checked, where it is not a scalar of a type
+      and dtype in ``checked`` (the record's validated outputs);
     - ``contexts(dynamic)``: the context values from the context leaves, where every leaf is
       dynamic (``dynamic``; else the program's own steps are needed); ``rebuilds``, each
       context's value from its leaves, None where each context is one leaf;
-    - ``adapter``: the adapter the program was built for; ``value``: the value is returned
-      before the gradient;
-    - for a vjp (else None): ``close(f, context_values, like)``, f on a tuple of leaves with its
-      output checked and recorded (the program's own), and ``cotangent(ts)``, the cotangent
-      checked against that record."""
+    - ``adapter``: the adapter the program was built for; ``compute``: the adapter's method
+      the program calls (``value_and_gradient``, ``value_and_pullback``,
+      ``value_and_pushforward`` or ``gradient_and_hvp``); ``picked``: the indices of that
+      method's results the program returns, in order; ``value``: a gradient's value is
+      returned before it;
+    - for a vjp (else None): ``cotangent(ts)``, the cotangent checked against the record of
+      f's output that ``close`` made."""
 
     __slots__ = (
         "adapter",
         "checked",
         "close",
+        "compute",
         "cotangent",
         "dynamic",
         "empty",
         "function",
+        "picked",
         "rebuild",
         "rebuilds",
         "ref",
@@ -153,12 +163,13 @@ class Reverse:
         self,
         function: FunctionRef,
         x_spec: Any,
-        settle: Callable[..., Any],
+        close: Callable[..., Any],
         rebuilds: list[Callable[[Any], Any]] | None,
         sizes: list[int],
         dynamic: bool,
         adapter: Adapter,
-        value: bool,
+        compute: str,
+        picked: tuple[int, ...],
         checked: set[tuple[type, Any]],
         empty: _Static,
     ) -> None:
@@ -166,15 +177,17 @@ class Reverse:
         self.single = x_spec == _LEAF
         self.rebuild = None if self.single else structure_unflatten(x_spec) or x_spec.unflatten
         # (each context's structure rebuilt by the function written for it, where there is one)
-        self.settle = settle
+        self.close = close
+        self.settle = close.settle  # type: ignore[attr-defined]
         self.rebuilds = rebuilds
         self.sizes = sizes
         self.dynamic = dynamic
         self.adapter = adapter
-        self.value = value
+        self.compute = compute
+        self.picked = picked
+        self.value = len(picked) == 2
         self.checked = checked
         self.empty = empty
-        self.close: Callable[..., Any] | None = None
         self.cotangent: Callable[[tuple[Any, ...]], None] | None = None
 
     def contexts(self, dynamic: tuple[Any, ...]) -> tuple[Any, ...]:

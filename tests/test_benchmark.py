@@ -134,7 +134,7 @@ def test_shape_table_pivots_gradient_ratios_by_shape_and_backend():
     ]
 
 
-def test_floor_table_divides_each_torch_gradient_by_its_wrappers():
+def test_floor_table_divides_each_torch_operator_by_its_wrappers():
     run = _run_module()
 
     def row(backend, ratio, variant=None, shape="tuple", operator="gradient", prepared=True):
@@ -147,7 +147,9 @@ def test_floor_table_divides_each_torch_gradient_by_its_wrappers():
         row("torch", 1.16, "floor: a wrapper that keeps the contract"),
         row("torch", 1.12, "floor: a wrapper that copies x once", shape="dict"),  # another shape's floor
         row("torch", 1.3, prepared=False),  # unprepared: no floor
-        row("torch", 1.2, operator="vjp"),  # the table is the gradient's
+        row("torch", 1.2, operator="vjp"),  # a vjp: its copy-once floor, no contract floor
+        row("torch", 1.15, "floor: a wrapper that copies x once", operator="vjp"),
+        row("torch", 2.0, operator="jacobian"),  # no floor for the Jacobian: not in the table
         row("torch-func", 1.2),  # no floor timed: None
         row("jax", 1.01),  # not torch
     ]
@@ -156,6 +158,7 @@ def test_floor_table_divides_each_torch_gradient_by_its_wrappers():
             "backend": "torch",
             "shape": "tuple",
             "size": "mlp",
+            "operator": "gradient",
             "diffiface": 1.16,
             "copy-once wrapper": 1.10,
             "diffiface / it (goal 1.05)": 1.055,
@@ -163,9 +166,21 @@ def test_floor_table_divides_each_torch_gradient_by_its_wrappers():
             "diffiface / it": 1.0,
         },
         {
+            "backend": "torch",
+            "shape": "tuple",
+            "size": "mlp",
+            "operator": "vjp",
+            "diffiface": 1.2,
+            "copy-once wrapper": 1.15,
+            "diffiface / it (goal 1.05)": 1.043,
+            "contract wrapper": None,
+            "diffiface / it": None,
+        },
+        {
             "backend": "torch-func",
             "shape": "tuple",
             "size": "mlp",
+            "operator": "gradient",
             "diffiface": 1.2,
             "copy-once wrapper": None,
             "diffiface / it (goal 1.05)": None,
@@ -197,6 +212,19 @@ def test_contract_wrapper_agrees_with_torch_and_refuses_a_write():
         with pytest.raises(ValueError, match="wrote"):
             run._clone_once_row(name, case, base, writes, (case["x"],), rounds=1, contract=True)
         assert torch.equal(case["ctx"][0][0], before)  # the caller's tensor: unchanged
+
+
+def test_copy_once_jvp_wrapper_is_the_engines_forward_mode():
+    """The torch jvp floor computes the engine's jvp (forward mode's duals in autograd mode,
+    torch.func.jvp in torch.func mode), the same values as the native call it is timed against."""
+    pytest.importorskip("torch")
+    run = _run_module()
+    for name in ("torch", "torch-func"):
+        case = next(c for c in run.shape_cases(name, np.random.default_rng(0)) if c["shape"] == "dict")
+        base = {"backend": name, "shape": "dict", "size": "mlp"}
+        row = run._clone_once_row(name, case, base, case["head"], (case["x"], case["tx"]), rounds=2, op="jvp")
+        assert row["variant"] == "floor: a wrapper that copies x once" and row["operator"] == "jvp"
+        assert row["check"] == "same" and row["ratio"] > 0
 
 
 def test_same_values_compares_leaves_across_container_kinds():

@@ -123,6 +123,87 @@ def test_common_vjp_enters_the_adapter_once(operator: str, prepared: bool, backe
         op(f, backend, x, {"y": torch.randn(6)}, ctx)
 
 
+FORWARD = ["_Gradient.__call__", "_copied_constants", "_Pushforward.engine", "Adapter.untracked", "Adapter.output_leaf"]
+SECOND = ["_Gradient.__call__", "_copied_constants", "_Hvp.engine", "Adapter.untracked", "Adapter.output_leaf"]
+SECOND += ["_if_graph", "_grad", "_grad", "_placed"]
+
+
+@pytest.mark.parametrize("operator", ["jvp", "hvp", "gradient_and_hvp"])
+@pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
+@pytest.mark.parametrize("backend", ["torch", di.AutoTorch()], ids=["by name", "by object"])
+def test_common_jvp_and_hvp_enter_the_adapter_once(operator: str, prepared: bool, backend: Any) -> None:
+    # expected: one call of the fused guard, program and engine (_Pushforward's: duals in a dual
+    # level of ours; _Hvp's: double backward), the Constant's copy and the output's checks (the
+    # program's own); the results are the general steps' ones (x requiring grad: the guard's),
+    # also under the caller's no_grad (the guard's steps, its mode kept); a tangent of
+    # another shape is refused; the caller's tangent is not aliased by the result
+    x, batch = {"l": {"w": torch.randn(5), "b": torch.randn(7)}}, (torch.randn(7, 5), torch.randn(7))
+
+    def f(p: Any, d: Any) -> Any:
+        y = torch.tanh(d[0] @ p["l"]["w"]) + p["l"]["b"] * d[1]
+        return {"y": y} if operator == "jvp" else (y**2).sum() + (p["l"]["w"] ** 2).sum() / 2
+
+    t, ctx = {"l": {"w": torch.randn(5), "b": torch.randn(7)}}, di.Constant(batch)
+    t0 = optree_map(torch.clone, t)
+    op = getattr(di, operator)
+    prep = getattr(di, f"prepare_{operator}")(f, backend, x, t, ctx) if prepared else None
+
+    def call() -> Any:
+        return op(f, backend, x, t, ctx, prep=prep)
+
+    got = call()
+    frames = FORWARD if operator == "jvp" else SECOND + (["_placed"] if operator == "gradient_and_hvp" else [])
+    assert adapter_frames(call) == frames
+    with torch.enable_grad():  # the general steps: x requiring grad (a nested call's shape)
+        general = op(f, backend, optree_map(lambda v: v.clone().requires_grad_(True), x), t, ctx)
+    for a, b in zip(_leaves(got), _leaves(general), strict=True):
+        assert not a.requires_grad
+        torch.testing.assert_close(a, b.detach())
+    with torch.no_grad():
+        for a, b in zip(_leaves(call()), _leaves(got), strict=True):
+            torch.testing.assert_close(a, b)
+        assert not torch.is_grad_enabled()
+    for a in _leaves(got):  # (a result is never the caller's tangent itself)
+        a.add_(1.0)
+    assert all(torch.equal(a, b) for a, b in zip(_leaves(t), _leaves(t0), strict=True))
+    with pytest.raises((di.TangentMismatchError, di.PreparationMismatchError)):
+        op(f, backend, x, {"l": {"w": torch.randn(4), "b": torch.randn(7)}}, ctx, prep=prep)
+
+
+def test_the_fused_jvp_refuses_writes_and_nested_forward_mode() -> None:
+    # expected: a write into the dual input or into the tangent f reaches is a MutationError, the
+    # caller's x and tangent unchanged; a constant f gets zeros; a jvp inside f's jvp is refused
+    # as torch's one dual level requires (UnsupportedOperationError), and the next call works
+    w, t, data = torch.randn(5), torch.randn(5), torch.randn(7, 5)
+    w0, t0 = w.clone(), t.clone()
+    backend, ctx = di.AutoTorch(), di.Constant(data)
+
+    def into_x(w: Any, d: Any) -> Any:
+        w.mul_(2.0)
+        return d @ w
+
+    def into_tangent(w: Any, d: Any) -> Any:
+        import torch.autograd.forward_ad as forward_ad
+
+        forward_ad.unpack_dual(w).tangent.mul_(2.0)
+        return d @ w
+
+    for g in (into_x, into_tangent):
+        prep = di.prepare_jvp(g, backend, w, t, ctx)
+        for _ in range(2):
+            with pytest.raises(di.MutationError):
+                di.jvp(g, backend, w, t, ctx, prep=prep)
+            assert torch.equal(w, w0) and torch.equal(t, t0)
+    assert torch.equal(di.jvp(lambda w, d: d.sum(1), backend, w, t, ctx), torch.zeros(7))
+
+    def nested(w: Any, d: Any) -> Any:
+        return di.jvp(lambda v, e: e @ v, backend, w, t, di.Constant(d))
+
+    with pytest.raises(di.UnsupportedOperationError):
+        di.jvp(nested, backend, w, t, ctx)
+    torch.testing.assert_close(di.jvp(lambda w, d: d @ w, backend, w, t, ctx), data @ t)
+
+
 def optree_map(fn: Any, tree: Any) -> Any:
     import optree
 
@@ -157,19 +238,20 @@ def _write_constant_then_raise(w: Any, data: Any) -> Any:
     ids=["x-under-no-grad", "constant", "constant-then-raise"],
 )
 @pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
-@pytest.mark.parametrize("mode", ["autograd", "func", "autograd vjp"])
+@pytest.mark.parametrize("mode", ["autograd", "func", "autograd vjp", "autograd jvp", "autograd hvp"])
 def test_fast_path_refuses_writes_and_loses_nothing(f: Any, prepared: bool, mode: str) -> None:
     # expected: a MutationError every time; w and data equal to their copies, versions unchanged
     w, data = torch.randn(5), torch.randn(7, 5)
     w0, data0 = w.clone(), data.clone()
     versions = (w._version, data._version)
     backend, ctx = di.AutoTorch(mode=mode.split()[0]), di.Constant(data)
-    vjp = mode.endswith("vjp")  # (f's scalar output, its cotangent a 0-d tensor)
+    product = mode.split()[1] if " " in mode else None  # (a vjp's cotangent: f's output is a 0-d tensor)
 
     def call() -> None:
-        if vjp:
-            prep = di.prepare_vjp(f, backend, w, torch.tensor(1.0), ctx) if prepared else None
-            di.vjp(f, backend, w, torch.tensor(1.0), ctx, prep=prep)
+        if product is not None:
+            t = torch.tensor(1.0) if product == "vjp" else torch.ones(5)
+            prep = getattr(di, f"prepare_{product}")(f, backend, w, t, ctx) if prepared else None
+            getattr(di, product)(f, backend, w, t, ctx, prep=prep)
             return
         prep = di.prepare_gradient(f, backend, w, ctx) if prepared else None
         di.gradient(f, backend, w, ctx, prep=prep)

@@ -160,8 +160,8 @@ class Adapter(_base.Adapter):
             return False
         if any(map(_requires_grad, xs)):  # reverse mode, torch.autograd's or torch.func's
             return not leaf.requires_grad
-        if _DUALS[0] and any(forward_ad.unpack_dual(x).tangent is not None for x in xs):
-            return forward_ad.unpack_dual(leaf).tangent is None
+        if _DUALS[0] and forward_ad.unpack_dual(leaf).tangent is None:  # (a tangent: tracked, the common case)
+            return any(forward_ad.unpack_dual(x).tangent is not None for x in xs)  # forward mode of ours
         return False  # (torch.func's forward mode: every tensor made inside is wrapped alike)
 
     def plain(self, leaf: Any) -> Any:
@@ -229,13 +229,13 @@ class Adapter(_base.Adapter):
         self, program: Callable[..., Any], static: bool = True, arrays: bool = False, layouts: Any = None
     ) -> Callable[..., Any]:
         guarded = _guard(program, getattr(program, "cache_dynamic", ()), getattr(program, "cache_static", ()))
-        reverse = getattr(program, "reverse", None)
-        if reverse is None or reverse.adapter is not self or not reverse.dynamic:
+        fused = getattr(program, "fused", None)
+        if fused is None or fused.adapter is not self or not fused.dynamic:
             return guarded
-        cache_dynamic = program.cache_dynamic  # type: ignore[attr-defined]
-        if reverse.close is not None:  # a vjp
-            return guarded if self.functional else _Pullback(guarded, reverse, cache_dynamic)
-        return _Gradient(guarded, reverse, cache_dynamic, functional=self.functional)
+        fuse = _FUSED.get((fused.compute, self.functional))
+        if fuse is None:  # (torch.func's vjp, jvp and hvp: the guard's steps)
+            return guarded
+        return fuse(guarded, fused, program.cache_dynamic, functional=self.functional)  # type: ignore[attr-defined]
 
     # -- primitives ---------------------------------------------------------------------------
 
@@ -977,27 +977,31 @@ class _Gradient:
     Each Python frame between two calls of torch's kernels costs about a microsecond (their
     caches are cold), and the steps it fuses took fourteen of them."""
 
-    __slots__ = ("checked", "constant_at", "functional", "guarded", "reverse", "transform")
+    __slots__ = ("checked", "constant_at", "functional", "fused", "guarded", "plain", "requiring", "transform")
 
     def __init__(
-        self, guarded: Callable[..., Any], reverse: Any, cache_dynamic: tuple[bool, ...], functional: bool = False
+        self, guarded: Callable[..., Any], fused: Any, cache_dynamic: tuple[bool, ...], functional: bool = False
     ) -> None:
         self.guarded = guarded
-        self.reverse = reverse
-        self.checked = reverse.checked
+        self.fused = fused
+        self.checked = fused.checked
         self.constant_at = tuple(i for i, cache in enumerate(cache_dynamic) if not cache)
         self.functional = functional
+        # x's leaves (and the tangents) must be plain tensors (a DTensor's results are laid out again)
+        self.plain = functional or fused.compute == "value_and_pushforward"
+        # f gets leaves of a fresh graph (autograd's reverse mode), else plain copies
+        self.requiring = not (functional or fused.compute == "value_and_pushforward")
         self.transform = func.grad_and_value(self.value) if functional else None
 
     def value(self, x: Any, bound: _Bound) -> Any:
         """torch.func mode: f's value at the transform's x (one tensor, or the tuple of x's
         leaves), checked."""
-        reverse = self.reverse
+        fused = self.fused
         f, context_values = bound.f, bound.context_values
         try:
-            value = f(x if reverse.single else reverse.rebuild(x), *context_values)
+            value = f(x if fused.single else fused.rebuild(x), *context_values)
         except Exception as exc:
-            _explained(exc, reverse.adapter)
+            _explained(exc, fused.adapter)
             raise
         if (
             type(value) is torch.Tensor
@@ -1007,11 +1011,10 @@ class _Gradient:
             and torch.is_grad_enabled()
         ):
             return value
-        xs = (x,) if reverse.single else x
-        return reverse.settle(value, f, context_values, xs, xs[0])
+        xs = (x,) if fused.single else x
+        return fused.settle(value, f, context_values, xs, xs[0])
 
     def __call__(self, xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
-        functional = self.functional
         if (
             static is not None
             or _DUALS[0]
@@ -1019,10 +1022,10 @@ class _Gradient:
             or torch.is_inference_mode_enabled()
             or not xs
             or any(map(_requires_grad, xs))
-            or (functional and set(map(type, xs)) != _PLAIN)
+            or (self.plain and (set(map(type, xs)) != _PLAIN or (ts and set(map(type, ts)) != _PLAIN)))
         ):
             return self.guarded(xs, ts, dynamic, static)
-        if functional:
+        if not self.requiring:
             inputs = tuple(map(_clone, xs))
         else:
             try:
@@ -1033,17 +1036,17 @@ class _Gradient:
         constants: list[tuple[int, Any, int]] = []
         if dynamic and self.constant_at:
             dynamic, constants = _copied_constants(dynamic, self.constant_at)
-        reverse = self.reverse
-        rebuilds = reverse.rebuilds
+        fused = self.fused
+        rebuilds = fused.rebuilds
         if rebuilds is None:
             context_values = dynamic
         elif len(rebuilds) == 1:
             context_values = (rebuilds[0](dynamic),)
         else:
-            context_values = reverse.contexts(dynamic)
-        f = reverse.ref()
+            context_values = fused.contexts(dynamic)
+        f = fused.ref()
         if f is None:
-            f = reverse.function()
+            f = fused.function()
         stack = _CALLS.keep
         stack.append(False)
         try:
@@ -1069,17 +1072,17 @@ class _Gradient:
     def engine(self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves) -> Any:
         """The engine's part of the call on the copies ``inputs`` of x's leaves ``xs``: the
         program's results, ``(gradient,)`` or ``(value, gradient)``."""
-        reverse = self.reverse
+        fused = self.fused
         if self.functional:
             bound = _Bound()  # (its fields set here: no __init__ frame)
             bound.f, bound.context_values = f, context_values
-            grads, value = self.transform(inputs[0] if reverse.single else inputs, bound)  # type: ignore[misc]
-            grads = _materialised((grads,) if reverse.single else grads)
-            return (value, grads) if reverse.value else (grads,)
+            grads, value = self.transform(inputs[0] if fused.single else inputs, bound)  # type: ignore[misc]
+            grads = _materialised((grads,) if fused.single else grads)
+            return (value, grads) if fused.value else (grads,)
         try:
-            value = f(inputs[0] if reverse.single else reverse.rebuild(inputs), *context_values)
+            value = f(inputs[0] if fused.single else fused.rebuild(inputs), *context_values)
         except Exception as exc:
-            _explained(exc, reverse.adapter)
+            _explained(exc, fused.adapter)
             raise
         if not (
             type(value) is torch.Tensor
@@ -1088,12 +1091,12 @@ class _Gradient:
             and value.shape == ()
             and torch.is_grad_enabled()
         ):
-            value = reverse.settle(value, f, context_values, inputs, inputs[0])
+            value = fused.settle(value, f, context_values, inputs, inputs[0])
         if value.requires_grad:
             grads = _whole(torch.autograd.grad((value,), inputs, allow_unused=True), inputs)
         else:
             grads = _grad([], inputs)
-        return (value, grads) if reverse.value else (grads,)
+        return (value, grads) if fused.value else (grads,)
 
 
 class _Pullback(_Gradient):
@@ -1107,9 +1110,9 @@ class _Pullback(_Gradient):
     __slots__ = ()
 
     def engine(self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves) -> Any:
-        reverse = self.reverse
-        out, _ = reverse.close(f, context_values, xs[0])(inputs)
-        reverse.cotangent(ts)
+        fused = self.fused
+        out, _ = fused.close(f, context_values, xs[0])(inputs)
+        fused.cotangent(ts)
         outs = out if type(out) is tuple else (out,)
         touts = ts
         for y in outs:  # (a loop: no generator on the common path)
@@ -1117,7 +1120,89 @@ class _Pullback(_Gradient):
                 touts = _cotangents(out, ts)
                 break
         grads = _backward(outs, touts, inputs)
-        return (_detached(out, False), grads) if reverse.value else (grads,)
+        return (_detached(out, False), grads) if fused.value else (grads,)
+
+
+class _Pushforward(_Gradient):
+    """:class:`_Gradient`'s one call for a jvp in autograd mode: the same guard's steps around
+    copies of the tangents made duals of the copies of x's leaves in a dual level of ours, f
+    closed and checked by the program's own ``close``, each output's primal and tangent
+    unpacked once, and the tangents' version counters read (a write into one changes the
+    derivative itself, and is refused). Every leaf of x and of the tangent must be a plain
+    tensor; any other call is ``guarded``'s, before anything has run."""
+
+    __slots__ = ()
+
+    def engine(self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves) -> Any:
+        fused = self.fused
+        if not _FORWARD_WARMED[0]:
+            _warm_forward()
+        tangents = tuple(map(_clone, ts))
+        versions = list(map(_version, tangents))
+        with _FORWARD_LOCK:
+            level = forward_ad.dual_level()
+            try:
+                level.__enter__()
+            except RuntimeError as exc:  # the caller's own dual level is open
+                raise _nested_forward() from exc
+            _DUALS[0] += 1
+            try:
+                try:
+                    duals = tuple(map(forward_ad.make_dual, inputs, tangents))
+                except RuntimeError as exc:  # duals of torch.func's wrapped tensors
+                    raise _autograd_in_func() from exc
+                out, _ = fused.close(f, context_values, xs[0])(duals)
+                primals, outs = [], []
+                for y in out:  # (close gives a tuple of output leaves; a loop: on every call)
+                    if isinstance(y, torch.Tensor):
+                        primal, tangent = forward_ad.unpack_dual(y)
+                        primals.append(primal)
+                        outs.append(torch.zeros_like(primal) if tangent is None else tangent)
+                    else:
+                        primals.append(y)
+                        outs.append(y)
+            finally:
+                _DUALS[0] -= 1
+                level.__exit__(None, None, None)
+        if list(map(_version, tangents)) != versions:
+            # (the tangent f reaches through its dual input: a write changes the derivative itself)
+            raise MutationError(f"f wrote in place into the tangent of its input (forward mode). {_FIX}")
+        return (tuple(primals), tuple(outs)) if fused.value else (tuple(outs),)
+
+
+class _Hvp(_Gradient):
+    """:class:`_Gradient`'s one call for an hvp in autograd mode: the same guard's steps
+    around f closed and checked by the program's own ``close`` on the copies of x's leaves,
+    its gradient with its graph, and that gradient's pullback along copies of the tangents
+    (double backward), where the guard, the program and the adapter's method took about
+    fourteen Python frames. It serves the call :class:`_Gradient` serves."""
+
+    __slots__ = ()
+
+    def engine(self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves) -> Any:
+        value, _ = self.fused.close(f, context_values, xs[0])(inputs)
+        grads = _grad(_if_graph(value), inputs, create_graph=True)
+        # (copies: a product the graph passes through unchanged would be the caller's tangent)
+        tangents = tuple(map(_clone, ts))
+        ys, touts = [], []
+        for g, t in zip(grads, tangents, strict=True):  # (a loop, not a comprehension: on every call)
+            if g.requires_grad:
+                ys.append(g)
+                touts.append(t)
+        hvps = _placed(_grad(ys, inputs, touts), inputs)
+        if self.fused.value:  # the gradient too
+            return tuple(map(torch.Tensor.detach, _placed(grads, inputs))), hvps
+        return (hvps,)
+
+
+_FUSED = {
+    ("value_and_gradient", False): _Gradient,
+    ("value_and_gradient", True): _Gradient,
+    ("value_and_pullback", False): _Pullback,
+    ("value_and_pushforward", False): _Pushforward,
+    ("gradient_and_hvp", False): _Hvp,
+}
+"""Each computation's one call, by (computation, torch.func mode); any other, the guard's steps."""
 
 
 def _explained(exc: Exception, adapter: Adapter) -> None:
