@@ -87,11 +87,14 @@ def test_common_gradient_enters_the_adapter_once(shape: str, operator: str, prep
 
 @pytest.mark.parametrize("operator", ["vjp", "value_and_vjp"])
 @pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
-@pytest.mark.parametrize("backend", ["torch", di.AutoTorch()], ids=["by name", "by object"])
+@pytest.mark.parametrize(
+    "backend", ["torch", di.AutoTorch(), di.AutoTorch(mode="func")], ids=["by name", "by object", "func"]
+)
 def test_common_vjp_enters_the_adapter_once(operator: str, prepared: bool, backend: Any) -> None:
     # expected: one call of the fused guard, program and backward pass (_Pullback's engine), the
     # Constant's copy, the output's two checks (the program's own), the backward pass (_grad)
-    # and, for the value, its detaching; the results are the general steps' ones
+    # and, for the value, its detaching (under torch.func: torch.func.vjp of the closed f's
+    # output, _output, and its pullback); the results are the general steps' ones
     w = torch.randn(5)
     x, batch = {"l": {"w": w, "b": torch.randn(7)}}, (torch.randn(7, 5), torch.randn(7))
 
@@ -107,8 +110,11 @@ def test_common_vjp_enters_the_adapter_once(operator: str, prepared: bool, backe
 
     call()
     frames = ["_Gradient.__call__", "_copied_constants", "_Pullback.engine", "Adapter.untracked", "Adapter.output_leaf"]
-    frames += ["_backward", "_grad"]
-    assert adapter_frames(call) == frames + (["_detached"] if operator == "value_and_vjp" else [])
+    if getattr(backend, "mode", "autograd") == "func":
+        frames.insert(3, "_output")
+    else:
+        frames += ["_backward", "_grad"] + (["_detached"] if operator == "value_and_vjp" else [])
+    assert adapter_frames(call) == frames
     with torch.enable_grad():  # the general steps: x requiring grad (a nested call's shape)
         general = op(f, backend, optree_map(lambda v: v.clone().requires_grad_(True), x), t, ctx)
     got = call()
@@ -238,7 +244,7 @@ def _write_constant_then_raise(w: Any, data: Any) -> Any:
     ids=["x-under-no-grad", "constant", "constant-then-raise"],
 )
 @pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
-@pytest.mark.parametrize("mode", ["autograd", "func", "autograd vjp", "autograd jvp", "autograd hvp"])
+@pytest.mark.parametrize("mode", ["autograd", "func", "autograd vjp", "func vjp", "autograd jvp", "autograd hvp"])
 def test_fast_path_refuses_writes_and_loses_nothing(f: Any, prepared: bool, mode: str) -> None:
     # expected: a MutationError every time; w and data equal to their copies, versions unchanged
     w, data = torch.randn(5), torch.randn(7, 5)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dis
+import functools
 import operator
 import re
 import sys
@@ -233,7 +234,7 @@ class Adapter(_base.Adapter):
         if fused is None or fused.adapter is not self or not fused.dynamic:
             return guarded
         fuse = _FUSED.get((fused.compute, self.functional))
-        if fuse is None:  # (torch.func's vjp, jvp and hvp: the guard's steps)
+        if fuse is None:  # (torch.func's jvp and hvp: the guard's steps)
             return guarded
         return fuse(guarded, fused, program.cache_dynamic, functional=self.functional)  # type: ignore[attr-defined]
 
@@ -1100,18 +1101,24 @@ class _Gradient:
 
 
 class _Pullback(_Gradient):
-    """:class:`_Gradient`'s one call for a vjp in autograd mode: the same guard's steps around
-    f closed and checked by the program's own ``close`` (its output recorded), the cotangent
-    checked against that record (``cotangent``), and one ``torch.autograd.grad`` with the
-    cotangent, where the guard, the program and the adapter's pullback took about fifteen
-    Python frames. It serves the call :class:`_Gradient` serves; any other is ``guarded``'s,
-    before anything has run."""
+    """:class:`_Gradient`'s one call for a vjp: the same guard's steps around f closed and
+    checked by the program's own ``close`` (its output recorded), the cotangent checked against
+    that record (``cotangent``), and the backward pass with the cotangent: one
+    ``torch.autograd.grad``, or in torch.func mode the pullback of ``torch.func.vjp`` of the
+    closed f on the tuple of x's leaves. The guard, the program and the adapter's pullback took
+    about fifteen Python frames and, in torch.func mode, four closures made on every call. It
+    serves the call :class:`_Gradient` serves; any other is ``guarded``'s, before anything has
+    run."""
 
     __slots__ = ()
 
     def engine(self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves) -> Any:
         fused = self.fused
-        out, _ = fused.close(f, context_values, xs[0])(inputs)
+        closed = fused.close(f, context_values, xs[0])
+        if self.functional:  # torch.func.vjp of the closed f on the tuple of x's leaves
+            out, pullback = func.vjp(functools.partial(_output, closed), inputs)  # type: ignore[misc]
+        else:
+            out, _ = closed(inputs)
         fused.cotangent(ts)
         outs = out if type(out) is tuple else (out,)
         touts = ts
@@ -1119,6 +1126,9 @@ class _Pullback(_Gradient):
             if type(y) is not torch.Tensor:  # a DTensor: its cotangents laid out as it is
                 touts = _cotangents(out, ts)
                 break
+        if self.functional:
+            grads = pullback(touts if type(out) is tuple else touts[0])[0]
+            return (out, grads) if fused.value else (grads,)
         grads = _backward(outs, touts, inputs)
         return (_detached(out, False), grads) if fused.value else (grads,)
 
@@ -1199,10 +1209,16 @@ _FUSED = {
     ("value_and_gradient", False): _Gradient,
     ("value_and_gradient", True): _Gradient,
     ("value_and_pullback", False): _Pullback,
+    ("value_and_pullback", True): _Pullback,
     ("value_and_pushforward", False): _Pushforward,
     ("gradient_and_hvp", False): _Hvp,
 }
 """Each computation's one call, by (computation, torch.func mode); any other, the guard's steps."""
+
+
+def _output(closed: Fn, xs: Leaves) -> Any:
+    """The closed f's output without its aux (None: no aux), as torch.func.vjp takes it."""
+    return closed(xs)[0]
 
 
 def _explained(exc: Exception, adapter: Adapter) -> None:
