@@ -1115,8 +1115,12 @@ class _Pullback(_Gradient):
     def engine(self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves) -> Any:
         fused = self.fused
         closed = fused.close(f, context_values, xs[0])
-        if self.functional:  # torch.func.vjp of the closed f on the tuple of x's leaves
-            out, pullback = func.vjp(functools.partial(_output, closed), inputs)  # type: ignore[misc]
+        if self.functional:  # torch.func.vjp of the closed f: on one tensor, or the tuple of x's leaves
+            single = fused.single
+            out, pullback = func.vjp(functools.partial(_output, closed, single), inputs[0] if single else inputs)  # type: ignore[misc]
+            bare = type(out) is not tuple  # (one output tensor, bare: less pytree work for torch.func)
+            if bare:
+                out = (out,)
         else:
             out, _ = closed(inputs)
         fused.cotangent(ts)
@@ -1127,7 +1131,9 @@ class _Pullback(_Gradient):
                 touts = _cotangents(out, ts)
                 break
         if self.functional:
-            grads = pullback(touts if type(out) is tuple else touts[0])[0]
+            grads = pullback(touts[0] if bare else touts)[0]
+            if single:
+                grads = (grads,)
             return (out, grads) if fused.value else (grads,)
         grads = _backward(outs, touts, inputs)
         return (_detached(out, False), grads) if fused.value else (grads,)
@@ -1216,9 +1222,12 @@ _FUSED = {
 """Each computation's one call, by (computation, torch.func mode); any other, the guard's steps."""
 
 
-def _output(closed: Fn, xs: Leaves) -> Any:
-    """The closed f's output without its aux (None: no aux), as torch.func.vjp takes it."""
-    return closed(xs)[0]
+def _output(closed: Fn, single: bool, x: Any) -> Any:
+    """The closed f's output leaves without its aux (None: no aux), as torch.func.vjp takes
+    them: on one tensor where ``single``, else on the tuple of x's leaves; one output tensor
+    bare, not in a tuple of one (less pytree work for torch.func)."""
+    out = closed((x,) if single else x)[0]
+    return out[0] if len(out) == 1 else out
 
 
 def _explained(exc: Exception, adapter: Adapter) -> None:
