@@ -905,8 +905,9 @@ def _shape_rows_for(name, rounds):
                 rows.append(row)
             if op == "gradient":
                 rows += _variant_rows(name, case, base, f, args, rounds)
-            elif name.startswith("torch") and op in FLOORED:  # (their bound, as the gradient's)
+            elif name.startswith("torch") and op in FLOORED:  # (their bounds, as the gradient's)
                 rows.append(_clone_once_row(name, case, base, f, args, rounds, op))
+                rows.append(_clone_once_row(name, case, base, f, args, rounds, op, contract=True))
     return rows
 
 
@@ -971,12 +972,13 @@ def _one_frame_row(name, case, base, f, args, rounds):
 
 
 def _clone_once_row(name, case, base, f, args, rounds, op="gradient", contract=False):
-    """torch's own ``op`` (gradient, vjp or hvp) through one Python function of diffiface's
+    """torch's own ``op`` (gradient, jvp, vjp or hvp) through one Python function of diffiface's
     signature that does the least a strict prepared call must: flatten x once (optree), compare
     its structure and each leaf's (type, shape, dtype, device) with the prepared ones, copy x once
     (what keeps the caller's tensors safe where f writes into its input), the engine's own
     operation on the copies (autograd's on the copies' leaves: one backward pass, or two for the
-    hvp; or ``torch.func.grad``, ``vjp``, ``jvp`` of ``grad``), the result rebuilt. The torch goal is
+    hvp; forward mode's duals of the copies for the jvp; or ``torch.func.grad``, ``jvp``, ``vjp``,
+    ``jvp`` of ``grad``), the result rebuilt. The torch goal is
     1.05 times this wrapper's ratio.
 
     With ``contract``, the wrapper also does what diffiface's contract asks of the contexts (a
@@ -1033,25 +1035,30 @@ def _clone_once_row(name, case, base, f, args, rounds, op="gradient", contract=F
         if functional:
             fresh = [v.clone() for v in found]
             copied = optree.tree_unflatten(spec, fresh)
+            copies += fresh
+            versions = [v._version for v in copies] if contract else None
             if op == "gradient":
-                if not contract:
-                    return grad(copied, *values)
-                copies += fresh
-                versions = [v._version for v in copies]
                 out = grad(copied, *values)
+            elif op == "vjp":
+                out = torch.func.vjp(lambda z: f(z, *values), copied)[1](tangent)[0]
+            elif op == "jvp":
+                out = torch.func.jvp(lambda z: f(z, *values), (copied,), (tangent,))[1]
+            else:
+                out = torch.func.jvp(lambda w: grad(w, *values), (copied,), (tangent,))[1]
+            if contract:
                 unwritten(copies, versions)
-                return out
-            if op == "vjp":
-                return torch.func.vjp(lambda z: f(z, *values), copied)[1](tangent)[0]
-            if op == "jvp":
-                return torch.func.jvp(lambda z: f(z, *values), (copied,), (tangent,))[1]
-            return torch.func.jvp(lambda w: grad(w, *values), (copied,), (tangent,))[1]
+            return out
         if op == "jvp":  # the engine's forward mode: duals of the copies
             forward_ad = torch.autograd.forward_ad
+            fresh = [v.clone() for v in found]
+            copies += fresh
+            versions = [v._version for v in copies] if contract else None
             with forward_ad.dual_level():
                 tangents = optree.tree_leaves(tangent)
-                duals = [forward_ad.make_dual(v.clone(), t) for v, t in zip(found, tangents, strict=True)]
+                duals = [forward_ad.make_dual(v, t) for v, t in zip(fresh, tangents, strict=True)]
                 out = f(optree.tree_unflatten(spec, duals), *values)
+                if contract:
+                    unwritten(copies, versions)
                 return optree.tree_map(lambda y: forward_ad.unpack_dual(y).tangent, out)
         zs = [v.detach().clone().requires_grad_(True) for v in found]
         copies += zs
@@ -1125,7 +1132,7 @@ def plot_shapes(rows, path):
 
 
 FLOORED = ("gradient", "jvp", "vjp", "hvp")
-"""The torch operators timed through the copy-once wrapper too (the contract wrapper: the gradient)."""
+"""The torch operators timed through the two wrappers too (the copy-once and the contract one)."""
 
 
 def floor_table(rows):
@@ -1213,9 +1220,9 @@ def write_shapes(rows, meta):
         "Python costs on this core. `floor: a wrapper that copies x once`: torch's own gradient through one "
         "Python function that flattens x, compares its structure and each leaf's type, shape, dtype and device "
         "with the prepared ones, copies x once and rebuilds the result, the least a strict prepared torch call "
-        "does for x; the torch and torch-func goal is 1.05 times its ratio. The same wrapper is timed for the "
-        "vjp and the hvp (the engine's own operation on the copy: one backward pass with the cotangent, or "
-        "two). `floor: a wrapper that keeps the contract`: the same wrapper doing also what diffiface's "
+        "does for x; the torch and torch-func goal is 1.05 times its ratio. Both wrappers are timed for the "
+        "jvp, the vjp and the hvp too (the engine's own operation on the copy: forward mode's duals, one "
+        "backward pass with the cotangent, or two). `floor: a wrapper that keeps the contract`: the same wrapper doing also what diffiface's "
         "contract asks of the contexts: each context flattened and each leaf's type, shape, dtype and device "
         "compared with the prepared ones (a strict prep), a copy of each Constant tensor given to f, and the "
         "version counters of the copies of x and of the Constants read after f (a write refused, the caller's "

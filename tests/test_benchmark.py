@@ -216,15 +216,30 @@ def test_contract_wrapper_agrees_with_torch_and_refuses_a_write():
 
 def test_copy_once_jvp_wrapper_is_the_engines_forward_mode():
     """The torch jvp floor computes the engine's jvp (forward mode's duals in autograd mode,
-    torch.func.jvp in torch.func mode), the same values as the native call it is timed against."""
-    pytest.importorskip("torch")
+    torch.func.jvp in torch.func mode), the same values as the native call it is timed against;
+    the contract wrapper's jvp and hvp too, and they see a write into a Constant's copy."""
+    torch = pytest.importorskip("torch")
     run = _run_module()
     for name in ("torch", "torch-func"):
         case = next(c for c in run.shape_cases(name, np.random.default_rng(0)) if c["shape"] == "dict")
         base = {"backend": name, "shape": "dict", "size": "mlp"}
-        row = run._clone_once_row(name, case, base, case["head"], (case["x"], case["tx"]), rounds=2, op="jvp")
+        args = (case["x"], case["tx"])
+        row = run._clone_once_row(name, case, base, case["head"], args, rounds=2, op="jvp")
         assert row["variant"] == "floor: a wrapper that copies x once" and row["operator"] == "jvp"
         assert row["check"] == "same" and row["ratio"] > 0
+        for op, f, args in (("jvp", case["head"], args), ("hvp", case["loss"], args)):
+            row = run._clone_once_row(name, case, base, f, args, rounds=1, op=op, contract=True)
+            assert row["check"] == "same"
+
+            def writes(params, batch, f=f):
+                batch["x"].mul_(2.0)  # into the Constant's copy
+                return f(params, batch)
+
+            before = case["ctx"][0]["x"].clone()
+            # (the wrapper's version counters see it; torch.func refuses it before writing)
+            with pytest.raises((ValueError, RuntimeError), match="wrote|mutate a captured"):
+                run._clone_once_row(name, case, base, writes, args, rounds=1, op=op, contract=True)
+            assert torch.equal(case["ctx"][0]["x"], before)  # the caller's tensor: unchanged
 
 
 def test_same_values_compares_leaves_across_container_kinds():
