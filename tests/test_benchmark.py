@@ -227,7 +227,7 @@ def test_copy_once_jvp_wrapper_is_the_engines_forward_mode():
         row = run._clone_once_row(name, case, base, case["head"], args, rounds=2, op="jvp")
         assert row["variant"] == "floor: a wrapper that copies x once" and row["operator"] == "jvp"
         assert row["check"] == "same" and row["ratio"] > 0
-        for op, f, args in (("jvp", case["head"], args), ("hvp", case["loss"], args)):
+        for op, f in (("jvp", case["head"]), ("hvp", case["loss"])):
             row = run._clone_once_row(name, case, base, f, args, rounds=1, op=op, contract=True)
             assert row["check"] == "same"
 
@@ -237,7 +237,7 @@ def test_copy_once_jvp_wrapper_is_the_engines_forward_mode():
 
             before = case["ctx"][0]["x"].clone()
             # (the wrapper's version counters see it; torch.func refuses it before writing)
-            with pytest.raises((ValueError, RuntimeError), match="wrote|mutate a captured"):
+            with pytest.raises((ValueError, RuntimeError), match=r"wrote|mutate a captured"):
                 run._clone_once_row(name, case, base, writes, args, rounds=1, op=op, contract=True)
             assert torch.equal(case["ctx"][0]["x"], before)  # the caller's tensor: unchanged
 
