@@ -89,8 +89,8 @@ def _program(
     cache = [kind is Cache for kind, _, leaves in sig.contexts for _ in leaves]
     program.cache_dynamic = tuple(c for c, m in zip(cache, plan.mask, strict=True) if m)  # type: ignore[attr-defined]
     program.cache_static = tuple(c for c, m in zip(cache, plan.mask, strict=True) if not m)  # type: ignore[attr-defined]
-    # what an engine that records its graph as f runs may run in one call (torch's autograd
-    # mode, :func:`~diffiface._adapters.torch.Adapter.compile`): a gradient, a vjp, a jvp or an
+    # what an engine that records its graph as f runs may run in one call (torch,
+    # :func:`~diffiface._adapters.torch.Adapter.compile`): a gradient, a vjp, a jvp or an
     # hvp of x's own leaves (f closed and checked by ``close``; a vjp's cotangent by ``cotangent``)
     fusable = compute in _FUSABLE and not has_aux and not compiles
     if fusable and getattr(call, "rebuild", None) is None:
@@ -103,7 +103,7 @@ def _program(
             all(plan.mask),
             adapter,
             compute,
-            tuple(picked),
+            len(picked) == 2,
             output.checked,
             empty,
         )
@@ -120,8 +120,8 @@ _FUSABLE = ("value_and_gradient", "value_and_pullback", "value_and_pushforward",
 
 class Fused:
     """The parts of a program that an adapter may run in one call of its own, without the
-    program's frames (torch in autograd mode: :class:`~diffiface._adapters.torch._Gradient`
-    and the classes beside it):
+    program's frames (torch: :class:`~diffiface._adapters.torch._Gradient` and the classes
+    beside it):
 
     - ``function``: f's reference; ``ref``, its weak reference;
     - ``single``: x is one leaf, else ``rebuild(leaves)`` is x;
@@ -134,9 +134,8 @@ class Fused:
       context's value from its leaves, None where each context is one leaf;
     - ``adapter``: the adapter the program was built for; ``compute``: the adapter's method
       the program calls (``value_and_gradient``, ``value_and_pullback``,
-      ``value_and_pushforward`` or ``gradient_and_hvp``); ``picked``: the indices of that
-      method's results the program returns, in order; ``value``: a gradient's value is
-      returned before it;
+      ``value_and_pushforward`` or ``gradient_and_hvp``); ``value``: the program returns two
+      results, f's value (for an hvp, the gradient) before the derivative;
     - for a vjp (else None): ``cotangent(ts)``, the cotangent checked against the record of
       f's output that ``close`` made."""
 
@@ -149,7 +148,6 @@ class Fused:
         "dynamic",
         "empty",
         "function",
-        "picked",
         "rebuild",
         "rebuilds",
         "ref",
@@ -169,7 +167,7 @@ class Fused:
         dynamic: bool,
         adapter: Adapter,
         compute: str,
-        picked: tuple[int, ...],
+        value: bool,
         checked: set[tuple[type, Any]],
         empty: _Static,
     ) -> None:
@@ -184,8 +182,7 @@ class Fused:
         self.dynamic = dynamic
         self.adapter = adapter
         self.compute = compute
-        self.picked = picked
-        self.value = len(picked) == 2
+        self.value = value
         self.checked = checked
         self.empty = empty
         self.cotangent: Callable[[tuple[Any, ...]], None] | None = None

@@ -139,21 +139,21 @@ class Adapter(_base.Adapter):
 
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
         """Forward mode from two reverse passes: the pullback ``u -> J.T u`` is linear in ``u``,
-        and its own pullback along ``txs`` is ``J txs``."""
+        and its own pullback along ``txs`` (a tuple where x has several leaves) is ``J txs``."""
         out, aux, vjp, flat = self._flat_pullback(fn, xs)
 
-        def pullback(u: Any) -> Any:  # one array out, so that autograd traces it
+        def pullback(u: Any) -> Any:
             grads = vjp(u)
             if len(xs) == 1:
                 return grads[0]
-            return anp.concatenate([anp.reshape(grads[i], (-1,)) for i in range(len(xs))]) if xs else anp.zeros(0)
+            # several leaves: the tuple autograd's vjp gives (a container it traces), not
+            # concatenated (a concatenation and its split cost more than f on small inputs)
+            return grads if xs else anp.zeros(0)
 
         start_point = np.zeros(np.shape(getval(flat)), dtype=getval(flat).dtype)
         transpose, _ = _make_vjp(pullback, start_point)
-        if len(txs) == 1:
-            tangent = transpose(txs[0])
-        else:
-            tangent = transpose(np.concatenate([np.reshape(t, -1) for t in txs]) if txs else np.zeros(0))
+        # (the tangent as the pullback's input is laid out: one array, a tuple, or none)
+        tangent = transpose(txs[0] if len(txs) == 1 else tuple(txs) if txs else np.zeros(0))
         if not isinstance(out, tuple):
             return out, aux, tangent
         if len(out) == 1:
