@@ -309,27 +309,17 @@ class Adapter(_base.Adapter):
         keep = _keeping()
         if keep and any(x.requires_grad and _wrapped(x) for x in xs):
             raise _autograd_in_func()
-        level = forward_ad.dual_level()
+        level = _open_dual_level()
         try:
-            level.__enter__()
-        except RuntimeError as exc:  # the caller's own dual level is open
-            raise _nested_forward() from exc
-        _DUALS[0] += 1
-        try:
-            try:
-                # x itself where it carries an outer graph (reverse over forward), else detached
-                duals = tuple(map(forward_ad.make_dual, xs if keep else map(torch.Tensor.detach, xs), txs))
-            except RuntimeError as exc:  # duals of torch.func's wrapped tensors
-                raise _autograd_in_func() from exc
-            out, aux = fn(duals)
+            # x itself where it carries an outer graph (reverse over forward), else detached
+            out, aux = fn(_made_duals(xs if keep else tuple(map(torch.Tensor.detach, xs)), txs))
             if type(out) is tuple:  # (the closed function's output leaves: no tree to walk)
                 primal, tangent = tuple(map(_primal, out)), tuple(map(_tangent, out))
             else:
                 primal, tangent = _tree.map(_primal, out), _tree.map(_tangent, out)
             aux = None if aux is None else _tree.map(_primal, aux)
         finally:
-            _DUALS[0] -= 1
-            level.__exit__(None, None, None)
+            _close_dual_level(level)
         return primal, aux, tangent
 
     def value_and_pushforwards(self, fn: Fn, xs: Leaves, batch: Any) -> tuple[Any, Any, list[Any]]:
@@ -814,6 +804,31 @@ def _detached(tree: Any, keep: bool) -> Any:
     return _tree.map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, tree)
 
 
+def _open_dual_level() -> Any:
+    """A dual level of ours, entered (torch has one at a time: where the caller's is open, a
+    nested forward mode, refused)."""
+    level = forward_ad.dual_level()
+    try:
+        level.__enter__()
+    except RuntimeError as exc:  # the caller's own dual level is open
+        raise _nested_forward() from exc
+    _DUALS[0] += 1
+    return level
+
+
+def _close_dual_level(level: Any) -> None:
+    _DUALS[0] -= 1
+    level.__exit__(None, None, None)
+
+
+def _made_duals(xs: Leaves, txs: Leaves) -> Leaves:
+    """Dual tensors of ``xs`` with tangents ``txs``, in the open dual level of ours."""
+    try:
+        return tuple(map(forward_ad.make_dual, xs, txs))
+    except RuntimeError as exc:  # duals of torch.func's wrapped tensors
+        raise _autograd_in_func() from exc
+
+
 def _primal(value: Any) -> Any:
     return forward_ad.unpack_dual(value).primal if isinstance(value, torch.Tensor) else value
 
@@ -1156,18 +1171,9 @@ class _Pushforward(_Gradient):
         tangents = tuple(map(_clone, ts))
         versions = list(map(_version, tangents))
         with _FORWARD_LOCK:
-            level = forward_ad.dual_level()
+            level = _open_dual_level()
             try:
-                level.__enter__()
-            except RuntimeError as exc:  # the caller's own dual level is open
-                raise _nested_forward() from exc
-            _DUALS[0] += 1
-            try:
-                try:
-                    duals = tuple(map(forward_ad.make_dual, inputs, tangents))
-                except RuntimeError as exc:  # duals of torch.func's wrapped tensors
-                    raise _autograd_in_func() from exc
-                out, _ = fused.close(f, context_values, xs[0])(duals)
+                out, _ = fused.close(f, context_values, xs[0])(_made_duals(inputs, tangents))
                 primals, outs = [], []
                 for y in out:  # (close gives a tuple of output leaves; a loop: on every call)
                     if isinstance(y, torch.Tensor):
@@ -1178,8 +1184,7 @@ class _Pushforward(_Gradient):
                         primals.append(y)
                         outs.append(y)
             finally:
-                _DUALS[0] -= 1
-                level.__exit__(None, None, None)
+                _close_dual_level(level)
         if list(map(_version, tangents)) != versions:
             # (the tangent f reaches through its dual input: a write changes the derivative itself)
             raise MutationError(f"f wrote in place into the tangent of its input (forward mode). {_FIX}")
