@@ -130,9 +130,9 @@ def test_common_vjp_enters_the_adapter_once(operator: str, prepared: bool, backe
 
 
 FORWARD = ["_Gradient.__call__", "_copied_constants", "_Pushforward.engine", "_open_dual_level", "_made_duals"]
-FORWARD += ["Adapter.untracked", "Adapter.output_leaf", "_close_dual_level"]
+FORWARD += ["Adapter.untracked", "Adapter.output_leaf", "_unpacked", "_close_dual_level"]
 SECOND = ["_Gradient.__call__", "_copied_constants", "_Hvp.engine", "Adapter.untracked", "Adapter.output_leaf"]
-SECOND += ["_if_graph", "_grad", "_grad", "_placed"]
+SECOND += ["_if_graph", "_grad", "_backward", "_grad"]
 
 
 @pytest.mark.parametrize("operator", ["jvp", "hvp", "gradient_and_hvp"])

@@ -314,7 +314,7 @@ class Adapter(_base.Adapter):
             # x itself where it carries an outer graph (reverse over forward), else detached
             out, aux = fn(_made_duals(xs if keep else tuple(map(torch.Tensor.detach, xs)), txs))
             if type(out) is tuple:  # (the closed function's output leaves: no tree to walk)
-                primal, tangent = tuple(map(_primal, out)), tuple(map(_tangent, out))
+                primal, tangent = _unpacked(out)
             else:
                 primal, tangent = _tree.map(_primal, out), _tree.map(_tangent, out)
             aux = None if aux is None else _tree.map(_primal, aux)
@@ -422,9 +422,8 @@ class Adapter(_base.Adapter):
             grads = _grad(_if_graph(value), inputs, create_graph=True)
             # the gradient's pullback along txs (torch.autograd.grad's grad_outputs), not the
             # gradient of <grad, txs>: no extra products and sums in the graph
-            pairs = [(g, t) for g, t in zip(grads, txs, strict=True) if g.requires_grad]
-            hvps = _grad([g for g, _ in pairs], inputs, [t for _, t in pairs], create_graph=keep)
-        grads, hvps = _placed(grads, inputs), _placed(hvps, inputs)
+            hvps = _backward(grads, txs, inputs, keep)
+        grads = _placed(grads, inputs)
         return _detached(value, keep), _detached(aux, keep), _detached(grads, keep), hvps
 
     def gradient_and_hvps(self, fn: Fn, xs: Leaves, batch: Any) -> tuple[Any, Any, Leaves, list[Leaves]]:
@@ -829,6 +828,21 @@ def _made_duals(xs: Leaves, txs: Leaves) -> Leaves:
         raise _autograd_in_func() from exc
 
 
+def _unpacked(out: Leaves) -> tuple[Leaves, Leaves]:
+    """Output leaves of a forward-mode call split into their primals and tangents, each dual
+    unpacked once (zeros where an output has no tangent; a leaf that is not a tensor, as it is)."""
+    primals, tangents = [], []
+    for y in out:  # (a loop: on every call)
+        if isinstance(y, torch.Tensor):
+            primal, tangent = forward_ad.unpack_dual(y)
+            primals.append(primal)
+            tangents.append(torch.zeros_like(primal) if tangent is None else tangent)
+        else:
+            primals.append(y)
+            tangents.append(y)
+    return tuple(primals), tuple(tangents)
+
+
 def _primal(value: Any) -> Any:
     return forward_ad.unpack_dual(value).primal if isinstance(value, torch.Tensor) else value
 
@@ -993,7 +1007,7 @@ class _Gradient:
     Each Python frame between two calls of torch's kernels costs about a microsecond (their
     caches are cold), and the steps it fuses took fourteen of them."""
 
-    __slots__ = ("checked", "constant_at", "functional", "fused", "guarded", "plain", "requiring", "transform")
+    __slots__ = ("checked", "constant_at", "functional", "fused", "guarded", "plain", "transform")
 
     def __init__(
         self, guarded: Callable[..., Any], fused: Any, cache_dynamic: tuple[bool, ...], functional: bool = False
@@ -1003,10 +1017,9 @@ class _Gradient:
         self.checked = fused.checked
         self.constant_at = tuple(i for i, cache in enumerate(cache_dynamic) if not cache)
         self.functional = functional
-        # x's leaves (and the tangents) must be plain tensors (a DTensor's results are laid out again)
+        # x's leaves (and the tangents) must be plain tensors (a DTensor's results are laid out
+        # again), and f gets plain copies of them; else leaves of a fresh graph (autograd's reverse mode)
         self.plain = functional or fused.compute == "value_and_pushforward"
-        # f gets leaves of a fresh graph (autograd's reverse mode), else plain copies
-        self.requiring = not (functional or fused.compute == "value_and_pushforward")
         self.transform = func.grad_and_value(self.value) if functional else None
 
     def value(self, x: Any, bound: _Bound) -> Any:
@@ -1041,7 +1054,7 @@ class _Gradient:
             or (self.plain and (set(map(type, xs)) != _PLAIN or (ts and set(map(type, ts)) != _PLAIN)))
         ):
             return self.guarded(xs, ts, dynamic, static)
-        if not self.requiring:
+        if self.plain:
             inputs = tuple(map(_clone, xs))
         else:
             try:
@@ -1174,21 +1187,13 @@ class _Pushforward(_Gradient):
             level = _open_dual_level()
             try:
                 out, _ = fused.close(f, context_values, xs[0])(_made_duals(inputs, tangents))
-                primals, outs = [], []
-                for y in out:  # (close gives a tuple of output leaves; a loop: on every call)
-                    if isinstance(y, torch.Tensor):
-                        primal, tangent = forward_ad.unpack_dual(y)
-                        primals.append(primal)
-                        outs.append(torch.zeros_like(primal) if tangent is None else tangent)
-                    else:
-                        primals.append(y)
-                        outs.append(y)
+                primals, outs = _unpacked(out)  # (close gives a tuple of output leaves)
             finally:
                 _close_dual_level(level)
         if list(map(_version, tangents)) != versions:
             # (the tangent f reaches through its dual input: a write changes the derivative itself)
             raise MutationError(f"f wrote in place into the tangent of its input (forward mode). {_FIX}")
-        return (tuple(primals), tuple(outs)) if fused.value else (tuple(outs),)
+        return (primals, outs) if fused.value else (outs,)
 
 
 class _Hvp(_Gradient):
@@ -1203,14 +1208,9 @@ class _Hvp(_Gradient):
     def engine(self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves) -> Any:
         value, _ = self.fused.close(f, context_values, xs[0])(inputs)
         grads = _grad(_if_graph(value), inputs, create_graph=True)
-        # (copies: a product the graph passes through unchanged would be the caller's tangent)
-        tangents = tuple(map(_clone, ts))
-        ys, touts = [], []
-        for g, t in zip(grads, tangents, strict=True):  # (a loop, not a comprehension: on every call)
-            if g.requires_grad:
-                ys.append(g)
-                touts.append(t)
-        hvps = _placed(_grad(ys, inputs, touts), inputs)
+        # the gradient's pullback along copies of the tangents (a product the graph passes
+        # through unchanged would be the caller's tangent)
+        hvps = _backward(grads, tuple(map(_clone, ts)), inputs)
         if self.fused.value:  # the gradient too
             return tuple(map(torch.Tensor.detach, _placed(grads, inputs))), hvps
         return (hvps,)
