@@ -986,14 +986,34 @@ def _clone_once_row(name, case, base, f, args, rounds, op="gradient", contract=F
     where f writes into it): it flattens each context value and compares its structure and each
     leaf's (type, shape, dtype, device) with the prepared ones, gives f a copy of each Constant
     tensor, and reads the version counters of the copies of x and of the Constants after f, to
-    see a write by."""
+    see a write by. It compares the tangent or cotangent the same way (a strict prep's signature
+    holds it), and works on copies of a jvp's or an hvp's tangent (a write by f into x reaches
+    a jvp's tangent, and an hvp's result may be the tangent itself), their counters read too."""
+    variant = "floor: a wrapper that keeps the contract" if contract else "floor: a wrapper that copies x once"
+    row = {**base, "operator": op, "prepared": True, "variant": variant}
+    constants = tuple(di.Constant(c) for c in case["ctx"])
+    tangent = args[1] if len(args) > 1 else None
+    wrapper = clone_once_wrapper(name, case, f, op, contract, tangent)
+    ours = functools.partial(wrapper, f, name, *args, *constants, prep=None)
+    native = shape_native(name, op, f, case["x"], case["ctx"], tangent)
+    row["check"] = "same" if same_values(ours(), native()) else "DIFFERENT"
+    us, _, them, ratio = time_pair(ours, native, rounds)
+    row.update(diffiface_s=us, native_s=them, ratio=ratio)
+    return row
+
+
+def clone_once_wrapper(name, case, f, op="gradient", contract=False, tangent=None):
+    """The wrapper :func:`_clone_once_row` times (called as diffiface is, f first; ``tangent``:
+    the prepared tangent or cotangent)."""
     import optree
     import torch
 
-    variant = "floor: a wrapper that keeps the contract" if contract else "floor: a wrapper that copies x once"
-    row = {**base, "operator": op, "prepared": True, "variant": variant}
-    leaves, spec = optree.tree_flatten(case["x"])
-    sig = [(type(v), v.shape, v.dtype, v.device) for v in leaves]
+    def signature(tree):
+        found, structure = optree.tree_flatten(tree)
+        return structure, [(type(v), v.shape, v.dtype, v.device) for v in found]
+
+    spec, sig = signature(case["x"])
+    tangent_signature = signature(tangent) if tangent is not None else None
     context_specs = [optree.tree_flatten(c) for c in case["ctx"]]
     context_sigs = [[(type(v), v.shape, v.dtype, v.device) for v in found] for found, _ in context_specs]
     functional = name == "torch-func"
@@ -1023,6 +1043,15 @@ def _clone_once_row(name, case, base, f, args, rounds, op="gradient", contract=F
         if [v._version for v in copies] != versions:
             raise ValueError("f wrote into its input or a Constant")
 
+    def contract_tangent(tangent):
+        found, structure = optree.tree_flatten(tangent)
+        if (structure, [(type(v), v.shape, v.dtype, v.device) for v in found]) != tangent_signature:
+            raise ValueError("not the prepared call")
+        if op == "vjp":  # (the cotangent reaches neither f nor the result)
+            return tangent, []
+        fresh = [v.clone() for v in found]  # (f's write into x reaches a jvp's tangent; an hvp may return it)
+        return optree.tree_unflatten(structure, fresh), fresh
+
     def clone_once(f, backend, x, *rest, prep=None):
         tangent, contexts = (None, rest) if op == "gradient" else (rest[0], rest[1:])
         found, structure = optree.tree_flatten(x)
@@ -1030,6 +1059,9 @@ def _clone_once_row(name, case, base, f, args, rounds, op="gradient", contract=F
             raise ValueError("not the prepared call")
         if contract:
             values, copies = contract_values(contexts)
+            if tangent is not None:
+                tangent, tangent_copies = contract_tangent(tangent)
+                copies += tangent_copies
         else:
             values, copies = [c.value for c in contexts], []
         if functional:
@@ -1076,13 +1108,7 @@ def _clone_once_row(name, case, base, f, args, rounds, op="gradient", contract=F
                 gs = torch.autograd.grad(first, zs, grad_outputs=optree.tree_leaves(tangent))
         return optree.tree_unflatten(spec, list(gs))
 
-    constants = tuple(di.Constant(c) for c in case["ctx"])
-    ours = functools.partial(clone_once, f, name, *args, *constants, prep=None)
-    native = shape_native(name, op, f, case["x"], case["ctx"], args[1] if len(args) > 1 else None)
-    row["check"] = "same" if same_values(ours(), native()) else "DIFFERENT"
-    us, _, them, ratio = time_pair(ours, native, rounds)
-    row.update(diffiface_s=us, native_s=them, ratio=ratio)
-    return row
+    return clone_once
 
 
 def run_shapes(names, rounds):
@@ -1226,7 +1252,9 @@ def write_shapes(rows, meta):
         "contract asks of the contexts: each context flattened and each leaf's type, shape, dtype and device "
         "compared with the prepared ones (a strict prep), a copy of each Constant tensor given to f, and the "
         "version counters of the copies of x and of the Constants read after f (a write refused, the caller's "
-        "tensors unchanged).",
+        "tensors unchanged); the tangent or cotangent compared the same way, and a jvp's or an hvp's tangent "
+        "copied (a write by f into x reaches a jvp's tangent; an hvp may return the tangent itself), its "
+        "copies' counters read too.",
         "",
         table(
             [r for r in rows if r.get("variant") and r.get("ratio") is not None],

@@ -242,6 +242,38 @@ def test_copy_once_jvp_wrapper_is_the_engines_forward_mode():
             assert torch.equal(case["ctx"][0]["x"], before)  # the caller's tensor: unchanged
 
 
+def test_contract_wrapper_checks_and_copies_the_tangent():
+    """The contract floor compares the tangent or cotangent with the prepared one (a strict
+    prep's signature holds it) and gives a jvp copies of the tangent: a write by f into x,
+    which reaches the jvp's tangent, is seen and leaves the caller's tangent unchanged."""
+    torch = pytest.importorskip("torch")
+    optree = pytest.importorskip("optree")
+    run = _run_module()
+    case = next(c for c in run.shape_cases("torch", np.random.default_rng(0)) if c["shape"] == "dict")
+    for op, f in (("jvp", case["head"]), ("vjp", case["head"]), ("hvp", case["loss"])):
+        tangent = case["ty"] if op == "vjp" else case["tx"]
+        wrapper = run.clone_once_wrapper("torch", case, f, op, contract=True, tangent=tangent)
+        constants = [di.Constant(c) for c in case["ctx"]]
+        wrapper(f, "torch", case["x"], tangent, *constants)
+        if op == "vjp":
+            other = tangent.double()
+        else:
+            other = {**tangent, "layer1": {**tangent["layer1"], "b": tangent["layer1"]["b"][:1]}}
+        with pytest.raises(ValueError, match="not the prepared call"):
+            wrapper(f, "torch", case["x"], other, *constants)
+
+    def writes(params, batch):
+        with torch.no_grad():
+            params["layer1"]["b"].mul_(2.0)  # into the copy of x, whose tangent is the copy's
+        return case["head"](params, batch)
+
+    before = [t.clone() for t in optree.tree_leaves(case["tx"])]
+    wrapper = run.clone_once_wrapper("torch", case, writes, "jvp", contract=True, tangent=case["tx"])
+    with pytest.raises(ValueError, match="wrote"):
+        wrapper(writes, "torch", case["x"], case["tx"], *[di.Constant(c) for c in case["ctx"]])
+    assert all(map(torch.equal, optree.tree_leaves(case["tx"]), before))
+
+
 def test_same_values_compares_leaves_across_container_kinds():
     run = _run_module()
     a = {"w": np.ones((2, 3)), "b": np.zeros(3)}
