@@ -239,6 +239,7 @@ def _closer(
         rebuild = (None if single else structure_unflatten(x_spec)) or x_spec.unflatten
 
     checked = output.checked
+    leaf_types = output.leaf_types
     scalar = op.scalar_output
     output_leaf = adapter.output_leaf
     untracked = adapter.untracked
@@ -284,6 +285,15 @@ def _closer(
                 ):
                     return output_leaf(result, like), aux  # (inline, not settle's frame: the common case)
                 return settle(result, f, context_values, xs, like), aux
+            cls = type(result)
+            if (
+                cls in leaf_types
+                and (cls, getattr(result, "dtype", None)) in checked
+                and output.repeats(getattr(result, "shape", ()))
+            ):  # one array of a type, dtype and shape seen last: checked, and its record unchanged
+                if untracked(result, xs):
+                    _refuse_cut(f, context_values, xs, adapter, x_spec, rebuild)
+                return (output_leaf(result, like),), aux
             leaves = _checked(op, result, output, adapter)
             for leaf in leaves:
                 if untracked(leaf, xs):
@@ -642,12 +652,13 @@ class _Output:
     the record of the last evaluation is kept per thread, and where a compiled program does not
     evaluate f again, per value of its static argument, recorded when it was traced."""
 
-    __slots__ = ("_by_static", "_local", "checked", "cotangent_fits")
+    __slots__ = ("_by_static", "_local", "checked", "cotangent_fits", "leaf_types")
 
     def __init__(self) -> None:
         self._local = threading.local()
         self._by_static: dict[Any, tuple[Any, Any, Any]] = {}
         self.checked: set[tuple[type, Any]] = set()
+        self.leaf_types: set[type] = set()  # the types of outputs that were one array leaf
         self.cotangent_fits: tuple[Any, Any] | None = None  # the (spec, shapes) a cotangent was found to fit
 
     def current(self) -> tuple[Any, Any, Any]:
@@ -685,6 +696,12 @@ class _Output:
             # from the first evaluation of a structure, at x: scipy evaluates later ones promoted to float64
             local.dtypes = tuple(_output_dtype(leaf) for leaf in leaves)
         local.spec, local.shapes = spec, shapes
+
+    def repeats(self, shape: Any) -> bool:
+        """Whether this thread's last evaluation returned one array leaf of this shape (a record
+        of another such output would change nothing: the dtypes are those of a structure's first)."""
+        local = self._local
+        return getattr(local, "spec", None) is _LEAF and local.shapes[0] == shape
 
     def remember(self, static: Any) -> None:
         """Keep the record of a trace for the compiled program of this static argument."""

@@ -370,3 +370,73 @@ def test_the_cotangent_is_checked_against_f_output(backend_id: str, framework: s
     with pytest.raises(di.ArrayTypeError) as info:
         di.vjp(f, backend, 1.5, other)
     assert f"f(x) holds {framework} arrays" in str(info.value)
+
+
+# -- an output whose shape follows x's values ----------------------------------------------------
+
+
+def _positive_part(v: Any) -> Any:
+    return v[v > 0] * 2.0
+
+
+@pytest.mark.parametrize("backend_id", ["torch-autograd", "torch-func", "autograd", "finite_differences", "scipy"])
+def test_an_output_that_changes_shape_is_recorded_again(backend_id: str) -> None:
+    """An output of one array seen before skips its checks and record, but only where its
+    shape is the recorded one: f(x) = x[x > 0] under one prep, x's signs changing between
+    calls, gets its cotangent checked against each call's own f(x) and the jvp of each call's
+    shape. (jax's compiled programs trace f, which cannot index by values.)"""
+    backend = require(backend_id)
+    if backend_id.startswith("torch"):
+        torch = _torch()
+        positive, mixed = torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([1.0, -2.0, 3.0, -4.0])
+        ones: Callable[[int], Any] = torch.ones
+    else:
+        positive, mixed = np.array([1.0, 2.0, 3.0, 4.0]), np.array([1.0, -2.0, 3.0, -4.0])
+        ones = np.ones
+    rtol, atol = tolerance(backend_id, np.float64 if not backend_id.startswith("torch") else np.float32)
+    prep = di.prepare_vjp(_positive_part, backend, positive, ones(4))
+    for _ in range(2):  # the second call: the output seen before
+        np.testing.assert_allclose(to_numpy(di.vjp(_positive_part, backend, positive, ones(4), prep=prep)), 2.0)
+    with pytest.raises(di.TangentMismatchError, match="shape"):  # f(x) has 2 entries now
+        di.vjp(_positive_part, backend, mixed, ones(4), prep=prep)
+    two = di.prepare_vjp(_positive_part, backend, mixed, ones(2))
+    for _ in range(2):
+        found = di.vjp(_positive_part, backend, mixed, ones(2), prep=two)
+        np.testing.assert_allclose(to_numpy(found), [2.0, 0.0, 2.0, 0.0], rtol=rtol, atol=atol)
+    with pytest.raises(di.TangentMismatchError, match="shape"):  # and 4 again
+        di.vjp(_positive_part, backend, positive, ones(2), prep=two)
+    jprep = di.prepare_jvp(_positive_part, backend, positive, ones(4))
+    for x, want in ((positive, [2.0] * 4), (mixed, [2.0, 2.0]), (positive, [2.0] * 4)):
+        np.testing.assert_allclose(
+            to_numpy(di.jvp(_positive_part, backend, x, ones(4), prep=jprep)), want, rtol=rtol, atol=atol
+        )
+
+
+def test_a_repeated_one_array_output_skips_its_checks() -> None:
+    """The cheap path is taken (the output's checks not entered again) for a torch vjp of one
+    array of the recorded shape, and left where the shape changes."""
+    import sys
+
+    torch = _torch()
+    entered: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename.replace("\\", "/").endswith("diffiface/_checks.py"):
+            entered.append(frame.f_code.co_name)
+
+    def checks(x: Any, t: Any) -> list[str]:
+        entered.clear()
+        sys.setprofile(profile)
+        try:
+            di.vjp(_positive_part, "torch", x, t, prep=prep)
+        finally:
+            sys.setprofile(None)
+        return list(entered)
+
+    x, t = torch.tensor([1.0, 2.0, 3.0]), torch.ones(3)
+    prep = di.prepare_vjp(_positive_part, "torch", x, t)
+    di.vjp(_positive_part, "torch", x, t, prep=prep)
+    assert "_checked" not in checks(x, t)
+    with pytest.raises(di.TangentMismatchError):
+        checks(torch.tensor([1.0, -2.0, 3.0]), t)
+    assert "_checked" in entered
