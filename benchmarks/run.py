@@ -1014,8 +1014,7 @@ def clone_once_wrapper(name, case, f, op="gradient", contract=False, tangent=Non
 
     spec, sig = signature(case["x"])
     tangent_signature = signature(tangent) if tangent is not None else None
-    context_specs = [optree.tree_flatten(c) for c in case["ctx"]]
-    context_sigs = [[(type(v), v.shape, v.dtype, v.device) for v in found] for found, _ in context_specs]
+    context_signatures = [signature(c) for c in case["ctx"]]
     functional = name == "torch-func"
     grad = torch.func.grad(f) if functional else None
     if op == "jvp" and not functional:
@@ -1030,7 +1029,7 @@ def clone_once_wrapper(name, case, f, op="gradient", contract=False, tangent=Non
 
     def contract_values(contexts):
         values, copies = [], []
-        for c, (_, c_spec), c_sig in zip(contexts, context_specs, context_sigs, strict=True):
+        for c, (c_spec, c_sig) in zip(contexts, context_signatures, strict=True):
             found, structure = optree.tree_flatten(c.value)
             if structure != c_spec or [(type(v), v.shape, v.dtype, v.device) for v in found] != c_sig:
                 raise ValueError("not the prepared call")

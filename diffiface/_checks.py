@@ -277,7 +277,6 @@ def _checked(op: Operator, result: Any, output: _Output, adapter: Adapter) -> li
         )
     if _arrays.kind(result) in _OUTPUT_LEAF_KINDS:
         leaves, spec = [result], _LEAF
-        output.leaf_types.add(type(result))
     else:
         leaves, spec = _tree.flatten(result)
     output.record(spec, leaves)

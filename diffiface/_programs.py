@@ -239,7 +239,6 @@ def _closer(
         rebuild = (None if single else structure_unflatten(x_spec)) or x_spec.unflatten
 
     checked = output.checked
-    leaf_types = output.leaf_types
     scalar = op.scalar_output
     output_leaf = adapter.output_leaf
     untracked = adapter.untracked
@@ -285,11 +284,8 @@ def _closer(
                 ):
                     return output_leaf(result, like), aux  # (inline, not settle's frame: the common case)
                 return settle(result, f, context_values, xs, like), aux
-            cls = type(result)
-            if (
-                cls in leaf_types
-                and (cls, getattr(result, "dtype", None)) in checked
-                and output.repeats(getattr(result, "shape", ()))
+            if (type(result), getattr(result, "dtype", None)) in checked and output.repeats(
+                getattr(result, "shape", ())
             ):  # one array of a type, dtype and shape seen last: checked, and its record unchanged
                 if untracked(result, xs):
                     _refuse_cut(f, context_values, xs, adapter, x_spec, rebuild)
@@ -652,13 +648,12 @@ class _Output:
     the record of the last evaluation is kept per thread, and where a compiled program does not
     evaluate f again, per value of its static argument, recorded when it was traced."""
 
-    __slots__ = ("_by_static", "_local", "checked", "cotangent_fits", "leaf_types")
+    __slots__ = ("_by_static", "_local", "checked", "cotangent_fits")
 
     def __init__(self) -> None:
         self._local = threading.local()
         self._by_static: dict[Any, tuple[Any, Any, Any]] = {}
         self.checked: set[tuple[type, Any]] = set()
-        self.leaf_types: set[type] = set()  # the types of outputs that were one array leaf
         self.cotangent_fits: tuple[Any, Any] | None = None  # the (spec, shapes) a cotangent was found to fit
 
     def current(self) -> tuple[Any, Any, Any]:
@@ -698,8 +693,9 @@ class _Output:
         local.spec, local.shapes = spec, shapes
 
     def repeats(self, shape: Any) -> bool:
-        """Whether this thread's last evaluation returned one array leaf of this shape (a record
-        of another such output would change nothing: the dtypes are those of a structure's first)."""
+        """Whether this thread's last evaluation returned one array leaf (``_checked``'s own
+        structure) of this shape: a record of another such output would change nothing (the
+        dtypes are those of a structure's first)."""
         local = self._local
         return getattr(local, "spec", None) is _LEAF and local.shapes[0] == shape
 
