@@ -239,10 +239,12 @@ def _refuse_cut(
     adapter: Adapter,
     x_spec: Any,
     rebuild: Callable[[Any], Any],
+    untracked: tuple[int, ...] | None = None,
 ) -> None:
     """f returned a value the engine does not trace back to x. If f's value changes when x
     does, f cut the trace (its derivative would read as zero): refused. Else f does not depend
-    on x, and zero is its derivative."""
+    on x, and zero is its derivative. ``untracked``: the positions of the output leaves the
+    engine does not trace, where the others are traced (only they must not change; None: all)."""
     plain = [adapter.plain(leaf) for leaf in xs]
     moved = [leaf + 1e-3 * (1 + abs(leaf)) for leaf in plain]
 
@@ -255,6 +257,8 @@ def _refuse_cut(
         ]
 
     before, after = value(plain), value(moved)
+    if len(before) == len(after) and untracked is not None:
+        before, after = [before[i] for i in untracked], [after[i] for i in untracked]
     if len(before) != len(after) or any(
         a.shape != b.shape or not np.array_equal(a, b, equal_nan=True) for a, b in zip(before, after, strict=True)
     ):

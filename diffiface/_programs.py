@@ -249,7 +249,7 @@ def _closer(
     ) -> Any:
         """f's output, checked, where f is scalar-valued."""
         if untracked(result, xs):
-            _refuse_cut(f, context_values, xs, adapter, x_spec, rebuild)
+            _refuse_cut(f, context_values, xs, adapter, x_spec, rebuild, (0,))
         # a scalar of a type and dtype seen before needs no more checks (nor recording:
         # what the results of scalar functions mirror does not depend on f's output)
         if (type(result), getattr(result, "dtype", None)) in checked and getattr(result, "shape", ()) == ():
@@ -288,12 +288,13 @@ def _closer(
                 getattr(result, "shape", ())
             ):  # one array of a type, dtype and shape seen last: checked, and its record unchanged
                 if untracked(result, xs):
-                    _refuse_cut(f, context_values, xs, adapter, x_spec, rebuild)
+                    _refuse_cut(f, context_values, xs, adapter, x_spec, rebuild, (0,))
                 return (output_leaf(result, like),), aux
             leaves = _checked(op, result, output, adapter)
             for leaf in leaves:
-                if untracked(leaf, xs):
-                    _refuse_cut(f, context_values, xs, adapter, x_spec, rebuild)
+                if untracked(leaf, xs):  # (each leaf the trace misses must not change with x)
+                    cut = tuple(i for i, leaf in enumerate(leaves) if untracked(leaf, xs))
+                    _refuse_cut(f, context_values, xs, adapter, x_spec, rebuild, cut)
                     break
             if len(leaves) == 1:
                 return (output_leaf(leaves[0], like),), aux

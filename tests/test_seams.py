@@ -440,3 +440,60 @@ def test_a_repeated_one_array_output_skips_its_checks() -> None:
     with pytest.raises(di.TangentMismatchError):
         checks(torch.tensor([1.0, -2.0, 3.0]), t)
     assert "_checked" in entered
+
+
+def _traced_and_constant(v: Any, k: Any) -> Any:
+    xp = namespace(v)
+    return {"traced": xp.sin(v) * k, "constant": k * 2.0}
+
+
+def _traced_and_cut(v: Any, k: Any) -> Any:
+    xp = namespace(v)
+    if type(v).__module__.startswith("torch"):
+        untraced = v.detach()
+    else:
+        from autograd.tracer import getval
+
+        untraced = getval(v)
+    return {"traced": xp.sin(v) * k, "cut": k * untraced.sum()}
+
+
+@pytest.mark.parametrize("op", ["vjp", "jvp", "jacobian"])
+@pytest.mark.parametrize("backend_id", ["torch-autograd", "torch-func", "autograd", "jax"])
+def test_an_output_leaf_that_does_not_depend_on_x_beside_one_that_does(backend_id: str, op: str) -> None:
+    """An output leaf the engine does not trace, beside one it does: served where that leaf does
+    not change with x (its derivative is zero), refused where it does (f cut the trace), as a
+    scalar output is. (A constant leaf was refused because the traced one changed.)"""
+    backend = require(backend_id)
+    x, k = np.array([0.3, -1.2, 2.0]), np.array([1.5, 2.0, -0.5])
+    if backend_id.startswith("torch"):
+        torch = _torch()
+        x, k = torch.tensor(x), torch.tensor(k)
+        ones: Callable[[int], Any] = lambda n: torch.ones(n, dtype=torch.float64)  # noqa: E731
+    else:
+        ones = np.ones
+    cotangent = {"traced": ones(3), "constant": ones(3)}
+    calls = {
+        "vjp": lambda f: di.vjp(f, backend, x, dict(cotangent), di.Constant(k)),
+        "jvp": lambda f: di.jvp(f, backend, x, ones(3), di.Constant(k)),
+        "jacobian": lambda f: di.jacobian(f, backend, x, di.Constant(k)),
+    }
+    xs, ks = to_numpy(x), to_numpy(k)
+    got = calls[op](_traced_and_constant)
+    expected = {
+        "vjp": np.cos(xs) * ks,
+        "jvp": {"traced": np.cos(xs) * ks, "constant": np.zeros(3)},
+        "jacobian": {"traced": np.diag(np.cos(xs) * ks), "constant": np.zeros((3, 3))},
+    }[op]
+    if op == "vjp":
+        np.testing.assert_allclose(to_numpy(got), expected, rtol=1e-12)
+    else:
+        for name in ("traced", "constant"):
+            np.testing.assert_allclose(to_numpy(got[name]), expected[name], rtol=1e-12)  # type: ignore[index]
+    # (jax's trace has no untraced copy of x to take; torch.func's forward mode wraps every
+    # tensor made inside alike, so that a detached one cannot be told apart: its product is
+    # torch.func.jvp's own zero)
+    if backend_id != "jax" and (backend_id, op) != ("torch-func", "jvp"):
+        cotangent = {"traced": ones(3), "cut": ones(3)}
+        with pytest.raises(di.InvalidOutputError, match="not through the"):
+            calls[op](_traced_and_cut)
