@@ -3,7 +3,8 @@
 - ``mode="autograd"``: reverse mode by ``torch.autograd.grad`` on detached copies of the
   inputs (no ``.grad`` is ever written, no ``requires_grad`` flag of the caller's tensors
   changes), forward mode by ``torch.autograd.forward_ad`` dual tensors, second order by
-  double backward.
+  double backward. A jvp's common call is forward mode, or reverse over reverse where a
+  prep's first call finds that faster and equal (see ``_Pushforward``).
 - ``mode="func"``: ``torch.func.vjp``, ``jvp``, ``grad_and_value``, ``jacrev``/``jacfwd``;
   second order forward-over-reverse.
 """
@@ -17,6 +18,7 @@ import operator
 import re
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -43,7 +45,9 @@ from ._base import Blocks, Fn, Leaves, raised_inside
 # torch scripts its forward-mode decompositions on the first make_dual of the process, warning
 # that torch.jit.script is deprecated: torch's own business, which must not reach f's caller (an
 # error under -W error). diffiface's first forward-mode call makes one throwaway dual first, with
-# that one warning silenced; f never runs inside the silence.
+# that one warning silenced; f never runs inside the silence. The throwaway dual is multiplied
+# by a plain tensor: torch's first such product imports its Python meta kernels (about a second),
+# which would otherwise fall inside the first call that a jvp's choice of way times.
 _FORWARD_WARMED = [False]
 
 
@@ -53,7 +57,7 @@ def _warm_forward() -> None:
         warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*")  # Deprecation- or FutureWarning
         try:
             with forward_ad.dual_level():
-                forward_ad.make_dual(torch.zeros(()), torch.zeros(()))
+                forward_ad.make_dual(torch.zeros(()), torch.zeros(())) * torch.zeros(())
         except RuntimeError:  # a dual level of the caller's is open: torch has loaded them
             pass
     _FORWARD_WARMED[0] = True
@@ -1169,15 +1173,45 @@ class _Pullback(_Gradient):
 
 class _Pushforward(_Gradient):
     """:class:`_Gradient`'s one call for a jvp in autograd mode: the same guard's steps around
-    copies of the tangents made duals of the copies of x's leaves in a dual level of ours, f
-    closed and checked by the program's own ``close``, each output's primal and tangent
-    unpacked once, and the tangents' version counters read (a write into one changes the
-    derivative itself, and is refused). Every leaf of x and of the tangent must be a plain
-    tensor; any other call is ``guarded``'s, before anything has run."""
+    the engine's product, computed one of two ways (the prep's first call chooses, see
+    :meth:`choose`; every later call computes it as the chosen one does):
 
-    __slots__ = ()
+    - forward mode (:meth:`forward`): copies of the tangents made duals of the copies of x's
+      leaves in a dual level of ours, f closed and checked by the program's own ``close``, each
+      output's primal and tangent unpacked once, and the tangents' version counters read (a
+      write into one changes the derivative itself, and is refused);
+    - reverse over reverse (:meth:`by_pullbacks`), as ``torch.autograd.functional.jvp``
+      computes it: torch's forward mode builds, for each operation between a dual tensor and a
+      plain one, a zero tangent whose shape a Python meta kernel computes (tens of microseconds
+      each), so that on a small function two backward passes cost less.
+
+    Every leaf of x and of the tangent must be a plain tensor; any other call is ``guarded``'s,
+    before anything has run."""
+
+    __slots__ = ("reverse",)
+
+    def __init__(
+        self, guarded: Callable[..., Any], fused: Any, cache_dynamic: tuple[bool, ...], functional: bool = False
+    ) -> None:
+        super().__init__(guarded, fused, cache_dynamic, functional)
+        self.reverse: bool | None = None
+        """Whether the product is reverse over reverse (None: not chosen yet)."""
 
     def engine(self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves) -> Any:
+        reverse = self.reverse
+        if reverse is None:
+            return self.choose(inputs, xs, ts, f, context_values)
+        if reverse:
+            try:
+                return self.by_pullbacks(inputs, xs, ts, f, context_values)
+            except _NoSecondPass:  # an operation torch cannot differentiate twice: forward mode from now on
+                self.reverse = False
+                _remember(_way_of(f, inputs, context_values), False)
+                inputs = tuple(map(torch.Tensor.detach, inputs))  # (their version counters: the guard's)
+        return self.forward(inputs, xs, ts, f, context_values)
+
+    def forward(self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves) -> Any:
+        """The product by forward mode on ``inputs``, copies of x's leaves."""
         fused = self.fused
         if not _FORWARD_WARMED[0]:
             _warm_forward()
@@ -1194,6 +1228,168 @@ class _Pushforward(_Gradient):
             # (the tangent f reaches through its dual input: a write changes the derivative itself)
             raise MutationError(f"f wrote in place into the tangent of its input (forward mode). {_FIX}")
         return (primals, outs) if fused.value else (outs,)
+
+    def by_pullbacks(
+        self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves
+    ) -> Any:
+        """The product by reverse over reverse on ``inputs``, copies of x's leaves: f on them made
+        leaves of a fresh graph, its pullback along zero cotangents that require grad (linear in
+        them, with its graph), and that pullback's own along copies of the tangents (a product
+        the graphs pass through unchanged would be the caller's tangent itself). An output leaf
+        the graph does not reach has a zero product, as in forward mode. Where torch cannot
+        differentiate the pullback, :class:`_NoSecondPass`: it raises, a pullback comes out
+        without a graph (a backward pass of a piecewise constant operation, whose zero forward
+        mode computes as well), or the pullbacks' graph does not reach a cotangent (a
+        ``once_differentiable`` backward pass; or an output traced through a Constant that
+        requires grad, not through x): a zero product there could be wrong."""
+        fused = self.fused
+        versions = list(map(_version, inputs))
+        leaves = tuple(map(_requiring, inputs))  # (copies: leaves, made to require grad in place)
+        out, _ = fused.close(f, context_values, xs[0])(leaves)
+        tracked, zeros = [], []
+        for y in out:  # (loops, not comprehensions: no frame of their own on every call)
+            if isinstance(y, torch.Tensor) and y.requires_grad:
+                tracked.append(y)
+                zeros.append(torch.zeros_like(y, requires_grad=True))
+        products: Leaves = ()
+        if tracked:
+            try:
+                pulled = torch.autograd.grad(tracked, leaves, zeros, create_graph=True, allow_unused=True)
+                linear, along = [], []
+                for g, t in zip(pulled, ts, strict=True):
+                    if g is not None:
+                        # (a pullback without a graph: a zero product from it could be wrong)
+                        if not g.requires_grad:
+                            raise _NoSecondPass
+                        linear.append(g)
+                        along.append(_clone(t))
+                if linear:  # (every zero cotangent reached, or torch raises: a pullback's graph is cut)
+                    products = torch.autograd.grad(linear, zeros, along)
+            except RuntimeError as exc:
+                if list(map(_version, inputs)) != versions:  # f wrote into x: the guard says so
+                    raise
+                raise _NoSecondPass from exc
+        found = iter(products)
+        primals, outs = [], []
+        for y in out:  # (a loop: on every call)
+            if isinstance(y, torch.Tensor):
+                product = next(found, None) if y.requires_grad else None
+                primals.append(y.detach())
+                outs.append(torch.zeros_like(y) if product is None else product)
+            else:
+                primals.append(y)
+                outs.append(y)
+        return (tuple(primals), tuple(outs)) if fused.value else (tuple(outs),)
+
+    def choose(self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves) -> Any:
+        """The first call's product, and the way of every later call's: forward mode, unless
+        reverse over reverse, timed beside it twice each on further copies of x, takes under
+        four fifths of its time and gives the same product, entry by entry within the square
+        root of the dtype's resolution times the largest entry (:func:`_agree`: a part of f
+        computed under ``torch.no_grad()``, which forward mode differentiates and reverse mode
+        does not, tells them apart). Forward mode is kept without timing the other where it
+        took over ``_CHOICE_LIMIT`` seconds (the timing would cost what f does), where x, the
+        tangent or f's output holds a complex or not a plain tensor, or where f wrote into x.
+        The calls that time the ways leave torch's random generators as the first left them (a
+        function that draws from them gives products that differ, and keeps forward mode).
+
+        The way chosen is remembered for f's code and the shapes and dtypes of the call's
+        tensors (:func:`_way_of`): a prep made for each call, as for a new lambda on each
+        unprepared call, takes it without timing again."""
+        key = _way_of(f, inputs, context_values)
+        known = None if key is None else _WAYS.get(key)
+        if known is not None:
+            self.reverse = known
+            return self.engine(inputs, xs, ts, f, context_values)
+        if not _FORWARD_WARMED[0]:  # (not timed: once per process)
+            _warm_forward()
+        versions = list(map(_version, inputs))
+        result, took = _timed(self.forward, inputs, xs, ts, f, context_values)
+        self.reverse = False
+        if list(map(_version, inputs)) != versions:  # (a write by f into x: the guard refuses it)
+            return result
+        products = result[-1]
+        if (
+            took > _CHOICE_LIMIT
+            or any(map(torch.Tensor.is_complex, (*xs, *ts)))
+            or any(isinstance(y, torch.Tensor) and (type(y) is not torch.Tensor or y.is_complex()) for y in products)
+        ):
+            _remember(key, False)
+            return result
+        forward_took, reverse_took = [took], []
+        # (the calls that time the two ways leave torch's random generators as this call's left them)
+        cpu = torch.get_rng_state()
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        try:
+            for _ in range(2):
+                other, took = _timed(self.by_pullbacks, tuple(map(_clone, xs)), xs, ts, f, context_values)
+                reverse_took.append(took)
+                forward_took.append(_timed(self.forward, tuple(map(_clone, xs)), xs, ts, f, context_values)[1])
+        except Exception:  # (forward mode computed this call's product: it is the call's)
+            _remember(key, False)
+            return result
+        finally:
+            torch.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state_all(cuda)
+        self.reverse = min(reverse_took) < 0.8 * min(forward_took) and _agree(products, other[-1])
+        _remember(key, self.reverse)
+        return other if self.reverse else result
+
+
+_CHOICE_LIMIT = 0.01
+"""The time of a forward-mode jvp (seconds) above which its first call keeps forward mode
+without timing reverse over reverse beside it (:meth:`_Pushforward.choose`)."""
+
+
+def _timed(call: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    """``call(*args)`` and the seconds it took."""
+    start = time.perf_counter()
+    result = call(*args)
+    return result, time.perf_counter() - start
+
+
+_WAYS: dict[Any, bool] = {}
+"""The way each jvp was chosen (reverse over reverse or not), by :func:`_way_of`'s key."""
+
+
+def _way_of(f: Callable[..., Any], inputs: Leaves, context_values: Leaves) -> Any:
+    """The key of a jvp's way: f's code (a function's, a method's or a partial's) and the
+    shapes, dtypes and devices of x's and the contexts' tensors (the types of other context
+    leaves); None where f has no code of its own (a callable object), whose prep lives as long
+    as it does."""
+    function = getattr(f, "__func__", None) or getattr(f, "func", None) or f
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return None
+    tensors = [*inputs, *_tree.leaves(context_values)]
+    return code, tuple((v.shape, v.dtype, v.device) if isinstance(v, torch.Tensor) else type(v) for v in tensors)
+
+
+def _remember(key: Any, reverse: bool) -> None:
+    if key is not None:
+        if len(_WAYS) > 1024:  # (a bound on what a process remembers)
+            _WAYS.clear()
+        _WAYS[key] = reverse
+
+
+class _NoSecondPass(Exception):
+    """torch cannot differentiate a pullback of f (an operation without a double backward)."""
+
+
+def _agree(one: Leaves, other: Leaves) -> bool:
+    """Whether two products of f's output leaves hold the same values, each floating entry
+    within the square root of its dtype's resolution times the largest entry of all (a product
+    that keeps a graph, of an f differentiating inside, compared by its values)."""
+    tensors = [(a.detach(), b.detach()) for a, b in zip(one, other, strict=True) if isinstance(a, torch.Tensor)]
+    if any(a.shape != b.shape or a.dtype != b.dtype for a, b in tensors):
+        return False
+    floating = [(a, b) for a, b in tensors if a.is_floating_point() and a.numel()]
+    if not all(bool(torch.isfinite(a).all() and torch.isfinite(b).all()) for a, b in floating):
+        return False
+    scale = max((float(a.abs().max()) for a, _ in floating), default=0.0)
+    close = all(float((a - b).abs().max()) <= torch.finfo(a.dtype).eps ** 0.5 * scale for a, b in floating)
+    return close and all(bool(torch.equal(a, b)) for a, b in tensors if not a.is_floating_point())
 
 
 class _Hvp(_Gradient):

@@ -1,0 +1,272 @@
+"""torch's jvp in autograd mode, computed by forward mode or by reverse over reverse: a prep's
+first call chooses (``_Pushforward.choose``), by timing the two where forward mode is quick, and
+keeps forward mode wherever the two products differ. Every test fixes the timing (never measured
+here), so that the way chosen is the test's; each asserts the way, the product against
+``torch.func.jvp``'s, and that the caller's tensors are unchanged."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import diffiface as di
+
+torch = pytest.importorskip("torch")
+
+import diffiface._adapters.torch as adapter  # noqa: E402
+from diffiface._prep import prep_cache  # noqa: E402
+
+BACKENDS = ["torch", di.AutoTorch()]
+
+
+def timing(reverse_faster: bool) -> Callable[..., tuple[Any, float]]:
+    """A stand-in for ``_timed``: reverse over reverse takes a tenth of forward mode's time, or
+    ten times it (both well under the limit of a quick call)."""
+
+    def timed(call: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+        forward = call.__name__ == "forward"
+        return call(*args), 1e-4 if forward == reverse_faster else 1e-5
+
+    return timed
+
+
+@pytest.fixture(autouse=True)
+def fresh_ways(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No way remembered from another test; torch's modes as they were."""
+    monkeypatch.setattr(adapter, "_WAYS", {})
+    prep_cache.clear()  # (a prep of another test has chosen its way)
+    grad = torch.is_grad_enabled()
+    yield
+    assert torch.is_grad_enabled() == grad
+
+
+def ways() -> list[bool]:
+    return list(adapter._WAYS.values())
+
+
+def reference(f: Callable[..., Any], x: Any, t: Any, *contexts: Any) -> Any:
+    with warnings.catch_warnings():  # (torch scripts its decompositions on its first jvp, warning)
+        warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*")
+        return torch.func.jvp(lambda v: f(v, *contexts), (x,), (t,))[1]
+
+
+def elementwise(v: Any, c: Any) -> Any:
+    return torch.tanh(v * c) * v
+
+
+def layer(w: Any, data: Any) -> Any:
+    return torch.tanh(data @ w).sum(0)
+
+
+def scalar(v: Any, c: Any) -> Any:
+    return torch.sin(v * c) + v**3
+
+
+@pytest.mark.parametrize("reverse_faster", [True, False], ids=["reverse", "forward"])
+@pytest.mark.parametrize("backend", BACKENDS, ids=["by name", "by object"])
+@pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
+@pytest.mark.parametrize("f", [elementwise, layer], ids=["elementwise", "layer"])
+def test_either_way_gives_forward_modes_product(
+    f: Any, prepared: bool, backend: Any, reverse_faster: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # expected: the way the timing says (remembered once), the product of torch.func.jvp on
+    # every call (float64 and float32), value_and_jvp's value f(x), x, the tangent and the
+    # Constant unchanged, and a result that is not the caller's tangent
+    monkeypatch.setattr(adapter, "_timed", timing(reverse_faster))
+    for dtype in (torch.float64, torch.float32):
+        gen = torch.Generator().manual_seed(0)
+        shape = (6,) if f is elementwise else (5, 3)
+        x, t = torch.randn(shape, generator=gen, dtype=dtype), torch.randn(shape, generator=gen, dtype=dtype)
+        c = torch.randn(6, generator=gen, dtype=dtype) if f is elementwise else torch.randn(4, 5, dtype=dtype)
+        copies = [v.clone() for v in (x, t, c)]
+        prep = di.prepare_jvp(f, backend, x, t, di.Constant(c)) if prepared else None
+        expected = reference(f, x, t, c)
+        for _ in range(3):
+            got = di.jvp(f, backend, x, t, di.Constant(c), prep=prep)
+            torch.testing.assert_close(got, expected)
+            assert got.dtype == dtype and not got.requires_grad
+        value, product = di.value_and_jvp(f, backend, x, t, di.Constant(c))
+        torch.testing.assert_close(value, f(x, c))
+        torch.testing.assert_close(product, expected)
+        got.add_(1.0)
+        assert all(torch.equal(v, w) for v, w in zip((x, t, c), copies, strict=True))
+    assert set(ways()) == {reverse_faster}
+
+
+@pytest.mark.parametrize("reverse_faster", [True, False], ids=["reverse", "forward"])
+def test_either_way_on_many_output_leaves_and_a_scalar_x(reverse_faster: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # expected: a dict output with a leaf that does not depend on x (zeros), one of another
+    # dtype and one that does, as forward mode gives them; a derivative of a 0-d x
+    monkeypatch.setattr(adapter, "_timed", timing(reverse_faster))
+    x, t, c = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64), torch.randn(4)
+
+    def tree(v: Any, k: Any) -> Any:
+        return {"y": torch.sin(v) * k, "n": torch.sin(v[:3].float()), "z": k.double() * 2}
+
+    got = di.jvp(tree, "torch", x, t, di.Constant(c))
+    torch.testing.assert_close(got["y"], torch.cos(x) * c * t)
+    torch.testing.assert_close(got["n"], (torch.cos(x[:3]) * t[:3]).float())
+    assert torch.equal(got["z"], torch.zeros(4, dtype=torch.float64))
+    s = torch.tensor(0.7, dtype=torch.float64)
+    torch.testing.assert_close(di.derivative(scalar, "torch", s, di.Constant(1.5)), 1.5 * torch.cos(1.5 * s) + 3 * s**2)
+    assert set(ways()) == {reverse_faster}
+
+
+def under_no_grad(v: Any, c: Any) -> Any:
+    with torch.no_grad():
+        s = (v * c).sum()  # forward mode differentiates it; reverse mode does not
+    return v * s
+
+
+def test_a_part_under_no_grad_keeps_forward_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    # expected: the two products differ (the case means something), so forward mode is kept
+    # although reverse over reverse is timed faster, and every call gives forward mode's product
+    monkeypatch.setattr(adapter, "_timed", timing(True))
+    x, t, c = (torch.randn(5, dtype=torch.float64) for _ in range(3))
+    v = x.clone().requires_grad_(True)
+    u = torch.zeros(5, dtype=torch.float64, requires_grad=True)
+    (pulled,) = torch.autograd.grad(under_no_grad(v, c), v, u, create_graph=True)
+    (reverse,) = torch.autograd.grad(pulled, u, t)
+    assert not torch.allclose(reverse, reference(under_no_grad, x, t, c))
+    prep = di.prepare_jvp(under_no_grad, "torch", x, t, di.Constant(c))
+    for _ in range(2):
+        torch.testing.assert_close(
+            di.jvp(under_no_grad, "torch", x, t, di.Constant(c), prep=prep), reference(under_no_grad, x, t, c)
+        )
+    assert ways() == [False]
+
+
+class _Cube(torch.autograd.Function):
+    """x**3 with a forward-mode rule and a backward pass torch cannot differentiate again."""
+
+    @staticmethod
+    def forward(v: Any) -> Any:
+        return v**3
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        ctx.save_for_backward(inputs[0])
+        ctx.save_for_forward(inputs[0])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, g: Any) -> Any:
+        (v,) = ctx.saved_tensors
+        return 3 * v**2 * g
+
+    @staticmethod
+    def jvp(ctx: Any, tv: Any) -> Any:
+        (v,) = ctx.saved_tensors
+        return 3 * v**2 * tv
+
+
+def once_differentiable(v: Any, c: Any) -> Any:
+    return _Cube.apply(v) * c
+
+
+def test_an_operation_without_a_double_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    # expected: the choice's reverse trial fails, so forward mode; and where reverse over
+    # reverse is the way remembered for the code (a new function of it, on an unprepared call),
+    # the call falls back to forward mode, remembers that, and gives the right product; x and
+    # the tangent unchanged
+    monkeypatch.setattr(adapter, "_timed", timing(True))
+    x, t, c = (torch.randn(4, dtype=torch.float64) for _ in range(3))
+    copies = [x.clone(), t.clone()]
+    expected = 3 * x**2 * t * c
+
+    def new_function() -> Any:
+        return lambda v, k: once_differentiable(v, k)
+
+    torch.testing.assert_close(di.jvp(new_function(), "torch", x, t, di.Constant(c)), expected)
+    assert ways() == [False]
+    for key in adapter._WAYS:
+        adapter._WAYS[key] = True
+    for _ in range(2):
+        torch.testing.assert_close(di.jvp(new_function(), "torch", x, t, di.Constant(c)), expected)
+        assert ways() == [False]
+    assert torch.equal(x, copies[0]) and torch.equal(t, copies[1])
+
+
+def writes_into_x(v: Any, c: Any) -> Any:
+    with torch.no_grad():
+        v.mul_(2.0)
+    return v * c
+
+
+@pytest.mark.parametrize("reverse_faster", [True, False], ids=["reverse", "forward"])
+def test_a_write_into_x_is_refused_either_way(reverse_faster: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # expected: a MutationError on every call, also where reverse over reverse is the way
+    # remembered for the code, and x, the tangent and the Constant bit for bit as they were
+    monkeypatch.setattr(adapter, "_timed", timing(reverse_faster))
+    x, t, c = (torch.randn(3, dtype=torch.float64) for _ in range(3))
+    copies = [v.clone() for v in (x, t, c)]
+    monkeypatch.setattr(adapter, "_way_of", lambda f, inputs, contexts: "key")
+    adapter._WAYS["key"] = reverse_faster
+    prep = di.prepare_jvp(writes_into_x, "torch", x, t, di.Constant(c))
+    for _ in range(2):
+        with pytest.raises(di.MutationError):
+            di.jvp(writes_into_x, "torch", x, t, di.Constant(c), prep=prep)
+        assert all(torch.equal(v, w) for v, w in zip((x, t, c), copies, strict=True))
+
+
+def test_the_way_is_remembered_for_the_code_and_not_timed_where_forward_mode_is_slow(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # expected: the first call of a lambda evaluates f five times (forward mode, then each way
+    # twice), a new lambda of the same code on the next unprepared call once; another shape
+    # chooses again; a forward mode over the limit, a complex x, are kept after one evaluation
+    monkeypatch.setattr(adapter, "_timed", timing(True))
+    calls = []
+    c = torch.randn(3, dtype=torch.float64)
+
+    def jvp_of_a_new_lambda(x: Any, t: Any) -> Any:
+        return di.jvp(lambda v, k: calls.append(1) or torch.tanh(v * k), "torch", x, t, di.Constant(k_of(x)))
+
+    def k_of(x: Any) -> Any:
+        return c if x.shape == (3,) else torch.randn(x.shape, dtype=x.dtype)
+
+    for shape, counts in (((3,), [5, 1, 1]), ((2,), [5, 1])):
+        for expected in counts:
+            calls.clear()
+            x, t = torch.randn(shape, dtype=torch.float64), torch.randn(shape, dtype=torch.float64)
+            jvp_of_a_new_lambda(x, t)
+            assert len(calls) == expected
+    assert ways() == [True, True]
+    monkeypatch.setattr(adapter, "_CHOICE_LIMIT", 0.0)
+    for x in (torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.complex128)):
+        calls.clear()
+        got = di.jvp(lambda v: calls.append(1) or torch.sin(v), "torch", x, torch.ones_like(x))
+        torch.testing.assert_close(got, torch.cos(x))
+        assert len(calls) == 1
+    assert ways()[:3] == [True, True, False]
+
+
+def test_the_numpy_caller_gets_numpy() -> None:
+    # expected: numpy in, numpy out, on the measured way (whichever it is), the product right
+    x, t, c = np.linspace(0.1, 1.0, 5), np.ones(5), np.arange(5.0)
+    got = di.jvp(lambda v, k: torch.sin(v * torch.as_tensor(k)), "torch", x, t, di.Constant(c))
+    assert isinstance(got, np.ndarray)
+    np.testing.assert_allclose(got, np.cos(x * c) * c * t)
+
+
+def test_a_function_that_draws_keeps_forward_mode_and_the_generators_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    # expected: the products of two draws differ, so forward mode; torch's generator advanced
+    # by the first call's one evaluation only, as a forward-mode call would leave it
+    monkeypatch.setattr(adapter, "_timed", timing(True))
+    x, t = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+
+    def noisy(v: Any) -> Any:
+        return v * torch.randn(4, dtype=torch.float64)
+
+    torch.manual_seed(3)
+    got = di.jvp(noisy, "torch", x, t)
+    after = torch.randn(2)
+    torch.manual_seed(3)
+    noise = torch.randn(4, dtype=torch.float64)
+    torch.testing.assert_close(got, noise * t)
+    assert torch.equal(after, torch.randn(2))
+    assert ways() == [False]
