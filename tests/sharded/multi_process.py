@@ -10,9 +10,12 @@ import os
 import sys
 
 # (on a loaded machine of few cores a simulated device's thread may come late to a collective:
-# XLA's CPU rendezvous would abort the process after 40 s; it waits as long as the test's bound)
+# XLA's CPU rendezvous would abort the process after 40 s; it waits as long as the test's bound.
+# Eigen's multithreaded pool off, as in single_process.py, where an eager op's all-reduce now and
+# then hung with it on)
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + (
     " --xla_force_host_platform_device_count=4"
+    " --xla_cpu_multi_thread_eigen=false"
     " --xla_cpu_collective_call_warn_stuck_timeout_seconds=120"
     " --xla_cpu_collective_call_terminate_timeout_seconds=280"
 )
