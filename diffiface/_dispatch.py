@@ -225,16 +225,23 @@ def _plan(
 
 
 def _single(op: Operator, call: Call, by_value: bool, engine: bool) -> Any:
-    """The tests of a call whose x and every context are one leaf, without a tangent."""
-    if op.tangent is not None or call.signature.x_spec != _LEAF or len(call.x_leaves) != 1:
+    """The tests of a call whose x, tangent (where it has one) and every context are one leaf:
+    x's, the tangent's (None: no tangent) and each context's."""
+    sig = call.signature
+    if sig.x_spec != _LEAF or len(call.x_leaves) != 1 or any(spec != _LEAF for spec in call.context_specs):
         return None
-    if any(spec != _LEAF for spec in call.context_specs):
-        return None
+    tangent_test = None
+    if op.tangent is not None:
+        if sig.tangent_spec != _LEAF or len(call.tangent_leaves) != 1:
+            return None
+        tangent_test = leaf_check(call.tangent_leaves[0], engine=engine)
+        if tangent_test is None:
+            return None
     x_test = leaf_check(call.x_leaves[0], static_x=True, engine=engine)
     tests = [leaf_check(leaves[0], by_value=by_value, engine=engine) for leaves in call.context_leaves]
     if x_test is None or any(test is None for test in tests):
         return None
-    return x_test, tuple(tests)
+    return x_test, tangent_test, tuple(tests)
 
 
 def _checks_of(

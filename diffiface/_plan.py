@@ -387,7 +387,7 @@ class Plan:
         program: Callable[..., tuple[Any, Any]],
         estimates: bool = False,
         context_classes: tuple[type | None, ...] = (),
-        single: tuple[Check, tuple[Check, ...]] | None = None,
+        single: tuple[Check, Check | None, tuple[Check, ...]] | None = None,
         *,
         flatteners: tuple[tuple[Flatten, Any], tuple[Flatten, Any], tuple[tuple[Flatten, Any], ...]],
     ) -> None:
@@ -416,8 +416,9 @@ class Plan:
         # a context of one array: its type is its structure, as for x
         self.context_classes = context_classes or (None,) * len(context_specs)
         self.single = single
-        """Where x and every context are one leaf each and there is no tangent (most calls): the
-        test of x's leaf and of each context's, compared without building a list of leaves."""
+        """Where x, the tangent (if the operator takes one) and every context are one leaf each
+        (most calls): the test of x's leaf, of the tangent's (None: no tangent) and of each
+        context's, compared without building a list of leaves."""
         self.program = program
         self.estimates = estimates
         """Whether the program estimates its error (the prep keeps the last estimate)."""
@@ -451,9 +452,15 @@ class Plan:
             return None
         single = self.single
         if single is not None:
-            (cls, test), context_tests = single
+            (cls, test), tangent_test, context_tests = single
             if type(x) is not cls or (test is not None and not test(x)):
                 return None
+            one_tangent: list[Any] = []
+            if tangent_test is not None:
+                cls, test = tangent_test
+                if type(tangent) is not cls or (test is not None and not test(tangent)):
+                    return None
+                one_tangent = [tangent]
             values = []
             for context, kind, (context_cls, context_test) in zip(
                 contexts, self.context_kinds, context_tests, strict=False
@@ -464,7 +471,7 @@ class Plan:
                 if type(value) is not context_cls or (context_test is not None and not context_test(value)):
                     return None
                 values.append([value])
-            return [x], [], values
+            return [x], one_tangent, values
         x_checks = self.x_checks
         if x_checks is None or self.tangent_checks is None or self.context_checks is None:
             return None

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import namespace, require, to_numpy, tolerance
+from conftest import namespace, native_tree, require, to_numpy, tolerance
 
 import diffiface as di
 
@@ -497,3 +497,37 @@ def test_an_output_leaf_that_does_not_depend_on_x_beside_one_that_does(backend_i
         cotangent = {"traced": ones(3), "cut": ones(3)}
         with pytest.raises(di.InvalidOutputError, match="not through the"):
             calls[op](_traced_and_cut)
+
+
+def _scaled_sine(v: Any, c: Any) -> Any:
+    return namespace(v).sin(v) * c
+
+
+@pytest.mark.parametrize("op", ["jvp", "vjp"])
+def test_a_one_array_tangent_is_tested_as_x_is(backend_id: str, backend: di.Backend, op: str) -> None:
+    """One array x, tangent and context: the plan's one-leaf test covers the tangent too (no
+    list of leaves built), and a tangent of another shape, dtype or type still misses the plan:
+    a strict prep refuses it, a prep that is not strict answers it with its own, right."""
+    x, c, t = (native_tree(backend_id, np.array(a), "float64") for a in ([-1, 0.2, 1], [1.5, -2, 0.5], [1, 2, 3]))
+    prepare, call = (di.prepare_jvp, di.jvp) if op == "jvp" else (di.prepare_vjp, di.vjp)
+    prep = prepare(_scaled_sine, backend, x, t, di.Constant(c))
+    assert prep.plan.single is not None and prep.plan.single[1] is not None
+    rtol, atol = tolerance(backend_id, np.float64)
+    want = np.cos(to_numpy(x)) * to_numpy(c) * to_numpy(t)
+    for _ in range(2):
+        np.testing.assert_allclose(
+            to_numpy(call(_scaled_sine, backend, x, t, di.Constant(c), prep=prep)), want, rtol, atol
+        )
+    others = [
+        native_tree(backend_id, np.ones(4), "float64"),  # another shape
+        native_tree(backend_id, np.ones(3), "float16"),  # another dtype
+        np.ones(3) if backend_id in ("jax", "torch-autograd", "torch-func") else [1.0, 1.0, 1.0],  # another type
+    ]
+    for other in others:
+        with pytest.raises((di.PreparationMismatchError, di.TangentMismatchError)):
+            call(_scaled_sine, backend, x, other, di.Constant(c), prep=prep)
+    loose = prepare(_scaled_sine, backend, x, t, di.Constant(c), strict=False)
+    x, c, t = (native_tree(backend_id, np.array(a), "float32") for a in ([0.5, 1, 2], [1, 2, 3], [3, -1, 2]))
+    found = to_numpy(call(_scaled_sine, backend, x, t, di.Constant(c), prep=loose))
+    want = np.cos(to_numpy(x)) * to_numpy(c) * to_numpy(t)
+    np.testing.assert_allclose(found, want, rtol=1e-3, atol=1e-3)  # (float32 finite differences)
