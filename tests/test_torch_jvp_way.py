@@ -6,6 +6,7 @@ here), so that the way chosen is the test's; each asserts the way, the product a
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -270,3 +271,45 @@ def test_a_function_that_draws_keeps_forward_mode_and_the_generators_state(monke
     torch.testing.assert_close(got, noise * t)
     assert torch.equal(after, torch.randn(2))
     assert ways() == [False]
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=["by name", "by object"])
+@pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
+def test_duals_under_a_torch_function_mode_take_torchs_public_functions(
+    prepared: bool, backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # expected: forward mode makes and unpacks its duals with torch's operations under
+    # forward_ad's functions (not entered) where no torch-function mode is active, and with
+    # forward_ad's own (entered) under one, as torch.export's pre-dispatch tracing has; the
+    # product torch.func.jvp's either way, value and jvp, one and two output leaves
+    from torch.overrides import TorchFunctionMode
+
+    class Passing(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            return func(*args, **(kwargs or {}))
+
+    entered: list[str] = []
+    forward_ad = torch.autograd.forward_ad
+    for name in ("make_dual", "unpack_dual"):
+        public = getattr(forward_ad, name)
+        monkeypatch.setattr(forward_ad, name, lambda *a, _f=public, _n=name, **k: entered.append(_n) or _f(*a, **k))
+    monkeypatch.setattr(adapter, "_timed", timing(reverse_faster=False))
+
+    def two(v: Any, c: Any) -> Any:
+        return {"y": elementwise(v, c), "z": v.sum()}
+
+    gen = torch.Generator().manual_seed(1)
+    x, t, c = (torch.randn(6, generator=gen, dtype=torch.float64) for _ in range(3))
+    for f in (elementwise, two):
+        expected = reference(f, x, t, c)
+        prep = di.prepare_jvp(f, backend, x, t, di.Constant(c)) if prepared else None
+        for mode in (False, True, False):
+            entered.clear()
+            with Passing() if mode else contextlib.nullcontext():
+                got = di.jvp(f, backend, x, t, di.Constant(c), prep=prep)
+                value, product = di.value_and_jvp(f, backend, x, t, di.Constant(c))
+            torch.testing.assert_close(got, expected)
+            torch.testing.assert_close(product, expected)
+            torch.testing.assert_close(value, f(x, c))
+            assert ("make_dual" in entered and "unpack_dual" in entered) == mode, entered
+    assert ways() == [False, False]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dis
 import functools
+import itertools
 import operator
 import re
 import sys
@@ -165,14 +166,14 @@ class Adapter(_base.Adapter):
             return False
         if any(map(_requires_grad, xs)):  # reverse mode, torch.autograd's or torch.func's
             return not leaf.requires_grad
-        if _DUALS[0] and forward_ad.unpack_dual(leaf).tangent is None:  # (a tangent: tracked, the common case)
-            return any(forward_ad.unpack_dual(x).tangent is not None for x in xs)  # forward mode of ours
+        if _DUALS[0] and _dual_parts(leaf)[1] is None:  # (a tangent: tracked, the common case)
+            return any(_dual_parts(x)[1] is not None for x in xs)  # forward mode of ours
         return False  # (torch.func's forward mode: every tensor made inside is wrapped alike)
 
     def plain(self, leaf: Any) -> Any:
         if _wrapped(leaf):  # a torch.func tensor: its value is reached through the transform
             return leaf
-        return forward_ad.unpack_dual(leaf).primal.detach() if isinstance(leaf, torch.Tensor) else leaf
+        return _dual_parts(leaf)[0].detach() if isinstance(leaf, torch.Tensor) else leaf
 
     def output_leaf(self, leaf: Any, like: Any) -> Any:
         if type(leaf) is torch.Tensor or isinstance(leaf, torch.Tensor):
@@ -316,9 +317,9 @@ class Adapter(_base.Adapter):
         level = _open_dual_level()
         try:
             # x itself where it carries an outer graph (reverse over forward), else detached
-            out, aux = fn(_made_duals(xs if keep else tuple(map(torch.Tensor.detach, xs)), txs))
+            out, aux = fn(_made_duals(xs if keep else tuple(map(torch.Tensor.detach, xs)), txs, level))
             if type(out) is tuple:  # (the closed function's output leaves: no tree to walk)
-                primal, tangent = _unpacked(out)
+                primal, tangent = _unpacked(out, level)
             else:
                 primal, tangent = _tree.map(_primal, out), _tree.map(_tangent, out)
             aux = None if aux is None else _tree.map(_primal, aux)
@@ -807,38 +808,53 @@ def _detached(tree: Any, keep: bool) -> Any:
     return _tree.map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, tree)
 
 
-def _open_dual_level() -> Any:
+# torch's public make_dual and unpack_dual pass through three Python frames each (torch.export's
+# pre-dispatch hook, the dtype checks, the default level), 3-5 us a call against about one for
+# the operations under them: once for each leaf of x and each output leaf of every jvp. Where no
+# torch-function mode is active (the hook's mode is one), diffiface calls those operations with
+# the level it opened; the plan has made x's leaves and the tangents floating or complex.
+_make_dual = torch._make_dual
+_unpack_dual = torch._unpack_dual
+_function_mode = torch._C._is_torch_function_mode_enabled
+
+
+def _open_dual_level() -> int:
     """A dual level of ours, entered (torch has one at a time: where the caller's is open, a
     nested forward mode, refused)."""
-    level = forward_ad.dual_level()
+    if not _FORWARD_WARMED[0]:
+        _warm_forward()
     try:
-        level.__enter__()
+        level: int = forward_ad.enter_dual_level()
     except RuntimeError as exc:  # the caller's own dual level is open
         raise _nested_forward() from exc
     _DUALS[0] += 1
     return level
 
 
-def _close_dual_level(level: Any) -> None:
+def _close_dual_level(level: int) -> None:
     _DUALS[0] -= 1
-    level.__exit__(None, None, None)
+    forward_ad.exit_dual_level(level=level)
 
 
-def _made_duals(xs: Leaves, txs: Leaves) -> Leaves:
-    """Dual tensors of ``xs`` with tangents ``txs``, in the open dual level of ours."""
+def _made_duals(xs: Leaves, txs: Leaves, level: int) -> Leaves:
+    """Dual tensors of ``xs`` with tangents ``txs``, in the open dual level ``level`` of ours."""
     try:
-        return tuple(map(forward_ad.make_dual, xs, txs))
+        if _function_mode():
+            return tuple(map(forward_ad.make_dual, xs, txs))
+        return tuple(map(_make_dual, xs, txs, itertools.repeat(level, len(xs))))
     except RuntimeError as exc:  # duals of torch.func's wrapped tensors
         raise _autograd_in_func() from exc
 
 
-def _unpacked(out: Leaves) -> tuple[Leaves, Leaves]:
-    """Output leaves of a forward-mode call split into their primals and tangents, each dual
-    unpacked once (zeros where an output has no tangent; a leaf that is not a tensor, as it is)."""
+def _unpacked(out: Leaves, level: int) -> tuple[Leaves, Leaves]:
+    """Output leaves of a forward-mode call in the open dual level ``level`` split into their
+    primals and tangents, each dual unpacked once (zeros where an output has no tangent; a leaf
+    that is not a tensor, as it is)."""
+    unpack = forward_ad.unpack_dual if _function_mode() else _unpack_dual
     primals, tangents = [], []
     for y in out:  # (a loop: on every call)
         if isinstance(y, torch.Tensor):
-            primal, tangent = forward_ad.unpack_dual(y)
+            primal, tangent = unpack(y, level=level)
             primals.append(primal)
             tangents.append(torch.zeros_like(primal) if tangent is None else tangent)
         else:
@@ -847,14 +863,23 @@ def _unpacked(out: Leaves) -> tuple[Leaves, Leaves]:
     return tuple(primals), tuple(tangents)
 
 
+def _dual_parts(value: Any) -> Any:
+    """``(primal, tangent)`` of tensor ``value`` in the open dual level (tangent None: none;
+    the primal ``value`` itself where no level is open)."""
+    level = forward_ad._current_level
+    if level < 0 or _function_mode():
+        return forward_ad.unpack_dual(value)
+    return _unpack_dual(value, level)
+
+
 def _primal(value: Any) -> Any:
-    return forward_ad.unpack_dual(value).primal if isinstance(value, torch.Tensor) else value
+    return _dual_parts(value)[0] if isinstance(value, torch.Tensor) else value
 
 
 def _tangent(value: Any) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
-    primal, tangent = forward_ad.unpack_dual(value)
+    primal, tangent = _dual_parts(value)
     return torch.zeros_like(primal) if tangent is None else tangent
 
 
@@ -875,7 +900,7 @@ def _carries_graph(x: Any) -> bool:
     a torch.func transform), or is a dual tensor of diffiface's open forward-mode call."""
     if x.requires_grad:
         return torch.is_grad_enabled() or _wrapped(x)
-    return bool(_DUALS[0]) and forward_ad.unpack_dual(x).tangent is not None
+    return bool(_DUALS[0]) and _dual_parts(x)[1] is not None
 
 
 def _written(tensor: Any, version: int, copy: Any) -> bool:
@@ -1213,15 +1238,13 @@ class _Pushforward(_Gradient):
     def forward(self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves) -> Any:
         """The product by forward mode on ``inputs``, copies of x's leaves."""
         fused = self.fused
-        if not _FORWARD_WARMED[0]:
-            _warm_forward()
         tangents = tuple(map(_clone, ts))
         versions = list(map(_version, tangents))
         with _FORWARD_LOCK:
             level = _open_dual_level()
             try:
-                out, _ = fused.close(f, context_values, xs[0])(_made_duals(inputs, tangents))
-                primals, outs = _unpacked(out)  # (close gives a tuple of output leaves)
+                out, _ = fused.close(f, context_values, xs[0])(_made_duals(inputs, tangents, level))
+                primals, outs = _unpacked(out, level)  # (close gives a tuple of output leaves)
             finally:
                 _close_dual_level(level)
         if list(map(_version, tangents)) != versions:
