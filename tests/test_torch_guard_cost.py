@@ -371,3 +371,75 @@ def test_the_fused_gradient_copies_the_constants_and_lets_f_write_its_caches(bac
     got = di.gradient(_switches_grad_off, backend, w, *contexts)
     assert torch.is_grad_enabled()
     torch.testing.assert_close(got, data.sum(0))
+
+
+JACOBIAN = ["_Jacobian.__call__", "_Gradient.__call__", "_copied_constants", "_Jacobian.engine"]
+
+
+@pytest.mark.parametrize("shape", ["one tensor, one output", "nested dict, two outputs", "empty leaf"])
+@pytest.mark.parametrize("operator", ["jacobian", "value_and_jacobian"])
+@pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
+def test_common_func_jacobian_enters_the_adapter_once(shape: str, operator: str, prepared: bool) -> None:
+    # expected: torch.func's Jacobian on real x, once f's outputs are found real (the first
+    # call, the guard's steps), is one call of the fused guard and engine (_Jacobian), the
+    # Constant's copy, the output's checks and torch.func.jacrev of the closed f (_output, or
+    # _output_and_leaves for the value); an x with an empty leaf takes the adapter's own steps
+    # inside the same guard; the results are autograd mode's (float64), x and the batch
+    # unchanged; a complex output after real ones is refused
+    backend = di.AutoTorch(mode="func")
+    gen = torch.Generator().manual_seed(3)
+    data = torch.randn(4, 3, generator=gen, dtype=torch.float64)
+    if shape == "one tensor, one output":
+        x: Any = torch.randn(3, generator=gen, dtype=torch.float64)
+
+        def f(v: Any, d: Any) -> Any:
+            return torch.tanh(d @ v) * v.sum()
+
+    elif shape == "nested dict, two outputs":
+        x = {"l": {"w": torch.randn(3, 2, generator=gen, dtype=torch.float64), "b": torch.randn(2, generator=gen)}}
+        x["l"]["b"] = x["l"]["b"].double()
+
+        def f(v: Any, d: Any) -> Any:
+            h = torch.tanh(d @ v["l"]["w"] + v["l"]["b"])
+            return {"h": h, "n": (h**2).sum()}
+
+    else:
+        x = (torch.randn(3, generator=gen, dtype=torch.float64), torch.zeros(0, dtype=torch.float64))
+
+        def f(v: Any, d: Any) -> Any:
+            return d @ v[0] + v[1].sum()
+
+    copies = (optree_map(torch.clone, x), data.clone())
+    ctx = di.Constant(data)
+    op = getattr(di, operator)
+    prep = getattr(di, f"prepare_{operator}")(f, backend, x, ctx) if prepared else None
+
+    def call() -> Any:
+        return op(f, backend, x, ctx, prep=prep)
+
+    call()  # (f's outputs found real)
+    frames = adapter_frames(call)
+    helper = "_output_and_leaves" if operator == "value_and_jacobian" else "_output"
+    assert frames[:4] == JACOBIAN
+    if shape == "empty leaf":
+        assert helper not in frames and "Adapter.value_and_jacobian" in frames
+    else:
+        assert (
+            helper in frames and "Adapter.value_and_jacobian" not in frames and not any("guarded" in n for n in frames)
+        )
+    want = op(f, di.AutoTorch(), x, ctx)
+    for got, expected in zip(_leaves(call()), _leaves(want), strict=True):
+        assert not got.requires_grad and got.dtype == expected.dtype
+        torch.testing.assert_close(got, expected)
+    assert all(torch.equal(a, b) for a, b in zip(_leaves(x), _leaves(copies[0]), strict=True))
+    assert torch.equal(data, copies[1])
+    if shape == "one tensor, one output":  # a complex output where real ones were found: refused
+
+        def g(v: Any, d: Any) -> Any:
+            return f(v, d) * 1j if bool(v.sum() > 100) else f(v, d)
+
+        g_prep = getattr(di, f"prepare_{operator}")(g, backend, x, ctx)
+        for _ in range(2):  # (the second call, the fused one)
+            op(g, backend, x, ctx, prep=g_prep)
+        with pytest.raises(di.InvalidOutputError, match="complex"):
+            op(g, backend, x + 1000, ctx, prep=g_prep)
