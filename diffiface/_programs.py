@@ -90,8 +90,8 @@ def _program(
     program.cache_dynamic = tuple(c for c, m in zip(cache, plan.mask, strict=True) if m)  # type: ignore[attr-defined]
     program.cache_static = tuple(c for c, m in zip(cache, plan.mask, strict=True) if not m)  # type: ignore[attr-defined]
     # what an engine that records its graph as f runs may run in one call (torch,
-    # :func:`~diffiface._adapters.torch.Adapter.compile`): a gradient, a vjp, a jvp, an hvp
-    # or a Jacobian of x's own leaves (f closed and checked by ``close``; a vjp's cotangent by ``cotangent``)
+    # :func:`~diffiface._adapters.torch.Adapter.compile`): a gradient, a vjp, a jvp, an hvp or a
+    # Jacobian of x's own leaves (f closed and checked by ``close``; a vjp's cotangent by ``cotangent``)
     fusable = compute in _FUSABLE and not has_aux and not compiles
     if fusable and getattr(call, "rebuild", None) is None:
         fused = Fused(
@@ -141,8 +141,7 @@ class Fused:
     - ``adapter``: the adapter the program was built for; ``compute``: the adapter's method
       the program calls (``value_and_gradient``, ``value_and_pullback``,
       ``value_and_pushforward``, ``gradient_and_hvp`` or ``value_and_jacobian``); ``value``: the
-      program returns two
-      results, f's value (for an hvp, the gradient) before the derivative;
+      program returns two results, f's value (for an hvp, the gradient) before the derivative;
     - for a vjp (else None): ``cotangent(ts)``, the cotangent checked against the record of
       f's output that ``close`` made."""
 
