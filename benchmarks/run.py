@@ -972,14 +972,15 @@ def _one_frame_row(name, case, base, f, args, rounds):
 
 
 def _clone_once_row(name, case, base, f, args, rounds, op="gradient", contract=False):
-    """torch's own ``op`` (gradient, jvp, vjp or hvp) through one Python function of diffiface's
-    signature that does the least a strict prepared call must: flatten x once (optree), compare
-    its structure and each leaf's (type, shape, dtype, device) with the prepared ones, copy x once
-    (what keeps the caller's tensors safe where f writes into its input), the engine's own
-    operation on the copies (autograd's on the copies' leaves: one backward pass, or two for the
-    hvp; forward mode's duals of the copies for the jvp; or ``torch.func.grad``, ``jvp``, ``vjp``,
-    ``jvp`` of ``grad``), the result rebuilt. The torch goal is
-    1.05 times this wrapper's ratio.
+    """torch's own ``op`` (gradient, jvp, vjp, hvp, jacobian or hessian) through one Python
+    function of diffiface's signature that does the least a strict prepared call must: flatten x
+    once (optree), compare its structure and each leaf's (type, shape, dtype, device) with the
+    prepared ones, copy x once (what keeps the caller's tensors safe where f writes into its
+    input), the engine's own operation on the copies (autograd's on the copies' leaves: one
+    backward pass, or two for the hvp; forward mode's duals of the copies for the jvp;
+    ``torch.autograd.functional``'s Jacobian and Hessian; or ``torch.func.grad``, ``jvp``,
+    ``vjp``, ``jvp`` of ``grad``, ``jacrev``, ``hessian``), the result rebuilt. The torch goal
+    is 1.05 times this wrapper's ratio.
 
     With ``contract``, the wrapper also does what diffiface's contract asks of the contexts (a
     strict prep compares their shapes and dtypes; a Constant is unchanged after any call, also
@@ -1017,11 +1018,15 @@ def clone_once_wrapper(name, case, f, op="gradient", contract=False, tangent=Non
     context_signatures = [signature(c) for c in case["ctx"]]
     functional = name == "torch-func"
     grad = torch.func.grad(f) if functional else None
-    if op == "jvp" and not functional:
+    # (the Jacobian and Hessian as the native calls make them: built once, or on x's leaves)
+    whole = {"jacobian": torch.func.jacrev, "hessian": torch.func.hessian}.get(op) if functional else None
+    whole = whole(f) if whole is not None else None
+    if (op == "jvp" and not functional) or op == "hessian":
         import warnings
 
-        # (torch scripts its forward-mode decompositions on the process's first dual, warning
-        # that torch.jit.script is deprecated: a throwaway dual first, that warning silenced)
+        # (torch scripts its forward-mode decompositions on the process's first dual, which
+        # torch.func's Hessian makes too, warning that torch.jit.script is deprecated: a
+        # throwaway dual first, that warning silenced)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*")
             with torch.autograd.forward_ad.dual_level():
@@ -1052,7 +1057,7 @@ def clone_once_wrapper(name, case, f, op="gradient", contract=False, tangent=Non
         return optree.tree_unflatten(structure, fresh), fresh
 
     def clone_once(f, backend, x, *rest, prep=None):
-        tangent, contexts = (None, rest) if op == "gradient" else (rest[0], rest[1:])
+        tangent, contexts = (None, rest) if op in ("gradient", "jacobian", "hessian") else (rest[0], rest[1:])
         found, structure = optree.tree_flatten(x)
         if structure != spec or [(type(v), v.shape, v.dtype, v.device) for v in found] != sig:
             raise ValueError("not the prepared call")
@@ -1074,6 +1079,8 @@ def clone_once_wrapper(name, case, f, op="gradient", contract=False, tangent=Non
                 out = torch.func.vjp(lambda z: f(z, *values), copied)[1](tangent)[0]
             elif op == "jvp":
                 out = torch.func.jvp(lambda z: f(z, *values), (copied,), (tangent,))[1]
+            elif whole is not None:
+                out = whole(copied, *values)
             else:
                 out = torch.func.jvp(lambda w: grad(w, *values), (copied,), (tangent,))[1]
             if contract:
@@ -1091,6 +1098,18 @@ def clone_once_wrapper(name, case, f, op="gradient", contract=False, tangent=Non
                 if contract:
                     unwritten(copies, versions)
                 return optree.tree_map(lambda y: forward_ad.unpack_dual(y).tangent, out)
+        if op in ("jacobian", "hessian"):  # torch.autograd.functional's, on copies of x's leaves
+            fresh = [v.clone() for v in found]
+            copies += fresh
+            versions = [v._version for v in copies] if contract else None
+
+            def on_leaves(*leaves):
+                return f(optree.tree_unflatten(spec, list(leaves)), *values)
+
+            out = getattr(torch.autograd.functional, op)(on_leaves, tuple(fresh))
+            if contract:
+                unwritten(copies, versions)
+            return optree.tree_unflatten(spec, list(out)) if op == "jacobian" else out
         zs = [v.detach().clone().requires_grad_(True) for v in found]
         copies += zs
         versions = [v._version for v in copies] if contract else None
@@ -1156,7 +1175,7 @@ def plot_shapes(rows, path):
     plt.close(fig)
 
 
-FLOORED = ("gradient", "jvp", "vjp", "hvp")
+FLOORED = ("gradient", "jvp", "vjp", "hvp", "jacobian", "hessian")
 """The torch operators timed through the two wrappers too (the copy-once and the contract one)."""
 
 
@@ -1246,8 +1265,9 @@ def write_shapes(rows, meta):
         "Python function that flattens x, compares its structure and each leaf's type, shape, dtype and device "
         "with the prepared ones, copies x once and rebuilds the result, the least a strict prepared torch call "
         "does for x; the torch and torch-func goal is 1.05 times its ratio. Both wrappers are timed for the "
-        "jvp, the vjp and the hvp too (the engine's own operation on the copy: forward mode's duals, one "
-        "backward pass with the cotangent, or two). `floor: a wrapper that keeps the contract`: the same wrapper doing also what diffiface's "
+        "jvp, the vjp, the hvp, the Jacobian and the Hessian too (the engine's own operation on the copy: "
+        "forward mode's duals, one backward pass with the cotangent, or two; the native Jacobian and Hessian "
+        "call on the copy). `floor: a wrapper that keeps the contract`: the same wrapper doing also what diffiface's "
         "contract asks of the contexts: each context flattened and each leaf's type, shape, dtype and device "
         "compared with the prepared ones (a strict prep), a copy of each Constant tensor given to f, and the "
         "version counters of the copies of x and of the Constants read after f (a write refused, the caller's "

@@ -149,7 +149,9 @@ def test_floor_table_divides_each_torch_operator_by_its_wrappers():
         row("torch", 1.3, prepared=False),  # unprepared: no floor
         row("torch", 1.2, operator="vjp"),  # a vjp: its copy-once floor, no contract floor
         row("torch", 1.15, "floor: a wrapper that copies x once", operator="vjp"),
-        row("torch", 2.0, operator="jacobian"),  # no floor for the Jacobian: not in the table
+        row("torch", 2.0, operator="jacobian"),  # a Jacobian: its contract floor only
+        row("torch", 1.6, "floor: a wrapper that keeps the contract", operator="jacobian"),
+        row("torch", 3.0, operator="jvp", prepared=None),  # no prepared flag: not in the table
         row("torch-func", 1.2),  # no floor timed: None
         row("jax", 1.01),  # not torch
     ]
@@ -175,6 +177,17 @@ def test_floor_table_divides_each_torch_operator_by_its_wrappers():
             "diffiface / it (goal 1.05)": 1.043,
             "contract wrapper": None,
             "diffiface / it": None,
+        },
+        {
+            "backend": "torch",
+            "shape": "tuple",
+            "size": "mlp",
+            "operator": "jacobian",
+            "diffiface": 2.0,
+            "copy-once wrapper": None,
+            "diffiface / it (goal 1.05)": None,
+            "contract wrapper": 1.6,
+            "diffiface / it": 1.25,
         },
         {
             "backend": "torch-func",
@@ -240,6 +253,34 @@ def test_copy_once_jvp_wrapper_is_the_engines_forward_mode():
             with pytest.raises((ValueError, RuntimeError), match=r"wrote|mutate a captured"):
                 run._clone_once_row(name, case, base, writes, args, rounds=1, op=op, contract=True)
             assert torch.equal(case["ctx"][0]["x"], before)  # the caller's tensor: unchanged
+
+
+def test_jacobian_and_hessian_wrappers_are_the_native_calls_on_copies():
+    """The torch Jacobian and Hessian floors compute what the native calls do (torch.func's
+    jacrev and hessian built once, torch.autograd.functional's on x's leaves) on copies of x:
+    the same values, and a write by f into x or a Constant is seen by the contract wrapper and
+    leaves the caller's tensors unchanged."""
+    torch = pytest.importorskip("torch")
+    run = _run_module()
+    for name in ("torch", "torch-func"):
+        cases = run.shape_cases(name, np.random.default_rng(0))
+        for op, size in (("jacobian", "mlp"), ("hessian", "10-input")):
+            case = next(c for c in cases if c["shape"] == "tuple" and c["size"] == size)
+            f = case["head"] if op == "jacobian" else case["loss"]
+            base = {"backend": name, "shape": "tuple", "size": size}
+            for contract in (False, True):
+                row = run._clone_once_row(name, case, base, f, (case["x"],), rounds=1, op=op, contract=contract)
+                assert row["operator"] == op and row["check"] == "same" and row["ratio"] > 0
+
+            def writes(x, *ctx, f=f):
+                with torch.no_grad():
+                    x[0].mul_(2.0)  # into x's copy
+                return f(x, *ctx)
+
+            before = case["x"][0].clone()
+            with pytest.raises((ValueError, RuntimeError), match=r"wrote|mutate|in-place"):
+                run._clone_once_row(name, case, base, writes, (case["x"],), rounds=1, op=op, contract=True)
+            assert torch.equal(case["x"][0], before)
 
 
 def test_contract_wrapper_checks_and_copies_the_tangent():
