@@ -88,8 +88,6 @@ _DUALS = [0]
 """How many of diffiface's forward-mode (dual level) calls are open, in the thread that holds
 ``_FORWARD_LOCK``: while one is, inputs may be dual tensors whose tangents must be kept."""
 
-"""The operators by which autograd mode hands f dual tensors, which share the caller's memory."""
-
 
 class _Calls(threading.local):
     def __init__(self) -> None:
