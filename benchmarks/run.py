@@ -880,6 +880,7 @@ def _shape_rows_for(name, rounds):
             rows.append({**base, "operator": "gradient", "note": case["skip"]})
             continue
         constants = tuple(di.Constant(c) for c in case["ctx"])
+        calls = {}  # the prepared diffiface call of each operator, timed against its floors too
         for op in case["ops"]:
             scalar = op in ("gradient", "hvp", "hessian")
             f = case["loss"] if scalar else case["head"]
@@ -899,15 +900,17 @@ def _shape_rows_for(name, rounds):
                     side = "timing"
                     us, _, them, ratio = time_pair(ours, native, rounds)
                     row.update(diffiface_s=us, native_s=them, ratio=ratio)
+                    if prepared:
+                        calls[op] = ours
                 except Exception as error:  # recorded, so that one failure does not hide the rest
                     message = str(error).splitlines()[0][:100] if str(error) else ""
                     row["note"] = f"{side} call failed: {type(error).__name__}: {message}"
                 rows.append(row)
             if op == "gradient":
-                rows += _variant_rows(name, case, base, f, args, rounds)
+                rows += _variant_rows(name, case, base, f, args, rounds, calls.get(op))
             elif name.startswith("torch") and op in FLOORED:  # (their bounds, as the gradient's)
-                rows.append(_clone_once_row(name, case, base, f, args, rounds, op))
-                rows.append(_clone_once_row(name, case, base, f, args, rounds, op, contract=True))
+                for contract in (False, True):
+                    rows.append(_clone_once_row(name, case, base, f, args, rounds, op, contract, calls.get(op)))
     return rows
 
 
@@ -917,10 +920,10 @@ def _numpy_tree(tree):
     return optree.tree_map(lambda leaf: np.asarray(leaf), tree)
 
 
-def _variant_rows(name, case, base, f, args, rounds):
+def _variant_rows(name, case, base, f, args, rounds, ours=None):
     """The prepared gradient as users also call it: the backend by its string name (the
     README's style), and under jax the batch as numpy arrays, against jit given the same
-    numpy arrays."""
+    numpy arrays; the floors (``ours``: the prepared gradient, timed against the torch ones)."""
     variants = [("backend by name", name.replace("-x64", ""), case["ctx"])]
     if name.startswith("jax") and case["shape"] in ("flat", "tuple", "dict"):
         variants.append(("numpy contexts", backend(name.replace("-x64", "")), tuple(map(_numpy_tree, case["ctx"]))))
@@ -928,9 +931,9 @@ def _variant_rows(name, case, base, f, args, rounds):
     if name.startswith("jax"):  # the least any Python function around jit's call costs
         rows.append(_one_frame_row(name, case, base, f, args, rounds))
     if name.startswith("torch"):  # the least a call that keeps the caller's x safe costs
-        rows.append(_clone_once_row(name, case, base, f, args, rounds))
+        rows.append(_clone_once_row(name, case, base, f, args, rounds, ours=ours))
         # (and the least one that keeps the whole contract: contexts checked, Constants copied)
-        rows.append(_clone_once_row(name, case, base, f, args, rounds, contract=True))
+        rows.append(_clone_once_row(name, case, base, f, args, rounds, contract=True, ours=ours))
     for variant, b, ctx in variants:
         row = {**base, "operator": "gradient", "prepared": True, "variant": variant}
         row["goal"] = shape_goal(case["size"], "gradient", True)
@@ -971,7 +974,7 @@ def _one_frame_row(name, case, base, f, args, rounds):
     return row
 
 
-def _clone_once_row(name, case, base, f, args, rounds, op="gradient", contract=False):
+def _clone_once_row(name, case, base, f, args, rounds, op="gradient", contract=False, ours=None):
     """torch's own ``op`` (gradient, jvp, vjp, hvp, jacobian or hessian) through one Python
     function of diffiface's signature that does the least a strict prepared call must: flatten x
     once (optree), compare its structure and each leaf's (type, shape, dtype, device) with the
@@ -989,17 +992,25 @@ def _clone_once_row(name, case, base, f, args, rounds, op="gradient", contract=F
     tensor, and reads the version counters of the copies of x and of the Constants after f, to
     see a write by. It compares the tangent or cotangent the same way (a strict prep's signature
     holds it), and works on copies of a jvp's or an hvp's tangent (a write by f into x reaches
-    a jvp's tangent, and an hvp's result may be the tangent itself), their counters read too."""
+    a jvp's tangent, and an hvp's result may be the tangent itself), their counters read too.
+
+    ``ours``, diffiface's prepared call of the same operator, is also timed against the wrapper
+    itself, in rounds of their own (``over_floor``: the median ratio of diffiface's time to the
+    wrapper's within a round). Each row's native call is timed at another moment than the next
+    row's, and on this shared machine the same native call's time moves by up to half from one
+    row to the next, so that a quotient of two rows' ratios is far noisier than this."""
     variant = "floor: a wrapper that keeps the contract" if contract else "floor: a wrapper that copies x once"
     row = {**base, "operator": op, "prepared": True, "variant": variant}
     constants = tuple(di.Constant(c) for c in case["ctx"])
     tangent = args[1] if len(args) > 1 else None
     wrapper = clone_once_wrapper(name, case, f, op, contract, tangent)
-    ours = functools.partial(wrapper, f, name, *args, *constants, prep=None)
+    floor = functools.partial(wrapper, f, name, *args, *constants, prep=None)
     native = shape_native(name, op, f, case["x"], case["ctx"], tangent)
-    row["check"] = "same" if same_values(ours(), native()) else "DIFFERENT"
-    us, _, them, ratio = time_pair(ours, native, rounds)
+    row["check"] = "same" if same_values(floor(), native()) else "DIFFERENT"
+    us, _, them, ratio = time_pair(floor, native, rounds)
     row.update(diffiface_s=us, native_s=them, ratio=ratio)
+    if ours is not None:
+        row["over_floor"] = time_pair(ours, floor, rounds)[3]
     return row
 
 
@@ -1181,8 +1192,10 @@ FLOORED = ("gradient", "jvp", "vjp", "hvp", "jacobian", "hessian")
 
 def floor_table(rows):
     """For each prepared torch row of an operator in ``FLOORED``: diffiface's ratio, each
-    wrapper's (the floors), and diffiface's ratio divided by each: the measure of the torch goal
-    (1.05 times the copy-once wrapper), and what is left over the whole contract's least cost."""
+    wrapper's (the floors), and diffiface's time over each wrapper's: the measure of the torch
+    goal (1.05 times the copy-once wrapper), and what is left over the whole contract's least
+    cost. That quotient is the floor row's ``over_floor`` where diffiface was timed against the
+    wrapper itself, else diffiface's ratio divided by the wrapper's."""
     out = []
     for r in rows:
         if not (r["backend"].startswith("torch") and r["operator"] in FLOORED and r.get("prepared")):
@@ -1194,11 +1207,12 @@ def floor_table(rows):
             for other in rows:
                 same = all(other.get(k) == r[k] for k in ("backend", "shape", "size", "operator"))
                 if same and other.get("variant") == variant and other.get("ratio") is not None:
-                    return other["ratio"]
-            return None
+                    over = other.get("over_floor", r["ratio"] / other["ratio"])
+                    return other["ratio"], round(over, 3)
+            return None, None
 
-        once = floor("floor: a wrapper that copies x once")
-        whole = floor("floor: a wrapper that keeps the contract")
+        once, over_once = floor("floor: a wrapper that copies x once")
+        whole, over_whole = floor("floor: a wrapper that keeps the contract")
         out.append(
             {
                 "backend": r["backend"],
@@ -1207,9 +1221,9 @@ def floor_table(rows):
                 "operator": r["operator"],
                 "diffiface": r["ratio"],
                 "copy-once wrapper": once,
-                "diffiface / it (goal 1.05)": None if once is None else round(r["ratio"] / once, 3),
+                "diffiface / it (goal 1.05)": over_once,
                 "contract wrapper": whole,
-                "diffiface / it": None if whole is None else round(r["ratio"] / whole, 3),
+                "diffiface / it": over_whole,
             }
         )
     return out
@@ -1282,8 +1296,11 @@ def write_shapes(rows, meta):
         "",
         "## torch against its floors",
         "",
-        "Each prepared operator's ratio, each wrapper's (same run), and diffiface's divided by each: the ratio "
-        "of diffiface's time to the wrapper's, as both are timed against the same native call.",
+        "Each prepared operator's ratio, each wrapper's (same run), and diffiface's time over each wrapper's: "
+        "diffiface's prepared call timed against the wrapper itself, in interleaved rounds of their own (the "
+        "median ratio within a round). A quotient of two rows' ratios would be far noisier: each row's native "
+        "call is timed at another moment, and on a shared machine the same native call's time moves by up to "
+        "half from one row to the next.",
         "",
         table(
             floor_table(rows),

@@ -1,5 +1,7 @@
 """Smoke test of benchmark_differentiation: row structure and call counts, never wall-clock."""
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -152,6 +154,8 @@ def test_floor_table_divides_each_torch_operator_by_its_wrappers():
         row("torch", 2.0, operator="jacobian"),  # a Jacobian: its contract floor only
         row("torch", 1.6, "floor: a wrapper that keeps the contract", operator="jacobian"),
         row("torch", 3.0, operator="jvp", prepared=None),  # no prepared flag: not in the table
+        {**row("torch", 1.1, "floor: a wrapper that copies x once", shape="flat"), "over_floor": 0.98},
+        row("torch", 1.2, shape="flat"),  # timed against its floor itself: that ratio, not 1.2 / 1.1
         row("torch-func", 1.2),  # no floor timed: None
         row("jax", 1.01),  # not torch
     ]
@@ -188,6 +192,17 @@ def test_floor_table_divides_each_torch_operator_by_its_wrappers():
             "diffiface / it (goal 1.05)": None,
             "contract wrapper": 1.6,
             "diffiface / it": 1.25,
+        },
+        {
+            "backend": "torch",
+            "shape": "flat",
+            "size": "mlp",
+            "operator": "gradient",
+            "diffiface": 1.2,
+            "copy-once wrapper": 1.1,
+            "diffiface / it (goal 1.05)": 0.98,
+            "contract wrapper": None,
+            "diffiface / it": None,
         },
         {
             "backend": "torch-func",
@@ -268,9 +283,14 @@ def test_jacobian_and_hessian_wrappers_are_the_native_calls_on_copies():
             case = next(c for c in cases if c["shape"] == "tuple" and c["size"] == size)
             f = case["head"] if op == "jacobian" else case["loss"]
             base = {"backend": name, "shape": "tuple", "size": size}
+            backend = run.backend(name)
+            constants = [di.Constant(c) for c in case["ctx"]]
+            prep = getattr(di, "prepare_" + op)(f, backend, case["x"], *constants)
+            ours = functools.partial(getattr(di, op), f, backend, case["x"], *constants, prep=prep)
             for contract in (False, True):
-                row = run._clone_once_row(name, case, base, f, (case["x"],), rounds=1, op=op, contract=contract)
+                row = run._clone_once_row(name, case, base, f, (case["x"],), 1, op, contract, ours)
                 assert row["operator"] == op and row["check"] == "same" and row["ratio"] > 0
+                assert row["over_floor"] > 0  # diffiface timed against the wrapper itself
 
             def writes(x, *ctx, f=f):
                 with torch.no_grad():
