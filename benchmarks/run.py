@@ -1030,8 +1030,8 @@ def clone_once_wrapper(name, case, f, op="gradient", contract=False, tangent=Non
     functional = name == "torch-func"
     grad = torch.func.grad(f) if functional else None
     # (the Jacobian and Hessian as the native calls make them: built once, or on x's leaves)
-    whole = {"jacobian": torch.func.jacrev, "hessian": torch.func.hessian}.get(op) if functional else None
-    whole = whole(f) if whole is not None else None
+    transform = {"jacobian": torch.func.jacrev, "hessian": torch.func.hessian}.get(op) if functional else None
+    whole = None if transform is None else transform(f)
     if (op == "jvp" and not functional) or op == "hessian":
         import warnings
 
@@ -1067,6 +1067,8 @@ def clone_once_wrapper(name, case, f, op="gradient", contract=False, tangent=Non
         fresh = [v.clone() for v in found]  # (f's write into x reaches a jvp's tangent; an hvp may return it)
         return optree.tree_unflatten(structure, fresh), fresh
 
+    reverse = not functional and op in ("gradient", "vjp", "hvp")  # (autograd's backward passes)
+
     def clone_once(f, backend, x, *rest, prep=None):
         tangent, contexts = (None, rest) if op in ("gradient", "jacobian", "hessian") else (rest[0], rest[1:])
         found, structure = optree.tree_flatten(x)
@@ -1079,11 +1081,12 @@ def clone_once_wrapper(name, case, f, op="gradient", contract=False, tangent=Non
                 copies += tangent_copies
         else:
             values, copies = [c.value for c in contexts], []
+        # x copied once: leaves of a fresh graph for autograd's reverse mode, else plain copies
+        fresh = [v.detach().clone().requires_grad_(True) if reverse else v.clone() for v in found]
+        copies += fresh
+        versions = [v._version for v in copies] if contract else None
         if functional:
-            fresh = [v.clone() for v in found]
             copied = optree.tree_unflatten(spec, fresh)
-            copies += fresh
-            versions = [v._version for v in copies] if contract else None
             if op == "gradient":
                 out = grad(copied, *values)
             elif op == "vjp":
@@ -1099,9 +1102,6 @@ def clone_once_wrapper(name, case, f, op="gradient", contract=False, tangent=Non
             return out
         if op == "jvp":  # the engine's forward mode: duals of the copies
             forward_ad = torch.autograd.forward_ad
-            fresh = [v.clone() for v in found]
-            copies += fresh
-            versions = [v._version for v in copies] if contract else None
             with forward_ad.dual_level():
                 tangents = optree.tree_leaves(tangent)
                 duals = [forward_ad.make_dual(v, t) for v, t in zip(fresh, tangents, strict=True)]
@@ -1110,9 +1110,6 @@ def clone_once_wrapper(name, case, f, op="gradient", contract=False, tangent=Non
                     unwritten(copies, versions)
                 return optree.tree_map(lambda y: forward_ad.unpack_dual(y).tangent, out)
         if op in ("jacobian", "hessian"):  # torch.autograd.functional's, on copies of x's leaves
-            fresh = [v.clone() for v in found]
-            copies += fresh
-            versions = [v._version for v in copies] if contract else None
 
             def on_leaves(*leaves):
                 return f(optree.tree_unflatten(spec, list(leaves)), *values)
@@ -1121,20 +1118,17 @@ def clone_once_wrapper(name, case, f, op="gradient", contract=False, tangent=Non
             if contract:
                 unwritten(copies, versions)
             return optree.tree_unflatten(spec, list(out)) if op == "jacobian" else out
-        zs = [v.detach().clone().requires_grad_(True) for v in found]
-        copies += zs
-        versions = [v._version for v in copies] if contract else None
         with torch.enable_grad():
-            out = f(optree.tree_unflatten(spec, zs), *values)
+            out = f(optree.tree_unflatten(spec, fresh), *values)
             if contract:
                 unwritten(copies, versions)
             if op == "gradient":
-                gs = torch.autograd.grad(out, zs)
+                gs = torch.autograd.grad(out, fresh)
             elif op == "vjp":
-                gs = torch.autograd.grad(optree.tree_leaves(out), zs, grad_outputs=optree.tree_leaves(tangent))
+                gs = torch.autograd.grad(optree.tree_leaves(out), fresh, grad_outputs=optree.tree_leaves(tangent))
             else:
-                first = torch.autograd.grad(out, zs, create_graph=True)
-                gs = torch.autograd.grad(first, zs, grad_outputs=optree.tree_leaves(tangent))
+                first = torch.autograd.grad(out, fresh, create_graph=True)
+                gs = torch.autograd.grad(first, fresh, grad_outputs=optree.tree_leaves(tangent))
         return optree.tree_unflatten(spec, list(gs))
 
     return clone_once
