@@ -1,10 +1,17 @@
 """The documentation works: its code runs, its reference is complete, its site builds.
 
 - Every ```python block of docs/**/*.md and README.md runs; the blocks of one page share a
-  namespace and run in order. A block is left out only when fenced as ```python skip, or
-  preceded by ``<!-- skip -->`` or ``<!-- skip: needs diffiface.test.check_gradients, ... -->``.
-  The last form names what the block is waiting for: once every named object exists the block
-  runs again, so the docs cannot stay skipped after the function is written.
+  namespace and run in order. A block is left out only when preceded by
+  ``<!-- skip: why it cannot run here -->`` (the reason is required) or by
+  ``<!-- skip: needs diffiface.test.check_gradients, ... -->``. The last form names what the block
+  is waiting for: once every named object exists the block runs again, so the docs cannot stay
+  skipped after the function is written.
+- Every number of a benchmark in a page sits between markers naming the results file it comes
+  from, and equals what ``scripts/benchmark_docs.py`` renders from that file today.
+- Every relative link of the Markdown pages (README, docs, CONTRIBUTING, CHANGELOG) reaches a file,
+  and every ``#anchor`` a heading of it; the built site is checked the same way by mkdocs.
+- The README stays a README: short, what diffiface is in its first lines, no lab notes, and the
+  test command of ``.ci/run`` in its Development section.
 - The doctests of every diffiface module pass (modules whose engine is missing are skipped).
 - Every public name is in the API reference and has a docstring; every error class is on the
   errors page; the support matrix is generated, not written by hand.
@@ -41,7 +48,7 @@ ENGINES = ("jax", "jaxlib", "torch", "autograd", "scipy", "array_api_compat", "e
 # --- code blocks of the pages -------------------------------------------------------------------
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^\n`]*)$")
-_SKIP = re.compile(r"^<!--\s*skip(?:\s*:\s*needs\s+(?P<needs>[^>]*?))?\s*-->$")
+_SKIP = re.compile(r"^<!--\s*skip(?:\s*:\s*(?:needs\s+(?P<needs>[^>]*?)|(?P<why>[^>]*?)))?\s*-->$")
 
 
 @dataclasses.dataclass
@@ -51,6 +58,7 @@ class Block:
     source: str
     skip: bool  # always skipped
     needs: tuple[str, ...]  # skipped until all of these exist
+    why: str  # the reason an always skipped block gives
 
 
 def _blocks(page: pathlib.Path) -> list[Block]:
@@ -81,7 +89,8 @@ def _blocks(page: pathlib.Path) -> list[Block]:
             if marker and marker["needs"]:
                 needs = tuple(n.strip() for n in marker["needs"].split(",") if n.strip())
             always = "skip" in info[1:] or bool(marker and not needs)
-            blocks.append(Block(page, start + 1, "\n".join(body) + "\n", always, needs))
+            why = (marker["why"] or "").strip() if marker else ""
+            blocks.append(Block(page, start + 1, "\n".join(body) + "\n", always, needs, why))
         previous = ""
     return blocks
 
@@ -150,6 +159,17 @@ def test_every_page_is_in_the_nav() -> None:
     for page in DOCS.rglob("*.md"):
         uri = page.relative_to(DOCS).as_posix()
         assert uri in config, f"{uri} is not in the nav of mkdocs.yml"
+
+
+def test_skipped_blocks_say_why() -> None:
+    """A block that cannot run here says why in its marker (``<!-- skip: reason -->``)."""
+    for page in _pages():
+        for block in _blocks(page):
+            if block.skip:
+                assert block.why, (
+                    f"{_page_id(page)}:{block.line}: a skipped block must say why it cannot run: "
+                    "precede it with <!-- skip: the reason -->"
+                )
 
 
 def test_skip_markers_name_real_needs() -> None:
@@ -243,6 +263,147 @@ def test_support_matrix_is_generated_from_the_registry() -> None:
         assert f'"{backend.name}"' in row
         # the hand-written part of the page must not repeat the generated table
         assert row not in page
+
+
+def _benchmark_docs_module() -> Any:
+    """scripts/benchmark_docs.py, which writes every number of the docs from its file."""
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts"))
+    return importlib.import_module("benchmark_docs")
+
+
+def test_generated_numbers_agree_with_their_files() -> None:
+    """Every marked region of every page is what its results file gives today: a new benchmark
+    run, or a number edited by hand, fails here until ``python scripts/benchmark_docs.py``."""
+    module = _benchmark_docs_module()
+    problems = []
+    regions = 0
+    for page in module.pages():
+        text = page.read_text(encoding="utf-8")
+        regions += len(module.REGION.findall(text))
+        problems += module.regenerate(text, str(page.relative_to(ROOT)))[1]
+    assert not problems, "\n".join([*problems, "run: python scripts/benchmark_docs.py"])
+    assert regions >= len(module.GENERATORS), "a generator of scripts/benchmark_docs.py is used by no page"
+
+
+def test_a_changed_number_is_caught() -> None:
+    """The check above can fail: one digit changed in a region is reported, naming the file."""
+    module = _benchmark_docs_module()
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    region = next(m for m in module.REGION.finditer(text) if m["name"] == "readme-performance")
+    body = region["body"]
+    digit = re.search(r"\d\.\d\d", body)
+    assert digit is not None
+    changed = body[: digit.start()] + ("2" if digit[0][0] != "2" else "3") + body[digit.start() + 1 :]
+    edited = text[: region.start("body")] + changed + text[region.end("body") :]
+    problems = module.regenerate(edited, "README.md")[1]
+    assert problems == ["README.md: region 'readme-performance' differs from what benchmarks/results/shapes.json gives"]
+
+
+def test_benchmark_pages_cite_their_files() -> None:
+    """The README's performance table and docs/benchmarks.md are generated, and name their files."""
+    module = _benchmark_docs_module()
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    names = {m["name"]: m["source"] for m in module.REGION.finditer(readme)}
+    assert names.get("readme-performance") == "benchmarks/results/shapes.json"
+    assert names.get("support-matrix") == module.REGISTRY
+    page = (DOCS / "benchmarks.md").read_text(encoding="utf-8")
+    sources = {m["source"] for m in module.REGION.finditer(page)}
+    expected = {f"benchmarks/results/{p.name}" for p in (ROOT / "benchmarks" / "results").glob("*.json")}
+    assert sources == expected, f"docs/benchmarks.md should show every results file: missing {expected - sources}"
+    for plot in (ROOT / "benchmarks" / "results").glob("*.png"):
+        assert f"](benchmarks/results/{plot.name})" in page, f"docs/benchmarks.md does not show {plot.name}"
+
+
+# --- the README stays a README --------------------------------------------------------------------
+
+# Words of the project's working notes, which mean nothing to a reader of the README or the
+# benchmarks page.
+_LAB_NOTES = ("session", "FlatCall", "Settled", "../shared", "copy-once", "contract wrapper")
+
+
+def test_readme_is_short_and_says_what_diffiface_is_first() -> None:
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert 100 <= len(lines) <= 150, f"README.md has {len(lines)} lines; keep it between 100 and 150"
+    first = " ".join(lines[:10])
+    assert "diffiface differentiates a Python function" in first
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/benchmarks.md"])
+def test_no_lab_notes(page: str) -> None:
+    text = (ROOT / page).read_text(encoding="utf-8")
+    # the benchmarks page gives each run's conditions, the load of the machine among them
+    found = [word for word in (*_LAB_NOTES, *(["load average"] if page == "README.md" else [])) if word in text]
+    assert not found, f"{page} reads as a lab notebook: {found}"
+
+
+def _section(text: str, heading: str) -> str:
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else len(text)]
+
+
+def test_readme_development_has_the_commands_ci_runs() -> None:
+    """.ci/run runs the README's test command: the two stay the same command, under Development."""
+    readme = _section((ROOT / "README.md").read_text(encoding="utf-8"), "Development")
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    at = next(i for i, line in enumerate(ci) if line.startswith("echo") and "README's test command" in line)
+    command = ci[at + 1].strip()
+    assert command == 'pip install "torch==2.13.0" -e ".[all,test,frameworks]" && python -m pytest -n auto'
+    assert f"\n{command}\n" in readme
+    assert '\npip install ".[all,test]" && python -m diffiface.test\n' in readme
+
+
+# --- links and anchors --------------------------------------------------------------------------------
+
+_LINK = re.compile(r"(?<!\\)!?\[[^\]]*\]\((?P<target>[^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+def _slug(heading: str) -> str:
+    """The anchor Python-Markdown's toc gives a heading (its default slugify)."""
+    text = re.sub(r"`|\*\*|\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip())
+    text = re.sub(r"[^\w\s-]", "", text).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def _anchors(page: pathlib.Path) -> set[str]:
+    text = page.read_text(encoding="utf-8")
+    text = re.sub(r"(?ms)^```.*?^```", "", text)  # a # in a code block is no heading
+    found: set[str] = set()
+    for heading in re.findall(r"(?m)^#{1,6} (.+?)\s*#*$", text):
+        slug, n = _slug(heading), 1
+        while slug in found:  # a repeated heading gets _1, _2, ...
+            slug = f"{_slug(heading)}_{n}"
+            n += 1
+        found.add(slug)
+    return found
+
+
+def _link_pages() -> list[pathlib.Path]:
+    pages = [*_pages(), *(ROOT / name for name in ("CONTRIBUTING.md", "CHANGELOG.md"))]
+    return [page for page in pages if page.is_file()]
+
+
+@pytest.mark.parametrize("page", _link_pages(), ids=_page_id)
+def test_links_reach_their_targets(page: pathlib.Path) -> None:
+    """Offline: a relative link names a file that exists, and its anchor a heading there. (Links
+    to the web are not followed; the site's own links are checked again by mkdocs --strict.)"""
+    text = re.sub(r"(?ms)^```.*?^```", "", page.read_text(encoding="utf-8"))
+    text = re.sub(r"`[^`\n]*`", "", text)
+    broken = []
+    for match in _LINK.finditer(text):
+        target = match["target"]
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):
+            continue  # http:, mailto:, ...
+        path, _, anchor = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        if path.startswith("benchmarks/results/") and page.parent == DOCS:
+            resolved = ROOT / path  # the docs hook copies the plots there
+        if not resolved.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
+            broken.append(f"{target}: no heading with anchor #{anchor}")
+    assert not broken, f"{_page_id(page)} has broken links: {broken}"
 
 
 # --- the site builds ---------------------------------------------------------------------------------------
