@@ -354,6 +354,30 @@ def sharded() -> str:
     )
 
 
+def sharded_memory() -> str:
+    """The memory table of docs/large-models.md: what each operator adds per device."""
+    found = _load("sharded.json")
+    setup = found["setup"]
+    body = [
+        [
+            f"`{r['operator']}`"
+            if " " not in r["operator"]
+            else f"`{r['operator'].split()[0]}` {' '.join(r['operator'].split()[1:])}",
+            f"{r['extra_in_shards']:.1f}",
+            f"{r['peak_in_shards']:.2f}",
+            _seconds(r["seconds"]),
+            _seconds(r["first_call_s"]),
+        ]
+        for r in found["rows"]
+    ]
+    table = _table(["operator", "extra per device", "peak per device", "a later call", "the first call"], body)
+    return table + (
+        f"\nIn shards of {setup['shard_bytes_per_device'] / 2**20:.2f} MiB (the model's part on one device) of "
+        f"{setup['parameters']:,} {setup['dtype']} parameters on {setup['devices']} simulated CPU devices, a mesh of "
+        f"{setup['mesh']}; {setup['machine']}, jax {setup['jax']} (`python benchmarks/sharded.py`).\n"
+    )
+
+
 def differentiate_with() -> str:
     found = _load("differentiate_with.json")
     inside_torch = found["jax_inside_torch"]
@@ -411,6 +435,7 @@ GENERATORS: dict[str, tuple[str, Callable[[], str]]] = {
     "pymanopt": (f"{RESULTS}/results.json", pymanopt),
     "sparse": (f"{RESULTS}/sparse.json", sparse),
     "sharded": (f"{RESULTS}/sharded.json", sharded),
+    "sharded-memory": (f"{RESULTS}/sharded.json", sharded_memory),
     "differentiate-with": (f"{RESULTS}/differentiate_with.json", differentiate_with),
     "main-job": (f"{RESULTS}/main_job.json", main_job),
     "support-matrix": (REGISTRY, support_matrix),
