@@ -85,6 +85,14 @@ ENGINES = (  # (backend in the results, how a reader names it, the native call i
     ("autograd", "autograd", "`autograd.grad`"),
 )
 SHAPES = ("flat", "tuple", "dict", "flax", "torch-module")
+BACKENDS = ("jax", "jax-x64", "torch", "torch-func", "autograd")
+BACKEND_WORDS = {
+    "jax": "jax",
+    "jax-x64": "jax, float64",
+    "torch": "torch",
+    "torch-func": 'torch, `mode="func"`',
+    "autograd": "autograd",
+}
 SHAPE_WORDS = {
     "flat": "one vector",
     "tuple": "a `(W, b)` tuple",
@@ -149,7 +157,7 @@ def gradient_by_shape(size: str) -> str:
     body = []
     for shape in SHAPES:
         cells = []
-        for backend in ("jax", "jax-x64", "torch", "torch-func", "autograd"):
+        for backend in BACKENDS:
             prepared = _one(rows, backend=backend, shape=shape, prepared=True)
             unprepared = _one(rows, backend=backend, shape=shape, prepared=False)
             if prepared is None:
@@ -160,25 +168,25 @@ def gradient_by_shape(size: str) -> str:
                 cells.append(f"{_ratio(prepared)} ({_ratio(unprepared)})")
         if any(c != "—" for c in cells):
             body.append([SHAPE_WORDS[shape], *cells])
-    return _table(["x", "jax", "jax, float64", "torch", 'torch, `mode="func"`', "autograd"], body)
+    return _table(["x", *(BACKEND_WORDS[b] for b in BACKENDS)], body)
 
 
 def operators_by_backend(size: str) -> str:
     rows = _shape_rows(prepared=True, variant=None, size=size)
     operators = [op for op in ("gradient", "jvp", "vjp", "hvp", "jacobian", "hessian") if _one(rows, operator=op)]
     body = []
-    for backend in ("jax", "jax-x64", "torch", "torch-func", "autograd"):
+    for backend in BACKENDS:
         cells = [
             _span([r["ratio"] for r in rows if r["backend"] == backend and r["operator"] == op]) for op in operators
         ]
-        body.append([backend, *cells])
+        body.append([BACKEND_WORDS[backend], *cells])
     return _table(["backend", *operators], body)
 
 
 def floors() -> str:
     rows = [r for r in _load("shapes.json")["rows"] if "over_floor" in r]
     body = []
-    for backend, words in (("torch", "torch"), ("torch-func", 'torch, `mode="func"`')):
+    for backend, words in (("torch", "torch"), ("torch-func", BACKEND_WORDS["torch-func"])):
         for size in ("mlp", "10-input"):
             for variant, floor in (
                 ("floor: a wrapper that copies x once", "copies x, nothing else"),
@@ -195,7 +203,7 @@ def floors() -> str:
                             str(len(picked)),
                         ]
                     )
-    return _table(["engine", "size", "the least a wrapper does", "diffiface / wrapper", "rows"], body)
+    return _table(["engine", "size", "the least a wrapper does", "diffiface / wrapper", "cases"], body)
 
 
 def jax_floor() -> str:
@@ -214,21 +222,21 @@ def jax_floor() -> str:
                     str(len(floor)),
                 ]
             )
-    return _table(["size", "one Python call around the jitted gradient / native", "diffiface / native", "shapes"], body)
+    return _table(["size", "one Python call around the jitted gradient / native", "diffiface / native", "cases"], body)
 
 
 def user_forms() -> str:
     rows = _shape_rows(prepared=True)
     body = []
     for variant, words in (
-        ("backend by name", 'the backend as a string (`"jax"`)'),
-        ("numpy contexts", "numpy batches under jax, against `jax.jit` given numpy"),
+        ("backend by name", "the backend by its string name"),
+        ("numpy contexts", "numpy batches, against `jax.jit` given numpy"),
     ):
-        for backend in ("jax", "jax-x64", "torch", "torch-func", "autograd"):
+        for backend in BACKENDS:
             picked = [r["ratio"] for r in rows if r.get("variant") == variant and r["backend"] == backend]
             if picked:
-                body.append([words, backend, _span(picked), str(len(picked))])
-    return _table(["call", "backend", "diffiface / native", "rows"], body)
+                body.append([words, BACKEND_WORDS[backend], _span(picked), str(len(picked))])
+    return _table(["call", "backend", "diffiface / native", "cases"], body)
 
 
 # --- the older, broader run: import, finite differences, Hessians, pymanopt ----------------------
