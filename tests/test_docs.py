@@ -5,7 +5,8 @@
   ``<!-- skip: why it cannot run here -->`` (the reason is required) or by
   ``<!-- skip: needs diffiface.test.check_gradients, ... -->``. The last form names what the block
   is waiting for: once every named object exists the block runs again, so the docs cannot stay
-  skipped after the function is written.
+  skipped after the function is written. A ``text`` block after ``<!-- output -->`` is what the
+  python block before it prints; the test compares the two, numbers masked.
 - Every number of a benchmark in a page sits between markers naming the results file it comes
   from, and equals what ``scripts/benchmark_docs.py`` renders from that file today.
 - Every relative link of the Markdown pages (README, docs, CONTRIBUTING, CHANGELOG) reaches a file,
@@ -20,11 +21,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import doctest
 import importlib
 import importlib.util
 import inspect
+import io
 import os
 import pathlib
 import pkgutil
@@ -48,6 +51,7 @@ ENGINES = ("jax", "jaxlib", "torch", "autograd", "scipy", "array_api_compat", "e
 # --- code blocks of the pages -------------------------------------------------------------------
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^\n`]*)$")
+_OUTPUT = "<!-- output -->"  # marks a text block as the output of the python block before it
 _SKIP = re.compile(r"^<!--\s*skip(?:\s*:\s*(?:needs\s+(?P<needs>[^>]*?)|(?P<why>[^>]*?)))?\s*-->$")
 
 
@@ -59,6 +63,7 @@ class Block:
     skip: bool  # always skipped
     needs: tuple[str, ...]  # skipped until all of these exist
     why: str  # the reason an always skipped block gives
+    output: str | None = None  # what it prints, shown in a text block marked <!-- output -->
 
 
 def _blocks(page: pathlib.Path) -> list[Block]:
@@ -83,6 +88,8 @@ def _blocks(page: pathlib.Path) -> list[Block]:
             body.append(lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i].lstrip())
             i += 1
         i += 1  # the closing fence
+        if info and info[0].lower() == "text" and previous == _OUTPUT and blocks:
+            blocks[-1].output = "\n".join(body) + "\n"
         if info and info[0].lower() in ("python", "py", "python3"):
             marker = _SKIP.match(previous)
             needs: tuple[str, ...] = ()
@@ -135,6 +142,12 @@ def _page_id(page: pathlib.Path) -> str:
     return str(page.relative_to(ROOT))
 
 
+def _masked(text: str) -> list[str]:
+    """Printed text with its numbers masked (timings and rounding vary), spaces collapsed."""
+    lines = [re.sub(r"\d+(?:\.\d+)?(?:e[-+]?\d+)?", "#", line).split() for line in text.strip().splitlines()]
+    return [" ".join(words) for words in lines]
+
+
 @pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=_page_id)
 def test_code_blocks_run(page: pathlib.Path) -> None:
     namespace: dict[str, Any] = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
@@ -146,7 +159,15 @@ def test_code_blocks_run(page: pathlib.Path) -> None:
         if block.skip or not all(_exists(name) for name in block.needs):
             continue
         try:
-            exec(code, namespace)
+            if block.output is None:
+                exec(code, namespace)
+            else:
+                printed = io.StringIO()
+                with contextlib.redirect_stdout(printed):
+                    exec(code, namespace)
+                assert _masked(printed.getvalue()) == _masked(block.output), (
+                    f"{where}: the output the page shows is not what the block prints:\n{printed.getvalue()}"
+                )
         except Exception as exc:
             engine = _missing_engine(exc)
             if engine is not None:
