@@ -320,13 +320,21 @@ def _global(
 
     try:
         found = _numpy_trace.trace_pattern(f, x, values, hessian)
-    except (UnsupportedOperationError, TypeError, AttributeError) as error:
+    except UnsupportedOperationError as error:  # a refusal: what f does depends on x's values
         if detector.tracer != "auto" or not _jax_installed():
             raise
         try:  # a function written with jax.numpy (or the array API) on numpy x
             return _with_jax(f, x, values, hessian)
         except UnsupportedOperationError:
             raise error from None
+    except _numpy_trace.TracerFailure as failure:
+        if detector.tracer == "auto" and _jax_installed():
+            try:  # a function written with jax.numpy (or the array API) on numpy x
+                return _with_jax(f, x, values, hessian)
+            except Exception:  # jax cannot follow it either; f's own errors surface below
+                pass
+        # conservative: dense, correct for every f (f runs once on x to count its outputs)
+        found = _numpy_trace.dense_pattern(f, x, values, hessian, str(failure))
     return Detection(found.pattern, "numpy", found.notes)
 
 

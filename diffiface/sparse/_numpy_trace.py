@@ -29,11 +29,29 @@ from .._errors import UnsupportedOperationError
 from . import _index_sets as sets
 from ._torch_trace import Detection
 
-__all__ = ["IndexSetArray", "trace_pattern"]
+__all__ = ["IndexSetArray", "TracerFailure", "dense_pattern", "trace_pattern"]
 
 
-class TracerRefusal(Exception):
+_ACTIVE = threading.local()
+"""The trace running in this thread (``_ACTIVE.trace``), told of each refusal and failure."""
+
+
+class _Raised(Exception):
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        # kept where f catches it: the branch f takes instead is not what f does at x
+        trace = getattr(_ACTIVE, "trace", None)
+        if trace is not None and trace.raised is None:
+            trace.raised = self
+
+
+class TracerRefusal(_Raised):
     """f did something whose result depends on values the detector does not have."""
+
+
+class TracerFailure(_Raised):
+    """The tracer cannot follow f, not even as a dense operation: the whole function is taken as
+    dense (every output depending on every input)."""
 
 
 class _Trace:
@@ -41,6 +59,7 @@ class _Trace:
         self.n = n
         self.pairs = sets.Pairs(n) if hessian else None
         self.notes: list[str] = []
+        self.raised: Exception | None = None
 
 
 _LINEAR_UFUNCS = {"add", "subtract", "negative", "positive", "conjugate", "real"}
@@ -237,9 +256,14 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
                 f"f writes the result of np.{ufunc.__name__} into out=..., which the detector does not follow"
             )
         if method == "__call__":
-            if ufunc.__name__ == "matmul":
-                return _matmul(self.trace, inputs[0], inputs[1])
-            return _ufunc(self.trace, ufunc, inputs, kwargs)
+            try:
+                if ufunc.__name__ == "matmul":
+                    return _matmul(self.trace, inputs[0], inputs[1])
+                return _ufunc(self.trace, ufunc, inputs, kwargs)
+            except TracerRefusal:
+                raise
+            except Exception:  # a rule that does not fit these operands: conservative instead
+                return _dense(self.trace, ufunc, inputs, kwargs)
         if method == "reduce":
             axis = kwargs.get("axis", 0)
             keepdims = kwargs.get("keepdims", False)
@@ -255,11 +279,16 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
 
     def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         handler = _FUNCTIONS.get(func.__name__)
-        if handler is not None:
+        if handler is None and func.__name__ in _MOVES:
+            handler = _move
+        if handler is None:
+            return _dense(self.trace, func, args, kwargs)
+        try:
             return handler(self.trace, func, args, kwargs)
-        if func.__name__ in _MOVES:
-            return _move(self.trace, func, args, kwargs)
-        return _dense(self.trace, func, args, kwargs)
+        except TracerRefusal:
+            raise
+        except Exception:  # a rule that does not fit these operands: conservative instead
+            return _dense(self.trace, func, args, kwargs)
 
 
 # --- helpers ----------------------------------------------------------------------------------------
@@ -589,7 +618,7 @@ def _move(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
             floating.append(True)
             return pos
         if isinstance(a, (list, tuple)):
-            return type(a)(substitute(b) for b in a)
+            return _rebuild(a, [substitute(b) for b in a])
         if isinstance(a, np.ndarray) and a.dtype.kind in "fc":
             return np.zeros(a.shape, dtype=np.int64)
         if isinstance(a, float):
@@ -604,11 +633,19 @@ def _move(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
 
     def wrap(o: Any) -> Any:
         if isinstance(o, (list, tuple)):
-            return type(o)(wrap(p) for p in o)
+            return _rebuild(o, [wrap(p) for p in o])
         o = np.asarray(o)
         return IndexSetArray(trace, o.shape, sets.gather(sources, sizes, o, trace.n), view=view)
 
     return wrap(out)
+
+
+def _rebuild(container: Any, parts: list[Any]) -> Any:
+    """A list or tuple like ``container`` holding ``parts``; a named tuple (eigh's, svd's results)
+    takes them as its fields."""
+    if hasattr(container, "_fields"):
+        return type(container)(*parts)
+    return type(container)(parts)
 
 
 def _dense(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -625,7 +662,7 @@ def _dense(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
                 return np.ones(a.shape, a.dtype)
             return rng.uniform(0.5, 1.5, a.shape).astype(a.dtype)
         if isinstance(a, (list, tuple)):
-            return type(a)(substitute(b) for b in a)
+            return _rebuild(a, [substitute(b) for b in a])
         if isinstance(a, dict):
             return {k: substitute(v) for k, v in a.items()}
         return a
@@ -639,18 +676,19 @@ def _dense(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
             warnings.simplefilter("ignore")
             out = func(*probe_args, **probe_kwargs)
     except Exception as error:
-        raise TracerRefusal(
-            f"f calls numpy.{func.__name__}, which the detector does not know and could not run on sample "
-            f"values to learn its result's shape ({type(error).__name__}: {error})"
+        raise TracerFailure(
+            f"numpy.{func.__name__} could not run on sample values to learn its result's shape "
+            f"({type(error).__name__}: {str(error)[:200]})"
         ) from error
-    every = sets.union(found)
+    # each operand's sets in one row: operands of different sizes (polyval's p and x) unite
+    every = sets.union([sets.all_of(rows, 1) for rows in found])
     trace.notes.append(f"numpy.{func.__name__} is not known to the numpy detector: dense")
     if trace.pairs is not None:
         trace.pairs.add_all(sets.all_of(every, 1))
 
     def wrap(o: Any) -> Any:
         if isinstance(o, (list, tuple)):
-            return type(o)(wrap(p) for p in o)
+            return _rebuild(o, [wrap(p) for p in o])
         if not isinstance(o, np.ndarray) and not np.isscalar(o):
             return o
         o = np.asarray(o)
@@ -701,26 +739,20 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
         for leaf in context_leaves
     ]
     values = optree.tree_unflatten(context_spec, abstract)  # type: ignore[assignment]
+    outer, _ACTIVE.trace = getattr(_ACTIVE, "trace", None), trace
     try:
         with _autograd_arrays():
             out = f(optree.tree_unflatten(spec, traced), *values)
+        if trace.raised is not None:
+            raise trace.raised
+        blocks = [_block(leaf, n) for leaf in tree.leaves(out)]
     except TracerRefusal as error:
         raise UnsupportedOperationError(_refusal(str(error))) from error
-    except Exception as error:
-        if "IndexSetArray" in str(error):
-            raise UnsupportedOperationError(
-                _refusal(
-                    f"f calls something that does not take numpy's array protocols ({type(error).__name__}: "
-                    f"{str(error).splitlines()[0][:200] if str(error) else ''})"
-                )
-            ) from error
-        raise
-    blocks = []
-    for leaf in tree.leaves(out):
-        if isinstance(leaf, IndexSetArray):
-            blocks.append(leaf.rows if leaf.rows is not None and leaf.floating else sets.empty(leaf.size, n))
-        else:
-            blocks.append(sets.empty(int(np.size(leaf)), n))
+    except Exception as error:  # the tracer's own failure (or f's: running f on x tells which)
+        message = str(error).splitlines()[0][:200] if str(error) else ""
+        raise TracerFailure(f"{type(error).__name__}: {message}") from error
+    finally:
+        _ACTIVE.trace = outer
     if trace.pairs is not None:
         if sum(b.shape[0] for b in blocks) != 1:
             raise UnsupportedOperationError(_refusal("a Hessian pattern needs f to return one number"))
@@ -730,32 +762,119 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
     return Detection(pattern, tuple(dict.fromkeys(trace.notes)))
 
 
+def _block(leaf: Any, n: int) -> Any:
+    if isinstance(leaf, IndexSetArray):
+        return leaf.rows if leaf.rows is not None and leaf.floating else sets.empty(leaf.size, n)
+    return sets.empty(int(np.size(leaf)), n)
+
+
+def dense_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: bool, reason: str) -> Detection:
+    """The dense pattern, for an f no tracer could follow: every output depending on every input.
+    f runs once on a copy of x to count its outputs, so that an exception f raises itself reaches
+    the caller as f raised it."""
+    import scipy.sparse as sp
+
+    n = sum(int(np.prod(_arrays.shape(leaf), dtype=np.int64)) for leaf in tree.leaves(x))
+    out = f(tree.map(lambda leaf: leaf.copy() if isinstance(leaf, np.ndarray) else leaf, x), *values)
+    m = sum(int(np.size(leaf)) for leaf in tree.leaves(out))
+    if hessian and m != 1:
+        raise UnsupportedOperationError(_refusal("a Hessian pattern needs f to return one number"))
+    rows = n if hessian else m
+    pattern = sets.canonical(sp.csr_array(np.ones((rows, n), dtype=bool)))
+    return Detection(pattern, (f"the numpy detector could not follow f ({reason}): dense",))
+
+
 _PATCH_LOCK = threading.Lock()
+
+
+_ELEMENTWISE_STATS = {f"autograd.scipy.stats.{name}" for name in ("beta", "chi2", "gamma", "norm", "poisson", "t")}
+"""autograd's distributions whose functions broadcast their arguments, element by element."""
+
+
+def _shaped(value: IndexSetArray, array_args: Any, array_kwargs: dict[str, Any]) -> IndexSetArray:
+    """``value`` as ``np.array(value, *array_args, **array_kwargs)`` would shape it: ``ndmin``
+    leading ones, ``dtype``."""
+    dtype = array_kwargs.get("dtype", array_args[0] if array_args else None)
+    if dtype is not None:
+        value = value.astype(dtype)
+    ndmin = int(array_kwargs.get("ndmin", 0))
+    if ndmin > value.ndim:
+        value = np.reshape(value, (1,) * (ndmin - value.ndim) + value.shape)  # type: ignore[assignment]
+    return value
+
+
+def _holds_traced(values: Any) -> bool:
+    return any(isinstance(leaf, IndexSetArray) for leaf in tree.leaves(list(values)))
+
+
+def _autograd_patches() -> list[tuple[Any, str, Any]]:
+    """(module, name, replacement) for what autograd runs outside numpy's protocols:
+    ``np.array`` of arrays and of lists of traced elements, and its primitives that call scipy
+    (``autograd.scipy.stats``, ``.signal``, ``.linalg``, ...), which take numpy arrays only."""
+    module = sys.modules.get("autograd.numpy.numpy_wrapper")
+    scalar_or_array = getattr(module, "_array_from_scalar_or_array", None)
+    from_args = getattr(module, "array_from_args", None)
+    if scalar_or_array is None or from_args is None or getattr(scalar_or_array, "_diffiface_patch", False):
+        return []
+
+    def array_of_one(array_args: Any, array_kwargs: Any, scalar: Any) -> Any:
+        if isinstance(scalar, IndexSetArray):
+            return _shaped(scalar, array_args, array_kwargs)
+        return scalar_or_array(array_args, array_kwargs, scalar)
+
+    def array_of_elements(array_args: Any, array_kwargs: Any, *elements: Any) -> Any:
+        if any(isinstance(e, IndexSetArray) for e in elements):
+            return _shaped(np.stack(elements), array_args, array_kwargs)  # type: ignore[arg-type]
+        return from_args(array_args, array_kwargs, *elements)
+
+    array_of_one._diffiface_patch = True  # type: ignore[attr-defined]
+    patches: list[tuple[Any, str, Any]] = [
+        (module, "_array_from_scalar_or_array", array_of_one),
+        (module, "array_from_args", array_of_elements),
+    ]
+    for name, scipy_module in list(sys.modules.items()):
+        if not name.startswith("autograd.scipy") or scipy_module is None:
+            continue
+        for attribute, value in list(vars(scipy_module).items()):
+            raw = getattr(value, "fun", None)
+            if getattr(value, "_is_autograd_primitive", False) and not isinstance(raw, np.ufunc):
+                patches.append((scipy_module, attribute, _traced_primitive(value, name in _ELEMENTWISE_STATS)))
+    return patches
+
+
+def _traced_primitive(primitive: Any, elementwise: bool) -> Any:
+    """autograd's ``primitive`` where its arguments hold traced arrays: by the broadcasting rule of
+    a nonlinear ufunc (``elementwise``), else dense; anything else goes to ``primitive``."""
+
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        trace = getattr(_ACTIVE, "trace", None)
+        if trace is None or not _holds_traced((args, kwargs)):
+            return primitive(*args, **kwargs)
+        if elementwise:
+            return _ufunc(trace, primitive.fun, (*args, *kwargs.values()), {})
+        return _dense(trace, primitive.fun, args, kwargs)
+
+    return traced
 
 
 @contextlib.contextmanager
 def _autograd_arrays() -> Any:
-    """While f is traced, autograd.numpy's ``array(a)`` hands an IndexSetArray back as it is
-    (autograd's stack, hstack and friends call it on each operand; numpy's ``np.array`` cannot be
-    taught to). Every other argument goes to autograd's own function, unchanged."""
-    module = sys.modules.get("autograd.numpy.numpy_wrapper")
-    original = getattr(module, "_array_from_scalar_or_array", None)
-    if original is None or getattr(original, "_diffiface_patch", False):
+    """While f is traced, autograd's functions that numpy's protocols do not reach take traced
+    arrays (:func:`_autograd_patches`); every other argument goes to autograd's own function,
+    unchanged. A trace inside a trace finds them in place."""
+    patches = _autograd_patches()
+    if not patches:
         yield
         return
-
-    def passing(array_args: Any, array_kwargs: Any, scalar: Any) -> Any:
-        if isinstance(scalar, IndexSetArray):
-            return scalar
-        return original(array_args, array_kwargs, scalar)
-
-    passing._diffiface_patch = True  # type: ignore[attr-defined]
     with _PATCH_LOCK:
-        module._array_from_scalar_or_array = passing  # type: ignore[union-attr]
+        originals = [(module, name, getattr(module, name)) for module, name, _ in patches]
+        for module, name, replacement in patches:
+            setattr(module, name, replacement)
         try:
             yield
         finally:
-            module._array_from_scalar_or_array = original  # type: ignore[union-attr]
+            for module, name, original in originals:
+                setattr(module, name, original)
 
 
 def _refusal(reason: str) -> str:
