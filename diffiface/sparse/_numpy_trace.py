@@ -454,14 +454,7 @@ def _dot(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         return np.multiply(a, b)
     if len(a_shape) <= 2 and len(b_shape) <= 2:
         return _matmul(trace, a, b)
-    return _dense(trace, func, args, kwargs)
-
-
-def _inner(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    a, b = args[0], args[1]
-    if len(_shape_of(a)) == 1 and len(_shape_of(b)) == 1:
-        return _matmul(trace, a, b)
-    return _dense(trace, func, args, kwargs)
+    return _tensordot(trace, func, (a, b, ([-1], [-2 if len(b_shape) > 1 else -1])), {})
 
 
 def _outer(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -527,6 +520,109 @@ def _convolve(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> An
     if trace.pairs is not None and len(parts) == 2:
         trace.pairs.add_all(sets.all_of(rows, 1))
     return IndexSetArray(trace, (length,), rows)
+
+
+def _correlate(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """np.correlate(a, v, mode) is np.convolve(a, v[::-1], mode), conjugated: the same pattern."""
+    return _convolve(trace, func, (args[0], args[1][::-1], _argument(args, kwargs, 2, "mode", "valid")), {})
+
+
+_EINSUM_GRID_LIMIT = 1 << 22
+"""einsum's grid of every index (the product of all its sizes) above which it is taken as dense."""
+
+
+def _einsum(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """np.einsum("ij,jk->ik", ...) as the product of its operands broadcast over the grid of
+    every index, summed over the indices not kept: each output depends on the operand elements
+    of its own terms only. An ellipsis, the interleaved form, or a large grid: dense."""
+    subscripts, operands = args[0], args[1:]
+    if not isinstance(subscripts, str) or "." in subscripts:
+        return _dense(trace, func, args, kwargs)
+    inputs, arrow, output = subscripts.replace(" ", "").partition("->")
+    terms = inputs.split(",")
+    if not arrow:  # numpy's implicit output: the indices seen once, in alphabetical order
+        output = "".join(sorted(c for c in set(inputs) - {","} if inputs.count(c) == 1))
+    letters = output + "".join(dict.fromkeys(c for c in inputs if c not in output + ","))
+    sizes: dict[str, int] = {}
+    for term, operand in zip(terms, operands, strict=True):
+        for letter, length in zip(term, _shape_of(operand), strict=True):
+            sizes[letter] = max(sizes.get(letter, 1), int(length))
+    if sets.size([sizes[c] for c in letters]) > _EINSUM_GRID_LIMIT:
+        return _dense(trace, func, args, kwargs)
+    product: Any = None
+    for term, operand in zip(terms, operands, strict=True):
+        unique = "".join(dict.fromkeys(term))
+        if unique != term:  # a repeated index reads a diagonal: a move
+            operand = (
+                _move(trace, np.einsum, (f"{term}->{unique}", operand), {})
+                if isinstance(operand, IndexSetArray)
+                else np.einsum(f"{term}->{unique}", operand)
+            )
+        order = sorted(range(len(unique)), key=lambda k: letters.index(unique[k]))
+        own = dict(zip(unique, _shape_of(operand), strict=True))  # (a length 1 broadcasts)
+        placed = np.reshape(np.transpose(operand, order), [own.get(c, 1) for c in letters])
+        product = placed if product is None else product * placed
+    summed = tuple(range(len(output), len(letters)))
+    return np.sum(product, axis=summed) if summed else np.multiply(product, 1.0)
+
+
+def _tensordot(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    a, b = args[0], args[1]
+    axes = _argument(args, kwargs, 2, "axes", 2)
+    na, nb = len(_shape_of(a)), len(_shape_of(b))
+    if isinstance(axes, int):
+        a_axes, b_axes = list(range(na - axes, na)), list(range(axes))
+    else:
+        a_axes, b_axes = ([v] if isinstance(v, int) else list(v) for v in axes)
+    a_letters = [chr(ord("a") + k) for k in range(na)]
+    b_letters = [chr(ord("a") + na + k) for k in range(nb)]
+    for i, j in zip(a_axes, b_axes, strict=True):
+        b_letters[j % nb] = a_letters[i % na]
+    contracted = {a_letters[i % na] for i in a_axes}
+    kept = [c for c in a_letters + b_letters if c not in contracted]
+    return _einsum(trace, np.einsum, (f"{''.join(a_letters)},{''.join(b_letters)}->{''.join(kept)}", a, b), {})
+
+
+def _inner(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    a, b = args[0], args[1]
+    if not _shape_of(a) or not _shape_of(b):
+        return np.multiply(a, b)
+    return _tensordot(trace, func, (a, b, ([-1], [-1])), {})
+
+
+def _kron(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """np.kron(a, b): a's and b's axes interleaved, multiplied, and merged pairwise."""
+    a, b = args[0], args[1]
+    ndim = max(len(_shape_of(a)), len(_shape_of(b)))
+    a_shape = (1,) * (ndim - len(_shape_of(a))) + tuple(_shape_of(a))
+    b_shape = (1,) * (ndim - len(_shape_of(b))) + tuple(_shape_of(b))
+    spread_a = np.reshape(a, [d for s in a_shape for d in (s, 1)])
+    spread_b = np.reshape(b, [d for s in b_shape for d in (1, s)])
+    return np.reshape(spread_a * spread_b, [p * q for p, q in zip(a_shape, b_shape, strict=True)])
+
+
+def _polyval(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """np.polyval(p, x) by Horner's rule, on the tracer's own operations."""
+    p, x = args[0], args[1]
+    if len(_shape_of(p)) != 1 or not _shape_of(p)[0]:
+        return _dense(trace, func, args, kwargs)
+    result = np.multiply(x, 0.0) + p[0]
+    for k in range(1, _shape_of(p)[0]):
+        result = result * x + p[k]
+    return result
+
+
+def _trace_of(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """np.trace: the sum of a diagonal."""
+    offset, first, second = (
+        _argument(args, kwargs, k, name, d) for k, name, d in ((1, "offset", 0), (2, "axis1", 0), (3, "axis2", 1))
+    )
+    return np.sum(np.diagonal(args[0], offset, first, second), axis=-1)
+
+
+def _elementwise(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """A function of one array, element by element (sinc, i0, ...), as a nonlinear ufunc."""
+    return _ufunc(trace, func, (args[0],), {})
 
 
 def _where(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -704,7 +800,9 @@ _FUNCTIONS: dict[str, Callable[[_Trace, Any, Any, dict[str, Any]], Any]] = {
     "std": _sum(False), "var": _sum(False), "nanmax": _sum(False), "nanmin": _sum(False), "ptp": _sum(False),
     "norm": _norm, "cumsum": _cumsum(True), "cumprod": _cumsum(False), "diff": _diff, "dot": _dot,
     "vdot": _inner, "inner": _inner, "outer": _outer, "matmul": lambda t, f, a, k: _matmul(t, a[0], a[1]),
-    "convolve": _convolve, "where": _where, "sort": _along, "zeros_like": _like(False), "ones_like": _like(False),
+    "convolve": _convolve, "correlate": _correlate, "einsum": _einsum, "tensordot": _tensordot, "kron": _kron,
+    "polyval": _polyval, "trace": _trace_of, "sinc": _elementwise, "i0": _elementwise, "nan_to_num": _elementwise,
+    "around": _elementwise, "round": _elementwise, "fix": _elementwise, "where": _where, "sort": _along, "zeros_like": _like(False), "ones_like": _like(False),
     "empty_like": _like(False), "full_like": _like(True), "shape": _shape_only, "ndim": _shape_only,
     "size": _shape_only, "clip": _clip, "result_type": _shape_only,
 }  # fmt: skip
