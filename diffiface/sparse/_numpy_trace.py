@@ -54,6 +54,11 @@ class TracerFailure(_Raised):
     dense (every output depending on every input)."""
 
 
+class _MissingAttribute(TracerFailure, AttributeError):
+    """An array attribute the tracer has no counterpart for (``.strides``, ``.flags``): an
+    AttributeError to ``hasattr``, and the whole function dense even where f catches it."""
+
+
 class _Trace:
     def __init__(self, n: int, hessian: bool) -> None:
         self.n = n
@@ -113,6 +118,11 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
 
     def __repr__(self) -> str:
         return f"IndexSetArray(shape={self.shape}, dtype={self.dtype})"
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # protocols probed by numpy and others: absent, not a failure
+            raise AttributeError(name)
+        raise _MissingAttribute(f"f reads .{name} of an array computed from x, which the tracer does not have")
 
     # -- what depends on values: refused ---------------------------------------------------------
 
