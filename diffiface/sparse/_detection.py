@@ -39,7 +39,8 @@ class GlobalDetector:
     """The pattern read from ``f``'s program, traced once, for every ``x`` and every value of the
     contexts (their arrays are traced as abstract arrays): conservative, never missing a nonzero
     anywhere in the domain. Where an operation's structure is not known, each of its outputs
-    depends on everything its inputs depend on (and the detection's notes name it). Arrays ``f``
+    depends on everything its inputs depend on (and the detection's notes name it); where the
+    numpy tracer cannot follow ``f`` at all, every output depends on every input. Arrays ``f``
     closes over are constants: their values count (indices, zeros of a matrix). A ``f`` whose
     program depends on x's values (a Python ``if`` on them) is refused with the reason.
 

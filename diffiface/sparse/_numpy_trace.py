@@ -6,11 +6,13 @@ same type follows autograd-written code.
 
 Rules: ufuncs unite their operands' sets (broadcast); functions that only move elements
 (concatenate, stack, roll, pad, take, indexing with known indices...) are run by numpy on arrays
-of positions; reductions, cumulative functions, diff, dot/matmul, convolve and sort have their
-own rules; any other function is dense (each output element depends on everything its operands
+of positions; reductions, cumulative functions, diff, dot/matmul, einsum (tensordot, inner,
+kron), convolve, polyval and sort have their own rules; any other function, and any whose rule
+does not fit its operands, is dense (each output element depends on everything its operands
 depend on) and named in the notes. Comparisons give booleans whose values are not known: a
 Python ``if`` on them, ``float(x[0])``, or indexing with them is refused with the reason, since
-the pattern could change with x.
+the pattern could change with x. Anything else that stops the trace (a function that fails on
+sample values, ``.strides``) is a :class:`TracerFailure`: the whole function is then dense.
 """
 
 from __future__ import annotations
