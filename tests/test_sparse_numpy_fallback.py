@@ -20,6 +20,7 @@ anp = pytest.importorskip("autograd.numpy")
 stats = pytest.importorskip("autograd.scipy.stats")
 signal = pytest.importorskip("autograd.scipy.signal")
 special = pytest.importorskip("autograd.scipy.special")
+linalg = pytest.importorskip("autograd.scipy.linalg")
 
 N = 12
 X = np.linspace(0.2, 1.3, N) + 0.0123  # off the kinks of where, floor and clip below
@@ -27,6 +28,10 @@ X = np.linspace(0.2, 1.3, N) + 0.0123  # off the kinks of where, floor and clip 
 
 def _matrix(v: Any) -> Any:
     return v[:4].reshape(2, 2)
+
+
+def _gram(v: Any) -> Any:
+    return anp.dot(_matrix(v), _matrix(v).T)
 
 
 CASES: dict[str, Callable[[Any], Any]] = {
@@ -107,20 +112,36 @@ SWEEP: dict[str, Callable[[Any], Any]] = {
     "atleast_2d": lambda v: anp.atleast_2d(v[:3]).ravel() ** 2,
     "full_like": lambda v: anp.full_like(v, 2.0) * v,
     "sort": lambda v: anp.sort(v),
+    "select": lambda v: anp.select([v > 0.7, v < 0.3], [v, v**2], 0.0),
+    "cross": lambda v: anp.cross(v[:3], v[3:6]),
+    "fft": lambda v: anp.real(anp.fft.fft(v)),
+    "median": lambda v: anp.median(v),
+    "expit": lambda v: special.expit(v),
+    "logsumexp-axis": lambda v: special.logsumexp(v.reshape(3, 4), axis=1),
+    "dirichlet.logpdf": lambda v: stats.dirichlet.logpdf(v[:3] / anp.sum(v[:3]), v[3:6]),
+    "mvn-covariance": lambda v: stats.multivariate_normal.logpdf(v[:2], np.zeros(2), _gram(v) + np.eye(2)),
+    "scipy-cholesky": lambda v: linalg.cholesky(_gram(v) + np.eye(2)).ravel(),
+    "einsum-implicit": lambda v: anp.einsum("ij,jk", v[:6].reshape(2, 3), v[6:].reshape(3, 2)).ravel(),
+    "einsum-three": lambda v: anp.einsum("i,j,k->ijk", v[:2], v[2:4], v[4:6]).ravel(),
+    "tensordot-pairs": lambda v: anp.tensordot(v.reshape(2, 3, 2), v[:6].reshape(3, 2), axes=([1, 2], [0, 1])),
+    "dot-vector-3d": lambda v: anp.dot(v[:2], v.reshape(3, 2, 2)).ravel(),
+    "matmul-4d": lambda v: (v.reshape(1, 3, 2, 2) @ v[:4].reshape(2, 2)).ravel(),
+    "kron-constant": lambda v: anp.kron(np.eye(2), v[:4].reshape(2, 2)).ravel(),
 }
 """Elementwise maps, reductions, linear algebra, stacking and indexing: a sweep of what numpy- and
 autograd-written functions do."""
 
 EXACT = {
     "polyval", "correlate", "kron", "kron-2d", "inner", "dot-3d", "tensordot", "einsum", "einsum-diagonal",
-    "column_stack", "array-of-scalars", "array-nested", "norm.logpdf", "t.logpdf",
+    "column_stack", "array-of-scalars", "array-nested", "norm.logpdf", "t.logpdf", "einsum-implicit",
+    "einsum-three", "tensordot-pairs", "dot-vector-3d", "matmul-4d",
 }  # fmt: skip
 """Where the structure is read: the pattern is the nonzeros themselves."""
 
 DENSE_BLOCKS = {"eigh": range(4), "svd": range(4), "eig": range(4), "signal.convolve": range(8)}
 """Operations taken as dense: each output depends on each of the operation's inputs, no others."""
 
-AUTOGRAD_CANNOT = {"polyval", "correlate", "einsum-diagonal"}
+AUTOGRAD_CANNOT = {"polyval", "correlate", "einsum-diagonal", "median", "scipy-cholesky"}
 """autograd has no derivative of these (finite differences serve them)."""
 
 

@@ -478,6 +478,10 @@ def _matmul(trace: _Trace, a: Any, b: Any) -> Any:
     from ._torch_trace import _batched_mm
 
     a_shape, b_shape = _shape_of(a), _shape_of(b)
+    if len(a_shape) >= 2 and len(b_shape) >= 2 and max(len(a_shape), len(b_shape)) > 3:
+        batch = "abcdefghijklmnopqrstuvw"[: max(len(a_shape), len(b_shape)) - 2]
+        a_batch, b_batch = batch[len(batch) - len(a_shape) + 2 :], batch[len(batch) - len(b_shape) + 2 :]
+        return _einsum(trace, np.einsum, (f"{a_batch}xy,{b_batch}yz->{batch}xz", a, b), {})
     if not (1 <= len(a_shape) <= 3 and 1 <= len(b_shape) <= 3):
         return _dense(trace, np.matmul, (a, b), {})
     squeeze_front = len(a_shape) == 1
@@ -649,6 +653,19 @@ def _where(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     return IndexSetArray(trace, out_shape, rows, np.result_type(a.dtype, b.dtype))
 
 
+def _select(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """np.select(conditions, choices, default): a move where the conditions are known; where they
+    are not, each element depends on every choice's element there (as np.where's)."""
+    conditions, choices = list(args[0]), list(args[1])
+    default = _argument(args, kwargs, 2, "default", 0)
+    if all(_known(c) for c in conditions):
+        return _move(trace, func, args, kwargs)
+    operands = [_lift(trace, v) for v in (*choices, default)]
+    out_shape = np.broadcast_shapes(*(_shape_of(v) for v in (*conditions, *operands)))
+    rows = sets.union(sets.elementwise([(v.rows, v.shape) for v in operands], out_shape, trace.n))
+    return IndexSetArray(trace, out_shape, rows, np.result_type(*(v.dtype for v in operands)))
+
+
 def _along(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     """sort and friends: each output depends on the whole slice along the axis."""
     a: Any = _lift(trace, args[0])
@@ -748,6 +765,17 @@ def _move(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     return wrap(out)
 
 
+def _public_name(func: Any) -> str:
+    """``numpy.linalg.inv``, ``scipy.stats.logpdf``: the function's name in its public module."""
+    module = getattr(func, "__module__", None) or "numpy"
+    public = []
+    for part in module.split("."):
+        if part.startswith("_"):
+            break
+        public.append(part)
+    return ".".join([*public, getattr(func, "__name__", type(func).__name__)])
+
+
 def _rebuild(container: Any, parts: list[Any]) -> Any:
     """A list or tuple like ``container`` holding ``parts``; a named tuple (eigh's, svd's results)
     takes them as its fields."""
@@ -756,41 +784,55 @@ def _rebuild(container: Any, parts: list[Any]) -> Any:
     return type(container)(parts)
 
 
+def _sample(a: IndexSetArray, kind: int, rng: np.random.Generator) -> np.ndarray:
+    """Values for a run of an unknown function: numbers in [0.5, 1.5] (inside the domain of
+    logarithms and roots, rarely singular); failing that, identity matrices (symmetric positive
+    definite: cholesky's, a covariance) and vectors of 1/size (a point of the simplex)."""
+    if a.dtype.kind not in "fc":
+        return np.ones(a.shape, a.dtype)
+    if kind == 0:
+        return rng.uniform(0.5, 1.5, a.shape).astype(a.dtype)
+    if a.ndim >= 2 and a.shape[-1] == a.shape[-2]:
+        return np.broadcast_to(np.eye(a.shape[-1], dtype=a.dtype), a.shape).copy()
+    return np.full(a.shape, 1.0 / max(a.shape[-1] if a.shape else 1, 1), dtype=a.dtype)
+
+
 def _dense(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    """An unknown function: its outputs' shapes from a run on numbers in [0.5, 1.5] (inside the
-    domain of logarithms and roots, rarely singular), each element depending on everything its
-    operands depend on."""
+    """An unknown function: its outputs' shapes from a run on sample values (:func:`_sample`),
+    each element depending on everything its operands depend on."""
+    import warnings
+
     found: list[Any] = []
     rng = np.random.default_rng(0)
 
-    def substitute(a: Any) -> Any:
+    def substitute(a: Any, kind: int) -> Any:
         if isinstance(a, IndexSetArray):
             found.append(a.rows)
-            if a.dtype.kind not in "fc":
-                return np.ones(a.shape, a.dtype)
-            return rng.uniform(0.5, 1.5, a.shape).astype(a.dtype)
+            return _sample(a, kind, rng)
         if isinstance(a, (list, tuple)):
-            return _rebuild(a, [substitute(b) for b in a])
+            return _rebuild(a, [substitute(b, kind) for b in a])
         if isinstance(a, dict):
-            return {k: substitute(v) for k, v in a.items()}
+            return {k: substitute(v, kind) for k, v in a.items()}
         return a
 
-    probe_args = substitute(tuple(args))
-    probe_kwargs = substitute(dict(kwargs))
-    import warnings
-
-    try:
-        with np.errstate(all="ignore"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out = func(*probe_args, **probe_kwargs)
-    except Exception as error:
+    errors = []
+    for kind in (0, 1):
+        found.clear()
+        try:
+            with np.errstate(all="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out = func(*substitute(tuple(args), kind), **substitute(dict(kwargs), kind))
+            break
+        except Exception as error:
+            errors.append(error)
+    else:
         raise TracerFailure(
-            f"numpy.{func.__name__} could not run on sample values to learn its result's shape "
-            f"({type(error).__name__}: {str(error)[:200]})"
-        ) from error
+            f"{_public_name(func)} could not run on sample values to learn its result's shape "
+            f"({type(errors[0]).__name__}: {str(errors[0])[:200]})"
+        ) from errors[0]
     # each operand's sets in one row: operands of different sizes (polyval's p and x) unite
     every = sets.union([sets.all_of(rows, 1) for rows in found])
-    trace.notes.append(f"numpy.{func.__name__} is not known to the numpy detector: dense")
+    trace.notes.append(f"{_public_name(func)} is not known to the numpy detector: dense")
     if trace.pairs is not None:
         trace.pairs.add_all(sets.all_of(every, 1))
 
@@ -812,7 +854,7 @@ _FUNCTIONS: dict[str, Callable[[_Trace, Any, Any, dict[str, Any]], Any]] = {
     "std": _sum(False), "var": _sum(False), "nanmax": _sum(False), "nanmin": _sum(False), "ptp": _sum(False),
     "norm": _norm, "cumsum": _cumsum(True), "cumprod": _cumsum(False), "diff": _diff, "dot": _dot,
     "vdot": _inner, "inner": _inner, "outer": _outer, "matmul": lambda t, f, a, k: _matmul(t, a[0], a[1]),
-    "convolve": _convolve, "correlate": _correlate, "einsum": _einsum, "tensordot": _tensordot, "kron": _kron,
+    "select": _select, "convolve": _convolve, "correlate": _correlate, "einsum": _einsum, "tensordot": _tensordot, "kron": _kron,
     "polyval": _polyval, "trace": _trace_of, "sinc": _elementwise, "i0": _elementwise, "nan_to_num": _elementwise,
     "around": _elementwise, "round": _elementwise, "fix": _elementwise, "where": _where, "sort": _along, "zeros_like": _like(False), "ones_like": _like(False),
     "empty_like": _like(False), "full_like": _like(True), "shape": _shape_only, "ndim": _shape_only,
@@ -858,6 +900,8 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
         blocks = [_block(leaf, n) for leaf in tree.leaves(out)]
     except TracerRefusal as error:
         raise UnsupportedOperationError(_refusal(str(error))) from error
+    except TracerFailure:
+        raise
     except Exception as error:  # the tracer's own failure (or f's: running f on x tells which)
         message = str(error).splitlines()[0][:200] if str(error) else ""
         raise TracerFailure(f"{type(error).__name__}: {message}") from error
