@@ -22,6 +22,9 @@ signal = pytest.importorskip("autograd.scipy.signal")
 special = pytest.importorskip("autograd.scipy.special")
 linalg = pytest.importorskip("autograd.scipy.linalg")
 
+# autograd's own advice when it differentiates np.r_ and np.c_ (its boxes in an object array)
+pytestmark = pytest.mark.filterwarnings("ignore:[rc]_ is slow for array inputs:UserWarning")
+
 N = 12
 X = np.linspace(0.2, 1.3, N) + 0.0123  # off the kinks of where, floor and clip below
 
@@ -127,6 +130,13 @@ SWEEP: dict[str, Callable[[Any], Any]] = {
     "dot-vector-3d": lambda v: anp.dot(v[:2], v.reshape(3, 2, 2)).ravel(),
     "matmul-4d": lambda v: (v.reshape(1, 3, 2, 2) @ v[:4].reshape(2, 2)).ravel(),
     "kron-constant": lambda v: anp.kron(np.eye(2), v[:4].reshape(2, 2)).ravel(),
+    "einsum-ellipsis": lambda v: anp.einsum(
+        "...jk,...lj->...lk", v[:8].reshape(2, 2, 2), v[4:].reshape(2, 2, 2)
+    ).ravel(),
+    "einsum-ellipsis-implicit": lambda v: anp.einsum("...i,...i", v[:6].reshape(3, 2), v[6:].reshape(3, 2)),
+    "r_": lambda v: anp.r_[v[:3], np.arange(2.0), v[5:7], 1:4],
+    "c_": lambda v: anp.c_[v[:6].reshape(3, 2), np.ones((3, 1)), v[6:9]].ravel(),
+    "make_diagonal": lambda v: anp.make_diagonal(v[:6].reshape(2, 3), axis1=-1, axis2=-2).ravel(),
 }
 """Elementwise maps, reductions, linear algebra, stacking and indexing: a sweep of what numpy- and
 autograd-written functions do."""
@@ -134,7 +144,8 @@ autograd-written functions do."""
 EXACT = {
     "polyval", "correlate", "kron", "kron-2d", "inner", "dot-3d", "tensordot", "einsum", "einsum-diagonal",
     "column_stack", "array-of-scalars", "array-nested", "norm.logpdf", "t.logpdf", "einsum-implicit",
-    "einsum-three", "tensordot-pairs", "dot-vector-3d", "matmul-4d",
+    "einsum-three", "tensordot-pairs", "dot-vector-3d", "matmul-4d", "einsum-ellipsis", "einsum-ellipsis-implicit", "r_",
+    "c_", "make_diagonal",
 }  # fmt: skip
 """Where the structure is read: the pattern is the nonzeros themselves."""
 

@@ -538,6 +538,34 @@ def _convolve(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> An
     return IndexSetArray(trace, (length,), rows)
 
 
+def _signed_move(trace: _Trace, run: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> Any:
+    """A function that only moves elements and fills in constants (autograd's ``r_``, ``c_``,
+    ``make_diagonal``), run twice on the traced operands' positions as floats, with opposite
+    signs: an output that changes sign comes from that position, one that does not is a constant."""
+    sources: list[Any] = []
+    sizes: list[int] = []
+
+    def substitute(a: Any, sign: float) -> Any:
+        if isinstance(a, IndexSetArray):
+            if sign > 0:
+                sources.append(a.rows)
+                sizes.append(a.size)
+            return sign * sets.positions(a.shape, sum(sizes) - a.size if sign > 0 else next(offsets)).astype(np.float64)
+        if isinstance(a, (list, tuple)):
+            return _rebuild(a, [substitute(b, sign) for b in a])
+        return a
+
+    plus = np.asarray(run(*substitute(tuple(args), 1.0), **kwargs))
+    starts = np.cumsum([0, *sizes[:-1]]).tolist()
+    offsets = iter(starts)
+    minus = np.asarray(run(*substitute(tuple(args), -1.0), **kwargs))
+    moved = plus != minus
+    if not np.array_equal(plus[moved], -minus[moved]):
+        raise TracerFailure("a function taken as a move computed with its operands")
+    where = np.where(moved, np.rint(np.real(plus)), 0).astype(np.int64)
+    return IndexSetArray(trace, plus.shape, sets.gather(sources, sizes, where, trace.n))
+
+
 def _correlate(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     """np.correlate(a, v, mode) is np.convolve(a, v[::-1], mode), conjugated: the same pattern."""
     return _convolve(trace, func, (args[0], args[1][::-1], _argument(args, kwargs, 2, "mode", "valid")), {})
@@ -550,14 +578,21 @@ _EINSUM_GRID_LIMIT = 1 << 22
 def _einsum(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     """np.einsum("ij,jk->ik", ...) as the product of its operands broadcast over the grid of
     every index, summed over the indices not kept: each output depends on the operand elements
-    of its own terms only. An ellipsis, the interleaved form, or a large grid: dense."""
+    of its own terms only. The interleaved form, or a large grid: dense."""
     subscripts, operands = args[0], args[1:]
-    if not isinstance(subscripts, str) or "." in subscripts:
+    if not isinstance(subscripts, str):
         return _dense(trace, func, args, kwargs)
     inputs, arrow, output = subscripts.replace(" ", "").partition("->")
     terms = inputs.split(",")
+    # an ellipsis: letters of its own for the broadcast dimensions, aligned from the right
+    spare = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in subscripts]
+    widths = [len(_shape_of(o)) - len(t) + 3 if "..." in t else 0 for t, o in zip(terms, operands, strict=True)]
+    broadcast = "".join(spare[: max(widths, default=0)])
+    terms = [t.replace("...", broadcast[len(broadcast) - w :] if w else "") for t, w in zip(terms, widths, strict=True)]
+    inputs = ",".join(terms)
     if not arrow:  # numpy's implicit output: the indices seen once, in alphabetical order
-        output = "".join(sorted(c for c in set(inputs) - {","} if inputs.count(c) == 1))
+        output = broadcast + "".join(sorted(c for c in set(inputs) - {","} - set(broadcast) if inputs.count(c) == 1))
+    output = output.replace("...", broadcast)
     letters = output + "".join(dict.fromkeys(c for c in inputs if c not in output + ","))
     sizes: dict[str, int] = {}
     for term, operand in zip(terms, operands, strict=True):
@@ -986,6 +1021,14 @@ def _autograd_patches() -> list[tuple[Any, str, Any]]:
         (module, "_array_from_scalar_or_array", array_of_one),
         (module, "array_from_args", array_of_elements),
     ]
+    # f reads these from autograd.numpy, which imported them from numpy_wrapper
+    for namespace in {id(m): m for m in (module, sys.modules.get("autograd.numpy")) if m is not None}.values():
+        for name, concatenator in (("r_", np.r_), ("c_", np.c_)):
+            if hasattr(namespace, name):
+                patches.append((namespace, name, _TracedConcatenator(getattr(namespace, name), concatenator)))
+        make_diagonal = getattr(namespace, "make_diagonal", None)
+        if make_diagonal is not None and hasattr(make_diagonal, "fun"):
+            patches.append((namespace, "make_diagonal", _moving_primitive(make_diagonal)))
     for name, scipy_module in list(sys.modules.items()):
         if not name.startswith("autograd.scipy") or scipy_module is None:
             continue
@@ -994,6 +1037,37 @@ def _autograd_patches() -> list[tuple[Any, str, Any]]:
             if getattr(value, "_is_autograd_primitive", False) and not isinstance(raw, np.ufunc):
                 patches.append((scipy_module, attribute, _traced_primitive(value, name in _ELEMENTWISE_STATS)))
     return patches
+
+
+class _TracedConcatenator:
+    """autograd's ``np.r_`` or ``np.c_``: numpy's, as a move, where the items hold traced arrays."""
+
+    def __init__(self, original: Any, numpy_concatenator: Any) -> None:
+        self.original = original
+        self.numpy_concatenator = numpy_concatenator
+
+    def __getitem__(self, items: Any) -> Any:
+        trace = getattr(_ACTIVE, "trace", None)
+        if trace is None or not _holds_traced([items]):
+            return self.original[items]
+        return _signed_move(
+            trace,
+            lambda *parts: self.numpy_concatenator[parts],
+            tuple(items) if isinstance(items, tuple) else (items,),
+            {},
+        )
+
+
+def _moving_primitive(primitive: Any) -> Any:
+    """An autograd primitive that only moves its operands' elements (``make_diagonal``)."""
+
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        trace = getattr(_ACTIVE, "trace", None)
+        if trace is None or not _holds_traced((args, kwargs)):
+            return primitive(*args, **kwargs)
+        return _signed_move(trace, primitive.fun, args, kwargs)
+
+    return traced
 
 
 def _traced_primitive(primitive: Any, elementwise: bool) -> Any:
