@@ -621,10 +621,10 @@ def _tensordot(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> A
     a, b = args[0], args[1]
     axes = _argument(args, kwargs, 2, "axes", 2)
     na, nb = len(_shape_of(a)), len(_shape_of(b))
-    if isinstance(axes, int):
-        a_axes, b_axes = list(range(na - axes, na)), list(range(axes))
+    if np.ndim(axes) == 0:
+        a_axes, b_axes = list(range(na - int(axes), na)), list(range(int(axes)))
     else:
-        a_axes, b_axes = ([v] if isinstance(v, int) else list(v) for v in axes)
+        a_axes, b_axes = ([int(v)] if np.ndim(v) == 0 else [int(k) for k in v] for v in axes)
     a_letters = [chr(ord("a") + k) for k in range(na)]
     b_letters = [chr(ord("a") + na + k) for k in range(nb)]
     for i, j in zip(a_axes, b_axes, strict=True):
