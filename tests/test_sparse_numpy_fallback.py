@@ -273,3 +273,14 @@ def test_dense_fallback_leaves_x_unchanged() -> None:
     found = sparse.detect(writes, x, (), sparse.GlobalDetector(tracer="numpy"), None, False)
     assert found.pattern.toarray().all()
     np.testing.assert_array_equal(x, X)
+
+
+def test_a_dense_fallback_too_large_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the limit a dense pattern costs more than the dense Jacobian: refused, naming why."""
+    from diffiface.sparse import _numpy_trace
+
+    monkeypatch.setattr(_numpy_trace, "DENSE_LIMIT", (N - 2) * N - 1)
+    with pytest.raises(di.UnsupportedOperationError, match=r"strides.*10 x 12.*too large"):
+        sparse.jacobian_pattern(_windows, X, detector=sparse.GlobalDetector(tracer="numpy"))
+    monkeypatch.setattr(_numpy_trace, "DENSE_LIMIT", (N - 2) * N)
+    assert sparse.jacobian_pattern(_windows, X, detector=sparse.GlobalDetector(tracer="numpy")).toarray().all()

@@ -891,7 +891,8 @@ _FUNCTIONS: dict[str, Callable[[_Trace, Any, Any, dict[str, Any]], Any]] = {
     "vdot": _inner, "inner": _inner, "outer": _outer, "matmul": lambda t, f, a, k: _matmul(t, a[0], a[1]),
     "select": _select, "convolve": _convolve, "correlate": _correlate, "einsum": _einsum, "tensordot": _tensordot, "kron": _kron,
     "polyval": _polyval, "trace": _trace_of, "sinc": _elementwise, "i0": _elementwise, "nan_to_num": _elementwise,
-    "around": _elementwise, "round": _elementwise, "fix": _elementwise, "where": _where, "sort": _along, "zeros_like": _like(False), "ones_like": _like(False),
+    "around": _elementwise, "round": _elementwise, "fix": _elementwise, "angle": _elementwise, "imag": _elementwise,
+    "real_if_close": _elementwise, "where": _where, "sort": _along, "zeros_like": _like(False), "ones_like": _like(False),
     "empty_like": _like(False), "full_like": _like(True), "shape": _shape_only, "ndim": _shape_only,
     "size": _shape_only, "clip": _clip, "result_type": _shape_only,
 }  # fmt: skip
@@ -957,6 +958,11 @@ def _block(leaf: Any, n: int) -> Any:
     return sets.empty(int(np.size(leaf)), n)
 
 
+DENSE_LIMIT = 1 << 27
+"""The most entries of a dense pattern for a whole function; a larger one is refused, since it
+would cost more memory than a dense Jacobian and save no product."""
+
+
 def dense_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: bool, reason: str) -> Detection:
     """The dense pattern, for an f no tracer could follow: every output depending on every input.
     f runs once on a copy of x to count its outputs, so that an exception f raises itself reaches
@@ -969,6 +975,14 @@ def dense_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
     if hessian and m != 1:
         raise UnsupportedOperationError(_refusal("a Hessian pattern needs f to return one number"))
     rows = n if hessian else m
+    if rows * n > DENSE_LIMIT:
+        raise UnsupportedOperationError(
+            _refusal(
+                f"the tracer could not follow f ({reason}), and the dense pattern it would take instead, "
+                f"{rows} x {n}, is too large to be worth a sparse {'Hessian' if hessian else 'Jacobian'}; the "
+                "dense operator computes the same"
+            )
+        )
     pattern = sets.canonical(sp.csr_array(np.ones((rows, n), dtype=bool)))
     return Detection(pattern, (f"the numpy detector could not follow f ({reason}): dense",))
 
