@@ -39,7 +39,8 @@ class GlobalDetector:
     """The pattern read from ``f``'s program, traced once, for every ``x`` and every value of the
     contexts (their arrays are traced as abstract arrays): conservative, never missing a nonzero
     anywhere in the domain. Where an operation's structure is not known, each of its outputs
-    depends on everything its inputs depend on (and the detection's notes name it). Arrays ``f``
+    depends on everything its inputs depend on (and the detection's notes name it); where the
+    numpy tracer cannot follow ``f`` at all, every output depends on every input. Arrays ``f``
     closes over are constants: their values count (indices, zeros of a matrix). A ``f`` whose
     program depends on x's values (a Python ``if`` on them) is refused with the reason.
 
@@ -320,13 +321,21 @@ def _global(
 
     try:
         found = _numpy_trace.trace_pattern(f, x, values, hessian)
-    except (UnsupportedOperationError, TypeError, AttributeError) as error:
+    except UnsupportedOperationError as error:  # a refusal: what f does depends on x's values
         if detector.tracer != "auto" or not _jax_installed():
             raise
         try:  # a function written with jax.numpy (or the array API) on numpy x
             return _with_jax(f, x, values, hessian)
         except UnsupportedOperationError:
             raise error from None
+    except _numpy_trace.TracerFailure as failure:
+        if detector.tracer == "auto" and _jax_installed():
+            try:  # a function written with jax.numpy (or the array API) on numpy x
+                return _with_jax(f, x, values, hessian)
+            except Exception:  # jax cannot follow it either; f's own errors surface below
+                pass
+        # conservative: dense, correct for every f (f runs once on x to count its outputs)
+        found = _numpy_trace.dense_pattern(f, x, values, hessian, str(failure))
     return Detection(found.pattern, "numpy", found.notes)
 
 

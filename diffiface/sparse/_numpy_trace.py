@@ -6,11 +6,13 @@ same type follows autograd-written code.
 
 Rules: ufuncs unite their operands' sets (broadcast); functions that only move elements
 (concatenate, stack, roll, pad, take, indexing with known indices...) are run by numpy on arrays
-of positions; reductions, cumulative functions, diff, dot/matmul, convolve and sort have their
-own rules; any other function is dense (each output element depends on everything its operands
+of positions; reductions, cumulative functions, diff, dot/matmul, einsum (tensordot, inner,
+kron), convolve, polyval and sort have their own rules; any other function, and any whose rule
+does not fit its operands, is dense (each output element depends on everything its operands
 depend on) and named in the notes. Comparisons give booleans whose values are not known: a
 Python ``if`` on them, ``float(x[0])``, or indexing with them is refused with the reason, since
-the pattern could change with x.
+the pattern could change with x. Anything else that stops the trace (a function that fails on
+sample values, ``.strides``) is a :class:`TracerFailure`: the whole function is then dense.
 """
 
 from __future__ import annotations
@@ -29,11 +31,34 @@ from .._errors import UnsupportedOperationError
 from . import _index_sets as sets
 from ._torch_trace import Detection
 
-__all__ = ["IndexSetArray", "trace_pattern"]
+__all__ = ["IndexSetArray", "TracerFailure", "dense_pattern", "trace_pattern"]
 
 
-class TracerRefusal(Exception):
+_ACTIVE = threading.local()
+"""The trace running in this thread (``_ACTIVE.trace``), told of each refusal and failure."""
+
+
+class _Raised(Exception):
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        # kept where f catches it: the branch f takes instead is not what f does at x
+        trace = getattr(_ACTIVE, "trace", None)
+        if trace is not None and trace.raised is None:
+            trace.raised = self
+
+
+class TracerRefusal(_Raised):
     """f did something whose result depends on values the detector does not have."""
+
+
+class TracerFailure(_Raised):
+    """The tracer cannot follow f, not even as a dense operation: the whole function is taken as
+    dense (every output depending on every input)."""
+
+
+class _MissingAttribute(TracerFailure, AttributeError):
+    """An array attribute the tracer has no counterpart for (``.strides``, ``.flags``): an
+    AttributeError to ``hasattr``, and the whole function dense even where f catches it."""
 
 
 class _Trace:
@@ -41,6 +66,7 @@ class _Trace:
         self.n = n
         self.pairs = sets.Pairs(n) if hessian else None
         self.notes: list[str] = []
+        self.raised: Exception | None = None
 
 
 _LINEAR_UFUNCS = {"add", "subtract", "negative", "positive", "conjugate", "real"}
@@ -94,6 +120,11 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
 
     def __repr__(self) -> str:
         return f"IndexSetArray(shape={self.shape}, dtype={self.dtype})"
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # protocols probed by numpy and others: absent, not a failure
+            raise AttributeError(name)
+        raise _MissingAttribute(f"f reads .{name} of an array computed from x, which the tracer does not have")
 
     # -- what depends on values: refused ---------------------------------------------------------
 
@@ -237,9 +268,14 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
                 f"f writes the result of np.{ufunc.__name__} into out=..., which the detector does not follow"
             )
         if method == "__call__":
-            if ufunc.__name__ == "matmul":
-                return _matmul(self.trace, inputs[0], inputs[1])
-            return _ufunc(self.trace, ufunc, inputs, kwargs)
+            try:
+                if ufunc.__name__ == "matmul":
+                    return _matmul(self.trace, inputs[0], inputs[1])
+                return _ufunc(self.trace, ufunc, inputs, kwargs)
+            except TracerRefusal:
+                raise
+            except Exception:  # a rule that does not fit these operands: conservative instead
+                return _dense(self.trace, ufunc, inputs, kwargs)
         if method == "reduce":
             axis = kwargs.get("axis", 0)
             keepdims = kwargs.get("keepdims", False)
@@ -255,11 +291,16 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
 
     def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         handler = _FUNCTIONS.get(func.__name__)
-        if handler is not None:
+        if handler is None and func.__name__ in _MOVES:
+            handler = _move
+        if handler is None:
+            return _dense(self.trace, func, args, kwargs)
+        try:
             return handler(self.trace, func, args, kwargs)
-        if func.__name__ in _MOVES:
-            return _move(self.trace, func, args, kwargs)
-        return _dense(self.trace, func, args, kwargs)
+        except TracerRefusal:
+            raise
+        except Exception:  # a rule that does not fit these operands: conservative instead
+            return _dense(self.trace, func, args, kwargs)
 
 
 # --- helpers ----------------------------------------------------------------------------------------
@@ -425,14 +466,7 @@ def _dot(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         return np.multiply(a, b)
     if len(a_shape) <= 2 and len(b_shape) <= 2:
         return _matmul(trace, a, b)
-    return _dense(trace, func, args, kwargs)
-
-
-def _inner(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    a, b = args[0], args[1]
-    if len(_shape_of(a)) == 1 and len(_shape_of(b)) == 1:
-        return _matmul(trace, a, b)
-    return _dense(trace, func, args, kwargs)
+    return _tensordot(trace, func, (a, b, ([-1], [-2 if len(b_shape) > 1 else -1])), {})
 
 
 def _outer(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -444,6 +478,10 @@ def _matmul(trace: _Trace, a: Any, b: Any) -> Any:
     from ._torch_trace import _batched_mm
 
     a_shape, b_shape = _shape_of(a), _shape_of(b)
+    if len(a_shape) >= 2 and len(b_shape) >= 2 and max(len(a_shape), len(b_shape)) > 3:
+        batch = "abcdefghijklmnopqrstuvw"[: max(len(a_shape), len(b_shape)) - 2]
+        a_batch, b_batch = batch[len(batch) - len(a_shape) + 2 :], batch[len(batch) - len(b_shape) + 2 :]
+        return _einsum(trace, np.einsum, (f"{a_batch}xy,{b_batch}yz->{batch}xz", a, b), {})
     if not (1 <= len(a_shape) <= 3 and 1 <= len(b_shape) <= 3):
         return _dense(trace, np.matmul, (a, b), {})
     squeeze_front = len(a_shape) == 1
@@ -500,6 +538,144 @@ def _convolve(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> An
     return IndexSetArray(trace, (length,), rows)
 
 
+def _signed_move(trace: _Trace, run: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> Any:
+    """A function that only moves elements and fills in constants (autograd's ``r_``, ``c_``,
+    ``make_diagonal``), run twice on the traced operands' positions as floats, with opposite
+    signs: an output that changes sign comes from that position, one that does not is a constant."""
+    sources: list[Any] = []
+    sizes: list[int] = []
+
+    def substitute(a: Any, sign: float) -> Any:
+        if isinstance(a, IndexSetArray):
+            if sign > 0:
+                sources.append(a.rows)
+                sizes.append(a.size)
+            return sign * sets.positions(a.shape, sum(sizes) - a.size if sign > 0 else next(offsets)).astype(np.float64)
+        if isinstance(a, (list, tuple)):
+            return _rebuild(a, [substitute(b, sign) for b in a])
+        return a
+
+    plus = np.asarray(run(*substitute(tuple(args), 1.0), **kwargs))
+    starts = np.cumsum([0, *sizes[:-1]]).tolist()
+    offsets = iter(starts)
+    minus = np.asarray(run(*substitute(tuple(args), -1.0), **kwargs))
+    moved = plus != minus
+    if not np.array_equal(plus[moved], -minus[moved]):
+        raise TracerFailure("a function taken as a move computed with its operands")
+    where = np.where(moved, np.rint(np.real(plus)), 0).astype(np.int64)
+    return IndexSetArray(trace, plus.shape, sets.gather(sources, sizes, where, trace.n))
+
+
+def _correlate(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """np.correlate(a, v, mode) is np.convolve(a, v[::-1], mode), conjugated: the same pattern."""
+    return _convolve(trace, func, (args[0], args[1][::-1], _argument(args, kwargs, 2, "mode", "valid")), {})
+
+
+_EINSUM_GRID_LIMIT = 1 << 22
+"""einsum's grid of every index (the product of all its sizes) above which it is taken as dense."""
+
+
+def _einsum(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """np.einsum("ij,jk->ik", ...) as the product of its operands broadcast over the grid of
+    every index, summed over the indices not kept: each output depends on the operand elements
+    of its own terms only. The interleaved form, or a large grid: dense."""
+    subscripts, operands = args[0], args[1:]
+    if not isinstance(subscripts, str):
+        return _dense(trace, func, args, kwargs)
+    inputs, arrow, output = subscripts.replace(" ", "").partition("->")
+    terms = inputs.split(",")
+    # an ellipsis: letters of its own for the broadcast dimensions, aligned from the right
+    spare = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in subscripts]
+    widths = [len(_shape_of(o)) - len(t) + 3 if "..." in t else 0 for t, o in zip(terms, operands, strict=True)]
+    broadcast = "".join(spare[: max(widths, default=0)])
+    terms = [t.replace("...", broadcast[len(broadcast) - w :] if w else "") for t, w in zip(terms, widths, strict=True)]
+    inputs = ",".join(terms)
+    if not arrow:  # numpy's implicit output: the indices seen once, in alphabetical order
+        output = broadcast + "".join(sorted(c for c in set(inputs) - {","} - set(broadcast) if inputs.count(c) == 1))
+    output = output.replace("...", broadcast)
+    letters = output + "".join(dict.fromkeys(c for c in inputs if c not in output + ","))
+    sizes: dict[str, int] = {}
+    for term, operand in zip(terms, operands, strict=True):
+        for letter, length in zip(term, _shape_of(operand), strict=True):
+            sizes[letter] = max(sizes.get(letter, 1), int(length))
+    if sets.size([sizes[c] for c in letters]) > _EINSUM_GRID_LIMIT:
+        return _dense(trace, func, args, kwargs)
+    product: Any = None
+    for term, operand in zip(terms, operands, strict=True):
+        unique = "".join(dict.fromkeys(term))
+        if unique != term:  # a repeated index reads a diagonal: a move
+            operand = (
+                _move(trace, np.einsum, (f"{term}->{unique}", operand), {})
+                if isinstance(operand, IndexSetArray)
+                else np.einsum(f"{term}->{unique}", operand)
+            )
+        order = sorted(range(len(unique)), key=lambda k: letters.index(unique[k]))
+        own = dict(zip(unique, _shape_of(operand), strict=True))  # (a length 1 broadcasts)
+        placed = np.reshape(np.transpose(operand, order), [own.get(c, 1) for c in letters])
+        product = placed if product is None else product * placed
+    summed = tuple(range(len(output), len(letters)))
+    return np.sum(product, axis=summed) if summed else np.multiply(product, 1.0)
+
+
+def _tensordot(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    a, b = args[0], args[1]
+    axes = _argument(args, kwargs, 2, "axes", 2)
+    na, nb = len(_shape_of(a)), len(_shape_of(b))
+    if np.ndim(axes) == 0:
+        a_axes, b_axes = list(range(na - int(axes), na)), list(range(int(axes)))
+    else:
+        a_axes, b_axes = ([int(v)] if np.ndim(v) == 0 else [int(k) for k in v] for v in axes)
+    a_letters = [chr(ord("a") + k) for k in range(na)]
+    b_letters = [chr(ord("a") + na + k) for k in range(nb)]
+    for i, j in zip(a_axes, b_axes, strict=True):
+        b_letters[j % nb] = a_letters[i % na]
+    contracted = {a_letters[i % na] for i in a_axes}
+    kept = [c for c in a_letters + b_letters if c not in contracted]
+    return _einsum(trace, np.einsum, (f"{''.join(a_letters)},{''.join(b_letters)}->{''.join(kept)}", a, b), {})
+
+
+def _inner(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    a, b = args[0], args[1]
+    if not _shape_of(a) or not _shape_of(b):
+        return np.multiply(a, b)
+    return _tensordot(trace, func, (a, b, ([-1], [-1])), {})
+
+
+def _kron(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """np.kron(a, b): a's and b's axes interleaved, multiplied, and merged pairwise."""
+    a, b = args[0], args[1]
+    ndim = max(len(_shape_of(a)), len(_shape_of(b)))
+    a_shape = (1,) * (ndim - len(_shape_of(a))) + tuple(_shape_of(a))
+    b_shape = (1,) * (ndim - len(_shape_of(b))) + tuple(_shape_of(b))
+    spread_a = np.reshape(a, [d for s in a_shape for d in (s, 1)])
+    spread_b = np.reshape(b, [d for s in b_shape for d in (1, s)])
+    return np.reshape(spread_a * spread_b, [p * q for p, q in zip(a_shape, b_shape, strict=True)])
+
+
+def _polyval(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """np.polyval(p, x) by Horner's rule, on the tracer's own operations."""
+    p, x = args[0], args[1]
+    if len(_shape_of(p)) != 1 or not _shape_of(p)[0]:
+        return _dense(trace, func, args, kwargs)
+    result = np.multiply(x, 0.0) + p[0]
+    for k in range(1, _shape_of(p)[0]):
+        result = result * x + p[k]
+    return result
+
+
+def _trace_of(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """np.trace: the sum of a diagonal."""
+    offset, first, second = (
+        _argument(args, kwargs, k, name, d) for k, name, d in ((1, "offset", 0), (2, "axis1", 0), (3, "axis2", 1))
+    )
+    return np.sum(np.diagonal(args[0], offset, first, second), axis=-1)
+
+
+def _elementwise(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """A function of one array, element by element (sinc, i0, ...), as a nonlinear ufunc."""
+    return _ufunc(trace, func, (args[0],), {})
+
+
 def _where(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     if len(args) == 1:
         raise TracerRefusal("f calls np.where(condition) with one argument: its size depends on values")
@@ -510,6 +686,19 @@ def _where(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     out_shape = np.broadcast_shapes(condition.shape, a.shape, b.shape)
     rows = sets.union(sets.elementwise([(a.rows, a.shape), (b.rows, b.shape)], out_shape, trace.n))
     return IndexSetArray(trace, out_shape, rows, np.result_type(a.dtype, b.dtype))
+
+
+def _select(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """np.select(conditions, choices, default): a move where the conditions are known; where they
+    are not, each element depends on every choice's element there (as np.where's)."""
+    conditions, choices = list(args[0]), list(args[1])
+    default = _argument(args, kwargs, 2, "default", 0)
+    if all(_known(c) for c in conditions):
+        return _move(trace, func, args, kwargs)
+    operands = [_lift(trace, v) for v in (*choices, default)]
+    out_shape = np.broadcast_shapes(*(_shape_of(v) for v in (*conditions, *operands)))
+    rows = sets.union(sets.elementwise([(v.rows, v.shape) for v in operands], out_shape, trace.n))
+    return IndexSetArray(trace, out_shape, rows, np.result_type(*(v.dtype for v in operands)))
 
 
 def _along(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -589,7 +778,7 @@ def _move(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
             floating.append(True)
             return pos
         if isinstance(a, (list, tuple)):
-            return type(a)(substitute(b) for b in a)
+            return _rebuild(a, [substitute(b) for b in a])
         if isinstance(a, np.ndarray) and a.dtype.kind in "fc":
             return np.zeros(a.shape, dtype=np.int64)
         if isinstance(a, float):
@@ -604,53 +793,87 @@ def _move(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
 
     def wrap(o: Any) -> Any:
         if isinstance(o, (list, tuple)):
-            return type(o)(wrap(p) for p in o)
+            return _rebuild(o, [wrap(p) for p in o])
         o = np.asarray(o)
         return IndexSetArray(trace, o.shape, sets.gather(sources, sizes, o, trace.n), view=view)
 
     return wrap(out)
 
 
+def _public_name(func: Any) -> str:
+    """``numpy.linalg.inv``, ``scipy.stats.logpdf``: the function's name in its public module."""
+    module = getattr(func, "__module__", None) or "numpy"
+    public = []
+    for part in module.split("."):
+        if part.startswith("_"):
+            break
+        public.append(part)
+    return ".".join([*public, getattr(func, "__name__", type(func).__name__)])
+
+
+def _rebuild(container: Any, parts: list[Any]) -> Any:
+    """A list or tuple like ``container`` holding ``parts``; a named tuple (eigh's, svd's results)
+    takes them as its fields."""
+    if hasattr(container, "_fields"):
+        return type(container)(*parts)
+    return type(container)(parts)
+
+
+def _sample(a: IndexSetArray, kind: int, rng: np.random.Generator) -> np.ndarray:
+    """Values for a run of an unknown function: numbers in [0.5, 1.5] (inside the domain of
+    logarithms and roots, rarely singular); failing that, identity matrices (symmetric positive
+    definite: cholesky's, a covariance) and vectors of 1/size (a point of the simplex)."""
+    if a.dtype.kind not in "fc":
+        return np.ones(a.shape, a.dtype)
+    if kind == 0:
+        return rng.uniform(0.5, 1.5, a.shape).astype(a.dtype)
+    if a.ndim >= 2 and a.shape[-1] == a.shape[-2]:
+        return np.broadcast_to(np.eye(a.shape[-1], dtype=a.dtype), a.shape).copy()
+    return np.full(a.shape, 1.0 / max(a.shape[-1] if a.shape else 1, 1), dtype=a.dtype)
+
+
 def _dense(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    """An unknown function: its outputs' shapes from a run on numbers in [0.5, 1.5] (inside the
-    domain of logarithms and roots, rarely singular), each element depending on everything its
-    operands depend on."""
+    """An unknown function: its outputs' shapes from a run on sample values (:func:`_sample`),
+    each element depending on everything its operands depend on."""
+    import warnings
+
     found: list[Any] = []
     rng = np.random.default_rng(0)
 
-    def substitute(a: Any) -> Any:
+    def substitute(a: Any, kind: int) -> Any:
         if isinstance(a, IndexSetArray):
             found.append(a.rows)
-            if a.dtype.kind not in "fc":
-                return np.ones(a.shape, a.dtype)
-            return rng.uniform(0.5, 1.5, a.shape).astype(a.dtype)
+            return _sample(a, kind, rng)
         if isinstance(a, (list, tuple)):
-            return type(a)(substitute(b) for b in a)
+            return _rebuild(a, [substitute(b, kind) for b in a])
         if isinstance(a, dict):
-            return {k: substitute(v) for k, v in a.items()}
+            return {k: substitute(v, kind) for k, v in a.items()}
         return a
 
-    probe_args = substitute(tuple(args))
-    probe_kwargs = substitute(dict(kwargs))
-    import warnings
-
-    try:
-        with np.errstate(all="ignore"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out = func(*probe_args, **probe_kwargs)
-    except Exception as error:
-        raise TracerRefusal(
-            f"f calls numpy.{func.__name__}, which the detector does not know and could not run on sample "
-            f"values to learn its result's shape ({type(error).__name__}: {error})"
-        ) from error
-    every = sets.union(found)
-    trace.notes.append(f"numpy.{func.__name__} is not known to the numpy detector: dense")
+    errors = []
+    for kind in (0, 1):
+        found.clear()
+        try:
+            with np.errstate(all="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out = func(*substitute(tuple(args), kind), **substitute(dict(kwargs), kind))
+            break
+        except Exception as error:
+            errors.append(error)
+    else:
+        raise TracerFailure(
+            f"{_public_name(func)} could not run on sample values to learn its result's shape "
+            f"({type(errors[0]).__name__}: {str(errors[0])[:200]})"
+        ) from errors[0]
+    # each operand's sets in one row: operands of different sizes (polyval's p and x) unite
+    every = sets.union([sets.all_of(rows, 1) for rows in found])
+    trace.notes.append(f"{_public_name(func)} is not known to the numpy detector: dense")
     if trace.pairs is not None:
         trace.pairs.add_all(sets.all_of(every, 1))
 
     def wrap(o: Any) -> Any:
         if isinstance(o, (list, tuple)):
-            return type(o)(wrap(p) for p in o)
+            return _rebuild(o, [wrap(p) for p in o])
         if not isinstance(o, np.ndarray) and not np.isscalar(o):
             return o
         o = np.asarray(o)
@@ -666,7 +889,10 @@ _FUNCTIONS: dict[str, Callable[[_Trace, Any, Any, dict[str, Any]], Any]] = {
     "std": _sum(False), "var": _sum(False), "nanmax": _sum(False), "nanmin": _sum(False), "ptp": _sum(False),
     "norm": _norm, "cumsum": _cumsum(True), "cumprod": _cumsum(False), "diff": _diff, "dot": _dot,
     "vdot": _inner, "inner": _inner, "outer": _outer, "matmul": lambda t, f, a, k: _matmul(t, a[0], a[1]),
-    "convolve": _convolve, "where": _where, "sort": _along, "zeros_like": _like(False), "ones_like": _like(False),
+    "select": _select, "convolve": _convolve, "correlate": _correlate, "einsum": _einsum, "tensordot": _tensordot, "kron": _kron,
+    "polyval": _polyval, "trace": _trace_of, "sinc": _elementwise, "i0": _elementwise, "nan_to_num": _elementwise,
+    "around": _elementwise, "round": _elementwise, "fix": _elementwise, "angle": _elementwise, "imag": _elementwise,
+    "real_if_close": _elementwise, "where": _where, "sort": _along, "zeros_like": _like(False), "ones_like": _like(False),
     "empty_like": _like(False), "full_like": _like(True), "shape": _shape_only, "ndim": _shape_only,
     "size": _shape_only, "clip": _clip, "result_type": _shape_only,
 }  # fmt: skip
@@ -701,26 +927,22 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
         for leaf in context_leaves
     ]
     values = optree.tree_unflatten(context_spec, abstract)  # type: ignore[assignment]
+    outer, _ACTIVE.trace = getattr(_ACTIVE, "trace", None), trace
     try:
         with _autograd_arrays():
             out = f(optree.tree_unflatten(spec, traced), *values)
+        if trace.raised is not None:
+            raise trace.raised
+        blocks = [_block(leaf, n) for leaf in tree.leaves(out)]
     except TracerRefusal as error:
         raise UnsupportedOperationError(_refusal(str(error))) from error
-    except Exception as error:
-        if "IndexSetArray" in str(error):
-            raise UnsupportedOperationError(
-                _refusal(
-                    f"f calls something that does not take numpy's array protocols ({type(error).__name__}: "
-                    f"{str(error).splitlines()[0][:200] if str(error) else ''})"
-                )
-            ) from error
+    except TracerFailure:
         raise
-    blocks = []
-    for leaf in tree.leaves(out):
-        if isinstance(leaf, IndexSetArray):
-            blocks.append(leaf.rows if leaf.rows is not None and leaf.floating else sets.empty(leaf.size, n))
-        else:
-            blocks.append(sets.empty(int(np.size(leaf)), n))
+    except Exception as error:  # the tracer's own failure (or f's: running f on x tells which)
+        message = str(error).splitlines()[0][:200] if str(error) else ""
+        raise TracerFailure(f"{type(error).__name__}: {message}") from error
+    finally:
+        _ACTIVE.trace = outer
     if trace.pairs is not None:
         if sum(b.shape[0] for b in blocks) != 1:
             raise UnsupportedOperationError(_refusal("a Hessian pattern needs f to return one number"))
@@ -730,32 +952,171 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
     return Detection(pattern, tuple(dict.fromkeys(trace.notes)))
 
 
+def _block(leaf: Any, n: int) -> Any:
+    if isinstance(leaf, IndexSetArray):
+        return leaf.rows if leaf.rows is not None and leaf.floating else sets.empty(leaf.size, n)
+    return sets.empty(int(np.size(leaf)), n)
+
+
+DENSE_LIMIT = 1 << 27
+"""The most entries of a dense pattern for a whole function; a larger one is refused, since it
+would cost more memory than a dense Jacobian and save no product."""
+
+
+def dense_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: bool, reason: str) -> Detection:
+    """The dense pattern, for an f no tracer could follow: every output depending on every input.
+    f runs once on a copy of x to count its outputs, so that an exception f raises itself reaches
+    the caller as f raised it."""
+    import scipy.sparse as sp
+
+    n = sum(int(np.prod(_arrays.shape(leaf), dtype=np.int64)) for leaf in tree.leaves(x))
+    out = f(tree.map(lambda leaf: leaf.copy() if isinstance(leaf, np.ndarray) else leaf, x), *values)
+    m = sum(int(np.size(leaf)) for leaf in tree.leaves(out))
+    if hessian and m != 1:
+        raise UnsupportedOperationError(_refusal("a Hessian pattern needs f to return one number"))
+    rows = n if hessian else m
+    if rows * n > DENSE_LIMIT:
+        raise UnsupportedOperationError(
+            _refusal(
+                f"the tracer could not follow f ({reason}), and the dense pattern it would take instead, "
+                f"{rows} x {n}, is too large to be worth a sparse {'Hessian' if hessian else 'Jacobian'}; the "
+                "dense operator computes the same"
+            )
+        )
+    pattern = sets.canonical(sp.csr_array(np.ones((rows, n), dtype=bool)))
+    return Detection(pattern, (f"the numpy detector could not follow f ({reason}): dense",))
+
+
 _PATCH_LOCK = threading.Lock()
+
+
+_ELEMENTWISE_STATS = {f"autograd.scipy.stats.{name}" for name in ("beta", "chi2", "gamma", "norm", "poisson", "t")}
+"""autograd's distributions whose functions broadcast their arguments, element by element."""
+
+
+def _shaped(value: IndexSetArray, array_args: Any, array_kwargs: dict[str, Any]) -> IndexSetArray:
+    """``value`` as ``np.array(value, *array_args, **array_kwargs)`` would shape it: ``ndmin``
+    leading ones, ``dtype``."""
+    dtype = array_kwargs.get("dtype", array_args[0] if array_args else None)
+    if dtype is not None:
+        value = value.astype(dtype)
+    ndmin = int(array_kwargs.get("ndmin", 0))
+    if ndmin > value.ndim:
+        value = np.reshape(value, (1,) * (ndmin - value.ndim) + value.shape)  # type: ignore[assignment]
+    return value
+
+
+def _holds_traced(values: Any) -> bool:
+    return any(isinstance(leaf, IndexSetArray) for leaf in tree.leaves(list(values)))
+
+
+def _autograd_patches() -> list[tuple[Any, str, Any]]:
+    """(module, name, replacement) for what autograd runs outside numpy's protocols:
+    ``np.array`` of arrays and of lists of traced elements, and its primitives that call scipy
+    (``autograd.scipy.stats``, ``.signal``, ``.linalg``, ...), which take numpy arrays only."""
+    module = sys.modules.get("autograd.numpy.numpy_wrapper")
+    scalar_or_array = getattr(module, "_array_from_scalar_or_array", None)
+    from_args = getattr(module, "array_from_args", None)
+    if scalar_or_array is None or from_args is None or getattr(scalar_or_array, "_diffiface_patch", False):
+        return []
+
+    def array_of_one(array_args: Any, array_kwargs: Any, scalar: Any) -> Any:
+        if isinstance(scalar, IndexSetArray):
+            return _shaped(scalar, array_args, array_kwargs)
+        return scalar_or_array(array_args, array_kwargs, scalar)
+
+    def array_of_elements(array_args: Any, array_kwargs: Any, *elements: Any) -> Any:
+        if any(isinstance(e, IndexSetArray) for e in elements):
+            return _shaped(np.stack(elements), array_args, array_kwargs)  # type: ignore[arg-type]
+        return from_args(array_args, array_kwargs, *elements)
+
+    array_of_one._diffiface_patch = True  # type: ignore[attr-defined]
+    patches: list[tuple[Any, str, Any]] = [
+        (module, "_array_from_scalar_or_array", array_of_one),
+        (module, "array_from_args", array_of_elements),
+    ]
+    # f reads these from autograd.numpy, which imported them from numpy_wrapper
+    for namespace in {id(m): m for m in (module, sys.modules.get("autograd.numpy")) if m is not None}.values():
+        for name, concatenator in (("r_", np.r_), ("c_", np.c_)):
+            if hasattr(namespace, name):
+                patches.append((namespace, name, _TracedConcatenator(getattr(namespace, name), concatenator)))
+        make_diagonal = getattr(namespace, "make_diagonal", None)
+        if make_diagonal is not None and hasattr(make_diagonal, "fun"):
+            patches.append((namespace, "make_diagonal", _moving_primitive(make_diagonal)))
+    for name, scipy_module in list(sys.modules.items()):
+        if not name.startswith("autograd.scipy") or scipy_module is None:
+            continue
+        for attribute, value in list(vars(scipy_module).items()):
+            raw = getattr(value, "fun", None)
+            if getattr(value, "_is_autograd_primitive", False) and not isinstance(raw, np.ufunc):
+                patches.append((scipy_module, attribute, _traced_primitive(value, name in _ELEMENTWISE_STATS)))
+    return patches
+
+
+class _TracedConcatenator:
+    """autograd's ``np.r_`` or ``np.c_``: numpy's, as a move, where the items hold traced arrays."""
+
+    def __init__(self, original: Any, numpy_concatenator: Any) -> None:
+        self.original = original
+        self.numpy_concatenator = numpy_concatenator
+
+    def __getitem__(self, items: Any) -> Any:
+        trace = getattr(_ACTIVE, "trace", None)
+        if trace is None or not _holds_traced([items]):
+            return self.original[items]
+        return _signed_move(
+            trace,
+            lambda *parts: self.numpy_concatenator[parts],
+            tuple(items) if isinstance(items, tuple) else (items,),
+            {},
+        )
+
+
+def _moving_primitive(primitive: Any) -> Any:
+    """An autograd primitive that only moves its operands' elements (``make_diagonal``)."""
+
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        trace = getattr(_ACTIVE, "trace", None)
+        if trace is None or not _holds_traced((args, kwargs)):
+            return primitive(*args, **kwargs)
+        return _signed_move(trace, primitive.fun, args, kwargs)
+
+    return traced
+
+
+def _traced_primitive(primitive: Any, elementwise: bool) -> Any:
+    """autograd's ``primitive`` where its arguments hold traced arrays: by the broadcasting rule of
+    a nonlinear ufunc (``elementwise``), else dense; anything else goes to ``primitive``."""
+
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        trace = getattr(_ACTIVE, "trace", None)
+        if trace is None or not _holds_traced((args, kwargs)):
+            return primitive(*args, **kwargs)
+        if elementwise:
+            return _ufunc(trace, primitive.fun, (*args, *kwargs.values()), {})
+        return _dense(trace, primitive.fun, args, kwargs)
+
+    return traced
 
 
 @contextlib.contextmanager
 def _autograd_arrays() -> Any:
-    """While f is traced, autograd.numpy's ``array(a)`` hands an IndexSetArray back as it is
-    (autograd's stack, hstack and friends call it on each operand; numpy's ``np.array`` cannot be
-    taught to). Every other argument goes to autograd's own function, unchanged."""
-    module = sys.modules.get("autograd.numpy.numpy_wrapper")
-    original = getattr(module, "_array_from_scalar_or_array", None)
-    if original is None or getattr(original, "_diffiface_patch", False):
+    """While f is traced, autograd's functions that numpy's protocols do not reach take traced
+    arrays (:func:`_autograd_patches`); every other argument goes to autograd's own function,
+    unchanged. A trace inside a trace finds them in place."""
+    patches = _autograd_patches()
+    if not patches:
         yield
         return
-
-    def passing(array_args: Any, array_kwargs: Any, scalar: Any) -> Any:
-        if isinstance(scalar, IndexSetArray):
-            return scalar
-        return original(array_args, array_kwargs, scalar)
-
-    passing._diffiface_patch = True  # type: ignore[attr-defined]
     with _PATCH_LOCK:
-        module._array_from_scalar_or_array = passing  # type: ignore[union-attr]
+        originals = [(module, name, getattr(module, name)) for module, name, _ in patches]
+        for module, name, replacement in patches:
+            setattr(module, name, replacement)
         try:
             yield
         finally:
-            module._array_from_scalar_or_array = original  # type: ignore[union-attr]
+            for module, name, original in originals:
+                setattr(module, name, original)
 
 
 def _refusal(reason: str) -> str:
