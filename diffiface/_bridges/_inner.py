@@ -374,7 +374,8 @@ class Inner:
         if self._by_jacobian(plan, batch):
             jac = self._flat_jacobian(plan, x, contexts)
             cotangents = self._stack_flat([t.reshape(batch, -1) for t in ty], axis=1)  # (batch, m)
-            products = (jac.T @ cotangents.T).T  # (batch, n)
+            # conj(J)ᵀ c, the vjp of docs/complex.md (for a holomorphic f: J's conjugate transpose)
+            products = _conj((jac.T @ _conj(cotangents).T).T)  # (batch, n)
             return self._split(products, plan.x_avals, batch)
         rows = [self.vjp(plan, x, [t[b] for t in ty], contexts) for b in range(batch)]
         return self._stack_rows(rows, len(plan.x_avals))
@@ -467,6 +468,14 @@ class Inner:
     def _stack_rows(self, rows: list[Leaves], count: int) -> Leaves:
         xp = _namespace(self.kind)
         return [xp.stack([row[i] for row in rows]) for i in range(count)]
+
+
+def _conj(array: Any) -> Any:
+    """A complex array's conjugate, materialised (torch's lazy conjugate does not reach sparse
+    products); a real array as it is."""
+    if "complex" not in _arrays.dtype_name(array):
+        return array
+    return array.conj_physical() if _arrays.kind(array) == "torch" else array.conj()
 
 
 def _split_vector(xp: Any, vector: Any, cuts: list[int]) -> Leaves:

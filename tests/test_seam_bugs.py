@@ -1,0 +1,104 @@
+"""The seams of issue 38: differentiate_with across engines with complex numbers, integer and
+string outputs, Python complex leaves, autograd's own containers, real cotangents of complex
+outputs, and the messages of three refusals. Each test is named after what it guards and holds
+the issue's reproduction."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import diffiface as di
+
+jax = pytest.importorskip("jax", reason="jax is not installed: the jax seams are untested")
+torch = pytest.importorskip("torch", reason="torch is not installed: the torch seams are untested")
+jnp = jax.numpy
+
+Z = np.array([3 + 4j, 1 - 2j])
+V = np.array([0.5 - 1j, 2 + 0.25j])
+SQUARE = {
+    "torch": lambda q: q * q,
+    "autograd": lambda q: q * q,
+    "finite_differences": lambda q: q * q,
+}
+
+
+# --- item 4: differentiate_with in jax's reverse mode for complex x ---------------------------------
+
+
+@pytest.mark.parametrize("backend", sorted(SQUARE))
+def test_jax_grad_through_g_of_complex_x_is_jaxs_own(backend: str) -> None:
+    g = di.differentiate_with(SQUARE[backend], backend)
+    with jax.enable_x64(True):
+        z = jnp.asarray(Z)
+        got = jax.grad(lambda q: jnp.sum(jnp.abs(g(q)) ** 2))(z)
+        want = jax.grad(lambda q: jnp.sum(jnp.abs(q * q) ** 2))(z)
+    np.testing.assert_allclose(np.asarray(want), [300 - 400j, 20 + 40j])
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", sorted(SQUARE))
+def test_jax_jvp_vjp_and_batched_vjp_through_g_of_complex_x(backend: str) -> None:
+    weights = torch.tensor([1.0, 2.0 + 0j]) if backend == "torch" else np.array([1.0, 2.0 + 0j])
+    g = di.differentiate_with(lambda q: q * q * weights, backend)
+
+    def native(q: Any) -> Any:
+        return q * q * jnp.asarray([1.0, 2.0 + 0j])
+
+    with jax.enable_x64(True):
+        z, v = jnp.asarray(Z), jnp.asarray(V)
+        np.testing.assert_allclose(jax.jvp(g, (z,), (v,))[1], jax.jvp(native, (z,), (v,))[1], rtol=1e-6)
+        (got,) = jax.vjp(g, z)[1](v)
+        (want,) = jax.vjp(native, z)[1](v)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        # a batch of cotangents: one Jacobian and a contraction (_inner.Inner.vjps)
+        cts = jnp.stack([v, 1j * v, jnp.conj(v)])
+        np.testing.assert_allclose(
+            jax.vmap(jax.vjp(g, z)[1])(cts)[0], jax.vmap(jax.vjp(native, z)[1])(cts)[0], rtol=1e-6
+        )
+        np.testing.assert_allclose(
+            jax.jacrev(g, holomorphic=True)(z), jax.jacrev(native, holomorphic=True)(z), rtol=1e-6
+        )
+
+
+@pytest.mark.parametrize("backend", ["torch", "autograd"])
+def test_jax_second_order_through_g_of_complex_x(backend: str) -> None:
+    g = di.differentiate_with(SQUARE[backend], backend)
+    with jax.enable_x64(True):
+        z, v = jnp.asarray(Z), jnp.asarray(V)
+
+        def through(q: Any) -> Any:
+            return jnp.sum(jnp.abs(g(q)) ** 2)
+
+        def native(q: Any) -> Any:
+            return jnp.sum(jnp.abs(q * q) ** 2)
+
+        np.testing.assert_allclose(
+            jax.jvp(jax.grad(through), (z,), (v,))[1], jax.jvp(jax.grad(native), (z,), (v,))[1], rtol=1e-6
+        )
+        np.testing.assert_allclose(
+            jax.grad(lambda q: jnp.sum(jnp.abs(jax.grad(through)(q)) ** 2))(z),
+            jax.grad(lambda q: jnp.sum(jnp.abs(jax.grad(native)(q)) ** 2))(z),
+            rtol=1e-6,
+        )
+
+
+@pytest.mark.parametrize("backend", ["jax", "autograd", "finite_differences"])
+def test_torch_backward_through_g_of_complex_x_is_torchs_own(backend: str) -> None:
+    weights = np.array([1.0, 2.0 + 0j])
+    inner = (lambda q: q * q * jnp.asarray(weights)) if backend == "jax" else (lambda q: q * q * weights)
+    g = di.differentiate_with(inner, backend)
+    z = torch.tensor(Z, requires_grad=True)
+    (g(z).abs() ** 2).sum().backward()
+    native = torch.tensor(Z, requires_grad=True)
+    ((native * native * torch.tensor(weights)).abs() ** 2).sum().backward()
+    np.testing.assert_allclose(z.grad.numpy(), native.grad.numpy(), rtol=1e-6)
+    # a batch of cotangents through torch.func
+    cts = torch.tensor(np.stack([V, 1j * V, V.conj()]))
+    _, pullback = torch.func.vjp(g, torch.tensor(Z))
+    _, native_pullback = torch.func.vjp(lambda q: q * q * torch.tensor(weights), torch.tensor(Z))
+    np.testing.assert_allclose(
+        torch.func.vmap(pullback)(cts)[0].numpy(), torch.func.vmap(native_pullback)(cts)[0].numpy(), rtol=1e-6
+    )
