@@ -267,6 +267,17 @@ def _conj(leaf: Any) -> Any:
     return np.conj(leaf)
 
 
+def as_complex(leaf: Any, dtype: str) -> Any:
+    """A real cotangent leaf as the complex one of ``dtype`` it means (imaginary part zero), in its
+    framework."""
+    kind = _arrays.kind(leaf)
+    if kind == "torch":
+        return leaf.to(getattr(sys.modules["torch"], dtype))
+    if kind in ("jax", "autograd"):
+        return leaf.astype(dtype)
+    return np.asarray(leaf, dtype=dtype)
+
+
 def _parts(leaf: Any) -> tuple[Any, Any]:
     """The real and imaginary parts of a complex leaf, as new arrays of its framework (never
     views of the caller's memory: a black-box engine may perturb them in place)."""

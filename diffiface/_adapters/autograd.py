@@ -22,7 +22,7 @@ from autograd.tracer import Box, getval, trace_stack
 
 from .. import _arrays
 from .. import tree as _tree
-from .._errors import DiffifaceError, MutationError
+from .._errors import DiffifaceError, InvalidOutputError, MutationError
 from . import _base
 from ._base import Fn, Leaves
 
@@ -37,6 +37,9 @@ _WRITE = re.compile(
 # How numpy and other libraries name autograd's traced array when they refuse it: its class
 # quoted or its repr, never the bare word (which f's own message may hold)
 _NAMES_A_BOX = re.compile(r"'ArrayBox'|ArrayBox with value|numpy_boxes\.ArrayBox|'ArrayVSpace'")
+
+# What autograd says when f makes an integer of a traced value.
+_INTEGER_BOX = re.compile(r"Can't differentiate w\.r\.t\. type <class 'numpy\.(u?int\d*|bool_?)'>")
 
 # A function whose output does not depend on x is fine: its derivative is zero.
 warnings.filterwarnings("ignore", message="Output seems independent of input", module="autograd")
@@ -92,6 +95,13 @@ class Adapter(_base.Adapter):
                 "f writes in place into an array that autograd traces (x, or an array computed from "
                 "it): an item assignment, an out= argument, or an in-place method. autograd "
                 "differentiates only out-of-place code: write y = x * 2, not x *= 2 or x[0] = ..."
+            ) from exc
+        if _INTEGER_BOX.search(text):
+            # autograd boxes an integer result of a traced value (astype(int) of a scalar) and
+            # refuses it; where it boxes an integer array, the output check refuses it
+            raise InvalidOutputError(
+                "f turned a value autograd traces into integers (astype(int), np.round(...).astype(...)): "
+                "an integer has no derivative. Compute the output in floating point."
             ) from exc
         if _NAMES_A_BOX.search(text):
             return (
