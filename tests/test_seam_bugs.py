@@ -201,3 +201,59 @@ def test_a_real_cotangent_of_a_complex_output_of_real_x(engine: str) -> None:
 
     got = di.vjp(f, backend, array(np.array([1.0, 2.0], dtype=np.float32)), 1.0)
     np.testing.assert_allclose(_numpy(got), [1.0, -2.0], rtol=1e-3)
+
+
+# --- item 15: differentiate_with's raw engine errors -------------------------------------------------
+
+
+# (not jax in jax nor torch in torch: f of the outer engine's own arrays crosses no engine, and g
+# calls it as it is)
+@pytest.mark.parametrize(
+    ("backend", "outer"),
+    [(b, o) for b in ["torch", "jax", "autograd", "finite_differences"] for o in ["jax", "torch"] if b != o],
+)
+def test_g_of_an_f_that_returns_a_string_is_refused(backend: str, outer: str) -> None:
+    g = di.differentiate_with(lambda v: "hello", backend)
+    x = np.array([1.0, 2.0], dtype=np.float32)
+    call = (lambda: jax.grad(g)(jnp.asarray(x))) if outer == "jax" else (lambda: g(torch.tensor(x, requires_grad=True)))
+    with pytest.raises(di.InvalidOutputError, match=r"f returned a str .*where g needs numbers"):
+        call()
+
+
+@pytest.mark.parametrize("backend", ["torch", "finite_differences"])
+def test_jax_vmap_of_g_over_an_empty_batch(backend: str) -> None:
+    g = di.differentiate_with(lambda v: (v**2).sum(), backend)
+    empty = jnp.zeros((0, 2))
+    values = jax.vmap(g)(empty)
+    assert values.shape == (0,) and values.dtype == jnp.float32
+    grads = jax.vmap(jax.grad(g))(empty)
+    assert grads.shape == (0, 2) and grads.dtype == jnp.float32
+    # and a batch of one still runs f
+    np.testing.assert_allclose(jax.vmap(jax.grad(g))(jnp.ones((1, 2))), [[2.0, 2.0]], rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["jax", "finite_differences"])
+def test_torch_vmap_of_g_over_an_empty_batch(backend: str) -> None:
+    f = (lambda v: jnp.sum(v**2)) if backend == "jax" else (lambda v: (v**2).sum())
+    g = di.differentiate_with(f, backend)
+    empty = torch.zeros((0, 2))
+    values = torch.func.vmap(g)(empty)
+    assert values.shape == (0,) and values.dtype == torch.float32
+    grads = torch.func.vmap(torch.func.grad(g))(empty)
+    assert grads.shape == (0, 2) and grads.dtype == torch.float32
+    np.testing.assert_allclose(torch.func.vmap(torch.func.grad(g))(torch.ones((1, 2))).numpy(), [[2.0, 2.0]], rtol=1e-4)
+
+
+def test_torch_through_jax_through_torch_nests() -> None:
+    inner = di.differentiate_with(lambda v: (v**3).sum(), "torch")
+    middle = di.differentiate_with(lambda v: jnp.sin(inner(v)), "jax")
+    x = torch.tensor([1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    middle(x).backward()
+    want = torch.cos(torch.tensor(9.0, dtype=torch.float64)) * 3 * torch.tensor([1.0, 4.0], dtype=torch.float64)
+    np.testing.assert_allclose(x.grad.numpy(), want.numpy(), rtol=1e-10)
+    # and the other way round, which worked before
+    inner_jax = di.differentiate_with(lambda v: jnp.sum(v**3), "jax")
+    middle_torch = di.differentiate_with(lambda v: torch.sin(inner_jax(v)), "torch")
+    with jax.enable_x64(True):
+        got = jax.grad(middle_torch)(jnp.asarray([1.0, 2.0]))
+    np.testing.assert_allclose(np.asarray(got), want.numpy(), rtol=1e-10)

@@ -181,6 +181,24 @@ def aval_of(leaf: Any) -> Aval:
     return Aval(tuple(int(n) for n in _arrays.shape(leaf)), _arrays.dtype_name(leaf))
 
 
+def output_avals(leaves: Sequence[Any]) -> tuple[Aval, ...]:
+    """The avals of f's output leaves, each an array or a number: what crosses back to the
+    outer engine. Anything else (a string, an object) is refused before an engine meets it."""
+    for index, leaf in enumerate(leaves):
+        kind = _arrays.kind(leaf)
+        if kind in ("torch", "jax", "python"):
+            continue
+        if kind == "numpy" and np.asarray(leaf).dtype.kind in "biufc":
+            continue
+        what = f"an array of dtype {np.asarray(leaf).dtype}" if kind == "numpy" else f"a {type(leaf).__name__}"
+        raise InvalidOutputError(
+            f"f returned {what} (output leaf {index}) where g needs numbers: float arrays or floats (a pytree "
+            "of them), which the outer engine can differentiate. Return the value f computes, and keep other "
+            "results apart from g (a string, a label, an object)."
+        )
+    return tuple(aval_of(leaf) for leaf in leaves)
+
+
 # --- contexts --------------------------------------------------------------------------------------
 
 
@@ -527,7 +545,9 @@ def probe_avals(inner: Inner, x_spec: Any, x_avals: tuple[Aval, ...], contexts: 
             "on a concrete x of these shapes first (outside jit, vmap and grad): that call records its prep."
         ) from exc
     leaves, spec = _tree.flatten(out)
-    return spec, tuple(aval_of(leaf) for leaf in leaves)
+    if inner.kind == "jax":  # (jax.eval_shape's structs: jax would have refused anything else)
+        return spec, tuple(aval_of(leaf) for leaf in leaves)
+    return spec, output_avals(leaves)
 
 
 # --- sites: one g, one set of contexts --------------------------------------------------------------

@@ -347,6 +347,9 @@ ad.primitive_transposes[second_vjp_p] = partial(_second_transpose, second_vjp_p)
 
 def _batch(primitive: Primitive, args: Sequence[Any], dims: Sequence[Any], *, site: Site, batch: int) -> Any:
     size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
+    if size == 0:  # no row to run: empty results of the shapes g's prep recorded
+        empty = [jnp.zeros((0, *a.shape), a.dtype) for a in _out_avals(primitive, site, batch)]
+        return empty, [0] * len(empty)
     moved = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims, strict=True)]
     n = len(site.plan.x_avals)
     x_batched = any(d is not None for d in dims[:n])
