@@ -65,6 +65,14 @@ def _check_x(op: Operator, backend: Backend, any_array_type: bool, call: Call) -
     for path, leaf in zip(paths, call.x_leaves, strict=True):
         kind = _arrays.kind(leaf)
         dtype = _arrays.dtype_name(leaf)
+        if kind == "other" and isinstance(leaf, (dict, list, tuple)):
+            base = next(b for b in (dict, list, tuple) if isinstance(leaf, b)).__name__
+            raise InvalidInputError(
+                f"x{path} is a {type(leaf).__name__}, a subclass of {base} that no pytree registry knows, so it "
+                f"is one opaque leaf, not a container of what it holds. Pass a plain {base} ({base}(x)), or "
+                f"register {type(leaf).__name__} as a pytree (jax.tree_util.register_pytree_node, or "
+                "optree.register_pytree_node with namespace='diffiface')."
+            )
         if kind == "other":  # (x holds nothing else to differentiate: else it would be static)
             raise InvalidInputError(
                 f"x{path} is a {type(leaf).__name__} and x holds no float or float array to differentiate; "
