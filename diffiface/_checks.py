@@ -3,6 +3,7 @@ prep is made; output leaves the first time each (type, dtype) is seen."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -292,6 +293,7 @@ def _checked(op: Operator, result: Any, output: _Output, adapter: Adapter) -> li
             f"f returned None where {op.name} needs floating-point numbers (float arrays or floats). "
             "Return the value from f (a missing return statement?)."
         )
+    result = _opened(result)
     if _arrays.kind(result) in _OUTPUT_LEAF_KINDS:
         leaves, spec = [result], _LEAF
     else:
@@ -309,6 +311,37 @@ def _checked(op: Operator, result: Any, output: _Output, adapter: Adapter) -> li
             "output (say with .sum()), or use jacobian / vjp for a non-scalar output."
         )
     return leaves
+
+
+def _opened(result: Any) -> Any:
+    """``result`` with autograd's traced containers opened: autograd traces a tuple, list or
+    dict that a primitive returns (``np.split``'s list, ``eigh``'s named tuple) or that f builds
+    with ``autograd.builtins`` as one value, whose items it takes through its own primitive.
+    Opened, they are the Python containers of those items, each an array autograd traces, as
+    any other engine's output. Nothing to open where no autograd trace runs."""
+    builtins = sys.modules.get("autograd.builtins")
+    if builtins is None or sys.modules["autograd.tracer"].trace_stack.top < 0:
+        return result
+    return _open(result, builtins.SequenceBox, builtins.DictBox)
+
+
+def _open(value: Any, sequence: type, mapping: type) -> Any:
+    box: Any = value  # (autograd's boxes: indexing one is its traced read of an item)
+    if isinstance(value, sequence):
+        inner = box._value
+        items = [_open(box[i], sequence, mapping) for i in range(len(inner))]
+        return type(inner)(*items) if hasattr(inner, "_fields") else type(inner)(items)
+    if isinstance(value, mapping):
+        inner = box._value
+        return type(inner)((key, _open(box[key], sequence, mapping)) for key in inner)
+    cls = type(value)
+    if cls is tuple or cls is list:
+        return cls(_open(item, sequence, mapping) for item in value)
+    if cls is dict:
+        return {key: _open(item, sequence, mapping) for key, item in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return cls(*(_open(item, sequence, mapping) for item in value))
+    return value
 
 
 def _describe(value: Any) -> str:

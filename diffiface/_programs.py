@@ -242,6 +242,8 @@ def _closer(
     ``xs -> (out, aux)``, its output checked (``like``: a leaf of x, native). ``rebuild(xs)``:
     f's x from the leaves, where it is not ``x_spec`` of them (x has static leaves)."""
     single = x_spec == _LEAF
+    if rebuild is None and not single:
+        rebuild = adapter.rebuilder(x_spec)
     if rebuild is None:  # (written for the structure, see _flatten; else optree's, in C)
         rebuild = (None if single else structure_unflatten(x_spec)) or x_spec.unflatten
 

@@ -384,3 +384,80 @@ def test_a_sparse_hessian_of_an_equinox_module_with_a_function_leaf_names_the_le
         sparse = di.hessian(lambda p, s: loss(eqx.combine(p, s)), di.AutoSparse("jax"), params, di.Constant(static))
         dense = di.hessian(loss, "jax", model)
         np.testing.assert_allclose(np.asarray(sparse.todense()), np.asarray(dense.w.w), rtol=1e-10)
+
+
+# --- items 7 and 13: autograd's own containers --------------------------------------------------------
+
+
+def _autograd_numpy() -> Any:
+    return pytest.importorskip("autograd.numpy", reason="autograd is not installed: its containers are untested")
+
+
+def test_a_nested_list_x_under_autograd_is_traced_through_np_append() -> None:
+    anp = _autograd_numpy()
+    x = ([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], [[7.0, 8.0, 9.0]])
+
+    def f(x: Any) -> Any:
+        return anp.sum(anp.append(x[0], x[1], axis=0) ** 2)
+
+    got = di.gradient(f, "autograd", x)
+    want = di.gradient(f, "finite_differences", x)
+    np.testing.assert_allclose(np.asarray(got[1]), [[14.0, 16.0, 18.0]], rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-6)
+    assert type(got) is tuple and type(got[0]) is list and type(got[0][0][0]) is float
+
+
+def _containers() -> dict[str, Any]:
+    anp = _autograd_numpy()
+    from autograd.builtins import dict as ag_dict
+    from autograd.builtins import list as ag_list
+    from autograd.builtins import tuple as ag_tuple
+
+    return {
+        "ag_tuple": lambda v: ag_tuple((v**2, anp.sin(v))),
+        "ag_list": lambda v: ag_list([v**2, anp.sin(v)]),
+        "ag_dict": lambda v: ag_dict({"a": v**2, "b": anp.sin(v)}),
+        "np.split": lambda v: anp.split(v**2, 2),
+        "np.gradient": lambda v: anp.gradient(anp.reshape(v, (4, 4)) ** 2),
+        "np.linalg.eigh": lambda v: anp.linalg.eigh(anp.reshape(v, (4, 4)) + anp.reshape(v, (4, 4)).T),
+    }
+
+
+@pytest.mark.parametrize("name", ["ag_tuple", "ag_list", "ag_dict", "np.split", "np.gradient", "np.linalg.eigh"])
+def test_autograds_own_containers_as_outputs_are_served(name: str) -> None:
+    f = _containers()[name]
+    x = np.linspace(0.1, 1.6, 16) ** 1.5
+    got = di.jacobian(f, "autograd", x)
+    want = di.jacobian(f, "finite_differences", x)
+    assert type(got) is type(want)
+    got_leaves, want_leaves = di.tree.leaves(got), di.tree.leaves(want)
+    assert len(got_leaves) == len(want_leaves) >= 2
+    for a, b in zip(got_leaves, want_leaves, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # and a vjp along a cotangent of that structure
+    y = f(x)
+    cotangent = di.tree.map(lambda leaf: np.ones_like(np.asarray(leaf)), y)
+    got_vjp = di.vjp(f, "autograd", x, cotangent)
+    np.testing.assert_allclose(got_vjp, di.vjp(f, "finite_differences", x, cotangent), rtol=1e-5, atol=1e-6)
+
+
+def test_odeint_with_an_args_tuple_in_x_under_autograd() -> None:
+    _autograd_numpy()
+    from autograd.scipy.integrate import odeint
+
+    def decay(y: Any, t: Any, rate: Any, source: Any) -> Any:
+        return -rate * y + source
+
+    times = np.linspace(0.0, 1.0, 5)
+
+    def final(x: Any) -> Any:
+        return odeint(decay, x[0], times, x[1])[-1]
+
+    x = (np.array([1.0, 2.0]), (np.array(0.5), np.array(0.3)))
+    got = di.jacobian(final, "autograd", x)
+    want = di.jacobian(final, "finite_differences", x)
+    for a, b in zip(di.tree.leaves(got), di.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    # the closed form at t = 1: d y / d y0 = e^{-rate}
+    np.testing.assert_allclose(np.diag(got[0]), np.exp(-0.5) * np.ones(2), rtol=1e-5)
