@@ -3,6 +3,7 @@ prep is made; output leaves the first time each (type, dtype) is seen."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +66,14 @@ def _check_x(op: Operator, backend: Backend, any_array_type: bool, call: Call) -
     for path, leaf in zip(paths, call.x_leaves, strict=True):
         kind = _arrays.kind(leaf)
         dtype = _arrays.dtype_name(leaf)
+        if kind == "other" and isinstance(leaf, (dict, list, tuple)):
+            base = next(b for b in (dict, list, tuple) if isinstance(leaf, b)).__name__
+            raise InvalidInputError(
+                f"x{path} is a {type(leaf).__name__}, a subclass of {base} that no pytree registry knows, so it "
+                f"is one opaque leaf, not a container of what it holds. Pass a plain {base} ({base}(x)), or "
+                f"register {type(leaf).__name__} as a pytree (jax.tree_util.register_pytree_node, or "
+                "optree.register_pytree_node with namespace='diffiface')."
+            )
         if kind == "other":  # (x holds nothing else to differentiate: else it would be static)
             raise InvalidInputError(
                 f"x{path} is a {type(leaf).__name__} and x holds no float or float array to differentiate; "
@@ -210,20 +219,25 @@ def batch_sizes(sig: Signature) -> tuple[int, ...]:
     return tuple(spec.num_leaves for spec in sig.tangent_spec.children())
 
 
-def _check_cotangents(sig: Signature, output: _Output, groups: list[Any], complex_step: bool = False) -> None:
-    """Each cotangent of a batch against f(x) (:func:`_check_cotangent`), named by its place."""
+def _check_cotangents(sig: Signature, output: _Output, groups: list[Any], complex_step: bool = False) -> list[Any]:
+    """Each cotangent of a batch against f(x) (:func:`_check_cotangent`), named by its place;
+    the cotangents as the engine takes them."""
     fitted = output.cotangent_fits
     if fitted is not None and fitted[1] == output.shapes and (fitted[0] is output.spec or fitted[0] == output.spec):
-        return
+        return groups
     start = 0
+    checked = []
     for k, (spec, ts) in enumerate(zip(sig.tangent_spec.children(), groups, strict=True)):
         one = sig._replace(tangent_spec=spec, tangent_leaves=sig.tangent_leaves[start : start + len(ts)])
         start += len(ts)
         output.cotangent_fits = None
         try:
-            _check_cotangent(one, output, ts, complex_step)
+            checked.append(_check_cotangent(one, output, ts, complex_step))
         except TangentMismatchError as exc:
             raise TangentMismatchError(f"Cotangent {k} of the batch: {exc}") from None
+    if any(c is not g for c, g in zip(checked, groups, strict=True)):  # (a cast, on every call: see _check_cotangent)
+        output.cotangent_fits = None
+    return checked
 
 
 # -- validation of f's output and of a cotangent against it ------------------------------------------
@@ -279,6 +293,7 @@ def _checked(op: Operator, result: Any, output: _Output, adapter: Adapter) -> li
             f"f returned None where {op.name} needs floating-point numbers (float arrays or floats). "
             "Return the value from f (a missing return statement?)."
         )
+    result = _opened(result)
     if _arrays.kind(result) in _OUTPUT_LEAF_KINDS:
         leaves, spec = [result], _LEAF
     else:
@@ -298,6 +313,37 @@ def _checked(op: Operator, result: Any, output: _Output, adapter: Adapter) -> li
     return leaves
 
 
+def _opened(result: Any) -> Any:
+    """``result`` with autograd's traced containers opened: autograd traces a tuple, list or
+    dict that a primitive returns (``np.split``'s list, ``eigh``'s named tuple) or that f builds
+    with ``autograd.builtins`` as one value, whose items it takes through its own primitive.
+    Opened, they are the Python containers of those items, each an array autograd traces, as
+    any other engine's output. Nothing to open where no autograd trace runs."""
+    builtins = sys.modules.get("autograd.builtins")
+    if builtins is None or sys.modules["autograd.tracer"].trace_stack.top < 0:
+        return result
+    return _open(result, builtins.SequenceBox, builtins.DictBox)
+
+
+def _open(value: Any, sequence: type, mapping: type) -> Any:
+    box: Any = value  # (autograd's boxes: indexing one is its traced read of an item)
+    if isinstance(value, sequence):
+        inner = box._value
+        items = [_open(box[i], sequence, mapping) for i in range(len(inner))]
+        return type(inner)(*items) if hasattr(inner, "_fields") else type(inner)(items)
+    if isinstance(value, mapping):
+        inner = box._value
+        return type(inner)((key, _open(box[key], sequence, mapping)) for key in inner)
+    cls = type(value)
+    if cls is tuple or cls is list:
+        return cls(_open(item, sequence, mapping) for item in value)
+    if cls is dict:
+        return {key: _open(item, sequence, mapping) for key, item in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return cls(*(_open(item, sequence, mapping) for item in value))
+    return value
+
+
 def _describe(value: Any) -> str:
     if hasattr(value, "shape") and hasattr(value, "dtype"):
         return f"an array of shape {tuple(value.shape)} and dtype {_arrays.dtype_name(value)}"
@@ -309,9 +355,11 @@ def _describe(value: Any) -> str:
 
 def _check_numeric(op: Operator, leaf: Any, complex_ok: bool) -> None:
     kind = _arrays.kind(leaf)
-    if kind == "autograd" or (
-        kind == "python" and not isinstance(leaf, bool) and (complex_ok or not isinstance(leaf, complex))
-    ):
+    while kind == "autograd":  # autograd's traced array: the value it traces decides
+        leaf = leaf._value
+        kind = _arrays.kind(leaf)
+    # (a Python int or bool is no float: it has no derivative, whatever an engine would make of it)
+    if kind == "python" and (isinstance(leaf, float) or (complex_ok and isinstance(leaf, complex))):
         return
     dtype = _arrays.dtype_name(leaf)
     if (
@@ -319,22 +367,30 @@ def _check_numeric(op: Operator, leaf: Any, complex_ok: bool) -> None:
         or kind == "python"
         or not (_arrays.is_float_dtype(dtype) or (complex_ok and "complex" in dtype))
     ):
-        what = type(leaf).__name__ if kind in ("other", "python") else f"array of dtype {_arrays.dtype_name(leaf)}"
+        name = type(leaf).__name__
+        what = (
+            f"a{'n' * (name[0] in 'aeiou')} {name}"
+            if kind in ("other", "python")
+            else f"an array of dtype {_arrays.dtype_name(leaf)}"
+        )
         raise InvalidOutputError(
-            f"f returned a {what} where {op.name} needs floating-point numbers (float arrays or "
+            f"f returned {what} where {op.name} needs floating-point numbers (float arrays or "
             "floats). Compute the output in floating point."
         )
 
 
-def _check_cotangent(sig: Signature, output: _Output, ts: tuple[Any, ...], complex_step: bool = False) -> None:
-    """The cotangent against f(x), whose structure and shapes the last evaluation recorded.
+def _check_cotangent(
+    sig: Signature, output: _Output, ts: tuple[Any, ...], complex_step: bool = False
+) -> tuple[Any, ...]:
+    """The cotangent against f(x), whose structure and shapes the last evaluation recorded:
+    ``ts`` as the engine takes it (a real cotangent of a complex output cast to complex).
 
     A prep's signature fixes the cotangent's structure, shapes and dtypes, so an output
     structure and shapes the cotangent fitted before need no second look."""
     out_spec, out_shapes, out_dtypes = output.current()  # (one read: this runs on every call)
     fitted = output.cotangent_fits
     if fitted is not None and fitted[1] == out_shapes and (fitted[0] is out_spec or fitted[0] == out_spec):
-        return
+        return ts
     if out_spec != sig.tangent_spec:
         raise TangentMismatchError(
             f"The cotangent must have the structure of f(x), {out_spec}; it has {sig.tangent_spec}."
@@ -356,13 +412,32 @@ def _check_cotangent(sig: Signature, output: _Output, ts: tuple[Any, ...], compl
                 f"Cotangent leaf {i} has shape {_arrays.shape(t)}, but f(x)'s leaf {i} has shape "
                 f"{shape}; a cotangent has the shape of f(x)."
             )
+    widen: list[tuple[int, str]] = []
     for i, (dtype, t) in enumerate(zip(out_dtypes, sig.tangent_leaves, strict=False)):
-        if dtype is None or t[0] == "python":
+        if dtype is None:
+            continue
+        # a real cotangent of a complex output leaf (a float, or a real array of its precision)
+        # is the complex cotangent with no imaginary part: the engines that take only the complex
+        # one (jax, torch) get it cast. Where the output is complex only because the complex step
+        # evaluates f at complex points, the real cotangent is the right one, as it is.
+        if t[0] == "python":
+            if _complex.is_complex_dtype(dtype) and not complex_step and not isinstance(ts[i], complex):
+                widen.append((i, dtype))
             continue
         found = str(t[2]).removeprefix("torch.")
-        if found != dtype and not (complex_step and _complex.cotangent_fits(found, dtype)):
+        if found == dtype:
+            continue
+        if not _complex.cotangent_fits(found, dtype):
             raise TangentMismatchError(
                 f"Cotangent leaf {i} has dtype {found}, but f(x)'s leaf {i} has dtype {dtype}; cast the "
                 f"cotangent to {dtype}."
             )
-    output.cotangent_fits = (out_spec, out_shapes)
+        if not complex_step:
+            widen.append((i, dtype))
+    if not widen:  # (a cast is taken on every call: only a cotangent that needs none is remembered)
+        output.cotangent_fits = (out_spec, out_shapes)
+        return ts
+    cast = list(ts)
+    for i, dtype in widen:
+        cast[i] = _complex.as_complex(cast[i], dtype)
+    return tuple(cast)

@@ -124,6 +124,12 @@ def refuse_sparse(call: Call) -> None:
         )
 
 
+SECOND_DERIVATIVE_ADVICE = (
+    "di.derivative(lambda z: di.derivative(f, backend, z, holomorphic=True), backend, x, holomorphic=True)"
+)
+SECOND_JVP_ADVICE = "di.jvp(lambda z: di.jvp(f, backend, z, t), backend, x, t)"
+
+
 def adapter_for_call(op: Operator, adapter: Adapter, call: Call, f: Any) -> Adapter:
     """The adapter a prepared call runs on: ``adapter`` itself where nothing is complex, else
     the :class:`ComplexAdapter` around it. Refuses what has no meaning for complex ``x``."""
@@ -146,10 +152,14 @@ def adapter_for_call(op: Operator, adapter: Adapter, call: Call, f: Any) -> Adap
             "for the real Hessian."
         )
     if x_complex and op.compute == "value_derivative_and_second_derivative":
+        # (the advice runs on every engine: a derivative inside a derivative must not read
+        # traced values, as the holomorphy check does, so holomorphy is asserted there)
         raise UnsupportedOperationError(
-            f"{op.name} of a function of complex x is not computed: take the derivative of the "
-            "derivative (di.derivative(lambda z: di.derivative(f, backend, z), backend, x)), which "
-            "checks that each is holomorphic, or use jvp."
+            f"{op.name} of a function of complex x is not computed. For a holomorphic f, take the "
+            "derivative of the derivative with holomorphy asserted, "
+            f"{SECOND_DERIVATIVE_ADVICE}, after checking it once: di.derivative(f, backend, x) refuses an f "
+            "that is not holomorphic. For any f, the second directional derivative along t is "
+            f"{SECOND_JVP_ADVICE} (under torch, with AutoTorch(mode='func'))."
         )
     if not (x_complex or t_complex or _may_return_complex(op, adapter)):
         return adapter
@@ -265,6 +275,17 @@ def _conj(leaf: Any) -> Any:
     if kind == "python":
         return leaf.conjugate()
     return np.conj(leaf)
+
+
+def as_complex(leaf: Any, dtype: str) -> Any:
+    """A real cotangent leaf as the complex one of ``dtype`` it means (imaginary part zero), in its
+    framework."""
+    kind = _arrays.kind(leaf)
+    if kind == "torch":
+        return leaf.to(getattr(sys.modules["torch"], dtype))
+    if kind in ("jax", "autograd"):
+        return leaf.astype(dtype)
+    return np.asarray(leaf, dtype=dtype)
 
 
 def _parts(leaf: Any) -> tuple[Any, Any]:

@@ -16,9 +16,10 @@ __all__ = ["is_static", "static_key", "static_x_key"]
 
 def is_static(leaf: Any) -> bool:
     """A leaf of x that is not differentiated but passed to f as it is, as ``eqx.filter_grad``
-    treats it: anything but an array or a Python float (a function, an int, a bool, a string)."""
+    treats it: anything but an array or a Python float or complex (a function, an int, a bool, a
+    string)."""
     kind = _arrays.kind(leaf)
-    return kind == "other" or (kind == "python" and not isinstance(leaf, float))
+    return kind == "other" or (kind == "python" and not isinstance(leaf, (float, complex)))
 
 
 def static_x_key(leaf: Any) -> Any:

@@ -69,7 +69,7 @@ def _program(
         fn = close(f if f is not None else function(), context_values, xs[0] if xs else None)
         if pullback:
             out, aux, vjp = adapter.pullback_function(fn, xs)
-            _check_cotangent(sig, output, ts, adapter.complex_outputs)
+            ts = _check_cotangent(sig, output, ts, adapter.complex_outputs)
             result: tuple[Any, ...] = (out, aux, vjp(ts))
         elif op.tangent is None:
             result = method(fn, xs)
@@ -143,7 +143,8 @@ class Fused:
       ``value_and_pushforward``, ``gradient_and_hvp`` or ``value_and_jacobian``); ``value``: the
       program returns two results, f's value (for an hvp, the gradient) before the derivative;
     - for a vjp (else None): ``cotangent(ts)``, the cotangent checked against the record of
-      f's output that ``close`` made."""
+      f's output that ``close`` made, returned as the engine takes it (a real cotangent of a
+      complex output cast to complex: the caller uses what it returns)."""
 
     __slots__ = (
         "adapter",
@@ -191,7 +192,7 @@ class Fused:
         self.value = value
         self.checked = checked
         self.empty = empty
-        self.cotangent: Callable[[tuple[Any, ...]], None] | None = None
+        self.cotangent: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None = None
 
     def contexts(self, dynamic: tuple[Any, ...]) -> tuple[Any, ...]:
         """The context values of these dynamic leaves (every context leaf is one)."""
@@ -241,6 +242,8 @@ def _closer(
     ``xs -> (out, aux)``, its output checked (``like``: a leaf of x, native). ``rebuild(xs)``:
     f's x from the leaves, where it is not ``x_spec`` of them (x has static leaves)."""
     single = x_spec == _LEAF
+    if rebuild is None and not single:
+        rebuild = adapter.rebuilder(x_spec)
     if rebuild is None:  # (written for the structure, see _flatten; else optree's, in C)
         rebuild = (None if single else structure_unflatten(x_spec)) or x_spec.unflatten
 
@@ -345,7 +348,7 @@ def _batch_products(
         start += size
     if compute == "value_and_pullbacks":
         out, aux, vjp = adapter.pullback_function(fn, xs)
-        _check_cotangents(sig, output, groups, adapter.complex_outputs)
+        groups = _check_cotangents(sig, output, groups, adapter.complex_outputs)
         return out, aux, adapter.pullbacks(vjp, xs, groups)
     if compute == "gradient_and_hvps":
         return adapter.gradient_and_hvps(fn, xs, groups)  # type: ignore[no-any-return]

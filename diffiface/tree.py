@@ -154,6 +154,16 @@ def ravel(tree: PyTree) -> tuple[Any, Callable[[Any], PyTree]]:
     """
     leaves_, spec = flatten(tree)
     kinds = [_arrays.kind(leaf) for leaf in leaves_]
+    if "other" in kinds:
+        path, leaf = leaves_with_paths(tree)[kinds.index("other")]
+        raise ArrayTypeError(
+            f"tree.ravel flattens arrays and numbers, and the tree holds a {type(leaf).__name__} at {path or 'its root'}, "
+            "which is neither (a function, a string, an object). diffiface's dense operators pass such leaves "
+            "of x to f as they are (static, as eqx.filter_grad does); AutoSparse and tree.ravel take arrays "
+            "only. Split the arrays off: params, static = eqx.partition(model, eqx.is_inexact_array); "
+            "differentiate lambda params, static: loss(eqx.combine(params, static)) with respect to params, "
+            "passing di.Constant(static)."
+        )
     family = _arrays.family(set(kinds))
     if family not in ("python", "numpy", "torch", "jax"):
         raise ArrayTypeError(

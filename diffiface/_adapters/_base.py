@@ -125,6 +125,11 @@ class Adapter:
         """A traced input leaf's value, outside any trace (for evaluating ``f`` elsewhere)."""
         return leaf
 
+    def rebuilder(self, x_spec: Any) -> Callable[[Any], Any] | None:
+        """``leaves -> x`` where the engine hands f its x otherwise than as ``x_spec.unflatten``
+        of them (autograd: its own traced containers); None for the generic rebuild."""
+        return None
+
     @property
     def scoped(self) -> bool:
         """Whether :meth:`scope` may give a context: where it never does, float64 calls take

@@ -16,13 +16,15 @@ from typing import Any
 import autograd
 import autograd.numpy as anp
 import numpy as np
+from autograd.builtins import list as ag_list
+from autograd.builtins import tuple as ag_tuple
 from autograd.core import make_vjp as _make_vjp
 from autograd.core import vspace
 from autograd.tracer import Box, getval, trace_stack
 
 from .. import _arrays
 from .. import tree as _tree
-from .._errors import DiffifaceError, MutationError
+from .._errors import DiffifaceError, InvalidOutputError, MutationError
 from . import _base
 from ._base import Fn, Leaves
 
@@ -37,6 +39,9 @@ _WRITE = re.compile(
 # How numpy and other libraries name autograd's traced array when they refuse it: its class
 # quoted or its repr, never the bare word (which f's own message may hold)
 _NAMES_A_BOX = re.compile(r"'ArrayBox'|ArrayBox with value|numpy_boxes\.ArrayBox|'ArrayVSpace'")
+
+# What autograd says when f makes an integer of a traced value.
+_INTEGER_BOX = re.compile(r"Can't differentiate w\.r\.t\. type <class 'numpy\.(u?int\d*|bool_?)'>")
 
 # A function whose output does not depend on x is fine: its derivative is zero.
 warnings.filterwarnings("ignore", message="Output seems independent of input", module="autograd")
@@ -66,6 +71,23 @@ class Adapter(_base.Adapter):
             return np.asarray(leaf, dtype=getattr(like, "dtype", np.float64))
         return leaf
 
+    def rebuilder(self, x_spec: Any) -> Callable[[Any], Any] | None:
+        """x with its tuples and lists as autograd's own traced containers, as
+        ``autograd.grad`` hands them to f: a primitive that takes a container (np.append's
+        values, odeint's args) then sees the container traced, where a plain list of traced
+        arrays would be read as a constant. None where x has no such node."""
+        count = x_spec.num_leaves
+        example = x_spec.unflatten(list(range(count)))
+        below = example.values() if type(example) is dict else example if isinstance(example, (tuple, list)) else ()
+        if not any(_has_containers(item) for item in below):
+            return None
+        unflatten = x_spec.unflatten
+
+        def rebuild(xs: Any) -> Any:
+            return _traced_containers(unflatten([xs[i] for i in range(count)]))
+
+        return rebuild
+
     def explain_failure(self, exc: BaseException) -> str | None:
         if isinstance(exc, DiffifaceError):  # from a diffiface call inside f: it says what is wrong
             return None
@@ -92,6 +114,13 @@ class Adapter(_base.Adapter):
                 "f writes in place into an array that autograd traces (x, or an array computed from "
                 "it): an item assignment, an out= argument, or an in-place method. autograd "
                 "differentiates only out-of-place code: write y = x * 2, not x *= 2 or x[0] = ..."
+            ) from exc
+        if _INTEGER_BOX.search(text):
+            # autograd boxes an integer result of a traced value (astype(int) of a scalar) and
+            # refuses it; where it boxes an integer array, the output check refuses it
+            raise InvalidOutputError(
+                "f turned a value autograd traces into integers (astype(int), np.round(...).astype(...)): "
+                "an integer has no derivative. Compute the output in floating point."
             ) from exc
         if _NAMES_A_BOX.search(text):
             return (
@@ -186,6 +215,55 @@ class Adapter(_base.Adapter):
         flat = np.zeros(math.prod(np.shape(like)), dtype=getattr(getval(like), "dtype", np.float64))
         flat[index] = 1
         return flat.reshape(np.shape(like))
+
+
+def _has_containers(tree: Any) -> bool:
+    """Whether ``tree`` holds a tuple or list node (a dict's or named tuple's items included)."""
+    cls = type(tree)
+    if cls is tuple or cls is list:
+        return True
+    if cls is dict:
+        return any(_has_containers(item) for item in tree.values())
+    if isinstance(tree, tuple):  # a named tuple
+        return any(_has_containers(item) for item in tree)
+    return False
+
+
+_NUMERIC = (Box, np.ndarray, np.generic, float, complex)
+
+
+def _traced_containers(tree: Any) -> Any:
+    """x with its tuples and lists below the root as autograd's containers (:func:`_convert`).
+    The root stays a plain container: f takes x apart itself, and each read of an autograd
+    container is a traced step, in the forward and the backward pass."""
+    cls = type(tree)
+    if cls is tuple or cls is list:
+        return cls(_convert(item)[0] for item in tree)
+    if cls is dict:
+        return {key: _convert(item)[0] for key, item in tree.items()}
+    return _convert(tree)[0]
+
+
+def _convert(tree: Any) -> tuple[Any, bool]:
+    """``(tree converted, whether autograd can hold it in its containers)``: ``tree``'s tuples
+    and lists (numpy's array-likes) as autograd's containers, innermost first, where a node holds only arrays and such containers (autograd cannot box a named
+    tuple, None or an object: a node holding one stays plain, and so do the nodes above it);
+    plain containers where none of their items is traced. Dicts stay plain: no numpy function
+    takes one as an array, and autograd's dict costs a traced step per read."""
+    if isinstance(tree, _NUMERIC):
+        return tree, True
+    cls = type(tree)
+    if cls is tuple or cls is list:
+        items = [_convert(item) for item in tree]
+        values = [value for value, _ in items]
+        if all(ok for _, ok in items):
+            return (ag_tuple(tuple(values)) if cls is tuple else ag_list(values)), True
+        return cls(values), False
+    if cls is dict:  # (numpy takes no dict as an array: a dict of traced arrays stays plain)
+        return {key: _convert(item)[0] for key, item in tree.items()}, False
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return cls(*(_convert(item)[0] for item in tree)), False
+    return tree, False
 
 
 def _plain(xs: Leaves) -> Leaves:

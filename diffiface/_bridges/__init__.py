@@ -30,6 +30,7 @@ from ._inner import (
     closure_traced,
     constant_values,
     outer_traced,
+    output_avals,
     probe_avals,
     to_inner,
     to_numpy,
@@ -116,7 +117,7 @@ class DifferentiateWith:
     def _record(self, spec: Any, avals: tuple[Aval, ...], contexts: tuple[Context[Any], ...], x_inner: Any) -> Plan:
         if x_inner is not None:
             y_leaves, y_spec = _tree.flatten(self._inner_value_tree(spec, avals, x_inner, contexts))
-            y_avals = tuple(aval_of(leaf) for leaf in y_leaves)
+            y_avals = output_avals(y_leaves)
         else:
             y_spec, y_avals = probe_avals(self._inner, spec, avals, contexts)
         plan = Plan(spec, avals, y_spec, y_avals)

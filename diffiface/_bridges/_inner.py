@@ -181,6 +181,24 @@ def aval_of(leaf: Any) -> Aval:
     return Aval(tuple(int(n) for n in _arrays.shape(leaf)), _arrays.dtype_name(leaf))
 
 
+def output_avals(leaves: Sequence[Any]) -> tuple[Aval, ...]:
+    """The avals of f's output leaves, each an array or a number: what crosses back to the
+    outer engine. Anything else (a string, an object) is refused before an engine meets it."""
+    for index, leaf in enumerate(leaves):
+        kind = _arrays.kind(leaf)
+        if kind in ("torch", "jax", "python"):
+            continue
+        if kind == "numpy" and np.asarray(leaf).dtype.kind in "biufc":
+            continue
+        what = f"an array of dtype {np.asarray(leaf).dtype}" if kind == "numpy" else f"a {type(leaf).__name__}"
+        raise InvalidOutputError(
+            f"f returned {what} (output leaf {index}) where g needs numbers: float arrays or floats (a pytree "
+            "of them), which the outer engine can differentiate. Return the value f computes, and keep other "
+            "results apart from g (a string, a label, an object)."
+        )
+    return tuple(aval_of(leaf) for leaf in leaves)
+
+
 # --- contexts --------------------------------------------------------------------------------------
 
 
@@ -374,7 +392,8 @@ class Inner:
         if self._by_jacobian(plan, batch):
             jac = self._flat_jacobian(plan, x, contexts)
             cotangents = self._stack_flat([t.reshape(batch, -1) for t in ty], axis=1)  # (batch, m)
-            products = (jac.T @ cotangents.T).T  # (batch, n)
+            # conj(J)ᵀ c, the vjp of docs/complex.md (for a holomorphic f: J's conjugate transpose)
+            products = _conj((jac.T @ _conj(cotangents).T).T)  # (batch, n)
             return self._split(products, plan.x_avals, batch)
         rows = [self.vjp(plan, x, [t[b] for t in ty], contexts) for b in range(batch)]
         return self._stack_rows(rows, len(plan.x_avals))
@@ -469,6 +488,14 @@ class Inner:
         return [xp.stack([row[i] for row in rows]) for i in range(count)]
 
 
+def _conj(array: Any) -> Any:
+    """A complex array's conjugate, materialised (torch's lazy conjugate does not reach sparse
+    products); a real array as it is."""
+    if "complex" not in _arrays.dtype_name(array):
+        return array
+    return array.conj_physical() if _arrays.kind(array) == "torch" else array.conj()
+
+
 def _split_vector(xp: Any, vector: Any, cuts: list[int]) -> Leaves:
     pieces = []
     start = 0
@@ -518,7 +545,9 @@ def probe_avals(inner: Inner, x_spec: Any, x_avals: tuple[Aval, ...], contexts: 
             "on a concrete x of these shapes first (outside jit, vmap and grad): that call records its prep."
         ) from exc
     leaves, spec = _tree.flatten(out)
-    return spec, tuple(aval_of(leaf) for leaf in leaves)
+    if inner.kind == "jax":  # (jax.eval_shape's structs: jax would have refused anything else)
+        return spec, tuple(aval_of(leaf) for leaf in leaves)
+    return spec, output_avals(leaves)
 
 
 # --- sites: one g, one set of contexts --------------------------------------------------------------

@@ -90,14 +90,23 @@ def _host(primitive: Primitive, site: Site, batch: int, arrays: Sequence[Any]) -
         if primitive is jvp_p:
             return inner.jvps(plan, x, rest, contexts) if batch else inner.jvp(plan, x, rest, contexts)
         if primitive is vjp_p:
-            return inner.vjps(plan, x, rest, contexts) if batch else inner.vjp(plan, x, rest, contexts)
+            # jax transposes in its own convention, conj(vjp(conj(c))) of diffiface's (docs/complex.md)
+            rest = _conjugated(rest)
+            return _conjugated(inner.vjps(plan, x, rest, contexts) if batch else inner.vjp(plan, x, rest, contexts))
         if primitive is second_jvp_p:
             return inner.second_jvp(plan, x, rest[:n], rest[n:], contexts)
-        return inner.second_vjp(plan, x, rest[:m], rest[m:], contexts)
+        # the derivative in x (a real direction) of the vjp above: conjugated as it is
+        return _conjugated(inner.second_vjp(plan, x, _conjugated(rest[:m]), rest[m:], contexts))
     except (jax.errors.TracerArrayConversionError, jax.errors.UnexpectedTracerError) as exc:
         from ._inner import traced_refusal
 
         raise traced_refusal("f reads a value that", "a jax tracer") from exc
+
+
+def _conjugated(leaves: Sequence[Any]) -> list[Any]:
+    """Complex inner leaves conjugated, real ones as they are: diffiface's vjp and jax's differ
+    by a conjugation on each side (jax's is ``conj(vjp(conj(c)))``)."""
+    return [leaf.conj() if "complex" in _arrays.dtype_name(leaf) else leaf for leaf in leaves]
 
 
 def _as_results(primitive: Primitive, site: Site, batch: int, outs: list[Any]) -> list[np.ndarray]:
@@ -338,6 +347,9 @@ ad.primitive_transposes[second_vjp_p] = partial(_second_transpose, second_vjp_p)
 
 def _batch(primitive: Primitive, args: Sequence[Any], dims: Sequence[Any], *, site: Site, batch: int) -> Any:
     size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
+    if size == 0:  # no row to run: empty results of the shapes g's prep recorded
+        empty = [jnp.zeros((0, *a.shape), a.dtype) for a in _out_avals(primitive, site, batch)]
+        return empty, [0] * len(empty)
     moved = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims, strict=True)]
     n = len(site.plan.x_avals)
     x_batched = any(d is not None for d in dims[:n])

@@ -13,7 +13,8 @@ implementation from g's prep, so that ``torch.compile`` keeps each call as one o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -86,7 +87,7 @@ def _bridge(what: str, site_name: str, batch: int, args: list[torch.Tensor]) -> 
     inner, plan, contexts = site.inner, site.plan, site.contexts
     n, m = len(plan.x_avals), len(plan.y_avals)
     device = args[0].device if args else torch.device("cpu")
-    with _x64([_arrays.dtype_name(a) for a in args]):
+    with _x64([_arrays.dtype_name(a) for a in args]), _autograd_on():
         try:
             inner_args = [to_inner(a, inner.kind) for a in args]
             x, rest = inner_args[:n], inner.operands(what, plan, inner_args[n:])
@@ -108,6 +109,19 @@ def _bridge(what: str, site_name: str, batch: int, args: list[torch.Tensor]) -> 
     inputs = {a.untyped_storage().data_ptr() for a in args if a.numel()}
     # an op's results may not share memory with its inputs (f returned its input, or a view of it)
     return [r.clone() if r.numel() and r.untyped_storage().data_ptr() in inputs else r for r in results]
+
+
+@contextlib.contextmanager
+def _autograd_on() -> Iterator[None]:
+    """torch's autograd as plain Python code has it. An op's implementation runs below torch's
+    autograd (its dispatch keys excluded, grad mode off), so a torch f that the inner engine
+    reaches in turn (torch -> jax -> torch through two g's) would record no graph: its
+    derivatives would read as cut. The inner work records its own graph, on its own tensors;
+    what it returns to the op is detached (_to_torch)."""
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    restored = excluded.remove(torch._C.DispatchKey.AutogradFunctionality)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), restored), torch.enable_grad():
+        yield
 
 
 def _to_torch(out: Any, aval: Aval, device: torch.device) -> torch.Tensor:
@@ -162,6 +176,15 @@ def _sum(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> tuple[torch.Te
 
 
 def _vmap_loop(function: Any, info: Any, in_dims: Sequence[Any], args: Sequence[Any]) -> Any:
+    if info.batch_size == 0:  # no row to run: empty results of the shapes g's prep recorded
+        what = args[1] if function is _Second else _PRODUCT[function]
+        like = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        device = like.device if like is not None else None
+        empty = tuple(
+            torch.zeros((0, *a.shape), dtype=_torch_dtype(a.dtype), device=device)
+            for a in _out_avals(what, _site(args[0]), 0)
+        )
+        return empty, (0,) * len(empty)
     outs = []
     for b in range(info.batch_size):
         row = [a if d is None else a.select(d, b) for a, d in zip(args, in_dims, strict=True)]
@@ -344,3 +367,7 @@ class _Second(torch.autograd.Function):
     @staticmethod
     def vmap(info: Any, in_dims: Sequence[Any], number: int, what: str, *args: torch.Tensor) -> Any:
         return _vmap_loop(_Second, info, in_dims, (number, what, *args))
+
+
+_PRODUCT = {_CallCompiled: "call", _Call: "call", _Jvp: "jvp", _Vjp: "vjp"}
+"""What each Function computes, as the op names it (_Second names its own)."""
