@@ -3,8 +3,8 @@
 - ``mode="autograd"``: reverse mode by ``torch.autograd.grad`` on detached copies of the
   inputs (no ``.grad`` is ever written, no ``requires_grad`` flag of the caller's tensors
   changes), forward mode by ``torch.autograd.forward_ad`` dual tensors, second order by
-  double backward. A jvp's common call is forward mode, or reverse over reverse where a
-  prep's first call finds that faster and equal (see ``_Pushforward``).
+  double backward. A jvp is forward mode, or reverse over reverse where ``AutoTorch(jvp=...)``
+  asks for it (see ``_Pushforward``).
 - ``mode="func"``: ``torch.func.vjp``, ``jvp``, ``grad_and_value``, ``jacrev``/``jacfwd``;
   second order forward-over-reverse.
 """
@@ -114,6 +114,7 @@ class Adapter(_base.Adapter):
     def __init__(self, backend: Any, info: Any) -> None:
         super().__init__(backend, info)
         self.functional = backend.mode == "func"
+        self.create_graph: bool = getattr(backend, "create_graph", False)
 
     def to_native(self, leaf: Any) -> Any:
         kind = _arrays.kind(leaf)
@@ -232,9 +233,9 @@ class Adapter(_base.Adapter):
     def compile(
         self, program: Callable[..., Any], static: bool = True, arrays: bool = False, layouts: Any = None
     ) -> Callable[..., Any]:
-        guarded = _guard(program, getattr(program, "cache_dynamic", ()), getattr(program, "cache_static", ()))
+        guarded = _guard(program, self.functional, self.create_graph)
         fused = getattr(program, "fused", None)
-        if fused is None or not fused.dynamic:
+        if fused is None or not fused.dynamic or self.create_graph:
             return guarded
         fuse = _FUSED.get((fused.compute, self.functional))
         if fuse is None:  # (torch.func's jvp and hvp: the guard's steps)
@@ -245,7 +246,7 @@ class Adapter(_base.Adapter):
             fuse is not _Jacobian or getattr(fused.adapter, "real_inner", None) is not self
         ):
             return guarded
-        return fuse(guarded, fused, program.cache_dynamic, functional=self.functional)  # type: ignore[attr-defined]
+        return fuse(guarded, fused, program, functional=self.functional)
 
     # -- primitives ---------------------------------------------------------------------------
 
@@ -907,10 +908,6 @@ def _carries_graph(x: Any) -> bool:
     return bool(_DUALS[0]) and _dual_parts(x)[1] is not None
 
 
-def _written(tensor: Any, version: int, copy: Any) -> bool:
-    return bool(tensor._version != version or (copy is not None and not torch.equal(tensor, copy)))
-
-
 def _autograd_in_func() -> UnsupportedOperationError:
     return UnsupportedOperationError(
         "AutoTorch(mode='autograd') was called on a tensor of a torch.func transform (an outer "
@@ -932,28 +929,36 @@ def _nested_forward() -> UnsupportedOperationError:
 _FIX = "Compute out of place (y = x * 2, not x.mul_(2)); for scratch space f may overwrite, pass a di.Cache."
 
 
-def _guard(
-    program: Callable[..., Any], cache_dynamic: tuple[bool, ...], cache_static: tuple[bool, ...]
-) -> Callable[..., Any]:
+def _guard(program: Callable[..., Any], functional: bool, create_graph: bool) -> Callable[..., Any]:
     """``program`` run so that the caller's state and arrays come out as they went in.
 
     - Under the caller's ``inference_mode`` it runs with inference mode off (nothing is recorded
       in inference mode); inference tensors are copied into normal ones. Grad mode is set by
       each method where it needs it. Both are restored on the way out, also on errors, and also
       where f itself switched grad mode and left it switched.
-    - Where an input carries an outer graph (a nested call), results keep their graph.
-    - f gets copies of x, of the tangents and of every Constant tensor: what it would get
-      otherwise shares the caller's memory (duals in forward mode, torch.func's wrappers, and in
-      reverse mode the detached leaf, which torch lets f write into under no_grad). Version
-      counters show a write into any of them, or into the buffers of a Constant module (kept in
-      copies, put back), and it is refused with a MutationError; the caller's tensors lost nothing.
+    - Results keep the graph of x's leaves (:func:`_keeps`) only where the caller asks for it
+      (``create_graph``), under torch.func, or where an outer diffiface call differentiates f;
+      else they are detached, as ``torch.autograd.grad``'s are.
+    - What f may write, and where a write lands (:func:`_watch`): f gets copies of x and of the
+      tangents (what it would get otherwise shares the caller's memory: duals in forward mode,
+      torch.func's wrappers, and in reverse mode the detached leaf, which torch lets f write
+      into under no_grad). In autograd mode f also gets copies of the Constants' tensors, which
+      torch lets f write into; under torch.func it gets the caller's own, which torch.func
+      refuses to let f write. A Constant module is passed as it is: its parameters are watched
+      by their version counters, its buffers too, and the buffers of its submodules in training
+      mode are also kept in copies (torch's batch norm writes its running statistics without a
+      version bump) and put back. A write is refused with a MutationError naming the leaf.
 
     The common call (one x, no tangent, one Constant tensor or none) takes no Python call
     besides ``program``'s: this runs on every call, and its cost is the library's overhead.
     """
-    # which dynamic context leaves are Constants (copied, watched), not Caches (f's scratch space)
+    cache_dynamic = getattr(program, "cache_dynamic", ())
+    cache_static = getattr(program, "cache_static", ())
+    names = _Names(program)
+    # which dynamic context leaves are Constants (watched), not Caches (f's scratch space)
     constant_at = tuple(i for i, cache in enumerate(cache_dynamic) if not cache)
     watch_static = not all(cache_static)  # a Constant static leaf may be a torch.nn.Module
+    copy_constants = not functional
 
     def guarded(xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
         if torch.is_inference_mode_enabled():
@@ -962,15 +967,18 @@ def _guard(
         keep = False
         if len(xs) == 1:
             x = xs[0]
-            # (_carries_graph is False unless x requires grad or a dual level of ours is open)
-            keep = bool((x.requires_grad or _DUALS[0]) and not x.is_inference() and _carries_graph(x))
-            x = x.clone()  # (a clone of an inference tensor is a normal one)
+            if x.requires_grad or _DUALS[0]:
+                keep = _keeps(x, functional, create_graph)
+            # (a clone of an inference tensor is a normal one)
+            x = x.clone() if keep or not x.requires_grad else x.detach().clone()
             xs = (x,)
             versions = [x._version]  # (a fresh clone's counter starts at 0; read, not assumed)
         else:
             for x in xs:
-                if (x.requires_grad or _DUALS[0]) and not x.is_inference() and _carries_graph(x):
+                if (x.requires_grad or _DUALS[0]) and _keeps(x, functional, create_graph):
                     keep = True
+            if not keep:
+                xs = tuple(map(torch.Tensor.detach, xs))
             xs = tuple(map(_clone, xs))  # (map, not a comprehension: no frame on the hot path)
             versions = list(map(_version, xs))
         if ts:
@@ -978,7 +986,7 @@ def _guard(
             tangent_versions = list(map(_version, ts))
         constants: list[tuple[int, Any, int]] = []
         if dynamic and constant_at:
-            dynamic, constants = _copied_constants(dynamic, constant_at)
+            dynamic, constants = _watched_constants(dynamic, constant_at, copy_constants)
         modules = _module_states(static, cache_static) if static is not None and watch_static else None
         stack = _CALLS.keep
         stack.append(keep)
@@ -986,7 +994,9 @@ def _guard(
         try:
             result = program(xs, ts, dynamic, static)
         except BaseException as exc:
-            refusal = _after_failure(exc, stack, grad_mode, keep, xs, versions, constants, modules)
+            refusal = _after_failure(
+                exc, stack, grad_mode, keep, xs, versions, constants, modules, names, copy_constants
+            )
             if refusal is not None:
                 raise refusal from exc
             raise
@@ -998,10 +1008,10 @@ def _guard(
         for x, version in zip(xs, versions, strict=False):  # (a loop: this runs on every call)
             if x._version != version:
                 dirty = True
-        for _, copy, version in constants:
-            dirty = dirty or copy._version != version
+        for _, tensor, version in constants:
+            dirty = dirty or tensor._version != version
         if dirty:
-            problem = _mutation(xs, versions, constants, modules)
+            problem = _mutation(xs, versions, constants, modules, names, copy_constants)
             if problem is not None:
                 raise MutationError(problem)
         if ts:
@@ -1012,6 +1022,39 @@ def _guard(
         return result
 
     return guarded
+
+
+def _keeps(x: Any, functional: bool, create_graph: bool) -> bool:
+    """Whether a call on ``x`` (which requires grad, or a dual level of ours is open) keeps the
+    graph x carries: under torch.func (its semantics), where the caller asks for it
+    (``create_graph``), or inside an outer diffiface call, which differentiates through this
+    one; else the results are detached, as ``torch.autograd.grad``'s."""
+    if x.is_inference() or not _carries_graph(x):
+        return False
+    return functional or create_graph or bool(_CALLS.keep) or _wrapped(x)
+
+
+class _Names:
+    """The paths of a program's leaves (``x['w']``, ``contexts[0][1]``), read where an error
+    names one."""
+
+    __slots__ = ("dynamic", "static", "x")
+
+    def __init__(self, program: Any) -> None:
+        self.x: tuple[str, ...] = getattr(program, "x_names", ())
+        self.dynamic: tuple[str, ...] = getattr(program, "names_dynamic", ())
+        self.static: tuple[str, ...] = getattr(program, "names_static", ())
+
+    def of_x(self, i: int, count: int) -> str:
+        if i < len(self.x):
+            return self.x[i]
+        return f"leaf {i} of x" if count > 1 else "x"
+
+    def of_dynamic(self, i: int) -> str:
+        return self.dynamic[i] if i < len(self.dynamic) else f"array context leaf {i}"
+
+    def of_static(self, i: int) -> str:
+        return self.static[i] if i < len(self.static) else f"context leaf {i}"
 
 
 _clone = torch.Tensor.clone
@@ -1040,15 +1083,14 @@ class _Gradient:
     Each Python frame between two calls of torch's kernels costs about a microsecond (their
     caches are cold), and the steps it fuses took fourteen of them."""
 
-    __slots__ = ("checked", "constant_at", "functional", "fused", "guarded", "plain", "transform")
+    __slots__ = ("checked", "constant_at", "functional", "fused", "guarded", "names", "plain", "transform")
 
-    def __init__(
-        self, guarded: Callable[..., Any], fused: Any, cache_dynamic: tuple[bool, ...], functional: bool = False
-    ) -> None:
+    def __init__(self, guarded: Callable[..., Any], fused: Any, program: Any, functional: bool = False) -> None:
         self.guarded = guarded
         self.fused = fused
         self.checked = fused.checked
-        self.constant_at = tuple(i for i, cache in enumerate(cache_dynamic) if not cache)
+        self.constant_at = tuple(i for i, cache in enumerate(program.cache_dynamic) if not cache)
+        self.names = _Names(program)
         self.functional = functional
         # x's leaves (and the tangents) must be plain tensors (a DTensor's results are laid out
         # again), and f gets plain copies of them; else leaves of a fresh graph (autograd's reverse mode)
@@ -1083,10 +1125,13 @@ class _Gradient:
             or not torch.is_grad_enabled()
             or torch.is_inference_mode_enabled()
             or not xs
-            or any(map(_requires_grad, xs))
             or (self.plain and (set(map(type, xs)) != _PLAIN or (ts and set(map(type, ts)) != _PLAIN)))
         ):
             return self.guarded(xs, ts, dynamic, static)
+        if any(map(_requires_grad, xs)):  # (an nn.Parameter: its results detached, as torch.autograd.grad's)
+            if self.functional or _CALLS.keep:  # (torch.func's semantics, or an outer call: the graph kept)
+                return self.guarded(xs, ts, dynamic, static)
+            xs = tuple(map(torch.Tensor.detach, xs))
         if self.plain:
             inputs = tuple(map(_clone, xs))
         else:
@@ -1097,7 +1142,7 @@ class _Gradient:
         versions = list(map(_version, inputs))
         constants: list[tuple[int, Any, int]] = []
         if dynamic and self.constant_at:
-            dynamic, constants = _copied_constants(dynamic, self.constant_at)
+            dynamic, constants = _watched_constants(dynamic, self.constant_at, not self.functional)
         fused = self.fused
         rebuilds = fused.rebuilds
         if rebuilds is None:
@@ -1114,7 +1159,9 @@ class _Gradient:
         try:
             result = self.engine(inputs, xs, ts, f, context_values)
         except BaseException as exc:
-            refusal = _after_failure(exc, stack, True, False, inputs, versions, constants, None)
+            refusal = _after_failure(
+                exc, stack, True, False, inputs, versions, constants, None, self.names, not self.functional
+            )
             if refusal is not None:
                 raise refusal from exc
             raise
@@ -1123,10 +1170,10 @@ class _Gradient:
             torch.set_grad_enabled(True)
         _arrays.graph_state.keep = False
         dirty = list(map(_version, inputs)) != versions
-        for _, copy, version in constants:  # (a loop, not a generator: this runs on every call)
-            dirty = dirty or copy._version != version
+        for _, tensor, version in constants:  # (a loop, not a generator: this runs on every call)
+            dirty = dirty or tensor._version != version
         if dirty:
-            problem = _mutation(inputs, versions, constants, None)
+            problem = _mutation(inputs, versions, constants, None, self.names, not self.functional)
             if problem is not None:
                 raise MutationError(problem)
         return result
@@ -1202,8 +1249,9 @@ class _Pullback(_Gradient):
 
 class _Pushforward(_Gradient):
     """:class:`_Gradient`'s one call for a jvp in autograd mode: the same guard's steps around
-    the engine's product, computed one of two ways (the prep's first call chooses, see
-    :meth:`choose`; every later call computes it as the chosen one does):
+    the engine's product, computed one of two ways, as ``AutoTorch(jvp=...)`` says (with
+    ``"auto"``, the prep's first call chooses, see :meth:`choose`; every later call computes it
+    as the chosen one does):
 
     - forward mode (:meth:`forward`): copies of the tangents made duals of the copies of x's
       leaves in a dual level of ours, f closed and checked by the program's own ``close``, each
@@ -1219,12 +1267,11 @@ class _Pushforward(_Gradient):
 
     __slots__ = ("reverse",)
 
-    def __init__(
-        self, guarded: Callable[..., Any], fused: Any, cache_dynamic: tuple[bool, ...], functional: bool = False
-    ) -> None:
-        super().__init__(guarded, fused, cache_dynamic, functional)
-        self.reverse: bool | None = None
-        """Whether the product is reverse over reverse (None: not chosen yet)."""
+    def __init__(self, guarded: Callable[..., Any], fused: Any, program: Any, functional: bool = False) -> None:
+        super().__init__(guarded, fused, program, functional)
+        way = fused.adapter.backend.jvp
+        self.reverse: bool | None = None if way == "auto" else way == "reverse"
+        """Whether the product is reverse over reverse (None: not chosen yet, ``jvp="auto"``)."""
 
     def engine(self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves) -> Any:
         reverse = self.reverse
@@ -1235,7 +1282,6 @@ class _Pushforward(_Gradient):
                 return self.by_pullbacks(inputs, xs, ts, f, context_values)
             except _NoSecondPass:  # an operation torch cannot differentiate twice: forward mode from now on
                 self.reverse = False
-                _remember(_way_of(f, inputs, context_values), False)
                 inputs = tuple(map(torch.Tensor.detach, inputs))  # (their version counters: the guard's)
         return self.forward(inputs, xs, ts, f, context_values)
 
@@ -1319,15 +1365,7 @@ class _Pushforward(_Gradient):
         tangent or f's output holds a complex or not a plain tensor, or where f wrote into x.
         The calls that time the ways leave torch's random generators as the first left them (a
         function that draws from them gives products that differ, and keeps forward mode).
-
-        The way chosen is remembered for f's code and the shapes and dtypes of the call's
-        tensors (:func:`_way_of`): a prep made for each call, as for a new lambda on each
-        unprepared call, takes it without timing again."""
-        key = _way_of(f, inputs, context_values)
-        known = None if key is None else _WAYS.get(key)
-        if known is not None:
-            self.reverse = known
-            return self.engine(inputs, xs, ts, f, context_values)
+        Only ``AutoTorch(jvp="auto")`` chooses; the way chosen is kept in this prep only."""
         if not _FORWARD_WARMED[0]:  # (not timed: once per process)
             _warm_forward()
         versions = list(map(_version, inputs))
@@ -1341,7 +1379,6 @@ class _Pushforward(_Gradient):
             or any(map(torch.Tensor.is_complex, (*xs, *ts)))
             or any(isinstance(y, torch.Tensor) and (type(y) is not torch.Tensor or y.is_complex()) for y in products)
         ):
-            _remember(key, False)
             return result
         forward_took, reverse_took = [took], []
         # (the calls that time the two ways leave torch's random generators as this call's left them)
@@ -1353,14 +1390,12 @@ class _Pushforward(_Gradient):
                 reverse_took.append(took)
                 forward_took.append(_timed(self.forward, tuple(map(_clone, xs)), xs, ts, f, context_values)[1])
         except Exception:  # (forward mode computed this call's product: it is the call's)
-            _remember(key, False)
             return result
         finally:
             torch.set_rng_state(cpu)
             if cuda is not None:
                 torch.cuda.set_rng_state_all(cuda)
         self.reverse = min(reverse_took) < 0.8 * min(forward_took) and _agree(products, other[-1])
-        _remember(key, self.reverse)
         return other if self.reverse else result
 
 
@@ -1374,30 +1409,6 @@ def _timed(call: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     start = time.perf_counter()
     result = call(*args)
     return result, time.perf_counter() - start
-
-
-_WAYS: dict[Any, bool] = {}
-"""The way each jvp was chosen (reverse over reverse or not), by :func:`_way_of`'s key."""
-
-
-def _way_of(f: Callable[..., Any], inputs: Leaves, context_values: Leaves) -> Any:
-    """The key of a jvp's way: f's code (a function's, a method's or a partial's) and the
-    shapes, dtypes and devices of x's and the contexts' tensors (the types of other context
-    leaves); None where f has no code of its own (a callable object), whose prep lives as long
-    as it does."""
-    function = getattr(f, "__func__", None) or getattr(f, "func", None) or f
-    code = getattr(function, "__code__", None)
-    if code is None:
-        return None
-    tensors = [*inputs, *_tree.leaves(context_values)]
-    return code, tuple((v.shape, v.dtype, v.device) if isinstance(v, torch.Tensor) else type(v) for v in tensors)
-
-
-def _remember(key: Any, reverse: bool) -> None:
-    if key is not None:
-        if len(_WAYS) > 1024:  # (a bound on what a process remembers)
-            _WAYS.clear()
-        _WAYS[key] = reverse
 
 
 class _NoSecondPass(Exception):
@@ -1534,19 +1545,25 @@ _LEAF_WRITE = "a leaf Variable that requires grad is being used in an in-place o
 """torch's refusal of a write into a leaf that requires grad, such as the leaf f gets for x."""
 
 
-def _copied_constants(dynamic: Leaves, constant_at: tuple[int, ...]) -> tuple[Leaves, list[tuple[int, Any, int]]]:
-    """The dynamic context leaves with a copy of each Constant tensor in its place (f may not
-    reach the caller's memory through it), and (index, copy, its version) for each copy, to
-    see a write by."""
-    fresh = list(dynamic)
+def _watched_constants(
+    dynamic: Leaves, constant_at: tuple[int, ...], copy: bool
+) -> tuple[Leaves, list[tuple[int, Any, int]]]:
+    """The dynamic context leaves for f, and (index, tensor, its version) for each Constant
+    tensor, to see a write by: where ``copy`` (autograd mode, where torch lets f write into
+    them), a copy of each in its place (f cannot reach the caller's memory through it); else
+    (torch.func, which refuses writes into the tensors f closes over) the caller's own."""
+    fresh = list(dynamic) if copy else dynamic
     constants = []
     for i in constant_at:
         if i >= len(fresh):  # (only the leaves this call has)
             break
         value = fresh[i]
         if isinstance(value, torch.Tensor):
-            fresh[i] = copy = value.clone()
-            constants.append((i, copy, copy._version))
+            if copy:
+                fresh[i] = value = value.clone()  # type: ignore[index]
+            elif value.is_inference():  # (torch refuses any write into it outside inference mode)
+                continue
+            constants.append((i, value, value._version))
     return tuple(fresh), constants
 
 
@@ -1558,7 +1575,9 @@ def _after_failure(
     xs: Leaves,
     versions: list[int],
     constants: list[tuple[int, Any, int]],
-    modules: list[tuple[str, Any, int, Any]] | None,
+    modules: list[tuple[int, str, str, str, Any, int, Any]] | None,
+    names: _Names | None,
+    copied: bool = True,
 ) -> MutationError | None:
     """After f or the engine raised ``exc`` inside the guard: the caller's state put back (the
     call's stack entry, grad mode, the graph flag), and the MutationError that names a write f
@@ -1567,28 +1586,38 @@ def _after_failure(
     if torch.is_grad_enabled() is not grad_mode:
         torch.set_grad_enabled(grad_mode)
     _arrays.graph_state.keep = keep
-    problem = _mutation(xs, versions, constants, modules)
+    problem = _mutation(xs, versions, constants, modules, names, copied)
     if problem is not None:
         return MutationError(problem)
     if isinstance(exc, RuntimeError) and _LEAF_WRITE in str(exc):
         # torch refused a write into the leaf f got for x (refused before writing)
-        return MutationError(f"f wrote in place into its input x; torch refused it. {_FIX}")
+        where = "x" if names is None else names.of_x(0, len(xs)) if len(xs) == 1 else "x"
+        return MutationError(f"f wrote in place into its input {where}; torch refused it. {_FIX}")
     return None
 
 
-def _module_states(static: Any, cache_static: tuple[bool, ...]) -> list[tuple[str, Any, int, Any]] | None:
-    """For each Constant ``torch.nn.Module``: its buffers and parameters, their version
-    counters, and copies of those torch would let f write (buffers, parameters without grad)."""
-    states: list[tuple[str, Any, int, Any]] = []
-    for value, cache in zip(static.leaves, cache_static, strict=False):
+def _module_states(
+    static: Any, cache_static: tuple[bool, ...]
+) -> list[tuple[int, str, str, str, Any, int, Any]] | None:
+    """For each Constant ``torch.nn.Module`` (by its index among the static leaves): each
+    parameter and buffer as (index, what, its module's prefix, name, tensor, version, copy). The copy, kept only of
+    the buffers of submodules in training mode, puts back what torch's batch norm writes into
+    its running statistics without a version bump; nothing else is copied (a frozen backbone
+    costs its counters, not its size). The qualified name is joined only where an error names it."""
+    states: list[tuple[int, str, str, str, Any, int, Any]] = []
+    for index, (value, cache) in enumerate(zip(static.leaves, cache_static, strict=False)):
         if cache or not isinstance(value, torch.nn.Module):
             continue
         _refuse_fully_sharded(value)
-        for name, tensor in value.named_buffers():
-            states.append((f"buffer {name!r}", tensor, tensor._version, tensor.detach().clone()))
-        for name, tensor in value.named_parameters():
-            copy = None if tensor.requires_grad else tensor.detach().clone()
-            states.append((f"parameter {name!r}", tensor, tensor._version, copy))
+        for prefix, module in value.named_modules():
+            training = module.training
+            for name, tensor in module._parameters.items():
+                if tensor is not None and not tensor.is_inference():  # (torch refuses writes into those)
+                    states.append((index, "parameter", prefix, name, tensor, tensor._version, None))
+            for name, tensor in module._buffers.items():
+                if tensor is not None and not tensor.is_inference():
+                    copy = tensor.detach().clone() if training else None
+                    states.append((index, "buffer", prefix, name, tensor, tensor._version, copy))
     return states or None
 
 
@@ -1614,31 +1643,46 @@ def _mutation(
     xs: Leaves,
     versions: list[int],
     constants: list[tuple[int, Any, int]],
-    modules: list[tuple[str, Any, int, Any]] | None,
+    modules: list[tuple[int, str, str, str, Any, int, Any]] | None,
+    names: _Names | None,
+    copied: bool = True,
 ) -> str | None:
-    """What f wrote into, restored where a copy was kept; None if it wrote nothing."""
+    """What f wrote into, named by its path, restored where a copy was kept; None if it wrote
+    nothing. ``copied``: the Constant tensors f got were copies (autograd mode)."""
     for i, (x, version) in enumerate(zip(xs, versions, strict=True)):
         if x._version != version:
-            where = f"leaf {i} of x" if len(xs) > 1 else "x"
-            return f"f wrote in place into its input ({where}); the caller's x and tangent are unchanged. {_FIX}"
+            where = names.of_x(i, len(xs)) if names is not None else (f"leaf {i} of x" if len(xs) > 1 else "x")
+            return f"f wrote in place into its input {where}; the caller's x and tangent are unchanged. {_FIX}"
     for i, tensor, version in constants:
         if tensor._version != version:
-            return (
-                f"f wrote in place into a tensor of a di.Constant (array context leaf {i}); the caller's "
-                f"tensor is unchanged. A Constant is read-only: {_FIX}"
+            where = names.of_dynamic(i) if names is not None else f"array context leaf {i}"
+            state = (
+                "the caller's tensor is unchanged (f wrote into a copy)"
+                if copied
+                else "torch.func lets no such write through, yet the caller's tensor now holds what f wrote"
             )
+            return f"f wrote in place into {where}, a tensor of a di.Constant; {state}. A Constant is read-only: {_FIX}"
     if modules:
-        # buffers by value too: torch's batch norm kernels update running statistics in place
-        # without a version bump
-        changed = [name for name, tensor, version, copy in modules if _written(tensor, version, copy)]
-        for _, tensor, version, copy in modules:
-            if copy is not None and _written(tensor, version, copy):
-                with torch.no_grad():
-                    tensor.copy_(copy)
-        for name in changed[:1]:
+        changed = None
+        for index, what, prefix, name, tensor, version, copy in modules:
+            if tensor._version != version or (copy is not None and not torch.equal(tensor, copy)):
+                if changed is None:
+                    changed = (index, what, f"{prefix}.{name}" if prefix else name, copy is not None)
+                if copy is not None:
+                    with torch.no_grad():
+                        tensor.copy_(copy)
+        if changed is not None:
+            index, what, name, restored = changed
+            where = names.of_static(index) if names is not None else "a di.Constant"
+            state = "it has been put back" if restored else "the caller's module now holds what f wrote"
+            if what == "parameter":
+                return (
+                    f"f wrote in place into the parameter {name!r} of the torch.nn.Module {where}, a di.Constant; "
+                    f"{state}. A Constant is read-only: {_FIX}"
+                )
             return (
-                f"f updated the {name} of a torch.nn.Module passed as a di.Constant (a BatchNorm in "
-                "train mode updates its running statistics); it has been put back. Call the module "
+                f"f updated the buffer {name!r} of the torch.nn.Module {where}, a di.Constant (a BatchNorm in "
+                f"train mode updates its running statistics); {state}. Call the module "
                 "through torch.func.functional_call(model, {**params, **{k: b.clone() for k, b in "
                 "model.named_buffers()}}, args) and return the new buffers as an aux with "
                 "di.value_and_gradient(..., has_aux=True), or put the module in eval mode."
