@@ -29,6 +29,7 @@ import optree
 import torch
 import torch.autograd.forward_ad as forward_ad
 from torch import func
+from torch.overrides import TorchFunctionMode
 
 from .. import _arrays
 from .. import tree as _tree
@@ -220,7 +221,7 @@ class Adapter(_base.Adapter):
             ) from exc
         if self.functional and isinstance(exc, RuntimeError) and "mutate a captured Tensor" in text:
             # torch.func's refusal, raised before the write: nothing of the caller's changed
-            raise MutationError(
+            raise _CapturedWrite(
                 "f writes in place into a tensor it closes over (an array of a di.Constant or di.Cache, "
                 "or a global), which torch.func refuses inside its transforms; nothing was written. "
                 "A Constant must only be read: compute out of place (y = c * 2, not c.mul_(2)). For an "
@@ -997,6 +998,8 @@ def _guard(program: Callable[..., Any], functional: bool, create_graph: bool) ->
             refusal = _after_failure(
                 exc, stack, grad_mode, keep, xs, versions, constants, modules, names, copy_constants
             )
+            if refusal is None and type(exc) is _CapturedWrite:
+                refusal = _named_capture(lambda: program(xs, ts, dynamic, static), constants, modules, names)
             if refusal is not None:
                 raise refusal from exc
             raise
@@ -1162,6 +1165,10 @@ class _Gradient:
             refusal = _after_failure(
                 exc, stack, True, False, inputs, versions, constants, None, self.names, not self.functional
             )
+            if refusal is None and type(exc) is _CapturedWrite:
+                refusal = _named_capture(
+                    lambda: self.engine(inputs, xs, ts, f, context_values), constants, None, self.names
+                )
             if refusal is not None:
                 raise refusal from exc
             raise
@@ -1687,4 +1694,91 @@ def _mutation(
                 "model.named_buffers()}}, args) and return the new buffers as an aux with "
                 "di.value_and_gradient(..., has_aux=True), or put the module in eval mode."
             )
+    return None
+
+
+class _CapturedWrite(MutationError):
+    """torch.func's refusal of a write by f into a tensor it closes over, before the write."""
+
+
+_IN_PLACE_OPERATORS = frozenset(
+    f"__i{name}__"
+    for name in (
+        "add",
+        "sub",
+        "mul",
+        "truediv",
+        "floordiv",
+        "mod",
+        "pow",
+        "matmul",
+        "and",
+        "or",
+        "xor",
+        "lshift",
+        "rshift",
+    )
+) | {"__setitem__"}
+
+
+class _Found(Exception):
+    """The leaf f was about to write into (:class:`_WriteFinder`)."""
+
+
+class _WriteFinder(TorchFunctionMode):
+    """Raises :class:`_Found`, before the write, at f's first in-place operation (a method
+    ``x.add_``, an in-place operator, an ``out=``) into one of the ``watched`` tensors (by
+    identity: what each is, as an error names it)."""
+
+    def __init__(self, watched: dict[int, str]) -> None:
+        super().__init__()
+        self.watched = watched
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        targets = list(_tree.leaves(kwargs.get("out")))
+        if args and ((name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_OPERATORS):
+            targets.append(args[0])
+        for target in targets:
+            where = self.watched.get(id(target))
+            if where is not None:
+                raise _Found(where)
+        return func(*args, **kwargs)
+
+
+def _named_capture(
+    rerun: Callable[[], Any],
+    constants: list[tuple[int, Any, int]],
+    modules: list[tuple[int, str, str, str, Any, int, Any]] | None,
+    names: _Names,
+) -> MutationError | None:
+    """Where torch.func refused a write by f into a tensor it closes over (before the write, so
+    nothing was written), the MutationError that names the leaf: f is run once more, as the call
+    ran it, and stopped at its first in-place operation into a Constant's tensor or a Constant
+    module's parameter or buffer. None where it does not reach one (a global; or f takes
+    another path on its second run): torch.func's own refusal stands."""
+    watched = {id(tensor): f"{names.of_dynamic(i)}, a tensor of a di.Constant" for i, tensor, _ in constants}
+    for index, what, prefix, name, tensor, _, _ in modules or ():
+        qualified = f"{prefix}.{name}" if prefix else name
+        watched[id(tensor)] = f"the {what} {qualified!r} of the torch.nn.Module {names.of_static(index)}, a di.Constant"
+    if not watched:
+        return None
+    grad_mode = torch.is_grad_enabled()
+    stack = _CALLS.keep
+    depth = len(stack)
+    try:
+        with _WriteFinder(watched):
+            rerun()
+    except _Found as found:
+        return MutationError(
+            f"f wrote in place into {found}; torch.func refused it before the write, so nothing was written. "
+            f"A Constant is read-only: {_FIX} For a BatchNorm in train mode, put the module in eval mode or "
+            "pass its buffers as x's companions through torch.func.functional_call and has_aux=True."
+        )
+    except Exception:  # (f failed another way on its second run: torch.func's refusal stands)
+        return None
+    finally:
+        del stack[depth:]
+        torch.set_grad_enabled(grad_mode)
     return None
