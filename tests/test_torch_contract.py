@@ -278,3 +278,60 @@ def test_the_route_of_a_module_constant_copies_nothing(case: str, monkeypatch: p
     monkeypatch.undo()
     assert cloned  # (the count means something: x's copies are made)
     assert not watched & set(cloned)
+
+
+class _HalfBackward(torch.autograd.Function):
+    """x**2 whose backward pass reads a number out of its cotangent (torch.func cannot vmap it)."""
+
+    @staticmethod
+    def forward(v: Any) -> Any:
+        return v**2
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx: Any, g: Any) -> Any:
+        (v,) = ctx.saved_tensors
+        return 2 * v * g * float(g.abs().max().item() >= 0.0)
+
+
+def test_the_autograd_jacobian_is_jacrevs_and_falls_back_where_f_does_not_allow_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # expected: autograd mode's Jacobian equals torch.func.jacrev's through its one vmapped
+    # program (jacrev called); an f that calls .item() on a tensor (a number cut from the graph),
+    # and one whose backward pass cannot be vmapped (the rows one by one), get the right
+    # Jacobian, detached, x unchanged
+    import diffiface._adapters.torch as adapter
+
+    a = torch.randn(6, 4, dtype=torch.float64)
+    x = torch.randn(4, dtype=torch.float64)
+    before = x.clone()
+
+    def f(v: Any) -> Any:
+        return torch.tanh(a @ v) * v.sum()
+
+    transforms: list[str] = []
+    jacrev = torch.func.jacrev
+    monkeypatch.setattr(adapter.func, "jacrev", lambda *a, **k: transforms.append("jacrev") or jacrev(*a, **k))
+    got = di.jacobian(f, "torch", x)
+    assert transforms
+    monkeypatch.undo()
+    torch.testing.assert_close(got, torch.func.jacrev(f)(x))
+
+    def with_item(v: Any) -> Any:
+        return torch.sin(v) * float((v * 0).sum().item() + 2.0)
+
+    def unbatchable(v: Any) -> Any:
+        return _HalfBackward.apply(v) + v
+
+    with pytest.raises(RuntimeError):  # (the case means something: torch.func cannot vmap its backward)
+        torch.func.jacrev(unbatchable)(x)
+    for g, expected in ((with_item, torch.diag(2 * torch.cos(x))), (unbatchable, torch.diag(2 * x + 1))):
+        for backend in ("torch", di.AutoTorch()):
+            jac = di.jacobian(g, backend, x)
+            torch.testing.assert_close(jac, expected)
+            assert not jac.requires_grad
+    assert torch.equal(x, before)
