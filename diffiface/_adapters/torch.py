@@ -48,7 +48,7 @@ from ._base import Blocks, Fn, Leaves, raised_inside
 # that torch.jit.script is deprecated: torch's own business, which must not reach f's caller (an
 # error under -W error). diffiface's first forward-mode call makes one throwaway dual first, with
 # that one warning silenced; f never runs inside the silence. The throwaway dual is multiplied
-# by a plain tensor: torch's first such product imports its Python meta kernels (about a second),
+# by a plain tensor: torch's first such product imports its Python meta kernels (slow, once),
 # which would otherwise fall inside the first call that a jvp's choice of way times.
 _FORWARD_WARMED = [False]
 
@@ -239,13 +239,7 @@ class Adapter(_base.Adapter):
         if fused is None or not fused.dynamic or self.create_graph:
             return guarded
         fuse = _FUSED.get((fused.compute, self.functional))
-        if fuse is None:  # (torch.func's jvp and hvp: the guard's steps)
-            return guarded
-        # a Jacobian on real x runs under the complex wrapper, which is this adapter itself
-        # once f's outputs are found real (see _Jacobian)
-        if fused.adapter is not self and (
-            fuse is not _Jacobian or getattr(fused.adapter, "real_inner", None) is not self
-        ):
+        if fuse is None or fused.adapter is not self:  # (no fused call kept: the guard's steps)
             return guarded
         return fuse(guarded, fused, program, functional=self.functional)
 
@@ -839,8 +833,8 @@ def _detached(tree: Any, keep: bool) -> Any:
 
 
 # torch's public make_dual and unpack_dual pass through three Python frames each (torch.export's
-# pre-dispatch hook, the dtype checks, the default level), 3-5 us a call against about one for
-# the operations under them: once for each leaf of x and each output leaf of every jvp. Where no
+# pre-dispatch hook, the dtype checks, the default level), several times the cost of the
+# operations under them: once for each leaf of x and each output leaf of every jvp. Where no
 # torch-function mode is active (the hook's mode is one), diffiface calls those operations with
 # the level it opened; the plan has made x's leaves and the tangents floating or complex.
 _make_dual = torch._make_dual
@@ -1102,15 +1096,16 @@ class _Gradient:
     ``settle``), the gradient, and the version counters read, a write refused with a
     MutationError. Any other call is ``guarded``'s, before anything has run.
 
-    The gradient is ``torch.autograd.grad`` on the copies made leaves of a fresh graph, or in
-    torch.func mode (``functional``) ``torch.func.grad_and_value`` of :meth:`value`, built once
-    here, where the program's steps build the transform and three closures around f on every
-    call.
+    The gradient is ``torch.autograd.grad`` on the copies made leaves of a fresh graph. The
+    other fused calls (:class:`_Pullback`, :class:`_Pushforward`, :class:`_Hvp`) share these
+    steps and put their own engine in place of the gradient's.
 
-    Each Python frame between two calls of torch's kernels costs about a microsecond (their
-    caches are cold), and the steps it fuses took fourteen of them."""
+    A fused call is kept only where ``taskset -c 1 python benchmarks/torch_fused.py`` (a pinned,
+    interleaved benchmark against the guard's steps on the same prepared call) shows it more
+    than 5% quicker: autograd mode's gradient, both modes' vjp, autograd mode's jvp and hvp.
+    torch.func's gradient and Jacobian, which it did not show so, take the guard's steps."""
 
-    __slots__ = ("checked", "constant_at", "functional", "fused", "guarded", "names", "plain", "transform")
+    __slots__ = ("checked", "constant_at", "functional", "fused", "guarded", "names", "plain")
 
     def __init__(self, guarded: Callable[..., Any], fused: Any, program: Any, functional: bool = False) -> None:
         self.guarded = guarded
@@ -1122,28 +1117,6 @@ class _Gradient:
         # x's leaves (and the tangents) must be plain tensors (a DTensor's results are laid out
         # again), and f gets plain copies of them; else leaves of a fresh graph (autograd's reverse mode)
         self.plain = functional or fused.compute == "value_and_pushforward"
-        self.transform = func.grad_and_value(self.value) if functional else None
-
-    def value(self, x: Any, bound: _Bound) -> Any:
-        """torch.func mode: f's value at the transform's x (one tensor, or the tuple of x's
-        leaves), checked."""
-        fused = self.fused
-        f, context_values = bound.f, bound.context_values
-        try:
-            value = f(x if fused.single else fused.rebuild(x), *context_values)
-        except Exception as exc:
-            _explained(exc, fused.adapter)
-            raise
-        if (
-            type(value) is torch.Tensor
-            and value.requires_grad
-            and (torch.Tensor, value.dtype) in self.checked
-            and value.shape == ()
-            and torch.is_grad_enabled()
-        ):
-            return value
-        xs = (x,) if fused.single else x
-        return fused.settle(value, f, context_values, xs, xs[0])
 
     def __call__(self, xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
         if (
@@ -1213,12 +1186,6 @@ class _Gradient:
         """The engine's part of the call on the copies ``inputs`` of x's leaves ``xs``: the
         program's results, ``(gradient,)`` or ``(value, gradient)``."""
         fused = self.fused
-        if self.functional:
-            bound = _Bound()  # (its fields set here: no __init__ frame)
-            bound.f, bound.context_values = f, context_values
-            grads, value = self.transform(inputs[0] if fused.single else inputs, bound)  # type: ignore[misc]
-            grads = _materialised((grads,) if fused.single else grads)
-            return (value, grads) if fused.value else (grads,)
         try:
             value = f(inputs[0] if fused.single else fused.rebuild(inputs), *context_values)
         except Exception as exc:
@@ -1244,10 +1211,10 @@ class _Pullback(_Gradient):
     checked by the program's own ``close`` (its output recorded), the cotangent checked against
     that record (``cotangent``), and the backward pass with the cotangent: one
     ``torch.autograd.grad``, or in torch.func mode the pullback of ``torch.func.vjp`` of the
-    closed f on the tuple of x's leaves. The guard, the program and the adapter's pullback took
-    about fifteen Python frames and, in torch.func mode, four closures made on every call. It
-    serves the call :class:`_Gradient` serves; any other is ``guarded``'s, before anything has
-    run."""
+    closed f on the tuple of x's leaves, where the guard, the program and the adapter's pullback
+    take their Python frames and, in torch.func mode, closures made on every call. It serves the
+    call :class:`_Gradient` serves; any other is ``guarded``'s, before anything has run. Kept by
+    ``benchmarks/torch_fused.py`` (see :class:`_Gradient`)."""
 
     __slots__ = ()
 
@@ -1290,11 +1257,11 @@ class _Pushforward(_Gradient):
       write into one changes the derivative itself, and is refused);
     - reverse over reverse (:meth:`by_pullbacks`), as ``torch.autograd.functional.jvp``
       computes it: torch's forward mode builds, for each operation between a dual tensor and a
-      plain one, a zero tangent whose shape a Python meta kernel computes (tens of microseconds
-      each), so that on a small function two backward passes cost less.
+      plain one, a zero tangent whose shape a Python meta kernel computes, so that on a small
+      function two backward passes may cost less.
 
     Every leaf of x and of the tangent must be a plain tensor; any other call is ``guarded``'s,
-    before anything has run."""
+    before anything has run. Kept by ``benchmarks/torch_fused.py`` (see :class:`_Gradient`)."""
 
     __slots__ = ("reverse",)
 
@@ -1465,8 +1432,9 @@ class _Hvp(_Gradient):
     """:class:`_Gradient`'s one call for an hvp in autograd mode: the same guard's steps
     around f closed and checked by the program's own ``close`` on the copies of x's leaves,
     its gradient with its graph, and that gradient's pullback along copies of the tangents
-    (double backward), where the guard, the program and the adapter's method took about
-    fourteen Python frames. It serves the call :class:`_Gradient` serves."""
+    (double backward), where the guard, the program and the adapter's method take their Python
+    frames. It serves the call :class:`_Gradient` serves. Kept by ``benchmarks/torch_fused.py``
+    (see :class:`_Gradient`)."""
 
     __slots__ = ()
 
@@ -1481,56 +1449,12 @@ class _Hvp(_Gradient):
         return (hvps,)
 
 
-class _Jacobian(_Gradient):
-    """:class:`_Gradient`'s one call for a Jacobian in torch.func mode: the same guard's steps
-    around ``torch.func.jacrev`` of f closed and checked by the program's own ``close``, on one
-    tensor where x is one leaf, one output tensor bare (less pytree work for torch.func), and
-    f's value carried out as the transform's aux only where the call returns it. The adapter's
-    own steps carried it always, and the guard's and the program's took about fifteen Python
-    frames more. An x with an empty leaf takes the adapter's own steps inside the same guard.
-
-    A Jacobian on real x runs under the complex wrapper (f may return complex values, whose
-    Jacobian the wrapper assembles from real parts): until the wrapper has found f's outputs
-    real, every call is ``guarded``'s, and from then on the wrapper is the adapter itself (a
-    complex output is refused by the output checks). It serves the call :class:`_Gradient`
-    serves; any other is ``guarded``'s, before anything has run."""
-
-    __slots__ = ()
-
-    def __call__(self, xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
-        if not getattr(self.fused.adapter, "real_outputs", True):  # (f's outputs not yet found real)
-            return self.guarded(xs, ts, dynamic, static)
-        return super().__call__(xs, ts, dynamic, static)
-
-    def engine(self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves) -> Any:
-        fused = self.fused
-        closed = fused.close(f, context_values, xs[0])
-        if 0 in map(torch.Tensor.numel, inputs):  # (torch.func cannot: the adapter's own steps)
-            out, _, blocks = fused.adapter.value_and_jacobian(closed, inputs)
-            return (out, blocks) if fused.value else (blocks,)
-        single = fused.single
-        x = inputs[0] if single else inputs
-        if fused.value:
-            jac, out = func.jacrev(functools.partial(_output_and_leaves, closed, single), has_aux=True)(x)  # type: ignore[misc]
-        else:
-            jac = func.jacrev(functools.partial(_output, closed, single))(x)  # type: ignore[misc]
-        # blocks[i][j]: output leaf i by x's leaf j. One output leaf comes out bare: one tensor
-        # for one leaf of x, a tuple over x's leaves for several
-        if single:
-            blocks = tuple((block,) for block in jac) if type(jac) is tuple else ((jac,),)
-        else:
-            blocks = jac if type(jac[0]) is tuple else (jac,)
-        return (out, blocks) if fused.value else (blocks,)
-
-
 _FUSED = {
     ("value_and_gradient", False): _Gradient,
-    ("value_and_gradient", True): _Gradient,
     ("value_and_pullback", False): _Pullback,
     ("value_and_pullback", True): _Pullback,
     ("value_and_pushforward", False): _Pushforward,
     ("gradient_and_hvp", False): _Hvp,
-    ("value_and_jacobian", True): _Jacobian,
 }
 """Each computation's one call, by (computation, torch.func mode); any other, the guard's steps."""
 
@@ -1543,29 +1467,12 @@ def _output(closed: Fn, single: bool, x: Any) -> Any:
     return out[0] if len(out) == 1 else out
 
 
-def _output_and_leaves(closed: Fn, single: bool, x: Any) -> tuple[Any, Any]:
-    """:func:`_output`, and the tuple of the output leaves as torch.func's aux (f's value)."""
-    out = closed((x,) if single else x)[0]
-    return (out[0] if len(out) == 1 else out), out
-
-
 def _explained(exc: Exception, adapter: Adapter) -> None:
     """Where f failed in a way the adapter explains (numpy code on torch tensors), a
     FrameworkMismatchError that says so, raised from ``exc``; else nothing (``exc`` is f's own)."""
     hint = adapter.explain_failure(exc)
     if hint is not None:
         raise FrameworkMismatchError(f"f failed under the {adapter.backend.name} backend: {hint}") from exc
-
-
-class _Bound:
-    """f and its context values, passed through torch.func's transform as one object: not a
-    tensor, so the transform does not wrap the contexts' tensors (they stay captured, and
-    torch.func refuses a write into them, as it does into anything f closes over)."""
-
-    __slots__ = ("context_values", "f")
-
-    f: Callable[..., Any]
-    context_values: tuple[Any, ...]
 
 
 _PLAIN = {torch.Tensor}
