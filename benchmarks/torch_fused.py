@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import interleaved
 
 import diffiface as di
-import diffiface._adapters.torch as adapter
+import diffiface._adapters.torch._fused as adapter
 from diffiface._prep import prep_cache
 
 

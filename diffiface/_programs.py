@@ -131,7 +131,7 @@ _FUSABLE = (
 
 class Fused:
     """The parts of a program that an adapter may run in one call of its own, without the
-    program's frames (torch: :class:`~diffiface._adapters.torch._Gradient` and the classes
+    program's frames (torch: :class:`~diffiface._adapters.torch._fused._Gradient` and the classes
     beside it):
 
     - ``function``: f's reference; ``ref``, its weak reference;

@@ -19,7 +19,7 @@ import diffiface as di
 
 torch = pytest.importorskip("torch")
 
-import diffiface._adapters.torch as adapter  # noqa: E402
+import diffiface._adapters.torch._fused as adapter  # noqa: E402
 from diffiface._prep import prep_cache  # noqa: E402
 
 AUTO = di.AutoTorch(jvp="auto")
