@@ -87,8 +87,10 @@ class AutoTorch(Backend):
         mode pays a per-operation cost; ``"auto"`` times the two on a prep's first call and
         keeps the quicker (the prep remembers it, nothing else does): that first call runs f
         several times (five where forward mode is quick). Forward mode is kept where the two
-        products differ (f computes part of its output under ``torch.no_grad()``) or where f
-        cannot be differentiated twice. ``mode="func"`` computes a jvp by ``torch.func.jvp``.
+        products differ (f computes part of its output under ``torch.no_grad()``), where f
+        cannot be differentiated twice, and on calls "auto" does not time (a module passed as a
+        Constant, an aux, an x that carries an outer graph). Complex jvps are forward mode's.
+        ``mode="func"`` computes a jvp by ``torch.func.jvp``.
     """
 
     name: ClassVar[str] = "torch"

@@ -147,7 +147,7 @@ FORWARD = ["_Gradient.__call__", "_watched_constants", "_Pushforward.engine", "_
 FORWARD += ["_open_dual_level", "_made_duals", "Adapter.untracked", "_dual_parts", "Adapter.output_leaf", "_unpacked"]
 FORWARD += ["_close_dual_level"]
 REVERSE = ["_Gradient.__call__", "_watched_constants", "_Pushforward.engine", "_Pushforward.by_pullbacks"]
-REVERSE += ["Adapter.untracked", "Adapter.output_leaf"]
+REVERSE += ["Adapter.untracked", "Adapter.output_leaf", "_pushed_by_pullbacks"]
 SECOND = ["_Gradient.__call__", "_watched_constants", "_Hvp.engine", "Adapter.untracked", "Adapter.output_leaf"]
 SECOND += ["_if_graph", "_grad", "_backward", "_grad"]
 

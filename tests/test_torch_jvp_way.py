@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -350,3 +351,42 @@ def test_duals_under_a_torch_function_mode_take_torchs_public_functions(
             torch.testing.assert_close(value, f(x, c))
             assert ("make_dual" in entered and "unpack_dual" in entered) == mode, entered
     assert set(ways()) == {False}
+
+
+@pytest.mark.parametrize("way", ["forward", "reverse"])
+def test_the_way_is_forced_on_the_guards_steps_too(way: str) -> None:
+    # expected: a jvp the fused call does not serve (a module as a Constant) computes by the way
+    # jvp= forces: reverse over reverse (_pushed_by_pullbacks, no dual made) or forward mode
+    # (duals, no pullbacks); the product torch.func.jvp's; an f torch cannot differentiate
+    # twice falls back to forward mode with the right product
+    import sys
+
+    import diffiface._adapters.torch as package
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 3).double()
+    x, t = torch.randn(3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+
+    def f(v: Any, m: Any) -> Any:
+        return torch.tanh(m(v)) * v
+
+    entered: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(str(Path(package.__file__).parent)):
+            entered.append(frame.f_code.co_name)
+
+    backend = di.AutoTorch(jvp=way)
+    di.jvp(f, backend, x, t, di.Constant(layer))
+    sys.setprofile(profile)
+    try:
+        got = di.jvp(f, backend, x, t, di.Constant(layer))
+    finally:
+        sys.setprofile(None)
+    torch.testing.assert_close(got, reference(f, x, t, layer))
+    assert ("_pushed_by_pullbacks" in entered) == (way == "reverse")
+    assert ("_made_duals" in entered) == (way == "forward")
+    c = torch.randn(3, dtype=torch.float64)
+    torch.testing.assert_close(
+        di.jvp(lambda v, m: once_differentiable(v, c), backend, x, t, di.Constant(layer)), 3 * x**2 * t * c
+    )

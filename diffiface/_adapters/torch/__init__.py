@@ -53,7 +53,9 @@ from ._engine import (
     _if_graph,
     _leaves,
     _materialised,
+    _NoSecondPass,
     _on_one,
+    _pushed_by_pullbacks,
     _requiring_grad,
     _stacked,
     _tensor_aux,
@@ -87,6 +89,8 @@ class Adapter(_base.Adapter):
         super().__init__(backend, info)
         self.functional = backend.mode == "func"
         self.create_graph: bool = getattr(backend, "create_graph", False)
+        # a jvp by reverse over reverse, forced (jvp="auto" times the two in the fused call only)
+        self.reverse_jvp = getattr(backend, "jvp", "forward") == "reverse"
 
     def to_native(self, leaf: Any) -> Any:
         kind = _arrays.kind(leaf)
@@ -246,6 +250,18 @@ class Adapter(_base.Adapter):
         keep = _keeping()
         if keep and any(x.requires_grad and _wrapped(x) for x in xs):
             raise _autograd_in_func()
+        if self.reverse_jvp and not keep and _reverse_jvp_fits(xs, txs):
+            versions = [x._version for x in xs]
+            with torch.enable_grad():
+                leaves = _requiring_grad(xs)  # (sharing the guard's copies' version counters)
+                out, aux = fn(leaves)
+                if type(out) is tuple:  # (the closed function's output leaves)
+                    try:
+                        primal, tangent = _pushed_by_pullbacks(out, leaves, txs, leaves, versions)
+                    except _NoSecondPass:  # (f cannot be differentiated twice: forward mode, f once more)
+                        pass
+                    else:
+                        return primal, _detached(aux, False), tangent
         level = _open_dual_level()
         try:
             # x itself where it carries an outer graph (reverse over forward), else detached
@@ -445,3 +461,9 @@ class Adapter(_base.Adapter):
                 derivs.append(_detached(_stacked(firsts, y), keep))
                 seconds.append(_stacked(lasts, y))
         return _detached(out, keep), _detached(aux, keep), tuple(derivs), tuple(seconds)
+
+
+def _reverse_jvp_fits(xs: Leaves, txs: Leaves) -> bool:
+    """Whether reverse over reverse computes this jvp: x's leaves and the tangents plain real
+    tensors (a complex jvp, and a DTensor's, are forward mode's)."""
+    return all(type(v) is torch.Tensor and not v.is_complex() for v in (*xs, *txs))

@@ -15,7 +15,7 @@ from .._base import Fn, Leaves
 from ._dtensor import _placed
 from ._duals import _DUALS
 from ._explain import _autograd_in_func
-from ._guard import _wrapped
+from ._guard import _clone, _version, _wrapped
 
 
 def _tensor_aux(fn: Fn) -> tuple[Fn, Callable[[Any], Any]]:
@@ -207,3 +207,58 @@ def _detached(tree: Any, keep: bool) -> Any:
         else:
             return tuple(map(torch.Tensor.detach, tree))
     return _tree.map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, tree)
+
+
+class _NoSecondPass(Exception):
+    """torch cannot differentiate a pullback of f (an operation without a double backward)."""
+
+
+def _pushed_by_pullbacks(
+    out: Leaves, leaves: Leaves, ts: Leaves, inputs: Leaves, versions: list[int]
+) -> tuple[Leaves, Leaves]:
+    """A jvp's primals and products by reverse over reverse, as ``torch.autograd.functional.jvp``
+    computes it: ``out``, f's output leaves on ``leaves`` (leaves of a fresh graph), pulled back
+    along zero cotangents that require grad (linear in them, with its graph), and that
+    pullback's own along copies of the tangents ``ts`` (a product the graphs pass through
+    unchanged would be the caller's tangent itself). An output leaf the graph does not reach has
+    a zero product, as in forward mode. Where torch cannot differentiate the pullback,
+    :class:`_NoSecondPass`: it raises, a pullback comes out without a graph (a backward pass of
+    a piecewise constant operation, whose zero forward mode computes as well), or the
+    pullbacks' graph does not reach a cotangent (a ``once_differentiable`` backward pass; or an
+    output traced through a Constant that requires grad, not through x): a zero product there
+    could be wrong. A failure after f wrote into ``inputs`` (their ``versions`` moved) is raised
+    as it is: the guard refuses the write."""
+    tracked, zeros = [], []
+    for y in out:  # (loops, not comprehensions: no frame of their own on every call)
+        if isinstance(y, torch.Tensor) and y.requires_grad:
+            tracked.append(y)
+            zeros.append(torch.zeros_like(y, requires_grad=True))
+    products: Leaves = ()
+    if tracked:
+        try:
+            pulled = torch.autograd.grad(tracked, leaves, zeros, create_graph=True, allow_unused=True)
+            linear, along = [], []
+            for g, t in zip(pulled, ts, strict=True):
+                if g is not None:
+                    # (a pullback without a graph: a zero product from it could be wrong)
+                    if not g.requires_grad:
+                        raise _NoSecondPass
+                    linear.append(g)
+                    along.append(_clone(t))
+            if linear:  # (every zero cotangent reached, or torch raises: a pullback's graph is cut)
+                products = torch.autograd.grad(linear, zeros, along)
+        except RuntimeError as exc:
+            if list(map(_version, inputs)) != versions:  # f wrote into x: the guard says so
+                raise
+            raise _NoSecondPass from exc
+    found = iter(products)
+    primals, outs = [], []
+    for y in out:  # (a loop: on every call)
+        if isinstance(y, torch.Tensor):
+            product = next(found, None) if y.requires_grad else None
+            primals.append(y.detach())
+            outs.append(torch.zeros_like(y) if product is None else product)
+        else:
+            primals.append(y)
+            outs.append(y)
+    return tuple(primals), tuple(outs)

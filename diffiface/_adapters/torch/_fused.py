@@ -27,7 +27,7 @@ from ._duals import (
     _unpacked,
     _warm_forward,
 )
-from ._engine import _backward, _detached, _grad, _if_graph, _whole
+from ._engine import _backward, _detached, _grad, _if_graph, _NoSecondPass, _pushed_by_pullbacks, _whole
 from ._explain import _FIX, _CapturedWrite, _explained
 from ._guard import (
     _CALLS,
@@ -267,49 +267,13 @@ class _Pushforward(_Gradient):
         them, with its graph), and that pullback's own along copies of the tangents (a product
         the graphs pass through unchanged would be the caller's tangent itself). An output leaf
         the graph does not reach has a zero product, as in forward mode. Where torch cannot
-        differentiate the pullback, :class:`_NoSecondPass`: it raises, a pullback comes out
-        without a graph (a backward pass of a piecewise constant operation, whose zero forward
-        mode computes as well), or the pullbacks' graph does not reach a cotangent (a
-        ``once_differentiable`` backward pass; or an output traced through a Constant that
-        requires grad, not through x): a zero product there could be wrong."""
+        differentiate the pullback, :class:`_NoSecondPass` (:func:`_pushed_by_pullbacks`)."""
         fused = self.fused
         versions = list(map(_version, inputs))
         leaves = tuple(map(_requiring, inputs))  # (copies: leaves, made to require grad in place)
         out, _ = fused.close(f, context_values, xs[0])(leaves)
-        tracked, zeros = [], []
-        for y in out:  # (loops, not comprehensions: no frame of their own on every call)
-            if isinstance(y, torch.Tensor) and y.requires_grad:
-                tracked.append(y)
-                zeros.append(torch.zeros_like(y, requires_grad=True))
-        products: Leaves = ()
-        if tracked:
-            try:
-                pulled = torch.autograd.grad(tracked, leaves, zeros, create_graph=True, allow_unused=True)
-                linear, along = [], []
-                for g, t in zip(pulled, ts, strict=True):
-                    if g is not None:
-                        # (a pullback without a graph: a zero product from it could be wrong)
-                        if not g.requires_grad:
-                            raise _NoSecondPass
-                        linear.append(g)
-                        along.append(_clone(t))
-                if linear:  # (every zero cotangent reached, or torch raises: a pullback's graph is cut)
-                    products = torch.autograd.grad(linear, zeros, along)
-            except RuntimeError as exc:
-                if list(map(_version, inputs)) != versions:  # f wrote into x: the guard says so
-                    raise
-                raise _NoSecondPass from exc
-        found = iter(products)
-        primals, outs = [], []
-        for y in out:  # (a loop: on every call)
-            if isinstance(y, torch.Tensor):
-                product = next(found, None) if y.requires_grad else None
-                primals.append(y.detach())
-                outs.append(torch.zeros_like(y) if product is None else product)
-            else:
-                primals.append(y)
-                outs.append(y)
-        return (tuple(primals), tuple(outs)) if fused.value else (tuple(outs),)
+        primals, outs = _pushed_by_pullbacks(out, leaves, ts, inputs, versions)
+        return (primals, outs) if fused.value else (outs,)
 
     def choose(self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves) -> Any:
         """The first call's product, and the way of every later call's: forward mode, unless
@@ -366,10 +330,6 @@ def _timed(call: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     start = time.perf_counter()
     result = call(*args)
     return result, time.perf_counter() - start
-
-
-class _NoSecondPass(Exception):
-    """torch cannot differentiate a pullback of f (an operation without a double backward)."""
 
 
 def _agree(one: Leaves, other: Leaves) -> bool:
