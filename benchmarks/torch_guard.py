@@ -1,6 +1,7 @@
 """diffiface's prepared torch gradient against ``torch.autograd.grad`` on what torch users pass:
 a trainable head on a frozen backbone passed as ``di.Constant``, a 4 MB batch, the parameters of
-``named_parameters()``. One process, one thread, interleaved rounds; run it pinned::
+``named_parameters()``; and the autograd-mode Jacobian at n = 1000 against ``torch.func.jacrev``.
+One process, one thread, interleaved rounds; run it pinned::
 
     taskset -c 1 python benchmarks/torch_guard.py
 
@@ -103,6 +104,24 @@ def main() -> None:
         print(
             f"{name:40s} native {times['native'] * 1e6:9.0f} us  diffiface/native {times['diffiface'] / times['native']:.3f}"
         )
+    n = 1000
+    x = torch.randn(n, dtype=torch.float64)
+    a = torch.randn(n, n, dtype=torch.float64) / 30
+
+    def vector(v: Any) -> Any:
+        return torch.tanh(a @ v) * v
+
+    prep = di.prepare_jacobian(vector, "torch", x)
+    jacrev = torch.func.jacrev(vector)
+    times = interleaved(
+        {"native": lambda: jacrev(x), "diffiface": lambda: di.jacobian(vector, "torch", x, prep=prep)},
+        rounds=5,
+        repeat=3,
+    )
+    name = "jacobian n=1000 vs torch.func.jacrev"
+    print(
+        f"{name:40s} native {times['native'] * 1e6:9.0f} us  diffiface/native {times['diffiface'] / times['native']:.3f}"
+    )
 
 
 if __name__ == "__main__":
