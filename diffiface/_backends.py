@@ -70,16 +70,56 @@ class AutoTorch(Backend):
         ``"autograd"`` uses ``torch.autograd.grad`` (and ``torch.autograd.forward_ad`` for
         forward mode); ``"func"`` uses ``torch.func`` transforms. The two take different code
         paths, so each can check the other.
+    create_graph:
+        Autograd mode only. As ``torch.autograd.grad(..., create_graph=True)``: where x's leaves
+        require grad (an ``nn.Parameter``, a tensor computed from one), the results carry the
+        graph back to them, so that a loss built on a derivative (a gradient penalty) can be
+        differentiated again. By default the results are detached (``requires_grad`` False, no
+        ``grad_fn``), as ``torch.autograd.grad``'s are. A diffiface call inside a function that
+        diffiface differentiates keeps its graph either way (the outer call needs it).
+        ``mode="func"`` follows ``torch.func``: its results carry the graph of inputs that
+        require grad.
+    jvp:
+        How autograd mode computes a jvp (``jvp``, ``value_and_jvp``, ``derivative``):
+        ``"forward"`` (the default) by forward mode (``torch.autograd.forward_ad``), f run once
+        per call; ``"reverse"`` by two backward passes (the way of
+        ``torch.autograd.functional.jvp``), quicker on small functions where torch's forward
+        mode pays a per-operation cost; ``"auto"`` times the two on a prep's first call and
+        keeps the quicker (the prep remembers it, nothing else does): that first call runs f
+        several times (five where forward mode is quick). Forward mode is kept where the two
+        products differ (f computes part of its output under ``torch.no_grad()``), where f
+        cannot be differentiated twice, and on calls "auto" does not time (a module passed as a
+        Constant, an aux, an x that carries an outer graph). Complex jvps are forward mode's.
+        ``mode="func"`` computes a jvp by ``torch.func.jvp``.
     """
 
     name: ClassVar[str] = "torch"
     mode: Literal["autograd", "func"] = "autograd"
+    create_graph: bool = False
+    jvp: Literal["forward", "reverse", "auto"] = "forward"
 
     def __post_init__(self) -> None:
         if self.mode not in ("autograd", "func"):
             raise InvalidBackendOptionError(
                 f"AutoTorch(mode={self.mode!r}) is not a torch mode; use mode='autograd' "
                 "(torch.autograd.grad) or mode='func' (torch.func transforms)."
+            )
+        _check_bool(self, "create_graph", self.create_graph)
+        if self.create_graph and self.mode == "func":
+            raise InvalidBackendOptionError(
+                "AutoTorch(mode='func', create_graph=True): torch.func's results already carry the graph "
+                "of inputs that require grad; create_graph is an option of mode='autograd'."
+            )
+        if self.jvp not in ("forward", "reverse", "auto"):
+            raise InvalidBackendOptionError(
+                f"AutoTorch(jvp={self.jvp!r}) is not a way to compute a jvp; use jvp='forward' (forward "
+                "mode, the default), 'reverse' (two backward passes) or 'auto' (the quicker of the two, "
+                "timed on a prep's first call)."
+            )
+        if self.jvp != "forward" and self.mode == "func":
+            raise InvalidBackendOptionError(
+                f"AutoTorch(mode='func', jvp={self.jvp!r}): torch.func computes a jvp by torch.func.jvp; "
+                "the jvp option is one of mode='autograd'."
             )
 
 

@@ -89,6 +89,11 @@ def _program(
     cache = [kind is Cache for kind, _, leaves in sig.contexts for _ in leaves]
     program.cache_dynamic = tuple(c for c, m in zip(cache, plan.mask, strict=True) if m)  # type: ignore[attr-defined]
     program.cache_static = tuple(c for c, m in zip(cache, plan.mask, strict=True) if not m)  # type: ignore[attr-defined]
+    # the leaves' paths, for an error that names one (torch: the leaf f wrote into)
+    program.x_names = tuple(f"x{_tree.path_string(p)}" for p in sig.x_spec.paths())  # type: ignore[attr-defined]
+    names = [f"contexts[{i}]{_tree.path_string(p)}" for i, spec in enumerate(context_specs) for p in spec.paths()]
+    program.names_dynamic = tuple(n for n, m in zip(names, plan.mask, strict=True) if m)  # type: ignore[attr-defined]
+    program.names_static = tuple(n for n, m in zip(names, plan.mask, strict=True) if not m)  # type: ignore[attr-defined]
     # what an engine that records its graph as f runs may run in one call (torch,
     # :func:`~diffiface._adapters.torch.Adapter.compile`): a gradient, a vjp, a jvp, an hvp or a
     # Jacobian of x's own leaves (f closed and checked by ``close``; a vjp's cotangent by ``cotangent``)
@@ -126,7 +131,7 @@ _FUSABLE = (
 
 class Fused:
     """The parts of a program that an adapter may run in one call of its own, without the
-    program's frames (torch: :class:`~diffiface._adapters.torch._Gradient` and the classes
+    program's frames (torch: :class:`~diffiface._adapters.torch._fused._Gradient` and the classes
     beside it):
 
     - ``function``: f's reference; ``ref``, its weak reference;

@@ -13,7 +13,7 @@ import diffiface as di
 
 torch = pytest.importorskip("torch")
 
-ADAPTER_FILE = "diffiface/_adapters/torch.py"
+ADAPTER_FILE = "diffiface/_adapters/torch/"
 
 
 def loss(w: Any, data: Any) -> Any:
@@ -25,7 +25,7 @@ def adapter_frames(call: Any) -> list[str]:
     entered: list[str] = []
 
     def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code.co_filename.replace("\\", "/").endswith(ADAPTER_FILE):
+        if event == "call" and ADAPTER_FILE in frame.f_code.co_filename.replace("\\", "/"):
             entered.append(frame.f_code.co_qualname)
 
     sys.setprofile(profile)
@@ -37,9 +37,10 @@ def adapter_frames(call: Any) -> list[str]:
 
 
 FUSED = {
-    "autograd": ["_Gradient.__call__", "_copied_constants", "_Gradient.engine", "_whole"],
+    "autograd": ["_Gradient.__call__", "_watched_constants", "_Gradient.engine", "_whole"],
     # (torch.func's transform, built once for the prep, runs f through one method)
-    "func": ["_Gradient.__call__", "_copied_constants", "_Gradient.engine", "_Gradient.value", "_materialised"],
+    # (torch.func's gradient: no fused call, the guard's steps; benchmarks/torch_fused.py)
+    "func": ["_guard.<locals>.guarded", "_watched_constants", "Adapter.value_and_gradient"],
 }
 
 
@@ -49,7 +50,7 @@ FUSED = {
 @pytest.mark.parametrize("mode", ["autograd", "func"])
 def test_common_gradient_enters_the_adapter_once(shape: str, operator: str, prepared: bool, mode: str) -> None:
     # expected: one call of the fused guard, program and backward pass (_Gradient; in torch.func mode
-    # its method f runs in), the Constant's copy (_copied_constants) and the
+    # its method f runs in), the Constant's copy (_watched_constants) and the
     # gradients made whole (_whole; _materialised), by name or by object; no other helper,
     # listcomp or genexpr; the result is the general steps' one
     w, data = torch.randn(5), torch.randn(7, 5)
@@ -72,14 +73,21 @@ def test_common_gradient_enters_the_adapter_once(shape: str, operator: str, prep
         if mode == "func" and backend == "torch":
             continue  # (the name means autograd mode)
         call()
-        assert adapter_frames(call) == FUSED[mode]
-        # the general steps: the guard's, with x requiring grad (a nested call's shape)
-        with torch.enable_grad():
-            general = op(f, backend, optree_map(lambda t: t.clone().requires_grad_(True), x), ctx)
-        nested = adapter_frames(
-            lambda: op(f, backend, optree_map(lambda t: t.clone().requires_grad_(True), x), ctx)  # noqa: B023
-        )
-        assert nested[0] == FUSED[mode][0] and nested[1].endswith("guarded")  # (handed on before anything ran)
+        frames = adapter_frames(call)
+        assert (frames if mode == "autograd" else frames[:3]) == FUSED[mode]
+        # x of leaves that require grad (nn.Parameters): in autograd mode the same route, its
+        # results detached as torch.autograd.grad's; under torch.func, torch.func's semantics
+        # (the graph kept), which the guard's steps serve, handed on before anything ran
+        requiring = optree_map(lambda t: t.clone().requires_grad_(True), x)
+        routed = adapter_frames(lambda: op(f, backend, requiring, ctx))  # noqa: B023
+        if mode == "autograd":
+            assert routed == FUSED[mode]
+        else:  # (the graph kept: x's leaves read by _keeps)
+            assert routed[0] == FUSED[mode][0] and "_keeps" in routed and FUSED[mode][2] in routed
+        # the general steps: the guard's (a graph asked for: no fused call)
+        general_backend = di.AutoTorch(create_graph=True) if mode == "autograd" else backend
+        general = op(f, general_backend, requiring, ctx)
+        assert any(n.endswith("guarded") for n in adapter_frames(lambda: op(f, general_backend, requiring, ctx))[:2])  # noqa: B023
         for got, want in zip(_leaves(call()), _leaves(general), strict=True):
             assert not got.requires_grad
             torch.testing.assert_close(got, want.detach())
@@ -109,7 +117,13 @@ def test_common_vjp_enters_the_adapter_once(operator: str, prepared: bool, backe
         return op(f, backend, x, t, ctx, prep=prep)
 
     call()
-    frames = ["_Gradient.__call__", "_copied_constants", "_Pullback.engine", "Adapter.untracked", "Adapter.output_leaf"]
+    frames = [
+        "_Gradient.__call__",
+        "_watched_constants",
+        "_Pullback.engine",
+        "Adapter.untracked",
+        "Adapter.output_leaf",
+    ]
     if getattr(backend, "mode", "autograd") == "func":
         frames.insert(3, "_output")
     else:
@@ -129,12 +143,12 @@ def test_common_vjp_enters_the_adapter_once(operator: str, prepared: bool, backe
         op(f, backend, x, {"y": torch.randn(6)}, ctx)
 
 
-FORWARD = ["_Gradient.__call__", "_copied_constants", "_Pushforward.engine", "_Pushforward.forward"]
+FORWARD = ["_Gradient.__call__", "_watched_constants", "_Pushforward.engine", "_Pushforward.forward"]
 FORWARD += ["_open_dual_level", "_made_duals", "Adapter.untracked", "_dual_parts", "Adapter.output_leaf", "_unpacked"]
 FORWARD += ["_close_dual_level"]
-REVERSE = ["_Gradient.__call__", "_copied_constants", "_Pushforward.engine", "_Pushforward.by_pullbacks"]
-REVERSE += ["Adapter.untracked", "Adapter.output_leaf"]
-SECOND = ["_Gradient.__call__", "_copied_constants", "_Hvp.engine", "Adapter.untracked", "Adapter.output_leaf"]
+REVERSE = ["_Gradient.__call__", "_watched_constants", "_Pushforward.engine", "_Pushforward.by_pullbacks"]
+REVERSE += ["Adapter.untracked", "Adapter.output_leaf", "_pushed_by_pullbacks"]
+SECOND = ["_Gradient.__call__", "_watched_constants", "_Hvp.engine", "Adapter.untracked", "Adapter.output_leaf"]
 SECOND += ["_if_graph", "_grad", "_backward", "_grad"]
 
 
@@ -150,7 +164,7 @@ def test_common_jvp_and_hvp_enter_the_adapter_once(
     # program's own); the results are the general steps' ones (x requiring grad: the guard's),
     # also under the caller's no_grad (the guard's steps, its mode kept); a tangent of
     # another shape is refused; the caller's tangent is not aliased by the result
-    import diffiface._adapters.torch as adapter
+    import diffiface._adapters.torch._fused as adapter
     from diffiface._prep import prep_cache
 
     way = operator.partition(" by ")[2]
@@ -161,8 +175,9 @@ def test_common_jvp_and_hvp_enter_the_adapter_once(
         return call(*args), forward_took if call.__name__ == "forward" else 1e-4
 
     monkeypatch.setattr(adapter, "_timed", timed)
-    monkeypatch.setattr(adapter, "_WAYS", {})
     prep_cache.clear()
+    if way == "reverse over reverse":  # (chosen by AutoTorch(jvp="auto") on the timing fixed above)
+        backend = di.AutoTorch(jvp="auto")
     x, batch = {"l": {"w": torch.randn(5), "b": torch.randn(7)}}, (torch.randn(7, 5), torch.randn(7))
 
     def f(p: Any, d: Any) -> Any:
@@ -320,11 +335,11 @@ def _switches_grad_off(w: Any, data: Any, scratch: Any) -> Any:
     return y
 
 
-def test_the_fused_func_gradient_refuses_writes_into_its_contexts_and_keeps_grad_mode() -> None:
+def test_the_func_gradient_refuses_writes_into_its_contexts_and_keeps_grad_mode() -> None:
     # expected: under torch.func a write into a Cache or a Constant is refused (torch.func refuses
-    # writes into what f closes over; the fused call passes the contexts so that they stay
-    # closed over), the caller's tensors unchanged; a constant f gets zeros; the caller's grad
-    # mode survives an f that turns it off; a float output is refused
+    # writes into what f closes over; the guard passes the contexts so that they stay closed
+    # over), the caller's tensors unchanged; a constant f gets zeros; the caller's grad mode
+    # survives an f that turns it off; a float output is refused
     backend = di.AutoTorch(mode="func")
     w, data, scratch = torch.randn(5), torch.randn(7, 5), torch.zeros(7)
     contexts = (di.Constant(data), di.Cache(scratch))
@@ -333,7 +348,7 @@ def test_the_fused_func_gradient_refuses_writes_into_its_contexts_and_keeps_grad
         return ((data @ w) ** 2).sum()
 
     prep = di.prepare_gradient(reads, backend, w, *contexts)
-    assert adapter_frames(lambda: di.gradient(reads, backend, w, *contexts, prep=prep))[0] == "_Gradient.__call__"
+    assert adapter_frames(lambda: di.gradient(reads, backend, w, *contexts, prep=prep))[0] == "_guard.<locals>.guarded"
     torch.testing.assert_close(di.gradient(reads, backend, w, *contexts, prep=prep), 2 * data.T @ (data @ w))
 
     before, scratch_before = data.clone(), scratch.clone()
@@ -373,19 +388,18 @@ def test_the_fused_gradient_copies_the_constants_and_lets_f_write_its_caches(bac
     torch.testing.assert_close(got, data.sum(0))
 
 
-JACOBIAN = ["_Jacobian.__call__", "_Gradient.__call__", "_copied_constants", "_Jacobian.engine"]
+JACOBIAN = ["_guard.<locals>.guarded", "_watched_constants", "Adapter.value_and_jacobian"]
 
 
 @pytest.mark.parametrize("shape", ["one tensor, one output", "nested dict, two outputs", "empty leaf"])
 @pytest.mark.parametrize("operator", ["jacobian", "value_and_jacobian"])
 @pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
-def test_common_func_jacobian_enters_the_adapter_once(shape: str, operator: str, prepared: bool) -> None:
-    # expected: torch.func's Jacobian on real x, once f's outputs are found real (the first
-    # call, the guard's steps), is one call of the fused guard and engine (_Jacobian), the
-    # Constant's copy, the output's checks and torch.func.jacrev of the closed f (_output, or
-    # _output_and_leaves for the value); an x with an empty leaf takes the adapter's own steps
-    # inside the same guard; the results are autograd mode's (float64), x and the batch
-    # unchanged; a complex output after real ones is refused
+def test_common_func_jacobian_takes_the_guards_steps(shape: str, operator: str, prepared: bool) -> None:
+    # expected: torch.func's Jacobian (no fused call: benchmarks/torch_fused.py showed none
+    # quicker) is the guard's steps, the Constant watched, and the adapter's torch.func.jacrev
+    # (_jacobian_by_transform); an x with an empty leaf takes the rows inside the same guard;
+    # the results are autograd mode's (float64), x and the batch unchanged; a complex output
+    # after real ones is refused
     backend = di.AutoTorch(mode="func")
     gen = torch.Generator().manual_seed(3)
     data = torch.randn(4, 3, generator=gen, dtype=torch.float64)
@@ -419,14 +433,8 @@ def test_common_func_jacobian_enters_the_adapter_once(shape: str, operator: str,
 
     call()  # (f's outputs found real)
     frames = adapter_frames(call)
-    helper = "_output_and_leaves" if operator == "value_and_jacobian" else "_output"
-    assert frames[:4] == JACOBIAN
-    if shape == "empty leaf":
-        assert helper not in frames and "Adapter.value_and_jacobian" in frames
-    else:
-        assert (
-            helper in frames and "Adapter.value_and_jacobian" not in frames and not any("guarded" in n for n in frames)
-        )
+    assert frames[:3] == JACOBIAN
+    assert ("Adapter._jacobian_by_transform" in frames) == (shape != "empty leaf")
     want = op(f, di.AutoTorch(), x, ctx)
     for got, expected in zip(_leaves(call()), _leaves(want), strict=True):
         assert not got.requires_grad and got.dtype == expected.dtype

@@ -1,14 +1,16 @@
-"""torch's jvp in autograd mode, computed by forward mode or by reverse over reverse: a prep's
-first call chooses (``_Pushforward.choose``), by timing the two where forward mode is quick, and
-keeps forward mode wherever the two products differ. Every test fixes the timing (never measured
-here), so that the way chosen is the test's; each asserts the way, the product against
-``torch.func.jvp``'s, and that the caller's tensors are unchanged."""
+"""torch's jvp in autograd mode, computed by forward mode (the default, ``AutoTorch(jvp="forward")``)
+or by reverse over reverse (``jvp="reverse"``); with ``jvp="auto"`` a prep's first call chooses
+(``_Pushforward.choose``), by timing the two where forward mode is quick, and keeps forward mode
+wherever the two products differ. Every test fixes the timing (never measured here), so that the
+way chosen is the test's; each asserts the way, the product against ``torch.func.jvp``'s, and that
+the caller's tensors are unchanged."""
 
 from __future__ import annotations
 
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,10 +20,14 @@ import diffiface as di
 
 torch = pytest.importorskip("torch")
 
-import diffiface._adapters.torch as adapter  # noqa: E402
+import diffiface._adapters.torch._fused as adapter  # noqa: E402
 from diffiface._prep import prep_cache  # noqa: E402
 
-BACKENDS = ["torch", di.AutoTorch()]
+AUTO = di.AutoTorch(jvp="auto")
+
+
+def forced(reverse: bool) -> Any:
+    return di.AutoTorch(jvp="reverse" if reverse else "forward")
 
 
 def timing(reverse_faster: bool) -> Callable[..., tuple[Any, float]]:
@@ -35,18 +41,32 @@ def timing(reverse_faster: bool) -> Callable[..., tuple[Any, float]]:
     return timed
 
 
+_WAYS: dict[Any, bool] = {}
+"""The way of each fused jvp call of a test, by its prep's call object (latest way kept)."""
+
+
 @pytest.fixture(autouse=True)
 def fresh_ways(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """No way remembered from another test; torch's modes as they were."""
-    monkeypatch.setattr(adapter, "_WAYS", {})
+    """The ways of this test's calls recorded; no prep of another test; torch's modes as they were."""
+    _WAYS.clear()
     prep_cache.clear()  # (a prep of another test has chosen its way)
+    engine = adapter._Pushforward.engine
+
+    def recorded(self: Any, *args: Any) -> Any:
+        result = engine(self, *args)
+        _WAYS[self] = bool(self.reverse)
+        return result
+
+    monkeypatch.setattr(adapter._Pushforward, "engine", recorded)
     grad = torch.is_grad_enabled()
     yield
     assert torch.is_grad_enabled() == grad
+    _WAYS.clear()
 
 
 def ways() -> list[bool]:
-    return list(adapter._WAYS.values())
+    """The way each prep of the test computes its jvp by now (True: reverse over reverse)."""
+    return list(_WAYS.values())
 
 
 def reference(f: Callable[..., Any], x: Any, t: Any, *contexts: Any) -> Any:
@@ -68,16 +88,17 @@ def scalar(v: Any, c: Any) -> Any:
 
 
 @pytest.mark.parametrize("reverse_faster", [True, False], ids=["reverse", "forward"])
-@pytest.mark.parametrize("backend", BACKENDS, ids=["by name", "by object"])
+@pytest.mark.parametrize("how", ["auto", "forced"])
 @pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
 @pytest.mark.parametrize("f", [elementwise, layer], ids=["elementwise", "layer"])
 def test_either_way_gives_forward_modes_product(
-    f: Any, prepared: bool, backend: Any, reverse_faster: bool, monkeypatch: pytest.MonkeyPatch
+    f: Any, prepared: bool, how: str, reverse_faster: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # expected: the way the timing says (remembered once), the product of torch.func.jvp on
-    # every call (float64 and float32), value_and_jvp's value f(x), x, the tangent and the
-    # Constant unchanged, and a result that is not the caller's tangent
+    # expected: the way the timing says (jvp="auto") or the option forces, the product of
+    # torch.func.jvp on every call (float64 and float32), value_and_jvp's value f(x), x, the
+    # tangent and the Constant unchanged, and a result that is not the caller's tangent
     monkeypatch.setattr(adapter, "_timed", timing(reverse_faster))
+    backend = AUTO if how == "auto" else forced(reverse_faster)
     for dtype in (torch.float64, torch.float32):
         gen = torch.Generator().manual_seed(0)
         shape = (6,) if f is elementwise else (5, 3)
@@ -108,12 +129,12 @@ def test_either_way_on_many_output_leaves_and_a_scalar_x(reverse_faster: bool, m
     def tree(v: Any, k: Any) -> Any:
         return {"y": torch.sin(v) * k, "n": torch.sin(v[:3].float()), "z": k.double() * 2}
 
-    got = di.jvp(tree, "torch", x, t, di.Constant(c))
+    got = di.jvp(tree, AUTO, x, t, di.Constant(c))
     torch.testing.assert_close(got["y"], torch.cos(x) * c * t)
     torch.testing.assert_close(got["n"], (torch.cos(x[:3]) * t[:3]).float())
     assert torch.equal(got["z"], torch.zeros(4, dtype=torch.float64))
     s = torch.tensor(0.7, dtype=torch.float64)
-    torch.testing.assert_close(di.derivative(scalar, "torch", s, di.Constant(1.5)), 1.5 * torch.cos(1.5 * s) + 3 * s**2)
+    torch.testing.assert_close(di.derivative(scalar, AUTO, s, di.Constant(1.5)), 1.5 * torch.cos(1.5 * s) + 3 * s**2)
     assert set(ways()) == {reverse_faster}
 
 
@@ -133,10 +154,10 @@ def test_a_part_under_no_grad_keeps_forward_mode(monkeypatch: pytest.MonkeyPatch
     (pulled,) = torch.autograd.grad(under_no_grad(v, c), v, u, create_graph=True)
     (reverse,) = torch.autograd.grad(pulled, u, t)
     assert not torch.allclose(reverse, reference(under_no_grad, x, t, c))
-    prep = di.prepare_jvp(under_no_grad, "torch", x, t, di.Constant(c))
+    prep = di.prepare_jvp(under_no_grad, AUTO, x, t, di.Constant(c))
     for _ in range(2):
         torch.testing.assert_close(
-            di.jvp(under_no_grad, "torch", x, t, di.Constant(c), prep=prep), reference(under_no_grad, x, t, c)
+            di.jvp(under_no_grad, AUTO, x, t, di.Constant(c), prep=prep), reference(under_no_grad, x, t, c)
         )
     assert ways() == [False]
 
@@ -170,24 +191,19 @@ def once_differentiable(v: Any, c: Any) -> Any:
 
 
 def test_an_operation_without_a_double_backward(monkeypatch: pytest.MonkeyPatch) -> None:
-    # expected: the choice's reverse trial fails, so forward mode; and where reverse over
-    # reverse is the way remembered for the code (a new function of it, on an unprepared call),
-    # the call falls back to forward mode, remembers that, and gives the right product; x and
-    # the tangent unchanged
+    # expected: the choice's reverse trial fails, so forward mode (jvp="auto"); where reverse
+    # over reverse is forced (jvp="reverse"), the call falls back to forward mode, keeps it for
+    # the prep, and gives the right product; x and the tangent unchanged
     monkeypatch.setattr(adapter, "_timed", timing(True))
     x, t, c = (torch.randn(4, dtype=torch.float64) for _ in range(3))
     copies = [x.clone(), t.clone()]
     expected = 3 * x**2 * t * c
-
-    def new_function() -> Any:
-        return lambda v, k: once_differentiable(v, k)
-
-    torch.testing.assert_close(di.jvp(new_function(), "torch", x, t, di.Constant(c)), expected)
+    torch.testing.assert_close(di.jvp(once_differentiable, AUTO, x, t, di.Constant(c)), expected)
     assert ways() == [False]
-    for key in adapter._WAYS:
-        adapter._WAYS[key] = True
+    _WAYS.clear()
+    prep = di.prepare_jvp(once_differentiable, forced(True), x, t, di.Constant(c))
     for _ in range(2):
-        torch.testing.assert_close(di.jvp(new_function(), "torch", x, t, di.Constant(c)), expected)
+        torch.testing.assert_close(di.jvp(once_differentiable, forced(True), x, t, di.Constant(c), prep=prep), expected)
         assert ways() == [False]
     assert torch.equal(x, copies[0]) and torch.equal(t, copies[1])
 
@@ -200,50 +216,72 @@ def writes_into_x(v: Any, c: Any) -> Any:
 
 @pytest.mark.parametrize("reverse_faster", [True, False], ids=["reverse", "forward"])
 def test_a_write_into_x_is_refused_either_way(reverse_faster: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    # expected: a MutationError on every call, also where reverse over reverse is the way
-    # remembered for the code, and x, the tangent and the Constant bit for bit as they were
+    # expected: a MutationError on every call, also where reverse over reverse is forced, and
+    # x, the tangent and the Constant bit for bit as they were
     monkeypatch.setattr(adapter, "_timed", timing(reverse_faster))
     x, t, c = (torch.randn(3, dtype=torch.float64) for _ in range(3))
     copies = [v.clone() for v in (x, t, c)]
-    monkeypatch.setattr(adapter, "_way_of", lambda f, inputs, contexts: "key")
-    adapter._WAYS["key"] = reverse_faster
-    prep = di.prepare_jvp(writes_into_x, "torch", x, t, di.Constant(c))
-    for _ in range(2):
-        with pytest.raises(di.MutationError):
-            di.jvp(writes_into_x, "torch", x, t, di.Constant(c), prep=prep)
+    for backend in (forced(reverse_faster), AUTO):
+        prep = di.prepare_jvp(writes_into_x, backend, x, t, di.Constant(c))
+        for _ in range(2):
+            with pytest.raises(di.MutationError, match=r"its input x;"):
+                di.jvp(writes_into_x, backend, x, t, di.Constant(c), prep=prep)
         assert all(torch.equal(v, w) for v, w in zip((x, t, c), copies, strict=True))
 
 
-def test_the_way_is_remembered_for_the_code_and_not_timed_where_forward_mode_is_slow(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # expected: the first call of a lambda evaluates f five times (forward mode, then each way
-    # twice), a new lambda of the same code on the next unprepared call once; another shape
-    # chooses again; a forward mode over the limit, a complex x, are kept after one evaluation
+@pytest.mark.parametrize("backend", ["torch", di.AutoTorch(), forced(True)], ids=["by name", "default", "reverse"])
+def test_f_runs_once_per_call_unless_the_way_is_timed(backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # expected: by default (forward mode) and with a forced way, f runs once on every call, the
+    # first included, prepared or not; the product right
+    monkeypatch.setattr(adapter, "_timed", timing(True))
+    calls = []
+    x, t, c = (torch.randn(3, dtype=torch.float64) for _ in range(3))
+
+    def f(v: Any, k: Any) -> Any:
+        calls.append(1)
+        return torch.tanh(v * k)
+
+    expected = reference(f, x, t, c)
+    prep = di.prepare_jvp(f, backend, x, t, di.Constant(c))
+    for p in (prep, prep, None, None):
+        calls.clear()
+        got = di.jvp(f, backend, x, t, di.Constant(c), prep=p)
+        torch.testing.assert_close(got, expected)
+        assert len(calls) == 1
+
+
+def test_auto_times_on_a_preps_first_call_and_remembers_in_the_prep_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    # expected: with jvp="auto", the first call of each prep evaluates f five times (forward mode,
+    # then each way twice) and later calls of it once; a new lambda of the same code on the next
+    # unprepared call chooses again (no way kept outside a prep); a forward mode over the limit,
+    # a complex x, are kept after one evaluation
     monkeypatch.setattr(adapter, "_timed", timing(True))
     calls = []
     c = torch.randn(3, dtype=torch.float64)
+    x, t = torch.randn(3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
 
-    def jvp_of_a_new_lambda(x: Any, t: Any) -> Any:
-        return di.jvp(lambda v, k: calls.append(1) or torch.tanh(v * k), "torch", x, t, di.Constant(k_of(x)))
+    def new_lambda() -> Any:
+        return lambda v, k: calls.append(1) or torch.tanh(v * k)
 
-    def k_of(x: Any) -> Any:
-        return c if x.shape == (3,) else torch.randn(x.shape, dtype=x.dtype)
-
-    for shape, counts in (((3,), [5, 1, 1]), ((2,), [5, 1])):
-        for expected in counts:
-            calls.clear()
-            x, t = torch.randn(shape, dtype=torch.float64), torch.randn(shape, dtype=torch.float64)
-            jvp_of_a_new_lambda(x, t)
-            assert len(calls) == expected
-    assert ways() == [True, True]
+    f = new_lambda()
+    prep = di.prepare_jvp(f, AUTO, x, t, di.Constant(c))
+    calls.clear()
+    for expected in (5, 1, 1):
+        calls.clear()
+        di.jvp(f, AUTO, x, t, di.Constant(c), prep=prep)
+        assert len(calls) == expected
+    for _ in range(2):
+        calls.clear()
+        di.jvp(new_lambda(), AUTO, x, t, di.Constant(c))
+        assert len(calls) == 5
+    assert set(ways()) == {True}
     monkeypatch.setattr(adapter, "_CHOICE_LIMIT", 0.0)
     for x in (torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.complex128)):
         calls.clear()
-        got = di.jvp(lambda v: calls.append(1) or torch.sin(v), "torch", x, torch.ones_like(x))
+        got = di.jvp(lambda v: calls.append(1) or torch.sin(v), AUTO, x, torch.ones_like(x))
         torch.testing.assert_close(got, torch.cos(x))
         assert len(calls) == 1
-    assert ways()[:3] == [True, True, False]
+    assert ways()[-1] is False  # (the real x over the limit; a complex x takes the complex wrapper)
 
 
 def test_the_numpy_caller_gets_numpy() -> None:
@@ -264,7 +302,7 @@ def test_a_function_that_draws_keeps_forward_mode_and_the_generators_state(monke
         return v * torch.randn(4, dtype=torch.float64)
 
     torch.manual_seed(3)
-    got = di.jvp(noisy, "torch", x, t)
+    got = di.jvp(noisy, AUTO, x, t)
     after = torch.randn(2)
     torch.manual_seed(3)
     noise = torch.randn(4, dtype=torch.float64)
@@ -273,7 +311,7 @@ def test_a_function_that_draws_keeps_forward_mode_and_the_generators_state(monke
     assert ways() == [False]
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=["by name", "by object"])
+@pytest.mark.parametrize("backend", ["torch", di.AutoTorch()], ids=["by name", "by object"])
 @pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
 def test_duals_under_a_torch_function_mode_take_torchs_public_functions(
     prepared: bool, backend: Any, monkeypatch: pytest.MonkeyPatch
@@ -312,4 +350,43 @@ def test_duals_under_a_torch_function_mode_take_torchs_public_functions(
             torch.testing.assert_close(product, expected)
             torch.testing.assert_close(value, f(x, c))
             assert ("make_dual" in entered and "unpack_dual" in entered) == mode, entered
-    assert ways() == [False, False]
+    assert set(ways()) == {False}
+
+
+@pytest.mark.parametrize("way", ["forward", "reverse"])
+def test_the_way_is_forced_on_the_guards_steps_too(way: str) -> None:
+    # expected: a jvp the fused call does not serve (a module as a Constant) computes by the way
+    # jvp= forces: reverse over reverse (_pushed_by_pullbacks, no dual made) or forward mode
+    # (duals, no pullbacks); the product torch.func.jvp's; an f torch cannot differentiate
+    # twice falls back to forward mode with the right product
+    import sys
+
+    import diffiface._adapters.torch as package
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 3).double()
+    x, t = torch.randn(3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+
+    def f(v: Any, m: Any) -> Any:
+        return torch.tanh(m(v)) * v
+
+    entered: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(str(Path(package.__file__).parent)):
+            entered.append(frame.f_code.co_name)
+
+    backend = di.AutoTorch(jvp=way)
+    di.jvp(f, backend, x, t, di.Constant(layer))
+    sys.setprofile(profile)
+    try:
+        got = di.jvp(f, backend, x, t, di.Constant(layer))
+    finally:
+        sys.setprofile(None)
+    torch.testing.assert_close(got, reference(f, x, t, layer))
+    assert ("_pushed_by_pullbacks" in entered) == (way == "reverse")
+    assert ("_made_duals" in entered) == (way == "forward")
+    c = torch.randn(3, dtype=torch.float64)
+    torch.testing.assert_close(
+        di.jvp(lambda v, m: once_differentiable(v, c), backend, x, t, di.Constant(layer)), 3 * x**2 * t * c
+    )

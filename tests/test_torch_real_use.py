@@ -167,13 +167,21 @@ def test_forward_inside_forward_autograd_refused(watch: _Watch) -> None:
         di.jvp(lambda v: di.jvp(torch.sin, tb("autograd"), v, t), tb("autograd"), x, t)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [*MODES, "autograd, default"])
 def test_requires_grad_input_keeps_graph(mode: str, watch: _Watch) -> None:
-    # x requiring grad under grad mode: the gradient keeps x's graph, as torch.autograd.grad
-    # with create_graph=True; no .grad is written, the flag stays
+    # x requiring grad under grad mode: the gradient keeps x's graph where asked for
+    # (create_graph=True, as torch.autograd.grad's) and under torch.func (its semantics); by
+    # default autograd mode detaches it, as torch.autograd.grad does; no .grad is written, the
+    # flag stays
     x = x64().requires_grad_(True)
     watch(x)
-    grad = di.gradient(g, tb(mode), x)
+    backend = di.AutoTorch(create_graph=True) if mode == "autograd" else tb(mode.partition(",")[0])
+    grad = di.gradient(g, backend, x)
+    if mode == "autograd, default":
+        assert not grad.requires_grad and grad.grad_fn is None
+        torch.testing.assert_close(grad, g_grad(x.detach()))
+        assert x.grad is None and x.requires_grad and x.is_leaf
+        return
     assert grad.requires_grad
     (second,) = torch.autograd.grad(grad.sum(), x)
     torch.testing.assert_close(second, g_hess(x.detach()).sum(0))
@@ -448,10 +456,11 @@ def test_jax_function_on_torch_tensor(mode: str, watch: _Watch) -> None:
 
 def test_no_private_forward_ad_api() -> None:
     import inspect
+    from pathlib import Path
 
     import diffiface._adapters.torch as adapter
 
-    source = inspect.getsource(adapter)
+    source = "".join(p.read_text() for p in Path(inspect.getfile(adapter)).parent.glob("*.py"))
     assert "_maybe_load_decompositions" not in source
 
 

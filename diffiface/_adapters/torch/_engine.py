@@ -1,0 +1,264 @@
+"""The engine's helpers shared by the adapter's methods and the fused calls: fresh leaves of a graph,
+backward passes that give zeros for unused inputs, results detached or not, f as torch.func takes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+
+from ... import tree as _tree
+from .._base import Fn, Leaves
+from ._dtensor import _placed
+from ._duals import _DUALS
+from ._explain import _autograd_in_func
+from ._guard import _clone, _version, _wrapped
+
+
+def _tensor_aux(fn: Fn) -> tuple[Fn, Callable[[Any], Any]]:
+    """``fn`` with an aux of tensors only, as torch.func requires, and the way back: the other
+    aux leaves (None, numbers, strings) wait beside the transform."""
+    kept: list[Any] = []
+
+    def tensor_fn(xs: Leaves) -> tuple[Any, Any]:
+        out, aux = fn(xs)
+        if aux is None:  # the common case: no aux
+            kept.clear()
+            return out, ()
+        leaves, spec = _tree.flatten(aux)
+        mask = [isinstance(leaf, torch.Tensor) for leaf in leaves]
+        kept[:] = [spec, mask, [leaf for leaf, m in zip(leaves, mask, strict=True) if not m]]
+        return out, tuple(leaf for leaf, m in zip(leaves, mask, strict=True) if m)
+
+    def rebuild(tensors: Any) -> Any:
+        if not kept:
+            return None
+        spec, mask, others = kept
+        tensor_iter, other_iter = iter(tensors), iter(others)
+        return optree.tree_unflatten(spec, [next(tensor_iter) if m else next(other_iter) for m in mask])
+
+    return tensor_fn, rebuild
+
+
+def _on_one(fn: Fn) -> Callable[[Any], tuple[Any, Any]]:
+    """``fn`` on one tensor instead of a tuple of one."""
+    return lambda x: fn((x,))
+
+
+def _for_func(fn: Fn, xs: Leaves) -> tuple[Callable[[Any], Any], bool, Callable[[Any], Any]]:
+    """``fn`` as torch.func takes it, whether it has an aux, and the aux's way back.
+
+    On one tensor where ``xs`` holds one (less pytree work for torch.func); without an aux
+    where ``fn`` says it has none (``fn.has_aux``, set by diffiface's closed functions), else
+    with an aux of tensors only, as torch.func requires."""
+    if getattr(fn, "has_aux", True):
+        target, rebuild = _tensor_aux(fn)
+        return (_on_one(target) if len(xs) == 1 else target), True, rebuild
+
+    def value_only(xs_: Leaves) -> Any:
+        return fn(xs_)[0]
+
+    return (_on_one(value_only) if len(xs) == 1 else value_only), False, _no_aux
+
+
+def _no_aux(aux: Any) -> None:
+    return None
+
+
+def _bare_output(g: Callable[[Any], Any], has_aux: bool) -> tuple[Callable[[Any], Any], list[bool]]:
+    """``g`` returning its one output tensor bare, not in a tuple of one (less pytree work for
+    torch.func), and a list that holds True once it has (for the caller to wrap it back)."""
+    bare: list[bool] = []
+
+    def unwrapped(primal: Any) -> Any:
+        result = g(primal)
+        out = result[0] if has_aux else result
+        if type(out) is not tuple or len(out) != 1:
+            return result
+        bare.append(True)
+        return (out[0], result[1]) if has_aux else out[0]
+
+    return unwrapped, bare
+
+
+def _requiring_grad(xs: Leaves) -> Leaves:
+    """Fresh leaves of the graph: the caller's tensors and their flags stay as they are.
+
+    Where x carries an outer graph (a nested call), an alias of x in that graph, so that the
+    outer differentiation sees through this one; where x is a dual tensor of an outer forward
+    mode, an alias that keeps its tangent."""
+    if len(xs) == 1 and not xs[0].requires_grad and not _DUALS[0]:  # the common case
+        x = xs[0]
+        try:
+            return (x.detach().requires_grad_(True),)
+        except RuntimeError as exc:  # a tensor of a torch.func transform (jvp, vmap)
+            raise _autograd_in_func() from exc
+    leaves = []
+    for x in xs:
+        if x.requires_grad and torch.is_grad_enabled():
+            if _wrapped(x):
+                raise _autograd_in_func()
+            leaves.append(x.view_as(x))
+            continue
+        try:
+            leaves.append((x.view_as(x) if _DUALS[0] else x.detach()).requires_grad_(True))
+        except RuntimeError as exc:
+            raise _autograd_in_func() from exc
+    return tuple(leaves)
+
+
+def _if_graph(value: Any) -> list[Any]:
+    """``[value]`` if it depends on the inputs, else ``[]`` (its derivative is zero)."""
+    return [value] if value.requires_grad else []
+
+
+def _backward(outs: Leaves, touts: Leaves, inputs: Leaves, keep: bool = False) -> Leaves:
+    """A vjp's backward pass: the outputs that require grad with their cotangents, gradients
+    for ``inputs`` (zeros where one does not matter), laid out as ``inputs``; ``keep``: the
+    gradients keep their graph (a nested call)."""
+    ys, ts = [], []
+    for y, t in zip(outs, touts, strict=True):  # (a loop, not a comprehension: on every call)
+        if y.requires_grad:
+            ys.append(y)
+            ts.append(t)
+    grads = _grad(ys, inputs, ts, create_graph=keep)
+    for g in grads:
+        if type(g) is not torch.Tensor:
+            return _placed(grads, inputs)
+    return grads
+
+
+def _grad(
+    outputs: list[Any],
+    inputs: Leaves,
+    grad_outputs: list[Any] | None = None,
+    create_graph: bool = False,
+    retain: bool = True,
+) -> Leaves:
+    """``torch.autograd.grad`` that gives zeros, never None, for inputs that do not matter.
+    ``retain=False`` frees the graph: for the last backward pass through it."""
+    if not outputs:
+        return tuple(torch.zeros_like(x) for x in inputs)
+    grads = torch.autograd.grad(
+        outputs,
+        inputs,
+        grad_outputs=grad_outputs,
+        retain_graph=retain or create_graph,
+        create_graph=create_graph,
+        allow_unused=True,
+    )
+    # zeros where an input did not matter (cheaper than materialize_grads=True)
+    for g in grads:  # (a loop, not a generator: this runs on every call)
+        if g is None:
+            return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs, strict=True))
+    return grads  # type: ignore[no-any-return]
+
+
+def _whole(grads: Leaves, inputs: Leaves) -> Leaves:
+    """``torch.autograd.grad``'s gradients (``allow_unused=True``) as diffiface returns them:
+    zeros where an input did not matter, laid out as the inputs (DTensors), ordinary tensors
+    for torch's ZeroTensors."""
+    for found in grads:  # (loops, not comprehensions: this runs on every call)
+        if found is None:
+            grads = tuple(torch.zeros_like(x) if d is None else d for d, x in zip(grads, inputs, strict=True))
+            break
+    for found in grads:
+        if type(found) is not torch.Tensor:  # a DTensor
+            grads = _placed(grads, inputs)
+            break
+    for found in grads:
+        if found._is_zerotensor():
+            return _materialised(grads)
+    return grads
+
+
+def _materialised(grads: Leaves) -> Leaves:
+    """Gradients as ordinary tensors: torch answers an f whose derivative is zero by rule
+    (``sgn``, ``sign``) with a ZeroTensor, which ``.numpy()`` and in-place updates refuse."""
+    for g in grads:  # (a loop first: no generator where there is none, the common case)
+        if g._is_zerotensor():
+            return tuple(
+                torch.zeros(g.shape, dtype=g.dtype, device=g.device) if g._is_zerotensor() else g for g in grads
+            )
+    return grads
+
+
+def _stacked(entries: list[Any], like: Any) -> Any:
+    return torch.stack(entries).reshape(like.shape) if entries else torch.zeros_like(like)
+
+
+def _leaves(out: Any) -> tuple[Any, ...]:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _detached(tree: Any, keep: bool) -> Any:
+    """``tree`` out of the graph, unless the call keeps it (its inputs carried one)."""
+    if tree is None or keep:
+        return tree
+    if isinstance(tree, torch.Tensor):
+        return tree.detach()
+    if type(tree) is tuple:  # the common case: a tuple of output tensors
+        for leaf in tree:
+            if type(leaf) is not torch.Tensor:
+                break
+        else:
+            return tuple(map(torch.Tensor.detach, tree))
+    return _tree.map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, tree)
+
+
+class _NoSecondPass(Exception):
+    """torch cannot differentiate a pullback of f (an operation without a double backward)."""
+
+
+def _pushed_by_pullbacks(
+    out: Leaves, leaves: Leaves, ts: Leaves, inputs: Leaves, versions: list[int]
+) -> tuple[Leaves, Leaves]:
+    """A jvp's primals and products by reverse over reverse, as ``torch.autograd.functional.jvp``
+    computes it: ``out``, f's output leaves on ``leaves`` (leaves of a fresh graph), pulled back
+    along zero cotangents that require grad (linear in them, with its graph), and that
+    pullback's own along copies of the tangents ``ts`` (a product the graphs pass through
+    unchanged would be the caller's tangent itself). An output leaf the graph does not reach has
+    a zero product, as in forward mode. Where torch cannot differentiate the pullback,
+    :class:`_NoSecondPass`: it raises, a pullback comes out without a graph (a backward pass of
+    a piecewise constant operation, whose zero forward mode computes as well), or the
+    pullbacks' graph does not reach a cotangent (a ``once_differentiable`` backward pass; or an
+    output traced through a Constant that requires grad, not through x): a zero product there
+    could be wrong. A failure after f wrote into ``inputs`` (their ``versions`` moved) is raised
+    as it is: the guard refuses the write."""
+    tracked, zeros = [], []
+    for y in out:  # (loops, not comprehensions: no frame of their own on every call)
+        if isinstance(y, torch.Tensor) and y.requires_grad:
+            tracked.append(y)
+            zeros.append(torch.zeros_like(y, requires_grad=True))
+    products: Leaves = ()
+    if tracked:
+        try:
+            pulled = torch.autograd.grad(tracked, leaves, zeros, create_graph=True, allow_unused=True)
+            linear, along = [], []
+            for g, t in zip(pulled, ts, strict=True):
+                if g is not None:
+                    # (a pullback without a graph: a zero product from it could be wrong)
+                    if not g.requires_grad:
+                        raise _NoSecondPass
+                    linear.append(g)
+                    along.append(_clone(t))
+            if linear:  # (every zero cotangent reached, or torch raises: a pullback's graph is cut)
+                products = torch.autograd.grad(linear, zeros, along)
+        except RuntimeError as exc:
+            if list(map(_version, inputs)) != versions:  # f wrote into x: the guard says so
+                raise
+            raise _NoSecondPass from exc
+    found = iter(products)
+    primals, outs = [], []
+    for y in out:  # (a loop: on every call)
+        if isinstance(y, torch.Tensor):
+            product = next(found, None) if y.requires_grad else None
+            primals.append(y.detach())
+            outs.append(torch.zeros_like(y) if product is None else product)
+        else:
+            primals.append(y)
+            outs.append(y)
+    return tuple(primals), tuple(outs)

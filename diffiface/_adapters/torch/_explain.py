@@ -1,0 +1,149 @@
+"""Failures of f under torch explained to f's author: numpy code on tensors, torch.func's refusals,
+nested modes torch cannot run.
+"""
+
+from __future__ import annotations
+
+import dis
+import re
+from typing import Any
+
+import torch
+
+from ..._errors import (
+    FrameworkMismatchError,
+    MutationError,
+    UnsupportedOperationError,
+)
+from .._base import raised_inside
+
+
+def explain_failure(exc: BaseException, functional: bool) -> str | None:
+    """What ``exc``, raised by f under torch, says about f, worded for its author (None: f's own
+    error); torch.func's refusals it cannot get past are raised here as diffiface errors."""
+    text = str(exc)
+    if "numpy()" in text and "requires grad" in text:
+        return (
+            "f turned a tensor that requires grad into a numpy array (a numpy function or "
+            ".numpy() on its input). Write f with torch operations, or differentiate a numpy f "
+            "with AutoFiniteDifferences()."
+        )
+    if "mixed torch.Tensor and DTensor" in text:
+        return (
+            "f mixes a DTensor (x is sharded) with a plain torch tensor (a di.Constant or a tensor f "
+            "makes). Make every tensor f combines with x a DTensor on x's device mesh, e.g. "
+            "torch.distributed.tensor.distribute_tensor(data, mesh, [Replicate()])."
+        )
+    operator = _numpy_operator_on_tensor(exc)
+    if operator is not None:
+        return (
+            f"f applies {operator} to a numpy array and a torch tensor, which neither numpy nor torch "
+            "computes: a numpy array f holds (a global, a closed-over matrix A in A @ x) meets the tensor "
+            "diffiface gives f for x. Make that array a torch tensor (torch.as_tensor(A)) or pass it to f "
+            "as a di.Constant (its numpy arrays reach f as torch tensors); or differentiate a numpy f with "
+            "AutoFiniteDifferences()."
+        )
+    if isinstance(exc, TypeError) and raised_inside(exc, "jax"):
+        return "f calls jax on torch tensors; differentiate a jax function with AutoJAX()."
+    if functional and isinstance(exc, RuntimeError) and "override the setup_context" in text:
+        # torch.func's refusal of a classic torch.autograd.Function: the engine cannot run f
+        raise UnsupportedOperationError(
+            "f uses a torch.autograd.Function without a setup_context staticmethod, which torch.func "
+            "cannot transform. Use AutoTorch(mode='autograd'), or give the Function setup_context "
+            "(forward without ctx, and setup_context(ctx, inputs, output))."
+        ) from exc
+    if functional and isinstance(exc, RuntimeError) and "mutate a captured Tensor" in text:
+        # torch.func's refusal, raised before the write: nothing of the caller's changed
+        raise _CapturedWrite(
+            "f writes in place into a tensor it closes over (an array of a di.Constant or di.Cache, "
+            "or a global), which torch.func refuses inside its transforms; nothing was written. "
+            "A Constant must only be read: compute out of place (y = c * 2, not c.mul_(2)). For an "
+            "f that writes into scratch space (a di.Cache), use AutoTorch(mode='autograd')."
+        ) from exc
+    return None
+
+
+_OPERAND_TYPES = re.compile(
+    r"(?:unsupported operand type\(s\) for (?P<binary>.+?):|'(?P<compare>.+?)' not supported between instances of)"
+    r" '(?P<a>[\w.]+)' and '(?P<b>[\w.]+)'"
+)
+_NUMPY_CONCATENATION = "Concatenation operation is not implemented for NumPy arrays"
+"""numpy's refusal of ``array + tensor`` (numpy defers to the tensor, which declines)."""
+
+
+def _numpy_operator_on_tensor(exc: BaseException) -> str | None:
+    """The operator (``@``, ``+``, ``<``...) of ``exc`` where the interpreter itself raised it at
+    an operator of f's code, between a numpy array and a torch tensor; else None.
+
+    Told by where it was raised: the innermost frame is executing an operator instruction
+    (not a ``raise`` statement of f, not a library's Python code); only then is the message,
+    the interpreter's own, read for the operand types."""
+    if type(exc) is not TypeError:
+        return None
+    tb = exc.__traceback__
+    if tb is None:
+        return None
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    instruction = next((i for i in dis.get_instructions(tb.tb_frame.f_code) if i.offset == tb.tb_lasti), None)
+    if instruction is None or instruction.opname not in ("BINARY_OP", "COMPARE_OP"):
+        return None
+    text = str(exc)
+    if text.startswith(_NUMPY_CONCATENATION):
+        return "+"
+    found = _OPERAND_TYPES.fullmatch(text)
+    if found is None:
+        return None
+    types = {found["a"], found["b"]}
+    numpy_side = any(name.startswith("numpy.") for name in types)
+    tensor_side = bool(types & _tensor_class_names())
+    if not (numpy_side and tensor_side):
+        return None
+    return found["binary"] or found["compare"]
+
+
+def _tensor_class_names() -> set[str]:
+    names: set[str] = set()
+    todo: list[type] = [torch.Tensor]
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return names
+
+
+def _autograd_in_func() -> UnsupportedOperationError:
+    return UnsupportedOperationError(
+        "AutoTorch(mode='autograd') was called on a tensor of a torch.func transform (an outer "
+        "AutoTorch(mode='func') call, or torch.func.grad/jvp/vmap around it): torch does not support "
+        "torch.autograd.grad or forward_ad inside torch.func transforms. Use AutoTorch(mode='func') for "
+        "the inner call, or AutoTorch(mode='autograd') for the outer one."
+    )
+
+
+def _nested_forward() -> UnsupportedOperationError:
+    return UnsupportedOperationError(
+        "AutoTorch(mode='autograd') computes forward mode (jvp, derivative) with torch.autograd.forward_ad, "
+        "which has one dual level per process: it cannot run inside another forward-mode differentiation. "
+        "Use AutoTorch(mode='func') for the inner or the outer call, or a reverse-mode operator (gradient, "
+        "vjp) inside."
+    )
+
+
+_FIX = "Compute out of place (y = x * 2, not x.mul_(2)); for scratch space f may overwrite, pass a di.Cache."
+
+
+def _explained(exc: Exception, adapter: Any) -> None:
+    """Where f failed in a way the adapter explains (numpy code on torch tensors), a
+    FrameworkMismatchError that says so, raised from ``exc``; else nothing (``exc`` is f's own)."""
+    hint = adapter.explain_failure(exc)
+    if hint is not None:
+        raise FrameworkMismatchError(f"f failed under the {adapter.backend.name} backend: {hint}") from exc
+
+
+_LEAF_WRITE = "a leaf Variable that requires grad is being used in an in-place operation"
+"""torch's refusal of a write into a leaf that requires grad, such as the leaf f gets for x."""
+
+
+class _CapturedWrite(MutationError):
+    """torch.func's refusal of a write by f into a tensor it closes over, before the write."""

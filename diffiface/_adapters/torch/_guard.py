@@ -1,0 +1,407 @@
+"""The torch contract, stated once: the guard around every call (the caller's modes, the graph kept
+or not, the copies f gets and the version counters that see a write into x or a Constant), and
+the MutationError that names the leaf written.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ... import _arrays
+from ... import tree as _tree
+from ..._errors import MutationError
+from .._base import Leaves
+from ._dtensor import _refuse_fully_sharded
+from ._duals import _DUALS, _dual_parts
+from ._explain import _FIX, _LEAF_WRITE, _CapturedWrite
+
+
+class _Calls(threading.local):
+    def __init__(self) -> None:
+        self.keep: list[bool] = []  # per open call, innermost last: does it keep its graph?
+
+
+_CALLS = _Calls()
+
+
+def inside_a_call() -> bool:
+    """Whether this thread is inside a diffiface torch call (f is being differentiated)."""
+    return bool(_CALLS.keep)
+
+
+def _keeping() -> bool:
+    """Whether the innermost open call keeps its graph (its inputs carried an outer one)."""
+    stack = _CALLS.keep
+    return stack[-1] if stack else False
+
+
+# -- the guard: process state, nesting, writes into the inputs --------------------------------
+
+
+def _wrapped(x: Any) -> bool:
+    """Whether ``x`` is a tensor of a torch.func transform (such tensors have no storage)."""
+    try:
+        x.data_ptr()
+    except RuntimeError:
+        return True
+    return False
+
+
+def _carries_graph(x: Any) -> bool:
+    """Whether ``x`` carries an outer differentiation: it requires grad under grad mode (or in
+    a torch.func transform), or is a dual tensor of diffiface's open forward-mode call."""
+    if x.requires_grad:
+        return torch.is_grad_enabled() or _wrapped(x)
+    return bool(_DUALS[0]) and _dual_parts(x)[1] is not None
+
+
+def _guard(program: Callable[..., Any], functional: bool, create_graph: bool) -> Callable[..., Any]:
+    """``program`` run so that the caller's state and arrays come out as they went in.
+
+    - Under the caller's ``inference_mode`` it runs with inference mode off (nothing is recorded
+      in inference mode); inference tensors are copied into normal ones. Grad mode is set by
+      each method where it needs it. Both are restored on the way out, also on errors, and also
+      where f itself switched grad mode and left it switched.
+    - Results keep the graph of x's leaves (:func:`_keeps`) only where the caller asks for it
+      (``create_graph``), under torch.func, or where an outer diffiface call differentiates f;
+      else they are detached, as ``torch.autograd.grad``'s are.
+    - What f may write, and where a write lands (:func:`_watch`): f gets copies of x and of the
+      tangents (what it would get otherwise shares the caller's memory: duals in forward mode,
+      torch.func's wrappers, and in reverse mode the detached leaf, which torch lets f write
+      into under no_grad). In autograd mode f also gets copies of the Constants' tensors, which
+      torch lets f write into; under torch.func it gets the caller's own, which torch.func
+      refuses to let f write. A Constant module is passed as it is: its parameters are watched
+      by their version counters, its buffers too, and the buffers of its submodules in training
+      mode are also kept in copies (torch's batch norm writes its running statistics without a
+      version bump) and put back. A write is refused with a MutationError naming the leaf.
+
+    The common call (one x, no tangent, one Constant tensor or none) takes no Python call
+    besides ``program``'s: this runs on every call, and its cost is the library's overhead.
+    """
+    cache_dynamic = getattr(program, "cache_dynamic", ())
+    cache_static = getattr(program, "cache_static", ())
+    names = _Names(program)
+    # which dynamic context leaves are Constants (watched), not Caches (f's scratch space)
+    constant_at = tuple(i for i, cache in enumerate(cache_dynamic) if not cache)
+    watch_static = not all(cache_static)  # a Constant static leaf may be a torch.nn.Module
+    copy_constants = not functional
+
+    def guarded(xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False):
+                return guarded(xs, ts, dynamic, static)
+        keep = False
+        if len(xs) == 1:
+            x = xs[0]
+            if x.requires_grad or _DUALS[0]:
+                keep = _keeps(x, functional, create_graph)
+            # (a clone of an inference tensor is a normal one)
+            x = x.clone() if keep or not x.requires_grad else x.detach().clone()
+            xs = (x,)
+            versions = [x._version]  # (a fresh clone's counter starts at 0; read, not assumed)
+        else:
+            for x in xs:
+                if (x.requires_grad or _DUALS[0]) and _keeps(x, functional, create_graph):
+                    keep = True
+            if not keep:
+                xs = tuple(map(torch.Tensor.detach, xs))
+            xs = tuple(map(_clone, xs))  # (map, not a comprehension: no frame on the hot path)
+            versions = list(map(_version, xs))
+        if ts:
+            ts = tuple(map(_clone, ts))
+            tangent_versions = list(map(_version, ts))
+        constants: list[tuple[int, Any, int]] = []
+        if dynamic and constant_at:
+            dynamic, constants = _watched_constants(dynamic, constant_at, copy_constants)
+        modules = _module_states(static, cache_static) if static is not None and watch_static else None
+        stack = _CALLS.keep
+        stack.append(keep)
+        grad_mode = torch.is_grad_enabled()  # f may switch it (torch.set_grad_enabled) and not switch back
+        try:
+            result = program(xs, ts, dynamic, static)
+        except BaseException as exc:
+            refusal = _after_failure(
+                exc, stack, grad_mode, keep, xs, versions, constants, modules, names, copy_constants
+            )
+            if refusal is None and type(exc) is _CapturedWrite:
+                refusal = _named_capture(lambda: program(xs, ts, dynamic, static), constants, modules, names)
+            if refusal is not None:
+                raise refusal from exc
+            raise
+        stack.pop()
+        if torch.is_grad_enabled() is not grad_mode:
+            torch.set_grad_enabled(grad_mode)
+        _arrays.graph_state.keep = keep
+        dirty = modules is not None
+        for x, version in zip(xs, versions, strict=False):  # (a loop: this runs on every call)
+            if x._version != version:
+                dirty = True
+        for _, tensor, version in constants:
+            dirty = dirty or tensor._version != version
+        if dirty:
+            problem = _mutation(xs, versions, constants, modules, names, copy_constants)
+            if problem is not None:
+                raise MutationError(problem)
+        if ts:
+            for t, v in zip(ts, tangent_versions, strict=True):
+                if t._version != v:
+                    # (the tangent f reaches through its dual input: a write changes the derivative itself)
+                    raise MutationError(f"f wrote in place into the tangent of its input (forward mode). {_FIX}")
+        return result
+
+    return guarded
+
+
+def _keeps(x: Any, functional: bool, create_graph: bool) -> bool:
+    """Whether a call on ``x`` (which requires grad, or a dual level of ours is open) keeps the
+    graph x carries: under torch.func (its semantics), where the caller asks for it
+    (``create_graph``), or inside an outer diffiface call, which differentiates through this
+    one; else the results are detached, as ``torch.autograd.grad``'s."""
+    if x.is_inference() or not _carries_graph(x):
+        return False
+    return functional or create_graph or bool(_CALLS.keep) or _wrapped(x)
+
+
+class _Names:
+    """The paths of a program's leaves (``x['w']``, ``contexts[0][1]``), read where an error
+    names one."""
+
+    __slots__ = ("dynamic", "static", "x")
+
+    def __init__(self, program: Any) -> None:
+        self.x: tuple[str, ...] = getattr(program, "x_names", ())
+        self.dynamic: tuple[str, ...] = getattr(program, "names_dynamic", ())
+        self.static: tuple[str, ...] = getattr(program, "names_static", ())
+
+    def of_x(self, i: int, count: int) -> str:
+        if i < len(self.x):
+            return self.x[i]
+        return f"leaf {i} of x" if count > 1 else "x"
+
+    def of_dynamic(self, i: int) -> str:
+        return self.dynamic[i] if i < len(self.dynamic) else f"array context leaf {i}"
+
+    def of_static(self, i: int) -> str:
+        return self.static[i] if i < len(self.static) else f"context leaf {i}"
+
+
+_clone = torch.Tensor.clone
+_version = operator.attrgetter("_version")
+_requires_grad = operator.attrgetter("requires_grad")
+_requiring = torch.Tensor.requires_grad_
+
+
+def _watched_constants(
+    dynamic: Leaves, constant_at: tuple[int, ...], copy: bool
+) -> tuple[Leaves, list[tuple[int, Any, int]]]:
+    """The dynamic context leaves for f, and (index, tensor, its version) for each Constant
+    tensor, to see a write by: where ``copy`` (autograd mode, where torch lets f write into
+    them), a copy of each in its place (f cannot reach the caller's memory through it); else
+    (torch.func, which refuses writes into the tensors f closes over) the caller's own."""
+    fresh = list(dynamic) if copy else dynamic
+    constants = []
+    for i in constant_at:
+        if i >= len(fresh):  # (only the leaves this call has)
+            break
+        value = fresh[i]
+        if isinstance(value, torch.Tensor):
+            if copy:
+                fresh[i] = value = value.clone()  # type: ignore[index]
+            elif value.is_inference():  # (torch refuses any write into it outside inference mode)
+                continue
+            constants.append((i, value, value._version))
+    return tuple(fresh), constants
+
+
+def _after_failure(
+    exc: BaseException,
+    stack: list[bool],
+    grad_mode: bool,
+    keep: bool,
+    xs: Leaves,
+    versions: list[int],
+    constants: list[tuple[int, Any, int]],
+    modules: list[tuple[int, str, str, str, Any, int, Any]] | None,
+    names: _Names | None,
+    copied: bool = True,
+) -> MutationError | None:
+    """After f or the engine raised ``exc`` inside the guard: the caller's state put back (the
+    call's stack entry, grad mode, the graph flag), and the MutationError that names a write f
+    made, where it made one (None: ``exc`` itself is what the caller gets)."""
+    stack.pop()
+    if torch.is_grad_enabled() is not grad_mode:
+        torch.set_grad_enabled(grad_mode)
+    _arrays.graph_state.keep = keep
+    problem = _mutation(xs, versions, constants, modules, names, copied)
+    if problem is not None:
+        return MutationError(problem)
+    if isinstance(exc, RuntimeError) and _LEAF_WRITE in str(exc):
+        # torch refused a write into the leaf f got for x (refused before writing)
+        where = "x" if names is None else names.of_x(0, len(xs)) if len(xs) == 1 else "x"
+        return MutationError(f"f wrote in place into its input {where}; torch refused it. {_FIX}")
+    return None
+
+
+def _module_states(
+    static: Any, cache_static: tuple[bool, ...]
+) -> list[tuple[int, str, str, str, Any, int, Any]] | None:
+    """For each Constant ``torch.nn.Module`` (by its index among the static leaves): each
+    parameter and buffer as (index, what, its module's prefix, name, tensor, version, copy). The copy, kept only of
+    the buffers of submodules in training mode, puts back what torch's batch norm writes into
+    its running statistics without a version bump; nothing else is copied (a frozen backbone
+    costs its counters, not its size). The qualified name is joined only where an error names it."""
+    states: list[tuple[int, str, str, str, Any, int, Any]] = []
+    for index, (value, cache) in enumerate(zip(static.leaves, cache_static, strict=False)):
+        if cache or not isinstance(value, torch.nn.Module):
+            continue
+        _refuse_fully_sharded(value)
+        for prefix, module in value.named_modules():
+            training = module.training
+            for name, tensor in module._parameters.items():
+                if tensor is not None and not tensor.is_inference():  # (torch refuses writes into those)
+                    states.append((index, "parameter", prefix, name, tensor, tensor._version, None))
+            for name, tensor in module._buffers.items():
+                if tensor is not None and not tensor.is_inference():
+                    copy = tensor.detach().clone() if training else None
+                    states.append((index, "buffer", prefix, name, tensor, tensor._version, copy))
+    return states or None
+
+
+def _mutation(
+    xs: Leaves,
+    versions: list[int],
+    constants: list[tuple[int, Any, int]],
+    modules: list[tuple[int, str, str, str, Any, int, Any]] | None,
+    names: _Names | None,
+    copied: bool = True,
+) -> str | None:
+    """What f wrote into, named by its path, restored where a copy was kept; None if it wrote
+    nothing. ``copied``: the Constant tensors f got were copies (autograd mode)."""
+    for i, (x, version) in enumerate(zip(xs, versions, strict=True)):
+        if x._version != version:
+            where = names.of_x(i, len(xs)) if names is not None else (f"leaf {i} of x" if len(xs) > 1 else "x")
+            return f"f wrote in place into its input {where}; the caller's x and tangent are unchanged. {_FIX}"
+    for i, tensor, version in constants:
+        if tensor._version != version:
+            where = names.of_dynamic(i) if names is not None else f"array context leaf {i}"
+            state = (
+                "the caller's tensor is unchanged (f wrote into a copy)"
+                if copied
+                else "torch.func lets no such write through, yet the caller's tensor now holds what f wrote"
+            )
+            return f"f wrote in place into {where}, a tensor of a di.Constant; {state}. A Constant is read-only: {_FIX}"
+    if modules:
+        changed = None
+        for index, what, prefix, name, tensor, version, copy in modules:
+            if tensor._version != version or (copy is not None and not torch.equal(tensor, copy)):
+                if changed is None:
+                    changed = (index, what, f"{prefix}.{name}" if prefix else name, copy is not None)
+                if copy is not None:
+                    with torch.no_grad():
+                        tensor.copy_(copy)
+        if changed is not None:
+            index, what, name, restored = changed
+            where = names.of_static(index) if names is not None else "a di.Constant"
+            state = "it has been put back" if restored else "the caller's module now holds what f wrote"
+            if what == "parameter":
+                return (
+                    f"f wrote in place into the parameter {name!r} of the torch.nn.Module {where}, a di.Constant; "
+                    f"{state}. A Constant is read-only: {_FIX}"
+                )
+            return (
+                f"f updated the buffer {name!r} of the torch.nn.Module {where}, a di.Constant (a BatchNorm in "
+                f"train mode updates its running statistics); {state}. Call the module "
+                "through torch.func.functional_call(model, {**params, **{k: b.clone() for k, b in "
+                "model.named_buffers()}}, args) and return the new buffers as an aux with "
+                "di.value_and_gradient(..., has_aux=True), or put the module in eval mode."
+            )
+    return None
+
+
+_IN_PLACE_OPERATORS = frozenset(
+    f"__i{name}__"
+    for name in (
+        "add",
+        "sub",
+        "mul",
+        "truediv",
+        "floordiv",
+        "mod",
+        "pow",
+        "matmul",
+        "and",
+        "or",
+        "xor",
+        "lshift",
+        "rshift",
+    )
+) | {"__setitem__"}
+
+
+class _Found(Exception):
+    """The leaf f was about to write into (:class:`_WriteFinder`)."""
+
+
+class _WriteFinder(TorchFunctionMode):
+    """Raises :class:`_Found`, before the write, at f's first in-place operation (a method
+    ``x.add_``, an in-place operator, an ``out=``) into one of the ``watched`` tensors (by
+    identity: what each is, as an error names it)."""
+
+    def __init__(self, watched: dict[int, str]) -> None:
+        super().__init__()
+        self.watched = watched
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        targets = list(_tree.leaves(kwargs.get("out")))
+        if args and ((name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_OPERATORS):
+            targets.append(args[0])
+        for target in targets:
+            where = self.watched.get(id(target))
+            if where is not None:
+                raise _Found(where)
+        return func(*args, **kwargs)
+
+
+def _named_capture(
+    rerun: Callable[[], Any],
+    constants: list[tuple[int, Any, int]],
+    modules: list[tuple[int, str, str, str, Any, int, Any]] | None,
+    names: _Names,
+) -> MutationError | None:
+    """Where torch.func refused a write by f into a tensor it closes over (before the write, so
+    nothing was written), the MutationError that names the leaf: f is run once more, as the call
+    ran it, and stopped at its first in-place operation into a Constant's tensor or a Constant
+    module's parameter or buffer. None where it does not reach one (a global; or f takes
+    another path on its second run): torch.func's own refusal stands."""
+    watched = {id(tensor): f"{names.of_dynamic(i)}, a tensor of a di.Constant" for i, tensor, _ in constants}
+    for index, what, prefix, name, tensor, _, _ in modules or ():
+        qualified = f"{prefix}.{name}" if prefix else name
+        watched[id(tensor)] = f"the {what} {qualified!r} of the torch.nn.Module {names.of_static(index)}, a di.Constant"
+    if not watched:
+        return None
+    grad_mode = torch.is_grad_enabled()
+    stack = _CALLS.keep
+    depth = len(stack)
+    try:
+        with _WriteFinder(watched):
+            rerun()
+    except _Found as found:
+        return MutationError(
+            f"f wrote in place into {found}; torch.func refused it before the write, so nothing was written. "
+            f"A Constant is read-only: {_FIX} For a BatchNorm in train mode, put the module in eval mode or "
+            "pass its buffers as x's companions through torch.func.functional_call and has_aux=True."
+        )
+    except Exception:  # (f failed another way on its second run: torch.func's refusal stands)
+        return None
+    finally:
+        del stack[depth:]
+        torch.set_grad_enabled(grad_mode)
+    return None

@@ -1,0 +1,337 @@
+"""The torch contract on what torch users pass: a write by f into x, a Constant tensor, a frozen
+module's buffer or parameter is a MutationError that names the leaf, with the caller's data as
+the rule says (docs/policies.md): x, Constant tensors and the buffers of modules in training
+mode are never changed; under torch.func no write lands at all. Results of nn.Parameters are
+detached by default (as torch.autograd.grad's) and carry a graph with create_graph=True; the
+route of Parameters, a module Constant and a frozen backbone is the detached leaves' one."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import pytest
+
+import diffiface as di
+
+torch = pytest.importorskip("torch")
+
+BACKENDS = {"autograd": di.AutoTorch(), "func": di.AutoTorch(mode="func")}
+
+
+def snapshot(*trees: Any) -> list[Any]:
+    return [t.detach().clone() for tree in trees for t in _tensors(tree)]
+
+
+def _tensors(tree: Any) -> list[Any]:
+    if isinstance(tree, torch.nn.Module):
+        return [*tree.parameters(), *tree.buffers()]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _tensors(v)]
+    return [tree]
+
+
+def same(before: list[Any], *trees: Any) -> bool:
+    now = [t for tree in trees for t in _tensors(tree)]
+    return all(torch.equal(a, b) for a, b in zip(before, now, strict=True))
+
+
+@pytest.mark.parametrize("mode", list(BACKENDS))
+@pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
+def test_a_write_into_x_names_the_leaf(mode: str, prepared: bool) -> None:
+    # expected: a MutationError naming x['b'], the caller's x bit for bit as it was
+    x = {"w": torch.randn(3), "b": torch.randn(3)}
+    before = snapshot(x)
+
+    def f(p: Any) -> Any:
+        with torch.no_grad():
+            p["b"].mul_(2.0)
+        return (p["w"] * p["b"]).sum()
+
+    backend = BACKENDS[mode]
+    prep = di.prepare_gradient(f, backend, {k: v.clone() for k, v in x.items()}) if prepared else None
+    with pytest.raises(di.MutationError, match=r"x\['b'\]"):
+        di.gradient(f, backend, x, prep=prep)
+    assert same(before, x)
+
+
+@pytest.mark.parametrize("mode", list(BACKENDS))
+@pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
+def test_a_write_into_a_constant_tensor_names_the_leaf(mode: str, prepared: bool) -> None:
+    # expected: a MutationError naming contexts[0]['scale'] (under torch.func, torch's own refusal
+    # before the write, named the same); the caller's tensor bit for bit as it was
+    w, data = torch.randn(3), {"scale": torch.randn(3), "shift": torch.randn(3)}
+    before = snapshot(data)
+
+    def f(v: Any, d: Any) -> Any:
+        with torch.no_grad():
+            d["scale"].add_(1.0)
+        return (v * d["scale"] + d["shift"]).sum()
+
+    backend = BACKENDS[mode]
+    prep = di.prepare_gradient(f, backend, w, di.Constant(data)) if prepared else None
+    with pytest.raises(di.MutationError, match=r"contexts\[0\]\['scale'\]"):
+        di.gradient(f, backend, w, di.Constant(data), prep=prep)
+    assert same(before, data)
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.norm = torch.nn.BatchNorm1d(4)
+
+    def forward(self, v: Any) -> Any:
+        return self.norm(self.lin(v))
+
+
+@pytest.mark.parametrize("mode", list(BACKENDS))
+def test_a_batchnorm_in_train_mode_names_its_buffer_and_is_put_back(mode: str) -> None:
+    # expected: a MutationError naming a buffer of the norm layer of contexts[0]; every
+    # parameter and buffer of the module bit for bit as it was
+    torch.manual_seed(0)
+    net, head, batch = Net().train(), torch.randn(4), torch.randn(8, 4)
+    net.requires_grad_(False)
+    before = snapshot(net)
+
+    def f(h: Any, model: Any, b: Any) -> Any:
+        return (model(b) @ h).square().mean()
+
+    with pytest.raises(
+        di.MutationError, match=r"buffer 'norm\.(running_mean|running_var|num_batches_tracked)'.*contexts\[0\]"
+    ):
+        di.gradient(f, BACKENDS[mode], head, di.Constant(net), di.Constant(batch))
+    assert same(before, net)
+    net.eval()  # (in eval mode the same call reads the buffers only)
+    grad = di.gradient(f, BACKENDS[mode], head, di.Constant(net), di.Constant(batch))
+    assert grad.shape == head.shape and same(before, net)
+
+
+@pytest.mark.parametrize("mode", list(BACKENDS))
+def test_a_write_into_a_frozen_parameter_names_it(mode: str) -> None:
+    # expected: a MutationError naming parameter 'lin.weight' of contexts[0]; under torch.func
+    # the write never lands (the module as it was); in autograd mode the module's parameters are
+    # watched by their counters, not copied: the write landed, and the error says so
+    torch.manual_seed(0)
+    net, head, batch = Net().eval(), torch.randn(4), torch.randn(8, 4)
+    net.requires_grad_(False)
+    before = snapshot(net)
+
+    def f(h: Any, model: Any, b: Any) -> Any:
+        with torch.no_grad():
+            model.lin.weight.mul_(2.0)
+        return (model(b) @ h).square().mean()
+
+    message = r"parameter 'lin\.weight'.*contexts\[0\]"
+    if mode == "autograd":
+        message += r".*now holds what f wrote"
+    with pytest.raises(di.MutationError, match=message):
+        di.gradient(f, BACKENDS[mode], head, di.Constant(net), di.Constant(batch))
+    assert same(before, net) == (mode == "func")
+
+
+@pytest.mark.parametrize("mode", list(BACKENDS))
+def test_a_write_into_a_parameter_as_x_names_it(mode: str) -> None:
+    # expected: x = dict(named_parameters()); a write into one is a MutationError naming
+    # x['weight'], the module's parameter bit for bit as it was and still a leaf without .grad
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 2)
+    params = dict(layer.named_parameters())
+    before = snapshot(params)
+    batch = torch.randn(5, 3)
+
+    def f(p: Any, b: Any) -> Any:
+        with torch.no_grad():
+            p["weight"].zero_()
+        return torch.func.functional_call(layer, p, (b,)).square().sum()
+
+    with pytest.raises(di.MutationError, match=r"x\['weight'\]"):
+        di.gradient(f, BACKENDS[mode], params, di.Constant(batch))
+    assert same(before, params)
+    assert all(p.is_leaf and p.grad is None and p.requires_grad for p in layer.parameters())
+
+
+def mlp_loss(p: Any, model: Any, b: Any) -> Any:
+    return torch.func.functional_call(model, p, (b,)).square().mean()
+
+
+@pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
+def test_parameters_results_are_detached_by_default_and_keep_a_graph_when_asked(prepared: bool) -> None:
+    # expected: gradients of named_parameters() equal torch.autograd.grad's; detached (no
+    # requires_grad, no grad_fn) by default; with create_graph=True they carry the graph to the
+    # parameters (a gradient penalty's derivative equals torch's own); no .grad written
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+    params, batch = dict(model.named_parameters()), torch.randn(6, 3, dtype=torch.float64)
+    native = torch.autograd.grad(mlp_loss(params, model, batch), list(params.values()), create_graph=True)
+    for backend in (di.AutoTorch(), "torch", di.AutoTorch(create_graph=True)):
+        ctx = (di.Constant(model), di.Constant(batch))
+        prep = di.prepare_gradient(mlp_loss, backend, params, *ctx) if prepared else None
+        grads = di.gradient(mlp_loss, backend, params, *ctx, prep=prep)
+        for got, want in zip(grads.values(), native, strict=True):
+            torch.testing.assert_close(got.detach(), want.detach())
+        graph = backend == di.AutoTorch(create_graph=True)
+        assert all((g.grad_fn is not None) == graph and g.requires_grad == graph for g in grads.values())
+        if graph:
+            penalty = sum(g.square().sum() for g in grads.values())
+            expected = torch.autograd.grad(sum(g.square().sum() for g in native), list(params.values()))
+            got = torch.autograd.grad(penalty, list(params.values()))
+            for a, b in zip(got, expected, strict=True):
+                torch.testing.assert_close(a, b)
+    assert all(p.grad is None and p.is_leaf for p in model.parameters())
+
+
+def test_a_nested_call_on_parameters_keeps_its_graph_by_default() -> None:
+    # expected: a diffiface gradient inside a function diffiface differentiates keeps the graph
+    # (the outer call needs it): the outer Hessian-vector product equals torch's double backward
+    w = torch.randn(4, dtype=torch.float64)
+    t = torch.randn(4, dtype=torch.float64)
+
+    def g(v: Any) -> Any:
+        return (torch.sin(v) * v**2).sum()
+
+    def directional(v: Any) -> Any:
+        return di.gradient(g, "torch", v) @ t
+
+    got = di.gradient(directional, "torch", w)
+    leaf = w.clone().requires_grad_(True)
+    (first,) = torch.autograd.grad(g(leaf), leaf, create_graph=True)
+    (expected,) = torch.autograd.grad(first @ t, leaf)
+    torch.testing.assert_close(got, expected)
+    assert not got.requires_grad
+
+
+ADAPTER = "diffiface/_adapters/torch"
+
+
+def adapter_frames(call: Any) -> list[str]:
+    """The Python functions of the torch adapter that ``call`` enters, in order."""
+    entered: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and ADAPTER in frame.f_code.co_filename.replace("\\", "/"):
+            entered.append(frame.f_code.co_qualname)
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return entered
+
+
+def test_the_route_of_parameters_is_the_detached_leaves_one() -> None:
+    # expected: x = dict(named_parameters()) enters the adapter through the same functions as
+    # its detached copy: no slower path for leaves that require grad
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    params = dict(model.named_parameters())
+    detached = {k: v.detach() for k, v in params.items()}
+    batch = di.Constant(torch.randn(5, 3))
+
+    def loss(p: Any, b: Any) -> Any:
+        return torch.func.functional_call(model, p, (b,)).square().sum()
+
+    routes = []
+    for x in (detached, params):
+        prep = di.prepare_gradient(loss, "torch", x, batch)
+        di.gradient(loss, "torch", x, batch, prep=prep)
+        routes.append(adapter_frames(lambda x=x, prep=prep: di.gradient(loss, "torch", x, batch, prep=prep)))
+    assert routes[0] == routes[1]
+    assert "guarded" not in " ".join(routes[1])
+
+
+@pytest.mark.parametrize("case", ["module Constant", "frozen backbone"])
+def test_the_route_of_a_module_constant_copies_nothing(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # expected: a module passed as di.Constant (its parameters as x, or a frozen backbone in eval
+    # mode under a trainable head) is watched without one copy of its tensors: no clone of any
+    # tensor as large as one of the module's (x's leaves are copied, the batch in autograd mode)
+    torch.manual_seed(0)
+    if case == "module Constant":
+        model = torch.nn.Sequential(torch.nn.Linear(3, 64), torch.nn.Tanh(), torch.nn.Linear(64, 2))
+        x: Any = {k: v.detach() for k, v in model.named_parameters()}
+
+        def f(p: Any, net: Any, b: Any) -> Any:
+            return torch.func.functional_call(net, p, (b,)).square().sum()
+
+        watched = {id(t) for t in model.parameters()}
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(3, 64), torch.nn.LayerNorm(64), torch.nn.BatchNorm1d(64)).eval()
+        model.requires_grad_(False)
+        x = torch.randn(64)
+
+        def f(p: Any, net: Any, b: Any) -> Any:
+            return (net(b) @ p).square().sum()
+
+        watched = {id(t) for t in [*model.parameters(), *model.buffers()]}
+    batch = di.Constant(torch.randn(5, 3))
+    prep = di.prepare_gradient(f, "torch", x, di.Constant(model), batch)
+    cloned: list[int] = []
+    clone = torch.Tensor.clone
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        cloned.append(id(self))
+        return clone(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "clone", counting)
+    di.gradient(f, "torch", x, di.Constant(model), batch, prep=prep)
+    monkeypatch.undo()
+    assert cloned  # (the count means something: x's copies are made)
+    assert not watched & set(cloned)
+
+
+class _HalfBackward(torch.autograd.Function):
+    """x**2 whose backward pass reads a number out of its cotangent (torch.func cannot vmap it)."""
+
+    @staticmethod
+    def forward(v: Any) -> Any:
+        return v**2
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx: Any, g: Any) -> Any:
+        (v,) = ctx.saved_tensors
+        return 2 * v * g * float(g.abs().max().item() >= 0.0)
+
+
+def test_the_autograd_jacobian_is_jacrevs_and_falls_back_where_f_does_not_allow_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # expected: autograd mode's Jacobian equals torch.func.jacrev's through its one vmapped
+    # program (jacrev called); an f that calls .item() on a tensor (a number cut from the graph),
+    # and one whose backward pass cannot be vmapped (the rows one by one), get the right
+    # Jacobian, detached, x unchanged
+    import diffiface._adapters.torch as adapter
+
+    a = torch.randn(6, 4, dtype=torch.float64)
+    x = torch.randn(4, dtype=torch.float64)
+    before = x.clone()
+
+    def f(v: Any) -> Any:
+        return torch.tanh(a @ v) * v.sum()
+
+    transforms: list[str] = []
+    jacrev = torch.func.jacrev
+    monkeypatch.setattr(adapter.func, "jacrev", lambda *a, **k: transforms.append("jacrev") or jacrev(*a, **k))
+    got = di.jacobian(f, "torch", x)
+    assert transforms
+    monkeypatch.undo()
+    torch.testing.assert_close(got, torch.func.jacrev(f)(x))
+
+    def with_item(v: Any) -> Any:
+        return torch.sin(v) * float((v * 0).sum().item() + 2.0)
+
+    def unbatchable(v: Any) -> Any:
+        return _HalfBackward.apply(v) + v
+
+    with pytest.raises(RuntimeError):  # (the case means something: torch.func cannot vmap its backward)
+        torch.func.jacrev(unbatchable)(x)
+    for g, expected in ((with_item, torch.diag(2 * torch.cos(x))), (unbatchable, torch.diag(2 * x + 1))):
+        for backend in ("torch", di.AutoTorch()):
+            jac = di.jacobian(g, backend, x)
+            torch.testing.assert_close(jac, expected)
+            assert not jac.requires_grad
+    assert torch.equal(x, before)
