@@ -25,7 +25,7 @@ import optree
 
 from . import _arrays, _placement
 from ._backends import AutoSparse
-from ._errors import PreparationMismatchError
+from ._errors import PreparationMismatchError, UnsupportedOperationError
 from ._flatten import Flatten, structure_flatten, structure_tests
 from ._keys import static_key, static_x_key
 
@@ -127,8 +127,19 @@ def leaf_check(leaf: Any, static_x: bool = False, by_value: bool = False, engine
     jax_test = same.jax
     if kind == "jax" and same.layout is not None and _one_device(leaf):
         jax_test = same.jax_one_device
-    test = {"jax": jax_test, "numpy": same.numpy, "torch": same.torch}.get(kind)
-    return type(leaf), test
+    tests: dict[str, Callable[[Any], bool] | None] = {
+        "jax": jax_test,
+        "numpy": same.numpy,
+        "torch": same.torch,
+        "autograd": same.numpy,  # (a box answers its value's shape and dtype)
+        "python": None,  # (a Python number's type says all)
+    }
+    if kind not in tests:  # (a kind with no test here would be compared by its type alone)
+        raise UnsupportedOperationError(
+            f"A prep has no test of the shape and dtype of a leaf of array kind {kind!r} "
+            f"({type(leaf).__name__}): diffiface cannot tell whether a later call fits it."
+        )
+    return type(leaf), tests[kind]
 
 
 def _one_device(leaf: Any) -> bool:
@@ -434,8 +445,11 @@ class Plan:
     def fits_backend(self, backend: Any) -> bool:
         """Whether a backend object other than the plan's own one means it."""
         mine = self.backend
-        # (an AutoSparse's operators other than Jacobians and Hessians are its engine's)
-        return bool(backend == mine) or (type(backend) is AutoSparse and backend.backend == mine)
+        # (an AutoSparse's operators other than Jacobians and Hessians are its engine's; its own
+        # are sparse programs, never the dense plan of its engine)
+        return bool(backend == mine) or (
+            type(backend) is AutoSparse and self.operator not in AutoSparse.operators and backend.backend == mine
+        )
 
     def leaves(
         self, operator: str, f: Any, backend: Any, x: Any, tangent: Any, contexts: tuple[Any, ...], has_aux: bool

@@ -4,6 +4,10 @@ weak cache that lets unprepared calls reuse it."""
 from __future__ import annotations
 
 import functools
+import hashlib
+import itertools
+import operator
+import sys
 import threading
 import types
 import weakref
@@ -13,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from . import _arrays
 from ._errors import PreparationMismatchError, UnsupportedOperationError
 from .tree import path_string
 
@@ -169,127 +174,149 @@ class Prep:
 
 
 class Closure:
-    """What ``f`` reads besides its arguments, where a program keeps it: the objects its closure
-    cells hold, the globals its code names (and its nested functions'), and its defaults, each
-    by identity; numpy arrays among them also by their values, which can change in place.
+    """What ``f`` reads besides its arguments, as a compiled program or a sparsity pattern keeps
+    it: an unprepared call whose f reads anything else prepares again rather than reuse a stale
+    program (``jax.jit`` bakes in the values f reads when it traces f).
 
-    A compiled program bakes these in when it traces f (as ``jax.jit`` does), and a sparsity
-    pattern is detected for them, so an unprepared call whose f reads anything else prepares
-    again rather than reuse a stale program. What objects hold (an attribute set on a model
-    f reads) is not followed: pass such data as a :class:`~diffiface.Constant`."""
+    What is followed (:func:`_reads`, the rule docs/preparation.md states):
 
-    __slots__ = ("_arrays", "_code", "_ids", "_keep", "_names", "holds")
+    - a function: its code, the objects its closure cells hold, the globals its code names (and
+      its nested functions' code names; a name not defined is followed too, as it may be later),
+      its ``__defaults__`` and ``__kwdefaults__``; then the functions among these that it closes
+      over or that live in its own module (the helpers it calls), and ``__wrapped__``;
+    - a ``functools.partial``: its ``func`` (followed as f), ``args`` and ``keywords``;
+    - a bound method: its function, and its instance's ``__dict__`` (one level);
+    - any other callable object: its type, ``type(f).__call__`` (followed as a function) and
+      its ``__dict__`` (one level), and ``__wrapped__``.
+
+    Each object so read is compared by identity; numpy arrays and torch tensors among them also
+    by their contents (:class:`_Contents`), which can change in place. At most
+    ``_MOST_FOLLOWED`` callables are followed per f. What objects hold below that (an attribute
+    of an attribute, a model's parameters) is not followed: pass such data as a
+    :class:`~diffiface.Constant`."""
+
+    __slots__ = ("_arrays", "_ids", "_keep")
 
     def __init__(self, f: Callable[..., Any]) -> None:
-        function = getattr(f, "__func__", f)
-        self._code = getattr(function, "__code__", None)
-        self._names = _names(self._code) if self._code is not None else ()
-        values = _read_values(function, self._names)
+        values = _reads(f)
         self._keep = values  # (the ids stay those of live objects)
-        self._ids = tuple(map(id, values))
-        self._arrays = [(i, v.copy()) for i, v in enumerate(values) if type(v) is np.ndarray and v.size <= _COPIED]
-        self.holds: Callable[[Callable[..., Any]], bool] = self._holds
-        """``holds(f)``: whether ``f`` reads the same objects (and the same array values)."""
-        if type(function) is types.FunctionType:
-            self.holds = _write_holds(function, self._names, values, self._arrays, self._holds)
+        self._ids = list(map(id, values))
+        self._arrays = [(i, _contents(v)) for i, v in enumerate(values) if _is_followed_array(v)]
 
-    def _holds(self, f: Callable[..., Any]) -> bool:
-        function = getattr(f, "__func__", f)
-        if getattr(function, "__code__", None) is not self._code:
+    def holds(self, f: Callable[..., Any]) -> bool:
+        """Whether ``f`` reads the same objects, and the arrays among them hold the same values."""
+        values = _reads(f)
+        if list(map(id, values)) != self._ids:
             return False
-        values = _read_values(function, self._names)
-        if tuple(map(id, values)) != self._ids:
-            return False
-        for i, copy in self._arrays:  # noqa: SIM110
-            if not np.array_equal(values[i], copy, equal_nan=copy.dtype.kind in "fc"):
+        for i, contents in self._arrays:  # noqa: SIM110
+            if not contents.holds(values[i]):
                 return False
         return True
 
 
-def _write_holds(
-    function: types.FunctionType,
-    names: tuple[str, ...],
-    values: list[Any],
-    arrays: list[tuple[int, np.ndarray]],
-    slow: Callable[[Callable[..., Any]], bool],
-) -> Callable[[Callable[..., Any]], bool]:
-    """:meth:`Closure.holds` written for one function: each object it read compared by
-    identity with the one it read then, in one Python frame (it runs on every unprepared call,
-    where a frame and a loop cost). An empty closure cell is left to ``slow``, the general
-    test."""
-    constants: dict[str, Any] = {"FUNCTION": types.FunctionType, "CODE": function.__code__, "SLOW": slow}
-    constants["ARRAY_EQUAL"] = np.array_equal
-    lines = [
-        "function = f if type(f) is FUNCTION else getattr(f, '__func__', f)",
-        "if type(function) is not FUNCTION or function.__code__ is not CODE: return False",
-    ]
-    read: list[str] = []  # (the objects read, in _read_values's order: each one's name)
-
-    def tests(expressions: list[str]) -> str:
-        """``e is not V<k>`` for each expression, V<k> the object it gave then, joined by ``or``."""
-        for expression in expressions:
-            constants[f"V{len(read)}"] = values[len(read)]
-            read.append(f"{expression} is not V{len(read)}")
-        return " or ".join(read[len(read) - len(expressions) :])
-
-    cells = function.__closure__ or ()
-    if cells:
-        lines += [
-            "cells = function.__closure__",
-            "try:",
-            f"    if {tests([f'cells[{i}].cell_contents' for i in range(len(cells))])}: return False",
-            "except ValueError:  # (an empty cell)",
-            "    return SLOW(f)",
-        ]
-    namespace = function.__globals__
-    lines.append("g = function.__globals__")
-    present = [name for name in names if name in namespace]
-    absent = [name for name in dict.fromkeys(names) if name not in namespace]
-    if present:
-        found = tests([f"g[{name!r}]" for name in present])
-        lines += ["try:", f"    if {found}: return False", "except KeyError:", "    return False"]
-    if absent:
-        lines.append(f"if {' or '.join(f'{name!r} in g' for name in absent)}: return False")
-    defaults = function.__defaults__ or ()
-    constants["DEFAULTS"] = function.__defaults__
-    if defaults:
-        same = tests([f"defaults[{i}]" for i in range(len(defaults))])
-        lines += [
-            "defaults = function.__defaults__",
-            "if defaults is not DEFAULTS:",
-            f"    if defaults is None or len(defaults) != {len(defaults)} or {same}: return False",
-        ]
-    else:
-        lines.append("if function.__defaults__: return False")
-    if len(read) != len(values):  # (never: the same reads as _read_values)
-        return slow
-    for i, copy in arrays:  # (the array is the one read then: its values now against the copy)
-        constants[f"C{i}"] = copy
-        nan = copy.dtype.kind in "fc"
-        lines.append(f"if not ARRAY_EQUAL(V{i}, C{i}, equal_nan={nan}): return False")
-    source = "def holds(f):\n" + "".join(f"    {line}\n" for line in lines) + "    return True\n"
-    exec(compile(source, "<diffiface: what f read, compared>", "exec"), constants)
-    written: Callable[[Callable[..., Any]], bool] = constants["holds"]
-    return written
+_MOST_FOLLOWED = 32
+"""Callables followed per f at most (f itself, what it wraps, the helpers it calls)."""
 
 
-_COPIED = 1 << 16  # numpy arrays f reads are compared by value up to this size; larger, by identity
+class _Marker:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
 
 
-def _read_values(function: Any, names: tuple[str, ...]) -> list[Any]:
-    values: list[Any] = []
-    for cell in getattr(function, "__closure__", None) or ():
-        try:
-            values.append(cell.cell_contents)
-        except ValueError:  # an empty cell
-            values.append(None)
-    namespace = getattr(function, "__globals__", None)
-    if namespace is not None:
-        for name in names:
-            if name in namespace:
-                values.append(namespace[name])
-    values.extend(getattr(function, "__defaults__", None) or ())
+_UNDEFINED = _Marker("<a global f names, not defined>")
+_EMPTY_CELL = _Marker("<an empty closure cell>")
+_NO_CALL = _Marker("<no __call__>")
+_KEYWORD_DEFAULTS = _Marker("<keyword-only defaults>")
+
+
+def _reads(f: Any) -> list[Any]:
+    """The objects calling ``f`` reads besides its arguments, in an order fixed by them (the
+    rule of :class:`Closure`)."""
+    if type(f) is types.FunctionType:  # the common case: a function that reads no other one
+        values = _function_reads(f)
+        if types.FunctionType not in map(type, values) and "__wrapped__" not in f.__dict__:
+            return values
+    values = []
+    _follow(f, values, set())
     return values
+
+
+def _follow(f: Any, values: list[Any], seen: set[int]) -> None:
+    if id(f) in seen or len(seen) >= _MOST_FOLLOWED:
+        return
+    seen.add(id(f))
+    cls = type(f)
+    if cls is types.FunctionType:
+        start = len(values)
+        values += _function_reads(f)
+        namespace = f.__globals__
+        # the functions it closes over, and the helpers of its own module that it names
+        for i in range(start + 1, len(values)):
+            value = values[i]
+            if type(value) is types.FunctionType and (i <= start + _cells(f) or value.__globals__ is namespace):
+                _follow(value, values, seen)
+    elif cls is types.MethodType:
+        values.append(f.__func__)  # (not f.__self__: the cache is keyed weakly on it)
+        _instance(f.__self__, values)
+        _follow(f.__func__, values, seen)
+        return  # (a method's __wrapped__ is its function's, followed there)
+    elif isinstance(f, functools.partial):
+        values += (cls, f.func, f.args, f.keywords, *f.args)
+        for item in f.keywords.items():
+            values += item
+        _follow(f.func, values, seen)
+    else:  # a callable object: what its type's __call__ reads, and its own attributes
+        call = getattr(cls, "__call__", _NO_CALL)
+        values += (cls, call)
+        _instance(f, values)
+        if type(call) is types.FunctionType:
+            _follow(call, values, seen)
+    wrapped = getattr(f, "__wrapped__", None)
+    if wrapped is not None:
+        values.append(wrapped)
+        _follow(wrapped, values, seen)
+
+
+def _cells(function: types.FunctionType) -> int:
+    return len(function.__closure__ or ())
+
+
+def _function_reads(function: types.FunctionType) -> list[Any]:
+    """What one function reads: its code, its closure cells' objects, the globals its code
+    names, its defaults and keyword-only defaults (names and objects)."""
+    code = function.__code__
+    values: list[Any] = [code]
+    cells = function.__closure__
+    if cells:
+        for cell in cells:
+            try:
+                values.append(cell.cell_contents)
+            except ValueError:
+                values.append(_EMPTY_CELL)
+    values += map(function.__globals__.get, _names(code), itertools.repeat(_UNDEFINED))
+    defaults = function.__defaults__
+    if defaults:
+        values += defaults
+    values.append(_KEYWORD_DEFAULTS)  # (where the defaults end)
+    keyword_defaults = function.__kwdefaults__
+    if keyword_defaults:
+        for item in keyword_defaults.items():
+            values += item
+    return values
+
+
+def _instance(obj: Any, values: list[Any]) -> None:
+    """An object's own attributes, one level: each name and the object it holds."""
+    attributes = getattr(obj, "__dict__", None)
+    if type(attributes) is dict:
+        for item in attributes.items():
+            if item[1] is not obj:  # (not itself: the cache is keyed weakly on it)
+                values += item
 
 
 @functools.lru_cache(maxsize=1024)
@@ -299,6 +326,98 @@ def _names(code: types.CodeType) -> tuple[str, ...]:
         if isinstance(const, types.CodeType):
             names.extend(_names(const))
     return tuple(names)
+
+
+_KEPT = 1 << 24
+"""Bytes of an array whose contents a closure keeps a copy of; a larger array's are hashed
+(a copy would double the memory it takes; hashing costs about four times comparing a copy)."""
+
+
+def _is_followed_array(value: Any) -> bool:
+    kind = _arrays.kind(value)
+    return (kind == "numpy" and isinstance(value, np.ndarray)) or kind == "torch"
+
+
+class _Contents:
+    """An array's contents as f read them: its kind, shape and dtype (and device), and its
+    bytes, kept up to :data:`_KEPT` bytes, else their SHA-1 digest; an array of Python objects
+    by the identities of its entries."""
+
+    __slots__ = ("bytes", "digest", "meta", "objects")
+
+    def __init__(self, array: np.ndarray, meta: Any) -> None:
+        self.meta = meta
+        self.objects: tuple[Any, ...] | None = None
+        self.bytes: bytes | None = None
+        self.digest: bytes | None = None
+        if array.dtype.hasobject:
+            self.objects = tuple(array.flat)
+        elif array.nbytes <= _KEPT:
+            self.bytes = array.tobytes()
+        else:
+            self.digest = _digest(array)
+
+    def holds(self, value: Any) -> bool:
+        found = _numpy_view(value)
+        if found is None:
+            return False
+        array, meta = found
+        if meta != self.meta:
+            return False
+        if self.objects is not None:
+            return all(map(operator.is_, array.flat, self.objects))
+        if self.bytes is not None:
+            return array.tobytes() == self.bytes
+        return _digest(array) == self.digest
+
+
+class _DeviceContents:
+    """A torch tensor with no numpy view (on an accelerator, or of a dtype numpy lacks): a copy
+    on its device, compared with ``torch.equal`` (a tensor holding NaN never compares equal:
+    the call prepares again)."""
+
+    __slots__ = ("copy",)
+
+    def __init__(self, tensor: Any) -> None:
+        self.copy = tensor.detach().clone()
+
+    def holds(self, value: Any) -> bool:
+        torch = sys.modules["torch"]
+        copy = self.copy
+        if (value.shape, value.dtype, value.device, value.layout) != (copy.shape, copy.dtype, copy.device, copy.layout):
+            return False
+        try:
+            return bool(torch.equal(value.detach(), copy))
+        except RuntimeError:  # (a layout torch.equal does not compare)
+            return False
+
+
+def _contents(value: Any) -> _Contents | _DeviceContents:
+    found = _numpy_view(value)
+    if found is None:
+        return _DeviceContents(value)
+    return _Contents(*found)
+
+
+def _numpy_view(value: Any) -> tuple[np.ndarray, Any] | None:
+    """A numpy array and its shape and dtype (a torch tensor's numpy view, without a copy),
+    or None for a tensor with no such view."""
+    if isinstance(value, np.ndarray):
+        return value, (value.shape, value.dtype)
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(value, torch.Tensor):
+        return None
+    if value.device.type != "cpu" or value.layout is not torch.strided or value.is_conj() or value.is_neg():
+        return None
+    try:
+        array = value.detach().numpy()
+    except (TypeError, RuntimeError):  # (a dtype numpy lacks, a tensor subclass)
+        return None
+    return array, ("torch", value.shape, value.dtype)
+
+
+def _digest(array: np.ndarray) -> bytes:
+    return hashlib.sha1(np.ascontiguousarray(array).data, usedforsecurity=False).digest()
 
 
 def describe_mismatch(prep: Prep, f: Callable[..., Any], signature: Signature) -> str | None:
