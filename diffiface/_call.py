@@ -174,7 +174,21 @@ class Call:
             t_spec,
             tuple(leaf_signature(leaf) for leaf in self.tangent_leaves),
             tuple(context_signature),
+            () if x_spec is _LEAF else _key_orders(x_spec),
         )
+
+
+def _key_orders(spec: Any) -> tuple[tuple[Any, ...], ...]:
+    """The keys of each dict of two or more keys in a structure, in their order (optree's
+    structures compare equal whatever the order; results mirror it)."""
+    orders = []
+    pending = [spec]
+    while pending:  # (without recursion: a tree may be deeper than Python's stack)
+        node = pending.pop()
+        if node.type is dict and node.num_children > 1:
+            orders.append(tuple(node.unflatten(list(range(node.num_leaves)))))
+        pending += node.children()
+    return tuple(orders)
 
 
 def _context_leaf_signature(leaf: Any, by_value: bool) -> tuple[Any, ...]:

@@ -26,7 +26,7 @@ import optree
 from . import _arrays, _placement
 from ._backends import AutoSparse
 from ._errors import PreparationMismatchError, UnsupportedOperationError
-from ._flatten import Flatten, structure_flatten, structure_tests
+from ._flatten import Flatten, generated, structure_flatten, structure_tests
 from ._keys import static_key, static_x_key
 
 __all__ = [
@@ -333,12 +333,19 @@ def jax_rebuilds_alike(spec: Any, leaves: list[Any]) -> bool:
 
 
 def _same_nodes(a: Any, b: Any) -> bool:
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, dict):
-        return list(a) == list(b) and all(_same_nodes(a[key], b[key]) for key in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same_nodes(u, v) for u, v in zip(a, b, strict=True))
+    pending = [(a, b)]
+    while pending:  # (without recursion: a tree may be deeper than Python's stack)
+        a, b = pending.pop()
+        if type(a) is not type(b):
+            return False
+        if isinstance(a, dict):
+            if list(a) != list(b):
+                return False
+            pending += [(a[key], b[key]) for key in a]
+        elif isinstance(a, (list, tuple)):
+            if len(a) != len(b):
+                return False
+            pending += zip(a, b, strict=True)
     return True
 
 
@@ -710,11 +717,9 @@ def _write_flat_call(plan: Plan, direct: Any, arguments: list[Any], spec: Any, j
     check = f"def leaves_of({', '.join(roots)}):\n" + "".join(
         f"    {line}\n" for line in [*walk, f"return [{', '.join(exprs)}]"]
     )
-    namespace = dict(constants)
-    exec(compile(source, "<diffiface: the plan's steps and its program>", "exec"), namespace)
-    exec(compile(check, "<diffiface: the plan's leaves>", "exec"), namespace)
+    run = generated(source, "run", dict(constants))
     try:
-        got = namespace["leaves_of"](*arguments)
+        got = generated(check, "leaves_of", dict(constants))(*arguments)
     except Exception:
         return None
     if (
@@ -723,7 +728,7 @@ def _write_flat_call(plan: Plan, direct: Any, arguments: list[Any], spec: Any, j
         or not all(a is b for a, b in zip(got, expected, strict=True))
     ):
         return None
-    return FlatCall(namespace["run"], source, spec is None, numpy, constants["X64"])
+    return FlatCall(run, source, spec is None, numpy, constants["X64"])
 
 
 def _fields_only(backend: Any) -> bool:

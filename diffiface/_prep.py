@@ -40,6 +40,9 @@ class Signature(NamedTuple):
     tangent_spec: Any
     tangent_leaves: tuple[Any, ...]
     contexts: tuple[Any, ...]
+    x_order: tuple[tuple[Any, ...], ...] = ()
+    """The keys of x's dicts of two or more keys, each in its order (results mirror it; tree
+    structures compare equal whatever the order)."""
 
 
 class FunctionRef:
@@ -271,7 +274,7 @@ def _follow(f: Any, values: list[Any], seen: set[int]) -> None:
             values += item
         _follow(f.func, values, seen)
     else:  # a callable object: what its type's __call__ reads, and its own attributes
-        call = getattr(cls, "__call__", _NO_CALL)
+        call = getattr(cls, "__call__", _NO_CALL)  # noqa: B004  (the function itself is followed)
         values += (cls, call)
         _instance(f, values)
         if type(call) is types.FunctionType:
@@ -425,7 +428,17 @@ def describe_mismatch(prep: Prep, f: Callable[..., Any], signature: Signature) -
     old = prep.signature
     if not prep.function.matches(f):
         name = getattr(f, "__qualname__", repr(f))
-        return f"f: prepared for {prep.function.name}, called with {name}"
+        if name != prep.function.name:
+            return f"f: prepared for {prep.function.name}, called with {name}"
+        if prep.function.ref() is None:
+            return (
+                f"f: prepared for a function named `{name}` that no longer exists, called with a new "
+                f"function of that name (redefined? a notebook cell run again makes a new one)"
+            )
+        return (
+            f"f: prepared for a different function object with the same name `{name}` (redefined? a "
+            "notebook cell run again makes a new one)"
+        )
     for part in ("operator", "backend", "has_aux"):
         if getattr(old, part) != getattr(signature, part):
             return f"{part}: prepared for {getattr(old, part)!r}, called with {getattr(signature, part)!r}"
@@ -435,6 +448,10 @@ def describe_mismatch(prep: Prep, f: Callable[..., Any], signature: Signature) -
         )
         if found:
             return found
+    if old.x_order != signature.x_order:
+        for a, b in zip(old.x_order, signature.x_order, strict=False):
+            if a != b:
+                return f"x's dict keys: prepared in the order {list(a)}, called in the order {list(b)}"
     if len(old.contexts) != len(signature.contexts):
         return f"contexts: prepared with {len(old.contexts)}, called with {len(signature.contexts)}"
     for i, (a, b) in enumerate(zip(old.contexts, signature.contexts, strict=True)):
@@ -457,8 +474,22 @@ def _tree_difference(
     for i, (a, b) in enumerate(zip(leaves_a, leaves_b, strict=True)):
         if a != b:
             where = path_string(paths[i]) if i < len(paths) else f"leaf {i}"
-            return f"{label}{where}: prepared for {_describe_leaf(a)}, called with {_describe_leaf(b)}"
+            if _traced(b) and not _traced(a):
+                return (
+                    f"{label}{where}: prepared for {_describe_leaf(a)}, called under a jax trace (inside "
+                    "jax.jit, jax.grad or jax.vmap) with a traced array. A prep holds a program made for "
+                    "concrete arrays: call without prep= inside the trace, or prepare inside it"
+                )
+            prepared, called = _describe_leaf(a), _describe_leaf(b)
+            if prepared == called:  # (a difference the words above do not show)
+                prepared, called = f"{prepared} {a!r}", f"{called} {b!r}"
+            return f"{label}{where}: prepared for {prepared}, called with {called}"
     return None  # pragma: no cover - equal specs and unequal leaves differ somewhere
+
+
+def _traced(signature: tuple[Any, ...]) -> bool:
+    """Whether a leaf's signature is a traced jax array's (a concrete one names its layout)."""
+    return signature[0] == "jax" and len(signature) == 3
 
 
 def _describe_leaf(signature: tuple[Any, ...]) -> str:
@@ -502,13 +533,17 @@ class _PrepCache:
     An entry lives as long as ``f`` does (for a bound method, as long as its object), and
     each function keeps at most ``per_function`` signatures, the least recently used leaving
     first. :meth:`recent` finds the prep a call most likely reuses without taking the call's
-    signature: its :attr:`Prep.fast` tells whether it fits.
+    signature: its plan's :meth:`~diffiface._plan.Plan.leaves` tells whether the call fits.
+
+    Owners that take weak references are keys of a dict of this class's own, by weak reference
+    (two references to one live object are equal keys); each reference's callback removes its
+    entry when the owner is collected.
     """
 
     per_function = 16
 
     def __init__(self) -> None:
-        self._weak: weakref.WeakKeyDictionary[Any, _Entries] = weakref.WeakKeyDictionary()
+        self._functions: dict[weakref.ref[Any], _Entries] = {}
         self._strong: OrderedDict[Any, _Entries] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -525,9 +560,8 @@ class _PrepCache:
 
     def get(self, f: Callable[..., Any], signature: Signature) -> Prep | None:
         owner, sub, weak = self._owner(f)
-        table = self._weak if weak else self._strong
         try:
-            entries = table.get(owner)
+            entries = self._functions.get(weakref.ref(owner)) if weak else self._strong.get(owner)
         except TypeError:  # an unhashable callable object: no caching
             return None
         if entries is None:
@@ -545,25 +579,30 @@ class _PrepCache:
     def recent(self, f: Callable[..., Any], operator: str) -> Prep | None:
         """The prep of ``operator`` that ``f`` used last; None if there is none."""
         if type(f) is types.FunctionType:  # the common case, without the checks of _owner
-            # (the table's own dict, keyed by weak references: its get() is a Python frame)
-            entries = self._weak.data.get(weakref.ref(f))  # type: ignore[attr-defined]
+            # (functions by weak reference, in a dict of this class's own: a weak key
+            # dictionary's get() is a Python frame, and its inner dict is CPython's detail)
+            try:
+                entries = self._functions.get(weakref.ref(f))
+            except TypeError:  # (an unhashable function object)
+                return None
             sub = None
         else:
             owner, sub, weak = self._owner(f)
             try:
-                entries = (self._weak if weak else self._strong).get(owner)
+                entries = self._functions.get(weakref.ref(owner)) if weak else self._strong.get(owner)
             except TypeError:
                 return None
         return None if entries is None else entries.latest.get((sub, operator))
 
     def put(self, f: Callable[..., Any], signature: Signature, prep: Prep) -> None:
         owner, sub, weak = self._owner(f)
-        table: Any = self._weak if weak else self._strong
+        table: Any = self._functions if weak else self._strong
         with self._lock:
             try:
-                entries = table.get(owner)
+                key = weakref.ref(owner, self._collected) if weak else owner
+                entries = table.get(key)
                 if entries is None:
-                    entries = table[owner] = _Entries()
+                    entries = table[key] = _Entries()
             except TypeError:
                 return
             entries[(sub, signature)] = prep
@@ -575,14 +614,19 @@ class _PrepCache:
                 while len(table) > 256:
                     table.popitem(last=False)
 
+    def _collected(self, reference: weakref.ref[Any]) -> None:
+        """A weakly referenced owner was collected: its entries go (a dead reference is equal to
+        itself only, and keeps the hash it had)."""
+        self._functions.pop(reference, None)  # (no lock: the collector may run while it is held)
+
     def clear(self) -> None:
         with self._lock:
-            self._weak.clear()
+            self._functions.clear()
             self._strong.clear()
 
     def __len__(self) -> int:
         with self._lock:  # (entries are added under the lock: none while this counts)
-            return sum(len(e) for e in list(self._weak.values())) + sum(len(e) for e in self._strong.values())
+            return sum(len(e) for e in list(self._functions.values())) + sum(len(e) for e in self._strong.values())
 
 
 prep_cache = _PrepCache()
