@@ -79,7 +79,7 @@ def test_a_dense_prep_is_refused_by_autosparse_naming_the_backend(engine: str, o
     f = _chain if operator == "jacobian" else _chain_sum
     x = _x(engine)
     prep = getattr(di, f"prepare_{operator}")(f, engine, x)
-    with pytest.raises(di.PreparationMismatchError, match="backend: prepared for Auto.*called with AutoSparse"):
+    with pytest.raises(di.PreparationMismatchError, match=r"backend: prepared for Auto.*called with AutoSparse"):
         getattr(di, operator)(f, di.AutoSparse(engine), x, prep=prep)
     sparse = getattr(di, f"prepare_{operator}")(f, di.AutoSparse(engine), x)
     with pytest.raises(di.PreparationMismatchError, match="backend: prepared for AutoSparse"):
@@ -276,7 +276,9 @@ def test_an_unprepared_sparse_call_sees_a_torch_tensor_written_in_place() -> Non
 # -- item 3: results mirror the dict key order of this call's x -----------------------------------
 
 
-@pytest.mark.parametrize("backend_id", ["jax", "torch-autograd", "torch-func", "autograd", "finite_differences", "scipy"])
+@pytest.mark.parametrize(
+    "backend_id", ["jax", "torch-autograd", "torch-func", "autograd", "finite_differences", "scipy"]
+)
 def test_dict_key_order_comes_from_this_calls_x(backend_id: str) -> None:
     backend = require(backend_id)
     from conftest import namespace, native_tree
@@ -378,11 +380,11 @@ def test_a_prep_for_a_redefined_function_says_so() -> None:
     def loss(v: Any) -> Any:  # type: ignore[no-redef]  # (a notebook cell run again)
         return jnp.sum(v**3)
 
-    with pytest.raises(di.PreparationMismatchError, match="different function object with the same name `.*loss`"):
+    with pytest.raises(di.PreparationMismatchError, match=r"different function object with the same name `.*loss`"):
         di.gradient(loss, "jax", x, prep=prep)
     del keep
     gc.collect()
-    with pytest.raises(di.PreparationMismatchError, match="no longer exists.*redefined"):
+    with pytest.raises(di.PreparationMismatchError, match=r"no longer exists.*redefined"):
         di.gradient(loss, "jax", x, prep=prep)
 
 
