@@ -20,6 +20,7 @@ from ._adapters._base import Adapter
 from ._backends import Backend
 from ._contexts import Context
 from ._errors import ContextError, InvalidInputError
+from ._flatten import key_orders
 from ._keys import is_static as _is_static
 from ._keys import static_key
 from ._keys import static_x_key as _static_x_key
@@ -174,21 +175,8 @@ class Call:
             t_spec,
             tuple(leaf_signature(leaf) for leaf in self.tangent_leaves),
             tuple(context_signature),
-            () if x_spec is _LEAF else _key_orders(x_spec),
+            () if x_spec is _LEAF else key_orders(x_spec),
         )
-
-
-def _key_orders(spec: Any) -> tuple[tuple[Any, ...], ...]:
-    """The keys of each dict of two or more keys in a structure, in their order (optree's
-    structures compare equal whatever the order; results mirror it)."""
-    orders = []
-    pending = [spec]
-    while pending:  # (without recursion: a tree may be deeper than Python's stack)
-        node = pending.pop()
-        if node.type is dict and node.num_children > 1:
-            orders.append(tuple(node.unflatten(list(range(node.num_leaves)))))
-        pending += node.children()
-    return tuple(orders)
 
 
 def _context_leaf_signature(leaf: Any, by_value: bool) -> tuple[Any, ...]:

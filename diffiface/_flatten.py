@@ -23,6 +23,7 @@ from typing import Any
 __all__ = [
     "Flatten",
     "generated",
+    "key_orders",
     "structure_flatten",
     "structure_rebuild",
     "structure_tests",
@@ -70,6 +71,19 @@ def generated(source: str, name: str, namespace: dict[str, Any]) -> Any:
     function = namespace[name]
     weakref.finalize(function, linecache.cache.pop, filename, None)
     return function
+
+
+def key_orders(spec: Any) -> tuple[tuple[Any, ...], ...]:
+    """The keys of each dict of two or more keys in an optree structure, in their order
+    (structures compare equal whatever the order; results mirror it)."""
+    orders = []
+    pending = [spec]
+    while pending:  # (without recursion: a tree may be deeper than Python's stack)
+        node = pending.pop()
+        if node.type is dict and node.num_children > 1:
+            orders.append(tuple(node.unflatten(list(range(node.num_leaves)))))
+        pending += node.children()
+    return tuple(orders)
 
 
 def _too_deep(spec: Any) -> bool:

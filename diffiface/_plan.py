@@ -24,9 +24,10 @@ import numpy as np
 import optree
 
 from . import _arrays, _placement
+from . import tree as _tree
 from ._backends import AutoSparse
 from ._errors import PreparationMismatchError, UnsupportedOperationError
-from ._flatten import Flatten, generated, structure_flatten, structure_tests
+from ._flatten import Flatten, generated, key_orders, structure_flatten, structure_tests
 from ._keys import static_key, static_x_key
 
 __all__ = [
@@ -291,7 +292,7 @@ def _jax_structure(spec: Any, leaves: list[Any]) -> tuple[Any, Any] | None:
     return tree, jax_spec
 
 
-def flattener(spec: Any, leaves: list[Any]) -> tuple[Flatten, Any]:
+def flattener(spec: Any, leaves: list[Any], ordered: bool = False) -> tuple[Flatten, Any]:
     """How a plan flattens an argument of structure ``spec`` (optree's, with these leaves), and
     the structure as that flattening gives it, to compare calls with.
 
@@ -299,7 +300,11 @@ def flattener(spec: Any, leaves: list[Any]) -> tuple[Flatten, Any]:
     flatten nested dicts about three times faster than optree, and tell apart the same trees
     (dict keys sorted, None a node, a leaf of another type caught by the leaf tests). Else
     optree's, in the structure's namespace (optree's default one where it holds no type
-    registered in diffiface's, since a namespace costs optree a slower lookup per node)."""
+    registered in diffiface's, since a namespace costs optree a slower lookup per node).
+
+    With ``ordered`` (x's, whose order results mirror), a tree whose dicts hold their keys in
+    another order does not fit: the function written tests each dict's order; where none is
+    written, the C flattening's structure is paired with the tree's key orders."""
     found = _jax_structure(spec, leaves)
     if found is not None:  # (the registry's own method: tree_flatten is a Python frame around it)
         flatten, key = sys.modules["jax"].tree_util.default_registry.flatten, found[1]
@@ -309,7 +314,26 @@ def flattener(spec: Any, leaves: list[Any]) -> tuple[Flatten, Any]:
         return flatten, key
     # a structure of tuples, lists and dicts: indexed by a function written for it (_flatten)
     written = structure_flatten(spec, key, optree.tree_unflatten(spec, leaves), flatten)
-    return (flatten if written is None else written), key
+    if written is not None:
+        return written, key
+    orders = key_orders(spec) if ordered else ()
+    if not orders:
+        return flatten, key
+    return _Ordered(flatten), (key, orders)
+
+
+class _Ordered:
+    """A C flattening whose structure is paired with the tree's dict key orders (which the C
+    structures do not tell apart)."""
+
+    __slots__ = ("flatten",)
+
+    def __init__(self, flatten: Flatten) -> None:
+        self.flatten = flatten
+
+    def __call__(self, tree: Any) -> tuple[Any, Any]:
+        leaves, key = self.flatten(tree)
+        return leaves, (key, key_orders(_tree.structure(tree)))
 
 
 def optree_flatten(namespace: str = "") -> Flatten:
@@ -615,7 +639,9 @@ class FlatCall:
         """jax's x64 flag, read per call where the program may need its scope; else None."""
 
 
-def _write_flat_call(plan: Plan, direct: Any, arguments: list[Any], spec: Any, jax_spec: Any) -> FlatCall | None:
+def _write_flat_call(
+    plan: Plan, direct: Any, arguments: list[Any], spec: Any, jax_spec: Any, ordered: bool = False
+) -> FlatCall | None:
     """The :class:`FlatCall` of ``plan`` for the prepared ``arguments`` (``[x, tangent?,
     *context values]``, of optree structure ``spec``, None where each is one array, and jax's
     ``jax_spec``); None where the function written does not find the leaves jax's flattening
@@ -634,6 +660,8 @@ def _write_flat_call(plan: Plan, direct: Any, arguments: list[Any], spec: Any, j
             for lines, leaves in walks:  # type: ignore[misc]
                 walk += lines
                 exprs += leaves
+        elif ordered:  # (jax's flattening does not see x's dict key order, which results mirror)
+            return None
         else:  # (a node it does not write for: jax's flattening, in C, which may raise)
             caught = "Exception"
             exprs = [f"leaves[{i}]" for i in range(spec.num_leaves)]
@@ -780,4 +808,4 @@ def flat_call(plan: Plan, program: Any, call: Any) -> FlatCall | None:
     found = _jax_structure(spec, leaves)  # (jax takes the arguments apart into optree's leaves)
     if found is None:
         return None
-    return _write_flat_call(plan, program, rebuilt, spec, found[1])
+    return _write_flat_call(plan, program, rebuilt, spec, found[1], ordered=bool(sig.x_order))

@@ -3,6 +3,7 @@ weak cache that lets unprepared calls reuse it."""
 
 from __future__ import annotations
 
+import dis
 import functools
 import hashlib
 import itertools
@@ -19,6 +20,7 @@ import numpy as np
 
 from . import _arrays
 from ._errors import PreparationMismatchError, UnsupportedOperationError
+from ._flatten import generated
 from .tree import path_string
 
 if TYPE_CHECKING:
@@ -198,16 +200,21 @@ class Closure:
     of an attribute, a model's parameters) is not followed: pass such data as a
     :class:`~diffiface.Constant`."""
 
-    __slots__ = ("_arrays", "_ids", "_keep")
+    __slots__ = ("_arrays", "_ids", "_keep", "holds")
 
     def __init__(self, f: Callable[..., Any]) -> None:
         values = _reads(f)
         self._keep = values  # (the ids stay those of live objects)
         self._ids = list(map(id, values))
         self._arrays = [(i, _contents(v)) for i, v in enumerate(values) if _is_followed_array(v)]
+        self.holds: Callable[[Callable[..., Any]], bool] = self._holds
+        """``holds(f)``: whether ``f`` reads the same objects, and the arrays among them hold the
+        same values."""
+        if type(f) is types.FunctionType and len(values) == len(_function_reads(f)):
+            # (a function that reads no other callable: its test written for it, see _write_holds)
+            self.holds = _write_holds(f, values, self._arrays, self._holds)
 
-    def holds(self, f: Callable[..., Any]) -> bool:
-        """Whether ``f`` reads the same objects, and the arrays among them hold the same values."""
+    def _holds(self, f: Callable[..., Any]) -> bool:
         values = _reads(f)
         if list(map(id, values)) != self._ids:
             return False
@@ -215,6 +222,76 @@ class Closure:
             if not contents.holds(values[i]):
                 return False
         return True
+
+
+def _write_holds(
+    function: types.FunctionType,
+    values: list[Any],
+    arrays: list[tuple[int, Any]],
+    general: Callable[[Callable[..., Any]], bool],
+) -> Callable[[Callable[..., Any]], bool]:
+    """:meth:`Closure.holds` for a function that reads no other callable, written for it: each
+    object :func:`_function_reads` gave (``values``) compared by identity with what the same
+    read gives now, in one Python frame (it runs on every unprepared call, where the general
+    test's frames and lists cost several times as much; the benchmark is named in
+    tests/test_staleness.py). Another kind of f, an empty closure cell or a ``__wrapped__``
+    added since are left to ``general``."""
+    constants: dict[str, Any] = {"FUNCTION": types.FunctionType, "CODE": function.__code__, "GENERAL": general}
+    constants["UNDEFINED"] = _UNDEFINED
+    reads: list[str] = []  # (the expression that gives values[i], for each i past the code)
+    cells = function.__closure__ or ()
+    reads += [f"cells[{k}].cell_contents" for k in range(len(cells))]
+    namespace = function.__globals__
+    absent = []
+    for name in _names(function.__code__):  # (a subscript costs less than a call of get)
+        reads.append(f"g[{name!r}]" if name in namespace else "")
+        if name not in namespace:
+            absent.append(name)
+    defaults = function.__defaults__ or ()
+    reads += [f"defaults[{k}]" for k in range(len(defaults))]
+    reads.append("")  # (the marker where the defaults end)
+    keywords = function.__kwdefaults__ or {}
+    for name in keywords:  # (a name, then the object it holds: the object is compared)
+        reads += ["", f"keywords.get({name!r}, UNDEFINED)"]
+    if len(reads) + 1 != len(values):  # pragma: no cover - the same reads as _function_reads
+        return general
+    tests = []
+    for i, expression in enumerate(reads, 1):
+        if expression:
+            constants[f"V{i}"] = values[i]
+            tests.append(f"{expression} is not V{i}")
+    lines = [
+        "if type(f) is not FUNCTION or f.__code__ is not CODE or '__wrapped__' in f.__dict__:",
+        "    return GENERAL(f)",
+        "g = f.__globals__",
+    ]
+    if cells:  # (the code says how many)
+        lines.append("cells = f.__closure__")
+    if defaults or keywords:
+        lines += [
+            "defaults = f.__defaults__ or ()",
+            "keywords = f.__kwdefaults__ or {}",
+            f"if len(defaults) != {len(defaults)} or len(keywords) != {len(keywords)}: return False",
+        ]
+    else:
+        lines.append("if f.__defaults__ or f.__kwdefaults__: return False")
+    if absent:  # (a name defined since: a global now shadows what f found elsewhere)
+        lines.append(f"if {' or '.join(f'{name!r} in g' for name in absent)}: return False")
+    if tests:
+        lines += [
+            "try:",
+            f"    if {' or '.join(tests)}: return False",
+            "except KeyError:  # (a global deleted)",
+            "    return False",
+            "except ValueError:  # (an empty cell)",
+            "    return GENERAL(f)",
+        ]
+    for i, contents in arrays:  # (the array is the one read then: its contents now against then)
+        constants[f"A{i}"] = contents
+        lines.append(f"if not A{i}.holds(V{i}): return False")
+    source = "def holds(f):\n" + "".join(f"    {line}\n" for line in lines) + "    return True\n"
+    written: Callable[[Callable[..., Any]], bool] = generated(source, "holds", constants)
+    return written
 
 
 _MOST_FOLLOWED = 32
@@ -324,11 +401,16 @@ def _instance(obj: Any, values: list[Any]) -> None:
 
 @functools.lru_cache(maxsize=1024)
 def _names(code: types.CodeType) -> tuple[str, ...]:
-    names = list(code.co_names)
+    """The global names a code object and the code nested in it load, each once."""
+    names = [
+        instruction.argval
+        for instruction in dis.get_instructions(code)
+        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+    ]
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             names.extend(_names(const))
-    return tuple(names)
+    return tuple(dict.fromkeys(names))
 
 
 _KEPT = 1 << 24

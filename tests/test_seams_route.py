@@ -104,7 +104,7 @@ def test_an_unchanged_closure_reuses_its_program(monkeypatch: pytest.MonkeyPatch
 
 
 def test_the_closure_test_sees_every_change_to_what_f_reads() -> None:
-    """``Closure.holds`` notices every change an unprepared call must notice: a global rebound,
+    """``Closure.holds``, written for one function, and the general test both notice every change an unprepared call must notice: a global rebound,
     a name defined that was not (a builtin shadowed), a default, a closure cell rebound or
     emptied, a numpy array written in place; and nothing else (the same function, another
     function of the same code and reads, a bound method's function)."""
@@ -125,7 +125,18 @@ def test_the_closure_test_sees_every_change_to_what_f_reads() -> None:
     )
     weight = 1.0
     f = namespace["make"](weight)
-    closure = Closure(f)
+    written = Closure(f)
+    assert written.holds != written._holds  # (written for the function)
+
+    class Both:
+        """The written test and the general one, which must agree."""
+
+        def holds(self, g: Any) -> bool:
+            found, general = written.holds(g), written._holds(g)
+            assert found is general, g
+            return bool(found)
+
+    closure = Both()
     assert closure.holds(f)
     assert closure.holds(namespace["make"](weight))  # (another function: the same code, the same objects read)
     assert not closure.holds(namespace["make"](2.0))

@@ -462,3 +462,33 @@ def test_the_prep_module_cites_only_names_that_exist() -> None:
     source = inspect.getsource(_prep)
     for gone in ("Prep.fast", "_matching", "test_quick_match"):
         assert gone not in source
+
+
+_Pair = __import__("collections").namedtuple("_Pair", "d e")
+
+
+@pytest.mark.parametrize("backend_id", ["jax", "torch-autograd", "finite_differences"])
+def test_dict_key_order_is_mirrored_where_no_flattening_is_written(backend_id: str) -> None:
+    """A dict inside a namedtuple, and one of 300 keys: x is flattened in C, which does not see
+    the order; the order is compared beside it."""
+    backend = require(backend_id)
+    from conftest import native_tree
+
+    def f(t: Any) -> Any:
+        return (t.d["a"] ** 2).sum() + (t.d["b"] ** 3).sum() + t.e.sum()
+
+    first = _Pair(native_tree(backend_id, {"a": np.ones(2), "b": np.ones(2)}, "float64"), np.ones(1))
+    first = _Pair(first.d, native_tree(backend_id, np.ones(1), "float64"))
+    second = _Pair({"b": first.d["b"], "a": first.d["a"]}, first.e)
+    for _ in range(2):
+        assert list(di.gradient(f, backend, first).d) == ["a", "b"]
+        assert list(di.gradient(f, backend, second).d) == ["b", "a"]
+    many = native_tree(backend_id, {f"k{i}": np.ones(1) for i in range(300)}, "float64")
+    reversed_keys = dict(reversed(list(many.items())))
+
+    def total(t: Any) -> Any:
+        return sum((v**2).sum() for v in t.values())
+
+    for _ in range(2):
+        assert list(di.gradient(total, backend, many)) == list(many)
+        assert list(di.gradient(total, backend, reversed_keys)) == list(reversed_keys)
