@@ -492,3 +492,26 @@ def test_dict_key_order_is_mirrored_where_no_flattening_is_written(backend_id: s
     for _ in range(2):
         assert list(di.gradient(total, backend, many)) == list(many)
         assert list(di.gradient(total, backend, reversed_keys)) == list(reversed_keys)
+
+
+def test_the_written_closure_test_pays() -> None:
+    """The benchmark of ``_prep._write_holds``: the test written for a function against the
+    general one, interleaved, each the best of many rounds; the written one must stay faster
+    (it is several times so), or it is not worth its generated code."""
+    import timeit
+
+    require("jax")
+    import jax.numpy as jnp
+
+    table = np.arange(3.0)
+
+    def loss(v: Any, power: int = 2, *, k: float = 1.0) -> Any:
+        return jnp.sum(k * SCALE * table * v**power)
+
+    closure = _prep.Closure(loss)
+    assert closure.holds != closure._holds
+    written, general = [], []
+    for _ in range(15):
+        written.append(timeit.timeit(lambda: closure.holds(loss), number=2000))
+        general.append(timeit.timeit(lambda: closure._holds(loss), number=2000))
+    assert min(written) < min(general), (min(written), min(general))
