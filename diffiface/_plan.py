@@ -24,10 +24,9 @@ import numpy as np
 import optree
 
 from . import _arrays, _placement
-from . import tree as _tree
 from ._backends import AutoSparse
 from ._errors import PreparationMismatchError, UnsupportedOperationError
-from ._flatten import Flatten, generated, key_orders, structure_flatten, structure_tests
+from ._flatten import Flatten, generated, structure_flatten, structure_tests
 from ._keys import static_key, static_x_key
 
 __all__ = [
@@ -316,7 +315,7 @@ def flattener(spec: Any, leaves: list[Any], ordered: bool = False) -> tuple[Flat
     written = structure_flatten(spec, key, optree.tree_unflatten(spec, leaves), flatten)
     if written is not None:
         return written, key
-    orders = key_orders(spec) if ordered else ()
+    orders = _dict_orders(optree.tree_unflatten(spec, leaves)) if ordered else ()
     if not orders:
         return flatten, key
     return _Ordered(flatten), (key, orders)
@@ -333,7 +332,27 @@ class _Ordered:
 
     def __call__(self, tree: Any) -> tuple[Any, Any]:
         leaves, key = self.flatten(tree)
-        return leaves, (key, key_orders(_tree.structure(tree)))
+        return leaves, (key, _dict_orders(tree))
+
+
+def _dict_orders(tree: Any) -> tuple[tuple[Any, ...], ...]:
+    """The keys of each dict of two or more keys in a tree of dicts, lists and tuples (and
+    namedtuples), in their order; a node of another type is not looked into. A walk over the
+    containers alone, without recursion: it runs on every call of a tree that has no function
+    written for it (a large or deep one)."""
+    orders = []
+    pending = [tree]
+    containers = (dict, list, tuple)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, dict):
+            if len(node) > 1:
+                orders.append(tuple(node))
+            node = node.values()
+        elif not isinstance(node, (list, tuple)):  # (x itself of another type)
+            continue
+        pending += [child for child in node if isinstance(child, containers)]
+    return tuple(orders)
 
 
 def optree_flatten(namespace: str = "") -> Flatten:
