@@ -415,7 +415,7 @@ def _names(code: types.CodeType) -> tuple[str, ...]:
 
 _KEPT = 1 << 24
 """Bytes of an array whose contents a closure keeps a copy of; a larger array's are hashed
-(a copy would double the memory it takes; hashing costs about four times comparing a copy)."""
+(a copy would double the memory it takes; comparing a copy costs less than hashing)."""
 
 
 def _is_followed_array(value: Any) -> bool:
