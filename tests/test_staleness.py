@@ -524,3 +524,21 @@ def test_the_written_closure_test_pays() -> None:
         written.append(timeit.timeit(lambda: closure.holds(loss), number=2000))
         general.append(timeit.timeit(lambda: closure._holds(loss), number=2000))
     assert min(written) < min(general), (min(written), min(general))
+
+
+def test_a_tensor_without_a_numpy_view_is_compared_with_a_copy() -> None:
+    """A bfloat16 tensor (a dtype numpy lacks; an accelerator's tensor takes the same path):
+    compared with a copy on its device."""
+    require("torch-autograd")
+    import torch
+
+    mask = torch.tensor([1.0, 0.0, 0.0], dtype=torch.bfloat16)
+
+    def f(v: Any) -> Any:
+        return v * mask
+
+    closure = _prep.Closure(f)
+    assert [type(contents).__name__ for _, contents in closure._arrays] == ["_DeviceContents"]
+    assert closure.holds(f)
+    mask[1] = 1.0
+    assert not closure.holds(f)
