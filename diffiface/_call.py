@@ -20,6 +20,7 @@ from ._adapters._base import Adapter
 from ._backends import Backend
 from ._contexts import Context
 from ._errors import ContextError, InvalidInputError
+from ._flatten import key_orders
 from ._keys import is_static as _is_static
 from ._keys import static_key
 from ._keys import static_x_key as _static_x_key
@@ -174,6 +175,7 @@ class Call:
             t_spec,
             tuple(leaf_signature(leaf) for leaf in self.tangent_leaves),
             tuple(context_signature),
+            () if x_spec is _LEAF else key_orders(x_spec),
         )
 
 

@@ -215,7 +215,7 @@ def _plan(
         ),
         single=_single(op, call, by_value, engine),
         flatteners=(
-            flattener(sig.x_spec, call.x_leaves),
+            flattener(sig.x_spec, call.x_leaves, ordered=True),
             flattener(sig.tangent_spec, call.tangent_leaves),
             tuple(
                 flattener(spec, leaves) for spec, leaves in zip(call.context_specs, call.context_leaves, strict=True)

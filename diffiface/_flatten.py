@@ -1,4 +1,5 @@
-"""Flattening one known tree structure fast: a Python function written for the structure.
+"""Flattening one known tree structure fast: a Python function written for the structure; and
+:func:`generated`, the one place where diffiface compiles code written at run time.
 
 optree's and jax's C flattening is fast when warm, but a prepared call runs it right after the
 engine's program has emptied the processor's caches, where flattening a nested dict of four
@@ -14,10 +15,20 @@ registered class) keeps the C flattening.
 from __future__ import annotations
 
 import itertools
+import linecache
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["Flatten", "structure_flatten", "structure_rebuild", "structure_tests", "structure_unflatten"]
+__all__ = [
+    "Flatten",
+    "generated",
+    "key_orders",
+    "structure_flatten",
+    "structure_rebuild",
+    "structure_tests",
+    "structure_unflatten",
+]
 
 Flatten = Callable[[Any], tuple[Any, Any]]
 """``flatten(tree) -> (leaves, structure)``."""
@@ -41,6 +52,49 @@ class _Other:
 
 _MISS = (None, _Other())
 _LARGEST = 256  # leaves; a larger tree keeps the C flattening (its function would be long)
+_DEEPEST = 32
+"""Levels of nodes; a deeper tree keeps the C flattening (Python's parser refuses an expression
+nested some 200 levels deep, and the writers recurse once per level)."""
+
+_SERIAL = itertools.count()
+
+
+def generated(source: str, name: str, namespace: dict[str, Any]) -> Any:
+    """The function ``name`` that ``source`` defines, run in ``namespace``: the one place
+    diffiface compiles code it writes. Each source gets a file name of its own, and its text is
+    registered in :mod:`linecache` (until the function is collected), so that tracebacks and
+    pdb show the generated lines."""
+    filename = f"<diffiface generated {name} #{next(_SERIAL)}>"
+    code = compile(source, filename, "exec")
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    exec(code, namespace)
+    function = namespace[name]
+    weakref.finalize(function, linecache.cache.pop, filename, None)
+    return function
+
+
+def key_orders(spec: Any) -> tuple[tuple[Any, ...], ...]:
+    """The keys of each dict of two or more keys in an optree structure, in their order
+    (structures compare equal whatever the order; results mirror it)."""
+    orders = []
+    pending = [spec]
+    while pending:  # (without recursion: a tree may be deeper than Python's stack)
+        node = pending.pop()
+        if node.type is dict and node.num_children > 1:
+            orders.append(tuple(node.unflatten(list(range(node.num_leaves)))))
+        pending += node.children()
+    return tuple(orders)
+
+
+def _too_deep(spec: Any) -> bool:
+    """Whether a structure nests more than :data:`_DEEPEST` levels of nodes (found without
+    recursion, which such a tree could exhaust)."""
+    level = [spec]
+    for _ in range(_DEEPEST + 1):
+        level = [child for node in level for child in node.children()]
+        if not level:
+            return False
+    return True
 
 
 def structure_flatten(spec: Any, key: Any, tree: Any, flatten: Flatten) -> Flatten | None:
@@ -50,7 +104,7 @@ def structure_flatten(spec: Any, key: Any, tree: Any, flatten: Flatten) -> Flatt
     such a tree does not fit, as under ``flatten``). A leaf's own type is not tested (the plan
     tests it). None where ``spec`` holds a node it does not write for, or is one leaf, or
     where the function does not give what ``flatten`` gives for ``tree``, the prepared tree."""
-    if spec is None or spec.is_leaf() or spec.num_leaves > _LARGEST or str(spec.namespace):
+    if spec is None or spec.is_leaf() or spec.num_leaves > _LARGEST or str(spec.namespace) or _too_deep(spec):
         return None
     written_tests = structure_tests(spec, "tree", (f"n{i}" for i in itertools.count()))
     if written_tests is None:
@@ -65,9 +119,7 @@ def structure_flatten(spec: Any, key: Any, tree: Any, flatten: Flatten) -> Flatt
         "    except KeyError:\n"
         "        return MISS\n"
     )
-    namespace: dict[str, Any] = {"KEY": key, "MISS": _MISS}
-    exec(compile(source, "<diffiface: flatten a known structure>", "exec"), namespace)
-    written: Flatten = namespace["flatten"]
+    written: Flatten = generated(source, "flatten", {"KEY": key, "MISS": _MISS})
     found, found_key = written(tree)
     expected, expected_key = flatten(tree)
     if found_key is not key or expected_key != key or len(found) != len(expected):
@@ -87,6 +139,8 @@ def structure_tests(
     where ``spec`` holds a node other than tuples, lists, dicts with str or int keys and None.
     A function written from them must be checked on a tree whose leaves are known (as
     :func:`structure_flatten` does)."""
+    if _too_deep(spec):
+        return None
     lines: list[str] = []
     leaves: list[str] = []
     return (lines, leaves) if _write(spec, root, lines, leaves, names, miss) else None
@@ -112,6 +166,12 @@ def _write(
     name = next(names)
     lines.append(f"{name} = {expr}")
     lines.append(f"if type({name}) is not {kind.__name__} or len({name}) != {len(entries)}: {miss}")
+    if kind is dict and len(entries) > 1:  # (results mirror x's keys in x's order: another order misses)
+        order = tuple(node.unflatten(list(range(node.num_leaves))))
+        if len(order) == 2:  # (its keys are indexed below: the first one tells the order)
+            lines.append(f"if next(iter({name})) != {order[0]!r}: {miss}")
+        else:
+            lines.append(f"if tuple({name}) != {order!r}: {miss}")
     return all(
         _write(child, f"{name}[{entry!r}]", lines, leaves, names, miss)
         for child, entry in zip(node.children(), entries, strict=True)
@@ -123,16 +183,14 @@ def structure_unflatten(spec: Any) -> Callable[[Any], Any] | None:
     ``spec.unflatten`` does (dict keys in the order ``spec`` keeps), written for the
     structure; None where ``spec`` holds a node other than tuples, lists, dicts with str or
     int keys and None, or is one leaf."""
-    if spec is None or spec.is_leaf() or spec.num_leaves > _LARGEST or str(spec.namespace):
+    if spec is None or spec.is_leaf() or spec.num_leaves > _LARGEST or str(spec.namespace) or _too_deep(spec):
         return None
     example = spec.unflatten(list(range(spec.num_leaves)))
     expression = _build(example)
     if expression is None:
         return None
-    namespace: dict[str, Any] = {}
     source = f"def unflatten(leaves):\n    return {expression}\n"
-    exec(compile(source, "<diffiface: build a known structure>", "exec"), namespace)
-    written: Callable[[Any], Any] = namespace["unflatten"]
+    written: Callable[[Any], Any] = generated(source, "unflatten", {})
     leaves = [object() for _ in range(spec.num_leaves)]
     built, expected = written(leaves), spec.unflatten(leaves)
     if _shape_of(built) != _shape_of(expected):
@@ -149,7 +207,7 @@ def structure_rebuild(
     None where either structure holds a node not written for, or where the function does not
     rebuild ``native`` into ``result`` (the same nodes, keys in order, and leaves by identity)."""
     for spec in (native_spec, result_spec):
-        if spec is None or spec.num_leaves > _LARGEST or str(spec.namespace):
+        if spec is None or spec.num_leaves > _LARGEST or str(spec.namespace) or _too_deep(spec):
             return None
     tests = structure_tests(native_spec, "tree", (f"n{i}" for i in itertools.count()), "return FALLBACK(tree)")
     expression = _build(result_spec.unflatten(list(range(result_spec.num_leaves))))
@@ -163,9 +221,7 @@ def structure_rebuild(
         "        return FALLBACK(tree)\n"
         f"    return {expression}\n"
     )
-    namespace: dict[str, Any] = {"FALLBACK": fallback}
-    exec(compile(source, "<diffiface: rebuild a known structure>", "exec"), namespace)
-    written: Callable[[Any], Any] = namespace["rebuild"]
+    written: Callable[[Any], Any] = generated(source, "rebuild", {"FALLBACK": fallback})
     if _shape_of(written(native)) != _shape_of(result):
         return None
     return written

@@ -25,8 +25,8 @@ import optree
 
 from . import _arrays, _placement
 from ._backends import AutoSparse
-from ._errors import PreparationMismatchError
-from ._flatten import Flatten, structure_flatten, structure_tests
+from ._errors import PreparationMismatchError, UnsupportedOperationError
+from ._flatten import Flatten, generated, structure_flatten, structure_tests
 from ._keys import static_key, static_x_key
 
 __all__ = [
@@ -127,8 +127,19 @@ def leaf_check(leaf: Any, static_x: bool = False, by_value: bool = False, engine
     jax_test = same.jax
     if kind == "jax" and same.layout is not None and _one_device(leaf):
         jax_test = same.jax_one_device
-    test = {"jax": jax_test, "numpy": same.numpy, "torch": same.torch}.get(kind)
-    return type(leaf), test
+    tests: dict[str, Callable[[Any], bool] | None] = {
+        "jax": jax_test,
+        "numpy": same.numpy,
+        "torch": same.torch,
+        "autograd": same.numpy,  # (a box answers its value's shape and dtype)
+        "python": None,  # (a Python number's type says all)
+    }
+    if kind not in tests:  # (a kind with no test here would be compared by its type alone)
+        raise UnsupportedOperationError(
+            f"A prep has no test of the shape and dtype of a leaf of array kind {kind!r} "
+            f"({type(leaf).__name__}): diffiface cannot tell whether a later call fits it."
+        )
+    return type(leaf), tests[kind]
 
 
 def _one_device(leaf: Any) -> bool:
@@ -280,7 +291,7 @@ def _jax_structure(spec: Any, leaves: list[Any]) -> tuple[Any, Any] | None:
     return tree, jax_spec
 
 
-def flattener(spec: Any, leaves: list[Any]) -> tuple[Flatten, Any]:
+def flattener(spec: Any, leaves: list[Any], ordered: bool = False) -> tuple[Flatten, Any]:
     """How a plan flattens an argument of structure ``spec`` (optree's, with these leaves), and
     the structure as that flattening gives it, to compare calls with.
 
@@ -288,7 +299,11 @@ def flattener(spec: Any, leaves: list[Any]) -> tuple[Flatten, Any]:
     flatten nested dicts about three times faster than optree, and tell apart the same trees
     (dict keys sorted, None a node, a leaf of another type caught by the leaf tests). Else
     optree's, in the structure's namespace (optree's default one where it holds no type
-    registered in diffiface's, since a namespace costs optree a slower lookup per node)."""
+    registered in diffiface's, since a namespace costs optree a slower lookup per node).
+
+    With ``ordered`` (x's, whose order results mirror), a tree whose dicts hold their keys in
+    another order does not fit: the function written tests each dict's order; where none is
+    written, the C flattening's structure is paired with the tree's key orders."""
     found = _jax_structure(spec, leaves)
     if found is not None:  # (the registry's own method: tree_flatten is a Python frame around it)
         flatten, key = sys.modules["jax"].tree_util.default_registry.flatten, found[1]
@@ -298,7 +313,46 @@ def flattener(spec: Any, leaves: list[Any]) -> tuple[Flatten, Any]:
         return flatten, key
     # a structure of tuples, lists and dicts: indexed by a function written for it (_flatten)
     written = structure_flatten(spec, key, optree.tree_unflatten(spec, leaves), flatten)
-    return (flatten if written is None else written), key
+    if written is not None:
+        return written, key
+    orders = _dict_orders(optree.tree_unflatten(spec, leaves)) if ordered else ()
+    if not orders:
+        return flatten, key
+    return _Ordered(flatten), (key, orders)
+
+
+class _Ordered:
+    """A C flattening whose structure is paired with the tree's dict key orders (which the C
+    structures do not tell apart)."""
+
+    __slots__ = ("flatten",)
+
+    def __init__(self, flatten: Flatten) -> None:
+        self.flatten = flatten
+
+    def __call__(self, tree: Any) -> tuple[Any, Any]:
+        leaves, key = self.flatten(tree)
+        return leaves, (key, _dict_orders(tree))
+
+
+def _dict_orders(tree: Any) -> tuple[tuple[Any, ...], ...]:
+    """The keys of each dict of two or more keys in a tree of dicts, lists and tuples (and
+    namedtuples), in their order; a node of another type is not looked into. A walk over the
+    containers alone, without recursion: it runs on every call of a tree that has no function
+    written for it (a large or deep one)."""
+    orders = []
+    pending = [tree]
+    containers = (dict, list, tuple)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, dict):
+            if len(node) > 1:
+                orders.append(tuple(node))
+            node = node.values()
+        elif not isinstance(node, (list, tuple)):  # (x itself of another type)
+            continue
+        pending += [child for child in node if isinstance(child, containers)]
+    return tuple(orders)
 
 
 def optree_flatten(namespace: str = "") -> Flatten:
@@ -322,12 +376,19 @@ def jax_rebuilds_alike(spec: Any, leaves: list[Any]) -> bool:
 
 
 def _same_nodes(a: Any, b: Any) -> bool:
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, dict):
-        return list(a) == list(b) and all(_same_nodes(a[key], b[key]) for key in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same_nodes(u, v) for u, v in zip(a, b, strict=True))
+    pending = [(a, b)]
+    while pending:  # (without recursion: a tree may be deeper than Python's stack)
+        a, b = pending.pop()
+        if type(a) is not type(b):
+            return False
+        if isinstance(a, dict):
+            if list(a) != list(b):
+                return False
+            pending += [(a[key], b[key]) for key in a]
+        elif isinstance(a, (list, tuple)):
+            if len(a) != len(b):
+                return False
+            pending += zip(a, b, strict=True)
     return True
 
 
@@ -434,8 +495,11 @@ class Plan:
     def fits_backend(self, backend: Any) -> bool:
         """Whether a backend object other than the plan's own one means it."""
         mine = self.backend
-        # (an AutoSparse's operators other than Jacobians and Hessians are its engine's)
-        return bool(backend == mine) or (type(backend) is AutoSparse and backend.backend == mine)
+        # (an AutoSparse's operators other than Jacobians and Hessians are its engine's; its own
+        # are sparse programs, never the dense plan of its engine)
+        return bool(backend == mine) or (
+            type(backend) is AutoSparse and self.operator not in AutoSparse.operators and backend.backend == mine
+        )
 
     def leaves(
         self, operator: str, f: Any, backend: Any, x: Any, tangent: Any, contexts: tuple[Any, ...], has_aux: bool
@@ -594,7 +658,9 @@ class FlatCall:
         """jax's x64 flag, read per call where the program may need its scope; else None."""
 
 
-def _write_flat_call(plan: Plan, direct: Any, arguments: list[Any], spec: Any, jax_spec: Any) -> FlatCall | None:
+def _write_flat_call(
+    plan: Plan, direct: Any, arguments: list[Any], spec: Any, jax_spec: Any, ordered: bool = False
+) -> FlatCall | None:
     """The :class:`FlatCall` of ``plan`` for the prepared ``arguments`` (``[x, tangent?,
     *context values]``, of optree structure ``spec``, None where each is one array, and jax's
     ``jax_spec``); None where the function written does not find the leaves jax's flattening
@@ -613,6 +679,8 @@ def _write_flat_call(plan: Plan, direct: Any, arguments: list[Any], spec: Any, j
             for lines, leaves in walks:  # type: ignore[misc]
                 walk += lines
                 exprs += leaves
+        elif ordered:  # (jax's flattening does not see x's dict key order, which results mirror)
+            return None
         else:  # (a node it does not write for: jax's flattening, in C, which may raise)
             caught = "Exception"
             exprs = [f"leaves[{i}]" for i in range(spec.num_leaves)]
@@ -696,11 +764,9 @@ def _write_flat_call(plan: Plan, direct: Any, arguments: list[Any], spec: Any, j
     check = f"def leaves_of({', '.join(roots)}):\n" + "".join(
         f"    {line}\n" for line in [*walk, f"return [{', '.join(exprs)}]"]
     )
-    namespace = dict(constants)
-    exec(compile(source, "<diffiface: the plan's steps and its program>", "exec"), namespace)
-    exec(compile(check, "<diffiface: the plan's leaves>", "exec"), namespace)
+    run = generated(source, "run", dict(constants))
     try:
-        got = namespace["leaves_of"](*arguments)
+        got = generated(check, "leaves_of", dict(constants))(*arguments)
     except Exception:
         return None
     if (
@@ -709,7 +775,7 @@ def _write_flat_call(plan: Plan, direct: Any, arguments: list[Any], spec: Any, j
         or not all(a is b for a, b in zip(got, expected, strict=True))
     ):
         return None
-    return FlatCall(namespace["run"], source, spec is None, numpy, constants["X64"])
+    return FlatCall(run, source, spec is None, numpy, constants["X64"])
 
 
 def _fields_only(backend: Any) -> bool:
@@ -761,4 +827,4 @@ def flat_call(plan: Plan, program: Any, call: Any) -> FlatCall | None:
     found = _jax_structure(spec, leaves)  # (jax takes the arguments apart into optree's leaves)
     if found is None:
         return None
-    return _write_flat_call(plan, program, rebuilt, spec, found[1])
+    return _write_flat_call(plan, program, rebuilt, spec, found[1], ordered=bool(sig.x_order))

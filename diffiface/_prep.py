@@ -3,7 +3,12 @@ weak cache that lets unprepared calls reuse it."""
 
 from __future__ import annotations
 
+import dis
 import functools
+import hashlib
+import itertools
+import operator
+import sys
 import threading
 import types
 import weakref
@@ -13,7 +18,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from . import _arrays
 from ._errors import PreparationMismatchError, UnsupportedOperationError
+from ._flatten import generated
 from .tree import path_string
 
 if TYPE_CHECKING:
@@ -35,6 +42,9 @@ class Signature(NamedTuple):
     tangent_spec: Any
     tangent_leaves: tuple[Any, ...]
     contexts: tuple[Any, ...]
+    x_order: tuple[tuple[Any, ...], ...] = ()
+    """The keys of x's dicts of two or more keys, each in its order (results mirror it; tree
+    structures compare equal whatever the order)."""
 
 
 class FunctionRef:
@@ -169,136 +179,330 @@ class Prep:
 
 
 class Closure:
-    """What ``f`` reads besides its arguments, where a program keeps it: the objects its closure
-    cells hold, the globals its code names (and its nested functions'), and its defaults, each
-    by identity; numpy arrays among them also by their values, which can change in place.
+    """What ``f`` reads besides its arguments, as a compiled program or a sparsity pattern keeps
+    it: an unprepared call whose f reads anything else prepares again rather than reuse a stale
+    program (``jax.jit`` bakes in the values f reads when it traces f).
 
-    A compiled program bakes these in when it traces f (as ``jax.jit`` does), and a sparsity
-    pattern is detected for them, so an unprepared call whose f reads anything else prepares
-    again rather than reuse a stale program. What objects hold (an attribute set on a model
-    f reads) is not followed: pass such data as a :class:`~diffiface.Constant`."""
+    What is followed (:func:`_reads`, the rule docs/preparation.md states):
 
-    __slots__ = ("_arrays", "_code", "_ids", "_keep", "_names", "holds")
+    - a function: its code, the objects its closure cells hold, the globals its code names (and
+      its nested functions' code names; a name not defined is followed too, as it may be later),
+      its ``__defaults__`` and ``__kwdefaults__``; then the functions among these that it closes
+      over or that live in its own module (the helpers it calls), and ``__wrapped__``;
+    - a ``functools.partial``: its ``func`` (followed as f), ``args`` and ``keywords``;
+    - a bound method: its function, and its instance's ``__dict__`` (one level);
+    - any other callable object: its type, ``type(f).__call__`` (followed as a function) and
+      its ``__dict__`` (one level), and ``__wrapped__``.
+
+    Each object so read is compared by identity; numpy arrays and torch tensors among them also
+    by their contents (:class:`_Contents`), which can change in place. At most
+    ``_MOST_FOLLOWED`` callables are followed per f. What objects hold below that (an attribute
+    of an attribute, a model's parameters) is not followed: pass such data as a
+    :class:`~diffiface.Constant`."""
+
+    __slots__ = ("_arrays", "_ids", "_keep", "holds")
 
     def __init__(self, f: Callable[..., Any]) -> None:
-        function = getattr(f, "__func__", f)
-        self._code = getattr(function, "__code__", None)
-        self._names = _names(self._code) if self._code is not None else ()
-        values = _read_values(function, self._names)
+        values = _reads(f)
         self._keep = values  # (the ids stay those of live objects)
-        self._ids = tuple(map(id, values))
-        self._arrays = [(i, v.copy()) for i, v in enumerate(values) if type(v) is np.ndarray and v.size <= _COPIED]
+        self._ids = list(map(id, values))
+        self._arrays = [(i, _contents(v)) for i, v in enumerate(values) if _is_followed_array(v)]
         self.holds: Callable[[Callable[..., Any]], bool] = self._holds
-        """``holds(f)``: whether ``f`` reads the same objects (and the same array values)."""
-        if type(function) is types.FunctionType:
-            self.holds = _write_holds(function, self._names, values, self._arrays, self._holds)
+        """``holds(f)``: whether ``f`` reads the same objects, and the arrays among them hold the
+        same values."""
+        if type(f) is types.FunctionType and len(values) == len(_function_reads(f)):
+            # (a function that reads no other callable: its test written for it, see _write_holds)
+            self.holds = _write_holds(f, values, self._arrays, self._holds)
 
     def _holds(self, f: Callable[..., Any]) -> bool:
-        function = getattr(f, "__func__", f)
-        if getattr(function, "__code__", None) is not self._code:
+        values = _reads(f)
+        if list(map(id, values)) != self._ids:
             return False
-        values = _read_values(function, self._names)
-        if tuple(map(id, values)) != self._ids:
-            return False
-        for i, copy in self._arrays:  # noqa: SIM110
-            if not np.array_equal(values[i], copy, equal_nan=copy.dtype.kind in "fc"):
+        for i, contents in self._arrays:  # noqa: SIM110
+            if not contents.holds(values[i]):
                 return False
         return True
 
 
 def _write_holds(
     function: types.FunctionType,
-    names: tuple[str, ...],
     values: list[Any],
-    arrays: list[tuple[int, np.ndarray]],
-    slow: Callable[[Callable[..., Any]], bool],
+    arrays: list[tuple[int, Any]],
+    general: Callable[[Callable[..., Any]], bool],
 ) -> Callable[[Callable[..., Any]], bool]:
-    """:meth:`Closure.holds` written for one function: each object it read compared by
-    identity with the one it read then, in one Python frame (it runs on every unprepared call,
-    where a frame and a loop cost). An empty closure cell is left to ``slow``, the general
-    test."""
-    constants: dict[str, Any] = {"FUNCTION": types.FunctionType, "CODE": function.__code__, "SLOW": slow}
-    constants["ARRAY_EQUAL"] = np.array_equal
-    lines = [
-        "function = f if type(f) is FUNCTION else getattr(f, '__func__', f)",
-        "if type(function) is not FUNCTION or function.__code__ is not CODE: return False",
-    ]
-    read: list[str] = []  # (the objects read, in _read_values's order: each one's name)
-
-    def tests(expressions: list[str]) -> str:
-        """``e is not V<k>`` for each expression, V<k> the object it gave then, joined by ``or``."""
-        for expression in expressions:
-            constants[f"V{len(read)}"] = values[len(read)]
-            read.append(f"{expression} is not V{len(read)}")
-        return " or ".join(read[len(read) - len(expressions) :])
-
+    """:meth:`Closure.holds` for a function that reads no other callable, written for it: each
+    object :func:`_function_reads` gave (``values``) compared by identity with what the same
+    read gives now, in one Python frame (it runs on every unprepared call, where the general
+    test's frames and lists cost several times as much: the benchmark is
+    tests/test_staleness.py::test_the_written_closure_test_pays, pinned and interleaved). Another
+    kind of f, an empty closure cell or a ``__wrapped__`` added since are left to ``general``."""
+    constants: dict[str, Any] = {"FUNCTION": types.FunctionType, "CODE": function.__code__, "GENERAL": general}
+    constants["UNDEFINED"] = _UNDEFINED
+    reads: list[str] = []  # (the expression that gives values[i], for each i past the code)
     cells = function.__closure__ or ()
-    if cells:
-        lines += [
-            "cells = function.__closure__",
-            "try:",
-            f"    if {tests([f'cells[{i}].cell_contents' for i in range(len(cells))])}: return False",
-            "except ValueError:  # (an empty cell)",
-            "    return SLOW(f)",
-        ]
+    reads += [f"cells[{k}].cell_contents" for k in range(len(cells))]
     namespace = function.__globals__
-    lines.append("g = function.__globals__")
-    present = [name for name in names if name in namespace]
-    absent = [name for name in dict.fromkeys(names) if name not in namespace]
-    if present:
-        found = tests([f"g[{name!r}]" for name in present])
-        lines += ["try:", f"    if {found}: return False", "except KeyError:", "    return False"]
-    if absent:
-        lines.append(f"if {' or '.join(f'{name!r} in g' for name in absent)}: return False")
+    absent = []
+    for name in _names(function.__code__):  # (a subscript costs less than a call of get)
+        reads.append(f"g[{name!r}]" if name in namespace else "")
+        if name not in namespace:
+            absent.append(name)
     defaults = function.__defaults__ or ()
-    constants["DEFAULTS"] = function.__defaults__
-    if defaults:
-        same = tests([f"defaults[{i}]" for i in range(len(defaults))])
+    reads += [f"defaults[{k}]" for k in range(len(defaults))]
+    reads.append("")  # (the marker where the defaults end)
+    keywords = function.__kwdefaults__ or {}
+    for name in keywords:  # (a name, then the object it holds: the object is compared)
+        reads += ["", f"keywords.get({name!r}, UNDEFINED)"]
+    if len(reads) + 1 != len(values):  # pragma: no cover - the same reads as _function_reads
+        return general
+    tests = []
+    for i, expression in enumerate(reads, 1):
+        if expression:
+            constants[f"V{i}"] = values[i]
+            tests.append(f"{expression} is not V{i}")
+    lines = [
+        "if type(f) is not FUNCTION or '__wrapped__' in f.__dict__: return GENERAL(f)",
+        "if f.__code__ is not CODE: return False",
+        "g = f.__globals__",
+    ]
+    if cells:  # (the code says how many)
+        lines.append("cells = f.__closure__")
+    if defaults or keywords:
         lines += [
-            "defaults = function.__defaults__",
-            "if defaults is not DEFAULTS:",
-            f"    if defaults is None or len(defaults) != {len(defaults)} or {same}: return False",
+            "defaults = f.__defaults__ or ()",
+            "keywords = f.__kwdefaults__ or {}",
+            f"if len(defaults) != {len(defaults)} or len(keywords) != {len(keywords)}: return False",
         ]
     else:
-        lines.append("if function.__defaults__: return False")
-    if len(read) != len(values):  # (never: the same reads as _read_values)
-        return slow
-    for i, copy in arrays:  # (the array is the one read then: its values now against the copy)
-        constants[f"C{i}"] = copy
-        nan = copy.dtype.kind in "fc"
-        lines.append(f"if not ARRAY_EQUAL(V{i}, C{i}, equal_nan={nan}): return False")
+        lines.append("if f.__defaults__ or f.__kwdefaults__: return False")
+    if absent:  # (a name defined since: a global now shadows what f found elsewhere)
+        lines.append(f"if {' or '.join(f'{name!r} in g' for name in absent)}: return False")
+    if tests:
+        lines += [
+            "try:",
+            f"    if {' or '.join(tests)}: return False",
+            "except KeyError:  # (a global deleted)",
+            "    return False",
+            "except ValueError:  # (an empty cell)",
+            "    return GENERAL(f)",
+        ]
+    for i, contents in arrays:  # (the array is the one read then: its contents now against then)
+        constants[f"A{i}"] = contents
+        lines.append(f"if not A{i}.holds(V{i}): return False")
     source = "def holds(f):\n" + "".join(f"    {line}\n" for line in lines) + "    return True\n"
-    exec(compile(source, "<diffiface: what f read, compared>", "exec"), constants)
-    written: Callable[[Callable[..., Any]], bool] = constants["holds"]
+    written: Callable[[Callable[..., Any]], bool] = generated(source, "holds", constants)
     return written
 
 
-_COPIED = 1 << 16  # numpy arrays f reads are compared by value up to this size; larger, by identity
+_MOST_FOLLOWED = 32
+"""Callables followed per f at most (f itself, what it wraps, the helpers it calls)."""
 
 
-def _read_values(function: Any, names: tuple[str, ...]) -> list[Any]:
-    values: list[Any] = []
-    for cell in getattr(function, "__closure__", None) or ():
-        try:
-            values.append(cell.cell_contents)
-        except ValueError:  # an empty cell
-            values.append(None)
-    namespace = getattr(function, "__globals__", None)
-    if namespace is not None:
-        for name in names:
-            if name in namespace:
-                values.append(namespace[name])
-    values.extend(getattr(function, "__defaults__", None) or ())
+class _Marker:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+_UNDEFINED = _Marker("<a global f names, not defined>")
+_EMPTY_CELL = _Marker("<an empty closure cell>")
+_NO_CALL = _Marker("<no __call__>")
+_KEYWORD_DEFAULTS = _Marker("<keyword-only defaults>")
+
+
+def _reads(f: Any) -> list[Any]:
+    """The objects calling ``f`` reads besides its arguments, in an order fixed by them (the
+    rule of :class:`Closure`)."""
+    if type(f) is types.FunctionType:  # the common case: a function that reads no other one
+        values = _function_reads(f)
+        if types.FunctionType not in map(type, values) and "__wrapped__" not in f.__dict__:
+            return values
+    values = []
+    _follow(f, values, set())
     return values
+
+
+def _follow(f: Any, values: list[Any], seen: set[int]) -> None:
+    if id(f) in seen or len(seen) >= _MOST_FOLLOWED:
+        return
+    seen.add(id(f))
+    cls = type(f)
+    if cls is types.FunctionType:
+        start = len(values)
+        values += _function_reads(f)
+        namespace = f.__globals__
+        # the functions it closes over, and the helpers of its own module that it names
+        for i in range(start + 1, len(values)):
+            value = values[i]
+            if type(value) is types.FunctionType and (i <= start + _cells(f) or value.__globals__ is namespace):
+                _follow(value, values, seen)
+    elif cls is types.MethodType:
+        values.append(f.__func__)  # (not f.__self__: the cache is keyed weakly on it)
+        _instance(f.__self__, values)
+        _follow(f.__func__, values, seen)
+        return  # (a method's __wrapped__ is its function's, followed there)
+    elif isinstance(f, functools.partial):
+        values += (cls, f.func, f.args, f.keywords, *f.args)
+        for item in f.keywords.items():
+            values += item
+        _follow(f.func, values, seen)
+    else:  # a callable object: what its type's __call__ reads, and its own attributes
+        call = getattr(cls, "__call__", _NO_CALL)  # noqa: B004  (the function itself is followed)
+        values += (cls, call)
+        _instance(f, values)
+        if type(call) is types.FunctionType:
+            _follow(call, values, seen)
+    wrapped = getattr(f, "__wrapped__", None)
+    if wrapped is not None:
+        values.append(wrapped)
+        _follow(wrapped, values, seen)
+
+
+def _cells(function: types.FunctionType) -> int:
+    return len(function.__closure__ or ())
+
+
+def _function_reads(function: types.FunctionType) -> list[Any]:
+    """What one function reads: its code, its closure cells' objects, the globals its code
+    names, its defaults and keyword-only defaults (names and objects)."""
+    code = function.__code__
+    values: list[Any] = [code]
+    cells = function.__closure__
+    if cells:
+        for cell in cells:
+            try:
+                values.append(cell.cell_contents)
+            except ValueError:
+                values.append(_EMPTY_CELL)
+    values += map(function.__globals__.get, _names(code), itertools.repeat(_UNDEFINED))
+    defaults = function.__defaults__
+    if defaults:
+        values += defaults
+    values.append(_KEYWORD_DEFAULTS)  # (where the defaults end)
+    keyword_defaults = function.__kwdefaults__
+    if keyword_defaults:
+        for item in keyword_defaults.items():
+            values += item
+    return values
+
+
+def _instance(obj: Any, values: list[Any]) -> None:
+    """An object's own attributes, one level: each name and the object it holds."""
+    attributes = getattr(obj, "__dict__", None)
+    if type(attributes) is dict:
+        for item in attributes.items():
+            if item[1] is not obj:  # (not itself: the cache is keyed weakly on it)
+                values += item
 
 
 @functools.lru_cache(maxsize=1024)
 def _names(code: types.CodeType) -> tuple[str, ...]:
-    names = list(code.co_names)
+    """The global names a code object and the code nested in it load, each once."""
+    names = [
+        instruction.argval
+        for instruction in dis.get_instructions(code)
+        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+    ]
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             names.extend(_names(const))
-    return tuple(names)
+    return tuple(dict.fromkeys(names))
+
+
+_KEPT = 1 << 24
+"""Bytes of an array whose contents a closure keeps a copy of; a larger array's are hashed
+(a copy would double the memory it takes; comparing a copy costs less than hashing)."""
+
+
+def _is_followed_array(value: Any) -> bool:
+    kind = _arrays.kind(value)
+    return (kind == "numpy" and isinstance(value, np.ndarray)) or kind == "torch"
+
+
+class _Contents:
+    """An array's contents as f read them: its kind, shape and dtype (and device), and its
+    bytes, kept up to :data:`_KEPT` bytes, else their SHA-1 digest; an array of Python objects
+    by the identities of its entries."""
+
+    __slots__ = ("bytes", "digest", "meta", "objects")
+
+    def __init__(self, array: np.ndarray, meta: Any) -> None:
+        self.meta = meta
+        self.objects: tuple[Any, ...] | None = None
+        self.bytes: bytes | None = None
+        self.digest: bytes | None = None
+        if array.dtype.hasobject:
+            self.objects = tuple(array.flat)
+        elif array.nbytes <= _KEPT:
+            self.bytes = array.tobytes()
+        else:
+            self.digest = _digest(array)
+
+    def holds(self, value: Any) -> bool:
+        found = _numpy_view(value)
+        if found is None:
+            return False
+        array, meta = found
+        if meta != self.meta:
+            return False
+        if self.objects is not None:
+            return all(map(operator.is_, array.flat, self.objects))
+        if self.bytes is not None:
+            return array.tobytes() == self.bytes
+        return _digest(array) == self.digest
+
+
+class _DeviceContents:
+    """A torch tensor with no numpy view (on an accelerator, or of a dtype numpy lacks): a copy
+    on its device, compared with ``torch.equal`` (a tensor holding NaN never compares equal:
+    the call prepares again)."""
+
+    __slots__ = ("copy",)
+
+    def __init__(self, tensor: Any) -> None:
+        self.copy = tensor.detach().clone()
+
+    def holds(self, value: Any) -> bool:
+        torch = sys.modules["torch"]
+        copy = self.copy
+        if (value.shape, value.dtype, value.device, value.layout) != (copy.shape, copy.dtype, copy.device, copy.layout):
+            return False
+        try:
+            return bool(torch.equal(value.detach(), copy))
+        except RuntimeError:  # (a layout torch.equal does not compare)
+            return False
+
+
+def _contents(value: Any) -> _Contents | _DeviceContents:
+    found = _numpy_view(value)
+    if found is None:
+        return _DeviceContents(value)
+    return _Contents(*found)
+
+
+def _numpy_view(value: Any) -> tuple[np.ndarray, Any] | None:
+    """A numpy array and its shape and dtype (a torch tensor's numpy view, without a copy),
+    or None for a tensor with no such view."""
+    if isinstance(value, np.ndarray):
+        return value, (value.shape, value.dtype)
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(value, torch.Tensor):
+        return None
+    if value.device.type != "cpu" or value.layout is not torch.strided or value.is_conj() or value.is_neg():
+        return None
+    try:
+        array = value.detach().numpy()
+    except (TypeError, RuntimeError):  # (a dtype numpy lacks, a tensor subclass)
+        return None
+    return array, ("torch", value.shape, value.dtype)
+
+
+def _digest(array: np.ndarray) -> bytes:
+    return hashlib.sha1(np.ascontiguousarray(array).data, usedforsecurity=False).digest()
 
 
 def describe_mismatch(prep: Prep, f: Callable[..., Any], signature: Signature) -> str | None:
@@ -306,7 +510,17 @@ def describe_mismatch(prep: Prep, f: Callable[..., Any], signature: Signature) -
     old = prep.signature
     if not prep.function.matches(f):
         name = getattr(f, "__qualname__", repr(f))
-        return f"f: prepared for {prep.function.name}, called with {name}"
+        if name != prep.function.name:
+            return f"f: prepared for {prep.function.name}, called with {name}"
+        if prep.function.ref() is None:
+            return (
+                f"f: prepared for a function named `{name}` that no longer exists, called with a new "
+                f"function of that name (redefined? a notebook cell run again makes a new one)"
+            )
+        return (
+            f"f: prepared for a different function object with the same name `{name}` (redefined? a "
+            "notebook cell run again makes a new one)"
+        )
     for part in ("operator", "backend", "has_aux"):
         if getattr(old, part) != getattr(signature, part):
             return f"{part}: prepared for {getattr(old, part)!r}, called with {getattr(signature, part)!r}"
@@ -316,6 +530,10 @@ def describe_mismatch(prep: Prep, f: Callable[..., Any], signature: Signature) -
         )
         if found:
             return found
+    if old.x_order != signature.x_order:
+        for a, b in zip(old.x_order, signature.x_order, strict=False):
+            if a != b:
+                return f"x's dict keys: prepared in the order {list(a)}, called in the order {list(b)}"
     if len(old.contexts) != len(signature.contexts):
         return f"contexts: prepared with {len(old.contexts)}, called with {len(signature.contexts)}"
     for i, (a, b) in enumerate(zip(old.contexts, signature.contexts, strict=True)):
@@ -338,8 +556,22 @@ def _tree_difference(
     for i, (a, b) in enumerate(zip(leaves_a, leaves_b, strict=True)):
         if a != b:
             where = path_string(paths[i]) if i < len(paths) else f"leaf {i}"
-            return f"{label}{where}: prepared for {_describe_leaf(a)}, called with {_describe_leaf(b)}"
+            if _traced(b) and not _traced(a):
+                return (
+                    f"{label}{where}: prepared for {_describe_leaf(a)}, called under a jax trace (inside "
+                    "jax.jit, jax.grad or jax.vmap) with a traced array. A prep holds a program made for "
+                    "concrete arrays: call without prep= inside the trace, or prepare inside it"
+                )
+            prepared, called = _describe_leaf(a), _describe_leaf(b)
+            if prepared == called:  # (a difference the words above do not show)
+                prepared, called = f"{prepared} {a!r}", f"{called} {b!r}"
+            return f"{label}{where}: prepared for {prepared}, called with {called}"
     return None  # pragma: no cover - equal specs and unequal leaves differ somewhere
+
+
+def _traced(signature: tuple[Any, ...]) -> bool:
+    """Whether a leaf's signature is a traced jax array's (a concrete one names its layout)."""
+    return signature[0] == "jax" and len(signature) == 3
 
 
 def _describe_leaf(signature: tuple[Any, ...]) -> str:
@@ -383,13 +615,17 @@ class _PrepCache:
     An entry lives as long as ``f`` does (for a bound method, as long as its object), and
     each function keeps at most ``per_function`` signatures, the least recently used leaving
     first. :meth:`recent` finds the prep a call most likely reuses without taking the call's
-    signature: its :attr:`Prep.fast` tells whether it fits.
+    signature: its plan's :meth:`~diffiface._plan.Plan.leaves` tells whether the call fits.
+
+    Owners that take weak references are keys of a dict of this class's own, by weak reference
+    (two references to one live object are equal keys); each reference's callback removes its
+    entry when the owner is collected.
     """
 
     per_function = 16
 
     def __init__(self) -> None:
-        self._weak: weakref.WeakKeyDictionary[Any, _Entries] = weakref.WeakKeyDictionary()
+        self._functions: dict[weakref.ref[Any], _Entries] = {}
         self._strong: OrderedDict[Any, _Entries] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -406,9 +642,8 @@ class _PrepCache:
 
     def get(self, f: Callable[..., Any], signature: Signature) -> Prep | None:
         owner, sub, weak = self._owner(f)
-        table = self._weak if weak else self._strong
         try:
-            entries = table.get(owner)
+            entries = self._functions.get(weakref.ref(owner)) if weak else self._strong.get(owner)
         except TypeError:  # an unhashable callable object: no caching
             return None
         if entries is None:
@@ -426,25 +661,30 @@ class _PrepCache:
     def recent(self, f: Callable[..., Any], operator: str) -> Prep | None:
         """The prep of ``operator`` that ``f`` used last; None if there is none."""
         if type(f) is types.FunctionType:  # the common case, without the checks of _owner
-            # (the table's own dict, keyed by weak references: its get() is a Python frame)
-            entries = self._weak.data.get(weakref.ref(f))  # type: ignore[attr-defined]
+            # (functions by weak reference, in a dict of this class's own: a weak key
+            # dictionary's get() is a Python frame, and its inner dict is CPython's detail)
+            try:
+                entries = self._functions.get(weakref.ref(f))
+            except TypeError:  # (an unhashable function object)
+                return None
             sub = None
         else:
             owner, sub, weak = self._owner(f)
             try:
-                entries = (self._weak if weak else self._strong).get(owner)
+                entries = self._functions.get(weakref.ref(owner)) if weak else self._strong.get(owner)
             except TypeError:
                 return None
         return None if entries is None else entries.latest.get((sub, operator))
 
     def put(self, f: Callable[..., Any], signature: Signature, prep: Prep) -> None:
         owner, sub, weak = self._owner(f)
-        table: Any = self._weak if weak else self._strong
+        table: Any = self._functions if weak else self._strong
         with self._lock:
             try:
-                entries = table.get(owner)
+                key = weakref.ref(owner, self._collected) if weak else owner
+                entries = table.get(key)
                 if entries is None:
-                    entries = table[owner] = _Entries()
+                    entries = table[key] = _Entries()
             except TypeError:
                 return
             entries[(sub, signature)] = prep
@@ -456,14 +696,19 @@ class _PrepCache:
                 while len(table) > 256:
                     table.popitem(last=False)
 
+    def _collected(self, reference: weakref.ref[Any]) -> None:
+        """A weakly referenced owner was collected: its entries go (a dead reference is equal to
+        itself only, and keeps the hash it had)."""
+        self._functions.pop(reference, None)  # (no lock: the collector may run while it is held)
+
     def clear(self) -> None:
         with self._lock:
-            self._weak.clear()
+            self._functions.clear()
             self._strong.clear()
 
     def __len__(self) -> int:
         with self._lock:  # (entries are added under the lock: none while this counts)
-            return sum(len(e) for e in list(self._weak.values())) + sum(len(e) for e in self._strong.values())
+            return sum(len(e) for e in list(self._functions.values())) + sum(len(e) for e in self._strong.values())
 
 
 prep_cache = _PrepCache()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -383,4 +384,4 @@ def test_prep_cache_stays_small_with_new_floats() -> None:
 
     for value in range(30):
         di.gradient(f, "jax", x, di.Constant(float(value)))
-    assert len(prep_cache._weak[f]) == 1  # one prep: a float's value is not part of a signature
+    assert len(prep_cache._functions[weakref.ref(f)]) == 1  # one prep: a float's value is not part of a signature

@@ -1,0 +1,544 @@
+"""Never stale, never silently wrong at the seams (issue 38, items 1, 2, 3, 14 and 19; issue
+39's traps): each test reproduces one report and is named after what it guards."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import linecache
+import traceback
+import weakref
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import require
+
+import diffiface as di
+from diffiface import _prep
+
+SPARSE_ENGINES = ["finite_differences", "jax", "torch", "autograd"]
+
+
+def _x(engine: str) -> Any:
+    x = np.arange(1.0, 5.0)
+    if engine == "jax":
+        import jax.numpy as jnp
+
+        return jnp.asarray(x, dtype=jnp.float32)
+    if engine == "torch":
+        import torch
+
+        return torch.tensor(x)
+    return x
+
+
+def _dense(result: Any) -> np.ndarray:
+    for name in ("toarray", "todense", "to_dense"):
+        if hasattr(result, name):
+            return np.asarray(getattr(result, name)())
+    return np.asarray(result)
+
+
+def _is_sparse(result: Any) -> bool:
+    layout = getattr(result, "layout", None)
+    if layout is not None:
+        return str(layout) != "torch.strided"
+    return type(result).__name__ in ("csr_array", "csc_array", "coo_array", "BCOO", "BCSR")
+
+
+def _chain(v: Any) -> Any:
+    return v[1:] * v[:-1]
+
+
+def _chain_sum(v: Any) -> Any:
+    return (v[1:] * v[:-1]).sum()
+
+
+# -- item 1: an AutoSparse call never reuses a dense plan, nor a dense prep ------------------------
+
+
+@pytest.mark.parametrize("dense_first", [True, False], ids=["dense-first", "sparse-first"])
+@pytest.mark.parametrize("operator", ["jacobian", "hessian"])
+@pytest.mark.parametrize("engine", SPARSE_ENGINES)
+def test_a_sparse_call_after_a_dense_one_is_sparse(engine: str, operator: str, dense_first: bool) -> None:
+    require(engine if engine != "torch" else "torch-autograd")
+    f = _chain if operator == "jacobian" else _chain_sum
+    call = getattr(di, operator)
+    x = _x(engine)
+    order = [engine, di.AutoSparse(engine)] if dense_first else [di.AutoSparse(engine), engine]
+    results = [call(f, backend, x) for backend in order * 2]
+    for backend, result in zip(order * 2, results, strict=True):
+        assert _is_sparse(result) is isinstance(backend, di.AutoSparse), (backend, type(result))
+    np.testing.assert_allclose(_dense(results[0]), _dense(results[1]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("operator", ["jacobian", "hessian"])
+@pytest.mark.parametrize("engine", SPARSE_ENGINES)
+def test_a_dense_prep_is_refused_by_autosparse_naming_the_backend(engine: str, operator: str) -> None:
+    require(engine if engine != "torch" else "torch-autograd")
+    f = _chain if operator == "jacobian" else _chain_sum
+    x = _x(engine)
+    prep = getattr(di, f"prepare_{operator}")(f, engine, x)
+    with pytest.raises(di.PreparationMismatchError, match=r"backend: prepared for Auto.*called with AutoSparse"):
+        getattr(di, operator)(f, di.AutoSparse(engine), x, prep=prep)
+    sparse = getattr(di, f"prepare_{operator}")(f, di.AutoSparse(engine), x)
+    with pytest.raises(di.PreparationMismatchError, match="backend: prepared for AutoSparse"):
+        getattr(di, operator)(f, engine, x, prep=sparse)
+
+
+# -- item 2: an unprepared call never reuses a stale program ---------------------------------------
+
+SCALE = 1.0
+
+
+def _scaled_loss(v: Any, k: Any) -> Any:
+    import jax.numpy as jnp
+
+    return jnp.sum(SCALE * k * v**2)
+
+
+@pytest.fixture
+def scale() -> Any:
+    global SCALE
+    SCALE = 1.0
+    yield
+    SCALE = 1.0
+
+
+def _set_scale(value: float) -> None:
+    global SCALE
+    SCALE = value
+
+
+def test_an_unprepared_partial_sees_a_global_its_function_reads(scale: Any) -> None:
+    require("jax")
+    p = functools.partial(_scaled_loss, k=1.0)
+    x = np.ones(3)
+    np.testing.assert_allclose(di.gradient(p, "jax", x), 2 * x)
+    _set_scale(3.0)
+    np.testing.assert_allclose(di.gradient(p, "jax", x), 6 * x)
+
+
+def test_an_unprepared_partial_sees_its_arguments_written_in_place() -> None:
+    require("jax")
+    k = np.ones(3)
+    p = functools.partial(_scaled_loss, k=k)
+    np.testing.assert_allclose(di.gradient(p, "jax", np.ones(3)), 2 * np.ones(3))
+    k[0] = 4.0
+    np.testing.assert_allclose(di.gradient(p, "jax", np.ones(3)), [8.0, 2.0, 2.0])
+
+
+def test_an_unprepared_call_sees_keyword_only_defaults_changed() -> None:
+    require("jax")
+    import jax.numpy as jnp
+
+    def loss(v: Any, *, k: float = 1.0) -> Any:
+        return jnp.sum(k * v**2)
+
+    x = np.ones(3)
+    np.testing.assert_allclose(di.gradient(loss, "jax", x), 2 * x)
+    loss.__kwdefaults__["k"] = 3.0  # type: ignore[index]
+    np.testing.assert_allclose(di.gradient(loss, "jax", x), 6 * x)
+
+
+def test_an_unprepared_callable_object_sees_a_global_its_call_reads(scale: Any) -> None:
+    require("jax")
+    import jax.numpy as jnp
+
+    class Loss:
+        def __call__(self, v: Any) -> Any:
+            return jnp.sum(SCALE * v**2)
+
+    loss, x = Loss(), np.ones(3)
+    np.testing.assert_allclose(di.gradient(loss, "jax", x), 2 * x)
+    _set_scale(3.0)
+    np.testing.assert_allclose(di.gradient(loss, "jax", x), 6 * x)
+
+
+def test_an_unprepared_callable_object_sees_its_attributes_rebound() -> None:
+    require("jax")
+    import jax.numpy as jnp
+
+    class Loss:
+        def __init__(self) -> None:
+            self.weight = 1.0
+
+        def __call__(self, v: Any) -> Any:
+            return jnp.sum(self.weight * v**2)
+
+    loss, x = Loss(), np.ones(3)
+    np.testing.assert_allclose(di.gradient(loss, "jax", x), 2 * x)
+    loss.weight = 3.0
+    np.testing.assert_allclose(di.gradient(loss, "jax", x), 6 * x)
+
+
+def test_an_unprepared_wrapped_function_sees_a_global_the_wrapped_one_reads(scale: Any) -> None:
+    require("jax")
+    import jax.numpy as jnp
+
+    def decorate(function: Any) -> Any:
+        @functools.wraps(function)
+        def wrapper(v: Any) -> Any:
+            return function(v)
+
+        return wrapper
+
+    @decorate
+    def loss(v: Any) -> Any:
+        return jnp.sum(SCALE * v**2)
+
+    x = np.ones(3)
+    np.testing.assert_allclose(di.gradient(loss, "jax", x), 2 * x)
+    _set_scale(3.0)
+    np.testing.assert_allclose(di.gradient(loss, "jax", x), 6 * x)
+
+
+def _helper(v: Any) -> Any:
+    return SCALE * v**2
+
+
+def test_an_unprepared_call_sees_a_global_a_helper_of_its_module_reads(scale: Any) -> None:
+    require("jax")
+    import jax.numpy as jnp
+
+    def loss(v: Any) -> Any:
+        return jnp.sum(_helper(v))
+
+    x = np.ones(3)
+    np.testing.assert_allclose(di.gradient(loss, "jax", x), 2 * x)
+    _set_scale(3.0)
+    np.testing.assert_allclose(di.gradient(loss, "jax", x), 6 * x)
+
+
+def test_an_unprepared_call_sees_a_large_numpy_array_written_in_place() -> None:
+    """More than 65,536 entries (once compared by identity alone)."""
+    require("jax")
+    import jax.numpy as jnp
+
+    big = np.ones(70_000)
+
+    def loss(v: Any) -> Any:
+        return jnp.sum(big[:3] * v**2)
+
+    x = np.ones(3)
+    np.testing.assert_allclose(di.gradient(loss, "jax", x), 2 * x)
+    big[:3] = 5.0
+    np.testing.assert_allclose(di.gradient(loss, "jax", x), 10 * x)
+
+
+def test_an_array_above_the_kept_size_is_compared_by_its_digest(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_prep, "_KEPT", 16)
+    big = np.ones(100)
+
+    def f(v: Any) -> Any:
+        return big * v
+
+    closure = _prep.Closure(f)
+    assert any(contents.digest is not None for _, contents in closure._arrays)  # type: ignore[union-attr]
+    assert closure.holds(f)
+    big[50] = 2.0
+    assert not closure.holds(f)
+    big[50] = 1.0
+    assert closure.holds(f)
+
+
+def test_an_unprepared_sparse_partial_sees_a_new_pattern(scale: Any) -> None:
+    """A stale pattern misses entries: the pattern is detected afresh."""
+
+    def f(v: Any, k: Any) -> Any:
+        return v * k + SCALE * v[::-1]
+
+    p = functools.partial(f, k=1.0)
+    backend = di.AutoSparse("finite_differences")
+    x = np.arange(1.0, 4.0)
+    _set_scale(0.0)
+    np.testing.assert_allclose(di.jacobian(p, backend, x).toarray(), np.eye(3), atol=1e-6)
+    _set_scale(1.0)
+    np.testing.assert_allclose(di.jacobian(p, backend, x).toarray(), np.eye(3) + np.fliplr(np.eye(3)), atol=1e-6)
+
+
+def test_an_unprepared_sparse_call_sees_a_torch_tensor_written_in_place() -> None:
+    require("torch-autograd")
+    import torch
+
+    mask = torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)
+
+    def f(v: Any) -> Any:
+        return v * mask
+
+    x = torch.ones(3, dtype=torch.float64)
+    backend = di.AutoSparse("torch")
+    np.testing.assert_allclose(di.jacobian(f, backend, x).to_dense().numpy(), np.diag([1.0, 0, 0]))
+    mask[1] = 1.0
+    np.testing.assert_allclose(di.jacobian(f, backend, x).to_dense().numpy(), np.diag([1.0, 1, 0]))
+
+
+# -- item 3: results mirror the dict key order of this call's x -----------------------------------
+
+
+@pytest.mark.parametrize(
+    "backend_id", ["jax", "torch-autograd", "torch-func", "autograd", "finite_differences", "scipy"]
+)
+def test_dict_key_order_comes_from_this_calls_x(backend_id: str) -> None:
+    backend = require(backend_id)
+    from conftest import namespace, native_tree
+
+    def f(t: Any) -> Any:
+        xp = namespace(t["a"])
+        return xp.sum(t["a"] ** 2) + xp.sum(t["b"] ** 3)
+
+    first = native_tree(backend_id, {"a": np.ones(2), "b": np.ones(3)}, "float64")
+    second = {"b": first["b"], "a": first["a"]}
+    for _ in range(2):
+        assert list(di.gradient(f, backend, first)) == ["a", "b"]
+        assert list(di.gradient(f, backend, second)) == ["b", "a"]
+    prep = di.prepare_gradient(f, backend, first)
+    with pytest.raises(di.PreparationMismatchError, match="dict keys"):
+        di.gradient(f, backend, second, prep=prep)
+
+
+# -- item 14: deep trees, and generated code that tracebacks show ---------------------------------
+
+
+def _nested(depth: int, leaf: Any) -> Any:
+    tree = leaf(np.ones(2))
+    for _ in range(depth):
+        tree = {"a": tree, "b": leaf(np.ones(1))}
+    return tree
+
+
+def _nested_loss(tree: Any) -> Any:
+    total = 0.0
+    while isinstance(tree, dict):
+        total = total + tree["b"].sum()
+        tree = tree["a"]
+    return total + (tree**2).sum()
+
+
+@pytest.mark.parametrize("depth", [200, 500])
+@pytest.mark.parametrize("backend_id", ["jax", "finite_differences"])
+def test_a_deep_tree_is_differentiated_without_generated_code(backend_id: str, depth: int) -> None:
+    require(backend_id)
+    leaf = np.asarray
+    if backend_id == "jax":
+        import jax.numpy as jnp
+
+        leaf = jnp.asarray
+    x = _nested(depth, leaf)
+    for _ in range(2):  # unprepared, then from the cache
+        g = di.gradient(_nested_loss, backend_id, x)
+    for _ in range(depth):
+        np.testing.assert_allclose(np.asarray(g["b"]), [1.0], rtol=1e-6)
+        g = g["a"]
+    np.testing.assert_allclose(np.asarray(g), [2.0, 2.0], rtol=1e-6)
+
+
+def test_generated_code_is_shown_in_tracebacks() -> None:
+    from diffiface._flatten import generated
+
+    function = generated("def boom(x):\n    return x.not_there\n", "boom", {})
+    other = generated("def boom(x):\n    return x\n", "boom", {})
+    filename = function.__code__.co_filename
+    assert filename != other.__code__.co_filename  # (a file name of its own)
+    with pytest.raises(AttributeError) as raised:
+        function(1)
+    assert "return x.not_there" in "".join(traceback.format_tb(raised.tb))
+    assert linecache.getline(filename, 2).strip() == "return x.not_there"
+    del function, raised
+    gc.collect()
+    assert filename not in linecache.cache  # (dropped with its function)
+
+
+def test_every_compile_of_generated_code_goes_through_one_helper() -> None:
+    import pathlib
+    import re
+
+    root = pathlib.Path(di.__file__).parent
+    sites = [
+        f"{path.relative_to(root)}:{number}"
+        for path in root.rglob("*.py")
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"(?<![.\w])(exec|compile)\(", line) and not re.search(r"def compile\(", line)
+    ]
+    assert len(sites) == 2 and all(site.startswith("_flatten.py:") for site in sites), sites
+
+
+# -- item 19: messages that say what happened ----------------------------------------------------
+
+
+def test_a_prep_for_a_redefined_function_says_so() -> None:
+    require("jax")
+    import jax.numpy as jnp
+
+    def loss(v: Any) -> Any:
+        return jnp.sum(v**2)
+
+    x = np.ones(3)
+    prep = di.prepare_gradient(loss, "jax", x)
+    keep = loss
+
+    def loss(v: Any) -> Any:  # type: ignore[no-redef]  # (a notebook cell run again)
+        return jnp.sum(v**3)
+
+    with pytest.raises(di.PreparationMismatchError, match=r"different function object with the same name `.*loss`"):
+        di.gradient(loss, "jax", x, prep=prep)
+    del keep
+    gc.collect()
+    with pytest.raises(di.PreparationMismatchError, match=r"no longer exists.*redefined"):
+        di.gradient(loss, "jax", x, prep=prep)
+
+
+def test_a_prep_used_under_a_jax_trace_says_so() -> None:
+    require("jax")
+    import jax
+    import jax.numpy as jnp
+
+    def loss(v: Any) -> Any:
+        return jnp.sum(v**2)
+
+    x = jnp.ones(3)
+    prep = di.prepare_gradient(loss, "jax", x)
+    with pytest.raises(di.PreparationMismatchError, match="under a jax trace") as raised:
+        jax.jit(lambda v: di.gradient(loss, "jax", v, prep=prep))(x)
+    assert "called with a jax array" not in str(raised.value)
+
+
+# -- issue 39's traps -----------------------------------------------------------------------------
+
+
+def test_a_leaf_kind_without_a_test_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from diffiface import _arrays, _plan
+
+    monkeypatch.setattr(_arrays, "kind", lambda leaf: "newkind")
+    with pytest.raises(di.UnsupportedOperationError, match="'newkind'"):
+        _plan.leaf_check(np.ones(2))
+
+
+def test_every_array_kind_has_a_leaf_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each kind diffiface knows has a test of shape and dtype, or is said to need none: none is
+    refused as a kind without a test."""
+    import typing
+
+    from diffiface import _arrays, _plan
+
+    for kind in typing.get_args(_arrays.Kind):
+        if kind == "other":  # (compared by value or by whole signatures, never by a leaf test)
+            continue
+        monkeypatch.setattr(_arrays, "kind", lambda leaf, kind=kind: kind)
+        try:
+            check = _plan.leaf_check(np.ones(2))
+        except di.UnsupportedOperationError:
+            pytest.fail(f"no leaf test for the kind {kind!r}")
+        except Exception:  # (a numpy array is not that kind's leaf: its test does not fit it)
+            continue
+        assert check is not None
+        if kind != "python":  # (a Python number's type says all; an array's does not)
+            assert check[1] is not None, kind
+    monkeypatch.undo()
+    numpy_test = _plan.leaf_check(np.ones(2))[1]  # type: ignore[index]
+    assert numpy_test is not None and numpy_test(np.ones(2)) and not numpy_test(np.ones(3))
+
+
+def test_the_prep_cache_reads_no_weak_key_dictionary_internals() -> None:
+    require("jax")
+    import inspect
+
+    import jax.numpy as jnp
+
+    assert ".data" not in inspect.getsource(_prep._PrepCache)
+
+    def make() -> Any:
+        def loss(v: Any) -> Any:
+            return jnp.sum(v**2)
+
+        return loss
+
+    f = make()
+    di.gradient(f, "jax", np.ones(3))
+    assert _prep.prep_cache.recent(f, "gradient") is not None
+    reference = weakref.ref(f)
+    assert reference in _prep.prep_cache._functions
+    del f
+    gc.collect()
+    assert reference() is None  # (the cache kept no strong reference to f)
+    assert all(key() is not None for key in list(_prep.prep_cache._functions))  # (its entry went with it)
+
+
+def test_the_prep_module_cites_only_names_that_exist() -> None:
+    import inspect
+
+    source = inspect.getsource(_prep)
+    for gone in ("Prep.fast", "_matching", "test_quick_match"):
+        assert gone not in source
+
+
+_Pair = __import__("collections").namedtuple("_Pair", "d e")
+
+
+@pytest.mark.parametrize("backend_id", ["jax", "torch-autograd", "finite_differences"])
+def test_dict_key_order_is_mirrored_where_no_flattening_is_written(backend_id: str) -> None:
+    """A dict inside a namedtuple, and one of 300 keys: x is flattened in C, which does not see
+    the order; the order is compared beside it."""
+    backend = require(backend_id)
+    from conftest import native_tree
+
+    def f(t: Any) -> Any:
+        return (t.d["a"] ** 2).sum() + (t.d["b"] ** 3).sum() + t.e.sum()
+
+    first = _Pair(native_tree(backend_id, {"a": np.ones(2), "b": np.ones(2)}, "float64"), np.ones(1))
+    first = _Pair(first.d, native_tree(backend_id, np.ones(1), "float64"))
+    second = _Pair({"b": first.d["b"], "a": first.d["a"]}, first.e)
+    for _ in range(2):
+        assert list(di.gradient(f, backend, first).d) == ["a", "b"]
+        assert list(di.gradient(f, backend, second).d) == ["b", "a"]
+    many = native_tree(backend_id, {f"k{i}": np.ones(1) for i in range(300)}, "float64")
+    reversed_keys = dict(reversed(list(many.items())))
+
+    def total(t: Any) -> Any:
+        return sum((v**2).sum() for v in t.values())
+
+    for _ in range(2):
+        assert list(di.gradient(total, backend, many)) == list(many)
+        assert list(di.gradient(total, backend, reversed_keys)) == list(reversed_keys)
+
+
+def test_the_written_closure_test_pays() -> None:
+    """The benchmark of ``_prep._write_holds``: the test written for a function against the
+    general one, interleaved, each the best of many rounds; the written one must stay faster
+    (it is several times so), or it is not worth its generated code."""
+    import timeit
+
+    require("jax")
+    import jax.numpy as jnp
+
+    table = np.arange(3.0)
+
+    def loss(v: Any, power: int = 2, *, k: float = 1.0) -> Any:
+        return jnp.sum(k * SCALE * table * v**power)
+
+    closure = _prep.Closure(loss)
+    assert closure.holds != closure._holds
+    written, general = [], []
+    for _ in range(15):
+        written.append(timeit.timeit(lambda: closure.holds(loss), number=2000))
+        general.append(timeit.timeit(lambda: closure._holds(loss), number=2000))
+    assert min(written) < min(general), (min(written), min(general))
+
+
+def test_a_tensor_without_a_numpy_view_is_compared_with_a_copy() -> None:
+    """A bfloat16 tensor (a dtype numpy lacks; an accelerator's tensor takes the same path):
+    compared with a copy on its device."""
+    require("torch-autograd")
+    import torch
+
+    mask = torch.tensor([1.0, 0.0, 0.0], dtype=torch.bfloat16)
+
+    def f(v: Any) -> Any:
+        return v * mask
+
+    closure = _prep.Closure(f)
+    assert [type(contents).__name__ for _, contents in closure._arrays] == ["_DeviceContents"]
+    assert closure.holds(f)
+    mask[1] = 1.0
+    assert not closure.holds(f)
