@@ -684,3 +684,22 @@ def test_skip_reasons_are_whole():
     text = str(report)
     for row in skipped:
         assert " ".join(row.message.split()) in " ".join(text.split())
+
+
+def test_the_failure_shown_in_docs_testing_is_what_the_code_prints(capsys):
+    """docs/testing.md shows a real failure: its code, and the output that code printed."""
+    pytest.importorskip("torch")
+    import pathlib
+    import re
+
+    page = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "testing.md").read_text(encoding="utf-8")
+    code, shown = re.search(
+        r"10% off\nin one term:\n\n```python\n(.*?)```\n\nprints.*?```text\n(.*?)```", page, re.S
+    ).groups()
+    exec(compile(code, "docs/testing.md", "exec"), {"__name__": "docs_testing_failure"})
+    printed = capsys.readouterr().out
+    key = [line for line in shown.splitlines() if line.startswith(("check_gradients(", "    x["))]
+    assert len(key) == 3 and key == [
+        line for line in printed.splitlines() if line.startswith(("check_gradients(", "    x["))
+    ]
+    assert "against finite_differences: failed: values differ" in printed
