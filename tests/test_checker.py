@@ -703,3 +703,15 @@ def test_the_failure_shown_in_docs_testing_is_what_the_code_prints(capsys):
         line for line in printed.splitlines() if line.startswith(("check_gradients(", "    x["))
     ]
     assert "against finite_differences: failed: values differ" in printed
+
+
+def test_constants_of_numpy_scalars_and_caches_are_served():
+    """The copies f runs on: a numpy scalar Constant as it is, a Cache f may write into."""
+    scratch = np.zeros(3)
+
+    def f(v, scale, cache):
+        cache[:] = v * scale
+        return (cache**2).sum()
+
+    report = check_gradients(f, np.array([1.0, 2.0, 3.0]), di.Constant(np.float64(2.0)), di.Cache(scratch))
+    assert not report.failed and any(row.status == "passed" for row in report.rows)

@@ -244,8 +244,8 @@ def _copied(leaf: Any, deep: bool) -> Any:
     """A copy of an array leaf f may write into unseen by the caller (jax arrays cannot change);
     ``deep``: torch modules too."""
     kind = _arrays.kind(leaf)
-    if kind == "numpy":
-        return np.array(leaf, copy=True)
+    if isinstance(leaf, np.ndarray):
+        return leaf.copy()
     if kind == "torch":
         return leaf.detach().clone().requires_grad_(leaf.requires_grad and leaf.is_leaf)
     torch = sys.modules.get("torch")
@@ -262,7 +262,7 @@ def _copies(values: tuple[Any, ...]) -> tuple[Any, ...]:
     raises), its tensors cloned; a Cache's as they are (f may write there)."""
 
     def shielded(leaf: Any) -> Any:
-        if _arrays.kind(leaf) == "numpy":
+        if isinstance(leaf, np.ndarray):
             view = leaf.view()
             view.flags.writeable = False
             return view
