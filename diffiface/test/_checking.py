@@ -94,22 +94,28 @@ def check_gradients(
     """Check the gradient of ``f`` at ``x`` on every backend, in one call.
 
     Every requested backend (by default every installed engine that can run ``f``) is compared
-    with a finite-difference ground truth and with the other engines; ``x`` and the contexts must
-    not be mutated and ``f`` must be deterministic. A default engine that cannot run ``f``
-    (written for another framework, numpy code under torch, a pytree with function leaves) is
-    reported skipped with the reason: it is judged by its own evaluation of ``f``, which raised.
-    A string ``backends`` names one backend.
+    with a finite-difference ground truth and with the other engines; ``f`` must be
+    deterministic. Every call made of ``f`` itself gets copies of ``x`` and of the Constants, so
+    the caller's data is never touched; an ``f`` that writes into them raises
+    :class:`~diffiface.MutationError`. A default engine that cannot run ``f`` (written for another
+    framework, numpy code under torch, a pytree with function leaves) is reported skipped with
+    the reason: it is judged by its own evaluation of ``f``, which raised; so is one that runs
+    ``f`` and refuses to differentiate it with a diffiface error. A string ``backends`` names
+    one backend.
 
     The ground truth stays in f's domain and knows its own error. Per input, central differences
     at the finite-difference default step ``h = eps**(1/3) * max(1, |x_i|)`` and at ``2h``,
     combined by Richardson extrapolation; their difference estimates the error, with the rounding
     error ``eps * |f| / h``. Where a point raises or gives a non-finite value (an edge of f's
     domain), the input gets a step of its own, probed towards the edge (docs/testing.md); inputs
-    of x at inf or NaN are held fixed and their entries named unchecked. Each engine must agree
-    with it within four times that estimate plus ``rtol`` (default by dtype) of each entry;
-    engines agree with each other within the tolerances of their dtype. The ground truth runs on
+    of x at inf or NaN are held fixed and their entries named unchecked. Each entry of each
+    engine's gradient must agree with it within four times that entry's estimate, plus ``rtol``
+    (default by dtype) of the entry, plus the rounding of the gradient's dtype (``4 eps`` times
+    f's condition over the input's scale): no entry's tolerance depends on the largest entry.
+    Engines agree with each other within the tolerances of their dtype. The ground truth runs on
     float64 copies of float32 leaves of x and of the Constant contexts when f computes the same
-    value there. It costs ``4n`` evaluations of f for ``n`` inputs, edges included.
+    value there. It costs ``4n`` evaluations of f for ``n`` inputs, edges included; the whole
+    check at most ``4n + 20``.
 
     Where finite differences cannot settle it (they disagree with an engine, or their error is
     too large to see a 1% error: float32 f, large magnitudes, normalisation layers), the Taylor
@@ -130,13 +136,18 @@ def check_gradients(
     truth (compared with the default tolerances and its noise).
 
     Each row of the returned :class:`Report` names its reference. Warnings the engines raise are
-    collected on the rows (:attr:`Report.warnings`), never failures. Raises ``AssertionError``
-    naming every disagreement.
+    collected on the rows (:attr:`Report.warnings`), never failures. Raises
+    :class:`~diffiface.GradientCheckError` (an ``AssertionError``) on any failure: its message
+    names ``f`` by its ``__qualname__`` and every disagreement, with a line per leaf of x that
+    differs (entries that differ, relative error, the worst entry's two results and their
+    ratio); its ``report`` is the whole :class:`Report`. ``projections`` other than a whole
+    number of at least 1 is an :class:`~diffiface.InvalidOptionError`.
 
-    For a complex x, the gradient is ``df/dRe x + i df/dIm x`` (docs/complex.md), judged by
-    finite differences along the real and imaginary axis of each entry, and also along random
-    complex directions, which tell a gradient from its conjugate (a custom rule returning the
-    conjugate fails, and is told so). ``holomorphic=True`` checks a complex-valued ``f``
+    For a complex x, the gradient is ``df/dRe x + i df/dIm x`` (docs/complex.md), judged as the
+    gradient of f of the real inputs ``Re x`` and ``Im x`` (the same ground truth), and also along
+    random complex directions, which tell a gradient from its conjugate (a custom rule returning
+    the conjugate fails, and is told so); a direction whose own error estimate exceeds the
+    gradient's norm (a branch cut) does not judge. ``holomorphic=True`` checks a complex-valued ``f``
     asserted holomorphic instead: the Cauchy-Riemann equations, and each backend's
     ``jacobian(..., holomorphic=True)``.
 
@@ -814,19 +825,18 @@ class _Check:
 
     def _tolerance(self, label: str, truth: _Truth) -> np.ndarray:
         """Per input, from that entry alone: four times the ground truth's error estimate, plus
-        rtol of the entry, plus a floor from the gradient's dtype: its atol, and the rounding a
-        gradient computed in that dtype carries (``4 eps |f|`` over the input's scale, where f's
-        condition stands for ``|f|``); a finite-difference engine's own error (its plain central
-        difference's) besides. No entry's tolerance depends on another's magnitude: a small entry
-        200% off beside a huge one fails."""
+        rtol of the entry, plus a floor from the gradient's dtype, the rounding a gradient
+        computed in that dtype carries (``4 eps`` times f's condition over the input's scale); a
+        finite-difference engine's own error (its plain central difference's) besides. No entry's
+        tolerance depends on another's magnitude (a small entry 200% off beside a huge one fails),
+        and no absolute floor lets a tiny gradient pass."""
         dtype = _arrays.dtype_name(next(iter(_tree.leaves(self.native[label])), 0.0))
         dtype = "float32" if dtype == "complex64" else dtype
         narrow = dtype if dtype in ("float32", "float16", "bfloat16") else "float64"
-        default_rtol, default_atol = default_tolerances(narrow)
-        rtol = default_rtol if self.rtol is None else self.rtol
+        rtol = default_tolerances(narrow)[0] if self.rtol is None else self.rtol
         if self.atol is None:
             eps = _NARROW_EPS.get(narrow, float(np.finfo(np.float64).eps))
-            atol: Any = default_atol + 4 * eps * self.condition / self.scale
+            atol: Any = 4 * eps * self.condition / self.scale + np.finfo(np.float64).tiny
         else:
             atol = self.atol
         tol: np.ndarray = _SAFETY * truth.errors + rtol * np.abs(truth.values) + atol
