@@ -320,7 +320,8 @@ def _not_for_this_engine(exc: BaseException, message: str, counted: _Counted, re
 
 def _differs(first: Any, second: Any, has_aux: bool) -> str | None:
     """Why two outputs of f at the same input show it draws from a global random generator."""
-    pairs = [("values", first[0], second[0]), ("aux", first[1], second[1])] if has_aux else [("values", first, second)]
+    paired = has_aux and all(isinstance(out, (tuple, list)) and len(out) == 2 for out in (first, second))
+    pairs = [("values", first[0], second[0]), ("aux", first[1], second[1])] if paired else [("values", first, second)]
     for what, a, b in pairs:
         la, lb = _tree.leaves(a), _tree.leaves(b)
         same = len(la) == len(lb)
