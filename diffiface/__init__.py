@@ -44,9 +44,11 @@ from ._errors import BackendUnavailableError as BackendUnavailableError
 from ._errors import ContextError as ContextError
 from ._errors import DiffifaceError as DiffifaceError
 from ._errors import FrameworkMismatchError as FrameworkMismatchError
+from ._errors import GradientCheckError as GradientCheckError
 from ._errors import InputTooLargeError as InputTooLargeError
 from ._errors import InvalidBackendOptionError as InvalidBackendOptionError
 from ._errors import InvalidInputError as InvalidInputError
+from ._errors import InvalidOptionError as InvalidOptionError
 from ._errors import InvalidOutputError as InvalidOutputError
 from ._errors import MutationError as MutationError
 from ._errors import PreparationMismatchError as PreparationMismatchError
@@ -180,9 +182,11 @@ __all__ = [
     "BackendUnavailableError",
     "ContextError",
     "FrameworkMismatchError",
+    "GradientCheckError",
     "InputTooLargeError",
     "InvalidBackendOptionError",
     "InvalidInputError",
+    "InvalidOptionError",
     "InvalidOutputError",
     "MutationError",
     "PreparationMismatchError",

@@ -6,14 +6,18 @@ module), the class also derives from it, so ``except TypeError`` keeps working.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "ArrayTypeError",
     "BackendUnavailableError",
     "ContextError",
     "DiffifaceError",
     "FrameworkMismatchError",
+    "GradientCheckError",
     "InvalidBackendOptionError",
     "InvalidInputError",
+    "InvalidOptionError",
     "InputTooLargeError",
     "InvalidOutputError",
     "MutationError",
@@ -38,6 +42,11 @@ class BackendUnavailableError(DiffifaceError, ImportError):
 
 class InvalidBackendOptionError(DiffifaceError, ValueError):
     """A backend option with a value the backend cannot use (say, an unknown finite-difference method)."""
+
+
+class InvalidOptionError(DiffifaceError, ValueError):
+    """An option of a diffiface function with a value it cannot take (say,
+    ``check_gradients(projections=-2)``); the message names the option and what it takes."""
 
 
 class ContextError(DiffifaceError, TypeError):
@@ -80,3 +89,13 @@ class MutationError(DiffifaceError, RuntimeError):
 class InputTooLargeError(DiffifaceError, ValueError):
     """An input too large for the method asked for (finite differences of millions of inputs);
     the message names the limit and the way out."""
+
+
+class GradientCheckError(DiffifaceError, AssertionError):
+    """:func:`diffiface.test.check_gradients` found a wrong gradient (or a check it could not
+    pass). An ``AssertionError``, so a test that calls it fails as any assertion does; its
+    message is the report's summary, and :attr:`report` the whole :class:`~diffiface.test.Report`."""
+
+    def __init__(self, message: str, report: Any = None) -> None:
+        super().__init__(message)
+        self.report = report

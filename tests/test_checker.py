@@ -391,8 +391,10 @@ def test_a_stateful_generator_and_a_batchnorm_updating_its_buffers_are_caught():
     def loss(p, model, inputs):
         return (torch.func.functional_call(model, p, (inputs,)) ** 3).sum()
 
-    with pytest.raises(AssertionError, match=r"mutated|updated the buffer|not deterministic"):
+    before = {k: b.clone() for k, b in norm.named_buffers()}
+    with pytest.raises(di.MutationError, match=r"di.Constant at position 1 after x \(at \.running_mean"):
         check_gradients(loss, params, di.Constant(norm), di.Constant(batch), backends=["torch"])
+    assert all(torch.equal(before[k], b) for k, b in norm.named_buffers())  # f ran on a copy
 
 
 # -- 7. the engines that can run f ------------------------------------------------------------------------------
@@ -530,3 +532,186 @@ def test_a_112_parameter_conv_batchnorm_net_in_3_seconds():
         torch.set_num_threads(threads)
     assert not report.failed and any(row.status == "passed" for row in report.rows)
     assert seconds < 3.0, seconds
+
+
+# -- issue 38: the checker never touches the caller's data, judges each entry by its own error ------------------
+
+
+def test_a_write_into_x_is_a_mutation_error_on_a_copy_torch():
+    torch = pytest.importorskip("torch")
+    x = torch.tensor([1.0, 2.0], dtype=torch.float64)
+
+    def doubles_its_input(v):
+        v.mul_(2)
+        return (v**2).sum()
+
+    with pytest.raises(di.MutationError, match="f wrote into x"):
+        check_gradients(doubles_its_input, x)
+    assert x.tolist() == [1.0, 2.0]
+
+
+def test_a_write_into_a_constant_is_a_mutation_error_on_a_copy_numpy():
+    c = np.array([1.0, 2.0])
+
+    def bumps_its_constant(v, c):
+        c += 1
+        return (v * c).sum()
+
+    with pytest.raises(di.MutationError, match=r"di\.Constant at position 1"):
+        check_gradients(bumps_its_constant, np.array([0.5, 0.3]), di.Constant(c))
+    assert c.tolist() == [1.0, 2.0]
+
+
+def test_a_small_entry_200_percent_off_beside_a_huge_one_fails():
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+
+    @jax.custom_vjp
+    def f(v):
+        return 1e8 * v[0] ** 2 + v[1]
+
+    def backward(v, ct):
+        return (ct * jnp.stack([2e8 * v[0], 2.0 * jnp.ones_like(v[1])]),)  # d/dv1 is 1, not 2
+
+    f.defvjp(lambda v: (f(v), v), backward)
+    with pytest.raises(di.GradientCheckError) as info:
+        check_gradients(f, np.array([1.0, 1.0]), backends=["jax"])
+    assert "values differ at input [1]" in str(info.value)
+    assert "x: 1 of 2 entries differ" in str(info.value)
+
+
+def test_the_conv_net_takes_at_most_4n_plus_20_evaluations():
+    torch = pytest.importorskip("torch")
+    model, params, batch = _conv_net(torch)
+    n = sum(p.numel() for p in params.values())
+    buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
+
+    def loss(p, model, inputs):
+        state = {k: b.clone() for k, b in buffers.items()}
+        return (torch.func.functional_call(model, {**p, **state}, (inputs,)) ** 2).mean()
+
+    counted, calls = _counting(loss)
+    report = check_gradients(counted, params, di.Constant(model), di.Constant(batch))
+    assert not report.failed
+    assert calls[0] <= 4 * n + 20, calls[0]
+
+
+def test_a_random_aux_is_named_as_the_aux():
+    rng = np.random.default_rng(0)
+    with pytest.raises(di.GradientCheckError, match=r"the same value \(5.0\) but a different aux"):
+        check_gradients(
+            lambda v: ((v**2).sum(), rng.standard_normal()), np.array([1.0, 2.0]), has_aux=True, backends=["autograd"]
+        )
+
+
+def test_a_complex_number_x_is_checked():
+    report = check_gradients(lambda z: np.real(z), 0.4 + 0.2j)
+    assert not report.failed and any(row.status == "passed" for row in report.rows)
+
+
+def test_a_default_engine_that_cannot_run_f_on_complex_x_is_skipped():
+    pytest.importorskip("torch")
+    report = check_gradients(lambda z: np.sum(np.abs(z) ** 2), np.array([0.4 + 0.2j, 1 + 1j]))
+    torch_row = next(row for row in report.rows if row.backend == "torch")
+    assert torch_row.status == "skipped" and "cannot run f" in torch_row.message
+    assert any(row.status == "passed" for row in report.rows)
+
+
+def test_a_default_engine_that_runs_f_but_cannot_differentiate_it_is_skipped():
+    pytest.importorskip("torch")
+    report = check_gradients(lambda v: 3.0, np.array([0.3, 2.7]))  # a constant: torch needs a tensor
+    torch_row = next(row for row in report.rows if row.backend == "torch")
+    assert torch_row.status == "skipped" and "cannot differentiate f: InvalidOutputError" in torch_row.message
+    assert any(row.status == "passed" for row in report.rows) and not report.failed
+
+
+def test_the_complex_directions_do_not_judge_across_a_branch_cut():
+    torch = pytest.importorskip("torch")
+    report = check_gradients(
+        lambda z: torch.angle(z).sum(), torch.tensor([-1.0 + 1e-12j], dtype=torch.complex128), backends=["torch"]
+    )
+    row = next(r for r in report.rows if r.backend == "torch (complex directions)")
+    assert row.status == "skipped" and "branch cut" in row.message
+
+
+@pytest.mark.parametrize("projections", [-2, 0, 2.5, True])
+def test_a_wrong_projections_option_is_refused_by_name(projections):
+    with pytest.raises(di.InvalidOptionError, match=r"check_gradients\(projections="):
+        check_gradients(lambda v: (v**2).sum(), np.array([1.0, 2.0]), projections=projections)
+
+
+# -- issue 41: the failure's report ------------------------------------------------------------------------------
+
+
+def _off_by_five_percent():
+    jax = pytest.importorskip("jax")
+
+    @jax.custom_vjp
+    def scaled(w):
+        return w
+
+    scaled.defvjp(lambda w: (w, None), lambda _, ct: (1.05 * ct,))
+
+    def layer_loss(p):
+        return jax.numpy.sum(scaled(p["w"]) ** 2) + jax.numpy.sum(p["b"] ** 2)
+
+    return layer_loss
+
+
+def test_a_failure_is_a_gradient_check_error_with_its_report_and_a_line_per_leaf():
+    layer_loss = _off_by_five_percent()
+    x = {"w": np.arange(1.0, 5.0).reshape(2, 2), "b": np.ones(3)}
+    with pytest.raises(di.GradientCheckError) as info:
+        check_gradients(layer_loss, x, backends=["jax"])
+    error = info.value
+    assert isinstance(error, AssertionError) and isinstance(error, di.DiffifaceError)
+    assert error.report.failed and error.report.failed[0].backend == "jax"
+    text = str(error)
+    name = "_off_by_five_percent.<locals>.layer_loss"
+    assert text.startswith(f"check_gradients({name}): 1 of the 1 check failed")
+    assert f"- jax on {name} (gradient) against finite_differences: failed" in text
+    line = next(line.strip() for line in text.splitlines() if line.strip().startswith("x['w']:"))
+    assert line.startswith("x['w']: 4 of 4 entries differ, relative error 0.05;"), line
+    assert "worst at ['w'][1, 1]: gradient 8.4, finite differences 8 (ratio 1.05)" in line
+    assert not any(line.strip().startswith("x['b']") for line in text.splitlines())  # b is right
+
+
+def test_skip_reasons_are_whole():
+    pytest.importorskip("torch")
+    report = check_gradients(lambda v: np.sum(np.sin(v)), np.linspace(0, 1, 3))
+    skipped = [row for row in report.rows if row.status == "skipped"]
+    assert skipped
+    text = str(report)
+    for row in skipped:
+        assert " ".join(row.message.split()) in " ".join(text.split())
+
+
+def test_the_failure_shown_in_docs_testing_is_what_the_code_prints(capsys):
+    """docs/testing.md shows a real failure: its code, and the output that code printed."""
+    pytest.importorskip("torch")
+    import pathlib
+    import re
+
+    page = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "testing.md").read_text(encoding="utf-8")
+    code, shown = re.search(
+        r"10% off\nin one term:\n\n```python\n(.*?)```\n\nprints.*?```text\n(.*?)```", page, re.S
+    ).groups()
+    exec(compile(code, "docs/testing.md", "exec"), {"__name__": "docs_testing_failure"})
+    printed = capsys.readouterr().out
+    key = [line for line in shown.splitlines() if line.startswith(("check_gradients(", "    x["))]
+    assert len(key) == 3 and key == [
+        line for line in printed.splitlines() if line.startswith(("check_gradients(", "    x["))
+    ]
+    assert "against finite_differences: failed: values differ" in printed
+
+
+def test_constants_of_numpy_scalars_and_caches_are_served():
+    """The copies f runs on: a numpy scalar Constant as it is, a Cache f may write into."""
+    scratch = np.zeros(3)
+
+    def f(v, scale, cache):
+        cache[:] = v * scale
+        return (cache**2).sum()
+
+    report = check_gradients(f, np.array([1.0, 2.0, 3.0]), di.Constant(np.float64(2.0)), di.Cache(scratch))
+    assert not report.failed and any(row.status == "passed" for row in report.rows)

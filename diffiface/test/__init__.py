@@ -12,6 +12,7 @@
 - ``python -m diffiface.test``: the main job, on every installed backend.
 """
 
+from .._errors import GradientCheckError as GradientCheckError
 from ._benchmark import benchmark_differentiation as benchmark_differentiation
 from ._checking import check_gradients as check_gradients
 from ._compare import assert_allclose as assert_allclose
@@ -32,6 +33,7 @@ from ._sparse_scenarios import sparse_backends as sparse_backends
 from ._sparse_scenarios import sparse_scenarios as sparse_scenarios
 
 __all__ = [
+    "GradientCheckError",
     "Report",
     "Row",
     "Scenario",

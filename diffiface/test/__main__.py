@@ -2,8 +2,9 @@
 
 Shows its progress while it works (a bar on a terminal; off one, a line per finished group),
 then a table (backend x scenario group: passed, failed, skipped, worst error, seconds,
-references, skip reasons cited by number below it), and exits with status 1 on any failure, 2
-on a wrong option or a selection that checks nothing.
+references, skip reasons cited by number below it, in full), and exits with status 1 on any
+failure, 2 on a wrong option or a selection that checks nothing. ``--help`` says what a check
+is, what the groups hold, and what the columns mean.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .._adapters import available, install_hint
+from .._adapters import available, install_hint, labels, names_of, normalize
 from ._main_job import (
     BACKENDS,
     GROUPS,
@@ -38,6 +39,56 @@ _GROUPS = GROUPS
 
 def _names(text: str) -> list[str]:
     return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def _accepted() -> list[str]:
+    """Every backend name the API takes (``di.gradient(f, name, x)``), from the registry: the
+    engines' names and the names of their option sets (``torch-func``, ``torch-autograd``)."""
+    return list(dict.fromkeys(name for backend in labels().values() for name in sorted(names_of(backend))))
+
+
+def _canonical(names: Sequence[str]) -> list[str]:
+    """Each name as the main job and its table know it (``torch-autograd`` is ``torch``), once."""
+    return list(dict.fromkeys(backend_label(normalize(name)) for name in names))
+
+
+_HELP = """\
+what a check is:
+  One row of the report: one backend on one scenario (a function, a point x, contexts and an
+  operator such as gradient or hvp). The backend computes the operator unprepared and with a
+  prep made at another point of the same shape, two calls each; every result must match the
+  scenario's reference (analytic, finite differences in float64, or a second engine: the
+  "references" column) within the tolerances of its dtype. A check also fails when the call
+  changed x or a Constant, when f gives two values at one x, or when a prep is accepted for
+  another function.
+
+the scenario groups (--scenarios):
+  core     every operator on scalars, vectors, matrices, empty and pytree inputs, with
+           Constant and Cache contexts, float64 and float32
+  layers   the layer zoo, written once for every array framework: dense, conv, pooling,
+           RNN/LSTM/GRU cells, normalisation, attention, embedding, dropout
+  torch    the same layers as torch.nn modules (torch only; not with --quick)
+  sparse   sparse Jacobians and Hessians on AutoSparse of each engine, with known patterns
+  complex  complex inputs and outputs, in torch's convention (docs/complex.md)
+
+the table's columns:
+  passed, failed, skipped   rows of that backend and group; a skipped count cites its reasons
+                            by number ([1,3]), listed in full below the table
+  rel error                 the worst relative error of a passed row, max|result - reference|
+                            / max|reference| over the whole result: how close the backend came
+  seconds                   the rows' time, preparation and calls together
+
+examples:
+  python -m diffiface.test --quick                      a fast subset, float64 only
+  python -m diffiface.test --backends jax,torch-func    two engines, every group
+  python -m diffiface.test --scenarios layers --operators gradient,hvp
+  python -m diffiface.test --format json > rows.json    every row, with its message
+
+exit status:
+  0  every check passed or was skipped (each skip with its reason)
+  1  a check failed (each failure is printed with its reference and message)
+  2  a wrong option, or a selection that checks nothing
+"""
 
 
 def _notes(groups: Sequence[str], quick: bool) -> list[str]:
@@ -63,11 +114,22 @@ def _operators_of(groups: Sequence[str], quick: bool) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     from .._call import OPERATORS
 
+    accepted = _accepted()
     parser = argparse.ArgumentParser(
         prog="python -m diffiface.test",
-        description="Check every installed diffiface backend on the bundled scenarios, against their references.",
+        description=(
+            "Check every installed diffiface backend on the bundled scenarios, against their references, "
+            "and print a table of the checks by backend and scenario group."
+        ),
+        epilog=_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--backends", default=",".join(_BACKENDS), help=f"comma-separated, from {', '.join(_BACKENDS)}")
+    parser.add_argument(
+        "--backends",
+        default=",".join(_BACKENDS),
+        help=f"comma-separated backend names, as di.gradient takes them: {', '.join(accepted)} (default: "
+        f"{', '.join(_BACKENDS)})",
+    )
     parser.add_argument(
         "--scenarios", default=",".join(_GROUPS), help=f"comma-separated groups, from {', '.join(_GROUPS)}"
     )
@@ -79,16 +141,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "-j", "--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: the CPU count)"
     )
-    parser.add_argument("--details", action="store_true", help="the skip reasons in full below the table")
+    # (the skip reasons are always in full now; the flag stays for the scripts that pass it)
+    parser.add_argument("--details", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--no-progress", action="store_true", help="no progress display (neither the bar nor the lines per group)"
     )
     args = parser.parse_args(argv)
 
     names = _names(args.backends)
-    unknown = [name for name in names if name not in _BACKENDS]
+    unknown = [name for name in names if name not in accepted]
     if unknown or not names:
-        parser.error(f"unknown backends {', '.join(unknown) or '(none given)'}; choose from {', '.join(_BACKENDS)}")
+        parser.error(f"unknown backends {', '.join(unknown) or '(none given)'}; choose from {', '.join(accepted)}")
+    names = _canonical(names)
     groups = _names(args.scenarios)
     unknown = [name for name in groups if name not in _GROUPS]
     if unknown or not groups:
@@ -171,7 +235,7 @@ def _print(
                     "skip reasons": [f"{backend_label(backend)} is not installed: {install_hint(backend)}"],
                 }
             )
-    print(report.table(args.format, lines, details=args.details))
+    print(report.table(args.format, lines))
     for note in notes:
         print(note)
     if report.failed:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+import functools
 import itertools
 import sys
 import time
@@ -19,7 +21,13 @@ from .. import _arrays
 from .. import tree as _tree
 from .._adapters import available, install_hint, normalize
 from .._backends import AutoFiniteDifferences, AutoJAX, AutoScipy, AutoTorch, Backend
-from .._errors import InvalidOutputError
+from .._errors import (
+    DiffifaceError,
+    GradientCheckError,
+    InvalidOptionError,
+    InvalidOutputError,
+    MutationError,
+)
 from . import _complex_checks, _on_device
 from ._compare import assert_allclose, default_tolerances, max_errors
 from ._running import (
@@ -27,7 +35,6 @@ from ._running import (
     Row,
     _changes_in_float64,
     _computed_reference,
-    _determinism_problem,
     _float64_scope,
     _is_difference,
     _like,
@@ -87,22 +94,28 @@ def check_gradients(
     """Check the gradient of ``f`` at ``x`` on every backend, in one call.
 
     Every requested backend (by default every installed engine that can run ``f``) is compared
-    with a finite-difference ground truth and with the other engines; ``x`` and the contexts must
-    not be mutated and ``f`` must be deterministic. A default engine that cannot run ``f``
-    (written for another framework, numpy code under torch, a pytree with function leaves) is
-    reported skipped with the reason: it is judged by its own evaluation of ``f``, which raised.
-    A string ``backends`` names one backend.
+    with a finite-difference ground truth and with the other engines; ``f`` must be
+    deterministic. Every call made of ``f`` itself gets copies of ``x`` and of the Constants, so
+    the caller's data is never touched; an ``f`` that writes into them raises
+    :class:`~diffiface.MutationError`. A default engine that cannot run ``f`` (written for another
+    framework, numpy code under torch, a pytree with function leaves) is reported skipped with
+    the reason: it is judged by its own evaluation of ``f``, which raised; so is one that runs
+    ``f`` and refuses to differentiate it with a diffiface error. A string ``backends`` names
+    one backend.
 
     The ground truth stays in f's domain and knows its own error. Per input, central differences
     at the finite-difference default step ``h = eps**(1/3) * max(1, |x_i|)`` and at ``2h``,
     combined by Richardson extrapolation; their difference estimates the error, with the rounding
     error ``eps * |f| / h``. Where a point raises or gives a non-finite value (an edge of f's
     domain), the input gets a step of its own, probed towards the edge (docs/testing.md); inputs
-    of x at inf or NaN are held fixed and their entries named unchecked. Each engine must agree
-    with it within four times that estimate plus ``rtol`` (default by dtype) of each entry;
-    engines agree with each other within the tolerances of their dtype. The ground truth runs on
+    of x at inf or NaN are held fixed and their entries named unchecked. Each entry of each
+    engine's gradient must agree with it within four times that entry's estimate, plus ``rtol``
+    (default by dtype) of the entry, plus the rounding of the gradient's dtype (``4 eps`` times
+    f's condition over the input's scale): no entry's tolerance depends on the largest entry.
+    Engines agree with each other within the tolerances of their dtype. The ground truth runs on
     float64 copies of float32 leaves of x and of the Constant contexts when f computes the same
-    value there. It costs ``4n`` evaluations of f for ``n`` inputs, edges included.
+    value there. It costs ``4n`` evaluations of f for ``n`` inputs, edges included; the whole
+    check at most ``4n + 20``.
 
     Where finite differences cannot settle it (they disagree with an engine, or their error is
     too large to see a 1% error: float32 f, large magnitudes, normalisation layers), the Taylor
@@ -123,13 +136,18 @@ def check_gradients(
     truth (compared with the default tolerances and its noise).
 
     Each row of the returned :class:`Report` names its reference. Warnings the engines raise are
-    collected on the rows (:attr:`Report.warnings`), never failures. Raises ``AssertionError``
-    naming every disagreement.
+    collected on the rows (:attr:`Report.warnings`), never failures. Raises
+    :class:`~diffiface.GradientCheckError` (an ``AssertionError``) on any failure: its message
+    names ``f`` by its ``__qualname__`` and every disagreement, with a line per leaf of x that
+    differs (entries that differ, relative error, the worst entry's two results and their
+    ratio); its ``report`` is the whole :class:`Report`. ``projections`` other than a whole
+    number of at least 1 is an :class:`~diffiface.InvalidOptionError`.
 
-    For a complex x, the gradient is ``df/dRe x + i df/dIm x`` (docs/complex.md), judged by
-    finite differences along the real and imaginary axis of each entry, and also along random
-    complex directions, which tell a gradient from its conjugate (a custom rule returning the
-    conjugate fails, and is told so). ``holomorphic=True`` checks a complex-valued ``f``
+    For a complex x, the gradient is ``df/dRe x + i df/dIm x`` (docs/complex.md), judged as the
+    gradient of f of the real inputs ``Re x`` and ``Im x`` (the same ground truth), and also along
+    random complex directions, which tell a gradient from its conjugate (a custom rule returning
+    the conjugate fails, and is told so); a direction whose own error estimate exceeds the
+    gradient's norm (a branch cut) does not judge. ``holomorphic=True`` checks a complex-valued ``f``
     asserted holomorphic instead: the Cauchy-Riemann equations, and each backend's
     ``jacobian(..., holomorphic=True)``.
 
@@ -142,6 +160,30 @@ def check_gradients(
     >>> [(row.status, row.reference) for row in report.rows]
     [('passed', 'finite_differences')]
     """
+    _validate_options(projections, rtol, atol)
+    name = _name_of(f)
+    try:
+        report = _run(f, x, tuple(contexts), backends, reference, rtol, atol, projections, seed, has_aux, holomorphic)
+    except GradientCheckError as exc:
+        report = exc.report if exc.report is not None else Report()
+        _named(report, name)
+        raise GradientCheckError(_failure_text(name, report, str(exc)), report) from None
+    return _named(report, name)
+
+
+def _run(
+    f: Callable[..., Any],
+    x: Any,
+    contexts: tuple[Any, ...],
+    backends: Sequence[Backend | str] | Backend | str,
+    reference: Backend | str | None,
+    rtol: float | None,
+    atol: float | None,
+    projections: int | None,
+    seed: int,
+    has_aux: bool,
+    holomorphic: bool,
+) -> Report:
     automatic = isinstance(backends, str) and backends == "available"
     if automatic:
         chosen = _available_backends(x)
@@ -150,17 +192,151 @@ def check_gradients(
     else:
         chosen = [normalize(b) for b in backends]
     if not chosen:
-        raise AssertionError('no backend to check: install one (pip install "diffiface[jax]") or pass backends=...')
-    contexts = tuple(contexts)
+        raise GradientCheckError('no backend to check: install one (pip install "diffiface[jax]") or pass backends=...')
     if holomorphic:
         return _complex_checks.check_holomorphic(f, x, contexts, chosen, rtol, atol)
     complex_x = _complex_checks.applies(x)
-    if reference is not None or complex_x or _sharded(x) or _on_device.applies(x):
+    if reference is not None or _sharded(x) or _on_device.applies(x):
         given = normalize(reference) if reference is not None else None
         return _check_against_engines_reference(
-            f, x, contexts, chosen, given, rtol, atol, projections, seed, has_aux, complex_x
+            f, x, contexts, chosen, given, rtol, atol, projections, seed, has_aux, complex_x, automatic
         )
     return _Check(f, x, contexts, chosen, automatic, rtol, atol, projections, seed, has_aux).run()
+
+
+def _validate_options(projections: Any, rtol: Any, atol: Any) -> None:
+    if projections is not None and (
+        isinstance(projections, bool) or not isinstance(projections, (int, np.integer)) or projections < 1
+    ):
+        raise InvalidOptionError(
+            f"check_gradients(projections={projections!r}): projections is the number of random directions "
+            "to compare the gradient along, a whole number of at least 1 (or None: every input, and 8 "
+            f"directions above {_PROJECTION_THRESHOLD} inputs)."
+        )
+    for option, value in (("rtol", rtol), ("atol", atol)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) or not value >= 0
+        ):
+            raise InvalidOptionError(
+                f"check_gradients({option}={value!r}): {option} is a tolerance, a number of at least 0 "
+                "(or None: the default of the gradient's dtype)."
+            )
+
+
+def _name_of(f: Any) -> str:
+    """f as a reader knows it: its ``__qualname__`` (a partial's or a callable object's too)."""
+    inner = f.func if isinstance(f, functools.partial) else f
+    name = getattr(inner, "__qualname__", None) or type(inner).__qualname__
+    return str(name)
+
+
+def _named(report: Report, name: str) -> Report:
+    for row in report.rows:
+        if row.scenario == "f":
+            row.scenario = name
+    return report
+
+
+def _failure_text(name: str, report: Report, message: str) -> str:
+    """The failure's message: f by name, then the report's account of each failure."""
+    body = report.summary() if report.failed else message
+    return f"check_gradients({name}): {body}"
+
+
+_WRITE = (
+    "f wrote into {what}{detail}, which it must only read. check_gradients calls f on copies, so your "
+    "arrays are as they were; but no engine can differentiate such an f. Compute out of place (y = x * 2, "
+    "not x *= 2 or x.mul_(2)), return new state through has_aux=True (say a BatchNorm's running "
+    "statistics), and pass scratch space as di.Cache(...)."
+)
+
+
+def _copied(leaf: Any, deep: bool) -> Any:
+    """A copy of an array leaf f may write into unseen by the caller (jax arrays cannot change);
+    ``deep``: torch modules too."""
+    kind = _arrays.kind(leaf)
+    if isinstance(leaf, np.ndarray):
+        return leaf.copy()
+    if kind == "torch":
+        return leaf.detach().clone().requires_grad_(leaf.requires_grad and leaf.is_leaf)
+    torch = sys.modules.get("torch")
+    if deep and torch is not None and isinstance(leaf, torch.nn.Module):
+        try:
+            return copy.deepcopy(leaf)
+        except Exception:  # (a module holding what cannot be copied: its writes are still seen)
+            return leaf
+    return leaf
+
+
+def _copies(values: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The contexts' values for one evaluation of f: a Constant's numpy arrays read-only (a write
+    raises), its tensors cloned; a Cache's as they are (f may write there)."""
+
+    def shielded(leaf: Any) -> Any:
+        if isinstance(leaf, np.ndarray):
+            view = leaf.view()
+            view.flags.writeable = False
+            return view
+        return _copied(leaf, deep=False)
+
+    return tuple(_tree.map(shielded, v.value) if isinstance(v, di.Constant) else v.value for v in values)
+
+
+def _twice_on_copies(f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+    """f at x twice (the determinism check), each time on fresh copies of x and of the Constants'
+    values: a write lands on a copy, and is reported as a :class:`MutationError`."""
+    outs = []
+    for _ in range(2):
+        x_copy = _tree.map(lambda leaf: _copied(leaf, deep=True), x)
+        values = [
+            _tree.map(lambda leaf: _copied(leaf, deep=True), c.value) if isinstance(c, di.Constant) else c.value
+            for c in contexts
+        ]
+        taken = [("x", snapshot(x_copy))] + [
+            (f"the di.Constant at position {i + 1} after x", snapshot(v))
+            for i, (c, v) in enumerate(zip(contexts, values, strict=True))
+            if isinstance(c, di.Constant)
+        ]
+        outs.append(f(x_copy, *values))
+        for what, before in taken:
+            changed = changes(before)
+            if changed:
+                where = [c.removeprefix("value") for c in changed[:4] if c != "value"]
+                detail = f" (at {', '.join(where)})" if where else ""
+                raise MutationError(_WRITE.format(what=what, detail=detail))
+    return outs[0], outs[1]
+
+
+def _not_for_this_engine(exc: BaseException, message: str, counted: _Counted, returned: int) -> tuple[str, str]:
+    """``(status, message)`` of a default engine that raised: skipped where its own evaluation of
+    f raised (f itself runs: it cannot run f), or where it ran f and refused to differentiate it
+    with a diffiface error (a float output under torch, a constant); failed otherwise."""
+    if counted.returned == returned:
+        return "skipped", f"cannot run f: {message}"
+    if isinstance(exc, DiffifaceError) and not isinstance(exc, MutationError):
+        return "skipped", f"cannot differentiate f: {message}"
+    return "failed", message
+
+
+def _differs(first: Any, second: Any, has_aux: bool) -> str | None:
+    """Why two outputs of f at the same input show it draws from a global random generator."""
+    paired = has_aux and all(isinstance(out, (tuple, list)) and len(out) == 2 for out in (first, second))
+    pairs = [("values", first[0], second[0]), ("aux", first[1], second[1])] if paired else [("values", first, second)]
+    for what, a, b in pairs:
+        la, lb = _tree.leaves(a), _tree.leaves(b)
+        same = len(la) == len(lb)
+        for u, v in zip(la, lb, strict=False):
+            if same and _arrays.kind(u) in ("numpy", "torch", "jax", "python") and not isinstance(u, str):
+                p, q = np.asarray(_arrays.to_numpy(u)), np.asarray(_arrays.to_numpy(v))
+                same = p.shape == q.shape and bool(np.array_equal(p, q, equal_nan=p.dtype.kind in "fc"))
+        if not same:
+            gave = "different values" if what == "values" else "the same value but a different aux"
+            return (
+                f"f is not deterministic: two calls with the same input gave {gave}, so it probably draws from "
+                "a global random generator. Pass a seeded generator or key as a di.Constant and draw from it "
+                "explicitly."
+            )
+    return None
 
 
 class _Counted:
@@ -179,37 +355,58 @@ class _Counted:
         return out
 
 
+_COMPLEX_PARTS = {"complex128": np.float64, "complex64": np.float32}
+
+
 @dataclasses.dataclass
 class _Flat:
-    """The float leaves of x as one float64 vector, and the way back to f's arguments."""
+    """The float leaves of x as one float64 vector, and the way back to f's arguments. A complex
+    leaf gives two pieces, its real parts then its imaginary parts: f of complex x is checked as
+    f of the real inputs Re x and Im x, whose gradient is ``df/dRe x + i df/dIm x``."""
 
     leaves: list[Any]
     spec: Any
     where: list[int]
-    """The indices of the leaves that are floating-point numbers (the others stay as they are)."""
+    """The indices of the leaves that are floating-point or complex numbers (the others stay as
+    they are)."""
     offsets: np.ndarray
     vector: np.ndarray
     eps: np.ndarray
+    parts: list[np.dtype[Any]]
+    """Per leaf in ``where``, the real dtype of its numbers."""
+    complex_leaves: list[bool]
 
     @classmethod
     def of(cls, x: Any) -> _Flat:
         leaves, spec = _tree.flatten(x)
-        where, pieces, eps = [], [], []
+        where, pieces, eps, parts, complex_leaves = [], [], [], [], []
         for i, leaf in enumerate(leaves):
+            name = _arrays.dtype_name(leaf)
+            is_complex = name in _COMPLEX_PARTS and (isinstance(leaf, complex) or _arrays.is_array(leaf))
             if isinstance(leaf, bool) or not (
                 isinstance(leaf, float)
-                or (
-                    _arrays.kind(leaf) in ("numpy", "torch", "jax") and _arrays.is_float_dtype(_arrays.dtype_name(leaf))
-                )
+                or is_complex
+                or (_arrays.kind(leaf) in ("numpy", "torch", "jax") and _arrays.is_float_dtype(name))
             ):
                 continue
             array = np.asarray(_arrays.to_numpy(leaf))
+            part: np.dtype[Any] = (
+                np.dtype(_COMPLEX_PARTS[name])
+                if is_complex
+                else (array.dtype if array.dtype.kind == "f" else np.dtype(np.float64))
+            )
+            flat = array.reshape(-1)
+            piece = np.concatenate([flat.real, flat.imag]) if is_complex else flat
             where.append(i)
-            pieces.append(array.reshape(-1).astype(np.float64))
-            eps.append(np.full(array.size, np.finfo(array.dtype if array.dtype.kind == "f" else np.float64).eps))
+            pieces.append(piece.astype(np.float64))
+            eps.append(np.full(piece.size, float(np.finfo(part).eps)))  # type: ignore[type-var]
+            parts.append(part)
+            complex_leaves.append(is_complex)
         vector = np.concatenate(pieces) if pieces else np.zeros(0)
         offsets = np.cumsum([0, *(p.size for p in pieces)])
-        return cls(leaves, spec, where, offsets, vector, np.concatenate(eps) if eps else np.zeros(0))
+        return cls(
+            leaves, spec, where, offsets, vector, np.concatenate(eps) if eps else np.zeros(0), parts, complex_leaves
+        )
 
     @property
     def size(self) -> int:
@@ -220,31 +417,48 @@ class _Flat:
         for j, i in enumerate(self.where):
             like = leaves[i]
             piece = vector[self.offsets[j] : self.offsets[j + 1]]
-            if isinstance(like, float):
-                leaves[i] = float(piece[0])
+            if self.complex_leaves[j]:
+                half = piece.size // 2
+                piece = piece[:half] + 1j * piece[half:]
+            if isinstance(like, (float, complex)):
+                leaves[i] = complex(piece[0]) if isinstance(like, complex) else float(piece[0])
             else:
                 leaves[i] = _arrays.from_numpy(piece.reshape(_arrays.shape(like)).copy(), like)
         return optree.tree_unflatten(self.spec, leaves)
 
     def read(self, tree: Any) -> np.ndarray:
-        """A gradient (x's structure) as a float64 vector over the float leaves."""
+        """A gradient (x's structure) as a float64 vector over the float leaves (a complex
+        leaf's real parts, then its imaginary parts)."""
         leaves = _tree.leaves(tree)
         if len(leaves) == len(self.where) != len(self.leaves):  # the non-float leaves dropped (jax)
             leaves = [leaves[self.where.index(i)] if i in self.where else None for i in range(len(self.leaves))]
         if len(leaves) != len(self.leaves):
             raise AssertionError(f"the gradient has {len(leaves)} leaves where x has {len(self.leaves)}")
-        pieces = [np.asarray(_arrays.to_numpy(leaves[i]), dtype=np.float64).reshape(-1) for i in self.where]
+        pieces = []
+        for j, i in enumerate(self.where):
+            array = np.asarray(_arrays.to_numpy(leaves[i])).reshape(-1)
+            if self.complex_leaves[j]:
+                array = (
+                    np.concatenate([array.real, array.imag]) if np.iscomplexobj(array) else np.tile(array, 2) * np.nan
+                )
+            pieces.append(array.astype(np.float64))
         return np.concatenate(pieces) if pieces else np.zeros(0)
+
+    def part(self, i: int) -> tuple[int, int, str]:
+        """Input i as ``(leaf index j, entry of the leaf, "" or " (real part)"/" (imaginary part)")``."""
+        j = int(np.searchsorted(self.offsets, i, side="right")) - 1
+        local = i - int(self.offsets[j])
+        if not self.complex_leaves[j]:
+            return j, local, ""
+        half = (int(self.offsets[j + 1]) - int(self.offsets[j])) // 2
+        return j, local % half, " (real part)" if local < half else " (imaginary part)"
 
     def exact(self, steps: np.ndarray) -> np.ndarray:
         """Steps rounded so that ``x + h`` is representable in each leaf's dtype."""
         out = np.empty_like(steps)
-        for j, i in enumerate(self.where):
+        for j in range(len(self.where)):
             lo, hi = self.offsets[j], self.offsets[j + 1]
-            dtype = (
-                np.asarray(_arrays.to_numpy(self.leaves[i])).dtype if not isinstance(self.leaves[i], float) else None
-            )
-            dtype = dtype if dtype is not None and dtype.kind == "f" else np.dtype(np.float64)
+            dtype = self.parts[j]
             base = self.vector[lo:hi]
             with np.errstate(invalid="ignore", over="ignore"):  # (inputs at inf: held fixed)
                 out[lo:hi] = (base.astype(dtype) + steps[lo:hi].astype(dtype)).astype(np.float64) - base
@@ -303,8 +517,9 @@ class _Check:
         self.flat = _Flat.of(x)
         self.projections = projections
         self.report = Report()
+        self.leaf_lines: dict[str, list[str]] = {}
         self.outside = Row("(reference)", "f", "gradient", "passed")
-        self.wide_x = any(_arrays.dtype_name(leaf) == "float64" for leaf in _tree.leaves(x))
+        self.wide_x = any(_arrays.dtype_name(leaf) in ("float64", "complex128") for leaf in _tree.leaves(x))
         # entries of x at +-inf or NaN (a mask of -inf before a softmax): held where they are, no
         # difference taken along them
         self.fixed = ~np.isfinite(self.flat.vector)
@@ -333,11 +548,15 @@ class _Check:
         raises or is not finite there: an edge of its domain."""
         try:
             with _no_grad(), _float64_scope() if self.wide else contextlib.nullcontext():
-                out = self.counted(self.truth_flat.tree(vector), *self.truth_contexts)
+                out = self.counted(self.truth_flat.tree(vector), *_copies(self.truth_contexts))
             value = self._scalar(out)
             self.output_dtype = _arrays.dtype_name(_tree.leaves(out[0] if self.has_aux else out)[0])
         except InvalidOutputError:
             raise
+        except ValueError as exc:
+            if str(exc).endswith("read-only"):  # a write into a Constant, handed read-only
+                raise MutationError(_WRITE.format(what="a di.Constant", detail=f" ({exc})")) from exc
+            return None
         except Exception:
             return None
         return value if np.isfinite(value) else None
@@ -346,11 +565,9 @@ class _Check:
 
     def run(self) -> Report:
         with _warnings_apart(self.outside), _float64_scope() if self.wide_x else contextlib.nullcontext():
-            first_out = self.f(self.x, *self.scenario.context_values)
-            self.counted.calls += 1
+            first_out, second_out = _twice_on_copies(self.f, self.x, self.contexts)
+            self.counted.calls += 2
             self.f0 = self._scalar(first_out)
-            second_out = self.f(self.x, *self.scenario.context_values)
-            self.counted.calls += 1
             second = self._scalar(second_out)
         if not np.isfinite(self.f0):
             raise InvalidOutputError(f"f(x) = {self.f0}: there is no gradient to check at this x; choose another x.")
@@ -383,8 +600,18 @@ class _Check:
                 row.message = f"{row.message} {note}".strip()
         self._pairwise(gradients)
         self._not_differentiable_but_disagreeing()
+        if _complex_checks.applies(self.x):
+            # along random complex directions, which tell a gradient from its conjugate
+            shielded = tuple(di.Constant(v) for v in _copies(self.contexts))
+            _complex_checks.check_adjoint(
+                self.report, self.f, self.x, shielded, self.native, self.has_aux, self.seed, self.rtol
+            )
+        for label, lines in self.leaf_lines.items():
+            row = self._row(label)
+            if row.status == "failed" and lines:
+                row.message += "".join(f"\n    {line}" for line in lines)
         if self.report.failed:
-            raise AssertionError(self.report.summary())
+            raise GradientCheckError(self.report.summary(), self.report)
         return self.report
 
     def _engines(self) -> dict[str, np.ndarray]:
@@ -421,12 +648,13 @@ class _Check:
                     self.native[label] = gradient
                 except Exception as exc:
                     row.status, row.message = _outcome(exc)
-                    if row.status == "failed" and self.automatic and self.counted.returned == returned:
-                        # the engine's own evaluation of f raised, where f itself runs: it cannot run f
-                        row.status, row.message = "skipped", f"cannot run f: {row.message}"
+                    if row.status == "failed" and self.automatic and label not in gradients:
+                        row.status, row.message = _not_for_this_engine(exc, row.message, self.counted, returned)
         if self.automatic and not gradients and not self.report.failed:
             reasons = "; ".join(f"{r.backend}: {r.message}" for r in self.report.rows)
-            raise AssertionError(f"no installed engine can run f ({reasons}). Pass backends=... explicitly.")
+            raise GradientCheckError(
+                f"no installed engine can run f ({reasons}). Pass backends=... explicitly.", self.report
+            )
         return gradients
 
     def _row(self, label: str) -> Row:
@@ -444,19 +672,24 @@ class _Check:
         )
         self.condition = condition
         eps = self._output_eps()
-        moved = abs(second - self.f0) > 64 * eps * condition
-        if not moved and self.has_aux:
-            moved = not _same_within(first_out[1], second_out[1], 64 * eps)
-        if moved:
-            raise AssertionError(
-                "f is not deterministic: two calls with the same input gave different values "
-                f"({self.f0!r} and {second!r}), so it probably draws from a global random generator. "
-                "Pass a seeded generator or key as a di.Constant and draw from it explicitly."
-            )
+        if abs(second - self.f0) > 64 * eps * condition:
+            what = f"different values ({self.f0!r} and {second!r})"
+        elif self.has_aux and not _same_within(first_out[1], second_out[1], 64 * eps):
+            what = f"the same value ({self.f0!r}) but a different aux (the second item f returns)"
+        else:
+            return
+        self.outside.status = "failed"
+        self.outside.message = (
+            f"f is not deterministic: two calls with the same input gave {what}, so it probably draws from "
+            "a global random generator. Pass a seeded generator or key as a di.Constant and draw from it "
+            "explicitly."
+        )
+        self.report.rows.insert(0, self.outside)
+        raise GradientCheckError(self.outside.message, self.report)
 
     def _output_eps(self) -> float:
         dtypes = [np.asarray(_arrays.to_numpy(leaf)).dtype for leaf in _tree.leaves(self.x) if _arrays.is_array(leaf)]
-        floats = [d for d in dtypes if d.kind == "f"]
+        floats = [d for d in dtypes if d.kind in "fc"]
         return float(max((np.finfo(d).eps for d in floats), default=np.finfo(np.float64).eps))
 
     # -- the ground truth ---------------------------------------------------------------------------
@@ -467,7 +700,7 @@ class _Check:
         self.wide = self.wide or self.wide_x
         promoted = _promotes(scenario) and self.wide
         self.truth_flat = _Flat.of(promote(self.x)) if promoted else self.flat
-        self.truth_contexts = tuple(c.value for c in (promote_contexts(self.contexts) if promoted else self.contexts))
+        self.truth_contexts = tuple(promote_contexts(self.contexts) if promoted else self.contexts)
         self.label = "finite_differences (float64)" if promoted else "finite_differences"
         self.eps = self.truth_flat.eps  # of the dtype f runs in, per input
         self.scale = np.maximum(1.0, np.abs(self.finite_x))
@@ -521,6 +754,7 @@ class _Check:
                     f"{int(np.sum(bad))} of {g.size} inputs differ"
                 )
                 disagreements[label] = np.where(bad | ~known, g - np.nan_to_num(truth.values), 0.0)
+                self.leaf_lines[label] = self._leaf_lines(g, truth.values, bad)
         for label, where in own_edge.items():
             row = self._row(label)
             if row.status != "failed":
@@ -551,27 +785,61 @@ class _Check:
                     continue
                 self._apply_taylor(row, taylor, g, fd_failed=label in disagreements)
 
+    def _leaf_lines(self, g: np.ndarray, truth: np.ndarray, bad: np.ndarray) -> list[str]:
+        """One line per leaf of x with entries that differ: how many, the leaf's relative error
+        (its largest difference over its largest finite-difference entry), and at its worst entry
+        both results and their ratio."""
+        lines = []
+        for j in range(len(self.flat.where)):
+            lo, hi = int(self.flat.offsets[j]), int(self.flat.offsets[j + 1])
+            wrong = bad[lo:hi]
+            if not np.any(wrong):
+                continue
+            with np.errstate(invalid="ignore"):
+                err = np.abs(g[lo:hi] - truth[lo:hi])
+            k = lo + int(np.argmax(np.where(wrong, np.nan_to_num(err, nan=np.inf), -1.0)))
+            finite = np.isfinite(err) & np.isfinite(truth[lo:hi])
+            top = float(np.max(np.abs(truth[lo:hi][finite]), initial=0.0))
+            largest = float(np.max(err[finite], initial=0.0))
+            relative = largest / top if top else float("inf")
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio = g[k] / truth[k]
+            lines.append(
+                f"{self._leaf_name(j)}: {int(np.sum(wrong))} of {hi - lo} entries differ, relative error "
+                f"{relative:.3g}; worst at {self._where(k)}: gradient {g[k]:.6g}, finite differences {truth[k]:.6g} "
+                f"(ratio {ratio:.4g})"
+            )
+        return lines
+
+    def _leaf_name(self, j: int) -> str:
+        if len(self.flat.leaves) == 1:
+            return "x"
+        return "x" + _tree.path_string(self.flat.spec.paths()[self.flat.where[j]])
+
     def _where(self, i: int) -> str:
-        j = int(np.searchsorted(self.flat.offsets, i, side="right")) - 1
+        j, local, part = self.flat.part(i)
         leaf = self.flat.leaves[self.flat.where[j]]
-        local = i - int(self.flat.offsets[j])
         shape = _arrays.shape(leaf)
         index = tuple(int(a) for a in np.unravel_index(local, shape)) if shape else ()
         path = _tree.path_string(self.flat.spec.paths()[self.flat.where[j]]) if len(self.flat.leaves) > 1 else ""
-        return f"{path}{list(index) if index else ''}" or "x"
+        return (f"{path}{list(index) if index else ''}" or "x") + part
 
     def _tolerance(self, label: str, truth: _Truth) -> np.ndarray:
-        """Per input: four times the ground truth's error estimate, plus rtol of the entry and
-        atol (defaults by the gradient's dtype, atol relative to the gradient's scale); a
-        finite-difference engine's own error (its plain central difference's) besides."""
+        """Per input, from that entry alone: four times the ground truth's error estimate, plus
+        rtol of the entry, plus a floor from the gradient's dtype, the rounding a gradient
+        computed in that dtype carries (``4 eps`` times f's condition over the input's scale); a
+        finite-difference engine's own error (its plain central difference's) besides. No entry's
+        tolerance depends on another's magnitude (a small entry 200% off beside a huge one fails),
+        and no absolute floor lets a tiny gradient pass."""
         dtype = _arrays.dtype_name(next(iter(_tree.leaves(self.native[label])), 0.0))
-        default_rtol, default_atol = default_tolerances(
-            dtype if dtype in ("float32", "float16", "bfloat16") else "float64"
-        )
-        rtol = default_rtol if self.rtol is None else self.rtol
-        known = np.isfinite(truth.errors)
-        magnitude = float(np.max(np.abs(truth.values[known]), initial=0.0))
-        atol = default_atol * magnitude if self.atol is None else self.atol
+        dtype = "float32" if dtype == "complex64" else dtype
+        narrow = dtype if dtype in ("float32", "float16", "bfloat16") else "float64"
+        rtol = default_tolerances(narrow)[0] if self.rtol is None else self.rtol
+        if self.atol is None:
+            eps = _NARROW_EPS.get(narrow, float(np.finfo(np.float64).eps))
+            atol: Any = 4 * eps * self.condition / self.scale + np.finfo(np.float64).tiny
+        else:
+            atol = self.atol
         tol: np.ndarray = _SAFETY * truth.errors + rtol * np.abs(truth.values) + atol
         if label.split("-")[0] in ("finite_differences", "scipy"):
             own = np.abs(truth.plain - truth.values) + _difference_noise(self.f0, self.flat.size)
@@ -1005,22 +1273,32 @@ def _check_against_engines_reference(
     seed: int = 0,
     has_aux: bool = False,
     complex_x: bool = False,
+    automatic: bool = False,
 ) -> Report:
     """The seed's checker, kept where it serves: a given ``reference`` backend, complex x (its
     truth along the real and imaginary axes, and the adjoint identity along complex directions,
     diffiface.test._complex_checks), DTensors, and jax arrays placed on devices of their own
     (random directions drawn and judged there)."""
     report = Report()
+    counted = _Counted(f)
+    f = counted
     operator = "value_and_gradient" if has_aux else "gradient"
     scenario = Scenario("f", f, x, operator, tuple(contexts), reference=None, has_aux=has_aux)
     outside = Row("(reference)", "f", "gradient", "passed")
     wide = any(_arrays.dtype_name(leaf) == "float64" for leaf in _tree.leaves(x))
     sharded = _sharded(x)  # DTensors: checked along random directions, collectively, nothing gathered
     with _warnings_apart(outside), _float64_scope() if wide else contextlib.nullcontext():
-        problem = _sharded_determinism_problem(scenario) if sharded else _determinism_problem(scenario)
+        if sharded:
+            problem = _sharded_determinism_problem(scenario)
+            value = f(x, *scenario.context_values)
+        else:
+            first, second = _twice_on_copies(f, x, tuple(contexts))
+            problem = _differs(first, second, has_aux)
+            value = first
         if problem:
-            raise AssertionError(problem)
-        value = f(x, *scenario.context_values)
+            outside.status, outside.message = "failed", problem
+            report.rows.append(outside)
+            raise GradientCheckError(problem, report)
         value = value[0] if has_aux else value
     size = sum(int(np.prod(_arrays.shape(leaf))) for leaf in _tree.leaves(x))
     noise = _difference_noise(_sharded_scalar(value) if sharded else value, size)
@@ -1069,6 +1347,7 @@ def _check_against_engines_reference(
             continue
         constants = [c for c in contexts if isinstance(c, di.Constant)]
         taken = snapshot(_local_views((x, [c.value for c in constants])) if sharded else (x, constants))
+        returned = counted.returned
         start = time.perf_counter()
         with _warnings_apart(row):
             try:
@@ -1095,10 +1374,15 @@ def _check_against_engines_reference(
                         raise
             except Exception as exc:
                 row.status, row.message = _outcome(exc)
+                if row.status == "failed" and automatic and label not in gradients:
+                    row.status, row.message = _not_for_this_engine(exc, row.message, counted, returned)
                 if k and row.status == "failed" and label in gradients:
                     against_truth[label] = row.abs_error
     if complex_x:
         _complex_checks.check_adjoint(report, f, x, contexts, gradients, has_aux, seed, rtol)
+    if automatic and not gradients and not report.failed:
+        reasons = "; ".join(f"{r.backend}: {r.message}" for r in report.rows)
+        raise GradientCheckError(f"no installed engine can run f ({reasons}). Pass backends=... explicitly.", report)
     labels = list(gradients)
     disagreements: set[str] = set()
     for i, a in enumerate(labels):
@@ -1115,7 +1399,7 @@ def _check_against_engines_reference(
                 disagreements.update((a, b))
     _hint_truth_at_fault(report, against_truth, disagreements, noise, estimate)
     if report.failed:
-        raise AssertionError(report.summary())
+        raise GradientCheckError(report.summary(), report)
     return report
 
 

@@ -148,13 +148,11 @@ class Report:
             g["references"] = ", ".join(g["references"])
         return list(groups.values())
 
-    def table(
-        self, fmt: str = "table", lines: list[dict[str, Any]] | None = None, *, width: int = 120, details: bool = False
-    ) -> str:
+    def table(self, fmt: str = "table", lines: list[dict[str, Any]] | None = None, *, width: int = 120) -> str:
         """The grouped rows as an aligned text table of at most ``width`` columns, long cells cut
         with ``...``; each group's skipped count cites its skip reasons by number (``3 [1,2]``),
-        and below the table they are listed (each on one line, cut; ``details=True``: in full).
-        ``fmt="markdown"``: a markdown table with the reasons in full in their own column."""
+        and below the table they are listed in full, wrapped at ``width``. ``fmt="markdown"``: a
+        markdown table with the reasons in full in their own column."""
         lines = self.grouped() if lines is None else lines
         if not lines:
             return "(no checks)"
@@ -192,17 +190,12 @@ class Report:
         )
         if reasons:
             text.append("")
-            text.append(
-                "skip reasons:" + ("" if details else " (in full with --details, or per row with --format json)")
-            )
+            text.append("skip reasons:")
             for number, reason in enumerate(reasons, 1):
                 mark = f"[{number}] "
-                if details:
-                    text.extend(
-                        textwrap.wrap(reason, width, initial_indent=mark, subsequent_indent=" " * len(mark)) or [mark]
-                    )
-                else:
-                    text.append(_cut(mark + reason, width))
+                text.extend(
+                    textwrap.wrap(reason, width, initial_indent=mark, subsequent_indent=" " * len(mark)) or [mark]
+                )
         return "\n".join(text)
 
 
@@ -421,7 +414,7 @@ def _outcome(exc: BaseException) -> tuple[str, str]:
     """``(status, message)`` of a check that raised: skipped when the backend cannot run ``f``
     at all (f is written for another framework; torch.func refuses a classic
     ``torch.autograd.Function``), else failed."""
-    message = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+    message = f"{type(exc).__name__}: {exc}".splitlines()[0]
     if isinstance(exc, (FrameworkMismatchError, UnsupportedOperationError)):
         return "skipped", f"cannot run f: {message}"
     return "failed", message
@@ -598,7 +591,8 @@ def _like(reference: Any, result: Any) -> Any:
 def _leaf_like(reference: Any, like: Any) -> Any:
     kind = _arrays.kind(like)
     if kind == "python":
-        return float(np.asarray(_arrays.to_numpy(reference)))
+        value = np.asarray(_arrays.to_numpy(reference))
+        return complex(value) if np.iscomplexobj(value) else float(value)
     array = np.asarray(_arrays.to_numpy(reference))
     if kind == "numpy":
         return array.astype(like.dtype)
