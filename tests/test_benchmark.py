@@ -385,7 +385,7 @@ def test_torch_user_rows_give_the_native_gradients():
     users = _torch_users_module()
     rows = users.rows(rounds=1, number=1)
     ways = {(r["row"], r["backend"]) for r in rows}
-    assert ways >= {(row, b) for row in ("a", "a-f64", "b", "c", "d", "e") for b in ("torch", "torch-func")}
+    assert ways >= {(row, b) for row in ("a", "a-f64", "b", "c", "d", "e", "e-recipe") for b in ("torch", "torch-func")}
     for row in rows:
         assert "note" not in row, row
         assert row["check"] == "same", row
