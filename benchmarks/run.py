@@ -5,6 +5,7 @@ first-call (preparation) time.
     python benchmarks/run.py [--quick] [--cpus 0]
     python benchmarks/run.py --shapes [--quick] [--cpus 0]   # every call shape only: shapes.json/md/png
     python benchmarks/run.py --sparse [--quick]              # sparse Jacobians: sparse.json/md/png
+    python benchmarks/run.py --torch-users [--quick] [--cpus 0]  # what torch users pass: torch_users.json/md
 
 Writes benchmarks/results/results.json, results.md and PNG plots beside them. With
 ``--cpus``, the process runs on those CPUs only (``os.sched_setaffinity``), diffiface and the
@@ -1469,6 +1470,11 @@ def main():
     parser.add_argument("--pymanopt-only", action="store_true", help="print the rows against pymanopt, and stop")
     parser.add_argument("--sparse", action="store_true", help="run benchmarks/sparse.py (sparse.json/md/png), stop")
     parser.add_argument(
+        "--torch-users",
+        action="store_true",
+        help="run benchmarks/torch_users.py (what torch users pass, against their own call: torch_users.json/md), stop",
+    )
+    parser.add_argument(
         "--plots-only", action="store_true", help="redraw overhead.png and scaling.png from results.json, and stop"
     )
     parser.add_argument(
@@ -1487,6 +1493,12 @@ def main():
         import sparse  # benchmarks/sparse.py
 
         sparse.main(["--quick"] if args.quick else [])
+        return
+    if args.torch_users:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import torch_users  # benchmarks/torch_users.py
+
+        torch_users.main((["--quick"] if args.quick else []) + (["--cpus", args.cpus] if args.cpus else []))
         return
     names = [
         n

@@ -362,3 +362,48 @@ def test_docs_quote_the_latest_main_job_measurement():
         for row in (quick, full):
             assert f"{row['cpu_s']:.0f} CPU-seconds" in text, (page, row["job"])
             assert f"{row['checks']:,} checks" in text, (page, row["job"])
+
+
+def _torch_users_module():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "torch_users.py"
+    spec = importlib.util.spec_from_file_location("_benchmarks_torch_users", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclass looks its module up there)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_torch_user_rows_give_the_native_gradients():
+    """Every row of what torch users pass (Parameters, a 4 MB batch, detached parameters, the
+    model as a Constant, a frozen backbone; autograd and torch.func mode) runs, one round of one
+    call, and diffiface's gradient holds the values of the user's own call."""
+    pytest.importorskip("torch")
+    users = _torch_users_module()
+    rows = users.rows(rounds=1, number=1)
+    ways = {(r["row"], r["backend"]) for r in rows}
+    assert ways >= {(row, b) for row in ("a", "a-f64", "b", "c", "d", "e", "e-recipe") for b in ("torch", "torch-func")}
+    for row in rows:
+        assert "note" not in row, row
+        assert row["check"] == "same", row
+        assert row["ratio"] > 0 and row["goal"] == users.GOALS.get(row["row"])
+        if row["backend"].startswith("AutoTorch(create_graph=True)"):
+            assert row["graph"] == "yes" and row["native graph"] == "yes", row
+
+
+def test_torch_user_check_sees_a_wrong_gradient():
+    """The rows' check is not a rubber stamp: a changed value, a missing key or another dtype
+    is not the native gradient."""
+    torch = pytest.importorskip("torch")
+    users = _torch_users_module()
+    theirs = {"w": torch.ones(3, 2), "b": torch.zeros(2)}
+    assert users.same_gradient({"w": torch.ones(3, 2), "b": torch.zeros(2)}, theirs)
+    wrong = torch.ones(3, 2)
+    wrong[2, 1] = 1.01
+    assert not users.same_gradient({"w": wrong, "b": torch.zeros(2)}, theirs)
+    assert not users.same_gradient({"w": torch.ones(3, 2)}, theirs)
+    assert not users.same_gradient({"w": torch.ones(3, 2, dtype=torch.float64), "b": torch.zeros(2)}, theirs)
+    assert not users.same_gradient((torch.ones(3, 2), torch.zeros(2)), theirs)
