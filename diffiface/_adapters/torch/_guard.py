@@ -97,15 +97,17 @@ def _guard(program: Callable[..., Any], functional: bool, create_graph: bool) ->
             with torch.inference_mode(False):
                 return guarded(xs, ts, dynamic, static)
         keep = False
+        nested = bool(_CALLS.keep) or _transform_level() is not None
         if len(xs) == 1:
             x = xs[0]
-            if x.requires_grad or _DUALS[0]:
-                keep = _keeps(x, functional, create_graph)
+            if nested or x.requires_grad or _DUALS[0]:
+                keep = nested or _keeps(x, functional, create_graph)
             # (a clone of an inference tensor is a normal one)
             x = x.clone() if keep or not x.requires_grad else x.detach().clone()
             xs = (x,)
             versions = [x._version]  # (a fresh clone's counter starts at 0; read, not assumed)
         else:
+            keep = nested
             for x in xs:
                 if (x.requires_grad or _DUALS[0]) and _keeps(x, functional, create_graph):
                     keep = True
@@ -159,13 +161,16 @@ def _guard(program: Callable[..., Any], functional: bool, create_graph: bool) ->
 
 
 def _keeps(x: Any, functional: bool, create_graph: bool) -> bool:
-    """Whether a call on ``x`` (which requires grad, or a dual level of ours is open) keeps the
-    graph x carries: under torch.func (its semantics), where the caller asks for it
-    (``create_graph``), or inside an outer diffiface call, which differentiates through this
-    one; else the results are detached, as ``torch.autograd.grad``'s."""
+    """Whether a call on ``x`` (which requires grad, or a dual level of ours is open), outside
+    any other differentiation, keeps the graph x carries: under torch.func (its semantics) or
+    where the caller asks for it (``create_graph``); else the results are detached, as
+    ``torch.autograd.grad``'s. (Inside an outer diffiface call or a torch.func transform every
+    call keeps its graph, whatever x carries: the outer one differentiates through this one,
+    also through a tensor f closes over, and a detached result would read as a zero
+    derivative.)"""
     if x.is_inference() or not _carries_graph(x):
         return False
-    return functional or create_graph or bool(_CALLS.keep) or _wrapped(x)
+    return functional or create_graph or _wrapped(x)
 
 
 class _Names:
@@ -192,6 +197,8 @@ class _Names:
 
 
 _clone = torch.Tensor.clone
+# the innermost torch.func transform open (grad, jvp, vmap), or None: a call inside one keeps its graph
+_transform_level = torch._C._functorch.peek_interpreter_stack
 _version = operator.attrgetter("_version")
 _requires_grad = operator.attrgetter("requires_grad")
 _requiring = torch.Tensor.requires_grad_
