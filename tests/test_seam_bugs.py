@@ -173,19 +173,7 @@ def test_a_real_cotangent_of_a_complex_output_is_the_complex_one(engine: str, co
 
 @pytest.mark.parametrize(
     "engine",
-    [
-        pytest.param(
-            name,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="torch's fused vjp ignores the cast cotangent _checks._check_cotangent returns "
-                "(diffiface/_adapters/torch.py: `fused.cotangent(ts)` must become `ts = fused.cotangent(ts)`)",
-            ),
-        )
-        if name.startswith("torch")
-        else name
-        for name in ENGINES
-    ],
+    list(ENGINES),
 )
 def test_a_real_cotangent_of_a_complex_output_of_real_x(engine: str) -> None:
     backend, array = ENGINES[engine]

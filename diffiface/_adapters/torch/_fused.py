@@ -188,7 +188,7 @@ class _Pullback(_Gradient):
                 out = (out,)
         else:
             out, _ = closed(inputs)
-        fused.cotangent(ts)
+        ts = fused.cotangent(ts)
         outs = out if type(out) is tuple else (out,)
         touts = ts
         for y in outs:  # (a loop: no generator on the common path)
