@@ -112,3 +112,26 @@ def test_a_call_inside_torch_func_transforms_keeps_its_tangent(transform: str) -
 
     got = torch.func.jvp(g, (x,), (torch.ones_like(x),))[1] if transform == "jvp" else torch.func.grad(g)(x)
     assert float(got) == pytest.approx(9)
+
+
+@pytest.mark.parametrize("inner_mode", list(MODES))
+@pytest.mark.parametrize("outer", ["gradient", "jacobian", "derivative"])
+def test_a_prepared_call_on_the_outer_x_as_a_constant_keeps_its_graph(inner_mode: str, outer: str) -> None:
+    # expected: d/dz of the prepared gradient of w**3 z at c, z passed as a di.Constant: 3 c**2
+    # (the fused call, which serves a prepared call, hands a nested one to the guard's steps)
+    inner = MODES[inner_mode]
+    c, x = torch.tensor(0.7, dtype=torch.float64), torch.tensor(1.5, dtype=torch.float64)
+
+    def f(w: Any, z: Any) -> Any:
+        return w**3 * z
+
+    prep = di.prepare_gradient(f, inner, c, di.Constant(x))
+    di.gradient(f, inner, c, di.Constant(x), prep=prep)  # (the prep's first call made)
+    outer_backend = MODES["autograd"] if outer != "derivative" else MODES["func"]
+    for _ in range(2):
+        try:
+            got = _outer(outer, outer_backend)(lambda z: di.gradient(f, inner, c, di.Constant(z), prep=prep), x)
+        except di.DiffifaceError:
+            assert (inner_mode, outer) == ("autograd", "derivative")  # (torch.autograd inside torch.func)
+            continue
+        assert float(got) == pytest.approx(3 * 0.7**2)
