@@ -135,3 +135,37 @@ def test_a_prepared_call_on_the_outer_x_as_a_constant_keeps_its_graph(inner_mode
             assert (inner_mode, outer) == ("autograd", "derivative")  # (torch.autograd inside torch.func)
             continue
         assert float(got) == pytest.approx(3 * 0.7**2)
+
+
+_VECTOR_INNER = {  # op(w -> w**3 z) at c, for f closing over the outer x = z; its value, by z
+    "jacobian": (lambda b, z, c: di.jacobian(lambda w: w**3 * z, b, c).sum(0), lambda z, c: 3 * c**2 * z),
+    "hessian": (lambda b, z, c: di.hessian(lambda w: (w**3 * z).sum(), b, c).sum(0), lambda z, c: 6 * c * z),
+    "value_and_gradient": (
+        lambda b, z, c: di.value_and_gradient(lambda w: (w**3 * z).sum(), b, c)[1],
+        lambda z, c: 3 * c**2 * z,
+    ),
+}
+
+
+@pytest.mark.parametrize(("outer_mode", "inner_mode"), list(itertools.product(MODES, MODES)))
+@pytest.mark.parametrize("inner", list(_VECTOR_INNER))
+@pytest.mark.parametrize("outer", ["jacobian", "hessian"])
+def test_a_nested_jacobian_or_hessian_on_vectors_is_right_or_refused(
+    outer: str, inner: str, outer_mode: str, inner_mode: str
+) -> None:
+    x, c = torch.tensor([1.5, -0.5], dtype=torch.float64), torch.tensor([0.7, 0.3], dtype=torch.float64)
+    op, value = _VECTOR_INNER[inner]
+    g = lambda z: op(MODES[inner_mode], z, c)  # noqa: E731
+    if outer == "jacobian":
+        run, want = (lambda: di.jacobian(g, MODES[outer_mode], x)), torch.diag(value(torch.ones(2), c))
+    else:  # (g is linear in z: the Hessian of its squares is constant, 2 diag(value**2))
+        run, want = (
+            (lambda: di.hessian(lambda z: (g(z) ** 2).sum(), MODES[outer_mode], x)),
+            2 * torch.diag(value(torch.ones(2), c) ** 2),
+        )
+    try:
+        got = run()
+    except di.DiffifaceError:
+        assert (outer_mode, inner_mode) == ("func", "autograd")  # (torch.autograd inside torch.func)
+        return
+    torch.testing.assert_close(got.detach(), want.to(torch.float64))
