@@ -242,6 +242,23 @@ def user_forms() -> str:
 # --- the older, broader run: import, finite differences, Hessians, pymanopt ----------------------
 
 
+def torch_users() -> str:
+    """torch users' own objects (Parameters, big batches, frozen backbones) against their own call."""
+    data = _load("torch_users.json")
+    meta, rows = data["meta"], data["rows"]
+    body = [
+        [row["what"], row["backend"], _ratio(row["ratio"]), _ratio(row["goal"]) if row["goal"] else "—"]
+        for row in rows
+    ]
+    table = _table(["what the user passes", "backend", "diffiface / native", "goal"], body)
+    return (
+        table + "\nPrepared gradient by string name, diffiface's time / the user's own call's time: "
+        "`torch.autograd.grad(loss, parameters)` for `\"torch\"`, `torch.func.grad(loss)` for `\"torch-func\"`; "
+        f"torch {meta['torch']}, one torch thread, measured {meta['date'][:10]} on a {meta['cpu_count']}-CPU "
+        f"Linux machine without a GPU, median of {meta['rounds']} interleaved rounds.\n"
+    )
+
+
 def results_conditions() -> str:
     meta = _load("results.json")["meta"]
     return (
@@ -446,6 +463,7 @@ GENERATORS: dict[str, tuple[str, Callable[[], str]]] = {
     "sharded-memory": (f"{RESULTS}/sharded.json", sharded_memory),
     "differentiate-with": (f"{RESULTS}/differentiate_with.json", differentiate_with),
     "main-job": (f"{RESULTS}/main_job.json", main_job),
+    "torch-users": (f"{RESULTS}/torch_users.json", torch_users),
     "support-matrix": (REGISTRY, support_matrix),
 }
 

@@ -173,19 +173,7 @@ def test_a_real_cotangent_of_a_complex_output_is_the_complex_one(engine: str, co
 
 @pytest.mark.parametrize(
     "engine",
-    [
-        pytest.param(
-            name,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="torch's fused vjp ignores the cast cotangent _checks._check_cotangent returns "
-                "(diffiface/_adapters/torch.py: `fused.cotangent(ts)` must become `ts = fused.cotangent(ts)`)",
-            ),
-        )
-        if name.startswith("torch")
-        else name
-        for name in ENGINES
-    ],
+    list(ENGINES),
 )
 def test_a_real_cotangent_of_a_complex_output_of_real_x(engine: str) -> None:
     backend, array = ENGINES[engine]
@@ -336,17 +324,10 @@ def test_the_complex_second_derivative_refusal_advises_what_runs(engine: str) ->
     np.testing.assert_allclose(complex(np.asarray(second)), 6 + 6j, rtol=1e-5)
 
 
-_TORCH_FUNC_NESTED_JVP = pytest.mark.xfail(
-    strict=True,
-    reason="a jvp of a jvp under AutoTorch(mode='func') reads zero (real x too: "
-    "di.jvp(lambda z: di.jvp(f, b, z, t), b, x, t) with f = z**3 at 1.5 gives 0, not 9): torch adapter",
-)
-
-
 @pytest.mark.parametrize(
     "engine",
     [
-        pytest.param(name, marks=_TORCH_FUNC_NESTED_JVP) if name == "torch-func" else name
+        name
         for name in COMPLEX_ENGINES
         if name != "torch-autograd"  # (the message says: under torch, with mode='func')
     ],

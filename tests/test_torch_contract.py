@@ -108,26 +108,104 @@ def test_a_batchnorm_in_train_mode_names_its_buffer_and_is_put_back(mode: str) -
 
 
 @pytest.mark.parametrize("mode", list(BACKENDS))
-def test_a_write_into_a_frozen_parameter_names_it(mode: str) -> None:
-    # expected: a MutationError naming parameter 'lin.weight' of contexts[0]; under torch.func
-    # the write never lands (the module as it was); in autograd mode the module's parameters are
-    # watched by their counters, not copied: the write landed, and the error says so
+@pytest.mark.parametrize("through", ["mul_", ".data"])
+def test_a_write_into_a_frozen_parameter_on_the_first_call_is_put_back(mode: str, through: str) -> None:
+    # expected: a MutationError naming parameter 'lin.weight' of contexts[0], and the module bit
+    # for bit as it was: a prep's first call copies a Constant module's tensors (under torch.func
+    # the write never lands); also a write through .data, which no version counter sees
     torch.manual_seed(0)
     net, head, batch = Net().eval(), torch.randn(4), torch.randn(8, 4)
     net.requires_grad_(False)
     before = snapshot(net)
 
     def f(h: Any, model: Any, b: Any) -> Any:
-        with torch.no_grad():
-            model.lin.weight.mul_(2.0)
+        if through == ".data":
+            model.lin.weight.data.mul_(2.0)
+        else:
+            with torch.no_grad():
+                model.lin.weight.mul_(2.0)
         return (model(b) @ h).square().mean()
 
+    # (torch.func refuses a write through .data too, before it lands, but the leaf it names is
+    # .data's new tensor: its refusal stands, unnamed)
+    named = mode == "autograd" or through == "mul_"
+    message = r"parameter 'lin\.weight'.*contexts\[0\]" if named else "closes over.*nothing was written"
+    with pytest.raises(di.MutationError, match=message) as raised:
+        di.gradient(f, BACKENDS[mode], head, di.Constant(net), di.Constant(batch))
+    assert same(before, net)
+    if mode == "autograd":
+        assert "put back, bit for bit" in str(raised.value)
+
+
+@pytest.mark.parametrize("mode", list(BACKENDS))
+def test_a_write_into_a_frozen_parameter_on_a_later_call_is_named_and_says_where_it_landed(mode: str) -> None:
+    # expected: after a clean first call, the prep watches the module by its counters: in
+    # autograd mode a write is a MutationError that says the caller's module holds it (and it
+    # does); under torch.func the write is refused before it lands
+    torch.manual_seed(0)
+    net, head, batch = Net().eval(), torch.randn(4), torch.randn(8, 4)
+    net.requires_grad_(False)
+    writes = [False]
+
+    def f(h: Any, model: Any, b: Any) -> Any:
+        if writes[0]:
+            with torch.no_grad():
+                model.lin.weight.mul_(2.0)
+        return (model(b) @ h).square().mean()
+
+    prep = di.prepare_gradient(f, BACKENDS[mode], head, di.Constant(net), di.Constant(batch))
+    di.gradient(f, BACKENDS[mode], head, di.Constant(net), di.Constant(batch), prep=prep)
+    before = snapshot(net)
+    writes[0] = True
     message = r"parameter 'lin\.weight'.*contexts\[0\]"
     if mode == "autograd":
-        message += r".*now holds what f wrote"
+        message += r".*now holds what f wrote.*first call of a prep only"
     with pytest.raises(di.MutationError, match=message):
-        di.gradient(f, BACKENDS[mode], head, di.Constant(net), di.Constant(batch))
+        di.gradient(f, BACKENDS[mode], head, di.Constant(net), di.Constant(batch), prep=prep)
     assert same(before, net) == (mode == "func")
+
+
+def test_a_module_holding_a_nan_is_not_taken_for_written() -> None:
+    # expected: the first call's check compares bits, so a NaN parameter equals its copy
+    net, head, batch = Net().eval(), torch.randn(4), torch.randn(8, 4)
+    net.requires_grad_(False)
+    with torch.no_grad():
+        net.lin.bias[0] = float("nan")
+    grad = di.gradient(
+        lambda h, m, b: (m(b) @ h).sum(), BACKENDS["autograd"], head, di.Constant(net), di.Constant(batch)
+    )
+    assert grad.shape == head.shape
+
+
+def test_a_frozen_backbones_later_calls_clone_none_of_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # expected: a frozen 4.2M-parameter backbone as a di.Constant is copied on the prep's first
+    # call (the full guard) and on no later call (its version counters only)
+    torch.manual_seed(0)
+    backbone = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.LayerNorm(2048)).eval()
+    backbone.requires_grad_(False)
+    head, batch = torch.randn(2048), torch.randn(4, 2048)
+
+    def f(h: Any, net: Any, b: Any) -> Any:
+        return (net(b) @ h).square().sum()
+
+    storages = {t.untyped_storage().data_ptr() for t in [*backbone.parameters(), *backbone.buffers()]}
+    cloned: list[int] = []
+    clone = torch.Tensor.clone
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.untyped_storage().data_ptr() in storages:
+            cloned.append(self.numel())
+        return clone(self, *args, **kwargs)
+
+    prep = di.prepare_gradient(f, "torch", head, di.Constant(backbone), di.Constant(batch))
+    monkeypatch.setattr(torch.Tensor, "clone", counting)
+    di.gradient(f, "torch", head, di.Constant(backbone), di.Constant(batch), prep=prep)
+    assert sum(cloned) >= 2048 * 2048  # (the count means something: the first call copies it)
+    cloned.clear()
+    for _ in range(3):
+        di.gradient(f, "torch", head, di.Constant(backbone), di.Constant(batch), prep=prep)
+    monkeypatch.undo()
+    assert cloned == []
 
 
 @pytest.mark.parametrize("mode", list(BACKENDS))
@@ -244,7 +322,8 @@ def test_the_route_of_parameters_is_the_detached_leaves_one() -> None:
 @pytest.mark.parametrize("case", ["module Constant", "frozen backbone"])
 def test_the_route_of_a_module_constant_copies_nothing(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # expected: a module passed as di.Constant (its parameters as x, or a frozen backbone in eval
-    # mode under a trainable head) is watched without one copy of its tensors: no clone of any
+    # mode under a trainable head) is watched, after a prep's first call, without one copy of
+    # its tensors: no clone of any
     # tensor as large as one of the module's (x's leaves are copied, the batch in autograd mode)
     torch.manual_seed(0)
     if case == "module Constant":
@@ -266,6 +345,7 @@ def test_the_route_of_a_module_constant_copies_nothing(case: str, monkeypatch: p
         watched = {id(t) for t in [*model.parameters(), *model.buffers()]}
     batch = di.Constant(torch.randn(5, 3))
     prep = di.prepare_gradient(f, "torch", x, di.Constant(model), batch)
+    di.gradient(f, "torch", x, di.Constant(model), batch, prep=prep)  # (the first call copies the module)
     cloned: list[int] = []
     clone = torch.Tensor.clone
 

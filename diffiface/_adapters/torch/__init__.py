@@ -227,6 +227,8 @@ class Adapter(_base.Adapter):
             return self._value_and_pushforward(fn, xs, txs)
 
     def _value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
+        if _DUALS[0]:  # inside diffiface's own forward-mode call: torch has one dual level
+            raise _nested_forward()
         if self.functional:
             g, has_aux, rebuild = _for_func(fn, xs)
             g, bare = _bare_output(g, has_aux)
@@ -245,8 +247,6 @@ class Adapter(_base.Adapter):
             else:
                 tout = _tree.map(lambda t, y: t.to(y.dtype) if t.dtype != y.dtype else t, tout, out)
             return out, rebuild(aux), tout
-        if _DUALS[0]:  # inside diffiface's own forward-mode call: torch has one dual level
-            raise _nested_forward()
         keep = _keeping()
         if keep and any(x.requires_grad and _wrapped(x) for x in xs):
             raise _autograd_in_func()
@@ -299,7 +299,12 @@ class Adapter(_base.Adapter):
         if not self.functional or len(batch) < 2 or _any_dtensor(xs):
             return super().pullbacks(vjp, xs, batch)
         stacked = optree.tree_map(lambda *ts: torch.stack(ts), batch[0], *batch[1:])
-        grads = func.vmap(vjp)(stacked)  # one program for the whole batch
+        try:
+            grads = func.vmap(vjp)(stacked)  # one program for the whole batch
+        except RuntimeError as exc:  # (an operation vmap has no rule for: one by one)
+            if _NO_BATCHING_RULE not in str(exc):
+                raise
+            return super().pullbacks(vjp, xs, batch)
         return [tuple(g[k] for g in grads) for k in range(len(batch))]
 
     def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
@@ -339,7 +344,14 @@ class Adapter(_base.Adapter):
             return self._vectorised_jacobian(fn, xs, mode)
         if any(x.numel() == 0 for x in xs):  # torch.func.jacfwd fails on empty inputs
             return super().value_and_jacobian(fn, xs, mode)
-        return self._jacobian_by_transform(fn, xs, mode)
+        try:
+            return self._jacobian_by_transform(fn, xs, mode)
+        except RuntimeError as exc:
+            # an operation vmap has no rule for (a complex conjugate's view inside an outer
+            # transform): the rows one by one, f evaluated again
+            if _NO_BATCHING_RULE not in str(exc):
+                raise
+            return super().value_and_jacobian(fn, xs, mode)
 
     def _vectorised_jacobian(self, fn: Fn, xs: Leaves, mode: str | None) -> tuple[Any, Any, Blocks]:
         """Autograd mode's Jacobian in reverse mode: ``torch.func.jacrev``'s one vmapped program
@@ -461,6 +473,9 @@ class Adapter(_base.Adapter):
                 derivs.append(_detached(_stacked(firsts, y), keep))
                 seconds.append(_stacked(lasts, y))
         return _detached(out, keep), _detached(aux, keep), tuple(derivs), tuple(seconds)
+
+
+_NO_BATCHING_RULE = "Batching rule not implemented"
 
 
 def _reverse_jvp_fits(xs: Leaves, txs: Leaves) -> bool:

@@ -124,9 +124,9 @@ def _autograd_in_func() -> UnsupportedOperationError:
 def _nested_forward() -> UnsupportedOperationError:
     return UnsupportedOperationError(
         "AutoTorch(mode='autograd') computes forward mode (jvp, derivative) with torch.autograd.forward_ad, "
-        "which has one dual level per process: it cannot run inside another forward-mode differentiation. "
-        "Use AutoTorch(mode='func') for the inner or the outer call, or a reverse-mode operator (gradient, "
-        "vjp) inside."
+        "which has one dual level per process: no forward mode (of either mode) can run inside it, and it "
+        "cannot run inside another forward-mode differentiation. Use AutoTorch(mode='func') for both calls, "
+        "or a reverse-mode operator (gradient, vjp) inside."
     )
 
 

@@ -38,6 +38,7 @@ from ._guard import (
     _Names,
     _requires_grad,
     _requiring,
+    _transform_level,
     _version,
     _watched_constants,
 )
@@ -81,6 +82,8 @@ class _Gradient:
         if (
             static is not None
             or _DUALS[0]
+            or _CALLS.keep  # (inside an outer call or torch.func transform: the guard keeps the graph)
+            or _transform_level() is not None
             or not torch.is_grad_enabled()
             or torch.is_inference_mode_enabled()
             or not xs
@@ -88,7 +91,7 @@ class _Gradient:
         ):
             return self.guarded(xs, ts, dynamic, static)
         if any(map(_requires_grad, xs)):  # (an nn.Parameter: its results detached, as torch.autograd.grad's)
-            if self.functional or _CALLS.keep:  # (torch.func's semantics, or an outer call: the graph kept)
+            if self.functional:  # (torch.func's semantics: the graph kept)
                 return self.guarded(xs, ts, dynamic, static)
             xs = tuple(map(torch.Tensor.detach, xs))
         if self.plain:
@@ -188,7 +191,7 @@ class _Pullback(_Gradient):
                 out = (out,)
         else:
             out, _ = closed(inputs)
-        fused.cotangent(ts)
+        ts = fused.cotangent(ts)
         outs = out if type(out) is tuple else (out,)
         touts = ts
         for y in outs:  # (a loop: no generator on the common path)

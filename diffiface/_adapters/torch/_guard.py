@@ -76,10 +76,15 @@ def _guard(program: Callable[..., Any], functional: bool, create_graph: bool) ->
       torch.func's wrappers, and in reverse mode the detached leaf, which torch lets f write
       into under no_grad). In autograd mode f also gets copies of the Constants' tensors, which
       torch lets f write into; under torch.func it gets the caller's own, which torch.func
-      refuses to let f write. A Constant module is passed as it is: its parameters are watched
-      by their version counters, its buffers too, and the buffers of its submodules in training
-      mode are also kept in copies (torch's batch norm writes its running statistics without a
-      version bump) and put back. A write is refused with a MutationError naming the leaf.
+      refuses to let f write. A Constant module is passed as it is, guarded fully on the
+      prep's first call and by counters after it (:func:`_module_states`): on the first call
+      (until one completes) every parameter and buffer is kept in a copy, so that a write, seen
+      by its version counter or by its value, is put back bit for bit; on later calls
+      the parameters and buffers are watched by their version counters only (a frozen backbone
+      costs its counters per call, not its size), so a write is seen but stays in the caller's
+      module; only the buffers of submodules in training mode are copied on every call and put
+      back (torch's batch norm writes its running statistics without a version bump). A write
+      is refused with a MutationError naming the leaf and saying which of the two it found.
 
     The common call (one x, no tangent, one Constant tensor or none) takes no Python call
     besides ``program``'s: this runs on every call, and its cost is the library's overhead.
@@ -91,21 +96,24 @@ def _guard(program: Callable[..., Any], functional: bool, create_graph: bool) ->
     constant_at = tuple(i for i, cache in enumerate(cache_dynamic) if not cache)
     watch_static = not all(cache_static)  # a Constant static leaf may be a torch.nn.Module
     copy_constants = not functional
+    first = [True]  # no call of this prep has completed yet: a Constant module's tensors are copied
 
     def guarded(xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
         if torch.is_inference_mode_enabled():
             with torch.inference_mode(False):
                 return guarded(xs, ts, dynamic, static)
         keep = False
+        nested = bool(_CALLS.keep) or _transform_level() is not None
         if len(xs) == 1:
             x = xs[0]
-            if x.requires_grad or _DUALS[0]:
-                keep = _keeps(x, functional, create_graph)
+            if nested or x.requires_grad or _DUALS[0]:
+                keep = nested or _keeps(x, functional, create_graph)
             # (a clone of an inference tensor is a normal one)
             x = x.clone() if keep or not x.requires_grad else x.detach().clone()
             xs = (x,)
             versions = [x._version]  # (a fresh clone's counter starts at 0; read, not assumed)
         else:
+            keep = nested
             for x in xs:
                 if (x.requires_grad or _DUALS[0]) and _keeps(x, functional, create_graph):
                     keep = True
@@ -119,7 +127,7 @@ def _guard(program: Callable[..., Any], functional: bool, create_graph: bool) ->
         constants: list[tuple[int, Any, int]] = []
         if dynamic and constant_at:
             dynamic, constants = _watched_constants(dynamic, constant_at, copy_constants)
-        modules = _module_states(static, cache_static) if static is not None and watch_static else None
+        modules = _module_states(static, cache_static, first[0]) if static is not None and watch_static else None
         stack = _CALLS.keep
         stack.append(keep)
         grad_mode = torch.is_grad_enabled()  # f may switch it (torch.set_grad_enabled) and not switch back
@@ -148,6 +156,7 @@ def _guard(program: Callable[..., Any], functional: bool, create_graph: bool) ->
             problem = _mutation(xs, versions, constants, modules, names, copy_constants)
             if problem is not None:
                 raise MutationError(problem)
+            first[0] = False
         if ts:
             for t, v in zip(ts, tangent_versions, strict=True):
                 if t._version != v:
@@ -159,13 +168,16 @@ def _guard(program: Callable[..., Any], functional: bool, create_graph: bool) ->
 
 
 def _keeps(x: Any, functional: bool, create_graph: bool) -> bool:
-    """Whether a call on ``x`` (which requires grad, or a dual level of ours is open) keeps the
-    graph x carries: under torch.func (its semantics), where the caller asks for it
-    (``create_graph``), or inside an outer diffiface call, which differentiates through this
-    one; else the results are detached, as ``torch.autograd.grad``'s."""
+    """Whether a call on ``x`` (which requires grad, or a dual level of ours is open), outside
+    any other differentiation, keeps the graph x carries: under torch.func (its semantics) or
+    where the caller asks for it (``create_graph``); else the results are detached, as
+    ``torch.autograd.grad``'s. (Inside an outer diffiface call or a torch.func transform every
+    call keeps its graph, whatever x carries: the outer one differentiates through this one,
+    also through a tensor f closes over, and a detached result would read as a zero
+    derivative.)"""
     if x.is_inference() or not _carries_graph(x):
         return False
-    return functional or create_graph or bool(_CALLS.keep) or _wrapped(x)
+    return functional or create_graph or _wrapped(x)
 
 
 class _Names:
@@ -192,6 +204,8 @@ class _Names:
 
 
 _clone = torch.Tensor.clone
+# the innermost torch.func transform open (grad, jvp, vmap), or None: a call inside one keeps its graph
+_transform_level = torch._C._functorch.peek_interpreter_stack
 _version = operator.attrgetter("_version")
 _requires_grad = operator.attrgetter("requires_grad")
 _requiring = torch.Tensor.requires_grad_
@@ -249,13 +263,17 @@ def _after_failure(
 
 
 def _module_states(
-    static: Any, cache_static: tuple[bool, ...]
+    static: Any, cache_static: tuple[bool, ...], full: bool = False
 ) -> list[tuple[int, str, str, str, Any, int, Any]] | None:
     """For each Constant ``torch.nn.Module`` (by its index among the static leaves): each
-    parameter and buffer as (index, what, its module's prefix, name, tensor, version, copy). The copy, kept only of
-    the buffers of submodules in training mode, puts back what torch's batch norm writes into
-    its running statistics without a version bump; nothing else is copied (a frozen backbone
-    costs its counters, not its size). The qualified name is joined only where an error names it."""
+    parameter and buffer as (index, what, its module's prefix, name, tensor, version, copy).
+
+    The copy puts back what f wrote. ``full`` (a prep's first call): a copy of every tensor,
+    so that any write is undone, also one no counter sees (through ``.data``). Else a copy of
+    the buffers of submodules in training mode only (torch's batch norm writes its running
+    statistics without a version bump); nothing else is copied, so that a frozen backbone
+    costs its counters per call, not its size, and a write is seen but not undone. The
+    qualified name is joined only where an error names it."""
     states: list[tuple[int, str, str, str, Any, int, Any]] = []
     for index, (value, cache) in enumerate(zip(static.leaves, cache_static, strict=False)):
         if cache or not isinstance(value, torch.nn.Module):
@@ -265,10 +283,11 @@ def _module_states(
             training = module.training
             for name, tensor in module._parameters.items():
                 if tensor is not None and not tensor.is_inference():  # (torch refuses writes into those)
-                    states.append((index, "parameter", prefix, name, tensor, tensor._version, None))
+                    copy = tensor.detach().clone() if full else None
+                    states.append((index, "parameter", prefix, name, tensor, tensor._version, copy))
             for name, tensor in module._buffers.items():
                 if tensor is not None and not tensor.is_inference():
-                    copy = tensor.detach().clone() if training else None
+                    copy = tensor.detach().clone() if training or full else None
                     states.append((index, "buffer", prefix, name, tensor, tensor._version, copy))
     return states or None
 
@@ -299,7 +318,7 @@ def _mutation(
     if modules:
         changed = None
         for index, what, prefix, name, tensor, version, copy in modules:
-            if tensor._version != version or (copy is not None and not torch.equal(tensor, copy)):
+            if tensor._version != version or (copy is not None and not _same_bits(tensor, copy)):
                 if changed is None:
                     changed = (index, what, f"{prefix}.{name}" if prefix else name, copy is not None)
                 if copy is not None:
@@ -308,7 +327,7 @@ def _mutation(
         if changed is not None:
             index, what, name, restored = changed
             where = names.of_static(index) if names is not None else "a di.Constant"
-            state = "it has been put back" if restored else "the caller's module now holds what f wrote"
+            state = _PUT_BACK if restored else _LANDED
             if what == "parameter":
                 return (
                     f"f wrote in place into the parameter {name!r} of the torch.nn.Module {where}, a di.Constant; "
@@ -323,6 +342,21 @@ def _mutation(
             )
     return None
 
+
+def _same_bits(tensor: Any, copy: Any) -> bool:
+    """Whether ``tensor`` holds its ``copy``'s bits (a NaN equals itself: a module holding one
+    is not taken for written)."""
+    if (tensor.is_floating_point() or tensor.is_complex()) and type(tensor) in (torch.Tensor, torch.nn.Parameter):
+        return torch.equal(tensor.reshape(-1).view(torch.uint8), copy.reshape(-1).view(torch.uint8))
+    return torch.equal(tensor, copy)
+
+
+_PUT_BACK = "it has been put back, bit for bit"
+_LANDED = (
+    "the caller's module now holds what f wrote: a Constant module's tensors are copied (and a write "
+    "put back) on the first call of a prep only; its later calls watch their version counters, which "
+    "see a write but cannot undo it (nor see one through .data)"
+)
 
 _IN_PLACE_OPERATORS = frozenset(
     f"__i{name}__"
