@@ -192,7 +192,7 @@ def normalize(backend: Backend | str) -> Backend:
 def rows() -> tuple[BackendInfo, ...]:
     """Every row of the registry: the built-in engines, then those of installed packages (their
     entry points loaded)."""
-    return (*BACKENDS, *(row for name in _entry_points() if (row := _installed(name)) is not None))
+    return (*BACKENDS, *map(_row_of, _entry_points().values()))
 
 
 def labels() -> dict[str, Backend]:
@@ -235,27 +235,31 @@ def _entry_points() -> dict[str, Any]:
 
 
 def _installed(name: str) -> BackendInfo | None:
-    """The row of the installed engine named ``name``, its entry point loaded and checked once;
-    None where no package registers that name."""
-    row = _BY_NAME.get(name)
-    if row is not None:
-        return row
+    """The row of the installed engine named ``name`` (not a built-in one); None where no
+    package registers that name."""
     point = _entry_points().get(name)
-    if point is None:
-        return None
-    with _lock:
-        row = _BY_NAME.get(name)
-        if row is None:
-            row = _load(point)
-            _BY_NAME[row.name] = row
-            _BY_CONFIG[row.config] = row
+    return None if point is None else _row_of(point)
+
+
+def _row_of(point: Any) -> BackendInfo:
+    """The row an entry point names, loaded and checked once."""
+    row = _loaded.get(point.name)
+    if row is None:
+        with _lock:
+            row = _loaded.get(point.name)
+            if row is None:
+                row = _load(point)
+                _BY_NAME[row.name] = _BY_CONFIG[row.config] = _loaded[row.name] = row
     return row
 
 
+_loaded: dict[str, BackendInfo] = {}
+
+
 def _installed_configs() -> dict[type[Backend], BackendInfo]:
-    """Every installed engine's row by its config class (all entry points loaded)."""
-    for name in _entry_points():
-        _installed(name)
+    """Every engine's row by its config class, the installed ones' entry points loaded."""
+    for point in _entry_points().values():
+        _row_of(point)
     return _BY_CONFIG
 
 
