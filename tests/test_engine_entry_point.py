@@ -93,11 +93,18 @@ def test_toy_by_name_and_by_config(toy_site: Path) -> None:
         assert "toy" in _adapters.labels() and di.available("toy")
         from diffiface.test import check_gradients
         report = check_gradients(f, x, backends=["toy"])
-        print(json.dumps(sorted({row.backend for row in report.rows})))
+        assert {row.backend for row in report.rows} == {"toy"} and not report.failed, report
+        # by default too, beside the built-in engines; and skipped with the reason where f uses
+        # an operation the toy's duals lack
+        defaults = check_gradients(f, x)
+        lacking = check_gradients(lambda x: np.sum(np.tanh(x)), x)
+        print(json.dumps([
+            [row.backend, row.status] for report in (defaults, lacking) for row in report.rows if row.backend == "toy"
+        ]))
         """.replace("import sys", "import json, sys"),
         toy_site,
     )
-    assert json.loads(out) == ["toy"]
+    assert json.loads(out) == [["toy", "passed"], ["toy", "skipped"]]
 
 
 def test_toy_passes_the_core_scenarios(toy_site: Path) -> None:
@@ -124,15 +131,33 @@ def test_toy_passes_the_core_scenarios(toy_site: Path) -> None:
         assert any(name in scenario for scenario in passed), name
 
 
-def test_the_cli_lists_the_toy(toy_site: Path) -> None:
+def test_the_main_job_lists_and_checks_the_toy(toy_site: Path) -> None:
+    """``python -m diffiface.test`` lists the toy among its default backends and checks it like any
+    other: none of its rows fails; the scenarios it cannot run (complex numbers, a ufunc its duals
+    lack) are skipped with that reason."""
     out = _run(
         """
+        import contextlib, io, json, sys
         from diffiface.test import __main__ as cli
-        print(",".join(cli._BACKENDS))
+
+        listed = list(cli._BACKENDS)
+        sys.argv = ["diffiface.test", "--backends", "toy", "--quick", "--format", "json"]
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text), contextlib.redirect_stderr(io.StringIO()):
+            with contextlib.suppress(SystemExit):
+                cli.main()
+        rows = json.loads(text.getvalue())["rows"]
+        print(json.dumps({"listed": listed, "rows": [[r["scenario"], r["status"], r["message"]] for r in rows]}))
         """,
         toy_site,
     )
-    assert out.strip().split(",")[-1] == "toy"
+    found = json.loads(out)
+    assert found["listed"][-1] == "toy"
+    rows = found["rows"]
+    assert not [row for row in rows if row[1] not in ("passed", "skipped")], rows
+    assert sum(row[1] == "passed" for row in rows) >= 40
+    reasons = {row[2] for row in rows if row[1] == "skipped"}
+    assert any("dual numbers are real" in reason for reason in reasons), reasons
 
 
 @pytest.mark.parametrize(

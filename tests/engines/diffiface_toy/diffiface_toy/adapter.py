@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from diffiface import UnsupportedOperationError
 from diffiface._adapters import _base
 
 from .dual import Dual, new_tag
@@ -46,6 +47,23 @@ class Adapter(_base.Adapter):
             values[index] = item
         return values.astype(getattr(_local, "dtype", np.float64))
 
+    def explain_failure(self, exc: BaseException) -> str | None:
+        """An operation on duals that they do not have (a ufunc other than sin, cos, exp and log,
+        a complex number) is f written for more than this engine, which then cannot run it."""
+        chain: BaseException | None = exc
+        for _ in range(8):
+            if chain is None:
+                break
+            # (numpy's ufuncs on the object arrays f gets call a method of each item)
+            text = str(chain)
+            if isinstance(chain, (TypeError, AttributeError)) and ("Dual" in text or "loop of ufunc" in text):
+                return (
+                    f"f uses an operation that the toy engine's dual numbers lack ({chain}); they have "
+                    "+, -, *, /, ** and numpy's sin, cos, exp and log, on real numbers."
+                )
+            chain = chain.__cause__ or chain.__context__
+        return None
+
     def value_and_pushforward(self, fn: Any, xs: Any, txs: Any) -> tuple[Any, Any, Any]:
         tag = new_tag()
         floats = [x.dtype for x in xs if x.dtype != object]
@@ -66,6 +84,8 @@ class Adapter(_base.Adapter):
 
 def _lift(x: np.ndarray, t: Any, tag: int) -> np.ndarray:
     """x as an object array of duals of the pass ``tag``, with tangent ``t``."""
+    if np.iscomplexobj(x) or np.iscomplexobj(t):
+        raise UnsupportedOperationError("the toy engine differentiates functions of real numbers only.")
     lifted = np.empty(np.shape(x), dtype=object)
     t = np.broadcast_to(np.asarray(t, dtype=object), np.shape(x))
     for index in np.ndindex(np.shape(x)):

@@ -12,6 +12,8 @@ import math
 import numbers
 from typing import Any
 
+from diffiface import UnsupportedOperationError
+
 _tags = itertools.count(1)
 
 
@@ -47,6 +49,8 @@ class Dual:
 
     @staticmethod
     def _operands(a: Any, b: Any) -> tuple[int, Any, Any, Any, Any] | None:
+        if isinstance(b, numbers.Complex) and not isinstance(b, numbers.Real):
+            raise UnsupportedOperationError("the toy engine's dual numbers are real; it cannot take complex numbers.")
         if not isinstance(b, (Dual, numbers.Real)):
             return None  # an array: numpy broadcasts and calls back element by element
         tag = max(_tag(a), _tag(b))
