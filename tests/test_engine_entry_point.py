@@ -94,6 +94,14 @@ def test_toy_by_name_and_by_config(toy_site: Path) -> None:
         exact_h = np.diag((2 - x**2) * np.sin(x) + 4 * x * np.cos(x))
         assert np.allclose(hessian, exact_h, rtol=1e-13, atol=1e-15), hessian
         assert di.gradient(f, "toy", x.astype(np.float32)).dtype == np.float32
+        toy = diffiface_toy.AutoToy()
+        over = di.hessian(f, di.SecondOrder(di.AutoFiniteDifferences(), toy), x)
+        assert np.allclose(over, exact_h, rtol=1e-6, atol=1e-6), over
+        try:  # the pairings' table refuses what it cannot vouch for, naming the engine
+            di.SecondOrder(di.AutoFiniteDifferences(method="complex"), toy)
+            raise AssertionError("a complex step over the toy was taken")
+        except di.UnsupportedOperationError as exc:
+            assert "toy is not known to carry complex points" in str(exc), exc
         assert "toy" in _adapters.labels() and di.available("toy")
         from diffiface.test import check_gradients
         report = check_gradients(f, x, backends=["toy"])
