@@ -476,7 +476,9 @@ def pairing_refusal(outer: Backend, inner: Backend) -> str | None:
     if isinstance(outer, AutoFiniteDifferences) and outer.method == "complex":
         if isinstance(inner, AutoAutograd) or (isinstance(inner, AutoFiniteDifferences) and inner.method == "complex"):
             return None
-        problem = _COMPLEX_INNER_PROBLEM[type(inner)]
+        problem = _COMPLEX_INNER_PROBLEM.get(
+            type(inner), f"{inner.name} is not known to carry complex points through its gradient"
+        )
         return (
             f"a complex-step outer evaluates the inner gradient at complex points, and {problem}. "
             f"Use a real method outside, {_difference_outer_for(inner)}, or "

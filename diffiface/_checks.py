@@ -298,14 +298,16 @@ def _checked(op: Operator, result: Any, output: _Output, adapter: Adapter) -> li
         leaves, spec = [result], _LEAF
     else:
         leaves, spec = _tree.flatten(result)
-    output.record(spec, leaves)
+    values = adapter.output_values
+    seen = leaves if values is None else [values(leaf) for leaf in leaves]
+    output.record(spec, seen)
     checked = output.checked
-    for leaf in leaves:
+    for leaf in seen:
         key = (type(leaf), getattr(leaf, "dtype", None))
         if key not in checked:
             _check_numeric(op, leaf, adapter.complex_outputs or _complex.complex_output_ok(op, leaf, adapter))
             checked.add(key)
-    if op.scalar_output and (len(leaves) != 1 or _arrays.shape(leaves[0]) != ()):
+    if op.scalar_output and (len(seen) != 1 or _arrays.shape(seen[0]) != ()):
         raise InvalidOutputError(
             f"{op.name} needs f to return a scalar, but it returned {_describe(result)}. Reduce the "
             "output (say with .sum()), or use jacobian / vjp for a non-scalar output."

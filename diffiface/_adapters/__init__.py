@@ -3,10 +3,17 @@
 Each row names a backend's config class, the module of its adapter (imported on first use),
 the modules its engine needs, the extra that installs them, and its capabilities. The
 capabilities drive dispatch, the project's test skips and the docs' support matrix.
+
+Engines that diffiface does not ship join the table through an entry point of the group
+``diffiface.engines`` (docs/backends.md): its name is the backend's name, and it names a
+:class:`BackendInfo` whose ``config`` and ``module`` are the package's own. Entry points are
+read on the first lookup of a name that is not built in, of a config class the table does not
+know, or when the backends are listed; never at ``import diffiface``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import threading
@@ -24,12 +31,23 @@ from .._backends import (
     Backend,
     SecondOrder,
 )
-from .._errors import BackendUnavailableError, UnknownBackendError
+from .._errors import BackendUnavailableError, DiffifaceError, UnknownBackendError
 
 if TYPE_CHECKING:
     from ._base import Adapter
 
-__all__ = ["BACKENDS", "BackendInfo", "adapter_for", "available", "info", "labels", "names_of", "normalize"]
+__all__ = [
+    "BACKENDS",
+    "ENTRY_POINT_GROUP",
+    "BackendInfo",
+    "adapter_for",
+    "available",
+    "info",
+    "labels",
+    "names_of",
+    "normalize",
+    "rows",
+]
 
 
 @dataclass(frozen=True)
@@ -133,31 +151,36 @@ BACKENDS: tuple[BackendInfo, ...] = (
 )
 
 _BY_NAME = {row.name: row for row in BACKENDS}
-_BY_CONFIG = {row.config: row for row in BACKENDS}
+_BY_CONFIG: dict[type[Backend], BackendInfo] = {row.config: row for row in BACKENDS}
 #: Names of a backend with an option set: the labels that ``python -m diffiface.test`` and its
 #: reports use, accepted wherever a backend name is.
 _ALIASES: dict[str, Backend] = {
     "torch-func": AutoTorch(mode="func"),
     "torch-autograd": AutoTorch(mode="autograd"),
 }
+_BUILT_IN_NAMES = frozenset({*_BY_NAME, *_ALIASES})
 
 
 def normalize(backend: Backend | str) -> Backend:
     """A backend object from a backend object or its string name."""
     if isinstance(backend, Backend):
-        if not isinstance(backend, (SecondOrder, AutoSparse)) and type(backend) not in _BY_CONFIG:
+        if (
+            not isinstance(backend, (SecondOrder, AutoSparse))
+            and type(backend) not in _BY_CONFIG
+            and type(backend) not in _installed_configs()
+        ):
             raise UnknownBackendError(f"{backend!r} is not a backend diffiface knows.")
         return backend
     if isinstance(backend, str):
         alias = _ALIASES.get(backend)
         if alias is not None:
             return alias
-        row = _BY_NAME.get(backend)
+        row = _BY_NAME.get(backend) or _installed(backend)
         if row is None:
             raise UnknownBackendError(
                 f"Unknown backend name {backend!r}; the names are "
-                f"{', '.join(map(repr, [*_BY_NAME, *_ALIASES]))}, or pass a backend object such as "
-                "di.AutoJAX()."
+                f"{', '.join(map(repr, [*_BY_NAME, *_ALIASES, *_entry_points()]))}, or pass a backend "
+                "object such as di.AutoJAX()."
             )
         return row.config()
     raise UnknownBackendError(
@@ -166,11 +189,17 @@ def normalize(backend: Backend | str) -> Backend:
     )
 
 
+def rows() -> tuple[BackendInfo, ...]:
+    """Every row of the registry: the built-in engines, then those of installed packages (their
+    entry points loaded)."""
+    return (*BACKENDS, *map(_row_of, _entry_points().values()))
+
+
 def labels() -> dict[str, Backend]:
     """Every engine of the registry by its name, and each option set that has a name of its own
     (``"torch-func"``): the backends the main job and the reports know, in the registry's order."""
     found: dict[str, Backend] = {}
-    for row in BACKENDS:
+    for row in rows():
         found[row.name] = row.config()
         for name, alias in _ALIASES.items():
             if type(alias) is row.config and alias != found[row.name]:
@@ -181,8 +210,99 @@ def labels() -> dict[str, Backend]:
 def names_of(backend: Backend) -> frozenset[str]:
     """The string names that mean ``backend`` (``"jax"`` for ``AutoJAX()``): a call may pass either."""
     names = {name for name, alias in _ALIASES.items() if alias == backend}
-    names.update(row.name for row in BACKENDS if type(backend) is row.config and backend == row.config())
+    row = _BY_CONFIG.get(type(backend))
+    if row is not None and backend == row.config():
+        names.add(row.name)
     return frozenset(names)
+
+
+# -- engines of other packages: the ``diffiface.engines`` entry points ------------------------------
+
+ENTRY_POINT_GROUP = "diffiface.engines"
+_found: dict[str, Any] | None = None  # name -> entry point, read once
+
+
+def _entry_points() -> dict[str, Any]:
+    """The entry points of the group by name, read (not loaded) on first need."""
+    global _found
+    if _found is None:
+        from importlib.metadata import entry_points
+
+        with _lock:
+            if _found is None:
+                _found = {point.name: point for point in entry_points(group=ENTRY_POINT_GROUP)}
+    return _found
+
+
+def _installed(name: str) -> BackendInfo | None:
+    """The row of the installed engine named ``name`` (not a built-in one); None where no
+    package registers that name."""
+    point = _entry_points().get(name)
+    return None if point is None else _row_of(point)
+
+
+def _row_of(point: Any) -> BackendInfo:
+    """The row an entry point names, loaded and checked once."""
+    row = _loaded.get(point.name)
+    if row is None:
+        with _lock:
+            row = _loaded.get(point.name)
+            if row is None:
+                row = _load(point)
+                _BY_NAME[row.name] = _BY_CONFIG[row.config] = _loaded[row.name] = row
+    return row
+
+
+_loaded: dict[str, BackendInfo] = {}
+
+
+def _installed_configs() -> dict[type[Backend], BackendInfo]:
+    """Every engine's row by its config class, the installed ones' entry points loaded."""
+    for point in _entry_points().values():
+        _row_of(point)
+    return _BY_CONFIG
+
+
+def _load(point: Any) -> BackendInfo:
+    dist = getattr(point, "dist", None)
+    package = f"the package {dist.name!r}" if dist is not None else "an installed package"
+    where = f"{package} (entry point {point.name!r} = {point.value!r} in the group {ENTRY_POINT_GROUP!r})"
+
+    def refuse(problem: str) -> DiffifaceError:
+        return DiffifaceError(f"The diffiface engine of {where} {problem} Fix or uninstall that package.")
+
+    if point.name in _BUILT_IN_NAMES:
+        raise refuse(
+            f"takes the name {point.name!r}, which is a built-in backend's; an engine of another package "
+            "needs a name of its own."
+        )
+    try:
+        row = point.load()
+    except Exception as exc:
+        raise refuse(f"could not be loaded ({type(exc).__name__}: {exc}).") from exc
+    if not isinstance(row, BackendInfo):
+        raise refuse(f"names a {type(row).__name__}; it must name a diffiface BackendInfo (its registry row).")
+    if row.name != point.name:
+        raise refuse(f"names a row called {row.name!r}; the entry point's name and the row's must be one.")
+    config = row.config
+    if (
+        not isinstance(config, type)
+        or not issubclass(config, Backend)
+        or not dataclasses.is_dataclass(config)
+        or not config.__dataclass_params__.frozen  # type: ignore[attr-defined]
+    ):
+        raise refuse(f"gives the config {config!r}; it must be a frozen dataclass deriving from diffiface.Backend.")
+    if config in _BY_CONFIG or issubclass(config, (SecondOrder, AutoSparse)):
+        raise refuse(f"gives the config {config.__name__}, which is already another backend's.")
+    if config.name != row.name:
+        raise refuse(f"gives the config {config.__name__} whose name is {config.name!r}, not {row.name!r}.")
+    if not isinstance(row.module, str) or not row.module:
+        raise refuse(f"gives the adapter module {row.module!r}; it must be a module path such as 'mypackage.adapter'.")
+    try:
+        config()
+    except Exception as exc:
+        raise refuse(f"gives the config {config.__name__}, which cannot be made with no arguments ({exc}).") from exc
+    return row
 
 
 LATER.normalize = normalize  # (AutoSparse("torch") takes a name)
@@ -194,7 +314,7 @@ def info(backend: Backend | str) -> BackendInfo:
     if isinstance(backend, AutoSparse):
         return info(backend.backend)
     if isinstance(backend, SecondOrder):
-        return _BY_CONFIG[type(backend.inner)]
+        return info(backend.inner)
     return _BY_CONFIG[type(backend)]
 
 
@@ -237,7 +357,7 @@ def _make(backend: Backend) -> Adapter:
         from ._base import SecondOrderAdapter
 
         return SecondOrderAdapter(backend, adapter_for(backend.outer), adapter_for(backend.inner), adapter_for)
-    row = _BY_CONFIG[type(backend)]
+    row = info(backend)
     try:
         for name in row.requires:
             importlib.import_module(name)
@@ -246,6 +366,14 @@ def _make(backend: Backend) -> Adapter:
             f"The {row.name} backend needs {', '.join(row.requires)}, which is not installed "
             f"(importing it failed: {exc}). Install it with: {install_hint(backend)}"
         ) from exc
-    module: Any = importlib.import_module(row.module)
+    try:
+        module: Any = importlib.import_module(row.module)
+    except ImportError as exc:
+        if row.name in _BUILT_IN_NAMES:
+            raise
+        raise BackendUnavailableError(
+            f"The {row.name} engine's adapter module {row.module!r} could not be imported ({exc}); "
+            f"reinstall the package that registers the {row.name!r} engine."
+        ) from exc
     adapter: Adapter = module.Adapter(backend, row)
     return adapter

@@ -125,6 +125,11 @@ class Adapter:
         """A traced input leaf's value, outside any trace (for evaluating ``f`` elsewhere)."""
         return leaf
 
+    output_values: Callable[[Any], Any] | None = None
+    """For an engine whose traced values are not arrays (dual numbers in numpy object arrays):
+    ``leaf -> array``, the values a traced output leaf of ``f`` stands for, which diffiface
+    checks and records as f's output. None: the leaves are arrays, checked as they are."""
+
     def rebuilder(self, x_spec: Any) -> Callable[[Any], Any] | None:
         """``leaves -> x`` where the engine hands f its x otherwise than as ``x_spec.unflatten``
         of them (autograd: its own traced containers); None for the generic rebuild."""
@@ -392,6 +397,7 @@ class SecondOrderAdapter(Adapter):
         self.outer = outer
         self.inner = inner
         self.xp = inner.xp
+        self.output_values = inner.output_values
         self.complex_outputs = outer.complex_outputs or inner.complex_outputs
         self.estimates_errors = outer.estimates_errors
         self.batches = inner.batches

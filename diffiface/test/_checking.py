@@ -19,7 +19,7 @@ import diffiface as di
 
 from .. import _arrays
 from .. import tree as _tree
-from .._adapters import available, install_hint, normalize
+from .._adapters import BACKENDS, available, install_hint, normalize, rows
 from .._backends import AutoFiniteDifferences, AutoJAX, AutoScipy, AutoTorch, Backend
 from .._errors import (
     DiffifaceError,
@@ -1469,6 +1469,9 @@ def _available_backends(x: Any) -> list[Backend]:
     family = _arrays.family(kinds)
     by_family: dict[str, list[Backend]] = {"torch": [AutoTorch(), AutoTorch(mode="func")], "jax": [AutoJAX()]}
     candidates = by_family.get(family, [AutoJAX(), AutoTorch(), AutoTorch(mode="func"), di.AutoAutograd()])
+    # engines of other packages, whose registry rows say which arrays they take (Python numbers: numpy's)
+    arrays = "numpy" if family == "python" else family
+    candidates += [row.config() for row in rows()[len(BACKENDS) :] if row.arrays == arrays]
     return [b for b in candidates if available(b)]
 
 

@@ -490,7 +490,8 @@ def _family(backend: Backend) -> str | None:
     inner = backend.inner if isinstance(backend, SecondOrder) else backend
     if info(inner).any_array_type:
         return None
-    return {"jax": "jax", "torch": "torch", "autograd": "autograd"}[inner.name]
+    # (an engine of another package: the arrays its registry row declares)
+    return {"jax": "jax", "torch": "torch", "autograd": "autograd"}.get(inner.name, info(inner).arrays)
 
 
 def _apply_expectations(row: Row, scenario: Scenario, broken: Selector, soft_fail: Selector) -> None:
