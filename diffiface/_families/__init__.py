@@ -1,0 +1,79 @@
+"""The array families: one module per framework, each with the same small API.
+
+A leaf's family is found from its class through ``sys.modules``: a framework's arrays can only
+exist once the framework is imported, so finding a family never imports one. Each family module
+has:
+
+- ``NAME``, the kind of its leaves (what :func:`diffiface._arrays.kind` returns);
+- ``ARRAY``, whether its leaves are arrays (Python numbers and autograd's boxes are not);
+- ``owns(cls)``, whether leaves of class ``cls`` belong to it (tried in :data:`FAMILIES`' order);
+- ``signature(leaf)``, what a prep depends on for one leaf;
+- ``numpy_like()``, its numpy-like module, already imported;
+- ``to_numpy(leaf)`` and ``from_numpy(array, like, dtype)``, its leaves to and from numpy.
+
+A new framework is a new module here and a row in :data:`FAMILIES`; nothing else in the
+package names it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+from . import autograd, jax, numpy, python, torch
+
+Kind = Literal["python", "numpy", "torch", "jax", "autograd", "other"]
+"""A family's name, or ``"other"`` for a leaf no family owns (a foreign pytree, a string)."""
+
+
+class Family(Protocol):
+    """The API every family module has."""
+
+    @property
+    def NAME(self) -> str: ...
+
+    @property
+    def ARRAY(self) -> bool: ...
+
+    def owns(self, cls: type) -> bool: ...
+
+    def signature(self, leaf: Any) -> tuple[Any, ...]: ...
+
+    def numpy_like(self) -> Any: ...
+
+    def to_numpy(self, leaf: Any) -> np.ndarray: ...
+
+    def from_numpy(self, array: np.ndarray, like: Any, dtype: Any) -> Any: ...
+
+
+FAMILIES: tuple[Family, ...] = (numpy, python, torch, jax, autograd)
+"""In the order their ``owns`` is asked: numpy before Python, since numpy's float64 is a float."""
+
+BY_KIND: dict[str, Family] = {family.NAME: family for family in FAMILIES}
+
+
+def of_type(cls: type) -> Family | None:
+    """The family owning leaves of class ``cls``, or None (the kind ``"other"``)."""
+    for family in FAMILIES:
+        if family.owns(cls):
+            return family
+    return None
+
+
+def by_kind(kind: str) -> Family:
+    """The family of ``kind``; a kind no family has is refused by name, never passed unchecked."""
+    try:
+        return BY_KIND[kind]
+    except KeyError:
+        from .._errors import UnsupportedOperationError
+
+        raise UnsupportedOperationError(
+            f"diffiface has no array family {kind!r}; the families are {', '.join(sorted(BY_KIND))}."
+        ) from None
+
+
+def foreign_tree(leaf: Any) -> tuple[Any, ...]:
+    """Structure and leaf shapes of a leaf no family owns but a framework's pytree registry
+    knows (a flax or equinox object)."""
+    return jax.foreign_tree(leaf)
