@@ -47,21 +47,29 @@ def _classify(cls: type) -> Kind:
 _KIND_BY_TYPE.update((cls, _classify(cls)) for cls in (float, int, bool, complex, np.ndarray))
 
 
+_FAMILY_BY_TYPE: dict[type, Family] = {}
+"""Each class's family, found once; read inline (``_FAMILY_BY_TYPE.get(cls) or _family(leaf)``)
+where a leaf is converted, so that a known class costs no call."""
+
+
 def _family(leaf: Any) -> Family | None:
     """The family of ``leaf``, None for the kind ``"other"``."""
-    return BY_KIND.get(kind(leaf))
+    family = BY_KIND.get(kind(leaf))
+    if family is not None:
+        _FAMILY_BY_TYPE[type(leaf)] = family
+    return family
 
 
 def numpy_like(leaf: Any) -> Any:
     """The numpy-like module of ``leaf``'s family (numpy for a leaf no family owns), already
     imported since the leaf exists."""
-    family = _family(leaf)
+    family = _FAMILY_BY_TYPE.get(type(leaf)) or _family(leaf)
     return np if family is None else family.numpy_like()
 
 
 def is_array(leaf: Any) -> bool:
     """True for the leaves of an array family (not Python numbers, not autograd's boxes)."""
-    family = _family(leaf)
+    family = _FAMILY_BY_TYPE.get(type(leaf)) or _family(leaf)
     return family is not None and family.ARRAY
 
 
@@ -123,7 +131,7 @@ def leaf_signature(leaf: Any) -> tuple[Any, ...]:
     signature = _SIGNATURE_BY_TYPE.get(type(leaf))
     if signature is not None:
         return signature(leaf)  # type: ignore[no-any-return]
-    family = _family(leaf)
+    family = _FAMILY_BY_TYPE.get(type(leaf)) or _family(leaf)
     if family is None:  # (not kept: a foreign class's structure is read from each leaf)
         return _other_signature(leaf)
     _SIGNATURE_BY_TYPE[type(leaf)] = family.signature
@@ -136,13 +144,13 @@ def _other_signature(leaf: Any) -> tuple[Any, ...]:
 
 def to_numpy(leaf: Any) -> np.ndarray:
     """A numpy copy or view of a leaf of any kind (detached from any graph)."""
-    family = _family(leaf)
+    family = _FAMILY_BY_TYPE.get(type(leaf)) or _family(leaf)
     return np.asarray(leaf) if family is None else family.to_numpy(leaf)
 
 
 def from_numpy(array: np.ndarray, like: Any, dtype: Any = None) -> Any:
     """``array`` as a leaf of ``like``'s kind, on its device, with ``like``'s dtype unless given."""
-    family = _family(like)
+    family = _FAMILY_BY_TYPE.get(type(like)) or _family(like)
     if family is None:
         return np.asarray(array, dtype=getattr(like, "dtype", None) if dtype is None else dtype)
     return family.from_numpy(array, like, dtype)
