@@ -7,13 +7,17 @@ finds a leaf's family once per class and dispatches to it, naming no framework i
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Any, cast
 
 import numpy as np
 
-from ._families import BY_KIND, Family, foreign_tree, of_type
+from ._families import BY_KIND as BY_KIND
+from ._families import Family, foreign_tree, of_type
 from ._families import Kind as Kind  # (named by the modules that type a kind)
+from ._families import by_kind as by_kind
+from ._families.numpy import in_native_byte_order as in_native_byte_order
+from ._families.numpy import native_dtype as native_dtype
+from ._families.torch import graph_state as graph_state  # (set by the torch adapter, read by results)
 
 _KIND_BY_TYPE: dict[type, Kind] = {}
 
@@ -50,6 +54,11 @@ _KIND_BY_TYPE.update((cls, _classify(cls)) for cls in (float, int, bool, complex
 _FAMILY_BY_TYPE: dict[type, Family] = {}
 """Each class's family, found once; read inline (``_FAMILY_BY_TYPE.get(cls) or _family(leaf)``)
 where a leaf is converted, so that a known class costs no call."""
+
+
+def family_of(leaf: Any) -> Family | None:
+    """The family of ``leaf``, None for the kind ``"other"``."""
+    return _FAMILY_BY_TYPE.get(type(leaf)) or _family(leaf)
 
 
 def _family(leaf: Any) -> Family | None:
@@ -98,20 +107,6 @@ def dtype_name(leaf: Any) -> str:
 
 
 _DTYPE_NAMES: dict[Any, str] = {}
-
-
-def in_native_byte_order(array: np.ndarray) -> np.ndarray:
-    """``array`` itself where its bytes are in this machine's order, else a copy that is: a
-    big-endian ``>f8`` array (as read from FITS or HDF5) is a float64 array, which jax and
-    torch take only in native order."""
-    return array if array.dtype.isnative else array.astype(array.dtype.newbyteorder("="))
-
-
-def native_dtype(dtype: Any) -> Any:
-    """``dtype`` in this machine's byte order (a numpy dtype; any other dtype as it is)."""
-    if isinstance(dtype, np.dtype) and not dtype.isnative:
-        return dtype.newbyteorder("=")
-    return dtype
 
 
 def shape(leaf: Any) -> tuple[int, ...]:
@@ -164,16 +159,3 @@ def family(kinds: set[Kind]) -> Kind:
     if len(arrays) == 1:
         return next(iter(arrays))
     return "other"
-
-
-class _GraphState(threading.local):
-    """Whether the results of the current call keep their autograd graph.
-
-    Set by an adapter at the start of each call (torch: when an input carried an outer
-    graph, a nested call), read where results are converted: a result is detached only
-    where the call's inputs carried no graph."""
-
-    keep = False
-
-
-graph_state = _GraphState()

@@ -40,7 +40,6 @@ NOT_YET_CLEANED = (
     "_placement.py",
     "_plan.py",
     "_prep.py",
-    "_results.py",
     "_sparse_operators.py",
     "sparse/_detection.py",
     "sparse/_jaxpr.py",

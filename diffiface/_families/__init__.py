@@ -9,7 +9,21 @@ has:
 - ``owns(cls)``, whether leaves of class ``cls`` belong to it (tried in :data:`FAMILIES`' order);
 - ``signature(leaf)``, what a prep depends on for one leaf;
 - ``numpy_like()``, its numpy-like module, already imported;
-- ``to_numpy(leaf)`` and ``from_numpy(array, like, dtype)``, its leaves to and from numpy.
+- ``to_numpy(leaf)`` and ``from_numpy(array, like, dtype)``, its leaves to and from numpy;
+- ``PASSED_THROUGH``, whether its values belong to an enclosing engine's trace and pass through
+  results untouched (autograd's boxes);
+- ``GRAPH``, whether its arrays carry an autograd graph (``requires_grad``) that results drop;
+- ``mirror(value, value_family, like, as_numpy)``, a result (of any family, ``value_family``
+  None for none) with ``like``'s array type, dtype and device: what mirrors x;
+- ``as_own(value, value_family, like, as_numpy)``, an output-shaped result in its array type,
+  dtype kept: what mirrors f(x);
+- ``cast(value, dtype)``, one of its arrays in another dtype (named as numpy names it);
+- ``block_like(value, like)``, a derivative's block laid out as ``like``, the leaf of x it
+  relates to;
+- ``layout(leaf)``, the test that a result is laid out as ``leaf`` (None: nothing to test).
+
+``as_numpy`` is the converter of a leaf of any family to numpy (:func:`diffiface._arrays.to_numpy`),
+passed in since a family knows no other family.
 
 A new framework is a new module here and a row in :data:`FAMILIES`; nothing else in the
 package names it.
@@ -17,6 +31,7 @@ package names it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -45,6 +60,22 @@ class Family(Protocol):
     def to_numpy(self, leaf: Any) -> np.ndarray: ...
 
     def from_numpy(self, array: np.ndarray, like: Any, dtype: Any) -> Any: ...
+
+    @property
+    def PASSED_THROUGH(self) -> bool: ...
+
+    @property
+    def GRAPH(self) -> bool: ...
+
+    def mirror(self, value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any: ...
+
+    def as_own(self, value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any: ...
+
+    def cast(self, value: Any, dtype: str) -> Any: ...
+
+    def block_like(self, value: Any, like: Any) -> Any: ...
+
+    def layout(self, leaf: Any) -> Any: ...
 
 
 FAMILIES: tuple[Family, ...] = (numpy, python, torch, jax, autograd)

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any, Final
 
 import numpy as np
 
 NAME: Final = "autograd"
 ARRAY: Final = False
+PASSED_THROUGH: Final = True
+"""Its values belong to an enclosing autograd call's trace, which differentiates through them:
+results pass them on untouched."""
+GRAPH: Final = False
 
 
 def owns(cls: type) -> bool:
@@ -29,3 +34,29 @@ def to_numpy(leaf: Any) -> np.ndarray:
 
 def from_numpy(array: np.ndarray, like: Any, dtype: Any) -> Any:
     return np.asarray(array, dtype=getattr(like, "dtype", None) if dtype is None else dtype)
+
+
+def mirror(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
+    return value
+
+
+def as_own(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
+    if value_family is None or value_family is _SELF:
+        return value
+    return np.asarray(as_numpy(value))
+
+
+def cast(value: Any, dtype: str) -> Any:
+    return value.astype(dtype)
+
+
+def block_like(value: Any, like: Any) -> Any:
+    return value
+
+
+def layout(leaf: Any) -> None:
+    return None
+
+
+_SELF = sys.modules[__name__]
+"""This module, as the family a value is compared with."""

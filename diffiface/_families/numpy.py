@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from typing import Any, Final
 
 import numpy as np
 
 NAME: Final = "numpy"
 ARRAY: Final = True
+PASSED_THROUGH: Final = False
+GRAPH: Final = False
 
 
 def owns(cls: type) -> bool:
@@ -42,3 +46,46 @@ def to_numpy(leaf: Any) -> np.ndarray:
 
 def from_numpy(array: np.ndarray, like: Any, dtype: Any) -> Any:
     return np.asarray(array, dtype=getattr(like, "dtype", None) if dtype is None else dtype)
+
+
+def in_native_byte_order(array: np.ndarray) -> np.ndarray:
+    """``array`` itself where its bytes are in this machine's order, else a copy that is: a
+    big-endian ``>f8`` array (as read from FITS or HDF5) is a float64 array, which jax and
+    torch take only in native order."""
+    return array if array.dtype.isnative else array.astype(array.dtype.newbyteorder("="))
+
+
+def native_dtype(dtype: Any) -> Any:
+    """``dtype`` in this machine's byte order (a numpy dtype; any other dtype as it is)."""
+    if isinstance(dtype, np.dtype) and not dtype.isnative:
+        return dtype.newbyteorder("=")
+    return dtype
+
+
+def mirror(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
+    array = value if value_family is _SELF else as_numpy(value)
+    return np.asarray(array, dtype=native_dtype(like.dtype))  # (as numpy's own operations return)
+
+
+def as_own(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
+    if value_family is _SELF:
+        return np.asarray(value)
+    if value_family is not None and not value_family.ARRAY:  # a number, or a value traced through
+        return value
+    return np.asarray(as_numpy(value))
+
+
+def cast(value: Any, dtype: str) -> Any:
+    return value.astype(dtype)
+
+
+def block_like(value: Any, like: Any) -> Any:
+    return value
+
+
+def layout(leaf: Any) -> None:
+    return None
+
+
+_SELF = sys.modules[__name__]
+"""This module, as the family a value is compared with."""

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Final
 
 import numpy as np
 
 NAME: Final = "python"
 ARRAY: Final = False
+PASSED_THROUGH: Final = False
+GRAPH: Final = False
 
 
 def owns(cls: type) -> bool:
@@ -28,3 +31,33 @@ def to_numpy(leaf: Any) -> np.ndarray:
 
 def from_numpy(array: np.ndarray, like: Any, dtype: Any) -> Any:
     return array.item() if array.ndim == 0 else array
+
+
+def mirror(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
+    number = np.asarray(as_numpy(value))
+    return complex(number) if isinstance(like, complex) else float(number)
+
+
+def as_own(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
+    if isinstance(value, _NUMPY):  # (read directly: a Python x's results most often come from numpy)
+        array = np.asarray(value)
+    elif value_family is not None and not value_family.ARRAY:  # a number, or a value traced through
+        return value
+    else:
+        array = np.asarray(as_numpy(value))
+    return array.item() if array.ndim == 0 else array
+
+
+_NUMPY = (np.ndarray, np.generic)
+
+
+def cast(value: Any, dtype: str) -> Any:
+    return value
+
+
+def block_like(value: Any, like: Any) -> Any:
+    return value
+
+
+def layout(leaf: Any) -> None:
+    return None

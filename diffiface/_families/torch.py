@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import sys
+import threading
+from collections.abc import Callable
 from typing import Any, Final
 
 import numpy as np
 
 NAME: Final = "torch"
 ARRAY: Final = True
+PASSED_THROUGH: Final = False
+GRAPH: Final = True
+"""Its arrays can carry an autograd graph (``requires_grad``), which results drop."""
 
 
 def owns(cls: type) -> bool:
@@ -47,3 +52,51 @@ def from_numpy(array: np.ndarray, like: Any, dtype: Any) -> Any:
         array = np.array(array, order="C")  # not np.ascontiguousarray: it makes 0-d arrays 1-d
     tensor = sys.modules["torch"].from_numpy(array)
     return tensor.to(device=like.device, dtype=like.dtype if dtype is None else dtype)
+
+
+class _GraphState(threading.local):
+    """Whether the results of the current call keep their autograd graph.
+
+    Set by an adapter at the start of each call (torch: when an input carried an outer
+    graph, a nested call), read where results are converted: a result is detached only
+    where the call's inputs carried no graph."""
+
+    keep = False
+
+
+graph_state = _GraphState()
+
+
+def mirror(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
+    if value_family is not _SELF:
+        return from_numpy(np.asarray(as_numpy(value)), like, None)
+    # (computed on like's device)
+    if value.requires_grad and not graph_state.keep:  # kept where x carried a graph
+        value = value.detach()
+    return value if value.dtype == like.dtype else value.to(like.dtype)
+
+
+def as_own(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
+    if value_family is _SELF:
+        # a nested call keeps the graph its inputs carried (graph_state, set by the adapter)
+        return value if graph_state.keep else value.detach()
+    if value_family is None:
+        return value
+    array = np.asarray(as_numpy(value))
+    return from_numpy(array, like, getattr(sys.modules["torch"], array.dtype.name))
+
+
+def cast(value: Any, dtype: str) -> Any:
+    return value.to(getattr(sys.modules["torch"], dtype))
+
+
+def block_like(value: Any, like: Any) -> Any:
+    return value
+
+
+def layout(leaf: Any) -> None:
+    return None
+
+
+_SELF = sys.modules[__name__]
+"""This module, as the family a value is compared with."""
