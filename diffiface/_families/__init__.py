@@ -20,7 +20,12 @@ has:
 - ``cast(value, dtype)``, one of its arrays in another dtype (named as numpy names it);
 - ``block_like(value, like)``, a derivative's block laid out as ``like``, the leaf of x it
   relates to;
-- ``layout(leaf)``, the test that a result is laid out as ``leaf`` (None: nothing to test).
+- ``layout(leaf)``, the test that a result is laid out as ``leaf`` (None: nothing to test);
+- ``same(leaf)``, the test that a later leaf of the same class is as the prepared ``leaf``
+  was (shape, dtype, device, layout; None: the class says all);
+- ``leaves_test(leaves)``, a test of a list of leaves all of the family, read inline (None:
+  none faster than leaf by leaf);
+- ``jit_checked(leaf)``, whether a jit-compiled program checks the leaf itself.
 
 ``as_numpy`` is the converter of a leaf of any family to numpy (:func:`diffiface._arrays.to_numpy`),
 passed in since a family knows no other family.
@@ -76,6 +81,12 @@ class Family(Protocol):
     def block_like(self, value: Any, like: Any) -> Any: ...
 
     def layout(self, leaf: Any) -> Any: ...
+
+    def same(self, leaf: Any) -> Callable[[Any], bool] | None: ...
+
+    def leaves_test(self, leaves: list[Any]) -> Callable[[list[Any]], bool] | None: ...
+
+    def jit_checked(self, leaf: Any) -> bool: ...
 
 
 FAMILIES: tuple[Family, ...] = (numpy, python, torch, jax, autograd)

@@ -87,5 +87,29 @@ def layout(leaf: Any) -> None:
     return None
 
 
+class _Same:
+    """The test that a later leaf has the prepared one's shape and dtype."""
+
+    __slots__ = ("dtype", "shape")
+
+    def __init__(self, leaf: Any) -> None:
+        self.shape, self.dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+
+    def test(self, value: Any) -> bool:
+        return value.shape == self.shape and value.dtype == self.dtype  # type: ignore[no-any-return]
+
+
+def same(leaf: Any) -> Callable[[Any], bool] | None:
+    return _Same(leaf).test
+
+
+def leaves_test(leaves: list[Any]) -> Callable[[list[Any]], bool] | None:
+    return None
+
+
+def jit_checked(leaf: Any) -> bool:
+    return False
+
+
 _SELF = sys.modules[__name__]
 """This module, as the family a value is compared with."""

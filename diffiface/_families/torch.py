@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import operator
 import sys
 import threading
 from collections.abc import Callable
 from typing import Any, Final
 
 import numpy as np
+
+from ._shared import MetaLeaves
 
 NAME: Final = "torch"
 ARRAY: Final = True
@@ -96,6 +99,36 @@ def block_like(value: Any, like: Any) -> Any:
 
 def layout(leaf: Any) -> None:
     return None
+
+
+class _Same:
+    """The test that a later tensor has the prepared one's shape, dtype and device."""
+
+    __slots__ = ("device", "dtype", "shape")
+
+    def __init__(self, leaf: Any) -> None:
+        self.shape, self.dtype, self.device = leaf.shape, leaf.dtype, leaf.device
+
+    def test(self, value: Any) -> bool:
+        return (  # type: ignore[no-any-return]
+            value.shape == self.shape and value.dtype == self.dtype and value.device == self.device
+        )
+
+
+def same(leaf: Any) -> Callable[[Any], bool]:
+    return _Same(leaf).test
+
+
+_meta = operator.attrgetter("shape", "dtype", "device")  # (compared in C, no frame per leaf)
+
+
+def leaves_test(leaves: list[Any]) -> Callable[[list[Any]], bool]:
+    """The test of a list of leaves all of this family, read inline."""
+    return MetaLeaves(leaves, _meta)
+
+
+def jit_checked(leaf: Any) -> bool:
+    return False
 
 
 _SELF = sys.modules[__name__]
