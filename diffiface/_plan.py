@@ -23,9 +23,10 @@ from typing import Any
 import numpy as np
 import optree
 
-from . import _arrays, _placement
+from . import _arrays
 from ._backends import AutoSparse
-from ._errors import PreparationMismatchError, UnsupportedOperationError
+from ._errors import PreparationMismatchError
+from ._families._shared import MetaLeaves
 from ._flatten import Flatten, generated, structure_flatten, structure_tests
 from ._keys import static_key, static_x_key
 
@@ -49,41 +50,6 @@ Check = tuple[type, Callable[[Any], bool] | None]
 _LEAF = optree.tree_structure(0)  # type: ignore[arg-type]  # a leaf's structure
 
 
-class _Same:
-    """Tests of one leaf's shape and dtype (and device or layout), by kind of array."""
-
-    __slots__ = ("device", "dtype", "key", "layout", "shape")
-
-    def __init__(self, leaf: Any) -> None:
-        self.shape = getattr(leaf, "shape", None)
-        self.dtype = getattr(leaf, "dtype", None)
-        self.device = getattr(leaf, "device", None) if _arrays.kind(leaf) == "torch" else None
-        concrete = _arrays.kind(leaf) == "jax" and not isinstance(leaf, sys.modules["jax"].core.Tracer)
-        self.layout = _placement.Layout(leaf.sharding) if concrete else None
-
-    def numpy(self, value: Any) -> bool:
-        return value.shape == self.shape and value.dtype == self.dtype  # type: ignore[no-any-return]
-
-    def torch(self, value: Any) -> bool:
-        return (  # type: ignore[no-any-return]
-            value.shape == self.shape and value.dtype == self.dtype and value.device == self.device
-        )
-
-    def jax(self, value: Any) -> bool:
-        # (a jax array's abstract value answers shape and dtype at a quarter of its properties' cost)
-        aval = value.aval
-        if aval.shape != self.shape or aval.dtype != self.dtype:
-            return False
-        # (results are laid out as x: another layout is another prep; a traced x's is the trace's)
-        layout = self.layout
-        return layout is None or layout.holds(value)
-
-    def jax_one_device(self, value: Any) -> bool:
-        """:meth:`jax` where jax has one device in this process: no layout to read."""
-        aval = value.aval
-        return aval.shape == self.shape and aval.dtype == self.dtype  # type: ignore[no-any-return]
-
-
 class _ByValue:
     """The test of a leaf compared by value (a static leaf of x, or a context value a program
     is built for): equal :func:`~diffiface._keys.static_key`."""
@@ -100,12 +66,11 @@ class _ByValue:
 
 def engine_checked(leaf: Any) -> bool:
     """Whether a program whose engine retraces for new shapes and dtypes (jit) checks this
-    leaf's itself (:class:`~diffiface._programs.FlatProgram`): a concrete jax array where jax
-    has one device (jit then keys its programs by exactly what a plan would compare)."""
-    jax = sys.modules.get("jax")
-    return (
-        jax is not None and _arrays.kind(leaf) == "jax" and not isinstance(leaf, jax.core.Tracer) and _one_device(leaf)
-    )
+    leaf's itself (:class:`~diffiface._programs.FlatProgram`): its family says (a concrete jax
+    array where jax has one device: jit then keys its programs by exactly what a plan would
+    compare)."""
+    family = _arrays.family_of(leaf)
+    return family is not None and family.jit_checked(leaf)
 
 
 def leaf_check(leaf: Any, static_x: bool = False, by_value: bool = False, engine: bool = False) -> Check | None:
@@ -123,28 +88,9 @@ def leaf_check(leaf: Any, static_x: bool = False, by_value: bool = False, engine
         return None
     if by_value and kind in ("python", "other"):
         return type(leaf), _ByValue(leaf, _identity_or_value)
-    same = _Same(leaf)
-    jax_test = same.jax
-    if kind == "jax" and same.layout is not None and _one_device(leaf):
-        jax_test = same.jax_one_device
-    tests: dict[str, Callable[[Any], bool] | None] = {
-        "jax": jax_test,
-        "numpy": same.numpy,
-        "torch": same.torch,
-        "autograd": same.numpy,  # (a box answers its value's shape and dtype)
-        "python": None,  # (a Python number's type says all)
-    }
-    if kind not in tests:  # (a kind with no test here would be compared by its type alone)
-        raise UnsupportedOperationError(
-            f"A prep has no test of the shape and dtype of a leaf of array kind {kind!r} "
-            f"({type(leaf).__name__}): diffiface cannot tell whether a later call fits it."
-        )
-    return type(leaf), tests[kind]
-
-
-def _one_device(leaf: Any) -> bool:
-    """Whether jax has one device in this process, where ``leaf`` lives."""
-    return bool(sys.modules["jax"].device_count() == 1 and len(leaf.sharding.device_set) == 1)
+    # (a kind with no family is refused by name: compared by its type alone, a later call of
+    # another shape or dtype would be taken as fitting)
+    return type(leaf), _arrays.by_kind(kind).same(leaf)
 
 
 def _identity_or_value(value: Any) -> Any:
@@ -171,72 +117,6 @@ class _Leaves:
         return True
 
 
-class _OneDeviceJaxLeaves:
-    """:class:`_JaxLeaves` where jax has one device in this process: every concrete array lives
-    there, laid out the one way, so a layout needs no reading (a Python property per leaf)."""
-
-    __slots__ = ("expected",)
-
-    def __init__(self, leaves: list[Any]) -> None:
-        self.expected = tuple((type(leaf), leaf.aval.shape, leaf.aval.dtype) for leaf in leaves)
-
-    def __call__(self, leaves: list[Any]) -> bool:
-        expected = self.expected
-        if len(leaves) != len(expected):
-            return False
-        for leaf, (cls, shape, dtype) in zip(leaves, expected, strict=False):
-            if type(leaf) is not cls:
-                return False
-            aval = leaf.aval
-            if aval.shape != shape or aval.dtype != dtype:
-                return False
-        return True
-
-
-class _JaxLeaves:
-    """The test of a list of concrete jax arrays, the common case under jax, with no call per
-    leaf but the one its layout takes: type, abstract value's shape and dtype, layout."""
-
-    __slots__ = ("expected",)
-
-    def __init__(self, leaves: list[Any]) -> None:
-        self.expected = tuple(
-            (type(leaf), leaf.aval.shape, leaf.aval.dtype, _placement.Layout(leaf.sharding)) for leaf in leaves
-        )
-
-    def __call__(self, leaves: list[Any]) -> bool:
-        expected = self.expected
-        if len(leaves) != len(expected):
-            return False
-        for leaf, (cls, shape, dtype, layout) in zip(leaves, expected, strict=False):
-            if type(leaf) is not cls:
-                return False
-            aval = leaf.aval
-            if aval.shape != shape or aval.dtype != dtype:
-                return False
-            found = leaf.sharding
-            if found is not layout.seen and found is not layout.sharding and not layout.holds(leaf):
-                return False
-        return True
-
-
-class _TorchLeaves:
-    """The test of a list of torch tensors: type, shape, dtype, device, read and compared in C
-    (no Python frame per leaf)."""
-
-    __slots__ = ("metas", "types")
-
-    def __init__(self, leaves: list[Any]) -> None:
-        self.types = list(map(type, leaves))
-        self.metas = list(map(_torch_meta, leaves))
-
-    def __call__(self, leaves: list[Any]) -> bool:
-        return list(map(type, leaves)) == self.types and list(map(_torch_meta, leaves)) == self.metas
-
-
-_torch_meta = operator.attrgetter("shape", "dtype", "device")
-
-
 class _Types:
     """The test of a list of leaves by their types alone, where the program checks the rest
     itself (:func:`engine_checked`)."""
@@ -251,21 +131,17 @@ class _Types:
 
 
 def leaves_check(leaves: list[Any], checks: tuple[Check, ...], engine: bool = False) -> Callable[[list[Any]], bool]:
-    """The test of a list of leaves like ``leaves``, each known by ``checks``: one that reads
-    jax arrays or torch tensors inline where every leaf is one; with ``engine``, by their
+    """The test of a list of leaves like ``leaves``, each known by ``checks``: their family's,
+    which reads them inline, where every leaf is of one family that has one; with ``engine``, by their
     types alone where the program checks every leaf itself."""
     if engine and leaves and all(map(engine_checked, leaves)):
         return _Types(leaves)
-    jax = sys.modules.get("jax")
-    if leaves and jax is not None:
-        array, tracer = jax.Array, jax.core.Tracer
-        if all(
-            isinstance(leaf, array) and not isinstance(leaf, tracer) and _arrays.kind(leaf) == "jax" for leaf in leaves
-        ):
-            one = all(_one_device(leaf) for leaf in leaves)
-            return _OneDeviceJaxLeaves(leaves) if one else _JaxLeaves(leaves)
-    if leaves and all(_arrays.kind(leaf) == "torch" for leaf in leaves):
-        return _TorchLeaves(leaves)
+    if leaves:
+        family = _arrays.family_of(leaves[0])
+        if family is not None and all(_arrays.family_of(leaf) is family for leaf in leaves):
+            test = family.leaves_test(leaves)
+            if test is not None:
+                return test
     return _Leaves(checks)
 
 
@@ -550,8 +426,8 @@ class Plan:
                 return None  # (the full signature says why)
             if spec != self.x_key:
                 return None
-            if type(x_checks) is _TorchLeaves:  # (its test inline: a frame costs, see FlatCall)
-                if list(map(type, x_leaves)) != x_checks.types or list(map(_torch_meta, x_leaves)) != x_checks.metas:
+            if type(x_checks) is MetaLeaves:  # (its test inline: a frame costs, see FlatCall)
+                if list(map(type, x_leaves)) != x_checks.types or list(map(x_checks.meta, x_leaves)) != x_checks.metas:
                     return None
             elif not x_checks(x_leaves):
                 return None
@@ -564,10 +440,10 @@ class Plan:
             if spec != self.tangent_key:
                 return None
             checks = self.tangent_checks
-            if type(checks) is _TorchLeaves:  # (inline, as x's)
+            if type(checks) is MetaLeaves:  # (inline, as x's)
                 if (
                     list(map(type, tangent_leaves)) != checks.types
-                    or list(map(_torch_meta, tangent_leaves)) != checks.metas
+                    or list(map(checks.meta, tangent_leaves)) != checks.metas
                 ):
                     return None
             elif not checks(tangent_leaves):
@@ -596,8 +472,8 @@ class Plan:
                     return None
                 if spec != context_key:
                     return None
-                if type(checks) is _TorchLeaves:  # (inline, as x's)
-                    if list(map(type, leaves)) != checks.types or list(map(_torch_meta, leaves)) != checks.metas:
+                if type(checks) is MetaLeaves:  # (inline, as x's)
+                    if list(map(type, leaves)) != checks.types or list(map(checks.meta, leaves)) != checks.metas:
                         return None
                 elif not checks(leaves):
                     return None

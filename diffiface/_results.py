@@ -3,7 +3,6 @@ output structure), in the dtype :func:`promoted_dtype` gives a derivative."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +33,7 @@ class Finisher:
         "kinds",
         "like",
         "output",
-        "python_x",
+        "own",
         "single_x",
         "x_dtypes",
         "x_likes",
@@ -44,8 +43,8 @@ class Finisher:
     def __init__(self, op: Operator, call: Call, output: _Output) -> None:
         self.x_spec = call.signature.x_spec
         self.x_likes = list(call.x_leaves)
-        self.family = _arrays.family({_arrays.kind(leaf) for leaf in self.x_likes}) if self.x_likes else "numpy"
-        self.python_x = self.family == "python"
+        self.family = _arrays.family({_arrays.kind(leaf) for leaf in self.x_likes}) if self.x_likes else _NO_X
+        self.own = _arrays.BY_KIND.get(self.family)  # (None: x of several families)
         self.like: Any = self.x_likes[0] if self.x_likes else None
         self.single_x = self.x_spec == _LEAF
         self.x_dtypes = [_weak_or_dtype(leaf) for leaf in self.x_likes]
@@ -54,11 +53,16 @@ class Finisher:
         self.kinds = [kind for _, kind in op.parts]
 
     def as_y(self, value: Any) -> Any:
-        return _to_family(value, self.family, self.python_x, self.like)
+        """An output-shaped result in the array type of x (numpy for Python numbers), dtype kept."""
+        own = self.own
+        if own is None:
+            return _as_first_family(value, self.like)
+        return own.as_own(value, _arrays.family_of(value), self.like, _arrays.to_numpy)
 
     def block(self, value: Any, dtype: str | None, like_j: Any = None) -> Any:
-        if self.family == "jax" and like_j is not None:  # laid out as x_j (_placement's rule)
-            return _cast(_placement.block_like(self.as_y(value), like_j), dtype)
+        if like_j is not None:  # laid out as x_j (_placement's rule)
+            own = self.own
+            return _cast(self.as_y(value) if own is None else own.block_like(self.as_y(value), like_j), dtype)
         return _cast(self.as_y(value), dtype)
 
     def convert(self, kind: str, value: Any) -> Any:
@@ -134,7 +138,7 @@ class MirrorOne:
 
     def __init__(self, like: Any) -> None:
         self.like = like
-        self.cls, self.dtype, self.tensor = type(like), like.dtype, _arrays.kind(like) == "torch"
+        self.cls, self.dtype, self.tensor = type(like), like.dtype, _carries_graph(like)
         self.layout = _layout(like)  # jax: the result stays laid out as x
 
     def mirror(self, value: Any) -> Any:
@@ -162,9 +166,7 @@ class RebuildTree:
     def __init__(self, call: Call, finish: Finisher, trusted: bool) -> None:
         spec = call.signature.x_spec
         self.rebuild = structure_unflatten(spec) or spec.unflatten  # (written for the structure, see _flatten)
-        self.expected = [
-            (type(leaf), leaf.dtype, _arrays.kind(leaf) == "torch", _layout(leaf)) for leaf in call.x_leaves
-        ]
+        self.expected = [(type(leaf), leaf.dtype, _carries_graph(leaf), _layout(leaf)) for leaf in call.x_leaves]
         self.finish = finish
         self.trusted = trusted
         self.seen_fit = False
@@ -262,19 +264,26 @@ def _aux_as_returned(riding: Any, as_y: Callable[[Any], Any]) -> Any:
     if riding is None:
         return None
     leaves, spec = riding
-    return optree.tree_unflatten(spec, [as_y(leaf) if _arrays.kind(leaf) in _AUX_ARRAYS else leaf for leaf in leaves])
+    return optree.tree_unflatten(spec, [as_y(leaf) if _is_aux_array(leaf) else leaf for leaf in leaves])
 
 
-_AUX_ARRAYS = frozenset(("numpy", "torch", "jax", "autograd"))
+def _carries_graph(leaf: Any) -> bool:
+    """Whether ``leaf``'s family has arrays that carry an autograd graph (torch's)."""
+    family = _arrays.family_of(leaf)
+    return family is not None and family.GRAPH
+
+
+def _is_aux_array(leaf: Any) -> bool:
+    """An aux leaf converted to x's array type: an array, or a value an enclosing trace holds."""
+    family = _arrays.family_of(leaf)
+    return family is not None and (family.ARRAY or family.PASSED_THROUGH)
 
 
 def _layout(leaf: Any) -> _placement.Layout | None:
-    """The test of a concrete jax array's layout; None for other leaves (a traced one's layout
-    is the trace's)."""
-    jax = sys.modules.get("jax")
-    if jax is None or _arrays.kind(leaf) != "jax" or isinstance(leaf, jax.core.Tracer):
-        return None
-    return _placement.Layout(leaf.sharding)
+    """The test that a result is laid out as ``leaf`` (a concrete jax array's sharding); None
+    where there is nothing to test."""
+    family = _arrays.family_of(leaf)
+    return None if family is None else family.layout(leaf)  # type: ignore[no-any-return]
 
 
 _PRECISION = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64}
@@ -318,55 +327,27 @@ def _cast(value: Any, dtype: str | None) -> Any:
         or not _arrays.is_float_dtype(dtype)  # a real block stays real: a complex step's output is complex
     ):
         return value
-    if _arrays.kind(value) == "torch":
-        return value.to(getattr(sys.modules["torch"], dtype))
-    return value.astype(dtype)
+    family = _arrays.family_of(value)
+    return value.astype(dtype) if family is None else family.cast(value, dtype)
 
 
-def _to_family(value: Any, family: str, python_x: bool, like: Any) -> Any:
-    """An output-shaped result in the array type of x (numpy for Python numbers), dtype kept."""
-    kind = _arrays.kind(value)
-    if family in ("python", "numpy"):
-        if kind == "python" or kind == "autograd":  # autograd: traced by an enclosing autograd call
-            return value
-        array = np.asarray(value) if kind == "numpy" else _arrays.to_numpy(value)
-        return array.item() if python_x and array.ndim == 0 else array
-    if kind == family:
-        # a nested call keeps the graph its inputs carried (_arrays.graph_state, set by the adapter)
-        return value.detach() if kind == "torch" and not _arrays.graph_state.keep else value
-    if kind not in ("python", "numpy", "autograd", "jax", "torch"):
+def _as_first_family(value: Any, like: Any) -> Any:
+    """A result of a call whose x holds leaves of several families: an array in the family of
+    ``like``, x's first leaf, in its own dtype; any other value as f returned it."""
+    if _arrays.family_of(value) is None:
         return value
     array = np.asarray(_arrays.to_numpy(value))
-    converted = _arrays.from_numpy(array, like, dtype=_framework_dtype(array.dtype, family))
-    return _placement.on_devices_of(converted, like) if family == "jax" else converted
-
-
-def _framework_dtype(dtype: np.dtype[Any], family: str) -> Any:
-    if family == "torch":
-        return getattr(sys.modules["torch"], dtype.name)
-    return dtype
+    return _arrays.from_numpy(array, like, dtype=array.dtype)
 
 
 def _mirror(value: Any, like: Any) -> Any:
     """``value`` with ``like``'s array type and dtype (and device)."""
-    value_kind = _arrays.kind(value)
-    if value_kind == "autograd":  # traced by an enclosing autograd call, which differentiates through it
+    value_family = _arrays.family_of(value)
+    if value_family is not None and value_family.PASSED_THROUGH:
         return value
-    kind = _arrays.kind(like)
-    if kind == "python":
-        number = np.asarray(_arrays.to_numpy(value))
-        return complex(number) if isinstance(like, complex) else float(number)
-    if kind == "numpy":
-        array = value if value_kind == "numpy" else _arrays.to_numpy(value)
-        return np.asarray(array, dtype=_arrays.native_dtype(like.dtype))  # (as numpy's own operations return)
-    if kind == "torch" and value_kind == "torch":  # computed on like's device
-        if value.requires_grad and not _arrays.graph_state.keep:  # kept where x carried a graph
-            value = value.detach()
-        return value if value.dtype == like.dtype else value.to(like.dtype)
-    if kind == "jax" and value_kind == "jax":
-        return _placement.like_x(value if value.dtype == like.dtype else value.astype(like.dtype), like)
-    if kind == "jax":
-        return _placement.like_x(_arrays.from_numpy(np.asarray(_arrays.to_numpy(value)), like), like)
-    if kind == "torch":
-        return _arrays.from_numpy(np.asarray(_arrays.to_numpy(value)), like)
-    return value
+    family = _arrays.family_of(like)
+    return value if family is None else family.mirror(value, value_family, like, _arrays.to_numpy)
+
+
+_NO_X = _arrays.kind_of_type(np.ndarray)
+"""The family of results when x has no leaves: numpy's."""

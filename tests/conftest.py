@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import typing
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,7 @@ import optree
 import pytest
 
 import diffiface as di
-from diffiface._adapters import install_hint
+from diffiface._adapters import BACKENDS, install_hint
 from diffiface.test import default_tolerances
 
 if importlib.util.find_spec("jax") is not None:
@@ -29,14 +30,21 @@ if importlib.util.find_spec("jax") is not None:
 
 # -- backends ---------------------------------------------------------------------------------
 
-FIRST_ORDER: dict[str, di.Backend] = {
-    "jax": di.AutoJAX(),
-    "torch-autograd": di.AutoTorch(mode="autograd"),
-    "torch-func": di.AutoTorch(mode="func"),
-    "autograd": di.AutoAutograd(),
-    "finite_differences": di.AutoFiniteDifferences(),
-    "scipy": di.AutoScipy(),
-}
+
+def _first_order() -> dict[str, di.Backend]:
+    """One backend per row of the registry, one per mode where a backend has modes (torch's),
+    so that a new adapter is tested as soon as it is registered."""
+    backends: dict[str, di.Backend] = {}
+    for row in BACKENDS:
+        modes = typing.get_args(typing.get_type_hints(row.config).get("mode"))
+        if modes:
+            backends.update({f"{row.name}-{mode}": row.config(mode=mode) for mode in modes})  # type: ignore[call-arg]
+        else:
+            backends[row.name] = row.config()
+    return backends
+
+
+FIRST_ORDER: dict[str, di.Backend] = _first_order()
 """Every first-order backend, by test id."""
 
 SECOND_ORDER: dict[str, di.Backend] = {
@@ -51,7 +59,7 @@ SECOND_ORDER: dict[str, di.Backend] = {
 """Combinations of two backends, for the second-order operators."""
 
 ALL_BACKENDS = {**FIRST_ORDER, **SECOND_ORDER}
-BLACK_BOX = ("finite_differences", "scipy")
+BLACK_BOX = tuple(row.name for row in BACKENDS if row.any_array_type)
 """Backends that only evaluate f, so f may be written for any framework."""
 
 

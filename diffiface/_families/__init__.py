@@ -1,0 +1,121 @@
+"""The array families: one module per framework, each with the same small API.
+
+A leaf's family is found from its class through ``sys.modules``: a framework's arrays can only
+exist once the framework is imported, so finding a family never imports one. Each family module
+has:
+
+- ``NAME``, the kind of its leaves (what :func:`diffiface._arrays.kind` returns);
+- ``ARRAY``, whether its leaves are arrays (Python numbers and autograd's boxes are not);
+- ``owns(cls)``, whether leaves of class ``cls`` belong to it (tried in :data:`FAMILIES`' order);
+- ``signature(leaf)``, what a prep depends on for one leaf;
+- ``numpy_like()``, its numpy-like module, already imported;
+- ``to_numpy(leaf)`` and ``from_numpy(array, like, dtype)``, its leaves to and from numpy;
+- ``PASSED_THROUGH``, whether its values belong to an enclosing engine's trace and pass through
+  results untouched (autograd's boxes);
+- ``GRAPH``, whether its arrays carry an autograd graph (``requires_grad``) that results drop;
+- ``mirror(value, value_family, like, as_numpy)``, a result (of any family, ``value_family``
+  None for none) with ``like``'s array type, dtype and device: what mirrors x;
+- ``as_own(value, value_family, like, as_numpy)``, an output-shaped result in its array type,
+  dtype kept: what mirrors f(x);
+- ``cast(value, dtype)``, one of its arrays in another dtype (named as numpy names it);
+- ``block_like(value, like)``, a derivative's block laid out as ``like``, the leaf of x it
+  relates to;
+- ``layout(leaf)``, the test that a result is laid out as ``leaf`` (None: nothing to test);
+- ``same(leaf)``, the test that a later leaf of the same class is as the prepared ``leaf``
+  was (shape, dtype, device, layout; None: the class says all);
+- ``leaves_test(leaves)``, a test of a list of leaves all of the family, read inline (None:
+  none faster than leaf by leaf);
+- ``jit_checked(leaf)``, whether a jit-compiled program checks the leaf itself.
+
+``as_numpy`` is the converter of a leaf of any family to numpy (:func:`diffiface._arrays.to_numpy`),
+passed in since a family knows no other family.
+
+A new framework is a new module here and a row in :data:`FAMILIES`; nothing else in the
+package names it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+from . import autograd, jax, numpy, python, torch
+
+Kind = Literal["python", "numpy", "torch", "jax", "autograd", "other"]
+"""A family's name, or ``"other"`` for a leaf no family owns (a foreign pytree, a string)."""
+
+
+class Family(Protocol):
+    """The API every family module has."""
+
+    @property
+    def NAME(self) -> str: ...
+
+    @property
+    def ARRAY(self) -> bool: ...
+
+    def owns(self, cls: type) -> bool: ...
+
+    def signature(self, leaf: Any) -> tuple[Any, ...]: ...
+
+    def numpy_like(self) -> Any: ...
+
+    def to_numpy(self, leaf: Any) -> np.ndarray: ...
+
+    def from_numpy(self, array: np.ndarray, like: Any, dtype: Any) -> Any: ...
+
+    @property
+    def PASSED_THROUGH(self) -> bool: ...
+
+    @property
+    def GRAPH(self) -> bool: ...
+
+    def mirror(self, value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any: ...
+
+    def as_own(self, value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any: ...
+
+    def cast(self, value: Any, dtype: str) -> Any: ...
+
+    def block_like(self, value: Any, like: Any) -> Any: ...
+
+    def layout(self, leaf: Any) -> Any: ...
+
+    def same(self, leaf: Any) -> Callable[[Any], bool] | None: ...
+
+    def leaves_test(self, leaves: list[Any]) -> Callable[[list[Any]], bool] | None: ...
+
+    def jit_checked(self, leaf: Any) -> bool: ...
+
+
+FAMILIES: tuple[Family, ...] = (numpy, python, torch, jax, autograd)
+"""In the order their ``owns`` is asked: numpy before Python, since numpy's float64 is a float."""
+
+BY_KIND: dict[str, Family] = {family.NAME: family for family in FAMILIES}
+
+
+def of_type(cls: type) -> Family | None:
+    """The family owning leaves of class ``cls``, or None (the kind ``"other"``)."""
+    for family in FAMILIES:
+        if family.owns(cls):
+            return family
+    return None
+
+
+def by_kind(kind: str) -> Family:
+    """The family of ``kind``; a kind no family has is refused by name, never passed unchecked."""
+    try:
+        return BY_KIND[kind]
+    except KeyError:
+        from .._errors import UnsupportedOperationError
+
+        raise UnsupportedOperationError(
+            f"diffiface has no array family {kind!r}; the families are {', '.join(sorted(BY_KIND))}."
+        ) from None
+
+
+def foreign_tree(leaf: Any) -> tuple[Any, ...]:
+    """Structure and leaf shapes of a leaf no family owns but a framework's pytree registry
+    knows (a flax or equinox object)."""
+    return jax.foreign_tree(leaf)

@@ -1,0 +1,87 @@
+"""autograd's boxes: the values an enclosing autograd call traces (numpy arrays otherwise)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any, Final
+
+import numpy as np
+
+NAME: Final = "autograd"
+ARRAY: Final = False
+PASSED_THROUGH: Final = True
+"""Its values belong to an enclosing autograd call's trace, which differentiates through them:
+results pass them on untouched."""
+GRAPH: Final = False
+
+
+def owns(cls: type) -> bool:
+    return cls.__module__.startswith("autograd")
+
+
+def signature(leaf: Any) -> tuple[Any, ...]:
+    return (NAME, tuple(getattr(leaf, "shape", ())), getattr(leaf, "dtype", type(leaf)))
+
+
+def numpy_like() -> Any:
+    return sys.modules["autograd.numpy"]
+
+
+def to_numpy(leaf: Any) -> np.ndarray:
+    return np.asarray(leaf)
+
+
+def from_numpy(array: np.ndarray, like: Any, dtype: Any) -> Any:
+    return np.asarray(array, dtype=getattr(like, "dtype", None) if dtype is None else dtype)
+
+
+def mirror(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
+    return value
+
+
+def as_own(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
+    if value_family is None or value_family is _SELF:
+        return value
+    return np.asarray(as_numpy(value))
+
+
+def cast(value: Any, dtype: str) -> Any:
+    return value.astype(dtype)
+
+
+def block_like(value: Any, like: Any) -> Any:
+    return value
+
+
+def layout(leaf: Any) -> None:
+    return None
+
+
+class _Same:
+    """The test that a later leaf has the prepared one's shape and dtype (a box answers its
+    value's)."""
+
+    __slots__ = ("dtype", "shape")
+
+    def __init__(self, leaf: Any) -> None:
+        self.shape, self.dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+
+    def test(self, value: Any) -> bool:
+        return value.shape == self.shape and value.dtype == self.dtype  # type: ignore[no-any-return]
+
+
+def same(leaf: Any) -> Callable[[Any], bool] | None:
+    return _Same(leaf).test
+
+
+def leaves_test(leaves: list[Any]) -> Callable[[list[Any]], bool] | None:
+    return None
+
+
+def jit_checked(leaf: Any) -> bool:
+    return False
+
+
+_SELF = sys.modules[__name__]
+"""This module, as the family a value is compared with."""

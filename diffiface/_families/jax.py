@@ -1,0 +1,185 @@
+"""jax arrays and tracers."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any, Final
+
+import numpy as np
+
+from .. import _placement
+
+NAME: Final = "jax"
+ARRAY: Final = True
+PASSED_THROUGH: Final = False
+GRAPH: Final = False
+
+
+def owns(cls: type) -> bool:
+    jax = sys.modules.get("jax")
+    return jax is not None and (issubclass(cls, jax.Array) or issubclass(cls, jax.core.Tracer))
+
+
+def signature(leaf: Any) -> tuple[Any, ...]:
+    if not isinstance(leaf, sys.modules["jax"].core.Tracer):
+        # where its shards live: results are laid out as x (diffiface._placement)
+        return (NAME, tuple(leaf.shape), leaf.dtype, leaf.sharding)
+    return (NAME, tuple(leaf.shape), leaf.dtype)
+
+
+def numpy_like() -> Any:
+    return sys.modules["jax.numpy"]
+
+
+def to_numpy(leaf: Any) -> np.ndarray:
+    return np.asarray(leaf)
+
+
+def from_numpy(array: np.ndarray, like: Any, dtype: Any) -> Any:
+    return sys.modules["jax.numpy"].asarray(array, dtype=like.dtype if dtype is None else dtype)
+
+
+def foreign_tree(leaf: Any) -> tuple[Any, ...]:
+    """Structure and leaf shapes of a pytree only jax knows (a flax or equinox object)."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return ()
+    leaves, treedef = jax.tree_util.tree_flatten(leaf)
+    if len(leaves) == 1 and leaves[0] is leaf:
+        return ()
+    return (treedef, tuple((tuple(getattr(a, "shape", ())), getattr(a, "dtype", None)) for a in leaves))
+
+
+def mirror(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
+    if value_family is not _SELF:
+        value = from_numpy(np.asarray(as_numpy(value)), like, None)
+    elif value.dtype != like.dtype:
+        value = value.astype(like.dtype)
+    return _placement.like_x(value, like)
+
+
+def as_own(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
+    if value_family is None or value_family is _SELF:
+        return value
+    array = np.asarray(as_numpy(value))
+    return _placement.on_devices_of(from_numpy(array, like, array.dtype), like)
+
+
+def cast(value: Any, dtype: str) -> Any:
+    return value.astype(dtype)
+
+
+def block_like(value: Any, like: Any) -> Any:
+    """A block of a derivative laid out as ``like``, the leaf of x it relates to."""
+    return _placement.block_like(value, like)
+
+
+def layout(leaf: Any) -> _placement.Layout | None:
+    """The test of a concrete array's layout; None for a traced one (its layout is the trace's)."""
+    if isinstance(leaf, sys.modules["jax"].core.Tracer):
+        return None
+    return _placement.Layout(leaf.sharding)
+
+
+class _Same:
+    """The test that a later array has the prepared one's shape and dtype (and layout)."""
+
+    __slots__ = ("dtype", "layout", "shape")
+
+    def __init__(self, leaf: Any) -> None:
+        self.shape, self.dtype = leaf.shape, leaf.dtype
+        concrete = not isinstance(leaf, sys.modules["jax"].core.Tracer)
+        self.layout = _placement.Layout(leaf.sharding) if concrete else None
+
+    def test(self, value: Any) -> bool:
+        # (an array's abstract value answers shape and dtype at a quarter of its properties' cost)
+        aval = value.aval
+        if aval.shape != self.shape or aval.dtype != self.dtype:
+            return False
+        # (results are laid out as x: another layout is another prep; a traced x's is the trace's)
+        layout = self.layout
+        return layout is None or layout.holds(value)
+
+    def test_one_device(self, value: Any) -> bool:
+        """:meth:`test` where jax has one device in this process: no layout to read."""
+        aval = value.aval
+        return aval.shape == self.shape and aval.dtype == self.dtype  # type: ignore[no-any-return]
+
+
+def same(leaf: Any) -> Callable[[Any], bool]:
+    found = _Same(leaf)
+    return found.test_one_device if found.layout is not None and _one_device(leaf) else found.test
+
+
+def _one_device(leaf: Any) -> bool:
+    """Whether jax has one device in this process, where ``leaf`` lives."""
+    return bool(sys.modules["jax"].device_count() == 1 and len(leaf.sharding.device_set) == 1)
+
+
+def jit_checked(leaf: Any) -> bool:
+    """Whether a program whose engine retraces for new shapes and dtypes (jit) checks this
+    leaf itself: a concrete array where jax has one device (jit then keys its programs by
+    exactly what a plan would compare)."""
+    return not isinstance(leaf, sys.modules["jax"].core.Tracer) and _one_device(leaf)
+
+
+class _OneDeviceLeaves:
+    """:class:`_Leaves` where jax has one device in this process: every concrete array lives
+    there, laid out the one way, so a layout needs no reading (a Python property per leaf)."""
+
+    __slots__ = ("expected",)
+
+    def __init__(self, leaves: list[Any]) -> None:
+        self.expected = tuple((type(leaf), leaf.aval.shape, leaf.aval.dtype) for leaf in leaves)
+
+    def __call__(self, leaves: list[Any]) -> bool:
+        expected = self.expected
+        if len(leaves) != len(expected):
+            return False
+        for leaf, (cls, shape, dtype) in zip(leaves, expected, strict=False):
+            if type(leaf) is not cls:
+                return False
+            aval = leaf.aval
+            if aval.shape != shape or aval.dtype != dtype:
+                return False
+        return True
+
+
+class _Leaves:
+    """The test of a list of concrete arrays, the common case under jax, with no call per leaf
+    but the one its layout takes: type, abstract value's shape and dtype, layout."""
+
+    __slots__ = ("expected",)
+
+    def __init__(self, leaves: list[Any]) -> None:
+        self.expected = tuple(
+            (type(leaf), leaf.aval.shape, leaf.aval.dtype, _placement.Layout(leaf.sharding)) for leaf in leaves
+        )
+
+    def __call__(self, leaves: list[Any]) -> bool:
+        expected = self.expected
+        if len(leaves) != len(expected):
+            return False
+        for leaf, (cls, shape, dtype, layout) in zip(leaves, expected, strict=False):
+            if type(leaf) is not cls:
+                return False
+            aval = leaf.aval
+            if aval.shape != shape or aval.dtype != dtype:
+                return False
+            found = leaf.sharding
+            if found is not layout.seen and found is not layout.sharding and not layout.holds(leaf):
+                return False
+        return True
+
+
+def leaves_test(leaves: list[Any]) -> Callable[[list[Any]], bool] | None:
+    """The test of a list of leaves all of this family, read inline; None where one is traced."""
+    tracer = sys.modules["jax"].core.Tracer
+    if any(isinstance(leaf, tracer) for leaf in leaves):
+        return None
+    return _OneDeviceLeaves(leaves) if all(map(_one_device, leaves)) else _Leaves(leaves)
+
+
+_SELF = sys.modules[__name__]
+"""This module, as the family a value is compared with."""

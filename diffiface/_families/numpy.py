@@ -1,0 +1,115 @@
+"""numpy arrays and scalars (a masked array is refused: no engine honours its mask)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any, Final
+
+import numpy as np
+
+NAME: Final = "numpy"
+ARRAY: Final = True
+PASSED_THROUGH: Final = False
+GRAPH: Final = False
+
+
+def owns(cls: type) -> bool:
+    if issubclass(cls, np.ma.MaskedArray):
+        raise _masked_refused()
+    return issubclass(cls, (np.ndarray, np.generic))
+
+
+def _masked_refused() -> Exception:
+    from .._errors import InvalidInputError
+
+    # (never cached as a kind: every leaf of the class is refused, wherever it is met)
+    return InvalidInputError(
+        "A numpy masked array (np.ma.MaskedArray) was passed as x, as a tangent or in a context. "
+        "No engine differentiates through its mask: jax refuses it, the others would drop the mask "
+        "and compute on the hidden values too. Pass its values, a.filled(fill_value) or a.data, and "
+        "its mask as a di.Constant(a.mask) that f applies (np.where(mask, 0.0, x), say)."
+    )
+
+
+def signature(leaf: Any) -> tuple[Any, ...]:
+    return (NAME, tuple(getattr(leaf, "shape", ())), getattr(leaf, "dtype", type(leaf)))
+
+
+def numpy_like() -> Any:
+    return np
+
+
+def to_numpy(leaf: Any) -> np.ndarray:
+    return np.asarray(leaf)
+
+
+def from_numpy(array: np.ndarray, like: Any, dtype: Any) -> Any:
+    return np.asarray(array, dtype=getattr(like, "dtype", None) if dtype is None else dtype)
+
+
+def in_native_byte_order(array: np.ndarray) -> np.ndarray:
+    """``array`` itself where its bytes are in this machine's order, else a copy that is: a
+    big-endian ``>f8`` array (as read from FITS or HDF5) is a float64 array, which jax and
+    torch take only in native order."""
+    return array if array.dtype.isnative else array.astype(array.dtype.newbyteorder("="))
+
+
+def native_dtype(dtype: Any) -> Any:
+    """``dtype`` in this machine's byte order (a numpy dtype; any other dtype as it is)."""
+    if isinstance(dtype, np.dtype) and not dtype.isnative:
+        return dtype.newbyteorder("=")
+    return dtype
+
+
+def mirror(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
+    array = value if value_family is _SELF else as_numpy(value)
+    return np.asarray(array, dtype=native_dtype(like.dtype))  # (as numpy's own operations return)
+
+
+def as_own(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
+    if value_family is _SELF:
+        return np.asarray(value)
+    if value_family is not None and not value_family.ARRAY:  # a number, or a value traced through
+        return value
+    return np.asarray(as_numpy(value))
+
+
+def cast(value: Any, dtype: str) -> Any:
+    return value.astype(dtype)
+
+
+def block_like(value: Any, like: Any) -> Any:
+    return value
+
+
+def layout(leaf: Any) -> None:
+    return None
+
+
+class _Same:
+    """The test that a later leaf has the prepared one's shape and dtype."""
+
+    __slots__ = ("dtype", "shape")
+
+    def __init__(self, leaf: Any) -> None:
+        self.shape, self.dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+
+    def test(self, value: Any) -> bool:
+        return value.shape == self.shape and value.dtype == self.dtype  # type: ignore[no-any-return]
+
+
+def same(leaf: Any) -> Callable[[Any], bool] | None:
+    return _Same(leaf).test
+
+
+def leaves_test(leaves: list[Any]) -> Callable[[list[Any]], bool] | None:
+    return None
+
+
+def jit_checked(leaf: Any) -> bool:
+    return False
+
+
+_SELF = sys.modules[__name__]
+"""This module, as the family a value is compared with."""

@@ -1,0 +1,75 @@
+"""Python numbers: float, int, bool and complex (and their subclasses)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Final
+
+import numpy as np
+
+NAME: Final = "python"
+ARRAY: Final = False
+PASSED_THROUGH: Final = False
+GRAPH: Final = False
+
+
+def owns(cls: type) -> bool:
+    return issubclass(cls, (float, int, complex))
+
+
+def signature(leaf: Any) -> tuple[Any, ...]:
+    return (NAME, type(leaf))
+
+
+def numpy_like() -> Any:
+    return np
+
+
+def to_numpy(leaf: Any) -> np.ndarray:
+    return np.asarray(leaf, dtype=np.complex128 if isinstance(leaf, complex) else np.float64)
+
+
+def from_numpy(array: np.ndarray, like: Any, dtype: Any) -> Any:
+    return array.item() if array.ndim == 0 else array
+
+
+def mirror(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
+    number = np.asarray(as_numpy(value))
+    return complex(number) if isinstance(like, complex) else float(number)
+
+
+def as_own(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
+    if isinstance(value, _NUMPY):  # (read directly: a Python x's results most often come from numpy)
+        array = np.asarray(value)
+    elif value_family is not None and not value_family.ARRAY:  # a number, or a value traced through
+        return value
+    else:
+        array = np.asarray(as_numpy(value))
+    return array.item() if array.ndim == 0 else array
+
+
+_NUMPY = (np.ndarray, np.generic)
+
+
+def cast(value: Any, dtype: str) -> Any:
+    return value
+
+
+def block_like(value: Any, like: Any) -> Any:
+    return value
+
+
+def layout(leaf: Any) -> None:
+    return None
+
+
+def same(leaf: Any) -> None:
+    return None  # (a Python number's type says all)
+
+
+def leaves_test(leaves: list[Any]) -> None:
+    return None
+
+
+def jit_checked(leaf: Any) -> bool:
+    return False

@@ -1,0 +1,135 @@
+"""torch tensors (a DTensor is never gathered into one numpy array)."""
+
+from __future__ import annotations
+
+import operator
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, Final
+
+import numpy as np
+
+from ._shared import MetaLeaves
+
+NAME: Final = "torch"
+ARRAY: Final = True
+PASSED_THROUGH: Final = False
+GRAPH: Final = True
+"""Its arrays can carry an autograd graph (``requires_grad``), which results drop."""
+
+
+def owns(cls: type) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and issubclass(cls, torch.Tensor)
+
+
+def signature(leaf: Any) -> tuple[Any, ...]:
+    return (NAME, tuple(leaf.shape), leaf.dtype, leaf.device)
+
+
+def numpy_like() -> Any:
+    return sys.modules["torch"]
+
+
+def to_numpy(leaf: Any) -> np.ndarray:
+    if type(leaf) is not sys.modules["torch"].Tensor and hasattr(leaf, "device_mesh"):
+        raise _gather_refused(leaf)
+    # (a conjugate view, torch.conj(z), has no memory of its own for numpy to read)
+    return leaf.detach().cpu().resolve_conj().resolve_neg().numpy()  # type: ignore[no-any-return]
+
+
+def _gather_refused(leaf: Any) -> Exception:
+    from .._errors import UnsupportedOperationError
+
+    return UnsupportedOperationError(
+        f"A DTensor (shape {tuple(leaf.shape)}, placements {tuple(leaf.placements)}) reached a step that "
+        "works on one whole numpy array, which would gather it in one process; diffiface never does. Use "
+        "AutoTorch() on DTensors, AutoFiniteDifferences() only for a jvp along a DTensor tangent, and "
+        "diffiface.test.check_gradients for checks (random directions, collective)."
+    )
+
+
+def from_numpy(array: np.ndarray, like: Any, dtype: Any) -> Any:
+    if not (array.flags.c_contiguous and array.flags.writeable):
+        array = np.array(array, order="C")  # not np.ascontiguousarray: it makes 0-d arrays 1-d
+    tensor = sys.modules["torch"].from_numpy(array)
+    return tensor.to(device=like.device, dtype=like.dtype if dtype is None else dtype)
+
+
+class _GraphState(threading.local):
+    """Whether the results of the current call keep their autograd graph.
+
+    Set by an adapter at the start of each call (torch: when an input carried an outer
+    graph, a nested call), read where results are converted: a result is detached only
+    where the call's inputs carried no graph."""
+
+    keep = False
+
+
+graph_state = _GraphState()
+
+
+def mirror(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
+    if value_family is not _SELF:
+        return from_numpy(np.asarray(as_numpy(value)), like, None)
+    # (computed on like's device)
+    if value.requires_grad and not graph_state.keep:  # kept where x carried a graph
+        value = value.detach()
+    return value if value.dtype == like.dtype else value.to(like.dtype)
+
+
+def as_own(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
+    if value_family is _SELF:
+        # a nested call keeps the graph its inputs carried (graph_state, set by the adapter)
+        return value if graph_state.keep else value.detach()
+    if value_family is None:
+        return value
+    array = np.asarray(as_numpy(value))
+    return from_numpy(array, like, getattr(sys.modules["torch"], array.dtype.name))
+
+
+def cast(value: Any, dtype: str) -> Any:
+    return value.to(getattr(sys.modules["torch"], dtype))
+
+
+def block_like(value: Any, like: Any) -> Any:
+    return value
+
+
+def layout(leaf: Any) -> None:
+    return None
+
+
+class _Same:
+    """The test that a later tensor has the prepared one's shape, dtype and device."""
+
+    __slots__ = ("device", "dtype", "shape")
+
+    def __init__(self, leaf: Any) -> None:
+        self.shape, self.dtype, self.device = leaf.shape, leaf.dtype, leaf.device
+
+    def test(self, value: Any) -> bool:
+        return (  # type: ignore[no-any-return]
+            value.shape == self.shape and value.dtype == self.dtype and value.device == self.device
+        )
+
+
+def same(leaf: Any) -> Callable[[Any], bool]:
+    return _Same(leaf).test
+
+
+_meta = operator.attrgetter("shape", "dtype", "device")  # (compared in C, no frame per leaf)
+
+
+def leaves_test(leaves: list[Any]) -> Callable[[list[Any]], bool]:
+    """The test of a list of leaves all of this family, read inline."""
+    return MetaLeaves(leaves, _meta)
+
+
+def jit_checked(leaf: Any) -> bool:
+    return False
+
+
+_SELF = sys.modules[__name__]
+"""This module, as the family a value is compared with."""
