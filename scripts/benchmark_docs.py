@@ -247,13 +247,12 @@ def torch_users() -> str:
     data = _load("torch_users.json")
     meta, rows = data["meta"], data["rows"]
     body = [
-        [row["what"], row["backend"], _ratio(row["ratio"]), _ratio(row["goal"]) if row["goal"] else "—"]
-        for row in rows
+        [row["what"], row["backend"], _ratio(row["ratio"]), _ratio(row["goal"]) if row["goal"] else "—"] for row in rows
     ]
     table = _table(["what the user passes", "backend", "diffiface / native", "goal"], body)
     return (
         table + "\nPrepared gradient by string name, diffiface's time / the user's own call's time: "
-        "`torch.autograd.grad(loss, parameters)` for `\"torch\"`, `torch.func.grad(loss)` for `\"torch-func\"`; "
+        '`torch.autograd.grad(loss, parameters)` for `"torch"`, `torch.func.grad(loss)` for `"torch-func"`; '
         f"torch {meta['torch']}, one torch thread, measured {meta['date'][:10]} on a {meta['cpu_count']}-CPU "
         f"Linux machine without a GPU, median of {meta['rounds']} interleaved rounds.\n"
     )
