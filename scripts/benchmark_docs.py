@@ -242,19 +242,36 @@ def user_forms() -> str:
 # --- the older, broader run: import, finite differences, Hessians, pymanopt ----------------------
 
 
-def torch_users() -> str:
+def torch_users(name: str = "torch_users.json") -> str:
     """torch users' own objects (Parameters, big batches, frozen backbones) against their own call."""
-    data = _load("torch_users.json")
+    data = _load(name)
     meta, rows = data["meta"], data["rows"]
     body = [
-        [row["what"], row["backend"], _ratio(row["ratio"]), _ratio(row["goal"]) if row["goal"] else "—"] for row in rows
+        [row["what"], f"`{row['backend']}`", _ratio(row["ratio"]), _ratio(row["goal"]) if row["goal"] else "—"]
+        for row in rows
     ]
     table = _table(["what the user passes", "backend", "diffiface / native", "goal"], body)
     return (
         table + "\nPrepared gradient by string name, diffiface's time / the user's own call's time: "
         '`torch.autograd.grad(loss, parameters)` for `"torch"`, `torch.func.grad(loss)` for `"torch-func"`; '
         f"torch {meta['torch']}, one torch thread, measured {meta['date'][:10]} on a {meta['cpu_count']}-CPU "
-        f"Linux machine without a GPU, median of {meta['rounds']} interleaved rounds.\n"
+        f"Linux machine without a GPU, one CPU pinned, median of {meta['rounds']} interleaved rounds.\n"
+    )
+
+
+def readme_torch_users() -> str:
+    """The README's short form of torch-users: the `"torch"` rows that have a goal."""
+    data = _load("torch_users.json")
+    meta = data["meta"]
+    body = [
+        [row["what"].split(", 64-128-16")[0], _ratio(row["ratio"]), _ratio(row["goal"])]
+        for row in data["rows"]
+        if row["backend"] == "torch" and row["goal"] and row["row"] != "e-recipe"
+    ]
+    table = _table(['what the user passes (`"torch"`)', "diffiface / `torch.autograd.grad`", "goal"], body)
+    return (
+        table + f"\nPrepared gradient; MLP 64-128-16, batch 64 unless said; torch {meta['torch']}, one thread, "
+        f"{meta['date'][:10]}, one pinned CPU, median of {meta['rounds']} interleaved rounds.\n"
     )
 
 
@@ -463,6 +480,8 @@ GENERATORS: dict[str, tuple[str, Callable[[], str]]] = {
     "differentiate-with": (f"{RESULTS}/differentiate_with.json", differentiate_with),
     "main-job": (f"{RESULTS}/main_job.json", main_job),
     "torch-users": (f"{RESULTS}/torch_users.json", torch_users),
+    "readme-torch-users": (f"{RESULTS}/torch_users.json", readme_torch_users),
+    "torch-users-before": (f"{RESULTS}/torch_users_before.json", lambda: torch_users("torch_users_before.json")),
     "support-matrix": (REGISTRY, support_matrix),
 }
 

@@ -312,14 +312,14 @@ def test_a_changed_number_is_caught() -> None:
     """The check above can fail: one digit changed in a region is reported, naming the file."""
     module = _benchmark_docs_module()
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    region = next(m for m in module.REGION.finditer(text) if m["name"] == "readme-performance")
+    region = next(m for m in module.REGION.finditer(text) if m["name"] == "readme-torch-users")
     body = region["body"]
     digit = re.search(r"\d\.\d\d", body)
     assert digit is not None
     changed = body[: digit.start()] + ("2" if digit[0][0] != "2" else "3") + body[digit.start() + 1 :]
     edited = text[: region.start("body")] + changed + text[region.end("body") :]
     problems = module.regenerate(edited, "README.md")[1]
-    assert problems == ["README.md: region 'readme-performance' differs from what benchmarks/results/shapes.json gives"]
+    assert problems == ["README.md: region 'readme-torch-users' differs from what benchmarks/results/torch_users.json gives"]
 
 
 def test_benchmark_pages_cite_their_files() -> None:
@@ -327,7 +327,7 @@ def test_benchmark_pages_cite_their_files() -> None:
     module = _benchmark_docs_module()
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     names = {m["name"]: m["source"] for m in module.REGION.finditer(readme)}
-    assert names.get("readme-performance") == "benchmarks/results/shapes.json"
+    assert names.get("readme-torch-users") == "benchmarks/results/torch_users.json"
     assert names.get("support-matrix") == module.REGISTRY
     page = (DOCS / "benchmarks.md").read_text(encoding="utf-8")
     sources = {m["source"] for m in module.REGION.finditer(page)}
