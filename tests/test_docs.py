@@ -319,7 +319,9 @@ def test_a_changed_number_is_caught() -> None:
     changed = body[: digit.start()] + ("2" if digit[0][0] != "2" else "3") + body[digit.start() + 1 :]
     edited = text[: region.start("body")] + changed + text[region.end("body") :]
     problems = module.regenerate(edited, "README.md")[1]
-    assert problems == ["README.md: region 'readme-torch-users' differs from what benchmarks/results/torch_users.json gives"]
+    assert problems == [
+        "README.md: region 'readme-torch-users' differs from what benchmarks/results/torch_users.json gives"
+    ]
 
 
 def test_benchmark_pages_cite_their_files() -> None:
