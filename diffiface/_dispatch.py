@@ -187,7 +187,7 @@ def _plan(
     tangent_checks = _checks_of(call.tangent_leaves, engine=engine)
     context_checks: list[Any] | None = []
     for leaves in call.context_leaves:
-        checks = _checks_of(leaves, by_value=by_value, engine=engine)
+        checks = _checks_of(leaves, by_value=by_value, engine=engine, context=True)
         if checks is None or context_checks is None:
             context_checks = None
         else:
@@ -238,17 +238,17 @@ def _single(op: Operator, call: Call, by_value: bool, engine: bool) -> Any:
         if tangent_test is None:
             return None
     x_test = leaf_check(call.x_leaves[0], static_x=True, engine=engine)
-    tests = [leaf_check(leaves[0], by_value=by_value, engine=engine) for leaves in call.context_leaves]
+    tests = [leaf_check(leaves[0], by_value=by_value, engine=engine, context=True) for leaves in call.context_leaves]
     if x_test is None or any(test is None for test in tests):
         return None
     return x_test, tangent_test, tuple(tests)
 
 
 def _checks_of(
-    leaves: list[Any], static_x: bool = False, by_value: bool = False, engine: bool = False
+    leaves: list[Any], static_x: bool = False, by_value: bool = False, engine: bool = False, context: bool = False
 ) -> Callable[[list[Any]], bool] | None:
     """The test of leaves like these; None where a leaf has none (a pytree only jax knows)."""
-    checks = [leaf_check(leaf, static_x=static_x, by_value=by_value, engine=engine) for leaf in leaves]
+    checks = [leaf_check(leaf, static_x=static_x, by_value=by_value, engine=engine, context=context) for leaf in leaves]
     if any(check is None for check in checks):
         return None
     return leaves_check(leaves, tuple(checks), engine)  # type: ignore[arg-type]

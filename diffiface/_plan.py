@@ -73,19 +73,23 @@ def engine_checked(leaf: Any) -> bool:
     return family is not None and family.jit_checked(leaf)
 
 
-def leaf_check(leaf: Any, static_x: bool = False, by_value: bool = False, engine: bool = False) -> Check | None:
+def leaf_check(
+    leaf: Any, static_x: bool = False, by_value: bool = False, engine: bool = False, context: bool = False
+) -> Check | None:
     """How a plan knows a leaf like ``leaf``. A static leaf of x (``static_x``: passed to f as
     it is, and prepared for its value) and, with ``by_value``, any leaf that is not an array
-    (a context a program was built for) are compared by value. With ``engine``, a leaf the
-    program checks itself (:func:`engine_checked`) is known by its type. None: a leaf no test
-    can vouch for (a pytree only jax knows); the plan then compares whole signatures."""
+    (a context a program was built for) are compared by value. A context's leaf that is no
+    array (``context``: a torch module, a PRNG key, a string, passed to f untouched) is known by
+    its type, as the call's signature knows it. With ``engine``, a leaf the program checks
+    itself (:func:`engine_checked`) is known by its type. None: a leaf no test can vouch for (a
+    pytree only jax knows, in x); the plan then compares whole signatures."""
     if engine and engine_checked(leaf):
         return type(leaf), None
     kind = _arrays.kind(leaf)
     if static_x and (kind == "other" or (kind == "python" and not isinstance(leaf, float))):
         return type(leaf), _ByValue(leaf, static_x_key)
     if kind == "other" and not by_value:
-        return None
+        return (type(leaf), None) if context else None
     if by_value and kind in ("python", "other"):
         return type(leaf), _ByValue(leaf, _identity_or_value)
     # (a kind with no family is refused by name: compared by its type alone, a later call of

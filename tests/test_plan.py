@@ -776,3 +776,32 @@ def test_a_settled_result_is_rebuilt_by_one_function_written_for_its_two_structu
     swapped = {"w": b, "inner": {"b": c, "c": (a,)}}  # (not what optree's structures would build)
     assert swapped != result
     assert structure_rebuild(native_spec, native, optree.tree_structure(swapped), swapped, print) is None
+
+
+@pytest.mark.parametrize("mode", ["autograd", "func"])
+def test_a_module_constant_is_known_by_its_type_on_the_plans_path(mode: str) -> None:
+    """A context leaf that is no array (a torch module passed as di.Constant) is known by its
+    type, as the signature knows it: the prepared call takes the plan's path, not the whole
+    signature's; a module of another type is still refused."""
+    torch = pytest.importorskip("torch")
+    backend = di.AutoTorch(mode=mode)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    batch = torch.randn(5, 3, dtype=torch.float64)
+
+    def loss(p: Any, module: Any, inputs: Any) -> Any:
+        return torch.func.functional_call(module, p, (inputs,)).sum()
+
+    contexts = (di.Constant(model), di.Constant(batch))
+    prep = di.prepare_gradient(loss, backend, params, *contexts)
+    found = prep.plan.leaves("gradient", loss, backend, params, None, contexts, False)
+    assert found is not None
+    assert found[2][0] == [model]
+    grads = di.gradient(loss, backend, params, *contexts, prep=prep)
+    expected = torch.func.grad(loss)(params, model, batch)
+    for name in params:
+        torch.testing.assert_close(grads[name], expected[name])
+    other = torch.nn.Linear(3, 1).double()
+    assert prep.plan.leaves("gradient", loss, backend, params, None, (di.Constant(other), contexts[1]), False) is None
+    with pytest.raises(di.PreparationMismatchError):
+        di.gradient(loss, backend, params, di.Constant(other), contexts[1], prep=prep)
