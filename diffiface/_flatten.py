@@ -2,9 +2,9 @@
 :func:`generated`, the one place where diffiface compiles code written at run time.
 
 optree's and jax's C flattening is fast when warm, but a prepared call runs it right after the
-engine's program has emptied the processor's caches, where flattening a nested dict of four
-arrays costs 10 to 25 µs, more than the rest of the call's own steps. A function that indexes the
-tree as the structure says (``t["l1"]["w"]``) costs about one microsecond there.
+engine's program has emptied the processor's caches, where flattening a nested dict of a few
+arrays can cost more than the rest of the call's own steps. A function that indexes the tree as
+the structure says (``t["l1"]["w"]``) costs a small fraction of that there.
 
 :func:`structure_flatten` writes such a function for a structure of tuples, lists, dicts (with
 str or int keys) and None, the nodes optree and jax take apart alike, and checks it against the

@@ -26,10 +26,10 @@ GROUPS = ("core", "layers", "torch", "sparse", "complex")
 #
 # scipy's adaptive differences cost one to two orders of magnitude more than any other engine
 # (each call refines its step over up to 10 iterations of an order-8 formula; a Hessian
-# evaluates f on n**2 points per iteration). Unbudgeted, they took about 87% of the full run's
-# row-seconds (measured 2026-12-01: sparse scipy Hessians of the banded quadratics alone 100 to
-# 465 row-seconds each). They get a budget, below: each row left out is in the report, skipped,
-# with its reason, and the table cites the reasons.
+# evaluates f on n**2 points per iteration). Unbudgeted, they took most of the full run's
+# row-seconds (the sparse scipy Hessians of the banded quadratics above all). They get a budget,
+# below: each row left out is in the report, skipped, with its reason, and the table cites the
+# reasons.
 
 #: Tags scipy is skipped on in every run, with the reason.
 _SCIPY_ALWAYS = {"piecewise": "scipy's wide first step (0.5) crosses the kinks of piecewise layers"}
