@@ -7,7 +7,6 @@ route of Parameters, a module Constant and a frozen backbone is the detached lea
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import pytest
@@ -15,6 +14,8 @@ import pytest
 import diffiface as di
 
 torch = pytest.importorskip("torch")
+
+from test_torch_guard_cost import adapter_frames  # noqa: E402  (the same count of the adapter's frames)
 
 BACKENDS = {"autograd": di.AutoTorch(), "func": di.AutoTorch(mode="func")}
 
@@ -277,25 +278,6 @@ def test_a_nested_call_on_parameters_keeps_its_graph_by_default() -> None:
     (expected,) = torch.autograd.grad(first @ t, leaf)
     torch.testing.assert_close(got, expected)
     assert not got.requires_grad
-
-
-ADAPTER = "diffiface/_adapters/torch"
-
-
-def adapter_frames(call: Any) -> list[str]:
-    """The Python functions of the torch adapter that ``call`` enters, in order."""
-    entered: list[str] = []
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and ADAPTER in frame.f_code.co_filename.replace("\\", "/"):
-            entered.append(frame.f_code.co_qualname)
-
-    sys.setprofile(profile)
-    try:
-        call()
-    finally:
-        sys.setprofile(None)
-    return entered
 
 
 def test_the_route_of_parameters_is_the_detached_leaves_one() -> None:
