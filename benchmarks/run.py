@@ -6,6 +6,7 @@ first-call (preparation) time.
     python benchmarks/run.py --shapes [--quick] [--cpus 0]   # every call shape only: shapes.json/md/png
     python benchmarks/run.py --sparse [--quick]              # sparse Jacobians: sparse.json/md/png
     python benchmarks/run.py --torch-users [--quick] [--cpus 0]  # what torch users pass: torch_users.json/md
+    python benchmarks/run.py --engines [--quick] [--cpus 0]  # each engine against its own fastest call: engines.json/md
 
 Writes benchmarks/results/results.json, results.md and PNG plots beside them. With
 ``--cpus``, the process runs on those CPUs only (``os.sched_setaffinity``), diffiface and the
@@ -1475,6 +1476,11 @@ def main():
         help="run benchmarks/torch_users.py (what torch users pass, against their own call: torch_users.json/md), stop",
     )
     parser.add_argument(
+        "--engines",
+        action="store_true",
+        help="run benchmarks/engines.py (each engine against its own fastest call: engines.json/md), stop",
+    )
+    parser.add_argument(
         "--plots-only", action="store_true", help="redraw overhead.png and scaling.png from results.json, and stop"
     )
     parser.add_argument(
@@ -1499,6 +1505,12 @@ def main():
         import torch_users  # benchmarks/torch_users.py
 
         torch_users.main((["--quick"] if args.quick else []) + (["--cpus", args.cpus] if args.cpus else []))
+        return
+    if args.engines:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import engines  # benchmarks/engines.py
+
+        engines.main((["--quick"] if args.quick else []) + (["--cpus", args.cpus] if args.cpus else []))
         return
     names = [
         n

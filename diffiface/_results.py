@@ -156,17 +156,22 @@ class MirrorOne:
 
 
 class RebuildTree:
-    """The finisher of a gradient, vjp or hvp of a tree of arrays: where each leaf came back in
-    its type and dtype (and for torch, detached; for jax, laid out as x), the tree is only
-    rebuilt. ``trusted``: a compiled program, whose results' types, dtypes and layouts are the
-    same on every run: once they are seen to fit, only rebuilt."""
+    """The finisher of a gradient, vjp or hvp of a tree of arrays: where the finisher, on a
+    first result, gave back each of the engine's arrays as it came (its type, dtype and layout
+    already x's: for torch, detached, a Parameter's as a plain tensor; for jax, laid out as x),
+    later results whose arrays come with the same types, dtypes, graph flags and layouts are
+    only rebuilt. ``trusted``: a compiled program, whose results' types, dtypes and layouts are
+    the same on every run: once they are seen to fit, only rebuilt."""
 
-    __slots__ = ("expected", "finish", "rebuild", "seen_fit", "trusted")
+    __slots__ = ("expected", "finish", "layouts", "rebuild", "seen_fit", "trusted")
 
     def __init__(self, call: Call, finish: Finisher, trusted: bool) -> None:
         spec = call.signature.x_spec
         self.rebuild = structure_unflatten(spec) or spec.unflatten  # (written for the structure, see _flatten)
-        self.expected = [(type(leaf), leaf.dtype, _carries_graph(leaf), _layout(leaf)) for leaf in call.x_leaves]
+        self.layouts = [_layout(leaf) for leaf in call.x_leaves]
+        self.expected: list[tuple[Any, Any, bool]] | None = None
+        """Each array's (type, dtype, requires_grad) as the finisher passed it through; None
+        until it has."""
         self.finish = finish
         self.trusted = trusted
         self.seen_fit = False
@@ -175,18 +180,24 @@ class RebuildTree:
         values = native[0]
         if self.seen_fit:
             return self.rebuild(values)
-        if len(values) != len(self.expected):  # pragma: no cover - the engine returns one leaf per leaf of x
-            return self.finish(native)
-        for value, (cls, dtype, tensor, layout) in zip(values, self.expected, strict=False):
-            if (
-                type(value) is not cls
-                or value.dtype != dtype
-                or (tensor and value.requires_grad)
-                or (layout is not None and not layout.holds(value))
-            ):
-                return self.finish(native)
-        self.seen_fit = self.trusted
-        return self.rebuild(values)
+        expected = self.expected
+        if expected is not None and len(values) == len(expected):
+            for value, (cls, dtype, graph), layout in zip(values, expected, self.layouts, strict=False):
+                if (
+                    type(value) is not cls
+                    or value.dtype != dtype
+                    or getattr(value, "requires_grad", False) is not graph
+                    or (layout is not None and not layout.holds(value))
+                ):
+                    break
+            else:
+                self.seen_fit = self.trusted
+                return self.rebuild(values)
+        result = self.finish(native)
+        found = optree.tree_leaves(result, none_is_leaf=True)
+        if len(found) == len(values) and all(a is b for a, b in zip(found, values, strict=True)):
+            self.expected = [(type(v), v.dtype, getattr(v, "requires_grad", False)) for v in values]
+        return result
 
 
 def finisher(op: Operator, call: Call, output: _Output, compiled: bool) -> tuple[Callable[[Any], Any], Any]:

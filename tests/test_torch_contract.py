@@ -1,7 +1,9 @@
 """The torch contract on what torch users pass: a write by f into x, a Constant tensor, a frozen
 module's buffer or parameter is a MutationError that names the leaf, with the caller's data as
-the rule says (docs/policies.md): x, Constant tensors and the buffers of modules in training
-mode are never changed; under torch.func no write lands at all. Results of nn.Parameters are
+the rule says (docs/policies.md): on a prep's first call f works on copies and a write is undone;
+on later calls nothing is copied, and a write is named and said to have landed (the buffers of
+modules in training mode are put back on every call; under torch.func a write into a Constant
+is refused before it lands). Results of nn.Parameters are
 detached by default (as torch.autograd.grad's) and carry a graph with create_graph=True; the
 route of Parameters, a module Constant and a frozen backbone is the detached leaves' one."""
 
@@ -16,6 +18,7 @@ import diffiface as di
 torch = pytest.importorskip("torch")
 
 from test_torch_guard_cost import adapter_frames  # noqa: E402  (the same count of the adapter's frames)
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 BACKENDS = {"autograd": di.AutoTorch(), "func": di.AutoTorch(mode="func")}
 
@@ -160,7 +163,7 @@ def test_a_write_into_a_frozen_parameter_on_a_later_call_is_named_and_says_where
     writes[0] = True
     message = r"parameter 'lin\.weight'.*contexts\[0\]"
     if mode == "autograd":
-        message += r".*now holds what f wrote.*first call of a prep only"
+        message += r".*now holds what f wrote.*first call copies"
     with pytest.raises(di.MutationError, match=message):
         di.gradient(f, BACKENDS[mode], head, di.Constant(net), di.Constant(batch), prep=prep)
     assert same(before, net) == (mode == "func")
@@ -301,45 +304,112 @@ def test_the_route_of_parameters_is_the_detached_leaves_one() -> None:
     assert "guarded" not in " ".join(routes[1])
 
 
-@pytest.mark.parametrize("case", ["module Constant", "frozen backbone"])
-def test_the_route_of_a_module_constant_copies_nothing(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # expected: a module passed as di.Constant (its parameters as x, or a frozen backbone in eval
-    # mode under a trainable head) is watched, after a prep's first call, without one copy of
-    # its tensors: no clone of any
-    # tensor as large as one of the module's (x's leaves are copied, the batch in autograd mode)
+class _Clones(TorchDispatchMode):
+    """Records the size of every tensor torch copies (``aten.clone``, ``aten.copy_``) below
+    autograd, whoever asks for the copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in (torch.ops.aten.clone.default, torch.ops.aten.copy_.default):
+            self.sizes.append(args[0].numel())
+        return func(*args, **(kwargs or {}))
+
+
+def copied_by(call: Any) -> list[int]:
+    with _Clones() as clones:
+        call()
+    return clones.sizes
+
+
+@pytest.mark.parametrize("mode", list(BACKENDS))
+@pytest.mark.parametrize("case", ["parameters", "module Constant", "frozen backbone"])
+def test_a_preps_later_calls_copy_nothing(mode: str, case: str) -> None:
+    # expected: what torch users pass (named_parameters() as x, the model or a frozen backbone in
+    # eval mode as di.Constant, a batch as di.Constant) is copied on a prep's first call (the
+    # full guard) and never after it: no tensor copied at all, x, Constants and module alike
     torch.manual_seed(0)
-    if case == "module Constant":
-        model = torch.nn.Sequential(torch.nn.Linear(3, 64), torch.nn.Tanh(), torch.nn.Linear(64, 2))
-        x: Any = {k: v.detach() for k, v in model.named_parameters()}
-
-        def f(p: Any, net: Any, b: Any) -> Any:
-            return torch.func.functional_call(net, p, (b,)).square().sum()
-
-        watched = {id(t) for t in model.parameters()}
-    else:
+    if case == "frozen backbone":
         model = torch.nn.Sequential(torch.nn.Linear(3, 64), torch.nn.LayerNorm(64), torch.nn.BatchNorm1d(64)).eval()
         model.requires_grad_(False)
-        x = torch.randn(64)
+        x: Any = torch.randn(64)
 
         def f(p: Any, net: Any, b: Any) -> Any:
             return (net(b) @ p).square().sum()
 
-        watched = {id(t) for t in [*model.parameters(), *model.buffers()]}
-    batch = di.Constant(torch.randn(5, 3))
-    prep = di.prepare_gradient(f, "torch", x, di.Constant(model), batch)
-    di.gradient(f, "torch", x, di.Constant(model), batch, prep=prep)  # (the first call copies the module)
-    cloned: list[int] = []
-    clone = torch.Tensor.clone
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(3, 64), torch.nn.Tanh(), torch.nn.Linear(64, 2))
+        x = dict(model.named_parameters())
 
-    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
-        cloned.append(id(self))
-        return clone(self, *args, **kwargs)
+        def f(p: Any, net: Any, b: Any) -> Any:
+            return torch.func.functional_call(net if net is not None else model, p, (b,)).square().sum()
 
-    monkeypatch.setattr(torch.Tensor, "clone", counting)
-    di.gradient(f, "torch", x, di.Constant(model), batch, prep=prep)
-    monkeypatch.undo()
-    assert cloned  # (the count means something: x's copies are made)
-    assert not watched & set(cloned)
+    contexts = (di.Constant(model if case != "parameters" else None), di.Constant(torch.randn(5, 3)))
+    backend = BACKENDS[mode]
+    prep = di.prepare_gradient(f, backend, x, *contexts)
+    first = copied_by(lambda: di.gradient(f, backend, x, *contexts, prep=prep))
+    assert first  # (the count means something: the first call copies)
+    for _ in range(2):
+        assert copied_by(lambda: di.gradient(f, backend, x, *contexts, prep=prep)) == []
+    native = torch.func.grad(f)(x, *(c.value for c in contexts))
+    got = di.gradient(f, backend, x, *contexts, prep=prep)
+    for key in native if isinstance(x, dict) else [None]:
+        torch.testing.assert_close(got[key] if key else got, native[key] if key else native)
+
+
+@pytest.mark.parametrize("mode", list(BACKENDS))
+@pytest.mark.parametrize("where", ["x", "Constant tensor"])
+def test_a_write_on_a_later_call_is_named_and_says_where_it_landed(mode: str, where: str) -> None:
+    # expected: after a clean first call, a write by f (under no_grad, which torch lets through)
+    # into x or a Constant tensor is a MutationError that names the leaf and says the caller's
+    # tensor now holds it (the rule of docs/policies.md); under torch.func a write into a
+    # Constant tensor is refused by torch before it lands, named the same
+    w, data = {"w": torch.randn(3), "b": torch.randn(3)}, {"scale": torch.randn(3)}
+    writes = [False]
+
+    def f(p: Any, d: Any) -> Any:
+        if writes[0]:
+            with torch.no_grad():
+                (p["b"] if where == "x" else d["scale"]).add_(1.0)
+        return (p["w"] * p["b"] * d["scale"]).sum()
+
+    backend = BACKENDS[mode]
+    prep = di.prepare_gradient(f, backend, w, di.Constant(data))
+    di.gradient(f, backend, w, di.Constant(data), prep=prep)
+    writes[0] = True
+    leaf = r"x\['b'\]" if where == "x" else r"contexts\[0\]\['scale'\]"
+    before = snapshot(w, data)
+    lands = mode == "autograd" or where == "x"
+    with pytest.raises(
+        di.MutationError, match=leaf + (r".*now holds what f wrote" if lands else r".*nothing was written")
+    ):
+        di.gradient(f, backend, w, di.Constant(data), prep=prep)
+    assert same(before, w, data) is not lands
+
+
+@pytest.mark.parametrize("mode", list(BACKENDS))
+def test_a_write_under_grad_mode_into_x_is_refused_before_it_lands_on_a_later_call(mode: str) -> None:
+    # expected: on a later call f gets the caller's x as a leaf that requires grad (autograd
+    # mode), which torch refuses to let f write into: a MutationError naming x, x unchanged
+    x = torch.randn(3)
+    writes = [False]
+
+    def f(v: Any) -> Any:
+        if writes[0]:
+            v.mul_(2.0)
+        return (v * v).sum()
+
+    backend = BACKENDS[mode]
+    prep = di.prepare_gradient(f, backend, x)
+    di.gradient(f, backend, x, prep=prep)
+    writes[0] = True
+    before = x.clone()
+    with pytest.raises(di.MutationError, match="x"):
+        di.gradient(f, backend, x, prep=prep)
+    if mode == "autograd":
+        assert torch.equal(x, before)
 
 
 class _HalfBackward(torch.autograd.Function):

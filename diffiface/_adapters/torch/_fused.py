@@ -33,6 +33,7 @@ from ._guard import (
     _CALLS,
     _after_failure,
     _clone,
+    _inference,
     _mutation,
     _named_capture,
     _Names,
@@ -50,13 +51,14 @@ class _Gradient:
     It serves the common call: grad mode on, inference mode off, no forward-mode call of ours
     open, no leaf of x requiring grad (no outer graph), every context leaf dynamic (and, under
     torch.func, every leaf of x a plain tensor: a DTensor's gradient is laid out again). It
-    does what :func:`_guard` and the program do for it, in their order: copies of x's leaves
-    and of the Constant tensors, f on them, f's output checked (a scalar of a type and dtype
+    does what :func:`_guard` and the program do for it, in their order: x's leaves and the
+    Constant tensors as the guard's rule gives them to f (copies on a prep's first call, the
+    caller's own watched by their counters after it), f on them, f's output checked (a scalar of a type and dtype
     seen before takes no more checks; any other output, the program's own checks,
     ``settle``), the gradient, and the version counters read, a write refused with a
     MutationError. Any other call is ``guarded``'s, before anything has run.
 
-    The gradient is ``torch.autograd.grad`` on the copies made leaves of a fresh graph. The
+    The gradient is ``torch.autograd.grad`` on those leaves made leaves of a fresh graph. The
     other fused calls (:class:`_Pullback`, :class:`_Pushforward`, :class:`_Hvp`) share these
     steps and put their own engine in place of the gradient's.
 
@@ -65,7 +67,7 @@ class _Gradient:
     than 5% quicker: autograd mode's gradient, both modes' vjp, autograd mode's jvp and hvp.
     torch.func's gradient and Jacobian, which it did not show so, take the guard's steps."""
 
-    __slots__ = ("checked", "constant_at", "functional", "fused", "guarded", "names", "plain")
+    __slots__ = ("checked", "constant_at", "first", "functional", "fused", "guarded", "names", "plain")
 
     def __init__(self, guarded: Callable[..., Any], fused: Any, program: Any, functional: bool = False) -> None:
         self.guarded = guarded
@@ -74,8 +76,9 @@ class _Gradient:
         self.constant_at = tuple(i for i, cache in enumerate(program.cache_dynamic) if not cache)
         self.names = _Names(program)
         self.functional = functional
+        self.first = True  # no call has completed yet: f gets copies (see the guard's rule)
         # x's leaves (and the tangents) must be plain tensors (a DTensor's results are laid out
-        # again), and f gets plain copies of them; else leaves of a fresh graph (autograd's reverse mode)
+        # again), and f gets them plain; else leaves of a fresh graph (autograd's reverse mode)
         self.plain = functional or fused.compute == "value_and_pushforward"
 
     def __call__(self, xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
@@ -94,17 +97,25 @@ class _Gradient:
             if self.functional:  # (torch.func's semantics: the graph kept)
                 return self.guarded(xs, ts, dynamic, static)
             xs = tuple(map(torch.Tensor.detach, xs))
+        copy = self.first  # (the guard's rule: copies on a prep's first call, counters after it)
         if self.plain:
-            inputs = tuple(map(_clone, xs))
+            if copy:
+                inputs = tuple(map(_clone, xs))
+            elif any(map(_inference, xs)):
+                return self.guarded(xs, ts, dynamic, static)
+            else:
+                inputs = xs
         else:
-            try:
-                inputs = tuple(map(_requiring, map(_clone, xs)))  # (a clone of x that does not require grad: a leaf)
-            except RuntimeError:  # a tensor of a torch.func transform (the guard's steps say so)
+            try:  # (a leaf that does not share x's graph: of a clone, or an alias of x itself)
+                inputs = tuple(map(_requiring, map(_clone if copy else _detach, xs)))
+            except RuntimeError:  # an inference tensor, or one of a torch.func transform: the guard's steps
                 return self.guarded(xs, ts, dynamic, static)
         versions = list(map(_version, inputs))
         constants: list[tuple[int, Any, int]] = []
         if dynamic and self.constant_at:
-            dynamic, constants = _watched_constants(dynamic, self.constant_at, not self.functional)
+            dynamic, constants = _watched_constants(
+                dynamic, self.constant_at, copy and not self.functional, not self.functional
+            )
         fused = self.fused
         rebuilds = fused.rebuilds
         if rebuilds is None:
@@ -122,7 +133,17 @@ class _Gradient:
             result = self.engine(inputs, xs, ts, f, context_values)
         except BaseException as exc:
             refusal = _after_failure(
-                exc, stack, True, False, inputs, versions, constants, None, self.names, not self.functional
+                exc,
+                stack,
+                True,
+                False,
+                inputs,
+                versions,
+                constants,
+                None,
+                self.names,
+                copy,
+                copy and not self.functional,
             )
             if refusal is None and type(exc) is _CapturedWrite:
                 refusal = _named_capture(
@@ -139,13 +160,14 @@ class _Gradient:
         for _, tensor, version in constants:  # (a loop, not a generator: this runs on every call)
             dirty = dirty or tensor._version != version
         if dirty:
-            problem = _mutation(inputs, versions, constants, None, self.names, not self.functional)
+            problem = _mutation(inputs, versions, constants, None, self.names, copy, copy and not self.functional)
             if problem is not None:
                 raise MutationError(problem)
+        self.first = False
         return result
 
     def engine(self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves) -> Any:
-        """The engine's part of the call on the copies ``inputs`` of x's leaves ``xs``: the
+        """The engine's part of the call on ``inputs``, x's leaves ``xs`` as f gets them: the
         program's results, ``(gradient,)`` or ``(value, gradient)``."""
         fused = self.fused
         try:
@@ -213,8 +235,8 @@ class _Pushforward(_Gradient):
     ``"auto"``, the prep's first call chooses, see :meth:`choose`; every later call computes it
     as the chosen one does):
 
-    - forward mode (:meth:`forward`): copies of the tangents made duals of the copies of x's
-      leaves in a dual level of ours, f closed and checked by the program's own ``close``, each
+    - forward mode (:meth:`forward`): copies of the tangents made duals of x's leaves as f
+      gets them in a dual level of ours, f closed and checked by the program's own ``close``, each
       output's primal and tangent unpacked once, and the tangents' version counters read (a
       write into one changes the derivative itself, and is refused);
     - reverse over reverse (:meth:`by_pullbacks`), as ``torch.autograd.functional.jvp``
@@ -246,7 +268,7 @@ class _Pushforward(_Gradient):
         return self.forward(inputs, xs, ts, f, context_values)
 
     def forward(self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves) -> Any:
-        """The product by forward mode on ``inputs``, copies of x's leaves."""
+        """The product by forward mode on ``inputs``, x's leaves as f gets them."""
         fused = self.fused
         tangents = tuple(map(_clone, ts))
         versions = list(map(_version, tangents))
@@ -265,7 +287,7 @@ class _Pushforward(_Gradient):
     def by_pullbacks(
         self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves
     ) -> Any:
-        """The product by reverse over reverse on ``inputs``, copies of x's leaves: f on them made
+        """The product by reverse over reverse on ``inputs``, x's leaves as f gets them: f on them made
         leaves of a fresh graph, its pullback along zero cotangents that require grad (linear in
         them, with its graph), and that pullback's own along copies of the tangents (a product
         the graphs pass through unchanged would be the caller's tangent itself). An output leaf
@@ -273,7 +295,7 @@ class _Pushforward(_Gradient):
         differentiate the pullback, :class:`_NoSecondPass` (:func:`_pushed_by_pullbacks`)."""
         fused = self.fused
         versions = list(map(_version, inputs))
-        leaves = tuple(map(_requiring, inputs))  # (copies: leaves, made to require grad in place)
+        leaves = tuple(map(_requiring, map(_detach, inputs)))  # (aliases: the caller's flags stay as they are)
         out, _ = fused.close(f, context_values, xs[0])(leaves)
         primals, outs = _pushed_by_pullbacks(out, leaves, ts, inputs, versions)
         return (primals, outs) if fused.value else (outs,)
@@ -352,7 +374,7 @@ def _agree(one: Leaves, other: Leaves) -> bool:
 
 class _Hvp(_Gradient):
     """:class:`_Gradient`'s one call for an hvp in autograd mode: the same guard's steps
-    around f closed and checked by the program's own ``close`` on the copies of x's leaves,
+    around f closed and checked by the program's own ``close`` on x's leaves as f gets them,
     its gradient with its graph, and that gradient's pullback along copies of the tangents
     (double backward), where the guard, the program and the adapter's method take their Python
     frames. It serves the call :class:`_Gradient` serves. Kept by ``benchmarks/torch_fused.py``
@@ -388,6 +410,8 @@ def _output(closed: Fn, single: bool, x: Any) -> Any:
     out = closed((x,) if single else x)[0]
     return out[0] if len(out) == 1 else out
 
+
+_detach = torch.Tensor.detach
 
 _PLAIN = {torch.Tensor}
 """The type of a plain tensor, as a set: the types of x's leaves compared with it in C."""

@@ -71,20 +71,22 @@ def _guard(program: Callable[..., Any], functional: bool, create_graph: bool) ->
     - Results keep the graph of x's leaves (:func:`_keeps`) only where the caller asks for it
       (``create_graph``), under torch.func, or where an outer diffiface call differentiates f;
       else they are detached, as ``torch.autograd.grad``'s are.
-    - What f may write, and where a write lands (:func:`_watch`): f gets copies of x and of the
-      tangents (what it would get otherwise shares the caller's memory: duals in forward mode,
-      torch.func's wrappers, and in reverse mode the detached leaf, which torch lets f write
-      into under no_grad). In autograd mode f also gets copies of the Constants' tensors, which
-      torch lets f write into; under torch.func it gets the caller's own, which torch.func
-      refuses to let f write. A Constant module is passed as it is, guarded fully on the
-      prep's first call and by counters after it (:func:`_module_states`): on the first call
-      (until one completes) every parameter and buffer is kept in a copy, so that a write, seen
-      by its version counter or by its value, is put back bit for bit; on later calls
-      the parameters and buffers are watched by their version counters only (a frozen backbone
-      costs its counters per call, not its size), so a write is seen but stays in the caller's
-      module; only the buffers of submodules in training mode are copied on every call and put
-      back (torch's batch norm writes its running statistics without a version bump). A write
-      is refused with a MutationError naming the leaf and saying which of the two it found.
+    - What f may write, and where a write lands: one rule for x, the tangents' companions and
+      every Constant (tensor or module), written in docs/policies.md. On a prep's first call
+      (until one completes) f gets copies of x's leaves and, in autograd mode, of the Constant
+      tensors (under torch.func, which refuses writes into the tensors f closes over, the
+      caller's own), and every parameter and buffer of a Constant module is kept in a copy: a
+      write, seen by its version counter or by its value, is undone (put back bit for bit, or
+      never reaching the caller's memory) and refused with a MutationError naming the leaf. On
+      later calls f gets the caller's own tensors (x's as ``detach()`` aliases, which torch
+      refuses to let f write into under grad mode once they require grad) and every leaf is
+      watched by its version counter only, so that a call costs the same whatever the data's
+      size: a write is seen and refused by name, but stays in the caller's tensor (and one
+      through ``.data``, which no counter sees, is not seen). The tangents are always copied
+      (a write into one changes the derivative itself), and the buffers of submodules in
+      training mode are copied on every call and put back (torch's batch norm writes its running
+      statistics without a version bump). Inference tensors are always copied (they cannot
+      take part in a graph).
 
     The common call (one x, no tangent, one Constant tensor or none) takes no Python call
     besides ``program``'s: this runs on every call, and its cost is the library's overhead.
@@ -104,12 +106,15 @@ def _guard(program: Callable[..., Any], functional: bool, create_graph: bool) ->
                 return guarded(xs, ts, dynamic, static)
         keep = False
         nested = bool(_CALLS.keep) or _transform_level() is not None
+        copy = first[0]
         if len(xs) == 1:
             x = xs[0]
             if nested or x.requires_grad or _DUALS[0]:
                 keep = nested or _keeps(x, functional, create_graph)
-            # (a clone of an inference tensor is a normal one)
-            x = x.clone() if keep or not x.requires_grad else x.detach().clone()
+            if copy or x.is_inference():  # (a clone of an inference tensor is a normal one)
+                x = x.clone() if keep or not x.requires_grad else x.detach().clone()
+            elif x.requires_grad and not keep:
+                x = x.detach()
             xs = (x,)
             versions = [x._version]  # (a fresh clone's counter starts at 0; read, not assumed)
         else:
@@ -119,15 +124,16 @@ def _guard(program: Callable[..., Any], functional: bool, create_graph: bool) ->
                     keep = True
             if not keep:
                 xs = tuple(map(torch.Tensor.detach, xs))
-            xs = tuple(map(_clone, xs))  # (map, not a comprehension: no frame on the hot path)
+            if copy or any(map(_inference, xs)):
+                xs = tuple(map(_clone, xs))  # (map, not a comprehension: no frame on the hot path)
             versions = list(map(_version, xs))
         if ts:
             ts = tuple(map(_clone, ts))
             tangent_versions = list(map(_version, ts))
         constants: list[tuple[int, Any, int]] = []
         if dynamic and constant_at:
-            dynamic, constants = _watched_constants(dynamic, constant_at, copy_constants)
-        modules = _module_states(static, cache_static, first[0]) if static is not None and watch_static else None
+            dynamic, constants = _watched_constants(dynamic, constant_at, copy_constants and copy, copy_constants)
+        modules = _module_states(static, cache_static, copy) if static is not None and watch_static else None
         stack = _CALLS.keep
         stack.append(keep)
         grad_mode = torch.is_grad_enabled()  # f may switch it (torch.set_grad_enabled) and not switch back
@@ -135,7 +141,7 @@ def _guard(program: Callable[..., Any], functional: bool, create_graph: bool) ->
             result = program(xs, ts, dynamic, static)
         except BaseException as exc:
             refusal = _after_failure(
-                exc, stack, grad_mode, keep, xs, versions, constants, modules, names, copy_constants
+                exc, stack, grad_mode, keep, xs, versions, constants, modules, names, copy, copy_constants and copy
             )
             if refusal is None and type(exc) is _CapturedWrite:
                 refusal = _named_capture(lambda: program(xs, ts, dynamic, static), constants, modules, names)
@@ -153,10 +159,10 @@ def _guard(program: Callable[..., Any], functional: bool, create_graph: bool) ->
         for _, tensor, version in constants:
             dirty = dirty or tensor._version != version
         if dirty:
-            problem = _mutation(xs, versions, constants, modules, names, copy_constants)
+            problem = _mutation(xs, versions, constants, modules, names, copy, copy_constants and copy)
             if problem is not None:
                 raise MutationError(problem)
-            first[0] = False
+        first[0] = False
         if ts:
             for t, v in zip(ts, tangent_versions, strict=True):
                 if t._version != v:
@@ -209,23 +215,26 @@ _transform_level = torch._C._functorch.peek_interpreter_stack
 _version = operator.attrgetter("_version")
 _requires_grad = operator.attrgetter("requires_grad")
 _requiring = torch.Tensor.requires_grad_
+_inference = torch.Tensor.is_inference
 
 
 def _watched_constants(
-    dynamic: Leaves, constant_at: tuple[int, ...], copy: bool
+    dynamic: Leaves, constant_at: tuple[int, ...], copy: bool, autograd: bool = True
 ) -> tuple[Leaves, list[tuple[int, Any, int]]]:
     """The dynamic context leaves for f, and (index, tensor, its version) for each Constant
-    tensor, to see a write by: where ``copy`` (autograd mode, where torch lets f write into
-    them), a copy of each in its place (f cannot reach the caller's memory through it); else
-    (torch.func, which refuses writes into the tensors f closes over) the caller's own."""
-    fresh = list(dynamic) if copy else dynamic
+    tensor, to see a write by: where ``copy`` (a prep's first call in autograd mode, where torch
+    lets f write into them), a copy of each in its place (f cannot reach the caller's memory
+    through it); else the caller's own, watched by its counter. In ``autograd`` mode an
+    inference tensor is always copied (it cannot be saved for the backward pass); under
+    torch.func, which refuses any write into it, it is passed as it is and not watched."""
+    fresh = list(dynamic) if autograd else dynamic
     constants = []
     for i in constant_at:
         if i >= len(fresh):  # (only the leaves this call has)
             break
         value = fresh[i]
         if isinstance(value, torch.Tensor):
-            if copy:
+            if copy or (autograd and value.is_inference()):
                 fresh[i] = value = value.clone()  # type: ignore[index]
             elif value.is_inference():  # (torch refuses any write into it outside inference mode)
                 continue
@@ -243,6 +252,7 @@ def _after_failure(
     constants: list[tuple[int, Any, int]],
     modules: list[tuple[int, str, str, str, Any, int, Any]] | None,
     names: _Names | None,
+    x_copied: bool = True,
     copied: bool = True,
 ) -> MutationError | None:
     """After f or the engine raised ``exc`` inside the guard: the caller's state put back (the
@@ -252,7 +262,7 @@ def _after_failure(
     if torch.is_grad_enabled() is not grad_mode:
         torch.set_grad_enabled(grad_mode)
     _arrays.graph_state.keep = keep
-    problem = _mutation(xs, versions, constants, modules, names, copied)
+    problem = _mutation(xs, versions, constants, modules, names, x_copied, copied)
     if problem is not None:
         return MutationError(problem)
     if isinstance(exc, RuntimeError) and _LEAF_WRITE in str(exc):
@@ -298,22 +308,21 @@ def _mutation(
     constants: list[tuple[int, Any, int]],
     modules: list[tuple[int, str, str, str, Any, int, Any]] | None,
     names: _Names | None,
+    x_copied: bool = True,
     copied: bool = True,
 ) -> str | None:
     """What f wrote into, named by its path, restored where a copy was kept; None if it wrote
-    nothing. ``copied``: the Constant tensors f got were copies (autograd mode)."""
+    nothing. ``x_copied``: the leaves f got for x were copies (a prep's first call); ``copied``:
+    the Constant tensors f got were copies (a prep's first call in autograd mode)."""
     for i, (x, version) in enumerate(zip(xs, versions, strict=True)):
         if x._version != version:
             where = names.of_x(i, len(xs)) if names is not None else (f"leaf {i} of x" if len(xs) > 1 else "x")
-            return f"f wrote in place into its input {where}; the caller's x and tangent are unchanged. {_FIX}"
+            state = "the caller's x and tangent are unchanged" if x_copied else _LANDED_X
+            return f"f wrote in place into its input {where}; {state}. {_FIX}"
     for i, tensor, version in constants:
         if tensor._version != version:
             where = names.of_dynamic(i) if names is not None else f"array context leaf {i}"
-            state = (
-                "the caller's tensor is unchanged (f wrote into a copy)"
-                if copied
-                else "torch.func lets no such write through, yet the caller's tensor now holds what f wrote"
-            )
+            state = "the caller's tensor is unchanged (f wrote into a copy)" if copied else _LANDED_TENSOR
             return f"f wrote in place into {where}, a tensor of a di.Constant; {state}. A Constant is read-only: {_FIX}"
     if modules:
         changed = None
@@ -352,11 +361,13 @@ def _same_bits(tensor: Any, copy: Any) -> bool:
 
 
 _PUT_BACK = "it has been put back, bit for bit"
-_LANDED = (
-    "the caller's module now holds what f wrote: a Constant module's tensors are copied (and a write "
-    "put back) on the first call of a prep only; its later calls watch their version counters, which "
-    "see a write but cannot undo it (nor see one through .data)"
+_LATER = (
+    "a prep's first call copies (and undoes a write into) x and the Constants; its later calls watch their "
+    "version counters, which see a write but cannot undo it (nor see one through .data)"
 )
+_LANDED_X = f"the caller's x now holds what f wrote: {_LATER}"
+_LANDED_TENSOR = f"the caller's tensor now holds what f wrote: {_LATER}"
+_LANDED = f"the caller's module now holds what f wrote: {_LATER}"
 
 _IN_PLACE_OPERATORS = frozenset(
     f"__i{name}__"
