@@ -93,11 +93,12 @@ class _Gradient:
             or (self.plain and (set(map(type, xs)) != _PLAIN or (ts and set(map(type, ts)) != _PLAIN)))
         ):
             return self.guarded(xs, ts, dynamic, static)
+        copy = self.first  # (the guard's rule: copies on a prep's first call, counters after it)
         if any(map(_requires_grad, xs)):  # (an nn.Parameter: its results detached, as torch.autograd.grad's)
             if self.functional:  # (torch.func's semantics: the graph kept)
                 return self.guarded(xs, ts, dynamic, static)
-            xs = tuple(map(torch.Tensor.detach, xs))
-        copy = self.first  # (the guard's rule: copies on a prep's first call, counters after it)
+            if copy or self.plain:  # (else the leaves below are detached aliases already)
+                xs = tuple(map(torch.Tensor.detach, xs))
         if self.plain:
             if copy:
                 inputs = tuple(map(_clone, xs))
