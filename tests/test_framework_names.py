@@ -6,6 +6,11 @@ dispatches by family. A module counts as naming a framework when it holds a stri
 that is a framework's name or a dotted module path under one (``"torch"``, ``"jax.numpy"``),
 as a kind comparison or a ``sys.modules`` lookup does. Prose in docstrings does not count.
 
+A module that belongs to one framework says so by its file name: the name, less leading
+underscores, is the framework's name or starts with it and an underscore (``_bridges/jax.py``,
+``sparse/_torch_trace.py``). Such a module may name its own framework and that framework's
+modules; any other framework it names counts, as in every generic module.
+
 The modules not yet cleaned are listed in :data:`NOT_YET_CLEANED`; their test is a strict
 xfail, so cleaning one without taking it off the list fails, and the list is how the rest of
 issue 39 is tracked.
@@ -25,27 +30,18 @@ PACKAGE = Path(diffiface.__file__).parent
 EXEMPT = ("_families", "_adapters", "test")
 """Folders whose modules are a framework's own files, the registry or the scenario suite."""
 
-_NAME = re.compile(r"(torch|jax|autograd|numpy)(\.\w+)*")
+_FRAMEWORKS = ("torch", "jax", "autograd", "numpy")
+_NAME = re.compile(rf"({'|'.join(_FRAMEWORKS)})(\.\w+)*")
 
 NOT_YET_CLEANED = (
     "_backends.py",
     "_bridges/__init__.py",
     "_bridges/_inner.py",
-    "_bridges/jax.py",
-    "_bridges/torch.py",
-    "_call.py",
     "_checks.py",
-    "_complex.py",
-    "_keys.py",
-    "_placement.py",
     "_plan.py",
     "_prep.py",
     "_sparse_operators.py",
     "sparse/_detection.py",
-    "sparse/_jaxpr.py",
-    "sparse/_numpy_trace.py",
-    "sparse/_torch_trace.py",
-    "tree.py",
 )
 """Modules that still name a framework, as paths under ``diffiface/``."""
 
@@ -59,13 +55,24 @@ def _modules() -> list[str]:
     return found
 
 
+def owner(module: str) -> str | None:
+    """The framework that ``diffiface/<module>`` belongs to by its file name, or None (generic)."""
+    word = Path(module).stem.lstrip("_").split("_")[0]
+    return word if word in _FRAMEWORKS else None
+
+
 def framework_names(module: str) -> int:
-    """How many string constants in ``diffiface/<module>`` name a framework or its modules."""
+    """How many string constants in ``diffiface/<module>`` name a framework or its modules, other
+    than the module's own framework (:func:`owner`)."""
     tree = ast.parse((PACKAGE / module).read_text(encoding="utf-8"))
+    own = owner(module)
     return sum(
         1
         for node in ast.walk(tree)
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and _NAME.fullmatch(node.value)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and (found := _NAME.fullmatch(node.value)) is not None
+        and found.group(1) != own
     )
 
 
@@ -77,6 +84,15 @@ def test_the_counter_counts() -> None:
         if isinstance(n, ast.Constant) and isinstance(n.value, str) and _NAME.fullmatch(n.value)
     ]
     assert counted == ["torch", "jax.numpy"]
+
+
+def test_a_module_belongs_to_a_framework_by_its_file_name() -> None:
+    assert owner("_bridges/jax.py") == "jax"
+    assert owner("sparse/_torch_trace.py") == "torch"
+    assert owner("sparse/_numpy_trace.py") == "numpy"
+    assert owner("_jaxpr.py") is None  # a word that starts with a framework's name is not it
+    assert owner("_bridges/__init__.py") is None
+    assert owner("tree.py") is None
 
 
 def test_the_list_names_existing_modules() -> None:

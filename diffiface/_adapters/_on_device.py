@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _placement
+from .._families import _jax_placement as _placement
 from .._errors import InvalidOutputError
 from ._base import Deferred, Fn, Leaves
 

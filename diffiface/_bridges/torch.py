@@ -125,12 +125,13 @@ def _autograd_on() -> Iterator[None]:
 
 
 def _to_torch(out: Any, aval: Aval, device: torch.device) -> torch.Tensor:
-    kind = _arrays.kind(out)
-    if kind == "torch":
+    family = _arrays.family_of(out)
+    shared = None if family is None else family.exchange(out)
+    if isinstance(out, torch.Tensor):
         tensor = out.detach()
-    elif kind == "jax":
+    elif shared is not None:  # another framework's array (a jax array)
         try:
-            tensor = torch.utils.dlpack.from_dlpack(out)  # zero-copy where jax and torch share the device
+            tensor = torch.utils.dlpack.from_dlpack(shared)  # zero-copy where the two share the device
         except (BufferError, RuntimeError, TypeError):
             tensor = torch.from_numpy(np.array(out))
     else:

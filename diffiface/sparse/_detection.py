@@ -340,9 +340,9 @@ def _global(
 
 
 def _with_jax(f: Callable[..., Any], x: Any, values: list[Any], hessian: bool) -> Detection:
-    from . import _jaxpr
+    from . import _jax_trace
 
-    pattern = _jaxpr.hessian_pattern(f, x, values) if hessian else _jaxpr.jacobian_pattern(f, x, values)
+    pattern = _jax_trace.hessian_pattern(f, x, values) if hessian else _jax_trace.jacobian_pattern(f, x, values)
     return Detection(pattern, "jax")
 
 
@@ -358,9 +358,9 @@ def _output_size(f: Callable[..., Any], x: Any, values: list[Any]) -> int | None
     if "jax" not in sys.modules:  # not worth importing jax for a check the operator makes anyway
         return None
     try:
-        from . import _jaxpr
+        from . import _jax_trace
 
-        return _jaxpr.output_size(f, x, values)
+        return _jax_trace.output_size(f, x, values)
     except Exception:
         return None
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import optree
 
-from .. import _placement
+from .._families import _jax_placement as _placement
 from .. import tree as _tree
 from .._contexts import Constant
 

@@ -66,7 +66,7 @@ def _abstract_values(values: list[Any]) -> tuple[list[Any], Callable[[list[Any]]
     value they take), and what puts traced leaves back into the contexts."""
     jax = _jax()
     leaves, spec = tree.flatten(values)
-    where = [i for i, leaf in enumerate(leaves) if _arrays.kind(leaf) in ("numpy", "jax", "torch")]
+    where = [i for i, leaf in enumerate(leaves) if _arrays.is_array(leaf)]
     structs = [jax.ShapeDtypeStruct(_arrays.shape(leaves[i]), _dtype(leaves[i])) for i in where]
 
     def rebuild(traced: list[Any]) -> list[Any]:
