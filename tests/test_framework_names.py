@@ -35,13 +35,9 @@ _NAME = re.compile(rf"({'|'.join(_FRAMEWORKS)})(\.\w+)*")
 
 NOT_YET_CLEANED = (
     "_backends.py",
-    "_bridges/__init__.py",
-    "_bridges/_inner.py",
     "_checks.py",
     "_plan.py",
     "_prep.py",
-    "_sparse_operators.py",
-    "sparse/_detection.py",
 )
 """Modules that still name a framework, as paths under ``diffiface/``."""
 

@@ -363,3 +363,10 @@ def _batch(primitive: Primitive, args: Sequence[Any], dims: Sequence[Any], *, si
 
 for _p in (call_p, jvp_p, vjp_p, second_jvp_p, second_vjp_p):
     batching.primitive_batchers[_p] = partial(_batch, _p)
+
+
+def traced(leaf: Any) -> str | None:
+    """A description of ``leaf`` where jax traces it (a tracer), else None."""
+    if isinstance(leaf, jax.core.Tracer):
+        return f"a jax tracer of shape {tuple(leaf.shape)}"
+    return None

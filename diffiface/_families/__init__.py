@@ -34,6 +34,10 @@ has:
   float64 only under ``enable_x64``; a null context elsewhere);
 - ``conj(leaf)``, ``parts(leaf)`` (its real and imaginary parts, new arrays) and
   ``from_parts(re, im)``, complex numbers in its arrays;
+- ``private_copy(leaf)``, a copy f may write into without the caller seeing it, where its
+  arrays are mutable and a write goes unchecked (torch); the leaf itself elsewhere;
+- ``eval_shape(fn, avals)``, ``fn``'s output structure for inputs of these ``(shape, dtype)``,
+  found without values; None where the family cannot (f is then evaluated at zeros);
 - ``laid_out_ravel(leaves)``, tree.ravel of leaves laid out over several devices, keeping
   their layout: ``(flat, parts)``, or None where the plain ravel serves.
 
@@ -111,6 +115,10 @@ class Family(Protocol):
     def parts(self, leaf: Any) -> tuple[Any, Any]: ...
 
     def from_parts(self, re: Any, im: Any) -> Any: ...
+
+    def private_copy(self, leaf: Any) -> Any: ...
+
+    def eval_shape(self, fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]]) -> Any: ...
 
     def laid_out_ravel(self, leaves: list[Any]) -> tuple[Any, Callable[[Any], list[Any]]] | None: ...
 

@@ -245,5 +245,17 @@ def laid_out_ravel(leaves: list[Any]) -> tuple[Any, Callable[[Any], Any]] | None
     return _placement.laid_out_ravel(leaves)
 
 
+def private_copy(leaf: Any) -> Any:
+    return leaf  # (immutable)
+
+
+def eval_shape(fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]]) -> Any:
+    """``fn``'s output structure, of ``jax.ShapeDtypeStruct`` leaves, for inputs of these shapes
+    and dtypes, found without values."""
+    jax = sys.modules["jax"]
+    structs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in avals]
+    return jax.eval_shape(fn, *structs)
+
+
 _SELF = sys.modules[__name__]
 """This module, as the family a value is compared with."""

@@ -164,5 +164,15 @@ def laid_out_ravel(leaves: list[Any]) -> None:
     return None
 
 
+def private_copy(leaf: Any) -> Any:
+    """A copy f may write into: torch checks an in-place write to an inference tensor only after
+    the kernel ran, so f never gets the caller's tensor itself."""
+    return leaf.clone()
+
+
+def eval_shape(fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]]) -> None:
+    return None  # (no abstract evaluation: f is evaluated at zeros)
+
+
 _SELF = sys.modules[__name__]
 """This module, as the family a value is compared with."""

@@ -29,7 +29,7 @@ from .. import _arrays, tree
 from .._errors import UnsupportedOperationError
 from .._families import autograd as _autograd
 from . import _index_sets as sets
-from ._torch_trace import Detection
+from ._graphs import Traced as Detection
 
 __all__ = ["IndexSetArray", "TracerFailure", "dense_pattern", "trace_pattern"]
 
