@@ -60,11 +60,14 @@ def owner(module: str) -> str | None:
 def framework_names(module: str) -> int:
     """How many string constants in ``diffiface/<module>`` name a framework or its modules, other
     than the module's own framework (:func:`owner`)."""
-    tree = ast.parse((PACKAGE / module).read_text(encoding="utf-8"))
-    own = owner(module)
+    return count_names((PACKAGE / module).read_text(encoding="utf-8"), owner(module))
+
+
+def count_names(source: str, own: str | None = None) -> int:
+    """How many string constants in ``source`` name a framework other than ``own``, or its modules."""
     return sum(
         1
-        for node in ast.walk(tree)
+        for node in ast.walk(ast.parse(source))
         if isinstance(node, ast.Constant)
         and isinstance(node.value, str)
         and (found := _NAME.fullmatch(node.value)) is not None
@@ -89,6 +92,10 @@ def test_a_module_belongs_to_a_framework_by_its_file_name() -> None:
     assert owner("_jaxpr.py") is None  # a word that starts with a framework's name is not it
     assert owner("_bridges/__init__.py") is None
     assert owner("tree.py") is None
+    source = 'import sys\nif kind == "torch" or "jax.numpy" in sys.modules:\n    """torch, jax."""\n'
+    assert count_names(source) == 2
+    assert count_names(source, own="jax") == 1  # its own framework's names are its own; torch's count
+    assert count_names(source, own="torch") == 1
 
 
 def test_the_list_names_existing_modules() -> None:
