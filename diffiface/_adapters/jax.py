@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from .. import _arrays
-from .._families import _jax_placement as _placement
 from .._errors import MutationError
+from .._families import _jax_placement as _placement
 from . import _base
 from ._base import Blocks, Fn, Leaves, raised_by, raised_inside
 
