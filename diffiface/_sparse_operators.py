@@ -34,7 +34,7 @@ from . import _batched as batched
 from . import _operators as ops
 from . import tree as _tree
 from ._adapters import info
-from ._backends import LATER, AutoJAX, AutoScipy, AutoSparse, Backend, SecondOrder
+from ._backends import LATER, AutoScipy, AutoSparse, Backend, SecondOrder
 from ._call import _ARRAY_KINDS, Call
 from ._contexts import Constant
 from ._dispatch import register_program
@@ -275,17 +275,30 @@ class _Route:
 
 
 def _route(plan: _Plan, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> _Route:
-    compiled = isinstance(plan.engine, AutoJAX) and plan.engine.jit
-    own = (_families.HOST.NAME, info(plan.engine).arrays) if compiled else ()  # (the host's, or the engine's own)
-    compiled = compiled and plan.family in own
-    if compiled and all(_jit_ready(leaf, own) for c in contexts for leaf in _tree.leaves(c.value)):
+    products, own = _compiled_products(plan)
+    if products is not None and all(_jit_ready(leaf, own) for c in contexts for leaf in _tree.leaves(c.value)):
         try:
-            return _JaxRoute(plan, f, x, contexts, plan.with_value)
-        except Exception:  # f that jax cannot compile as is (say it writes into a Cache): the
-            pass  # generic route runs it through diffiface's jax adapter, which says why or copes
+            return _CompiledRoute(plan, f, x, contexts, products)
+        except Exception:  # f that the engine cannot compile as is (say it writes into a Cache): the
+            pass  # generic route runs it through diffiface's adapter, which says why or copes
     if isinstance(plan.engine, AutoScipy) and not plan.hessian:  # (its Hessians: one directional hvp per color)
         return _CompressedInputRoute(plan, f, x, contexts)
     return _ProductRoute(plan, f, x, contexts)
+
+
+def _compiled_products(plan: _Plan) -> tuple[Any, tuple[str, ...]]:
+    """The module that compiles the plan's products into one program (``sparse/_<family>_products.py``
+    of the engine's arrays), where the engine compiles (its row's ``jit``, and its option on) and x
+    holds the host's arrays or the engine's own; and those two families. None where there is none."""
+    engine = plan.engine
+    if isinstance(engine, SecondOrder) or not getattr(engine, "jit", False):
+        return None, ()
+    row = info(engine)
+    own = (_families.HOST.NAME, row.arrays)
+    name = f"{sparse.__name__}._{row.arrays}_products"
+    if not row.jit or plan.family not in own or importlib.util.find_spec(name) is None:
+        return None, ()
+    return importlib.import_module(name), own
 
 
 def _reverse_first(engine: Backend) -> bool:
@@ -457,137 +470,26 @@ def _untransposed(plan: _Plan) -> np.ndarray:
 # -- jax: the products and the gather in one compiled program --------------------------------------
 
 
-class _JaxRoute(_Route):
-    def __init__(self, plan: _Plan, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...], with_value: bool) -> None:
-        import jax
-        import jax.numpy as jnp
+class _CompiledRoute(_Route):
+    """The products of an engine that compiles them with the gather into one program
+    (``sparse/_<family>_products.py``'s ``Products``)."""
 
+    def __init__(self, plan: _Plan, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...], products: Any) -> None:
         self.plan = plan
-        layout = plan.x_layout
-        self.wide = "float64" in layout.dtypes or "float64" in {
-            _arrays.dtype_name(leaf) for c in contexts for leaf in _tree.leaves(c.value)
-        }
-        seeds_t = np.ascontiguousarray(np.asarray(plan.coloring.seeds).T)
-        forward_t = seeds_t
-        backward_t = np.ascontiguousarray(np.asarray(plan.coloring.row_seeds).T)
-        index = plan.stacked_index.astype(
-            np.int32 if plan.stacked_index.size and plan.stacked_index.max() < 2**31 else np.int64
-        )
-        mode, hessian, count = plan.coloring.mode, plan.hessian, plan.count
-        offsets, shapes, dtypes, spec = layout.offsets, layout.shapes, layout.dtypes, layout.spec
-        y_info: list[Any] = []
-
-        x_dtype = plan.flat_dtype
-
-        def unflatten(flat: Any) -> Any:
-            leaves = [
-                jnp.reshape(flat[offsets[i] : offsets[i + 1]], shapes[i]).astype(dtypes[i]) for i in range(len(shapes))
-            ]
-            return optree.tree_unflatten(spec, leaves)
-
-        def flat_output(flat: Any, values: tuple[Any, ...]) -> Any:
-            y = f(unflatten(flat), *values)
-            leaves, y_spec = _tree.flatten(y)
-            arrays = [jnp.asarray(leaf) for leaf in leaves]
-            if not y_info:
-                y_info.append(y_spec)
-            if not arrays:
-                return jnp.zeros((0,)), arrays
-            common = np.result_type(*[a.dtype.name for a in arrays]).name  # cast explicitly: jax
-            return jnp.concatenate([a.reshape(-1).astype(common) for a in arrays]), arrays  # may be strict
-
-        def program(xs: tuple[Any, ...], values: tuple[Any, ...]) -> Any:
-            flat = (
-                jnp.concatenate([jnp.reshape(jnp.asarray(leaf), (-1,)).astype(x_dtype) for leaf in xs])
-                if xs
-                else jnp.zeros((0,))
-            )
-            seeds = jnp.asarray(seeds_t, dtype=flat.dtype)
-            if hessian:
-
-                def scalar(v: Any) -> Any:
-                    out = f(unflatten(v), *values)
-                    return jnp.reshape(jnp.asarray(out), ())
-
-                (value, grad), linear = jax.linearize(jax.value_and_grad(scalar), flat)
-                stacked = jax.vmap(lambda s: linear(s)[1])(seeds) if count else jnp.zeros((0,), flat.dtype)
-                return value, grad, stacked.reshape(-1)[index]
-            if mode == "bidirectional":  # forward products for the columns, reverse for the rows
-                (y_flat, y_leaves), pull = jax.vjp(lambda v: flat_output(v, values), flat)
-                cotangent_leaves = [jnp.zeros_like(a) for a in y_leaves]
-                forward = jnp.asarray(forward_t, dtype=flat.dtype)
-                backward = jnp.asarray(backward_t, dtype=flat.dtype)
-                pushed = (
-                    jax.vmap(lambda s: jax.jvp(lambda v: flat_output(v, values)[0], (flat,), (s,))[1])(forward)
-                    if forward.shape[0]
-                    else jnp.zeros((0,), y_flat.dtype)
-                )
-                pulled = (
-                    jax.vmap(lambda s: pull((s.astype(y_flat.dtype), cotangent_leaves))[0])(backward)
-                    if backward.shape[0]
-                    else jnp.zeros((0,), flat.dtype)
-                )
-                dtype = np.result_type(flat.dtype.name, y_flat.dtype.name).name
-                both = jnp.concatenate([pushed.astype(dtype).reshape(-1), pulled.astype(dtype).reshape(-1)])
-                return tuple(y_leaves), both[index]
-            if mode == "row":
-                (y_flat, y_leaves), pull = jax.vjp(lambda v: flat_output(v, values), flat)
-                cotangent_leaves = [jnp.zeros_like(a) for a in y_leaves]
-                stacked = (
-                    jax.vmap(lambda s: pull((s.astype(y_flat.dtype), cotangent_leaves))[0])(seeds)
-                    if count
-                    else jnp.zeros((0,), flat.dtype)
-                )
-            else:
-                (y_flat, y_leaves), linear = jax.linearize(lambda v: flat_output(v, values), flat)
-                stacked = jax.vmap(lambda s: linear(s)[0])(seeds) if count else jnp.zeros((0,), y_flat.dtype)
-            dtype = np.result_type(flat.dtype.name, y_flat.dtype.name).name
-            return tuple(y_leaves), stacked.astype(dtype).reshape(-1)[index]
-
-        self.program = jax.jit(program)
-        # one array x and no contexts: a program of that array alone, which jax calls without
-        # taking a tree apart; for jacobian and hessian, one that returns the values alone
-        self.single = len(layout.shapes) == 1 and not contexts and layout.kinds[0] != "python"
-        self.values_only = self.single and not with_value
-        self.flat: Any = None
-        if self.single:
-            self.flat = jax.jit(
-                (lambda leaf: program((leaf,), ())[-1]) if self.values_only else (lambda leaf: program((leaf,), ()))
-            )
-        self.to_numpy = plan.family == _families.HOST.NAME
-        with _jit_scope(self.wide):
-            xs = self._xs(x)
-            values = self._values(contexts)
-            structs = jax.eval_shape(program, xs, values)  # f's output structure, without compiling
-            out = self.program(xs, values) if self.flat is None else self.flat(xs[0])  # traced, compiled
-        if hessian:
-            self.y_layout = _Layout(np.zeros(structs[0].shape, structs[0].dtype))
+        self.products = products.Products(plan, f, x, contexts, plan.with_value)
+        structs = self.products.out_structs
+        if plan.hessian:
+            self.y_layout = _Layout(np.zeros(structs.shape, structs.dtype))
         else:
-            self.y_spec = y_info[0]
-            self.y_layout = _Layout(
-                optree.tree_unflatten(self.y_spec, [np.zeros(a.shape, a.dtype) for a in structs[0]])
-            )
+            self.y_spec = self.products.y_spec
+            self.y_layout = _Layout(optree.tree_unflatten(self.y_spec, [np.zeros(a.shape, a.dtype) for a in structs]))
             _check_rows(plan, self.y_layout)
-        del out
-        self.x_python = [kind == "python" for kind in layout.kinds]
-
-    def _xs(self, x: Any) -> tuple[Any, ...]:
-        return tuple(_tree.flatten(x)[0])
-
-    def _values(self, contexts: tuple[Any, ...]) -> tuple[Any, ...]:
-        return tuple(c.value for c in contexts)
+        self.values_only = self.products.values_only
+        self.to_numpy = plan.family == _families.HOST.NAME
+        self.x_python = [kind == "python" for kind in plan.x_layout.kinds]
 
     def run(self, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> tuple[Any, ...]:
-        if self.flat is not None and not self.wide:
-            out = self.flat(x)
-        elif self.flat is not None:
-            with _jit_scope(True):
-                out = self.flat(x)
-        elif self.wide:
-            with _jit_scope(True):
-                out = self.program(self._xs(x), self._values(contexts))
-        else:
-            out = self.program(self._xs(x), self._values(contexts))
+        out = self.products(x, contexts)
         if self.values_only:
             return (np.asarray(out) if self.to_numpy else out,)
         if self.plan.hessian:
@@ -614,11 +516,6 @@ class _JaxRoute(_Route):
 
     def check(self, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...], values: Any) -> None:
         _check_against_dense(self.plan, f, x, contexts, values)
-
-
-def _jit_scope(wide: bool) -> Any:
-    """A scope where the compiled route's engine keeps float64, when ``wide``."""
-    return _arrays.by_kind(info(AutoJAX()).arrays).dtype_scope(["float64"] if wide else [])
 
 
 def _numpy_float(value: Any) -> Any:

@@ -4,7 +4,9 @@ Each framework's knowledge belongs in its family module (``diffiface/_families``
 adapter (``diffiface/_adapters``, whose ``__init__`` is the registry); the rest of the package
 dispatches by family. A module counts as naming a framework when it holds a string constant
 that is a framework's name or a dotted module path under one (``"torch"``, ``"jax.numpy"``),
-as a kind comparison or a ``sys.modules`` lookup does. Prose in docstrings does not count.
+as a kind comparison or a ``sys.modules`` lookup does, or imports one (``import jax``; numpy,
+the host every family converts through, may be imported anywhere). Prose in docstrings does not
+count.
 
 A module that belongs to one framework says so by its file name: the name, less leading
 underscores, is the framework's name or starts with it and an underscore (``_bridges/jax.py``,
@@ -64,15 +66,30 @@ def framework_names(module: str) -> int:
 
 
 def count_names(source: str, own: str | None = None) -> int:
-    """How many string constants in ``source`` name a framework other than ``own``, or its modules."""
+    """How many string constants and import statements in ``source`` name a framework other than
+    ``own``, or its modules (numpy, the host every family converts through, is imported anywhere)."""
     return sum(
         1
-        for node in ast.walk(ast.parse(source))
-        if isinstance(node, ast.Constant)
-        and isinstance(node.value, str)
-        and (found := _NAME.fullmatch(node.value)) is not None
-        and found.group(1) != own
+        for name, imported in _named(ast.parse(source))
+        if (found := _NAME.fullmatch(name)) and found.group(1) != own and not (imported and found.group(1) == _HOST)
     )
+
+
+_HOST = "numpy"
+
+
+def _named(tree: ast.AST) -> list[tuple[str, bool]]:
+    """The strings, and the modules imported (``import jax``, ``from torch import nn``), each with
+    whether it is imported."""
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names.append((node.value, False))
+        elif isinstance(node, ast.Import):
+            names.extend((alias.name, True) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module is not None:
+            names.append((node.module, True))
+    return names
 
 
 def test_the_counter_counts() -> None:
@@ -96,6 +113,7 @@ def test_a_module_belongs_to_a_framework_by_its_file_name() -> None:
     assert count_names(source) == 2
     assert count_names(source, own="jax") == 1  # its own framework's names are its own; torch's count
     assert count_names(source, own="torch") == 1
+    assert count_names("import jax.numpy as jnp\nfrom torch import nn\nfrom . import jax\nimport numpy\n") == 2
 
 
 def test_the_list_names_existing_modules() -> None:
