@@ -112,7 +112,8 @@ OPERATORS: dict[str, Operator] = {op.name: op for op in _OPERATORS}
 _LEAF = _tree.structure(0)  # type: ignore[arg-type]  # a leaf's structure
 
 
-_ARRAY_KINDS = frozenset({"numpy", "torch", "jax"})
+_ARRAY_KINDS = frozenset(name for name, family in _arrays.BY_KIND.items() if family.ARRAY)
+"""The kinds whose leaves are arrays (not Python numbers, not values an enclosing trace holds)."""
 
 
 class Call:

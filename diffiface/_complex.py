@@ -10,7 +10,7 @@
 The registry row of each engine (``diffiface._adapters.BACKENDS``) declares once how it
 differentiates complex numbers, in its ``complex_convention`` field:
 
-- ``"torch"``: the engine's gradient and vjp are the convention already (torch);
+- ``"direct"``: the engine's gradient and vjp are the convention already (torch);
 - ``"conjugate"``: its gradient is the conjugate, its vjp ``conj(vjp(conj(ybar)))`` of the
   convention's (jax, autograd);
 - ``"split"``: the engine differentiates real numbers only (finite differences, scipy); it
@@ -25,7 +25,6 @@ split function on every engine, so that no mode of any engine needs its own conv
 from __future__ import annotations
 
 import functools
-import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 
-from . import _arrays
+from . import _arrays, _families
 from ._adapters._base import Deferred
 from ._errors import InvalidBackendOptionError, InvalidOutputError, UnsupportedOperationError
 
@@ -41,7 +40,7 @@ if TYPE_CHECKING:
     from ._adapters._base import Adapter
     from ._call import Call, Operator
 
-Convention = Literal["torch", "conjugate", "split"]
+Convention = Literal["direct", "conjugate", "split"]
 Leaves = tuple[Any, ...]
 
 _COMPLEX_DTYPES = frozenset({"complex64", "complex128"})
@@ -265,58 +264,33 @@ def to_convention(part: str, convention: Convention, values: Leaves) -> Leaves:
 
 
 def _conj(leaf: Any) -> Any:
-    kind = _arrays.kind(leaf)
-    if kind == "torch":
-        return leaf.conj().resolve_conj()
-    if kind == "jax":
-        return sys.modules["jax.numpy"].conj(leaf)
-    if kind == "autograd":
-        return sys.modules["autograd.numpy"].conj(leaf)
-    if kind == "python":
-        return leaf.conjugate()
-    return np.conj(leaf)
+    family = _arrays.family_of(leaf)
+    return np.conj(leaf) if family is None else family.conj(leaf)
 
 
 def as_complex(leaf: Any, dtype: str) -> Any:
     """A real cotangent leaf as the complex one of ``dtype`` it means (imaginary part zero), in its
     framework."""
-    kind = _arrays.kind(leaf)
-    if kind == "torch":
-        return leaf.to(getattr(sys.modules["torch"], dtype))
-    if kind in ("jax", "autograd"):
-        return leaf.astype(dtype)
+    family = _arrays.family_of(leaf)
+    if family is not None and (family.ARRAY or family.PASSED_THROUGH):
+        return family.cast(leaf, dtype)
     return np.asarray(leaf, dtype=dtype)
 
 
 def _parts(leaf: Any) -> tuple[Any, Any]:
     """The real and imaginary parts of a complex leaf, as new arrays of its framework (never
     views of the caller's memory: a black-box engine may perturb them in place)."""
-    kind = _arrays.kind(leaf)
-    if kind == "torch":
-        torch = sys.modules["torch"]
-        return torch.real(leaf).clone(), torch.imag(leaf).clone()
-    if kind == "jax":
-        jnp = sys.modules["jax.numpy"]
-        return jnp.real(leaf), jnp.imag(leaf)
-    if kind == "autograd":
-        anp = sys.modules["autograd.numpy"]
-        return anp.real(leaf), anp.imag(leaf)
-    if kind == "python":
-        return leaf.real, leaf.imag
-    array = np.asarray(leaf)
-    return np.array(array.real), np.array(array.imag)
+    family = _arrays.family_of(leaf) or _families.HOST
+    return family.parts(leaf)  # type: ignore[no-any-return]
 
 
 def from_parts(re: Any, im: Any) -> Any:
-    """``re + i im``, in the complex dtype of their precision, differentiable by their engine."""
-    kind = _arrays.kind(re)
-    if kind == "torch" and _arrays.kind(im) == "torch":
-        return sys.modules["torch"].complex(re, im)
-    if kind == "jax" or _arrays.kind(im) == "jax":
-        return sys.modules["jax"].lax.complex(re, im)
-    if kind == "python" and _arrays.kind(im) == "python":
-        return complex(re, im)
-    return re + 1j * im
+    """``re + i im``, in the complex dtype of their precision, differentiable by their engine
+    (the family of ``re``, or of ``im`` where ``re`` is a number or a traced value)."""
+    family = _arrays.family_of(re)
+    if family is None or not family.ARRAY:
+        family = _arrays.family_of(im) or family
+    return re + 1j * im if family is None else family.from_parts(re, im)
 
 
 class _Split:
@@ -472,10 +446,7 @@ def _check_holomorphic(d_z: Any, d_conj: Any, complex_out: bool, what: str, i: i
 
 
 def _norm(value: Any) -> float:
-    kind = _arrays.kind(value)
-    if kind == "torch":
-        return float(value.detach().abs().square().sum().sqrt())
-    array = np.asarray(_arrays.to_numpy(value)) if kind != "python" else np.asarray(value)
+    array = np.asarray(_arrays.to_numpy(value))
     return float(np.sqrt(np.sum(np.abs(array) ** 2)))
 
 
@@ -578,7 +549,7 @@ class ComplexAdapter:
 
     def pullback_function(self, fn: Callable[[Leaves], Any], xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
         convention = self._convention
-        if convention == "torch":
+        if convention == "direct":
             return self._inner.pullback_function(fn, xs)
         if convention == "conjugate":
             out, aux, vjp = self._inner.pullback_function(fn, xs)

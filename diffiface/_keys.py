@@ -10,6 +10,7 @@ import types
 from typing import Any
 
 from . import _arrays
+from ._families import CODE_MODULES
 
 __all__ = ["is_static", "static_key", "static_x_key"]
 
@@ -30,8 +31,8 @@ def static_x_key(leaf: Any) -> Any:
 _BY_VALUE = (int, float, complex, str, bytes, bool, type(None))
 
 
-# jax's wrapped functions (jax.nn.relu is a jitted function, others custom_jvp objects): code
-_JAX_CODE = frozenset({"jax", "jaxlib"})
+# a framework's wrapped functions (jax.nn.relu is a jitted function, others custom_jvp objects): code
+_FRAMEWORK_CODE = CODE_MODULES
 
 
 _CODE = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType, type, functools.partial)
@@ -44,7 +45,7 @@ def static_key(value: Any) -> Any:
     cls = type(value)
     if cls in _BY_VALUE:
         return (cls, value)
-    if isinstance(value, (*_CODE, enum.Enum)) or (callable(value) and cls.__module__.split(".")[0] in _JAX_CODE):
+    if isinstance(value, (*_CODE, enum.Enum)) or (callable(value) and cls.__module__.split(".")[0] in _FRAMEWORK_CODE):
         return (cls, id(value))
     if cls.__hash__ is None or (
         cls.__hash__ is object.__hash__ and cls.__eq__ is object.__eq__  # type: ignore[comparison-overlap]

@@ -21,21 +21,21 @@ them), so the pattern is found once per signature.
 
 from __future__ import annotations
 
-import sys
-import warnings
+import importlib
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import optree
 
-from . import _arrays, _complex, sparse
+from . import _arrays, _complex, _families, sparse
 from . import _batched as batched
 from . import _operators as ops
 from . import tree as _tree
 from ._adapters import info
-from ._backends import LATER, AutoJAX, AutoScipy, AutoSparse, Backend, SecondOrder
-from ._call import Call
+from ._backends import LATER, AutoScipy, AutoSparse, Backend, SecondOrder
+from ._call import _ARRAY_KINDS, Call
 from ._contexts import Constant
 from ._dispatch import register_program
 from ._errors import InvalidInputError
@@ -46,7 +46,6 @@ __all__ = ["SPARSE_OPERATORS", "SparsePrep", "SparseProgram"]
 
 SPARSE_OPERATORS = AutoSparse.operators
 _HESSIANS = frozenset({"hessian", "value_gradient_and_hessian"})
-_ARRAY_KINDS = frozenset({"numpy", "torch", "jax"})
 
 
 class SparsePrep(Prep):
@@ -129,48 +128,46 @@ class _Layout:
         self.size = int(self.offsets[-1])
 
 
+_MATRICES: dict[str, Any] = {}
+
+
+def _matrices(family: str) -> Any:
+    """The module of AutoSparse's results on arrays of ``family``: ``sparse/_<family>_matrices.py``."""
+    found = _MATRICES.get(family)
+    if found is None:
+        found = _MATRICES[family] = importlib.import_module(f"{sparse.__name__}._{family}_matrices")
+    return found
+
+
 def _family(flat: Any) -> str:
+    """The family of a flat vector's results: its own where it has a matrices module, else the host's."""
     kind = _arrays.kind(flat)
-    return kind if kind in ("torch", "jax") else "numpy"
+    found = _FAMILY_OF_KIND.get(kind)
+    if found is None:
+        known = kind in _arrays.BY_KIND and importlib.util.find_spec(f"{sparse.__name__}._{kind}_matrices") is not None
+        found = _FAMILY_OF_KIND[kind] = kind if known else _families.HOST.NAME
+    return found
+
+
+_FAMILY_OF_KIND: dict[str, str] = {}
 
 
 def _xp(family: str) -> Any:
-    if family == "torch":
-        return sys.modules["torch"]
-    if family == "jax":
-        return sys.modules["jax.numpy"]
-    return np
+    return _arrays.by_kind(family).numpy_like()
 
 
 def _promote(family: str, names: list[str]) -> Any:
     """The common dtype of these dtype names (the dense operators' rule for a pair of leaves)."""
     floats = [name for name in names if _arrays.is_float_dtype(name) or "complex" in name] or ["float64"]
-    if family == "torch":
-        torch = sys.modules["torch"]
-        dtype = getattr(torch, floats[0])
-        for name in floats[1:]:
-            dtype = torch.promote_types(dtype, getattr(torch, name))
-        return dtype
-    if family == "jax":
-        return sys.modules["jax.numpy"].dtype(np.result_type(*floats).name)  # numpy's rule: no strict mode
-    return np.result_type(*floats)
+    return _matrices(family).promote(floats)
 
 
-def _x64(on: bool) -> Any:
-    return _tree._x64(on)  # a scope where jax keeps float64; nothing when off
+def _scope(family: str, dtypes: list[str]) -> Any:
+    """A scope where ``family`` keeps arrays of these dtypes (jax's x64); nothing elsewhere."""
+    return _arrays.by_kind(family).dtype_scope(dtypes)
 
 
 # -- the plan: pattern, coloring, the engine's product --------------------------------------------
-
-
-_TORCH_CSR_WARNED = False
-"""Whether torch has given its once-per-process warning on sparse CSR tensors (under a filter
-that hid it): later results are built without changing the warning filters."""
-
-
-def _torch_csr_warned() -> None:
-    global _TORCH_CSR_WARNED
-    _TORCH_CSR_WARNED = True
 
 
 class _Plan:
@@ -227,7 +224,6 @@ class _Plan:
         """The signature of x where x is one array and there are no contexts (the fast check)."""
         self.indptr = np.asarray(pattern.indptr, dtype=np.int64)
         self.indices = np.asarray(pattern.indices, dtype=np.int64)
-        self._bcoo_treedef: Any = None
         self.route: _Route = _route(self, f, x, contexts)
 
     def run(self, name: str, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> Any:
@@ -243,56 +239,14 @@ class _Plan:
     # -- results ---------------------------------------------------------------------------
 
     def _sparse(self, values: Any) -> Any:
-        shape = (self.m, self.n)
-        if self.family == "torch":
-            torch = sys.modules["torch"]
-            device = values.device
-
-            def build() -> Any:
-                return torch.sparse_csr_tensor(
-                    torch.from_numpy(self.indptr.copy()).to(device),
-                    torch.from_numpy(self.indices.copy()).to(device),
-                    values,
-                    size=shape,
-                    check_invariants=False,  # built from a canonical pattern
-                )
-
-            if _TORCH_CSR_WARNED:
-                return build()
-            with warnings.catch_warnings():  # torch says once per process that sparse CSR is in beta
-                warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta", UserWarning)
-                matrix = build()
-            _torch_csr_warned()
-            return matrix
-        if self.family == "jax":
-            treedef = self._bcoo_treedef
-            if treedef is None:
-                from jax.experimental import sparse as jax_sparse
-
-                made = jax_sparse.BCOO(
-                    (values, _bcoo_indices(self)), shape=shape, indices_sorted=True, unique_indices=True
-                )
-                self._bcoo_treedef = sys.modules["jax"].tree_util.tree_structure(made)
-                return made
-            # rebuilt from its parts: BCOO's constructor checks its arguments, which costs more
-            # than the products of a small Jacobian
-            return treedef.unflatten((values, _bcoo_indices(self)))
-        import scipy.sparse
-
-        return scipy.sparse.csr_array((np.asarray(values), self.indices.copy(), self.indptr.copy()), shape=shape)
+        return _matrices(self.family).sparse(self, self.indptr, self.indices, values, (self.m, self.n))
 
     def _dense(self, values: Any) -> Any:
         xp = _xp(self.family)
+        matrices = _matrices(self.family)
         rows = np.repeat(np.arange(self.m), np.diff(self.indptr))
-        with _x64(self.family == "jax" and "float64" in str(values.dtype)):
-            if self.family == "torch":
-                matrix = xp.zeros((self.m, self.n), dtype=values.dtype, device=values.device)
-                matrix[xp.from_numpy(rows).to(values.device), xp.from_numpy(self.indices).to(values.device)] = values
-            elif self.family == "jax":
-                matrix = xp.zeros((self.m, self.n), dtype=values.dtype).at[rows, self.indices].set(values)
-            else:
-                matrix = np.zeros((self.m, self.n), dtype=np.asarray(values).dtype)
-                matrix[rows, self.indices] = values
+        with _scope(self.family, [_arrays.dtype_name(values)]):
+            matrix = matrices.dense(rows, self.indices, values, (self.m, self.n))
             outer = self.x_layout if self.hessian else self.route.y_layout
             inner = self.x_layout
             blocks = []
@@ -302,7 +256,7 @@ class _Plan:
                     block = matrix[outer.offsets[i] : outer.offsets[i + 1], inner.offsets[j] : inner.offsets[j + 1]]
                     block = xp.reshape(block, (*outer.shapes[i], *inner.shapes[j]))
                     dtype = _promote(self.family, [outer.dtypes[i], inner.dtypes[j]])
-                    block = block.to(dtype) if self.family == "torch" else block.astype(dtype)
+                    block = matrices.cast(block, dtype)
                     if outer.kinds[i] == "python" and inner.kinds[j] == "python":
                         block = float(block)
                     row.append(block)
@@ -321,24 +275,41 @@ class _Route:
 
 
 def _route(plan: _Plan, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> _Route:
-    compiled = isinstance(plan.engine, AutoJAX) and plan.engine.jit and plan.family in ("numpy", "jax")
-    if compiled and all(_jax_ready(leaf) for c in contexts for leaf in _tree.leaves(c.value)):
+    products, own = _compiled_products(plan)
+    if products is not None and all(_jit_ready(leaf, own) for c in contexts for leaf in _tree.leaves(c.value)):
         try:
-            return _JaxRoute(plan, f, x, contexts, plan.with_value)
-        except Exception:  # f that jax cannot compile as is (say it writes into a Cache): the
-            pass  # generic route runs it through diffiface's jax adapter, which says why or copes
+            return _CompiledRoute(plan, f, x, contexts, products)
+        except Exception:  # f that the engine cannot compile as is (say it writes into a Cache): the
+            pass  # generic route runs it through diffiface's adapter, which says why or copes
     if isinstance(plan.engine, AutoScipy) and not plan.hessian:  # (its Hessians: one directional hvp per color)
         return _CompressedInputRoute(plan, f, x, contexts)
     return _ProductRoute(plan, f, x, contexts)
+
+
+def _compiled_products(plan: _Plan) -> tuple[Any, tuple[str, ...]]:
+    """The module that compiles the plan's products into one program (``sparse/_<family>_products.py``
+    of the engine's arrays), where the engine compiles (its row's ``jit``, and its option on) and x
+    holds the host's arrays or the engine's own; and those two families. None where there is none."""
+    engine = plan.engine
+    if isinstance(engine, SecondOrder) or not getattr(engine, "jit", False):
+        return None, ()
+    row = info(engine)
+    own = (_families.HOST.NAME, row.arrays)
+    name = f"{sparse.__name__}._{row.arrays}_products"
+    if not row.jit or plan.family not in own or importlib.util.find_spec(name) is None:
+        return None, ()
+    return importlib.import_module(name), own
 
 
 def _reverse_first(engine: Backend) -> bool:
     return info(engine).reverse_first
 
 
-def _jax_ready(leaf: Any) -> bool:
+def _jit_ready(leaf: Any, own: tuple[str, ...]) -> bool:
+    """Whether a context leaf goes into the compiled program as it is: a float array of the host's
+    or the engine's own, or a float."""
     kind = _arrays.kind(leaf)
-    return (kind in ("numpy", "jax") and _arrays.is_float_dtype(_arrays.dtype_name(leaf))) or type(leaf) is float
+    return (kind in own and _arrays.is_float_dtype(_arrays.dtype_name(leaf))) or type(leaf) is float
 
 
 # -- every engine: its own prepared batch of jvps / vjps / hvps ----------------------------------------
@@ -430,47 +401,20 @@ def _value(f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> Any:
 
 def _like(flat: Any, vector: np.ndarray) -> Any:
     """``vector`` as an array of ``flat``'s type and dtype (a tangent, a seed)."""
-    family = _family(flat)
-    if family == "torch":
-        return sys.modules["torch"].from_numpy(np.ascontiguousarray(vector)).to(dtype=flat.dtype, device=flat.device)
-    if family == "jax":
-        jnp = sys.modules["jax.numpy"]
-        with _x64(str(flat.dtype) == "float64"):
-            return jnp.asarray(vector, dtype=flat.dtype)
-    return np.asarray(vector, dtype=flat.dtype)
+    return _matrices(_family(flat)).like(flat, vector)
 
 
 def _take(family: str, compressed: Any, index: Any) -> Any:
     """The decompression: ``compressed.reshape(-1)[index]``."""
-    if family == "torch":  # indexing by a tensor is slow on some of torch's outputs (10 ms at 3e4)
-        return sys.modules["torch"].index_select(compressed.reshape(-1), 0, index)
-    return compressed.reshape(-1)[index]
+    return _matrices(family).take(compressed, index)
 
 
 def _cast(array: Any, dtype: Any, family: str) -> Any:
-    if family == "torch":
-        return array.to(dtype)
-    with _x64(family == "jax" and str(dtype) == "float64"):
-        return array.astype(dtype)
+    return _matrices(family).cast(array, dtype)
 
 
 def _index_like(family: str, flat: Any, index: np.ndarray) -> Any:
-    if family == "torch":
-        return sys.modules["torch"].from_numpy(index).to(flat.device)
-    if family == "jax":
-        with _x64(True):
-            return sys.modules["jax.numpy"].asarray(index)
-    return index
-
-
-def _bcoo_indices(plan: _Plan) -> Any:
-    cached = getattr(plan, "_bcoo", None)
-    if cached is None:
-        jnp = sys.modules["jax.numpy"]
-        rows = np.repeat(np.arange(plan.m), np.diff(plan.indptr))
-        cached = jnp.asarray(np.stack([rows, plan.indices], axis=1).astype(np.int32))
-        plan._bcoo = cached  # type: ignore[attr-defined]
-    return cached
+    return _matrices(family).index_like(flat, index)
 
 
 def _check_rows(plan: _Plan, y_layout: _Layout) -> None:
@@ -492,7 +436,7 @@ class _CompressedInputRoute(_Route):
         flat, unravel = _tree.ravel(x)
         family = plan.family
         seeds = _like(flat, np.asarray(plan.coloring.seeds))
-        with _x64(family == "jax" and plan.flat_dtype == "float64"):
+        with _scope(family, [plan.flat_dtype]):
             y = _value(f, x, contexts)
         self.y_layout = _Layout(y)
         _check_rows(plan, self.y_layout)
@@ -526,137 +470,26 @@ def _untransposed(plan: _Plan) -> np.ndarray:
 # -- jax: the products and the gather in one compiled program --------------------------------------
 
 
-class _JaxRoute(_Route):
-    def __init__(self, plan: _Plan, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...], with_value: bool) -> None:
-        import jax
-        import jax.numpy as jnp
+class _CompiledRoute(_Route):
+    """The products of an engine that compiles them with the gather into one program
+    (``sparse/_<family>_products.py``'s ``Products``)."""
 
+    def __init__(self, plan: _Plan, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...], products: Any) -> None:
         self.plan = plan
-        layout = plan.x_layout
-        self.wide = "float64" in layout.dtypes or "float64" in {
-            _arrays.dtype_name(leaf) for c in contexts for leaf in _tree.leaves(c.value)
-        }
-        seeds_t = np.ascontiguousarray(np.asarray(plan.coloring.seeds).T)
-        forward_t = seeds_t
-        backward_t = np.ascontiguousarray(np.asarray(plan.coloring.row_seeds).T)
-        index = plan.stacked_index.astype(
-            np.int32 if plan.stacked_index.size and plan.stacked_index.max() < 2**31 else np.int64
-        )
-        mode, hessian, count = plan.coloring.mode, plan.hessian, plan.count
-        offsets, shapes, dtypes, spec = layout.offsets, layout.shapes, layout.dtypes, layout.spec
-        y_info: list[Any] = []
-
-        x_dtype = plan.flat_dtype
-
-        def unflatten(flat: Any) -> Any:
-            leaves = [
-                jnp.reshape(flat[offsets[i] : offsets[i + 1]], shapes[i]).astype(dtypes[i]) for i in range(len(shapes))
-            ]
-            return optree.tree_unflatten(spec, leaves)
-
-        def flat_output(flat: Any, values: tuple[Any, ...]) -> Any:
-            y = f(unflatten(flat), *values)
-            leaves, y_spec = _tree.flatten(y)
-            arrays = [jnp.asarray(leaf) for leaf in leaves]
-            if not y_info:
-                y_info.append(y_spec)
-            if not arrays:
-                return jnp.zeros((0,)), arrays
-            common = np.result_type(*[a.dtype.name for a in arrays]).name  # cast explicitly: jax
-            return jnp.concatenate([a.reshape(-1).astype(common) for a in arrays]), arrays  # may be strict
-
-        def program(xs: tuple[Any, ...], values: tuple[Any, ...]) -> Any:
-            flat = (
-                jnp.concatenate([jnp.reshape(jnp.asarray(leaf), (-1,)).astype(x_dtype) for leaf in xs])
-                if xs
-                else jnp.zeros((0,))
-            )
-            seeds = jnp.asarray(seeds_t, dtype=flat.dtype)
-            if hessian:
-
-                def scalar(v: Any) -> Any:
-                    out = f(unflatten(v), *values)
-                    return jnp.reshape(jnp.asarray(out), ())
-
-                (value, grad), linear = jax.linearize(jax.value_and_grad(scalar), flat)
-                stacked = jax.vmap(lambda s: linear(s)[1])(seeds) if count else jnp.zeros((0,), flat.dtype)
-                return value, grad, stacked.reshape(-1)[index]
-            if mode == "bidirectional":  # forward products for the columns, reverse for the rows
-                (y_flat, y_leaves), pull = jax.vjp(lambda v: flat_output(v, values), flat)
-                cotangent_leaves = [jnp.zeros_like(a) for a in y_leaves]
-                forward = jnp.asarray(forward_t, dtype=flat.dtype)
-                backward = jnp.asarray(backward_t, dtype=flat.dtype)
-                pushed = (
-                    jax.vmap(lambda s: jax.jvp(lambda v: flat_output(v, values)[0], (flat,), (s,))[1])(forward)
-                    if forward.shape[0]
-                    else jnp.zeros((0,), y_flat.dtype)
-                )
-                pulled = (
-                    jax.vmap(lambda s: pull((s.astype(y_flat.dtype), cotangent_leaves))[0])(backward)
-                    if backward.shape[0]
-                    else jnp.zeros((0,), flat.dtype)
-                )
-                dtype = np.result_type(flat.dtype.name, y_flat.dtype.name).name
-                both = jnp.concatenate([pushed.astype(dtype).reshape(-1), pulled.astype(dtype).reshape(-1)])
-                return tuple(y_leaves), both[index]
-            if mode == "row":
-                (y_flat, y_leaves), pull = jax.vjp(lambda v: flat_output(v, values), flat)
-                cotangent_leaves = [jnp.zeros_like(a) for a in y_leaves]
-                stacked = (
-                    jax.vmap(lambda s: pull((s.astype(y_flat.dtype), cotangent_leaves))[0])(seeds)
-                    if count
-                    else jnp.zeros((0,), flat.dtype)
-                )
-            else:
-                (y_flat, y_leaves), linear = jax.linearize(lambda v: flat_output(v, values), flat)
-                stacked = jax.vmap(lambda s: linear(s)[0])(seeds) if count else jnp.zeros((0,), y_flat.dtype)
-            dtype = np.result_type(flat.dtype.name, y_flat.dtype.name).name
-            return tuple(y_leaves), stacked.astype(dtype).reshape(-1)[index]
-
-        self.program = jax.jit(program)
-        # one array x and no contexts: a program of that array alone, which jax calls without
-        # taking a tree apart; for jacobian and hessian, one that returns the values alone
-        self.single = len(layout.shapes) == 1 and not contexts and layout.kinds[0] != "python"
-        self.values_only = self.single and not with_value
-        self.flat: Any = None
-        if self.single:
-            self.flat = jax.jit(
-                (lambda leaf: program((leaf,), ())[-1]) if self.values_only else (lambda leaf: program((leaf,), ()))
-            )
-        self.to_numpy = plan.family == "numpy"
-        with _x64(self.wide):
-            xs = self._xs(x)
-            values = self._values(contexts)
-            structs = jax.eval_shape(program, xs, values)  # f's output structure, without compiling
-            out = self.program(xs, values) if self.flat is None else self.flat(xs[0])  # traced, compiled
-        if hessian:
-            self.y_layout = _Layout(np.zeros(structs[0].shape, structs[0].dtype))
+        self.products = products.Products(plan, f, x, contexts, plan.with_value)
+        structs = self.products.out_structs
+        if plan.hessian:
+            self.y_layout = _Layout(np.zeros(structs.shape, structs.dtype))
         else:
-            self.y_spec = y_info[0]
-            self.y_layout = _Layout(
-                optree.tree_unflatten(self.y_spec, [np.zeros(a.shape, a.dtype) for a in structs[0]])
-            )
+            self.y_spec = self.products.y_spec
+            self.y_layout = _Layout(optree.tree_unflatten(self.y_spec, [np.zeros(a.shape, a.dtype) for a in structs]))
             _check_rows(plan, self.y_layout)
-        del out
-        self.x_python = [kind == "python" for kind in layout.kinds]
-
-    def _xs(self, x: Any) -> tuple[Any, ...]:
-        return tuple(_tree.flatten(x)[0])
-
-    def _values(self, contexts: tuple[Any, ...]) -> tuple[Any, ...]:
-        return tuple(c.value for c in contexts)
+        self.values_only = self.products.values_only
+        self.to_numpy = plan.family == _families.HOST.NAME
+        self.x_python = [kind == "python" for kind in plan.x_layout.kinds]
 
     def run(self, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> tuple[Any, ...]:
-        if self.flat is not None and not self.wide:
-            out = self.flat(x)
-        elif self.flat is not None:
-            with _x64(True):
-                out = self.flat(x)
-        elif self.wide:
-            with _x64(True):
-                out = self.program(self._xs(x), self._values(contexts))
-        else:
-            out = self.program(self._xs(x), self._values(contexts))
+        out = self.products(x, contexts)
         if self.values_only:
             return (np.asarray(out) if self.to_numpy else out,)
         if self.plan.hessian:

@@ -29,7 +29,21 @@ API = {
     "same",
     "leaves_test",
     "jit_checked",
+    "CODE_MODULES",
+    "exchange",
+    "dtype_scope",
+    "conj",
+    "parts",
+    "from_parts",
+    "private_copy",
+    "eval_shape",
+    "laid_out_ravel",
 }
+
+
+def test_the_api_list_is_the_protocols() -> None:
+    declared = {name for name in vars(_families.Family) if not name.startswith("_")}
+    assert declared == API
 
 
 @pytest.mark.parametrize("family", _families.FAMILIES, ids=lambda f: f.NAME)
@@ -72,3 +86,37 @@ def test_finding_a_family_imports_no_framework() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def _complex_leaf(kind: str) -> object:
+    values = np.array([1.0 + 2.0j, -3.0 + 0.5j])
+    if kind == "python":
+        return complex(values[0])
+    if kind == "numpy":
+        return values
+    module = pytest.importorskip(kind)
+    return module.numpy.asarray(values) if kind == "jax" else module.as_tensor(values)
+
+
+@pytest.mark.parametrize("kind", ["python", "numpy", "torch", "jax"])
+def test_a_family_takes_complex_numbers_apart_and_back(kind: str) -> None:
+    leaf = _complex_leaf(kind)
+    family = _families.by_kind(kind)
+    expected = np.asarray(_arrays.to_numpy(leaf))
+    re, im = family.parts(leaf)
+    assert _arrays.kind(re) == _arrays.kind(leaf)
+    np.testing.assert_array_equal(_arrays.to_numpy(re), expected.real)
+    np.testing.assert_array_equal(_arrays.to_numpy(im), expected.imag)
+    np.testing.assert_array_equal(_arrays.to_numpy(family.from_parts(re, im)), expected)
+    np.testing.assert_array_equal(_arrays.to_numpy(family.conj(leaf)), expected.conj())
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_a_private_copy_is_the_callers_only_where_writes_go_unchecked(kind: str) -> None:
+    module = pytest.importorskip(kind)
+    leaf = module.ones(3) if kind == "torch" else np.ones(3)
+    copy = _families.by_kind(kind).private_copy(leaf)
+    assert (copy is not leaf) == (kind == "torch")  # (numpy: f gets read-only views instead)
+    if kind == "torch":
+        copy[0] = 5.0
+        assert float(leaf[0]) == 1.0

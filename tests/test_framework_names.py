@@ -4,7 +4,14 @@ Each framework's knowledge belongs in its family module (``diffiface/_families``
 adapter (``diffiface/_adapters``, whose ``__init__`` is the registry); the rest of the package
 dispatches by family. A module counts as naming a framework when it holds a string constant
 that is a framework's name or a dotted module path under one (``"torch"``, ``"jax.numpy"``),
-as a kind comparison or a ``sys.modules`` lookup does. Prose in docstrings does not count.
+as a kind comparison or a ``sys.modules`` lookup does, or imports one (``import jax``; numpy,
+the host every family converts through, may be imported anywhere). Prose in docstrings does not
+count.
+
+A module that belongs to one framework says so by its file name: the name, less leading
+underscores, is the framework's name or starts with it and an underscore (``_bridges/jax.py``,
+``sparse/_torch_trace.py``). Such a module may name its own framework and that framework's
+modules; any other framework it names counts, as in every generic module.
 
 The modules not yet cleaned are listed in :data:`NOT_YET_CLEANED`; their test is a strict
 xfail, so cleaning one without taking it off the list fails, and the list is how the rest of
@@ -25,27 +32,14 @@ PACKAGE = Path(diffiface.__file__).parent
 EXEMPT = ("_families", "_adapters", "test")
 """Folders whose modules are a framework's own files, the registry or the scenario suite."""
 
-_NAME = re.compile(r"(torch|jax|autograd|numpy)(\.\w+)*")
+_FRAMEWORKS = ("torch", "jax", "autograd", "numpy")
+_NAME = re.compile(rf"({'|'.join(_FRAMEWORKS)})(\.\w+)*")
 
 NOT_YET_CLEANED = (
     "_backends.py",
-    "_bridges/__init__.py",
-    "_bridges/_inner.py",
-    "_bridges/jax.py",
-    "_bridges/torch.py",
-    "_call.py",
     "_checks.py",
-    "_complex.py",
-    "_keys.py",
-    "_placement.py",
     "_plan.py",
     "_prep.py",
-    "_sparse_operators.py",
-    "sparse/_detection.py",
-    "sparse/_jaxpr.py",
-    "sparse/_numpy_trace.py",
-    "sparse/_torch_trace.py",
-    "tree.py",
 )
 """Modules that still name a framework, as paths under ``diffiface/``."""
 
@@ -59,14 +53,43 @@ def _modules() -> list[str]:
     return found
 
 
+def owner(module: str) -> str | None:
+    """The framework that ``diffiface/<module>`` belongs to by its file name, or None (generic)."""
+    word = Path(module).stem.lstrip("_").split("_")[0]
+    return word if word in _FRAMEWORKS else None
+
+
 def framework_names(module: str) -> int:
-    """How many string constants in ``diffiface/<module>`` name a framework or its modules."""
-    tree = ast.parse((PACKAGE / module).read_text(encoding="utf-8"))
+    """How many string constants in ``diffiface/<module>`` name a framework or its modules, other
+    than the module's own framework (:func:`owner`)."""
+    return count_names((PACKAGE / module).read_text(encoding="utf-8"), owner(module))
+
+
+def count_names(source: str, own: str | None = None) -> int:
+    """How many string constants and import statements in ``source`` name a framework other than
+    ``own``, or its modules (numpy, the host every family converts through, is imported anywhere)."""
     return sum(
         1
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and _NAME.fullmatch(node.value)
+        for name, imported in _named(ast.parse(source))
+        if (found := _NAME.fullmatch(name)) and found.group(1) != own and not (imported and found.group(1) == _HOST)
     )
+
+
+_HOST = "numpy"
+
+
+def _named(tree: ast.AST) -> list[tuple[str, bool]]:
+    """The strings, and the modules imported (``import jax``, ``from torch import nn``), each with
+    whether it is imported."""
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names.append((node.value, False))
+        elif isinstance(node, ast.Import):
+            names.extend((alias.name, True) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module is not None:
+            names.append((node.module, True))
+    return names
 
 
 def test_the_counter_counts() -> None:
@@ -77,6 +100,20 @@ def test_the_counter_counts() -> None:
         if isinstance(n, ast.Constant) and isinstance(n.value, str) and _NAME.fullmatch(n.value)
     ]
     assert counted == ["torch", "jax.numpy"]
+
+
+def test_a_module_belongs_to_a_framework_by_its_file_name() -> None:
+    assert owner("_bridges/jax.py") == "jax"
+    assert owner("sparse/_torch_trace.py") == "torch"
+    assert owner("sparse/_numpy_trace.py") == "numpy"
+    assert owner("_jaxpr.py") is None  # a word that starts with a framework's name is not it
+    assert owner("_bridges/__init__.py") is None
+    assert owner("tree.py") is None
+    source = 'import sys\nif kind == "torch" or "jax.numpy" in sys.modules:\n    """torch, jax."""\n'
+    assert count_names(source) == 2
+    assert count_names(source, own="jax") == 1  # its own framework's names are its own; torch's count
+    assert count_names(source, own="torch") == 1
+    assert count_names("import jax.numpy as jnp\nfrom torch import nn\nfrom . import jax\nimport numpy\n") == 2
 
 
 def test_the_list_names_existing_modules() -> None:

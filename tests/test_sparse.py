@@ -115,7 +115,9 @@ def test_jax_gives_bcoo() -> None:
 
     x = jnp.linspace(0.1, 1.0, 8, dtype=jnp.float32)
     prep = di.prepare_jacobian(tridiagonal, di.AutoSparse("jax"), x)
-    assert type(prep.plan.program.sparse.route).__name__ == "_JaxRoute"  # one compiled program, no silent fallback
+    route = prep.plan.program.sparse.route
+    assert type(route).__name__ == "_CompiledRoute"  # one compiled program, no silent fallback
+    assert type(route.products).__module__ == "diffiface.sparse._jax_products"
     jac = di.jacobian(tridiagonal, di.AutoSparse("jax"), x, prep=prep)
     assert isinstance(jac, jax_sparse.BCOO) and jac.dtype == jnp.float32 and jac.shape == (8, 8)
     dense = di.jacobian(tridiagonal, "jax", x)

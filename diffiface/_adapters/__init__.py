@@ -70,7 +70,7 @@ class BackendInfo:
     whatever framework it is: the black-box engines)."""
     complex_convention: str = "split"
     """How the engine differentiates complex numbers (diffiface._complex converts, once):
-    ``"torch"``, its gradient and vjp are the convention already; ``"conjugate"``, its gradient
+    ``"direct"``, its gradient and vjp are the convention already (torch); ``"conjugate"``, its gradient
     is the conjugate and its vjp ``conj(vjp(conj(ybar)))`` of the convention's (jax, autograd);
     ``"split"``, it differentiates real numbers only and sees a complex leaf as its real and
     imaginary parts (the black boxes)."""
@@ -110,7 +110,7 @@ BACKENDS: tuple[BackendInfo, ...] = (
         reverse_mode=True,
         native=_FIRST | {"jacobian", "hessian", "hvp", "second_derivative"},
         arrays="torch",
-        complex_convention="torch",
+        complex_convention="direct",
         reverse_first=True,
     ),
     BackendInfo(

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import _placement
 from .._errors import InvalidOutputError
+from .._families import _jax_placement as _placement
 from ._base import Deferred, Fn, Leaves
 
 _POWER = {"central": 1 / 3, "forward": 1 / 2, "backward": 1 / 2}

@@ -15,8 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .. import _arrays, _placement
+from .. import _arrays
 from .._errors import MutationError
+from .._families import _jax_placement as _placement
 from . import _base
 from ._base import Blocks, Fn, Leaves, raised_by, raised_inside
 

@@ -9,13 +9,14 @@ the inner side (``_inner.py``) reaches the inner engine only through diffiface's
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from .. import _arrays
+from .. import _arrays, _families
 from .. import tree as _tree
 from .._backends import Backend
 from .._contexts import Context
@@ -39,7 +40,6 @@ from ._inner import (
 
 __all__ = ["DifferentiateWith", "differentiate_with"]
 
-_OUTER_MODULES = {"jax": "diffiface._bridges.jax", "torch": "diffiface._bridges.torch"}
 _SITES_KEPT = 8  # sites (one per set of contexts) a g keeps; older ones are rebuilt on use
 
 
@@ -72,23 +72,22 @@ class DifferentiateWith:
         contexts = check_contexts(contexts)
         leaves, spec = _tree.flatten(x)
         outer = _arrays.family({_arrays.kind(leaf) for leaf in leaves})
-        if outer in ("numpy", "python") or outer == self._inner.kind:
+        if outer == self._inner.kind or _untraced(outer):
             return self._direct(x, leaves, spec, contexts, outer)
-        module = _OUTER_MODULES.get(outer)
-        if module is None:
+        bridge = _bridge(outer)
+        if bridge is None:
             kinds = sorted({_arrays.kind(leaf) for leaf in leaves} - {"python"})
             raise ArrayTypeError(
                 f"g takes jax arrays, torch tensors or numpy arrays (one kind in one x); x holds "
                 f"{' and '.join(kinds) or 'no array'} leaves. Convert x to one of those kinds first."
             )
         for position, context in enumerate(contexts, start=2):
-            found = outer_traced(context.value, outer)
+            found = outer_traced(context.value, bridge.traced)
             if found is not None:
                 raise traced_refusal(f"g's argument {position}, a di.{type(context).__name__},", found)
-        found = closure_traced(self.f, outer)
+        found = closure_traced(self.f, bridge.traced)
         if found is not None:
             raise traced_refusal(f"f ({getattr(self.f, '__qualname__', self.f)!r}) closes over a value that", found)
-        bridge = importlib.import_module(module)
         return bridge.call(self, x, leaves, spec, contexts)
 
     # --- shared by the outer modules ------------------------------------------------------------
@@ -161,6 +160,27 @@ class DifferentiateWith:
         site = self.site(spec, avals, contexts, x_inner)
         y = self._inner.value(site.plan, x_inner, contexts)
         return site.plan.y_spec.unflatten([to_numpy(leaf) for leaf in y])
+
+
+def _untraced(kind: str) -> bool:
+    """Whether x of this kind is no engine's to trace (the host's arrays, Python numbers): f then
+    runs on it directly, with no outer engine to bridge."""
+    family = _arrays.BY_KIND.get(kind)
+    return family is _families.HOST or (family is not None and not family.ARRAY and not family.PASSED_THROUGH)
+
+
+_BRIDGES: dict[str, Any] = {}
+
+
+def _bridge(kind: str) -> Any:
+    """The bridge of an outer engine whose arrays are of family ``kind``: the module of this
+    package named as the family (``_bridges/<kind>.py``), imported the first time g meets its
+    arrays; None where there is none (x is then refused, never passed unbridged)."""
+    if kind not in _BRIDGES:
+        name = f"{__name__}.{kind}"
+        found = _arrays.BY_KIND.get(kind) is not None and importlib.util.find_spec(name) is not None
+        _BRIDGES[kind] = importlib.import_module(name) if found else None
+    return _BRIDGES[kind]
 
 
 def _release_all(sites: OrderedDict[tuple[int, ...], Site]) -> None:

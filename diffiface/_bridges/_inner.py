@@ -9,8 +9,8 @@ never needs to know which engine is inside.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import itertools
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,14 +18,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .. import _arrays
+from .. import _arrays, _families
 from .. import _operators as di
 from .. import tree as _tree
 from .._backends import (
     AutoAutograd,
-    AutoFiniteDifferences,
     AutoJAX,
-    AutoScipy,
     AutoSparse,
     AutoTorch,
     Backend,
@@ -45,22 +43,33 @@ Leaves = list[Any]
 
 
 def inner_kind(backend: Backend) -> str:
-    """Which arrays ``f`` takes under ``backend``: ``"jax"``, ``"torch"`` or ``"numpy"``."""
+    """Which arrays ``f`` takes under ``backend``: the family its registry row names (the host's,
+    numpy, for an engine that takes any array type: the black boxes)."""
     if isinstance(backend, AutoSparse):
         return inner_kind(backend.backend)
-    if isinstance(backend, AutoJAX):
-        return "jax"
-    if isinstance(backend, AutoTorch):
-        return "torch"
-    if isinstance(backend, (AutoAutograd, AutoFiniteDifferences, AutoScipy)):
-        return "numpy"
     if isinstance(backend, SecondOrder):
         raise InvalidBackendOptionError(
             f"differentiate_with(f, {backend!r}): the outer engine asks f for first-order products (jvp, "
             "vjp) and builds its own second order from them; pass a first-order backend such as "
             "di.AutoTorch(), or di.AutoSparse(...) of one."
         )
-    raise InvalidBackendOptionError(f"differentiate_with cannot run f under {backend!r}.")
+    from .._adapters import info
+
+    try:
+        row = info(backend)
+    except DiffifaceError:
+        raise InvalidBackendOptionError(f"differentiate_with cannot run f under {backend!r}.") from None
+    return _families.HOST.NAME if row.any_array_type else _arrays.by_kind(row.arrays).NAME
+
+
+def _inner_family(backend: Backend) -> _families.Family:
+    """The family of f's arrays under ``backend``, its engine's modules imported (f's arrays
+    may be made here before the engine's adapter is)."""
+    from .._adapters import info
+
+    for module in info(backend).requires:
+        importlib.import_module(module)
+    return _arrays.by_kind(inner_kind(backend))
 
 
 def nestable(backend: Backend) -> bool:
@@ -112,69 +121,37 @@ class Plan:
 # --- arrays of the inner engine -----------------------------------------------------------------
 
 
-def _x64(dtypes: Sequence[str]) -> Any:
-    """jax keeps float64 only inside ``jax.enable_x64``: entered where a float64 leaf travels."""
-    jax = sys.modules.get("jax")
-    wide = any(d in ("float64", "complex128") for d in dtypes)
-    if jax is not None and wide and not jax.config.read("jax_enable_x64"):
-        return jax.enable_x64(True)
-    return contextlib.nullcontext()
-
-
 def to_inner(leaf: Any, kind: str) -> Any:
-    """An outer leaf (numpy, jax or torch array) as an array of the inner engine, zero-copy
+    """An outer leaf (an array of any family) as an array of the inner engine, zero-copy
     through dlpack where the two can share memory, a copy otherwise; dtype kept."""
-    source = _arrays.kind(leaf)
-    if kind == "numpy":
-        array = leaf.detach().cpu().numpy() if source == "torch" else np.asarray(leaf)
+    family = _arrays.by_kind(kind)
+    source = _arrays.family_of(leaf)
+    if family is _families.HOST:
+        array = np.asarray(_arrays.to_numpy(leaf))
         if array.flags.writeable and not array.flags.owndata:
             array = array.view()  # a view of the caller's memory: f may read it, never write it
             array.flags.writeable = False
         return array
-    if kind == "torch":
-        torch = sys.modules.get("torch") or __import__("torch")
-        if source == "torch":
-            return leaf.detach()
+    shared = None if source is None else source.exchange(leaf)
+    if source is family:
+        return shared
+    xp = family.numpy_like()
+    if shared is not None:
         try:
-            return torch.from_dlpack(leaf)
-        except (BufferError, RuntimeError, TypeError):  # a layout or device dlpack cannot share
-            return torch.from_numpy(np.array(leaf))
-    jnp = _jax_numpy()
-    if source == "torch":
-        leaf = leaf.detach()
-        try:
-            return jnp.from_dlpack(leaf)
-        except (BufferError, RuntimeError, TypeError, ValueError):
-            leaf = leaf.cpu().numpy()
-    return jnp.asarray(leaf)
+            return xp.from_dlpack(shared)
+        except (BufferError, RuntimeError, TypeError, ValueError):  # a layout or device dlpack cannot share
+            leaf = _arrays.to_numpy(shared)
+    return xp.asarray(np.array(leaf))
 
 
 def to_numpy(leaf: Any) -> np.ndarray:
-    """An inner result as numpy (zero-copy for torch on the CPU and jax on the CPU)."""
-    if _arrays.kind(leaf) == "torch":
-        return leaf.detach().cpu().resolve_conj().resolve_neg().numpy()  # type: ignore[no-any-return]
-    return np.asarray(leaf)
+    """An inner result as numpy (zero-copy for arrays on the CPU)."""
+    return _arrays.to_numpy(leaf)
 
 
-def _jax_numpy() -> Any:
-    import jax.numpy as jnp
-
-    return jnp
-
-
-def _namespace(kind: str) -> Any:
-    if kind == "torch":
-        return sys.modules.get("torch") or __import__("torch")
-    if kind == "jax":
-        return _jax_numpy()
-    return np
-
-
-def _zeros(avals: Sequence[Aval], kind: str) -> Leaves:
-    xp = _namespace(kind)
-    if kind == "torch":
-        return [xp.zeros(a.shape, dtype=getattr(xp, a.dtype)) for a in avals]
-    return [xp.zeros(a.shape, dtype=a.dtype) for a in avals]
+def _zeros(avals: Sequence[Aval], family: _families.Family) -> Leaves:
+    xp = family.numpy_like()
+    return [family.cast(xp.zeros(a.shape), a.dtype) for a in avals]
 
 
 def aval_of(leaf: Any) -> Aval:
@@ -185,12 +162,13 @@ def output_avals(leaves: Sequence[Any]) -> tuple[Aval, ...]:
     """The avals of f's output leaves, each an array or a number: what crosses back to the
     outer engine. Anything else (a string, an object) is refused before an engine meets it."""
     for index, leaf in enumerate(leaves):
-        kind = _arrays.kind(leaf)
-        if kind in ("torch", "jax", "python"):
+        family = _arrays.family_of(leaf)
+        host = family is _families.HOST
+        if family is not None and not family.PASSED_THROUGH and not host:  # another array, a number
             continue
-        if kind == "numpy" and np.asarray(leaf).dtype.kind in "biufc":
+        if host and np.asarray(leaf).dtype.kind in "biufc":
             continue
-        what = f"an array of dtype {np.asarray(leaf).dtype}" if kind == "numpy" else f"a {type(leaf).__name__}"
+        what = f"an array of dtype {np.asarray(leaf).dtype}" if host else f"a {type(leaf).__name__}"
         raise InvalidOutputError(
             f"f returned {what} (output leaf {index}) where g needs numbers: float arrays or floats (a pytree "
             "of them), which the outer engine can differentiate. Return the value f computes, and keep other "
@@ -216,7 +194,7 @@ def check_contexts(contexts: Sequence[Any]) -> tuple[Context[Any], ...]:
 def _context_values(contexts: Sequence[Context[Any]], kind: str) -> list[Any]:
     """The values f is called with, numpy leaves converted to the inner engine's arrays as the
     operators convert them."""
-    if kind == "numpy":
+    if _arrays.by_kind(kind) is _families.HOST:
         return [c.value for c in contexts]
 
     def convert(leaf: Any) -> Any:
@@ -225,28 +203,22 @@ def _context_values(contexts: Sequence[Context[Any]], kind: str) -> list[Any]:
     return [_tree.map(convert, c.value) for c in contexts]
 
 
-def outer_traced(value: Any, outer: str) -> str | None:
-    """A description of the first array inside ``value`` that the outer engine traces (a jax
-    tracer; a torch tensor that requires grad, or a torch.func wrapper), else None. Arrays of the
-    inner engine are f's own business: a torch model's parameters inside jax are constants."""
+def outer_traced(value: Any, traced: Callable[[Any], str | None]) -> str | None:
+    """A description of the first array inside ``value`` that the outer engine traces (its
+    bridge's ``traced`` tells), else None. Arrays of the inner engine are f's own business: a
+    torch model's parameters inside jax are constants."""
     try:
         leaves = _tree.leaves(value)
     except Exception:  # an object optree cannot walk holds no array we could see
         return None
-    jax = sys.modules.get("jax") if outer == "jax" else None
-    torch = sys.modules.get("torch") if outer == "torch" else None
     for leaf in leaves:
-        if jax is not None and isinstance(leaf, jax.core.Tracer):
-            return f"a jax tracer of shape {tuple(leaf.shape)}"
-        if torch is not None and isinstance(leaf, torch.Tensor):
-            if leaf.requires_grad:
-                return f"a torch tensor of shape {tuple(leaf.shape)} that requires grad"
-            if torch._C._functorch.is_functorch_wrapped_tensor(leaf):
-                return f"a tensor of shape {tuple(leaf.shape)} traced by torch.func"
+        found = traced(leaf)
+        if found is not None:
+            return found
     return None
 
 
-def closure_traced(f: Callable[..., Any], outer: str) -> str | None:
+def closure_traced(f: Callable[..., Any], traced: Callable[[Any], str | None]) -> str | None:
     """An outer traced array that f closes over (its closure cells and defaults), else None."""
     seen: list[Any] = []
     target = getattr(f, "__func__", f)  # a bound method closes over what its function does
@@ -258,7 +230,7 @@ def closure_traced(f: Callable[..., Any], outer: str) -> str | None:
     for value in seen:
         if callable(value) and not hasattr(value, "shape"):
             continue
-        found = outer_traced(value, outer)
+        found = outer_traced(value, traced)
         if found is not None:
             return found
     return None
@@ -285,6 +257,7 @@ class Inner:
         self.f = f
         self.backend = backend
         self.kind = inner_kind(backend)
+        self.family = _inner_family(backend)
         self.nestable = nestable(backend)
         # f(x) compiled once per set of contexts, for jax with jit: (contexts, program) pairs
         self._programs: list[tuple[tuple[Context[Any], ...], Callable[..., Any]]] = []
@@ -304,12 +277,11 @@ class Inner:
         read-only (a write raises before it lands) and jax arrays immutable, but torch checks an
         in-place write to an inference tensor only after the kernel ran, so torch gets clones,
         as the operators' torch engine makes its own."""
-        if self.kind == "torch":
-            x = [leaf.clone() for leaf in x]
+        x = [self.family.private_copy(leaf) for leaf in x]
         try:
             return self.f(spec.unflatten(x), *_context_values(contexts, self.kind))
         except ValueError as exc:
-            if self.kind == "numpy" and "read-only" in str(exc):
+            if self.family is _families.HOST and "read-only" in str(exc):
                 raise MutationError(
                     "f wrote into its input x, which g shares with the caller's arrays, read-only; write into a "
                     "copy instead (x = x.copy()), or compute out of place."
@@ -317,10 +289,14 @@ class Inner:
             raise
 
     def _program(self, plan: Plan, contexts: tuple[Context[Any], ...]) -> Callable[..., Any] | None:
-        """f(x) under ``jax.jit`` for AutoJAX(jit=True), where every context leaf is an array (an
-        argument of the program, so new values never go unseen); None where f runs eagerly."""
+        """f(x) compiled by its engine (jax.jit for AutoJAX(jit=True)), where every context leaf is
+        an array (an argument of the program, so new values never go unseen); None where f runs
+        eagerly."""
+        from .._adapters import adapter_for
+
         backend = self.backend.backend if isinstance(self.backend, AutoSparse) else self.backend
-        if self.kind != "jax" or not getattr(backend, "jit", False):
+        adapter = adapter_for(backend)
+        if not adapter.compiles:
             return None
         if not all(_arrays.is_array(leaf) for c in contexts for leaf in _tree.leaves(c.value)):
             return None
@@ -328,14 +304,12 @@ class Inner:
             for held, program in self._programs:
                 if len(held) == len(contexts) and all(a is b for a, b in zip(held, contexts, strict=True)):
                     return program
-        import jax
-
         f, spec = self.f, plan.x_spec
 
         def run(x: Leaves, values: list[Any]) -> Any:
             return self._leaves_of(plan, f(spec.unflatten(list(x)), *values))
 
-        program = jax.jit(run)
+        program = adapter.compile(run, static=False, arrays=True)
         with self._programs_lock:
             self._programs.append((contexts, program))
             del self._programs[:-8]
@@ -359,10 +333,7 @@ class Inner:
         out = []
         for leaf, aval in zip(leaves, avals, strict=True):
             if _arrays.dtype_name(leaf) != aval.dtype:
-                if self.kind == "torch":
-                    leaf = leaf.to(getattr(_namespace("torch"), aval.dtype))
-                else:
-                    leaf = leaf.astype(aval.dtype)
+                leaf = self.family.cast(leaf, aval.dtype)
             out.append(leaf)
         return out
 
@@ -429,9 +400,11 @@ class Inner:
         return first
 
     def _scope(self, plan: Plan) -> Any:
-        if self.kind != "jax":
-            return contextlib.nullcontext()
-        return _x64([a.dtype for a in plan.x_avals])
+        return self.dtype_scope([a.dtype for a in plan.x_avals])
+
+    def dtype_scope(self, dtypes: Sequence[str]) -> Any:
+        """A scope where the inner engine keeps arrays of these dtypes (jax's x64)."""
+        return self.family.dtype_scope(dtypes)
 
     def _leaves_of(self, plan: Plan, y: Any) -> Leaves:
         leaves, spec = _tree.flatten(y)
@@ -453,25 +426,24 @@ class Inner:
     def _flat_jacobian(self, plan: Plan, x: Leaves, contexts: Sequence[Context[Any]]) -> Any:
         """The Jacobian of f from the flat vector of x to that of f(x): (m, n), dense, or sparse
         under AutoSparse."""
-        base = self.backend.backend if isinstance(self.backend, AutoSparse) else self.backend
-        # autograd traces f with its own boxes, which numpy's concatenate would turn into objects
-        xp = _namespace(self.kind) if not isinstance(base, AutoAutograd) else __import__("autograd.numpy").numpy
+        xp = self.family.numpy_like()
         sizes = [a.size for a in plan.x_avals]
         cuts = list(itertools.accumulate(sizes))[:-1]
         f = self.f
 
         def flat_f(vector: Any, *values: Any) -> Any:
-            pieces = _split_vector(xp, vector, cuts)
+            pieces = _split_vector(vector, cuts)
             x_tree = plan.x_spec.unflatten([p.reshape(a.shape) for p, a in zip(pieces, plan.x_avals, strict=True)])
             y_leaves = _tree.leaves(f(x_tree, *values))
-            return _concat(xp, [leaf.reshape(-1) for leaf in y_leaves])
+            # (the engine's own namespace: autograd traces f with boxes, which numpy would make objects)
+            return _arrays.numpy_like(vector).concatenate([leaf.reshape(-1) for leaf in y_leaves])
 
-        vector = _concat(xp, [leaf.reshape(-1) for leaf in x])
+        vector = xp.concatenate([leaf.reshape(-1) for leaf in x])
         jac = di.jacobian(flat_f, self.backend, vector, *contexts)
         return _sparse_as_matrix(jac)
 
     def _stack_flat(self, pieces: Leaves, axis: int) -> Any:
-        return _concat(_namespace(self.kind), pieces, axis=axis)
+        return self.family.numpy_like().concatenate(pieces, axis=axis)
 
     def _split(self, products: Any, avals: Sequence[Aval], batch: int) -> Leaves:
         sizes = [a.size for a in avals]
@@ -484,7 +456,7 @@ class Inner:
         return out
 
     def _stack_rows(self, rows: list[Leaves], count: int) -> Leaves:
-        xp = _namespace(self.kind)
+        xp = self.family.numpy_like()
         return [xp.stack([row[i] for row in rows]) for i in range(count)]
 
 
@@ -493,10 +465,11 @@ def _conj(array: Any) -> Any:
     products); a real array as it is."""
     if "complex" not in _arrays.dtype_name(array):
         return array
-    return array.conj_physical() if _arrays.kind(array) == "torch" else array.conj()
+    family = _arrays.family_of(array)
+    return array.conj() if family is None else family.conj(array)
 
 
-def _split_vector(xp: Any, vector: Any, cuts: list[int]) -> Leaves:
+def _split_vector(vector: Any, cuts: list[int]) -> Leaves:
     pieces = []
     start = 0
     for end in [*cuts, int(vector.shape[0])]:
@@ -505,17 +478,10 @@ def _split_vector(xp: Any, vector: Any, cuts: list[int]) -> Leaves:
     return pieces
 
 
-def _concat(xp: Any, pieces: Leaves, axis: int = 0) -> Any:
-    if xp.__name__ == "torch":
-        return xp.cat(pieces, dim=axis)
-    return xp.concatenate(pieces, axis=axis)
-
-
 def _sparse_as_matrix(jac: Any) -> Any:
     """A Jacobian that supports ``@`` with a dense matrix on both sides (scipy and jax sparse do;
-    torch's sparse CSR does with ``.T`` through ``to_sparse_coo``)."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(jac, torch.Tensor) and jac.layout != torch.strided:
+    torch's sparse compressed layouts do with ``.T`` through ``to_sparse_coo``)."""
+    if getattr(jac, "is_sparse_csr", False):
         return jac.to_sparse_coo()
     return jac
 
@@ -527,15 +493,13 @@ def probe_avals(inner: Inner, x_spec: Any, x_avals: tuple[Aval, ...], contexts: 
     """f's output structure and avals for inputs of ``x_avals``, found without concrete values
     (the outer engine is tracing): jax.eval_shape for jax, zeros for the others."""
     try:
-        if inner.kind == "jax":
-            import jax
-
-            with _x64([a.dtype for a in x_avals]):
-                values = _context_values(contexts, inner.kind)
-                structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in x_avals]  # type: ignore[no-untyped-call]
-                out = jax.eval_shape(lambda *leaves: inner.f(x_spec.unflatten(list(leaves)), *values), *structs)
-        else:
-            out = inner.f(x_spec.unflatten(_zeros(x_avals, inner.kind)), *_context_values(contexts, inner.kind))
+        with inner.dtype_scope([a.dtype for a in x_avals]):
+            values = _context_values(contexts, inner.kind)
+            shapes = [(a.shape, a.dtype) for a in x_avals]
+            out = inner.family.eval_shape(lambda *leaves: inner.f(x_spec.unflatten(list(leaves)), *values), shapes)
+            abstract = out is not None  # (else: no abstract evaluation in this family, f at zeros)
+            if not abstract:
+                out = inner.f(x_spec.unflatten(_zeros(x_avals, inner.family)), *values)
     except DiffifaceError:
         raise
     except Exception as exc:
@@ -545,7 +509,7 @@ def probe_avals(inner: Inner, x_spec: Any, x_avals: tuple[Aval, ...], contexts: 
             "on a concrete x of these shapes first (outside jit, vmap and grad): that call records its prep."
         ) from exc
     leaves, spec = _tree.flatten(out)
-    if inner.kind == "jax":  # (jax.eval_shape's structs: jax would have refused anything else)
+    if abstract:  # (the engine's abstract values: it would have refused anything else)
         return spec, tuple(aval_of(leaf) for leaf in leaves)
     return spec, output_avals(leaves)
 

@@ -134,28 +134,21 @@ def _eager(primitive: Primitive, *arrays: Any, site: Site, batch: int) -> list[A
     avals = _out_avals(primitive, site, batch)
     results = []
     for out, aval in zip(outs, avals, strict=True):
-        if _arrays.kind(out) == "torch":
-            if out.is_leaf and out.requires_grad:  # f returned a parameter: jax must not see its updates
-                out = out.clone()
-            out = out.detach()
-            if out.dtype != getattr(sys_torch(), str(aval.dtype)):
-                out = out.to(getattr(sys_torch(), str(aval.dtype)))
+        family = _arrays.family_of(out)
+        shared = None if family is None else family.exchange(out)  # (f returned a parameter: a copy)
+        if shared is not None:  # an array of another framework, passed zero-copy on a shared device
+            if _arrays.dtype_name(shared) != str(aval.dtype):
+                shared = family.cast(shared, str(aval.dtype))  # type: ignore[union-attr]
             try:
-                array = jnp.from_dlpack(out.contiguous())  # zero-copy on a shared device
+                array = jnp.from_dlpack(shared)
             except (BufferError, RuntimeError, TypeError, ValueError):
-                array = jnp.asarray(to_numpy(out))
+                array = jnp.asarray(to_numpy(shared))
         else:
             array = jnp.asarray(np.asarray(to_numpy(out), dtype=aval.dtype))
         if tuple(array.shape) != aval.shape:
             raise _shape_error(primitive, aval.shape, tuple(array.shape))
         results.append(array)
     return results
-
-
-def sys_torch() -> Any:
-    import sys
-
-    return sys.modules["torch"]
 
 
 def _lowered(primitive: Primitive, *args: Any, site: Site, batch: int) -> Any:
@@ -370,3 +363,10 @@ def _batch(primitive: Primitive, args: Sequence[Any], dims: Sequence[Any], *, si
 
 for _p in (call_p, jvp_p, vjp_p, second_jvp_p, second_vjp_p):
     batching.primitive_batchers[_p] = partial(_batch, _p)
+
+
+def traced(leaf: Any) -> str | None:
+    """A description of ``leaf`` where jax traces it (a tracer), else None."""
+    if isinstance(leaf, jax.core.Tracer):
+        return f"a jax tracer of shape {tuple(leaf.shape)}"
+    return None

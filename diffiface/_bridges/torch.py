@@ -22,7 +22,7 @@ import torch
 import torch.utils.dlpack
 
 from .. import _arrays
-from ._inner import Aval, Site, _x64, beyond_second_order, first_order_only, to_inner, traced_refusal
+from ._inner import Aval, Site, beyond_second_order, first_order_only, to_inner, traced_refusal
 
 __all__ = ["call"]
 
@@ -50,7 +50,7 @@ def _prepare(g: Any, leaves: list[torch.Tensor], spec: Any, contexts: tuple[Any,
     # then comes from f at zeros, as under jax's tracing
     wrapped = any(torch._C._functorch.is_functorch_wrapped_tensor(leaf) for leaf in leaves)
     if g.plan is None and not wrapped:
-        with _x64([a.dtype for a in avals]):
+        with g._inner.dtype_scope([a.dtype for a in avals]):
             x_inner = [to_inner(leaf, g._inner.kind) for leaf in leaves]
     return g.site(spec, avals, contexts, x_inner)  # type: ignore[no-any-return]
 
@@ -87,7 +87,7 @@ def _bridge(what: str, site_name: str, batch: int, args: list[torch.Tensor]) -> 
     inner, plan, contexts = site.inner, site.plan, site.contexts
     n, m = len(plan.x_avals), len(plan.y_avals)
     device = args[0].device if args else torch.device("cpu")
-    with _x64([_arrays.dtype_name(a) for a in args]), _autograd_on():
+    with inner.dtype_scope([_arrays.dtype_name(a) for a in args]), _autograd_on():
         try:
             inner_args = [to_inner(a, inner.kind) for a in args]
             x, rest = inner_args[:n], inner.operands(what, plan, inner_args[n:])
@@ -125,12 +125,13 @@ def _autograd_on() -> Iterator[None]:
 
 
 def _to_torch(out: Any, aval: Aval, device: torch.device) -> torch.Tensor:
-    kind = _arrays.kind(out)
-    if kind == "torch":
+    family = _arrays.family_of(out)
+    shared = None if family is None else family.exchange(out)
+    if isinstance(out, torch.Tensor):
         tensor = out.detach()
-    elif kind == "jax":
+    elif shared is not None:  # another framework's array (a jax array)
         try:
-            tensor = torch.utils.dlpack.from_dlpack(out)  # zero-copy where jax and torch share the device
+            tensor = torch.utils.dlpack.from_dlpack(shared)  # zero-copy where the two share the device
         except (BufferError, RuntimeError, TypeError):
             tensor = torch.from_numpy(np.array(out))
     else:
@@ -371,3 +372,14 @@ class _Second(torch.autograd.Function):
 
 _PRODUCT = {_CallCompiled: "call", _Call: "call", _Jvp: "jvp", _Vjp: "vjp"}
 """What each Function computes, as the op names it (_Second names its own)."""
+
+
+def traced(leaf: Any) -> str | None:
+    """A description of ``leaf`` where torch traces it (a tensor that requires grad, or one of
+    torch.func's wrappers), else None."""
+    if isinstance(leaf, torch.Tensor):
+        if leaf.requires_grad:
+            return f"a torch tensor of shape {tuple(leaf.shape)} that requires grad"
+        if torch._C._functorch.is_functorch_wrapped_tensor(leaf):
+            return f"a tensor of shape {tuple(leaf.shape)} traced by torch.func"
+    return None

@@ -13,6 +13,8 @@ has:
 - ``PASSED_THROUGH``, whether its values belong to an enclosing engine's trace and pass through
   results untouched (autograd's boxes);
 - ``GRAPH``, whether its arrays carry an autograd graph (``requires_grad``) that results drop;
+- ``CODE_MODULES``, the top-level modules whose callable objects are code, compared by
+  identity where a static context holds one (jax's wrapped functions);
 - ``mirror(value, value_family, like, as_numpy)``, a result (of any family, ``value_family``
   None for none) with ``like``'s array type, dtype and device: what mirrors x;
 - ``as_own(value, value_family, like, as_numpy)``, an output-shaped result in its array type,
@@ -25,7 +27,19 @@ has:
   was (shape, dtype, device, layout; None: the class says all);
 - ``leaves_test(leaves)``, a test of a list of leaves all of the family, read inline (None:
   none faster than leaf by leaf);
-- ``jit_checked(leaf)``, whether a jit-compiled program checks the leaf itself.
+- ``jit_checked(leaf)``, whether a jit-compiled program checks the leaf itself;
+- ``exchange(leaf)``, the leaf as another framework may take it through dlpack (detached, a
+  copy where the caller could change it), or None: it crosses as a numpy copy;
+- ``dtype_scope(dtypes)``, a scope in which the family keeps arrays of these dtypes (jax keeps
+  float64 only under ``enable_x64``; a null context elsewhere);
+- ``conj(leaf)``, ``parts(leaf)`` (its real and imaginary parts, new arrays) and
+  ``from_parts(re, im)``, complex numbers in its arrays;
+- ``private_copy(leaf)``, a copy f may write into without the caller seeing it, where its
+  arrays are mutable and a write goes unchecked (torch); the leaf itself elsewhere;
+- ``eval_shape(fn, avals)``, ``fn``'s output structure for inputs of these ``(shape, dtype)``,
+  found without values; None where the family cannot (f is then evaluated at zeros);
+- ``laid_out_ravel(leaves)``, tree.ravel of leaves laid out over several devices, keeping
+  their layout: ``(flat, parts)``, or None where the plain ravel serves.
 
 ``as_numpy`` is the converter of a leaf of any family to numpy (:func:`diffiface._arrays.to_numpy`),
 passed in since a family knows no other family.
@@ -36,7 +50,8 @@ package names it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -72,6 +87,9 @@ class Family(Protocol):
     @property
     def GRAPH(self) -> bool: ...
 
+    @property
+    def CODE_MODULES(self) -> frozenset[str]: ...
+
     def mirror(self, value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any: ...
 
     def as_own(self, value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any: ...
@@ -88,11 +106,34 @@ class Family(Protocol):
 
     def jit_checked(self, leaf: Any) -> bool: ...
 
+    def exchange(self, leaf: Any) -> Any: ...
+
+    def dtype_scope(self, dtypes: Iterable[str]) -> AbstractContextManager[Any]: ...
+
+    def conj(self, leaf: Any) -> Any: ...
+
+    def parts(self, leaf: Any) -> tuple[Any, Any]: ...
+
+    def from_parts(self, re: Any, im: Any) -> Any: ...
+
+    def private_copy(self, leaf: Any) -> Any: ...
+
+    def eval_shape(self, fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]]) -> Any: ...
+
+    def laid_out_ravel(self, leaves: list[Any]) -> tuple[Any, Callable[[Any], list[Any]]] | None: ...
+
 
 FAMILIES: tuple[Family, ...] = (numpy, python, torch, jax, autograd)
 """In the order their ``owns`` is asked: numpy before Python, since numpy's float64 is a float."""
 
 BY_KIND: dict[str, Family] = {family.NAME: family for family in FAMILIES}
+
+CODE_MODULES: frozenset[str] = frozenset().union(*(family.CODE_MODULES for family in FAMILIES))
+"""Every family's ``CODE_MODULES``."""
+
+HOST: Family = numpy
+"""The family every other converts through (``to_numpy``, ``from_numpy``): the arrays of the
+engines that call f with the host's arrays (the black boxes), and of Python numbers raveled."""
 
 
 def of_type(cls: type) -> Family | None:
@@ -113,6 +154,12 @@ def by_kind(kind: str) -> Family:
         raise UnsupportedOperationError(
             f"diffiface has no array family {kind!r}; the families are {', '.join(sorted(BY_KIND))}."
         ) from None
+
+
+def foreign_node(leaf: Any) -> tuple[Callable[[Any], Any], Callable[[Any, Any], Any]] | None:
+    """How to flatten one level of ``leaf`` and rebuild it, where a framework's pytree registry
+    knows its class but diffiface's does not (an equinox module): None where none does."""
+    return jax.foreign_node(leaf)
 
 
 def foreign_tree(leaf: Any) -> tuple[Any, ...]:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 import numpy as np
@@ -22,6 +23,7 @@ PASSED_THROUGH: Final = True
 """Its values belong to an enclosing autograd call's trace, which differentiates through them:
 results pass them on untouched."""
 GRAPH: Final = False
+CODE_MODULES: Final[frozenset[str]] = frozenset()
 
 
 def owns(cls: type) -> bool:
@@ -54,5 +56,53 @@ def as_own(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], n
     return np.asarray(as_numpy(value))
 
 
+def exchange(leaf: Any) -> None:
+    return None
+
+
+def dtype_scope(dtypes: Iterable[str]) -> contextlib.nullcontext[None]:
+    return contextlib.nullcontext()
+
+
+def conj(leaf: Any) -> Any:
+    return sys.modules["autograd.numpy"].conj(leaf)
+
+
+def parts(leaf: Any) -> tuple[Any, Any]:
+    anp = sys.modules["autograd.numpy"]
+    return anp.real(leaf), anp.imag(leaf)
+
+
+def from_parts(re: Any, im: Any) -> Any:
+    return re + 1j * im
+
+
+def laid_out_ravel(leaves: list[Any]) -> None:
+    return None
+
+
+def private_copy(leaf: Any) -> Any:
+    return leaf
+
+
+def eval_shape(fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]]) -> None:
+    return None  # (no abstract evaluation: f is evaluated at zeros)
+
+
 _SELF = sys.modules[__name__]
 """This module, as the family a value is compared with."""
+
+
+def numpy_wrappers() -> tuple[Any, list[Any], list[tuple[str, Any]]]:
+    """autograd's modules that wrap numpy's and scipy's functions, those imported (for the
+    numpy sparsity tracer, diffiface.sparse._numpy_trace): its ``numpy_wrapper`` (None where
+    not imported), the namespaces f reads its functions from (``numpy_wrapper`` and
+    ``autograd.numpy``), and its scipy modules by name."""
+    module = sys.modules.get("autograd.numpy.numpy_wrapper")
+    namespaces = {id(m): m for m in (module, sys.modules.get("autograd.numpy")) if m is not None}
+    scipy_modules = [
+        (name, found)
+        for name, found in list(sys.modules.items())
+        if name.startswith("autograd.scipy") and found is not None
+    ]
+    return module, list(namespaces.values()), scipy_modules

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 import numpy as np
 
-from .. import _placement
+from . import _jax_placement as _placement
 
 NAME: Final = "jax"
 ARRAY: Final = True
 PASSED_THROUGH: Final = False
 GRAPH: Final = False
+CODE_MODULES: Final[frozenset[str]] = frozenset({"jax", "jaxlib"})
+"""Its wrapped functions (``jax.nn.relu`` is a jitted function, others custom_jvp objects)
+are code: a static context holding one is compared by identity."""
 
 
 def owns(cls: type) -> bool:
@@ -23,7 +27,7 @@ def owns(cls: type) -> bool:
 
 def signature(leaf: Any) -> tuple[Any, ...]:
     if not isinstance(leaf, sys.modules["jax"].core.Tracer):
-        # where its shards live: results are laid out as x (diffiface._placement)
+        # where its shards live: results are laid out as x (_jax_placement)
         return (NAME, tuple(leaf.shape), leaf.dtype, leaf.sharding)
     return (NAME, tuple(leaf.shape), leaf.dtype)
 
@@ -49,6 +53,33 @@ def foreign_tree(leaf: Any) -> tuple[Any, ...]:
     if len(leaves) == 1 and leaves[0] is leaf:
         return ()
     return (treedef, tuple((tuple(getattr(a, "shape", ())), getattr(a, "dtype", None)) for a in leaves))
+
+
+def foreign_node(leaf: Any) -> tuple[Callable[[Any], Any], Callable[[Any, Any], Any]] | None:
+    """How to flatten one level of a class only jax's pytree registry knows, and rebuild it."""
+    jax = sys.modules.get("jax")
+    if jax is None or jax.tree_util.all_leaves([leaf]):
+        return None
+    return _children, _from_children
+
+
+def _children(node: Any) -> tuple[list[Any], Any, list[Any]]:
+    """One level of a jax pytree node: its children, jax's structure to rebuild it, and the
+    children's names (an attribute's or a key's) for paths."""
+    tree_util = sys.modules["jax"].tree_util
+    pairs, treedef = tree_util.tree_flatten_with_path(node, is_leaf=lambda child: child is not node)
+    return [child for _, child in pairs], treedef, [_entry_name(path[-1]) if path else None for path, _ in pairs]
+
+
+def _entry_name(entry: Any) -> Any:
+    for attribute in ("name", "key", "idx"):
+        if hasattr(entry, attribute):
+            return getattr(entry, attribute)
+    return str(entry)
+
+
+def _from_children(treedef: Any, children: Any) -> Any:
+    return sys.modules["jax"].tree_util.tree_unflatten(treedef, list(children))
 
 
 def mirror(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
@@ -179,6 +210,51 @@ def leaves_test(leaves: list[Any]) -> Callable[[list[Any]], bool] | None:
     if any(isinstance(leaf, tracer) for leaf in leaves):
         return None
     return _OneDeviceLeaves(leaves) if all(map(_one_device, leaves)) else _Leaves(leaves)
+
+
+def exchange(leaf: Any) -> Any:
+    return leaf
+
+
+def dtype_scope(dtypes: Iterable[str]) -> Any:
+    """A scope where jax keeps these dtypes: ``jax.enable_x64`` where one is 64 bits wide and
+    x64 is off (entered for the call only, never globally)."""
+    jax = sys.modules.get("jax")
+    wide = any(d in ("float64", "complex128") for d in dtypes)
+    if jax is not None and wide and not jax.config.read("jax_enable_x64"):
+        return jax.enable_x64(True)
+    return contextlib.nullcontext()
+
+
+def conj(leaf: Any) -> Any:
+    return sys.modules["jax.numpy"].conj(leaf)
+
+
+def parts(leaf: Any) -> tuple[Any, Any]:
+    jnp = sys.modules["jax.numpy"]
+    return jnp.real(leaf), jnp.imag(leaf)
+
+
+def from_parts(re: Any, im: Any) -> Any:
+    return sys.modules["jax"].lax.complex(re, im)
+
+
+def laid_out_ravel(leaves: list[Any]) -> tuple[Any, Callable[[Any], Any]] | None:
+    """tree.ravel of leaves all sharded over one mesh, laid out on its devices (None where
+    they are not: the plain ravel serves)."""
+    return _placement.laid_out_ravel(leaves)
+
+
+def private_copy(leaf: Any) -> Any:
+    return leaf  # (immutable)
+
+
+def eval_shape(fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]]) -> Any:
+    """``fn``'s output structure, of ``jax.ShapeDtypeStruct`` leaves, for inputs of these shapes
+    and dtypes, found without values."""
+    jax = sys.modules["jax"]
+    structs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in avals]
+    return jax.eval_shape(fn, *structs)
 
 
 _SELF = sys.modules[__name__]

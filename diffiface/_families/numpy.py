@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 import numpy as np
@@ -12,6 +13,7 @@ NAME: Final = "numpy"
 ARRAY: Final = True
 PASSED_THROUGH: Final = False
 GRAPH: Final = False
+CODE_MODULES: Final[frozenset[str]] = frozenset()
 
 
 def owns(cls: type) -> bool:
@@ -109,6 +111,39 @@ def leaves_test(leaves: list[Any]) -> Callable[[list[Any]], bool] | None:
 
 def jit_checked(leaf: Any) -> bool:
     return False
+
+
+def exchange(leaf: Any) -> None:
+    return None  # (copied: a black box may return a buffer of its own that it writes again)
+
+
+def dtype_scope(dtypes: Iterable[str]) -> contextlib.nullcontext[None]:
+    return contextlib.nullcontext()
+
+
+def conj(leaf: Any) -> Any:
+    return np.conj(leaf)
+
+
+def parts(leaf: Any) -> tuple[Any, Any]:
+    array = np.asarray(leaf)
+    return np.array(array.real), np.array(array.imag)  # (copies: a black box may perturb them in place)
+
+
+def from_parts(re: Any, im: Any) -> Any:
+    return re + 1j * im
+
+
+def laid_out_ravel(leaves: list[Any]) -> None:
+    return None
+
+
+def private_copy(leaf: Any) -> Any:
+    return leaf  # (f gets read-only views of the caller's arrays: a write raises before it lands)
+
+
+def eval_shape(fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]]) -> None:
+    return None  # (no abstract evaluation: f is evaluated at zeros)
 
 
 _SELF = sys.modules[__name__]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 import numpy as np
@@ -11,6 +12,7 @@ NAME: Final = "python"
 ARRAY: Final = False
 PASSED_THROUGH: Final = False
 GRAPH: Final = False
+CODE_MODULES: Final[frozenset[str]] = frozenset()
 
 
 def owns(cls: type) -> bool:
@@ -73,3 +75,35 @@ def leaves_test(leaves: list[Any]) -> None:
 
 def jit_checked(leaf: Any) -> bool:
     return False
+
+
+def exchange(leaf: Any) -> None:
+    return None  # (a number: copied, never shared)
+
+
+def dtype_scope(dtypes: Iterable[str]) -> contextlib.nullcontext[None]:
+    return contextlib.nullcontext()
+
+
+def conj(leaf: Any) -> Any:
+    return leaf.conjugate()
+
+
+def parts(leaf: Any) -> tuple[Any, Any]:
+    return leaf.real, leaf.imag
+
+
+def from_parts(re: Any, im: Any) -> Any:
+    return complex(re, im) if isinstance(im, (float, int)) else re + 1j * im
+
+
+def laid_out_ravel(leaves: list[Any]) -> None:
+    return None
+
+
+def private_copy(leaf: Any) -> Any:
+    return leaf
+
+
+def eval_shape(fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]]) -> None:
+    return None  # (no abstract evaluation: f is evaluated at zeros)

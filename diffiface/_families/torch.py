@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 import numpy as np
@@ -17,6 +18,7 @@ ARRAY: Final = True
 PASSED_THROUGH: Final = False
 GRAPH: Final = True
 """Its arrays can carry an autograd graph (``requires_grad``), which results drop."""
+CODE_MODULES: Final[frozenset[str]] = frozenset()
 
 
 def owns(cls: type) -> bool:
@@ -129,6 +131,47 @@ def leaves_test(leaves: list[Any]) -> Callable[[list[Any]], bool]:
 
 def jit_checked(leaf: Any) -> bool:
     return False
+
+
+def exchange(leaf: Any) -> Any:
+    """``leaf`` as another framework may take it through dlpack: detached, contiguous, and a
+    copy where it is a parameter (whose later updates the other must not see)."""
+    if leaf.is_leaf and leaf.requires_grad:
+        leaf = leaf.clone()
+    return leaf.detach().contiguous()
+
+
+def dtype_scope(dtypes: Iterable[str]) -> contextlib.nullcontext[None]:
+    return contextlib.nullcontext()
+
+
+def conj(leaf: Any) -> Any:
+    return leaf.conj().resolve_conj()
+
+
+def parts(leaf: Any) -> tuple[Any, Any]:
+    torch = sys.modules["torch"]
+    return torch.real(leaf).clone(), torch.imag(leaf).clone()  # (not views: a black box may perturb them)
+
+
+def from_parts(re: Any, im: Any) -> Any:
+    if owns(type(im)):
+        return sys.modules["torch"].complex(re, im)
+    return re + 1j * im
+
+
+def laid_out_ravel(leaves: list[Any]) -> None:
+    return None
+
+
+def private_copy(leaf: Any) -> Any:
+    """A copy f may write into: torch checks an in-place write to an inference tensor only after
+    the kernel ran, so f never gets the caller's tensor itself."""
+    return leaf.clone()
+
+
+def eval_shape(fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]]) -> None:
+    return None  # (no abstract evaluation: f is evaluated at zeros)
 
 
 _SELF = sys.modules[__name__]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -9,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import _arrays, tree
+from .. import _arrays, _families, tree
 from .._contexts import Context
 from .._errors import ContextError, InvalidInputError
 from ._coloring import as_pattern
@@ -30,8 +32,21 @@ __all__ = [
 ]
 
 
-TRACERS = ("auto", "jax", "torch", "numpy")
-"""The tracers of :class:`GlobalDetector`."""
+def _tracer_names() -> tuple[str, ...]:
+    """The families that have a tracer: a module of this package named ``_<family>_trace``."""
+    return tuple(
+        name for name in _arrays.BY_KIND if importlib.util.find_spec(f"{__package__}._{name}_trace") is not None
+    )
+
+
+TRACERS = ("auto", *_tracer_names())
+"""The tracers of :class:`GlobalDetector`: each a family's (``sparse/_<family>_trace.py``, with
+``trace_pattern(f, x, values, hessian)``), or ``"auto"``."""
+
+
+def _tracer(name: str) -> Any:
+    """The tracer module of family ``name``."""
+    return importlib.import_module(f"{__package__}._{name}_trace")
 
 
 @dataclass(frozen=True)
@@ -259,23 +274,25 @@ class Detection:
 
 
 def choose_tracer(x: Any, values: list[Any], backend: Any) -> str:
-    """The tracer ``GlobalDetector(tracer="auto")`` uses for ``f(x, *values)`` under ``backend``."""
+    """The tracer ``GlobalDetector(tracer="auto")`` uses for ``f(x, *values)`` under ``backend``:
+    that of x's arrays, else of the arrays the backend's engine calls f with, else the host's
+    (in the families' order where several have one)."""
+    host = _families.HOST.NAME
+    own = [name for name in TRACERS[1:] if name != host]
     kinds = {_arrays.kind(leaf) for leaf in tree.leaves(x)}
-    if "torch" in kinds:
-        return "torch"
-    if "jax" in kinds:
-        return "jax"
     engines = _engines(backend)
-    if "torch" in engines:
-        return "torch"
-    if "jax" in engines:
-        return "jax"
-    return "numpy"
+    for found in (kinds, engines):
+        for name in own:
+            if name in found:
+                return name
+    return host
 
 
 def _engines(backend: Any) -> set[str]:
+    """The families of the arrays the engines of ``backend`` call f with (their registry rows')."""
     if backend is None:
         return set()
+    from .._adapters import BACKENDS
     from .._backends import SecondOrder
 
     if isinstance(backend, str):
@@ -284,7 +301,8 @@ def _engines(backend: Any) -> set[str]:
         backend = normalize(backend)
     if isinstance(backend, SecondOrder):
         return _engines(backend.outer) | _engines(backend.inner)
-    return {str(getattr(backend, "name", ""))}
+    name = str(getattr(backend, "name", ""))
+    return {row.arrays for row in BACKENDS if row.name == name}
 
 
 def detect(
@@ -310,59 +328,61 @@ def _global(
     from .._errors import UnsupportedOperationError
 
     tracer = detector.tracer if detector.tracer != "auto" else choose_tracer(x, values, backend)
-    if tracer == "jax":
-        return _with_jax(f, x, values, hessian)
-    if tracer == "torch":
-        from . import _torch_trace
-
-        found = _torch_trace.trace_pattern(f, x, values, hessian)
-        return Detection(found.pattern, "torch", found.notes)
-    from . import _numpy_trace
-
+    module = _tracer(tracer)
+    if tracer != _families.HOST.NAME:
+        found = module.trace_pattern(f, x, values, hessian)
+        return Detection(found.pattern, tracer, found.notes)
+    fallback = _host_fallback() if detector.tracer == "auto" else None
     try:
-        found = _numpy_trace.trace_pattern(f, x, values, hessian)
+        found = module.trace_pattern(f, x, values, hessian)
     except UnsupportedOperationError as error:  # a refusal: what f does depends on x's values
-        if detector.tracer != "auto" or not _jax_installed():
+        if fallback is None:
             raise
-        try:  # a function written with jax.numpy (or the array API) on numpy x
-            return _with_jax(f, x, values, hessian)
+        try:  # a function written with another framework's array API (jax.numpy) on numpy x
+            return _with(fallback, f, x, values, hessian)
         except UnsupportedOperationError:
             raise error from None
-    except _numpy_trace.TracerFailure as failure:
-        if detector.tracer == "auto" and _jax_installed():
-            try:  # a function written with jax.numpy (or the array API) on numpy x
-                return _with_jax(f, x, values, hessian)
-            except Exception:  # jax cannot follow it either; f's own errors surface below
+    except module.TracerFailure as failure:
+        if fallback is not None:
+            try:  # a function written with another framework's array API (jax.numpy) on numpy x
+                return _with(fallback, f, x, values, hessian)
+            except Exception:  # that one cannot follow it either; f's own errors surface below
                 pass
         # conservative: dense, correct for every f (f runs once on x to count its outputs)
-        found = _numpy_trace.dense_pattern(f, x, values, hessian, str(failure))
-    return Detection(found.pattern, "numpy", found.notes)
+        found = module.dense_pattern(f, x, values, hessian, str(failure))
+    return Detection(found.pattern, tracer, found.notes)
 
 
-def _with_jax(f: Callable[..., Any], x: Any, values: list[Any], hessian: bool) -> Detection:
-    from . import _jaxpr
-
-    pattern = _jaxpr.hessian_pattern(f, x, values) if hessian else _jaxpr.jacobian_pattern(f, x, values)
-    return Detection(pattern, "jax")
+def _with(tracer: str, f: Callable[..., Any], x: Any, values: list[Any], hessian: bool) -> Detection:
+    found = _tracer(tracer).trace_pattern(f, x, values, hessian)
+    return Detection(found.pattern, tracer, found.notes)
 
 
-def _jax_installed() -> bool:
-    import importlib.util
-
-    return "jax" in sys.modules or importlib.util.find_spec("jax") is not None
+def _host_fallback() -> str | None:
+    """The tracer tried where the host's cannot follow f: the first that reads host arrays too
+    (``READS_HOST_ARRAYS``) and whose framework is installed; None where there is none."""
+    for name in TRACERS[1:]:
+        if name == _families.HOST.NAME or not getattr(_tracer(name), "READS_HOST_ARRAYS", False):
+            continue
+        if name in sys.modules or importlib.util.find_spec(name) is not None:
+            return name
+    return None
 
 
 def _output_size(f: Callable[..., Any], x: Any, values: list[Any]) -> int | None:
-    """The numbers in ``f(x)`` when jax can tell without running f (None when it cannot: the
-    check is then left to the operator that runs ``f``)."""
-    if "jax" not in sys.modules:  # not worth importing jax for a check the operator makes anyway
-        return None
-    try:
-        from . import _jaxpr
-
-        return _jaxpr.output_size(f, x, values)
-    except Exception:
-        return None
+    """The numbers in ``f(x)`` where a tracer whose framework is imported can tell without
+    running f (None where none can: the check is then left to the operator that runs ``f``)."""
+    for name in TRACERS[1:]:
+        if name not in sys.modules:  # not worth importing a framework for a check the operator makes anyway
+            continue
+        size = getattr(_tracer(name), "output_size", None)
+        if size is None:
+            continue
+        try:
+            return int(size(f, x, values))
+        except Exception:
+            return None
+    return None
 
 
 # --- local detection -------------------------------------------------------------------------------

@@ -28,6 +28,14 @@ GRAPH_LIMIT = 20_000_000
 entries than this (a dense row), the coloring uses largest_first instead."""
 
 
+class Traced:
+    """A pattern a tracer read, and the notes of its detection (operations made dense)."""
+
+    def __init__(self, pattern: Any, notes: tuple[str, ...]) -> None:
+        self.pattern = pattern
+        self.notes = notes
+
+
 def as_pattern(pattern: Any, shape: tuple[int, int] | None = None, what: str = "pattern") -> csr_array:
     """``pattern`` (a scipy.sparse matrix or array, or a 2-d array-like whose nonzeros are the
     pattern) as a canonical boolean ``csr_array``: sorted indices, no duplicates, no stored zeros.

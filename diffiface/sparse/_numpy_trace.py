@@ -18,7 +18,6 @@ sample values, ``.strides``) is a :class:`TracerFailure`: the whole function is 
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,8 +27,9 @@ import numpy.lib.mixins
 
 from .. import _arrays, tree
 from .._errors import UnsupportedOperationError
+from .._families import autograd as _autograd
 from . import _index_sets as sets
-from ._torch_trace import Detection
+from ._graphs import Traced as Detection
 
 __all__ = ["IndexSetArray", "TracerFailure", "dense_pattern", "trace_pattern"]
 
@@ -1014,7 +1014,7 @@ def _autograd_patches() -> list[tuple[Any, str, Any]]:
     """(module, name, replacement) for what autograd runs outside numpy's protocols:
     ``np.array`` of arrays and of lists of traced elements, and its primitives that call scipy
     (``autograd.scipy.stats``, ``.signal``, ``.linalg``, ...), which take numpy arrays only."""
-    module = sys.modules.get("autograd.numpy.numpy_wrapper")
+    module, namespaces, scipy_modules = _autograd.numpy_wrappers()
     scalar_or_array = getattr(module, "_array_from_scalar_or_array", None)
     from_args = getattr(module, "array_from_args", None)
     if scalar_or_array is None or from_args is None or getattr(scalar_or_array, "_diffiface_patch", False):
@@ -1036,16 +1036,14 @@ def _autograd_patches() -> list[tuple[Any, str, Any]]:
         (module, "array_from_args", array_of_elements),
     ]
     # f reads these from autograd.numpy, which imported them from numpy_wrapper
-    for namespace in {id(m): m for m in (module, sys.modules.get("autograd.numpy")) if m is not None}.values():
+    for namespace in namespaces:
         for name, concatenator in (("r_", np.r_), ("c_", np.c_)):
             if hasattr(namespace, name):
                 patches.append((namespace, name, _TracedConcatenator(getattr(namespace, name), concatenator)))
         make_diagonal = getattr(namespace, "make_diagonal", None)
         if make_diagonal is not None and hasattr(make_diagonal, "fun"):
             patches.append((namespace, "make_diagonal", _moving_primitive(make_diagonal)))
-    for name, scipy_module in list(sys.modules.items()):
-        if not name.startswith("autograd.scipy") or scipy_module is None:
-            continue
+    for name, scipy_module in scipy_modules:
         for attribute, value in list(vars(scipy_module).items()):
             raw = getattr(value, "fun", None)
             if getattr(value, "_is_autograd_primitive", False) and not isinstance(raw, np.ufunc):

@@ -26,16 +26,9 @@ import numpy as np
 from .. import _arrays, tree
 from .._errors import UnsupportedOperationError
 from . import _index_sets as sets
+from ._graphs import Traced as Detection
 
 __all__ = ["Detection", "trace_pattern"]
-
-
-class Detection:
-    """A pattern and the notes of the detection (operations made dense)."""
-
-    def __init__(self, pattern: Any, notes: tuple[str, ...]) -> None:
-        self.pattern = pattern
-        self.notes = notes
 
 
 _MOVES = {

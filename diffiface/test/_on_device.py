@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import optree
 
-from .. import _placement
 from .. import tree as _tree
 from .._contexts import Constant
+from .._families import _jax_placement as _placement
 
 
 def applies(x: Any) -> bool:

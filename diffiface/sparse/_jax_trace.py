@@ -21,6 +21,7 @@ import numpy as np
 
 from .. import _arrays, tree
 from .._errors import BackendUnavailableError, DiffifaceError, InvalidOutputError, UnsupportedOperationError
+from ._graphs import Traced
 
 if TYPE_CHECKING:
     from scipy.sparse import csr_array
@@ -66,7 +67,7 @@ def _abstract_values(values: list[Any]) -> tuple[list[Any], Callable[[list[Any]]
     value they take), and what puts traced leaves back into the contexts."""
     jax = _jax()
     leaves, spec = tree.flatten(values)
-    where = [i for i, leaf in enumerate(leaves) if _arrays.kind(leaf) in ("numpy", "jax", "torch")]
+    where = [i for i, leaf in enumerate(leaves) if _arrays.is_array(leaf)]
     structs = [jax.ShapeDtypeStruct(_arrays.shape(leaves[i]), _dtype(leaves[i])) for i in where]
 
     def rebuild(traced: list[Any]) -> list[Any]:
@@ -196,6 +197,17 @@ def _canonical(p: Any) -> csr_array:
     p.indices = p.indices.astype(np.int64, copy=False)
     p.indptr = p.indptr.astype(np.int64, copy=False)
     return p
+
+
+READS_HOST_ARRAYS = True
+"""Whether this tracer reads a function of the host's (numpy) x too: one written with jax.numpy
+or the array API, where the numpy tracer cannot follow it."""
+
+
+def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: bool) -> Traced:
+    """The Jacobian (``hessian=False``) or Hessian pattern of ``f(x, *values)``."""
+    pattern = hessian_pattern(f, x, values) if hessian else jacobian_pattern(f, x, values)
+    return Traced(pattern, ())
 
 
 def jacobian_pattern(f: Callable[..., Any], x: Any, values: list[Any]) -> csr_array:
