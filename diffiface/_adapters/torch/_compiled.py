@@ -1,11 +1,12 @@
 """Compiled torch: ``AutoTorch(mode="func", compile=True)``.
 
 Each operator's torch.func program (``grad_and_value``, ``jvp``, ``vjp``, ``jacrev``/``jacfwd``,
-and the second-order ones as one program: ``jvp`` of ``grad``, ``jacfwd`` of ``grad``) is
-compiled by ``torch.compile`` (Inductor, ``fullgraph=True``, ``dynamic=False``) with f traced
-inside it. Nothing is differentiated through a compiled graph: a second-order operator is one
-compiled program, and differentiating a compiled first-order call from outside (an outer
-diffiface call or torch.func transform, another engine over it in a ``SecondOrder``) is refused.
+and the second-order ones as one program: ``jvp`` of ``grad``, ``jacfwd`` of ``grad``, ``jvp``
+of ``jvp``) is compiled by ``torch.compile`` (Inductor, ``fullgraph=True``, ``dynamic=False``)
+with f traced inside it. Nothing is differentiated through a compiled graph: a second-order
+operator is one compiled program; a compiled call differentiated from outside (inside an outer
+diffiface call or torch.func transform) is refused; the outer engine of a ``SecondOrder`` over
+this one differentiates the inner gradient uncompiled (:meth:`gradient_function`).
 
 Each prep has programs of its own (fresh code objects, so that one prep's compiled graphs are
 never another's guard failures, nor count against torch's recompile limit). The first call of a
@@ -148,12 +149,26 @@ _GRAPH_BREAKS = tuple(
 )
 
 
+def _second(with_aux: Callable[[Any], Any], x: Any) -> Any:
+    # forward over forward mode, the value and aux by f once more: no aux goes through a
+    # transform (torch.compile's graph capture refuses one under nested forward mode)
+    def value(p: Any) -> Any:
+        return with_aux(p)[0]
+
+    def first(p: Any) -> Any:
+        return func.jvp(value, (p,), (torch.ones_like(p),))[1]
+
+    derivative, second = func.jvp(first, (x,), (torch.ones_like(x),))
+    return with_aux(x), derivative, second
+
+
 def _unsupported(exc: BaseException) -> UnsupportedOperationError:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return UnsupportedOperationError(
         f"torch.compile could not compile this program as one graph ({type(exc).__name__}: {first}). "
         "f must be traceable by torch.compile without graph breaks: no .item(), .tolist() or .numpy() "
-        "on a traced tensor, no Python control flow on tensor values, no print. Use "
+        "on a traced tensor, no Python control flow on tensor values, no print; and a vector-valued f "
+        "must return one tensor (diffiface's checks of a pytree output are not compiled). Use "
         "AutoTorch(mode='func') (uncompiled) for such an f."
     )
 
@@ -322,13 +337,16 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
             return gradient
 
         def value_derivative_and_second_derivative(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any, Any]:
-            # forward over forward mode: torch.compile's graph capture fails on it (a tensor of the
-            # inner transform reaches the graph's outputs), so it is refused, not run uncompiled
-            raise UnsupportedOperationError(
-                "The compiled torch backend does not compute second derivatives (torch.compile cannot capture "
-                "torch.func's forward mode over forward mode as one graph). Use AutoTorch(mode='func') for "
-                "second_derivative, or di.hessian with the compiled backend on a 0-d x."
-            )
+            xs = _detached(xs)
+            if not _FORWARD_WARMED[0]:
+                _warm_forward()
+            with _FORWARD_LOCK:
+                program = self._program("second", _second, fn, xs)
+                if program is None:
+                    return self.eager.value_derivative_and_second_derivative(fn, xs)  # type: ignore[no-any-return]
+                tensor_fn, rebuild = _tensor_aux(fn)
+                (out, aux), first, second = _called(program, _on_one(tensor_fn), xs[0])
+            return out, rebuild(aux), first, second
 
     Compiled.__name__ = Compiled.__qualname__ = "Adapter"
     return Compiled
