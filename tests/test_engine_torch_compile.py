@@ -138,12 +138,12 @@ def test_second_order_over_a_compiled_program_is_refused() -> None:
 
 def test_a_graph_break_is_refused_clearly() -> None:
     def f(x):
-        if float(x.sum()) > 0:  # Python control flow on a tensor's value
-            return torch.sum(x**2)
-        return torch.sum(x**3)
+        y = torch.sin(x)
+        torch._dynamo.graph_break()  # (what code torch.compile cannot trace causes)
+        return torch.sum(y**2)
 
     with pytest.raises(di.UnsupportedOperationError, match=r"torch\.compile could not compile"):
-        di.gradient(f, COMPILED, torch.ones(3, dtype=torch.float64))
+        di.gradient(f, COMPILED, torch.linspace(-1, 1, 4, dtype=torch.float64))
 
 
 def test_torch_nn_recipe_compiled() -> None:
@@ -173,3 +173,22 @@ def test_torch_nn_recipe_compiled() -> None:
     for name in params:
         torch.testing.assert_close(grads2[name], expected2[name], rtol=1e-10, atol=1e-12)
     assert graphs() == compiled
+
+
+def test_a_write_into_x_or_a_constant_leaves_them_intact() -> None:
+    x = torch.linspace(-1, 1, 4, dtype=torch.float64)
+    w = torch.linspace(1, 2, 4, dtype=torch.float64)
+    x0, w0 = x.clone(), w.clone()
+
+    def writes_x(x, w):
+        x.mul_(2)
+        return torch.sum(x * w)
+
+    def writes_w(x, w):
+        w.add_(1)
+        return torch.sum(x * w)
+
+    for f in (writes_x, writes_w):
+        with pytest.raises((di.MutationError, RuntimeError)):
+            di.gradient(f, COMPILED, x, di.Constant(w))
+        assert torch.equal(x, x0) and torch.equal(w, w0)

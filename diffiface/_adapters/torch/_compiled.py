@@ -158,7 +158,7 @@ def _second(with_aux: Callable[[Any], Any], x: Any) -> Any:
     def first(p: Any) -> Any:
         return func.jvp(value, (p,), (torch.ones_like(p),))[1]
 
-    derivative, second = func.jvp(first, (x,), (torch.ones_like(x),))
+    derivative, second = func.jvp(first, (x,), (torch.ones_like(x),))  # type: ignore[misc]
     return with_aux(x), derivative, second
 
 
@@ -231,8 +231,10 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
                 return None
             programs = stack[-1]
             if name not in programs.warm:
-                with torch.no_grad():
-                    fn(xs)
+                # f once, uncompiled, under a torch.func transform as "torch-func" runs it:
+                # diffiface's checks of its output, and torch.func's refusal of a write into a
+                # Constant (a compiled graph would carry the write out to the caller's tensor)
+                func.vjp(lambda *leaves: fn(leaves)[0], *xs)
                 programs.warm.add(name)
             return programs.get(name, template)
 
