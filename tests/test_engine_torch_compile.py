@@ -145,6 +145,14 @@ def test_a_graph_break_is_refused_clearly() -> None:
     with pytest.raises(di.UnsupportedOperationError, match=r"torch\.compile could not compile"):
         di.gradient(f, COMPILED, torch.linspace(-1, 1, 4, dtype=torch.float64))
 
+    def keeps(x, cache):  # a traced tensor stored in a Cache: the graph cannot return it
+        y = torch.sum(torch.sin(x) * x)
+        cache["last"] = y
+        return y
+
+    with pytest.raises(di.UnsupportedOperationError, match=r"torch\.compile could not compile"):
+        di.gradient(keeps, COMPILED, torch.linspace(-1, 1, 4, dtype=torch.float64), di.Cache({}))
+
 
 def test_torch_nn_recipe_compiled() -> None:
     torch.manual_seed(0)

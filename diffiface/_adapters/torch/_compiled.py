@@ -141,10 +141,11 @@ def _called(program: Callable[..., Any], *args: Any) -> Any:
         raise _unsupported(exc) from exc
 
 
-#: What torch.compile raises where f cannot be captured as one graph (``fullgraph=True``).
+#: What torch.compile raises where f cannot be captured as one graph (``fullgraph=True``), or its
+#: graph not compiled (a tensor of a transform stored where the graph cannot return it: a Cache).
 _GRAPH_BREAKS = tuple(
     getattr(torch._dynamo.exc, name)
-    for name in ("Unsupported", "UserError", "UncapturedHigherOrderOpError")
+    for name in ("Unsupported", "UserError", "UncapturedHigherOrderOpError", "BackendCompilerFailed")
     if hasattr(torch._dynamo.exc, name)
 )
 
@@ -163,7 +164,7 @@ def _second(with_aux: Callable[[Any], Any], x: Any) -> Any:
 
 
 def _unsupported(exc: BaseException) -> UnsupportedOperationError:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    first = " ".join([line.strip() for line in str(exc).splitlines() if line.strip()][:2]) or type(exc).__name__
     return UnsupportedOperationError(
         f"torch.compile could not compile this program as one graph ({type(exc).__name__}: {first}). "
         "f must be traceable by torch.compile without graph breaks: no .item(), .tolist() or .numpy() "
