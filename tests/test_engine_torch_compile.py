@@ -4,8 +4,10 @@ It is not in tests/conftest.py's FIRST_ORDER (that table takes one backend per t
 ``compile`` is an option, not a mode), so the parametrised suite does not compile every
 scenario. The tests below compile a few programs on purpose, each a first compile of seconds:
 a gradient with a Constant (float64, the contract, no recompile, a new shape refused), a vjp and
-a jvp, a Jacobian, an hvp and a Hessian as one program each, the torch.nn recipe, and the
-refusals (second order over a compiled program, a graph break, second derivatives).
+a jvp, a Jacobian, an hvp, a Hessian and a second derivative as one program each, the torch.nn
+recipe, a closure changed between calls (compiled anew, never stale), and the refusals (a
+compiled call differentiated from outside, a graph break, a Cache holding a traced tensor, a
+write into x or a Constant).
 """
 
 from __future__ import annotations
@@ -200,3 +202,19 @@ def test_a_write_into_x_or_a_constant_leaves_them_intact() -> None:
         with pytest.raises((di.MutationError, RuntimeError)):
             di.gradient(f, COMPILED, x, di.Constant(w))
         assert torch.equal(x, x0) and torch.equal(w, w0)
+
+
+def test_what_f_closes_over_is_never_stale() -> None:
+    x = torch.linspace(-1, 1, 4, dtype=torch.float64)
+    state = {"k": 2.0}
+    w = torch.ones(4, dtype=torch.float64)
+
+    def f(x):
+        return torch.sum(state["k"] * x**2 * w)
+
+    prep = di.prepare_gradient(f, COMPILED, x)
+    torch.testing.assert_close(di.gradient(f, COMPILED, x, prep=prep), 4 * x)
+    state["k"] = 3.0  # a Python number: torch.compile's guard sees it and compiles anew
+    torch.testing.assert_close(di.gradient(f, COMPILED, x, prep=prep), 6 * x)
+    w.mul_(2)  # a tensor, changed in place: an argument of the compiled graph
+    torch.testing.assert_close(di.gradient(f, COMPILED, x, prep=prep), 12 * x)
