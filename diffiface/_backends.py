@@ -91,12 +91,19 @@ class AutoTorch(Backend):
         cannot be differentiated twice, and on calls "auto" does not time (a module passed as a
         Constant, an aux, an x that carries an outer graph). Complex jvps are forward mode's.
         ``mode="func"`` computes a jvp by ``torch.func.jvp``.
+    compile:
+        ``mode="func"`` only. Each operator's torch.func program compiled by ``torch.compile``
+        (Inductor, one graph, static shapes), second-order operators as one program; a prep's
+        first call compiles (seconds to a minute), later calls of its shapes compile nothing.
+        f must be traceable without graph breaks; results are detached. See
+        docs/engines/torch-compile.md.
     """
 
     name: ClassVar[str] = "torch"
     mode: Literal["autograd", "func"] = "autograd"
     create_graph: bool = False
     jvp: Literal["forward", "reverse", "auto"] = "forward"
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("autograd", "func"):
@@ -120,6 +127,12 @@ class AutoTorch(Backend):
             raise InvalidBackendOptionError(
                 f"AutoTorch(mode='func', jvp={self.jvp!r}): torch.func computes a jvp by torch.func.jvp; "
                 "the jvp option is one of mode='autograd'."
+            )
+        _check_bool(self, "compile", self.compile)
+        if self.compile and self.mode != "func":
+            raise InvalidBackendOptionError(
+                "AutoTorch(compile=True) compiles torch.func programs; use AutoTorch(mode='func', compile=True) "
+                "(autograd mode's double backward cannot go through a compiled graph)."
             )
 
 

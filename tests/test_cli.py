@@ -35,10 +35,10 @@ def _run(args, capsys):
         (["--operators", "gradient,grad"], "gradient_and_hvp"),
         (["--backends", "jax,tensorflow"], "torch-func"),
         (["-j", "0"], "positive"),
-        (["--backends", ""], "choose from jax, torch, torch-autograd, torch-func, autograd, finite_differences, scipy"),
+        (["--backends", ""], "choose from jax, torch, torch-autograd, torch-func, torch-compile, autograd, finite_differences, scipy"),
         (
             ["--backends", ","],
-            "choose from jax, torch, torch-autograd, torch-func, autograd, finite_differences, scipy",
+            "choose from jax, torch, torch-autograd, torch-func, torch-compile, autograd, finite_differences, scipy",
         ),
         (["--operators", ","], "choose from batched_hvp, batched_jvp, batched_vjp, derivative"),
         (["--operators", "derivative", "--scenarios", "sparse"], "operators are hessian, jacobian"),

@@ -34,6 +34,7 @@ import pkgutil
 import re
 import subprocess
 import sys
+import types
 from typing import Any
 
 import pytest
@@ -149,8 +150,12 @@ def _masked(text: str) -> list[str]:
 
 
 @pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=_page_id)
-def test_code_blocks_run(page: pathlib.Path) -> None:
-    namespace: dict[str, Any] = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
+def test_code_blocks_run(page: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the page's blocks run in a module of their own, importable by name as a script's are
+    # (torch.compile imports the module of the functions it traces)
+    module = types.ModuleType(f"docs_{page.stem.replace('-', '_')}")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    namespace: dict[str, Any] = module.__dict__
     for block in _blocks(page):
         where = f"{_page_id(page)}:{block.line}"
         code = compile(

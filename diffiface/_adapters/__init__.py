@@ -157,6 +157,7 @@ _BY_CONFIG: dict[type[Backend], BackendInfo] = {row.config: row for row in BACKE
 _ALIASES: dict[str, Backend] = {
     "torch-func": AutoTorch(mode="func"),
     "torch-autograd": AutoTorch(mode="autograd"),
+    "torch-compile": AutoTorch(mode="func", compile=True),
 }
 _BUILT_IN_NAMES = frozenset({*_BY_NAME, *_ALIASES})
 

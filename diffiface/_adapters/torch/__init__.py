@@ -85,6 +85,13 @@ class _Namespace:
 class Adapter(_base.Adapter):
     xp = _Namespace
 
+    def __new__(cls, backend: Any, info: Any) -> Adapter:
+        if cls is Adapter and getattr(backend, "compile", False):  # AutoTorch(compile=True): _compiled
+            from ._compiled import compiled_adapter
+
+            return super().__new__(compiled_adapter(Adapter))  # type: ignore[return-value]
+        return super().__new__(cls)
+
     def __init__(self, backend: Any, info: Any) -> None:
         super().__init__(backend, info)
         self.functional = backend.mode == "func"

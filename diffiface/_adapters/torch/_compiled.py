@@ -1,0 +1,355 @@
+"""Compiled torch: ``AutoTorch(mode="func", compile=True)``.
+
+Each operator's torch.func program (``grad_and_value``, ``jvp``, ``vjp``, ``jacrev``/``jacfwd``,
+and the second-order ones as one program: ``jvp`` of ``grad``, ``jacfwd`` of ``grad``, ``jvp``
+of ``jvp``) is compiled by ``torch.compile`` (Inductor, ``fullgraph=True``, ``dynamic=False``)
+with f traced inside it. Nothing is differentiated through a compiled graph: a second-order
+operator is one compiled program; a compiled call differentiated from outside (inside an outer
+diffiface call or torch.func transform) is refused; the outer engine of a ``SecondOrder`` over
+this one differentiates the inner gradient uncompiled (:meth:`gradient_function`).
+
+Each prep has programs of its own (fresh code objects, so that one prep's compiled graphs are
+never another's guard failures, nor count against torch's recompile limit). The first call of a
+prep evaluates f once eagerly, for diffiface's checks of f's output, then compiles; later calls
+of the same shapes and dtypes run the compiled program, compiling nothing (a strict prep refuses
+other shapes before the program runs; ``strict=False`` prepares them anew, which compiles).
+The guard of the torch adapter stays around every call, uncompiled: x and the Constants are
+watched and never written, the caller's modes are restored. Results are detached (x's graph, an
+``nn.Parameter``'s, is not kept: a loss on a gradient needs the uncompiled ``mode="func"``).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import func
+
+from ... import tree as _tree
+from ..._backends import AutoTorch
+from ..._errors import UnsupportedOperationError
+from .._base import Adapter as _BaseAdapter
+from .._base import Blocks, Deferred, Fn, Leaves
+from ._duals import _DUALS, _FORWARD_LOCK, _FORWARD_WARMED, _warm_forward
+from ._engine import _for_func, _materialised, _on_one, _tensor_aux
+from ._guard import _CALLS, _guard, _transform_level
+
+__all__ = ["CompiledAdapter"]
+
+
+class _Current(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[_Programs] = []  # the programs of the preps running in this thread, innermost last
+
+
+_CURRENT = _Current()
+
+
+class _Programs:
+    """The compiled programs of one prep, by name, each compiled from a code object of its own;
+    ``warm``: the names whose first call has evaluated f eagerly (diffiface's checks)."""
+
+    __slots__ = ("found", "lock", "warm")
+
+    def __init__(self) -> None:
+        self.found: dict[str, Callable[..., Any]] = {}
+        self.warm: set[str] = set()
+        self.lock = threading.Lock()
+
+    def get(self, name: str, template: Callable[..., Any]) -> Callable[..., Any]:
+        found = self.found.get(name)
+        if found is None:
+            with self.lock:
+                found = self.found.get(name)
+                if found is None:
+                    found = torch.compile(_fresh(template), fullgraph=True, dynamic=False)
+                    self.found[name] = found
+        return found
+
+
+def _fresh(template: Callable[..., Any]) -> Callable[..., Any]:
+    """``template`` with a code object of its own: torch.compile keeps its graphs per code object."""
+    code = template.__code__.replace()
+    fresh = types.FunctionType(code, template.__globals__, template.__name__, template.__defaults__)
+    if code is template.__code__:  # (a copy where replace() gave the same object back)
+        fresh.__code__ = types.CodeType.replace(code, co_name=code.co_name + "_")
+    return fresh
+
+
+# -- the programs (templates: each prep compiles copies of them) -----------------------------------
+# Written for torch.compile to trace: no locks, no checks that return Python values of tensors
+# (the eager warm-up made diffiface's checks); what is not traceable is done around the call.
+
+
+def _gradient(g: Callable[[Any], Any], has_aux: bool, primal: Any) -> Any:
+    if has_aux:
+        grads, (value, aux) = func.grad_and_value(g, has_aux=True)(primal)
+        return value, aux, grads
+    grads, value = func.grad_and_value(g)(primal)
+    return value, None, grads
+
+
+def _pushforward(g: Callable[[Any], Any], has_aux: bool, primals: Any, tangents: Any) -> Any:
+    if has_aux:
+        return func.jvp(g, primals, tangents, has_aux=True)
+    out, tout = func.jvp(g, primals, tangents)  # type: ignore[misc]
+    return out, tout, None
+
+
+def _pullback(g: Callable[[Any], Any], has_aux: bool, primal: Any, touts: Any) -> Any:
+    if has_aux:
+        out, pullback, aux = func.vjp(g, primal, has_aux=True)  # type: ignore[misc]
+    else:
+        (out, pullback), aux = func.vjp(g, primal), None  # type: ignore[misc]
+    return out, aux, pullback(touts)
+
+
+def _jacobian(with_value: Callable[[Any], Any], forward: bool, primal: Any) -> Any:
+    # (the value by f once more, not as the transform's aux, which torch.compile's graph capture
+    # refuses under jacrev; Inductor computes the shared work once)
+    transform = func.jacfwd if forward else func.jacrev
+    return transform(lambda p: with_value(p)[0])(primal), with_value(primal)[1]
+
+
+def _detached(xs: Leaves) -> Leaves:
+    """x's leaves out of any graph they carry (an nn.Parameter's): nothing goes back through a
+    compiled graph."""
+    for x in xs:
+        if x.requires_grad:
+            return tuple(x.detach() for x in xs)
+    return xs
+
+
+def _called(program: Callable[..., Any], *args: Any) -> Any:
+    try:
+        if getattr(program, "compiled_once", False):
+            return program(*args)
+        # the first call compiles: torch's compiler warns of its own deprecations, not the caller's
+        # (f's warnings came in the eager warm-up before it)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            result = program(*args)
+        program.compiled_once = True  # type: ignore[attr-defined]
+        return result
+    except _GRAPH_BREAKS as exc:
+        raise _unsupported(exc) from exc
+
+
+#: What torch.compile raises where f cannot be captured as one graph (``fullgraph=True``), or its
+#: graph not compiled (a tensor of a transform stored where the graph cannot return it: a Cache).
+_GRAPH_BREAKS = tuple(
+    getattr(torch._dynamo.exc, name)
+    for name in ("Unsupported", "UserError", "UncapturedHigherOrderOpError", "BackendCompilerFailed")
+    if hasattr(torch._dynamo.exc, name)
+)
+
+
+def _second(with_aux: Callable[[Any], Any], x: Any) -> Any:
+    # forward over forward mode, the value and aux by f once more: no aux goes through a
+    # transform (torch.compile's graph capture refuses one under nested forward mode)
+    def value(p: Any) -> Any:
+        return with_aux(p)[0]
+
+    def first(p: Any) -> Any:
+        return func.jvp(value, (p,), (torch.ones_like(p),))[1]
+
+    derivative, second = func.jvp(first, (x,), (torch.ones_like(x),))  # type: ignore[misc]
+    return with_aux(x), derivative, second
+
+
+def _unsupported(exc: BaseException) -> UnsupportedOperationError:
+    first = " ".join([line.strip() for line in str(exc).splitlines() if line.strip()][:2]) or type(exc).__name__
+    return UnsupportedOperationError(
+        f"torch.compile could not compile this program as one graph ({type(exc).__name__}: {first}). "
+        "f must be traceable by torch.compile without graph breaks: no .item(), .tolist() or .numpy() "
+        "on a traced tensor, no Python control flow on tensor values, no print; and a vector-valued f "
+        "must return one tensor (diffiface's checks of a pytree output are not compiled). Use "
+        "AutoTorch(mode='func') (uncompiled) for such an f."
+    )
+
+
+def _nested() -> UnsupportedOperationError:
+    return UnsupportedOperationError(
+        "A compiled torch program (AutoTorch(mode='func', compile=True)) is being differentiated from "
+        "outside (an outer diffiface call, a torch.func transform, or another engine over it in a "
+        "SecondOrder): torch cannot differentiate through a compiled graph's backward. Ask the compiled "
+        "backend for the second-order operator itself (hvp, hessian, second_derivative compile as one "
+        "program), or use AutoTorch(mode='func') uncompiled for the inner function."
+    )
+
+
+# -- the adapter -----------------------------------------------------------------------------------
+
+
+class CompiledAdapter:
+    """Mixed into the torch adapter by :func:`compiled_adapter` (no import cycle with it)."""
+
+
+@functools.cache
+def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
+    """The compiled adapter class over torch's ``base`` adapter class (mode="func")."""
+
+    class Compiled(base, CompiledAdapter):  # type: ignore[valid-type,misc]
+        def __init__(self, backend: Any, info: Any) -> None:
+            super().__init__(backend, info)
+            # the uncompiled torch.func adapter whose methods the compiled programs trace
+            self.eager: Any = base(AutoTorch(mode="func"), info)
+
+        # -- per prep: the programs of its own ---------------------------------------------------
+
+        def compile(
+            self, program: Callable[..., Any], static: bool = True, arrays: bool = False, layouts: Any = None
+        ) -> Callable[..., Any]:
+            guarded = _guard(program, True, False)  # (no fused call: the compiled program is the call)
+            programs = _Programs()
+            stack = _CURRENT.stack
+
+            def run(xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
+                stack.append(programs)
+                try:
+                    return guarded(xs, ts, dynamic, static)
+                finally:
+                    stack.pop()
+
+            run.programs = programs  # type: ignore[attr-defined]  # (for the tests: what was compiled)
+            return run
+
+        def _program(self, name: str, template: Callable[..., Any], fn: Fn, xs: Leaves) -> Any:
+            """This call's compiled program ``name``, f evaluated once eagerly before its first
+            call (diffiface's checks of f's output, recorded); None where the call runs outside a
+            prep of its own (another engine's SecondOrder program: uncompiled). A call
+            differentiated from outside is refused."""
+            if len(_CALLS.keep) > 1 or _transform_level() is not None or _DUALS[0]:
+                raise _nested()
+            stack = _CURRENT.stack
+            if not stack:
+                return None
+            programs = stack[-1]
+            if name not in programs.warm:
+                # f once, uncompiled, under a torch.func transform as "torch-func" runs it:
+                # diffiface's checks of its output, and torch.func's refusal of a write into a
+                # Constant (a compiled graph would carry the write out to the caller's tensor)
+                func.vjp(lambda *leaves: fn(leaves)[0], *xs)
+                programs.warm.add(name)
+            return programs.get(name, template)
+
+        def untracked(self, leaf: Any, xs: Leaves) -> bool:
+            # (checked by the eager warm-up: the compiled trace has no duals nor autograd leaves)
+            return False if torch.compiler.is_compiling() else super().untracked(leaf, xs)
+
+        # -- the compiled operators ------------------------------------------------------------
+
+        def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
+            xs = _detached(xs)
+            program = self._program("gradient", _gradient, fn, xs)
+            if program is None:
+                return self.eager.value_and_gradient(fn, xs)  # type: ignore[no-any-return]
+            g, has_aux, rebuild = _for_func(fn, xs)
+            value, aux, grads = _called(program, g, has_aux, xs[0] if len(xs) == 1 else xs)
+            return value, rebuild(aux), _materialised((grads,) if len(xs) == 1 else tuple(grads))
+
+        def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
+            xs = _detached(xs)
+            if not _FORWARD_WARMED[0]:
+                _warm_forward()
+            with _FORWARD_LOCK:
+                program = self._program("pushforward", _pushforward, fn, xs)
+                if program is None:
+                    return self.eager._value_and_pushforward(fn, xs, txs)  # type: ignore[no-any-return]
+                g, has_aux, rebuild = _for_func(fn, xs)
+                primals, tangents = (xs, txs) if len(xs) == 1 else ((xs,), (txs,))
+                out, tout, aux = _called(program, g, has_aux, primals, tangents)
+            # (a tangent has its primal's dtype: torch.func may promote a 0-d one)
+            tout = _tree.map(lambda t, y: t.to(y.dtype) if t.dtype != y.dtype else t, tout, out)
+            return out, rebuild(aux), tout
+
+        def value_and_pushforwards(self, fn: Fn, xs: Leaves, batch: Any) -> tuple[Any, Any, list[Any]]:
+            return _BaseAdapter.value_and_pushforwards(self, fn, xs, batch)  # one compiled jvp per tangent
+
+        def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
+            xs = _detached(xs)
+            program = self._program("pullback", _pullback, fn, xs)
+            if program is None:
+                return self.eager.pullback_function(fn, xs)  # type: ignore[no-any-return]
+            done: list[Any] = []
+
+            def vjp(touts: Any) -> Leaves:
+                g, has_aux, rebuild = _for_func(fn, xs)
+                touts = touts if type(touts) is tuple else (touts,)
+                out, aux, grads = _called(program, g, has_aux, xs[0] if len(xs) == 1 else xs, touts)
+                done[:] = [out, rebuild(aux)]
+                return _materialised((grads[0],) if len(xs) == 1 else tuple(grads[0]))
+
+            def value(i: int) -> Any:
+                if not done:  # (no cotangent came, an empty batch: f's value alone, uncompiled)
+                    done[:] = self.eager.pullback_function(fn, xs)[:2]
+                return done[i]
+
+            return Deferred(lambda: value(0)), Deferred(lambda: value(1)), vjp
+
+        def pullbacks(self, vjp: Callable[[Any], Leaves], xs: Leaves, batch: Any) -> list[Leaves]:
+            return _BaseAdapter.pullbacks(self, vjp, xs, batch)  # one compiled vjp per cotangent
+
+        def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Blocks]:
+            xs = _detached(xs)
+            if any(x.numel() == 0 for x in xs):
+                return self.eager.value_and_jacobian(fn, xs, mode)  # type: ignore[no-any-return]
+            forward = mode == "forward"
+            if not _FORWARD_WARMED[0]:
+                _warm_forward()
+            with _FORWARD_LOCK:
+                program = self._program("jacobian", _jacobian, fn, xs)
+                if program is None:
+                    return self.eager.value_and_jacobian(fn, xs, mode)  # type: ignore[no-any-return]
+                tensor_fn, rebuild = _tensor_aux(fn)
+
+                def with_value(xs_: Leaves) -> tuple[Any, Any]:
+                    out, aux = tensor_fn(xs_)
+                    one = type(out) is tuple and len(out) == 1
+                    return out[0] if one else out, (out, aux)
+
+                if len(xs) == 1:
+                    per_output, (out, aux) = _called(program, _on_one(with_value), forward, xs[0])
+                    blocks: Blocks
+                    if not isinstance(out, tuple):
+                        blocks = (per_output,)
+                    elif len(out) == 1:
+                        blocks = ((per_output,),)
+                    else:
+                        blocks = tuple((block,) for block in per_output)
+                else:
+                    blocks, (out, aux) = _called(program, with_value, forward, xs)
+                    if isinstance(out, tuple) and len(out) == 1:
+                        blocks = (blocks,)
+            return out, rebuild(aux), blocks
+
+        # -- second order: one compiled program over these traceable first-order functions ------
+
+        def gradient_function(self, fn: Fn) -> Fn:
+            def gradient(xs: Leaves) -> tuple[Leaves, tuple[Any, Any]]:
+                g, has_aux, rebuild = _for_func(fn, xs)
+                value, aux, grads = _gradient(g, has_aux, xs[0] if len(xs) == 1 else xs)
+                return ((grads,) if len(xs) == 1 else tuple(grads)), (value, rebuild(aux))
+
+            return gradient
+
+        def value_derivative_and_second_derivative(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any, Any]:
+            xs = _detached(xs)
+            if not _FORWARD_WARMED[0]:
+                _warm_forward()
+            with _FORWARD_LOCK:
+                program = self._program("second", _second, fn, xs)
+                if program is None:
+                    return self.eager.value_derivative_and_second_derivative(fn, xs)  # type: ignore[no-any-return]
+                tensor_fn, rebuild = _tensor_aux(fn)
+                (out, aux), first, second = _called(program, _on_one(tensor_fn), xs[0])
+            return out, rebuild(aux), first, second
+
+    Compiled.__name__ = Compiled.__qualname__ = "Adapter"
+    return Compiled

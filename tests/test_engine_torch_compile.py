@@ -1,0 +1,220 @@
+"""Compiled torch, ``AutoTorch(mode="func", compile=True)`` ("torch-compile").
+
+It is not in tests/conftest.py's FIRST_ORDER (that table takes one backend per torch *mode*;
+``compile`` is an option, not a mode), so the parametrised suite does not compile every
+scenario. The tests below compile a few programs on purpose, each a first compile of seconds:
+a gradient with a Constant (float64, the contract, no recompile, a new shape refused), a vjp and
+a jvp, a Jacobian, an hvp, a Hessian and a second derivative as one program each, the torch.nn
+recipe, a closure changed between calls (compiled anew, never stale), and the refusals (a
+compiled call differentiated from outside, a graph break, a Cache holding a traced tensor, a
+write into x or a Constant).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import diffiface as di
+
+torch = pytest.importorskip("torch")
+from torch._dynamo.utils import counters  # noqa: E402
+
+from tests.conftest import FIRST_ORDER  # noqa: E402
+
+COMPILED = di.AutoTorch(mode="func", compile=True)
+
+
+def graphs() -> int:
+    return int(counters["stats"]["unique_graphs"])
+
+
+# -- the option: no compile needed -------------------------------------------------------------
+
+
+def test_compile_is_an_option_of_func_mode_only() -> None:
+    with pytest.raises(di.InvalidBackendOptionError, match="mode='func', compile=True"):
+        di.AutoTorch(compile=True)
+    with pytest.raises(di.InvalidBackendOptionError):
+        di.AutoTorch(mode="func", compile="yes")  # type: ignore[arg-type]
+    assert di.AutoTorch(mode="func", compile=True) == COMPILED
+
+
+def test_named_torch_compile_but_not_in_every_parametrised_test() -> None:
+    from diffiface._adapters import normalize
+    from diffiface.test.__main__ import _DEFAULT
+
+    assert normalize("torch-compile") == COMPILED
+    assert not any(getattr(b, "compile", False) for b in FIRST_ORDER.values())
+    assert "torch-compile" not in _DEFAULT  # the main job compiles it only when asked
+
+
+# -- compiled programs (each test compiles a few) -----------------------------------------------
+
+
+def _f(x, w):
+    return torch.sum(torch.tanh(x * w) * x)
+
+
+def _expected_gradient(x, w):
+    t = torch.tanh(x * w)
+    return t + x * w * (1 - t**2)
+
+
+def test_gradient_contract_and_no_recompile() -> None:
+    x = torch.linspace(-1, 1, 10, dtype=torch.float64)
+    w = torch.linspace(0.5, 2, 10, dtype=torch.float64)
+    x0, w0 = x.clone(), w.clone()
+    prep = di.prepare_gradient(_f, COMPILED, x, di.Constant(w))
+    g = di.gradient(_f, COMPILED, x, di.Constant(w), prep=prep)  # the first call compiles
+    assert g.dtype == torch.float64 and type(g) is torch.Tensor and not g.requires_grad
+    torch.testing.assert_close(g, _expected_gradient(x, w), rtol=1e-12, atol=1e-12)
+    before = graphs()
+    for k in range(3):  # new values, same shapes: nothing compiles
+        x2, w2 = x + k, w * (k + 1)
+        torch.testing.assert_close(
+            di.gradient(_f, COMPILED, x2, di.Constant(w2), prep=prep),
+            _expected_gradient(x2, w2),
+            rtol=1e-12,
+            atol=1e-12,
+        )
+    assert graphs() == before
+    assert torch.equal(x, x0) and torch.equal(w, w0)
+    with pytest.raises(di.PreparationMismatchError):  # a strict prep refuses another shape
+        di.gradient(_f, COMPILED, torch.ones(11, dtype=torch.float64), di.Constant(torch.ones(11)), prep=prep)
+
+
+def test_first_order_products_and_jacobian() -> None:
+    x = torch.linspace(-1, 1, 6, dtype=torch.float64)
+    w = torch.linspace(0.5, 2, 6, dtype=torch.float64)
+    v = torch.linspace(1, 2, 6, dtype=torch.float64)
+
+    def g(x, w):
+        return torch.sin(x) * w
+
+    J = torch.diag(torch.cos(x) * w)
+    torch.testing.assert_close(di.jvp(g, COMPILED, x, v, di.Constant(w)), J @ v)
+    torch.testing.assert_close(di.vjp(g, COMPILED, x, v, di.Constant(w)), J.T @ v)
+    jac = di.jacobian(g, COMPILED, x, di.Constant(w))
+    assert jac.dtype == torch.float64
+    torch.testing.assert_close(jac, J)
+
+
+def test_second_order_is_one_compiled_program() -> None:
+    x = torch.linspace(-1, 1, 5, dtype=torch.float64)
+    v = torch.linspace(1, 2, 5, dtype=torch.float64)
+
+    def f(x):
+        return torch.sum(torch.sin(x) * x)
+
+    H = torch.diag(2 * torch.cos(x) - x * torch.sin(x))
+    prep = di.prepare_hvp(f, COMPILED, x, v)
+    torch.testing.assert_close(di.hvp(f, COMPILED, x, v, prep=prep), H @ v)
+    before = graphs()
+    torch.testing.assert_close(
+        di.hvp(f, COMPILED, x + 1, v, prep=prep), torch.diag(2 * torch.cos(x + 1) - (x + 1) * torch.sin(x + 1)) @ v
+    )
+    assert graphs() == before
+    torch.testing.assert_close(di.hessian(f, COMPILED, x), H)
+    s = torch.tensor(0.3, dtype=torch.float64)
+    d2 = di.second_derivative(lambda s: torch.sin(s) * s, COMPILED, s)
+    assert d2.dtype == torch.float64
+    torch.testing.assert_close(d2, 2 * torch.cos(s) - s * torch.sin(s))
+
+
+def test_second_order_over_a_compiled_program_is_refused() -> None:
+    x = torch.linspace(-1, 1, 4, dtype=torch.float64)
+
+    def f(x):
+        return torch.sum(torch.sin(x) * x)
+
+    def outer(x):  # a compiled call inside a function that torch.func differentiates
+        return torch.sum(di.gradient(f, COMPILED, x) ** 2)
+
+    with pytest.raises(di.UnsupportedOperationError, match="differentiated from outside"):
+        di.gradient(outer, "torch-func", x)
+    # an outer torch.func engine over it differentiates the inner gradient uncompiled: right, not compiled
+    over = di.SecondOrder(di.AutoTorch(mode="func"), COMPILED)
+    H = torch.diag(2 * torch.cos(x) - x * torch.sin(x))
+    torch.testing.assert_close(di.hvp(f, over, x, torch.ones_like(x)), H @ torch.ones_like(x))
+
+
+def test_a_graph_break_is_refused_clearly() -> None:
+    def f(x):
+        y = torch.sin(x)
+        torch._dynamo.graph_break()  # (what code torch.compile cannot trace causes)
+        return torch.sum(y**2)
+
+    with pytest.raises(di.UnsupportedOperationError, match=r"torch\.compile could not compile"):
+        di.gradient(f, COMPILED, torch.linspace(-1, 1, 4, dtype=torch.float64))
+
+    def keeps(x, cache):  # a traced tensor stored in a Cache: the graph cannot return it
+        y = torch.sum(torch.sin(x) * x)
+        cache["last"] = y
+        return y
+
+    with pytest.raises(di.UnsupportedOperationError, match=r"torch\.compile could not compile"):
+        di.gradient(keeps, COMPILED, torch.linspace(-1, 1, 4, dtype=torch.float64), di.Cache({}))
+
+
+def test_torch_nn_recipe_compiled() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+    params = dict(model.named_parameters())
+    before = {k: p.detach().clone() for k, p in params.items()}
+    batch = (torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64))
+
+    def loss(params, model, batch):
+        inputs, targets = batch
+        return ((torch.func.functional_call(model, params, (inputs,)) - targets) ** 2).mean()
+
+    prep = di.prepare_gradient(loss, "torch-compile", params, di.Constant(model), di.Constant(batch))
+    grads = di.gradient(loss, "torch-compile", params, di.Constant(model), di.Constant(batch), prep=prep)
+    expected = di.gradient(loss, "torch-func", params, di.Constant(model), di.Constant(batch))
+    assert grads.keys() == params.keys()
+    for name in params:
+        assert grads[name].dtype == torch.float64 and not grads[name].requires_grad
+        torch.testing.assert_close(grads[name], expected[name], rtol=1e-10, atol=1e-12)
+        assert torch.equal(params[name].detach(), before[name])
+    assert all(p.grad is None for p in model.parameters())
+    compiled = graphs()
+    batch2 = (batch[0] + 1, batch[1])  # a new batch of the same shapes: nothing compiles
+    grads2 = di.gradient(loss, "torch-compile", params, di.Constant(model), di.Constant(batch2), prep=prep)
+    expected2 = di.gradient(loss, "torch-func", params, di.Constant(model), di.Constant(batch2))
+    for name in params:
+        torch.testing.assert_close(grads2[name], expected2[name], rtol=1e-10, atol=1e-12)
+    assert graphs() == compiled
+
+
+def test_a_write_into_x_or_a_constant_leaves_them_intact() -> None:
+    x = torch.linspace(-1, 1, 4, dtype=torch.float64)
+    w = torch.linspace(1, 2, 4, dtype=torch.float64)
+    x0, w0 = x.clone(), w.clone()
+
+    def writes_x(x, w):
+        x.mul_(2)
+        return torch.sum(x * w)
+
+    def writes_w(x, w):
+        w.add_(1)
+        return torch.sum(x * w)
+
+    for f in (writes_x, writes_w):
+        with pytest.raises((di.MutationError, RuntimeError)):
+            di.gradient(f, COMPILED, x, di.Constant(w))
+        assert torch.equal(x, x0) and torch.equal(w, w0)
+
+
+def test_what_f_closes_over_is_never_stale() -> None:
+    x = torch.linspace(-1, 1, 4, dtype=torch.float64)
+    state = {"k": 2.0}
+    w = torch.ones(4, dtype=torch.float64)
+
+    def f(x):
+        return torch.sum(state["k"] * x**2 * w)
+
+    prep = di.prepare_gradient(f, COMPILED, x)
+    torch.testing.assert_close(di.gradient(f, COMPILED, x, prep=prep), 4 * x)
+    state["k"] = 3.0  # a Python number: torch.compile's guard sees it and compiles anew
+    torch.testing.assert_close(di.gradient(f, COMPILED, x, prep=prep), 6 * x)
+    w.mul_(2)  # a tensor, changed in place: an argument of the compiled graph
+    torch.testing.assert_close(di.gradient(f, COMPILED, x, prep=prep), 12 * x)
