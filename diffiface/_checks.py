@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -14,13 +14,9 @@ from . import tree as _tree
 from ._adapters import info
 from ._adapters._base import Adapter
 from ._backends import Backend, SecondOrder
-from ._call import _ARRAY_KINDS, _LEAF, OPERATORS, Call, Operator, _DynamicView, _path
+from ._call import _ARRAY_KINDS, _LEAF, OPERATORS, Call, Operator, _DynamicView, _Output, _path
 from ._errors import ArrayTypeError, InvalidInputError, InvalidOutputError, TangentMismatchError
 from ._prep import Signature
-
-if TYPE_CHECKING:  # (_programs builds on these checks)
-    from ._programs import _Output
-
 
 # -- the call itself -----------------------------------------------------------------------------
 

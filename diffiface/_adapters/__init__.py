@@ -17,7 +17,6 @@ import dataclasses
 import importlib
 import importlib.util
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._backends import (
@@ -32,6 +31,7 @@ from .._backends import (
     SecondOrder,
 )
 from .._errors import BackendUnavailableError, DiffifaceError, UnknownBackendError
+from ._row import BackendInfo
 
 if TYPE_CHECKING:
     from ._base import Adapter
@@ -48,41 +48,6 @@ __all__ = [
     "normalize",
     "rows",
 ]
-
-
-@dataclass(frozen=True)
-class BackendInfo:
-    """One row of the registry."""
-
-    name: str
-    config: type[Backend]
-    module: str
-    requires: tuple[str, ...]
-    extra: str | None
-    forward_mode: bool
-    reverse_mode: bool
-    native: frozenset[str]
-    """Operators the adapter computes itself (the methods it overrides); the others are derived
-    in ``_base``. tests/test_backends.py compares this with each adapter's methods."""
-    arrays: str = "numpy"
-    """The arrays the engine differentiates and calls ``f`` with: ``"jax"``, ``"torch"``,
-    ``"numpy"`` (autograd traces numpy code), or ``"any"`` (the input's own array type,
-    whatever framework it is: the black-box engines)."""
-    complex_convention: str = "split"
-    """How the engine differentiates complex numbers (diffiface._complex converts, once):
-    ``"torch"``, its gradient and vjp are the convention already; ``"conjugate"``, its gradient
-    is the conjugate and its vjp ``conj(vjp(conj(ybar)))`` of the convention's (jax, autograd);
-    ``"split"``, it differentiates real numbers only and sees a complex leaf as its real and
-    imaginary parts (the black boxes)."""
-    jit: bool = False
-    reverse_first: bool = False
-    """Whether its reverse products cost less than its forward ones (autograd's forward mode
-    is two reverse passes; torch's runs decompositions): a sparse Jacobian takes rows on a tie."""
-
-    @property
-    def any_array_type(self) -> bool:
-        """True when ``f`` is called with the input's own array type, whatever framework it is."""
-        return self.arrays == "any"
 
 
 _FIRST = frozenset({"pushforward", "pullback", "gradient"})
