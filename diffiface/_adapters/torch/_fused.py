@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from torch import func
 
-from ... import _arrays
 from ..._errors import MutationError
 from .._base import Fn, Leaves
 from ._dtensor import _cotangents, _placed
@@ -36,6 +35,7 @@ from ._guard import (
     _mutation,
     _named_capture,
     _Names,
+    _out_of_graph,
     _requires_grad,
     _requiring,
     _transform_level,
@@ -122,7 +122,7 @@ class _Gradient:
             result = self.engine(inputs, xs, ts, f, context_values)
         except BaseException as exc:
             refusal = _after_failure(
-                exc, stack, True, False, inputs, versions, constants, None, self.names, not self.functional
+                exc, stack, True, inputs, versions, constants, None, self.names, not self.functional
             )
             if refusal is None and type(exc) is _CapturedWrite:
                 refusal = _named_capture(
@@ -134,7 +134,6 @@ class _Gradient:
         stack.pop()
         if not torch.is_grad_enabled():  # f switched it off (torch.set_grad_enabled) and did not switch back
             torch.set_grad_enabled(True)
-        _arrays.graph_state.keep = False
         dirty = list(map(_version, inputs)) != versions
         for _, tensor, version in constants:  # (a loop, not a generator: this runs on every call)
             dirty = dirty or tensor._version != version
@@ -165,7 +164,8 @@ class _Gradient:
             grads = _whole(torch.autograd.grad((value,), inputs, allow_unused=True), inputs)
         else:
             grads = _grad([], inputs)
-        return (value, grads) if fused.value else (grads,)
+        # (a fused call keeps no graph: f's value out of it; grads carry none without create_graph)
+        return (value.detach(), grads) if fused.value else (grads,)
 
 
 class _Pullback(_Gradient):
@@ -202,7 +202,7 @@ class _Pullback(_Gradient):
             grads = pullback(touts[0] if bare else touts)[0]
             if single:
                 grads = (grads,)
-            return (out, grads) if fused.value else (grads,)
+            return _out_of_graph((out, grads) if fused.value else (grads,))  # (a fused call keeps no graph)
         grads = _backward(outs, touts, inputs)
         return (_detached(out, False), grads) if fused.value else (grads,)
 
@@ -260,7 +260,7 @@ class _Pushforward(_Gradient):
         if list(map(_version, tangents)) != versions:
             # (the tangent f reaches through its dual input: a write changes the derivative itself)
             raise MutationError(f"f wrote in place into the tangent of its input (forward mode). {_FIX}")
-        return (primals, outs) if fused.value else (outs,)
+        return _out_of_graph((primals, outs) if fused.value else (outs,))  # (a fused call keeps no graph)
 
     def by_pullbacks(
         self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves
@@ -276,7 +276,7 @@ class _Pushforward(_Gradient):
         leaves = tuple(map(_requiring, inputs))  # (copies: leaves, made to require grad in place)
         out, _ = fused.close(f, context_values, xs[0])(leaves)
         primals, outs = _pushed_by_pullbacks(out, leaves, ts, inputs, versions)
-        return (primals, outs) if fused.value else (outs,)
+        return _out_of_graph((primals, outs) if fused.value else (outs,))  # (a fused call keeps no graph)
 
     def choose(self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves) -> Any:
         """The first call's product, and the way of every later call's: forward mode, unless
@@ -367,8 +367,8 @@ class _Hvp(_Gradient):
         # through unchanged would be the caller's tangent)
         hvps = _backward(grads, tuple(map(_clone, ts)), inputs)
         if self.fused.value:  # the gradient too
-            return tuple(map(torch.Tensor.detach, _placed(grads, inputs))), hvps
-        return (hvps,)
+            return tuple(map(torch.Tensor.detach, _placed(grads, inputs))), _out_of_graph(hvps)
+        return (_out_of_graph(hvps),)  # (a fused call keeps no graph)
 
 
 _FUSED = {
