@@ -145,7 +145,7 @@ def _arguments(
     op = OPERATORS[name]
     _check_call(op, f, has_aux)
     engine = normalize(backend)
-    sparse = type(engine) is AutoSparse
+    sparse = isinstance(engine, AutoSparse)
     if sparse and name not in AutoSparse.operators:  # its other operators are its engine's
         engine, sparse = engine.backend, False  # type: ignore[attr-defined]
     # (a sparsity pattern is detected for the values of the contexts' other leaves)

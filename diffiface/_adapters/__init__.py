@@ -20,7 +20,6 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from .._backends import (
-    LATER,
     AutoAutograd,
     AutoFiniteDifferences,
     AutoJAX,
@@ -268,9 +267,6 @@ def _load(point: Any) -> BackendInfo:
     except Exception as exc:
         raise refuse(f"gives the config {config.__name__}, which cannot be made with no arguments ({exc}).") from exc
     return row
-
-
-LATER.normalize = normalize  # (AutoSparse("torch") takes a name)
 
 
 def info(backend: Backend | str) -> BackendInfo:
