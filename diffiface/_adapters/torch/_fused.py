@@ -35,7 +35,6 @@ from ._guard import (
     _mutation,
     _named_capture,
     _Names,
-    _out_of_graph,
     _requires_grad,
     _requiring,
     _transform_level,
@@ -202,7 +201,9 @@ class _Pullback(_Gradient):
             grads = pullback(touts[0] if bare else touts)[0]
             if single:
                 grads = (grads,)
-            return _out_of_graph((out, grads) if fused.value else (grads,))  # (a fused call keeps no graph)
+            # (a fused call keeps no graph: out of it, what carries a Constant's that requires grad)
+            grads = tuple(map(torch.Tensor.detach, grads))
+            return (tuple(map(torch.Tensor.detach, out)), grads) if fused.value else (grads,)
         grads = _backward(outs, touts, inputs)
         return (_detached(out, False), grads) if fused.value else (grads,)
 
@@ -260,7 +261,9 @@ class _Pushforward(_Gradient):
         if list(map(_version, tangents)) != versions:
             # (the tangent f reaches through its dual input: a write changes the derivative itself)
             raise MutationError(f"f wrote in place into the tangent of its input (forward mode). {_FIX}")
-        return _out_of_graph((primals, outs) if fused.value else (outs,))  # (a fused call keeps no graph)
+        # (a fused call keeps no graph: out of it, what carries a Constant's that requires grad)
+        outs = tuple(map(torch.Tensor.detach, outs))
+        return (tuple(map(torch.Tensor.detach, primals)), outs) if fused.value else (outs,)
 
     def by_pullbacks(
         self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves
@@ -276,7 +279,7 @@ class _Pushforward(_Gradient):
         leaves = tuple(map(_requiring, inputs))  # (copies: leaves, made to require grad in place)
         out, _ = fused.close(f, context_values, xs[0])(leaves)
         primals, outs = _pushed_by_pullbacks(out, leaves, ts, inputs, versions)
-        return _out_of_graph((primals, outs) if fused.value else (outs,))  # (a fused call keeps no graph)
+        return (primals, outs) if fused.value else (outs,)
 
     def choose(self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves) -> Any:
         """The first call's product, and the way of every later call's: forward mode, unless
@@ -367,8 +370,8 @@ class _Hvp(_Gradient):
         # through unchanged would be the caller's tangent)
         hvps = _backward(grads, tuple(map(_clone, ts)), inputs)
         if self.fused.value:  # the gradient too
-            return tuple(map(torch.Tensor.detach, _placed(grads, inputs))), _out_of_graph(hvps)
-        return (_out_of_graph(hvps),)  # (a fused call keeps no graph)
+            return tuple(map(torch.Tensor.detach, _placed(grads, inputs))), hvps
+        return (hvps,)
 
 
 _FUSED = {
