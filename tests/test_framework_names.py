@@ -34,7 +34,6 @@ NOT_YET_CLEANED = (
     "_bridges/jax.py",
     "_bridges/torch.py",
     "_call.py",
-    "_checks.py",
     "_complex.py",
     "_keys.py",
     "_placement.py",

@@ -25,7 +25,12 @@ has:
   was (shape, dtype, device, layout; None: the class says all);
 - ``leaves_test(leaves)``, a test of a list of leaves all of the family, read inline (None:
   none faster than leaf by leaf);
-- ``jit_checked(leaf)``, whether a jit-compiled program checks the leaf itself.
+- ``jit_checked(leaf)``, whether a jit-compiled program checks the leaf itself;
+- ``x_refusal(leaf)``, why a leaf of x has nothing to differentiate at (None: it has values);
+- ``values(leaf)``, its values as numpy, also of a leaf inside an engine's transform;
+- ``opened(result)``, f's output with the containers its trace holds opened (a passed-through
+  family's; else ``result``);
+- ``traced(leaf)``, the value one of its leaves traces (a passed-through family's; else ``leaf``).
 
 ``as_numpy`` is the converter of a leaf of any family to numpy (:func:`diffiface._arrays.to_numpy`),
 passed in since a family knows no other family.
@@ -87,6 +92,14 @@ class Family(Protocol):
     def leaves_test(self, leaves: list[Any]) -> Callable[[list[Any]], bool] | None: ...
 
     def jit_checked(self, leaf: Any) -> bool: ...
+
+    def x_refusal(self, leaf: Any) -> str | None: ...
+
+    def values(self, leaf: Any) -> np.ndarray: ...
+
+    def opened(self, result: Any) -> Any: ...
+
+    def traced(self, leaf: Any) -> Any: ...
 
 
 FAMILIES: tuple[Family, ...] = (numpy, python, torch, jax, autograd)

@@ -9,6 +9,7 @@ from typing import Any, Final
 import numpy as np
 
 from .. import _placement
+from ._shared import no_refusal, unopened, untraced
 
 NAME: Final = "jax"
 ARRAY: Final = True
@@ -183,3 +184,11 @@ def leaves_test(leaves: list[Any]) -> Callable[[list[Any]], bool] | None:
 
 _SELF = sys.modules[__name__]
 """This module, as the family a value is compared with."""
+
+
+values = to_numpy
+"""Its values as numpy (:func:`to_numpy`)."""
+
+x_refusal = no_refusal
+opened = unopened
+traced = untraced

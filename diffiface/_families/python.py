@@ -7,6 +7,8 @@ from typing import Any, Final
 
 import numpy as np
 
+from ._shared import no_refusal, unopened, untraced
+
 NAME: Final = "python"
 ARRAY: Final = False
 PASSED_THROUGH: Final = False
@@ -73,3 +75,11 @@ def leaves_test(leaves: list[Any]) -> None:
 
 def jit_checked(leaf: Any) -> bool:
     return False
+
+
+values = to_numpy
+"""Its values as numpy (:func:`to_numpy`)."""
+
+x_refusal = no_refusal
+opened = unopened
+traced = untraced

@@ -9,7 +9,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from ._shared import MetaLeaves
+from ._shared import MetaLeaves, unopened, untraced
 
 NAME: Final = "torch"
 ARRAY: Final = True
@@ -116,3 +116,23 @@ def jit_checked(leaf: Any) -> bool:
 
 _SELF = sys.modules[__name__]
 """This module, as the family a value is compared with."""
+
+
+def x_refusal(leaf: Any) -> str | None:
+    """Why ``leaf``, a leaf of x, has nothing to differentiate at; None where it has values."""
+    if leaf.is_meta:
+        return (
+            "is a meta tensor, which has a shape but no values to differentiate at. Create it "
+            "on a real device (torch.ones(..., device='cpu'))."
+        )
+    return None
+
+
+def values(leaf: Any) -> np.ndarray:
+    """Its values as numpy, read through ``tolist`` (a torch.func tensor has no storage for
+    numpy to read)."""
+    return np.asarray(leaf.detach().tolist())
+
+
+opened = unopened
+traced = untraced
