@@ -18,7 +18,6 @@ from ._backends import AutoAutograd as AutoAutograd
 from ._backends import AutoFiniteDifferences as AutoFiniteDifferences
 from ._backends import AutoJAX as AutoJAX
 from ._backends import AutoScipy as AutoScipy
-from ._backends import AutoSparse as AutoSparse
 from ._backends import AutoTorch as AutoTorch
 from ._backends import Backend as Backend
 from ._backends import SecondOrder as SecondOrder
@@ -88,6 +87,7 @@ from ._operators import value_derivative_and_second_derivative as value_derivati
 from ._operators import value_gradient_and_hessian as value_gradient_and_hessian
 from ._operators import vjp as vjp
 from ._prep import Prep as Prep
+from ._sparse_operators import AutoSparse as AutoSparse
 from ._tangents import Tangents as Tangents
 from ._torch_module import functional as functional
 

@@ -17,7 +17,6 @@ from ._families import Kind as Kind  # (named by the modules that type a kind)
 from ._families import by_kind as by_kind
 from ._families.numpy import in_native_byte_order as in_native_byte_order
 from ._families.numpy import native_dtype as native_dtype
-from ._families.torch import graph_state as graph_state  # (set by the torch adapter, read by results)
 
 _KIND_BY_TYPE: dict[type, Kind] = {}
 

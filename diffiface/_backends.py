@@ -297,21 +297,6 @@ class SecondOrder(Backend):
 _SPARSE_COLORINGS = ("auto", "column", "row", "bidirectional")
 
 
-class _Later:
-    """What AutoSparse's checks need of the layers above this module, set when those are
-    imported (``import diffiface`` imports them all), so that this one imports none of them:
-    a backend from its name (``diffiface._adapters``), and the detectors, the default detector
-    and the coloring orders of ``diffiface.sparse`` (``diffiface._sparse_operators``)."""
-
-    normalize: Callable[[Any], Backend]
-    default_detector: Callable[[], Any]
-    detectors: tuple[type, ...] = ()
-    orders: tuple[str, ...] = ()
-
-
-LATER = _Later()
-
-
 @dataclass(frozen=True)
 class AutoSparse(Backend):
     """Sparse Jacobians and Hessians from ``backend``: detect the pattern, color it, and
@@ -364,31 +349,18 @@ class AutoSparse(Backend):
     check: bool = False
 
     def __post_init__(self) -> None:
+        # (the public class, diffiface.AutoSparse in _sparse_operators, takes a backend's name and
+        # checks the detector and the order first: both are known above this module)
         backend = self.backend
-        if isinstance(backend, str):
-            backend = LATER.normalize(backend)
-            object.__setattr__(self, "backend", backend)
         if not isinstance(backend, Backend) or isinstance(backend, AutoSparse):
             raise InvalidBackendOptionError(
                 f"AutoSparse(backend={backend!r}): the backend must be a backend object or name such as "
                 "AutoJAX() or 'torch' (not another AutoSparse)."
             )
-        if self.detector is None:
-            object.__setattr__(self, "detector", LATER.default_detector())
-        if not isinstance(self.detector, LATER.detectors):
-            raise InvalidBackendOptionError(
-                f"AutoSparse(detector={self.detector!r}): the detector must be diffiface.sparse.GlobalDetector(), "
-                "LocalDetector() or KnownPattern(pattern)."
-            )
         if self.coloring not in _SPARSE_COLORINGS:
             raise InvalidBackendOptionError(
                 f"AutoSparse(coloring={self.coloring!r}) is not a coloring; choose one of "
                 f"{', '.join(map(repr, _SPARSE_COLORINGS))}."
-            )
-        if not isinstance(self.order, str) or self.order not in LATER.orders:
-            raise InvalidBackendOptionError(
-                f"AutoSparse(order={self.order!r}) is not a coloring order; choose one of "
-                f"{', '.join(map(repr, LATER.orders))}."
             )
         _check_bool(self, "dense", self.dense)
         _check_bool(self, "check", self.check)

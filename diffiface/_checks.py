@@ -3,9 +3,8 @@ prep is made; output leaves the first time each (type, dtype) is seen."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -14,13 +13,9 @@ from . import tree as _tree
 from ._adapters import info
 from ._adapters._base import Adapter
 from ._backends import Backend, SecondOrder
-from ._call import _ARRAY_KINDS, _LEAF, OPERATORS, Call, Operator, _DynamicView, _path
+from ._call import _ARRAY_KINDS, _LEAF, OPERATORS, Call, Operator, _DynamicView, _Output, _path
 from ._errors import ArrayTypeError, InvalidInputError, InvalidOutputError, TangentMismatchError
 from ._prep import Signature
-
-if TYPE_CHECKING:  # (_programs builds on these checks)
-    from ._programs import _Output
-
 
 # -- the call itself -----------------------------------------------------------------------------
 
@@ -82,11 +77,9 @@ def _check_x(op: Operator, backend: Backend, any_array_type: bool, call: Call) -
                 "are. Pass other values as di.Constant(...)."
             )
         kinds.add(kind)
-        if kind == "torch" and leaf.is_meta:
-            raise InvalidInputError(
-                f"x{path} is a meta tensor, which has a shape but no values to differentiate at. Create it "
-                "on a real device (torch.ones(..., device='cpu'))."
-            )
+        refusal = _arrays.by_kind(kind).x_refusal(leaf)
+        if refusal is not None:
+            raise InvalidInputError(f"x{path} {refusal}")
         if not _arrays.is_float_dtype(dtype) and not _complex.is_complex_dtype(dtype):
             raise InvalidInputError(
                 f"x{path} has dtype {dtype}; only floating-point and complex (complex64, complex128) inputs "
@@ -100,21 +93,22 @@ def _check_x(op: Operator, backend: Backend, any_array_type: bool, call: Call) -
                 "Cast x to float32 or float64 for finite differences."
             )
     family = _arrays.family(kinds)
-    if "autograd" in kinds and not _autograd_only(backend):
-        # autograd's traced arrays (an outer autograd call differentiates through this one):
-        # only autograd can carry its trace on; another engine would read plain numbers
-        raise ArrayTypeError(
-            f"x holds arrays traced by autograd (ArrayBox): an autograd computation is "
-            f"differentiating through this call, which the {backend.name} backend cannot trace. "
-            "Use the autograd backend for this inner call (autograd nests in itself), or call it "
-            "outside the autograd computation."
-        )
+    for traced in sorted(kinds & _TRACED):
+        if not _traced_by(backend, traced):
+            # arrays an outer engine traces (its call differentiates through this one): only
+            # that engine can carry its trace on; another engine would read plain numbers
+            raise ArrayTypeError(
+                f"x holds arrays traced by {traced} (its boxes): a {traced} computation is "
+                f"differentiating through this call, which the {backend.name} backend cannot trace. "
+                f"Use the {traced} backend for this inner call ({traced} nests in itself), or call it "
+                f"outside the {traced} computation."
+            )
     if family == "other":
         raise ArrayTypeError(
             f"x mixes arrays of several frameworks ({', '.join(sorted(kinds - {'python'}))}); use one "
             "framework for all leaves of x."
         )
-    if not any_array_type and family not in ("python", "numpy", "autograd", backend_family(backend)):
+    if not any_array_type and family not in _ANY_ENGINE and family != backend_family(backend):
         raise ArrayTypeError(
             f"x holds {family} arrays, but the {backend.name} backend differentiates "
             f"{backend_family(backend)} arrays. Pass {_pass_arrays(backend)}, or use the "
@@ -129,29 +123,40 @@ def _check_x(op: Operator, backend: Backend, any_array_type: bool, call: Call) -
         )
 
 
-def _autograd_only(backend: Backend) -> bool:
-    """True when autograd does all the work, so that autograd's traced arrays may come in."""
+_NUMPY = _arrays.kind_of_type(np.ndarray)
+_PYTHON = _arrays.kind_of_type(float)
+_TRACED = frozenset(family.NAME for family in _arrays.BY_KIND.values() if family.PASSED_THROUGH)
+"""The families of values an enclosing engine's trace holds (autograd's boxes)."""
+_PLAIN = frozenset({_PYTHON, _NUMPY})
+"""The families every engine takes: Python numbers and numpy arrays."""
+_ANY_ENGINE = _PLAIN | _TRACED
+"""The families of x no engine refuses by its array type (a traced one is refused by name)."""
+
+
+def _traced_by(backend: Backend, traced: str) -> bool:
+    """True when the engine named as the family ``traced`` does all the work, so that the
+    values its trace holds may come in (an engine carries its own trace on)."""
     if isinstance(backend, SecondOrder):
-        return _autograd_only(backend.outer) and _autograd_only(backend.inner)
-    return backend.name == "autograd"
+        return _traced_by(backend.outer, traced) and _traced_by(backend.inner, traced)
+    return backend.name == traced
 
 
 def backend_family(backend: Backend) -> str:
     """The arrays the engine differentiates, from the registry (numpy for the black boxes)."""
     arrays = info(backend).arrays
-    return "numpy" if arrays == "any" else arrays
+    return _NUMPY if arrays == "any" else arrays
 
 
 def _pass_arrays(backend: Backend) -> str:
     family = backend_family(backend)
-    return "numpy arrays" if family == "numpy" else f"numpy or {family} arrays"
+    return f"{_NUMPY} arrays" if family == _NUMPY else f"{_NUMPY} or {family} arrays"
 
 
 def _check_tangent_kinds(op: Operator, backend: Backend, any_array_type: bool, call: Call) -> None:
     """A tangent's leaves are Python numbers, numpy arrays, or arrays of x's framework (of the
     backend's for an engine that takes one framework): never another framework's."""
     x_family = _arrays.family({_arrays.kind(leaf) for leaf in call.x_leaves})
-    allowed = {"python", "numpy", x_family}
+    allowed: set[str] = {*_PLAIN, x_family}
     if not any_array_type:
         allowed.add(backend_family(backend))
     role = "tangent" if op.tangent == "x" else "cotangent"
@@ -163,7 +168,7 @@ def _check_tangent_kinds(op: Operator, backend: Backend, any_array_type: bool, c
     for path, leaf in zip(call.signature.tangent_spec.paths(), call.tangent_leaves, strict=True):
         kind = _arrays.kind(leaf)
         if kind not in allowed:
-            wanted = dict.fromkeys(("numpy", x_family if x_family != "python" else backend_family(backend)))
+            wanted = dict.fromkeys((_NUMPY, x_family if x_family != _PYTHON else backend_family(backend)))
             raise ArrayTypeError(
                 f"The {role}{_path(path)} of {op.name} is {kind} ({type(leaf).__name__}), but x holds "
                 f"{x_family} arrays under the {backend.name} backend. Pass the {role} as "
@@ -243,7 +248,7 @@ def _check_cotangents(sig: Signature, output: _Output, groups: list[Any], comple
 # -- validation of f's output and of a cotangent against it ------------------------------------------
 
 
-_OUTPUT_LEAF_KINDS = _ARRAY_KINDS | {"autograd"}  # autograd's traced arrays are leaves too
+_OUTPUT_LEAF_KINDS = _ARRAY_KINDS | _TRACED  # the values an outer trace holds are leaves too
 
 
 def _refuse_cut(
@@ -265,10 +270,7 @@ def _refuse_cut(
     def value(leaves: list[Any]) -> list[np.ndarray]:
         x = leaves[0] if x_spec == _LEAF else rebuild(leaves)
         # (through tolist: a torch.func tensor has no storage for numpy to read)
-        return [
-            np.asarray(leaf.detach().tolist() if _arrays.kind(leaf) == "torch" else _arrays.to_numpy(leaf))
-            for leaf in _tree.leaves(f(x, *context_values))
-        ]
+        return [_arrays.by_kind(_arrays.kind(leaf)).values(leaf) for leaf in _tree.leaves(f(x, *context_values))]
 
     before, after = value(plain), value(moved)
     if len(before) == len(after) and untracked is not None:
@@ -293,7 +295,8 @@ def _checked(op: Operator, result: Any, output: _Output, adapter: Adapter) -> li
             f"f returned None where {op.name} needs floating-point numbers (float arrays or floats). "
             "Return the value from f (a missing return statement?)."
         )
-    result = _opened(result)
+    for traced in _TRACED:  # (their traced containers opened, as any other engine's output)
+        result = _arrays.by_kind(traced).opened(result)
     if _arrays.kind(result) in _OUTPUT_LEAF_KINDS:
         leaves, spec = [result], _LEAF
     else:
@@ -315,37 +318,6 @@ def _checked(op: Operator, result: Any, output: _Output, adapter: Adapter) -> li
     return leaves
 
 
-def _opened(result: Any) -> Any:
-    """``result`` with autograd's traced containers opened: autograd traces a tuple, list or
-    dict that a primitive returns (``np.split``'s list, ``eigh``'s named tuple) or that f builds
-    with ``autograd.builtins`` as one value, whose items it takes through its own primitive.
-    Opened, they are the Python containers of those items, each an array autograd traces, as
-    any other engine's output. Nothing to open where no autograd trace runs."""
-    builtins = sys.modules.get("autograd.builtins")
-    if builtins is None or sys.modules["autograd.tracer"].trace_stack.top < 0:
-        return result
-    return _open(result, builtins.SequenceBox, builtins.DictBox)
-
-
-def _open(value: Any, sequence: type, mapping: type) -> Any:
-    box: Any = value  # (autograd's boxes: indexing one is its traced read of an item)
-    if isinstance(value, sequence):
-        inner = box._value
-        items = [_open(box[i], sequence, mapping) for i in range(len(inner))]
-        return type(inner)(*items) if hasattr(inner, "_fields") else type(inner)(items)
-    if isinstance(value, mapping):
-        inner = box._value
-        return type(inner)((key, _open(box[key], sequence, mapping)) for key in inner)
-    cls = type(value)
-    if cls is tuple or cls is list:
-        return cls(_open(item, sequence, mapping) for item in value)
-    if cls is dict:
-        return {key: _open(item, sequence, mapping) for key, item in value.items()}
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return cls(*(_open(item, sequence, mapping) for item in value))
-    return value
-
-
 def _describe(value: Any) -> str:
     if hasattr(value, "shape") and hasattr(value, "dtype"):
         return f"an array of shape {tuple(value.shape)} and dtype {_arrays.dtype_name(value)}"
@@ -357,8 +329,8 @@ def _describe(value: Any) -> str:
 
 def _check_numeric(op: Operator, leaf: Any, complex_ok: bool) -> None:
     kind = _arrays.kind(leaf)
-    while kind == "autograd":  # autograd's traced array: the value it traces decides
-        leaf = leaf._value
+    while kind in _TRACED:  # a traced array: the value it traces decides
+        leaf = _arrays.by_kind(kind).traced(leaf)
         kind = _arrays.kind(leaf)
     # (a Python int or bool is no float: it has no derivative, whatever an engine would make of it)
     if kind == "python" and (isinstance(leaf, float) or (complex_ok and isinstance(leaf, complex))):
@@ -399,13 +371,13 @@ def _check_cotangent(
         )
     # (the array types of f's output leaves, from those validated; none yet: nothing to compare)
     out_kinds = {_arrays.kind_of_type(cls) for cls, _ in output.checked}
-    allowed = {"python", "numpy"} | out_kinds
+    allowed = _PLAIN | out_kinds
     for i, t in enumerate(sig.tangent_leaves):
         if out_kinds and t[0] not in allowed:
-            frameworks = " or ".join(sorted(out_kinds - {"python", "numpy", "other"}))
-            fix = f"numpy or {frameworks} arrays" if frameworks else "numpy arrays or floats"
+            frameworks = " or ".join(sorted(out_kinds - _PLAIN - {"other"}))
+            fix = f"{_NUMPY} or {frameworks} arrays" if frameworks else f"{_NUMPY} arrays or floats"
             raise ArrayTypeError(
-                f"Cotangent leaf {i} is a {t[0]} array, but f(x) holds {frameworks or 'numpy'} arrays. Pass "
+                f"Cotangent leaf {i} is a {t[0]} array, but f(x) holds {frameworks or _NUMPY} arrays. Pass "
                 f"the cotangent as {fix}, as f(x)."
             )
     for i, (shape, t) in enumerate(zip(out_shapes, ts, strict=True)):

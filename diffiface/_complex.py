@@ -446,7 +446,8 @@ def _check_holomorphic(d_z: Any, d_conj: Any, complex_out: bool, what: str, i: i
 
 
 def _norm(value: Any) -> float:
-    array = np.asarray(_arrays.to_numpy(value))
+    family = _arrays.family_of(value)  # (its values, also of a leaf inside an engine's transform)
+    array = np.asarray(value if family is None else family.values(value))
     return float(np.sqrt(np.sum(np.abs(array) ** 2)))
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from . import _complex
 from ._adapters import adapter_for, info, names_of, normalize
 from ._backends import AutoSparse, Backend
-from ._call import _LEAF, OPERATORS, Call, Operator, _dynamic_view
+from ._call import _LEAF, OPERATORS, Call, Operator, _dynamic_view, _Output
 from ._checks import _check_call, _check_tangent_kinds, _check_tangent_like_x, _check_x
 from ._errors import InvalidInputError
 from ._plan import MISSED, Plan, Unfit, flat_call, flattener, leaf_check, leaves_check
@@ -34,7 +34,6 @@ from ._programs import (
     Run,
     Scoped,
     _Conversions,
-    _Output,
     _program,
 )
 from ._results import Settled, finisher
@@ -145,7 +144,7 @@ def _arguments(
     op = OPERATORS[name]
     _check_call(op, f, has_aux)
     engine = normalize(backend)
-    sparse = type(engine) is AutoSparse
+    sparse = isinstance(engine, AutoSparse)
     if sparse and name not in AutoSparse.operators:  # its other operators are its engine's
         engine, sparse = engine.backend, False  # type: ignore[attr-defined]
     # (a sparsity pattern is detected for the values of the contexts' other leaves)

@@ -378,7 +378,7 @@ class Plan:
         # (an AutoSparse's operators other than Jacobians and Hessians are its engine's; its own
         # are sparse programs, never the dense plan of its engine)
         return bool(backend == mine) or (
-            type(backend) is AutoSparse and self.operator not in AutoSparse.operators and backend.backend == mine
+            isinstance(backend, AutoSparse) and self.operator not in AutoSparse.operators and backend.backend == mine
         )
 
     def leaves(

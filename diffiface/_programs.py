@@ -9,7 +9,6 @@ import contextlib
 import functools
 import itertools
 import operator
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +18,7 @@ import optree
 from . import _arrays
 from . import tree as _tree
 from ._adapters._base import Adapter, Deferred, force
-from ._call import _LEAF, Call, Operator
+from ._call import _LEAF, Call, Operator, _Output
 from ._checks import _check_cotangent, _check_cotangents, _checked, _describe, _refuse_cut, batch_sizes
 from ._contexts import Cache, Constant
 from ._errors import ContextError, FrameworkMismatchError, InvalidOutputError
@@ -653,86 +652,6 @@ class OnDynamic:
 
 
 # -- the record of f's output --------------------------------------------------------------------------
-
-
-class _Output:
-    """What a prep learns of f(x) from evaluating it: its structure, leaf shapes and dtypes, and
-    the (type, dtype) pairs of output leaves already validated.
-
-    The structure may depend on the contexts (a tuple for one value, a dict for another), so
-    the record of the last evaluation is kept per thread, and where a compiled program does not
-    evaluate f again, per value of its static argument, recorded when it was traced."""
-
-    __slots__ = ("_by_static", "_local", "checked", "cotangent_fits")
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-        self._by_static: dict[Any, tuple[Any, Any, Any]] = {}
-        self.checked: set[tuple[type, Any]] = set()
-        self.cotangent_fits: tuple[Any, Any] | None = None  # the (spec, shapes) a cotangent was found to fit
-
-    def current(self) -> tuple[Any, Any, Any]:
-        """The record of this thread's last evaluation: (structure, leaf shapes, leaf dtypes)."""
-        local = self._local
-        try:
-            return local.spec, local.shapes, local.dtypes
-        except AttributeError:  # a thread that has only run compiled programs traced by others
-            return self._by_static.get(None, (None, (), ()))
-
-    @property
-    def spec(self) -> Any:
-        try:
-            return self._local.spec
-        except AttributeError:
-            return self.current()[0]
-
-    @property
-    def shapes(self) -> tuple[tuple[int, ...], ...]:
-        return self.current()[1]  # type: ignore[no-any-return]
-
-    @property
-    def dtypes(self) -> tuple[str | None, ...]:
-        return self.current()[2]  # type: ignore[no-any-return]
-
-    def record(self, spec: Any, leaves: list[Any], batched: bool = False) -> None:
-        """From one evaluation; ``batched``: the leaves hold a batch along a leading axis."""
-        local = self._local
-        if len(leaves) == 1 and not batched:
-            shapes: tuple[tuple[int, ...], ...] = (_arrays.shape(leaves[0]),)
-        else:
-            shapes = tuple([_arrays.shape(leaf)[1:] if batched else _arrays.shape(leaf) for leaf in leaves])
-        previous = getattr(local, "spec", None)
-        if not getattr(local, "dtypes", ()) or (previous is not spec and previous != spec):
-            # from the first evaluation of a structure, at x: scipy evaluates later ones promoted to float64
-            local.dtypes = tuple(_output_dtype(leaf) for leaf in leaves)
-        local.spec, local.shapes = spec, shapes
-
-    def repeats(self, shape: Any) -> bool:
-        """Whether this thread's last evaluation returned one array leaf (``_checked``'s own
-        structure) of this shape: a record of another such output would change nothing (the
-        dtypes are those of a structure's first)."""
-        local = self._local
-        return getattr(local, "spec", None) is _LEAF and local.shapes[0] == shape
-
-    def remember(self, static: Any) -> None:
-        """Keep the record of a trace for the compiled program of this static argument."""
-        self._by_static[static] = (self.spec, self.shapes, self.dtypes)
-
-    def recall(self, static: Any) -> None:
-        """Make the record of the compiled program of this static argument the current one."""
-        found = self._by_static.get(static)
-        if found is not None:
-            local = self._local
-            local.spec, local.shapes, local.dtypes = found
-
-
-def _output_dtype(leaf: Any) -> str | None:
-    """The dtype a cotangent of this output leaf must have; None where any float will do."""
-    if _arrays.kind(leaf) == "python":
-        return None
-    name = _arrays.dtype_name(leaf)
-    # (a complex step's output is complex at its complex points; its cotangent is real: _complex.cotangent_fits)
-    return name if _arrays.is_float_dtype(name) or "complex" in name else None
 
 
 # -- the program's arguments ---------------------------------------------------------------------------

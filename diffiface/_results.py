@@ -4,20 +4,16 @@ output structure), in the dtype :func:`promoted_dtype` gives a derivative."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import optree
 
 from . import _arrays, _complex, _placement
-from ._call import _ARRAY_KINDS, _LEAF, Call, Operator
+from ._call import _ARRAY_KINDS, _LEAF, Call, Operator, _Output
 from ._flatten import structure_flatten, structure_rebuild, structure_unflatten
 from ._plan import optree_flatten
 from ._tangents import Tangents
-
-if TYPE_CHECKING:  # (_programs finishes inside a compiled program with promoted_dtype)
-    from ._programs import _Output
-
 
 # -- results: mirror the inputs ----------------------------------------------------------------------
 

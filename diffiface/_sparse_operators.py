@@ -24,25 +24,51 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import optree
 
-from . import _arrays, _complex, _families, sparse
+from . import _arrays, _backends, _complex, _families, sparse
 from . import _batched as batched
 from . import _operators as ops
 from . import tree as _tree
-from ._adapters import info
-from ._backends import LATER, AutoScipy, AutoSparse, Backend, SecondOrder
+from ._adapters import info, normalize
+from ._backends import AutoScipy, Backend, SecondOrder
 from ._call import _ARRAY_KINDS, Call
 from ._contexts import Constant
 from ._dispatch import register_program
-from ._errors import InvalidInputError
+from ._errors import InvalidBackendOptionError, InvalidInputError
 from ._prep import FunctionRef, Prep
 from ._tangents import Tangents
 
 __all__ = ["SPARSE_OPERATORS", "SparsePrep", "SparseProgram"]
+
+
+@dataclass(frozen=True, repr=False)
+class AutoSparse(_backends.AutoSparse):
+    __doc__ = _backends.AutoSparse.__doc__
+
+    def __post_init__(self) -> None:
+        # (what the config's own checks cannot know, from the layers above it: a backend from its
+        # name, and the detectors and coloring orders of diffiface.sparse)
+        if isinstance(self.backend, str):
+            object.__setattr__(self, "backend", normalize(self.backend))
+        if self.detector is None:
+            object.__setattr__(self, "detector", sparse.GlobalDetector())
+        if not isinstance(self.detector, (sparse.GlobalDetector, sparse.LocalDetector, sparse.KnownPattern)):
+            raise InvalidBackendOptionError(
+                f"AutoSparse(detector={self.detector!r}): the detector must be diffiface.sparse.GlobalDetector(), "
+                "LocalDetector() or KnownPattern(pattern)."
+            )
+        if not isinstance(self.order, str) or self.order not in sparse.ORDERS:
+            raise InvalidBackendOptionError(
+                f"AutoSparse(order={self.order!r}) is not a coloring order; choose one of "
+                f"{', '.join(map(repr, sparse.ORDERS))}."
+            )
+        super().__post_init__()
+
 
 SPARSE_OPERATORS = AutoSparse.operators
 _HESSIANS = frozenset({"hessian", "value_gradient_and_hessian"})
@@ -107,9 +133,6 @@ def _sparse_program(name: str, f: Callable[..., Any], backend: Any, call: Call) 
 
 
 register_program(AutoSparse, _sparse_program)
-LATER.default_detector = sparse.GlobalDetector
-LATER.detectors = (sparse.GlobalDetector, sparse.LocalDetector, sparse.KnownPattern)
-LATER.orders = sparse.ORDERS
 
 
 # -- layouts: a tree's leaves as one flat vector --------------------------------------------------

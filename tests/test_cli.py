@@ -35,7 +35,10 @@ def _run(args, capsys):
         (["--operators", "gradient,grad"], "gradient_and_hvp"),
         (["--backends", "jax,tensorflow"], "torch-func"),
         (["-j", "0"], "positive"),
-        (["--backends", ""], "choose from jax, torch, torch-autograd, torch-func, torch-compile, autograd, finite_differences, scipy"),
+        (
+            ["--backends", ""],
+            "choose from jax, torch, torch-autograd, torch-func, torch-compile, autograd, finite_differences, scipy",
+        ),
         (
             ["--backends", ","],
             "choose from jax, torch, torch-autograd, torch-func, torch-compile, autograd, finite_differences, scipy",

@@ -38,6 +38,10 @@ API = {
     "private_copy",
     "eval_shape",
     "laid_out_ravel",
+    "x_refusal",
+    "values",
+    "opened",
+    "traced",
 }
 
 

@@ -37,7 +37,6 @@ _NAME = re.compile(rf"({'|'.join(_FRAMEWORKS)})(\.\w+)*")
 
 NOT_YET_CLEANED = (
     "_backends.py",
-    "_checks.py",
     "_plan.py",
     "_prep.py",
 )

@@ -227,6 +227,27 @@ def test_an_unprepared_call_sees_a_large_numpy_array_written_in_place() -> None:
     np.testing.assert_allclose(di.gradient(loss, "jax", x), 10 * x)
 
 
+@pytest.mark.parametrize("engine", ["finite_differences", "torch"])
+def test_every_entry_of_a_large_global_counts(engine: str) -> None:
+    """The 70,000-entry global of issue 39, on an engine without jax: a write to its last
+    entry, past any prefix a cheap comparison might read, gives the new gradient."""
+    if engine == "torch":
+        require("torch")
+        import torch
+
+        big: Any = torch.ones(70_000, dtype=torch.float64)
+        x: Any = torch.ones(3, dtype=torch.float64)
+    else:
+        big, x = np.ones(70_000), np.ones(3)
+
+    def loss(v: Any) -> Any:
+        return (big[-3:] * v**2).sum()
+
+    np.testing.assert_allclose(np.asarray(di.gradient(loss, engine, x)), [2.0, 2.0, 2.0], rtol=1e-6)
+    big[-3:] = 5.0
+    np.testing.assert_allclose(np.asarray(di.gradient(loss, engine, x)), [10.0, 10.0, 10.0], rtol=1e-6)
+
+
 def test_an_array_above_the_kept_size_is_compared_by_its_digest(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_prep, "_KEPT", 16)
     big = np.ones(100)

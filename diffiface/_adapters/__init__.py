@@ -17,11 +17,9 @@ import dataclasses
 import importlib
 import importlib.util
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._backends import (
-    LATER,
     AutoAutograd,
     AutoFiniteDifferences,
     AutoJAX,
@@ -32,6 +30,7 @@ from .._backends import (
     SecondOrder,
 )
 from .._errors import BackendUnavailableError, DiffifaceError, UnknownBackendError
+from ._row import BackendInfo
 
 if TYPE_CHECKING:
     from ._base import Adapter
@@ -48,41 +47,6 @@ __all__ = [
     "normalize",
     "rows",
 ]
-
-
-@dataclass(frozen=True)
-class BackendInfo:
-    """One row of the registry."""
-
-    name: str
-    config: type[Backend]
-    module: str
-    requires: tuple[str, ...]
-    extra: str | None
-    forward_mode: bool
-    reverse_mode: bool
-    native: frozenset[str]
-    """Operators the adapter computes itself (the methods it overrides); the others are derived
-    in ``_base``. tests/test_backends.py compares this with each adapter's methods."""
-    arrays: str = "numpy"
-    """The arrays the engine differentiates and calls ``f`` with: ``"jax"``, ``"torch"``,
-    ``"numpy"`` (autograd traces numpy code), or ``"any"`` (the input's own array type,
-    whatever framework it is: the black-box engines)."""
-    complex_convention: str = "split"
-    """How the engine differentiates complex numbers (diffiface._complex converts, once):
-    ``"direct"``, its gradient and vjp are the convention already (torch); ``"conjugate"``, its gradient
-    is the conjugate and its vjp ``conj(vjp(conj(ybar)))`` of the convention's (jax, autograd);
-    ``"split"``, it differentiates real numbers only and sees a complex leaf as its real and
-    imaginary parts (the black boxes)."""
-    jit: bool = False
-    reverse_first: bool = False
-    """Whether its reverse products cost less than its forward ones (autograd's forward mode
-    is two reverse passes; torch's runs decompositions): a sparse Jacobian takes rows on a tie."""
-
-    @property
-    def any_array_type(self) -> bool:
-        """True when ``f`` is called with the input's own array type, whatever framework it is."""
-        return self.arrays == "any"
 
 
 _FIRST = frozenset({"pushforward", "pullback", "gradient"})
@@ -304,9 +268,6 @@ def _load(point: Any) -> BackendInfo:
     except Exception as exc:
         raise refuse(f"gives the config {config.__name__}, which cannot be made with no arguments ({exc}).") from exc
     return row
-
-
-LATER.normalize = normalize  # (AutoSparse("torch") takes a name)
 
 
 def info(backend: Backend | str) -> BackendInfo:

@@ -31,7 +31,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from .._backends import Backend, SecondOrder
-    from . import BackendInfo
+    from ._row import BackendInfo
 
 Leaves = tuple[Any, ...]
 Fn = Callable[[Leaves], tuple[Any, Any]]

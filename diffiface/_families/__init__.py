@@ -40,6 +40,11 @@ has:
   found without values; None where the family cannot (f is then evaluated at zeros);
 - ``laid_out_ravel(leaves)``, tree.ravel of leaves laid out over several devices, keeping
   their layout: ``(flat, parts)``, or None where the plain ravel serves.
+- ``x_refusal(leaf)``, why a leaf of x has nothing to differentiate at (None: it has values);
+- ``values(leaf)``, its values as numpy, also of a leaf inside an engine's transform;
+- ``opened(result)``, f's output with the containers its trace holds opened (a passed-through
+  family's; else ``result``);
+- ``traced(leaf)``, the value one of its leaves traces (a passed-through family's; else ``leaf``).
 
 ``as_numpy`` is the converter of a leaf of any family to numpy (:func:`diffiface._arrays.to_numpy`),
 passed in since a family knows no other family.
@@ -121,6 +126,13 @@ class Family(Protocol):
     def eval_shape(self, fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]]) -> Any: ...
 
     def laid_out_ravel(self, leaves: list[Any]) -> tuple[Any, Callable[[Any], list[Any]]] | None: ...
+    def x_refusal(self, leaf: Any) -> str | None: ...
+
+    def values(self, leaf: Any) -> np.ndarray: ...
+
+    def opened(self, result: Any) -> Any: ...
+
+    def traced(self, leaf: Any) -> Any: ...
 
 
 FAMILIES: tuple[Family, ...] = (numpy, python, torch, jax, autograd)

@@ -1,4 +1,5 @@
-"""What several families build on: the test of a list of leaves by metadata read in C."""
+"""What several families build on: the test of a list of leaves by metadata read in C, and the
+parts of the family API that most families answer alike."""
 
 from __future__ import annotations
 
@@ -20,3 +21,18 @@ class MetaLeaves:
 
     def __call__(self, leaves: list[Any]) -> bool:
         return list(map(type, leaves)) == self.types and list(map(self.meta, leaves)) == self.metas
+
+
+def no_refusal(leaf: Any) -> str | None:
+    """``x_refusal`` of a family whose every leaf has values to differentiate at."""
+    return None
+
+
+def unopened(result: Any) -> Any:
+    """``opened`` of a family with no traced containers."""
+    return result
+
+
+def untraced(leaf: Any) -> Any:
+    """``traced`` of a family whose leaves trace no other value."""
+    return leaf

@@ -9,6 +9,8 @@ from typing import Any, Final
 
 import numpy as np
 
+from ._shared import no_refusal
+
 # a box answers its value's shape and dtype: the tests are numpy's
 from .numpy import block_like as block_like
 from .numpy import cast as cast
@@ -16,6 +18,7 @@ from .numpy import jit_checked as jit_checked
 from .numpy import layout as layout
 from .numpy import leaves_test as leaves_test
 from .numpy import same as same
+from .numpy import values as values
 
 NAME: Final = "autograd"
 ARRAY: Final = False
@@ -89,6 +92,42 @@ def eval_shape(fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]])
     return None  # (no abstract evaluation: f is evaluated at zeros)
 
 
+def traced(leaf: Any) -> Any:
+    """The value a box traces (itself perhaps a box of an outer trace)."""
+    return leaf._value
+
+
+def opened(result: Any) -> Any:
+    """``result`` with autograd's traced containers opened: autograd traces a tuple, list or
+    dict that a primitive returns (``np.split``'s list, ``eigh``'s named tuple) or that f builds
+    with ``autograd.builtins`` as one value, whose items it takes through its own primitive.
+    Opened, they are the Python containers of those items, each an array autograd traces, as
+    any other engine's output. Nothing to open where no autograd trace runs."""
+    builtins = sys.modules.get("autograd.builtins")
+    if builtins is None or sys.modules["autograd.tracer"].trace_stack.top < 0:
+        return result
+    return _open(result, builtins.SequenceBox, builtins.DictBox)
+
+
+def _open(value: Any, sequence: type, mapping: type) -> Any:
+    box: Any = value  # (autograd's boxes: indexing one is its traced read of an item)
+    if isinstance(value, sequence):
+        inner = box._value
+        items = [_open(box[i], sequence, mapping) for i in range(len(inner))]
+        return type(inner)(*items) if hasattr(inner, "_fields") else type(inner)(items)
+    if isinstance(value, mapping):
+        inner = box._value
+        return type(inner)((key, _open(box[key], sequence, mapping)) for key in inner)
+    cls = type(value)
+    if cls is tuple or cls is list:
+        return cls(_open(item, sequence, mapping) for item in value)
+    if cls is dict:
+        return {key: _open(item, sequence, mapping) for key, item in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return cls(*(_open(item, sequence, mapping) for item in value))
+    return value
+
+
 _SELF = sys.modules[__name__]
 """This module, as the family a value is compared with."""
 
@@ -106,3 +145,6 @@ def numpy_wrappers() -> tuple[Any, list[Any], list[tuple[str, Any]]]:
         if name.startswith("autograd.scipy") and found is not None
     ]
     return module, list(namespaces.values()), scipy_modules
+
+
+x_refusal = no_refusal

@@ -10,6 +10,7 @@ from typing import Any, Final
 import numpy as np
 
 from . import _jax_placement as _placement
+from ._shared import no_refusal, unopened, untraced
 
 NAME: Final = "jax"
 ARRAY: Final = True
@@ -259,3 +260,11 @@ def eval_shape(fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]])
 
 _SELF = sys.modules[__name__]
 """This module, as the family a value is compared with."""
+
+
+values = to_numpy
+"""Its values as numpy (:func:`to_numpy`)."""
+
+x_refusal = no_refusal
+opened = unopened
+traced = untraced

@@ -9,6 +9,8 @@ from typing import Any, Final
 
 import numpy as np
 
+from ._shared import no_refusal, unopened, untraced
+
 NAME: Final = "numpy"
 ARRAY: Final = True
 PASSED_THROUGH: Final = False
@@ -148,3 +150,11 @@ def eval_shape(fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]])
 
 _SELF = sys.modules[__name__]
 """This module, as the family a value is compared with."""
+
+
+values = to_numpy
+"""Its values as numpy (:func:`to_numpy`)."""
+
+x_refusal = no_refusal
+opened = unopened
+traced = untraced

@@ -8,6 +8,8 @@ from typing import Any, Final
 
 import numpy as np
 
+from ._shared import no_refusal, unopened, untraced
+
 NAME: Final = "python"
 ARRAY: Final = False
 PASSED_THROUGH: Final = False
@@ -107,3 +109,11 @@ def private_copy(leaf: Any) -> Any:
 
 def eval_shape(fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]]) -> None:
     return None  # (no abstract evaluation: f is evaluated at zeros)
+
+
+values = to_numpy
+"""Its values as numpy (:func:`to_numpy`)."""
+
+x_refusal = no_refusal
+opened = unopened
+traced = untraced

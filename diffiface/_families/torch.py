@@ -5,13 +5,12 @@ from __future__ import annotations
 import contextlib
 import operator
 import sys
-import threading
 from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 import numpy as np
 
-from ._shared import MetaLeaves
+from ._shared import MetaLeaves, unopened, untraced
 
 NAME: Final = "torch"
 ARRAY: Final = True
@@ -59,32 +58,16 @@ def from_numpy(array: np.ndarray, like: Any, dtype: Any) -> Any:
     return tensor.to(device=like.device, dtype=like.dtype if dtype is None else dtype)
 
 
-class _GraphState(threading.local):
-    """Whether the results of the current call keep their autograd graph.
-
-    Set by an adapter at the start of each call (torch: when an input carried an outer
-    graph, a nested call), read where results are converted: a result is detached only
-    where the call's inputs carried no graph."""
-
-    keep = False
-
-
-graph_state = _GraphState()
-
-
 def mirror(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
     if value_family is not _SELF:
         return from_numpy(np.asarray(as_numpy(value)), like, None)
-    # (computed on like's device)
-    if value.requires_grad and not graph_state.keep:  # kept where x carried a graph
-        value = value.detach()
+    # (computed on like's device; out of the graph unless the call kept it: the adapter's guard detaches)
     return value if value.dtype == like.dtype else value.to(like.dtype)
 
 
 def as_own(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
     if value_family is _SELF:
-        # a nested call keeps the graph its inputs carried (graph_state, set by the adapter)
-        return value if graph_state.keep else value.detach()
+        return value  # (out of the graph unless the call kept it: the adapter's guard detaches)
     if value_family is None:
         return value
     array = np.asarray(as_numpy(value))
@@ -176,3 +159,23 @@ def eval_shape(fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]])
 
 _SELF = sys.modules[__name__]
 """This module, as the family a value is compared with."""
+
+
+def x_refusal(leaf: Any) -> str | None:
+    """Why ``leaf``, a leaf of x, has nothing to differentiate at; None where it has values."""
+    if leaf.is_meta:
+        return (
+            "is a meta tensor, which has a shape but no values to differentiate at. Create it "
+            "on a real device (torch.ones(..., device='cpu'))."
+        )
+    return None
+
+
+def values(leaf: Any) -> np.ndarray:
+    """Its values as numpy, read through ``tolist`` (a torch.func tensor has no storage for
+    numpy to read)."""
+    return np.asarray(leaf.detach().tolist())
+
+
+opened = unopened
+traced = untraced

@@ -17,8 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from .._backends import AutoSparse, Backend
+from .._backends import Backend
 from .._contexts import Constant
+from .._sparse_operators import AutoSparse
 from ._scenario import Scenario
 
 __all__ = [

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from torch import func
 
-from ... import _arrays
 from ..._errors import MutationError
 from .._base import Fn, Leaves
 from ._dtensor import _cotangents, _placed
@@ -134,17 +133,7 @@ class _Gradient:
             result = self.engine(inputs, xs, ts, f, context_values)
         except BaseException as exc:
             refusal = _after_failure(
-                exc,
-                stack,
-                True,
-                False,
-                inputs,
-                versions,
-                constants,
-                None,
-                self.names,
-                copy,
-                copy and not self.functional,
+                exc, stack, True, inputs, versions, constants, None, self.names, copy, copy and not self.functional
             )
             if refusal is None and type(exc) is _CapturedWrite:
                 refusal = _named_capture(
@@ -156,7 +145,6 @@ class _Gradient:
         stack.pop()
         if not torch.is_grad_enabled():  # f switched it off (torch.set_grad_enabled) and did not switch back
             torch.set_grad_enabled(True)
-        _arrays.graph_state.keep = False
         dirty = list(map(_version, inputs)) != versions
         for _, tensor, version in constants:  # (a loop, not a generator: this runs on every call)
             dirty = dirty or tensor._version != version
@@ -188,7 +176,8 @@ class _Gradient:
             grads = _whole(torch.autograd.grad((value,), inputs, allow_unused=True), inputs)
         else:
             grads = _grad([], inputs)
-        return (value, grads) if fused.value else (grads,)
+        # (a fused call keeps no graph: f's value out of it; grads carry none without create_graph)
+        return (value.detach(), grads) if fused.value else (grads,)
 
 
 class _Pullback(_Gradient):
@@ -225,7 +214,9 @@ class _Pullback(_Gradient):
             grads = pullback(touts[0] if bare else touts)[0]
             if single:
                 grads = (grads,)
-            return (out, grads) if fused.value else (grads,)
+            # (a fused call keeps no graph: out of it, what carries a Constant's that requires grad)
+            grads = tuple(map(torch.Tensor.detach, grads))
+            return (tuple(map(torch.Tensor.detach, out)), grads) if fused.value else (grads,)
         grads = _backward(outs, touts, inputs)
         return (_detached(out, False), grads) if fused.value else (grads,)
 
@@ -283,7 +274,9 @@ class _Pushforward(_Gradient):
         if list(map(_version, tangents)) != versions:
             # (the tangent f reaches through its dual input: a write changes the derivative itself)
             raise MutationError(f"f wrote in place into the tangent of its input (forward mode). {_FIX}")
-        return (primals, outs) if fused.value else (outs,)
+        # (a fused call keeps no graph: out of it, what carries a Constant's that requires grad)
+        outs = tuple(map(torch.Tensor.detach, outs))
+        return (tuple(map(torch.Tensor.detach, primals)), outs) if fused.value else (outs,)
 
     def by_pullbacks(
         self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves

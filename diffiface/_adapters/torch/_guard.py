@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ... import _arrays
 from ... import tree as _tree
 from ..._errors import MutationError
 from .._base import Leaves
@@ -141,7 +140,7 @@ def _guard(program: Callable[..., Any], functional: bool, create_graph: bool) ->
             result = program(xs, ts, dynamic, static)
         except BaseException as exc:
             refusal = _after_failure(
-                exc, stack, grad_mode, keep, xs, versions, constants, modules, names, copy, copy_constants and copy
+                exc, stack, grad_mode, xs, versions, constants, modules, names, copy, copy_constants and copy
             )
             if refusal is None and type(exc) is _CapturedWrite:
                 refusal = _named_capture(lambda: program(xs, ts, dynamic, static), constants, modules, names)
@@ -151,7 +150,8 @@ def _guard(program: Callable[..., Any], functional: bool, create_graph: bool) ->
         stack.pop()
         if torch.is_grad_enabled() is not grad_mode:
             torch.set_grad_enabled(grad_mode)
-        _arrays.graph_state.keep = keep
+        if not keep:  # (a call that keeps no graph gives its results as torch.autograd.grad does)
+            result = _out_of_graph(result)
         dirty = modules is not None
         for x, version in zip(xs, versions, strict=False):  # (a loop: this runs on every call)
             if x._version != version:
@@ -171,6 +171,19 @@ def _guard(program: Callable[..., Any], functional: bool, create_graph: bool) ->
         return result
 
     return guarded
+
+
+def _out_of_graph(result: Any) -> Any:
+    """A program's results with each tensor that carries a graph detached, in the same tuples
+    and lists (the very object where none carries one)."""
+    if isinstance(result, torch.Tensor):
+        return result.detach() if result.requires_grad else result
+    if type(result) is tuple or type(result) is list:
+        parts = [_out_of_graph(part) for part in result]
+        for new, old in zip(parts, result, strict=True):
+            if new is not old:
+                return type(result)(parts)
+    return result
 
 
 def _keeps(x: Any, functional: bool, create_graph: bool) -> bool:
@@ -246,7 +259,6 @@ def _after_failure(
     exc: BaseException,
     stack: list[bool],
     grad_mode: bool,
-    keep: bool,
     xs: Leaves,
     versions: list[int],
     constants: list[tuple[int, Any, int]],
@@ -256,12 +268,11 @@ def _after_failure(
     copied: bool = True,
 ) -> MutationError | None:
     """After f or the engine raised ``exc`` inside the guard: the caller's state put back (the
-    call's stack entry, grad mode, the graph flag), and the MutationError that names a write f
+    call's stack entry, grad mode), and the MutationError that names a write f
     made, where it made one (None: ``exc`` itself is what the caller gets)."""
     stack.pop()
     if torch.is_grad_enabled() is not grad_mode:
         torch.set_grad_enabled(grad_mode)
-    _arrays.graph_state.keep = keep
     problem = _mutation(xs, versions, constants, modules, names, x_copied, copied)
     if problem is not None:
         return MutationError(problem)
