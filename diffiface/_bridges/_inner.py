@@ -9,6 +9,7 @@ never needs to know which engine is inside.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import itertools
 import sys
 import threading
@@ -25,6 +26,7 @@ from .._backends import (
     AutoAutograd,
     AutoFiniteDifferences,
     AutoJAX,
+    AutoPyTensor,
     AutoScipy,
     AutoSparse,
     AutoTorch,
@@ -52,7 +54,7 @@ def inner_kind(backend: Backend) -> str:
         return "jax"
     if isinstance(backend, AutoTorch):
         return "torch"
-    if isinstance(backend, (AutoAutograd, AutoFiniteDifferences, AutoScipy)):
+    if isinstance(backend, (AutoAutograd, AutoPyTensor, AutoFiniteDifferences, AutoScipy)):
         return "numpy"
     if isinstance(backend, SecondOrder):
         raise InvalidBackendOptionError(
@@ -307,7 +309,7 @@ class Inner:
         if self.kind == "torch":
             x = [leaf.clone() for leaf in x]
         try:
-            return self.f(spec.unflatten(x), *_context_values(contexts, self.kind))
+            return _evaluated(self.backend, self.f(spec.unflatten(x), *_context_values(contexts, self.kind)))
         except ValueError as exc:
             if self.kind == "numpy" and "read-only" in str(exc):
                 raise MutationError(
@@ -454,8 +456,13 @@ class Inner:
         """The Jacobian of f from the flat vector of x to that of f(x): (m, n), dense, or sparse
         under AutoSparse."""
         base = self.backend.backend if isinstance(self.backend, AutoSparse) else self.backend
-        # autograd traces f with its own boxes, which numpy's concatenate would turn into objects
-        xp = _namespace(self.kind) if not isinstance(base, AutoAutograd) else __import__("autograd.numpy").numpy
+        # autograd traces f with its own boxes, which numpy's concatenate would turn into objects;
+        # pytensor hands f symbolic variables
+        xp = _namespace(self.kind)
+        if isinstance(base, AutoAutograd):
+            xp = __import__("autograd.numpy").numpy
+        elif isinstance(base, AutoPyTensor):
+            xp = importlib.import_module("pytensor.tensor")
         sizes = [a.size for a in plan.x_avals]
         cuts = list(itertools.accumulate(sizes))[:-1]
         f = self.f
@@ -499,9 +506,10 @@ def _conj(array: Any) -> Any:
 def _split_vector(xp: Any, vector: Any, cuts: list[int]) -> Leaves:
     pieces = []
     start = 0
-    for end in [*cuts, int(vector.shape[0])]:
+    for end in cuts:
         pieces.append(vector[start:end])
         start = end
+    pieces.append(vector[start:])  # (to the end: a symbolic vector's length is no int)
     return pieces
 
 
@@ -523,6 +531,15 @@ def _sparse_as_matrix(jac: Any) -> Any:
 # --- probing the shape of f(x) ------------------------------------------------------------------
 
 
+def _evaluated(backend: Backend, out: Any) -> Any:
+    """f's output on numpy arrays as numbers: under pytensor, f given numpy arrays builds a graph
+    of constants, whose symbolic leaves are evaluated here (one compilation each)."""
+    if not isinstance(backend, AutoPyTensor):
+        return out
+    variable = sys.modules["pytensor.graph.basic"].Variable
+    return _tree.map(lambda leaf: leaf.eval() if isinstance(leaf, variable) else leaf, out)
+
+
 def probe_avals(inner: Inner, x_spec: Any, x_avals: tuple[Aval, ...], contexts: Sequence[Context[Any]]) -> Any:
     """f's output structure and avals for inputs of ``x_avals``, found without concrete values
     (the outer engine is tracing): jax.eval_shape for jax, zeros for the others."""
@@ -536,6 +553,7 @@ def probe_avals(inner: Inner, x_spec: Any, x_avals: tuple[Aval, ...], contexts: 
                 out = jax.eval_shape(lambda *leaves: inner.f(x_spec.unflatten(list(leaves)), *values), *structs)
         else:
             out = inner.f(x_spec.unflatten(_zeros(x_avals, inner.kind)), *_context_values(contexts, inner.kind))
+            out = _evaluated(inner.backend, out)
     except DiffifaceError:
         raise
     except Exception as exc:

@@ -1,0 +1,72 @@
+"""pytensor's symbolic variables: what ``f`` computes with under the pytensor backend.
+
+They stand for arrays while a graph is built, and hold no values: diffiface meets them only
+inside the trace of a pytensor program (as f's output, or as the arrays ``f`` is handed), where
+their numpy-like module is ``pytensor.tensor``. A symbolic variable passed as x or as a
+context is refused: pass the numpy values instead.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any, Final
+
+import numpy as np
+
+# a symbolic variable answers its dtype as numpy names it: the tests are numpy's
+from .numpy import block_like as block_like
+from .numpy import cast as cast
+from .numpy import jit_checked as jit_checked
+from .numpy import layout as layout
+from .numpy import leaves_test as leaves_test
+
+NAME: Final = "pytensor"
+ARRAY: Final = False
+"""Not arrays: symbolic variables, which hold no values."""
+PASSED_THROUGH: Final = False
+GRAPH: Final = False
+
+
+def owns(cls: type) -> bool:
+    basic = sys.modules.get("pytensor.graph.basic")
+    return basic is not None and issubclass(cls, basic.Variable)
+
+
+def _symbolic(leaf: Any) -> Exception:
+    from .._errors import ArrayTypeError
+
+    return ArrayTypeError(
+        f"A pytensor symbolic variable ({leaf}) was passed where diffiface needs values: pass x, "
+        "tangents and contexts as numpy arrays; under the pytensor backend f is handed symbolic "
+        "variables of their shapes and dtypes, and its graph is compiled."
+    )
+
+
+def signature(leaf: Any) -> tuple[Any, ...]:
+    shape = getattr(getattr(leaf, "type", None), "shape", None)
+    return (NAME, shape, getattr(leaf, "dtype", None))
+
+
+def numpy_like() -> Any:
+    return sys.modules["pytensor.tensor"]
+
+
+def to_numpy(leaf: Any) -> np.ndarray:
+    raise _symbolic(leaf)
+
+
+def from_numpy(array: np.ndarray, like: Any, dtype: Any) -> Any:
+    return np.asarray(array, dtype=getattr(like, "dtype", None) if dtype is None else dtype)
+
+
+def mirror(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
+    raise _symbolic(like)
+
+
+def as_own(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
+    raise _symbolic(like)
+
+
+def same(leaf: Any) -> Callable[[Any], bool] | None:
+    return None
