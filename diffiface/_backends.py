@@ -61,7 +61,7 @@ class AutoJAX(Backend):
         _check_bool(self, "jit", self.jit)
 
 
-_PYTENSOR_MODES = ("FAST_RUN", "FAST_COMPILE", "NUMBA")
+_PYTENSOR_MODES = ("FAST_RUN", "FAST_COMPILE", "NUMBA", "CVM")
 
 
 @dataclass(frozen=True)
@@ -80,10 +80,12 @@ class AutoPyTensor(Backend):
     ----------
     mode:
         The ``pytensor.function`` mode each operator is compiled with: ``"FAST_RUN"`` (the
-        default: every graph rewrite, then C code, which pytensor caches on disk; the quickest
-        calls), ``"FAST_COMPILE"`` (few rewrites, Python implementations: compiles in a fraction
-        of the time, calls slower; for tests and one-off derivatives) or ``"NUMBA"`` (numba's
-        JIT, where numba is installed).
+        default: every graph rewrite, then PyTensor's default linker, numba's JIT in PyTensor
+        3.0 where numba is installed; the quickest calls, and the longest first compile of a
+        graph), ``"FAST_COMPILE"`` (few rewrites, Python implementations: compiles several
+        times quicker, calls several times slower; for tests and one-off derivatives),
+        ``"NUMBA"`` (numba's JIT by name) or ``"CVM"`` (C code, which PyTensor caches on disk;
+        slow matrix products where PyTensor finds no BLAS).
     """
 
     name: ClassVar[str] = "pytensor"

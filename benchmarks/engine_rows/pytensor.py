@@ -1,6 +1,6 @@
 """Benchmark rows of the pytensor engine: diffiface's prepared gradient by the name "pytensor"
 against pytensor's own fastest call, a ``pytensor.function`` of ``pytensor.grad`` compiled in
-the default mode (C code) and called with ``trust_input`` (no check of its arguments).
+the default mode (numba in PyTensor 3.0) and called with ``trust_input`` (no check of its arguments).
 
 ``python benchmarks/engine_rows/pytensor.py`` times the rows (and the first compile of each).
 """
@@ -98,6 +98,12 @@ def _first_compiles() -> None:
 
 
 if __name__ == "__main__":
+    import os
+    import sys
+
+    # (run as a script, this file's folder leads sys.path, where this file would shadow pytensor)
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+    sys.modules.pop("pytensor", None)
     from diffiface.test._benchmark import time_pair
 
     _first_compiles()

@@ -79,22 +79,16 @@ def _disconnected_zero(values: Any, like: Sequence[Any]) -> list[Any]:
 class _Compiled:
     """One compiled function and how to rebuild the program's result from its outputs."""
 
-    __slots__ = ("floats", "function", "leaves", "positions", "single", "spec")
+    __slots__ = ("function", "leaves", "positions", "spec")
 
-    def __init__(self, function: Any, spec: Any, leaves: list[Any], positions: list[int], floats: tuple[int, ...]):
+    def __init__(self, function: Any, spec: Any, leaves: list[Any], positions: list[int]) -> None:
         self.function = function
         self.spec = spec
         self.leaves = leaves  # the result's leaves that are not computed (None where computed)
         self.positions = positions  # where each output of the function goes among them
-        self.floats = floats  # arguments the prep had as Python floats (0-d arrays for the C code)
-        self.single = spec.num_leaves == 1 and spec.num_nodes == 1 and len(positions) == 1
 
-    def __call__(self, arguments: list[Any]) -> Any:
-        for i in self.floats:
-            arguments[i] = np.asarray(arguments[i], dtype=np.float64)
+    def __call__(self, *arguments: Any) -> Any:
         outs = self.function(*arguments)
-        if self.single:
-            return outs[0]
         leaves = list(self.leaves)
         for position, out in zip(self.positions, outs, strict=True):
             leaves[position] = out
@@ -212,7 +206,7 @@ class Adapter(_base.Adapter):
     ) -> Callable[..., Any]:
         flat = layouts is not None  # (a program on flat array arguments: FlatProgram.on_flat)
         sizes = getattr(getattr(program, "__self__", None), "sizes", None) if flat else None
-        compiled: dict[Any, _Compiled] = {}
+        compiled: dict[Any, Callable[..., Any]] = {}
         trace = self._trace
 
         if flat:
@@ -221,7 +215,7 @@ class Adapter(_base.Adapter):
                 found = compiled.get(None)
                 if found is None:
                     found = compiled[None] = trace(program, arguments, True, sizes)
-                return found(list(arguments))
+                return found(*arguments)
 
             return run_flat
 
@@ -230,11 +224,11 @@ class Adapter(_base.Adapter):
             found = compiled.get(key)
             if found is None:
                 found = compiled[key] = trace(program, (xs, ts, dynamic, static_part), False, None)
-            return found([*xs, *ts, *dynamic])
+            return found(*xs, *ts, *dynamic)
 
         return run
 
-    def _trace(self, program: Callable[..., Any], arguments: Any, flat: bool, sizes: Any) -> _Compiled:
+    def _trace(self, program: Callable[..., Any], arguments: Any, flat: bool, sizes: Any) -> Callable[..., Any]:
         """Trace ``program`` on symbolic variables of ``arguments`` and compile its result."""
         with _LOCK:
             if flat:
@@ -245,7 +239,6 @@ class Adapter(_base.Adapter):
                 values = [*xs, *ts, *dynamic]
                 cotangents = range(len(xs), len(xs) + len(ts))
             variables = [_variable(v, known=i in cotangents) for i, v in enumerate(values)]
-            floats = tuple(i for i, v in enumerate(values) if type(v) is float)
             before = getattr(self._local, "givens", None)
             self._local.givens = dict(zip(variables, values, strict=True))
             try:
@@ -259,10 +252,14 @@ class Adapter(_base.Adapter):
             leaves, spec = optree.tree_flatten(result)
             positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Variable)]
             outputs = [leaves[i] for i in positions]
-            function = _function(variables, outputs, mode=self.mode, on_unused_input="ignore")
+            single = spec.num_leaves == 1 and spec.num_nodes == 1 and len(outputs) == 1
+            # (one output not in a list: the compiled function returns the array itself)
+            function = _function(variables, outputs[0] if single else outputs, mode=self.mode, on_unused_input="ignore")
             function.trust_input = True  # (the plan checks each argument's type, shape and dtype)
+            if single:
+                return function  # type: ignore[no-any-return]
             kept = [None if isinstance(leaf, Variable) else leaf for leaf in leaves]
-            return _Compiled(function, spec, kept, positions, floats)
+            return _Compiled(function, spec, kept, positions)
 
     # -- eager calls: outside a compiled program (a second-order pair with another engine) --------
 

@@ -53,7 +53,14 @@ def numpy_like() -> Any:
 
 
 def to_numpy(leaf: Any) -> np.ndarray:
-    raise _symbolic(leaf)
+    """The value of a graph of constants (f called on numpy arrays builds one: a reference
+    engine evaluates f so), evaluated; a graph of symbolic inputs has no value."""
+    from pytensor.graph.basic import Constant
+    from pytensor.graph.traversal import graph_inputs
+
+    if any(not isinstance(node, Constant) for node in graph_inputs([leaf])):
+        raise _symbolic(leaf)
+    return np.asarray(leaf.eval())
 
 
 def from_numpy(array: np.ndarray, like: Any, dtype: Any) -> Any:
