@@ -30,7 +30,7 @@ from pytensor.tensor.type import TensorType
 from pytensor.tensor.variable import TensorVariable
 
 from .. import _arrays
-from .._errors import DiffifaceError, MutationError, UnsupportedOperationError
+from .._errors import DiffifaceError, FrameworkMismatchError, MutationError, UnsupportedOperationError
 from . import _base
 from ._base import Blocks, Fn, Leaves
 
@@ -65,6 +65,11 @@ def _variable(value: Any, known: bool = False) -> Any:
         raise _refuse_complex("an input")
     kind = TensorType(dtype=str(_arrays.native_dtype(array.dtype)), shape=array.shape)
     return _Known(kind, None) if known else kind()
+
+
+def _contiguous(array: np.ndarray) -> np.ndarray:
+    """``array`` itself where it is C-contiguous, else a C-contiguous copy (0-d stays 0-d)."""
+    return array if array.flags.c_contiguous else array.copy(order="C")
 
 
 def _symbolic(xs: Sequence[Any]) -> bool:
@@ -109,8 +114,10 @@ class Adapter(_base.Adapter):
     def to_native(self, leaf: Any) -> Any:
         if isinstance(leaf, complex) or getattr(getattr(leaf, "dtype", None), "kind", "") == "c":
             raise _refuse_complex("x or a tangent")
-        if type(leaf) is np.ndarray:
-            return _arrays.in_native_byte_order(leaf)
+        if isinstance(leaf, (np.ndarray, np.generic)):
+            # (C-contiguous, in this machine's byte order: the array itself where it is one, as
+            # the compiled function's code is specialised for the layout it first meets)
+            return _contiguous(_arrays.in_native_byte_order(np.asarray(leaf)))
         if _arrays.kind(leaf) == "python":
             return np.asarray(leaf, dtype=np.float64)
         return leaf
@@ -120,7 +127,7 @@ class Adapter(_base.Adapter):
             if leaf.dtype.kind == "c":
                 raise _refuse_complex("a context array")
             # (numeric arrays are arguments of the compiled function; others stay static)
-            return _arrays.in_native_byte_order(leaf), leaf.dtype.kind in "biuf"
+            return _contiguous(_arrays.in_native_byte_order(leaf)), leaf.dtype.kind in "biuf"
         if isinstance(leaf, np.generic) and leaf.dtype.kind in "biuf":
             return np.asarray(leaf), True
         if type(leaf) is float:
@@ -146,6 +153,16 @@ class Adapter(_base.Adapter):
         """A symbolic output leaf as an array of its shape and dtype (zeros, never read), which
         diffiface checks and records as f's output."""
         if not isinstance(leaf, Variable):
+            if (
+                isinstance(leaf, np.ndarray)
+                and leaf.dtype == object
+                and any(isinstance(v, Variable) for v in leaf.flat)
+            ):
+                raise FrameworkMismatchError(
+                    "f failed under the pytensor backend: f handed pytensor's symbolic variables to a numpy "
+                    "function, which made an array of objects. Write f with pytensor.tensor operations, or "
+                    "differentiate a numpy f with AutoFiniteDifferences()."
+                )
             return leaf
         dtype = getattr(leaf, "dtype", None)
         if dtype is None or not isinstance(leaf, TensorVariable):
