@@ -19,6 +19,7 @@ __all__ = [
     "AutoAutograd",
     "AutoFiniteDifferences",
     "AutoJAX",
+    "AutoPyTensor",
     "AutoScipy",
     "AutoSparse",
     "AutoTorch",
@@ -58,6 +59,44 @@ class AutoJAX(Backend):
 
     def __post_init__(self) -> None:
         _check_bool(self, "jit", self.jit)
+
+
+_PYTENSOR_MODES = ("FAST_RUN", "FAST_COMPILE", "NUMBA", "CVM")
+
+
+@dataclass(frozen=True)
+class AutoPyTensor(Backend):
+    """Differentiate with PyTensor (PyMC's engine): ``pytensor.gradient`` on a symbolic graph,
+    compiled by ``pytensor.function``.
+
+    ``f`` is written with ``pytensor.tensor`` operations, as a PyMC log-density is. At
+    preparation diffiface calls ``f`` once on symbolic variables of x's shapes and dtypes (and
+    of the contexts' arrays and floats), differentiates the graph and compiles it; later calls
+    run the compiled function on numpy arrays. ``f`` must not branch in Python on the values of
+    its inputs (they are symbolic): use ``pytensor.tensor.switch`` or ``pytensor.ifelse``.
+    Complex numbers are refused.
+
+    Parameters
+    ----------
+    mode:
+        The ``pytensor.function`` mode each operator is compiled with: ``"FAST_RUN"`` (the
+        default: every graph rewrite, then PyTensor's default linker, numba's JIT in PyTensor
+        3.0 where numba is installed; the quickest calls, and the longest first compile of a
+        graph), ``"FAST_COMPILE"`` (few rewrites, Python implementations: compiles several
+        times quicker, calls several times slower; for tests and one-off derivatives),
+        ``"NUMBA"`` (numba's JIT by name) or ``"CVM"`` (C code, which PyTensor caches on disk;
+        slow matrix products where PyTensor finds no BLAS).
+    """
+
+    name: ClassVar[str] = "pytensor"
+    mode: str = "FAST_RUN"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mode, str) or self.mode not in _PYTENSOR_MODES:
+            raise InvalidBackendOptionError(
+                f"AutoPyTensor(mode={self.mode!r}) is not a compile mode diffiface takes; choose one of "
+                f"{', '.join(map(repr, _PYTENSOR_MODES))}."
+            )
 
 
 @dataclass(frozen=True)

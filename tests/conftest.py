@@ -131,6 +131,10 @@ def namespace(tree: Any) -> Any:
         import autograd.numpy as anp
 
         return anp
+    if module.startswith("pytensor"):
+        import pytensor.tensor as pt
+
+        return pt
     return np
 
 

@@ -311,7 +311,7 @@ def test_write_into_a_numpy_constant(name: str) -> None:
 
 def _widened(x: Any) -> Any:
     xp = namespace(x)
-    if xp is np or xp.__name__.startswith("autograd"):
+    if xp is np or xp.__name__.startswith(("autograd", "pytensor")):
         return x.astype(np.float64) * 2
     if xp.__name__ == "torch":
         return x.to(xp.float64) * 2
@@ -323,7 +323,7 @@ def _mixed(x: Any) -> Any:
     xp = namespace(a)
     if xp.__name__ == "torch":
         a64 = a.to(xp.float64)
-    elif xp is np or xp.__name__.startswith("autograd"):
+    elif xp is np or xp.__name__.startswith(("autograd", "pytensor")):
         a64 = a.astype(np.float64)
     else:
         a64 = a.astype(xp.float64)

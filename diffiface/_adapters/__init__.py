@@ -23,6 +23,7 @@ from .._backends import (
     AutoAutograd,
     AutoFiniteDifferences,
     AutoJAX,
+    AutoPyTensor,
     AutoScipy,
     AutoSparse,
     AutoTorch,
@@ -88,6 +89,21 @@ BACKENDS: tuple[BackendInfo, ...] = (
         native=frozenset({"pullback", "gradient", "pushforward"}),  # pushforward: two reverse passes
         arrays="numpy",
         complex_convention="conjugate",
+        reverse_first=True,
+    ),
+    BackendInfo(
+        name="pytensor",
+        config=AutoPyTensor,
+        module="diffiface._adapters.pytensor",
+        requires=("pytensor",),
+        extra="pytensor",
+        # pushforward: two pullbacks (pytensor's own default), so reverse products cost less
+        forward_mode=True,
+        reverse_mode=True,
+        native=_FIRST | {"jacobian", "hessian", "hvp", "derivative", "second_derivative"},
+        arrays="numpy",
+        complex_convention="split",
+        jit=True,
         reverse_first=True,
     ),
     BackendInfo(

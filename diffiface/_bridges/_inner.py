@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import itertools
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from .. import tree as _tree
 from .._backends import (
     AutoAutograd,
     AutoJAX,
+    AutoPyTensor,
     AutoSparse,
     AutoTorch,
     Backend,
@@ -279,7 +281,7 @@ class Inner:
         as the operators' torch engine makes its own."""
         x = [self.family.private_copy(leaf) for leaf in x]
         try:
-            return self.f(spec.unflatten(x), *_context_values(contexts, self.kind))
+            return _evaluated(self.backend, self.f(spec.unflatten(x), *_context_values(contexts, self.kind)))
         except ValueError as exc:
             if self.family is _families.HOST and "read-only" in str(exc):
                 raise MutationError(
@@ -296,7 +298,7 @@ class Inner:
 
         backend = self.backend.backend if isinstance(self.backend, AutoSparse) else self.backend
         adapter = adapter_for(backend)
-        if not adapter.compiles:
+        if not adapter.compiles or self.family is _families.HOST:  # (a numpy engine's programs are its own)
             return None
         if not all(_arrays.is_array(leaf) for c in contexts for leaf in _tree.leaves(c.value)):
             return None
@@ -472,9 +474,10 @@ def _conj(array: Any) -> Any:
 def _split_vector(vector: Any, cuts: list[int]) -> Leaves:
     pieces = []
     start = 0
-    for end in [*cuts, int(vector.shape[0])]:
+    for end in cuts:
         pieces.append(vector[start:end])
         start = end
+    pieces.append(vector[start:])  # (to the end: a symbolic vector's length is no int)
     return pieces
 
 
@@ -489,6 +492,15 @@ def _sparse_as_matrix(jac: Any) -> Any:
 # --- probing the shape of f(x) ------------------------------------------------------------------
 
 
+def _evaluated(backend: Backend, out: Any) -> Any:
+    """f's output on numpy arrays as numbers: under pytensor, f given numpy arrays builds a graph
+    of constants, whose symbolic leaves are evaluated here (one compilation each)."""
+    if not isinstance(backend, AutoPyTensor):
+        return out
+    variable = sys.modules["pytensor.graph.basic"].Variable
+    return _tree.map(lambda leaf: leaf.eval() if isinstance(leaf, variable) else leaf, out)
+
+
 def probe_avals(inner: Inner, x_spec: Any, x_avals: tuple[Aval, ...], contexts: Sequence[Context[Any]]) -> Any:
     """f's output structure and avals for inputs of ``x_avals``, found without concrete values
     (the outer engine is tracing): jax.eval_shape for jax, zeros for the others."""
@@ -499,7 +511,7 @@ def probe_avals(inner: Inner, x_spec: Any, x_avals: tuple[Aval, ...], contexts: 
             out = inner.family.eval_shape(lambda *leaves: inner.f(x_spec.unflatten(list(leaves)), *values), shapes)
             abstract = out is not None  # (else: no abstract evaluation in this family, f at zeros)
             if not abstract:
-                out = inner.f(x_spec.unflatten(_zeros(x_avals, inner.family)), *values)
+                out = _evaluated(inner.backend, inner.f(x_spec.unflatten(_zeros(x_avals, inner.family)), *values))
     except DiffifaceError:
         raise
     except Exception as exc:

@@ -1,0 +1,431 @@
+"""pytensor: ``pytensor.gradient`` (grad, pullback, pushforward, jacobian) on a symbolic graph,
+compiled by ``pytensor.function``.
+
+Every operator is one compiled function. At preparation the program is traced: ``f`` is
+called once on symbolic variables of the shapes and dtypes of x's leaves, of the tangent's and
+of the context arrays and floats (other context leaves are static, compared by value, one
+compiled function per value); the graph of the operator's results is then compiled with the
+backend's mode. Later calls run the compiled function on numpy arrays. Building and compiling a
+graph is not thread-safe in pytensor: both run under one lock.
+
+Forward mode is pytensor's own pushforward, two pullbacks (exact, and it needs no ``R_op`` of
+every operation); the hvp is reverse over reverse, as ``pytensor.gradient.hessian_vector_product``.
+Complex numbers are refused: pytensor's gradients of complex graphs are not those of any
+convention diffiface keeps.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import optree
+import pytensor
+import pytensor.tensor as pt
+from pytensor.gradient import grad, jacobian, pullback, pushforward
+from pytensor.graph.basic import Variable
+from pytensor.tensor.type import TensorType
+from pytensor.tensor.variable import TensorVariable
+
+from .. import _arrays
+from .._errors import DiffifaceError, FrameworkMismatchError, MutationError, UnsupportedOperationError
+from . import _base
+from ._base import Blocks, Fn, Leaves
+
+_function: Callable[..., Any] = pytensor.function  # type: ignore[attr-defined]
+
+_LOCK = threading.RLock()
+"""Held while a graph is built, differentiated and compiled (pytensor's graph rewriting and
+compilation cache are not thread-safe; reentrant: f may call diffiface inside itself)."""
+
+
+class _Known(TensorVariable):  # type: ignore[misc,type-arg]
+    """A cotangent's symbolic variable whose ``shape`` is its static shape, as a tuple of ints:
+    diffiface checks a cotangent's shape against f(x)'s while the program is traced."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.type.shape)
+
+
+def _refuse_complex(where: str) -> UnsupportedOperationError:
+    return UnsupportedOperationError(
+        f"The pytensor backend does not differentiate complex numbers ({where} is complex): pytensor's "
+        "gradients of complex graphs follow no convention diffiface keeps. Split the complex numbers "
+        "into real and imaginary parts, or use AutoJAX() or AutoTorch()."
+    )
+
+
+def _variable(value: Any, known: bool = False) -> Any:
+    """A symbolic input of ``value``'s static shape and dtype."""
+    array = np.asarray(value)
+    if array.dtype.kind == "c":
+        raise _refuse_complex("an input")
+    kind = TensorType(dtype=str(_arrays.native_dtype(array.dtype)), shape=array.shape)
+    return _Known(kind, None) if known else kind()
+
+
+def _contiguous(array: np.ndarray) -> np.ndarray:
+    """``array`` itself where it is C-contiguous, else a C-contiguous copy (0-d stays 0-d)."""
+    return array if array.flags.c_contiguous else array.copy(order="C")
+
+
+def _symbolic(xs: Sequence[Any]) -> bool:
+    return bool(xs) and isinstance(xs[0], Variable)
+
+
+def _disconnected_zero(values: Any, like: Sequence[Any]) -> list[Any]:
+    """``values`` with every None (an input the graph does not reach) as zeros like ``like``."""
+    return [pt.zeros_like(x) if v is None else v for v, x in zip(values, like, strict=True)]
+
+
+class _Compiled:
+    """One compiled function and how to rebuild the program's result from its outputs."""
+
+    __slots__ = ("function", "leaves", "positions", "spec")
+
+    def __init__(self, function: Any, spec: Any, leaves: list[Any], positions: list[int]) -> None:
+        self.function = function
+        self.spec = spec
+        self.leaves = leaves  # the result's leaves that are not computed (None where computed)
+        self.positions = positions  # where each output of the function goes among them
+
+    def __call__(self, *arguments: Any) -> Any:
+        outs = self.function(*arguments)
+        leaves = list(self.leaves)
+        for position, out in zip(self.positions, outs, strict=True):
+            leaves[position] = out
+        return optree.tree_unflatten(self.spec, leaves)
+
+
+class Adapter(_base.Adapter):
+    xp = pt
+    compiles = True
+
+    def __init__(self, backend: Any, info: Any) -> None:
+        super().__init__(backend, info)
+        self.mode = backend.mode
+        self._local = threading.local()
+
+    # -- conversions -------------------------------------------------------------------------------
+
+    def to_native(self, leaf: Any) -> Any:
+        if isinstance(leaf, complex) or getattr(getattr(leaf, "dtype", None), "kind", "") == "c":
+            raise _refuse_complex("x or a tangent")
+        if isinstance(leaf, (np.ndarray, np.generic)):
+            # (C-contiguous, in this machine's byte order: the array itself where it is one, as
+            # the compiled function's code is specialised for the layout it first meets)
+            return _contiguous(_arrays.in_native_byte_order(np.asarray(leaf)))
+        if _arrays.kind(leaf) == "python":
+            return np.asarray(leaf, dtype=np.float64)
+        return leaf
+
+    def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
+        if isinstance(leaf, np.ndarray):
+            if leaf.dtype.kind == "c":
+                raise _refuse_complex("a context array")
+            # (numeric arrays are arguments of the compiled function; others stay static)
+            return _contiguous(_arrays.in_native_byte_order(leaf)), leaf.dtype.kind in "biuf"
+        if isinstance(leaf, np.generic) and leaf.dtype.kind in "biuf":
+            return np.asarray(leaf), True
+        if type(leaf) is float:
+            # An argument of the compiled function (a new value runs the same function), in x's
+            # float dtype: as numpy does with a Python float, it keeps float32 work float32.
+            dtype = getattr(like, "dtype", None)
+            return np.asarray(leaf, dtype=dtype if dtype is not None and dtype.kind == "f" else np.float64), True
+        # Integers and booleans stay static (sizes, flags, indices), compared by value.
+        return leaf, False
+
+    def constant_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
+        # (f sees a Constant's arrays as symbolic variables: nothing to write into)
+        return self.context_to_native(leaf, like)
+
+    def output_leaf(self, leaf: Any, like: Any) -> Any:
+        if isinstance(leaf, Variable):
+            return leaf
+        if _arrays.kind(leaf) == "python":
+            return pt.as_tensor_variable(np.asarray(leaf, dtype=getattr(like, "dtype", "float64")))
+        return pt.as_tensor_variable(np.asarray(leaf))
+
+    def output_values(self, leaf: Any) -> Any:  # type: ignore[override]
+        """A symbolic output leaf as an array of its shape and dtype (zeros, never read), which
+        diffiface checks and records as f's output."""
+        if not isinstance(leaf, Variable):
+            if (
+                isinstance(leaf, np.ndarray)
+                and leaf.dtype == object
+                and any(isinstance(v, Variable) for v in leaf.flat)
+            ):
+                raise FrameworkMismatchError(
+                    "f failed under the pytensor backend: f handed pytensor's symbolic variables to a numpy "
+                    "function, which made an array of objects. Write f with pytensor.tensor operations, or "
+                    "differentiate a numpy f with AutoFiniteDifferences()."
+                )
+            return leaf
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None or not isinstance(leaf, TensorVariable):
+            return leaf  # (not a tensor: refused by the output check, which names its type)
+        if str(dtype).startswith("complex"):
+            raise _refuse_complex("f's output")
+        shape = tuple(leaf.type.shape)
+        if None in shape:
+            shape = self._evaluated_shape(leaf)
+        return np.broadcast_to(np.zeros((), dtype=dtype), shape)
+
+    def _evaluated_shape(self, leaf: Any) -> tuple[int, ...]:
+        """The shape of an output whose static shape pytensor does not infer, evaluated at the
+        point being traced."""
+        givens: dict[Any, Any] = getattr(self._local, "givens", None) or {}
+        shape_of = _function(list(givens), leaf.shape, mode="FAST_COMPILE", on_unused_input="ignore")
+        return tuple(int(n) for n in shape_of(*givens.values()))
+
+    def explain_failure(self, exc: BaseException) -> str | None:
+        if isinstance(exc, DiffifaceError):
+            return None
+        if type(exc) is ValueError and str(exc).endswith("read-only"):
+            raise MutationError(
+                f"f wrote into an array it was given ({exc!s}); under the pytensor backend f builds a "
+                "symbolic graph: compute out of place (pytensor.tensor.set_subtensor), or pass scratch "
+                "space as di.Cache."
+            ) from exc
+        if isinstance(exc, TypeError) and "TensorVariable" in str(exc) and "bool" in str(exc):
+            return (
+                "f uses the value of x (or of a context array or float) in Python control flow (if, "
+                "while, bool()). Under the pytensor backend they are symbolic variables: use "
+                "pytensor.tensor.switch or pytensor.ifelse.ifelse, or pass a value that must stay a "
+                "Python value as an int or a string."
+            )
+        if isinstance(exc, (TypeError, ValueError, AttributeError, NotImplementedError)) and (
+            _base.raised_inside(exc, "numpy") or _base.raised_inside(exc, "pytensor")
+        ):
+            return (
+                f"f failed while pytensor built its graph ({type(exc).__name__}: {exc}). Under the pytensor "
+                "backend f is called with symbolic variables: write it with pytensor.tensor operations "
+                "(pt.sum, pt.exp, pt.switch), not numpy functions or in-place writes; differentiate a "
+                "numpy f with AutoFiniteDifferences()."
+            )
+        if _base.raised_inside(exc, "torch") or _base.raised_inside(exc, "jax"):
+            return (
+                "f handed a pytensor symbolic variable to another framework. Write f with "
+                "pytensor.tensor operations, or differentiate it with AutoFiniteDifferences()."
+            )
+        return None
+
+    # -- compilation -------------------------------------------------------------------------------
+
+    def returns_like(self, leaf: Any) -> bool:
+        return type(leaf) is np.ndarray
+
+    def compile(
+        self, program: Callable[..., Any], static: bool = True, arrays: bool = False, layouts: Any = None
+    ) -> Callable[..., Any]:
+        flat = layouts is not None  # (a program on flat array arguments: FlatProgram.on_flat)
+        sizes = getattr(getattr(program, "__self__", None), "sizes", None) if flat else None
+        compiled: dict[Any, Callable[..., Any]] = {}
+        trace = self._trace
+
+        if flat:
+
+            def run_flat(*arguments: Any) -> Any:
+                found = compiled.get(None)
+                if found is None:
+                    found = compiled[None] = trace(program, arguments, True, sizes)
+                return found(*arguments)
+
+            return run_flat
+
+        def run(xs: Leaves, ts: Leaves, dynamic: Leaves, static_part: Any) -> Any:
+            key = static_part if static else None
+            found = compiled.get(key)
+            if found is None:
+                found = compiled[key] = trace(program, (xs, ts, dynamic, static_part), False, None)
+            return found(*xs, *ts, *dynamic)
+
+        return run
+
+    def _trace(self, program: Callable[..., Any], arguments: Any, flat: bool, sizes: Any) -> Callable[..., Any]:
+        """Trace ``program`` on symbolic variables of ``arguments`` and compile its result."""
+        with _LOCK:
+            if flat:
+                values = list(arguments)
+                cotangents = range(*sizes) if sizes is not None else range(0)
+            else:
+                xs, ts, dynamic, static_part = arguments
+                values = [*xs, *ts, *dynamic]
+                cotangents = range(len(xs), len(xs) + len(ts))
+            variables = [_variable(v, known=i in cotangents) for i, v in enumerate(values)]
+            before = getattr(self._local, "givens", None)
+            self._local.givens = dict(zip(variables, values, strict=True))
+            try:
+                if flat:
+                    result = program(*variables)
+                else:
+                    n, m = len(xs), len(xs) + len(ts)
+                    result = program(tuple(variables[:n]), tuple(variables[n:m]), tuple(variables[m:]), static_part)
+            finally:
+                self._local.givens = before
+            leaves, spec = optree.tree_flatten(result)
+            positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Variable)]
+            outputs = [leaves[i] for i in positions]
+            single = spec.num_leaves == 1 and spec.num_nodes == 1 and len(outputs) == 1
+            # (one output not in a list: the compiled function returns the array itself)
+            function = _function(variables, outputs[0] if single else outputs, mode=self.mode, on_unused_input="ignore")
+            function.trust_input = True  # (the plan checks each argument's type, shape and dtype)
+            if single:
+                return function  # type: ignore[no-any-return]
+            kept = [None if isinstance(leaf, Variable) else leaf for leaf in leaves]
+            return _Compiled(function, spec, kept, positions)
+
+    # -- eager calls: outside a compiled program (a second-order pair with another engine) --------
+
+    def _eager(self, method: str, fn: Fn, xs: Leaves, *rest: Any) -> Any:
+        """``method`` on concrete arrays: traced on symbolic variables, compiled and run once."""
+        with _LOCK:
+            values = [np.asarray(x) for x in xs]
+            variables = [_variable(v) for v in values]
+            extra_leaves, extra_spec = optree.tree_flatten(rest)  # type: ignore[arg-type,var-annotated]
+            extra_values = [np.asarray(v) for v in extra_leaves]
+            extra_variables = [_variable(v) for v in extra_values]
+            symbolic_rest = optree.tree_unflatten(extra_spec, extra_variables)
+            result = getattr(self, method)(fn, tuple(variables), *symbolic_rest)
+            leaves, spec = optree.tree_flatten(result)
+            positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Variable)]
+            function = _function(
+                [*variables, *extra_variables],
+                [leaves[i] for i in positions],
+                mode="FAST_COMPILE",
+                on_unused_input="ignore",
+            )
+            outs = function(*values, *extra_values)
+            for position, out in zip(positions, outs, strict=True):
+                leaves[position] = out
+            return optree.tree_unflatten(spec, leaves)
+
+    # -- primitives (on symbolic variables, inside a traced program) -------------------------------
+
+    def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
+        if not _symbolic(xs):
+            out, aux = self._eager("_value", fn, xs)
+            return out, aux, lambda touts: self._eager("value_and_pullback", fn, xs, touts)[2]
+        out, aux = fn(xs)
+        outs = out if isinstance(out, tuple) else (out,)
+
+        def vjp(touts: Any) -> Leaves:
+            cotangents = touts if isinstance(out, tuple) else (touts,)
+            cotangents = [
+                pt.cast(t, y.dtype) if t.dtype != y.dtype else t for t, y in zip(cotangents, outs, strict=True)
+            ]
+            if not xs:
+                return ()
+            if not outs:
+                return tuple(pt.zeros_like(x) for x in xs)
+            grads = pullback(list(outs), list(xs), cotangents, disconnected_inputs="ignore", return_disconnected="zero")
+            return tuple(_disconnected_zero(grads, xs))
+
+        return out, aux, vjp
+
+    def _value(self, fn: Fn, xs: Leaves) -> tuple[Any, Any]:
+        return fn(xs)
+
+    def value_and_pullback(self, fn: Fn, xs: Leaves, touts: Any) -> tuple[Any, Any, Leaves]:
+        if not _symbolic(xs):
+            return self._eager("value_and_pullback", fn, xs, touts)  # type: ignore[no-any-return]
+        out, aux, vjp = self.pullback_function(fn, xs)
+        return out, aux, vjp(touts)
+
+    def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
+        if not _symbolic(xs):
+            return self._eager("value_and_pushforward", fn, xs, txs)  # type: ignore[no-any-return]
+        out, aux = fn(xs)
+        outs = out if isinstance(out, tuple) else (out,)
+        tangents = [pt.cast(t, x.dtype) if t.dtype != x.dtype else t for t, x in zip(txs, xs, strict=True)]
+        if not outs:
+            return out, aux, ()
+        if not xs:
+            touts = [pt.zeros_like(y) for y in outs]
+        else:
+            found = pushforward(
+                list(outs), list(xs), tangents, disconnected_outputs="ignore", return_disconnected="zero"
+            )
+            touts = _disconnected_zero(found, outs)
+            touts = [pt.cast(t, y.dtype) if t.dtype != y.dtype else t for t, y in zip(touts, outs, strict=True)]
+        return out, aux, tuple(touts) if isinstance(out, tuple) else touts[0]
+
+    def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
+        if not _symbolic(xs):
+            return self._eager("value_and_gradient", fn, xs)  # type: ignore[no-any-return]
+        value, aux = fn(xs)
+        return value, aux, self._grad(value, xs)
+
+    def _grad(self, value: Any, xs: Leaves) -> Leaves:
+        if not xs:
+            return ()
+        grads = grad(value, list(xs), disconnected_inputs="ignore", return_disconnected="zero")
+        return tuple(_disconnected_zero(grads, xs))
+
+    def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Blocks]:
+        if not _symbolic(xs):
+            return self._eager("value_and_jacobian", fn, xs, mode)  # type: ignore[no-any-return]
+        out, aux = fn(xs)
+        outs = out if isinstance(out, tuple) else (out,)
+        return out, aux, tuple(self._jacobian(y, xs) for y in outs)
+
+    def _jacobian(self, y: Any, xs: Leaves) -> tuple[Any, ...]:
+        """The blocks of ``y``'s Jacobian, ``y.shape + x.shape`` for each leaf x."""
+        if not xs:
+            return ()
+        shape = tuple(y.type.shape)
+        if y.ndim == 0:
+            return self._grad(y, xs)
+        if 0 in shape or any(0 in x.type.shape for x in xs):
+            return tuple(pt.zeros((*shape, *x.type.shape), dtype=y.dtype) for x in xs)
+        blocks = jacobian(y, list(xs), disconnected_inputs="ignore", vectorize=True)
+        return tuple(
+            pt.zeros((*shape, *x.type.shape), dtype=x.dtype) if b is None else b
+            for b, x in zip(blocks, xs, strict=True)
+        )
+
+    def value_and_derivative(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any]:
+        if not _symbolic(xs):
+            return self._eager("value_and_derivative", fn, xs)  # type: ignore[no-any-return]
+        return self.value_and_pushforward(fn, xs, (pt.ones_like(xs[0]),))
+
+    def gradient_and_hvp(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Leaves, Leaves]:
+        if not _symbolic(xs):
+            return self._eager("gradient_and_hvp", fn, xs, txs)  # type: ignore[no-any-return]
+        value, aux, grads, found = self.gradient_and_hvps(fn, xs, [txs])
+        return value, aux, grads, found[0]
+
+    def gradient_and_hvps(self, fn: Fn, xs: Leaves, batch: Sequence[Leaves]) -> tuple[Any, Any, Leaves, list[Leaves]]:
+        if not _symbolic(xs):
+            return self._eager("gradient_and_hvps", fn, xs, list(batch))  # type: ignore[no-any-return]
+        value, aux = fn(xs)
+        grads = self._grad(value, xs)
+        hvps = []
+        for txs in batch:  # reverse over reverse: the gradient of <grad f, v>
+            directional = _base.vdot(pt, grads, tuple(pt.cast(t, x.dtype) for t, x in zip(txs, xs, strict=True)))
+            hvps.append(self._grad(directional, xs))
+        return value, aux, grads, hvps
+
+    def value_gradient_and_hessian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Blocks]:
+        if not _symbolic(xs):
+            return self._eager("value_gradient_and_hessian", fn, xs)  # type: ignore[no-any-return]
+        value, aux = fn(xs)
+        grads = self._grad(value, xs)
+        return value, aux, grads, tuple(self._jacobian(g, xs) for g in grads)
+
+    def value_derivative_and_second_derivative(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any, Any]:
+        if not _symbolic(xs):
+            return self._eager("value_derivative_and_second_derivative", fn, xs)  # type: ignore[no-any-return]
+        captured: list[Any] = []
+
+        def derivative(xs_: Leaves) -> tuple[Any, Any]:
+            value, aux, deriv = self.value_and_derivative(fn, xs_)
+            captured[:] = [value, aux]
+            return deriv, None
+
+        derivs, _, seconds = self.value_and_derivative(derivative, xs)
+        value, aux = captured
+        return value, aux, derivs, seconds

@@ -1,0 +1,127 @@
+"""pytensor's symbolic variables: what ``f`` computes with under the pytensor backend.
+
+They stand for arrays while a graph is built, and hold no values: diffiface meets them only
+inside the trace of a pytensor program (as f's output, or as the arrays ``f`` is handed), where
+their numpy-like module is ``pytensor.tensor``. A symbolic variable passed as x or as a
+context is refused: pass the numpy values instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any, Final
+
+import numpy as np
+
+from ._shared import no_refusal, unopened, untraced
+
+# a symbolic variable answers its dtype as numpy names it: the tests are numpy's
+from .numpy import block_like as block_like
+from .numpy import cast as cast
+from .numpy import jit_checked as jit_checked
+from .numpy import layout as layout
+from .numpy import leaves_test as leaves_test
+
+NAME: Final = "pytensor"
+ARRAY: Final = False
+"""Not arrays: symbolic variables, which hold no values."""
+PASSED_THROUGH: Final = False
+GRAPH: Final = False
+
+
+def owns(cls: type) -> bool:
+    basic = sys.modules.get("pytensor.graph.basic")
+    return basic is not None and issubclass(cls, basic.Variable)
+
+
+def _symbolic(leaf: Any) -> Exception:
+    from .._errors import ArrayTypeError
+
+    return ArrayTypeError(
+        f"A pytensor symbolic variable ({leaf}) was passed where diffiface needs values: pass x, "
+        "tangents and contexts as numpy arrays; under the pytensor backend f is handed symbolic "
+        "variables of their shapes and dtypes, and its graph is compiled."
+    )
+
+
+def signature(leaf: Any) -> tuple[Any, ...]:
+    shape = getattr(getattr(leaf, "type", None), "shape", None)
+    return (NAME, shape, getattr(leaf, "dtype", None))
+
+
+def numpy_like() -> Any:
+    return sys.modules["pytensor.tensor"]
+
+
+def to_numpy(leaf: Any) -> np.ndarray:
+    """The value of a graph of constants (f called on numpy arrays builds one: a reference
+    engine evaluates f so), evaluated; a graph of symbolic inputs has no value."""
+    from pytensor.graph.basic import Constant
+    from pytensor.graph.traversal import graph_inputs
+
+    if any(not isinstance(node, Constant) for node in graph_inputs([leaf])):
+        raise _symbolic(leaf)
+    return np.asarray(leaf.eval())
+
+
+def from_numpy(array: np.ndarray, like: Any, dtype: Any) -> Any:
+    return np.asarray(array, dtype=getattr(like, "dtype", None) if dtype is None else dtype)
+
+
+def mirror(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
+    raise _symbolic(like)
+
+
+def as_own(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
+    raise _symbolic(like)
+
+
+def same(leaf: Any) -> Callable[[Any], bool] | None:
+    return None
+
+
+CODE_MODULES: Final[frozenset[str]] = frozenset()
+
+
+def exchange(leaf: Any) -> None:
+    raise _symbolic(leaf)
+
+
+def dtype_scope(dtypes: Iterable[str]) -> contextlib.nullcontext[None]:
+    return contextlib.nullcontext()
+
+
+def conj(leaf: Any) -> Any:
+    return sys.modules["pytensor.tensor"].conj(leaf)
+
+
+def parts(leaf: Any) -> tuple[Any, Any]:
+    tensor = sys.modules["pytensor.tensor"]
+    return tensor.real(leaf), tensor.imag(leaf)
+
+
+def from_parts(re: Any, im: Any) -> Any:
+    return re + 1j * im
+
+
+def private_copy(leaf: Any) -> Any:
+    return leaf  # (symbolic: nothing to write into)
+
+
+def eval_shape(fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]]) -> None:
+    return None  # (f is evaluated at zeros)
+
+
+def laid_out_ravel(leaves: list[Any]) -> None:
+    return None
+
+
+def values(leaf: Any) -> np.ndarray:
+    raise _symbolic(leaf)
+
+
+x_refusal = no_refusal
+opened = unopened
+traced = untraced

@@ -1,0 +1,201 @@
+"""The pytensor engine: f written with pytensor.tensor, traced once per prep and compiled.
+
+Most tests compile with mode="FAST_COMPILE" (the results are the same; the compiles quicker);
+the default mode (numba in PyTensor 3.0) is exercised by the project's parametrised tests and the scenarios.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+import diffiface as di
+
+pt = pytest.importorskip("pytensor.tensor")
+pytensor = pytest.importorskip("pytensor")
+
+QUICK = di.AutoPyTensor(mode="FAST_COMPILE")
+
+
+def logp(params: dict[str, Any], data: dict[str, Any]) -> Any:
+    mu = data["X"] @ params["beta"]
+    sigma = pt.exp(params["log_sigma"])
+    return pt.sum(-0.5 * ((data["y"] - mu) / sigma) ** 2 - pt.log(sigma)) - 0.5 * pt.sum(params["beta"] ** 2)
+
+
+def _data(dtype: Any = np.float64) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {"X": rng.normal(size=(20, 3)).astype(dtype), "y": rng.normal(size=20).astype(dtype)}
+
+
+def _expected_logp_grad(params: dict[str, np.ndarray], data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    X, y = data["X"].astype(np.float64), data["y"].astype(np.float64)
+    beta, s = params["beta"].astype(np.float64), float(params["log_sigma"])
+    r = y - X @ beta
+    return {
+        "beta": X.T @ r / np.exp(2 * s) - beta,
+        "log_sigma": np.asarray(np.sum(r**2) / np.exp(2 * s) - len(y)),
+    }
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_gradient_of_a_log_density_keeps_structure_and_dtype(dtype: Any) -> None:
+    data = _data(dtype)
+    params = {"beta": np.array([0.3, -0.2, 0.1], dtype=dtype), "log_sigma": np.array(0.2, dtype=dtype)}
+    before = {k: v.copy() for k, v in params.items()}, {k: v.copy() for k, v in data.items()}
+    value, grad = di.value_and_gradient(logp, QUICK, params, di.Constant(data))
+    expected = _expected_logp_grad(params, data)
+    rtol = 1e-10 if dtype == np.float64 else 1e-4
+    assert set(grad) == {"beta", "log_sigma"}
+    for key in grad:
+        assert type(grad[key]) is np.ndarray and grad[key].dtype == dtype and grad[key].shape == params[key].shape
+        np.testing.assert_allclose(grad[key], expected[key], rtol=rtol, atol=rtol)
+    assert np.asarray(value).dtype == dtype
+    for saved, now in zip(before, (params, data), strict=True):  # nothing mutated
+        for key in saved:
+            np.testing.assert_array_equal(saved[key], now[key])
+
+
+def test_new_context_values_run_the_same_compiled_function(monkeypatch: pytest.MonkeyPatch) -> None:
+    from diffiface._adapters import pytensor as adapter
+
+    compiles = []
+    real = adapter._function
+    monkeypatch.setattr(adapter, "_function", lambda *a, **k: compiles.append(1) or real(*a, **k))
+    x = np.array([0.5, -1.0, 2.0])
+
+    def f(x: Any, c: Any, s: Any) -> Any:
+        return pt.sum(pt.sin(x) * c) * s
+
+    prep = di.prepare_gradient(f, QUICK, x, di.Constant(np.ones(3)), di.Constant(2.0))
+    assert len(compiles) == 1
+    for c, s in ((np.arange(3.0), 0.5), (np.full(3, -1.0), 3.0)):
+        got = di.gradient(f, QUICK, x, di.Constant(c), di.Constant(s), prep=prep)
+        np.testing.assert_allclose(got, np.cos(x) * c * s, rtol=1e-12)
+    assert len(compiles) == 1
+
+
+def test_static_contexts_compile_once_per_value() -> None:
+    def f(x: Any, power: int) -> Any:
+        return pt.sum(x**power)
+
+    x = np.array([1.0, 2.0])
+    prep = di.prepare_gradient(f, QUICK, x, di.Constant(2))
+    np.testing.assert_allclose(di.gradient(f, QUICK, x, di.Constant(2), prep=prep), 2 * x)
+    np.testing.assert_allclose(di.gradient(f, QUICK, x, di.Constant(3), prep=prep), 3 * x**2)
+
+
+def test_every_operator_against_closed_forms() -> None:
+    x = np.array([0.3, -0.7, 1.1])
+    t = np.array([1.0, 0.5, -2.0])
+
+    def f(x: Any) -> Any:
+        return pt.sum(pt.sin(x) * x**2)
+
+    def g(x: Any) -> Any:
+        return {"a": pt.exp(x), "b": [x[0] * x[1]]}
+
+    d1 = np.cos(x) * x**2 + 2 * x * np.sin(x)
+    d2 = -np.sin(x) * x**2 + 4 * x * np.cos(x) + 2 * np.sin(x)
+    np.testing.assert_allclose(di.gradient(f, QUICK, x), d1, rtol=1e-12)
+    np.testing.assert_allclose(di.hessian(f, QUICK, x), np.diag(d2), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(di.hvp(f, QUICK, x, t), d2 * t, rtol=1e-12)
+    jac = di.jacobian(g, QUICK, x)
+    np.testing.assert_allclose(jac["a"], np.diag(np.exp(x)), rtol=1e-12)
+    np.testing.assert_allclose(jac["b"][0], [x[1], x[0], 0.0], rtol=1e-12)
+    jvp = di.jvp(g, QUICK, x, t)
+    np.testing.assert_allclose(jvp["a"], np.exp(x) * t, rtol=1e-12)
+    np.testing.assert_allclose(jvp["b"][0], x[1] * t[0] + x[0] * t[1], rtol=1e-12)
+    vjp = di.vjp(g, QUICK, x, {"a": t, "b": [np.array(2.0)]})
+    np.testing.assert_allclose(vjp, np.exp(x) * t + 2 * np.array([x[1], x[0], 0.0]), rtol=1e-12)
+    assert di.derivative(lambda s: pt.sin(s) * s, QUICK, 0.4) == pytest.approx(np.cos(0.4) * 0.4 + np.sin(0.4))
+    second = di.second_derivative(lambda s: pt.sin(s) * s, QUICK, 0.4)
+    assert isinstance(second, float) and second == pytest.approx(-np.sin(0.4) * 0.4 + 2 * np.cos(0.4))
+
+
+def test_unused_input_gets_zeros() -> None:
+    grad = di.gradient(lambda x: pt.sum(x["used"] ** 2), QUICK, {"used": np.ones(2), "unused": np.ones(3)})
+    np.testing.assert_array_equal(grad["unused"], np.zeros(3))
+    np.testing.assert_array_equal(grad["used"], 2 * np.ones(2))
+
+
+def test_complex_numbers_are_refused() -> None:
+    with pytest.raises(di.UnsupportedOperationError, match="complex"):
+        di.gradient(lambda z: pt.sum(pt.abs(z) ** 2), QUICK, np.array([3 + 4j]))
+    with pytest.raises(di.UnsupportedOperationError, match="complex"):
+        di.jacobian(lambda x: x * (1 + 1j), QUICK, np.array([1.0, 2.0]))
+
+
+def test_python_control_flow_on_values_is_refused_with_the_fix() -> None:
+    def f(x: Any) -> Any:
+        if pt.sum(x) > 0:
+            return pt.sum(x)
+        return -pt.sum(x)
+
+    with pytest.raises(di.FrameworkMismatchError, match="switch"):
+        di.gradient(f, QUICK, np.ones(2))
+
+
+def test_numpy_functions_are_refused_with_the_fix() -> None:
+    with pytest.raises(di.FrameworkMismatchError, match=r"pytensor\.tensor"):
+        di.gradient(lambda x: np.sum(np.tanh(x)), QUICK, np.ones(2))
+
+
+def test_a_bad_mode_is_refused() -> None:
+    with pytest.raises(di.InvalidBackendOptionError, match="FAST_COMPILE"):
+        di.AutoPyTensor(mode="DEBUG")
+
+
+def test_preparation_in_many_threads() -> None:
+    results: dict[int, np.ndarray] = {}
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            x = np.linspace(0.0, 1.0, 3 + k)
+            results[k] = di.gradient(lambda x: pt.sum(pt.tanh(x) * x), QUICK, x)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for k, got in results.items():
+        x = np.linspace(0.0, 1.0, 3 + k)
+        np.testing.assert_allclose(got, np.tanh(x) + x / np.cosh(x) ** 2, rtol=1e-12)
+
+
+def test_default_mode_agrees() -> None:
+    data = _data()
+    params = {"beta": np.array([0.1, 0.2, 0.3]), "log_sigma": np.array(-0.1)}
+    grad = di.gradient(logp, "pytensor", params, di.Constant(data))
+    expected = _expected_logp_grad(params, data)
+    for key in grad:
+        np.testing.assert_allclose(grad[key], expected[key], rtol=1e-10)
+
+
+def test_differentiate_with_inside_jax_and_torch() -> None:
+    jax = pytest.importorskip("jax")
+    torch = pytest.importorskip("torch")
+    c = np.array([1.0, 2.0, 3.0])
+
+    def f(x: Any, c: Any) -> Any:
+        return pt.sin(x) * c
+
+    x = np.array([0.1, 0.2, 0.3], dtype=np.float32)
+    g = di.differentiate_with(f, QUICK)
+    got = jax.grad(lambda z: jax.numpy.sum(g(z, di.Constant(c))))(jax.numpy.asarray(x))
+    np.testing.assert_allclose(np.asarray(got), np.cos(x) * c, rtol=1e-5)
+    g64 = di.differentiate_with(f, QUICK)
+    xt = torch.tensor(x.astype(np.float64), requires_grad=True)
+    g64(xt, di.Constant(c)).sum().backward()
+    assert xt.grad is not None and xt.grad.dtype == torch.float64
+    np.testing.assert_allclose(xt.grad.numpy(), np.cos(x.astype(np.float64)) * c, rtol=1e-12)
+    with pytest.raises(di.UnsupportedOperationError, match="first order only"):
+        jax.hessian(lambda z: jax.numpy.sum(g(z, di.Constant(c))))(jax.numpy.asarray(x))
