@@ -72,7 +72,7 @@ class Scenario:
     atol: float | None = None
     has_aux: bool = False
     tags: frozenset[str] = frozenset()
-    frameworks: frozenset[str] = frozenset({"numpy", "jax", "torch", "autograd"})
+    frameworks: frozenset[str] = frozenset({"numpy", "jax", "torch", "autograd", "mlx"})
     note: str = ""
     finite_differences_ok: bool = True
 
