@@ -272,6 +272,8 @@ def _conj(leaf: Any) -> Any:
         return sys.modules["jax.numpy"].conj(leaf)
     if kind == "autograd":
         return sys.modules["autograd.numpy"].conj(leaf)
+    if kind == "mlx":
+        return sys.modules["mlx.core"].conj(leaf)
     if kind == "python":
         return leaf.conjugate()
     return np.conj(leaf)
@@ -285,6 +287,8 @@ def as_complex(leaf: Any, dtype: str) -> Any:
         return leaf.to(getattr(sys.modules["torch"], dtype))
     if kind in ("jax", "autograd"):
         return leaf.astype(dtype)
+    if kind == "mlx":
+        return leaf.astype(getattr(sys.modules["mlx.core"], dtype))
     return np.asarray(leaf, dtype=dtype)
 
 
@@ -301,6 +305,9 @@ def _parts(leaf: Any) -> tuple[Any, Any]:
     if kind == "autograd":
         anp = sys.modules["autograd.numpy"]
         return anp.real(leaf), anp.imag(leaf)
+    if kind == "mlx":
+        core = sys.modules["mlx.core"]
+        return core.real(leaf), core.imag(leaf)
     if kind == "python":
         return leaf.real, leaf.imag
     array = np.asarray(leaf)

@@ -37,6 +37,15 @@ def _refuse_complex128(where: str) -> InvalidInputError:
     )
 
 
+def _mx(leaves: Sequence[Any]) -> list[Any]:
+    """Leaves as mlx arrays (another part of diffiface may hand numpy ones: the real and
+    imaginary parts of a complex x, say), each of its own dtype."""
+    return [
+        leaf if type(leaf) is mx.array else mx.array(np.asarray(leaf), dtype=mlx_dtype(np.asarray(leaf).dtype))
+        for leaf in leaves
+    ]
+
+
 class _Pullback:
     """The pullback of ``outputs`` (f's output as a list of arrays) at ``xs``: mlx's vjp takes
     its cotangents with the primal, so each cotangent runs one ``mx.vjp`` (a batch, one vmap)."""
@@ -49,7 +58,7 @@ class _Pullback:
     def __call__(self, touts: Any) -> Leaves:
         if not self.xs:
             return ()
-        return tuple(mx.vjp(self.outputs, list(self.xs), _as_list(touts) if not self.one else [touts])[1])
+        return tuple(mx.vjp(self.outputs, _mx(self.xs), _mx(_as_list(touts) if not self.one else [touts]))[1])
 
 
 class Adapter(_base.Adapter):
@@ -147,12 +156,13 @@ class Adapter(_base.Adapter):
         return run
 
     def explain_failure(self, exc: BaseException) -> str | None:
-        if isinstance(exc, ValueError) and "[eval]" in str(exc) and raised_inside(exc, "mlx"):
+        # (mlx's C++ core raises this with no Python frame of its own: its words tell it)
+        if isinstance(exc, ValueError) and str(exc).startswith("[eval] Attempting to eval an array during"):
             return (
-                "f reads the value of an array mlx traces (a numpy conversion, float(), .item(), or "
-                "Python control flow on it) inside a transformation or mx.compile. Write f with "
-                "mlx.core operations (mx.where for branches), or use AutoMLX(compile=False) where f "
-                "only needs concrete values outside the traced part."
+                "f reads the value of an array mlx traces (a numpy function or np.asarray on it, "
+                "float(), .item(), or Python control flow on it) inside mlx's transformations. Write "
+                "f with mlx.core operations (mx.where for branches), or differentiate a numpy f with "
+                "AutoFiniteDifferences() or AutoAutograd()."
             )
         if isinstance(exc, (TypeError, ValueError)) and (raised_inside(exc, "torch") or raised_inside(exc, "jax")):
             return (
@@ -184,7 +194,7 @@ class Adapter(_base.Adapter):
             out, aux = fn(xs)
             return out, aux, ()
         captured: list[Any] = []
-        _, grads = mx.vjp(self._outputs(fn, captured), list(xs), _as_list(touts))
+        _, grads = mx.vjp(self._outputs(fn, captured), _mx(xs), _mx(_as_list(touts)))
         out, aux = captured
         return out, aux, tuple(grads)
 
@@ -193,7 +203,7 @@ class Adapter(_base.Adapter):
             out, aux = fn(xs)
             return out, aux, (tuple(mx.zeros_like(y) for y in out) if isinstance(out, tuple) else mx.zeros_like(out))
         captured: list[Any] = []
-        _, touts = mx.jvp(self._outputs(fn, captured), list(xs), list(txs))
+        _, touts = mx.jvp(self._outputs(fn, captured), _mx(xs), _mx(txs))
         out, aux = captured
         return out, aux, (tuple(touts) if isinstance(out, tuple) else touts[0])
 
@@ -208,6 +218,7 @@ class Adapter(_base.Adapter):
             captured[:] = [aux]
             return value
 
+        xs = tuple(_mx(xs))
         if len(xs) == 1:  # (one argnum: mlx returns the gradient itself, not a tuple of one)
             value, grad = mx.value_and_grad(scalar)(xs[0])
             return value, captured[0], (grad,)
@@ -219,9 +230,10 @@ class Adapter(_base.Adapter):
     def value_and_pushforwards(self, fn: Fn, xs: Leaves, batch: Sequence[Leaves]) -> tuple[Any, Any, list[Any]]:
         if len(batch) < 2 or not xs:
             return super().value_and_pushforwards(fn, xs, batch)
+        xs = tuple(_mx(xs))
         out, aux = fn(xs)
         outputs = self._outputs(fn)
-        stacked = [mx.stack([txs[j] for txs in batch]) for j in range(len(xs))]
+        stacked = [mx.stack(_mx([txs[j] for txs in batch])) for j in range(len(xs))]
 
         def tangents(*ts: Any) -> list[Any]:
             return list(mx.jvp(outputs, list(xs), list(ts))[1])
@@ -236,11 +248,11 @@ class Adapter(_base.Adapter):
             return super().pullbacks(vjp, xs, batch)
         one = vjp.one
         columns = [[b] if one else list(b) for b in batch]
-        stacked = [mx.stack([c[i] for c in columns]) for i in range(len(columns[0]))]
-        outputs = vjp.outputs
+        stacked = [mx.stack(_mx([c[i] for c in columns])) for i in range(len(columns[0]))]
+        outputs, primals = vjp.outputs, _mx(xs)
 
         def cotangents(*cts: Any) -> list[Any]:
-            return list(mx.vjp(outputs, list(xs), list(cts))[1])
+            return list(mx.vjp(outputs, primals, list(cts))[1])
 
         grads = mx.vmap(cotangents)(*stacked)  # one program for the whole batch
         return [tuple(g[k] for g in grads) for k in range(len(batch))]
