@@ -203,7 +203,9 @@ def shifted(tree: Any, amount: float = 0.25) -> Any:
         if isinstance(leaf, float):
             return leaf + amount
         dtype = _arrays.dtype_name(leaf)
-        if _arrays.kind(leaf) in ("numpy", "torch", "jax", "mlx") and (_arrays.is_float_dtype(dtype) or "complex" in dtype):
+        if _arrays.kind(leaf) in ("numpy", "torch", "jax", "mlx") and (
+            _arrays.is_float_dtype(dtype) or "complex" in dtype
+        ):
             return leaf + amount
         return leaf
 
