@@ -148,9 +148,11 @@ class Adapter(_base.Adapter):
         def run(xs: Any, ts: Any, dynamic: Any, constants: Any) -> Any:
             compiled = programs.get(constants)
             if compiled is None:
-                compiled = programs.setdefault(
-                    constants, mx.compile(lambda xs_, ts_, dynamic_: program(xs_, ts_, dynamic_, constants))
-                )
+
+                def with_constants(xs_: Any, ts_: Any, dynamic_: Any) -> Any:
+                    return program(xs_, ts_, dynamic_, constants)
+
+                compiled = programs.setdefault(constants, mx.compile(with_constants))
             return compiled(xs, ts, dynamic)
 
         return run
