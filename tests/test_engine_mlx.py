@@ -185,3 +185,24 @@ def test_checker_tolerances_follow_mlx_precision() -> None:
 
     with pytest.raises(di.GradientCheckError):
         check_gradients(lambda x: mx.sum(scaled(x)), x, backends=["mlx"])
+
+
+def test_differentiate_with_mlx_inside_jax_and_torch() -> None:
+    """mlx's f inside jax's and torch's differentiation, first and second order, dtypes kept."""
+    jax = pytest.importorskip("jax")
+    torch = pytest.importorskip("torch")
+    f = lambda x: mx.sum(mx.sin(x) * x)  # noqa: E731
+    xn = np.linspace(-1.0, 1.0, 4).astype(np.float32)
+    first = np.cos(xn) * xn + np.sin(xn)
+    second = 2 * np.cos(xn) - xn * np.sin(xn)
+    g = di.differentiate_with(f, "mlx")
+    np.testing.assert_allclose(np.asarray(jax.jit(jax.grad(g))(jax.numpy.asarray(xn))), first, rtol=1e-6)
+    hessian_sum = jax.grad(lambda x: jax.numpy.sum(jax.grad(g)(x)))(jax.numpy.asarray(xn))
+    np.testing.assert_allclose(np.asarray(hessian_sum), second, rtol=1e-5, atol=1e-6)
+    t = torch.tensor(xn, requires_grad=True)
+    di.differentiate_with(f, "mlx")(t).backward()
+    np.testing.assert_allclose(t.grad.numpy(), first, rtol=1e-6)
+    t64 = torch.tensor(xn.astype(np.float64), requires_grad=True)
+    y = di.differentiate_with(f, "mlx")(t64)
+    y.backward()
+    assert y.dtype == torch.float64 and t64.grad is not None and t64.grad.dtype == torch.float64

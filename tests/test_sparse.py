@@ -19,6 +19,7 @@ import diffiface as di
 import diffiface._batched as batched
 import diffiface._operators as operators
 from diffiface import sparse
+from diffiface._adapters import info
 from diffiface.test import assert_allclose, default_tolerances, run_sparse, sparse_scenarios
 
 HAS_JAX = importlib.util.find_spec("jax") is not None
@@ -59,7 +60,11 @@ def test_sparse_scenarios(engine: di.Backend) -> None:
     expected = 3 * len(scenarios)
     assert counts.get("passed", 0) + counts.get("skipped", 0) == expected
     hessians = sum("hessian" in s.operator for s in scenarios)
-    family = None if engine.black_box else {"torch": "torch", "jax": "jax", "autograd": "autograd"}[engine.name]
+    family = (
+        None
+        if engine.black_box
+        else {"torch": "torch", "jax": "jax", "autograd": "autograd"}.get(engine.name, info(engine).arrays)
+    )
     foreign = sum(family is not None and family not in s.frameworks for s in scenarios)  # another engine's code
     assert counts.get("skipped", 0) == (hessians if isinstance(engine, di.AutoScipy) else 0) + 3 * foreign, (
         report.table()

@@ -25,6 +25,7 @@ from .._backends import (
     AutoAutograd,
     AutoFiniteDifferences,
     AutoJAX,
+    AutoMLX,
     AutoScipy,
     AutoSparse,
     AutoTorch,
@@ -52,6 +53,8 @@ def inner_kind(backend: Backend) -> str:
         return "jax"
     if isinstance(backend, AutoTorch):
         return "torch"
+    if isinstance(backend, AutoMLX):
+        return "mlx"
     if isinstance(backend, (AutoAutograd, AutoFiniteDifferences, AutoScipy)):
         return "numpy"
     if isinstance(backend, SecondOrder):
@@ -67,7 +70,7 @@ def nestable(backend: Backend) -> bool:
     """Whether ``backend`` can differentiate its own derivatives (second order through g)."""
     if isinstance(backend, AutoSparse):
         return nestable(backend.backend)
-    return isinstance(backend, (AutoJAX, AutoTorch, AutoAutograd))
+    return isinstance(backend, (AutoJAX, AutoTorch, AutoAutograd, AutoMLX))
 
 
 def first_order_only(backend: Backend, what: str) -> UnsupportedOperationError:
@@ -131,6 +134,9 @@ def to_inner(leaf: Any, kind: str) -> Any:
             array = array.view()  # a view of the caller's memory: f may read it, never write it
             array.flags.writeable = False
         return array
+    if kind == "mlx":  # (a copy, of the leaf's own dtype: mx.array alone makes float64 float32)
+        array = leaf.detach().cpu().numpy() if source == "torch" else np.asarray(leaf)
+        return _mlx_core().array(array, dtype=_mlx_dtype(array.dtype))
     if kind == "torch":
         torch = sys.modules.get("torch") or __import__("torch")
         if source == "torch":
@@ -153,7 +159,22 @@ def to_numpy(leaf: Any) -> np.ndarray:
     """An inner result as numpy (zero-copy for torch on the CPU and jax on the CPU)."""
     if _arrays.kind(leaf) == "torch":
         return leaf.detach().cpu().resolve_conj().resolve_neg().numpy()  # type: ignore[no-any-return]
+    if _arrays.kind(leaf) == "mlx":
+        return _arrays.to_numpy(leaf)
     return np.asarray(leaf)
+
+
+def _mlx_core() -> Any:
+    import mlx.core
+
+    return mlx.core
+
+
+def _mlx_dtype(dtype: Any) -> Any:
+    from .._families.mlx import mlx_dtype
+
+    _mlx_core()
+    return mlx_dtype(dtype)
 
 
 def _jax_numpy() -> Any:
@@ -167,6 +188,8 @@ def _namespace(kind: str) -> Any:
         return sys.modules.get("torch") or __import__("torch")
     if kind == "jax":
         return _jax_numpy()
+    if kind == "mlx":
+        return _mlx_core()
     return np
 
 
@@ -174,6 +197,8 @@ def _zeros(avals: Sequence[Aval], kind: str) -> Leaves:
     xp = _namespace(kind)
     if kind == "torch":
         return [xp.zeros(a.shape, dtype=getattr(xp, a.dtype)) for a in avals]
+    if kind == "mlx":
+        return [xp.zeros(a.shape, dtype=_mlx_dtype(a.dtype)) for a in avals]
     return [xp.zeros(a.shape, dtype=a.dtype) for a in avals]
 
 
@@ -186,7 +211,7 @@ def output_avals(leaves: Sequence[Any]) -> tuple[Aval, ...]:
     outer engine. Anything else (a string, an object) is refused before an engine meets it."""
     for index, leaf in enumerate(leaves):
         kind = _arrays.kind(leaf)
-        if kind in ("torch", "jax", "python"):
+        if kind in ("torch", "jax", "mlx", "python"):
             continue
         if kind == "numpy" and np.asarray(leaf).dtype.kind in "biufc":
             continue
@@ -361,6 +386,8 @@ class Inner:
             if _arrays.dtype_name(leaf) != aval.dtype:
                 if self.kind == "torch":
                     leaf = leaf.to(getattr(_namespace("torch"), aval.dtype))
+                elif self.kind == "mlx":
+                    leaf = leaf.astype(_mlx_dtype(aval.dtype))
                 else:
                     leaf = leaf.astype(aval.dtype)
             out.append(leaf)
