@@ -17,6 +17,7 @@ from ._adapters import available as available
 from ._backends import AutoAutograd as AutoAutograd
 from ._backends import AutoFiniteDifferences as AutoFiniteDifferences
 from ._backends import AutoJAX as AutoJAX
+from ._backends import AutoMLX as AutoMLX
 from ._backends import AutoPyTensor as AutoPyTensor
 from ._backends import AutoScipy as AutoScipy
 from ._backends import AutoTorch as AutoTorch
@@ -113,6 +114,7 @@ __all__ = [
     "AutoFiniteDifferences",
     "AutoJAX",
     "AutoPyTensor",
+    "AutoMLX",
     "AutoScipy",
     "AutoSparse",
     "AutoTorch",

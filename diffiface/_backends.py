@@ -20,6 +20,7 @@ __all__ = [
     "AutoFiniteDifferences",
     "AutoJAX",
     "AutoPyTensor",
+    "AutoMLX",
     "AutoScipy",
     "AutoSparse",
     "AutoTorch",
@@ -180,6 +181,36 @@ class AutoAutograd(Backend):
     """Differentiate with the ``autograd`` package (reverse mode on numpy)."""
 
     name: ClassVar[str] = "autograd"
+
+
+@dataclass(frozen=True)
+class AutoMLX(Backend):
+    """Differentiate with mlx (``mx.value_and_grad``, ``mx.vjp``, ``mx.jvp``, ``mx.vmap``).
+
+    f is called with ``mlx.core`` arrays; x may be mlx arrays, numpy arrays or Python floats,
+    in any pytree (the nested dicts and lists of ``model.trainable_parameters()``), and results
+    mirror it. float64 stays float64, computed on the CPU (mlx has float64 there only), where
+    mlx's transcendental functions (sin, cos, exp...) are accurate to float32's precision:
+    expect float32's accuracy from float64 inputs. complex64 is differentiated with the project's
+    convention; complex128 is refused (mlx has no complex128).
+
+    Parameters
+    ----------
+    compile:
+        Compile each prepared operator with ``mx.compile``. Context arrays (mlx or numpy) are
+        arguments of the compiled function, so new values never recompile; Python numbers,
+        strings and other hashable values are compile-time constants, compared by value (a new
+        float compiles a new program: pass a value that changes on every call as an array).
+        Arrays that f reads from its closure are baked into the program, as under ``jax.jit``;
+        pass them as a :class:`~diffiface.Constant`. ``compile=False`` runs the transformations
+        eagerly (mlx's lazy evaluation), with no compile cost.
+    """
+
+    name: ClassVar[str] = "mlx"
+    compile: bool = True
+
+    def __post_init__(self) -> None:
+        _check_bool(self, "compile", self.compile)
 
 
 _FD_METHODS = ("central", "forward", "backward", "complex")

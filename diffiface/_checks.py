@@ -398,7 +398,7 @@ def _check_cotangent(
             if _complex.is_complex_dtype(dtype) and not complex_step and not isinstance(ts[i], complex):
                 widen.append((i, dtype))
             continue
-        found = str(t[2]).removeprefix("torch.")
+        found = str(t[2]).rpartition(".")[2]  # ("torch.float32", "mlx.core.float32": the name alone)
         if found == dtype:
             continue
         if not _complex.cotangent_fits(found, dtype):

@@ -43,6 +43,13 @@ def require_complex(backend_id: str) -> Any:
     return require(backend_id)
 
 
+def _takes_complex128(backend_id: str) -> None:
+    """Skip a test written for complex128 on an engine without it (mlx: complex64 only; its
+    refusal of complex128 is tests/test_engine_mlx.py's test_complex128_is_refused)."""
+    if backend_id == "mlx":
+        pytest.skip("mlx has complex64 only and refuses complex128 (tested in tests/test_engine_mlx.py)")
+
+
 def _numpy(value: Any) -> np.ndarray:
     if type(value).__module__.startswith("torch"):
         return value.detach().numpy()  # type: ignore[no-any-return]
@@ -69,8 +76,18 @@ def test_every_engine_on_every_complex_scenario(backend_id: str) -> None:
     backend = require_complex(backend_id)
     scenarios = complex_scenarios()
     assert {s.operator for s in scenarios} >= {"gradient", "jvp", "vjp", "jacobian", "derivative", "hvp"}
-    report = test_differentiation([backend], scenarios)
-    assert report.counts().get("passed", 0) == len(scenarios), report.summary()
+    broken: dict[str, list[str]] = {}
+    if backend_id == "mlx":
+        # mlx has complex64 only (complex128 is refused: tests/test_engine_mlx.py), and mlx 0.32's
+        # second derivative through mx.abs of a complex array is zero (hvps of |z|^2 written so)
+        scenarios = complex_scenarios(("complex64",))
+        abs_hvps = [s.name for s in scenarios if "abs2" in s.name and s.operator in ("hvp", "batched_hvp")]
+        assert abs_hvps
+        broken = {"mlx": abs_hvps}
+    report = test_differentiation([backend], scenarios, broken=broken)
+    counts = report.counts()
+    assert counts.get("passed", 0) + counts.get("xfailed", 0) == len(scenarios), report.summary()
+    assert counts.get("xfailed", 0) == sum(map(len, broken.values())), report.summary()
 
 
 @pytest.mark.parametrize(
@@ -93,6 +110,7 @@ def test_second_order_pairs_on_the_complex_hvp_scenarios(pair: str) -> None:
 @pytest.mark.parametrize("backend_id", list(FIRST_ORDER))
 def test_abs2_at_3_plus_4j_is_6_plus_8j(backend_id: str) -> None:
     backend = require_complex(backend_id)
+    _takes_complex128(backend_id)
     z = _as(backend_id, np.array([3 + 4j]))
     gradient = di.gradient(abs2_sum, backend, z)
     np.testing.assert_allclose(_numpy(gradient), [6 + 8j], rtol=1e-6)
@@ -115,6 +133,8 @@ def test_a_python_complex_gives_a_python_complex(backend_id: str) -> None:
 @pytest.mark.parametrize("dtype", [np.complex64, np.complex128])
 def test_dtype_and_array_type_mirror_x(backend_id: str, dtype: Any) -> None:
     backend = require_complex(backend_id)
+    if np.dtype(dtype) == np.complex128:
+        _takes_complex128(backend_id)
     z = _as(backend_id, Z.astype(dtype))
     for result in (
         di.gradient(abs2_sum, backend, z),
@@ -157,6 +177,7 @@ def test_a_mixed_tree_keeps_its_real_leaves_real() -> None:
 @pytest.mark.parametrize("backend_id", list(FIRST_ORDER))
 def test_a_complex_valued_f_has_no_gradient(backend_id: str) -> None:
     backend = require_complex(backend_id)
+    _takes_complex128(backend_id)
     with pytest.raises(di.InvalidOutputError, match=r"complex value.*Use jvp.*vjp"):
         di.gradient(lambda z: (z * z).sum(), backend, _as(backend_id, Z))
 
@@ -164,6 +185,7 @@ def test_a_complex_valued_f_has_no_gradient(backend_id: str) -> None:
 @pytest.mark.parametrize("backend_id", list(FIRST_ORDER))
 def test_a_map_that_is_not_holomorphic_has_no_jacobian(backend_id: str) -> None:
     backend = require_complex(backend_id)
+    _takes_complex128(backend_id)
     z = _as(backend_id, Z)
     with pytest.raises(di.UnsupportedOperationError, match=r"not holomorphic.*Use jvp"):
         di.jacobian(conj_times, backend, z)
@@ -240,6 +262,7 @@ def test_a_real_cotangent_of_another_precision_is_refused() -> None:
 @pytest.mark.parametrize("backend_id", list(FIRST_ORDER))
 def test_real_x_to_complex_y(backend_id: str) -> None:
     backend = require_complex(backend_id)
+    _takes_complex128(backend_id)
     x = _as(backend_id, np.array([1.0, 2.0]))
     w = _as(backend_id, np.array([1 + 1j, -2 + 0.5j]))
 
@@ -331,6 +354,7 @@ def test_check_gradients_checks_an_asserted_holomorphy() -> None:
 def test_the_value_beside_a_complex_derivative_is_complex(backend_id: str) -> None:
     """A black-box engine computes f(x) only when asked: that value, too, is joined from its parts."""
     backend = require_complex(backend_id)
+    _takes_complex128(backend_id)
     z, v = _as(backend_id, Z), _as(backend_id, Z[::-1].copy())
     value, jvp = di.value_and_jvp(square, backend, z, v)
     np.testing.assert_allclose(_numpy(value), Z * Z, rtol=1e-6)

@@ -19,6 +19,7 @@ import diffiface as di
 import diffiface._batched as batched
 import diffiface._operators as operators
 from diffiface import sparse
+from diffiface._adapters import info
 from diffiface.test import assert_allclose, default_tolerances, run_sparse, sparse_scenarios
 
 HAS_JAX = importlib.util.find_spec("jax") is not None
@@ -62,7 +63,7 @@ def test_sparse_scenarios(engine: di.Backend) -> None:
     if isinstance(engine, di.AutoPyTensor):  # (it runs the scenarios written for every framework's numpy_like)
         foreign = sum(not {"numpy", "jax", "torch", "autograd"} <= s.frameworks for s in scenarios)
     else:
-        family = None if engine.black_box else {"torch": "torch", "jax": "jax", "autograd": "autograd"}[engine.name]
+        family = None if engine.black_box else info(engine).arrays
         foreign = sum(family is not None and family not in s.frameworks for s in scenarios)  # another engine's code
     assert counts.get("skipped", 0) == (hessians if isinstance(engine, di.AutoScipy) else 0) + 3 * foreign, (
         report.table()

@@ -23,6 +23,7 @@ from .._backends import (
     AutoAutograd,
     AutoFiniteDifferences,
     AutoJAX,
+    AutoMLX,
     AutoPyTensor,
     AutoScipy,
     AutoSparse,
@@ -127,6 +128,20 @@ BACKENDS: tuple[BackendInfo, ...] = (
         reverse_mode=False,
         native=_FIRST | {"jacobian", "hessian", "hvp", "derivative", "second_derivative"},
         arrays="any",
+    ),
+    BackendInfo(
+        name="mlx",
+        config=AutoMLX,
+        module="diffiface._adapters.mlx",
+        requires=("mlx",),
+        extra="mlx",
+        forward_mode=True,
+        reverse_mode=True,
+        native=frozenset({"pushforward", "pullback", "gradient"}),
+        arrays="mlx",
+        complex_convention="direct",
+        jit=True,
+        float64_precision="float32",
     ),
 )
 

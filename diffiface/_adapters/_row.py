@@ -33,6 +33,10 @@ class BackendInfo:
     ``"split"``, it differentiates real numbers only and sees a complex leaf as its real and
     imaginary parts (the black boxes)."""
     jit: bool = False
+    float64_precision: str = "float64"
+    """The dtype whose precision the engine's float64 results have: ``"float32"`` where its
+    float64 functions are accurate to float32 only (mlx's sin, cos, exp); the checker of
+    diffiface.test sets its tolerances from it."""
     reverse_first: bool = False
     """Whether its reverse products cost less than its forward ones (autograd's forward mode
     is two reverse passes; torch's runs decompositions): a sparse Jacobian takes rows on a tie."""

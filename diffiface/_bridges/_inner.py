@@ -25,6 +25,7 @@ from .. import tree as _tree
 from .._backends import (
     AutoAutograd,
     AutoJAX,
+    AutoMLX,
     AutoPyTensor,
     AutoSparse,
     AutoTorch,
@@ -78,7 +79,7 @@ def nestable(backend: Backend) -> bool:
     """Whether ``backend`` can differentiate its own derivatives (second order through g)."""
     if isinstance(backend, AutoSparse):
         return nestable(backend.backend)
-    return isinstance(backend, (AutoJAX, AutoTorch, AutoAutograd))
+    return isinstance(backend, (AutoJAX, AutoTorch, AutoAutograd, AutoMLX))
 
 
 def first_order_only(backend: Backend, what: str) -> UnsupportedOperationError:
@@ -140,10 +141,14 @@ def to_inner(leaf: Any, kind: str) -> Any:
     xp = family.numpy_like()
     if shared is not None:
         try:
-            return xp.from_dlpack(shared)
+            inner = xp.from_dlpack(shared)
         except (BufferError, RuntimeError, TypeError, ValueError):  # a layout or device dlpack cannot share
             leaf = _arrays.to_numpy(shared)
-    return xp.asarray(np.array(leaf))
+        else:
+            if _arrays.dtype_name(inner) == _arrays.dtype_name(shared):  # (mlx's takes float64 as float32)
+                return inner
+            leaf = _arrays.to_numpy(shared)
+    return family.from_numpy(np.array(leaf), None, None)  # (no like: its own dtype kept)
 
 
 def to_numpy(leaf: Any) -> np.ndarray:

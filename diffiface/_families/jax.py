@@ -42,6 +42,8 @@ def to_numpy(leaf: Any) -> np.ndarray:
 
 
 def from_numpy(array: np.ndarray, like: Any, dtype: Any) -> Any:
+    if like is None and dtype is None:  # (the array's own dtype, where jax keeps it)
+        return sys.modules["jax.numpy"].asarray(array)
     return sys.modules["jax.numpy"].asarray(array, dtype=like.dtype if dtype is None else dtype)
 
 

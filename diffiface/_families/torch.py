@@ -55,6 +55,8 @@ def from_numpy(array: np.ndarray, like: Any, dtype: Any) -> Any:
     if not (array.flags.c_contiguous and array.flags.writeable):
         array = np.array(array, order="C")  # not np.ascontiguousarray: it makes 0-d arrays 1-d
     tensor = sys.modules["torch"].from_numpy(array)
+    if like is None:  # (the array's own dtype, on the CPU)
+        return tensor if dtype is None else tensor.to(dtype=dtype)
     return tensor.to(device=like.device, dtype=like.dtype if dtype is None else dtype)
 
 

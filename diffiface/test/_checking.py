@@ -19,7 +19,7 @@ import diffiface as di
 
 from .. import _arrays
 from .. import tree as _tree
-from .._adapters import BACKENDS, available, install_hint, normalize, rows
+from .._adapters import BACKENDS, available, info, install_hint, normalize, rows
 from .._backends import AutoFiniteDifferences, AutoJAX, AutoScipy, AutoTorch, Backend
 from .._errors import (
     DiffifaceError,
@@ -76,6 +76,14 @@ _SPARE_EVALUATIONS = 4
 edges together: the cost stays 4n + 20."""
 _NARROW_EPS = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
 _TAYLOR_RATIO = 4.0
+
+
+def _float64_precision(backend: Backend) -> str:
+    """The dtype whose precision ``backend``'s float64 results have (its registry row's)."""
+    try:
+        return info(backend).float64_precision
+    except Exception:  # (a backend the registry does not know: as its dtype says)
+        return "float64"
 
 
 def check_gradients(
@@ -328,7 +336,7 @@ def _differs(first: Any, second: Any, has_aux: bool) -> str | None:
         la, lb = _tree.leaves(a), _tree.leaves(b)
         same = len(la) == len(lb)
         for u, v in zip(la, lb, strict=False):
-            if same and _arrays.kind(u) in ("numpy", "torch", "jax", "python") and not isinstance(u, str):
+            if same and _arrays.kind(u) in ("numpy", "torch", "jax", "mlx", "python") and not isinstance(u, str):
                 p, q = np.asarray(_arrays.to_numpy(u)), np.asarray(_arrays.to_numpy(v))
                 same = p.shape == q.shape and bool(np.array_equal(p, q, equal_nan=p.dtype.kind in "fc"))
         if not same:
@@ -388,7 +396,7 @@ class _Flat:
             if isinstance(leaf, bool) or not (
                 isinstance(leaf, float)
                 or is_complex
-                or (_arrays.kind(leaf) in ("numpy", "torch", "jax") and _arrays.is_float_dtype(name))
+                or (_arrays.kind(leaf) in ("numpy", "torch", "jax", "mlx") and _arrays.is_float_dtype(name))
             ):
                 continue
             array = np.asarray(_arrays.to_numpy(leaf))
@@ -720,6 +728,12 @@ class _Check:
         if self.output_dtype in ("float32", "float16", "bfloat16"):
             # f computes in a narrower dtype than its inputs: its rounding is that dtype's
             self.eps = np.maximum(self.eps, _NARROW_EPS[self.output_dtype])
+        elif self.output_dtype == "float64":
+            # a framework whose float64 functions are accurate to float32 only (mlx's sin, exp)
+            first = _tree.leaves(value[0] if self.has_aux else value)[0]
+            precision = getattr(_arrays.family_of(first), "FLOAT64_PRECISION", "float64")
+            if precision in _NARROW_EPS:
+                self.eps = np.maximum(self.eps, _NARROW_EPS[precision])
 
     def _dense(self, gradients: dict[str, np.ndarray]) -> None:
         truth = self._coordinate_truth()
@@ -841,6 +855,8 @@ class _Check:
         dtype = _arrays.dtype_name(next(iter(_tree.leaves(self.native[label])), 0.0))
         dtype = "float32" if dtype == "complex64" else dtype
         narrow = dtype if dtype in ("float32", "float16", "bfloat16") else "float64"
+        if narrow == "float64":  # an engine whose float64 is accurate to float32 only (mlx)
+            narrow = _float64_precision(next(b for b in self.chosen if backend_label(b) == label))
         rtol = default_tolerances(narrow)[0] if self.rtol is None else self.rtol
         if self.atol is None:
             eps = _NARROW_EPS.get(narrow, float(np.finfo(np.float64).eps))
@@ -1271,7 +1287,7 @@ def _same_within(a: Any, b: Any, rel: float) -> bool:
     if len(la) != len(lb):
         return False
     for u, v in zip(la, lb, strict=True):
-        if _arrays.kind(u) in ("numpy", "torch", "jax", "python") and not isinstance(u, str):
+        if _arrays.kind(u) in ("numpy", "torch", "jax", "mlx", "python") and not isinstance(u, str):
             try:
                 p, q = np.asarray(_arrays.to_numpy(u)), np.asarray(_arrays.to_numpy(v))
             except Exception:

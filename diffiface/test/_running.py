@@ -685,7 +685,7 @@ def _determinism_problem(scenario: Scenario) -> str | None:
         return None
     a, b = _tree.leaves(first), _tree.leaves(second)
     for u, v in zip(a, b, strict=False):
-        if _arrays.kind(u) in ("numpy", "torch", "jax", "python"):
+        if _arrays.kind(u) in ("numpy", "torch", "jax", "mlx", "python"):
             x, y = np.asarray(_arrays.to_numpy(u)), np.asarray(_arrays.to_numpy(v))
             if x.shape != y.shape or not np.array_equal(x, y, equal_nan=True):
                 return (

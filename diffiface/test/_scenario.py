@@ -72,7 +72,7 @@ class Scenario:
     atol: float | None = None
     has_aux: bool = False
     tags: frozenset[str] = frozenset()
-    frameworks: frozenset[str] = frozenset({"numpy", "jax", "torch", "autograd"})
+    frameworks: frozenset[str] = frozenset({"numpy", "jax", "torch", "autograd", "mlx"})
     note: str = ""
     finite_differences_ok: bool = True
 
@@ -175,6 +175,8 @@ def promote(tree: Any) -> Any:
             return leaf.double()
         if kind == "jax":
             return _jax_float64(leaf)
+        if kind == "mlx":
+            return leaf.astype(sys.modules["mlx.core"].float64)
         return leaf
 
     return _tree.map(up, tree)
@@ -201,7 +203,9 @@ def shifted(tree: Any, amount: float = 0.25) -> Any:
         if isinstance(leaf, float):
             return leaf + amount
         dtype = _arrays.dtype_name(leaf)
-        if _arrays.kind(leaf) in ("numpy", "torch", "jax") and (_arrays.is_float_dtype(dtype) or "complex" in dtype):
+        if _arrays.kind(leaf) in ("numpy", "torch", "jax", "mlx") and (
+            _arrays.is_float_dtype(dtype) or "complex" in dtype
+        ):
             return leaf + amount
         return leaf
 

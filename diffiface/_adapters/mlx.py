@@ -1,0 +1,266 @@
+"""mlx: ``mx.value_and_grad``, ``mx.vjp``, ``mx.jvp``, ``mx.vmap`` and ``mx.compile``.
+
+f is called with ``mlx.core`` arrays. A numpy input becomes an mlx array of its own dtype
+(float64 stays float64: mlx computes it on the CPU, whose transcendental functions are accurate
+to float32's precision only); a complex128 input is refused, as mlx has complex64 only.
+``AutoMLX(compile=True)`` compiles each prepared operator with ``mx.compile``: context arrays
+are its arguments, other context leaves (floats included) are compile-time constants, one
+program per value. Batches of products (Jacobians, Hessians, batched jvps and vjps) are one
+``mx.vmap`` of a jvp or a vjp; the hvp is forward over reverse.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from .. import _arrays
+from .._errors import InvalidInputError
+from .._families.mlx import mlx_dtype
+from . import _base
+from ._base import Fn, Leaves, raised_inside
+
+
+def _as_list(out: Any) -> list[Any]:
+    return list(out) if isinstance(out, tuple) else [out]
+
+
+def _refuse_complex128(where: str) -> InvalidInputError:
+    return InvalidInputError(
+        f"{where} is complex128, and mlx has complex64 only: its derivatives would silently lose half "
+        "of the precision. Pass complex64 arrays (np.complex64) to the mlx backend, or use another "
+        "engine (AutoJAX(), AutoTorch()) for complex128."
+    )
+
+
+def _mx(leaves: Sequence[Any]) -> list[Any]:
+    """Leaves as mlx arrays (another part of diffiface may hand numpy ones: the real and
+    imaginary parts of a complex x, say), each of its own dtype."""
+    return [
+        leaf if type(leaf) is mx.array else mx.array(np.asarray(leaf), dtype=mlx_dtype(np.asarray(leaf).dtype))
+        for leaf in leaves
+    ]
+
+
+class _Pullback:
+    """The pullback of ``outputs`` (f's output as a list of arrays) at ``xs``: mlx's vjp takes
+    its cotangents with the primal, so each cotangent runs one ``mx.vjp`` (a batch, one vmap)."""
+
+    __slots__ = ("one", "outputs", "xs")
+
+    def __init__(self, outputs: Callable[..., list[Any]], xs: Leaves, one: bool) -> None:
+        self.outputs, self.xs, self.one = outputs, xs, one
+
+    def __call__(self, touts: Any) -> Leaves:
+        if not self.xs:
+            return ()
+        return tuple(mx.vjp(self.outputs, _mx(self.xs), _mx(_as_list(touts) if not self.one else [touts]))[1])
+
+
+class Adapter(_base.Adapter):
+    xp = mx
+
+    def __init__(self, backend: Any, info: Any) -> None:
+        super().__init__(backend, info)
+        self.compiles = bool(backend.compile)
+
+    # -- conversions -------------------------------------------------------------------------------
+
+    def to_native(self, leaf: Any) -> Any:
+        kind = _arrays.kind(leaf)
+        if kind == "mlx":
+            return leaf
+        if kind == "python":
+            if isinstance(leaf, complex):
+                raise _refuse_complex128("A Python complex number (complex128)")
+            return mx.array(leaf, dtype=mx.float64)
+        if kind == "numpy":
+            array = np.asarray(leaf)
+            if array.dtype == np.complex128:
+                raise _refuse_complex128("A numpy array")
+            # (mx.array of a float64 numpy array without a dtype makes it float32, silently)
+            return mx.array(_arrays.in_native_byte_order(array), dtype=mlx_dtype(array.dtype))
+        return leaf
+
+    def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
+        kind = _arrays.kind(leaf)
+        if kind == "mlx":
+            return leaf, True
+        if kind == "numpy" and isinstance(leaf, np.ndarray) and leaf.dtype.kind in "biufc":
+            if leaf.dtype == np.complex128:
+                raise _refuse_complex128("A context's numpy array")
+            return mx.array(_arrays.in_native_byte_order(leaf), dtype=mlx_dtype(leaf.dtype)), True
+        # Python numbers, strings and the rest: constants of a compiled program, one per value
+        return leaf, False
+
+    def constant_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
+        native, is_array = self.context_to_native(leaf, like)
+        if native is leaf and is_array and not self.compiles:
+            # f gets an array of its own: an item assignment (c[0] = v) rebinds the array f
+            # holds, never the caller's (under mx.compile f sees the compiler's placeholders)
+            return mx.stop_gradient(leaf), True
+        return native, is_array
+
+    def output_leaf(self, leaf: Any, like: Any) -> Any:
+        kind = _arrays.kind(leaf)
+        if kind == "python":
+            if isinstance(leaf, complex):
+                return mx.array(leaf, dtype=mx.complex64)
+            return mx.array(leaf, dtype=getattr(like, "dtype", mx.float32))
+        if kind == "numpy":
+            array = np.asarray(leaf)
+            return mx.array(array, dtype=mlx_dtype(array.dtype))
+        return leaf
+
+    # -- float64 on the CPU ---------------------------------------------------------------------
+
+    @property
+    def scoped(self) -> bool:
+        return mx.default_device() != mx.cpu
+
+    def scope(self) -> contextlib.AbstractContextManager[Any] | None:
+        """float64 exists on mlx's CPU only: where the default device is a GPU, float64 work
+        runs on a CPU stream."""
+        if mx.default_device() != mx.cpu:
+            return mx.stream(mx.cpu)  # type: ignore[no-any-return]
+        return None
+
+    # -- compilation ----------------------------------------------------------------------------------
+
+    def returns_like(self, leaf: Any) -> bool:
+        return self.compiles and isinstance(leaf, mx.array)
+
+    def compile(
+        self, program: Callable[..., Any], static: bool = True, arrays: bool = False, layouts: Any = None
+    ) -> Callable[..., Any]:
+        if not self.compiles:
+            return program
+        if not static:  # every argument an array, a tuple of arrays, or None
+            return mx.compile(program)  # type: ignore[no-any-return]
+        # the static argument (the context leaves that are no arrays) is no tree mx.compile
+        # takes: one compiled program per value of it, that value closed over
+        programs: dict[Any, Callable[..., Any]] = {}
+
+        def run(xs: Any, ts: Any, dynamic: Any, constants: Any) -> Any:
+            compiled = programs.get(constants)
+            if compiled is None:
+
+                def with_constants(xs_: Any, ts_: Any, dynamic_: Any) -> Any:
+                    return program(xs_, ts_, dynamic_, constants)
+
+                compiled = programs.setdefault(constants, mx.compile(with_constants))
+            return compiled(xs, ts, dynamic)
+
+        return run
+
+    def explain_failure(self, exc: BaseException) -> str | None:
+        # (mlx's C++ core raises this with no Python frame of its own: its words tell it)
+        if isinstance(exc, ValueError) and str(exc).startswith("[eval] Attempting to eval an array during"):
+            return (
+                "f reads the value of an array mlx traces (a numpy function or np.asarray on it, "
+                "float(), .item(), or Python control flow on it) inside mlx's transformations. Write "
+                "f with mlx.core operations (mx.where for branches), or differentiate a numpy f with "
+                "AutoFiniteDifferences() or AutoAutograd()."
+            )
+        if isinstance(exc, (TypeError, ValueError)) and (raised_inside(exc, "torch") or raised_inside(exc, "jax")):
+            return (
+                "f handed an mlx array to a function of another framework (torch, jax); differentiate "
+                "such a function with its own engine, or any function with AutoFiniteDifferences()."
+            )
+        return None
+
+    # -- primitives ----------------------------------------------------------------------------------
+
+    def _outputs(self, fn: Fn, captured: list[Any] | None = None) -> Callable[..., list[Any]]:
+        """f's output as mlx's transformations take it: the primals positional, a list of
+        arrays out; f's aux, if asked, kept in ``captured``."""
+
+        def outputs(*primals: Any) -> list[Any]:
+            out, aux = fn(primals)
+            if captured is not None:
+                captured[:] = [out, aux]
+            return _as_list(out)
+
+        return outputs
+
+    def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
+        out, aux = fn(xs)
+        return out, aux, _Pullback(self._outputs(fn), xs, not isinstance(out, tuple))
+
+    def value_and_pullback(self, fn: Fn, xs: Leaves, touts: Any) -> tuple[Any, Any, Leaves]:
+        if not xs:
+            out, aux = fn(xs)
+            return out, aux, ()
+        captured: list[Any] = []
+        _, grads = mx.vjp(self._outputs(fn, captured), _mx(xs), _mx(_as_list(touts)))
+        out, aux = captured
+        return out, aux, tuple(grads)
+
+    def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
+        if not xs:
+            out, aux = fn(xs)
+            return out, aux, (tuple(mx.zeros_like(y) for y in out) if isinstance(out, tuple) else mx.zeros_like(out))
+        captured: list[Any] = []
+        _, touts = mx.jvp(self._outputs(fn, captured), _mx(xs), _mx(txs))
+        out, aux = captured
+        return out, aux, (tuple(touts) if isinstance(out, tuple) else touts[0])
+
+    def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
+        if not xs:
+            value, aux = fn(xs)
+            return value, aux, ()
+        captured: list[Any] = []
+
+        def scalar(*primals: Any) -> Any:
+            value, aux = fn(primals)
+            captured[:] = [aux]
+            return value
+
+        xs = tuple(_mx(xs))
+        if len(xs) == 1:  # (one argnum: mlx returns the gradient itself, not a tuple of one)
+            value, grad = mx.value_and_grad(scalar)(xs[0])
+            return value, captured[0], (grad,)
+        value, grads = mx.value_and_grad(scalar, argnums=list(range(len(xs))))(*xs)
+        return value, captured[0], tuple(grads)
+
+    # -- batches: one vmap ----------------------------------------------------------------------
+
+    def value_and_pushforwards(self, fn: Fn, xs: Leaves, batch: Sequence[Leaves]) -> tuple[Any, Any, list[Any]]:
+        if len(batch) < 2 or not xs:
+            return super().value_and_pushforwards(fn, xs, batch)
+        xs = tuple(_mx(xs))
+        out, aux = fn(xs)
+        outputs = self._outputs(fn)
+        stacked = [mx.stack(_mx([txs[j] for txs in batch])) for j in range(len(xs))]
+
+        def tangents(*ts: Any) -> list[Any]:
+            return list(mx.jvp(outputs, list(xs), list(ts))[1])
+
+        touts = mx.vmap(tangents)(*stacked)  # one program for the whole batch
+        if isinstance(out, tuple):
+            return out, aux, [tuple(t[k] for t in touts) for k in range(len(batch))]
+        return out, aux, [touts[0][k] for k in range(len(batch))]
+
+    def pullbacks(self, vjp: Callable[[Any], Leaves], xs: Leaves, batch: Sequence[Any]) -> list[Leaves]:
+        if len(batch) < 2 or not xs or not isinstance(vjp, _Pullback):
+            return super().pullbacks(vjp, xs, batch)
+        one = vjp.one
+        columns = [[b] if one else list(b) for b in batch]
+        stacked = [mx.stack(_mx([c[i] for c in columns])) for i in range(len(columns[0]))]
+        outputs, primals = vjp.outputs, _mx(xs)
+
+        def cotangents(*cts: Any) -> list[Any]:
+            return list(mx.vjp(outputs, primals, list(cts))[1])
+
+        grads = mx.vmap(cotangents)(*stacked)  # one program for the whole batch
+        return [tuple(g[k] for g in grads) for k in range(len(batch))]
+
+    def basis(self, like: Any, index: int) -> Any:
+        size = int(np.prod(like.shape))
+        flat = mx.zeros((size,), dtype=like.dtype)
+        flat[index] = 1
+        return mx.reshape(flat, tuple(like.shape))

@@ -1,0 +1,167 @@
+"""mlx arrays (``mlx.core.array``): lazy, on the default device, with their own dtypes."""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any, Final
+
+import numpy as np
+
+from ._shared import MetaLeaves, no_refusal, unopened, untraced
+
+NAME: Final = "mlx"
+ARRAY: Final = True
+PASSED_THROUGH: Final = False
+GRAPH: Final = False
+FLOAT64_PRECISION: Final = "float32"
+"""mlx's float64 transcendental functions (sin, cos, exp) are accurate to float32's precision:
+the checker of diffiface.test reads this of f's float64 output."""
+
+
+def owns(cls: type) -> bool:
+    core = sys.modules.get("mlx.core")
+    return core is not None and issubclass(cls, core.array)
+
+
+def signature(leaf: Any) -> tuple[Any, ...]:
+    return (NAME, tuple(leaf.shape), leaf.dtype)
+
+
+def numpy_like() -> Any:
+    return sys.modules["mlx.core"]
+
+
+def to_numpy(leaf: Any) -> np.ndarray:
+    # a copy: numpy's view of an mlx array writes into the array's own buffer
+    core = sys.modules["mlx.core"]
+    if leaf.dtype == core.bfloat16:  # (numpy has no bfloat16: its values, exactly, in float32)
+        leaf = leaf.astype(core.float32)
+    return np.array(leaf, copy=True)
+
+
+def mlx_dtype(dtype: Any) -> Any:
+    """The mlx dtype of a numpy dtype (or of its name); float64 stays float64."""
+    core = sys.modules["mlx.core"]
+    if isinstance(dtype, core.Dtype):
+        return dtype
+    name = np.dtype(dtype).name
+    found = getattr(core, name, None)
+    if not isinstance(found, core.Dtype):
+        from .._errors import UnsupportedOperationError
+
+        raise UnsupportedOperationError(
+            f"mlx has no dtype {name}"
+            + (" (its only complex dtype is complex64)" if name == "complex128" else "")
+            + "; pass arrays of a dtype mlx has."
+        )
+    return found
+
+
+def from_numpy(array: np.ndarray, like: Any, dtype: Any) -> Any:
+    # (mx.array of a float64 numpy array without a dtype would make it float32)
+    core = sys.modules["mlx.core"]
+    if dtype is None:
+        return core.array(array, dtype=mlx_dtype(array.dtype) if like is None else like.dtype)
+    return core.array(array, dtype=mlx_dtype(dtype))
+
+
+def mirror(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
+    if value_family is not _SELF:
+        return from_numpy(np.asarray(as_numpy(value)), like, None)
+    return value if value.dtype == like.dtype else value.astype(like.dtype)
+
+
+def as_own(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
+    if value_family is None or value_family is _SELF:
+        return value
+    array = np.asarray(as_numpy(value))
+    return from_numpy(array, like, array.dtype)
+
+
+def cast(value: Any, dtype: str) -> Any:
+    return value.astype(mlx_dtype(dtype))
+
+
+def block_like(value: Any, like: Any) -> Any:
+    return value
+
+
+def layout(leaf: Any) -> None:
+    return None
+
+
+class _Same:
+    """The test that a later array has the prepared one's shape and dtype."""
+
+    __slots__ = ("dtype", "shape")
+
+    def __init__(self, leaf: Any) -> None:
+        self.shape, self.dtype = leaf.shape, leaf.dtype
+
+    def test(self, value: Any) -> bool:
+        return value.shape == self.shape and value.dtype == self.dtype  # type: ignore[no-any-return]
+
+
+def same(leaf: Any) -> Callable[[Any], bool]:
+    return _Same(leaf).test
+
+
+_meta = operator.attrgetter("shape", "dtype")  # (compared in C, no frame per leaf)
+
+
+def leaves_test(leaves: list[Any]) -> Callable[[list[Any]], bool]:
+    """The test of a list of leaves all of this family, read inline."""
+    return MetaLeaves(leaves, _meta)
+
+
+def jit_checked(leaf: Any) -> bool:
+    return False
+
+
+_SELF = sys.modules[__name__]
+"""This module, as the family a value is compared with."""
+
+
+CODE_MODULES: Final[frozenset[str]] = frozenset()
+
+
+def exchange(leaf: Any) -> None:
+    return None  # (crosses as a numpy copy: dlpack into mlx would make float64 float32)
+
+
+def dtype_scope(dtypes: Iterable[str]) -> contextlib.nullcontext[None]:
+    return contextlib.nullcontext()
+
+
+def conj(leaf: Any) -> Any:
+    return sys.modules["mlx.core"].conj(leaf)
+
+
+def parts(leaf: Any) -> tuple[Any, Any]:
+    core = sys.modules["mlx.core"]
+    return core.real(leaf), core.imag(leaf)
+
+
+def from_parts(re: Any, im: Any) -> Any:
+    return re + 1j * im
+
+
+def private_copy(leaf: Any) -> Any:
+    return sys.modules["mlx.core"].array(leaf)  # (a copy: an mx.array takes item assignment)
+
+
+def eval_shape(fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]]) -> None:
+    return None  # (f is evaluated at zeros)
+
+
+def laid_out_ravel(leaves: list[Any]) -> None:
+    return None
+
+
+values = to_numpy
+x_refusal = no_refusal
+opened = unopened
+traced = untraced
