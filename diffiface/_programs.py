@@ -6,10 +6,13 @@ argument of a compiled program (:class:`_Static`)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import operator
 import threading
+import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -360,35 +363,66 @@ def _batch_products(
     return adapter.value_and_pushforwards(fn, xs, groups)  # type: ignore[no-any-return]
 
 
-class FlatProgram:
-    """``program`` on flat arguments ``(*x leaves, *tangent leaves, *context arrays)``, compiled:
-    no pytree for jit to take apart, and none to build where x is one array.
+class _Missed:
+    """What :meth:`JitProgram.run` returns for a call that does not fit its prep."""
 
-    Where the engine traces anew for arguments of other shapes or dtypes (jit), the trace
-    compares those of the leaves :func:`~diffiface._plan.engine_checked` names with the
-    prep's (:attr:`checks`), and raises :class:`Unfit` where they differ: the plan then tests
-    those leaves' types only, and a call whose arguments fit costs no check per leaf.
+    __slots__ = ()
 
-    Where the result mirrors x's one leaf (``mirror``), the program returns that leaf itself.
-    Where besides the engine's arrays are x's own type (``returns_like``) and the result is one
-    array, the program finishes it: a cast to x's dtype for a gradient, nothing for the others;
-    whether f's output is one array (for jvp and jacobian) shows when it is traced, and
-    :attr:`finished` says so from then on."""
+    def __repr__(self) -> str:
+        return "MISSED"
+
+
+MISSED = _Missed()
+
+
+class JitProgram:
+    """The program of a prep that an engine compiles and retraces for new shapes and dtypes
+    (jax's ``jit``), where the engine takes every leaf as it is: one compiled function of the
+    leaves of ``(x, tangent, *context values)``.
+
+    :meth:`run` takes the call as the route has it and tests what the trace cannot: f, the
+    operator, the backend, the contexts' kinds, each argument's structure (by the plan's
+    flattening of it; an argument that is one array, by its type) and each leaf's type, and
+    each numpy leaf's dtype (jit gives a float32 and a float64 numpy array one traced type while
+    x64 is off). The compiled function compares each leaf's shape and dtype with the prep's
+    inside its trace, and raises :class:`Unfit` where any differs (the route then compares the
+    call's whole signature): a call that fits costs no test of shapes or dtypes. The trace also
+    finishes the result where it can (:meth:`_pick`): a gradient cast to x's dtype, a tree
+    rebuilt, the blocks of a Jacobian or Hessian cast as the promotion rule says.
+
+    :meth:`__call__` is the plan's program on a call's leaves (the route's other steps)."""
 
     __slots__ = (
+        "backend",
+        "backend_fields",
         "candidate",
         "casts",
-        "checks",
         "compiled",
+        "contexts",
         "dtype",
         "expected",
+        "finish",
         "finished",
+        "fits_backend",
+        "function",
         "kind",
+        "method",
         "mirror",
+        "names",
+        "numpy",
+        "operator",
         "output",
         "program",
+        "rebuild",
+        "records",
+        "ref",
+        "scope",
         "sizes",
+        "tangent",
         "tree",
+        "types",
+        "x_argument",
+        "x_rebuild",
     )
 
     def __init__(
@@ -398,22 +432,34 @@ class FlatProgram:
         op: Operator,
         output: _Output,
         mirror: Callable[[Any], Any] | None,
+        finish: Callable[[Any], Any],
         call: Call,
-        has_aux: bool,
-        bare_x: bool,
+        scoped: bool,
     ) -> None:
         kind = op.parts[0][1]
         like = call.x_leaves[0]
+        sig = call.signature
+        takes_tangent = op.tangent is not None
+        parts = [call.x_leaves, *([call.tangent_leaves] if takes_tangent else []), *call.context_leaves]
+        specs = [sig.x_spec, *([sig.tangent_spec] if takes_tangent else []), *call.context_specs]
+        self.types = tuple(
+            type(part[0]) if spec == _LEAF else list(map(type, part)) for part, spec in zip(parts, specs, strict=True)
+        )
+        """Per argument, the type of its one leaf where it is one, else the list of its leaves' types."""
+        # (how :meth:`run` tests each argument, :func:`_argument`; set by :meth:`bind`)
+        self.x_argument: tuple[Any, Any, Any] = (None, None, None)
+        self.tangent: tuple[Any, Any, Any] | None = (None, None, None) if takes_tangent else None
+        self.contexts: tuple[tuple[Any, Any, Any, Any], ...] = ()
+        leaves = [leaf for part in parts for leaf in part]
         self.sizes = (len(call.x_leaves), len(call.x_leaves) + len(call.tangent_leaves))
-        leaves = [*call.x_leaves, *call.tangent_leaves, *_chain(call.context_leaves)]
-        self.checks = bool(adapter.retraces)
-        self.expected = tuple((leaf.shape, leaf.dtype) if engine_checked(leaf) else None for leaf in leaves)
+        self.expected = tuple((leaf.shape, leaf.dtype) for leaf in leaves)
+        self.numpy = tuple((i, leaf.dtype) for i, leaf in enumerate(leaves) if type(leaf) is np.ndarray)
+        """The numpy leaves (index, dtype): their dtypes are tested before the call."""
         # (a result that mirrors x is x's one leaf only where x is that leaf, not a tree holding it)
         self.candidate = (
-            adapter.returns_like(like) and len(op.parts) == 1 and not has_aux and (bare_x or kind in ("value", "y"))
+            adapter.returns_like(like) and len(op.parts) == 1 and (sig.x_spec == _LEAF or kind in ("value", "y"))
         )
         self.kind = kind
-        self.finished = self.candidate and kind in ("x", "value", "hessian")  # the trace settles "y", "jacobian"
         self.dtype = like.dtype if self.candidate else None
         # A result shaped as a tree x (a gradient, a vjp, an hvp) where jax rebuilds x as optree
         # does: cast and rebuilt inside the trace, so that jit returns it finished.
@@ -422,53 +468,129 @@ class FlatProgram:
             kind == "x"
             and not self.candidate
             and len(op.parts) == 1
-            and not has_aux
-            and adapter.retraces
-            and not hasattr(call, "rebuild")  # (x has static leaves: the finisher rebuilds it whole)
             and all(map(engine_checked, call.x_leaves))
-            and jax_rebuilds_alike(call.signature.x_spec, call.x_leaves)
+            and jax_rebuilds_alike(sig.x_spec, call.x_leaves)
         ):
-            self.tree = (call.signature.x_spec, tuple(leaf.dtype for leaf in call.x_leaves))
-            self.finished = True
+            self.tree = (sig.x_spec, tuple(leaf.dtype for leaf in call.x_leaves))
         # The blocks of a Jacobian or Hessian of a tree (of x or of f's output): cast inside the
         # trace to the dtype the promotion rule gives, so that mixed dtypes (float32 params, a
         # float64 batch) cost no cast per block on every call; x's dtypes, by leaf.
         self.casts: tuple[str | None, ...] | None = None
-        if kind in ("jacobian", "hessian") and not self.candidate and adapter.retraces and not has_aux:
+        if kind in ("jacobian", "hessian") and not self.candidate:
             self.casts = tuple(map(_weak_or_dtype, call.x_leaves))
+        self.finished: bool | None = None
+        """Whether the compiled function returns the result finished: known once it is traced
+        (for a Jacobian or a jvp, f's output must be one array), from the record of f's output."""
+        # A Jacobian or Hessian of a tree of jax arrays, or a jvp of a tree output: its blocks come
+        # out of the trace in their type, dtype and layout, and need only rebuilding into the trees
+        # of x and of f's output (the structure recorded when traced), with no conversion per block.
+        self.rebuild: Callable[[Any], Any] | None = None
+        self.x_rebuild: Callable[[Any], Any] | None = None
+        if (
+            kind in ("jacobian", "hessian", "y")
+            and len(op.parts) == 1
+            and adapter.returns_like(like)
+            and all(map(engine_checked, call.x_leaves))
+        ):
+            self.x_rebuild = _rebuilder(sig.x_spec)
         self.output = output
         self.mirror = mirror
+        self.finish = finish
+        # a program from jit's cache does not evaluate f: where the finisher reads the record of
+        # f's output, the record of its trace is made the current one
+        self.records = op.shaped_as_output
         self.program = program
-        # (a prep is made for one layout of its arguments: x's leaves are laid out as the prep's)
-        layouts = [getattr(leaf, "sharding", None) for leaf in call.x_leaves]
-        layouts += [None] * (len(call.tangent_leaves) + sum(map(len, call.context_leaves)))
-        self.compiled = adapter.compile(self.on_flat, static=False, arrays=not has_aux, layouts=tuple(layouts))
+        self.scope = adapter.scope if scoped else None
+        self.operator = op.name
+        self.compiled = adapter.compile(self._traced, static=False, arrays=True, layouts=())
+        # (what :meth:`run` compares besides, taken from the plan by :meth:`bind`)
+        self.function: Any = None
+        self.ref: Any = None
+        self.backend: Any = None
+        self.names: frozenset[str] = frozenset()
+        self.fits_backend: Callable[[Any], bool] = operator.eq
 
-    def pick(self, native: tuple[Any, ...]) -> Any:
-        """Inside the trace: the program's result, finished where it can be."""
+    @classmethod
+    def of(
+        cls,
+        adapter: Adapter,
+        program: Callable[..., Any],
+        op: Operator,
+        output: _Output,
+        mirror: Callable[[Any], Any] | None,
+        finish: Callable[[Any], Any],
+        call: Call,
+        scoped: bool,
+    ) -> JitProgram | None:
+        """The program, where each leaf is an array the engine checks itself or a numpy array;
+        else None (the plan's match and a :class:`Run` serve the prep)."""
+        leaves = [*call.x_leaves, *call.tangent_leaves, *_chain(call.context_leaves)]
+        if not call.x_leaves or not all(engine_checked(leaf) or type(leaf) is np.ndarray for leaf in leaves):
+            return None
+        return cls(adapter, program, op, output, mirror, finish, call, scoped)
+
+    def bind(self, plan: Any) -> None:
+        """Take what :meth:`run` compares from the plan made for this program: f, the backend,
+        the contexts' kinds, and how each argument is flattened (written for its structure
+        where it can be, see :func:`~diffiface._plan.flattener`)."""
+        self.function, self.ref, self.method = plan.function, plan.function.ref, None
+        prepared = plan.function.ref()
+        if type(prepared) is types.MethodType:  # (made anew on each read: its instance and function)
+            with contextlib.suppress(TypeError):  # (an instance without weak references: the plan's steps)
+                self.ref, self.method = weakref.ref(prepared.__self__), weakref.ref(prepared.__func__)
+        self.backend, self.names, self.fits_backend = plan.backend, plan.names, plan.fits_backend
+        # (a frozen dataclass's fields are its __dict__, compared in C; its __eq__ is a frame)
+        self.backend_fields = _fields_only(plan.backend)
+        types_of = iter(self.types)
+        self.x_argument = _argument(next(types_of), plan.x_flatten, plan.x_key)
+        if self.tangent is not None:
+            self.tangent = _argument(next(types_of), plan.tangent_flatten, plan.tangent_key)
+        self.contexts = tuple(
+            (kind, *_argument(next(types_of), flatten, key))
+            for kind, flatten, key in zip(plan.context_kinds, plan.context_flattens, plan.context_keys, strict=True)
+        )
+
+    # -- inside the trace --------------------------------------------------------------------------
+
+    def _traced(self, *leaves: Any) -> Any:
+        for leaf, (shape, dtype) in zip(leaves, self.expected, strict=True):
+            if leaf.shape != shape or leaf.dtype != dtype:
+                raise Unfit(
+                    f"An argument of shape {tuple(leaf.shape)} and dtype {leaf.dtype} reached a program "
+                    f"prepared for shape {tuple(shape)} and dtype {dtype}."
+                )
+        xs, ts = self.sizes
+        native = self.program(leaves[:xs], leaves[xs:ts], leaves[ts:], None)
+        return self._pick(native)
+
+    def _finishes(self) -> bool:
+        """Whether :meth:`_pick` finishes the result (read from the record of f's output)."""
         if self.candidate:
-            kind, dtype, output = self.kind, self.dtype, self.output
-            value = native[0]
+            kind = self.kind
+            return kind in ("x", "value", "hessian") or (kind in ("jacobian", "y") and self.output.spec is _LEAF)
+        return self.tree is not None
+
+    def _pick(self, native: tuple[Any, ...]) -> Any:
+        """The program's result, finished where it can be (inside the trace)."""
+        if self._finishes():
+            if self.tree is not None:
+                spec, dtypes = self.tree
+                leaves = [  # cast only where needed: a weak type stays weak
+                    leaf if leaf.dtype == dtype else leaf.astype(dtype)
+                    for leaf, dtype in zip(native[0], dtypes, strict=True)
+                ]
+                return optree.tree_unflatten(spec, leaves)
+            kind, dtype, value = self.kind, self.dtype, native[0]
             if kind == "x":
-                leaf = value[0]  # cast only where needed: a weak type stays weak
+                leaf = value[0]
                 return leaf if leaf.dtype == dtype else leaf.astype(dtype)
             if kind == "value":
                 return value
-            if kind == "hessian" or (kind == "jacobian" and output.spec is _LEAF):
-                self.finished = True
-                target = dtype if kind == "hessian" else promoted_dtype(output.dtypes[0], str(dtype))
-                leaf = value[0][0]
-                return leaf if target is None or leaf.dtype == target else leaf.astype(target)
-            if kind == "y" and output.spec is _LEAF:
-                self.finished = True
+            if kind == "y":
                 return value[0]
-        if self.tree is not None:
-            spec, dtypes = self.tree
-            leaves = [  # cast only where needed: a weak type stays weak
-                leaf if leaf.dtype == dtype else leaf.astype(dtype)
-                for leaf, dtype in zip(native[0], dtypes, strict=True)
-            ]
-            return optree.tree_unflatten(spec, leaves)
+            target = dtype if kind == "hessian" else promoted_dtype(self.output.dtypes[0], str(dtype))
+            leaf = value[0][0]
+            return leaf if target is None or leaf.dtype == target else leaf.astype(target)
         if self.casts is not None and len(native) == 1:
             x_dtypes, rows = self.casts, native[0]
             dys = _padded(self.output.dtypes, len(rows)) if self.kind == "jacobian" else x_dtypes
@@ -480,91 +602,159 @@ class FlatProgram:
             )
         return native[0][0] if self.mirror is not None else native
 
-    def on_flat(self, *arguments: Any) -> Any:
-        """The program on flat arguments (traced by the engine's compiler)."""
-        if self.checks:
-            for argument, expected in zip(arguments, self.expected, strict=True):
-                if expected is not None and (argument.shape != expected[0] or argument.dtype != expected[1]):
-                    raise Unfit(
-                        f"An argument of shape {tuple(argument.shape)} and dtype {argument.dtype} reached a "
-                        f"program prepared for shape {tuple(expected[0])} and dtype {expected[1]}."
-                    )
-        xs, ts = self.sizes
-        return self.pick(self.program(arguments[:xs], arguments[xs:ts], arguments[ts:], None))
+    # -- the calls ----------------------------------------------------------------------------------
 
-    def __call__(self, xs: tuple[Any, ...], ts: tuple[Any, ...], dynamic: tuple[Any, ...], static: Any) -> Any:
-        return self.compiled(*xs, *ts, *dynamic)
-
-
-class FlatFinish:
-    """The finisher of a :class:`FlatProgram`'s results: none once they come out finished."""
-
-    __slots__ = ("flat", "rest")
-
-    def __init__(self, flat: FlatProgram, rest: Callable[[Any], Any]) -> None:
-        self.flat, self.rest = flat, rest
-
-    def __call__(self, out: Any) -> Any:
-        return out if self.flat.finished else self.rest(out)
-
-
-class Recalled:
-    """A finisher that reads the record of f's output (the structure of a jvp's or a
-    Jacobian's result), behind a compiled call on flat arguments: a program from jit's cache
-    does not evaluate f, so the record of its trace is made the current one first."""
-
-    __slots__ = ("output", "rest")
-
-    def __init__(self, output: _Output, rest: Callable[[Any], Any]) -> None:
-        self.output, self.rest = output, rest
-
-    def __call__(self, out: Any) -> Any:
-        self.output.recall(None)  # (a program on flat arguments has no static argument)
-        return self.rest(out)
-
-
-# -- what a prep runs: objects with named fields --------------------------------------------------
-
-
-class DirectFlat:
-    """The program of a call whose arguments the engine takes as they are, compiled on flat
-    arguments (:class:`FlatProgram`): the leaves go straight to the compiled call. Where the
-    adapter's precision scope may be needed (float64 with jax's x64 off), ``fallback`` (the
-    scoped :class:`Run`) runs the call instead whenever the scope is not empty."""
-
-    __slots__ = ("compiled", "fallback", "flat", "precision", "rest")
-
-    def __init__(
-        self,
-        flat: FlatProgram,
-        rest: Callable[[Any], Any],
-        fallback: Callable[..., tuple[Any, Any]],
-        precision: Callable[[], Any] | None,
-    ) -> None:
-        self.flat, self.rest, self.fallback, self.precision = flat, rest, fallback, precision
-        self.compiled = flat.compiled
+    def run(
+        self, name: str, f: Any, backend: Any, x: Any, tangent: Any, contexts: tuple[Any, ...], has_aux: bool
+    ) -> Any:
+        """A call by the route's arguments: its result, or :data:`MISSED` where it does not fit."""
+        # (hot code: one frame where every argument is one array, no zip(strict=), whose keyword
+        # makes each call slower; the lengths are compared first)
+        if name != self.operator or has_aux or len(contexts) != len(self.contexts):
+            return MISSED
+        method = self.method
+        if method is None:
+            if self.ref() is not f:
+                return MISSED
+        elif type(f) is not types.MethodType or f.__self__ is not self.ref() or f.__func__ is not method():
+            return MISSED
+        mine = self.backend
+        if backend is not mine:
+            if type(backend) is str:
+                if backend not in self.names:
+                    return MISSED
+            elif self.backend_fields is not None:
+                if type(backend) is not type(mine) or vars(backend) != self.backend_fields:
+                    return MISSED
+            elif not self.fits_backend(backend):
+                return MISSED
+        leaf_types, flatten, key = self.x_argument
+        if flatten is None:  # (one array: its type is its structure)
+            if type(x) is not leaf_types:
+                return MISSED
+            leaves = [x]
+        else:
+            leaves = _leaves_of(x, leaf_types, flatten, key)
+            if leaves is None:
+                return MISSED
+        if self.tangent is not None:
+            leaf_types, flatten, key = self.tangent
+            if flatten is None:
+                if type(tangent) is not leaf_types:
+                    return MISSED
+                leaves.append(tangent)
+            else:
+                found = _leaves_of(tangent, leaf_types, flatten, key)
+                if found is None:
+                    return MISSED
+                leaves += found
+        for context, (kind, leaf_types, flatten, key) in zip(contexts, self.contexts):  # noqa: B905
+            if type(context) is not kind:
+                return MISSED
+            value = context.value
+            if flatten is None:
+                if type(value) is not leaf_types:
+                    return MISSED
+                leaves.append(value)
+            else:
+                found = _leaves_of(value, leaf_types, flatten, key)
+                if found is None:
+                    return MISSED
+                leaves += found
+        for i, dtype in self.numpy:
+            if leaves[i].dtype != dtype:
+                return MISSED
+        scope = self.scope
+        try:
+            if scope is None or (scope := scope()) is None:
+                out = self.compiled(*leaves)
+            else:
+                with scope:
+                    out = self.compiled(*leaves)
+        except Unfit:
+            return MISSED
+        return out if self.finished else self._finished(out)
 
     def __call__(
         self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]
     ) -> tuple[Any, Any]:
-        if self.precision is not None and self.precision() is not None:
-            return self.fallback(x_leaves, tangent_leaves, context_leaves)
-        if context_leaves:
-            out = self.compiled(*x_leaves, *tangent_leaves, *_chain(context_leaves))
+        leaves = [*x_leaves, *tangent_leaves, *_chain(context_leaves)]
+        scope = None if self.scope is None else self.scope()
+        if scope is None:
+            out = self.compiled(*leaves)
         else:
-            out = self.compiled(*x_leaves, *tangent_leaves)
-        return (out if self.flat.finished else self.rest(out)), None
+            with scope:
+                out = self.compiled(*leaves)
+        return self._finished(out), None
+
+    def _finished(self, out: Any) -> Any:
+        """The result, finished where the trace did not finish it."""
+        finished = self.finished
+        if finished is None:  # (the first call traced the program: its record tells)
+            finished = self.finished = self._finishes()
+        if finished:
+            return out
+        if self.mirror is not None:
+            return self.mirror(out)
+        if self.records:
+            self.output.recall(None)  # (the compiled program has no static argument)
+        rebuild = self.rebuild
+        if rebuild is None and self.x_rebuild is not None:
+            spec = self.output.spec
+            self.rebuild = rebuild = functools.partial(_rebuilt, self.kind, _rebuilder(spec), self.x_rebuild)
+        if rebuild is not None:
+            return rebuild(out[0])
+        return self.finish(out)
+
+
+def _rebuilt(kind: str, y_rebuild: Callable[[Any], Any], x_rebuild: Callable[[Any], Any], value: Any) -> Any:
+    """A jvp's result (``kind`` ``"y"``), a Jacobian's or a Hessian's, whose blocks need no
+    conversion (:class:`JitProgram`), rebuilt into the trees of f's output and of x."""
+    if kind == "y":
+        return y_rebuild(value)
+    rows = [x_rebuild(row) for row in value]
+    return y_rebuild(rows) if kind == "jacobian" else x_rebuild(rows)
+
+
+def _fields_only(backend: Any) -> dict[str, Any] | None:
+    """A backend's ``vars`` where its attributes are its dataclass fields and nothing else (two
+    such backends of one type are equal when their ``vars`` are); else None."""
+    try:
+        fields = vars(backend)
+        return fields if set(fields) == {field.name for field in dataclasses.fields(backend)} else None
+    except TypeError:
+        return None
+
+
+def _argument(types: Any, flatten: Any, key: Any) -> tuple[Any, Any, Any]:
+    """How :meth:`JitProgram.run` tests an argument: ``(type, None, None)`` where it is one
+    array, ``(leaf types, flatten, structure)`` where it is a tree."""
+    return (types, None, None) if type(types) is type else (types, flatten, key)
+
+
+def _leaves_of(argument: Any, types: list[type], flatten: Any, key: Any) -> list[Any] | None:
+    """The leaves of a tree argument where its structure and its leaves' types are the prep's."""
+    try:
+        leaves, spec = flatten(argument)
+    except Exception:  # (a tree the flattening cannot take apart: the full signature says why)
+        return None
+    if spec != key or list(map(type, leaves)) != types:
+        return None
+    return leaves  # type: ignore[no-any-return]
 
 
 class Run:
     """A prep's program on a call's leaves: the leaves made the engine's arguments
     (:class:`_Conversions`), the compiled (or plain) program, the result finished to mirror the
-    inputs; ``(result, error estimate or None)``."""
+    inputs; ``(result, error estimate or None)``. ``dynamic``: the indices of x's leaves to
+    differentiate, where x holds static ones too; ``scoped``: the program runs inside the
+    adapter's precision scope where it gives one (float64 work while jax's x64 is off)."""
 
     __slots__ = (
         "adapter",
         "compiled",
         "conversions",
+        "dynamic",
         "estimates",
         "finish",
         "has_aux",
@@ -572,6 +762,7 @@ class Run:
         "parts",
         "passthrough",
         "records",
+        "scoped",
     )
 
     def __init__(
@@ -583,6 +774,7 @@ class Run:
         finish: Callable[[Any], Any],
         op: Operator,
         has_aux: bool,
+        dynamic: list[int] | None = None,
     ) -> None:
         self.adapter = adapter
         self.conversions = conversions
@@ -596,10 +788,21 @@ class Run:
         self.parts = tuple(i for i, _ in op.parts)
         self.passthrough = conversions.passthrough and conversions.x_native and conversions.tangent_native
         self.has_aux = has_aux
+        self.dynamic = dynamic
+        self.scoped = conversions.scoped
 
     def __call__(
         self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]
     ) -> tuple[Any, Any]:
+        if self.dynamic is not None:
+            x_leaves = [x_leaves[i] for i in self.dynamic]
+        scope = self.adapter.scope() if self.scoped else None
+        if scope is None:
+            return self._run(x_leaves, tangent_leaves, context_leaves)
+        with scope:
+            return self._run(x_leaves, tangent_leaves, context_leaves)
+
+    def _run(self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]) -> tuple[Any, Any]:
         if self.passthrough and not self.records:
             # the engine takes the leaves as they are, and no record of f's output is needed
             dynamic = tuple(_chain(context_leaves)) if context_leaves else ()
@@ -617,39 +820,6 @@ class Run:
             return result, None
         picked = tuple(error[i] for i in self.parts)
         return result, self.finish((*picked, None) if self.has_aux else picked)
-
-
-class Scoped:
-    """A program run inside the adapter's precision scope where it gives one (jax's x64, for
-    float64 work while the global flag is off)."""
-
-    __slots__ = ("adapter", "program")
-
-    def __init__(self, adapter: Adapter, program: Callable[..., tuple[Any, Any]]) -> None:
-        self.adapter, self.program = adapter, program
-
-    def __call__(
-        self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]
-    ) -> tuple[Any, Any]:
-        scope = self.adapter.scope()
-        if scope is None:
-            return self.program(x_leaves, tangent_leaves, context_leaves)
-        with scope:
-            return self.program(x_leaves, tangent_leaves, context_leaves)
-
-
-class OnDynamic:
-    """A program on the leaves of x to differentiate, where x holds static ones too."""
-
-    __slots__ = ("index", "program")
-
-    def __init__(self, program: Callable[..., tuple[Any, Any]], index: list[int]) -> None:
-        self.program, self.index = program, index
-
-    def __call__(
-        self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]
-    ) -> tuple[Any, Any]:
-        return self.program([x_leaves[i] for i in self.index], tangent_leaves, context_leaves)
 
 
 # -- the record of f's output --------------------------------------------------------------------------

@@ -398,8 +398,8 @@ def test_a_jit_program_rebuilds_a_tree_x_where_jax_rebuilds_it_as_optree_does() 
     for name, (x, finished) in cases.items():
         prep = di.prepare_gradient(total, "jax", x)
         program = prep.plan.program
-        assert type(program).__name__ == "DirectFlat", name
-        assert (program.flat.tree is not None) is finished, name
+        assert type(program).__name__ == "JitProgram", name
+        assert (program.tree is not None) is finished, name
         got = di.gradient(total, "jax", x, prep=prep)
         want = di.gradient(total, di.AutoJAX(jit=False), x)
         assert type(got) is type(x), name
@@ -430,11 +430,10 @@ def _python_calls(call: Any) -> list[str]:
 @pytest.mark.parametrize("shape", ["one array", "tuple", "dict with sorted keys"])
 @pytest.mark.parametrize("operator", ["gradient", "hvp", "jvp", "vjp", "jacobian", "value_and_gradient"])
 def test_a_prepared_jit_call_on_jax_arrays_runs_no_python_but_the_route(shape: str, operator: str) -> None:
-    """Where jit checks every leaf itself, the plan's steps and jit's call are one function
-    written for the plan (FlatCall): a prepared call enters the public operator, the route and
-    that function, and no other Python function where jit returns the result finished (a
-    gradient or an hvp, a jvp of one array); by name or by an equal backend object (compared
-    by its fields, not its ``__eq__``). Its result is the one without jit."""
+    """Where jit checks every leaf itself, jax's tier runs the call (JitProgram): a prepared
+    call enters the public operator, the route and the program's ``run``, and no other Python
+    function where jit returns the result finished (a gradient or an hvp, a jvp of one array);
+    by name or by an equal backend object. Its result is the one without jit."""
     require(di.AutoJAX())
     import jax
     import jax.numpy as jnp
@@ -457,7 +456,7 @@ def test_a_prepared_jit_call_on_jax_arrays_runs_no_python_but_the_route(shape: s
     expected = op(f, di.AutoJAX(jit=False), *args, batch)
     for backend in ("jax", di.AutoJAX()):
         prep = getattr(di, f"prepare_{operator}")(f, backend, *args, batch)
-        assert prep.plan.flat_call is not None
+        assert prep.plan.jit is not None
         got = op(f, backend, *args, batch, prep=prep)
         assert_tree_close(got, expected, rtol=1e-5, atol=1e-5)
         assert optree.tree_structure(got) == optree.tree_structure(expected)
@@ -498,7 +497,7 @@ def test_a_bound_method_is_served_by_the_written_steps_and_another_instance_is_n
 
 
 def test_the_inline_steps_refuse_what_the_plan_refuses() -> None:
-    """The steps written for the plan (FlatCall) compare the structure and each leaf's type; jit's trace the
+    """jax's tier (JitProgram.run) compares the structure and each leaf's type; jit's trace the
     shapes and dtypes: every call the plan's own steps refuse is refused, naming the difference,
     and an unprepared call never reuses a program f's closure has outgrown."""
     require(di.AutoJAX())
@@ -506,7 +505,7 @@ def test_the_inline_steps_refuse_what_the_plan_refuses() -> None:
 
     p, batch = _tree(4)
     prep = di.prepare_gradient(_tree_loss, "jax", p, di.Constant(batch))
-    assert prep.plan.flat_call is not None and not prep.plan.flat_call.single
+    assert prep.plan.jit is not None
     numpy_leaf = {"w": np.asarray(p["w"]), "b": p["b"]}
     with pytest.raises(di.PreparationMismatchError, match="x"):
         di.gradient(_tree_loss, "jax", numpy_leaf, di.Constant(batch), prep=prep)
@@ -541,7 +540,7 @@ def test_the_inline_steps_refuse_what_the_plan_refuses() -> None:
         return _tree_loss(q._asdict(), d)
 
     pair_prep = di.prepare_gradient(pair_f, "jax", Pair(p["w"], p["b"]), di.Constant(batch))
-    assert pair_prep.plan.flat_call is not None and "FLATTEN" in pair_prep.plan.flat_call.source
+    assert pair_prep.plan.jit is not None
     got = di.gradient(pair_f, "jax", Pair(p["w"], p["b"]), di.Constant(batch), prep=pair_prep)
     assert type(got) is Pair
     assert_tree_close(got._asdict(), di.gradient(_tree_loss, "jax", p, di.Constant(batch)), rtol=1e-6, atol=1e-6)
@@ -557,7 +556,7 @@ def test_the_inline_steps_refuse_what_the_plan_refuses() -> None:
     # arrays the same traced type while x64 is off)
     as_numpy = optree.tree_map(np.asarray, batch)
     numpy_prep = di.prepare_gradient(_tree_loss, "jax", p, di.Constant(as_numpy))
-    assert numpy_prep.plan.flat_call is not None and numpy_prep.plan.flat_call.numpy == 2
+    assert numpy_prep.plan.jit is not None and len(numpy_prep.plan.jit.numpy) == 2
     served = di.gradient(_tree_loss, "jax", p, di.Constant(as_numpy), prep=numpy_prep)
     assert_tree_close(served, di.gradient(_tree_loss, "jax", p, di.Constant(batch)), rtol=1e-6, atol=1e-6)
     numpy_batch = di.Constant(as_numpy)
@@ -637,9 +636,10 @@ def test_a_float64_prep_under_x64_runs_inline_and_keeps_float64_when_x64_is_off(
     with jax.enable_x64(True):
         x, c = jnp.linspace(0.1, 1.0, 10), di.Constant(jnp.linspace(1.0, 2.0, 10))
         prep = di.prepare_gradient(f, "jax", x, c)
-        assert prep.plan.flat_call is not None and prep.plan.flat_call.needs_x64 is not None
+        assert prep.plan.jit is not None and prep.plan.jit.scope is not None
         inside = di.gradient(f, "jax", x, c, prep=prep)
-        assert _python_calls(lambda: di.gradient(f, "jax", x, c, prep=prep)) == ["gradient", "evaluate", "run"]
+        calls = _python_calls(lambda: di.gradient(f, "jax", x, c, prep=prep))
+        assert calls == ["gradient", "evaluate", "run", "scope"], calls
     outside = di.gradient(f, "jax", x, c, prep=prep)
     assert inside.dtype == outside.dtype == np.float64
     np.testing.assert_allclose(np.asarray(outside), np.cos(np.asarray(x)) * np.asarray(c.value), rtol=1e-14)

@@ -82,7 +82,8 @@ class Adapter:
     ``batched`` attribute of the closed function."""
     retraces = False
     """True when a compiled program is traced anew for arguments of other shapes or dtypes
-    (jax's jit): a program on flat arguments then checks them itself, at no cost per call."""
+    (jax's jit): the program then checks them itself, at no cost per call (jax's tier,
+    :class:`~diffiface._programs.JitProgram`)."""
 
     def __init__(self, backend: Backend, info: BackendInfo) -> None:
         self.backend = backend
