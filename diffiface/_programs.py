@@ -387,25 +387,28 @@ class JitProgram:
     x64 is off). The compiled function compares each leaf's shape and dtype with the prep's
     inside its trace, and raises :class:`Unfit` where any differs (the route then compares the
     call's whole signature): a call that fits costs no test of shapes or dtypes. The trace also
-    finishes the result where it can (:meth:`_pick`): a gradient cast to x's dtype, a tree
-    rebuilt, the blocks of a Jacobian or Hessian cast as the promotion rule says.
+    finishes the result as far as it can (:meth:`_pick`): cast to x's dtypes, or to the dtypes
+    the promotion rule gives a Jacobian's or a Hessian's blocks, and rebuilt where the result is
+    one array or jax rebuilds x's tree as optree does. What is left, :meth:`_after` settles once
+    the program is traced: nothing, a rebuild of the trees, or the finisher.
 
     :meth:`__call__` is the plan's program on a call's leaves (the route's other steps)."""
 
     __slots__ = (
+        "after",
+        "arguments",
         "backend",
         "backend_fields",
         "candidate",
         "casts",
         "compiled",
-        "contexts",
         "dtype",
         "expected",
         "finish",
-        "finished",
         "fits_backend",
         "function",
         "kind",
+        "kinds",
         "method",
         "mirror",
         "names",
@@ -413,7 +416,6 @@ class JitProgram:
         "operator",
         "output",
         "program",
-        "rebuild",
         "records",
         "ref",
         "scope",
@@ -421,7 +423,7 @@ class JitProgram:
         "tangent",
         "tree",
         "types",
-        "x_argument",
+        "x_dtypes",
         "x_rebuild",
     )
 
@@ -439,60 +441,45 @@ class JitProgram:
         kind = op.parts[0][1]
         like = call.x_leaves[0]
         sig = call.signature
-        takes_tangent = op.tangent is not None
-        parts = [call.x_leaves, *([call.tangent_leaves] if takes_tangent else []), *call.context_leaves]
-        specs = [sig.x_spec, *([sig.tangent_spec] if takes_tangent else []), *call.context_specs]
+        self.tangent = op.tangent is not None
+        parts = [call.x_leaves, *([call.tangent_leaves] if self.tangent else []), *call.context_leaves]
+        specs = [sig.x_spec, *([sig.tangent_spec] if self.tangent else []), *call.context_specs]
         self.types = tuple(
             type(part[0]) if spec == _LEAF else list(map(type, part)) for part, spec in zip(parts, specs, strict=True)
         )
         """Per argument, the type of its one leaf where it is one, else the list of its leaves' types."""
-        # (how :meth:`run` tests each argument, :func:`_argument`; set by :meth:`bind`)
-        self.x_argument: tuple[Any, Any, Any] = (None, None, None)
-        self.tangent: tuple[Any, Any, Any] | None = (None, None, None) if takes_tangent else None
-        self.contexts: tuple[tuple[Any, Any, Any, Any], ...] = ()
+        self.arguments: tuple[tuple[Any, Any, Any], ...] = ()
+        """Per argument (x, the tangent where the operator takes one, each context's value), how
+        :meth:`run` tests it: ``(type, None, None)`` or ``(leaf types, flatten, structure)``
+        (:meth:`bind`)."""
         leaves = [leaf for part in parts for leaf in part]
         self.sizes = (len(call.x_leaves), len(call.x_leaves) + len(call.tangent_leaves))
         self.expected = tuple((leaf.shape, leaf.dtype) for leaf in leaves)
         self.numpy = tuple((i, leaf.dtype) for i, leaf in enumerate(leaves) if type(leaf) is np.ndarray)
         """The numpy leaves (index, dtype): their dtypes are tested before the call."""
-        # (a result that mirrors x is x's one leaf only where x is that leaf, not a tree holding it)
-        self.candidate = (
-            adapter.returns_like(like) and len(op.parts) == 1 and (sig.x_spec == _LEAF or kind in ("value", "y"))
-        )
         self.kind = kind
+        one = len(op.parts) == 1
+        # (a result that mirrors x is x's one leaf only where x is that leaf, not a tree holding it)
+        self.candidate = adapter.returns_like(like) and one and (sig.x_spec == _LEAF or kind in ("value", "y"))
         self.dtype = like.dtype if self.candidate else None
-        # A result shaped as a tree x (a gradient, a vjp, an hvp) where jax rebuilds x as optree
-        # does: cast and rebuilt inside the trace, so that jit returns it finished.
-        self.tree: tuple[Any, tuple[Any, ...]] | None = None
-        if (
-            kind == "x"
-            and not self.candidate
-            and len(op.parts) == 1
-            and all(map(engine_checked, call.x_leaves))
-            and jax_rebuilds_alike(sig.x_spec, call.x_leaves)
-        ):
-            self.tree = (sig.x_spec, tuple(leaf.dtype for leaf in call.x_leaves))
+        # Where x's leaves are the engine's own arrays, the results' blocks come out of the trace
+        # in their type, dtype and layout, and need at most rebuilding into the trees of x and of
+        # f's output: inside the trace where jax rebuilds x's tree as optree does (``tree``),
+        # else after it, by the function written for the structure (``x_rebuild``).
+        own = one and adapter.returns_like(like) and all(map(engine_checked, call.x_leaves))
+        self.x_dtypes = tuple(leaf.dtype for leaf in call.x_leaves)
+        self.tree = sig.x_spec if own and kind == "x" and jax_rebuilds_alike(sig.x_spec, call.x_leaves) else None
+        self.x_rebuild = _rebuilder(sig.x_spec) if own and kind in ("x", "jacobian", "hessian", "y") else None
         # The blocks of a Jacobian or Hessian of a tree (of x or of f's output): cast inside the
         # trace to the dtype the promotion rule gives, so that mixed dtypes (float32 params, a
         # float64 batch) cost no cast per block on every call; x's dtypes, by leaf.
         self.casts: tuple[str | None, ...] | None = None
         if kind in ("jacobian", "hessian") and not self.candidate:
             self.casts = tuple(map(_weak_or_dtype, call.x_leaves))
-        self.finished: bool | None = None
-        """Whether the compiled function returns the result finished: known once it is traced
-        (for a Jacobian or a jvp, f's output must be one array), from the record of f's output."""
-        # A Jacobian or Hessian of a tree of jax arrays, or a jvp of a tree output: its blocks come
-        # out of the trace in their type, dtype and layout, and need only rebuilding into the trees
-        # of x and of f's output (the structure recorded when traced), with no conversion per block.
-        self.rebuild: Callable[[Any], Any] | None = None
-        self.x_rebuild: Callable[[Any], Any] | None = None
-        if (
-            kind in ("jacobian", "hessian", "y")
-            and len(op.parts) == 1
-            and adapter.returns_like(like)
-            and all(map(engine_checked, call.x_leaves))
-        ):
-            self.x_rebuild = _rebuilder(sig.x_spec)
+        self.after: Callable[[Any], Any] | None = self._after
+        """What finishes the compiled function's result: None where it comes out finished;
+        settled by :meth:`_after` on the first call, once the program is traced (for a
+        Jacobian or a jvp, the record of f's output tells its structure)."""
         self.output = output
         self.mirror = mirror
         self.finish = finish
@@ -506,9 +493,12 @@ class JitProgram:
         # (what :meth:`run` compares besides, taken from the plan by :meth:`bind`)
         self.function: Any = None
         self.ref: Any = None
+        self.method: Any = None
         self.backend: Any = None
+        self.backend_fields: dict[str, Any] | None = None
         self.names: frozenset[str] = frozenset()
         self.fits_backend: Callable[[Any], bool] = operator.eq
+        self.kinds: tuple[type, ...] = ()
 
     @classmethod
     def of(
@@ -533,7 +523,7 @@ class JitProgram:
         """Take what :meth:`run` compares from the plan made for this program: f, the backend,
         the contexts' kinds, and how each argument is flattened (written for its structure
         where it can be, see :func:`~diffiface._plan.flattener`)."""
-        self.function, self.ref, self.method = plan.function, plan.function.ref, None
+        self.function, self.ref = plan.function, plan.function.ref
         prepared = plan.function.ref()
         if type(prepared) is types.MethodType:  # (made anew on each read: its instance and function)
             with contextlib.suppress(TypeError):  # (an instance without weak references: the plan's steps)
@@ -541,13 +531,15 @@ class JitProgram:
         self.backend, self.names, self.fits_backend = plan.backend, plan.names, plan.fits_backend
         # (a frozen dataclass's fields are its __dict__, compared in C; its __eq__ is a frame)
         self.backend_fields = _fields_only(plan.backend)
-        types_of = iter(self.types)
-        self.x_argument = _argument(next(types_of), plan.x_flatten, plan.x_key)
-        if self.tangent is not None:
-            self.tangent = _argument(next(types_of), plan.tangent_flatten, plan.tangent_key)
-        self.contexts = tuple(
-            (kind, *_argument(next(types_of), flatten, key))
-            for kind, flatten, key in zip(plan.context_kinds, plan.context_flattens, plan.context_keys, strict=True)
+        self.kinds = plan.context_kinds
+        flattens = [
+            (plan.x_flatten, plan.x_key),
+            *([(plan.tangent_flatten, plan.tangent_key)] if self.tangent else []),
+            *zip(plan.context_flattens, plan.context_keys, strict=True),
+        ]
+        self.arguments = tuple(
+            (types_, None, None) if type(types_) is type else (types_, flatten, key)
+            for types_, (flatten, key) in zip(self.types, flattens, strict=True)
         )
 
     # -- inside the trace --------------------------------------------------------------------------
@@ -564,26 +556,25 @@ class JitProgram:
         return self._pick(native)
 
     def _finishes(self) -> bool:
-        """Whether :meth:`_pick` finishes the result (read from the record of f's output)."""
+        """Whether :meth:`_pick` returns the result finished (read from the record of f's output)."""
         if self.candidate:
             kind = self.kind
             return kind in ("x", "value", "hessian") or (kind in ("jacobian", "y") and self.output.spec is _LEAF)
         return self.tree is not None
 
     def _pick(self, native: tuple[Any, ...]) -> Any:
-        """The program's result, finished where it can be (inside the trace)."""
+        """The program's result, finished as far as it can be (inside the trace)."""
+        kind = self.kind
+        if kind == "x" and (self.candidate or self.x_rebuild is not None):
+            leaves = [  # cast only where needed: a weak type stays weak
+                leaf if leaf.dtype == dtype else leaf.astype(dtype)
+                for leaf, dtype in zip(native[0], self.x_dtypes, strict=True)
+            ]
+            if self.candidate:
+                return leaves[0]
+            return leaves if self.tree is None else optree.tree_unflatten(self.tree, leaves)
         if self._finishes():
-            if self.tree is not None:
-                spec, dtypes = self.tree
-                leaves = [  # cast only where needed: a weak type stays weak
-                    leaf if leaf.dtype == dtype else leaf.astype(dtype)
-                    for leaf, dtype in zip(native[0], dtypes, strict=True)
-                ]
-                return optree.tree_unflatten(spec, leaves)
-            kind, dtype, value = self.kind, self.dtype, native[0]
-            if kind == "x":
-                leaf = value[0]
-                return leaf if leaf.dtype == dtype else leaf.astype(dtype)
+            dtype, value = self.dtype, native[0]
             if kind == "value":
                 return value
             if kind == "y":
@@ -593,7 +584,7 @@ class JitProgram:
             return leaf if target is None or leaf.dtype == target else leaf.astype(target)
         if self.casts is not None and len(native) == 1:
             x_dtypes, rows = self.casts, native[0]
-            dys = _padded(self.output.dtypes, len(rows)) if self.kind == "jacobian" else x_dtypes
+            dys = _padded(self.output.dtypes, len(rows)) if kind == "jacobian" else x_dtypes
             native = (
                 tuple(
                     tuple(_cast(block, promoted_dtype(dy, dx)) for block, dx in zip(row, x_dtypes, strict=True))
@@ -608,9 +599,9 @@ class JitProgram:
         self, name: str, f: Any, backend: Any, x: Any, tangent: Any, contexts: tuple[Any, ...], has_aux: bool
     ) -> Any:
         """A call by the route's arguments: its result, or :data:`MISSED` where it does not fit."""
-        # (hot code: one frame where every argument is one array, no zip(strict=), whose keyword
-        # makes each call slower; the lengths are compared first)
-        if name != self.operator or has_aux or len(contexts) != len(self.contexts):
+        # (hot code, one frame where no argument is a tree; zip without strict=, whose keyword
+        # makes each call slower: the lengths are compared first)
+        if name != self.operator or has_aux or len(contexts) != len(self.kinds):
             return MISSED
         method = self.method
         if method is None:
@@ -628,39 +619,25 @@ class JitProgram:
                     return MISSED
             elif not self.fits_backend(backend):
                 return MISSED
-        leaf_types, flatten, key = self.x_argument
-        if flatten is None:  # (one array: its type is its structure)
-            if type(x) is not leaf_types:
-                return MISSED
-            leaves = [x]
-        else:
-            leaves = _leaves_of(x, leaf_types, flatten, key)
-            if leaves is None:
-                return MISSED
-        if self.tangent is not None:
-            leaf_types, flatten, key = self.tangent
-            if flatten is None:
-                if type(tangent) is not leaf_types:
-                    return MISSED
-                leaves.append(tangent)
-            else:
-                found = _leaves_of(tangent, leaf_types, flatten, key)
-                if found is None:
-                    return MISSED
-                leaves += found
-        for context, (kind, leaf_types, flatten, key) in zip(contexts, self.contexts):  # noqa: B905
+        arguments = [x, tangent] if self.tangent else [x]
+        for context, kind in zip(contexts, self.kinds):  # noqa: B905
             if type(context) is not kind:
                 return MISSED
-            value = context.value
-            if flatten is None:
-                if type(value) is not leaf_types:
+            arguments.append(context.value)
+        leaves: list[Any] = []
+        for argument, (leaf_types, flatten, key) in zip(arguments, self.arguments):  # noqa: B905
+            if flatten is None:  # (one array: its type is its structure)
+                if type(argument) is not leaf_types:
                     return MISSED
-                leaves.append(value)
-            else:
-                found = _leaves_of(value, leaf_types, flatten, key)
-                if found is None:
-                    return MISSED
-                leaves += found
+                leaves.append(argument)
+                continue
+            try:
+                found, spec = flatten(argument)
+            except Exception:  # (a tree the flattening cannot take apart: the full signature says why)
+                return MISSED
+            if spec != key or list(map(type, found)) != leaf_types:
+                return MISSED
+            leaves += found
         for i, dtype in self.numpy:
             if leaves[i].dtype != dtype:
                 return MISSED
@@ -673,7 +650,8 @@ class JitProgram:
                     out = self.compiled(*leaves)
         except Unfit:
             return MISSED
-        return out if self.finished else self._finished(out)
+        after = self.after
+        return out if after is None else after(out)
 
     def __call__(
         self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]
@@ -685,35 +663,26 @@ class JitProgram:
         else:
             with scope:
                 out = self.compiled(*leaves)
-        return self._finished(out), None
+        after = self.after
+        return (out if after is None else after(out)), None
 
-    def _finished(self, out: Any) -> Any:
-        """The result, finished where the trace did not finish it."""
-        finished = self.finished
-        if finished is None:  # (the first call traced the program: its record tells)
-            finished = self.finished = self._finishes()
-        if finished:
-            return out
-        if self.mirror is not None:
-            return self.mirror(out)
-        if self.records:
-            self.output.recall(None)  # (the compiled program has no static argument)
-        rebuild = self.rebuild
-        if rebuild is None and self.x_rebuild is not None:
-            spec = self.output.spec
-            self.rebuild = rebuild = functools.partial(_rebuilt, self.kind, _rebuilder(spec), self.x_rebuild)
-        if rebuild is not None:
-            return rebuild(out[0])
-        return self.finish(out)
-
-
-def _rebuilt(kind: str, y_rebuild: Callable[[Any], Any], x_rebuild: Callable[[Any], Any], value: Any) -> Any:
-    """A jvp's result (``kind`` ``"y"``), a Jacobian's or a Hessian's, whose blocks need no
-    conversion (:class:`JitProgram`), rebuilt into the trees of f's output and of x."""
-    if kind == "y":
-        return y_rebuild(value)
-    rows = [x_rebuild(row) for row in value]
-    return y_rebuild(rows) if kind == "jacobian" else x_rebuild(rows)
+    def _after(self, out: Any) -> Any:
+        """The first result, finished; and what finishes the later ones, settled (:attr:`after`)."""
+        after: Callable[[Any], Any] | None
+        if self._finishes():
+            after = None
+        elif self.x_rebuild is not None and self.kind == "x":
+            after = self.x_rebuild
+        elif self.x_rebuild is not None:  # (the trace recorded f's output: its structure)
+            after = _Rebuilt(self.kind, _rebuilder(self.output.spec), self.x_rebuild)
+        elif self.mirror is not None:
+            after = self.mirror
+        elif self.records:
+            after = _Recalled(self.output, self.finish)
+        else:
+            after = self.finish
+        self.after = after
+        return out if after is None else after(out)
 
 
 def _fields_only(backend: Any) -> dict[str, Any] | None:
@@ -724,6 +693,39 @@ def _fields_only(backend: Any) -> dict[str, Any] | None:
         return fields if set(fields) == {field.name for field in dataclasses.fields(backend)} else None
     except TypeError:
         return None
+
+
+class _Rebuilt:
+    """A jvp's result (``kind`` ``"y"``), a Jacobian's or a Hessian's, whose blocks need no
+    conversion (:class:`JitProgram`), rebuilt into the trees of f's output and of x."""
+
+    __slots__ = ("kind", "x_rebuild", "y_rebuild")
+
+    def __init__(self, kind: str, y_rebuild: Callable[[Any], Any], x_rebuild: Callable[[Any], Any]) -> None:
+        self.kind, self.y_rebuild, self.x_rebuild = kind, y_rebuild, x_rebuild
+
+    def __call__(self, out: Any) -> Any:
+        value = out[0]
+        if self.kind == "y":
+            return self.y_rebuild(value)
+        x_rebuild = self.x_rebuild
+        rows = [x_rebuild(row) for row in value]
+        return self.y_rebuild(rows) if self.kind == "jacobian" else x_rebuild(rows)
+
+
+class _Recalled:
+    """The finisher of a compiled program's result where it reads the record of f's output: a
+    program from jit's cache does not evaluate f, so the record of its trace is made the current
+    one first (the program has no static argument)."""
+
+    __slots__ = ("finish", "output")
+
+    def __init__(self, output: _Output, finish: Callable[[Any], Any]) -> None:
+        self.output, self.finish = output, finish
+
+    def __call__(self, out: Any) -> Any:
+        self.output.recall(None)
+        return self.finish(out)
 
 
 def _argument(types: Any, flatten: Any, key: Any) -> tuple[Any, Any, Any]:

@@ -461,17 +461,19 @@ def test_a_prepared_jit_call_on_jax_arrays_runs_no_python_but_the_route(shape: s
         assert_tree_close(got, expected, rtol=1e-5, atol=1e-5)
         assert optree.tree_structure(got) == optree.tree_structure(expected)
         calls = _python_calls(lambda: op(f, backend, *args, batch, prep=prep))  # noqa: B023
-        assert calls[:2] == [operator, "evaluate"] and "leaves" not in calls, calls
+        assert calls[:3] == [operator, "evaluate", "run"] and "leaves" not in calls, calls
         if operator in ("gradient", "hvp") or (operator == "jvp" and shape == "one array"):
-            # (the second prep is the first one, from the cache: its backend is an equal object)
-            assert calls == [operator, "evaluate", "run"], calls
+            # (the second prep is the first one, from the cache: its backend is an equal object;
+            # each tree argument is taken apart by the function written for its structure)
+            trees = 0 if shape == "one array" else (2 if operator == "hvp" else 1)
+            assert calls == [operator, "evaluate", "run", *["flatten"] * trees], calls
 
 
-def test_a_bound_method_is_served_by_the_written_steps_and_another_instance_is_not() -> None:
-    """A bound method is made anew on each read (``model.loss is not model.loss``): the steps
-    written for the plan compare its instance and function, so a prepared call on it enters
-    the operator, the route and those steps only, and the same method of another instance is
-    refused, naming f."""
+def test_a_bound_method_is_served_by_jax_tier_and_another_instance_is_not() -> None:
+    """A bound method is made anew on each read (``model.loss is not model.loss``): jax's tier
+    compares its instance and function, so a prepared call on it enters the operator, the route
+    and the program's ``run`` (and the functions written for its trees) only, and the same
+    method of another instance is refused, naming f."""
     require(di.AutoJAX())
 
     class Model:
@@ -489,9 +491,9 @@ def test_a_bound_method_is_served_by_the_written_steps_and_another_instance_is_n
     assert_tree_close(got, optree.tree_map(lambda v: 2 * v, expected), rtol=1e-5, atol=1e-5)
     constant = di.Constant(batch)
     calls = _python_calls(lambda: di.gradient(model.loss, "jax", p, constant, prep=prep))
-    # (then the settled result is rebuilt in the caller's key order by the function Settled
-    # wrote for the two structures, see _results)
-    assert calls == ["gradient", "evaluate", "run", "rebuild"], calls
+    # (x and the batch taken apart, and the gradient rebuilt in the caller's key order, by the
+    # functions written for their structures, see _flatten)
+    assert calls == ["gradient", "evaluate", "run", "flatten", "flatten", "unflatten"], calls
     with pytest.raises(di.PreparationMismatchError, match="f"):
         di.gradient(Model(3.0).loss, "jax", p, di.Constant(batch), prep=prep)
 
@@ -585,12 +587,11 @@ def test_the_inline_steps_refuse_what_the_plan_refuses() -> None:
 
 @pytest.mark.parametrize("operator", ["jacobian", "hessian", "jvp"])
 def test_a_compiled_tree_result_that_needs_only_rebuilding_is_rebuilt_without_the_finisher(operator: str) -> None:
-    """jit gives its results the same types, dtypes and layouts on every run: where the first
-    finished result holds the program's own arrays, later ones are rebuilt on the new arrays
-    (Settled) with no frame per block. Mixed dtypes settle too: the blocks of a Jacobian or
-    Hessian are cast to the promoted dtype inside the trace. Where the finisher converts a block
-    (numpy x), it runs on every call. The results, and their dtypes, equal those without jit,
-    call after call."""
+    """Where x's leaves are jax arrays, jit's results need no conversion: they are rebuilt into
+    the trees of x and of f's output with no frame per block (JitProgram). Mixed dtypes too: the
+    blocks of a Jacobian or Hessian are cast to the promoted dtype inside the trace. Where the
+    finisher converts a block (numpy x), it runs on every call. The results, and their dtypes,
+    equal those without jit, call after call."""
     require(di.AutoJAX())
     import jax.numpy as jnp
 
@@ -616,16 +617,15 @@ def test_a_compiled_tree_result_that_needs_only_rebuilding_is_rebuilt_without_th
                 assert type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
             assert_tree_close(got, expected, rtol=1e-2 if x is mixed else 1e-5, atol=1e-2 if x is mixed else 1e-5)
         calls = _python_calls(lambda: op(f, "jax", *args, data, prep=prep))  # noqa: B023
-        # (the function written for the plan, FlatCall, runs the call; a settled result is
-        # rebuilt by the one function written for its two structures, see _flatten; any other
-        # result takes the finisher's frames)
-        assert (calls == [operator, "evaluate", "run", "rebuild"]) is settles, calls
+        # (jax arrays: the result is rebuilt by the functions written for the structures of x
+        # and of f's output, see _flatten; numpy leaves take the finisher's frames)
+        assert (calls[:3] == [operator, "evaluate", "run"]) is settles, calls  # (numpy x: the plan's steps)
+        assert ("convert" not in calls and "block" not in calls) is settles, calls
 
 
 def test_a_float64_prep_under_x64_runs_inline_and_keeps_float64_when_x64_is_off() -> None:
-    """A float64 prep made with jax's x64 on runs the plan's steps inline while it stays on (the
-    flag read in C), and, with x64 off, the plan's own steps run it in the x64 scope: float64
-    either way."""
+    """A float64 prep made with jax's x64 on runs in jax's tier while it stays on (the flag read
+    in C by the adapter's ``scope``), and, with x64 off, in the x64 scope: float64 either way."""
     require(di.AutoJAX())
     import jax
     import jax.numpy as jnp
@@ -744,38 +744,6 @@ def test_a_tree_jax_cannot_take_apart_is_refused_by_the_plan_not_raised_raw() ->
             di.gradient(total, backend, mixed, prep=prep)
         got = di.gradient(total, backend, mixed)
         assert type(got) is pair and float(got.b[1][0]) == 2.0
-
-
-def test_a_settled_result_is_rebuilt_by_one_function_written_for_its_two_structures() -> None:
-    """``structure_rebuild`` takes a tree of one structure apart and builds the other on its
-    leaves, as the two optree structures would; a tree of any other structure goes to the
-    fallback; and none is written for nodes it does not know, or for structures whose leaves
-    differ in number."""
-    import collections
-
-    from diffiface._flatten import structure_rebuild
-
-    a, b, c = object(), object(), object()
-    native = ((a, b), [c, None])
-    result_spec = optree.tree_structure({"w": 0, "inner": {"b": 0, "c": (0,)}})
-    result = optree.tree_unflatten(result_spec, [a, b, c])  # (keys in the dict's order, leaves sorted)
-    native_spec = optree.tree_structure(native)
-    missed: list[Any] = []
-    rebuild = structure_rebuild(native_spec, native, result_spec, result, lambda t: missed.append(t) or "fell back")
-    assert rebuild is not None
-    x, y, z = object(), object(), object()
-    got = rebuild(((x, y), [z, None]))
-    assert got == optree.tree_unflatten(result_spec, [x, y, z]) and list(got) == list(result) and not missed
-    for other in (((x, y), [z, 1]), ((x, y), (z, None)), ((x,), [y, None]), [(x, y), [z, None]]):
-        assert rebuild(other) == "fell back"
-    assert len(missed) == 4
-    Pair = collections.namedtuple("Pair", "p q")
-    named = Pair(a, b)
-    assert structure_rebuild(optree.tree_structure(named), named, optree.tree_structure((a, b)), (a, b), print) is None
-    assert structure_rebuild(native_spec, native, optree.tree_structure((a, b)), (a, b), print) is None
-    swapped = {"w": b, "inner": {"b": c, "c": (a,)}}  # (not what optree's structures would build)
-    assert swapped != result
-    assert structure_rebuild(native_spec, native, optree.tree_structure(swapped), swapped, print) is None
 
 
 @pytest.mark.parametrize("mode", ["autograd", "func"])
