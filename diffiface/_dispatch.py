@@ -262,7 +262,7 @@ def _program_of(
     adapter = _complex.adapter_for_call(op, adapter, call, f)  # complex numbers in the convention
     output = _Output()
     conversions = _Conversions(adapter, op, call)
-    traced = _program(op, adapter, function, call, output, conversions)
+    traced, parts = _program(op, adapter, function, call, output, conversions)
     finish, one = finisher(op, call, output, compiled=adapter.compiles)
     direct = conversions.passthrough and conversions.x_native and conversions.tangent_native
     if direct and adapter.retraces and dynamic_index is None and not signature.has_aux:
@@ -273,6 +273,6 @@ def _program_of(
             return jit, False, True
     # (jit returns arrays only: a program whose result holds none but arrays needs no help; a
     # static argument costs jit a slower call: only where a context leaf is one)
-    compiled = adapter.compile(traced, static=not all(conversions.mask), arrays=not signature.has_aux)
+    compiled = adapter.compile(traced, static=not all(conversions.mask), arrays=not signature.has_aux, parts=parts)
     run = Run(adapter, conversions, compiled, output, finish, op, signature.has_aux, dynamic_index)
     return run, adapter.estimates_errors, False

@@ -21,7 +21,7 @@ import optree
 
 from . import _arrays
 from . import tree as _tree
-from ._adapters._base import Adapter, Deferred, force
+from ._adapters._base import Adapter, Deferred, ProgramParts, force
 from ._call import _LEAF, Call, Operator
 from ._checks import _check_cotangent, _check_cotangents, _checked, _describe, _refuse_cut, batch_sizes
 from ._contexts import Cache, Constant
@@ -39,8 +39,9 @@ _chain = itertools.chain.from_iterable
 
 def _program(
     op: Operator, adapter: Adapter, function: FunctionRef, call: Call, output: _Output, plan: _Conversions
-) -> Callable[..., Any]:
-    """The program ``(xs, ts, dynamic_contexts, static_contexts) -> native parts``."""
+) -> tuple[Callable[..., Any], ProgramParts]:
+    """The program ``(xs, ts, dynamic_contexts, static_contexts) -> native parts``, and what an
+    adapter's compile may read besides (:class:`~diffiface._adapters._base.ProgramParts`)."""
     sig = call.signature
     has_aux = sig.has_aux
     context_specs = list(call.context_specs)
@@ -49,7 +50,7 @@ def _program(
     leaf_contexts = all(spec == _LEAF for spec in context_specs) and all(plan.mask)
     # each context's value from its leaves (written for its structure where it can be, _flatten)
     context_rebuilds = [_rebuilder(spec) for spec in context_specs]
-    close = _closer(op, adapter, sig.x_spec, has_aux, output, getattr(call, "rebuild", None))
+    close, settle = _closer(op, adapter, sig.x_spec, has_aux, output, getattr(call, "rebuild", None))
     method = getattr(adapter, op.compute)
     pullback = op.compute == "value_and_pullback"
     picked = [i for i, _ in op.parts] + ([1] if has_aux else [])  # the aux comes last
@@ -88,27 +89,23 @@ def _program(
         return tuple([force(result[i]) for i in picked])
 
     # what an adapter's compile may read to guard the call (torch: which context leaves f may
-    # write, the Cache ones)
+    # write, the Cache ones; the leaves' paths, for an error that names one)
     cache = [kind is Cache for kind, _, leaves in sig.contexts for _ in leaves]
-    program.cache_dynamic = tuple(c for c, m in zip(cache, plan.mask, strict=True) if m)  # type: ignore[attr-defined]
-    program.cache_static = tuple(c for c, m in zip(cache, plan.mask, strict=True) if not m)  # type: ignore[attr-defined]
-    # the leaves' paths, for an error that names one (torch: the leaf f wrote into)
-    program.x_names = tuple(f"x{_tree.path_string(p)}" for p in sig.x_spec.paths())  # type: ignore[attr-defined]
     names = [f"contexts[{i}]{_tree.path_string(p)}" for i, spec in enumerate(context_specs) for p in spec.paths()]
-    program.names_dynamic = tuple(n for n, m in zip(names, plan.mask, strict=True) if m)  # type: ignore[attr-defined]
-    program.names_static = tuple(n for n, m in zip(names, plan.mask, strict=True) if not m)  # type: ignore[attr-defined]
+    mask = plan.mask
     # what an engine that records its graph as f runs may run in one call (torch,
     # :func:`~diffiface._adapters.torch.Adapter.compile`): a gradient, a vjp, a jvp, an hvp or a
     # Jacobian of x's own leaves (f closed and checked by ``close``; a vjp's cotangent by ``cotangent``)
-    fusable = compute in _FUSABLE and not has_aux and not compiles
-    if fusable and getattr(call, "rebuild", None) is None:
+    fused = None
+    if compute in _FUSABLE and not has_aux and not compiles and getattr(call, "rebuild", None) is None:
         fused = Fused(
             function,
             sig.x_spec,
             close,
+            settle,
             None if all(spec == _LEAF for spec in context_specs) else context_rebuilds,
             context_sizes,
-            all(plan.mask),
+            all(mask),
             adapter,
             compute,
             len(picked) == 2,
@@ -118,8 +115,15 @@ def _program(
         if pullback:
             # (a partial, in C: no Python frame on the call)
             fused.cotangent = functools.partial(_check_cotangent, sig, output, complex_step=adapter.complex_outputs)
-        program.fused = fused  # type: ignore[attr-defined]
-    return program
+    parts = ProgramParts(
+        cache_dynamic=tuple(c for c, m in zip(cache, mask, strict=True) if m),
+        cache_static=tuple(c for c, m in zip(cache, mask, strict=True) if not m),
+        x_names=tuple(f"x{_tree.path_string(p)}" for p in sig.x_spec.paths()),
+        names_dynamic=tuple(n for n, m in zip(names, mask, strict=True) if m),
+        names_static=tuple(n for n, m in zip(names, mask, strict=True) if not m),
+        fused=fused,
+    )
+    return program, parts
 
 
 _FUSABLE = (
@@ -177,6 +181,7 @@ class Fused:
         function: FunctionRef,
         x_spec: Any,
         close: Callable[..., Any],
+        settle: Callable[..., Any],
         rebuilds: list[Callable[[Any], Any]] | None,
         sizes: list[int],
         dynamic: bool,
@@ -191,7 +196,7 @@ class Fused:
         self.rebuild = None if self.single else structure_unflatten(x_spec) or x_spec.unflatten
         # (each context's structure rebuilt by the function written for it, where there is one)
         self.close = close
-        self.settle = close.settle  # type: ignore[attr-defined]
+        self.settle = settle
         self.rebuilds = rebuilds
         self.sizes = sizes
         self.dynamic = dynamic
@@ -245,9 +250,11 @@ def _closer(
     has_aux: bool,
     output: _Output,
     rebuild: Callable[[Any], Any] | None = None,
-) -> Callable[[Callable[..., Any], tuple[Any, ...], Any], Callable[[tuple[Any, ...]], tuple[Any, Any]]]:
+) -> tuple[Callable[[Callable[..., Any], tuple[Any, ...], Any], Callable[[tuple[Any, ...]], tuple[Any, Any]]], Any]:
     """``close(f, context_values, like)``: ``f`` with its contexts bound, on a tuple of leaves,
-    ``xs -> (out, aux)``, its output checked (``like``: a leaf of x, native). ``rebuild(xs)``:
+    ``xs -> (out, aux)``, its output checked (``like``: a leaf of x, native); and
+    ``settle(result, f, context_values, xs, like)``, a scalar output of f checked (what
+    ``close`` runs where it is not a scalar of a type and dtype seen before). ``rebuild(xs)``:
     f's x from the leaves, where it is not ``x_spec`` of them (x has static leaves)."""
     single = x_spec == _LEAF
     if rebuild is None and not single:
@@ -332,8 +339,7 @@ def _closer(
             fn.batched = batched  # type: ignore[attr-defined]
         return fn
 
-    close.settle = settle  # type: ignore[attr-defined]
-    return close
+    return close, settle
 
 
 def _batch_products(
@@ -497,7 +503,7 @@ class JitProgram:
         self.backend: Any = None
         self.backend_fields: dict[str, Any] | None = None
         self.names: frozenset[str] = frozenset()
-        self.fits_backend: Callable[[Any], bool] = operator.eq
+        self.fits_backend: Callable[[Any], bool] = bool
         self.kinds: tuple[type, ...] = ()
 
     @classmethod
@@ -623,7 +629,7 @@ class JitProgram:
         for context, kind in zip(contexts, self.kinds):  # noqa: B905
             if type(context) is not kind:
                 return MISSED
-            arguments.append(context.value)
+            arguments.append(context.value)  # type: ignore[attr-defined]
         leaves: list[Any] = []
         for argument, (leaf_types, flatten, key) in zip(arguments, self.arguments):  # noqa: B905
             if flatten is None:  # (one array: its type is its structure)
@@ -641,9 +647,9 @@ class JitProgram:
         for i, dtype in self.numpy:
             if leaves[i].dtype != dtype:
                 return MISSED
-        scope = self.scope
+        scoped = self.scope
         try:
-            if scope is None or (scope := scope()) is None:
+            if scoped is None or (scope := scoped()) is None:
                 out = self.compiled(*leaves)
             else:
                 with scope:

@@ -67,12 +67,12 @@ class _Gradient:
 
     __slots__ = ("checked", "constant_at", "functional", "fused", "guarded", "names", "plain")
 
-    def __init__(self, guarded: Callable[..., Any], fused: Any, program: Any, functional: bool = False) -> None:
+    def __init__(self, guarded: Callable[..., Any], fused: Any, parts: Any, functional: bool = False) -> None:
         self.guarded = guarded
         self.fused = fused
         self.checked = fused.checked
-        self.constant_at = tuple(i for i, cache in enumerate(program.cache_dynamic) if not cache)
-        self.names = _Names(program)
+        self.constant_at = tuple(i for i, cache in enumerate(parts.cache_dynamic) if not cache)
+        self.names = _Names(parts)
         self.functional = functional
         # x's leaves (and the tangents) must be plain tensors (a DTensor's results are laid out
         # again), and f gets plain copies of them; else leaves of a fresh graph (autograd's reverse mode)
