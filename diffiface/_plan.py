@@ -11,7 +11,6 @@ sparse and second-order backends differ in their programs only.
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +20,7 @@ from . import _arrays
 from ._backends import AutoSparse
 from ._errors import PreparationMismatchError
 from ._families._shared import MetaLeaves
+from ._families.jax import pytree_flatten
 from ._flatten import Flatten, structure_flatten
 from ._keys import static_key, static_x_key
 
@@ -147,20 +147,20 @@ def _namespace(spec: Any) -> str:
     return "" if spec is None else str(spec.namespace)
 
 
-def _jax_structure(spec: Any, leaves: list[Any]) -> tuple[Any, Any] | None:
-    """The tree of optree structure ``spec`` on these leaves and jax's structure of it, where
-    jax is imported and takes that tree apart into the same leaves; else None."""
-    jax = sys.modules.get("jax")
-    if jax is None or spec is None or _namespace(spec):
+def _jax_structure(spec: Any, leaves: list[Any]) -> tuple[Any, Any, Flatten] | None:
+    """The tree of optree structure ``spec`` on these leaves, jax's structure of it and jax's
+    flattening, where jax is imported and takes that tree apart into the same leaves; else None."""
+    flatten = pytree_flatten()
+    if flatten is None or spec is None or _namespace(spec):
         return None
     tree = optree.tree_unflatten(spec, leaves)
     try:
-        jax_leaves, jax_spec = jax.tree_util.tree_flatten(tree)
+        jax_leaves, jax_spec = flatten(tree)
     except Exception:  # (a tree jax cannot take apart)
         return None
     if len(jax_leaves) != len(leaves) or not all(a is b for a, b in zip(jax_leaves, leaves, strict=True)):
         return None
-    return tree, jax_spec
+    return tree, jax_spec, flatten
 
 
 def flattener(spec: Any, leaves: list[Any], ordered: bool = False) -> tuple[Flatten, Any]:
@@ -177,8 +177,9 @@ def flattener(spec: Any, leaves: list[Any], ordered: bool = False) -> tuple[Flat
     another order does not fit: the function written tests each dict's order; where none is
     written, the C flattening's structure is paired with the tree's key orders."""
     found = _jax_structure(spec, leaves)
-    if found is not None:  # (the registry's own method: tree_flatten is a Python frame around it)
-        flatten, key = sys.modules["jax"].tree_util.default_registry.flatten, found[1]
+    flatten: Flatten
+    if found is not None:
+        flatten, key = found[2], found[1]
     else:
         flatten, key = optree_flatten(_namespace(spec)), spec
     if spec is None or spec == _LEAF:
@@ -243,7 +244,7 @@ def jax_rebuilds_alike(spec: Any, leaves: list[Any]) -> bool:
     found = _jax_structure(spec, leaves)
     if found is None:
         return False
-    tree, jax_spec = found
+    tree, jax_spec, _ = found
     return _same_nodes(tree, jax_spec.unflatten(leaves))
 
 

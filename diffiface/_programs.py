@@ -418,7 +418,7 @@ class JitProgram:
         "method",
         "mirror",
         "names",
-        "numpy",
+        "numpy_leaves",
         "operator",
         "output",
         "program",
@@ -461,7 +461,7 @@ class JitProgram:
         leaves = [leaf for part in parts for leaf in part]
         self.sizes = (len(call.x_leaves), len(call.x_leaves) + len(call.tangent_leaves))
         self.expected = tuple((leaf.shape, leaf.dtype) for leaf in leaves)
-        self.numpy = tuple((i, leaf.dtype) for i, leaf in enumerate(leaves) if type(leaf) is np.ndarray)
+        self.numpy_leaves = tuple((i, leaf.dtype) for i, leaf in enumerate(leaves) if type(leaf) is np.ndarray)
         """The numpy leaves (index, dtype): their dtypes are tested before the call."""
         self.kind = kind
         one = len(op.parts) == 1
@@ -644,7 +644,7 @@ class JitProgram:
             if spec != key or list(map(type, found)) != leaf_types:
                 return MISSED
             leaves += found
-        for i, dtype in self.numpy:
+        for i, dtype in self.numpy_leaves:
             if leaves[i].dtype != dtype:
                 return MISSED
         scoped = self.scope

@@ -38,7 +38,6 @@ NOT_YET_CLEANED = (
     "_complex.py",
     "_keys.py",
     "_placement.py",
-    "_plan.py",
     "_prep.py",
     "_sparse_operators.py",
     "sparse/_detection.py",

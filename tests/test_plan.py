@@ -558,7 +558,7 @@ def test_the_inline_steps_refuse_what_the_plan_refuses() -> None:
     # arrays the same traced type while x64 is off)
     as_numpy = optree.tree_map(np.asarray, batch)
     numpy_prep = di.prepare_gradient(_tree_loss, "jax", p, di.Constant(as_numpy))
-    assert numpy_prep.plan.jit is not None and len(numpy_prep.plan.jit.numpy) == 2
+    assert numpy_prep.plan.jit is not None and len(numpy_prep.plan.jit.numpy_leaves) == 2
     served = di.gradient(_tree_loss, "jax", p, di.Constant(as_numpy), prep=numpy_prep)
     assert_tree_close(served, di.gradient(_tree_loss, "jax", p, di.Constant(batch)), rtol=1e-6, atol=1e-6)
     numpy_batch = di.Constant(as_numpy)
@@ -773,3 +773,14 @@ def test_a_module_constant_is_known_by_its_type_on_the_plans_path(mode: str) -> 
     assert prep.plan.leaves("gradient", loss, backend, params, None, (di.Constant(other), contexts[1]), False) is None
     with pytest.raises(di.PreparationMismatchError):
         di.gradient(loss, backend, params, di.Constant(other), contexts[1], prep=prep)
+
+
+def test_a_leaf_of_a_kind_without_a_family_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan knows a leaf by its family's test of shape and dtype; a kind no family has (a new
+    framework not yet given one) is refused, naming the kind, never known by its type alone
+    (which would let a later call of another shape or dtype fit)."""
+    from diffiface import _arrays, _plan
+
+    monkeypatch.setattr(_arrays, "kind", lambda leaf: "tensorflow")
+    with pytest.raises(di.UnsupportedOperationError, match="tensorflow"):
+        _plan.leaf_check(np.zeros(3))
