@@ -26,9 +26,9 @@ from ._call import _LEAF, Call, Operator
 from ._checks import _check_cotangent, _check_cotangents, _checked, _describe, _refuse_cut, batch_sizes
 from ._contexts import Cache, Constant
 from ._errors import ContextError, FrameworkMismatchError, InvalidOutputError
-from ._flatten import structure_unflatten
+from ._flatten import structure_flatten, structure_unflatten
 from ._keys import static_key
-from ._plan import Unfit, engine_checked, jax_rebuilds_alike
+from ._plan import Unfit, engine_checked, jax_rebuilds_alike, optree_flatten
 from ._prep import FunctionRef, Signature
 from ._results import _cast, _padded, _weak_or_dtype, promoted_dtype
 
@@ -412,9 +412,11 @@ class JitProgram:
         "expected",
         "finish",
         "fits_backend",
+        "flatten",
         "function",
         "kind",
         "kinds",
+        "leaf_types",
         "method",
         "mirror",
         "names",
@@ -426,9 +428,10 @@ class JitProgram:
         "ref",
         "scope",
         "sizes",
+        "structure",
         "tangent",
         "tree",
-        "types",
+        "written",
         "x_dtypes",
         "x_rebuild",
     )
@@ -450,15 +453,26 @@ class JitProgram:
         self.tangent = op.tangent is not None
         parts = [call.x_leaves, *([call.tangent_leaves] if self.tangent else []), *call.context_leaves]
         specs = [sig.x_spec, *([sig.tangent_spec] if self.tangent else []), *call.context_specs]
-        self.types = tuple(
-            type(part[0]) if spec == _LEAF else list(map(type, part)) for part, spec in zip(parts, specs, strict=True)
-        )
-        """Per argument, the type of its one leaf where it is one, else the list of its leaves' types."""
-        self.arguments: tuple[tuple[Any, Any, Any], ...] = ()
-        """Per argument (x, the tangent where the operator takes one, each context's value), how
-        :meth:`run` tests it: ``(type, None, None)`` or ``(leaf types, flatten, structure)``
-        (:meth:`bind`)."""
+        self.arguments: tuple[tuple[Any, Any], ...] = ()
+        """Per argument (x, the tangent where the operator takes one, each context's value), the
+        plan's flattening of it and the structure it gives (:meth:`bind`)."""
         leaves = [leaf for part in parts for leaf in part]
+        self.leaf_types = list(map(type, leaves))
+        # Where every argument is one array, its leaves are the arguments; where a tree is among
+        # them, one function written for the structure of them all takes them apart in one frame
+        # (testing each node, and each dict's key order, which results mirror), else each
+        # argument is flattened by the plan's flattening of it (:meth:`bind`).
+        self.flatten: Callable[[Any], tuple[Any, Any]] | None = None
+        self.written = False
+        self.structure: Any = None
+        """The structure the written function returns for arguments that fit (itself)."""
+        if not all(spec == _LEAF for spec in specs):
+            arguments = [optree.tree_unflatten(spec, part) for part, spec in zip(parts, specs, strict=True)]
+            found, spec = optree.tree_flatten(arguments)  # type: ignore[arg-type,var-annotated]
+            if len(found) == len(leaves) and all(a is b for a, b in zip(found, leaves, strict=True)):
+                self.flatten = structure_flatten(spec, spec, arguments, optree_flatten())
+                self.written = self.flatten is not None
+                self.structure = spec
         self.sizes = (len(call.x_leaves), len(call.x_leaves) + len(call.tangent_leaves))
         self.expected = tuple((leaf.shape, leaf.dtype) for leaf in leaves)
         self.numpy_leaves = tuple((i, leaf.dtype) for i, leaf in enumerate(leaves) if type(leaf) is np.ndarray)
@@ -543,10 +557,7 @@ class JitProgram:
             *([(plan.tangent_flatten, plan.tangent_key)] if self.tangent else []),
             *zip(plan.context_flattens, plan.context_keys, strict=True),
         ]
-        self.arguments = tuple(
-            (types_, None, None) if type(types_) is type else (types_, flatten, key)
-            for types_, (flatten, key) in zip(self.types, flattens, strict=True)
-        )
+        self.arguments = tuple(flattens)
 
     # -- inside the trace --------------------------------------------------------------------------
 
@@ -630,20 +641,20 @@ class JitProgram:
             if type(context) is not kind:
                 return MISSED
             arguments.append(context.value)  # type: ignore[attr-defined]
-        leaves: list[Any] = []
-        for argument, (leaf_types, flatten, key) in zip(arguments, self.arguments):  # noqa: B905
-            if flatten is None:  # (one array: its type is its structure)
-                if type(argument) is not leaf_types:
-                    return MISSED
-                leaves.append(argument)
-                continue
-            try:
-                found, spec = flatten(argument)
-            except Exception:  # (a tree the flattening cannot take apart: the full signature says why)
+        flatten = self.flatten
+        if flatten is None:  # (every argument one array)
+            leaves = arguments
+        elif self.written:
+            leaves, key = flatten(arguments)
+            if key is not self.structure:
                 return MISSED
-            if spec != key or list(map(type, found)) != leaf_types:
+        else:
+            found = self._leaves(arguments)
+            if found is None:
                 return MISSED
-            leaves += found
+            leaves = found
+        if list(map(type, leaves)) != self.leaf_types:
+            return MISSED
         for i, dtype in self.numpy_leaves:
             if leaves[i].dtype != dtype:
                 return MISSED
@@ -658,6 +669,21 @@ class JitProgram:
             return MISSED
         after = self.after
         return out if after is None else after(out)
+
+    def _leaves(self, arguments: list[Any]) -> list[Any] | None:
+        """The leaves of the arguments, each flattened by the plan's flattening of it, where
+        no function is written for their structure (a namedtuple, a registered class, a large
+        tree); None where an argument's structure is not the prep's."""
+        leaves: list[Any] = []
+        for argument, (flatten, key) in zip(arguments, self.arguments):  # noqa: B905
+            try:
+                found, spec = flatten(argument)
+            except Exception:  # (a tree the flattening cannot take apart: the full signature says why)
+                return None
+            if spec != key:
+                return None
+            leaves += found
+        return leaves
 
     def __call__(
         self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]
@@ -732,12 +758,6 @@ class _Recalled:
     def __call__(self, out: Any) -> Any:
         self.output.recall(None)
         return self.finish(out)
-
-
-def _argument(types: Any, flatten: Any, key: Any) -> tuple[Any, Any, Any]:
-    """How :meth:`JitProgram.run` tests an argument: ``(type, None, None)`` where it is one
-    array, ``(leaf types, flatten, structure)`` where it is a tree."""
-    return (types, None, None) if type(types) is type else (types, flatten, key)
 
 
 def _leaves_of(argument: Any, types: list[type], flatten: Any, key: Any) -> list[Any] | None:
