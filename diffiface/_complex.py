@@ -493,11 +493,16 @@ class ComplexAdapter:
         return bool(self._inner.retraces) and not self._eager
 
     def compile(
-        self, program: Callable[..., Any], static: bool = True, arrays: bool = False, layouts: Any = None
+        self,
+        program: Callable[..., Any],
+        static: bool = True,
+        arrays: bool = False,
+        layouts: Any = None,
+        parts: Any = None,
     ) -> Callable[..., Any]:
         if self._eager:
             return program
-        return self._inner.compile(program, static, arrays, layouts)
+        return self._inner.compile(program, static, arrays, layouts, parts)
 
     def returns_like(self, leaf: Any) -> bool:
         return self.compiles and self._inner.returns_like(leaf)

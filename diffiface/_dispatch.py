@@ -23,20 +23,10 @@ from ._backends import AutoSparse, Backend
 from ._call import _LEAF, OPERATORS, Call, Operator, _dynamic_view, _Output
 from ._checks import _check_call, _check_tangent_kinds, _check_tangent_like_x, _check_x
 from ._errors import InvalidInputError
-from ._plan import MISSED, Plan, Unfit, flat_call, flattener, leaf_check, leaves_check
+from ._plan import Plan, Unfit, flattener, leaf_check, leaves_check
 from ._prep import Closure, FunctionRef, Prep, describe_mismatch, mismatch_error, prep_cache
-from ._programs import (
-    DirectFlat,
-    FlatFinish,
-    FlatProgram,
-    OnDynamic,
-    Recalled,
-    Run,
-    Scoped,
-    _Conversions,
-    _program,
-)
-from ._results import Settled, finisher
+from ._programs import MISSED, JitProgram, Run, _Conversions, _program
+from ._results import finisher
 from ._results import promoted_dtype as promoted_dtype  # imported from here by the tests
 
 # -- programs the route does not build itself ---------------------------------------------------------
@@ -71,9 +61,8 @@ def evaluate(
         known = prep
     else:
         raise InvalidInputError(f"prep must come from di.prepare_{name}(...), got {type(prep).__name__}.")
-    fast = None if known is None else known.plan.flat_call
-    # (the plan's steps and jit's call written as one function for the plan: a frame and an
-    # object's read cost, see FlatCall)
+    fast = None if known is None else known.plan.jit
+    # (jax's tier: jit's call on the arguments as passed, its trace checking them, JitProgram)
     if fast is not None and (prep is not None or known.closure is None or known.closure.holds(f)):  # type: ignore[union-attr]
         out = fast.run(name, f, backend, x, tangent, contexts, has_aux)
         if out is not MISSED:
@@ -164,8 +153,9 @@ def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, 
     adapter = adapter_for(backend)
     program, estimates, engine = _program_of(op, f, backend, call, function)
     plan = _plan(op, backend, function, call, program, estimates, engine=engine)
-    if type(program) is DirectFlat and plan.checkable:
-        plan.flat_call = flat_call(plan, program, call)
+    if type(program) is JitProgram:
+        program.bind(plan)
+        plan.jit = program
     return Prep(plan, call.signature, strict, Closure(f) if adapter.compiles else None)
 
 
@@ -257,7 +247,7 @@ def _program_of(
     op: Operator, f: Callable[..., Any], backend: Backend, call: Call, function: FunctionRef
 ) -> tuple[Callable[..., Any], bool, bool]:
     """The program of a dense operator on a call's leaves, whether it estimates its error, and
-    whether it checks its leaves' shapes and dtypes itself (:class:`FlatProgram`)."""
+    whether it checks its leaves' shapes and dtypes itself (:class:`JitProgram`)."""
     row = info(backend)
     adapter = adapter_for(backend)
     full_call = call
@@ -272,32 +262,17 @@ def _program_of(
     adapter = _complex.adapter_for_call(op, adapter, call, f)  # complex numbers in the convention
     output = _Output()
     conversions = _Conversions(adapter, op, call)
-    traced = _program(op, adapter, function, call, output, conversions)
+    traced, parts = _program(op, adapter, function, call, output, conversions)
     finish, one = finisher(op, call, output, compiled=adapter.compiles)
     direct = conversions.passthrough and conversions.x_native and conversions.tangent_native
-    compiled: Callable[..., Any]
-    if direct and adapter.compiles and call.x_leaves:
-        # a compiled program on flat arguments (x's leaves, the tangent's, the context arrays),
-        # which returns the result itself where it is x's one leaf: no pytree for jit to take
-        # apart, nor to build where x is one array
-        flat = FlatProgram(adapter, traced, op, output, one, call, signature.has_aux, signature.x_spec == _LEAF)
-        compiled = flat
-        if one is not None:
-            rest = one.mirror
-        elif signature.has_aux:  # (aux leaves are not the program's arrays alone)
-            rest = finish
-        else:
-            rest = Settled(finish, output if op.shaped_as_output else None)
-        finish = FlatFinish(flat, rest)
-    else:  # (jit returns arrays only: a program whose result holds none but arrays needs no help)
-        # (a static argument costs jit a slower call: only where a context leaf is one)
-        compiled = adapter.compile(traced, static=not all(conversions.mask), arrays=not signature.has_aux)
-    run = Run(adapter, conversions, compiled, output, finish, op, signature.has_aux)
-    program: Callable[..., Any] = Scoped(adapter, run) if conversions.scoped else run
-    if isinstance(compiled, FlatProgram) and not adapter.estimates_errors:
-        # the engine takes the leaves as they are: straight to the compiled call
-        tail = Recalled(output, rest) if run.records and type(rest) is not Settled else rest
-        program = DirectFlat(compiled, tail, program, adapter.scope if conversions.scoped else None)
-    if dynamic_index is not None:  # x has static leaves: the program takes the others
-        program = OnDynamic(program, dynamic_index)
-    return program, adapter.estimates_errors, isinstance(compiled, FlatProgram) and compiled.checks
+    if direct and adapter.retraces and dynamic_index is None and not signature.has_aux:
+        # jax's tier: one jit over the arguments as passed, which checks them in its trace
+        mirror = one.mirror if one is not None else None
+        jit = JitProgram.of(adapter, traced, op, output, mirror, finish, call, conversions.scoped)
+        if jit is not None:
+            return jit, False, True
+    # (jit returns arrays only: a program whose result holds none but arrays needs no help; a
+    # static argument costs jit a slower call: only where a context leaf is one)
+    compiled = adapter.compile(traced, static=not all(conversions.mask), arrays=not signature.has_aux, parts=parts)
+    run = Run(adapter, conversions, compiled, output, finish, op, signature.has_aux, dynamic_index)
+    return run, adapter.estimates_errors, False

@@ -25,7 +25,6 @@ __all__ = [
     "generated",
     "key_orders",
     "structure_flatten",
-    "structure_rebuild",
     "structure_tests",
     "structure_unflatten",
 ]
@@ -194,35 +193,6 @@ def structure_unflatten(spec: Any) -> Callable[[Any], Any] | None:
     leaves = [object() for _ in range(spec.num_leaves)]
     built, expected = written(leaves), spec.unflatten(leaves)
     if _shape_of(built) != _shape_of(expected):
-        return None
-    return written
-
-
-def structure_rebuild(
-    native_spec: Any, native: Any, result_spec: Any, result: Any, fallback: Callable[[Any], Any]
-) -> Callable[[Any], Any] | None:
-    """A function ``tree -> result`` that takes a tree of optree structure ``native_spec`` apart
-    and builds, on its leaves, a tree of structure ``result_spec`` (as ``spec.unflatten`` of
-    the other's leaves would), in one frame; for a tree of another structure, ``fallback(tree)``.
-    None where either structure holds a node not written for, or where the function does not
-    rebuild ``native`` into ``result`` (the same nodes, keys in order, and leaves by identity)."""
-    for spec in (native_spec, result_spec):
-        if spec is None or spec.num_leaves > _LARGEST or str(spec.namespace) or _too_deep(spec):
-            return None
-    tests = structure_tests(native_spec, "tree", (f"n{i}" for i in itertools.count()), "return FALLBACK(tree)")
-    expression = _build(result_spec.unflatten(list(range(result_spec.num_leaves))))
-    if tests is None or expression is None or native_spec.num_leaves != result_spec.num_leaves:
-        return None
-    lines, leaves = tests
-    source = (
-        "def rebuild(tree):\n"
-        "    try:\n" + "".join(f"        {line}\n" for line in lines) + f"        leaves = [{', '.join(leaves)}]\n"
-        "    except KeyError:\n"
-        "        return FALLBACK(tree)\n"
-        f"    return {expression}\n"
-    )
-    written: Callable[[Any], Any] = generated(source, "rebuild", {"FALLBACK": fallback})
-    if _shape_of(written(native)) != _shape_of(result):
         return None
     return written
 

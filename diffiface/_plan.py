@@ -10,30 +10,22 @@ sparse and second-order backends differ in their programs only.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import itertools
-import operator
-import sys
-import types
-import weakref
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import optree
 
 from . import _arrays
 from ._backends import AutoSparse
 from ._errors import PreparationMismatchError
 from ._families._shared import MetaLeaves
-from ._flatten import Flatten, generated, structure_flatten, structure_tests
+from ._families.jax import pytree_flatten
+from ._flatten import Flatten, structure_flatten
 from ._keys import static_key, static_x_key
 
 __all__ = [
     "Check",
-    "MISSED",
-    "FlatCall",
     "Unfit",
     "Plan",
     "engine_checked",
@@ -66,7 +58,7 @@ class _ByValue:
 
 def engine_checked(leaf: Any) -> bool:
     """Whether a program whose engine retraces for new shapes and dtypes (jit) checks this
-    leaf's itself (:class:`~diffiface._programs.FlatProgram`): its family says (a concrete jax
+    leaf's itself (:class:`~diffiface._programs.JitProgram`): its family says (a concrete jax
     array where jax has one device: jit then keys its programs by exactly what a plan would
     compare)."""
     family = _arrays.family_of(leaf)
@@ -155,20 +147,20 @@ def _namespace(spec: Any) -> str:
     return "" if spec is None else str(spec.namespace)
 
 
-def _jax_structure(spec: Any, leaves: list[Any]) -> tuple[Any, Any] | None:
-    """The tree of optree structure ``spec`` on these leaves and jax's structure of it, where
-    jax is imported and takes that tree apart into the same leaves; else None."""
-    jax = sys.modules.get("jax")
-    if jax is None or spec is None or _namespace(spec):
+def _jax_structure(spec: Any, leaves: list[Any]) -> tuple[Any, Any, Flatten] | None:
+    """The tree of optree structure ``spec`` on these leaves, jax's structure of it and jax's
+    flattening, where jax is imported and takes that tree apart into the same leaves; else None."""
+    flatten = pytree_flatten()
+    if flatten is None or spec is None or _namespace(spec):
         return None
     tree = optree.tree_unflatten(spec, leaves)
     try:
-        jax_leaves, jax_spec = jax.tree_util.tree_flatten(tree)
+        jax_leaves, jax_spec = flatten(tree)
     except Exception:  # (a tree jax cannot take apart)
         return None
     if len(jax_leaves) != len(leaves) or not all(a is b for a, b in zip(jax_leaves, leaves, strict=True)):
         return None
-    return tree, jax_spec
+    return tree, jax_spec, flatten
 
 
 def flattener(spec: Any, leaves: list[Any], ordered: bool = False) -> tuple[Flatten, Any]:
@@ -185,8 +177,9 @@ def flattener(spec: Any, leaves: list[Any], ordered: bool = False) -> tuple[Flat
     another order does not fit: the function written tests each dict's order; where none is
     written, the C flattening's structure is paired with the tree's key orders."""
     found = _jax_structure(spec, leaves)
-    if found is not None:  # (the registry's own method: tree_flatten is a Python frame around it)
-        flatten, key = sys.modules["jax"].tree_util.default_registry.flatten, found[1]
+    flatten: Flatten
+    if found is not None:
+        flatten, key = found[2], found[1]
     else:
         flatten, key = optree_flatten(_namespace(spec)), spec
     if spec is None or spec == _LEAF:
@@ -251,7 +244,7 @@ def jax_rebuilds_alike(spec: Any, leaves: list[Any]) -> bool:
     found = _jax_structure(spec, leaves)
     if found is None:
         return False
-    tree, jax_spec = found
+    tree, jax_spec, _ = found
     return _same_nodes(tree, jax_spec.unflatten(leaves))
 
 
@@ -290,9 +283,9 @@ class Plan:
         "context_kinds",
         "context_specs",
         "estimates",
-        "flat_call",
         "function",
         "has_aux",
+        "jit",
         "names",
         "operator",
         "program",
@@ -363,9 +356,9 @@ class Plan:
         self.program = program
         self.estimates = estimates
         """Whether the program estimates its error (the prep keeps the last estimate)."""
-        self.flat_call: FlatCall | None = None
-        """Where the program is jit's on flat arguments that jit checks itself: the plan's steps
-        as one comparison of the call's types (:class:`FlatCall`), run by the route inline."""
+        self.jit: Any = None
+        """Where the program is jax's tier (:class:`~diffiface._programs.JitProgram`): that
+        program, whose ``run`` the route calls on the arguments as passed."""
 
     @property
     def checkable(self) -> bool:
@@ -430,7 +423,7 @@ class Plan:
                 return None  # (the full signature says why)
             if spec != self.x_key:
                 return None
-            if type(x_checks) is MetaLeaves:  # (its test inline: a frame costs, see FlatCall)
+            if type(x_checks) is MetaLeaves:  # (its test inline: a frame costs)
                 if list(map(type, x_leaves)) != x_checks.types or list(map(x_checks.meta, x_leaves)) != x_checks.metas:
                     return None
             elif not x_checks(x_leaves):
@@ -485,226 +478,7 @@ class Plan:
         return x_leaves, tangent_leaves, context_leaves
 
 
-_value = operator.attrgetter("value")
-
-
 class Unfit(PreparationMismatchError):
-    """Raised while a :class:`~diffiface._programs.FlatProgram` is traced for arguments whose
+    """Raised while a :class:`~diffiface._programs.JitProgram` is traced for arguments whose
     shapes or dtypes are not the prep's: the route then compares the call's whole signature
     with the prep's."""
-
-
-class _Missed:
-    """What a :class:`FlatCall`'s ``run`` returns for a call that does not fit it."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "MISSED"
-
-
-MISSED = _Missed()
-
-
-class FlatCall:
-    """The plan's steps and the program's call, written as one Python function for this plan,
-    where the program is jit's on the flat leaves (:class:`~diffiface._programs.DirectFlat`)
-    and every leaf of x, of the tangent and of the contexts is a jax array that jit checks
-    itself (:func:`engine_checked`) or a numpy array.
-
-    ``run(name, f, backend, x, tangent, contexts, has_aux)`` (the route's arguments) tests, with
-    the prep's values as the function's own constants: the operator, f, the backend (by
-    identity, by one of its names, or by its fields), the number and kind of the contexts, jax's
-    x64 flag where the program needs it, each node of x, the tangent and the context values
-    (type and length, and dict keys, see :func:`~diffiface._flatten.structure_tests`; jax's
-    flattening for other nodes), each leaf's type, and the numpy leaves' shapes and dtypes (jit
-    gives a float32 and a float64 numpy array the same traced type while x64 is off). It then
-    calls the compiled program on the leaves, which compares the jax arrays' shapes, dtypes
-    and layouts as it always does, and whose trace raises :class:`Unfit` for any other than
-    the prep's. Where anything differs it returns :data:`MISSED`, and the route takes the
-    plan's own steps, which name the difference.
-
-    Each Python frame and each read of an object's attribute costs on a core that has just run
-    the engine's program (its caches are cold): written for the plan, the steps are one frame
-    that reads its constants as globals, with no list of leaves or types built."""
-
-    __slots__ = ("needs_x64", "numpy", "run", "single", "source")
-
-    def __init__(self, run: Callable[..., Any], source: str, single: bool, numpy: int, needs_x64: Any) -> None:
-        self.run, self.source, self.single = run, source, single
-        self.numpy = numpy
-        """How many leaves are numpy arrays (their shapes and dtypes compared)."""
-        self.needs_x64 = needs_x64
-        """jax's x64 flag, read per call where the program may need its scope; else None."""
-
-
-def _write_flat_call(
-    plan: Plan, direct: Any, arguments: list[Any], spec: Any, jax_spec: Any, ordered: bool = False
-) -> FlatCall | None:
-    """The :class:`FlatCall` of ``plan`` for the prepared ``arguments`` (``[x, tangent?,
-    *context values]``, of optree structure ``spec``, None where each is one array, and jax's
-    ``jax_spec``); None where the function written does not find the leaves jax's flattening
-    finds in them."""
-    roots = ["x", *(["tangent"] if plan.tangent else []), *(f"v{i}" for i in range(len(plan.context_kinds)))]
-    names = (f"n{i}" for i in itertools.count())
-    flatten = sys.modules["jax"].tree_util.default_registry.flatten
-    walk: list[str] = []
-    exprs: list[str] = []
-    caught = "KeyError"  # (a dict with other keys, indexed)
-    if spec is None:  # (each argument one array)
-        exprs = roots
-    else:
-        walks = [structure_tests(child, root, names) for child, root in zip(spec.children(), roots, strict=True)]
-        if all(each is not None for each in walks) and not str(spec.namespace):
-            for lines, leaves in walks:  # type: ignore[misc]
-                walk += lines
-                exprs += leaves
-        elif ordered:  # (jax's flattening does not see x's dict key order, which results mirror)
-            return None
-        else:  # (a node it does not write for: jax's flattening, in C, which may raise)
-            caught = "Exception"
-            exprs = [f"leaves[{i}]" for i in range(spec.num_leaves)]
-            walk = [
-                f"leaves, key = FLATTEN([{', '.join(roots)}])",
-                "if key != KEY: return MISS",
-            ]
-    expected = arguments if spec is None else flatten(arguments)[0]
-    leaves = [f"l{i}" for i in range(len(exprs))]
-    constants: dict[str, Any] = {
-        "MISS": MISSED,
-        "OPERATOR": plan.operator,
-        "HAS_AUX": plan.has_aux,
-        "REF": plan.function.ref,
-        "BACKEND": plan.backend,
-        "NAMES": plan.names,
-        "BACKEND_TYPE": type(plan.backend),
-        "BACKEND_FIELDS": getattr(plan.backend, "__dict__", None),
-        "COMPILED": direct.compiled,
-        "REST": direct.rest,
-        "FLAT": direct.flat,
-        "UNFIT": Unfit,
-        "FLATTEN": flatten,
-        "KEY": jax_spec,
-        "X64": _x64_state() if direct.precision is not None else None,
-    }
-    n = len(plan.context_kinds)
-    prepared = plan.function.ref()
-    if type(prepared) is types.MethodType:  # (made anew on each read: its instance and function)
-        constants.update(METHOD=types.MethodType, SELF=weakref.ref(prepared.__self__))
-        constants["FUNC"] = weakref.ref(prepared.__func__)  # (C weak references: no frame)
-        same_f = "type(f) is not METHOD or f.__self__ is not SELF() or f.__func__ is not FUNC()"
-    else:
-        same_f = "REF() is not f"
-    head = [
-        f"if name != OPERATOR or has_aux != HAS_AUX or len(contexts) != {n} or {same_f}: return MISS",
-        "if backend is not BACKEND:",
-        "    if type(backend) is str:",
-        "        if backend not in NAMES: return MISS",
-        # (a frozen dataclass's fields are its __dict__, compared in C; its __eq__ is a frame)
-        "    elif type(backend) is not BACKEND_TYPE or vars(backend) != BACKEND_FIELDS: return MISS"
-        if _fields_only(plan.backend)
-        else "    elif backend != BACKEND: return MISS",
-    ]
-    if constants["X64"] is not None:  # (its value read in C; off, the plan's steps scope the call)
-        head.append("if not X64.value: return MISS")
-    if n:
-        head.append(f"{', '.join(f'c{i}' for i in range(n))}, = contexts")
-        for i, kind in enumerate(plan.context_kinds):
-            constants[f"K{i}"] = kind
-        head.append(f"if {' or '.join(f'type(c{i}) is not K{i}' for i in range(n))}: return MISS")
-        head += [f"v{i} = c{i}.value" for i in range(n)]
-    tests: list[str] = []
-    numpy = 0
-    for i, (leaf, value) in enumerate(zip(leaves, expected, strict=True)):
-        constants[f"T{i}"] = type(value)
-        tests.append(f"type({leaf}) is not T{i}")
-        if type(value) is np.ndarray:  # (jit traces a float64 numpy array as float32 without x64)
-            constants[f"M{i}"] = _numpy_meta(value)
-            tests.append(f"({leaf}.shape, {leaf}.dtype) != M{i}")
-            numpy += 1
-    body = [
-        *head,
-        "try:",
-        *(f"    {line}" for line in walk),
-        *(f"    {leaf} = {expr}" for leaf, expr in zip(leaves, exprs, strict=True)),
-        f"except {caught}:",
-        "    return MISS",
-        f"if {' or '.join(tests)}: return MISS",
-        "try:",
-        f"    out = COMPILED({', '.join(leaves)})",
-        "except UNFIT:",
-        "    return MISS",
-        # (finished: set once the first results are; a settled result rebuilt by its `call`)
-        "return out if FLAT.finished else REST.call(out)"
-        if hasattr(direct.rest, "call")
-        else "return out if FLAT.finished else REST(out)",
-    ]
-    source = "def run(name, f, backend, x, tangent, contexts, has_aux):\n" + "".join(f"    {line}\n" for line in body)
-    # the same walk, giving the leaves: checked against jax's flattening on the prepared arguments
-    check = f"def leaves_of({', '.join(roots)}):\n" + "".join(
-        f"    {line}\n" for line in [*walk, f"return [{', '.join(exprs)}]"]
-    )
-    run = generated(source, "run", dict(constants))
-    try:
-        got = generated(check, "leaves_of", dict(constants))(*arguments)
-    except Exception:
-        return None
-    if (
-        type(got) is not list
-        or len(got) != len(expected)
-        or not all(a is b for a, b in zip(got, expected, strict=True))
-    ):
-        return None
-    return FlatCall(run, source, spec is None, numpy, constants["X64"])
-
-
-def _fields_only(backend: Any) -> bool:
-    """Whether a backend's attributes are its dataclass fields and nothing else (two such
-    backends of one type are equal when their ``vars`` are)."""
-    try:
-        return set(vars(backend)) == {field.name for field in dataclasses.fields(backend)}
-    except TypeError:
-        return False
-
-
-_numpy_meta = operator.attrgetter("shape", "dtype")
-
-
-def _x64_state() -> Any:
-    """jax's x64 flag as an object whose ``value`` reads it."""
-    state = getattr(getattr(sys.modules["jax"], "_src", None), "config", None)
-    state = getattr(state, "enable_x64", None)
-    return state if isinstance(getattr(state, "value", None), bool) else _X64Read()
-
-
-class _X64Read:
-    """jax's x64 flag read through its public config (where jax keeps no state object)."""
-
-    __slots__ = ()
-
-    @property
-    def value(self) -> bool:
-        return bool(sys.modules["jax"].config.read("jax_enable_x64"))
-
-
-def flat_call(plan: Plan, program: Any, call: Any) -> FlatCall | None:
-    """The :class:`FlatCall` of a plan whose program is ``program`` (a
-    :class:`~diffiface._programs.DirectFlat`), for arguments like ``call``'s; None where the
-    plan's own steps are needed."""
-    if not program.flat.checks:
-        return None
-    sig = call.signature
-    rebuilt = [optree.tree_unflatten(sig.x_spec, call.x_leaves)]
-    if plan.tangent:
-        rebuilt.append(optree.tree_unflatten(sig.tangent_spec, call.tangent_leaves))
-    for spec, leaves in zip(call.context_specs, call.context_leaves, strict=True):
-        rebuilt.append(optree.tree_unflatten(spec, leaves))
-    leaves, spec = optree.tree_flatten(rebuilt)  # type: ignore[arg-type]
-    if not leaves or not all(engine_checked(leaf) or type(leaf) is np.ndarray for leaf in leaves):
-        return None
-    if len(leaves) == len(rebuilt) and all(a is b for a, b in zip(rebuilt, leaves, strict=True)):
-        return _write_flat_call(plan, program, rebuilt, None, None)  # (each argument one array)
-    found = _jax_structure(spec, leaves)  # (jax takes the arguments apart into optree's leaves)
-    if found is None:
-        return None
-    return _write_flat_call(plan, program, rebuilt, spec, found[1], ordered=bool(sig.x_order))

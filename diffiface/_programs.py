@@ -6,9 +6,12 @@ argument of a compiled program (:class:`_Static`)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import operator
+import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -17,14 +20,14 @@ import optree
 
 from . import _arrays
 from . import tree as _tree
-from ._adapters._base import Adapter, Deferred, force
+from ._adapters._base import Adapter, Deferred, ProgramParts, force
 from ._call import _LEAF, Call, Operator, _Output
 from ._checks import _check_cotangent, _check_cotangents, _checked, _describe, _refuse_cut, batch_sizes
 from ._contexts import Cache, Constant
 from ._errors import ContextError, FrameworkMismatchError, InvalidOutputError
-from ._flatten import structure_unflatten
+from ._flatten import structure_flatten, structure_unflatten
 from ._keys import static_key
-from ._plan import Unfit, engine_checked, jax_rebuilds_alike
+from ._plan import Unfit, engine_checked, jax_rebuilds_alike, optree_flatten
 from ._prep import FunctionRef, Signature
 from ._results import _cast, _padded, _weak_or_dtype, promoted_dtype
 
@@ -35,8 +38,9 @@ _chain = itertools.chain.from_iterable
 
 def _program(
     op: Operator, adapter: Adapter, function: FunctionRef, call: Call, output: _Output, plan: _Conversions
-) -> Callable[..., Any]:
-    """The program ``(xs, ts, dynamic_contexts, static_contexts) -> native parts``."""
+) -> tuple[Callable[..., Any], ProgramParts]:
+    """The program ``(xs, ts, dynamic_contexts, static_contexts) -> native parts``, and what an
+    adapter's compile may read besides (:class:`~diffiface._adapters._base.ProgramParts`)."""
     sig = call.signature
     has_aux = sig.has_aux
     context_specs = list(call.context_specs)
@@ -45,7 +49,7 @@ def _program(
     leaf_contexts = all(spec == _LEAF for spec in context_specs) and all(plan.mask)
     # each context's value from its leaves (written for its structure where it can be, _flatten)
     context_rebuilds = [_rebuilder(spec) for spec in context_specs]
-    close = _closer(op, adapter, sig.x_spec, has_aux, output, getattr(call, "rebuild", None))
+    close, settle = _closer(op, adapter, sig.x_spec, has_aux, output, getattr(call, "rebuild", None))
     method = getattr(adapter, op.compute)
     pullback = op.compute == "value_and_pullback"
     picked = [i for i, _ in op.parts] + ([1] if has_aux else [])  # the aux comes last
@@ -84,27 +88,23 @@ def _program(
         return tuple([force(result[i]) for i in picked])
 
     # what an adapter's compile may read to guard the call (torch: which context leaves f may
-    # write, the Cache ones)
+    # write, the Cache ones; the leaves' paths, for an error that names one)
     cache = [kind is Cache for kind, _, leaves in sig.contexts for _ in leaves]
-    program.cache_dynamic = tuple(c for c, m in zip(cache, plan.mask, strict=True) if m)  # type: ignore[attr-defined]
-    program.cache_static = tuple(c for c, m in zip(cache, plan.mask, strict=True) if not m)  # type: ignore[attr-defined]
-    # the leaves' paths, for an error that names one (torch: the leaf f wrote into)
-    program.x_names = tuple(f"x{_tree.path_string(p)}" for p in sig.x_spec.paths())  # type: ignore[attr-defined]
     names = [f"contexts[{i}]{_tree.path_string(p)}" for i, spec in enumerate(context_specs) for p in spec.paths()]
-    program.names_dynamic = tuple(n for n, m in zip(names, plan.mask, strict=True) if m)  # type: ignore[attr-defined]
-    program.names_static = tuple(n for n, m in zip(names, plan.mask, strict=True) if not m)  # type: ignore[attr-defined]
+    mask = plan.mask
     # what an engine that records its graph as f runs may run in one call (torch,
     # :func:`~diffiface._adapters.torch.Adapter.compile`): a gradient, a vjp, a jvp, an hvp or a
     # Jacobian of x's own leaves (f closed and checked by ``close``; a vjp's cotangent by ``cotangent``)
-    fusable = compute in _FUSABLE and not has_aux and not compiles
-    if fusable and getattr(call, "rebuild", None) is None:
+    fused = None
+    if compute in _FUSABLE and not has_aux and not compiles and getattr(call, "rebuild", None) is None:
         fused = Fused(
             function,
             sig.x_spec,
             close,
+            settle,
             None if all(spec == _LEAF for spec in context_specs) else context_rebuilds,
             context_sizes,
-            all(plan.mask),
+            all(mask),
             adapter,
             compute,
             len(picked) == 2,
@@ -114,8 +114,15 @@ def _program(
         if pullback:
             # (a partial, in C: no Python frame on the call)
             fused.cotangent = functools.partial(_check_cotangent, sig, output, complex_step=adapter.complex_outputs)
-        program.fused = fused  # type: ignore[attr-defined]
-    return program
+    parts = ProgramParts(
+        cache_dynamic=tuple(c for c, m in zip(cache, mask, strict=True) if m),
+        cache_static=tuple(c for c, m in zip(cache, mask, strict=True) if not m),
+        x_names=tuple(f"x{_tree.path_string(p)}" for p in sig.x_spec.paths()),
+        names_dynamic=tuple(n for n, m in zip(names, mask, strict=True) if m),
+        names_static=tuple(n for n, m in zip(names, mask, strict=True) if not m),
+        fused=fused,
+    )
+    return program, parts
 
 
 _FUSABLE = (
@@ -173,6 +180,7 @@ class Fused:
         function: FunctionRef,
         x_spec: Any,
         close: Callable[..., Any],
+        settle: Callable[..., Any],
         rebuilds: list[Callable[[Any], Any]] | None,
         sizes: list[int],
         dynamic: bool,
@@ -187,7 +195,7 @@ class Fused:
         self.rebuild = None if self.single else structure_unflatten(x_spec) or x_spec.unflatten
         # (each context's structure rebuilt by the function written for it, where there is one)
         self.close = close
-        self.settle = close.settle  # type: ignore[attr-defined]
+        self.settle = settle
         self.rebuilds = rebuilds
         self.sizes = sizes
         self.dynamic = dynamic
@@ -241,9 +249,11 @@ def _closer(
     has_aux: bool,
     output: _Output,
     rebuild: Callable[[Any], Any] | None = None,
-) -> Callable[[Callable[..., Any], tuple[Any, ...], Any], Callable[[tuple[Any, ...]], tuple[Any, Any]]]:
+) -> tuple[Callable[[Callable[..., Any], tuple[Any, ...], Any], Callable[[tuple[Any, ...]], tuple[Any, Any]]], Any]:
     """``close(f, context_values, like)``: ``f`` with its contexts bound, on a tuple of leaves,
-    ``xs -> (out, aux)``, its output checked (``like``: a leaf of x, native). ``rebuild(xs)``:
+    ``xs -> (out, aux)``, its output checked (``like``: a leaf of x, native); and
+    ``settle(result, f, context_values, xs, like)``, a scalar output of f checked (what
+    ``close`` runs where it is not a scalar of a type and dtype seen before). ``rebuild(xs)``:
     f's x from the leaves, where it is not ``x_spec`` of them (x has static leaves)."""
     single = x_spec == _LEAF
     if rebuild is None and not single:
@@ -328,8 +338,7 @@ def _closer(
             fn.batched = batched  # type: ignore[attr-defined]
         return fn
 
-    close.settle = settle  # type: ignore[attr-defined]
-    return close
+    return close, settle
 
 
 def _batch_products(
@@ -359,35 +368,71 @@ def _batch_products(
     return adapter.value_and_pushforwards(fn, xs, groups)  # type: ignore[no-any-return]
 
 
-class FlatProgram:
-    """``program`` on flat arguments ``(*x leaves, *tangent leaves, *context arrays)``, compiled:
-    no pytree for jit to take apart, and none to build where x is one array.
+class _Missed:
+    """What :meth:`JitProgram.run` returns for a call that does not fit its prep."""
 
-    Where the engine traces anew for arguments of other shapes or dtypes (jit), the trace
-    compares those of the leaves :func:`~diffiface._plan.engine_checked` names with the
-    prep's (:attr:`checks`), and raises :class:`Unfit` where they differ: the plan then tests
-    those leaves' types only, and a call whose arguments fit costs no check per leaf.
+    __slots__ = ()
 
-    Where the result mirrors x's one leaf (``mirror``), the program returns that leaf itself.
-    Where besides the engine's arrays are x's own type (``returns_like``) and the result is one
-    array, the program finishes it: a cast to x's dtype for a gradient, nothing for the others;
-    whether f's output is one array (for jvp and jacobian) shows when it is traced, and
-    :attr:`finished` says so from then on."""
+    def __repr__(self) -> str:
+        return "MISSED"
+
+
+MISSED = _Missed()
+
+
+class JitProgram:
+    """The program of a prep that an engine compiles and retraces for new shapes and dtypes
+    (jax's ``jit``), where the engine takes every leaf as it is: one compiled function of the
+    leaves of ``(x, tangent, *context values)``.
+
+    :meth:`run` takes the call as the route has it and tests what the trace cannot: f, the
+    operator, the backend, the contexts' kinds, each argument's structure (by the plan's
+    flattening of it; an argument that is one array, by its type) and each leaf's type, and
+    each numpy leaf's dtype (jit gives a float32 and a float64 numpy array one traced type while
+    x64 is off). The compiled function compares each leaf's shape and dtype with the prep's
+    inside its trace, and raises :class:`Unfit` where any differs (the route then compares the
+    call's whole signature): a call that fits costs no test of shapes or dtypes. The trace also
+    finishes the result as far as it can (:meth:`_pick`): cast to x's dtypes, or to the dtypes
+    the promotion rule gives a Jacobian's or a Hessian's blocks, and rebuilt where the result is
+    one array or jax rebuilds x's tree as optree does. What is left, :meth:`_after` settles once
+    the program is traced: nothing, a rebuild of the trees, or the finisher.
+
+    :meth:`__call__` is the plan's program on a call's leaves (the route's other steps)."""
 
     __slots__ = (
+        "after",
+        "arguments",
+        "backend",
+        "backend_fields",
         "candidate",
         "casts",
-        "checks",
         "compiled",
         "dtype",
         "expected",
-        "finished",
+        "finish",
+        "fits_backend",
+        "flatten",
+        "function",
         "kind",
+        "kinds",
+        "leaf_types",
+        "method",
         "mirror",
+        "names",
+        "numpy_leaves",
+        "operator",
         "output",
         "program",
+        "records",
+        "ref",
+        "scope",
         "sizes",
+        "structure",
+        "tangent",
         "tree",
+        "written",
+        "x_dtypes",
+        "x_rebuild",
     )
 
     def __init__(
@@ -397,80 +442,165 @@ class FlatProgram:
         op: Operator,
         output: _Output,
         mirror: Callable[[Any], Any] | None,
+        finish: Callable[[Any], Any],
         call: Call,
-        has_aux: bool,
-        bare_x: bool,
+        scoped: bool,
     ) -> None:
         kind = op.parts[0][1]
         like = call.x_leaves[0]
+        sig = call.signature
+        self.tangent = op.tangent is not None
+        parts = [call.x_leaves, *([call.tangent_leaves] if self.tangent else []), *call.context_leaves]
+        specs = [sig.x_spec, *([sig.tangent_spec] if self.tangent else []), *call.context_specs]
+        self.arguments: tuple[tuple[Any, Any], ...] = ()
+        """Per argument (x, the tangent where the operator takes one, each context's value), the
+        plan's flattening of it and the structure it gives (:meth:`bind`)."""
+        leaves = [leaf for part in parts for leaf in part]
+        self.leaf_types = list(map(type, leaves))
+        # Where every argument is one array, its leaves are the arguments; where a tree is among
+        # them, one function written for the structure of them all takes them apart in one frame
+        # (testing each node, and each dict's key order, which results mirror), else each
+        # argument is flattened by the plan's flattening of it (:meth:`bind`).
+        self.flatten: Callable[[Any], tuple[Any, Any]] | None = None
+        self.written = False
+        self.structure: Any = None
+        """The structure the written function returns for arguments that fit (itself)."""
+        if not all(spec == _LEAF for spec in specs):
+            arguments = [optree.tree_unflatten(spec, part) for part, spec in zip(parts, specs, strict=True)]
+            found, spec = optree.tree_flatten(arguments)  # type: ignore[arg-type,var-annotated]
+            if len(found) == len(leaves) and all(a is b for a, b in zip(found, leaves, strict=True)):
+                self.flatten = structure_flatten(spec, spec, arguments, optree_flatten())
+                self.written = self.flatten is not None
+                self.structure = spec
         self.sizes = (len(call.x_leaves), len(call.x_leaves) + len(call.tangent_leaves))
-        leaves = [*call.x_leaves, *call.tangent_leaves, *_chain(call.context_leaves)]
-        self.checks = bool(adapter.retraces)
-        self.expected = tuple((leaf.shape, leaf.dtype) if engine_checked(leaf) else None for leaf in leaves)
-        # (a result that mirrors x is x's one leaf only where x is that leaf, not a tree holding it)
-        self.candidate = (
-            adapter.returns_like(like) and len(op.parts) == 1 and not has_aux and (bare_x or kind in ("value", "y"))
-        )
+        self.expected = tuple((leaf.shape, leaf.dtype) for leaf in leaves)
+        self.numpy_leaves = tuple((i, leaf.dtype) for i, leaf in enumerate(leaves) if type(leaf) is np.ndarray)
+        """The numpy leaves (index, dtype): their dtypes are tested before the call."""
         self.kind = kind
-        self.finished = self.candidate and kind in ("x", "value", "hessian")  # the trace settles "y", "jacobian"
+        one = len(op.parts) == 1
+        # (a result that mirrors x is x's one leaf only where x is that leaf, not a tree holding it)
+        self.candidate = adapter.returns_like(like) and one and (sig.x_spec == _LEAF or kind in ("value", "y"))
         self.dtype = like.dtype if self.candidate else None
-        # A result shaped as a tree x (a gradient, a vjp, an hvp) where jax rebuilds x as optree
-        # does: cast and rebuilt inside the trace, so that jit returns it finished.
-        self.tree: tuple[Any, tuple[Any, ...]] | None = None
-        if (
-            kind == "x"
-            and not self.candidate
-            and len(op.parts) == 1
-            and not has_aux
-            and adapter.retraces
-            and not hasattr(call, "rebuild")  # (x has static leaves: the finisher rebuilds it whole)
-            and all(map(engine_checked, call.x_leaves))
-            and jax_rebuilds_alike(call.signature.x_spec, call.x_leaves)
-        ):
-            self.tree = (call.signature.x_spec, tuple(leaf.dtype for leaf in call.x_leaves))
-            self.finished = True
+        # Where x's leaves are the engine's own arrays, the results' blocks come out of the trace
+        # in their type, dtype and layout, and need at most rebuilding into the trees of x and of
+        # f's output: inside the trace where jax rebuilds x's tree as optree does (``tree``),
+        # else after it, by the function written for the structure (``x_rebuild``).
+        own = one and adapter.returns_like(like) and all(map(engine_checked, call.x_leaves))
+        self.x_dtypes = tuple(leaf.dtype for leaf in call.x_leaves)
+        self.tree = sig.x_spec if own and kind == "x" and jax_rebuilds_alike(sig.x_spec, call.x_leaves) else None
+        self.x_rebuild = _rebuilder(sig.x_spec) if own and kind in ("x", "jacobian", "hessian", "y") else None
         # The blocks of a Jacobian or Hessian of a tree (of x or of f's output): cast inside the
         # trace to the dtype the promotion rule gives, so that mixed dtypes (float32 params, a
         # float64 batch) cost no cast per block on every call; x's dtypes, by leaf.
         self.casts: tuple[str | None, ...] | None = None
-        if kind in ("jacobian", "hessian") and not self.candidate and adapter.retraces and not has_aux:
+        if kind in ("jacobian", "hessian") and not self.candidate:
             self.casts = tuple(map(_weak_or_dtype, call.x_leaves))
+        self.after: Callable[[Any], Any] | None = self._after
+        """What finishes the compiled function's result: None where it comes out finished;
+        settled by :meth:`_after` on the first call, once the program is traced (for a
+        Jacobian or a jvp, the record of f's output tells its structure)."""
         self.output = output
         self.mirror = mirror
+        self.finish = finish
+        # a program from jit's cache does not evaluate f: where the finisher reads the record of
+        # f's output, the record of its trace is made the current one
+        self.records = op.shaped_as_output
         self.program = program
-        # (a prep is made for one layout of its arguments: x's leaves are laid out as the prep's)
-        layouts = [getattr(leaf, "sharding", None) for leaf in call.x_leaves]
-        layouts += [None] * (len(call.tangent_leaves) + sum(map(len, call.context_leaves)))
-        self.compiled = adapter.compile(self.on_flat, static=False, arrays=not has_aux, layouts=tuple(layouts))
+        self.scope = adapter.scope if scoped else None
+        self.operator = op.name
+        self.compiled = adapter.compile(self._traced, static=False, arrays=True, layouts=())
+        # (what :meth:`run` compares besides, taken from the plan by :meth:`bind`)
+        self.function: Any = None
+        self.ref: Any = None
+        self.method: Any = None
+        self.backend: Any = None
+        self.backend_fields: dict[str, Any] | None = None
+        self.names: frozenset[str] = frozenset()
+        self.fits_backend: Callable[[Any], bool] = bool
+        self.kinds: tuple[type, ...] = ()
 
-    def pick(self, native: tuple[Any, ...]) -> Any:
-        """Inside the trace: the program's result, finished where it can be."""
+    @classmethod
+    def of(
+        cls,
+        adapter: Adapter,
+        program: Callable[..., Any],
+        op: Operator,
+        output: _Output,
+        mirror: Callable[[Any], Any] | None,
+        finish: Callable[[Any], Any],
+        call: Call,
+        scoped: bool,
+    ) -> JitProgram | None:
+        """The program, where each leaf is an array the engine checks itself or a numpy array;
+        else None (the plan's match and a :class:`Run` serve the prep)."""
+        leaves = [*call.x_leaves, *call.tangent_leaves, *_chain(call.context_leaves)]
+        if not call.x_leaves or not all(engine_checked(leaf) or type(leaf) is np.ndarray for leaf in leaves):
+            return None
+        return cls(adapter, program, op, output, mirror, finish, call, scoped)
+
+    def bind(self, plan: Any) -> None:
+        """Take what :meth:`run` compares from the plan made for this program: f, the backend,
+        the contexts' kinds, and how each argument is flattened (written for its structure
+        where it can be, see :func:`~diffiface._plan.flattener`)."""
+        self.function, self.ref = plan.function, plan.function.ref
+        prepared = plan.function.ref()
+        if type(prepared) is types.MethodType:  # (made anew on each read: its instance and function)
+            with contextlib.suppress(TypeError):  # (an instance without weak references: the plan's steps)
+                self.ref, self.method = weakref.ref(prepared.__self__), weakref.ref(prepared.__func__)
+        self.backend, self.names, self.fits_backend = plan.backend, plan.names, plan.fits_backend
+        # (a frozen dataclass's fields are its __dict__, compared in C; its __eq__ is a frame)
+        self.backend_fields = _fields_only(plan.backend)
+        self.kinds = plan.context_kinds
+        flattens = [
+            (plan.x_flatten, plan.x_key),
+            *([(plan.tangent_flatten, plan.tangent_key)] if self.tangent else []),
+            *zip(plan.context_flattens, plan.context_keys, strict=True),
+        ]
+        self.arguments = tuple(flattens)
+
+    # -- inside the trace --------------------------------------------------------------------------
+
+    def _traced(self, *leaves: Any) -> Any:
+        for leaf, (shape, dtype) in zip(leaves, self.expected, strict=True):
+            if leaf.shape != shape or leaf.dtype != dtype:
+                raise Unfit(
+                    f"An argument of shape {tuple(leaf.shape)} and dtype {leaf.dtype} reached a program "
+                    f"prepared for shape {tuple(shape)} and dtype {dtype}."
+                )
+        xs, ts = self.sizes
+        native = self.program(leaves[:xs], leaves[xs:ts], leaves[ts:], None)
+        return self._pick(native)
+
+    def _finishes(self) -> bool:
+        """Whether :meth:`_pick` returns the result finished (read from the record of f's output)."""
         if self.candidate:
-            kind, dtype, output = self.kind, self.dtype, self.output
-            value = native[0]
-            if kind == "x":
-                leaf = value[0]  # cast only where needed: a weak type stays weak
-                return leaf if leaf.dtype == dtype else leaf.astype(dtype)
-            if kind == "value":
-                return value
-            if kind == "hessian" or (kind == "jacobian" and output.spec is _LEAF):
-                self.finished = True
-                target = dtype if kind == "hessian" else promoted_dtype(output.dtypes[0], str(dtype))
-                leaf = value[0][0]
-                return leaf if target is None or leaf.dtype == target else leaf.astype(target)
-            if kind == "y" and output.spec is _LEAF:
-                self.finished = True
-                return value[0]
-        if self.tree is not None:
-            spec, dtypes = self.tree
+            kind = self.kind
+            return kind in ("x", "value", "hessian") or (kind in ("jacobian", "y") and self.output.spec is _LEAF)
+        return self.tree is not None
+
+    def _pick(self, native: tuple[Any, ...]) -> Any:
+        """The program's result, finished as far as it can be (inside the trace)."""
+        kind = self.kind
+        if kind == "x" and (self.candidate or self.x_rebuild is not None):
             leaves = [  # cast only where needed: a weak type stays weak
                 leaf if leaf.dtype == dtype else leaf.astype(dtype)
-                for leaf, dtype in zip(native[0], dtypes, strict=True)
+                for leaf, dtype in zip(native[0], self.x_dtypes, strict=True)
             ]
-            return optree.tree_unflatten(spec, leaves)
+            if self.candidate:
+                return leaves[0]
+            return leaves if self.tree is None else optree.tree_unflatten(self.tree, leaves)
+        if self._finishes():
+            dtype, value = self.dtype, native[0]
+            if kind == "value":
+                return value
+            if kind == "y":
+                return value[0]
+            target = dtype if kind == "hessian" else promoted_dtype(self.output.dtypes[0], str(dtype))
+            leaf = value[0][0]
+            return leaf if target is None or leaf.dtype == target else leaf.astype(target)
         if self.casts is not None and len(native) == 1:
             x_dtypes, rows = self.casts, native[0]
-            dys = _padded(self.output.dtypes, len(rows)) if self.kind == "jacobian" else x_dtypes
+            dys = _padded(self.output.dtypes, len(rows)) if kind == "jacobian" else x_dtypes
             native = (
                 tuple(
                     tuple(_cast(block, promoted_dtype(dy, dx)) for block, dx in zip(row, x_dtypes, strict=True))
@@ -479,91 +609,179 @@ class FlatProgram:
             )
         return native[0][0] if self.mirror is not None else native
 
-    def on_flat(self, *arguments: Any) -> Any:
-        """The program on flat arguments (traced by the engine's compiler)."""
-        if self.checks:
-            for argument, expected in zip(arguments, self.expected, strict=True):
-                if expected is not None and (argument.shape != expected[0] or argument.dtype != expected[1]):
-                    raise Unfit(
-                        f"An argument of shape {tuple(argument.shape)} and dtype {argument.dtype} reached a "
-                        f"program prepared for shape {tuple(expected[0])} and dtype {expected[1]}."
-                    )
-        xs, ts = self.sizes
-        return self.pick(self.program(arguments[:xs], arguments[xs:ts], arguments[ts:], None))
+    # -- the calls ----------------------------------------------------------------------------------
 
-    def __call__(self, xs: tuple[Any, ...], ts: tuple[Any, ...], dynamic: tuple[Any, ...], static: Any) -> Any:
-        return self.compiled(*xs, *ts, *dynamic)
+    def run(
+        self, name: str, f: Any, backend: Any, x: Any, tangent: Any, contexts: tuple[Any, ...], has_aux: bool
+    ) -> Any:
+        """A call by the route's arguments: its result, or :data:`MISSED` where it does not fit."""
+        # (hot code, one frame where no argument is a tree; zip without strict=, whose keyword
+        # makes each call slower: the lengths are compared first)
+        if name != self.operator or has_aux or len(contexts) != len(self.kinds):
+            return MISSED
+        method = self.method
+        if method is None:
+            if self.ref() is not f:
+                return MISSED
+        elif type(f) is not types.MethodType or f.__self__ is not self.ref() or f.__func__ is not method():
+            return MISSED
+        mine = self.backend
+        if backend is not mine:
+            if type(backend) is str:
+                if backend not in self.names:
+                    return MISSED
+            elif self.backend_fields is not None:
+                if type(backend) is not type(mine) or vars(backend) != self.backend_fields:
+                    return MISSED
+            elif not self.fits_backend(backend):
+                return MISSED
+        arguments = [x, tangent] if self.tangent else [x]
+        for context, kind in zip(contexts, self.kinds):  # noqa: B905
+            if type(context) is not kind:
+                return MISSED
+            arguments.append(context.value)  # type: ignore[attr-defined]
+        flatten = self.flatten
+        if flatten is None:  # (every argument one array)
+            leaves = arguments
+        elif self.written:
+            leaves, key = flatten(arguments)
+            if key is not self.structure:
+                return MISSED
+        else:
+            found = self._leaves(arguments)
+            if found is None:
+                return MISSED
+            leaves = found
+        if list(map(type, leaves)) != self.leaf_types:
+            return MISSED
+        for i, dtype in self.numpy_leaves:
+            if leaves[i].dtype != dtype:
+                return MISSED
+        scoped = self.scope
+        try:
+            if scoped is None or (scope := scoped()) is None:
+                out = self.compiled(*leaves)
+            else:
+                with scope:
+                    out = self.compiled(*leaves)
+        except Unfit:
+            return MISSED
+        after = self.after
+        return out if after is None else after(out)
 
-
-class FlatFinish:
-    """The finisher of a :class:`FlatProgram`'s results: none once they come out finished."""
-
-    __slots__ = ("flat", "rest")
-
-    def __init__(self, flat: FlatProgram, rest: Callable[[Any], Any]) -> None:
-        self.flat, self.rest = flat, rest
-
-    def __call__(self, out: Any) -> Any:
-        return out if self.flat.finished else self.rest(out)
-
-
-class Recalled:
-    """A finisher that reads the record of f's output (the structure of a jvp's or a
-    Jacobian's result), behind a compiled call on flat arguments: a program from jit's cache
-    does not evaluate f, so the record of its trace is made the current one first."""
-
-    __slots__ = ("output", "rest")
-
-    def __init__(self, output: _Output, rest: Callable[[Any], Any]) -> None:
-        self.output, self.rest = output, rest
-
-    def __call__(self, out: Any) -> Any:
-        self.output.recall(None)  # (a program on flat arguments has no static argument)
-        return self.rest(out)
-
-
-# -- what a prep runs: objects with named fields --------------------------------------------------
-
-
-class DirectFlat:
-    """The program of a call whose arguments the engine takes as they are, compiled on flat
-    arguments (:class:`FlatProgram`): the leaves go straight to the compiled call. Where the
-    adapter's precision scope may be needed (float64 with jax's x64 off), ``fallback`` (the
-    scoped :class:`Run`) runs the call instead whenever the scope is not empty."""
-
-    __slots__ = ("compiled", "fallback", "flat", "precision", "rest")
-
-    def __init__(
-        self,
-        flat: FlatProgram,
-        rest: Callable[[Any], Any],
-        fallback: Callable[..., tuple[Any, Any]],
-        precision: Callable[[], Any] | None,
-    ) -> None:
-        self.flat, self.rest, self.fallback, self.precision = flat, rest, fallback, precision
-        self.compiled = flat.compiled
+    def _leaves(self, arguments: list[Any]) -> list[Any] | None:
+        """The leaves of the arguments, each flattened by the plan's flattening of it, where
+        no function is written for their structure (a namedtuple, a registered class, a large
+        tree); None where an argument's structure is not the prep's."""
+        leaves: list[Any] = []
+        for argument, (flatten, key) in zip(arguments, self.arguments):  # noqa: B905
+            try:
+                found, spec = flatten(argument)
+            except Exception:  # (a tree the flattening cannot take apart: the full signature says why)
+                return None
+            if spec != key:
+                return None
+            leaves += found
+        return leaves
 
     def __call__(
         self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]
     ) -> tuple[Any, Any]:
-        if self.precision is not None and self.precision() is not None:
-            return self.fallback(x_leaves, tangent_leaves, context_leaves)
-        if context_leaves:
-            out = self.compiled(*x_leaves, *tangent_leaves, *_chain(context_leaves))
+        leaves = [*x_leaves, *tangent_leaves, *_chain(context_leaves)]
+        scope = None if self.scope is None else self.scope()
+        if scope is None:
+            out = self.compiled(*leaves)
         else:
-            out = self.compiled(*x_leaves, *tangent_leaves)
-        return (out if self.flat.finished else self.rest(out)), None
+            with scope:
+                out = self.compiled(*leaves)
+        after = self.after
+        return (out if after is None else after(out)), None
+
+    def _after(self, out: Any) -> Any:
+        """The first result, finished; and what finishes the later ones, settled (:attr:`after`)."""
+        after: Callable[[Any], Any] | None
+        if self._finishes():
+            after = None
+        elif self.x_rebuild is not None and self.kind == "x":
+            after = self.x_rebuild
+        elif self.x_rebuild is not None:  # (the trace recorded f's output: its structure)
+            after = _Rebuilt(self.kind, _rebuilder(self.output.spec), self.x_rebuild)
+        elif self.mirror is not None:
+            after = self.mirror
+        elif self.records:
+            after = _Recalled(self.output, self.finish)
+        else:
+            after = self.finish
+        self.after = after
+        return out if after is None else after(out)
+
+
+def _fields_only(backend: Any) -> dict[str, Any] | None:
+    """A backend's ``vars`` where its attributes are its dataclass fields and nothing else (two
+    such backends of one type are equal when their ``vars`` are); else None."""
+    try:
+        fields = vars(backend)
+        return fields if set(fields) == {field.name for field in dataclasses.fields(backend)} else None
+    except TypeError:
+        return None
+
+
+class _Rebuilt:
+    """A jvp's result (``kind`` ``"y"``), a Jacobian's or a Hessian's, whose blocks need no
+    conversion (:class:`JitProgram`), rebuilt into the trees of f's output and of x."""
+
+    __slots__ = ("kind", "x_rebuild", "y_rebuild")
+
+    def __init__(self, kind: str, y_rebuild: Callable[[Any], Any], x_rebuild: Callable[[Any], Any]) -> None:
+        self.kind, self.y_rebuild, self.x_rebuild = kind, y_rebuild, x_rebuild
+
+    def __call__(self, out: Any) -> Any:
+        value = out[0]
+        if self.kind == "y":
+            return self.y_rebuild(value)
+        x_rebuild = self.x_rebuild
+        rows = [x_rebuild(row) for row in value]
+        return self.y_rebuild(rows) if self.kind == "jacobian" else x_rebuild(rows)
+
+
+class _Recalled:
+    """The finisher of a compiled program's result where it reads the record of f's output: a
+    program from jit's cache does not evaluate f, so the record of its trace is made the current
+    one first (the program has no static argument)."""
+
+    __slots__ = ("finish", "output")
+
+    def __init__(self, output: _Output, finish: Callable[[Any], Any]) -> None:
+        self.output, self.finish = output, finish
+
+    def __call__(self, out: Any) -> Any:
+        self.output.recall(None)
+        return self.finish(out)
+
+
+def _leaves_of(argument: Any, types: list[type], flatten: Any, key: Any) -> list[Any] | None:
+    """The leaves of a tree argument where its structure and its leaves' types are the prep's."""
+    try:
+        leaves, spec = flatten(argument)
+    except Exception:  # (a tree the flattening cannot take apart: the full signature says why)
+        return None
+    if spec != key or list(map(type, leaves)) != types:
+        return None
+    return leaves  # type: ignore[no-any-return]
 
 
 class Run:
     """A prep's program on a call's leaves: the leaves made the engine's arguments
     (:class:`_Conversions`), the compiled (or plain) program, the result finished to mirror the
-    inputs; ``(result, error estimate or None)``."""
+    inputs; ``(result, error estimate or None)``. ``dynamic``: the indices of x's leaves to
+    differentiate, where x holds static ones too; ``scoped``: the program runs inside the
+    adapter's precision scope where it gives one (float64 work while jax's x64 is off)."""
 
     __slots__ = (
         "adapter",
         "compiled",
         "conversions",
+        "dynamic",
         "estimates",
         "finish",
         "has_aux",
@@ -571,6 +789,7 @@ class Run:
         "parts",
         "passthrough",
         "records",
+        "scoped",
     )
 
     def __init__(
@@ -582,6 +801,7 @@ class Run:
         finish: Callable[[Any], Any],
         op: Operator,
         has_aux: bool,
+        dynamic: list[int] | None = None,
     ) -> None:
         self.adapter = adapter
         self.conversions = conversions
@@ -595,10 +815,21 @@ class Run:
         self.parts = tuple(i for i, _ in op.parts)
         self.passthrough = conversions.passthrough and conversions.x_native and conversions.tangent_native
         self.has_aux = has_aux
+        self.dynamic = dynamic
+        self.scoped = conversions.scoped
 
     def __call__(
         self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]
     ) -> tuple[Any, Any]:
+        if self.dynamic is not None:
+            x_leaves = [x_leaves[i] for i in self.dynamic]
+        scope = self.adapter.scope() if self.scoped else None
+        if scope is None:
+            return self._run(x_leaves, tangent_leaves, context_leaves)
+        with scope:
+            return self._run(x_leaves, tangent_leaves, context_leaves)
+
+    def _run(self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]) -> tuple[Any, Any]:
         if self.passthrough and not self.records:
             # the engine takes the leaves as they are, and no record of f's output is needed
             dynamic = tuple(_chain(context_leaves)) if context_leaves else ()
@@ -616,39 +847,6 @@ class Run:
             return result, None
         picked = tuple(error[i] for i in self.parts)
         return result, self.finish((*picked, None) if self.has_aux else picked)
-
-
-class Scoped:
-    """A program run inside the adapter's precision scope where it gives one (jax's x64, for
-    float64 work while the global flag is off)."""
-
-    __slots__ = ("adapter", "program")
-
-    def __init__(self, adapter: Adapter, program: Callable[..., tuple[Any, Any]]) -> None:
-        self.adapter, self.program = adapter, program
-
-    def __call__(
-        self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]
-    ) -> tuple[Any, Any]:
-        scope = self.adapter.scope()
-        if scope is None:
-            return self.program(x_leaves, tangent_leaves, context_leaves)
-        with scope:
-            return self.program(x_leaves, tangent_leaves, context_leaves)
-
-
-class OnDynamic:
-    """A program on the leaves of x to differentiate, where x holds static ones too."""
-
-    __slots__ = ("index", "program")
-
-    def __init__(self, program: Callable[..., tuple[Any, Any]], index: list[int]) -> None:
-        self.program, self.index = program, index
-
-    def __call__(
-        self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]
-    ) -> tuple[Any, Any]:
-        return self.program([x_leaves[i] for i in self.index], tangent_leaves, context_leaves)
 
 
 # -- the record of f's output --------------------------------------------------------------------------

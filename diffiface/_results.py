@@ -11,8 +11,7 @@ import optree
 
 from . import _arrays, _complex, _placement
 from ._call import _ARRAY_KINDS, _LEAF, Call, Operator, _Output
-from ._flatten import structure_flatten, structure_rebuild, structure_unflatten
-from ._plan import optree_flatten
+from ._flatten import structure_unflatten
 from ._tangents import Tangents
 
 # -- results: mirror the inputs ----------------------------------------------------------------------
@@ -214,54 +213,6 @@ def finisher(op: Operator, call: Call, output: _Output, compiled: bool) -> tuple
         if arrays:
             return RebuildTree(call, finish, compiled), None
     return finish, None
-
-
-_flatten = optree_flatten()  # (in C)
-
-
-class Settled:
-    """The finisher of a compiled program's results, once they are seen to need only
-    rebuilding: jit gives its results the same types, dtypes and layouts on every run, so
-    where the first finished result holds the program's own arrays (each the very object the
-    program returned, none converted, cast or moved), later results are the same structure
-    rebuilt on the new arrays: one flattening and one rebuilding, in C, where the finisher
-    takes a frame and more per block (a Jacobian or Hessian of a tree).
-
-    ``output``: where the finisher reads the record of f's output (a program from jit's cache
-    does not evaluate f), the record of the trace is made the current one before it runs."""
-
-    __slots__ = ("call", "finish", "flatten", "native_spec", "output", "rebuild")
-
-    def __init__(self, finish: Callable[[Any], Any], output: Any = None) -> None:
-        self.finish, self.output = finish, output
-        self.native_spec: Any = None
-        self.rebuild: Callable[[Any], Any] | None = None
-        self.flatten = _flatten
-        self.call: Callable[[Any], Any] = self
-        """What the route calls on a result (:class:`~diffiface._plan.FlatCall`): this object,
-        and once settled, where both structures are of tuples, lists and dicts, a function
-        written to take the result apart and rebuild it in one frame (falling back to this
-        object for any other structure, see :func:`~diffiface._flatten.structure_rebuild`)."""
-
-    def __call__(self, native: Any) -> Any:
-        rebuild = self.rebuild
-        if rebuild is not None:
-            leaves, native_spec = self.flatten(native)
-            if native_spec == self.native_spec:
-                return rebuild(leaves)
-        if self.output is not None:
-            self.output.recall(None)  # (a program on flat arguments has no static argument)
-        result = self.finish(native)
-        if rebuild is None:
-            leaves, native_spec = _flatten(native)
-            found, result_spec = optree.tree_flatten(result)
-            if len(found) == len(leaves) and all(a is b for a, b in zip(found, leaves, strict=True)):
-                # (both written for their structures where they can be: see _flatten)
-                self.flatten = structure_flatten(native_spec, native_spec, native, _flatten) or _flatten
-                self.native_spec = native_spec
-                self.rebuild = structure_unflatten(result_spec) or result_spec.unflatten
-                self.call = structure_rebuild(native_spec, native, result_spec, result, self) or self
-        return result
 
 
 def _aux_as_returned(riding: Any, as_y: Callable[[Any], Any]) -> Any:

@@ -37,7 +37,6 @@ _NAME = re.compile(rf"({'|'.join(_FRAMEWORKS)})(\.\w+)*")
 
 NOT_YET_CLEANED = (
     "_backends.py",
-    "_plan.py",
     "_prep.py",
 )
 """Modules that still name a framework, as paths under ``diffiface/``."""

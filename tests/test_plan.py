@@ -398,8 +398,8 @@ def test_a_jit_program_rebuilds_a_tree_x_where_jax_rebuilds_it_as_optree_does() 
     for name, (x, finished) in cases.items():
         prep = di.prepare_gradient(total, "jax", x)
         program = prep.plan.program
-        assert type(program).__name__ == "DirectFlat", name
-        assert (program.flat.tree is not None) is finished, name
+        assert type(program).__name__ == "JitProgram", name
+        assert (program.tree is not None) is finished, name
         got = di.gradient(total, "jax", x, prep=prep)
         want = di.gradient(total, di.AutoJAX(jit=False), x)
         assert type(got) is type(x), name
@@ -430,11 +430,10 @@ def _python_calls(call: Any) -> list[str]:
 @pytest.mark.parametrize("shape", ["one array", "tuple", "dict with sorted keys"])
 @pytest.mark.parametrize("operator", ["gradient", "hvp", "jvp", "vjp", "jacobian", "value_and_gradient"])
 def test_a_prepared_jit_call_on_jax_arrays_runs_no_python_but_the_route(shape: str, operator: str) -> None:
-    """Where jit checks every leaf itself, the plan's steps and jit's call are one function
-    written for the plan (FlatCall): a prepared call enters the public operator, the route and
-    that function, and no other Python function where jit returns the result finished (a
-    gradient or an hvp, a jvp of one array); by name or by an equal backend object (compared
-    by its fields, not its ``__eq__``). Its result is the one without jit."""
+    """Where jit checks every leaf itself, jax's tier runs the call (JitProgram): a prepared
+    call enters the public operator, the route and the program's ``run``, and no other Python
+    function where jit returns the result finished (a gradient or an hvp, a jvp of one array);
+    by name or by an equal backend object. Its result is the one without jit."""
     require(di.AutoJAX())
     import jax
     import jax.numpy as jnp
@@ -457,22 +456,24 @@ def test_a_prepared_jit_call_on_jax_arrays_runs_no_python_but_the_route(shape: s
     expected = op(f, di.AutoJAX(jit=False), *args, batch)
     for backend in ("jax", di.AutoJAX()):
         prep = getattr(di, f"prepare_{operator}")(f, backend, *args, batch)
-        assert prep.plan.flat_call is not None
+        assert prep.plan.jit is not None
         got = op(f, backend, *args, batch, prep=prep)
         assert_tree_close(got, expected, rtol=1e-5, atol=1e-5)
         assert optree.tree_structure(got) == optree.tree_structure(expected)
         calls = _python_calls(lambda: op(f, backend, *args, batch, prep=prep))  # noqa: B023
-        assert calls[:2] == [operator, "evaluate"] and "leaves" not in calls, calls
+        assert calls[:3] == [operator, "evaluate", "run"] and "leaves" not in calls, calls
         if operator in ("gradient", "hvp") or (operator == "jvp" and shape == "one array"):
-            # (the second prep is the first one, from the cache: its backend is an equal object)
-            assert calls == [operator, "evaluate", "run"], calls
+            # (the second prep is the first one, from the cache: its backend is an equal object;
+            # arguments holding a tree are taken apart by one function written for their structure)
+            written = [] if shape == "one array" else ["flatten"]
+            assert calls == [operator, "evaluate", "run", *written], calls
 
 
-def test_a_bound_method_is_served_by_the_written_steps_and_another_instance_is_not() -> None:
-    """A bound method is made anew on each read (``model.loss is not model.loss``): the steps
-    written for the plan compare its instance and function, so a prepared call on it enters
-    the operator, the route and those steps only, and the same method of another instance is
-    refused, naming f."""
+def test_a_bound_method_is_served_by_jax_tier_and_another_instance_is_not() -> None:
+    """A bound method is made anew on each read (``model.loss is not model.loss``): jax's tier
+    compares its instance and function, so a prepared call on it enters the operator, the route
+    and the program's ``run`` (and the functions written for its trees) only, and the same
+    method of another instance is refused, naming f."""
     require(di.AutoJAX())
 
     class Model:
@@ -490,15 +491,15 @@ def test_a_bound_method_is_served_by_the_written_steps_and_another_instance_is_n
     assert_tree_close(got, optree.tree_map(lambda v: 2 * v, expected), rtol=1e-5, atol=1e-5)
     constant = di.Constant(batch)
     calls = _python_calls(lambda: di.gradient(model.loss, "jax", p, constant, prep=prep))
-    # (then the settled result is rebuilt in the caller's key order by the function Settled
-    # wrote for the two structures, see _results)
-    assert calls == ["gradient", "evaluate", "run", "rebuild"], calls
+    # (x and the batch taken apart, and the gradient rebuilt in the caller's key order, by the
+    # functions written for the structures, see _flatten)
+    assert calls == ["gradient", "evaluate", "run", "flatten", "unflatten"], calls
     with pytest.raises(di.PreparationMismatchError, match="f"):
         di.gradient(Model(3.0).loss, "jax", p, di.Constant(batch), prep=prep)
 
 
 def test_the_inline_steps_refuse_what_the_plan_refuses() -> None:
-    """The steps written for the plan (FlatCall) compare the structure and each leaf's type; jit's trace the
+    """jax's tier (JitProgram.run) compares the structure and each leaf's type; jit's trace the
     shapes and dtypes: every call the plan's own steps refuse is refused, naming the difference,
     and an unprepared call never reuses a program f's closure has outgrown."""
     require(di.AutoJAX())
@@ -506,7 +507,7 @@ def test_the_inline_steps_refuse_what_the_plan_refuses() -> None:
 
     p, batch = _tree(4)
     prep = di.prepare_gradient(_tree_loss, "jax", p, di.Constant(batch))
-    assert prep.plan.flat_call is not None and not prep.plan.flat_call.single
+    assert prep.plan.jit is not None
     numpy_leaf = {"w": np.asarray(p["w"]), "b": p["b"]}
     with pytest.raises(di.PreparationMismatchError, match="x"):
         di.gradient(_tree_loss, "jax", numpy_leaf, di.Constant(batch), prep=prep)
@@ -541,7 +542,7 @@ def test_the_inline_steps_refuse_what_the_plan_refuses() -> None:
         return _tree_loss(q._asdict(), d)
 
     pair_prep = di.prepare_gradient(pair_f, "jax", Pair(p["w"], p["b"]), di.Constant(batch))
-    assert pair_prep.plan.flat_call is not None and "FLATTEN" in pair_prep.plan.flat_call.source
+    assert pair_prep.plan.jit is not None
     got = di.gradient(pair_f, "jax", Pair(p["w"], p["b"]), di.Constant(batch), prep=pair_prep)
     assert type(got) is Pair
     assert_tree_close(got._asdict(), di.gradient(_tree_loss, "jax", p, di.Constant(batch)), rtol=1e-6, atol=1e-6)
@@ -557,7 +558,7 @@ def test_the_inline_steps_refuse_what_the_plan_refuses() -> None:
     # arrays the same traced type while x64 is off)
     as_numpy = optree.tree_map(np.asarray, batch)
     numpy_prep = di.prepare_gradient(_tree_loss, "jax", p, di.Constant(as_numpy))
-    assert numpy_prep.plan.flat_call is not None and numpy_prep.plan.flat_call.numpy == 2
+    assert numpy_prep.plan.jit is not None and len(numpy_prep.plan.jit.numpy_leaves) == 2
     served = di.gradient(_tree_loss, "jax", p, di.Constant(as_numpy), prep=numpy_prep)
     assert_tree_close(served, di.gradient(_tree_loss, "jax", p, di.Constant(batch)), rtol=1e-6, atol=1e-6)
     numpy_batch = di.Constant(as_numpy)
@@ -586,12 +587,11 @@ def test_the_inline_steps_refuse_what_the_plan_refuses() -> None:
 
 @pytest.mark.parametrize("operator", ["jacobian", "hessian", "jvp"])
 def test_a_compiled_tree_result_that_needs_only_rebuilding_is_rebuilt_without_the_finisher(operator: str) -> None:
-    """jit gives its results the same types, dtypes and layouts on every run: where the first
-    finished result holds the program's own arrays, later ones are rebuilt on the new arrays
-    (Settled) with no frame per block. Mixed dtypes settle too: the blocks of a Jacobian or
-    Hessian are cast to the promoted dtype inside the trace. Where the finisher converts a block
-    (numpy x), it runs on every call. The results, and their dtypes, equal those without jit,
-    call after call."""
+    """Where x's leaves are jax arrays, jit's results need no conversion: they are rebuilt into
+    the trees of x and of f's output with no frame per block (JitProgram). Mixed dtypes too: the
+    blocks of a Jacobian or Hessian are cast to the promoted dtype inside the trace. Where the
+    finisher converts a block (numpy x), it runs on every call. The results, and their dtypes,
+    equal those without jit, call after call."""
     require(di.AutoJAX())
     import jax.numpy as jnp
 
@@ -617,16 +617,15 @@ def test_a_compiled_tree_result_that_needs_only_rebuilding_is_rebuilt_without_th
                 assert type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
             assert_tree_close(got, expected, rtol=1e-2 if x is mixed else 1e-5, atol=1e-2 if x is mixed else 1e-5)
         calls = _python_calls(lambda: op(f, "jax", *args, data, prep=prep))  # noqa: B023
-        # (the function written for the plan, FlatCall, runs the call; a settled result is
-        # rebuilt by the one function written for its two structures, see _flatten; any other
-        # result takes the finisher's frames)
-        assert (calls == [operator, "evaluate", "run", "rebuild"]) is settles, calls
+        # (jax arrays: the result is rebuilt by the functions written for the structures of x
+        # and of f's output, see _flatten; numpy leaves take the finisher's frames)
+        assert (calls[:3] == [operator, "evaluate", "run"]) is settles, calls  # (numpy x: the plan's steps)
+        assert ("convert" not in calls and "block" not in calls) is settles, calls
 
 
 def test_a_float64_prep_under_x64_runs_inline_and_keeps_float64_when_x64_is_off() -> None:
-    """A float64 prep made with jax's x64 on runs the plan's steps inline while it stays on (the
-    flag read in C), and, with x64 off, the plan's own steps run it in the x64 scope: float64
-    either way."""
+    """A float64 prep made with jax's x64 on runs in jax's tier while it stays on (the flag read
+    in C by the adapter's ``scope``), and, with x64 off, in the x64 scope: float64 either way."""
     require(di.AutoJAX())
     import jax
     import jax.numpy as jnp
@@ -637,9 +636,10 @@ def test_a_float64_prep_under_x64_runs_inline_and_keeps_float64_when_x64_is_off(
     with jax.enable_x64(True):
         x, c = jnp.linspace(0.1, 1.0, 10), di.Constant(jnp.linspace(1.0, 2.0, 10))
         prep = di.prepare_gradient(f, "jax", x, c)
-        assert prep.plan.flat_call is not None and prep.plan.flat_call.needs_x64 is not None
+        assert prep.plan.jit is not None and prep.plan.jit.scope is not None
         inside = di.gradient(f, "jax", x, c, prep=prep)
-        assert _python_calls(lambda: di.gradient(f, "jax", x, c, prep=prep)) == ["gradient", "evaluate", "run"]
+        calls = _python_calls(lambda: di.gradient(f, "jax", x, c, prep=prep))
+        assert calls == ["gradient", "evaluate", "run", "scope"], calls
     outside = di.gradient(f, "jax", x, c, prep=prep)
     assert inside.dtype == outside.dtype == np.float64
     np.testing.assert_allclose(np.asarray(outside), np.cos(np.asarray(x)) * np.asarray(c.value), rtol=1e-14)
@@ -746,38 +746,6 @@ def test_a_tree_jax_cannot_take_apart_is_refused_by_the_plan_not_raised_raw() ->
         assert type(got) is pair and float(got.b[1][0]) == 2.0
 
 
-def test_a_settled_result_is_rebuilt_by_one_function_written_for_its_two_structures() -> None:
-    """``structure_rebuild`` takes a tree of one structure apart and builds the other on its
-    leaves, as the two optree structures would; a tree of any other structure goes to the
-    fallback; and none is written for nodes it does not know, or for structures whose leaves
-    differ in number."""
-    import collections
-
-    from diffiface._flatten import structure_rebuild
-
-    a, b, c = object(), object(), object()
-    native = ((a, b), [c, None])
-    result_spec = optree.tree_structure({"w": 0, "inner": {"b": 0, "c": (0,)}})
-    result = optree.tree_unflatten(result_spec, [a, b, c])  # (keys in the dict's order, leaves sorted)
-    native_spec = optree.tree_structure(native)
-    missed: list[Any] = []
-    rebuild = structure_rebuild(native_spec, native, result_spec, result, lambda t: missed.append(t) or "fell back")
-    assert rebuild is not None
-    x, y, z = object(), object(), object()
-    got = rebuild(((x, y), [z, None]))
-    assert got == optree.tree_unflatten(result_spec, [x, y, z]) and list(got) == list(result) and not missed
-    for other in (((x, y), [z, 1]), ((x, y), (z, None)), ((x,), [y, None]), [(x, y), [z, None]]):
-        assert rebuild(other) == "fell back"
-    assert len(missed) == 4
-    Pair = collections.namedtuple("Pair", "p q")
-    named = Pair(a, b)
-    assert structure_rebuild(optree.tree_structure(named), named, optree.tree_structure((a, b)), (a, b), print) is None
-    assert structure_rebuild(native_spec, native, optree.tree_structure((a, b)), (a, b), print) is None
-    swapped = {"w": b, "inner": {"b": c, "c": (a,)}}  # (not what optree's structures would build)
-    assert swapped != result
-    assert structure_rebuild(native_spec, native, optree.tree_structure(swapped), swapped, print) is None
-
-
 @pytest.mark.parametrize("mode", ["autograd", "func"])
 def test_a_module_constant_is_known_by_its_type_on_the_plans_path(mode: str) -> None:
     """A context leaf that is no array (a torch module passed as di.Constant) is known by its
@@ -805,3 +773,14 @@ def test_a_module_constant_is_known_by_its_type_on_the_plans_path(mode: str) -> 
     assert prep.plan.leaves("gradient", loss, backend, params, None, (di.Constant(other), contexts[1]), False) is None
     with pytest.raises(di.PreparationMismatchError):
         di.gradient(loss, backend, params, di.Constant(other), contexts[1], prep=prep)
+
+
+def test_a_leaf_of_a_kind_without_a_family_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan knows a leaf by its family's test of shape and dtype; a kind no family has (a new
+    framework not yet given one) is refused, naming the kind, never known by its type alone
+    (which would let a later call of another shape or dtype fit)."""
+    from diffiface import _arrays, _plan
+
+    monkeypatch.setattr(_arrays, "kind", lambda leaf: "tensorflow")
+    with pytest.raises(di.UnsupportedOperationError, match="tensorflow"):
+        _plan.leaf_check(np.zeros(3))

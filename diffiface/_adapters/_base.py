@@ -69,6 +69,33 @@ def raised_by(exc: BaseException) -> str:
     return tb.tb_frame.f_code.co_name
 
 
+@dataclasses.dataclass(frozen=True)
+class ProgramParts:
+    """What :meth:`Adapter.compile` may read besides the program itself, settled once per prep
+    (torch reads them to guard the call, and to run it in one call of its own).
+
+    - ``cache_dynamic``, ``cache_static``: for each dynamic (array) and static context leaf,
+      whether it belongs to a :class:`~diffiface.Cache` (f's scratch space, which f may write)
+      rather than a :class:`~diffiface.Constant`;
+    - ``x_names``, ``names_dynamic``, ``names_static``: the paths of x's leaves and of the
+      dynamic and static context leaves (``x['w']``, ``contexts[0][1]``), for an error that
+      names one;
+    - ``fused``: the parts of the program an engine may run in one call of its own
+      (:class:`~diffiface._programs.Fused`), where the operator allows it; else None.
+    """
+
+    cache_dynamic: tuple[bool, ...] = ()
+    cache_static: tuple[bool, ...] = ()
+    x_names: tuple[str, ...] = ()
+    names_dynamic: tuple[str, ...] = ()
+    names_static: tuple[str, ...] = ()
+    fused: Any = None
+
+
+NO_PARTS = ProgramParts()
+"""The parts of a program that has none to read."""
+
+
 class Adapter:
     """Base adapter. Subclasses set ``xp`` (an array namespace) and override primitives."""
 
@@ -82,7 +109,8 @@ class Adapter:
     ``batched`` attribute of the closed function."""
     retraces = False
     """True when a compiled program is traced anew for arguments of other shapes or dtypes
-    (jax's jit): a program on flat arguments then checks them itself, at no cost per call."""
+    (jax's jit): the program then checks them itself, at no cost per call (jax's tier,
+    :class:`~diffiface._programs.JitProgram`)."""
 
     def __init__(self, backend: Backend, info: BackendInfo) -> None:
         self.backend = backend
@@ -155,13 +183,19 @@ class Adapter:
     """True when :meth:`compile` compiles (jax under jit)."""
 
     def compile(
-        self, program: Callable[..., Any], static: bool = True, arrays: bool = False, layouts: Any = None
+        self,
+        program: Callable[..., Any],
+        static: bool = True,
+        arrays: bool = False,
+        layouts: Any = None,
+        parts: ProgramParts | None = None,
     ) -> Callable[..., Any]:
         """Compile a program ``(xs, ts, dynamic_contexts, static_contexts) -> results``, or
         with ``static=False`` one whose every argument is an array; ``arrays``: its results
         are arrays only. ``layouts``: for a program on flat array arguments, where each one is
         laid out in every call (the prep's, one per argument; None for any): the compiled
-        call then needs no record of its arguments."""
+        call then needs no record of its arguments. ``parts``: what the adapter may read to
+        guard the call or run it in one call of its own (:class:`ProgramParts`)."""
         return program
 
     def returns_like(self, leaf: Any) -> bool:
@@ -431,9 +465,14 @@ class SecondOrderAdapter(Adapter):
         return self.inner.scope()
 
     def compile(
-        self, program: Callable[..., Any], static: bool = True, arrays: bool = False, layouts: Any = None
+        self,
+        program: Callable[..., Any],
+        static: bool = True,
+        arrays: bool = False,
+        layouts: Any = None,
+        parts: ProgramParts | None = None,
     ) -> Callable[..., Any]:
-        return self.inner.compile(program, static, arrays, layouts) if self._same_engine else program
+        return self.inner.compile(program, static, arrays, layouts, parts) if self._same_engine else program
 
     def returns_like(self, leaf: Any) -> bool:
         return self._same_engine and self.inner.returns_like(leaf)

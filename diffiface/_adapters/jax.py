@@ -79,7 +79,7 @@ class Adapter(_base.Adapter):
     scoped = True
 
     def scope(self) -> contextlib.AbstractContextManager[Any] | None:
-        if not jax.config.read("jax_enable_x64"):
+        if not _X64.value:
             return jax.enable_x64(True)  # type: ignore[no-any-return]
         return None
 
@@ -92,7 +92,12 @@ class Adapter(_base.Adapter):
         return self.compiles and isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
 
     def compile(
-        self, program: Callable[..., Any], static: bool = True, arrays: bool = False, layouts: Any = None
+        self,
+        program: Callable[..., Any],
+        static: bool = True,
+        arrays: bool = False,
+        layouts: Any = None,
+        parts: Any = None,
     ) -> Callable[..., Any]:
         if not self.compiles:
             return program
@@ -217,3 +222,23 @@ class Adapter(_base.Adapter):
 
     def basis(self, like: Any, index: int) -> Any:
         return jnp.zeros(like.size, like.dtype).at[index].set(1).reshape(like.shape)
+
+
+class _X64Read:
+    """jax's x64 flag read through its public config (where jax keeps no state object)."""
+
+    __slots__ = ()
+
+    @property
+    def value(self) -> bool:
+        return bool(jax.config.read("jax_enable_x64"))
+
+
+def _x64_state() -> Any:
+    """jax's x64 flag as an object whose ``value`` reads it (in C where jax keeps its state
+    object: ``jax.config.read`` is two Python frames)."""
+    state = getattr(getattr(getattr(jax, "_src", None), "config", None), "enable_x64", None)
+    return state if isinstance(getattr(state, "value", None), bool) else _X64Read()
+
+
+_X64 = _x64_state()

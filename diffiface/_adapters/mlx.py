@@ -135,7 +135,12 @@ class Adapter(_base.Adapter):
         return self.compiles and isinstance(leaf, mx.array)
 
     def compile(
-        self, program: Callable[..., Any], static: bool = True, arrays: bool = False, layouts: Any = None
+        self,
+        program: Callable[..., Any],
+        static: bool = True,
+        arrays: bool = False,
+        layouts: Any = None,
+        parts: Any = None,
     ) -> Callable[..., Any]:
         if not self.compiles:
             return program

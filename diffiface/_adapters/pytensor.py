@@ -219,7 +219,12 @@ class Adapter(_base.Adapter):
         return type(leaf) is np.ndarray
 
     def compile(
-        self, program: Callable[..., Any], static: bool = True, arrays: bool = False, layouts: Any = None
+        self,
+        program: Callable[..., Any],
+        static: bool = True,
+        arrays: bool = False,
+        layouts: Any = None,
+        parts: Any = None,
     ) -> Callable[..., Any]:
         flat = layouts is not None  # (a program on flat array arguments: FlatProgram.on_flat)
         sizes = getattr(getattr(program, "__self__", None), "sizes", None) if flat else None

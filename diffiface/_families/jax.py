@@ -85,6 +85,13 @@ def _from_children(treedef: Any, children: Any) -> Any:
     return sys.modules["jax"].tree_util.tree_unflatten(treedef, list(children))
 
 
+def pytree_flatten() -> Callable[[Any], tuple[list[Any], Any]] | None:
+    """jax's pytree flattening, ``tree -> (leaves, structure)``, where jax is imported (the
+    registry's own method, in C: ``tree_flatten`` is a Python frame around it); else None."""
+    jax = sys.modules.get("jax")
+    return None if jax is None else jax.tree_util.default_registry.flatten  # type: ignore[no-any-return]
+
+
 def mirror(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
     if value_family is not _SELF:
         value = from_numpy(np.asarray(as_numpy(value)), like, None)

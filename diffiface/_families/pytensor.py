@@ -79,7 +79,7 @@ def as_own(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], n
 
 
 def same(leaf: Any) -> Callable[[Any], bool] | None:
-    return None
+    raise _symbolic(leaf)  # (never a leaf of a call: no test that would pass it unchecked)
 
 
 CODE_MODULES: Final[frozenset[str]] = frozenset()

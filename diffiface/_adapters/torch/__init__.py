@@ -29,7 +29,7 @@ from ..._errors import (
     InvalidOutputError,
 )
 from .. import _base
-from .._base import Blocks, Fn, Leaves
+from .._base import NO_PARTS, Blocks, Fn, Leaves, ProgramParts
 from ._dtensor import _any_dtensor, _cotangents, _dense_of_dtensors, _forward_on_dtensors, _placed, is_dtensor
 from ._duals import (
     _DUALS,
@@ -175,16 +175,22 @@ class Adapter(_base.Adapter):
     # -- the guard around every call: state, nesting, writes into the inputs --------------------
 
     def compile(
-        self, program: Callable[..., Any], static: bool = True, arrays: bool = False, layouts: Any = None
+        self,
+        program: Callable[..., Any],
+        static: bool = True,
+        arrays: bool = False,
+        layouts: Any = None,
+        parts: ProgramParts | None = None,
     ) -> Callable[..., Any]:
-        guarded = _guard(program, self.functional, self.create_graph)
-        fused = getattr(program, "fused", None)
+        parts = NO_PARTS if parts is None else parts
+        guarded = _guard(program, self.functional, self.create_graph, parts)
+        fused = parts.fused
         if fused is None or not fused.dynamic or self.create_graph:
             return guarded
         fuse = _FUSED.get((fused.compute, self.functional))
         if fuse is None or fused.adapter is not self:  # (no fused call kept: the guard's steps)
             return guarded
-        return fuse(guarded, fused, program, functional=self.functional)
+        return fuse(guarded, fused, parts, functional=self.functional)
 
     # -- primitives ---------------------------------------------------------------------------
 

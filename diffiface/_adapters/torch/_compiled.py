@@ -204,9 +204,16 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
         # -- per prep: the programs of its own ---------------------------------------------------
 
         def compile(
-            self, program: Callable[..., Any], static: bool = True, arrays: bool = False, layouts: Any = None
+            self,
+            program: Callable[..., Any],
+            static: bool = True,
+            arrays: bool = False,
+            layouts: Any = None,
+            parts: Any = None,
         ) -> Callable[..., Any]:
-            guarded = _guard(program, True, False)  # (no fused call: the compiled program is the call)
+            guarded = (
+                _guard(program, True, False, parts) if parts is not None else _guard(program, True, False)
+            )  # (no fused call: the compiled program is the call)
             programs = _Programs()
             stack = _CURRENT.stack
 

@@ -68,12 +68,12 @@ class _Gradient:
 
     __slots__ = ("checked", "constant_at", "first", "functional", "fused", "guarded", "names", "plain")
 
-    def __init__(self, guarded: Callable[..., Any], fused: Any, program: Any, functional: bool = False) -> None:
+    def __init__(self, guarded: Callable[..., Any], fused: Any, parts: Any, functional: bool = False) -> None:
         self.guarded = guarded
         self.fused = fused
         self.checked = fused.checked
-        self.constant_at = tuple(i for i, cache in enumerate(program.cache_dynamic) if not cache)
-        self.names = _Names(program)
+        self.constant_at = tuple(i for i, cache in enumerate(parts.cache_dynamic) if not cache)
+        self.names = _Names(parts)
         self.functional = functional
         self.first = True  # no call has completed yet: f gets copies (see the guard's rule)
         # x's leaves (and the tangents) must be plain tensors (a DTensor's results are laid out

@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 from ... import tree as _tree
 from ..._errors import MutationError
-from .._base import Leaves
+from .._base import NO_PARTS, Leaves, ProgramParts
 from ._dtensor import _refuse_fully_sharded
 from ._duals import _DUALS, _dual_parts
 from ._explain import _FIX, _LEAF_WRITE, _CapturedWrite
@@ -60,7 +60,9 @@ def _carries_graph(x: Any) -> bool:
     return bool(_DUALS[0]) and _dual_parts(x)[1] is not None
 
 
-def _guard(program: Callable[..., Any], functional: bool, create_graph: bool) -> Callable[..., Any]:
+def _guard(
+    program: Callable[..., Any], functional: bool, create_graph: bool, parts: ProgramParts = NO_PARTS
+) -> Callable[..., Any]:
     """``program`` run so that the caller's state and arrays come out as they went in.
 
     - Under the caller's ``inference_mode`` it runs with inference mode off (nothing is recorded
@@ -90,9 +92,9 @@ def _guard(program: Callable[..., Any], functional: bool, create_graph: bool) ->
     The common call (one x, no tangent, one Constant tensor or none) takes no Python call
     besides ``program``'s: this runs on every call, and its cost is the library's overhead.
     """
-    cache_dynamic = getattr(program, "cache_dynamic", ())
-    cache_static = getattr(program, "cache_static", ())
-    names = _Names(program)
+    cache_dynamic = parts.cache_dynamic
+    cache_static = parts.cache_static
+    names = _Names(parts)
     # which dynamic context leaves are Constants (watched), not Caches (f's scratch space)
     constant_at = tuple(i for i, cache in enumerate(cache_dynamic) if not cache)
     watch_static = not all(cache_static)  # a Constant static leaf may be a torch.nn.Module
@@ -205,10 +207,10 @@ class _Names:
 
     __slots__ = ("dynamic", "static", "x")
 
-    def __init__(self, program: Any) -> None:
-        self.x: tuple[str, ...] = getattr(program, "x_names", ())
-        self.dynamic: tuple[str, ...] = getattr(program, "names_dynamic", ())
-        self.static: tuple[str, ...] = getattr(program, "names_static", ())
+    def __init__(self, parts: ProgramParts) -> None:
+        self.x: tuple[str, ...] = parts.x_names
+        self.dynamic: tuple[str, ...] = parts.names_dynamic
+        self.static: tuple[str, ...] = parts.names_static
 
     def of_x(self, i: int, count: int) -> str:
         if i < len(self.x):
