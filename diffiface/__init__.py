@@ -19,6 +19,7 @@ from ._backends import AutoFiniteDifferences as AutoFiniteDifferences
 from ._backends import AutoJAX as AutoJAX
 from ._backends import AutoScipy as AutoScipy
 from ._backends import AutoSparse as AutoSparse
+from ._backends import AutoTensorFlow as AutoTensorFlow
 from ._backends import AutoTorch as AutoTorch
 from ._backends import Backend as Backend
 from ._backends import SecondOrder as SecondOrder
@@ -113,6 +114,7 @@ __all__ = [
     "AutoJAX",
     "AutoScipy",
     "AutoSparse",
+    "AutoTensorFlow",
     "AutoTorch",
     "Backend",
     "SecondOrder",

@@ -112,7 +112,7 @@ OPERATORS: dict[str, Operator] = {op.name: op for op in _OPERATORS}
 _LEAF = _tree.structure(0)  # type: ignore[arg-type]  # a leaf's structure
 
 
-_ARRAY_KINDS = frozenset({"numpy", "torch", "jax"})
+_ARRAY_KINDS = frozenset({"numpy", "torch", "jax", "tensorflow"})
 
 
 class Call:

@@ -274,6 +274,8 @@ def _conj(leaf: Any) -> Any:
         return sys.modules["autograd.numpy"].conj(leaf)
     if kind == "python":
         return leaf.conjugate()
+    if kind == "tensorflow":
+        return sys.modules["tensorflow"].math.conj(leaf)
     return np.conj(leaf)
 
 
@@ -285,6 +287,8 @@ def as_complex(leaf: Any, dtype: str) -> Any:
         return leaf.to(getattr(sys.modules["torch"], dtype))
     if kind in ("jax", "autograd"):
         return leaf.astype(dtype)
+    if kind == "tensorflow":
+        return sys.modules["tensorflow"].cast(leaf, dtype)
     return np.asarray(leaf, dtype=dtype)
 
 
@@ -303,6 +307,9 @@ def _parts(leaf: Any) -> tuple[Any, Any]:
         return anp.real(leaf), anp.imag(leaf)
     if kind == "python":
         return leaf.real, leaf.imag
+    if kind == "tensorflow":
+        tf = sys.modules["tensorflow"]
+        return tf.math.real(leaf), tf.math.imag(leaf)
     array = np.asarray(leaf)
     return np.array(array.real), np.array(array.imag)
 
@@ -316,6 +323,8 @@ def from_parts(re: Any, im: Any) -> Any:
         return sys.modules["jax"].lax.complex(re, im)
     if kind == "python" and _arrays.kind(im) == "python":
         return complex(re, im)
+    if kind == "tensorflow" or _arrays.kind(im) == "tensorflow":
+        return sys.modules["tensorflow"].complex(re, im)
     return re + 1j * im
 
 

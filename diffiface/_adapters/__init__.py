@@ -27,6 +27,7 @@ from .._backends import (
     AutoJAX,
     AutoScipy,
     AutoSparse,
+    AutoTensorFlow,
     AutoTorch,
     Backend,
     SecondOrder,
@@ -124,6 +125,20 @@ BACKENDS: tuple[BackendInfo, ...] = (
         native=frozenset({"pullback", "gradient", "pushforward"}),  # pushforward: two reverse passes
         arrays="numpy",
         complex_convention="conjugate",
+        reverse_first=True,
+    ),
+    BackendInfo(
+        name="tensorflow",
+        config=AutoTensorFlow,
+        module="diffiface._adapters.tensorflow",
+        requires=("tensorflow",),
+        extra="tensorflow",
+        forward_mode=True,
+        reverse_mode=True,
+        native=_FIRST,
+        arrays="tensorflow",
+        complex_convention="torch",
+        jit=True,
         reverse_first=True,
     ),
     BackendInfo(

@@ -41,9 +41,9 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from . import autograd, jax, numpy, python, torch
+from . import autograd, jax, numpy, python, tensorflow, torch
 
-Kind = Literal["python", "numpy", "torch", "jax", "autograd", "other"]
+Kind = Literal["python", "numpy", "torch", "jax", "autograd", "tensorflow", "other"]
 """A family's name, or ``"other"`` for a leaf no family owns (a foreign pytree, a string)."""
 
 
@@ -89,7 +89,7 @@ class Family(Protocol):
     def jit_checked(self, leaf: Any) -> bool: ...
 
 
-FAMILIES: tuple[Family, ...] = (numpy, python, torch, jax, autograd)
+FAMILIES: tuple[Family, ...] = (numpy, python, torch, jax, autograd, tensorflow)
 """In the order their ``owns`` is asked: numpy before Python, since numpy's float64 is a float."""
 
 BY_KIND: dict[str, Family] = {family.NAME: family for family in FAMILIES}

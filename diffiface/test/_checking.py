@@ -1502,7 +1502,9 @@ def _available_backends(x: Any) -> list[Backend]:
     kinds = {_arrays.kind(leaf) for leaf in _tree.leaves(x)}
     family = _arrays.family(kinds)
     by_family: dict[str, list[Backend]] = {"torch": [AutoTorch(), AutoTorch(mode="func")], "jax": [AutoJAX()]}
-    candidates = by_family.get(family, [AutoJAX(), AutoTorch(), AutoTorch(mode="func"), di.AutoAutograd()])
+    own = [row.config() for row in BACKENDS if row.arrays == family and family not in ("numpy", "python")]
+    # (an engine whose arrays are its own, TensorFlow's, is the one that can run f on them)
+    candidates = by_family.get(family, own or [AutoJAX(), AutoTorch(), AutoTorch(mode="func"), di.AutoAutograd()])
     # engines of other packages, whose registry rows say which arrays they take (Python numbers: numpy's)
     arrays = "numpy" if family == "python" else family
     candidates += [row.config() for row in rows()[len(BACKENDS) :] if row.arrays == arrays]
