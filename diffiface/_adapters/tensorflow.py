@@ -250,9 +250,11 @@ class _Graph:
     def __init__(self, program: Callable[..., Any], static: bool, key: Any) -> None:
         self.program, self.static, self.key = program, static, key
         self.kept: tuple[Any, list[bool], list[Any]] | None = None
+        self.arguments: Any = None  # the structure of the arguments, whose leaves the graph takes
         self.function = tf.function(self, autograph=False, reduce_retracing=False)
 
-    def __call__(self, *args: Any) -> list[Any]:
+    def __call__(self, *leaves: Any) -> list[Any]:
+        args = optree.tree_unflatten(self.arguments, leaves)
         result = self.program(*args, self.key) if self.static else self.program(*args)
         leaves, spec = optree.tree_flatten(result, none_is_leaf=True)
         mask = [isinstance(leaf, tf.Tensor) for leaf in leaves]
@@ -260,7 +262,10 @@ class _Graph:
         return [leaf for leaf, m in zip(leaves, mask, strict=True) if m]
 
     def run(self, args: tuple[Any, ...]) -> Any:
-        out = self.function(*args)
+        # the graph takes the arguments' leaves, flat: TensorFlow binds flat tensors quicker
+        # than nested tuples
+        leaves, self.arguments = optree.tree_flatten(args)
+        out = self.function(*leaves)
         assert self.kept is not None  # (set by the trace, which the first call runs)
         spec, mask, others = self.kept
         tensors, rest = iter(out), iter(others)
