@@ -8,6 +8,7 @@ in CI: the extra ``diffiface[tensorflow]``)."""
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # (TensorFlow's C++ start-up notes on stderr)
@@ -259,3 +260,44 @@ def test_check_gradients_picks_tensorflow_for_tensorflow_arrays() -> None:
     report = check_gradients(loss, tf.constant([0.3, -0.4], dtype=tf.float64))
     assert not report.failed, report
     assert [row.backend for row in report.rows if row.status == "passed"] == ["tensorflow"], report
+
+
+# -- cross-framework: a TensorFlow f inside jax and torch ---------------------------------------------
+
+
+def scaled(x: Any, scale: Any) -> Any:
+    return tf.reduce_sum(scale * tf.sin(x) * x)
+
+
+X = np.array([0.3, -1.0, 2.0])
+FIRST = 2 * (np.cos(X) * X + np.sin(X))
+SECOND = 2 * (2 * np.cos(X) - X * np.sin(X))
+
+
+def test_differentiate_with_inside_jax() -> None:
+    jax = pytest.importorskip("jax")
+    g = di.differentiate_with(scaled, "tensorflow")
+    x = jax.numpy.asarray(X, dtype="float32")
+    np.testing.assert_allclose(jax.grad(lambda x: g(x, di.Constant(2.0)))(x), FIRST, rtol=1e-5)
+    np.testing.assert_allclose(jax.jit(jax.grad(lambda x: g(x, di.Constant(2.0))))(x), FIRST, rtol=1e-5)
+    hessian = jax.hessian(lambda x: g(x, di.Constant(2.0)))(x)
+    np.testing.assert_allclose(np.asarray(hessian), np.diag(SECOND), rtol=1e-4, atol=1e-6)
+    h = di.differentiate_with(lambda x: tf.sin(x) * x, "tensorflow")
+    expected = np.diag(FIRST / 2)
+    np.testing.assert_allclose(jax.jacrev(h)(x), expected, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(jax.jacfwd(h)(x), expected, rtol=1e-5, atol=1e-7)
+
+
+def test_differentiate_with_inside_torch() -> None:
+    torch = pytest.importorskip("torch")
+    g = di.differentiate_with(scaled, "tensorflow")
+    x = torch.tensor(X, requires_grad=True)
+    (grad,) = torch.autograd.grad(g(x, di.Constant(2.0)), x, create_graph=True)
+    np.testing.assert_allclose(grad.detach().numpy(), FIRST, rtol=1e-12)
+    (second,) = torch.autograd.grad(grad.sum(), x)
+    np.testing.assert_allclose(second.numpy(), SECOND, rtol=1e-10)
+    h = di.differentiate_with(lambda x: tf.sin(x) * x, "tensorflow")
+    with warnings.catch_warnings():  # (torch's forward mode scripts its decompositions on first use)
+        warnings.filterwarnings("ignore", "`torch.jit.script` is deprecated", DeprecationWarning)
+        _, tangent = torch.func.jvp(h, (torch.tensor(X),), (torch.ones(3, dtype=torch.float64),))
+    np.testing.assert_allclose(tangent.numpy(), FIRST / 2, rtol=1e-12)

@@ -253,8 +253,8 @@ class _Graph:
         self.arguments: Any = None  # the structure of the arguments, whose leaves the graph takes
         self.function = tf.function(self, autograph=False, reduce_retracing=False)
 
-    def __call__(self, *leaves: Any) -> list[Any]:
-        args = optree.tree_unflatten(self.arguments, leaves)
+    def __call__(self, *arguments: Any) -> list[Any]:
+        args = optree.tree_unflatten(self.arguments, arguments)
         result = self.program(*args, self.key) if self.static else self.program(*args)
         leaves, spec = optree.tree_flatten(result, none_is_leaf=True)
         mask = [isinstance(leaf, tf.Tensor) for leaf in leaves]
@@ -264,7 +264,8 @@ class _Graph:
     def run(self, args: tuple[Any, ...]) -> Any:
         # the graph takes the arguments' leaves, flat: TensorFlow binds flat tensors quicker
         # than nested tuples
-        leaves, self.arguments = optree.tree_flatten(args)
+        leaves: list[Any]
+        leaves, self.arguments = optree.tree_flatten(args)  # type: ignore[arg-type]
         out = self.function(*leaves)
         assert self.kept is not None  # (set by the trace, which the first call runs)
         spec, mask, others = self.kept

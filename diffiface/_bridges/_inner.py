@@ -27,6 +27,7 @@ from .._backends import (
     AutoJAX,
     AutoScipy,
     AutoSparse,
+    AutoTensorFlow,
     AutoTorch,
     Backend,
     SecondOrder,
@@ -45,13 +46,15 @@ Leaves = list[Any]
 
 
 def inner_kind(backend: Backend) -> str:
-    """Which arrays ``f`` takes under ``backend``: ``"jax"``, ``"torch"`` or ``"numpy"``."""
+    """Which arrays ``f`` takes under ``backend``: ``"jax"``, ``"torch"``, ``"tensorflow"`` or ``"numpy"``."""
     if isinstance(backend, AutoSparse):
         return inner_kind(backend.backend)
     if isinstance(backend, AutoJAX):
         return "jax"
     if isinstance(backend, AutoTorch):
         return "torch"
+    if isinstance(backend, AutoTensorFlow):
+        return "tensorflow"
     if isinstance(backend, (AutoAutograd, AutoFiniteDifferences, AutoScipy)):
         return "numpy"
     if isinstance(backend, SecondOrder):
@@ -67,7 +70,7 @@ def nestable(backend: Backend) -> bool:
     """Whether ``backend`` can differentiate its own derivatives (second order through g)."""
     if isinstance(backend, AutoSparse):
         return nestable(backend.backend)
-    return isinstance(backend, (AutoJAX, AutoTorch, AutoAutograd))
+    return isinstance(backend, (AutoJAX, AutoTorch, AutoAutograd, AutoTensorFlow))
 
 
 def first_order_only(backend: Backend, what: str) -> UnsupportedOperationError:
@@ -131,6 +134,9 @@ def to_inner(leaf: Any, kind: str) -> Any:
             array = array.view()  # a view of the caller's memory: f may read it, never write it
             array.flags.writeable = False
         return array
+    if kind == "tensorflow":  # (a copy: TensorFlow's tensors own their memory)
+        tf = sys.modules.get("tensorflow") or __import__("tensorflow")
+        return tf.constant(leaf.detach().cpu().numpy() if source == "torch" else np.asarray(leaf))
     if kind == "torch":
         torch = sys.modules.get("torch") or __import__("torch")
         if source == "torch":
@@ -165,6 +171,8 @@ def _jax_numpy() -> Any:
 def _namespace(kind: str) -> Any:
     if kind == "torch":
         return sys.modules.get("torch") or __import__("torch")
+    if kind == "tensorflow":
+        return sys.modules["tensorflow"].experimental.numpy
     if kind == "jax":
         return _jax_numpy()
     return np
@@ -186,7 +194,7 @@ def output_avals(leaves: Sequence[Any]) -> tuple[Aval, ...]:
     outer engine. Anything else (a string, an object) is refused before an engine meets it."""
     for index, leaf in enumerate(leaves):
         kind = _arrays.kind(leaf)
-        if kind in ("torch", "jax", "python"):
+        if kind in ("torch", "jax", "tensorflow", "python"):
             continue
         if kind == "numpy" and np.asarray(leaf).dtype.kind in "biufc":
             continue
@@ -361,6 +369,8 @@ class Inner:
             if _arrays.dtype_name(leaf) != aval.dtype:
                 if self.kind == "torch":
                     leaf = leaf.to(getattr(_namespace("torch"), aval.dtype))
+                elif self.kind == "tensorflow":
+                    leaf = sys.modules["tensorflow"].cast(leaf, aval.dtype)
                 else:
                     leaf = leaf.astype(aval.dtype)
             out.append(leaf)
@@ -445,6 +455,8 @@ class Inner:
     def _by_jacobian(self, plan: Plan, batch: int) -> bool:
         dtypes = {a.dtype for a in (*plan.x_avals, *plan.y_avals)}
         if len(dtypes) != 1 or not plan.x_avals or not plan.y_avals:
+            return False
+        if self.kind == "tensorflow":  # (its tensors have no array methods to flatten them by)
             return False
         n = sum(a.size for a in plan.x_avals)
         m = sum(a.size for a in plan.y_avals)
