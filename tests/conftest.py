@@ -131,6 +131,10 @@ def namespace(tree: Any) -> Any:
         import autograd.numpy as anp
 
         return anp
+    if module.startswith(("tensorflow", "keras")):
+        import tensorflow as tf
+
+        return tf.experimental.numpy
     return np
 
 
