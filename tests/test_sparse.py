@@ -59,7 +59,11 @@ def test_sparse_scenarios(engine: di.Backend) -> None:
     expected = 3 * len(scenarios)
     assert counts.get("passed", 0) + counts.get("skipped", 0) == expected
     hessians = sum("hessian" in s.operator for s in scenarios)
-    family = None if engine.black_box else {"torch": "torch", "jax": "jax", "autograd": "autograd"}[engine.name]
+    family = (
+        None
+        if engine.black_box
+        else {"torch": "torch", "jax": "jax", "autograd": "autograd"}.get(engine.name, engine.name)
+    )
     foreign = sum(family is not None and family not in s.frameworks for s in scenarios)  # another engine's code
     assert counts.get("skipped", 0) == (hessians if isinstance(engine, di.AutoScipy) else 0) + 3 * foreign, (
         report.table()
