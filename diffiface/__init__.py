@@ -20,6 +20,7 @@ from ._backends import AutoJAX as AutoJAX
 from ._backends import AutoMLX as AutoMLX
 from ._backends import AutoPyTensor as AutoPyTensor
 from ._backends import AutoScipy as AutoScipy
+from ._backends import AutoTensorFlow as AutoTensorFlow
 from ._backends import AutoTorch as AutoTorch
 from ._backends import Backend as Backend
 from ._backends import SecondOrder as SecondOrder
@@ -117,6 +118,7 @@ __all__ = [
     "AutoMLX",
     "AutoScipy",
     "AutoSparse",
+    "AutoTensorFlow",
     "AutoTorch",
     "Backend",
     "SecondOrder",

@@ -100,6 +100,8 @@ def dtype_name(leaf: Any) -> str:
         # (a non-native byte order, ">f8" as read from FITS or HDF5, is the same number type)
         name = str(native_dtype(dtype))
         name = name.rpartition(".")[2]  # a framework's own dtype prints as "module.float32"
+        if name.startswith("<"):  # (one that prints as "<dtype: 'float32'>" names itself)
+            name = str(getattr(dtype, "name", name))
         with contextlib.suppress(TypeError):  # an unhashable dtype of some other library: not kept
             _DTYPE_NAMES[dtype] = name
         return name

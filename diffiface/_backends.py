@@ -23,6 +23,7 @@ __all__ = [
     "AutoMLX",
     "AutoScipy",
     "AutoSparse",
+    "AutoTensorFlow",
     "AutoTorch",
     "Backend",
     "SecondOrder",
@@ -331,6 +332,35 @@ class AutoScipy(Backend):
     @property
     def black_box(self) -> bool:
         return True
+
+
+@dataclass(frozen=True)
+class AutoTensorFlow(Backend):
+    """Differentiate with TensorFlow (``tf.GradientTape``, ``tf.autodiff.ForwardAccumulator``).
+
+    ``x`` may hold ``tf.Tensor`` and ``tf.Variable`` leaves (a Keras 3 model's
+    ``trainable_variables``), numpy arrays and floats; ``f`` is called with ``tf.Tensor``
+    leaves (the variables' values, read once: a variable is never written). A result for a
+    variable is a ``tf.Tensor`` of its dtype; for a numpy array, a numpy array. Reverse mode
+    is a ``GradientTape``, forward mode a ``ForwardAccumulator``, second order the two nested
+    (an hvp forward over reverse).
+
+    Parameters
+    ----------
+    jit:
+        Run each prepared operator as one ``tf.function`` (a TensorFlow graph, without XLA:
+        ``jit_compile`` is left off, and autograph is off, so ``f`` must branch on values with
+        ``tf.cond`` or ``tf.where``). Context arrays and floats are arguments of the graph
+        (new values never retrace; a float becomes a tensor of x's dtype); other context
+        leaves are compared by value. ``f`` is then traced once per prep, and cannot call
+        ``.numpy()`` on what it is given.
+    """
+
+    name: ClassVar[str] = "tensorflow"
+    jit: bool = False
+
+    def __post_init__(self) -> None:
+        _check_bool(self, "jit", self.jit)
 
 
 @dataclass(frozen=True)

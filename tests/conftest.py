@@ -139,6 +139,10 @@ def namespace(tree: Any) -> Any:
         import mlx.core
 
         return mlx.core
+    if module.startswith(("tensorflow", "keras")):
+        import tensorflow as tf
+
+        return tf.experimental.numpy
     return np
 
 

@@ -33,15 +33,15 @@ def _run(args, capsys):
         (["--scenarios", "core,layer"], "core, layers, torch"),
         (["--scenarios", ""], "core, layers, torch"),
         (["--operators", "gradient,grad"], "gradient_and_hvp"),
-        (["--backends", "jax,tensorflow"], "torch-func"),
+        (["--backends", "jax,theano"], "torch-func"),
         (["-j", "0"], "positive"),
         (
             ["--backends", ""],
-            "choose from jax, torch, torch-autograd, torch-func, torch-compile, autograd, finite_differences, scipy",
+            "choose from jax, torch, torch-autograd, torch-func, torch-compile, autograd",
         ),
         (
             ["--backends", ","],
-            "choose from jax, torch, torch-autograd, torch-func, torch-compile, autograd, finite_differences, scipy",
+            "choose from jax, torch, torch-autograd, torch-func, torch-compile, autograd",
         ),
         (["--operators", ","], "choose from batched_hvp, batched_jvp, batched_vjp, derivative"),
         (["--operators", "derivative", "--scenarios", "sparse"], "operators are hessian, jacobian"),

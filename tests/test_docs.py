@@ -47,7 +47,21 @@ DOCS = ROOT / "docs"
 API = DOCS / "api"
 
 # Engines a page or module may need; a missing one skips the test instead of failing it.
-ENGINES = ("jax", "jaxlib", "torch", "autograd", "scipy", "array_api_compat", "equinox", "flax", "haiku", "mlx")
+ENGINES = (
+    "jax",
+    "jaxlib",
+    "torch",
+    "autograd",
+    "scipy",
+    "array_api_compat",
+    "equinox",
+    "flax",
+    "haiku",
+    "tensorflow",
+    "keras",
+    "mlx",
+    "pytensor",
+)
 
 # --- code blocks of the pages -------------------------------------------------------------------
 

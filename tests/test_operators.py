@@ -54,7 +54,8 @@ A = np.array([[2.0, 1.0, 0.0], [0.5, 3.0, -1.0], [0.0, 0.25, 1.0]])
 
 
 def quadratic(x: Any, a: Any) -> Any:
-    return 0.5 * (x @ (a @ x))
+    xp = namespace(x)  # (matmul, not @: TensorFlow's @ takes matrices only, its numpy's matmul vectors too)
+    return 0.5 * xp.matmul(x, xp.matmul(a, x))
 
 
 def exp_map(x: Any, c: float) -> Any:

@@ -28,6 +28,7 @@ from .._backends import (
     AutoMLX,
     AutoPyTensor,
     AutoSparse,
+    AutoTensorFlow,
     AutoTorch,
     Backend,
     SecondOrder,
@@ -79,7 +80,7 @@ def nestable(backend: Backend) -> bool:
     """Whether ``backend`` can differentiate its own derivatives (second order through g)."""
     if isinstance(backend, AutoSparse):
         return nestable(backend.backend)
-    return isinstance(backend, (AutoJAX, AutoTorch, AutoAutograd, AutoMLX))
+    return isinstance(backend, (AutoJAX, AutoTorch, AutoAutograd, AutoMLX, AutoTensorFlow))
 
 
 def first_order_only(backend: Backend, what: str) -> UnsupportedOperationError:
@@ -138,17 +139,18 @@ def to_inner(leaf: Any, kind: str) -> Any:
     shared = None if source is None else source.exchange(leaf)
     if source is family:
         return shared
-    xp = family.numpy_like()
-    if shared is not None:
+    from_dlpack = getattr(family.numpy_like(), "from_dlpack", None)
+    if shared is not None and from_dlpack is not None:
         try:
-            inner = xp.from_dlpack(shared)
+            inner = from_dlpack(shared)
         except (BufferError, RuntimeError, TypeError, ValueError):  # a layout or device dlpack cannot share
             leaf = _arrays.to_numpy(shared)
         else:
             if _arrays.dtype_name(inner) == _arrays.dtype_name(shared):  # (mlx's takes float64 as float32)
                 return inner
             leaf = _arrays.to_numpy(shared)
-    return family.from_numpy(np.array(leaf), None, None)  # (no like: its own dtype kept)
+    array = np.array(leaf if source is None else _arrays.to_numpy(leaf))  # (a copy, its own dtype)
+    return family.from_numpy(array, None, None)
 
 
 def to_numpy(leaf: Any) -> np.ndarray:
@@ -425,6 +427,8 @@ class Inner:
     def _by_jacobian(self, plan: Plan, batch: int) -> bool:
         dtypes = {a.dtype for a in (*plan.x_avals, *plan.y_avals)}
         if len(dtypes) != 1 or not plan.x_avals or not plan.y_avals:
+            return False
+        if self.kind == "tensorflow":  # (its tensors have no array methods to flatten them by)
             return False
         n = sum(a.size for a in plan.x_avals)
         m = sum(a.size for a in plan.y_avals)

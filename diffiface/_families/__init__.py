@@ -61,9 +61,9 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from . import autograd, jax, mlx, numpy, pytensor, python, torch
+from . import autograd, jax, mlx, numpy, pytensor, python, tensorflow, torch
 
-Kind = Literal["python", "numpy", "torch", "jax", "autograd", "pytensor", "mlx", "other"]
+Kind = Literal["python", "numpy", "torch", "jax", "autograd", "pytensor", "mlx", "tensorflow", "other"]
 """A family's name, or ``"other"`` for a leaf no family owns (a foreign pytree, a string)."""
 
 
@@ -135,7 +135,7 @@ class Family(Protocol):
     def traced(self, leaf: Any) -> Any: ...
 
 
-FAMILIES: tuple[Family, ...] = (numpy, python, torch, jax, autograd, pytensor, mlx)
+FAMILIES: tuple[Family, ...] = (numpy, python, torch, jax, autograd, pytensor, mlx, tensorflow)
 """In the order their ``owns`` is asked: numpy before Python, since numpy's float64 is a float."""
 
 BY_KIND: dict[str, Family] = {family.NAME: family for family in FAMILIES}

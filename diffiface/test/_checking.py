@@ -1518,8 +1518,10 @@ def _available_backends(x: Any) -> list[Backend]:
     kinds = {_arrays.kind(leaf) for leaf in _tree.leaves(x)}
     family = _arrays.family(kinds)
     by_family: dict[str, list[Backend]] = {"torch": [AutoTorch(), AutoTorch(mode="func")], "jax": [AutoJAX()]}
+    own = [row.config() for row in BACKENDS if row.arrays == family and family not in ("numpy", "python")]
+    # (an engine whose arrays are its own, TensorFlow's, is the one that can run f on them)
     candidates = by_family.get(
-        family, [AutoJAX(), AutoTorch(), AutoTorch(mode="func"), di.AutoAutograd(), di.AutoPyTensor()]
+        family, own or [AutoJAX(), AutoTorch(), AutoTorch(mode="func"), di.AutoAutograd(), di.AutoPyTensor()]
     )
     # engines of other packages, whose registry rows say which arrays they take (Python numbers: numpy's)
     arrays = "numpy" if family == "python" else family

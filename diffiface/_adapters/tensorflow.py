@@ -1,0 +1,304 @@
+"""TensorFlow: ``tf.GradientTape`` (reverse), ``tf.autodiff.ForwardAccumulator`` (forward),
+the two nested for second order, and ``tf.function`` under ``jit=True``.
+
+``f`` is called with ``tf.Tensor`` leaves: a variable of x (``tf.Variable``, a Keras 3
+variable) is read once into a tensor, which the tape watches; the variable itself is never
+watched, written or returned. A tape answers once unless persistent, so the pullback of
+:meth:`Adapter.pullback_function`, which may be applied many times (a Jacobian's rows), keeps
+a persistent one; a gradient takes a plain one. Whether an output of ``f`` is traced is asked
+of the tape (or the accumulator) running, so a value ``f`` cut from the trace (``.numpy()``,
+``float(y)``) is found, never differentiated as zero.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import optree
+import tensorflow as tf
+from tensorflow.python.eager import record
+from tensorflow.python.types import core as tensorflow_core
+
+from .. import _arrays
+from .._errors import ArrayTypeError, MutationError
+from .._families.tensorflow import dtype_of
+from . import _base
+from ._base import Fn, Leaves, raised_inside
+
+_ZERO = tf.UnconnectedGradients.ZERO
+_TENSOR = tensorflow_core.Tensor  # tensors, variables, Keras 3 variables on TensorFlow
+
+
+class _Namespace:
+    """The few array functions ``_base`` needs, with TensorFlow's names."""
+
+    stack = staticmethod(tf.stack)
+    reshape = staticmethod(tf.reshape)
+    zeros_like = staticmethod(tf.zeros_like)
+    ones_like = staticmethod(tf.ones_like)
+    sum = staticmethod(tf.reduce_sum)
+
+    @staticmethod
+    def zeros(shape: tuple[int, ...], dtype: Any = None) -> Any:
+        return tf.zeros(shape, dtype=dtype if dtype is not None else tf.float32)
+
+
+class _Tracing(threading.local):
+    """What traces the current evaluation of ``f`` in this thread: the tapes and accumulators
+    of the calls running, innermost last (``("tape", None)`` or ``("forward", accumulator)``)."""
+
+    def __init__(self) -> None:
+        self.stack: list[tuple[str, Any]] = []
+
+
+_tracing = _Tracing()
+
+
+class Adapter(_base.Adapter):
+    xp = _Namespace
+
+    def __init__(self, backend: Any, info: Any) -> None:
+        super().__init__(backend, info)
+        self.compiles = bool(backend.jit)
+
+    # -- conversions ----------------------------------------------------------------------------
+
+    def to_native(self, leaf: Any) -> Any:
+        if isinstance(leaf, tf.Tensor):
+            return leaf
+        kind = _arrays.kind(leaf)
+        if kind == "tensorflow":  # a variable: its value, read once (never the variable itself)
+            return tf.convert_to_tensor(leaf)
+        if kind == "python":
+            return tf.constant(leaf, dtype=tf.complex128 if isinstance(leaf, complex) else tf.float64)
+        if kind == "numpy":
+            return tf.constant(_arrays.in_native_byte_order(np.asarray(leaf)))
+        raise ArrayTypeError(
+            f"The tensorflow backend was given a {type(leaf).__module__}.{type(leaf).__name__} where it "
+            "takes tf.Tensor, tf.Variable, numpy arrays or floats (a tangent of another framework?). "
+            "Convert it to a tf.Tensor of x's dtype."
+        )
+
+    def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
+        if isinstance(leaf, tf.Tensor):
+            return leaf, True
+        kind = _arrays.kind(leaf)
+        if kind == "numpy":
+            leaf = _arrays.in_native_byte_order(np.asarray(leaf))
+            if leaf.dtype.kind not in "biufc":  # strings, objects: passed as they are
+                return leaf, False
+            return tf.constant(leaf), True  # (a copy: f cannot reach the caller's array)
+        if self.compiles and type(leaf) is float:
+            # under tf.function a Python float would retrace the graph for each new value:
+            # a tensor of x's dtype, as TensorFlow's own arithmetic converts a float
+            dtype = dtype_of(like) if isinstance(like, _TENSOR) else tf.float64
+            return tf.constant(leaf, dtype=dtype.real_dtype if dtype.is_complex else dtype), True
+        return leaf, False
+
+    def constant_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
+        if _arrays.kind(leaf) == "tensorflow" and not isinstance(leaf, tf.Tensor):
+            # a variable in a Constant: its value, so that f cannot assign to the caller's variable
+            return tf.convert_to_tensor(leaf), True
+        return self.context_to_native(leaf, like)
+
+    def output_leaf(self, leaf: Any, like: Any) -> Any:
+        if isinstance(leaf, tf.Tensor):
+            return leaf
+        if isinstance(leaf, _TENSOR):  # f returned a variable: its value
+            return tf.convert_to_tensor(leaf)
+        # a number or numpy array that does not depend on x (untracked() has checked): a constant
+        dtype = dtype_of(like) if isinstance(like, _TENSOR) and _arrays.kind(leaf) == "python" else None
+        return tf.constant(leaf, dtype=dtype)
+
+    def untracked(self, leaf: Any, xs: Leaves) -> bool:
+        stack = _tracing.stack
+        if not stack or not xs:
+            return False
+        if not isinstance(leaf, tf.Tensor):
+            return True  # a number or numpy array while x is traced: f left TensorFlow
+        how, accumulator = stack[-1]
+        if how == "tape":
+            return not record.should_record_backprop([leaf])
+        return accumulator.jvp(leaf) is None  # type: ignore[no-any-return]
+
+    def plain(self, leaf: Any) -> Any:
+        return leaf
+
+    def basis(self, like: Any, index: int) -> Any:
+        dtype = dtype_of(like)
+        flat = np.zeros(int(np.prod(tuple(like.shape))), dtype=dtype.as_numpy_dtype)
+        flat[index] = 1
+        return tf.constant(flat.reshape(tuple(like.shape)), dtype=dtype)
+
+    def explain_failure(self, exc: BaseException) -> str | None:
+        if isinstance(exc, AttributeError) and any(
+            f"has no attribute '{name}'" in str(exc)
+            for name in ("assign", "assign_add", "assign_sub", "scatter_update")
+        ):
+            raise MutationError(
+                "f assigns into x or a Constant (variable.assign...). diffiface hands f tf.Tensor values "
+                "of the caller's variables, which it never writes: compute out of place and return the "
+                "new value (has_aux=True), or pass scratch variables as di.Cache."
+            ) from exc
+        if isinstance(exc, (NotImplementedError, AttributeError)) and "numpy" in str(exc) and self.compiles:
+            return (
+                "f needs the values of its tensors as numpy (.numpy(), np.asarray, a numpy function), which "
+                "a tf.function graph does not have. Write f with TensorFlow operations, or use "
+                "AutoTensorFlow(jit=False)."
+            )
+        if isinstance(exc, TypeError) and "OperatorNotAllowedInGraphError" in type(exc).__name__:
+            return (
+                "f branches in Python on the value of a tensor (if, while, bool()), which a tf.function "
+                "graph traced without autograph cannot do. Use tf.cond or tf.where, or AutoTensorFlow(jit=False)."
+            )
+        if isinstance(exc, TypeError) and (raised_inside(exc, "torch") or raised_inside(exc, "jax")):
+            return (
+                "f handed a TensorFlow tensor to a function that does not take one (torch, jax); "
+                "differentiate such an f with its own engine, any function with AutoFiniteDifferences()."
+            )
+        return None
+
+    # -- jit: a tf.function per prep ---------------------------------------------------------------
+
+    def compile(
+        self,
+        program: Callable[..., Any],
+        static: bool = True,
+        arrays: bool = False,
+        layouts: Any = None,
+        parts: Any = None,
+    ) -> Callable[..., Any]:
+        if not self.compiles:
+            return program
+        graphs: dict[Any, _Graph] = {}
+
+        def run(*args: Any) -> Any:
+            key = args[3] if static else None
+            graph = graphs.get(key)
+            if graph is None:
+                graph = graphs[key] = _Graph(program, static, key)
+            return graph.run(args[:3] if static else args)
+
+        return run
+
+    # -- primitives -------------------------------------------------------------------------------
+
+    def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
+        # persistent: the pullback may be applied many times (a Jacobian's rows)
+        with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
+            tape.watch(xs)
+            out, aux = _traced(fn, xs, ("tape", None))
+
+        def vjp(touts: Any) -> Leaves:
+            if isinstance(out, tuple):
+                grads = tape.gradient(list(out), list(xs), output_gradients=list(touts), unconnected_gradients=_ZERO)
+            else:
+                grads = tape.gradient(out, list(xs), output_gradients=touts, unconnected_gradients=_ZERO)
+            return _dense(grads)
+
+        return out, aux, vjp
+
+    def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(xs)
+            value, aux = _traced(fn, xs, ("tape", None))
+        grads = tape.gradient(value, list(xs), output_gradients=_real_one(value), unconnected_gradients=_ZERO)
+        return value, aux, _dense(grads)
+
+    def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
+        if not xs:
+            out, aux = fn(xs)
+            return out, aux, _zeros_like_out(out)
+        if not any(x.dtype.is_complex for x in xs):
+            with tf.autodiff.ForwardAccumulator(list(xs), list(txs)) as accumulator:
+                out, aux = _traced(fn, xs, ("forward", accumulator))
+            outs = out if isinstance(out, tuple) else (out,)
+            if not any(y.dtype.is_complex for y in outs):
+                touts = accumulator.jvp(list(outs), unconnected_gradients=_ZERO)
+                return out, aux, tuple(touts) if isinstance(out, tuple) else touts[0]
+        # A ForwardAccumulator watches real primals only (a complex one is dropped, with a
+        # logged warning, and its tangent would read as zero), and its rules for complex
+        # operations are not the convention's: the pushforward is then the adjoint of the
+        # pullback, by reverse mode through it.
+        return self._pushforward_by_pullbacks(fn, xs, txs)
+
+    def _pushforward_by_pullbacks(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
+        """The jvp as the pullback's adjoint under ``Re<a, b>``: the gradient in ``u`` of
+        ``Re<t, vjp(u)>`` (the pullback is linear in ``u`` over the reals)."""
+        with tf.GradientTape(watch_accessed_variables=False) as outer:
+            with tf.GradientTape(watch_accessed_variables=False) as inner:
+                inner.watch(xs)
+                out, aux = _traced(fn, xs, ("tape", None))
+            outs = list(out) if isinstance(out, tuple) else [out]
+            us = [tf.zeros_like(y) for y in outs]
+            outer.watch(us)
+            grads = inner.gradient(outs, list(xs), output_gradients=us, unconnected_gradients=_ZERO)
+            total = tf.zeros((), dtype=tf.float64)
+            for g, t in zip(grads, txs, strict=True):
+                g = tf.convert_to_tensor(g)
+                term = tf.reduce_sum(tf.math.real(tf.math.conj(tf.cast(t, g.dtype)) * g))
+                total += tf.cast(term, tf.float64)
+        touts = outer.gradient(total, us, unconnected_gradients=_ZERO)
+        touts = [tf.cast(t, y.dtype) for t, y in zip(touts, outs, strict=True)]
+        return out, aux, tuple(touts) if isinstance(out, tuple) else touts[0]
+
+
+class _Graph:
+    """A program as one ``tf.function``, for one value of its static argument. A graph returns
+    tensors only: the other leaves of a result (None, an aux's string) are kept from the trace.
+    (A callable object, not a closure: TensorFlow counts the retracings of a function by its
+    code, which every prep's closure would share.)"""
+
+    def __init__(self, program: Callable[..., Any], static: bool, key: Any) -> None:
+        self.program, self.static, self.key = program, static, key
+        self.kept: tuple[Any, list[bool], list[Any]] | None = None
+        self.arguments: Any = None  # the structure of the arguments, whose leaves the graph takes
+        self.function = tf.function(self, autograph=False, reduce_retracing=False)
+
+    def __call__(self, *arguments: Any) -> list[Any]:
+        args = optree.tree_unflatten(self.arguments, arguments)
+        result = self.program(*args, self.key) if self.static else self.program(*args)
+        leaves, spec = optree.tree_flatten(result, none_is_leaf=True)
+        mask = [isinstance(leaf, tf.Tensor) for leaf in leaves]
+        self.kept = (spec, mask, [leaf for leaf, m in zip(leaves, mask, strict=True) if not m])
+        return [leaf for leaf, m in zip(leaves, mask, strict=True) if m]
+
+    def run(self, args: tuple[Any, ...]) -> Any:
+        # the graph takes the arguments' leaves, flat: TensorFlow binds flat tensors quicker
+        # than nested tuples
+        leaves: list[Any]
+        leaves, self.arguments = optree.tree_flatten(args)  # type: ignore[arg-type]
+        out = self.function(*leaves)
+        assert self.kept is not None  # (set by the trace, which the first call runs)
+        spec, mask, others = self.kept
+        tensors, rest = iter(out), iter(others)
+        return optree.tree_unflatten(spec, [next(tensors) if m else next(rest) for m in mask])
+
+
+def _traced(fn: Fn, xs: Leaves, how: tuple[str, Any]) -> tuple[Any, Any]:
+    """``fn(xs)``, with ``how`` its outputs are traced known to :meth:`Adapter.untracked`."""
+    stack = _tracing.stack
+    stack.append(how)
+    try:
+        return fn(xs)
+    finally:
+        stack.pop()
+
+
+def _dense(grads: list[Any]) -> Leaves:
+    """Gradients as dense tensors (a gather's gradient is a ``tf.IndexedSlices``)."""
+    return tuple(g if isinstance(g, tf.Tensor) else tf.convert_to_tensor(g) for g in grads)
+
+
+def _real_one(value: Any) -> Any:
+    """The cotangent 1 of a scalar output, in its dtype."""
+    return tf.ones_like(value)
+
+
+def _zeros_like_out(out: Any) -> Any:
+    if isinstance(out, tuple):
+        return tuple(tf.zeros_like(y) for y in out)
+    return tf.zeros_like(out)

@@ -1,0 +1,180 @@
+"""TensorFlow tensors and variables: ``tf.Tensor``, ``tf.Variable``, and the variables of a
+Keras 3 model on TensorFlow (``model.trainable_variables``), all derived from TensorFlow's
+core tensor type. A result for any of them is a ``tf.Tensor`` of its dtype: a derivative is
+never a variable, and a variable of the caller is never written."""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any, Final
+
+import numpy as np
+
+from ._shared import MetaLeaves, no_refusal, unopened, untraced
+
+NAME: Final = "tensorflow"
+ARRAY: Final = True
+PASSED_THROUGH: Final = False
+GRAPH: Final = False
+
+
+def owns(cls: type) -> bool:
+    core = sys.modules.get("tensorflow.python.types.core")
+    return core is not None and issubclass(cls, core.Tensor)
+
+
+def _tf() -> Any:
+    return sys.modules["tensorflow"]
+
+
+def dtype_of(leaf: Any) -> Any:
+    """``leaf``'s dtype as TensorFlow's (a Keras variable names its dtype by a string)."""
+    dtype = leaf.dtype
+    return dtype if type(dtype) is not str else _tf().as_dtype(dtype)
+
+
+def shape_of(leaf: Any) -> tuple[Any, ...]:
+    return tuple(leaf.shape)
+
+
+def signature(leaf: Any) -> tuple[Any, ...]:
+    # (the dtype by its name, as the checks and messages name numpy's: "float32")
+    return (NAME, shape_of(leaf), dtype_of(leaf).name)
+
+
+def numpy_like() -> Any:
+    return sys.modules["tensorflow"].experimental.numpy
+
+
+def to_numpy(leaf: Any) -> np.ndarray:
+    numpy = getattr(leaf, "numpy", None)
+    try:
+        return np.asarray(numpy() if numpy is not None else leaf)
+    except (NotImplementedError, AttributeError, TypeError) as exc:  # a symbolic tensor of a tf.function
+        from .._errors import UnsupportedOperationError
+
+        raise UnsupportedOperationError(
+            f"A symbolic TensorFlow tensor (shape {shape_of(leaf)}, inside a tf.function) reached a step "
+            "that needs its values as numpy. Call diffiface outside tf.function, or with a backend that "
+            "stays in TensorFlow (AutoTensorFlow())."
+        ) from exc
+
+
+def from_numpy(array: np.ndarray, like: Any, dtype: Any) -> Any:
+    tf = _tf()
+    if like is None and dtype is None:  # (the array's own dtype)
+        return tf.constant(array)
+    return tf.constant(array, dtype=dtype_of(like) if dtype is None else tf.as_dtype(dtype))
+
+
+def _as_tensor(value: Any) -> Any:
+    """A variable's value as a tensor (results are never the caller's variables)."""
+    tf = _tf()
+    return value if isinstance(value, tf.Tensor) else tf.convert_to_tensor(value)
+
+
+def mirror(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
+    if value_family is not _SELF:
+        return from_numpy(np.asarray(as_numpy(value)), like, None)
+    value = _as_tensor(value)
+    dtype = dtype_of(like)
+    return value if value.dtype == dtype else _tf().cast(value, dtype)
+
+
+def as_own(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
+    if value_family is _SELF:
+        return _as_tensor(value)
+    if value_family is None:
+        return value
+    return _tf().constant(np.asarray(as_numpy(value)))
+
+
+def cast(value: Any, dtype: str) -> Any:
+    return _tf().cast(value, dtype)
+
+
+def block_like(value: Any, like: Any) -> Any:
+    return value
+
+
+def layout(leaf: Any) -> None:
+    return None
+
+
+class _Same:
+    """The test that a later leaf has the prepared one's shape and dtype."""
+
+    __slots__ = ("dtype", "shape")
+
+    def __init__(self, leaf: Any) -> None:
+        self.shape, self.dtype = shape_of(leaf), leaf.dtype
+
+    def test(self, value: Any) -> bool:
+        return tuple(value.shape) == self.shape and value.dtype == self.dtype  # type: ignore[no-any-return]
+
+
+def same(leaf: Any) -> Callable[[Any], bool]:
+    return _Same(leaf).test
+
+
+_meta = operator.attrgetter("shape", "dtype")  # (read in C, no frame per leaf)
+
+
+def leaves_test(leaves: list[Any]) -> Callable[[list[Any]], bool]:
+    return MetaLeaves(leaves, _meta)
+
+
+def jit_checked(leaf: Any) -> bool:
+    return False
+
+
+_SELF = sys.modules[__name__]
+"""This module, as the family a value is compared with."""
+
+
+CODE_MODULES: Final[frozenset[str]] = frozenset()
+
+
+def exchange(leaf: Any) -> None:
+    return None  # (crosses as a numpy copy: a variable's later assignments must not be seen)
+
+
+def dtype_scope(dtypes: Iterable[str]) -> contextlib.nullcontext[None]:
+    return contextlib.nullcontext()
+
+
+def conj(leaf: Any) -> Any:
+    return _tf().math.conj(leaf)
+
+
+def parts(leaf: Any) -> tuple[Any, Any]:
+    tf = _tf()
+    return tf.math.real(leaf), tf.math.imag(leaf)
+
+
+def from_parts(re: Any, im: Any) -> Any:
+    tf = _tf()
+    if owns(type(re)) and owns(type(im)):
+        return tf.complex(re, im)
+    return re + 1j * im
+
+
+def private_copy(leaf: Any) -> Any:
+    return leaf  # (tensors are immutable; a variable is read into a tensor by the adapter)
+
+
+def eval_shape(fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]]) -> None:
+    return None  # (f is evaluated at zeros)
+
+
+def laid_out_ravel(leaves: list[Any]) -> None:
+    return None
+
+
+values = to_numpy
+x_refusal = no_refusal
+opened = unopened
+traced = untraced

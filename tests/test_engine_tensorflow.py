@@ -1,0 +1,303 @@
+"""The TensorFlow engine: the scenario suite, what TensorFlow users pass (variables, a Keras 3
+model's trainable variables, tensor and numpy batches), the contract (nothing mutated, results
+mirror x, float64 kept), complex numbers in the project's convention, refusals, and jit.
+
+Skipped, with the reason, where TensorFlow is not installed (it has an environment of its own
+in CI: the extra ``diffiface[tensorflow]``)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # (TensorFlow's C++ start-up notes on stderr)
+
+import numpy as np
+import pytest
+
+import diffiface as di
+from diffiface.test import check_gradients, core_scenarios, test_differentiation
+
+tf = pytest.importorskip(
+    "tensorflow", reason='the tensorflow backend is not installed: pip install "diffiface[tensorflow]"'
+)
+
+BACKENDS = [pytest.param(di.AutoTensorFlow(), id="eager"), pytest.param(di.AutoTensorFlow(jit=True), id="jit")]
+
+
+def loss(x: Any, scale: Any = 1.0) -> Any:
+    return tf.reduce_sum(scale * tf.sin(x) * x**2)
+
+
+def loss_grad(x: np.ndarray, scale: float = 1.0) -> np.ndarray:
+    return scale * (np.cos(x) * x**2 + 2 * x * np.sin(x))
+
+
+# -- the scenario suite ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_core_scenarios(backend: di.Backend) -> None:
+    scenarios = core_scenarios(quick=True)
+    report = test_differentiation([backend], scenarios)
+    assert report.counts().get("passed", 0) == len(scenarios), report.summary()
+
+
+def test_string_name_is_the_default_backend() -> None:
+    x = tf.constant([0.5, -1.0])
+    expected = di.gradient(loss, di.AutoTensorFlow(), x)
+    got = di.gradient(loss, "tensorflow", x)
+    np.testing.assert_array_equal(got.numpy(), expected.numpy())
+
+
+# -- what TensorFlow users pass --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_variable_gives_a_tensor_of_its_dtype_and_is_not_written(backend: di.Backend, dtype: str) -> None:
+    start = np.array([0.3, -1.2, 2.0], dtype=dtype)
+    variable = tf.Variable(start)
+    prep = di.prepare_value_and_gradient(loss, backend, variable)
+    for _ in range(2):
+        value, grad = di.value_and_gradient(loss, backend, variable, prep=prep)
+        assert type(grad) is type(tf.constant(0.0)), type(grad)
+        assert grad.dtype == variable.dtype and value.dtype == variable.dtype
+        np.testing.assert_allclose(grad.numpy(), loss_grad(start.astype(np.float64)), rtol=1e-5)
+    np.testing.assert_array_equal(variable.numpy(), start)
+    # a new value of the same variable is read anew: no stale value from the prep
+    variable.assign(start + 1.0)
+    grad = di.gradient(loss, backend, variable)
+    np.testing.assert_allclose(grad.numpy(), loss_grad((start + 1.0).astype(np.float64)), rtol=1e-5)
+
+
+def _keras_model(dtype: str = "float32") -> Any:
+    keras = pytest.importorskip("keras")
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip(f"Keras runs on {keras.backend.backend()}, not TensorFlow")
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(5, activation="tanh", dtype=dtype), keras.layers.Dense(1, dtype=dtype)]
+    )
+
+
+def keras_loss(trainable: list[Any], model: Any, non_trainable: list[Any], data: Any, target: Any) -> Any:
+    prediction, _ = model.stateless_call(trainable, non_trainable, data)
+    return tf.reduce_mean((prediction - target) ** 2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("batch", ["tensor", "numpy"])
+def test_keras_trainable_variables(backend: di.Backend, batch: str) -> None:
+    model = _keras_model()
+    rng = np.random.default_rng(0)
+    data, target = rng.standard_normal((8, 4)).astype("float32"), rng.standard_normal((8, 1)).astype("float32")
+    if batch == "tensor":
+        data, target = tf.constant(data), tf.constant(target)
+    trainable = model.trainable_variables
+    before = [v.numpy().copy() for v in trainable]
+    batch_contexts = (di.Constant(model.non_trainable_variables), di.Constant(data), di.Constant(target))
+    if backend.jit:  # a compiled graph takes the model as part of f (a Constant model is refused: identity)
+
+        def f(trainable: list[Any], non_trainable: list[Any], data: Any, target: Any) -> Any:
+            return keras_loss(trainable, model, non_trainable, data, target)
+
+        contexts: tuple[Any, ...] = batch_contexts
+    else:
+        f, contexts = keras_loss, (di.Constant(model), *batch_contexts)
+    grads = di.gradient(f, backend, trainable, *contexts)
+    with tf.GradientTape() as tape:
+        expected = tape.gradient(tf.reduce_mean((model(tf.constant(data)) - target) ** 2), trainable)
+    assert isinstance(grads, list) and len(grads) == len(trainable)
+    for g, e, v in zip(grads, expected, trainable, strict=True):
+        assert isinstance(g, tf.Tensor) and g.dtype == tf.float32 and tuple(g.shape) == tuple(v.shape)
+        np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-5, atol=1e-6)
+    for v, b in zip(trainable, before, strict=True):
+        np.testing.assert_array_equal(v.numpy(), b)
+    report = check_gradients(f, trainable, *contexts)
+    assert not report.failed and report.counts().get("passed", 0) >= 1, report
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_numpy_in_numpy_out_and_float64_kept(backend: di.Backend) -> None:
+    x = np.array([0.1, 0.2, 0.3])  # float64: a float32 computation would miss by ~1e-8
+    grad = di.gradient(loss, backend, x)
+    assert type(grad) is np.ndarray and grad.dtype == np.float64
+    np.testing.assert_allclose(grad, loss_grad(x), rtol=1e-13)
+    assert isinstance(di.gradient(loss, backend, 0.5), float)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_operator_on_a_tensor(backend: di.Backend) -> None:
+    x = tf.constant([0.4, -0.7], dtype=tf.float64)
+    v = tf.constant([1.0, 2.0], dtype=tf.float64)
+    xn, vn = x.numpy(), v.numpy()
+    second = 2 * np.sin(xn) + 4 * xn * np.cos(xn) - xn**2 * np.sin(xn)
+    np.testing.assert_allclose(di.hvp(loss, backend, x, v).numpy(), second * vn, rtol=1e-12)
+    np.testing.assert_allclose(di.hessian(loss, backend, x).numpy(), np.diag(second), rtol=1e-12)
+    vector = lambda x: tf.sin(x) * x  # noqa: E731
+    jac = np.diag(np.cos(xn) * xn + np.sin(xn))
+    np.testing.assert_allclose(di.jacobian(vector, backend, x).numpy(), jac, rtol=1e-12)
+    np.testing.assert_allclose(di.jvp(vector, backend, x, v).numpy(), jac @ vn, rtol=1e-12)
+    np.testing.assert_allclose(di.vjp(vector, backend, x, v).numpy(), jac.T @ vn, rtol=1e-12)
+    t = tf.constant(0.3, dtype=tf.float64)
+    np.testing.assert_allclose(di.second_derivative(lambda t: t**4, backend, t).numpy(), 12 * 0.3**2, rtol=1e-12)
+
+
+# -- refusals and the contract ----------------------------------------------------------------------
+
+
+def test_a_value_cut_from_the_tape_is_refused() -> None:
+    def cut(x: Any) -> Any:
+        return tf.constant(tf.reduce_sum(x**2).numpy())
+
+    with pytest.raises(di.InvalidOutputError, match="not through the tensorflow engine's trace"):
+        di.gradient(cut, "tensorflow", tf.constant([1.0, 2.0]))
+    with pytest.raises(di.InvalidOutputError):
+        di.jvp(lambda x: tf.constant((x**2).numpy()), "tensorflow", tf.constant([1.0, 2.0]), tf.ones(2))
+
+
+def test_an_output_that_does_not_depend_on_x_has_zero_derivative() -> None:
+    grad = di.gradient(lambda x: tf.constant(3.0), "tensorflow", tf.constant([1.0, 2.0]))
+    np.testing.assert_array_equal(grad.numpy(), np.zeros(2))
+    grad = di.gradient(lambda x: 3.0, "tensorflow", tf.constant([1.0, 2.0]))
+    np.testing.assert_array_equal(grad.numpy(), np.zeros(2))
+
+
+def test_assigning_to_a_constant_variable_is_refused_and_nothing_changes() -> None:
+    state = tf.Variable([1.0, 2.0])
+
+    def writes(x: Any, state: Any) -> Any:
+        state.assign(state * 2)
+        return tf.reduce_sum(x * state)
+
+    with pytest.raises(di.MutationError, match="assigns"):
+        di.gradient(writes, "tensorflow", tf.constant([1.0, 1.0]), di.Constant(state))
+    np.testing.assert_array_equal(state.numpy(), [1.0, 2.0])
+
+
+def test_jit_takes_new_context_values_without_a_stale_graph() -> None:
+    backend = di.AutoTensorFlow(jit=True)
+    x = tf.constant([0.5, 1.5])
+    prep = di.prepare_gradient(loss, backend, x, di.Constant(2.0))
+    for scale in (2.0, 3.0):
+        grad = di.gradient(loss, backend, x, di.Constant(scale), prep=prep)
+        np.testing.assert_allclose(grad.numpy(), loss_grad(x.numpy().astype(np.float64), scale), rtol=1e-5)
+    data = np.array([1.0, -1.0], dtype="float32")
+    g = lambda x, d: tf.reduce_sum(x * d)  # noqa: E731
+    prep = di.prepare_gradient(g, backend, x, di.Constant(data))
+    np.testing.assert_array_equal(di.gradient(g, backend, x, di.Constant(data), prep=prep).numpy(), data)
+    np.testing.assert_array_equal(di.gradient(g, backend, x, di.Constant(-data), prep=prep).numpy(), -data)
+
+
+def test_jit_refuses_a_model_as_a_constant() -> None:
+    model = _keras_model()
+    with pytest.raises(di.ContextError, match="static"):
+        di.gradient(
+            keras_loss,
+            di.AutoTensorFlow(jit=True),
+            model.trainable_variables,
+            di.Constant(model),
+            di.Constant([]),
+            di.Constant(tf.ones((2, 4))),
+            di.Constant(tf.ones((2, 1))),
+        )
+
+
+def test_jit_explains_numpy_inside_the_graph() -> None:
+    with pytest.raises(di.FrameworkMismatchError, match="jit=False"):
+        di.gradient(lambda x: tf.reduce_sum(x) + float(np.sum(x.numpy())), di.AutoTensorFlow(jit=True), tf.ones(2))
+
+
+def test_preparation_is_strict() -> None:
+    prep = di.prepare_gradient(loss, "tensorflow", tf.ones(3))
+    with pytest.raises(di.PreparationMismatchError, match="tensorflow"):
+        di.gradient(loss, "tensorflow", tf.ones(4), prep=prep)
+
+
+# -- complex numbers: the project's convention (torch's) ------------------------------------------
+
+
+Z = np.array([3 + 4j, 0.5 - 1.25j])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_complex_gradient_is_the_convention(backend: di.Backend) -> None:
+    z = tf.constant(Z)
+    grad = di.gradient(lambda z: tf.reduce_sum(tf.math.real(z * tf.math.conj(z))), backend, z)
+    np.testing.assert_allclose(grad.numpy(), 2 * Z)  # |z|^2 at 3+4j -> 6+8j
+    w = np.array([0.5 + 1j, -2 + 0.25j])
+    grad = di.gradient(lambda z: tf.reduce_sum(tf.math.real(z * z * w)), backend, z)
+    np.testing.assert_allclose(grad.numpy(), np.conj(2 * Z * w))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_complex_jvp_vjp_and_hvp_agree_with_torch(backend: di.Backend) -> None:
+    torch = pytest.importorskip("torch")
+    v = np.array([1 - 0.5j, 0.25 + 2j])
+
+    def tf_f(z: Any) -> Any:
+        return tf.exp(z) * tf.math.conj(z)
+
+    def torch_f(z: Any) -> Any:
+        return torch.exp(z) * torch.conj(z)
+
+    z, zt, vt = tf.constant(Z), torch.tensor(Z), torch.tensor(v)
+    np.testing.assert_allclose(
+        di.jvp(tf_f, backend, z, tf.constant(v)).numpy(), di.jvp(torch_f, "torch", zt, vt).numpy()
+    )
+    np.testing.assert_allclose(
+        di.vjp(tf_f, backend, z, tf.constant(v)).numpy(), di.vjp(torch_f, "torch", zt, vt).numpy()
+    )
+    np.testing.assert_allclose(
+        di.hvp(lambda z: tf.reduce_sum(tf.math.abs(z) ** 4), backend, z, tf.constant(v)).numpy(),
+        di.hvp(lambda z: torch.sum(torch.abs(z) ** 4), "torch", zt, vt).numpy(),
+    )
+
+
+def test_check_gradients_picks_tensorflow_for_tensorflow_arrays() -> None:
+    report = check_gradients(loss, tf.constant([0.3, -0.4], dtype=tf.float64))
+    assert not report.failed, report
+    assert [row.backend for row in report.rows if row.status == "passed"] == ["tensorflow"], report
+
+
+# -- cross-framework: a TensorFlow f inside jax and torch ---------------------------------------------
+
+
+def scaled(x: Any, scale: Any) -> Any:
+    return tf.reduce_sum(scale * tf.sin(x) * x)
+
+
+X = np.array([0.3, -1.0, 2.0])
+FIRST = 2 * (np.cos(X) * X + np.sin(X))
+SECOND = 2 * (2 * np.cos(X) - X * np.sin(X))
+
+
+def test_differentiate_with_inside_jax() -> None:
+    jax = pytest.importorskip("jax")
+    g = di.differentiate_with(scaled, "tensorflow")
+    x = jax.numpy.asarray(X, dtype="float32")
+    np.testing.assert_allclose(jax.grad(lambda x: g(x, di.Constant(2.0)))(x), FIRST, rtol=1e-5)
+    np.testing.assert_allclose(jax.jit(jax.grad(lambda x: g(x, di.Constant(2.0))))(x), FIRST, rtol=1e-5)
+    hessian = jax.hessian(lambda x: g(x, di.Constant(2.0)))(x)
+    np.testing.assert_allclose(np.asarray(hessian), np.diag(SECOND), rtol=1e-4, atol=1e-6)
+    h = di.differentiate_with(lambda x: tf.sin(x) * x, "tensorflow")
+    expected = np.diag(FIRST / 2)
+    np.testing.assert_allclose(jax.jacrev(h)(x), expected, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(jax.jacfwd(h)(x), expected, rtol=1e-5, atol=1e-7)
+
+
+def test_differentiate_with_inside_torch() -> None:
+    torch = pytest.importorskip("torch")
+    g = di.differentiate_with(scaled, "tensorflow")
+    x = torch.tensor(X, requires_grad=True)
+    (grad,) = torch.autograd.grad(g(x, di.Constant(2.0)), x, create_graph=True)
+    np.testing.assert_allclose(grad.detach().numpy(), FIRST, rtol=1e-12)
+    (second,) = torch.autograd.grad(grad.sum(), x)
+    np.testing.assert_allclose(second.numpy(), SECOND, rtol=1e-10)
+    h = di.differentiate_with(lambda x: tf.sin(x) * x, "tensorflow")
+    with warnings.catch_warnings():  # (torch's forward mode scripts its decompositions on first use)
+        warnings.filterwarnings("ignore", "`torch.jit.script` is deprecated", DeprecationWarning)
+        _, tangent = torch.func.jvp(h, (torch.tensor(X),), (torch.ones(3, dtype=torch.float64),))
+    np.testing.assert_allclose(tangent.numpy(), FIRST / 2, rtol=1e-12)
