@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import platform
@@ -48,6 +49,17 @@ def _modules() -> list[str]:
     return sorted(path.stem for path in ROWS.glob("*.py") if not path.stem.startswith("_"))
 
 
+def _load(name: str) -> Any:
+    """A rows module by its file (its name is its engine's, which an import by name would take
+    for the engine's own package)."""
+    spec = importlib.util.spec_from_file_location(f"engine_rows_{name}", ROWS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def _as_numpy(value: Any) -> np.ndarray:
     if hasattr(value, "numpy"):
         value = value.detach() if hasattr(value, "detach") else value
@@ -63,12 +75,13 @@ def _same(a: Any, b: Any) -> bool:
 def run(quick: bool) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, str]] = []
-    sys.path.insert(0, str(ROWS))
     for name in _modules():
         try:
-            module = importlib.import_module(name)
+            module = _load(name)
             started = time.perf_counter()
-            cases = module.cases(quick)
+            cases = [(module.ENGINE, *case) for case in module.cases(quick)]
+            if hasattr(module, "cases_jit"):  # (the engine's jit option, against the same native call)
+                cases += [(f"{module.ENGINE} (jit=True)", *case) for case in module.cases_jit(quick)]
         except ImportError as exc:
             skipped.append({"module": name, "reason": f"not installed ({exc})"})
             continue
@@ -76,7 +89,7 @@ def run(quick: bool) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
             skipped.append({"module": name, "reason": f"failed: {type(exc).__name__}: {exc}"})
             traceback.print_exc()
             continue
-        for label, ours, native in cases:
+        for engine, label, ours, native in cases:
             first = time.perf_counter()
             same = _same(ours(), native())
             compile_s = time.perf_counter() - first  # both first calls: traces and compiles
@@ -84,7 +97,7 @@ def run(quick: bool) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
             goal = GOALS.get(label)
             rows.append(
                 {
-                    "engine": module.ENGINE,
+                    "engine": engine,
                     "label": label,
                     "native_s": native_median,
                     "diffiface_s": median,
@@ -96,7 +109,7 @@ def run(quick: bool) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
                     "setup_s": time.perf_counter() - started,
                 }
             )
-            print(f"{module.ENGINE:16s} {label:10s} ratio {ratio:.3f} ({'same' if same else 'DIFFERENT'})", flush=True)
+            print(f"{engine:24s} {label:10s} ratio {ratio:.3f} ({'same' if same else 'DIFFERENT'})", flush=True)
     return rows, skipped
 
 

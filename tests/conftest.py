@@ -31,6 +31,12 @@ if importlib.util.find_spec("jax") is not None:
 # -- backends ---------------------------------------------------------------------------------
 
 
+_TEST_OPTIONS: dict[str, dict[str, Any]] = {"pytensor": {"mode": "FAST_COMPILE"}}
+"""Options the parametrised tests give an engine: PyTensor compiles every graph with numba by
+default, seconds per graph, where the tests build thousands of small ones (its default mode
+runs the scenario suite in tests/test_engine_pytensor.py)."""
+
+
 def _first_order() -> dict[str, di.Backend]:
     """One backend per row of the registry, one per mode where a backend has modes (torch's),
     so that a new adapter is tested as soon as it is registered."""
@@ -40,7 +46,7 @@ def _first_order() -> dict[str, di.Backend]:
         if modes:
             backends.update({f"{row.name}-{mode}": row.config(mode=mode) for mode in modes})  # type: ignore[call-arg]
         else:
-            backends[row.name] = row.config()
+            backends[row.name] = row.config(**_TEST_OPTIONS.get(row.name, {}))
     return backends
 
 
