@@ -94,20 +94,27 @@ def dtype_name(leaf: Any) -> str:
     dtype = getattr(leaf, "dtype", None)
     if dtype is None:
         return type(leaf).__name__
+    names = _DTYPE_NAMES.get(type(dtype))  # (str() of a dtype costs more than the rest of a quick call's checks)
+    if names is None:
+        names = _DTYPE_NAMES[type(dtype)] = {}
     try:
-        return _DTYPE_NAMES[dtype]  # (str() of a dtype costs more than the rest of a quick call's checks)
+        return names[dtype]
     except (KeyError, TypeError):
-        # (a non-native byte order, ">f8" as read from FITS or HDF5, is the same number type)
-        name = str(native_dtype(dtype))
-        name = name.rpartition(".")[2]  # a framework's own dtype prints as "module.float32"
-        if name.startswith("<"):  # (one that prints as "<dtype: 'float32'>" names itself)
-            name = str(getattr(dtype, "name", name))
-        with contextlib.suppress(TypeError):  # an unhashable dtype of some other library: not kept
-            _DTYPE_NAMES[dtype] = name
-        return name
+        pass
+    # (a non-native byte order, ">f8" as read from FITS or HDF5, is the same number type)
+    name = str(native_dtype(dtype))
+    name = name.rpartition(".")[2]  # a framework's own dtype prints as "module.float32"
+    if name.startswith("<dtype"):  # (TensorFlow's prints as "<dtype: 'float32'>": it names itself)
+        name = str(getattr(dtype, "name", name))
+    with contextlib.suppress(TypeError):  # an unhashable dtype of some other library: not kept
+        names[dtype] = name
+    return name
 
 
-_DTYPE_NAMES: dict[Any, str] = {}
+_DTYPE_NAMES: dict[type, dict[Any, str]] = {}
+"""Each dtype's name, by the dtype's class, then by the dtype: a compiled torch trace reads this
+table, and would otherwise hash every framework's dtypes, some in C where torch.compile cannot
+trace (mlx's)."""
 
 
 def shape(leaf: Any) -> tuple[int, ...]:

@@ -136,10 +136,10 @@ def _(mp):
     return lambda: di.prepare_jacobian("sin", "jax", x), (x,)
 
 
-@case("backend-unknown-name", (), di.UnknownBackendError, r"Unknown backend name 'tensorflow'.*'jax'.*di\.AutoJAX\(\)")
+@case("backend-unknown-name", (), di.UnknownBackendError, r"Unknown backend name 'theano'.*'jax'.*di\.AutoJAX\(\)")
 def _(mp):
     x = vec()
-    return lambda: di.gradient(square_sum, "tensorflow", x), (x,)
+    return lambda: di.gradient(square_sum, "theano", x), (x,)
 
 
 @case("backend-not-a-backend", (), di.UnknownBackendError, r"backend must be a backend object.*got int")
