@@ -259,6 +259,30 @@ def torch_users(name: str = "torch_users.json") -> str:
     )
 
 
+def engines() -> str:
+    """Each engine's prepared gradient against its own fastest call (benchmarks/engines.py)."""
+    data = _load("engines.json")
+    meta, rows = data["meta"], data["rows"]
+    body = [
+        [
+            f"`{row['engine']}`",
+            row["label"],
+            _ratio(row["ratio"]),
+            _ratio(row["goal"]) if row["goal"] else "—",
+            row["check"],
+            f"{row['setup_s']:.1f}",
+        ]
+        for row in rows
+    ]
+    body += [[f"`{row['module']}`", "skipped", "—", "—", row["reason"], "—"] for row in data["skipped"]]
+    table = _table(["engine", "size", "diffiface / native", "goal", "check", "setup (s)"], body)
+    return (
+        table + f"\nPrepared gradient by string name; {meta['versions']}; measured {meta['when'][:10]} by "
+        f"`{meta['command']}`, on CPUs {meta['cpus']}, interleaved rounds. `setup`: the seconds from loading the "
+        "engine's rows to the end of this row's timing, preparations, traces and compiles included (cumulative per engine).\n"
+    )
+
+
 def readme_torch_users() -> str:
     """The README's short form of torch-users: the `"torch"` rows that have a goal."""
     data = _load("torch_users.json")
@@ -482,6 +506,7 @@ GENERATORS: dict[str, tuple[str, Callable[[], str]]] = {
     "torch-users": (f"{RESULTS}/torch_users.json", torch_users),
     "readme-torch-users": (f"{RESULTS}/torch_users.json", readme_torch_users),
     "torch-users-before": (f"{RESULTS}/torch_users_before.json", lambda: torch_users("torch_users_before.json")),
+    "engines": (f"{RESULTS}/engines.json", engines),
     "support-matrix": (REGISTRY, support_matrix),
 }
 
