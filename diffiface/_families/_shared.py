@@ -3,7 +3,8 @@ parts of the family API that most families answer alike."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -36,3 +37,31 @@ def unopened(result: Any) -> Any:
 def untraced(leaf: Any) -> Any:
     """``traced`` of a family whose leaves trace no other value."""
     return leaf
+
+
+class SameShapeDtype:
+    """The test that a later leaf has the prepared one's shape and dtype (for families whose
+    leaves say both, and nothing else matters: mlx's, TensorFlow's)."""
+
+    __slots__ = ("dtype", "shape")
+
+    def __init__(self, leaf: Any) -> None:
+        self.shape, self.dtype = tuple(leaf.shape), leaf.dtype
+
+    def test(self, value: Any) -> bool:
+        return tuple(value.shape) == self.shape and value.dtype == self.dtype  # type: ignore[no-any-return]
+
+
+def no_scope(dtypes: Iterable[str]) -> contextlib.nullcontext[None]:
+    """No dtype needs a scope in this family."""
+    return contextlib.nullcontext()
+
+
+def no_eval_shape(fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]]) -> None:
+    """No abstract evaluation in this family: f is evaluated at zeros."""
+    return None
+
+
+def no_ravel(leaves: list[Any]) -> None:
+    """No layout over several devices in this family: the plain ravel serves."""
+    return None

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import operator
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Final
 
 import numpy as np
 
-from ._shared import MetaLeaves, no_refusal, unopened, untraced
+from ._shared import MetaLeaves, SameShapeDtype, no_eval_shape, no_ravel, no_refusal, no_scope, unopened, untraced
 
 NAME: Final = "mlx"
 ARRAY: Final = True
@@ -93,20 +92,8 @@ def layout(leaf: Any) -> None:
     return None
 
 
-class _Same:
-    """The test that a later array has the prepared one's shape and dtype."""
-
-    __slots__ = ("dtype", "shape")
-
-    def __init__(self, leaf: Any) -> None:
-        self.shape, self.dtype = leaf.shape, leaf.dtype
-
-    def test(self, value: Any) -> bool:
-        return value.shape == self.shape and value.dtype == self.dtype  # type: ignore[no-any-return]
-
-
 def same(leaf: Any) -> Callable[[Any], bool]:
-    return _Same(leaf).test
+    return SameShapeDtype(leaf).test
 
 
 _meta = operator.attrgetter("shape", "dtype")  # (compared in C, no frame per leaf)
@@ -132,10 +119,6 @@ def exchange(leaf: Any) -> None:
     return None  # (crosses as a numpy copy: dlpack into mlx would make float64 float32)
 
 
-def dtype_scope(dtypes: Iterable[str]) -> contextlib.nullcontext[None]:
-    return contextlib.nullcontext()
-
-
 def conj(leaf: Any) -> Any:
     return sys.modules["mlx.core"].conj(leaf)
 
@@ -153,15 +136,10 @@ def private_copy(leaf: Any) -> Any:
     return sys.modules["mlx.core"].array(leaf)  # (a copy: an mx.array takes item assignment)
 
 
-def eval_shape(fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]]) -> None:
-    return None  # (f is evaluated at zeros)
-
-
-def laid_out_ravel(leaves: list[Any]) -> None:
-    return None
-
-
 values = to_numpy
 x_refusal = no_refusal
+dtype_scope = no_scope
+eval_shape = no_eval_shape
+laid_out_ravel = no_ravel
 opened = unopened
 traced = untraced

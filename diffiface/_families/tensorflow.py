@@ -5,15 +5,14 @@ never a variable, and a variable of the caller is never written."""
 
 from __future__ import annotations
 
-import contextlib
 import operator
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Final
 
 import numpy as np
 
-from ._shared import MetaLeaves, no_refusal, unopened, untraced
+from ._shared import MetaLeaves, SameShapeDtype, no_eval_shape, no_ravel, no_refusal, no_scope, unopened, untraced
 
 NAME: Final = "tensorflow"
 ARRAY: Final = True
@@ -104,20 +103,8 @@ def layout(leaf: Any) -> None:
     return None
 
 
-class _Same:
-    """The test that a later leaf has the prepared one's shape and dtype."""
-
-    __slots__ = ("dtype", "shape")
-
-    def __init__(self, leaf: Any) -> None:
-        self.shape, self.dtype = shape_of(leaf), leaf.dtype
-
-    def test(self, value: Any) -> bool:
-        return tuple(value.shape) == self.shape and value.dtype == self.dtype  # type: ignore[no-any-return]
-
-
 def same(leaf: Any) -> Callable[[Any], bool]:
-    return _Same(leaf).test
+    return SameShapeDtype(leaf).test
 
 
 _meta = operator.attrgetter("shape", "dtype")  # (read in C, no frame per leaf)
@@ -142,10 +129,6 @@ def exchange(leaf: Any) -> None:
     return None  # (crosses as a numpy copy: a variable's later assignments must not be seen)
 
 
-def dtype_scope(dtypes: Iterable[str]) -> contextlib.nullcontext[None]:
-    return contextlib.nullcontext()
-
-
 def conj(leaf: Any) -> Any:
     return _tf().math.conj(leaf)
 
@@ -166,15 +149,10 @@ def private_copy(leaf: Any) -> Any:
     return leaf  # (tensors are immutable; a variable is read into a tensor by the adapter)
 
 
-def eval_shape(fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]]) -> None:
-    return None  # (f is evaluated at zeros)
-
-
-def laid_out_ravel(leaves: list[Any]) -> None:
-    return None
-
-
 values = to_numpy
 x_refusal = no_refusal
+dtype_scope = no_scope
+eval_shape = no_eval_shape
+laid_out_ravel = no_ravel
 opened = unopened
 traced = untraced
