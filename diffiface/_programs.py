@@ -104,7 +104,7 @@ def _program(
             settle,
             None if all(spec == _LEAF for spec in context_specs) else context_rebuilds,
             context_sizes,
-            all(mask),
+            context_rebuilds,
             adapter,
             compute,
             len(picked) == 2,
@@ -146,9 +146,9 @@ class Fused:
       recorded, where it is not a scalar) as the program checks it; ``settle(result, f,
       context_values, xs, like)``: a scalar output checked, where it is not a scalar of a type
       and dtype in ``checked`` (the record's validated outputs);
-    - ``contexts(dynamic)``: the context values from the context leaves, where every leaf is
-      dynamic (``dynamic``; else the program's own steps are needed); ``rebuilds``, each
-      context's value from its leaves, None where each context is one leaf;
+    - ``contexts(dynamic, static)``: the context values from the dynamic context leaves and the
+      static ones (None: every leaf is dynamic); ``merges``, each context's value from its
+      leaves; ``rebuilds``, the same, None where each context is one array leaf;
     - ``adapter``: the adapter the program was built for; ``compute``: the adapter's method
       the program calls (``value_and_gradient``, ``value_and_pullback``,
       ``value_and_pushforward``, ``gradient_and_hvp`` or ``value_and_jacobian``); ``value``: the
@@ -163,9 +163,9 @@ class Fused:
         "close",
         "compute",
         "cotangent",
-        "dynamic",
         "empty",
         "function",
+        "merges",
         "rebuild",
         "rebuilds",
         "ref",
@@ -183,7 +183,7 @@ class Fused:
         settle: Callable[..., Any],
         rebuilds: list[Callable[[Any], Any]] | None,
         sizes: list[int],
-        dynamic: bool,
+        merges: list[Callable[[Any], Any]],
         adapter: Adapter,
         compute: str,
         value: bool,
@@ -198,7 +198,7 @@ class Fused:
         self.settle = settle
         self.rebuilds = rebuilds
         self.sizes = sizes
-        self.dynamic = dynamic
+        self.merges = merges
         self.adapter = adapter
         self.compute = compute
         self.value = value
@@ -206,8 +206,10 @@ class Fused:
         self.empty = empty
         self.cotangent: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None = None
 
-    def contexts(self, dynamic: tuple[Any, ...]) -> tuple[Any, ...]:
-        """The context values of these dynamic leaves (every context leaf is one)."""
+    def contexts(self, dynamic: tuple[Any, ...], static: _Static | None = None) -> tuple[Any, ...]:
+        """The context values of these dynamic leaves and these static ones (None: none)."""
+        if static is not None:
+            return _merge_contexts(self.merges, self.sizes, dynamic, static)
         rebuilds = self.rebuilds
         if rebuilds is None:  # one array per context: the leaves are the values
             return dynamic
@@ -860,7 +862,18 @@ class _Conversions:
     settled once from the prepared call: a signature fixes every leaf's kind, and with it
     which conversions do nothing and which context leaves are arrays."""
 
-    __slots__ = ("adapter", "empty", "mask", "op", "passthrough", "scoped", "signature", "tangent_native", "x_native")
+    __slots__ = (
+        "adapter",
+        "empty",
+        "kept",
+        "mask",
+        "op",
+        "passthrough",
+        "scoped",
+        "signature",
+        "tangent_native",
+        "x_native",
+    )
 
     def __init__(self, adapter: Adapter, op: Operator, call: Call) -> None:
         self.adapter, self.op, self.signature = adapter, op, call.signature
@@ -875,6 +888,7 @@ class _Conversions:
             )
             like = xs[0] if xs else None
             mask: list[bool] = []
+            kept: list[type | None] = []
             passthrough = True
             for index, leaves in enumerate(call.context_leaves):
                 for leaf in leaves:
@@ -882,8 +896,12 @@ class _Conversions:
                     if not is_array and adapter.compiles:
                         _refuse_unseen_static(adapter, self.signature, index, native)
                     mask.append(is_array)
+                    kept.append(type(leaf) if native is leaf else None)
                     passthrough = passthrough and is_array and native is leaf
         self.mask = tuple(mask)
+        # each context leaf's type where the engine takes it as it is (a torch tensor, a module):
+        # a later leaf of that type is taken so too, without the conversion's call
+        self.kept = tuple(kept)
         self.passthrough = passthrough  # every context leaf an array the engine takes as it is
         self.empty = _Static([], self.mask)  # the static argument when no leaf is static
 
@@ -920,11 +938,14 @@ class _Conversions:
         like = xs[0] if xs else None
         dynamic: list[Any] = []
         static: list[Any] = []
+        kept, mask = self.kept, self.mask
+        i = 0
         for index, leaves in enumerate(context_leaves):
             for leaf in leaves:
-                native, is_array = self._context(leaf, like, index)
-                (dynamic if is_array else static).append(native)
-        return xs, ts, tuple(dynamic), _Static(static, self.mask) if static else None
+                native = leaf if type(leaf) is kept[i] else self._context(leaf, like, index)[0]
+                (dynamic if mask[i] else static).append(native)
+                i += 1
+        return xs, ts, tuple(dynamic), _Static(static, mask) if static else None
 
 
 def _involves_float64(call: Call) -> bool:
@@ -964,19 +985,24 @@ class _Static:
     to them would not be seen (:func:`_refuse_unseen_static`).
     """
 
-    __slots__ = ("_hash", "_key", "leaves", "mask")
+    __slots__ = ("_key", "leaves", "mask")
 
     def __init__(self, leaves: list[Any], mask: tuple[bool, ...]) -> None:
         self.leaves = leaves
         self.mask = mask
-        self._key = tuple(static_key(v) for v in leaves)
-        self._hash = hash((self._key, self.mask))
+        self._key: tuple[Any, ...] | None = None  # (made where compared: an engine that does not jit never does)
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        if self._key is None:
+            self._key = tuple(static_key(v) for v in self.leaves)
+        return self._key
 
     def __hash__(self) -> int:
-        return self._hash
+        return hash((self.key, self.mask))
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Static) and self._key == other._key and self.mask == other.mask
+        return isinstance(other, _Static) and self.key == other.key and self.mask == other.mask
 
 
 def _refuse_unseen_static(adapter: Adapter, signature: Signature, index: int, leaf: Any) -> None:

@@ -304,6 +304,48 @@ def test_the_route_of_parameters_is_the_detached_leaves_one() -> None:
     assert "guarded" not in " ".join(routes[1])
 
 
+@pytest.mark.parametrize("backbone", [False, True], ids=["model Constant", "frozen backbone"])
+def test_a_module_constant_takes_the_one_call_and_its_writes_are_named(backbone: bool) -> None:
+    # expected: the model (or a frozen backbone) as di.Constant takes the same one call as a
+    # tensor Constant, with the module's states watched (_module_states, _mutation), not the
+    # guard's steps; the gradient is torch.autograd.grad's; a write into the module's
+    # parameter on a later call is a MutationError naming it (as x's leaf where it is one)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    if backbone:
+        model.requires_grad_(False)
+    head = torch.nn.Linear(2, 1)
+    x = dict((model if not backbone else head).named_parameters())
+    batch = torch.randn(5, 3)
+    write = [False]
+
+    def loss(p: Any, net: Any, b: Any) -> Any:
+        if write[0]:
+            with torch.no_grad():
+                net[0].weight.add_(1.0)
+        if backbone:
+            return torch.func.functional_call(head, p, (net(b),)).square().sum()
+        return torch.func.functional_call(net, p, (b,)).square().sum()
+
+    contexts = (di.Constant(model), di.Constant(batch))
+    prep = di.prepare_gradient(loss, "torch", x, *contexts)
+    di.gradient(loss, "torch", x, *contexts, prep=prep)
+    route = adapter_frames(lambda: di.gradient(loss, "torch", x, *contexts, prep=prep))
+    assert "_Gradient.__call__" in route and "_module_states" in route
+    assert "guarded" not in " ".join(route)
+    got = di.gradient(loss, "torch", x, *contexts, prep=prep)
+    value = loss(x, model, batch)
+    expected = dict(zip(x, torch.autograd.grad(value, list(x.values())), strict=True))
+    for key, want in expected.items():
+        assert not got[key].requires_grad
+        torch.testing.assert_close(got[key], want)
+    write[0] = True
+    # (the model's parameters are x's own leaves, named as such; the backbone's are the module's)
+    named = r"parameter '0\.weight'" if backbone else r"input x\['0\.weight'\]"
+    with pytest.raises(di.MutationError, match=named):
+        di.gradient(loss, "torch", x, *contexts, prep=prep)
+
+
 class _Clones(TorchDispatchMode):
     """Records the size of every tensor torch copies (``aten.clone``, ``aten.copy_``) below
     autograd, whoever asks for the copy."""

@@ -185,7 +185,7 @@ class Adapter(_base.Adapter):
         parts = NO_PARTS if parts is None else parts
         guarded = _guard(program, self.functional, self.create_graph, parts)
         fused = parts.fused
-        if fused is None or not fused.dynamic or self.create_graph:
+        if fused is None or self.create_graph:
             return guarded
         fuse = _FUSED.get((fused.compute, self.functional))
         if fuse is None or fused.adapter is not self:  # (no fused call kept: the guard's steps)

@@ -33,6 +33,7 @@ from ._guard import (
     _after_failure,
     _clone,
     _inference,
+    _module_states,
     _mutation,
     _named_capture,
     _Names,
@@ -48,13 +49,13 @@ class _Gradient:
     """The guard, the program and the engine's gradient of a gradient call, in one call.
 
     It serves the common call: grad mode on, inference mode off, no forward-mode call of ours
-    open, no leaf of x requiring grad (no outer graph), every context leaf dynamic (and, under
-    torch.func, every leaf of x a plain tensor: a DTensor's gradient is laid out again). It
-    does what :func:`_guard` and the program do for it, in their order: x's leaves and the
-    Constant tensors as the guard's rule gives them to f (copies on a prep's first call, the
-    caller's own watched by their counters after it), f on them, f's output checked (a scalar of a type and dtype
-    seen before takes no more checks; any other output, the program's own checks,
-    ``settle``), the gradient, and the version counters read, a write refused with a
+    open, no leaf of x carrying an outer graph (and, under torch.func, every leaf of x a plain
+    tensor: a DTensor's gradient is laid out again). It does what :func:`_guard` and the
+    program do for it, in their order: x's leaves, the Constant tensors and the Constant
+    modules' tensors as the guard's rule gives them to f (copies on a prep's first call, the
+    caller's own watched by their counters after it), f on them, f's output checked (a scalar
+    of a type and dtype seen before takes no more checks; any other output, the program's own
+    checks, ``settle``), the gradient, and the version counters read, a write refused with a
     MutationError. Any other call is ``guarded``'s, before anything has run.
 
     The gradient is ``torch.autograd.grad`` on those leaves made leaves of a fresh graph. The
@@ -66,13 +67,15 @@ class _Gradient:
     than 5% quicker: autograd mode's gradient, both modes' vjp, autograd mode's jvp and hvp.
     torch.func's gradient and Jacobian, which it did not show so, take the guard's steps."""
 
-    __slots__ = ("checked", "constant_at", "first", "functional", "fused", "guarded", "names", "plain")
+    __slots__ = ("cache_static", "checked", "constant_at", "first", "functional", "fused", "guarded", "names", "plain")
 
     def __init__(self, guarded: Callable[..., Any], fused: Any, parts: Any, functional: bool = False) -> None:
         self.guarded = guarded
         self.fused = fused
         self.checked = fused.checked
         self.constant_at = tuple(i for i, cache in enumerate(parts.cache_dynamic) if not cache)
+        # (None: no static context leaf is a Constant, which may be a torch.nn.Module)
+        self.cache_static = None if all(parts.cache_static) else parts.cache_static
         self.names = _Names(parts)
         self.functional = functional
         self.first = True  # no call has completed yet: f gets copies (see the guard's rule)
@@ -82,8 +85,7 @@ class _Gradient:
 
     def __call__(self, xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
         if (
-            static is not None
-            or _DUALS[0]
+            _DUALS[0]
             or _CALLS.keep  # (inside an outer call or torch.func transform: the guard keeps the graph)
             or _transform_level() is not None
             or not torch.is_grad_enabled()
@@ -117,8 +119,13 @@ class _Gradient:
                 dynamic, self.constant_at, copy and not self.functional, not self.functional
             )
         fused = self.fused
+        modules = None
         rebuilds = fused.rebuilds
-        if rebuilds is None:
+        if static is not None:
+            context_values = fused.contexts(dynamic, static)
+            if self.cache_static is not None:
+                modules = _module_states(static, self.cache_static, copy)
+        elif rebuilds is None:
             context_values = dynamic
         elif len(rebuilds) == 1:
             context_values = (rebuilds[0](dynamic),)
@@ -133,11 +140,11 @@ class _Gradient:
             result = self.engine(inputs, xs, ts, f, context_values)
         except BaseException as exc:
             refusal = _after_failure(
-                exc, stack, True, inputs, versions, constants, None, self.names, copy, copy and not self.functional
+                exc, stack, True, inputs, versions, constants, modules, self.names, copy, copy and not self.functional
             )
             if refusal is None and type(exc) is _CapturedWrite:
                 refusal = _named_capture(
-                    lambda: self.engine(inputs, xs, ts, f, context_values), constants, None, self.names
+                    lambda: self.engine(inputs, xs, ts, f, context_values), constants, modules, self.names
                 )
             if refusal is not None:
                 raise refusal from exc
@@ -145,11 +152,12 @@ class _Gradient:
         stack.pop()
         if not torch.is_grad_enabled():  # f switched it off (torch.set_grad_enabled) and did not switch back
             torch.set_grad_enabled(True)
-        dirty = list(map(_version, inputs)) != versions
+        # (a Constant module's states are always compared: a train-mode buffer's copy by its bits)
+        dirty = modules is not None or list(map(_version, inputs)) != versions
         for _, tensor, version in constants:  # (a loop, not a generator: this runs on every call)
             dirty = dirty or tensor._version != version
         if dirty:
-            problem = _mutation(inputs, versions, constants, None, self.names, copy, copy and not self.functional)
+            problem = _mutation(inputs, versions, constants, modules, self.names, copy, copy and not self.functional)
             if problem is not None:
                 raise MutationError(problem)
         self.first = False
