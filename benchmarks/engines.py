@@ -12,8 +12,9 @@ a list of ``(label, ours, native)`` where ``ours`` is diffiface's prepared gradi
 function of ``grad``, ``mx.compile(mx.grad(f))``, ``torch.compile(torch.func.grad(f))``), each
 returning the finished gradient. The labels are ``"10 inputs"`` (``sum(tanh(x) * x)`` on 10
 float32 inputs) and ``"MLP size"`` (the 48-96-48-1 tanh MLP of ``benchmarks/run.py``, its
-parameters one float32 vector, a 64 x 48 batch as a Constant). An engine that is not installed
-is reported as skipped, with the reason.
+parameters one float32 vector, a 64 x 48 batch as a Constant). A rows module may add rows of
+other labels (a floor such as pytensor's "10 inputs (trust_input native)"), reported with no
+goal. An engine that is not installed is reported as skipped, with the reason.
 
 Writes benchmarks/results/engines.json and .md.
 """

@@ -6,6 +6,7 @@ the default mode (numba in PyTensor 3.0) is exercised by the project's parametri
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
@@ -169,6 +170,111 @@ def test_preparation_in_many_threads() -> None:
     for k, got in results.items():
         x = np.linspace(0.0, 1.0, 3 + k)
         np.testing.assert_allclose(got, np.tanh(x) + x / np.cosh(x) ** 2, rtol=1e-12)
+
+
+def test_one_prep_called_from_many_threads_at_once() -> None:
+    # A compiled function keeps its arguments and outputs in storage of its own between setting
+    # and reading them: calls from threads at once must not take each other's values.
+    def f(x: Any) -> Any:
+        return pt.sum(pt.tanh(x) * x)
+
+    prep = di.prepare_gradient(f, QUICK, np.zeros(10))
+    wrong: list[int] = []
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        rng = np.random.default_rng(k)
+        for _ in range(300):
+            x = rng.normal(size=10)
+            try:
+                got = di.gradient(f, QUICK, x, prep=prep)
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+                continue
+            if not np.allclose(got, np.tanh(x) + x / np.cosh(x) ** 2, rtol=1e-12):
+                wrong.append(k)  # pragma: no cover - reported below
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # (threads switch often: a race shows within these calls)
+    try:
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not wrong, f"{len(wrong)} wrong gradients"
+    assert not errors, errors
+
+
+def _scaled_tanh(x: Any, c: Any, s: Any) -> Any:
+    return pt.sum(pt.tanh(x) * s) * pt.sum(c**2)
+
+
+def _scaled_tanh_grad(x: Any, c: np.ndarray, s: float) -> np.ndarray:
+    x64 = np.asarray(x, dtype=np.float64)
+    return (1 - np.tanh(x64) ** 2) * s * np.sum(c**2)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("backend", [QUICK, "pytensor"], ids=["FAST_COMPILE", "default"])
+def test_the_compiled_function_gets_only_the_prepared_shapes_and_dtypes(backend: Any) -> None:
+    # The compiled function does not check its arguments (trust_input): the plan does, and a
+    # call of another shape or dtype never reaches it. Compiled code would read other bytes.
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(3, 4)).astype(np.float32)
+    c = rng.normal(size=5)
+    prep = di.prepare_gradient(_scaled_tanh, backend, x, di.Constant(c), di.Constant(0.5))
+    others: dict[str, Any] = {
+        "float64": x.astype(np.float64),
+        "big-endian": x.astype(">f4"),
+        "another shape": rng.normal(size=(4, 3)).astype(np.float32),
+        "a numpy scalar": np.float32(0.3),
+        "a 0-d array": np.array(0.3, dtype=np.float32),
+    }
+    for name, other in others.items():
+        with pytest.raises(di.PreparationMismatchError):
+            di.gradient(_scaled_tanh, backend, other, di.Constant(c), di.Constant(0.5), prep=prep)
+        if backend is not QUICK:  # (each compiles anew: the default mode's compiles take long)
+            continue
+        got = di.gradient(_scaled_tanh, backend, other, di.Constant(c), di.Constant(0.5))  # prepared anew
+        assert type(got) is np.ndarray and got.shape == other.shape, name  # (a scalar's a 0-d array)
+        assert got.dtype == other.dtype.newbyteorder("="), name
+        tol = 1e-12 if np.asarray(other).dtype == np.float64 else 1e-5
+        np.testing.assert_allclose(got, _scaled_tanh_grad(other, c, 0.5), rtol=tol, atol=tol, err_msg=name)
+    for context in (c.astype(np.float32), c[:4], np.float64(2.0)):
+        with pytest.raises(di.PreparationMismatchError):
+            di.gradient(_scaled_tanh, backend, x, di.Constant(context), di.Constant(0.5), prep=prep)
+    with pytest.raises(di.PreparationMismatchError):
+        di.gradient(_scaled_tanh, backend, x, di.Constant(c), di.Constant(np.float64(0.5)), prep=prep)
+    # The prepared shape and dtype in any layout, and new values: the same function, right values.
+    big = rng.normal(size=(6, 8)).astype(np.float32)
+    frozen = x.copy()
+    frozen.setflags(write=False)
+    for name, value in {
+        "strided": big[::2, ::2],
+        "Fortran order": np.asfortranarray(big[:3, :4]),
+        "read-only": frozen,
+    }.items():
+        new_c, new_s = rng.normal(size=5), float(rng.normal())
+        got = di.gradient(_scaled_tanh, backend, value, di.Constant(new_c), di.Constant(new_s), prep=prep)
+        assert type(got) is np.ndarray and got.dtype == np.float32 and got.shape == (3, 4), name
+        np.testing.assert_allclose(got, _scaled_tanh_grad(value, new_c, new_s), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_results_of_computed_and_kept_leaves() -> None:
+    # aux holds values the compiled function does not compute (an int, a string) beside arrays
+    def f(x: Any) -> Any:
+        return pt.sum(x**2), {"n": 3, "tag": "ok", "twice": 2 * x}
+
+    x = np.array([0.5, -1.0, 2.0])
+    prep = di.prepare_value_and_gradient(f, QUICK, x, has_aux=True)
+    for point in (x, x + 1.0):
+        (value, aux), grad = di.value_and_gradient(f, QUICK, point, has_aux=True, prep=prep)
+        assert value == pytest.approx(np.sum(point**2))
+        assert aux["n"] == 3 and aux["tag"] == "ok"
+        np.testing.assert_allclose(aux["twice"], 2 * point, rtol=1e-12)
+        np.testing.assert_allclose(grad, 2 * point, rtol=1e-12)
 
 
 def test_default_mode_agrees() -> None:

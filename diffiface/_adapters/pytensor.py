@@ -5,8 +5,10 @@ Every operator is one compiled function. At preparation the program is traced: `
 called once on symbolic variables of the shapes and dtypes of x's leaves, of the tangent's and
 of the context arrays and floats (other context leaves are static, compared by value, one
 compiled function per value); the graph of the operator's results is then compiled with the
-backend's mode. Later calls run the compiled function on numpy arrays. Building and compiling a
-graph is not thread-safe in pytensor: both run under one lock.
+backend's mode. Later calls run the compiled function on numpy arrays, without pytensor's check
+of its arguments (the plan has checked them), one call at a time (a compiled function keeps its
+arguments in storage of its own). Building and compiling a graph is not thread-safe in
+pytensor: both run under one lock.
 
 Forward mode is pytensor's own pushforward, two pullbacks (exact, and it needs no ``R_op`` of
 every operation); the hvp is reverse over reverse, as ``pytensor.gradient.hessian_vector_product``.
@@ -31,6 +33,7 @@ from pytensor.tensor.variable import TensorVariable
 
 from .. import _arrays
 from .._errors import DiffifaceError, FrameworkMismatchError, MutationError, UnsupportedOperationError
+from .._flatten import structure_unflatten
 from . import _base
 from ._base import Blocks, Fn, Leaves
 
@@ -81,23 +84,28 @@ def _disconnected_zero(values: Any, like: Sequence[Any]) -> list[Any]:
     return [pt.zeros_like(x) if v is None else v for v, x in zip(values, like, strict=True)]
 
 
-class _Compiled:
-    """One compiled function and how to rebuild the program's result from its outputs."""
+_Compiled = tuple[Any, Callable[[Any], Any] | None, Any]
+"""One compiled program: the pytensor function, how to rebuild the program's result from its
+outputs (None: its one output is the result) and the function's lock."""
 
-    __slots__ = ("function", "leaves", "positions", "spec")
 
-    def __init__(self, function: Any, spec: Any, leaves: list[Any], positions: list[int]) -> None:
-        self.function = function
-        self.spec = spec
-        self.leaves = leaves  # the result's leaves that are not computed (None where computed)
-        self.positions = positions  # where each output of the function goes among them
+def _rebuild(spec: Any, leaves: list[Any]) -> Callable[[Any], Any] | None:
+    """How to rebuild a result of structure ``spec`` and these leaves (symbolic where the
+    compiled function computes them) from the function's outputs, in order."""
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Variable)]
+    if spec.num_leaves == 1 and spec.num_nodes == 1 and len(positions) == 1:
+        return None  # (one output not in a list: the compiled function returns the array itself)
+    if len(positions) == len(leaves):
+        return structure_unflatten(spec) or spec.unflatten
+    kept = [None if isinstance(leaf, Variable) else leaf for leaf in leaves]
 
-    def __call__(self, *arguments: Any) -> Any:
-        outs = self.function(*arguments)
-        leaves = list(self.leaves)
-        for position, out in zip(self.positions, outs, strict=True):
-            leaves[position] = out
-        return optree.tree_unflatten(self.spec, leaves)
+    def rebuild(outs: Any) -> Any:
+        filled = list(kept)
+        for position, out in zip(positions, outs, strict=True):
+            filled[position] = out
+        return spec.unflatten(filled)
+
+    return rebuild
 
 
 class Adapter(_base.Adapter):
@@ -228,16 +236,25 @@ class Adapter(_base.Adapter):
     ) -> Callable[..., Any]:
         flat = layouts is not None  # (a program on flat array arguments: FlatProgram.on_flat)
         sizes = getattr(getattr(program, "__self__", None), "sizes", None) if flat else None
-        compiled: dict[Any, Callable[..., Any]] = {}
+        compiled: dict[Any, _Compiled] = {}
         trace = self._trace
 
+        # A compiled function keeps its arguments and outputs in storage of its own between
+        # setting and reading them: two threads calling it at once would take each other's
+        # values (wrong results, no error). Each call holds the function's lock.
         if flat:
 
             def run_flat(*arguments: Any) -> Any:
                 found = compiled.get(None)
                 if found is None:
                     found = compiled[None] = trace(program, arguments, True, sizes)
-                return found(*arguments)
+                function, rebuild, lock = found
+                lock.acquire()  # (cheaper than a with statement)
+                try:
+                    outs = function(*arguments)
+                finally:
+                    lock.release()
+                return outs if rebuild is None else rebuild(outs)
 
             return run_flat
 
@@ -246,11 +263,17 @@ class Adapter(_base.Adapter):
             found = compiled.get(key)
             if found is None:
                 found = compiled[key] = trace(program, (xs, ts, dynamic, static_part), False, None)
-            return found(*xs, *ts, *dynamic)
+            function, rebuild, lock = found
+            lock.acquire()
+            try:
+                outs = function(*xs, *ts, *dynamic)
+            finally:
+                lock.release()
+            return outs if rebuild is None else rebuild(outs)
 
         return run
 
-    def _trace(self, program: Callable[..., Any], arguments: Any, flat: bool, sizes: Any) -> Callable[..., Any]:
+    def _trace(self, program: Callable[..., Any], arguments: Any, flat: bool, sizes: Any) -> _Compiled:
         """Trace ``program`` on symbolic variables of ``arguments`` and compile its result."""
         with _LOCK:
             if flat:
@@ -272,16 +295,16 @@ class Adapter(_base.Adapter):
             finally:
                 self._local.givens = before
             leaves, spec = optree.tree_flatten(result)
-            positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Variable)]
-            outputs = [leaves[i] for i in positions]
-            single = spec.num_leaves == 1 and spec.num_nodes == 1 and len(outputs) == 1
-            # (one output not in a list: the compiled function returns the array itself)
-            function = _function(variables, outputs[0] if single else outputs, mode=self.mode, on_unused_input="ignore")
-            function.trust_input = True  # (the plan checks each argument's type, shape and dtype)
-            if single:
-                return function  # type: ignore[no-any-return]
-            kept = [None if isinstance(leaf, Variable) else leaf for leaf in leaves]
-            return _Compiled(function, spec, kept, positions)
+            rebuild = _rebuild(spec, leaves)
+            outputs = [leaf for leaf in leaves if isinstance(leaf, Variable)]
+            function = _function(
+                variables, outputs if rebuild is not None else outputs[0], mode=self.mode, on_unused_input="ignore"
+            )
+            # No check of the arguments in the call: each is a numpy array of the shape and dtype
+            # traced, a leaf whose type, shape and dtype the plan checked (in any strides, which
+            # the compiled code reads) or one this adapter made (to_native, context_to_native).
+            function.trust_input = True
+            return function, rebuild, threading.Lock()
 
     # -- eager calls: outside a compiled program (a second-order pair with another engine) --------
 
