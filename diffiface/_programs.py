@@ -783,6 +783,7 @@ class Run:
         "adapter",
         "compiled",
         "conversions",
+        "direct",
         "dynamic",
         "estimates",
         "finish",
@@ -819,10 +820,16 @@ class Run:
         self.has_aux = has_aux
         self.dynamic = dynamic
         self.scoped = conversions.scoped
+        # the engine takes the leaves as they are, in no scope, and nothing besides the results
+        # is read (a record of f's output, an error estimate)
+        self.direct = self.passthrough and not (self.records or self.estimates or self.scoped) and dynamic is None
 
     def __call__(
         self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]
     ) -> tuple[Any, Any]:
+        if self.direct:  # (the common call, in this one frame)
+            dynamic = tuple(_chain(context_leaves)) if context_leaves else ()
+            return self.finish(self.compiled(tuple(x_leaves), tuple(tangent_leaves), dynamic, None)), None
         if self.dynamic is not None:
             x_leaves = [x_leaves[i] for i in self.dynamic]
         scope = self.adapter.scope() if self.scoped else None

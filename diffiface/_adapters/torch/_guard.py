@@ -242,19 +242,21 @@ def _watched_constants(
     through it); else the caller's own, watched by its counter. In ``autograd`` mode an
     inference tensor is always copied (it cannot be saved for the backward pass); under
     torch.func, which refuses any write into it, it is passed as it is and not watched."""
-    fresh = list(dynamic) if autograd else dynamic
+    fresh: list[Any] | None = None  # (a new tuple only where a leaf is replaced by its copy)
     constants = []
     for i in constant_at:
-        if i >= len(fresh):  # (only the leaves this call has)
+        if i >= len(dynamic):  # (only the leaves this call has)
             break
-        value = fresh[i]
+        value = dynamic[i]
         if isinstance(value, torch.Tensor):
-            if copy or (autograd and value.is_inference()):
-                fresh[i] = value = value.clone()  # type: ignore[index]
-            elif value.is_inference():  # (torch refuses any write into it outside inference mode)
-                continue
+            if copy or value.is_inference():
+                if not (copy or autograd):  # (torch.func refuses any write into it outside inference mode)
+                    continue
+                if fresh is None:
+                    fresh = list(dynamic)
+                fresh[i] = value = value.clone()
             constants.append((i, value, value._version))
-    return tuple(fresh), constants
+    return dynamic if fresh is None else tuple(fresh), constants
 
 
 def _after_failure(
