@@ -5,9 +5,10 @@ It is not in tests/conftest.py's FIRST_ORDER (that table takes one backend per t
 scenario. The tests below compile a few programs on purpose, each a first compile of seconds:
 a gradient with a Constant (float64, the contract, no recompile, a new shape refused), a vjp and
 a jvp, a Jacobian, an hvp, a Hessian and a second derivative as one program each, the torch.nn
-recipe, a closure changed between calls (compiled anew, never stale), and the refusals (a
-compiled call differentiated from outside, a graph break, a Cache holding a traced tensor, a
-write into x or a Constant).
+recipe, a tree's value and gradient, a closure changed between calls (compiled anew, never
+stale, with the first compile's refusals), a caller's eager stance, and the refusals (a compiled
+call differentiated from outside, a graph break, a Cache holding a traced tensor, a write into x
+or a Constant).
 """
 
 from __future__ import annotations
@@ -218,3 +219,81 @@ def test_what_f_closes_over_is_never_stale() -> None:
     torch.testing.assert_close(di.gradient(f, COMPILED, x, prep=prep), 6 * x)
     w.mul_(2)  # a tensor, changed in place: an argument of the compiled graph
     torch.testing.assert_close(di.gradient(f, COMPILED, x, prep=prep), 12 * x)
+
+
+def test_a_tree_and_its_value_in_one_compiled_call() -> None:
+    # a gradient call whose contexts are arrays is one compiled program with f closed in its trace
+    x = {"a": torch.linspace(-1, 1, 3, dtype=torch.float64), "b": torch.linspace(0.5, 2, 2, dtype=torch.float64)}
+    w = torch.linspace(1, 2, 3, dtype=torch.float64, requires_grad=True)  # (results detached all the same)
+    x0 = {k: v.clone() for k, v in x.items()}
+
+    def f(x, w):
+        return torch.sum(torch.sin(x["a"]) * w) * torch.sum(x["b"] ** 2)
+
+    prep = di.prepare_value_and_gradient(f, COMPILED, x, di.Constant(w))
+    for k in range(3):  # new values, same shapes: one compile, on the first call
+        xk = {n: v + k for n, v in x.items()}
+        wk = (w * (k + 1)).detach().requires_grad_()
+        if k == 1:
+            before = graphs()
+        value, grads = di.value_and_gradient(f, COMPILED, xk, di.Constant(wk), prep=prep)
+        expected_value, expected = di.value_and_gradient(f, "torch-func", xk, di.Constant(wk))
+        assert not value.requires_grad
+        torch.testing.assert_close(value, expected_value.detach(), rtol=1e-12, atol=1e-12)
+        assert grads.keys() == x.keys()
+        for name in x:
+            assert grads[name].dtype == torch.float64 and not grads[name].requires_grad
+            torch.testing.assert_close(grads[name], expected[name], rtol=1e-12, atol=1e-12)
+    assert graphs() == before
+    assert all(torch.equal(x[n], x0[n]) for n in x)
+
+
+def test_a_change_after_the_first_compile_is_compiled_with_its_refusals() -> None:
+    # a later call that no compiled graph fits compiles one: as one graph, f's writes refused
+    x = torch.linspace(-1, 1, 4, dtype=torch.float64)
+    x0 = x.clone()
+    state = {"break": False, "write": False}
+
+    def f(x):
+        y = torch.sin(x)
+        if state["break"]:
+            torch._dynamo.graph_break()
+        if state["write"]:
+            x.mul_(2)
+        return torch.sum(y * x)
+
+    prep = di.prepare_gradient(f, COMPILED, x)
+    expected = torch.sin(x) + x * torch.cos(x)
+    torch.testing.assert_close(di.gradient(f, COMPILED, x, prep=prep), expected)
+    state["break"] = True
+    with pytest.raises(di.UnsupportedOperationError, match=r"torch\.compile could not compile"):
+        di.gradient(f, COMPILED, x, prep=prep)
+    state["break"], state["write"] = False, True
+    with pytest.raises(di.MutationError, match="its input x"):
+        di.gradient(f, COMPILED, x, prep=prep)
+    assert torch.equal(x, x0)
+    state["write"] = False
+    torch.testing.assert_close(di.gradient(f, COMPILED, x, prep=prep), expected)
+
+
+def test_a_caller_that_runs_torch_compile_eagerly_gets_right_results() -> None:
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is None:
+        pytest.skip("this torch has no torch.compiler.set_stance")
+    x = torch.linspace(-1, 1, 5, dtype=torch.float64)
+
+    def f(x):
+        return torch.sum(torch.tanh(x) * x)
+
+    def other(x):
+        return 2 * f(x)
+
+    expected = torch.tanh(x) + x * (1 - torch.tanh(x) ** 2)
+    prep = di.prepare_gradient(f, COMPILED, x)
+    torch.testing.assert_close(di.gradient(f, COMPILED, x, prep=prep), expected)
+    before = graphs()
+    with set_stance("force_eager"):  # compiled graphs are not run, nor compiled: torch runs f itself
+        torch.testing.assert_close(di.gradient(f, COMPILED, x, prep=prep), expected)
+        torch.testing.assert_close(di.gradient(other, COMPILED, x), 2 * expected)  # a new prep
+    assert graphs() == before
+    torch.testing.assert_close(di.gradient(f, COMPILED, x, prep=prep), expected)

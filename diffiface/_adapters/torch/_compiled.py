@@ -16,6 +16,12 @@ other shapes before the program runs; ``strict=False`` prepares them anew, which
 The guard of the torch adapter stays around every call, uncompiled: x and the Constants are
 watched and never written, the caller's modes are restored. Results are detached (x's graph, an
 ``nn.Parameter``'s, is not kept: a loss on a gradient needs the uncompiled ``mode="func"``).
+
+What runs on a later call, outside the compiled graph: the guard, and torch.compile's own call
+of the program. That call is torch's run-only call (:class:`_Program`: none of the compiling
+call's work on every call); a gradient call whose contexts are arrays also takes torch's one
+gradient call (:class:`_ClosedGradient`), which closes f and checks its output inside the trace,
+so that no frame of the program's or of the adapter's methods runs.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from .._base import Adapter as _BaseAdapter
 from .._base import Blocks, Deferred, Fn, Leaves
 from ._duals import _DUALS, _FORWARD_LOCK, _FORWARD_WARMED, _warm_forward
 from ._engine import _for_func, _materialised, _on_one, _tensor_aux
+from ._fused import _Gradient
 from ._guard import _CALLS, _guard, _transform_level
 
 __all__ = ["CompiledAdapter"]
@@ -57,19 +64,58 @@ class _Programs:
     __slots__ = ("found", "lock", "warm")
 
     def __init__(self) -> None:
-        self.found: dict[str, Callable[..., Any]] = {}
+        self.found: dict[str, _Program] = {}
         self.warm: set[str] = set()
         self.lock = threading.Lock()
 
-    def get(self, name: str, template: Callable[..., Any]) -> Callable[..., Any]:
+    def get(self, name: str, template: Callable[..., Any]) -> _Program:
         found = self.found.get(name)
         if found is None:
             with self.lock:
                 found = self.found.get(name)
                 if found is None:
-                    found = torch.compile(_fresh(template), fullgraph=True, dynamic=False)
-                    self.found[name] = found
+                    found = self.found[name] = _Program(template)
         return found
+
+
+class _Uncompiled(Exception):
+    """Raised by :func:`_entry` where torch runs it uncompiled: no compiled graph fits the call."""
+
+
+def _entry(template: Callable[..., Any], *args: Any) -> Any:
+    """What torch compiles: ``template(*args)``; where torch runs it uncompiled instead (a
+    run-only call no compiled graph fits), :class:`_Uncompiled`, before any work."""
+    if not torch.compiler.is_compiling():
+        raise _Uncompiled
+    return template(*args)
+
+
+class _Program:
+    """One compiled program of a prep: ``template`` compiled, from a code object of its own.
+
+    ``strict`` compiles (``fullgraph=True``, ``dynamic=False``: one graph, or
+    :class:`~diffiface.UnsupportedOperationError`). Once it has, calls go through ``fast``,
+    torch's run-only call of the same code object, which runs a graph already compiled, without
+    the compiling call's work on every call (its setting of the shapes static, its count of
+    graphs), and compiles nothing: where no graph fits (one of torch.compile's guards fails: a
+    value f closes over changed, or the process's state), it raises :class:`_Uncompiled`
+    and ``strict`` compiles one, as torch.compile alone would have."""
+
+    __slots__ = ("fast", "run_only", "strict", "template")
+
+    def __init__(self, template: Callable[..., Any]) -> None:
+        entry = _fresh(_entry)
+        self.template = template
+        self.strict = torch.compile(entry, fullgraph=True, dynamic=False)
+        self.run_only: Callable[..., Any] | None = _run_only(entry)
+        self.fast: Callable[..., Any] | None = None  # (set once strict has compiled)
+
+
+def _run_only(entry: Callable[..., Any]) -> Callable[..., Any] | None:
+    """``entry`` as torch's run-only call (compiled graphs only, none compiled); None where this
+    torch has no such call (``strict`` then runs every call)."""
+    run = getattr(torch._dynamo, "run", None)
+    return None if run is None else run(entry)  # type: ignore[no-any-return]
 
 
 def _fresh(template: Callable[..., Any]) -> Callable[..., Any]:
@@ -92,6 +138,18 @@ def _gradient(g: Callable[[Any], Any], has_aux: bool, primal: Any) -> Any:
         return value, aux, grads
     grads, value = func.grad_and_value(g)(primal)
     return value, None, grads
+
+
+def _closed_gradient(
+    close: Callable[..., Any], f: Callable[..., Any], contexts: Any, single: bool, value: bool, primal: Any
+) -> Any:
+    # f closed and its output checked by the program's own ``close``, in the trace: no closure
+    # is made on a call, and the contexts' tensors are arguments of the graph
+    fn = close(f, contexts, primal if single else primal[0])
+    if value:
+        grads, out = func.grad_and_value(lambda p: fn((p,) if single else p)[0])(primal)
+        return out, grads
+    return func.grad(lambda p: fn((p,) if single else p)[0])(primal)
 
 
 def _pushforward(g: Callable[[Any], Any], has_aux: bool, primals: Any, tangents: Any) -> Any:
@@ -125,20 +183,29 @@ def _detached(xs: Leaves) -> Leaves:
     return xs
 
 
-def _called(program: Callable[..., Any], *args: Any) -> Any:
+def _called(program: _Program, *args: Any) -> Any:
+    """``program``'s template on ``args``, compiled: through the run-only call where a compiled
+    graph fits, else compiled (``strict``)."""
+    template = program.template
+    fast = program.fast
+    if fast is not None:
+        try:
+            return fast(template, *args)
+        except _Uncompiled:
+            pass  # no compiled graph fits this call: compile one
     try:
-        if getattr(program, "compiled_once", False):
-            return program(*args)
-        # the first call compiles: torch's compiler warns of its own deprecations, not the caller's
-        # (f's warnings came in the eager warm-up before it)
+        # torch's compiler warns of its own deprecations, not the caller's (f's warnings came in
+        # the eager warm-up before it)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             warnings.simplefilter("ignore", DeprecationWarning)
-            result = program(*args)
-        program.compiled_once = True  # type: ignore[attr-defined]
-        return result
+            result = program.strict(template, *args)
+    except _Uncompiled:  # torch ran it uncompiled (its recompile limit reached, a stance of the caller's)
+        return template(*args)
     except _GRAPH_BREAKS as exc:
         raise _unsupported(exc) from exc
+    program.fast = program.run_only
+    return result
 
 
 #: What torch.compile raises where f cannot be captured as one graph (``fullgraph=True``), or its
@@ -184,6 +251,44 @@ def _nested() -> UnsupportedOperationError:
     )
 
 
+class _ClosedGradient(_Gradient):
+    """A gradient call (``value_and_gradient``, no aux, every context leaf an array) in one
+    call: torch's own (:class:`~._fused._Gradient`: the guard's steps, for the common call; any
+    other is ``guarded``'s) around one compiled program that closes f and checks its output with
+    the program's own ``close`` in its trace, and takes x's leaves and the contexts as its
+    arguments: no frame of the program's, nor of the adapter's methods, on a call."""
+
+    __slots__ = ("program", "programs")
+
+    def __init__(self, guarded: Callable[..., Any], fused: Any, parts: Any, programs: _Programs) -> None:
+        super().__init__(guarded, fused, parts, functional=True)
+        self.programs = programs
+        self.program: _Program | None = None  # (set once f has been evaluated eagerly)
+
+    def engine(self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves) -> Any:
+        fused = self.fused
+        program = self.program
+        if program is None:
+            # f once, uncompiled, as Adapter._program runs it: diffiface's checks of its output,
+            # and torch.func's refusal of a write into a Constant
+            fn = fused.close(f, context_values, inputs[0])
+            func.vjp(lambda *leaves: fn(leaves)[0], *inputs)
+            program = self.program = self.programs.get("closed gradient", _closed_gradient)
+        single, value = fused.single, fused.value
+        found = _called(program, fused.close, f, context_values, single, value, inputs[0] if single else inputs)
+        grads = found[1] if value else found
+        grads = (grads,) if single else tuple(grads)
+        for grad in grads:  # (a loop: on every call)
+            if grad.requires_grad:  # (a Constant's tensor requires grad: the compiled graph keeps one)
+                grads = tuple(map(torch.Tensor.detach, grads))
+                break
+        grads = _materialised(grads)
+        if value:
+            out = found[0]
+            return (out.detach() if out.requires_grad else out), grads
+        return (grads,)
+
+
 # -- the adapter -----------------------------------------------------------------------------------
 
 
@@ -225,7 +330,10 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
                     stack.pop()
 
             run.programs = programs  # type: ignore[attr-defined]  # (for the tests: what was compiled)
-            return run
+            fused = None if parts is None else parts.fused
+            if fused is None or fused.compute != "value_and_gradient" or not fused.dynamic or fused.adapter is not self:
+                return run
+            return _ClosedGradient(run, fused, parts, programs)
 
         def _program(self, name: str, template: Callable[..., Any], fn: Fn, xs: Leaves) -> Any:
             """This call's compiled program ``name``, f evaluated once eagerly before its first
