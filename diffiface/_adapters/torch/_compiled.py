@@ -331,7 +331,9 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
 
             run.programs = programs  # type: ignore[attr-defined]  # (for the tests: what was compiled)
             fused = None if parts is None else parts.fused
-            if fused is None or fused.compute != "value_and_gradient" or not fused.dynamic or fused.adapter is not self:
+            # (every context leaf an array, an argument of the compiled graph: no module among them)
+            arrays = parts is not None and not parts.cache_static
+            if fused is None or fused.compute != "value_and_gradient" or not arrays or fused.adapter is not self:
                 return run
             return _ClosedGradient(run, fused, parts, programs)
 
