@@ -10,7 +10,7 @@ from typing import Any, Final
 import numpy as np
 
 from . import _jax_placement as _placement
-from ._shared import no_refusal, not_followed, unopened, untraced
+from ._shared import array_words, no_refusal, not_followed, unopened, untraced
 
 NAME: Final = "jax"
 ARRAY: Final = True
@@ -281,7 +281,7 @@ contents = not_followed
 
 
 def describe(signature: tuple[Any, ...]) -> str:
-    text = f"a {NAME} array of shape {signature[1]} and dtype {signature[2]}"
+    text = array_words(signature)
     if len(signature) > 3:
         text += f" laid out as {signature[3]}"
     return text
