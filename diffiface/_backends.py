@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -42,6 +43,16 @@ class Backend:
         differentiate a function written for any framework."""
         return False
 
+    def _complex_points_problem(self) -> str | None:
+        """Why this engine, as the inner of a complex-step outer, cannot carry the complex points
+        through its gradient; None where it can (:func:`pairing_refusal`)."""
+        return f"{self.name} is not known to carry complex points through its gradient"
+
+    def _nesting_problem(self, inner: Backend) -> str | None:
+        """Why this engine, as an AD outer, cannot trace ``inner``, the same engine with other
+        options; None where it can (:func:`pairing_refusal`)."""
+        return None
+
 
 @dataclass(frozen=True)
 class AutoJAX(Backend):
@@ -61,6 +72,9 @@ class AutoJAX(Backend):
 
     def __post_init__(self) -> None:
         _check_bool(self, "jit", self.jit)
+
+    def _complex_points_problem(self) -> str:
+        return "jax's gradient takes real-valued functions only"
 
 
 _PYTENSOR_MODES = ("FAST_RUN", "FAST_COMPILE", "NUMBA", "CVM")
@@ -147,7 +161,7 @@ class AutoTorch(Backend):
     compile: bool = False
 
     def __post_init__(self) -> None:
-        if self.mode not in ("autograd", "func"):
+        if self.mode not in _TORCH_MODES:
             raise InvalidBackendOptionError(
                 f"AutoTorch(mode={self.mode!r}) is not a torch mode; use mode='autograd' "
                 "(torch.autograd.grad) or mode='func' (torch.func transforms)."
@@ -176,12 +190,34 @@ class AutoTorch(Backend):
                 "(autograd mode's double backward cannot go through a compiled graph)."
             )
 
+    def _complex_points_problem(self) -> str:
+        return (
+            "torch differentiates complex functions by conjugate Wirtinger calculus, so the complex "
+            "step would read a conjugated gradient"
+        )
+
+    def _nesting_problem(self, inner: Backend) -> str | None:
+        if isinstance(inner, AutoTorch) and self.mode != inner.mode:
+            i = _short(inner)
+            return (
+                "torch's autograd and func modes do not nest in each other; use the same mode twice: "
+                f"SecondOrder({i}, {i})."
+            )
+        return None
+
+
+_TORCH_MODES: tuple[str, ...] = typing.get_args(typing.get_type_hints(AutoTorch)["mode"])
+"""The modes that AutoTorch's ``mode`` type allows."""
+
 
 @dataclass(frozen=True)
 class AutoAutograd(Backend):
     """Differentiate with the ``autograd`` package (reverse mode on numpy)."""
 
     name: ClassVar[str] = "autograd"
+
+    def _complex_points_problem(self) -> None:
+        return None  # (its gradient carries complex points through)
 
 
 @dataclass(frozen=True)
@@ -275,6 +311,11 @@ class AutoFiniteDifferences(Backend):
     def black_box(self) -> bool:
         return True
 
+    def _complex_points_problem(self) -> str | None:
+        if self.method == "complex":
+            return None  # (the complex step itself)
+        return "real finite differences evaluate f at real points: the imaginary step is lost"
+
 
 @dataclass(frozen=True)
 class AutoScipy(Backend):
@@ -332,6 +373,9 @@ class AutoScipy(Backend):
     @property
     def black_box(self) -> bool:
         return True
+
+    def _complex_points_problem(self) -> str:
+        return "scipy's differences evaluate f at real points: the imaginary step is lost"
 
 
 @dataclass(frozen=True)
@@ -493,18 +537,6 @@ def one_difference_engine(outer: Backend, inner: Backend) -> bool:
     )
 
 
-_COMPLEX_INNER_PROBLEM = {
-    # why each inner engine cannot carry the complex step's complex points through its gradient
-    AutoJAX: "jax's gradient takes real-valued functions only",
-    AutoTorch: (
-        "torch differentiates complex functions by conjugate Wirtinger calculus, so the complex "
-        "step would read a conjugated gradient"
-    ),
-    AutoFiniteDifferences: "real finite differences evaluate f at real points: the imaginary step is lost",
-    AutoScipy: "scipy's differences evaluate f at real points: the imaginary step is lost",
-}
-
-
 def _short(backend: Backend) -> str:
     """``backend`` as it would be written: only the options that differ from the defaults."""
     options = [
@@ -533,6 +565,9 @@ def pairing_refusal(outer: Backend, inner: Backend) -> str | None:
       or the complex step itself), and that differencing real finite-difference gradients
       amplifies their rounding error (allowed only as one engine's own second differences,
       or over a complex-step inner, whose gradients are exact to rounding).
+
+    What an engine knows of itself, each config class says: ``_nesting_problem`` (torch's modes),
+    ``_complex_points_problem`` (whether its gradient carries complex points through, and why not).
     """
     if outer == inner:
         return None
@@ -550,20 +585,13 @@ def pairing_refusal(outer: Backend, inner: Backend) -> str | None:
                 f"other's arrays. Use the same engine twice, SecondOrder({i}, {i}), or a finite-difference "
                 f"outer: SecondOrder(AutoFiniteDifferences(), {i})."
             )
-        if isinstance(outer, AutoTorch) and isinstance(inner, AutoTorch) and outer.mode != inner.mode:
-            return (
-                "torch's autograd and func modes do not nest in each other; use the same mode twice: "
-                f"SecondOrder({i}, {i})."
-            )
-        return None
+        return outer._nesting_problem(inner)
     if one_difference_engine(outer, inner):
         return None
     if isinstance(outer, AutoFiniteDifferences) and outer.method == "complex":
-        if isinstance(inner, AutoAutograd) or (isinstance(inner, AutoFiniteDifferences) and inner.method == "complex"):
+        problem = inner._complex_points_problem()
+        if problem is None:
             return None
-        problem = _COMPLEX_INNER_PROBLEM.get(
-            type(inner), f"{inner.name} is not known to carry complex points through its gradient"
-        )
         return (
             f"a complex-step outer evaluates the inner gradient at complex points, and {problem}. "
             f"Use a real method outside, {_difference_outer_for(inner)}, or "

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import dis
 import functools
-import hashlib
 import itertools
-import operator
-import sys
 import threading
 import types
 import weakref
@@ -16,14 +13,14 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import numpy as np
-
 from . import _arrays
 from ._errors import PreparationMismatchError, UnsupportedOperationError
+from ._families._shared import array_words
 from ._flatten import generated
 from .tree import path_string
 
 if TYPE_CHECKING:
+    from ._families._shared import Held
     from ._plan import Plan
 
 __all__ = ["Closure", "FunctionRef", "Prep", "Signature", "describe_mismatch", "prep_cache"]
@@ -195,7 +192,7 @@ class Closure:
       its ``__dict__`` (one level), and ``__wrapped__``.
 
     Each object so read is compared by identity; numpy arrays and torch tensors among them also
-    by their contents (:class:`_Contents`), which can change in place. At most
+    by their contents (their family's ``contents``), which can change in place. At most
     ``_MOST_FOLLOWED`` callables are followed per f. What objects hold below that (an attribute
     of an attribute, a model's parameters) is not followed: pass such data as a
     :class:`~diffiface.Constant`."""
@@ -206,7 +203,7 @@ class Closure:
         values = _reads(f)
         self._keep = values  # (the ids stay those of live objects)
         self._ids = list(map(id, values))
-        self._arrays = [(i, _contents(v)) for i, v in enumerate(values) if _is_followed_array(v)]
+        self._arrays = [(i, found) for i, v in enumerate(values) if (found := _contents(v)) is not None]
         self.holds: Callable[[Callable[..., Any]], bool] = self._holds
         """``holds(f)``: whether ``f`` reads the same objects, and the arrays among them hold the
         same values."""
@@ -418,91 +415,11 @@ _KEPT = 1 << 24
 (a copy would double the memory it takes; comparing a copy costs less than hashing)."""
 
 
-def _is_followed_array(value: Any) -> bool:
-    kind = _arrays.kind(value)
-    return (kind == "numpy" and isinstance(value, np.ndarray)) or kind == "torch"
-
-
-class _Contents:
-    """An array's contents as f read them: its kind, shape and dtype (and device), and its
-    bytes, kept up to :data:`_KEPT` bytes, else their SHA-1 digest; an array of Python objects
-    by the identities of its entries."""
-
-    __slots__ = ("bytes", "digest", "meta", "objects")
-
-    def __init__(self, array: np.ndarray, meta: Any) -> None:
-        self.meta = meta
-        self.objects: tuple[Any, ...] | None = None
-        self.bytes: bytes | None = None
-        self.digest: bytes | None = None
-        if array.dtype.hasobject:
-            self.objects = tuple(array.flat)
-        elif array.nbytes <= _KEPT:
-            self.bytes = array.tobytes()
-        else:
-            self.digest = _digest(array)
-
-    def holds(self, value: Any) -> bool:
-        found = _numpy_view(value)
-        if found is None:
-            return False
-        array, meta = found
-        if meta != self.meta:
-            return False
-        if self.objects is not None:
-            return all(map(operator.is_, array.flat, self.objects))
-        if self.bytes is not None:
-            return array.tobytes() == self.bytes
-        return _digest(array) == self.digest
-
-
-class _DeviceContents:
-    """A torch tensor with no numpy view (on an accelerator, or of a dtype numpy lacks): a copy
-    on its device, compared with ``torch.equal`` (a tensor holding NaN never compares equal:
-    the call prepares again)."""
-
-    __slots__ = ("copy",)
-
-    def __init__(self, tensor: Any) -> None:
-        self.copy = tensor.detach().clone()
-
-    def holds(self, value: Any) -> bool:
-        torch = sys.modules["torch"]
-        copy = self.copy
-        if (value.shape, value.dtype, value.device, value.layout) != (copy.shape, copy.dtype, copy.device, copy.layout):
-            return False
-        try:
-            return bool(torch.equal(value.detach(), copy))
-        except RuntimeError:  # (a layout torch.equal does not compare)
-            return False
-
-
-def _contents(value: Any) -> _Contents | _DeviceContents:
-    found = _numpy_view(value)
-    if found is None:
-        return _DeviceContents(value)
-    return _Contents(*found)
-
-
-def _numpy_view(value: Any) -> tuple[np.ndarray, Any] | None:
-    """A numpy array and its shape and dtype (a torch tensor's numpy view, without a copy),
-    or None for a tensor with no such view."""
-    if isinstance(value, np.ndarray):
-        return value, (value.shape, value.dtype)
-    torch = sys.modules.get("torch")
-    if torch is None or not isinstance(value, torch.Tensor):
-        return None
-    if value.device.type != "cpu" or value.layout is not torch.strided or value.is_conj() or value.is_neg():
-        return None
-    try:
-        array = value.detach().numpy()
-    except (TypeError, RuntimeError):  # (a dtype numpy lacks, a tensor subclass)
-        return None
-    return array, ("torch", value.shape, value.dtype)
-
-
-def _digest(array: np.ndarray) -> bytes:
-    return hashlib.sha1(np.ascontiguousarray(array).data, usedforsecurity=False).digest()
+def _contents(value: Any) -> Held | None:
+    """What a closure keeps of ``value`` to compare its contents, by its family; None where it
+    is compared by identity only (not an array of a family whose arrays are followed)."""
+    family = _arrays.family_of(value)
+    return None if family is None else family.contents(value, _KEPT)
 
 
 def describe_mismatch(prep: Prep, f: Callable[..., Any], signature: Signature) -> str | None:
@@ -556,11 +473,12 @@ def _tree_difference(
     for i, (a, b) in enumerate(zip(leaves_a, leaves_b, strict=True)):
         if a != b:
             where = path_string(paths[i]) if i < len(paths) else f"leaf {i}"
-            if _traced(b) and not _traced(a):
+            trace = _trace_of(b)
+            if trace is not None and _trace_of(a) is None:
                 return (
-                    f"{label}{where}: prepared for {_describe_leaf(a)}, called under a jax trace (inside "
-                    "jax.jit, jax.grad or jax.vmap) with a traced array. A prep holds a program made for "
-                    "concrete arrays: call without prep= inside the trace, or prepare inside it"
+                    f"{label}{where}: prepared for {_describe_leaf(a)}, called under {trace} with a traced "
+                    "array. A prep holds a program made for concrete arrays: call without prep= inside the "
+                    "trace, or prepare inside it"
                 )
             prepared, called = _describe_leaf(a), _describe_leaf(b)
             if prepared == called:  # (a difference the words above do not show)
@@ -569,27 +487,21 @@ def _tree_difference(
     return None  # pragma: no cover - equal specs and unequal leaves differ somewhere
 
 
-def _traced(signature: tuple[Any, ...]) -> bool:
-    """Whether a leaf's signature is a traced jax array's (a concrete one names its layout)."""
-    return signature[0] == "jax" and len(signature) == 3
+def _trace_of(signature: tuple[Any, ...]) -> str | None:
+    """The trace a leaf of this signature was traced under, in words; None for a concrete leaf."""
+    family = _arrays.BY_KIND.get(signature[0])
+    return None if family is None else family.trace_of(signature)
 
 
 def _describe_leaf(signature: tuple[Any, ...]) -> str:
     kind = signature[0]
-    if kind == "python":
-        return f"a Python {signature[1].__name__}"
     if kind == "static":
         return f"a {signature[1].__name__} (not an array)"
     if kind == "other":  # a pytree only jax knows: its class, then its leaves' shapes and dtypes
         leaves = ", ".join(f"{shape} {dtype}" for shape, dtype in (signature[3] if len(signature) > 3 else ()))
         return f"a {signature[1].__name__} with leaves of shape and dtype [{leaves}]"
-    shape, dtype = signature[1], signature[2]
-    text = f"a {kind} array of shape {shape} and dtype {dtype}"
-    if kind == "torch":
-        text += f" on {signature[3]}"
-    if kind == "jax" and len(signature) > 3:
-        text += f" laid out as {signature[3]}"
-    return text
+    family = _arrays.BY_KIND.get(kind)
+    return array_words(signature) if family is None else family.describe(signature)
 
 
 def mismatch_error(prep: Prep, reason: str) -> PreparationMismatchError:

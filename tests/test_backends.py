@@ -168,6 +168,11 @@ _METHODS = {
 }
 
 
+def test_each_row_is_named_as_its_config() -> None:
+    """A config's ``name`` is the registry's key for its engine (the messages name it so)."""
+    assert [row.config.name for row in registry.BACKENDS] == [row.name for row in registry.BACKENDS]
+
+
 @pytest.mark.parametrize("row", registry.BACKENDS, ids=[row.name for row in registry.BACKENDS])
 def test_the_registry_says_what_each_adapter_computes_itself(row: Any) -> None:
     """The registry's ``native`` column (which feeds the docs' support matrix) names exactly

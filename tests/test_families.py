@@ -42,6 +42,9 @@ API = {
     "values",
     "opened",
     "traced",
+    "contents",
+    "describe",
+    "trace_of",
 }
 
 

@@ -6,16 +6,16 @@ dispatches by family. A module counts as naming a framework when it holds a stri
 that is a framework's name or a dotted module path under one (``"torch"``, ``"jax.numpy"``),
 as a kind comparison or a ``sys.modules`` lookup does, or imports one (``import jax``; numpy,
 the host every family converts through, may be imported anywhere). Prose in docstrings does not
-count.
+count, nor does what a backend's config class declares of itself (:func:`_declared`): its
+``name`` class variable, which is the registry's key for its engine (a row's name is its
+config's: tests/test_backends.py, and the registry checks an installed engine's), and the values
+its options' ``Literal`` types allow, with a default among them (AutoTorch's
+``mode="autograd"`` is torch's autograd, not the autograd package).
 
 A module that belongs to one framework says so by its file name: the name, less leading
 underscores, is the framework's name or starts with it and an underscore (``_bridges/jax.py``,
 ``sparse/_torch_trace.py``). Such a module may name its own framework and that framework's
 modules; any other framework it names counts, as in every generic module.
-
-The modules not yet cleaned are listed in :data:`NOT_YET_CLEANED`; their test is a strict
-xfail, so cleaning one without taking it off the list fails, and the list is how the rest of
-issue 39 is tracked.
 """
 
 from __future__ import annotations
@@ -34,12 +34,6 @@ EXEMPT = ("_families", "_adapters", "test")
 
 _FRAMEWORKS = ("torch", "jax", "autograd", "numpy")
 _NAME = re.compile(rf"({'|'.join(_FRAMEWORKS)})(\.\w+)*")
-
-NOT_YET_CLEANED = (
-    "_backends.py",
-    "_prep.py",
-)
-"""Modules that still name a framework, as paths under ``diffiface/``."""
 
 
 def _modules() -> list[str]:
@@ -78,16 +72,48 @@ _HOST = "numpy"
 
 def _named(tree: ast.AST) -> list[tuple[str, bool]]:
     """The strings, and the modules imported (``import jax``, ``from torch import nn``), each with
-    whether it is imported."""
+    whether it is imported; less those a backend's config class declares (:func:`_declared`)."""
     names = []
+    declared = _declared(tree)
     for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node not in declared:
             names.append((node.value, False))
         elif isinstance(node, ast.Import):
             names.extend((alias.name, True) for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module is not None:
             names.append((node.module, True))
     return names
+
+
+def _declared(tree: ast.AST) -> set[ast.Constant]:
+    """The string constants that a class deriving from ``Backend`` declares in the annotated
+    assignments of its body: the value of its ``name`` ClassVar, and the values of a field's
+    ``Literal`` type with its default where that is one of them."""
+    found: set[ast.Constant] = set()
+    for cls in ast.walk(tree):
+        if not (isinstance(cls, ast.ClassDef) and any(_is(base, "Backend") for base in cls.bases)):
+            continue
+        for statement in cls.body:
+            if not isinstance(statement, ast.AnnAssign) or not isinstance(statement.target, ast.Name):
+                continue
+            annotation, value = statement.annotation, statement.value
+            if statement.target.id == "name" and _subscript_of(annotation, "ClassVar"):
+                if isinstance(value, ast.Constant):
+                    found.add(value)
+            elif _subscript_of(annotation, "Literal"):
+                allowed = {n for n in ast.walk(annotation) if isinstance(n, ast.Constant)}
+                found |= allowed
+                if isinstance(value, ast.Constant) and value.value in {n.value for n in allowed}:
+                    found.add(value)
+    return found
+
+
+def _is(node: ast.expr, name: str) -> bool:
+    return (isinstance(node, ast.Name) and node.id == name) or (isinstance(node, ast.Attribute) and node.attr == name)
+
+
+def _subscript_of(node: ast.expr, name: str) -> bool:
+    return isinstance(node, ast.Subscript) and _is(node.value, name)
 
 
 def test_the_counter_counts() -> None:
@@ -114,20 +140,25 @@ def test_a_module_belongs_to_a_framework_by_its_file_name() -> None:
     assert count_names("import jax.numpy as jnp\nfrom torch import nn\nfrom . import jax\nimport numpy\n") == 2
 
 
-def test_the_list_names_existing_modules() -> None:
-    assert set(NOT_YET_CLEANED) <= set(_modules())
-    assert "_arrays.py" in _modules()
+def test_a_backend_declares_its_own_name_and_its_options_words() -> None:
+    source = (
+        "class AutoX(Backend):\n"
+        '    name: ClassVar[str] = "torch"\n'
+        '    mode: Literal["autograd", "func"] = "autograd"\n'
+        '    arrays: str = "jax"\n'
+        "    def check(self):\n"
+        '        return self.mode == "autograd"\n'
+        "class Plain:\n"
+        '    name: ClassVar[str] = "torch"\n'
+    )
+    assert count_names(source) == 3  # a plain field's default, a comparison, a name outside a Backend
 
 
-@pytest.mark.parametrize("module", [m for m in _modules() if m not in NOT_YET_CLEANED])
+def test_the_modules_are_found() -> None:
+    assert {"_arrays.py", "_backends.py", "_prep.py", "_bridges/jax.py"} <= set(_modules())
+    assert not any(module.startswith(EXEMPT) for module in _modules())
+
+
+@pytest.mark.parametrize("module", _modules())
 def test_cleaned_modules_name_no_framework(module: str) -> None:
     assert framework_names(module) == 0, f"diffiface/{module} names a framework: move that branch to its family"
-
-
-@pytest.mark.xfail(strict=True, reason="issue 39: the module still names a framework")
-@pytest.mark.parametrize("module", NOT_YET_CLEANED)
-def test_modules_not_yet_cleaned(module: str, record_property: pytest.RecordProperty) -> None:
-    count = framework_names(module)
-    record_property("framework_names", count)
-    print(f"diffiface/{module}: {count} framework names")
-    assert count == 0

@@ -44,7 +44,15 @@ has:
 - ``values(leaf)``, its values as numpy, also of a leaf inside an engine's transform;
 - ``opened(result)``, f's output with the containers its trace holds opened (a passed-through
   family's; else ``result``);
-- ``traced(leaf)``, the value one of its leaves traces (a passed-through family's; else ``leaf``).
+- ``traced(leaf)``, the value one of its leaves traces (a passed-through family's; else ``leaf``);
+- ``contents(value, kept)``, what a prep keeps of one of its arrays that f reads (from its
+  closure or globals) to tell whether it still holds the same values (``holds(value)``): a
+  copy of up to ``kept`` bytes, else a digest; None where its arrays are compared by identity
+  only (immutable, or not followed);
+- ``describe(signature)``, a leaf of this ``signature`` in words, for a prep's mismatch message
+  ("a torch array of shape (3,) and dtype torch.float32 on cpu");
+- ``trace_of(signature)``, the trace a leaf of this ``signature`` is traced under, in words
+  ("a jax trace (inside jax.jit, ...)"), or None for a concrete leaf.
 
 ``as_numpy`` is the converter of a leaf of any family to numpy (:func:`diffiface._arrays.to_numpy`),
 passed in since a family knows no other family.
@@ -62,6 +70,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from . import autograd, jax, mlx, numpy, pytensor, python, tensorflow, torch
+from ._shared import Held
 
 Kind = Literal["python", "numpy", "torch", "jax", "autograd", "pytensor", "mlx", "tensorflow", "other"]
 """A family's name, or ``"other"`` for a leaf no family owns (a foreign pytree, a string)."""
@@ -133,6 +142,12 @@ class Family(Protocol):
     def opened(self, result: Any) -> Any: ...
 
     def traced(self, leaf: Any) -> Any: ...
+
+    def contents(self, value: Any, kept: int) -> Held | None: ...
+
+    def describe(self, signature: tuple[Any, ...]) -> str: ...
+
+    def trace_of(self, signature: tuple[Any, ...]) -> str | None: ...
 
 
 FAMILIES: tuple[Family, ...] = (numpy, python, torch, jax, autograd, pytensor, mlx, tensorflow)

@@ -4,8 +4,12 @@ parts of the family API that most families answer alike."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import operator
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
+
+import numpy as np
 
 
 class MetaLeaves:
@@ -64,4 +68,67 @@ def no_eval_shape(fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str
 
 def no_ravel(leaves: list[Any]) -> None:
     """No layout over several devices in this family: the plain ravel serves."""
+    return None
+
+
+class Held(Protocol):
+    """What a closure keeps of an array f reads (:func:`contents`): the test that it still holds
+    the same values."""
+
+    def holds(self, value: Any) -> bool: ...
+
+
+class Contents:
+    """An array's contents as f read them, through ``view`` (its family's numpy view of one of
+    its arrays: the array and its metadata, shape and dtype at least, or None): the metadata,
+    and the bytes, kept up to ``kept`` bytes, else their SHA-1 digest; an array of Python
+    objects by the identities of its entries."""
+
+    __slots__ = ("bytes", "digest", "meta", "objects", "view")
+
+    def __init__(
+        self, array: np.ndarray, meta: Any, view: Callable[[Any], tuple[np.ndarray, Any] | None], kept: int
+    ) -> None:
+        self.meta = meta
+        self.view = view
+        self.objects: tuple[Any, ...] | None = None
+        self.bytes: bytes | None = None
+        self.digest: bytes | None = None
+        if array.dtype.hasobject:
+            self.objects = tuple(array.flat)
+        elif array.nbytes <= kept:
+            self.bytes = array.tobytes()
+        else:
+            self.digest = _digest(array)
+
+    def holds(self, value: Any) -> bool:
+        found = self.view(value)
+        if found is None:
+            return False
+        array, meta = found
+        if meta != self.meta:
+            return False
+        if self.objects is not None:
+            return all(map(operator.is_, array.flat, self.objects))
+        if self.bytes is not None:
+            return array.tobytes() == self.bytes
+        return _digest(array) == self.digest
+
+
+def _digest(array: np.ndarray) -> bytes:
+    return hashlib.sha1(np.ascontiguousarray(array).data, usedforsecurity=False).digest()
+
+
+def not_followed(value: Any, kept: int) -> None:
+    """``contents`` of a family whose arrays a closure compares by identity only."""
+    return None
+
+
+def array_words(signature: tuple[Any, ...]) -> str:
+    """``describe`` of a family whose signature is its name, a shape and a dtype."""
+    return f"a {signature[0]} array of shape {signature[1]} and dtype {signature[2]}"
+
+
+def no_trace(signature: tuple[Any, ...]) -> None:
+    """``trace_of`` of a family whose leaves a prep never meets traced."""
     return None

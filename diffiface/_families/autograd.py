@@ -9,7 +9,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from ._shared import no_refusal
+from ._shared import array_words, no_refusal, no_trace, not_followed
 
 # a box answers its value's shape and dtype: the tests are numpy's
 from .numpy import block_like as block_like
@@ -148,3 +148,6 @@ def numpy_wrappers() -> tuple[Any, list[Any], list[tuple[str, Any]]]:
 
 
 x_refusal = no_refusal
+contents = not_followed
+describe = array_words
+trace_of = no_trace

@@ -10,7 +10,7 @@ from typing import Any, Final
 import numpy as np
 
 from . import _jax_placement as _placement
-from ._shared import no_refusal, unopened, untraced
+from ._shared import array_words, no_refusal, not_followed, unopened, untraced
 
 NAME: Final = "jax"
 ARRAY: Final = True
@@ -277,3 +277,16 @@ values = to_numpy
 x_refusal = no_refusal
 opened = unopened
 traced = untraced
+contents = not_followed
+
+
+def describe(signature: tuple[Any, ...]) -> str:
+    text = array_words(signature)
+    if len(signature) > 3:
+        text += f" laid out as {signature[3]}"
+    return text
+
+
+def trace_of(signature: tuple[Any, ...]) -> str | None:
+    """A traced array's signature names no layout (:func:`signature`)."""
+    return "a jax trace (inside jax.jit, jax.grad or jax.vmap)" if len(signature) == 3 else None

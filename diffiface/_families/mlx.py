@@ -9,7 +9,19 @@ from typing import Any, Final
 
 import numpy as np
 
-from ._shared import MetaLeaves, SameShapeDtype, no_eval_shape, no_ravel, no_refusal, no_scope, unopened, untraced
+from ._shared import (
+    MetaLeaves,
+    SameShapeDtype,
+    array_words,
+    no_eval_shape,
+    no_ravel,
+    no_refusal,
+    no_scope,
+    no_trace,
+    not_followed,
+    unopened,
+    untraced,
+)
 
 NAME: Final = "mlx"
 ARRAY: Final = True
@@ -143,3 +155,6 @@ eval_shape = no_eval_shape
 laid_out_ravel = no_ravel
 opened = unopened
 traced = untraced
+contents = not_followed
+describe = array_words
+trace_of = no_trace

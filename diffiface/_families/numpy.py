@@ -9,7 +9,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from ._shared import no_refusal, unopened, untraced
+from ._shared import Contents, array_words, no_refusal, no_trace, unopened, untraced
 
 NAME: Final = "numpy"
 ARRAY: Final = True
@@ -158,3 +158,19 @@ values = to_numpy
 x_refusal = no_refusal
 opened = unopened
 traced = untraced
+
+describe = array_words
+trace_of = no_trace
+
+
+def contents(value: Any, kept: int) -> Contents | None:
+    """An ndarray's contents, compared by value (a numpy scalar is immutable: its identity says all)."""
+    if not isinstance(value, np.ndarray):
+        return None
+    return Contents(value, (value.shape, value.dtype), _view, kept)
+
+
+def _view(value: Any) -> tuple[np.ndarray, Any] | None:
+    if isinstance(value, np.ndarray):
+        return value, (value.shape, value.dtype)
+    return None

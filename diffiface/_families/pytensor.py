@@ -15,7 +15,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from ._shared import no_refusal, unopened, untraced
+from ._shared import array_words, no_refusal, no_trace, not_followed, unopened, untraced
 
 # a symbolic variable answers its dtype as numpy names it: the tests are numpy's
 from .numpy import block_like as block_like
@@ -125,3 +125,6 @@ def values(leaf: Any) -> np.ndarray:
 x_refusal = no_refusal
 opened = unopened
 traced = untraced
+contents = not_followed
+describe = array_words
+trace_of = no_trace

@@ -8,7 +8,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from ._shared import no_refusal, unopened, untraced
+from ._shared import no_refusal, no_trace, not_followed, unopened, untraced
 
 NAME: Final = "python"
 ARRAY: Final = False
@@ -117,3 +117,9 @@ values = to_numpy
 x_refusal = no_refusal
 opened = unopened
 traced = untraced
+contents = not_followed
+trace_of = no_trace
+
+
+def describe(signature: tuple[Any, ...]) -> str:
+    return f"a Python {signature[1].__name__}"

@@ -10,7 +10,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from ._shared import MetaLeaves, unopened, untraced
+from ._shared import Contents, MetaLeaves, array_words, no_trace, unopened, untraced
 
 NAME: Final = "torch"
 ARRAY: Final = True
@@ -181,3 +181,51 @@ def values(leaf: Any) -> np.ndarray:
 
 opened = unopened
 traced = untraced
+trace_of = no_trace
+
+
+def describe(signature: tuple[Any, ...]) -> str:
+    return f"{array_words(signature)} on {signature[3]}"
+
+
+def contents(value: Any, kept: int) -> Contents | _DeviceContents:
+    """A tensor's contents, through its numpy view where it has one, else a copy on its device."""
+    found = _numpy_view(value)
+    if found is None:
+        return _DeviceContents(value)
+    return Contents(*found, _numpy_view, kept)
+
+
+def _numpy_view(value: Any) -> tuple[np.ndarray, Any] | None:
+    """A tensor's numpy view (no copy) and its shape and dtype, or None for a tensor with no
+    such view."""
+    torch = sys.modules["torch"]
+    if not isinstance(value, torch.Tensor):
+        return None
+    if value.device.type != "cpu" or value.layout is not torch.strided or value.is_conj() or value.is_neg():
+        return None
+    try:
+        array = value.detach().numpy()
+    except (TypeError, RuntimeError):  # (a dtype numpy lacks, a tensor subclass)
+        return None
+    return array, (NAME, value.shape, value.dtype)
+
+
+class _DeviceContents:
+    """A tensor with no numpy view (on an accelerator, or of a dtype numpy lacks): a copy on
+    its device, compared with ``torch.equal`` (a tensor holding NaN never compares equal: the
+    call prepares again)."""
+
+    __slots__ = ("copy",)
+
+    def __init__(self, tensor: Any) -> None:
+        self.copy = tensor.detach().clone()
+
+    def holds(self, value: Any) -> bool:
+        copy = self.copy
+        if (value.shape, value.dtype, value.device, value.layout) != (copy.shape, copy.dtype, copy.device, copy.layout):
+            return False
+        try:
+            return bool(sys.modules["torch"].equal(value.detach(), copy))
+        except RuntimeError:  # (a layout torch.equal does not compare)
+            return False
