@@ -297,3 +297,31 @@ def test_a_caller_that_runs_torch_compile_eagerly_gets_right_results() -> None:
         torch.testing.assert_close(di.gradient(other, COMPILED, x), 2 * expected)  # a new prep
     assert graphs() == before
     torch.testing.assert_close(di.gradient(f, COMPILED, x, prep=prep), expected)
+
+
+def test_an_output_changed_after_the_first_compile_is_checked_again() -> None:
+    # where a later call needs a new compile (f's global changed), f's output is checked again
+    # eagerly first: a vector or a complex scalar is refused with diffiface's own error, as on a
+    # first call (inside the trace torch.compile would report it as a graph break), and a real
+    # scalar compiles anew
+    x = torch.linspace(-1, 1, 4, dtype=torch.float64)
+    state = {"out": "scalar"}
+
+    def f(x):
+        y = x**2
+        if state["out"] == "vector":
+            return y
+        if state["out"] == "complex":
+            return torch.sum(y).to(torch.complex128)
+        return torch.sum(y) * (3.0 if state["out"] == "scaled" else 1.0)
+
+    prep = di.prepare_gradient(f, COMPILED, x)
+    torch.testing.assert_close(di.gradient(f, COMPILED, x, prep=prep), 2 * x)
+    for out in ("vector", "complex"):
+        state["out"] = out
+        with pytest.raises(di.InvalidOutputError):
+            di.gradient(f, COMPILED, x, prep=prep)
+    state["out"] = "scaled"
+    torch.testing.assert_close(di.gradient(f, COMPILED, x, prep=prep), 6 * x)
+    state["out"] = "scalar"
+    torch.testing.assert_close(di.gradient(f, COMPILED, x, prep=prep), 2 * x)

@@ -1,7 +1,8 @@
 """Benchmark rows of compiled torch ("torch-compile"): diffiface's prepared gradient against
 ``torch.compile(torch.func.grad(f))``, the engine's own fastest call.
 
-``python benchmarks/engine_rows/torch_compile.py`` times the rows (interleaved rounds) and prints
+``python benchmarks/engine_rows/torch_compile.py`` times the rows (interleaved rounds, one torch
+thread) and prints
 the ratios and each side's first-compile time. The first call of each side compiles (Inductor,
 seconds to a minute on a small machine): ``cases`` makes both calls ready, compiled, before it
 returns them.
@@ -25,6 +26,8 @@ from run import MLP_SIZE, mlp_loss, tiny
 import diffiface as di
 
 ENGINE = "torch-compile"
+
+torch.set_num_threads(1)  # (one thread, as benchmarks/torch_users.py: both sides run alike on one CPU)
 
 FIRST_COMPILE: dict[str, tuple[float, float]] = {}
 """Seconds of each row's first call, ``(ours, native)``: the compile."""

@@ -269,13 +269,19 @@ class _ClosedGradient(_Gradient):
         fused = self.fused
         program = self.program
         if program is None:
-            # f once, uncompiled, as Adapter._program runs it: diffiface's checks of its output,
-            # and torch.func's refusal of a write into a Constant
-            fn = fused.close(f, context_values, inputs[0])
-            func.vjp(lambda *leaves: fn(leaves)[0], *inputs)
+            self.evaluated(inputs, f, context_values)
             program = self.program = self.programs.get("closed gradient", _closed_gradient)
         single, value = fused.single, fused.value
-        found = _called(program, fused.close, f, context_values, single, value, inputs[0] if single else inputs)
+        args = (fused.close, f, context_values, single, value, inputs[0] if single else inputs)
+        fast = program.fast
+        found: Any = _UNCOMPILED
+        if fast is not None:
+            try:
+                found = fast(program.template, *args)
+            except _Uncompiled:  # no compiled graph fits: a compile, after f's output is checked again
+                self.evaluated(inputs, f, context_values)
+        if found is _UNCOMPILED:
+            found = _called(program, *args)
         grads = found[1] if value else found
         grads = (grads,) if single else tuple(grads)
         for grad in grads:  # (a loop: on every call)
@@ -287,6 +293,17 @@ class _ClosedGradient(_Gradient):
             out = found[0]
             return (out.detach() if out.requires_grad else out), grads
         return (grads,)
+
+    def evaluated(self, inputs: Leaves, f: Callable[..., Any], context_values: Leaves) -> None:
+        """f once, uncompiled, as Adapter._program runs it, before each compile: diffiface's
+        checks of its output raise its own error (inside a trace torch.compile would report it
+        as a graph break), and torch.func refuses a write into a Constant."""
+        fn = self.fused.close(f, context_values, inputs[0])
+        func.vjp(lambda *leaves: fn(leaves)[0], *inputs)
+
+
+_UNCOMPILED = object()
+"""No compiled graph ran (:meth:`_ClosedGradient.engine`)."""
 
 
 # -- the adapter -----------------------------------------------------------------------------------
