@@ -207,9 +207,21 @@ class Closure:
         self.holds: Callable[[Callable[..., Any]], bool] = self._holds
         """``holds(f)``: whether ``f`` reads the same objects, and the arrays among them hold the
         same values."""
-        if type(f) is types.FunctionType and len(values) == len(_function_reads(f)):
-            # (a function that reads no other callable: its test written for it, see _write_holds)
-            self.holds = _write_holds(f, values, self._arrays, self._holds)
+        chain = _function_chain(f) if type(f) is types.FunctionType else None
+        if chain is not None and sum(n for _, _, n in chain) == len(values):
+            # (a function, and the helpers it follows are functions: a test written for each, see
+            # _write_holds; each helper is the object f's own test found, so its reads are read
+            # from it)
+            parts = [
+                _write_holds(
+                    fn,
+                    values[start : start + n],
+                    [(i - start, c) for i, c in self._arrays if start <= i < start + n],
+                    self._holds if fn is f else _never,
+                )
+                for fn, start, n in chain
+            ]
+            self.holds = parts[0] if len(parts) == 1 else _all_hold(parts[0], parts[1:], [fn for fn, _, _ in chain[1:]])
 
     def _holds(self, f: Callable[..., Any]) -> bool:
         values = _reads(f)
@@ -219,6 +231,61 @@ class Closure:
             if not contents.holds(values[i]):
                 return False
         return True
+
+
+def _function_chain(f: types.FunctionType) -> list[tuple[types.FunctionType, int, int]] | None:
+    """The functions :func:`_follow` follows from the function ``f``, in its order, each with
+    where its reads start among the values and how many there are; None where it would follow
+    anything else (a ``__wrapped__``)."""
+    chain: list[tuple[types.FunctionType, int, int]] = []
+    seen: set[int] = set()
+    start = 0
+
+    def walk(fn: types.FunctionType) -> bool:
+        nonlocal start
+        if id(fn) in seen or len(seen) >= _MOST_FOLLOWED:
+            return True
+        seen.add(id(fn))
+        if "__wrapped__" in fn.__dict__:
+            return False
+        reads = _function_reads(fn)
+        chain.append((fn, start, len(reads)))
+        start += len(reads)
+        namespace, cells = fn.__globals__, _cells(fn)
+        for i in range(1, len(reads)):
+            value = reads[i]
+            followed = type(value) is types.FunctionType and (i <= cells or value.__globals__ is namespace)
+            if followed and not walk(value):
+                return False
+        return True
+
+    return chain if walk(f) else None
+
+
+def _all_hold(
+    first: Callable[[Callable[..., Any]], bool],
+    helpers: list[Callable[[Callable[..., Any]], bool]],
+    functions: list[types.FunctionType],
+) -> Callable[[Callable[..., Any]], bool]:
+    """:meth:`Closure.holds` of a function that follows helper functions: its own written test,
+    then each helper's on the helper itself (the object its own test found unchanged)."""
+    pairs = list(zip(helpers, functions, strict=True))
+
+    def holds(f: Callable[..., Any]) -> bool:
+        if not first(f):
+            return False
+        for test, function in pairs:  # noqa: SIM110
+            if not test(function):
+                return False
+        return True
+
+    return holds
+
+
+def _never(f: Callable[..., Any]) -> bool:
+    """A helper's test where its own written one cannot tell (it gained ``__wrapped__``): not
+    the same, so the call prepares again."""
+    return False
 
 
 def _write_holds(

@@ -211,6 +211,51 @@ def test_an_unprepared_call_sees_a_global_a_helper_of_its_module_reads(scale: An
     np.testing.assert_allclose(di.gradient(loss, "jax", x), 6 * x)
 
 
+_TABLE = np.ones(3)
+
+
+def _inner(v: Any) -> Any:
+    return _TABLE * v
+
+
+def _outer(v: Any) -> Any:
+    return _inner(v) ** 2
+
+
+def test_a_function_with_helpers_has_a_written_test_that_sees_each_helper(scale: Any) -> None:
+    # expected: f that calls helpers of its module (one calling another) gets a test written for
+    # each function, not the general walk; it sees a helper's global array written in place, a
+    # helper rebound, and a global of the innermost helper, as the general test does
+    require("jax")
+    import jax.numpy as jnp
+
+    global _inner
+
+    def loss(v: Any) -> Any:
+        return jnp.sum(SCALE * _outer(v))
+
+    closure = _prep.Closure(loss)
+    assert closure.holds != closure._holds
+    assert closure.holds(loss) and closure._holds(loss)
+    x = np.ones(3)
+    np.testing.assert_allclose(di.gradient(loss, "jax", x), 2 * x)
+    _TABLE[:] = 2.0
+    try:
+        assert not closure.holds(loss) and not closure._holds(loss)
+        np.testing.assert_allclose(di.gradient(loss, "jax", x), 8 * x)
+        original = _inner
+        _inner = lambda v: 3 * v  # noqa: E731  (a helper rebound)
+        try:
+            np.testing.assert_allclose(di.gradient(loss, "jax", x), 18 * x)
+        finally:
+            _inner = original
+        np.testing.assert_allclose(di.gradient(loss, "jax", x), 8 * x)
+        _set_scale(3.0)
+        np.testing.assert_allclose(di.gradient(loss, "jax", x), 24 * x)
+    finally:
+        _TABLE[:] = 1.0
+
+
 def test_an_unprepared_call_sees_a_large_numpy_array_written_in_place() -> None:
     """More than 65,536 entries (once compared by identity alone)."""
     require("jax")
