@@ -40,7 +40,7 @@ from ._call import _ARRAY_KINDS, Call
 from ._contexts import Constant
 from ._dispatch import register_program
 from ._errors import InvalidBackendOptionError, InvalidInputError
-from ._prep import FunctionRef, Prep
+from ._prep import FunctionRef, Prep, _contents
 from ._tangents import Tangents
 
 __all__ = ["SPARSE_OPERATORS", "SparsePrep", "SparseProgram"]
@@ -101,17 +101,23 @@ class SparseProgram:
     """The program of a sparse prep, on a call's leaves: x and the contexts rebuilt, then one
     product per color and the decompression (:class:`_Plan`)."""
 
-    __slots__ = ("context_kinds", "context_specs", "function", "name", "sparse", "x_spec")
+    __slots__ = ("backend", "context_kinds", "context_specs", "function", "kept", "name", "sparse", "x_spec")
 
     def __init__(self, name: str, f: Callable[..., Any], backend: AutoSparse, call: Call) -> None:
         _complex.refuse_sparse(call)
         self.name = name
         self.function = FunctionRef(f)
+        self.backend = backend
         self.x_spec = call.signature.x_spec
         self.context_kinds = tuple(spec[0] for spec in call.signature.contexts)
         self.context_specs = tuple(call.context_specs)
         x, contexts = self.arguments(call.x_leaves, call.context_leaves)
         self.sparse = _Plan(name, f, backend, x, contexts)
+        # A local pattern holds for the contexts' values it was found with (a Constant matrix's
+        # zeros are the Jacobian's): what they held, to find it again where they change.
+        # (the record and the plan found with it, together: None where the pattern is global or known)
+        local = isinstance(backend.detector, sparse.LocalDetector)
+        self.kept = (_kept_arrays(call.context_leaves), self.sparse) if local else None
 
     def arguments(self, x_leaves: list[Any], context_leaves: list[list[Any]]) -> tuple[Any, tuple[Any, ...]]:
         x = optree.tree_unflatten(self.x_spec, x_leaves)
@@ -125,7 +131,39 @@ class SparseProgram:
         self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]
     ) -> tuple[Any, Any]:
         x, contexts = self.arguments(x_leaves, context_leaves)
-        return self.sparse.run(self.name, self.function(), x, contexts), None
+        found = self.kept
+        plan = self.sparse
+        if found is not None:
+            kept, plan = found  # (read together: another thread may be finding the pattern anew)
+            if not _arrays_hold(kept, context_leaves):
+                plan = _Plan(self.name, self.function(), self.backend, x, contexts)
+                self.sparse = plan
+                self.kept = (_kept_arrays(context_leaves), plan)
+        return plan.run(self.name, self.function(), x, contexts), None
+
+
+def _kept_arrays(context_leaves: list[list[Any]]) -> list[tuple[Any, Any]]:
+    """Each array leaf of the contexts as a later call compares it: ``(None, contents)`` where
+    its family keeps its contents, else ``(the array, None)``, compared by identity (jax's
+    arrays, which cannot change in place)."""
+    kept = []
+    for leaves in context_leaves:
+        for leaf in leaves:
+            if _arrays.is_array(leaf):
+                contents = _contents(leaf)
+                kept.append((None, contents) if contents is not None else (leaf, None))
+    return kept
+
+
+def _arrays_hold(kept: list[tuple[Any, Any]], context_leaves: list[list[Any]]) -> bool:
+    """Whether the contexts' array leaves hold what ``kept`` recorded."""
+    arrays = [leaf for leaves in context_leaves for leaf in leaves if _arrays.is_array(leaf)]
+    if len(arrays) != len(kept):
+        return False
+    for leaf, (same, contents) in zip(arrays, kept, strict=True):
+        if not (contents.holds(leaf) if contents is not None else leaf is same):
+            return False
+    return True
 
 
 def _sparse_program(name: str, f: Callable[..., Any], backend: Any, call: Call) -> tuple[SparseProgram, type[Prep]]:

@@ -486,3 +486,33 @@ def test_torch_hessian_is_sparse_csr() -> None:
     torch.testing.assert_close(hess.to_dense(), dense_hess)
     assert_allclose(gradient, dense_gradient)
     assert_allclose(value, dense_value)
+
+
+@pytest.mark.parametrize("name", ["jax", "torch", "autograd", "finite_differences"])
+def test_a_local_pattern_is_found_again_where_a_constant_changes(name: str) -> None:
+    # expected: a local pattern holds for the Constant it was found with (the matrix's zeros are
+    # the Jacobian's); unprepared calls with matrices of other bands, and a prepared call whose
+    # matrix is written in place, give each matrix's own Jacobian, not one of the first's pattern
+    if not di.available(name):
+        pytest.skip(f"the {name} backend is not installed")
+    n = 30
+    x = np.linspace(0.3, 1.7, n)
+    backend = di.AutoSparse(name, detector=sparse.LocalDetector(), dense=True)
+
+    def banded(band: int) -> np.ndarray:
+        rows, cols = np.indices((n, n))
+        mask = (cols - rows <= band - band // 2) & (rows - cols <= band // 2)
+        return np.where(mask, np.random.default_rng(band).uniform(0.5, 1.5, (n, n)), 0.0)
+
+    def linear(v: Any, matrix: Any) -> Any:
+        return matrix @ v
+
+    for band in (2, 6, 12):
+        matrix = banded(band)
+        got = np.asarray(di.jacobian(linear, backend, x, di.Constant(matrix)))
+        np.testing.assert_allclose(got, matrix, rtol=1e-6, atol=1e-6)
+    matrix = banded(2)
+    prep = di.prepare_jacobian(linear, backend, x, di.Constant(matrix))
+    matrix[:] = banded(12)  # (in place: the same array, other zeros)
+    got = np.asarray(di.jacobian(linear, backend, x, di.Constant(matrix), prep=prep))
+    np.testing.assert_allclose(got, matrix, rtol=1e-6, atol=1e-6)

@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy
 
+from .._errors import FrameworkMismatchError
+
 __all__ = ["LayerCase", "layer_cases", "namespace"]
 
 Loss = Callable[..., Any]
@@ -158,7 +160,9 @@ def namespace(*arrays: Any) -> Any:
     Raises
     ------
     TypeError
-        If no array is given, or arrays of different frameworks are mixed.
+        If no array is given, or arrays of different frameworks are mixed;
+        :class:`~diffiface.FrameworkMismatchError` (a TypeError) where the arrays have no
+        array-API namespace (an engine's symbolic values, such as PyTensor's graphs).
     """
     chosen = [a for a in arrays if not isinstance(a, (bool, int, float, complex))]
     if not chosen:
@@ -177,7 +181,14 @@ def namespace(*arrays: Any) -> Any:
         return _autograd_namespace()
     import array_api_compat
 
-    return array_api_compat.array_namespace(*chosen)
+    try:
+        return array_api_compat.array_namespace(*chosen)
+    except TypeError as exc:  # (an engine whose values have no array-API namespace: pytensor's graphs)
+        kinds = sorted({f"{type(a).__module__.split('.')[0]}.{type(a).__name__}" for a in chosen})
+        raise FrameworkMismatchError(
+            f"The layer is written for array-API arrays (numpy, torch, jax, autograd's boxes); it was "
+            f"given {', '.join(kinds)}, which has no array-API namespace ({exc})."
+        ) from exc
 
 
 # --------------------------------------------------------------------------------------------
