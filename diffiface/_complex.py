@@ -160,6 +160,12 @@ def adapter_for_call(op: Operator, adapter: Adapter, call: Call, f: Any) -> Adap
             "that is not holomorphic. For any f, the second directional derivative along t is "
             f"{SECOND_JVP_ADVICE} (under torch, with AutoTorch(mode='func'))."
         )
+    refused = adapter.info.complex_second_order
+    if refused and (x_complex or t_complex) and op.compute in ("gradient_and_hvp", "gradient_and_hvps"):
+        raise UnsupportedOperationError(
+            f"The {adapter.backend.name} backend does not take second derivatives of complex numbers: "
+            f"{refused}. Use AutoJAX() or AutoTorch() for an hvp of a function of complex x."
+        )
     if not (x_complex or t_complex or _may_return_complex(op, adapter)):
         return adapter
     return cast("Adapter", ComplexAdapter(adapter, op, holomorphic_asserted(f), x_complex, t_complex))

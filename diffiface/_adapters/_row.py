@@ -37,6 +37,9 @@ class BackendInfo:
     """The dtype whose precision the engine's float64 results have: ``"float32"`` where its
     float64 functions are accurate to float32 only (mlx's sin, cos, exp); the checker of
     diffiface.test sets its tolerances from it."""
+    complex_second_order: str = ""
+    """Why the engine's second derivatives of a complex x (hvp) cannot be trusted, where they
+    cannot ("": they can): such calls are refused with this reason (diffiface._complex)."""
     reverse_first: bool = False
     """Whether its reverse products cost less than its forward ones (autograd's forward mode
     is two reverse passes; torch's runs decompositions): a sparse Jacobian takes rows on a tie."""
