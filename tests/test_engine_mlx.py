@@ -216,3 +216,18 @@ def test_differentiate_with_mlx_inside_jax_and_torch() -> None:
     y = g64(t64)
     y.backward()
     assert y.dtype == torch.float64 and t64.grad is not None and t64.grad.dtype == torch.float64
+
+
+def test_an_operation_without_a_forward_rule_is_refused_by_name() -> None:
+    """mlx has no jvp rule for a scatter (``x.at[...].add``): its gradient is served, a jvp and an
+    hvp are refused with an UnsupportedOperationError that names the operation and what to use."""
+
+    def f(x: mx.array) -> mx.array:
+        y = mx.zeros((3,)).at[mx.array([0, 2])].add(x[:2] ** 2)
+        return mx.sum(y * x)
+
+    x = np.array([1.0, 2.0, 3.0], dtype=np.float32)
+    np.testing.assert_allclose(di.gradient(f, "mlx", x), [3.0, 12.0, 4.0], rtol=1e-6)
+    for call in (lambda: di.jvp(f, "mlx", x, x), lambda: di.hvp(f, "mlx", x, x)):
+        with pytest.raises(di.UnsupportedOperationError, match=r"scatter.*AutoJAX"):
+            call()

@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import _arrays
-from .._errors import InvalidInputError
+from .._errors import InvalidInputError, UnsupportedOperationError
 from .._families.mlx import mlx_dtype
 from . import _base
 from ._base import Fn, Leaves, raised_inside
@@ -35,6 +35,20 @@ def _refuse_complex128(where: str) -> InvalidInputError:
         "of the precision. Pass complex64 arrays (np.complex64) to the mlx backend, or use another "
         "engine (AutoJAX(), AutoTorch()) for complex128."
     )
+
+
+def _jvp(outputs: Callable[..., list[Any]], primals: list[Any], tangents: list[Any]) -> Any:
+    """``mx.jvp``; an operation mlx has no forward-mode rule for (a scatter) refused by name."""
+    try:
+        return mx.jvp(outputs, primals, tangents)
+    except RuntimeError as exc:
+        if not str(exc).endswith("JVP not yet implemented"):
+            raise
+        raise UnsupportedOperationError(
+            f"mlx has no forward-mode rule for an operation f uses ({exc}), which a jvp, an hvp and a "
+            "Hessian need. Differentiate f with another engine (AutoJAX(), AutoTorch()), or take its "
+            "gradient with mlx and differentiate that with AutoFiniteDifferences()."
+        ) from exc
 
 
 def _mx(leaves: Sequence[Any]) -> list[Any]:
@@ -210,7 +224,7 @@ class Adapter(_base.Adapter):
             out, aux = fn(xs)
             return out, aux, (tuple(mx.zeros_like(y) for y in out) if isinstance(out, tuple) else mx.zeros_like(out))
         captured: list[Any] = []
-        _, touts = mx.jvp(self._outputs(fn, captured), _mx(xs), _mx(txs))
+        _, touts = _jvp(self._outputs(fn, captured), _mx(xs), _mx(txs))
         out, aux = captured
         return out, aux, (tuple(touts) if isinstance(out, tuple) else touts[0])
 
@@ -243,7 +257,7 @@ class Adapter(_base.Adapter):
         stacked = [mx.stack(_mx([txs[j] for txs in batch])) for j in range(len(xs))]
 
         def tangents(*ts: Any) -> list[Any]:
-            return list(mx.jvp(outputs, list(xs), list(ts))[1])
+            return list(_jvp(outputs, list(xs), list(ts))[1])
 
         touts = mx.vmap(tangents)(*stacked)  # one program for the whole batch
         if isinstance(out, tuple):
