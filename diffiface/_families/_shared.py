@@ -132,3 +132,31 @@ def array_words(signature: tuple[Any, ...]) -> str:
 def no_trace(signature: tuple[Any, ...]) -> None:
     """``trace_of`` of a family whose leaves a prep never meets traced."""
     return None
+
+
+def as_it_is(value: Any, like: Any) -> Any:
+    """``block_like`` of a family whose blocks come out as the family's arrays already."""
+    return value
+
+
+def no_layout(leaf: Any) -> None:
+    """``layout`` of a family whose arrays have no layout over devices."""
+    return None
+
+
+def not_jit_checked(leaf: Any) -> bool:
+    """``jit_checked`` of a family whose leaves no jit checks itself."""
+    return False
+
+
+def same_shape_dtype(leaf: Any) -> Callable[[Any], bool]:
+    """``same`` of a family whose leaves are told apart by shape and dtype alone."""
+    return SameShapeDtype(leaf).test
+
+
+_SHAPE_DTYPE = operator.attrgetter("shape", "dtype")  # (read in C, no frame per leaf)
+
+
+def shape_dtype_leaves(leaves: list[Any]) -> Callable[[list[Any]], bool]:
+    """``leaves_test`` of such a family: the leaves' types, shapes and dtypes, read inline."""
+    return MetaLeaves(leaves, _SHAPE_DTYPE)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 import sys
 from collections.abc import Callable
 from typing import Any, Final
@@ -10,15 +9,18 @@ from typing import Any, Final
 import numpy as np
 
 from ._shared import (
-    MetaLeaves,
-    SameShapeDtype,
     array_words,
+    as_it_is,
     no_eval_shape,
+    no_layout,
     no_ravel,
     no_refusal,
     no_scope,
     no_trace,
     not_followed,
+    not_jit_checked,
+    same_shape_dtype,
+    shape_dtype_leaves,
     unopened,
     untraced,
 )
@@ -96,29 +98,11 @@ def cast(value: Any, dtype: str) -> Any:
     return value.astype(mlx_dtype(dtype))
 
 
-def block_like(value: Any, like: Any) -> Any:
-    return value
-
-
-def layout(leaf: Any) -> None:
-    return None
-
-
-def same(leaf: Any) -> Callable[[Any], bool]:
-    return SameShapeDtype(leaf).test
-
-
-_meta = operator.attrgetter("shape", "dtype")  # (compared in C, no frame per leaf)
-
-
-def leaves_test(leaves: list[Any]) -> Callable[[list[Any]], bool]:
-    """The test of a list of leaves all of this family, read inline."""
-    return MetaLeaves(leaves, _meta)
-
-
-def jit_checked(leaf: Any) -> bool:
-    return False
-
+block_like = as_it_is
+layout = no_layout
+jit_checked = not_jit_checked
+same = same_shape_dtype
+leaves_test = shape_dtype_leaves
 
 _SELF = sys.modules[__name__]
 """This module, as the family a value is compared with."""
