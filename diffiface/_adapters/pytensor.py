@@ -234,7 +234,7 @@ class Adapter(_base.Adapter):
         layouts: Any = None,
         parts: Any = None,
     ) -> Callable[..., Any]:
-        flat = layouts is not None  # (a program on flat array arguments: FlatProgram.on_flat)
+        flat = layouts is not None  # (a program on flat array arguments: JitProgram._traced)
         sizes = getattr(getattr(program, "__self__", None), "sizes", None) if flat else None
         compiled: dict[Any, _Compiled] = {}
         trace = self._trace
