@@ -16,6 +16,7 @@ API = {
     "ARRAY",
     "PASSED_THROUGH",
     "GRAPH",
+    "ARRAY_METHODS",
     "owns",
     "signature",
     "numpy_like",

@@ -32,7 +32,7 @@ PACKAGE = Path(diffiface.__file__).parent
 EXEMPT = ("_families", "_adapters", "test")
 """Folders whose modules are a framework's own files, the registry or the scenario suite."""
 
-_FRAMEWORKS = ("torch", "jax", "autograd", "numpy")
+_FRAMEWORKS = ("torch", "jax", "autograd", "numpy", "tensorflow", "pytensor", "mlx")
 _NAME = re.compile(rf"({'|'.join(_FRAMEWORKS)})(\.\w+)*")
 
 

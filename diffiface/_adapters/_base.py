@@ -202,6 +202,11 @@ class Adapter:
         """Whether a compiled program's array results have the array type of ``leaf``."""
         return False
 
+    def concrete(self, out: Any) -> Any:
+        """f's output, called on concrete arrays outside any transform, as concrete values: as it
+        is, unless f builds a graph of its inputs under this engine (PyTensor's)."""
+        return out
+
     def explain_failure(self, exc: BaseException) -> str | None:
         """If ``exc`` shows ``f`` was written for another framework, say why; else None."""
         return None

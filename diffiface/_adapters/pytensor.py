@@ -32,6 +32,7 @@ from pytensor.tensor.type import TensorType
 from pytensor.tensor.variable import TensorVariable
 
 from .. import _arrays
+from .. import tree as _tree
 from .._errors import DiffifaceError, FrameworkMismatchError, MutationError, UnsupportedOperationError
 from .._flatten import structure_unflatten
 from . import _base
@@ -181,6 +182,11 @@ class Adapter(_base.Adapter):
         if None in shape:
             shape = self._evaluated_shape(leaf)
         return np.broadcast_to(np.zeros((), dtype=dtype), shape)
+
+    def concrete(self, out: Any) -> Any:
+        """f given numpy arrays builds a graph of constants: its symbolic leaves evaluated (one
+        compilation each)."""
+        return _tree.map(lambda leaf: leaf.eval() if isinstance(leaf, Variable) else leaf, out)
 
     def _evaluated_shape(self, leaf: Any) -> tuple[int, ...]:
         """The shape of an output whose static shape pytensor does not infer, evaluated at the

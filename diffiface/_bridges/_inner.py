@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import itertools
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,7 +25,6 @@ from .._backends import (
     AutoAutograd,
     AutoJAX,
     AutoMLX,
-    AutoPyTensor,
     AutoSparse,
     AutoTensorFlow,
     AutoTorch,
@@ -288,7 +286,7 @@ class Inner:
         as the operators' torch engine makes its own."""
         x = [self.family.private_copy(leaf) for leaf in x]
         try:
-            return _evaluated(self.backend, self.f(spec.unflatten(x), *_context_values(contexts, self.kind)))
+            return _concrete(self.backend, self.f(spec.unflatten(x), *_context_values(contexts, self.kind)))
         except ValueError as exc:
             if self.family is _families.HOST and "read-only" in str(exc):
                 raise MutationError(
@@ -428,7 +426,7 @@ class Inner:
         dtypes = {a.dtype for a in (*plan.x_avals, *plan.y_avals)}
         if len(dtypes) != 1 or not plan.x_avals or not plan.y_avals:
             return False
-        if self.kind == "tensorflow":  # (its tensors have no array methods to flatten them by)
+        if not self.family.ARRAY_METHODS:  # (the flat Jacobian is taken apart by array methods)
             return False
         n = sum(a.size for a in plan.x_avals)
         m = sum(a.size for a in plan.y_avals)
@@ -501,13 +499,12 @@ def _sparse_as_matrix(jac: Any) -> Any:
 # --- probing the shape of f(x) ------------------------------------------------------------------
 
 
-def _evaluated(backend: Backend, out: Any) -> Any:
-    """f's output on numpy arrays as numbers: under pytensor, f given numpy arrays builds a graph
-    of constants, whose symbolic leaves are evaluated here (one compilation each)."""
-    if not isinstance(backend, AutoPyTensor):
-        return out
-    variable = sys.modules["pytensor.graph.basic"].Variable
-    return _tree.map(lambda leaf: leaf.eval() if isinstance(leaf, variable) else leaf, out)
+def _concrete(backend: Backend, out: Any) -> Any:
+    """f's output on concrete arrays as concrete values, as f's engine gives them (a graph of
+    constants evaluated, under PyTensor)."""
+    from .._adapters import adapter_for
+
+    return adapter_for(backend.backend if isinstance(backend, AutoSparse) else backend).concrete(out)
 
 
 def probe_avals(inner: Inner, x_spec: Any, x_avals: tuple[Aval, ...], contexts: Sequence[Context[Any]]) -> Any:
@@ -520,7 +517,7 @@ def probe_avals(inner: Inner, x_spec: Any, x_avals: tuple[Aval, ...], contexts: 
             out = inner.family.eval_shape(lambda *leaves: inner.f(x_spec.unflatten(list(leaves)), *values), shapes)
             abstract = out is not None  # (else: no abstract evaluation in this family, f at zeros)
             if not abstract:
-                out = _evaluated(inner.backend, inner.f(x_spec.unflatten(_zeros(x_avals, inner.family)), *values))
+                out = _concrete(inner.backend, inner.f(x_spec.unflatten(_zeros(x_avals, inner.family)), *values))
     except DiffifaceError:
         raise
     except Exception as exc:

@@ -13,6 +13,8 @@ has:
 - ``PASSED_THROUGH``, whether its values belong to an enclosing engine's trace and pass through
   results untouched (autograd's boxes);
 - ``GRAPH``, whether its arrays carry an autograd graph (``requires_grad``) that results drop;
+- ``ARRAY_METHODS``, whether its arrays have numpy's array methods (``reshape``, ``.T``, ``@``),
+  by which a cross-framework call flattens a Jacobian (TensorFlow's tensors have none);
 - ``CODE_MODULES``, the top-level modules whose callable objects are code, compared by
   identity where a static context holds one (jax's wrapped functions);
 - ``mirror(value, value_family, like, as_numpy)``, a result (of any family, ``value_family``
@@ -100,6 +102,9 @@ class Family(Protocol):
 
     @property
     def GRAPH(self) -> bool: ...
+
+    @property
+    def ARRAY_METHODS(self) -> bool: ...
 
     @property
     def CODE_MODULES(self) -> frozenset[str]: ...

@@ -29,6 +29,7 @@ NAME: Final = "mlx"
 ARRAY: Final = True
 PASSED_THROUGH: Final = False
 GRAPH: Final = False
+ARRAY_METHODS: Final = True
 FLOAT64_PRECISION: Final = "float32"
 """mlx's float64 transcendental functions (sin, cos, exp) are accurate to float32's precision:
 the checker of diffiface.test reads this of f's float64 output."""

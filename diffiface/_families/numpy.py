@@ -15,6 +15,7 @@ NAME: Final = "numpy"
 ARRAY: Final = True
 PASSED_THROUGH: Final = False
 GRAPH: Final = False
+ARRAY_METHODS: Final = True
 CODE_MODULES: Final[frozenset[str]] = frozenset()
 
 

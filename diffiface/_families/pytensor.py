@@ -29,6 +29,7 @@ ARRAY: Final = False
 """Not arrays: symbolic variables, which hold no values."""
 PASSED_THROUGH: Final = False
 GRAPH: Final = False
+ARRAY_METHODS: Final = True
 
 
 def owns(cls: type) -> bool:

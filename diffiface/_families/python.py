@@ -14,6 +14,7 @@ NAME: Final = "python"
 ARRAY: Final = False
 PASSED_THROUGH: Final = False
 GRAPH: Final = False
+ARRAY_METHODS: Final = True
 CODE_MODULES: Final[frozenset[str]] = frozenset()
 
 

@@ -32,6 +32,7 @@ NAME: Final = "tensorflow"
 ARRAY: Final = True
 PASSED_THROUGH: Final = False
 GRAPH: Final = False
+ARRAY_METHODS: Final = False
 
 
 def owns(cls: type) -> bool:
