@@ -6,6 +6,7 @@ from __future__ import annotations
 import dis
 import functools
 import itertools
+import operator
 import threading
 import types
 import weakref
@@ -16,7 +17,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from . import _arrays
 from ._errors import PreparationMismatchError, UnsupportedOperationError
 from ._families._shared import array_words
-from ._flatten import generated
 from .tree import path_string
 
 if TYPE_CHECKING:
@@ -209,11 +209,11 @@ class Closure:
         same values."""
         chain = _function_chain(f) if type(f) is types.FunctionType else None
         if chain is not None and sum(n for _, _, n in chain) == len(values):
-            # (a function, and the helpers it follows are functions: a test written for each, see
-            # _write_holds; each helper is the object f's own test found, so its reads are read
+            # (a function, and the helpers it follows are functions: a test settled for each, see
+            # _settled_holds; each helper is the object f's own test found, so its reads are read
             # from it)
             parts = [
-                _write_holds(
+                _settled_holds(
                     fn,
                     values[start : start + n],
                     [(i - start, c) for i, c in self._arrays if start <= i < start + n],
@@ -267,7 +267,7 @@ def _all_hold(
     helpers: list[Callable[[Callable[..., Any]], bool]],
     functions: list[types.FunctionType],
 ) -> Callable[[Callable[..., Any]], bool]:
-    """:meth:`Closure.holds` of a function that follows helper functions: its own written test,
+    """:meth:`Closure.holds` of a function that follows helper functions: its own settled test,
     then each helper's on the helper itself (the object its own test found unchanged)."""
     pairs = list(zip(helpers, functions, strict=True))
 
@@ -283,79 +283,86 @@ def _all_hold(
 
 
 def _never(f: Callable[..., Any]) -> bool:
-    """A helper's test where its own written one cannot tell (it gained ``__wrapped__``): not
+    """A helper's test where its own settled one cannot tell (it gained ``__wrapped__``): not
     the same, so the call prepares again."""
     return False
 
 
-def _write_holds(
+def _settled_holds(
     function: types.FunctionType,
     values: list[Any],
     arrays: list[tuple[int, Any]],
     general: Callable[[Callable[..., Any]], bool],
 ) -> Callable[[Callable[..., Any]], bool]:
-    """:meth:`Closure.holds` for a function that reads no other callable, written for it: each
-    object :func:`_function_reads` gave (``values``) compared by identity with what the same
-    read gives now, in one Python frame (it runs on every unprepared call, where the general
-    test's frames and lists cost several times as much: the benchmark is
-    tests/test_staleness.py::test_the_written_closure_test_pays, pinned and interleaved). Another
-    kind of f, an empty closure cell or a ``__wrapped__`` added since are left to ``general``."""
-    constants: dict[str, Any] = {"FUNCTION": types.FunctionType, "CODE": function.__code__, "GENERAL": general}
-    constants["UNDEFINED"] = _UNDEFINED
-    reads: list[str] = []  # (the expression that gives values[i], for each i past the code)
-    cells = function.__closure__ or ()
-    reads += [f"cells[{k}].cell_contents" for k in range(len(cells))]
+    """:meth:`Closure.holds` for one function, its reads settled once: the code object, then the
+    objects :func:`_function_reads` gave (``values``: closure cells, the globals its code names,
+    defaults, keyword-only defaults) read again and compared by identity in C
+    (``map(operator.is_, ...)``), where the general test builds its lists and follows its frames
+    on every unprepared call (``python benchmarks/closure_test.py``, pinned and interleaved,
+    shows the difference). Another kind of f, an empty closure cell or a ``__wrapped__`` added
+    since are left to ``general``."""
+    code = function.__code__
+    cells = len(function.__closure__ or ())
+    names = _names(code)
     namespace = function.__globals__
-    absent = []
-    for name in _names(function.__code__):  # (a subscript costs less than a call of get)
-        reads.append(f"g[{name!r}]" if name in namespace else "")
-        if name not in namespace:
-            absent.append(name)
-    defaults = function.__defaults__ or ()
-    reads += [f"defaults[{k}]" for k in range(len(defaults))]
-    reads.append("")  # (the marker where the defaults end)
-    keywords = function.__kwdefaults__ or {}
-    for name in keywords:  # (a name, then the object it holds: the object is compared)
-        reads += ["", f"keywords.get({name!r}, UNDEFINED)"]
-    if len(reads) + 1 != len(values):  # pragma: no cover - the same reads as _function_reads
-        return general
-    tests = []
-    for i, expression in enumerate(reads, 1):
-        if expression:
-            constants[f"V{i}"] = values[i]
-            tests.append(f"{expression} is not V{i}")
-    lines = [
-        "if type(f) is not FUNCTION or '__wrapped__' in f.__dict__: return GENERAL(f)",
-        "if f.__code__ is not CODE: return False",
-        "g = f.__globals__",
+    present = [name for name in names if name in namespace]
+    absent = [name for name in names if name not in namespace]  # (a name defined since shadows)
+    defaults = len(function.__defaults__ or ())
+    keywords = tuple(function.__kwdefaults__ or {})
+    globals_at = 1 + cells
+    defaults_at = globals_at + len(names)
+    if len(values) != defaults_at + defaults + 1 + 2 * len(keywords) or any(
+        v is _EMPTY_CELL for v in values[1:globals_at]
+    ):
+        return general  # (an empty cell: the general test tells; the same reads as _function_reads)
+    cell_values = values[1:globals_at]
+    global_values = [
+        value for name, value in zip(names, values[globals_at:defaults_at], strict=True) if name in namespace
     ]
-    if cells:  # (the code says how many)
-        lines.append("cells = f.__closure__")
-    if defaults or keywords:
-        lines += [
-            "defaults = f.__defaults__ or ()",
-            "keywords = f.__kwdefaults__ or {}",
-            f"if len(defaults) != {len(defaults)} or len(keywords) != {len(keywords)}: return False",
-        ]
-    else:
-        lines.append("if f.__defaults__ or f.__kwdefaults__: return False")
-    if absent:  # (a name defined since: a global now shadows what f found elsewhere)
-        lines.append(f"if {' or '.join(f'{name!r} in g' for name in absent)}: return False")
-    if tests:
-        lines += [
-            "try:",
-            f"    if {' or '.join(tests)}: return False",
-            "except KeyError:  # (a global deleted)",
-            "    return False",
-            "except ValueError:  # (an empty cell)",
-            "    return GENERAL(f)",
-        ]
-    for i, contents in arrays:  # (the array is the one read then: its contents now against then)
-        constants[f"A{i}"] = contents
-        lines.append(f"if not A{i}.holds(V{i}): return False")
-    source = "def holds(f):\n" + "".join(f"    {line}\n" for line in lines) + "    return True\n"
-    written: Callable[[Callable[..., Any]], bool] = generated(source, "holds", constants)
-    return written
+    default_values = values[defaults_at : defaults_at + defaults]
+    keyword_values = values[defaults_at + defaults + 2 :: 2]
+    held = [(contents, values[i]) for i, contents in arrays]  # (the array read then: its contents now)
+    contents_of = operator.attrgetter("cell_contents")
+    undefined = itertools.repeat(_UNDEFINED)
+    function_type = types.FunctionType
+    same = operator.is_
+
+    def holds(f: Any) -> bool:
+        if type(f) is not function_type or "__wrapped__" in f.__dict__:
+            return general(f)
+        if f.__code__ is not code:
+            return False
+        g = f.__globals__
+        for name in absent:
+            if name in g:
+                return False
+        try:  # (each section compared in C, without a list)
+            if (cells and not all(map(same, map(contents_of, f.__closure__ or ()), cell_values))) or (
+                present and not all(map(same, map(g.__getitem__, present), global_values))
+            ):
+                return False
+        except KeyError:  # (a global deleted)
+            return False
+        except ValueError:  # (an empty cell)
+            return general(f)
+        if defaults or keywords:
+            now_defaults = f.__defaults__ or ()
+            now_keywords = f.__kwdefaults__ or {}
+            if (
+                len(now_defaults) != defaults
+                or len(now_keywords) != len(keywords)
+                or not all(map(same, now_defaults, default_values))
+                or not all(map(same, map(now_keywords.get, keywords, undefined), keyword_values))
+            ):
+                return False
+        elif f.__defaults__ or f.__kwdefaults__:
+            return False
+        for contents, value in held:  # noqa: SIM110
+            if not contents.holds(value):
+                return False
+        return True
+
+    return holds
 
 
 _MOST_FOLLOWED = 32

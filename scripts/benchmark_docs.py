@@ -443,6 +443,18 @@ def sharded_memory() -> str:
     )
 
 
+def closure_test() -> str:
+    """The staleness test of an unprepared call: the settled test against the general one."""
+    found = _load("closure_test.json")
+    meta = found["meta"]
+    body = [[r["case"], _seconds(r["settled_s"]), _seconds(r["general_s"]), _ratio(r["ratio"])] for r in found["rows"]]
+    table = _table(["f reads", "settled test", "general test", "ratio"], body)
+    return table + (
+        f"\nMeasured {meta['date'][:10]} with `{meta['command']}` (Python {meta['python']}); ratio: the settled "
+        "test's time / the general one's, the median of 15 interleaved rounds.\n"
+    )
+
+
 def differentiate_with() -> str:
     found = _load("differentiate_with.json")
     inside_torch = found["jax_inside_torch"]
@@ -502,6 +514,7 @@ GENERATORS: dict[str, tuple[str, Callable[[], str]]] = {
     "sharded": (f"{RESULTS}/sharded.json", sharded),
     "sharded-memory": (f"{RESULTS}/sharded.json", sharded_memory),
     "differentiate-with": (f"{RESULTS}/differentiate_with.json", differentiate_with),
+    "closure-test": (f"{RESULTS}/closure_test.json", closure_test),
     "main-job": (f"{RESULTS}/main_job.json", main_job),
     "torch-users": (f"{RESULTS}/torch_users.json", torch_users),
     "readme-torch-users": (f"{RESULTS}/torch_users.json", readme_torch_users),

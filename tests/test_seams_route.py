@@ -126,10 +126,10 @@ def test_the_closure_test_sees_every_change_to_what_f_reads() -> None:
     weight = 1.0
     f = namespace["make"](weight)
     written = Closure(f)
-    assert written.holds != written._holds  # (written for the function)
+    assert written.holds != written._holds  # (settled for the function)
 
     class Both:
-        """The written test and the general one, which must agree."""
+        """The settled test and the general one, which must agree."""
 
         def holds(self, g: Any) -> bool:
             found, general = written.holds(g), written._holds(g)

@@ -430,6 +430,27 @@ def test_every_compile_of_generated_code_goes_through_one_helper() -> None:
     assert len(sites) == 2 and all(site.startswith("_flatten.py:") for site in sites), sites
 
 
+def test_only_the_structure_helpers_write_code() -> None:
+    """``_flatten.generated`` is called by ``structure_flatten`` and ``structure_unflatten`` alone:
+    no other step of a call is code written at run time (issue 39)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(di.__file__).parent
+    callers = []
+    for path in root.rglob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for function in ast.walk(tree):
+            if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(function):
+                if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == (
+                    "generated"
+                ):
+                    callers.append(f"{path.relative_to(root).as_posix()}:{function.name}")
+    assert sorted(set(callers)) == ["_flatten.py:structure_flatten", "_flatten.py:structure_unflatten"], callers
+
+
 # -- item 19: messages that say what happened ----------------------------------------------------
 
 
@@ -567,29 +588,6 @@ def test_dict_key_order_is_mirrored_where_no_flattening_is_written(backend_id: s
     for _ in range(2):
         assert list(di.gradient(total, backend, many)) == list(many)
         assert list(di.gradient(total, backend, reversed_keys)) == list(reversed_keys)
-
-
-def test_the_written_closure_test_pays() -> None:
-    """The benchmark of ``_prep._write_holds``: the test written for a function against the
-    general one, interleaved, each the best of many rounds; the written one must stay faster
-    (it is several times so), or it is not worth its generated code."""
-    import timeit
-
-    require("jax")
-    import jax.numpy as jnp
-
-    table = np.arange(3.0)
-
-    def loss(v: Any, power: int = 2, *, k: float = 1.0) -> Any:
-        return jnp.sum(k * SCALE * table * v**power)
-
-    closure = _prep.Closure(loss)
-    assert closure.holds != closure._holds
-    written, general = [], []
-    for _ in range(15):
-        written.append(timeit.timeit(lambda: closure.holds(loss), number=2000))
-        general.append(timeit.timeit(lambda: closure._holds(loss), number=2000))
-    assert min(written) < min(general), (min(written), min(general))
 
 
 def test_a_tensor_without_a_numpy_view_is_compared_with_a_copy() -> None:
