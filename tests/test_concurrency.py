@@ -167,3 +167,47 @@ def test_unprepared_call_cache_is_thread_safe(name: str) -> None:
                 assert len(prep_cache) >= 0  # reading the size while others write must not fail
 
     run_threads(16, work)
+
+
+_FIRST_FORWARD_CALLS = """
+import sys, threading, warnings
+warnings.simplefilter("error")
+import numpy as np, torch
+import diffiface as di
+
+def f(x):
+    return {"a": torch.sin(x) * x, "b": x**2}
+
+x = np.ones(2)
+prep = di.prepare_jacobian(f, "torch", x)  # (forward mode: a Jacobian of 2 inputs and 4 outputs)
+errors = []
+
+def work():
+    try:
+        for _ in range(20):
+            di.jacobian(f, "torch", x, prep=prep)
+    except BaseException as exc:
+        errors.append(repr(exc))
+
+threads = [threading.Thread(target=work) for _ in range(4)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+assert not errors, errors
+torch.func.jacfwd(torch.sin)(torch.ones(2))  # (torch's own forward mode after ours: no warning)
+print("ok")
+"""
+
+
+def test_threads_first_forward_mode_calls_leave_torch_warmed() -> None:
+    """Four threads' first forward-mode calls at once, in a fresh process under ``-W error``: one
+    warms torch's forward mode (its scripted decompositions load, their deprecation warning
+    silenced) while the others wait, so that no later forward-mode call of torch's own meets the
+    warning. Before, a thread whose throwaway dual level collided with another's marked the warm-up
+    done with nothing loaded, and a later ``torch.func.jacfwd`` raised."""
+    import subprocess
+
+    need("torch")
+    done = subprocess.run([sys.executable, "-c", _FIRST_FORWARD_CALLS], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

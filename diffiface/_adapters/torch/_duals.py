@@ -25,15 +25,20 @@ _FORWARD_WARMED = [False]
 
 
 def _warm_forward() -> None:
-    """The throwaway dual of the process's first forward-mode call (see above)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*")  # Deprecation- or FutureWarning
-        try:
-            with forward_ad.dual_level():
-                forward_ad.make_dual(torch.zeros(()), torch.zeros(())) * torch.zeros(())
-        except RuntimeError:  # a dual level of the caller's is open: torch has loaded them
-            pass
-    _FORWARD_WARMED[0] = True
+    """The throwaway dual of the process's first forward-mode call (see above), made once, under
+    the forward-mode lock: two threads' first calls must not both take it for done while one is
+    still loading the decompositions."""
+    with _FORWARD_LOCK:
+        if _FORWARD_WARMED[0]:
+            return
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*")  # Deprecation- or FutureWarning
+            try:
+                with forward_ad.dual_level():
+                    forward_ad.make_dual(torch.zeros(()), torch.zeros(())) * torch.zeros(())
+            except RuntimeError:  # a dual level is open (the caller's, or ours): a throwaway dual in it
+                forward_ad.make_dual(torch.zeros(()), torch.zeros(()))
+        _FORWARD_WARMED[0] = True
 
 
 # torch's forward-mode AD has one dual level for the whole process, not one per thread: two
