@@ -24,7 +24,7 @@ from ._adapters._base import Adapter, Deferred, ProgramParts, force
 from ._call import _LEAF, Call, Operator, _Output
 from ._checks import _check_cotangent, _check_cotangents, _checked, _describe, _refuse_cut, batch_sizes
 from ._contexts import Cache, Constant
-from ._errors import ContextError, FrameworkMismatchError, InvalidOutputError
+from ._errors import ContextError, DiffifaceError, FrameworkMismatchError, InvalidOutputError
 from ._flatten import structure_flatten, structure_unflatten
 from ._keys import static_key
 from ._plan import Unfit, engine_checked, jax_rebuilds_alike, optree_flatten
@@ -928,6 +928,8 @@ class _Conversions:
             convert = self.adapter.constant_to_native
         try:
             return convert(leaf, like)
+        except DiffifaceError:  # (the adapter's own refusal says why)
+            raise
         except (TypeError, ValueError) as exc:
             raise _unconvertible_context(self.adapter, self.signature, index, leaf) from exc
 

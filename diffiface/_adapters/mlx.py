@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import _arrays
-from .._errors import InvalidInputError, UnsupportedOperationError
+from .._errors import UnsupportedOperationError
 from .._families.mlx import mlx_dtype
 from . import _base
 from ._base import Fn, Leaves, raised_inside
@@ -29,8 +29,8 @@ def _as_list(out: Any) -> list[Any]:
     return list(out) if isinstance(out, tuple) else [out]
 
 
-def _refuse_complex128(where: str) -> InvalidInputError:
-    return InvalidInputError(
+def _refuse_complex128(where: str) -> UnsupportedOperationError:
+    return UnsupportedOperationError(
         f"{where} is complex128, and mlx has complex64 only: its derivatives would silently lose half "
         "of the precision. Pass complex64 arrays (np.complex64) to the mlx backend, or use another "
         "engine (AutoJAX(), AutoTorch()) for complex128."

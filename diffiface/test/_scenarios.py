@@ -163,8 +163,8 @@ def _core(operator: str, input_name: str, x: Any, dtype: str, scale: Any, varian
         tags=frozenset(tags),
         reference=reference,
         note="core case: reference by central finite differences in float64 (Hessians: exact)",
-        # (f computes with its leaves' numpy-like module: TensorFlow's numpy too)
-        frameworks=frozenset({"numpy", "jax", "torch", "autograd", "tensorflow"}),
+        # (f computes with its leaves' numpy-like module: TensorFlow's numpy and mlx.core too)
+        frameworks=frozenset({"numpy", "jax", "torch", "autograd", "tensorflow", "mlx"}),
     )
 
 
