@@ -43,6 +43,21 @@ def loss(v: Any, power: int = 2, *, k: float = 1.0) -> Any:
     return (k * SCALE * TABLE * v**power).sum()
 
 
+def namespace_of(v: Any) -> Any:
+    module = type(v).__module__
+    if module.startswith("jax"):
+        import jax.numpy as jnp
+
+        return jnp
+    return np
+
+
+def tiny(v: Any) -> Any:
+    """benchmarks/run.py's 10-input function: a helper that picks the array namespace, no array."""
+    m = namespace_of(v)
+    return m.sum(m.tanh(v) * v)
+
+
 def with_helper(v: Any) -> Any:
     """A module-level helper it calls: each function followed gets its own settled test."""
     return (_helper(v) * TABLE).sum()
@@ -59,7 +74,13 @@ def _closure_case() -> Any:
 
 def rows(rounds: int) -> list[dict[str, Any]]:
     out = []
-    for label, f in (("globals and defaults", loss), ("a helper", with_helper), ("a closure", _closure_case())):
+    cases = (
+        ("a helper picking the namespace, no array", tiny),
+        ("globals and defaults", loss),
+        ("a helper", with_helper),
+        ("a closure", _closure_case()),
+    )
+    for label, f in cases:
         closure = _prep.Closure(f)
         assert closure.holds(f) and closure._holds(f)
         settled, _, general, ratio = time_pair(

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dis
 import functools
 import itertools
-import operator
 import threading
 import types
 import weakref
@@ -296,16 +295,16 @@ def _settled_holds(
 ) -> Callable[[Callable[..., Any]], bool]:
     """:meth:`Closure.holds` for one function, its reads settled once: the code object, then the
     objects :func:`_function_reads` gave (``values``: closure cells, the globals its code names,
-    defaults, keyword-only defaults) read again and compared by identity in C
-    (``map(operator.is_, ...)``), where the general test builds its lists and follows its frames
-    on every unprepared call (``python benchmarks/closure_test.py``, pinned and interleaved,
-    shows the difference). Another kind of f, an empty closure cell or a ``__wrapped__`` added
-    since are left to ``general``."""
+    keyword-only defaults) read again and compared by identity with the ones read then, in plain
+    loops over tuples settled here; the defaults by the tuple f holds (immutable: the same tuple
+    holds the same objects). The general test reads f again into lists on every unprepared call
+    (``python benchmarks/closure_test.py``, pinned and interleaved, shows the difference).
+    Another kind of f, an empty closure cell, a ``__wrapped__`` added since or defaults in
+    another tuple are left to ``general``."""
     code = function.__code__
     cells = len(function.__closure__ or ())
     names = _names(code)
     namespace = function.__globals__
-    present = [name for name in names if name in namespace]
     absent = [name for name in names if name not in namespace]  # (a name defined since shadows)
     defaults = len(function.__defaults__ or ())
     keywords = tuple(function.__kwdefaults__ or {})
@@ -316,18 +315,17 @@ def _settled_holds(
     ):
         return general  # (an empty cell: the general test tells; the same reads as _function_reads)
     cell_values = values[1:globals_at]
-    global_values = [
-        value for name, value in zip(names, values[globals_at:defaults_at], strict=True) if name in namespace
-    ]
-    default_values = values[defaults_at : defaults_at + defaults]
-    keyword_values = values[defaults_at + defaults + 2 :: 2]
+    global_pairs = tuple(
+        (name, value) for name, value in zip(names, values[globals_at:defaults_at], strict=True) if name in namespace
+    )
+    default_values = function.__defaults__  # (a tuple: where f still holds this one, its objects are these)
+    keyword_pairs = tuple(zip(keywords, values[defaults_at + defaults + 2 :: 2], strict=True))
     held = [(contents, values[i]) for i, contents in arrays]  # (the array read then: its contents now)
-    contents_of = operator.attrgetter("cell_contents")
-    undefined = itertools.repeat(_UNDEFINED)
     function_type = types.FunctionType
-    same = operator.is_
 
     def holds(f: Any) -> bool:
+        # (plain loops over settled tuples: for the few objects a function reads, cheaper than
+        # any call that would compare them in C)
         if type(f) is not function_type or "__wrapped__" in f.__dict__:
             return general(f)
         if f.__code__ is not code:
@@ -336,26 +334,28 @@ def _settled_holds(
         for name in absent:
             if name in g:
                 return False
-        try:  # (each section compared in C, without a list)
-            if (cells and not all(map(same, map(contents_of, f.__closure__ or ()), cell_values))) or (
-                present and not all(map(same, map(g.__getitem__, present), global_values))
-            ):
-                return False
+        try:
+            for name, value in global_pairs:
+                if g[name] is not value:
+                    return False
+            if cells:
+                for cell, value in zip(f.__closure__ or (), cell_values):  # noqa: B905 (the code fixes the count)
+                    if cell.cell_contents is not value:
+                        return False
         except KeyError:  # (a global deleted)
             return False
         except ValueError:  # (an empty cell)
             return general(f)
-        if defaults or keywords:
-            now_defaults = f.__defaults__ or ()
-            now_keywords = f.__kwdefaults__ or {}
-            if (
-                len(now_defaults) != defaults
-                or len(now_keywords) != len(keywords)
-                or not all(map(same, now_defaults, default_values))
-                or not all(map(same, map(now_keywords.get, keywords, undefined), keyword_values))
-            ):
+        if f.__defaults__ is not default_values:
+            return general(f)  # (other defaults, or the same objects in a new tuple: read one by one)
+        if keyword_pairs:
+            now_keywords = f.__kwdefaults__
+            if now_keywords is None or len(now_keywords) != len(keyword_pairs):
                 return False
-        elif f.__defaults__ or f.__kwdefaults__:
+            for name, value in keyword_pairs:
+                if now_keywords.get(name, _UNDEFINED) is not value:
+                    return False
+        elif f.__kwdefaults__:
             return False
         for contents, value in held:  # noqa: SIM110
             if not contents.holds(value):

@@ -1521,7 +1521,8 @@ def _available_backends(x: Any) -> list[Backend]:
     own = [row.config() for row in BACKENDS if row.arrays == family and family not in ("numpy", "python")]
     # (an engine whose arrays are its own, TensorFlow's, is the one that can run f on them)
     candidates = by_family.get(
-        family, own or [AutoJAX(), AutoTorch(), AutoTorch(mode="func"), di.AutoAutograd(), di.AutoPyTensor(), di.AutoMLX()]
+        family,
+        own or [AutoJAX(), AutoTorch(), AutoTorch(mode="func"), di.AutoAutograd(), di.AutoPyTensor(), di.AutoMLX()],
     )
     # engines of other packages, whose registry rows say which arrays they take (Python numbers: numpy's)
     arrays = "numpy" if family == "python" else family
