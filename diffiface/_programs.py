@@ -617,8 +617,7 @@ class JitProgram:
         self, name: str, f: Any, backend: Any, x: Any, tangent: Any, contexts: tuple[Any, ...], has_aux: bool
     ) -> Any:
         """A call by the route's arguments: its result, or :data:`MISSED` where it does not fit."""
-        # (hot code, one frame where no argument is a tree; zip without strict=, whose keyword
-        # makes each call slower: the lengths are compared first)
+        # (hot code: one frame where no argument is a tree)
         if name != self.operator or has_aux or len(contexts) != len(self.kinds):
             return MISSED
         method = self.method
@@ -637,11 +636,18 @@ class JitProgram:
                     return MISSED
             elif not self.fits_backend(backend):
                 return MISSED
+        # (index loops, not zip, map or list(): after the engine's work has emptied the
+        # processor's caches, each of those builtins costs about a microsecond here, where these
+        # loops' bytecodes cost a fraction: benchmarks/jit_route.py, pinned and interleaved)
         arguments = [x, tangent] if self.tangent else [x]
-        for context, kind in zip(contexts, self.kinds):  # noqa: B905
-            if type(context) is not kind:
+        kinds = self.kinds
+        i = 0
+        while i < len(kinds):
+            context = contexts[i]
+            if type(context) is not kinds[i]:
                 return MISSED
             arguments.append(context.value)  # type: ignore[attr-defined]
+            i += 1
         flatten = self.flatten
         if flatten is None:  # (every argument one array)
             leaves = arguments
@@ -654,11 +660,18 @@ class JitProgram:
             if found is None:
                 return MISSED
             leaves = found
-        if list(map(type, leaves)) != self.leaf_types:
+        leaf_types = self.leaf_types
+        if len(leaves) != len(leaf_types):
             return MISSED
-        for i, dtype in self.numpy_leaves:
-            if leaves[i].dtype != dtype:
+        i = 0
+        while i < len(leaf_types):
+            if type(leaves[i]) is not leaf_types[i]:
                 return MISSED
+            i += 1
+        if self.numpy_leaves:
+            for i, dtype in self.numpy_leaves:
+                if leaves[i].dtype != dtype:
+                    return MISSED
         scoped = self.scope
         try:
             if scoped is None or (scope := scoped()) is None:

@@ -455,6 +455,18 @@ def closure_test() -> str:
     )
 
 
+def jit_route() -> str:
+    """jax's tier of the route, step by step, after the compiled program."""
+    found = _load("jit_route.json")
+    meta = found["meta"]
+    body = [[r["call"], _seconds(r["seconds"]), f"{r['over_native_us']:+.2f} µs"] for r in found["rows"]]
+    table = _table(["call", "time", "over the native call"], body)
+    return table + (
+        f"\nMeasured {meta['date'][:10]} with `{meta['command']}` (Python {meta['python']}, jax {meta['jax']}); the "
+        f"median of {meta['rounds']} interleaved rounds.\n"
+    )
+
+
 def differentiate_with() -> str:
     found = _load("differentiate_with.json")
     inside_torch = found["jax_inside_torch"]
@@ -515,6 +527,7 @@ GENERATORS: dict[str, tuple[str, Callable[[], str]]] = {
     "sharded-memory": (f"{RESULTS}/sharded.json", sharded_memory),
     "differentiate-with": (f"{RESULTS}/differentiate_with.json", differentiate_with),
     "closure-test": (f"{RESULTS}/closure_test.json", closure_test),
+    "jit-route": (f"{RESULTS}/jit_route.json", jit_route),
     "main-job": (f"{RESULTS}/main_job.json", main_job),
     "torch-users": (f"{RESULTS}/torch_users.json", torch_users),
     "readme-torch-users": (f"{RESULTS}/torch_users.json", readme_torch_users),
