@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _timing import interleaved
 from run import MLP_SIZE, mlp_loss
 
 import diffiface as di
@@ -84,22 +84,8 @@ def calls() -> dict[str, Callable[[], Any]]:
     }
 
 
-def measure(found: dict[str, Callable[[], Any]], rounds: int = ROUNDS, number: int = 500) -> dict[str, float]:
-    for call in found.values():
-        for _ in range(200):
-            call()
-    times: dict[str, list[float]] = {label: [] for label in found}
-    for _ in range(rounds):
-        for label, call in found.items():
-            start = time.perf_counter()
-            for _ in range(number):
-                call()
-            times[label].append((time.perf_counter() - start) / number)
-    return {label: statistics.median(values) for label, values in times.items()}
-
-
 def main() -> None:
-    medians = measure(calls())
+    medians = interleaved(calls(), rounds=ROUNDS, repeat=500, warmups=200)
     native = medians["native"]
     rows = [{"call": label, "seconds": s, "over_native_us": (s - native) * 1e6} for label, s in medians.items()]
     for row in rows:
