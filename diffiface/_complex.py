@@ -513,6 +513,9 @@ class ComplexAdapter:
     def returns_like(self, leaf: Any) -> bool:
         return self.compiles and self._inner.returns_like(leaf)
 
+    def rebuilds_in_trace(self, spec: Any, leaves: list[Any]) -> bool:
+        return self.compiles and self._inner.rebuilds_in_trace(spec, leaves)
+
     def take_error(self) -> Any:
         batch_error = getattr(self._local, "batch_error", None)
         if batch_error is not None:  # (of a batch: one estimate per product)

@@ -62,7 +62,8 @@ def evaluate(
     else:
         raise InvalidInputError(f"prep must come from di.prepare_{name}(...), got {type(prep).__name__}.")
     fast = None if known is None else known.plan.jit
-    # (jax's tier: jit's call on the arguments as passed, its trace checking them, JitProgram)
+    # (the retracing engines' tier: the compiled call on the arguments as passed, its trace
+    # checking them, JitProgram)
     if fast is not None and (prep is not None or known.closure is None or known.closure.holds(f)):  # type: ignore[union-attr]
         out = fast.run(name, f, backend, x, tangent, contexts, has_aux)
         if out is not MISSED:
@@ -266,7 +267,8 @@ def _program_of(
     finish, one = finisher(op, call, output, compiled=adapter.compiles)
     direct = conversions.passthrough and conversions.x_native and conversions.tangent_native
     if direct and adapter.retraces and dynamic_index is None and not signature.has_aux:
-        # jax's tier: one jit over the arguments as passed, which checks them in its trace
+        # the retracing engines' tier: one compiled function of the arguments as passed, which
+        # checks them in its trace
         mirror = one.mirror if one is not None else None
         jit = JitProgram.of(adapter, traced, op, output, mirror, finish, call, conversions.scoped)
         if jit is not None:

@@ -20,7 +20,7 @@ from . import _arrays
 from ._backends import AutoSparse
 from ._errors import PreparationMismatchError
 from ._families._shared import MetaLeaves
-from ._families.jax import pytree_flatten
+from ._families.jax import jax_structure
 from ._flatten import Flatten, structure_flatten
 from ._keys import static_key, static_x_key
 
@@ -30,7 +30,6 @@ __all__ = [
     "Plan",
     "engine_checked",
     "flattener",
-    "jax_rebuilds_alike",
     "leaf_check",
     "leaves_check",
     "optree_flatten",
@@ -57,10 +56,10 @@ class _ByValue:
 
 
 def engine_checked(leaf: Any) -> bool:
-    """Whether a program whose engine retraces for new shapes and dtypes (jit) checks this
-    leaf's itself (:class:`~diffiface._programs.JitProgram`): its family says (a concrete jax
-    array where jax has one device: jit then keys its programs by exactly what a plan would
-    compare)."""
+    """Whether a program whose engine retraces for new shapes and dtypes (jit, mx.compile)
+    checks this leaf itself (:class:`~diffiface._programs.JitProgram`): its family says (a
+    concrete jax array where jax has one device, an mlx array: the engine then keys its programs
+    by exactly what a plan would compare)."""
     family = _arrays.family_of(leaf)
     return family is not None and family.jit_checked(leaf)
 
@@ -147,22 +146,6 @@ def _namespace(spec: Any) -> str:
     return "" if spec is None else str(spec.namespace)
 
 
-def _jax_structure(spec: Any, leaves: list[Any]) -> tuple[Any, Any, Flatten] | None:
-    """The tree of optree structure ``spec`` on these leaves, jax's structure of it and jax's
-    flattening, where jax is imported and takes that tree apart into the same leaves; else None."""
-    flatten = pytree_flatten()
-    if flatten is None or spec is None or _namespace(spec):
-        return None
-    tree = optree.tree_unflatten(spec, leaves)
-    try:
-        jax_leaves, jax_spec = flatten(tree)
-    except Exception:  # (a tree jax cannot take apart)
-        return None
-    if len(jax_leaves) != len(leaves) or not all(a is b for a, b in zip(jax_leaves, leaves, strict=True)):
-        return None
-    return tree, jax_spec, flatten
-
-
 def flattener(spec: Any, leaves: list[Any], ordered: bool = False) -> tuple[Flatten, Any]:
     """How a plan flattens an argument of structure ``spec`` (optree's, with these leaves), and
     the structure as that flattening gives it, to compare calls with.
@@ -176,7 +159,7 @@ def flattener(spec: Any, leaves: list[Any], ordered: bool = False) -> tuple[Flat
     With ``ordered`` (x's, whose order results mirror), a tree whose dicts hold their keys in
     another order does not fit: the function written tests each dict's order; where none is
     written, the C flattening's structure is paired with the tree's key orders."""
-    found = _jax_structure(spec, leaves)
+    found = jax_structure(spec, leaves)
     flatten: Flatten
     if found is not None:
         flatten, key = found[2], found[1]
@@ -235,34 +218,6 @@ def optree_flatten(namespace: str = "") -> Flatten:
     if flatten is None:  # pragma: no cover - optree without its C module's flatten
         return functools.partial(optree.tree_flatten, namespace=namespace)
     return functools.partial(flatten, leaf_predicate=None, none_is_leaf=False, namespace=namespace)
-
-
-def jax_rebuilds_alike(spec: Any, leaves: list[Any]) -> bool:
-    """Whether jax's pytrees take the tree of structure ``spec`` (optree's) apart into these
-    leaves and rebuild it as optree does: the same node types, dict keys in the same order
-    (jax sorts them; optree keeps the order they were given in)."""
-    found = _jax_structure(spec, leaves)
-    if found is None:
-        return False
-    tree, jax_spec, _ = found
-    return _same_nodes(tree, jax_spec.unflatten(leaves))
-
-
-def _same_nodes(a: Any, b: Any) -> bool:
-    pending = [(a, b)]
-    while pending:  # (without recursion: a tree may be deeper than Python's stack)
-        a, b = pending.pop()
-        if type(a) is not type(b):
-            return False
-        if isinstance(a, dict):
-            if list(a) != list(b):
-                return False
-            pending += [(a[key], b[key]) for key in a]
-        elif isinstance(a, (list, tuple)):
-            if len(a) != len(b):
-                return False
-            pending += zip(a, b, strict=True)
-    return True
 
 
 class Plan:

@@ -27,7 +27,7 @@ from ._contexts import Cache, Constant
 from ._errors import ContextError, DiffifaceError, FrameworkMismatchError, InvalidOutputError
 from ._flatten import structure_flatten, structure_unflatten
 from ._keys import static_key
-from ._plan import Unfit, engine_checked, jax_rebuilds_alike, optree_flatten
+from ._plan import Unfit, engine_checked, optree_flatten
 from ._prep import FunctionRef, Signature
 from ._results import _cast, _padded, _weak_or_dtype, promoted_dtype
 
@@ -384,8 +384,8 @@ MISSED = _Missed()
 
 class JitProgram:
     """The program of a prep that an engine compiles and retraces for new shapes and dtypes
-    (jax's ``jit``), where the engine takes every leaf as it is: one compiled function of the
-    leaves of ``(x, tangent, *context values)``.
+    (jax's ``jit``, mlx's ``mx.compile``), where the engine takes every leaf as it is: one
+    compiled function of the leaves of ``(x, tangent, *context values)``.
 
     :meth:`run` takes the call as the route has it and tests what the trace cannot: f, the
     operator, the backend, the contexts' kinds, each argument's structure (by the plan's
@@ -396,8 +396,9 @@ class JitProgram:
     call's whole signature): a call that fits costs no test of shapes or dtypes. The trace also
     finishes the result as far as it can (:meth:`_pick`): cast to x's dtypes, or to the dtypes
     the promotion rule gives a Jacobian's or a Hessian's blocks, and rebuilt where the result is
-    one array or jax rebuilds x's tree as optree does. What is left, :meth:`_after` settles once
-    the program is traced: nothing, a rebuild of the trees, or the finisher.
+    one array or the engine rebuilds x's tree as optree does (``Adapter.rebuilds_in_trace``).
+    What is left, :meth:`_after` settles once the program is traced: nothing, a rebuild of the
+    trees, or the finisher.
 
     :meth:`__call__` is the plan's program on a call's leaves (the route's other steps)."""
 
@@ -410,6 +411,7 @@ class JitProgram:
         "casts",
         "compiled",
         "dtype",
+        "dtype_name",
         "expected",
         "finish",
         "fits_backend",
@@ -483,13 +485,14 @@ class JitProgram:
         # (a result that mirrors x is x's one leaf only where x is that leaf, not a tree holding it)
         self.candidate = adapter.returns_like(like) and one and (sig.x_spec == _LEAF or kind in ("value", "y"))
         self.dtype = like.dtype if self.candidate else None
+        self.dtype_name = _arrays.dtype_name(like) if self.candidate else None
         # Where x's leaves are the engine's own arrays, the results' blocks come out of the trace
         # in their type, dtype and layout, and need at most rebuilding into the trees of x and of
         # f's output: inside the trace where jax rebuilds x's tree as optree does (``tree``),
         # else after it, by the function written for the structure (``x_rebuild``).
         own = one and adapter.returns_like(like) and all(map(engine_checked, call.x_leaves))
         self.x_dtypes = tuple(leaf.dtype for leaf in call.x_leaves)
-        self.tree = sig.x_spec if own and kind == "x" and jax_rebuilds_alike(sig.x_spec, call.x_leaves) else None
+        self.tree = sig.x_spec if own and kind == "x" and adapter.rebuilds_in_trace(sig.x_spec, call.x_leaves) else None
         self.x_rebuild = _rebuilder(sig.x_spec) if own and kind in ("x", "jacobian", "hessian", "y") else None
         # The blocks of a Jacobian or Hessian of a tree (of x or of f's output): cast inside the
         # trace to the dtype the promotion rule gives, so that mixed dtypes (float32 params, a
@@ -597,9 +600,10 @@ class JitProgram:
                 return value
             if kind == "y":
                 return value[0]
-            target = dtype if kind == "hessian" else promoted_dtype(self.output.dtypes[0], str(dtype))
             leaf = value[0][0]
-            return leaf if target is None or leaf.dtype == target else leaf.astype(target)
+            if kind == "hessian":
+                return leaf if leaf.dtype == dtype else leaf.astype(dtype)
+            return _cast(leaf, promoted_dtype(self.output.dtypes[0], self.dtype_name))
         if self.casts is not None and len(native) == 1:
             x_dtypes, rows = self.casts, native[0]
             dys = _padded(self.output.dtypes, len(rows)) if kind == "jacobian" else x_dtypes

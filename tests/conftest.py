@@ -168,6 +168,10 @@ def native_tree(backend_id: str, tree: Any, dtype: str) -> Any:
             import torch
 
             return torch.from_numpy(a.copy())
+        if backend_id == "mlx":
+            import mlx.core as mx
+
+            return mx.array(a, dtype=getattr(mx, dtype))  # (without a dtype, float64 becomes float32)
         return a
 
     return optree.tree_map(leaf, tree)

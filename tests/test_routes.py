@@ -131,7 +131,7 @@ def _unbatched(result: Any) -> Any:
     return result
 
 
-_BACKENDS = ["jax", "torch-autograd", "torch-func", "autograd", "finite_differences"]
+_BACKENDS = ["jax", "mlx", "torch-autograd", "torch-func", "autograd", "finite_differences"]
 
 
 def _leaves_equal(a: Any, b: Any) -> None:
@@ -377,3 +377,33 @@ def test_autosparse_and_second_order_take_the_plan(backend_id: str, monkeypatch:
     expected[np.arange(5), np.arange(1, 6)] = 2 * x[1:]
     expected[np.arange(5), np.arange(5)] = -2.0
     np.testing.assert_allclose(first_j.toarray(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_mlx_compiled_takes_the_jit_tier(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mx.compile traces anew for each shape and dtype, so a compiled mlx prep of mlx arrays is
+    one compiled function of the leaves, which checks them in its trace (as jax's jit): the
+    call's shapes and dtypes are not tested before it. A call of another shape or dtype misses
+    it in the trace and meets the strict check; a numpy batch (converted per call) takes the plan."""
+    require(di.AutoMLX())
+    import mlx.core as mx
+
+    params_np, batch_np = _shapes(np.random.default_rng(2))["dict"]
+    params = native_tree("mlx", params_np, "float32")
+    batch = di.Constant(native_tree("mlx", batch_np[0], "float32"))
+    prep = di.prepare_gradient(loss, "mlx", params, batch)
+    assert type(prep.plan.program).__name__ == "JitProgram"
+    expected = di.gradient(loss, di.AutoMLX(compile=False), params, batch)
+    counter = _FullPathCounter(monkeypatch)
+    got = di.gradient(loss, "mlx", params, batch, prep=prep)
+    assert counter.count == 0
+    _leaves_equal(got, expected)
+    for leaf, reference in zip(di.tree.leaves(got), di.tree.leaves(params), strict=True):
+        assert type(leaf) is mx.array and leaf.dtype == reference.dtype
+    wider = {**params, "l2": {**params["l2"], "b": native_tree("mlx", params_np["l2"]["b"], "float64")}}
+    longer = {**params, "l2": {**params["l2"], "b": mx.zeros(3)}}
+    for bad in (wider, longer):
+        with pytest.raises(di.PreparationMismatchError, match=r"\['l2'\]\['b'\]"):
+            di.gradient(loss, "mlx", bad, batch, prep=prep)
+    numpy_batch = di.Constant(batch_np[0])
+    numpy_prep = di.prepare_gradient(loss, "mlx", params, numpy_batch)
+    assert type(numpy_prep.plan.program).__name__ != "JitProgram"

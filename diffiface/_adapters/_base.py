@@ -109,7 +109,7 @@ class Adapter:
     ``batched`` attribute of the closed function."""
     retraces = False
     """True when a compiled program is traced anew for arguments of other shapes or dtypes
-    (jax's jit): the program then checks them itself, at no cost per call (jax's tier,
+    (jax's jit, mlx's mx.compile): the program then checks them itself, at no cost per call (the tier,
     :class:`~diffiface._programs.JitProgram`)."""
 
     def __init__(self, backend: Backend, info: BackendInfo) -> None:
@@ -200,6 +200,12 @@ class Adapter:
 
     def returns_like(self, leaf: Any) -> bool:
         """Whether a compiled program's array results have the array type of ``leaf``."""
+        return False
+
+    def rebuilds_in_trace(self, spec: Any, leaves: list[Any]) -> bool:
+        """Whether a compiled program may return x's tree of optree structure ``spec`` (on
+        these leaves) rebuilt inside its trace, as optree rebuilds it (jax's pytrees do where
+        they take the tree apart alike); else the tree is rebuilt after the call."""
         return False
 
     def concrete(self, out: Any) -> Any:
@@ -481,6 +487,9 @@ class SecondOrderAdapter(Adapter):
 
     def returns_like(self, leaf: Any) -> bool:
         return self._same_engine and self.inner.returns_like(leaf)
+
+    def rebuilds_in_trace(self, spec: Any, leaves: list[Any]) -> bool:
+        return self._same_engine and self.inner.rebuilds_in_trace(spec, leaves)
 
     def explain_failure(self, exc: BaseException) -> str | None:
         return self.inner.explain_failure(exc)

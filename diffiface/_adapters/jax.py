@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from .. import _arrays
 from .._errors import MutationError
 from .._families import _jax_placement as _placement
+from .._families.jax import rebuilds_alike
 from . import _base
 from ._base import Blocks, Fn, Leaves, raised_by, raised_inside
 
@@ -90,6 +91,9 @@ class Adapter(_base.Adapter):
 
     def returns_like(self, leaf: Any) -> bool:
         return self.compiles and isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
+
+    def rebuilds_in_trace(self, spec: Any, leaves: list[Any]) -> bool:
+        return rebuilds_alike(spec, leaves)
 
     def compile(
         self,

@@ -81,6 +81,7 @@ class Adapter(_base.Adapter):
     def __init__(self, backend: Any, info: Any) -> None:
         super().__init__(backend, info)
         self.compiles = bool(backend.compile)
+        self.retraces = self.compiles  # (mx.compile traces anew for each shape and dtype)
 
     # -- conversions -------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 import numpy as np
+import optree
 
 from . import _jax_placement as _placement
 from ._shared import array_words, no_refusal, not_followed, unopened, untraced
@@ -91,6 +92,50 @@ def pytree_flatten() -> Callable[[Any], tuple[list[Any], Any]] | None:
     registry's own method, in C: ``tree_flatten`` is a Python frame around it); else None."""
     jax = sys.modules.get("jax")
     return None if jax is None else jax.tree_util.default_registry.flatten  # type: ignore[no-any-return]
+
+
+def jax_structure(spec: Any, leaves: list[Any]) -> tuple[Any, Any, Callable[[Any], Any]] | None:
+    """The tree of optree structure ``spec`` on these leaves, jax's structure of it and jax's
+    flattening, where jax is imported and takes that tree apart into the same leaves; else None."""
+    flatten = pytree_flatten()
+    if flatten is None or spec is None or str(spec.namespace):  # (a type registered in diffiface's)
+        return None
+    tree = optree.tree_unflatten(spec, leaves)
+    try:
+        jax_leaves, jax_spec = flatten(tree)
+    except Exception:  # (a tree jax cannot take apart)
+        return None
+    if len(jax_leaves) != len(leaves) or not all(a is b for a, b in zip(jax_leaves, leaves, strict=True)):
+        return None
+    return tree, jax_spec, flatten
+
+
+def rebuilds_alike(spec: Any, leaves: list[Any]) -> bool:
+    """Whether jax's pytrees take the tree of structure ``spec`` (optree's) apart into these
+    leaves and rebuild it as optree does: the same node types, dict keys in the same order
+    (jax sorts them; optree keeps the order they were given in)."""
+    found = jax_structure(spec, leaves)
+    if found is None:
+        return False
+    tree, jax_spec, _ = found
+    return _same_nodes(tree, jax_spec.unflatten(leaves))
+
+
+def _same_nodes(a: Any, b: Any) -> bool:
+    pending = [(a, b)]
+    while pending:  # (without recursion: a tree may be deeper than Python's stack)
+        a, b = pending.pop()
+        if type(a) is not type(b):
+            return False
+        if isinstance(a, dict):
+            if list(a) != list(b):
+                return False
+            pending += [(a[key], b[key]) for key in a]
+        elif isinstance(a, (list, tuple)):
+            if len(a) != len(b):
+                return False
+            pending += zip(a, b, strict=True)
+    return True
 
 
 def mirror(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:

@@ -18,7 +18,6 @@ from ._shared import (
     no_scope,
     no_trace,
     not_followed,
-    not_jit_checked,
     same_shape_dtype,
     shape_dtype_leaves,
     unopened,
@@ -101,7 +100,14 @@ def cast(value: Any, dtype: str) -> Any:
 
 block_like = as_it_is
 layout = no_layout
-jit_checked = not_jit_checked
+
+
+def jit_checked(leaf: Any) -> bool:
+    """An mlx array: ``mx.compile`` traces its function anew for each shape and dtype it meets
+    (it is not given ``shapeless=True``), so a compiled program checks the leaf itself."""
+    return type(leaf) is sys.modules["mlx.core"].array
+
+
 same = same_shape_dtype
 leaves_test = shape_dtype_leaves
 
