@@ -2,8 +2,10 @@
 against TensorFlow's own fastest call, a ``tf.function``-compiled ``GradientTape`` gradient.
 
 ``cases(quick)`` gives ``(label, ours, native)``; each callable returns the finished gradient
-as numpy. ``ours`` is ``AutoTensorFlow()`` (eager, the name's default); ``CASES_JIT`` gives the
-same rows with ``AutoTensorFlow(jit=True)``, whose prep runs one ``tf.function`` too."""
+as numpy. ``ours`` is ``AutoTensorFlow()`` (eager, the name's default), also against the eager
+tape a user writes without ``tf.function`` (rows "(eager tape native)", with no goal: what eager
+mode itself costs stays out of them); ``cases_jit`` gives the rows with ``AutoTensorFlow(jit=True)``,
+whose prep runs one ``tf.function`` too."""
 
 from __future__ import annotations
 
@@ -54,7 +56,17 @@ def _native(f: Callable[..., Any]) -> Callable[..., Any]:
     return gradient
 
 
-def _cases(backend: Any) -> list[tuple[str, Callable[[], Any], Callable[[], Any]]]:
+def _eager(f: Callable[..., Any]) -> Callable[..., Any]:
+    def gradient(x: Any, *args: Any) -> Any:
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            value = f(x, *args)
+        return tape.gradient(value, x)
+
+    return gradient
+
+
+def _cases(backend: Any, eager: bool = False) -> list[tuple[str, Callable[[], Any], Callable[[], Any]]]:
     rng = np.random.default_rng(0)
     x10 = tf.constant(rng.normal(size=10), dtype=tf.float32)
     params = tf.constant(rng.normal(size=MLP_SIZE) * 0.1, dtype=tf.float32)
@@ -64,7 +76,7 @@ def _cases(backend: Any) -> list[tuple[str, Callable[[], Any], Callable[[], Any]
     tiny_native = _native(tiny)
     mlp_prep = di.prepare_gradient(mlp_loss, backend, params, di.Constant(data))
     mlp_native = _native(mlp_loss)
-    return [
+    rows = [
         (
             "10 inputs",
             lambda: di.gradient(tiny, backend, x10, prep=tiny_prep).numpy(),
@@ -76,11 +88,20 @@ def _cases(backend: Any) -> list[tuple[str, Callable[[], Any], Callable[[], Any]
             lambda: mlp_native(params, data).numpy(),
         ),
     ]
+    if eager:
+        tiny_eager, mlp_eager = _eager(tiny), _eager(mlp_loss)
+        rows += [
+            (f"{label} (eager tape native)", ours, native)
+            for (label, ours, _), native in zip(
+                rows, (lambda: tiny_eager(x10).numpy(), lambda: mlp_eager(params, data).numpy()), strict=True
+            )
+        ]
+    return rows
 
 
 def cases(quick: bool) -> list[tuple[str, Callable[[], Any], Callable[[], Any]]]:
     """The rows with diffiface's prepared gradient by the name ``"tensorflow"``."""
-    return _cases(ENGINE)
+    return _cases(ENGINE, eager=True)
 
 
 def cases_jit(quick: bool) -> list[tuple[str, Callable[[], Any], Callable[[], Any]]]:

@@ -195,6 +195,8 @@ class Adapter(_base.Adapter):
         def vjp(touts: Any) -> Leaves:
             if isinstance(out, tuple):
                 grads = tape.gradient(list(out), list(xs), output_gradients=list(touts), unconnected_gradients=_ZERO)
+            elif len(xs) == 1:  # (one source as itself: see value_and_gradient)
+                grads = [tape.gradient(out, xs[0], output_gradients=touts, unconnected_gradients=_ZERO)]
             else:
                 grads = tape.gradient(out, list(xs), output_gradients=touts, unconnected_gradients=_ZERO)
             return _dense(grads)
@@ -205,8 +207,11 @@ class Adapter(_base.Adapter):
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(xs)
             value, aux = _traced(fn, xs, ("tape", None))
-        grads = tape.gradient(value, list(xs), output_gradients=_real_one(value), unconnected_gradients=_ZERO)
-        return value, aux, _dense(grads)
+        # (the tape's own cotangent, ones of the value's dtype; one source as itself, where a
+        # list of them costs TensorFlow its nest packing on every call)
+        if len(xs) == 1:
+            return value, aux, _dense([tape.gradient(value, xs[0], unconnected_gradients=_ZERO)])
+        return value, aux, _dense(tape.gradient(value, list(xs), unconnected_gradients=_ZERO))
 
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
         if not xs:
@@ -291,11 +296,6 @@ def _traced(fn: Fn, xs: Leaves, how: tuple[str, Any]) -> tuple[Any, Any]:
 def _dense(grads: list[Any]) -> Leaves:
     """Gradients as dense tensors (a gather's gradient is a ``tf.IndexedSlices``)."""
     return tuple(g if isinstance(g, tf.Tensor) else tf.convert_to_tensor(g) for g in grads)
-
-
-def _real_one(value: Any) -> Any:
-    """The cotangent 1 of a scalar output, in its dtype."""
-    return tf.ones_like(value)
 
 
 def _zeros_like_out(out: Any) -> Any:
