@@ -56,10 +56,10 @@ class _ByValue:
 
 
 def engine_checked(leaf: Any) -> bool:
-    """Whether a program whose engine retraces for new shapes and dtypes (jit, mx.compile)
-    checks this leaf itself (:class:`~diffiface._programs.JitProgram`): its family says (a
-    concrete jax array where jax has one device, an mlx array: the engine then keys its programs
-    by exactly what a plan would compare)."""
+    """Whether a program whose engine retraces for new shapes and dtypes (jit, mx.compile,
+    tf.function) checks this leaf itself (:class:`~diffiface._programs.JitProgram`): its family
+    says (a concrete jax array where jax has one device, an mlx array, an eager tensor: the
+    engine then keys its programs by exactly what a plan would compare)."""
     family = _arrays.family_of(leaf)
     return family is not None and family.jit_checked(leaf)
 

@@ -384,8 +384,8 @@ MISSED = _Missed()
 
 class JitProgram:
     """The program of a prep that an engine compiles and retraces for new shapes and dtypes
-    (jax's ``jit``, mlx's ``mx.compile``), where the engine takes every leaf as it is: one
-    compiled function of the leaves of ``(x, tangent, *context values)``.
+    (jax's ``jit``, mlx's ``mx.compile``, ``tf.function``), where the engine takes every leaf
+    as it is: one compiled function of the leaves of ``(x, tangent, *context values)``.
 
     :meth:`run` takes the call as the route has it and tests what the trace cannot: f, the
     operator, the backend, the contexts' kinds, each argument's structure (by the plan's
@@ -435,6 +435,7 @@ class JitProgram:
         "tangent",
         "tree",
         "written",
+        "x_dtype_names",
         "x_dtypes",
         "x_rebuild",
     )
@@ -485,13 +486,14 @@ class JitProgram:
         # (a result that mirrors x is x's one leaf only where x is that leaf, not a tree holding it)
         self.candidate = adapter.returns_like(like) and one and (sig.x_spec == _LEAF or kind in ("value", "y"))
         self.dtype = like.dtype if self.candidate else None
-        self.dtype_name = _arrays.dtype_name(like) if self.candidate else None
+        self.dtype_name = _arrays.dtype_name(like)
         # Where x's leaves are the engine's own arrays, the results' blocks come out of the trace
         # in their type, dtype and layout, and need at most rebuilding into the trees of x and of
         # f's output: inside the trace where jax rebuilds x's tree as optree does (``tree``),
         # else after it, by the function written for the structure (``x_rebuild``).
         own = one and adapter.returns_like(like) and all(map(engine_checked, call.x_leaves))
         self.x_dtypes = tuple(leaf.dtype for leaf in call.x_leaves)
+        self.x_dtype_names = tuple(map(_arrays.dtype_name, call.x_leaves))
         self.tree = sig.x_spec if own and kind == "x" and adapter.rebuilds_in_trace(sig.x_spec, call.x_leaves) else None
         self.x_rebuild = _rebuilder(sig.x_spec) if own and kind in ("x", "jacobian", "hessian", "y") else None
         # The blocks of a Jacobian or Hessian of a tree (of x or of f's output): cast inside the
@@ -588,8 +590,8 @@ class JitProgram:
         kind = self.kind
         if kind == "x" and (self.candidate or self.x_rebuild is not None):
             leaves = [  # cast only where needed: a weak type stays weak
-                leaf if leaf.dtype == dtype else leaf.astype(dtype)
-                for leaf, dtype in zip(native[0], self.x_dtypes, strict=True)
+                leaf if leaf.dtype == dtype else _recast(leaf, name)
+                for leaf, dtype, name in zip(native[0], self.x_dtypes, self.x_dtype_names, strict=True)
             ]
             if self.candidate:
                 return leaves[0]
@@ -602,7 +604,7 @@ class JitProgram:
                 return value[0]
             leaf = value[0][0]
             if kind == "hessian":
-                return leaf if leaf.dtype == dtype else leaf.astype(dtype)
+                return leaf if leaf.dtype == dtype else _recast(leaf, self.dtype_name)
             return _cast(leaf, promoted_dtype(self.output.dtypes[0], self.dtype_name))
         if self.casts is not None and len(native) == 1:
             x_dtypes, rows = self.casts, native[0]
@@ -733,6 +735,14 @@ class JitProgram:
             after = self.finish
         self.after = after
         return out if after is None else after(out)
+
+
+def _recast(leaf: Any, dtype: str) -> Any:
+    """A traced leaf cast to the dtype of this name, by its family (an engine's arrays need not
+    have numpy's ``astype``)."""
+    family = _arrays.family_of(leaf)
+    assert family is not None  # (a leaf of the engine that retraces)
+    return family.cast(leaf, dtype)
 
 
 def _fields_only(backend: Any) -> dict[str, Any] | None:

@@ -172,6 +172,10 @@ def native_tree(backend_id: str, tree: Any, dtype: str) -> Any:
             import mlx.core as mx
 
             return mx.array(a, dtype=getattr(mx, dtype))  # (without a dtype, float64 becomes float32)
+        if backend_id.startswith("tensorflow"):
+            import tensorflow as tf
+
+            return tf.constant(a)
         return a
 
     return optree.tree_map(leaf, tree)

@@ -7,6 +7,7 @@ is not entered), not timed; the quick result equals the full path's."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -131,7 +132,13 @@ def _unbatched(result: Any) -> Any:
     return result
 
 
-_BACKENDS = ["jax", "mlx", "torch-autograd", "torch-func", "autograd", "finite_differences"]
+_BACKENDS = ["jax", "mlx", "tensorflow-jit", "torch-autograd", "torch-func", "autograd", "finite_differences"]
+_OPTIONS = {"tensorflow-jit": di.AutoTensorFlow(jit=True)}
+"""Backends of the route tests with an option set (by test id), beside the registry's."""
+
+
+def _backend(backend_id: str) -> di.Backend:
+    return require(_OPTIONS.get(backend_id) or FIRST_ORDER[backend_id])
 
 
 def _leaves_equal(a: Any, b: Any) -> None:
@@ -157,7 +164,7 @@ def test_every_shape_takes_the_quick_route(
     dtype: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    backend = require(FIRST_ORDER[backend_id])
+    backend = _backend(backend_id)
     if backend_id in ("autograd", "finite_differences") and dtype == "float32" and operator == "hessian":
         dtype = "float64"  # (second differences in float32 are noise; the route is what is counted)
     x_np, contexts_np = _shapes(np.random.default_rng(0))[shape]
@@ -199,7 +206,7 @@ def test_every_shape_takes_the_quick_route(
 def test_a_call_that_does_not_fit_leaves_the_quick_route(backend_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A leaf of another dtype, another shape, or another structure misses the quick match and
     meets the strict check of the full path."""
-    backend = require(FIRST_ORDER[backend_id])
+    backend = _backend(backend_id)
     x_np, contexts_np = _shapes(np.random.default_rng(0))["dict"]
     x = native_tree(backend_id, x_np, "float32")
     batch = di.Constant(native_tree(backend_id, contexts_np[0], "float32"))
@@ -379,31 +386,34 @@ def test_autosparse_and_second_order_take_the_plan(backend_id: str, monkeypatch:
     np.testing.assert_allclose(first_j.toarray(), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_mlx_compiled_takes_the_jit_tier(monkeypatch: pytest.MonkeyPatch) -> None:
-    """mx.compile traces anew for each shape and dtype, so a compiled mlx prep of mlx arrays is
-    one compiled function of the leaves, which checks them in its trace (as jax's jit): the
-    call's shapes and dtypes are not tested before it. A call of another shape or dtype misses
-    it in the trace and meets the strict check; a numpy batch (converted per call) takes the plan."""
-    require(di.AutoMLX())
-    import mlx.core as mx
-
+@pytest.mark.parametrize("backend_id", ["mlx", "tensorflow-jit"])
+def test_retracing_engines_take_the_jit_tier(backend_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """mx.compile and tf.function trace anew for each shape and dtype, so a compiled prep of
+    the engine's own arrays is one compiled function of the leaves, which checks them in its
+    trace (as jax's jit): the call's shapes and dtypes are not tested before it. A call of
+    another shape or dtype misses it in the trace and meets the strict check; a numpy batch
+    (converted per call) takes the plan."""
+    backend = _backend(backend_id)
     params_np, batch_np = _shapes(np.random.default_rng(2))["dict"]
-    params = native_tree("mlx", params_np, "float32")
-    batch = di.Constant(native_tree("mlx", batch_np[0], "float32"))
-    prep = di.prepare_gradient(loss, "mlx", params, batch)
+    params = native_tree(backend_id, params_np, "float32")
+    batch = di.Constant(native_tree(backend_id, batch_np[0], "float32"))
+    prep = di.prepare_gradient(loss, backend, params, batch)
     assert type(prep.plan.program).__name__ == "JitProgram"
-    expected = di.gradient(loss, di.AutoMLX(compile=False), params, batch)
+    eager = dataclasses.replace(backend, **{"compile" if backend_id == "mlx" else "jit": False})
+    expected = di.gradient(loss, eager, params, batch)
     counter = _FullPathCounter(monkeypatch)
-    got = di.gradient(loss, "mlx", params, batch, prep=prep)
+    got = di.gradient(loss, backend, params, batch, prep=prep)
     assert counter.count == 0
-    _leaves_equal(got, expected)
-    for leaf, reference in zip(di.tree.leaves(got), di.tree.leaves(params), strict=True):
-        assert type(leaf) is mx.array and leaf.dtype == reference.dtype
-    wider = {**params, "l2": {**params["l2"], "b": native_tree("mlx", params_np["l2"]["b"], "float64")}}
-    longer = {**params, "l2": {**params["l2"], "b": mx.zeros(3)}}
+    assert di.tree.structure(got) == di.tree.structure(expected)
+    for leaf, same, reference in zip(*map(di.tree.leaves, (got, expected, params)), strict=True):
+        assert type(leaf) is type(reference) and leaf.dtype == reference.dtype
+        # (a graph's arithmetic may round otherwise than eager mode's)
+        np.testing.assert_allclose(to_numpy(leaf), to_numpy(same), rtol=1e-5)
+    wider = {**params, "l2": {**params["l2"], "b": native_tree(backend_id, params_np["l2"]["b"], "float64")}}
+    longer = {**params, "l2": {**params["l2"], "b": native_tree(backend_id, np.zeros(3), "float32")}}
     for bad in (wider, longer):
         with pytest.raises(di.PreparationMismatchError, match=r"\['l2'\]\['b'\]"):
-            di.gradient(loss, "mlx", bad, batch, prep=prep)
-    numpy_batch = di.Constant(batch_np[0])
-    numpy_prep = di.prepare_gradient(loss, "mlx", params, numpy_batch)
+            di.gradient(loss, backend, bad, batch, prep=prep)
+    numpy_batch = di.Constant(optree.tree_map(lambda a: a.astype(np.float32), batch_np[0]))
+    numpy_prep = di.prepare_gradient(loss, backend, params, numpy_batch)
     assert type(numpy_prep.plan.program).__name__ != "JitProgram"

@@ -30,6 +30,7 @@ from ._base import Fn, Leaves, raised_inside
 
 _ZERO = tf.UnconnectedGradients.ZERO
 _TENSOR = tensorflow_core.Tensor  # tensors, variables, Keras 3 variables on TensorFlow
+_EAGER = type(tf.constant(0.0))  # a concrete tensor (a graph's results are ones)
 
 
 class _Namespace:
@@ -63,6 +64,7 @@ class Adapter(_base.Adapter):
     def __init__(self, backend: Any, info: Any) -> None:
         super().__init__(backend, info)
         self.compiles = bool(backend.jit)
+        self.retraces = self.compiles  # (a tf.function traces anew for each shape and dtype)
 
     # -- conversions ----------------------------------------------------------------------------
 
@@ -163,6 +165,9 @@ class Adapter(_base.Adapter):
 
     # -- jit: a tf.function per prep ---------------------------------------------------------------
 
+    def returns_like(self, leaf: Any) -> bool:
+        return self.compiles and type(leaf) is _EAGER
+
     def compile(
         self,
         program: Callable[..., Any],
@@ -173,6 +178,8 @@ class Adapter(_base.Adapter):
     ) -> Callable[..., Any]:
         if not self.compiles:
             return program
+        if layouts is not None:  # a program of flat tensors whose results are tensors only
+            return tf.function(_Flat(program), autograph=False, reduce_retracing=False)  # type: ignore[no-any-return]
         graphs: dict[Any, _Graph] = {}
 
         def run(*args: Any) -> Any:
@@ -249,6 +256,18 @@ class Adapter(_base.Adapter):
         touts = outer.gradient(total, us, unconnected_gradients=_ZERO)
         touts = [tf.cast(t, y.dtype) for t, y in zip(touts, outs, strict=True)]
         return out, aux, tuple(touts) if isinstance(out, tuple) else touts[0]
+
+
+class _Flat:
+    """A program of flat tensors, as one object per prep for ``tf.function`` (see :class:`_Graph`)."""
+
+    __slots__ = ("__weakref__", "program")  # (tf.function holds its function weakly)
+
+    def __init__(self, program: Callable[..., Any]) -> None:
+        self.program = program
+
+    def __call__(self, *leaves: Any) -> Any:
+        return self.program(*leaves)
 
 
 class _Graph:

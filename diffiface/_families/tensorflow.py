@@ -21,7 +21,6 @@ from ._shared import (
     no_scope,
     no_trace,
     not_followed,
-    not_jit_checked,
     same_shape_dtype,
     shape_dtype_leaves,
     unopened,
@@ -112,7 +111,15 @@ def cast(value: Any, dtype: str) -> Any:
 
 block_like = as_it_is
 layout = no_layout
-jit_checked = not_jit_checked
+
+
+def jit_checked(leaf: Any) -> bool:
+    """A concrete (eager) tensor: a ``tf.function`` without ``reduce_retracing`` traces anew for
+    each shape and dtype it meets, so a graph checks the leaf itself. A variable is not one: a
+    graph takes its value, converted on each call."""
+    return type(leaf) is sys.modules["tensorflow.python.framework.ops"].EagerTensor
+
+
 same = same_shape_dtype
 leaves_test = shape_dtype_leaves
 
