@@ -45,18 +45,9 @@ def mlp_loss(params: Any, data: Any) -> Any:
     return tf.reduce_mean(out * out)
 
 
-def _native(f: Callable[..., Any]) -> Callable[..., Any]:
-    @tf.function
-    def gradient(x: Any, *args: Any) -> Any:
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            value = f(x, *args)
-        return tape.gradient(value, x)
-
-    return gradient
-
-
 def _eager(f: Callable[..., Any]) -> Callable[..., Any]:
+    """The gradient a TensorFlow user writes: a ``GradientTape`` watching x."""
+
     def gradient(x: Any, *args: Any) -> Any:
         with tf.GradientTape() as tape:
             tape.watch(x)
@@ -64,6 +55,11 @@ def _eager(f: Callable[..., Any]) -> Callable[..., Any]:
         return tape.gradient(value, x)
 
     return gradient
+
+
+def _native(f: Callable[..., Any]) -> Callable[..., Any]:
+    """The same tape compiled by ``tf.function``: TensorFlow's fastest call."""
+    return tf.function(_eager(f))
 
 
 def _cases(backend: Any, eager: bool = False) -> list[tuple[str, Callable[[], Any], Callable[[], Any]]]:
