@@ -109,8 +109,8 @@ class Adapter:
     ``batched`` attribute of the closed function."""
     retraces = False
     """True when a compiled program is traced anew for arguments of other shapes or dtypes
-    (jax's jit, mlx's mx.compile): the program then checks them itself, at no cost per call (the tier,
-    :class:`~diffiface._programs.JitProgram`)."""
+    (jax's jit, mlx's mx.compile, tf.function): the program then checks them itself, at no cost
+    per call (the retracing engines' tier, :class:`~diffiface._programs.JitProgram`)."""
 
     def __init__(self, backend: Backend, info: BackendInfo) -> None:
         self.backend = backend

@@ -261,7 +261,7 @@ class Adapter(_base.Adapter):
 class _Flat:
     """A program of flat tensors, as one object per prep for ``tf.function`` (see :class:`_Graph`)."""
 
-    __slots__ = ("__weakref__", "program")  # (tf.function holds its function weakly)
+    __slots__ = ("__weakref__", "program")  # (tf.function takes a weak reference to it)
 
     def __init__(self, program: Callable[..., Any]) -> None:
         self.program = program
