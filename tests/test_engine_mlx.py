@@ -171,6 +171,17 @@ def test_prepared_gradient_takes_new_values() -> None:
         np.testing.assert_allclose(_np(got), scale / np.cosh(_np(y)) ** 2, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", BACKENDS, ids=IDS)
+def test_a_mismatch_names_the_arrays_as_mlx_users_know_them(backend: di.Backend) -> None:
+    f = lambda x: mx.sum(x * x)  # noqa: E731
+    prep = di.prepare_gradient(f, backend, mx.ones(3))
+    with pytest.raises(di.PreparationMismatchError) as caught:
+        di.gradient(f, backend, mx.ones(4, dtype=mx.float16), prep=prep)
+    message = str(caught.value)
+    assert "prepared for an mlx array of shape (3,) and dtype float32" in message
+    assert "called with an mlx array of shape (4,) and dtype float16" in message
+
+
 def test_numpy_f_is_explained() -> None:
     with pytest.raises(di.DiffifaceError, match="mlx"):
         di.gradient(lambda x: np.sum(np.sin(np.asarray(x))), "mlx", mx.ones(3))

@@ -9,7 +9,6 @@ from typing import Any, Final
 import numpy as np
 
 from ._shared import (
-    array_words,
     as_it_is,
     no_eval_shape,
     no_layout,
@@ -147,5 +146,11 @@ laid_out_ravel = no_ravel
 opened = unopened
 traced = untraced
 contents = not_followed
-describe = array_words
+
+
+def describe(signature: tuple[Any, ...]) -> str:
+    # (mlx prints its dtypes with their module, "mlx.core.float32")
+    return f"an mlx array of shape {signature[1]} and dtype {str(signature[2]).rpartition('.')[2]}"
+
+
 trace_of = no_trace
