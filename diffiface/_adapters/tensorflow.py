@@ -202,8 +202,6 @@ class Adapter(_base.Adapter):
         def vjp(touts: Any) -> Leaves:
             if isinstance(out, tuple):
                 grads = tape.gradient(list(out), list(xs), output_gradients=list(touts), unconnected_gradients=_ZERO)
-            elif len(xs) == 1:  # (one source as itself: see value_and_gradient)
-                grads = [tape.gradient(out, xs[0], output_gradients=touts, unconnected_gradients=_ZERO)]
             else:
                 grads = tape.gradient(out, list(xs), output_gradients=touts, unconnected_gradients=_ZERO)
             return _dense(grads)
@@ -214,10 +212,7 @@ class Adapter(_base.Adapter):
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(xs)
             value, aux = _traced(fn, xs, ("tape", None))
-        # (the tape's own cotangent, ones of the value's dtype; one source as itself, where a
-        # list of them costs TensorFlow its nest packing on every call)
-        if len(xs) == 1:
-            return value, aux, _dense([tape.gradient(value, xs[0], unconnected_gradients=_ZERO)])
+        # (the tape's own cotangent: ones of the value's dtype)
         return value, aux, _dense(tape.gradient(value, list(xs), unconnected_gradients=_ZERO))
 
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
