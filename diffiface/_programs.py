@@ -680,7 +680,8 @@ class JitProgram:
                     return MISSED
         scoped = self.scope
         try:
-            if scoped is None or (scope := scoped()) is None:
+            scope = None if scoped is None else scoped()  # (no walrus: AutoGraph reads this method)
+            if scope is None:
                 out = self.compiled(*leaves)
             else:
                 with scope:
