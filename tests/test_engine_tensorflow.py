@@ -301,3 +301,14 @@ def test_differentiate_with_inside_torch() -> None:
         warnings.filterwarnings("ignore", "`torch.jit.script` is deprecated", DeprecationWarning)
         _, tangent = torch.func.jvp(h, (torch.tensor(X),), (torch.ones(3, dtype=torch.float64),))
     np.testing.assert_allclose(tangent.numpy(), FIRST / 2, rtol=1e-12)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_constant_that_is_x_itself_is_not_differentiated(jit: bool) -> None:
+    """Eager, a tape watches tensors by identity: a Constant that is x's own tensor object must
+    stay a constant."""
+    x = tf.constant([0.3, 1.2], dtype=tf.float64)
+    f = lambda v, c: tf.reduce_sum(tf.sin(v) * v * c)  # noqa: E731
+    got = di.gradient(f, di.AutoTensorFlow(jit=jit), x, di.Constant(x))
+    xn = x.numpy()
+    np.testing.assert_allclose(got.numpy(), (np.cos(xn) * xn + np.sin(xn)) * xn, rtol=1e-12)

@@ -86,7 +86,9 @@ class Adapter(_base.Adapter):
 
     def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
         if isinstance(leaf, tf.Tensor):
-            return leaf, True
+            # eager, a tape watches tensors by identity: a context that is x's own tensor would be
+            # differentiated as x, so f gets a tensor of its own (a graph's arguments are apart)
+            return (leaf if self.compiles else tf.identity(leaf)), True
         kind = _arrays.kind(leaf)
         if kind == "numpy":
             leaf = _arrays.in_native_byte_order(np.asarray(leaf))
