@@ -434,6 +434,6 @@ class Plan:
 
 
 class Unfit(PreparationMismatchError):
-    """Raised while a :class:`~diffiface._programs.JitProgram` is traced for arguments whose
+    """Raised where a :class:`~diffiface._programs.JitProgram` is called on arguments whose
     shapes or dtypes are not the prep's: the route then compares the call's whole signature
     with the prep's."""

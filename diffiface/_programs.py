@@ -392,11 +392,13 @@ class JitProgram:
     flattening of it; an argument that is one array, by its type) and each leaf's type, and
     each numpy leaf's dtype (jit gives a float32 and a float64 numpy array one traced type while
     x64 is off). The compiled function compares each leaf's shape and dtype with the prep's
-    inside its trace, and raises :class:`Unfit` where any differs (the route then compares the
-    call's whole signature): a call that fits costs no test of shapes or dtypes. The trace also
-    finishes the result as far as it can (:meth:`_pick`): cast to x's dtypes, or to the dtypes
-    the promotion rule gives a Jacobian's or a Hessian's blocks, and rebuilt where the result is
-    one array or the engine rebuilds x's tree as optree does (``Adapter.rebuilds_in_trace``).
+    inside its trace, and returns None where any differs, a trace the engine caches as any
+    other (:meth:`run` then misses, :meth:`__call__` raises :class:`Unfit`, and the route
+    compares the call's whole signature): a call that fits costs no test of shapes or dtypes,
+    and one that does not, no trace after its first. The trace also finishes the result as far
+    as it can (:meth:`_pick`): cast to x's dtypes, or to the dtypes the promotion rule gives a
+    Jacobian's or a Hessian's blocks, and rebuilt where the result is one array or the engine
+    rebuilds x's tree as optree does (``Adapter.rebuilds_in_trace``).
     What is left, :meth:`_after` settles once the program is traced: nothing, a rebuild of the
     trees, or the finisher.
 
@@ -570,10 +572,9 @@ class JitProgram:
     def _traced(self, *leaves: Any) -> Any:
         for leaf, (shape, dtype) in zip(leaves, self.expected, strict=True):
             if leaf.shape != shape or leaf.dtype != dtype:
-                raise Unfit(
-                    f"An argument of shape {tuple(leaf.shape)} and dtype {leaf.dtype} reached a program "
-                    f"prepared for shape {tuple(shape)} and dtype {dtype}."
-                )
+                # None, no result of a program, says the call does not fit; the engine caches
+                # this trace as any other, so a later call of these shapes pays no trace again
+                return None
         xs, ts = self.sizes
         native = self.program(leaves[:xs], leaves[xs:ts], leaves[ts:], None)
         return self._pick(native)
@@ -679,14 +680,13 @@ class JitProgram:
                 if leaves[i].dtype != dtype:
                     return MISSED
         scoped = self.scope
-        try:
-            scope = None if scoped is None else scoped()  # (no walrus: AutoGraph reads this method)
-            if scope is None:
+        scope = None if scoped is None else scoped()  # (no walrus: AutoGraph reads this method)
+        if scope is None:
+            out = self.compiled(*leaves)
+        else:
+            with scope:
                 out = self.compiled(*leaves)
-            else:
-                with scope:
-                    out = self.compiled(*leaves)
-        except Unfit:
+        if out is None:  # (:meth:`_traced`: the shapes or dtypes are not the prep's)
             return MISSED
         after = self.after
         return out if after is None else after(out)
@@ -716,6 +716,8 @@ class JitProgram:
         else:
             with scope:
                 out = self.compiled(*leaves)
+        if out is None:
+            raise Unfit("The arguments' shapes or dtypes are not the prep's.")
         after = self.after
         return (out if after is None else after(out)), None
 

@@ -386,6 +386,41 @@ def test_autosparse_and_second_order_take_the_plan(backend_id: str, monkeypatch:
     np.testing.assert_allclose(first_j.toarray(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend_id", ["jax", "mlx", "tensorflow-jit"])
+def test_a_call_that_misses_the_jit_tier_traces_once(backend_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call whose shapes are not the recent prep's misses its compiled program in the trace;
+    the engine keeps that trace, so batches that alternate between two sizes trace each program
+    once, and the gradients stay right."""
+    from diffiface._programs import JitProgram
+
+    traces = []
+    traced = JitProgram._traced
+
+    def counted(self: Any, *leaves: Any) -> Any:
+        traces.append(tuple(tuple(leaf.shape) for leaf in leaves))
+        return traced(self, *leaves)
+
+    monkeypatch.setattr(JitProgram, "_traced", counted)
+    backend = _backend(backend_id)
+    eager = dataclasses.replace(backend, **{"compile" if backend_id == "mlx" else "jit": False})
+    rng = np.random.default_rng(3)
+    params_np, _ = _shapes(rng)["dict"]
+    params = native_tree(backend_id, params_np, "float32")
+    batches = [
+        di.Constant(native_tree(backend_id, (rng.normal(size=(n, 3)), rng.normal(size=(n, 2))), "float32"))
+        for n in (5, 7)
+    ]
+    for batch in batches * 2:  # (each program traced for its own shapes, and for the other's)
+        di.gradient(loss, backend, params, batch)
+    warm = len(traces)
+    for batch in batches * 3:
+        got = di.gradient(loss, backend, params, batch)
+        expected = di.gradient(loss, eager, params, batch)
+        for leaf, same in zip(*map(di.tree.leaves, (got, expected)), strict=True):
+            np.testing.assert_allclose(to_numpy(leaf), to_numpy(same), rtol=1e-5)
+    assert len(traces) == warm
+
+
 @pytest.mark.parametrize("backend_id", ["mlx", "tensorflow-jit"])
 def test_retracing_engines_take_the_jit_tier(backend_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """mx.compile and tf.function trace anew for each shape and dtype, so a compiled prep of
