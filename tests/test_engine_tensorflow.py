@@ -312,3 +312,65 @@ def test_a_constant_that_is_x_itself_is_not_differentiated(jit: bool) -> None:
     got = di.gradient(f, di.AutoTensorFlow(jit=jit), x, di.Constant(x))
     xn = x.numpy()
     np.testing.assert_allclose(got.numpy(), (np.cos(xn) * xn + np.sin(xn)) * xn, rtol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_tensor_at_two_leaves_of_x_or_closed_over_is_x_alone(backend: di.Backend) -> None:
+    """A tape and an accumulator watch tensors by identity: one tensor at two leaves of x (shared
+    zero-initialised biases), or x's tensor closed over by f, must be differentiated as x's
+    leaves alone."""
+    zeros = tf.zeros(3, dtype=tf.float64)
+    params = {"b1": zeros, "b2": zeros}
+    f = lambda p: tf.reduce_sum(2 * p["b1"] + 3 * p["b2"] + p["b1"] * p["b2"])  # noqa: E731
+    got = di.gradient(f, backend, params)
+    np.testing.assert_allclose(got["b1"].numpy(), [2.0] * 3)
+    np.testing.assert_allclose(got["b2"].numpy(), [3.0] * 3)
+    ones = {"b1": tf.ones(3, dtype=tf.float64), "b2": tf.ones(3, dtype=tf.float64)}
+    assert float(di.jvp(f, backend, params, ones)) == pytest.approx(15.0)
+    hessian = di.hessian(f, backend, params)
+    np.testing.assert_allclose(hessian["b1"]["b2"].numpy(), np.eye(3))
+    np.testing.assert_allclose(hessian["b1"]["b1"].numpy(), np.zeros((3, 3)))
+    w0 = tf.constant([0.5, -1.5], dtype=tf.float64)
+    closed = lambda w: tf.reduce_sum(w * w0)  # noqa: E731
+    np.testing.assert_allclose(di.gradient(closed, backend, w0).numpy(), w0.numpy())
+    np.testing.assert_allclose(di.hessian(closed, backend, w0).numpy(), np.zeros((2, 2)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_embedding_lookup_has_an_hvp(backend: di.Backend) -> None:
+    """A gather's gradient, and its tangent, come as tf.IndexedSlices: made dense."""
+    table = tf.constant(np.arange(12.0).reshape(4, 3) / 10)
+    index = tf.constant([0, 2, 2, 3])
+    f = lambda e: tf.reduce_sum(tf.gather(e, index) ** 2)  # noqa: E731
+    counts = np.array([1.0, 0.0, 2.0, 1.0])[:, None]
+    got = di.hvp(f, backend, table, tf.ones_like(table))
+    np.testing.assert_allclose(got.numpy(), 2 * counts * np.ones((4, 3)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_float_cotangent_takes_the_output_dtype(backend: di.Backend) -> None:
+    x = tf.constant([1.0, 2.0])  # float32
+    got = di.vjp(lambda v: tf.reduce_sum(v**2), backend, x, 1.0)
+    assert got.dtype == tf.float32
+    np.testing.assert_allclose(got.numpy(), [2.0, 4.0])
+    pair = di.vjp(lambda v: (tf.reduce_sum(v), 3 * v), backend, x, (2.0, tf.ones(2)))
+    np.testing.assert_allclose(pair.numpy(), [5.0, 5.0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_output_apart_from_x_or_cut_from_it(backend: di.Backend) -> None:
+    """An output that does not depend on x has a zero derivative, in a graph too; one that x
+    reaches only through a numpy function or a stop_gradient would read as zero: refused."""
+    x = tf.constant([1.0, 2.0])
+    c = di.Constant(tf.constant([3.0, 4.0]))
+    np.testing.assert_allclose(di.gradient(lambda v, k: tf.reduce_sum(k), backend, x, c).numpy(), [0.0, 0.0])
+    np.testing.assert_allclose(di.jvp(lambda v, k: k * 2.0, backend, x, tf.ones(2), c).numpy(), [0.0, 0.0])
+    partial = di.gradient(lambda v, k: tf.reduce_sum(tf.stop_gradient(v) * v), backend, x, c)
+    np.testing.assert_allclose(partial.numpy(), [1.0, 2.0])
+    cuts = [
+        lambda v, k: tf.reduce_sum(tf.numpy_function(lambda a: a * 2, [v], tf.float32) * k),
+        lambda v, k: tf.reduce_sum(tf.stop_gradient(v) * k),
+    ]
+    for cut in cuts:
+        with pytest.raises(di.InvalidOutputError, match="derivative would read as"):
+            di.gradient(cut, backend, x, c)

@@ -23,7 +23,7 @@ from tensorflow.python.eager import record
 from tensorflow.python.types import core as tensorflow_core
 
 from .. import _arrays
-from .._errors import ArrayTypeError, MutationError
+from .._errors import ArrayTypeError, InvalidOutputError, MutationError
 from .._families.tensorflow import dtype_of
 from . import _base
 from ._base import Fn, Leaves, raised_inside
@@ -70,7 +70,10 @@ class Adapter(_base.Adapter):
 
     def to_native(self, leaf: Any) -> Any:
         if isinstance(leaf, tf.Tensor):
-            return leaf
+            # eager, a tape and an accumulator watch tensors by identity: f gets a tensor of its
+            # own, so that one tensor at two leaves of x, or x's tensor closed over by f, is not
+            # differentiated as both (a graph's arguments are apart)
+            return leaf if self.compiles else tf.identity(leaf)
         kind = _arrays.kind(leaf)
         if kind == "tensorflow":  # a variable: its value, read once (never the variable itself)
             return tf.convert_to_tensor(leaf)
@@ -124,9 +127,11 @@ class Adapter(_base.Adapter):
         if not isinstance(leaf, tf.Tensor):
             return True  # a number or numpy array while x is traced: f left TensorFlow
         how, accumulator = stack[-1]
-        if how == "tape":
-            return not record.should_record_backprop([leaf])
-        return accumulator.jvp(leaf) is None  # type: ignore[no-any-return]
+        missed = not record.should_record_backprop([leaf]) if how == "tape" else accumulator.jvp(leaf) is None
+        if not isinstance(leaf, _EAGER):  # (a graph has no values to evaluate f at again)
+            _refuse_graph_cut(leaf, xs, missed)
+            return False  # (x does not reach it where it is missed: its derivative is zero)
+        return missed
 
     def plain(self, leaf: Any) -> Any:
         return leaf
@@ -203,8 +208,10 @@ class Adapter(_base.Adapter):
 
         def vjp(touts: Any) -> Leaves:
             if isinstance(out, tuple):
-                grads = tape.gradient(list(out), list(xs), output_gradients=list(touts), unconnected_gradients=_ZERO)
+                touts = [_cast_like(t, y) for t, y in zip(touts, out, strict=True)]
+                grads = tape.gradient(list(out), list(xs), output_gradients=touts, unconnected_gradients=_ZERO)
             else:
+                touts = _cast_like(touts, out)
                 grads = tape.gradient(out, list(xs), output_gradients=touts, unconnected_gradients=_ZERO)
             return _dense(grads)
 
@@ -226,8 +233,8 @@ class Adapter(_base.Adapter):
                 out, aux = _traced(fn, xs, ("forward", accumulator))
             outs = out if isinstance(out, tuple) else (out,)
             if not any(y.dtype.is_complex for y in outs):
-                touts = accumulator.jvp(list(outs), unconnected_gradients=_ZERO)
-                return out, aux, tuple(touts) if isinstance(out, tuple) else touts[0]
+                touts = _dense(accumulator.jvp(list(outs), unconnected_gradients=_ZERO))
+                return out, aux, touts if isinstance(out, tuple) else touts[0]
         # A ForwardAccumulator watches real primals only (a complex one is dropped, with a
         # logged warning, and its tangent would read as zero), and its rules for complex
         # operations are not the convention's: the pushforward is then the adjoint of the
@@ -310,8 +317,57 @@ def _traced(fn: Fn, xs: Leaves, how: tuple[str, Any]) -> tuple[Any, Any]:
 
 
 def _dense(grads: list[Any]) -> Leaves:
-    """Gradients as dense tensors (a gather's gradient is a ``tf.IndexedSlices``)."""
+    """Gradients (or tangents) as dense tensors (a gather's gradient is a ``tf.IndexedSlices``)."""
     return tuple(g if isinstance(g, tf.Tensor) else tf.convert_to_tensor(g) for g in grads)
+
+
+def _cast_like(t: Any, y: Any) -> Any:
+    """A cotangent leaf in the dtype of f's output leaf ``y``: a Python float (taken as any float
+    dtype, and made a float64 tensor) for a float32 output, say; the checks have refused any
+    other difference of dtype."""
+    return t if t.dtype == y.dtype else tf.cast(t, y.dtype)
+
+
+def _refuse_graph_cut(leaf: Any, xs: Leaves, missed: bool) -> None:
+    """Inside a graph (``tf.function``), where f's output leaf would read as having a zero
+    derivative though x reaches it: refused. That is a leaf the tape or accumulator does not
+    trace (``missed``) that the graph's operations lead to from x (``tf.stop_gradient`` of all
+    of it), or any leaf that x reaches through a numpy function (``tf.numpy_function``, whose
+    operation TensorFlow records and differentiates as zero). Else f does not depend on x there."""
+    sources = {x.ref() for x in xs if isinstance(x, tf.Tensor)}
+    found = _from_sources([leaf], sources)
+    if found is None or not (missed or any(_from_sources(op.inputs, sources) is not None for op in found)):
+        return
+    raise InvalidOutputError(
+        "f's output depends on x through an operation TensorFlow does not differentiate "
+        "(tf.numpy_function, or tf.stop_gradient of the whole output), so its derivative would read as "
+        "zero. Keep the computation in differentiable TensorFlow operations from x to the output."
+    )
+
+
+_NUMPY_OPS = frozenset({"PyFunc", "PyFuncStateless"})
+"""The graph operations of ``tf.numpy_function``: Python code on numpy values, not differentiated."""
+
+
+def _from_sources(tensors: Any, sources: set[Any]) -> list[Any] | None:
+    """Where the graph's operations lead from a tensor of ``sources`` to one of ``tensors``: the
+    numpy functions on the way back from them (a list, maybe empty); else None."""
+    seen: set[str] = set()
+    stack = list(tensors)
+    numpy_ops: list[Any] = []
+    reached = False
+    while stack:
+        tensor = stack.pop()
+        if tensor.ref() in sources:
+            reached = True
+            continue
+        op = tensor.op
+        if op.name not in seen:
+            seen.add(op.name)
+            if op.type in _NUMPY_OPS:
+                numpy_ops.append(op)
+            stack.extend(op.inputs)
+    return numpy_ops if reached else None
 
 
 def _zeros_like_out(out: Any) -> Any:
