@@ -374,3 +374,21 @@ def test_an_output_apart_from_x_or_cut_from_it(backend: di.Backend) -> None:
     for cut in cuts:
         with pytest.raises(di.InvalidOutputError, match="derivative would read as"):
             di.gradient(cut, backend, x, c)
+
+
+def test_a_cut_under_the_callers_tape_is_refused() -> None:
+    """Whether any tape records f's output does not say this call's tape does: under the
+    caller's tape watching a Constant, a value cut from x (``.numpy()``) is still refused, and an
+    output apart from x still has a zero gradient."""
+    x = tf.constant([1.0, 2.0])
+    c = tf.constant(3.0)
+    cut = lambda v, k: tf.constant(tf.reduce_sum(v**2).numpy()) * k  # noqa: E731
+    with tf.GradientTape() as tape:
+        tape.watch(c)
+        with pytest.raises(di.InvalidOutputError, match="changes with x"):
+            di.gradient(cut, "tensorflow", x, di.Constant(c))
+        np.testing.assert_allclose(di.gradient(lambda v, k: k * 2.0, "tensorflow", x, di.Constant(c)).numpy(), [0, 0])
+        total = tf.reduce_sum(di.gradient(lambda v, k: tf.reduce_sum(v**2) * k, "tensorflow", x, di.Constant(c)))
+    assert float(tape.gradient(total, c)) == pytest.approx(6.0)
+    with pytest.raises(di.InvalidOutputError, match="changes with x"):
+        di.gradient(lambda z: di.gradient(cut, "tensorflow", x, di.Constant(tf.reduce_sum(z)))[0], "tensorflow", x)

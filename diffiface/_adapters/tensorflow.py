@@ -218,11 +218,17 @@ class Adapter(_base.Adapter):
         return out, aux, vjp
 
     def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
+        outer = record.could_possibly_record()  # (before this call's tape: another one records)
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(xs)
             value, aux = _traced(fn, xs, ("tape", None))
         # (the tape's own cotangent: ones of the value's dtype)
-        return value, aux, _dense(tape.gradient(value, list(xs), unconnected_gradients=_ZERO))
+        if not outer:
+            return value, aux, _dense(tape.gradient(value, list(xs), unconnected_gradients=_ZERO))
+        grads = tape.gradient(value, list(xs))
+        if all(g is None for g in grads):
+            _refuse_hidden_cut(fn, xs)
+        return value, aux, _dense([tf.zeros_like(x) if g is None else g for g, x in zip(grads, xs, strict=True)])
 
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
         if not xs:
@@ -319,6 +325,28 @@ def _traced(fn: Fn, xs: Leaves, how: tuple[str, Any]) -> tuple[Any, Any]:
 def _dense(grads: list[Any]) -> Leaves:
     """Gradients (or tangents) as dense tensors (a gather's gradient is a ``tf.IndexedSlices``)."""
     return tuple(g if isinstance(g, tf.Tensor) else tf.convert_to_tensor(g) for g in grads)
+
+
+def _refuse_hidden_cut(fn: Fn, xs: Leaves) -> None:
+    """Under another tape (the caller's, or an outer diffiface call's), an output that a tape
+    records may still be cut from x: whether any tape records it (what :meth:`Adapter.untracked`
+    asks) does not say this call's does. Where no gradient reached x, f is evaluated at x and at
+    a point apart, with no tape recording: refused where its output moves (a cut), else the
+    derivative is zero. Eager only (a graph's outputs are checked by their operations)."""
+    if not all(isinstance(x, _EAGER) for x in xs):
+        return
+    with record.stop_recording():
+        moved = tuple(x + tf.cast(1e-3 * (1 + tf.abs(x)), x.dtype) for x in xs)
+        before, after = (tf.nest.flatten(fn(point)[0]) for point in (xs, moved))
+    if len(before) != len(after) or any(
+        a.shape != b.shape or not np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
+        for a, b in zip(before, after, strict=True)
+    ):
+        raise InvalidOutputError(
+            "f's output changes with x, but not through the tensorflow engine's trace: f turned a traced "
+            "value into a plain number or a new tensor (.numpy(), float(y), tf.constant(y.numpy())), so its "
+            "derivative would read as zero. Keep the computation in TensorFlow operations from x to the output."
+        )
 
 
 def _cast_like(t: Any, y: Any) -> Any:
