@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 
 import diffiface as di
@@ -509,3 +510,21 @@ def test_the_autograd_jacobian_is_jacrevs_and_falls_back_where_f_does_not_allow_
             torch.testing.assert_close(jac, expected)
             assert not jac.requires_grad
     assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("name", ["torch", "torch-func"])
+def test_a_cut_hidden_by_a_constant_that_requires_grad_is_refused(name: str) -> None:
+    """f's output requires grad through a Constant of another graph: that does not say x's graph
+    leads to it. A value cut from x (``torch.tensor(y.item())``) is refused, not differentiated as
+    zero; an output apart from x keeps its zero gradient."""
+    x = torch.tensor([1.0, 2.0])
+    c = torch.tensor(3.0, requires_grad=True)
+    cut = lambda v, k: torch.tensor((v**2).sum().detach().item()) * k  # noqa: E731
+    with pytest.raises(di.InvalidOutputError, match="changes with x"):
+        di.gradient(cut, name, x, di.Constant(c))
+    with pytest.raises(di.InvalidOutputError, match="changes with x"):
+        di.gradient(lambda z: di.gradient(cut, name, x, di.Constant(z.sum()))[0], name, torch.tensor([3.0]))
+    np.testing.assert_array_equal(di.gradient(lambda v, k: k * 2.0, name, x, di.Constant(c)).numpy(), [0.0, 0.0])
+    value, grad = di.value_and_gradient(lambda v, k: (k * v).sum(), name, x, di.Constant(c))
+    assert float(value) == 9.0
+    np.testing.assert_array_equal(grad.detach().numpy(), [3.0, 3.0])

@@ -56,6 +56,7 @@ from ._engine import (
     _NoSecondPass,
     _on_one,
     _pushed_by_pullbacks,
+    _refuse_hidden_cut,
     _requiring_grad,
     _stacked,
     _tensor_aux,
@@ -347,6 +348,11 @@ class Adapter(_base.Adapter):
         if not value.requires_grad:
             return value, aux, _grad([], inputs)
         grads = torch.autograd.grad((value,), inputs, retain_graph=keep, create_graph=keep, allow_unused=True)
+        for found in grads:  # (a loop, not a generator: this runs on every call)
+            if found is not None:
+                break
+        else:  # no gradient reached x
+            _refuse_hidden_cut(fn, xs)
         grads = _whole(grads, inputs)
         return value, aux, grads  # results are detached as they are converted, if returned
 

@@ -11,6 +11,7 @@ import optree
 import torch
 
 from ... import tree as _tree
+from ..._errors import InvalidOutputError
 from .._base import Fn, Leaves
 from ._dtensor import _placed
 from ._duals import _DUALS
@@ -155,6 +156,28 @@ def _grad(
         if g is None:
             return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs, strict=True))
     return grads  # type: ignore[no-any-return]
+
+
+def _refuse_hidden_cut(fn: Fn, xs: Leaves) -> None:
+    """Where f's output requires grad but no gradient reached x: the output requires grad
+    through a tensor of another graph (a Constant, or a tensor f closes over, that requires
+    grad), so whether it requires grad does not say x's graph leads to it. f is evaluated at x
+    and at a point apart, grad mode off: refused where its output moves (f cut x's graph:
+    ``torch.tensor(y.item())``), else the derivative is zero. Only where every gradient is None,
+    so no call that reaches x pays for it."""
+    with torch.no_grad():
+        points = tuple(x.detach() for x in xs)
+        moved = tuple(x + 1e-3 * (1 + x.abs()) for x in points)
+        before, after = ((out if type(out) is tuple else (out,)) for out, _ in (fn(points), fn(moved)))
+    if len(before) != len(after) or any(
+        a.shape != b.shape or not torch.equal(a.detach(), b.detach()) for a, b in zip(before, after, strict=True)
+    ):
+        raise InvalidOutputError(
+            "f's output changes with x, but not through the torch engine's trace: f turned a traced value "
+            "into a plain number or a new tensor (float(y), y.item(), torch.tensor(y.item())), so its "
+            "derivative would read as zero. Keep the computation in torch operations, traced, from x to the "
+            "output."
+        )
 
 
 def _whole(grads: Leaves, inputs: Leaves) -> Leaves:

@@ -26,7 +26,16 @@ from ._duals import (
     _unpacked,
     _warm_forward,
 )
-from ._engine import _backward, _detached, _grad, _if_graph, _NoSecondPass, _pushed_by_pullbacks, _whole
+from ._engine import (
+    _backward,
+    _detached,
+    _grad,
+    _if_graph,
+    _NoSecondPass,
+    _pushed_by_pullbacks,
+    _refuse_hidden_cut,
+    _whole,
+)
 from ._explain import _FIX, _CapturedWrite, _explained
 from ._guard import (
     _CALLS,
@@ -181,7 +190,13 @@ class _Gradient:
         ):
             value = fused.settle(value, f, context_values, inputs, inputs[0])
         if value.requires_grad:
-            grads = _whole(torch.autograd.grad((value,), inputs, allow_unused=True), inputs)
+            grads = torch.autograd.grad((value,), inputs, allow_unused=True)
+            for g in grads:  # (a loop, not a generator: this runs on every call)
+                if g is not None:
+                    break
+            else:  # no gradient reached x
+                _refuse_hidden_cut(fused.close(f, context_values, xs[0]), xs)
+            grads = _whole(grads, inputs)
         else:
             grads = _grad([], inputs)
         # (a fused call keeps no graph: f's value out of it; grads carry none without create_graph)
