@@ -169,3 +169,28 @@ def test_a_nested_jacobian_or_hessian_on_vectors_is_right_or_refused(
         assert (outer_mode, inner_mode) == ("func", "autograd")  # (torch.autograd inside torch.func)
         return
     torch.testing.assert_close(got.detach(), want.to(torch.float64))
+
+
+@pytest.mark.parametrize("backend", ["torch", di.AutoTorch(create_graph=True), "torch-func"], ids=str)
+def test_the_callers_forward_mode_runs_through_a_call(backend: Any) -> None:
+    """Around a call, the caller's own torch.autograd.forward_ad level: a dual x's tangent is
+    carried through, on every call of the prep (as through torch.autograd.grad), never dropped
+    to a zero derivative; a forward mode inside it is refused by name."""
+    import torch.autograd.forward_ad as forward_ad
+
+    x = torch.tensor([0.3, -1.2, 0.8], dtype=torch.float64)
+    v = torch.tensor([1.0, 0.5, -2.0], dtype=torch.float64)
+    f = lambda y: (torch.sin(y) * y**2).sum()  # noqa: E731
+    fv = lambda y: torch.sin(y) * y**2  # noqa: E731
+    along = torch.func.hessian(f)(x) @ v
+    vjp_along = torch.func.jvp(lambda y: torch.func.vjp(fv, y)[1](v)[0], (x,), (v,))[1]
+    for _ in range(3):  # (a prep's first call copies x; its later ones do not)
+        with forward_ad.dual_level():
+            dual = forward_ad.make_dual(x, v)
+            grad = forward_ad.unpack_dual(di.gradient(f, backend, dual)).tangent
+            pulled = forward_ad.unpack_dual(di.vjp(fv, backend, dual, v)).tangent
+        assert grad is not None and pulled is not None
+        torch.testing.assert_close(grad.detach(), along)
+        torch.testing.assert_close(pulled.detach(), vjp_along)
+    with forward_ad.dual_level(), pytest.raises(di.UnsupportedOperationError):
+        di.jvp(fv, backend, forward_ad.make_dual(x, v), v)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import optree
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch import func
 
 from ... import _arrays
@@ -247,10 +248,15 @@ class Adapter(_base.Adapter):
             g, has_aux, rebuild = _for_func(fn, xs)
             g, bare = _bare_output(g, has_aux)
             primals, tangents = (xs, txs) if len(xs) == 1 else ((xs,), (txs,))
-            if has_aux:
-                out, tout, aux = func.jvp(g, primals, tangents, has_aux=True)  # type: ignore[misc]
-            else:
-                (out, tout), aux = func.jvp(g, primals, tangents), None  # type: ignore[misc]
+            try:
+                if has_aux:
+                    out, tout, aux = func.jvp(g, primals, tangents, has_aux=True)  # type: ignore[misc]
+                else:
+                    (out, tout), aux = func.jvp(g, primals, tangents), None  # type: ignore[misc]
+            except RuntimeError as exc:  # inside the caller's torch.autograd.forward_ad level
+                if "Nested forward mode AD is not supported" in str(exc):
+                    raise _nested_forward() from exc
+                raise
             if bare:
                 out, tout = (out,), (tout,)
             # torch.func.jvp promotes the tangent of a 0-d float32 output times a Python
@@ -337,7 +343,7 @@ class Adapter(_base.Adapter):
                 return self.value_and_gradient(fn, xs)
         stack = _CALLS.keep
         keep = stack[-1] if stack else False  # (_keeping(), inlined: this is the hot path)
-        if len(xs) == 1 and not xs[0].requires_grad and not _DUALS[0]:  # the common case
+        if len(xs) == 1 and not xs[0].requires_grad and _forward_ad._current_level < 0:  # the common case
             try:
                 inputs = (xs[0].detach().requires_grad_(True),)
             except RuntimeError as exc:  # a tensor of a torch.func transform (jvp, vmap)
@@ -381,7 +387,7 @@ class Adapter(_base.Adapter):
         about, a torch.autograd.Function without ``setup_context``), the rows one by one, f
         evaluated again; also the rows inside an outer call (the Jacobian keeps a graph) and for
         empty leaves, and columns by forward mode where ``mode`` is ``"forward"``."""
-        if mode == "forward" or _keeping() or _DUALS[0] or any(x.numel() == 0 for x in xs):
+        if mode == "forward" or _keeping() or _forward_ad._current_level >= 0 or any(x.numel() == 0 for x in xs):
             return super().value_and_jacobian(fn, xs, mode)
         try:
             with warnings.catch_warnings():

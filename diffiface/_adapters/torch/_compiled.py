@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch import func
 
 from ... import tree as _tree
@@ -41,7 +42,7 @@ from ..._backends import AutoTorch
 from ..._errors import UnsupportedOperationError
 from .._base import Adapter as _BaseAdapter
 from .._base import Blocks, Deferred, Fn, Leaves
-from ._duals import _DUALS, _FORWARD_LOCK, _FORWARD_WARMED, _warm_forward
+from ._duals import _FORWARD_LOCK, _FORWARD_WARMED, _warm_forward
 from ._engine import _for_func, _materialised, _on_one, _tensor_aux
 from ._fused import _Gradient
 from ._guard import _CALLS, _guard, _transform_level
@@ -359,7 +360,7 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
             call (diffiface's checks of f's output, recorded); None where the call runs outside a
             prep of its own (another engine's SecondOrder program: uncompiled). A call
             differentiated from outside is refused."""
-            if len(_CALLS.keep) > 1 or _transform_level() is not None or _DUALS[0]:
+            if len(_CALLS.keep) > 1 or _transform_level() is not None or _forward_ad._current_level >= 0:
                 raise _nested()
             stack = _CURRENT.stack
             if not stack:

@@ -49,7 +49,12 @@ _FORWARD_LOCK = threading.RLock()
 
 _DUALS = [0]
 """How many of diffiface's forward-mode (dual level) calls are open, in the thread that holds
-``_FORWARD_LOCK``: while one is, inputs may be dual tensors whose tangents must be kept."""
+``_FORWARD_LOCK``. Whether any dual level is open, ours, the caller's own
+(``torch.autograd.forward_ad``) or a ``torch.func.jvp``'s, is ``forward_ad._current_level >=
+0``, read inline where it is asked on every call (the adapter's frames are counted): x may then
+be a dual tensor, whose tangent the outer forward mode carries through a call, as through
+``torch.autograd.grad``, so x's leaves are aliased, never detached (``detach`` drops a
+tangent), and the results keep what they carry."""
 
 
 # torch's public make_dual and unpack_dual pass through three Python frames each (torch.export's

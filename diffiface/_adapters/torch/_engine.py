@@ -9,12 +9,12 @@ from typing import Any
 
 import optree
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from ... import tree as _tree
 from ..._errors import InvalidOutputError
 from .._base import Fn, Leaves
 from ._dtensor import _placed
-from ._duals import _DUALS
 from ._explain import _autograd_in_func
 from ._guard import _clone, _version, _wrapped
 
@@ -91,7 +91,7 @@ def _requiring_grad(xs: Leaves) -> Leaves:
     Where x carries an outer graph (a nested call), an alias of x in that graph, so that the
     outer differentiation sees through this one; where x is a dual tensor of an outer forward
     mode, an alias that keeps its tangent."""
-    if len(xs) == 1 and not xs[0].requires_grad and not _DUALS[0]:  # the common case
+    if len(xs) == 1 and not xs[0].requires_grad and _forward_ad._current_level < 0:  # the common case
         x = xs[0]
         try:
             return (x.detach().requires_grad_(True),)
@@ -105,7 +105,7 @@ def _requiring_grad(xs: Leaves) -> Leaves:
             leaves.append(x.view_as(x))
             continue
         try:
-            leaves.append((x.view_as(x) if _DUALS[0] else x.detach()).requires_grad_(True))
+            leaves.append((x.view_as(x) if _forward_ad._current_level >= 0 else x.detach()).requires_grad_(True))
         except RuntimeError as exc:
             raise _autograd_in_func() from exc
     return tuple(leaves)

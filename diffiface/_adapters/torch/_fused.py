@@ -11,13 +11,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch import func
 
 from ..._errors import MutationError
 from .._base import Fn, Leaves
 from ._dtensor import _cotangents, _placed
 from ._duals import (
-    _DUALS,
     _FORWARD_LOCK,
     _FORWARD_WARMED,
     _close_dual_level,
@@ -94,7 +94,7 @@ class _Gradient:
 
     def __call__(self, xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
         if (
-            _DUALS[0]
+            _forward_ad._current_level >= 0  # (x may be a dual: its tangent kept, the guard's steps)
             or _CALLS.keep  # (inside an outer call or torch.func transform: the guard keeps the graph)
             or _transform_level() is not None
             or not torch.is_grad_enabled()

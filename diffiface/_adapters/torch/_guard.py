@@ -11,13 +11,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch.overrides import TorchFunctionMode
 
 from ... import tree as _tree
 from ..._errors import MutationError
 from .._base import NO_PARTS, Leaves, ProgramParts
 from ._dtensor import _refuse_fully_sharded
-from ._duals import _DUALS, _dual_parts
+from ._duals import _dual_parts
 from ._explain import _FIX, _LEAF_WRITE, _CapturedWrite
 
 
@@ -54,10 +55,10 @@ def _wrapped(x: Any) -> bool:
 
 def _carries_graph(x: Any) -> bool:
     """Whether ``x`` carries an outer differentiation: it requires grad under grad mode (or in
-    a torch.func transform), or is a dual tensor of diffiface's open forward-mode call."""
+    a torch.func transform), or is a dual tensor of an open forward mode (ours or the caller's)."""
     if x.requires_grad:
         return torch.is_grad_enabled() or _wrapped(x)
-    return bool(_DUALS[0]) and _dual_parts(x)[1] is not None
+    return _forward_ad._current_level >= 0 and _dual_parts(x)[1] is not None
 
 
 def _guard(
@@ -110,7 +111,7 @@ def _guard(
         copy = first[0]
         if len(xs) == 1:
             x = xs[0]
-            if nested or x.requires_grad or _DUALS[0]:
+            if nested or x.requires_grad or _forward_ad._current_level >= 0:
                 keep = nested or _keeps(x, functional, create_graph)
             if copy or x.is_inference():  # (a clone of an inference tensor is a normal one)
                 x = x.clone() if keep or not x.requires_grad else x.detach().clone()
@@ -121,7 +122,7 @@ def _guard(
         else:
             keep = nested
             for x in xs:
-                if (x.requires_grad or _DUALS[0]) and _keeps(x, functional, create_graph):
+                if (x.requires_grad or _forward_ad._current_level >= 0) and _keeps(x, functional, create_graph):
                     keep = True
             if not keep:
                 xs = tuple(map(torch.Tensor.detach, xs))
@@ -189,7 +190,7 @@ def _out_of_graph(result: Any) -> Any:
 
 
 def _keeps(x: Any, functional: bool, create_graph: bool) -> bool:
-    """Whether a call on ``x`` (which requires grad, or a dual level of ours is open), outside
+    """Whether a call on ``x`` (which requires grad, or a dual level is open), outside
     any other differentiation, keeps the graph x carries: under torch.func (its semantics) or
     where the caller asks for it (``create_graph``); else the results are detached, as
     ``torch.autograd.grad``'s. (Inside an outer diffiface call or a torch.func transform every
@@ -198,6 +199,8 @@ def _keeps(x: Any, functional: bool, create_graph: bool) -> bool:
     derivative.)"""
     if x.is_inference() or not _carries_graph(x):
         return False
+    if _forward_ad._current_level >= 0 and _dual_parts(x)[1] is not None:
+        return True  # (a dual of the caller's forward mode: a detached result drops its tangent)
     return functional or create_graph or _wrapped(x)
 
 
