@@ -57,6 +57,9 @@ def flatten(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:
 
 
 _ADOPTED: set[type] = set()
+_BUILTIN_LEAVES = frozenset({str, bytes, bool, int, float, complex, type(None)})
+"""Leaves no framework's registry makes nodes of: no registry is asked about them (nor can be
+inside another engine's trace, such as torch.compile's of an aux that holds a string)."""
 _ADOPT_LOCK = threading.Lock()
 
 
@@ -68,7 +71,7 @@ def _adopt_foreign_nodes(leaves_: list[Any]) -> bool:
     Cheap when there is none: one type lookup per leaf."""
     found = False
     for leaf in leaves_:
-        if type(leaf) in _ADOPTED or _arrays.kind(leaf) != "other":
+        if type(leaf) in _ADOPTED or type(leaf) in _BUILTIN_LEAVES or _arrays.kind(leaf) != "other":
             continue
         node = _families.foreign_node(leaf)
         if node is None:

@@ -325,3 +325,19 @@ def test_an_output_changed_after_the_first_compile_is_checked_again() -> None:
     torch.testing.assert_close(di.gradient(f, COMPILED, x, prep=prep), 6 * x)
     state["out"] = "scalar"
     torch.testing.assert_close(di.gradient(f, COMPILED, x, prep=prep), 2 * x)
+
+
+def test_an_aux_comes_back_as_f_returned_it_or_is_refused_by_name() -> None:
+    """torch.compile traces optree through a stand-in whose structures come out of the graph as
+    its own objects: a tuple's and a list's are rebuilt (strings and None beside the tensors,
+    with jax imported too: no pytree registry is asked in the trace), a dict's is refused by
+    name."""
+    x = torch.tensor([0.3, -1.2, 0.8], dtype=torch.float64)
+    (_, aux), grad = di.value_and_gradient(
+        lambda v: ((v**2).sum(), (v.mean(), [v.sum(), None, "tag"])), "torch-compile", x, has_aux=True
+    )
+    torch.testing.assert_close(grad, 2 * x)
+    assert type(aux) is tuple and type(aux[1]) is list and aux[1][1:] == [None, "tag"]
+    torch.testing.assert_close(aux[0], x.mean())
+    with pytest.raises(di.UnsupportedOperationError, match="structure of f's aux"):
+        di.value_and_gradient(lambda v: ((v**2).sum(), {"m": v.mean()}), "torch-compile", x, has_aux=True)

@@ -33,6 +33,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch import func
@@ -231,6 +232,30 @@ def _second(with_aux: Callable[[Any], Any], x: Any) -> Any:
     return with_aux(x), derivative, second
 
 
+_TREE_SPEC = optree.PyTreeSpec
+
+
+def _real_aux(aux: Any) -> Any:
+    """An aux as a compiled graph gave it back (its leaves and structure, as ``close`` set them
+    apart, maybe inside a second-order program's pairs): torch.compile traces optree through a
+    stand-in, whose structures come out of the graph as that stand-in's objects. One that can be
+    rebuilt (a tuple's, a list's) is made optree's again; one that cannot (a dict's) is refused
+    by name, not left to fail later."""
+    if type(aux) is tuple or type(aux) is list:
+        return type(aux)(map(_real_aux, aux))
+    if type(aux) is _TREE_SPEC or type(aux).__name__ != "PyTreeSpec":
+        return aux
+    try:
+        skeleton = aux.unflatten(list(range(aux.num_leaves)))
+        return optree.tree_structure(skeleton, none_is_leaf=aux.none_is_leaf, namespace=aux.namespace)
+    except Exception as exc:
+        raise UnsupportedOperationError(
+            "torch.compile gave back the structure of f's aux in a form it cannot rebuild itself (a dict's, "
+            "in the torch releases tried). Return the aux as tuples and lists under AutoTorch(mode='func', "
+            "compile=True), or use AutoTorch(mode='func') uncompiled."
+        ) from exc
+
+
 def _unsupported(exc: BaseException) -> UnsupportedOperationError:
     first = " ".join([line.strip() for line in str(exc).splitlines() if line.strip()][:2]) or type(exc).__name__
     return UnsupportedOperationError(
@@ -387,7 +412,7 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
                 return self.eager.value_and_gradient(fn, xs)  # type: ignore[no-any-return]
             g, has_aux, rebuild = _for_func(fn, xs)
             value, aux, grads = _called(program, g, has_aux, xs[0] if len(xs) == 1 else xs)
-            return value, rebuild(aux), _materialised((grads,) if len(xs) == 1 else tuple(grads))
+            return value, _real_aux(rebuild(aux)), _materialised((grads,) if len(xs) == 1 else tuple(grads))
 
         def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
             xs = _detached(xs)
@@ -402,7 +427,7 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
                 out, tout, aux = _called(program, g, has_aux, primals, tangents)
             # (a tangent has its primal's dtype: torch.func may promote a 0-d one)
             tout = _tree.map(lambda t, y: t.to(y.dtype) if t.dtype != y.dtype else t, tout, out)
-            return out, rebuild(aux), tout
+            return out, _real_aux(rebuild(aux)), tout
 
         def value_and_pushforwards(self, fn: Fn, xs: Leaves, batch: Any) -> tuple[Any, Any, list[Any]]:
             return _BaseAdapter.value_and_pushforwards(self, fn, xs, batch)  # one compiled jvp per tangent
@@ -418,7 +443,7 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
                 g, has_aux, rebuild = _for_func(fn, xs)
                 touts = touts if type(touts) is tuple else (touts,)
                 out, aux, grads = _called(program, g, has_aux, xs[0] if len(xs) == 1 else xs, touts)
-                done[:] = [out, rebuild(aux)]
+                done[:] = [out, _real_aux(rebuild(aux))]
                 return _materialised((grads[0],) if len(xs) == 1 else tuple(grads[0]))
 
             def value(i: int) -> Any:
@@ -462,7 +487,7 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
                     blocks, (out, aux) = _called(program, with_value, forward, xs)
                     if isinstance(out, tuple) and len(out) == 1:
                         blocks = (blocks,)
-            return out, rebuild(aux), blocks
+            return out, _real_aux(rebuild(aux)), blocks
 
         # -- second order: one compiled program over these traceable first-order functions ------
 
@@ -484,7 +509,7 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
                     return self.eager.value_derivative_and_second_derivative(fn, xs)  # type: ignore[no-any-return]
                 tensor_fn, rebuild = _tensor_aux(fn)
                 (out, aux), first, second = _called(program, _on_one(tensor_fn), xs[0])
-            return out, rebuild(aux), first, second
+            return out, _real_aux(rebuild(aux)), first, second
 
     Compiled.__name__ = Compiled.__qualname__ = "Adapter"
     return Compiled

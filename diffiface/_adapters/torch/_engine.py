@@ -29,7 +29,10 @@ def _tensor_aux(fn: Fn) -> tuple[Fn, Callable[[Any], Any]]:
         if aux is None:  # the common case: no aux
             kept.clear()
             return out, ()
-        leaves, spec = _tree.flatten(aux)
+        # (optree's flattening, not diffiface's: the aux's own tree was taken apart by ``close``,
+        # its foreign nodes adopted there; what is flattened here is that result, whose
+        # structure is a leaf no framework registry need be asked about, nor can be in a trace)
+        leaves, spec = optree.tree_flatten(aux, namespace=_tree.NAMESPACE)
         mask = [isinstance(leaf, torch.Tensor) for leaf in leaves]
         kept[:] = [spec, mask, [leaf for leaf, m in zip(leaves, mask, strict=True) if not m]]
         return out, tuple(leaf for leaf, m in zip(leaves, mask, strict=True) if m)
