@@ -528,3 +528,17 @@ def test_a_cut_hidden_by_a_constant_that_requires_grad_is_refused(name: str) -> 
     value, grad = di.value_and_gradient(lambda v, k: (k * v).sum(), name, x, di.Constant(c))
     assert float(value) == 9.0
     np.testing.assert_array_equal(grad.detach().numpy(), [3.0, 3.0])
+
+
+def test_a_module_made_under_inference_mode_is_explained() -> None:
+    """autograd cannot save inference tensors for backward: a Constant module built under
+    torch.inference_mode() is refused with a diffiface error that says what to do."""
+    import copy
+
+    with torch.inference_mode():
+        module = torch.nn.Linear(3, 1).double()
+    x = torch.randn(3, dtype=torch.float64)
+    with pytest.raises(di.FrameworkMismatchError, match="inference_mode"):
+        di.gradient(lambda v, m: m(v).sum(), "torch", x, di.Constant(module))
+    got = di.gradient(lambda v, m: m(v).sum(), "torch", x, di.Constant(copy.deepcopy(module)))
+    torch.testing.assert_close(got, module.weight[0].clone())

@@ -45,6 +45,14 @@ def explain_failure(exc: BaseException, functional: bool) -> str | None:
         )
     if isinstance(exc, TypeError) and raised_inside(exc, "jax"):
         return "f calls jax on torch tensors; differentiate a jax function with AutoJAX()."
+    if isinstance(exc, RuntimeError) and "Inference tensors cannot be saved for backward" in text:
+        return (
+            "f computes with a tensor made under torch.inference_mode() (a module built or loaded there, "
+            "passed as a di.Constant or closed over), which autograd cannot save for the backward pass. "
+            "diffiface copies inference tensors given as x or as a Constant's tensors, but not a module's: "
+            "build or load the module outside inference mode, or pass copy.deepcopy(module), made outside "
+            "it (its tensors are then ordinary ones)."
+        )
     if functional and isinstance(exc, RuntimeError) and "override the setup_context" in text:
         # torch.func's refusal of a classic torch.autograd.Function: the engine cannot run f
         raise UnsupportedOperationError(
