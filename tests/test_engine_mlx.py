@@ -4,6 +4,8 @@ refused, inputs never mutated, the scenario suite, and the checker's tolerances.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -251,3 +253,23 @@ def test_an_operation_without_a_forward_rule_is_refused_by_name() -> None:
     for call in (lambda: di.jvp(f, "mlx", x, x), lambda: di.hvp(f, "mlx", x, x)):
         with pytest.raises(di.UnsupportedOperationError, match=r"scatter.*AutoJAX"):
             call()
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+def test_a_write_by_f_into_x_leaves_the_callers_array(backend: di.Backend) -> None:
+    """An mlx array takes writes (x[0] = v): f runs on arrays of its own, also outside a
+    transform (a vjp's value, a Jacobian's rows), so the caller's x is never changed."""
+
+    def f(v: Any) -> Any:
+        v[0] = 10.0
+        return v * v
+
+    for call in (
+        lambda x: di.vjp(f, backend, x, mx.ones(3)),
+        lambda x: di.value_and_vjp(f, backend, x, mx.ones(3)),
+        lambda x: di.jacobian(f, backend, x),
+        lambda x: di.batched_vjp(f, backend, x, di.Tangents(mx.ones(3), mx.ones(3))),
+    ):
+        x = mx.array([1.0, 2.0, 3.0])
+        call(x)
+        np.testing.assert_array_equal(np.array(x), [1.0, 2.0, 3.0])

@@ -305,3 +305,28 @@ def test_differentiate_with_inside_jax_and_torch() -> None:
     np.testing.assert_allclose(xt.grad.numpy(), np.cos(x.astype(np.float64)) * c, rtol=1e-12)
     with pytest.raises(di.UnsupportedOperationError, match="first order only"):
         jax.hessian(lambda z: jax.numpy.sum(g(z, di.Constant(c))))(jax.numpy.asarray(x))
+
+
+def test_complex_numbers_inside_f_are_refused() -> None:
+    """PyTensor's gradients through complex operations follow no convention (an angle's read as
+    zero, others raise its own TypeError): a complex value anywhere on f's graph is refused."""
+    x = np.array([0.3, 0.8])
+    for f in (
+        lambda v: pt.sum(pt.angle(v + 1j * (1 + v))),
+        lambda v: pt.sum(pt.real(pt.exp(1j * v))),
+    ):
+        with pytest.raises(di.UnsupportedOperationError, match="complex"):
+            di.gradient(f, "pytensor", x)
+    with pytest.raises(di.UnsupportedOperationError, match="complex"):
+        di.gradient(lambda v, c: pt.sum(pt.real(v * c)), "pytensor", x, di.Constant(1j))
+
+
+def test_numpy_functions_on_x_are_refused_and_its_elementwise_ones_work() -> None:
+    """numpy takes a symbolic variable for one object: np.linalg.norm(x) would be the norm of
+    one number, a graph whose derivative is not f's. It is refused; numpy's elementwise
+    functions (np.sin(x)) are PyTensor's own operations on x, and right."""
+    x = np.array([0.3, 0.8, -0.5])
+    with pytest.raises(di.FrameworkMismatchError, match="numpy function"):
+        di.gradient(lambda v: pt.sum(np.linalg.norm(v)) ** 2, "pytensor", x)
+    got = di.gradient(lambda v: pt.sum(np.sin(v) * v + np.multiply(v, v)), "pytensor", x)
+    np.testing.assert_allclose(got, np.cos(x) * x + np.sin(x) + 2 * x, rtol=1e-12)

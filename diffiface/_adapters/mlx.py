@@ -51,6 +51,13 @@ def _jvp(outputs: Callable[..., list[Any]], primals: list[Any], tangents: list[A
         ) from exc
 
 
+def _own(leaves: Sequence[Any]) -> tuple[Any, ...]:
+    """x's leaves as arrays of f's own, where f runs on them outside a transform: an mlx array
+    takes writes (``x[0] = v``), which on the caller's array object would change the caller's x
+    (a transform gives f arrays of its own; so does this, without copying the data)."""
+    return tuple(mx.array(leaf) for leaf in _mx(leaves))
+
+
 def _mx(leaves: Sequence[Any]) -> list[Any]:
     """Leaves as mlx arrays (another part of diffiface may hand numpy ones: the real and
     imaginary parts of a complex x, say), each of its own dtype."""
@@ -208,7 +215,7 @@ class Adapter(_base.Adapter):
         return outputs
 
     def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
-        out, aux = fn(xs)
+        out, aux = fn(_own(xs))
         return out, aux, _Pullback(self._outputs(fn), xs, not isinstance(out, tuple))
 
     def value_and_pullback(self, fn: Fn, xs: Leaves, touts: Any) -> tuple[Any, Any, Leaves]:
@@ -253,7 +260,7 @@ class Adapter(_base.Adapter):
         if len(batch) < 2 or not xs:
             return super().value_and_pushforwards(fn, xs, batch)
         xs = tuple(_mx(xs))
-        out, aux = fn(xs)
+        out, aux = fn(_own(xs))
         outputs = self._outputs(fn)
         stacked = [mx.stack(_mx([txs[j] for txs in batch])) for j in range(len(xs))]
 

@@ -28,6 +28,7 @@ import pytensor
 import pytensor.tensor as pt
 from pytensor.gradient import grad, jacobian, pullback, pushforward
 from pytensor.graph.basic import Variable
+from pytensor.graph.traversal import ancestors
 from pytensor.tensor.type import TensorType
 from pytensor.tensor.variable import TensorVariable
 
@@ -54,6 +55,33 @@ class _Known(TensorVariable):  # type: ignore[misc,type-arg]
         return tuple(self.type.shape)
 
 
+class _Input(TensorVariable):  # type: ignore[misc,type-arg]
+    """A symbolic input f gets (a leaf of x or of a context) that refuses to become a numpy array:
+    numpy would otherwise take it for one object in a 0-d array and compute something else
+    (``np.linalg.norm(x)``, the norm of one number) out of PyTensor's operations on it, whose
+    derivative is not f's."""
+
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        # numpy's elementwise functions (np.sin(x)) as numpy computes them on one object: the
+        # variable's own method or operator, elementwise, so PyTensor's operation on all of x
+        held = []
+        for value in inputs:
+            if isinstance(value, _Input):
+                one = np.empty((), dtype=object)
+                one[()] = value
+                value = one
+            held.append(value)
+        return getattr(ufunc, method)(*held, **kwargs)
+
+    def __array__(self, *args: Any, **kwargs: Any) -> Any:
+        raise FrameworkMismatchError(
+            "f failed under the pytensor backend: f handed one of pytensor's symbolic variables to a "
+            "numpy function (np.linalg.norm(x), np.asarray(x)), which would take it for one number. "
+            "Write f with pytensor.tensor operations (pt.linalg.norm, pt.sum), or differentiate a numpy f "
+            "with AutoFiniteDifferences()."
+        )
+
+
 def _refuse_complex(where: str) -> UnsupportedOperationError:
     return UnsupportedOperationError(
         f"The pytensor backend does not differentiate complex numbers ({where} is complex): pytensor's "
@@ -62,13 +90,23 @@ def _refuse_complex(where: str) -> UnsupportedOperationError:
     )
 
 
+def _refuse_complex_graph(leaf: Any) -> None:
+    """f's output refused where a complex number lies on its graph (a complex constant, an
+    ``exp(1j * x)`` on the way): pytensor's gradients through complex operations follow no
+    convention diffiface keeps, and some read as zero. Traced once per program, so the walk of
+    the graph costs nothing on a call."""
+    for variable in ancestors([leaf]):
+        if str(getattr(variable, "dtype", "")).startswith("complex"):
+            raise _refuse_complex("a value f computes")
+
+
 def _variable(value: Any, known: bool = False) -> Any:
     """A symbolic input of ``value``'s static shape and dtype."""
     array = np.asarray(value)
     if array.dtype.kind == "c":
         raise _refuse_complex("an input")
     kind = TensorType(dtype=str(_arrays.native_dtype(array.dtype)), shape=array.shape)
-    return _Known(kind, None) if known else kind()
+    return _Known(kind, None) if known else _Input(kind, None)
 
 
 def _contiguous(array: np.ndarray) -> np.ndarray:
@@ -153,6 +191,7 @@ class Adapter(_base.Adapter):
 
     def output_leaf(self, leaf: Any, like: Any) -> Any:
         if isinstance(leaf, Variable):
+            _refuse_complex_graph(leaf)
             return leaf
         if _arrays.kind(leaf) == "python":
             return pt.as_tensor_variable(np.asarray(leaf, dtype=getattr(like, "dtype", "float64")))
