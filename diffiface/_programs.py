@@ -1050,11 +1050,14 @@ def _refuse_unseen_static(adapter: Adapter, signature: Signature, index: int, le
     if static_key(leaf) is not None:
         return
     kind = signature.contexts[index][0].__name__
+    backend = adapter.backend
+    option = next((name for name in ("jit", "compile") if getattr(backend, name, None) is True), None)
+    eager = f"{type(backend).__name__}({option}=False)" if option else "a backend that does not compile"
     raise ContextError(
         f"Context {index} (a di.{kind}) holds a {type(leaf).__name__}, which the compiled "
-        f"{adapter.backend.name} program must take as static, compile-time data. It is compared by "
+        f"{backend.name} program must take as static, compile-time data. It is compared by "
         "identity, not by value, so a later change to it (an attribute set, an in-place update) "
         "would silently reuse the old value. Pass its numbers as arrays or in a dict or dataclass "
         "registered as a pytree (di.Constant({'a': obj.a})), make it a frozen dataclass, or use "
-        "AutoJAX(jit=False)."
+        f"{eager}."
     )

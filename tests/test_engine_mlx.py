@@ -273,3 +273,11 @@ def test_a_write_by_f_into_x_leaves_the_callers_array(backend: di.Backend) -> No
         x = mx.array([1.0, 2.0, 3.0])
         call(x)
         np.testing.assert_array_equal(np.array(x), [1.0, 2.0, 3.0])
+
+
+def test_f_that_hands_an_mlx_array_to_torch_is_told_so() -> None:
+    """torch's compiled functions refuse another framework's array with their own TypeError
+    ("must be Tensor, not array"), with no frame of torch's to find: said by name."""
+    torch = pytest.importorskip("torch")
+    with pytest.raises(di.FrameworkMismatchError, match="another framework"):
+        di.gradient(lambda v: torch.sin(v).sum(), "mlx", mx.array([0.5]))

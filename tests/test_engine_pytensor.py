@@ -330,3 +330,22 @@ def test_numpy_functions_on_x_are_refused_and_its_elementwise_ones_work() -> Non
         di.gradient(lambda v: pt.sum(np.linalg.norm(v)) ** 2, "pytensor", x)
     got = di.gradient(lambda v: pt.sum(np.sin(v) * v + np.multiply(v, v)), "pytensor", x)
     np.testing.assert_allclose(got, np.cos(x) * x + np.sin(x) + 2 * x, rtol=1e-12)
+    # a numpy matrix or vector f closes over, on the left of an operator (a design matrix)
+    design = np.arange(15.0).reshape(5, 3) / 10
+    weights = np.array([1.0, -2.0, 0.5])
+    got = di.gradient(lambda v: pt.sum(design @ v) + weights @ v + pt.sum((weights - v) ** 2), "pytensor", x)
+    np.testing.assert_allclose(got, design.sum(0) + weights - 2 * (weights - x), rtol=1e-12)
+    got = di.gradient(lambda v: pt.sum(np.maximum(weights, v) + weights / v), "pytensor", x)
+    np.testing.assert_allclose(got, (x > weights) - weights / x**2, rtol=1e-12)
+
+
+def test_an_empty_leaf_of_x_leaves_the_other_blocks_right() -> None:
+    """An empty leaf's blocks hold no number (zeros of their shape); the other leaves' blocks
+    are differentiated as ever."""
+    x = {"empty": np.zeros((0,)), "b": np.array([1.0, 2.0])}
+    hessian = di.hessian(lambda p: pt.sum(p["b"] ** 3) + pt.sum(p["empty"]), "pytensor", x)
+    np.testing.assert_allclose(hessian["b"]["b"], np.diag(6 * x["b"]))
+    assert hessian["empty"]["b"].shape == (0, 2) and hessian["b"]["empty"].shape == (2, 0)
+    jacobian = di.jacobian(lambda p: p["b"] ** 2, "pytensor", x)
+    np.testing.assert_allclose(jacobian["b"], np.diag(2 * x["b"]))
+    assert jacobian["empty"].shape == (2, 0)

@@ -38,6 +38,13 @@ Fn = Callable[[Leaves], tuple[Any, Any]]
 Blocks = tuple[tuple[Any, ...], ...]
 
 
+def refused_as_not_a_tensor(exc: BaseException) -> bool:
+    """Whether ``exc`` is a compiled function's refusal of an argument that is not its own
+    framework's tensor (``torch.sin`` given another engine's array: "must be Tensor, not
+    array"), which leaves no Python frame of that framework to find."""
+    return isinstance(exc, TypeError) and "must be Tensor, not" in str(exc)
+
+
 def raised_inside(exc: BaseException, package: str) -> bool:
     """Whether ``exc`` was raised from inside ``package``'s code (a frame of its modules), in
     its traceback or in that of the exceptions it chains (jax hides its frames in one): a

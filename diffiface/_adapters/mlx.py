@@ -193,7 +193,9 @@ class Adapter(_base.Adapter):
                 "f with mlx.core operations (mx.where for branches), or differentiate a numpy f with "
                 "AutoFiniteDifferences() or AutoAutograd()."
             )
-        if isinstance(exc, (TypeError, ValueError)) and (raised_inside(exc, "torch") or raised_inside(exc, "jax")):
+        if isinstance(exc, (TypeError, ValueError)) and (
+            raised_inside(exc, "torch") or raised_inside(exc, "jax") or _base.refused_as_not_a_tensor(exc)
+        ):
             return (
                 "f handed an mlx array to a function of another framework (torch, jax); differentiate "
                 "such a function with its own engine, or any function with AutoFiniteDifferences()."

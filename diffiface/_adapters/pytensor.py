@@ -18,6 +18,7 @@ convention diffiface keeps.
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -62,8 +63,17 @@ class _Input(TensorVariable):  # type: ignore[misc,type-arg]
     derivative is not f's."""
 
     def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
-        # numpy's elementwise functions (np.sin(x)) as numpy computes them on one object: the
-        # variable's own method or operator, elementwise, so PyTensor's operation on all of x
+        # numpy's elementwise functions and operators on this variable as PyTensor's own: an
+        # operator (a numpy matrix A @ x, A * x) as the variable's, np.sin(x) as pt.sin; any
+        # other as numpy computes it on one object (the variable's method, elementwise)
+        if method == "__call__" and not kwargs:
+            symbolic = [pt.as_tensor_variable(value) if isinstance(value, np.ndarray) else value for value in inputs]
+            operator_ = _NUMPY_OPERATORS.get(ufunc)
+            if operator_ is not None:
+                return operator_(*symbolic)
+            same = getattr(pt, ufunc.__name__, None)
+            if same is not None:
+                return same(*symbolic)
         held = []
         for value in inputs:
             if isinstance(value, _Input):
@@ -80,6 +90,26 @@ class _Input(TensorVariable):  # type: ignore[misc,type-arg]
             "Write f with pytensor.tensor operations (pt.linalg.norm, pt.sum), or differentiate a numpy f "
             "with AutoFiniteDifferences()."
         )
+
+
+_NUMPY_OPERATORS: dict[Any, Callable[..., Any]] = {
+    np.add: operator.add,
+    np.subtract: operator.sub,
+    np.multiply: operator.mul,
+    np.true_divide: operator.truediv,
+    np.floor_divide: operator.floordiv,
+    np.remainder: operator.mod,
+    np.power: operator.pow,
+    np.matmul: operator.matmul,
+    np.negative: operator.neg,
+    np.positive: operator.pos,
+    np.absolute: operator.abs,
+    np.less: operator.lt,
+    np.less_equal: operator.le,
+    np.greater: operator.gt,
+    np.greater_equal: operator.ge,
+}
+"""numpy's ufuncs behind Python's operators, which a numpy array on the left hands to them."""
 
 
 def _refuse_complex(where: str) -> UnsupportedOperationError:
@@ -259,7 +289,7 @@ class Adapter(_base.Adapter):
                 "(pt.sum, pt.exp, pt.switch), not numpy functions or in-place writes; differentiate a "
                 "numpy f with AutoFiniteDifferences()."
             )
-        if _base.raised_inside(exc, "torch") or _base.raised_inside(exc, "jax"):
+        if _base.raised_inside(exc, "torch") or _base.raised_inside(exc, "jax") or _base.refused_as_not_a_tensor(exc):
             return (
                 "f handed a pytensor symbolic variable to another framework. Write f with "
                 "pytensor.tensor operations, or differentiate it with AutoFiniteDifferences()."
@@ -452,13 +482,17 @@ class Adapter(_base.Adapter):
         shape = tuple(y.type.shape)
         if y.ndim == 0:
             return self._grad(y, xs)
-        if 0 in shape or any(0 in x.type.shape for x in xs):
-            return tuple(pt.zeros((*shape, *x.type.shape), dtype=y.dtype) for x in xs)
-        blocks = jacobian(y, list(xs), disconnected_inputs="ignore", vectorize=True)
-        return tuple(
-            pt.zeros((*shape, *x.type.shape), dtype=x.dtype) if b is None else b
-            for b, x in zip(blocks, xs, strict=True)
+        # (an empty block, of an empty y or an empty leaf of x, holds no number: zeros of its
+        # shape; only the leaves that are not empty are differentiated)
+        full = [x for x in xs if 0 not in x.type.shape]
+        found = (
+            iter(jacobian(y, full, disconnected_inputs="ignore", vectorize=True)) if full and 0 not in shape else None
         )
+        blocks = []
+        for x in xs:
+            block = next(found) if found is not None and 0 not in x.type.shape else None
+            blocks.append(pt.zeros((*shape, *x.type.shape), dtype=x.dtype) if block is None else block)
+        return tuple(blocks)
 
     def value_and_derivative(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any]:
         if not _symbolic(xs):

@@ -163,7 +163,9 @@ class Adapter(_base.Adapter):
                 "f branches in Python on the value of a tensor (if, while, bool()), which a tf.function "
                 "graph traced without autograph cannot do. Use tf.cond or tf.where, or AutoTensorFlow(jit=False)."
             )
-        if isinstance(exc, TypeError) and (raised_inside(exc, "torch") or raised_inside(exc, "jax")):
+        if isinstance(exc, TypeError) and (
+            raised_inside(exc, "torch") or raised_inside(exc, "jax") or _base.refused_as_not_a_tensor(exc)
+        ):
             return (
                 "f handed a TensorFlow tensor to a function that does not take one (torch, jax); "
                 "differentiate such an f with its own engine, any function with AutoFiniteDifferences()."
