@@ -392,3 +392,25 @@ def test_a_cut_under_the_callers_tape_is_refused() -> None:
     assert float(tape.gradient(total, c)) == pytest.approx(6.0)
     with pytest.raises(di.InvalidOutputError, match="changes with x"):
         di.gradient(lambda z: di.gradient(cut, "tensorflow", x, di.Constant(tf.reduce_sum(z)))[0], "tensorflow", x)
+
+
+def test_a_keras_model_constant_written_by_f_is_restored_and_refused() -> None:
+    """A Keras model passed as a Constant reaches f as it is; TensorFlow keeps no count of a
+    variable's writes, so a prep's first call compares the model's variables: BatchNormalization
+    called with training=True is undone and refused by name; training=False is served."""
+    keras = pytest.importorskip("keras")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.BatchNormalization()])
+    before = {variable.path: variable.numpy().copy() for variable in model.variables}
+    x = tf.constant(np.random.default_rng(0).standard_normal((5, 3)).astype("float32"))
+    with pytest.raises(di.MutationError, match="moving_mean"):
+        di.gradient(lambda v, m: tf.reduce_sum(m(v, training=True) ** 2), "tensorflow", x, di.Constant(model))
+    for variable in model.variables:
+        np.testing.assert_array_equal(variable.numpy(), before[variable.path])
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        value = tf.reduce_sum(model(x, training=False) ** 2)
+    expected = tape.gradient(value, x)
+    for _ in range(2):
+        got = di.gradient(lambda v, m: tf.reduce_sum(m(v, training=False) ** 2), "tensorflow", x, di.Constant(model))
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-6)

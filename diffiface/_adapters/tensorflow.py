@@ -186,7 +186,7 @@ class Adapter(_base.Adapter):
         parts: Any = None,
     ) -> Callable[..., Any]:
         if not self.compiles:
-            return program
+            return _FirstCallWatch(program) if static else program
         if layouts is not None:  # a program of flat tensors whose results are tensors only
             return tf.function(_Flat(program), autograph=False, reduce_retracing=False)  # type: ignore[no-any-return]
         graphs: dict[Any, _Graph] = {}
@@ -268,6 +268,59 @@ class Adapter(_base.Adapter):
         touts = outer.gradient(total, us, unconnected_gradients=_ZERO)
         touts = [tf.cast(t, y.dtype) for t, y in zip(touts, outs, strict=True)]
         return out, aux, tuple(touts) if isinstance(out, tuple) else touts[0]
+
+
+class _FirstCallWatch:
+    """An eager program whose first call watches the variables of the Constants that hold them
+    (a Keras model, a ``tf.Module``), which f reaches as they are: TensorFlow keeps no count of a
+    variable's writes, so their values are kept before that call and compared after it (also
+    when f raises), and a write is undone and refused with a :class:`MutationError` that names
+    the variable (a BatchNormalization called with ``training=True`` updates its statistics).
+    A prep's later calls run f as the first did, so they are not watched: no copy of a model per
+    call."""
+
+    __slots__ = ("first", "program")
+
+    def __init__(self, program: Callable[..., Any]) -> None:
+        self.program = program
+        self.first = True
+
+    def __call__(self, xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
+        if not self.first or static is None:
+            return self.program(xs, ts, dynamic, static)
+        variables = [
+            variable
+            for leaf in static.leaves
+            for variable in (getattr(leaf, "variables", None) or ())
+            if hasattr(variable, "assign")
+        ]
+        kept = [_value(variable) for variable in variables]
+        try:
+            result = self.program(xs, ts, dynamic, static)
+        finally:
+            written = [
+                (variable, old)
+                for variable, old in zip(variables, kept, strict=True)
+                if not np.array_equal(_value(variable), old, equal_nan=True)
+            ]
+            for variable, old in written:
+                variable.assign(old)
+        if written:
+            names = ", ".join(str(getattr(variable, "path", None) or variable.name) for variable, _ in written)
+            raise MutationError(
+                f"f wrote into the variables {names} of a di.Constant (a Keras layer called with "
+                "training=True updates its statistics); they are restored. Call the model with "
+                "training=False, compute with model.stateless_call and return the new state (has_aux=True), "
+                "or pass the state to update as a di.Cache."
+            )
+        self.first = False
+        return result
+
+
+def _value(variable: Any) -> np.ndarray:
+    """A variable's values now, a numpy array of their own (a Keras variable's ``__array__``
+    takes no ``copy``: read through a tensor)."""
+    return np.array(tf.convert_to_tensor(variable).numpy())
 
 
 class _Flat:
