@@ -92,6 +92,12 @@ class _Input(TensorVariable):  # type: ignore[misc,type-arg]
         )
 
 
+# f and the code it calls see a TensorVariable: code that picks its functions by the module of
+# x's type (``type(x).__module__.startswith("pytensor")``) picks PyTensor's
+_Input.__module__ = TensorVariable.__module__
+_Input.__name__ = _Input.__qualname__ = TensorVariable.__name__
+
+
 _NUMPY_OPERATORS: dict[Any, Callable[..., Any]] = {
     np.add: operator.add,
     np.subtract: operator.sub,
