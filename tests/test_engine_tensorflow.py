@@ -414,3 +414,14 @@ def test_a_keras_model_constant_written_by_f_is_restored_and_refused() -> None:
     for _ in range(2):
         got = di.gradient(lambda v, m: tf.reduce_sum(m(v, training=False) ** 2), "tensorflow", x, di.Constant(model))
         np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-6)
+
+
+def test_a_keras_model_cache_is_f_to_write() -> None:
+    """A model passed as a di.Cache is f's scratch space: its writes are not refused."""
+    keras = pytest.importorskip("keras")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.BatchNormalization()])
+    x = tf.constant(np.random.default_rng(0).standard_normal((5, 3)).astype("float32"))
+    before = model.layers[1].moving_mean.numpy().copy()
+    di.gradient(lambda v, m: tf.reduce_sum(m(v, training=True) ** 2), "tensorflow", x, di.Cache(model))
+    assert not np.array_equal(model.layers[1].moving_mean.numpy(), before)

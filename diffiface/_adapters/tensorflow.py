@@ -186,7 +186,8 @@ class Adapter(_base.Adapter):
         parts: Any = None,
     ) -> Callable[..., Any]:
         if not self.compiles:
-            return _FirstCallWatch(program) if static else program
+            watched = () if parts is None else tuple(not cache for cache in parts.cache_static)
+            return _FirstCallWatch(program, watched) if static and any(watched) else program
         if layouts is not None:  # a program of flat tensors whose results are tensors only
             return tf.function(_Flat(program), autograph=False, reduce_retracing=False)  # type: ignore[no-any-return]
         graphs: dict[Any, _Graph] = {}
@@ -279,10 +280,11 @@ class _FirstCallWatch:
     A prep's later calls run f as the first did, so they are not watched: no copy of a model per
     call."""
 
-    __slots__ = ("first", "program")
+    __slots__ = ("first", "program", "watched")
 
-    def __init__(self, program: Callable[..., Any]) -> None:
+    def __init__(self, program: Callable[..., Any], watched: tuple[bool, ...]) -> None:
         self.program = program
+        self.watched = watched  # per static context leaf: a Constant's (a Cache's is f's to write)
         self.first = True
 
     def __call__(self, xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
@@ -290,7 +292,8 @@ class _FirstCallWatch:
             return self.program(xs, ts, dynamic, static)
         variables = [
             variable
-            for leaf in static.leaves
+            for leaf, constant in zip(static.leaves, self.watched, strict=True)
+            if constant
             for variable in (getattr(leaf, "variables", None) or ())
             if hasattr(variable, "assign")
         ]
