@@ -57,15 +57,15 @@ from ._guard import (
 class _Gradient:
     """The guard, the program and the engine's gradient of a gradient call, in one call.
 
-    It serves the common call: grad mode on, inference mode off, no forward-mode call of ours
-    open, no leaf of x carrying an outer graph (and, under torch.func, every leaf of x a plain
-    tensor: a DTensor's gradient is laid out again). It does what :func:`_guard` and the
-    program do for it, in their order: x's leaves, the Constant tensors and the Constant
-    modules' tensors as the guard's rule gives them to f (copies on a prep's first call, the
-    caller's own watched by their counters after it), f on them, f's output checked (a scalar
-    of a type and dtype seen before takes no more checks; any other output, the program's own
-    checks, ``settle``), the gradient, and the version counters read, a write refused with a
-    MutationError. Any other call is ``guarded``'s, before anything has run.
+    It serves the common call: grad mode on, inference mode off, no dual level open (ours, the
+    caller's or torch.func's), no leaf of x carrying an outer graph (and, under torch.func,
+    every leaf of x a plain tensor: a DTensor's gradient is laid out again). It does what
+    :func:`_guard` and the program do for it, in their order: x's leaves, the Constant tensors
+    and the Constant modules' tensors as the guard's rule gives them to f (copies on a prep's
+    first call, the caller's own watched by their counters after it), f on them, f's output
+    checked (a scalar of a type and dtype seen before takes no more checks; any other output,
+    the program's own checks, ``settle``), the gradient, and the version counters read, a write
+    refused with a MutationError. Any other call is ``guarded``'s, before anything has run.
 
     The gradient is ``torch.autograd.grad`` on those leaves made leaves of a fresh graph. The
     other fused calls (:class:`_Pullback`, :class:`_Pushforward`, :class:`_Hvp`) share these
