@@ -542,3 +542,17 @@ def test_a_module_made_under_inference_mode_is_explained() -> None:
         di.gradient(lambda v, m: m(v).sum(), "torch", x, di.Constant(module))
     got = di.gradient(lambda v, m: m(v).sum(), "torch", x, di.Constant(copy.deepcopy(module)))
     torch.testing.assert_close(got, module.weight[0].clone())
+
+
+@pytest.mark.parametrize("backend", ["torch", "torch-func", di.AutoTorch(create_graph=True)], ids=str)
+def test_results_under_inference_mode_keep_no_graph(backend: Any) -> None:
+    """The caller's inference_mode turns recording off, as no_grad does: an nn.Parameter's
+    results come back with no graph under both, and right."""
+    p = torch.nn.Parameter(torch.tensor([0.3, -1.2, 0.8], dtype=torch.float64))
+    f = lambda v: (torch.sin(v) * v**2).sum()  # noqa: E731
+    expected = torch.func.grad(f)(p.detach())
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            got = di.gradient(f, backend, p)
+        assert not got.requires_grad and got.grad_fn is None
+        torch.testing.assert_close(got, expected)

@@ -104,7 +104,9 @@ def _guard(
 
     def guarded(xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
         if torch.is_inference_mode_enabled():
-            with torch.inference_mode(False):
+            # (recording off, as the caller asked: the call runs as under no_grad, whose results
+            # keep no graph, and each method turns grad mode on where its engine needs it)
+            with torch.inference_mode(False), torch.no_grad():
                 return guarded(xs, ts, dynamic, static)
         keep = False
         nested = bool(_CALLS.keep) or _transform_level() is not None
