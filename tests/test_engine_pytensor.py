@@ -337,6 +337,9 @@ def test_numpy_functions_on_x_are_refused_and_its_elementwise_ones_work() -> Non
     np.testing.assert_allclose(got, design.sum(0) + weights - 2 * (weights - x), rtol=1e-12)
     got = di.gradient(lambda v: pt.sum(np.maximum(weights, v) + weights / v), "pytensor", x)
     np.testing.assert_allclose(got, (x > weights) - weights / x**2, rtol=1e-12)
+    # a numpy scalar on the left (np.float64(2.0) * x)
+    got = di.gradient(lambda v: pt.sum(np.float64(2.0) * v + np.float32(3.0) + v), "pytensor", x)
+    np.testing.assert_allclose(got, np.full(3, 3.0), rtol=1e-12)
 
 
 def test_an_empty_leaf_of_x_leaves_the_other_blocks_right() -> None:

@@ -67,7 +67,10 @@ class _Input(TensorVariable):  # type: ignore[misc,type-arg]
         # operator (a numpy matrix A @ x, A * x) as the variable's, np.sin(x) as pt.sin; any
         # other as numpy computes it on one object (the variable's method, elementwise)
         if method == "__call__" and not kwargs:
-            symbolic = [pt.as_tensor_variable(value) if isinstance(value, np.ndarray) else value for value in inputs]
+            symbolic = [
+                pt.as_tensor_variable(value) if isinstance(value, (np.ndarray, np.generic)) else value
+                for value in inputs
+            ]
             operator_ = _NUMPY_OPERATORS.get(ufunc)
             if operator_ is not None:
                 return operator_(*symbolic)
