@@ -11,7 +11,7 @@ import numpy as np
 from . import _arrays, _complex
 from . import tree as _tree
 from ._adapters import info
-from ._adapters._base import Adapter
+from ._adapters._base import Adapter, refuse_a_moved_output
 from ._backends import Backend, SecondOrder
 from ._call import _ARRAY_KINDS, _LEAF, OPERATORS, Call, Operator, _DynamicView, _Output, _path
 from ._errors import ArrayTypeError, InvalidInputError, InvalidOutputError, TangentMismatchError
@@ -275,16 +275,7 @@ def _refuse_cut(
     before, after = value(plain), value(moved)
     if len(before) == len(after) and untracked is not None:
         before, after = [before[i] for i in untracked], [after[i] for i in untracked]
-    if len(before) != len(after) or any(
-        a.shape != b.shape or not np.array_equal(a, b, equal_nan=True) for a, b in zip(before, after, strict=True)
-    ):
-        raise InvalidOutputError(
-            f"f's output changes with x, but not through the {adapter.backend.name} engine's trace: f turned a "
-            "traced value into a plain number or a new array (float(y), y.item(), y.numpy(), "
-            "torch.tensor(y.item()), np.asarray(y)), or computed it with torch's grad mode off (torch.no_grad(), "
-            "torch.set_grad_enabled(False)), so its derivative would read as zero. Keep the computation in the "
-            "engine's arrays, traced, from x to the output."
-        )
+    refuse_a_moved_output(before, after, adapter.backend.name)
 
 
 def _checked(op: Operator, result: Any, output: _Output, adapter: Adapter) -> list[Any]:

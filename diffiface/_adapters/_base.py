@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._errors import InvalidOutputError
+
 if TYPE_CHECKING:
     from .._backends import Backend, SecondOrder
     from ._row import BackendInfo
@@ -36,6 +38,23 @@ if TYPE_CHECKING:
 Leaves = tuple[Any, ...]
 Fn = Callable[[Leaves], tuple[Any, Any]]
 Blocks = tuple[tuple[Any, ...], ...]
+
+
+def refuse_a_moved_output(before: Sequence[Any], after: Sequence[Any], engine: str) -> None:
+    """f's output at x (``before``) and at a point apart (``after``), as numpy arrays, where the
+    engine's trace does not lead from x to it: refused where it moved (f cut the trace, and its
+    derivative would read as zero); else f does not depend on x there."""
+    if len(before) == len(after) and all(
+        a.shape == b.shape and np.array_equal(a, b, equal_nan=True) for a, b in zip(before, after, strict=True)
+    ):
+        return
+    raise InvalidOutputError(
+        f"f's output changes with x, but not through the {engine} engine's trace: f turned a "
+        "traced value into a plain number or a new array (float(y), y.item(), y.numpy(), "
+        "torch.tensor(y.item()), np.asarray(y)), or computed it with torch's grad mode off (torch.no_grad(), "
+        "torch.set_grad_enabled(False)), so its derivative would read as zero. Keep the computation in the "
+        "engine's arrays, traced, from x to the output."
+    )
 
 
 def refused_as_not_a_tensor(exc: BaseException) -> bool:

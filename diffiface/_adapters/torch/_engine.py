@@ -11,9 +11,9 @@ import optree
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
+from ... import _arrays
 from ... import tree as _tree
-from ..._errors import InvalidOutputError
-from .._base import Fn, Leaves
+from .._base import Fn, Leaves, refuse_a_moved_output
 from ._dtensor import _placed
 from ._explain import _autograd_in_func
 from ._guard import _clone, _version, _wrapped
@@ -171,16 +171,11 @@ def _refuse_hidden_cut(fn: Fn, xs: Leaves) -> None:
     with torch.no_grad():
         points = tuple(x.detach() for x in xs)
         moved = tuple(x + 1e-3 * (1 + x.abs()) for x in points)
-        before, after = ((out if type(out) is tuple else (out,)) for out, _ in (fn(points), fn(moved)))
-    if len(before) != len(after) or any(
-        a.shape != b.shape or not torch.equal(a.detach(), b.detach()) for a, b in zip(before, after, strict=True)
-    ):
-        raise InvalidOutputError(
-            "f's output changes with x, but not through the torch engine's trace: f turned a traced value "
-            "into a plain number or a new tensor (float(y), y.item(), torch.tensor(y.item())), so its "
-            "derivative would read as zero. Keep the computation in torch operations, traced, from x to the "
-            "output."
+        before, after = (
+            [_arrays.by_kind(_arrays.kind(y)).values(y) for y in (out if type(out) is tuple else (out,))]
+            for out, _ in (fn(points), fn(moved))
         )
+    refuse_a_moved_output(before, after, "torch")
 
 
 def _whole(grads: Leaves, inputs: Leaves) -> Leaves:
