@@ -12,7 +12,7 @@ import itertools
 import operator
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -923,7 +923,7 @@ class _Conversions:
             self.tangent_native = all(
                 a is b for a, b in zip(self._tangents(call.tangent_leaves, xs), call.tangent_leaves, strict=True)
             )
-            like = xs[0] if xs else None
+            like = _float_like(xs)
             mask: list[bool] = []
             kept: list[type | None] = []
             passthrough = True
@@ -974,7 +974,7 @@ class _Conversions:
             if not context_leaves:
                 return xs, ts, (), None
             return xs, ts, tuple(leaf for leaves in context_leaves for leaf in leaves), None
-        like = xs[0] if xs else None
+        like = _float_like(xs)
         dynamic: list[Any] = []
         static: list[Any] = []
         kept, mask = self.kept, self.mask
@@ -985,6 +985,15 @@ class _Conversions:
                 (dynamic if mask[i] else static).append(native)
                 i += 1
         return xs, ts, tuple(dynamic), _Static(static, mask) if static else None
+
+
+def _float_like(xs: Sequence[Any]) -> Any:
+    """The leaf of x whose dtype a context's Python float takes (``Adapter.context_to_native``'s
+    ``like``): x's first inexact leaf where all of them share one dtype; None where they differ
+    (a float32 leaf beside a float64 one: no one dtype keeps the float as f would see it) or x
+    has none."""
+    inexact = [leaf for leaf in xs if _arrays.dtype_name(leaf).startswith(("float", "complex", "bfloat"))]
+    return inexact[0] if inexact and len(set(map(_arrays.dtype_name, inexact))) == 1 else None
 
 
 def _involves_float64(call: Call) -> bool:

@@ -79,6 +79,21 @@ def test_new_context_values_run_the_same_compiled_function(monkeypatch: pytest.M
     assert len(compiles) == 1
 
 
+def test_a_float_beside_leaves_of_two_dtypes_keeps_float64_exact() -> None:
+    # (the float was made a float32 array after x's first leaf: the float64 leaf's derivative
+    # came out 0.10000000149011612)
+    x = {"a": np.array([1.0, 2.0], np.float32), "b": np.array([3.0])}
+
+    def f(x: Any, s: Any) -> Any:
+        return pt.sum(x["a"] * s) + pt.sum(x["b"] * s)
+
+    prep = di.prepare_gradient(f, QUICK, x, di.Constant(0.1))
+    for s in (0.1, 0.3):
+        grad = di.gradient(f, QUICK, x, di.Constant(s), prep=prep)
+        assert grad["b"][0] == s
+        np.testing.assert_allclose(grad["a"], [s, s], rtol=1e-6)
+
+
 def test_static_contexts_compile_once_per_value() -> None:
     def f(x: Any, power: int) -> Any:
         return pt.sum(x**power)

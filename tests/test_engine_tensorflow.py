@@ -191,6 +191,21 @@ def test_jit_takes_new_context_values_without_a_stale_graph() -> None:
     np.testing.assert_array_equal(di.gradient(g, backend, x, di.Constant(-data), prep=prep).numpy(), -data)
 
 
+def test_jit_takes_a_float_beside_leaves_of_two_dtypes() -> None:
+    # (a float made a tensor of x's first leaf's dtype met the float64 leaf: TensorFlow's TypeError)
+    x = {"a": tf.constant([1.0, 2.0], tf.float32), "b": tf.constant([3.0], tf.float64)}
+
+    def f(x: Any, s: Any) -> Any:
+        return tf.reduce_sum(x["a"] * s) + tf.cast(tf.reduce_sum(x["b"] * s), tf.float32)
+
+    backend = di.AutoTensorFlow(jit=True)
+    prep = di.prepare_gradient(f, backend, x, di.Constant(0.1))
+    for s in (0.1, 0.3):
+        grad = di.gradient(f, backend, x, di.Constant(s), prep=prep)
+        np.testing.assert_allclose(grad["a"].numpy(), [s, s], rtol=1e-6)
+        assert grad["b"].numpy()[0] == s  # the float64 leaf's derivative in float64
+
+
 def test_jit_refuses_a_model_as_a_constant() -> None:
     model = _keras_model()
     with pytest.raises(di.ContextError, match="static"):

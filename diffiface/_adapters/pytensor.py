@@ -216,12 +216,12 @@ class Adapter(_base.Adapter):
             return _contiguous(_arrays.in_native_byte_order(leaf)), leaf.dtype.kind in "biuf"
         if isinstance(leaf, np.generic) and leaf.dtype.kind in "biuf":
             return np.asarray(leaf), True
-        if type(leaf) is float:
+        if type(leaf) is float and like is not None:
             # An argument of the compiled function (a new value runs the same function), in x's
             # float dtype: as numpy does with a Python float, it keeps float32 work float32.
-            dtype = getattr(like, "dtype", None)
-            return np.asarray(leaf, dtype=dtype if dtype is not None and dtype.kind == "f" else np.float64), True
-        # Integers and booleans stay static (sizes, flags, indices), compared by value.
+            return np.asarray(leaf, dtype=like.dtype), True
+        # Integers and booleans stay static (sizes, flags, indices), compared by value; so does
+        # a float where x's leaves differ in dtype (one compiled function per value).
         return leaf, False
 
     def constant_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:

@@ -98,10 +98,11 @@ class Adapter(_base.Adapter):
             if leaf.dtype.kind not in "biufc":  # strings, objects: passed as they are
                 return leaf, False
             return tf.constant(leaf), True  # (a copy: f cannot reach the caller's array)
-        if self.compiles and type(leaf) is float:
+        if self.compiles and type(leaf) is float and isinstance(like, _TENSOR):
             # under tf.function a Python float would retrace the graph for each new value:
-            # a tensor of x's dtype, as TensorFlow's own arithmetic converts a float
-            dtype = dtype_of(like) if isinstance(like, _TENSOR) else tf.float64
+            # a tensor of x's float dtype, as TensorFlow's own arithmetic converts a float (where
+            # x's leaves differ in dtype, the float stays static, one trace per value)
+            dtype = dtype_of(like)
             return tf.constant(leaf, dtype=dtype.real_dtype if dtype.is_complex else dtype), True
         return leaf, False
 
