@@ -250,12 +250,14 @@ def holomorphic_asserted(f: Any) -> bool:
     return isinstance(f, Holomorphic)
 
 
-def _tolerance(dtype: str) -> float:
-    """How far from holomorphic (|B| against |A| + |B|, B = df/dconj z) a Jacobian computed in this
-    precision may be before f is declared not holomorphic: eps ** (1/4), generous enough for the
-    truncation error of finite differences (whose error is about eps ** (2/3))."""
+def _tolerance(dtype: str, exact: bool) -> float:
+    """How far from holomorphic (|B| against |A| + |B|, B = df/dconj z, norms of a whole block)
+    a Jacobian computed in this precision may be before f is declared not holomorphic. An exact
+    engine's B is rounding, eps times the entries at most: eps ** (1/2) leaves room, and still
+    finds one entry of B beside far larger ones of A (``100 z0`` beside ``conj z1``). Differences
+    have truncation error, about eps ** (2/3) of the scale: eps ** (1/4)."""
     eps = float(np.finfo(np.float32 if dtype in ("float32", "complex64") else np.float64).eps)
-    return float(eps**0.25)
+    return float(eps**0.5 if exact else eps**0.25)
 
 
 # -- conversions --------------------------------------------------------------------------------------
@@ -380,7 +382,7 @@ def complex_blocks(
     out_split: _Split | None,
     x_split: _Split,
     along_real_axis: bool,
-    check: bool,
+    check: bool | None,
     what: str,
     errors: bool = False,
 ) -> tuple[tuple[Any, ...], ...]:
@@ -388,7 +390,8 @@ def complex_blocks(
 
     With both parts of ``z_j`` varied, ``df/dz = (df/dRe z - i df/dIm z) / 2`` and
     ``df/dconj z = (df/dRe z + i df/dIm z) / 2``; f is holomorphic where the second is zero
-    (the Cauchy-Riemann equations), which ``check`` asserts. Along the real axis only
+    (the Cauchy-Riemann equations), which ``check`` asserts (True: the engine's derivatives are
+    exact, up to rounding; False: they are differences; None: nothing checked). Along the real axis only
     (holomorphy asserted), ``df/dz = df/dRe z``. With ``errors``, the blocks are error estimates
     of the split blocks, combined as bounds (each part the half sum of the parts it is made of)."""
     out_flags = out_split.flags if out_split is not None else (False,) * len(blocks)
@@ -412,8 +415,8 @@ def complex_blocks(
                 continue
             d_re, d_im = next(columns), next(columns)
             d_z = _half_sum(d_re, d_im, -1.0, errors)
-            if check:
-                _check_holomorphic(d_z, _half_sum(d_re, d_im, 1.0), out_flags[i], what, i, j)
+            if check is not None:
+                _check_holomorphic(d_z, _half_sum(d_re, d_im, 1.0), out_flags[i], what, i, j, check)
             joined.append(d_z)
         result.append(tuple(joined))
     return tuple(result)
@@ -429,13 +432,18 @@ def _half_sum(a: Any, b: Any, sign: float, bound: bool = False) -> Any:
     return from_parts((a_re - sign * b_im) / 2, (a_im + sign * b_re) / 2)
 
 
-def _check_holomorphic(d_z: Any, d_conj: Any, complex_out: bool, what: str, i: int, j: int) -> None:
-    a = _norm(d_z)
-    b = _norm(d_conj)
+def _check_holomorphic(d_z: Any, d_conj: Any, complex_out: bool, what: str, i: int, j: int, exact: bool) -> None:
+    try:
+        a, b = _norm(d_z), _norm(d_conj)
+    except Exception as exc:  # (a traced leaf, inside jax.jit or vmap, say: no values to read)
+        raise UnsupportedOperationError(
+            f"The complex {what} of f is checked for holomorphy by its values, which a traced call "
+            "(inside jax.jit, vmap or another transform) does not have: call it outside the "
+            "transform, or pass holomorphic=True if f is holomorphic (nothing is then checked)."
+        ) from exc
     if not np.isfinite(a + b):
         return  # NaN and inf propagate
-    dtype = _arrays.dtype_name(d_z)
-    if b <= _tolerance(dtype) * (a + b) or b == 0.0:
+    if b <= _tolerance(_arrays.dtype_name(d_z), exact) * (a + b) or b == 0.0:
         return
     where = "" if i == 0 and j == 0 else f" (output leaf {i}, x leaf {j})"
     if not complex_out:
@@ -632,12 +640,14 @@ class ComplexAdapter:
             rs = x_split.split(xs)
         out, aux, blocks = self._inner.value_and_jacobian(g, rs, mode)
         self._learn(g)
-        result = complex_blocks(blocks, g.out_split, x_split, along_real_axis, not along_real_axis, "Jacobian")
+        # (an engine with a reverse mode differentiates exactly; one without, by differences)
+        check = None if along_real_axis else self._inner.info.reverse_mode
+        result = complex_blocks(blocks, g.out_split, x_split, along_real_axis, check, "Jacobian")
         self._errors(
             lambda e: (
                 g.join_out(e[0]),
                 e[1],
-                complex_blocks(e[2], g.out_split, x_split, along_real_axis, False, "Jacobian", errors=True),
+                complex_blocks(e[2], g.out_split, x_split, along_real_axis, None, "Jacobian", errors=True),
             )
         )
         return g.join_out(out), aux, result
