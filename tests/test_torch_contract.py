@@ -526,8 +526,40 @@ def test_a_cut_hidden_by_a_constant_that_requires_grad_is_refused(name: str) -> 
         di.gradient(lambda z: di.gradient(cut, name, x, di.Constant(z.sum()))[0], name, torch.tensor([3.0]))
     np.testing.assert_array_equal(di.gradient(lambda v, k: k * 2.0, name, x, di.Constant(c)).numpy(), [0.0, 0.0])
     value, grad = di.value_and_gradient(lambda v, k: (k * v).sum(), name, x, di.Constant(c))
-    assert float(value) == 9.0
+    assert float(value.detach()) == 9.0
     np.testing.assert_array_equal(grad.detach().numpy(), [3.0, 3.0])
+    assert grad.requires_grad is (name == "torch-func")  # (torch.func's rule: c's graph kept)
+
+
+@pytest.mark.parametrize("backend", [di.AutoTorch(create_graph=True), "torch-func"])
+def test_a_gradient_penalty_through_a_constant_critic_keeps_its_graph(backend: Any) -> None:
+    """A gradient penalty (the gradient of a critic with respect to its input, the critic a
+    Constant whose parameters require grad): asked for, or under torch.func, the input gradient
+    keeps its graph to the critic's parameters, as torch's own call does. It was detached because
+    x itself requires no grad, and the penalty's part of the critic's gradient read as zero."""
+    torch.manual_seed(0)
+    critic = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+    points = torch.randn(16, 4, dtype=torch.float64)
+
+    def critic_sum(x: Any, model: Any) -> Any:
+        return model(x).sum()
+
+    def penalty(input_grad: Any) -> Any:  # (with the critic's own loss, as a critic's step takes it)
+        return critic(points).mean() + 10 * ((input_grad.norm(dim=1) - 1) ** 2).mean()
+
+    leaf = points.clone().requires_grad_()
+    (native,) = torch.autograd.grad(critic_sum(leaf, critic), leaf, create_graph=True)
+    expected = torch.autograd.grad(penalty(native), list(critic.parameters()))
+    got_grad = di.gradient(critic_sum, backend, points, di.Constant(critic))
+    assert got_grad.requires_grad
+    got = torch.autograd.grad(penalty(got_grad), list(critic.parameters()))
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b)
+    (cotangent,) = torch.randn(1, dtype=torch.float64, requires_grad=True).expand(1, 1).clone().unbind(0)
+    pulled = di.vjp(lambda x, m: m(x).sum().reshape(1), backend, points, cotangent, di.Constant(critic))
+    assert pulled.requires_grad  # (the cotangent's graph and the critic's)
+    plain = di.gradient(critic_sum, "torch", points, di.Constant(critic))
+    assert not plain.requires_grad  # (not asked for: detached, as torch.autograd.grad's without create_graph)
 
 
 def test_a_module_made_under_inference_mode_is_explained() -> None:

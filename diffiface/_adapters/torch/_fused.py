@@ -237,9 +237,8 @@ class _Pullback(_Gradient):
             grads = pullback(touts[0] if bare else touts)[0]
             if single:
                 grads = (grads,)
-            # (a fused call keeps no graph: out of it, what carries a Constant's that requires grad)
-            grads = tuple(map(torch.Tensor.detach, grads))
-            return (tuple(map(torch.Tensor.detach, out)), grads) if fused.value else (grads,)
+            # (torch.func's semantics: what carries a Constant's or the cotangent's graph keeps it)
+            return (out, grads) if fused.value else (grads,)
         grads = _backward(outs, touts, inputs)
         return (_detached(out, False), grads) if fused.value else (grads,)
 

@@ -70,9 +70,11 @@ def _guard(
       in inference mode); inference tensors are copied into normal ones. Grad mode is set by
       each method where it needs it. Both are restored on the way out, also on errors, and also
       where f itself switched grad mode and left it switched.
-    - Results keep the graph of x's leaves (:func:`_keeps`) only where the caller asks for it
-      (``create_graph``), under torch.func, or where an outer diffiface call differentiates f;
-      else they are detached, as ``torch.autograd.grad``'s are.
+    - Results keep their graph (of x's leaves, of a Constant's tensors that require grad, of
+      the tangents) where the caller asks for it (``create_graph``), under torch.func (its
+      semantics), where an outer diffiface call differentiates f, or where x carries the
+      caller's forward-mode tangent (:func:`_keeps`); else they are detached, as
+      ``torch.autograd.grad``'s are.
     - What f may write, and where a write lands: one rule for x, the tangents' companions and
       every Constant (tensor or module), written in docs/policies.md. On a prep's first call
       (until one completes) f gets copies of x's leaves and, in autograd mode, of the Constant
@@ -100,6 +102,7 @@ def _guard(
     constant_at = tuple(i for i, cache in enumerate(cache_dynamic) if not cache)
     watch_static = not all(cache_static)  # a Constant static leaf may be a torch.nn.Module
     copy_constants = not functional
+    asked = functional or create_graph
     first = [True]  # no call of this prep has completed yet: a Constant module's tensors are copied
 
     def guarded(xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
@@ -108,13 +111,16 @@ def _guard(
             # keep no graph, and each method turns grad mode on where its engine needs it)
             with torch.inference_mode(False), torch.no_grad():
                 return guarded(xs, ts, dynamic, static)
-        keep = False
+        # (asked for, or under torch.func's semantics, the graph is kept whatever carries it:
+        # x, a Constant's tensor that requires grad, a tangent; else only where x needs it;
+        # under the caller's no_grad, none is recorded)
+        keep = asked and torch.is_grad_enabled()
         nested = bool(_CALLS.keep) or _transform_level() is not None
         copy = first[0]
         if len(xs) == 1:
             x = xs[0]
-            if nested or x.requires_grad or _forward_ad._current_level >= 0:
-                keep = nested or _keeps(x, functional, create_graph)
+            if not keep and (nested or x.requires_grad or _forward_ad._current_level >= 0):
+                keep = nested or _keeps(x)
             if copy or x.is_inference():  # (a clone of an inference tensor is a normal one)
                 x = x.clone() if keep or not x.requires_grad else x.detach().clone()
             elif x.requires_grad and not keep:
@@ -122,9 +128,9 @@ def _guard(
             xs = (x,)
             versions = [x._version]  # (a fresh clone's counter starts at 0; read, not assumed)
         else:
-            keep = nested
+            keep = asked or nested
             for x in xs:
-                if (x.requires_grad or _forward_ad._current_level >= 0) and _keeps(x, functional, create_graph):
+                if (x.requires_grad or _forward_ad._current_level >= 0) and _keeps(x):
                     keep = True
             if not keep:
                 xs = tuple(map(torch.Tensor.detach, xs))
@@ -191,19 +197,19 @@ def _out_of_graph(result: Any) -> Any:
     return result
 
 
-def _keeps(x: Any, functional: bool, create_graph: bool) -> bool:
-    """Whether a call on ``x`` (which requires grad, or a dual level is open), outside
-    any other differentiation, keeps the graph x carries: under torch.func (its semantics) or
-    where the caller asks for it (``create_graph``); else the results are detached, as
-    ``torch.autograd.grad``'s. (Inside an outer diffiface call or a torch.func transform every
-    call keeps its graph, whatever x carries: the outer one differentiates through this one,
-    also through a tensor f closes over, and a detached result would read as a zero
-    derivative.)"""
+def _keeps(x: Any) -> bool:
+    """Whether a call on ``x`` (which requires grad, or a dual level is open), outside any other
+    differentiation and with no graph asked for, keeps the graph x carries: where x is a dual of
+    the caller's forward mode (a detached result drops its tangent) or a tensor of a torch.func
+    transform; else the results are detached, as ``torch.autograd.grad``'s. (Inside an outer
+    diffiface call or a torch.func transform every call keeps its graph, whatever x carries:
+    the outer one differentiates through this one, also through a tensor f closes over, and a
+    detached result would read as a zero derivative.)"""
     if x.is_inference() or not _carries_graph(x):
         return False
     if _forward_ad._current_level >= 0 and _dual_parts(x)[1] is not None:
-        return True  # (a dual of the caller's forward mode: a detached result drops its tangent)
-    return functional or create_graph or _wrapped(x)
+        return True
+    return _wrapped(x)
 
 
 class _Names:
