@@ -513,6 +513,23 @@ def test_the_autograd_jacobian_is_jacrevs_and_falls_back_where_f_does_not_allow_
 
 
 @pytest.mark.parametrize("name", ["torch", "torch-func"])
+def test_forward_mode_refuses_an_output_cut_from_x(name: str) -> None:
+    """Forward mode, ours or torch.func's: an output cut from x (.item(), .detach()) carries no
+    tangent and is refused, not read as a zero derivative (torch.func's jvp gave zeros); an
+    output apart from x keeps its zero tangent."""
+    x = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    t = torch.ones(3, dtype=torch.float64)
+    with pytest.raises(di.InvalidOutputError):
+        di.jvp(lambda v: torch.tensor([(v**2).sum().item()], dtype=torch.float64), name, x, t)
+    with pytest.raises(di.InvalidOutputError):
+        di.jvp(lambda v: {"a": v.sin(), "b": (v**2).detach()}, name, x, t)
+    with pytest.raises(di.InvalidOutputError):
+        di.derivative(lambda s: (s * x).detach(), name, torch.tensor(1.0, dtype=torch.float64))
+    _, tangent = di.jvp(lambda v: (v.sin(), torch.ones(2, dtype=torch.float64)), name, x, t)
+    torch.testing.assert_close(tangent, torch.zeros(2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("name", ["torch", "torch-func"])
 def test_a_cut_hidden_by_a_constant_that_requires_grad_is_refused(name: str) -> None:
     """f's output requires grad through a Constant of another graph: that does not say x's graph
     leads to it. A value cut from x (``torch.tensor(y.item())``) is refused, not differentiated as

@@ -150,9 +150,11 @@ class Adapter(_base.Adapter):
             return False
         if any(map(_requires_grad, xs)):  # reverse mode, torch.autograd's or torch.func's
             return not leaf.requires_grad
-        if _DUALS[0] and _dual_parts(leaf)[1] is None:  # (a tangent: tracked, the common case)
-            return any(_dual_parts(x)[1] is not None for x in xs)  # forward mode of ours
-        return False  # (torch.func's forward mode: every tensor made inside is wrapped alike)
+        if _dual_parts(leaf)[1] is None:  # (a tangent: tracked, the common case)
+            # forward mode, ours or torch.func's (inside its jvp each tensor is wrapped alike, but
+            # one cut from x, by .item() or .detach(), carries no tangent of its level)
+            return any(_dual_parts(x)[1] is not None for x in xs)
+        return False
 
     def plain(self, leaf: Any) -> Any:
         if _wrapped(leaf):  # a torch.func tensor: its value is reached through the transform
