@@ -255,3 +255,23 @@ def test_write_into_read_only_constant_leaves_it_unchanged() -> None:
         di.gradient(writes_constant, "autograd", X, di.Constant(view))
     assert not isinstance(info.value, di.FrameworkMismatchError)
     np.testing.assert_array_equal(data, [1.0, 2.0, 3.0])
+
+
+def test_a_jvp_through_a_primitive_with_an_opaque_vjp_is_refused() -> None:
+    """autograd's jvp differentiates f's pullback: a custom primitive whose vjp is plain numpy
+    (or scipy) on the cotangent made it read as zero (or raise numpy's error). Refused by name;
+    the Jacobian, reverse passes only, stays right, and an f apart from x keeps a zero jvp."""
+    from autograd.extend import defvjp, primitive
+
+    a = np.array([[4.0, 1.0, 0.0], [1.0, 3.0, 1.0], [0.0, 1.0, 2.0]])
+
+    @primitive
+    def lin(b: Any) -> Any:
+        return a @ b
+
+    defvjp(lin, lambda ans, b: lambda g: np.dot(a.T, g))
+    x, t = np.array([1.0, 2.0, 3.0]), np.array([0.5, -1.0, 2.0])
+    with pytest.raises(di.UnsupportedOperationError, match="jacobian"):
+        di.jvp(lin, "autograd", x, t)
+    np.testing.assert_allclose(di.jacobian(lin, "autograd", x) @ t, a @ t)
+    np.testing.assert_array_equal(di.jvp(lambda v: np.ones(2), "autograd", x, t), np.zeros(2))

@@ -9,22 +9,19 @@ from __future__ import annotations
 
 import math
 import re
-import warnings
 from collections.abc import Callable
 from typing import Any
 
-import autograd
 import autograd.numpy as anp
 import numpy as np
 from autograd.builtins import list as ag_list
 from autograd.builtins import tuple as ag_tuple
-from autograd.core import make_vjp as _make_vjp
-from autograd.core import vspace
-from autograd.tracer import Box, getval, trace_stack
+from autograd.core import VJPNode, backward_pass, vspace
+from autograd.tracer import Box, getval, isbox, new_box, trace_stack
 
 from .. import _arrays
 from .. import tree as _tree
-from .._errors import DiffifaceError, InvalidOutputError, MutationError
+from .._errors import DiffifaceError, InvalidOutputError, MutationError, UnsupportedOperationError
 from . import _base
 from ._base import Fn, Leaves
 
@@ -43,8 +40,39 @@ _NAMES_A_BOX = re.compile(r"'ArrayBox'|ArrayBox with value|numpy_boxes\.ArrayBox
 # What autograd says when f makes an integer of a traced value.
 _INTEGER_BOX = re.compile(r"Can't differentiate w\.r\.t\. type <class 'numpy\.(u?int\d*|bool_?)'>")
 
-# A function whose output does not depend on x is fine: its derivative is zero.
-warnings.filterwarnings("ignore", message="Output seems independent of input", module="autograd")
+
+def _make_vjp(fun: Callable[[Any], Any], x: Any) -> tuple[Callable[[Any], Any], Any]:
+    """``autograd.core.make_vjp``: ``(vjp, fun(x))``, without autograd's warning where ``fun(x)``
+    does not depend on x (whose derivative is zero, as its vjp gives), which autograd raises from
+    its trace: a filter of it would change the caller's warnings, and be lost where they reset."""
+    with trace_stack.new_trace() as trace:
+        start = new_box(x, trace, VJPNode.new_root())
+        end = fun(start)
+    if isbox(end) and end._trace == start._trace:
+        node = end._node
+        return (lambda g: backward_pass(g, node)), end._value
+    return (lambda g: vspace(x).zeros()), end
+
+
+def _refuse_an_opaque_pullback(vjp: Callable[[Any], Any], start_point: Any, failure: Exception | None = None) -> None:
+    """A jvp differentiates the pullback ``u -> J.T u`` in ``u``. One autograd did not trace in
+    ``u`` is either zero (f apart from x: its jvp is zero) or made of code autograd cannot see (a
+    custom primitive's vjp in plain numpy or scipy), whose jvp would read as zero: refused. So
+    is one that failed on the traced ``u`` (``failure``) but runs on an array."""
+    probe = np.random.default_rng(0).standard_normal(np.shape(start_point)).astype(start_point.dtype)
+    try:
+        pulled = vjp(probe)
+    except Exception:
+        if failure is not None:
+            return  # (the pullback fails on any cotangent: its own error says why)
+        raise
+    if failure is not None or any(np.any(np.asarray(getval(g)) != 0) for g in pulled):
+        raise UnsupportedOperationError(
+            "f's pullback is made of code autograd cannot differentiate (a custom primitive whose "
+            "vjp computes with plain numpy or scipy on its cotangent), and autograd's jvp is the "
+            "derivative of that pullback, which would read as zero or fail. Use di.jacobian "
+            "(reverse passes only) and its product with the tangent, or AutoFiniteDifferences()."
+        ) from failure
 
 
 class Adapter(_base.Adapter):
@@ -150,7 +178,7 @@ class Adapter(_base.Adapter):
             single_vjp, flat = _make_vjp(lambda x: flat_fn((x,)), xs[0])
             out, aux = captured
             return _unboxed(out), _unboxed(aux), lambda u: (single_vjp(u),), flat
-        vjp, flat = autograd.make_vjp(flat_fn)(xs)
+        vjp, flat = _make_vjp(flat_fn, xs)
         out, aux = captured
         return _unboxed(out), _unboxed(aux), vjp, flat
 
@@ -170,17 +198,28 @@ class Adapter(_base.Adapter):
         """Forward mode from two reverse passes: the pullback ``u -> J.T u`` is linear in ``u``,
         and its own pullback along ``txs`` (a tuple where x has several leaves) is ``J txs``."""
         out, aux, vjp, flat = self._flat_pullback(fn, xs)
+        traced = []
 
         def pullback(u: Any) -> Any:
             grads = vjp(u)
             if len(xs) == 1:
+                traced.append(isbox(grads[0]))
                 return grads[0]
+            traced.append(isbox(grads))
             # several leaves: the tuple autograd's vjp gives (a container it traces), not
             # concatenated (a concatenation and its split cost more than f on small inputs)
             return grads if xs else anp.zeros(0)
 
         start_point = np.zeros(np.shape(getval(flat)), dtype=getval(flat).dtype)
-        transpose, _ = _make_vjp(pullback, start_point)
+        try:
+            transpose, _ = _make_vjp(pullback, start_point)
+        except DiffifaceError:
+            raise
+        except Exception as exc:  # (a pullback that refuses autograd's traced cotangent, or f's own error)
+            _refuse_an_opaque_pullback(vjp, start_point, exc)
+            raise
+        if not traced[0] and xs:
+            _refuse_an_opaque_pullback(vjp, start_point)
         # (the tangent as the pullback's input is laid out: one array, a tuple, or none)
         tangent = transpose(txs[0] if len(txs) == 1 else tuple(txs) if txs else np.zeros(0))
         if not isinstance(out, tuple):
@@ -208,7 +247,7 @@ class Adapter(_base.Adapter):
             grad = vjp(_real_one(value))
             aux = captured[0]
             return value, None if aux is None else _unboxed(aux), (grad,)
-        vjp, value = autograd.make_vjp(scalar_fn)(xs)
+        vjp, value = _make_vjp(scalar_fn, xs)
         return value, _unboxed(captured[0]), tuple(vjp(_real_one(value)))
 
     def basis(self, like: Any, index: int) -> Any:
