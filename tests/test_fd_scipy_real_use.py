@@ -435,3 +435,39 @@ def test_scipy_jvp_and_hvp_directional_are_right_with_errors() -> None:
     hv = di.hvp(lambda x: (x**3).sum() + x[0] * x[1], "scipy", x, t)
     expected_hv = 6 * x * t + np.array([t[1], t[0], 0.0, 0.0])
     np.testing.assert_allclose(hv, expected_hv, rtol=1e-8)
+
+
+@pytest.mark.parametrize("backend", ["finite_differences", "scipy"])
+def test_a_constant_module_written_by_f_is_put_back_and_refused(backend: str) -> None:
+    """A torch module in a Constant is read-only data: a batch norm in training mode (its running
+    statistics) and a parameter set in place were left written, also where f raised, and every
+    later point of the differences saw the moved weights. Put back bit for bit and refused."""
+    if backend == "scipy":
+        pytest.importorskip("scipy")
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).double()
+    batch = torch.randn(8, 3, dtype=torch.float64)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.ones(4, dtype=torch.float64)
+
+    def loss(v: Any, m: Any, b: Any) -> Any:
+        return (m(b) * v).sum()
+
+    def writes(v: Any, m: Any, b: Any) -> Any:
+        with torch.no_grad():
+            m[0].weight.mul_(2.0)
+        return (m.eval()(b) * v).sum()
+
+    def raises(v: Any, m: Any, b: Any) -> Any:
+        m(b)
+        raise ValueError("f's own failure")
+
+    for f in (loss, writes, raises):
+        model.train()
+        with pytest.raises(di.MutationError, match="module"):
+            di.gradient(f, backend, x, di.Constant(model), di.Constant(batch))
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, before[name]), name
+    model.eval()
+    got = di.gradient(loss, backend, x, di.Constant(model), di.Constant(batch))
+    torch.testing.assert_close(got, model(batch).sum(0).detach(), rtol=1e-5, atol=1e-6)

@@ -139,6 +139,60 @@ def run_f(fn: Any, leaves: Leaves, backend_name: str, batched: bool = False) -> 
     return out
 
 
+def watch_constant_modules(program: Any, parts: Any, backend_name: str) -> Any:
+    """``program`` where a Constant's static leaf may be a ``torch.nn.Module``: its parameters
+    and buffers copied before the call, compared after it (also where f raised), put back bit
+    for bit and refused by name where f wrote into them (a batch norm's running statistics in
+    training mode, a parameter). A difference quotient is many calls of f: the copy is one per
+    call of the backend, and a write shifts the points that follow."""
+    cache_static = () if parts is None else parts.cache_static
+    if all(cache_static):  # (no Constant static leaf: nothing a module of the caller's could be)
+        return program
+
+    def watched(xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
+        torch = sys.modules.get("torch")
+        modules = (
+            []
+            if torch is None or static is None
+            else [
+                value
+                for value, cache in zip(static.leaves, cache_static, strict=False)
+                if not cache and isinstance(value, torch.nn.Module)
+            ]
+        )
+        if not modules:
+            return program(xs, ts, dynamic, static)
+        copies = [
+            (name, tensor, tensor.detach().clone())
+            for module in modules
+            for name, tensor in (*module.named_parameters(), *module.named_buffers())
+        ]
+        failure: BaseException | None = None
+        try:
+            result = program(xs, ts, dynamic, static)
+        except BaseException as exc:
+            failure = exc
+        written = []
+        with torch.no_grad():
+            for name, tensor, copy in copies:
+                if not torch.equal(tensor, copy) and not (tensor.isnan() & copy.isnan()).equal(tensor.ne(copy)):
+                    tensor.copy_(copy)
+                    written.append(name)
+        if written:
+            raise MutationError(
+                f"f wrote into a di.Constant's module ({', '.join(written)}: a batch norm's running "
+                "statistics in training mode, a parameter set in place), which it must only read; "
+                f"put back as it was. The {backend_name} backend evaluates f at points near x, and a "
+                "write shifts the points that follow. Call module.eval() before differentiating, or "
+                "pass the module as di.Cache(module) where f may change it."
+            ) from failure
+        if failure is not None:
+            raise failure
+        return result
+
+    return watched
+
+
 def _torch_write(backend_name: str, what: str) -> str:
     return (
         f"f wrote into {what} in place (its tensor's version counter moved: an operation such as "

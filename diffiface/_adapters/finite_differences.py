@@ -37,7 +37,7 @@ from .._errors import (
     UnsupportedOperationError,
 )
 from . import _base, _on_device
-from ._base import Blocks, Deferred, Fn, Leaves
+from ._base import Blocks, Deferred, Fn, Leaves, ProgramParts
 from ._black_box import MAX_JACOBIAN_ENTRIES as MAX_JACOBIAN_ENTRIES
 from ._black_box import (
     _blocks,
@@ -62,6 +62,7 @@ from ._black_box import (
     constant_like_x,
     context_like_x,
     run_f,
+    watch_constant_modules,
 )
 
 _POWER = {"central": 1 / 3, "forward": 1 / 2, "backward": 1 / 2}
@@ -91,6 +92,16 @@ class Adapter(_base.Adapter):
 
     def constant_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
         return constant_like_x(leaf, like)
+
+    def compile(
+        self,
+        program: Callable[..., Any],
+        static: bool = True,
+        arrays: bool = False,
+        layouts: Any = None,
+        parts: ProgramParts | None = None,
+    ) -> Callable[..., Any]:
+        return watch_constant_modules(program, parts, self.info.name)
 
     def _check_size(self, xs: Leaves, operator: str, hessian: bool = False) -> None:
         if hessian:

@@ -17,6 +17,7 @@ grows with the size of x, not its square. Sizes are bounded by :data:`MAX_INPUTS
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,7 @@ import scipy.differentiate
 
 from .. import _arrays
 from . import _base
-from ._base import Blocks, Fn, Leaves
+from ._base import Blocks, Fn, Leaves, ProgramParts
 from ._black_box import (
     _blocks,
     _fit,
@@ -39,6 +40,7 @@ from ._black_box import (
     constant_like_x,
     context_like_x,
     run_f,
+    watch_constant_modules,
 )
 
 MAX_INPUTS = 1_000
@@ -72,6 +74,16 @@ class Adapter(_base.Adapter):
 
     def constant_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
         return constant_like_x(leaf, like)
+
+    def compile(
+        self,
+        program: Callable[..., Any],
+        static: bool = True,
+        arrays: bool = False,
+        layouts: Any = None,
+        parts: ProgramParts | None = None,
+    ) -> Callable[..., Any]:
+        return watch_constant_modules(program, parts, self.info.name)
 
     def take_error(self) -> Any:
         error = getattr(self._local, "error", None)
