@@ -479,3 +479,22 @@ def test_inputs_and_contexts_are_not_mutated(model_in_jax: Any) -> None:
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name])
     assert all(p.grad is None and p.requires_grad for p in model.parameters())
+
+
+@pytest.mark.parametrize("backend", ["torch", "torch-func"])
+def test_a_torch_g_on_torch_tensors_never_writes_the_callers(backend: str) -> None:
+    """Called on its own engine's tensors, g runs f as it is: f got the caller's tensor, and a
+    write (x.mul_(2)) landed in it, also where f then raised. f gets a clone, in the graph."""
+    torch = pytest.importorskip("torch")
+
+    def scale(x: Any) -> Any:
+        x.mul_(2.0)
+        return (x**2).sum()
+
+    g = di.differentiate_with(scale, backend)
+    x = torch.ones(3, dtype=torch.float64)
+    assert float(g(x)) == 12.0
+    torch.testing.assert_close(x, torch.ones(3, dtype=torch.float64))
+    w = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    (grad,) = torch.autograd.grad(g(w), w)
+    torch.testing.assert_close(grad, torch.full((3,), 8.0, dtype=torch.float64))

@@ -155,6 +155,9 @@ class DifferentiateWith:
                 self._check(self._plan, spec, avals)
             from ._inner import _context_values
 
+            # (f's writes never reach the caller's arrays: torch's get clones, kept in the graph)
+            family = self._inner.family
+            x = spec.unflatten([family.private_copy(leaf) if family.owns(type(leaf)) else leaf for leaf in leaves])
             return self.f(x, *_context_values(contexts, self._inner.kind))
         x_inner = [to_inner(leaf, self._inner.kind) if _arrays.kind(leaf) != "python" else leaf for leaf in leaves]
         site = self.site(spec, avals, contexts, x_inner)
