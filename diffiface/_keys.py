@@ -4,6 +4,7 @@ functions, passed to f as they are) and static context leaves are known by these
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import types
@@ -47,6 +48,11 @@ def static_key(value: Any) -> Any:
         return (cls, value)
     if isinstance(value, (*_CODE, enum.Enum)) or (callable(value) and cls.__module__.split(".")[0] in _FRAMEWORK_CODE):
         return (cls, id(value))
+    if dataclasses.is_dataclass(value):
+        # (a frozen dataclass hashes its fields: one that holds a mutable object, compared by
+        # identity, would hide a change to it; and 1 == 1.0 would take one field for another)
+        keys = tuple(static_key(getattr(value, field.name)) for field in dataclasses.fields(value))
+        return None if cls.__hash__ is None or None in keys else (cls, keys)
     if cls.__hash__ is None or (
         cls.__hash__ is object.__hash__ and cls.__eq__ is object.__eq__  # type: ignore[comparison-overlap]
     ):

@@ -55,13 +55,10 @@ class FunctionRef:
     def __init__(self, f: Callable[..., Any]) -> None:
         self.name = getattr(f, "__qualname__", None) or repr(f)
         ref: Callable[[], Any]
-        if isinstance(f, types.MethodType):
-            ref = weakref.WeakMethod(f)
-        else:
-            try:
-                ref = weakref.ref(f)
-            except TypeError:  # builtins and other objects without weak references live long
-                ref = functools.partial(_identity, f)
+        try:
+            ref = weakref.WeakMethod(f) if isinstance(f, types.MethodType) else weakref.ref(f)
+        except TypeError:  # builtins, and methods of objects without weak references, live long
+            ref = functools.partial(_identity, f)
         self.ref = ref
 
     def __call__(self) -> Callable[..., Any]:
@@ -415,6 +412,7 @@ def _follow(f: Any, values: list[Any], seen: set[int]) -> None:
         values.append(f.__func__)  # (not f.__self__: the cache is keyed weakly on it)
         _instance(f.__self__, values)
         _follow(f.__func__, values, seen)
+        _class_reads(f.__self__, f.__func__, values, seen)
         return  # (a method's __wrapped__ is its function's, followed there)
     elif isinstance(f, functools.partial):
         values += (cls, f.func, f.args, f.keywords, *f.args)
@@ -427,6 +425,7 @@ def _follow(f: Any, values: list[Any], seen: set[int]) -> None:
         _instance(f, values)
         if type(call) is types.FunctionType:
             _follow(call, values, seen)
+            _class_reads(f, call, values, seen)
     wrapped = getattr(f, "__wrapped__", None)
     if wrapped is not None:
         values.append(wrapped)
@@ -462,12 +461,50 @@ def _function_reads(function: types.FunctionType) -> list[Any]:
 
 
 def _instance(obj: Any, values: list[Any]) -> None:
-    """An object's own attributes, one level: each name and the object it holds."""
+    """An object's own attributes, one level: each name and the object it holds (in its
+    ``__dict__`` and its classes' ``__slots__``)."""
     attributes = getattr(obj, "__dict__", None)
     if type(attributes) is dict:
         for item in attributes.items():
             if item[1] is not obj:  # (not itself: the cache is keyed weakly on it)
                 values += item
+    for klass in type(obj).__mro__[:-1]:
+        slots = klass.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            value = getattr(obj, name, _EMPTY_CELL)
+            if name not in ("__dict__", "__weakref__") and value is not obj:
+                values += (name, value)
+
+
+def _class_reads(obj: Any, function: types.FunctionType, values: list[Any], seen: set[int]) -> None:
+    """What a method ``function`` of ``obj``'s class reads through its attributes from the class:
+    each attribute its code names that the class holds (a class constant, a method), and what
+    the methods and properties among them read in turn (``self.forward(x)`` reading a global)."""
+    mro = type(obj).__mro__
+    for name in _attribute_names(function.__code__):
+        for klass in mro:
+            if name in klass.__dict__:
+                value = klass.__dict__[name]
+                values += (name, value)
+                method = value.fget if isinstance(value, property) else value
+                if type(method) is types.FunctionType and id(method) not in seen:
+                    _follow(method, values, seen)
+                    _class_reads(obj, method, values, seen)
+                break
+
+
+@functools.lru_cache(maxsize=1024)
+def _attribute_names(code: types.CodeType) -> tuple[str, ...]:
+    """The attribute names a code object loads (``self.forward``: ``forward``), each once."""
+    names = [
+        instruction.argval
+        for instruction in dis.get_instructions(code)
+        if instruction.opname in ("LOAD_ATTR", "LOAD_METHOD")
+    ]
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names.extend(_attribute_names(const))
+    return tuple(dict.fromkeys(names))
 
 
 @functools.lru_cache(maxsize=1024)

@@ -1067,6 +1067,7 @@ def _refuse_unseen_static(adapter: Adapter, signature: Signature, index: int, le
         f"{backend.name} program must take as static, compile-time data. It is compared by "
         "identity, not by value, so a later change to it (an attribute set, an in-place update) "
         "would silently reuse the old value. Pass its numbers as arrays or in a dict or dataclass "
-        "registered as a pytree (di.Constant({'a': obj.a})), make it a frozen dataclass, or use "
+        "registered as a pytree (di.Constant({'a': obj.a})), make it a frozen dataclass of values "
+        "(numbers, strings, other such dataclasses), or use "
         f"{eager}."
     )

@@ -173,6 +173,70 @@ def test_an_unprepared_callable_object_sees_its_attributes_rebound() -> None:
     np.testing.assert_allclose(di.gradient(loss, "jax", x), 6 * x)
 
 
+def test_an_unprepared_method_sees_what_it_reads_through_its_class(scale: Any) -> None:
+    """A method calling another of self's methods that reads a global, a class constant read
+    through self, a slotted attribute rebound: each was missed, the old program reused."""
+    require("jax")
+    import jax.numpy as jnp
+
+    class Model:
+        factor = 1.0
+
+        def forward(self, v: Any) -> Any:
+            return SCALE * v
+
+        def loss(self, v: Any) -> Any:
+            return jnp.sum(self.factor * self.forward(v) ** 2)
+
+    class Slotted:
+        __slots__ = ("weight",)
+
+        def __init__(self) -> None:
+            self.weight = 1.0
+
+        def __call__(self, v: Any) -> Any:
+            return jnp.sum(self.weight * v**2)
+
+    model, slotted, x = Model(), Slotted(), np.ones(3)
+    np.testing.assert_allclose(di.gradient(model.loss, "jax", x), 2 * x)
+    np.testing.assert_allclose(di.gradient(slotted, "jax", x), 2 * x)
+    _set_scale(3.0)
+    np.testing.assert_allclose(di.gradient(model.loss, "jax", x), 18 * x)
+    Model.factor = 2.0
+    np.testing.assert_allclose(di.gradient(model.loss, "jax", x), 36 * x)
+    slotted.weight = 3.0
+    np.testing.assert_allclose(di.gradient(slotted, "jax", x), 6 * x)
+
+
+def test_a_frozen_dataclass_constant_holding_a_mutable_object_is_refused_under_jit() -> None:
+    """A frozen dataclass is compared by its fields: one that holds an object compared by
+    identity could change unseen, and is refused as that object alone is; 1 and 1.0 in a field
+    are two programs."""
+    require("jax")
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    class Schedule:
+        def __init__(self, s: float) -> None:
+            self.s = s
+
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        value: Any
+
+    def loss(v: Any, config: Any) -> Any:
+        if isinstance(config.value, float):
+            return jnp.sum(config.value * v**2)
+        return jnp.sum(v**2)
+
+    x = np.ones(3)
+    with pytest.raises(di.ContextError, match="frozen dataclass of values"):
+        di.gradient(loss, "jax", x, di.Constant(Config(Schedule(2.0))))
+    np.testing.assert_allclose(di.gradient(loss, "jax", x, di.Constant(Config(3))), 2 * x)
+    np.testing.assert_allclose(di.gradient(loss, "jax", x, di.Constant(Config(3.0))), 6 * x)
+
+
 def test_an_unprepared_wrapped_function_sees_a_global_the_wrapped_one_reads(scale: Any) -> None:
     require("jax")
     import jax.numpy as jnp
@@ -606,3 +670,21 @@ def test_a_tensor_without_a_numpy_view_is_compared_with_a_copy() -> None:
     assert closure.holds(f)
     mask[1] = 1.0
     assert not closure.holds(f)
+
+
+def test_a_method_of_an_object_without_weak_references_is_served() -> None:
+    """A bound method of a ``dataclass(slots=True)`` instance (no weak reference to it) raised
+    TypeError from the prep cache; it is held as builtins are, and a rebound field is seen."""
+    import dataclasses
+
+    @dataclasses.dataclass(slots=True)
+    class Model:
+        scale: float
+
+        def loss(self, v: Any) -> Any:
+            return (self.scale * v**2).sum()
+
+    model, x = Model(2.0), np.ones(3)
+    np.testing.assert_allclose(di.gradient(model.loss, "finite_differences", x), 4 * x, rtol=1e-6)
+    model.scale = 3.0
+    np.testing.assert_allclose(di.gradient(model.loss, "finite_differences", x), 6 * x, rtol=1e-6)
