@@ -385,8 +385,12 @@ def _check_cotangent(
         # is the complex cotangent with no imaginary part: the engines that take only the complex
         # one (jax, torch) get it cast. Where the output is complex only because the complex step
         # evaluates f at complex points, the real cotangent is the right one, as it is.
-        if t[0] == "python":
-            if _complex.is_complex_dtype(dtype) and not complex_step and not isinstance(ts[i], complex):
+        if t[0] == "python":  # (a Python number is taken as any float or complex dtype: cast to f(x)'s)
+            value_dtype = "complex128" if isinstance(ts[i], complex) else "float64"
+            fits = _complex.is_complex_dtype(dtype) or (
+                value_dtype == "float64" and dtype.startswith(("float", "bfloat"))
+            )
+            if fits and dtype != value_dtype and not complex_step:
                 widen.append((i, dtype))
             continue
         found = str(t[2]).rpartition(".")[2]  # ("torch.float32", "mlx.core.float32": the name alone)

@@ -580,3 +580,14 @@ def test_vectorized_finite_differences_refuse_a_function_that_does_not_broadcast
     with pytest.raises(di.InvalidOutputError, match="leading axis"):
         di.gradient(lambda z: (z**2).sum(), di.AutoFiniteDifferences(vectorize=True), x)
     assert np.array_equal(x, np.ones(3))
+
+
+@pytest.mark.parametrize("backend_id", ["jax", "torch-autograd", "torch-func", "autograd", "finite_differences"])
+def test_a_python_float_cotangent_takes_a_float32_outputs_dtype(backend_id: str) -> None:
+    """A Python float is any float dtype: as the cotangent of a float32 output it was made a
+    float64 array, which jax's vjp refused with its own ValueError."""
+    backend = require(backend_id)
+    x = np.array([1.0, 2.0, 3.0], dtype=np.float32)
+    got = di.vjp(lambda v: (v**2).sum(), backend, x, 2.0)
+    np.testing.assert_allclose(np.asarray(got), 4 * x, rtol=1e-4)
+    assert np.asarray(got).dtype == np.float32
