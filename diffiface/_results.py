@@ -222,7 +222,16 @@ def _aux_as_returned(riding: Any, as_y: Callable[[Any], Any]) -> Any:
     if riding is None:
         return None
     leaves, spec = riding
-    return optree.tree_unflatten(spec, [as_y(leaf) if _is_aux_array(leaf) else leaf for leaf in leaves])
+    return optree.tree_unflatten(spec, [_aux_leaf(leaf, as_y) if _is_aux_array(leaf) else leaf for leaf in leaves])
+
+
+def _aux_leaf(leaf: Any, as_y: Callable[[Any], Any]) -> Any:
+    """An aux array in x's array type; one no other array type holds (a jax PRNG key, whose
+    dtype numpy has not) as f returned it."""
+    try:
+        return as_y(leaf)
+    except TypeError:
+        return leaf
 
 
 def _carries_graph(leaf: Any) -> bool:

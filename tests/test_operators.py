@@ -591,3 +591,39 @@ def test_a_python_float_cotangent_takes_a_float32_outputs_dtype(backend_id: str)
     got = di.vjp(lambda v: (v**2).sum(), backend, x, 2.0)
     np.testing.assert_allclose(np.asarray(got), 4 * x, rtol=1e-4)
     assert np.asarray(got).dtype == np.float32
+
+
+def test_an_aux_prng_key_comes_back_as_f_returned_it() -> None:
+    """An aux leaf numpy has no dtype for (a jax PRNG key, the next step's key) raised jax's
+    TypeError where x is numpy and aux arrays are made numpy: it comes back as returned."""
+    require("jax")
+    import jax
+    import jax.numpy as jnp
+
+    def f(v: Any, key: Any) -> Any:
+        key, sub = jax.random.split(key)
+        return jnp.sum(v**2 * jax.random.uniform(sub, v.shape)), key
+
+    x, key = np.ones(3), jax.random.key(0)
+    (value, next_key), grad = di.value_and_gradient(f, "jax", x, di.Constant(key), has_aux=True)
+    assert isinstance(grad, np.ndarray)
+    assert jax.dtypes.issubdtype(next_key.dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(jax.random.key_data(next_key), jax.random.key_data(jax.random.split(key)[0]))
+
+
+@pytest.mark.parametrize("backend_id", ["jax", "jax without jit", "torch-autograd", "autograd", "finite_differences"])
+def test_numpy_results_are_the_callers_to_write(backend_id: str) -> None:
+    """numpy in, numpy out, writable as numpy's own results are: jax's came back as read-only
+    views of its buffers (``g *= 0.5`` raised)."""
+    backend = require(backend_id.split()[0])
+    if backend_id == "jax without jit":
+        backend = di.AutoJAX(jit=False)
+    x = np.array([1.0, 2.0, 3.0])
+    results = [
+        di.gradient(lambda v: (v**2).sum(), backend, x),
+        di.jacobian(lambda v: v**2, backend, x),
+        di.jvp(lambda v: v**2, backend, x, np.ones(3)),
+    ]
+    for result in results:
+        assert isinstance(result, np.ndarray)
+        result *= 0.5  # (raises on a read-only array)

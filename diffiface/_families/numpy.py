@@ -69,15 +69,21 @@ def native_dtype(dtype: Any) -> Any:
 
 def mirror(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
     array = value if value_family is _SELF else as_numpy(value)
-    return np.asarray(array, dtype=native_dtype(like.dtype))  # (as numpy's own operations return)
+    return _writable(np.asarray(array, dtype=native_dtype(like.dtype)))  # (as numpy's own operations return)
 
 
 def as_own(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
     if value_family is _SELF:
-        return np.asarray(value)
+        return _writable(np.asarray(value))
     if value_family is not None and not value_family.ARRAY:  # a number, or a value traced through
         return value
-    return np.asarray(as_numpy(value))
+    return _writable(np.asarray(as_numpy(value)))
+
+
+def _writable(array: np.ndarray) -> np.ndarray:
+    """A result the caller may write into: a read-only view (of an engine's buffer, of a
+    read-only Constant) copied."""
+    return array if array.flags.writeable else array.copy()
 
 
 def cast(value: Any, dtype: str) -> Any:
