@@ -627,3 +627,26 @@ def test_numpy_results_are_the_callers_to_write(backend_id: str) -> None:
     for result in results:
         assert isinstance(result, np.ndarray)
         result *= 0.5  # (raises on a read-only array)
+
+
+def test_forward_mode_through_a_custom_vjp_is_refused_by_name() -> None:
+    """jax differentiates a custom_vjp function in reverse mode only: a derivative or jvp of one
+    raised jax's TypeError (a second derivative its NotImplementedError); the gradient works."""
+    require("jax")
+    import jax
+    import jax.numpy as jnp
+
+    @jax.custom_vjp
+    def root(v: Any) -> Any:
+        return jnp.sqrt(v)
+
+    root.defvjp(lambda v: (jnp.sqrt(v), v), lambda v, g: (g * 0.5 / jnp.sqrt(v),))
+    backend = di.AutoJAX(jit=False)
+    for call in (
+        lambda: di.derivative(root, backend, 1.0),
+        lambda: di.second_derivative(root, backend, 1.0),
+        lambda: di.jvp(root, backend, 1.0, 1.0),
+    ):
+        with pytest.raises(di.UnsupportedOperationError, match="custom_vjp"):
+            call()
+    assert di.gradient(root, backend, 4.0) == 0.25

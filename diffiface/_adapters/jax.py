@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _arrays
-from .._errors import MutationError
+from .._errors import MutationError, UnsupportedOperationError
 from .._families import _jax_placement as _placement
 from .._families.jax import rebuilds_alike
 from . import _base
@@ -170,8 +170,17 @@ class Adapter(_base.Adapter):
             )
         if isinstance(exc, TypeError) and raised_by(exc) == "_unimplemented_setitem":
             raise MutationError(
-                "f assigns into a jax array in place (x[i] = v). jax arrays are immutable: write "
-                "x = x.at[i].set(v), or pass scratch space as di.Cache."
+                "f assigns into a jax array in place (x[i] = v). jax arrays, a di.Cache's too, are "
+                "immutable: write x = x.at[i].set(v), and return what f computes."
+            ) from exc
+        if (isinstance(exc, TypeError) and "to a custom_vjp function" in str(exc)) or (
+            isinstance(exc, NotImplementedError) and "custom_lin" in str(exc)
+        ):
+            raise UnsupportedOperationError(
+                "f calls a jax.custom_vjp function, which jax differentiates in reverse mode only, "
+                "and this operator takes forward mode (a jvp, a derivative, a Jacobian or a second "
+                "derivative of a scalar x). Use di.gradient or di.vjp, or give the function a "
+                "jax.custom_jvp rule."
             ) from exc
         if isinstance(exc, TypeError) and (raised_inside(exc, "torch") or _names_a_tracer(exc)):
             return (
