@@ -715,3 +715,22 @@ def test_constants_of_numpy_scalars_and_caches_are_served():
 
     report = check_gradients(f, np.array([1.0, 2.0, 3.0]), di.Constant(np.float64(2.0)), di.Cache(scratch))
     assert not report.failed and any(row.status == "passed" for row in report.rows)
+
+
+def test_check_gradients_takes_a_bfloat16_torch_x() -> None:
+    """A bfloat16 tensor has no numpy dtype: the checker's copies of x raised torch's TypeError."""
+    torch = pytest.importorskip("torch")
+    x = torch.linspace(0.1, 1.0, 4, dtype=torch.bfloat16)
+    report = check_gradients(lambda v: torch.sin(v).sum(), x, backends="torch")
+    assert not report.failed
+
+
+def test_engines_not_compared_for_a_random_f_are_not_passed() -> None:
+    """Where f draws from a global generator the check stops before any comparison: the engine
+    rows said passed, compared with nothing."""
+    torch = pytest.importorskip("torch")
+    drop = torch.nn.Dropout(0.5).train()
+    with pytest.raises(di.GradientCheckError, match="not deterministic") as caught:
+        check_gradients(lambda v: drop(torch.tanh(v)).sum(), torch.linspace(0.1, 1, 6, dtype=torch.float64))
+    statuses = {row.backend: row.status for row in caught.value.report.rows}
+    assert "passed" not in statuses.values(), statuses

@@ -264,3 +264,17 @@ def test_help_says_what_a_check_is_the_groups_examples_and_exit_codes(capsys):
     assert "examples:" in text and "python -m diffiface.test --quick" in text
     assert "exit status:" in text and all(f"\n  {code}  " in text for code in (0, 1, 2))
     assert "torch-autograd" in text  # every name the API takes
+
+
+def test_a_backend_not_installed_is_reported_skipped_in_every_format(capsys, monkeypatch):
+    """The JSON report dropped a backend that is not installed (the table listed it, with 0
+    skipped, and the closing line did not count it): both say it is skipped, and why."""
+    real = cli.available
+    monkeypatch.setattr(cli, "available", lambda backend: backend.name != "autograd" and real(backend))
+    args = ["--backends", "finite_differences,autograd", "--scenarios", "core", "--quick", "-j", "1"]
+    code, out = _run([*args, "--format", "json"], capsys)
+    missing = json.loads(out.out)["not installed"]
+    assert [entry["backend"] for entry in missing] == ["autograd"] and "pip install" in missing[0]["reason"]
+    code, out = _run(args, capsys)
+    assert code == 0
+    assert "1 skipped" in out.out.splitlines()[-1] and "autograd is not installed" in out.out

@@ -38,7 +38,14 @@ def to_numpy(leaf: Any) -> np.ndarray:
     if type(leaf) is not sys.modules["torch"].Tensor and hasattr(leaf, "device_mesh"):
         raise _gather_refused(leaf)
     # (a conjugate view, torch.conj(z), has no memory of its own for numpy to read)
-    return leaf.detach().cpu().resolve_conj().resolve_neg().numpy()  # type: ignore[no-any-return]
+    tensor = leaf.detach().cpu().resolve_conj().resolve_neg()
+    if tensor.dtype is sys.modules["torch"].bfloat16:  # (numpy has no bfloat16 of its own)
+        values = tensor.float().numpy()
+        try:
+            return values.astype("bfloat16")  # (where ml_dtypes has given numpy one)
+        except TypeError:
+            return values  # type: ignore[no-any-return]
+    return tensor.numpy()  # type: ignore[no-any-return]
 
 
 def _gather_refused(leaf: Any) -> Exception:

@@ -213,6 +213,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _print(
     report: Report, args: Any, names: list[str], installed: tuple[str, ...], notes: list[str], seconds: float
 ) -> int:
+    # a backend that is not installed is reported as skipped, in every format
+    missing = {
+        backend_label(
+            _BACKENDS[name]
+        ): f"{backend_label(_BACKENDS[name])} is not installed: {install_hint(_BACKENDS[name])}"
+        for name in names
+        if name not in installed
+    }
     if args.format == "json":
         print(
             json.dumps(
@@ -220,6 +228,7 @@ def _print(
                     "rows": [
                         vars(row) | {"tags": sorted(row.tags), "warnings": list(row.warnings)} for row in report.rows
                     ],
+                    "not installed": [{"backend": label, "reason": reason} for label, reason in missing.items()],
                     "warnings": report.warnings,
                     "seconds": round(seconds, 3),
                 },
@@ -228,30 +237,29 @@ def _print(
         )
         return 1 if report.failed else 0
     lines = report.grouped()
-    for name in names:
-        if name not in installed:
-            backend = _BACKENDS[name]
-            lines.append(
-                {
-                    **dict.fromkeys(lines[0], 0),
-                    "backend": backend_label(backend),
-                    "group": "-",
-                    "references": "",
-                    "skip reasons": [f"{backend_label(backend)} is not installed: {install_hint(backend)}"],
-                }
-            )
+    for label, reason in missing.items():
+        line = {
+            **dict.fromkeys(lines[0], 0),
+            "backend": label,
+            "group": "-",
+            "references": "",
+            "skip reasons": [reason],
+        }
+        if "skipped" in line:
+            line["skipped"] = 1
+        lines.append(line)
     print(report.table(args.format, lines))
     for note in notes:
         print(note)
     if report.failed:
         print(report.summary())
     else:
-        for line in report.warnings_text():
-            print(line)
+        for line_text in report.warnings_text():
+            print(line_text)
     counts = report.counts()
     print(
-        f"{counts.get('passed', 0)} passed, {len(report.failed)} failed, {counts.get('skipped', 0)} skipped "
-        f"in {seconds:.1f} s"
+        f"{counts.get('passed', 0)} passed, {len(report.failed)} failed, "
+        f"{counts.get('skipped', 0) + len(missing)} skipped in {seconds:.1f} s"
     )
     return 1 if report.failed else 0
 

@@ -74,10 +74,18 @@ def _state(leaf: Any) -> dict[str, Any] | None:
 def _tensor_state(prefix: str, tensor: Any) -> dict[str, Any]:
     grad = tensor.grad
     return {
-        prefix: tensor.detach().cpu().numpy().copy(),
+        prefix: _tensor_copy(tensor),
         f"{prefix}.requires_grad": tensor.requires_grad,
-        f"{prefix}.grad": None if grad is None else grad.detach().cpu().numpy().copy(),
+        f"{prefix}.grad": None if grad is None else _tensor_copy(grad),
     }
+
+
+def _tensor_copy(tensor: Any) -> np.ndarray:
+    """A tensor's values in numpy (a bfloat16 one's in float32, which holds each exactly)."""
+    values = tensor.detach().cpu()
+    if values.dtype is sys.modules["torch"].bfloat16:
+        values = values.float()
+    return values.numpy().copy()  # type: ignore[no-any-return]
 
 
 def _jax_copy(leaf: Any) -> np.ndarray:
