@@ -605,7 +605,7 @@ def test_an_aux_prng_key_comes_back_as_f_returned_it() -> None:
         return jnp.sum(v**2 * jax.random.uniform(sub, v.shape)), key
 
     x, key = np.ones(3), jax.random.key(0)
-    (value, next_key), grad = di.value_and_gradient(f, "jax", x, di.Constant(key), has_aux=True)
+    (_, next_key), grad = di.value_and_gradient(f, "jax", x, di.Constant(key), has_aux=True)
     assert isinstance(grad, np.ndarray)
     assert jax.dtypes.issubdtype(next_key.dtype, jax.dtypes.prng_key)
     np.testing.assert_array_equal(jax.random.key_data(next_key), jax.random.key_data(jax.random.split(key)[0]))
