@@ -116,6 +116,20 @@ def _numpy_corpus(xp: Any) -> dict[str, Callable[[Any], Any]]:
             return y + x
 
         corpus["setitem"] = setitem
+
+        def view_then_write(x: Any) -> Any:  # (the view sees the later write, as numpy's does)
+            a = np.zeros_like(x)
+            head = a[:3]
+            a[0] = x[5]
+            a[1] = x[0] * x[1]
+            return head * 1.0 + a[3:6]
+
+        corpus["view-then-write"] = view_then_write
+        corpus["pad-mean"] = lambda x: np.pad(x[:4], 2, mode="mean")
+        corpus["pad-ramp"] = lambda x: np.pad(x[:4], 2, mode="linear_ramp", end_values=0.0)
+        corpus["average-weights"] = lambda x: np.atleast_1d(np.average(x[:3], weights=np.exp(x[3:6])))
+        corpus["ravel-F"] = lambda x: x[:6].reshape(2, 3).ravel("F") * x[6]
+        corpus["flatten-F"] = lambda x: x[:6].reshape(2, 3).flatten("F") ** 2
     else:
         corpus["conv1d"] = lambda x: x[:-2] * KERNEL[2] + x[2:] * KERNEL[0]
     return corpus
@@ -536,3 +550,68 @@ def test_check_does_not_cry_wolf_on_a_finite_difference_hessian() -> None:
 
     for point in _points(2):
         di.hessian(rosenbrock, di.AutoSparse("finite_differences", check=True), point)
+
+
+def _put(x: Any) -> Any:
+    y = np.zeros_like(x)
+    np.put(y, [0, 1], x[:2])
+    return y
+
+
+def _dot_out(x: Any) -> Any:
+    out = np.zeros(3)
+    np.dot(np.ones((3, N)), x, out=out)
+    return out
+
+
+def _iadd_alias(x: Any) -> Any:
+    y = np.zeros_like(x)
+    z = y
+    z += x[::-1] ** 2
+    return y
+
+
+def _sort_in_place(x: Any) -> Any:
+    y = x * 1.0
+    y.sort()
+    return y
+
+
+def _transposed_then_write(x: Any) -> Any:
+    a = np.zeros_like(x[:6]).reshape(2, 3)
+    t = a.T
+    a[0, 0] = x[5]
+    return t.ravel()
+
+
+@pytest.mark.parametrize("f", [_put, _dot_out, _iadd_alias, _sort_in_place, _transposed_then_write])
+def test_numpy_writes_in_place_are_refused_not_read_as_jax(f: Callable[[Any], Any]) -> None:
+    """A write numpy's views and aliases see (np.put, out=, y += on an alias, y.sort(), a write
+    after a transposed view) was dropped, or the default detector read f again as jax.numpy
+    code, whose arrays are copies: refused by name."""
+    for detector in (sparse.GlobalDetector(tracer="numpy"), sparse.GlobalDetector()):
+        with pytest.raises(di.UnsupportedOperationError, match=r"writes|sorts"):
+            sparse.jacobian_pattern(f, _points(1)[0], detector=detector)
+
+
+def test_a_numpy_scalar_constant_is_abstract_as_an_array_is() -> None:
+    """A Constant's np.int64 index was traced as its one value, and the pattern kept for the
+    next call, with another index: the column it reads was lost. It is abstract as any
+    context array is: the pattern holds for every value."""
+    x = _points(1)[0]
+    f = lambda v, k: v * v[k]  # noqa: E731
+    first = di.jacobian(f, di.AutoSparse("finite_differences"), x, di.Constant(np.int64(1)))
+    second = di.jacobian(f, di.AutoSparse("finite_differences"), x, di.Constant(np.int64(4)))
+    for got, k in ((first, 1), (second, 4)):
+        dense = np.asarray(di.jacobian(f, "finite_differences", x, di.Constant(np.int64(k))))
+        np.testing.assert_allclose(got.toarray(), dense, atol=1e-8)
+
+
+def test_jax_top_k_along_another_axis_keeps_its_lines() -> None:
+    """jax 0.10 names top_k's axis ``axis``: read as the last axis, an axis-0 top_k lost entries."""
+    jax = pytest.importorskip("jax")
+    x = _points(1)[0][:6].reshape(3, 2)
+    f = lambda v: jax.lax.top_k(v, 2, axis=0)[0].ravel()  # noqa: E731
+    pattern = sparse.jacobian_pattern(f, jax.numpy.asarray(x), detector=sparse.GlobalDetector(tracer="jax"))
+    dense = np.asarray(jax.jacobian(f)(jax.numpy.asarray(x))).reshape(4, 6)
+    assert not _missing(pattern, dense)

@@ -336,7 +336,7 @@ def _global(
     try:
         found = module.trace_pattern(f, x, values, hessian)
     except UnsupportedOperationError as error:  # a refusal: what f does depends on x's values
-        if fallback is None:
+        if fallback is None or module.writes_in_place(error):  # (numpy's writes: no other tracer's)
             raise
         try:  # a function written with another framework's array API (jax.numpy) on numpy x
             return _with(fallback, f, x, values, hessian)

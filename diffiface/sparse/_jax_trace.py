@@ -825,7 +825,8 @@ def _cumulative(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) ->
 def _sort(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
     """Each output unites the whole line (along the sorted axis) of every operand."""
     shape = _shape(eqn.invars[0])
-    axis = eqn.params.get("dimension", len(shape) - 1)
+    axis = eqn.params.get("dimension", eqn.params.get("axis", len(shape) - 1))  # (top_k's is "axis")
+    axis = axis % len(shape) if shape else 0
     matrix = _reduction_matrix(shape, (axis,))
     line = it.union([it.combine(matrix, p) for p in ps])
     outs = []

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,6 +50,17 @@ class _Raised(Exception):
 
 class TracerRefusal(_Raised):
     """f did something whose result depends on values the detector does not have."""
+
+
+class _Writes(TracerRefusal):
+    """f writes into an array in place as numpy does (its views see the write): no other
+    tracer's semantics (jax's copies) would follow it either."""
+
+
+def writes_in_place(error: BaseException) -> bool:
+    """Whether the tracer refused f for a write in place (numpy's semantics, which another
+    tracer reading f as jax.numpy code would not keep: jax's arrays are copied)."""
+    return isinstance(error.__cause__, _Writes)
 
 
 class TracerFailure(_Raised):
@@ -86,6 +98,12 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
         self.rows = rows
         self.dtype = np.dtype(dtype)
         self.is_view = view
+        self.base: IndexSetArray | None = None
+        """Where this is an indexed view of a traced array, that array (the root of its views),
+        and ``where``, this view's positions in it: a write into the base is read again."""
+        self.where: Any = None
+        self.views: list[weakref.ref[IndexSetArray]] = []
+        self.reshaped = False  # a reshaped or transposed view of it was taken (not followed)
 
     # -- array attributes ----------------------------------------------------------------------
 
@@ -173,11 +191,11 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
             shape = tuple(shape[0])
         return np.reshape(self, shape, **kwargs)
 
-    def ravel(self, *args: Any) -> Any:
-        return np.ravel(self)
+    def ravel(self, order: str = "C") -> Any:
+        return np.ravel(self, order)
 
-    def flatten(self, *args: Any) -> Any:
-        return np.ravel(self).copy()
+    def flatten(self, order: str = "C") -> Any:
+        return np.ravel(self, order).copy()
 
     def transpose(self, *axes: Any) -> Any:
         if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
@@ -226,6 +244,11 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
     def conj(self) -> IndexSetArray:
         return self
 
+    def _writes_in_place(self, *args: Any, **kwargs: Any) -> Any:
+        raise _Writes("f sorts, fills or resizes an array in place, which the detector does not follow")
+
+    sort = fill = put = partition = resize = itemset = _writes_in_place
+
     # -- indexing ----------------------------------------------------------------------------------
 
     def __getitem__(self, key: Any) -> Any:
@@ -237,12 +260,22 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
         key = _index_key(key)
         where = sets.positions(self.shape)[key]
         rows = sets.gather([self.rows], [self.size], where, self.trace.n) if self.rows is not None else None
-        view = not _fancy(key)
-        return IndexSetArray(self.trace, np.shape(where), rows, self.dtype, view=view)
+        view = not _fancy(key) and np.ndim(where) > 0  # (one element, a number, is a copy)
+        out = IndexSetArray(self.trace, np.shape(where), rows, self.dtype, view=view)
+        if view:  # (numpy's view sees a later write into the array: it is read again then)
+            root = self if self.base is None else self.base
+            out.base, out.where = root, where if self.base is None else self.where[key]
+            root.views.append(weakref.ref(out))
+        return out
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        if self.reshaped:
+            raise _Writes(
+                "f writes into an array after taking a reshaped or transposed view of it (v = a.T; "
+                "a[0] = ...), which the detector does not follow; take a copy (a.T.copy())"
+            )
         if self.is_view:
-            raise TracerRefusal(
+            raise _Writes(
                 "f writes into a slice or view of an array (y = a[1:]; y[0] = ...), which the detector does "
                 "not follow back to the array; write into the array itself (a[1] = ...)"
             )
@@ -259,13 +292,18 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
             size = 0
         own[key] = value_positions
         self.rows = sets.gather([self.rows, source], [self.size, size], own, self.trace.n)
+        for ref in self.views:  # (each view of this array, read again)
+            view = ref()
+            if view is not None:
+                view.rows = sets.gather([self.rows], [self.size], view.where, self.trace.n)
 
     # -- the protocols ---------------------------------------------------------------------------
 
     def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
         if kwargs.get("out") is not None:
-            raise TracerRefusal(
-                f"f writes the result of np.{ufunc.__name__} into out=..., which the detector does not follow"
+            raise _Writes(
+                f"f writes the result of np.{ufunc.__name__} into out=... (or x += ...), which the detector "
+                "does not follow; compute a new array (y = x + ...)"
             )
         if method == "__call__":
             try:
@@ -290,8 +328,14 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
         raise TracerRefusal(f"f calls np.{ufunc.__name__}.{method}, which the detector does not follow")
 
     def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
-        handler = _FUNCTIONS.get(func.__name__)
-        if handler is None and func.__name__ in _MOVES:
+        name = func.__name__
+        if name in _WRITES or kwargs.get("out") is not None:
+            raise _Writes(
+                f"f writes into an array with np.{name}{'' if name in _WRITES else '(..., out=...)'}, which "
+                "the detector does not follow; compute a new array instead (np.where, concatenation)"
+            )
+        handler = _FUNCTIONS.get(name)
+        if handler is None and name in _MOVES and not _computes_values(name, args, kwargs):
             handler = _move
         if handler is None:
             return _dense(self.trace, func, args, kwargs)
@@ -419,8 +463,9 @@ def _argument(args: Any, kwargs: dict[str, Any], position: int, name: str, defau
 
 def _sum(linear: bool) -> Any:
     def handler(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-        if kwargs.get("out") is not None or kwargs.get("where") is not None:
-            return _dense(trace, func, args, kwargs)
+        weighted = func.__name__ == "average" and _argument(args, kwargs, 2, "weights", None) is not None
+        if kwargs.get("out") is not None or kwargs.get("where") is not None or weighted:
+            return _dense(trace, func, args, kwargs)  # (np.average's weights: a ratio of two sums)
         axis = _argument(args, kwargs, 1, "axis", None)
         keepdims = bool(kwargs.get("keepdims", False))
         return _reduce(trace, args[0], axis, keepdims, linear)
@@ -740,6 +785,21 @@ def _clip(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     return IndexSetArray(trace, out_shape, rows, a.dtype)
 
 
+_WRITES = frozenset({"put", "put_along_axis", "copyto", "place", "putmask", "fill_diagonal"})
+"""numpy functions that write into an argument (none returns what it wrote)."""
+
+_MOVING_PADS = frozenset({"constant", "edge", "reflect", "symmetric", "wrap", "empty"})
+
+
+def _computes_values(name: str, args: Any, kwargs: Any) -> bool:
+    """Whether a call of a function in :data:`_MOVES` computes its values from several entries
+    (np.pad's statistic and ramp modes), which the moves' rule, by positions, does not follow."""
+    if name != "pad":
+        return False
+    mode = kwargs.get("mode", args[2] if len(args) > 2 else "constant")
+    return not isinstance(mode, str) or mode not in _MOVING_PADS
+
+
 _MOVES = {
     "concatenate", "stack", "hstack", "vstack", "dstack", "column_stack", "roll", "reshape", "ravel", "transpose",
     "moveaxis", "swapaxes", "flip", "fliplr", "flipud", "rot90", "squeeze", "expand_dims", "broadcast_to", "take",
@@ -767,10 +827,14 @@ def _move(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     offset = [0]
     floating: list[bool] = []
 
+    view = func.__name__ not in _COPIES
+
     def substitute(a: Any) -> Any:
         if isinstance(a, IndexSetArray):
             if not a.floating:
                 raise a._refuse(f"passes to np.{func.__name__} integers or booleans computed from x as the values")
+            if view:  # (a write into it later would reach this view, which is not followed)
+                (a if a.base is None else a.base).reshaped = True
             pos = sets.positions(a.shape, offset[0])
             sources.append(a.rows)
             sizes.append(a.size)
@@ -788,8 +852,6 @@ def _move(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     moved_args = substitute(tuple(args))
     moved_kwargs = {k: substitute(v) for k, v in kwargs.items() if k != "dtype"}
     out = func(*moved_args, **moved_kwargs)
-
-    view = func.__name__ not in _COPIES
 
     def wrap(o: Any) -> Any:
         if isinstance(o, (list, tuple)):
@@ -922,7 +984,7 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
     context_leaves, context_spec = tree.flatten(values)
     abstract = [
         IndexSetArray(trace, leaf.shape, None, leaf.dtype)
-        if isinstance(leaf, np.ndarray) and leaf.dtype.kind in "fciub"
+        if isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype.kind in "fciub"  # (a numpy scalar too)
         else leaf
         for leaf in context_leaves
     ]

@@ -160,7 +160,7 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
     context_leaves, context_spec = tree.flatten(values)
     # numpy arrays in the contexts reach f as tensors, as under the torch backend
     context_leaves = [
-        torch.as_tensor(leaf) if isinstance(leaf, np.ndarray) and leaf.dtype.kind in "fciub" else leaf
+        torch.as_tensor(leaf) if isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype.kind in "fciub" else leaf
         for leaf in context_leaves
     ]
     tensor_at = [i for i, leaf in enumerate(context_leaves) if isinstance(leaf, torch.Tensor)]
