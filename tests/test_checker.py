@@ -734,3 +734,42 @@ def test_engines_not_compared_for_a_random_f_are_not_passed() -> None:
         check_gradients(lambda v: drop(torch.tanh(v)).sum(), torch.linspace(0.1, 1, 6, dtype=torch.float64))
     statuses = {row.backend: row.status for row in caught.value.report.rows}
     assert "passed" not in statuses.values(), statuses
+
+
+def _verdict(remainders: list[float], claimed: float) -> str:
+    """The Taylor verdict on remainders made exactly these (odd part; even part zero)."""
+    from diffiface.test._checking import _Taylor, _taylor_verdict
+
+    steps = [0.1 / 4**k for k in range(len(remainders))]
+    slope = 2.0
+    plus = [h * slope + r for h, r in zip(steps, remainders, strict=True)]
+    minus = [-h * slope - r for h, r in zip(steps, remainders, strict=True)]
+    taylor = _Taylor(np.ones(1), np.array(steps), plus, minus, "along v")
+    return _taylor_verdict(0.0, taylor, slope, 2.3e-6, 2.38, claimed)[0]
+
+
+def test_remainders_falling_to_noise_after_a_kink_are_a_right_gradient() -> None:
+    """A float32 ReLU network: the larger steps cross a kink (remainders shrinking as h), the
+    smallest at f's noise. That is no first-order error (it would shrink by the steps' ratio
+    only): right where it rules out the reference's disagreement, never wrong; a first-order
+    error that stays above the noise is wrong."""
+    kinked = [0.064, 0.013, 0.003, 0.00057, 4.2e-8]
+    assert _verdict(kinked, claimed=0.3) == "right"
+    assert _verdict(kinked, claimed=0.0) == "inconclusive"
+    assert _verdict([0.5 * 0.1 / 4**k for k in range(5)], claimed=0.5) == "wrong"
+
+
+def test_the_truth_runs_under_the_x64_a_float64_constant_gives_the_engines() -> None:
+    """A float64 numpy batch makes jax run f under x64, where jax.random draws another mask: the
+    truth ran without it (x's float32 alone decided), so a correct gradient was compared with
+    that of another function and failed."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    data = np.random.default_rng(0).normal(size=(6, 3))
+
+    def loss(p: Any, key: Any, batch: Any) -> Any:
+        keep = jax.random.bernoulli(key, 0.5, (6, 2)).astype(p.dtype)
+        return jnp.sum(keep * jnp.tanh(batch.astype(p.dtype) @ p))
+
+    report = check_gradients(loss, jnp.ones((3, 2)), di.Constant(jax.random.key(4)), di.Constant(data), backends="jax")
+    assert not report.failed

@@ -529,7 +529,14 @@ class _Check:
         self.report = Report()
         self.leaf_lines: dict[str, list[str]] = {}
         self.outside = Row("(reference)", "f", "gradient", "passed")
-        self.wide_x = any(_arrays.dtype_name(leaf) in ("float64", "complex128") for leaf in _tree.leaves(x))
+        # (f runs under jax's x64 where the engines run it: a float64 leaf of x or of a context's
+        # array, a numpy batch, makes them; jax.random draws another mask there)
+        context_arrays = [
+            leaf for c in contexts for leaf in _tree.leaves(getattr(c, "value", c)) if _arrays.is_array(leaf)
+        ]
+        self.wide_x = any(
+            _arrays.dtype_name(leaf) in ("float64", "complex128") for leaf in (*_tree.leaves(x), *context_arrays)
+        )
         # entries of x at +-inf or NaN (a mask of -inf before a softmax): held where they are, no
         # difference taken along them
         self.fixed = ~np.isfinite(self.flat.vector)
@@ -807,7 +814,7 @@ class _Check:
                 row = self._row(label)
                 if (row.status == "failed" and label not in disagreements) or label in own_edge:
                     continue
-                self._apply_taylor(row, taylor, g, fd_failed=label in disagreements)
+                self._apply_taylor(row, taylor, g, fd_failed=label in disagreements, reference=truth.values)
 
     def _leaf_lines(self, g: np.ndarray, truth: np.ndarray, bad: np.ndarray) -> list[str]:
         """One line per leaf of x with entries that differ: how many, the leaf's relative error
@@ -877,9 +884,11 @@ class _Check:
         gradient against the same engine's gradient on the float64 copies of x and the Constants,
         where f computes the same value there. Cancellation in a float32 backward pass (sinc near
         0: two terms of size 1/|x| subtracted) costs an entry far more than the float32 epsilon of
-        its own size, and is the engine's precision, not a wrong rule; a wrong rule is as wrong in
-        float64, so this term does not hide it. Asked only for entries that fail without it: a
-        passing check evaluates f no more. None where it does not apply or the engine cannot run."""
+        its own size, and is the engine's precision, not a wrong rule (its error is as steady as
+        a rule's: a few ulps away it stays, so no test of x's last bits tells the two apart). A
+        rule wrong in the narrow dtype alone hides behind this term (docs/testing.md). Asked only
+        for entries that fail without it: a passing check evaluates f no more. None where it does
+        not apply or the engine cannot run."""
         if label.split("-")[0] in ("finite_differences", "scipy"):
             return None  # their own error is in the tolerance already, and costs 2n evaluations here
         dtype = _arrays.dtype_name(next(iter(_tree.leaves(self.native[label])), 0.0))
@@ -1118,13 +1127,17 @@ class _Check:
         eps = float(np.max(self.eps, initial=np.finfo(np.float64).eps))
         return float(min(0.1, 1000 * eps ** (1 / 3)))
 
-    def _apply_taylor(self, row: Row, taylor: _Taylor, g: np.ndarray, fd_failed: bool) -> None:
+    def _apply_taylor(
+        self, row: Row, taylor: _Taylor, g: np.ndarray, fd_failed: bool, reference: np.ndarray | None = None
+    ) -> None:
+        claimed = 0.0 if reference is None else abs(float(np.dot(g - np.nan_to_num(reference), taylor.direction)))
         verdict, detail = _taylor_verdict(
             self.center,
             taylor,
             float(np.dot(g, taylor.direction)),
             self._noise(g, taylor),
             float(np.sum(np.abs(g * taylor.direction))),
+            claimed if fd_failed else 0.0,
         )
         note = f"Taylor test {taylor.why}: {detail}"
         if verdict == "wrong":
@@ -1204,9 +1217,12 @@ def _stencil(
     return np.nan, np.inf, np.nan
 
 
-def _taylor_verdict(f0: float, taylor: _Taylor, slope: float, noise: float, size: float) -> tuple[str, str]:
+def _taylor_verdict(
+    f0: float, taylor: _Taylor, slope: float, noise: float, size: float, claimed: float = 0.0
+) -> tuple[str, str]:
     """``(verdict, detail)``: right, wrong, not differentiable, or inconclusive, from the observed
-    orders of the remainders over the falling steps (those above 30 times the noise)."""
+    orders of the remainders over the falling steps (those above 30 times the noise). ``claimed``:
+    how far the reference that disagreed puts ``<g, v>`` (0: none)."""
     steps = taylor.steps
     # where a step leaves f's domain, an edge lies within it: f is no polynomial at that scale, on
     # either side, so only the steps 16 times smaller count
@@ -1250,6 +1266,26 @@ def _taylor_verdict(f0: float, taylor: _Taylor, slope: float, noise: float, size
         order = _last_order(used, remainders, floor)
         expected = 2.0
     shown = ", ".join(f"{r:.2g}" for r in remainders)
+    bound = floor / used[-1]  # (the least error of <g, v> the smallest step shows)
+    resolved = bound <= _RESOLVES * max(size, 1e-300) or 2 * bound < claimed
+    above = [i for i, r in enumerate(remainders) if r > floor]
+    if order is not None and remainders[-1] <= floor and above:
+        # At the smallest steps the remainder is f's rounding noise, having stood one step before
+        # far above it, higher than a first-order error of <g, v> (which falls by the steps' ratio
+        # only) could fall from in one step: the larger steps crossed a kink of f (a ReLU's), and
+        # the smallest one bounds the error by the noise over it.
+        last = above[-1]
+        if remainders[last] > (used[last] / used[last + 1]) ** 2 * floor:
+            if not resolved:
+                return "inconclusive", (
+                    f"remainders {shown} fall to f's rounding noise at the smallest steps, where an error of "
+                    f"<g, v> below {bound:.2g} . |v| would not show"
+                )
+            ruled_out = f"; the reference's {claimed:.2g} is ruled out" if claimed else ""
+            return "right", (
+                f"remainders {shown} fall to f's rounding noise at the smallest steps: <g, v> is right to "
+                f"{bound:.2g} . |v|{ruled_out}, and the larger steps cross a kink of f"
+            )
     if order is None:
         smallest = used[-1]
         if all(r <= floor for r in remainders[-2:]) and floor / smallest <= _RESOLVES * max(size, 1e-300):
