@@ -605,3 +605,21 @@ def test_results_under_inference_mode_keep_no_graph(backend: Any) -> None:
             got = di.gradient(f, backend, p)
         assert not got.requires_grad and got.grad_fn is None
         torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("name", ["torch", "torch-func"])
+def test_an_expanded_x_serves_every_call_of_a_prep(name: str) -> None:
+    """An expanded x (a zero stride: its elements share memory) worked on a prep's first call,
+    which copies x, and failed on the next, which handed f the caller's tensor: forward mode and
+    torch.func's writes refuse it (the autograd-mode jvp blamed a torch.func transform)."""
+    x = torch.tensor([[1.0, 2.0, 3.0]], dtype=torch.float64).expand(4, 3)
+    t = torch.ones(4, 3, dtype=torch.float64)
+    f = lambda v: torch.sin(v) * v  # noqa: E731
+    expected = torch.cos(x) * x + torch.sin(x)
+    prep = di.prepare_jvp(f, name, x, t)
+    for _ in range(2):
+        torch.testing.assert_close(di.jvp(f, name, x, t, prep=prep), expected)
+    g = lambda v: (torch.sin(v) * v).sum()  # noqa: E731
+    prep = di.prepare_hvp(g, name, x, t)
+    for _ in range(2):
+        torch.testing.assert_close(di.hvp(g, name, x, t, prep=prep), 2 * torch.cos(x) - x * torch.sin(x))

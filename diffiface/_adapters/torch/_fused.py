@@ -41,7 +41,7 @@ from ._guard import (
     _CALLS,
     _after_failure,
     _clone,
-    _inference,
+    _copied_always,
     _module_states,
     _mutation,
     _named_capture,
@@ -112,7 +112,7 @@ class _Gradient:
         if self.plain:
             if copy:
                 inputs = tuple(map(_clone, xs))
-            elif any(map(_inference, xs)):
+            elif any(map(_copied_always, xs)):
                 return self.guarded(xs, ts, dynamic, static)
             else:
                 inputs = xs

@@ -121,7 +121,7 @@ def _guard(
             x = xs[0]
             if not keep and (nested or x.requires_grad or _forward_ad._current_level >= 0):
                 keep = nested or _keeps(x)
-            if copy or x.is_inference():  # (a clone of an inference tensor is a normal one)
+            if copy or _copied_always(x):  # (a clone of an inference tensor is a normal one)
                 x = x.clone() if keep or not x.requires_grad else x.detach().clone()
             elif x.requires_grad and not keep:
                 x = x.detach()
@@ -134,7 +134,7 @@ def _guard(
                     keep = True
             if not keep:
                 xs = tuple(map(torch.Tensor.detach, xs))
-            if copy or any(map(_inference, xs)):
+            if copy or any(map(_copied_always, xs)):
                 xs = tuple(map(_clone, xs))  # (map, not a comprehension: no frame on the hot path)
             versions = list(map(_version, xs))
         if ts:
@@ -242,6 +242,13 @@ _version = operator.attrgetter("_version")
 _requires_grad = operator.attrgetter("requires_grad")
 _requiring = torch.Tensor.requires_grad_
 _inference = torch.Tensor.is_inference
+
+
+def _copied_always(x: Any) -> bool:
+    """Whether f gets a copy of x's leaf on every call, not the caller's own: an inference tensor
+    (it cannot take part in a graph) or an expanded one (a zero stride: its elements share memory,
+    which forward mode and torch.func's writes refuse)."""
+    return x.is_inference() or (x.layout is torch.strided and 0 in x.stride())
 
 
 def _watched_constants(
