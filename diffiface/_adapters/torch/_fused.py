@@ -39,9 +39,9 @@ from ._engine import (
 from ._explain import _FIX, _CapturedWrite, _explained
 from ._guard import (
     _CALLS,
+    _STRIDED,
     _after_failure,
     _clone,
-    _copied_always,
     _module_states,
     _mutation,
     _named_capture,
@@ -112,9 +112,10 @@ class _Gradient:
         if self.plain:
             if copy:
                 inputs = tuple(map(_clone, xs))
-            elif any(map(_copied_always, xs)):
-                return self.guarded(xs, ts, dynamic, static)
             else:
+                for x in xs:  # (a loop: on every call; an inference or an expanded leaf: the guard's copies)
+                    if x.is_inference() or (x.layout is _STRIDED and 0 in x.stride()):
+                        return self.guarded(xs, ts, dynamic, static)
                 inputs = xs
         else:
             try:  # (a leaf that does not share x's graph: of a clone, or an alias of x itself)

@@ -121,7 +121,9 @@ def _guard(
             x = xs[0]
             if not keep and (nested or x.requires_grad or _forward_ad._current_level >= 0):
                 keep = nested or _keeps(x)
-            if copy or _copied_always(x):  # (a clone of an inference tensor is a normal one)
+            # (a clone of an inference tensor is a normal one; an expanded tensor's elements share
+            # memory, which forward mode and torch.func's writes refuse: both copied on every call)
+            if copy or x.is_inference() or (x.layout is _STRIDED and 0 in x.stride()):
                 x = x.clone() if keep or not x.requires_grad else x.detach().clone()
             elif x.requires_grad and not keep:
                 x = x.detach()
@@ -134,7 +136,11 @@ def _guard(
                     keep = True
             if not keep:
                 xs = tuple(map(torch.Tensor.detach, xs))
-            if copy or any(map(_copied_always, xs)):
+            copy_x = copy
+            for x in xs:  # (a loop, not a generator: this runs on every call)
+                if x.is_inference() or (x.layout is _STRIDED and 0 in x.stride()):  # (as one x's)
+                    copy_x = True
+            if copy_x:
                 xs = tuple(map(_clone, xs))  # (map, not a comprehension: no frame on the hot path)
             versions = list(map(_version, xs))
         if ts:
@@ -242,13 +248,7 @@ _version = operator.attrgetter("_version")
 _requires_grad = operator.attrgetter("requires_grad")
 _requiring = torch.Tensor.requires_grad_
 _inference = torch.Tensor.is_inference
-
-
-def _copied_always(x: Any) -> bool:
-    """Whether f gets a copy of x's leaf on every call, not the caller's own: an inference tensor
-    (it cannot take part in a graph) or an expanded one (a zero stride: its elements share memory,
-    which forward mode and torch.func's writes refuse)."""
-    return x.is_inference() or (x.layout is torch.strided and 0 in x.stride())
+_STRIDED = torch.strided
 
 
 def _watched_constants(
