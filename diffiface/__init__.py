@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from . import _sparse_operators  # noqa: F401  (registers AutoSparse's program with the route)
 from . import tree as tree
+from ._adapters import PublicSecondOrder as SecondOrder
 from ._adapters import available as available
 from ._backends import AutoAutograd as AutoAutograd
 from ._backends import AutoFiniteDifferences as AutoFiniteDifferences
@@ -23,7 +24,6 @@ from ._backends import AutoScipy as AutoScipy
 from ._backends import AutoTensorFlow as AutoTensorFlow
 from ._backends import AutoTorch as AutoTorch
 from ._backends import Backend as Backend
-from ._backends import SecondOrder as SecondOrder
 from ._batched import batched_hvp as batched_hvp
 from ._batched import batched_jvp as batched_jvp
 from ._batched import batched_vjp as batched_vjp

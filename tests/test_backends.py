@@ -63,7 +63,7 @@ def test_unknown_name_lists_the_names() -> None:
         (lambda: di.AutoScipy(order=3), "order"),
         (lambda: di.AutoScipy(maxiter=0), "maxiter"),
         (lambda: di.AutoJAX(jit="yes"), "jit"),
-        (lambda: di.SecondOrder(di.AutoJAX(), "jax"), "inner"),
+        (lambda: di.SecondOrder(di.AutoJAX(), 3), "inner"),
         (lambda: di.SecondOrder(di.SecondOrder(di.AutoJAX(), di.AutoJAX()), di.AutoJAX()), "outer"),
     ],
     ids=[
@@ -190,3 +190,13 @@ def test_the_registry_says_what_each_adapter_computes_itself(row: Any) -> None:
         if getattr(adapter, method, None) is not getattr(BaseAdapter, method, None)
     }
     assert overridden == set(row.native)
+
+
+def test_second_order_takes_backend_names() -> None:
+    """Every backend may be given by name: SecondOrder refused 'torch' and 'torch-func'."""
+    assert di.SecondOrder("finite_differences", "autograd") == di.SecondOrder(
+        di.AutoFiniteDifferences(), di.AutoAutograd()
+    )
+    assert repr(di.SecondOrder("finite_differences", "autograd")).startswith("SecondOrder(")
+    with pytest.raises(di.UnknownBackendError):
+        di.SecondOrder("no such engine", "autograd")

@@ -204,6 +204,23 @@ def normalize(backend: Backend | str) -> Backend:
     )
 
 
+class PublicSecondOrder(SecondOrder):
+    """``di.SecondOrder``: the config, whose outer and inner backends may be given by name
+    ("torch", "torch-func"), as every backend may."""
+
+    __doc__ = SecondOrder.__doc__
+
+    def __post_init__(self) -> None:
+        for role in ("outer", "inner"):
+            value = getattr(self, role)
+            if isinstance(value, str):
+                object.__setattr__(self, role, normalize(value))
+        super().__post_init__()
+
+
+PublicSecondOrder.__name__ = PublicSecondOrder.__qualname__ = "SecondOrder"
+
+
 def rows() -> tuple[BackendInfo, ...]:
     """Every row of the registry: the built-in engines, then those of installed packages (their
     entry points loaded)."""
