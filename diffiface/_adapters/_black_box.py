@@ -10,7 +10,7 @@ import contextlib
 import math
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -139,7 +139,7 @@ def run_f(fn: Any, leaves: Leaves, backend_name: str, batched: bool = False) -> 
     return out
 
 
-def watch_constant_modules(program: Any, parts: Any, backend_name: str) -> Any:
+def watch_constant_modules(program: Callable[..., Any], parts: Any, backend_name: str) -> Callable[..., Any]:
     """``program`` where a Constant's static leaf may be a ``torch.nn.Module``: its parameters
     and buffers copied before the call, compared after it (also where f raised), put back bit
     for bit and refused by name where f wrote into them (a batch norm's running statistics in
@@ -150,7 +150,7 @@ def watch_constant_modules(program: Any, parts: Any, backend_name: str) -> Any:
         return program
 
     def watched(xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
-        torch = sys.modules.get("torch")
+        torch: Any = sys.modules.get("torch")
         modules = (
             []
             if torch is None or static is None

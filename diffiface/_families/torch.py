@@ -40,11 +40,11 @@ def to_numpy(leaf: Any) -> np.ndarray:
     # (a conjugate view, torch.conj(z), has no memory of its own for numpy to read)
     tensor = leaf.detach().cpu().resolve_conj().resolve_neg()
     if tensor.dtype is sys.modules["torch"].bfloat16:  # (numpy has no bfloat16 of its own)
-        values = tensor.float().numpy()
+        values: np.ndarray = tensor.float().numpy()
         try:
             return values.astype("bfloat16")  # (where ml_dtypes has given numpy one)
         except TypeError:
-            return values  # type: ignore[no-any-return]
+            return values
     return tensor.numpy()  # type: ignore[no-any-return]
 
 

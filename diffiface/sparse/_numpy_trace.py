@@ -191,11 +191,11 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
             shape = tuple(shape[0])
         return np.reshape(self, shape, **kwargs)
 
-    def ravel(self, order: str = "C") -> Any:
-        return np.ravel(self, order)
+    def ravel(self, order: Any = "C") -> Any:
+        return np.ravel(self, order)  # type: ignore[call-overload]
 
-    def flatten(self, order: str = "C") -> Any:
-        return np.ravel(self, order).copy()
+    def flatten(self, order: Any = "C") -> Any:
+        return np.ravel(self, order).copy()  # type: ignore[call-overload]
 
     def transpose(self, *axes: Any) -> Any:
         if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
