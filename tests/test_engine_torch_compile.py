@@ -4,7 +4,7 @@ It is not in tests/conftest.py's FIRST_ORDER (that table takes one backend per t
 ``compile`` is an option, not a mode), so the parametrised suite does not compile every
 scenario. The tests below compile a few programs on purpose, each a first compile of seconds:
 a gradient with a Constant (float64, the contract, no recompile, a new shape refused), a vjp and
-a jvp, a Jacobian, an hvp, a Hessian and a second derivative as one program each, the torch.nn
+a jvp, a Jacobian (and one through cdist, which runs uncompiled), an hvp, a Hessian and a second derivative as one program each, the torch.nn
 recipe, a tree's value and gradient, a closure changed between calls (compiled anew, never
 stale, with the first compile's refusals), a caller's eager stance, and the refusals (a compiled
 call differentiated from outside, a graph break, a Cache holding a traced tensor, a write into x
@@ -98,6 +98,23 @@ def test_first_order_products_and_jacobian() -> None:
     jac = di.jacobian(g, COMPILED, x, di.Constant(w))
     assert jac.dtype == torch.float64
     torch.testing.assert_close(jac, J)
+
+
+def test_a_jacobian_through_cdist_runs_uncompiled_and_right() -> None:
+    # torch.func.vmap batches cdist's backward wrongly (jacrev's rows come out wrong, no error),
+    # compiled or not: the Jacobian, prepared or not, takes the uncompiled rows one by one
+    y = torch.tensor([[0.3, -1.0, 2.0], [1.5, 0.2, -0.7], [-0.4, 0.9, 0.1], [2.2, -1.3, 0.5]], dtype=torch.float64)
+    x = torch.tensor([[0.1, 0.2, -0.3], [-1.1, 0.4, 0.8], [0.7, -0.6, 1.9]], dtype=torch.float64)
+
+    def f(v, c):
+        return torch.cdist(v, c, p=1.0).sum(0)
+
+    expected = torch.autograd.functional.jacobian(lambda v: f(v, y), x)
+    torch.testing.assert_close(di.jacobian(f, COMPILED, x, di.Constant(y)), expected)
+    prep = di.prepare_jacobian(f, COMPILED, x, di.Constant(y))
+    before = graphs()
+    torch.testing.assert_close(di.jacobian(f, COMPILED, x, di.Constant(y), prep=prep), expected)
+    assert graphs() == before  # (nothing compiled)
 
 
 def test_second_order_is_one_compiled_program() -> None:

@@ -513,6 +513,35 @@ def test_the_autograd_jacobian_is_jacrevs_and_falls_back_where_f_does_not_allow_
 
 
 @pytest.mark.parametrize("name", ["torch", "torch-func"])
+def test_a_jacobian_through_cdist_is_right_though_torch_batches_its_backward_wrongly(name: str) -> None:
+    """torch.func.vmap batches cdist's backward to wrong numbers without an error (jacrev of
+    ``cdist(x, y, p=1)`` differs from the rows one by one): the Jacobian, a prepared one and a
+    batch of vjps (a sparse Jacobian's rows) through it come from the rows one by one, equal to
+    torch's own unbatched Jacobian; the graph of an f without cdist is not flagged."""
+    from diffiface._adapters.torch import _engine
+
+    y = torch.tensor([[0.3, -1.0, 2.0], [1.5, 0.2, -0.7], [-0.4, 0.9, 0.1], [2.2, -1.3, 0.5]], dtype=torch.float64)
+    x = torch.tensor([[0.1, 0.2, -0.3], [-1.1, 0.4, 0.8], [0.7, -0.6, 1.9]], dtype=torch.float64)
+
+    def f(v: Any, c: Any) -> Any:
+        return torch.cdist(v, c, p=1.0).sum(0)
+
+    expected = torch.autograd.functional.jacobian(lambda v: f(v, y), x)
+    assert not torch.allclose(torch.func.jacrev(lambda v: f(v, y))(x), expected)  # (torch's fault, shown)
+    torch.testing.assert_close(di.jacobian(f, name, x, di.Constant(y)), expected)
+    prep = di.prepare_jacobian(f, name, x, di.Constant(y))
+    torch.testing.assert_close(di.jacobian(f, name, x, di.Constant(y), prep=prep), expected)
+    seeds = di.Tangents(torch.eye(4, dtype=torch.float64)[0], torch.eye(4, dtype=torch.float64)[3])
+    rows = di.batched_vjp(f, name, x, seeds, di.Constant(y))
+    for row, k in zip(rows, (0, 3), strict=True):
+        torch.testing.assert_close(row, expected[k])
+    leaf = x.clone().requires_grad_()
+    with torch.enable_grad():
+        assert _engine.batched_wrongly(torch.cdist(leaf, y, p=1.0).sum(0))
+        assert not _engine.batched_wrongly((leaf.sin() * 2).sum(0))
+
+
+@pytest.mark.parametrize("name", ["torch", "torch-func"])
 def test_forward_mode_refuses_an_output_cut_from_x(name: str) -> None:
     """Forward mode, ours or torch.func's: an output cut from x (.item(), .detach()) carries no
     tangent and is refused, not read as a zero derivative (torch.func's jvp gave zeros); an

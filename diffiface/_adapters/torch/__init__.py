@@ -48,13 +48,16 @@ from ._duals import (
 from ._engine import (
     _backward,
     _bare_output,
+    _BatchedWrongly,
     _detached,
     _for_func,
+    _FuncPullback,
     _grad,
     _if_graph,
     _leaves,
     _materialised,
     _NoSecondPass,
+    _noting_batched_wrongly,
     _on_one,
     _pushed_by_pullbacks,
     _refuse_hidden_cut,
@@ -62,6 +65,7 @@ from ._engine import (
     _stacked,
     _tensor_aux,
     _whole,
+    batched_wrongly,
 )
 from ._explain import _autograd_in_func, _nested_forward, explain_failure
 from ._fused import _FUSED
@@ -201,6 +205,7 @@ class Adapter(_base.Adapter):
     def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
         if self.functional:
             g, has_aux, rebuild = _for_func(fn, xs)
+            g, wrongly = _noting_batched_wrongly(g, has_aux)
             g, bare = _bare_output(g, has_aux)
             primal = xs[0] if len(xs) == 1 else xs
             if has_aux:
@@ -210,9 +215,7 @@ class Adapter(_base.Adapter):
             if bare:  # one output tensor: its cotangent is the tuple's one leaf
                 out, inner = (out,), pullback
                 pullback = lambda touts: inner(touts[0])  # noqa: E731
-            if len(xs) == 1:
-                return out, rebuild(aux), lambda touts: _placed((pullback(_cotangents(out, touts))[0],), xs)
-            return out, rebuild(aux), lambda touts: _placed(pullback(_cotangents(out, touts))[0], xs)
+            return out, rebuild(aux), _FuncPullback(pullback, out, xs, not wrongly[0])
         stack = _CALLS.keep
         keep = stack[-1] if stack else False  # (_keeping(), inlined: this is the hot path)
         if torch.is_grad_enabled() and not keep:  # (entering enable_grad costs more than asking)
@@ -320,6 +323,8 @@ class Adapter(_base.Adapter):
     def pullbacks(self, vjp: Callable[[Any], Leaves], xs: Leaves, batch: Any) -> list[Leaves]:
         if not self.functional or len(batch) < 2 or _any_dtensor(xs):
             return super().pullbacks(vjp, xs, batch)
+        if isinstance(vjp, _FuncPullback) and not vjp.batchable:  # one by one
+            return super().pullbacks(vjp, xs, batch)
         stacked = optree.tree_map(lambda *ts: torch.stack(ts), batch[0], *batch[1:])
         try:
             grads = func.vmap(vjp)(stacked)  # one program for the whole batch
@@ -373,6 +378,8 @@ class Adapter(_base.Adapter):
             return super().value_and_jacobian(fn, xs, mode)
         try:
             return self._jacobian_by_transform(fn, xs, mode)
+        except _BatchedWrongly:  # the rows one by one, f evaluated again
+            return super().value_and_jacobian(fn, xs, mode)
         except RuntimeError as exc:
             # an operation vmap has no rule for (a complex conjugate's view inside an outer
             # transform): the rows one by one, f evaluated again
@@ -395,7 +402,7 @@ class Adapter(_base.Adapter):
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # (torch's slow fallback for an operation without a batching rule)
                 return self._jacobian_by_transform(fn, xs, "reverse")
-        except (RuntimeError, Warning):  # (f's own errors come again from the rows)
+        except (RuntimeError, Warning, _BatchedWrongly):  # (f's own errors come again from the rows)
             return super().value_and_jacobian(fn, xs, mode)
 
     def _jacobian_by_transform(self, fn: Fn, xs: Leaves, mode: str | None) -> tuple[Any, Any, Blocks]:
@@ -405,6 +412,8 @@ class Adapter(_base.Adapter):
 
         def with_value(xs_: Leaves) -> tuple[Any, Any]:
             out, aux = tensor_fn(xs_)
+            if mode != "forward" and batched_wrongly(out):
+                raise _BatchedWrongly
             one = type(out) is tuple and len(out) == 1  # one output tensor, differentiated bare
             return out[0] if one else out, (out, aux)
 

@@ -44,7 +44,7 @@ from ..._errors import UnsupportedOperationError
 from .._base import Adapter as _BaseAdapter
 from .._base import Blocks, Deferred, Fn, Leaves
 from ._duals import _FORWARD_LOCK, _FORWARD_WARMED, _warm_forward
-from ._engine import _for_func, _materialised, _on_one, _tensor_aux
+from ._engine import _for_func, _materialised, _on_one, _tensor_aux, batched_wrongly
 from ._fused import _Gradient
 from ._guard import _CALLS, _guard, _transform_level
 
@@ -61,13 +61,15 @@ _CURRENT = _Current()
 
 class _Programs:
     """The compiled programs of one prep, by name, each compiled from a code object of its own;
-    ``warm``: the names whose first call has evaluated f eagerly (diffiface's checks)."""
+    ``warm``: the names whose first call has evaluated f eagerly (diffiface's checks), and of
+    those ``unbatchable``: the names where f's graph holds a node torch.func.vmap batches wrongly."""
 
-    __slots__ = ("found", "lock", "warm")
+    __slots__ = ("found", "lock", "unbatchable", "warm")
 
     def __init__(self) -> None:
         self.found: dict[str, _Program] = {}
         self.warm: set[str] = set()
+        self.unbatchable: set[str] = set()
         self.lock = threading.Lock()
 
     def get(self, name: str, template: Callable[..., Any]) -> _Program:
@@ -174,6 +176,13 @@ def _jacobian(with_value: Callable[[Any], Any], forward: bool, primal: Any) -> A
     # refuses under jacrev; Inductor computes the shared work once)
     transform = func.jacfwd if forward else func.jacrev
     return transform(lambda p: with_value(p)[0])(primal), with_value(primal)[1]
+
+
+def _noted(out: Any, name: str, programs: _Programs) -> Any:
+    """``out``, its graph read for a node torch.func.vmap batches wrongly (noted under ``name``)."""
+    if batched_wrongly(out):
+        programs.unbatchable.add(name)
+    return out
 
 
 def _detached(xs: Leaves) -> Leaves:
@@ -380,10 +389,12 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
                 return run
             return _ClosedGradient(run, fused, parts, programs)
 
-        def _program(self, name: str, template: Callable[..., Any], fn: Fn, xs: Leaves) -> Any:
+        def _program(self, name: str, template: Callable[..., Any], fn: Fn, xs: Leaves, batched: bool = False) -> Any:
             """This call's compiled program ``name``, f evaluated once eagerly before its first
-            call (diffiface's checks of f's output, recorded); None where the call runs outside a
-            prep of its own (another engine's SecondOrder program: uncompiled). A call
+            call (diffiface's checks of f's output, recorded); None where the call runs
+            uncompiled: outside a prep of its own (another engine's SecondOrder program), or
+            where the program vmaps f's backward (``batched``) and f's graph holds a node torch
+            batches wrongly (the uncompiled adapter takes the rows one by one). A call
             differentiated from outside is refused."""
             if len(_CALLS.keep) > 1 or _transform_level() is not None or _forward_ad._current_level >= 0:
                 raise _nested()
@@ -395,8 +406,10 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
                 # f once, uncompiled, under a torch.func transform as "torch-func" runs it:
                 # diffiface's checks of its output, and torch.func's refusal of a write into a
                 # Constant (a compiled graph would carry the write out to the caller's tensor)
-                func.vjp(lambda *leaves: fn(leaves)[0], *xs)
+                func.vjp(lambda *leaves: _noted(fn(leaves)[0], name, programs), *xs)
                 programs.warm.add(name)
+            if batched and name in programs.unbatchable:
+                return None
             return programs.get(name, template)
 
         def untracked(self, leaf: Any, xs: Leaves) -> bool:
@@ -464,7 +477,7 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
             if not _FORWARD_WARMED[0]:
                 _warm_forward()
             with _FORWARD_LOCK:
-                program = self._program("jacobian", _jacobian, fn, xs)
+                program = self._program("jacobian", _jacobian, fn, xs, batched=not forward)
                 if program is None:
                     return self.eager.value_and_jacobian(fn, xs, mode)  # type: ignore[no-any-return]
                 tensor_fn, rebuild = _tensor_aux(fn)

@@ -14,7 +14,7 @@ import torch.autograd.forward_ad as _forward_ad
 from ... import _arrays
 from ... import tree as _tree
 from .._base import Fn, Leaves, refuse_a_moved_output
-from ._dtensor import _placed
+from ._dtensor import _cotangents, _placed
 from ._explain import _autograd_in_func
 from ._guard import _clone, _version, _wrapped
 
@@ -86,6 +86,60 @@ def _bare_output(g: Callable[[Any], Any], has_aux: bool) -> tuple[Callable[[Any]
         return (out[0], result[1]) if has_aux else out[0]
 
     return unwrapped, bare
+
+
+_BATCHED_WRONGLY = frozenset({"CdistBackward0"})
+"""Autograd nodes whose backward torch.func.vmap batches to wrong numbers without an error
+(torch's batching rule of ``_cdist_backward``: a Jacobian of ``torch.cdist`` by ``jacrev`` came
+out wrong for p of 1, 1.5, 2, 3 and inf): a Jacobian's rows through one are taken one by one."""
+
+
+def batched_wrongly(out: Any) -> bool:
+    """Whether the graph behind ``out`` (a tensor or a tuple of them) holds a node that
+    torch.func.vmap batches wrongly. Read where the graph is built (inside torch.func.vjp or
+    jacrev, whose tensors show their ``grad_fn``), each node once."""
+    todo = [t.grad_fn for t in (out if type(out) is tuple else (out,)) if isinstance(t, torch.Tensor)]
+    seen: set[Any] = set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ in _BATCHED_WRONGLY:
+            return True
+        todo.extend(parent for parent, _ in node.next_functions)
+    return False
+
+
+class _BatchedWrongly(Exception):
+    """Raised inside a vmapped transform whose graph holds a node in ``_BATCHED_WRONGLY``."""
+
+
+def _noting_batched_wrongly(g: Callable[[Any], Any], has_aux: bool) -> tuple[Callable[[Any], Any], list[bool]]:
+    """``g`` noting, in the list it comes with, whether its output's graph holds a node that
+    torch.func.vmap batches wrongly (:func:`batched_wrongly`)."""
+    wrongly = [False]
+
+    def noted(primal: Any) -> Any:
+        result = g(primal)
+        wrongly[0] = batched_wrongly(result[0] if has_aux else result)
+        return result
+
+    return noted, wrongly
+
+
+class _FuncPullback:
+    """torch.func.vjp's pullback of f, on cotangents laid out as f's outputs, giving x's leaves;
+    ``batchable``: whether torch.func.vmap may run a batch of cotangents through it at once."""
+
+    __slots__ = ("batchable", "out", "pullback", "xs")
+
+    def __init__(self, pullback: Callable[[Any], Any], out: Any, xs: Leaves, batchable: bool) -> None:
+        self.pullback, self.out, self.xs, self.batchable = pullback, out, xs, batchable
+
+    def __call__(self, touts: Any) -> Leaves:
+        grads = self.pullback(_cotangents(self.out, touts))[0]
+        return _placed((grads,) if len(self.xs) == 1 else grads, self.xs)
 
 
 def _requiring_grad(xs: Leaves) -> Leaves:
