@@ -211,6 +211,39 @@ def test_quantile_passes_and_a_kink_at_x_is_reported_not_failed():
     assert row.status == "skipped" and "f is not differentiable at x along v" in row.message
 
 
+def test_a_kink_within_the_step_of_one_input_does_not_hide_a_wrong_entry_at_another():
+    """|x0| with x0 = 1e-7, nearer its kink than the difference step: along the disagreement with
+    finite differences f is not differentiable. A gradient right there but 50% off at the other
+    inputs still fails (the Taylor test again without the kinked input); a right one is skipped."""
+    torch = pytest.importorskip("torch")
+    x = torch.tensor([1e-7, 0.7, -1.3, 2.0], dtype=torch.float64)
+
+    def loss(square: Any) -> Any:
+        return lambda v: v[0].abs() + square(v[1:]).sum()
+
+    report = check_gradients(loss(lambda v: v**2), x, backends=["torch"])
+    (row,) = report.rows
+    assert row.status == "skipped" and "f is not differentiable at x along v" in row.message
+    wrong = _scaled_backward(torch, lambda v: v**2, lambda v: 2 * v, factor=1.5)
+    with pytest.raises(AssertionError, match=r"without the inputs at a kink of f \(\[0\]\)") as caught:
+        check_gradients(loss(wrong), x, backends=["torch"])
+    assert "shrink only as h^1" in str(caught.value)
+
+
+def test_steps_scaled_by_a_large_x_neither_hide_a_wrong_gradient_nor_fail_a_right_one():
+    """sin at x ~ 1e6 turns many times within steps of 1e-3 |x|: there the Taylor test saw a kink
+    (a 1% wrong gradient skipped) or a first-order remainder (a right gradient of sin(x) x^2
+    failed). Its second look, at steps of at most 1e-3, tells both apart."""
+    torch = pytest.importorskip("torch")
+    x = torch.tensor([1.3, -0.7, 2.1], dtype=torch.float64) * 1e6
+    wrong = _scaled_backward(torch, torch.sin, torch.cos, factor=1.01)
+    with pytest.raises(AssertionError, match="without steps scaled by"):
+        check_gradients(lambda v: wrong(v).sum(), x, backends=["torch"])
+    report = check_gradients(lambda v: (torch.sin(v) * v**2).sum(), x, backends=["torch"])
+    (row,) = report.rows
+    assert row.status == "passed" and "the first test's steps were too long for f" in row.message
+
+
 def _relu_one_at_zero(jax: Any) -> Any:
     """relu whose custom rule takes the subgradient 1 at 0 (jax.nn.relu and torch.relu take 0)."""
 

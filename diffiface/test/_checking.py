@@ -125,7 +125,7 @@ def check_gradients(
     Engines agree with each other within the tolerances of their dtype. The ground truth runs on
     float64 copies of float32 leaves of x and of the Constant contexts when f computes the same
     value there. It costs ``4n`` evaluations of f for ``n`` inputs, edges included; the whole
-    check at most ``4n + 20``.
+    check at most ``4n + 20`` (``4n + 30`` with the second look).
 
     Where finite differences cannot settle it (they disagree with an engine, or their error is
     too large to see a 1% error: float32 f, large magnitudes, normalisation layers), the Taylor
@@ -133,8 +133,12 @@ def check_gradients(
     ``|f(x + hv) - f(x) - h <g, v>|`` over ``h, h/4, ...`` shrinks as ``h**2`` (its odd part as
     ``h**3``) for the right ``g`` and only as ``h`` for a wrong one. Where ``f(x + hv) + f(x - hv)
     - 2 f(x)`` does not shrink as ``h**2``, f is not differentiable at x along v (a jump or a kink):
-    the row is skipped with that reason, and failed only if the engines disagree with each other.
-    10 more evaluations of f.
+    the row is skipped with that reason, and failed only if the engines disagree with each other
+    or if a second look finds the gradient wrong: the test again along the disagreement, without
+    the inputs whose own differences show a kink within their step and without steps scaled by
+    ``|x_i|`` (a kink at one input hides no wrong entry at another; ``sin`` at ``x = 1e6`` turns
+    within a step of ``1e-3 |x|``). A gradient found wrong over steps scaled by ``|x_i|`` passes
+    if the second look finds it right. 10 more evaluations of f (20 with the second look).
 
     For a large ``x`` (more than 4096 numbers, or when ``projections`` is given) the comparison is
     on ``k`` random directions ``u``: ``u . grad f`` against a central difference of
@@ -729,6 +733,7 @@ class _Check:
         self.reach = np.where(self.fixed, 0.0, self.scale)
         self.edge = np.zeros(self.flat.size, dtype=bool)
         self.unchecked = np.zeros(self.flat.size, dtype=bool)
+        self.kinked = np.zeros(self.flat.size, dtype=bool)
         self.inside: dict[float, float] = {}
         """Per side of an edge (-1, 1), the point furthest that way an edge input found in f's domain."""
         # f(x) as the ground truth computes it (on the float64 copies, where they serve)
@@ -810,11 +815,70 @@ class _Check:
                 direction = np.random.default_rng(self.seed).standard_normal(self.flat.size) * self.reach
                 why = "along a random direction (finite differences too noisy to judge alone)"
             taylor = self._taylor(direction, why)
+            verdicts: dict[str, str] = {}
             for label, g in gradients.items():
                 row = self._row(label)
                 if (row.status == "failed" and label not in disagreements) or label in own_edge:
                     continue
-                self._apply_taylor(row, taylor, g, fd_failed=label in disagreements, reference=truth.values)
+                verdicts[label] = self._apply_taylor(
+                    row, taylor, g, fd_failed=label in disagreements, reference=truth.values
+                )
+            if first is not None:
+                self._second_look(gradients, verdicts, first, np.nan_to_num(truth.values))
+
+    def _second_look(
+        self, gradients: dict[str, np.ndarray], verdicts: dict[str, str], first: np.ndarray, reference: np.ndarray
+    ) -> None:
+        """The Taylor test once more along the disagreement (10 evaluations more), without what
+        may have misled the first: the inputs whose own differences show a kink within their
+        step, and steps scaled by ``|x_i|``, at most ``1e-3`` there (``sin`` at ``x = 1e6`` turns
+        many times within ``1e-3 |x|``, where no Taylor expansion holds).
+
+        Taken where the first found f not differentiable along the disagreement: a row stays
+        skipped unless this test finds its gradient wrong (a kink at one input must not hide a
+        wrong entry at another). And where the first found a gradient wrong over steps scaled by
+        ``|x_i|`` and no input is left out: the row passes if this test finds it right."""
+        first = np.nan_to_num(first)
+        rest = np.where(self.kinked, 0.0, first)
+        kinks = self.kinked & (first != 0)
+        if not np.any(rest) or not np.any(kinks):
+            rest, kinks = first, np.zeros_like(kinks)
+        reach = np.minimum(self.reach, 1.0)
+        rescaled = bool(np.any((rest != 0) & (reach < self.reach)))
+        skipped = [label for label, verdict in verdicts.items() if verdict == "not differentiable"]
+        wrong = (
+            [label for label, verdict in verdicts.items() if verdict == "wrong"] if rescaled and not kinks.any() else []
+        )
+        if not np.any(rest) or not ((skipped and (kinks.any() or rescaled)) or wrong):
+            return
+        without = []
+        if np.any(kinks):
+            at = ", ".join(self._where(int(i)) for i in np.flatnonzero(kinks)[:4])
+            without.append(f"the inputs at a kink of f ({at})")
+        if rescaled:
+            without.append("steps scaled by |x|")
+        taylor = self._taylor(
+            rest * reach, f"again along the disagreement, without {' and '.join(without)}", reach=reach
+        )
+        for label in (*skipped, *wrong):
+            row, g = self._row(label), gradients[label]
+            verdict, detail = _taylor_verdict(
+                self.center,
+                taylor,
+                float(np.dot(g, taylor.direction)),
+                self._noise(g, taylor),
+                float(np.sum(np.abs(g * taylor.direction))),
+                abs(float(np.dot(g - reference, taylor.direction))),
+            )
+            if label in skipped and verdict == "wrong":
+                row.status = "failed"
+                row.tags = row.tags - {"not_differentiable"}
+                row.message = f"Taylor test {taylor.why}: {detail} [{row.message}]"
+            elif label in wrong and verdict == "right":
+                row.status = "passed"
+                row.message = (
+                    f"Taylor test {taylor.why}: {detail}; the first test's steps were too long for f [{row.message}]"
+                )
 
     def _leaf_lines(self, g: np.ndarray, truth: np.ndarray, bad: np.ndarray) -> list[str]:
         """One line per leaf of x with entries that differ: how many, the leaf's relative error
@@ -951,6 +1015,7 @@ class _Check:
             samples["+2"], samples["-2"] = self._moved(x, i, h2[i]), self._moved(x, i, -h2[i])
             rounding = 4 * self.eps[i] * (self.condition + 1e-300) / h[i]
             values[i], errors[i], plain[i] = _stencil(self.center, samples, h[i], h2[i], rounding)
+            self.kinked[i] = _kink_within(self.center, samples, self.eps[i])
             if samples["-2"] is None or samples["+2"] is None:
                 # an edge between h and 2h: x +- h are too near it for an accurate difference
                 one_sided += 1
@@ -1108,12 +1173,15 @@ class _Check:
 
     # -- the Taylor remainder test --------------------------------------------------------------------
 
-    def _taylor(self, direction: np.ndarray, why: str, count: int = _TAYLOR_STEPS) -> _Taylor:
+    def _taylor(
+        self, direction: np.ndarray, why: str, count: int = _TAYLOR_STEPS, reach: np.ndarray | None = None
+    ) -> _Taylor:
         """f at ``x +- h v`` for h falling by 4 from ``1000 eps**(1/3)`` of the scale of x (at most
-        0.1 of it): the largest step moves each input by at most that much."""
-        movable = self.reach > 0
+        0.1 of it; of ``reach`` where given): the largest step moves each input by at most that much."""
+        reach = self.reach if reach is None else reach
+        movable = reach > 0
         direction = np.where(movable, np.nan_to_num(direction), 0.0)
-        largest = float(np.max(np.abs(direction[movable]) / self.reach[movable], initial=0.0))
+        largest = float(np.max(np.abs(direction[movable]) / reach[movable], initial=0.0))
         v = direction / largest if largest > 0 else direction
         # no step beyond an edge of f's domain the differences found near x: its reach is the step
         # found in the domain there, over the top step
@@ -1129,7 +1197,8 @@ class _Check:
 
     def _apply_taylor(
         self, row: Row, taylor: _Taylor, g: np.ndarray, fd_failed: bool, reference: np.ndarray | None = None
-    ) -> None:
+    ) -> str:
+        """The Taylor test's verdict on ``g``, written on ``row``; returned."""
         claimed = 0.0 if reference is None else abs(float(np.dot(g - np.nan_to_num(reference), taylor.direction)))
         verdict, detail = _taylor_verdict(
             self.center,
@@ -1157,6 +1226,7 @@ class _Check:
             row.message = f"{row.message}; {note}"
         else:
             row.message = note
+        return verdict
 
     def _noise(self, g: np.ndarray, taylor: _Taylor) -> float:
         """The rounding noise of f's values: a few ulps of f and of the terms ``x_i g_i``."""
@@ -1215,6 +1285,18 @@ def _stencil(
             return r, abs(f1 - f2) + 4 * rounding, f1
         return sign * (near - f0) / h, np.inf, sign * (near - f0) / h
     return np.nan, np.inf, np.nan
+
+
+def _kink_within(f0: float, samples: dict[str, float | None], eps: float) -> bool:
+    """Whether f at ``x +- h`` and ``x +- 2h`` along one input shows a kink within ``2h``: the
+    second difference at 2h is 4 times the one at h for a smooth f (to ``h**4`` times its fourth
+    derivative), about twice it across a kink, and far above 4 times it with a kink between h
+    and 2h; the mismatch must stand 64 times above f's rounding."""
+    p1, m1, p2, m2 = samples["+1"], samples["-1"], samples["+2"], samples["-2"]
+    if p1 is None or m1 is None or p2 is None or m2 is None:
+        return False
+    mismatch = abs((p2 + m2 - 2 * f0) - 4 * (p1 + m1 - 2 * f0))
+    return bool(mismatch > 64 * 8 * eps * (abs(f0) + abs(p1) + abs(m1) + abs(p2) + abs(m2)))
 
 
 def _taylor_verdict(
