@@ -253,7 +253,7 @@ def test_the_compiled_function_gets_only_the_prepared_shapes_and_dtypes(backend:
         if backend is not QUICK:  # (each compiles anew: the default mode's compiles take long)
             continue
         got = di.gradient(_scaled_tanh, backend, other, di.Constant(c), di.Constant(0.5))  # prepared anew
-        assert type(got) is np.ndarray and got.shape == other.shape, name  # (a scalar's a 0-d array)
+        assert type(got) is type(other) and got.shape == other.shape, name  # (a numpy scalar's a numpy scalar)
         assert got.dtype == other.dtype.newbyteorder("="), name
         tol = 1e-12 if np.asarray(other).dtype == np.float64 else 1e-5
         np.testing.assert_allclose(got, _scaled_tanh_grad(other, c, 0.5), rtol=tol, atol=tol, err_msg=name)

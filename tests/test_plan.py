@@ -206,17 +206,22 @@ def test_torch_dtype_change_is_not_matched() -> None:
 
 
 @pytest.mark.parametrize("operator", ["gradient", "hvp"])
-def test_a_numpy_scalar_x_gets_a_0d_array(backend_id: str, operator: str) -> None:
-    """As from the full path's mirroring, on every backend, prepared or not."""
+def test_a_numpy_scalar_x_gets_a_numpy_scalar(backend_id: str, operator: str) -> None:
+    """As numpy's own operations on a numpy scalar give, on every backend, prepared or not."""
     backend = FIRST_ORDER[backend_id]
 
     def cube(x: Any) -> Any:
         return x**3
 
-    args = (np.float64(2.0), np.float64(1.0)) if operator == "hvp" else (np.float64(2.0),)
-    prep = getattr(di, "prepare_" + operator)(cube, backend, *args)
-    for result in (getattr(di, operator)(cube, backend, *args), getattr(di, operator)(cube, backend, *args, prep=prep)):
-        assert type(result) is np.ndarray and result.shape == () and result.dtype == np.float64
+    for scalar in (np.float64, np.float32, np.array):  # (a 0-d array keeps a 0-d array)
+        args = (scalar(2.0), scalar(1.0)) if operator == "hvp" else (scalar(2.0),)
+        prep = getattr(di, "prepare_" + operator)(cube, backend, *args)
+        for result in (
+            getattr(di, operator)(cube, backend, *args),
+            getattr(di, operator)(cube, backend, *args, prep=prep),
+        ):
+            assert type(result) is type(args[0]) and result.dtype == args[0].dtype
+            np.testing.assert_allclose(result, 12.0, rtol=1e-3)  # (3 x**2 and 6 x t at x = 2, t = 1)
 
 
 @pytest.mark.parametrize("operator", ["gradient", "hvp"])

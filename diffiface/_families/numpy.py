@@ -69,7 +69,9 @@ def native_dtype(dtype: Any) -> Any:
 
 def mirror(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
     array = value if value_family is _SELF else as_numpy(value)
-    return _writable(np.asarray(array, dtype=native_dtype(like.dtype)))  # (as numpy's own operations return)
+    result = _writable(np.asarray(array, dtype=native_dtype(like.dtype)))  # (as numpy's own operations return)
+    # a numpy scalar's result is a numpy scalar of its dtype, as numpy's operations on it give
+    return result[()] if result.ndim == 0 and isinstance(like, np.generic) else result
 
 
 def as_own(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
