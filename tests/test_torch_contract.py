@@ -527,7 +527,9 @@ def test_a_jacobian_through_cdist_is_right_though_torch_batches_its_backward_wro
         return torch.cdist(v, c, p=1.0).sum(0)
 
     expected = torch.autograd.functional.jacobian(lambda v: f(v, y), x)
-    assert not torch.allclose(torch.func.jacrev(lambda v: f(v, y))(x), expected)  # (torch's fault, shown)
+    assert not torch.allclose(torch.func.jacrev(lambda v: f(v, y))(x), expected), (
+        "torch batches cdist's backward rightly now: _engine._BATCHED_WRONGLY need not name CdistBackward0"
+    )
     torch.testing.assert_close(di.jacobian(f, name, x, di.Constant(y)), expected)
     prep = di.prepare_jacobian(f, name, x, di.Constant(y))
     torch.testing.assert_close(di.jacobian(f, name, x, di.Constant(y), prep=prep), expected)
@@ -539,6 +541,28 @@ def test_a_jacobian_through_cdist_is_right_though_torch_batches_its_backward_wro
     with torch.enable_grad():
         assert _engine.batched_wrongly(torch.cdist(leaf, y, p=1.0).sum(0))
         assert not _engine.batched_wrongly((leaf.sin() * 2).sum(0))
+
+
+@pytest.mark.parametrize("name", ["torch", "torch-func"])
+def test_an_operation_without_a_forward_mode_rule_is_named(name: str) -> None:
+    """cdist has no forward-mode derivative in torch: a jvp through it raised torch's own
+    NotImplementedError; it is an UnsupportedOperationError that names the operation and the
+    reverse-mode ways, x unchanged, and a vjp through it still works."""
+    y = torch.tensor([[0.3, -1.0, 2.0], [1.5, 0.2, -0.7]], dtype=torch.float64)
+    x = torch.tensor([[0.1, 0.2, -0.3], [-1.1, 0.4, 0.8]], dtype=torch.float64)
+    before = x.clone()
+
+    def f(v: Any, c: Any) -> Any:
+        return torch.cdist(v, c, p=1.0).sum(0)
+
+    with pytest.raises(di.UnsupportedOperationError, match=r"f calls _cdist_forward.*AutoTorch\(jvp='reverse'\)"):
+        di.jvp(f, name, x, torch.ones_like(x), di.Constant(y))
+    if name == "torch-func":  # (forward over reverse)
+        with pytest.raises(di.UnsupportedOperationError, match="_cdist_forward"):
+            di.hvp(lambda v, c: f(v, c).sum(), name, x, torch.ones_like(x), di.Constant(y))
+    assert torch.equal(x, before)
+    expected = torch.autograd.functional.vjp(lambda v: f(v, y), x, torch.ones(2, dtype=torch.float64))[1]
+    torch.testing.assert_close(di.vjp(f, name, x, torch.ones(2, dtype=torch.float64), di.Constant(y)), expected)
 
 
 @pytest.mark.parametrize("name", ["torch", "torch-func"])

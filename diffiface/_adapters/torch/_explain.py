@@ -53,6 +53,16 @@ def explain_failure(exc: BaseException, functional: bool) -> str | None:
             "build or load the module outside inference mode, or pass copy.deepcopy(module), made outside "
             "it (its tensors are then ordinary ones)."
         )
+    if isinstance(exc, NotImplementedError) and "Trying to use forward AD with " in text:
+        # torch has no forward-mode rule for an operation of f: no way past it in forward mode
+        operation = text.split("Trying to use forward AD with ", 1)[1].split(" ", 1)[0]
+        raise UnsupportedOperationError(
+            f"f calls {operation}, which torch has no forward-mode derivative of, and this operator runs f in "
+            "forward mode (a jvp or a derivative; under torch.func also an hvp or a Hessian, forward over "
+            "reverse). Use reverse mode: a vjp or a gradient; for a jvp AutoTorch(jvp='reverse') (two backward "
+            "passes), for an hvp or a Hessian AutoTorch() (double backward), where torch can differentiate "
+            "f's backward pass again."
+        ) from exc
     if functional and isinstance(exc, RuntimeError) and "override the setup_context" in text:
         # torch.func's refusal of a classic torch.autograd.Function: the engine cannot run f
         raise UnsupportedOperationError(
