@@ -180,6 +180,16 @@ class Call:
             () if x_spec is _LEAF else key_orders(x_spec),
         )
 
+    @property
+    def leaf_types(self) -> tuple[Any, ...]:
+        """The types of the call's leaves, which a plan's tests compare (an ``nn.Parameter`` is
+        not a plain tensor there) and a signature does not: the cache keeps a prep per set of them."""
+        return (
+            tuple(map(type, self.x_leaves)),
+            tuple(map(type, self.tangent_leaves)),
+            tuple(tuple(map(type, leaves)) for leaves in self.context_leaves),
+        )
+
 
 def _context_leaf_signature(leaf: Any, by_value: bool) -> tuple[Any, ...]:
     if _arrays.is_array(leaf):

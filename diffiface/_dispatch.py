@@ -77,10 +77,11 @@ def evaluate(
                 except Unfit:  # (shapes or dtypes its program checks itself: the signature decides)
                     pass
         op, backend, call = _arguments(name, f, backend, x, tangent, contexts, has_aux)
-        prep = prep_cache.get(f, call.signature)
+        types = call.leaf_types
+        prep = prep_cache.get(f, call.signature, types)
         if prep is None or not prep.still_for(f):
             prep = _prepare(op, f, backend, call, strict=True)
-            prep_cache.put(f, call.signature, prep)
+            prep_cache.put(f, call.signature, prep, types)
         return prep.run(call.x_leaves, call.tangent_leaves, call.context_leaves)
     plan = prep.plan
     found = plan.leaves(name, f, backend, x, tangent, contexts, has_aux)
@@ -111,13 +112,14 @@ def prepare(
     has_aux: bool = False,
 ) -> Prep:
     op, backend, call = _arguments(name, f, backend, x, tangent, contexts, has_aux)
-    cached = prep_cache.get(f, call.signature)
+    types = call.leaf_types
+    cached = prep_cache.get(f, call.signature, types)
     if cached is not None and cached.still_for(f):  # the work is done: share it
         return cached.with_strictness(strict)
     prep = _prepare(op, f, backend, call, strict)
     if type(backend) not in _BUILDERS and adapter_for(backend).compiles:
         prep.run(call.x_leaves, call.tangent_leaves, call.context_leaves)  # trace and compile now
-    prep_cache.put(f, call.signature, prep)
+    prep_cache.put(f, call.signature, prep, types)
     return prep
 
 

@@ -663,7 +663,10 @@ class _PrepCache:
             return owner, sub, False
         return owner, sub, True
 
-    def get(self, f: Callable[..., Any], signature: Signature) -> Prep | None:
+    def get(self, f: Callable[..., Any], signature: Signature, types: Any) -> Prep | None:
+        """The prep of ``f`` for ``signature`` and the call's leaf ``types`` (a plan tests the
+        leaves' types: a prep of nn.Parameters would never fit plain tensors of the same
+        signature, each call taking the slow path); None if there is none."""
         owner, sub, weak = self._owner(f)
         try:
             entries = self._functions.get(weakref.ref(owner)) if weak else self._strong.get(owner)
@@ -671,7 +674,7 @@ class _PrepCache:
             return None
         if entries is None:
             return None
-        key = (sub, signature)
+        key = (sub, signature, types)
         with self._lock:
             prep = entries.get(key)
             if prep is None or not prep.function.matches(f):
@@ -699,7 +702,7 @@ class _PrepCache:
                 return None
         return None if entries is None else entries.latest.get((sub, operator))
 
-    def put(self, f: Callable[..., Any], signature: Signature, prep: Prep) -> None:
+    def put(self, f: Callable[..., Any], signature: Signature, prep: Prep, types: Any) -> None:
         owner, sub, weak = self._owner(f)
         table: Any = self._functions if weak else self._strong
         with self._lock:
@@ -710,7 +713,7 @@ class _PrepCache:
                     entries = table[key] = _Entries()
             except TypeError:
                 return
-            entries[(sub, signature)] = prep
+            entries[(sub, signature, types)] = prep
             entries.latest[sub, signature.operator] = prep
             while len(entries) > self.per_function:
                 entries.popitem(last=False)
