@@ -862,14 +862,7 @@ class _Check:
         )
         for label in (*skipped, *wrong):
             row, g = self._row(label), gradients[label]
-            verdict, detail = _taylor_verdict(
-                self.center,
-                taylor,
-                float(np.dot(g, taylor.direction)),
-                self._noise(g, taylor),
-                float(np.sum(np.abs(g * taylor.direction))),
-                abs(float(np.dot(g - reference, taylor.direction))),
-            )
+            verdict, detail = self._verdict(taylor, g, abs(float(np.dot(g - reference, taylor.direction))))
             if label in skipped and verdict == "wrong":
                 row.status = "failed"
                 row.tags = row.tags - {"not_differentiable"}
@@ -1200,14 +1193,7 @@ class _Check:
     ) -> str:
         """The Taylor test's verdict on ``g``, written on ``row``; returned."""
         claimed = 0.0 if reference is None else abs(float(np.dot(g - np.nan_to_num(reference), taylor.direction)))
-        verdict, detail = _taylor_verdict(
-            self.center,
-            taylor,
-            float(np.dot(g, taylor.direction)),
-            self._noise(g, taylor),
-            float(np.sum(np.abs(g * taylor.direction))),
-            claimed if fd_failed else 0.0,
-        )
+        verdict, detail = self._verdict(taylor, g, claimed if fd_failed else 0.0)
         note = f"Taylor test {taylor.why}: {detail}"
         if verdict == "wrong":
             row.status = "failed"
@@ -1227,6 +1213,18 @@ class _Check:
         else:
             row.message = note
         return verdict
+
+    def _verdict(self, taylor: _Taylor, g: np.ndarray, claimed: float) -> tuple[str, str]:
+        """:func:`_taylor_verdict` on ``g`` along ``taylor``'s direction; ``claimed``: how far the
+        reference that disagreed puts ``<g, v>`` (0: none)."""
+        return _taylor_verdict(
+            self.center,
+            taylor,
+            float(np.dot(g, taylor.direction)),
+            self._noise(g, taylor),
+            float(np.sum(np.abs(g * taylor.direction))),
+            claimed,
+        )
 
     def _noise(self, g: np.ndarray, taylor: _Taylor) -> float:
         """The rounding noise of f's values: a few ulps of f and of the terms ``x_i g_i``."""
