@@ -250,11 +250,12 @@ def test_parameters_results_are_detached_by_default_and_keep_a_graph_when_asked(
     for backend in (di.AutoTorch(), "torch", di.AutoTorch(create_graph=True)):
         ctx = (di.Constant(model), di.Constant(batch))
         prep = di.prepare_gradient(mlp_loss, backend, params, *ctx) if prepared else None
-        grads = di.gradient(mlp_loss, backend, params, *ctx, prep=prep)
-        for got, want in zip(grads.values(), native, strict=True):
-            torch.testing.assert_close(got.detach(), want.detach())
         graph = backend == di.AutoTorch(create_graph=True)
-        assert all((g.grad_fn is not None) == graph and g.requires_grad == graph for g in grads.values())
+        for _ in range(2):  # (a prep's first call, on copies, and a later one, on aliases of the parameters)
+            grads = di.gradient(mlp_loss, backend, params, *ctx, prep=prep)
+            for got, want in zip(grads.values(), native, strict=True):
+                torch.testing.assert_close(got.detach(), want.detach())
+            assert all((g.grad_fn is not None) == graph and g.requires_grad == graph for g in grads.values())
         if graph:
             penalty = sum(g.square().sum() for g in grads.values())
             expected = torch.autograd.grad(sum(g.square().sum() for g in native), list(params.values()))
@@ -262,6 +263,42 @@ def test_parameters_results_are_detached_by_default_and_keep_a_graph_when_asked(
             for a, b in zip(got, expected, strict=True):
                 torch.testing.assert_close(a, b)
     assert all(p.grad is None and p.is_leaf for p in model.parameters())
+
+
+@pytest.mark.parametrize("backend", ["torch", "torch-func", di.AutoTorch(create_graph=True)], ids=str)
+def test_one_parameter_at_two_leaves_gets_each_leafs_own_derivative(backend: Any) -> None:
+    # expected: tied weights, one nn.Parameter at two leaves of x, get the partial derivative of
+    # each leaf (2 and 3 here), on a prep's first call and on later ones, prepared or not; a
+    # call differentiating the parameter itself would give both leaves the sum, 5
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0], dtype=torch.float64))
+
+    def f(p: Any) -> Any:
+        return (p["a"] * 2 + p["b"] * 3).sum()
+
+    x = {"a": w, "b": w}
+    prep = di.prepare_gradient(f, backend, x)
+    for _ in range(3):
+        for grads in (di.gradient(f, backend, x), di.gradient(f, backend, x, prep=prep)):
+            torch.testing.assert_close(grads["a"].detach(), torch.full((2,), 2.0, dtype=torch.float64))
+            torch.testing.assert_close(grads["b"].detach(), torch.full((2,), 3.0, dtype=torch.float64))
+    assert w.grad is None
+
+
+@pytest.mark.parametrize("backend", ["torch", "torch-func", di.AutoTorch(create_graph=True)], ids=str)
+def test_a_parameters_own_gradient_hook_does_not_change_the_derivative(backend: Any) -> None:
+    # expected: a hook the caller registered on an nn.Parameter (here one that zeroes its
+    # gradient, as torch.autograd.grad on the parameter itself applies) is not part of f: the
+    # derivative of f, 3, on a prep's first call and on later ones, prepared or not
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0], dtype=torch.float64))
+    w.register_hook(lambda g: g * 0)
+
+    def f(p: Any) -> Any:
+        return (p["w"] * 3).sum()
+
+    prep = di.prepare_gradient(f, backend, {"w": w})
+    for _ in range(3):
+        for grads in (di.gradient(f, backend, {"w": w}), di.gradient(f, backend, {"w": w}, prep=prep)):
+            torch.testing.assert_close(grads["w"].detach(), torch.full((2,), 3.0, dtype=torch.float64))
 
 
 def test_a_nested_call_on_parameters_keeps_its_graph_by_default() -> None:
