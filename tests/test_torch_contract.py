@@ -602,6 +602,40 @@ def test_an_operation_without_a_forward_mode_rule_is_named(name: str) -> None:
     torch.testing.assert_close(di.vjp(f, name, x, torch.ones(2, dtype=torch.float64), di.Constant(y)), expected)
 
 
+def _checkpointed(reentrant: bool) -> Any:
+    def f(v: Any) -> Any:
+        return torch.utils.checkpoint.checkpoint(lambda a: (a.sin() ** 2).sum(), v, use_reentrant=reentrant)
+
+    return f
+
+
+def _dropout(v: Any) -> Any:
+    return torch.nn.functional.dropout(v, 0.5, training=True).pow(2).sum()
+
+
+@pytest.mark.parametrize(
+    ("f", "name", "operator", "says", "way"),
+    [
+        (_checkpointed(False), "torch-func", "gradient", "saved-tensor hooks", (_checkpointed(False), "torch")),
+        (_checkpointed(True), "torch", "gradient", "use_reentrant=False", (_checkpointed(False), "torch")),
+        (_checkpointed(True), "torch", "hessian", "use_reentrant=False", (_checkpointed(False), "torch")),
+        (_dropout, "torch-func", "hessian", "draws random numbers", (_dropout, "torch")),
+    ],
+    ids=["checkpoint under torch.func", "reentrant checkpoint", "reentrant checkpoint, Hessian", "dropout's Hessian"],
+)
+def test_what_torch_refuses_in_f_is_named(f: Any, name: str, operator: str, says: str, way: Any) -> None:
+    """torch's own RuntimeErrors, raised by f or its backward pass (saved-tensor hooks under
+    torch.func, a reentrant checkpoint under torch.autograd.grad, a random draw inside vmap), are
+    UnsupportedOperationErrors that say what to do; x unchanged; the way they name works."""
+    x = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64)
+    before = x.clone()
+    with pytest.raises(di.UnsupportedOperationError, match=says):
+        getattr(di, operator)(f, name, x)
+    assert torch.equal(x, before)
+    fixed, backend = way
+    assert torch.isfinite(getattr(di, operator)(fixed, backend, x)).all()
+
+
 @pytest.mark.parametrize("name", ["torch", "torch-func"])
 def test_forward_mode_refuses_an_output_cut_from_x(name: str) -> None:
     """Forward mode, ours or torch.func's: an output cut from x (.item(), .detach()) carries no

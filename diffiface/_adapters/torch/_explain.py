@@ -130,6 +130,42 @@ def _tensor_class_names() -> set[str]:
     return names
 
 
+_REFUSALS = (
+    (
+        "don't yet support saved tensor hooks",
+        "f uses saved-tensor hooks (torch.utils.checkpoint, torch.autograd.graph.save_on_cpu), which "
+        "torch.func's transforms do not support. Use AutoTorch() (autograd mode) for such an f.",
+    ),
+    (
+        "torch.utils.checkpoint is incompatible with .grad()",
+        "f uses torch.utils.checkpoint with use_reentrant=True, whose backward pass runs only under "
+        ".backward(), not torch.autograd.grad, which diffiface differentiates with. Pass "
+        "use_reentrant=False to torch.utils.checkpoint (torch's recommended setting).",
+    ),
+    (
+        "called random operation while in randomness error mode",
+        "f draws random numbers (a dropout in training mode, torch.rand) inside torch.func.vmap, which "
+        "batches this operator's products (a Hessian, a Jacobian or a batch of products) and refuses a "
+        "random f: derivatives of one random draw are a derivative of one fixed f. Fix the draw (a "
+        "module in eval mode, a mask passed as a di.Constant), or use AutoTorch() (autograd mode), whose "
+        "products reuse f's one evaluation.",
+    ),
+)
+"""torch's refusals of what f uses, raised while f or its backward pass runs, and what to do."""
+
+
+def torch_refusal(exc: BaseException) -> UnsupportedOperationError | None:
+    """Where torch refused an operation of f that the engine cannot get past (``exc``, raised by
+    f or by its backward pass), an UnsupportedOperationError that says what to do; else None."""
+    if not isinstance(exc, RuntimeError):
+        return None
+    text = str(exc)
+    for found, message in _REFUSALS:
+        if found in text:
+            return UnsupportedOperationError(message)
+    return None
+
+
 def _autograd_in_func() -> UnsupportedOperationError:
     return UnsupportedOperationError(
         "AutoTorch(mode='autograd') was called on a tensor of a torch.func transform (an outer "

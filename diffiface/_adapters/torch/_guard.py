@@ -15,11 +15,11 @@ import torch.autograd.forward_ad as _forward_ad
 from torch.overrides import TorchFunctionMode
 
 from ... import tree as _tree
-from ..._errors import MutationError
+from ..._errors import DiffifaceError, MutationError
 from .._base import NO_PARTS, Leaves, ProgramParts
 from ._dtensor import _refuse_fully_sharded
 from ._duals import _dual_parts
-from ._explain import _FIX, _LEAF_WRITE, _CapturedWrite
+from ._explain import _FIX, _LEAF_WRITE, _CapturedWrite, torch_refusal
 
 
 class _Calls(threading.local):
@@ -288,10 +288,11 @@ def _after_failure(
     names: _Names | None,
     x_copied: bool = True,
     copied: bool = True,
-) -> MutationError | None:
+) -> DiffifaceError | None:
     """After f or the engine raised ``exc`` inside the guard: the caller's state put back (the
-    call's stack entry, grad mode), and the MutationError that names a write f
-    made, where it made one (None: ``exc`` itself is what the caller gets)."""
+    call's stack entry, grad mode), and the MutationError that names a write f made, where it
+    made one, or the UnsupportedOperationError for an operation torch refused (None: ``exc``
+    itself is what the caller gets)."""
     stack.pop()
     if torch.is_grad_enabled() is not grad_mode:
         torch.set_grad_enabled(grad_mode)
@@ -302,7 +303,7 @@ def _after_failure(
         # torch refused a write into the leaf f got for x (refused before writing)
         where = "x" if names is None else names.of_x(0, len(xs)) if len(xs) == 1 else "x"
         return MutationError(f"f wrote in place into its input {where}; torch refused it. {_FIX}")
-    return None
+    return torch_refusal(exc)
 
 
 def _module_states(
