@@ -382,6 +382,15 @@ class _Missed:
 MISSED = _Missed()
 
 
+def _refused(explain: Callable[[BaseException], str | None], exc: Exception) -> None:
+    """Where the engine refused f outside f's own code (jax's forward mode through a custom_vjp
+    function is refused when jit lowers the trace, after f has run), the diffiface error the
+    adapter raises for it (:meth:`~diffiface._adapters._base.Adapter.explain_failure`); else
+    nothing: f's own errors were explained where f ran, and a hint for them is not repeated."""
+    if not isinstance(exc, DiffifaceError):
+        explain(exc)
+
+
 class JitProgram:
     """The program of a prep that an engine compiles and retraces for new shapes and dtypes
     (jax's ``jit``, mlx's ``mx.compile``, ``tf.function``), where the engine takes every leaf
@@ -415,6 +424,7 @@ class JitProgram:
         "dtype",
         "dtype_name",
         "expected",
+        "explain",
         "finish",
         "fits_backend",
         "flatten",
@@ -456,6 +466,7 @@ class JitProgram:
         kind = op.parts[0][1]
         like = call.x_leaves[0]
         sig = call.signature
+        self.explain = adapter.explain_failure
         self.tangent = op.tangent is not None
         parts = [call.x_leaves, *([call.tangent_leaves] if self.tangent else []), *call.context_leaves]
         specs = [sig.x_spec, *([sig.tangent_spec] if self.tangent else []), *call.context_specs]
@@ -681,11 +692,15 @@ class JitProgram:
                     return MISSED
         scoped = self.scope
         scope = None if scoped is None else scoped()  # (no walrus: AutoGraph reads this method)
-        if scope is None:
-            out = self.compiled(*leaves)
-        else:
-            with scope:
+        try:  # (f is traced here on a prep's first call where preparing did not trace it)
+            if scope is None:
                 out = self.compiled(*leaves)
+            else:
+                with scope:
+                    out = self.compiled(*leaves)
+        except Exception as exc:
+            _refused(self.explain, exc)
+            raise
         if out is None:  # (:meth:`_traced`: the shapes or dtypes are not the prep's)
             return MISSED
         after = self.after
@@ -711,11 +726,15 @@ class JitProgram:
     ) -> tuple[Any, Any]:
         leaves = [*x_leaves, *tangent_leaves, *_chain(context_leaves)]
         scope = None if self.scope is None else self.scope()
-        if scope is None:
-            out = self.compiled(*leaves)
-        else:
-            with scope:
+        try:  # (f is traced here on a prep's first call)
+            if scope is None:
                 out = self.compiled(*leaves)
+            else:
+                with scope:
+                    out = self.compiled(*leaves)
+        except Exception as exc:
+            _refused(self.explain, exc)
+            raise
         if out is None:
             raise Unfit("The arguments' shapes or dtypes are not the prep's.")
         after = self.after
@@ -857,16 +876,20 @@ class Run:
     def __call__(
         self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]
     ) -> tuple[Any, Any]:
-        if self.direct:  # (the common call, in this one frame)
-            dynamic = tuple(_chain(context_leaves)) if context_leaves else ()
-            return self.finish(self.compiled(tuple(x_leaves), tuple(tangent_leaves), dynamic, None)), None
-        if self.dynamic is not None:
-            x_leaves = [x_leaves[i] for i in self.dynamic]
-        scope = self.adapter.scope() if self.scoped else None
-        if scope is None:
-            return self._run(x_leaves, tangent_leaves, context_leaves)
-        with scope:
-            return self._run(x_leaves, tangent_leaves, context_leaves)
+        try:
+            if self.direct:  # (the common call, in this one frame)
+                dynamic = tuple(_chain(context_leaves)) if context_leaves else ()
+                return self.finish(self.compiled(tuple(x_leaves), tuple(tangent_leaves), dynamic, None)), None
+            if self.dynamic is not None:
+                x_leaves = [x_leaves[i] for i in self.dynamic]
+            scope = self.adapter.scope() if self.scoped else None
+            if scope is None:
+                return self._run(x_leaves, tangent_leaves, context_leaves)
+            with scope:
+                return self._run(x_leaves, tangent_leaves, context_leaves)
+        except Exception as exc:
+            _refused(self.adapter.explain_failure, exc)
+            raise
 
     def _run(self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]) -> tuple[Any, Any]:
         if self.passthrough and not self.records:

@@ -629,9 +629,11 @@ def test_numpy_results_are_the_callers_to_write(backend_id: str) -> None:
         result *= 0.5  # (raises on a read-only array)
 
 
-def test_forward_mode_through_a_custom_vjp_is_refused_by_name() -> None:
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_forward_mode_through_a_custom_vjp_is_refused_by_name(jit: bool) -> None:
     """jax differentiates a custom_vjp function in reverse mode only: a derivative or jvp of one
-    raised jax's TypeError (a second derivative its NotImplementedError); the gradient works."""
+    raised jax's TypeError (a second derivative its NotImplementedError), eagerly from f, under
+    jit when jit lowers the trace, after f has run; prepared or not; the gradient works."""
     require("jax")
     import jax
     import jax.numpy as jnp
@@ -641,11 +643,14 @@ def test_forward_mode_through_a_custom_vjp_is_refused_by_name() -> None:
         return jnp.sqrt(v)
 
     root.defvjp(lambda v: (jnp.sqrt(v), v), lambda v, g: (g * 0.5 / jnp.sqrt(v),))
-    backend = di.AutoJAX(jit=False)
+    backend = di.AutoJAX(jit=jit)
+    x = jnp.asarray([1.0, 4.0])
     for call in (
         lambda: di.derivative(root, backend, 1.0),
         lambda: di.second_derivative(root, backend, 1.0),
         lambda: di.jvp(root, backend, 1.0, 1.0),
+        lambda: di.jvp(root, backend, x, x),
+        lambda: di.jvp(root, backend, x, x, prep=di.prepare_jvp(root, backend, x, x)),
     ):
         with pytest.raises(di.UnsupportedOperationError, match="custom_vjp"):
             call()
