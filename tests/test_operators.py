@@ -593,6 +593,27 @@ def test_a_python_float_cotangent_takes_a_float32_outputs_dtype(backend_id: str)
     assert np.asarray(got).dtype == np.float32
 
 
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_a_python_float_leaf_is_weak_under_jax_as_jax_takes_it(jit: bool) -> None:
+    """A Python float at a leaf of x reached f as a strong float64 array under x64: a float32 f
+    (the float times float32 weights) computed in float64 and its value came back float64, where
+    jax's own call keeps float32. It reaches f weakly typed, as jax takes a Python number."""
+    require("jax")
+    import jax
+    import jax.numpy as jnp
+
+    def f(t: Any) -> Any:
+        return jnp.sum(t["scale"] * jnp.sin(t["w"]))
+
+    x = {"scale": 1.5, "w": jnp.asarray([0.3, -1.2, 2.0], dtype=jnp.float32)}
+    value, grads = di.value_and_gradient(f, di.AutoJAX(jit=jit), x)
+    native_value, native_grads = jax.value_and_grad(f)(x)
+    assert value.dtype == native_value.dtype == jnp.float32
+    assert type(grads["scale"]) is float and grads["w"].dtype == jnp.float32
+    np.testing.assert_allclose(grads["scale"], float(native_grads["scale"]), rtol=1e-6)
+    np.testing.assert_allclose(grads["w"], native_grads["w"], rtol=1e-6)
+
+
 def test_an_aux_prng_key_comes_back_as_f_returned_it() -> None:
     """An aux leaf numpy has no dtype for (a jax PRNG key, the next step's key) raised jax's
     TypeError where x is numpy and aux arrays are made numpy: it comes back as returned."""

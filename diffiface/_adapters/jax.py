@@ -46,7 +46,9 @@ class Adapter(_base.Adapter):
     def to_native(self, leaf: Any) -> Any:
         kind = _arrays.kind(leaf)
         if kind == "python":
-            return jnp.asarray(leaf, dtype=jnp.complex128 if isinstance(leaf, complex) else jnp.float64)
+            # weakly typed, as jax takes a Python number: it takes the dtype of the arrays it
+            # meets (float64 where x64 is on, as in diffiface's scope for float64 work)
+            return jnp.asarray(leaf)
         if kind == "numpy":
             return jnp.asarray(_arrays.in_native_byte_order(leaf))
         return leaf
