@@ -23,10 +23,33 @@ from .._errors import (
     MutationError,
     UnsupportedOperationError,
 )
-from ._base import Blocks, Leaves
+from . import _base
+from ._base import Blocks, Leaves, ProgramParts
 
 MAX_JACOBIAN_ENTRIES = 25_000_000
 """The most entries (outputs times inputs) of a Jacobian built by finite differences (200 MB in float64)."""
+
+
+class BlackBoxAdapter(_base.Adapter):
+    """What the black-box engines' adapters share: the contexts' arrays in x's family
+    (:func:`context_like_x`, :func:`constant_like_x`), and each call's Constant torch modules
+    watched (:func:`watch_constant_modules`)."""
+
+    def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
+        return context_like_x(leaf, like)
+
+    def constant_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
+        return constant_like_x(leaf, like)
+
+    def compile(
+        self,
+        program: Callable[..., Any],
+        static: bool = True,
+        arrays: bool = False,
+        layouts: Any = None,
+        parts: ProgramParts | None = None,
+    ) -> Callable[..., Any]:
+        return watch_constant_modules(program, parts, self.info.name)
 
 
 def check_size(backend: Any, xs: Leaves, operator: str, limit: int, what: str) -> None:

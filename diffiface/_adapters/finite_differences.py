@@ -37,9 +37,10 @@ from .._errors import (
     UnsupportedOperationError,
 )
 from . import _base, _on_device
-from ._base import Blocks, Deferred, Fn, Leaves, ProgramParts
+from ._base import Blocks, Deferred, Fn, Leaves
 from ._black_box import MAX_JACOBIAN_ENTRIES as MAX_JACOBIAN_ENTRIES
 from ._black_box import (
+    BlackBoxAdapter,
     _blocks,
     _fit,
     _flatten_out,
@@ -59,10 +60,7 @@ from ._black_box import (
     _traced_by_torch,
     check_entries,
     check_size,
-    constant_like_x,
-    context_like_x,
     run_f,
-    watch_constant_modules,
 )
 
 _POWER = {"central": 1 / 3, "forward": 1 / 2, "backward": 1 / 2}
@@ -76,7 +74,7 @@ MAX_VECTORIZED_INPUTS = 4_000
 """The most inputs with ``vectorize=True``: all 2 n perturbed points (2 n² numbers) are built at once."""
 
 
-class Adapter(_base.Adapter):
+class Adapter(BlackBoxAdapter):
     xp = np
 
     def __init__(self, backend: Any, info: Any) -> None:
@@ -86,22 +84,6 @@ class Adapter(_base.Adapter):
         self.complex_outputs = self.method == "complex"
         self.vectorize: bool = backend.vectorize
         self.batches = self.vectorize
-
-    def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
-        return context_like_x(leaf, like)
-
-    def constant_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
-        return constant_like_x(leaf, like)
-
-    def compile(
-        self,
-        program: Callable[..., Any],
-        static: bool = True,
-        arrays: bool = False,
-        layouts: Any = None,
-        parts: ProgramParts | None = None,
-    ) -> Callable[..., Any]:
-        return watch_constant_modules(program, parts, self.info.name)
 
     def _check_size(self, xs: Leaves, operator: str, hessian: bool = False) -> None:
         if hessian:

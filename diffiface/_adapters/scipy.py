@@ -17,16 +17,15 @@ grows with the size of x, not its square. Sizes are bounded by :data:`MAX_INPUTS
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import scipy.differentiate
 
 from .. import _arrays
-from . import _base
-from ._base import Blocks, Fn, Leaves, ProgramParts
+from ._base import Blocks, Fn, Leaves
 from ._black_box import (
+    BlackBoxAdapter,
     _blocks,
     _fit,
     _flatten_out,
@@ -37,10 +36,7 @@ from ._black_box import (
     _split_out,
     _times_non_finite,
     check_size,
-    constant_like_x,
-    context_like_x,
     run_f,
-    watch_constant_modules,
 )
 
 MAX_INPUTS = 1_000
@@ -52,7 +48,7 @@ MAX_SECOND_ORDER_INPUTS = 100
 _NAME = "scipy"
 
 
-class Adapter(_base.Adapter):
+class Adapter(BlackBoxAdapter):
     xp = np
     estimates_errors = True
 
@@ -68,22 +64,6 @@ class Adapter(_base.Adapter):
         if tolerances:
             self._options["tolerances"] = tolerances
         self._local = threading.local()
-
-    def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
-        return context_like_x(leaf, like)
-
-    def constant_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
-        return constant_like_x(leaf, like)
-
-    def compile(
-        self,
-        program: Callable[..., Any],
-        static: bool = True,
-        arrays: bool = False,
-        layouts: Any = None,
-        parts: ProgramParts | None = None,
-    ) -> Callable[..., Any]:
-        return watch_constant_modules(program, parts, self.info.name)
 
     def take_error(self) -> Any:
         error = getattr(self._local, "error", None)
