@@ -244,6 +244,21 @@ def test_steps_scaled_by_a_large_x_neither_hide_a_wrong_gradient_nor_fail_a_righ
     assert row.status == "passed" and "the first test's steps were too long for f" in row.message
 
 
+def test_an_x_too_large_to_judge_sin_at_is_skipped_and_a_polynomial_there_still_fails():
+    """sin at x = 1e12: finite differences scaled by |x| show a kink (sin turns within them) and
+    give 0; at unit steps f's rounding (1e12 times eps) hides the derivative. A right gradient
+    failed there; now the row is skipped, not judged. x**2 with a wrong gradient at the same x
+    still fails: its differences are exact there."""
+    torch = pytest.importorskip("torch")
+    x = torch.tensor([1e12, 2.0, -3.0], dtype=torch.float64)
+    report = check_gradients(lambda v: torch.sin(v).sum(), x, backends=["torch"])
+    (row,) = report.rows
+    assert row.status == "skipped" and row.message.startswith("not judged: f is no polynomial")
+    wrong = _scaled_backward(torch, lambda v: v**2, lambda v: 2 * v, factor=1.5)
+    with pytest.raises(AssertionError, match="values differ at input"):
+        check_gradients(lambda v: wrong(v).sum(), x, backends=["torch"])
+
+
 def _relu_one_at_zero(jax: Any) -> Any:
     """relu whose custom rule takes the subgradient 1 at 0 (jax.nn.relu and torch.relu take 0)."""
 
