@@ -467,6 +467,39 @@ def test_torch_detector_refuses_reading_values() -> None:
         del name
 
 
+def test_an_autograd_function_without_setup_context_is_refused_by_name() -> None:
+    """The tracer runs f under torch.func.functionalize, which refuses an old-style
+    torch.autograd.Function: torch's RuntimeError reached the caller. Now the refusal names the
+    Function's missing setup_context and the detectors that need none, and the advice works; a
+    jvp of it (torch's NotImplementedError before) names the missing jvp and the reverse way."""
+
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, t: Any) -> Any:
+            ctx.save_for_backward(t)
+            return t * t
+
+        @staticmethod
+        def backward(ctx: Any, g: Any) -> Any:
+            (t,) = ctx.saved_tensors
+            return 2 * t * g
+
+    def f(t: Any) -> Any:
+        return Square.apply(t) + torch.roll(t, 1)
+
+    x = torch.arange(1.0, 6.0, dtype=torch.float64)
+    with pytest.raises(di.UnsupportedOperationError, match="without a setup_context staticmethod"):
+        di.jacobian(f, di.AutoSparse(di.AutoTorch()), x)
+    # (its row coloring evaluates f once by a jvp, which the Function's missing jvp refuses by name)
+    with pytest.raises(di.UnsupportedOperationError, match="without a jvp staticmethod"):
+        di.jacobian(f, di.AutoSparse(di.AutoTorch(), detector=sparse.LocalDetector()), x)
+    found = di.jacobian(f, di.AutoSparse(di.AutoTorch(jvp="reverse"), detector=sparse.LocalDetector()), x)
+    assert np.array_equal(found.to_dense().numpy(), di.jacobian(f, "torch", x).numpy())
+    with pytest.raises(di.UnsupportedOperationError, match="without a jvp staticmethod"):
+        di.jvp(f, "torch", x, x)
+    assert torch.equal(di.jvp(f, di.AutoTorch(jvp="reverse"), x, x), di.jacobian(f, "torch", x) @ x)
+
+
 def test_torch_detector_changes_nothing_of_the_caller() -> None:
     """Tensors f closes over, x, the contexts and torch's random generator are left as they were."""
     x = torch.tensor(_points(1)[0])

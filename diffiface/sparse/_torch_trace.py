@@ -205,6 +205,13 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
             reason = _value_read(error)
             if reason is not None:
                 raise UnsupportedOperationError(_refusal(reason)) from error
+            if isinstance(error, RuntimeError) and "override the setup_context" in str(error):
+                raise UnsupportedOperationError(
+                    "GlobalDetector could not read the sparsity pattern of torch-written f: f uses a "
+                    "torch.autograd.Function without a setup_context staticmethod, which the tracer's "
+                    "torch.func.functionalize cannot run. Give the Function setup_context (forward without "
+                    "ctx, and setup_context(ctx, inputs, output)), or use LocalDetector(...) or KnownPattern(pattern)."
+                ) from error
             if not _mentions_meta(error):
                 raise  # f's own exception, as f raised it
         fallback = True

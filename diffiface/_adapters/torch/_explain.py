@@ -63,6 +63,14 @@ def explain_failure(exc: BaseException, functional: bool) -> str | None:
             "passes), for an hvp or a Hessian AutoTorch() (double backward), where torch can differentiate "
             "f's backward pass again."
         ) from exc
+    if isinstance(exc, NotImplementedError) and "implement the jvp function for custom autograd.Function" in text:
+        raise UnsupportedOperationError(
+            "f uses a torch.autograd.Function without a jvp staticmethod, and this operator runs f in forward "
+            "mode (a jvp or a derivative; under torch.func also an hvp or a Hessian, forward over reverse; "
+            "AutoSparse's row coloring, once, for the layout of f's output). "
+            "Give the Function a jvp, or use reverse mode: for a jvp AutoTorch(jvp='reverse') (two backward "
+            "passes), for an hvp or a Hessian AutoTorch() (double backward)."
+        ) from exc
     if functional and isinstance(exc, RuntimeError) and "override the setup_context" in text:
         # torch.func's refusal of a classic torch.autograd.Function: the engine cannot run f
         raise UnsupportedOperationError(
