@@ -997,14 +997,19 @@ class _Conversions:
             if not context_leaves:
                 return xs, ts, (), None
             return xs, ts, tuple(leaf for leaves in context_leaves for leaf in leaves), None
-        like = _float_like(xs)
+        like = MISSED  # (found only where a leaf is converted: a context's Python float takes its dtype)
         dynamic: list[Any] = []
         static: list[Any] = []
         kept, mask = self.kept, self.mask
         i = 0
         for index, leaves in enumerate(context_leaves):
             for leaf in leaves:
-                native = leaf if type(leaf) is kept[i] else self._context(leaf, like, index)[0]
+                if type(leaf) is kept[i]:
+                    native = leaf
+                else:
+                    if like is MISSED:
+                        like = _float_like(xs)
+                    native = self._context(leaf, like, index)[0]
                 (dynamic if mask[i] else static).append(native)
                 i += 1
         return xs, ts, tuple(dynamic), _Static(static, mask) if static else None

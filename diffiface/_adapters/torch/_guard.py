@@ -284,7 +284,7 @@ def _after_failure(
     xs: Leaves,
     versions: list[int],
     constants: list[tuple[int, Any, int]],
-    modules: list[tuple[int, str, str, str, Any, int, Any]] | None,
+    modules: list[_State] | None,
     names: _Names | None,
     x_copied: bool = True,
     copied: bool = True,
@@ -306,41 +306,59 @@ def _after_failure(
     return torch_refusal(exc)
 
 
-def _module_states(
-    static: Any, cache_static: tuple[bool, ...], full: bool = False
-) -> list[tuple[int, str, str, str, Any, int, Any]] | None:
+def _module_states(static: Any, cache_static: tuple[bool, ...], full: bool = False) -> list[_State] | None:
     """For each Constant ``torch.nn.Module`` (by its index among the static leaves): each
-    parameter and buffer as (index, what, its module's prefix, name, tensor, version, copy).
+    parameter and buffer as (index, what, (the Constant's module, its submodule), name, tensor,
+    version, copy).
 
     The copy puts back what f wrote. ``full`` (a prep's first call): a copy of every tensor,
     so that any write is undone, also one no counter sees (through ``.data``). Else a copy of
     the buffers of submodules in training mode only (torch's batch norm writes its running
     statistics without a version bump); nothing else is copied, so that a frozen backbone
     costs its counters per call, not its size, and a write is seen but not undone. The
-    qualified name is joined only where an error names it."""
-    states: list[tuple[int, str, str, str, Any, int, Any]] = []
+    submodule's qualified name is found only where an error names it (:func:`_qualified`)."""
+    states: list[_State] = []
     for index, (value, cache) in enumerate(zip(static.leaves, cache_static, strict=False)):
         if cache or not isinstance(value, torch.nn.Module):
             continue
         _refuse_fully_sharded(value)
-        for prefix, module in value.named_modules():
-            training = module.training
-            for name, tensor in module._parameters.items():
-                if tensor is not None and not tensor.is_inference():  # (torch refuses writes into those)
-                    copy = tensor.detach().clone() if full else None
-                    states.append((index, "parameter", prefix, name, tensor, tensor._version, copy))
-            for name, tensor in module._buffers.items():
-                if tensor is not None and not tensor.is_inference():
-                    copy = tensor.detach().clone() if training or full else None
-                    states.append((index, "buffer", prefix, name, tensor, tensor._version, copy))
+        _walk(index, value, value, full, states)
     return states or None
+
+
+_State = tuple[int, str, tuple[Any, Any], str, Any, int, Any]
+
+
+def _walk(index: int, root: Any, module: Any, full: bool, states: list[_State]) -> None:
+    """:func:`_module_states`'s entries of ``module`` and its submodules: a walk of the modules'
+    own dicts (``named_modules`` builds each prefix and a set of those seen, on every call)."""
+    where = (root, module)
+    for name, tensor in module._parameters.items():
+        if tensor is not None and not tensor.is_inference():  # (torch refuses writes into those)
+            copy = tensor.detach().clone() if full else None
+            states.append((index, "parameter", where, name, tensor, tensor._version, copy))
+    training = module.training
+    for name, tensor in module._buffers.items():
+        if tensor is not None and not tensor.is_inference():
+            copy = tensor.detach().clone() if training or full else None
+            states.append((index, "buffer", where, name, tensor, tensor._version, copy))
+    for child in module._modules.values():
+        if child is not None:
+            _walk(index, root, child, full, states)
+
+
+def _qualified(where: tuple[Any, Any], name: str) -> str:
+    """The name of a submodule's tensor as ``root.named_parameters()`` gives it."""
+    root, module = where
+    prefix = next((prefix for prefix, found in root.named_modules(remove_duplicate=False) if found is module), "")
+    return f"{prefix}.{name}" if prefix else name
 
 
 def _mutation(
     xs: Leaves,
     versions: list[int],
     constants: list[tuple[int, Any, int]],
-    modules: list[tuple[int, str, str, str, Any, int, Any]] | None,
+    modules: list[_State] | None,
     names: _Names | None,
     x_copied: bool = True,
     copied: bool = True,
@@ -360,10 +378,10 @@ def _mutation(
             return f"f wrote in place into {where}, a tensor of a di.Constant; {state}. A Constant is read-only: {_FIX}"
     if modules:
         changed = None
-        for index, what, prefix, name, tensor, version, copy in modules:
+        for index, what, module, name, tensor, version, copy in modules:
             if tensor._version != version or (copy is not None and not _same_bits(tensor, copy)):
                 if changed is None:
-                    changed = (index, what, f"{prefix}.{name}" if prefix else name, copy is not None)
+                    changed = (index, what, _qualified(module, name), copy is not None)
                 if copy is not None:
                     with torch.no_grad():
                         tensor.copy_(copy)
@@ -452,7 +470,7 @@ class _WriteFinder(TorchFunctionMode):
 def _named_capture(
     rerun: Callable[[], Any],
     constants: list[tuple[int, Any, int]],
-    modules: list[tuple[int, str, str, str, Any, int, Any]] | None,
+    modules: list[_State] | None,
     names: _Names,
 ) -> MutationError | None:
     """Where torch.func refused a write by f into a tensor it closes over (before the write, so
@@ -461,8 +479,8 @@ def _named_capture(
     module's parameter or buffer. None where it does not reach one (a global; or f takes
     another path on its second run): torch.func's own refusal stands."""
     watched = {id(tensor): f"{names.of_dynamic(i)}, a tensor of a di.Constant" for i, tensor, _ in constants}
-    for index, what, prefix, name, tensor, _, _ in modules or ():
-        qualified = f"{prefix}.{name}" if prefix else name
+    for index, what, module, name, tensor, _, _ in modules or ():
+        qualified = _qualified(module, name)
         watched[id(tensor)] = f"the {what} {qualified!r} of the torch.nn.Module {names.of_static(index)}, a di.Constant"
     if not watched:
         return None
