@@ -380,14 +380,14 @@ class AutoScipy(Backend):
 
 @dataclass(frozen=True)
 class AutoTensorFlow(Backend):
-    """Differentiate with TensorFlow (``tf.GradientTape``, ``tf.autodiff.ForwardAccumulator``).
+    """Differentiate with TensorFlow (``tf.GradientTape``).
 
     ``x`` may hold ``tf.Tensor`` and ``tf.Variable`` leaves (a Keras 3 model's
     ``trainable_variables``), numpy arrays and floats; ``f`` is called with ``tf.Tensor``
     leaves (the variables' values, read once: a variable is never written). A result for a
-    variable is a ``tf.Tensor`` of its dtype; for a numpy array, a numpy array. Reverse mode
-    is a ``GradientTape``, forward mode a ``ForwardAccumulator``, second order the two nested
-    (an hvp forward over reverse).
+    variable is a ``tf.Tensor`` of its dtype; for a numpy array, a numpy array. Every
+    derivative is a ``GradientTape``'s: a jvp is the pullback's adjoint (two tapes nested), so
+    that a ``tf.custom_gradient``'s rule holds in every operator; second order nests them again.
 
     Parameters
     ----------

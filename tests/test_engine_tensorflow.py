@@ -148,6 +148,29 @@ def test_every_operator_on_a_tensor(backend: di.Backend) -> None:
 # -- refusals and the contract ----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_custom_gradient_holds_in_forward_products_too(backend: di.Backend) -> None:
+    """tf.autodiff.ForwardAccumulator differentiates a tf.custom_gradient's forward operations,
+    not its rule: a jvp and a derivative of a straight-through rounding were 0 (1 eagerly, of a
+    rule that scales by 10) where the gradient, vjp and Jacobian follow the rule."""
+
+    @tf.custom_gradient
+    def straight_through(v: Any) -> Any:
+        return tf.round(v), lambda dy: dy
+
+    @tf.custom_gradient
+    def scaled(v: Any) -> Any:
+        return tf.identity(v), lambda dy: 10.0 * dy
+
+    x = tf.constant([0.3, 1.7], tf.float64)
+    t = tf.constant([1.0, -2.0], tf.float64)
+    for rule, factor in ((straight_through, 1.0), (scaled, 10.0)):
+        assert np.allclose(di.jvp(rule, backend, x, t).numpy(), factor * t.numpy())
+        assert np.allclose(di.derivative(rule, backend, tf.constant(0.3, tf.float64)).numpy(), factor)
+        assert np.allclose(di.vjp(rule, backend, x, t).numpy(), factor * t.numpy())
+        assert np.allclose(di.jacobian(rule, backend, x).numpy(), factor * np.eye(2))
+
+
 def test_a_value_cut_from_the_tape_is_refused() -> None:
     def cut(x: Any) -> Any:
         return tf.constant(tf.reduce_sum(x**2).numpy())

@@ -1,12 +1,12 @@
-"""TensorFlow: ``tf.GradientTape`` (reverse), ``tf.autodiff.ForwardAccumulator`` (forward),
-the two nested for second order, and ``tf.function`` under ``jit=True``.
+"""TensorFlow: ``tf.GradientTape`` for every derivative (a jvp is the pullback's adjoint, by
+two tapes nested; second order nests them again), and ``tf.function`` under ``jit=True``.
 
 ``f`` is called with ``tf.Tensor`` leaves: a variable of x (``tf.Variable``, a Keras 3
 variable) is read once into a tensor, which the tape watches; the variable itself is never
 watched, written or returned. A tape answers once unless persistent, so the pullback of
 :meth:`Adapter.pullback_function`, which may be applied many times (a Jacobian's rows), keeps
 a persistent one; a gradient takes a plain one. Whether an output of ``f`` is traced is asked
-of the tape (or the accumulator) running, so a value ``f`` cut from the trace (``.numpy()``,
+of the tape running, so a value ``f`` cut from the trace (``.numpy()``,
 ``float(y)``) is found, never differentiated as zero.
 """
 
@@ -48,8 +48,8 @@ class _Namespace:
 
 
 class _Tracing(threading.local):
-    """What traces the current evaluation of ``f`` in this thread: the tapes and accumulators
-    of the calls running, innermost last (``("tape", None)`` or ``("forward", accumulator)``)."""
+    """What traces the current evaluation of ``f`` in this thread: the tapes of the calls
+    running, innermost last (``("tape", None)``)."""
 
     def __init__(self) -> None:
         self.stack: list[tuple[str, Any]] = []
@@ -70,7 +70,7 @@ class Adapter(_base.Adapter):
 
     def to_native(self, leaf: Any) -> Any:
         if isinstance(leaf, tf.Tensor):
-            # eager, a tape and an accumulator watch tensors by identity: f gets a tensor of its
+            # eager, a tape watches tensors by identity: f gets a tensor of its
             # own, so that one tensor at two leaves of x, or x's tensor closed over by f, is not
             # differentiated as both (a graph's arguments are apart)
             return leaf if self.compiles else tf.identity(leaf)
@@ -127,8 +127,7 @@ class Adapter(_base.Adapter):
             return False
         if not isinstance(leaf, tf.Tensor):
             return True  # a number or numpy array while x is traced: f left TensorFlow
-        how, accumulator = stack[-1]
-        missed = not record.should_record_backprop([leaf]) if how == "tape" else accumulator.jvp(leaf) is None
+        missed = not record.should_record_backprop([leaf])
         if not isinstance(leaf, _EAGER):  # (a graph has no values to evaluate f at again)
             _refuse_graph_cut(leaf, xs, missed)
             return False  # (x does not reach it where it is missed: its derivative is zero)
@@ -235,20 +234,14 @@ class Adapter(_base.Adapter):
         return value, aux, _dense([tf.zeros_like(x) if g is None else g for g, x in zip(grads, xs, strict=True)])
 
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
+        """The jvp as the adjoint of the pullback, by reverse mode through it: a
+        ``tf.autodiff.ForwardAccumulator`` differentiates the forward operations of a
+        ``tf.custom_gradient`` and not its rule (a straight-through rounding's jvp was 0 where
+        its gradient is 1), takes real primals only, and its complex rules are not the
+        convention's. So every derivative of f is the tape's."""
         if not xs:
             out, aux = fn(xs)
             return out, aux, _zeros_like_out(out)
-        if not any(x.dtype.is_complex for x in xs):
-            with tf.autodiff.ForwardAccumulator(list(xs), list(txs)) as accumulator:
-                out, aux = _traced(fn, xs, ("forward", accumulator))
-            outs = out if isinstance(out, tuple) else (out,)
-            if not any(y.dtype.is_complex for y in outs):
-                touts = _dense(accumulator.jvp(list(outs), unconnected_gradients=_ZERO))
-                return out, aux, touts if isinstance(out, tuple) else touts[0]
-        # A ForwardAccumulator watches real primals only (a complex one is dropped, with a
-        # logged warning, and its tangent would read as zero), and its rules for complex
-        # operations are not the convention's: the pushforward is then the adjoint of the
-        # pullback, by reverse mode through it.
         return self._pushforward_by_pullbacks(fn, xs, txs)
 
     def _pushforward_by_pullbacks(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
@@ -267,7 +260,7 @@ class Adapter(_base.Adapter):
                 g = tf.convert_to_tensor(g)
                 term = tf.reduce_sum(tf.math.real(tf.math.conj(tf.cast(t, g.dtype)) * g))
                 total += tf.cast(term, tf.float64)
-        touts = outer.gradient(total, us, unconnected_gradients=_ZERO)
+        touts = _dense(outer.gradient(total, us, unconnected_gradients=_ZERO))  # (a gather's: IndexedSlices)
         touts = [tf.cast(t, y.dtype) for t, y in zip(touts, outs, strict=True)]
         return out, aux, tuple(touts) if isinstance(out, tuple) else touts[0]
 
@@ -411,7 +404,7 @@ def _cast_like(t: Any, y: Any) -> Any:
 
 def _refuse_graph_cut(leaf: Any, xs: Leaves, missed: bool) -> None:
     """Inside a graph (``tf.function``), where f's output leaf would read as having a zero
-    derivative though x reaches it: refused. That is a leaf the tape or accumulator does not
+    derivative though x reaches it: refused. That is a leaf the tape does not
     trace (``missed``) that the graph's operations lead to from x (``tf.stop_gradient`` of all
     of it), or any leaf that x reaches through a numpy function (``tf.numpy_function``, whose
     operation TensorFlow records and differentiates as zero). Else f does not depend on x there."""
