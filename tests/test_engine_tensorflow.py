@@ -171,6 +171,32 @@ def test_a_custom_gradient_holds_in_forward_products_too(backend: di.Backend) ->
         assert np.allclose(di.jacobian(rule, backend, x).numpy(), factor * np.eye(2))
 
 
+def test_jit_control_flow_has_forward_products_and_unknown_shapes_are_refused() -> None:
+    """Under jit, a ForwardAccumulator through tf.map_fn, tf.scan or tf.while_loop raised
+    TensorFlow's TypeError (a variant dtype); the jvp and hvp now agree with eager mode's. A graph
+    output of unknown shape (tf.py_function, tf.boolean_mask) and float(y) raised raw Python
+    errors from diffiface's own checks; they are refused by name."""
+    eager, jit = di.AutoTensorFlow(), di.AutoTensorFlow(jit=True)
+    x = tf.constant([0.5, -1.0, 1.5], tf.float64)
+    t = tf.constant([1.0, 2.0, -1.0], tf.float64)
+
+    def mapped(v: Any) -> Any:
+        return tf.map_fn(lambda a: a**3, v)
+
+    def looped(v: Any) -> Any:
+        _, out = tf.while_loop(lambda i, a: i < 3, lambda i, a: (i + 1, tf.sin(a) * v), (0, v))
+        return tf.reduce_sum(out**2)
+
+    np.testing.assert_allclose(di.jvp(mapped, jit, x, t).numpy(), 3 * x.numpy() ** 2 * t.numpy())
+    np.testing.assert_allclose(di.hvp(looped, jit, x, t).numpy(), di.hvp(looped, eager, x, t).numpy(), rtol=1e-12)
+    with pytest.raises(di.InvalidOutputError, match="does not know its shape"):
+        di.gradient(lambda v: tf.py_function(lambda a: tf.reduce_sum(tf.sin(a)), [v], tf.float64), jit, x)
+    with pytest.raises(di.InvalidOutputError, match="does not know its shape"):
+        di.jacobian(lambda v: tf.boolean_mask(v, v > 0) ** 2, jit, x)
+    with pytest.raises(di.DiffifaceError, match="converts a tensor to a Python number"):
+        di.gradient(lambda v: float(tf.reduce_sum(v)), jit, x)
+
+
 def test_a_value_cut_from_the_tape_is_refused() -> None:
     def cut(x: Any) -> Any:
         return tf.constant(tf.reduce_sum(x**2).numpy())

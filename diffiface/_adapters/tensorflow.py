@@ -121,6 +121,18 @@ class Adapter(_base.Adapter):
         dtype = dtype_of(like) if isinstance(like, _TENSOR) and _arrays.kind(leaf) == "python" else None
         return tf.constant(leaf, dtype=dtype)
 
+    def output_values(self, leaf: Any) -> Any:  # type: ignore[override]
+        """An output leaf as it is; refused where a graph does not know its shape
+        (``tf.py_function``'s output, ``tf.boolean_mask``'s under ``jit=True``)."""
+        shape = getattr(leaf, "shape", None)
+        if isinstance(shape, tf.TensorShape) and not shape.is_fully_defined():
+            raise InvalidOutputError(
+                f"f returned a tensor of shape {shape} inside a tf.function graph, which does not know its "
+                "shape (tf.py_function, tf.boolean_mask, tf.unique): its derivatives cannot be laid out. "
+                "Use AutoTensorFlow(jit=False), or give the shape (tf.ensure_shape)."
+            )
+        return leaf
+
     def untracked(self, leaf: Any, xs: Leaves) -> bool:
         stack = _tracing.stack
         if not stack or not xs:
@@ -157,6 +169,11 @@ class Adapter(_base.Adapter):
                 "f needs the values of its tensors as numpy (.numpy(), np.asarray, a numpy function), which "
                 "a tf.function graph does not have. Write f with TensorFlow operations, or use "
                 "AutoTensorFlow(jit=False)."
+            )
+        if isinstance(exc, TypeError) and "SymbolicTensor" in str(exc) and self.compiles:
+            return (
+                "f converts a tensor to a Python number (float(y), int(y)), which a tf.function graph does "
+                "not have: return the tensor itself, or use AutoTensorFlow(jit=False)."
             )
         if isinstance(exc, TypeError) and "OperatorNotAllowedInGraphError" in type(exc).__name__:
             return (
@@ -260,9 +277,9 @@ class Adapter(_base.Adapter):
                 g = tf.convert_to_tensor(g)
                 term = tf.reduce_sum(tf.math.real(tf.math.conj(tf.cast(t, g.dtype)) * g))
                 total += tf.cast(term, tf.float64)
-        touts = _dense(outer.gradient(total, us, unconnected_gradients=_ZERO))  # (a gather's: IndexedSlices)
-        touts = [tf.cast(t, y.dtype) for t, y in zip(touts, outs, strict=True)]
-        return out, aux, tuple(touts) if isinstance(out, tuple) else touts[0]
+        found = _dense(outer.gradient(total, us, unconnected_gradients=_ZERO))  # (a gather's: IndexedSlices)
+        touts = tuple(tf.cast(t, y.dtype) for t, y in zip(found, outs, strict=True))
+        return out, aux, touts if isinstance(out, tuple) else touts[0]
 
 
 class _FirstCallWatch:
