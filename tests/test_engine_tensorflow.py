@@ -412,6 +412,19 @@ def test_an_embedding_lookup_has_an_hvp(backend: di.Backend) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_scatter_has_an_hvp_and_a_hessian(backend: di.Backend) -> None:
+    """Forward over reverse through tf.tensor_scatter_nd_update raised TensorFlow's
+    AttributeError ('IndexedSlices' has no '_id'); reverse over reverse serves it.
+    f = x0**4 + x0**6 + x2**4 + x1**6."""
+    x = tf.constant([0.5, -1.0, 1.5, 2.0], tf.float64)
+    f = lambda v: tf.reduce_sum(tf.tensor_scatter_nd_update(v**2, [[1], [3]], v[:2] ** 3) ** 2)  # noqa: E731
+    v = x.numpy()
+    diagonal = np.array([12 * v[0] ** 2 + 30 * v[0] ** 4, 30 * v[1] ** 4, 12 * v[2] ** 2, 0.0])
+    np.testing.assert_allclose(di.hessian(f, backend, x).numpy(), np.diag(diagonal))
+    np.testing.assert_allclose(di.hvp(f, backend, x, tf.ones(4, tf.float64)).numpy(), diagonal)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_float_cotangent_takes_the_output_dtype(backend: di.Backend) -> None:
     x = tf.constant([1.0, 2.0])  # float32
     got = di.vjp(lambda v: tf.reduce_sum(v**2), backend, x, 1.0)
