@@ -268,6 +268,7 @@ def _closer(
     output_leaf = adapter.output_leaf
     untracked = adapter.untracked
     batches = adapter.batches
+    traced_by_engine = adapter.traced_function
 
     def settle(
         result: Any, f: Callable[..., Any], context_values: tuple[Any, ...], xs: tuple[Any, ...], like: Any
@@ -282,6 +283,9 @@ def _closer(
         return output_leaf(_checked(op, result, output, adapter)[0], like)
 
     def close(f: Callable[..., Any], context_values: tuple[Any, ...], like: Any) -> Callable[..., Any]:
+        if traced_by_engine is not None:
+            f = traced_by_engine(f)
+
         def fn(xs: tuple[Any, ...]) -> tuple[Any, Any]:
             x = xs[0] if single else rebuild(xs)
             try:

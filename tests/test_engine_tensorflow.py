@@ -197,6 +197,29 @@ def test_jit_control_flow_has_forward_products_and_unknown_shapes_are_refused() 
         di.gradient(lambda v: float(tf.reduce_sum(v)), jit, x)
 
 
+def test_a_decorated_f_is_traced_op_by_op_under_jit() -> None:
+    """Under jit a @tf.function f was one call operation in the prep's graph: a cut inside it
+    (tf.stop_gradient of the whole output) read as a zero gradient. It is traced op by op now,
+    with autograph as its decorator converts it (a Python branch on a tensor still works)."""
+    jit = di.AutoTensorFlow(jit=True)
+    x = tf.constant([1.0, 2.0], tf.float64)
+
+    @tf.function
+    def branchy(v: Any) -> Any:
+        if tf.reduce_sum(v) > 0:
+            return tf.reduce_sum(v**2)
+        return tf.reduce_sum(v**3)
+
+    @tf.function
+    def cut(v: Any) -> Any:
+        return tf.reduce_sum(tf.stop_gradient(v) ** 2)
+
+    np.testing.assert_allclose(di.gradient(branchy, jit, x).numpy(), [2.0, 4.0])
+    np.testing.assert_allclose(di.gradient(branchy, jit, -x).numpy(), [3.0, 12.0])
+    with pytest.raises(di.InvalidOutputError, match="does not differentiate"):
+        di.gradient(cut, jit, x)
+
+
 def test_a_value_cut_from_the_tape_is_refused() -> None:
     def cut(x: Any) -> Any:
         return tf.constant(tf.reduce_sum(x**2).numpy())

@@ -179,6 +179,12 @@ class Adapter:
         """A traced input leaf's value, outside any trace (for evaluating ``f`` elsewhere)."""
         return leaf
 
+    traced_function: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
+    """For an engine that sees less of an f compiled by itself (a ``tf.function``, whose call is
+    one operation to the tape): ``f -> the function to trace``, its Python function, whose
+    operations the engine then records one by one and diffiface's checks read (a cut from x
+    inside it is found). None: f as it is."""
+
     output_values: Callable[[Any], Any] | None = None
     """For an engine whose traced values are not arrays (dual numbers in numpy object arrays):
     ``leaf -> array``, the values a traced output leaf of ``f`` stands for, which diffiface
@@ -469,6 +475,7 @@ class SecondOrderAdapter(Adapter):
         self.inner = inner
         self.xp = inner.xp
         self.output_values = inner.output_values
+        self.traced_function = inner.traced_function
         self.complex_outputs = outer.complex_outputs or inner.complex_outputs
         self.estimates_errors = outer.estimates_errors
         self.batches = inner.batches

@@ -31,6 +31,7 @@ from ._base import Fn, Leaves, raised_inside
 _ZERO = tf.UnconnectedGradients.ZERO
 _TENSOR = tensorflow_core.Tensor  # tensors, variables, Keras 3 variables on TensorFlow
 _EAGER = type(tf.constant(0.0))  # a concrete tensor (a graph's results are ones)
+_POLYMORPHIC = tf.types.experimental.PolymorphicFunction  # what @tf.function makes
 
 
 class _Namespace:
@@ -120,6 +121,17 @@ class Adapter(_base.Adapter):
         # a number or numpy array that does not depend on x (untracked() has checked): a constant
         dtype = dtype_of(like) if isinstance(like, _TENSOR) and _arrays.kind(leaf) == "python" else None
         return tf.constant(leaf, dtype=dtype)
+
+    def traced_function(self, f: Callable[..., Any]) -> Callable[..., Any]:  # type: ignore[override]
+        """Under ``jit=True``, a ``tf.function``'s Python function (converted by autograph where
+        the ``tf.function`` converts it), traced into the prep's graph op by op: called as a
+        ``tf.function``, it is one operation whose gradient is zero where its output is cut from
+        x (``tf.stop_gradient``, ``tf.numpy_function``), which the graph's checks cannot see
+        inside. The graph is the same. Eagerly, f as it is: the graph call is its speed."""
+        if self.compiles and isinstance(f, _POLYMORPHIC):
+            inner = f.python_function
+            return tf.autograph.to_graph(inner) if getattr(f, "_autograph", True) else inner  # type: ignore[no-any-return]
+        return f
 
     def output_values(self, leaf: Any) -> Any:  # type: ignore[override]
         """An output leaf as it is; refused where a graph does not know its shape
