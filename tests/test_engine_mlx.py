@@ -162,6 +162,22 @@ def test_inputs_and_constants_never_mutated(backend: di.Backend) -> None:
     np.testing.assert_array_equal(_np(g), [0.0, 0.0, 7.0])
 
 
+@pytest.mark.parametrize("backend", BACKENDS, ids=IDS)
+def test_a_numpy_scalar_constant_or_closure_is_no_silent_zero(backend: di.Backend) -> None:
+    """A numpy scalar (data.std()) times an mx.array reads the array through numpy: as a
+    Constant it gave a zero gradient (compile=False) or blamed f for a numpy call (compile=True),
+    and closed over, a zero gradient. The Constant is an array of mlx now; the closure's cut is
+    refused where f runs uncompiled (compiled, mlx refuses it as f runs)."""
+    scale = np.array([1.0, 2.0, 4.0]).std()
+    x = np.array([1.0, 2.0, 3.0])
+    got = di.gradient(lambda v, c: c * mx.sum(v**2), backend, x, di.Constant(scale))
+    np.testing.assert_allclose(got, 2 * scale * x, rtol=1e-6)
+    with pytest.raises(di.DiffifaceError, match=r"trace|reads the value"):
+        di.gradient(lambda v: scale * mx.sum(v**2), backend, x)
+    # an output apart from x, a numpy scalar, has derivative zero
+    np.testing.assert_array_equal(di.jacobian(lambda v: (mx.sum(v), np.float64(2.0)), backend, x)[1], np.zeros(3))
+
+
 def test_prepared_gradient_takes_new_values() -> None:
     f = lambda x, c: mx.sum(mx.tanh(x) * c)  # noqa: E731
     x = mx.array(np.linspace(-1, 1, 6), dtype=mx.float32)

@@ -112,6 +112,10 @@ class Adapter(_base.Adapter):
         kind = _arrays.kind(leaf)
         if kind == "mlx":
             return leaf, True
+        if isinstance(leaf, np.generic) and leaf.dtype.kind in "biufc":
+            # a numpy scalar (data.std()) as a 0-d array: its own product with an mx.array would
+            # read the array's values through numpy, cut from x (a zero gradient)
+            leaf, kind = np.asarray(leaf), "numpy"
         if kind == "numpy" and isinstance(leaf, np.ndarray) and leaf.dtype.kind in "biufc":
             if leaf.dtype == np.complex128:
                 raise _refuse_complex128("A context's numpy array")
@@ -126,6 +130,14 @@ class Adapter(_base.Adapter):
             # holds, never the caller's (under mx.compile f sees the compiler's placeholders)
             return mx.stop_gradient(leaf), True
         return native, is_array
+
+    def untracked(self, leaf: Any, xs: Leaves) -> bool:
+        """An output leaf that is no mx.array where x is one: f left mlx (a numpy scalar's
+        product with an mx.array reads the array's values through numpy), so the result is a
+        constant to mlx, whose derivative would read as zero; the route tells a cut from an f
+        that does not depend on x by evaluating f elsewhere. (Under mx.compile f's arrays have
+        no values: a numpy function on them is refused as it runs.)"""
+        return not self.compiles and bool(xs) and not isinstance(leaf, mx.array)
 
     def output_leaf(self, leaf: Any, like: Any) -> Any:
         kind = _arrays.kind(leaf)
