@@ -357,6 +357,23 @@ def test_numpy_functions_on_x_are_refused_and_its_elementwise_ones_work() -> Non
     np.testing.assert_allclose(got, np.full(3, 3.0), rtol=1e-12)
 
 
+def test_numpy_functions_on_what_f_derives_from_x_are_refused_too() -> None:
+    """Only x's own variables refused numpy: np.linalg.norm(2 * x) was the absolute value of
+    each entry (4.0 for a norm of 5.1, the gradient of sum |x|), and the Jacobian of
+    np.linalg.norm(x - 1) a matrix. Every variable refuses while f is traced; numpy's
+    elementwise functions on derived variables are PyTensor's own."""
+    x = np.array([0.5, -1.5, 2.0])
+    for f in (lambda v: pt.sum(np.linalg.norm(2.0 * v)) / 2, lambda v: np.linalg.norm(v - 1.0)):
+        with pytest.raises(di.FrameworkMismatchError, match="numpy function"):
+            di.gradient(f, "pytensor", x)
+    with pytest.raises(di.FrameworkMismatchError, match="numpy function"):
+        di.jacobian(lambda v: np.linalg.norm(v - 1.0), "pytensor", x)
+    got = di.gradient(lambda v: pt.sum(np.sin(2.0 * v)), "pytensor", x)
+    np.testing.assert_allclose(got, 2 * np.cos(2 * x), rtol=1e-12)
+    # outside a trace, a TensorVariable is as pytensor made it
+    assert "__array__" not in pt.TensorVariable.__dict__
+
+
 def test_an_empty_leaf_of_x_leaves_the_other_blocks_right() -> None:
     """An empty leaf's blocks hold no number (zeros of their shape); the other leaves' blocks
     are differentiated as ever."""

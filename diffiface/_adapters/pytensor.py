@@ -18,9 +18,10 @@ convention diffiface keeps.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -56,49 +57,57 @@ class _Known(TensorVariable):  # type: ignore[misc,type-arg]
         return tuple(self.type.shape)
 
 
-class _Input(TensorVariable):  # type: ignore[misc,type-arg]
-    """A symbolic input f gets (a leaf of x or of a context) that refuses to become a numpy array:
-    numpy would otherwise take it for one object in a 0-d array and compute something else
-    (``np.linalg.norm(x)``, the norm of one number) out of PyTensor's operations on it, whose
-    derivative is not f's."""
-
-    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
-        # numpy's elementwise functions and operators on this variable as PyTensor's own: an
-        # operator (a numpy matrix A @ x, A * x) as the variable's, np.sin(x) as pt.sin; any
-        # other as numpy computes it on one object (the variable's method, elementwise)
-        if method == "__call__" and not kwargs:
-            symbolic = [
-                pt.as_tensor_variable(value) if isinstance(value, (np.ndarray, np.generic)) else value
-                for value in inputs
-            ]
-            operator_ = _NUMPY_OPERATORS.get(ufunc)
-            if operator_ is not None:
-                return operator_(*symbolic)
-            same = getattr(pt, ufunc.__name__, None)
-            if same is not None:
-                return same(*symbolic)
-        held = []
-        for value in inputs:
-            if isinstance(value, _Input):
-                one = np.empty((), dtype=object)
-                one[()] = value
-                value = one
-            held.append(value)
-        return getattr(ufunc, method)(*held, **kwargs)
-
-    def __array__(self, *args: Any, **kwargs: Any) -> Any:
-        raise FrameworkMismatchError(
-            "f failed under the pytensor backend: f handed one of pytensor's symbolic variables to a "
-            "numpy function (np.linalg.norm(x), np.asarray(x)), which would take it for one number. "
-            "Write f with pytensor.tensor operations (pt.linalg.norm, pt.sum), or differentiate a numpy f "
-            "with AutoFiniteDifferences()."
-        )
+def _array_ufunc(self: Any, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+    # numpy's elementwise functions and operators on this variable as PyTensor's own: an
+    # operator (a numpy matrix A @ x, A * x) as the variable's, np.sin(x) as pt.sin; any
+    # other as numpy computes it on one object (the variable's method, elementwise)
+    if method == "__call__" and not kwargs:
+        symbolic = [
+            pt.as_tensor_variable(value) if isinstance(value, (np.ndarray, np.generic)) else value for value in inputs
+        ]
+        operator_ = _NUMPY_OPERATORS.get(ufunc)
+        if operator_ is not None:
+            return operator_(*symbolic)
+        same = getattr(pt, ufunc.__name__, None)
+        if same is not None:
+            return same(*symbolic)
+    held = []
+    for value in inputs:
+        if isinstance(value, TensorVariable):
+            one = np.empty((), dtype=object)
+            one[()] = value
+            value = one
+        held.append(value)
+    return getattr(ufunc, method)(*held, **kwargs)
 
 
-# f and the code it calls see a TensorVariable: code that picks its functions by the module of
-# x's type (``type(x).__module__.startswith("pytensor")``) picks PyTensor's
-_Input.__module__ = TensorVariable.__module__
-_Input.__name__ = _Input.__qualname__ = TensorVariable.__name__
+def _no_array(self: Any, *args: Any, **kwargs: Any) -> Any:
+    raise FrameworkMismatchError(
+        "f failed under the pytensor backend: f handed one of pytensor's symbolic variables to a "
+        "numpy function (np.linalg.norm(x), np.asarray(x)), which would take it for one number. "
+        "Write f with pytensor.tensor operations (pt.linalg.norm, pt.sum), or differentiate a numpy f "
+        "with AutoFiniteDifferences()."
+    )
+
+
+@contextlib.contextmanager
+def _numpy_guarded() -> Iterator[None]:
+    """While f is traced (under ``_LOCK``): every TensorVariable, x's and those f derives from
+    it (``2 * x``, ``x - mu``), takes numpy's elementwise functions as PyTensor's and refuses
+    to become a numpy array. numpy would otherwise take it for one object in a 0-d array and
+    compute something else (``np.linalg.norm(2 * x)``, the absolute value of each entry) out of
+    PyTensor's operations on it, whose derivative is not f's."""
+    saved = {name: TensorVariable.__dict__.get(name) for name in ("__array__", "__array_ufunc__")}
+    setattr(TensorVariable, "__array__", _no_array)  # noqa: B010  # (no such attribute to type)
+    setattr(TensorVariable, "__array_ufunc__", _array_ufunc)  # noqa: B010
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                delattr(TensorVariable, name)
+            else:
+                setattr(TensorVariable, name, value)
 
 
 _NUMPY_OPERATORS: dict[Any, Callable[..., Any]] = {
@@ -145,7 +154,7 @@ def _variable(value: Any, known: bool = False) -> Any:
     if array.dtype.kind == "c":
         raise _refuse_complex("an input")
     kind = TensorType(dtype=str(_arrays.native_dtype(array.dtype)), shape=array.shape)
-    return _Known(kind, None) if known else _Input(kind, None)
+    return _Known(kind, None) if known else TensorVariable(kind, None)
 
 
 def _contiguous(array: np.ndarray) -> np.ndarray:
@@ -371,11 +380,12 @@ class Adapter(_base.Adapter):
             before = getattr(self._local, "givens", None)
             self._local.givens = dict(zip(variables, values, strict=True))
             try:
-                if flat:
-                    result = program(*variables)
-                else:
-                    n, m = len(xs), len(xs) + len(ts)
-                    result = program(tuple(variables[:n]), tuple(variables[n:m]), tuple(variables[m:]), static_part)
+                with _numpy_guarded():
+                    if flat:
+                        result = program(*variables)
+                    else:
+                        n, m = len(xs), len(xs) + len(ts)
+                        result = program(tuple(variables[:n]), tuple(variables[n:m]), tuple(variables[m:]), static_part)
             finally:
                 self._local.givens = before
             leaves, spec = optree.tree_flatten(result)
@@ -401,7 +411,8 @@ class Adapter(_base.Adapter):
             extra_values = [np.asarray(v) for v in extra_leaves]
             extra_variables = [_variable(v) for v in extra_values]
             symbolic_rest = optree.tree_unflatten(extra_spec, extra_variables)
-            result = getattr(self, method)(fn, tuple(variables), *symbolic_rest)
+            with _numpy_guarded():
+                result = getattr(self, method)(fn, tuple(variables), *symbolic_rest)
             leaves, spec = optree.tree_flatten(result)
             positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Variable)]
             function = _function(
