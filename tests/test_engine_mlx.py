@@ -113,6 +113,23 @@ def test_complex_convention(backend: di.Backend) -> None:
     assert lhs == pytest.approx(rhs, rel=1e-5)
 
 
+@pytest.mark.parametrize("backend", BACKENDS, ids=IDS)
+def test_reverse_products_of_a_complex_x_follow_the_convention_through_power(backend: di.Backend) -> None:
+    """mlx's vjp of a complex power returns 2 z u where the convention's adjoint is conj(2 z) u,
+    with no error (its jvp is right): the gradient of sum(real(z**2)) came back as 2 z. A complex
+    x's reverse products are the adjoint of mlx's forward mode now."""
+    zn = np.array([3 + 4j, 1 - 2j], dtype=np.complex64)
+    u = np.array([0.5 - 1j, 2 + 0j], dtype=np.complex64)
+    g = di.gradient(lambda z: mx.sum(mx.real(z**2)), backend, zn)
+    np.testing.assert_allclose(_np(g), np.conj(2 * zn), rtol=1e-5)
+    np.testing.assert_allclose(_np(di.vjp(lambda z: z**3, backend, zn, u)), np.conj(3 * zn**2) * u, rtol=1e-5)
+    # a real leaf beside the complex one, in a tree
+    tree = {"z": zn, "w": np.array([1.5, -2.0], dtype=np.float32)}
+    got = di.gradient(lambda p: mx.sum(mx.real(p["z"] ** 2)) + mx.sum(p["w"] ** 3), backend, tree)
+    np.testing.assert_allclose(_np(got["z"]), np.conj(2 * zn), rtol=1e-5)
+    np.testing.assert_allclose(_np(got["w"]), 3 * tree["w"] ** 2, rtol=1e-5)
+
+
 @pytest.mark.parametrize("operator", ["hvp", "batched_hvp"])
 def test_second_order_of_a_complex_x_is_refused(operator: str) -> None:
     """mlx 0.32's hvp of |z|^2 written with mx.abs comes out wrong with no error (the derivative

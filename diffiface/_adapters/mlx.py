@@ -67,6 +67,56 @@ def _mx(leaves: Sequence[Any]) -> list[Any]:
     ]
 
 
+def _complex(xs: Leaves) -> bool:
+    return any(mx.issubdtype(leaf.dtype, mx.complexfloating) for leaf in _mx(xs))
+
+
+class _ByForwardMode:
+    """The pullback of ``outputs`` at a complex ``xs`` as the adjoint of mlx's forward mode:
+    mlx's vjp of a complex ``power`` (``z ** 2``) returns ``2 z`` times the cotangent where the
+    convention's adjoint is ``conj(2 z)``, with no error, while its jvp is right. So f's output
+    along each real direction of x (each entry's real and imaginary unit, ``J e``) comes from one
+    vmapped jvp, and a cotangent ``u`` pulls back as ``Re<u, J e>`` per direction: one forward
+    pass per real input, paid once per call, for any number of cotangents."""
+
+    __slots__ = ("columns", "directions", "one", "xs")
+
+    def __init__(self, outputs: Callable[..., list[Any]], xs: Leaves, one: bool) -> None:
+        self.xs, self.one = tuple(_mx(xs)), one
+        directions = []  # (leaf, flat index, unit) of each real direction
+        for j, leaf in enumerate(self.xs):
+            units = (1, 1j) if mx.issubdtype(leaf.dtype, mx.complexfloating) else (1,)
+            directions += [(j, k, unit) for k in range(leaf.size) for unit in units]
+        stacked = []
+        for j, leaf in enumerate(self.xs):
+            basis = np.zeros((len(directions), leaf.size), dtype=np.dtype(str(leaf.dtype).split(".")[-1]))
+            for d, (i, k, unit) in enumerate(directions):
+                if i == j:
+                    basis[d, k] = unit
+            stacked.append(mx.array(basis).reshape((len(directions), *leaf.shape)))
+        self.columns = mx.vmap(lambda *ts: list(_jvp(outputs, list(self.xs), list(ts))[1]))(*stacked)
+        self.directions = directions
+
+    def __call__(self, touts: Any) -> Leaves:
+        us = _mx([touts] if self.one else _as_list(touts))
+        # Re<u, J e> for every direction at once: (directions,)
+        along = mx.zeros((len(self.directions),))
+        for u, column in zip(us, self.columns, strict=True):
+            along = along + mx.sum(mx.real(mx.conj(u) * column).reshape((column.shape[0], -1)), axis=1)
+        grads = []
+        start = 0
+        for leaf in self.xs:
+            if mx.issubdtype(leaf.dtype, mx.complexfloating):
+                part = along[start : start + 2 * leaf.size].reshape((leaf.size, 2))
+                grad = part[:, 0] + 1j * part[:, 1]
+                start += 2 * leaf.size
+            else:
+                grad = along[start : start + leaf.size]
+                start += leaf.size
+            grads.append(grad.reshape(leaf.shape).astype(leaf.dtype))
+        return tuple(grads)
+
+
 class _Pullback:
     """The pullback of ``outputs`` (f's output as a list of arrays) at ``xs``: mlx's vjp takes
     its cotangents with the primal, so each cotangent runs one ``mx.vjp`` (a batch, one vmap)."""
@@ -230,12 +280,18 @@ class Adapter(_base.Adapter):
 
     def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
         out, aux = fn(_own(xs))
-        return out, aux, _Pullback(self._outputs(fn), xs, not isinstance(out, tuple))
+        one = not isinstance(out, tuple)
+        if xs and _complex(xs):
+            return out, aux, _ByForwardMode(self._outputs(fn), xs, one)
+        return out, aux, _Pullback(self._outputs(fn), xs, one)
 
     def value_and_pullback(self, fn: Fn, xs: Leaves, touts: Any) -> tuple[Any, Any, Leaves]:
         if not xs:
             out, aux = fn(xs)
             return out, aux, ()
+        if _complex(xs):
+            out, aux, vjp = self.pullback_function(fn, xs)
+            return out, aux, vjp(touts)
         captured: list[Any] = []
         _, grads = mx.vjp(self._outputs(fn, captured), _mx(xs), _mx(_as_list(touts)))
         out, aux = captured
@@ -254,6 +310,9 @@ class Adapter(_base.Adapter):
         if not xs:
             value, aux = fn(xs)
             return value, aux, ()
+        if _complex(xs):  # (mlx's reverse mode of a complex x: see _ByForwardMode)
+            value, aux, vjp = self.pullback_function(fn, xs)
+            return value, aux, vjp(mx.ones_like(value))
         captured: list[Any] = []
 
         def scalar(*primals: Any) -> Any:
