@@ -130,6 +130,21 @@ def test_reverse_products_of_a_complex_x_follow_the_convention_through_power(bac
     np.testing.assert_allclose(_np(got["w"]), 3 * tree["w"] ** 2, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", BACKENDS, ids=IDS)
+def test_an_operation_without_a_rule_is_refused_by_name(backend: di.Backend) -> None:
+    """mlx's RuntimeError or ValueError for an operation without a forward-mode rule
+    (cumulative products, a convolution's) or a reverse-mode one (an inverse) reached the
+    caller raw; only a scatter's was named."""
+    x = np.array([0.5, -1.2, 2.0], dtype=np.float32)
+    t = np.ones(3, np.float32)
+    with pytest.raises(di.UnsupportedOperationError, match="no forward-mode rule"):
+        di.hessian(lambda v: mx.prod(v), backend, x)
+    with pytest.raises(di.UnsupportedOperationError, match="no forward-mode rule"):
+        di.jvp(lambda v: mx.cummax(v), backend, x, t)
+    with pytest.raises(di.UnsupportedOperationError, match="no reverse-mode rule"):
+        di.gradient(lambda v: mx.sum(mx.linalg.inv(mx.diag(v), stream=mx.cpu)), backend, x)
+
+
 @pytest.mark.parametrize("operator", ["hvp", "batched_hvp"])
 def test_second_order_of_a_complex_x_is_refused(operator: str) -> None:
     """mlx 0.32's hvp of |z|^2 written with mx.abs comes out wrong with no error (the derivative

@@ -370,6 +370,14 @@ def test_numpy_functions_on_what_f_derives_from_x_are_refused_too() -> None:
         di.jacobian(lambda v: np.linalg.norm(v - 1.0), "pytensor", x)
     got = di.gradient(lambda v: pt.sum(np.sin(2.0 * v)), "pytensor", x)
     np.testing.assert_allclose(got, 2 * np.cos(2 * x), rtol=1e-12)
+    # numpy's functions PyTensor has no operation for, its methods, and its writes: refused by name
+    for f, what in (
+        (lambda v: pt.sum(np.hypot(v, 1.0)), "np.hypot has no PyTensor operation"),
+        (lambda v: pt.sum(np.add.accumulate(v)), "np.add.accumulate"),
+        (lambda v: (np.add(v, 1.0, out=v), pt.sum(v**2))[1], "out="),
+    ):
+        with pytest.raises(di.FrameworkMismatchError, match=what):
+            di.gradient(f, "pytensor", x)
     # outside a trace, a TensorVariable is as pytensor made it
     assert "__array__" not in pt.TensorVariable.__dict__
 

@@ -41,13 +41,28 @@ def _jvp(outputs: Callable[..., list[Any]], primals: list[Any], tangents: list[A
     """``mx.jvp``; an operation mlx has no forward-mode rule for (a scatter) refused by name."""
     try:
         return mx.jvp(outputs, primals, tangents)
-    except RuntimeError as exc:
-        if not str(exc).endswith("JVP not yet implemented"):
-            raise
+    except (RuntimeError, ValueError) as exc:
+        _refuse_missing_rule(exc)
+        raise
+
+
+def _refuse_missing_rule(exc: BaseException) -> None:
+    """mlx's refusal of an operation it has no forward-mode (a scatter, ``mx.cumprod``,
+    ``mx.conv1d``'s) or reverse-mode (``mx.linalg.inv``'s) rule for, by name."""
+    text = str(exc)
+    if not isinstance(exc, (RuntimeError, ValueError)) or "implemented" not in text.lower():
+        return
+    if "JVP" in text or "jvp" in text:
         raise UnsupportedOperationError(
-            f"mlx has no forward-mode rule for an operation f uses ({exc}), which a jvp, an hvp and a "
-            "Hessian need. Differentiate f with another engine (AutoJAX(), AutoTorch()), or take its "
-            "gradient with mlx and differentiate that with AutoFiniteDifferences()."
+            f"mlx has no forward-mode rule for an operation f uses ({text}), which a jvp, an hvp, a Hessian "
+            "and a second derivative need. Differentiate f with another engine (AutoJAX(), AutoTorch()), or "
+            "take its gradient with mlx and differentiate that with AutoFiniteDifferences()."
+        ) from exc
+    if "VJP" in text or "vjp" in text:
+        raise UnsupportedOperationError(
+            f"mlx has no reverse-mode rule for an operation f uses ({text}), which a gradient, a vjp and a "
+            "Jacobian by rows need. Differentiate f with another engine (AutoJAX(), AutoTorch()), or "
+            "with AutoFiniteDifferences()."
         ) from exc
 
 
@@ -247,6 +262,7 @@ class Adapter(_base.Adapter):
         return run
 
     def explain_failure(self, exc: BaseException) -> str | None:
+        _refuse_missing_rule(exc)
         # (mlx's C++ core raises this with no Python frame of its own: its words tell it)
         if isinstance(exc, ValueError) and str(exc).startswith("[eval] Attempting to eval an array during"):
             return (

@@ -59,8 +59,7 @@ class _Known(TensorVariable):  # type: ignore[misc,type-arg]
 
 def _array_ufunc(self: Any, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
     # numpy's elementwise functions and operators on this variable as PyTensor's own: an
-    # operator (a numpy matrix A @ x, A * x) as the variable's, np.sin(x) as pt.sin; any
-    # other as numpy computes it on one object (the variable's method, elementwise)
+    # operator (a numpy matrix A @ x, A * x) as the variable's, np.sin(x) as pt.sin
     if method == "__call__" and not kwargs:
         symbolic = [
             pt.as_tensor_variable(value) if isinstance(value, (np.ndarray, np.generic)) else value for value in inputs
@@ -71,14 +70,18 @@ def _array_ufunc(self: Any, ufunc: Any, method: str, *inputs: Any, **kwargs: Any
         same = getattr(pt, ufunc.__name__, None)
         if same is not None:
             return same(*symbolic)
-    held = []
-    for value in inputs:
-        if isinstance(value, TensorVariable):
-            one = np.empty((), dtype=object)
-            one[()] = value
-            value = one
-        held.append(value)
-    return getattr(ufunc, method)(*held, **kwargs)
+    # (numpy would compute anything else on each variable as one object, or fail deep inside)
+    call = f"np.{ufunc.__name__}" + ("" if method == "__call__" else f".{method}")
+    if kwargs.get("out") is not None:
+        why = f"{call}(..., out=...) writes numpy's result into an array, which cannot hold PyTensor's symbolic one"
+    elif method != "__call__" or kwargs:
+        why = f"{call} with {', '.join(kwargs) or 'this method'} has no PyTensor operation to stand for it"
+    else:
+        why = f"{call} has no PyTensor operation of that name"
+    raise FrameworkMismatchError(
+        f"f failed under the pytensor backend: {why}. Write f with pytensor.tensor operations "
+        "(pt.cumsum, pt.sqrt(a**2 + b**2), out of place), or differentiate a numpy f with AutoFiniteDifferences()."
+    )
 
 
 def _no_array(self: Any, *args: Any, **kwargs: Any) -> Any:
