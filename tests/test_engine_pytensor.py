@@ -382,6 +382,14 @@ def test_numpy_functions_on_what_f_derives_from_x_are_refused_too() -> None:
     assert "__array__" not in pt.TensorVariable.__dict__
 
 
+def test_an_empty_tree_as_x() -> None:
+    """x = {} has no leaves to trace: every operator recursed into itself (RecursionError)."""
+    assert di.gradient(lambda v: pt.as_tensor(1.0), "pytensor", {}) == {}
+    assert di.hessian(lambda v: pt.as_tensor(1.0), "pytensor", {}) == {}
+    value, grad = di.value_and_gradient(lambda v: pt.as_tensor(2.0), "pytensor", {})
+    assert float(value) == 2.0 and grad == {}
+
+
 def test_an_empty_leaf_of_x_leaves_the_other_blocks_right() -> None:
     """An empty leaf's blocks hold no number (zeros of their shape); the other leaves' blocks
     are differentiated as ever."""

@@ -166,7 +166,9 @@ def _contiguous(array: np.ndarray) -> np.ndarray:
 
 
 def _symbolic(xs: Sequence[Any]) -> bool:
-    return bool(xs) and isinstance(xs[0], Variable)
+    """Whether the leaves are traced variables; no leaves are (an empty x): there is nothing to
+    trace them as, and ``_eager`` would call the method on them again."""
+    return not xs or isinstance(xs[0], Variable)
 
 
 def _disconnected_zero(values: Any, like: Sequence[Any]) -> list[Any]:
