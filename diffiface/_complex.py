@@ -638,6 +638,8 @@ class ComplexAdapter:
         else:
             g = _Realified(fn, x_split)
             rs = x_split.split(xs)
+        if not self._inner.complex_reverse_mode:  # (its vjps through g's complex operations)
+            mode = "forward"
         out, aux, blocks = self._inner.value_and_jacobian(g, rs, mode)
         self._learn(g)
         # (an engine with a reverse mode differentiates exactly; one without, by differences)

@@ -123,6 +123,8 @@ def test_reverse_products_of_a_complex_x_follow_the_convention_through_power(bac
     g = di.gradient(lambda z: mx.sum(mx.real(z**2)), backend, zn)
     np.testing.assert_allclose(_np(g), np.conj(2 * zn), rtol=1e-5)
     np.testing.assert_allclose(_np(di.vjp(lambda z: z**3, backend, zn, u)), np.conj(3 * zn**2) * u, rtol=1e-5)
+    # a holomorphic f's Jacobian (the complex wrapper differentiates real parts, through z**2)
+    np.testing.assert_allclose(_np(di.jacobian(lambda z: z**2, backend, zn)), np.diag(2 * zn), rtol=1e-5)
     # a real leaf beside the complex one, in a tree
     tree = {"z": zn, "w": np.array([1.5, -2.0], dtype=np.float32)}
     got = di.gradient(lambda p: mx.sum(mx.real(p["z"] ** 2)) + mx.sum(p["w"] ** 3), backend, tree)

@@ -128,6 +128,9 @@ class Adapter:
     xp: Any
     complex_outputs = False
     """True when ``f`` is evaluated at complex points (complex-step differences)."""
+    complex_reverse_mode = True
+    """False where the engine's reverse mode through complex operations is not to be trusted
+    (mlx's vjp of a complex power): a complex function's Jacobian is then taken by columns."""
     estimates_errors = False
     """True when the engine estimates the error of its results (see :meth:`take_error`)."""
     batches = False

@@ -149,6 +149,7 @@ class _Pullback:
 
 class Adapter(_base.Adapter):
     xp = mx
+    complex_reverse_mode = False  # (see _ByForwardMode)
 
     def __init__(self, backend: Any, info: Any) -> None:
         super().__init__(backend, info)
