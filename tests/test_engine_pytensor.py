@@ -320,6 +320,13 @@ def test_differentiate_with_inside_jax_and_torch() -> None:
     np.testing.assert_allclose(xt.grad.numpy(), np.cos(x.astype(np.float64)) * c, rtol=1e-12)
     with pytest.raises(di.UnsupportedOperationError, match="first order only"):
         jax.hessian(lambda z: jax.numpy.sum(g(z, di.Constant(c))))(jax.numpy.asarray(x))
+    # jax's Jacobians batch g's products through its flat Jacobian, whose reshape PyTensor took
+    # only with a tuple (a bare -1 raised inside f's trace, a first-order call refused)
+    # (x and f(x) of one dtype: the products are a flat Jacobian's)
+    h = di.differentiate_with(lambda v: pt.sin(v) * v, QUICK)
+    for jacobian in (jax.jacrev, jax.jacfwd):
+        got = jacobian(h)(jax.numpy.asarray(x))
+        np.testing.assert_allclose(np.asarray(got), np.diag(np.cos(x) * x + np.sin(x)), rtol=1e-5)
 
 
 def test_complex_numbers_inside_f_are_refused() -> None:

@@ -444,10 +444,11 @@ class Inner:
             pieces = _split_vector(vector, cuts)
             x_tree = plan.x_spec.unflatten([p.reshape(a.shape) for p, a in zip(pieces, plan.x_avals, strict=True)])
             y_leaves = _tree.leaves(f(x_tree, *values))
-            # (the engine's own namespace: autograd traces f with boxes, which numpy would make objects)
-            return _arrays.numpy_like(vector).concatenate([leaf.reshape(-1) for leaf in y_leaves])
+            # (the engine's own namespace: autograd traces f with boxes, which numpy would make
+            # objects; a shape as a tuple: PyTensor's reshape takes no bare -1)
+            return _arrays.numpy_like(vector).concatenate([leaf.reshape((-1,)) for leaf in y_leaves])
 
-        vector = xp.concatenate([leaf.reshape(-1) for leaf in x])
+        vector = xp.concatenate([leaf.reshape((-1,)) for leaf in x])
         jac = di.jacobian(flat_f, self.backend, vector, *contexts)
         return _sparse_as_matrix(jac)
 
