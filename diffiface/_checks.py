@@ -296,17 +296,28 @@ def _checked(op: Operator, result: Any, output: _Output, adapter: Adapter) -> li
     seen = leaves if values is None else [values(leaf) for leaf in leaves]
     output.record(spec, seen)
     checked = output.checked
-    for leaf in seen:
-        key = (type(leaf), getattr(leaf, "dtype", None))
-        if key not in checked:
-            _check_numeric(op, leaf, adapter.complex_outputs or _complex.complex_output_ok(op, leaf, adapter))
-            checked.add(key)
-    if op.scalar_output and (len(seen) != 1 or _arrays.shape(seen[0]) != ()):
-        raise InvalidOutputError(
-            f"{op.name} needs f to return a scalar, but it returned {_describe(result)}. Reduce the "
-            "output (say with .sum()), or use jacobian / vjp for a non-scalar output."
-        )
+    try:
+        for leaf in seen:
+            key = (type(leaf), getattr(leaf, "dtype", None))
+            if key not in checked:
+                _check_numeric(op, leaf, adapter.complex_outputs or _complex.complex_output_ok(op, leaf, adapter))
+                checked.add(key)
+        if op.scalar_output and (len(seen) != 1 or _arrays.shape(seen[0]) != ()):
+            raise InvalidOutputError(
+                f"{op.name} needs f to return a scalar, but it returned {_describe(result)}. Reduce the "
+                "output (say with .sum()), or use jacobian / vjp for a non-scalar output."
+            )
+    except InvalidOutputError as exc:
+        if type(result) is tuple and len(result) == 2:  # (a (value, aux) pair, has_aux not asked)
+            raise InvalidOutputError(f"{exc} {_aux_hint(op)}") from None
+        raise
     return leaves
+
+
+def _aux_hint(op: Operator) -> str:
+    if op.aux:
+        return f"If f returns (value, aux), pass has_aux=True to di.{op.name}."
+    return f"If f returns (value, aux): {_no_aux(op)}"
 
 
 def _describe(value: Any) -> str:

@@ -270,6 +270,25 @@ def _(mp):
     return lambda: di.value_and_vjp(lambda x: (2 * x, 1.0, 2.0), "torch", x, ty, has_aux=True), (x, ty)
 
 
+@case(
+    "aux-without-has-aux", ("torch",), di.InvalidOutputError, r"returned a str where hvp.*If f returns \(value, aux\)"
+)
+def _(mp):
+    x, v = vec(), np.ones(3)
+    return lambda: di.hvp(lambda x: ((x**3).sum(), "note"), "torch", x, v), (x, v)
+
+
+@case(
+    "aux-tensors-without-has-aux",
+    ("jax",),
+    di.InvalidOutputError,
+    r"returned a tuple with 2 leaves.*pass has_aux=True to di\.value_and_gradient",
+)
+def _(mp):
+    x = vec()
+    return lambda: di.value_and_gradient(lambda x: (square_sum(x), x), "jax", x), (x,)
+
+
 # x
 @case(
     "x-integer-array",
