@@ -664,6 +664,10 @@ class ComplexAdapter:
             if rejoin is not None:
                 self._local.rejoin = lambda e: (lambda r: (r[0], r[1], tuple(row[0] for row in r[2])))(rejoin(e))
             return out, aux, tuple(row[0] for row in blocks)
+        if self._convention != "split" and self._inner.info.forward_mode:
+            # (the jvp along 1 of a real x, the engine's own: its jvp is the directional
+            # derivative, complex outputs included; no wrapper, which compiled torch cannot trace)
+            return self._inner.value_and_derivative(fn, xs)
         g = _Realified(fn, x_split)
         out, aux, deriv = self._inner.value_and_derivative(g, xs)
         self._learn(g)

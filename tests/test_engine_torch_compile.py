@@ -8,7 +8,8 @@ a jvp, a Jacobian (and one through cdist, which runs uncompiled), an hvp, a Hess
 recipe, a tree's value and gradient, a closure changed between calls (compiled anew, never
 stale, with the first compile's refusals), a caller's eager stance, and the refusals (a compiled
 call differentiated from outside, a graph break, a Cache holding a traced tensor, a write into x
-or a Constant).
+or a Constant), and what runs uncompiled: an f with a torch.autograd.Function, and a prep past
+torch's recompile limit.
 """
 
 from __future__ import annotations
@@ -139,6 +140,91 @@ def test_second_order_is_one_compiled_program() -> None:
     torch.testing.assert_close(d2, 2 * torch.cos(s) - s * torch.sin(s))
 
 
+def test_a_second_derivative_of_x_times_a_number_and_a_derivative() -> None:
+    # jvp over jvp, compiled, crashed the process where f multiplies x by a Python number; the
+    # derivative failed for every f (a wrapper of the complex layer stored state in the trace)
+    s = torch.tensor(0.3, dtype=torch.float64)
+    torch.testing.assert_close(di.second_derivative(lambda s: torch.exp(3.0 * s), COMPILED, s), 9 * torch.exp(3 * s))
+
+    def curve(s):
+        return torch.stack([torch.sin(2.0 * s) * s, torch.exp(3.0 * s)])
+
+    expected = torch.stack([4 * torch.cos(2 * s) - 4 * s * torch.sin(2 * s), 9 * torch.exp(3 * s)])
+    torch.testing.assert_close(di.second_derivative(curve, COMPILED, s), expected)
+    value, derivative = di.value_and_derivative(torch.sin, COMPILED, s)
+    torch.testing.assert_close((value, derivative), (torch.sin(s), torch.cos(s)))
+    torch.testing.assert_close(di.derivative(lambda s: torch.exp(1j * s), COMPILED, s), 1j * torch.exp(1j * s))
+
+
+class _Rule(torch.autograd.Function):
+    """x**2 forward, with rules of its own (backward 5x, jvp 7x): what torch.func uses."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x**2
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.x = inputs[0]
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 5 * x * g
+
+    @staticmethod
+    def jvp(ctx, t):
+        return 7 * ctx.x * t
+
+
+def test_an_autograd_function_keeps_its_rules_uncompiled() -> None:
+    # torch.compile under torch.func differentiates a Function's forward (2x), silently: f's
+    # graph is read on the first call and the prep runs as torch-func, compiling nothing
+    x = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    v = torch.tensor([1.0, -1.0, 0.5], dtype=torch.float64)
+
+    def f(x):
+        return _Rule.apply(x).sum()
+
+    before = graphs()
+    torch.testing.assert_close(di.gradient(f, COMPILED, x), 5 * x)
+    torch.testing.assert_close(di.vjp(_Rule.apply, COMPILED, x, v), 5 * x * v)
+    torch.testing.assert_close(di.jvp(_Rule.apply, COMPILED, x, v), 7 * x * v)
+    torch.testing.assert_close(di.jacobian(_Rule.apply, COMPILED, x), torch.diag(5 * x))
+    torch.testing.assert_close(di.hvp(f, COMPILED, x, v), 5 * v)
+
+    def scaled(x, c):
+        return f(x) * c
+
+    c = di.Constant(torch.tensor(2.0, dtype=torch.float64))  # (a context of arrays: one closed gradient call)
+    prep = di.prepare_value_and_gradient(scaled, COMPILED, x, c)
+    for _ in range(2):
+        value, grad = di.value_and_gradient(scaled, COMPILED, x, c, prep=prep)
+        torch.testing.assert_close((value, grad), (2 * torch.sum(x**2), 10 * x))
+    assert graphs() == before
+
+
+def test_a_number_new_on_every_call_runs_uncompiled_at_the_limit() -> None:
+    # torch's recompile limit with fullgraph=True raised its own error from the ninth value on
+    x = torch.linspace(-1, 1, 4, dtype=torch.float64)
+
+    def f(x, t):
+        return torch.sum(t * x**2)
+
+    prep = di.prepare_gradient(f, COMPILED, x, di.Constant(0.0))
+    limit = torch._dynamo.config.recompile_limit
+    ts = [0.1 * (i + 1) for i in range(limit + 2)]
+    for t in ts[:limit]:
+        torch.testing.assert_close(di.gradient(f, COMPILED, x, di.Constant(t), prep=prep), 2 * t * x)
+    with pytest.warns(RuntimeWarning, match="recompile limit"):
+        grad = di.gradient(f, COMPILED, x, di.Constant(ts[limit]), prep=prep)
+    torch.testing.assert_close(grad, 2 * ts[limit] * x)
+    torch.testing.assert_close(di.gradient(f, COMPILED, x, di.Constant(ts[-1]), prep=prep), 2 * ts[-1] * x)
+
+
 def test_second_order_over_a_compiled_program_is_refused() -> None:
     x = torch.linspace(-1, 1, 4, dtype=torch.float64)
 
@@ -170,7 +256,7 @@ def test_a_graph_break_is_refused_clearly() -> None:
         cache["last"] = y
         return y
 
-    with pytest.raises(di.UnsupportedOperationError, match=r"torch\.compile could not compile"):
+    with pytest.raises(di.UnsupportedOperationError, match=r"could not compile(.|\n)*a di\.Cache written by f"):
         di.gradient(keeps, COMPILED, torch.linspace(-1, 1, 4, dtype=torch.float64), di.Cache({}))
 
 

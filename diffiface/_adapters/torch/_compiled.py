@@ -1,8 +1,8 @@
 """Compiled torch: ``AutoTorch(mode="func", compile=True)``.
 
 Each operator's torch.func program (``grad_and_value``, ``jvp``, ``vjp``, ``jacrev``/``jacfwd``,
-and the second-order ones as one program: ``jvp`` of ``grad``, ``jacfwd`` of ``grad``, ``jvp``
-of ``jvp``) is compiled by ``torch.compile`` (Inductor, ``fullgraph=True``, ``dynamic=False``)
+and the second-order ones as one program: ``jvp`` of ``grad``, ``jacfwd`` of ``grad``, ``jvp`` of
+``jacrev``) is compiled by ``torch.compile`` (Inductor, ``fullgraph=True``, ``dynamic=False``)
 with f traced inside it. Nothing is differentiated through a compiled graph: a second-order
 operator is one compiled program; a compiled call differentiated from outside (inside an outer
 diffiface call or torch.func transform) is refused; the outer engine of a ``SecondOrder`` over
@@ -44,7 +44,7 @@ from ..._errors import UnsupportedOperationError
 from .._base import Adapter as _BaseAdapter
 from .._base import Blocks, Deferred, Fn, Leaves
 from ._duals import _FORWARD_LOCK, _FORWARD_WARMED, _warm_forward
-from ._engine import _for_func, _materialised, _on_one, _tensor_aux, batched_wrongly
+from ._engine import _BATCHED_WRONGLY, _for_func, _materialised, _on_one, _tensor_aux, graph_nodes
 from ._fused import _Gradient
 from ._guard import _CALLS, _guard, _transform_level
 
@@ -62,14 +62,18 @@ _CURRENT = _Current()
 class _Programs:
     """The compiled programs of one prep, by name, each compiled from a code object of its own;
     ``warm``: the names whose first call has evaluated f eagerly (diffiface's checks), and of
-    those ``unbatchable``: the names where f's graph holds a node torch.func.vmap batches wrongly."""
+    those ``unbatchable``: the names where f's graph holds a node torch.func.vmap batches wrongly;
+    ``custom``: whether f's graph holds a ``torch.autograd.Function``, whose own rules
+    torch.compile ignores under torch.func (it differentiates the forward's operations: a
+    silently wrong derivative), so that the prep runs uncompiled, as ``mode="func"``."""
 
-    __slots__ = ("found", "lock", "unbatchable", "warm")
+    __slots__ = ("custom", "found", "lock", "unbatchable", "warm")
 
     def __init__(self) -> None:
         self.found: dict[str, _Program] = {}
         self.warm: set[str] = set()
         self.unbatchable: set[str] = set()
+        self.custom = False
         self.lock = threading.Lock()
 
     def get(self, name: str, template: Callable[..., Any]) -> _Program:
@@ -103,9 +107,10 @@ class _Program:
     the compiling call's work on every call (its setting of the shapes static, its count of
     graphs), and compiles nothing: where no graph fits (one of torch.compile's guards fails: a
     value f closes over changed, or the process's state), it raises :class:`_Uncompiled`
-    and ``strict`` compiles one, as torch.compile alone would have."""
+    and ``strict`` compiles one, as torch.compile alone would have. Where torch's recompile limit
+    is reached (``strict`` raises), the program runs uncompiled from then on, with a warning."""
 
-    __slots__ = ("fast", "run_only", "strict", "template")
+    __slots__ = ("fast", "run_only", "strict", "template", "uncompiled")
 
     def __init__(self, template: Callable[..., Any]) -> None:
         entry = _fresh(_entry)
@@ -113,6 +118,7 @@ class _Program:
         self.strict = torch.compile(entry, fullgraph=True, dynamic=False)
         self.run_only: Callable[..., Any] | None = _run_only(entry)
         self.fast: Callable[..., Any] | None = None  # (set once strict has compiled)
+        self.uncompiled = False  # (set where torch's recompile limit is reached: template runs as it is)
 
 
 def _run_only(entry: Callable[..., Any]) -> Callable[..., Any] | None:
@@ -179,10 +185,30 @@ def _jacobian(with_value: Callable[[Any], Any], forward: bool, primal: Any) -> A
 
 
 def _noted(out: Any, name: str, programs: _Programs) -> Any:
-    """``out``, its graph read for a node torch.func.vmap batches wrongly (noted under ``name``)."""
-    if batched_wrongly(out):
-        programs.unbatchable.add(name)
+    """``out``, its graph read for a node torch.func.vmap batches wrongly (noted under ``name``)
+    and for a ``torch.autograd.Function``'s (noted for the prep)."""
+    for node in graph_nodes(out):
+        if isinstance(node, _CUSTOM_RULES):
+            programs.custom = True
+        elif type(node).__name__ in _BATCHED_WRONGLY:
+            programs.unbatchable.add(name)
     return out
+
+
+_CUSTOM_RULES = torch.autograd.function.BackwardCFunction
+"""The class of a ``torch.autograd.Function``'s node in a graph."""
+
+
+def _noting(g: Callable[[Any], Any], has_aux: bool, programs: _Programs) -> Callable[[Any], Any]:
+    """``g`` with its output's graph read (:func:`_noted`), inside the gradient a second-order
+    program differentiates: the outer graph holds the rules' results, not their nodes."""
+
+    def noting(primal: Any) -> Any:
+        result = g(primal)
+        _noted(result[0] if has_aux else result, "gradient", programs)
+        return result
+
+    return noting
 
 
 def _detached(xs: Leaves) -> Leaves:
@@ -199,6 +225,8 @@ def _called(program: _Program, *args: Any) -> Any:
     graph fits, else compiled (``strict``)."""
     template = program.template
     fast = program.fast
+    if program.uncompiled:
+        return template(*args)
     if fast is not None:
         try:
             return fast(template, *args)
@@ -211,12 +239,25 @@ def _called(program: _Program, *args: Any) -> Any:
             warnings.simplefilter("ignore", FutureWarning)
             warnings.simplefilter("ignore", DeprecationWarning)
             result = program.strict(template, *args)
-    except _Uncompiled:  # torch ran it uncompiled (its recompile limit reached, a stance of the caller's)
+    except _Uncompiled:  # torch ran it uncompiled (a stance of the caller's)
+        return template(*args)
+    except _RECOMPILE_LIMIT:  # (a value f reads took a new value on every call: uncompiled from now)
+        program.uncompiled = True
+        warnings.warn(_LIMIT, RuntimeWarning, stacklevel=2)
         return template(*args)
     except _GRAPH_BREAKS as exc:
         raise _unsupported(exc) from exc
     program.fast = program.run_only
     return result
+
+
+_RECOMPILE_LIMIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
+_LIMIT = (
+    "torch.compile's recompile limit is reached for this prep: a value f reads (a Python number in a "
+    "Constant, a closure or a global) took a new value on every compile. It runs uncompiled from now on "
+    "(right, slower); pass a number that changes between calls as a 0-d tensor in a Constant, which is an "
+    "argument of the compiled graph."
+)
 
 
 #: What torch.compile raises where f cannot be captured as one graph (``fullgraph=True``), or its
@@ -229,15 +270,13 @@ _GRAPH_BREAKS = tuple(
 
 
 def _second(with_aux: Callable[[Any], Any], x: Any) -> Any:
-    # forward over forward mode, the value and aux by f once more: no aux goes through a
-    # transform (torch.compile's graph capture refuses one under nested forward mode)
+    # forward over reverse mode (jvp over jvp, compiled, crashes torch where f multiplies x by a
+    # Python number), the value and aux by f once more: no aux goes through a transform (torch.
+    # compile's graph capture refuses one under nested forward mode)
     def value(p: Any) -> Any:
         return with_aux(p)[0]
 
-    def first(p: Any) -> Any:
-        return func.jvp(value, (p,), (torch.ones_like(p),))[1]
-
-    derivative, second = func.jvp(first, (x,), (torch.ones_like(x),))  # type: ignore[misc]
+    derivative, second = func.jvp(func.jacrev(value), (x,), (torch.ones_like(x),))  # type: ignore[misc]
     return with_aux(x), derivative, second
 
 
@@ -269,9 +308,10 @@ def _unsupported(exc: BaseException) -> UnsupportedOperationError:
     first = " ".join([line.strip() for line in str(exc).splitlines() if line.strip()][:2]) or type(exc).__name__
     return UnsupportedOperationError(
         f"torch.compile could not compile this program as one graph ({type(exc).__name__}: {first}). "
-        "f must be traceable by torch.compile without graph breaks: no .item(), .tolist() or .numpy() "
-        "on a traced tensor, no Python control flow on tensor values, no print; and a vector-valued f "
-        "must return one tensor (diffiface's checks of a pytree output are not compiled). Use "
+        "f must be traceable by torch.compile without graph breaks: no .tolist() or .numpy() "
+        "on a traced tensor, no Python control flow on tensor values, no print, no traced tensor stored "
+        "outside f's output (a di.Cache written by f); and a vector-valued f must return one tensor "
+        "(diffiface's checks of a pytree output are not compiled). Use "
         "AutoTorch(mode='func') (uncompiled) for such an f."
     )
 
@@ -310,7 +350,9 @@ class _ClosedGradient(_Gradient):
         args = (fused.close, f, context_values, single, value, inputs[0] if single else inputs)
         fast = program.fast
         found: Any = _UNCOMPILED
-        if fast is not None:
+        if self.programs.custom or program.uncompiled:  # (f's own rules, or a limit reached: uncompiled)
+            found = program.template(*args)
+        elif fast is not None:
             try:
                 found = fast(program.template, *args)
             except _Uncompiled:  # no compiled graph fits: a compile, after f's output is checked again
@@ -334,7 +376,7 @@ class _ClosedGradient(_Gradient):
         checks of its output raise its own error (inside a trace torch.compile would report it
         as a graph break), and torch.func refuses a write into a Constant."""
         fn = self.fused.close(f, context_values, inputs[0])
-        func.vjp(lambda *leaves: fn(leaves)[0], *inputs)
+        func.vjp(lambda *leaves: _noted(fn(leaves)[0], "closed gradient", self.programs), *inputs)
 
 
 _UNCOMPILED = object()
@@ -392,9 +434,10 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
         def _program(self, name: str, template: Callable[..., Any], fn: Fn, xs: Leaves, batched: bool = False) -> Any:
             """This call's compiled program ``name``, f evaluated once eagerly before its first
             call (diffiface's checks of f's output, recorded); None where the call runs
-            uncompiled: outside a prep of its own (another engine's SecondOrder program), or
-            where the program vmaps f's backward (``batched``) and f's graph holds a node torch
-            batches wrongly (the uncompiled adapter takes the rows one by one). A call
+            uncompiled: outside a prep of its own (another engine's SecondOrder program), where
+            f's graph holds a ``torch.autograd.Function`` (:class:`_Programs`), or where the
+            program vmaps f's backward (``batched``) and f's graph holds a node torch batches
+            wrongly (the uncompiled adapter takes the rows one by one). A call
             differentiated from outside is refused."""
             if len(_CALLS.keep) > 1 or _transform_level() is not None or _forward_ad._current_level >= 0:
                 raise _nested()
@@ -408,7 +451,7 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
                 # Constant (a compiled graph would carry the write out to the caller's tensor)
                 func.vjp(lambda *leaves: _noted(fn(leaves)[0], name, programs), *xs)
                 programs.warm.add(name)
-            if batched and name in programs.unbatchable:
+            if programs.custom or (batched and name in programs.unbatchable):
                 return None
             return programs.get(name, template)
 
@@ -507,6 +550,9 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
         def gradient_function(self, fn: Fn) -> Fn:
             def gradient(xs: Leaves) -> tuple[Leaves, tuple[Any, Any]]:
                 g, has_aux, rebuild = _for_func(fn, xs)
+                stack = _CURRENT.stack
+                if stack and not torch.compiler.is_compiling():  # (an eager warm-up: f's graph read)
+                    g = _noting(g, has_aux, stack[-1])
                 value, aux, grads = _gradient(g, has_aux, xs[0] if len(xs) == 1 else xs)
                 return ((grads,) if len(xs) == 1 else tuple(grads)), (value, rebuild(aux))
 
@@ -517,7 +563,7 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
             if not _FORWARD_WARMED[0]:
                 _warm_forward()
             with _FORWARD_LOCK:
-                program = self._program("second", _second, fn, xs)
+                program = self._program("second", _second, fn, xs, batched=True)
                 if program is None:
                     return self.eager.value_derivative_and_second_derivative(fn, xs)  # type: ignore[no-any-return]
                 tensor_fn, rebuild = _tensor_aux(fn)

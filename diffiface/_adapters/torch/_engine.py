@@ -4,7 +4,7 @@ backward passes that give zeros for unused inputs, results detached or not, f as
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import optree
@@ -94,10 +94,10 @@ _BATCHED_WRONGLY = frozenset({"CdistBackward0"})
 out wrong for p of 1, 1.5, 2, 3 and inf): a Jacobian's rows through one are taken one by one."""
 
 
-def batched_wrongly(out: Any) -> bool:
-    """Whether the graph behind ``out`` (a tensor or a tuple of them) holds a node that
-    torch.func.vmap batches wrongly. Read where the graph is built (inside torch.func.vjp or
-    jacrev, whose tensors show their ``grad_fn``), each node once."""
+def graph_nodes(out: Any) -> Iterator[Any]:
+    """The nodes of the graph behind ``out`` (a tensor or a tuple of them), each once. Read
+    where the graph is built (inside torch.func.vjp or jacrev, whose tensors show their
+    ``grad_fn``)."""
     todo = [t.grad_fn for t in (out if type(out) is tuple else (out,)) if isinstance(t, torch.Tensor)]
     seen: set[Any] = set()
     while todo:
@@ -105,10 +105,13 @@ def batched_wrongly(out: Any) -> bool:
         if node is None or node in seen:
             continue
         seen.add(node)
-        if type(node).__name__ in _BATCHED_WRONGLY:
-            return True
+        yield node
         todo.extend(parent for parent, _ in node.next_functions)
-    return False
+
+
+def batched_wrongly(out: Any) -> bool:
+    """Whether the graph behind ``out`` holds a node that torch.func.vmap batches wrongly."""
+    return any(type(node).__name__ in _BATCHED_WRONGLY for node in graph_nodes(out))
 
 
 class _BatchedWrongly(Exception):
