@@ -628,6 +628,53 @@ def test_a_small_entry_200_percent_off_beside_a_huge_one_fails():
     assert "x: 1 of 2 entries differ" in str(info.value)
 
 
+def test_a_small_entry_off_where_its_differences_cannot_judge_it_fails_or_is_named():
+    # at v0 = 3 the differences' tolerance for v1 (about 3) passed d/dv1 = 2 silently: the
+    # entry's loose tolerance sends it to the Taylor test, along it alone
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+
+    def rule(scale):
+        @jax.custom_vjp
+        def f(v):
+            return 1e8 * v[0] ** 2 + v[1]
+
+        f.defvjp(lambda v: (f(v), v), lambda v, ct: (ct * jnp.stack([2e8 * v[0], scale * jnp.ones_like(v[1])]),))
+        return f
+
+    with pytest.raises(di.GradientCheckError, match=r"Taylor test.*shrink only as h\^1"):
+        check_gradients(rule(2.0), np.array([3.0, 0.5]), backends=["jax"])
+    report = check_gradients(rule(1.0), np.array([3.0, 0.5]), backends=["jax"])
+    assert not report.failed
+
+    # beside terms of 1e12, sin(b)'s entries (1.5 times too large) are resolved by no step: named
+    @jax.custom_vjp
+    def g(p):
+        return 1e4 * jnp.sum(p["w"] ** 2) + jnp.sum(jnp.sin(p["b"]))
+
+    g.defvjp(lambda p: (g(p), p), lambda p, ct: ({"w": ct * 2e4 * p["w"], "b": ct * 1.5 * jnp.cos(p["b"])},))
+    report = check_gradients(g, {"w": np.full(3, 1e4), "b": np.array([0.3, 1.2])}, backends=["jax"])
+    (row,) = [row for row in report.rows if row.backend == "jax" and row.reference.startswith("finite")]
+    assert "2 inputs whose gradient entries no step of the checker resolves (['b'][0], ['b'][1]" in row.message
+
+
+def test_an_infinite_gradient_is_never_called_right():
+    # exp at 709.78 with a rule 1% off overflows to inf; the Taylor test had called it right
+    # (its remainders inf, within a noise of inf)
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+
+    @jax.custom_vjp
+    def f(v):
+        return jnp.sum(jnp.exp(v))
+
+    f.defvjp(lambda v: (f(v), v), lambda v, ct: (ct * 1.01 * jnp.exp(v),))
+    with pytest.raises(di.GradientCheckError, match="gradient inf"):
+        check_gradients(f, np.array([709.78]), backends=["jax"])
+    with pytest.raises(di.GradientCheckError):
+        check_gradients(f, np.array([709.78, 0.5]), backends=["jax"])
+
+
 def test_the_conv_net_takes_at_most_4n_plus_20_evaluations():
     torch = pytest.importorskip("torch")
     model, params, batch = _conv_net(torch)
@@ -782,6 +829,17 @@ def test_engines_not_compared_for_a_random_f_are_not_passed() -> None:
         check_gradients(lambda v: drop(torch.tanh(v)).sum(), torch.linspace(0.1, 1, 6, dtype=torch.float64))
     statuses = {row.backend: row.status for row in caught.value.report.rows}
     assert "passed" not in statuses.values(), statuses
+
+
+def test_a_small_draw_in_a_float32_f_is_found_on_the_float64_copies() -> None:
+    """A draw of 10 beside f = 9.4e5 in float32 hides in f's rounding there (64 eps |f| is 22):
+    the right gradient was failed by the Taylor test, or skipped as not differentiable."""
+    torch = pytest.importorskip("torch")
+    x = 100 + torch.linspace(-1, 1, 100, dtype=torch.float32)
+    for seed in (0, 7):
+        torch.manual_seed(seed)
+        with pytest.raises(di.GradientCheckError, match=r"not deterministic.*on float64 copies"):
+            check_gradients(lambda x: ((x - 3) ** 2).sum() + 10.0 * torch.rand(()), x, backends="torch")
 
 
 def _verdict(remainders: list[float], claimed: float) -> str:
