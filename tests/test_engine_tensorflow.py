@@ -516,6 +516,26 @@ def test_a_keras_model_constant_written_by_f_is_restored_and_refused() -> None:
         np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-6)
 
 
+def test_a_keras_model_held_by_an_object_constant_is_restored_and_refused() -> None:
+    """An object holding the model (``di.Constant(trainer)``): its variables were not watched."""
+    keras = pytest.importorskip("keras")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.BatchNormalization()])
+    before = {variable.path: variable.numpy().copy() for variable in model.variables}
+
+    class Trainer:
+        def __init__(self, model: Any) -> None:
+            self.model = model
+
+    x = tf.constant(np.random.default_rng(0).standard_normal((5, 3)).astype("float32"))
+    with pytest.raises(di.MutationError, match="moving_mean"):
+        di.gradient(
+            lambda v, t: tf.reduce_sum(t.model(v, training=True) ** 2), "tensorflow", x, di.Constant(Trainer(model))
+        )
+    for variable in model.variables:
+        np.testing.assert_array_equal(variable.numpy(), before[variable.path])
+
+
 def test_a_keras_model_cache_is_f_to_write() -> None:
     """A model passed as a di.Cache is f's scratch space: its writes are not refused."""
     keras = pytest.importorskip("keras")

@@ -112,6 +112,55 @@ def test_a_batchnorm_in_train_mode_names_its_buffer_and_is_put_back(mode: str) -
     assert grad.shape == head.shape and same(before, net)
 
 
+class _Trainer:
+    """An object that holds the model f calls (``di.Constant(trainer)``), beside data."""
+
+    def __init__(self, net: Any) -> None:
+        self.parts = {"net": net}
+        self.history = [0.0] * 100
+
+
+@pytest.mark.parametrize("mode", list(BACKENDS))
+def test_a_batchnorm_held_by_an_object_constant_is_put_back(mode: str) -> None:
+    # an object holding the module: its BatchNorm's writes went unseen in autograd mode
+    torch.manual_seed(0)
+    net, head, batch = Net().train(), torch.randn(4), torch.randn(8, 4)
+    net.requires_grad_(False)
+    before = snapshot(net)
+
+    def f(h: Any, trainer: Any, b: Any) -> Any:
+        return (trainer.parts["net"](b) @ h).square().mean()
+
+    with pytest.raises(di.MutationError, match=r"buffer 'norm\.(running_mean|running_var|num_batches_tracked)'"):
+        di.gradient(f, BACKENDS[mode], head, di.Constant(_Trainer(net)), di.Constant(batch))
+    assert same(before, net)
+
+
+def test_held_finds_models_in_attributes_and_small_containers() -> None:
+    from diffiface._contexts import held
+
+    def is_module(value: object) -> bool:
+        return isinstance(value, torch.nn.Module)
+
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+
+    class Box:
+        pass
+
+    outer, inner = Box(), Box()
+    inner.model = b  # type: ignore[attr-defined]
+    outer.__dict__.update(model=a, again=a, inner=inner, ensemble=[a, b], data=[b] + [0.0] * 100)
+    assert held(a, is_module) == [a]
+    assert {id(m) for m in held(outer, is_module)} == {id(a), id(b)}
+    shallow = Box()
+    shallow.__dict__.update(model=a, inner=inner)
+    assert held(shallow, is_module, depth=1) == [a]  # (inner's model is two objects deep)
+    only = Box()
+    only.data = [b] + [0.0] * 100  # type: ignore[attr-defined]  # (a long list is data: not looked into)
+    assert held(only, is_module) == []
+    assert held(3.0, is_module) == []
+
+
 @pytest.mark.parametrize("mode", list(BACKENDS))
 @pytest.mark.parametrize("through", ["mul_", ".data"])
 def test_a_write_into_a_frozen_parameter_on_the_first_call_is_put_back(mode: str, through: str) -> None:

@@ -23,6 +23,7 @@ from tensorflow.python.eager import record
 from tensorflow.python.types import core as tensorflow_core
 
 from .. import _arrays
+from .._contexts import held
 from .._errors import ArrayTypeError, InvalidOutputError, MutationError
 from .._families.tensorflow import dtype_of
 from . import _base
@@ -296,7 +297,8 @@ class Adapter(_base.Adapter):
 
 class _FirstCallWatch:
     """An eager program whose first call watches the variables of the Constants that hold them
-    (a Keras model, a ``tf.Module``), which f reaches as they are: TensorFlow keeps no count of a
+    (a Keras model, a ``tf.Module``, or an object holding one: :func:`~diffiface._contexts.held`),
+    which f reaches as they are: TensorFlow keeps no count of a
     variable's writes, so their values are kept before that call and compared after it (also
     when f raises), and a write is undone and refused with a :class:`MutationError` that names
     the variable (a BatchNormalization called with ``training=True`` updates its statistics).
@@ -317,7 +319,8 @@ class _FirstCallWatch:
             variable
             for leaf, constant in zip(static.leaves, self.watched, strict=True)
             if constant
-            for variable in (getattr(leaf, "variables", None) or ())
+            for holder in held(leaf, _holds_variables)
+            for variable in (getattr(holder, "variables", None) or ())
             if hasattr(variable, "assign")
         ]
         kept = [_value(variable) for variable in variables]
@@ -341,6 +344,12 @@ class _FirstCallWatch:
             )
         self.first = False
         return result
+
+
+def _holds_variables(value: object) -> bool:
+    """A Keras model or layer, a ``tf.Module``: its class has ``variables`` (not read here: a
+    property that builds a list)."""
+    return hasattr(type(value), "variables")
 
 
 def _value(variable: Any) -> np.ndarray:

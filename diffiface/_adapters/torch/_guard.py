@@ -15,6 +15,7 @@ import torch.autograd.forward_ad as _forward_ad
 from torch.overrides import TorchFunctionMode
 
 from ... import tree as _tree
+from ..._contexts import held
 from ..._errors import DiffifaceError, MutationError
 from .._base import NO_PARTS, Leaves, ProgramParts
 from ._dtensor import _refuse_fully_sharded
@@ -319,11 +320,20 @@ def _module_states(static: Any, cache_static: tuple[bool, ...], full: bool = Fal
     submodule's qualified name is found only where an error names it (:func:`_qualified`)."""
     states: list[_State] = []
     for index, (value, cache) in enumerate(zip(static.leaves, cache_static, strict=False)):
-        if cache or not isinstance(value, torch.nn.Module):
+        if cache:
             continue
-        _refuse_fully_sharded(value)
-        _walk(index, value, value, full, states)
+        if isinstance(value, torch.nn.Module):
+            _refuse_fully_sharded(value)
+            _walk(index, value, value, full, states)
+        elif hasattr(value, "__dict__"):  # (an object holding modules: a trainer's model)
+            for module in held(value, _is_module):
+                _refuse_fully_sharded(module)
+                _walk(index, module, module, full, states)
     return states or None
+
+
+def _is_module(value: object) -> bool:
+    return isinstance(value, torch.nn.Module)
 
 
 _State = tuple[int, str, tuple[Any, Any], str, Any, int, Any]
