@@ -109,10 +109,12 @@ def _check_x(op: Operator, backend: Backend, any_array_type: bool, call: Call) -
             "framework for all leaves of x."
         )
     if not any_array_type and family not in _ANY_ENGINE and family != backend_family(backend):
+        # (a backend of that family's name: an engine's variables that are not its inputs, a
+        # PyTensor shared variable, which its backend takes as numpy arrays)
+        elsewhere = "" if family == backend.name else f", or use the {family} backend"
         raise ArrayTypeError(
             f"x holds {family} arrays, but the {backend.name} backend differentiates "
-            f"{backend_family(backend)} arrays. Pass {_pass_arrays(backend)}, or use the "
-            f"{family} backend."
+            f"{backend_family(backend)} arrays. Pass {_pass_arrays(backend)}{elsewhere}."
         )
     scalar = len(call.x_leaves) == 1 and _arrays.shape(call.x_leaves[0]) == () and sig.x_spec.num_nodes == 1
     if op.scalar_input and not scalar:

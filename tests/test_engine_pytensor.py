@@ -407,3 +407,20 @@ def test_an_empty_leaf_of_x_leaves_the_other_blocks_right() -> None:
     jacobian = di.jacobian(lambda p: p["b"] ** 2, "pytensor", x)
     np.testing.assert_allclose(jacobian["b"], np.diag(2 * x["b"]))
     assert jacobian["empty"].shape == (2, 0)
+
+
+def test_an_output_whose_shape_follows_x_values_is_refused_at_a_new_x() -> None:
+    # a graph traced where x[x > 0] had 2 entries ran at an x where it has 3: numba's raw
+    # ValueError reached the caller
+    def positive(x: Any) -> Any:
+        return x[(x > 0).nonzero()]
+
+    np.testing.assert_array_equal(di.vjp(positive, "pytensor", np.array([1.0, -1.0, 2.0]), np.ones(2)), [1, 0, 1])
+    with pytest.raises(di.UnsupportedOperationError, match=r"shape depends on x's\s+values"):
+        di.vjp(positive, "pytensor", np.array([1.0, 1.0, 2.0]), np.ones(2))
+
+
+def test_a_shared_variable_as_x_is_refused_without_naming_its_own_backend() -> None:
+    shared = pytensor.shared(np.array([1.0, 2.0, 3.0]))
+    with pytest.raises(di.ArrayTypeError, match=r"Pass numpy arrays\.$"):
+        di.gradient(lambda x: pt.sum(x**2), "pytensor", shared)

@@ -293,8 +293,7 @@ class Adapter(_base.Adapter):
         if type(exc) is ValueError and str(exc).endswith("read-only"):
             raise MutationError(
                 f"f wrote into an array it was given ({exc!s}); under the pytensor backend f builds a "
-                "symbolic graph: compute out of place (pytensor.tensor.set_subtensor), or pass scratch "
-                "space as di.Cache."
+                "symbolic graph: compute out of place (pytensor.tensor.set_subtensor)."
             ) from exc
         if isinstance(exc, TypeError) and "TensorVariable" in str(exc) and "bool" in str(exc):
             return (
@@ -303,6 +302,14 @@ class Adapter(_base.Adapter):
                 "pytensor.tensor.switch or pytensor.ifelse.ifelse, or pass a value that must stay a "
                 "Python value as an int or a string."
             )
+        if type(exc) is ValueError and _base.raised_inside(exc, "pytensor.link"):  # (a compiled graph's run)
+            raise UnsupportedOperationError(
+                f"PyTensor's compiled graph of f failed on this call's values ({exc!s}). A graph that served "
+                "another x and fails at this one most often has an output whose shape depends on x's "
+                "values (x[x > 0], nonzero): a compiled graph, traced once, checks a cotangent against "
+                "the output's shape at its trace only. Give f outputs whose shapes x's shape fixes "
+                "(pytensor.tensor.switch in place of the selection), or use another backend."
+            ) from exc
         if isinstance(exc, (TypeError, ValueError, AttributeError, NotImplementedError)) and (
             _base.raised_inside(exc, "numpy") or _base.raised_inside(exc, "pytensor")
         ):
