@@ -545,3 +545,24 @@ def test_a_keras_model_cache_is_f_to_write() -> None:
     before = model.layers[1].moving_mean.numpy().copy()
     di.gradient(lambda v, m: tf.reduce_sum(m(v, training=True) ** 2), "tensorflow", x, di.Cache(model))
     assert not np.array_equal(model.layers[1].moving_mean.numpy(), before)
+
+
+def test_an_operation_without_a_derivative_is_named() -> None:
+    """tf.unique has no gradient: TensorFlow's raw LookupError reached the caller."""
+    x = tf.constant([1.0, 2.0, 1.0], tf.float64)
+    for backend in (di.AutoTensorFlow(), di.AutoTensorFlow(jit=True)):
+        with pytest.raises(di.UnsupportedOperationError, match=r"no derivative of an operation.*Unique"):
+            di.gradient(lambda x: tf.reduce_sum(tf.unique(x)[0]), backend, x)
+
+
+def test_jit_refusals_name_what_f_did() -> None:
+    """Under jit a returned tf.Variable was blamed on a call inside tf.function, and an int output
+    on tf.numpy_function; eagerly a random output that x does not reach names the generator."""
+    x = tf.constant([1.0, 2.0], tf.float64)
+    jit = di.AutoTensorFlow(jit=True)
+    with pytest.raises(di.InvalidOutputError, match=r"returned a tf\.Variable"):
+        di.jacobian(lambda x: tf.Variable(x * 2), jit, x)
+    with pytest.raises(di.InvalidOutputError, match="dtype int32 where gradient needs floating-point"):
+        di.gradient(lambda x: tf.reduce_sum(tf.cast(x, tf.int32)), jit, x)
+    with pytest.raises(di.InvalidOutputError, match="global random generator"):
+        di.gradient(lambda x: tf.reduce_sum(tf.random.normal((2,), dtype=tf.float64)), "tensorflow", x)

@@ -53,7 +53,8 @@ def refuse_a_moved_output(before: Sequence[Any], after: Sequence[Any], engine: s
         "traced value into a plain number or a new array (float(y), y.item(), y.numpy(), "
         "torch.tensor(y.item()), np.asarray(y)), or computed it with torch's grad mode off (torch.no_grad(), "
         "torch.set_grad_enabled(False)), so its derivative would read as zero. Keep the computation in the "
-        "engine's arrays, traced, from x to the output."
+        "engine's arrays, traced, from x to the output. (Or f draws from a global random generator, "
+        "and its output changes from call to call: pass a seeded generator or key as a di.Constant.)"
     )
 
 

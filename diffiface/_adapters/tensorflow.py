@@ -24,7 +24,7 @@ from tensorflow.python.types import core as tensorflow_core
 
 from .. import _arrays
 from .._contexts import held
-from .._errors import ArrayTypeError, InvalidOutputError, MutationError
+from .._errors import ArrayTypeError, InvalidOutputError, MutationError, UnsupportedOperationError
 from .._families.tensorflow import dtype_of
 from . import _base
 from ._base import Fn, Leaves, raised_inside
@@ -137,6 +137,12 @@ class Adapter(_base.Adapter):
     def output_values(self, leaf: Any) -> Any:  # type: ignore[override]
         """An output leaf as it is; refused where a graph does not know its shape
         (``tf.py_function``'s output, ``tf.boolean_mask``'s under ``jit=True``)."""
+        if isinstance(leaf, tf.Variable) and not tf.executing_eagerly():
+            raise InvalidOutputError(
+                "f returned a tf.Variable inside the tf.function graph of AutoTensorFlow(jit=True), which "
+                "has no values to check and makes a variable on every trace: return the tensor it holds "
+                "(the computation itself, or tf.identity(variable))."
+            )
         shape = getattr(leaf, "shape", None)
         if isinstance(shape, tf.TensorShape) and not shape.is_fully_defined():
             raise InvalidOutputError(
@@ -176,6 +182,11 @@ class Adapter(_base.Adapter):
                 "f assigns into x or a Constant (variable.assign...). diffiface hands f tf.Tensor values "
                 "of the caller's variables, which it never writes: compute out of place and return the "
                 "new value (has_aux=True), or pass scratch variables as di.Cache."
+            ) from exc
+        if isinstance(exc, LookupError) and raised_inside(exc, "tensorflow") and "gradient registry" in str(exc):
+            raise UnsupportedOperationError(
+                f"TensorFlow has no derivative of an operation f uses ({exc}). Compute f without it, "
+                "give it a rule with tf.custom_gradient, or use AutoFiniteDifferences()."
             ) from exc
         if isinstance(exc, (NotImplementedError, AttributeError)) and "numpy" in str(exc) and self.compiles:
             return (
@@ -446,6 +457,8 @@ def _refuse_graph_cut(leaf: Any, xs: Leaves, missed: bool) -> None:
     trace (``missed``) that the graph's operations lead to from x (``tf.stop_gradient`` of all
     of it), or any leaf that x reaches through a numpy function (``tf.numpy_function``, whose
     operation TensorFlow records and differentiates as zero). Else f does not depend on x there."""
+    if not (leaf.dtype.is_floating or leaf.dtype.is_complex):
+        return  # (an int output: the output checks name its dtype)
     sources = {x.ref() for x in xs if isinstance(x, tf.Tensor)}
     found = _from_sources([leaf], sources)
     if found is None or not (missed or any(_from_sources(op.inputs, sources) is not None for op in found)):
