@@ -658,6 +658,28 @@ def test_a_small_entry_off_where_its_differences_cannot_judge_it_fails_or_is_nam
     assert "2 inputs whose gradient entries no step of the checker resolves (['b'][0], ['b'][1]" in row.message
 
 
+def test_a_wrong_rule_near_a_kink_the_differences_do_not_reach_fails():
+    # relu(w . a) with w . a = 1e-4: each input's differences stay short of the kink and find
+    # the rule 1.5x off; the Taylor test's steps along all inputs cross it ("not differentiable"):
+    # the row was skipped, not failed
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    a = np.full(100, 0.1)
+
+    def rule(scale):
+        @jax.custom_vjp
+        def dot(w):
+            return jnp.dot(w, a)
+
+        dot.defvjp(lambda w: (dot(w), None), lambda _, ct: (scale * ct * a,))
+        return lambda w: jax.nn.relu(dot(w)) + 0.01 * jnp.sum(jnp.sin(w))
+
+    w = np.full(100, 1e-5)
+    with pytest.raises(di.GradientCheckError, match=r"below the first test's steps.*shrink only as h\^1"):
+        check_gradients(rule(1.5), w, backends=["jax"])
+    assert not check_gradients(rule(1.0), w, backends=["jax"]).failed
+
+
 def test_an_infinite_gradient_is_never_called_right():
     # exp at 709.78 with a rule 1% off overflows to inf; the Taylor test had called it right
     # (its remainders inf, within a noise of inf)

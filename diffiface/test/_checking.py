@@ -65,7 +65,7 @@ _RESOLVES = 1e-3
 (a 1% error is then seen by a margin of ten); else the Taylor test judges as well."""
 
 _LOOSE = 0.1
-"""An entry whose tolerance is this fraction of it or more is not judged by the differences alone."""
+"""An entry whose differences' error allows this fraction of it or more is not judged by them alone."""
 
 _VISIBLE = 100.0
 """An entry the differences cannot judge goes to the Taylor test where its first-order term over
@@ -802,7 +802,8 @@ class _Check:
             bad |= known & ~np.isfinite(g)
             with np.errstate(invalid="ignore", over="ignore"):
                 noise = self._noise(g)
-                loose = known & ~self.fixed & ~bad & (tol >= _LOOSE * np.abs(g))
+                # (by the differences' own error: a tolerance the gradient's dtype widens is its precision)
+                loose = known & ~self.fixed & ~bad & (_SAFETY * truth.errors >= _LOOSE * np.abs(g))
                 seen = np.abs(g) * self.reach * self._taylor_top() > _VISIBLE * noise
                 unresolved |= loose & seen
                 # (an entry that moves f by more than its rounding over x's own scale, which no
@@ -862,10 +863,15 @@ class _Check:
                     row, taylor, g, fd_failed=label in disagreements, reference=truth.values
                 )
             if first is not None:
-                self._second_look(gradients, verdicts, first, np.nan_to_num(truth.values))
+                self._second_look(gradients, verdicts, first, np.nan_to_num(truth.values), set(disagreements))
 
     def _second_look(
-        self, gradients: dict[str, np.ndarray], verdicts: dict[str, str], first: np.ndarray, reference: np.ndarray
+        self,
+        gradients: dict[str, np.ndarray],
+        verdicts: dict[str, str],
+        first: np.ndarray,
+        reference: np.ndarray,
+        fd_failed: set[str],
     ) -> None:
         """The Taylor test once more along the disagreement (10 evaluations more), without what
         may have misled the first: the inputs whose own differences show a kink within their
@@ -877,7 +883,13 @@ class _Check:
         wrong entry at another). And where the first found a gradient wrong over steps scaled by
         ``|x_i|`` and no input is left out: the row passes if this test finds it right, and is
         skipped if this test is inconclusive and every input that differs showed a kink within
-        its own step (f is no polynomial over either test's steps: ``sin`` at ``x = 1e12``)."""
+        its own step (f is no polynomial over either test's steps: ``sin`` at ``x = 1e12``).
+
+        And where the first found f not differentiable along the disagreement, though the
+        differences, whose stencils showed no kink, disagreed with the gradient: over steps below
+        the first test's shortest (a kink of ``relu(w . a)`` at ``w . a = 1e-4``, which the
+        differences' steps along one input each do not reach and the first test's steps along all
+        inputs at once cross); the row fails only if this test finds its gradient wrong."""
         first = np.nan_to_num(first)
         rest = np.where(self.kinked, 0.0, first)
         kinks = self.kinked & (first != 0)
@@ -891,17 +903,24 @@ class _Check:
         wrong = (
             [label for label, verdict in verdicts.items() if verdict == "wrong"] if rescaled and not kinks.any() else []
         )
-        if not np.any(rest) or not ((skipped and (kinks.any() or rescaled)) or wrong):
+        shorter = [] if kinks.any() or rescaled else [label for label in skipped if label in fd_failed]
+        if not np.any(rest) or not ((skipped and (kinks.any() or rescaled)) or wrong or shorter):
             return
+        if shorter:
+            skipped = shorter
+            reach = reach * _TAYLOR_RATIO ** -float(_TAYLOR_STEPS)
         without = []
         if np.any(kinks):
             at = ", ".join(self._where(int(i)) for i in np.flatnonzero(kinks)[:4])
             without.append(f"the inputs at a kink of f ({at})")
         if rescaled:
             without.append("steps scaled by |x|")
-        taylor = self._taylor(
-            rest * reach, f"again along the disagreement, without {' and '.join(without)}", reach=reach
+        why = (
+            "again along the disagreement, below the first test's steps"
+            if shorter
+            else f"again along the disagreement, without {' and '.join(without)}"
         )
+        taylor = self._taylor(rest * reach, why, reach=reach)
         for label in (*skipped, *wrong):
             row, g = self._row(label), gradients[label]
             verdict, detail = self._verdict(taylor, g, abs(float(np.dot(g - reference, taylor.direction))))
