@@ -39,6 +39,7 @@ from ._running import (
     _is_difference,
     _like,
     _no_grad,
+    _on_float64_copies,
     _outcome,
     _promotes,
     _reference_label,
@@ -736,7 +737,8 @@ class _Check:
 
     def _prepare_truth(self, value: Any) -> None:
         scenario = self.scenario
-        self.wide = _promotes(scenario) and not _changes_in_float64(scenario, value[0] if self.has_aux else value)
+        wide = _on_float64_copies(scenario) if _promotes(scenario) else None
+        self.wide = _promotes(scenario) and not _changes_in_float64(scenario, value[0] if self.has_aux else value, wide)
         self.wide = self.wide or self.wide_x
         promoted = _promotes(scenario) and self.wide
         self.truth_flat = _Flat.of(promote(self.x)) if promoted else self.flat
@@ -756,11 +758,11 @@ class _Check:
         # f(x) as the ground truth computes it (on the float64 copies, where they serve)
         self.output_dtype = _arrays.dtype_name(_tree.leaves(value[0] if self.has_aux else value)[0])
         center = self._at(self.truth_flat.vector) if promoted else self.f0
-        if promoted and center is not None:
+        if promoted and center is not None and wide is not None:
             # (a draw from a global generator hides in f's rounding at f's own precision, not
-            # in float64's, where the truth evaluates f)
-            again = self._at(self.truth_flat.vector)
-            if again is not None and abs(again - center) > 64 * np.finfo(np.float64).eps * self.condition:
+            # in float64's, where the truth evaluates f: the check's evaluation there, again)
+            again = self._scalar((wide, None) if self.has_aux else wide)
+            if abs(again - center) > 64 * np.finfo(np.float64).eps * self.condition:
                 self._not_deterministic(f"different values on float64 copies ({center!r} and {again!r})")
         self.center = self.f0 if center is None else center
         if self.output_dtype in ("float32", "float16", "bfloat16"):
