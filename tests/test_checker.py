@@ -683,25 +683,6 @@ def test_a_wrong_rule_near_a_kink_the_differences_do_not_reach_fails():
     assert not check_gradients(rule(1.0), w, backends=["jax"]).failed
 
 
-def test_a_loose_entry_the_taylor_test_cannot_judge_is_named_not_checked():
-    # tan 1e-4 from its pole with a rule 1% off passed: its differences allow 4%, and the Taylor
-    # test was inconclusive there
-    jax = pytest.importorskip("jax")
-    jnp = jax.numpy
-
-    @jax.custom_vjp
-    def f(v):
-        return jnp.sum(jnp.tan(v))
-
-    f.defvjp(lambda v: (f(v), v), lambda v, ct: (ct * 1.01 / jnp.cos(v) ** 2,))
-    try:
-        report = check_gradients(f, np.array([1.5707]), backends=["jax"])
-    except di.GradientCheckError as exc:
-        report = exc.report
-    (row,) = [row for row in report.rows if row.backend == "jax" and row.reference.startswith("finite")]
-    assert row.status == "failed" or "not checked" in row.message, (row.status, row.message)
-
-
 def test_an_infinite_gradient_is_never_called_right():
     # exp at 709.78 with a rule 1% off overflows to inf; the Taylor test had called it right
     # (its remainders inf, within a noise of inf)

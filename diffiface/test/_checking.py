@@ -68,6 +68,10 @@ _RESOLVES = 1e-3
 _LOOSE = 0.01
 """An entry whose differences' error allows this fraction of it or more is not judged by them alone."""
 
+_UNJUDGED = 0.1
+"""An entry whose differences allow this fraction of it or more, and that no Taylor test decides,
+is named "not checked"."""
+
 _VISIBLE = 100.0
 """An entry the differences cannot judge goes to the Taylor test where its first-order term over
 the test's top step stands this many times above f's rounding noise (where the test can see it)."""
@@ -789,6 +793,7 @@ class _Check:
         # entries whose differences would pass a gradient 1% off (f's rounding over a step is
         # near their size), where the Taylor test's top step would show such an error
         unresolved = np.zeros(self.flat.size, dtype=bool)
+        unjudged = np.zeros(self.flat.size, dtype=bool)
         for label, g in gradients.items():
             row = self._row(label)
             row.reference = self.label
@@ -804,13 +809,18 @@ class _Check:
             bad |= known & ~np.isfinite(g)
             with np.errstate(invalid="ignore", over="ignore"):
                 noise = self._noise(g)
-                # (by the differences' own error: a tolerance the gradient's dtype widens is its precision)
-                loose = known & ~self.fixed & ~bad & (_SAFETY * truth.errors >= _LOOSE * np.abs(g))
+                # (by the differences' own error; the Taylor test only where the gradient's dtype is
+                # finer than that, its floors: a float32 QR's entries near its rounding read as wrong)
+                differences = _SAFETY * truth.errors
+                loose = known & ~self.fixed & ~bad & (differences >= _LOOSE * np.abs(g))
                 seen = np.abs(g) * self.reach * self._taylor_top() > _VISIBLE * noise
+                seen &= tol - differences < _LOOSE * np.abs(g)
                 unresolved |= loose & seen
-                # (an entry that moves f by more than its rounding over x's own scale, which no
-                # step of the checker resolves: reported, not passed in silence)
-                self.hidden |= loose & ~seen & (np.abs(g) * self.reach > noise)
+                # (an entry the differences allow a tenth off, not negligible in its leaf, that moves f
+                # by more than its rounding over x's scale, which no step of the checker resolves:
+                # reported, not passed in silence)
+                unjudged |= known & ~self.fixed & ~bad & (differences >= _UNJUDGED * np.abs(g)) & self._in_leaf(g)
+                self.hidden |= unjudged & loose & ~seen & (np.abs(g) * self.reach > noise)
             crossed = ~np.isfinite(g) & ~self.fixed
             if label.split("-")[0] in ("finite_differences", "scipy") and np.any(crossed):
                 # f(x) is finite: a finite-difference engine's NaN is its own step crossing an edge
@@ -866,9 +876,18 @@ class _Check:
                 )
             if not disagreements and "inconclusive" in verdicts.values():
                 # (the loose entries, which the differences alone do not judge, judged by nothing)
-                self.hidden |= unresolved
+                self.hidden |= unresolved & unjudged
             if first is not None:
                 self._second_look(gradients, verdicts, first, np.nan_to_num(truth.values), set(disagreements))
+
+    def _in_leaf(self, g: np.ndarray) -> np.ndarray:
+        """Per entry, whether it is at least 1e-3 of its leaf's largest (a softplus's saturated
+        entries, 1e-10 beside 1e-7, are not named unchecked; a leaf of its own is never small)."""
+        offsets = self.flat.offsets
+        sizes = np.diff(offsets)
+        magnitude = np.nan_to_num(np.abs(g), posinf=0.0)
+        largest = np.repeat([np.max(magnitude[lo:hi], initial=0.0) for lo, hi in itertools.pairwise(offsets)], sizes)
+        return magnitude >= 1e-3 * largest  # type: ignore[no-any-return]
 
     def _second_look(
         self,
