@@ -124,6 +124,25 @@ def test_a_batchnorm_in_train_mode_names_its_buffer_and_is_put_back(mode: str, h
     assert grad.shape == head.shape and same(before, net)
 
 
+@pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
+def test_a_batchnorm_is_put_back_beside_another_write(prepared: bool) -> None:
+    # expected: the MutationError names the Constant tensor f wrote first, and the train-mode
+    # BatchNorm's buffers, which f also wrote, are put back all the same (they were lost)
+    torch.manual_seed(0)
+    norm, scale, x = torch.nn.BatchNorm1d(3).train(), torch.ones(3), torch.randn(5, 3)
+    before = snapshot(norm)
+
+    def f(v: Any, s: Any, model: Any) -> Any:
+        s.add_(1.0)
+        return model(v).square().sum()
+
+    contexts = (di.Constant(scale), di.Constant(norm))
+    prep = di.prepare_gradient(f, "torch", x, *contexts) if prepared else None
+    with pytest.raises(di.MutationError, match=r"contexts\[0\]"):
+        di.gradient(f, "torch", x, *contexts, prep=prep)
+    assert same(before, norm) and torch.equal(scale, torch.ones(3))
+
+
 def test_held_finds_models_in_attributes_and_small_containers() -> None:
     from diffiface._contexts import held
 

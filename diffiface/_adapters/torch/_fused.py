@@ -162,8 +162,7 @@ class _Gradient:
         stack.pop()
         if not torch.is_grad_enabled():  # f switched it off (torch.set_grad_enabled) and did not switch back
             torch.set_grad_enabled(True)
-        # (a Constant module's states are always compared: a train-mode buffer's copy by its bits)
-        dirty = modules is not None or list(map(_version, inputs)) != versions
+        dirty = list(map(_version, inputs)) != versions or (modules is not None and modules.changed())
         for _, tensor, version in constants:  # (a loop, not a generator: this runs on every call)
             dirty = dirty or tensor._version != version
         if dirty:

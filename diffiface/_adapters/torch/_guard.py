@@ -170,7 +170,7 @@ def _guard(
             torch.set_grad_enabled(grad_mode)
         if not keep:  # (a call that keeps no graph gives its results as torch.autograd.grad does)
             result = _out_of_graph(result)
-        dirty = modules is not None
+        dirty = modules is not None and modules.changed()
         for x, version in zip(xs, versions, strict=False):  # (a loop: this runs on every call)
             if x._version != version:
                 dirty = True
@@ -285,7 +285,7 @@ def _after_failure(
     xs: Leaves,
     versions: list[int],
     constants: list[tuple[int, Any, int]],
-    modules: list[_State] | None,
+    modules: _Watch | None,
     names: _Names | None,
     x_copied: bool = True,
     copied: bool = True,
@@ -307,68 +307,107 @@ def _after_failure(
     return torch_refusal(exc)
 
 
-def _module_states(static: Any, cache_static: tuple[bool, ...], full: bool = False) -> list[_State] | None:
-    """For each Constant ``torch.nn.Module`` (by its index among the static leaves): each
-    parameter and buffer as (index, what, (the Constant's module, its submodule), name, tensor,
-    version, copy).
-
-    The copy puts back what f wrote. ``full`` (a prep's first call): a copy of every tensor,
-    so that any write is undone, also one no counter sees (through ``.data``). Else a copy of
-    the buffers of submodules in training mode only (torch's batch norm writes its running
-    statistics without a version bump); nothing else is copied, so that a frozen backbone
-    costs its counters per call, not its size, and a write is seen but not undone. The
-    submodule's qualified name is found only where an error names it (:func:`_qualified`)."""
-    states: list[_State] = []
+def _module_states(static: Any, cache_static: tuple[bool, ...], full: bool = False) -> _Watch | None:
+    """The watch over the Constant ``torch.nn.Module`` s (and the modules an object in a Constant
+    holds, a trainer's model) among the static leaves; None where there is none."""
+    roots: list[tuple[int, Any]] = []
     for index, (value, cache) in enumerate(zip(static.leaves, cache_static, strict=False)):
         if cache:
             continue
         if isinstance(value, torch.nn.Module):
-            _refuse_fully_sharded(value)
-            _walk(index, value, value, full, states)
+            roots.append((index, value))
         elif hasattr(value, "__dict__"):  # (an object holding modules: a trainer's model)
-            for module in held(value, _is_module):
-                _refuse_fully_sharded(module)
-                _walk(index, module, module, full, states)
-    return states or None
+            roots.extend((index, module) for module in held(value, _is_module))
+    if not roots:
+        return None
+    for _, module in roots:
+        _refuse_fully_sharded(module)
+    return _Watch(roots, full)
 
 
 def _is_module(value: object) -> bool:
     return isinstance(value, torch.nn.Module)
 
 
-_State = tuple[int, str, tuple[Any, Any], str, Any, int, Any]
+class _Watch:
+    """Every parameter and buffer of the Constant modules ``roots`` ((index among the static
+    leaves, module)), over one call: their version counters, and copies that put back what f
+    wrote.
 
+    ``full`` (a prep's first call): a copy of every tensor, so that any write is undone, also
+    one no counter sees (through ``.data``). Else a copy of the buffers of submodules in training
+    mode only (torch's batch norm writes its running statistics without a version bump); nothing
+    else is copied, so that a frozen backbone costs its counters per call, not its size, and a
+    write is seen but not undone. Which tensor is which (its module, its name) is found only
+    where an error names one (:meth:`named`)."""
 
-def _walk(index: int, root: Any, module: Any, full: bool, states: list[_State]) -> None:
-    """:func:`_module_states`'s entries of ``module`` and its submodules: a walk of the modules'
-    own dicts (``named_modules`` builds each prefix and a set of those seen, on every call)."""
-    where = (root, module)
-    for name, tensor in module._parameters.items():
-        if tensor is not None and not tensor.is_inference():  # (torch refuses writes into those)
-            copy = tensor.detach().clone() if full else None
-            states.append((index, "parameter", where, name, tensor, tensor._version, copy))
-    training = module.training
-    for name, tensor in module._buffers.items():
-        if tensor is not None and not tensor.is_inference():
-            copy = tensor.detach().clone() if training or full else None
-            states.append((index, "buffer", where, name, tensor, tensor._version, copy))
-    for child in module._modules.values():
-        if child is not None:
-            _walk(index, root, child, full, states)
+    __slots__ = ("copies", "roots", "tensors", "versions")
 
+    def __init__(self, roots: list[tuple[int, Any]], full: bool) -> None:
+        self.roots = roots
+        self.tensors: list[Any] = []
+        self.copies: list[tuple[Any, Any]] = []
+        for _, module in roots:
+            self._walk(module, full)
+        self.versions = list(map(_version, self.tensors))
 
-def _qualified(where: tuple[Any, Any], name: str) -> str:
-    """The name of a submodule's tensor as ``root.named_parameters()`` gives it."""
-    root, module = where
-    prefix = next((prefix for prefix, found in root.named_modules(remove_duplicate=False) if found is module), "")
-    return f"{prefix}.{name}" if prefix else name
+    def _walk(self, module: Any, full: bool) -> None:
+        # (the modules' own dicts: named_modules builds each prefix and a set of those seen)
+        tensors = self.tensors
+        for tensor in module._parameters.values():
+            if tensor is not None and not tensor.is_inference():  # (torch refuses writes into those)
+                tensors.append(tensor)
+                if full:
+                    self.copies.append((tensor, tensor.detach().clone()))
+        training = module.training
+        for tensor in module._buffers.values():
+            if tensor is not None and not tensor.is_inference():
+                tensors.append(tensor)
+                if training or full:
+                    self.copies.append((tensor, tensor.detach().clone()))
+        for child in module._modules.values():
+            if child is not None:
+                self._walk(child, full)
+
+    def changed(self) -> bool:
+        """Whether a tensor may have been written: a counter moved, or a copy is to compare."""
+        return bool(self.copies) or list(map(_version, self.tensors)) != self.versions
+
+    def named(self) -> dict[int, tuple[int, str, str]]:
+        """Each watched tensor's (index of its Constant, ``"parameter"`` or ``"buffer"``, its name
+        as the root's ``named_parameters()`` gives it), by ``id``."""
+        names: dict[int, tuple[int, str, str]] = {}
+        for index, root in self.roots:
+            for what, pairs in (("parameter", root.named_parameters), ("buffer", root.named_buffers)):
+                for name, tensor in pairs(remove_duplicate=False):
+                    names.setdefault(id(tensor), (index, what, name))
+        return names
+
+    def written(self) -> tuple[int, str, str, bool] | None:
+        """The first tensor f wrote into, as (index of its Constant, what, name, whether it was
+        put back); every tensor written that has a copy is put back. None where f wrote none."""
+        copies = {id(tensor): copy for tensor, copy in self.copies}
+        first = None
+        for tensor, version in zip(self.tensors, self.versions, strict=True):
+            copy = copies.get(id(tensor))
+            if tensor._version != version or (copy is not None and not _same_bits(tensor, copy)):
+                if first is None:
+                    first = (tensor, copy is not None)
+                if copy is not None:
+                    with torch.no_grad():
+                        tensor.copy_(copy)
+        if first is None:
+            return None
+        # (a tensor f also took out of its module is named by the first Constant module)
+        index, what, name = self.named().get(id(first[0]), (self.roots[0][0], "parameter", "(removed by f)"))
+        return index, what, name, first[1]
 
 
 def _mutation(
     xs: Leaves,
     versions: list[int],
     constants: list[tuple[int, Any, int]],
-    modules: list[_State] | None,
+    modules: _Watch | None,
     names: _Names | None,
     x_copied: bool = True,
     copied: bool = True,
@@ -376,6 +415,8 @@ def _mutation(
     """What f wrote into, named by its path, restored where a copy was kept; None if it wrote
     nothing. ``x_copied``: the leaves f got for x were copies (a prep's first call); ``copied``:
     the Constant tensors f got were copies (a prep's first call in autograd mode)."""
+    # (first: a module's copies are put back whatever else f wrote)
+    changed = modules.written() if modules is not None and modules.changed() else None
     for i, (x, version) in enumerate(zip(xs, versions, strict=True)):
         if x._version != version:
             where = names.of_x(i, len(xs)) if names is not None else (f"leaf {i} of x" if len(xs) > 1 else "x")
@@ -386,32 +427,23 @@ def _mutation(
             where = names.of_dynamic(i) if names is not None else f"array context leaf {i}"
             state = "the caller's tensor is unchanged (f wrote into a copy)" if copied else _LANDED_TENSOR
             return f"f wrote in place into {where}, a tensor of a di.Constant; {state}. A Constant is read-only: {_FIX}"
-    if modules:
-        changed = None
-        for index, what, module, name, tensor, version, copy in modules:
-            if tensor._version != version or (copy is not None and not _same_bits(tensor, copy)):
-                if changed is None:
-                    changed = (index, what, _qualified(module, name), copy is not None)
-                if copy is not None:
-                    with torch.no_grad():
-                        tensor.copy_(copy)
-        if changed is not None:
-            index, what, name, restored = changed
-            where = names.of_static(index) if names is not None else "a di.Constant"
-            state = _PUT_BACK if restored else _LANDED
-            if what == "parameter":
-                return (
-                    f"f wrote in place into the parameter {name!r} of the torch.nn.Module {where}, a di.Constant; "
-                    f"{state}. A Constant is read-only: {_FIX}"
-                )
-            return (
-                f"f updated the buffer {name!r} of the torch.nn.Module {where}, a di.Constant (a BatchNorm in "
-                f"train mode updates its running statistics); {state}. Call the module "
-                "through torch.func.functional_call(model, {**params, **{k: b.clone() for k, b in "
-                "model.named_buffers()}}, args) and return the new buffers as an aux with "
-                "di.value_and_gradient(..., has_aux=True), or put the module in eval mode."
-            )
-    return None
+    if changed is None:
+        return None
+    index, what, name, restored = changed
+    where = names.of_static(index) if names is not None else "a di.Constant"
+    state = _PUT_BACK if restored else _LANDED
+    if what == "parameter":
+        return (
+            f"f wrote in place into the parameter {name!r} of the torch.nn.Module {where}, a di.Constant; "
+            f"{state}. A Constant is read-only: {_FIX}"
+        )
+    return (
+        f"f updated the buffer {name!r} of the torch.nn.Module {where}, a di.Constant (a BatchNorm in "
+        f"train mode updates its running statistics); {state}. Call the module "
+        "through torch.func.functional_call(model, {**params, **{k: b.clone() for k, b in "
+        "model.named_buffers()}}, args) and return the new buffers as an aux with "
+        "di.value_and_gradient(..., has_aux=True), or put the module in eval mode."
+    )
 
 
 def _same_bits(tensor: Any, copy: Any) -> bool:
@@ -480,7 +512,7 @@ class _WriteFinder(TorchFunctionMode):
 def _named_capture(
     rerun: Callable[[], Any],
     constants: list[tuple[int, Any, int]],
-    modules: list[_State] | None,
+    modules: _Watch | None,
     names: _Names,
 ) -> MutationError | None:
     """Where torch.func refused a write by f into a tensor it closes over (before the write, so
@@ -489,9 +521,8 @@ def _named_capture(
     module's parameter or buffer. None where it does not reach one (a global; or f takes
     another path on its second run): torch.func's own refusal stands."""
     watched = {id(tensor): f"{names.of_dynamic(i)}, a tensor of a di.Constant" for i, tensor, _ in constants}
-    for index, what, module, name, tensor, _, _ in modules or ():
-        qualified = _qualified(module, name)
-        watched[id(tensor)] = f"the {what} {qualified!r} of the torch.nn.Module {names.of_static(index)}, a di.Constant"
+    for key, (index, what, name) in (modules.named() if modules is not None else {}).items():
+        watched[key] = f"the {what} {name!r} of the torch.nn.Module {names.of_static(index)}, a di.Constant"
     if not watched:
         return None
     grad_mode = torch.is_grad_enabled()
