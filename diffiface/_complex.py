@@ -489,13 +489,6 @@ class ComplexAdapter:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    @property
-    def real_inner(self) -> Adapter | None:
-        """The engine's adapter where x and the tangents are real (None where one is complex):
-        once f's outputs are found real (``real_outputs``), every computation here is its own,
-        and a complex output is refused by the output checks."""
-        return self._inner if self._real else None
-
     # -- compilation: none where holomorphy is checked on values --------------------------------
 
     @property

@@ -315,11 +315,6 @@ class Plan:
         """Where the program is jax's tier (:class:`~diffiface._programs.JitProgram`): that
         program, whose ``run`` the route calls on the arguments as passed."""
 
-    @property
-    def checkable(self) -> bool:
-        """Whether every leaf has a test (else only whole signatures compare)."""
-        return self.x_checks is not None and self.tangent_checks is not None and self.context_checks is not None
-
     def fits_backend(self, backend: Any) -> bool:
         """Whether a backend object other than the plan's own one means it."""
         mine = self.backend

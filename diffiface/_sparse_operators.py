@@ -36,7 +36,7 @@ from . import _operators as ops
 from . import tree as _tree
 from ._adapters import info, normalize
 from ._backends import AutoScipy, Backend, SecondOrder
-from ._call import _ARRAY_KINDS, Call
+from ._call import Call
 from ._contexts import Constant
 from ._dispatch import register_program
 from ._errors import InvalidBackendOptionError, InvalidInputError
@@ -280,9 +280,6 @@ class _Plan:
         else:  # the products J @ seed_k (H @ seed_k) stacked as rows: transpose the index
             rows = self.n if self.hessian else self.m
             self.stacked_index = (index % max(self.count, 1)) * rows + index // max(self.count, 1)
-        kind = _arrays.kind(x)
-        self.array_key = _arrays.leaf_signature(x) if kind in _ARRAY_KINDS and not contexts else None
-        """The signature of x where x is one array and there are no contexts (the fast check)."""
         self.indptr = np.asarray(pattern.indptr, dtype=np.int64)
         self.indices = np.asarray(pattern.indices, dtype=np.int64)
         self.route: _Route = _route(self, f, x, contexts)

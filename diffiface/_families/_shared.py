@@ -144,11 +144,6 @@ def no_layout(leaf: Any) -> None:
     return None
 
 
-def not_jit_checked(leaf: Any) -> bool:
-    """``jit_checked`` of a family whose leaves no jit checks itself."""
-    return False
-
-
 def same_shape_dtype(leaf: Any) -> Callable[[Any], bool]:
     """``same`` of a family whose leaves are told apart by shape and dtype alone."""
     return SameShapeDtype(leaf).test
