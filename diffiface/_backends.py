@@ -394,10 +394,10 @@ class AutoTensorFlow(Backend):
     jit:
         Run each prepared operator as one ``tf.function`` (a TensorFlow graph, without XLA:
         ``jit_compile`` is left off, and autograph is off, so ``f`` must branch on values with
-        ``tf.cond`` or ``tf.where``). Context arrays and floats are arguments of the graph
-        (new values never retrace; a float becomes a tensor of x's dtype); other context
-        leaves are compared by value. ``f`` is then traced once per prep, and cannot call
-        ``.numpy()`` on what it is given.
+        ``tf.cond`` or ``tf.where``). Context arrays are arguments of the graph (new values
+        never retrace); a Python number stays one, as ``tf.function`` keeps it (traced once per
+        value), and other context leaves are compared by value. ``f`` is then traced once per
+        prep and set of such values, and cannot call ``.numpy()`` on what it is given.
     """
 
     name: ClassVar[str] = "tensorflow"

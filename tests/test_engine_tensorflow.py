@@ -278,6 +278,28 @@ def test_jit_takes_a_float_beside_leaves_of_two_dtypes() -> None:
         assert grad["b"].numpy()[0] == s  # the float64 leaf's derivative in float64
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_jit_keeps_a_float_a_python_number(dtype: str) -> None:
+    # expected: f's arithmetic on a float Constant is Python's, as without jit and as
+    # tf.function keeps a Python number (a tensor of x's dtype made first gave 0.125 for the
+    # float32 derivative 1000000.1 - 1e6 = 0.1, and inf for float16's 70000 / 1000 = 70);
+    # a float64 cast inside f meets a Python float, not a float32 tensor (TypeError before)
+    x = tf.constant([0.5, -1.0], dtype)
+    offset = 1e6 if dtype == "float32" else 0.0
+    c, want = (1000000.1, 0.1) if dtype == "float32" else (70000.0, 70.0)
+
+    def f(v: Any, c: Any) -> Any:
+        return tf.reduce_sum(v * ((c - offset) if dtype == "float32" else c / 1000.0))
+
+    def g(v: Any, c: Any) -> Any:
+        return tf.cast(tf.reduce_sum(tf.cast(v, tf.float64) * c), v.dtype)
+
+    for backend in ("tensorflow", di.AutoTensorFlow(jit=True)):
+        grad = di.gradient(f, backend, x, di.Constant(c)).numpy()
+        np.testing.assert_allclose(grad, [want, want], rtol=1e-3)
+        np.testing.assert_allclose(di.gradient(g, backend, x, di.Constant(2.5)).numpy(), [2.5, 2.5])
+
+
 def test_jit_refuses_a_model_as_a_constant() -> None:
     model = _keras_model()
     with pytest.raises(di.ContextError, match="static"):

@@ -100,12 +100,9 @@ class Adapter(_base.Adapter):
             if leaf.dtype.kind not in "biufc":  # strings, objects: passed as they are
                 return leaf, False
             return tf.constant(leaf), True  # (a copy: f cannot reach the caller's array)
-        if self.compiles and type(leaf) is float and isinstance(like, _TENSOR):
-            # under tf.function a Python float would retrace the graph for each new value:
-            # a tensor of x's float dtype, as TensorFlow's own arithmetic converts a float (where
-            # x's leaves differ in dtype, the float stays static, one trace per value)
-            dtype = dtype_of(like)
-            return tf.constant(leaf, dtype=dtype.real_dtype if dtype.is_complex else dtype), True
+        # a Python number stays one, as tf.function keeps it: f's own arithmetic on it is
+        # Python's (a tensor of x's dtype made first rounds it: 1000000.1 - 1e6 is 0.125 in
+        # float32), and under jit the graph is traced once per value
         return leaf, False
 
     def constant_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
