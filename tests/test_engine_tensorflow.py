@@ -588,3 +588,19 @@ def test_jit_refusals_name_what_f_did() -> None:
         di.gradient(lambda x: tf.reduce_sum(tf.cast(x, tf.int32)), jit, x)
     with pytest.raises(di.InvalidOutputError, match="global random generator"):
         di.gradient(lambda x: tf.reduce_sum(tf.random.normal((2,), dtype=tf.float64)), "tensorflow", x)
+
+
+def test_recompute_grad_is_named_where_its_gradient_is_differentiated() -> None:
+    # expected: the jvp (the pullback's adjoint) of an f using tf.recompute_grad raises an
+    # UnsupportedOperationError naming it (TensorFlow's NotImplementedError came out raw); its
+    # gradient is still served, and right
+    @tf.recompute_grad
+    def block(t: Any) -> Any:
+        return tf.sin(t) * t
+
+    x, v = tf.constant([0.3, -0.7], tf.float64), tf.constant([1.0, 0.5], tf.float64)
+    for backend in ("tensorflow", di.AutoTensorFlow(jit=True)):
+        with pytest.raises(di.UnsupportedOperationError, match=r"tf\.recompute_grad"):
+            di.jvp(block, backend, x, v)
+    grad = di.gradient(lambda t: tf.reduce_sum(block(t)), "tensorflow", x).numpy()
+    np.testing.assert_allclose(grad, np.cos(x.numpy()) * x.numpy() + np.sin(x.numpy()))

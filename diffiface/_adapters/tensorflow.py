@@ -185,6 +185,13 @@ class Adapter(_base.Adapter):
                 f"TensorFlow has no derivative of an operation f uses ({exc}). Compute f without it, "
                 "give it a rule with tf.custom_gradient, or use AutoFiniteDifferences()."
             ) from exc
+        if isinstance(exc, NotImplementedError) and "recompute_grad" in str(exc):
+            raise UnsupportedOperationError(
+                "f uses tf.recompute_grad, whose gradient TensorFlow does not differentiate again. A jvp, "
+                "a derivative and a second derivative here are the adjoint of the pullback (a tape over "
+                "the gradient), as an hvp and a Hessian are under jit=True: for those, call the block "
+                "without tf.recompute_grad; gradient, vjp and jacobian take it as it is."
+            ) from exc
         if isinstance(exc, (NotImplementedError, AttributeError)) and "numpy" in str(exc) and self.compiles:
             return (
                 "f needs the values of its tensors as numpy (.numpy(), np.asarray, a numpy function), which "
