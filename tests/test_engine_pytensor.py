@@ -71,12 +71,27 @@ def test_new_context_values_run_the_same_compiled_function(monkeypatch: pytest.M
     def f(x: Any, c: Any, s: Any) -> Any:
         return pt.sum(pt.sin(x) * c) * s
 
-    prep = di.prepare_gradient(f, QUICK, x, di.Constant(np.ones(3)), di.Constant(2.0))
+    prep = di.prepare_gradient(f, QUICK, x, di.Constant(np.ones(3)), di.Constant(np.float64(2.0)))
     assert len(compiles) == 1
     for c, s in ((np.arange(3.0), 0.5), (np.full(3, -1.0), 3.0)):
-        got = di.gradient(f, QUICK, x, di.Constant(c), di.Constant(s), prep=prep)
+        got = di.gradient(f, QUICK, x, di.Constant(c), di.Constant(np.float64(s)), prep=prep)
         np.testing.assert_allclose(got, np.cos(x) * c * s, rtol=1e-12)
     assert len(compiles) == 1
+
+
+def test_a_float_constant_is_a_python_number_of_the_graph() -> None:
+    # expected: f's arithmetic on a Python float Constant is Python's, as numpy's would be (a
+    # float32 variable made of it first gave 0.125 for the derivative 1000000.1 - 1e6 = 0.1);
+    # a new value is a new graph of its own, never the old one's
+    x = np.array([0.3, -0.7], np.float32)
+
+    def f(v: Any, c: Any) -> Any:
+        return pt.sum(v * (c - 1e6))
+
+    prep = di.prepare_gradient(f, QUICK, x, di.Constant(1000000.1), strict=False)
+    for c in (1000000.1, 1000000.3):
+        got = di.gradient(f, QUICK, x, di.Constant(c), prep=prep)
+        np.testing.assert_allclose(got, [c - 1e6] * 2, rtol=1e-6)
 
 
 def test_a_float_beside_leaves_of_two_dtypes_keeps_float64_exact() -> None:

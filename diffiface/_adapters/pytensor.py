@@ -230,12 +230,9 @@ class Adapter(_base.Adapter):
             return _contiguous(_arrays.in_native_byte_order(leaf)), leaf.dtype.kind in "biuf"
         if isinstance(leaf, np.generic) and leaf.dtype.kind in "biuf":
             return np.asarray(leaf), True
-        if type(leaf) is float and like is not None:
-            # An argument of the compiled function (a new value runs the same function), in x's
-            # float dtype: as numpy does with a Python float, it keeps float32 work float32.
-            return np.asarray(leaf, dtype=like.dtype), True
-        # Integers and booleans stay static (sizes, flags, indices), compared by value; so does
-        # a float where x's leaves differ in dtype (one compiled function per value).
+        # A Python number stays one, static, compared by value (one compiled function per
+        # value): f's own arithmetic on it is Python's (a variable of x's dtype made first
+        # rounds it: 1000000.1 - 1e6 is 0.125 in float32). A numpy scalar is an argument.
         return leaf, False
 
     def constant_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
