@@ -480,6 +480,7 @@ class ComplexAdapter:
         # dtypes are fixed by x's): the engine's own methods, directly, from then on
         self._real = not (x_complex or t_complex)
         self.real_outputs = False
+        self._complex_outputs = False  # (f's outputs found complex, for an engine without complex_reverse_mode)
         self._convention = convention_of(inner)
         self._holomorphic = holomorphic
         # checking holomorphy reads the Jacobian's values: not inside a compiled trace
@@ -631,9 +632,13 @@ class ComplexAdapter:
         else:
             g = _Realified(fn, x_split)
             rs = x_split.split(xs)
-        if not self._inner.complex_reverse_mode:  # (its vjps through g's complex operations)
+        by_rows = self._inner.complex_reverse_mode  # (else its vjps through complex operations are wrong)
+        if not by_rows and (x_split.any or self._complex_outputs):
             mode = "forward"
         out, aux, blocks = self._inner.value_and_jacobian(g, rs, mode)
+        if not by_rows and mode != "forward" and g.out_split is not None and g.out_split.any:
+            self._complex_outputs = True  # (found complex: by columns, now and from now on)
+            out, aux, blocks = self._inner.value_and_jacobian(g, rs, "forward")
         self._learn(g)
         # (an engine with a reverse mode differentiates exactly; one without, by differences)
         check = None if along_real_axis else self._inner.info.reverse_mode

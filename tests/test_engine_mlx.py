@@ -134,15 +134,14 @@ def test_reverse_products_of_a_complex_x_follow_the_convention_through_power(bac
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=IDS)
 def test_an_operation_without_a_rule_is_refused_by_name(backend: di.Backend) -> None:
-    """mlx's RuntimeError or ValueError for an operation without a forward-mode rule
-    (cumulative products, a convolution's) or a reverse-mode one (an inverse) reached the
-    caller raw; only a scatter's was named."""
+    """mlx's RuntimeError or ValueError for an operation without a reverse-mode rule (an
+    inverse) reached the caller raw. Operations without a forward-mode rule (a product, a
+    cumulative maximum) are served: a real x's jvps and Hessians go through the pullback."""
     x = np.array([0.5, -1.2, 2.0], dtype=np.float32)
     t = np.ones(3, np.float32)
-    with pytest.raises(di.UnsupportedOperationError, match="no forward-mode rule"):
-        di.hessian(lambda v: mx.prod(v), backend, x)
-    with pytest.raises(di.UnsupportedOperationError, match="no forward-mode rule"):
-        di.jvp(lambda v: mx.cummax(v), backend, x, t)
+    want = np.array([[0.0, 2.0, -1.2], [2.0, 0.0, 0.5], [-1.2, 0.5, 0.0]])  # prod's Hessian
+    np.testing.assert_allclose(_np(di.hessian(lambda v: mx.prod(v), backend, x)), want, atol=1e-6)
+    np.testing.assert_allclose(_np(di.jvp(lambda v: mx.cummax(v), backend, x, t)), [1.0, 1.0, 1.0])
     with pytest.raises(di.UnsupportedOperationError, match="no reverse-mode rule"):
         di.gradient(lambda v: mx.sum(mx.linalg.inv(mx.diag(v), stream=mx.cpu)), backend, x)
 
@@ -290,9 +289,9 @@ def test_differentiate_with_mlx_inside_jax_and_torch() -> None:
     assert y.dtype == torch.float64 and t64.grad is not None and t64.grad.dtype == torch.float64
 
 
-def test_an_operation_without_a_forward_rule_is_refused_by_name() -> None:
-    """mlx has no jvp rule for a scatter (``x.at[...].add``): its gradient is served, a jvp and an
-    hvp are refused with an UnsupportedOperationError that names the operation and what to use."""
+def test_an_operation_without_a_forward_rule_is_served_through_the_pullback() -> None:
+    """mlx has no jvp rule for a scatter (``x.at[...].add``): a jvp and an hvp of a real x were
+    refused; through the pullback they are served, equal to jax's (39; 6, 24, 8)."""
 
     def f(x: mx.array) -> mx.array:
         y = mx.zeros((3,)).at[mx.array([0, 2])].add(x[:2] ** 2)
@@ -300,9 +299,57 @@ def test_an_operation_without_a_forward_rule_is_refused_by_name() -> None:
 
     x = np.array([1.0, 2.0, 3.0], dtype=np.float32)
     np.testing.assert_allclose(di.gradient(f, "mlx", x), [3.0, 12.0, 4.0], rtol=1e-6)
-    for call in (lambda: di.jvp(f, "mlx", x, x), lambda: di.hvp(f, "mlx", x, x)):
-        with pytest.raises(di.UnsupportedOperationError, match=r"scatter.*AutoJAX"):
-            call()
+    np.testing.assert_allclose(_np(di.jvp(f, "mlx", x, x)), 39.0, rtol=1e-6)
+    np.testing.assert_allclose(_np(di.hvp(f, "mlx", x, x)), [6.0, 24.0, 8.0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=IDS)
+def test_every_product_follows_a_custom_functions_vjp_rule(backend: di.Backend) -> None:
+    """mlx's forward mode ignores a ``mx.custom_function``'s ``vjp`` rule and differentiates its
+    operations: a softplus whose primal overflows at 100, with the stable rule sigmoid(x), gave a
+    NaN jvp, derivative and Jacobian row where its gradient reads 1; a straight-through round's
+    Jacobian read round(v) where its gradient reads round(v) + v. Each product follows the rule."""
+
+    @mx.custom_function
+    def softplus(v: Any) -> Any:
+        return mx.log1p(mx.exp(v))
+
+    @softplus.vjp
+    def _(v: Any, cotangent: Any, output: Any) -> Any:
+        return cotangent * mx.sigmoid(v)
+
+    @mx.custom_function
+    def straight(v: Any) -> Any:
+        return mx.round(v)
+
+    @straight.vjp
+    def _(v: Any, cotangent: Any, output: Any) -> Any:
+        return cotangent
+
+    x = np.array([100.0, 0.5, -3.0], dtype=np.float32)
+    right = 1 / (1 + np.exp(-x.astype(np.float64)))
+    np.testing.assert_allclose(_np(di.jvp(softplus, backend, x, np.ones(3, np.float32))), right, rtol=1e-5)
+    np.testing.assert_allclose(np.diag(_np(di.jacobian(softplus, backend, x))), right, rtol=1e-5)
+    np.testing.assert_allclose(_np(di.derivative(lambda s: softplus(s * mx.ones(2)), backend, 100.0)), [1.0, 1.0])
+    v = np.array([0.3, 1.6], dtype=np.float32)
+    np.testing.assert_allclose(np.diag(_np(di.jacobian(lambda u: straight(u) * u, backend, v))), np.round(v) + v)
+    hvp = di.hvp(lambda u: mx.sum(straight(u) * u), backend, v, np.ones(2, np.float32))
+    np.testing.assert_allclose(_np(hvp), [2.0, 2.0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=IDS)
+def test_a_complex_output_of_a_real_x_pulls_back_by_the_convention(backend: di.Backend) -> None:
+    """mlx's vjp of a complex power is conjugated; a real x whose output is complex pulled a
+    complex cotangent back through it: the vjp of (v + i)**2 along (i, 1) read (-2, -3) where
+    Re(conj(2 (v + i)) u) is (2, -3), and its Jacobian, once taken by rows, conj(2 (v + i))."""
+    x = np.array([0.5, -1.5], np.float32)
+    u = np.array([1j, 1], np.complex64)
+    want = np.real(np.conj(2 * (x + 1j)) * u)
+    for _ in range(2):  # (the first call learns the output's kind)
+        np.testing.assert_allclose(_np(di.vjp(lambda v: (v + 1j) ** 2, backend, x, u)), want, rtol=1e-5)
+        np.testing.assert_allclose(
+            _np(di.jacobian(lambda v: (v + 1j) ** 2, backend, x)), np.diag(2 * (x + 1j)), rtol=1e-5
+        )
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)

@@ -5,8 +5,10 @@ f is called with ``mlx.core`` arrays. A numpy input becomes an mlx array of its 
 to float32's precision only); a complex128 input is refused, as mlx has complex64 only.
 ``AutoMLX(compile=True)`` compiles each prepared operator with ``mx.compile``: context arrays
 are its arguments, other context leaves (floats included) are compile-time constants, one
-program per value. Batches of products (Jacobians, Hessians, batched jvps and vjps) are one
-``mx.vmap`` of a jvp or a vjp; the hvp is forward over reverse.
+program per value. A jvp of a real x is the adjoint of the pullback (:func:`_pushed`), so that
+every product follows a ``mx.custom_function``'s ``vjp`` rule, as the gradient does; the hvp and
+the Hessian are reverse over reverse. Batches of products (Jacobians, Hessians, batched jvps and
+vjps) are one ``mx.vmap`` of such a product.
 """
 
 from __future__ import annotations
@@ -41,6 +43,28 @@ def _jvp(outputs: Callable[..., list[Any]], primals: list[Any], tangents: list[A
     """``mx.jvp``; an operation mlx has no forward-mode rule for (a scatter) refused by name."""
     try:
         return mx.jvp(outputs, primals, tangents)
+    except (RuntimeError, ValueError) as exc:
+        _refuse_missing_rule(exc)
+        raise
+
+
+def _pushed(outputs: Callable[..., list[Any]], primals: list[Any], tangents: list[Any]) -> Any:
+    """``(outs, J t)`` for a real ``primals``: the adjoint of mlx's pullback (the vjp of
+    ``u -> J^T u`` along ``t``), not ``mx.jvp``. mlx's forward mode differentiates a
+    ``mx.custom_function``'s own operations and ignores its ``vjp`` rule (a stable softplus's
+    derivative read NaN at 100 where its gradient read 1); through the pullback every product
+    follows the rule the gradient follows. A complex ``primals`` or output takes ``mx.jvp`` (see
+    :class:`_ByForwardMode`)."""
+    outs = outputs(*_own(primals))  # (on arrays of its own: f may write into them)
+    if any(mx.issubdtype(a.dtype, mx.complexfloating) for a in (*primals, *outs)):
+        return _jvp(outputs, primals, tangents)
+    zeros = [mx.zeros_like(y) for y in outs]
+
+    def pulled(*cotangents: Any) -> list[Any]:
+        return list(mx.vjp(outputs, primals, list(cotangents))[1])
+
+    try:
+        return outs, mx.vjp(pulled, zeros, tangents)[1]
     except (RuntimeError, ValueError) as exc:
         _refuse_missing_rule(exc)
         raise
@@ -82,7 +106,7 @@ def _mx(leaves: Sequence[Any]) -> list[Any]:
     ]
 
 
-def _complex(xs: Leaves) -> bool:
+def _complex(xs: Sequence[Any]) -> bool:
     return any(mx.issubdtype(leaf.dtype, mx.complexfloating) for leaf in _mx(xs))
 
 
@@ -298,7 +322,7 @@ class Adapter(_base.Adapter):
     def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
         out, aux = fn(_own(xs))
         one = not isinstance(out, tuple)
-        if xs and _complex(xs):
+        if xs and (_complex(xs) or _complex(_as_list(out))):  # (a complex output's cotangents too)
             return out, aux, _ByForwardMode(self._outputs(fn), xs, one)
         return out, aux, _Pullback(self._outputs(fn), xs, one)
 
@@ -306,7 +330,7 @@ class Adapter(_base.Adapter):
         if not xs:
             out, aux = fn(xs)
             return out, aux, ()
-        if _complex(xs):
+        if _complex(xs) or _complex(_mx(_as_list(touts))):
             out, aux, vjp = self.pullback_function(fn, xs)
             return out, aux, vjp(touts)
         captured: list[Any] = []
@@ -319,7 +343,7 @@ class Adapter(_base.Adapter):
             out, aux = fn(xs)
             return out, aux, (tuple(mx.zeros_like(y) for y in out) if isinstance(out, tuple) else mx.zeros_like(out))
         captured: list[Any] = []
-        _, touts = _jvp(self._outputs(fn, captured), _mx(xs), _mx(txs))
+        _, touts = _pushed(self._outputs(fn, captured), _mx(xs), _mx(txs))
         out, aux = captured
         return out, aux, (tuple(touts) if isinstance(out, tuple) else touts[0])
 
@@ -344,6 +368,54 @@ class Adapter(_base.Adapter):
         value, grads = mx.value_and_grad(scalar, argnums=list(range(len(xs))))(*xs)
         return value, captured[0], tuple(grads)
 
+    def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Any]:
+        """By rows (mlx's reverse mode), or with ``mode="forward"`` by columns of mlx's own
+        forward mode, as the complex layer asks for a complex x (see :class:`_ByForwardMode`)."""
+        if mode != "forward" or not xs:
+            return super().value_and_jacobian(fn, xs, "reverse" if mode is None else mode)
+        out, aux = fn(_own(xs))
+        outputs, primals = self._outputs(fn), _mx(xs)
+        sizes = [leaf.size for leaf in primals]
+        stacked = [
+            mx.eye(sum(sizes), dtype=leaf.dtype)[:, sum(sizes[:j]) : sum(sizes[: j + 1])].reshape(
+                (sum(sizes), *leaf.shape)
+            )
+            for j, leaf in enumerate(primals)
+        ]
+        columns = mx.vmap(lambda *ts: list(_jvp(outputs, primals, list(ts))[1]))(*stacked)
+        outs = out if isinstance(out, tuple) else (out,)
+        blocks = []
+        for y, column in zip(outs, columns, strict=True):  # column: (n, *y.shape)
+            moved = mx.moveaxis(column, 0, -1)  # (*y.shape, n)
+            row, start = [], 0
+            for leaf, size in zip(primals, sizes, strict=True):
+                row.append(moved[..., start : start + size].reshape((*y.shape, *leaf.shape)))
+                start += size
+            blocks.append(tuple(row))
+        return out, aux, tuple(blocks)
+
+    # -- second order: reverse over reverse for a real x ------------------------------------------
+    # (the gradient's pullback along a tangent is the Hessian's product, the Hessian being
+    # symmetric: two reverse passes, where forward over reverse takes three through _pushed)
+
+    def gradient_and_hvp(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Leaves, Leaves]:
+        if not xs or _complex(xs):
+            return super().gradient_and_hvp(fn, xs, txs)
+        grads, (value, aux), vjp = self.pullback_function(self.gradient_function(fn), xs)
+        return value, aux, grads, vjp(txs)
+
+    def gradient_and_hvps(self, fn: Fn, xs: Leaves, batch: Sequence[Leaves]) -> tuple[Any, Any, Leaves, list[Leaves]]:
+        if not xs or _complex(xs):
+            return super().gradient_and_hvps(fn, xs, batch)
+        grads, (value, aux), vjp = self.pullback_function(self.gradient_function(fn), xs)
+        return value, aux, grads, self.pullbacks(vjp, xs, batch)
+
+    def value_gradient_and_hessian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Any]:
+        if not xs or _complex(xs):
+            return super().value_gradient_and_hessian(fn, xs)
+        grads, (value, aux), blocks = self.value_and_jacobian(self.gradient_function(fn), xs, "reverse")
+        return value, aux, grads, blocks
+
     # -- batches: one vmap ----------------------------------------------------------------------
 
     def value_and_pushforwards(self, fn: Fn, xs: Leaves, batch: Sequence[Leaves]) -> tuple[Any, Any, list[Any]]:
@@ -355,7 +427,7 @@ class Adapter(_base.Adapter):
         stacked = [mx.stack(_mx([txs[j] for txs in batch])) for j in range(len(xs))]
 
         def tangents(*ts: Any) -> list[Any]:
-            return list(_jvp(outputs, list(xs), list(ts))[1])
+            return list(_pushed(outputs, list(xs), list(ts))[1])
 
         touts = mx.vmap(tangents)(*stacked)  # one program for the whole batch
         if isinstance(out, tuple):
