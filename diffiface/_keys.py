@@ -44,6 +44,10 @@ def static_key(value: Any) -> Any:
     value where it has one that can be hashed, its identity where it is code, which does not
     change; ``None`` where neither holds (a mutable object hashed by identity)."""
     cls = type(value)
+    if cls is float:  # (by its bits: 0.0 == -0.0, and a program built for one is wrong for the other)
+        return (cls, value.hex())
+    if cls is complex:
+        return (cls, value.real.hex(), value.imag.hex())
     if cls in _BY_VALUE:
         return (cls, value)
     if isinstance(value, (*_CODE, enum.Enum)) or (callable(value) and cls.__module__.split(".")[0] in _FRAMEWORK_CODE):

@@ -439,3 +439,14 @@ def test_a_shared_variable_as_x_is_refused_without_naming_its_own_backend() -> N
     shared = pytensor.shared(np.array([1.0, 2.0, 3.0]))
     with pytest.raises(di.ArrayTypeError, match=r"Pass numpy arrays\.$"):
         di.gradient(lambda x: pt.sum(x**2), "pytensor", shared)
+
+
+def test_a_float_constant_of_minus_zero_is_not_taken_for_zero() -> None:
+    # expected: a static float is known by its bits: -0.0 == 0.0 in Python, and the graph built
+    # for 0.0 was reused for -0.0, so atan2(c, -1) read +pi where it is -pi
+    def f(v: Any, c: Any) -> Any:
+        return pt.sum(v) * pt.arctan2(c, -1.0)
+
+    for c in (0.0, -0.0, 0.0):
+        got = di.gradient(f, QUICK, np.ones(2), di.Constant(c))
+        np.testing.assert_allclose(got, [np.arctan2(c, -1.0)] * 2)
