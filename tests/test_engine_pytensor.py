@@ -450,3 +450,20 @@ def test_a_float_constant_of_minus_zero_is_not_taken_for_zero() -> None:
     for c in (0.0, -0.0, 0.0):
         got = di.gradient(f, QUICK, np.ones(2), di.Constant(c))
         np.testing.assert_allclose(got, [np.arctan2(c, -1.0)] * 2)
+
+
+def test_an_operation_without_a_second_derivative_is_named() -> None:
+    # expected: PyTensor's NullTypeGradError (pt.prod's gradient has no gradient; a jvp here is
+    # two pullbacks) came out raw; it is an UnsupportedOperationError, and the Jacobian, whose
+    # rows are plain gradients, is still served, right
+    x = np.array([0.3, -1.2, 2.0])
+
+    def f(v: Any) -> Any:
+        return pt.prod(v) * v
+
+    for call in (lambda: di.jvp(f, QUICK, x, np.ones(3)), lambda: di.hessian(lambda v: pt.prod(v), QUICK, x)):
+        with pytest.raises(di.UnsupportedOperationError, match="no derivative"):
+            call()
+    p = np.prod(x)
+    want = np.diag(np.full(3, p)) + np.outer(x, p / x)
+    np.testing.assert_allclose(di.jacobian(f, QUICK, x), want, rtol=1e-12)

@@ -292,6 +292,13 @@ class Adapter(_base.Adapter):
                 f"f wrote into an array it was given ({exc!s}); under the pytensor backend f builds a "
                 "symbolic graph: compute out of place (pytensor.tensor.set_subtensor)."
             ) from exc
+        if type(exc).__name__ == "NullTypeGradError" and _base.raised_inside(exc, "pytensor"):
+            raise UnsupportedOperationError(
+                f"PyTensor has no derivative of an operation f uses, or of its derivative ({exc!s}). A jvp "
+                "and a derivative here are two pullbacks, and an hvp and a Hessian differentiate the "
+                "gradient, so they need the gradient's own derivative (pt.prod's has none): take the "
+                "Jacobian, whose rows are plain gradients, or use another backend."
+            ) from exc
         if isinstance(exc, TypeError) and "TensorVariable" in str(exc) and "bool" in str(exc):
             return (
                 "f uses the value of x (or of a context array or float) in Python control flow (if, "
