@@ -378,3 +378,17 @@ def test_f_that_hands_an_mlx_array_to_torch_is_told_so() -> None:
     torch = pytest.importorskip("torch")
     with pytest.raises(di.FrameworkMismatchError, match="another framework"):
         di.gradient(lambda v: torch.sin(v).sum(), "mlx", mx.array([0.5]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=IDS)
+def test_a_gather_through_indices_of_x_is_named(backend: di.Backend) -> None:
+    """mlx's ValueError for a gather whose indices come from x (mx.argsort) reached the caller
+    raw; it is an UnsupportedOperationError that says to stop the indices' gradient, and with
+    mx.stop_gradient the gradient is served: each rank's weight at its entry."""
+    x = np.array([0.3, -1.0, 2.0, 0.5], np.float32)
+    with pytest.raises(di.UnsupportedOperationError, match="stop_gradient"):
+        di.gradient(lambda v: mx.sum(mx.take(v, mx.argsort(v)) * mx.arange(4)), backend, x)
+    got = di.gradient(lambda v: mx.sum(mx.take(v, mx.stop_gradient(mx.argsort(v))) * mx.arange(4)), backend, x)
+    want = np.empty(4, np.float32)
+    want[np.argsort(x)] = np.arange(4)
+    np.testing.assert_allclose(_np(got), want)

@@ -74,6 +74,13 @@ def _refuse_missing_rule(exc: BaseException) -> None:
     """mlx's refusal of an operation it has no forward-mode (a scatter, ``mx.cumprod``,
     ``mx.conv1d``'s) or reverse-mode (``mx.linalg.inv``'s) rule for, by name."""
     text = str(exc)
+    if isinstance(exc, ValueError) and "with respect to indices" in text:
+        raise UnsupportedOperationError(
+            f"mlx differentiated f through the indices of a gather ({text}): an index computed from x "
+            "(mx.argsort(x), mx.argmax(x)) or inside an mlx operation (mx.linalg.solve's pivots). Wrap "
+            "such indices in mx.stop_gradient where f computes them, or use another engine (AutoJAX(), "
+            "AutoTorch())."
+        ) from exc
     if not isinstance(exc, (RuntimeError, ValueError)) or "implemented" not in text.lower():
         return
     if "JVP" in text or "jvp" in text:
