@@ -392,3 +392,45 @@ def test_a_gather_through_indices_of_x_is_named(backend: di.Backend) -> None:
     want = np.empty(4, np.float32)
     want[np.argsort(x)] = np.arange(4)
     np.testing.assert_allclose(_np(got), want)
+
+
+def test_a_write_into_a_constant_module_is_put_back_and_refused() -> None:
+    """Under compile=False f reaches a Constant mlx.nn module as it is: a train-mode BatchNorm
+    set its running statistics in the caller's module, and an element write into a weight
+    changed it, with no error. Both are put back and refused by name; in eval mode the same call
+    is served."""
+    from mlx import nn
+    from mlx.utils import tree_flatten
+
+    backend = di.AutoMLX(compile=False)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.norm = nn.Linear(2, 2), nn.BatchNorm(2)
+
+        def __call__(self, v: Any) -> Any:
+            return self.norm(self.lin(v))
+
+    net, data = Net(), mx.random.normal((4, 2))
+    before = {path: np.array(array) for path, array in tree_flatten(net)}
+
+    def f(w: Any, model: Any, d: Any) -> Any:
+        return mx.sum(model(d * w))
+
+    with pytest.raises(di.MutationError, match=r"norm\.running_mean"):
+        di.gradient(f, backend, mx.ones(2), di.Constant(net), di.Constant(data))
+    assert all(np.array_equal(np.array(array), before[path]) for path, array in tree_flatten(net))
+    net.eval()
+    assert _np(di.gradient(f, backend, mx.ones(2), di.Constant(net), di.Constant(data))).shape == (2,)
+
+    lin = nn.Linear(2, 1)
+    weight = np.array(lin.weight)
+
+    def g(v: Any, layer: Any) -> Any:
+        layer.weight[0, 0] = 100.0
+        return mx.sum(layer(v))
+
+    with pytest.raises(di.MutationError, match="weight"):
+        di.gradient(g, backend, mx.ones(2), di.Constant(lin))
+    np.testing.assert_array_equal(np.array(lin.weight), weight)

@@ -14,6 +14,7 @@ vjps) are one ``mx.vmap`` of such a product.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,7 +22,8 @@ import mlx.core as mx
 import numpy as np
 
 from .. import _arrays
-from .._errors import UnsupportedOperationError
+from .._contexts import held
+from .._errors import MutationError, UnsupportedOperationError
 from .._families.mlx import mlx_dtype
 from . import _base
 from ._base import Fn, Leaves, raised_inside
@@ -274,7 +276,8 @@ class Adapter(_base.Adapter):
         parts: Any = None,
     ) -> Callable[..., Any]:
         if not self.compiles:
-            return program
+            watched = () if parts is None else tuple(not cache for cache in parts.cache_static)
+            return _ModuleWatch(program, watched) if static and any(watched) else program
         if not static:  # every argument an array, a tuple of arrays, or None
             return mx.compile(program)  # type: ignore[no-any-return]
         # the static argument (the context leaves that are no arrays) is no tree mx.compile
@@ -460,3 +463,86 @@ class Adapter(_base.Adapter):
         flat = mx.zeros((size,), dtype=like.dtype)
         flat[index] = 1
         return mx.reshape(flat, tuple(like.shape))
+
+
+class _ModuleWatch:
+    """An eager program (``compile=False``) around whose calls the ``mlx.nn`` modules of the
+    Constants (or that an object in a Constant holds: :func:`~diffiface._contexts.held`) are
+    watched, every array they hold (parameters and state), which f reaches as it is. f writes
+    into a module by setting an attribute (``module.weight = ...``; a BatchNorm in train mode sets
+    its running statistics so), which replaces the array object: each call compares the objects,
+    puts the old ones back and refuses with a :class:`MutationError` naming them. A write into an
+    array's elements (``module.weight[0] = v``) keeps the object: a prep's first call compares
+    the values too. (Under ``compile=True`` a module is refused as a Constant.)"""
+
+    __slots__ = ("first", "program", "watched")
+
+    def __init__(self, program: Callable[..., Any], watched: tuple[bool, ...]) -> None:
+        self.program = program
+        self.watched = watched  # per static context leaf: a Constant's (a Cache's is f's to write)
+        self.first = True
+
+    def __call__(self, xs: Any, ts: Any, dynamic: Any, static: Any) -> Any:
+        modules = (
+            []
+            if static is None
+            else [
+                module
+                for leaf, constant in zip(static.leaves, self.watched, strict=True)
+                if constant
+                for module in held(leaf, _is_module)
+            ]
+        )
+        if not modules:
+            return self.program(xs, ts, dynamic, static)
+        kept = [_arrays_of(module) for module in modules]
+        copies = [[(path, mx.array(array)) for path, array in pairs] for pairs in kept] if self.first else None
+        try:
+            result = self.program(xs, ts, dynamic, static)
+        finally:
+            written = self._put_back(modules, kept, copies)
+        if written:
+            raise MutationError(
+                f"f wrote into {', '.join(written)} of an mlx.nn module in a di.Constant (a BatchNorm in "
+                "train mode sets its running statistics); they are put back. Call the module in eval mode "
+                "(module.eval()), or return the new state as an aux (has_aux=True) and pass it as a di.Cache."
+            )
+        self.first = False
+        return result
+
+    @staticmethod
+    def _put_back(
+        modules: list[Any], kept: list[list[tuple[str, Any]]], copies: list[list[tuple[str, Any]]] | None
+    ) -> list[str]:
+        """The paths f wrote, each module's arrays put back (the copies' values where kept)."""
+        from mlx.utils import tree_unflatten
+
+        written: list[str] = []
+        for i, (module, pairs) in enumerate(zip(modules, kept, strict=True)):
+            now = dict(_arrays_of(module))
+            olds = pairs if copies is None else copies[i]
+            changed = [
+                path
+                for (path, array), (_, old) in zip(pairs, olds, strict=True)
+                if now.get(path) is not array or (copies is not None and not _same(array, old))
+            ]
+            if changed or len(now) != len(pairs):
+                written += changed or sorted(set(now) - {path for path, _ in pairs})
+                module.update(tree_unflatten(list(olds)), strict=False)
+        return written
+
+
+def _same(array: Any, old: Any) -> bool:
+    return bool(mx.array_equal(array, old, equal_nan=True).item())
+
+
+def _arrays_of(module: Any) -> list[tuple[str, Any]]:
+    """Every array a module holds, by its path (``layers.0.weight``)."""
+    from mlx.utils import tree_flatten
+
+    return [(str(item[0]), item[1]) for item in tree_flatten(module)]
+
+
+def _is_module(value: object) -> bool:
+    nn = sys.modules.get("mlx.nn")  # (not imported: no module can exist)
+    return nn is not None and isinstance(value, nn.Module)
