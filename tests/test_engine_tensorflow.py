@@ -604,3 +604,23 @@ def test_recompute_grad_is_named_where_its_gradient_is_differentiated() -> None:
             di.jvp(block, backend, x, v)
     grad = di.gradient(lambda t: tf.reduce_sum(block(t)), "tensorflow", x).numpy()
     np.testing.assert_allclose(grad, np.cos(x.numpy()) * x.numpy() + np.sin(x.numpy()))
+
+
+def test_jit_serves_constant_and_piecewise_constant_outputs() -> None:
+    # expected: under jit a Python number among f's outputs was sent to the eager cut probe (a
+    # misleading "needs its values as numpy"), and one_hot(argmax(x)) was taken for a cut (its
+    # path from x runs through an integer); both are served, as eagerly: zero blocks, a zero
+    # gradient, v[argmax]'s unit vector; a stop_gradient of the output is still refused
+    x = tf.constant([1.0, 3.0, 2.0], tf.float64)
+
+    def hot(v: Any) -> Any:
+        return tf.one_hot(tf.argmax(v), 3, dtype=tf.float64)
+
+    for backend in ("tensorflow", di.AutoTensorFlow(jit=True)):
+        square, constant = di.jacobian(lambda v: (v**2, 3.0), backend, x)
+        np.testing.assert_array_equal(square.numpy(), np.diag([2.0, 6.0, 4.0]))
+        np.testing.assert_array_equal(np.asarray(constant), np.zeros(3))
+        np.testing.assert_array_equal(di.gradient(lambda v: tf.reduce_sum(hot(v)), backend, x).numpy(), [0, 0, 0])
+        np.testing.assert_array_equal(di.gradient(lambda v: tf.reduce_sum(hot(v) * v), backend, x).numpy(), [0, 1, 0])
+        with pytest.raises(di.InvalidOutputError):
+            di.gradient(lambda v: tf.reduce_sum(tf.stop_gradient(v) * 2.0), backend, x)

@@ -154,7 +154,9 @@ class Adapter(_base.Adapter):
         if not stack or not xs:
             return False
         if not isinstance(leaf, tf.Tensor):
-            return True  # a number or numpy array while x is traced: f left TensorFlow
+            # a number or numpy array while x is traced: f left TensorFlow; in a graph, where f
+            # cannot read a tensor's value (float(y) is refused there), a constant of f
+            return isinstance(xs[0], _EAGER)
         missed = not record.should_record_backprop([leaf])
         if not isinstance(leaf, _EAGER):  # (a graph has no values to evaluate f at again)
             _refuse_graph_cut(leaf, xs, missed)
@@ -479,8 +481,10 @@ _NUMPY_OPS = frozenset({"PyFunc", "PyFuncStateless"})
 
 
 def _from_sources(tensors: Any, sources: set[Any]) -> list[Any] | None:
-    """Where the graph's operations lead from a tensor of ``sources`` to one of ``tensors``: the
-    numpy functions on the way back from them (a list, maybe empty); else None."""
+    """Where the graph's operations lead from a tensor of ``sources`` to one of ``tensors``
+    through inexact values (a path through an integer or a bool, ``argmax``, a comparison,
+    carries no derivative: ``one_hot(argmax(x))`` is piecewise constant): the numpy functions on
+    the way back from them (a list, maybe empty); else None."""
     seen: set[str] = set()
     stack = list(tensors)
     numpy_ops: list[Any] = []
@@ -489,6 +493,8 @@ def _from_sources(tensors: Any, sources: set[Any]) -> list[Any] | None:
         tensor = stack.pop()
         if tensor.ref() in sources:
             reached = True
+            continue
+        if not (tensor.dtype.is_floating or tensor.dtype.is_complex):
             continue
         op = tensor.op
         if op.name not in seen:
