@@ -904,3 +904,71 @@ def test_the_truth_runs_under_the_x64_a_float64_constant_gives_the_engines() -> 
 
     report = check_gradients(loss, jnp.ones((3, 2)), di.Constant(jax.random.key(4)), di.Constant(data), backends="jax")
     assert not report.failed
+
+
+def _wrong_rule(torch: Any, factor: Any) -> Any:
+    """torch's sin, whose backward multiplies the right derivative by ``factor(v)``."""
+
+    class Sin(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, v: Any) -> Any:
+            ctx.save_for_backward(v)
+            return torch.sin(v)
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            (v,) = ctx.saved_tensors
+            return grad * torch.cos(v) * factor(v)
+
+    return Sin.apply
+
+
+def test_each_leaf_is_judged_at_its_own_dtype() -> None:
+    # expected: the first leaf's dtype gave every entry its tolerance: a float64 rule 0.08% off
+    # passed beside a float32 leaf (float32's 1e-3), and float32's rounding of sin(b)/b near 0,
+    # which torch computes right to float32's precision, failed beside a float64 leaf
+    torch = pytest.importorskip("torch")
+    off = _wrong_rule(torch, lambda v: 1.0008)
+    x = {"a": torch.tensor([0.5, -0.7, 1.3]), "b": torch.tensor([0.3, -1.1, 2.2], dtype=torch.float64)}
+    with pytest.raises(di.GradientCheckError, match=r"\['b'\]"):
+        check_gradients(lambda p: (p["a"] ** 2).sum().double() + off(p["b"]).sum(), x, backends=["torch"])
+    y = {"a": torch.tensor([0.5, -0.7], dtype=torch.float64), "b": torch.tensor([1e-3, 2e-3, -3e-3])}
+    report = check_gradients(lambda p: (p["a"] ** 2).sum() + (torch.sin(p["b"]) / p["b"]).sum().double(), y)
+    assert not report.failed
+
+
+def test_a_small_leaf_beside_many_inputs_gets_a_direction_of_its_own() -> None:
+    # expected: past 4096 inputs only random directions over every input were compared, and a
+    # small leaf's wrong gradient (0 where it is 2e-6 b) was diluted below their tolerance
+    torch = pytest.importorskip("torch")
+
+    class Zeroed(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, v: Any) -> Any:
+            return 1e-6 * (v**2).sum()
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            return None
+
+    rng = np.random.default_rng(0)
+    x = {"w": torch.tensor(rng.normal(size=5000)), "b": torch.tensor([0.5, -1.2, 2.0], dtype=torch.float64)}
+    with pytest.raises(di.GradientCheckError, match="projection"):
+        check_gradients(lambda p: torch.sin(p["w"]).sum() + Zeroed.apply(p["b"]), x, backends=["torch"])
+
+
+def test_a_rule_that_draws_noise_is_not_taken_for_float32_rounding() -> None:
+    # expected: a float32 rule 10% noisy passed in 16 of 20 seeds: its float32 error was allowed
+    # the difference from the same engine on float64 copies, which its own noise makes as large
+    # as the error; a second call at the same x shows the noise, and no allowance is made
+    torch = pytest.importorskip("torch")
+    noisy = _wrong_rule(torch, lambda v: 1 + 0.1 * torch.randn_like(v))
+    failed = 0
+    for seed in range(4):
+        torch.manual_seed(seed)
+        x = torch.randn(3)
+        try:
+            check_gradients(lambda v: noisy(v).sum(), x, backends=["torch"])
+        except di.GradientCheckError:
+            failed += 1
+    assert failed == 4

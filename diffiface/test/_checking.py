@@ -87,6 +87,8 @@ _SPARE_EVALUATIONS = 4
 """... within the evaluations the input would have taken and at least this many more, for all the
 edges together: the cost stays 4n + 20."""
 _NARROW_EPS = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
+_LEAF_DIRECTIONS = 16
+"""Leaves of x that get a projected direction of their own, beyond the random ones over all."""
 _TAYLOR_RATIO = 4.0
 
 
@@ -1010,14 +1012,12 @@ class _Check:
         finite-difference engine's own error (its plain central difference's) besides. No entry's
         tolerance depends on another's magnitude (a small entry 200% off beside a huge one fails),
         and no absolute floor lets a tiny gradient pass."""
-        dtype = _arrays.dtype_name(next(iter(_tree.leaves(self.native[label])), 0.0))
-        dtype = "float32" if dtype == "complex64" else dtype
-        narrow = dtype if dtype in ("float32", "float16", "bfloat16") else "float64"
-        if narrow == "float64":  # an engine whose float64 is accurate to float32 only (mlx)
-            narrow = _float64_precision(next(b for b in self.chosen if backend_label(b) == label))
-        rtol = default_tolerances(narrow)[0] if self.rtol is None else self.rtol
+        precisions = self._precisions(label)
+        rtol: Any = self.rtol
+        if rtol is None:
+            rtol = self._per_entry([default_tolerances(p)[0] for p in precisions])
         if self.atol is None:
-            eps = _NARROW_EPS.get(narrow, float(np.finfo(np.float64).eps))
+            eps = self._per_entry([_NARROW_EPS.get(p, float(np.finfo(np.float64).eps)) for p in precisions])
             atol: Any = 4 * eps * self.condition / self.scale + np.finfo(np.float64).tiny
         else:
             atol = self.atol
@@ -1026,6 +1026,25 @@ class _Check:
             own = np.abs(truth.plain - truth.values) + _difference_noise(self.f0, self.flat.size)
             tol = tol + _SAFETY * np.nan_to_num(own, nan=np.inf)
         return tol
+
+    def _precisions(self, label: str) -> list[str]:
+        """Per leaf of the flat vector, the dtype whose precision the engine's gradient of it has:
+        the leaf's own where it is narrow (float32, float16, bfloat16; a complex64 leaf's parts
+        float32), else the engine's float64 precision (mlx's is float32's). Each leaf's entries
+        are judged by their own dtype: in a tree of a float32 and a float64 leaf, the first leaf's
+        dtype gave every entry its tolerance (a float64 rule 0.08% off passed beside a float32 leaf,
+        and a float32 leaf's rounding failed beside a float64 one)."""
+        backend = next(b for b in self.chosen if backend_label(b) == label)
+        out = []
+        for i in self.flat.where:
+            name = _arrays.dtype_name(self.flat.leaves[i])
+            name = "float32" if name == "complex64" else name
+            out.append(name if name in _NARROW_EPS else _float64_precision(backend))
+        return out
+
+    def _per_entry(self, per_leaf: list[float]) -> np.ndarray:
+        """A value per leaf of the flat vector, repeated over each leaf's entries."""
+        return np.repeat(np.asarray(per_leaf, dtype=np.float64), np.diff(self.flat.offsets))
 
     def _own_rounding(self, label: str, g: np.ndarray) -> np.ndarray | None:
         """A narrow-dtype engine's own rounding, per entry: its float32 (float16, bfloat16)
@@ -1036,11 +1055,12 @@ class _Check:
         a rule's: a few ulps away it stays, so no test of x's last bits tells the two apart). A
         rule wrong in the narrow dtype alone hides behind this term (docs/testing.md). Asked only
         for entries that fail without it: a passing check evaluates f no more. None where it does
-        not apply or the engine cannot run."""
+        not apply or the engine cannot run, and where a second call at the same x gives another
+        gradient: a rule that draws noise (1 + 0.1 N(0, 1)) would read its own noise as rounding."""
         if label.split("-")[0] in ("finite_differences", "scipy"):
             return None  # their own error is in the tolerance already, and costs 2n evaluations here
-        dtype = _arrays.dtype_name(next(iter(_tree.leaves(self.native[label])), 0.0))
-        if (dtype not in _NARROW_EPS and dtype != "complex64") or not (self.wide and _promotes(self.scenario)):
+        narrow = self._per_entry([p in _NARROW_EPS for p in self._precisions(label)]) > 0
+        if not (np.any(narrow) and self.wide and _promotes(self.scenario)):
             return None
         backend = next(b for b in self.chosen if backend_label(b) == label)
         try:
@@ -1051,9 +1071,17 @@ class _Check:
                 else:
                     wide = di.gradient(self.counted, backend, x, *contexts)
             own: np.ndarray = np.abs(g - self.truth_flat.read(wide))
+            with _warnings_apart(self._row(label)):
+                if self.has_aux:
+                    _, again = di.value_and_gradient(self.counted, backend, self.x, *self.contexts, has_aux=True)
+                else:
+                    again = di.gradient(self.counted, backend, self.x, *self.contexts)
         except Exception:
             return None
-        rounding: np.ndarray = np.nan_to_num(own, nan=0.0)
+        eps = self._per_entry([_NARROW_EPS.get(p, float(np.finfo(np.float64).eps)) for p in self._precisions(label)])
+        if not np.all(np.abs(self.flat.read(again) - g) <= 4 * eps * np.abs(g) + np.finfo(np.float64).tiny):
+            return None
+        rounding: np.ndarray = np.where(narrow, np.nan_to_num(own, nan=0.0), 0.0)  # (a float64 entry has none)
         return rounding
 
     def _coordinate_truth(self) -> _Truth:
@@ -1194,6 +1222,22 @@ class _Check:
             u / np.linalg.norm(u)
             for u in (np.where(self.fixed, 0.0, rng.standard_normal(self.flat.size)) for _ in range(k))
         ]
+        # and one direction in each leaf of a tree (the first _LEAF_DIRECTIONS): along directions
+        # over every input, a small leaf's error is diluted by the others' (a whole leaf's gradient
+        # 0 where it is 2e-6 b passed beside 5000 entries of order 1)
+        leaf_of: list[int | None] = [None] * len(directions)  # (None: a direction over every leaf)
+        offsets = self.flat.offsets
+        if len(offsets) > 2:
+            for i, (start, stop) in enumerate(itertools.pairwise(offsets)):
+                if i == _LEAF_DIRECTIONS:
+                    break
+                u = np.zeros(self.flat.size)
+                u[start:stop] = rng.standard_normal(stop - start)
+                u = np.where(self.fixed, 0.0, u)
+                if np.any(u):
+                    directions.append(u / np.linalg.norm(u))
+                    leaf_of.append(i)
+        k = len(directions)
         x = self.truth_flat.vector
         eps = float(np.max(self.eps, initial=np.finfo(np.float64).eps))
         h = eps ** (1 / 3) * float(np.max(self.scale, initial=1.0))
@@ -1220,12 +1264,14 @@ class _Check:
             row = self._row(label)
             row.reference = self.label
             got = np.array([float(np.dot(g, u)) for u in directions])
-            dtype = _arrays.dtype_name(next(iter(_tree.leaves(self.native[label])), 0.0))
-            default_rtol, default_atol = default_tolerances(
-                dtype if dtype in ("float32", "float16", "bfloat16") else "float64"
-            )
-            rtol = default_rtol if self.rtol is None else self.rtol
-            atol = default_atol * magnitude if self.atol is None else self.atol
+            # (a direction over every leaf is judged at the coarsest leaf's precision, one in a
+            # leaf at that leaf's own, against the size of its own projection)
+            precisions = self._precisions(label)
+            coarsest = max(precisions, key=lambda p: default_tolerances(p)[0])
+            wanted = [default_tolerances(coarsest if i is None else precisions[i]) for i in leaf_of]
+            rtol = np.array([w[0] for w in wanted]) if self.rtol is None else self.rtol
+            own_size = np.array([magnitude if i is None else abs(v) for i, v in zip(leaf_of, values, strict=True)])
+            atol = np.array([w[1] for w in wanted]) * own_size if self.atol is None else self.atol
             tol = _SAFETY * errors + rtol * np.abs(values) + atol
             err = np.abs(got - values)
             row.abs_error = float(np.max(err[np.isfinite(err)], initial=0.0))
