@@ -207,6 +207,40 @@ def test_an_autograd_function_keeps_its_rules_uncompiled() -> None:
     assert graphs() == before
 
 
+def test_an_autograd_function_a_later_call_reaches_keeps_its_rules() -> None:
+    # expected: f's graph was read on a program's first call only, so a Function reached once a
+    # Constant flag turned on was compiled through on the recompile (the gradient 2x, not 5x);
+    # f's graph is read again before each compile after the first, and the call runs uncompiled
+    x = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    v = torch.tensor([1.0, -1.0, 0.5], dtype=torch.float64)
+
+    def f(x, ruled):
+        return (_Rule.apply(x) if ruled else x**2).sum()
+
+    def g(x, ruled):
+        return _Rule.apply(x) if ruled else x**2
+
+    grad_prep = di.prepare_gradient(f, COMPILED, x, di.Constant(False))
+    vjp_prep = di.prepare_vjp(g, COMPILED, x, v, di.Constant(False))
+    torch.testing.assert_close(di.gradient(f, COMPILED, x, di.Constant(False), prep=grad_prep), 2 * x)
+    torch.testing.assert_close(di.vjp(g, COMPILED, x, v, di.Constant(False), prep=vjp_prep), 2 * x * v)
+    torch.testing.assert_close(di.gradient(f, COMPILED, x, di.Constant(True), prep=grad_prep), 5 * x)
+    torch.testing.assert_close(di.vjp(g, COMPILED, x, v, di.Constant(True), prep=vjp_prep), 5 * x * v)
+    # the same through a global flag beside a Constant tensor (the one closed gradient call)
+    scale = di.Constant(torch.tensor(2.0, dtype=torch.float64))
+    _RULED[0] = False
+    torch.testing.assert_close(di.gradient(_flagged, COMPILED, x, scale), 4 * x)
+    _RULED[0] = True
+    torch.testing.assert_close(di.gradient(_flagged, COMPILED, x, scale), 10 * x)
+
+
+_RULED = [False]
+
+
+def _flagged(x, c):
+    return c * (_Rule.apply(x) if _RULED[0] else x**2).sum()
+
+
 def test_a_number_new_on_every_call_runs_uncompiled_at_the_limit() -> None:
     # torch's recompile limit with fullgraph=True raised its own error from the ninth value on
     x = torch.linspace(-1, 1, 4, dtype=torch.float64)

@@ -110,7 +110,7 @@ class _Program:
     and ``strict`` compiles one, as torch.compile alone would have. Where torch's recompile limit
     is reached (``strict`` raises), the program runs uncompiled from then on, with a warning."""
 
-    __slots__ = ("fast", "run_only", "strict", "template", "uncompiled")
+    __slots__ = ("fast", "recheck", "run_only", "strict", "template", "uncompiled")
 
     def __init__(self, template: Callable[..., Any]) -> None:
         entry = _fresh(_entry)
@@ -119,6 +119,8 @@ class _Program:
         self.run_only: Callable[..., Any] | None = _run_only(entry)
         self.fast: Callable[..., Any] | None = None  # (set once strict has compiled)
         self.uncompiled = False  # (set where torch's recompile limit is reached: template runs as it is)
+        # (this call's f read again before a compile after the first: see _called)
+        self.recheck: Callable[[], bool] | None = None
 
 
 def _run_only(entry: Callable[..., Any]) -> Callable[..., Any] | None:
@@ -230,8 +232,11 @@ def _called(program: _Program, *args: Any) -> Any:
     if fast is not None:
         try:
             return fast(template, *args)
-        except _Uncompiled:
-            pass  # no compiled graph fits this call: compile one
+        except _Uncompiled:  # no compiled graph fits this call: compile one, f's graph read again
+            # first (a torch.autograd.Function, or a node vmap batches wrongly, that this call
+            # reaches and the first did not: compiled, its derivative would be silently wrong)
+            if program.recheck is not None and not program.recheck():
+                raise _Eager from None
     try:
         # torch's compiler warns of its own deprecations, not the caller's (f's warnings came in
         # the eager warm-up before it)
@@ -252,6 +257,11 @@ def _called(program: _Program, *args: Any) -> Any:
         raise _unsupported(exc) from exc
     program.fast = program.run_only
     return result
+
+
+class _Eager(Exception):
+    """Raised by :func:`_called` where a new compile found f's graph holding what a compiled
+    program gets wrong: the call runs uncompiled, as the prep's first call would have."""
 
 
 _RECOMPILE_LIMIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
@@ -360,6 +370,8 @@ class _ClosedGradient(_Gradient):
                 found = fast(program.template, *args)
             except _Uncompiled:  # no compiled graph fits: a compile, after f's output is checked again
                 self.evaluated(inputs, f, context_values)
+                if self.programs.custom:  # (f's graph read again holds a torch.autograd.Function)
+                    found = program.template(*args)
         if found is _UNCOMPILED:
             found = _called(program, *args)
         grads = found[1] if value else found
@@ -456,7 +468,16 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
                 programs.warm.add(name)
             if programs.custom or (batched and name in programs.unbatchable):
                 return None
-            return programs.get(name, template)
+            program = programs.get(name, template)
+            program.recheck = lambda: self._read_again(programs, name, fn, xs, batched)
+            return program
+
+        @staticmethod
+        def _read_again(programs: _Programs, name: str, fn: Fn, xs: Leaves, batched: bool) -> bool:
+            """f's graph read again, eagerly, before a compile after a program's first: whether
+            the program may still be compiled."""
+            func.vjp(lambda *leaves: _noted(fn(leaves)[0], name, programs), *xs)
+            return not (programs.custom or (batched and name in programs.unbatchable))
 
         def untracked(self, leaf: Any, xs: Leaves) -> bool:
             # (checked by the eager warm-up: the compiled trace has no duals nor autograd leaves)
@@ -470,7 +491,10 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
             if program is None:
                 return self.eager.value_and_gradient(fn, xs)  # type: ignore[no-any-return]
             g, has_aux, rebuild = _for_func(fn, xs)
-            value, aux, grads = _called(program, g, has_aux, xs[0] if len(xs) == 1 else xs)
+            try:
+                value, aux, grads = _called(program, g, has_aux, xs[0] if len(xs) == 1 else xs)
+            except _Eager:
+                return self.eager.value_and_gradient(fn, xs)  # type: ignore[no-any-return]
             return value, _real_aux(rebuild(aux)), _materialised((grads,) if len(xs) == 1 else tuple(grads))
 
         def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
@@ -483,7 +507,10 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
                     return self.eager._value_and_pushforward(fn, xs, txs)  # type: ignore[no-any-return]
                 g, has_aux, rebuild = _for_func(fn, xs)
                 primals, tangents = (xs, txs) if len(xs) == 1 else ((xs,), (txs,))
-                out, tout, aux = _called(program, g, has_aux, primals, tangents)
+                try:
+                    out, tout, aux = _called(program, g, has_aux, primals, tangents)
+                except _Eager:
+                    return self.eager._value_and_pushforward(fn, xs, txs)  # type: ignore[no-any-return]
             # (a tangent has its primal's dtype: torch.func may promote a 0-d one)
             tout = _tree.map(lambda t, y: t.to(y.dtype) if t.dtype != y.dtype else t, tout, out)
             return out, _real_aux(rebuild(aux)), tout
@@ -500,8 +527,13 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
 
             def vjp(touts: Any) -> Leaves:
                 g, has_aux, rebuild = _for_func(fn, xs)
-                touts = touts if type(touts) is tuple else (touts,)
-                out, aux, grads = _called(program, g, has_aux, xs[0] if len(xs) == 1 else xs, touts)
+                given, touts = touts, touts if type(touts) is tuple else (touts,)
+                try:
+                    out, aux, grads = _called(program, g, has_aux, xs[0] if len(xs) == 1 else xs, touts)
+                except _Eager:
+                    out, aux, pullback = self.eager.pullback_function(fn, xs)
+                    done[:] = [out, aux]
+                    return pullback(given)  # type: ignore[no-any-return]
                 done[:] = [out, _real_aux(rebuild(aux))]
                 return _materialised((grads[0],) if len(xs) == 1 else tuple(grads[0]))
 
@@ -533,8 +565,15 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
                     one = type(out) is tuple and len(out) == 1
                     return out[0] if one else out, (out, aux)
 
+                try:
+                    if len(xs) == 1:
+                        found = _called(program, _on_one(with_value), forward, xs[0])
+                    else:
+                        found = _called(program, with_value, forward, xs)
+                except _Eager:
+                    return self.eager.value_and_jacobian(fn, xs, mode)  # type: ignore[no-any-return]
                 if len(xs) == 1:
-                    per_output, (out, aux) = _called(program, _on_one(with_value), forward, xs[0])
+                    per_output, (out, aux) = found
                     blocks: Blocks
                     if not isinstance(out, tuple):
                         blocks = (per_output,)
@@ -543,7 +582,7 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
                     else:
                         blocks = tuple((block,) for block in per_output)
                 else:
-                    blocks, (out, aux) = _called(program, with_value, forward, xs)
+                    blocks, (out, aux) = found
                     if isinstance(out, tuple) and len(out) == 1:
                         blocks = (blocks,)
             return out, _real_aux(rebuild(aux)), blocks
@@ -570,7 +609,10 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
                 if program is None:
                     return self.eager.value_derivative_and_second_derivative(fn, xs)  # type: ignore[no-any-return]
                 tensor_fn, rebuild = _tensor_aux(fn)
-                (out, aux), first, second = _called(program, _on_one(tensor_fn), xs[0])
+                try:
+                    (out, aux), first, second = _called(program, _on_one(tensor_fn), xs[0])
+                except _Eager:
+                    return self.eager.value_derivative_and_second_derivative(fn, xs)  # type: ignore[no-any-return]
             return out, _real_aux(rebuild(aux)), first, second
 
     Compiled.__name__ = Compiled.__qualname__ = "Adapter"
