@@ -390,3 +390,16 @@ def test_the_way_is_forced_on_the_guards_steps_too(way: str) -> None:
     torch.testing.assert_close(
         di.jvp(lambda v, m: once_differentiable(v, c), backend, x, t, di.Constant(layer)), 3 * x**2 * t * c
     )
+
+
+def test_reverse_over_reverse_pulls_back_at_a_cotangent_of_ones() -> None:
+    # expected: the pullback was built at a zero cotangent (it is linear in it: any point serves),
+    # where logcumsumexp's backward pass takes the log of the cotangent's parts: NaN; at ones the
+    # product is forward mode's
+    torch.manual_seed(0)
+    x, t = torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+
+    def f(v: Any) -> Any:
+        return torch.tanh(torch.logcumsumexp(2 * v, 0)) * v
+
+    torch.testing.assert_close(di.jvp(f, di.AutoTorch(jvp="reverse"), x, t), di.jvp(f, "torch", x, t))

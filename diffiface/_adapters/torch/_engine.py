@@ -296,7 +296,9 @@ def _pushed_by_pullbacks(
 ) -> tuple[Leaves, Leaves]:
     """A jvp's primals and products by reverse over reverse, as ``torch.autograd.functional.jvp``
     computes it: ``out``, f's output leaves on ``leaves`` (leaves of a fresh graph), pulled back
-    along zero cotangents that require grad (linear in them, with its graph), and that
+    along cotangents of ones that require grad (linear in them, with its graph: any point serves,
+    and at zero a backward pass that takes the log of its cotangent's parts, logcumsumexp's,
+    reads NaN), and that
     pullback's own along copies of the tangents ``ts`` (a product the graphs pass through
     unchanged would be the caller's tangent itself). An output leaf the graph does not reach has
     a zero product, as in forward mode. Where torch cannot differentiate the pullback,
@@ -306,15 +308,15 @@ def _pushed_by_pullbacks(
     output traced through a Constant that requires grad, not through x): a zero product there
     could be wrong. A failure after f wrote into ``inputs`` (their ``versions`` moved) is raised
     as it is: the guard refuses the write."""
-    tracked, zeros = [], []
+    tracked, ones = [], []
     for y in out:  # (loops, not comprehensions: no frame of their own on every call)
         if isinstance(y, torch.Tensor) and y.requires_grad:
             tracked.append(y)
-            zeros.append(torch.zeros_like(y, requires_grad=True))
+            ones.append(torch.ones_like(y, requires_grad=True))
     products: Leaves = ()
     if tracked:
         try:
-            pulled = torch.autograd.grad(tracked, leaves, zeros, create_graph=True, allow_unused=True)
+            pulled = torch.autograd.grad(tracked, leaves, ones, create_graph=True, allow_unused=True)
             linear, along = [], []
             for g, t in zip(pulled, ts, strict=True):
                 if g is not None:
@@ -323,8 +325,8 @@ def _pushed_by_pullbacks(
                         raise _NoSecondPass
                     linear.append(g)
                     along.append(_clone(t))
-            if linear:  # (every zero cotangent reached, or torch raises: a pullback's graph is cut)
-                products = torch.autograd.grad(linear, zeros, along)
+            if linear:  # (every cotangent reached, or torch raises: a pullback's graph is cut)
+                products = torch.autograd.grad(linear, ones, along)
         except RuntimeError as exc:
             if list(map(_version, inputs)) != versions:  # f wrote into x: the guard says so
                 raise

@@ -304,7 +304,7 @@ class _Pushforward(_Gradient):
         self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves
     ) -> Any:
         """The product by reverse over reverse on ``inputs``, x's leaves as f gets them: f on them made
-        leaves of a fresh graph, its pullback along zero cotangents that require grad (linear in
+        leaves of a fresh graph, its pullback along cotangents of ones that require grad (linear in
         them, with its graph), and that pullback's own along copies of the tangents (a product
         the graphs pass through unchanged would be the caller's tangent itself). An output leaf
         the graph does not reach has a zero product, as in forward mode. Where torch cannot
