@@ -144,7 +144,10 @@ class AutoTorch(Backend):
         several times (five where forward mode is quick). Forward mode is kept where the two
         products differ (f computes part of its output under ``torch.no_grad()``), where f
         cannot be differentiated twice, and on calls "auto" does not time (a module passed as a
-        Constant, an aux, an x that carries an outer graph). Complex jvps are forward mode's.
+        Constant, an aux, an x that carries an outer graph). The choice is the first call's: an
+        f that enters a ``torch.no_grad()`` part only at other x's (a branch on x's values) gets
+        reverse mode's product there, which treats that part as constant, where forward mode
+        differentiates it; keep ``"forward"`` for such an f. Complex jvps are forward mode's.
         ``mode="func"`` computes a jvp by ``torch.func.jvp``.
     compile:
         ``mode="func"`` only. Each operator's torch.func program compiled by ``torch.compile``
