@@ -803,3 +803,18 @@ def test_an_expanded_x_serves_every_call_of_a_prep(name: str) -> None:
     prep = di.prepare_hvp(g, name, x, t)
     for _ in range(2):
         torch.testing.assert_close(di.hvp(g, name, x, t, prep=prep), 2 * torch.cos(x) - x * torch.sin(x))
+
+
+def test_a_batch_of_jvps_of_a_drawing_f_takes_one_draw() -> None:
+    # expected: autograd mode evaluated f once per tangent, each drawing its own dropout mask: the
+    # products of t and 2 t were no multiple of each other, nor of the value's mask; each
+    # evaluation now starts from the generator's state before the first
+    torch.manual_seed(0)
+    x, t = torch.randn(8, dtype=torch.float64), torch.ones(8, dtype=torch.float64)
+
+    def f(v: Any) -> Any:
+        return torch.nn.functional.dropout(v, 0.5, training=True) * 3.0
+
+    value, (first, second) = di.value_and_batched_jvp(f, "torch", x, di.Tangents(t, 2 * t))
+    assert torch.equal(second, 2 * first)
+    assert torch.equal(value != 0, first != 0)

@@ -301,6 +301,8 @@ class Adapter(_base.Adapter):
         return primal, aux, tangent
 
     def value_and_pushforwards(self, fn: Fn, xs: Leaves, batch: Any) -> tuple[Any, Any, list[Any]]:
+        if not self.functional and len(batch) > 1:
+            return _one_draw(super().value_and_pushforwards, fn, xs, batch)
         if not self.functional or len(batch) < 2 or _any_dtensor(xs):
             return super().value_and_pushforwards(fn, xs, batch)
         # torch.func.vmap runs the whole batch as one program, f evaluated once: the value does
@@ -518,3 +520,26 @@ def _reverse_jvp_fits(xs: Leaves, txs: Leaves) -> bool:
     """Whether reverse over reverse computes this jvp: x's leaves and the tangents plain real
     tensors (a complex jvp, and a DTensor's, are forward mode's)."""
     return all(type(v) is torch.Tensor and not v.is_complex() for v in (*xs, *txs))
+
+
+def _one_draw(
+    pushforwards: Callable[..., tuple[Any, Any, list[Any]]], fn: Fn, xs: Leaves, batch: Any
+) -> tuple[Any, Any, list[Any]]:
+    """Autograd mode's batch of jvps, f evaluated once per tangent, each from the state torch's
+    global random generators had before the first: the products of one draw (dropout's one mask),
+    linear in the tangent and the value's own, where each evaluation drew anew (the products of
+    t and 2 t were not a multiple of each other). The generators end as one evaluation leaves them."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    first = True
+
+    def from_one_draw(fn_xs: Leaves) -> Any:
+        nonlocal first
+        if not first:
+            torch.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state_all(cuda)
+        first = False
+        return fn(fn_xs)
+
+    return pushforwards(from_one_draw, xs, batch)
