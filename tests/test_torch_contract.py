@@ -818,3 +818,26 @@ def test_a_batch_of_jvps_of_a_drawing_f_takes_one_draw() -> None:
     value, (first, second) = di.value_and_batched_jvp(f, "torch", x, di.Tangents(t, 2 * t))
     assert torch.equal(second, 2 * first)
     assert torch.equal(value != 0, first != 0)
+
+
+@pytest.mark.parametrize("mode", list(BACKENDS))
+def test_a_change_to_a_constant_modules_structure_is_put_back(mode: str) -> None:
+    # expected: f setting a new Parameter into a Constant module, or switching it to eval mode,
+    # left the caller's module changed with no error (the watch saw writes into the tensors it
+    # had, not new ones); on a prep's first call the structure is compared, put back and refused
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2)).train()
+    weight = model[0].weight
+
+    def rebinds(v: Any, m: Any) -> Any:
+        m[0].weight = torch.nn.Parameter(torch.zeros(2, 3))
+        return m(v).sum()
+
+    def evaluates(v: Any, m: Any) -> Any:
+        m.eval()
+        return m(v).sum()
+
+    for f in (rebinds, evaluates):
+        with pytest.raises(di.MutationError, match="put back"):
+            di.gradient(f, BACKENDS[mode], torch.randn(3), di.Constant(model))
+        assert model[0].weight is weight and model.training and model[0].training

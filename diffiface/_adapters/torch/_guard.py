@@ -339,20 +339,28 @@ class _Watch:
     mode only (torch's batch norm writes its running statistics without a version bump); nothing
     else is copied, so that a frozen backbone costs its counters per call, not its size, and a
     write is seen but not undone. Which tensor is which (its module, its name) is found only
-    where an error names one (:meth:`named`)."""
+    where an error names one (:meth:`named`).
 
-    __slots__ = ("copies", "roots", "tensors", "versions")
+    ``full`` also keeps each module's structure (its parameters, buffers and submodules, its
+    train or eval mode), which f may change by setting an attribute (``model[0].weight =
+    nn.Parameter(...)``, ``model.eval()``): put back and refused (:meth:`restructured`)."""
+
+    __slots__ = ("copies", "roots", "structure", "tensors", "versions")
 
     def __init__(self, roots: list[tuple[int, Any]], full: bool) -> None:
         self.roots = roots
         self.tensors: list[Any] = []
         self.copies: list[tuple[Any, Any]] = []
+        self.structure: list[tuple[Any, bool, dict[str, Any], dict[str, Any], dict[str, Any]]] = []
         for _, module in roots:
             self._walk(module, full)
         self.versions = list(map(_version, self.tensors))
 
     def _walk(self, module: Any, full: bool) -> None:
         # (the modules' own dicts: named_modules builds each prefix and a set of those seen)
+        if full:
+            parts = (dict(module._parameters), dict(module._buffers), dict(module._modules))
+            self.structure.append((module, module.training, *parts))
         tensors = self.tensors
         for tensor in module._parameters.values():
             if tensor is not None and not tensor.is_inference():  # (torch refuses writes into those)
@@ -369,9 +377,24 @@ class _Watch:
             if child is not None:
                 self._walk(child, full)
 
+    def restructured(self) -> bool:
+        """Whether f changed a module's structure or mode (a prep's first call), each put back."""
+        found = False
+        for module, training, *kept in self.structure:
+            now = (module._parameters, module._buffers, module._modules)
+            for current, old in zip(now, kept, strict=True):
+                if len(current) != len(old) or any(current.get(k) is not v for k, v in old.items()):
+                    current.clear()
+                    current.update(old)
+                    found = True
+            if module.training is not training:
+                module.training = training
+                found = True
+        return found
+
     def changed(self) -> bool:
         """Whether a tensor may have been written: a counter moved, or a copy is to compare."""
-        return bool(self.copies) or list(map(_version, self.tensors)) != self.versions
+        return bool(self.copies) or bool(self.structure) or list(map(_version, self.tensors)) != self.versions
 
     def named(self) -> dict[int, tuple[int, str, str]]:
         """Each watched tensor's (index of its Constant, ``"parameter"`` or ``"buffer"``, its name
@@ -415,8 +438,15 @@ def _mutation(
     """What f wrote into, named by its path, restored where a copy was kept; None if it wrote
     nothing. ``x_copied``: the leaves f got for x were copies (a prep's first call); ``copied``:
     the Constant tensors f got were copies (a prep's first call in autograd mode)."""
-    # (first: a module's copies are put back whatever else f wrote)
+    # (first: a module's copies and structure are put back whatever else f wrote)
     changed = modules.written() if modules is not None and modules.changed() else None
+    if modules is not None and modules.restructured():
+        where = names.of_static(modules.roots[0][0]) if names is not None else "a di.Constant"
+        return (
+            f"f changed the torch.nn.Module {where}, a di.Constant: it set a parameter, a buffer or a "
+            "submodule, or its train or eval mode; it has been put back. A Constant is read-only: pass "
+            f"what f changes as x or through has_aux. {_FIX}"
+        )
     for i, (x, version) in enumerate(zip(xs, versions, strict=True)):
         if x._version != version:
             where = names.of_x(i, len(xs)) if names is not None else (f"leaf {i} of x" if len(xs) > 1 else "x")
