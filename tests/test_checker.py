@@ -972,3 +972,13 @@ def test_a_rule_that_draws_noise_is_not_taken_for_float32_rounding() -> None:
         except di.GradientCheckError:
             failed += 1
     assert failed == 4
+
+
+def test_a_float32_gradient_below_its_own_resolution_is_not_called_wrong() -> None:
+    # expected: sigmoid(30 v) saturates in float32 at v ~ 0.8-2, so torch's float32 gradient is 0
+    # where the true one is at most 7e-10, below float32's resolution of f (5 eps): the
+    # differences allowed it, and the Taylor test on the float64 copies failed it anyway
+    torch = pytest.importorskip("torch")
+    x = torch.tensor([1.1686958, 0.81788754, 0.86432105, 0.8740942, 1.977401])
+    report = check_gradients(lambda v: torch.sigmoid(30 * v).sum(), x, backends=["torch"])
+    assert not report.failed
