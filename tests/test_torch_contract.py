@@ -841,3 +841,21 @@ def test_a_change_to_a_constant_modules_structure_is_put_back(mode: str) -> None
         with pytest.raises(di.MutationError, match="put back"):
             di.gradient(f, BACKENDS[mode], torch.randn(3), di.Constant(model))
         assert model[0].weight is weight and model.training and model[0].training
+
+
+@pytest.mark.parametrize("mode", list(BACKENDS))
+def test_a_force_field_in_a_forward_mode_jvp_is_named(mode: str) -> None:
+    # expected: f's own torch.autograd.grad of an energy failed on a jvp's x (a forward-mode dual,
+    # a torch.func tensor: it does not require grad) with torch's bare RuntimeError; it is an
+    # UnsupportedOperationError naming the way round, which gives the Jacobian's product
+    torch.manual_seed(0)
+    x, t = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+
+    def forces(v: Any) -> Any:
+        (grad,) = torch.autograd.grad((torch.sin(v) * v**2).sum(), v, create_graph=True)
+        return -grad
+
+    with pytest.raises(di.UnsupportedOperationError, match=r"jvp='reverse'"):
+        di.jvp(forces, BACKENDS[mode], x, t)
+    expected = di.jacobian(forces, "torch", x) @ t
+    torch.testing.assert_close(di.jvp(forces, di.AutoTorch(jvp="reverse"), x, t), expected)

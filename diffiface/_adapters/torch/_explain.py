@@ -158,6 +158,14 @@ _REFUSALS = (
         "module in eval mode, a mask passed as a di.Constant), or use AutoTorch() (autograd mode), whose "
         "products reuse f's one evaluation.",
     ),
+    (
+        "does not require grad and does not have a grad_fn",
+        "f calls torch.autograd.grad (or .backward()) on a value that does not require grad: a force "
+        "field's gradient of an energy, say. Where that value comes from x, this operator gave f an x "
+        "that does not require grad (a jvp's forward-mode duals, a torch.func transform's tensors): take "
+        "the product with AutoTorch(jvp='reverse'), or a reverse-mode operator (jacobian, vjp, hvp) in "
+        "autograd mode, where f's own torch.autograd.grad(..., create_graph=True) is differentiated.",
+    ),
 )
 """torch's refusals of what f uses, raised while f or its backward pass runs, and what to do."""
 
