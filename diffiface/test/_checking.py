@@ -1017,8 +1017,7 @@ class _Check:
         if rtol is None:
             rtol = self._per_entry([default_tolerances(p)[0] for p in precisions])
         if self.atol is None:
-            eps = self._per_entry([_NARROW_EPS.get(p, float(np.finfo(np.float64).eps)) for p in precisions])
-            atol: Any = 4 * eps * self.condition / self.scale + np.finfo(np.float64).tiny
+            atol: Any = self._rounding_floor(label) + np.finfo(np.float64).tiny
         else:
             atol = self.atol
         tol: np.ndarray = _SAFETY * truth.errors + rtol * np.abs(truth.values) + atol
@@ -1041,6 +1040,17 @@ class _Check:
             name = "float32" if name == "complex64" else name
             out.append(name if name in _NARROW_EPS else _float64_precision(backend))
         return out
+
+    def _entry_eps(self, label: str, wide: float = float(np.finfo(np.float64).eps)) -> np.ndarray:
+        """Per entry, the epsilon of the precision :meth:`_precisions` gives its leaf (``wide``
+        for a float64 one)."""
+        return self._per_entry([_NARROW_EPS.get(p, wide) for p in self._precisions(label)])
+
+    def _rounding_floor(self, label: str, wide: float = float(np.finfo(np.float64).eps)) -> np.ndarray:
+        """Per entry, the rounding a gradient computed at its leaf's precision carries: ``4 eps``
+        times f's condition over the input's scale (``wide``: the epsilon of a float64 leaf)."""
+        floor = 4 * self._entry_eps(label, wide) * self.condition / self.scale
+        return np.asarray(floor, dtype=np.float64) * np.ones(self.flat.size)
 
     def _per_entry(self, per_leaf: list[float]) -> np.ndarray:
         """A value per leaf of the flat vector, repeated over each leaf's entries."""
@@ -1078,7 +1088,7 @@ class _Check:
                     again = di.gradient(self.counted, backend, self.x, *self.contexts)
         except Exception:
             return None
-        eps = self._per_entry([_NARROW_EPS.get(p, float(np.finfo(np.float64).eps)) for p in self._precisions(label)])
+        eps = self._entry_eps(label)
         if not np.all(np.abs(self.flat.read(again) - g) <= 4 * eps * np.abs(g) + np.finfo(np.float64).tiny):
             return None
         rounding: np.ndarray = np.where(narrow, np.nan_to_num(own, nan=0.0), 0.0)  # (a float64 entry has none)
@@ -1374,8 +1384,7 @@ class _Check:
         (sigmoid(30 v) saturated), was called wrong there though the differences allowed it."""
         if not any(backend_label(b) == label for b in self.chosen):
             return np.zeros(self.flat.size)
-        eps = self._per_entry([_NARROW_EPS.get(p, 0.0) for p in self._precisions(label)])
-        return np.asarray(4 * eps * self.condition / self.scale, dtype=np.float64) * np.ones(self.flat.size)
+        return self._rounding_floor(label, wide=0.0)
 
     def _noise(self, g: np.ndarray) -> float:
         """The rounding noise of f's values: a few ulps of f and of the terms ``x_i g_i``."""
