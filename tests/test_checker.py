@@ -373,6 +373,35 @@ def test_tolerances_follow_the_error_estimate():
         check_gradients(lambda v: wrong(v).sum(), torch.tensor([1.565], dtype=torch.float64), backends=["torch"])
 
 
+def test_f_rounding_at_the_scale_of_its_terms_is_measured_not_read_as_a_wrong_gradient():
+    """The naive variance of v + 1000 rounds at its terms' scale (1e6 eps per evaluation), far
+    above what f and its gradient predict: the differences' error estimates missed it and 4 of 5
+    right gradients failed, as did exp(v) - exp(c v) at v = 30 (terms of 1e13). The rounding is
+    measured at shorter steps now: right gradients pass, and gradients 1% off still fail."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    points = [torch.tensor(rng.normal(size=3), dtype=torch.float64) for _ in range(5)]
+
+    def variance(v: Any) -> Any:
+        return ((v + 1000.0) ** 2).mean() - (v + 1000.0).mean() ** 2
+
+    for x in points:
+        report = check_gradients(variance, x, backends=["torch"])
+        assert [row.status for row in report.rows] == ["passed"], report.rows[0].message
+    c = 1 - 1e-9
+    report = check_gradients(
+        lambda v: (torch.exp(v) - torch.exp(c * v)).sum(), torch.tensor([30.0], dtype=torch.float64), backends=["torch"]
+    )
+    assert [row.status for row in report.rows] == ["passed"], report.rows[0].message
+
+    def scaled(v: Any) -> Any:  # the variance with a backward pass 1% off
+        return variance(_scaled_backward(torch, lambda u: u, lambda u: torch.ones_like(u), factor=1.01)(v))
+
+    for x in points:
+        with pytest.raises(AssertionError, match="values differ"):
+            check_gradients(scaled, x, backends=["torch"])
+
+
 # -- 5. projected mode -----------------------------------------------------------------------------------
 
 

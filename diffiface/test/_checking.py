@@ -90,6 +90,8 @@ _NARROW_EPS = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
 _LEAF_DIRECTIONS = 16
 """Leaves of x that get a projected direction of their own, beyond the random ones over all."""
 _TAYLOR_RATIO = 4.0
+_NOISE_DRAWS = 4
+"""How many fourth differences at each of two short steps measure f's rounding (:meth:`_Check._measured_noise`)."""
 
 
 def _float64_precision(backend: Backend) -> str:
@@ -128,7 +130,9 @@ def check_gradients(
     The ground truth stays in f's domain and knows its own error. Per input, central differences
     at the finite-difference default step ``h = eps**(1/3) * max(1, |x_i|)`` and at ``2h``,
     combined by Richardson extrapolation; their difference estimates the error, with the rounding
-    error ``eps * |f| / h``. Where a point raises or gives a non-finite value (an edge of f's
+    error ``eps * |f| / h``, or, where the stencils show f rounding more than that (the terms it
+    adds up far larger than f: a naive variance), the rounding measured by fourth differences at
+    shorter steps (32 evaluations more). Where a point raises or gives a non-finite value (an edge of f's
     domain), the input gets a step of its own, probed towards the edge (docs/testing.md); inputs
     of x at inf or NaN are held fixed and their entries named unchecked. Each entry of each
     engine's gradient must agree with it within four times that entry's estimate, plus ``rtol``
@@ -759,6 +763,8 @@ class _Check:
         self.unchecked = np.zeros(self.flat.size, dtype=bool)
         self.hidden = np.zeros(self.flat.size, dtype=bool)
         self.kinked = np.zeros(self.flat.size, dtype=bool)
+        self.measured = 0.0
+        """The standard deviation of f's rounding near x where measured above its prediction (else 0)."""
         self.inside: dict[float, float] = {}
         """Per side of an edge (-1, 1), the point furthest that way an edge input found in f's domain."""
         # f(x) as the ground truth computes it (on the float64 copies, where they serve)
@@ -1104,6 +1110,7 @@ class _Check:
         h = self.truth_flat.exact(self.eps ** (1 / 3) * self.scale)
         h2 = self.truth_flat.exact(2 * h)
         values, errors, plain = np.zeros(n), np.full(n, np.inf), np.full(n, np.nan)
+        fourth = np.zeros(n)  # |f's fourth difference| along each input, where its stencil is whole
         one_sided = 0
         # what the edges may spend: the evaluations an ordinary input would have taken and what
         # the 4n + 20 leaves beside f(x), the engines' evaluations and the Taylor test; 4 kept
@@ -1138,6 +1145,8 @@ class _Check:
             rounding = 4 * self.eps[i] * (self.condition + 1e-300) / h[i]
             values[i], errors[i], plain[i] = _stencil(self.center, samples, h[i], h2[i], rounding)
             self.kinked[i] = _kink_within(self.center, samples, self.eps[i])
+            if None not in samples.values():
+                fourth[i] = abs(_fourth_difference(self.center, samples))
             if samples["-2"] is None or samples["+2"] is None:
                 # an edge between h and 2h: x +- h are too near it for an accurate difference
                 one_sided += 1
@@ -1150,7 +1159,46 @@ class _Check:
                 else:
                     values[i], errors[i], room = found
                     self.reach[i] = room / self._taylor_top()
+        self.measured = self._measured_noise(x, fourth, h)
+        errors += 4 * self.measured / h  # (twice the Richardson value's own noise, 0.95 sigma / h)
         return _Truth(values, errors, plain, one_sided)
+
+    def _measured_noise(self, x: np.ndarray, fourth: np.ndarray, h: np.ndarray) -> float:
+        """The standard deviation of f's rounding near x as measured, where the stencils show more
+        of it than f's condition predicts (the terms f adds up may be far larger than f and its
+        gradient: a naive variance, ``exp(x) - exp(c x)``); 0 elsewhere, and where an input is
+        near an edge of f's domain (its own steps are judged apart).
+
+        A fourth difference amplifies independent rounding by ``sqrt(70)``, and a smooth f by
+        ``h**4`` times its fourth derivative. Rounding does not shrink with the step; a kink's
+        fourth difference shrinks as the step, a smooth term's (``sin`` at ``x = 1e6``, turning
+        within the step) as its fourth power. So the fourth differences are taken again at a
+        sixteenth and at a 64th of the step (four draws each, along the inputs that showed more than
+        rounding: 32 evaluations more), and they measure noise only where the shorter steps' do
+        not fall to a third of the longer ones' or below (a kink at x gives a quarter; four draws
+        of rounding fall so by chance about one time in forty). A step whose differences all come out 0
+        (rounding in quanta of a large term's ulp may show none over a short step) says nothing."""
+        predicted = 64 * np.sqrt(70.0) * self.eps * (self.condition + 1e-300)
+        loud = np.flatnonzero(fourth > predicted).tolist()
+        if not loud or np.any(self.edge):
+            return 0.0
+        estimates = []
+        for level in (16, 64):
+            draws = []
+            for j in range(_NOISE_DRAWS):  # (steps a little apart: each draw at points of its own)
+                i = loud[j % len(loud)]
+                step = self.truth_flat.exact(h / (level * (1 + j / 4)))[i]
+                samples = {
+                    key: self._moved(x, i, k * step) for key, k in (("+1", 1), ("-1", -1), ("+2", 2), ("-2", -2))
+                }
+                if None in samples.values():
+                    return 0.0
+                draws.append(_fourth_difference(self.center, samples) ** 2 / 70.0)
+            estimates.append(float(np.sqrt(np.mean(draws))))
+        longer, shorter = estimates
+        if longer == 0.0 or shorter == 0.0:
+            return max(longer, shorter)
+        return min(longer, shorter) if shorter > longer / 3 else 0.0
 
     def _first_side(self, value: float, h: float) -> float:
         """The side to step to first: towards an edge another input found within h, else towards
@@ -1387,10 +1435,11 @@ class _Check:
         return self._rounding_floor(label, wide=0.0)
 
     def _noise(self, g: np.ndarray) -> float:
-        """The rounding noise of f's values: a few ulps of f and of the terms ``x_i g_i``."""
+        """The rounding noise of f's values: a few ulps of f and of the terms ``x_i g_i``, or twice
+        the noise the differences measured, where that is larger."""
         eps = float(np.max(self.eps, initial=np.finfo(np.float64).eps))
         terms = float(np.sum(np.abs(self.finite_x * np.nan_to_num(g))))
-        return 2 * eps * (abs(self.center) + terms)
+        return max(2 * eps * (abs(self.center) + terms), 2 * self.measured)
 
     # -- engines against each other --------------------------------------------------------------------
 
@@ -1443,6 +1492,14 @@ def _stencil(
             return r, abs(f1 - f2) + 4 * rounding, f1
         return sign * (near - f0) / h, np.inf, sign * (near - f0) / h
     return np.nan, np.inf, np.nan
+
+
+def _fourth_difference(f0: float, samples: dict[str, float | None]) -> float:
+    """f's fourth difference over ``x - 2h .. x + 2h`` along one input: ``h**4`` times its fourth
+    derivative for a smooth f, far below its rounding, which this difference amplifies by
+    ``sqrt(70)``."""
+    p1, m1, p2, m2 = samples["+1"], samples["-1"], samples["+2"], samples["-2"]
+    return float(m2 - 4 * m1 + 6 * f0 - 4 * p1 + p2)  # type: ignore[operator]
 
 
 def _kink_within(f0: float, samples: dict[str, float | None], eps: float) -> bool:
