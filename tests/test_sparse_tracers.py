@@ -648,3 +648,24 @@ def test_jax_top_k_along_another_axis_keeps_its_lines() -> None:
     pattern = sparse.jacobian_pattern(f, jax.numpy.asarray(x), detector=sparse.GlobalDetector(tracer="jax"))
     dense = np.asarray(jax.jacobian(f)(jax.numpy.asarray(x))).reshape(4, 6)
     assert not _missing(pattern, dense)
+
+
+# --- rules that must match numpy's definitions ------------------------------------------------------
+
+
+def _dense_jacobian(f: Callable[[Any], Any], x: np.ndarray) -> np.ndarray:
+    return np.asarray(di.jacobian(f, "finite_differences", x)).reshape(-1, x.size)
+
+
+def test_vdot_flattens_both_operands() -> None:
+    """np.vdot of two matrices is one number: the rule contracted the last axis only, so
+    ``np.vdot(A, A) * A`` lost entries and ``np.vdot(A, A)[None]`` had four rows."""
+    x = np.array([1.0, 2.0, 3.0, 4.0])
+    scaled = lambda v: (np.vdot(v.reshape(2, 2), v.reshape(2, 2)) * v.reshape(2, 2)).ravel()  # noqa: E731
+    one = lambda v: np.vdot(v.reshape(2, 2), v.reshape(2, 2))[None]  # noqa: E731
+    detector = sparse.GlobalDetector(tracer="numpy")
+    for f in (scaled, one):
+        pattern = sparse.jacobian_pattern(f, x, detector=detector)
+        assert (pattern.toarray() == (_dense_jacobian(f, x) != 0)).all()
+    hessian = sparse.hessian_pattern(lambda v: np.vdot(v.reshape(2, 2), np.sin(v.reshape(2, 2))), x, detector=detector)
+    assert (hessian.toarray() == np.eye(4, dtype=bool)).all()
