@@ -669,3 +669,27 @@ def test_vdot_flattens_both_operands() -> None:
         assert (pattern.toarray() == (_dense_jacobian(f, x) != 0)).all()
     hessian = sparse.hessian_pattern(lambda v: np.vdot(v.reshape(2, 2), np.sin(v.reshape(2, 2))), x, detector=detector)
     assert (hessian.toarray() == np.eye(4, dtype=bool)).all()
+
+
+@pytest.mark.parametrize("mode", ["full", "same", "valid"])
+@pytest.mark.parametrize("name", ["convolve", "correlate"])
+def test_convolve_and_correlate_patterns_are_exact(name: str, mode: str) -> None:
+    """Every length pair and mode, with a constant operand (its zero taps dropped) on either side
+    or both operands traced: correlate's "same" was aligned as convolve's with the kernel
+    reversed, which numpy's operand swap for a longer kernel does not keep."""
+    func = getattr(np, name)
+    rng = np.random.default_rng(3)
+    detector = sparse.GlobalDetector(tracer="numpy")
+    for la in range(1, 7):
+        for lv in range(1, 7):
+            constant = rng.standard_normal(lv)
+            constant[rng.random(lv) < 0.3] = 0.0
+            x = rng.standard_normal(la + lv)
+            cases = {
+                "constant-v": lambda v, la=la, c=constant: func(v[:la], c, mode),
+                "constant-a": lambda v, la=la, c=constant: func(c, v[:la], mode),
+                "both": lambda v, la=la: func(v[:la], v[la:], mode),
+            }
+            for case, f in cases.items():
+                pattern = sparse.jacobian_pattern(f, x, detector=detector).toarray()
+                assert (pattern == (_dense_jacobian(f, x) != 0)).all(), (la, lv, case)

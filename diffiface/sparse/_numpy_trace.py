@@ -7,9 +7,9 @@ same type follows autograd-written code.
 Rules: ufuncs unite their operands' sets (broadcast); functions that only move elements
 (concatenate, stack, roll, pad, take, indexing with known indices...) are run by numpy on arrays
 of positions; reductions, cumulative functions, diff, dot/matmul, einsum (tensordot, inner,
-kron), convolve, polyval and sort have their own rules; any other function, and any whose rule
-does not fit its operands, is dense (each output element depends on everything its operands
-depend on) and named in the notes. Comparisons give booleans whose values are not known: a
+kron), convolve, correlate, polyval and sort have their own rules; any other function, and any
+whose rule does not fit its operands, is dense (each output element depends on everything its
+operands depend on) and named in the notes. Comparisons give booleans whose values are not known: a
 Python ``if`` on them, ``float(x[0])``, or indexing with them is refused with the reason, since
 the pattern could change with x. Anything else that stops the trace (a function that fails on
 sample values, ``.strides``) is a :class:`TracerFailure`: the whole function is then dense.
@@ -556,31 +556,49 @@ def _matmul(trace: _Trace, a: Any, b: Any) -> Any:
 
 
 def _convolve(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    """np.convolve(a, v, mode): a banded map of a where v is constant."""
+    """np.convolve(a, v, mode) and np.correlate(a, v, mode): each output a sum of products
+    ``a[i] * v[j]`` (:func:`_sliding_products`); a constant operand's zeros drop their terms."""
     import scipy.sparse as sp
 
     a, v = args[0], args[1]
-    mode = _argument(args, kwargs, 2, "mode", "full")
+    mode = _argument(args, kwargs, 2, "mode", "full" if func.__name__ == "convolve" else "valid")
     la, lv = int(np.size(a) if _known(a) else a.size), int(np.size(v) if _known(v) else v.size)
-    full = la + lv - 1
-    start = {"full": 0, "same": (lv - 1) // 2 if la >= lv else (la - 1) // 2, "valid": min(la, lv) - 1}[mode]
-    length = {"full": full, "same": max(la, lv), "valid": max(la, lv) - min(la, lv) + 1}[mode]
-    taps_a = np.ones(la, dtype=bool) if not _known(a) else np.asarray(a) != 0
-    taps_v = np.ones(lv, dtype=bool) if not _known(v) else np.asarray(v) != 0
-    # out[k] = sum_i a[i] v[k - i]
-    i, j = np.nonzero(np.outer(taps_a, taps_v))
-    k = i + j - start
-    inside = (k >= 0) & (k < length)
+    length, k, i, j = _sliding_products(la, lv, mode, func.__name__ == "convolve")
+    nonzero = np.ones(k.size, dtype=bool)
+    for operand, index in ((a, i), (v, j)):
+        if _known(operand):
+            nonzero &= np.ravel(np.asarray(operand))[index] != 0
+    k, i, j = k[nonzero], i[nonzero], j[nonzero]
     parts = []
-    ones = np.ones(int(inside.sum()), dtype=np.float32)
-    if isinstance(a, IndexSetArray) and a.rows is not None:
-        parts.append(sets.apply(sp.csr_array((ones, (k[inside], i[inside])), shape=(length, la)), a.rows))
-    if isinstance(v, IndexSetArray) and v.rows is not None:
-        parts.append(sets.apply(sp.csr_array((ones, (k[inside], j[inside])), shape=(length, lv)), v.rows))
-    rows = sets.union(parts)
-    if trace.pairs is not None and len(parts) == 2:
-        trace.pairs.add_all(sets.all_of(rows, 1))
-    return IndexSetArray(trace, (length,), rows)
+    for operand, index, size in ((a, i, la), (v, j, lv)):
+        if isinstance(operand, IndexSetArray) and operand.rows is not None:
+            moved = sp.csr_array((np.ones(k.size, dtype=np.float32), (k, index)), shape=(length, size))
+            parts.append(sets.apply(moved, operand.rows))
+    if trace.pairs is not None and len(parts) == 2:  # each product couples its two factors
+        trace.pairs.add(sets.gather([a.rows], [la], i + 1, trace.n), sets.gather([v.rows], [lv], j + 1, trace.n))
+    return IndexSetArray(trace, (length,), sets.union(parts))
+
+
+def _sliding_products(la: int, lv: int, mode: Any, convolve: bool) -> tuple[int, Any, Any, Any]:
+    """The output length and the terms ``(k, i, j)`` (``out[k]`` sums ``a[i] * v[j]``) of
+    np.convolve or np.correlate, as numpy computes them: the longer operand slides under the
+    shorter, padded by ``n_left`` (none for "valid", half the shorter for "same", all but one of it
+    for "full"); convolve reverses the shorter operand, correlate (when it swapped the operands)
+    its output."""
+    mode = mode if isinstance(mode, str) else ("valid", "same", "full")[mode]
+    swap = lv > la
+    longer, shorter = (lv, la) if swap else (la, lv)
+    n_left = {"valid": 0, "same": shorter // 2, "full": shorter - 1}[mode]
+    length = {"valid": longer - shorter + 1, "same": longer, "full": longer + shorter - 1}[mode]
+    k, q = (g.ravel() for g in np.meshgrid(np.arange(length), np.arange(shorter), indexing="ij"))
+    p = k - n_left + q
+    inside = (p >= 0) & (p < longer)
+    k, p, q = k[inside], p[inside], q[inside]
+    if convolve:
+        q = shorter - 1 - q
+    elif swap:
+        k = length - 1 - k
+    return (length, k, q, p) if swap else (length, k, p, q)
 
 
 def _signed_move(trace: _Trace, run: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> Any:
@@ -609,11 +627,6 @@ def _signed_move(trace: _Trace, run: Callable[..., Any], args: Any, kwargs: dict
         raise TracerFailure("a function taken as a move computed with its operands")
     where = np.where(moved, np.rint(np.real(plus)), 0).astype(np.int64)
     return IndexSetArray(trace, plus.shape, sets.gather(sources, sizes, where, trace.n))
-
-
-def _correlate(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    """np.correlate(a, v, mode) is np.convolve(a, v[::-1], mode), conjugated: the same pattern."""
-    return _convolve(trace, func, (args[0], args[1][::-1], _argument(args, kwargs, 2, "mode", "valid")), {})
 
 
 _EINSUM_GRID_LIMIT = 1 << 22
@@ -956,7 +969,7 @@ _FUNCTIONS: dict[str, Callable[[_Trace, Any, Any, dict[str, Any]], Any]] = {
     "std": _sum(False), "var": _sum(False), "nanmax": _sum(False), "nanmin": _sum(False), "ptp": _sum(False),
     "norm": _norm, "cumsum": _cumsum(True), "cumprod": _cumsum(False), "diff": _diff, "dot": _dot,
     "vdot": _vdot, "inner": _inner, "outer": _outer, "matmul": lambda t, f, a, k: _matmul(t, a[0], a[1]),
-    "select": _select, "convolve": _convolve, "correlate": _correlate, "einsum": _einsum, "tensordot": _tensordot, "kron": _kron,
+    "select": _select, "convolve": _convolve, "correlate": _convolve, "einsum": _einsum, "tensordot": _tensordot, "kron": _kron,
     "polyval": _polyval, "trace": _trace_of, "sinc": _elementwise, "i0": _elementwise, "nan_to_num": _elementwise,
     "around": _elementwise, "round": _elementwise, "fix": _elementwise, "angle": _elementwise, "imag": _elementwise,
     "real_if_close": _elementwise, "where": _where, "sort": _along, "zeros_like": _like(False), "ones_like": _like(False),
