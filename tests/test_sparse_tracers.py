@@ -693,3 +693,18 @@ def test_convolve_and_correlate_patterns_are_exact(name: str, mode: str) -> None
             for case, f in cases.items():
                 pattern = sparse.jacobian_pattern(f, x, detector=detector).toarray()
                 assert (pattern == (_dense_jacobian(f, x) != 0)).all(), (la, lv, case)
+
+
+def test_diff_reads_prepend_and_append_given_by_position() -> None:
+    """np.diff(x, 1, -1, prepend) was read without its prepend: a pattern one row short."""
+    x = np.array([1.0, 2.0, 4.0, 7.0])
+    detector = sparse.GlobalDetector(tracer="numpy")
+    cases = {
+        "prepend-by-position": lambda v: np.diff(v, 1, -1, v[:1] * 0.5),
+        "append-by-position": lambda v: np.diff(v, 2, 0, 0.0, v[-1:] ** 2),
+        "both-by-keyword": lambda v: np.diff(v, prepend=0.0, append=v[0]),
+        "matrix": lambda v: np.diff(v.reshape(2, 2), 1, 0, v[2:].reshape(1, 2) ** 2, 3.0).ravel(),
+    }
+    for case, f in cases.items():
+        pattern = sparse.jacobian_pattern(f, x, detector=detector)
+        assert (pattern.toarray() == (_dense_jacobian(f, x) != 0)).all(), case

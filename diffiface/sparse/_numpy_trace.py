@@ -489,12 +489,14 @@ def _cumsum(linear: bool) -> Any:
 
 
 def _diff(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    a = _lift(trace, args[0])
+    a: Any = _lift(trace, args[0])
     order = int(_argument(args, kwargs, 1, "n", 1))
     axis = int(_argument(args, kwargs, 2, "axis", -1)) % max(a.ndim, 1)
-    for name in ("prepend", "append"):
-        if kwargs.get(name) is not None:
-            return _dense(trace, func, args, kwargs)
+    prepend, append = (_argument(args, kwargs, 3 + k, name, None) for k, name in enumerate(("prepend", "append")))
+    if prepend is not None or append is not None:  # (as numpy: a number spans the other axes)
+        edge = tuple(1 if d == axis else s for d, s in enumerate(a.shape))
+        before, after = (e if e is None or np.ndim(e) else np.broadcast_to(e, edge) for e in (prepend, append))
+        a = np.concatenate([e for e in (before, a, after) if e is not None], axis)
     for _ in range(order):
         upper = [slice(None)] * a.ndim
         lower = [slice(None)] * a.ndim
