@@ -708,3 +708,25 @@ def test_diff_reads_prepend_and_append_given_by_position() -> None:
     for case, f in cases.items():
         pattern = sparse.jacobian_pattern(f, x, detector=detector)
         assert (pattern.toarray() == (_dense_jacobian(f, x) != 0)).all(), case
+
+
+def test_torch_unknown_operations_on_operands_of_different_sizes_are_dense() -> None:
+    """An operation without a rule whose traced operands differ in size (solve's matrix and
+    vector, index_add's target and updates) crashed detection with scipy's ValueError: each
+    output now depends on everything its operands depend on."""
+    index = torch.tensor([0, 1, 1, 0])
+    cases = {
+        "solve": lambda t: torch.linalg.solve(t[:4].reshape(2, 2), t[4:]),
+        "index_add": lambda t: t[:2].index_add(0, index, t[2:] ** 2),
+        "index_copy": lambda t: t[:4].index_copy(0, torch.tensor([2, 0]), t[4:]),
+        "cdist": lambda t: torch.cdist(t[:4].reshape(2, 2), t[4:].reshape(1, 2)).ravel(),
+    }
+    x = torch.tensor([2.0, 0.5, 0.3, 3.0, 1.0, -1.0], dtype=torch.float64)
+    for name, f in cases.items():
+        dense = di.jacobian(f, "torch", x).reshape(-1, 6).numpy()
+        assert not _missing(sparse.jacobian_pattern(f, x), dense), name
+    for name in ("solve", "index_add"):
+        sparse_jacobian = di.jacobian(cases[name], di.AutoSparse("torch"), x).to_dense()
+        torch.testing.assert_close(sparse_jacobian, di.jacobian(cases[name], "torch", x), msg=name)
+    g = lambda t: cases["solve"](t).sum() ** 2  # noqa: E731
+    torch.testing.assert_close(di.hessian(g, di.AutoSparse("torch"), x).to_dense(), di.hessian(g, "torch", x))

@@ -408,7 +408,7 @@ def _tracer_class() -> Any:
             """Tensors beside other results (sizes, None): each tensor dense in the operands."""
             torch = _torch()
             interpreter = self.interpreter
-            every = sets.union([r for r in interpreter.operand_rows(node) if not isinstance(r, list)])
+            every = interpreter.everything(node)
             interpreter.notes.append(f"{_qualified(node.target)} is not known to the torch detector: dense")
             if interpreter.pairs is not None:
                 interpreter.pairs.add_all(sets.all_of(every, 1))
@@ -638,8 +638,7 @@ class _Interpreter:
             else:
                 rows = self.dense(node, name, sets.size(first))
             return [rows if _is_float_meta(m) else None for m in metas]
-        operands = self.operand_rows(node)
-        every = sets.union(operands)
+        every = self.everything(node)
         if self.pairs is not None:
             self.pairs.add_all(sets.all_of(every, 1))
         self.notes.append(f"{_qualified(node.target)} is not known to the torch detector: dense")
@@ -650,8 +649,16 @@ class _Interpreter:
     def operand_rows(self, node: Any) -> list[Any]:
         return [self.rows.get(a) for a in _nodes(node.args) + _nodes(node.kwargs)]
 
+    def everything(self, node: Any) -> Any:
+        """One row: every input that any element of any operand of ``node`` depends on (operands
+        of different sizes, a list of tensors' each)."""
+        rows: list[Any] = []
+        for r in self.operand_rows(node):
+            rows.extend(r if isinstance(r, list) else [r])
+        return sets.union([sets.all_of(r, 1) for r in rows])
+
     def dense(self, node: Any, name: str, size: int) -> Any:
-        every = sets.union([r for r in self.operand_rows(node) if not isinstance(r, list)])
+        every = self.everything(node)
         self.notes.append(f"{_qualified(node.target)} is not known to the torch detector: dense")
         out = sets.all_of(every, size)
         if self.pairs is not None:
