@@ -730,3 +730,15 @@ def test_torch_unknown_operations_on_operands_of_different_sizes_are_dense() -> 
         torch.testing.assert_close(sparse_jacobian, di.jacobian(cases[name], "torch", x), msg=name)
     g = lambda t: cases["solve"](t).sum() ** 2  # noqa: E731
     torch.testing.assert_close(di.hessian(g, di.AutoSparse("torch"), x).to_dense(), di.hessian(g, "torch", x))
+
+
+def test_a_jax_array_in_a_constant_is_abstract_for_the_numpy_tracer() -> None:
+    """The numpy tracer made only numpy arrays abstract: a jax matrix's zeros set the pattern,
+    and the pattern was kept for the next call with another matrix of the same shape."""
+    jnp = pytest.importorskip("jax.numpy")
+    x = np.linspace(1.0, 2.0, 4, dtype=np.float32)
+    f = lambda v, a: a @ v  # noqa: E731
+    backend = di.AutoSparse("finite_differences")
+    di.jacobian(f, backend, x, di.Constant(jnp.eye(4, dtype=jnp.float32)))
+    full = jnp.ones((4, 4), dtype=jnp.float32)
+    np.testing.assert_allclose(di.jacobian(f, backend, x, di.Constant(full)).toarray(), np.ones((4, 4)), rtol=1e-3)

@@ -1000,14 +1000,8 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
         )
         traced.append(IndexSetArray(trace, _arrays.shape(leaf), rows, np.dtype(_arrays.dtype_name(leaf))))
         offset += size
-    # the contexts' arrays are abstract: the pattern holds for every value they take
     context_leaves, context_spec = tree.flatten(values)
-    abstract = [
-        IndexSetArray(trace, leaf.shape, None, leaf.dtype)
-        if isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype.kind in "fciub"  # (a numpy scalar too)
-        else leaf
-        for leaf in context_leaves
-    ]
+    abstract = [_abstract(trace, leaf) for leaf in context_leaves]
     values = optree.tree_unflatten(context_spec, abstract)  # type: ignore[assignment]
     outer, _ACTIVE.trace = getattr(_ACTIVE, "trace", None), trace
     try:
@@ -1032,6 +1026,20 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
     else:
         pattern = sets.canonical(sp.vstack(blocks, format="csr")) if blocks else sets.empty(0, n)
     return Detection(pattern, tuple(dict.fromkeys(trace.notes)))
+
+
+def _abstract(trace: _Trace, leaf: Any) -> Any:
+    """A context's array leaf of any framework (a numpy scalar too) as an array without values,
+    so that the pattern holds for every value it takes: a jax array's or a tensor's zeros are no
+    more structural than a numpy array's."""
+    if not (_arrays.is_array(leaf) or isinstance(leaf, np.generic)):
+        return leaf
+    name = _arrays.dtype_name(leaf)
+    try:
+        dtype = np.dtype(np.float64 if name == "bfloat16" else name)  # (numpy has no bfloat16 of its own)
+    except TypeError:  # (not a number: a jax key, passed as it is)
+        return leaf
+    return IndexSetArray(trace, _arrays.shape(leaf), None, dtype) if dtype.kind in "fciub" else leaf
 
 
 def _block(leaf: Any, n: int) -> Any:
