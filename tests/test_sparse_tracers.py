@@ -742,3 +742,42 @@ def test_a_jax_array_in_a_constant_is_abstract_for_the_numpy_tracer() -> None:
     di.jacobian(f, backend, x, di.Constant(jnp.eye(4, dtype=jnp.float32)))
     full = jnp.ones((4, 4), dtype=jnp.float32)
     np.testing.assert_allclose(di.jacobian(f, backend, x, di.Constant(full)).toarray(), np.ones((4, 4)), rtol=1e-3)
+
+
+def _catches_a_refusal(x: Any) -> Any:
+    try:
+        big = bool(x[0] > 0)
+    except Exception:
+        big = False
+    return x * x[1] if big else x * 2.0
+
+
+def _catches_a_type_error(x: Any) -> Any:
+    try:
+        big = bool(x[0] > 0)
+    except TypeError:  # (jax's tracers raise TypeErrors: the numpy tracer's refusal is none)
+        big = False
+    return x * x[1] if big else x * 2.0
+
+
+@pytest.mark.parametrize(
+    "f",
+    [_catches_a_refusal, _catches_a_type_error, lambda x: np.take(x, np.argsort(x)) * 2.0],
+    ids=["caught", "caught-by-the-retry", "take-computed-indices"],
+)
+def test_a_numpy_refusal_is_not_read_again_by_jax(f: Callable[[Any], Any]) -> None:
+    """After the numpy tracer refused f for a value, the default detector read f again with jax:
+    f's except branch then ran silently (a diagonal pattern where x[1] scales every output), or
+    jax's own NotImplementedError escaped raw. The refusal stands."""
+    pytest.importorskip("jax")
+    with pytest.raises(di.UnsupportedOperationError, match="GlobalDetector could not read"):
+        sparse.jacobian_pattern(f, np.array([1.0, 2.0, 3.0]))
+
+
+def test_jax_numpy_code_on_numpy_x_is_still_read_by_jax() -> None:
+    jnp = pytest.importorskip("jax.numpy")
+    x = np.array([1.0, 2.0, 3.0])
+    for f in (lambda v: jnp.sin(v) * v[::-1], lambda v: jnp.asarray(v) * v[::-1]):
+        found = sparse.detect(f, x, (), sparse.GlobalDetector(), "finite_differences", False)
+        assert found.tracer == "jax"
+        assert (found.pattern.toarray() == (np.eye(3) + np.eye(3)[::-1]).astype(bool)).all()

@@ -68,8 +68,9 @@ class GlobalDetector:
       for numpy- and autograd.numpy-written f.
     - ``"auto"`` (the default): torch when x holds torch tensors or the backend is torch's; jax
       when x holds jax arrays or the backend is jax's; numpy otherwise (autograd, finite
-      differences, scipy on numpy x), then jax where the numpy tracer cannot follow f (a
-      function written with jax.numpy).
+      differences, scipy on numpy x), then jax where f hands the numpy tracer's arrays to
+      functions that fail on them or convert them (a function written with jax.numpy) and
+      catches none of its refusals; a refusal for a value, or one f caught, stands.
 
     The torch and numpy tracers find a Hessian pattern with one more accumulator: each nonlinear
     operation adds the pairs of inputs its second derivative couples.
@@ -335,21 +336,16 @@ def _global(
     fallback = _host_fallback() if detector.tracer == "auto" else None
     try:
         found = module.trace_pattern(f, x, values, hessian)
-    except UnsupportedOperationError as error:  # a refusal: what f does depends on x's values
-        if fallback is None or module.writes_in_place(error):  # (numpy's writes: no other tracer's)
-            raise
-        try:  # a function written with another framework's array API (jax.numpy) on numpy x
-            return _with(fallback, f, x, values, hessian)
-        except UnsupportedOperationError:
-            raise error from None
-    except module.TracerFailure as failure:
-        if fallback is not None:
+    except (UnsupportedOperationError, module.TracerFailure) as error:
+        if fallback is not None and module.another_tracer_may_follow(error):
             try:  # a function written with another framework's array API (jax.numpy) on numpy x
                 return _with(fallback, f, x, values, hessian)
-            except Exception:  # that one cannot follow it either; f's own errors surface below
+            except Exception:  # that one cannot follow it either: the host tracer's verdict stands
                 pass
+        if isinstance(error, UnsupportedOperationError):  # a refusal: what f does depends on x's values
+            raise
         # conservative: dense, correct for every f (f runs once on x to count its outputs)
-        found = module.dense_pattern(f, x, values, hessian, str(failure))
+        found = module.dense_pattern(f, x, values, hessian, str(error))
     return Detection(found.pattern, tracer, found.notes)
 
 

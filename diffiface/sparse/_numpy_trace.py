@@ -27,7 +27,7 @@ import numpy as np
 import numpy.lib.mixins
 
 from .. import _arrays, tree
-from .._errors import UnsupportedOperationError
+from .._errors import InvalidOutputError, UnsupportedOperationError
 from .._families import autograd as _autograd
 from . import _index_sets as sets
 from ._graphs import Traced as Detection
@@ -40,12 +40,17 @@ _ACTIVE = threading.local()
 
 
 class _Raised(Exception):
+    caught = False
+    """Whether f caught one of the tracer's exceptions (this one, or a refusal before it) and went on."""
+
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         # kept where f catches it: the branch f takes instead is not what f does at x
         trace = getattr(_ACTIVE, "trace", None)
         if trace is not None and trace.raised is None:
             trace.raised = self
+        if trace is not None and trace.refused is None and isinstance(self, TracerRefusal):
+            trace.refused = self
 
 
 class TracerRefusal(_Raised):
@@ -57,10 +62,20 @@ class _Writes(TracerRefusal):
     tracer's semantics (jax's copies) would follow it either."""
 
 
-def writes_in_place(error: BaseException) -> bool:
-    """Whether the tracer refused f for a write in place (numpy's semantics, which another
-    tracer reading f as jax.numpy code would not keep: jax's arrays are copied)."""
-    return isinstance(error.__cause__, _Writes)
+class _Converts(TracerRefusal, TypeError):
+    """f turns an array of the tracer into a plain array: jax.numpy's functions do, so jax may
+    read f instead. A TypeError, as jax's own for its tracers: an ``except TypeError`` in f
+    that would catch jax's catches this one, and so counts as caught."""
+
+
+def another_tracer_may_follow(error: BaseException) -> bool:
+    """Whether another tracer may read f after this one stopped with ``error``: only where f
+    handed x's arrays to another library (whose functions convert them, or fail on them: a
+    :class:`TracerFailure`) and caught none of the tracer's refusals. A refusal for a value or a
+    write stands, as does anything f caught: another tracer's exceptions could send f down a
+    branch (its ``except``) that is not what f does at x."""
+    stopped = error if isinstance(error, TracerFailure) else error.__cause__
+    return isinstance(stopped, (_Converts, TracerFailure)) and not stopped.caught
 
 
 class TracerFailure(_Raised):
@@ -78,7 +93,8 @@ class _Trace:
         self.n = n
         self.pairs = sets.Pairs(n) if hessian else None
         self.notes: list[str] = []
-        self.raised: Exception | None = None
+        self.raised: _Raised | None = None
+        self.refused: TracerRefusal | None = None
 
 
 _LINEAR_UFUNCS = {"add", "subtract", "negative", "positive", "conjugate", "real"}
@@ -168,7 +184,7 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
         raise self._refuse("reads Python numbers (.tolist()) from the values")
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        raise TracerRefusal(
+        raise _Converts(
             "f turns an array computed from x into a plain numpy array (np.array(...), np.asarray(...), "
             "writing it into an array made with np.zeros(...) or np.empty(...)), which drops what it depends "
             "on; make such arrays with np.zeros_like(x) (or concatenate the pieces) instead"
@@ -1008,20 +1024,24 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
         with _autograd_arrays():
             out = f(optree.tree_unflatten(spec, traced), *values)
         if trace.raised is not None:
+            trace.raised.caught = True
             raise trace.raised
         blocks = [_block(leaf, n) for leaf in tree.leaves(out)]
     except TracerRefusal as error:
+        error.caught |= trace.refused is not error
         raise UnsupportedOperationError(_refusal(str(error))) from error
-    except TracerFailure:
+    except TracerFailure as error:
+        error.caught |= trace.refused is not None
         raise
     except Exception as error:  # the tracer's own failure (or f's: running f on x tells which)
         message = str(error).splitlines()[0][:200] if str(error) else ""
-        raise TracerFailure(f"{type(error).__name__}: {message}") from error
+        failure = TracerFailure(f"{type(error).__name__}: {message}")
+        failure.caught = trace.refused is not None
+        raise failure from error
     finally:
         _ACTIVE.trace = outer
     if trace.pairs is not None:
-        if sum(b.shape[0] for b in blocks) != 1:
-            raise UnsupportedOperationError(_refusal("a Hessian pattern needs f to return one number"))
+        _check_scalar(sum(b.shape[0] for b in blocks))
         pattern = trace.pairs.pattern()
     else:
         pattern = sets.canonical(sp.vstack(blocks, format="csr")) if blocks else sets.empty(0, n)
@@ -1040,6 +1060,11 @@ def _abstract(trace: _Trace, leaf: Any) -> Any:
     except TypeError:  # (not a number: a jax key, passed as it is)
         return leaf
     return IndexSetArray(trace, _arrays.shape(leaf), None, dtype) if dtype.kind in "fciub" else leaf
+
+
+def _check_scalar(count: int) -> None:
+    if count != 1:
+        raise InvalidOutputError(f"A Hessian needs f to return one scalar; f returns {count} numbers.")
 
 
 def _block(leaf: Any, n: int) -> Any:
@@ -1062,8 +1087,8 @@ def dense_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
     n = sum(int(np.prod(_arrays.shape(leaf), dtype=np.int64)) for leaf in tree.leaves(x))
     out = f(tree.map(lambda leaf: leaf.copy() if isinstance(leaf, np.ndarray) else leaf, x), *values)
     m = sum(int(np.size(leaf)) for leaf in tree.leaves(out))
-    if hessian and m != 1:
-        raise UnsupportedOperationError(_refusal("a Hessian pattern needs f to return one number"))
+    if hessian:
+        _check_scalar(m)
     rows = n if hessian else m
     if rows * n > DENSE_LIMIT:
         raise UnsupportedOperationError(
