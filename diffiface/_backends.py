@@ -271,7 +271,8 @@ class AutoFiniteDifferences(Backend):
         The absolute step used for every coordinate. By default each coordinate gets its own,
         ``eps**p * max(1, |x_i|)`` with ``eps`` the machine epsilon of the input's dtype and
         ``p`` the power that balances truncation against rounding for the method
-        (1/3 central, 1/2 forward and backward, 1/4 for second derivatives).
+        (1/3 central, 1/2 forward and backward, 1/4 for second derivatives); a jvp or hvp
+        takes one step along the tangent, the largest that moves no input further than its own.
         A fixed step that rounds to nothing (``x_i + step == x_i`` in x's dtype) is refused
         when the operator is called, with the smallest step that would move x.
     vectorize:

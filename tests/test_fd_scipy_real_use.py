@@ -471,3 +471,43 @@ def test_a_constant_module_written_by_f_is_put_back_and_refused(backend: str) ->
     model.eval()
     got = di.gradient(loss, backend, x, di.Constant(model), di.Constant(batch))
     torch.testing.assert_close(got, model(batch).sum(0).detach(), rtol=1e-5, atol=1e-6)
+
+
+# -- steps along a tangent on inputs of mixed scales ------------------------------------------
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_fd_jvp_step_follows_the_inputs_the_tangent_moves(method: str) -> None:
+    """A large input the tangent does not move leaves the step along the others their own size."""
+    backend = di.AutoFiniteDifferences(method=method)
+    x, t = np.array([1e8, 0.5]), np.array([0.0, 1.0])
+    tolerance = 1e-9 if method in ("central", "complex") else 1e-6
+    assert di.jvp(lambda x: np.sin(x[1]), backend, x, t) == pytest.approx(np.cos(0.5), abs=tolerance)
+
+
+def test_fd_jvp_of_a_pytree_with_a_large_leaf() -> None:
+    params = {"w": np.array([0.3, -1.2]), "n": 5e5}
+    tangent = {"w": np.ones(2), "n": 0.0}
+
+    def loss(p: Any) -> Any:
+        return np.tanh(3 * p["w"]).sum() + 1e-6 * p["n"]
+
+    expected = (3 / np.cosh(3 * params["w"]) ** 2).sum()
+    assert di.jvp(loss, "finite_differences", params, tangent) == pytest.approx(expected, rel=1e-8)
+
+
+def test_fd_jvp_step_is_small_on_each_moved_input() -> None:
+    """Both inputs moved, one large: the step is bounded by the small one's scale."""
+    x, t = np.array([1e8, 0.5]), np.array([1e-8, 1.0])
+    expected = np.cos(1e8) * 1e-8 + np.cos(0.5)
+    got = di.jvp(lambda x: np.sin(x[0]) + np.sin(x[1]), "finite_differences", x, t)
+    assert got == pytest.approx(expected, rel=1e-8)
+
+
+@pytest.mark.parametrize(
+    "backend", ["finite_differences", di.SecondOrder(di.AutoFiniteDifferences(), di.AutoFiniteDifferences())]
+)
+def test_fd_hvp_step_follows_the_inputs_the_tangent_moves(backend: Any) -> None:
+    x, t = np.array([1e8, 0.5]), np.array([0.0, 1.0])
+    got = di.hvp(lambda x: np.sin(x[1]), backend, x, t)
+    np.testing.assert_allclose(got, [0.0, -np.sin(0.5)], atol=1e-5)

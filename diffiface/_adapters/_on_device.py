@@ -3,7 +3,8 @@ committed to one other than the default): every perturbed point is made on x's d
 x's sharding, and the differences are taken there; nothing goes through the host.
 
 The steps are those of the numpy path: ``eps**p * max(1, |x_i|)`` per coordinate for a gradient
-(rounded so that ``x_i + h`` is exact), ``eps**p * max(1, max|x|) / max|t|`` along a tangent.
+(rounded so that ``x_i + h`` is exact), and along a tangent ``t`` the largest ``s`` with
+``s |t_i| <= eps**p * max(1, |x_i|)`` on every input that ``t`` moves.
 The arithmetic runs in small compiled programs (jax's eager arithmetic would send Python
 constants from the host); a coordinate's index goes to the devices explicitly, a few bytes.
 Only the first-order operators of a scalar ``f`` (gradient) and of any ``f`` along a tangent
@@ -71,11 +72,17 @@ def _programs() -> Any:
 
     @functools.partial(jax.jit, static_argnums=2)
     def tangent_step(xs: Any, ts: Any, power: float) -> Any:
-        eps = max(float(jnp.finfo(x.dtype).eps) for x in xs)
-        size = jnp.max(jnp.stack([jnp.max(jnp.abs(x)).astype(jnp.float32) for x in xs if x.size] or [jnp.zeros(())]))
-        scale = jnp.max(jnp.stack([jnp.max(jnp.abs(t)).astype(jnp.float32) for t in ts if t.size] or [jnp.zeros(())]))
-        h = eps**power * jnp.maximum(1, size) / jnp.where(scale == 0, 1, scale)
-        return h, scale == 0
+        # the numpy path's rule: s |t_i| <= eps**p * max(1, |x_i|) on every input t moves
+        dtype = jnp.promote_types(jnp.result_type(*xs, *ts), jnp.float32)
+        pairs = [(x, t) for x, t in zip(xs, ts, strict=True) if x.size]
+        eps = [jnp.where(jnp.any(t != 0), jnp.finfo(x.dtype).eps, 0).astype(dtype) for x, t in pairs]
+        ratio = [
+            jnp.max(jnp.abs(t).astype(dtype) / jnp.where(jnp.isfinite(x), jnp.maximum(1, jnp.abs(x)), 1).astype(dtype))
+            for x, t in pairs
+        ]
+        largest = jnp.max(jnp.stack(ratio or [jnp.zeros((), dtype)]))
+        h = jnp.max(jnp.stack(eps or [jnp.zeros((), dtype)])) ** power / jnp.where(largest == 0, 1, largest)
+        return h, largest == 0
 
     @functools.partial(jax.jit, static_argnums=(3, 4))
     def along(x: Any, t: Any, h: Any, sign: int, layout: Any) -> Any:

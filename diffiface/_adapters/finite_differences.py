@@ -8,6 +8,8 @@ before ``f`` is called, so a function written for any framework can be different
 Steps, per coordinate, balance truncation against rounding: ``eps**p * max(1, |x_i|)`` with
 ``eps`` the machine epsilon of the leaf's dtype and ``p = 1/3`` (central), ``1/2`` (forward,
 backward), ``1/4`` (second differences); each step is rounded so that ``x_i + h`` is exact.
+A difference along a tangent ``v`` (jvp, hvp) takes one step ``s``, the largest that moves no
+input ``x_i`` further than its own step (``s |v_i| <= eps**p * max(1, |x_i|)``).
 
 ``f`` must only read what it is handed. numpy points and numpy Constants reach it read-only
 (a write raises numpy's "read-only" ValueError, turned into :class:`MutationError`); torch
@@ -307,8 +309,8 @@ class Adapter(BlackBoxAdapter):
     def _sharded_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
         """``J @ t`` of an f of DTensors by one difference along ``t``, computed collectively on
         every rank: the points ``x ± h t`` are DTensor arithmetic on each rank's own slices, and
-        the only numbers brought together are scalars (the largest ``|x_i|`` and ``|t_i|``, for
-        the step). f's outputs stay as f returned them (DTensors: on their mesh, as placed)."""
+        the only numbers brought together are scalars (the largest ``|t_i|`` and
+        ``|t_i| / max(1, |x_i|)`` of each leaf, for the step). f's outputs stay as f returned them (DTensors: on their mesh, as placed)."""
         torch = sys.modules["torch"]
         if any(_arrays.kind(x) == "torch" and _traced_by_torch(x) for x in xs):
             raise _inside_torch()
@@ -323,7 +325,8 @@ class Adapter(BlackBoxAdapter):
                 "or any other, torch redistributes), and a plain tensor's a plain tensor: make it with "
                 "torch.distributed.tensor.distribute_tensor(t, x.device_mesh, x.placements)."
             )
-        scale_t = max((_largest(t) for t in txs), default=0.0)
+        largest_t = [_largest(t) for t in txs]
+        scale_t = max(largest_t, default=0.0)
         if not math.isfinite(scale_t):
             raise InvalidInputError(
                 "A tangent of a DTensor x holds inf or NaN: one finite difference along it cannot give "
@@ -337,12 +340,13 @@ class Adapter(BlackBoxAdapter):
             out = _base.force(evaluated.force()[0])
             zeros = tuple(torch.zeros_like(y) for y in _leaves_of(out))
             return out, evaluated.force()[1], zeros if isinstance(out, tuple) else zeros[0]
-        eps = max(float(torch.finfo(x.dtype).eps) for x in xs)
         if self.fixed_step is not None:
             h = self.fixed_step / scale_t
-        else:
-            scale_x = max([1.0, *(_largest(x) for x in xs)])
-            h = eps ** _POWER[self.method] * scale_x / scale_t
+        else:  # the rule of _step_along, on each rank's slices
+            moved = [(x, t) for x, t, largest in zip(xs, txs, largest_t, strict=True) if largest > 0]
+            eps = max(float(torch.finfo(x.dtype).eps) for x, _ in moved)
+            ratio = max(_largest(t / x.detach().abs().nan_to_num(1.0, 1.0).clamp(min=1.0)) for x, t in moved)
+            h = eps ** _POWER[self.method] / ratio
 
         def at(sign: float) -> Any:
             return run_f(fn, tuple(x + (sign * h) * t for x, t in zip(xs, txs, strict=True)), name)[0]
@@ -370,9 +374,7 @@ class Adapter(BlackBoxAdapter):
         if self.fixed_step is not None:
             h = self.fixed_step / scale
         else:
-            power = 2.0 if self.method == "complex" else _POWER[self.method]
-            eps = float(np.max(point.eps)) if point.size else np.finfo(np.float64).eps
-            h = eps**power * max(1.0, float(np.max(np.abs(point.vector)))) / scale
+            h = _step_along(point, direction, 2.0 if self.method == "complex" else _POWER[self.method])
         if self.fixed_step is not None:
             if self.method == "complex":
                 point.check_complex_step(self.backend, h * scale)
@@ -433,8 +435,7 @@ class Adapter(BlackBoxAdapter):
         if not scale:
             return hv
         x = point.vector
-        eps = float(np.max(point.eps))
-        t = (self.fixed_step or eps**0.25 * max(1.0, float(np.max(np.abs(x))))) / scale
+        t = self.fixed_step / scale if self.fixed_step is not None else _step_along(point, v, 1 / 4)
         h = self._steps(point, 1 / 4)
         if self.fixed_step is not None:
             point.check_step(self.backend, point._exact(t * v), v != 0)
@@ -460,3 +461,16 @@ class Adapter(BlackBoxAdapter):
             else f0 * 0
         )
         return out, aux, derivs, _split_out(second, layout)
+
+
+def _step_along(point: _Point, direction: np.ndarray, power: float) -> float:
+    """The step ``s`` of a difference along a non-zero ``direction`` ``v``: the largest with
+    ``s |v_i| <= eps**p * max(1, |x_i|)`` on every input that ``v`` moves, the per-coordinate
+    step of a gradient. So no input moves further than its own step, however large another
+    input is; ``eps`` is that of the coarsest dtype among the inputs moved (their rounding
+    bounds the step from below), and a non-finite ``x_i`` counts as 1."""
+    moved = direction != 0
+    x = point.vector[moved]
+    scale = np.where(np.isfinite(x), np.maximum(1.0, np.abs(x)), 1.0)
+    eps = float(np.max(point.eps[moved]))
+    return float(eps**power / np.max(np.abs(direction[moved]) / scale))

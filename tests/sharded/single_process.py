@@ -220,6 +220,12 @@ def run_device_three() -> None:
             reference = {"gradient": np.cos, "jvp": np.cos, "vjp": np.cos}.get(name)
             if reference is not None:
                 check(label, np.allclose(np.asarray(result), np.cos(np.asarray(x)), rtol=1e-3, atol=1e-4), "values")
+    # a large input the tangent does not move leaves the step along the other small
+    with jax.enable_x64(True):
+        x = jax.device_put(jnp.array([1e8, 0.5]), dev)
+        t = jax.device_put(jnp.array([0.0, 1.0]), dev)
+    mixed = di.jvp(lambda v: jnp.sin(v[1]), di.AutoFiniteDifferences(), x, t)
+    check("device 3 fd jvp mixed scales", abs(float(mixed) - np.cos(0.5)) < 1e-8, str(mixed))
     # single-device sharding stays a single-device sharding on device 3
     check("device 3 kind", isinstance(x.sharding, SingleDeviceSharding), str(x.sharding))
 

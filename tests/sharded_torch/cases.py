@@ -236,6 +236,22 @@ def finite_differences_jvp_collective(mesh: Any) -> None:
 
 
 @case
+def finite_differences_jvp_mixed_scales(mesh: Any) -> None:
+    """A large leaf that the tangent does not move leaves the step along the others small."""
+    w = torch.linspace(-1, 1, 4, dtype=torch.float64)
+    x = {
+        "w": distribute_tensor(w, mesh, [Shard(0)]),
+        "n": distribute_tensor(torch.full((2,), 1e8, dtype=torch.float64), mesh, [Replicate()]),
+    }
+    t = {
+        "w": distribute_tensor(torch.ones(4, dtype=torch.float64), mesh, [Shard(0)]),
+        "n": distribute_tensor(torch.zeros(2, dtype=torch.float64), mesh, [Replicate()]),
+    }
+    got = di.jvp(lambda p: torch.sin(p["w"]).sum() + 1e-9 * p["n"].sum(), di.AutoFiniteDifferences(), x, t)
+    close(got, torch.cos(w).sum(), 1e-8)
+
+
+@case
 def finite_differences_elementwise_refused(mesh: Any) -> None:
     x, data = sharded_problem(mesh)
     for op in (di.gradient, di.hessian):
