@@ -511,3 +511,48 @@ def test_fd_hvp_step_follows_the_inputs_the_tangent_moves(backend: Any) -> None:
     x, t = np.array([1e8, 0.5]), np.array([0.0, 1.0])
     got = di.hvp(lambda x: np.sin(x[1]), backend, x, t)
     np.testing.assert_allclose(got, [0.0, -np.sin(0.5)], atol=1e-5)
+
+
+# -- the complex step on an f that is not analytic ---------------------------------------------
+
+
+def _real_of_abs(x: Any) -> Any:
+    return np.sum(np.abs(x) ** 2)
+
+
+def _real_part(x: Any) -> Any:
+    return np.sum(x.real**2)
+
+
+@pytest.mark.parametrize("f", [_real_of_abs, _real_part], ids=["abs", "real"])
+@pytest.mark.parametrize("vectorize", [False, True], ids=["pointwise", "vectorized"])
+@pytest.mark.parametrize("operator", ["gradient", "jvp", "jacobian"])
+def test_complex_step_refuses_a_real_output(f: Callable[[Any], Any], vectorize: bool, operator: str) -> None:
+    """A real output at a complex point carries no imaginary part: refused, never f(x) / h."""
+    backend = di.AutoFiniteDifferences(method="complex", vectorize=vectorize)
+    if vectorize:
+        f = {_real_of_abs: lambda x: np.sum(np.abs(x) ** 2, axis=-1), _real_part: lambda x: np.sum(x.real**2, axis=-1)}[
+            f
+        ]
+    x = np.array([1.0, 2.0])
+    call = {
+        "gradient": lambda: di.gradient(f, backend, x),
+        "jvp": lambda: di.jvp(f, backend, x, np.ones(2)),
+        "jacobian": lambda: di.jacobian(f, backend, x),
+    }[operator]
+    with pytest.raises(di.InvalidBackendOptionError, match=r"not analytic.*method='central'"):
+        call()
+
+
+def test_complex_step_names_the_real_output_leaf() -> None:
+    backend = di.AutoFiniteDifferences(method="complex")
+    with pytest.raises(di.InvalidBackendOptionError, match=r"output leaf 1 \(float64, shape \(2,\)\)"):
+        di.jacobian(lambda x: (np.sin(x), np.abs(x)), backend, np.array([1.0, 2.0]))
+
+
+def test_complex_step_of_an_analytic_f_is_still_exact() -> None:
+    got = di.gradient(
+        lambda x: np.sum(np.sqrt(x * x) * np.sin(x)), di.AutoFiniteDifferences(method="complex"), np.array([1.0, 2.0])
+    )
+    x = np.array([1.0, 2.0])
+    np.testing.assert_allclose(got, np.sin(x) + x * np.cos(x), rtol=1e-14)

@@ -34,6 +34,7 @@ import numpy as np
 
 from .. import _arrays
 from .._errors import (
+    InvalidBackendOptionError,
     InvalidInputError,
     InvalidOutputError,
     UnsupportedOperationError,
@@ -118,6 +119,8 @@ class Adapter(BlackBoxAdapter):
         flat, found = _flatten_out(out)
         if layout is not None:
             _fit(layout, found)
+        if np.iscomplexobj(vector):
+            _refuse_real(self.backend, [np.asarray(_arrays.to_numpy(y)) for y in _leaves_of(out)])
         if np.iscomplexobj(flat):
             return flat.imag if np.iscomplexobj(vector) else flat.real
         return flat.astype(np.float64)
@@ -231,6 +234,8 @@ class Adapter(BlackBoxAdapter):
             _fit(layout, found)
         else:
             layout.extend(found)
+        if np.iscomplexobj(points):
+            _refuse_real(self.backend, arrays)
         flat = np.concatenate([a.reshape(k, -1) for a in arrays], axis=1) if arrays else np.zeros((k, 0))
         if np.iscomplexobj(flat):
             return flat.imag if np.iscomplexobj(points) else flat.real
@@ -474,3 +479,17 @@ def _step_along(point: _Point, direction: np.ndarray, power: float) -> float:
     scale = np.where(np.isfinite(x), np.maximum(1.0, np.abs(x)), 1.0)
     eps = float(np.max(point.eps[moved]))
     return float(eps**power / np.max(np.abs(direction[moved]) / scale))
+
+
+def _refuse_real(backend: Any, outputs: list[np.ndarray]) -> None:
+    """Refuse a real output of f at a complex-step point: its imaginary part, the complex step's
+    derivative, is lost (f took abs, .real or a real cast, so is not analytic)."""
+    for i, y in enumerate(outputs):
+        if y.size and not np.iscomplexobj(y):
+            where = f"output leaf {i} ({y.dtype}, shape {y.shape})" if len(outputs) > 1 else f"its output ({y.dtype})"
+            raise InvalidBackendOptionError(
+                f"{type(backend).__name__}(method='complex') called f at complex points x + ih and f returned "
+                f"a real number in {where}: f is not analytic there (it takes abs, .real, casts to a real "
+                "dtype, or returns a constant made without x), so the imaginary part that carries the derivative "
+                "is lost and the complex step cannot differentiate f. Use central differences (AutoFiniteDifferences(method='central'), the default)."
+            )
