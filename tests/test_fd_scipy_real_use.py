@@ -556,3 +556,20 @@ def test_complex_step_of_an_analytic_f_is_still_exact() -> None:
     )
     x = np.array([1.0, 2.0])
     np.testing.assert_allclose(got, np.sin(x) + x * np.cos(x), rtol=1e-14)
+
+
+# -- scipy promotes float32 numpy inputs, arrays and scalars -----------------------------------
+
+
+@pytest.mark.parametrize("make", [np.float32, lambda v: np.array(v, np.float32)], ids=["scalar", "array"])
+def test_scipy_evaluates_float32_numpy_inputs_in_float64(make: Callable[[float], Any]) -> None:
+    x = make(0.7)
+
+    def f(t: Any) -> Any:
+        return np.sin(t) * t
+
+    second = di.second_derivative(f, "scipy", x)
+    assert np.asarray(second).dtype == np.float32
+    assert float(second) == pytest.approx(2 * np.cos(0.7) - 0.7 * np.sin(0.7), rel=1e-6)
+    hv = di.hvp(f, "scipy", x, make(1.0))
+    assert float(hv) == pytest.approx(2 * np.cos(0.7) - 0.7 * np.sin(0.7), rel=1e-6)

@@ -377,8 +377,9 @@ class _Point:
 
 
 def _promoted(leaf: Any) -> Any:
-    """A float32 numpy leaf as float64 (f then computes in float64); other leaves as they are."""
-    if isinstance(leaf, np.ndarray) and leaf.dtype != np.float64:
+    """A float32 numpy leaf, array or scalar, as float64 (f then computes in float64); other
+    leaves as they are."""
+    if isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype != np.float64:
         return leaf.astype(np.float64)
     return leaf
 

@@ -2,8 +2,8 @@
 
 scipy refines each derivative until its own error estimate meets the tolerances; the
 estimate of the last call, shaped as the result, is read through ``prep.error``. numpy inputs
-in float32 are evaluated in float64 (adaptive steps need its precision; results come back in
-float32). scipy calls
+in float32, arrays and scalars, are evaluated in float64 (adaptive steps need its precision;
+results come back in float32). scipy calls
 ``f`` on batches of points (a trailing axis); diffiface evaluates the user's ``f`` point by
 point, each point as leaves of x's own kinds, so ``f`` needs no vectorising.
 
