@@ -326,7 +326,12 @@ class AutoScipy(Backend):
     """Adaptive finite differences of ``scipy.differentiate`` (``jacobian`` and ``hessian``).
 
     Each call refines the step until the error estimate meets the tolerances; read the
-    estimate of the last call made with a prep through ``prep.error``.
+    estimate of the last call made with a prep through ``prep.error``. An estimate scipy
+    reports as failed (its ``status`` not 0, with an error above the square root of the
+    dtype's epsilon, its fourth root for second derivatives, relative to the result or to f's
+    own scale) or that is not finite where x and f(x) are, and a
+    step along a tangent lost to rounding (``x_i + step == x_i``), raise
+    :class:`~diffiface.InvalidBackendOptionError` naming the entry of x and scipy's status.
 
     Parameters
     ----------

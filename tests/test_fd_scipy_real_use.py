@@ -3,6 +3,8 @@ non-finite values, bad options, outputs that change shape, inputs too large to d
 
 from __future__ import annotations
 
+import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -573,3 +575,41 @@ def test_scipy_evaluates_float32_numpy_inputs_in_float64(make: Callable[[float],
     assert float(second) == pytest.approx(2 * np.cos(0.7) - 0.7 * np.sin(0.7), rel=1e-6)
     hv = di.hvp(f, "scipy", x, make(1.0))
     assert float(hv) == pytest.approx(2 * np.cos(0.7) - 0.7 * np.sin(0.7), rel=1e-6)
+
+
+# -- scipy's own verdict on its estimates ------------------------------------------------------
+
+
+SCIPY_FAILURES = {
+    "no-convergence": (lambda: di.gradient(lambda x: np.sum(np.sin(1e4 * x)), "scipy", np.array([1e-5])), "status -1"),
+    "maxiter": (lambda: di.gradient(lambda x: np.sum(2.0 * x), "scipy", np.array([1e15])), "status -2"),
+    "derivative": (lambda: di.derivative(lambda t: 2.0 * t, "scipy", 1e17), "status -2"),
+    "domain": (lambda: di.gradient(lambda x: np.sum(np.log(x)), "scipy", np.array([0.1])), "status -3"),
+    "hessian": (lambda: di.hessian(lambda x: np.sum(x**2 * x[0]), "scipy", np.array([1e17, 1.0])), "status -"),
+    "jvp-lost": (lambda: di.jvp(lambda x: 2.0 * x, "scipy", np.array([1e17]), np.ones(1)), "lost to rounding"),
+    "hvp-lost": (lambda: di.hvp(lambda x: np.sum(x**2), "scipy", np.array([1e17]), np.ones(1)), "lost to rounding"),
+}
+
+
+@pytest.mark.parametrize("case", SCIPY_FAILURES)
+def test_scipy_failures_are_refused(case: str) -> None:
+    """An estimate scipy itself reports as failed, or a step lost to rounding, is refused with
+    the entry of x and the way out; never returned (95.5 for 9950, 0 for 2)."""
+    call, words = SCIPY_FAILURES[case]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (log of the negative points scipy tries)
+        with pytest.raises(di.InvalidBackendOptionError, match=re.escape(words)) as info:
+            call()
+    assert "initial_step" in str(info.value) and "of x (x_" in str(info.value)
+
+
+def test_scipy_constant_directions_are_still_zero() -> None:
+    """Outputs that do not depend on x have derivative exactly 0 along any tangent."""
+    got = di.jvp(lambda x: (np.sin(x), np.ones(2)), "scipy", np.array([0.3, 0.5]), np.ones(2))
+    np.testing.assert_allclose(got[0], np.cos([0.3, 0.5]), rtol=1e-8)
+    assert np.array_equal(got[1], np.zeros(2))
+
+
+def test_scipy_initial_step_near_the_scale_of_x_succeeds() -> None:
+    got = di.gradient(lambda x: np.sum(2.0 * x), di.AutoScipy(initial_step=1e14), np.array([1e15]))
+    np.testing.assert_allclose(got, [2.0], rtol=1e-8)
