@@ -232,7 +232,13 @@ class Adapter(_base.Adapter):
             out, aux = fn(xs_)
             return out, (out, aux)
 
-        blocks, (out, aux) = transform(with_value, has_aux=True)(xs)
+        try:
+            blocks, (out, aux) = transform(with_value, has_aux=True)(xs)
+        except ValueError:
+            if jax.tree_util.tree_leaves(jax.eval_shape(lambda xs_: fn(xs_)[0], xs)):
+                raise
+            # jax's jacobians refuse an output with no arrays; its rows are none at all
+            return super().value_and_jacobian(fn, xs, mode)
         return out, aux, blocks
 
     def basis(self, like: Any, index: int) -> Any:
