@@ -402,6 +402,20 @@ def test_f_rounding_at_the_scale_of_its_terms_is_measured_not_read_as_a_wrong_gr
             check_gradients(scaled, x, backends=["torch"])
 
 
+def test_a_float32_engines_own_rounding_is_allowed_when_f_takes_a_constant():
+    """sin(c v) / v near v = 0 in float32: its backward pass subtracts two terms of size 1/v, and
+    the engine's own rounding (its float32 gradient against its gradient on float64 copies) is
+    allowed. The float64 copies of the Constants reached the engine unwrapped, an error the
+    allowance swallowed, so a Constant c failed what a closed-over one passed."""
+    torch = pytest.importorskip("torch")
+    b = torch.tensor([1e-3, 2e-3, -3e-3], dtype=torch.float32)
+    closed = check_gradients(lambda v: (torch.sin(v) / v).sum(), b, backends=["torch"])
+    given = check_gradients(
+        lambda v, c: (torch.sin(c * v) / v).sum(), b, di.Constant(torch.tensor(1.0)), backends=["torch"]
+    )
+    assert [row.status for row in closed.rows] == [row.status for row in given.rows] == ["passed"]
+
+
 # -- 5. projected mode -----------------------------------------------------------------------------------
 
 

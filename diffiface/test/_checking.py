@@ -1081,7 +1081,10 @@ class _Check:
         backend = next(b for b in self.chosen if backend_label(b) == label)
         try:
             with _warnings_apart(self._row(label)), _float64_scope():
-                x, contexts = self.truth_flat.tree(self.truth_flat.vector), _copies(self.truth_contexts)
+                x = self.truth_flat.tree(self.truth_flat.vector)
+                contexts = tuple(
+                    type(c)(v) for c, v in zip(self.truth_contexts, _copies(self.truth_contexts), strict=True)
+                )
                 if self.has_aux:
                     _, wide = di.value_and_gradient(self.counted, backend, x, *contexts, has_aux=True)
                 else:
