@@ -679,14 +679,9 @@ def test_forward_mode_through_a_custom_vjp_is_refused_by_name(jit: bool) -> None
 
 
 @pytest.mark.parametrize("empty", [(), {}], ids=["tuple", "dict"])
-def test_jacobian_of_an_output_with_no_arrays_is_empty(
-    request: pytest.FixtureRequest, backend: Any, empty: Any
-) -> None:
+def test_jacobian_of_an_output_with_no_arrays_is_empty(backend: Any, empty: Any) -> None:
     """An f that returns no arrays has an empty Jacobian on every backend (jax's jacrev
-    refused it with its own ValueError)."""
-    if backend == di.AutoTorch(mode="func"):
-        reason = "torch.func.vjp refuses an empty output with its own RuntimeError"
-        request.applymarker(pytest.mark.xfail(raises=RuntimeError, strict=True, reason=reason))
+    refused it with its own ValueError, torch.func's vjp with its RuntimeError)."""
 
     def f(x: Any) -> Any:
         return empty

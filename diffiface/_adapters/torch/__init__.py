@@ -383,6 +383,9 @@ class Adapter(_base.Adapter):
         except _BatchedWrongly:  # the rows one by one, f evaluated again
             return super().value_and_jacobian(fn, xs, mode)
         except RuntimeError as exc:
+            if _EMPTY_OUTPUT in str(exc):  # torch.func.vjp refuses an output with no tensor: no rows
+                out, aux = fn(xs)
+                return out, aux, ()
             # an operation vmap has no rule for (a complex conjugate's view inside an outer
             # transform): the rows one by one, f evaluated again
             if _NO_BATCHING_RULE not in str(exc):
@@ -513,6 +516,8 @@ class Adapter(_base.Adapter):
         return _detached(out, keep), _detached(aux, keep), tuple(derivs), tuple(seconds)
 
 
+_EMPTY_OUTPUT = "non-empty output"
+"""torch.func.vjp's refusal of an f whose output holds no tensor."""
 _NO_BATCHING_RULE = "Batching rule not implemented"
 
 
