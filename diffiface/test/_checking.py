@@ -1530,11 +1530,11 @@ def _kink_within(f0: float, samples: dict[str, float | None], eps: float) -> boo
     """Whether f at ``x +- h`` and ``x +- 2h`` along one input shows a kink within ``2h``: the
     second difference at 2h is 4 times the one at h for a smooth f (to ``h**4`` times its fourth
     derivative), about twice it across a kink, and far above 4 times it with a kink between h
-    and 2h; the mismatch must stand 64 times above f's rounding."""
+    and 2h; the mismatch, f's fourth difference, must stand 64 times above f's rounding."""
     p1, m1, p2, m2 = samples["+1"], samples["-1"], samples["+2"], samples["-2"]
     if p1 is None or m1 is None or p2 is None or m2 is None:
         return False
-    mismatch = abs((p2 + m2 - 2 * f0) - 4 * (p1 + m1 - 2 * f0))
+    mismatch = abs(_fourth_difference(f0, samples))
     return bool(mismatch > 64 * 8 * eps * (abs(f0) + abs(p1) + abs(m1) + abs(p2) + abs(m2)))
 
 
