@@ -27,7 +27,7 @@ from ._contexts import Cache, Constant
 from ._errors import ContextError, DiffifaceError, FrameworkMismatchError, InvalidOutputError
 from ._flatten import structure_flatten, structure_unflatten
 from ._keys import static_key
-from ._plan import Unfit, engine_checked, optree_flatten
+from ._plan import Unfit, optree_flatten
 from ._prep import FunctionRef, Signature
 from ._results import _cast, _padded, _weak_or_dtype, promoted_dtype
 
@@ -466,6 +466,7 @@ class JitProgram:
         finish: Callable[[Any], Any],
         call: Call,
         scoped: bool,
+        program_parts: ProgramParts,
     ) -> None:
         kind = op.parts[0][1]
         like = call.x_leaves[0]
@@ -508,7 +509,11 @@ class JitProgram:
         # in their type, dtype and layout, and need at most rebuilding into the trees of x and of
         # f's output: inside the trace where jax rebuilds x's tree as optree does (``tree``),
         # else after it, by the function written for the structure (``x_rebuild``).
-        own = one and adapter.returns_like(like) and all(map(engine_checked, call.x_leaves))
+        own = (
+            one
+            and all(map(adapter.returns_like, call.x_leaves))
+            and adapter.traces_call(op.compute, call.x_leaves, False)
+        )
         self.x_dtypes = tuple(leaf.dtype for leaf in call.x_leaves)
         self.x_dtype_names = tuple(map(_arrays.dtype_name, call.x_leaves))
         self.tree = sig.x_spec if own and kind == "x" and adapter.rebuilds_in_trace(sig.x_spec, call.x_leaves) else None
@@ -532,7 +537,7 @@ class JitProgram:
         self.program = program
         self.scope = adapter.scope if scoped else None
         self.operator = op.name
-        self.compiled = adapter.compile(self._traced, static=False, arrays=True, layouts=())
+        self.compiled = adapter.compile(self._traced, static=False, arrays=True, layouts=(), parts=program_parts)
         # (what :meth:`run` compares besides, taken from the plan by :meth:`bind`)
         self.function: Any = None
         self.ref: Any = None
@@ -554,13 +559,15 @@ class JitProgram:
         finish: Callable[[Any], Any],
         call: Call,
         scoped: bool,
+        parts: ProgramParts,
     ) -> JitProgram | None:
-        """The program, where each leaf is an array the engine checks itself or a numpy array;
-        else None (the plan's match and a :class:`Run` serve the prep)."""
+        """The program, where the adapter's retracing tier takes the call
+        (:meth:`~diffiface._adapters._base.Adapter.traces_call`); else None (the plan's match and a :class:`Run` serve the prep)."""
         leaves = [*call.x_leaves, *call.tangent_leaves, *_chain(call.context_leaves)]
-        if not call.x_leaves or not all(engine_checked(leaf) or type(leaf) is np.ndarray for leaf in leaves):
+        caches = any(kind is Cache for kind, _, _ in call.signature.contexts)
+        if not call.x_leaves or not adapter.traces_call(op.compute, leaves, caches):
             return None
-        return cls(adapter, program, op, output, mirror, finish, call, scoped)
+        return cls(adapter, program, op, output, mirror, finish, call, scoped, parts)
 
     def bind(self, plan: Any) -> None:
         """Take what :meth:`run` compares from the plan made for this program: f, the backend,

@@ -478,3 +478,35 @@ def test_an_aux_comes_back_as_f_returned_it_or_is_refused_by_name() -> None:
     torch.testing.assert_close(aux[0], x.mean())
     with pytest.raises(di.UnsupportedOperationError, match="structure of f's aux"):
         di.value_and_gradient(lambda v: ((v**2).sum(), {"m": v.mean()}), "torch-compile", x, has_aux=True)
+
+
+def test_a_gradient_of_tensors_is_the_retracing_tier() -> None:
+    """A gradient whose x (here nn.Parameters, as a model's) and contexts are tensors is compiled
+    whole, the route's program with f in one graph (JitProgram, as jax's jit): later calls of the
+    same shapes run that graph alone, compile nothing, give detached results equal to
+    torch-func's, and write nothing; a call with a Cache keeps the operator's own program (a
+    Cache is f's to write, and the whole trace would write into a rebuilt one)."""
+    torch.manual_seed(1)
+    model = torch.nn.Linear(3, 2).double()
+    params = dict(model.named_parameters())
+    before = {name: p.detach().clone() for name, p in params.items()}
+    data = torch.randn(5, 3, dtype=torch.float64)
+
+    def loss(params, data):
+        return torch.sum(torch.tanh(torch.func.functional_call(model, params, (data,))) ** 2)
+
+    prep = di.prepare_gradient(loss, COMPILED, params, di.Constant(data))
+    assert prep.plan.jit is not None
+    di.gradient(loss, COMPILED, params, di.Constant(data), prep=prep)  # (compiles)
+    compiled = graphs()
+    for k in range(3):
+        batch = data * (k + 1)
+        grads = di.gradient(loss, COMPILED, params, di.Constant(batch), prep=prep)
+        expected = di.gradient(loss, "torch-func", params, di.Constant(batch))
+        assert grads.keys() == params.keys()
+        for name in params:
+            assert type(grads[name]) is torch.Tensor and not grads[name].requires_grad
+            torch.testing.assert_close(grads[name], expected[name], rtol=1e-12, atol=1e-12)
+    assert graphs() == compiled
+    assert all(torch.equal(p.detach(), before[name]) for name, p in params.items())
+    assert di.prepare_gradient(lambda x, c: torch.sum(x**2), COMPILED, data, di.Cache({})).plan.jit is None

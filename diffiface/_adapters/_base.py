@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .. import _arrays
 from .._errors import InvalidOutputError
 
 if TYPE_CHECKING:
@@ -141,6 +142,17 @@ class Adapter:
     """True when a compiled program is traced anew for arguments of other shapes or dtypes
     (jax's jit, mlx's mx.compile, tf.function): the program then checks them itself, at no cost
     per call (the retracing engines' tier, :class:`~diffiface._programs.JitProgram`)."""
+
+    def traces_call(self, compute: str, leaves: Sequence[Any], caches: bool) -> bool:
+        """Whether the retracing tier takes a call of ``compute`` on these leaves (x's, the
+        tangent's, the contexts'; ``caches``: a context is a :class:`~diffiface.Cache`): where
+        each is an array the compiled program checks itself (its family says,
+        :meth:`~diffiface._families.Family.jit_checked`) or a numpy array."""
+        for leaf in leaves:
+            family = _arrays.family_of(leaf)
+            if type(leaf) is not np.ndarray and (family is None or not family.jit_checked(leaf)):
+                return False
+        return True
 
     def __init__(self, backend: Backend, info: BackendInfo) -> None:
         self.backend = backend

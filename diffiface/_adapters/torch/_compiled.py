@@ -19,9 +19,9 @@ watched and never written, the caller's modes are restored. Results are detached
 
 What runs on a later call, outside the compiled graph: the guard, and torch.compile's own call
 of the program. That call is torch's run-only call (:class:`_Program`: none of the compiling
-call's work on every call); a gradient call whose contexts are arrays also takes torch's one
-gradient call (:class:`_ClosedGradient`), which closes f and checks its output inside the trace,
-so that no frame of the program's or of the adapter's methods runs.
+call's work on every call). A gradient whose leaves are all tensors is the retracing engines'
+tier instead (:class:`~diffiface._programs.JitProgram`, :class:`_Retraced`): the route's whole
+program compiled as one graph, whose later calls run that graph alone.
 """
 
 from __future__ import annotations
@@ -41,12 +41,11 @@ from torch import func
 from ... import tree as _tree
 from ..._backends import AutoTorch
 from ..._errors import UnsupportedOperationError
+from .._base import NO_PARTS, Blocks, Deferred, Fn, Leaves
 from .._base import Adapter as _BaseAdapter
-from .._base import Blocks, Deferred, Fn, Leaves
 from ._duals import _FORWARD_LOCK, _FORWARD_WARMED, _warm_forward
 from ._engine import _BATCHED_WRONGLY, _for_func, _materialised, _on_one, _tensor_aux, graph_nodes
-from ._fused import _Gradient
-from ._guard import _CALLS, _guard, _transform_level
+from ._guard import _CALLS, _guard, _out_of_graph, _transform_level
 
 __all__ = ["CompiledAdapter"]
 
@@ -67,14 +66,17 @@ class _Programs:
     torch.compile ignores under torch.func (it differentiates the forward's operations: a
     silently wrong derivative), so that the prep runs uncompiled, as ``mode="func"``."""
 
-    __slots__ = ("custom", "found", "lock", "unbatchable", "warm")
+    __slots__ = ("custom", "found", "lock", "reading", "unbatchable", "warm")
 
-    def __init__(self) -> None:
+    def __init__(self, reading: bool = False) -> None:
         self.found: dict[str, _Program] = {}
         self.warm: set[str] = set()
         self.unbatchable: set[str] = set()
         self.custom = False
         self.lock = threading.Lock()
+        self.reading = reading
+        """Whether every call reads f's graph and runs uncompiled (:class:`_Retraced`, which
+        compiles the whole program around the operator's own)."""
 
     def get(self, name: str, template: Callable[..., Any]) -> _Program:
         found = self.found.get(name)
@@ -150,18 +152,6 @@ def _gradient(g: Callable[[Any], Any], has_aux: bool, primal: Any) -> Any:
         return value, aux, grads
     grads, value = func.grad_and_value(g)(primal)
     return value, None, grads
-
-
-def _closed_gradient(
-    close: Callable[..., Any], f: Callable[..., Any], contexts: Any, single: bool, value: bool, primal: Any
-) -> Any:
-    # f closed and its output checked by the program's own ``close``, in the trace: no closure
-    # is made on a call, and the contexts' tensors are arguments of the graph
-    fn = close(f, contexts, primal if single else primal[0])
-    if value:
-        grads, out = func.grad_and_value(lambda p: fn((p,) if single else p)[0])(primal)
-        return out, grads
-    return func.grad(lambda p: fn((p,) if single else p)[0])(primal)
 
 
 def _pushforward(g: Callable[[Any], Any], has_aux: bool, primals: Any, tangents: Any) -> Any:
@@ -339,63 +329,65 @@ def _nested() -> UnsupportedOperationError:
     )
 
 
-class _ClosedGradient(_Gradient):
-    """A gradient call (``value_and_gradient``, no aux, every context leaf an array) in one
-    call: torch's own (:class:`~._fused._Gradient`: the guard's steps, for the common call; any
-    other is ``guarded``'s) around one compiled program that closes f and checks its output with
-    the program's own ``close`` in its trace, and takes x's leaves and the contexts as its
-    arguments: no frame of the program's, nor of the adapter's methods, on a call."""
+class _Retraced:
+    """The retracing tier's compiled function (:class:`~diffiface._programs.JitProgram`):
+    ``traced``, a function of the call's leaves that checks their shapes and dtypes and finishes
+    the result in its trace, compiled whole, with f and the engine's torch.func program traced
+    inside it (while torch.compile traces, the adapter's methods give the uncompiled adapter's
+    work, ``Compiled._program``).
 
-    __slots__ = ("program", "programs")
+    Every compile comes after the guard's steps around ``traced`` run eagerly on the call's
+    leaves: f's output checked by diffiface, f's graph read for what a compiled program gets
+    wrong (a ``torch.autograd.Function``, which keeps the prep uncompiled), and a write refused
+    (undone on a prep's first call), in which case nothing is compiled. A compiled graph is the
+    trace of the f that run watched: it writes where that run wrote, nowhere. So a call that a
+    compiled graph fits, made outside any other differentiation once a call has completed, runs
+    through torch's run-only call with nothing around it (no copy, no version counter: the
+    counters alone cost a sixth of a small gradient's time). Any other call (a prep's first,
+    one whose shapes, closure or modes no compiled graph fits, one inside an outer call) takes
+    the guard's steps, then a compile where the leaves fit the prep (:func:`_called`)."""
 
-    def __init__(self, guarded: Callable[..., Any], fused: Any, parts: Any, programs: _Programs) -> None:
-        super().__init__(guarded, fused, parts, functional=True)
-        self.programs = programs
-        self.program: _Program | None = None  # (set once f has been evaluated eagerly)
+    __slots__ = ("contexts", "guarded", "program", "programs", "ready", "xs")
 
-    def engine(self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves) -> Any:
-        fused = self.fused
+    def __init__(self, traced: Callable[..., Any], parts: Any) -> None:
+        self.program = _Program(traced)
+        self.programs = _Programs(reading=True)
+        self.xs = len(parts.x_names)
+        self.contexts = len(parts.names_dynamic)
+        self.guarded = _guard(self._checked, True, False, parts)
+        self.ready = False  # (a call has completed, and a graph is compiled)
+
+    def __call__(self, *leaves: Any) -> Any:
         program = self.program
-        if program is None:
-            self.evaluated(inputs, f, context_values)
-            program = self.program = self.programs.get("closed gradient", _closed_gradient)
-        single, value = fused.single, fused.value
-        args = (fused.close, f, context_values, single, value, inputs[0] if single else inputs)
         fast = program.fast
-        found: Any = _UNCOMPILED
-        if self.programs.custom or program.uncompiled:  # (f's own rules, or a limit reached: uncompiled)
-            found = program.template(*args)
-        elif fast is not None:
+        if self.ready and fast is not None and not _CALLS.keep:
             try:
-                found = fast(program.template, *args)
-            except _Uncompiled:  # no compiled graph fits: a compile, after f's output is checked again
-                self.evaluated(inputs, f, context_values)
-                if self.programs.custom:  # (f's graph read again holds a torch.autograd.Function)
-                    found = program.template(*args)
-        if found is _UNCOMPILED:
-            found = _called(program, *args)
-        grads = found[1] if value else found
-        grads = (grads,) if single else tuple(grads)
-        for grad in grads:  # (a loop: on every call)
-            if grad.requires_grad:  # (a Constant's tensor requires grad: the compiled graph keeps one)
-                grads = tuple(map(torch.Tensor.detach, grads))
-                break
-        grads = _materialised(grads)
-        if value:
-            out = found[0]
-            return (out.detach() if out.requires_grad else out), grads
-        return (grads,)
+                return fast(program.template, *leaves)
+            except _Uncompiled:  # no compiled graph fits: the guard's steps, then a compile
+                pass
+        xs, contexts = self.xs, len(leaves) - self.contexts
+        eager = self.guarded(leaves[:xs], leaves[xs:contexts], leaves[contexts:], None)
+        if eager is None or self.programs.custom or program.uncompiled or torch.is_inference_mode_enabled():
+            return eager  # (None: the shapes are not the prep's)
+        # compiled on the caller's own leaves, as later calls run it (the guard's copies of an
+        # nn.Parameter are no leaves of their own): f wrote nowhere in the run just watched
+        result = _called(program, *leaves)
+        self.ready = program.fast is not None and not program.uncompiled
+        return result
 
-    def evaluated(self, inputs: Leaves, f: Callable[..., Any], context_values: Leaves) -> None:
-        """f once, uncompiled, as Adapter._program runs it, before each compile: diffiface's
-        checks of its output raise its own error (inside a trace torch.compile would report it
-        as a graph break), and torch.func refuses a write into a Constant."""
-        fn = self.fused.close(f, context_values, inputs[0])
-        func.vjp(lambda *leaves: _noted(fn(leaves)[0], "closed gradient", self.programs), *inputs)
+    def _checked(self, xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
+        """The guarded call: ``traced`` eagerly, f's graph read (:class:`_Programs`)."""
+        stack = _CURRENT.stack
+        stack.append(self.programs)
+        try:
+            return self.program.template(*xs, *ts, *dynamic)
+        finally:
+            stack.pop()
 
 
-_UNCOMPILED = object()
-"""No compiled graph ran (:meth:`_ClosedGradient.engine`)."""
+_TRACED_TYPES = (torch.Tensor, torch.nn.Parameter)
+"""The leaves the retracing tier takes (``traces_call``): torch.compile's guards check their
+shapes, dtypes, devices, strides and flags."""
 
 
 # -- the adapter -----------------------------------------------------------------------------------
@@ -412,6 +404,7 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
     class Compiled(base, CompiledAdapter):  # type: ignore[valid-type,misc]
         def __init__(self, backend: Any, info: Any) -> None:
             super().__init__(backend, info)
+            self.retraces = True  # (torch.compile's guards check each tensor's shape and dtype)
             # the uncompiled torch.func adapter whose methods the compiled programs trace
             self.eager: Any = base(AutoTorch(mode="func"), info)
 
@@ -425,6 +418,8 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
             layouts: Any = None,
             parts: Any = None,
         ) -> Callable[..., Any]:
+            if layouts is not None:  # the retracing tier's function of the leaves, compiled whole
+                return _Retraced(program, NO_PARTS if parts is None else parts)
             guarded = (
                 _guard(program, True, False, parts) if parts is not None else _guard(program, True, False)
             )  # (no fused call: the compiled program is the call)
@@ -439,12 +434,20 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
                     stack.pop()
 
             run.programs = programs  # type: ignore[attr-defined]  # (for the tests: what was compiled)
-            fused = None if parts is None else parts.fused
-            # (every context leaf an array, an argument of the compiled graph: no module among them)
-            arrays = parts is not None and not parts.cache_static
-            if fused is None or fused.compute != "value_and_gradient" or not arrays or fused.adapter is not self:
-                return run
-            return _ClosedGradient(run, fused, parts, programs)
+            return run
+
+        def returns_like(self, leaf: Any) -> bool:
+            return type(leaf) is torch.Tensor  # (a compiled graph's results are plain tensors)
+
+        def traces_call(self, compute: str, leaves: Any, caches: bool) -> bool:
+            # (the gradient's program traces whole; the others hold what torch.compile does not
+            # trace, such as the forward-mode lock, and compile the operator's program alone. A
+            # Cache is f's to write, and the whole program's trace would write into a rebuilt one)
+            return (
+                compute == "value_and_gradient"
+                and not caches
+                and all(type(leaf) in _TRACED_TYPES and not leaf.is_complex() for leaf in leaves)
+            )
 
         def _program(self, name: str, template: Callable[..., Any], fn: Fn, xs: Leaves, batched: bool = False) -> Any:
             """This call's compiled program ``name``, f evaluated once eagerly before its first
@@ -454,19 +457,21 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
             program vmaps f's backward (``batched``) and f's graph holds a node torch batches
             wrongly (the uncompiled adapter takes the rows one by one). A call
             differentiated from outside is refused."""
+            if torch.compiler.is_compiling():  # (the retracing tier's trace: f traced with the rest)
+                return None
             if len(_CALLS.keep) > 1 or _transform_level() is not None or _forward_ad._current_level >= 0:
                 raise _nested()
             stack = _CURRENT.stack
             if not stack:
                 return None
             programs = stack[-1]
-            if name not in programs.warm:
+            if programs.reading or name not in programs.warm:
                 # f once, uncompiled, under a torch.func transform as "torch-func" runs it:
                 # diffiface's checks of its output, and torch.func's refusal of a write into a
                 # Constant (a compiled graph would carry the write out to the caller's tensor)
                 func.vjp(lambda *leaves: _noted(fn(leaves)[0], name, programs), *xs)
                 programs.warm.add(name)
-            if programs.custom or (batched and name in programs.unbatchable):
+            if programs.reading or programs.custom or (batched and name in programs.unbatchable):
                 return None
             program = programs.get(name, template)
             program.recheck = lambda: self._read_again(programs, name, fn, xs, batched)
@@ -488,8 +493,11 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
         def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
             xs = _detached(xs)
             program = self._program("gradient", _gradient, fn, xs)
-            if program is None:
-                return self.eager.value_and_gradient(fn, xs)  # type: ignore[no-any-return]
+            if program is None:  # (uncompiled, or traced by the retracing tier: detached all the same)
+                value, aux, grads = self.eager.value_and_gradient(fn, xs)
+                # (only what carries a graph, a Constant's: a detached output of a compiled graph
+                # is a view, which torch rebuilds on every call)
+                return _out_of_graph(value), aux, _out_of_graph(grads)
             g, has_aux, rebuild = _for_func(fn, xs)
             try:
                 value, aux, grads = _called(program, g, has_aux, xs[0] if len(xs) == 1 else xs)

@@ -255,7 +255,10 @@ def _whole(grads: Leaves, inputs: Leaves) -> Leaves:
 
 def _materialised(grads: Leaves) -> Leaves:
     """Gradients as ordinary tensors: torch answers an f whose derivative is zero by rule
-    (``sgn``, ``sign``) with a ZeroTensor, which ``.numpy()`` and in-place updates refuse."""
+    (``sgn``, ``sign``) with a ZeroTensor, which ``.numpy()`` and in-place updates refuse. A
+    compiled graph gives ordinary tensors (and torch.compile traces no test of a ZeroTensor)."""
+    if torch.compiler.is_compiling():
+        return grads
     for g in grads:  # (a loop first: no generator where there is none, the common case)
         if g._is_zerotensor():
             return tuple(
