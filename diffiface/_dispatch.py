@@ -272,7 +272,7 @@ def _program_of(
         # the retracing engines' tier: one compiled function of the arguments as passed, which
         # checks them in its trace
         mirror = one.mirror if one is not None else None
-        jit = JitProgram.of(adapter, traced, op, output, mirror, finish, call, conversions.scoped, parts)
+        jit = JitProgram.of(adapter, traced, op, output, mirror, finish, call, conversions.scoped, parts, function)
         if jit is not None:
             return jit, False, True
     # (jit returns arrays only: a program whose result holds none but arrays needs no help; a

@@ -512,7 +512,7 @@ class JitProgram:
         own = (
             one
             and all(map(adapter.returns_like, call.x_leaves))
-            and adapter.traces_call(op.compute, call.x_leaves, False)
+            and adapter.traces_call(op.compute, call.x_leaves, False, None)
         )
         self.x_dtypes = tuple(leaf.dtype for leaf in call.x_leaves)
         self.x_dtype_names = tuple(map(_arrays.dtype_name, call.x_leaves))
@@ -560,12 +560,13 @@ class JitProgram:
         call: Call,
         scoped: bool,
         parts: ProgramParts,
+        function: Any,
     ) -> JitProgram | None:
         """The program, where the adapter's retracing tier takes the call
         (:meth:`~diffiface._adapters._base.Adapter.traces_call`); else None (the plan's match and a :class:`Run` serve the prep)."""
         leaves = [*call.x_leaves, *call.tangent_leaves, *_chain(call.context_leaves)]
         caches = any(kind is Cache for kind, _, _ in call.signature.contexts)
-        if not call.x_leaves or not adapter.traces_call(op.compute, leaves, caches):
+        if not call.x_leaves or not adapter.traces_call(op.compute, leaves, caches, function.ref):
             return None
         return cls(adapter, program, op, output, mirror, finish, call, scoped, parts)
 

@@ -510,3 +510,38 @@ def test_a_gradient_of_tensors_is_the_retracing_tier() -> None:
     assert graphs() == compiled
     assert all(torch.equal(p.detach(), before[name]) for name, p in params.items())
     assert di.prepare_gradient(lambda x, c: torch.sum(x**2), COMPILED, data, di.Cache({})).plan.jit is None
+
+
+class _Scaled:
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def loss(self, x):
+        return torch.sum(self.scale * _GLOBAL_SCALE[0] * x**2)
+
+
+_GLOBAL_SCALE = [1.0]
+
+
+def test_a_bound_method_and_what_it_reads_through_the_retracing_tier() -> None:
+    """A bound method (its weak reference cannot be traced) keeps the operator's own compiled
+    program, right; a function takes the retracing tier, and a global it reads is still
+    guarded there (a change compiles anew), never stale."""
+    x = torch.linspace(-1, 1, 4, dtype=torch.float64)
+    model = _Scaled(2.0)
+    prep = di.prepare_gradient(model.loss, COMPILED, x)
+    torch.testing.assert_close(di.gradient(model.loss, COMPILED, x, prep=prep), 4 * x)
+    model.scale = 3.0
+    torch.testing.assert_close(di.gradient(model.loss, COMPILED, x, prep=prep), 6 * x)
+
+    def loss(x):
+        return torch.sum(_GLOBAL_SCALE[0] * x**2)
+
+    prep = di.prepare_gradient(loss, COMPILED, x)
+    assert prep.plan.jit is not None
+    torch.testing.assert_close(di.gradient(loss, COMPILED, x, prep=prep), 2 * x)
+    _GLOBAL_SCALE[0] = 5.0
+    try:
+        torch.testing.assert_close(di.gradient(loss, COMPILED, x, prep=prep), 10 * x)
+    finally:
+        _GLOBAL_SCALE[0] = 1.0

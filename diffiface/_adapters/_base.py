@@ -143,9 +143,10 @@ class Adapter:
     (jax's jit, mlx's mx.compile, tf.function): the program then checks them itself, at no cost
     per call (the retracing engines' tier, :class:`~diffiface._programs.JitProgram`)."""
 
-    def traces_call(self, compute: str, leaves: Sequence[Any], caches: bool) -> bool:
+    def traces_call(self, compute: str, leaves: Sequence[Any], caches: bool, ref: Any) -> bool:
         """Whether the retracing tier takes a call of ``compute`` on these leaves (x's, the
-        tangent's, the contexts'; ``caches``: a context is a :class:`~diffiface.Cache`): where
+        tangent's, the contexts'; ``caches``: a context is a :class:`~diffiface.Cache`; ``ref``:
+        how the prep reaches f, or None where only the leaves are asked): where
         each is an array the compiled program checks itself (its family says,
         :meth:`~diffiface._families.Family.jit_checked`) or a numpy array."""
         for leaf in leaves:

@@ -30,6 +30,7 @@ import functools
 import threading
 import types
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -439,13 +440,15 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
         def returns_like(self, leaf: Any) -> bool:
             return type(leaf) is torch.Tensor  # (a compiled graph's results are plain tensors)
 
-        def traces_call(self, compute: str, leaves: Any, caches: bool) -> bool:
+        def traces_call(self, compute: str, leaves: Any, caches: bool, ref: Any) -> bool:
             # (the gradient's program traces whole; the others hold what torch.compile does not
             # trace, such as the forward-mode lock, and compile the operator's program alone. A
-            # Cache is f's to write, and the whole program's trace would write into a rebuilt one)
+            # Cache is f's to write, and the whole trace would write into a rebuilt one; a bound
+            # method's weak reference, which the trace calls, is one torch.compile cannot trace)
             return (
                 compute == "value_and_gradient"
                 and not caches
+                and not isinstance(ref, weakref.WeakMethod)
                 and all(type(leaf) in _TRACED_TYPES and not leaf.is_complex() for leaf in leaves)
             )
 
