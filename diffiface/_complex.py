@@ -592,10 +592,6 @@ class ComplexAdapter:
         self._errors(lambda e: (g.join_out(e[0]), e[1], x_split.join(e[2])))
         return g.join_out(out), aux, split_pullback
 
-    def value_and_pullback(self, fn: Callable[[Leaves], Any], xs: Leaves, touts: Any) -> tuple[Any, Any, Leaves]:
-        out, aux, vjp = self.pullback_function(fn, xs)
-        return out, aux, vjp(touts)
-
     # -- batches: one product at a time, each in the convention (the engine's vmapped batch
     # would skip the conversion); an engine's estimates come one per product
 

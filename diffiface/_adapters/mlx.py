@@ -336,18 +336,6 @@ class Adapter(_base.Adapter):
             return out, aux, _ByForwardMode(self._outputs(fn), xs, one)
         return out, aux, _Pullback(self._outputs(fn), xs, one)
 
-    def value_and_pullback(self, fn: Fn, xs: Leaves, touts: Any) -> tuple[Any, Any, Leaves]:
-        if not xs:
-            out, aux = fn(xs)
-            return out, aux, ()
-        if _complex(xs) or _complex(_mx(_as_list(touts))):
-            out, aux, vjp = self.pullback_function(fn, xs)
-            return out, aux, vjp(touts)
-        captured: list[Any] = []
-        _, grads = mx.vjp(self._outputs(fn, captured), _mx(xs), _mx(_as_list(touts)))
-        out, aux = captured
-        return out, aux, tuple(grads)
-
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
         if not xs:
             out, aux = fn(xs)

@@ -187,12 +187,6 @@ class Adapter(BlackBoxAdapter):
         self._local.error = (_zeros_like(out), None, errors)
         return out, aux, touts
 
-    def value_and_pullback(self, fn: Fn, xs: Leaves, touts: Any) -> tuple[Any, Any, Leaves]:
-        out, aux, jac, err, point, _ = self._jacobian(fn, xs, "A vjp (through the whole Jacobian)")
-        t = _flat_tangent(touts)
-        self._local.error = (_zeros_like(out), None, _split(np.abs(t) @ err, point))
-        return out, aux, _split(t @ jac, point)
-
     def pullback_function(self, fn: Fn, xs: Leaves) -> Any:
         out, aux, jac, _, point, _ = self._jacobian(fn, xs, "A vjp (through the whole Jacobian)")
         return out, aux, lambda touts: _split(_flat_tangent(touts) @ jac, point)
