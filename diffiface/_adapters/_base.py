@@ -535,12 +535,6 @@ class SecondOrderAdapter(Adapter):
     ) -> Callable[..., Any]:
         return self.inner.compile(program, static, arrays, layouts, parts) if self._same_engine else program
 
-    def returns_like(self, leaf: Any) -> bool:
-        return self._same_engine and self.inner.returns_like(leaf)
-
-    def rebuilds_in_trace(self, spec: Any, leaves: list[Any]) -> bool:
-        return self._same_engine and self.inner.rebuilds_in_trace(spec, leaves)
-
     def explain_failure(self, exc: BaseException) -> str | None:
         return self.inner.explain_failure(exc)
 

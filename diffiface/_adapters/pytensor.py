@@ -332,9 +332,6 @@ class Adapter(_base.Adapter):
 
     # -- compilation -------------------------------------------------------------------------------
 
-    def returns_like(self, leaf: Any) -> bool:
-        return type(leaf) is np.ndarray
-
     def compile(
         self,
         program: Callable[..., Any],
@@ -343,35 +340,17 @@ class Adapter(_base.Adapter):
         layouts: Any = None,
         parts: Any = None,
     ) -> Callable[..., Any]:
-        flat = layouts is not None  # (a program on flat array arguments: JitProgram._traced)
-        sizes = getattr(getattr(program, "__self__", None), "sizes", None) if flat else None
         compiled: dict[Any, _Compiled] = {}
         trace = self._trace
 
         # A compiled function keeps its arguments and outputs in storage of its own between
         # setting and reading them: two threads calling it at once would take each other's
         # values (wrong results, no error). Each call holds the function's lock.
-        if flat:
-
-            def run_flat(*arguments: Any) -> Any:
-                found = compiled.get(None)
-                if found is None:
-                    found = compiled[None] = trace(program, arguments, True, sizes)
-                function, rebuild, lock = found
-                lock.acquire()  # (cheaper than a with statement)
-                try:
-                    outs = function(*arguments)
-                finally:
-                    lock.release()
-                return outs if rebuild is None else rebuild(outs)
-
-            return run_flat
-
         def run(xs: Leaves, ts: Leaves, dynamic: Leaves, static_part: Any) -> Any:
             key = static_part if static else None
             found = compiled.get(key)
             if found is None:
-                found = compiled[key] = trace(program, (xs, ts, dynamic, static_part), False, None)
+                found = compiled[key] = trace(program, xs, ts, dynamic, static_part)
             function, rebuild, lock = found
             lock.acquire()
             try:
@@ -382,26 +361,19 @@ class Adapter(_base.Adapter):
 
         return run
 
-    def _trace(self, program: Callable[..., Any], arguments: Any, flat: bool, sizes: Any) -> _Compiled:
-        """Trace ``program`` on symbolic variables of ``arguments`` and compile its result."""
+    def _trace(
+        self, program: Callable[..., Any], xs: Leaves, ts: Leaves, dynamic: Leaves, static_part: Any
+    ) -> _Compiled:
+        """Trace ``program`` on symbolic variables of its arguments and compile its result."""
         with _LOCK:
-            if flat:
-                values = list(arguments)
-                cotangents = range(*sizes) if sizes is not None else range(0)
-            else:
-                xs, ts, dynamic, static_part = arguments
-                values = [*xs, *ts, *dynamic]
-                cotangents = range(len(xs), len(xs) + len(ts))
-            variables = [_variable(v, known=i in cotangents) for i, v in enumerate(values)]
+            values = [*xs, *ts, *dynamic]
+            n, m = len(xs), len(xs) + len(ts)  # (the cotangents: values[n:m])
+            variables = [_variable(v, known=n <= i < m) for i, v in enumerate(values)]
             before = getattr(self._local, "givens", None)
             self._local.givens = dict(zip(variables, values, strict=True))
             try:
                 with _numpy_guarded():
-                    if flat:
-                        result = program(*variables)
-                    else:
-                        n, m = len(xs), len(xs) + len(ts)
-                        result = program(tuple(variables[:n]), tuple(variables[n:m]), tuple(variables[m:]), static_part)
+                    result = program(tuple(variables[:n]), tuple(variables[n:m]), tuple(variables[m:]), static_part)
             finally:
                 self._local.givens = before
             leaves, spec = optree.tree_flatten(result)
