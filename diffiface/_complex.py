@@ -199,10 +199,6 @@ class Holomorphic:
     def __init__(self, f: Callable[..., Any]) -> None:
         self._f = f
 
-    @property
-    def function(self) -> Callable[..., Any]:
-        return self._f
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._f(*args, **kwargs)
 

@@ -822,17 +822,6 @@ class _Recalled:
         return self.finish(out)
 
 
-def _leaves_of(argument: Any, types: list[type], flatten: Any, key: Any) -> list[Any] | None:
-    """The leaves of a tree argument where its structure and its leaves' types are the prep's."""
-    try:
-        leaves, spec = flatten(argument)
-    except Exception:  # (a tree the flattening cannot take apart: the full signature says why)
-        return None
-    if spec != key or list(map(type, leaves)) != types:
-        return None
-    return leaves  # type: ignore[no-any-return]
-
-
 class Run:
     """A prep's program on a call's leaves: the leaves made the engine's arguments
     (:class:`_Conversions`), the compiled (or plain) program, the result finished to mirror the
