@@ -205,39 +205,32 @@ def _per_row(primitive: Primitive, x: list[Any], rows: list[Any], last: list[Any
     return [jnp.stack([o[i] for o in outs]) for i in range(len(outs[0]))]
 
 
-def _jvp_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, site: Site, batch: int) -> Any:
-    x, t = _split(site, primals)
-    dx, dt = _split(site, tangents)
-    out = jvp_p.bind(*primals, site=site, batch=batch)
-    if _all_zero(dx) and _all_zero(dt):
-        return out, _zeros_out(jvp_p, site, batch)
+def _product_jvp(
+    primitive: Primitive,
+    second: Primitive,
+    what: str,
+    primals: Sequence[Any],
+    tangents: Sequence[Any],
+    *,
+    site: Site,
+    batch: int,
+) -> Any:
+    """The jvp rule of jvp_p and vjp_p, linear in their second argument: the product along that
+    argument's tangent, plus ``second``'s term along x's."""
+    x, v = _split(site, primals)
+    dx, dv = _split(site, tangents)
+    out = primitive.bind(*primals, site=site, batch=batch)
+    if _all_zero(dx) and _all_zero(dv):
+        return out, _zeros_out(primitive, site, batch)
     d_out = (
-        list(jvp_p.bind(*x, *_instantiate(dt), site=site, batch=batch))
-        if not _all_zero(dt)
-        else [jnp.zeros(a.shape, a.dtype) for a in _out_avals(jvp_p, site, batch)]
+        list(primitive.bind(*x, *_instantiate(dv), site=site, batch=batch))
+        if not _all_zero(dv)
+        else [jnp.zeros(a.shape, a.dtype) for a in _out_avals(primitive, site, batch)]
     )
     if not _all_zero(dx):
         if not site.inner.nestable:
-            raise first_order_only(site.inner.backend, "differentiating g's jvp with respect to x")
-        d_out = _add(d_out, _per_row(second_jvp_p, x, t, _instantiate(dx), site, batch))
-    return out, d_out
-
-
-def _vjp_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, site: Site, batch: int) -> Any:
-    x, c = _split(site, primals)
-    dx, dc = _split(site, tangents)
-    out = vjp_p.bind(*primals, site=site, batch=batch)
-    if _all_zero(dx) and _all_zero(dc):
-        return out, _zeros_out(vjp_p, site, batch)
-    d_out = (
-        list(vjp_p.bind(*x, *_instantiate(dc), site=site, batch=batch))
-        if not _all_zero(dc)
-        else [jnp.zeros(a.shape, a.dtype) for a in _out_avals(vjp_p, site, batch)]
-    )
-    if not _all_zero(dx):
-        if not site.inner.nestable:
-            raise first_order_only(site.inner.backend, "differentiating g's gradient (vjp) with respect to x")
-        d_out = _add(d_out, _per_row(second_vjp_p, x, c, _instantiate(dx), site, batch))
+            raise first_order_only(site.inner.backend, f"differentiating g's {what} with respect to x")
+        d_out = _add(d_out, _per_row(second, x, v, _instantiate(dx), site, batch))
     return out, d_out
 
 
@@ -260,8 +253,8 @@ def _bilinear_jvp(
 
 
 ad.primitive_jvps[call_p] = _call_jvp
-ad.primitive_jvps[jvp_p] = _jvp_jvp
-ad.primitive_jvps[vjp_p] = _vjp_jvp
+ad.primitive_jvps[jvp_p] = partial(_product_jvp, jvp_p, second_jvp_p, "jvp")
+ad.primitive_jvps[vjp_p] = partial(_product_jvp, vjp_p, second_vjp_p, "gradient (vjp)")
 ad.primitive_jvps[second_jvp_p] = partial(_bilinear_jvp, second_jvp_p)
 ad.primitive_jvps[second_vjp_p] = partial(_bilinear_jvp, second_vjp_p)
 
@@ -283,22 +276,16 @@ def _cotangents(cts: Sequence[Any], avals: Sequence[Any]) -> list[Any]:
     return [jnp.zeros(a.shape, a.dtype) if type(c) is ad.Zero else c for c, a in zip(cts, avals, strict=True)]
 
 
-def _jvp_transpose(cts: Sequence[Any], *args: Any, site: Site, batch: int) -> list[Any]:
+def _product_transpose(
+    primitive: Primitive, transposed: Primitive, cts: Sequence[Any], *args: Any, site: Site, batch: int
+) -> list[Any]:
+    """jvp_p and vjp_p are each other's transpose in their second argument."""
     x, _ = _split(site, args)
-    x = _defined(x, "jvp")
+    x = _defined(x, primitive.name[len("diffiface_") :])
     if _all_zero(cts):
         return [None] * len(args)
-    ct = _cotangents(cts, _out_avals(jvp_p, site, batch))
-    return [None] * len(x) + list(vjp_p.bind(*x, *ct, site=site, batch=batch))
-
-
-def _vjp_transpose(cts: Sequence[Any], *args: Any, site: Site, batch: int) -> list[Any]:
-    x, _ = _split(site, args)
-    x = _defined(x, "vjp")
-    if _all_zero(cts):
-        return [None] * len(args)
-    ct = _cotangents(cts, _out_avals(vjp_p, site, batch))
-    return [None] * len(x) + list(jvp_p.bind(*x, *ct, site=site, batch=batch))
+    ct = _cotangents(cts, _out_avals(primitive, site, batch))
+    return [None] * len(x) + list(transposed.bind(*x, *ct, site=site, batch=batch))
 
 
 def _second_transpose(primitive: Primitive, cts: Sequence[Any], *args: Any, site: Site, batch: int) -> list[Any]:
@@ -329,8 +316,8 @@ def _second_transpose(primitive: Primitive, cts: Sequence[Any], *args: Any, site
     return [None] * (n + len(a)) + result
 
 
-ad.primitive_transposes[jvp_p] = _jvp_transpose
-ad.primitive_transposes[vjp_p] = _vjp_transpose
+ad.primitive_transposes[jvp_p] = partial(_product_transpose, jvp_p, vjp_p)
+ad.primitive_transposes[vjp_p] = partial(_product_transpose, vjp_p, jvp_p)
 ad.primitive_transposes[second_jvp_p] = partial(_second_transpose, second_jvp_p)
 ad.primitive_transposes[second_vjp_p] = partial(_second_transpose, second_vjp_p)
 
