@@ -194,21 +194,25 @@ def _vmap_loop(function: Any, info: Any, in_dims: Sequence[Any], args: Sequence[
     return stacked, (0,) * len(stacked)
 
 
-class _CallCompiled(torch.autograd.Function):
-    """f(x) with reverse mode and vmap: the form torch.compile traces, one op forward and one op
-    backward (dynamo traces neither a jvp rule nor a Function inside a backward)."""
+class _Saving(torch.autograd.Function):
+    """A Function of the site's number and tensors, which it saves for its backward and jvp."""
 
     generate_vmap_rule = False
-
-    @staticmethod
-    def forward(number: int, *x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        return _op("call", number, x)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.number = inputs[0]
         ctx.save_for_backward(*inputs[1:])
         ctx.save_for_forward(*inputs[1:])
+
+
+class _CallCompiled(_Saving):
+    """f(x) with reverse mode and vmap: the form torch.compile traces, one op forward and one op
+    backward (dynamo traces neither a jvp rule nor a Function inside a backward)."""
+
+    @staticmethod
+    def forward(number: int, *x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return _op("call", number, x)
 
     @staticmethod
     def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
@@ -224,8 +228,6 @@ class _CallCompiled(torch.autograd.Function):
 
 class _Call(_CallCompiled):
     """f(x) with forward mode, and a backward that is differentiable again (through _Vjp)."""
-
-    generate_vmap_rule = False
 
     @staticmethod
     def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
@@ -246,20 +248,12 @@ class _Call(_CallCompiled):
         return _vmap_loop(_Call, info, in_dims, (number, *x))
 
 
-class _Jvp(torch.autograd.Function):
+class _Jvp(_Saving):
     """J(x) t: its backward in t is _Vjp; in x, the second product (where the engine nests)."""
-
-    generate_vmap_rule = False
 
     @staticmethod
     def forward(number: int, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         return _op("jvp", number, args)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.number = inputs[0]
-        ctx.save_for_backward(*inputs[1:])
-        ctx.save_for_forward(*inputs[1:])
 
     @staticmethod
     def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
@@ -295,20 +289,12 @@ class _Jvp(torch.autograd.Function):
         return _vmap_loop(_Jvp, info, in_dims, (number, *args))
 
 
-class _Vjp(torch.autograd.Function):
+class _Vjp(_Saving):
     """J(x)ᵀ c: its backward in c is _Jvp; in x, the second product (where the engine nests)."""
-
-    generate_vmap_rule = False
 
     @staticmethod
     def forward(number: int, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         return _op("vjp", number, args)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.number = inputs[0]
-        ctx.save_for_backward(*inputs[1:])
-        ctx.save_for_forward(*inputs[1:])
 
     @staticmethod
     def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
