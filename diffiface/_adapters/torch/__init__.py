@@ -54,6 +54,7 @@ from ._engine import (
     _FuncPullback,
     _grad,
     _if_graph,
+    _jacobian_blocks,
     _leaves,
     _materialised,
     _NoSecondPass,
@@ -425,19 +426,11 @@ class Adapter(_base.Adapter):
         if not _FORWARD_WARMED[0]:
             _warm_forward()
         with _FORWARD_LOCK if mode == "forward" else contextlib.nullcontext():
-            if len(xs) == 1:  # one tensor, not a tuple: a block per output, no tuple of one per input
-                per_output, (out, aux) = transform(_on_one(with_value), has_aux=True)(xs[0])
-                blocks: Blocks
-                if not isinstance(out, tuple):
-                    blocks = (per_output,)
-                elif len(out) == 1:
-                    blocks = ((per_output,),)
-                else:
-                    blocks = tuple((block,) for block in per_output)
+            if len(xs) == 1:
+                found = transform(_on_one(with_value), has_aux=True)(xs[0])
             else:
-                blocks, (out, aux) = transform(with_value, has_aux=True)(xs)
-                if isinstance(out, tuple) and len(out) == 1:
-                    blocks = (blocks,)
+                found = transform(with_value, has_aux=True)(xs)
+        out, aux, blocks = _jacobian_blocks(found, len(xs) == 1)
         return out, rebuild(aux), blocks
 
     # -- second order by double backward (autograd mode) ---------------------------------------

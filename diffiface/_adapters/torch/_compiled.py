@@ -45,7 +45,7 @@ from ..._errors import UnsupportedOperationError
 from .._base import NO_PARTS, Blocks, Deferred, Fn, Leaves
 from .._base import Adapter as _BaseAdapter
 from ._duals import _FORWARD_LOCK, _FORWARD_WARMED, _warm_forward
-from ._engine import _BATCHED_WRONGLY, _for_func, _materialised, _on_one, _tensor_aux, graph_nodes
+from ._engine import _BATCHED_WRONGLY, _for_func, _jacobian_blocks, _materialised, _on_one, _tensor_aux, graph_nodes
 from ._guard import _CALLS, _guard, _out_of_graph, _transform_level
 
 __all__ = ["CompiledAdapter"]
@@ -583,19 +583,7 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
                         found = _called(program, with_value, forward, xs)
                 except _Eager:
                     return self.eager.value_and_jacobian(fn, xs, mode)  # type: ignore[no-any-return]
-                if len(xs) == 1:
-                    per_output, (out, aux) = found
-                    blocks: Blocks
-                    if not isinstance(out, tuple):
-                        blocks = (per_output,)
-                    elif len(out) == 1:
-                        blocks = ((per_output,),)
-                    else:
-                        blocks = tuple((block,) for block in per_output)
-                else:
-                    blocks, (out, aux) = found
-                    if isinstance(out, tuple) and len(out) == 1:
-                        blocks = (blocks,)
+            out, aux, blocks = _jacobian_blocks(found, len(xs) == 1)
             return out, _real_aux(rebuild(aux)), blocks
 
         # -- second order: one compiled program over these traceable first-order functions ------

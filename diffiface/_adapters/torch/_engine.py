@@ -13,7 +13,7 @@ import torch.autograd.forward_ad as _forward_ad
 
 from ... import _arrays
 from ... import tree as _tree
-from .._base import Fn, Leaves, refuse_a_moved_output
+from .._base import Blocks, Fn, Leaves, refuse_a_moved_output
 from ._dtensor import _cotangents, _placed
 from ._explain import _autograd_in_func
 from ._guard import _clone, _version, _wrapped
@@ -50,6 +50,21 @@ def _tensor_aux(fn: Fn) -> tuple[Fn, Callable[[Any], Any]]:
 def _on_one(fn: Fn) -> Callable[[Any], tuple[Any, Any]]:
     """``fn`` on one tensor instead of a tuple of one."""
     return lambda x: fn((x,))
+
+
+def _jacobian_blocks(found: Any, one: bool) -> tuple[Any, Any, Blocks]:
+    """``(out, aux, blocks)`` from torch.func's jacrev or jacfwd of f with ``(out, aux)`` as its
+    aux: on ``one`` tensor, not a tuple, a block per output, no tuple of one per input."""
+    jacobian, (out, aux) = found
+    if one:
+        if not isinstance(out, tuple):
+            return out, aux, (jacobian,)
+        if len(out) == 1:
+            return out, aux, ((jacobian,),)
+        return out, aux, tuple((block,) for block in jacobian)
+    if isinstance(out, tuple) and len(out) == 1:
+        return out, aux, (jacobian,)
+    return out, aux, jacobian
 
 
 def _for_func(fn: Fn, xs: Leaves) -> tuple[Callable[[Any], Any], bool, Callable[[Any], Any]]:
