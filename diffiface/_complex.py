@@ -322,6 +322,12 @@ class _Split:
         it = iter(leaves)
         return tuple(from_parts(next(it), next(it)) if flag else next(it) for flag in self.flags)
 
+    def join_gradient(self, grads: Any) -> Any:
+        """:meth:`join` of a gradient, which a black-box outer engine may defer."""
+        if isinstance(grads, Deferred):
+            return Deferred(lambda: self.join(tuple(grads.force())))
+        return self.join(tuple(grads))
+
 
 def _zeros_like(leaf: Any) -> Any:
     return _arrays.numpy_like(leaf).zeros_like(leaf)
@@ -686,12 +692,7 @@ class ComplexAdapter:
         g = _Realified(fn, x_split)
         value, aux, grads, hvps = self._inner.gradient_and_hvp(g, x_split.split(xs), x_split.split(txs))
         self._errors(lambda e: (e[0], e[1], x_split.join(e[2]), x_split.join(e[3])))
-        if isinstance(grads, Deferred):  # (a black-box outer engine defers the gradient)
-            deferred = grads
-            joined: Any = Deferred(lambda: x_split.join(tuple(deferred.force())))
-        else:
-            joined = x_split.join(tuple(grads))
-        return value, aux, joined, x_split.join(tuple(hvps))
+        return value, aux, x_split.join_gradient(grads), x_split.join(tuple(hvps))
 
     def gradient_and_hvps(
         self, fn: Callable[[Leaves], Any], xs: Leaves, batch: Any
@@ -706,9 +707,4 @@ class ComplexAdapter:
             g, x_split.split(xs), [x_split.split(txs) for txs in batch]
         )
         self._errors(lambda e: (e[0], e[1], x_split.join(e[2]), [x_split.join(tuple(h)) for h in e[3]]))
-        if isinstance(grads, Deferred):  # (a black-box outer engine defers the gradient)
-            deferred = grads
-            joined: Any = Deferred(lambda: x_split.join(tuple(deferred.force())))
-        else:
-            joined = x_split.join(tuple(grads))
-        return value, aux, joined, [x_split.join(tuple(h)) for h in hvps]
+        return value, aux, x_split.join_gradient(grads), [x_split.join(tuple(h)) for h in hvps]
