@@ -101,6 +101,16 @@ _LINEAR_UFUNCS = {"add", "subtract", "negative", "positive", "conjugate", "real"
 _PIECEWISE_LINEAR = {"absolute", "fabs", "maximum", "minimum", "fmax", "fmin", "clip", "sign", "floor", "ceil"}
 
 
+def _numpy_method(function: Callable[..., Any]) -> Callable[..., Any]:
+    """The array method ``a.name(...)``: numpy's ``function(a, ...)``."""
+
+    def method(self: IndexSetArray, *args: Any, **kwargs: Any) -> Any:
+        return function(self, *args, **kwargs)
+
+    method.__name__ = function.__name__
+    return method
+
+
 class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
     """An array of index sets: ``rows`` (elements x inputs, boolean csr) or ``None`` (depends on
     no input). ``known`` is False for booleans and integers computed from x: their values are
@@ -224,38 +234,20 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
     def swapaxes(self, a: int, b: int) -> Any:
         return np.swapaxes(self, a, b)
 
-    def sum(self, *args: Any, **kwargs: Any) -> Any:
-        return np.sum(self, *args, **kwargs)
-
-    def mean(self, *args: Any, **kwargs: Any) -> Any:
-        return np.mean(self, *args, **kwargs)
-
-    def prod(self, *args: Any, **kwargs: Any) -> Any:
-        return np.prod(self, *args, **kwargs)
-
-    def max(self, *args: Any, **kwargs: Any) -> Any:
-        return np.max(self, *args, **kwargs)
-
-    def min(self, *args: Any, **kwargs: Any) -> Any:
-        return np.min(self, *args, **kwargs)
-
-    def std(self, *args: Any, **kwargs: Any) -> Any:
-        return np.std(self, *args, **kwargs)
-
-    def var(self, *args: Any, **kwargs: Any) -> Any:
-        return np.var(self, *args, **kwargs)
-
-    def cumsum(self, *args: Any, **kwargs: Any) -> Any:
-        return np.cumsum(self, *args, **kwargs)
-
-    def cumprod(self, *args: Any, **kwargs: Any) -> Any:
-        return np.cumprod(self, *args, **kwargs)
+    # numpy's functions of the array (on the tracer through __array_function__)
+    sum = _numpy_method(np.sum)
+    mean = _numpy_method(np.mean)
+    prod = _numpy_method(np.prod)
+    max = _numpy_method(np.max)
+    min = _numpy_method(np.min)
+    std = _numpy_method(np.std)
+    var = _numpy_method(np.var)
+    cumsum = _numpy_method(np.cumsum)
+    cumprod = _numpy_method(np.cumprod)
+    clip = _numpy_method(np.clip)
 
     def dot(self, other: Any) -> Any:
         return np.dot(self, other)
-
-    def clip(self, *args: Any, **kwargs: Any) -> Any:
-        return np.clip(self, *args, **kwargs)
 
     def conj(self) -> IndexSetArray:
         return self
