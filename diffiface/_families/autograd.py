@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Final
 
 import numpy as np
 
-from ._shared import array_words, no_refusal, no_trace, not_followed
+from ._shared import array_words, no_eval_shape, no_ravel, no_refusal, no_scope, no_trace, not_followed
 
 # a box answers its value's shape and dtype: the tests are numpy's
 from .numpy import block_like as block_like
@@ -64,10 +63,6 @@ def exchange(leaf: Any) -> None:
     return None
 
 
-def dtype_scope(dtypes: Iterable[str]) -> contextlib.nullcontext[None]:
-    return contextlib.nullcontext()
-
-
 def conj(leaf: Any) -> Any:
     return sys.modules["autograd.numpy"].conj(leaf)
 
@@ -81,16 +76,8 @@ def from_parts(re: Any, im: Any) -> Any:
     return re + 1j * im
 
 
-def laid_out_ravel(leaves: list[Any]) -> None:
-    return None
-
-
 def private_copy(leaf: Any) -> Any:
     return leaf
-
-
-def eval_shape(fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]]) -> None:
-    return None  # (no abstract evaluation: f is evaluated at zeros)
 
 
 def traced(leaf: Any) -> Any:
@@ -152,3 +139,6 @@ x_refusal = no_refusal
 contents = not_followed
 describe = array_words
 trace_of = no_trace
+dtype_scope = no_scope
+eval_shape = no_eval_shape
+laid_out_ravel = no_ravel

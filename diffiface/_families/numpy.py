@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Final
 
 import numpy as np
 
-from ._shared import Contents, array_words, no_refusal, no_trace, unopened, untraced
+from ._shared import (
+    Contents,
+    array_words,
+    no_eval_shape,
+    no_layout,
+    no_ravel,
+    no_refusal,
+    no_scope,
+    no_trace,
+    unopened,
+    untraced,
+)
 
 NAME: Final = "numpy"
 ARRAY: Final = True
@@ -96,10 +106,6 @@ def block_like(value: Any, like: Any) -> Any:
     return value
 
 
-def layout(leaf: Any) -> None:
-    return None
-
-
 class _Same:
     """The test that a later leaf has the prepared one's shape and dtype."""
 
@@ -128,10 +134,6 @@ def exchange(leaf: Any) -> None:
     return None  # (copied: a black box may return a buffer of its own that it writes again)
 
 
-def dtype_scope(dtypes: Iterable[str]) -> contextlib.nullcontext[None]:
-    return contextlib.nullcontext()
-
-
 def conj(leaf: Any) -> Any:
     return np.conj(leaf)
 
@@ -145,16 +147,8 @@ def from_parts(re: Any, im: Any) -> Any:
     return re + 1j * im
 
 
-def laid_out_ravel(leaves: list[Any]) -> None:
-    return None
-
-
 def private_copy(leaf: Any) -> Any:
     return leaf  # (f gets read-only views of the caller's arrays: a write raises before it lands)
-
-
-def eval_shape(fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]]) -> None:
-    return None  # (no abstract evaluation: f is evaluated at zeros)
 
 
 _SELF = sys.modules[__name__]
@@ -170,6 +164,10 @@ traced = untraced
 
 describe = array_words
 trace_of = no_trace
+dtype_scope = no_scope
+eval_shape = no_eval_shape
+laid_out_ravel = no_ravel
+layout = no_layout
 
 
 def contents(value: Any, kept: int) -> Contents | None:

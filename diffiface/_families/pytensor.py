@@ -8,14 +8,23 @@ context is refused: pass the numpy values instead.
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Final
 
 import numpy as np
 
-from ._shared import array_words, no_refusal, no_trace, not_followed, unopened, untraced
+from ._shared import (
+    array_words,
+    no_eval_shape,
+    no_ravel,
+    no_refusal,
+    no_scope,
+    no_trace,
+    not_followed,
+    unopened,
+    untraced,
+)
 
 # a symbolic variable answers its dtype as numpy names it: the tests are numpy's
 from .numpy import block_like as block_like
@@ -90,10 +99,6 @@ def exchange(leaf: Any) -> None:
     raise _symbolic(leaf)
 
 
-def dtype_scope(dtypes: Iterable[str]) -> contextlib.nullcontext[None]:
-    return contextlib.nullcontext()
-
-
 def conj(leaf: Any) -> Any:
     return sys.modules["pytensor.tensor"].conj(leaf)
 
@@ -111,14 +116,6 @@ def private_copy(leaf: Any) -> Any:
     return leaf  # (symbolic: nothing to write into)
 
 
-def eval_shape(fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]]) -> None:
-    return None  # (f is evaluated at zeros)
-
-
-def laid_out_ravel(leaves: list[Any]) -> None:
-    return None
-
-
 def values(leaf: Any) -> np.ndarray:
     raise _symbolic(leaf)
 
@@ -129,3 +126,6 @@ traced = untraced
 contents = not_followed
 describe = array_words
 trace_of = no_trace
+dtype_scope = no_scope
+eval_shape = no_eval_shape
+laid_out_ravel = no_ravel

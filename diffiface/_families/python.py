@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Final
 
 import numpy as np
 
-from ._shared import no_refusal, no_trace, not_followed, unopened, untraced
+from ._shared import (
+    no_eval_shape,
+    no_layout,
+    no_ravel,
+    no_refusal,
+    no_scope,
+    no_trace,
+    not_followed,
+    unopened,
+    untraced,
+)
 
 NAME: Final = "python"
 ARRAY: Final = False
@@ -64,10 +73,6 @@ def block_like(value: Any, like: Any) -> Any:
     return value
 
 
-def layout(leaf: Any) -> None:
-    return None
-
-
 def same(leaf: Any) -> None:
     return None  # (a Python number's type says all)
 
@@ -84,10 +89,6 @@ def exchange(leaf: Any) -> None:
     return None  # (a number: copied, never shared)
 
 
-def dtype_scope(dtypes: Iterable[str]) -> contextlib.nullcontext[None]:
-    return contextlib.nullcontext()
-
-
 def conj(leaf: Any) -> Any:
     return leaf.conjugate()
 
@@ -100,16 +101,8 @@ def from_parts(re: Any, im: Any) -> Any:
     return complex(re, im) if isinstance(im, (float, int)) else re + 1j * im
 
 
-def laid_out_ravel(leaves: list[Any]) -> None:
-    return None
-
-
 def private_copy(leaf: Any) -> Any:
     return leaf
-
-
-def eval_shape(fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]]) -> None:
-    return None  # (no abstract evaluation: f is evaluated at zeros)
 
 
 values = to_numpy
@@ -120,6 +113,10 @@ opened = unopened
 traced = untraced
 contents = not_followed
 trace_of = no_trace
+dtype_scope = no_scope
+eval_shape = no_eval_shape
+laid_out_ravel = no_ravel
+layout = no_layout
 
 
 def describe(signature: tuple[Any, ...]) -> str:

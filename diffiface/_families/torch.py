@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
-import contextlib
 import operator
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Final
 
 import numpy as np
 
-from ._shared import Contents, MetaLeaves, array_words, no_trace, unopened, untraced
+from ._shared import (
+    Contents,
+    MetaLeaves,
+    array_words,
+    no_eval_shape,
+    no_layout,
+    no_ravel,
+    no_scope,
+    no_trace,
+    unopened,
+    untraced,
+)
 
 NAME: Final = "torch"
 ARRAY: Final = True
@@ -92,10 +102,6 @@ def block_like(value: Any, like: Any) -> Any:
     return value
 
 
-def layout(leaf: Any) -> None:
-    return None
-
-
 class _Same:
     """The test that a later tensor has the prepared one's shape, dtype and device."""
 
@@ -134,10 +140,6 @@ def exchange(leaf: Any) -> Any:
     return leaf.detach().contiguous()
 
 
-def dtype_scope(dtypes: Iterable[str]) -> contextlib.nullcontext[None]:
-    return contextlib.nullcontext()
-
-
 def conj(leaf: Any) -> Any:
     return leaf.conj().resolve_conj()
 
@@ -153,18 +155,10 @@ def from_parts(re: Any, im: Any) -> Any:
     return re + 1j * im
 
 
-def laid_out_ravel(leaves: list[Any]) -> None:
-    return None
-
-
 def private_copy(leaf: Any) -> Any:
     """A copy f may write into: torch checks an in-place write to an inference tensor only after
     the kernel ran, so f never gets the caller's tensor itself."""
     return leaf.clone()
-
-
-def eval_shape(fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]]) -> None:
-    return None  # (no abstract evaluation: f is evaluated at zeros)
 
 
 _SELF = sys.modules[__name__]
@@ -190,6 +184,10 @@ def values(leaf: Any) -> np.ndarray:
 opened = unopened
 traced = untraced
 trace_of = no_trace
+dtype_scope = no_scope
+eval_shape = no_eval_shape
+laid_out_ravel = no_ravel
+layout = no_layout
 
 
 def describe(signature: tuple[Any, ...]) -> str:
