@@ -227,7 +227,7 @@ class _DynamicView(Call):
     rebuild: Callable[[Any], Any]
 
 
-def _dynamic_view(op: Operator, adapter: Adapter, call: Call) -> tuple[Call, list[int] | None]:
+def _dynamic_view(adapter: Adapter, call: Call) -> tuple[Call, list[int] | None]:
     """``call`` itself where every leaf of x is differentiated (or none is: then x is refused
     as before); else the :class:`_DynamicView` of its leaves to differentiate, and their indices."""
     static = [_is_static(leaf) for leaf in call.x_leaves]

@@ -254,7 +254,7 @@ def _program_of(
     row = info(backend)
     adapter = adapter_for(backend)
     full_call = call
-    call, dynamic_index = _dynamic_view(op, adapter, call)  # from here on, x's leaves to differentiate
+    call, dynamic_index = _dynamic_view(adapter, call)  # from here on, x's leaves to differentiate
     _check_x(op, backend, row.any_array_type, call)
     if op.tangent is not None:
         _check_tangent_kinds(op, backend, row.any_array_type, call)

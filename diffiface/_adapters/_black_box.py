@@ -556,7 +556,7 @@ def _blocks(matrix: np.ndarray, layout: list[Any], point: _Point) -> Blocks:
     return tuple(rows)
 
 
-def _hessian_blocks(matrix: np.ndarray, point: _Point, layout: list[Any]) -> Blocks:
+def _hessian_blocks(matrix: np.ndarray, point: _Point) -> Blocks:
     """Blocks ``(i, j)`` in the dtype of x's leaves (float32 x gets a float32 Hessian)."""
     dtypes = point.dtypes
     return tuple(

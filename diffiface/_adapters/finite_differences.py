@@ -407,8 +407,7 @@ class Adapter(BlackBoxAdapter):
                 ej[j] = h[j]
                 value = (f(x + ei + ej) - f(x + ei - ej) - f(x - ei + ej) + f(x - ei - ej)) / (4 * h[i] * h[j])
                 hessian[i, j] = hessian[j, i] = value
-        layout = [(shape, np.dtype(np.float64)) for shape in point.shapes]
-        return out, aux, grads, _hessian_blocks(hessian, point, layout)
+        return out, aux, grads, _hessian_blocks(hessian, point)
 
     def gradient_and_hvp(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Leaves, Leaves]:
         self._check_size(xs, "A Hessian-vector product")

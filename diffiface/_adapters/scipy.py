@@ -218,8 +218,8 @@ class Adapter(BlackBoxAdapter):
         out, aux, hess, hess_err, point = self._hessian(fn, xs)
         _, _, grads = self.value_and_gradient(fn, xs)
         grad_err = self._local.error[2]
-        self._local.error = (_zeros_like(out), None, grad_err, _hessian_blocks(hess_err, point, []))
-        return out, aux, grads, _hessian_blocks(hess, point, [])
+        self._local.error = (_zeros_like(out), None, grad_err, _hessian_blocks(hess_err, point))
+        return out, aux, grads, _hessian_blocks(hess, point)
 
     def gradient_and_hvp(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Leaves, Leaves]:
         out, aux, grads, (hv,) = self.gradient_and_hvps(fn, xs, (txs,))

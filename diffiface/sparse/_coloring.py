@@ -258,7 +258,7 @@ def _star(pattern: csr_array, order: str) -> np.ndarray:
     elif order == "largest_first":
         visit = np.argsort(-np.diff(graph.indptr), kind="stable").tolist()
     else:
-        visit = _graph_order(graph, order)
+        visit = _graph_order(graph)
     color = [-1] * n
     seen = [0] * n  # per vertex: the colors of its colored neighbors, as bits
     twice = [0] * n  # per colored w: colors of neighbors x with >= 2 neighbors of w's color

@@ -218,7 +218,7 @@ def jacobian_pattern(
             )
         return p
     if isinstance(detector, LocalDetector):
-        return _local(f, x, contexts, detector, backend, n, hessian=False)
+        return _local(f, x, contexts, detector, backend, hessian=False)
     return _global(f, x, values, detector, backend, hessian=False).pattern
 
 
@@ -257,7 +257,7 @@ def hessian_pattern(
             )
         return as_pattern(p + p.T, what="known Hessian pattern")
     if isinstance(detector, LocalDetector):
-        return _local(f, x, contexts, detector, backend, n, hessian=True)
+        return _local(f, x, contexts, detector, backend, hessian=True)
     return _global(f, x, values, detector, backend, hessian=True).pattern
 
 
@@ -400,7 +400,6 @@ def _local(
     contexts: tuple[Any, ...],
     detector: LocalDetector,
     backend: Any,
-    n: int,
     hessian: bool,
 ) -> csr_array:
     import scipy.sparse as sp

@@ -126,7 +126,7 @@ def _order(matrix: csr_array, by_column: Any, order: str) -> list[int]:
     row_lengths = np.diff(matrix.indptr).astype(np.float64)
     if float((row_lengths**2).sum()) > GRAPH_LIMIT:
         return _order(matrix, by_column, "largest_first")
-    return _graph_order(_intersection_graph(matrix, by_column), order)
+    return _graph_order(_intersection_graph(matrix, by_column))
 
 
 def _intersection_graph(matrix: csr_array, by_column: Any) -> Any:
@@ -137,7 +137,7 @@ def _intersection_graph(matrix: csr_array, by_column: Any) -> Any:
     return graph
 
 
-def _graph_order(graph: Any, order: str) -> list[int]:
+def _graph_order(graph: Any) -> list[int]:
     """The smallest_last order of the vertices of a symmetric CSR graph (no diagonal): remove a
     vertex of smallest remaining degree, again and again; color in the reverse order. Buckets of
     vertices by degree keep it linear in the edges."""
