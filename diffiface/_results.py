@@ -9,8 +9,9 @@ from typing import Any
 import numpy as np
 import optree
 
-from . import _arrays, _complex, _placement
+from . import _arrays, _complex
 from ._call import _ARRAY_KINDS, _LEAF, Call, Operator, _Output
+from ._families import _jax_placement as _placement
 from ._flatten import structure_unflatten
 from ._tangents import Tangents
 
