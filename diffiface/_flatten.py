@@ -128,9 +128,7 @@ def structure_flatten(spec: Any, key: Any, tree: Any, flatten: Flatten) -> Flatt
     return written
 
 
-def structure_tests(
-    spec: Any, root: str, names: Iterator[str], miss: str = "return MISS"
-) -> tuple[list[str], list[str]] | None:
+def structure_tests(spec: Any, root: str, names: Iterator[str]) -> tuple[list[str], list[str]] | None:
     """The lines of Python that test the nodes of a tree of optree structure ``spec`` held in
     the variable ``root`` (each node's type and length; each ends the function with ``return
     MISS`` where they differ, and a dict with other keys raises KeyError), and the expressions
@@ -142,12 +140,10 @@ def structure_tests(
         return None
     lines: list[str] = []
     leaves: list[str] = []
-    return (lines, leaves) if _write(spec, root, lines, leaves, names, miss) else None
+    return (lines, leaves) if _write(spec, root, lines, leaves, names) else None
 
 
-def _write(
-    node: Any, expr: str, lines: list[str], leaves: list[str], names: Iterator[str], miss: str = "return MISS"
-) -> bool:
+def _write(node: Any, expr: str, lines: list[str], leaves: list[str], names: Iterator[str]) -> bool:
     """Append the lines that test ``node``'s type and size at ``expr``, and its leaves'
     expressions; False where a node is of a kind not written for."""
     if node.is_leaf():
@@ -155,7 +151,7 @@ def _write(
         return True
     kind = node.type
     if kind is type(None):
-        lines.append(f"if {expr} is not None: {miss}")
+        lines.append(f"if {expr} is not None: return MISS")
         return True
     if kind not in (tuple, list, dict):
         return False
@@ -164,15 +160,15 @@ def _write(
         return False
     name = next(names)
     lines.append(f"{name} = {expr}")
-    lines.append(f"if type({name}) is not {kind.__name__} or len({name}) != {len(entries)}: {miss}")
+    lines.append(f"if type({name}) is not {kind.__name__} or len({name}) != {len(entries)}: return MISS")
     if kind is dict and len(entries) > 1:  # (results mirror x's keys in x's order: another order misses)
         order = tuple(node.unflatten(list(range(node.num_leaves))))
         if len(order) == 2:  # (its keys are indexed below: the first one tells the order)
-            lines.append(f"if next(iter({name})) != {order[0]!r}: {miss}")
+            lines.append(f"if next(iter({name})) != {order[0]!r}: return MISS")
         else:
-            lines.append(f"if tuple({name}) != {order!r}: {miss}")
+            lines.append(f"if tuple({name}) != {order!r}: return MISS")
     return all(
-        _write(child, f"{name}[{entry!r}]", lines, leaves, names, miss)
+        _write(child, f"{name}[{entry!r}]", lines, leaves, names)
         for child, entry in zip(node.children(), entries, strict=True)
     )
 
