@@ -45,7 +45,6 @@ Leaves = tuple[Any, ...]
 
 _COMPLEX_DTYPES = frozenset({"complex64", "complex128"})
 _REAL_OF = {"complex64": "float32", "complex128": "float64"}
-_COMPLEX_OF = {"float32": "complex64", "float64": "complex128"}
 _JACOBIAN_FAMILY = frozenset({"value_and_jacobian", "value_and_derivative"})
 
 

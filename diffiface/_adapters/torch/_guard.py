@@ -248,7 +248,6 @@ _transform_level = torch._C._functorch.peek_interpreter_stack
 _version = operator.attrgetter("_version")
 _requires_grad = operator.attrgetter("requires_grad")
 _requiring = torch.Tensor.requires_grad_
-_inference = torch.Tensor.is_inference
 _STRIDED = torch.strided
 
 
