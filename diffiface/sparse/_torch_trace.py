@@ -841,31 +841,20 @@ class _Interpreter:
         kernel = self._value_or_none(weight)
         if kernel is None:
             kernel = np.ones(w_shape, dtype=bool)
-        pairs = _conv_transpose_pairs if transposed else _conv_pairs
-        pairs_in, pairs_w = pairs(in_shape, w_shape, shape, kernel, stride, padding, dilation, groups)
+        pairs_in, pairs_w = _conv_pairs(in_shape, w_shape, shape, kernel, stride, padding, dilation, groups, transposed)
         import scipy.sparse as sp
 
         out_size = sets.size(shape)
+        # each operand's elements that each output element reads: (output, operand) index pairs
+        operands = [(source, pairs_in, sets.size(in_shape)), (weight, pairs_w, sets.size(w_shape))]
+        if bias is not None and hasattr(bias, "op"):
+            operands.append((bias, (np.arange(out_size), np.indices(shape)[1].reshape(-1)), shape[1]))
         parts = []
-        x_rows = self.rows.get(source)
-        w_rows = self.rows.get(weight)
-        if x_rows is not None:
-            m = sp.csr_array(
-                (np.ones(pairs_in[0].size, dtype=np.float32), pairs_in), shape=(out_size, sets.size(in_shape))
-            )
-            parts.append(sets.apply(m, x_rows))
-        if w_rows is not None:
-            m = sp.csr_array(
-                (np.ones(pairs_w[0].size, dtype=np.float32), pairs_w), shape=(out_size, sets.size(w_shape))
-            )
-            parts.append(sets.apply(m, w_rows))
-        if bias is not None and hasattr(bias, "op") and self.rows.get(bias) is not None:
-            channel = np.indices(shape)[1].reshape(-1)
-            m = sp.csr_array(
-                (np.ones(out_size, dtype=np.float32), (np.arange(out_size), channel)), shape=(out_size, shape[1])
-            )
-            parts.append(sets.apply(m, self.rows.get(bias)))
-        if self.pairs is not None and x_rows is not None and w_rows is not None:
+        for operand, (rows, cols), columns in operands:
+            if self.rows.get(operand) is not None:
+                m = sp.csr_array((np.ones(rows.size, dtype=np.float32), (rows, cols)), shape=(out_size, columns))
+                parts.append(sets.apply(m, self.rows[operand]))
+        if self.pairs is not None and self.rows.get(source) is not None and self.rows.get(weight) is not None:
             self.pairs.add_all(sets.all_of(sets.union(parts), 1))
         return sets.union(parts)
 
@@ -1000,88 +989,47 @@ def _conv_pairs(
     padding: Sequence[int],
     dilation: Sequence[int],
     groups: int,
+    transposed: bool,
 ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
     """(output, input) and (output, weight) flat index pairs of a convolution, where the kernel may be
-    nonzero. Input (B, C, *L), weight (O, C / groups, *K), output (B, O, *L_out)."""
+    nonzero. Input (B, C, *L), weight (O, C / groups, *K), output (B, O, *L_out).
+
+    Transposed, the weight is (C, O / groups, *K): input element (b, c, *l) adds ``w[c, o_local, *k]``
+    times itself into output (b, o, *(l * stride - padding + k * dilation)), o the channel o_local
+    of c's group; an output padding only lengthens L_out (its elements read nothing)."""
+    # Both are one geometry: tap w[g, local, *k] joins position p of channel g on the grid's side
+    # (a convolution's output, a transposed one's input) to position p * stride - padding +
+    # k * dilation of channel ``local`` of g's group on the other side, where that lies inside it.
+    grid_shape, other_shape = (in_shape, out_shape) if transposed else (out_shape, in_shape)
     spatial = len(in_shape) - 2
-    batch, channels = in_shape[0], in_shape[1]
-    outs = w_shape[0]
-    per_group_in = w_shape[1]
-    per_group_out = outs // groups
-    # every (o, c_local, *k) tap where the kernel may be nonzero
     taps = np.argwhere(kernel.reshape(w_shape))
-    o_idx, c_local = taps[:, 0], taps[:, 1]
+    g_idx, local = taps[:, 0], taps[:, 1]
     k_idx = taps[:, 2:]
-    c_idx = (o_idx // per_group_out) * per_group_in + c_local
+    other_idx = (g_idx // (w_shape[0] // groups)) * w_shape[1] + local
     w_flat: Any = np.ravel_multi_index(tuple(taps.T), tuple(w_shape)) if taps.size else np.zeros(0, dtype=np.int64)
-    out_spatial = tuple(out_shape[2:])
-    grid = np.indices(out_spatial).reshape(spatial, -1).T  # (P, spatial)
+    grid = np.indices(tuple(grid_shape[2:])).reshape(spatial, -1).T  # (P, spatial)
     in_rows, in_cols, w_rows, w_cols = [], [], [], []
-    for b in range(batch):
+    for b in range(in_shape[0]):
         for t in range(taps.shape[0]):
             location = grid * np.asarray(stride) - np.asarray(padding) + k_idx[t] * np.asarray(dilation)
-            inside = np.all((location >= 0) & (location < np.asarray(in_shape[2:])), axis=1)
-            out_flat = np.ravel_multi_index(
-                (np.full(grid.shape[0], b), np.full(grid.shape[0], o_idx[t]), *grid.T), tuple(out_shape)
+            inside = np.all((location >= 0) & (location < np.asarray(other_shape[2:])), axis=1)
+            grid_flat = np.ravel_multi_index(
+                (np.full(grid.shape[0], b), np.full(grid.shape[0], g_idx[t]), *grid.T), tuple(grid_shape)
             )
-            w_rows.append(out_flat)
-            w_cols.append(np.full(out_flat.size, w_flat[t]))
             loc = location[inside]
-            in_flat = np.ravel_multi_index(
-                (np.full(loc.shape[0], b), np.full(loc.shape[0], c_idx[t]), *loc.T), tuple(in_shape)
+            other_flat = np.ravel_multi_index(
+                (np.full(loc.shape[0], b), np.full(loc.shape[0], other_idx[t]), *loc.T), tuple(other_shape)
             )
-            in_rows.append(out_flat[inside])
-            in_cols.append(in_flat)
-    del channels
-    cat = np.concatenate
-    empty = np.zeros(0, dtype=np.int64)
-    return (
-        (cat(in_rows) if in_rows else empty, cat(in_cols) if in_cols else empty),
-        (cat(w_rows) if w_rows else empty, cat(w_cols) if w_cols else empty),
-    )
-
-
-def _conv_transpose_pairs(
-    in_shape: Sequence[int],
-    w_shape: Sequence[int],
-    out_shape: Sequence[int],
-    kernel: np.ndarray,
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    groups: int,
-) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
-    """(output, input) and (output, weight) flat index pairs of a transposed convolution, where the
-    kernel may be nonzero: input element (b, c, *l) adds ``w[c, o_local, *k]`` times itself into
-    output (b, o, *(l * stride - padding + k * dilation)), o the channel o_local of c's group.
-    Input (B, C, *L), weight (C, O / groups, *K), output (B, O, *L_out); an output padding only
-    lengthens L_out (its elements read nothing)."""
-    spatial = len(in_shape) - 2
-    batch, channels = in_shape[0], in_shape[1]
-    per_group_in = channels // groups
-    per_group_out = w_shape[1]
-    taps = np.argwhere(kernel.reshape(w_shape))
-    c_idx, o_local = taps[:, 0], taps[:, 1]
-    k_idx = taps[:, 2:]
-    o_idx = (c_idx // per_group_in) * per_group_out + o_local
-    w_flat: Any = np.ravel_multi_index(tuple(taps.T), tuple(w_shape)) if taps.size else np.zeros(0, dtype=np.int64)
-    grid = np.indices(tuple(in_shape[2:])).reshape(spatial, -1).T  # (P, spatial): input positions
-    in_rows, in_cols, w_rows, w_cols = [], [], [], []
-    for b in range(batch):
-        for t in range(taps.shape[0]):
-            location = grid * np.asarray(stride) - np.asarray(padding) + k_idx[t] * np.asarray(dilation)
-            inside = np.all((location >= 0) & (location < np.asarray(out_shape[2:])), axis=1)
-            loc = location[inside]
-            out_flat = np.ravel_multi_index(
-                (np.full(loc.shape[0], b), np.full(loc.shape[0], o_idx[t]), *loc.T), tuple(out_shape)
-            )
-            in_flat = np.ravel_multi_index(
-                (np.full(loc.shape[0], b), np.full(loc.shape[0], c_idx[t]), *grid[inside].T), tuple(in_shape)
-            )
-            in_rows.append(out_flat)
-            in_cols.append(in_flat)
-            w_rows.append(out_flat)
-            w_cols.append(np.full(out_flat.size, w_flat[t]))
+            if transposed:
+                in_rows.append(other_flat)
+                in_cols.append(grid_flat[inside])
+                weighted = other_flat
+            else:
+                in_rows.append(grid_flat[inside])
+                in_cols.append(other_flat)
+                weighted = grid_flat  # (every output position of the channel reads the tap's weight)
+            w_rows.append(weighted)
+            w_cols.append(np.full(weighted.size, w_flat[t]))
     cat = np.concatenate
     empty = np.zeros(0, dtype=np.int64)
     return (
