@@ -717,6 +717,7 @@ def _window_sources(
 
 
 def _selection(rows: np.ndarray, cols: np.ndarray, shape: tuple[int, int]) -> Any:
+    """The boolean matrix of this shape that holds True at each (rows[k], cols[k])."""
     import scipy.sparse as sp
 
     return sp.csr_array((np.ones(rows.size, dtype=bool), (rows, cols)), shape=shape)
@@ -788,13 +789,10 @@ def _scatter(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> li
 
 def _reduction_matrix(shape: tuple[int, ...], axes: Sequence[int]) -> Any:
     """outputs x inputs: which input elements each output of a reduction over ``axes`` combines."""
-    import scipy.sparse as sp
-
     kept = [1 if a in axes else d for a, d in enumerate(shape)]
     out_size = int(np.prod(kept, dtype=np.int64))
     dest = np.broadcast_to(np.arange(out_size).reshape(kept), shape).reshape(-1)
-    size = dest.size
-    return sp.csr_array((np.ones(size, dtype=bool), (dest, np.arange(size))), shape=(out_size, size))
+    return _selection(dest, np.arange(dest.size), (out_size, dest.size))
 
 
 @_rule("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin", "reduce_and", "reduce_or")
@@ -805,8 +803,6 @@ def _reduce(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> lis
 
 @_rule("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
 def _cumulative(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
-    import scipy.sparse as sp
-
     shape = _shape(eqn.invars[0])
     axis = eqn.params["axis"]
     reverse = eqn.params.get("reverse", False)
@@ -816,9 +812,7 @@ def _cumulative(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) ->
     out_k, in_k = np.tril_indices(length) if not reverse else np.triu_indices(length)
     rows = lines[:, out_k].reshape(-1)
     cols = lines[:, in_k].reshape(-1)
-    size = pos.size
-    matrix = sp.csr_array((np.ones(rows.size, dtype=bool), (rows, cols)), shape=(size, size))
-    return [it.combine(matrix, ps[0])]
+    return [it.combine(_selection(rows, cols, (pos.size, pos.size)), ps[0])]
 
 
 @_rule("sort", "top_k")
@@ -842,8 +836,6 @@ def _sort(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[
 def _dot_general(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
     """out[b, i, j] unites lhs[b, i, k] where rhs[b, k, j] may be nonzero, and rhs[b, k, j] where
     lhs[b, i, k] may be nonzero (a known operand's zeros are zeros)."""
-    import scipy.sparse as sp
-
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     lhs, rhs = eqn.invars
     ls, rs = _shape(lhs), _shape(rhs)
@@ -874,19 +866,13 @@ def _dot_general(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -
         i = np.arange(I)
         rows = ((b * I)[:, None] + i[None, :]) * J + j[:, None]
         cols = lpos[b[:, None], i[None, :], k[:, None]]
-        matrix = sp.csr_array(
-            (np.ones(rows.size, dtype=bool), (rows.reshape(-1), cols.reshape(-1))), shape=(out_size, lpos.size)
-        )
-        pieces.append(it.combine(matrix, ps[0]))
+        pieces.append(it.combine(_selection(rows.reshape(-1), cols.reshape(-1), (out_size, lpos.size)), ps[0]))
     if ps[1] is not None:
         b, i, k = np.nonzero(lmay)
         j = np.arange(J)
         rows = ((b * I + i) * J)[:, None] + j[None, :]
         cols = rpos[b[:, None], k[:, None], j[None, :]]
-        matrix = sp.csr_array(
-            (np.ones(rows.size, dtype=bool), (rows.reshape(-1), cols.reshape(-1))), shape=(out_size, rpos.size)
-        )
-        pieces.append(it.combine(matrix, ps[1]))
+        pieces.append(it.combine(_selection(rows.reshape(-1), cols.reshape(-1), (out_size, rpos.size)), ps[1]))
     return [it.union(pieces)]
 
 
@@ -914,7 +900,6 @@ def _conv(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[
     of o's group where the kernel may be nonzero, and rhs[o, i, t] where that lhs element may be
     nonzero. ``source(t, s)`` (strides, padding, dilations) is computed by jax itself: one
     convolution of the spatial positions with one one-hot kernel per tap."""
-    import scipy.sparse as sp
 
     params = eqn.params
     if params["batch_group_count"] != 1:
@@ -970,18 +955,10 @@ def _conv(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[
         source_valid = np.broadcast_to(src >= 0, valid.shape)
         rows_l = np.broadcast_to(out_flat[n, o[:, None, None], so[None, None, :]], valid.shape)[source_valid]
         cols_l = np.broadcast_to(lhs_flat[n, i[:, None, None], np.maximum(src, 0)], valid.shape)[source_valid]
-        pieces.append(
-            it.combine(
-                sp.csr_array((np.ones(rows_l.size, dtype=bool), (rows_l, cols_l)), shape=(out_size, lhs_size)), ps[0]
-            )
-        )
+        pieces.append(it.combine(_selection(rows_l, cols_l, (out_size, lhs_size)), ps[0]))
     if ps[1] is not None:
         cols_r = np.broadcast_to(rhs_flat[o, ig, t][:, None, None], valid.shape)[valid]
-        pieces.append(
-            it.combine(
-                sp.csr_array((np.ones(rows.size, dtype=bool), (rows, cols_r)), shape=(out_size, rhs_size)), ps[1]
-            )
-        )
+        pieces.append(it.combine(_selection(rows, cols_r, (out_size, rhs_size)), ps[1]))
     return [it.union(pieces)]
 
 
@@ -1242,8 +1219,5 @@ def _scan_unrolled(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any])
 
 def _fold(length: int, per: int) -> Any:
     """per x (length * per): element e of a slice gathers element e of every slice."""
-    import scipy.sparse as sp
-
     cols = np.arange(length * per)
-    rows = cols % per
-    return sp.csr_array((np.ones(cols.size, dtype=bool), (rows, cols)), shape=(per, length * per))
+    return _selection(cols % per, cols, (per, length * per))
