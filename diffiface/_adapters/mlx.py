@@ -8,7 +8,10 @@ are its arguments, other context leaves (floats included) are compile-time const
 program per value. A jvp of a real x is the adjoint of the pullback (:func:`_pushed`), so that
 every product follows a ``mx.custom_function``'s ``vjp`` rule, as the gradient does; the hvp and
 the Hessian are reverse over reverse. Batches of products (Jacobians, Hessians, batched jvps and
-vjps) are one ``mx.vmap`` of such a product.
+vjps) are a loop of such products, not one ``mx.vmap`` of them: mlx's vmap of a vjp through a
+write into a slice (``y[1:3] = ...``) leaves the overwritten entries' cotangents in place, a wrong
+row with no error, where each vjp alone is right. Forward-mode columns (a complex x's) are one
+vmap of ``mx.jvp``, which that write does not mislead.
 """
 
 from __future__ import annotations
@@ -167,7 +170,7 @@ class _ByForwardMode:
 
 class _Pullback:
     """The pullback of ``outputs`` (f's output as a list of arrays) at ``xs``: mlx's vjp takes
-    its cotangents with the primal, so each cotangent runs one ``mx.vjp`` (a batch, one vmap)."""
+    its cotangents with the primal, so each cotangent runs one ``mx.vjp``."""
 
     __slots__ = ("one", "outputs", "xs")
 
@@ -413,38 +416,6 @@ class Adapter(_base.Adapter):
             return super().value_gradient_and_hessian(fn, xs)
         grads, (value, aux), blocks = self.value_and_jacobian(self.gradient_function(fn), xs, "reverse")
         return value, aux, grads, blocks
-
-    # -- batches: one vmap ----------------------------------------------------------------------
-
-    def value_and_pushforwards(self, fn: Fn, xs: Leaves, batch: Sequence[Leaves]) -> tuple[Any, Any, list[Any]]:
-        if len(batch) < 2 or not xs:
-            return super().value_and_pushforwards(fn, xs, batch)
-        xs = tuple(_mx(xs))
-        out, aux = fn(_own(xs))
-        outputs = self._outputs(fn)
-        stacked = [mx.stack(_mx([txs[j] for txs in batch])) for j in range(len(xs))]
-
-        def tangents(*ts: Any) -> list[Any]:
-            return list(_pushed(outputs, list(xs), list(ts))[1])
-
-        touts = mx.vmap(tangents)(*stacked)  # one program for the whole batch
-        if isinstance(out, tuple):
-            return out, aux, [tuple(t[k] for t in touts) for k in range(len(batch))]
-        return out, aux, [touts[0][k] for k in range(len(batch))]
-
-    def pullbacks(self, vjp: Callable[[Any], Leaves], xs: Leaves, batch: Sequence[Any]) -> list[Leaves]:
-        if len(batch) < 2 or not xs or not isinstance(vjp, _Pullback):
-            return super().pullbacks(vjp, xs, batch)
-        one = vjp.one
-        columns = [[b] if one else list(b) for b in batch]
-        stacked = [mx.stack(_mx([c[i] for c in columns])) for i in range(len(columns[0]))]
-        outputs, primals = vjp.outputs, _mx(xs)
-
-        def cotangents(*cts: Any) -> list[Any]:
-            return list(mx.vjp(outputs, primals, list(cts))[1])
-
-        grads = mx.vmap(cotangents)(*stacked)  # one program for the whole batch
-        return [tuple(g[k] for g in grads) for k in range(len(batch))]
 
     def basis(self, like: Any, index: int) -> Any:
         size = int(np.prod(like.shape))
