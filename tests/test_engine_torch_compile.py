@@ -9,11 +9,14 @@ recipe, a tree's value and gradient, a closure changed between calls (compiled a
 stale, with the first compile's refusals), a caller's eager stance, and the refusals (a compiled
 call differentiated from outside, a graph break, a Cache holding a traced tensor, a write into x
 or a Constant), and what runs uncompiled: an f with a torch.autograd.Function, and a prep past
-torch's recompile limit.
+torch's recompile limit; a number Constant of -0.0 and a numpy scalar Constant.
 """
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 
 import diffiface as di
@@ -257,6 +260,39 @@ def test_a_number_new_on_every_call_runs_uncompiled_at_the_limit() -> None:
         grad = di.gradient(f, COMPILED, x, di.Constant(ts[limit]), prep=prep)
     torch.testing.assert_close(grad, 2 * ts[limit] * x)
     torch.testing.assert_close(di.gradient(f, COMPILED, x, di.Constant(ts[-1]), prep=prep), 2 * ts[-1] * x)
+
+
+def test_a_negative_zero_number_gets_a_graph_of_its_own() -> None:
+    # torch.compile's guards compare a number with ==, for which -0.0 is 0.0: the graph compiled
+    # for c = 0.0 gave 1 / c = +inf where c = -0.0 asks for -inf, prepared or not
+    x = torch.tensor([1.0, 2.0], dtype=torch.float64)
+
+    def f(x, c):
+        return torch.sum(x / c)
+
+    prep = di.prepare_gradient(f, COMPILED, x, di.Constant(0.0))
+    for c in (0.0, -0.0, 0.0, -0.0):
+        expected = torch.full_like(x, math.copysign(math.inf, c))
+        torch.testing.assert_close(di.gradient(f, COMPILED, x, di.Constant(c), prep=prep), expected)
+        torch.testing.assert_close(di.gradient(f, COMPILED, x, di.Constant(c)), expected)
+
+    def g(x, c):  # (a complex number: the sign of a zero part)
+        return torch.sum(x / c.real)
+
+    prep = di.prepare_gradient(g, COMPILED, x, di.Constant(0j))
+    assert torch.all(di.gradient(g, COMPILED, x, di.Constant(0j), prep=prep) == math.inf)
+    assert torch.all(di.gradient(g, COMPILED, x, di.Constant(complex(-0.0, 0.0)), prep=prep) == -math.inf)
+
+
+def test_a_numpy_scalar_constant_is_the_number_it_holds() -> None:
+    # torch.compile's trace of an np.float64 under torch.func raised torch's own AssertionError
+    x = torch.tensor([1.0, 2.0], dtype=torch.float64)
+
+    def f(x, c):
+        return torch.sum(x**2 * c)
+
+    for c in (np.float64(3.0), np.float32(3.0), np.int64(3)):
+        torch.testing.assert_close(di.gradient(f, COMPILED, x, di.Constant(c)), 6 * x)
 
 
 def test_second_order_over_a_compiled_program_is_refused() -> None:

@@ -27,6 +27,7 @@ program compiled as one graph, whose later calls run that graph alone.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import types
 import warnings
@@ -34,6 +35,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import optree
 import torch
 import torch.autograd.forward_ad as _forward_ad
@@ -386,6 +388,25 @@ class _Retraced:
             stack.pop()
 
 
+def _negative_zeros(key: tuple[Any, ...]) -> tuple[int, ...]:
+    """The static context leaves (by their keys, :func:`~diffiface._keys.static_key`) that hold
+    a negative zero. torch.compile's guards compare a number with ``==``, for which ``-0.0`` is
+    ``0.0``, so a graph compiled for one would serve the other (``1 / c``, ``atan2`` and
+    ``copysign`` tell them apart): such calls take programs of their own."""
+    return tuple(i for i, leaf in enumerate(key) if _holds_negative_zero(leaf))
+
+
+def _holds_negative_zero(key: Any) -> bool:
+    if type(key) is tuple:
+        return any(map(_holds_negative_zero, key))
+    if type(key) is str:
+        return key == _NEGATIVE_ZERO
+    return isinstance(key, (float, np.floating)) and key == 0 and math.copysign(1.0, key) < 0
+
+
+_NEGATIVE_ZERO = (-0.0).hex()  # (a Python float's key holds its bits so written)
+
+
 _TRACED_TYPES = (torch.Tensor, torch.nn.Parameter)
 """The leaves the retracing tier takes (``traces_call``): torch.compile's guards check their
 shapes, dtypes, devices, strides and flags."""
@@ -425,10 +446,16 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
                 _guard(program, True, False, parts) if parts is not None else _guard(program, True, False)
             )  # (no fused call: the compiled program is the call)
             programs = _Programs()
+            signed: dict[tuple[int, ...], _Programs] = {}  # (by the static leaves that are -0.0)
             stack = _CURRENT.stack
 
             def run(xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
-                stack.append(programs)
+                found = programs
+                if static is not None:
+                    zeros = _negative_zeros(static.key)
+                    if zeros:
+                        found = signed.get(zeros) or signed.setdefault(zeros, _Programs())
+                stack.append(found)
                 try:
                     return guarded(xs, ts, dynamic, static)
                 finally:
@@ -436,6 +463,14 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
 
             run.programs = programs  # type: ignore[attr-defined]  # (for the tests: what was compiled)
             return run
+
+        def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
+            # a numpy scalar is taken as the Python number it holds, which every torch operation
+            # takes alike: torch.compile's trace of one under torch.func's transforms fails on
+            # a guard of its own (an AssertionError of torch's, no result)
+            if isinstance(leaf, (np.number, np.bool_)):
+                leaf = leaf.item()
+            return super().context_to_native(leaf, like)  # type: ignore[no-any-return]
 
         def returns_like(self, leaf: Any) -> bool:
             return type(leaf) is torch.Tensor  # (a compiled graph's results are plain tensors)
