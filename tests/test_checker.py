@@ -461,6 +461,54 @@ def test_projections_catch_a_one_percent_error_on_small_projections():
         check_gradients(lambda v: wrong(v).sum(), x, backends=["torch"])
 
 
+def _least_squares(seed: int, at_optimum: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A float32 least-squares problem past the projection threshold: 64 equations, 4097 unknowns;
+    at its optimum the residual is 0 in float64, and a float32 gradient is its rounding alone."""
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((64, 4097))
+    b = rng.standard_normal(64)
+    w = rng.standard_normal(4097)
+    if at_optimum:
+        w = w - np.linalg.lstsq(a, a @ w - b, rcond=None)[0]
+    return a.astype(np.float32), b.astype(np.float32), w.astype(np.float32)
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_projections_allow_a_float32_engines_own_rounding(backend):
+    # expected: at the optimum the float32 gradient (1e-4) was compared with the float64 truth (0)
+    # with no allowance for its rounding, which per entry it gets, and failed on every seed
+    module = pytest.importorskip(backend)
+    a, b, w = _least_squares(0, at_optimum=True)
+    if backend == "torch":
+        x, constants = module.tensor(w), (di.Constant(module.tensor(a)), di.Constant(module.tensor(b)))
+    else:
+        x, constants = (
+            module.numpy.asarray(w),
+            (di.Constant(module.numpy.asarray(a)), di.Constant(module.numpy.asarray(b))),
+        )
+
+    def loss(v: Any, a: Any, b: Any) -> Any:
+        return 0.5 * ((a @ v - b) ** 2).sum()
+
+    assert not check_gradients(loss, x, *constants, backends=[backend]).failed
+
+
+def test_projections_with_the_rounding_allowance_still_catch_a_wrong_float32_gradient():
+    torch = pytest.importorskip("torch")
+    identity = _scaled_backward(torch, lambda v: v.view_as(v), lambda v: torch.ones_like(v))
+
+    def loss(v: Any, a: Any, b: Any) -> Any:
+        return 0.5 * ((a @ identity(v) - b) ** 2).sum()
+
+    for at_optimum in (False, True):
+        a, b, w = _least_squares(1, at_optimum)
+        if at_optimum:  # (near it: a small gradient, of which its float32 rounding is a larger part)
+            w = w + np.float32(1e-3) * np.random.default_rng(2).standard_normal(w.size).astype(np.float32)
+        constants = (di.Constant(torch.tensor(a)), di.Constant(torch.tensor(b)))
+        with pytest.raises(di.GradientCheckError, match="projection"):
+            check_gradients(loss, torch.tensor(w), *constants, backends=["torch"])
+
+
 # -- 6. determinism within rounding ------------------------------------------------------------------------
 
 

@@ -160,8 +160,8 @@ def check_gradients(
 
     For a large ``x`` (more than 4096 numbers, or when ``projections`` is given) the comparison is
     on ``k`` random directions ``u``: ``u . grad f`` against a central difference of
-    ``t -> f(x + t u)`` (``2k`` evaluations), the direction of the worst disagreement checked by
-    the Taylor test.
+    ``t -> f(x + t u)`` (``2k`` evaluations), a float32 engine's own rounding along ``u`` allowed
+    as an entry's is, the direction of the worst disagreement checked by the Taylor test.
 
     With ``has_aux=True``, ``f`` returns ``(value, aux)``: the value is differentiated and the
     aux ignored (it must be deterministic too). A given ``reference`` backend replaces the ground
@@ -1063,7 +1063,12 @@ class _Check:
         return np.repeat(np.asarray(per_leaf, dtype=np.float64), np.diff(self.flat.offsets))
 
     def _own_rounding(self, label: str, g: np.ndarray) -> np.ndarray | None:
-        """A narrow-dtype engine's own rounding, per entry: its float32 (float16, bfloat16)
+        """:meth:`_own_difference` as a size per entry."""
+        difference = self._own_difference(label, g)
+        return None if difference is None else np.abs(difference)
+
+    def _own_difference(self, label: str, g: np.ndarray) -> np.ndarray | None:
+        """A narrow-dtype engine's own rounding, per entry, signed: its float32 (float16, bfloat16)
         gradient against the same engine's gradient on the float64 copies of x and the Constants,
         where f computes the same value there. Cancellation in a float32 backward pass (sinc near
         0: two terms of size 1/|x| subtracted) costs an entry far more than the float32 epsilon of
@@ -1089,7 +1094,7 @@ class _Check:
                     _, wide = di.value_and_gradient(self.counted, backend, x, *contexts, has_aux=True)
                 else:
                     wide = di.gradient(self.counted, backend, x, *contexts)
-            own: np.ndarray = np.abs(g - self.truth_flat.read(wide))
+            own: np.ndarray = g - self.truth_flat.read(wide)
             with _warnings_apart(self._row(label)):
                 if self.has_aux:
                     _, again = di.value_and_gradient(self.counted, backend, self.x, *self.contexts, has_aux=True)
@@ -1321,6 +1326,10 @@ class _Check:
         magnitude = float(np.max(np.abs(values), initial=0.0))
         worst: tuple[float, int] | None = None
         failing: set[str] = set()
+        # (asked only where a direction fails without it, once per engine: 2 engine calls more)
+        owns = {
+            label: functools.cache(functools.partial(self._own_difference, label, g)) for label, g in gradients.items()
+        }
         for label, g in gradients.items():
             row = self._row(label)
             row.reference = self.label
@@ -1338,6 +1347,12 @@ class _Check:
             row.abs_error = float(np.max(err[np.isfinite(err)], initial=0.0))
             row.rel_error = row.abs_error / magnitude if magnitude else 0.0
             bad = ~(err <= tol) | ~np.isfinite(got)
+            if np.any(bad):
+                # a float32 engine's own rounding along each direction, as the entries get it
+                own = owns[label]()
+                if own is not None:
+                    tol = tol + _SAFETY * np.abs([float(np.dot(own, u)) for u in directions])
+                    bad = ~(err <= tol) | ~np.isfinite(got)
             if np.any(bad):
                 ratio = np.where(bad, np.nan_to_num(err / np.maximum(tol, 1e-300), nan=np.inf, posinf=np.inf), 0.0)
                 j = int(np.argmax(ratio))
@@ -1359,7 +1374,7 @@ class _Check:
                 row = self._row(label)
                 if row.status == "failed" and label not in failing:
                     continue
-                self._apply_taylor(row, taylor, g, fd_failed=label in failing)
+                self._apply_taylor(row, taylor, g, fd_failed=label in failing, own=owns[label])
         self.truth = truth
 
     # -- the Taylor remainder test --------------------------------------------------------------------
@@ -1387,12 +1402,24 @@ class _Check:
         return float(min(0.1, 1000 * eps ** (1 / 3)))
 
     def _apply_taylor(
-        self, row: Row, taylor: _Taylor, g: np.ndarray, fd_failed: bool, reference: np.ndarray | None = None
+        self,
+        row: Row,
+        taylor: _Taylor,
+        g: np.ndarray,
+        fd_failed: bool,
+        reference: np.ndarray | None = None,
+        own: Callable[[], np.ndarray | None] | None = None,
     ) -> str:
-        """The Taylor test's verdict on ``g``, written on ``row``; returned."""
+        """The Taylor test's verdict on ``g``, written on ``row``; returned. ``own``: the engine's
+        own rounding per entry, signed (:meth:`_own_difference`), asked only where the verdict
+        is "wrong" without it."""
         claimed = 0.0 if reference is None else abs(float(np.dot(g - np.nan_to_num(reference), taylor.direction)))
         allowed = float(np.dot(self._narrow_floor(row.backend), np.abs(taylor.direction)))
         verdict, detail = self._verdict(taylor, g, claimed if fd_failed else 0.0, allowed)
+        rounding = own() if own is not None and verdict == "wrong" else None
+        if rounding is not None:
+            allowed += _SAFETY * abs(float(np.dot(rounding, taylor.direction)))
+            verdict, detail = self._verdict(taylor, g, claimed if fd_failed else 0.0, allowed)
         note = f"Taylor test {taylor.why}: {detail}"
         if verdict == "wrong":
             row.status = "failed"
