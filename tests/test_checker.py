@@ -1095,3 +1095,87 @@ def test_a_float32_gradient_below_its_own_resolution_is_not_called_wrong() -> No
     x = torch.tensor([1.1686958, 0.81788754, 0.86432105, 0.8740942, 1.977401])
     report = check_gradients(lambda v: torch.sigmoid(30 * v).sum(), x, backends=["torch"])
     assert not report.failed
+
+
+def _sampled(odd: list[float], even: list[float]) -> str:
+    """The Taylor verdict on f at x +- h v with these odd and even remainders (f(x) = 0)."""
+    from diffiface.test._checking import _Taylor, _taylor_verdict
+
+    steps = [0.1 / 4**k for k in range(len(odd))]
+    slope = 2.0
+    plus = [h * slope + o + e / 2 for h, o, e in zip(steps, odd, even, strict=True)]
+    minus = [-h * slope - o + e / 2 for h, o, e in zip(steps, odd, even, strict=True)]
+    return _taylor_verdict(0.0, _Taylor(np.ones(1), np.array(steps), plus, minus, "along v"), slope, 1e-6, 0.3)[0]
+
+
+def test_remainders_of_steps_crossing_kinks_give_no_first_order_verdict() -> None:
+    # expected: a float32 ReLU network's Taylor steps cross kinks at every scale; over the pair
+    # of steps the verdict read, the remainders shrank as h^1.1-1.3, and a right gradient was
+    # called wrong. Their second differences shrink as h (not h^2), or the remainders fall below
+    # what a first-order error leaves at the shorter steps: no first-order verdict
+    steps = [0.1 / 4**k for k in range(5)]
+    assert _sampled([1.5e-3, 7.4e-4, 1.9e-4, 4.2e-5, 8e-6], [1.3e-3, 3.7e-4, 8.1e-5, 2.5e-5, 9e-6]) == (
+        "not differentiable"
+    )
+    smooth_even = [h * h for h in steps]
+    assert _sampled([3.7e-3, 5.4e-4, 8.6e-5, 6.6e-6, 6.4e-8], smooth_even) == "not differentiable"
+    # a first-order error with a cubic term and a smooth second difference is still wrong
+    assert _sampled([0.01 * h + 0.05 * h**3 for h in steps], smooth_even) == "wrong"
+    assert _sampled([0.01 * h - 0.05 * h**3 for h in steps], smooth_even) == "wrong"
+
+
+def _mlp(
+    torch: Any, activation: Any, seed: int, wrong: Any = None, constants: bool = False
+) -> tuple[Any, dict[str, Any], tuple[Any, ...]]:
+    """A float32 MLP (8 -> 32 -> 1, batch 64) with mean squared error, and the contexts to pass:
+    its data closed over (the truth runs in float32: torch multiplies no float32 batch by float64
+    weights), or with ``constants`` given as Constants (the truth runs on float64 copies);
+    ``wrong`` wraps ``w1`` in a rule of its own."""
+    rng = np.random.default_rng(seed)
+    params = {
+        "w1": torch.tensor(rng.standard_normal((8, 32)) / np.sqrt(8), dtype=torch.float32),
+        "b1": torch.tensor(0.1 * rng.standard_normal(32), dtype=torch.float32),
+        "w2": torch.tensor(rng.standard_normal((32, 1)) / np.sqrt(32), dtype=torch.float32),
+        "b2": torch.tensor(0.1 * rng.standard_normal(1), dtype=torch.float32),
+    }
+    data = (
+        torch.tensor(rng.standard_normal((64, 8)), dtype=torch.float32),
+        torch.tensor(rng.standard_normal((64, 1)), dtype=torch.float32),
+    )
+
+    def loss(p: Any, *given: Any) -> Any:
+        batch, target = given or data
+        w1 = p["w1"] if wrong is None else wrong(p["w1"])
+        hidden = activation(batch @ w1 + p["b1"])
+        return ((hidden @ p["w2"] + p["b2"] - target) ** 2).mean()
+
+    return loss, params, tuple(di.Constant(d) for d in data) if constants else ()
+
+
+@pytest.mark.parametrize("seed", [2, 4])
+def test_a_float32_relu_network_is_not_failed_for_the_kinks_its_steps_cross(seed: int) -> None:
+    # expected: failed, the Taylor test along the disagreement reading kinks as a first-order error
+    torch = pytest.importorskip("torch")
+    loss, params, _ = _mlp(torch, torch.relu, seed)
+    report = check_gradients(loss, params, backends=["torch"])
+    assert not report.failed
+    assert report.rows[0].status == "skipped"
+    assert "the steps cross kinks of f" in report.rows[0].message
+
+
+def test_a_float32_tanh_network_with_a_leaf_one_percent_off_still_fails() -> None:
+    torch = pytest.importorskip("torch")
+    off = _scaled_backward(torch, lambda v: v.view_as(v), lambda v: torch.ones_like(v))
+    loss, params, _ = _mlp(torch, torch.tanh, 2)
+    assert not check_gradients(loss, params, backends=["torch"]).failed
+    loss, params, _ = _mlp(torch, torch.tanh, 2, wrong=off)
+    with pytest.raises(di.GradientCheckError, match=r"\['w1'\]"):
+        check_gradients(loss, params, backends=["torch"])
+
+
+def test_a_relu_network_one_percent_off_still_fails_where_the_truth_runs_in_float64() -> None:
+    torch = pytest.importorskip("torch")
+    off = _scaled_backward(torch, lambda v: v.view_as(v), lambda v: torch.ones_like(v))
+    loss, params, data = _mlp(torch, torch.relu, 2, wrong=off, constants=True)
+    with pytest.raises(di.GradientCheckError, match=r"\['w1'\]"):
+        check_gradients(loss, params, *data, backends=["torch"])

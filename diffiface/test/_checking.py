@@ -150,7 +150,9 @@ def check_gradients(
     remainder test decides, with no step to tune: along a direction ``v``, the remainder
     ``|f(x + hv) - f(x) - h <g, v>|`` over ``h, h/4, ...`` shrinks as ``h**2`` (its odd part as
     ``h**3``) for the right ``g`` and only as ``h`` for a wrong one. Where ``f(x + hv) + f(x - hv)
-    - 2 f(x)`` does not shrink as ``h**2``, f is not differentiable at x along v (a jump or a kink):
+    - 2 f(x)`` does not shrink as ``h**2``, f is not differentiable at x along v (a jump or a kink),
+    and so where a remainder shrinking as ``h`` is no first-order error (it falls away at shorter
+    steps, or f's second difference shows kinks within them: a float32 ReLU network's):
     the row is skipped with that reason, and failed only if the engines disagree with each other
     or if a second look finds the gradient wrong: the test again along the disagreement, without
     the inputs whose own differences show a kink within their step and without steps scaled by
@@ -1597,7 +1599,9 @@ def _taylor_verdict(
             )
         order = _last_order(used, odd, floor)
         expected, remainders = 3.0, odd
+        crossed = _kinks_crossed(used, odd, even, floor, noise)
     else:
+        crossed = None
         one = [i for i in range(len(steps)) if taylor.plus[i] is not None]
         sign = 1.0
         if len(one) < 3:
@@ -1653,6 +1657,11 @@ def _taylor_verdict(
             f"remainders {shown} shrink as h^{order:.2g}, yet at the last step <g, v> may be off by {error:.3g}",
         )
     if 0.7 <= order <= 1.5 and error > _RESOLVES * max(size, 1e-300) * 1e-2:
+        if crossed is not None:
+            return "not differentiable", (
+                f"remainders {shown} shrink as h^{order:.2g}, but not as a first-order error of <g, v> does: "
+                f"{crossed} (the steps cross kinks of f, a ReLU network's, which no first-order term explains)"
+            )
         if error <= allowed:  # (within the rounding of the gradient's narrow dtype)
             return "inconclusive", (
                 f"remainders {shown} shrink only as h^{order:.2g}: <g, v> is off by about {error:.3g}, "
@@ -1660,6 +1669,40 @@ def _taylor_verdict(
             )
         return "wrong", f"remainders {shown} shrink only as h^{order:.2g}: <g, v> is off by about {error:.3g}"
     return "inconclusive", f"remainders {shown} shrink as h^{order:.2g}"
+
+
+def _kinks_crossed(steps: list[float], odd: list[float], even: list[float], floor: float, noise: float) -> str | None:
+    """Why the remainders over the steps that would call ``<g, v>`` wrong are no first-order error
+    of it, where they show f kinked at those steps (None where they do not).
+
+    A first-order error ``e`` makes the odd remainder ``e h + c h**3``: where it shrinks only as
+    ``h`` over two steps, ``c h**2`` is at most a fourteenth of ``e`` there, so over every shorter
+    step it stays above half what ``e h`` predicts (less f's rounding, twice its noise). A remainder
+    falling below that was no first-order term: the longer steps crossed a kink. And f's second
+    difference ``f(x+hv) + f(x-hv) - 2f(x)`` shrinks as ``h**2`` where f is smooth over the steps;
+    over two of them from the deciding pair down, both above the noise floor, shrinking as
+    ``h**1.5`` or slower shows a kink within them (a ReLU network's kinks lie at every scale)."""
+    above = [i for i, r in enumerate(odd) if r > floor]
+    pairs = [(a, b) for a, b in itertools.pairwise(above) if b == a + 1]
+    if not pairs:
+        return None
+    a, b = pairs[-1]
+    slope = odd[b] / steps[b]
+    for j in range(b + 1, len(steps)):
+        if odd[j] < slope * steps[j] / 2 - 2 * noise:
+            return (
+                f"at h = {steps[j]:.2g} the remainder {odd[j]:.2g} is below half the {slope * steps[j]:.2g} "
+                f"a first-order error seen at h = {steps[b]:.2g} leaves"
+            )
+    for i in range(a, len(steps) - 1):
+        if even[i] > floor and even[i + 1] > floor:
+            order = float(np.log(even[i] / even[i + 1]) / np.log(steps[i] / steps[i + 1]))
+            if order < 1.5:
+                return (
+                    f"f(x+hv) + f(x-hv) - 2f(x) shrinks as h^{order:.2g}, not h^2, from h = {steps[i]:.2g} "
+                    f"to {steps[i + 1]:.2g}"
+                )
+    return None
 
 
 def _last_order(steps: list[float], remainders: list[float], floor: float) -> float | None:
