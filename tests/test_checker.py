@@ -509,6 +509,24 @@ def test_projections_with_the_rounding_allowance_still_catch_a_wrong_float32_gra
             check_gradients(loss, torch.tensor(w), *constants, backends=["torch"])
 
 
+def test_a_float32_leaf_one_percent_off_is_caught_where_the_truth_runs_in_float32():
+    # expected: passed. With the data closed over, torch runs the truth in float32 and the
+    # differences are too noisy to judge; the Taylor test along a random projection saw the error
+    # of <g, v> and allowed more for float32's rounding: every entry's floor added up, as along a
+    # disagreement, where along a random direction the entries' rounding errors cancel
+    torch = pytest.importorskip("torch")
+    a, b, w = _least_squares(0, at_optimum=False)
+    data, target = torch.tensor(a), torch.tensor(b)
+
+    def loss(factor: float) -> Any:
+        rule = _scaled_backward(torch, lambda v: v.view_as(v), lambda v: torch.ones_like(v), factor)
+        return lambda v: 0.5 * ((data @ rule(v) - target) ** 2).sum()
+
+    assert not check_gradients(loss(1.0), torch.tensor(w), backends=["torch"]).failed
+    with pytest.raises(di.GradientCheckError, match="Taylor test along projection"):
+        check_gradients(loss(1.01), torch.tensor(w), backends=["torch"])
+
+
 # -- 6. determinism within rounding ------------------------------------------------------------------------
 
 
