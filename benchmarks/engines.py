@@ -4,8 +4,10 @@ string name, against the call a user of the engine writes for the same gradient.
     python benchmarks/run.py --engines [--quick] [--cpus 0]
     python benchmarks/engines.py [--quick] [--cpus 0]
 
-One process; optionally pinned to ``--cpus``; each row times diffiface and the native call in
-interleaved rounds (the median over rounds of the ratio within a round). Each engine's rows come
+Each engine's rows run in a process of their own, as its users run it: no other engine's
+imports, thread pools or allocator weigh on them. Optionally pinned to ``--cpus``; each row times
+diffiface and the native call in interleaved rounds (the median over rounds of the ratio within a
+round). Each engine's rows come
 from ``benchmarks/engine_rows/<engine>.py``: ``ENGINE``, its backend name, and ``cases(quick)``,
 a list of ``(label, ours, native)`` where ``ours`` is diffiface's prepared gradient and
 ``native`` the engine's own fastest call (a ``tf.function``-compiled tape, a compiled PyTensor
@@ -29,6 +31,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -74,43 +77,61 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def run(quick: bool) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """Every engine's rows, each engine's in a process of its own (the CPUs pinned are its)."""
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, str]] = []
     for name in _modules():
-        try:
-            module = _load(name)
-            started = time.perf_counter()
-            cases = [(module.ENGINE, *case) for case in module.cases(quick)]
-            if hasattr(module, "cases_jit"):  # (the engine's jit option, against the same native call)
-                cases += [(f"{module.ENGINE} (jit=True)", *case) for case in module.cases_jit(quick)]
-        except ImportError as exc:
-            skipped.append({"module": name, "reason": f"not installed ({exc})"})
-            continue
-        except Exception as exc:  # a failing row is reported, never hidden
-            skipped.append({"module": name, "reason": f"failed: {type(exc).__name__}: {exc}"})
-            traceback.print_exc()
-            continue
-        for engine, label, ours, native in cases:
-            first = time.perf_counter()
-            same = _same(ours(), native())
-            compile_s = time.perf_counter() - first  # both first calls: traces and compiles
-            median, _, native_median, ratio = time_pair(ours, native, rounds=5 if quick else 21)
-            goal = GOALS.get(label)
-            rows.append(
-                {
-                    "engine": engine,
-                    "label": label,
-                    "native_s": native_median,
-                    "diffiface_s": median,
-                    "ratio": ratio,
-                    "goal": goal,
-                    "met": None if goal is None else ratio <= goal,
-                    "check": "same" if same else "DIFFERENT",
-                    "first_calls_s": compile_s,
-                    "setup_s": time.perf_counter() - started,
-                }
-            )
-            print(f"{engine:24s} {label:10s} ratio {ratio:.3f} ({'same' if same else 'DIFFERENT'})", flush=True)
+        with tempfile.TemporaryDirectory() as folder:
+            out = Path(folder) / "rows.json"
+            command = [sys.executable, __file__, "--engine", name, "--out", str(out)] + (["--quick"] if quick else [])
+            code = subprocess.run(command, check=False).returncode
+            if code != 0 or not out.exists():  # a failing engine is reported, never hidden
+                skipped.append({"module": name, "reason": f"failed: its process exited with status {code}"})
+                continue
+            found = json.loads(out.read_text())
+        rows += found["rows"]
+        skipped += found["skipped"]
+    return rows, skipped
+
+
+def run_engine(name: str, quick: bool) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """The rows of one engine (``benchmarks/engine_rows/<name>.py``), in this process."""
+    rows: list[dict[str, Any]] = []
+    skipped: list[dict[str, str]] = []
+    try:
+        module = _load(name)
+        started = time.perf_counter()
+        cases = [(module.ENGINE, *case) for case in module.cases(quick)]
+        if hasattr(module, "cases_jit"):  # (the engine's jit option, against the same native call)
+            cases += [(f"{module.ENGINE} (jit=True)", *case) for case in module.cases_jit(quick)]
+    except ImportError as exc:
+        skipped.append({"module": name, "reason": f"not installed ({exc})"})
+        return rows, skipped
+    except Exception as exc:  # a failing row is reported, never hidden
+        skipped.append({"module": name, "reason": f"failed: {type(exc).__name__}: {exc}"})
+        traceback.print_exc()
+        return rows, skipped
+    for engine, label, ours, native in cases:
+        first = time.perf_counter()
+        same = _same(ours(), native())
+        compile_s = time.perf_counter() - first  # both first calls: traces and compiles
+        median, _, native_median, ratio = time_pair(ours, native, rounds=5 if quick else 21)
+        goal = GOALS.get(label)
+        rows.append(
+            {
+                "engine": engine,
+                "label": label,
+                "native_s": native_median,
+                "diffiface_s": median,
+                "ratio": ratio,
+                "goal": goal,
+                "met": None if goal is None else ratio <= goal,
+                "check": "same" if same else "DIFFERENT",
+                "first_calls_s": compile_s,
+                "setup_s": time.perf_counter() - started,
+            }
+        )
+        print(f"{engine:24s} {label:10s} ratio {ratio:.3f} ({'same' if same else 'DIFFERENT'})", flush=True)
     return rows, skipped
 
 
@@ -162,9 +183,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="5 rounds instead of 21")
     parser.add_argument("--cpus", default=None, help="pin to these CPUs, e.g. 0 or 0,1")
+    parser.add_argument("--engine", help=argparse.SUPPRESS)  # (one engine's rows, in this process: run's child)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+    if args.engine:
+        rows, skipped = run_engine(args.engine, args.quick)
+        Path(args.out).write_text(json.dumps({"rows": rows, "skipped": skipped}) + "\n")
+        return
     rows, skipped = run(args.quick)
     command = (
         "python benchmarks/run.py --engines"
