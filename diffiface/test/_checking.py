@@ -67,6 +67,12 @@ _RANDOM_ROUNDING = 6.0
 coins, so the projection of rounding errors within the floors exceeds that with a chance below
 ``2 exp(-c**2 / 2)`` (Hoeffding, given the sizes ``|v_i|``), for each of the directions compared."""
 
+_LAST_BITS = 1.5
+"""Where no float64 copy serves, an engine's own rounding per entry is taken as this many times the
+spread (root mean square over its leaf) of its gradient's change when every input of x moves by
+two units in its last place, at random signs (:meth:`_Check._last_bits`). At the optimum of a
+float32 least-squares loss the rounding's own spread measured 1.2 to 1.4 times that change's."""
+
 _RESOLVES = 1e-3
 """Finite differences certify a gradient when their error stays below this fraction of its scale
 (a 1% error is then seen by a margin of ten); else the Taylor test judges as well."""
@@ -530,6 +536,31 @@ class _Taylor:
     """Whether ``direction`` was drawn at random, apart from the gradient (not along a disagreement)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class _Own:
+    """An engine's own rounding, per entry of its gradient. ``signed``: its error itself, measured
+    against the same engine on float64 copies, which projects on a direction as it is; else sizes,
+    measured by moving x by its last bits (:meth:`_Check._last_bits`), which project as the
+    narrow dtype's floors do."""
+
+    values: np.ndarray
+    signed: bool
+
+    def sizes(self) -> np.ndarray:
+        sizes: np.ndarray = np.abs(self.values)
+        return sizes
+
+    def along(self, v: np.ndarray, random: bool) -> float:
+        """How far the rounding may move ``<g, v>``: four times its projection where it is signed;
+        else the sum of the sizes along ``v``, or, along a direction drawn at random, their random
+        walk (``_RANDOM_ROUNDING`` root sums of squares) where that is less."""
+        if self.signed:
+            return _SAFETY * abs(float(np.dot(self.values, v)))
+        terms = np.abs(self.values * v)
+        total = float(np.sum(terms))
+        return min(total, _RANDOM_ROUNDING * float(np.linalg.norm(terms))) if random else total
+
+
 class _Check:
     def __init__(
         self,
@@ -812,6 +843,8 @@ class _Check:
         # near their size), where the Taylor test's top step would show such an error
         unresolved = np.zeros(self.flat.size, dtype=bool)
         unjudged = np.zeros(self.flat.size, dtype=bool)
+        # (asked only where an entry or the Taylor test fails without it, once per engine)
+        owns = {label: functools.cache(functools.partial(self._own, label, g)) for label, g in gradients.items()}
         for label, g in gradients.items():
             row = self._row(label)
             row.reference = self.label
@@ -820,9 +853,9 @@ class _Check:
                 err = np.abs(g - truth.values)
             bad = known & ~(err <= tol)
             if np.any(bad):
-                own = self._own_rounding(label, g)
+                own = owns[label]()
                 if own is not None:
-                    tol = tol + _SAFETY * own
+                    tol = tol + _SAFETY * own.sizes()
                     bad = known & ~(err <= tol)
             bad |= known & ~np.isfinite(g)
             with np.errstate(invalid="ignore", over="ignore"):
@@ -891,7 +924,7 @@ class _Check:
                 if (row.status == "failed" and label not in disagreements) or label in own_edge:
                     continue
                 verdicts[label] = self._apply_taylor(
-                    row, taylor, g, fd_failed=label in disagreements, reference=truth.values
+                    row, taylor, g, fd_failed=label in disagreements, reference=truth.values, own=owns[label]
                 )
             if not disagreements and "inconclusive" in verdicts.values():
                 # (the loose entries, which the differences alone do not judge, judged by nothing)
@@ -1073,10 +1106,75 @@ class _Check:
         """A value per leaf of the flat vector, repeated over each leaf's entries."""
         return np.repeat(np.asarray(per_leaf, dtype=np.float64), np.diff(self.flat.offsets))
 
-    def _own_rounding(self, label: str, g: np.ndarray) -> np.ndarray | None:
-        """:meth:`_own_difference` as a size per entry."""
-        difference = self._own_difference(label, g)
-        return None if difference is None else np.abs(difference)
+    def _own(self, label: str, g: np.ndarray) -> _Own | None:
+        """An AD engine's own rounding: against its gradient on float64 copies where they serve
+        (:meth:`_own_difference`), else as its gradient's change over x's last bits
+        (:meth:`_last_bits`); None for a finite-difference engine (its own error is in the
+        tolerance already, and costs 2n evaluations here) or where neither applies."""
+        if label.split("-")[0] in ("finite_differences", "scipy"):
+            return None
+        if self._float64_copies_serve(label):
+            difference = self._own_difference(label, g)
+            return None if difference is None else _Own(difference, signed=True)
+        sizes = self._last_bits(label, g)
+        return None if sizes is None else _Own(sizes, signed=False)
+
+    def _float64_copies_serve(self, label: str) -> bool:
+        """Whether the engine's gradient has narrow entries and f computes the same value on the
+        float64 copies of x and the Constants."""
+        narrow = [p in _NARROW_EPS for p in self._precisions(label)]
+        return any(narrow) and self.wide and _promotes(self.scenario)
+
+    def _last_bits(self, label: str, g: np.ndarray) -> np.ndarray | None:
+        """An engine's own rounding per entry, where no float64 copy serves (f closes over float32
+        torch data, or x is float64 already): ``_LAST_BITS`` times the spread, over each leaf, of
+        its gradient's change when every input moves by two units in its last place, at random
+        signs. A gradient that is a difference of far larger terms (at an optimum of a
+        least-squares loss, ``A.T (A w - b)`` with ``A w`` and ``b`` nearly equal) carries their
+        rounding, which is no multiple of its own size and which the floors, from f's condition,
+        do not see; the terms round anew a few units away, so its change there shows it. A wrong
+        rule moves no more over x's last bits than a right one. The inputs whose stencils showed a
+        kink of f stay where they are (a move by the last bits may cross it, and the gradient's jump
+        there is no rounding); None where a second call at the same x gives another gradient."""
+        still = self.kinked | self.fixed
+        backend = next(b for b in self.chosen if backend_label(b) == label)
+        rng = np.random.default_rng(self.seed)
+        vector = self.flat.vector.copy()
+        for j, dtype in enumerate(self.flat.parts):
+            lo, hi = self.flat.offsets[j], self.flat.offsets[j + 1]
+            with np.errstate(invalid="ignore", over="ignore"):
+                base = vector[lo:hi].astype(dtype)
+                signs = rng.choice(np.array([-2, 2], dtype=dtype), size=hi - lo)
+                moved = (base + signs * np.abs(np.spacing(base))).astype(np.float64)
+            vector[lo:hi] = np.where(np.isfinite(moved) & ~still[lo:hi], moved, vector[lo:hi])
+        try:  # (2 engine calls, as on the float64 copies)
+            change = np.nan_to_num(self.flat.read(self._engine_gradient(backend, label, self.flat.tree(vector))) - g)
+        except Exception:
+            return None
+        if not self._steady(backend, label, g):
+            return None
+        spread = [
+            float(np.sqrt(np.mean(np.square(change[lo:hi])))) if hi > lo else 0.0
+            for lo, hi in itertools.pairwise(self.flat.offsets)
+        ]
+        return _LAST_BITS * self._per_entry(spread)
+
+    def _steady(self, backend: Backend, label: str, g: np.ndarray) -> bool:
+        """Whether the engine's gradient at x, asked again, is ``g`` within 4 eps of each entry: a
+        rule that draws noise (1 + 0.1 N(0, 1)) would read its own noise as rounding."""
+        try:
+            again = self.flat.read(self._engine_gradient(backend, label, self.x))
+        except Exception:
+            return False
+        eps = self._entry_eps(label)
+        return bool(np.all(np.abs(again - g) <= 4 * eps * np.abs(g) + np.finfo(np.float64).tiny))
+
+    def _engine_gradient(self, backend: Backend, label: str, x: Any) -> Any:
+        """The engine's gradient at ``x`` (on the caller's contexts), as the check's first call."""
+        with _warnings_apart(self._row(label)):
+            if self.has_aux:
+                return di.value_and_gradient(self.counted, backend, x, *self.contexts, has_aux=True)[1]
+            return di.gradient(self.counted, backend, x, *self.contexts)
 
     def _own_difference(self, label: str, g: np.ndarray) -> np.ndarray | None:
         """A narrow-dtype engine's own rounding, per entry, signed: its float32 (float16, bfloat16)
@@ -1087,13 +1185,10 @@ class _Check:
         a rule's: a few ulps away it stays, so no test of x's last bits tells the two apart). A
         rule wrong in the narrow dtype alone hides behind this term (docs/testing.md). Asked only
         for entries that fail without it: a passing check evaluates f no more. None where it does
-        not apply or the engine cannot run, and where a second call at the same x gives another
-        gradient: a rule that draws noise (1 + 0.1 N(0, 1)) would read its own noise as rounding."""
-        if label.split("-")[0] in ("finite_differences", "scipy"):
-            return None  # their own error is in the tolerance already, and costs 2n evaluations here
+        engine cannot run, and where a second call at the same x gives another
+        gradient: a rule that draws noise (1 + 0.1 N(0, 1)) would read its own noise as rounding.
+        Asked where :meth:`_float64_copies_serve`."""
         narrow = self._per_entry([p in _NARROW_EPS for p in self._precisions(label)]) > 0
-        if not (np.any(narrow) and self.wide and _promotes(self.scenario)):
-            return None
         backend = next(b for b in self.chosen if backend_label(b) == label)
         try:
             with _warnings_apart(self._row(label)), _float64_scope():
@@ -1106,15 +1201,9 @@ class _Check:
                 else:
                     wide = di.gradient(self.counted, backend, x, *contexts)
             own: np.ndarray = g - self.truth_flat.read(wide)
-            with _warnings_apart(self._row(label)):
-                if self.has_aux:
-                    _, again = di.value_and_gradient(self.counted, backend, self.x, *self.contexts, has_aux=True)
-                else:
-                    again = di.gradient(self.counted, backend, self.x, *self.contexts)
         except Exception:
             return None
-        eps = self._entry_eps(label)
-        if not np.all(np.abs(self.flat.read(again) - g) <= 4 * eps * np.abs(g) + np.finfo(np.float64).tiny):
+        if not self._steady(backend, label, g):
             return None
         rounding: np.ndarray = np.where(narrow, np.nan_to_num(own, nan=0.0), 0.0)  # (a float64 entry has none)
         return rounding
@@ -1338,9 +1427,7 @@ class _Check:
         worst: tuple[float, int] | None = None
         failing: set[str] = set()
         # (asked only where a direction fails without it, once per engine: 2 engine calls more)
-        owns = {
-            label: functools.cache(functools.partial(self._own_difference, label, g)) for label, g in gradients.items()
-        }
+        owns = {label: functools.cache(functools.partial(self._own, label, g)) for label, g in gradients.items()}
         for label, g in gradients.items():
             row = self._row(label)
             row.reference = self.label
@@ -1360,9 +1447,11 @@ class _Check:
             bad = ~(err <= tol) | ~np.isfinite(got)
             if np.any(bad):
                 # a float32 engine's own rounding along each direction, as the entries get it
-                own = owns[label]()
+                # (its sizes from x's last bits only in the Taylor test, which looks for kinks first:
+                # with no stencils here, a move by the last bits may cross one unseen)
+                own = owns[label]() if self._float64_copies_serve(label) else None
                 if own is not None:
-                    tol = tol + _SAFETY * np.abs([float(np.dot(own, u)) for u in directions])
+                    tol = tol + np.array([own.along(u, random=True) for u in directions])
                     bad = ~(err <= tol) | ~np.isfinite(got)
             if np.any(bad):
                 ratio = np.where(bad, np.nan_to_num(err / np.maximum(tol, 1e-300), nan=np.inf, posinf=np.inf), 0.0)
@@ -1425,11 +1514,10 @@ class _Check:
         g: np.ndarray,
         fd_failed: bool,
         reference: np.ndarray | None = None,
-        own: Callable[[], np.ndarray | None] | None = None,
+        own: Callable[[], _Own | None] | None = None,
     ) -> str:
         """The Taylor test's verdict on ``g``, written on ``row``; returned. ``own``: the engine's
-        own rounding per entry, signed (:meth:`_own_difference`), asked only where the verdict
-        is "wrong" without it."""
+        own rounding per entry (:meth:`_own`), asked only where the verdict is "wrong" without it."""
         claimed = 0.0 if reference is None else abs(float(np.dot(g - np.nan_to_num(reference), taylor.direction)))
         floors = np.abs(self._narrow_floor(row.backend) * taylor.direction)
         # every entry's rounding at its floor, with the signs of v: only a direction chosen from
@@ -1441,7 +1529,7 @@ class _Check:
         verdict, detail = self._verdict(taylor, g, claimed if fd_failed else 0.0, allowed)
         rounding = own() if own is not None and verdict == "wrong" else None
         if rounding is not None:
-            allowed += _SAFETY * abs(float(np.dot(rounding, taylor.direction)))
+            allowed += rounding.along(taylor.direction, taylor.random)
             verdict, detail = self._verdict(taylor, g, claimed if fd_failed else 0.0, allowed)
         note = f"Taylor test {taylor.why}: {detail}"
         if verdict == "wrong":
