@@ -132,9 +132,11 @@ def _guard(
             versions = [x._version]  # (a fresh clone's counter starts at 0; read, not assumed)
         else:
             keep = asked or nested
-            for x in xs:
-                if (x.requires_grad or _forward_ad._current_level >= 0) and _keeps(x):
-                    keep = True
+            if not keep:  # (asked for, or nested: kept whatever x carries)
+                for x in xs:
+                    if (x.requires_grad or _forward_ad._current_level >= 0) and _keeps(x):
+                        keep = True
+                        break
             if not keep:
                 xs = tuple(map(torch.Tensor.detach, xs))
             copy_x = copy
