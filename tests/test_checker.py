@@ -510,13 +510,17 @@ def test_projections_with_the_rounding_allowance_still_catch_a_wrong_float32_gra
             check_gradients(loss, torch.tensor(w), *constants, backends=["torch"])
 
 
-def test_a_float32_leaf_one_percent_off_is_caught_where_the_truth_runs_in_float32():
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_float32_leaf_one_percent_off_is_caught_where_the_truth_runs_in_float32(seed):
     # expected: passed. With the data closed over, torch runs the truth in float32 and the
     # differences are too noisy to judge; the Taylor test along a random projection saw the error
     # of <g, v> and allowed more for float32's rounding: every entry's floor added up, as along a
-    # disagreement, where along a random direction the entries' rounding errors cancel
+    # disagreement, where along a random direction the entries' rounding errors cancel (seed 0).
+    # Then it took the first projection, along which <g, v> was too small for 1% of it to stand
+    # above f's rounding noise on 4 seeds of 5 (seeds 1 and 2 among them); it takes the projection
+    # with the largest <g, v> now
     torch = pytest.importorskip("torch")
-    a, b, w = _least_squares(0, at_optimum=False)
+    a, b, w = _least_squares(seed, at_optimum=False)
     data, target = torch.tensor(a), torch.tensor(b)
 
     def loss(factor: float) -> Any:

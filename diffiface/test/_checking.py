@@ -1466,16 +1466,31 @@ class _Check:
                     worst = (float(ratio[j]), j)
         resolves = bool(np.all(_SAFETY * errors <= _RESOLVES * max(magnitude, np.finfo(float).tiny)))
         if failing or not resolves:
-            j = worst[1] if worst is not None else 0
+            scaled = [u * self.scale / float(np.max(self.scale)) for u in directions]
+            j = worst[1] if worst is not None else self._most_visible(scaled, gradients)
             why = f"along projection {j}" + ("" if failing else " (finite differences too noisy to judge alone)")
             # three steps (6 evaluations): projected mode stays within 2k + 10 evaluations of f
-            taylor = self._taylor(directions[j] * self.scale / float(np.max(self.scale)), why, count=3, random=True)
+            taylor = self._taylor(scaled[j], why, count=3, random=True)
             for label, g in gradients.items():
                 row = self._row(label)
                 if row.status == "failed" and label not in failing:
                     continue
                 self._apply_taylor(row, taylor, g, fd_failed=label in failing, own=owns[label])
         self.truth = truth
+
+    def _most_visible(self, directions: list[np.ndarray], gradients: dict[str, np.ndarray]) -> int:
+        """The direction along which an error of a fixed fraction of ``<g, v>`` shows most above
+        f's rounding in the Taylor test: the largest ``|<g, v>|``, v scaled as the test's steps
+        scale it (the noise floor it compares with does not depend on v). Each direction was
+        drawn at random, apart from the errors: picking one by the gradient's projection picks
+        none by the error's."""
+        g = np.nan_to_num(next(iter(gradients.values()), np.zeros(self.flat.size)))
+        movable = self.reach > 0
+        scores = []
+        for v in directions:
+            largest = float(np.max(np.abs(v[movable]) / self.reach[movable], initial=0.0))
+            scores.append(abs(float(np.dot(g, v))) / largest if largest > 0 else 0.0)
+        return int(np.argmax(scores))
 
     # -- the Taylor remainder test --------------------------------------------------------------------
 
