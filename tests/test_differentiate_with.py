@@ -498,3 +498,40 @@ def test_a_torch_g_on_torch_tensors_never_writes_the_callers(backend: str) -> No
     w = torch.ones(3, dtype=torch.float64, requires_grad=True)
     (grad,) = torch.autograd.grad(g(w), w)
     torch.testing.assert_close(grad, torch.full((3,), 8.0, dtype=torch.float64))
+
+
+def test_a_negated_view_from_torch_crosses_into_jax_with_its_sign() -> None:
+    # expected: the value and the jvp came with their signs flipped outside jax.jit. torch gives
+    # conj(z).imag as a view marked "negate on read", and dlpack carried the memory alone
+    def f(z: Any) -> Any:
+        return torch.conj(z * 1).imag[0]
+
+    def reference(z: Any) -> Any:
+        return -jnp.imag(z[0])
+
+    g = di.differentiate_with(f, "torch")
+    z = jnp.asarray([1 + 2j, 3 - 1j], dtype=jnp.complex64)
+    t = jnp.asarray([1j, 0], dtype=jnp.complex64)
+    assert float(g(z)) == float(reference(z)) == -2.0
+    assert float(jax.jvp(g, (z,), (t,))[1]) == float(jax.jvp(reference, (z,), (t,))[1]) == -1.0
+    np.testing.assert_array_equal(jax.vmap(g)(jnp.stack([z, 2 * z])), [-2.0, -4.0])
+
+
+def test_a_jax_result_of_a_torch_f_never_changes_afterwards() -> None:
+    # expected: the jax array shared the memory of the tensor f returned: f's own buffer, written
+    # again on its next call, or a Constant's tensor, written by the caller later
+    buffer = torch.zeros(3)
+
+    def into_buffer(x: Any) -> Any:
+        with torch.no_grad():
+            torch.mul(x, 2.0, out=buffer)
+        return buffer
+
+    g = di.differentiate_with(into_buffer, "torch")
+    first = g(jnp.asarray([1.0, 2.0, 3.0]))
+    g(jnp.asarray([10.0, 20.0, 30.0]))
+    np.testing.assert_array_equal(first, [2.0, 4.0, 6.0])
+    weights = torch.tensor([1.0, 2.0, 3.0])
+    returned = di.differentiate_with(lambda x, w: w, "torch")(jnp.ones(3), di.Constant(weights))
+    weights.mul_(100.0)
+    np.testing.assert_array_equal(returned, [1.0, 2.0, 3.0])

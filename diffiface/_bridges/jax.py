@@ -140,9 +140,11 @@ def _eager(primitive: Primitive, *arrays: Any, site: Site, batch: int) -> list[A
             if _arrays.dtype_name(shared) != str(aval.dtype):
                 shared = family.cast(shared, str(aval.dtype))  # type: ignore[union-attr]
             try:
-                array = jnp.from_dlpack(shared)
+                # (a copy: f may keep what it returned, a buffer or a Constant's tensor, and write
+                # it again later, where a jax array never changes)
+                array = jnp.array(jnp.from_dlpack(shared), copy=True)
             except (BufferError, RuntimeError, TypeError, ValueError):
-                array = jnp.asarray(to_numpy(shared))
+                array = jnp.array(to_numpy(shared))
         else:
             array = jnp.asarray(np.asarray(to_numpy(out), dtype=aval.dtype))
         if tuple(array.shape) != aval.shape:

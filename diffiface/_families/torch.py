@@ -133,11 +133,13 @@ def jit_checked(leaf: Any) -> bool:
 
 
 def exchange(leaf: Any) -> Any:
-    """``leaf`` as another framework may take it through dlpack: detached, contiguous, and a
-    copy where it is a parameter (whose later updates the other must not see)."""
+    """``leaf`` as another framework may take it through dlpack: detached, contiguous, its lazy
+    negation and conjugation applied (dlpack carries the memory alone, and a negated view, such
+    as ``conj(z).imag``, would cross with its sign lost), and a copy where it is a parameter
+    (whose later updates the other must not see)."""
     if leaf.is_leaf and leaf.requires_grad:
         leaf = leaf.clone()
-    return leaf.detach().contiguous()
+    return leaf.detach().resolve_neg().resolve_conj().contiguous()
 
 
 def conj(leaf: Any) -> Any:
