@@ -190,8 +190,9 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
     compiler_before = "torch._dynamo" in sys.modules
     fallback = False
     try:
-        # f's random draws must not move the caller's generators
-        with _fork_rng(torch, devices), torch.no_grad(), mode:
+        # f's random draws must not move the caller's generators; grad mode as the engines run f
+        # (an f may branch on torch.is_grad_enabled(): the pattern is of the branch they run)
+        with _fork_rng(torch, devices), torch.enable_grad(), mode:
             outputs = functionalize(run, remove="mutations_and_views")(*handles)
         results = [mode.output(out) for out in outputs]
     except _Unfollowed:
@@ -258,7 +259,7 @@ def _make_fx_pattern(run: Callable[..., Any], args: list[Any], sizes: list[int],
     from torch.fx.experimental.proxy_tensor import make_fx
 
     try:
-        with torch.no_grad():
+        with torch.enable_grad():  # (as the engines run f: see torch_pattern)
             graph = make_fx(
                 functionalize(run, remove="mutations_and_views"), tracing_mode="fake", _allow_non_fake_inputs=True
             )(*args)
