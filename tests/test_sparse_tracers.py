@@ -128,6 +128,22 @@ def _numpy_corpus(xp: Any) -> dict[str, Callable[[Any], Any]]:
         corpus["pad-mean"] = lambda x: np.pad(x[:4], 2, mode="mean")
         corpus["pad-ramp"] = lambda x: np.pad(x[:4], 2, mode="linear_ramp", end_values=0.0)
         corpus["average-weights"] = lambda x: np.atleast_1d(np.average(x[:3], weights=np.exp(x[3:6])))
+
+        # a probe of the detectors found each of these read as sparser than it is (no error)
+        def astype_alias(x: Any) -> Any:  # (numpy's astype(copy=False) returns the array itself)
+            y = x * 1.0
+            z = y.astype(np.float64, copy=False)
+            y[0] = x[5]
+            return z * 1.0
+
+        corpus["astype-alias"] = astype_alias
+        corpus["clip-min-max"] = lambda x: np.clip(x[1:], min=x[0], max=x[0] + 0.5)
+        corpus["pad-odd"] = lambda x: np.pad(x, (2, 0), mode="reflect", reflect_type="odd")
+        corpus["initial"] = lambda x: np.stack(
+            [np.sum(x[:3], initial=x[5]), np.max(x[:3], initial=x[5] + 10), np.add.reduce(x[:3], initial=x[4])]
+        )
+        corpus["full-like-list"] = lambda x: np.full_like(x[:2], [x[5], x[4]])
+        corpus["complex-abs"] = lambda x: np.abs(x[:3] + 1j * x[3:6]) * x[6]
         corpus["ravel-F"] = lambda x: x[:6].reshape(2, 3).ravel("F") * x[6]
         corpus["flatten-F"] = lambda x: x[:6].reshape(2, 3).flatten("F") ** 2
     else:
@@ -781,3 +797,56 @@ def test_jax_numpy_code_on_numpy_x_is_still_read_by_jax() -> None:
         found = sparse.detect(f, x, (), sparse.GlobalDetector(), "finite_differences", False)
         assert found.tracer == "jax"
         assert (found.pattern.toarray() == (np.eye(3) + np.eye(3)[::-1]).astype(bool)).all()
+
+
+# --- what a probe of the detectors found read as sparser than it is (no error) ----------------------
+
+
+def test_the_hessian_of_a_complex_modulus_pairs_its_parts() -> None:
+    # expected: no nonzero. |z| and z / |z| of a complex z were read as piecewise linear, as they
+    # are of a real one, so the sparse Hessian of sum |x[:4] + i x[4:]| came back all zeros
+    def f(x: Any) -> Any:
+        return anp.sum(anp.abs(x[:4] + 1j * x[4:])) + anp.sum(anp.real(anp.sign(x[:4] + 1j * x[4:])))
+
+    x = np.random.default_rng(1).standard_normal(8)
+    pattern = sparse.hessian_pattern(f, x, detector=sparse.GlobalDetector(tracer="numpy"))
+    assert not _missing(pattern, autograd.hessian(f)(x))
+
+
+def test_a_list_of_traced_numbers_written_into_an_array_is_refused() -> None:
+    # expected: a pattern with no nonzero, and a Jacobian of zeros
+    def f(x: Any) -> Any:
+        y = np.zeros_like(x)
+        y[1:] = [x[i] ** 2 - x[i - 1] for i in range(1, 6)]
+        return y
+
+    with pytest.raises(di.UnsupportedOperationError, match="list or tuple of values computed from x"):
+        sparse.jacobian_pattern(f, np.ones(6), detector=sparse.GlobalDetector(tracer="numpy"))
+
+
+def test_a_gufunc_is_no_elementwise_map() -> None:
+    # expected: np.vecdot read as elementwise, each output depending on one input of each operand
+    vecdot = getattr(np, "vecdot", None)
+    if vecdot is None:
+        pytest.skip("numpy < 2 has no np.vecdot")
+
+    def f(x: Any) -> Any:
+        return vecdot(x[:6].reshape(2, 3), x[6:].reshape(2, 3)).ravel()
+
+    x = np.random.default_rng(0).standard_normal(12)
+    pattern = sparse.jacobian_pattern(f, x, detector=sparse.GlobalDetector(tracer="numpy"))
+    assert not _missing(pattern, np.asarray(di.jacobian(f, "finite_differences", x)).reshape(-1, 12))
+
+
+@pytest.mark.parametrize("mode", ["func", "autograd"])
+def test_the_torch_detector_runs_f_in_the_grad_mode_the_engines_run_it(mode: str) -> None:
+    # expected: the pattern of the no_grad branch (diagonal), the detector having traced f under
+    # torch.no_grad(), where each engine runs f with grad mode on
+    def f(x: Any) -> Any:
+        return x * x.flip(0) if torch.is_grad_enabled() else x * 2.0
+
+    x = torch.randn(6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    backend = di.AutoSparse(di.AutoTorch(mode=mode))
+    np.testing.assert_allclose(
+        di.jacobian(f, backend, x).to_dense().numpy(), di.jacobian(f, di.AutoTorch(mode=mode), x).numpy()
+    )

@@ -210,6 +210,8 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
 
     def astype(self, dtype: Any, **kwargs: Any) -> IndexSetArray:
         dtype = np.dtype(dtype)
+        if kwargs.get("copy", True) is False and dtype == self.dtype:
+            return self  # (numpy's own array, not a copy: a later write into either is seen by both)
         return IndexSetArray(self.trace, self.shape, self.rows if dtype.kind in "fc" else None, dtype)
 
     def reshape(self, *shape: Any, **kwargs: Any) -> Any:
@@ -295,6 +297,11 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
             value_positions = np.broadcast_to(sets.positions(value.shape, self.size), value_shape)
             size = value.size
         else:
+            if _holds_tracer(value):  # (a list of numbers computed from x: what each depends on is not read)
+                raise _Converts(
+                    "f writes a list or tuple of values computed from x into an array (a[1:] = [x[0], ...]), "
+                    "which the detector does not follow; write an array (np.stack([...]) of them) instead"
+                )
             source = None
             value_positions = np.zeros(value_shape, dtype=np.int64)
             size = 0
@@ -313,7 +320,11 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
                 f"f writes the result of np.{ufunc.__name__} into out=... (or x += ...), which the detector "
                 "does not follow; compute a new array (y = x + ...)"
             )
+        if _holds_tracer(list(kwargs.values())):  # (initial=, where=: values the rules below do not read)
+            return _dense(self.trace, ufunc if method == "__call__" else getattr(ufunc, method), inputs, kwargs)
         if method == "__call__":
+            if ufunc.signature is not None and ufunc.__name__ != "matmul":
+                return _dense(self.trace, ufunc, inputs, kwargs)  # (a gufunc, np.vecdot: over its core axes)
             try:
                 if ufunc.__name__ == "matmul":
                     return _matmul(self.trace, inputs[0], inputs[1])
@@ -356,6 +367,13 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
 
 
 # --- helpers ----------------------------------------------------------------------------------------
+
+
+def _holds_tracer(value: Any) -> bool:
+    """Whether ``value`` is, or a list or tuple holds (at any depth), an array computed from x."""
+    if isinstance(value, IndexSetArray):
+        return True
+    return isinstance(value, (list, tuple)) and any(map(_holds_tracer, value))
 
 
 def _unknown_indices(key: Any) -> Any:
@@ -417,8 +435,9 @@ def _ufunc(trace: _Trace, ufunc: Any, inputs: Sequence[Any], kwargs: dict[str, A
     name = ufunc.__name__
     if trace.pairs is not None and rows is not None:
         present = [r for r in broadcast if r is not None]
-        if name in _LINEAR_UFUNCS or name in _PIECEWISE_LINEAR:
-            pass
+        complex_input = any(isinstance(v, IndexSetArray) and v.dtype.kind == "c" for v in inputs)
+        if name in _LINEAR_UFUNCS or (name in _PIECEWISE_LINEAR and not complex_input):
+            pass  # (|z| and z / |z| of a complex z are no piecewise linear maps of its parts)
         elif name == "multiply" and len(present) == 2:
             trace.pairs.add(present[0], present[1])
         elif name == "multiply" or (name in ("true_divide", "divide") and broadcast and broadcast[-1] is None):
@@ -472,7 +491,9 @@ def _argument(args: Any, kwargs: dict[str, Any], position: int, name: str, defau
 def _sum(linear: bool) -> Any:
     def handler(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         weighted = func.__name__ == "average" and _argument(args, kwargs, 2, "weights", None) is not None
-        if kwargs.get("out") is not None or kwargs.get("where") is not None or weighted:
+        # (initial=, where= computed from x, also by position: what they depend on is not read)
+        followed = _holds_tracer(list(args[1:])) or _holds_tracer(list(kwargs.values()))
+        if kwargs.get("out") is not None or kwargs.get("where") is not None or weighted or followed:
             return _dense(trace, func, args, kwargs)  # (np.average's weights: a ratio of two sums)
         axis = _argument(args, kwargs, 1, "axis", None)
         keepdims = bool(kwargs.get("keepdims", False))
@@ -792,7 +813,7 @@ def _like(fill: bool) -> Any:
         a = args[0]
         shape = kwargs.get("shape") or _shape_of(a)
         dtype = kwargs.get("dtype") or (a.dtype if isinstance(a, IndexSetArray) else np.float64)
-        if fill and isinstance(_argument(args, kwargs, 1, "fill_value", 0), IndexSetArray):
+        if fill and _holds_tracer(_argument(args, kwargs, 1, "fill_value", 0)):  # (also a list of them)
             return _dense(trace, func, args, kwargs)
         return IndexSetArray(trace, shape, None, dtype)
 
@@ -806,7 +827,9 @@ def _shape_only(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> 
 
 def _clip(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     a = _lift(trace, args[0])
-    bounds = [_argument(args, kwargs, 1, "a_min", None), _argument(args, kwargs, 2, "a_max", None)]
+    lower = kwargs.get("min", _argument(args, kwargs, 1, "a_min", None))  # (numpy 2.1 names them min=, max=)
+    upper = kwargs.get("max", _argument(args, kwargs, 2, "a_max", None))
+    bounds = [lower, upper]
     bounds = [_lift(trace, b) for b in bounds if b is not None]
     out_shape = np.broadcast_shapes(a.shape, *[b.shape for b in bounds])
     rows = sets.union(sets.elementwise([(v.rows, v.shape) for v in (a, *bounds)], out_shape, trace.n))
@@ -825,7 +848,8 @@ def _computes_values(name: str, args: Any, kwargs: Any) -> bool:
     if name != "pad":
         return False
     mode = kwargs.get("mode", args[2] if len(args) > 2 else "constant")
-    return not isinstance(mode, str) or mode not in _MOVING_PADS
+    odd = kwargs.get("reflect_type", "even") == "odd"  # (2 edge - mirror: a value from two entries)
+    return not isinstance(mode, str) or mode not in _MOVING_PADS or odd
 
 
 _MOVES = {
