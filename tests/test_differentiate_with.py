@@ -535,3 +535,16 @@ def test_a_jax_result_of_a_torch_f_never_changes_afterwards() -> None:
     returned = di.differentiate_with(lambda x, w: w, "torch")(jnp.ones(3), di.Constant(weights))
     weights.mul_(100.0)
     np.testing.assert_array_equal(returned, [1.0, 2.0, 3.0])
+
+
+def test_torch_inside_jax_inside_torch_to_second_order() -> None:
+    # expected: a second derivative of zeros. jax's second product of the inner torch f ran inside
+    # the outer torch Function's forward, where torch turns forward grad mode off
+    inner = di.differentiate_with(lambda x: x**3, "torch")
+    g = di.differentiate_with(lambda x: inner(x), "jax")
+    with jax.enable_x64(True):
+        x = torch.tensor([0.5, 2.0], dtype=torch.float64, requires_grad=True)
+        (first,) = torch.autograd.grad(g(x).sum(), x, create_graph=True)
+        (second,) = torch.autograd.grad(first.sum(), x)
+    torch.testing.assert_close(first.detach(), 3 * x.detach() ** 2)
+    torch.testing.assert_close(second, 6 * x.detach())

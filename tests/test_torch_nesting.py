@@ -194,3 +194,26 @@ def test_the_callers_forward_mode_runs_through_a_call(backend: Any) -> None:
         torch.testing.assert_close(pulled.detach(), vjp_along)
     with forward_ad.dual_level(), pytest.raises(di.UnsupportedOperationError):
         di.jvp(fv, backend, forward_ad.make_dual(x, v), v)
+
+
+def test_forward_mode_inside_a_torch_function_forward_carries_its_tangents() -> None:
+    # expected: zeros, with no error. torch runs an autograd.Function's forward (and a bridge's
+    # rule, inside it) with forward grad mode off, and the duals of the jvp carried no tangent
+    torch = pytest.importorskip("torch")
+    v = torch.ones(2, dtype=torch.float64)
+    modes: list[bool] = []
+
+    class Cubed(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Any) -> Any:
+            out = di.jvp(lambda y: y**3, "torch", x, v)
+            modes.append(torch._C._is_fwd_grad_enabled())  # (the caller's mode, restored: off)
+            return out
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            return grad
+
+    x = torch.tensor([0.5, 2.0], dtype=torch.float64, requires_grad=True)
+    torch.testing.assert_close(Cubed.apply(x).detach(), 3 * x.detach() ** 2)
+    assert modes == [False]

@@ -67,9 +67,19 @@ _unpack_dual = torch._unpack_dual
 _function_mode = torch._C._is_torch_function_mode_enabled
 
 
+class _ForwardGrad(threading.local):
+    def __init__(self) -> None:
+        self.before: list[bool] = []  # per open level of ours, innermost last: forward grad mode before it
+
+
+_FORWARD_GRAD = _ForwardGrad()
+
+
 def _open_dual_level() -> int:
     """A dual level of ours, entered (torch has one at a time: where the caller's is open, a
-    nested forward mode, refused)."""
+    nested forward mode, refused), with forward grad mode on until it closes: torch turns it off
+    in a backward pass, where an f differentiated from one (inside another engine's rule) would
+    carry no tangent, and its jvp read zero with no error."""
     if not _FORWARD_WARMED[0]:
         _warm_forward()
     try:
@@ -77,11 +87,14 @@ def _open_dual_level() -> int:
     except RuntimeError as exc:  # the caller's own dual level is open
         raise _nested_forward() from exc
     _DUALS[0] += 1
+    _FORWARD_GRAD.before.append(torch._C._is_fwd_grad_enabled())
+    torch._C._set_fwd_grad_enabled(True)
     return level
 
 
 def _close_dual_level(level: int) -> None:
     _DUALS[0] -= 1
+    torch._C._set_fwd_grad_enabled(_FORWARD_GRAD.before.pop())
     forward_ad.exit_dual_level(level=level)
 
 
