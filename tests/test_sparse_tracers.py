@@ -137,7 +137,8 @@ def _numpy_corpus(xp: Any) -> dict[str, Callable[[Any], Any]]:
             return z * 1.0
 
         corpus["astype-alias"] = astype_alias
-        corpus["clip-min-max"] = lambda x: np.clip(x[1:], min=x[0], max=x[0] + 0.5)
+        if np.lib.NumpyVersion(np.__version__) >= "2.1.0":  # (numpy 2.1 names np.clip's bounds min=, max=)
+            corpus["clip-min-max"] = lambda x: np.clip(x[1:], min=x[0], max=x[0] + 0.5)
         corpus["pad-odd"] = lambda x: np.pad(x, (2, 0), mode="reflect", reflect_type="odd")
         corpus["initial"] = lambda x: np.stack(
             [np.sum(x[:3], initial=x[5]), np.max(x[:3], initial=x[5] + 10), np.add.reduce(x[:3], initial=x[4])]
