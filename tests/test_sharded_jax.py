@@ -1,4 +1,4 @@
-"""Sharded jax arrays over 8 simulated CPU devices: every AutoJAX operator keeps the input's
+"""Sharded jax arrays over 4 simulated CPU devices: every AutoJAX operator keeps the input's
 sharding and moves nothing to the host; finite differences and check_gradients work on the
 devices; arrays committed to device 3 get results on device 3.
 
