@@ -78,8 +78,9 @@ _FORWARD_GRAD = _ForwardGrad()
 def _open_dual_level() -> int:
     """A dual level of ours, entered (torch has one at a time: where the caller's is open, a
     nested forward mode, refused), with forward grad mode on until it closes: torch turns it off
-    in a backward pass, where an f differentiated from one (inside another engine's rule) would
-    carry no tangent, and its jvp read zero with no error."""
+    in an ``autograd.Function``'s forward (a user's own, or a bridge's, where another engine's
+    rule runs this one), where the duals would carry no tangent and the jvp read zero with no
+    error."""
     if not _FORWARD_WARMED[0]:
         _warm_forward()
     try:
