@@ -93,6 +93,41 @@ def test_common_gradient_enters_the_adapter_once(shape: str, operator: str, prep
             torch.testing.assert_close(got, want.detach())
 
 
+@pytest.mark.parametrize("has_aux", [False, True], ids=["no aux", "aux"])
+@pytest.mark.parametrize("shape", ["one tensor", "nested dict"])
+@pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
+def test_the_func_gradient_makes_no_transform_per_call(
+    has_aux: bool, shape: str, prepared: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch.func's transform, made on every call, was a measurable share of row a of
+    # benchmarks/torch_users.py: the adapter makes it once, f passed as an argument; the
+    # gradient, value and aux stay torch.func.grad_and_value's own
+    w, data = torch.randn(5, dtype=torch.float64), torch.randn(7, 5, dtype=torch.float64)
+    x: Any = w if shape == "one tensor" else {"l": {"w": w, "b": torch.randn(7, dtype=torch.float64)}}
+
+    def f(p: Any, d: Any) -> Any:
+        value = loss(p, d) if shape == "one tensor" else loss(p["l"]["w"], d) + (p["l"]["b"] ** 2).sum()
+        return (value, {"scale": 2.0, "norm": value.detach() * 2}) if has_aux else value
+
+    backend, ctx = di.AutoTorch(mode="func"), di.Constant(data)
+    prep = di.prepare_value_and_gradient(f, backend, x, ctx, has_aux=has_aux) if prepared else None
+    di.value_and_gradient(f, backend, x, ctx, prep=prep, has_aux=has_aux)
+    made = []
+    original = torch.func.grad_and_value
+    monkeypatch.setattr(torch.func, "grad_and_value", lambda *a, **k: made.append(a) or original(*a, **k))
+    got = di.value_and_gradient(f, backend, x, ctx, prep=prep, has_aux=has_aux)
+    assert made == []
+    plain = (lambda p: f(p, data)[0]) if has_aux else (lambda p: f(p, data))
+    want_grad, want_value = original(plain)(x)
+    (value, aux), grad = got if has_aux else ((got[0], None), got[1])
+    torch.testing.assert_close(value, want_value)
+    for a, b in zip(_leaves(grad), _leaves(want_grad), strict=True):
+        torch.testing.assert_close(a, b)
+    if has_aux:
+        assert aux["scale"] == 2.0
+        torch.testing.assert_close(aux["norm"], want_value * 2)
+
+
 @pytest.mark.parametrize("operator", ["vjp", "value_and_vjp"])
 @pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
 @pytest.mark.parametrize(

@@ -75,6 +75,31 @@ from ._guard import _CALLS, _guard, _keeping, _requires_grad, _wrapped, inside_a
 __all__ = ["Adapter", "inside_a_call", "is_dtensor"]
 
 
+def _output(xs: Leaves, fn: Fn) -> Any:
+    return fn(xs)[0]
+
+
+def _output_at_one(x: Any, fn: Fn) -> Any:
+    return fn((x,))[0]
+
+
+def _with_aux(xs: Leaves, fn: Fn) -> Any:
+    return fn(xs)
+
+
+def _with_aux_at_one(x: Any, fn: Fn) -> Any:
+    return fn((x,))
+
+
+# torch.func's value and gradient in the first argument of these functions, made once: a
+# transform made on every call costs as much as the rest of the route's steps
+# (``python benchmarks/torch_users.py``, row a in torch.func mode)
+_GRAD_AND_VALUE = func.grad_and_value(_output)
+_GRAD_AND_VALUE_AT_ONE = func.grad_and_value(_output_at_one)
+_GRAD_AND_VALUE_WITH_AUX = func.grad_and_value(_with_aux, has_aux=True)
+_GRAD_AND_VALUE_WITH_AUX_AT_ONE = func.grad_and_value(_with_aux_at_one, has_aux=True)
+
+
 class _Namespace:
     """The few array functions ``_base`` needs, with torch's names."""
 
@@ -338,16 +363,20 @@ class Adapter(_base.Adapter):
         return [tuple(g[k] for g in grads) for k in range(len(batch))]
 
     def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
-        if self.functional:
-            g, has_aux, rebuild = _for_func(fn, xs)
-            if has_aux:
-                grads, (value, aux) = func.grad_and_value(g, has_aux=True)(xs[0] if len(xs) == 1 else xs)
+        if self.functional:  # (fn as an argument of torch.func's transforms made once, see _GRAD_AND_VALUE)
+            one = len(xs) == 1  # (on the tensor itself: less pytree work for torch.func)
+            if getattr(fn, "has_aux", True):  # (as _for_func decides)
+                target, rebuild = _tensor_aux(fn)
+                transform = _GRAD_AND_VALUE_WITH_AUX_AT_ONE if one else _GRAD_AND_VALUE_WITH_AUX
+                grads, (value, aux) = transform(xs[0] if one else xs, target)
+                aux = rebuild(aux)
             else:
-                (grads, value), aux = func.grad_and_value(g)(xs[0] if len(xs) == 1 else xs), None
-            if len(xs) == 1:
-                one = (grads,) if type(grads) is torch.Tensor else _placed((grads,), xs)
-                return value, rebuild(aux), _materialised(one)
-            return value, rebuild(aux), _materialised(_placed(grads, xs))
+                transform = _GRAD_AND_VALUE_AT_ONE if one else _GRAD_AND_VALUE
+                (grads, value), aux = transform(xs[0] if one else xs, fn), None
+            if one:
+                grads = (grads,) if type(grads) is torch.Tensor else _placed((grads,), xs)
+                return value, aux, _materialised(grads)
+            return value, aux, _materialised(_placed(grads, xs))
         if not torch.is_grad_enabled():  # entering enable_grad costs more than asking
             with torch.enable_grad():
                 return self.value_and_gradient(fn, xs)
