@@ -851,3 +851,38 @@ def test_the_torch_detector_runs_f_in_the_grad_mode_the_engines_run_it(mode: str
     np.testing.assert_allclose(
         di.jacobian(f, backend, x).to_dense().numpy(), di.jacobian(f, di.AutoTorch(mode=mode), x).numpy()
     )
+
+
+def _shared_target_writes() -> dict[str, Callable[[Any], Any]]:
+    """Writes where two land on one target (torch keeps one), each writer also read elsewhere."""
+    index = torch.tensor([0, 0, 2])
+
+    def index_put(x: Any) -> Any:
+        y = torch.zeros(4, dtype=x.dtype).index_put((index,), x[:3] * 2.0)
+        return torch.cat([y, x**2])
+
+    def setitem_2d(x: Any) -> Any:
+        y = torch.zeros(2, 4, dtype=x.dtype)
+        y[:, index] = x[:6].reshape(2, 3) * 2.0
+        return torch.cat([y.reshape(-1), x**2])
+
+    def scatter(x: Any) -> Any:
+        y = torch.zeros(4, dtype=x.dtype).scatter(0, index, x[:3] * 2.0)
+        return torch.cat([y, x**2])
+
+    return {"index_put": index_put, "setitem 2-d": setitem_2d, "scatter": scatter}
+
+
+@pytest.mark.parametrize("write", sorted(_shared_target_writes()))
+@pytest.mark.parametrize("mode", ["autograd", "func"])
+def test_every_write_to_a_shared_target_is_in_the_torch_pattern(write: str, mode: str) -> None:
+    # expected: index_put's d(x_0**2)/dx_0 = 2 x_0 came out 4 x_0 with reverse products (row
+    # coloring). The pattern held the write torch keeps alone (x_1 at target 0), but torch's
+    # backward gives every writer the target's cotangent, and the product of the color shared by
+    # target 0 and x_0**2 (no common column in that pattern) added x_0's share into the other row
+    f = _shared_target_writes()[write]
+    x = torch.tensor(_points(1)[0])
+    dense = _torch_jacobian(f, x.numpy())
+    assert not _missing(sparse.jacobian_pattern(f, x, detector=sparse.GlobalDetector(tracer="torch")), dense)
+    found = di.jacobian(f, di.AutoSparse(di.AutoTorch(mode=mode), coloring="row"), x).to_dense().numpy()
+    np.testing.assert_allclose(found, dense, rtol=1e-12)

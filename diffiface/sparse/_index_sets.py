@@ -80,6 +80,19 @@ def gather(sources: Sequence[Rows], sizes: Sequence[int], where: Any, n: int) ->
     return canonical(stacked[where])
 
 
+def gather_all(sources: Sequence[Rows], sizes: Sequence[int], targets: Any, where: Any, count: int, n: int) -> Rows:
+    """``count`` rows, row ``targets[k]`` uniting the rows at the 1-based positions ``where[k]``
+    of the operands' rows laid end to end (as :func:`gather`'s); a row no target names is empty."""
+    if all(s is None for s in sources):
+        return None
+    targets = np.asarray(targets, dtype=np.int64).reshape(-1)
+    where = np.asarray(where, dtype=np.int64).reshape(-1)
+    blocks = [empty(1, n)] + [empty(k, n) if rows is None else rows for rows, k in zip(sources, sizes, strict=True)]
+    stacked = _sp().vstack(blocks, format="csr")
+    picks = _sp().csr_array((np.ones(targets.size), (targets, where)), shape=(count, stacked.shape[0]))
+    return apply(picks, stacked)
+
+
 def union(rows: Sequence[Rows]) -> Rows:
     present = [r for r in rows if r is not None]
     if not present:

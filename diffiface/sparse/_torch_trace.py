@@ -715,7 +715,12 @@ class _Interpreter:
             return [sets.gather(sources, sizes, o.numpy(), self.n) for o in out]
         if shape is not None and tuple(out.shape) != shape:
             return _UNKNOWN
-        return sets.gather(sources, sizes, out.numpy(), self.n)
+        rows = sets.gather(sources, sizes, out.numpy(), self.n)
+        shared = _shared_writes(_name(node.target), args)
+        if shared is None:
+            return rows
+        targets, writers = shared
+        return sets.union([rows, sets.gather_all(sources, sizes, targets, writers, out.numel(), self.n)])
 
     def pointwise(self, node: Any, name: str, shape: tuple[int, ...]) -> Any:
         operands = [
@@ -900,6 +905,30 @@ def _accumulates(node: Any) -> bool:
     if _name(node.target) == "index_put":
         return bool(node.kwargs.get("accumulate", node.args[3] if len(node.args) > 3 else False))
     return False
+
+
+def _shared_writes(name: str, args: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    """Of a scatter that writes (``index_put``, ``scatter`` of a tensor) run on positions, the
+    targets two or more of its writes land on and the position each of those writes brings;
+    None where no target takes two. torch keeps one of them, and the winner alone is f's
+    dependence, but torch's reverse mode gives every writer the target's cotangent: a pattern
+    with the winner alone would let a reverse product add a loser's share into another row's
+    entry of its color (an entry silently wrong). So every writer counts."""
+    torch = _torch()
+    if name == "index_put" and len(args) >= 3:
+        target, indices, values = args[0], args[1], args[2]
+        ids = torch.arange(target.numel()).view(target.shape)
+        hit = ids[tuple(slice(None) if i is None else i for i in indices)]
+        writers = values.expand(hit.shape)
+    elif name == "scatter" and len(args) >= 4 and isinstance(args[3], torch.Tensor):
+        target, dim, index, src = args[0], args[1], args[2], args[3]
+        hit = torch.arange(target.numel()).view(target.shape).gather(dim, index)
+        writers = src[tuple(slice(0, s) for s in index.shape)]
+    else:
+        return None
+    hit_ids, brought = hit.reshape(-1).numpy(), writers.reshape(-1).numpy()
+    many = np.bincount(hit_ids, minlength=target.numel())[hit_ids] > 1
+    return (hit_ids[many], brought[many]) if many.any() else None
 
 
 def _any_rows(rows: Any) -> bool:
