@@ -556,6 +556,33 @@ def test_a_float32_gradient_at_an_optimum_passes_where_the_truth_runs_in_float32
             check_gradients(loss(1.01), torch.tensor(moved), backends=["torch"])
 
 
+@pytest.mark.parametrize("n", [10, 40])
+def test_a_float64_gradient_at_an_exact_optimum_passes_and_a_wrong_rule_near_it_fails(n):
+    # expected: failed (the loss without the rule: 5 seeds of 5 at n = 10, 3 of 5 at n = 40).
+    # At w0 with b = A w0 the engine's residual is exactly 0, and f near it is 0.5 h**2 |A e|**2
+    # with a rounding of h times the residual's own (the rounding of A w and b), far above
+    # float64's epsilon times f: every stencil read it as a kink, so no input moved by its last
+    # bits, and the gradient, 0, was held to the finite differences' rounding, 1e-15, with no
+    # allowance for its own
+    torch = pytest.importorskip("torch")
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        a = torch.tensor(rng.standard_normal((64, n)))
+        w0 = torch.tensor(rng.standard_normal(n))
+        b = a @ w0
+
+        def loss(factor: float, a: Any = a, b: Any = b) -> Any:
+            rule = _scaled_backward(torch, lambda v: v.view_as(v), lambda v: torch.ones_like(v), factor)
+            return lambda v: 0.5 * ((a @ rule(v) - b) ** 2).sum()
+
+        report = check_gradients(loss(1.0), w0, backends=["torch"])
+        assert [row.status for row in report.rows] == ["passed"], [row.message for row in report.rows]
+        near = w0 + 1e-9 * torch.tensor(rng.standard_normal(n))  # (a gradient 1e-7, its rule 1% off)
+        assert not check_gradients(loss(1.0), near, backends=["torch"]).failed
+        with pytest.raises(di.GradientCheckError):
+            check_gradients(loss(1.01), near, backends=["torch"])
+
+
 # -- 6. determinism within rounding ------------------------------------------------------------------------
 
 

@@ -1683,12 +1683,27 @@ def _kink_within(f0: float, samples: dict[str, float | None], eps: float) -> boo
     """Whether f at ``x +- h`` and ``x +- 2h`` along one input shows a kink within ``2h``: the
     second difference at 2h is 4 times the one at h for a smooth f (to ``h**4`` times its fourth
     derivative), about twice it across a kink, and far above 4 times it with a kink between h
-    and 2h; the mismatch, f's fourth difference, must stand 64 times above f's rounding."""
+    and 2h. The mismatch, f's fourth difference, must stand 64 times above f's rounding, and
+    above ``_SMOOTH_MISMATCH`` of the second differences themselves: f's rounding may be far
+    above its epsilon times its values (at the optimum of a least-squares loss, ``f = |A w - b|^2``
+    near 0, each residual carries the rounding of ``A w`` and ``b``), but a kink's mismatch is of
+    the second differences' own order."""
     p1, m1, p2, m2 = samples["+1"], samples["-1"], samples["+2"], samples["-2"]
     if p1 is None or m1 is None or p2 is None or m2 is None:
         return False
     mismatch = abs(_fourth_difference(f0, samples))
-    return bool(mismatch > 64 * 8 * eps * (abs(f0) + abs(p1) + abs(m1) + abs(p2) + abs(m2)))
+    seconds = abs(p2 + m2 - 2 * f0) + 4 * abs(p1 + m1 - 2 * f0)
+    return bool(
+        mismatch > 64 * 8 * eps * (abs(f0) + abs(p1) + abs(m1) + abs(p2) + abs(m2))
+        and mismatch > _SMOOTH_MISMATCH * seconds
+    )
+
+
+_SMOOTH_MISMATCH = 1e-6
+"""The most f's fourth difference may be of its second differences, ``h**2`` times its fourth
+derivative over 12 times its second, for f to read as smooth within its stencil: a fourth
+derivative a million times the second at the checker's float64 step (``sin(1e3 x)``), or a slope
+jump of 1e-5 times the curvature times the step, still read as kinks."""
 
 
 def _taylor_verdict(
