@@ -1,11 +1,13 @@
-"""Benchmark rows of the TensorFlow engine: diffiface's prepared gradient by the backend's name
-against TensorFlow's own fastest call, a ``tf.function``-compiled ``GradientTape`` gradient.
+"""Benchmark rows of the TensorFlow engine: diffiface's prepared gradient against TensorFlow's own
+fastest call, a ``tf.function``-compiled ``GradientTape`` gradient.
 
-``cases(quick)`` gives ``(label, ours, native)``; each callable returns the finished gradient
-as numpy. ``ours`` is ``AutoTensorFlow()`` (eager, the name's default), also against the eager
-tape a user writes without ``tf.function`` (rows "(eager tape native)", with no goal: what eager
-mode itself costs stays out of them); ``cases_jit`` gives the rows with ``AutoTensorFlow(jit=True)``,
-whose prep runs one ``tf.function`` too."""
+``cases_jit`` gives the rows with the goals: ``AutoTensorFlow(jit=True)``, whose prep runs one
+``tf.function`` too, TensorFlow's compiled configuration as ``compile=True`` is compiled torch's.
+``cases(quick)`` gives the default eager backend by its name (``"tensorflow"``), with no goal:
+against ``tf.function`` (rows ", eager": each operation runs as the eager tape runs it, which no
+prepared call takes to a graph's speed) and against the eager tape a user writes without
+``tf.function`` (rows ", eager (eager tape native)"). Each callable returns the finished gradient
+as numpy."""
 
 from __future__ import annotations
 
@@ -86,6 +88,7 @@ def _cases(backend: Any, eager: bool = False) -> list[tuple[str, Callable[[], An
     ]
     if eager:
         tiny_eager, mlp_eager = _eager(tiny), _eager(mlp_loss)
+        rows = [(f"{label}, eager", ours, native) for label, ours, native in rows]
         rows += [
             (f"{label} (eager tape native)", ours, native)
             for (label, ours, _), native in zip(
