@@ -581,3 +581,120 @@ def test_a_bound_method_and_what_it_reads_through_the_retracing_tier() -> None:
         torch.testing.assert_close(di.gradient(loss, COMPILED, x, prep=prep), 10 * x)
     finally:
         _GLOBAL_SCALE[0] = 1.0
+
+
+def test_results_keep_no_graph_of_an_unfrozen_constant_module() -> None:
+    # a head trained on a backbone left unfrozen, the model a Constant: the backbone's parameters
+    # require grad, and the compiled graph's results would carry its backward (which nothing may
+    # differentiate); detached, as every compiled result, on the first call and the later ones
+    torch.manual_seed(0)
+    backbone = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh()).double()  # (not frozen)
+    tuned = torch.nn.Sequential(backbone, torch.nn.Linear(5, 1).double())
+    head = {name: p for name, p in tuned.named_parameters() if name.startswith("1.")}
+    inputs = torch.randn(6, 3, dtype=torch.float64)
+    tangent = {name: torch.ones_like(p) for name, p in head.items()}
+
+    def loss(params, model, inputs):
+        return torch.func.functional_call(model, params, (inputs,)).pow(2).sum()
+
+    contexts = (di.Constant(tuned), di.Constant(inputs))
+    expected = di.gradient(loss, "torch-func", head, *contexts)
+    value_prep = di.prepare_value_and_gradient(loss, COMPILED, head, *contexts)
+    hvp_prep = di.prepare_hvp(loss, COMPILED, head, tangent, *contexts)
+    for _ in range(2):
+        value, grads = di.value_and_gradient(loss, COMPILED, head, *contexts, prep=value_prep)
+        hvps = di.hvp(loss, COMPILED, head, tangent, *contexts, prep=hvp_prep)
+        assert not value.requires_grad
+        for name in head:
+            assert not grads[name].requires_grad and not hvps[name].requires_grad
+            torch.testing.assert_close(grads[name], expected[name].detach())
+
+
+def test_a_hook_added_or_removed_after_the_first_compile_is_never_stale() -> None:
+    # torch.compile skips guards on module hooks by default: a forward hook registered on the
+    # Constant module (or one f closes over) after the first compile would leave the graph
+    # compiled without it running; diffiface compiles with those guards, so a change compiles anew
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+    params = dict(net.named_parameters())
+    contexts = (di.Constant(net), di.Constant(torch.randn(5, 3, dtype=torch.float64)))
+
+    def loss(params, model, inputs):
+        return torch.func.functional_call(model, params, (inputs,)).pow(2).sum()
+
+    prep = di.prepare_gradient(loss, COMPILED, params, *contexts)
+
+    def agrees() -> bool:
+        grads = di.gradient(loss, COMPILED, params, *contexts, prep=prep)
+        expected = di.gradient(loss, "torch-func", params, *contexts)
+        return all(torch.allclose(grads[name], expected[name].detach()) for name in params)
+
+    assert agrees() and agrees()
+    hook = net[1].register_forward_hook(lambda module, args, out: out * 3.0)
+    assert agrees()  # the hook runs: compiled anew
+    hook.remove()
+    assert agrees()  # and without it again
+
+    closed = torch.nn.Linear(3, 1).double()  # the retracing tier: x a tensor, the module in f's closure
+    x = torch.linspace(-1, 1, 3, dtype=torch.float64)
+
+    def f(x):
+        return closed(x).pow(2).sum()
+
+    prep_x = di.prepare_gradient(f, COMPILED, x)
+    torch.testing.assert_close(di.gradient(f, COMPILED, x, prep=prep_x), di.gradient(f, "torch-func", x))
+    closed.register_forward_pre_hook(lambda module, args: (args[0] * 0.5,))
+    torch.testing.assert_close(di.gradient(f, COMPILED, x, prep=prep_x), di.gradient(f, "torch-func", x))
+    assert torch._dynamo.config.skip_nnmodule_hook_guards  # (the caller's setting, torch's default, as it was)
+
+
+def test_a_dual_x_on_a_warm_prep_is_refused_not_stripped_of_its_tangent() -> None:
+    # a gradient of tensors runs its compiled graph alone once a call has completed; a call on
+    # the caller's forward-mode dual is differentiated from outside, and refused as on the first
+    # call, not run by a graph that drops the tangent (it came back None, with no error)
+    import torch.autograd.forward_ad as forward_ad
+
+    x = torch.linspace(-1, 1, 3, dtype=torch.float64)
+    c = torch.linspace(1, 2, 3, dtype=torch.float64)
+
+    def f(x, c):
+        return torch.sum(x**3 * c)
+
+    prep = di.prepare_gradient(f, COMPILED, x, di.Constant(c))
+    for _ in range(2):  # (warm: the compiled graph runs alone)
+        torch.testing.assert_close(di.gradient(f, COMPILED, x, di.Constant(c), prep=prep), 3 * x**2 * c)
+    di.jvp(f, "torch", x, torch.ones_like(x), di.Constant(c))  # (torch loads its forward-mode rules once)
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(x, torch.ones_like(x))
+        with pytest.raises(di.UnsupportedOperationError, match="differentiated from outside"):
+            di.gradient(f, COMPILED, dual, di.Constant(c), prep=prep)
+    torch.testing.assert_close(di.gradient(f, COMPILED, x, di.Constant(c), prep=prep), 3 * x**2 * c)
+
+
+def test_parameters_in_an_ordered_dict_or_a_namedtuple_are_compiled() -> None:
+    # x's tree is rebuilt inside the compiled trace; optree's C rebuild of an OrderedDict (what
+    # OrderedDict(model.named_parameters()) gives) or a namedtuple is not traceable, and the call
+    # was refused as a graph break of f's; rebuilt in Python, it compiles and mirrors x's type
+    import collections
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1).double()
+    params = collections.OrderedDict(model.named_parameters())
+    inputs = torch.randn(5, 3, dtype=torch.float64)
+
+    def loss(params, model, inputs):
+        return torch.func.functional_call(model, dict(params), (inputs,)).pow(2).sum()
+
+    contexts = (di.Constant(model), di.Constant(inputs))
+    grads = di.gradient(loss, COMPILED, params, *contexts)
+    expected = di.gradient(loss, "torch-func", params, *contexts)
+    assert type(grads) is collections.OrderedDict and list(grads) == list(params)
+    for name in params:
+        torch.testing.assert_close(grads[name], expected[name].detach())
+
+    pair = collections.namedtuple("pair", "a b")
+    x = pair(torch.linspace(-1, 1, 3, dtype=torch.float64), torch.linspace(0.5, 1, 3, dtype=torch.float64))
+    hvp = di.hvp(lambda p: torch.sum(p.a**2 * p.b), COMPILED, x, x)
+    assert type(hvp) is pair
+    torch.testing.assert_close(hvp.a, 2 * x.b * x.a + 2 * x.a * x.b)
+    torch.testing.assert_close(hvp.b, 2 * x.a * x.a)

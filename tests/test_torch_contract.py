@@ -80,6 +80,83 @@ def test_a_write_into_a_constant_tensor_names_the_leaf(mode: str, prepared: bool
     assert same(before, data)
 
 
+@pytest.mark.parametrize("mode", list(BACKENDS))
+@pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
+def test_a_write_through_out_into_a_constant_on_the_first_call_is_undone(mode: str, prepared: bool) -> None:
+    # expected: a MutationError naming contexts[1], the caller's tensor bit for bit as it was.
+    # torch.func refuses an in-place method on a tensor f closes over, but not an out= argument
+    # (torch.mul(a, 2, out=buffer)): on a prep's first call the write lands in a copy, in both modes
+    x, a, buffer = torch.randn(3), torch.randn(3), torch.zeros(3)
+    before = snapshot(buffer)
+
+    def f(v: Any, a: Any, buffer: Any) -> Any:
+        torch.mul(a, 2.0, out=buffer)  # (scratch space passed as a Constant, not a Cache)
+        return (v * buffer).sum()
+
+    backend = BACKENDS[mode]
+    prep = di.prepare_gradient(f, backend, x, di.Constant(a), di.Constant(torch.zeros(3))) if prepared else None
+    with pytest.raises(di.MutationError, match=r"contexts\[1\].*the caller's tensor is unchanged"):
+        di.gradient(f, backend, x, di.Constant(a), di.Constant(buffer), prep=prep)
+    assert same(before, buffer)
+
+
+@pytest.mark.parametrize("mode", list(BACKENDS))
+@pytest.mark.parametrize("into", ["x", "constant"])
+@pytest.mark.parametrize("raises", [False, True], ids=["returns", "raises"])
+def test_a_write_through_data_on_the_first_call_is_named(mode: str, into: str, raises: bool) -> None:
+    # expected: a MutationError naming the leaf, the caller's tensors bit for bit as they were.
+    # No version counter sees a write through .data; on a prep's first call f writes into copies,
+    # whose values are compared (else f's derivative is taken at the values it wrote, silently)
+    x, c = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.5, 0.25, 0.125])
+    before = snapshot(x, c)
+
+    def f(v: Any, c: Any) -> Any:
+        (v if into == "x" else c).data.mul_(2.0)
+        if raises:
+            raise ValueError("f's own error, after its write")
+        return (v**2 * c).sum()
+
+    # (under torch.func, torch's own refusal of the write into the Constant, which names no leaf)
+    named = "x" if into == "x" else r"contexts\[0\]" if mode == "autograd" else "closes over"
+    with pytest.raises(di.MutationError, match=named):
+        di.gradient(f, BACKENDS[mode], x, di.Constant(c))
+    assert same(before, x, c)
+
+
+class _Strided(torch.nn.Module):
+    """A module whose tensors are views torch will not read as bytes as they are: a strided
+    buffer, a column of a matrix as a parameter, a conjugate view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.randn(6)[::2])
+        self.bias = torch.nn.Parameter(torch.randn(3, 2)[:, 0])
+        self.register_buffer("phase", torch.randn(3, dtype=torch.complex64).conj())
+
+    def forward(self, v: Any) -> Any:
+        return v * self.scale + self.bias + self.phase.real
+
+
+@pytest.mark.parametrize("mode", list(BACKENDS))
+def test_a_modules_strided_and_conjugate_tensors_are_compared_and_put_back(mode: str) -> None:
+    # expected: the gradient, on the first call and later ones (the comparison of a module's
+    # tensors with their copies raised torch's RuntimeError on a strided buffer); a write into
+    # the strided buffer on a first call named and put back
+    module, x = _Strided(), torch.randn(3)
+    before = snapshot(module)
+    backend = BACKENDS[mode]
+    for _ in range(2):
+        torch.testing.assert_close(di.gradient(lambda v, m: m(v).sum(), backend, x, di.Constant(module)), module.scale)
+
+    def writes(v: Any, m: Any) -> Any:
+        m.scale.data.add_(1.0)
+        return m(v).sum()
+
+    with pytest.raises(di.MutationError, match="'scale'" if mode == "autograd" else "closes over"):
+        di.gradient(writes, backend, x, di.Constant(module))
+    assert same(before, module)
+
+
 class Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -669,6 +746,19 @@ def _dropout(v: Any) -> Any:
     return torch.nn.functional.dropout(v, 0.5, training=True).pow(2).sum()
 
 
+def _out_into_x(v: Any) -> Any:
+    torch.add(torch.ones_like(v), 1.0, out=v)  # (a write into x through out=)
+    return (v**2).sum()
+
+
+def _out_of_x(v: Any) -> Any:
+    return torch.mul(v, 2.0, out=torch.empty_like(v)).pow(2).sum()
+
+
+def _out_free(v: Any) -> Any:
+    return torch.mul(v, 2.0).pow(2).sum()
+
+
 @pytest.mark.parametrize(
     ("f", "name", "operator", "says", "way"),
     [
@@ -676,12 +766,26 @@ def _dropout(v: Any) -> Any:
         (_checkpointed(True), "torch", "gradient", "use_reentrant=False", (_checkpointed(False), "torch")),
         (_checkpointed(True), "torch", "hessian", "use_reentrant=False", (_checkpointed(False), "torch")),
         (_dropout, "torch-func", "hessian", "draws random numbers", (_dropout, "torch")),
+        (_out_into_x, "torch", "gradient", "out= argument", (_out_free, "torch")),
+        (_out_into_x, "torch-func", "gradient", "out= argument", (_out_free, "torch-func")),
+        (_out_of_x, "torch", "gradient", "Compute out of place", (_out_free, "torch")),
+        (_out_of_x, "torch-func", "gradient", "Compute out of place", (_out_free, "torch-func")),
     ],
-    ids=["checkpoint under torch.func", "reentrant checkpoint", "reentrant checkpoint, Hessian", "dropout's Hessian"],
+    ids=[
+        "checkpoint under torch.func",
+        "reentrant checkpoint",
+        "reentrant checkpoint, Hessian",
+        "dropout's Hessian",
+        "out= into x",
+        "out= into x under torch.func",
+        "out= of a value of x",
+        "out= of a value of x under torch.func",
+    ],
 )
 def test_what_torch_refuses_in_f_is_named(f: Any, name: str, operator: str, says: str, way: Any) -> None:
     """torch's own RuntimeErrors, raised by f or its backward pass (saved-tensor hooks under
-    torch.func, a reentrant checkpoint under torch.autograd.grad, a random draw inside vmap), are
+    torch.func, a reentrant checkpoint under torch.autograd.grad, a random draw inside vmap, an
+    out= argument where x's leaves require grad), are
     UnsupportedOperationErrors that say what to do; x unchanged; the way they name works."""
     x = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64)
     before = x.clone()

@@ -26,13 +26,15 @@ program compiled as one graph, whose later calls run that graph alone.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
 import math
 import threading
 import types
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -44,6 +46,7 @@ from torch import func
 from ... import tree as _tree
 from ..._backends import AutoTorch
 from ..._errors import UnsupportedOperationError
+from ..._flatten import structure_unflatten
 from .._base import NO_PARTS, Blocks, Deferred, Fn, Leaves
 from .._base import Adapter as _BaseAdapter
 from ._duals import _FORWARD_LOCK, _FORWARD_WARMED, _warm_forward
@@ -239,7 +242,8 @@ def _called(program: _Program, *args: Any) -> Any:
             # (Inductor's note that it runs complex operators as torch does: its performance, not
             # the caller's code; as an error under the caller's filters it fails the compile)
             warnings.filterwarnings("ignore", "Torchinductor does not support code generation for complex")
-            result = program.strict(template, *args)
+            with _hook_guards():
+                result = program.strict(template, *args)
     except _Uncompiled:  # torch ran it uncompiled (a stance of the caller's)
         return template(*args)
     except _RECOMPILE_LIMIT:  # (a value f reads took a new value on every call: uncompiled from now)
@@ -250,6 +254,27 @@ def _called(program: _Program, *args: Any) -> Any:
         raise _unsupported(exc) from exc
     program.fast = program.run_only
     return result
+
+
+@contextlib.contextmanager
+def _hook_guards() -> Iterator[None]:
+    """torch.compile's guards on the hooks of the modules f calls, installed while a program
+    compiles: by default torch skips them (``skip_nnmodule_hook_guards``), so that a forward hook
+    registered on a Constant module (or one f closes over) after the first compile, or one
+    removed, would leave the graph compiled without it, or with it, running: a stale derivative.
+    With them, such a change fails a guard and compiles anew. Guards are built as a graph
+    compiles, so the setting is needed then only; the caller's own setting is put back after it
+    (one compile at a time sets it, so that two threads' settings never cross)."""
+    config = torch._dynamo.config
+    if not hasattr(config, "skip_nnmodule_hook_guards"):
+        yield
+        return
+    with _COMPILING, config.patch(skip_nnmodule_hook_guards=False):
+        yield
+
+
+_COMPILING = threading.RLock()
+"""Held while a program compiles with the hooks' guards (:func:`_hook_guards`)."""
 
 
 class _Eager(Exception):
@@ -363,7 +388,10 @@ class _Retraced:
     def __call__(self, *leaves: Any) -> Any:
         program = self.program
         fast = program.fast
-        if self.ready and fast is not None and not _CALLS.keep:
+        # (not where a forward-mode level is open: a dual x's tangent would be dropped by the
+        # graph without an error; the guard's steps refuse such a call, as any call
+        # differentiated from outside)
+        if self.ready and fast is not None and not _CALLS.keep and _forward_ad._current_level < 0:
             try:
                 return fast(program.template, *leaves)
             except _Uncompiled:  # no compiled graph fits: the guard's steps, then a compile
@@ -415,6 +443,43 @@ shapes, dtypes, devices, strides and flags."""
 # -- the adapter -----------------------------------------------------------------------------------
 
 
+def _python_unflatten(spec: Any) -> Callable[[Any], Any] | None:
+    """``leaves -> x`` for an x of optree structure ``spec`` whose nodes are dicts (an
+    ``OrderedDict`` too) with str or int keys, lists, tuples (a namedtuple too) and None, as
+    ``spec.unflatten`` builds it, in Python code torch.compile traces; None for any other node
+    (a class registered as a pytree node of its own, rebuilt by optree alone)."""
+    example = spec.unflatten(list(range(spec.num_leaves)))
+    if not _plain_nodes(example):
+        return None
+
+    def build(node: Any, leaves: Any) -> Any:
+        if type(node) is int:
+            return leaves[node]
+        if node is None:
+            return None
+        if isinstance(node, dict):
+            return type(node)((key, build(value, leaves)) for key, value in node.items())
+        parts = [build(value, leaves) for value in node]
+        if isinstance(node, tuple) and hasattr(node, "_fields"):  # a namedtuple
+            return type(node)(*parts)
+        return type(node)(parts)
+
+    return lambda leaves: build(example, leaves)
+
+
+def _plain_nodes(node: Any) -> bool:
+    """Whether every node of ``node`` (a tree whose leaves are their indices) is one that
+    :func:`_python_unflatten` rebuilds."""
+    kind = type(node)
+    if kind is int or node is None:
+        return True
+    if kind is dict or kind is collections.OrderedDict:
+        return all(type(key) in (str, int) for key in node) and all(map(_plain_nodes, node.values()))
+    if kind is list or kind is tuple or (issubclass(kind, tuple) and hasattr(kind, "_fields")):
+        return all(map(_plain_nodes, node))
+    return False
+
+
 class CompiledAdapter:
     """Mixed into the torch adapter by :func:`compiled_adapter` (no import cycle with it)."""
 
@@ -457,7 +522,10 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
                         found = signed.get(zeros) or signed.setdefault(zeros, _Programs())
                 stack.append(found)
                 try:
-                    return guarded(xs, ts, dynamic, static)
+                    # (detached: a Constant's tensor that requires grad, an unfrozen backbone's
+                    # parameter, would give the results a graph through the compiled graph's
+                    # backward, which nothing may differentiate; x's graph is cut before f runs)
+                    return _out_of_graph(guarded(xs, ts, dynamic, static))
                 finally:
                     stack.pop()
 
@@ -471,6 +539,14 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
             if isinstance(leaf, (np.number, np.bool_)):
                 leaf = leaf.item()
             return super().context_to_native(leaf, like)  # type: ignore[no-any-return]
+
+        def rebuilder(self, x_spec: Any) -> Callable[[Any], Any] | None:
+            # (x's tree is rebuilt inside the compiled trace, where torch.compile cannot trace
+            # optree's C rebuild: an OrderedDict of parameters or a namedtuple, which diffiface's
+            # rebuild written for dicts, lists and tuples does not take, is rebuilt in Python)
+            if x_spec is None or x_spec.is_leaf() or structure_unflatten(x_spec) is not None:
+                return None
+            return _python_unflatten(x_spec)
 
         def returns_like(self, leaf: Any) -> bool:
             return type(leaf) is torch.Tensor  # (a compiled graph's results are plain tensors)

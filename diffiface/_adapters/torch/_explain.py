@@ -159,6 +159,14 @@ _REFUSALS = (
         "products reuse f's one evaluation.",
     ),
     (
+        "arguments don't support automatic differentiation, but one of the arguments requires grad",
+        "f passes an out= argument to a torch function (torch.add(a, b, out=y)) where an argument, or the "
+        "out= tensor itself, requires grad: torch does not differentiate a function with out=, and refused "
+        "it before writing. x's leaves require grad inside the call, so an out= that is x, or that a value "
+        "computed from x goes into, is refused. Compute out of place (y = torch.add(a, b)); x and the "
+        "Constants are read-only, and scratch space f may overwrite is a di.Cache.",
+    ),
+    (
         "does not require grad and does not have a grad_fn",
         "f calls torch.autograd.grad (or .backward()) on a value that does not require grad: a force "
         "field's gradient of an energy, say. Where that value comes from x, this operator gave f an x "

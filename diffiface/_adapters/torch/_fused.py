@@ -49,6 +49,7 @@ from ._guard import (
     _requires_grad,
     _requiring,
     _transform_level,
+    _unseen_write,
     _version,
     _watched_constants,
 )
@@ -124,10 +125,9 @@ class _Gradient:
                 return self.guarded(xs, ts, dynamic, static)
         versions = list(map(_version, inputs))
         constants: list[tuple[int, Any, int]] = []
+        given_dynamic = dynamic  # (the caller's: compared with f's copies after a first call)
         if dynamic and self.constant_at:
-            dynamic, constants = _watched_constants(
-                dynamic, self.constant_at, copy and not self.functional, not self.functional
-            )
+            dynamic, constants = _watched_constants(dynamic, self.constant_at, copy, not self.functional)
         fused = self.fused
         modules = None
         rebuilds = fused.rebuilds
@@ -149,9 +149,10 @@ class _Gradient:
         try:
             result = self.engine(inputs, xs, ts, f, context_values)
         except BaseException as exc:
-            refusal = _after_failure(
-                exc, stack, True, inputs, versions, constants, modules, self.names, copy, copy and not self.functional
-            )
+            refusal = _after_failure(exc, stack, True, inputs, versions, constants, modules, self.names, copy, copy)
+            if refusal is None and copy and isinstance(exc, Exception):  # (f failed after a write through .data)
+                problem = _unseen_write(inputs, xs, constants, given_dynamic, self.names)
+                refusal = None if problem is None else MutationError(problem)
             if refusal is None and type(exc) is _CapturedWrite:
                 refusal = _named_capture(
                     lambda: self.engine(inputs, xs, ts, f, context_values), constants, modules, self.names
@@ -166,7 +167,11 @@ class _Gradient:
         for _, tensor, version in constants:  # (a loop, not a generator: this runs on every call)
             dirty = dirty or tensor._version != version
         if dirty:
-            problem = _mutation(inputs, versions, constants, modules, self.names, copy, copy and not self.functional)
+            problem = _mutation(inputs, versions, constants, modules, self.names, copy, copy)
+            if problem is not None:
+                raise MutationError(problem)
+        if copy:  # (a write through .data into f's copies, which no counter sees)
+            problem = _unseen_write(inputs, xs, constants, given_dynamic, self.names)
             if problem is not None:
                 raise MutationError(problem)
         self.first = False

@@ -78,9 +78,9 @@ def _guard(
       ``torch.autograd.grad``'s are.
     - What f may write, and where a write lands: one rule for x, the tangents' companions and
       every Constant (tensor or module), written in docs/policies.md. On a prep's first call
-      (until one completes) f gets copies of x's leaves and, in autograd mode, of the Constant
-      tensors (under torch.func, which refuses writes into the tensors f closes over, the
-      caller's own), and every parameter and buffer of a Constant module is kept in a copy: a
+      (until one completes) f gets copies of x's leaves and of the Constant tensors (in both
+      modes: torch.func refuses most writes into a tensor f closes over, but not one through an
+      ``out=`` argument, which lands), and every parameter and buffer of a Constant module is kept in a copy: a
       write, seen by its version counter or by its value, is undone (put back bit for bit, or
       never reaching the caller's memory) and refused with a MutationError naming the leaf. On
       later calls f gets the caller's own tensors (x's as ``detach()`` aliases, which torch
@@ -102,7 +102,7 @@ def _guard(
     # which dynamic context leaves are Constants (watched), not Caches (f's scratch space)
     constant_at = tuple(i for i, cache in enumerate(cache_dynamic) if not cache)
     watch_static = not all(cache_static)  # a Constant static leaf may be a torch.nn.Module
-    copy_constants = not functional
+    autograd = not functional  # (an inference tensor: copied on every call in autograd mode only)
     asked = functional or create_graph
     first = [True]  # no call of this prep has completed yet: a Constant module's tensors are copied
 
@@ -118,6 +118,7 @@ def _guard(
         keep = asked and torch.is_grad_enabled()
         nested = bool(_CALLS.keep) or _transform_level() is not None
         copy = first[0]
+        given, given_dynamic = xs, dynamic  # (the caller's: compared with f's copies after a first call)
         if len(xs) == 1:
             x = xs[0]
             if not keep and (nested or x.requires_grad or _forward_ad._current_level >= 0):
@@ -151,7 +152,7 @@ def _guard(
             tangent_versions = list(map(_version, ts))
         constants: list[tuple[int, Any, int]] = []
         if dynamic and constant_at:
-            dynamic, constants = _watched_constants(dynamic, constant_at, copy_constants and copy, copy_constants)
+            dynamic, constants = _watched_constants(dynamic, constant_at, copy, autograd)
         modules = _module_states(static, cache_static, copy) if static is not None and watch_static else None
         stack = _CALLS.keep
         stack.append(keep)
@@ -159,9 +160,10 @@ def _guard(
         try:
             result = program(xs, ts, dynamic, static)
         except BaseException as exc:
-            refusal = _after_failure(
-                exc, stack, grad_mode, xs, versions, constants, modules, names, copy, copy_constants and copy
-            )
+            refusal = _after_failure(exc, stack, grad_mode, xs, versions, constants, modules, names, copy, copy)
+            if refusal is None and copy and isinstance(exc, Exception):  # (f failed after a write through .data)
+                problem = _unseen_write(xs, given, constants, given_dynamic, names)
+                refusal = None if problem is None else MutationError(problem)
             if refusal is None and type(exc) is _CapturedWrite:
                 refusal = _named_capture(lambda: program(xs, ts, dynamic, static), constants, modules, names)
             if refusal is not None:
@@ -179,7 +181,11 @@ def _guard(
         for _, tensor, version in constants:
             dirty = dirty or tensor._version != version
         if dirty:
-            problem = _mutation(xs, versions, constants, modules, names, copy, copy_constants and copy)
+            problem = _mutation(xs, versions, constants, modules, names, copy, copy)
+            if problem is not None:
+                raise MutationError(problem)
+        if copy:
+            problem = _unseen_write(xs, given, constants, given_dynamic, names)
             if problem is not None:
                 raise MutationError(problem)
         first[0] = False
@@ -257,9 +263,10 @@ def _watched_constants(
     dynamic: Leaves, constant_at: tuple[int, ...], copy: bool, autograd: bool = True
 ) -> tuple[Leaves, list[tuple[int, Any, int]]]:
     """The dynamic context leaves for f, and (index, tensor, its version) for each Constant
-    tensor, to see a write by: where ``copy`` (a prep's first call in autograd mode, where torch
-    lets f write into them), a copy of each in its place (f cannot reach the caller's memory
-    through it); else the caller's own, watched by its counter. In ``autograd`` mode an
+    tensor, to see a write by: where ``copy`` (a prep's first call, in both modes: torch.func
+    refuses an in-place method on a tensor f closes over but lets ``torch.mul(a, b, out=c)``
+    write into it), a copy of each in its place (f cannot reach the caller's memory through it);
+    else the caller's own, watched by its counter. In ``autograd`` mode an
     inference tensor is always copied (it cannot be saved for the backward pass); under
     torch.func, which refuses any write into it, it is passed as it is and not watched."""
     fresh: list[Any] | None = None  # (a new tuple only where a leaf is replaced by its copy)
@@ -477,12 +484,57 @@ def _mutation(
     )
 
 
+def _unseen_write(
+    xs: Leaves, given: Leaves, constants: list[tuple[int, Any, int]], given_dynamic: Leaves, names: _Names | None
+) -> str | None:
+    """On a prep's first call, where f got copies of x's leaves (``xs``, of the caller's
+    ``given``) and of the Constant tensors: the write no version counter saw (through ``.data``),
+    told by a copy's bits that differ from the caller's tensor, named; None where f wrote none.
+    The caller's tensors are untouched (f wrote into its copies), but f computed at the values
+    it wrote, not at the caller's: its derivative would be another point's. A first call only:
+    later calls copy nothing, and such a write is not seen there (docs/policies.md)."""
+    for i, (x, original) in enumerate(zip(xs, given, strict=True)):
+        if x is not original and _differs(x, original):
+            where = names.of_x(i, len(xs)) if names is not None else (f"leaf {i} of x" if len(xs) > 1 else "x")
+            return f"f wrote in place into its input {where} (through .data); the caller's x is unchanged. {_FIX}"
+    for i, tensor, _ in constants:
+        original = given_dynamic[i]
+        if tensor is not original and _differs(tensor, original):
+            where = names.of_dynamic(i) if names is not None else f"array context leaf {i}"
+            return (
+                f"f wrote in place into {where}, a tensor of a di.Constant (through .data); the caller's tensor "
+                f"is unchanged (f wrote into a copy). A Constant is read-only: {_FIX}"
+            )
+    return None
+
+
+def _differs(copy: Any, original: Any) -> bool:
+    """Whether f's ``copy`` of a strided tensor no longer holds ``original``'s bits (a layout or
+    subclass whose bits are not compared here: False)."""
+    if not (isinstance(original, torch.Tensor) and original.layout is _STRIDED and copy.layout is _STRIDED):
+        return False
+    if copy.shape != original.shape or copy.dtype != original.dtype or _wrapped(copy) or _wrapped(original):
+        return False
+    with torch.no_grad():
+        return not _same_bits(copy.detach(), original.detach())
+
+
 def _same_bits(tensor: Any, copy: Any) -> bool:
     """Whether ``tensor`` holds its ``copy``'s bits (a NaN equals itself: a module holding one
-    is not taken for written)."""
+    is not taken for written). Each is read as bytes of its values in order: a strided view
+    (``buffer[::2]``, a column of a matrix) and a conjugate or negative view (``z.conj()``) are
+    made plain first, which torch's view as bytes refuses to take as they are."""
     if (tensor.is_floating_point() or tensor.is_complex()) and type(tensor) in (torch.Tensor, torch.nn.Parameter):
-        return torch.equal(tensor.reshape(-1).view(torch.uint8), copy.reshape(-1).view(torch.uint8))
+        return torch.equal(_bytes(tensor), _bytes(copy))
     return torch.equal(tensor, copy)
+
+
+def _bytes(tensor: Any) -> Any:
+    """``tensor``'s values as one row of bytes (a copy only where it is not plain and contiguous;
+    an empty tensor, whose strides may be 0, which torch's view as bytes refuses, holds none)."""
+    if tensor.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return tensor.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
 
 
 _PUT_BACK = "it has been put back, bit for bit"
