@@ -272,10 +272,12 @@ def _conj(leaf: Any) -> Any:
 
 
 def as_complex(leaf: Any, dtype: str) -> Any:
-    """A real cotangent leaf as the complex one of ``dtype`` it means (imaginary part zero), in its
-    framework."""
+    """A real cotangent leaf as the complex one of ``dtype`` it means (imaginary part zero), or a
+    Python number as the float of ``dtype`` it stands for, in its framework. A leaf of a family
+    is cast by it: pytensor's symbolic cotangent, which a Python number becomes while its program
+    is traced, refuses to become a numpy array."""
     family = _arrays.family_of(leaf)
-    if family is not None and (family.ARRAY or family.PASSED_THROUGH):
+    if family is not None and _arrays.kind(leaf) != "python":
         return family.cast(leaf, dtype)
     return np.asarray(leaf, dtype=dtype)
 

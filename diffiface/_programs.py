@@ -1047,9 +1047,18 @@ def _unconvertible_context(adapter: Adapter, signature: Signature, index: int, l
 
 
 def _tangent_to_native(adapter: Adapter, t: Any, like: Any) -> Any:
-    """A tangent leaf for the engine; a Python number takes the dtype of its primal leaf."""
+    """A tangent leaf for the engine; a Python number takes the dtype of its primal leaf, cast by
+    the primal's family where numpy has no such dtype (bfloat16, unless ml_dtypes is imported)."""
     if isinstance(t, (int, float)) and hasattr(like, "dtype"):
-        t = np.asarray(t, dtype=np.dtype(_arrays.dtype_name(like)))
+        name = _arrays.dtype_name(like)
+        try:
+            dtype = np.dtype(name)
+        except TypeError:
+            family = _arrays.family_of(like)
+            if family is None or not family.ARRAY:
+                raise
+            return family.cast(adapter.to_native(float(t)), name)
+        t = np.asarray(t, dtype=dtype)
     return adapter.to_native(t)
 
 

@@ -4,6 +4,9 @@ refused, inputs never mutated, the scenario suite, and the checker's tolerances.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from typing import Any
 
 import numpy as np
@@ -463,3 +466,44 @@ def test_a_write_into_a_constant_module_is_put_back_and_refused() -> None:
     with pytest.raises(di.MutationError, match="weight"):
         di.gradient(g, backend, mx.ones(2), di.Constant(lin))
     np.testing.assert_array_equal(np.array(lin.weight), weight)
+
+
+def test_bfloat16_where_numpy_has_no_bfloat16() -> None:
+    # expected: numpy's TypeError "data type 'bfloat16' not understood" came out of three places:
+    # a pullback by the columns of mlx's forward mode (a complex x, or a complex output) built
+    # each leaf's unit tangents as a numpy array of the leaf's dtype, and a Python float as the
+    # cotangent of a bfloat16 output, or as the tangent of a bfloat16 x, was cast through numpy's
+    # name of the dtype. numpy knows bfloat16 once ml_dtypes is imported (jax imports it): the
+    # check runs in a process without it.
+    code = """
+        import sys
+        import numpy as np
+        import mlx.core as mx
+        import diffiface as di
+
+        x = mx.array([0.5, 1.0], dtype=mx.bfloat16)
+        u = mx.array(np.array([1 + 1j, 1 + 1j], np.complex64))
+        params = {"z": mx.array(np.array([1 + 2j], np.complex64)), "r": mx.array([0.5], dtype=mx.bfloat16)}
+
+        def f(p):
+            return mx.sum(mx.real(p["z"] * mx.conj(p["z"]))) + mx.sum(p["r"].astype(mx.float32) ** 2)
+
+        for backend in (di.AutoMLX(), di.AutoMLX(compile=False)):
+            got = di.vjp(lambda v: 1j * v.astype(mx.complex64) ** 2, backend, x, u)
+            assert got.dtype == mx.bfloat16
+            np.testing.assert_allclose(np.array(got.astype(mx.float32)), [1.0, 2.0])  # Re(conj(u) 2i x)
+            grads = di.gradient(f, backend, params)
+            np.testing.assert_allclose(np.array(grads["z"]), [2 + 4j])
+            assert grads["r"].dtype == mx.bfloat16
+            np.testing.assert_allclose(np.array(grads["r"].astype(mx.float32)), [1.0])
+            pulled = di.vjp(lambda v: mx.sum(v * v), backend, x, 2.0)  # (a float: any float dtype)
+            assert pulled.dtype == mx.bfloat16
+            np.testing.assert_allclose(np.array(pulled.astype(mx.float32)), [2.0, 4.0])
+            pushed = di.jvp(lambda v: v**3, backend, mx.array(0.5, dtype=mx.bfloat16), 1.0)
+            assert pushed.dtype == mx.bfloat16 and pushed.item() == 0.75
+        assert "ml_dtypes" not in sys.modules
+    """
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr

@@ -467,3 +467,20 @@ def test_an_operation_without_a_second_derivative_is_named() -> None:
     p = np.prod(x)
     want = np.diag(np.full(3, p)) + np.outer(x, p / x)
     np.testing.assert_allclose(di.jacobian(f, QUICK, x), want, rtol=1e-12)
+
+
+def test_a_python_float_cotangent_of_a_float32_output() -> None:
+    # a Python number is taken as a cotangent of any float dtype: while the program is traced it
+    # is a float64 symbolic variable, cast to the output's float32 by pytensor (numpy's asarray
+    # of it was refused as f handing a symbolic variable to numpy)
+    x = np.array([0.5, -1.0, 2.0], dtype=np.float32)
+
+    def f(t: Any) -> Any:
+        return pt.sum(t**2)
+
+    got = di.vjp(f, QUICK, x, 2.0)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, 4.0 * x)
+    value, pulled = di.value_and_vjp(lambda t: (pt.sum(t**2), 3 * t), QUICK, x, (2.0, np.ones(3, np.float32)))
+    assert value[0].dtype == np.float32
+    np.testing.assert_allclose(pulled, 4.0 * x + 3.0)

@@ -624,3 +624,32 @@ def test_jit_serves_constant_and_piecewise_constant_outputs() -> None:
         np.testing.assert_array_equal(di.gradient(lambda v: tf.reduce_sum(hot(v) * v), backend, x).numpy(), [0, 1, 0])
         with pytest.raises(di.InvalidOutputError):
             di.gradient(lambda v: tf.reduce_sum(tf.stop_gradient(v) * 2.0), backend, x)
+
+
+def test_a_cache_variable_that_f_writes_from_x_and_reads_back_is_refused() -> None:
+    """TensorFlow records no derivative through ``assign``: f writing 2 x into a Cache's variable
+    and reading it back (``sum(x * cache)``) had the gradient 2 x where it is 4 x, with no error.
+    A variable f only reads, or fills with values that do not move with x, is served."""
+    x = tf.constant([0.3, -0.7], tf.float64)
+    cache = tf.Variable(tf.zeros(2, tf.float64))
+
+    def through(v: Any, c: Any) -> Any:
+        c.assign(2 * v)
+        return tf.reduce_sum(v * c)
+
+    for call in (
+        lambda: di.gradient(through, "tensorflow", x, di.Cache(cache)),
+        lambda: di.jvp(lambda v, c: through(v, c) * v, "tensorflow", x, tf.ones_like(x), di.Cache(cache)),
+        lambda: di.hvp(through, "tensorflow", x, tf.ones_like(x), di.Cache(cache)),
+    ):
+        with pytest.raises(di.InvalidOutputError, match="reads them back"):
+            call()
+
+    def reset(v: Any, c: Any) -> Any:
+        c.assign(tf.ones(2, tf.float64))  # (the same at any x: a constant of f)
+        return tf.reduce_sum(v**2 * c)
+
+    np.testing.assert_allclose(di.gradient(reset, "tensorflow", x, di.Cache(cache)).numpy(), 2 * x.numpy())
+    cache.assign([3.0, 5.0])
+    got = di.gradient(lambda v, c: tf.reduce_sum(v * c), "tensorflow", x, di.Cache(cache))
+    np.testing.assert_allclose(got.numpy(), [3.0, 5.0])

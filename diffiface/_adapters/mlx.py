@@ -140,11 +140,14 @@ class _ByForwardMode:
             directions += [(j, k, unit) for k in range(leaf.size) for unit in units]
         stacked = []
         for j, leaf in enumerate(self.xs):
-            basis = np.zeros((len(directions), leaf.size), dtype=np.dtype(str(leaf.dtype).split(".")[-1]))
+            # (units, exact in any dtype: built in one numpy has, then cast to the leaf's, as
+            # numpy has no bfloat16)
+            complex_leaf = mx.issubdtype(leaf.dtype, mx.complexfloating)
+            basis = np.zeros((len(directions), leaf.size), dtype=np.complex64 if complex_leaf else np.float32)
             for d, (i, k, unit) in enumerate(directions):
                 if i == j:
                     basis[d, k] = unit
-            stacked.append(mx.array(basis).reshape((len(directions), *leaf.shape)))
+            stacked.append(mx.array(basis).astype(leaf.dtype).reshape((len(directions), *leaf.shape)))
         self.columns = mx.vmap(lambda *ts: list(_jvp(outputs, list(self.xs), list(ts))[1]))(*stacked)
         self.directions = directions
 

@@ -51,10 +51,12 @@ class _Namespace:
 
 class _Tracing(threading.local):
     """What traces the current evaluation of ``f`` in this thread: the tapes of the calls
-    running, innermost last (``("tape", None)``)."""
+    running, innermost last (``("tape", None)``); on a prep's first call, the float variables
+    of its Caches (see :class:`_FirstCallWatch`)."""
 
     def __init__(self) -> None:
         self.stack: list[tuple[str, Any]] = []
+        self.caches: list[Any] | None = None
 
 
 _tracing = _Tracing()
@@ -234,7 +236,7 @@ class Adapter(_base.Adapter):
     ) -> Callable[..., Any]:
         if not self.compiles:
             watched = () if parts is None else tuple(not cache for cache in parts.cache_static)
-            return _FirstCallWatch(program, watched) if static and any(watched) else program
+            return _FirstCallWatch(program, watched) if static and watched else program
         if layouts is not None:  # a program of flat tensors whose results are tensors only
             return tf.function(_Flat(program), autograph=False, reduce_retracing=False)  # type: ignore[no-any-return]
         graphs: dict[Any, _Graph] = {}
@@ -320,7 +322,13 @@ class _FirstCallWatch:
     when f raises), and a write is undone and refused with a :class:`MutationError` that names
     the variable (a BatchNormalization called with ``training=True`` updates its statistics).
     A prep's later calls run f as the first did, so they are not watched: no copy of a model per
-    call."""
+    call.
+
+    A Cache's variables are f's to write, but TensorFlow does not differentiate through a
+    variable's ``assign``: where f writes one (``cache.assign(2 * x)``) and reads it back into its
+    output, that path reads as a constant, a wrong derivative with no error. So on the first call
+    each evaluation of f watches them on a tape of its own (:func:`_traced`): an output that
+    reads one whose value f leaves moving with x is refused."""
 
     __slots__ = ("first", "program", "watched")
 
@@ -340,10 +348,20 @@ class _FirstCallWatch:
             for variable in (getattr(holder, "variables", None) or ())
             if hasattr(variable, "assign")
         ]
+        caches = [
+            _tf_variable(variable)
+            for leaf, constant in zip(static.leaves, self.watched, strict=True)
+            if not constant
+            for variable in _variables_of(leaf)
+            if tf.as_dtype(variable.dtype).is_floating or tf.as_dtype(variable.dtype).is_complex  # (Keras: a name)
+        ]
         kept = [_value(variable) for variable in variables]
+        before = _tracing.caches
+        _tracing.caches = caches or None
         try:
             result = self.program(xs, ts, dynamic, static)
         finally:
+            _tracing.caches = before
             written = [
                 (variable, old)
                 for variable, old in zip(variables, kept, strict=True)
@@ -361,6 +379,24 @@ class _FirstCallWatch:
             )
         self.first = False
         return result
+
+
+def _variables_of(leaf: object) -> list[Any]:
+    """The variables a Cache's leaf is or holds (a variable, a Keras model, an object holding one)."""
+    if hasattr(leaf, "assign") and _arrays.kind(leaf) == "tensorflow":
+        return [leaf]
+    return [
+        variable
+        for holder in held(leaf, _holds_variables)
+        for variable in (getattr(holder, "variables", None) or ())
+        if hasattr(variable, "assign")
+    ]
+
+
+def _tf_variable(variable: Any) -> Any:
+    """The ``tf.Variable`` that a tape watches: a Keras 3 variable's own (its ``value``)."""
+    value = getattr(variable, "value", None)
+    return value if isinstance(value, tf.Variable) else variable
 
 
 def _holds_variables(value: object) -> bool:
@@ -420,13 +456,54 @@ class _Graph:
 
 
 def _traced(fn: Fn, xs: Leaves, how: tuple[str, Any]) -> tuple[Any, Any]:
-    """``fn(xs)``, with ``how`` its outputs are traced known to :meth:`Adapter.untracked`."""
+    """``fn(xs)``, with ``how`` its outputs are traced known to :meth:`Adapter.untracked`; on a
+    prep's first call, refused where its output reads a Cache's variable that f wrote."""
     stack = _tracing.stack
     stack.append(how)
     try:
-        return fn(xs)
+        caches = _tracing.caches
+        if caches is None:
+            return fn(xs)
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(caches)
+            result = fn(xs)
+        _refuse_read_back(tape, result[0], caches, fn, xs)
+        return result
     finally:
         stack.pop()
+
+
+def _refuse_read_back(tape: Any, out: Any, caches: list[Any], fn: Fn, xs: Leaves) -> None:
+    """Refused: an output of f that reads a Cache's variable into which f writes a value of x.
+    TensorFlow records no derivative through ``assign``, so x's path through the variable would
+    be lost. Where the output reads one, f is evaluated again at a point apart, with no tape
+    recording: a variable whose value moves with x is such a path (a value f reads and does not
+    write, or writes the same at any x, is a constant of f). The variables are then put back to
+    their values at x."""
+    outs = [y for y in tf.nest.flatten(out) if isinstance(y, tf.Tensor) and (y.dtype.is_floating or y.dtype.is_complex)]
+    if not outs or not all(isinstance(x, _EAGER) for x in xs):
+        return
+    read = [variable for variable, g in zip(caches, tape.gradient(outs, caches), strict=True) if g is not None]
+    if not read:
+        return
+    at_x = [_value(variable) for variable in read]
+    stack, _tracing.stack, _tracing.caches = _tracing.stack, [], None  # (f evaluated untraced, unwatched)
+    try:
+        with record.stop_recording():
+            fn(tuple(x + tf.cast(1e-3 * (1 + tf.abs(x)), x.dtype) for x in xs))
+    finally:
+        _tracing.stack, _tracing.caches = stack, caches
+    written = [variable for variable, old in zip(read, at_x, strict=True) if not np.array_equal(_value(variable), old)]
+    for variable, old in zip(read, at_x, strict=True):
+        variable.assign(old)
+    if written:
+        names = ", ".join(str(getattr(variable, "path", None) or variable.name) for variable in written)
+        raise InvalidOutputError(
+            f"f writes values of x into the variables {names} of a di.Cache (variable.assign) and reads them "
+            "back into its output. TensorFlow does not differentiate through an assign, so x's path through "
+            "them would read as a constant: a wrong derivative. Keep the value in a tensor (y = 2 * x, not "
+            "cache.assign(2 * x)); a Cache's variables may take values that f's output does not read."
+        )
 
 
 def _dense(grads: list[Any]) -> Leaves:

@@ -55,10 +55,13 @@ def to_numpy(leaf: Any) -> np.ndarray:
 
 
 def mlx_dtype(dtype: Any) -> Any:
-    """The mlx dtype of a numpy dtype (or of its name); float64 stays float64."""
+    """The mlx dtype of a numpy dtype (or of its name); float64 stays float64. A name is mlx's
+    own first: numpy knows no ``"bfloat16"`` unless ml_dtypes is imported (jax imports it)."""
     core = sys.modules["mlx.core"]
     if isinstance(dtype, core.Dtype):
         return dtype
+    if isinstance(dtype, str) and isinstance(getattr(core, dtype, None), core.Dtype):
+        return getattr(core, dtype)
     name = np.dtype(dtype).name
     found = getattr(core, name, None)
     if not isinstance(found, core.Dtype):
