@@ -886,3 +886,118 @@ def test_every_write_to_a_shared_target_is_in_the_torch_pattern(write: str, mode
     assert not _missing(sparse.jacobian_pattern(f, x, detector=sparse.GlobalDetector(tracer="torch")), dense)
     found = di.jacobian(f, di.AutoSparse(di.AutoTorch(mode=mode), coloring="row"), x).to_dense().numpy()
     np.testing.assert_allclose(found, dense, rtol=1e-12)
+
+
+def _reductions_given_by_position() -> dict[str, Callable[[Any], Any]]:
+    """numpy reductions whose keepdims (or average's returned) comes by position: each result
+    broadcast against a square matrix, where a wrong shape broadcasts along the other axis; and
+    zeros_like's shape by position."""
+
+    def square(x: Any) -> Any:
+        return x[:4].reshape(2, 2)
+
+    return {
+        "mean": lambda x: (square(x) - np.mean(square(x), 1, None, None, True)).ravel(),
+        "max": lambda x: (square(x) * np.max(square(x), 1, None, True)).ravel(),
+        "std": lambda x: (square(x) * np.std(square(x), 1, None, None, 0, True)).ravel(),
+        "norm": lambda x: (square(x) - np.linalg.norm(square(x), None, 1, True)).ravel(),
+        "average returned": lambda x: (lambda a, w: a * x[:2])(*np.average(x.reshape(2, 4), 1, None, True)),
+        "zeros_like shape": lambda x: (np.zeros_like(x[:2], None, "C", True, (2, 1)) + x[:2]).ravel() * x[2],
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_reductions_given_by_position()))
+def test_numpy_reductions_read_their_arguments_given_by_position(name: str) -> None:
+    # expected: np.mean(a, 1, None, None, True) read without its keepdims (the rule looked for it
+    # among the keywords alone): a result of shape (2,) for (2, 1), broadcast along the rows
+    # instead of the columns, a pattern that missed entries and a sparse Jacobian off by 0.5;
+    # np.average(..., returned=True) read as the average alone, its rows taken apart as two values
+    f = _reductions_given_by_position()[name]
+    x = np.random.default_rng(0).uniform(-1.5, 1.5, 8)
+    dense = np.asarray(di.jacobian(f, "finite_differences", x)).reshape(-1, 8)
+    pattern = sparse.jacobian_pattern(f, x, detector=sparse.GlobalDetector(tracer="numpy"))
+    assert not _missing(pattern, np.where(np.abs(dense) > 1e-8, dense, 0.0))
+    found = di.jacobian(f, di.AutoSparse("finite_differences"), x).toarray()
+    np.testing.assert_allclose(found, dense, atol=1e-8)
+
+
+def _integers_beside_positions() -> dict[str, Callable[[Any], Any]]:
+    """torch moves that take an integer that is no position: a fill value, an integer tensor."""
+    mask = torch.arange(N) % 2 == 0
+    return {
+        "masked_fill": lambda x: torch.cat([x.masked_fill(mask, 50), x**2]),
+        "cat": lambda x: torch.cat([x * 2.0, torch.tensor([3, 40]), x**2]),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_integers_beside_positions()))
+def test_an_integer_beside_the_positions_of_a_torch_move_is_no_position(name: str) -> None:
+    # expected: IndexError from the detector, the fill value 50 (or the tensor's 40) read as the
+    # position of an operand's element, past the last one
+    f = _integers_beside_positions()[name]
+    x = torch.tensor(_points(1)[0])
+    dense = _torch_jacobian(f, x.numpy())
+    assert not _missing(sparse.jacobian_pattern(f, x, detector=sparse.GlobalDetector(tracer="torch")), dense)
+    found = di.jacobian(f, di.AutoSparse(di.AutoTorch(), coloring="row"), x).to_dense().numpy()
+    np.testing.assert_allclose(found, dense, rtol=1e-12)
+
+
+def _sum_out_by_position(x: Any) -> Any:
+    o = np.empty(2)
+    np.sum(x.reshape(2, 4), 1, None, o)
+    return o * 2.0
+
+
+def _cumsum_out_by_position(x: Any) -> Any:
+    o = np.empty(8)
+    np.cumsum(x, 0, None, o)
+    return o
+
+
+def _dot_out_by_position(x: Any) -> Any:
+    o = np.empty(2)
+    np.dot(x[:4].reshape(2, 2), x[4:6], o)
+    return o
+
+
+@pytest.mark.parametrize("f", [_sum_out_by_position, _cumsum_out_by_position, _dot_out_by_position])
+def test_a_numpy_out_given_by_position_is_refused(f: Callable[[Any], Any]) -> None:
+    # expected: the refusal of out=...; the write into o by position went unseen, f returned o
+    # as a plain array, and the sparse Jacobian was all zeros where the dense one is not
+    x = np.random.default_rng(0).uniform(-1.5, 1.5, 8)
+    with pytest.raises(di.UnsupportedOperationError, match="out="):
+        di.jacobian(f, di.AutoSparse("finite_differences"), x)
+
+
+def test_numpy_linalg_trace_sums_the_diagonals_of_the_last_two_axes() -> None:
+    # expected: np.linalg.trace read as np.trace (its namesake), the diagonal of axes 0 and 1
+    # with offset -1 summed: a result of one number broadcast against x[:2], a pattern that
+    # missed 4 entries, and a sparse Jacobian off by 1.4
+    linalg_trace = getattr(np.linalg, "trace", None)
+    if linalg_trace is None:
+        pytest.skip("numpy < 2 has no np.linalg.trace")
+
+    def f(x: Any) -> Any:
+        return linalg_trace(x.reshape(2, 3, 2), offset=-1) * x[:2]
+
+    x = np.random.default_rng(0).uniform(-1.5, 1.5, 12)
+    dense = np.asarray(di.jacobian(f, "finite_differences", x)).reshape(-1, 12)
+    pattern = sparse.jacobian_pattern(f, x, detector=sparse.GlobalDetector(tracer="numpy"))
+    assert not _missing(pattern, np.where(np.abs(dense) > 1e-8, dense, 0.0))
+    assert pattern.nnz == 6  # each output: the two entries of its diagonal and its own factor
+    np.testing.assert_allclose(di.jacobian(f, di.AutoSparse("finite_differences"), x).toarray(), dense, atol=1e-8)
+
+
+def test_numpy_matmul_with_axes_is_not_read_as_a_plain_product() -> None:
+    # expected: np.matmul(..., axes=...) read as the product of the last two axes, its output
+    # transposed back: a pattern that missed 2 entries and a sparse Jacobian off by 1.2
+    c = np.array([[1.0, 0.0], [0.0, 2.0]])
+
+    def f(x: Any) -> Any:
+        return np.matmul(x[:4].reshape(2, 2), c, axes=[(-2, -1), (-2, -1), (-1, -2)]).ravel() * x[4:]
+
+    x = np.random.default_rng(0).uniform(-1.5, 1.5, 8)
+    dense = np.asarray(di.jacobian(f, "finite_differences", x))
+    pattern = sparse.jacobian_pattern(f, x, detector=sparse.GlobalDetector(tracer="numpy"))
+    assert not _missing(pattern, np.where(np.abs(dense) > 1e-8, dense, 0.0))
+    np.testing.assert_allclose(di.jacobian(f, di.AutoSparse("finite_differences"), x).toarray(), dense, atol=1e-8)

@@ -18,6 +18,7 @@ sample values, ``.strides``) is a :class:`TracerFailure`: the whole function is 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -323,8 +324,10 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
         if _holds_tracer(list(kwargs.values())):  # (initial=, where=: values the rules below do not read)
             return _dense(self.trace, ufunc if method == "__call__" else getattr(ufunc, method), inputs, kwargs)
         if method == "__call__":
-            if ufunc.signature is not None and ufunc.__name__ != "matmul":
-                return _dense(self.trace, ufunc, inputs, kwargs)  # (a gufunc, np.vecdot: over its core axes)
+            # (a gufunc, np.vecdot: over its core axes; matmul with axes= or axis= moves its core
+            # axes, which the product's rule, on the last two, does not follow)
+            if ufunc.signature is not None and (ufunc.__name__ != "matmul" or {"axes", "axis"} & set(kwargs)):
+                return _dense(self.trace, ufunc, inputs, kwargs)
             try:
                 if ufunc.__name__ == "matmul":
                     return _matmul(self.trace, inputs[0], inputs[1])
@@ -348,7 +351,8 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
 
     def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         name = func.__name__
-        if name in _WRITES or kwargs.get("out") is not None:
+        # (out= by position too: np.sum(x, 0, None, o) writes into o, which f may return)
+        if name in _WRITES or _by_name(func, args, kwargs).get("out") is not None:
             raise _Writes(
                 f"f writes into an array with np.{name}{'' if name in _WRITES else '(..., out=...)'}, which "
                 "the detector does not follow; compute a new array instead (np.where, concatenation)"
@@ -488,15 +492,44 @@ def _argument(args: Any, kwargs: dict[str, Any], position: int, name: str, defau
     return args[position] if len(args) > position else default
 
 
+def _by_name(func: Any, args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of a call of numpy's ``func``, each under its parameter's name, however it
+    was given: ``np.mean(a, 1, None, None, True)`` passes keepdims by position, and a rule that
+    read it from the keywords alone would shape the result as without it (another broadcast
+    later: a pattern that misses entries). Where the signature cannot be read, the keywords."""
+    signature = _signature(func)
+    if signature is None:
+        return dict(kwargs)
+    try:
+        return dict(signature.bind(*args, **kwargs).arguments)
+    except TypeError:
+        return dict(kwargs)
+
+
+@functools.lru_cache(maxsize=512)
+def _signature(func: Any) -> Any:
+    """``inspect.signature(func)``, read once per function; None where it cannot be read."""
+    import inspect
+
+    try:
+        return inspect.signature(func)
+    except (TypeError, ValueError):
+        return None
+
+
 def _sum(linear: bool) -> Any:
     def handler(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-        weighted = func.__name__ == "average" and _argument(args, kwargs, 2, "weights", None) is not None
+        given = _by_name(func, args, kwargs)  # (keepdims, out, where: by position too)
+        weighted = func.__name__ == "average" and given.get("weights") is not None
+        # (np.average(..., returned=True) returns the sum of the weights beside the average)
+        returned = func.__name__ == "average" and bool(given.get("returned", False))
         # (initial=, where= computed from x, also by position: what they depend on is not read)
         followed = _holds_tracer(list(args[1:])) or _holds_tracer(list(kwargs.values()))
-        if kwargs.get("out") is not None or kwargs.get("where") is not None or weighted or followed:
+        if given.get("out") is not None or given.get("where") is not None or weighted or returned or followed:
             return _dense(trace, func, args, kwargs)  # (np.average's weights: a ratio of two sums)
-        axis = _argument(args, kwargs, 1, "axis", None)
-        keepdims = bool(kwargs.get("keepdims", False))
+        axis = given.get("axis")
+        keepdims = given.get("keepdims", False)
+        keepdims = False if keepdims is getattr(np, "_NoValue", None) else bool(keepdims)
         return _reduce(trace, args[0], axis, keepdims, linear)
 
     return handler
@@ -504,10 +537,11 @@ def _sum(linear: bool) -> Any:
 
 def _norm(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     a = _lift(trace, args[0])
-    axis = _argument(args, kwargs, 2, "axis", None)
-    if axis is None and a.ndim == 2 and _argument(args, kwargs, 1, "ord", None) not in (None, "fro"):
+    given = _by_name(func, args, kwargs)  # (keepdims by position too)
+    axis = given.get("axis")
+    if axis is None and a.ndim == 2 and given.get("ord") not in (None, "fro"):
         axis = (0, 1)
-    return _reduce(trace, a, axis, bool(kwargs.get("keepdims", False)), False)
+    return _reduce(trace, a, axis, bool(given.get("keepdims", False)), False)
 
 
 def _cumsum(linear: bool) -> Any:
@@ -758,10 +792,15 @@ def _polyval(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any
 
 
 def _trace_of(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    """np.trace: the sum of a diagonal."""
-    offset, first, second = (
-        _argument(args, kwargs, k, name, d) for k, name, d in ((1, "offset", 0), (2, "axis1", 0), (3, "axis2", 1))
-    )
+    """np.trace: the sum of a diagonal, of axes 0 and 1 by default. np.linalg.trace (the array
+    API's, with the same name) takes the diagonals of the last two axes, its offset by keyword
+    alone: read as np.trace, a stack of matrices would sum the wrong entries."""
+    if str(getattr(func, "__module__", "")).startswith("numpy.linalg"):
+        offset, first, second = kwargs.get("offset", 0), -2, -1
+    else:
+        offset, first, second = (
+            _argument(args, kwargs, k, name, d) for k, name, d in ((1, "offset", 0), (2, "axis1", 0), (3, "axis2", 1))
+        )
     return np.sum(np.diagonal(args[0], offset, first, second), axis=-1)
 
 
@@ -811,8 +850,9 @@ def _along(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
 def _like(fill: bool) -> Any:
     def handler(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         a = args[0]
-        shape = kwargs.get("shape") or _shape_of(a)
-        dtype = kwargs.get("dtype") or (a.dtype if isinstance(a, IndexSetArray) else np.float64)
+        given = _by_name(func, args, kwargs)  # (shape and dtype by position too)
+        shape = given.get("shape") or _shape_of(a)
+        dtype = given.get("dtype") or (a.dtype if isinstance(a, IndexSetArray) else np.float64)
         if fill and _holds_tracer(_argument(args, kwargs, 1, "fill_value", 0)):  # (also a list of them)
             return _dense(trace, func, args, kwargs)
         return IndexSetArray(trace, shape, None, dtype)

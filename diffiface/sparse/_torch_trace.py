@@ -711,6 +711,8 @@ class _Interpreter:
                 out = node.target(*args, **kwargs)
         except Exception:
             return _UNKNOWN
+        if any(_not_a_position(o, offset[0]) for o in (out if isinstance(out, (list, tuple)) else [out])):
+            return _UNKNOWN
         if isinstance(out, (list, tuple)):
             return [sets.gather(sources, sizes, o.numpy(), self.n) for o in out]
         if shape is not None and tuple(out.shape) != shape:
@@ -905,6 +907,17 @@ def _accumulates(node: Any) -> bool:
     if _name(node.target) == "index_put":
         return bool(node.kwargs.get("accumulate", node.args[3] if len(node.args) > 3 else False))
     return False
+
+
+def _not_a_position(out: Any, count: int) -> bool:
+    """Whether a move's result holds a number that is no position of its operands (1 to
+    ``count``, 0 for a constant): an integer that was no position took part, a fill value
+    (``masked_fill(mask, 50)``) or an integer tensor's values beside the operands'
+    (``torch.cat([x, torch.tensor([3, 40])])``), and where it lies out of range, what its element
+    depends on is not known; a rule of its own, or the dense one, reads the operation instead."""
+    if out.numel() == 0:
+        return False
+    return bool(out.min() < 0 or out.max() > count)
 
 
 def _shared_writes(name: str, args: Any) -> tuple[np.ndarray, np.ndarray] | None:
