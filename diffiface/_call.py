@@ -178,6 +178,7 @@ class Call:
             tuple(leaf_signature(leaf) for leaf in self.tangent_leaves),
             tuple(context_signature),
             () if x_spec is _LEAF else key_orders(x_spec),
+            tuple(() if spec is _LEAF else key_orders(spec) for spec in self.context_specs),
         )
 
     @property

@@ -209,8 +209,11 @@ def _plan(
         flatteners=(
             flattener(sig.x_spec, call.x_leaves, ordered=True),
             flattener(sig.tangent_spec, call.tangent_leaves),
+            # (f gets each context rebuilt in the prep's structure, its dicts' keys in the prep's
+            # order: a context whose keys come in another order does not fit, as x's does not)
             tuple(
-                flattener(spec, leaves) for spec, leaves in zip(call.context_specs, call.context_leaves, strict=True)
+                flattener(spec, leaves, ordered=True)
+                for spec, leaves in zip(call.context_specs, call.context_leaves, strict=True)
             ),
         ),
     )

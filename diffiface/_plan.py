@@ -21,7 +21,7 @@ from ._backends import AutoSparse
 from ._errors import PreparationMismatchError
 from ._families._shared import MetaLeaves
 from ._families.jax import jax_structure
-from ._flatten import Flatten, structure_flatten
+from ._flatten import Flatten, key_orders, structure_flatten
 from ._keys import static_key, static_x_key
 
 __all__ = [
@@ -171,7 +171,12 @@ def flattener(spec: Any, leaves: list[Any], ordered: bool = False) -> tuple[Flat
     written = structure_flatten(spec, key, optree.tree_unflatten(spec, leaves), flatten)
     if written is not None:
         return written, key
-    orders = _dict_orders(optree.tree_unflatten(spec, leaves)) if ordered else ()
+    tree = optree.tree_unflatten(spec, leaves)
+    orders = _dict_orders(tree) if ordered else ()
+    if ordered and _hides_dicts(spec, tree):
+        # dicts inside nodes the walk does not open (a registered dataclass holding a dict):
+        # their orders are read from optree's structure of each call
+        return _SpecOrdered(optree_flatten(_namespace(spec))), (spec, key_orders(spec))
     if not orders:
         return flatten, key
     return _Ordered(flatten), (key, orders)
@@ -189,6 +194,37 @@ class _Ordered:
     def __call__(self, tree: Any) -> tuple[Any, Any]:
         leaves, key = self.flatten(tree)
         return leaves, (key, _dict_orders(tree))
+
+
+class _SpecOrdered:
+    """optree's C flattening, its structure paired with the dict key orders it holds: for a tree
+    whose dicts sit inside nodes :func:`_dict_orders` does not look into."""
+
+    __slots__ = ("flatten",)
+
+    def __init__(self, flatten: Flatten) -> None:
+        self.flatten = flatten
+
+    def __call__(self, tree: Any) -> tuple[Any, Any]:
+        leaves, spec = self.flatten(tree)
+        return leaves, (spec, key_orders(spec))
+
+
+def _hides_dicts(spec: Any, tree: Any) -> bool:
+    """Whether ``tree`` (of structure ``spec``) holds dicts of two or more keys where
+    :func:`_dict_orders` does not look (inside a registered node): more than its walk reaches."""
+    reached = 0
+    pending = [tree]
+    containers = (dict, list, tuple)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, dict):
+            reached += type(node) is dict and len(node) > 1
+            node = node.values()
+        elif not isinstance(node, (list, tuple)):
+            continue
+        pending += [child for child in node if isinstance(child, containers)]
+    return len(key_orders(spec)) > reached
 
 
 def _dict_orders(tree: Any) -> tuple[tuple[Any, ...], ...]:

@@ -41,6 +41,10 @@ class Signature(NamedTuple):
     x_order: tuple[tuple[Any, ...], ...] = ()
     """The keys of x's dicts of two or more keys, each in its order (results mirror it; tree
     structures compare equal whatever the order)."""
+    context_orders: tuple[tuple[tuple[Any, ...], ...], ...] = ()
+    """Per context, the keys of its dicts of two or more keys, each in its order: f gets each
+    context rebuilt in the structure the prep was made for, so a prep made for one order would
+    hand f its dicts in that order (``x, y = batch.values()`` would swap them)."""
 
 
 class FunctionRef:
@@ -489,7 +493,11 @@ def _class_reads(obj: Any, function: types.FunctionType, values: list[Any], seen
                 method = value.fget if isinstance(value, property) else value
                 if type(method) is types.FunctionType and id(method) not in seen:
                     _follow(method, values, seen)
-                    _class_reads(obj, method, values, seen)
+                    # (past the most callables followed, _follow takes no more: nor is what the
+                    # method reads through the class read then, or two methods that call each
+                    # other would be read in turn without end)
+                    if id(method) in seen:
+                        _class_reads(obj, method, values, seen)
                 break
 
 
@@ -570,6 +578,12 @@ def describe_mismatch(prep: Prep, f: Callable[..., Any], signature: Signature) -
         found = _tree_difference(f"context {i}", a[1], b[1], a[2], b[2])
         if found:
             return found
+    for i, (a, b) in enumerate(zip(old.context_orders, signature.context_orders, strict=False)):
+        for keys_a, keys_b in zip(a, b, strict=False):
+            if keys_a != keys_b:
+                return (
+                    f"context {i}'s dict keys: prepared in the order {list(keys_a)}, called in the order {list(keys_b)}"
+                )
     return None
 
 

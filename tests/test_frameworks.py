@@ -235,6 +235,25 @@ def test_flax_linen_params_as_x_and_as_context() -> None:
         np.testing.assert_allclose(np.asarray(grad), np.asarray(expected_inputs), rtol=1e-6)
 
 
+def test_a_bound_flax_linen_module_as_f() -> None:
+    """``module.bind(variables)`` is f itself: its methods call one another beyond the
+    callables an unprepared call follows, which once recursed without end (RecursionError)."""
+    jax, nn = need("jax"), need("flax.linen")
+    jnp = jax.numpy
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, inputs: Any) -> Any:
+            return jnp.sum(nn.Dense(1)(inputs[None, :]) ** 2)
+
+    module, inputs = Model(), jnp.linspace(-1.0, 1.0, 3)
+    variables = module.init(jax.random.key(0), inputs)
+    for scale in (1.0, 2.0):
+        scaled = jax.tree_util.tree_map(lambda a, s=scale: s * a, variables)
+        expected = jax.grad(lambda i, v=scaled: module.apply(v, i))(inputs)
+        np.testing.assert_allclose(di.gradient(module.bind(scaled), "jax", inputs), expected, rtol=1e-6)
+
+
 def test_flax_nnx_state_as_x_and_as_context() -> None:
     """nnx.split gives (graphdef, state): the State as x (an nnx.State gradient back), the graph
     definition as a Constant; the State as a Constant differentiating the input."""

@@ -173,6 +173,32 @@ def test_an_unprepared_callable_object_sees_its_attributes_rebound() -> None:
     np.testing.assert_allclose(di.gradient(loss, "jax", x), 6 * x)
 
 
+def test_a_callable_whose_methods_call_each_other_past_the_most_followed_is_served() -> None:
+    """A callable object whose methods call one another, more of them than the callables
+    followed, two of the later ones in a cycle (a bound flax linen module is one): what f
+    reads was read without end (RecursionError); it stops where the following does."""
+    require("jax")
+    import jax.numpy as jnp
+
+    namespace: dict[str, Any] = {}
+    lines = ["class Chain:", "    weight = 1.0", "    def __call__(self, v):", "        return self.m0(v)"]
+    for i in range(_prep._MOST_FOLLOWED + 3):
+        lines += [f"    def m{i}(self, v):", f"        return self.m{i + 1}(v)"]
+    lines += [
+        f"    def m{_prep._MOST_FOLLOWED + 3}(self, v):",
+        "        return self.even(v, 2)",
+        "    def even(self, v, n):",
+        "        return jnp.sum(self.weight * v**2) if n == 0 else self.odd(v, n - 1)",
+        "    def odd(self, v, n):",
+        "        return self.even(v, n - 1)",
+    ]
+    exec("\n".join(lines), {"jnp": jnp}, namespace)  # (a class of many methods)
+    chain, x = namespace["Chain"](), np.ones(3)
+    np.testing.assert_allclose(di.gradient(chain, "jax", x), 2 * x)
+    chain.weight = 3.0  # (its own attribute, one level: still seen)
+    np.testing.assert_allclose(di.gradient(chain, "jax", x), 6 * x)
+
+
 def test_an_unprepared_method_sees_what_it_reads_through_its_class(scale: Any) -> None:
     """A method calling another of self's methods that reads a global, a class constant read
     through self, a slotted attribute rebound: each was missed, the old program reused."""
@@ -652,6 +678,91 @@ def test_dict_key_order_is_mirrored_where_no_flattening_is_written(backend_id: s
     for _ in range(2):
         assert list(di.gradient(total, backend, many)) == list(many)
         assert list(di.gradient(total, backend, reversed_keys)) == list(reversed_keys)
+
+
+@pytest.mark.parametrize("backend_id", ["jax", "torch-autograd", "autograd", "finite_differences"])
+def test_a_contexts_dict_key_order_comes_from_this_call(backend_id: str) -> None:
+    """f gets a context rebuilt in the structure its prep was made for: a batch dict whose keys
+    come in another order (``inputs, targets = batch.values()``) is not handed to f in the
+    first call's order, in a written flattening, a namedtuple's (flattened in C) or one of 300
+    keys; a strict prep names the order, a loose one prepares again."""
+    backend = require(backend_id)
+    from conftest import namespace, native_tree
+
+    def f(x: Any, batch: Any) -> Any:
+        inputs, targets = batch.values()
+        return namespace(x).sum(x * inputs - targets)
+
+    first = native_tree(backend_id, {"inputs": np.array([1.0, 2.0]), "targets": np.array([3.0, 4.0])}, "float64")
+    second = {"targets": first["targets"], "inputs": first["inputs"]}
+    x = native_tree(backend_id, np.ones(2), "float64")
+    for _ in range(2):
+        np.testing.assert_allclose(np.asarray(di.gradient(f, backend, x, di.Constant(first))), [1.0, 2.0])
+        np.testing.assert_allclose(np.asarray(di.gradient(f, backend, x, di.Constant(second))), [3.0, 4.0])
+    prep = di.prepare_gradient(f, backend, x, di.Constant(first))
+    with pytest.raises(di.PreparationMismatchError, match="context 0's dict keys"):
+        di.gradient(f, backend, x, di.Constant(second), prep=prep)
+    loose = prep.with_strictness(False)
+    np.testing.assert_allclose(np.asarray(di.gradient(f, backend, x, di.Constant(second), prep=loose)), [3.0, 4.0])
+
+    def g(x: Any, pair: Any) -> Any:
+        inputs, targets = pair.d.values()
+        return namespace(x).sum(x * inputs - targets) + pair.e.sum()
+
+    for _ in range(2):
+        np.testing.assert_allclose(np.asarray(di.gradient(g, backend, x, di.Constant(_Pair(first, x)))), [1.0, 2.0])
+        np.testing.assert_allclose(np.asarray(di.gradient(g, backend, x, di.Constant(_Pair(second, x)))), [3.0, 4.0])
+    many = native_tree(backend_id, {f"k{i:03d}": np.full(1, float(i)) for i in range(300)}, "float64")
+    reversed_keys = dict(reversed(list(many.items())))
+    y = native_tree(backend_id, np.ones(300), "float64")
+
+    def weighted(x: Any, table: Any) -> Any:
+        xp = namespace(x)
+        return xp.sum(x * xp.concatenate(list(table.values())))
+
+    for _ in range(2):
+        assert float(di.gradient(weighted, backend, y, di.Constant(many))[0]) == pytest.approx(0.0, abs=1e-6)
+        assert float(di.gradient(weighted, backend, y, di.Constant(reversed_keys))[0]) == pytest.approx(299.0)
+
+
+def test_dict_key_order_inside_a_registered_node_comes_from_this_call() -> None:
+    """A dict held by a class registered with jax (a dataclass field), in x or in a context:
+    the walk that tells key orders on every call did not look inside it, and a later call
+    whose dict came in another order got the first call's (its gradient under the wrong keys,
+    f handed the old order)."""
+    require("jax")
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass
+    class Holder:
+        d: dict[str, Any]
+
+    def f(p: Any) -> Any:
+        return jnp.sum(jnp.concatenate(list(p.d.values())) * jnp.arange(1.0, 5.0))
+
+    first = Holder({"a": np.array([1.0, 2.0]), "b": np.array([3.0, 4.0])})
+    second = Holder({"b": first.d["b"], "a": first.d["a"]})
+    for _ in range(2):
+        g = di.gradient(f, "jax", first)
+        assert list(g.d) == ["a", "b"]
+        np.testing.assert_allclose(g.d["a"], [1.0, 2.0])
+        g = di.gradient(f, "jax", second)
+        assert list(g.d) == ["b", "a"]
+        np.testing.assert_allclose(g.d["b"], [1.0, 2.0])
+    with pytest.raises(di.PreparationMismatchError, match="x's dict keys"):
+        di.gradient(f, "jax", second, prep=di.prepare_gradient(f, "jax", first))
+
+    def h(x: Any, holder: Any) -> Any:
+        return jnp.sum(x * jnp.concatenate(list(holder.d.values())))
+
+    x = np.ones(4)
+    for _ in range(2):
+        np.testing.assert_allclose(di.gradient(h, "jax", x, di.Constant(first)), [1.0, 2.0, 3.0, 4.0])
+        np.testing.assert_allclose(di.gradient(h, "jax", x, di.Constant(second)), [3.0, 4.0, 1.0, 2.0])
 
 
 def test_a_tensor_without_a_numpy_view_is_compared_with_a_copy() -> None:
