@@ -22,24 +22,26 @@ SCRIPT = Path(__file__).parent / "sharded" / "single_process.py"
 ROOT = Path(__file__).parent.parent
 
 
-ATTEMPT_S = 150
-"""The bound of one run of the script (about 25 s on 2 quiet cores)."""
+ATTEMPT_S = 90
+"""The bound of one run of the script (15 to 25 s on 2 quiet cores)."""
+ATTEMPTS = 3
 
 
 def test_sharded_single_process() -> None:
-    """The script's checks, all passing. A run that hangs is run once more: XLA's simulated CPU
+    """The script's checks, all passing. A run that hangs is run again: XLA's simulated CPU
     devices now and then never bring all of their threads to one eager op's all-reduce (seen about
-    once in 40 runs on 2 cores), an engine's deadlock, not a wrong result; two hangs fail."""
+    once in 40 runs on 2 quiet cores, and twice in a row on cores other processes kept busy), an
+    engine's deadlock, not a wrong result; three hangs fail."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     env.pop("JAX_ENABLE_X64", None)
-    for attempt in (1, 2):
+    for attempt in range(1, ATTEMPTS + 1):
         try:
             done = subprocess.run(
                 [sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=ATTEMPT_S, env=env, check=False
             )
         except subprocess.TimeoutExpired as exc:
-            if attempt == 2:
-                pytest.fail(f"the sharded checks hung twice (past {ATTEMPT_S} s each): {exc.stdout!r}")
+            if attempt == ATTEMPTS:
+                pytest.fail(f"the sharded checks hung {ATTEMPTS} times (past {ATTEMPT_S} s each): {exc.stdout!r}")
             print(f"the sharded checks hung past {ATTEMPT_S} s; run again")  # (in the test's report)
             continue
         break
