@@ -176,7 +176,7 @@ def flattener(spec: Any, leaves: list[Any], ordered: bool = False) -> tuple[Flat
     if ordered and _hides_dicts(spec, tree):
         # dicts inside nodes the walk does not open (a registered dataclass holding a dict):
         # their orders are read from optree's structure of each call
-        return _SpecOrdered(optree_flatten(_namespace(spec))), (spec, key_orders(spec))
+        return _Ordered(optree_flatten(_namespace(spec)), from_spec=True), (spec, key_orders(spec))
     if not orders:
         return flatten, key
     return _Ordered(flatten), (key, orders)
@@ -184,30 +184,19 @@ def flattener(spec: Any, leaves: list[Any], ordered: bool = False) -> tuple[Flat
 
 class _Ordered:
     """A C flattening whose structure is paired with the tree's dict key orders (which the C
-    structures do not tell apart)."""
+    structures do not tell apart): read by a walk of the tree's dicts, lists and tuples, or,
+    ``from_spec``, from optree's structure itself (dicts inside registered nodes, which the walk
+    does not open)."""
 
-    __slots__ = ("flatten",)
+    __slots__ = ("flatten", "from_spec")
 
-    def __init__(self, flatten: Flatten) -> None:
+    def __init__(self, flatten: Flatten, from_spec: bool = False) -> None:
         self.flatten = flatten
+        self.from_spec = from_spec
 
     def __call__(self, tree: Any) -> tuple[Any, Any]:
         leaves, key = self.flatten(tree)
-        return leaves, (key, _dict_orders(tree))
-
-
-class _SpecOrdered:
-    """optree's C flattening, its structure paired with the dict key orders it holds: for a tree
-    whose dicts sit inside nodes :func:`_dict_orders` does not look into."""
-
-    __slots__ = ("flatten",)
-
-    def __init__(self, flatten: Flatten) -> None:
-        self.flatten = flatten
-
-    def __call__(self, tree: Any) -> tuple[Any, Any]:
-        leaves, spec = self.flatten(tree)
-        return leaves, (spec, key_orders(spec))
+        return leaves, (key, key_orders(key) if self.from_spec else _dict_orders(tree))
 
 
 def _hides_dicts(spec: Any, tree: Any) -> bool:
