@@ -399,11 +399,16 @@ def _check_cotangent(
         # one (jax, torch) get it cast. Where the output is complex only because the complex step
         # evaluates f at complex points, the real cotangent is the right one, as it is.
         if t[0] == "python":  # (a Python number is taken as any float or complex dtype: cast to f(x)'s)
-            value_dtype = "complex128" if isinstance(ts[i], complex) else "float64"
+            value_dtype = "complex128" if issubclass(t[1], complex) else "float64"
             fits = _complex.is_complex_dtype(dtype) or (
                 value_dtype == "float64" and dtype.startswith(("float", "bfloat"))
             )
-            if fits and dtype != value_dtype and not complex_step:
+            if not fits:  # (a complex number for a real output: its imaginary part has no meaning)
+                raise TangentMismatchError(
+                    f"Cotangent leaf {i} is a Python complex number, but f(x)'s leaf {i} has dtype {dtype}; the "
+                    "cotangent of a real output is real. Pass a float."
+                )
+            if dtype != value_dtype and not complex_step:
                 widen.append((i, dtype))
             continue
         found = str(t[2]).rpartition(".")[2]  # ("torch.float32", "mlx.core.float32": the name alone)

@@ -765,6 +765,22 @@ def test_jax_prep_survives_clear_caches() -> None:
     np.testing.assert_allclose(again, [1.0, 2.0, 3.0] * np.cos(x))
 
 
+@pytest.mark.parametrize("backend", [*BACKENDS, "torch-func"])
+def test_python_complex_cotangent_of_a_real_output_is_refused(backend: str) -> None:
+    # a complex number's imaginary part has no meaning for a real output: autograd and finite
+    # differences dropped it, torch and jax failed with their own errors
+    need(backend.partition("-")[0])
+    x = vec()
+    with pytest.raises(
+        di.TangentMismatchError, match=r"leaf 0 is a Python complex number.*dtype float64.*Pass a float"
+    ):
+        di.vjp(square_sum, backend, x, 1 + 2j)
+    prep = di.prepare_vjp(square_sum, backend, x, 1.0)
+    with pytest.raises(di.PreparationMismatchError, match=r"prepared for a Python float, called with a Python complex"):
+        di.vjp(square_sum, backend, x, 1 + 2j, prep=prep)
+    np.testing.assert_allclose(di.vjp(square_sum, backend, x, 2.0, prep=prep), 4 * x, rtol=1e-6)
+
+
 class Boom(ValueError):
     pass
 
