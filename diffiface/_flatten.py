@@ -14,6 +14,7 @@ registered class) keeps the C flattening.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import linecache
 import weakref
@@ -173,19 +174,24 @@ def _write(node: Any, expr: str, lines: list[str], leaves: list[str], names: Ite
     )
 
 
-def structure_unflatten(spec: Any) -> Callable[[Any], Any] | None:
+def structure_unflatten(spec: Any, largest: int | None = _LARGEST) -> Callable[[Any], Any] | None:
     """A function ``leaves -> tree`` that builds a tree of optree structure ``spec`` as
     ``spec.unflatten`` does (dict keys in the order ``spec`` keeps), written for the
     structure; None where ``spec`` holds a node other than tuples, lists, dicts with str or
-    int keys and None, or is one leaf."""
-    if spec is None or spec.is_leaf() or spec.num_leaves > _LARGEST or str(spec.namespace) or _too_deep(spec):
+    int keys (an ``OrderedDict`` too), namedtuples and None, is one leaf, or has more than
+    ``largest`` leaves (None: any number). Written in Python, it is also what torch.compile
+    traces, where it cannot trace optree's C rebuild."""
+    if spec is None or spec.is_leaf() or str(spec.namespace) or _too_deep(spec):
+        return None
+    if largest is not None and spec.num_leaves > largest:
         return None
     example = spec.unflatten(list(range(spec.num_leaves)))
-    expression = _build(example)
+    classes: dict[str, type] = {}
+    expression = _build(example, classes)
     if expression is None:
         return None
     source = f"def unflatten(leaves):\n    return {expression}\n"
-    written: Callable[[Any], Any] = generated(source, "unflatten", {})
+    written: Callable[[Any], Any] = generated(source, "unflatten", classes)
     leaves = [object() for _ in range(spec.num_leaves)]
     built, expected = written(leaves), spec.unflatten(leaves)
     if _shape_of(built) != _shape_of(expected):
@@ -193,35 +199,52 @@ def structure_unflatten(spec: Any) -> Callable[[Any], Any] | None:
     return written
 
 
-def _build(node: Any) -> str | None:
+def _build(node: Any, classes: dict[str, type]) -> str | None:
     """The expression that builds ``node`` (a tree whose leaves are their indices) from
-    ``leaves``; None where a node is of a kind not written for."""
+    ``leaves``, naming the classes it calls in ``classes``; None where a node is of a kind not
+    written for."""
     kind = type(node)
     if kind is int:
         return f"leaves[{node}]"
     if node is None:
         return "None"
-    if kind is dict:
+    if kind is dict or kind is collections.OrderedDict:
         if not all(type(key) in (str, int) for key in node):
             return None
-        items = [(key, _build(value)) for key, value in node.items()]
+        items = [(key, _build(value, classes)) for key, value in node.items()]
         if any(item is None for _, item in items):
             return None
-        return "{" + ", ".join(f"{key!r}: {item}" for key, item in items) + "}"
-    if kind is tuple or kind is list:
-        parts = [_build(value) for value in node]
+        written = "{" + ", ".join(f"{key!r}: {item}" for key, item in items) + "}"
+        return written if kind is dict else f"{_named(kind, classes)}({written})"
+    if kind is tuple or kind is list or _is_namedtuple(kind):
+        parts = [_build(value, classes) for value in node]
         if any(part is None for part in parts):
             return None
         inner = ", ".join(parts)  # type: ignore[arg-type]
-        return f"({inner},)" if kind is tuple and parts else ("()" if kind is tuple else f"[{inner}]")
+        if kind is list:
+            return f"[{inner}]"
+        if kind is tuple:
+            return f"({inner},)" if parts else "()"
+        return f"{_named(kind, classes)}({inner})"
     return None
+
+
+def _is_namedtuple(kind: type) -> bool:
+    return issubclass(kind, tuple) and hasattr(kind, "_fields")
+
+
+def _named(kind: type, classes: dict[str, type]) -> str:
+    """The name ``kind`` has in the written function's namespace ``classes``."""
+    name = f"C{len(classes)}"
+    classes[name] = kind
+    return name
 
 
 def _shape_of(tree: Any) -> Any:
     """A tree's nodes, keys in order, and leaves by identity: what two builds must share."""
     kind = type(tree)
-    if kind is dict:
-        return ("dict", [(key, _shape_of(value)) for key, value in tree.items()])
-    if kind is tuple or kind is list:
-        return (kind.__name__, [_shape_of(value) for value in tree])
+    if kind is dict or kind is collections.OrderedDict:
+        return (kind, [(key, _shape_of(value)) for key, value in tree.items()])
+    if kind is tuple or kind is list or _is_namedtuple(kind):
+        return (kind, [_shape_of(value) for value in tree])
     return ("leaf", id(tree)) if tree is not None else ("none",)

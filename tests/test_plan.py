@@ -722,8 +722,23 @@ def test_a_structure_of_tuples_lists_and_dicts_is_rebuilt_by_a_function_written_
     assert list(built) == list(expected) == ["z", "a", 5] and list(built["z"]) == ["w", "b"]
     assert type(built["a"]) is tuple and type(built["a"][2]) is list and built["a"][1] is None
     assert all(a is b for a, b in zip(optree.tree_leaves(built), fresh, strict=True))
+    # a namedtuple and an OrderedDict too, called by their classes (optree's C rebuild is one
+    # torch.compile cannot trace: compiled torch rebuilds x with this function)
     pair = collections.namedtuple("pair", ["a", "b"])
-    for unknown in (pair(1.0, 2.0), {"x": collections.OrderedDict(a=1.0)}, [1.0] * 300, 1.0):
+    empty = collections.namedtuple("empty", [])
+    tree = {"p": pair(1.0, [2.0]), "o": collections.OrderedDict(b=3.0, a=4.0), "e": empty(), "t": (5.0,)}
+    leaves, spec = optree.tree_flatten(tree)
+    rebuild = structure_unflatten(spec)
+    assert rebuild is not None
+    fresh = [np.ones(1) * i for i in range(len(leaves))]
+    built = rebuild(fresh)
+    assert built == spec.unflatten(fresh) and list(built) == ["p", "o", "e", "t"]
+    assert type(built["p"]) is pair and type(built["o"]) is collections.OrderedDict and list(built["o"]) == ["b", "a"]
+    assert type(built["e"]) is empty and type(built["t"]) is tuple
+    assert all(a is b for a, b in zip(optree.tree_leaves(built), fresh, strict=True))
+    many = optree.tree_structure([1.0] * 300)
+    assert structure_unflatten(many) is None and structure_unflatten(many, largest=None) is not None
+    for unknown in (collections.defaultdict(list, a=1.0), collections.deque([1.0]), 1.0):
         assert structure_unflatten(optree.tree_structure(unknown)) is None, type(unknown)
 
 

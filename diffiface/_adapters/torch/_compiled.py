@@ -26,7 +26,6 @@ program compiled as one graph, whose later calls run that graph alone.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import math
@@ -443,43 +442,6 @@ shapes, dtypes, devices, strides and flags."""
 # -- the adapter -----------------------------------------------------------------------------------
 
 
-def _python_unflatten(spec: Any) -> Callable[[Any], Any] | None:
-    """``leaves -> x`` for an x of optree structure ``spec`` whose nodes are dicts (an
-    ``OrderedDict`` too) with str or int keys, lists, tuples (a namedtuple too) and None, as
-    ``spec.unflatten`` builds it, in Python code torch.compile traces; None for any other node
-    (a class registered as a pytree node of its own, rebuilt by optree alone)."""
-    example = spec.unflatten(list(range(spec.num_leaves)))
-    if not _plain_nodes(example):
-        return None
-
-    def build(node: Any, leaves: Any) -> Any:
-        if type(node) is int:
-            return leaves[node]
-        if node is None:
-            return None
-        if isinstance(node, dict):
-            return type(node)((key, build(value, leaves)) for key, value in node.items())
-        parts = [build(value, leaves) for value in node]
-        if isinstance(node, tuple) and hasattr(node, "_fields"):  # a namedtuple
-            return type(node)(*parts)
-        return type(node)(parts)
-
-    return lambda leaves: build(example, leaves)
-
-
-def _plain_nodes(node: Any) -> bool:
-    """Whether every node of ``node`` (a tree whose leaves are their indices) is one that
-    :func:`_python_unflatten` rebuilds."""
-    kind = type(node)
-    if kind is int or node is None:
-        return True
-    if kind is dict or kind is collections.OrderedDict:
-        return all(type(key) in (str, int) for key in node) and all(map(_plain_nodes, node.values()))
-    if kind is list or kind is tuple or (issubclass(kind, tuple) and hasattr(kind, "_fields")):
-        return all(map(_plain_nodes, node))
-    return False
-
-
 class CompiledAdapter:
     """Mixed into the torch adapter by :func:`compiled_adapter` (no import cycle with it)."""
 
@@ -542,11 +504,8 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
 
         def rebuilder(self, x_spec: Any) -> Callable[[Any], Any] | None:
             # (x's tree is rebuilt inside the compiled trace, where torch.compile cannot trace
-            # optree's C rebuild: an OrderedDict of parameters or a namedtuple, which diffiface's
-            # rebuild written for dicts, lists and tuples does not take, is rebuilt in Python)
-            if x_spec is None or x_spec.is_leaf() or structure_unflatten(x_spec) is not None:
-                return None
-            return _python_unflatten(x_spec)
+            # optree's C rebuild: in Python, whatever its size)
+            return None if x_spec is None or x_spec.is_leaf() else structure_unflatten(x_spec, largest=None)
 
         def returns_like(self, leaf: Any) -> bool:
             return type(leaf) is torch.Tensor  # (a compiled graph's results are plain tensors)
