@@ -1238,9 +1238,9 @@ def _mlp(
     torch: Any, activation: Any, seed: int, wrong: Any = None, constants: bool = False
 ) -> tuple[Any, dict[str, Any], tuple[Any, ...]]:
     """A float32 MLP (8 -> 32 -> 1, batch 64) with mean squared error, and the contexts to pass:
-    its data closed over (the truth runs in float32: torch multiplies no float32 batch by float64
-    weights), or with ``constants`` given as Constants (the truth runs on float64 copies);
-    ``wrong`` wraps ``w1`` in a rule of its own."""
+    its data closed over (the truth runs on float64 copies of x, the data widened as f runs), or
+    with ``constants`` given as Constants (float64 copies of them); ``wrong`` wraps ``w1`` in a
+    rule of its own."""
     rng = np.random.default_rng(seed)
     params = {
         "w1": torch.tensor(rng.standard_normal((8, 32)) / np.sqrt(8), dtype=torch.float32),
@@ -1263,14 +1263,36 @@ def _mlp(
 
 
 @pytest.mark.parametrize("seed", [2, 4])
-def test_a_float32_relu_network_is_not_failed_for_the_kinks_its_steps_cross(seed: int) -> None:
-    # expected: failed, the Taylor test along the disagreement reading kinks as a first-order error
+def test_a_float32_relu_network_is_not_failed_for_the_kinks_its_steps_cross(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # expected: failed, the Taylor test along the disagreement reading kinks as a first-order error.
+    # The truth in float32, as where f's own arrays are not widened (the scope jax's x64 alone)
+    from diffiface.test import _checking, _running
+
+    monkeypatch.setattr(_running, "_float64_copies_scope", _running._float64_scope)
+    monkeypatch.setattr(_checking, "_float64_copies_scope", _running._float64_scope)
     torch = pytest.importorskip("torch")
     loss, params, _ = _mlp(torch, torch.relu, seed)
     report = check_gradients(loss, params, backends=["torch"])
     assert not report.failed
     assert report.rows[0].status == "skipped"
     assert "the steps cross kinks of f" in report.rows[0].message
+
+
+@pytest.mark.parametrize("seed", [2, 4])
+def test_a_float32_relu_network_closing_over_its_data_is_checked_in_float64(seed: int) -> None:
+    # expected: skipped (the truth in float32, too noisy to judge: the seeds above), and a rule 1%
+    # off skipped alike, where torch multiplied no float32 batch by float64 copies of the weights
+    torch = pytest.importorskip("torch")
+    loss, params, _ = _mlp(torch, torch.relu, seed)
+    report = check_gradients(loss, params, backends=["torch"])
+    assert [(row.status, row.reference) for row in report.rows] == [("passed", "finite_differences (float64)")]
+    assert all(leaf.dtype == torch.float32 for leaf in params.values())  # (the caller's leaves untouched)
+    off = _scaled_backward(torch, lambda v: v.view_as(v), lambda v: torch.ones_like(v))
+    loss, params, _ = _mlp(torch, torch.relu, seed, wrong=off)
+    with pytest.raises(di.GradientCheckError, match=r"\['w1'\]"):
+        check_gradients(loss, params, backends=["torch"])
 
 
 def test_a_float32_tanh_network_with_a_leaf_one_percent_off_still_fails() -> None:

@@ -35,6 +35,7 @@ from ._running import (
     Row,
     _changes_in_float64,
     _computed_reference,
+    _float64_copies_scope,
     _float64_scope,
     _is_difference,
     _like,
@@ -154,7 +155,8 @@ def check_gradients(
     gradient's distance from its own gradient on the float64 copies).
     Engines agree with each other within the tolerances of their dtype. The ground truth runs on
     float64 copies of float32 leaves of x and of the Constant contexts when f computes the same
-    value there. It costs ``4n`` evaluations of f for ``n`` inputs, edges included; the whole
+    value there, the float32 tensors f closes over widened as it runs (docs/testing.md). It costs
+    ``4n`` evaluations of f for ``n`` inputs, edges included; the whole
     check at most ``4n + 20`` (``4n + 30`` with the second look).
 
     Where finite differences cannot settle it (they disagree with an engine, or their error is
@@ -600,6 +602,7 @@ class _Check:
         self.wide_x = any(
             _arrays.dtype_name(leaf) in ("float64", "complex128") for leaf in (*_tree.leaves(x), *context_arrays)
         )
+        self.promoted = False  # (whether the ground truth runs on float64 copies: set with it)
         # entries of x at +-inf or NaN (a mask of -inf before a softmax): held where they are, no
         # difference taken along them
         self.fixed = ~np.isfinite(self.flat.vector)
@@ -627,7 +630,8 @@ class _Check:
         """f at a point of the reference (its float64 copies where they serve), None where f
         raises or is not finite there: an edge of its domain."""
         try:
-            with _no_grad(), _float64_scope() if self.wide else contextlib.nullcontext():
+            scope = _float64_copies_scope() if self.promoted else _float64_scope() if self.wide else None
+            with _no_grad(), scope or contextlib.nullcontext():
                 out = self.counted(self.truth_flat.tree(vector), *_copies(self.truth_contexts))
             value = self._scalar(out)
             self.output_dtype = _arrays.dtype_name(_tree.leaves(out[0] if self.has_aux else out)[0])
@@ -791,7 +795,7 @@ class _Check:
         wide = _on_float64_copies(scenario) if _promotes(scenario) else None
         self.wide = _promotes(scenario) and not _changes_in_float64(scenario, value[0] if self.has_aux else value, wide)
         self.wide = self.wide or self.wide_x
-        promoted = _promotes(scenario) and self.wide
+        promoted = self.promoted = _promotes(scenario) and self.wide
         self.truth_flat = _Flat.of(promote(self.x)) if promoted else self.flat
         self.truth_contexts = tuple(promote_contexts(self.contexts) if promoted else self.contexts)
         self.label = "finite_differences (float64)" if promoted else "finite_differences"
@@ -1126,8 +1130,8 @@ class _Check:
         return any(narrow) and self.wide and _promotes(self.scenario)
 
     def _last_bits(self, label: str, g: np.ndarray) -> np.ndarray | None:
-        """An engine's own rounding per entry, where no float64 copy serves (f closes over float32
-        torch data, or x is float64 already): ``_LAST_BITS`` times the spread, over each leaf, of
+        """An engine's own rounding per entry, where no float64 copy serves (f computes another
+        value there, or x is float64 already): ``_LAST_BITS`` times the spread, over each leaf, of
         its gradient's change when every input moves by two units in its last place, at random
         signs. A gradient that is a difference of far larger terms (at an optimum of a
         least-squares loss, ``A.T (A w - b)`` with ``A w`` and ``b`` nearly equal) carries their
@@ -1191,7 +1195,7 @@ class _Check:
         narrow = self._per_entry([p in _NARROW_EPS for p in self._precisions(label)]) > 0
         backend = next(b for b in self.chosen if backend_label(b) == label)
         try:
-            with _warnings_apart(self._row(label)), _float64_scope():
+            with _warnings_apart(self._row(label)), _float64_copies_scope():
                 x = self.truth_flat.tree(self.truth_flat.vector)
                 contexts = tuple(
                     type(c)(v) for c, v in zip(self.truth_contexts, _copies(self.truth_contexts), strict=True)
@@ -2174,7 +2178,7 @@ def _projected_truth(
     def central(u: list[np.ndarray], step: float) -> float:
         return (along(u, step) - along(u, -step)) / (2 * step)
 
-    with _no_grad(), _float64_scope():
+    with _no_grad(), _float64_copies_scope():
         # Richardson: the O(h^2) terms of two central differences cancel
         return np.array([(4 * central(u, h / 2) - central(u, h)) / 3 for u in directions])
 

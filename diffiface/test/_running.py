@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import sys
 import textwrap
 import time
@@ -12,6 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
+import optree
 
 import diffiface as di
 
@@ -659,7 +661,8 @@ def _computed_reference(scenario: Scenario, backend: Backend, wide: bool | None 
         wide = _promotes(scenario) and not _changes_in_float64(scenario, _value(scenario))
     if wide:
         head = (promote(scenario.x),) if scenario.tangent is None else (promote(scenario.x), promote(scenario.tangent))
-        result = operator(scenario.f, backend, *head, *promote_contexts(scenario.contexts), **kwargs)
+        with _float64_copies_scope():
+            result = operator(scenario.f, backend, *head, *promote_contexts(scenario.contexts), **kwargs)
     else:
         result = _call(scenario, backend)
     return _without_aux(scenario, result)
@@ -704,7 +707,7 @@ def _value(scenario: Scenario) -> Any:
 def _on_float64_copies(scenario: Scenario) -> Any:
     """f's value (its aux dropped) on float64 copies of its arguments; None where f raises there."""
     try:
-        with _no_grad(), _float64_scope():
+        with _no_grad(), _float64_copies_scope():
             wide = scenario.f(promote(scenario.x), *(c.value for c in promote_contexts(scenario.contexts)))
     except Exception:
         return None
@@ -731,6 +734,57 @@ def _float64_scope() -> Any:
     if jax is not None and not jax.config.read("jax_enable_x64"):
         return jax.enable_x64(True)
     return contextlib.nullcontext()
+
+
+def _float64_copies_scope() -> Any:
+    """The scope in which f runs on float64 copies of its arguments, for a narrow f's ground
+    truth: jax's x64 (:func:`_float64_scope`) and, where torch is loaded, each torch operation's
+    float32, float16 and bfloat16 tensors widened to float64 (complex64 to complex128) as it
+    runs. The tensors f closes over (its data, a model's weights) then compute in float64 with
+    the copies, as numpy and jax promote them, where torch would refuse the pair (a matmul of
+    float64 and float32) or round in float32, and finite differences could not see a wrong
+    entry of 1% through float32's noise. Whether f computes the same value there is checked in
+    this scope too (:func:`_changes_in_float64`): where it does not, the copies are not used."""
+    scope = contextlib.ExitStack()
+    scope.enter_context(_float64_scope())
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        scope.enter_context(_widening(torch)())
+    return scope
+
+
+@functools.cache
+def _widening(torch: Any) -> type:
+    """The torch function mode of :func:`_float64_copies_scope`. Each tensor it widens is widened
+    once per scope, so that an operation that writes into it in place writes into the copy that
+    later operations read."""
+    wider = {
+        torch.float32: torch.float64,
+        torch.float16: torch.float64,
+        torch.bfloat16: torch.float64,
+        torch.complex64: torch.complex128,
+    }
+
+    class Widening(torch.overrides.TorchFunctionMode):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.widened: dict[int, tuple[Any, Any]] = {}  # id -> (the tensor, kept alive; its copy)
+
+        def widen(self, value: Any) -> Any:
+            if isinstance(value, torch.dtype):  # (a dtype f asks for: torch.zeros(3, dtype=torch.float32))
+                return wider.get(value, value)
+            if not isinstance(value, torch.Tensor) or value.dtype not in wider:
+                return value
+            found = self.widened.get(id(value))
+            if found is None:
+                found = self.widened[id(value)] = (value, value.to(wider[value.dtype]))
+            return found[1]
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            args, kwargs = optree.tree_map(self.widen, (args, kwargs or {}), none_is_leaf=True)  # type: ignore[arg-type]
+            return func(*args, **kwargs)
+
+    return Widening
 
 
 def _no_grad() -> Any:
