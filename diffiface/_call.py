@@ -240,7 +240,7 @@ def _dynamic_view(adapter: Adapter, call: Call) -> tuple[Call, list[int] | None]
         for path, leaf, is_static in zip(paths, call.x_leaves, static, strict=True):
             if is_static and static_key(leaf) is None and not callable(leaf):
                 raise InvalidInputError(
-                    f"x{_path(path)} is a {type(leaf).__name__}, which is not differentiated but passed to f "
+                    f"x{_tree.path_string(path)} is a {type(leaf).__name__}, which is not differentiated but passed to f "
                     f"as static, compile-time data of the {adapter.backend.name} program. It is compared by "
                     "identity, not by value, so a later change to it would silently reuse the old value. "
                     "Pass it as a di.Constant, separate it from x (eqx.partition), or use AutoJAX(jit=False)."
@@ -264,10 +264,6 @@ def _dynamic_view(adapter: Adapter, call: Call) -> tuple[Call, list[int] | None]
 
     view.rebuild = rebuild
     return view, dynamic_index
-
-
-def _path(path: tuple[Any, ...]) -> str:
-    return "".join(f"[{entry!r}]" for entry in path)
 
 
 # -- a batch of tangents ---------------------------------------------------------------------------

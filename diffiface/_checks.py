@@ -13,7 +13,7 @@ from . import tree as _tree
 from ._adapters import info
 from ._adapters._base import Adapter, refuse_a_moved_output
 from ._backends import Backend, SecondOrder
-from ._call import _ARRAY_KINDS, _LEAF, OPERATORS, Call, Operator, _DynamicView, _Output, _path
+from ._call import _ARRAY_KINDS, _LEAF, OPERATORS, Call, Operator, _DynamicView, _Output
 from ._errors import ArrayTypeError, InvalidInputError, InvalidOutputError, TangentMismatchError
 from ._prep import Signature
 
@@ -56,7 +56,7 @@ def _no_aux(op: Operator) -> InvalidInputError:
 
 def _check_x(op: Operator, backend: Backend, any_array_type: bool, call: Call) -> None:
     sig = call.signature
-    paths = [_path(p) for p in sig.x_spec.paths()]
+    paths = [_tree.path_string(p) for p in sig.x_spec.paths()]
     kinds: set[_arrays.Kind] = set()
     for path, leaf in zip(paths, call.x_leaves, strict=True):
         kind = _arrays.kind(leaf)
@@ -172,7 +172,7 @@ def _check_tangent_kinds(op: Operator, backend: Backend, any_array_type: bool, c
         if kind not in allowed:
             wanted = dict.fromkeys((_NUMPY, x_family if x_family != _PYTHON else backend_family(backend)))
             raise ArrayTypeError(
-                f"The {role}{_path(path)} of {op.name} is {kind} ({type(leaf).__name__}), but x holds "
+                f"The {role}{_tree.path_string(path)} of {op.name} is {kind} ({type(leaf).__name__}), but x holds "
                 f"{x_family} arrays under the {backend.name} backend. Pass the {role} as "
                 f"{' or '.join(wanted)} arrays."
             )
@@ -188,7 +188,7 @@ def _check_tangent_like_x(op: Operator, call: Call) -> None:
         raise TangentMismatchError(
             f"The tangent of {op.name} must have the structure of x{static}, {sig.x_spec}; it has {sig.tangent_spec}."
         )
-    paths = [_path(p) for p in sig.x_spec.paths()]
+    paths = [_tree.path_string(p) for p in sig.x_spec.paths()]
     for path, x, t in zip(paths, call.x_leaves, call.tangent_leaves, strict=True):
         if _arrays.shape(x) != _arrays.shape(t):
             raise TangentMismatchError(

@@ -4,7 +4,6 @@ for a jit-compiling engine whose arrays are jax's, ``sparse/_<family>_products.p
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -14,11 +13,7 @@ import numpy as np
 import optree
 
 from .. import _arrays, tree
-
-
-def _x64(on: bool) -> Any:
-    """A scope where jax keeps float64 (``jax.enable_x64``) when ``on``; else nothing."""
-    return jax.enable_x64(True) if on else contextlib.nullcontext()
+from ._jax_matrices import _x64
 
 
 class Products:
