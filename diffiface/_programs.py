@@ -838,6 +838,7 @@ class Run:
         "estimates",
         "finish",
         "has_aux",
+        "kept",
         "output",
         "parts",
         "passthrough",
@@ -873,6 +874,7 @@ class Run:
         # the engine takes the leaves as they are, in no scope, and nothing besides the results
         # is read (a record of f's output, an error estimate)
         self.direct = self.passthrough and not (self.records or self.estimates or self.scoped) and dynamic is None
+        self.kept = conversions.kept
 
     def __call__(
         self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]
@@ -880,7 +882,10 @@ class Run:
         try:
             if self.direct:  # (the common call, in this one frame)
                 dynamic = tuple(_chain(context_leaves)) if context_leaves else ()
-                return self.finish(self.compiled(tuple(x_leaves), tuple(tangent_leaves), dynamic, None)), None
+                if all(map(_is_type, dynamic, self.kept)):
+                    return self.finish(self.compiled(tuple(x_leaves), tuple(tangent_leaves), dynamic, None)), None
+                # (a leaf of another type that fits the signature, a numpy scalar for a 0-d
+                # array: converted, as the engine took the first leaf as it was, not this one)
             if self.dynamic is not None:
                 x_leaves = [x_leaves[i] for i in self.dynamic]
             scope = self.adapter.scope() if self.scoped else None
@@ -893,9 +898,9 @@ class Run:
             raise
 
     def _run(self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]) -> tuple[Any, Any]:
-        if self.passthrough and not self.records:
+        dynamic = tuple(_chain(context_leaves)) if context_leaves else ()
+        if self.passthrough and not self.records and all(map(_is_type, dynamic, self.kept)):
             # the engine takes the leaves as they are, and no record of f's output is needed
-            dynamic = tuple(_chain(context_leaves)) if context_leaves else ()
             result = self.finish(self.compiled(tuple(x_leaves), tuple(tangent_leaves), dynamic, None))
         else:
             arguments = self.conversions.native(x_leaves, tangent_leaves, context_leaves)
@@ -997,7 +1002,11 @@ class _Conversions:
         if self.passthrough:
             if not context_leaves:
                 return xs, ts, (), None
-            return xs, ts, tuple(leaf for leaves in context_leaves for leaf in leaves), None
+            flat = tuple(leaf for leaves in context_leaves for leaf in leaves)
+            # (a leaf of another type that fits the signature, a numpy scalar for a 0-d array,
+            # is converted below: the engine took the first as it was, not this one)
+            if all(type(leaf) is kind for leaf, kind in zip(flat, self.kept, strict=True)):
+                return xs, ts, flat, None
         like = MISSED  # (found only where a leaf is converted: a context's Python float takes its dtype)
         dynamic: list[Any] = []
         static: list[Any] = []
@@ -1014,6 +1023,10 @@ class _Conversions:
                 (dynamic if mask[i] else static).append(native)
                 i += 1
         return xs, ts, tuple(dynamic), _Static(static, mask) if static else None
+
+
+def _is_type(leaf: Any, kind: Any) -> bool:
+    return type(leaf) is kind
 
 
 def _float_like(xs: Sequence[Any]) -> Any:

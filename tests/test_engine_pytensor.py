@@ -484,3 +484,18 @@ def test_a_python_float_cotangent_of_a_float32_output() -> None:
     value, pulled = di.value_and_vjp(lambda t: (pt.sum(t**2), 3 * t), QUICK, x, (2.0, np.ones(3, np.float32)))
     assert value[0].dtype == np.float32
     np.testing.assert_allclose(pulled, 4.0 * x + 3.0)
+
+
+def test_a_numpy_scalar_constant_after_a_0d_array_is_converted() -> None:
+    """A prep made for a 0-d array in a Constant, which the compiled function took as it was,
+    handed a later numpy scalar (which fits the signature) to it unconverted: numba's error."""
+
+    def f(x: Any, c: Any) -> Any:
+        return pt.sum(x["a"] * x["b"] * c) + pt.sum(x["u"] ** 2 * c)
+
+    x = {"a": np.asarray(0.7), "b": np.asarray(1.3), "u": np.array([0.1, 0.2])}
+    prep = di.prepare_gradient(f, "pytensor", x, di.Constant(np.asarray(2.0)))
+    di.gradient(f, "pytensor", x, di.Constant(np.asarray(2.0)), prep=prep)
+    g = di.gradient(f, "pytensor", x, di.Constant(np.float64(-3.5)), prep=prep)
+    np.testing.assert_allclose(g["a"], -3.5 * 1.3, rtol=1e-12)
+    np.testing.assert_allclose(g["u"], -7.0 * x["u"], rtol=1e-12)
