@@ -5,7 +5,9 @@ is kept only where it is more than 5% quicker. Run it pinned::
 
     taskset -c 1 python benchmarks/torch_fused.py
 
-Prints, per operator, mode and size, both times and plain / fused.
+Prints, per operator, mode and size, both times and plain / fused, and writes them to
+benchmarks/results/torch_fused.json and .md. ``python benchmarks/torch_fused.py jvp`` times the
+cases whose name holds ``jvp`` alone (and writes nothing).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _timing import interleaved
+from _timing import interleaved, write_results
 
 import diffiface as di
 import diffiface._adapters.torch._fused as adapter
@@ -66,10 +68,23 @@ def cases() -> dict[str, tuple[Any, ...]]:
     }
 
 
-def main() -> None:
+ROUNDS = 21
+
+
+def main(only: str = "") -> None:
     torch.set_num_threads(1)
     fused_table = dict(adapter._FUSED)
+    computations = {  # (the operator's computation, as _FUSED names it)
+        "gradient": "value_and_gradient",
+        "vjp": "value_and_pullback",
+        "jvp": "value_and_pushforward",
+        "hvp": "gradient_and_hvp",
+        "jacobian": "jacobian",
+    }
+    rows = []
     for name, (op, f, x, t, contexts) in cases().items():
+        if only not in name:
+            continue
         for backend in (di.AutoTorch(), di.AutoTorch(mode="func")):
             args = (x, *(() if t is None else (t,)), *contexts)
             preps = {}
@@ -86,7 +101,7 @@ def main() -> None:
                     kind: (lambda p=p, call=call, f=f, backend=backend, args=args: call(f, backend, *args, prep=p))
                     for kind, p in preps.items()
                 },
-                rounds=21,
+                rounds=ROUNDS,
                 repeat=20,
                 warmups=3,
             )
@@ -95,7 +110,40 @@ def main() -> None:
                 f"{times['plain'] * 1e6:8.1f} us  plain/fused {times['plain'] / times['fused']:.3f}",
                 flush=True,
             )
+            kept = (computations[op], backend.mode == "func") in fused_table
+            rows.append(
+                {
+                    "case": name,
+                    "mode": backend.mode,
+                    "fused_s": times["fused"],
+                    "plain_s": times["plain"],
+                    "plain_over_fused": times["plain"] / times["fused"],
+                    "fused_call": kept,
+                }
+            )
+    if only:
+        return
+    write_results(
+        "torch_fused",
+        "taskset -c 1 python benchmarks/torch_fused.py",
+        "torch's fused calls against the guard's steps",
+        f"torch {torch.__version__}, one thread; the median of {ROUNDS} interleaved rounds. `plain / fused` over "
+        "1.05 keeps a fused call (docs/design.md); where `fused call` is no, both contenders take the guard's "
+        "steps, and the ratio shows the noise.",
+        ["case", "mode", "fused (us)", "plain (us)", "plain / fused", "fused call"],
+        rows,
+        lambda r: [
+            r["case"],
+            r["mode"],
+            f"{r['fused_s'] * 1e6:.1f}",
+            f"{r['plain_s'] * 1e6:.1f}",
+            f"{r['plain_over_fused']:.3f}",
+            "yes" if r["fused_call"] else "no",
+        ],
+        torch=torch.__version__,
+        rounds=ROUNDS,
+    )
 
 
 if __name__ == "__main__":
-    main()
+    main(*sys.argv[1:])

@@ -882,7 +882,7 @@ class Run:
         try:
             if self.direct:  # (the common call, in this one frame)
                 dynamic = tuple(_chain(context_leaves)) if context_leaves else ()
-                if all(map(_is_type, dynamic, self.kept)):
+                if tuple(map(type, dynamic)) == self.kept:
                     return self.finish(self.compiled(tuple(x_leaves), tuple(tangent_leaves), dynamic, None)), None
                 # (a leaf of another type that fits the signature, a numpy scalar for a 0-d
                 # array: converted, as the engine took the first leaf as it was, not this one)
@@ -899,7 +899,7 @@ class Run:
 
     def _run(self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]) -> tuple[Any, Any]:
         dynamic = tuple(_chain(context_leaves)) if context_leaves else ()
-        if self.passthrough and not self.records and all(map(_is_type, dynamic, self.kept)):
+        if self.passthrough and not self.records and tuple(map(type, dynamic)) == self.kept:
             # the engine takes the leaves as they are, and no record of f's output is needed
             result = self.finish(self.compiled(tuple(x_leaves), tuple(tangent_leaves), dynamic, None))
         else:
@@ -1005,7 +1005,7 @@ class _Conversions:
             flat = tuple(leaf for leaves in context_leaves for leaf in leaves)
             # (a leaf of another type that fits the signature, a numpy scalar for a 0-d array,
             # is converted below: the engine took the first as it was, not this one)
-            if all(type(leaf) is kind for leaf, kind in zip(flat, self.kept, strict=True)):
+            if tuple(map(type, flat)) == self.kept:
                 return xs, ts, flat, None
         like = MISSED  # (found only where a leaf is converted: a context's Python float takes its dtype)
         dynamic: list[Any] = []
@@ -1023,10 +1023,6 @@ class _Conversions:
                 (dynamic if mask[i] else static).append(native)
                 i += 1
         return xs, ts, tuple(dynamic), _Static(static, mask) if static else None
-
-
-def _is_type(leaf: Any, kind: Any) -> bool:
-    return type(leaf) is kind
 
 
 def _float_like(xs: Sequence[Any]) -> Any:
