@@ -467,6 +467,29 @@ def jit_route() -> str:
     )
 
 
+def torch_fused() -> str:
+    """torch's fused calls against the guard's steps on the same prepared call."""
+    found = _load("torch_fused.json")
+    meta = found["meta"]
+    body = [
+        [
+            r["case"],
+            r["mode"],
+            _seconds(r["fused_s"]),
+            _seconds(r["plain_s"]),
+            _ratio(r["plain_over_fused"]),
+            "yes" if r["fused_call"] else "no",
+        ]
+        for r in found["rows"]
+    ]
+    table = _table(["case", "torch mode", "fused", "guard's steps", "steps / fused", "fused call"], body)
+    return table + (
+        f"\nMeasured {meta['date'][:10]} with `{meta['command']}` (Python {meta['python']}, torch {meta['torch']}, one "
+        f"thread); the median of {meta['rounds']} interleaved rounds. Where the fused call is no, both sides take "
+        "the guard's steps: their ratio is the run's noise.\n"
+    )
+
+
 def differentiate_with() -> str:
     found = _load("differentiate_with.json")
     inside_torch = found["jax_inside_torch"]
@@ -528,6 +551,7 @@ GENERATORS: dict[str, tuple[str, Callable[[], str]]] = {
     "differentiate-with": (f"{RESULTS}/differentiate_with.json", differentiate_with),
     "closure-test": (f"{RESULTS}/closure_test.json", closure_test),
     "jit-route": (f"{RESULTS}/jit_route.json", jit_route),
+    "torch-fused": (f"{RESULTS}/torch_fused.json", torch_fused),
     "main-job": (f"{RESULTS}/main_job.json", main_job),
     "torch-users": (f"{RESULTS}/torch_users.json", torch_users),
     "readme-torch-users": (f"{RESULTS}/torch_users.json", readme_torch_users),
