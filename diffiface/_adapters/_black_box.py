@@ -299,18 +299,11 @@ class _Point:
         self.vector = np.concatenate([a.reshape(-1).astype(np.float64) for a in arrays]) if arrays else np.zeros(0)
         # a Python float is weak: f computes with it in the precision of x's arrays, so its step
         # is theirs (float32's beside a float32 array, not float64's, which float32 rounds away)
-        own = [float(np.finfo(a.dtype).eps) for x, a in zip(xs, arrays, strict=True) if _arrays.kind(x) != "python"]
-        weak = max(own, default=float(np.finfo(np.float64).eps))
-        self.eps = (
-            np.concatenate(
-                [
-                    np.full(a.size, weak if _arrays.kind(x) == "python" else np.finfo(a.dtype).eps)
-                    for x, a in zip(xs, arrays, strict=True)
-                ]
-            )
-            if arrays
-            else np.zeros(0)
-        )
+        weak = [_arrays.kind(x) == "python" for x in xs]
+        own = [float(np.finfo(a.dtype).eps) for a in arrays]
+        floor = max((e for e, w in zip(own, weak, strict=True) if not w), default=float(np.finfo(np.float64).eps))
+        steps = [floor if w else e for e, w in zip(own, weak, strict=True)]
+        self.eps = np.repeat(steps, [a.size for a in arrays]) if arrays else np.zeros(0)
         self.size = self.vector.size
 
     def leaves(self, vector: np.ndarray) -> Leaves:
