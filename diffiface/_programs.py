@@ -938,6 +938,7 @@ class _Conversions:
         "scoped",
         "signature",
         "tangent_native",
+        "weak",
         "x_native",
     )
 
@@ -945,9 +946,10 @@ class _Conversions:
         self.adapter, self.op, self.signature = adapter, op, call.signature
         # float64 work that may need the adapter's precision scope (jax's x64), checked per call
         self.scoped = adapter.scoped and _involves_float64(call)
+        self.weak = None if adapter.weak_floats else _weak_dtypes(call.x_leaves)
         scope = adapter.scope() if self.scoped else None
         with scope if scope is not None else contextlib.nullcontext():
-            xs = [adapter.to_native(leaf) for leaf in call.x_leaves]
+            xs = self._xs(call.x_leaves)
             self.x_native = all(a is b for a, b in zip(xs, call.x_leaves, strict=True))
             self.tangent_native = all(
                 a is b for a, b in zip(self._tangents(call.tangent_leaves, xs), call.tangent_leaves, strict=True)
@@ -970,6 +972,21 @@ class _Conversions:
         self.kept = tuple(kept)
         self.passthrough = passthrough  # every context leaf an array the engine takes as it is
         self.empty = _Static([], self.mask)  # the static argument when no leaf is static
+
+    def _xs(self, leaves: list[Any]) -> tuple[Any, ...]:
+        """x's leaves for the engine. A Python float reaches f as an engine takes one weakly
+        (jax's, torch's): where the engine has no weak number, as a 0-d array of the dtype x's
+        float arrays share (``weak``, :func:`_weak_dtypes`), so that a float32 f stays float32."""
+        if self.weak is None:
+            return tuple(map(self.adapter.to_native, leaves))
+        index, real, complex_ = self.weak
+        like = leaves[index]
+        return tuple(
+            _number_to_native(self.adapter, leaf, complex_ if type(leaf) is complex else real, like)
+            if type(leaf) in (float, complex)
+            else self.adapter.to_native(leaf)
+            for leaf in leaves
+        )
 
     def _tangents(self, leaves: list[Any], xs: tuple[Any, ...] | list[Any]) -> tuple[Any, ...]:
         """Tangent leaves for the engine: those of a tangent of x take the dtypes of x's leaves."""
@@ -997,7 +1014,7 @@ class _Conversions:
     ) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...], _Static | None]:
         """The program's arguments; the static one is None when no context leaf is static
         (cheaper for jit to compare than an empty :class:`_Static`)."""
-        xs = tuple(x_leaves) if self.x_native else tuple(map(self.adapter.to_native, x_leaves))
+        xs = tuple(x_leaves) if self.x_native else self._xs(x_leaves)
         ts = tuple(tangent_leaves) if self.tangent_native else self._tangents(tangent_leaves, xs)
         if self.passthrough:
             if not context_leaves:
@@ -1034,6 +1051,33 @@ def _float_like(xs: Sequence[Any]) -> Any:
     return inexact[0] if inexact and len(set(map(_arrays.dtype_name, inexact))) == 1 else None
 
 
+_NARROW = {
+    "float16": ("float16", "complex64"),
+    "bfloat16": ("bfloat16", "complex64"),
+    "float32": ("float32", "complex64"),
+    "complex64": ("float32", "complex64"),
+}
+"""A dtype narrower than float64, and the real and complex dtypes of its precision."""
+
+
+def _weak_dtypes(leaves: Sequence[Any]) -> tuple[int, str, str] | None:
+    """Where x holds a Python float or complex and its float arrays share one dtype narrower
+    than float64: the index of the first such array, and the dtypes the number takes (float32
+    and complex64 beside float32 arrays, as numpy's, jax's and torch's promotion give a Python
+    number); else None (no number, or float64: the engine's own conversion)."""
+    if not any(type(leaf) in (float, complex) for leaf in leaves):
+        return None
+    arrays = [i for i, leaf in enumerate(leaves) if type(leaf) not in (float, complex)]
+    like = _float_like([leaves[i] for i in arrays])
+    if like is None:
+        return None
+    narrow = _NARROW.get(_arrays.dtype_name(like))
+    if narrow is None:
+        return None
+    index = next(i for i in arrays if leaves[i] is like)
+    return index, *narrow
+
+
 def _involves_float64(call: Call) -> bool:
     for leaf in (*call.x_leaves, *call.tangent_leaves):
         if isinstance(leaf, (float, complex)) or _arrays.dtype_name(leaf) in ("float64", "complex128"):
@@ -1059,16 +1103,21 @@ def _tangent_to_native(adapter: Adapter, t: Any, like: Any) -> Any:
     """A tangent leaf for the engine; a Python number takes the dtype of its primal leaf, cast by
     the primal's family where numpy has no such dtype (bfloat16, unless ml_dtypes is imported)."""
     if isinstance(t, (int, float)) and hasattr(like, "dtype"):
-        name = _arrays.dtype_name(like)
-        try:
-            dtype = np.dtype(name)
-        except TypeError:
-            family = _arrays.family_of(like)
-            if family is None or not family.ARRAY:
-                raise
-            return family.cast(adapter.to_native(float(t)), name)
-        t = np.asarray(t, dtype=dtype)
+        return _number_to_native(adapter, float(t), _arrays.dtype_name(like), like)
     return adapter.to_native(t)
+
+
+def _number_to_native(adapter: Adapter, number: Any, name: str, like: Any) -> Any:
+    """A Python number as the engine's 0-d array of dtype ``name``, cast by the family of
+    ``like`` (an array) where numpy has no such dtype (bfloat16, unless ml_dtypes is imported)."""
+    try:
+        dtype = np.dtype(name)
+    except TypeError:
+        family = _arrays.family_of(like)
+        if family is None or not family.ARRAY:
+            raise
+        return family.cast(adapter.to_native(number), name)
+    return adapter.to_native(np.asarray(number, dtype=dtype))
 
 
 class _Static:

@@ -129,6 +129,26 @@ def test_numpy_in_numpy_out_and_float64_kept(backend: di.Backend) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_python_float_beside_float32_tensors_takes_their_dtype(backend: di.Backend) -> None:
+    """A Python float at a leaf of x became a float64 tensor, and f's product with x's float32
+    tensor raised TensorFlow's own InvalidArgumentError: it now takes the tensors' dtype, as
+    f's own call on x computes with it."""
+    x = {"v": tf.constant([1.0, 2.0]), "b": 1.5}
+
+    def f(t: Any) -> Any:
+        return t["v"] * t["b"]
+
+    value, grad = di.value_and_gradient(lambda t: tf.reduce_sum(f(t)), backend, x)
+    assert value.dtype == f(x).dtype == tf.float32
+    assert type(grad["b"]) is float and grad["b"] == pytest.approx(3.0, rel=1e-6)
+    assert grad["v"].dtype == tf.float32
+    np.testing.assert_allclose(grad["v"].numpy(), [1.5, 1.5])
+    assert di.jacobian(f, backend, x)["b"].dtype == tf.float32
+    pushed = di.jvp(f, backend, x, {"v": tf.ones(2), "b": 1.0})
+    np.testing.assert_allclose(pushed.numpy(), [2.5, 3.5])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_every_operator_on_a_tensor(backend: di.Backend) -> None:
     x = tf.constant([0.4, -0.7], dtype=tf.float64)
     v = tf.constant([1.0, 2.0], dtype=tf.float64)

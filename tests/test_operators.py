@@ -614,6 +614,38 @@ def test_a_python_float_leaf_is_weak_under_jax_as_jax_takes_it(jit: bool) -> Non
     np.testing.assert_allclose(grads["w"], native_grads["w"], rtol=1e-6)
 
 
+@pytest.mark.parametrize("backend_id", ["autograd", "pytensor", "mlx", "finite_differences"])
+def test_a_python_float_beside_float32_arrays_keeps_f_in_float32(backend_id: str) -> None:
+    """A Python float at a leaf of x beside float32 arrays reached f as a float64 array where
+    the engine has no weak numbers (autograd, PyTensor, mlx): f computed in float64, its value
+    and Jacobian came back float64 where f(x) is float32, and a float32 cotangent was refused.
+    It now takes the arrays' dtype, as numpy, jax and torch take a Python number."""
+    backend = require(backend_id)
+    x = {"v": np.array([1.0, 2.0], dtype=np.float32), "b": 1.5}
+
+    def f(t: Any) -> Any:
+        return t["v"] * t["b"]
+
+    def loss(t: Any) -> Any:
+        return f(t).sum()
+
+    assert np.asarray(f(x)).dtype == np.float32  # (what f computes on x itself)
+    value, grad = di.value_and_gradient(loss, backend, x)
+    assert np.asarray(value).dtype == np.float32
+    assert type(grad["b"]) is float and grad["b"] == pytest.approx(3.0, rel=1e-5)
+    assert np.asarray(grad["v"]).dtype == np.float32
+    np.testing.assert_allclose(np.asarray(grad["v"]), [1.5, 1.5], rtol=1e-5)
+    jac = di.jacobian(f, backend, x)
+    assert np.asarray(jac["v"]).dtype == np.asarray(jac["b"]).dtype == np.float32
+    np.testing.assert_allclose(np.asarray(jac["b"]), [1.0, 2.0], rtol=1e-5)
+    pulled = di.vjp(f, backend, x, np.ones(2, dtype=np.float32))
+    assert type(pulled["b"]) is float and pulled["b"] == pytest.approx(3.0, rel=1e-5)
+    prep = di.prepare_gradient(loss, backend, x)
+    later = di.gradient(loss, backend, {"v": x["v"], "b": 2.5}, prep=prep)  # (the prep's conversion)
+    np.testing.assert_allclose(np.asarray(later["v"]), [2.5, 2.5], rtol=1e-5)
+    assert np.asarray(later["v"]).dtype == np.float32
+
+
 def test_an_aux_prng_key_comes_back_as_f_returned_it() -> None:
     """An aux leaf numpy has no dtype for (a jax PRNG key, the next step's key) raised jax's
     TypeError where x is numpy and aux arrays are made numpy: it comes back as returned."""

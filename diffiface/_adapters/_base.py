@@ -138,6 +138,10 @@ class Adapter:
     batches = False
     """True when the engine may evaluate ``f`` at many points in one call, through the
     ``batched`` attribute of the closed function."""
+    weak_floats = False
+    """True where the engine takes a Python float in x weakly, in the dtype of the arrays it
+    meets (jax's weak types, torch's 0-d tensors, a black box that passes it as it is); else the
+    route gives it the dtype x's float arrays share (:class:`~diffiface._programs._Conversions`)."""
     retraces = False
     """True when a compiled program is traced anew for arguments of other shapes or dtypes
     (jax's jit, mlx's mx.compile, tf.function): the program then checks them itself, at no cost
@@ -491,6 +495,7 @@ class SecondOrderAdapter(Adapter):
         self.outer = outer
         self.inner = inner
         self.xp = inner.xp
+        self.weak_floats = inner.weak_floats
         self.output_values = inner.output_values
         self.traced_function = inner.traced_function
         self.complex_outputs = outer.complex_outputs or inner.complex_outputs

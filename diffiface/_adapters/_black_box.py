@@ -35,6 +35,8 @@ class BlackBoxAdapter(_base.Adapter):
     (:func:`context_like_x`, :func:`constant_like_x`), and each call's Constant torch modules
     watched (:func:`watch_constant_modules`)."""
 
+    weak_floats = True  # (f gets x's Python floats as they are)
+
     def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
         return context_like_x(leaf, like)
 

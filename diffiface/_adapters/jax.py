@@ -42,6 +42,7 @@ def _names_a_tracer(exc: BaseException) -> bool:
 
 class Adapter(_base.Adapter):
     xp = jnp
+    weak_floats = True
 
     def to_native(self, leaf: Any) -> Any:
         kind = _arrays.kind(leaf)

@@ -116,6 +116,7 @@ class _Namespace:
 
 class Adapter(_base.Adapter):
     xp = _Namespace
+    weak_floats = True  # (a 0-d tensor takes the dtype of the tensors with dimensions it meets)
 
     def __new__(cls, backend: Any, info: Any) -> Adapter:
         if cls is Adapter and getattr(backend, "compile", False):  # AutoTorch(compile=True): _compiled
