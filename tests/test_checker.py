@@ -870,6 +870,19 @@ def test_a_wrong_rule_near_a_kink_the_differences_do_not_reach_fails():
     assert not check_gradients(rule(1.0), w, backends=["jax"]).failed
 
 
+def test_a_cast_to_float32_inside_f_is_no_staircase_for_the_float64_truth() -> None:
+    # f(v) = w * v.float() on float32 v: the truth's float64 copies were cast back to float32
+    # by .float() (no dtype argument for the widening to read), and the differences at float64's
+    # steps read the float32 staircase: a right gradient failed, 0.3% off
+    torch = pytest.importorskip("torch")
+    w = torch.tensor(0.6613521575927734, dtype=torch.float32)
+    x = torch.tensor(-8.478373527526855, dtype=torch.float32)
+    assert not check_gradients(lambda v: (w * v.float()).sum(), x, backends=["torch"]).failed
+    scaled = _scaled_backward(torch, lambda v: w * v.float(), lambda v: w)
+    with pytest.raises(di.GradientCheckError):
+        check_gradients(lambda v: scaled(v).sum(), x, backends=["torch"])
+
+
 def test_an_infinite_gradient_is_never_called_right():
     # exp at 709.78 with a rule 1% off overflows to inf; the Taylor test had called it right
     # (its remainders inf, within a noise of inf)

@@ -765,6 +765,10 @@ def _widening(torch: Any) -> type:
         torch.complex64: torch.complex128,
     }
 
+    # (a cast to a narrow dtype by name, which no dtype argument says: to float64 instead)
+    casts = {torch.Tensor.float: torch.Tensor.double, torch.Tensor.half: torch.Tensor.double}
+    casts[torch.Tensor.bfloat16] = torch.Tensor.double
+
     class Widening(torch.overrides.TorchFunctionMode):  # type: ignore[misc]
         def __init__(self) -> None:
             super().__init__()
@@ -782,7 +786,7 @@ def _widening(torch: Any) -> type:
 
         def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             args, kwargs = optree.tree_map(self.widen, (args, kwargs or {}), none_is_leaf=True)  # type: ignore[arg-type]
-            return func(*args, **kwargs)
+            return casts.get(func, func)(*args, **kwargs)
 
     return Widening
 
