@@ -870,6 +870,29 @@ def test_a_wrong_rule_near_a_kink_the_differences_do_not_reach_fails():
     assert not check_gradients(rule(1.0), w, backends=["jax"]).failed
 
 
+@pytest.mark.parametrize(("seed", "distance"), [(2, 1e-4), (1, 1e-6)])
+def test_a_wrong_rule_of_a_layer_whose_units_all_sit_near_their_kinks_fails(seed: int, distance: float) -> None:
+    # relu(x0 @ W + b) with every unit's pre-activation `distance` from its kink: the Taylor
+    # test's steps along all inputs cross kinks, and so did the second look's (without the
+    # inputs whose differences show a kink, or below the first test's steps once): a rule 1%
+    # off was skipped as not differentiable. Looks below those steps settle it.
+    torch = pytest.importorskip("torch")
+    generator = torch.Generator().manual_seed(seed)
+    x0, w, v = (torch.randn(*shape, generator=generator, dtype=torch.float64) for shape in ((1, 4), (4, 16), (16,)))
+    b = -(x0 @ w)[0] + distance * torch.randn(16, generator=generator, dtype=torch.float64)
+
+    def layer(relu: Any) -> Any:
+        return lambda p: (relu(x0 @ p["W"] + p["b"]) @ v).sum() + 0.5 * (p["b"] ** 2).sum()
+
+    step = lambda z: (z > 0).to(z.dtype)  # noqa: E731
+    with pytest.raises(di.GradientCheckError, match=r"below the first test's steps.*shrink only as h\^1"):
+        check_gradients(layer(_scaled_backward(torch, torch.relu, step)), {"W": w, "b": b}, backends=["torch"])
+    assert not check_gradients(layer(torch.relu), {"W": w, "b": b}, backends=["torch"]).failed
+    # at the kinks themselves f is not differentiable: the rule is not judged, nor failed
+    at_kinks = {"W": w, "b": -(x0 @ w)[0]}
+    assert not check_gradients(layer(_scaled_backward(torch, torch.relu, step)), at_kinks, backends=["torch"]).failed
+
+
 def test_a_cast_to_float32_inside_f_is_no_staircase_for_the_float64_truth() -> None:
     # f(v) = w * v.float() on float32 v: the truth's float64 copies were cast back to float32
     # by .float() (no dtype argument for the widening to read), and the differences at float64's

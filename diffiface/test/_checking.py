@@ -157,7 +157,8 @@ def check_gradients(
     float64 copies of float32 leaves of x and of the Constant contexts when f computes the same
     value there, the float32 tensors f closes over widened as it runs (docs/testing.md). It costs
     ``4n`` evaluations of f for ``n`` inputs, edges included; the whole
-    check at most ``4n + 20`` (``4n + 30`` with the second look).
+    check at most ``4n + 20`` (``4n + 30`` with the second look, ``4n + 50`` with the looks below
+    it).
 
     Where finite differences cannot settle it (they disagree with an engine, or their error is
     too large to see a 1% error: float32 f, large magnitudes, normalisation layers), the Taylor
@@ -969,7 +970,9 @@ class _Check:
         differences, whose stencils showed no kink, disagreed with the gradient: over steps below
         the first test's shortest (a kink of ``relu(w . a)`` at ``w . a = 1e-4``, which the
         differences' steps along one input each do not reach and the first test's steps along all
-        inputs at once cross); the row fails only if this test finds its gradient wrong."""
+        inputs at once cross); the row fails only if this test finds its gradient wrong. So also
+        where the look without the kinked inputs or the scaled steps does not settle it (every
+        unit of a ReLU layer near its kink, each step crossing some)."""
         first = np.nan_to_num(first)
         rest = np.where(self.kinked, 0.0, first)
         kinks = self.kinked & (first != 0)
@@ -986,24 +989,48 @@ class _Check:
         shorter = [] if kinks.any() or rescaled else [label for label in skipped if label in fd_failed]
         if not np.any(rest) or not ((skipped and (kinks.any() or rescaled)) or wrong or shorter):
             return
+        below = "again along the disagreement, below the first test's steps"
         if shorter:
             skipped = shorter
             reach = reach * _TAYLOR_RATIO ** -float(_TAYLOR_STEPS)
-        without = []
-        if np.any(kinks):
-            at = ", ".join(self._where(int(i)) for i in np.flatnonzero(kinks)[:4])
-            without.append(f"the inputs at a kink of f ({at})")
-        if rescaled:
-            without.append("steps scaled by |x|")
-        why = (
-            "again along the disagreement, below the first test's steps"
-            if shorter
-            else f"again along the disagreement, without {' and '.join(without)}"
-        )
+            why = below
+        else:
+            without = []
+            if np.any(kinks):
+                at = ", ".join(self._where(int(i)) for i in np.flatnonzero(kinks)[:4])
+                without.append(f"the inputs at a kink of f ({at})")
+            if rescaled:
+                without.append("steps scaled by |x|")
+            why = f"again along the disagreement, without {' and '.join(without)}"
         taylor = self._taylor(rest * reach, why, reach=reach)
+        still = self._judge_again(taylor, gradients, reference, skipped, wrong, unsmooth)
+        still = [label for label in still if label in fd_failed]
+        for _ in range(1 if shorter else 2):  # (its steps crossed kinks too: again, below them)
+            if not still:
+                break
+            reach = reach * _TAYLOR_RATIO ** -float(_TAYLOR_STEPS)
+            taylor = self._taylor(rest * reach, below, reach=reach)
+            still = self._judge_again(taylor, gradients, reference, still, [], False)
+
+    def _judge_again(
+        self,
+        taylor: _Taylor,
+        gradients: dict[str, np.ndarray],
+        reference: np.ndarray,
+        skipped: list[str],
+        wrong: list[str],
+        unsmooth: bool,
+    ) -> list[str]:
+        """:meth:`_second_look`'s verdicts along ``taylor``, written on the rows: a skipped row
+        fails where its gradient reads wrong; a wrong one passes where it reads right, and is
+        skipped where it is inconclusive and ``unsmooth``. The skipped rows this look did not
+        settle (not differentiable, or inconclusive) are returned."""
+        still = []
         for label in (*skipped, *wrong):
             row, g = self._row(label), gradients[label]
             verdict, detail = self._verdict(taylor, g, abs(float(np.dot(g - reference, taylor.direction))))
+            if label in skipped and verdict in ("not differentiable", "inconclusive"):
+                still.append(label)
             if label in skipped and verdict == "wrong":
                 row.status = "failed"
                 row.tags = row.tags - {"not_differentiable"}
@@ -1019,6 +1046,7 @@ class _Check:
                     f"not judged: f is no polynomial over the steps scaled by |x| where the gradient differs "
                     f"(finite differences there show a kink), and Taylor test {taylor.why}: {detail} [{row.message}]"
                 )
+        return still
 
     def _leaf_lines(self, g: np.ndarray, truth: np.ndarray, bad: np.ndarray) -> list[str]:
         """One line per leaf of x with entries that differ: how many, the leaf's relative error
