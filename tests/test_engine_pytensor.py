@@ -344,6 +344,20 @@ def test_differentiate_with_inside_jax_and_torch() -> None:
         np.testing.assert_allclose(np.asarray(got), np.diag(np.cos(x) * x + np.sin(x)), rtol=1e-5)
 
 
+def test_differentiate_with_called_on_numpy_gives_numbers() -> None:
+    """g called on numpy, outside any outer engine, is f's value: its graph of constants
+    evaluated, never the symbolic variable f builds."""
+    c = np.array([1.0, 2.0, 3.0])
+    x = np.array([0.3, -1.2, 0.7])
+    g = di.differentiate_with(lambda v, c: pt.sum(pt.sin(v) * c), QUICK)
+    y = g(x, di.Constant(c))
+    assert isinstance(y, np.ndarray) and y.dtype == np.float64 and y.shape == ()
+    np.testing.assert_allclose(y, np.sum(np.sin(x) * c), rtol=1e-12)
+    tree = di.differentiate_with(lambda p: {"s": pt.sin(p["a"]), "t": (p["a"] * 2.0,)}, QUICK)({"a": x})
+    np.testing.assert_allclose(tree["s"], np.sin(x), rtol=1e-12)
+    np.testing.assert_allclose(tree["t"][0], 2 * x, rtol=1e-12)
+
+
 def test_complex_numbers_inside_f_are_refused() -> None:
     """PyTensor's gradients through complex operations follow no convention (an angle's read as
     zero, others raise its own TypeError): a complex value anywhere on f's graph is refused."""
