@@ -527,3 +527,15 @@ def test_differentiate_with_takes_a_numpy_constant(backend: Any) -> None:
     gt(t, di.Constant(c)).backward()
     np.testing.assert_allclose(t.grad.numpy(), np.cos(xn) * c, rtol=1e-6)
     np.testing.assert_allclose(di.differentiate_with(f, backend)(xn, di.Constant(c)), np.sum(np.sin(xn) * c), rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=IDS)
+@pytest.mark.parametrize("out", [None, "label", [None], {"a": "label"}], ids=["none", "str", "list", "dict"])
+def test_a_scalar_operator_refuses_an_output_that_is_no_number(backend: Any, out: Any) -> None:
+    """Eagerly, an output that is no mx.array was taken for one cut from mlx's trace and f was
+    evaluated again to tell: None gave an IndexError, a string an error about array families.
+    It is refused as the output it is, as the other operators refuse it."""
+    x = mx.array([1.0, 2.0])
+    for operator in (di.gradient, di.hessian, di.value_and_gradient):
+        with pytest.raises(di.InvalidOutputError):
+            operator(lambda v: out, backend, x)
