@@ -175,6 +175,19 @@ def test_numpy_functions_are_refused_with_the_fix() -> None:
         di.gradient(lambda x: np.sum(np.tanh(x)), QUICK, np.ones(2))
 
 
+def test_evaluating_a_symbolic_variable_inside_f_is_refused_with_the_fix() -> None:
+    """``.eval()`` on x inside f raised PyTensor's own MissingInputError: x has no value while f
+    builds its graph."""
+    c = np.array([1.0, 2.0])
+    for call in (
+        lambda: di.gradient(lambda x: pt.sum(x) * float(x[0].eval()), QUICK, np.ones(2)),
+        lambda: di.hessian(lambda x, c: pt.sum(x * c.eval()), QUICK, np.ones(2), di.Constant(c)),
+        lambda: di.jvp(lambda x: x * x.eval(), QUICK, np.ones(2), np.ones(2)),
+    ):
+        with pytest.raises(di.FrameworkMismatchError, match="symbolic"):
+            call()
+
+
 def test_a_bad_mode_is_refused() -> None:
     with pytest.raises(di.InvalidBackendOptionError, match="FAST_COMPILE"):
         di.AutoPyTensor(mode="DEBUG")
