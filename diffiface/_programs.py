@@ -275,7 +275,10 @@ def _closer(
     ) -> Any:
         """f's output, checked, where f is scalar-valued."""
         if untracked(result, xs):
+            # (checked first: an output that is no number, None or a string, is refused as such)
+            leaf = _checked(op, result, output, adapter)[0]
             _refuse_cut(f, context_values, xs, adapter, x_spec, rebuild, (0,))
+            return output_leaf(leaf, like)
         # a scalar of a type and dtype seen before needs no more checks (nor recording:
         # what the results of scalar functions mirror does not depend on f's output)
         if (type(result), getattr(result, "dtype", None)) in checked and getattr(result, "shape", ()) == ():

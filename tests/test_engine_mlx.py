@@ -507,3 +507,35 @@ def test_bfloat16_where_numpy_has_no_bfloat16() -> None:
         [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120, check=False
     )
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=IDS)
+def test_differentiate_with_takes_a_numpy_constant(backend: Any) -> None:
+    """A numpy array in a Constant reaches f as an mlx array, on the compiled value of g as on
+    the eager one: the compiled program was handed the numpy array itself, which mx.compile
+    refuses with its own ValueError."""
+    jax = pytest.importorskip("jax")
+    torch = pytest.importorskip("torch")
+    c = np.array([1.0, 2.0, 3.0], dtype=np.float32)
+    f = lambda x, c: mx.sum(mx.sin(x) * c)  # noqa: E731
+    xn = np.array([0.3, -1.2, 0.7], dtype=np.float32)
+    g = di.differentiate_with(f, backend)
+    got = jax.grad(lambda x: g(x, di.Constant(c)))(jax.numpy.asarray(xn))
+    np.testing.assert_allclose(np.asarray(got), np.cos(xn) * c, rtol=1e-6)
+    gt = di.differentiate_with(f, backend)
+    t = torch.tensor(xn, requires_grad=True)
+    gt(t, di.Constant(c)).backward()
+    np.testing.assert_allclose(t.grad.numpy(), np.cos(xn) * c, rtol=1e-6)
+    np.testing.assert_allclose(di.differentiate_with(f, backend)(xn, di.Constant(c)), np.sum(np.sin(xn) * c), rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=IDS)
+@pytest.mark.parametrize("out", [None, "label", [None], {"a": "label"}], ids=["none", "str", "list", "dict"])
+def test_a_scalar_operator_refuses_an_output_that_is_no_number(backend: Any, out: Any) -> None:
+    """Eagerly, an output that is no mx.array was taken for one cut from mlx's trace and f was
+    evaluated again to tell: None gave an IndexError, a string an error about array families.
+    It is refused as the output it is, as the other operators refuse it."""
+    x = mx.array([1.0, 2.0])
+    for operator in (di.gradient, di.hessian, di.value_and_gradient):
+        with pytest.raises(di.InvalidOutputError):
+            operator(lambda v: out, backend, x)

@@ -175,6 +175,19 @@ def test_numpy_functions_are_refused_with_the_fix() -> None:
         di.gradient(lambda x: np.sum(np.tanh(x)), QUICK, np.ones(2))
 
 
+def test_evaluating_a_symbolic_variable_inside_f_is_refused_with_the_fix() -> None:
+    """``.eval()`` on x inside f raised PyTensor's own MissingInputError: x has no value while f
+    builds its graph."""
+    c = np.array([1.0, 2.0])
+    for call in (
+        lambda: di.gradient(lambda x: pt.sum(x) * float(x[0].eval()), QUICK, np.ones(2)),
+        lambda: di.hessian(lambda x, c: pt.sum(x * c.eval()), QUICK, np.ones(2), di.Constant(c)),
+        lambda: di.jvp(lambda x: x * x.eval(), QUICK, np.ones(2), np.ones(2)),
+    ):
+        with pytest.raises(di.FrameworkMismatchError, match="symbolic"):
+            call()
+
+
 def test_a_bad_mode_is_refused() -> None:
     with pytest.raises(di.InvalidBackendOptionError, match="FAST_COMPILE"):
         di.AutoPyTensor(mode="DEBUG")
@@ -342,6 +355,20 @@ def test_differentiate_with_inside_jax_and_torch() -> None:
     for jacobian in (jax.jacrev, jax.jacfwd):
         got = jacobian(h)(jax.numpy.asarray(x))
         np.testing.assert_allclose(np.asarray(got), np.diag(np.cos(x) * x + np.sin(x)), rtol=1e-5)
+
+
+def test_differentiate_with_called_on_numpy_gives_numbers() -> None:
+    """g called on numpy, outside any outer engine, is f's value: its graph of constants
+    evaluated, never the symbolic variable f builds."""
+    c = np.array([1.0, 2.0, 3.0])
+    x = np.array([0.3, -1.2, 0.7])
+    g = di.differentiate_with(lambda v, c: pt.sum(pt.sin(v) * c), QUICK)
+    y = g(x, di.Constant(c))
+    assert isinstance(y, np.ndarray) and y.dtype == np.float64 and y.shape == ()
+    np.testing.assert_allclose(y, np.sum(np.sin(x) * c), rtol=1e-12)
+    tree = di.differentiate_with(lambda p: {"s": pt.sin(p["a"]), "t": (p["a"] * 2.0,)}, QUICK)({"a": x})
+    np.testing.assert_allclose(tree["s"], np.sin(x), rtol=1e-12)
+    np.testing.assert_allclose(tree["t"][0], 2 * x, rtol=1e-12)
 
 
 def test_complex_numbers_inside_f_are_refused() -> None:

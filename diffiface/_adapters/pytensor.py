@@ -299,6 +299,13 @@ class Adapter(_base.Adapter):
                 "gradient, so they need the gradient's own derivative (pt.prod's has none): take the "
                 "Jacobian, whose rows are plain gradients, or use another backend."
             ) from exc
+        if type(exc).__name__ == "MissingInputError" and _base.raised_inside(exc, "pytensor"):
+            return (
+                "f evaluated a symbolic variable (.eval() on x, on a context array or on a value made "
+                "from them). Under the pytensor backend they have no values while f runs: f builds a "
+                "graph, which diffiface compiles and evaluates. Keep f symbolic (pytensor.tensor "
+                "operations on its arguments), or differentiate a numpy f with AutoFiniteDifferences()."
+            )
         if isinstance(exc, TypeError) and "TensorVariable" in str(exc) and "bool" in str(exc):
             return (
                 "f uses the value of x (or of a context array or float) in Python control flow (if, "

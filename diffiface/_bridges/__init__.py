@@ -153,12 +153,13 @@ class DifferentiateWith:
         if outer == self._inner.kind:
             if self._plan is not None:
                 self._check(self._plan, spec, avals)
-            from ._inner import _context_values
+            from ._inner import _concrete, _context_values
 
             # (f's writes never reach the caller's arrays: torch's get clones, kept in the graph)
             family = self._inner.family
             x = spec.unflatten([family.private_copy(leaf) if family.owns(type(leaf)) else leaf for leaf in leaves])
-            return self.f(x, *_context_values(contexts, self._inner.kind))
+            # (f's value as its engine gives it on concrete arrays: a PyTensor graph evaluated)
+            return _concrete(self._inner.backend, self.f(x, *_context_values(contexts, self._inner.kind)))
         x_inner = [to_inner(leaf, self._inner.kind) if _arrays.kind(leaf) != "python" else leaf for leaf in leaves]
         site = self.site(spec, avals, contexts, x_inner)
         y = self._inner.value(site.plan, x_inner, contexts)

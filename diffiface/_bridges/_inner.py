@@ -276,7 +276,7 @@ class Inner:
         with self._scope(plan):
             program = self._program(plan, tuple(contexts))
             if program is not None:
-                return list(program(x, [c.value for c in contexts]))
+                return list(program(x, _context_values(contexts, self.kind)))
             return self._leaves_of(plan, self.evaluate(plan.x_spec, x, contexts))
 
     def evaluate(self, spec: Any, x: Leaves, contexts: Sequence[Context[Any]]) -> Any:
