@@ -20,7 +20,7 @@ import optree
 
 from . import _arrays
 from . import tree as _tree
-from ._adapters._base import Adapter, Deferred, ProgramParts, force
+from ._adapters._base import Adapter, Deferred, ProgramParts, force, without_leaves
 from ._call import _LEAF, Call, Operator, _Output
 from ._checks import _check_cotangent, _check_cotangents, _checked, _describe, _refuse_cut, batch_sizes
 from ._contexts import Cache, Constant
@@ -50,8 +50,9 @@ def _program(
     # each context's value from its leaves (written for its structure where it can be, _flatten)
     context_rebuilds = [_rebuilder(spec) for spec in context_specs]
     close, settle = _closer(op, adapter, sig.x_spec, has_aux, output, getattr(call, "rebuild", None))
-    method = getattr(adapter, op.compute)
+    method = getattr(adapter, op.compute) if call.x_leaves else without_leaves(adapter, op.compute)
     pullback = op.compute == "value_and_pullback"
+    pullback_function = adapter.pullback_function if call.x_leaves else without_leaves(adapter, "pullback_function")
     picked = [i for i, _ in op.parts] + ([1] if has_aux else [])  # the aux comes last
     only = picked[0] if len(picked) == 1 else None
     compiles = adapter.compiles
@@ -71,7 +72,7 @@ def _program(
         f = ref()  # (the weak reference itself: FunctionRef's call is a Python frame)
         fn = close(f if f is not None else function(), context_values, xs[0] if xs else None)
         if pullback:
-            out, aux, vjp = adapter.pullback_function(fn, xs)
+            out, aux, vjp = pullback_function(fn, xs)
             ts = _check_cotangent(sig, output, ts, adapter.complex_outputs)
             result: tuple[Any, ...] = (out, aux, vjp(ts))
         elif op.tangent is None:

@@ -646,6 +646,38 @@ def test_a_python_float_beside_float32_arrays_keeps_f_in_float32(backend_id: str
     assert np.asarray(later["v"]).dtype == np.float32
 
 
+@pytest.mark.parametrize("backend_id", ["jax", "torch-autograd", "torch-func", "autograd", "mlx", "pytensor"])
+def test_an_x_without_leaves_has_empty_derivatives_on_every_engine(backend_id: str) -> None:
+    """x with no leaves (the trainable parameters of a layer that has none): jax's and torch's
+    Jacobians raised their own ValueError, and torch.func's Hessian, jvp and hvp an
+    AssertionError or a RuntimeError, where the other engines gave empty results. The
+    derivatives with respect to nothing are known without the engine: empty trees, and a jvp
+    of zeros like f's output."""
+    backend = require(backend_id)
+    xp = {"torch-autograd": "torch", "torch-func": "torch"}.get(backend_id, backend_id)
+    if xp == "torch":
+        import torch
+
+        ones, one = (lambda: torch.ones(2, dtype=torch.float64)), (lambda: torch.tensor(2.0, dtype=torch.float64))
+    elif xp == "mlx":
+        import mlx.core as mx
+
+        ones, one = (lambda: mx.ones(2)), (lambda: mx.array(2.0))
+    elif xp == "pytensor":
+        import pytensor.tensor as pt
+
+        ones, one = (lambda: pt.ones(2)), (lambda: pt.constant(2.0))
+    else:
+        ones, one = (lambda: np.ones(2)), (lambda: np.float64(2.0))
+    assert di.jacobian(lambda p: ones(), backend, {}) == {}
+    value, gradient, hessian = di.value_gradient_and_hessian(lambda p: one(), backend, {})
+    assert float(np.asarray(value)) == 2.0 and gradient == {} and hessian == {}
+    assert di.hvp(lambda p: one(), backend, {}, {}) == {}
+    assert di.vjp(lambda p: ones(), backend, {}, np.ones(2) if xp == "pytensor" else ones()) == {}
+    pushed = np.asarray(di.jvp(lambda p: ones(), backend, {}, {}))
+    assert pushed.shape == (2,) and not pushed.any()
+
+
 def test_an_aux_prng_key_comes_back_as_f_returned_it() -> None:
     """An aux leaf numpy has no dtype for (a jax PRNG key, the next step's key) raised jax's
     TypeError where x is numpy and aux arrays are made numpy: it comes back as returned."""

@@ -628,6 +628,38 @@ def _size(leaf: Any) -> int:
     return math.prod(tuple(leaf.shape))
 
 
+def without_leaves(adapter: Adapter, compute: str) -> Callable[..., Any]:
+    """The adapter's ``compute`` where x has no leaves (an empty dict, the trainable parameters of
+    a layer that has none): f evaluated once, and every derivative with respect to nothing, known
+    without the engine, which may refuse to take one (torch.func's jvp, jax's and torch's
+    Jacobians): no gradient leaves, no Jacobian or Hessian blocks, and a jvp of zeros like f's
+    output."""
+    xp = adapter.xp
+
+    def zeros(out: Any) -> Any:
+        return _shaped_as(out, tuple(xp.zeros_like(y) for y in _as_tuple(out)))
+
+    def method(fn: Fn, xs: Leaves, *tangents: Any) -> tuple[Any, ...]:
+        out, aux = fn(xs)
+        if compute == "pullback_function":
+            return out, aux, lambda touts: ()
+        if compute == "value_and_pushforward":
+            return out, aux, zeros(out)
+        if compute == "value_and_pushforwards":
+            return out, aux, [zeros(out) for _ in tangents[0]]
+        if compute == "value_and_pullbacks":
+            return out, aux, [() for _ in tangents[0]]
+        if compute == "value_and_jacobian":
+            return out, aux, tuple(() for _ in _as_tuple(out))
+        if compute in ("gradient_and_hvp", "value_gradient_and_hessian"):
+            return out, aux, (), ()
+        if compute == "gradient_and_hvps":
+            return out, aux, (), [() for _ in tangents[0]]
+        return out, aux, ()  # (a gradient, a vjp)
+
+    return method
+
+
 def _as_tuple(out: Any) -> tuple[Any, ...]:
     return out if isinstance(out, tuple) else (out,)
 
