@@ -244,6 +244,29 @@ def test_steps_scaled_by_a_large_x_neither_hide_a_wrong_gradient_nor_fail_a_righ
     assert row.status == "passed" and "the first test's steps were too long for f" in row.message
 
 
+def test_inputs_far_below_unit_scale_where_f_varies_at_their_scale_are_judged_at_it():
+    """Parameters of 1e-8 in a function that varies at their own scale (``tanh(w / 1e-8)``,
+    ``sin(w / 1e-8)``): the unit steps of the differences and of the Taylor test cross all of f's
+    structure, its fourth differences read as noise, and right gradients failed as wrong. The
+    second look, at steps scaled by |x|, passes them, and a rule 1% off still fails there."""
+    torch = pytest.importorskip("torch")
+    scale = 1e-8
+    x = torch.tensor([1.54, -0.29, -2.18, 0.57], dtype=torch.float64) * scale
+
+    def saturating(v: Any) -> Any:
+        return (torch.tanh(v / scale) ** 2).sum() * scale
+
+    def turning(v: Any) -> Any:
+        return torch.sin(v / scale).sum() * scale
+
+    for f in (saturating, turning):
+        (row,) = check_gradients(f, x, backends=["torch"]).rows
+        assert row.status == "passed" and "at steps scaled by |x| below 1" in row.message
+    wrong = _scaled_backward(torch, lambda v: torch.sin(v / scale) * scale, lambda v: torch.cos(v / scale))
+    with pytest.raises(AssertionError, match="shrink only as h\\^1"):
+        check_gradients(lambda v: wrong(v).sum(), x, backends=["torch"])
+
+
 def test_an_x_too_large_to_judge_sin_at_is_skipped_and_a_polynomial_there_still_fails():
     """sin at x = 1e12: finite differences scaled by |x| show a kink (sin turns within them) and
     give 0; at unit steps f's rounding (1e12 times eps) hides the derivative. A right gradient

@@ -969,7 +969,13 @@ class _Check:
         differences, whose stencils showed no kink, disagreed with the gradient: over steps below
         the first test's shortest (a kink of ``relu(w . a)`` at ``w . a = 1e-4``, which the
         differences' steps along one input each do not reach and the first test's steps along all
-        inputs at once cross); the row fails only if this test finds its gradient wrong."""
+        inputs at once cross); the row fails only if this test finds its gradient wrong.
+
+        And where the first found a gradient wrong over unit steps at inputs far below their unit
+        scale: at steps scaled by ``|x_i|`` (``tanh(w / 1e-8)`` at ``w`` of ``1e-8`` is flat to unit
+        steps, its fourth differences read as noise); the row passes if this test finds it right,
+        on the noise f's condition predicts where its second differences there show the measured
+        noise to be none of f's rounding at these steps."""
         first = np.nan_to_num(first)
         rest = np.where(self.kinked, 0.0, first)
         kinks = self.kinked & (first != 0)
@@ -979,11 +985,29 @@ class _Check:
             rest, kinks = first, np.zeros_like(kinks)
         reach = np.minimum(self.reach, 1.0)
         rescaled = bool(np.any((rest != 0) & (reach < self.reach)))
+        # inputs far below their unit scale (a capacitance of 1e-9, parameters of 1e-8) where f
+        # varies at their own scale: unit steps cross all of its structure, and a saturated f reads
+        # as flat to them. Steps scaled by |x_i| instead, where every input that differs has a
+        # scale of its own (an input at 0 has none, and an edge input has its step already)
+        size = np.abs(self.finite_x)
+        differ = rest != 0
+        small = differ & (size < 1.0)
+        shrunk = (
+            not rescaled
+            and "wrong" in verdicts.values()
+            and not kinks.any()
+            and bool(np.any(small))
+            and not np.any(differ & ((size == 0.0) | self.edge))
+        )
+        if shrunk:
+            reach = np.where(size < 1.0, reach * size, reach)
         skipped = [label for label, verdict in verdicts.items() if verdict == "not differentiable"]
         wrong = (
-            [label for label, verdict in verdicts.items() if verdict == "wrong"] if rescaled and not kinks.any() else []
+            [label for label, verdict in verdicts.items() if verdict == "wrong"]
+            if (rescaled or shrunk) and not kinks.any()
+            else []
         )
-        shorter = [] if kinks.any() or rescaled else [label for label in skipped if label in fd_failed]
+        shorter = [] if kinks.any() or rescaled or shrunk else [label for label in skipped if label in fd_failed]
         if not np.any(rest) or not ((skipped and (kinks.any() or rescaled)) or wrong or shorter):
             return
         if shorter:
@@ -995,15 +1019,20 @@ class _Check:
             without.append(f"the inputs at a kink of f ({at})")
         if rescaled:
             without.append("steps scaled by |x|")
+        if shrunk:
+            without.append("unit steps, at steps scaled by |x| below 1")
         why = (
             "again along the disagreement, below the first test's steps"
             if shorter
             else f"again along the disagreement, without {' and '.join(without)}"
         )
         taylor = self._taylor(rest * reach, why, reach=reach)
+        measured = not (shrunk and self._below_measured(taylor))
         for label in (*skipped, *wrong):
             row, g = self._row(label), gradients[label]
-            verdict, detail = self._verdict(taylor, g, abs(float(np.dot(g - reference, taylor.direction))))
+            verdict, detail = self._verdict(
+                taylor, g, abs(float(np.dot(g - reference, taylor.direction))), measured=measured
+            )
             if label in skipped and verdict == "wrong":
                 row.status = "failed"
                 row.tags = row.tags - {"not_differentiable"}
@@ -1570,15 +1599,18 @@ class _Check:
             row.message = note
         return verdict
 
-    def _verdict(self, taylor: _Taylor, g: np.ndarray, claimed: float, allowed: float = 0.0) -> tuple[str, str]:
+    def _verdict(
+        self, taylor: _Taylor, g: np.ndarray, claimed: float, allowed: float = 0.0, measured: bool = True
+    ) -> tuple[str, str]:
         """:func:`_taylor_verdict` on ``g`` along ``taylor``'s direction; ``claimed``: how far the
         reference that disagreed puts ``<g, v>`` (0: none); ``allowed``: the error of ``<g, v>``
-        the gradient's narrow dtype carries (0: none)."""
+        the gradient's narrow dtype carries (0: none); ``measured``: whether the noise the
+        differences measured stands (:meth:`_noise`)."""
         return _taylor_verdict(
             self.center,
             taylor,
             float(np.dot(g, taylor.direction)),
-            self._noise(g),
+            self._noise(g, measured),
             float(np.sum(np.abs(g * taylor.direction))),
             claimed,
             allowed,
@@ -1594,12 +1626,25 @@ class _Check:
             return np.zeros(self.flat.size)
         return self._rounding_floor(label, wide=0.0)
 
-    def _noise(self, g: np.ndarray) -> float:
+    def _noise(self, g: np.ndarray, measured: bool = True) -> float:
         """The rounding noise of f's values: a few ulps of f and of the terms ``x_i g_i``, or twice
-        the noise the differences measured, where that is larger."""
+        the noise the differences measured, where that is larger (and ``measured``)."""
         eps = float(np.max(self.eps, initial=np.finfo(np.float64).eps))
         terms = float(np.sum(np.abs(self.finite_x * np.nan_to_num(g))))
-        return max(2 * eps * (abs(self.center) + terms), 2 * self.measured)
+        return max(2 * eps * (abs(self.center) + terms), 2 * self.measured if measured else 0.0)
+
+    def _below_measured(self, taylor: _Taylor) -> bool:
+        """Whether f's second differences ``f(x+hv) + f(x-hv) - 2f(x)`` at the three shortest
+        steps of ``taylor`` all lie below a hundredth of the noise the differences measured: that
+        noise is then no rounding of f over these steps (rounding keeps its size at any step, and
+        three draws of it so far below their spread do not happen by chance). Steps beyond f's
+        own scale measure as noise what f does between them: a saturated ``tanh(w / 1e-8)``,
+        ``sin(w / 1e-8)``. The gradient plays no part: a wrong one is judged on the same noise."""
+        plus, minus = taylor.plus[-3:], taylor.minus[-3:]
+        if self.measured <= 0.0 or len(plus) < 3 or any(p is None for p in (*plus, *minus)):
+            return False
+        even = np.abs(np.asarray(plus, dtype=float) + np.asarray(minus, dtype=float) - 2 * self.center)
+        return bool(np.all(even < self.measured / 100))
 
     # -- engines against each other --------------------------------------------------------------------
 
