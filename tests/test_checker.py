@@ -267,6 +267,32 @@ def test_inputs_far_below_unit_scale_where_f_varies_at_their_scale_are_judged_at
         check_gradients(lambda v: wrong(v).sum(), x, backends=["torch"])
 
 
+def test_kinks_near_x_that_no_stencil_shows_hide_no_wrong_rule():
+    """abs and sort near 0 and near ties 1e-5 apart: the differences' stencils, one input each,
+    cross at most one kink, yet the Taylor test along the disagreement, and its second look
+    without that input, cross the others; a rule 1% off was skipped as not differentiable. A look
+    below the second look's steps finds it wrong, and the right gradients still pass or skip."""
+    torch = pytest.importorskip("torch")
+    x = torch.tensor(
+        [-8.39e-05, -4.23e-05, 2.15e-06, -1.55e-05, 1.32, 0.37, 0.384, 0.297, 0.747, 1.09, -0.772, -0.294],
+        dtype=torch.float64,
+    )
+    wrong = _scaled_backward(torch, torch.sin, torch.cos, factor=1.01)
+    ramp = torch.linspace(-1, 1, 12, dtype=torch.float64)
+
+    def kinked(u: Any) -> Any:
+        return (torch.abs(u) * torch.cos(u)).sum()
+
+    def sorted_(u: Any) -> Any:
+        return (torch.sort(u).values * ramp).sum()
+
+    for op in (kinked, sorted_):
+        (row,) = check_gradients(lambda v, op=op: op(torch.sin(v) + v), x, backends=["torch"]).rows
+        assert row.status in ("passed", "skipped")
+        with pytest.raises(AssertionError, match="below its steps"):
+            check_gradients(lambda v, op=op: op(wrong(v) + v), x, backends=["torch"])
+
+
 def test_an_x_too_large_to_judge_sin_at_is_skipped_and_a_polynomial_there_still_fails():
     """sin at x = 1e12: finite differences scaled by |x| show a kink (sin turns within them) and
     give 0; at unit steps f's rounding (1e12 times eps) hides the derivative. A right gradient
