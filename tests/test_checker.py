@@ -293,6 +293,28 @@ def test_kinks_near_x_that_no_stencil_shows_hide_no_wrong_rule():
             check_gradients(lambda v, op=op: op(wrong(v) + v), x, backends=["torch"])
 
 
+def test_a_difference_only_at_inputs_whose_stencils_cross_a_kink_is_no_failure():
+    """float32 sort with a tie nearer input 5 than its step: its stencil shows the kink, its
+    difference (0.108 against the gradient's 0.087) is no derivative, and the Taylor test cannot
+    judge. The right gradient failed on that difference; the row is now skipped, not
+    differentiable at x, and a rule 1% off still fails."""
+    torch = pytest.importorskip("torch")
+    values = [1.7100307e-05, 1.3947549e-04, 5.7750422e-05, -6.1233465e-07, 3.0286265e-05, 2.5852674e-05]
+    values += [-0.2753496, 0.36024278, 0.19231904, 0.13338847, -0.57780993, -0.09339191, -0.64343667]
+    values += [1.5946078, -0.06257316, -0.28034082, -1.0154749, 0.77487576, -0.32271945, -1.3694469]
+    values += [-0.79625678, 1.4425642, 0.74282539, 0.96245205]
+    x = torch.tensor(values, dtype=torch.float32)
+
+    def ramped(u: Any) -> Any:
+        return (torch.sort(u).values * torch.linspace(-1, 1, u.numel(), dtype=u.dtype)).sum()
+
+    (row,) = check_gradients(lambda v: ramped(torch.sin(v) + v), x, backends=["torch"]).rows
+    assert row.status == "skipped" and "shows a kink within its step" in row.message
+    wrong = _scaled_backward(torch, torch.sin, torch.cos, factor=1.01)
+    with pytest.raises(AssertionError):
+        check_gradients(lambda v: ramped(wrong(v) + v), x, backends=["torch"])
+
+
 def test_an_x_too_large_to_judge_sin_at_is_skipped_and_a_polynomial_there_still_fails():
     """sin at x = 1e12: finite differences scaled by |x| show a kink (sin turns within them) and
     give 0; at unit steps f's rounding (1e12 times eps) hides the derivative. A right gradient

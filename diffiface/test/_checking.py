@@ -930,6 +930,20 @@ class _Check:
                 verdicts[label] = self._apply_taylor(
                     row, taylor, g, fd_failed=label in disagreements, reference=truth.values, own=owns[label]
                 )
+            for label, verdict in verdicts.items():
+                # every input where the gradient differs has a stencil that crossed a kink (sort's
+                # tie nearer than its step): that difference is no derivative, and where the Taylor
+                # test cannot judge either, nothing says the gradient is wrong
+                differ = disagreements[label] != 0 if label in disagreements else None
+                if verdict == "inconclusive" and differ is not None and differ.any() and self.kinked[differ].all():
+                    row = self._row(label)
+                    at = ", ".join(self._where(int(i)) for i in np.flatnonzero(differ)[:4])
+                    row.status = "skipped"
+                    row.tags = row.tags | {"not_differentiable"}
+                    row.message = (
+                        f"f is not differentiable at x: every input where the gradient differs ({at}) shows a "
+                        f"kink within its step, and the Taylor test cannot judge [{row.message}]"
+                    )
             if not disagreements and "inconclusive" in verdicts.values():
                 # (the loose entries, which the differences alone do not judge, judged by nothing)
                 self.hidden |= unresolved & unjudged
