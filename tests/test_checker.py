@@ -244,6 +244,77 @@ def test_steps_scaled_by_a_large_x_neither_hide_a_wrong_gradient_nor_fail_a_righ
     assert row.status == "passed" and "the first test's steps were too long for f" in row.message
 
 
+def test_inputs_far_below_unit_scale_where_f_varies_at_their_scale_are_judged_at_it():
+    """Parameters of 1e-8 in a function that varies at their own scale (``tanh(w / 1e-8)``,
+    ``sin(w / 1e-8)``): the unit steps of the differences and of the Taylor test cross all of f's
+    structure, its fourth differences read as noise, and right gradients failed as wrong. The
+    second look, at steps scaled by |x|, passes them, and a rule 1% off still fails there."""
+    torch = pytest.importorskip("torch")
+    scale = 1e-8
+    x = torch.tensor([1.54, -0.29, -2.18, 0.57], dtype=torch.float64) * scale
+
+    def saturating(v: Any) -> Any:
+        return (torch.tanh(v / scale) ** 2).sum() * scale
+
+    def turning(v: Any) -> Any:
+        return torch.sin(v / scale).sum() * scale
+
+    for f in (saturating, turning):
+        (row,) = check_gradients(f, x, backends=["torch"]).rows
+        assert row.status == "passed" and "at steps scaled by |x| below 1" in row.message
+    wrong = _scaled_backward(torch, lambda v: torch.sin(v / scale) * scale, lambda v: torch.cos(v / scale))
+    with pytest.raises(AssertionError, match="shrink only as h\\^1"):
+        check_gradients(lambda v: wrong(v).sum(), x, backends=["torch"])
+
+
+def test_kinks_near_x_that_no_stencil_shows_hide_no_wrong_rule():
+    """abs and sort near 0 and near ties 1e-5 apart: the differences' stencils, one input each,
+    cross at most one kink, yet the Taylor test along the disagreement, and its second look
+    without that input, cross the others; a rule 1% off was skipped as not differentiable. A look
+    below the second look's steps finds it wrong, and the right gradients still pass or skip."""
+    torch = pytest.importorskip("torch")
+    x = torch.tensor(
+        [-8.39e-05, -4.23e-05, 2.15e-06, -1.55e-05, 1.32, 0.37, 0.384, 0.297, 0.747, 1.09, -0.772, -0.294],
+        dtype=torch.float64,
+    )
+    wrong = _scaled_backward(torch, torch.sin, torch.cos, factor=1.01)
+    ramp = torch.linspace(-1, 1, 12, dtype=torch.float64)
+
+    def kinked(u: Any) -> Any:
+        return (torch.abs(u) * torch.cos(u)).sum()
+
+    def sorted_(u: Any) -> Any:
+        return (torch.sort(u).values * ramp).sum()
+
+    for op in (kinked, sorted_):
+        (row,) = check_gradients(lambda v, op=op: op(torch.sin(v) + v), x, backends=["torch"]).rows
+        assert row.status in ("passed", "skipped")
+        with pytest.raises(AssertionError, match="below the first test.s steps"):
+            check_gradients(lambda v, op=op: op(wrong(v) + v), x, backends=["torch"])
+
+
+def test_a_difference_only_at_inputs_whose_stencils_cross_a_kink_is_no_failure():
+    """float32 sort with a tie nearer input 5 than its step: its stencil shows the kink, its
+    difference (0.108 against the gradient's 0.087) is no derivative, and the Taylor test cannot
+    judge. The right gradient failed on that difference; the row is now skipped, not
+    differentiable at x, and a rule 1% off still fails."""
+    torch = pytest.importorskip("torch")
+    values = [1.7100307e-05, 1.3947549e-04, 5.7750422e-05, -6.1233465e-07, 3.0286265e-05, 2.5852674e-05]
+    values += [-0.2753496, 0.36024278, 0.19231904, 0.13338847, -0.57780993, -0.09339191, -0.64343667]
+    values += [1.5946078, -0.06257316, -0.28034082, -1.0154749, 0.77487576, -0.32271945, -1.3694469]
+    values += [-0.79625678, 1.4425642, 0.74282539, 0.96245205]
+    x = torch.tensor(values, dtype=torch.float32)
+
+    def ramped(u: Any) -> Any:
+        return (torch.sort(u).values * torch.linspace(-1, 1, u.numel(), dtype=u.dtype)).sum()
+
+    (row,) = check_gradients(lambda v: ramped(torch.sin(v) + v), x, backends=["torch"]).rows
+    assert row.status == "skipped" and "shows a kink within its step" in row.message
+    wrong = _scaled_backward(torch, torch.sin, torch.cos, factor=1.01)
+    with pytest.raises(AssertionError):
+        check_gradients(lambda v: ramped(wrong(v) + v), x, backends=["torch"])
+
+
 def test_an_x_too_large_to_judge_sin_at_is_skipped_and_a_polynomial_there_still_fails():
     """sin at x = 1e12: finite differences scaled by |x| show a kink (sin turns within them) and
     give 0; at unit steps f's rounding (1e12 times eps) hides the derivative. A right gradient

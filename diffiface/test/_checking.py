@@ -931,6 +931,20 @@ class _Check:
                 verdicts[label] = self._apply_taylor(
                     row, taylor, g, fd_failed=label in disagreements, reference=truth.values, own=owns[label]
                 )
+            for label, verdict in verdicts.items():
+                # every input where the gradient differs has a stencil that crossed a kink (sort's
+                # tie nearer than its step): that difference is no derivative, and where the Taylor
+                # test cannot judge either, nothing says the gradient is wrong
+                differ = disagreements[label] != 0 if label in disagreements else None
+                if verdict == "inconclusive" and differ is not None and differ.any() and self.kinked[differ].all():
+                    row = self._row(label)
+                    at = ", ".join(self._where(int(i)) for i in np.flatnonzero(differ)[:4])
+                    row.status = "skipped"
+                    row.tags = row.tags | {"not_differentiable"}
+                    row.message = (
+                        f"f is not differentiable at x: every input where the gradient differs ({at}) shows a "
+                        f"kink within its step, and the Taylor test cannot judge [{row.message}]"
+                    )
             if not disagreements and "inconclusive" in verdicts.values():
                 # (the loose entries, which the differences alone do not judge, judged by nothing)
                 self.hidden |= unresolved & unjudged
@@ -972,7 +986,13 @@ class _Check:
         differences' steps along one input each do not reach and the first test's steps along all
         inputs at once cross); the row fails only if this test finds its gradient wrong. So also
         where the look without the kinked inputs or the scaled steps does not settle it (every
-        unit of a ReLU layer near its kink, each step crossing some)."""
+        unit of a ReLU layer near its kink, each step crossing some; sort's ties 1e-5 apart).
+
+        And where the first found a gradient wrong over unit steps at inputs far below their unit
+        scale: at steps scaled by ``|x_i|`` (``tanh(w / 1e-8)`` at ``w`` of ``1e-8`` is flat to unit
+        steps, its fourth differences read as noise); the row passes if this test finds it right,
+        on the noise f's condition predicts where its second differences there show the measured
+        noise to be none of f's rounding at these steps."""
         first = np.nan_to_num(first)
         rest = np.where(self.kinked, 0.0, first)
         kinks = self.kinked & (first != 0)
@@ -982,11 +1002,29 @@ class _Check:
             rest, kinks = first, np.zeros_like(kinks)
         reach = np.minimum(self.reach, 1.0)
         rescaled = bool(np.any((rest != 0) & (reach < self.reach)))
+        # inputs far below their unit scale (a capacitance of 1e-9, parameters of 1e-8) where f
+        # varies at their own scale: unit steps cross all of its structure, and a saturated f reads
+        # as flat to them. Steps scaled by |x_i| instead, where every input that differs has a
+        # scale of its own (an input at 0 has none, and an edge input has its step already)
+        size = np.abs(self.finite_x)
+        differ = rest != 0
+        small = differ & (size < 1.0)
+        shrunk = (
+            not rescaled
+            and "wrong" in verdicts.values()
+            and not kinks.any()
+            and bool(np.any(small))
+            and not np.any(differ & ((size == 0.0) | self.edge))
+        )
+        if shrunk:
+            reach = np.where(size < 1.0, reach * size, reach)
         skipped = [label for label, verdict in verdicts.items() if verdict == "not differentiable"]
         wrong = (
-            [label for label, verdict in verdicts.items() if verdict == "wrong"] if rescaled and not kinks.any() else []
+            [label for label, verdict in verdicts.items() if verdict == "wrong"]
+            if (rescaled or shrunk) and not kinks.any()
+            else []
         )
-        shorter = [] if kinks.any() or rescaled else [label for label in skipped if label in fd_failed]
+        shorter = [] if kinks.any() or rescaled or shrunk else [label for label in skipped if label in fd_failed]
         if not np.any(rest) or not ((skipped and (kinks.any() or rescaled)) or wrong or shorter):
             return
         below = "again along the disagreement, below the first test's steps"
@@ -1001,11 +1039,16 @@ class _Check:
                 without.append(f"the inputs at a kink of f ({at})")
             if rescaled:
                 without.append("steps scaled by |x|")
+            if shrunk:
+                without.append("unit steps, at steps scaled by |x| below 1")
             why = f"again along the disagreement, without {' and '.join(without)}"
         taylor = self._taylor(rest * reach, why, reach=reach)
-        still = self._judge_again(taylor, gradients, reference, skipped, wrong, unsmooth)
+        measured = not (shrunk and self._below_measured(taylor))
+        still = self._judge_again(taylor, gradients, reference, skipped, wrong, unsmooth, measured)
+        # (kinks nearer x than these steps too, which no stencil showed: below them, where the
+        # differences, their stencils smooth, disagreed; only a verdict of wrong counts there)
         still = [label for label in still if label in fd_failed]
-        for _ in range(1 if shorter else 2):  # (its steps crossed kinks too: again, below them)
+        for _ in range(0 if shrunk else 1 if shorter else 2):
             if not still:
                 break
             reach = reach * _TAYLOR_RATIO ** -float(_TAYLOR_STEPS)
@@ -1020,15 +1063,18 @@ class _Check:
         skipped: list[str],
         wrong: list[str],
         unsmooth: bool,
+        measured: bool = True,
     ) -> list[str]:
         """:meth:`_second_look`'s verdicts along ``taylor``, written on the rows: a skipped row
         fails where its gradient reads wrong; a wrong one passes where it reads right, and is
         skipped where it is inconclusive and ``unsmooth``. The skipped rows this look did not
-        settle (not differentiable, or inconclusive) are returned."""
+        settle (not differentiable, or inconclusive) are returned. ``measured``: whether the
+        noise the differences measured stands (:meth:`_noise`)."""
         still = []
         for label in (*skipped, *wrong):
             row, g = self._row(label), gradients[label]
-            verdict, detail = self._verdict(taylor, g, abs(float(np.dot(g - reference, taylor.direction))))
+            claimed = abs(float(np.dot(g - reference, taylor.direction)))
+            verdict, detail = self._verdict(taylor, g, claimed, measured=measured)
             if label in skipped and verdict in ("not differentiable", "inconclusive"):
                 still.append(label)
             if label in skipped and verdict == "wrong":
@@ -1598,15 +1644,18 @@ class _Check:
             row.message = note
         return verdict
 
-    def _verdict(self, taylor: _Taylor, g: np.ndarray, claimed: float, allowed: float = 0.0) -> tuple[str, str]:
+    def _verdict(
+        self, taylor: _Taylor, g: np.ndarray, claimed: float, allowed: float = 0.0, measured: bool = True
+    ) -> tuple[str, str]:
         """:func:`_taylor_verdict` on ``g`` along ``taylor``'s direction; ``claimed``: how far the
         reference that disagreed puts ``<g, v>`` (0: none); ``allowed``: the error of ``<g, v>``
-        the gradient's narrow dtype carries (0: none)."""
+        the gradient's narrow dtype carries (0: none); ``measured``: whether the noise the
+        differences measured stands (:meth:`_noise`)."""
         return _taylor_verdict(
             self.center,
             taylor,
             float(np.dot(g, taylor.direction)),
-            self._noise(g),
+            self._noise(g, measured),
             float(np.sum(np.abs(g * taylor.direction))),
             claimed,
             allowed,
@@ -1622,12 +1671,25 @@ class _Check:
             return np.zeros(self.flat.size)
         return self._rounding_floor(label, wide=0.0)
 
-    def _noise(self, g: np.ndarray) -> float:
+    def _noise(self, g: np.ndarray, measured: bool = True) -> float:
         """The rounding noise of f's values: a few ulps of f and of the terms ``x_i g_i``, or twice
-        the noise the differences measured, where that is larger."""
+        the noise the differences measured, where that is larger (and ``measured``)."""
         eps = float(np.max(self.eps, initial=np.finfo(np.float64).eps))
         terms = float(np.sum(np.abs(self.finite_x * np.nan_to_num(g))))
-        return max(2 * eps * (abs(self.center) + terms), 2 * self.measured)
+        return max(2 * eps * (abs(self.center) + terms), 2 * self.measured if measured else 0.0)
+
+    def _below_measured(self, taylor: _Taylor) -> bool:
+        """Whether f's second differences ``f(x+hv) + f(x-hv) - 2f(x)`` at the three shortest
+        steps of ``taylor`` all lie below a hundredth of the noise the differences measured: that
+        noise is then no rounding of f over these steps (rounding keeps its size at any step, and
+        three draws of it so far below their spread do not happen by chance). Steps beyond f's
+        own scale measure as noise what f does between them: a saturated ``tanh(w / 1e-8)``,
+        ``sin(w / 1e-8)``. The gradient plays no part: a wrong one is judged on the same noise."""
+        plus, minus = taylor.plus[-3:], taylor.minus[-3:]
+        if self.measured <= 0.0 or len(plus) < 3 or any(p is None for p in (*plus, *minus)):
+            return False
+        even = np.abs(np.asarray(plus, dtype=float) + np.asarray(minus, dtype=float) - 2 * self.center)
+        return bool(np.all(even < self.measured / 100))
 
     # -- engines against each other --------------------------------------------------------------------
 
