@@ -256,11 +256,15 @@ def _dynamic_view(adapter: Adapter, call: Call) -> tuple[Call, list[int] | None]
     view.context_leaves, view.context_specs = call.context_leaves, call.context_specs
     view.signature = sig._replace(x_spec=view_spec, x_leaves=tuple(sig.x_leaves[i] for i in dynamic_index))
 
+    # (x as the engine rebuilds it from all its leaves: compiled torch in Python, which its
+    # trace follows, where optree's rebuild in C is refused)
+    unflatten = adapter.rebuilder(full_spec) or full_spec.unflatten
+
     def rebuild(xs: tuple[Any, ...] | list[Any]) -> Any:
         leaves = list(prepared)
         for i, leaf in zip(dynamic_index, xs, strict=True):
             leaves[i] = leaf
-        return optree.tree_unflatten(full_spec, leaves)
+        return unflatten(leaves)
 
     view.rebuild = rebuild
     return view, dynamic_index

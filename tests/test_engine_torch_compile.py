@@ -698,3 +698,17 @@ def test_parameters_in_an_ordered_dict_or_a_namedtuple_are_compiled() -> None:
     assert type(hvp) is pair
     torch.testing.assert_close(hvp.a, 2 * x.b * x.a + 2 * x.a * x.b)
     torch.testing.assert_close(hvp.b, 2 * x.a * x.a)
+
+
+def test_a_static_leaf_of_x_is_rebuilt_in_the_compiled_trace() -> None:
+    # x with a leaf that is not differentiated (a string: a layer's name, a mode) was rebuilt
+    # around its static leaves by optree's C rebuild, which torch.compile cannot trace: refused
+    # as a graph break of f's, where torch.func mode gives the gradient
+    x = {"w": torch.tensor([1.0, 2.0], dtype=torch.float64), "mode": "double"}
+
+    def f(p):
+        return (p["w"] ** 2).sum() * (2.0 if p["mode"] == "double" else 1.0)
+
+    grads = di.gradient(f, COMPILED, x)
+    assert grads["mode"] is None
+    torch.testing.assert_close(grads["w"], 4 * x["w"])
