@@ -470,3 +470,31 @@ def test_forward_mode_emits_no_warning(mode: str, watch: _Watch) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         torch.testing.assert_close(di.jvp(torch.sin, tb(mode), x, t), torch.cos(x))
+
+
+def _clamped_in_place(x: Any) -> Any:
+    y = x.exp()
+    y.clamp_(max=2.0)  # exp's backward pass reads y: torch refuses to differentiate this
+    return (y**2).sum()
+
+
+@pytest.mark.parametrize("mode", ["autograd", "func"])
+@pytest.mark.parametrize("operator", ["gradient", "hessian", "hvp", "vjp"])
+def test_overwriting_a_saved_intermediate_is_refused_in_diffiface_terms(mode: str, operator: str) -> None:
+    """f writing in place into a tensor torch saved for its backward pass: torch's own
+    RuntimeError is raised by the engine, not by f, and must come out as diffiface's refusal."""
+    x = torch.tensor([0.3, -0.5, 0.8], dtype=torch.float64)
+    backend = di.AutoTorch(mode=mode)
+    args: tuple[Any, ...] = ()
+    if operator == "hvp":
+        args = (torch.ones(3, dtype=torch.float64),)
+    if operator == "vjp":
+        args = (torch.tensor(1.0, dtype=torch.float64),)
+    for prep in (None, getattr(di, f"prepare_{operator}")):
+        kwargs = {} if prep is None else {"prep": prep(_clamped_in_place, backend, x, *args)}
+        with pytest.raises(di.UnsupportedOperationError, match="out of place"):
+            getattr(di, operator)(_clamped_in_place, backend, x, *args, **kwargs)
+    # forward mode reads no saved tensor: the jvp is right
+    got = di.jvp(_clamped_in_place, backend, x, torch.ones(3, dtype=torch.float64))
+    want = torch.func.jvp(lambda x: (x.exp().clamp(max=2.0) ** 2).sum(), (x,), (torch.ones(3, dtype=torch.float64),))[1]
+    torch.testing.assert_close(got, want)

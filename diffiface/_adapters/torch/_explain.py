@@ -167,6 +167,13 @@ _REFUSALS = (
         "Constants are read-only, and scratch space f may overwrite is a di.Cache.",
     ),
     (
+        "needed for gradient computation has been modified by an inplace operation",
+        "f overwrites in place a tensor that torch saved for its backward pass (y.clamp_() on y = "
+        "x.exp(), whose derivative reads y), so torch cannot differentiate f in reverse mode. Compute "
+        "that step out of place (y = y.clamp(max=2.0)); an in-place operation on a tensor that no "
+        "backward pass reads (a fresh y = x.clone(), written before use) is fine.",
+    ),
+    (
         "does not require grad and does not have a grad_fn",
         "f calls torch.autograd.grad (or .backward()) on a value that does not require grad: a force "
         "field's gradient of an energy, say. Where that value comes from x, this operator gave f an x "
