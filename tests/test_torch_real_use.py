@@ -498,3 +498,21 @@ def test_overwriting_a_saved_intermediate_is_refused_in_diffiface_terms(mode: st
     got = di.jvp(_clamped_in_place, backend, x, torch.ones(3, dtype=torch.float64))
     want = torch.func.jvp(lambda x: (x.exp().clamp(max=2.0) ** 2).sum(), (x,), (torch.ones(3, dtype=torch.float64),))[1]
     torch.testing.assert_close(got, want)
+
+
+_NUMPY_ON_DETACHED = {
+    "np.asarray": lambda x: (x**2).sum() * float(np.asarray(x.detach()).sum()),
+    "detach().numpy()": lambda x: (x**2).sum() * float(x.detach().numpy().sum()),
+    "np.sin": lambda x: torch.as_tensor(np.sin(x)).sum(),
+}
+
+
+@pytest.mark.parametrize("operator", ["gradient", "jvp", "hessian"])
+@pytest.mark.parametrize("name", list(_NUMPY_ON_DETACHED))
+def test_numpy_on_a_torch_func_tensor_is_a_framework_mismatch(name: str, operator: str) -> None:
+    """Under torch.func's transforms a tensor has no memory, even detached: numpy reading it
+    fails inside torch, and the caller must hear it as a framework mismatch, not torch's words."""
+    x = torch.tensor([0.3, 0.6], dtype=torch.float64)
+    args = (torch.ones(2, dtype=torch.float64),) if operator == "jvp" else ()
+    with pytest.raises(di.FrameworkMismatchError, match="torch operations"):
+        getattr(di, operator)(_NUMPY_ON_DETACHED[name], di.AutoTorch(mode="func"), x, *args)

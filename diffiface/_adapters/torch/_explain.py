@@ -28,6 +28,15 @@ def explain_failure(exc: BaseException, functional: bool) -> str | None:
             ".numpy() on its input). Write f with torch operations, or differentiate a numpy f "
             "with AutoFiniteDifferences()."
         )
+    if isinstance(exc, RuntimeError) and "Cannot access data pointer of Tensor that doesn't have storage" in text:
+        # a tensor of a torch.func transform (or a forward-mode dual inside one) has no memory
+        # of its own: numpy, or any code that reads a tensor's memory, cannot take it
+        return (
+            "f handed a tensor of torch.func's transforms, which has no memory of its own, to code "
+            "that reads a tensor's memory (a numpy function, .numpy() or np.asarray, even after "
+            ".detach()). Write f with torch operations, or differentiate a numpy f with "
+            "AutoFiniteDifferences()."
+        )
     if "mixed torch.Tensor and DTensor" in text:
         return (
             "f mixes a DTensor (x is sharded) with a plain torch tensor (a di.Constant or a tensor f "
