@@ -516,3 +516,31 @@ def test_numpy_on_a_torch_func_tensor_is_a_framework_mismatch(name: str, operato
     args = (torch.ones(2, dtype=torch.float64),) if operator == "jvp" else ()
     with pytest.raises(di.FrameworkMismatchError, match="torch operations"):
         getattr(di, operator)(_NUMPY_ON_DETACHED[name], di.AutoTorch(mode="func"), x, *args)
+
+
+@pytest.mark.parametrize("mode", ["autograd", "func"])
+@pytest.mark.parametrize("operator", ["gradient", "value_and_gradient", "jacobian"])
+def test_a_mode_switch_by_f_is_refused_on_every_call(mode: str, operator: str) -> None:
+    """f switching a Constant module into train mode is put back and refused on a prep's later
+    calls too, not only on its first: the caller's module must not change behind its back."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5)).double().eval()
+    calls = {"n": 0}
+
+    def f(x: Any, model: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            model.train()
+        out = model(x)
+        return out if operator == "jacobian" else (out**2).sum()
+
+    backend = di.AutoTorch(mode=mode)
+    x = torch.ones(2, dtype=torch.float64)
+    prep = getattr(di, f"prepare_{operator}")(f, backend, x, di.Constant(model))
+    calls["n"] = 0
+    getattr(di, operator)(f, backend, x, di.Constant(model), prep=prep)
+    getattr(di, operator)(f, backend, x, di.Constant(model), prep=prep)
+    with pytest.raises(di.MutationError, match="train or eval mode"):
+        getattr(di, operator)(f, backend, x, di.Constant(model), prep=prep)
+    assert not any(module.training for module in model.modules())
+    getattr(di, operator)(f, backend, x, di.Constant(model), prep=prep)  # the module as it was

@@ -349,17 +349,19 @@ class _Watch:
     write is seen but not undone. Which tensor is which (its module, its name) is found only
     where an error names one (:meth:`named`).
 
-    ``full`` also keeps each module's structure (its parameters, buffers and submodules, its
-    train or eval mode), which f may change by setting an attribute (``model[0].weight =
-    nn.Parameter(...)``, ``model.eval()``): put back and refused (:meth:`restructured`)."""
+    ``full`` also keeps each module's structure (its parameters, buffers and submodules),
+    which f may change by setting an attribute (``model[0].weight = nn.Parameter(...)``): put
+    back and refused (:meth:`restructured`). Each module's train or eval mode (``model.train()``)
+    is kept on every call, as the walk reads it anyway: put back and refused too."""
 
-    __slots__ = ("copies", "roots", "structure", "tensors", "versions")
+    __slots__ = ("copies", "modes", "roots", "structure", "tensors", "versions")
 
     def __init__(self, roots: list[tuple[int, Any]], full: bool) -> None:
         self.roots = roots
         self.tensors: list[Any] = []
         self.copies: list[tuple[Any, Any]] = []
         self.structure: list[tuple[Any, bool, dict[str, Any], dict[str, Any], dict[str, Any]]] = []
+        self.modes: list[tuple[Any, bool]] = []
         for _, module in roots:
             self._walk(module, full)
         self.versions = list(map(_version, self.tensors))
@@ -369,6 +371,8 @@ class _Watch:
         if full:
             parts = (dict(module._parameters), dict(module._buffers), dict(module._modules))
             self.structure.append((module, module.training, *parts))
+        else:
+            self.modes.append((module, module.training))
         tensors = self.tensors
         for tensor in module._parameters.values():
             if tensor is not None and not tensor.is_inference():  # (torch refuses writes into those)
@@ -398,11 +402,21 @@ class _Watch:
             if module.training is not training:
                 module.training = training
                 found = True
+        for module, training in self.modes:
+            if module.training is not training:
+                module.training = training
+                found = True
         return found
 
     def changed(self) -> bool:
-        """Whether a tensor may have been written: a counter moved, or a copy is to compare."""
-        return bool(self.copies) or bool(self.structure) or list(map(_version, self.tensors)) != self.versions
+        """Whether a tensor may have been written (a counter moved, or a copy is to compare), or a
+        module's mode switched."""
+        if self.copies or self.structure or list(map(_version, self.tensors)) != self.versions:
+            return True
+        for module, training in self.modes:  # (a loop, not a generator: this runs on every call)
+            if module.training is not training:
+                return True
+        return False
 
     def named(self) -> dict[int, tuple[int, str, str]]:
         """Each watched tensor's (index of its Constant, ``"parameter"`` or ``"buffer"``, its name
