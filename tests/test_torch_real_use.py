@@ -518,19 +518,24 @@ def test_numpy_on_a_torch_func_tensor_is_a_framework_mismatch(name: str, operato
         getattr(di, operator)(_NUMPY_ON_DETACHED[name], di.AutoTorch(mode="func"), x, *args)
 
 
+@pytest.mark.parametrize("change", ["train", "parameter"])
 @pytest.mark.parametrize("mode", ["autograd", "func"])
 @pytest.mark.parametrize("operator", ["gradient", "value_and_gradient", "jacobian"])
-def test_a_mode_switch_by_f_is_refused_on_every_call(mode: str, operator: str) -> None:
-    """f switching a Constant module into train mode is put back and refused on a prep's later
-    calls too, not only on its first: the caller's module must not change behind its back."""
+def test_a_module_change_by_f_is_refused_on_every_call(mode: str, operator: str, change: str) -> None:
+    """f switching a Constant module into train mode, or setting a new parameter into it, is put
+    back and refused on a prep's later calls too, not only on its first: the caller's module
+    must not change behind its back."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5)).double().eval()
+    weight = model[0].weight
     calls = {"n": 0}
 
     def f(x: Any, model: Any) -> Any:
         calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] == 3 and change == "train":
             model.train()
+        if calls["n"] == 3 and change == "parameter":
+            model[0].weight = torch.nn.Parameter(torch.zeros(2, 2, dtype=torch.float64))
         out = model(x)
         return out if operator == "jacobian" else (out**2).sum()
 
@@ -540,7 +545,8 @@ def test_a_mode_switch_by_f_is_refused_on_every_call(mode: str, operator: str) -
     calls["n"] = 0
     getattr(di, operator)(f, backend, x, di.Constant(model), prep=prep)
     getattr(di, operator)(f, backend, x, di.Constant(model), prep=prep)
-    with pytest.raises(di.MutationError, match="train or eval mode"):
+    with pytest.raises(di.MutationError, match="has been put back"):
         getattr(di, operator)(f, backend, x, di.Constant(model), prep=prep)
     assert not any(module.training for module in model.modules())
+    assert model[0].weight is weight
     getattr(di, operator)(f, backend, x, di.Constant(model), prep=prep)  # the module as it was

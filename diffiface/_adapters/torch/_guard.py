@@ -349,30 +349,26 @@ class _Watch:
     write is seen but not undone. Which tensor is which (its module, its name) is found only
     where an error names one (:meth:`named`).
 
-    ``full`` also keeps each module's structure (its parameters, buffers and submodules),
-    which f may change by setting an attribute (``model[0].weight = nn.Parameter(...)``): put
-    back and refused (:meth:`restructured`). Each module's train or eval mode (``model.train()``)
-    is kept on every call, as the walk reads it anyway: put back and refused too."""
+    Every call also keeps each module's structure (its parameters, buffers and submodules, its
+    train or eval mode), which f may change by setting an attribute (``model[0].weight =
+    nn.Parameter(...)``, ``model.train()``): put back and refused (:meth:`restructured`). The
+    walk visits every module anyway; what it keeps per module is a few references."""
 
-    __slots__ = ("copies", "modes", "roots", "structure", "tensors", "versions")
+    __slots__ = ("copies", "roots", "structure", "tensors", "versions")
 
     def __init__(self, roots: list[tuple[int, Any]], full: bool) -> None:
         self.roots = roots
         self.tensors: list[Any] = []
         self.copies: list[tuple[Any, Any]] = []
         self.structure: list[tuple[Any, bool, dict[str, Any], dict[str, Any], dict[str, Any]]] = []
-        self.modes: list[tuple[Any, bool]] = []
         for _, module in roots:
             self._walk(module, full)
         self.versions = list(map(_version, self.tensors))
 
     def _walk(self, module: Any, full: bool) -> None:
         # (the modules' own dicts: named_modules builds each prefix and a set of those seen)
-        if full:
-            parts = (dict(module._parameters), dict(module._buffers), dict(module._modules))
-            self.structure.append((module, module.training, *parts))
-        else:
-            self.modes.append((module, module.training))
+        parts = (dict(module._parameters), dict(module._buffers), dict(module._modules))
+        self.structure.append((module, module.training, *parts))
         tensors = self.tensors
         for tensor in module._parameters.values():
             if tensor is not None and not tensor.is_inference():  # (torch refuses writes into those)
@@ -390,7 +386,7 @@ class _Watch:
                 self._walk(child, full)
 
     def restructured(self) -> bool:
-        """Whether f changed a module's structure or mode (a prep's first call), each put back."""
+        """Whether f changed a module's structure or mode, each put back."""
         found = False
         for module, training, *kept in self.structure:
             now = (module._parameters, module._buffers, module._modules)
@@ -402,20 +398,22 @@ class _Watch:
             if module.training is not training:
                 module.training = training
                 found = True
-        for module, training in self.modes:
-            if module.training is not training:
-                module.training = training
-                found = True
         return found
 
     def changed(self) -> bool:
         """Whether a tensor may have been written (a counter moved, or a copy is to compare), or a
-        module's mode switched."""
-        if self.copies or self.structure or list(map(_version, self.tensors)) != self.versions:
+        module's structure or mode changed."""
+        if self.copies or list(map(_version, self.tensors)) != self.versions:
             return True
-        for module, training in self.modes:  # (a loop, not a generator: this runs on every call)
+        for module, training, parameters, buffers, modules in self.structure:  # (a loop: every call)
             if module.training is not training:
                 return True
+            for current, kept in ((module._parameters, parameters), (module._buffers, buffers), (module._modules, modules)):
+                if len(current) != len(kept):
+                    return True
+                for key, value in kept.items():
+                    if current.get(key) is not value:
+                        return True
         return False
 
     def named(self) -> dict[int, tuple[int, str, str]]:
