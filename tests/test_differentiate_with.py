@@ -320,6 +320,30 @@ def test_torch_compile_sees_new_contexts() -> None:
             assert_allclose(x.grad, torch.full((3,), scale))
 
 
+@pytest.mark.parametrize("first", ["eager", "compiled"])
+@pytest.mark.parametrize("tree", ["leaf", "dict"])
+def test_one_g_serves_eager_and_compiled_calls(first: str, tree: str) -> None:
+    """torch.compile's trace of optree flattens x into a structure that names diffiface's
+    namespace where optree's own does not: one x all the same, served by the same g."""
+    g = di.differentiate_with(lambda x: jnp.sin(x["a"]) * 2.0 if isinstance(x, dict) else jnp.sin(x) * 2.0, "jax")
+
+    def loss(x: Any) -> Any:
+        return (g({"a": x} if tree == "dict" else x) ** 2).sum()
+
+    compiled = torch.compile(loss, backend="eager")
+    x = torch.linspace(-1, 1, 5, dtype=torch.float64, requires_grad=True)
+    want = 8 * torch.sin(x.detach()) * torch.cos(x.detach())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*should not be instantiated", category=DeprecationWarning)
+        warnings.filterwarnings(
+            "ignore", message="The .grad attribute of a Tensor that is not a leaf", category=UserWarning
+        )
+        for run in (loss, compiled) if first == "eager" else (compiled, loss):
+            x.grad = None
+            run(x).backward()
+            assert_allclose(x.grad, want)
+
+
 # --- a numpy black box under finite differences ----------------------------------------------------
 
 

@@ -233,3 +233,33 @@ def test_complex_step_over_autograd_is_exact_to_rounding() -> None:
     backend = make("fd-complex", "autograd")
     x = np.array([2.0, -3.0, 0.25])
     close(di.hessian(f, backend, x), hessian_f(x), 1e-13)
+
+
+TORCH_VARIANTS = {
+    "default": {},
+    "jvp-reverse": {"jvp": "reverse"},
+    "jvp-auto": {"jvp": "auto"},
+    "create-graph": {"create_graph": True},
+    "create-graph-jvp-reverse": {"create_graph": True, "jvp": "reverse"},
+}
+
+
+@pytest.mark.parametrize("inner", list(TORCH_VARIANTS))
+@pytest.mark.parametrize("outer", list(TORCH_VARIANTS))
+def test_torch_autograd_variants_pair_rightly(outer: str, inner: str) -> None:
+    """Two autograd-mode adapters of other options (a jvp by two backward passes, a kept graph)
+    differ as objects: the outer's products must still reach through the inner's gradient,
+    never read it as a constant (zeros)."""
+    torch = pytest.importorskip("torch")
+    backend = di.SecondOrder(di.AutoTorch(**TORCH_VARIANTS[outer]), di.AutoTorch(**TORCH_VARIANTS[inner]))
+    x, v = torch.tensor(X), torch.tensor(V)
+    close(di.hessian(f, backend, x).detach(), hessian_f(X), 1e-12)
+    close(di.hvp(f, backend, x, v).detach(), hessian_f(X) @ V, 1e-12)
+    hvps = di.batched_hvp(f, backend, x, di.Tangents(v, 2 * v))
+    close(hvps[1].detach(), 2 * hessian_f(X) @ V, 1e-12)
+    try:  # forward over forward: torch's one dual level refuses it, clearly, or it is right
+        second = di.second_derivative(g, backend, torch.tensor(S, dtype=torch.float64))
+    except di.UnsupportedOperationError as error:
+        assert "forward" in str(error)
+    else:
+        close(second.detach(), second_g(S), 1e-12)

@@ -470,3 +470,83 @@ def test_forward_mode_emits_no_warning(mode: str, watch: _Watch) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         torch.testing.assert_close(di.jvp(torch.sin, tb(mode), x, t), torch.cos(x))
+
+
+def _clamped_in_place(x: Any) -> Any:
+    y = x.exp()
+    y.clamp_(max=2.0)  # exp's backward pass reads y: torch refuses to differentiate this
+    return (y**2).sum()
+
+
+@pytest.mark.parametrize("mode", ["autograd", "func"])
+@pytest.mark.parametrize("operator", ["gradient", "hessian", "hvp", "vjp"])
+def test_overwriting_a_saved_intermediate_is_refused_in_diffiface_terms(mode: str, operator: str) -> None:
+    """f writing in place into a tensor torch saved for its backward pass: torch's own
+    RuntimeError is raised by the engine, not by f, and must come out as diffiface's refusal."""
+    x = torch.tensor([0.3, -0.5, 0.8], dtype=torch.float64)
+    backend = di.AutoTorch(mode=mode)
+    args: tuple[Any, ...] = ()
+    if operator == "hvp":
+        args = (torch.ones(3, dtype=torch.float64),)
+    if operator == "vjp":
+        args = (torch.tensor(1.0, dtype=torch.float64),)
+    for prep in (None, getattr(di, f"prepare_{operator}")):
+        kwargs = {} if prep is None else {"prep": prep(_clamped_in_place, backend, x, *args)}
+        with pytest.raises(di.UnsupportedOperationError, match="out of place"):
+            getattr(di, operator)(_clamped_in_place, backend, x, *args, **kwargs)
+    # forward mode reads no saved tensor: the jvp is right
+    got = di.jvp(_clamped_in_place, backend, x, torch.ones(3, dtype=torch.float64))
+    want = torch.func.jvp(lambda x: (x.exp().clamp(max=2.0) ** 2).sum(), (x,), (torch.ones(3, dtype=torch.float64),))[1]
+    torch.testing.assert_close(got, want)
+
+
+_NUMPY_ON_DETACHED = {
+    "np.asarray": lambda x: (x**2).sum() * float(np.asarray(x.detach()).sum()),
+    "detach().numpy()": lambda x: (x**2).sum() * float(x.detach().numpy().sum()),
+    "np.sin": lambda x: torch.as_tensor(np.sin(x)).sum(),
+}
+
+
+@pytest.mark.parametrize("operator", ["gradient", "jvp", "hessian"])
+@pytest.mark.parametrize("name", list(_NUMPY_ON_DETACHED))
+def test_numpy_on_a_torch_func_tensor_is_a_framework_mismatch(name: str, operator: str) -> None:
+    """Under torch.func's transforms a tensor has no memory, even detached: numpy reading it
+    fails inside torch, and the caller must hear it as a framework mismatch, not torch's words."""
+    x = torch.tensor([0.3, 0.6], dtype=torch.float64)
+    args = (torch.ones(2, dtype=torch.float64),) if operator == "jvp" else ()
+    with pytest.raises(di.FrameworkMismatchError, match="torch operations"):
+        getattr(di, operator)(_NUMPY_ON_DETACHED[name], di.AutoTorch(mode="func"), x, *args)
+
+
+@pytest.mark.parametrize("change", ["train", "parameter"])
+@pytest.mark.parametrize("mode", ["autograd", "func"])
+@pytest.mark.parametrize("operator", ["gradient", "value_and_gradient", "jacobian"])
+def test_a_module_change_by_f_is_refused_on_every_call(mode: str, operator: str, change: str) -> None:
+    """f switching a Constant module into train mode, or setting a new parameter into it, is put
+    back and refused on a prep's later calls too, not only on its first: the caller's module
+    must not change behind its back."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5)).double().eval()
+    weight = model[0].weight
+    calls = {"n": 0}
+
+    def f(x: Any, model: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3 and change == "train":
+            model.train()
+        if calls["n"] == 3 and change == "parameter":
+            model[0].weight = torch.nn.Parameter(torch.zeros(2, 2, dtype=torch.float64))
+        out = model(x)
+        return out if operator == "jacobian" else (out**2).sum()
+
+    backend = di.AutoTorch(mode=mode)
+    x = torch.ones(2, dtype=torch.float64)
+    prep = getattr(di, f"prepare_{operator}")(f, backend, x, di.Constant(model))
+    calls["n"] = 0
+    getattr(di, operator)(f, backend, x, di.Constant(model), prep=prep)
+    getattr(di, operator)(f, backend, x, di.Constant(model), prep=prep)
+    with pytest.raises(di.MutationError, match="has been put back"):
+        getattr(di, operator)(f, backend, x, di.Constant(model), prep=prep)
+    assert not any(module.training for module in model.modules())
+    assert model[0].weight is weight
+    getattr(di, operator)(f, backend, x, di.Constant(model), prep=prep)  # the module as it was

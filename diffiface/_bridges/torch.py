@@ -22,6 +22,7 @@ import torch
 import torch.utils.dlpack
 
 from .. import _arrays
+from .. import tree as _tree
 from ._inner import Aval, Site, beyond_second_order, first_order_only, to_inner, traced_refusal
 
 __all__ = ["call"]
@@ -30,9 +31,12 @@ __all__ = ["call"]
 def call(g: Any, x: Any, leaves: list[Any], spec: Any, contexts: tuple[Any, ...]) -> Any:
     """g(x) for x of torch tensors."""
     leaves = [torch.as_tensor(leaf) if _arrays.kind(leaf) == "python" else leaf for leaf in leaves]
-    site = _prepare(g, leaves, spec, contexts)
+    # (torch.compile traces optree with a structure of its own, which compares unequal to
+    # optree's and cannot rebuild every tree outside the trace: x's is then taken outside it)
+    compiling = torch.compiler.is_compiling()
+    site = _prepare(g, leaves, x if compiling else spec, contexts, compiling)
     # dynamo cannot trace a Function with a jvp rule; compiled programs take the one without
-    function = _CallCompiled if torch.compiler.is_compiling() else _Call
+    function = _CallCompiled if compiling else _Call
     return _rebuild(site, function.apply(site.number, *leaves))
 
 
@@ -42,8 +46,11 @@ def _rebuild(site: Site, outs: Sequence[torch.Tensor]) -> Any:
 
 
 @torch.compiler.disable  # type: ignore[misc, untyped-decorator]
-def _prepare(g: Any, leaves: list[torch.Tensor], spec: Any, contexts: tuple[Any, ...]) -> Site:
-    """g's prep and site, outside torch.compile's graph (it evaluates f on the inner engine)."""
+def _prepare(g: Any, leaves: list[torch.Tensor], spec: Any, contexts: tuple[Any, ...], traced: bool) -> Site:
+    """g's prep and site, outside torch.compile's graph (it evaluates f on the inner engine).
+    ``traced``: ``spec`` is x itself, whose structure is taken here."""
+    if traced:
+        spec = _tree.flatten(spec)[1]
     avals = tuple(Aval(tuple(leaf.shape), _arrays.dtype_name(leaf)) for leaf in leaves)
     x_inner = None
     # under torch.func's transforms the leaves are wrappers with no data of their own: g's prep

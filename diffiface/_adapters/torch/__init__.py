@@ -304,9 +304,16 @@ class Adapter(_base.Adapter):
             raise _autograd_in_func()
         if self.reverse_jvp and not keep and _reverse_jvp_fits(xs, txs):
             versions = [x._version for x in xs]
-            with torch.enable_grad():
-                leaves = _requiring_grad(xs)  # (sharing the guard's copies' version counters)
-                out, aux = fn(leaves)
+            stack = _CALLS.keep
+            # (f's output is differentiated twice here: a derivative f takes itself, as a
+            # SecondOrder's inner engine does, must keep its graph, as under forward mode's duals)
+            stack.append(True)
+            try:
+                with torch.enable_grad():
+                    leaves = _requiring_grad(xs)  # (sharing the guard's copies' version counters)
+                    out, aux = fn(leaves)
+            finally:
+                del stack[-1]
                 if type(out) is tuple:  # (the closed function's output leaves)
                     try:
                         primal, tangent = _pushed_by_pullbacks(out, leaves, txs, leaves, versions)

@@ -28,6 +28,15 @@ def explain_failure(exc: BaseException, functional: bool) -> str | None:
             ".numpy() on its input). Write f with torch operations, or differentiate a numpy f "
             "with AutoFiniteDifferences()."
         )
+    if isinstance(exc, RuntimeError) and "Cannot access data pointer of Tensor that doesn't have storage" in text:
+        # a tensor of a torch.func transform (or a forward-mode dual inside one) has no memory
+        # of its own: numpy, or any code that reads a tensor's memory, cannot take it
+        return (
+            "f handed a tensor of torch.func's transforms, which has no memory of its own, to code "
+            "that reads a tensor's memory (a numpy function, .numpy() or np.asarray, even after "
+            ".detach()). Write f with torch operations, or differentiate a numpy f with "
+            "AutoFiniteDifferences()."
+        )
     if "mixed torch.Tensor and DTensor" in text:
         return (
             "f mixes a DTensor (x is sharded) with a plain torch tensor (a di.Constant or a tensor f "
@@ -165,6 +174,13 @@ _REFUSALS = (
         "it before writing. x's leaves require grad inside the call, so an out= that is x, or that a value "
         "computed from x goes into, is refused. Compute out of place (y = torch.add(a, b)); x and the "
         "Constants are read-only, and scratch space f may overwrite is a di.Cache.",
+    ),
+    (
+        "needed for gradient computation has been modified by an inplace operation",
+        "f overwrites in place a tensor that torch saved for its backward pass (y.clamp_() on y = "
+        "x.exp(), whose derivative reads y), so torch cannot differentiate f in reverse mode. Compute "
+        "that step out of place (y = y.clamp(max=2.0)); an in-place operation on a tensor that no "
+        "backward pass reads (a fresh y = x.clone(), written before use) is fine.",
     ),
     (
         "does not require grad and does not have a grad_fn",

@@ -349,9 +349,10 @@ class _Watch:
     write is seen but not undone. Which tensor is which (its module, its name) is found only
     where an error names one (:meth:`named`).
 
-    ``full`` also keeps each module's structure (its parameters, buffers and submodules, its
+    Every call also keeps each module's structure (its parameters, buffers and submodules, its
     train or eval mode), which f may change by setting an attribute (``model[0].weight =
-    nn.Parameter(...)``, ``model.eval()``): put back and refused (:meth:`restructured`)."""
+    nn.Parameter(...)``, ``model.train()``): put back and refused (:meth:`restructured`). The
+    walk visits every module anyway; what it keeps per module is a few references."""
 
     __slots__ = ("copies", "roots", "structure", "tensors", "versions")
 
@@ -366,9 +367,8 @@ class _Watch:
 
     def _walk(self, module: Any, full: bool) -> None:
         # (the modules' own dicts: named_modules builds each prefix and a set of those seen)
-        if full:
-            parts = (dict(module._parameters), dict(module._buffers), dict(module._modules))
-            self.structure.append((module, module.training, *parts))
+        parts = (dict(module._parameters), dict(module._buffers), dict(module._modules))
+        self.structure.append((module, module.training, *parts))
         tensors = self.tensors
         for tensor in module._parameters.values():
             if tensor is not None and not tensor.is_inference():  # (torch refuses writes into those)
@@ -386,7 +386,7 @@ class _Watch:
                 self._walk(child, full)
 
     def restructured(self) -> bool:
-        """Whether f changed a module's structure or mode (a prep's first call), each put back."""
+        """Whether f changed a module's structure or mode, each put back."""
         found = False
         for module, training, *kept in self.structure:
             now = (module._parameters, module._buffers, module._modules)
@@ -401,8 +401,20 @@ class _Watch:
         return found
 
     def changed(self) -> bool:
-        """Whether a tensor may have been written: a counter moved, or a copy is to compare."""
-        return bool(self.copies) or bool(self.structure) or list(map(_version, self.tensors)) != self.versions
+        """Whether a tensor may have been written (a counter moved, or a copy is to compare), or a
+        module's structure or mode changed."""
+        if self.copies or list(map(_version, self.tensors)) != self.versions:
+            return True
+        for module, training, parameters, buffers, modules in self.structure:  # (a loop: every call)
+            if module.training is not training:
+                return True
+            for current, kept in ((module._parameters, parameters), (module._buffers, buffers), (module._modules, modules)):
+                if len(current) != len(kept):
+                    return True
+                for key, value in kept.items():
+                    if current.get(key) is not value:
+                        return True
+        return False
 
     def named(self) -> dict[int, tuple[int, str, str]]:
         """Each watched tensor's (index of its Constant, ``"parameter"`` or ``"buffer"``, its name
