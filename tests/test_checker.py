@@ -1418,3 +1418,30 @@ def test_a_relu_network_one_percent_off_still_fails_where_the_truth_runs_in_floa
     loss, params, data = _mlp(torch, torch.relu, 2, wrong=off, constants=True)
     with pytest.raises(di.GradientCheckError, match=r"\['w1'\]"):
         check_gradients(loss, params, *data, backends=["torch"])
+
+
+def test_a_float32_finite_difference_engine_is_judged_at_its_own_precision() -> None:
+    # the truth runs on float64 copies; the engine differences the float32 model at float32's
+    # step and rounding, and a right result of it was failed on every seed
+    torch = pytest.importorskip("torch")
+    generator = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    params = dict(model.named_parameters())
+    inputs = torch.randn(32, 5, generator=generator)
+    targets = torch.randn(32, 1, generator=generator)
+
+    def loss(params: Any, model: Any, inputs: Any, targets: Any) -> Any:
+        return ((torch.func.functional_call(model, params, (inputs,)) - targets) ** 2).mean()
+
+    contexts = (di.Constant(model), di.Constant(inputs), di.Constant(targets))
+    report = check_gradients(loss, params, *contexts, backends=["torch", "finite_differences"])
+    assert {row.backend: row.status for row in report.rows} == {"torch": "passed", "finite_differences": "passed"}
+
+    # the torch engine beside it is still judged at float32's rtol: a leaf 1% off fails
+    scaled = _scaled_backward(torch, lambda v: v, torch.ones_like)
+
+    def wrong(params: Any, model: Any, inputs: Any, targets: Any) -> Any:
+        return loss({**params, "2.weight": scaled(params["2.weight"])}, model, inputs, targets)
+
+    with pytest.raises(di.GradientCheckError, match=r"- torch on .*wrong \(gradient\)"):
+        check_gradients(wrong, params, *contexts, backends=["torch", "finite_differences"])

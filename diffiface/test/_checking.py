@@ -1151,6 +1151,14 @@ class _Check:
         tol: np.ndarray = _SAFETY * truth.errors + rtol * np.abs(truth.values) + atol
         if label.split("-")[0] in ("finite_differences", "scipy"):
             own = np.abs(truth.plain - truth.values) + _difference_noise(self.f0, self.flat.size)
+            if label.split("-")[0] == "finite_differences":
+                # (the engine differences x at x's own precision: where the truth runs on float64
+                # copies of float32 inputs, its plain difference is float64's, a step and a
+                # rounding far finer than the engine's; the truncation grows as the step squared,
+                # eps**(2/3), and the rounding is the engine's eps over its step)
+                narrow = self._entry_eps(label) / self.eps
+                noise = _difference_noise(self.f0, self.flat.size, self._entry_eps(label))
+                own = own * np.maximum(1.0, narrow ** (2 / 3)) + np.where(narrow > 1, noise, 0.0)
             tol = tol + _SAFETY * np.nan_to_num(own, nan=np.inf)
         return tol
 
@@ -2164,16 +2172,18 @@ def _reference_with_estimate(scenario: Scenario, backend: Backend) -> tuple[Any,
     return (result[1] if scenario.has_aux else result), estimate
 
 
-def _difference_noise(value: Any, size: int) -> float:
-    """The rounding noise of a float64 central difference of ``f``: each evaluation of f errs by
-    about ``eps * |f| * sqrt(n)`` (n, the number of inputs, stands for the number of terms a
-    loss sums), divided by a step of ``eps**(1/3)`` at least."""
+def _difference_noise(value: Any, size: int, eps: Any = None) -> Any:
+    """The rounding noise of a central difference of ``f`` in float64 (or at ``eps``, per entry):
+    each evaluation of f errs by about ``eps * |f| * sqrt(n)`` (n, the number of inputs, stands
+    for the number of terms a loss sums), divided by a step of ``eps**(1/3)`` at least."""
     values = [np.asarray(_arrays.to_numpy(v), dtype=np.float64) for v in _tree.leaves(value)]
     magnitude = max((float(np.max(np.abs(v))) for v in values if v.size), default=0.0)
     if not np.isfinite(magnitude):
         return 0.0
-    eps = float(np.finfo(np.float64).eps)
-    return float(eps ** (2 / 3) * magnitude * np.sqrt(max(size, 1)))
+    if eps is None:
+        eps = float(np.finfo(np.float64).eps)
+        return float(eps ** (2 / 3) * magnitude * np.sqrt(max(size, 1)))
+    return np.asarray(eps, dtype=np.float64) ** (2 / 3) * magnitude * np.sqrt(max(size, 1))
 
 
 def _with_noise(atol: float | None, x: Any, noise: float) -> float | None:
