@@ -832,6 +832,25 @@ class _Check:
             precision = getattr(_arrays.family_of(first), "FLOAT64_PRECISION", "float64")
             if precision in _NARROW_EPS:
                 self.eps = np.maximum(self.eps, _NARROW_EPS[precision])
+        if promoted and center is not None and self._blind_below_narrow(center):
+            # f casts the copies back to x's own dtype inside (an astype, a layer's compute
+            # dtype) and returns float64 only through a widened Constant: its rounding is x's
+            self.eps = np.maximum(self.eps, self.flat.eps)
+
+    def _blind_below_narrow(self, center: float) -> bool:
+        """Whether f on the float64 copies ignores every move below x's own precision: each
+        nonzero input moved by up to a 256th of its unit in the last place of x's dtype (a point that
+        casting back rounds to x itself) leaves f exactly as it was, where a float64 computation
+        moves it by those steps times the gradient. One evaluation."""
+        vector = self.truth_flat.vector
+        moving = ~self.fixed & np.isfinite(vector) & (vector != 0) & (self.flat.eps > np.finfo(np.float64).eps)
+        if not np.any(moving):
+            return False
+        # (random fractions, not signs alone: equal terms of opposite signs, log's, cancel exactly)
+        fractions = np.random.default_rng(0).uniform(-1.0, 1.0, size=vector.shape)
+        step = np.where(moving, np.abs(vector) * self.flat.eps / 256 * fractions, 0.0)
+        moved = self._at(vector + step)
+        return moved is not None and moved == center
 
     def _dense(self, gradients: dict[str, np.ndarray]) -> None:
         truth = self._coordinate_truth()
@@ -1151,6 +1170,14 @@ class _Check:
         tol: np.ndarray = _SAFETY * truth.errors + rtol * np.abs(truth.values) + atol
         if label.split("-")[0] in ("finite_differences", "scipy"):
             own = np.abs(truth.plain - truth.values) + _difference_noise(self.f0, self.flat.size)
+            if label.split("-")[0] == "finite_differences":
+                # (the engine differences x at x's own precision: where the truth runs on float64
+                # copies of float32 inputs, its plain difference is float64's, a step and a
+                # rounding far finer than the engine's; the truncation grows as the step squared,
+                # eps**(2/3), and the rounding is the engine's eps over its step)
+                narrow = self._entry_eps(label) / self.eps
+                noise = _difference_noise(self.f0, self.flat.size, self._entry_eps(label))
+                own = own * np.maximum(1.0, narrow ** (2 / 3)) + np.where(narrow > 1, noise, 0.0)
             tol = tol + _SAFETY * np.nan_to_num(own, nan=np.inf)
         return tol
 
@@ -2164,16 +2191,18 @@ def _reference_with_estimate(scenario: Scenario, backend: Backend) -> tuple[Any,
     return (result[1] if scenario.has_aux else result), estimate
 
 
-def _difference_noise(value: Any, size: int) -> float:
-    """The rounding noise of a float64 central difference of ``f``: each evaluation of f errs by
-    about ``eps * |f| * sqrt(n)`` (n, the number of inputs, stands for the number of terms a
-    loss sums), divided by a step of ``eps**(1/3)`` at least."""
+def _difference_noise(value: Any, size: int, eps: Any = None) -> Any:
+    """The rounding noise of a central difference of ``f`` in float64 (or at ``eps``, per entry):
+    each evaluation of f errs by about ``eps * |f| * sqrt(n)`` (n, the number of inputs, stands
+    for the number of terms a loss sums), divided by a step of ``eps**(1/3)`` at least."""
     values = [np.asarray(_arrays.to_numpy(v), dtype=np.float64) for v in _tree.leaves(value)]
     magnitude = max((float(np.max(np.abs(v))) for v in values if v.size), default=0.0)
     if not np.isfinite(magnitude):
         return 0.0
-    eps = float(np.finfo(np.float64).eps)
-    return float(eps ** (2 / 3) * magnitude * np.sqrt(max(size, 1)))
+    if eps is None:
+        eps = float(np.finfo(np.float64).eps)
+        return float(eps ** (2 / 3) * magnitude * np.sqrt(max(size, 1)))
+    return np.asarray(eps, dtype=np.float64) ** (2 / 3) * magnitude * np.sqrt(max(size, 1))
 
 
 def _with_noise(atol: float | None, x: Any, noise: float) -> float | None:
