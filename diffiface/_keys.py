@@ -17,9 +17,9 @@ __all__ = ["is_static", "static_key", "static_x_key"]
 
 
 def is_static(leaf: Any) -> bool:
-    """A leaf of x that is not differentiated but passed to f as it is, as ``eqx.filter_grad``
-    treats it: anything but an array or a Python float or complex (a function, an int, a bool, a
-    string)."""
+    """A leaf of x that is not differentiated but passed to f as it is: anything but an array or
+    a Python float or complex (a function, an int, a bool, a string). ``eqx.filter_grad`` also
+    passes a Python float as it is (a dropout's rate); diffiface differentiates it."""
     kind = _arrays.kind(leaf)
     return kind == "other" or (kind == "python" and not isinstance(leaf, (float, complex)))
 
