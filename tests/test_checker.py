@@ -289,7 +289,7 @@ def test_kinks_near_x_that_no_stencil_shows_hide_no_wrong_rule():
     for op in (kinked, sorted_):
         (row,) = check_gradients(lambda v, op=op: op(torch.sin(v) + v), x, backends=["torch"]).rows
         assert row.status in ("passed", "skipped")
-        with pytest.raises(AssertionError, match="below the first test.s steps"):
+        with pytest.raises(AssertionError, match=r"below the first test's steps"):
             check_gradients(lambda v, op=op: op(wrong(v) + v), x, backends=["torch"])
 
 

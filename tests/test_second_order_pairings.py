@@ -257,9 +257,12 @@ def test_torch_autograd_variants_pair_rightly(outer: str, inner: str) -> None:
     close(di.hvp(f, backend, x, v).detach(), hessian_f(X) @ V, 1e-12)
     hvps = di.batched_hvp(f, backend, x, di.Tangents(v, 2 * v))
     close(hvps[1].detach(), 2 * hessian_f(X) @ V, 1e-12)
+    refusal = ""
     try:  # forward over forward: torch's one dual level refuses it, clearly, or it is right
         second = di.second_derivative(g, backend, torch.tensor(S, dtype=torch.float64))
     except di.UnsupportedOperationError as error:
-        assert "forward" in str(error)
+        refusal = str(error)
+    if refusal:
+        assert "forward" in refusal
     else:
         close(second.detach(), second_g(S), 1e-12)
