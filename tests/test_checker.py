@@ -1445,35 +1445,3 @@ def test_a_float32_finite_difference_engine_is_judged_at_its_own_precision() -> 
 
     with pytest.raises(di.GradientCheckError, match=r"- torch on .*wrong \(gradient\)"):
         check_gradients(wrong, params, *contexts, backends=["torch", "finite_differences"])
-
-
-def test_an_f_that_casts_its_float64_copies_back_to_float32_rounds_as_float32() -> None:
-    # a compute dtype of float32 inside f (a flax layer's dtype, an astype) and a float64 output
-    # through a widened Constant: the truth on the float64 copies rounds at float32's scale
-    jax = pytest.importorskip("jax")
-    jnp = jax.numpy
-
-    def loss(params: Any, inputs: Any, targets: Any) -> Any:
-        hidden = jnp.tanh(inputs.astype(jnp.float32) @ params["w"].astype(jnp.float32) + params["b"].astype(jnp.float32)[None])
-        return jnp.mean(((hidden @ params["v"].astype(jnp.float32)).astype(targets.dtype) - targets) ** 2)
-
-    @jax.custom_vjp
-    def off(v: Any) -> Any:
-        return v
-
-    off.defvjp(lambda v: (v, None), lambda _, g: (1.01 * g,))
-
-    def wrong(params: Any, inputs: Any, targets: Any) -> Any:
-        return loss({**params, "v": off(params["v"])}, inputs, targets)
-
-    rng = np.random.default_rng(2)
-    params = {
-        "w": jnp.asarray(rng.normal(size=(5, 8)), dtype=jnp.float32),
-        "b": jnp.asarray(rng.normal(size=8), dtype=jnp.float32),
-        "v": jnp.asarray(rng.normal(size=(8, 1)), dtype=jnp.float32),
-    }
-    contexts = (di.Constant(rng.normal(size=(8, 5)).astype(np.float32)), di.Constant(rng.normal(size=(8, 1)).astype(np.float32)))
-    report = check_gradients(loss, params, *contexts, backends="jax")
-    assert [row.status for row in report.rows] == ["passed"]
-    with pytest.raises(di.GradientCheckError, match=r"- jax on .*wrong \(gradient\)"):
-        check_gradients(wrong, params, *contexts, backends="jax")

@@ -832,25 +832,6 @@ class _Check:
             precision = getattr(_arrays.family_of(first), "FLOAT64_PRECISION", "float64")
             if precision in _NARROW_EPS:
                 self.eps = np.maximum(self.eps, _NARROW_EPS[precision])
-        if promoted and center is not None and self._blind_below_narrow(center):
-            # f casts the copies back to x's own dtype inside (an astype, a layer's compute
-            # dtype) and returns float64 only through a widened Constant: its rounding is x's
-            self.eps = np.maximum(self.eps, self.flat.eps)
-
-    def _blind_below_narrow(self, center: float) -> bool:
-        """Whether f on the float64 copies ignores every move below x's own precision: each
-        nonzero input moved by up to a 256th of its unit in the last place of x's dtype (a point that
-        casting back rounds to x itself) leaves f exactly as it was, where a float64 computation
-        moves it by those steps times the gradient. One evaluation."""
-        vector = self.truth_flat.vector
-        moving = ~self.fixed & np.isfinite(vector) & (vector != 0) & (self.flat.eps > np.finfo(np.float64).eps)
-        if not np.any(moving):
-            return False
-        # (random fractions, not signs alone: equal terms of opposite signs, log's, cancel exactly)
-        fractions = np.random.default_rng(0).uniform(-1.0, 1.0, size=vector.shape)
-        step = np.where(moving, np.abs(vector) * self.flat.eps / 256 * fractions, 0.0)
-        moved = self._at(vector + step)
-        return moved is not None and moved == center
 
     def _dense(self, gradients: dict[str, np.ndarray]) -> None:
         truth = self._coordinate_truth()
