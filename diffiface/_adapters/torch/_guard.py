@@ -408,7 +408,11 @@ class _Watch:
         for module, training, parameters, buffers, modules in self.structure:  # (a loop: every call)
             if module.training is not training:
                 return True
-            for current, kept in ((module._parameters, parameters), (module._buffers, buffers), (module._modules, modules)):
+            for current, kept in (
+                (module._parameters, parameters),
+                (module._buffers, buffers),
+                (module._modules, modules),
+            ):
                 if len(current) != len(kept):
                     return True
                 for key, value in kept.items():
