@@ -1445,3 +1445,47 @@ def test_a_float32_finite_difference_engine_is_judged_at_its_own_precision() -> 
 
     with pytest.raises(di.GradientCheckError, match=r"- torch on .*wrong \(gradient\)"):
         check_gradients(wrong, params, *contexts, backends=["torch", "finite_differences"])
+
+
+def _cast_inside(jnp: Any, params: Any, inputs: Any, targets: Any) -> Any:
+    """A float32 tanh layer whose compute dtype is float32 inside f (a flax layer's dtype, an
+    astype), its float64 output through a widened Constant."""
+    hidden = jnp.tanh(
+        inputs.astype(jnp.float32) @ params["w"].astype(jnp.float32) + params["b"].astype(jnp.float32)[None]
+    )
+    return jnp.mean(((hidden @ params["v"].astype(jnp.float32)).astype(targets.dtype) - targets) ** 2)
+
+
+@pytest.mark.parametrize("seed", [2, 4, 5])
+def test_an_f_that_casts_its_float64_copies_back_to_float32_rounds_as_float32(seed: int) -> None:
+    # the truth on the float64 copies rounds at float32's scale: its shortest steps read float32's
+    # staircase as a first-order error, and a right gradient failed on these seeds
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+
+    @jax.custom_vjp
+    def off(v: Any) -> Any:
+        return v
+
+    off.defvjp(lambda v: (v, None), lambda _, g: (1.01 * g,))
+
+    def loss(params: Any, inputs: Any, targets: Any) -> Any:
+        return _cast_inside(jnp, params, inputs, targets)
+
+    def wrong(params: Any, inputs: Any, targets: Any) -> Any:
+        return _cast_inside(jnp, {**params, "v": off(params["v"])}, inputs, targets)
+
+    rng = np.random.default_rng(seed)
+    params = {
+        "w": jnp.asarray(rng.normal(size=(5, 8)), dtype=jnp.float32),
+        "b": jnp.asarray(rng.normal(size=8), dtype=jnp.float32),
+        "v": jnp.asarray(rng.normal(size=(8, 1)), dtype=jnp.float32),
+    }
+    contexts = (
+        di.Constant(rng.normal(size=(8, 5)).astype(np.float32)),
+        di.Constant(rng.normal(size=(8, 1)).astype(np.float32)),
+    )
+    report = check_gradients(loss, params, *contexts, backends="jax")
+    assert [row.status for row in report.rows] == ["passed"]
+    with pytest.raises(di.GradientCheckError, match=r"- jax on .*wrong \(gradient\)"):
+        check_gradients(wrong, params, *contexts, backends="jax")

@@ -54,3 +54,24 @@ def test_the_sample_covers_both_frameworks_and_dtypes() -> None:
     expected = {(f, d) for f in ("torch", "jax") if importlib.util.find_spec(f) for d in ("float64", "float32")}
     assert seen == expected
     assert len(CASES) >= 60
+
+
+def _flat_float32_cases() -> list[corpus.Case]:
+    cases: list[corpus.Case] = []
+    if importlib.util.find_spec("torch") is not None:
+        cases.extend(
+            corpus.torch_cases("float32", 1, names=frozenset({"round", "round.decimals_0", "round.decimals_3"}))
+        )
+    if importlib.util.find_spec("jax") is not None:
+        cases.extend(corpus.jax_cases("float32", 1, names=frozenset({"round", "trunc"})))
+    return cases
+
+
+FLAT = _flat_float32_cases()
+
+
+@pytest.mark.parametrize("case", FLAT, ids=[f"{c.framework}-{c.dtype}-{c.name}" for c in FLAT])
+def test_a_piecewise_constant_float32_op_is_not_taken_for_an_f_casting_back(case: corpus.Case) -> None:
+    # these ops leave f unchanged by moves below float32's last place, as an f that casts its
+    # float64 copies back to float32 does; the truth must keep float64's steps for them all the same
+    test_right_gradient_passes_and_corrupted_twin_is_caught(case)

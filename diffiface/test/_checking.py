@@ -832,6 +832,29 @@ class _Check:
             precision = getattr(_arrays.family_of(first), "FLOAT64_PRECISION", "float64")
             if precision in _NARROW_EPS:
                 self.eps = np.maximum(self.eps, _NARROW_EPS[precision])
+        if promoted and center is not None and self._rounds_as_x(center):
+            # f casts the copies back to x's own dtype inside (an astype, a layer's compute
+            # dtype) and returns float64 only through a widened Constant: its rounding is x's
+            self.eps = np.maximum(self.eps, self.flat.eps)
+
+    def _rounds_as_x(self, center: float) -> bool:
+        """Whether f on the float64 copies rounds as x's own dtype does: moving every nonzero
+        input by up to a 256th of its unit in the last place of x's dtype (a point a cast back
+        rounds to x itself) leaves f exactly as it was, and moving it by up to 16 such units
+        does not. A computation in float64 moves at both scales; a piecewise-constant f
+        (``round``, ``trunc``) at neither, and keeps float64's steps. One evaluation, two where
+        the first leaves f as it was."""
+        vector = self.truth_flat.vector
+        moving = ~self.fixed & np.isfinite(vector) & (vector != 0) & (self.flat.eps > np.finfo(np.float64).eps)
+        if not np.any(moving):
+            return False
+        # (random fractions, not signs alone: equal terms of opposite signs, log's, cancel exactly)
+        fractions = np.random.default_rng(0).uniform(-1.0, 1.0, size=vector.shape)
+        unit = np.where(moving, np.abs(vector) * self.flat.eps * fractions, 0.0)
+        if self._at(vector + unit / 256) != center:
+            return False
+        moved = self._at(vector + 16 * unit)
+        return moved is not None and np.isfinite(moved) and moved != center
 
     def _dense(self, gradients: dict[str, np.ndarray]) -> None:
         truth = self._coordinate_truth()
