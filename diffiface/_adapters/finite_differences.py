@@ -376,11 +376,10 @@ class Adapter(BlackBoxAdapter):
         scale = float(np.max(np.abs(direction))) if direction.size else 0.0
         if scale == 0.0:
             return None
-        if self.fixed_step is not None:
-            h = self.fixed_step / scale
-        else:
+        if self.fixed_step is None:
             h = _step_along(point, direction, 2.0 if self.method == "complex" else _POWER[self.method])
-        if self.fixed_step is not None:
+        else:
+            h = self.fixed_step / scale
             if self.method == "complex":
                 point.check_complex_step(self.backend, h * scale)
             else:
@@ -410,10 +409,8 @@ class Adapter(BlackBoxAdapter):
         return out, aux, grads, _hessian_blocks(hessian, point)
 
     def gradient_and_hvp(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Leaves, Leaves]:
-        self._check_size(xs, "A Hessian-vector product")
-        point = _Point(xs)
-        out, aux, grads = self.value_and_gradient(fn, xs)
-        return out, aux, grads, self._hvp_along(fn, point, txs)
+        out, aux, grads, (hv,) = self.gradient_and_hvps(fn, xs, (txs,))
+        return out, aux, grads, hv
 
     def gradient_and_hvps(self, fn: Fn, xs: Leaves, batch: Any) -> tuple[Any, Any, Leaves, list[Leaves]]:
         """The gradient once, then the differences of the gradient along each tangent."""
