@@ -468,12 +468,9 @@ def _largest(tensor: Any) -> float:
         return 0.0
     largest = tensor.detach().abs().max()
     if _is_dtensor(largest):
-        largest = largest.redistribute(largest.device_mesh, [_replicate()] * largest.device_mesh.ndim).to_local()
+        replicate = sys.modules["torch.distributed.tensor"].Replicate()
+        largest = largest.redistribute(largest.device_mesh, [replicate] * largest.device_mesh.ndim).to_local()
     return float(largest)
-
-
-def _replicate() -> Any:
-    return sys.modules["torch.distributed.tensor"].Replicate()
 
 
 def _leaves_of(out: Any) -> Leaves:
