@@ -35,7 +35,7 @@ from . import _batched as batched
 from . import _operators as ops
 from . import tree as _tree
 from ._adapters import info, normalize
-from ._backends import AutoScipy, Backend, SecondOrder
+from ._backends import AutoScipy, SecondOrder
 from ._call import Call
 from ._contexts import Constant
 from ._dispatch import register_program
@@ -260,7 +260,7 @@ class _Plan:
             coloring = sparse.color_hessian(pattern, order=backend.order)
         elif backend.coloring == "auto" and engine.black_box:
             coloring = sparse.color_jacobian(pattern, mode="column", order=backend.order)
-        elif backend.coloring == "auto" and _reverse_first(first):
+        elif backend.coloring == "auto" and info(first).reverse_first:
             # reverse products cost less than forward ones on these engines (autograd's forward
             # mode is two reverse passes; torch's forward mode runs decompositions): rows on a tie
             column = sparse.color_jacobian(pattern, mode="column", order=backend.order)
@@ -357,10 +357,6 @@ def _compiled_products(plan: _Plan) -> tuple[Any, tuple[str, ...]]:
     if not row.jit or plan.family not in own or importlib.util.find_spec(name) is None:
         return None, ()
     return importlib.import_module(name), own
-
-
-def _reverse_first(engine: Backend) -> bool:
-    return info(engine).reverse_first
 
 
 def _jit_ready(leaf: Any, own: tuple[str, ...]) -> bool:
@@ -541,7 +537,7 @@ class _CompiledRoute(_Route):
         if self.plan.hessian:
             value, grad, values = out
             if self.to_numpy:
-                value, values = _numpy_float(value), np.asarray(values)
+                value, values = np.asarray(value)[()], np.asarray(values)
                 grad = self._x_tree(np.asarray(grad))
             else:
                 grad = self._x_tree(grad)
@@ -562,10 +558,6 @@ class _CompiledRoute(_Route):
 
     def check(self, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...], values: Any) -> None:
         _check_against_dense(self.plan, f, x, contexts, values)
-
-
-def _numpy_float(value: Any) -> Any:
-    return np.asarray(value)[()]
 
 
 # -- the opt-in check: one dense product along a random direction ----------------------------------

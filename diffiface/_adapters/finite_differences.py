@@ -168,14 +168,11 @@ class Adapter(BlackBoxAdapter):
             point.check_step(self.backend, steps)
         return steps
 
-    def _needs_value(self) -> bool:
-        return self.method in ("forward", "backward")
-
     def _start(self, fn: Fn, xs: Leaves) -> tuple[_Point, Any, Any, np.ndarray | None, _Layout]:
         """The point, ``f(x)`` (now if the method needs it, else deferred) and the layout of
         ``f(x)`` (filled by the first evaluation; every later one must fit it)."""
         point = _Point(xs)
-        if self._needs_value():
+        if self.method in ("forward", "backward"):
             out, aux, flat, layout = self._value(fn, point)
             return point, out, aux, flat, layout
         layout = _Layout()
