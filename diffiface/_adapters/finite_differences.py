@@ -46,6 +46,7 @@ from ._black_box import (
     BlackBoxAdapter,
     _blocks,
     _fit,
+    _flat_tangent,
     _flatten_out,
     _hessian_blocks,
     _inside_torch,
@@ -268,17 +269,7 @@ class Adapter(BlackBoxAdapter):
 
     def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
         out, aux, matrix, point, _ = self._matrix(fn, xs, "A vjp (through the whole Jacobian)")
-
-        def vjp(touts: Any) -> Leaves:
-            leaves = touts if isinstance(touts, tuple) else (touts,)
-            t = (
-                np.concatenate([np.asarray(_arrays.to_numpy(leaf), dtype=np.float64).reshape(-1) for leaf in leaves])
-                if leaves
-                else np.zeros(0)
-            )
-            return _split(t @ matrix, point)
-
-        return out, aux, vjp
+        return out, aux, lambda touts: _split(_flat_tangent(touts) @ matrix, point)
 
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
         if _sharded_torch(xs) or _sharded_torch(txs):
