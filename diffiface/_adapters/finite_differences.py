@@ -109,14 +109,11 @@ class Adapter(BlackBoxAdapter):
         """f at ``leaves``, guarded (:func:`run_f`)."""
         return run_f(fn, leaves, self.backend.name)  # type: ignore[no-any-return]
 
-    def _call(self, fn: Fn, point: _Point, vector: np.ndarray) -> tuple[Any, Any]:
-        return run_f(fn, point.leaves(vector), self.backend.name)  # type: ignore[no-any-return]
-
     def _evaluate(self, fn: Fn, point: _Point, vector: np.ndarray, layout: _Layout | None = None) -> np.ndarray:
         """``f`` at ``vector``, flat, in float64 (the imaginary part for a complex step).
         Fills ``layout`` with the output's shapes and dtypes if it is empty, else checks that
         the output has the same shapes."""
-        out, _ = self._call(fn, point, vector)
+        out, _ = self.run(fn, point.leaves(vector))
         flat, found = _flatten_out(out)
         if layout is not None:
             _fit(layout, found)
@@ -131,7 +128,7 @@ class Adapter(BlackBoxAdapter):
         return float(self._evaluate(fn, point, vector)[0])
 
     def _value(self, fn: Fn, point: _Point, layout: _Layout | None = None) -> tuple[Any, Any, np.ndarray, _Layout]:
-        out, aux = self._call(fn, point, point.vector)
+        out, aux = self.run(fn, point.leaves(point.vector))
         flat, found = _flatten_out(out)
         if layout is not None:
             _fit(layout, found)
