@@ -136,13 +136,9 @@ def leaf_signature(leaf: Any) -> tuple[Any, ...]:
         return signature(leaf)  # type: ignore[no-any-return]
     family = _FAMILY_BY_TYPE.get(type(leaf)) or _family(leaf)
     if family is None:  # (not kept: a foreign class's structure is read from each leaf)
-        return _other_signature(leaf)
+        return ("other", type(leaf), *foreign_tree(leaf))
     _SIGNATURE_BY_TYPE[type(leaf)] = family.signature
     return family.signature(leaf)
-
-
-def _other_signature(leaf: Any) -> tuple[Any, ...]:
-    return ("other", type(leaf), *foreign_tree(leaf))
 
 
 def to_numpy(leaf: Any) -> np.ndarray:

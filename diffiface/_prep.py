@@ -304,7 +304,7 @@ def _settled_holds(
     another tuple are left to ``general``."""
     code = function.__code__
     cells = len(function.__closure__ or ())
-    names = _names(code)
+    names = _loads(code)[0]
     namespace = function.__globals__
     absent = [name for name in names if name not in namespace]  # (a name defined since shadows)
     defaults = len(function.__defaults__ or ())
@@ -452,7 +452,7 @@ def _function_reads(function: types.FunctionType) -> list[Any]:
                 values.append(cell.cell_contents)
             except ValueError:
                 values.append(_EMPTY_CELL)
-    values += map(function.__globals__.get, _names(code), itertools.repeat(_UNDEFINED))
+    values += map(function.__globals__.get, _loads(code)[0], itertools.repeat(_UNDEFINED))
     defaults = function.__defaults__
     if defaults:
         values += defaults
@@ -485,7 +485,7 @@ def _class_reads(obj: Any, function: types.FunctionType, values: list[Any], seen
     each attribute its code names that the class holds (a class constant, a method), and what
     the methods and properties among them read in turn (``self.forward(x)`` reading a global)."""
     mro = type(obj).__mro__
-    for name in _attribute_names(function.__code__):
+    for name in _loads(function.__code__)[1]:
         for klass in mro:
             if name in klass.__dict__:
                 value = klass.__dict__[name]
@@ -502,31 +502,20 @@ def _class_reads(obj: Any, function: types.FunctionType, values: list[Any], seen
 
 
 @functools.lru_cache(maxsize=1024)
-def _attribute_names(code: types.CodeType) -> tuple[str, ...]:
-    """The attribute names a code object loads (``self.forward``: ``forward``), each once."""
-    names = [
-        instruction.argval
-        for instruction in dis.get_instructions(code)
-        if instruction.opname in ("LOAD_ATTR", "LOAD_METHOD")
-    ]
+def _loads(code: types.CodeType) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The global names and the attribute names (``self.forward``: ``forward``) a code object
+    and the code nested in it load, each once."""
+    loaded: tuple[list[str], list[str]] = ([], [])
+    for instruction in dis.get_instructions(code):
+        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            loaded[0].append(instruction.argval)
+        elif instruction.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+            loaded[1].append(instruction.argval)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names.extend(_attribute_names(const))
-    return tuple(dict.fromkeys(names))
-
-
-@functools.lru_cache(maxsize=1024)
-def _names(code: types.CodeType) -> tuple[str, ...]:
-    """The global names a code object and the code nested in it load, each once."""
-    names = [
-        instruction.argval
-        for instruction in dis.get_instructions(code)
-        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME")
-    ]
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names.extend(_names(const))
-    return tuple(dict.fromkeys(names))
+            for names, inner in zip(loaded, _loads(const), strict=True):
+                names.extend(inner)
+    return tuple(dict.fromkeys(loaded[0])), tuple(dict.fromkeys(loaded[1]))
 
 
 _KEPT = 1 << 24

@@ -35,7 +35,7 @@ from . import _batched as batched
 from . import _operators as ops
 from . import tree as _tree
 from ._adapters import info, normalize
-from ._backends import AutoScipy, Backend, SecondOrder
+from ._backends import AutoScipy, SecondOrder
 from ._call import Call
 from ._contexts import Constant
 from ._dispatch import register_program
@@ -260,7 +260,7 @@ class _Plan:
             coloring = sparse.color_hessian(pattern, order=backend.order)
         elif backend.coloring == "auto" and engine.black_box:
             coloring = sparse.color_jacobian(pattern, mode="column", order=backend.order)
-        elif backend.coloring == "auto" and _reverse_first(first):
+        elif backend.coloring == "auto" and info(first).reverse_first:
             # reverse products cost less than forward ones on these engines (autograd's forward
             # mode is two reverse passes; torch's forward mode runs decompositions): rows on a tie
             column = sparse.color_jacobian(pattern, mode="column", order=backend.order)
@@ -359,10 +359,6 @@ def _compiled_products(plan: _Plan) -> tuple[Any, tuple[str, ...]]:
     return importlib.import_module(name), own
 
 
-def _reverse_first(engine: Backend) -> bool:
-    return info(engine).reverse_first
-
-
 def _jit_ready(leaf: Any, own: tuple[str, ...]) -> bool:
     """Whether a context leaf goes into the compiled program as it is: a float array of the host's
     or the engine's own, or a float."""
@@ -414,7 +410,7 @@ class _ProductRoute(_Route):
         elif plan.hessian and plan.count:  # every color in one batch
             self.product_prep = batched.prepare_batched_hvp(f, plan.engine, x, self.batch, *contexts)
         self.dtype = _promote(plan.family, [*plan.x_layout.dtypes, *self.y_layout.dtypes])
-        self.index = _index_like(plan.family, flat, plan.stacked_index)
+        self.index = _matrices(plan.family).index_like(flat, plan.stacked_index)
 
     def run(self, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> tuple[Any, ...]:
         plan, prep = self.plan, self.product_prep
@@ -443,11 +439,11 @@ class _ProductRoute(_Route):
         return (*head, values)
 
     def _gather(self, flats: list[Any]) -> Any:
-        xp, dtype = self.xp, self.dtype
+        xp, dtype, matrices = self.xp, self.dtype, _matrices(self.plan.family)
         if not flats:
-            return _cast(xp.zeros((0,)), dtype, self.plan.family)
-        stacked = xp.concatenate([_cast(v.reshape(-1), dtype, self.plan.family) for v in flats])
-        return _take(self.plan.family, stacked, self.index)
+            return matrices.cast(xp.zeros((0,)), dtype)
+        stacked = xp.concatenate([matrices.cast(v.reshape(-1), dtype) for v in flats])
+        return matrices.take(stacked, self.index)
 
     def check(self, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...], values: Any) -> None:
         _check_against_dense(self.plan, f, x, contexts, values)
@@ -460,19 +456,6 @@ def _value(f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> Any:
 def _like(flat: Any, vector: np.ndarray) -> Any:
     """``vector`` as an array of ``flat``'s type and dtype (a tangent, a seed)."""
     return _matrices(_family(flat)).like(flat, vector)
-
-
-def _take(family: str, compressed: Any, index: Any) -> Any:
-    """The decompression: ``compressed.reshape(-1)[index]``."""
-    return _matrices(family).take(compressed, index)
-
-
-def _cast(array: Any, dtype: Any, family: str) -> Any:
-    return _matrices(family).cast(array, dtype)
-
-
-def _index_like(family: str, flat: Any, index: np.ndarray) -> Any:
-    return _matrices(family).index_like(flat, index)
 
 
 def _check_rows(plan: _Plan, y_layout: _Layout) -> None:
@@ -507,14 +490,15 @@ class _CompressedInputRoute(_Route):
         self.z = _like(flat, np.zeros(plan.count))
         self.jacobian_prep = ops.prepare_value_and_jacobian(compressed, plan.engine, self.z, Constant(flat), *contexts)
         self.dtype = _promote(family, [*plan.x_layout.dtypes, *self.y_layout.dtypes])
-        self.index = _index_like(family, flat, _untransposed(plan))
+        self.index = _matrices(family).index_like(flat, _untransposed(plan))
 
     def run(self, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> tuple[Any, ...]:
         flat, _ = _tree.ravel(x)
         y_flat, compressed = ops.value_and_jacobian(
             self.compressed, self.plan.engine, self.z, Constant(flat), *contexts, prep=self.jacobian_prep
         )
-        values = _take(self.plan.family, _cast(compressed, self.dtype, self.plan.family), self.index)
+        matrices = _matrices(self.plan.family)
+        values = matrices.take(matrices.cast(compressed, self.dtype), self.index)
         return (self.unravel_y(y_flat), values)
 
     def check(self, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...], values: Any) -> None:
@@ -553,7 +537,7 @@ class _CompiledRoute(_Route):
         if self.plan.hessian:
             value, grad, values = out
             if self.to_numpy:
-                value, values = _numpy_float(value), np.asarray(values)
+                value, values = np.asarray(value)[()], np.asarray(values)
                 grad = self._x_tree(np.asarray(grad))
             else:
                 grad = self._x_tree(grad)
@@ -574,10 +558,6 @@ class _CompiledRoute(_Route):
 
     def check(self, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...], values: Any) -> None:
         _check_against_dense(self.plan, f, x, contexts, values)
-
-
-def _numpy_float(value: Any) -> Any:
-    return np.asarray(value)[()]
 
 
 # -- the opt-in check: one dense product along a random direction ----------------------------------

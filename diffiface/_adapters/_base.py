@@ -97,6 +97,18 @@ def raised_by(exc: BaseException) -> str:
     return tb.tb_frame.f_code.co_name
 
 
+def class_names(root: type) -> frozenset[str]:
+    """The names of ``root`` and of every subclass of it defined by now: what an error message
+    raised in compiled code (no Python frame to tell by) names one of its arrays by."""
+    names: set[str] = set()
+    todo: list[type] = [root]
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return frozenset(names)
+
+
 @dataclasses.dataclass(frozen=True)
 class ProgramParts:
     """What :meth:`Adapter.compile` may read besides the program itself, settled once per prep

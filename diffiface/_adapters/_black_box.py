@@ -468,16 +468,19 @@ def _largest(tensor: Any) -> float:
         return 0.0
     largest = tensor.detach().abs().max()
     if _is_dtensor(largest):
-        largest = largest.redistribute(largest.device_mesh, [_replicate()] * largest.device_mesh.ndim).to_local()
+        replicate = sys.modules["torch.distributed.tensor"].Replicate()
+        largest = largest.redistribute(largest.device_mesh, [replicate] * largest.device_mesh.ndim).to_local()
     return float(largest)
-
-
-def _replicate() -> Any:
-    return sys.modules["torch.distributed.tensor"].Replicate()
 
 
 def _leaves_of(out: Any) -> Leaves:
     return out if isinstance(out, tuple) else (out,)
+
+
+def _flat_tangent(touts: Any) -> np.ndarray:
+    """A cotangent, shaped as f's output, as one float64 vector (what a vjp multiplies J by)."""
+    arrays = [np.reshape(np.asarray(_arrays.to_numpy(leaf), dtype=np.float64), -1) for leaf in _leaves_of(touts)]
+    return np.concatenate(arrays) if arrays else np.zeros(0)
 
 
 def _times_non_finite(column: np.ndarray, t: float) -> np.ndarray:

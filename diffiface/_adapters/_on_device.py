@@ -100,7 +100,7 @@ def finite(txs: Leaves) -> bool:
     ``jax.device_get`` (a non-finite entry takes the numpy path, which gives ``J[:, i] * t_i``
     as forward mode would)."""
     jax = sys.modules["jax"]
-    return bool(jax.device_get(_all_finite(tuple(txs))))
+    return bool(jax.device_get(_finite_program()(tuple(txs))))
 
 
 @functools.cache
@@ -108,10 +108,6 @@ def _finite_program() -> Any:
     jax = sys.modules["jax"]
     jnp = sys.modules["jax.numpy"]
     return jax.jit(lambda ts: jnp.all(jnp.stack([jnp.all(jnp.isfinite(t)) for t in ts] or [jnp.bool_(True)])))
-
-
-def _all_finite(txs: Leaves) -> Any:
-    return _finite_program()(txs)
 
 
 def _index(i: int, like: Any) -> Any:

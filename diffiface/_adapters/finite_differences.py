@@ -46,6 +46,7 @@ from ._black_box import (
     BlackBoxAdapter,
     _blocks,
     _fit,
+    _flat_tangent,
     _flatten_out,
     _hessian_blocks,
     _inside_torch,
@@ -108,14 +109,11 @@ class Adapter(BlackBoxAdapter):
         """f at ``leaves``, guarded (:func:`run_f`)."""
         return run_f(fn, leaves, self.backend.name)  # type: ignore[no-any-return]
 
-    def _call(self, fn: Fn, point: _Point, vector: np.ndarray) -> tuple[Any, Any]:
-        return run_f(fn, point.leaves(vector), self.backend.name)  # type: ignore[no-any-return]
-
     def _evaluate(self, fn: Fn, point: _Point, vector: np.ndarray, layout: _Layout | None = None) -> np.ndarray:
         """``f`` at ``vector``, flat, in float64 (the imaginary part for a complex step).
         Fills ``layout`` with the output's shapes and dtypes if it is empty, else checks that
         the output has the same shapes."""
-        out, _ = self._call(fn, point, vector)
+        out, _ = self.run(fn, point.leaves(vector))
         flat, found = _flatten_out(out)
         if layout is not None:
             _fit(layout, found)
@@ -130,7 +128,7 @@ class Adapter(BlackBoxAdapter):
         return float(self._evaluate(fn, point, vector)[0])
 
     def _value(self, fn: Fn, point: _Point, layout: _Layout | None = None) -> tuple[Any, Any, np.ndarray, _Layout]:
-        out, aux = self._call(fn, point, point.vector)
+        out, aux = self.run(fn, point.leaves(point.vector))
         flat, found = _flatten_out(out)
         if layout is not None:
             _fit(layout, found)
@@ -168,14 +166,11 @@ class Adapter(BlackBoxAdapter):
             point.check_step(self.backend, steps)
         return steps
 
-    def _needs_value(self) -> bool:
-        return self.method in ("forward", "backward")
-
     def _start(self, fn: Fn, xs: Leaves) -> tuple[_Point, Any, Any, np.ndarray | None, _Layout]:
         """The point, ``f(x)`` (now if the method needs it, else deferred) and the layout of
         ``f(x)`` (filled by the first evaluation; every later one must fit it)."""
         point = _Point(xs)
-        if self._needs_value():
+        if self.method in ("forward", "backward"):
             out, aux, flat, layout = self._value(fn, point)
             return point, out, aux, flat, layout
         layout = _Layout()
@@ -271,17 +266,7 @@ class Adapter(BlackBoxAdapter):
 
     def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
         out, aux, matrix, point, _ = self._matrix(fn, xs, "A vjp (through the whole Jacobian)")
-
-        def vjp(touts: Any) -> Leaves:
-            leaves = touts if isinstance(touts, tuple) else (touts,)
-            t = (
-                np.concatenate([np.asarray(_arrays.to_numpy(leaf), dtype=np.float64).reshape(-1) for leaf in leaves])
-                if leaves
-                else np.zeros(0)
-            )
-            return _split(t @ matrix, point)
-
-        return out, aux, vjp
+        return out, aux, lambda touts: _split(_flat_tangent(touts) @ matrix, point)
 
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
         if _sharded_torch(xs) or _sharded_torch(txs):
@@ -376,11 +361,10 @@ class Adapter(BlackBoxAdapter):
         scale = float(np.max(np.abs(direction))) if direction.size else 0.0
         if scale == 0.0:
             return None
-        if self.fixed_step is not None:
-            h = self.fixed_step / scale
-        else:
+        if self.fixed_step is None:
             h = _step_along(point, direction, 2.0 if self.method == "complex" else _POWER[self.method])
-        if self.fixed_step is not None:
+        else:
+            h = self.fixed_step / scale
             if self.method == "complex":
                 point.check_complex_step(self.backend, h * scale)
             else:
@@ -410,10 +394,8 @@ class Adapter(BlackBoxAdapter):
         return out, aux, grads, _hessian_blocks(hessian, point)
 
     def gradient_and_hvp(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Leaves, Leaves]:
-        self._check_size(xs, "A Hessian-vector product")
-        point = _Point(xs)
-        out, aux, grads = self.value_and_gradient(fn, xs)
-        return out, aux, grads, self._hvp_along(fn, point, txs)
+        out, aux, grads, (hv,) = self.gradient_and_hvps(fn, xs, (txs,))
+        return out, aux, grads, hv
 
     def gradient_and_hvps(self, fn: Fn, xs: Leaves, batch: Any) -> tuple[Any, Any, Leaves, list[Leaves]]:
         """The gradient once, then the differences of the gradient along each tangent."""

@@ -20,24 +20,14 @@ from .._errors import MutationError, UnsupportedOperationError
 from .._families import _jax_placement as _placement
 from .._families.jax import rebuilds_alike
 from . import _base
-from ._base import Blocks, Fn, Leaves, raised_by, raised_inside
-
-
-def _tracer_names() -> frozenset[str]:
-    names: set[str] = set()
-    todo: list[Any] = [jax.core.Tracer]
-    while todo:
-        cls = todo.pop()
-        names.add(cls.__name__)
-        todo.extend(cls.__subclasses__())
-    return frozenset(names)
+from ._base import Blocks, Fn, Leaves, class_names, raised_by, raised_inside
 
 
 def _names_a_tracer(exc: BaseException) -> bool:
     """Whether a library refused one of jax's traced arrays by its class name (an error raised
     in compiled code, torch's say, has no Python frame to tell where it came from)."""
     words = set(re.findall(r"\b\w*Tracer\b", str(exc)))
-    return bool(words) and bool(words & _tracer_names())
+    return bool(words) and bool(words & class_names(jax.core.Tracer))
 
 
 class Adapter(_base.Adapter):

@@ -29,6 +29,7 @@ from ._black_box import (
     BlackBoxAdapter,
     _blocks,
     _fit,
+    _flat_tangent,
     _flatten_out,
     _hessian_blocks,
     _Layout,
@@ -405,12 +406,6 @@ def _linear_in(along: Any, t: np.ndarray, size: int) -> tuple[np.ndarray, np.nda
         column = column + _times_non_finite(unit_column, t[i])
         error = error + _times_non_finite(unit_error, abs(t[i]))
     return column, error
-
-
-def _flat_tangent(touts: Any) -> np.ndarray:
-    leaves = touts if isinstance(touts, tuple) else (touts,)
-    arrays = [np.reshape(np.asarray(_arrays.to_numpy(leaf), dtype=np.float64), -1) for leaf in leaves]
-    return np.concatenate(arrays) if arrays else np.zeros(0)
 
 
 def _zeros_like(out: Any) -> Any:

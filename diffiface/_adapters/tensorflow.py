@@ -165,9 +165,6 @@ class Adapter(_base.Adapter):
             return False  # (x does not reach it where it is missed: its derivative is zero)
         return missed
 
-    def plain(self, leaf: Any) -> Any:
-        return leaf
-
     def basis(self, like: Any, index: int) -> Any:
         dtype = dtype_of(like)
         flat = np.zeros(int(np.prod(tuple(like.shape))), dtype=dtype.as_numpy_dtype)

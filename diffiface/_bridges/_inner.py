@@ -378,31 +378,23 @@ class Inner:
 
     def second_jvp(self, plan: Plan, x: Leaves, t1: Leaves, t2: Leaves, contexts: Sequence[Context[Any]]) -> Leaves:
         """D²f(x)[t1, t2], y-shaped: the jvp along t2 of x -> jvp(f, x, t1)."""
-        first = self._first_jvp(plan, t1, contexts)
+        first = self._first(di.jvp, plan.x_spec.unflatten(t1), contexts)
         ty = di.jvp(first, self.backend, plan.x_spec.unflatten(x), plan.x_spec.unflatten(t2))
         return self._leaves_of(plan, ty)
 
     def second_vjp(self, plan: Plan, x: Leaves, ct: Leaves, v: Leaves, contexts: Sequence[Context[Any]]) -> Leaves:
         """Σ_k ct_k ∇²f_k(x) v, x-shaped: the jvp along v of x -> vjp(f, x, ct)."""
-        first = self._first_vjp(plan, ct, contexts)
+        first = self._first(di.vjp, plan.y_spec.unflatten(ct), contexts)
         tx = di.jvp(first, self.backend, plan.x_spec.unflatten(x), plan.x_spec.unflatten(v))
         return _tree.leaves(tx)
 
     # helpers
 
-    def _first_jvp(self, plan: Plan, t: Leaves, contexts: Sequence[Context[Any]]) -> Callable[[Any], Any]:
-        tangent = plan.x_spec.unflatten(t)
+    def _first(self, op: Callable[..., Any], linear: Any, contexts: Sequence[Context[Any]]) -> Callable[[Any], Any]:
+        """x -> op(f, x, linear): the first product (``di.jvp``, ``di.vjp``) as a function of x."""
 
         def first(x: Any) -> Any:
-            return di.jvp(self.f, self.backend, x, tangent, *contexts)
-
-        return first
-
-    def _first_vjp(self, plan: Plan, ct: Leaves, contexts: Sequence[Context[Any]]) -> Callable[[Any], Any]:
-        cotangent = plan.y_spec.unflatten(ct)
-
-        def first(x: Any) -> Any:
-            return di.vjp(self.f, self.backend, x, cotangent, *contexts)
+            return op(self.f, self.backend, x, linear, *contexts)
 
         return first
 

@@ -60,15 +60,11 @@ def call(g: Any, x: Any, leaves: list[Any], spec: Any, contexts: tuple[Any, ...]
 # --- shapes ---------------------------------------------------------------------------------------
 
 
-def _jax_dtype(name: str) -> Any:
-    return jax.dtypes.canonicalize_dtype(np.dtype(name))
-
-
 def _out_avals(primitive: Primitive, site: Site, batch: int) -> list[jax.core.ShapedArray]:
     plan = site.plan
     base = plan.y_avals if primitive in _Y_SHAPED else plan.x_avals
     prefix = (batch,) if batch else ()
-    return [jax.core.ShapedArray(prefix + a.shape, _jax_dtype(a.dtype)) for a in base]
+    return [jax.core.ShapedArray(prefix + a.shape, jax.dtypes.canonicalize_dtype(np.dtype(a.dtype))) for a in base]
 
 
 def _abstract_eval(primitive: Primitive, *args: Any, site: Site, batch: int) -> list[jax.core.ShapedArray]:

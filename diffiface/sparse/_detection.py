@@ -329,10 +329,9 @@ def _global(
     from .._errors import UnsupportedOperationError
 
     tracer = detector.tracer if detector.tracer != "auto" else choose_tracer(x, values, backend)
-    module = _tracer(tracer)
     if tracer != _families.HOST.NAME:
-        found = module.trace_pattern(f, x, values, hessian)
-        return Detection(found.pattern, tracer, found.notes)
+        return _with(tracer, f, x, values, hessian)
+    module = _tracer(tracer)
     fallback = _host_fallback() if detector.tracer == "auto" else None
     try:
         found = module.trace_pattern(f, x, values, hessian)

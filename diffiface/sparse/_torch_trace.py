@@ -174,7 +174,7 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
     sizes = [int(np.prod(_arrays.shape(leaf), dtype=np.int64)) for leaf in leaves]
     interpreter = _Interpreter(sizes, hessian)
     device = inputs[0].device if inputs else torch.device("cpu")
-    mode = _new_tracer(interpreter, device)
+    mode = _tracer_class()(interpreter, device)
     handles = [mode.placeholder(t, interpreter.input_rows(i)) for i, t in enumerate(inputs)]
     handles += [mode.placeholder(context_leaves[i], None) for i in tensor_at]
 
@@ -483,10 +483,6 @@ def _tracer_class() -> Any:
 
 
 _TRACER_CLASS: Any = None
-
-
-def _new_tracer(interpreter: _Interpreter, device: Any) -> Any:
-    return _tracer_class()(interpreter, device)
 
 
 class _Interpreter:

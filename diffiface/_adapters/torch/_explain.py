@@ -15,7 +15,7 @@ from ..._errors import (
     MutationError,
     UnsupportedOperationError,
 )
-from .._base import raised_inside
+from .._base import class_names, raised_inside
 
 
 def explain_failure(exc: BaseException, functional: bool) -> str | None:
@@ -131,20 +131,10 @@ def _numpy_operator_on_tensor(exc: BaseException) -> str | None:
         return None
     types = {found["a"], found["b"]}
     numpy_side = any(name.startswith("numpy.") for name in types)
-    tensor_side = bool(types & _tensor_class_names())
+    tensor_side = bool(types & class_names(torch.Tensor))
     if not (numpy_side and tensor_side):
         return None
     return found["binary"] or found["compare"]
-
-
-def _tensor_class_names() -> set[str]:
-    names: set[str] = set()
-    todo: list[type] = [torch.Tensor]
-    while todo:
-        cls = todo.pop()
-        names.add(cls.__name__)
-        todo.extend(cls.__subclasses__())
-    return names
 
 
 _REFUSALS = (
