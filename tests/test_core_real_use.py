@@ -309,25 +309,26 @@ def test_write_into_a_numpy_constant(name: str) -> None:
 # -- one dtype rule --------------------------------------------------------------------------------
 
 
-def _widened(x: Any) -> Any:
+def _float64(x: Any) -> Any:
+    """``x`` cast to float64 in its own framework, differentiably."""
     xp = namespace(x)
     if xp is np or xp.__name__.startswith(("autograd", "pytensor")):
-        return x.astype(np.float64) * 2
+        return x.astype(np.float64)
     if xp.__name__ == "torch":
-        return x.to(xp.float64) * 2
-    return x.astype(xp.float64) * 2
+        return x.to(xp.float64)
+    if xp.__name__.startswith("tensorflow"):  # (its numpy API: tensors have no astype)
+        return xp.asarray(x, dtype=xp.float64)
+    return x.astype(xp.float64)
+
+
+def _widened(x: Any) -> Any:
+    return _float64(x) * 2
 
 
 def _mixed(x: Any) -> Any:
     a, b = x["a"], x["b"]
     xp = namespace(a)
-    if xp.__name__ == "torch":
-        a64 = a.to(xp.float64)
-    elif xp is np or xp.__name__.startswith(("autograd", "pytensor")):
-        a64 = a.astype(np.float64)
-    else:
-        a64 = a.astype(xp.float64)
-    return (a64 * b).sum() + (a**2).sum()
+    return xp.sum(_float64(a) * b) + _float64(xp.sum(a**2))  # (TensorFlow adds no float32 to float64)
 
 
 @pytest.mark.parametrize("name", [n for n in FIRST_ORDER if n != "jax"])

@@ -31,6 +31,9 @@ from ._scenario import Scenario
 __all__ = ["complex_scenarios"]
 
 _DTYPES = {"complex128": np.complex128, "complex64": np.complex64}
+_FRAMEWORKS = frozenset({"numpy", "jax", "torch", "autograd", "mlx", "tensorflow"})
+"""Written with the numpy-like namespace's functions alone (no array methods), so TensorFlow's
+numpy API runs them too; PyTensor refuses complex numbers."""
 
 
 def _xp(value: Any) -> Any:
@@ -42,32 +45,34 @@ def _xp(value: Any) -> Any:
 
 def abs2_sum(z: Any) -> Any:
     """``sum |z|^2``: gradient ``2 z`` (3+4j -> 6+8j), hvp ``2 v``."""
-    return (_xp(z).abs(z) ** 2).sum()
+    xp = _xp(z)
+    return xp.sum(xp.abs(z) ** 2)
 
 
 def re_z2w(z: Any, w: Any) -> Any:
     """``Re sum(z^2 w)``: the real part of a holomorphic ``h``, gradient ``conj(h'(z)) = conj(2 z w)``."""
-    return _xp(z).real(z * z * w).sum()
+    xp = _xp(z)
+    return xp.sum(xp.real(z * z * w))
 
 
 def log1p_abs2(z: Any) -> Any:
     """``sum log(1 + |z|^2)``: gradient ``2 z / (1 + |z|^2)``."""
     xp = _xp(z)
-    return xp.log(1 + xp.abs(z) ** 2).sum()
+    return xp.sum(xp.log(1 + xp.abs(z) ** 2))
 
 
 def linear_loss(params: dict[str, Any], data: Any, target: Any) -> Any:
     """``scale^2 * sum |W x + b - t|^2`` of a complex linear layer, with a real ``scale``."""
     xp = _xp(params["W"])
-    residual = params["W"] @ data + params["b"] - target
-    return params["scale"] ** 2 * (xp.abs(residual) ** 2).sum()
+    residual = xp.matmul(params["W"], data) + params["b"] - target
+    return params["scale"] ** 2 * xp.sum(xp.abs(residual) ** 2)
 
 
 def phase_fidelity(theta: Any, psi: Any, phi: Any) -> Any:
     """``|<psi, diag(exp(i theta)) phi>|^2``: real x, complex inside."""
     xp = _xp(theta)
     phases = xp.exp(from_parts(xp.zeros_like(theta), theta))  # exp(i theta), without float * complex
-    amplitude = (xp.conj(psi) * phases * phi).sum()
+    amplitude = xp.sum(xp.conj(psi) * phases * phi)
     return xp.abs(amplitude) ** 2
 
 
@@ -76,8 +81,8 @@ def cayley_fidelity(m: Any, psi: Any, phi: Any) -> Any:
     xp = _xp(m)
     k = m - xp.conj(m).T
     eye = xp.eye(m.shape[0], dtype=m.dtype)
-    u_phi = xp.linalg.solve(eye + k, (eye - k) @ phi)
-    return xp.abs((xp.conj(psi) * u_phi).sum()) ** 2
+    u_phi = xp.linalg.solve(eye + k, xp.matmul(eye - k, phi))
+    return xp.abs(xp.sum(xp.conj(psi) * u_phi)) ** 2
 
 
 def square(z: Any) -> Any:
@@ -89,7 +94,7 @@ def exp(z: Any) -> Any:
 
 
 def matvec(z: Any, a: Any) -> Any:
-    return a @ z
+    return _xp(z).matmul(a, z)
 
 
 def conj_times(z: Any) -> Any:
@@ -146,6 +151,7 @@ def _for_dtype(dtype: str) -> list[Scenario]:
                 reference=reference,
                 tags=tags | kw.pop("extra_tags", frozenset()),
                 note="complex: analytic reference in torch's convention (docs/complex.md)",
+                frameworks=kw.pop("frameworks", _FRAMEWORKS),
                 **kw,
             )
         )
@@ -250,6 +256,7 @@ def _for_dtype(dtype: str) -> list[Scenario]:
             "gradient",
             _cayley_gradient(m, psi, phi),
             contexts=(Constant(psi), Constant(phi)),
+            frameworks=_FRAMEWORKS - {"tensorflow"},  # (a solve: TensorFlow's numpy API has no linalg)
         )
 
     # holomorphic maps
