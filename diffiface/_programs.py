@@ -453,6 +453,7 @@ class JitProgram:
         "sizes",
         "structure",
         "tangent",
+        "traced_dtype",
         "tree",
         "written",
         "x_dtype_names",
@@ -541,6 +542,7 @@ class JitProgram:
         self.program = program
         self.scope = adapter.scope if scoped else None
         self.operator = op.name
+        self.traced_dtype = adapter.traced_dtype  # (a numpy leaf's dtype as the trace sees it)
         self.compiled = adapter.compile(self._traced, static=False, arrays=True, layouts=(), parts=program_parts)
         # (what :meth:`run` compares besides, taken from the plan by :meth:`bind`)
         self.function: Any = None
@@ -598,7 +600,7 @@ class JitProgram:
 
     def _traced(self, *leaves: Any) -> Any:
         for leaf, (shape, dtype) in zip(leaves, self.expected, strict=True):
-            if leaf.shape != shape or leaf.dtype != dtype:
+            if leaf.shape != shape or (leaf.dtype != dtype and leaf.dtype != self.traced_dtype(dtype)):
                 # None, no result of a program, says the call does not fit; the engine caches
                 # this trace as any other, so a later call of these shapes pays no trace again
                 return None

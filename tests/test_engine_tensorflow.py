@@ -391,6 +391,29 @@ def test_check_gradients_picks_tensorflow_for_tensorflow_arrays() -> None:
     assert [row.backend for row in report.rows if row.status == "passed"] == ["tensorflow"], report
 
 
+def test_check_gradients_catches_a_wrong_tensorflow_rule() -> None:
+    """TensorFlow tensors in x are inputs of the ground truth: they were left out of it, as
+    leaves of no array kind it knew, so every TensorFlow x passed with nothing compared (3
+    evaluations of f), a rule 1% off included."""
+
+    @tf.custom_gradient
+    def squares(v: Any) -> Any:
+        return tf.reduce_sum(v**2), lambda g: g * 2.02 * v  # the bug: 2.02, where the derivative has 2
+
+    def right(v: Any) -> Any:
+        return tf.reduce_sum(v[0] ** 2) + tf.reduce_sum(tf.sin(v[1]))
+
+    def wrong(v: Any) -> Any:
+        return squares(v[0]) + tf.reduce_sum(tf.sin(v[1]))
+
+    for dtype in (tf.float64, tf.float32):
+        x = [tf.constant([0.5, -1.0, 2.0], dtype=dtype), tf.Variable([0.3, 0.7], dtype=dtype)]
+        report = check_gradients(right, x, backends="tensorflow")
+        assert [row.status for row in report.rows] == ["passed"], report
+        with pytest.raises(di.GradientCheckError, match=r"x\[0\]: [23] of 3 entries differ"):
+            check_gradients(wrong, x, backends="tensorflow")
+
+
 # -- cross-framework: a TensorFlow f inside jax and torch ---------------------------------------------
 
 

@@ -387,6 +387,33 @@ def test_numpy_contexts_reach_the_compiled_program_unconverted() -> None:
     assert type(program).__name__ == "JitProgram" and len(program.numpy_leaves) == len(batch)
 
 
+def test_int64_numpy_labels_beside_float32_jax_params_without_x64() -> None:
+    """numpy's default integers (int64, the labels of a classifier) reach jit as int32 where x64
+    is off: the compiled program takes them, as jit does, where it refused every call before
+    ("the arguments' shapes or dtypes are not the prep's", a flax nnx State or any jax x)."""
+    require(di.AutoJAX())
+    import jax
+    import jax.numpy as jnp
+
+    if jax.config.read("jax_enable_x64"):
+        pytest.skip("x64 is on: jit keeps int64")
+    w = jnp.asarray([[0.5, -1.0, 2.0], [1.5, 0.25, -0.5]], dtype=jnp.float32)
+    inputs, labels = np.array([[1.0, 2.0], [-1.0, 0.5]], dtype=np.float32), np.array([2, 0])
+
+    def loss(w: Any, batch: Any) -> Any:
+        return -jnp.mean(jax.nn.log_softmax(batch[0] @ w)[jnp.arange(2), batch[1]])
+
+    expected = jax.grad(loss)(w, (inputs, labels))
+    for unsigned in (False, True):
+        batch = (inputs, labels.astype(np.uint64) if unsigned else labels)
+        grad = di.gradient(loss, "jax", w, di.Constant(batch))
+        assert grad.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), rtol=1e-6)
+        prep = di.prepare_gradient(loss, "jax", w, di.Constant(batch))
+        again = di.gradient(loss, "jax", w, di.Constant(batch), prep=prep)
+        np.testing.assert_allclose(np.asarray(again), np.asarray(expected), rtol=1e-6)
+
+
 @pytest.mark.parametrize("backend_id", ["finite_differences", "jax", "torch"])
 def test_autosparse_and_second_order_take_the_plan(backend_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
     engines = {"finite_differences": di.AutoFiniteDifferences(), "jax": di.AutoJAX(), "torch": di.AutoTorch()}

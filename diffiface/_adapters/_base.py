@@ -159,6 +159,11 @@ class Adapter:
     (jax's jit, mlx's mx.compile, tf.function): the program then checks them itself, at no cost
     per call (the retracing engines' tier, :class:`~diffiface._programs.JitProgram`)."""
 
+    def traced_dtype(self, dtype: Any) -> Any:
+        """The dtype a leaf of this dtype has inside the compiled program's trace (jax without
+        x64 traces numpy's int64 as int32); the program's own check of its arguments takes it."""
+        return dtype
+
     def traces_call(self, compute: str, leaves: Sequence[Any], caches: bool, ref: Any) -> bool:
         """Whether the retracing tier takes a call of ``compute`` on these leaves (x's, the
         tangent's, the contexts'; ``caches``: a context is a :class:`~diffiface.Cache`; ``ref``:
