@@ -435,10 +435,7 @@ class _Flat:
             if isinstance(leaf, bool) or not (
                 isinstance(leaf, float)
                 or is_complex
-                or (
-                    _arrays.kind(leaf) in ("numpy", "torch", "jax", "mlx", "tensorflow")
-                    and _arrays.is_float_dtype(name)
-                )
+                or (_arrays.is_array(leaf) and _arrays.is_float_dtype(name))  # (of any array family)
             ):
                 continue
             array = np.asarray(_arrays.to_numpy(leaf))
