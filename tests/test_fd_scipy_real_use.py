@@ -13,6 +13,9 @@ import pytest
 
 import diffiface as di
 from diffiface._adapters import finite_differences as fd_module
+
+pytest.importorskip("scipy", reason="these tests run the scipy backend beside finite differences")
+
 from diffiface._adapters import scipy as scipy_module
 
 METHODS = ("central", "forward", "backward", "complex")

@@ -7,10 +7,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-import scipy.sparse as sp
 
 import diffiface as di
 from diffiface import sparse
+
+sp = pytest.importorskip("scipy.sparse", reason="the bicoloring tests compare with scipy's sparse matrices")
 
 
 def _arrowhead(n: int) -> Any:
