@@ -550,3 +550,34 @@ def test_a_module_change_by_f_is_refused_on_every_call(mode: str, operator: str,
     assert not any(module.training for module in model.modules())
     assert model[0].weight is weight
     getattr(di, operator)(f, backend, x, di.Constant(model), prep=prep)  # the module as it was
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [di.AutoTorch(), di.AutoTorch(create_graph=True), di.AutoTorch(mode="func")],
+    ids=["autograd", "create_graph", "func"],
+)
+@pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
+def test_a_hook_on_a_parameter_does_not_change_its_derivative(backend: Any, prepared: bool) -> None:
+    """A tensor hook on a leaf of x (gradient clipping registered on an nn.Parameter) rewrites
+    what ``torch.autograd.grad`` returns for it; diffiface's result is f's derivative, the one
+    every other engine gives, and the hook is not called."""
+    weight = torch.nn.Parameter(torch.tensor([0.3, -1.2, 2.0], dtype=torch.float64))
+    seen = []
+    weight.register_hook(lambda grad: seen.append(grad) or grad * 10)
+    params = {"w": weight}
+
+    def f(params: Any) -> Any:
+        return g(params["w"])
+
+    assert torch.allclose(torch.autograd.grad(f(params), [weight])[0], 10 * g_grad(weight.detach()))
+    seen.clear()
+    prep = {"prep": di.prepare_gradient(f, backend, params)} if prepared else {}
+    for _ in range(3):  # (a prep's first call and the later ones take different steps)
+        torch.testing.assert_close(di.gradient(f, backend, params, **prep)["w"].detach(), g_grad(weight.detach()))
+    tangent = {"w": torch.ones(3, dtype=torch.float64)}
+    torch.testing.assert_close(di.hvp(f, backend, params, tangent)["w"].detach(), g_hess(weight.detach()).sum(1))
+    torch.testing.assert_close(
+        di.vjp(f, backend, params, torch.tensor(1.0, dtype=torch.float64))["w"].detach(), g_grad(weight.detach())
+    )
+    assert seen == []
