@@ -1,6 +1,6 @@
 """Index sets: which input numbers each element of an array depends on, and the rules that carry
-them through operations. Shared by the tracers of torch-written (``_torch_trace``) and
-numpy-written (``_numpy_trace``) functions.
+them through operations. Shared by the tracers of jax programs (``_jax_trace``),
+torch-written (``_torch_trace``) and numpy-written (``_numpy_trace``) functions.
 
 An array's sets are a boolean ``scipy.sparse.csr_array`` with one row per element (C order) and
 one column per input number, or ``None`` where the array depends on no input. Every rule is
@@ -58,6 +58,23 @@ def canonical(rows: Any) -> csr_array:
     return rows
 
 
+def identity(sizes: Sequence[int]) -> list[csr_array]:
+    """The sets of inputs of ``sizes`` laid end to end: each element depends on itself alone."""
+    n = int(sum(sizes))
+    blocks, offset = [], 0
+    for count in sizes:
+        rows = np.arange(count)
+        blocks.append(_sp().csr_array((np.ones(count, dtype=bool), (rows, offset + rows)), shape=(count, n)))
+        offset += count
+    return blocks
+
+
+def stack(blocks: Sequence[Rows], sizes: Sequence[int], n: int) -> csr_array:
+    """One pattern from the rows of outputs of ``sizes`` laid end to end."""
+    present = [empty(k, n) if rows is None else rows for rows, k in zip(blocks, sizes, strict=True)]
+    return canonical(_sp().vstack(present, format="csr")) if present else empty(0, n)
+
+
 def positions(shape: Sequence[int], offset: int = 0) -> np.ndarray:
     """1-based positions of an array of ``shape`` whose first element sits at ``offset``."""
     return np.arange(1 + offset, 1 + offset + size(shape), dtype=np.int64).reshape(tuple(shape))
@@ -93,6 +110,11 @@ def gather_all(sources: Sequence[Rows], sizes: Sequence[int], targets: Any, wher
     return apply(picks, stacked)
 
 
+def selection(rows: np.ndarray, cols: np.ndarray, shape: tuple[int, int]) -> csr_array:
+    """The 0/1 matrix of ``shape`` with a one at each ``(rows[k], cols[k])`` (as :func:`apply` reads it)."""
+    return _sp().csr_array((np.ones(rows.size, dtype=bool), (rows, cols)), shape=shape)
+
+
 def union(rows: Sequence[Rows]) -> Rows:
     present = [r for r in rows if r is not None]
     if not present:
@@ -124,6 +146,11 @@ def all_of(rows: Rows, count: int) -> Rows:
     return canonical(_sp().csr_array((data, (grid_rows, grid_cols)), shape=(count, rows.shape[1])))
 
 
+def everything(rows: Sequence[Rows]) -> Rows:
+    """One row: every input that any element of any of ``rows`` depends on (arrays of any sizes)."""
+    return union([all_of(r, 1) for r in rows])
+
+
 def broadcast(rows: Rows, shape: Sequence[int], out_shape: Sequence[int], n: int) -> Rows:
     """The rows of an operand of ``shape`` broadcast to ``out_shape``."""
     if rows is None:
@@ -153,14 +180,21 @@ def reduction_matrix(shape: Sequence[int], axes: Sequence[int]) -> Any:
     )
 
 
-def cumulative_matrix(shape: Sequence[int], axis: int) -> Any:
+def cumulative_matrix(shape: Sequence[int], axis: int, reverse: bool = False) -> Any:
     """The 0/1 matrix of a cumulative operation (cumsum, cumprod, cummax) along ``axis``."""
     sp = _sp()
     shape = tuple(shape)
     axis %= len(shape)
     before, length, after = size(shape[:axis]), shape[axis], size(shape[axis + 1 :])
-    lower = sp.csr_array(np.tril(np.ones((length, length), dtype=np.float32)))
-    return sp.kron(sp.kron(sp.eye_array(before), lower), sp.eye_array(after), format="csr")
+    ones = np.ones((length, length), dtype=np.float32)
+    triangle = sp.csr_array(np.triu(ones) if reverse else np.tril(ones))
+    return sp.kron(sp.kron(sp.eye_array(before), triangle), sp.eye_array(after), format="csr")
+
+
+def along(rows: Rows, shape: Sequence[int], axis: int) -> Rows:
+    """Each element depending on the whole line of ``rows`` along ``axis`` (a sort, a softmax)."""
+    line = reduction_matrix(shape, [axis])
+    return apply(line.T @ line, rows)
 
 
 class Pairs:
