@@ -623,7 +623,6 @@ def _matmul(trace: _Trace, a: Any, b: Any) -> Any:
 def _convolve(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     """np.convolve(a, v, mode) and np.correlate(a, v, mode): each output a sum of products
     ``a[i] * v[j]`` (:func:`_sliding_products`); a constant operand's zeros drop their terms."""
-    import scipy.sparse as sp
 
     a, v = args[0], args[1]
     mode = _argument(args, kwargs, 2, "mode", "full" if func.__name__ == "convolve" else "valid")
@@ -637,8 +636,7 @@ def _convolve(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> An
     parts = []
     for operand, index, size in ((a, i, la), (v, j, lv)):
         if isinstance(operand, IndexSetArray) and operand.rows is not None:
-            moved = sp.csr_array((np.ones(k.size, dtype=np.float32), (k, index)), shape=(length, size))
-            parts.append(sets.apply(moved, operand.rows))
+            parts.append(sets.apply(sets.selection(k, index, (length, size)), operand.rows))
     if trace.pairs is not None and len(parts) == 2:  # each product couples its two factors
         trace.pairs.add(sets.gather([a.rows], [la], i + 1, trace.n), sets.gather([v.rows], [lv], j + 1, trace.n))
     return IndexSetArray(trace, (length,), sets.union(parts))
@@ -840,8 +838,7 @@ def _along(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     axis = _argument(args, kwargs, 1, "axis", -1)
     if axis is None:
         a, axis = np.ravel(a), 0
-    r = sets.reduction_matrix(a.shape, [int(axis)])
-    rows = sets.apply(r.T @ r, a.rows)
+    rows = sets.along(a.rows, a.shape, int(axis))
     if trace.pairs is not None:
         trace.pairs.add_all(rows)
     return IndexSetArray(trace, a.shape, rows, a.dtype)
@@ -1020,10 +1017,10 @@ def _dense(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
             f"({type(errors[0]).__name__}: {str(errors[0])[:200]})"
         ) from errors[0]
     # each operand's sets in one row: operands of different sizes (polyval's p and x) unite
-    every = sets.union([sets.all_of(rows, 1) for rows in found])
+    every = sets.everything(found)
     trace.notes.append(f"{_public_name(func)} is not known to the numpy detector: dense")
     if trace.pairs is not None:
-        trace.pairs.add_all(sets.all_of(every, 1))
+        trace.pairs.add_all(every)
 
     def wrap(o: Any) -> Any:
         if isinstance(o, (list, tuple)):
@@ -1058,20 +1055,15 @@ _FUNCTIONS: dict[str, Callable[[_Trace, Any, Any, dict[str, Any]], Any]] = {
 def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: bool) -> Detection:
     """The Jacobian (``hessian=False``) or Hessian pattern of numpy-written ``f`` at ``x``."""
     import optree
-    import scipy.sparse as sp
 
     leaves, spec = tree.flatten(x)
     sizes = [int(np.prod(_arrays.shape(leaf), dtype=np.int64)) for leaf in leaves]
     n = int(sum(sizes))
     trace = _Trace(n, hessian)
-    traced = []
-    offset = 0
-    for leaf, size in zip(leaves, sizes, strict=True):
-        rows = sp.csr_array(
-            (np.ones(size, dtype=bool), (np.arange(size), np.arange(offset, offset + size))), shape=(size, n)
-        )
-        traced.append(IndexSetArray(trace, _arrays.shape(leaf), rows, np.dtype(_arrays.dtype_name(leaf))))
-        offset += size
+    traced = [
+        IndexSetArray(trace, _arrays.shape(leaf), rows, np.dtype(_arrays.dtype_name(leaf)))
+        for leaf, rows in zip(leaves, sets.identity(sizes), strict=True)
+    ]
     context_leaves, context_spec = tree.flatten(values)
     abstract = [_abstract(trace, leaf) for leaf in context_leaves]
     values = optree.tree_unflatten(context_spec, abstract)  # type: ignore[assignment]
@@ -1082,7 +1074,9 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
         if trace.raised is not None:
             trace.raised.caught = True
             raise trace.raised
-        blocks = [_block(leaf, n) for leaf in tree.leaves(out)]
+        outputs = tree.leaves(out)
+        blocks = [o.rows if isinstance(o, IndexSetArray) and o.floating else None for o in outputs]
+        out_sizes = [o.size if isinstance(o, IndexSetArray) else int(np.size(o)) for o in outputs]
     except TracerRefusal as error:
         error.caught |= trace.refused is not error
         raise UnsupportedOperationError(_refusal(str(error))) from error
@@ -1097,10 +1091,10 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
     finally:
         _ACTIVE.trace = outer
     if trace.pairs is not None:
-        _check_scalar(sum(b.shape[0] for b in blocks))
+        _check_scalar(sum(out_sizes))
         pattern = trace.pairs.pattern()
     else:
-        pattern = sets.canonical(sp.vstack(blocks, format="csr")) if blocks else sets.empty(0, n)
+        pattern = sets.stack(blocks, out_sizes, n)
     return Detection(pattern, tuple(dict.fromkeys(trace.notes)))
 
 
@@ -1121,12 +1115,6 @@ def _abstract(trace: _Trace, leaf: Any) -> Any:
 def _check_scalar(count: int) -> None:
     if count != 1:
         raise InvalidOutputError(f"A Hessian needs f to return one scalar; f returns {count} numbers.")
-
-
-def _block(leaf: Any, n: int) -> Any:
-    if isinstance(leaf, IndexSetArray):
-        return leaf.rows if leaf.rows is not None and leaf.floating else sets.empty(leaf.size, n)
-    return sets.empty(int(np.size(leaf)), n)
 
 
 DENSE_LIMIT = 1 << 27

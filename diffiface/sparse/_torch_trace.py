@@ -175,7 +175,7 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
     interpreter = _Interpreter(sizes, hessian)
     device = inputs[0].device if inputs else torch.device("cpu")
     mode = _tracer_class()(interpreter, device)
-    handles = [mode.placeholder(t, interpreter.input_rows(i)) for i, t in enumerate(inputs)]
+    handles = [mode.placeholder(t, interpreter.input_rows[i]) for i, t in enumerate(inputs)]
     handles += [mode.placeholder(context_leaves[i], None) for i in tensor_at]
 
     def run(*args: Any) -> Any:
@@ -409,10 +409,7 @@ def _tracer_class() -> Any:
             """Tensors beside other results (sizes, None): each tensor dense in the operands."""
             torch = _torch()
             interpreter = self.interpreter
-            every = interpreter.everything(node)
-            interpreter.notes.append(f"{_qualified(node.target)} is not known to the torch detector: dense")
-            if interpreter.pairs is not None:
-                interpreter.pairs.add_all(sets.all_of(every, 1))
+            every = interpreter.dense_row(node)
             results = []
             for i, o in enumerate(out):
                 if isinstance(o, torch.Tensor):
@@ -494,15 +491,8 @@ class _Interpreter:
         self.notes: list[str] = []
         self.rows: dict[Any, Any] = {}
         self.values: dict[Any, Any] = {}
-
-    def input_rows(self, i: int) -> Any:
-        """The sets of x's leaf ``i``: each element depends on itself."""
-        import scipy.sparse as sp
-
-        size, offset = self.sizes[i], int(sum(self.sizes[:i]))
-        return sp.csr_array(
-            (np.ones(size, dtype=bool), (np.arange(size), np.arange(offset, offset + size))), shape=(size, self.n)
-        )
+        self.input_rows = sets.identity(sizes)
+        """The sets of x's leaves: each element depends on itself."""
 
     def run_graph(self, graph: Any) -> Detection:
         """The pattern from make_fx's graph: its placeholders are x's leaves, then the contexts'."""
@@ -510,7 +500,7 @@ class _Interpreter:
         outputs: list[Any] = []
         for node in graph.graph.nodes:
             if node.op == "placeholder":
-                self.rows[node] = self.input_rows(placeholders) if placeholders < len(self.sizes) else None
+                self.rows[node] = self.input_rows[placeholders] if placeholders < len(self.sizes) else None
                 placeholders += 1
             elif node.op == "get_attr":
                 self.rows[node] = None
@@ -523,9 +513,7 @@ class _Interpreter:
 
     def finish(self, outputs: list[Any]) -> Detection:
         """The pattern of f's outputs (nodes, or Python numbers)."""
-        import scipy.sparse as sp
-
-        blocks = []
+        blocks, sizes = [], []
         for out in outputs:
             if hasattr(out, "op"):
                 meta = out.meta.get("val")
@@ -535,13 +523,14 @@ class _Interpreter:
                 torch = _torch()
                 size = sets.size(np.shape(out.detach().cpu().numpy() if isinstance(out, torch.Tensor) else out))
                 rows = None
-            blocks.append(sets.empty(size, self.n) if rows is None else rows)
+            blocks.append(rows)
+            sizes.append(size)
         if self.pairs is not None:
-            if sum(b.shape[0] for b in blocks) != 1:
+            if sum(sizes) != 1:
                 raise _Refused("a Hessian pattern needs f to return one number")
             pattern = self.pairs.pattern()
         else:
-            pattern = sets.canonical(sp.vstack(blocks, format="csr")) if blocks else sets.empty(0, self.n)
+            pattern = sets.stack(blocks, sizes, self.n)
         return Detection(pattern, tuple(dict.fromkeys(self.notes)))
 
     def call(self, node: Any) -> None:
@@ -603,10 +592,8 @@ class _Interpreter:
             return self.pointwise(node, name, shape)
         if name in _REDUCTIONS:
             return self.reduction(node, name, shape)
-        if name in _CUMULATIVE:
-            return self.cumulative(node, name, shape)
-        if name in _ALONG:
-            return self.along(node, shape)
+        if name in _CUMULATIVE or name in _ALONG:
+            return self.along(node, name)
         if name in _CONTRACTIONS:
             return self.contraction(node, name, shape)
         if name == "convolution":
@@ -623,10 +610,8 @@ class _Interpreter:
                 return [r if _is_float_meta(m) else None for r, m in zip(moved, metas, strict=True)]
         first = shapes[0]
         if name in ("max", "min", "sort", "cummax", "cummin", "aminmax", "var_mean", "std_mean", "topk", "kthvalue"):
-            if name == "sort":
-                rows = self.along(node, first)
-            elif name in ("cummax", "cummin"):
-                rows = self.cumulative(node, name, first)
+            if name in ("sort", "cummax", "cummin"):
+                rows = self.along(node, name)
             elif name in ("aminmax", "var_mean", "std_mean"):
                 rows = self.reduction(node, name, first)
                 return [rows, rows]
@@ -635,32 +620,26 @@ class _Interpreter:
             else:
                 rows = self.dense(node, name, sets.size(first))
             return [rows if _is_float_meta(m) else None for m in metas]
-        every = self.everything(node)
-        if self.pairs is not None:
-            self.pairs.add_all(sets.all_of(every, 1))
-        self.notes.append(f"{_qualified(node.target)} is not known to the torch detector: dense")
+        every = self.dense_row(node)
         return [
             sets.all_of(every, sets.size(s)) if _is_float_meta(m) else None for s, m in zip(shapes, metas, strict=True)
         ]
 
-    def operand_rows(self, node: Any) -> list[Any]:
-        return [self.rows.get(a) for a in _nodes(node.args) + _nodes(node.kwargs)]
-
-    def everything(self, node: Any) -> Any:
-        """One row: every input that any element of any operand of ``node`` depends on (operands
-        of different sizes, a list of tensors' each)."""
+    def dense_row(self, node: Any) -> Any:
+        """An operation not known, noted: one row, every input that any element of any operand of
+        ``node`` depends on (a list of tensors' each), each pair of them coupled."""
         rows: list[Any] = []
-        for r in self.operand_rows(node):
+        for a in _nodes(node.args) + _nodes(node.kwargs):
+            r = self.rows.get(a)
             rows.extend(r if isinstance(r, list) else [r])
-        return sets.union([sets.all_of(r, 1) for r in rows])
+        every = sets.everything(rows)
+        self.notes.append(f"{_qualified(node.target)} is not known to the torch detector: dense")
+        if self.pairs is not None:
+            self.pairs.add_all(every)
+        return every
 
     def dense(self, node: Any, name: str, size: int) -> Any:
-        every = self.everything(node)
-        self.notes.append(f"{_qualified(node.target)} is not known to the torch detector: dense")
-        out = sets.all_of(every, size)
-        if self.pairs is not None:
-            self.pairs.add_all(sets.all_of(every, 1))
-        return out
+        return sets.all_of(self.dense_row(node), size)
 
     def move(self, node: Any, shape: tuple[int, ...] | None) -> Any:
         """Run the operation on positions; _UNKNOWN where an index it needs is not known."""
@@ -769,34 +748,21 @@ class _Interpreter:
             self.pairs.add_all(out)
         return out
 
-    def cumulative(self, node: Any, name: str, shape: tuple[int, ...]) -> Any:
+    def along(self, node: Any, name: str) -> Any:
+        """Each output depends on its input's slice along the operation's dimension: up to it (a
+        cumulative operation), or the whole slice (softmax, sort)."""
         source = node.args[0]
         in_shape = _shape(source)
         rows = self.rows.get(source)
-        if rows is None:
-            return None
-        if not in_shape:
+        if rows is None or not in_shape:
             return rows
-        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
-        out = sets.apply(sets.cumulative_matrix(in_shape, int(dim)), rows)
+        cumulative = name in _CUMULATIVE
+        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0 if cumulative else -1)
+        if cumulative:
+            out = sets.apply(sets.cumulative_matrix(in_shape, int(dim)), rows)
+        else:
+            out = sets.along(rows, in_shape, dim if isinstance(dim, int) else -1)
         if self.pairs is not None and name != "cumsum":
-            self.pairs.add_all(out)
-        return out
-
-    def along(self, node: Any, shape: tuple[int, ...]) -> Any:
-        """Each output depends on the whole slice of its input along the operation's dimension."""
-        source = node.args[0]
-        in_shape = _shape(source)
-        rows = self.rows.get(source)
-        if rows is None:
-            return None
-        if not in_shape:
-            return rows
-        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else -1)
-        dim = -1 if not isinstance(dim, int) else dim
-        r = sets.reduction_matrix(in_shape, [dim])
-        out = sets.apply(r.T @ r, rows)
-        if self.pairs is not None:
             self.pairs.add_all(out)
         return out
 
@@ -846,8 +812,6 @@ class _Interpreter:
         if kernel is None:
             kernel = np.ones(w_shape, dtype=bool)
         pairs_in, pairs_w = _conv_pairs(in_shape, w_shape, shape, kernel, stride, padding, dilation, groups, transposed)
-        import scipy.sparse as sp
-
         out_size = sets.size(shape)
         # each operand's elements that each output element reads: (output, operand) index pairs
         operands = [(source, pairs_in, sets.size(in_shape)), (weight, pairs_w, sets.size(w_shape))]
@@ -856,8 +820,7 @@ class _Interpreter:
         parts = []
         for operand, (rows, cols), columns in operands:
             if self.rows.get(operand) is not None:
-                m = sp.csr_array((np.ones(rows.size, dtype=np.float32), (rows, cols)), shape=(out_size, columns))
-                parts.append(sets.apply(m, self.rows[operand]))
+                parts.append(sets.apply(sets.selection(rows, cols, (out_size, columns)), self.rows[operand]))
         if self.pairs is not None and self.rows.get(source) is not None and self.rows.get(weight) is not None:
             self.pairs.add_all(sets.all_of(sets.union(parts), 1))
         return sets.union(parts)
