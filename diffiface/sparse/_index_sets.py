@@ -197,6 +197,47 @@ def along(rows: Rows, shape: Sequence[int], axis: int) -> Rows:
     return apply(line.T @ line, rows)
 
 
+def matmul(
+    a: Rows,
+    a_may: Any,
+    a_shape: Sequence[int],
+    b: Rows,
+    b_may: Any,
+    b_shape: Sequence[int],
+    n: int,
+    pairs: Pairs | None,
+) -> Rows:
+    """The sets of ``a @ b`` for ``a`` of shape (B, m, k) and ``b`` (B, k, p) (either B may be 1,
+    broadcast): ``out[t, i, j]`` depends on ``a[t, i, c]`` where ``b[t, c, j]`` may be nonzero, and
+    on ``b[t, c, j]`` where ``a[t, i, c]`` may be nonzero. ``a_may``, ``b_may``: where a constant
+    operand is nonzero (any shape of its size), None for anywhere. Each product couples its factors."""
+    batch, (_, m, k), p = max(a_shape[0], b_shape[0]), a_shape, b_shape[2]
+    out_size = batch * m * p
+    parts = []
+    if a is not None:
+        may = np.ones(b_shape, dtype=bool) if b_may is None else np.asarray(b_may).reshape(b_shape)
+        t, c, j = np.nonzero(np.broadcast_to(may, (batch, k, p)))
+        own = t if a_shape[0] == batch else np.zeros_like(t)
+        i = np.arange(m)
+        rows = ((t * m)[:, None] + i) * p + j[:, None]
+        cols = ((own * m)[:, None] + i) * k + c[:, None]
+        parts.append(apply(selection(rows.reshape(-1), cols.reshape(-1), (out_size, size(a_shape))), a))
+    if b is not None:
+        may = np.ones(a_shape, dtype=bool) if a_may is None else np.asarray(a_may).reshape(a_shape)
+        t, i, c = np.nonzero(np.broadcast_to(may, (batch, m, k)))
+        own = t if b_shape[0] == batch else np.zeros_like(t)
+        j = np.arange(p)
+        rows = ((t * m + i) * p)[:, None] + j
+        cols = ((own * k + c) * p)[:, None] + j
+        parts.append(apply(selection(rows.reshape(-1), cols.reshape(-1), (out_size, size(b_shape))), b))
+    if pairs is not None and a is not None and b is not None:
+        # column c of a with row c of b, batch by batch: the products a[t, i, c] * b[t, c, j]
+        columns = apply(reduction_matrix(a_shape, [1]), a)
+        lines = apply(reduction_matrix(b_shape, [2]), b)
+        pairs.add(broadcast(columns, (a_shape[0], k), (batch, k), n), broadcast(lines, (b_shape[0], k), (batch, k), n))
+    return union(parts)
+
+
 class Pairs:
     """The pairs of inputs that a Hessian may couple, accumulated over the nonlinear operations
     of a trace (``None`` when only the first order is asked for)."""

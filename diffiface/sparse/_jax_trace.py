@@ -693,46 +693,25 @@ def _sort(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[
 
 @_rule("dot_general")
 def _dot_general(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
-    """out[b, i, j] unites lhs[b, i, k] where rhs[b, k, j] may be nonzero, and rhs[b, k, j] where
-    lhs[b, i, k] may be nonzero (a known operand's zeros are zeros)."""
+    """A batched matmul of lhs (batch, free, contracted) by rhs (batch, contracted, free), each
+    operand's rows (and a known operand's zeros) taken in that order of its axes."""
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    lhs, rhs = eqn.invars
-    ls, rs = _shape(lhs), _shape(rhs)
+    ls, rs = _shape(eqn.invars[0]), _shape(eqn.invars[1])
     lf = [d for d in range(len(ls)) if d not in lc and d not in lb]
     rf = [d for d in range(len(rs)) if d not in rc and d not in rb]
-    lpos = sets.positions(ls).transpose([*lb, *lf, *lc])
-    rpos = sets.positions(rs).transpose([*rb, *rc, *rf])
-    B = int(np.prod([ls[d] for d in lb], dtype=np.int64))
-    I = int(np.prod([ls[d] for d in lf], dtype=np.int64))  # noqa: E741
-    K = int(np.prod([ls[d] for d in lc], dtype=np.int64))
-    J = int(np.prod([rs[d] for d in rf], dtype=np.int64))
-    lpos = lpos.reshape(B, I, K) - 1
-    rpos = rpos.reshape(B, K, J) - 1
+    batch, left, inner, right = (
+        sets.size([s[d] for d in dims]) for s, dims in ((ls, lb), (ls, lf), (ls, lc), (rs, rf))
+    )
 
-    def may(
-        value: Any, pattern: Pattern, shape: tuple[int, ...], order: list[int], shaped: tuple[int, ...]
-    ) -> np.ndarray:
-        if value is None or pattern is not None:
-            return np.ones(shaped, dtype=bool)
-        return (np.asarray(value) != 0).transpose(order).reshape(shaped)  # type: ignore[no-any-return]
+    def arranged(k: int, order: list[int], shaped: tuple[int, int, int]) -> tuple[Any, Any, tuple[int, int, int]]:
+        shape = _shape(eqn.invars[k])
+        rows = sets.gather([ps[k]], [sets.size(shape)], sets.positions(shape).transpose(order), it.n)
+        known = None if vs[k] is None or ps[k] is not None else (np.asarray(vs[k]) != 0).transpose(order)
+        return rows, known, shaped
 
-    lmay = may(vs[0], ps[0], ls, [*lb, *lf, *lc], (B, I, K))
-    rmay = may(vs[1], ps[1], rs, [*rb, *rc, *rf], (B, K, J))
-    out_size = B * I * J
-    pieces = []
-    if ps[0] is not None:
-        b, k, j = np.nonzero(rmay)
-        i = np.arange(I)
-        rows = ((b * I)[:, None] + i[None, :]) * J + j[:, None]
-        cols = lpos[b[:, None], i[None, :], k[:, None]]
-        pieces.append(sets.apply(sets.selection(rows.reshape(-1), cols.reshape(-1), (out_size, lpos.size)), ps[0]))
-    if ps[1] is not None:
-        b, i, k = np.nonzero(lmay)
-        j = np.arange(J)
-        rows = ((b * I + i) * J)[:, None] + j[None, :]
-        cols = rpos[b[:, None], k[:, None], j[None, :]]
-        pieces.append(sets.apply(sets.selection(rows.reshape(-1), cols.reshape(-1), (out_size, rpos.size)), ps[1]))
-    return [sets.union(pieces)]
+    lhs = arranged(0, [*lb, *lf, *lc], (batch, left, inner))
+    rhs = arranged(1, [*rb, *rc, *rf], (batch, inner, right))
+    return [sets.matmul(*lhs, *rhs, it.n, None)]
 
 
 def _tap_sources(

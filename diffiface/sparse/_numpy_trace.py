@@ -585,8 +585,6 @@ def _outer(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
 
 
 def _matmul(trace: _Trace, a: Any, b: Any) -> Any:
-    from ._torch_trace import _batched_mm
-
     a_shape, b_shape = _shape_of(a), _shape_of(b)
     if len(a_shape) >= 2 and len(b_shape) >= 2 and max(len(a_shape), len(b_shape)) > 3:
         batch = "abcdefghijklmnopqrstuvw"[: max(len(a_shape), len(b_shape)) - 2]
@@ -600,7 +598,7 @@ def _matmul(trace: _Trace, a: Any, b: Any) -> Any:
     b3 = (1, b_shape[0], 1) if squeeze_back else (1, *b_shape) if len(b_shape) == 2 else b_shape
     if a3[0] != b3[0] and 1 not in (a3[0], b3[0]):
         return _dense(trace, np.matmul, (a, b), {})
-    rows = _batched_mm(
+    rows = sets.matmul(
         a.rows if isinstance(a, IndexSetArray) else None,
         None if isinstance(a, IndexSetArray) else np.asarray(a) != 0,
         a3,

@@ -787,7 +787,7 @@ class _Interpreter:
             a_shape, b_shape = (1, *a_shape), (1, *b_shape)
         if len(a_shape) != 3 or len(b_shape) != 3 or name == "addbmm":
             return self.dense(node, name, sets.size(shape))
-        out = _batched_mm(
+        out = sets.matmul(
             self.rows.get(a),
             self._value_or_none(a),
             a_shape,
@@ -921,65 +921,6 @@ def _name(target: Any) -> str:
 
 def _qualified(target: Any) -> str:
     return str(target)
-
-
-def _batched_mm(
-    a_rows: Any,
-    a_nonzero: Any,
-    a_shape: Sequence[int],
-    b_rows: Any,
-    b_nonzero: Any,
-    b_shape: Sequence[int],
-    n: int,
-    pairs: sets.Pairs | None,
-) -> Any:
-    """The sets of ``a @ b`` for ``a`` of shape (B, m, k) and ``b`` (B, k, p) (B may broadcast from 1):
-    ``out[t, i, j]`` depends on ``a[t, i, l]`` where ``b[t, l, j]`` may be nonzero, and on ``b[t, l, j]``
-    where ``a[t, i, l]`` may be nonzero."""
-    import scipy.sparse as sp
-
-    batch = max(a_shape[0], b_shape[0])
-    _, m, k = a_shape
-    _, _, p = b_shape
-    a_mask = np.ones((m, k), dtype=bool) if a_nonzero is None else None
-    b_mask = np.ones((k, p), dtype=bool) if b_nonzero is None else None
-    parts = []
-    a_all = np.asarray(a_nonzero).reshape(a_shape) if a_nonzero is not None else None
-    b_all = np.asarray(b_nonzero).reshape(b_shape) if b_nonzero is not None else None
-    blocks_a, blocks_b = [], []
-    for t in range(batch):
-        ta = 0 if a_shape[0] == 1 else t
-        tb = 0 if b_shape[0] == 1 else t
-        am: Any = a_mask if a_all is None else a_all[ta]
-        bm: Any = b_mask if b_all is None else b_all[tb]
-        # out (i, j) <- a (i, l) where b (l, j): kron(I_m, bm.T) ; out (i, j) <- b (l, j) where a (i, l): kron(am, I_p)
-        blocks_a.append(sp.kron(sp.eye_array(m), sp.csr_array(bm.T.astype(np.float32)), format="csr"))
-        blocks_b.append(sp.kron(sp.csr_array(am.astype(np.float32)), sp.eye_array(p), format="csr"))
-    if a_rows is not None:
-        select = _batch_select(blocks_a, a_shape, m * k)
-        parts.append(sets.apply(select, a_rows))
-    if b_rows is not None:
-        select = _batch_select(blocks_b, b_shape, k * p)
-        parts.append(sets.apply(select, b_rows))
-    if pairs is not None and a_rows is not None and b_rows is not None:
-        for t in range(batch):
-            ta = 0 if a_shape[0] == 1 else t
-            tb = 0 if b_shape[0] == 1 else t
-            a_t = a_rows[ta * m * k : (ta + 1) * m * k]
-            b_t = b_rows[tb * k * p : (tb + 1) * k * p]
-            # column l of a with row l of b: the products a[i, l] * b[l, j]
-            columns = sets.apply(sets.reduction_matrix((m, k), [0]), a_t)
-            rows_b = sets.apply(sets.reduction_matrix((k, p), [1]), b_t)
-            pairs.add(columns, rows_b)
-    return sets.union(parts)
-
-
-def _batch_select(blocks: list[Any], shape: Sequence[int], per: int) -> Any:
-    import scipy.sparse as sp
-
-    if shape[0] == len(blocks):
-        return sp.block_diag(blocks, format="csr")
-    return sp.vstack(blocks, format="csr")  # one operand broadcast over the batch
 
 
 def _conv_pairs(
