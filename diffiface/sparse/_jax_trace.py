@@ -22,7 +22,7 @@ import numpy as np
 from .. import _arrays, tree
 from .._errors import BackendUnavailableError, DiffifaceError, InvalidOutputError, UnsupportedOperationError
 from . import _index_sets as sets
-from ._graphs import Traced, as_pattern
+from ._graphs import Traced, as_pattern, first_line
 
 if TYPE_CHECKING:
     from scipy.sparse import csr_array
@@ -110,7 +110,7 @@ def _trace(fun: Callable[..., Any], x: Any, values: list[Any]) -> tuple[Any, int
         if not _tracing_error(error):
             raise  # f's own exception (a ValueError f raises on its input), as f raised it
         raise UnsupportedOperationError(
-            f"GlobalDetector could not trace f with jax ({type(error).__name__}: {_first_line(error)}). It reads "
+            f"GlobalDetector could not trace f with jax ({type(error).__name__}: {first_line(error)}). It reads "
             "the pattern from the program jax traces, so f must be written with jax.numpy or the array API "
             "(array_api_compat.array_namespace), without Python branches on values. Use "
             "LocalDetector(...) (dense derivatives at a few points, with the backend given) or "
@@ -134,11 +134,6 @@ def _tracing_error(error: BaseException) -> bool:
         current = current.__cause__ or current.__context__
     text = f"{type(error).__name__} {error}"
     return any(word in text for word in ("Tracer", "tracer", "jax", "Jaxpr", "ShapeDtypeStruct", "abstract"))
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0][:200] if text else ""
 
 
 def output_size(f: Callable[..., Any], x: Any, values: list[Any]) -> int:

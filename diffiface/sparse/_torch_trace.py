@@ -27,6 +27,7 @@ from .. import _arrays, tree
 from .._errors import UnsupportedOperationError
 from . import _index_sets as sets
 from ._graphs import Traced as Detection
+from ._graphs import first_line
 
 __all__ = ["Detection", "trace_pattern"]
 
@@ -92,11 +93,6 @@ def _concrete_shape(meta: Any, what: str) -> tuple[int, ...]:
         ) from error
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0][:200] if text else ""
-
-
 _VALUE_REASON = (
     "f branches on, or converts to a Python number, a value computed from x or a context (a Python `if` on a "
     "tensor, float(t), int(t), .item()): the pattern could differ from one x to the next"
@@ -112,13 +108,13 @@ def _tracer_error(error: BaseException) -> str | None:
     name = type(error).__name__
     text = str(error)
     if name in ("GuardOnDataDependentSymNode", "DataDependentOutputException"):
-        return f"{_VALUE_REASON} ({_first_line(error)})"
+        return f"{_VALUE_REASON} ({first_line(error)})"
     if name == "DynamicOutputShapeException":
-        return f"{_SIZE_REASON} ({_first_line(error)})"
+        return f"{_SIZE_REASON} ({first_line(error)})"
     if name in ("UnsupportedOperatorException", "UnsupportedFakeTensorException"):
-        return f"torch cannot trace an operation of f on fake tensors ({_first_line(error)})"
+        return f"torch cannot trace an operation of f on fake tensors ({first_line(error)})"
     if "FakeTensor" in text or "tensor subclass" in text or "Proxy" in text or "SymFloat" in text:
-        return f"f does something torch cannot trace without values ({name}: {_first_line(error)})"
+        return f"f does something torch cannot trace without values ({name}: {first_line(error)})"
     return None
 
 
@@ -137,10 +133,10 @@ def _value_read(error: BaseException) -> str | None:
     if not any(read in text for read in _VALUE_READS):
         return None
     if "item()" in text:
-        return f"{_VALUE_REASON} ({_first_line(error)})"
+        return f"{_VALUE_REASON} ({first_line(error)})"
     return (
         "f reads the values of a tensor computed from x or a context (numpy(), tolist(), item(), a Python "
-        f"conversion): the pattern could differ from one x to the next ({type(error).__name__}: {_first_line(error)})"
+        f"conversion): the pattern could differ from one x to the next ({type(error).__name__}: {first_line(error)})"
     )
 
 
@@ -234,7 +230,7 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
                 raise UnsupportedOperationError(
                     _refusal(
                         f"{mode.unfollowed} (torch.cond or another higher-order operator): torch's tracers "
-                        f"cannot follow it here ({type(error).__name__}: {_first_line(error)})"
+                        f"cannot follow it here ({type(error).__name__}: {first_line(error)})"
                     )
                 ) from error
             raise
@@ -306,6 +302,7 @@ def _tracer_class() -> Any:
     global _TRACER_CLASS
     if _TRACER_CLASS is not None:
         return _TRACER_CLASS
+    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Tracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -342,7 +339,6 @@ def _tracer_class() -> Any:
             return self.handle(tensor.detach().clone(), node)
 
         def handle(self, shadow: Any, node: _Node) -> Any:
-            torch = _torch()
             meta = torch.empty_strided(tuple(shadow.shape), tuple(shadow.stride()), dtype=shadow.dtype, device="meta")
             self.entries[id(meta)] = (meta, shadow, node)
             return meta
@@ -358,7 +354,6 @@ def _tracer_class() -> Any:
             raise _Refused(reason)
 
         def output(self, out: Any) -> Any:
-            torch = _torch()
             if isinstance(out, torch.Tensor):
                 entry = self.entries.get(id(out))
                 if entry is not None:
@@ -369,7 +364,6 @@ def _tracer_class() -> Any:
             return out
 
         def node_of(self, a: Any) -> Any:
-            torch = _torch()
             if not isinstance(a, torch.Tensor):
                 return a
             entry = self.entries.get(id(a))
@@ -386,7 +380,6 @@ def _tracer_class() -> Any:
             return constant[1]
 
         def real(self, a: Any) -> Any:
-            torch = _torch()
             if isinstance(a, torch.Tensor):
                 entry = self.entries.get(id(a))
                 return a if entry is None else entry[1]
@@ -407,7 +400,6 @@ def _tracer_class() -> Any:
 
         def mixed(self, node: _Node, out: Any) -> Any:
             """Tensors beside other results (sizes, None): each tensor dense in the operands."""
-            torch = _torch()
             interpreter = self.interpreter
             every = interpreter.dense_row(node)
             results = []
@@ -423,7 +415,6 @@ def _tracer_class() -> Any:
             return type(out)(results)
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            torch = _torch()
             from torch.utils import _pytree as pytree
 
             kwargs = kwargs or {}
@@ -633,7 +624,7 @@ class _Interpreter:
             r = self.rows.get(a)
             rows.extend(r if isinstance(r, list) else [r])
         every = sets.everything(rows)
-        self.notes.append(f"{_qualified(node.target)} is not known to the torch detector: dense")
+        self.notes.append(f"{node.target} is not known to the torch detector: dense")
         if self.pairs is not None:
             self.pairs.add_all(every)
         return every
@@ -917,10 +908,6 @@ def _name(target: Any) -> str:
     packet = getattr(target, "overloadpacket", None)
     name = getattr(packet, "__name__", None) or getattr(target, "__name__", str(target))
     return str(name).split(".")[-1]
-
-
-def _qualified(target: Any) -> str:
-    return str(target)
 
 
 def _conv_pairs(
