@@ -55,14 +55,6 @@ def _dtype(leaf: Any) -> Any:
     return _jax().numpy.dtype(_arrays.dtype_name(leaf))
 
 
-def _abstract(x: Any) -> tuple[list[Any], Any, bool]:
-    jax = _jax()
-    leaves, spec = tree.flatten(x)
-    wide = any(_arrays.dtype_name(leaf) == "float64" for leaf in leaves)
-    structs = [jax.ShapeDtypeStruct(_arrays.shape(leaf), _dtype(leaf)) for leaf in leaves]
-    return structs, spec, wide
-
-
 def _abstract_values(values: list[Any]) -> tuple[list[Any], Callable[[list[Any]], list[Any]]]:
     """The array leaves of the contexts as abstract jax arrays (so that the pattern holds for every
     value they take), and what puts traced leaves back into the contexts."""
@@ -82,17 +74,12 @@ def _abstract_values(values: list[Any]) -> tuple[list[Any], Callable[[list[Any]]
     return structs, rebuild
 
 
-def _x64(on: bool) -> Any:
-    import contextlib
-
-    return _jax().enable_x64(True) if on else contextlib.nullcontext()
-
-
 def _trace(fun: Callable[..., Any], x: Any, values: list[Any]) -> tuple[Any, int]:
     """The closed jaxpr of ``fun(x, *values)`` over the leaves of ``x`` then the context arrays,
     its outputs the leaves of the result; and the number of x leaves."""
     jax = _jax()
-    structs, spec, _ = _abstract(x)
+    leaves, spec = tree.flatten(x)
+    structs = [jax.ShapeDtypeStruct(_arrays.shape(leaf), _dtype(leaf)) for leaf in leaves]
     context_structs, rebuild = _abstract_values(values)
     k = len(structs)
     import optree
@@ -102,7 +89,7 @@ def _trace(fun: Callable[..., Any], x: Any, values: list[Any]) -> tuple[Any, int
         return tree.leaves(fun(xs, *rebuild(list(args[k:]))))
 
     try:
-        with _x64(True):
+        with jax.enable_x64(True):
             closed = jax.make_jaxpr(run)(*structs, *context_structs)
     except DiffifaceError:
         raise
@@ -160,7 +147,7 @@ def _jacobian(f: Callable[..., Any], x: Any, values: list[Any]) -> csr_array:
     sizes = [_size(v.aval) for v in invars[:k]]
     n = sum(sizes)
     inputs = sets.identity(sizes) + [None] * (len(invars) - k)
-    with _x64(True):
+    with _jax().enable_x64(True):
         outs = _Interpreter(n).run_closed(closed, inputs, [None] * len(inputs))[0]
     return sets.stack(outs, [_size(v.aval) for v in closed.jaxpr.outvars], n)
 
@@ -334,84 +321,17 @@ def _shape(v: Any) -> tuple[int, ...]:
 
 
 _ELEMENTWISE = [
-    "add_any",
-    "complex",
-    "abs",
-    "acos",
-    "acosh",
-    "add",
-    "asin",
-    "asinh",
-    "atan",
-    "atan2",
-    "atanh",
-    "cbrt",
-    "ceil",
-    "clamp",
-    "conj",
-    "convert_element_type",
-    "copy",
-    "copy_p",
-    "cos",
-    "cosh",
-    "digamma",
-    "div",
-    "erf",
-    "erf_inv",
-    "erfc",
-    "exp",
-    "exp2",
-    "expm1",
-    "floor",
-    "igamma",
-    "igammac",
-    "imag",
-    "integer_pow",
-    "is_finite",
-    "lgamma",
-    "log",
-    "log1p",
-    "logistic",
-    "max",
-    "min",
-    "mul",
-    "ne",
-    "neg",
-    "nextafter",
-    "polygamma",
-    "pow",
-    "real",
-    "reduce_precision",
-    "rem",
-    "round",
-    "rsqrt",
-    "select_n",
-    "sign",
-    "sin",
-    "sinh",
-    "sqrt",
-    "square",
-    "sub",
-    "tan",
-    "tanh",
-    "bessel_i0e",
-    "bessel_i1e",
-    "random_gamma_grad",
-    "regularized_incomplete_beta",
-    "zeta",
-]
+    "add_any", "complex", "abs", "acos", "acosh", "add", "asin", "asinh", "atan", "atan2", "atanh", "cbrt", "ceil",
+    "clamp", "conj", "convert_element_type", "copy", "copy_p", "cos", "cosh", "digamma", "div", "erf", "erf_inv",
+    "erfc", "exp", "exp2", "expm1", "floor", "igamma", "igammac", "imag", "integer_pow", "is_finite", "lgamma",
+    "log", "log1p", "logistic", "max", "min", "mul", "ne", "neg", "nextafter", "polygamma", "pow", "real",
+    "reduce_precision", "rem", "round", "rsqrt", "select_n", "sign", "sin", "sinh", "sqrt", "square", "sub", "tan",
+    "tanh", "bessel_i0e", "bessel_i1e", "random_gamma_grad", "regularized_incomplete_beta", "zeta",
+]  # fmt: skip
 
 
-@_rule(
-    "optimization_barrier",
-    "device_put",
-    "sharding_constraint",
-    "mesh_cast",
-    "reshard",
-    "pvary",
-    "layout_constraint",
-    "stop_gradient",
-)
+@_rule("optimization_barrier", "device_put", "sharding_constraint", "mesh_cast", "reshard", "pvary",
+       "layout_constraint", "stop_gradient")  # fmt: skip
 def _identity(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
     return list(ps)
 
