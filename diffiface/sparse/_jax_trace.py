@@ -475,34 +475,41 @@ def _window_sources(
     operand_shape: tuple[int, ...],
     indices: np.ndarray,
     index_map: Sequence[int],
-    batch: list[np.ndarray],
-    window_dims: Sequence[int],
-    window: list[np.ndarray],
-    window_sizes: Sequence[int],
-    batching: Sequence[tuple[int, np.ndarray]] = (),
+    element_shape: tuple[int, ...],
+    offset_dims: Sequence[int],
+    skipped: Sequence[int],
+    operand_batching: Sequence[int],
+    indices_batching: Sequence[int],
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(element, operand flat index) pairs for a gather's outputs or a scatter's updates.
+    """(element, operand flat index) pairs for a gather's outputs or a scatter's updates (the
+    elements, of ``element_shape``).
 
     Element ``e`` reads (writes) the operand at ``start + offset``: ``start`` from the index
-    vector ``indices[batch[:, e]]`` (placed on the operand dimensions ``index_map``), ``offset``
-    the window coordinates ``window[:, e]`` on ``window_dims``. jax clamps the start so that the
-    window fits (clip), or fills and drops (fill or drop), or assumes it fits: both the clamped
-    position and the unclamped one where it is in bounds are kept, which covers every mode.
+    vector of its coordinates off ``offset_dims`` (placed on the operand dimensions ``index_map``;
+    on a batching dimension, its own batch coordinate), ``offset`` its coordinates on
+    ``offset_dims`` (placed on the operand dimensions neither ``skipped`` nor batching, whose
+    window sizes they span). jax clamps the start so that the window fits (clip), or fills and
+    drops (fill or drop), or assumes it fits: both the clamped position and the unclamped one
+    where it is in bounds are kept, which covers every mode.
     """
     rank = len(operand_shape)
-    count = batch[0].size if batch else (window[0].size if window else 1)
+    count = sets.size(element_shape)
+    coords = np.indices(element_shape).reshape(len(element_shape), count)
+    batch = [coords[d] for d in range(len(element_shape)) if d not in offset_dims]
     vectors = indices[tuple(batch)] if batch else np.broadcast_to(indices, (count, indices.shape[-1]))
     vectors = vectors.reshape(count, -1).astype(np.int64)
     start = np.zeros((rank, count), dtype=np.int64)
     for j, d in enumerate(index_map):
         start[d] = vectors[:, j]
-    for d, coordinate in batching:  # batched dimensions: the element's own batch coordinate
-        start[d] = coordinate.reshape(-1)
+    for d, k in zip(operand_batching, indices_batching, strict=True):  # the element's own batch coordinate
+        start[d] = batch[k]
     offset = np.zeros((rank, count), dtype=np.int64)
-    for d, w in zip(window_dims, window, strict=True):
-        offset[d] = w.reshape(-1)
+    sizes = np.ones((rank, 1), dtype=np.int64)
+    window_dims = [d for d in range(rank) if d not in {*skipped, *operand_batching}]
+    for d, o in zip(window_dims, offset_dims, strict=True):
+        offset[d] = coords[o]
+        sizes[d] = element_shape[o]
     dims = np.asarray(operand_shape, dtype=np.int64)[:, None]
-    sizes = np.asarray(window_sizes, dtype=np.int64)[:, None]
     clipped = np.clip(start, 0, np.maximum(dims - sizes, 0)) + offset
     raw = start + offset
     inside = ((raw >= 0) & (raw < dims)).all(axis=0)
@@ -519,26 +526,18 @@ def _gather(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> lis
     if vs[1] is None:
         raise _Unknown
     dn = eqn.params["dimension_numbers"]
-    operand_batching = tuple(getattr(dn, "operand_batching_dims", ()))
-    indices_batching = tuple(getattr(dn, "start_indices_batching_dims", ()))
-    operand_shape = _shape(eqn.invars[0])
-    out = eqn.outvars[0]
-    out_shape = _shape(out)
-    coords = np.indices(out_shape).reshape(len(out_shape), -1) if out_shape else np.zeros((0, 1), dtype=np.int64)
-    batch = [coords[d] for d in range(len(out_shape)) if d not in dn.offset_dims]
-    skipped = set(dn.collapsed_slice_dims) | set(operand_batching)
-    window_dims = [d for d in range(len(operand_shape)) if d not in skipped]
+    operand, out = eqn.invars[0], eqn.outvars[0]
     rows, cols = _window_sources(
-        operand_shape,
+        _shape(operand),
         np.asarray(vs[1]),
         dn.start_index_map,
-        batch,
-        window_dims,
-        [coords[d] for d in dn.offset_dims],
-        eqn.params["slice_sizes"],
-        [(d, batch[k]) for d, k in zip(operand_batching, indices_batching, strict=True)],
+        _shape(out),
+        dn.offset_dims,
+        dn.collapsed_slice_dims,
+        getattr(dn, "operand_batching_dims", ()),
+        getattr(dn, "start_indices_batching_dims", ()),
     )
-    return [sets.apply(sets.selection(rows, cols, (_size(out.aval), _size(eqn.invars[0].aval))), ps[0])]
+    return [sets.apply(sets.selection(rows, cols, (_size(out.aval), _size(operand.aval))), ps[0])]
 
 
 @_rule("scatter-add", "scatter_add", "scatter", "scatter-mul", "scatter_mul", "scatter-min", "scatter_min",
@@ -546,35 +545,23 @@ def _gather(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> lis
 def _scatter(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
     """operand, indices, updates: each output unites its operand element and the updates sent to
     it (also where an update overwrites, or multiplies: conservative)."""
-    operand_var, _, updates_var = eqn.invars[:3]
+    operand, _, updates = eqn.invars[:3]
     if vs[1] is None:
         raise _Unknown
     dn = eqn.params["dimension_numbers"]
-    operand_batching = tuple(getattr(dn, "operand_batching_dims", ()))
-    indices_batching = tuple(getattr(dn, "scatter_indices_batching_dims", ()))
-    operand_shape = _shape(operand_var)
-    updates_shape = _shape(updates_var)
     pieces = [ps[0]]
-    if ps[2] is not None and _size(updates_var.aval):
-        coords = np.indices(updates_shape).reshape(len(updates_shape), -1)
-        batch = [coords[d] for d in range(len(updates_shape)) if d not in dn.update_window_dims]
-        skipped = set(dn.inserted_window_dims) | set(operand_batching)
-        window_dims = [d for d in range(len(operand_shape)) if d not in skipped]
-        sizes = [1] * len(operand_shape)
-        for d, u in zip(window_dims, dn.update_window_dims, strict=True):
-            sizes[d] = updates_shape[u]
+    if ps[2] is not None and _size(updates.aval):
         cols, rows = _window_sources(
-            operand_shape,
+            _shape(operand),
             np.asarray(vs[1]),
             dn.scatter_dims_to_operand_dims,
-            batch,
-            window_dims,
-            [coords[d] for d in dn.update_window_dims],
-            sizes,
-            [(d, batch[k]) for d, k in zip(operand_batching, indices_batching, strict=True)],
+            _shape(updates),
+            dn.update_window_dims,
+            dn.inserted_window_dims,
+            getattr(dn, "operand_batching_dims", ()),
+            getattr(dn, "scatter_indices_batching_dims", ()),
         )
-        matrix = sets.selection(rows, cols, (_size(operand_var.aval), _size(updates_var.aval)))
-        pieces.append(sets.apply(matrix, ps[2]))
+        pieces.append(sets.apply(sets.selection(rows, cols, (_size(operand.aval), _size(updates.aval))), ps[2]))
     return [sets.union(pieces)]
 
 
