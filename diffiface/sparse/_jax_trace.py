@@ -342,15 +342,16 @@ def _elementwise(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -
     return [sets.union(sets.elementwise(operands, _shape(out), it.n)) for out in eqn.outvars]
 
 
-def _copy_rule(make: Callable[[Any, list[np.ndarray], list[Any]], np.ndarray]) -> Rule:
+def _copy_rule(make: Callable[[Any, list[np.ndarray], list[Any]], Any]) -> Rule:
     """A rule for an operation that copies elements: ``make(eqn, positions, values)`` applies it
-    to the operands' 1-based positions."""
+    to the operands' 1-based positions (a list of results for an operation of several)."""
 
     def rule(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
         sizes = [_size(v.aval) for v in eqn.invars]
         offsets = np.cumsum([0, *sizes[:-1]])
         positions = [sets.positions(_shape(v), int(o)) for v, o in zip(eqn.invars, offsets, strict=True)]
-        return [sets.gather(ps, sizes, make(eqn, positions, vs), it.n)]
+        made = make(eqn, positions, vs)
+        return [sets.gather(ps, sizes, m, it.n) for m in (made if isinstance(made, list) else [made])]
 
     return rule
 
@@ -448,27 +449,15 @@ _RULES["tile"] = _copy_rule(lambda eqn, pos, vs: np.tile(pos[0], eqn.params["rep
 _RULES["stack"] = _copy_rule(lambda eqn, pos, vs: np.stack(pos, axis=eqn.params["axis"]))
 _RULES["dynamic_slice"] = _copy_rule(_dynamic_slice)
 _RULES["dynamic_update_slice"] = _copy_rule(_dynamic_update_slice)
-
-
-@_rule("unstack")
-def _unstack(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
-    pos = sets.positions(_shape(eqn.invars[0]))
-    axis = eqn.params["axis"]
-    size = _size(eqn.invars[0].aval)
-    return [sets.gather([ps[0]], [size], np.take(pos, k, axis=axis), it.n) for k in range(pos.shape[axis])]
+_RULES["unstack"] = _copy_rule(lambda eqn, pos, vs: list(np.moveaxis(pos[0], eqn.params["axis"], 0)))
+_RULES["split"] = _copy_rule(
+    lambda eqn, pos, vs: np.split(pos[0], np.cumsum(eqn.params["sizes"])[:-1], axis=eqn.params["axis"])
+)
 
 
 @_rule("zeros_like")
 def _zeros(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
     return [None for _ in eqn.outvars]
-
-
-@_rule("split")
-def _split(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
-    pos = sets.positions(_shape(eqn.invars[0]))
-    cuts = np.cumsum(eqn.params["sizes"])[:-1]
-    pieces = np.split(pos, cuts, axis=eqn.params["axis"])
-    return [sets.gather([ps[0]], [_size(eqn.invars[0].aval)], piece, it.n) for piece in pieces]
 
 
 def _window_sources(
