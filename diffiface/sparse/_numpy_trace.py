@@ -475,12 +475,17 @@ def _reduce(trace: _Trace, a: Any, axis: Any, keepdims: bool, linear: bool) -> A
     return IndexSetArray(trace, out_shape, rows, a.dtype if a.floating else np.float64)
 
 
-def _cumulative(trace: _Trace, a: Any, axis: Any, linear: bool) -> Any:
+def _cumulative(trace: _Trace, a: Any, axis: Any, linear: bool, whole: bool = False) -> Any:
+    """Each output depending on its line along ``axis`` up to it, or (``whole``: sort) on all of it."""
     a = _lift(trace, a)
     if axis is None:
-        a = np.ravel(a)
-        axis = 0
-    rows = sets.apply(sets.cumulative_matrix(a.shape, int(axis)), a.rows) if a.shape else a.rows
+        a, axis = np.ravel(a), 0
+    if not a.shape:
+        rows = a.rows
+    elif whole:
+        rows = sets.along(a.rows, a.shape, int(axis))
+    else:
+        rows = sets.apply(sets.cumulative_matrix(a.shape, int(axis)), a.rows)
     if trace.pairs is not None and not linear:
         trace.pairs.add_all(rows)
     return IndexSetArray(trace, a.shape, rows, a.dtype)
@@ -544,9 +549,10 @@ def _norm(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     return _reduce(trace, a, axis, bool(given.get("keepdims", False)), False)
 
 
-def _cumsum(linear: bool) -> Any:
+def _along(linear: bool, whole: bool = False) -> Any:
     def handler(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-        return _cumulative(trace, args[0], _argument(args, kwargs, 1, "axis", None), linear)
+        axis = _argument(args, kwargs, 1, "axis", -1 if whole else None)
+        return _cumulative(trace, args[0], axis, linear, whole)
 
     return handler
 
@@ -830,18 +836,6 @@ def _select(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     return IndexSetArray(trace, out_shape, rows, np.result_type(*(v.dtype for v in operands)))
 
 
-def _along(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    """sort and friends: each output depends on the whole slice along the axis."""
-    a: Any = _lift(trace, args[0])
-    axis = _argument(args, kwargs, 1, "axis", -1)
-    if axis is None:
-        a, axis = np.ravel(a), 0
-    rows = sets.along(a.rows, a.shape, int(axis))
-    if trace.pairs is not None:
-        trace.pairs.add_all(rows)
-    return IndexSetArray(trace, a.shape, rows, a.dtype)
-
-
 def _like(fill: bool) -> Any:
     def handler(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         a = args[0]
@@ -1036,12 +1030,12 @@ _FUNCTIONS: dict[str, Callable[[_Trace, Any, Any, dict[str, Any]], Any]] = {
     "sum": _sum(True), "mean": _sum(True), "nansum": _sum(True), "nanmean": _sum(True), "average": _sum(True),
     "prod": _sum(False), "max": _sum(False), "amax": _sum(False), "min": _sum(False), "amin": _sum(False),
     "std": _sum(False), "var": _sum(False), "nanmax": _sum(False), "nanmin": _sum(False), "ptp": _sum(False),
-    "norm": _norm, "cumsum": _cumsum(True), "cumprod": _cumsum(False), "diff": _diff, "dot": _dot,
+    "norm": _norm, "cumsum": _along(True), "cumprod": _along(False), "diff": _diff, "dot": _dot,
     "vdot": _vdot, "inner": _inner, "outer": _outer, "matmul": lambda t, f, a, k: _matmul(t, a[0], a[1]),
     "select": _select, "convolve": _convolve, "correlate": _convolve, "einsum": _einsum, "tensordot": _tensordot, "kron": _kron,
     "polyval": _polyval, "trace": _trace_of, "sinc": _elementwise, "i0": _elementwise, "nan_to_num": _elementwise,
     "around": _elementwise, "round": _elementwise, "fix": _elementwise, "angle": _elementwise, "imag": _elementwise,
-    "real_if_close": _elementwise, "where": _where, "sort": _along, "zeros_like": _like(False), "ones_like": _like(False),
+    "real_if_close": _elementwise, "where": _where, "sort": _along(False, whole=True), "zeros_like": _like(False), "ones_like": _like(False),
     "empty_like": _like(False), "full_like": _like(True), "shape": _shape_only, "ndim": _shape_only,
     "size": _shape_only, "clip": _clip, "result_type": _shape_only,
 }  # fmt: skip
