@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 Rows = Any  # csr_array (elements x inputs, bool), or None: depends on nothing
 
-__all__ = ["Pairs", "Rows", "broadcast_positions", "gather", "positions", "union"]
+__all__ = ["Pairs", "Rows", "gather", "positions", "union"]
 
 
 def _sp() -> Any:
@@ -78,10 +78,6 @@ def stack(blocks: Sequence[Rows], sizes: Sequence[int], n: int) -> csr_array:
 def positions(shape: Sequence[int], offset: int = 0) -> np.ndarray:
     """1-based positions of an array of ``shape`` whose first element sits at ``offset``."""
     return np.arange(1 + offset, 1 + offset + size(shape), dtype=np.int64).reshape(tuple(shape))
-
-
-def broadcast_positions(shape: Sequence[int], out_shape: Sequence[int]) -> np.ndarray:
-    return np.broadcast_to(positions(shape), tuple(out_shape))
 
 
 def gather(sources: Sequence[Rows], sizes: Sequence[int], where: Any, n: int) -> Rows:
@@ -157,7 +153,7 @@ def broadcast(rows: Rows, shape: Sequence[int], out_shape: Sequence[int], n: int
         return None
     if tuple(shape) == tuple(out_shape):
         return rows
-    return gather([rows], [size(shape)], broadcast_positions(shape, out_shape), n)
+    return gather([rows], [size(shape)], np.broadcast_to(positions(shape), tuple(out_shape)), n)
 
 
 def elementwise(operands: Sequence[tuple[Rows, Sequence[int]]], out_shape: Sequence[int], n: int) -> list[Rows]:
