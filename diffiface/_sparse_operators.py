@@ -288,7 +288,7 @@ class _Plan:
         out = self.route.run(f, x, contexts)
         values = out[-1]
         if self.backend.check:
-            self.route.check(f, x, contexts, values)
+            _check_against_dense(self, f, x, contexts, values)
         matrix = self._dense(values) if self.backend.dense else self._sparse(values)
         if name == "jacobian" or name == "hessian":
             return matrix
@@ -326,9 +326,6 @@ class _Route:
     y_layout: _Layout
 
     def run(self, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> tuple[Any, ...]:
-        raise NotImplementedError
-
-    def check(self, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...], values: Any) -> None:
         raise NotImplementedError
 
 
@@ -445,9 +442,6 @@ class _ProductRoute(_Route):
         stacked = xp.concatenate([matrices.cast(v.reshape(-1), dtype) for v in flats])
         return matrices.take(stacked, self.index)
 
-    def check(self, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...], values: Any) -> None:
-        _check_against_dense(self.plan, f, x, contexts, values)
-
 
 def _value(f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> Any:
     return f(x, *(c.value for c in contexts))
@@ -490,7 +484,7 @@ class _CompressedInputRoute(_Route):
         self.z = _like(flat, np.zeros(plan.count))
         self.jacobian_prep = ops.prepare_value_and_jacobian(compressed, plan.engine, self.z, Constant(flat), *contexts)
         self.dtype = _promote(family, [*plan.x_layout.dtypes, *self.y_layout.dtypes])
-        self.index = _matrices(family).index_like(flat, _untransposed(plan))
+        self.index = _matrices(family).index_like(flat, np.asarray(plan.coloring.index, dtype=np.int64))
 
     def run(self, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> tuple[Any, ...]:
         flat, _ = _tree.ravel(x)
@@ -500,13 +494,6 @@ class _CompressedInputRoute(_Route):
         matrices = _matrices(self.plan.family)
         values = matrices.take(matrices.cast(compressed, self.dtype), self.index)
         return (self.unravel_y(y_flat), values)
-
-    def check(self, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...], values: Any) -> None:
-        _check_against_dense(self.plan, f, x, contexts, values)
-
-
-def _untransposed(plan: _Plan) -> np.ndarray:
-    return np.asarray(plan.coloring.index, dtype=np.int64)
 
 
 # -- jax: the products and the gather in one compiled program --------------------------------------
@@ -555,9 +542,6 @@ class _CompiledRoute(_Route):
             piece = flat[layout.offsets[i] : layout.offsets[i + 1]].reshape(shape).astype(layout.dtypes[i])
             leaves.append(float(piece) if self.x_python[i] else piece)
         return optree.tree_unflatten(layout.spec, leaves)
-
-    def check(self, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...], values: Any) -> None:
-        _check_against_dense(self.plan, f, x, contexts, values)
 
 
 # -- the opt-in check: one dense product along a random direction ----------------------------------

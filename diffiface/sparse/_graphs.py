@@ -36,6 +36,12 @@ class Traced:
         self.notes = notes
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of a tracer's error, for a message that names it."""
+    text = str(error).strip().splitlines()
+    return text[0][:200] if text else ""
+
+
 def as_pattern(pattern: Any, shape: tuple[int, int] | None = None, what: str = "pattern") -> csr_array:
     """``pattern`` (a scipy.sparse matrix or array, or a 2-d array-like whose nonzeros are the
     pattern) as a canonical boolean ``csr_array``: sorted indices, no duplicates, no stored zeros.

@@ -1,6 +1,6 @@
 """Index sets: which input numbers each element of an array depends on, and the rules that carry
-them through operations. Shared by the tracers of torch-written (``_torch_trace``) and
-numpy-written (``_numpy_trace``) functions.
+them through operations. Shared by the tracers of jax programs (``_jax_trace``),
+torch-written (``_torch_trace``) and numpy-written (``_numpy_trace``) functions.
 
 An array's sets are a boolean ``scipy.sparse.csr_array`` with one row per element (C order) and
 one column per input number, or ``None`` where the array depends on no input. Every rule is
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 Rows = Any  # csr_array (elements x inputs, bool), or None: depends on nothing
 
-__all__ = ["Pairs", "Rows", "broadcast_positions", "gather", "positions", "union"]
+__all__ = ["Pairs", "Rows", "gather", "positions", "union"]
 
 
 def _sp() -> Any:
@@ -58,13 +58,26 @@ def canonical(rows: Any) -> csr_array:
     return rows
 
 
+def identity(sizes: Sequence[int]) -> list[csr_array]:
+    """The sets of inputs of ``sizes`` laid end to end: each element depends on itself alone."""
+    n = int(sum(sizes))
+    blocks, offset = [], 0
+    for count in sizes:
+        rows = np.arange(count)
+        blocks.append(_sp().csr_array((np.ones(count, dtype=bool), (rows, offset + rows)), shape=(count, n)))
+        offset += count
+    return blocks
+
+
+def stack(blocks: Sequence[Rows], sizes: Sequence[int], n: int) -> csr_array:
+    """One pattern from the rows of outputs of ``sizes`` laid end to end."""
+    present = [empty(k, n) if rows is None else rows for rows, k in zip(blocks, sizes, strict=True)]
+    return canonical(_sp().vstack(present, format="csr")) if present else empty(0, n)
+
+
 def positions(shape: Sequence[int], offset: int = 0) -> np.ndarray:
     """1-based positions of an array of ``shape`` whose first element sits at ``offset``."""
     return np.arange(1 + offset, 1 + offset + size(shape), dtype=np.int64).reshape(tuple(shape))
-
-
-def broadcast_positions(shape: Sequence[int], out_shape: Sequence[int]) -> np.ndarray:
-    return np.broadcast_to(positions(shape), tuple(out_shape))
 
 
 def gather(sources: Sequence[Rows], sizes: Sequence[int], where: Any, n: int) -> Rows:
@@ -91,6 +104,11 @@ def gather_all(sources: Sequence[Rows], sizes: Sequence[int], targets: Any, wher
     stacked = _sp().vstack(blocks, format="csr")
     picks = _sp().csr_array((np.ones(targets.size), (targets, where)), shape=(count, stacked.shape[0]))
     return apply(picks, stacked)
+
+
+def selection(rows: np.ndarray, cols: np.ndarray, shape: tuple[int, int]) -> csr_array:
+    """The 0/1 matrix of ``shape`` with a one at each ``(rows[k], cols[k])`` (as :func:`apply` reads it)."""
+    return _sp().csr_array((np.ones(rows.size, dtype=bool), (rows, cols)), shape=shape)
 
 
 def union(rows: Sequence[Rows]) -> Rows:
@@ -124,13 +142,18 @@ def all_of(rows: Rows, count: int) -> Rows:
     return canonical(_sp().csr_array((data, (grid_rows, grid_cols)), shape=(count, rows.shape[1])))
 
 
+def everything(rows: Sequence[Rows]) -> Rows:
+    """One row: every input that any element of any of ``rows`` depends on (arrays of any sizes)."""
+    return union([all_of(r, 1) for r in rows])
+
+
 def broadcast(rows: Rows, shape: Sequence[int], out_shape: Sequence[int], n: int) -> Rows:
     """The rows of an operand of ``shape`` broadcast to ``out_shape``."""
     if rows is None:
         return None
     if tuple(shape) == tuple(out_shape):
         return rows
-    return gather([rows], [size(shape)], broadcast_positions(shape, out_shape), n)
+    return gather([rows], [size(shape)], np.broadcast_to(positions(shape), tuple(out_shape)), n)
 
 
 def elementwise(operands: Sequence[tuple[Rows, Sequence[int]]], out_shape: Sequence[int], n: int) -> list[Rows]:
@@ -153,14 +176,62 @@ def reduction_matrix(shape: Sequence[int], axes: Sequence[int]) -> Any:
     )
 
 
-def cumulative_matrix(shape: Sequence[int], axis: int) -> Any:
+def cumulative_matrix(shape: Sequence[int], axis: int, reverse: bool = False) -> Any:
     """The 0/1 matrix of a cumulative operation (cumsum, cumprod, cummax) along ``axis``."""
     sp = _sp()
     shape = tuple(shape)
     axis %= len(shape)
     before, length, after = size(shape[:axis]), shape[axis], size(shape[axis + 1 :])
-    lower = sp.csr_array(np.tril(np.ones((length, length), dtype=np.float32)))
-    return sp.kron(sp.kron(sp.eye_array(before), lower), sp.eye_array(after), format="csr")
+    ones = np.ones((length, length), dtype=np.float32)
+    triangle = sp.csr_array(np.triu(ones) if reverse else np.tril(ones))
+    return sp.kron(sp.kron(sp.eye_array(before), triangle), sp.eye_array(after), format="csr")
+
+
+def along(rows: Rows, shape: Sequence[int], axis: int) -> Rows:
+    """Each element depending on the whole line of ``rows`` along ``axis`` (a sort, a softmax)."""
+    line = reduction_matrix(shape, [axis])
+    return apply(line.T @ line, rows)
+
+
+def matmul(
+    a: Rows,
+    a_may: Any,
+    a_shape: Sequence[int],
+    b: Rows,
+    b_may: Any,
+    b_shape: Sequence[int],
+    n: int,
+    pairs: Pairs | None,
+) -> Rows:
+    """The sets of ``a @ b`` for ``a`` of shape (B, m, k) and ``b`` (B, k, p) (either B may be 1,
+    broadcast): ``out[t, i, j]`` depends on ``a[t, i, c]`` where ``b[t, c, j]`` may be nonzero, and
+    on ``b[t, c, j]`` where ``a[t, i, c]`` may be nonzero. ``a_may``, ``b_may``: where a constant
+    operand is nonzero (any shape of its size), None for anywhere. Each product couples its factors."""
+    batch, (_, m, k), p = max(a_shape[0], b_shape[0]), a_shape, b_shape[2]
+    out_size = batch * m * p
+    parts = []
+    if a is not None:
+        may = np.ones(b_shape, dtype=bool) if b_may is None else np.asarray(b_may).reshape(b_shape)
+        t, c, j = np.nonzero(np.broadcast_to(may, (batch, k, p)))
+        own = t if a_shape[0] == batch else np.zeros_like(t)
+        i = np.arange(m)
+        rows = ((t * m)[:, None] + i) * p + j[:, None]
+        cols = ((own * m)[:, None] + i) * k + c[:, None]
+        parts.append(apply(selection(rows.reshape(-1), cols.reshape(-1), (out_size, size(a_shape))), a))
+    if b is not None:
+        may = np.ones(a_shape, dtype=bool) if a_may is None else np.asarray(a_may).reshape(a_shape)
+        t, i, c = np.nonzero(np.broadcast_to(may, (batch, m, k)))
+        own = t if b_shape[0] == batch else np.zeros_like(t)
+        j = np.arange(p)
+        rows = ((t * m + i) * p)[:, None] + j
+        cols = ((own * k + c) * p)[:, None] + j
+        parts.append(apply(selection(rows.reshape(-1), cols.reshape(-1), (out_size, size(b_shape))), b))
+    if pairs is not None and a is not None and b is not None:
+        # column c of a with row c of b, batch by batch: the products a[t, i, c] * b[t, c, j]
+        columns = apply(reduction_matrix(a_shape, [1]), a)
+        lines = apply(reduction_matrix(b_shape, [2]), b)
+        pairs.add(broadcast(columns, (a_shape[0], k), (batch, k), n), broadcast(lines, (b_shape[0], k), (batch, k), n))
+    return union(parts)
 
 
 class Pairs:

@@ -26,13 +26,14 @@ class Products:
         self.wide = "float64" in layout.dtypes or "float64" in {
             _arrays.dtype_name(leaf) for c in contexts for leaf in tree.leaves(c.value)
         }
+        mode, hessian, count = plan.coloring.mode, plan.hessian, plan.count
         seeds_t = np.ascontiguousarray(np.asarray(plan.coloring.seeds).T)
-        forward_t = seeds_t
-        backward_t = np.ascontiguousarray(np.asarray(plan.coloring.row_seeds).T)
+        # the seeds of the forward products and of the reverse ones (a row coloring's: all reverse)
+        forward_t = seeds_t[:0] if mode == "row" else seeds_t
+        backward_t = seeds_t if mode == "row" else np.ascontiguousarray(np.asarray(plan.coloring.row_seeds).T)
         index = plan.stacked_index.astype(
             np.int32 if plan.stacked_index.size and plan.stacked_index.max() < 2**31 else np.int64
         )
-        mode, hessian, count = plan.coloring.mode, plan.hessian, plan.count
         offsets, shapes, dtypes, spec = layout.offsets, layout.shapes, layout.dtypes, layout.spec
         y_info: list[Any] = []
 
@@ -71,7 +72,7 @@ class Products:
                 (value, grad), linear = jax.linearize(jax.value_and_grad(scalar), flat)
                 stacked = jax.vmap(lambda s: linear(s)[1])(seeds) if count else jnp.zeros((0,), flat.dtype)
                 return value, grad, stacked.reshape(-1)[index]
-            if mode == "bidirectional":  # forward products for the columns, reverse for the rows
+            if mode in ("row", "bidirectional"):  # forward products for the columns, reverse for the rows
                 (y_flat, y_leaves), pull = jax.vjp(lambda v: flat_output(v, values), flat)
                 cotangent_leaves = [jnp.zeros_like(a) for a in y_leaves]
                 forward = jnp.asarray(forward_t, dtype=flat.dtype)
@@ -89,17 +90,8 @@ class Products:
                 dtype = np.result_type(flat.dtype.name, y_flat.dtype.name).name
                 both = jnp.concatenate([pushed.astype(dtype).reshape(-1), pulled.astype(dtype).reshape(-1)])
                 return tuple(y_leaves), both[index]
-            if mode == "row":
-                (y_flat, y_leaves), pull = jax.vjp(lambda v: flat_output(v, values), flat)
-                cotangent_leaves = [jnp.zeros_like(a) for a in y_leaves]
-                stacked = (
-                    jax.vmap(lambda s: pull((s.astype(y_flat.dtype), cotangent_leaves))[0])(seeds)
-                    if count
-                    else jnp.zeros((0,), flat.dtype)
-                )
-            else:
-                (y_flat, y_leaves), linear = jax.linearize(lambda v: flat_output(v, values), flat)
-                stacked = jax.vmap(lambda s: linear(s)[0])(seeds) if count else jnp.zeros((0,), y_flat.dtype)
+            (y_flat, y_leaves), linear = jax.linearize(lambda v: flat_output(v, values), flat)
+            stacked = jax.vmap(lambda s: linear(s)[0])(seeds) if count else jnp.zeros((0,), y_flat.dtype)
             dtype = np.result_type(flat.dtype.name, y_flat.dtype.name).name
             return tuple(y_leaves), stacked.astype(dtype).reshape(-1)[index]
 

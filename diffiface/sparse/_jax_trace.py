@@ -21,7 +21,8 @@ import numpy as np
 
 from .. import _arrays, tree
 from .._errors import BackendUnavailableError, DiffifaceError, InvalidOutputError, UnsupportedOperationError
-from ._graphs import Traced
+from . import _index_sets as sets
+from ._graphs import Traced, as_pattern, first_line
 
 if TYPE_CHECKING:
     from scipy.sparse import csr_array
@@ -54,14 +55,6 @@ def _dtype(leaf: Any) -> Any:
     return _jax().numpy.dtype(_arrays.dtype_name(leaf))
 
 
-def _abstract(x: Any) -> tuple[list[Any], Any, bool]:
-    jax = _jax()
-    leaves, spec = tree.flatten(x)
-    wide = any(_arrays.dtype_name(leaf) == "float64" for leaf in leaves)
-    structs = [jax.ShapeDtypeStruct(_arrays.shape(leaf), _dtype(leaf)) for leaf in leaves]
-    return structs, spec, wide
-
-
 def _abstract_values(values: list[Any]) -> tuple[list[Any], Callable[[list[Any]], list[Any]]]:
     """The array leaves of the contexts as abstract jax arrays (so that the pattern holds for every
     value they take), and what puts traced leaves back into the contexts."""
@@ -81,17 +74,12 @@ def _abstract_values(values: list[Any]) -> tuple[list[Any], Callable[[list[Any]]
     return structs, rebuild
 
 
-def _x64(on: bool) -> Any:
-    import contextlib
-
-    return _jax().enable_x64(True) if on else contextlib.nullcontext()
-
-
 def _trace(fun: Callable[..., Any], x: Any, values: list[Any]) -> tuple[Any, int]:
     """The closed jaxpr of ``fun(x, *values)`` over the leaves of ``x`` then the context arrays,
     its outputs the leaves of the result; and the number of x leaves."""
     jax = _jax()
-    structs, spec, _ = _abstract(x)
+    leaves, spec = tree.flatten(x)
+    structs = [jax.ShapeDtypeStruct(_arrays.shape(leaf), _dtype(leaf)) for leaf in leaves]
     context_structs, rebuild = _abstract_values(values)
     k = len(structs)
     import optree
@@ -101,7 +89,7 @@ def _trace(fun: Callable[..., Any], x: Any, values: list[Any]) -> tuple[Any, int
         return tree.leaves(fun(xs, *rebuild(list(args[k:]))))
 
     try:
-        with _x64(True):
+        with jax.enable_x64(True):
             closed = jax.make_jaxpr(run)(*structs, *context_structs)
     except DiffifaceError:
         raise
@@ -109,7 +97,7 @@ def _trace(fun: Callable[..., Any], x: Any, values: list[Any]) -> tuple[Any, int
         if not _tracing_error(error):
             raise  # f's own exception (a ValueError f raises on its input), as f raised it
         raise UnsupportedOperationError(
-            f"GlobalDetector could not trace f with jax ({type(error).__name__}: {_first_line(error)}). It reads "
+            f"GlobalDetector could not trace f with jax ({type(error).__name__}: {first_line(error)}). It reads "
             "the pattern from the program jax traces, so f must be written with jax.numpy or the array API "
             "(array_api_compat.array_namespace), without Python branches on values. Use "
             "LocalDetector(...) (dense derivatives at a few points, with the backend given) or "
@@ -135,11 +123,6 @@ def _tracing_error(error: BaseException) -> bool:
     return any(word in text for word in ("Tracer", "tracer", "jax", "Jaxpr", "ShapeDtypeStruct", "abstract"))
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0][:200] if text else ""
-
-
 def output_size(f: Callable[..., Any], x: Any, values: list[Any]) -> int:
     closed, _ = _trace(f, x, values)
     return sum(_size(v.aval) for v in closed.jaxpr.outvars)
@@ -156,47 +139,17 @@ def _is_float(aval: Any) -> bool:
     return dtype is not None and bool(_jax().numpy.issubdtype(dtype, np.inexact))
 
 
-def _inputs(closed: Any, k: int) -> tuple[list[Pattern], int]:
-    """Patterns of the jaxpr's inputs: the x leaves share the identity, contexts depend on nothing."""
-    import scipy.sparse as sp
-
+def _jacobian(f: Callable[..., Any], x: Any, values: list[Any]) -> csr_array:
+    """The Jacobian pattern of the program jax traces of ``f``: x's leaves depend each on itself,
+    the contexts on nothing."""
+    closed, k = _trace(f, x, values)
     invars = closed.jaxpr.invars
     sizes = [_size(v.aval) for v in invars[:k]]
     n = sum(sizes)
-    patterns: list[Pattern] = []
-    start = 0
-    for size in sizes:
-        block = sp.csr_array(
-            (np.ones(size, dtype=bool), np.arange(start, start + size), np.arange(size + 1)), shape=(size, n)
-        )
-        patterns.append(block)
-        start += size
-    patterns.extend([None] * (len(invars) - k))
-    return patterns, n
-
-
-def _stack(patterns: Sequence[Pattern], avals: Sequence[Any], n: int) -> csr_array:
-    import scipy.sparse as sp
-
-    blocks = [
-        p if p is not None else sp.csr_array((_size(a), n), dtype=bool) for p, a in zip(patterns, avals, strict=True)
-    ]
-    if not blocks:
-        return sp.csr_array((0, n), dtype=bool)
-    return _canonical(sp.vstack(blocks, format="csr"))
-
-
-def _canonical(p: Any) -> csr_array:
-    import scipy.sparse as sp
-
-    p = sp.csr_array(p)
-    p.sum_duplicates()
-    p = p.astype(bool)
-    p.eliminate_zeros()
-    p.sort_indices()
-    p.indices = p.indices.astype(np.int64, copy=False)
-    p.indptr = p.indptr.astype(np.int64, copy=False)
-    return p
+    inputs = sets.identity(sizes) + [None] * (len(invars) - k)
+    with _jax().enable_x64(True):
+        outs = _Interpreter(n).run_closed(closed, inputs, [None] * len(inputs))[0]
+    return sets.stack(outs, [_size(v.aval) for v in closed.jaxpr.outvars], n)
 
 
 READS_HOST_ARRAYS = True
@@ -211,11 +164,7 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
 
 
 def jacobian_pattern(f: Callable[..., Any], x: Any, values: list[Any]) -> csr_array:
-    closed, k = _trace(f, x, values)
-    inputs, n = _inputs(closed, k)
-    with _x64(True):
-        outs = _Interpreter(n).run_closed(closed, inputs, [None] * len(inputs))[0]
-    return _stack(outs, [v.aval for v in closed.jaxpr.outvars], n)
+    return as_pattern(_jacobian(f, x, values))
 
 
 def hessian_pattern(f: Callable[..., Any], x: Any, values: list[Any]) -> csr_array:
@@ -235,21 +184,17 @@ def hessian_pattern(f: Callable[..., Any], x: Any, values: list[Any]) -> csr_arr
         return jax.grad(lambda z: scalar(z, *vals))(xs)
 
     try:
-        closed, k = _trace(grad, x, values)
+        jac = _jacobian(grad, x, values)
     except UnsupportedOperationError:
         # jax could trace f but not its gradient (a while loop with a traced bound): every pair
         # of inputs f depends on may interact.
-        first = jacobian_pattern(scalar, x, values)
+        first = _jacobian(scalar, x, values)
         used = first.toarray().reshape(-1) if first.shape[0] else np.zeros(first.shape[1], dtype=bool)
         import scipy.sparse as sp
 
         support = sp.csr_array(used[:, None])
-        return _canonical(support @ support.T)
-    inputs, n = _inputs(closed, k)
-    with _x64(True):
-        outs = _Interpreter(n).run_closed(closed, inputs, [None] * len(inputs))[0]
-    jac = _stack(outs, [v.aval for v in closed.jaxpr.outvars], n)
-    return _canonical(jac + jac.T)
+        return as_pattern(support @ support.T)
+    return as_pattern(jac + jac.T)
 
 
 # --- the interpreter -------------------------------------------------------------------------------
@@ -260,62 +205,6 @@ class _Interpreter:
 
     def __init__(self, n: int) -> None:
         self.n = n
-
-    # patterns ------------------------------------------------------------------------------------
-
-    def empty(self, size: int) -> csr_array:
-        import scipy.sparse as sp
-
-        return sp.csr_array((size, self.n), dtype=bool)
-
-    def dense(self, patterns: Sequence[Pattern]) -> Pattern:
-        """The union of all rows of ``patterns`` as one row, or None."""
-        union = None
-        for p in patterns:
-            if p is None or p.nnz == 0:
-                continue
-            row = np.zeros(self.n, dtype=bool)
-            row[p.indices] = True
-            union = row if union is None else union | row
-        if union is None:
-            return None
-        import scipy.sparse as sp
-
-        return sp.csr_array(union[None, :])
-
-    def repeat(self, row: Pattern, size: int) -> Pattern:
-        if row is None:
-            return None
-        return _canonical(row[np.zeros(size, dtype=np.int64)])
-
-    def pick(self, sources: Sequence[tuple[Pattern, int]], positions: np.ndarray) -> Pattern:
-        """Rows picked by ``positions`` (1-based into the sources stacked; anything else: none)."""
-        if all(p is None for p, _ in sources):
-            return None
-        import scipy.sparse as sp
-
-        stacked = sp.vstack([self.empty(1)] + [p if p is not None else self.empty(s) for p, s in sources], format="csr")
-        pos = np.asarray(positions).reshape(-1).astype(np.int64)
-        pos = np.where((pos >= 1) & (pos < stacked.shape[0]), pos, 0)
-        return _canonical(stacked[pos])
-
-    def combine(self, matrix: Any, pattern: Pattern) -> Pattern:
-        """``matrix`` (outputs x elements, bool) applied to a pattern: each output unites the rows
-        of its elements."""
-        if pattern is None:
-            return None
-        return _canonical(matrix.astype(bool) @ pattern)
-
-    @staticmethod
-    def union(patterns: Sequence[Pattern]) -> Pattern:
-        result = None
-        for p in patterns:
-            if p is None:
-                continue
-            result = p if result is None else result + p
-        return None if result is None else _canonical(result)
-
-    # running -----------------------------------------------------------------------------------------
 
     def run_closed(self, closed: Any, patterns: list[Pattern], values: list[Any]) -> tuple[list[Pattern], list[Any]]:
         return self.run(closed.jaxpr, list(closed.consts), patterns, values)
@@ -374,8 +263,8 @@ class _Interpreter:
         return [p for p, _ in results], [val for _, val in results]
 
     def conservative(self, eqn: Any, ps: Sequence[Pattern]) -> list[Pattern]:
-        row = self.dense(ps)
-        return [self.repeat(row, _size(v.aval)) for v in eqn.outvars]
+        row = sets.everything(ps)
+        return [sets.all_of(row, _size(v.aval)) for v in eqn.outvars]
 
 
 class _Unknown(Exception):
@@ -431,128 +320,38 @@ def _shape(v: Any) -> tuple[int, ...]:
     return tuple(getattr(v.aval, "shape", ()))
 
 
-def _positions(shape: tuple[int, ...], offset: int = 0) -> np.ndarray:
-    return offset + 1 + np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.int64).reshape(shape)
-
-
 _ELEMENTWISE = [
-    "add_any",
-    "complex",
-    "abs",
-    "acos",
-    "acosh",
-    "add",
-    "asin",
-    "asinh",
-    "atan",
-    "atan2",
-    "atanh",
-    "cbrt",
-    "ceil",
-    "clamp",
-    "conj",
-    "convert_element_type",
-    "copy",
-    "copy_p",
-    "cos",
-    "cosh",
-    "digamma",
-    "div",
-    "erf",
-    "erf_inv",
-    "erfc",
-    "exp",
-    "exp2",
-    "expm1",
-    "floor",
-    "igamma",
-    "igammac",
-    "imag",
-    "integer_pow",
-    "is_finite",
-    "lgamma",
-    "log",
-    "log1p",
-    "logistic",
-    "max",
-    "min",
-    "mul",
-    "ne",
-    "neg",
-    "nextafter",
-    "polygamma",
-    "pow",
-    "real",
-    "reduce_precision",
-    "rem",
-    "round",
-    "rsqrt",
-    "select_n",
-    "sign",
-    "sin",
-    "sinh",
-    "sqrt",
-    "square",
-    "sub",
-    "tan",
-    "tanh",
-    "bessel_i0e",
-    "bessel_i1e",
-    "random_gamma_grad",
-    "regularized_incomplete_beta",
-    "zeta",
-]
+    "add_any", "complex", "abs", "acos", "acosh", "add", "asin", "asinh", "atan", "atan2", "atanh", "cbrt", "ceil",
+    "clamp", "conj", "convert_element_type", "copy", "copy_p", "cos", "cosh", "digamma", "div", "erf", "erf_inv",
+    "erfc", "exp", "exp2", "expm1", "floor", "igamma", "igammac", "imag", "integer_pow", "is_finite", "lgamma",
+    "log", "log1p", "logistic", "max", "min", "mul", "ne", "neg", "nextafter", "polygamma", "pow", "real",
+    "reduce_precision", "rem", "round", "rsqrt", "select_n", "sign", "sin", "sinh", "sqrt", "square", "sub", "tan",
+    "tanh", "bessel_i0e", "bessel_i1e", "random_gamma_grad", "regularized_incomplete_beta", "zeta",
+]  # fmt: skip
 
 
-@_rule(
-    "optimization_barrier",
-    "device_put",
-    "sharding_constraint",
-    "mesh_cast",
-    "reshard",
-    "pvary",
-    "layout_constraint",
-    "stop_gradient",
-)
+@_rule("optimization_barrier", "device_put", "sharding_constraint", "mesh_cast", "reshard", "pvary",
+       "layout_constraint", "stop_gradient")  # fmt: skip
 def _identity(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
     return list(ps)
 
 
 @_rule(*_ELEMENTWISE)
 def _elementwise(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
-    outs = []
-    for out in eqn.outvars:
-        shape = _shape(out)
-        pieces = []
-        for v, p in zip(eqn.invars, ps, strict=True):
-            if p is None:
-                continue
-            in_shape = _shape(v)
-            if in_shape == shape:
-                pieces.append(p)
-            elif int(np.prod(in_shape, dtype=np.int64)) == 1:
-                pieces.append(it.repeat(p, _size(out.aval)))
-            else:
-                pos = np.broadcast_to(_positions(in_shape), shape)
-                pieces.append(it.pick([(p, _size(v.aval))], pos))
-        outs.append(it.union(pieces))
-    return outs
+    operands = [(p, _shape(v)) for v, p in zip(eqn.invars, ps, strict=True)]
+    return [sets.union(sets.elementwise(operands, _shape(out), it.n)) for out in eqn.outvars]
 
 
-def _copy_rule(make: Callable[[Any, list[np.ndarray], list[Any]], np.ndarray]) -> Rule:
+def _copy_rule(make: Callable[[Any, list[np.ndarray], list[Any]], Any]) -> Rule:
     """A rule for an operation that copies elements: ``make(eqn, positions, values)`` applies it
-    to the operands' 1-based positions."""
+    to the operands' 1-based positions (a list of results for an operation of several)."""
 
     def rule(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
-        offset = 0
-        positions = []
-        sources = []
-        for v, p in zip(eqn.invars, ps, strict=True):
-            shape = _shape(v)
-            positions.append(_positions(shape, offset))
-            sources.append((p, _size(v.aval)))
-            offset += _size(v.aval)
-        return [it.pick(sources, make(eqn, positions, vs))]
+        sizes = [_size(v.aval) for v in eqn.invars]
+        offsets = np.cumsum([0, *sizes[:-1]])
+        positions = [sets.positions(_shape(v), int(o)) for v, o in zip(eqn.invars, offsets, strict=True)]
+        made = make(eqn, positions, vs)
+        return [sets.gather(ps, sizes, m, it.n) for m in (made if isinstance(made, list) else [made])]
 
     return rule
 
@@ -650,14 +449,10 @@ _RULES["tile"] = _copy_rule(lambda eqn, pos, vs: np.tile(pos[0], eqn.params["rep
 _RULES["stack"] = _copy_rule(lambda eqn, pos, vs: np.stack(pos, axis=eqn.params["axis"]))
 _RULES["dynamic_slice"] = _copy_rule(_dynamic_slice)
 _RULES["dynamic_update_slice"] = _copy_rule(_dynamic_update_slice)
-
-
-@_rule("unstack")
-def _unstack(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
-    pos = _positions(_shape(eqn.invars[0]))
-    axis = eqn.params["axis"]
-    size = _size(eqn.invars[0].aval)
-    return [it.pick([(ps[0], size)], np.take(pos, k, axis=axis)) for k in range(pos.shape[axis])]
+_RULES["unstack"] = _copy_rule(lambda eqn, pos, vs: list(np.moveaxis(pos[0], eqn.params["axis"], 0)))
+_RULES["split"] = _copy_rule(
+    lambda eqn, pos, vs: np.split(pos[0], np.cumsum(eqn.params["sizes"])[:-1], axis=eqn.params["axis"])
+)
 
 
 @_rule("zeros_like")
@@ -665,46 +460,45 @@ def _zeros(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list
     return [None for _ in eqn.outvars]
 
 
-@_rule("split")
-def _split(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
-    pos = _positions(_shape(eqn.invars[0]))
-    cuts = np.cumsum(eqn.params["sizes"])[:-1]
-    pieces = np.split(pos, cuts, axis=eqn.params["axis"])
-    return [it.pick([(ps[0], _size(eqn.invars[0].aval))], piece) for piece in pieces]
-
-
 def _window_sources(
     operand_shape: tuple[int, ...],
     indices: np.ndarray,
     index_map: Sequence[int],
-    batch: list[np.ndarray],
-    window_dims: Sequence[int],
-    window: list[np.ndarray],
-    window_sizes: Sequence[int],
-    batching: Sequence[tuple[int, np.ndarray]] = (),
+    element_shape: tuple[int, ...],
+    offset_dims: Sequence[int],
+    skipped: Sequence[int],
+    operand_batching: Sequence[int],
+    indices_batching: Sequence[int],
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(element, operand flat index) pairs for a gather's outputs or a scatter's updates.
+    """(element, operand flat index) pairs for a gather's outputs or a scatter's updates (the
+    elements, of ``element_shape``).
 
     Element ``e`` reads (writes) the operand at ``start + offset``: ``start`` from the index
-    vector ``indices[batch[:, e]]`` (placed on the operand dimensions ``index_map``), ``offset``
-    the window coordinates ``window[:, e]`` on ``window_dims``. jax clamps the start so that the
-    window fits (clip), or fills and drops (fill or drop), or assumes it fits: both the clamped
-    position and the unclamped one where it is in bounds are kept, which covers every mode.
+    vector of its coordinates off ``offset_dims`` (placed on the operand dimensions ``index_map``;
+    on a batching dimension, its own batch coordinate), ``offset`` its coordinates on
+    ``offset_dims`` (placed on the operand dimensions neither ``skipped`` nor batching, whose
+    window sizes they span). jax clamps the start so that the window fits (clip), or fills and
+    drops (fill or drop), or assumes it fits: both the clamped position and the unclamped one
+    where it is in bounds are kept, which covers every mode.
     """
     rank = len(operand_shape)
-    count = batch[0].size if batch else (window[0].size if window else 1)
+    count = sets.size(element_shape)
+    coords = np.indices(element_shape).reshape(len(element_shape), count)
+    batch = [coords[d] for d in range(len(element_shape)) if d not in offset_dims]
     vectors = indices[tuple(batch)] if batch else np.broadcast_to(indices, (count, indices.shape[-1]))
     vectors = vectors.reshape(count, -1).astype(np.int64)
     start = np.zeros((rank, count), dtype=np.int64)
     for j, d in enumerate(index_map):
         start[d] = vectors[:, j]
-    for d, coordinate in batching:  # batched dimensions: the element's own batch coordinate
-        start[d] = coordinate.reshape(-1)
+    for d, k in zip(operand_batching, indices_batching, strict=True):  # the element's own batch coordinate
+        start[d] = batch[k]
     offset = np.zeros((rank, count), dtype=np.int64)
-    for d, w in zip(window_dims, window, strict=True):
-        offset[d] = w.reshape(-1)
+    sizes = np.ones((rank, 1), dtype=np.int64)
+    window_dims = [d for d in range(rank) if d not in {*skipped, *operand_batching}]
+    for d, o in zip(window_dims, offset_dims, strict=True):
+        offset[d] = coords[o]
+        sizes[d] = element_shape[o]
     dims = np.asarray(operand_shape, dtype=np.int64)[:, None]
-    sizes = np.asarray(window_sizes, dtype=np.int64)[:, None]
     clipped = np.clip(start, 0, np.maximum(dims - sizes, 0)) + offset
     raw = start + offset
     inside = ((raw >= 0) & (raw < dims)).all(axis=0)
@@ -716,38 +510,23 @@ def _window_sources(
     return np.concatenate([elements, elements[inside]]), np.concatenate([flat_clipped, flat_raw])
 
 
-def _selection(rows: np.ndarray, cols: np.ndarray, shape: tuple[int, int]) -> Any:
-    """The boolean matrix of this shape that holds True at each (rows[k], cols[k])."""
-    import scipy.sparse as sp
-
-    return sp.csr_array((np.ones(rows.size, dtype=bool), (rows, cols)), shape=shape)
-
-
 @_rule("gather")
 def _gather(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
     if vs[1] is None:
         raise _Unknown
     dn = eqn.params["dimension_numbers"]
-    operand_batching = tuple(getattr(dn, "operand_batching_dims", ()))
-    indices_batching = tuple(getattr(dn, "start_indices_batching_dims", ()))
-    operand_shape = _shape(eqn.invars[0])
-    out = eqn.outvars[0]
-    out_shape = _shape(out)
-    coords = np.indices(out_shape).reshape(len(out_shape), -1) if out_shape else np.zeros((0, 1), dtype=np.int64)
-    batch = [coords[d] for d in range(len(out_shape)) if d not in dn.offset_dims]
-    skipped = set(dn.collapsed_slice_dims) | set(operand_batching)
-    window_dims = [d for d in range(len(operand_shape)) if d not in skipped]
+    operand, out = eqn.invars[0], eqn.outvars[0]
     rows, cols = _window_sources(
-        operand_shape,
+        _shape(operand),
         np.asarray(vs[1]),
         dn.start_index_map,
-        batch,
-        window_dims,
-        [coords[d] for d in dn.offset_dims],
-        eqn.params["slice_sizes"],
-        [(d, batch[k]) for d, k in zip(operand_batching, indices_batching, strict=True)],
+        _shape(out),
+        dn.offset_dims,
+        dn.collapsed_slice_dims,
+        getattr(dn, "operand_batching_dims", ()),
+        getattr(dn, "start_indices_batching_dims", ()),
     )
-    return [it.combine(_selection(rows, cols, (_size(out.aval), _size(eqn.invars[0].aval))), ps[0])]
+    return [sets.apply(sets.selection(rows, cols, (_size(out.aval), _size(operand.aval))), ps[0])]
 
 
 @_rule("scatter-add", "scatter_add", "scatter", "scatter-mul", "scatter_mul", "scatter-min", "scatter_min",
@@ -755,64 +534,36 @@ def _gather(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> lis
 def _scatter(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
     """operand, indices, updates: each output unites its operand element and the updates sent to
     it (also where an update overwrites, or multiplies: conservative)."""
-    operand_var, _, updates_var = eqn.invars[:3]
+    operand, _, updates = eqn.invars[:3]
     if vs[1] is None:
         raise _Unknown
     dn = eqn.params["dimension_numbers"]
-    operand_batching = tuple(getattr(dn, "operand_batching_dims", ()))
-    indices_batching = tuple(getattr(dn, "scatter_indices_batching_dims", ()))
-    operand_shape = _shape(operand_var)
-    updates_shape = _shape(updates_var)
     pieces = [ps[0]]
-    if ps[2] is not None and _size(updates_var.aval):
-        coords = np.indices(updates_shape).reshape(len(updates_shape), -1)
-        batch = [coords[d] for d in range(len(updates_shape)) if d not in dn.update_window_dims]
-        skipped = set(dn.inserted_window_dims) | set(operand_batching)
-        window_dims = [d for d in range(len(operand_shape)) if d not in skipped]
-        sizes = [1] * len(operand_shape)
-        for d, u in zip(window_dims, dn.update_window_dims, strict=True):
-            sizes[d] = updates_shape[u]
+    if ps[2] is not None and _size(updates.aval):
         cols, rows = _window_sources(
-            operand_shape,
+            _shape(operand),
             np.asarray(vs[1]),
             dn.scatter_dims_to_operand_dims,
-            batch,
-            window_dims,
-            [coords[d] for d in dn.update_window_dims],
-            sizes,
-            [(d, batch[k]) for d, k in zip(operand_batching, indices_batching, strict=True)],
+            _shape(updates),
+            dn.update_window_dims,
+            dn.inserted_window_dims,
+            getattr(dn, "operand_batching_dims", ()),
+            getattr(dn, "scatter_indices_batching_dims", ()),
         )
-        matrix = _selection(rows, cols, (_size(operand_var.aval), _size(updates_var.aval)))
-        pieces.append(it.combine(matrix, ps[2]))
-    return [it.union(pieces)]
-
-
-def _reduction_matrix(shape: tuple[int, ...], axes: Sequence[int]) -> Any:
-    """outputs x inputs: which input elements each output of a reduction over ``axes`` combines."""
-    kept = [1 if a in axes else d for a, d in enumerate(shape)]
-    out_size = int(np.prod(kept, dtype=np.int64))
-    dest = np.broadcast_to(np.arange(out_size).reshape(kept), shape).reshape(-1)
-    return _selection(dest, np.arange(dest.size), (out_size, dest.size))
+        pieces.append(sets.apply(sets.selection(rows, cols, (_size(operand.aval), _size(updates.aval))), ps[2]))
+    return [sets.union(pieces)]
 
 
 @_rule("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin", "reduce_and", "reduce_or")
 def _reduce(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
-    matrix = _reduction_matrix(_shape(eqn.invars[0]), tuple(eqn.params["axes"]))
-    return [it.combine(matrix, ps[0])]
+    matrix = sets.reduction_matrix(_shape(eqn.invars[0]), tuple(eqn.params["axes"]))
+    return [sets.apply(matrix, ps[0])]
 
 
 @_rule("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
 def _cumulative(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
-    shape = _shape(eqn.invars[0])
-    axis = eqn.params["axis"]
-    reverse = eqn.params.get("reverse", False)
-    pos = _positions(shape) - 1
-    lines = np.moveaxis(pos, axis, -1).reshape(-1, shape[axis])  # each row: one line's positions
-    length = shape[axis]
-    out_k, in_k = np.tril_indices(length) if not reverse else np.triu_indices(length)
-    rows = lines[:, out_k].reshape(-1)
-    cols = lines[:, in_k].reshape(-1)
-    return [it.combine(_selection(rows, cols, (pos.size, pos.size)), ps[0])]
+    matrix = sets.cumulative_matrix(_shape(eqn.invars[0]), eqn.params["axis"], eqn.params.get("reverse", False))
+    return [sets.apply(matrix, ps[0])]
 
 
 @_rule("sort", "top_k")
@@ -821,59 +572,37 @@ def _sort(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[
     shape = _shape(eqn.invars[0])
     axis = eqn.params.get("dimension", eqn.params.get("axis", len(shape) - 1))  # (top_k's is "axis")
     axis = axis % len(shape) if shape else 0
-    matrix = _reduction_matrix(shape, (axis,))
-    line = it.union([it.combine(matrix, p) for p in ps])
+    matrix = sets.reduction_matrix(shape, (axis,))
+    line = sets.union([sets.apply(matrix, p) for p in ps])
     outs = []
     for out in eqn.outvars:
         out_shape = _shape(out)
         kept = [1 if a == axis else d for a, d in enumerate(out_shape)]
-        index = np.broadcast_to(_positions(tuple(kept)), out_shape)
-        outs.append(it.pick([(line, int(np.prod(kept)))], index))
+        outs.append(sets.broadcast(line, kept, out_shape, it.n))
     return outs
 
 
 @_rule("dot_general")
 def _dot_general(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
-    """out[b, i, j] unites lhs[b, i, k] where rhs[b, k, j] may be nonzero, and rhs[b, k, j] where
-    lhs[b, i, k] may be nonzero (a known operand's zeros are zeros)."""
+    """A batched matmul of lhs (batch, free, contracted) by rhs (batch, contracted, free), each
+    operand's rows (and a known operand's zeros) taken in that order of its axes."""
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    lhs, rhs = eqn.invars
-    ls, rs = _shape(lhs), _shape(rhs)
+    ls, rs = _shape(eqn.invars[0]), _shape(eqn.invars[1])
     lf = [d for d in range(len(ls)) if d not in lc and d not in lb]
     rf = [d for d in range(len(rs)) if d not in rc and d not in rb]
-    lpos = _positions(ls).transpose([*lb, *lf, *lc])
-    rpos = _positions(rs).transpose([*rb, *rc, *rf])
-    B = int(np.prod([ls[d] for d in lb], dtype=np.int64))
-    I = int(np.prod([ls[d] for d in lf], dtype=np.int64))  # noqa: E741
-    K = int(np.prod([ls[d] for d in lc], dtype=np.int64))
-    J = int(np.prod([rs[d] for d in rf], dtype=np.int64))
-    lpos = lpos.reshape(B, I, K) - 1
-    rpos = rpos.reshape(B, K, J) - 1
+    batch, left, inner, right = (
+        sets.size([s[d] for d in dims]) for s, dims in ((ls, lb), (ls, lf), (ls, lc), (rs, rf))
+    )
 
-    def may(
-        value: Any, pattern: Pattern, shape: tuple[int, ...], order: list[int], shaped: tuple[int, ...]
-    ) -> np.ndarray:
-        if value is None or pattern is not None:
-            return np.ones(shaped, dtype=bool)
-        return (np.asarray(value) != 0).transpose(order).reshape(shaped)  # type: ignore[no-any-return]
+    def arranged(k: int, order: list[int], shaped: tuple[int, int, int]) -> tuple[Any, Any, tuple[int, int, int]]:
+        shape = _shape(eqn.invars[k])
+        rows = sets.gather([ps[k]], [sets.size(shape)], sets.positions(shape).transpose(order), it.n)
+        known = None if vs[k] is None or ps[k] is not None else (np.asarray(vs[k]) != 0).transpose(order)
+        return rows, known, shaped
 
-    lmay = may(vs[0], ps[0], ls, [*lb, *lf, *lc], (B, I, K))
-    rmay = may(vs[1], ps[1], rs, [*rb, *rc, *rf], (B, K, J))
-    out_size = B * I * J
-    pieces = []
-    if ps[0] is not None:
-        b, k, j = np.nonzero(rmay)
-        i = np.arange(I)
-        rows = ((b * I)[:, None] + i[None, :]) * J + j[:, None]
-        cols = lpos[b[:, None], i[None, :], k[:, None]]
-        pieces.append(it.combine(_selection(rows.reshape(-1), cols.reshape(-1), (out_size, lpos.size)), ps[0]))
-    if ps[1] is not None:
-        b, i, k = np.nonzero(lmay)
-        j = np.arange(J)
-        rows = ((b * I + i) * J)[:, None] + j[None, :]
-        cols = rpos[b[:, None], k[:, None], j[None, :]]
-        pieces.append(it.combine(_selection(rows.reshape(-1), cols.reshape(-1), (out_size, rpos.size)), ps[1]))
-    return [it.union(pieces)]
+    lhs = arranged(0, [*lb, *lf, *lc], (batch, left, inner))
+    rhs = arranged(1, [*rb, *rc, *rf], (batch, inner, right))
+    return [sets.matmul(*lhs, *rhs, it.n, None)]
 
 
 def _tap_sources(
@@ -908,9 +637,9 @@ def _conv(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[
     lhs_var, rhs_var = eqn.invars
     out_var = eqn.outvars[0]
     # every array in canonical layout (batch/out, feature/in, spatial...), holding its flat index
-    lhs_at = (_positions(_shape(lhs_var)) - 1).transpose(lhs_spec)
-    rhs_at = (_positions(_shape(rhs_var)) - 1).transpose(rhs_spec)
-    out_at = (_positions(_shape(out_var)) - 1).transpose(out_spec)
+    lhs_at = (sets.positions(_shape(lhs_var)) - 1).transpose(lhs_spec)
+    rhs_at = (sets.positions(_shape(rhs_var)) - 1).transpose(rhs_spec)
+    out_at = (sets.positions(_shape(out_var)) - 1).transpose(out_spec)
     batch, channels, *space = lhs_at.shape
     outs, group_in, *kernel = rhs_at.shape
     groups = params["feature_group_count"]
@@ -955,11 +684,11 @@ def _conv(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[
         source_valid = np.broadcast_to(src >= 0, valid.shape)
         rows_l = np.broadcast_to(out_flat[n, o[:, None, None], so[None, None, :]], valid.shape)[source_valid]
         cols_l = np.broadcast_to(lhs_flat[n, i[:, None, None], np.maximum(src, 0)], valid.shape)[source_valid]
-        pieces.append(it.combine(_selection(rows_l, cols_l, (out_size, lhs_size)), ps[0]))
+        pieces.append(sets.apply(sets.selection(rows_l, cols_l, (out_size, lhs_size)), ps[0]))
     if ps[1] is not None:
         cols_r = np.broadcast_to(rhs_flat[o, ig, t][:, None, None], valid.shape)[valid]
-        pieces.append(it.combine(_selection(rows, cols_r, (out_size, rhs_size)), ps[1]))
-    return [it.union(pieces)]
+        pieces.append(sets.apply(sets.selection(rows, cols_r, (out_size, rhs_size)), ps[1]))
+    return [sets.union(pieces)]
 
 
 @_rule("reduce_window_sum", "reduce_window_max", "reduce_window_min")
@@ -974,8 +703,8 @@ def _reduce_window(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any])
     )
     out_size = source.shape[1]
     t, o = np.nonzero(source >= 0)
-    matrix = _selection(o, source[t, o], (out_size, _size(eqn.invars[0].aval)))
-    return [it.combine(matrix, ps[0])]
+    matrix = sets.selection(o, source[t, o], (out_size, _size(eqn.invars[0].aval)))
+    return [sets.apply(matrix, ps[0])]
 
 
 # control flow and calls ------------------------------------------------------------------------------
@@ -1028,8 +757,6 @@ def _custom_vjp(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) ->
     """The Jacobian of a function with a custom reverse rule is the one its rule gives: read from
     jax.vjp's program, run on cotangents that each depend on one output number (so each operand's
     cotangent tells which output numbers reach it: the transposed Jacobian)."""
-    import scipy.sparse as sp
-
     jax = _jax()
     fun, order = _eqn_function(eqn)
     avals = [eqn.invars[i].aval for i in order]
@@ -1051,31 +778,14 @@ def _custom_vjp(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) ->
     except Exception as error:
         raise _Unknown from error
     sizes = [_size(outs[k]) for k in float_outs]
-    m = sum(sizes)
-    identity = []
-    start = 0
-    for size in sizes:
-        identity.append(
-            sp.csr_array(
-                (np.ones(size, dtype=bool), np.arange(start, start + size), np.arange(size + 1)), shape=(size, m)
-            )
-        )
-        start += size
-    local = _Interpreter(m)
-    transposed = local.run_closed(closed, [None] * len(avals) + identity, [vs[i] for i in order] + [None] * len(sizes))[
-        0
-    ]
-    rows = None
-    for k, t in enumerate(transposed):
-        p = ps[order[k]]
-        if t is None or p is None:
-            continue
-        piece = _canonical(t.T.tocsr().astype(bool) @ p)
-        rows = piece if rows is None else rows + piece
+    local = _Interpreter(sum(sizes))
+    patterns = [None] * len(avals) + sets.identity(sizes)
+    transposed = local.run_closed(closed, patterns, [vs[i] for i in order] + [None] * len(sizes))[0]
+    rows = sets.union([None if t is None else sets.apply(t.T, ps[order[k]]) for k, t in enumerate(transposed)])
     results: list[Pattern] = [None] * len(outs)
     start = 0
     for k, size in zip(float_outs, sizes, strict=True):
-        results[k] = None if rows is None else _canonical(rows[start : start + size])
+        results[k] = None if rows is None else rows[start : start + size]
         start += size
     return results
 
@@ -1088,7 +798,7 @@ def _cond(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> Any:
         taken = it.run_closed(branches[index], list(ps[1:]), list(vs[1:]))
         return list(taken[0]), list(taken[1])
     results = [it.run_closed(b, list(ps[1:]), list(vs[1:]))[0] for b in branches]
-    return [it.union(list(outs)) for outs in zip(*results, strict=True)]
+    return [sets.union(list(outs)) for outs in zip(*results, strict=True)]
 
 
 def _fixed_point(
@@ -1102,11 +812,11 @@ def _fixed_point(
     the rounds allowed, each carried element depends on ``everything`` (what every operand of the
     loop depends on: a set the body cannot leave)."""
     for _ in range(MAX_FIXED_POINT_ROUNDS):
-        new = [it.union([c, b]) for c, b in zip(carry, body(carry), strict=True)]
+        new = [sets.union([c, b]) for c, b in zip(carry, body(carry), strict=True)]
         if all(_same(a, b) for a, b in zip(new, carry, strict=True)):
             return new
         carry = new
-    return [it.repeat(everything, size) for size in sizes]
+    return [sets.all_of(everything, size) for size in sizes]
 
 
 def _same(a: Pattern, b: Pattern) -> bool:
@@ -1133,7 +843,7 @@ def _while(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> Any:
         if not bool(np.asarray(go)):
             return carry, carry_v
         carry, carry_v = (list(r) for r in it.run_closed(body, consts_p + carry, consts_v + carry_v))
-    everything = it.dense(ps)
+    everything = sets.everything(ps)
     sizes = [_size(v.aval) for v in eqn.invars[cn + bn :]]
 
     def step(c: list[Pattern]) -> list[Pattern]:
@@ -1161,10 +871,9 @@ def _scan(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> Any:
         if p is None or length == 0:
             slices.append(None)
             continue
-        per = _size(v.aval) // length
-        matrix = _fold(length, per)
-        slices.append(it.combine(matrix, p))
-    everything = it.dense(ps)
+        # element e of a slice: element e of every slice
+        slices.append(sets.apply(sets.reduction_matrix((length, _size(v.aval) // length), [0]), p))
+    everything = sets.everything(ps)
 
     def step(c: list[Pattern]) -> list[Pattern]:
         return it.run_closed(body, consts_p + c + slices, consts_v + [None] * (len(c) + len(slices)))[0][:nk]
@@ -1173,7 +882,7 @@ def _scan(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> Any:
     outs = it.run_closed(body, consts_p + carry + slices, consts_v + [None] * (len(carry) + len(slices)))[0]
     ys = []
     for p in outs[nk:]:
-        ys.append(None if p is None or not length else _canonical(p[np.tile(np.arange(p.shape[0]), length)]))
+        ys.append(None if p is None or not length else p[np.tile(np.arange(p.shape[0]), length)])
     return list(carry) + ys
 
 
@@ -1190,34 +899,20 @@ def _scan_unrolled(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any])
     ys_v: list[list[Any]] = [[None] * length for _ in ys_vars]
     steps = range(length - 1, -1, -1) if eqn.params.get("reverse", False) else range(length)
     for t in steps:
-        slice_p = [
-            None if p is None else _canonical(p[t * per : (t + 1) * per]) for p, per in zip(xs_p, xs_per, strict=True)
-        ]
+        slice_p = [None if p is None else p[t * per : (t + 1) * per] for p, per in zip(xs_p, xs_per, strict=True)]
         slice_v = [None if v is None else np.asarray(v)[t] for v in xs_v]
         outs_p, outs_v = it.run_closed(body, consts_p + carry_p + slice_p, consts_v + carry_v + slice_v)
         carry_p, carry_v = list(outs_p[:nk]), list(outs_v[:nk])
         for j in range(len(ys_vars)):
             ys_p[j][t] = outs_p[nk + j]
             ys_v[j][t] = outs_v[nk + j]
-    import scipy.sparse as sp
-
     ys_patterns: list[Pattern] = []
     ys_values: list[Any] = []
     for v, pieces, values in zip(ys_vars, ys_p, ys_v, strict=True):
         per = _size(v.aval) // length
-        if all(p is None for p in pieces):
-            ys_patterns.append(None)
-        else:
-            ys_patterns.append(
-                _canonical(sp.vstack([p if p is not None else it.empty(per) for p in pieces], format="csr"))
-            )
+        stacked = None if all(p is None for p in pieces) else sets.stack(pieces, [per] * length, it.n)
+        ys_patterns.append(stacked)
         ys_values.append(
             np.stack([np.asarray(val) for val in values]) if all(val is not None for val in values) else None
         )
     return carry_p + ys_patterns, carry_v + ys_values
-
-
-def _fold(length: int, per: int) -> Any:
-    """per x (length * per): element e of a slice gathers element e of every slice."""
-    cols = np.arange(length * per)
-    return _selection(cols % per, cols, (per, length * per))

@@ -475,12 +475,17 @@ def _reduce(trace: _Trace, a: Any, axis: Any, keepdims: bool, linear: bool) -> A
     return IndexSetArray(trace, out_shape, rows, a.dtype if a.floating else np.float64)
 
 
-def _cumulative(trace: _Trace, a: Any, axis: Any, linear: bool) -> Any:
+def _cumulative(trace: _Trace, a: Any, axis: Any, linear: bool, whole: bool = False) -> Any:
+    """Each output depending on its line along ``axis`` up to it, or (``whole``: sort) on all of it."""
     a = _lift(trace, a)
     if axis is None:
-        a = np.ravel(a)
-        axis = 0
-    rows = sets.apply(sets.cumulative_matrix(a.shape, int(axis)), a.rows) if a.shape else a.rows
+        a, axis = np.ravel(a), 0
+    if not a.shape:
+        rows = a.rows
+    elif whole:
+        rows = sets.along(a.rows, a.shape, int(axis))
+    else:
+        rows = sets.apply(sets.cumulative_matrix(a.shape, int(axis)), a.rows)
     if trace.pairs is not None and not linear:
         trace.pairs.add_all(rows)
     return IndexSetArray(trace, a.shape, rows, a.dtype)
@@ -544,9 +549,10 @@ def _norm(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     return _reduce(trace, a, axis, bool(given.get("keepdims", False)), False)
 
 
-def _cumsum(linear: bool) -> Any:
+def _along(linear: bool, whole: bool = False) -> Any:
     def handler(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-        return _cumulative(trace, args[0], _argument(args, kwargs, 1, "axis", None), linear)
+        axis = _argument(args, kwargs, 1, "axis", -1 if whole else None)
+        return _cumulative(trace, args[0], axis, linear, whole)
 
     return handler
 
@@ -585,8 +591,6 @@ def _outer(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
 
 
 def _matmul(trace: _Trace, a: Any, b: Any) -> Any:
-    from ._torch_trace import _batched_mm
-
     a_shape, b_shape = _shape_of(a), _shape_of(b)
     if len(a_shape) >= 2 and len(b_shape) >= 2 and max(len(a_shape), len(b_shape)) > 3:
         batch = "abcdefghijklmnopqrstuvw"[: max(len(a_shape), len(b_shape)) - 2]
@@ -600,7 +604,7 @@ def _matmul(trace: _Trace, a: Any, b: Any) -> Any:
     b3 = (1, b_shape[0], 1) if squeeze_back else (1, *b_shape) if len(b_shape) == 2 else b_shape
     if a3[0] != b3[0] and 1 not in (a3[0], b3[0]):
         return _dense(trace, np.matmul, (a, b), {})
-    rows = _batched_mm(
+    rows = sets.matmul(
         a.rows if isinstance(a, IndexSetArray) else None,
         None if isinstance(a, IndexSetArray) else np.asarray(a) != 0,
         a3,
@@ -623,7 +627,6 @@ def _matmul(trace: _Trace, a: Any, b: Any) -> Any:
 def _convolve(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     """np.convolve(a, v, mode) and np.correlate(a, v, mode): each output a sum of products
     ``a[i] * v[j]`` (:func:`_sliding_products`); a constant operand's zeros drop their terms."""
-    import scipy.sparse as sp
 
     a, v = args[0], args[1]
     mode = _argument(args, kwargs, 2, "mode", "full" if func.__name__ == "convolve" else "valid")
@@ -637,8 +640,7 @@ def _convolve(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> An
     parts = []
     for operand, index, size in ((a, i, la), (v, j, lv)):
         if isinstance(operand, IndexSetArray) and operand.rows is not None:
-            moved = sp.csr_array((np.ones(k.size, dtype=np.float32), (k, index)), shape=(length, size))
-            parts.append(sets.apply(moved, operand.rows))
+            parts.append(sets.apply(sets.selection(k, index, (length, size)), operand.rows))
     if trace.pairs is not None and len(parts) == 2:  # each product couples its two factors
         trace.pairs.add(sets.gather([a.rows], [la], i + 1, trace.n), sets.gather([v.rows], [lv], j + 1, trace.n))
     return IndexSetArray(trace, (length,), sets.union(parts))
@@ -834,19 +836,6 @@ def _select(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     return IndexSetArray(trace, out_shape, rows, np.result_type(*(v.dtype for v in operands)))
 
 
-def _along(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    """sort and friends: each output depends on the whole slice along the axis."""
-    a: Any = _lift(trace, args[0])
-    axis = _argument(args, kwargs, 1, "axis", -1)
-    if axis is None:
-        a, axis = np.ravel(a), 0
-    r = sets.reduction_matrix(a.shape, [int(axis)])
-    rows = sets.apply(r.T @ r, a.rows)
-    if trace.pairs is not None:
-        trace.pairs.add_all(rows)
-    return IndexSetArray(trace, a.shape, rows, a.dtype)
-
-
 def _like(fill: bool) -> Any:
     def handler(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         a = args[0]
@@ -1020,10 +1009,10 @@ def _dense(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
             f"({type(errors[0]).__name__}: {str(errors[0])[:200]})"
         ) from errors[0]
     # each operand's sets in one row: operands of different sizes (polyval's p and x) unite
-    every = sets.union([sets.all_of(rows, 1) for rows in found])
+    every = sets.everything(found)
     trace.notes.append(f"{_public_name(func)} is not known to the numpy detector: dense")
     if trace.pairs is not None:
-        trace.pairs.add_all(sets.all_of(every, 1))
+        trace.pairs.add_all(every)
 
     def wrap(o: Any) -> Any:
         if isinstance(o, (list, tuple)):
@@ -1041,12 +1030,12 @@ _FUNCTIONS: dict[str, Callable[[_Trace, Any, Any, dict[str, Any]], Any]] = {
     "sum": _sum(True), "mean": _sum(True), "nansum": _sum(True), "nanmean": _sum(True), "average": _sum(True),
     "prod": _sum(False), "max": _sum(False), "amax": _sum(False), "min": _sum(False), "amin": _sum(False),
     "std": _sum(False), "var": _sum(False), "nanmax": _sum(False), "nanmin": _sum(False), "ptp": _sum(False),
-    "norm": _norm, "cumsum": _cumsum(True), "cumprod": _cumsum(False), "diff": _diff, "dot": _dot,
+    "norm": _norm, "cumsum": _along(True), "cumprod": _along(False), "diff": _diff, "dot": _dot,
     "vdot": _vdot, "inner": _inner, "outer": _outer, "matmul": lambda t, f, a, k: _matmul(t, a[0], a[1]),
     "select": _select, "convolve": _convolve, "correlate": _convolve, "einsum": _einsum, "tensordot": _tensordot, "kron": _kron,
     "polyval": _polyval, "trace": _trace_of, "sinc": _elementwise, "i0": _elementwise, "nan_to_num": _elementwise,
     "around": _elementwise, "round": _elementwise, "fix": _elementwise, "angle": _elementwise, "imag": _elementwise,
-    "real_if_close": _elementwise, "where": _where, "sort": _along, "zeros_like": _like(False), "ones_like": _like(False),
+    "real_if_close": _elementwise, "where": _where, "sort": _along(False, whole=True), "zeros_like": _like(False), "ones_like": _like(False),
     "empty_like": _like(False), "full_like": _like(True), "shape": _shape_only, "ndim": _shape_only,
     "size": _shape_only, "clip": _clip, "result_type": _shape_only,
 }  # fmt: skip
@@ -1058,20 +1047,15 @@ _FUNCTIONS: dict[str, Callable[[_Trace, Any, Any, dict[str, Any]], Any]] = {
 def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: bool) -> Detection:
     """The Jacobian (``hessian=False``) or Hessian pattern of numpy-written ``f`` at ``x``."""
     import optree
-    import scipy.sparse as sp
 
     leaves, spec = tree.flatten(x)
     sizes = [int(np.prod(_arrays.shape(leaf), dtype=np.int64)) for leaf in leaves]
     n = int(sum(sizes))
     trace = _Trace(n, hessian)
-    traced = []
-    offset = 0
-    for leaf, size in zip(leaves, sizes, strict=True):
-        rows = sp.csr_array(
-            (np.ones(size, dtype=bool), (np.arange(size), np.arange(offset, offset + size))), shape=(size, n)
-        )
-        traced.append(IndexSetArray(trace, _arrays.shape(leaf), rows, np.dtype(_arrays.dtype_name(leaf))))
-        offset += size
+    traced = [
+        IndexSetArray(trace, _arrays.shape(leaf), rows, np.dtype(_arrays.dtype_name(leaf)))
+        for leaf, rows in zip(leaves, sets.identity(sizes), strict=True)
+    ]
     context_leaves, context_spec = tree.flatten(values)
     abstract = [_abstract(trace, leaf) for leaf in context_leaves]
     values = optree.tree_unflatten(context_spec, abstract)  # type: ignore[assignment]
@@ -1082,7 +1066,9 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
         if trace.raised is not None:
             trace.raised.caught = True
             raise trace.raised
-        blocks = [_block(leaf, n) for leaf in tree.leaves(out)]
+        outputs = tree.leaves(out)
+        blocks = [o.rows if isinstance(o, IndexSetArray) and o.floating else None for o in outputs]
+        out_sizes = [o.size if isinstance(o, IndexSetArray) else int(np.size(o)) for o in outputs]
     except TracerRefusal as error:
         error.caught |= trace.refused is not error
         raise UnsupportedOperationError(_refusal(str(error))) from error
@@ -1097,10 +1083,10 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
     finally:
         _ACTIVE.trace = outer
     if trace.pairs is not None:
-        _check_scalar(sum(b.shape[0] for b in blocks))
+        _check_scalar(sum(out_sizes))
         pattern = trace.pairs.pattern()
     else:
-        pattern = sets.canonical(sp.vstack(blocks, format="csr")) if blocks else sets.empty(0, n)
+        pattern = sets.stack(blocks, out_sizes, n)
     return Detection(pattern, tuple(dict.fromkeys(trace.notes)))
 
 
@@ -1121,12 +1107,6 @@ def _abstract(trace: _Trace, leaf: Any) -> Any:
 def _check_scalar(count: int) -> None:
     if count != 1:
         raise InvalidOutputError(f"A Hessian needs f to return one scalar; f returns {count} numbers.")
-
-
-def _block(leaf: Any, n: int) -> Any:
-    if isinstance(leaf, IndexSetArray):
-        return leaf.rows if leaf.rows is not None and leaf.floating else sets.empty(leaf.size, n)
-    return sets.empty(int(np.size(leaf)), n)
 
 
 DENSE_LIMIT = 1 << 27

@@ -27,6 +27,7 @@ from .. import _arrays, tree
 from .._errors import UnsupportedOperationError
 from . import _index_sets as sets
 from ._graphs import Traced as Detection
+from ._graphs import first_line
 
 __all__ = ["Detection", "trace_pattern"]
 
@@ -92,11 +93,6 @@ def _concrete_shape(meta: Any, what: str) -> tuple[int, ...]:
         ) from error
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0][:200] if text else ""
-
-
 _VALUE_REASON = (
     "f branches on, or converts to a Python number, a value computed from x or a context (a Python `if` on a "
     "tensor, float(t), int(t), .item()): the pattern could differ from one x to the next"
@@ -112,13 +108,13 @@ def _tracer_error(error: BaseException) -> str | None:
     name = type(error).__name__
     text = str(error)
     if name in ("GuardOnDataDependentSymNode", "DataDependentOutputException"):
-        return f"{_VALUE_REASON} ({_first_line(error)})"
+        return f"{_VALUE_REASON} ({first_line(error)})"
     if name == "DynamicOutputShapeException":
-        return f"{_SIZE_REASON} ({_first_line(error)})"
+        return f"{_SIZE_REASON} ({first_line(error)})"
     if name in ("UnsupportedOperatorException", "UnsupportedFakeTensorException"):
-        return f"torch cannot trace an operation of f on fake tensors ({_first_line(error)})"
+        return f"torch cannot trace an operation of f on fake tensors ({first_line(error)})"
     if "FakeTensor" in text or "tensor subclass" in text or "Proxy" in text or "SymFloat" in text:
-        return f"f does something torch cannot trace without values ({name}: {_first_line(error)})"
+        return f"f does something torch cannot trace without values ({name}: {first_line(error)})"
     return None
 
 
@@ -137,10 +133,10 @@ def _value_read(error: BaseException) -> str | None:
     if not any(read in text for read in _VALUE_READS):
         return None
     if "item()" in text:
-        return f"{_VALUE_REASON} ({_first_line(error)})"
+        return f"{_VALUE_REASON} ({first_line(error)})"
     return (
         "f reads the values of a tensor computed from x or a context (numpy(), tolist(), item(), a Python "
-        f"conversion): the pattern could differ from one x to the next ({type(error).__name__}: {_first_line(error)})"
+        f"conversion): the pattern could differ from one x to the next ({type(error).__name__}: {first_line(error)})"
     )
 
 
@@ -175,7 +171,7 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
     interpreter = _Interpreter(sizes, hessian)
     device = inputs[0].device if inputs else torch.device("cpu")
     mode = _tracer_class()(interpreter, device)
-    handles = [mode.placeholder(t, interpreter.input_rows(i)) for i, t in enumerate(inputs)]
+    handles = [mode.placeholder(t, interpreter.input_rows[i]) for i, t in enumerate(inputs)]
     handles += [mode.placeholder(context_leaves[i], None) for i in tensor_at]
 
     def run(*args: Any) -> Any:
@@ -234,7 +230,7 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
                 raise UnsupportedOperationError(
                     _refusal(
                         f"{mode.unfollowed} (torch.cond or another higher-order operator): torch's tracers "
-                        f"cannot follow it here ({type(error).__name__}: {_first_line(error)})"
+                        f"cannot follow it here ({type(error).__name__}: {first_line(error)})"
                     )
                 ) from error
             raise
@@ -306,6 +302,7 @@ def _tracer_class() -> Any:
     global _TRACER_CLASS
     if _TRACER_CLASS is not None:
         return _TRACER_CLASS
+    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Tracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -342,7 +339,6 @@ def _tracer_class() -> Any:
             return self.handle(tensor.detach().clone(), node)
 
         def handle(self, shadow: Any, node: _Node) -> Any:
-            torch = _torch()
             meta = torch.empty_strided(tuple(shadow.shape), tuple(shadow.stride()), dtype=shadow.dtype, device="meta")
             self.entries[id(meta)] = (meta, shadow, node)
             return meta
@@ -358,7 +354,6 @@ def _tracer_class() -> Any:
             raise _Refused(reason)
 
         def output(self, out: Any) -> Any:
-            torch = _torch()
             if isinstance(out, torch.Tensor):
                 entry = self.entries.get(id(out))
                 if entry is not None:
@@ -369,7 +364,6 @@ def _tracer_class() -> Any:
             return out
 
         def node_of(self, a: Any) -> Any:
-            torch = _torch()
             if not isinstance(a, torch.Tensor):
                 return a
             entry = self.entries.get(id(a))
@@ -386,7 +380,6 @@ def _tracer_class() -> Any:
             return constant[1]
 
         def real(self, a: Any) -> Any:
-            torch = _torch()
             if isinstance(a, torch.Tensor):
                 entry = self.entries.get(id(a))
                 return a if entry is None else entry[1]
@@ -407,12 +400,8 @@ def _tracer_class() -> Any:
 
         def mixed(self, node: _Node, out: Any) -> Any:
             """Tensors beside other results (sizes, None): each tensor dense in the operands."""
-            torch = _torch()
             interpreter = self.interpreter
-            every = interpreter.everything(node)
-            interpreter.notes.append(f"{_qualified(node.target)} is not known to the torch detector: dense")
-            if interpreter.pairs is not None:
-                interpreter.pairs.add_all(sets.all_of(every, 1))
+            every = interpreter.dense_row(node)
             results = []
             for i, o in enumerate(out):
                 if isinstance(o, torch.Tensor):
@@ -426,7 +415,6 @@ def _tracer_class() -> Any:
             return type(out)(results)
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            torch = _torch()
             from torch.utils import _pytree as pytree
 
             kwargs = kwargs or {}
@@ -494,15 +482,8 @@ class _Interpreter:
         self.notes: list[str] = []
         self.rows: dict[Any, Any] = {}
         self.values: dict[Any, Any] = {}
-
-    def input_rows(self, i: int) -> Any:
-        """The sets of x's leaf ``i``: each element depends on itself."""
-        import scipy.sparse as sp
-
-        size, offset = self.sizes[i], int(sum(self.sizes[:i]))
-        return sp.csr_array(
-            (np.ones(size, dtype=bool), (np.arange(size), np.arange(offset, offset + size))), shape=(size, self.n)
-        )
+        self.input_rows = sets.identity(sizes)
+        """The sets of x's leaves: each element depends on itself."""
 
     def run_graph(self, graph: Any) -> Detection:
         """The pattern from make_fx's graph: its placeholders are x's leaves, then the contexts'."""
@@ -510,7 +491,7 @@ class _Interpreter:
         outputs: list[Any] = []
         for node in graph.graph.nodes:
             if node.op == "placeholder":
-                self.rows[node] = self.input_rows(placeholders) if placeholders < len(self.sizes) else None
+                self.rows[node] = self.input_rows[placeholders] if placeholders < len(self.sizes) else None
                 placeholders += 1
             elif node.op == "get_attr":
                 self.rows[node] = None
@@ -523,9 +504,7 @@ class _Interpreter:
 
     def finish(self, outputs: list[Any]) -> Detection:
         """The pattern of f's outputs (nodes, or Python numbers)."""
-        import scipy.sparse as sp
-
-        blocks = []
+        blocks, sizes = [], []
         for out in outputs:
             if hasattr(out, "op"):
                 meta = out.meta.get("val")
@@ -535,13 +514,14 @@ class _Interpreter:
                 torch = _torch()
                 size = sets.size(np.shape(out.detach().cpu().numpy() if isinstance(out, torch.Tensor) else out))
                 rows = None
-            blocks.append(sets.empty(size, self.n) if rows is None else rows)
+            blocks.append(rows)
+            sizes.append(size)
         if self.pairs is not None:
-            if sum(b.shape[0] for b in blocks) != 1:
+            if sum(sizes) != 1:
                 raise _Refused("a Hessian pattern needs f to return one number")
             pattern = self.pairs.pattern()
         else:
-            pattern = sets.canonical(sp.vstack(blocks, format="csr")) if blocks else sets.empty(0, self.n)
+            pattern = sets.stack(blocks, sizes, self.n)
         return Detection(pattern, tuple(dict.fromkeys(self.notes)))
 
     def call(self, node: Any) -> None:
@@ -603,10 +583,8 @@ class _Interpreter:
             return self.pointwise(node, name, shape)
         if name in _REDUCTIONS:
             return self.reduction(node, name, shape)
-        if name in _CUMULATIVE:
-            return self.cumulative(node, name, shape)
-        if name in _ALONG:
-            return self.along(node, shape)
+        if name in _CUMULATIVE or name in _ALONG:
+            return self.along(node, name)
         if name in _CONTRACTIONS:
             return self.contraction(node, name, shape)
         if name == "convolution":
@@ -623,10 +601,8 @@ class _Interpreter:
                 return [r if _is_float_meta(m) else None for r, m in zip(moved, metas, strict=True)]
         first = shapes[0]
         if name in ("max", "min", "sort", "cummax", "cummin", "aminmax", "var_mean", "std_mean", "topk", "kthvalue"):
-            if name == "sort":
-                rows = self.along(node, first)
-            elif name in ("cummax", "cummin"):
-                rows = self.cumulative(node, name, first)
+            if name in ("sort", "cummax", "cummin"):
+                rows = self.along(node, name)
             elif name in ("aminmax", "var_mean", "std_mean"):
                 rows = self.reduction(node, name, first)
                 return [rows, rows]
@@ -635,32 +611,26 @@ class _Interpreter:
             else:
                 rows = self.dense(node, name, sets.size(first))
             return [rows if _is_float_meta(m) else None for m in metas]
-        every = self.everything(node)
-        if self.pairs is not None:
-            self.pairs.add_all(sets.all_of(every, 1))
-        self.notes.append(f"{_qualified(node.target)} is not known to the torch detector: dense")
+        every = self.dense_row(node)
         return [
             sets.all_of(every, sets.size(s)) if _is_float_meta(m) else None for s, m in zip(shapes, metas, strict=True)
         ]
 
-    def operand_rows(self, node: Any) -> list[Any]:
-        return [self.rows.get(a) for a in _nodes(node.args) + _nodes(node.kwargs)]
-
-    def everything(self, node: Any) -> Any:
-        """One row: every input that any element of any operand of ``node`` depends on (operands
-        of different sizes, a list of tensors' each)."""
+    def dense_row(self, node: Any) -> Any:
+        """An operation not known, noted: one row, every input that any element of any operand of
+        ``node`` depends on (a list of tensors' each), each pair of them coupled."""
         rows: list[Any] = []
-        for r in self.operand_rows(node):
+        for a in _nodes(node.args) + _nodes(node.kwargs):
+            r = self.rows.get(a)
             rows.extend(r if isinstance(r, list) else [r])
-        return sets.union([sets.all_of(r, 1) for r in rows])
+        every = sets.everything(rows)
+        self.notes.append(f"{node.target} is not known to the torch detector: dense")
+        if self.pairs is not None:
+            self.pairs.add_all(every)
+        return every
 
     def dense(self, node: Any, name: str, size: int) -> Any:
-        every = self.everything(node)
-        self.notes.append(f"{_qualified(node.target)} is not known to the torch detector: dense")
-        out = sets.all_of(every, size)
-        if self.pairs is not None:
-            self.pairs.add_all(sets.all_of(every, 1))
-        return out
+        return sets.all_of(self.dense_row(node), size)
 
     def move(self, node: Any, shape: tuple[int, ...] | None) -> Any:
         """Run the operation on positions; _UNKNOWN where an index it needs is not known."""
@@ -769,34 +739,21 @@ class _Interpreter:
             self.pairs.add_all(out)
         return out
 
-    def cumulative(self, node: Any, name: str, shape: tuple[int, ...]) -> Any:
+    def along(self, node: Any, name: str) -> Any:
+        """Each output depends on its input's slice along the operation's dimension: up to it (a
+        cumulative operation), or the whole slice (softmax, sort)."""
         source = node.args[0]
         in_shape = _shape(source)
         rows = self.rows.get(source)
-        if rows is None:
-            return None
-        if not in_shape:
+        if rows is None or not in_shape:
             return rows
-        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
-        out = sets.apply(sets.cumulative_matrix(in_shape, int(dim)), rows)
+        cumulative = name in _CUMULATIVE
+        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0 if cumulative else -1)
+        if cumulative:
+            out = sets.apply(sets.cumulative_matrix(in_shape, int(dim)), rows)
+        else:
+            out = sets.along(rows, in_shape, dim if isinstance(dim, int) else -1)
         if self.pairs is not None and name != "cumsum":
-            self.pairs.add_all(out)
-        return out
-
-    def along(self, node: Any, shape: tuple[int, ...]) -> Any:
-        """Each output depends on the whole slice of its input along the operation's dimension."""
-        source = node.args[0]
-        in_shape = _shape(source)
-        rows = self.rows.get(source)
-        if rows is None:
-            return None
-        if not in_shape:
-            return rows
-        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else -1)
-        dim = -1 if not isinstance(dim, int) else dim
-        r = sets.reduction_matrix(in_shape, [dim])
-        out = sets.apply(r.T @ r, rows)
-        if self.pairs is not None:
             self.pairs.add_all(out)
         return out
 
@@ -821,7 +778,7 @@ class _Interpreter:
             a_shape, b_shape = (1, *a_shape), (1, *b_shape)
         if len(a_shape) != 3 or len(b_shape) != 3 or name == "addbmm":
             return self.dense(node, name, sets.size(shape))
-        out = _batched_mm(
+        out = sets.matmul(
             self.rows.get(a),
             self._value_or_none(a),
             a_shape,
@@ -846,8 +803,6 @@ class _Interpreter:
         if kernel is None:
             kernel = np.ones(w_shape, dtype=bool)
         pairs_in, pairs_w = _conv_pairs(in_shape, w_shape, shape, kernel, stride, padding, dilation, groups, transposed)
-        import scipy.sparse as sp
-
         out_size = sets.size(shape)
         # each operand's elements that each output element reads: (output, operand) index pairs
         operands = [(source, pairs_in, sets.size(in_shape)), (weight, pairs_w, sets.size(w_shape))]
@@ -856,8 +811,7 @@ class _Interpreter:
         parts = []
         for operand, (rows, cols), columns in operands:
             if self.rows.get(operand) is not None:
-                m = sp.csr_array((np.ones(rows.size, dtype=np.float32), (rows, cols)), shape=(out_size, columns))
-                parts.append(sets.apply(m, self.rows[operand]))
+                parts.append(sets.apply(sets.selection(rows, cols, (out_size, columns)), self.rows[operand]))
         if self.pairs is not None and self.rows.get(source) is not None and self.rows.get(weight) is not None:
             self.pairs.add_all(sets.all_of(sets.union(parts), 1))
         return sets.union(parts)
@@ -954,69 +908,6 @@ def _name(target: Any) -> str:
     packet = getattr(target, "overloadpacket", None)
     name = getattr(packet, "__name__", None) or getattr(target, "__name__", str(target))
     return str(name).split(".")[-1]
-
-
-def _qualified(target: Any) -> str:
-    return str(target)
-
-
-def _batched_mm(
-    a_rows: Any,
-    a_nonzero: Any,
-    a_shape: Sequence[int],
-    b_rows: Any,
-    b_nonzero: Any,
-    b_shape: Sequence[int],
-    n: int,
-    pairs: sets.Pairs | None,
-) -> Any:
-    """The sets of ``a @ b`` for ``a`` of shape (B, m, k) and ``b`` (B, k, p) (B may broadcast from 1):
-    ``out[t, i, j]`` depends on ``a[t, i, l]`` where ``b[t, l, j]`` may be nonzero, and on ``b[t, l, j]``
-    where ``a[t, i, l]`` may be nonzero."""
-    import scipy.sparse as sp
-
-    batch = max(a_shape[0], b_shape[0])
-    _, m, k = a_shape
-    _, _, p = b_shape
-    a_mask = np.ones((m, k), dtype=bool) if a_nonzero is None else None
-    b_mask = np.ones((k, p), dtype=bool) if b_nonzero is None else None
-    parts = []
-    a_all = np.asarray(a_nonzero).reshape(a_shape) if a_nonzero is not None else None
-    b_all = np.asarray(b_nonzero).reshape(b_shape) if b_nonzero is not None else None
-    blocks_a, blocks_b = [], []
-    for t in range(batch):
-        ta = 0 if a_shape[0] == 1 else t
-        tb = 0 if b_shape[0] == 1 else t
-        am: Any = a_mask if a_all is None else a_all[ta]
-        bm: Any = b_mask if b_all is None else b_all[tb]
-        # out (i, j) <- a (i, l) where b (l, j): kron(I_m, bm.T) ; out (i, j) <- b (l, j) where a (i, l): kron(am, I_p)
-        blocks_a.append(sp.kron(sp.eye_array(m), sp.csr_array(bm.T.astype(np.float32)), format="csr"))
-        blocks_b.append(sp.kron(sp.csr_array(am.astype(np.float32)), sp.eye_array(p), format="csr"))
-    if a_rows is not None:
-        select = _batch_select(blocks_a, a_shape, m * k)
-        parts.append(sets.apply(select, a_rows))
-    if b_rows is not None:
-        select = _batch_select(blocks_b, b_shape, k * p)
-        parts.append(sets.apply(select, b_rows))
-    if pairs is not None and a_rows is not None and b_rows is not None:
-        for t in range(batch):
-            ta = 0 if a_shape[0] == 1 else t
-            tb = 0 if b_shape[0] == 1 else t
-            a_t = a_rows[ta * m * k : (ta + 1) * m * k]
-            b_t = b_rows[tb * k * p : (tb + 1) * k * p]
-            # column l of a with row l of b: the products a[i, l] * b[l, j]
-            columns = sets.apply(sets.reduction_matrix((m, k), [0]), a_t)
-            rows_b = sets.apply(sets.reduction_matrix((k, p), [1]), b_t)
-            pairs.add(columns, rows_b)
-    return sets.union(parts)
-
-
-def _batch_select(blocks: list[Any], shape: Sequence[int], per: int) -> Any:
-    import scipy.sparse as sp
-
-    if shape[0] == len(blocks):
-        return sp.block_diag(blocks, format="csr")
-    return sp.vstack(blocks, format="csr")  # one operand broadcast over the batch
 
 
 def _conv_pairs(
