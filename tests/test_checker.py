@@ -1489,3 +1489,78 @@ def test_an_f_that_casts_its_float64_copies_back_to_float32_rounds_as_float32(se
     assert [row.status for row in report.rows] == ["passed"]
     with pytest.raises(di.GradientCheckError, match=r"- jax on .*wrong \(gradient\)"):
         check_gradients(wrong, params, *contexts, backends="jax")
+
+
+def _mixed_precision_mlp(seed: int, x_dtype: str, compute: str) -> tuple[Any, Any, Any]:
+    """A jax MLP loss whose layers compute in ``compute`` (a cast inside f, as a mixed-precision
+    model's), on parameters and a batch of ``x_dtype``; and a twin whose rule is 30% off."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    narrow = jnp.dtype(compute)
+    rng = np.random.default_rng(seed)
+    params = {
+        "w1": jnp.asarray(rng.normal(size=(8, 16)) / 3, x_dtype),
+        "w2": jnp.asarray(rng.normal(size=16) / 4, x_dtype),
+    }
+    batch = jnp.asarray(rng.normal(size=(5, 8)), x_dtype)
+
+    def loss(p: Any, batch: Any) -> Any:
+        hidden = jnp.tanh(batch.astype(narrow) @ p["w1"].astype(narrow))
+        return jnp.mean((hidden @ p["w2"].astype(narrow)).astype(x_dtype) ** 2)
+
+    @jax.custom_vjp
+    def twin(p: Any, batch: Any) -> Any:
+        return loss(p, batch)
+
+    def backward(saved: Any, cotangent: Any) -> Any:
+        grads = jax.grad(loss)(*saved)
+        return jax.tree.map(lambda g: 1.3 * cotangent * g, grads), jnp.zeros_like(saved[1])
+
+    twin.defvjp(lambda p, batch: (loss(p, batch), (p, batch)), backward)
+    return loss, twin, (params, di.Constant(batch))
+
+
+@pytest.mark.parametrize(
+    ("x_dtype", "seeds"),
+    [("float32", [1, 2]), ("float64", [2])],
+    ids=["float32", "float64"],
+)
+def test_a_jax_f_computing_in_bfloat16_inside_is_judged_at_bfloat16(x_dtype: str, seeds: list[int]) -> None:
+    """A jax f that casts to bfloat16 inside is a staircase at bfloat16's resolution on any
+    copies of x: the truth runs f's jaxpr with the casts widened, and its engines' gradients are
+    judged at bfloat16's precision. Its right gradients passed on none of these seeds before (the
+    truth's steps read the staircase), and a rule 30% off still fails."""
+    jax = pytest.importorskip("jax")
+    with jax.enable_x64(x_dtype == "float64"):
+        for seed in seeds:
+            loss, twin, (params, batch) = _mixed_precision_mlp(seed, x_dtype, "bfloat16")
+            check_gradients(loss, params, batch, backends=["jax"])
+            with pytest.raises(di.GradientCheckError, match="jax"):
+                check_gradients(twin, params, batch, backends=["jax"])
+
+
+def test_a_jax_f_that_cannot_be_widened_is_judged_as_it_computes() -> None:
+    """Where f's jaxpr holds a loop (a scan), or an operation that takes no wider operand (a
+    bitcast), the truth runs f itself, as before: a right gradient of a float32 f still passes."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    from diffiface.test._running import jax_widened
+
+    x = jnp.asarray([0.3, -1.2, 2.0], jnp.float32)
+
+    def looped(v: Any) -> Any:
+        return jax.lax.scan(lambda c, e: (c + jnp.sin(e.astype(jnp.bfloat16)).astype(v.dtype), None), 0.0 * v[0], v)[0]
+
+    def bitcast(v: Any) -> Any:
+        bits = jax.lax.bitcast_convert_type(v.astype(jnp.bfloat16), jnp.int16)
+        return jnp.sum(v**2) + 0.0 * jnp.sum(bits.astype(v.dtype))
+
+    with jax.enable_x64(True):
+        wide = x.astype(jnp.float64)
+        assert jax_widened(looped, wide, []) is None
+        assert jax_widened(bitcast, wide, []) is None
+        assert jax_widened(lambda v: jnp.sum(jnp.sin(v.astype(jnp.bfloat16))), wide, []) is not None
+        assert jax_widened(lambda v: jnp.sum(jnp.sin(v)), wide, []) is None  # (nothing narrower than float64)
+        # (a cast to float32 inside is left to the test of f rounding as x)
+        assert jax_widened(lambda v: jnp.sum(jnp.sin(v.astype(jnp.float32))), wide, []) is None
+    check_gradients(bitcast, x, backends=["jax"])

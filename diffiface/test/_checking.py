@@ -47,6 +47,7 @@ from ._running import (
     _value,
     _warnings_apart,
     backend_label,
+    jax_widened,
 )
 from ._scenario import Scenario, promote, promote_contexts
 from ._snapshot import changes, snapshot
@@ -581,6 +582,11 @@ class _Check:
         self.f, self.x, self.contexts, self.chosen, self.automatic = f, x, contexts, chosen, automatic
         self.rtol, self.atol, self.seed, self.has_aux = rtol, atol, seed, has_aux
         self.counted = _Counted(f)
+        self.widened: Callable[[Any], Any] | None = None
+        """f as the ground truth evaluates it where it is a jax f computing in a narrower float
+        inside (:func:`~diffiface.test._running.jax_widened`); None: f itself."""
+        self.narrowest: str | None = None
+        """The narrowest float dtype f computes in, where the truth runs it widened."""
         self.scenario = Scenario(
             "f",
             self.counted,
@@ -633,7 +639,12 @@ class _Check:
         try:
             scope = _float64_copies_scope() if self.promoted else _float64_scope() if self.wide else None
             with _no_grad(), scope or contextlib.nullcontext():
-                out = self.counted(self.truth_flat.tree(vector), *_copies(self.truth_contexts))
+                if self.widened is None:
+                    out = self.counted(self.truth_flat.tree(vector), *_copies(self.truth_contexts))
+                else:
+                    out = self.widened(self.truth_flat.tree(vector))
+                    self.counted.calls += 1
+                    self.counted.returned += 1
             value = self._scalar(out)
             self.output_dtype = _arrays.dtype_name(_tree.leaves(out[0] if self.has_aux else out)[0])
         except InvalidOutputError:
@@ -815,10 +826,20 @@ class _Check:
         """Per side of an edge (-1, 1), the point furthest that way an edge input found in f's domain."""
         # f(x) as the ground truth computes it (on the float64 copies, where they serve)
         self.output_dtype = _arrays.dtype_name(_tree.leaves(value[0] if self.has_aux else value)[0])
-        center = self._at(self.truth_flat.vector) if promoted else self.f0
-        if promoted and center is not None and wide is not None:
+        # (a jax f casting to a narrower float inside: the truth runs it widened, its engines'
+        # results keep that dtype's precision)
+        if self.wide and all(type(c) is di.Constant for c in self.truth_contexts):
+            with _float64_copies_scope() if promoted else _float64_scope():
+                found = jax_widened(
+                    self.f, self.truth_flat.tree(self.truth_flat.vector), [c.value for c in self.truth_contexts]
+                )
+            if found is not None:
+                self.widened, self.narrowest = found
+        center = self._at(self.truth_flat.vector) if promoted or self.widened is not None else self.f0
+        if promoted and center is not None and wide is not None and self.widened is None:
             # (a draw from a global generator hides in f's rounding at f's own precision, not
-            # in float64's, where the truth evaluates f: the check's evaluation there, again)
+            # in float64's, where the truth evaluates f: the check's evaluation there, again; a
+            # widened f's jaxpr is another computation, whose value differs by f's own rounding)
             again = self._scalar((wide, None) if self.has_aux else wide)
             if abs(again - center) > 64 * np.finfo(np.float64).eps * self.condition:
                 self._not_deterministic(f"different values on float64 copies ({center!r} and {again!r})")
@@ -1197,7 +1218,11 @@ class _Check:
         for i in self.flat.where:
             name = _arrays.dtype_name(self.flat.leaves[i])
             name = "float32" if name == "complex64" else name
-            out.append(name if name in _NARROW_EPS else _float64_precision(backend))
+            name = name if name in _NARROW_EPS else _float64_precision(backend)
+            narrowest = self.narrowest  # (f computes in a narrower float inside)
+            if narrowest is not None and _NARROW_EPS[narrowest] > _NARROW_EPS.get(name, 0.0):
+                name = narrowest
+            out.append(name)
         return out
 
     def _entry_eps(self, label: str, wide: float = float(np.finfo(np.float64).eps)) -> np.ndarray:

@@ -727,6 +727,114 @@ def _changes_in_float64(scenario: Scenario, value: Any, wide: Any = None) -> boo
     return False
 
 
+def jax_widened(f: Callable[..., Any], x: Any, contexts: Sequence[Any]) -> tuple[Callable[[Any], Any], str] | None:
+    """f of x (its float64 copies, under x64), with what f computes in bfloat16 or float16 (a
+    cast inside, mixed precision) computed in float64: f's jaxpr, traced once on ``x`` with the
+    ``contexts``' values closed over, evaluated equation by equation with every float narrower
+    than float64 widened, as torch's function mode widens a torch f (:func:`_widening`). Such a
+    cast otherwise rounds f at that dtype's resolution on any copies, a staircase the ground
+    truth's steps read. With the function, that narrowest dtype, the precision of the engines'
+    results. None where f is left as it computes: x holds no jax array, f cannot be traced, or
+    computes in no half-precision float, or its jaxpr holds a primitive with inner jaxprs that
+    is not a call (a loop, a branch) or a bitcast, or its value widened is not f's within the
+    narrowest dtype's tolerances."""
+    jax = sys.modules.get("jax")
+    if jax is None or not any(isinstance(leaf, jax.Array) for leaf in _tree.leaves(x)):
+        return None
+    try:
+        closed, shapes = jax.make_jaxpr(lambda x: f(x, *contexts), return_shape=True)(x)
+    except Exception:  # (an aux of strings, a tracer leaked: f's value as it computes it)
+        return None
+    structure = jax.tree_util.tree_structure(shapes)
+    narrowest = _narrowest(closed.jaxpr)
+    if narrowest is None:
+        return None
+    numpy = jax.numpy
+
+    def widened(tree: Any) -> Any:
+        outs = _evaluate_widened(closed.jaxpr, closed.consts, jax.tree_util.tree_leaves(tree), numpy)
+        return jax.tree_util.tree_unflatten(structure, outs)
+
+    try:  # (a primitive that takes no wider operand: f as it computes)
+        value = widened(x)
+        # (widened, f computes what it computes, without its rounding: else f as it computes)
+        assert_allclose(value, f(x, *contexts), *default_tolerances(narrowest), check_dtype=False)
+    except Exception:
+        return None
+    return widened, narrowest
+
+
+_WIDER = {"bfloat16": "float64", "float16": "float64", "float32": "float64", "complex64": "complex128"}
+_CALLS = frozenset(
+    {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_jvp_call", "custom_vjp_call"}
+)
+"""Primitives whose inner jaxpr is the call itself: evaluated inline, widened."""
+
+
+def _inner(eqn: Any) -> list[Any]:
+    """The jaxprs an equation holds in its parameters (open ones, a closed one's own)."""
+    found = []
+    for param in eqn.params.values():
+        for value in param if isinstance(param, (tuple, list)) else (param,):
+            value = getattr(value, "jaxpr", value)
+            if hasattr(value, "eqns"):
+                found.append(value)
+    return found
+
+
+def _narrowest(jaxpr: Any) -> str | None:
+    """The narrowest float dtype a jaxpr computes in, where it is a half-precision one and every
+    primitive with inner jaxprs in it is a call (:data:`_CALLS`) of one; else None. (A cast to
+    float32 inside is left to the truth's test of f rounding as x, which needs no trace: widened,
+    a float32 constant f closes over would loosen a float64 check to float32's tolerances.)"""
+    found: set[str] = set()
+    pending = [jaxpr]
+    while pending:
+        for eqn in pending.pop().eqns:
+            inner = _inner(eqn)
+            if inner and (eqn.primitive.name not in _CALLS or len(inner) != 1):
+                return None
+            if eqn.primitive.name == "bitcast_convert_type":  # (its bits are its dtype's)
+                return None
+            pending += inner
+            found.update(str(getattr(var.aval, "dtype", "")) for var in eqn.outvars)
+    return next((name for name in ("bfloat16", "float16") if name in found), None)
+
+
+def _evaluate_widened(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], numpy: Any) -> list[Any]:
+    def widen(value: Any) -> Any:
+        wider = _WIDER.get(str(getattr(value, "dtype", "")))
+        return value if wider is None else numpy.asarray(value, dtype=wider)
+
+    def param(value: Any) -> Any:
+        return numpy.dtype(_WIDER[str(value)]) if isinstance(value, np.dtype) and str(value) in _WIDER else value
+
+    env: dict[Any, Any] = {}
+
+    def read(var: Any) -> Any:
+        return widen(var.val) if type(var).__name__ == "Literal" else env[var]
+
+    for var, value in zip(jaxpr.constvars, consts, strict=True):
+        env[var] = widen(value)
+    for var, value in zip(jaxpr.invars, args, strict=True):
+        env[var] = widen(value)
+    for eqn in jaxpr.eqns:
+        values = [read(var) for var in eqn.invars]
+        inner = _inner(eqn)
+        if inner:  # a call: its jaxpr inline (a closed one's constants with it)
+            closed = next(v for v in eqn.params.values() if getattr(v, "jaxpr", v) is inner[0])
+            outs = _evaluate_widened(inner[0], getattr(closed, "consts", ()), values, numpy)
+        elif eqn.primitive.name == "reduce_precision":  # (a rounding to fewer bits: none when widened)
+            outs = values
+        else:
+            outs = eqn.primitive.bind(*values, **{name: param(v) for name, v in eqn.params.items()})
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        for var, value in zip(eqn.outvars, outs, strict=True):
+            if type(var).__name__ != "DropVar":
+                env[var] = value
+    return [read(var) for var in jaxpr.outvars]
+
+
 def _float64_scope() -> Any:
     """jax's x64 for the duration (scoped, the global flag untouched), as the engines run a
     float64 computation; nothing when jax is not loaded or x64 is already on."""
