@@ -59,11 +59,16 @@ def refuse_a_moved_output(before: Sequence[Any], after: Sequence[Any], engine: s
     )
 
 
-def refused_as_not_a_tensor(exc: BaseException) -> bool:
-    """Whether ``exc`` is a compiled function's refusal of an argument that is not its own
-    framework's tensor (``torch.sin`` given another engine's array: "must be Tensor, not
-    array"), which leaves no Python frame of that framework to find."""
-    return isinstance(exc, TypeError) and "must be Tensor, not" in str(exc)
+def handed_to_another_framework(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch's or jax's refusal of an array of another engine that ``f``
+    handed it: raised inside their code, or a compiled function's refusal of an argument that
+    is not its own framework's tensor (``torch.sin`` given another engine's array: "must be
+    Tensor, not array"), which leaves no Python frame of that framework to find."""
+    return (
+        raised_inside(exc, "torch")
+        or raised_inside(exc, "jax")
+        or (isinstance(exc, TypeError) and "must be Tensor, not" in str(exc))
+    )
 
 
 def raised_inside(exc: BaseException, package: str) -> bool:
@@ -645,7 +650,7 @@ def _size(leaf: Any) -> int:
     return math.prod(tuple(leaf.shape))
 
 
-def without_leaves(adapter: Adapter, compute: str) -> Callable[..., Any]:
+def without_leaves(adapter: Adapter, compute: str) -> Callable[..., tuple[Any, ...]]:
     """The adapter's ``compute`` where x has no leaves (an empty dict, the trainable parameters of
     a layer that has none): f evaluated once, and every derivative with respect to nothing, known
     without the engine, which may refuse to take one (torch.func's jvp, jax's and torch's

@@ -330,7 +330,7 @@ class Adapter(_base.Adapter):
                 "(pt.sum, pt.exp, pt.switch), not numpy functions or in-place writes; differentiate a "
                 "numpy f with AutoFiniteDifferences()."
             )
-        if _base.raised_inside(exc, "torch") or _base.raised_inside(exc, "jax") or _base.refused_as_not_a_tensor(exc):
+        if _base.handed_to_another_framework(exc):
             return (
                 "f handed a pytensor symbolic variable to another framework. Write f with "
                 "pytensor.tensor operations, or differentiate it with AutoFiniteDifferences()."

@@ -209,9 +209,7 @@ class Adapter(_base.Adapter):
                 "f branches in Python on the value of a tensor (if, while, bool()), which a tf.function "
                 "graph traced without autograph cannot do. Use tf.cond or tf.where, or AutoTensorFlow(jit=False)."
             )
-        if isinstance(exc, TypeError) and (
-            raised_inside(exc, "torch") or raised_inside(exc, "jax") or _base.refused_as_not_a_tensor(exc)
-        ):
+        if isinstance(exc, TypeError) and _base.handed_to_another_framework(exc):
             return (
                 "f handed a TensorFlow tensor to a function that does not take one (torch, jax); "
                 "differentiate such an f with its own engine, any function with AutoFiniteDifferences()."
@@ -285,9 +283,8 @@ class Adapter(_base.Adapter):
         ``tf.custom_gradient`` and not its rule (a straight-through rounding's jvp was 0 where
         its gradient is 1), takes real primals only, and its complex rules are not the
         convention's. So every derivative of f is the tape's."""
-        if not xs:
-            out, aux = fn(xs)
-            return out, aux, _zeros_like_out(out)
+        if not xs:  # (a batch of products, which the route hands over as it is)
+            return _base.without_leaves(self, "value_and_pushforward")(fn, xs, txs)
         return self._pushforward_by_pullbacks(fn, xs, txs)
 
     def _pushforward_by_pullbacks(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
@@ -577,9 +574,3 @@ def _from_sources(tensors: Any, sources: set[Any]) -> list[Any] | None:
                 numpy_ops.append(op)
             stack.extend(op.inputs)
     return numpy_ops if reached else None
-
-
-def _zeros_like_out(out: Any) -> Any:
-    if isinstance(out, tuple):
-        return tuple(tf.zeros_like(y) for y in out)
-    return tf.zeros_like(out)
