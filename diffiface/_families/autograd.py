@@ -8,7 +8,13 @@ from typing import Any, Final
 
 import numpy as np
 
-from ._shared import array_words, no_eval_shape, no_ravel, no_refusal, no_scope, no_trace, not_followed
+from ._shared import array_words
+from ._shared import contents as contents
+from ._shared import dtype_scope as dtype_scope
+from ._shared import eval_shape as eval_shape
+from ._shared import laid_out_ravel as laid_out_ravel
+from ._shared import trace_of as trace_of
+from ._shared import x_refusal as x_refusal
 
 # a box answers its value's shape and dtype: the tests are numpy's
 from .numpy import block_like as block_like
@@ -135,10 +141,4 @@ def numpy_wrappers() -> tuple[Any, list[Any], list[tuple[str, Any]]]:
     return module, list(namespaces.values()), scipy_modules
 
 
-x_refusal = no_refusal
-contents = not_followed
 describe = array_words
-trace_of = no_trace
-dtype_scope = no_scope
-eval_shape = no_eval_shape
-laid_out_ravel = no_ravel

@@ -11,7 +11,11 @@ import numpy as np
 import optree
 
 from . import _jax_placement as _placement
-from ._shared import array_words, no_refusal, not_followed, unopened, untraced
+from ._shared import array_words
+from ._shared import contents as contents
+from ._shared import opened as opened
+from ._shared import traced as traced
+from ._shared import x_refusal as x_refusal
 
 NAME: Final = "jax"
 ARRAY: Final = True
@@ -319,11 +323,6 @@ _SELF = sys.modules[__name__]
 
 values = to_numpy
 """Its values as numpy (:func:`to_numpy`)."""
-
-x_refusal = no_refusal
-opened = unopened
-traced = untraced
-contents = not_followed
 
 
 def describe(signature: tuple[Any, ...]) -> str:

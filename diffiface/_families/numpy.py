@@ -8,18 +8,15 @@ from typing import Any, Final
 
 import numpy as np
 
-from ._shared import (
-    Contents,
-    array_words,
-    no_eval_shape,
-    no_layout,
-    no_ravel,
-    no_refusal,
-    no_scope,
-    no_trace,
-    unopened,
-    untraced,
-)
+from ._shared import Contents, array_words
+from ._shared import dtype_scope as dtype_scope
+from ._shared import eval_shape as eval_shape
+from ._shared import laid_out_ravel as laid_out_ravel
+from ._shared import layout as layout
+from ._shared import opened as opened
+from ._shared import trace_of as trace_of
+from ._shared import traced as traced
+from ._shared import x_refusal as x_refusal
 
 NAME: Final = "numpy"
 ARRAY: Final = True
@@ -158,16 +155,8 @@ _SELF = sys.modules[__name__]
 values = to_numpy
 """Its values as numpy (:func:`to_numpy`)."""
 
-x_refusal = no_refusal
-opened = unopened
-traced = untraced
 
 describe = array_words
-trace_of = no_trace
-dtype_scope = no_scope
-eval_shape = no_eval_shape
-laid_out_ravel = no_ravel
-layout = no_layout
 
 
 def contents(value: Any, kept: int) -> Contents | None:

@@ -9,18 +9,14 @@ from typing import Any, Final
 
 import numpy as np
 
-from ._shared import (
-    Contents,
-    MetaLeaves,
-    array_words,
-    no_eval_shape,
-    no_layout,
-    no_ravel,
-    no_scope,
-    no_trace,
-    unopened,
-    untraced,
-)
+from ._shared import Contents, MetaLeaves, array_words
+from ._shared import dtype_scope as dtype_scope
+from ._shared import eval_shape as eval_shape
+from ._shared import laid_out_ravel as laid_out_ravel
+from ._shared import layout as layout
+from ._shared import opened as opened
+from ._shared import trace_of as trace_of
+from ._shared import traced as traced
 
 NAME: Final = "torch"
 ARRAY: Final = True
@@ -181,15 +177,6 @@ def values(leaf: Any) -> np.ndarray:
     """Its values as numpy, read through ``tolist`` (a torch.func tensor has no storage for
     numpy to read)."""
     return np.asarray(leaf.detach().tolist())
-
-
-opened = unopened
-traced = untraced
-trace_of = no_trace
-dtype_scope = no_scope
-eval_shape = no_eval_shape
-laid_out_ravel = no_ravel
-layout = no_layout
 
 
 def describe(signature: tuple[Any, ...]) -> str:
