@@ -495,6 +495,30 @@ def second_derivative_of(outer: Adapter, inner: Adapter, fn: Fn, xs: Leaves) -> 
     return value, aux, derivs, seconds
 
 
+_INNER_PARTS = (
+    "xp",
+    "weak_floats",
+    "output_values",
+    "traced_function",
+    "batches",
+    "to_native",
+    "context_to_native",
+    "constant_to_native",
+    "untracked",
+    "plain",
+    "output_leaf",
+    "scope",
+    "explain_failure",
+    "pullback_function",
+    "value_and_pushforward",
+    "value_and_gradient",
+    "value_and_jacobian",
+    "value_and_derivative",
+)
+"""What a :class:`SecondOrderAdapter` takes of its inner adapter as it is: the conversions
+and checks of ``f``'s arrays, and every first-order product."""
+
+
 class SecondOrderAdapter(Adapter):
     """First order by ``inner``; second order by ``outer`` differentiating ``inner``'s results."""
 
@@ -516,41 +540,17 @@ class SecondOrderAdapter(Adapter):
             outer = make(dataclasses.replace(unbatched, vectorize=False))
         self.outer = outer
         self.inner = inner
-        self.xp = inner.xp
-        self.weak_floats = inner.weak_floats
-        self.output_values = inner.output_values
-        self.traced_function = inner.traced_function
+        for name in _INNER_PARTS:
+            setattr(self, name, getattr(inner, name))
         self.complex_outputs = outer.complex_outputs or inner.complex_outputs
         self.estimates_errors = outer.estimates_errors
-        self.batches = inner.batches
         self._same_engine = type(outer) is type(inner)
         self.compiles = self._same_engine and inner.compiles
         self._local = threading.local()
 
-    def to_native(self, leaf: Any) -> Any:
-        return self.inner.to_native(leaf)
-
-    def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
-        return self.inner.context_to_native(leaf, like)
-
-    def constant_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
-        return self.inner.constant_to_native(leaf, like)
-
-    def untracked(self, leaf: Any, xs: Leaves) -> bool:
-        return self.inner.untracked(leaf, xs)
-
-    def plain(self, leaf: Any) -> Any:
-        return self.inner.plain(leaf)
-
-    def output_leaf(self, leaf: Any, like: Any) -> Any:
-        return self.inner.output_leaf(leaf, like)
-
     @property
     def scoped(self) -> bool:
         return self.inner.scoped or self.outer.scoped
-
-    def scope(self) -> contextlib.AbstractContextManager[Any] | None:
-        return self.inner.scope()
 
     def compile(
         self,
@@ -561,9 +561,6 @@ class SecondOrderAdapter(Adapter):
         parts: ProgramParts | None = None,
     ) -> Callable[..., Any]:
         return self.inner.compile(program, static, arrays, layouts, parts) if self._same_engine else program
-
-    def explain_failure(self, exc: BaseException) -> str | None:
-        return self.inner.explain_failure(exc)
 
     def take_error(self) -> Any:
         error = self.outer.take_error()
@@ -577,21 +574,6 @@ class SecondOrderAdapter(Adapter):
         derivative_error = error[0]
         value_error = derivative_error if second == "derivative" else np.zeros(())
         return value_error, None, derivative_error, error[2]
-
-    def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
-        return self.inner.pullback_function(fn, xs)
-
-    def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
-        return self.inner.value_and_pushforward(fn, xs, txs)
-
-    def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
-        return self.inner.value_and_gradient(fn, xs)
-
-    def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Blocks]:
-        return self.inner.value_and_jacobian(fn, xs, mode)
-
-    def value_and_derivative(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any]:
-        return self.inner.value_and_derivative(fn, xs)
 
     # One engine twice is that engine's own second order, whose adapter knows how it nests
     # (torch's autograd mode, say, differentiates twice backward, never forward over reverse).
