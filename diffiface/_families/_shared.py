@@ -156,3 +156,23 @@ _SHAPE_DTYPE = operator.attrgetter("shape", "dtype")  # (read in C, no frame per
 def leaves_test(leaves: list[Any]) -> Callable[[list[Any]], bool]:
     """``leaves_test`` of such a family: the leaves' types, shapes and dtypes, read inline."""
     return MetaLeaves(leaves, _SHAPE_DTYPE)
+
+
+def jit_checked(leaf: Any) -> bool:
+    """``jit_checked`` of a family that no retracing engine compiles for."""
+    return False
+
+
+def exchange(leaf: Any) -> None:
+    """``exchange`` of a family whose leaves cross to another framework as numpy copies."""
+    return None
+
+
+def private_copy(leaf: Any) -> Any:
+    """``private_copy`` of a family whose leaves f cannot write into unseen: the leaf itself."""
+    return leaf
+
+
+def from_parts(re: Any, im: Any) -> Any:
+    """``from_parts`` of a family whose arrays take numpy's complex arithmetic."""
+    return re + 1j * im

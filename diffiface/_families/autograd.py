@@ -12,7 +12,10 @@ from ._shared import array_words
 from ._shared import contents as contents
 from ._shared import dtype_scope as dtype_scope
 from ._shared import eval_shape as eval_shape
+from ._shared import exchange as exchange
+from ._shared import from_parts as from_parts
 from ._shared import laid_out_ravel as laid_out_ravel
+from ._shared import private_copy as private_copy
 from ._shared import trace_of as trace_of
 from ._shared import x_refusal as x_refusal
 
@@ -65,10 +68,6 @@ def as_own(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], n
     return np.asarray(as_numpy(value))
 
 
-def exchange(leaf: Any) -> None:
-    return None
-
-
 def conj(leaf: Any) -> Any:
     return sys.modules["autograd.numpy"].conj(leaf)
 
@@ -76,14 +75,6 @@ def conj(leaf: Any) -> Any:
 def parts(leaf: Any) -> tuple[Any, Any]:
     anp = sys.modules["autograd.numpy"]
     return anp.real(leaf), anp.imag(leaf)
-
-
-def from_parts(re: Any, im: Any) -> Any:
-    return re + 1j * im
-
-
-def private_copy(leaf: Any) -> Any:
-    return leaf
 
 
 def traced(leaf: Any) -> Any:

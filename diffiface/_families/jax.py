@@ -14,6 +14,7 @@ from . import _jax_placement as _placement
 from ._shared import array_words
 from ._shared import contents as contents
 from ._shared import opened as opened
+from ._shared import private_copy as private_copy  # (immutable)
 from ._shared import traced as traced
 from ._shared import x_refusal as x_refusal
 
@@ -303,10 +304,6 @@ def laid_out_ravel(leaves: list[Any]) -> tuple[Any, Callable[[Any], Any]] | None
     """tree.ravel of leaves all sharded over one mesh, laid out on its devices (None where
     they are not: the plain ravel serves)."""
     return _placement.laid_out_ravel(leaves)
-
-
-def private_copy(leaf: Any) -> Any:
-    return leaf  # (immutable)
 
 
 def eval_shape(fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]]) -> Any:

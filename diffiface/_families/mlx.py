@@ -12,6 +12,8 @@ from ._shared import block_like as block_like
 from ._shared import contents as contents
 from ._shared import dtype_scope as dtype_scope
 from ._shared import eval_shape as eval_shape
+from ._shared import exchange as exchange  # (crosses as a numpy copy: dlpack into mlx would make float64 float32)
+from ._shared import from_parts as from_parts
 from ._shared import laid_out_ravel as laid_out_ravel
 from ._shared import layout as layout
 from ._shared import leaves_test as leaves_test
@@ -111,10 +113,6 @@ _SELF = sys.modules[__name__]
 CODE_MODULES: Final[frozenset[str]] = frozenset()
 
 
-def exchange(leaf: Any) -> None:
-    return None  # (crosses as a numpy copy: dlpack into mlx would make float64 float32)
-
-
 def conj(leaf: Any) -> Any:
     return sys.modules["mlx.core"].conj(leaf)
 
@@ -122,10 +120,6 @@ def conj(leaf: Any) -> Any:
 def parts(leaf: Any) -> tuple[Any, Any]:
     core = sys.modules["mlx.core"]
     return core.real(leaf), core.imag(leaf)
-
-
-def from_parts(re: Any, im: Any) -> Any:
-    return re + 1j * im
 
 
 def private_copy(leaf: Any) -> Any:

@@ -18,8 +18,10 @@ from ._shared import array_words
 from ._shared import contents as contents
 from ._shared import dtype_scope as dtype_scope
 from ._shared import eval_shape as eval_shape
+from ._shared import from_parts as from_parts
 from ._shared import laid_out_ravel as laid_out_ravel
 from ._shared import opened as opened
+from ._shared import private_copy as private_copy  # (symbolic: nothing to write into)
 from ._shared import trace_of as trace_of
 from ._shared import traced as traced
 from ._shared import x_refusal as x_refusal
@@ -104,14 +106,6 @@ def conj(leaf: Any) -> Any:
 def parts(leaf: Any) -> tuple[Any, Any]:
     tensor = sys.modules["pytensor.tensor"]
     return tensor.real(leaf), tensor.imag(leaf)
-
-
-def from_parts(re: Any, im: Any) -> Any:
-    return re + 1j * im
-
-
-def private_copy(leaf: Any) -> Any:
-    return leaf  # (symbolic: nothing to write into)
 
 
 def values(leaf: Any) -> np.ndarray:

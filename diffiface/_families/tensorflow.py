@@ -16,10 +16,14 @@ from ._shared import block_like as block_like
 from ._shared import contents as contents
 from ._shared import dtype_scope as dtype_scope
 from ._shared import eval_shape as eval_shape
+from ._shared import exchange as exchange  # (crosses as a numpy copy: a variable's later assignments must not be seen)
 from ._shared import laid_out_ravel as laid_out_ravel
 from ._shared import layout as layout
 from ._shared import leaves_test as leaves_test
 from ._shared import opened as opened
+
+# (tensors are immutable; a variable is read into a tensor by the adapter)
+from ._shared import private_copy as private_copy
 from ._shared import same as same
 from ._shared import trace_of as trace_of
 from ._shared import traced as traced
@@ -121,10 +125,6 @@ _SELF = sys.modules[__name__]
 CODE_MODULES: Final[frozenset[str]] = frozenset()
 
 
-def exchange(leaf: Any) -> None:
-    return None  # (crosses as a numpy copy: a variable's later assignments must not be seen)
-
-
 def conj(leaf: Any) -> Any:
     return _tf().math.conj(leaf)
 
@@ -139,10 +139,6 @@ def from_parts(re: Any, im: Any) -> Any:
     if owns(type(re)) and owns(type(im)):
         return tf.complex(re, im)
     return re + 1j * im
-
-
-def private_copy(leaf: Any) -> Any:
-    return leaf  # (tensors are immutable; a variable is read into a tensor by the adapter)
 
 
 values = to_numpy

@@ -10,8 +10,10 @@ from typing import Any, Final
 import numpy as np
 
 from ._shared import Contents, MetaLeaves, array_words
+from ._shared import block_like as block_like
 from ._shared import dtype_scope as dtype_scope
 from ._shared import eval_shape as eval_shape
+from ._shared import jit_checked as jit_checked
 from ._shared import laid_out_ravel as laid_out_ravel
 from ._shared import layout as layout
 from ._shared import opened as opened
@@ -94,10 +96,6 @@ def cast(value: Any, dtype: str) -> Any:
     return value.to(getattr(sys.modules["torch"], dtype))
 
 
-def block_like(value: Any, like: Any) -> Any:
-    return value
-
-
 class _Same:
     """The test that a later tensor has the prepared one's shape, dtype and device."""
 
@@ -122,10 +120,6 @@ _meta = operator.attrgetter("shape", "dtype", "device")  # (compared in C, no fr
 def leaves_test(leaves: list[Any]) -> Callable[[list[Any]], bool]:
     """The test of a list of leaves all of this family, read inline."""
     return MetaLeaves(leaves, _meta)
-
-
-def jit_checked(leaf: Any) -> bool:
-    return False
 
 
 def exchange(leaf: Any) -> Any:
