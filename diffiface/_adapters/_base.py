@@ -302,13 +302,13 @@ class Adapter:
         """``(out, aux, vjp)``: ``vjp(tout)`` is the vector-Jacobian product, ``tout`` shaped
         as ``out``. Without a reverse mode, built from the full Jacobian."""
         out, aux, blocks = self._jacobian_by_columns(fn, xs)
-        return out, aux, lambda tout: _transpose_apply(self.xp, blocks, _as_tuple(tout), xs)
+        return out, aux, lambda tout: _transpose_apply(self.xp, blocks, as_tuple(tout), xs)
 
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
         """``(out, aux, tout)``: ``tout`` is the Jacobian-vector product along ``txs``.
         Without a forward mode, built from the full Jacobian."""
         out, aux, blocks = self._jacobian_by_rows(fn, xs)
-        touts = _apply(self.xp, blocks, txs, _as_tuple(out))
+        touts = _apply(self.xp, blocks, txs, as_tuple(out))
         return out, aux, touts if isinstance(out, tuple) else touts[0]
 
     # -- batches of products: one program where the engine has vmap, a loop here -------------
@@ -402,9 +402,9 @@ class Adapter:
     def _jacobian_by_rows(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Blocks]:
         xp = self.xp
         out, aux, vjp = self.pullback_function(fn, xs)
-        outs = _as_tuple(out)
+        outs = as_tuple(out)
         seeds = [
-            _shaped_as(out, tuple(self.basis(y, k) if m == i else xp.zeros_like(z) for m, z in enumerate(outs)))
+            shaped_as(out, tuple(self.basis(y, k) if m == i else xp.zeros_like(z) for m, z in enumerate(outs)))
             for i, y in enumerate(outs)
             for k in range(_size(y))
         ]
@@ -432,9 +432,9 @@ class Adapter:
         columns: list[list[Leaves]] = []
         start = 0
         for x in xs:
-            columns.append([_as_tuple(t) for t in touts[start : start + _size(x)]])
+            columns.append([as_tuple(t) for t in touts[start : start + _size(x)]])
             start += _size(x)
-        outs = _as_tuple(out)
+        outs = as_tuple(out)
         blocks = tuple(
             tuple(
                 xp.reshape(xp.stack([xp.reshape(col[i], (-1,)) for col in columns[j]], axis=-1), (*y.shape, *x.shape))
@@ -641,7 +641,7 @@ def without_leaves(adapter: Adapter, compute: str) -> Callable[..., tuple[Any, .
     xp = adapter.xp
 
     def zeros(out: Any) -> Any:
-        return _shaped_as(out, tuple(xp.zeros_like(y) for y in _as_tuple(out)))
+        return shaped_as(out, tuple(xp.zeros_like(y) for y in as_tuple(out)))
 
     def method(fn: Fn, xs: Leaves, *tangents: Any) -> tuple[Any, ...]:
         out, aux = fn(xs)
@@ -654,7 +654,7 @@ def without_leaves(adapter: Adapter, compute: str) -> Callable[..., tuple[Any, .
         if compute == "value_and_pullbacks":
             return out, aux, [() for _ in tangents[0]]
         if compute == "value_and_jacobian":
-            return out, aux, tuple(() for _ in _as_tuple(out))
+            return out, aux, tuple(() for _ in as_tuple(out))
         if compute in ("gradient_and_hvp", "value_gradient_and_hessian"):
             return out, aux, (), ()
         if compute == "gradient_and_hvps":
@@ -664,11 +664,11 @@ def without_leaves(adapter: Adapter, compute: str) -> Callable[..., tuple[Any, .
     return method
 
 
-def _as_tuple(out: Any) -> tuple[Any, ...]:
+def as_tuple(out: Any) -> tuple[Any, ...]:
     return out if isinstance(out, tuple) else (out,)
 
 
-def _shaped_as(out: Any, leaves: tuple[Any, ...]) -> Any:
+def shaped_as(out: Any, leaves: tuple[Any, ...]) -> Any:
     return leaves if isinstance(out, tuple) else leaves[0]
 
 

@@ -346,7 +346,7 @@ class Adapter(_base.Adapter):
         captured: list[Any] = []
         _, touts = _pushed(self._outputs(fn, captured), _mx(xs), _mx(txs))
         out, aux = captured
-        return out, aux, (tuple(touts) if isinstance(out, tuple) else touts[0])
+        return out, aux, _base.shaped_as(out, tuple(touts))
 
     def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
         if not xs:
@@ -383,7 +383,7 @@ class Adapter(_base.Adapter):
             for j, leaf in enumerate(primals)
         ]
         columns = mx.vmap(lambda *ts: list(_jvp(outputs, primals, list(ts))[1]))(*stacked)
-        outs = out if isinstance(out, tuple) else (out,)
+        outs = _base.as_tuple(out)
         blocks = []
         for y, column in zip(outs, columns, strict=True):  # column: (n, *y.shape)
             moved = mx.moveaxis(column, 0, -1)  # (*y.shape, n)

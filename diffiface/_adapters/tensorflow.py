@@ -294,7 +294,7 @@ class Adapter(_base.Adapter):
             with tf.GradientTape(watch_accessed_variables=False) as inner:
                 inner.watch(xs)
                 out, aux = _traced(fn, xs, ("tape", None))
-            outs = list(out) if isinstance(out, tuple) else [out]
+            outs = list(_base.as_tuple(out))
             us = [tf.zeros_like(y) for y in outs]
             outer.watch(us)
             grads = inner.gradient(outs, list(xs), output_gradients=us, unconnected_gradients=_ZERO)
@@ -305,7 +305,7 @@ class Adapter(_base.Adapter):
                 total += tf.cast(term, tf.float64)
         found = _dense(outer.gradient(total, us, unconnected_gradients=_ZERO))  # (a gather's: IndexedSlices)
         touts = tuple(tf.cast(t, y.dtype) for t, y in zip(found, outs, strict=True))
-        return out, aux, touts if isinstance(out, tuple) else touts[0]
+        return out, aux, _base.shaped_as(out, touts)
 
 
 class _FirstCallWatch:
