@@ -181,9 +181,15 @@ class Adapter:
                 return False
         return True
 
+    retracing_option: str | None = None
+    """The name of the config's option that compiles with a retracing compiler (``jit`` of
+    AutoJAX): where the engine has one, :attr:`compiles` and :attr:`retraces` follow it."""
+
     def __init__(self, backend: Backend, info: BackendInfo) -> None:
         self.backend = backend
         self.info = info
+        if self.retracing_option is not None:
+            self.compiles = self.retraces = bool(getattr(backend, self.retracing_option))
 
     # -- conversions and environment -------------------------------------------------------
 

@@ -33,6 +33,7 @@ def _names_a_tracer(exc: BaseException) -> bool:
 class Adapter(_base.Adapter):
     xp = jnp
     weak_floats = True
+    retracing_option = "jit"  # (jit keys its programs by their arguments' shapes and dtypes)
 
     def to_native(self, leaf: Any) -> Any:
         kind = _arrays.kind(leaf)
@@ -76,11 +77,6 @@ class Adapter(_base.Adapter):
         if not _X64.value:
             return jax.enable_x64(True)  # type: ignore[no-any-return]
         return None
-
-    def __init__(self, backend: Any, info: Any) -> None:
-        super().__init__(backend, info)
-        self.compiles = bool(backend.jit)
-        self.retraces = self.compiles  # (jit keys its programs by their arguments' shapes and dtypes)
 
     def returns_like(self, leaf: Any) -> bool:
         return self.compiles and isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)

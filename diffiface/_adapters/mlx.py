@@ -189,11 +189,7 @@ class _Pullback:
 class Adapter(_base.Adapter):
     xp = mx
     complex_reverse_mode = False  # (see _ByForwardMode)
-
-    def __init__(self, backend: Any, info: Any) -> None:
-        super().__init__(backend, info)
-        self.compiles = bool(backend.compile)
-        self.retraces = self.compiles  # (mx.compile traces anew for each shape and dtype)
+    retracing_option = "compile"  # (mx.compile traces anew for each shape and dtype)
 
     # -- conversions -------------------------------------------------------------------------------
 

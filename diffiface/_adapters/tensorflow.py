@@ -64,11 +64,7 @@ _tracing = _Tracing()
 
 class Adapter(_base.Adapter):
     xp = _Namespace
-
-    def __init__(self, backend: Any, info: Any) -> None:
-        super().__init__(backend, info)
-        self.compiles = bool(backend.jit)
-        self.retraces = self.compiles  # (a tf.function traces anew for each shape and dtype)
+    retracing_option = "jit"  # (a tf.function traces anew for each shape and dtype)
 
     # -- conversions ----------------------------------------------------------------------------
 
