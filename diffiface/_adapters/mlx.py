@@ -395,10 +395,8 @@ class Adapter(_base.Adapter):
     # symmetric: two reverse passes, where forward over reverse takes three through _pushed)
 
     def gradient_and_hvp(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Leaves, Leaves]:
-        if not xs or _complex(xs):
-            return super().gradient_and_hvp(fn, xs, txs)
-        grads, (value, aux), vjp = self.pullback_function(self.gradient_function(fn), xs)
-        return value, aux, grads, vjp(txs)
+        value, aux, grads, (hvp,) = self.gradient_and_hvps(fn, xs, [txs])
+        return value, aux, grads, hvp
 
     def gradient_and_hvps(self, fn: Fn, xs: Leaves, batch: Sequence[Leaves]) -> tuple[Any, Any, Leaves, list[Leaves]]:
         if not xs or _complex(xs):

@@ -88,10 +88,8 @@ class Adapter(_base.Adapter):
         )
 
     def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
-        if isinstance(leaf, tf.Tensor):
-            # eager, a tape watches tensors by identity: a context that is x's own tensor would be
-            # differentiated as x, so f gets a tensor of its own (a graph's arguments are apart)
-            return (leaf if self.compiles else tf.identity(leaf)), True
+        if isinstance(leaf, tf.Tensor):  # (f gets a tensor of its own, as of x: see to_native)
+            return self.to_native(leaf), True
         kind = _arrays.kind(leaf)
         if kind == "numpy":
             leaf = _arrays.in_native_byte_order(np.asarray(leaf))
@@ -330,13 +328,12 @@ class _FirstCallWatch:
     def __call__(self, xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
         if not self.first or static is None:
             return self.program(xs, ts, dynamic, static)
+        # (a Constant's variable itself is no static leaf: constant_to_native reads it)
         variables = [
             variable
             for leaf, constant in zip(static.leaves, self.watched, strict=True)
             if constant
-            for holder in held(leaf, _holds_variables)
-            for variable in (getattr(holder, "variables", None) or ())
-            if hasattr(variable, "assign")
+            for variable in _variables_of(leaf)
         ]
         caches = [
             _tf_variable(variable)
