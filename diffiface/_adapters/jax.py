@@ -102,12 +102,12 @@ class Adapter(_base.Adapter):
             # from there, and the call goes straight to jit (on one device, none to know).
             return jax.jit(_placement.laid_out_as(program, layouts), static_argnums=3 if static else ())
         program = _placement.laid_out(program)
+        layouts = _placement.pending_layouts
         if arrays:
             compiled = jax.jit(program, static_argnums=3 if static else ())
-            layouts = _placement.pending_layouts
 
             def call(*args: Any) -> Any:
-                layouts.pending = args  # (read only if jit traces: _placement.record)
+                layouts.pending = args  # (read only if jit traces)
                 try:
                     return compiled(*args)
                 finally:
@@ -132,11 +132,11 @@ class Adapter(_base.Adapter):
         jitted = jax.jit(arrays_only, static_argnums=3 if static else ())
 
         def run(*args: Any) -> Any:
-            _placement.record(args)
+            layouts.pending = args
             try:
                 out = jitted(*args)
             finally:
-                _placement.record(None)
+                layouts.pending = None
             found = kept[args[3] if static else None]
             if found is None:
                 return out
