@@ -89,17 +89,12 @@ class Adapter(BlackBoxAdapter):
 
     def _check_size(self, xs: Leaves, operator: str, hessian: bool = False) -> None:
         if hessian:
-            check_size(self.backend, xs, operator, MAX_HESSIAN_INPUTS, "a Hessian costs about 2 n² evaluations of f")
+            limit, why = MAX_HESSIAN_INPUTS, "a Hessian costs about 2 n² evaluations of f"
         elif self.vectorize:
-            check_size(
-                self.backend,
-                xs,
-                operator,
-                MAX_VECTORIZED_INPUTS,
-                "with vectorize=True all 2 n² perturbed numbers are built at once",
-            )
+            limit, why = MAX_VECTORIZED_INPUTS, "with vectorize=True all 2 n² perturbed numbers are built at once"
         else:
-            check_size(self.backend, xs, operator, MAX_INPUTS, "one or two evaluations of f per input")
+            limit, why = MAX_INPUTS, "one or two evaluations of f per input"
+        check_size(self.backend, xs, operator, limit, why)
 
     # -- evaluations ----------------------------------------------------------------------------
 

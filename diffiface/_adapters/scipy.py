@@ -105,17 +105,10 @@ class Adapter(BlackBoxAdapter):
 
     def _check(self, xs: Leaves, operator: str, second: bool = False) -> None:
         if second:
-            check_size(
-                self.backend, xs, operator, MAX_SECOND_ORDER_INPUTS, "scipy's Hessian evaluates f about order² n² times"
-            )
+            limit, why = MAX_SECOND_ORDER_INPUTS, "scipy's Hessian evaluates f about order² n² times"
         else:
-            check_size(
-                self.backend,
-                xs,
-                operator,
-                MAX_INPUTS,
-                "scipy's Jacobian evaluates f at about order n points per iteration",
-            )
+            limit, why = MAX_INPUTS, "scipy's Jacobian evaluates f at about order n points per iteration"
+        check_size(self.backend, xs, operator, limit, why)
 
     def _jacobian(
         self, fn: Fn, xs: Leaves, operator: str = "A Jacobian"
