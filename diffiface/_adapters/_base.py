@@ -314,8 +314,7 @@ class Adapter:
         """``(out, aux, tout)``: ``tout`` is the Jacobian-vector product along ``txs``.
         Without a forward mode, built from the full Jacobian."""
         out, aux, blocks = self._jacobian_by_rows(fn, xs)
-        touts = _apply(self.xp, blocks, txs, as_tuple(out))
-        return out, aux, touts if isinstance(out, tuple) else touts[0]
+        return out, aux, shaped_as(out, _apply(self.xp, blocks, txs, as_tuple(out)))
 
     # -- batches of products: one program where the engine has vmap, a loop here -------------
 
