@@ -59,11 +59,16 @@ def refuse_a_moved_output(before: Sequence[Any], after: Sequence[Any], engine: s
     )
 
 
-def refused_as_not_a_tensor(exc: BaseException) -> bool:
-    """Whether ``exc`` is a compiled function's refusal of an argument that is not its own
-    framework's tensor (``torch.sin`` given another engine's array: "must be Tensor, not
-    array"), which leaves no Python frame of that framework to find."""
-    return isinstance(exc, TypeError) and "must be Tensor, not" in str(exc)
+def handed_to_another_framework(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch's or jax's refusal of an array of another engine that ``f``
+    handed it: raised inside their code, or a compiled function's refusal of an argument that
+    is not its own framework's tensor (``torch.sin`` given another engine's array: "must be
+    Tensor, not array"), which leaves no Python frame of that framework to find."""
+    return (
+        raised_inside(exc, "torch")
+        or raised_inside(exc, "jax")
+        or (isinstance(exc, TypeError) and "must be Tensor, not" in str(exc))
+    )
 
 
 def raised_inside(exc: BaseException, package: str) -> bool:
@@ -176,9 +181,15 @@ class Adapter:
                 return False
         return True
 
+    retracing_option: str | None = None
+    """The name of the config's option that compiles with a retracing compiler (``jit`` of
+    AutoJAX): where the engine has one, :attr:`compiles` and :attr:`retraces` follow it."""
+
     def __init__(self, backend: Backend, info: BackendInfo) -> None:
         self.backend = backend
         self.info = info
+        if self.retracing_option is not None:
+            self.compiles = self.retraces = bool(getattr(backend, self.retracing_option))
 
     # -- conversions and environment -------------------------------------------------------
 
@@ -297,14 +308,13 @@ class Adapter:
         """``(out, aux, vjp)``: ``vjp(tout)`` is the vector-Jacobian product, ``tout`` shaped
         as ``out``. Without a reverse mode, built from the full Jacobian."""
         out, aux, blocks = self._jacobian_by_columns(fn, xs)
-        return out, aux, lambda tout: _transpose_apply(self.xp, blocks, _as_tuple(tout), xs)
+        return out, aux, lambda tout: _transpose_apply(self.xp, blocks, as_tuple(tout), xs)
 
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
         """``(out, aux, tout)``: ``tout`` is the Jacobian-vector product along ``txs``.
         Without a forward mode, built from the full Jacobian."""
         out, aux, blocks = self._jacobian_by_rows(fn, xs)
-        touts = _apply(self.xp, blocks, txs, _as_tuple(out))
-        return out, aux, touts if isinstance(out, tuple) else touts[0]
+        return out, aux, shaped_as(out, _apply(self.xp, blocks, txs, as_tuple(out)))
 
     # -- batches of products: one program where the engine has vmap, a loop here -------------
 
@@ -397,9 +407,9 @@ class Adapter:
     def _jacobian_by_rows(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Blocks]:
         xp = self.xp
         out, aux, vjp = self.pullback_function(fn, xs)
-        outs = _as_tuple(out)
+        outs = as_tuple(out)
         seeds = [
-            _shaped_as(out, tuple(self.basis(y, k) if m == i else xp.zeros_like(z) for m, z in enumerate(outs)))
+            shaped_as(out, tuple(self.basis(y, k) if m == i else xp.zeros_like(z) for m, z in enumerate(outs)))
             for i, y in enumerate(outs)
             for k in range(_size(y))
         ]
@@ -427,9 +437,9 @@ class Adapter:
         columns: list[list[Leaves]] = []
         start = 0
         for x in xs:
-            columns.append([_as_tuple(t) for t in touts[start : start + _size(x)]])
+            columns.append([as_tuple(t) for t in touts[start : start + _size(x)]])
             start += _size(x)
-        outs = _as_tuple(out)
+        outs = as_tuple(out)
         blocks = tuple(
             tuple(
                 xp.reshape(xp.stack([xp.reshape(col[i], (-1,)) for col in columns[j]], axis=-1), (*y.shape, *x.shape))
@@ -490,6 +500,30 @@ def second_derivative_of(outer: Adapter, inner: Adapter, fn: Fn, xs: Leaves) -> 
     return value, aux, derivs, seconds
 
 
+_INNER_PARTS = (
+    "xp",
+    "weak_floats",
+    "output_values",
+    "traced_function",
+    "batches",
+    "to_native",
+    "context_to_native",
+    "constant_to_native",
+    "untracked",
+    "plain",
+    "output_leaf",
+    "scope",
+    "explain_failure",
+    "pullback_function",
+    "value_and_pushforward",
+    "value_and_gradient",
+    "value_and_jacobian",
+    "value_and_derivative",
+)
+"""What a :class:`SecondOrderAdapter` takes of its inner adapter as it is: the conversions
+and checks of ``f``'s arrays, and every first-order product."""
+
+
 class SecondOrderAdapter(Adapter):
     """First order by ``inner``; second order by ``outer`` differentiating ``inner``'s results."""
 
@@ -511,41 +545,17 @@ class SecondOrderAdapter(Adapter):
             outer = make(dataclasses.replace(unbatched, vectorize=False))
         self.outer = outer
         self.inner = inner
-        self.xp = inner.xp
-        self.weak_floats = inner.weak_floats
-        self.output_values = inner.output_values
-        self.traced_function = inner.traced_function
+        for name in _INNER_PARTS:
+            setattr(self, name, getattr(inner, name))
         self.complex_outputs = outer.complex_outputs or inner.complex_outputs
         self.estimates_errors = outer.estimates_errors
-        self.batches = inner.batches
         self._same_engine = type(outer) is type(inner)
         self.compiles = self._same_engine and inner.compiles
         self._local = threading.local()
 
-    def to_native(self, leaf: Any) -> Any:
-        return self.inner.to_native(leaf)
-
-    def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
-        return self.inner.context_to_native(leaf, like)
-
-    def constant_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
-        return self.inner.constant_to_native(leaf, like)
-
-    def untracked(self, leaf: Any, xs: Leaves) -> bool:
-        return self.inner.untracked(leaf, xs)
-
-    def plain(self, leaf: Any) -> Any:
-        return self.inner.plain(leaf)
-
-    def output_leaf(self, leaf: Any, like: Any) -> Any:
-        return self.inner.output_leaf(leaf, like)
-
     @property
     def scoped(self) -> bool:
         return self.inner.scoped or self.outer.scoped
-
-    def scope(self) -> contextlib.AbstractContextManager[Any] | None:
-        return self.inner.scope()
 
     def compile(
         self,
@@ -556,9 +566,6 @@ class SecondOrderAdapter(Adapter):
         parts: ProgramParts | None = None,
     ) -> Callable[..., Any]:
         return self.inner.compile(program, static, arrays, layouts, parts) if self._same_engine else program
-
-    def explain_failure(self, exc: BaseException) -> str | None:
-        return self.inner.explain_failure(exc)
 
     def take_error(self) -> Any:
         error = self.outer.take_error()
@@ -572,21 +579,6 @@ class SecondOrderAdapter(Adapter):
         derivative_error = error[0]
         value_error = derivative_error if second == "derivative" else np.zeros(())
         return value_error, None, derivative_error, error[2]
-
-    def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
-        return self.inner.pullback_function(fn, xs)
-
-    def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
-        return self.inner.value_and_pushforward(fn, xs, txs)
-
-    def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
-        return self.inner.value_and_gradient(fn, xs)
-
-    def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Blocks]:
-        return self.inner.value_and_jacobian(fn, xs, mode)
-
-    def value_and_derivative(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any]:
-        return self.inner.value_and_derivative(fn, xs)
 
     # One engine twice is that engine's own second order, whose adapter knows how it nests
     # (torch's autograd mode, say, differentiates twice backward, never forward over reverse).
@@ -645,7 +637,7 @@ def _size(leaf: Any) -> int:
     return math.prod(tuple(leaf.shape))
 
 
-def without_leaves(adapter: Adapter, compute: str) -> Callable[..., Any]:
+def without_leaves(adapter: Adapter, compute: str) -> Callable[..., tuple[Any, ...]]:
     """The adapter's ``compute`` where x has no leaves (an empty dict, the trainable parameters of
     a layer that has none): f evaluated once, and every derivative with respect to nothing, known
     without the engine, which may refuse to take one (torch.func's jvp, jax's and torch's
@@ -654,7 +646,7 @@ def without_leaves(adapter: Adapter, compute: str) -> Callable[..., Any]:
     xp = adapter.xp
 
     def zeros(out: Any) -> Any:
-        return _shaped_as(out, tuple(xp.zeros_like(y) for y in _as_tuple(out)))
+        return shaped_as(out, tuple(xp.zeros_like(y) for y in as_tuple(out)))
 
     def method(fn: Fn, xs: Leaves, *tangents: Any) -> tuple[Any, ...]:
         out, aux = fn(xs)
@@ -667,7 +659,7 @@ def without_leaves(adapter: Adapter, compute: str) -> Callable[..., Any]:
         if compute == "value_and_pullbacks":
             return out, aux, [() for _ in tangents[0]]
         if compute == "value_and_jacobian":
-            return out, aux, tuple(() for _ in _as_tuple(out))
+            return out, aux, tuple(() for _ in as_tuple(out))
         if compute in ("gradient_and_hvp", "value_gradient_and_hessian"):
             return out, aux, (), ()
         if compute == "gradient_and_hvps":
@@ -677,11 +669,11 @@ def without_leaves(adapter: Adapter, compute: str) -> Callable[..., Any]:
     return method
 
 
-def _as_tuple(out: Any) -> tuple[Any, ...]:
+def as_tuple(out: Any) -> tuple[Any, ...]:
     return out if isinstance(out, tuple) else (out,)
 
 
-def _shaped_as(out: Any, leaves: tuple[Any, ...]) -> Any:
+def shaped_as(out: Any, leaves: tuple[Any, ...]) -> Any:
     return leaves if isinstance(out, tuple) else leaves[0]
 
 

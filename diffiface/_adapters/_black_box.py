@@ -407,8 +407,7 @@ class _Layout(list[tuple[tuple[int, ...], Any]]):
 
 
 def _flatten_out(out: Any) -> tuple[np.ndarray, _Layout]:
-    leaves = out if isinstance(out, tuple) else (out,)
-    arrays = [np.asarray(_arrays.to_numpy(leaf)) for leaf in leaves]
+    arrays = [np.asarray(_arrays.to_numpy(leaf)) for leaf in _base.as_tuple(out)]
     layout = _Layout((a.shape, _real_dtype(a.dtype)) for a in arrays)
     layout.tuple_out = isinstance(out, tuple)
     vector = np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.zeros(0)
@@ -473,13 +472,9 @@ def _largest(tensor: Any) -> float:
     return float(largest)
 
 
-def _leaves_of(out: Any) -> Leaves:
-    return out if isinstance(out, tuple) else (out,)
-
-
 def _flat_tangent(touts: Any) -> np.ndarray:
     """A cotangent, shaped as f's output, as one float64 vector (what a vjp multiplies J by)."""
-    arrays = [np.reshape(np.asarray(_arrays.to_numpy(leaf), dtype=np.float64), -1) for leaf in _leaves_of(touts)]
+    arrays = [np.reshape(np.asarray(_arrays.to_numpy(leaf), dtype=np.float64), -1) for leaf in _base.as_tuple(touts)]
     return np.concatenate(arrays) if arrays else np.zeros(0)
 
 

@@ -40,7 +40,7 @@ from .._errors import (
     UnsupportedOperationError,
 )
 from . import _base, _on_device
-from ._base import Blocks, Deferred, Fn, Leaves
+from ._base import Blocks, Deferred, Fn, Leaves, as_tuple, shaped_as
 from ._black_box import MAX_JACOBIAN_ENTRIES as MAX_JACOBIAN_ENTRIES
 from ._black_box import (
     BlackBoxAdapter,
@@ -53,7 +53,6 @@ from ._black_box import (
     _is_dtensor,
     _largest,
     _Layout,
-    _leaves_of,
     _Point,
     _real_dtype,
     _sharded_torch,
@@ -66,8 +65,7 @@ from ._black_box import (
     check_size,
     run_f,
 )
-
-_POWER = {"central": 1 / 3, "forward": 1 / 2, "backward": 1 / 2}
+from ._on_device import _POWER
 
 MAX_INPUTS = 100_000
 """The most inputs (entries of x, all leaves together) finite differences take for first-order
@@ -91,17 +89,12 @@ class Adapter(BlackBoxAdapter):
 
     def _check_size(self, xs: Leaves, operator: str, hessian: bool = False) -> None:
         if hessian:
-            check_size(self.backend, xs, operator, MAX_HESSIAN_INPUTS, "a Hessian costs about 2 n² evaluations of f")
+            limit, why = MAX_HESSIAN_INPUTS, "a Hessian costs about 2 n² evaluations of f"
         elif self.vectorize:
-            check_size(
-                self.backend,
-                xs,
-                operator,
-                MAX_VECTORIZED_INPUTS,
-                "with vectorize=True all 2 n² perturbed numbers are built at once",
-            )
+            limit, why = MAX_VECTORIZED_INPUTS, "with vectorize=True all 2 n² perturbed numbers are built at once"
         else:
-            check_size(self.backend, xs, operator, MAX_INPUTS, "one or two evaluations of f per input")
+            limit, why = MAX_INPUTS, "one or two evaluations of f per input"
+        check_size(self.backend, xs, operator, limit, why)
 
     # -- evaluations ----------------------------------------------------------------------------
 
@@ -118,7 +111,7 @@ class Adapter(BlackBoxAdapter):
         if layout is not None:
             _fit(layout, found)
         if np.iscomplexobj(vector):
-            _refuse_real(self.backend, [np.asarray(_arrays.to_numpy(y)) for y in _leaves_of(out)])
+            _refuse_real(self.backend, [np.asarray(_arrays.to_numpy(y)) for y in as_tuple(out)])
         if np.iscomplexobj(flat):
             return flat.imag if np.iscomplexobj(vector) else flat.real
         return flat.astype(np.float64)
@@ -328,8 +321,8 @@ class Adapter(BlackBoxAdapter):
         evaluated = Deferred(lambda: run_f(fn, tuple(x.clone() for x in xs), name))
         if scale_t == 0.0:
             out = _base.force(evaluated.force()[0])
-            zeros = tuple(torch.zeros_like(y) for y in _leaves_of(out))
-            return out, evaluated.force()[1], zeros if isinstance(out, tuple) else zeros[0]
+            zeros = tuple(torch.zeros_like(y) for y in as_tuple(out))
+            return out, evaluated.force()[1], shaped_as(out, zeros)
         if self.fixed_step is not None:
             h = self.fixed_step / scale_t
         else:  # the rule of _step_along, on each rank's slices
@@ -349,10 +342,10 @@ class Adapter(BlackBoxAdapter):
         width = 1.0 if self.method != "central" else 2.0
         touts = tuple(
             ((a.to(torch.float64) - b.to(torch.float64)) / (width * h)).to(a.dtype)
-            for a, b in zip(_leaves_of(plus), _leaves_of(minus), strict=True)
+            for a, b in zip(as_tuple(plus), as_tuple(minus), strict=True)
         )
         out = Deferred(value) if self.method == "central" else value()
-        return out, Deferred(lambda: evaluated.force()[1]), touts if isinstance(plus, tuple) else touts[0]
+        return out, Deferred(lambda: evaluated.force()[1]), shaped_as(plus, touts)
 
     def _directional(
         self, fn: Fn, point: _Point, direction: np.ndarray, value: np.ndarray | None, layout: _Layout

@@ -33,6 +33,7 @@ def _names_a_tracer(exc: BaseException) -> bool:
 class Adapter(_base.Adapter):
     xp = jnp
     weak_floats = True
+    retracing_option = "jit"  # (jit keys its programs by their arguments' shapes and dtypes)
 
     def to_native(self, leaf: Any) -> Any:
         kind = _arrays.kind(leaf)
@@ -77,11 +78,6 @@ class Adapter(_base.Adapter):
             return jax.enable_x64(True)  # type: ignore[no-any-return]
         return None
 
-    def __init__(self, backend: Any, info: Any) -> None:
-        super().__init__(backend, info)
-        self.compiles = bool(backend.jit)
-        self.retraces = self.compiles  # (jit keys its programs by their arguments' shapes and dtypes)
-
     def returns_like(self, leaf: Any) -> bool:
         return self.compiles and isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
 
@@ -106,12 +102,12 @@ class Adapter(_base.Adapter):
             # from there, and the call goes straight to jit (on one device, none to know).
             return jax.jit(_placement.laid_out_as(program, layouts), static_argnums=3 if static else ())
         program = _placement.laid_out(program)
+        layouts = _placement.pending_layouts
         if arrays:
             compiled = jax.jit(program, static_argnums=3 if static else ())
-            layouts = _placement.pending_layouts
 
             def call(*args: Any) -> Any:
-                layouts.pending = args  # (read only if jit traces: _placement.record)
+                layouts.pending = args  # (read only if jit traces)
                 try:
                     return compiled(*args)
                 finally:
@@ -136,11 +132,11 @@ class Adapter(_base.Adapter):
         jitted = jax.jit(arrays_only, static_argnums=3 if static else ())
 
         def run(*args: Any) -> Any:
-            _placement.record(args)
+            layouts.pending = args
             try:
                 out = jitted(*args)
             finally:
-                _placement.record(None)
+                layouts.pending = None
             found = kept[args[3] if static else None]
             if found is None:
                 return out

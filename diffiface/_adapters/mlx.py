@@ -29,7 +29,7 @@ from .._contexts import held
 from .._errors import MutationError, UnsupportedOperationError
 from .._families.mlx import mlx_dtype
 from . import _base
-from ._base import Fn, Leaves, raised_inside
+from ._base import Fn, Leaves
 
 
 def _as_list(out: Any) -> list[Any]:
@@ -189,11 +189,7 @@ class _Pullback:
 class Adapter(_base.Adapter):
     xp = mx
     complex_reverse_mode = False  # (see _ByForwardMode)
-
-    def __init__(self, backend: Any, info: Any) -> None:
-        super().__init__(backend, info)
-        self.compiles = bool(backend.compile)
-        self.retraces = self.compiles  # (mx.compile traces anew for each shape and dtype)
+    retracing_option = "compile"  # (mx.compile traces anew for each shape and dtype)
 
     # -- conversions -------------------------------------------------------------------------------
 
@@ -312,9 +308,7 @@ class Adapter(_base.Adapter):
                 "f with mlx.core operations (mx.where for branches), or differentiate a numpy f with "
                 "AutoFiniteDifferences() or AutoAutograd()."
             )
-        if isinstance(exc, (TypeError, ValueError)) and (
-            raised_inside(exc, "torch") or raised_inside(exc, "jax") or _base.refused_as_not_a_tensor(exc)
-        ):
+        if isinstance(exc, (TypeError, ValueError)) and _base.handed_to_another_framework(exc):
             return (
                 "f handed an mlx array to a function of another framework (torch, jax); differentiate "
                 "such a function with its own engine, or any function with AutoFiniteDifferences()."
@@ -343,18 +337,16 @@ class Adapter(_base.Adapter):
         return out, aux, _Pullback(self._outputs(fn), xs, one)
 
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
-        if not xs:
-            out, aux = fn(xs)
-            return out, aux, (tuple(mx.zeros_like(y) for y in out) if isinstance(out, tuple) else mx.zeros_like(out))
+        if not xs:  # (a batch of products, which the route hands over as it is)
+            return _base.without_leaves(self, "value_and_pushforward")(fn, xs, txs)
         captured: list[Any] = []
         _, touts = _pushed(self._outputs(fn, captured), _mx(xs), _mx(txs))
         out, aux = captured
-        return out, aux, (tuple(touts) if isinstance(out, tuple) else touts[0])
+        return out, aux, _base.shaped_as(out, tuple(touts))
 
     def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
         if not xs:
-            value, aux = fn(xs)
-            return value, aux, ()
+            return _base.without_leaves(self, "value_and_gradient")(fn, xs)
         if _complex(xs):  # (mlx's reverse mode of a complex x: see _ByForwardMode)
             value, aux, vjp = self.pullback_function(fn, xs)
             return value, aux, vjp(mx.ones_like(value))
@@ -387,7 +379,7 @@ class Adapter(_base.Adapter):
             for j, leaf in enumerate(primals)
         ]
         columns = mx.vmap(lambda *ts: list(_jvp(outputs, primals, list(ts))[1]))(*stacked)
-        outs = out if isinstance(out, tuple) else (out,)
+        outs = _base.as_tuple(out)
         blocks = []
         for y, column in zip(outs, columns, strict=True):  # column: (n, *y.shape)
             moved = mx.moveaxis(column, 0, -1)  # (*y.shape, n)
@@ -403,10 +395,8 @@ class Adapter(_base.Adapter):
     # symmetric: two reverse passes, where forward over reverse takes three through _pushed)
 
     def gradient_and_hvp(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Leaves, Leaves]:
-        if not xs or _complex(xs):
-            return super().gradient_and_hvp(fn, xs, txs)
-        grads, (value, aux), vjp = self.pullback_function(self.gradient_function(fn), xs)
-        return value, aux, grads, vjp(txs)
+        value, aux, grads, (hvp,) = self.gradient_and_hvps(fn, xs, [txs])
+        return value, aux, grads, hvp
 
     def gradient_and_hvps(self, fn: Fn, xs: Leaves, batch: Sequence[Leaves]) -> tuple[Any, Any, Leaves, list[Leaves]]:
         if not xs or _complex(xs):
@@ -419,12 +409,6 @@ class Adapter(_base.Adapter):
             return super().value_gradient_and_hessian(fn, xs)
         grads, (value, aux), blocks = self.value_and_jacobian(self.gradient_function(fn), xs, "reverse")
         return value, aux, grads, blocks
-
-    def basis(self, like: Any, index: int) -> Any:
-        size = int(np.prod(like.shape))
-        flat = mx.zeros((size,), dtype=like.dtype)
-        flat[index] = 1
-        return mx.reshape(flat, tuple(like.shape))
 
 
 class _ModuleWatch:

@@ -330,7 +330,7 @@ class Adapter(_base.Adapter):
                 "(pt.sum, pt.exp, pt.switch), not numpy functions or in-place writes; differentiate a "
                 "numpy f with AutoFiniteDifferences()."
             )
-        if _base.raised_inside(exc, "torch") or _base.raised_inside(exc, "jax") or _base.refused_as_not_a_tensor(exc):
+        if _base.handed_to_another_framework(exc):
             return (
                 "f handed a pytensor symbolic variable to another framework. Write f with "
                 "pytensor.tensor operations, or differentiate it with AutoFiniteDifferences()."
@@ -428,7 +428,7 @@ class Adapter(_base.Adapter):
             out, aux = self._eager("_value", fn, xs)
             return out, aux, lambda touts: self._eager("value_and_pullback", fn, xs, touts)[2]
         out, aux = fn(xs)
-        outs = out if isinstance(out, tuple) else (out,)
+        outs = _base.as_tuple(out)
 
         def vjp(touts: Any) -> Leaves:
             cotangents = touts if isinstance(out, tuple) else (touts,)
@@ -457,7 +457,7 @@ class Adapter(_base.Adapter):
         if not _symbolic(xs):
             return self._eager("value_and_pushforward", fn, xs, txs)  # type: ignore[no-any-return]
         out, aux = fn(xs)
-        outs = out if isinstance(out, tuple) else (out,)
+        outs = _base.as_tuple(out)
         tangents = [pt.cast(t, x.dtype) if t.dtype != x.dtype else t for t, x in zip(txs, xs, strict=True)]
         if not outs:
             return out, aux, ()
@@ -469,7 +469,7 @@ class Adapter(_base.Adapter):
             )
             touts = _disconnected_zero(found, outs)
             touts = [pt.cast(t, y.dtype) if t.dtype != y.dtype else t for t, y in zip(touts, outs, strict=True)]
-        return out, aux, tuple(touts) if isinstance(out, tuple) else touts[0]
+        return out, aux, _base.shaped_as(out, tuple(touts))
 
     def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
         if not _symbolic(xs):
@@ -487,7 +487,7 @@ class Adapter(_base.Adapter):
         if not _symbolic(xs):
             return self._eager("value_and_jacobian", fn, xs, mode)  # type: ignore[no-any-return]
         out, aux = fn(xs)
-        outs = out if isinstance(out, tuple) else (out,)
+        outs = _base.as_tuple(out)
         return out, aux, tuple(self._jacobian(y, xs) for y in outs)
 
     def _jacobian(self, y: Any, xs: Leaves) -> tuple[Any, ...]:

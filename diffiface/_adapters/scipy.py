@@ -24,7 +24,7 @@ import scipy.differentiate
 
 from .. import _arrays
 from .._errors import InvalidBackendOptionError
-from ._base import Blocks, Fn, Leaves
+from ._base import Blocks, Fn, Leaves, as_tuple, shaped_as
 from ._black_box import (
     BlackBoxAdapter,
     _blocks,
@@ -105,17 +105,10 @@ class Adapter(BlackBoxAdapter):
 
     def _check(self, xs: Leaves, operator: str, second: bool = False) -> None:
         if second:
-            check_size(
-                self.backend, xs, operator, MAX_SECOND_ORDER_INPUTS, "scipy's Hessian evaluates f about order² n² times"
-            )
+            limit, why = MAX_SECOND_ORDER_INPUTS, "scipy's Hessian evaluates f about order² n² times"
         else:
-            check_size(
-                self.backend,
-                xs,
-                operator,
-                MAX_INPUTS,
-                "scipy's Jacobian evaluates f at about order n points per iteration",
-            )
+            limit, why = MAX_INPUTS, "scipy's Jacobian evaluates f at about order n points per iteration"
+        check_size(self.backend, xs, operator, limit, why)
 
     def _jacobian(
         self, fn: Fn, xs: Leaves, operator: str = "A Jacobian"
@@ -410,9 +403,7 @@ def _linear_in(along: Any, t: np.ndarray, size: int) -> tuple[np.ndarray, np.nda
 
 def _zeros_like(out: Any) -> Any:
     """The error of a value scipy computed directly: zero, shaped as the value."""
-    if isinstance(out, tuple):
-        return tuple(np.zeros(np.shape(_arrays.to_numpy(y))) for y in out)
-    return np.zeros(np.shape(_arrays.to_numpy(out)))
+    return shaped_as(out, tuple(np.zeros(np.shape(_arrays.to_numpy(y))) for y in as_tuple(out)))
 
 
 def _non_finite(x: np.ndarray, values: np.ndarray) -> bool:

@@ -64,11 +64,7 @@ _tracing = _Tracing()
 
 class Adapter(_base.Adapter):
     xp = _Namespace
-
-    def __init__(self, backend: Any, info: Any) -> None:
-        super().__init__(backend, info)
-        self.compiles = bool(backend.jit)
-        self.retraces = self.compiles  # (a tf.function traces anew for each shape and dtype)
+    retracing_option = "jit"  # (a tf.function traces anew for each shape and dtype)
 
     # -- conversions ----------------------------------------------------------------------------
 
@@ -92,10 +88,8 @@ class Adapter(_base.Adapter):
         )
 
     def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
-        if isinstance(leaf, tf.Tensor):
-            # eager, a tape watches tensors by identity: a context that is x's own tensor would be
-            # differentiated as x, so f gets a tensor of its own (a graph's arguments are apart)
-            return (leaf if self.compiles else tf.identity(leaf)), True
+        if isinstance(leaf, tf.Tensor):  # (f gets a tensor of its own, as of x: see to_native)
+            return self.to_native(leaf), True
         kind = _arrays.kind(leaf)
         if kind == "numpy":
             leaf = _arrays.in_native_byte_order(np.asarray(leaf))
@@ -209,9 +203,7 @@ class Adapter(_base.Adapter):
                 "f branches in Python on the value of a tensor (if, while, bool()), which a tf.function "
                 "graph traced without autograph cannot do. Use tf.cond or tf.where, or AutoTensorFlow(jit=False)."
             )
-        if isinstance(exc, TypeError) and (
-            raised_inside(exc, "torch") or raised_inside(exc, "jax") or _base.refused_as_not_a_tensor(exc)
-        ):
+        if isinstance(exc, TypeError) and _base.handed_to_another_framework(exc):
             return (
                 "f handed a TensorFlow tensor to a function that does not take one (torch, jax); "
                 "differentiate such an f with its own engine, any function with AutoFiniteDifferences()."
@@ -285,9 +277,8 @@ class Adapter(_base.Adapter):
         ``tf.custom_gradient`` and not its rule (a straight-through rounding's jvp was 0 where
         its gradient is 1), takes real primals only, and its complex rules are not the
         convention's. So every derivative of f is the tape's."""
-        if not xs:
-            out, aux = fn(xs)
-            return out, aux, _zeros_like_out(out)
+        if not xs:  # (a batch of products, which the route hands over as it is)
+            return _base.without_leaves(self, "value_and_pushforward")(fn, xs, txs)
         return self._pushforward_by_pullbacks(fn, xs, txs)
 
     def _pushforward_by_pullbacks(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
@@ -297,7 +288,7 @@ class Adapter(_base.Adapter):
             with tf.GradientTape(watch_accessed_variables=False) as inner:
                 inner.watch(xs)
                 out, aux = _traced(fn, xs, ("tape", None))
-            outs = list(out) if isinstance(out, tuple) else [out]
+            outs = list(_base.as_tuple(out))
             us = [tf.zeros_like(y) for y in outs]
             outer.watch(us)
             grads = inner.gradient(outs, list(xs), output_gradients=us, unconnected_gradients=_ZERO)
@@ -308,7 +299,7 @@ class Adapter(_base.Adapter):
                 total += tf.cast(term, tf.float64)
         found = _dense(outer.gradient(total, us, unconnected_gradients=_ZERO))  # (a gather's: IndexedSlices)
         touts = tuple(tf.cast(t, y.dtype) for t, y in zip(found, outs, strict=True))
-        return out, aux, touts if isinstance(out, tuple) else touts[0]
+        return out, aux, _base.shaped_as(out, touts)
 
 
 class _FirstCallWatch:
@@ -337,13 +328,12 @@ class _FirstCallWatch:
     def __call__(self, xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
         if not self.first or static is None:
             return self.program(xs, ts, dynamic, static)
+        # (a Constant's variable itself is no static leaf: constant_to_native reads it)
         variables = [
             variable
             for leaf, constant in zip(static.leaves, self.watched, strict=True)
             if constant
-            for holder in held(leaf, _holds_variables)
-            for variable in (getattr(holder, "variables", None) or ())
-            if hasattr(variable, "assign")
+            for variable in _variables_of(leaf)
         ]
         caches = [
             _tf_variable(variable)
@@ -577,9 +567,3 @@ def _from_sources(tensors: Any, sources: set[Any]) -> list[Any] | None:
                 numpy_ops.append(op)
             stack.extend(op.inputs)
     return numpy_ops if reached else None
-
-
-def _zeros_like_out(out: Any) -> Any:
-    if isinstance(out, tuple):
-        return tuple(tf.zeros_like(y) for y in out)
-    return tf.zeros_like(out)

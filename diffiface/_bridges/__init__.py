@@ -34,7 +34,6 @@ from ._inner import (
     output_avals,
     probe_avals,
     to_inner,
-    to_numpy,
     traced_refusal,
 )
 
@@ -115,7 +114,8 @@ class DifferentiateWith:
 
     def _record(self, spec: Any, avals: tuple[Aval, ...], contexts: tuple[Context[Any], ...], x_inner: Any) -> Plan:
         if x_inner is not None:
-            y_leaves, y_spec = _tree.flatten(self._inner_value_tree(spec, avals, x_inner, contexts))
+            with self._inner.family.dtype_scope([a.dtype for a in avals]):
+                y_leaves, y_spec = _tree.flatten(self._inner.evaluate(spec, x_inner, contexts))
             y_avals = output_avals(y_leaves)
         else:
             y_spec, y_avals = probe_avals(self._inner, spec, avals, contexts)
@@ -124,12 +124,6 @@ class DifferentiateWith:
             if self._plan is None:
                 self._plan = plan
             return self._plan
-
-    def _inner_value_tree(
-        self, spec: Any, avals: tuple[Aval, ...], x_inner: Any, contexts: tuple[Context[Any], ...]
-    ) -> Any:
-        with self._inner._scope(Plan(spec, avals, None, ())):
-            return self._inner.evaluate(spec, x_inner, contexts)
 
     def _check(self, plan: Plan, spec: Any, avals: tuple[Aval, ...]) -> None:
         if spec != plan.x_spec:
@@ -163,7 +157,7 @@ class DifferentiateWith:
         x_inner = [to_inner(leaf, self._inner.kind) if _arrays.kind(leaf) != "python" else leaf for leaf in leaves]
         site = self.site(spec, avals, contexts, x_inner)
         y = self._inner.value(site.plan, x_inner, contexts)
-        return site.plan.y_spec.unflatten([to_numpy(leaf) for leaf in y])
+        return site.plan.y_spec.unflatten([_arrays.to_numpy(leaf) for leaf in y])
 
 
 def _untraced(kind: str) -> bool:

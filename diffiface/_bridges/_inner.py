@@ -151,11 +151,6 @@ def to_inner(leaf: Any, kind: str) -> Any:
     return family.from_numpy(array, None, None)
 
 
-def to_numpy(leaf: Any) -> np.ndarray:
-    """An inner result as numpy (zero-copy for arrays on the CPU)."""
-    return _arrays.to_numpy(leaf)
-
-
 def _zeros(avals: Sequence[Aval], family: _families.Family) -> Leaves:
     xp = family.numpy_like()
     return [family.cast(xp.zeros(a.shape), a.dtype) for a in avals]
@@ -273,7 +268,7 @@ class Inner:
     # every product takes and returns flat lists of inner leaves
 
     def value(self, plan: Plan, x: Leaves, contexts: Sequence[Context[Any]]) -> Leaves:
-        with self._scope(plan):
+        with self.family.dtype_scope([a.dtype for a in plan.x_avals]):
             program = self._program(plan, tuple(contexts))
             if program is not None:
                 return list(program(x, _context_values(contexts, self.kind)))
@@ -398,13 +393,6 @@ class Inner:
 
         return first
 
-    def _scope(self, plan: Plan) -> Any:
-        return self.dtype_scope([a.dtype for a in plan.x_avals])
-
-    def dtype_scope(self, dtypes: Sequence[str]) -> Any:
-        """A scope where the inner engine keeps arrays of these dtypes (jax's x64)."""
-        return self.family.dtype_scope(dtypes)
-
     def _leaves_of(self, plan: Plan, y: Any) -> Leaves:
         leaves, spec = _tree.flatten(y)
         if spec != plan.y_spec:
@@ -504,7 +492,7 @@ def probe_avals(inner: Inner, x_spec: Any, x_avals: tuple[Aval, ...], contexts: 
     """f's output structure and avals for inputs of ``x_avals``, found without concrete values
     (the outer engine is tracing): jax.eval_shape for jax, zeros for the others."""
     try:
-        with inner.dtype_scope([a.dtype for a in x_avals]):
+        with inner.family.dtype_scope([a.dtype for a in x_avals]):
             values = _context_values(contexts, inner.kind)
             shapes = [(a.shape, a.dtype) for a in x_avals]
             out = inner.family.eval_shape(lambda *leaves: inner.f(x_spec.unflatten(list(leaves)), *values), shapes)

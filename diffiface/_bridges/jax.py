@@ -26,7 +26,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from .. import _arrays
-from ._inner import Aval, Site, beyond_second_order, first_order_only, to_inner, to_numpy
+from ._inner import Aval, Site, beyond_second_order, first_order_only, to_inner
 
 __all__ = ["call"]
 
@@ -109,7 +109,7 @@ def _as_results(primitive: Primitive, site: Site, batch: int, outs: list[Any]) -
     avals = _out_avals(primitive, site, batch)
     results = []
     for out, aval in zip(outs, avals, strict=True):
-        array = np.asarray(to_numpy(out), dtype=aval.dtype)
+        array = np.asarray(_arrays.to_numpy(out), dtype=aval.dtype)
         if array.shape != aval.shape:
             raise _shape_error(primitive, aval.shape, array.shape)
         results.append(array)
@@ -140,9 +140,9 @@ def _eager(primitive: Primitive, *arrays: Any, site: Site, batch: int) -> list[A
                 # it again later, where a jax array never changes)
                 array = jnp.array(jnp.from_dlpack(shared), copy=True)
             except (BufferError, RuntimeError, TypeError, ValueError):
-                array = jnp.array(to_numpy(shared))
+                array = jnp.array(_arrays.to_numpy(shared))
         else:
-            array = jnp.asarray(np.asarray(to_numpy(out), dtype=aval.dtype))
+            array = jnp.asarray(np.asarray(_arrays.to_numpy(out), dtype=aval.dtype))
         if tuple(array.shape) != aval.shape:
             raise _shape_error(primitive, aval.shape, tuple(array.shape))
         results.append(array)

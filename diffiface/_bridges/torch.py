@@ -57,7 +57,7 @@ def _prepare(g: Any, leaves: list[torch.Tensor], spec: Any, contexts: tuple[Any,
     # then comes from f at zeros, as under jax's tracing
     wrapped = any(torch._C._functorch.is_functorch_wrapped_tensor(leaf) for leaf in leaves)
     if g.plan is None and not wrapped:
-        with g._inner.dtype_scope([a.dtype for a in avals]):
+        with g._inner.family.dtype_scope([a.dtype for a in avals]):
             x_inner = [to_inner(leaf, g._inner.kind) for leaf in leaves]
     return g.site(spec, avals, contexts, x_inner)  # type: ignore[no-any-return]
 
@@ -94,7 +94,7 @@ def _bridge(what: str, site_name: str, batch: int, args: list[torch.Tensor]) -> 
     inner, plan, contexts = site.inner, site.plan, site.contexts
     n, m = len(plan.x_avals), len(plan.y_avals)
     device = args[0].device if args else torch.device("cpu")
-    with inner.dtype_scope([_arrays.dtype_name(a) for a in args]), _autograd_on():
+    with inner.family.dtype_scope([_arrays.dtype_name(a) for a in args]), _autograd_on():
         try:
             inner_args = [to_inner(a, inner.kind) for a in args]
             x, rest = inner_args[:n], inner.operands(what, plan, inner_args[n:])

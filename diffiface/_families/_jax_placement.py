@@ -129,12 +129,8 @@ class _Layouts(threading.local):
 
 _layouts = _Layouts()
 pending_layouts = _layouts
-"""Where a compiled call notes its concrete arguments (as :func:`record` does, inline on the hot path)."""
-
-
-def record(args: tuple[Any, ...] | None) -> None:
-    """Note the concrete arguments of the compiled call about to run (read only if it traces); None after it."""
-    _layouts.pending = args
+"""Where a compiled call notes its concrete arguments (``pending``) before it runs, read only if
+it traces, and None after it."""
 
 
 def laid_out(program: Callable[..., Any]) -> Callable[..., Any]:

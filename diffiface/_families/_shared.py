@@ -1,5 +1,6 @@
 """What several families build on: the test of a list of leaves by metadata read in C, and the
-parts of the family API that most families answer alike."""
+parts of the family API that most families answer alike, under the API's own names (a family
+takes one as it is: ``from ._shared import opened as opened``)."""
 
 from __future__ import annotations
 
@@ -28,17 +29,17 @@ class MetaLeaves:
         return list(map(type, leaves)) == self.types and list(map(self.meta, leaves)) == self.metas
 
 
-def no_refusal(leaf: Any) -> str | None:
+def x_refusal(leaf: Any) -> str | None:
     """``x_refusal`` of a family whose every leaf has values to differentiate at."""
     return None
 
 
-def unopened(result: Any) -> Any:
+def opened(result: Any) -> Any:
     """``opened`` of a family with no traced containers."""
     return result
 
 
-def untraced(leaf: Any) -> Any:
+def traced(leaf: Any) -> Any:
     """``traced`` of a family whose leaves trace no other value."""
     return leaf
 
@@ -56,17 +57,17 @@ class SameShapeDtype:
         return tuple(value.shape) == self.shape and value.dtype == self.dtype  # type: ignore[no-any-return]
 
 
-def no_scope(dtypes: Iterable[str]) -> contextlib.nullcontext[None]:
+def dtype_scope(dtypes: Iterable[str]) -> contextlib.nullcontext[None]:
     """No dtype needs a scope in this family."""
     return contextlib.nullcontext()
 
 
-def no_eval_shape(fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]]) -> None:
+def eval_shape(fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]]) -> None:
     """No abstract evaluation in this family: f is evaluated at zeros."""
     return None
 
 
-def no_ravel(leaves: list[Any]) -> None:
+def laid_out_ravel(leaves: list[Any]) -> None:
     """No layout over several devices in this family: the plain ravel serves."""
     return None
 
@@ -119,7 +120,7 @@ def _digest(array: np.ndarray) -> bytes:
     return hashlib.sha1(np.ascontiguousarray(array).data, usedforsecurity=False).digest()
 
 
-def not_followed(value: Any, kept: int) -> None:
+def contents(value: Any, kept: int) -> None:
     """``contents`` of a family whose arrays a closure compares by identity only."""
     return None
 
@@ -129,22 +130,22 @@ def array_words(signature: tuple[Any, ...]) -> str:
     return f"a {signature[0]} array of shape {signature[1]} and dtype {signature[2]}"
 
 
-def no_trace(signature: tuple[Any, ...]) -> None:
+def trace_of(signature: tuple[Any, ...]) -> None:
     """``trace_of`` of a family whose leaves a prep never meets traced."""
     return None
 
 
-def as_it_is(value: Any, like: Any) -> Any:
+def block_like(value: Any, like: Any) -> Any:
     """``block_like`` of a family whose blocks come out as the family's arrays already."""
     return value
 
 
-def no_layout(leaf: Any) -> None:
+def layout(leaf: Any) -> None:
     """``layout`` of a family whose arrays have no layout over devices."""
     return None
 
 
-def same_shape_dtype(leaf: Any) -> Callable[[Any], bool]:
+def same(leaf: Any) -> Callable[[Any], bool]:
     """``same`` of a family whose leaves are told apart by shape and dtype alone."""
     return SameShapeDtype(leaf).test
 
@@ -152,6 +153,26 @@ def same_shape_dtype(leaf: Any) -> Callable[[Any], bool]:
 _SHAPE_DTYPE = operator.attrgetter("shape", "dtype")  # (read in C, no frame per leaf)
 
 
-def shape_dtype_leaves(leaves: list[Any]) -> Callable[[list[Any]], bool]:
+def leaves_test(leaves: list[Any]) -> Callable[[list[Any]], bool]:
     """``leaves_test`` of such a family: the leaves' types, shapes and dtypes, read inline."""
     return MetaLeaves(leaves, _SHAPE_DTYPE)
+
+
+def jit_checked(leaf: Any) -> bool:
+    """``jit_checked`` of a family that no retracing engine compiles for."""
+    return False
+
+
+def exchange(leaf: Any) -> None:
+    """``exchange`` of a family whose leaves cross to another framework as numpy copies."""
+    return None
+
+
+def private_copy(leaf: Any) -> Any:
+    """``private_copy`` of a family whose leaves f cannot write into unseen: the leaf itself."""
+    return leaf
+
+
+def from_parts(re: Any, im: Any) -> Any:
+    """``from_parts`` of a family whose arrays take numpy's complex arithmetic."""
+    return re + 1j * im

@@ -8,7 +8,16 @@ from typing import Any, Final
 
 import numpy as np
 
-from ._shared import array_words, no_eval_shape, no_ravel, no_refusal, no_scope, no_trace, not_followed
+from ._shared import array_words
+from ._shared import contents as contents
+from ._shared import dtype_scope as dtype_scope
+from ._shared import eval_shape as eval_shape
+from ._shared import exchange as exchange
+from ._shared import from_parts as from_parts
+from ._shared import laid_out_ravel as laid_out_ravel
+from ._shared import private_copy as private_copy
+from ._shared import trace_of as trace_of
+from ._shared import x_refusal as x_refusal
 
 # a box answers its value's shape and dtype: the tests are numpy's
 from .numpy import block_like as block_like
@@ -59,10 +68,6 @@ def as_own(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], n
     return np.asarray(as_numpy(value))
 
 
-def exchange(leaf: Any) -> None:
-    return None
-
-
 def conj(leaf: Any) -> Any:
     return sys.modules["autograd.numpy"].conj(leaf)
 
@@ -70,14 +75,6 @@ def conj(leaf: Any) -> Any:
 def parts(leaf: Any) -> tuple[Any, Any]:
     anp = sys.modules["autograd.numpy"]
     return anp.real(leaf), anp.imag(leaf)
-
-
-def from_parts(re: Any, im: Any) -> Any:
-    return re + 1j * im
-
-
-def private_copy(leaf: Any) -> Any:
-    return leaf
 
 
 def traced(leaf: Any) -> Any:
@@ -135,10 +132,4 @@ def numpy_wrappers() -> tuple[Any, list[Any], list[tuple[str, Any]]]:
     return module, list(namespaces.values()), scipy_modules
 
 
-x_refusal = no_refusal
-contents = not_followed
 describe = array_words
-trace_of = no_trace
-dtype_scope = no_scope
-eval_shape = no_eval_shape
-laid_out_ravel = no_ravel

@@ -11,7 +11,12 @@ import numpy as np
 import optree
 
 from . import _jax_placement as _placement
-from ._shared import array_words, no_refusal, not_followed, unopened, untraced
+from ._shared import array_words
+from ._shared import contents as contents
+from ._shared import opened as opened
+from ._shared import private_copy as private_copy  # (immutable)
+from ._shared import traced as traced
+from ._shared import x_refusal as x_refusal
 
 NAME: Final = "jax"
 ARRAY: Final = True
@@ -301,10 +306,6 @@ def laid_out_ravel(leaves: list[Any]) -> tuple[Any, Callable[[Any], Any]] | None
     return _placement.laid_out_ravel(leaves)
 
 
-def private_copy(leaf: Any) -> Any:
-    return leaf  # (immutable)
-
-
 def eval_shape(fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]]) -> Any:
     """``fn``'s output structure, of ``jax.ShapeDtypeStruct`` leaves, for inputs of these shapes
     and dtypes, found without values."""
@@ -319,11 +320,6 @@ _SELF = sys.modules[__name__]
 
 values = to_numpy
 """Its values as numpy (:func:`to_numpy`)."""
-
-x_refusal = no_refusal
-opened = unopened
-traced = untraced
-contents = not_followed
 
 
 def describe(signature: tuple[Any, ...]) -> str:

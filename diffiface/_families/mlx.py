@@ -8,20 +8,20 @@ from typing import Any, Final
 
 import numpy as np
 
-from ._shared import (
-    as_it_is,
-    no_eval_shape,
-    no_layout,
-    no_ravel,
-    no_refusal,
-    no_scope,
-    no_trace,
-    not_followed,
-    same_shape_dtype,
-    shape_dtype_leaves,
-    unopened,
-    untraced,
-)
+from ._shared import block_like as block_like
+from ._shared import contents as contents
+from ._shared import dtype_scope as dtype_scope
+from ._shared import eval_shape as eval_shape
+from ._shared import exchange as exchange  # (crosses as a numpy copy: dlpack into mlx would make float64 float32)
+from ._shared import from_parts as from_parts
+from ._shared import laid_out_ravel as laid_out_ravel
+from ._shared import layout as layout
+from ._shared import leaves_test as leaves_test
+from ._shared import opened as opened
+from ._shared import same as same
+from ._shared import trace_of as trace_of
+from ._shared import traced as traced
+from ._shared import x_refusal as x_refusal
 
 NAME: Final = "mlx"
 ARRAY: Final = True
@@ -100,28 +100,17 @@ def cast(value: Any, dtype: str) -> Any:
     return value.astype(mlx_dtype(dtype))
 
 
-block_like = as_it_is
-layout = no_layout
-
-
 def jit_checked(leaf: Any) -> bool:
     """An mlx array: ``mx.compile`` traces its function anew for each shape and dtype it meets
     (it is not given ``shapeless=True``), so a compiled program checks the leaf itself."""
     return type(leaf) is sys.modules["mlx.core"].array
 
 
-same = same_shape_dtype
-leaves_test = shape_dtype_leaves
-
 _SELF = sys.modules[__name__]
 """This module, as the family a value is compared with."""
 
 
 CODE_MODULES: Final[frozenset[str]] = frozenset()
-
-
-def exchange(leaf: Any) -> None:
-    return None  # (crosses as a numpy copy: dlpack into mlx would make float64 float32)
 
 
 def conj(leaf: Any) -> Any:
@@ -133,27 +122,13 @@ def parts(leaf: Any) -> tuple[Any, Any]:
     return core.real(leaf), core.imag(leaf)
 
 
-def from_parts(re: Any, im: Any) -> Any:
-    return re + 1j * im
-
-
 def private_copy(leaf: Any) -> Any:
     return sys.modules["mlx.core"].array(leaf)  # (a copy: an mx.array takes item assignment)
 
 
 values = to_numpy
-x_refusal = no_refusal
-dtype_scope = no_scope
-eval_shape = no_eval_shape
-laid_out_ravel = no_ravel
-opened = unopened
-traced = untraced
-contents = not_followed
 
 
 def describe(signature: tuple[Any, ...]) -> str:
     # (mlx prints its dtypes with their module, "mlx.core.float32")
     return f"an mlx array of shape {signature[1]} and dtype {str(signature[2]).rpartition('.')[2]}"
-
-
-trace_of = no_trace

@@ -8,18 +8,22 @@ from typing import Any, Final
 
 import numpy as np
 
-from ._shared import (
-    Contents,
-    array_words,
-    no_eval_shape,
-    no_layout,
-    no_ravel,
-    no_refusal,
-    no_scope,
-    no_trace,
-    unopened,
-    untraced,
-)
+from ._shared import Contents, array_words
+from ._shared import block_like as block_like
+from ._shared import dtype_scope as dtype_scope
+from ._shared import eval_shape as eval_shape
+from ._shared import exchange as exchange  # (copied: a black box may return a buffer of its own that it writes again)
+from ._shared import from_parts as from_parts
+from ._shared import jit_checked as jit_checked
+from ._shared import laid_out_ravel as laid_out_ravel
+from ._shared import layout as layout
+from ._shared import opened as opened
+
+# (f gets read-only views of the caller's arrays: a write raises before it lands)
+from ._shared import private_copy as private_copy
+from ._shared import trace_of as trace_of
+from ._shared import traced as traced
+from ._shared import x_refusal as x_refusal
 
 NAME: Final = "numpy"
 ARRAY: Final = True
@@ -102,10 +106,6 @@ def cast(value: Any, dtype: str) -> Any:
     return value.astype(dtype)
 
 
-def block_like(value: Any, like: Any) -> Any:
-    return value
-
-
 class _Same:
     """The test that a later leaf has the prepared one's shape and dtype."""
 
@@ -126,14 +126,6 @@ def leaves_test(leaves: list[Any]) -> Callable[[list[Any]], bool] | None:
     return None
 
 
-def jit_checked(leaf: Any) -> bool:
-    return False
-
-
-def exchange(leaf: Any) -> None:
-    return None  # (copied: a black box may return a buffer of its own that it writes again)
-
-
 def conj(leaf: Any) -> Any:
     return np.conj(leaf)
 
@@ -143,14 +135,6 @@ def parts(leaf: Any) -> tuple[Any, Any]:
     return np.array(array.real), np.array(array.imag)  # (copies: a black box may perturb them in place)
 
 
-def from_parts(re: Any, im: Any) -> Any:
-    return re + 1j * im
-
-
-def private_copy(leaf: Any) -> Any:
-    return leaf  # (f gets read-only views of the caller's arrays: a write raises before it lands)
-
-
 _SELF = sys.modules[__name__]
 """This module, as the family a value is compared with."""
 
@@ -158,16 +142,8 @@ _SELF = sys.modules[__name__]
 values = to_numpy
 """Its values as numpy (:func:`to_numpy`)."""
 
-x_refusal = no_refusal
-opened = unopened
-traced = untraced
 
 describe = array_words
-trace_of = no_trace
-dtype_scope = no_scope
-eval_shape = no_eval_shape
-laid_out_ravel = no_ravel
-layout = no_layout
 
 
 def contents(value: Any, kept: int) -> Contents | None:

@@ -14,17 +14,17 @@ from typing import Any, Final
 
 import numpy as np
 
-from ._shared import (
-    array_words,
-    no_eval_shape,
-    no_ravel,
-    no_refusal,
-    no_scope,
-    no_trace,
-    not_followed,
-    unopened,
-    untraced,
-)
+from ._shared import array_words
+from ._shared import contents as contents
+from ._shared import dtype_scope as dtype_scope
+from ._shared import eval_shape as eval_shape
+from ._shared import from_parts as from_parts
+from ._shared import laid_out_ravel as laid_out_ravel
+from ._shared import opened as opened
+from ._shared import private_copy as private_copy  # (symbolic: nothing to write into)
+from ._shared import trace_of as trace_of
+from ._shared import traced as traced
+from ._shared import x_refusal as x_refusal
 
 # a symbolic variable answers its dtype as numpy names it: the tests are numpy's
 from .numpy import block_like as block_like
@@ -108,24 +108,8 @@ def parts(leaf: Any) -> tuple[Any, Any]:
     return tensor.real(leaf), tensor.imag(leaf)
 
 
-def from_parts(re: Any, im: Any) -> Any:
-    return re + 1j * im
-
-
-def private_copy(leaf: Any) -> Any:
-    return leaf  # (symbolic: nothing to write into)
-
-
 def values(leaf: Any) -> np.ndarray:
     raise _symbolic(leaf)
 
 
-x_refusal = no_refusal
-opened = unopened
-traced = untraced
-contents = not_followed
 describe = array_words
-trace_of = no_trace
-dtype_scope = no_scope
-eval_shape = no_eval_shape
-laid_out_ravel = no_ravel

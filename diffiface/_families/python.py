@@ -7,17 +7,19 @@ from typing import Any, Final
 
 import numpy as np
 
-from ._shared import (
-    no_eval_shape,
-    no_layout,
-    no_ravel,
-    no_refusal,
-    no_scope,
-    no_trace,
-    not_followed,
-    unopened,
-    untraced,
-)
+from ._shared import block_like as block_like
+from ._shared import contents as contents
+from ._shared import dtype_scope as dtype_scope
+from ._shared import eval_shape as eval_shape
+from ._shared import exchange as exchange  # (a number: copied, never shared)
+from ._shared import jit_checked as jit_checked
+from ._shared import laid_out_ravel as laid_out_ravel
+from ._shared import layout as layout
+from ._shared import opened as opened
+from ._shared import private_copy as private_copy
+from ._shared import trace_of as trace_of
+from ._shared import traced as traced
+from ._shared import x_refusal as x_refusal
 
 NAME: Final = "python"
 ARRAY: Final = False
@@ -69,24 +71,12 @@ def cast(value: Any, dtype: str) -> Any:
     return value
 
 
-def block_like(value: Any, like: Any) -> Any:
-    return value
-
-
 def same(leaf: Any) -> None:
     return None  # (a Python number's type says all)
 
 
 def leaves_test(leaves: list[Any]) -> None:
     return None
-
-
-def jit_checked(leaf: Any) -> bool:
-    return False
-
-
-def exchange(leaf: Any) -> None:
-    return None  # (a number: copied, never shared)
 
 
 def conj(leaf: Any) -> Any:
@@ -101,22 +91,8 @@ def from_parts(re: Any, im: Any) -> Any:
     return complex(re, im) if isinstance(im, (float, int)) else re + 1j * im
 
 
-def private_copy(leaf: Any) -> Any:
-    return leaf
-
-
 values = to_numpy
 """Its values as numpy (:func:`to_numpy`)."""
-
-x_refusal = no_refusal
-opened = unopened
-traced = untraced
-contents = not_followed
-trace_of = no_trace
-dtype_scope = no_scope
-eval_shape = no_eval_shape
-laid_out_ravel = no_ravel
-layout = no_layout
 
 
 def describe(signature: tuple[Any, ...]) -> str:

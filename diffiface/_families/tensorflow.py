@@ -11,21 +11,23 @@ from typing import Any, Final
 
 import numpy as np
 
-from ._shared import (
-    array_words,
-    as_it_is,
-    no_eval_shape,
-    no_layout,
-    no_ravel,
-    no_refusal,
-    no_scope,
-    no_trace,
-    not_followed,
-    same_shape_dtype,
-    shape_dtype_leaves,
-    unopened,
-    untraced,
-)
+from ._shared import array_words
+from ._shared import block_like as block_like
+from ._shared import contents as contents
+from ._shared import dtype_scope as dtype_scope
+from ._shared import eval_shape as eval_shape
+from ._shared import exchange as exchange  # (crosses as a numpy copy: a variable's later assignments must not be seen)
+from ._shared import laid_out_ravel as laid_out_ravel
+from ._shared import layout as layout
+from ._shared import leaves_test as leaves_test
+from ._shared import opened as opened
+
+# (tensors are immutable; a variable is read into a tensor by the adapter)
+from ._shared import private_copy as private_copy
+from ._shared import same as same
+from ._shared import trace_of as trace_of
+from ._shared import traced as traced
+from ._shared import x_refusal as x_refusal
 
 NAME: Final = "tensorflow"
 ARRAY: Final = True
@@ -109,10 +111,6 @@ def cast(value: Any, dtype: str) -> Any:
     return _tf().cast(value, dtype)
 
 
-block_like = as_it_is
-layout = no_layout
-
-
 def jit_checked(leaf: Any) -> bool:
     """A concrete (eager) tensor: a ``tf.function`` without ``reduce_retracing`` traces anew for
     each shape and dtype it meets, so a graph checks the leaf itself. A variable is not one: a
@@ -120,18 +118,11 @@ def jit_checked(leaf: Any) -> bool:
     return type(leaf) is sys.modules["tensorflow.python.framework.ops"].EagerTensor
 
 
-same = same_shape_dtype
-leaves_test = shape_dtype_leaves
-
 _SELF = sys.modules[__name__]
 """This module, as the family a value is compared with."""
 
 
 CODE_MODULES: Final[frozenset[str]] = frozenset()
-
-
-def exchange(leaf: Any) -> None:
-    return None  # (crosses as a numpy copy: a variable's later assignments must not be seen)
 
 
 def conj(leaf: Any) -> Any:
@@ -150,17 +141,5 @@ def from_parts(re: Any, im: Any) -> Any:
     return re + 1j * im
 
 
-def private_copy(leaf: Any) -> Any:
-    return leaf  # (tensors are immutable; a variable is read into a tensor by the adapter)
-
-
 values = to_numpy
-x_refusal = no_refusal
-dtype_scope = no_scope
-eval_shape = no_eval_shape
-laid_out_ravel = no_ravel
-opened = unopened
-traced = untraced
-contents = not_followed
 describe = array_words
-trace_of = no_trace

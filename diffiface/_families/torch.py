@@ -9,18 +9,16 @@ from typing import Any, Final
 
 import numpy as np
 
-from ._shared import (
-    Contents,
-    MetaLeaves,
-    array_words,
-    no_eval_shape,
-    no_layout,
-    no_ravel,
-    no_scope,
-    no_trace,
-    unopened,
-    untraced,
-)
+from ._shared import Contents, MetaLeaves, array_words
+from ._shared import block_like as block_like
+from ._shared import dtype_scope as dtype_scope
+from ._shared import eval_shape as eval_shape
+from ._shared import jit_checked as jit_checked
+from ._shared import laid_out_ravel as laid_out_ravel
+from ._shared import layout as layout
+from ._shared import opened as opened
+from ._shared import trace_of as trace_of
+from ._shared import traced as traced
 
 NAME: Final = "torch"
 ARRAY: Final = True
@@ -98,10 +96,6 @@ def cast(value: Any, dtype: str) -> Any:
     return value.to(getattr(sys.modules["torch"], dtype))
 
 
-def block_like(value: Any, like: Any) -> Any:
-    return value
-
-
 class _Same:
     """The test that a later tensor has the prepared one's shape, dtype and device."""
 
@@ -126,10 +120,6 @@ _meta = operator.attrgetter("shape", "dtype", "device")  # (compared in C, no fr
 def leaves_test(leaves: list[Any]) -> Callable[[list[Any]], bool]:
     """The test of a list of leaves all of this family, read inline."""
     return MetaLeaves(leaves, _meta)
-
-
-def jit_checked(leaf: Any) -> bool:
-    return False
 
 
 def exchange(leaf: Any) -> Any:
@@ -181,15 +171,6 @@ def values(leaf: Any) -> np.ndarray:
     """Its values as numpy, read through ``tolist`` (a torch.func tensor has no storage for
     numpy to read)."""
     return np.asarray(leaf.detach().tolist())
-
-
-opened = unopened
-traced = untraced
-trace_of = no_trace
-dtype_scope = no_scope
-eval_shape = no_eval_shape
-laid_out_ravel = no_ravel
-layout = no_layout
 
 
 def describe(signature: tuple[Any, ...]) -> str:
