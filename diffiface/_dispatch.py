@@ -256,14 +256,12 @@ def _program_of(
     whether it checks its leaves' shapes and dtypes itself (:class:`JitProgram`)."""
     row = info(backend)
     adapter = adapter_for(backend)
-    full_call = call
     call, dynamic_index = _dynamic_view(adapter, call)  # from here on, x's leaves to differentiate
     _check_x(op, backend, row.any_array_type, call)
     if op.tangent is not None:
         _check_tangent_kinds(op, backend, row.any_array_type, call)
     if op.tangent == "x":
         _check_tangent_like_x(op, call)
-    del full_call
     signature = call.signature
     adapter = _complex.adapter_for_call(op, adapter, call, f)  # complex numbers in the convention
     output = _Output()

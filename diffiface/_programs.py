@@ -923,9 +923,6 @@ class Run:
         return result, self.finish((*picked, None) if self.has_aux else picked)
 
 
-# -- the record of f's output --------------------------------------------------------------------------
-
-
 # -- the program's arguments ---------------------------------------------------------------------------
 
 
