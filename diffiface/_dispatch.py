@@ -22,6 +22,7 @@ from ._adapters import adapter_for, info, names_of, normalize
 from ._backends import AutoSparse, Backend
 from ._call import _LEAF, OPERATORS, Call, Operator, _dynamic_view, _Output
 from ._checks import _check_call, _check_tangent_kinds, _check_tangent_like_x, _check_x
+from ._contexts import Cache
 from ._errors import InvalidInputError
 from ._plan import Plan, Unfit, flattener, leaf_check, leaves_check
 from ._prep import Closure, FunctionRef, Prep, describe_mismatch, mismatch_error, prep_cache
@@ -270,12 +271,13 @@ def _program_of(
     finish, one = finisher(op, call, output, compiled=adapter.compiles)
     direct = conversions.passthrough and conversions.x_native and conversions.tangent_native
     if direct and adapter.retraces and dynamic_index is None and not signature.has_aux:
-        # the retracing engines' tier: one compiled function of the arguments as passed, which
-        # checks them in its trace
-        mirror = one.mirror if one is not None else None
-        jit = JitProgram.of(adapter, traced, op, output, mirror, finish, call, conversions.scoped, parts, function)
-        if jit is not None:
-            return jit, False, True
+        # the retracing engines' tier, where the adapter's traces_call takes the call: one
+        # compiled function of the arguments as passed, which checks them in its trace
+        leaves = [*call.x_leaves, *call.tangent_leaves, *(leaf for part in call.context_leaves for leaf in part)]
+        caches = any(kind is Cache for kind, _, _ in signature.contexts)
+        if call.x_leaves and adapter.traces_call(op.compute, leaves, caches, function.ref):
+            mirror = one.mirror if one is not None else None
+            return JitProgram(adapter, traced, op, output, mirror, finish, call, conversions.scoped, parts), False, True
     # (jit returns arrays only: a program whose result holds none but arrays needs no help; a
     # static argument costs jit a slower call: only where a context leaf is one)
     compiled = adapter.compile(traced, static=not all(conversions.mask), arrays=not signature.has_aux, parts=parts)

@@ -554,28 +554,6 @@ class JitProgram:
         self.fits_backend: Callable[[Any], bool] = bool
         self.kinds: tuple[type, ...] = ()
 
-    @classmethod
-    def of(
-        cls,
-        adapter: Adapter,
-        program: Callable[..., Any],
-        op: Operator,
-        output: _Output,
-        mirror: Callable[[Any], Any] | None,
-        finish: Callable[[Any], Any],
-        call: Call,
-        scoped: bool,
-        parts: ProgramParts,
-        function: Any,
-    ) -> JitProgram | None:
-        """The program, where the adapter's retracing tier takes the call
-        (:meth:`~diffiface._adapters._base.Adapter.traces_call`); else None (the plan's match and a :class:`Run` serve the prep)."""
-        leaves = [*call.x_leaves, *call.tangent_leaves, *_chain(call.context_leaves)]
-        caches = any(kind is Cache for kind, _, _ in call.signature.contexts)
-        if not call.x_leaves or not adapter.traces_call(op.compute, leaves, caches, function.ref):
-            return None
-        return cls(adapter, program, op, output, mirror, finish, call, scoped, parts)
-
     def bind(self, plan: Any) -> None:
         """Take what :meth:`run` compares from the plan made for this program: f, the backend,
         the contexts' kinds, and how each argument is flattened (written for its structure
