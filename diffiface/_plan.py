@@ -22,7 +22,7 @@ from ._errors import PreparationMismatchError
 from ._families._shared import MetaLeaves
 from ._families.jax import jax_structure
 from ._flatten import Flatten, key_orders, structure_flatten
-from ._keys import static_key, static_x_key
+from ._keys import key_or_identity
 
 __all__ = [
     "Check",
@@ -43,16 +43,15 @@ _LEAF = optree.tree_structure(0)  # type: ignore[arg-type]  # a leaf's structure
 
 class _ByValue:
     """The test of a leaf compared by value (a static leaf of x, or a context value a program
-    is built for): equal :func:`~diffiface._keys.static_key`."""
+    is built for): equal :func:`~diffiface._keys.key_or_identity`."""
 
-    __slots__ = ("key", "keyed")
+    __slots__ = ("key",)
 
-    def __init__(self, leaf: Any, keyed: Callable[[Any], Any]) -> None:
-        self.keyed = keyed
-        self.key = keyed(leaf)
+    def __init__(self, leaf: Any) -> None:
+        self.key = key_or_identity(leaf)
 
     def __call__(self, value: Any) -> bool:
-        return bool(self.keyed(value) == self.key)
+        return bool(key_or_identity(value) == self.key)
 
 
 def engine_checked(leaf: Any) -> bool:
@@ -78,19 +77,14 @@ def leaf_check(
         return type(leaf), None
     kind = _arrays.kind(leaf)
     if static_x and (kind == "other" or (kind == "python" and not isinstance(leaf, float))):
-        return type(leaf), _ByValue(leaf, static_x_key)
+        return type(leaf), _ByValue(leaf)
     if kind == "other" and not by_value:
         return (type(leaf), None) if context else None
     if by_value and kind in ("python", "other"):
-        return type(leaf), _ByValue(leaf, _identity_or_value)
+        return type(leaf), _ByValue(leaf)
     # (a kind with no family is refused by name: compared by its type alone, a later call of
     # another shape or dtype would be taken as fitting)
     return type(leaf), _arrays.by_kind(kind).same(leaf)
-
-
-def _identity_or_value(value: Any) -> Any:
-    key = static_key(value)
-    return ("identity", id(value)) if key is None else key
 
 
 class _Leaves:
