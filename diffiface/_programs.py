@@ -136,6 +136,7 @@ _FUSABLE = (
 """The computations whose program an adapter may run in one call of its own (:class:`Fused`)."""
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class Fused:
     """The parts of a program that an adapter may run in one call of its own, without the
     program's frames (torch: :class:`~diffiface._adapters.torch._fused._Gradient` and the classes
@@ -158,54 +159,27 @@ class Fused:
       f's output that ``close`` made, returned as the engine takes it (a real cotangent of a
       complex output cast to complex: the caller uses what it returns)."""
 
-    __slots__ = (
-        "adapter",
-        "checked",
-        "close",
-        "compute",
-        "cotangent",
-        "empty",
-        "function",
-        "merges",
-        "rebuild",
-        "rebuilds",
-        "ref",
-        "settle",
-        "single",
-        "sizes",
-        "value",
-    )
+    function: FunctionRef
+    x_spec: dataclasses.InitVar[Any]
+    close: Callable[..., Any]
+    settle: Callable[..., Any]
+    rebuilds: list[Callable[[Any], Any]] | None
+    sizes: list[int]
+    merges: list[Callable[[Any], Any]]
+    adapter: Adapter
+    compute: str
+    value: bool
+    checked: set[tuple[type, Any]]
+    empty: _Static
+    ref: Any = dataclasses.field(init=False)
+    single: bool = dataclasses.field(init=False)
+    rebuild: Callable[[Any], Any] | None = dataclasses.field(init=False)
+    cotangent: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None = None
 
-    def __init__(
-        self,
-        function: FunctionRef,
-        x_spec: Any,
-        close: Callable[..., Any],
-        settle: Callable[..., Any],
-        rebuilds: list[Callable[[Any], Any]] | None,
-        sizes: list[int],
-        merges: list[Callable[[Any], Any]],
-        adapter: Adapter,
-        compute: str,
-        value: bool,
-        checked: set[tuple[type, Any]],
-        empty: _Static,
-    ) -> None:
-        self.function, self.ref = function, function.ref
+    def __post_init__(self, x_spec: Any) -> None:
+        self.ref = self.function.ref
         self.single = x_spec == _LEAF
         self.rebuild = None if self.single else structure_unflatten(x_spec) or x_spec.unflatten
-        # (each context's structure rebuilt by the function written for it, where there is one)
-        self.close = close
-        self.settle = settle
-        self.rebuilds = rebuilds
-        self.sizes = sizes
-        self.merges = merges
-        self.adapter = adapter
-        self.compute = compute
-        self.value = value
-        self.checked = checked
-        self.empty = empty
-        self.cotangent: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None = None
 
     def contexts(self, dynamic: tuple[Any, ...], static: _Static | None = None) -> tuple[Any, ...]:
         """The context values of these dynamic leaves and these static ones (None: none)."""
