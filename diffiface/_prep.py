@@ -72,19 +72,16 @@ class FunctionRef:
         return f  # type: ignore[no-any-return]
 
     def matches(self, f: Callable[..., Any]) -> bool:
-        return _same_function(self.ref(), f)
+        mine = self.ref()
+        if mine is f:
+            return True
+        if isinstance(mine, types.MethodType) and isinstance(f, types.MethodType):
+            return mine.__self__ is f.__self__ and mine.__func__ is f.__func__
+        return False
 
 
 def _identity(f: Any) -> Any:
     return f
-
-
-def _same_function(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    if isinstance(a, types.MethodType) and isinstance(b, types.MethodType):
-        return a.__self__ is b.__self__ and a.__func__ is b.__func__
-    return False
 
 
 class Prep:
