@@ -191,21 +191,18 @@ def _plan(
         names=names_of(backend),
         function=function,
         has_aux=sig.has_aux,
-        x_spec=sig.x_spec,
         x_checks=x_checks,
-        x_class=type(call.x_leaves[0]) if len(call.x_leaves) == 1 else None,
+        x_class=type(call.x_leaves[0]) if sig.x_spec == _LEAF else None,
         tangent=op.tangent is not None,
-        tangent_spec=sig.tangent_spec,
         tangent_checks=tangent_checks,
         context_kinds=tuple(spec[0] for spec in sig.contexts),
-        context_specs=tuple(call.context_specs),
-        context_checks=None if context_checks is None else tuple(context_checks),
-        program=program,
-        estimates=estimates,
         context_classes=tuple(
             type(leaves[0]) if spec == _LEAF and leaves else None
             for spec, leaves in zip(call.context_specs, call.context_leaves, strict=True)
         ),
+        context_checks=None if context_checks is None else tuple(context_checks),
+        program=program,
+        estimates=estimates,
         single=_single(op, call, by_value, engine),
         flatteners=(
             flattener(sig.x_spec, call.x_leaves, ordered=True),

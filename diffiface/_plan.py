@@ -255,7 +255,6 @@ class Plan:
         "context_flattens",
         "context_keys",
         "context_kinds",
-        "context_specs",
         "estimates",
         "function",
         "has_aux",
@@ -268,12 +267,10 @@ class Plan:
         "tangent_checks",
         "tangent_flatten",
         "tangent_key",
-        "tangent_spec",
         "x_checks",
         "x_class",
         "x_flatten",
         "x_key",
-        "x_spec",
     )
 
     def __init__(
@@ -283,18 +280,15 @@ class Plan:
         names: frozenset[str],
         function: Any,
         has_aux: bool,
-        x_spec: Any,
         x_checks: Callable[[list[Any]], bool] | None,
         x_class: type | None,
         tangent: bool,
-        tangent_spec: Any,
         tangent_checks: Callable[[list[Any]], bool] | None,
         context_kinds: tuple[type, ...],
-        context_specs: tuple[Any, ...],
+        context_classes: tuple[type | None, ...],
         context_checks: tuple[Callable[[list[Any]], bool], ...] | None,
         program: Callable[..., tuple[Any, Any]],
         estimates: bool = False,
-        context_classes: tuple[type | None, ...] = (),
         single: tuple[Check, Check | None, tuple[Check, ...]] | None = None,
         *,
         flatteners: tuple[tuple[Flatten, Any], tuple[Flatten, Any], tuple[tuple[Flatten, Any], ...]],
@@ -305,15 +299,12 @@ class Plan:
         """The string names that mean :attr:`backend` (``"jax"`` for ``AutoJAX()``)."""
         self.function = function
         self.has_aux = has_aux
-        self.x_spec = x_spec
         self.x_checks = x_checks
         # one array x: its type is its structure (optree takes arrays for leaves)
-        self.x_class = x_class if x_spec == _LEAF else None
+        self.x_class = x_class
         self.tangent = tangent
-        self.tangent_spec = tangent_spec
         self.tangent_checks = tangent_checks
         self.context_kinds = context_kinds
-        self.context_specs = context_specs
         self.context_checks = context_checks
         # How each argument is flattened, and its structure as so flattened (:func:`flattener`).
         # A tree that holds a type registered in diffiface's namespace where the prep's did not
@@ -322,7 +313,7 @@ class Plan:
         self.context_flattens = tuple(flatten for flatten, _ in contexts)
         self.context_keys = tuple(key for _, key in contexts)
         # a context of one array: its type is its structure, as for x
-        self.context_classes = context_classes or (None,) * len(context_specs)
+        self.context_classes = context_classes
         self.single = single
         """Where x, the tangent (if the operator takes one) and every context are one leaf each
         (most calls): the test of x's leaf, of the tangent's (None: no tangent) and of each

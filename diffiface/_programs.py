@@ -410,7 +410,6 @@ class JitProgram:
         "finish",
         "fits_backend",
         "flatten",
-        "function",
         "kind",
         "kinds",
         "leaf_types",
@@ -519,7 +518,6 @@ class JitProgram:
         self.traced_dtype = adapter.traced_dtype  # (a numpy leaf's dtype as the trace sees it)
         self.compiled = adapter.compile(self._traced, static=False, arrays=True, layouts=(), parts=program_parts)
         # (what :meth:`run` compares besides, taken from the plan by :meth:`bind`)
-        self.function: Any = None
         self.ref: Any = None
         self.method: Any = None
         self.backend: Any = None
@@ -532,7 +530,7 @@ class JitProgram:
         """Take what :meth:`run` compares from the plan made for this program: f, the backend,
         the contexts' kinds, and how each argument is flattened (written for its structure
         where it can be, see :func:`~diffiface._plan.flattener`)."""
-        self.function, self.ref = plan.function, plan.function.ref
+        self.ref = plan.function.ref
         prepared = plan.function.ref()
         if type(prepared) is types.MethodType:  # (made anew on each read: its instance and function)
             with contextlib.suppress(TypeError):  # (an instance without weak references: the plan's steps)
