@@ -24,7 +24,6 @@ class Finisher:
     promoted dtype (:func:`promoted_dtype`) for blocks relating two leaves."""
 
     __slots__ = (
-        "family",
         "has_aux",
         "kinds",
         "like",
@@ -39,8 +38,8 @@ class Finisher:
     def __init__(self, op: Operator, call: Call, output: _Output) -> None:
         self.x_spec = call.signature.x_spec
         self.x_likes = list(call.x_leaves)
-        self.family = _arrays.family({_arrays.kind(leaf) for leaf in self.x_likes}) if self.x_likes else _NO_X
-        self.own = _arrays.BY_KIND.get(self.family)  # (None: x of several families)
+        family = _arrays.family({_arrays.kind(leaf) for leaf in self.x_likes}) if self.x_likes else _NO_X
+        self.own = _arrays.BY_KIND.get(family)  # (None: x of several families)
         self.like: Any = self.x_likes[0] if self.x_likes else None
         self.single_x = self.x_spec == _LEAF
         self.x_dtypes = [_weak_or_dtype(leaf) for leaf in self.x_likes]
