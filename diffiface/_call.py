@@ -160,13 +160,8 @@ class Call:
             leaves, spec = _tree.flatten(context.value)
             self.context_leaves.append(leaves)
             self.context_specs.append(spec)
-            context_signature.append(
-                (
-                    type(context),
-                    spec,
-                    tuple(_context_leaf_signature(leaf, by_value) for leaf in leaves),
-                )
-            )
+            leaf_signatures = tuple(_context_leaf_signature(leaf, by_value) for leaf in leaves)
+            context_signature.append((type(context), spec, leaf_signatures))
         self.signature = Signature(
             op.name,
             backend,

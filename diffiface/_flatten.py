@@ -21,13 +21,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = [
-    "Flatten",
-    "generated",
-    "key_orders",
-    "structure_flatten",
-    "structure_unflatten",
-]
+__all__ = ["Flatten", "generated", "key_orders", "structure_flatten", "structure_unflatten"]
 
 Flatten = Callable[[Any], tuple[Any, Any]]
 """``flatten(tree) -> (leaves, structure)``."""

@@ -24,16 +24,7 @@ from ._families.jax import jax_structure
 from ._flatten import Flatten, key_orders, structure_flatten
 from ._keys import key_or_identity
 
-__all__ = [
-    "Check",
-    "Unfit",
-    "Plan",
-    "engine_checked",
-    "flattener",
-    "leaf_check",
-    "leaves_check",
-    "optree_flatten",
-]
+__all__ = ["Check", "Unfit", "Plan", "engine_checked", "flattener", "leaf_check", "leaves_check", "optree_flatten"]
 
 Check = tuple[type, Callable[[Any], bool] | None]
 """How a plan knows a leaf: its type, and a test of the rest (None: the type says all)."""

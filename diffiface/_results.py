@@ -23,17 +23,7 @@ class Finisher:
     type, dtype and device for what mirrors x, f's output structure for what mirrors f(x), the
     promoted dtype (:func:`promoted_dtype`) for blocks relating two leaves."""
 
-    __slots__ = (
-        "has_aux",
-        "kinds",
-        "like",
-        "output",
-        "own",
-        "single_x",
-        "x_dtypes",
-        "x_likes",
-        "x_spec",
-    )
+    __slots__ = ("has_aux", "kinds", "like", "output", "own", "single_x", "x_dtypes", "x_likes", "x_spec")
 
     def __init__(self, op: Operator, call: Call, output: _Output) -> None:
         self.x_spec = call.signature.x_spec
