@@ -10,6 +10,7 @@ sparse and second-order backends differ in their programs only.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -230,6 +231,7 @@ def optree_flatten(namespace: str = "") -> Flatten:
     return functools.partial(flatten, leaf_predicate=None, none_is_leaf=False, namespace=namespace)
 
 
+@dataclasses.dataclass(slots=True, eq=False, kw_only=True)
 class Plan:
     """What a prep was made for and what it runs.
 
@@ -239,82 +241,48 @@ class Plan:
     tangent_leaves, context_leaves)`` returns ``(result, error estimate or None)``.
     """
 
-    __slots__ = (
-        "backend",
-        "context_checks",
-        "context_classes",
-        "context_flattens",
-        "context_keys",
-        "context_kinds",
-        "estimates",
-        "function",
-        "has_aux",
-        "jit",
-        "names",
-        "operator",
-        "program",
-        "single",
-        "tangent",
-        "tangent_checks",
-        "tangent_flatten",
-        "tangent_key",
-        "x_checks",
-        "x_class",
-        "x_flatten",
-        "x_key",
-    )
+    operator: str
+    backend: Any
+    names: frozenset[str]
+    """The string names that mean :attr:`backend` (``"jax"`` for ``AutoJAX()``)."""
+    function: Any
+    has_aux: bool
+    x_checks: Callable[[list[Any]], bool] | None
+    x_class: type | None
+    """Where x is one array, its type: its type is its structure (optree takes arrays for leaves)."""
+    tangent: bool
+    tangent_checks: Callable[[list[Any]], bool] | None
+    context_kinds: tuple[type, ...]
+    context_classes: tuple[type | None, ...]
+    """Per context, the type of its one array (its type is its structure, as for x), else None."""
+    context_checks: tuple[Callable[[list[Any]], bool], ...] | None
+    program: Callable[..., tuple[Any, Any]]
+    estimates: bool = False
+    """Whether the program estimates its error (the prep keeps the last estimate)."""
+    single: tuple[Check, Check | None, tuple[Check, ...]] | None = None
+    """Where x, the tangent (if the operator takes one) and every context are one leaf each
+    (most calls): the test of x's leaf, of the tangent's (None: no tangent) and of each
+    context's, compared without building a list of leaves."""
+    flatteners: dataclasses.InitVar[tuple[tuple[Flatten, Any], tuple[Flatten, Any], tuple[tuple[Flatten, Any], ...]]]
+    """How each argument is flattened, and its structure as so flattened (:func:`flattener`).
+    A tree that holds a type registered in diffiface's namespace where the prep's did not
+    then misses the plan, and its full signature decides."""
+    x_flatten: Flatten = dataclasses.field(init=False)
+    x_key: Any = dataclasses.field(init=False)
+    tangent_flatten: Flatten = dataclasses.field(init=False)
+    tangent_key: Any = dataclasses.field(init=False)
+    context_flattens: tuple[Flatten, ...] = dataclasses.field(init=False)
+    context_keys: tuple[Any, ...] = dataclasses.field(init=False)
+    jit: Any = dataclasses.field(default=None, init=False)
+    """Where the program is jax's tier (:class:`~diffiface._programs.JitProgram`): that
+    program, whose ``run`` the route calls on the arguments as passed."""
 
-    def __init__(
-        self,
-        operator: str,
-        backend: Any,
-        names: frozenset[str],
-        function: Any,
-        has_aux: bool,
-        x_checks: Callable[[list[Any]], bool] | None,
-        x_class: type | None,
-        tangent: bool,
-        tangent_checks: Callable[[list[Any]], bool] | None,
-        context_kinds: tuple[type, ...],
-        context_classes: tuple[type | None, ...],
-        context_checks: tuple[Callable[[list[Any]], bool], ...] | None,
-        program: Callable[..., tuple[Any, Any]],
-        estimates: bool = False,
-        single: tuple[Check, Check | None, tuple[Check, ...]] | None = None,
-        *,
-        flatteners: tuple[tuple[Flatten, Any], tuple[Flatten, Any], tuple[tuple[Flatten, Any], ...]],
+    def __post_init__(
+        self, flatteners: tuple[tuple[Flatten, Any], tuple[Flatten, Any], tuple[tuple[Flatten, Any], ...]]
     ) -> None:
-        self.operator = operator
-        self.backend = backend
-        self.names = names
-        """The string names that mean :attr:`backend` (``"jax"`` for ``AutoJAX()``)."""
-        self.function = function
-        self.has_aux = has_aux
-        self.x_checks = x_checks
-        # one array x: its type is its structure (optree takes arrays for leaves)
-        self.x_class = x_class
-        self.tangent = tangent
-        self.tangent_checks = tangent_checks
-        self.context_kinds = context_kinds
-        self.context_checks = context_checks
-        # How each argument is flattened, and its structure as so flattened (:func:`flattener`).
-        # A tree that holds a type registered in diffiface's namespace where the prep's did not
-        # then misses the plan, and its full signature decides.
         (self.x_flatten, self.x_key), (self.tangent_flatten, self.tangent_key), contexts = flatteners
         self.context_flattens = tuple(flatten for flatten, _ in contexts)
         self.context_keys = tuple(key for _, key in contexts)
-        # a context of one array: its type is its structure, as for x
-        self.context_classes = context_classes
-        self.single = single
-        """Where x, the tangent (if the operator takes one) and every context are one leaf each
-        (most calls): the test of x's leaf, of the tangent's (None: no tangent) and of each
-        context's, compared without building a list of leaves."""
-        self.program = program
-        self.estimates = estimates
-        """Whether the program estimates its error (the prep keeps the last estimate)."""
-        self.jit: Any = None
-        """Where the program is jax's tier (:class:`~diffiface._programs.JitProgram`): that
-        program, whose ``run`` the route calls on the arguments as passed."""
 
     def fits_backend(self, backend: Any) -> bool:
         """Whether a backend object other than the plan's own one means it."""

@@ -778,6 +778,7 @@ class _Recalled:
         return self.finish(out)
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class Run:
     """A prep's program on a call's leaves: the leaves made the engine's arguments
     (:class:`_Conversions`), the compiled (or plain) program, the result finished to mirror the
@@ -785,51 +786,34 @@ class Run:
     differentiate, where x holds static ones too; ``scoped``: the program runs inside the
     adapter's precision scope where it gives one (float64 work while jax's x64 is off)."""
 
-    __slots__ = (
-        "adapter",
-        "compiled",
-        "conversions",
-        "direct",
-        "dynamic",
-        "estimates",
-        "finish",
-        "has_aux",
-        "kept",
-        "output",
-        "parts",
-        "passthrough",
-        "records",
-        "scoped",
-    )
+    adapter: Adapter
+    conversions: _Conversions
+    compiled: Callable[..., Any]
+    output: _Output
+    finish: Callable[[Any], Any]
+    op: dataclasses.InitVar[Operator]
+    has_aux: bool
+    dynamic: list[int] | None = None
+    records: bool = dataclasses.field(init=False)
+    estimates: bool = dataclasses.field(init=False)
+    parts: tuple[int, ...] = dataclasses.field(init=False)
+    passthrough: bool = dataclasses.field(init=False)
+    scoped: bool = dataclasses.field(init=False)
+    direct: bool = dataclasses.field(init=False)
+    kept: tuple[type | None, ...] = dataclasses.field(init=False)
 
-    def __init__(
-        self,
-        adapter: Adapter,
-        conversions: _Conversions,
-        compiled: Callable[..., Any],
-        output: _Output,
-        finish: Callable[[Any], Any],
-        op: Operator,
-        has_aux: bool,
-        dynamic: list[int] | None = None,
-    ) -> None:
-        self.adapter = adapter
-        self.conversions = conversions
-        self.compiled = compiled
-        self.output = output
-        self.finish = finish
+    def __post_init__(self, op: Operator) -> None:
+        conversions = self.conversions
         # a program from jit's cache does not evaluate f: where the finisher reads the record
         # of f's output, the record of its trace is made the current one
-        self.records = adapter.compiles and op.shaped_as_output
-        self.estimates = adapter.estimates_errors
+        self.records = self.adapter.compiles and op.shaped_as_output
+        self.estimates = self.adapter.estimates_errors
         self.parts = tuple(i for i, _ in op.parts)
         self.passthrough = conversions.passthrough and conversions.x_native and conversions.tangent_native
-        self.has_aux = has_aux
-        self.dynamic = dynamic
         self.scoped = conversions.scoped
         # the engine takes the leaves as they are, in no scope, and nothing besides the results
         # is read (a record of f's output, an error estimate)
-        self.direct = self.passthrough and not (self.records or self.estimates or self.scoped) and dynamic is None
+        self.direct = self.passthrough and not (self.records or self.estimates or self.scoped) and self.dynamic is None
         self.kept = conversions.kept
 
     def __call__(
