@@ -23,8 +23,7 @@ from ._contexts import Context
 from ._errors import ContextError, InvalidInputError
 from ._flatten import key_orders
 from ._keys import is_static as _is_static
-from ._keys import static_key
-from ._keys import static_x_key as _static_x_key
+from ._keys import key_or_identity, static_key
 from ._prep import Prep, Signature
 from ._tangents import Tangents
 
@@ -161,13 +160,8 @@ class Call:
             leaves, spec = _tree.flatten(context.value)
             self.context_leaves.append(leaves)
             self.context_specs.append(spec)
-            context_signature.append(
-                (
-                    type(context),
-                    spec,
-                    tuple(_context_leaf_signature(leaf, by_value) for leaf in leaves),
-                )
-            )
+            leaf_signatures = tuple(_context_leaf_signature(leaf, by_value) for leaf in leaves)
+            context_signature.append((type(context), spec, leaf_signatures))
         self.signature = Signature(
             op.name,
             backend,
@@ -196,8 +190,7 @@ def _context_leaf_signature(leaf: Any, by_value: bool) -> tuple[Any, ...]:
     if _arrays.is_array(leaf):
         return _arrays.leaf_signature(leaf)
     if by_value:
-        key = static_key(leaf)
-        return ("static", type(leaf), ("identity", id(leaf)) if key is None else key)
+        return ("static", type(leaf), key_or_identity(leaf))
     return ("static", type(leaf))
 
 
@@ -210,7 +203,7 @@ def _x_signature(leaves: list[Any]) -> tuple[Any, ...]:
     for entry in signature:  # the common case, all arrays and floats: nothing more to do
         if entry[0] == "other" or (entry[0] == "python" and entry[1] is not float):
             return tuple(
-                ("static", type(leaf), _static_x_key(leaf)) if _is_static(leaf) else entry
+                ("static", type(leaf), key_or_identity(leaf)) if _is_static(leaf) else entry
                 for leaf, entry in zip(leaves, signature, strict=True)
             )
     return signature

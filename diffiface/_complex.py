@@ -167,7 +167,7 @@ def adapter_for_call(op: Operator, adapter: Adapter, call: Call, f: Any) -> Adap
         )
     if not (x_complex or t_complex or _may_return_complex(op, adapter)):
         return adapter
-    return cast("Adapter", ComplexAdapter(adapter, op, holomorphic_asserted(f), x_complex, t_complex))
+    return cast("Adapter", ComplexAdapter(adapter, op, isinstance(f, Holomorphic), x_complex, t_complex))
 
 
 def _may_return_complex(op: Operator, adapter: Adapter) -> bool:
@@ -239,10 +239,6 @@ class _Strong:
 
     def __call__(self) -> Any:
         return self.value
-
-
-def holomorphic_asserted(f: Any) -> bool:
-    return isinstance(f, Holomorphic)
 
 
 def _tolerance(dtype: str, exact: bool) -> float:
@@ -556,9 +552,8 @@ class ComplexAdapter:
         return value, aux, to_convention("gradient", self._convention, tuple(grads))
 
     def value_and_pushforward(self, fn: Callable[[Leaves], Any], xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
-        if self._convention != "split":  # every engine's jvp is the directional derivative
-            return self._inner.value_and_pushforward(fn, xs, txs)
-        if self.real_outputs:
+        # (every engine's jvp is the directional derivative; a split engine's too, of real outputs)
+        if self._convention != "split" or self.real_outputs:
             return self._inner.value_and_pushforward(fn, xs, txs)
         x_split = _Split(xs)
         g = _Realified(fn, x_split)

@@ -22,6 +22,7 @@ from ._adapters import adapter_for, info, names_of, normalize
 from ._backends import AutoSparse, Backend
 from ._call import _LEAF, OPERATORS, Call, Operator, _dynamic_view, _Output
 from ._checks import _check_call, _check_tangent_kinds, _check_tangent_like_x, _check_x
+from ._contexts import Cache
 from ._errors import InvalidInputError
 from ._plan import Plan, Unfit, flattener, leaf_check, leaves_check
 from ._prep import Closure, FunctionRef, Prep, describe_mismatch, mismatch_error, prep_cache
@@ -175,37 +176,34 @@ def _plan(
     """``engine``: the program checks the shapes and dtypes of the leaves
     :func:`~diffiface._plan.engine_checked` names (the plan then tests their types only)."""
     sig = call.signature
-    x_checks = _checks_of(call.x_leaves, static_x=True, engine=engine)
-    tangent_checks = _checks_of(call.tangent_leaves, engine=engine)
-    context_checks: list[Any] | None = []
-    for leaves in call.context_leaves:
-        checks = _checks_of(leaves, by_value=by_value, engine=engine, context=True)
-        if checks is None or context_checks is None:
-            context_checks = None
-        else:
-            context_checks.append(checks)
+    x_tests = [leaf_check(leaf, static_x=True, engine=engine) for leaf in call.x_leaves]
+    tangent_tests = [leaf_check(leaf, engine=engine) for leaf in call.tangent_leaves]
+    context_tests = [
+        [leaf_check(leaf, by_value=by_value, engine=engine, context=True) for leaf in leaves]
+        for leaves in call.context_leaves
+    ]
+    context_checks: list[Any] = [
+        _checks_of(leaves, tests, engine) for leaves, tests in zip(call.context_leaves, context_tests, strict=True)
+    ]
     return Plan(
         operator=op.name,
         backend=backend,
         names=names_of(backend),
         function=function,
         has_aux=sig.has_aux,
-        x_spec=sig.x_spec,
-        x_checks=x_checks,
-        x_class=type(call.x_leaves[0]) if len(call.x_leaves) == 1 else None,
+        x_checks=_checks_of(call.x_leaves, x_tests, engine),
+        x_class=type(call.x_leaves[0]) if sig.x_spec == _LEAF else None,
         tangent=op.tangent is not None,
-        tangent_spec=sig.tangent_spec,
-        tangent_checks=tangent_checks,
+        tangent_checks=_checks_of(call.tangent_leaves, tangent_tests, engine),
         context_kinds=tuple(spec[0] for spec in sig.contexts),
-        context_specs=tuple(call.context_specs),
-        context_checks=None if context_checks is None else tuple(context_checks),
-        program=program,
-        estimates=estimates,
         context_classes=tuple(
             type(leaves[0]) if spec == _LEAF and leaves else None
             for spec, leaves in zip(call.context_specs, call.context_leaves, strict=True)
         ),
-        single=_single(op, call, by_value, engine),
+        context_checks=None if any(checks is None for checks in context_checks) else tuple(context_checks),
+        program=program,
+        estimates=estimates,
+        single=_single(op, call, x_tests, tangent_tests, context_tests),
         flatteners=(
             flattener(sig.x_spec, call.x_leaves, ordered=True),
             flattener(sig.tangent_spec, call.tangent_leaves),
@@ -219,34 +217,28 @@ def _plan(
     )
 
 
-def _single(op: Operator, call: Call, by_value: bool, engine: bool) -> Any:
+def _single(
+    op: Operator, call: Call, x_tests: list[Any], tangent_tests: list[Any], context_tests: list[list[Any]]
+) -> Any:
     """The tests of a call whose x, tangent (where it has one) and every context are one leaf:
-    x's, the tangent's (None: no tangent) and each context's."""
+    x's, the tangent's (None: no tangent) and each context's; from each leaf's test."""
     sig = call.signature
-    if sig.x_spec != _LEAF or len(call.x_leaves) != 1 or any(spec != _LEAF for spec in call.context_specs):
+    if sig.x_spec != _LEAF or any(spec != _LEAF for spec in call.context_specs):
         return None
-    tangent_test = None
-    if op.tangent is not None:
-        if sig.tangent_spec != _LEAF or len(call.tangent_leaves) != 1:
-            return None
-        tangent_test = leaf_check(call.tangent_leaves[0], engine=engine)
-        if tangent_test is None:
-            return None
-    x_test = leaf_check(call.x_leaves[0], static_x=True, engine=engine)
-    tests = [leaf_check(leaves[0], by_value=by_value, engine=engine, context=True) for leaves in call.context_leaves]
-    if x_test is None or any(test is None for test in tests):
+    if op.tangent is not None and sig.tangent_spec != _LEAF:
         return None
-    return x_test, tangent_test, tuple(tests)
+    contexts = tuple(tests[0] for tests in context_tests)
+    if any(test is None for test in (*x_tests, *tangent_tests, *contexts)):
+        return None
+    return x_tests[0], tangent_tests[0] if tangent_tests else None, contexts
 
 
-def _checks_of(
-    leaves: list[Any], static_x: bool = False, by_value: bool = False, engine: bool = False, context: bool = False
-) -> Callable[[list[Any]], bool] | None:
-    """The test of leaves like these; None where a leaf has none (a pytree only jax knows)."""
-    checks = [leaf_check(leaf, static_x=static_x, by_value=by_value, engine=engine, context=context) for leaf in leaves]
+def _checks_of(leaves: list[Any], checks: list[Any], engine: bool) -> Callable[[list[Any]], bool] | None:
+    """The test of leaves like these, each known by its test in ``checks``; None where a leaf
+    has none (a pytree only jax knows)."""
     if any(check is None for check in checks):
         return None
-    return leaves_check(leaves, tuple(checks), engine)  # type: ignore[arg-type]
+    return leaves_check(leaves, tuple(checks), engine)
 
 
 def _program_of(
@@ -256,14 +248,12 @@ def _program_of(
     whether it checks its leaves' shapes and dtypes itself (:class:`JitProgram`)."""
     row = info(backend)
     adapter = adapter_for(backend)
-    full_call = call
     call, dynamic_index = _dynamic_view(adapter, call)  # from here on, x's leaves to differentiate
     _check_x(op, backend, row.any_array_type, call)
     if op.tangent is not None:
         _check_tangent_kinds(op, backend, row.any_array_type, call)
     if op.tangent == "x":
         _check_tangent_like_x(op, call)
-    del full_call
     signature = call.signature
     adapter = _complex.adapter_for_call(op, adapter, call, f)  # complex numbers in the convention
     output = _Output()
@@ -272,12 +262,13 @@ def _program_of(
     finish, one = finisher(op, call, output, compiled=adapter.compiles)
     direct = conversions.passthrough and conversions.x_native and conversions.tangent_native
     if direct and adapter.retraces and dynamic_index is None and not signature.has_aux:
-        # the retracing engines' tier: one compiled function of the arguments as passed, which
-        # checks them in its trace
-        mirror = one.mirror if one is not None else None
-        jit = JitProgram.of(adapter, traced, op, output, mirror, finish, call, conversions.scoped, parts, function)
-        if jit is not None:
-            return jit, False, True
+        # the retracing engines' tier, where the adapter's traces_call takes the call: one
+        # compiled function of the arguments as passed, which checks them in its trace
+        leaves = [*call.x_leaves, *call.tangent_leaves, *(leaf for part in call.context_leaves for leaf in part)]
+        caches = any(kind is Cache for kind, _, _ in signature.contexts)
+        if call.x_leaves and adapter.traces_call(op.compute, leaves, caches, function.ref):
+            mirror = one.mirror if one is not None else None
+            return JitProgram(adapter, traced, op, output, mirror, finish, call, conversions.scoped, parts), False, True
     # (jit returns arrays only: a program whose result holds none but arrays needs no help; a
     # static argument costs jit a slower call: only where a context leaf is one)
     compiled = adapter.compile(traced, static=not all(conversions.mask), arrays=not signature.has_aux, parts=parts)

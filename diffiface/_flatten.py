@@ -21,14 +21,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = [
-    "Flatten",
-    "generated",
-    "key_orders",
-    "structure_flatten",
-    "structure_tests",
-    "structure_unflatten",
-]
+__all__ = ["Flatten", "generated", "key_orders", "structure_flatten", "structure_unflatten"]
 
 Flatten = Callable[[Any], tuple[Any, Any]]
 """``flatten(tree) -> (leaves, structure)``."""
@@ -106,10 +99,10 @@ def structure_flatten(spec: Any, key: Any, tree: Any, flatten: Flatten) -> Flatt
     where the function does not give what ``flatten`` gives for ``tree``, the prepared tree."""
     if spec is None or spec.is_leaf() or spec.num_leaves > _LARGEST or str(spec.namespace) or _too_deep(spec):
         return None
-    written_tests = structure_tests(spec, "tree", (f"n{i}" for i in itertools.count()))
-    if written_tests is None:
+    lines: list[str] = []
+    leaves: list[str] = []
+    if not _write(spec, "tree", lines, leaves, (f"n{i}" for i in itertools.count())):
         return None
-    lines, leaves = written_tests
     body = "\n".join(f"        {line}" for line in lines)
     source = (
         "def flatten(tree):\n"
@@ -129,24 +122,13 @@ def structure_flatten(spec: Any, key: Any, tree: Any, flatten: Flatten) -> Flatt
     return written
 
 
-def structure_tests(spec: Any, root: str, names: Iterator[str]) -> tuple[list[str], list[str]] | None:
-    """The lines of Python that test the nodes of a tree of optree structure ``spec`` held in
-    the variable ``root`` (each node's type and length; each ends the function with ``return
-    MISS`` where they differ, and a dict with other keys raises KeyError), and the expressions
-    of its leaves, in the structure's order; local variables are named from ``names``. None
-    where ``spec`` holds a node other than tuples, lists, dicts with str or int keys and None.
-    A function written from them must be checked on a tree whose leaves are known (as
-    :func:`structure_flatten` does)."""
-    if _too_deep(spec):
-        return None
-    lines: list[str] = []
-    leaves: list[str] = []
-    return (lines, leaves) if _write(spec, root, lines, leaves, names) else None
-
-
 def _write(node: Any, expr: str, lines: list[str], leaves: list[str], names: Iterator[str]) -> bool:
-    """Append the lines that test ``node``'s type and size at ``expr``, and its leaves'
-    expressions; False where a node is of a kind not written for."""
+    """Append the lines of Python that test ``node``'s type and size at ``expr`` (each ends the
+    function with ``return MISS`` where they differ, and a dict with other keys raises
+    KeyError), and its leaves' expressions, in the structure's order; local variables are named
+    from ``names``. False where a node is of a kind not written for (other than tuples, lists,
+    dicts with str or int keys and None). A function written from them must be checked on a
+    tree whose leaves are known, as :func:`structure_flatten` does."""
     if node.is_leaf():
         leaves.append(expr)
         return True

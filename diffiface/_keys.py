@@ -13,7 +13,7 @@ from typing import Any
 from . import _arrays
 from ._families import CODE_MODULES
 
-__all__ = ["is_static", "static_key", "static_x_key"]
+__all__ = ["is_static", "key_or_identity", "static_key"]
 
 
 def is_static(leaf: Any) -> bool:
@@ -24,16 +24,14 @@ def is_static(leaf: Any) -> bool:
     return kind == "other" or (kind == "python" and not isinstance(leaf, (float, complex)))
 
 
-def static_x_key(leaf: Any) -> Any:
+def key_or_identity(leaf: Any) -> Any:
+    """:func:`static_key`, or the leaf's identity where it has none (a static leaf of x, or a
+    context value a program is built for: the prep holds it, so that identity is not reused)."""
     key = static_key(leaf)
     return ("identity", id(leaf)) if key is None else key
 
 
 _BY_VALUE = (int, float, complex, str, bytes, bool, type(None))
-
-
-# a framework's wrapped functions (jax.nn.relu is a jitted function, others custom_jvp objects): code
-_FRAMEWORK_CODE = CODE_MODULES
 
 
 _CODE = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType, type, functools.partial)
@@ -50,7 +48,9 @@ def static_key(value: Any) -> Any:
         return (cls, value.real.hex(), value.imag.hex())
     if cls in _BY_VALUE:
         return (cls, value)
-    if isinstance(value, (*_CODE, enum.Enum)) or (callable(value) and cls.__module__.split(".")[0] in _FRAMEWORK_CODE):
+    # (a framework's wrapped functions are code too: jax.nn.relu is a jitted function, others
+    # custom_jvp objects)
+    if isinstance(value, (*_CODE, enum.Enum)) or (callable(value) and cls.__module__.split(".")[0] in CODE_MODULES):
         return (cls, id(value))
     if dataclasses.is_dataclass(value):
         # (a frozen dataclass hashes its fields: one that holds a mutable object, compared by

@@ -10,6 +10,7 @@ sparse and second-order backends differ in their programs only.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -22,18 +23,9 @@ from ._errors import PreparationMismatchError
 from ._families._shared import MetaLeaves
 from ._families.jax import jax_structure
 from ._flatten import Flatten, key_orders, structure_flatten
-from ._keys import static_key, static_x_key
+from ._keys import key_or_identity
 
-__all__ = [
-    "Check",
-    "Unfit",
-    "Plan",
-    "engine_checked",
-    "flattener",
-    "leaf_check",
-    "leaves_check",
-    "optree_flatten",
-]
+__all__ = ["Check", "Unfit", "Plan", "engine_checked", "flattener", "leaf_check", "leaves_check", "optree_flatten"]
 
 Check = tuple[type, Callable[[Any], bool] | None]
 """How a plan knows a leaf: its type, and a test of the rest (None: the type says all)."""
@@ -43,16 +35,15 @@ _LEAF = optree.tree_structure(0)  # type: ignore[arg-type]  # a leaf's structure
 
 class _ByValue:
     """The test of a leaf compared by value (a static leaf of x, or a context value a program
-    is built for): equal :func:`~diffiface._keys.static_key`."""
+    is built for): equal :func:`~diffiface._keys.key_or_identity`."""
 
-    __slots__ = ("key", "keyed")
+    __slots__ = ("key",)
 
-    def __init__(self, leaf: Any, keyed: Callable[[Any], Any]) -> None:
-        self.keyed = keyed
-        self.key = keyed(leaf)
+    def __init__(self, leaf: Any) -> None:
+        self.key = key_or_identity(leaf)
 
     def __call__(self, value: Any) -> bool:
-        return bool(self.keyed(value) == self.key)
+        return bool(key_or_identity(value) == self.key)
 
 
 def engine_checked(leaf: Any) -> bool:
@@ -78,19 +69,14 @@ def leaf_check(
         return type(leaf), None
     kind = _arrays.kind(leaf)
     if static_x and (kind == "other" or (kind == "python" and not isinstance(leaf, float))):
-        return type(leaf), _ByValue(leaf, static_x_key)
+        return type(leaf), _ByValue(leaf)
     if kind == "other" and not by_value:
         return (type(leaf), None) if context else None
     if by_value and kind in ("python", "other"):
-        return type(leaf), _ByValue(leaf, _identity_or_value)
+        return type(leaf), _ByValue(leaf)
     # (a kind with no family is refused by name: compared by its type alone, a later call of
     # another shape or dtype would be taken as fitting)
     return type(leaf), _arrays.by_kind(kind).same(leaf)
-
-
-def _identity_or_value(value: Any) -> Any:
-    key = static_key(value)
-    return ("identity", id(value)) if key is None else key
 
 
 class _Leaves:
@@ -245,6 +231,7 @@ def optree_flatten(namespace: str = "") -> Flatten:
     return functools.partial(flatten, leaf_predicate=None, none_is_leaf=False, namespace=namespace)
 
 
+@dataclasses.dataclass(slots=True, eq=False, kw_only=True)
 class Plan:
     """What a prep was made for and what it runs.
 
@@ -254,91 +241,48 @@ class Plan:
     tangent_leaves, context_leaves)`` returns ``(result, error estimate or None)``.
     """
 
-    __slots__ = (
-        "backend",
-        "context_checks",
-        "context_classes",
-        "context_flattens",
-        "context_keys",
-        "context_kinds",
-        "context_specs",
-        "estimates",
-        "function",
-        "has_aux",
-        "jit",
-        "names",
-        "operator",
-        "program",
-        "single",
-        "tangent",
-        "tangent_checks",
-        "tangent_flatten",
-        "tangent_key",
-        "tangent_spec",
-        "x_checks",
-        "x_class",
-        "x_flatten",
-        "x_key",
-        "x_spec",
-    )
+    operator: str
+    backend: Any
+    names: frozenset[str]
+    """The string names that mean :attr:`backend` (``"jax"`` for ``AutoJAX()``)."""
+    function: Any
+    has_aux: bool
+    x_checks: Callable[[list[Any]], bool] | None
+    x_class: type | None
+    """Where x is one array, its type: its type is its structure (optree takes arrays for leaves)."""
+    tangent: bool
+    tangent_checks: Callable[[list[Any]], bool] | None
+    context_kinds: tuple[type, ...]
+    context_classes: tuple[type | None, ...]
+    """Per context, the type of its one array (its type is its structure, as for x), else None."""
+    context_checks: tuple[Callable[[list[Any]], bool], ...] | None
+    program: Callable[..., tuple[Any, Any]]
+    estimates: bool = False
+    """Whether the program estimates its error (the prep keeps the last estimate)."""
+    single: tuple[Check, Check | None, tuple[Check, ...]] | None = None
+    """Where x, the tangent (if the operator takes one) and every context are one leaf each
+    (most calls): the test of x's leaf, of the tangent's (None: no tangent) and of each
+    context's, compared without building a list of leaves."""
+    flatteners: dataclasses.InitVar[tuple[tuple[Flatten, Any], tuple[Flatten, Any], tuple[tuple[Flatten, Any], ...]]]
+    """How each argument is flattened, and its structure as so flattened (:func:`flattener`).
+    A tree that holds a type registered in diffiface's namespace where the prep's did not
+    then misses the plan, and its full signature decides."""
+    x_flatten: Flatten = dataclasses.field(init=False)
+    x_key: Any = dataclasses.field(init=False)
+    tangent_flatten: Flatten = dataclasses.field(init=False)
+    tangent_key: Any = dataclasses.field(init=False)
+    context_flattens: tuple[Flatten, ...] = dataclasses.field(init=False)
+    context_keys: tuple[Any, ...] = dataclasses.field(init=False)
+    jit: Any = dataclasses.field(default=None, init=False)
+    """Where the program is jax's tier (:class:`~diffiface._programs.JitProgram`): that
+    program, whose ``run`` the route calls on the arguments as passed."""
 
-    def __init__(
-        self,
-        operator: str,
-        backend: Any,
-        names: frozenset[str],
-        function: Any,
-        has_aux: bool,
-        x_spec: Any,
-        x_checks: Callable[[list[Any]], bool] | None,
-        x_class: type | None,
-        tangent: bool,
-        tangent_spec: Any,
-        tangent_checks: Callable[[list[Any]], bool] | None,
-        context_kinds: tuple[type, ...],
-        context_specs: tuple[Any, ...],
-        context_checks: tuple[Callable[[list[Any]], bool], ...] | None,
-        program: Callable[..., tuple[Any, Any]],
-        estimates: bool = False,
-        context_classes: tuple[type | None, ...] = (),
-        single: tuple[Check, Check | None, tuple[Check, ...]] | None = None,
-        *,
-        flatteners: tuple[tuple[Flatten, Any], tuple[Flatten, Any], tuple[tuple[Flatten, Any], ...]],
+    def __post_init__(
+        self, flatteners: tuple[tuple[Flatten, Any], tuple[Flatten, Any], tuple[tuple[Flatten, Any], ...]]
     ) -> None:
-        self.operator = operator
-        self.backend = backend
-        self.names = names
-        """The string names that mean :attr:`backend` (``"jax"`` for ``AutoJAX()``)."""
-        self.function = function
-        self.has_aux = has_aux
-        self.x_spec = x_spec
-        self.x_checks = x_checks
-        # one array x: its type is its structure (optree takes arrays for leaves)
-        self.x_class = x_class if x_spec == _LEAF else None
-        self.tangent = tangent
-        self.tangent_spec = tangent_spec
-        self.tangent_checks = tangent_checks
-        self.context_kinds = context_kinds
-        self.context_specs = context_specs
-        self.context_checks = context_checks
-        # How each argument is flattened, and its structure as so flattened (:func:`flattener`).
-        # A tree that holds a type registered in diffiface's namespace where the prep's did not
-        # then misses the plan, and its full signature decides.
         (self.x_flatten, self.x_key), (self.tangent_flatten, self.tangent_key), contexts = flatteners
         self.context_flattens = tuple(flatten for flatten, _ in contexts)
         self.context_keys = tuple(key for _, key in contexts)
-        # a context of one array: its type is its structure, as for x
-        self.context_classes = context_classes or (None,) * len(context_specs)
-        self.single = single
-        """Where x, the tangent (if the operator takes one) and every context are one leaf each
-        (most calls): the test of x's leaf, of the tangent's (None: no tangent) and of each
-        context's, compared without building a list of leaves."""
-        self.program = program
-        self.estimates = estimates
-        """Whether the program estimates its error (the prep keeps the last estimate)."""
-        self.jit: Any = None
-        """Where the program is jax's tier (:class:`~diffiface._programs.JitProgram`): that
-        program, whose ``run`` the route calls on the arguments as passed."""
 
     def fits_backend(self, backend: Any) -> bool:
         """Whether a backend object other than the plan's own one means it."""

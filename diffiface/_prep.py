@@ -72,19 +72,16 @@ class FunctionRef:
         return f  # type: ignore[no-any-return]
 
     def matches(self, f: Callable[..., Any]) -> bool:
-        return _same_function(self.ref(), f)
+        mine = self.ref()
+        if mine is f:
+            return True
+        if isinstance(mine, types.MethodType) and isinstance(f, types.MethodType):
+            return mine.__self__ is f.__self__ and mine.__func__ is f.__func__
+        return False
 
 
 def _identity(f: Any) -> Any:
     return f
-
-
-def _same_function(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    if isinstance(a, types.MethodType) and isinstance(b, types.MethodType):
-        return a.__self__ is b.__self__ and a.__func__ is b.__func__
-    return False
 
 
 class Prep:
@@ -200,15 +197,19 @@ class Closure:
     __slots__ = ("_arrays", "_ids", "_keep", "holds")
 
     def __init__(self, f: Callable[..., Any]) -> None:
-        values = _reads(f)
+        chain: list[tuple[types.FunctionType, int, int]] = []
+        values = _reads(f, chain)
         self._keep = values  # (the ids stay those of live objects)
         self._ids = list(map(id, values))
         self._arrays = [(i, found) for i, v in enumerate(values) if (found := _contents(v)) is not None]
         self.holds: Callable[[Callable[..., Any]], bool] = self._holds
         """``holds(f)``: whether ``f`` reads the same objects, and the arrays among them hold the
         same values."""
-        chain = _function_chain(f) if type(f) is types.FunctionType else None
-        if chain is not None and sum(n for _, _, n in chain) == len(values):
+        if (
+            type(f) is types.FunctionType
+            and sum(n for _, _, n in chain) == len(values)
+            and not any("__wrapped__" in fn.__dict__ for fn, _, _ in chain)
+        ):
             # (a function, and the helpers it follows are functions: a test settled for each, see
             # _settled_holds; each helper is the object f's own test found, so its reads are read
             # from it)
@@ -231,35 +232,6 @@ class Closure:
             if not contents.holds(values[i]):
                 return False
         return True
-
-
-def _function_chain(f: types.FunctionType) -> list[tuple[types.FunctionType, int, int]] | None:
-    """The functions :func:`_follow` follows from the function ``f``, in its order, each with
-    where its reads start among the values and how many there are; None where it would follow
-    anything else (a ``__wrapped__``)."""
-    chain: list[tuple[types.FunctionType, int, int]] = []
-    seen: set[int] = set()
-    start = 0
-
-    def walk(fn: types.FunctionType) -> bool:
-        nonlocal start
-        if id(fn) in seen or len(seen) >= _MOST_FOLLOWED:
-            return True
-        seen.add(id(fn))
-        if "__wrapped__" in fn.__dict__:
-            return False
-        reads = _function_reads(fn)
-        chain.append((fn, start, len(reads)))
-        start += len(reads)
-        namespace, cells = fn.__globals__, _cells(fn)
-        for i in range(1, len(reads)):
-            value = reads[i]
-            followed = type(value) is types.FunctionType and (i <= cells or value.__globals__ is namespace)
-            if followed and not walk(value):
-                return False
-        return True
-
-    return chain if walk(f) else None
 
 
 def _all_hold(
@@ -386,19 +358,23 @@ _NO_CALL = _Marker("<no __call__>")
 _KEYWORD_DEFAULTS = _Marker("<keyword-only defaults>")
 
 
-def _reads(f: Any) -> list[Any]:
+def _reads(f: Any, chain: list[tuple[types.FunctionType, int, int]] | None = None) -> list[Any]:
     """The objects calling ``f`` reads besides its arguments, in an order fixed by them (the
-    rule of :class:`Closure`)."""
+    rule of :class:`Closure`). ``chain``, where given, gets each function followed from the
+    function ``f`` itself (``f`` first), where its own reads start among them and how many
+    there are."""
     if type(f) is types.FunctionType:  # the common case: a function that reads no other one
         values = _function_reads(f)
         if types.FunctionType not in map(type, values) and "__wrapped__" not in f.__dict__:
+            if chain is not None:
+                chain.append((f, 0, len(values)))
             return values
     values = []
-    _follow(f, values, set())
+    _follow(f, values, set(), chain)
     return values
 
 
-def _follow(f: Any, values: list[Any], seen: set[int]) -> None:
+def _follow(f: Any, values: list[Any], seen: set[int], chain: list[Any] | None = None) -> None:
     if id(f) in seen or len(seen) >= _MOST_FOLLOWED:
         return
     seen.add(id(f))
@@ -406,12 +382,14 @@ def _follow(f: Any, values: list[Any], seen: set[int]) -> None:
     if cls is types.FunctionType:
         start = len(values)
         values += _function_reads(f)
+        if chain is not None:
+            chain.append((f, start, len(values) - start))
         namespace = f.__globals__
         # the functions it closes over, and the helpers of its own module that it names
         for i in range(start + 1, len(values)):
             value = values[i]
             if type(value) is types.FunctionType and (i <= start + _cells(f) or value.__globals__ is namespace):
-                _follow(value, values, seen)
+                _follow(value, values, seen, chain)
     elif cls is types.MethodType:
         values.append(f.__func__)  # (not f.__self__: the cache is keyed weakly on it)
         _instance(f.__self__, values)

@@ -136,6 +136,7 @@ _FUSABLE = (
 """The computations whose program an adapter may run in one call of its own (:class:`Fused`)."""
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class Fused:
     """The parts of a program that an adapter may run in one call of its own, without the
     program's frames (torch: :class:`~diffiface._adapters.torch._fused._Gradient` and the classes
@@ -158,54 +159,27 @@ class Fused:
       f's output that ``close`` made, returned as the engine takes it (a real cotangent of a
       complex output cast to complex: the caller uses what it returns)."""
 
-    __slots__ = (
-        "adapter",
-        "checked",
-        "close",
-        "compute",
-        "cotangent",
-        "empty",
-        "function",
-        "merges",
-        "rebuild",
-        "rebuilds",
-        "ref",
-        "settle",
-        "single",
-        "sizes",
-        "value",
-    )
+    function: FunctionRef
+    x_spec: dataclasses.InitVar[Any]
+    close: Callable[..., Any]
+    settle: Callable[..., Any]
+    rebuilds: list[Callable[[Any], Any]] | None
+    sizes: list[int]
+    merges: list[Callable[[Any], Any]]
+    adapter: Adapter
+    compute: str
+    value: bool
+    checked: set[tuple[type, Any]]
+    empty: _Static
+    ref: Any = dataclasses.field(init=False)
+    single: bool = dataclasses.field(init=False)
+    rebuild: Callable[[Any], Any] | None = dataclasses.field(init=False)
+    cotangent: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None = None
 
-    def __init__(
-        self,
-        function: FunctionRef,
-        x_spec: Any,
-        close: Callable[..., Any],
-        settle: Callable[..., Any],
-        rebuilds: list[Callable[[Any], Any]] | None,
-        sizes: list[int],
-        merges: list[Callable[[Any], Any]],
-        adapter: Adapter,
-        compute: str,
-        value: bool,
-        checked: set[tuple[type, Any]],
-        empty: _Static,
-    ) -> None:
-        self.function, self.ref = function, function.ref
+    def __post_init__(self, x_spec: Any) -> None:
+        self.ref = self.function.ref
         self.single = x_spec == _LEAF
         self.rebuild = None if self.single else structure_unflatten(x_spec) or x_spec.unflatten
-        # (each context's structure rebuilt by the function written for it, where there is one)
-        self.close = close
-        self.settle = settle
-        self.rebuilds = rebuilds
-        self.sizes = sizes
-        self.merges = merges
-        self.adapter = adapter
-        self.compute = compute
-        self.value = value
-        self.checked = checked
-        self.empty = empty
-        self.cotangent: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None = None
 
     def contexts(self, dynamic: tuple[Any, ...], static: _Static | None = None) -> tuple[Any, ...]:
         """The context values of these dynamic leaves and these static ones (None: none)."""
@@ -436,7 +410,6 @@ class JitProgram:
         "finish",
         "fits_backend",
         "flatten",
-        "function",
         "kind",
         "kinds",
         "leaf_types",
@@ -545,7 +518,6 @@ class JitProgram:
         self.traced_dtype = adapter.traced_dtype  # (a numpy leaf's dtype as the trace sees it)
         self.compiled = adapter.compile(self._traced, static=False, arrays=True, layouts=(), parts=program_parts)
         # (what :meth:`run` compares besides, taken from the plan by :meth:`bind`)
-        self.function: Any = None
         self.ref: Any = None
         self.method: Any = None
         self.backend: Any = None
@@ -554,33 +526,11 @@ class JitProgram:
         self.fits_backend: Callable[[Any], bool] = bool
         self.kinds: tuple[type, ...] = ()
 
-    @classmethod
-    def of(
-        cls,
-        adapter: Adapter,
-        program: Callable[..., Any],
-        op: Operator,
-        output: _Output,
-        mirror: Callable[[Any], Any] | None,
-        finish: Callable[[Any], Any],
-        call: Call,
-        scoped: bool,
-        parts: ProgramParts,
-        function: Any,
-    ) -> JitProgram | None:
-        """The program, where the adapter's retracing tier takes the call
-        (:meth:`~diffiface._adapters._base.Adapter.traces_call`); else None (the plan's match and a :class:`Run` serve the prep)."""
-        leaves = [*call.x_leaves, *call.tangent_leaves, *_chain(call.context_leaves)]
-        caches = any(kind is Cache for kind, _, _ in call.signature.contexts)
-        if not call.x_leaves or not adapter.traces_call(op.compute, leaves, caches, function.ref):
-            return None
-        return cls(adapter, program, op, output, mirror, finish, call, scoped, parts)
-
     def bind(self, plan: Any) -> None:
         """Take what :meth:`run` compares from the plan made for this program: f, the backend,
         the contexts' kinds, and how each argument is flattened (written for its structure
         where it can be, see :func:`~diffiface._plan.flattener`)."""
-        self.function, self.ref = plan.function, plan.function.ref
+        self.ref = plan.function.ref
         prepared = plan.function.ref()
         if type(prepared) is types.MethodType:  # (made anew on each read: its instance and function)
             with contextlib.suppress(TypeError):  # (an instance without weak references: the plan's steps)
@@ -828,6 +778,7 @@ class _Recalled:
         return self.finish(out)
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class Run:
     """A prep's program on a call's leaves: the leaves made the engine's arguments
     (:class:`_Conversions`), the compiled (or plain) program, the result finished to mirror the
@@ -835,51 +786,34 @@ class Run:
     differentiate, where x holds static ones too; ``scoped``: the program runs inside the
     adapter's precision scope where it gives one (float64 work while jax's x64 is off)."""
 
-    __slots__ = (
-        "adapter",
-        "compiled",
-        "conversions",
-        "direct",
-        "dynamic",
-        "estimates",
-        "finish",
-        "has_aux",
-        "kept",
-        "output",
-        "parts",
-        "passthrough",
-        "records",
-        "scoped",
-    )
+    adapter: Adapter
+    conversions: _Conversions
+    compiled: Callable[..., Any]
+    output: _Output
+    finish: Callable[[Any], Any]
+    op: dataclasses.InitVar[Operator]
+    has_aux: bool
+    dynamic: list[int] | None = None
+    records: bool = dataclasses.field(init=False)
+    estimates: bool = dataclasses.field(init=False)
+    parts: tuple[int, ...] = dataclasses.field(init=False)
+    passthrough: bool = dataclasses.field(init=False)
+    scoped: bool = dataclasses.field(init=False)
+    direct: bool = dataclasses.field(init=False)
+    kept: tuple[type | None, ...] = dataclasses.field(init=False)
 
-    def __init__(
-        self,
-        adapter: Adapter,
-        conversions: _Conversions,
-        compiled: Callable[..., Any],
-        output: _Output,
-        finish: Callable[[Any], Any],
-        op: Operator,
-        has_aux: bool,
-        dynamic: list[int] | None = None,
-    ) -> None:
-        self.adapter = adapter
-        self.conversions = conversions
-        self.compiled = compiled
-        self.output = output
-        self.finish = finish
+    def __post_init__(self, op: Operator) -> None:
+        conversions = self.conversions
         # a program from jit's cache does not evaluate f: where the finisher reads the record
         # of f's output, the record of its trace is made the current one
-        self.records = adapter.compiles and op.shaped_as_output
-        self.estimates = adapter.estimates_errors
+        self.records = self.adapter.compiles and op.shaped_as_output
+        self.estimates = self.adapter.estimates_errors
         self.parts = tuple(i for i, _ in op.parts)
         self.passthrough = conversions.passthrough and conversions.x_native and conversions.tangent_native
-        self.has_aux = has_aux
-        self.dynamic = dynamic
         self.scoped = conversions.scoped
         # the engine takes the leaves as they are, in no scope, and nothing besides the results
         # is read (a record of f's output, an error estimate)
-        self.direct = self.passthrough and not (self.records or self.estimates or self.scoped) and dynamic is None
+        self.direct = self.passthrough and not (self.records or self.estimates or self.scoped) and self.dynamic is None
         self.kept = conversions.kept
 
     def __call__(
@@ -921,9 +855,6 @@ class Run:
             return result, None
         picked = tuple(error[i] for i in self.parts)
         return result, self.finish((*picked, None) if self.has_aux else picked)
-
-
-# -- the record of f's output --------------------------------------------------------------------------
 
 
 # -- the program's arguments ---------------------------------------------------------------------------

@@ -23,24 +23,13 @@ class Finisher:
     type, dtype and device for what mirrors x, f's output structure for what mirrors f(x), the
     promoted dtype (:func:`promoted_dtype`) for blocks relating two leaves."""
 
-    __slots__ = (
-        "family",
-        "has_aux",
-        "kinds",
-        "like",
-        "output",
-        "own",
-        "single_x",
-        "x_dtypes",
-        "x_likes",
-        "x_spec",
-    )
+    __slots__ = ("has_aux", "kinds", "like", "output", "own", "single_x", "x_dtypes", "x_likes", "x_spec")
 
     def __init__(self, op: Operator, call: Call, output: _Output) -> None:
         self.x_spec = call.signature.x_spec
         self.x_likes = list(call.x_leaves)
-        self.family = _arrays.family({_arrays.kind(leaf) for leaf in self.x_likes}) if self.x_likes else _NO_X
-        self.own = _arrays.BY_KIND.get(self.family)  # (None: x of several families)
+        family = _arrays.family({_arrays.kind(leaf) for leaf in self.x_likes}) if self.x_likes else _NO_X
+        self.own = _arrays.BY_KIND.get(family)  # (None: x of several families)
         self.like: Any = self.x_likes[0] if self.x_likes else None
         self.single_x = self.x_spec == _LEAF
         self.x_dtypes = [_weak_or_dtype(leaf) for leaf in self.x_likes]
@@ -56,10 +45,10 @@ class Finisher:
         return own.as_own(value, _arrays.family_of(value), self.like, _arrays.to_numpy)
 
     def block(self, value: Any, dtype: str | None, like_j: Any = None) -> Any:
-        if like_j is not None:  # laid out as x_j (_placement's rule)
-            own = self.own
-            return _cast(self.as_y(value) if own is None else own.block_like(self.as_y(value), like_j), dtype)
-        return _cast(self.as_y(value), dtype)
+        value = self.as_y(value)
+        if like_j is not None and self.own is not None:  # laid out as x_j (_placement's rule)
+            value = self.own.block_like(value, like_j)
+        return _cast(value, dtype)
 
     def convert(self, kind: str, value: Any) -> Any:
         # (f's output is one array when its recorded structure is _LEAF itself)
@@ -87,34 +76,26 @@ class Finisher:
             dtypes = _padded(output.dtypes, len(value))
             if self.single_x and output.spec is _LEAF:
                 return block(value[0][0], promoted_dtype(dtypes[0], x_dtypes[0]), self.like)
-            rows = [
-                optree.tree_unflatten(
-                    x_spec,
-                    [block(b, promoted_dtype(dy, dx), lx) for b, dx, lx in zip(row, x_dtypes, x_likes, strict=True)],
-                )
-                for row, dy in zip(value, dtypes, strict=True)
-            ]
-            return optree.tree_unflatten(output.spec, rows)
+            return optree.tree_unflatten(output.spec, self._rows(value, dtypes))
         if kind == "ys":  # a batch's products, each shaped as f(x)
-            if output.spec is _LEAF:
-                as_y = self.as_y
-                return Tangents(*[as_y(v[0]) for v in value])
             return Tangents(*[self.convert("y", v) for v in value])
         if kind == "xs":  # a batch's products, each shaped as x
-            if self.single_x:
-                like = self.like
-                return Tangents(*[_mirror(v[0], like) for v in value])
             return Tangents(*[self.convert("x", v) for v in value])
         if self.single_x:  # a hessian
             return block(value[0][0], x_dtypes[0], self.like)
-        rows = [
+        return optree.tree_unflatten(x_spec, self._rows(value, x_dtypes))
+
+    def _rows(self, value: Any, row_dtypes: Any) -> list[Any]:
+        """A Jacobian's or a Hessian's rows, each in x's structure, each block in the dtype its
+        row's and its column's dtypes promote to."""
+        x_spec, x_dtypes, x_likes, block = self.x_spec, self.x_dtypes, self.x_likes, self.block
+        return [
             optree.tree_unflatten(
                 x_spec,
-                [block(b, promoted_dtype(di, dj), lj) for b, dj, lj in zip(row, x_dtypes, x_likes, strict=True)],
+                [block(b, promoted_dtype(dy, dx), lx) for b, dx, lx in zip(row, x_dtypes, x_likes, strict=True)],
             )
-            for row, di in zip(value, x_dtypes, strict=True)
+            for row, dy in zip(value, row_dtypes, strict=True)
         ]
-        return optree.tree_unflatten(x_spec, rows)
 
     def __call__(self, native: tuple[Any, ...]) -> Any:
         kinds = self.kinds
@@ -269,8 +250,6 @@ def promoted_dtype(a: str | None, b: str | None) -> str | None:
     if "complex" in a or "complex" in b:
         return _complex.promoted(a, b)
     width = max(_PRECISION.get(a, 64), _PRECISION.get(b, 64))
-    if width == 16:
-        return "float32"
     return "float64" if width == 64 else "float32"
 
 
