@@ -83,14 +83,8 @@ def positions(shape: Sequence[int], offset: int = 0) -> np.ndarray:
 def gather(sources: Sequence[Rows], sizes: Sequence[int], where: Any, n: int) -> Rows:
     """The rows picked by the 1-based positions ``where`` (any shape; ``0``: nothing) from the
     operands' rows laid end to end (operand ``k`` has ``sizes[k]`` elements)."""
-    if all(s is None for s in sources):
-        return None
     where = np.asarray(where, dtype=np.int64).reshape(-1)
-    blocks = [empty(1, n)]
-    for rows, k in zip(sources, sizes, strict=True):
-        blocks.append(empty(k, n) if rows is None else rows)
-    stacked = _sp().vstack(blocks, format="csr")
-    return canonical(stacked[where])
+    return gather_all(sources, sizes, np.arange(where.size), where, where.size, n)
 
 
 def gather_all(sources: Sequence[Rows], sizes: Sequence[int], targets: Any, where: Any, count: int, n: int) -> Rows:
@@ -102,8 +96,7 @@ def gather_all(sources: Sequence[Rows], sizes: Sequence[int], targets: Any, wher
     where = np.asarray(where, dtype=np.int64).reshape(-1)
     blocks = [empty(1, n)] + [empty(k, n) if rows is None else rows for rows, k in zip(sources, sizes, strict=True)]
     stacked = _sp().vstack(blocks, format="csr")
-    picks = _sp().csr_array((np.ones(targets.size), (targets, where)), shape=(count, stacked.shape[0]))
-    return apply(picks, stacked)
+    return apply(selection(targets, where, (count, stacked.shape[0])), stacked)
 
 
 def selection(rows: np.ndarray, cols: np.ndarray, shape: tuple[int, int]) -> csr_array:
