@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from ._numpy_matrices import take as take
+
 
 def _x64(on: bool) -> Any:
     """A scope where jax keeps float64 (``jax.enable_x64``) when ``on``; else nothing."""
@@ -33,10 +35,6 @@ def cast(array: Any, dtype: Any) -> Any:
 def index_like(flat: Any, index: np.ndarray) -> Any:
     with _x64(True):
         return sys.modules["jax.numpy"].asarray(index)
-
-
-def take(compressed: Any, index: Any) -> Any:
-    return compressed.reshape(-1)[index]
 
 
 def sparse(holder: Any, indptr: np.ndarray, indices: np.ndarray, values: Any, shape: tuple[int, int]) -> Any:
