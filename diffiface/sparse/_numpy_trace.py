@@ -905,9 +905,6 @@ def _move(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         raise TracerRefusal("f compares arrays computed from x for equality: the pattern could change with values")
     sources: list[Any] = []
     sizes: list[int] = []
-    offset = [0]
-    floating: list[bool] = []
-
     view = func.__name__ not in _COPIES
 
     def substitute(a: Any) -> Any:
@@ -916,11 +913,9 @@ def _move(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
                 raise a._refuse(f"passes to np.{func.__name__} integers or booleans computed from x as the values")
             if view:  # (a write into it later would reach this view, which is not followed)
                 (a if a.base is None else a.base).reshaped = True
-            pos = sets.positions(a.shape, offset[0])
+            pos = sets.positions(a.shape, sum(sizes))
             sources.append(a.rows)
             sizes.append(a.size)
-            offset[0] += a.size
-            floating.append(True)
             return pos
         if isinstance(a, (list, tuple)):
             return _rebuild(a, [substitute(b) for b in a])
