@@ -637,7 +637,6 @@ class _Interpreter:
         torch = _torch()
         sources: list[Any] = []
         sizes: list[int] = []
-        offset = [0]
         unknown = [False]
 
         def substitute(a: Any) -> Any:
@@ -648,20 +647,14 @@ class _Interpreter:
             if not hasattr(a, "op"):
                 return a
             meta = a.meta.get("val")
-            if not isinstance(meta, torch.Tensor):
-                if a in self.values:
-                    return self.values[a]
-                unknown[0] = True
-                return a
             if _is_float_meta(meta):
                 a_shape = _shape(a)
                 rows = self.rows.get(a)
                 if rows is None:
                     return torch.zeros(a_shape, dtype=torch.int64)
-                pos = torch.from_numpy(sets.positions(a_shape, offset[0]).copy())
+                pos = torch.from_numpy(sets.positions(a_shape, sum(sizes)).copy())
                 sources.append(rows)
                 sizes.append(sets.size(a_shape))
-                offset[0] += sets.size(a_shape)
                 return pos
             if a in self.values:
                 return self.values[a]
@@ -677,7 +670,7 @@ class _Interpreter:
                 out = node.target(*args, **kwargs)
         except Exception:
             return _UNKNOWN
-        if any(_not_a_position(o, offset[0]) for o in (out if isinstance(out, (list, tuple)) else [out])):
+        if any(_not_a_position(o, sum(sizes)) for o in (out if isinstance(out, (list, tuple)) else [out])):
             return _UNKNOWN
         if isinstance(out, (list, tuple)):
             return [sets.gather(sources, sizes, o.numpy(), self.n) for o in out]
