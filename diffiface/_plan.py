@@ -273,6 +273,11 @@ class Plan:
     tangent_key: Any = dataclasses.field(init=False)
     context_flattens: tuple[Flatten, ...] = dataclasses.field(init=False)
     context_keys: tuple[Any, ...] = dataclasses.field(init=False)
+    context_rows: tuple[tuple[type, type | None, Flatten, Any, Callable[[list[Any]], bool]], ...] | None = (
+        dataclasses.field(init=False)
+    )
+    """Per context, its kind, class, flattening, structure and test, read together by a call
+    (None where a context has no test: no call fits)."""
     jit: Any = dataclasses.field(default=None, init=False)
     """Where the program is jax's tier (:class:`~diffiface._programs.JitProgram`): that
     program, whose ``run`` the route calls on the arguments as passed."""
@@ -283,6 +288,21 @@ class Plan:
         (self.x_flatten, self.x_key), (self.tangent_flatten, self.tangent_key), contexts = flatteners
         self.context_flattens = tuple(flatten for flatten, _ in contexts)
         self.context_keys = tuple(key for _, key in contexts)
+        checks = self.context_checks
+        self.context_rows = (
+            None
+            if checks is None
+            else tuple(
+                zip(
+                    self.context_kinds,
+                    self.context_classes,
+                    self.context_flattens,
+                    self.context_keys,
+                    checks,
+                    strict=True,
+                )
+            )
+        )
 
     def fits_backend(self, backend: Any) -> bool:
         """Whether a backend object other than the plan's own one means it."""
@@ -329,7 +349,8 @@ class Plan:
                 values.append([value])
             return [x], one_tangent, values
         x_checks = self.x_checks
-        if x_checks is None or self.tangent_checks is None or self.context_checks is None:
+        context_rows = self.context_rows
+        if x_checks is None or self.tangent_checks is None or context_rows is None:
             return None
         if type(x) is self.x_class:
             x_leaves = [x]
@@ -340,7 +361,8 @@ class Plan:
                 x_leaves, spec = self.x_flatten(x)
             except Exception:  # (a tree jax's pytrees cannot take apart, such as unsortable keys)
                 return None  # (the full signature says why)
-            if spec != self.x_key:
+            # (a function written for the structure gives back the key itself where the tree fits)
+            if spec is not self.x_key and spec != self.x_key:
                 return None
             if type(x_checks) is MetaLeaves:  # (its test inline: a frame costs)
                 if list(map(type, x_leaves)) != x_checks.types or list(map(x_checks.meta, x_leaves)) != x_checks.metas:
@@ -353,7 +375,7 @@ class Plan:
                 tangent_leaves, spec = self.tangent_flatten(tangent)
             except Exception:  # (as x's)
                 return None
-            if spec != self.tangent_key:
+            if spec is not self.tangent_key and spec != self.tangent_key:
                 return None
             checks = self.tangent_checks
             if type(checks) is MetaLeaves:  # (inline, as x's)
@@ -365,19 +387,11 @@ class Plan:
             elif not checks(tangent_leaves):
                 return None
         context_leaves = []
-        for context, kind, context_key, checks, flatten, cls in zip(
-            contexts,
-            self.context_kinds,
-            self.context_keys,
-            self.context_checks,
-            self.context_flattens,
-            self.context_classes,
-            strict=False,
-        ):
+        for context, (kind, value_class, flatten, context_key, checks) in zip(contexts, context_rows, strict=False):
             if type(context) is not kind:
                 return None
             value = context.value  # type: ignore[attr-defined]
-            if cls is not None and type(value) is cls:
+            if value_class is not None and type(value) is value_class:
                 leaves = [value]
                 if not checks(leaves):
                     return None
@@ -386,7 +400,7 @@ class Plan:
                     leaves, spec = flatten(value)
                 except Exception:  # (as x's)
                     return None
-                if spec != context_key:
+                if spec is not context_key and spec != context_key:
                     return None
                 if type(checks) is MetaLeaves:  # (inline, as x's)
                     if list(map(type, leaves)) != checks.types or list(map(checks.meta, leaves)) != checks.metas:
