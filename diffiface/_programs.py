@@ -428,7 +428,7 @@ class JitProgram:
         "tangent",
         "traced_dtype",
         "tree",
-        "written",
+        "trees",
         "x_dtype_names",
         "x_dtypes",
         "x_rebuild",
@@ -463,15 +463,14 @@ class JitProgram:
         # (testing each node, and each dict's key order, which results mirror), else each
         # argument is flattened by the plan's flattening of it (:meth:`bind`).
         self.flatten: Callable[[Any], tuple[Any, Any]] | None = None
-        self.written = False
+        self.trees = not all(spec == _LEAF for spec in specs)
         self.structure: Any = None
         """The structure the written function returns for arguments that fit (itself)."""
-        if not all(spec == _LEAF for spec in specs):
+        if self.trees:
             arguments = [optree.tree_unflatten(spec, part) for part, spec in zip(parts, specs, strict=True)]
             found, spec = optree.tree_flatten(arguments)  # type: ignore[arg-type,var-annotated]
             if len(found) == len(leaves) and all(a is b for a, b in zip(found, leaves, strict=True)):
                 self.flatten = structure_flatten(spec, spec, arguments, optree_flatten())
-                self.written = self.flatten is not None
                 self.structure = spec
         self.sizes = (len(call.x_leaves), len(call.x_leaves) + len(call.tangent_leaves))
         self.expected = tuple((leaf.shape, leaf.dtype) for leaf in leaves)
@@ -635,17 +634,17 @@ class JitProgram:
             arguments.append(context.value)  # type: ignore[attr-defined]
             i += 1
         flatten = self.flatten
-        if flatten is None:  # (every argument one array)
-            leaves = arguments
-        elif self.written:
+        if flatten is not None:
             leaves, key = flatten(arguments)
             if key is not self.structure:
                 return MISSED
-        else:
+        elif self.trees:  # (no function written for them: each argument by the plan's flattening)
             found = self._leaves(arguments)
             if found is None:
                 return MISSED
             leaves = found
+        else:  # (every argument one array)
+            leaves = arguments
         leaf_types = self.leaf_types
         if len(leaves) != len(leaf_types):
             return MISSED

@@ -510,3 +510,48 @@ def test_retracing_engines_take_the_jit_tier(backend_id: str, monkeypatch: pytes
     numpy_batch = di.Constant(optree.tree_map(lambda a: a.astype(np.float32), batch_np[0]))
     numpy_prep = di.prepare_gradient(loss, backend, params, numpy_batch)
     assert type(numpy_prep.plan.program).__name__ != "JitProgram"
+
+
+@pytest.mark.parametrize("tree", ["namedtuple", "OrderedDict", "equinox", "300 leaves"])
+def test_trees_no_function_is_written_for_take_the_jit_tier(tree: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """jax's tier flattens each argument by the plan's flattening where no function is written
+    for their structure (a namedtuple, an OrderedDict, a registered class, a tree over 256
+    leaves): a prepared call of such an x runs there, not through the plan's match, and gives
+    the gradient jax gives."""
+    import collections
+
+    backend = require("jax")
+    import jax
+    import jax.numpy as jnp
+
+    from diffiface import _plan
+
+    pair = collections.namedtuple("pair", "w b")
+    rng = np.random.default_rng(4)
+    w, b = jnp.asarray(rng.normal(size=(3, 2)), jnp.float32), jnp.asarray(rng.normal(size=2), jnp.float32)
+    if tree == "namedtuple":
+        x: Any = pair(w, b)
+    elif tree == "OrderedDict":
+        x = collections.OrderedDict(w=w, b=b)
+    elif tree == "equinox":
+        eqx = pytest.importorskip("equinox", reason="equinox is not installed: pip install equinox")
+        x = eqx.nn.Linear(3, 2, key=jax.random.PRNGKey(0))
+    else:
+        x = [jnp.full((2,), float(i), jnp.float32) for i in range(300)]
+
+    def loss(x: Any, inputs: Any) -> Any:
+        return sum(jnp.sum(jnp.tanh(leaf * jnp.mean(inputs)) ** 2) for leaf in jax.tree.leaves(x))
+
+    inputs = jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)
+    prep = di.prepare_gradient(loss, backend, x, di.Constant(inputs))
+    assert prep.plan.jit is not None
+    matched = []
+    leaves = _plan.Plan.leaves
+    monkeypatch.setattr(_plan.Plan, "leaves", lambda self, *args: matched.append(1) or leaves(self, *args))
+    for _ in range(2):
+        got = di.gradient(loss, backend, x, di.Constant(inputs), prep=prep)
+    assert matched == []
+    expected = jax.grad(loss)(x, inputs)
+    assert jax.tree.structure(got) == jax.tree.structure(expected)
+    for leaf, same in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(np.asarray(leaf), np.asarray(same), rtol=1e-6)
