@@ -14,6 +14,7 @@ from ._call import _ARRAY_KINDS, _LEAF, Call, Operator, _Output
 from ._families import _jax_placement as _placement
 from ._flatten import structure_unflatten
 from ._tangents import Tangents
+from .tree import NAMESPACE
 
 # -- results: mirror the inputs ----------------------------------------------------------------------
 
@@ -171,7 +172,7 @@ class RebuildTree:
                 self.seen_fit = self.trusted
                 return self.rebuild(values)
         result = self.finish(native)
-        found = optree.tree_leaves(result, none_is_leaf=True)
+        found = optree.tree_leaves(result, namespace=NAMESPACE)
         if len(found) == len(values) and all(a is b for a, b in zip(found, values, strict=True)):
             self.expected = [(type(v), v.dtype, getattr(v, "requires_grad", False)) for v in values]
         return result

@@ -555,3 +555,59 @@ def test_trees_no_function_is_written_for_take_the_jit_tier(tree: str, monkeypat
     assert jax.tree.structure(got) == jax.tree.structure(expected)
     for leaf, same in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
         np.testing.assert_allclose(np.asarray(leaf), np.asarray(same), rtol=1e-6)
+
+
+@pytest.mark.parametrize("tree", ["equinox MLP", "list with None"])
+def test_trees_with_static_leaves_or_none_are_rebuilt_not_finished_again(
+    tree: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tree whose results hold None (an equinox module's activations, static leaves, or a None
+    in x) is, once its first result was seen to come out of the engine unchanged, only rebuilt:
+    later calls do not run the finisher's conversion leaf by leaf. An equinox module, whose
+    classes jax's pytrees know, is flattened by jax's pytrees, not one node at a time through
+    diffiface's namespace. The results equal the engine's own."""
+    from diffiface import _results
+    from diffiface._families import jax as jax_family
+
+    if tree == "equinox MLP":
+        backend = require("jax")
+        eqx = pytest.importorskip("equinox", reason="equinox is not installed: pip install equinox")
+        import jax
+        import jax.numpy as jnp
+
+        x: Any = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.PRNGKey(0))
+        batch = (jnp.linspace(-1.0, 1.0, 12).reshape(4, 3), jnp.ones((4, 2)))
+
+        def loss(m: Any, batch: Any) -> Any:
+            return jnp.sum((jax.vmap(m)(batch[0]) - batch[1]) ** 2)
+
+        params, static = eqx.partition(x, eqx.is_array)
+        expected = jax.grad(lambda p: loss(eqx.combine(p, static), batch))(params)
+    else:
+        backend = require("torch-autograd")
+        import torch
+
+        x = [torch.linspace(-1.0, 1.0, 6).reshape(3, 2), None, torch.ones(2)]
+        batch = (torch.linspace(0.0, 1.0, 12).reshape(4, 3), torch.zeros(4, 2))
+
+        def loss(p: Any, batch: Any) -> Any:
+            return ((batch[0] @ p[0] + p[2] - batch[1]) ** 2).sum()
+
+        leaves = [leaf.clone().requires_grad_(True) for leaf in (x[0], x[2])]
+        grads = torch.autograd.grad(loss([leaves[0], None, leaves[1]], batch), leaves)
+        expected = [grads[0], None, grads[1]]
+    prep = di.prepare_gradient(loss, backend, x, di.Constant(batch))
+    di.gradient(loss, backend, x, di.Constant(batch), prep=prep)  # (the first result, seen once)
+    converted, one_level = [], []
+    convert, children = _results.Finisher.convert, jax_family._children
+    monkeypatch.setattr(_results.Finisher, "convert", lambda self, *a: converted.append(1) or convert(self, *a))
+    monkeypatch.setattr(jax_family, "_children", lambda node: one_level.append(1) or children(node))
+    got = di.gradient(loss, backend, x, di.Constant(batch), prep=prep)
+    assert converted == []
+    assert one_level == []
+    got_leaves, got_spec = optree.tree_flatten(got, namespace="diffiface")
+    expected_leaves, expected_spec = optree.tree_flatten(expected, namespace="diffiface")
+    assert got_spec == expected_spec
+    for leaf, same in zip(got_leaves, expected_leaves, strict=True):
+        assert type(leaf) is type(same)
+        np.testing.assert_allclose(to_numpy(leaf), to_numpy(same), rtol=1e-6)
