@@ -467,6 +467,21 @@ def jit_route() -> str:
     )
 
 
+def jax_modules() -> str:
+    """An equinox module as x, against equinox's own call and the floor of jit on its arrays."""
+    found = _load("jax_modules.json")
+    meta = found["meta"]
+    body = [
+        [r["row"], _seconds(r["native_s"]), _seconds(r["diffiface_s"]), _ratio(r["ratio"]), _ratio(r["floor"])]
+        for r in found["rows"]
+    ]
+    table = _table(["module", "equinox's call", "diffiface", "diffiface / equinox's", "diffiface / floor"], body)
+    return table + (
+        f"\nMeasured {meta['date'][:10]} with `{meta['command']}` (Python {meta['python']}, jax {meta['jax']}, "
+        f"equinox {meta['equinox']}); ratios: the median of {meta['rounds']} interleaved rounds of the ratio within a round.\n"
+    )
+
+
 def torch_fused() -> str:
     """torch's fused calls against the guard's steps on the same prepared call."""
     found = _load("torch_fused.json")
@@ -551,6 +566,7 @@ GENERATORS: dict[str, tuple[str, Callable[[], str]]] = {
     "differentiate-with": (f"{RESULTS}/differentiate_with.json", differentiate_with),
     "closure-test": (f"{RESULTS}/closure_test.json", closure_test),
     "jit-route": (f"{RESULTS}/jit_route.json", jit_route),
+    "jax-modules": (f"{RESULTS}/jax_modules.json", jax_modules),
     "torch-fused": (f"{RESULTS}/torch_fused.json", torch_fused),
     "main-job": (f"{RESULTS}/main_job.json", main_job),
     "torch-users": (f"{RESULTS}/torch_users.json", torch_users),
