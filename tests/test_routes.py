@@ -611,3 +611,27 @@ def test_trees_with_static_leaves_or_none_are_rebuilt_not_finished_again(
     for leaf, same in zip(got_leaves, expected_leaves, strict=True):
         assert type(leaf) is type(same)
         np.testing.assert_allclose(to_numpy(leaf), to_numpy(same), rtol=1e-6)
+
+
+def test_a_dict_inside_a_module_keeps_its_order_in_jax_tier() -> None:
+    """jax's tier rebuilds x's tree inside the trace only where jax's pytrees rebuild it as x
+    is: an equinox module holding a dict whose keys are not in sorted order gets its gradient's
+    dict in x's order (jax's own rebuild sorts them)."""
+    backend = require("jax")
+    eqx = pytest.importorskip("equinox", reason="equinox is not installed: pip install equinox")
+    import jax.numpy as jnp
+
+    class Holder(eqx.Module):
+        weights: dict[str, Any]
+
+    x = Holder({"b": jnp.ones(2), "a": jnp.full(3, 2.0)})
+
+    def loss(m: Any, scale: Any) -> Any:
+        return jnp.sum(m.weights["a"] ** 2) * scale + jnp.sum(m.weights["b"] ** 3)
+
+    prep = di.prepare_gradient(loss, backend, x, di.Constant(jnp.float32(2.0)))
+    for _ in range(2):
+        got = di.gradient(loss, backend, x, di.Constant(jnp.float32(2.0)), prep=prep)
+        assert list(got.weights) == ["b", "a"]
+        np.testing.assert_allclose(np.asarray(got.weights["a"]), np.full(3, 8.0))
+        np.testing.assert_allclose(np.asarray(got.weights["b"]), np.full(2, 3.0))

@@ -130,6 +130,9 @@ def rebuilds_alike(spec: Any, leaves: list[Any]) -> bool:
 
 
 def _same_nodes(a: Any, b: Any) -> bool:
+    """Whether two trees hold the same node types and dict key orders, inside the classes jax's
+    registry opens too (an equinox module holding a dict)."""
+    one_level = sys.modules["jax"].tree_util.default_registry.flatten_one_level
     pending = [(a, b)]
     while pending:  # (without recursion: a tree may be deeper than Python's stack)
         a, b = pending.pop()
@@ -143,6 +146,8 @@ def _same_nodes(a: Any, b: Any) -> bool:
             if len(a) != len(b):
                 return False
             pending += zip(a, b, strict=True)
+        elif (opened := one_level(a)) is not None:  # (None: a leaf)
+            pending += zip(opened[0], one_level(b)[0], strict=True)
     return True
 
 
