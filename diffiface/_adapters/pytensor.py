@@ -485,7 +485,7 @@ class Adapter(_base.Adapter):
 
     def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Blocks]:
         if not _symbolic(xs):
-            return self._eager("value_and_jacobian", fn, xs, mode)  # type: ignore[no-any-return]
+            return self._eager("value_and_jacobian", fn, xs)  # type: ignore[no-any-return]
         out, aux = fn(xs)
         outs = _base.as_tuple(out)
         return out, aux, tuple(self._jacobian(y, xs) for y in outs)
@@ -515,8 +515,6 @@ class Adapter(_base.Adapter):
         return self.value_and_pushforward(fn, xs, (pt.ones_like(xs[0]),))
 
     def gradient_and_hvp(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Leaves, Leaves]:
-        if not _symbolic(xs):
-            return self._eager("gradient_and_hvp", fn, xs, txs)  # type: ignore[no-any-return]
         value, aux, grads, found = self.gradient_and_hvps(fn, xs, [txs])
         return value, aux, grads, found[0]
 
@@ -531,23 +529,14 @@ class Adapter(_base.Adapter):
             hvps.append(self._grad(directional, xs))
         return value, aux, grads, hvps
 
+    # (the base's rules on PyTensor's own gradient, Jacobian and derivative, in one graph)
+
     def value_gradient_and_hessian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Blocks]:
         if not _symbolic(xs):
             return self._eager("value_gradient_and_hessian", fn, xs)  # type: ignore[no-any-return]
-        value, aux = fn(xs)
-        grads = self._grad(value, xs)
-        return value, aux, grads, tuple(self._jacobian(g, xs) for g in grads)
+        return _base.hessian_of(self, self, fn, xs)
 
     def value_derivative_and_second_derivative(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any, Any]:
         if not _symbolic(xs):
             return self._eager("value_derivative_and_second_derivative", fn, xs)  # type: ignore[no-any-return]
-        captured: list[Any] = []
-
-        def derivative(xs_: Leaves) -> tuple[Any, Any]:
-            value, aux, deriv = self.value_and_derivative(fn, xs_)
-            captured[:] = [value, aux]
-            return deriv, None
-
-        derivs, _, seconds = self.value_and_derivative(derivative, xs)
-        value, aux = captured
-        return value, aux, derivs, seconds
+        return _base.second_derivative_of(self, self, fn, xs)
