@@ -32,10 +32,6 @@ from . import _base
 from ._base import Fn, Leaves
 
 
-def _as_list(out: Any) -> list[Any]:
-    return list(out) if isinstance(out, tuple) else [out]
-
-
 def _refuse_complex128(where: str) -> UnsupportedOperationError:
     return UnsupportedOperationError(
         f"{where} is complex128, and mlx has complex64 only: its derivatives would silently lose half "
@@ -130,10 +126,10 @@ class _ByForwardMode:
     vmapped jvp, and a cotangent ``u`` pulls back as ``Re<u, J e>`` per direction: one forward
     pass per real input, paid once per call, for any number of cotangents."""
 
-    __slots__ = ("columns", "directions", "one", "xs")
+    __slots__ = ("columns", "directions", "xs")
 
-    def __init__(self, outputs: Callable[..., list[Any]], xs: Leaves, one: bool) -> None:
-        self.xs, self.one = tuple(_mx(xs)), one
+    def __init__(self, outputs: Callable[..., list[Any]], xs: Leaves) -> None:
+        self.xs = tuple(_mx(xs))
         directions = []  # (leaf, flat index, unit) of each real direction
         for j, leaf in enumerate(self.xs):
             units = (1, 1j) if mx.issubdtype(leaf.dtype, mx.complexfloating) else (1,)
@@ -152,7 +148,7 @@ class _ByForwardMode:
         self.directions = directions
 
     def __call__(self, touts: Any) -> Leaves:
-        us = _mx([touts] if self.one else _as_list(touts))
+        us = _mx(_base.as_tuple(touts))
         # Re<u, J e> for every direction at once: (directions,)
         along = mx.zeros((len(self.directions),))
         for u, column in zip(us, self.columns, strict=True):
@@ -175,15 +171,15 @@ class _Pullback:
     """The pullback of ``outputs`` (f's output as a list of arrays) at ``xs``: mlx's vjp takes
     its cotangents with the primal, so each cotangent runs one ``mx.vjp``."""
 
-    __slots__ = ("one", "outputs", "xs")
+    __slots__ = ("outputs", "xs")
 
-    def __init__(self, outputs: Callable[..., list[Any]], xs: Leaves, one: bool) -> None:
-        self.outputs, self.xs, self.one = outputs, xs, one
+    def __init__(self, outputs: Callable[..., list[Any]], xs: Leaves) -> None:
+        self.outputs, self.xs = outputs, xs
 
     def __call__(self, touts: Any) -> Leaves:
         if not self.xs:
             return ()
-        return tuple(mx.vjp(self.outputs, _mx(self.xs), _mx(_as_list(touts) if not self.one else [touts]))[1])
+        return tuple(mx.vjp(self.outputs, _mx(self.xs), _mx(_base.as_tuple(touts)))[1])
 
 
 class Adapter(_base.Adapter):
@@ -325,16 +321,15 @@ class Adapter(_base.Adapter):
             out, aux = fn(primals)
             if captured is not None:
                 captured[:] = [out, aux]
-            return _as_list(out)
+            return list(_base.as_tuple(out))
 
         return outputs
 
     def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
         out, aux = fn(_own(xs))
-        one = not isinstance(out, tuple)
-        if xs and (_complex(xs) or _complex(_as_list(out))):  # (a complex output's cotangents too)
-            return out, aux, _ByForwardMode(self._outputs(fn), xs, one)
-        return out, aux, _Pullback(self._outputs(fn), xs, one)
+        if xs and (_complex(xs) or _complex(_base.as_tuple(out))):  # (a complex output's cotangents too)
+            return out, aux, _ByForwardMode(self._outputs(fn), xs)
+        return out, aux, _Pullback(self._outputs(fn), xs)
 
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
         if not xs:  # (a batch of products, which the route hands over as it is)
@@ -345,11 +340,8 @@ class Adapter(_base.Adapter):
         return out, aux, _base.shaped_as(out, tuple(touts))
 
     def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
-        if not xs:
-            return _base.without_leaves(self, "value_and_gradient")(fn, xs)
-        if _complex(xs):  # (mlx's reverse mode of a complex x: see _ByForwardMode)
-            value, aux, vjp = self.pullback_function(fn, xs)
-            return value, aux, vjp(mx.ones_like(value))
+        if not xs or _complex(xs):  # (mlx's reverse mode of a complex x: see _ByForwardMode)
+            return super().value_and_gradient(fn, xs)
         captured: list[Any] = []
 
         def scalar(*primals: Any) -> Any:
@@ -368,25 +360,16 @@ class Adapter(_base.Adapter):
         """By rows (mlx's reverse mode), or with ``mode="forward"`` by columns of mlx's own
         forward mode, as the complex layer asks for a complex x (see :class:`_ByForwardMode`)."""
         if mode != "forward" or not xs:
-            return super().value_and_jacobian(fn, xs, "reverse" if mode is None else mode)
+            return super().value_and_jacobian(fn, xs, mode)
         out, aux = fn(_own(xs))
-        outputs, primals = self._outputs(fn), _mx(xs)
-        sizes = [leaf.size for leaf in primals]
-        stacked = [
-            mx.eye(sum(sizes), dtype=leaf.dtype)[:, sum(sizes[:j]) : sum(sizes[: j + 1])].reshape(
-                (sum(sizes), *leaf.shape)
-            )
-            for j, leaf in enumerate(primals)
-        ]
-        columns = mx.vmap(lambda *ts: list(_jvp(outputs, primals, list(ts))[1]))(*stacked)
-        outs = _base.as_tuple(out)
+        pushed = _ByForwardMode(self._outputs(fn), xs)  # (x is real here: a column per entry)
         blocks = []
-        for y, column in zip(outs, columns, strict=True):  # column: (n, *y.shape)
+        for y, column in zip(_base.as_tuple(out), pushed.columns, strict=True):  # column: (n, *y.shape)
             moved = mx.moveaxis(column, 0, -1)  # (*y.shape, n)
             row, start = [], 0
-            for leaf, size in zip(primals, sizes, strict=True):
-                row.append(moved[..., start : start + size].reshape((*y.shape, *leaf.shape)))
-                start += size
+            for leaf in pushed.xs:
+                row.append(moved[..., start : start + leaf.size].reshape((*y.shape, *leaf.shape)))
+                start += leaf.size
             blocks.append(tuple(row))
         return out, aux, tuple(blocks)
 
