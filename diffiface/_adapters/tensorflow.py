@@ -247,14 +247,11 @@ class Adapter(_base.Adapter):
             tape.watch(xs)
             out, aux = _traced(fn, xs, ("tape", None))
 
+        outs = list(_base.as_tuple(out))
+
         def vjp(touts: Any) -> Leaves:
-            if isinstance(out, tuple):
-                touts = [_cast_like(t, y) for t, y in zip(touts, out, strict=True)]
-                grads = tape.gradient(list(out), list(xs), output_gradients=touts, unconnected_gradients=_ZERO)
-            else:
-                touts = _cast_like(touts, out)
-                grads = tape.gradient(out, list(xs), output_gradients=touts, unconnected_gradients=_ZERO)
-            return _dense(grads)
+            touts = [_cast_like(t, y) for t, y in zip(_base.as_tuple(touts), outs, strict=True)]
+            return _dense(tape.gradient(outs, list(xs), output_gradients=touts, unconnected_gradients=_ZERO))
 
         return out, aux, vjp
 
@@ -279,11 +276,8 @@ class Adapter(_base.Adapter):
         convention's. So every derivative of f is the tape's."""
         if not xs:  # (a batch of products, which the route hands over as it is)
             return _base.without_leaves(self, "value_and_pushforward")(fn, xs, txs)
-        return self._pushforward_by_pullbacks(fn, xs, txs)
-
-    def _pushforward_by_pullbacks(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
-        """The jvp as the pullback's adjoint under ``Re<a, b>``: the gradient in ``u`` of
-        ``Re<t, vjp(u)>`` (the pullback is linear in ``u`` over the reals)."""
+        # the pullback's adjoint under Re<a, b>: the gradient in u of Re<t, vjp(u)> (the pullback
+        # is linear in u over the reals)
         with tf.GradientTape(watch_accessed_variables=False) as outer:
             with tf.GradientTape(watch_accessed_variables=False) as inner:
                 inner.watch(xs)
@@ -477,7 +471,7 @@ def _refuse_read_back(tape: Any, out: Any, caches: list[Any], fn: Fn, xs: Leaves
     stack, _tracing.stack, _tracing.caches = _tracing.stack, [], None  # (f evaluated untraced, unwatched)
     try:
         with record.stop_recording():
-            fn(tuple(x + tf.cast(1e-3 * (1 + tf.abs(x)), x.dtype) for x in xs))
+            fn(_apart(xs))
     finally:
         _tracing.stack, _tracing.caches = stack, caches
     written = [variable for variable, old in zip(read, at_x, strict=True) if not np.array_equal(_value(variable), old)]
@@ -507,11 +501,16 @@ def _refuse_hidden_cut(fn: Fn, xs: Leaves) -> None:
     if not all(isinstance(x, _EAGER) for x in xs):
         return
     with record.stop_recording():
-        moved = tuple(x + tf.cast(1e-3 * (1 + tf.abs(x)), x.dtype) for x in xs)
         before, after = (
-            [_arrays.by_kind(_arrays.kind(y)).values(y) for y in tf.nest.flatten(fn(point)[0])] for point in (xs, moved)
+            [_arrays.by_kind(_arrays.kind(y)).values(y) for y in tf.nest.flatten(fn(point)[0])]
+            for point in (xs, _apart(xs))
         )
     _base.refuse_a_moved_output(before, after, "tensorflow")
+
+
+def _apart(xs: Leaves) -> Leaves:
+    """A point apart from x, where f is evaluated again to tell a cut from a constant."""
+    return tuple(x + tf.cast(1e-3 * (1 + tf.abs(x)), x.dtype) for x in xs)
 
 
 def _cast_like(t: Any, y: Any) -> Any:
