@@ -431,10 +431,7 @@ class Adapter(_base.Adapter):
         outs = _base.as_tuple(out)
 
         def vjp(touts: Any) -> Leaves:
-            cotangents = touts if isinstance(out, tuple) else (touts,)
-            cotangents = [
-                pt.cast(t, y.dtype) if t.dtype != y.dtype else t for t, y in zip(cotangents, outs, strict=True)
-            ]
+            cotangents = [pt.cast(t, y.dtype) for t, y in zip(_base.as_tuple(touts), outs, strict=True)]
             if not xs:
                 return ()
             if not outs:
@@ -447,18 +444,12 @@ class Adapter(_base.Adapter):
     def _value(self, fn: Fn, xs: Leaves) -> tuple[Any, Any]:
         return fn(xs)
 
-    def value_and_pullback(self, fn: Fn, xs: Leaves, touts: Any) -> tuple[Any, Any, Leaves]:
-        if not _symbolic(xs):
-            return self._eager("value_and_pullback", fn, xs, touts)  # type: ignore[no-any-return]
-        out, aux, vjp = self.pullback_function(fn, xs)
-        return out, aux, vjp(touts)
-
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
         if not _symbolic(xs):
             return self._eager("value_and_pushforward", fn, xs, txs)  # type: ignore[no-any-return]
         out, aux = fn(xs)
         outs = _base.as_tuple(out)
-        tangents = [pt.cast(t, x.dtype) if t.dtype != x.dtype else t for t, x in zip(txs, xs, strict=True)]
+        tangents = [pt.cast(t, x.dtype) for t, x in zip(txs, xs, strict=True)]
         if not outs:
             return out, aux, ()
         if not xs:
@@ -467,8 +458,7 @@ class Adapter(_base.Adapter):
             found = pushforward(
                 list(outs), list(xs), tangents, disconnected_outputs="ignore", return_disconnected="zero"
             )
-            touts = _disconnected_zero(found, outs)
-            touts = [pt.cast(t, y.dtype) if t.dtype != y.dtype else t for t, y in zip(touts, outs, strict=True)]
+            touts = [pt.cast(t, y.dtype) for t, y in zip(_disconnected_zero(found, outs), outs, strict=True)]
         return out, aux, _base.shaped_as(out, tuple(touts))
 
     def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
