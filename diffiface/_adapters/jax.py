@@ -103,17 +103,6 @@ class Adapter(_base.Adapter):
             return jax.jit(_placement.laid_out_as(program, layouts), static_argnums=3 if static else ())
         program = _placement.laid_out(program)
         layouts = _placement.pending_layouts
-        if arrays:
-            compiled = jax.jit(program, static_argnums=3 if static else ())
-
-            def call(*args: Any) -> Any:
-                layouts.pending = args  # (read only if jit traces)
-                try:
-                    return compiled(*args)
-                finally:
-                    layouts.pending = None  # (a stale record would keep the last call's arrays alive)
-
-            return call
         # jit returns arrays only; the other leaves of a result (an aux holding a string,
         # say) are kept from the trace, per value of the static argument.
         kept: dict[Any, tuple[Any, list[bool], list[Any]] | None] = {}
@@ -129,20 +118,20 @@ class Adapter(_base.Adapter):
             kept[key] = (spec, mask, [leaf for leaf, m in zip(leaves, mask, strict=True) if not m])
             return [leaf for leaf, m in zip(leaves, mask, strict=True) if m]
 
-        jitted = jax.jit(arrays_only, static_argnums=3 if static else ())
+        jitted = jax.jit(program if arrays else arrays_only, static_argnums=3 if static else ())
 
         def run(*args: Any) -> Any:
-            layouts.pending = args
+            layouts.pending = args  # (read only if jit traces)
             try:
                 out = jitted(*args)
             finally:
-                layouts.pending = None
-            found = kept[args[3] if static else None]
+                layouts.pending = None  # (a stale record would keep the last call's arrays alive)
+            found = None if arrays else kept[args[3] if static else None]
             if found is None:
                 return out
             spec, mask, others = found
-            arrays, rest = iter(out), iter(others)
-            return jax.tree_util.tree_unflatten(spec, [next(arrays) if m else next(rest) for m in mask])
+            computed, rest = iter(out), iter(others)
+            return jax.tree_util.tree_unflatten(spec, [next(computed) if m else next(rest) for m in mask])
 
         return run
 
