@@ -645,25 +645,16 @@ def without_leaves(adapter: Adapter, compute: str) -> Callable[..., tuple[Any, .
     output."""
     xp = adapter.xp
 
-    def zeros(out: Any) -> Any:
-        return shaped_as(out, tuple(xp.zeros_like(y) for y in as_tuple(out)))
-
     def method(fn: Fn, xs: Leaves, *tangents: Any) -> tuple[Any, ...]:
         out, aux = fn(xs)
         if compute == "pullback_function":
             return out, aux, lambda touts: ()
         if compute == "value_and_pushforward":
-            return out, aux, zeros(out)
-        if compute == "value_and_pushforwards":
-            return out, aux, [zeros(out) for _ in tangents[0]]
-        if compute == "value_and_pullbacks":
-            return out, aux, [() for _ in tangents[0]]
+            return out, aux, shaped_as(out, tuple(xp.zeros_like(y) for y in as_tuple(out)))
         if compute == "value_and_jacobian":
             return out, aux, tuple(() for _ in as_tuple(out))
         if compute in ("gradient_and_hvp", "value_gradient_and_hessian"):
             return out, aux, (), ()
-        if compute == "gradient_and_hvps":
-            return out, aux, (), [() for _ in tangents[0]]
         return out, aux, ()  # (a gradient, a vjp)
 
     return method
