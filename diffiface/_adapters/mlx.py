@@ -412,16 +412,8 @@ class _ModuleWatch:
         self.first = True
 
     def __call__(self, xs: Any, ts: Any, dynamic: Any, static: Any) -> Any:
-        modules = (
-            []
-            if static is None
-            else [
-                module
-                for leaf, constant in zip(static.leaves, self.watched, strict=True)
-                if constant
-                for module in held(leaf, _is_module)
-            ]
-        )
+        pairs = () if static is None else zip(static.leaves, self.watched, strict=True)
+        modules = [module for leaf, constant in pairs if constant for module in held(leaf, _is_module)]
         if not modules:
             return self.program(xs, ts, dynamic, static)
         kept = [_arrays_of(module) for module in modules]

@@ -323,19 +323,13 @@ class _FirstCallWatch:
         if not self.first or static is None:
             return self.program(xs, ts, dynamic, static)
         # (a Constant's variable itself is no static leaf: constant_to_native reads it)
-        variables = [
-            variable
-            for leaf, constant in zip(static.leaves, self.watched, strict=True)
-            if constant
-            for variable in _variables_of(leaf)
-        ]
-        caches = [
-            _tf_variable(variable)
-            for leaf, constant in zip(static.leaves, self.watched, strict=True)
-            if not constant
-            for variable in _variables_of(leaf)
-            if tf.as_dtype(variable.dtype).is_floating or tf.as_dtype(variable.dtype).is_complex  # (Keras: a name)
-        ]
+        variables, caches = [], []
+        for leaf, constant in zip(static.leaves, self.watched, strict=True):
+            for variable in _variables_of(leaf):
+                if constant:
+                    variables.append(variable)
+                elif _inexact(tf.as_dtype(variable.dtype)):  # (a Keras variable's dtype is a name)
+                    caches.append(_tf_variable(variable))
         kept = [_value(variable) for variable in variables]
         before = _tracing.caches
         _tracing.caches = caches or None
@@ -461,7 +455,7 @@ def _refuse_read_back(tape: Any, out: Any, caches: list[Any], fn: Fn, xs: Leaves
     recording: a variable whose value moves with x is such a path (a value f reads and does not
     write, or writes the same at any x, is a constant of f). The variables are then put back to
     their values at x."""
-    outs = [y for y in tf.nest.flatten(out) if isinstance(y, tf.Tensor) and (y.dtype.is_floating or y.dtype.is_complex)]
+    outs = [y for y in tf.nest.flatten(out) if isinstance(y, tf.Tensor) and _inexact(y.dtype)]
     if not outs or not all(isinstance(x, _EAGER) for x in xs):
         return
     read = [variable for variable, g in zip(caches, tape.gradient(outs, caches), strict=True) if g is not None]
@@ -513,6 +507,11 @@ def _apart(xs: Leaves) -> Leaves:
     return tuple(x + tf.cast(1e-3 * (1 + tf.abs(x)), x.dtype) for x in xs)
 
 
+def _inexact(dtype: Any) -> bool:
+    """Whether values of a TensorFlow dtype carry derivatives: floating or complex ones."""
+    return bool(dtype.is_floating or dtype.is_complex)
+
+
 def _cast_like(t: Any, y: Any) -> Any:
     """A cotangent leaf in the dtype of f's output leaf ``y``: a Python float (taken as any float
     dtype, and made a float64 tensor) for a float32 output, say; the checks have refused any
@@ -526,7 +525,7 @@ def _refuse_graph_cut(leaf: Any, xs: Leaves, missed: bool) -> None:
     trace (``missed``) that the graph's operations lead to from x (``tf.stop_gradient`` of all
     of it), or any leaf that x reaches through a numpy function (``tf.numpy_function``, whose
     operation TensorFlow records and differentiates as zero). Else f does not depend on x there."""
-    if not (leaf.dtype.is_floating or leaf.dtype.is_complex):
+    if not _inexact(leaf.dtype):
         return  # (an int output: the output checks name its dtype)
     sources = {x.ref() for x in xs if isinstance(x, tf.Tensor)}
     found = _from_sources([leaf], sources)
@@ -557,7 +556,7 @@ def _from_sources(tensors: Any, sources: set[Any]) -> list[Any] | None:
         if tensor.ref() in sources:
             reached = True
             continue
-        if not (tensor.dtype.is_floating or tensor.dtype.is_complex):
+        if not _inexact(tensor.dtype):
             continue
         op = tensor.op
         if op.name not in seen:
