@@ -499,17 +499,8 @@ class ComplexAdapter:
     def retraces(self) -> bool:
         return bool(self._inner.retraces) and not self._eager
 
-    def compile(
-        self,
-        program: Callable[..., Any],
-        static: bool = True,
-        arrays: bool = False,
-        layouts: Any = None,
-        parts: Any = None,
-    ) -> Callable[..., Any]:
-        if self._eager:
-            return program
-        return self._inner.compile(program, static, arrays, layouts, parts)
+    def compile(self, program: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+        return program if self._eager else self._inner.compile(program, **options)
 
     def returns_like(self, leaf: Any) -> bool:
         return self.compiles and self._inner.returns_like(leaf)
