@@ -523,6 +523,14 @@ _INNER_PARTS = (
 """What a :class:`SecondOrderAdapter` takes of its inner adapter as it is: the conversions
 and checks of ``f``'s arrays, and every first-order product."""
 
+_SECOND_ORDER = (
+    "gradient_and_hvp",
+    "gradient_and_hvps",
+    "value_gradient_and_hessian",
+    "value_derivative_and_second_derivative",
+)
+"""What it takes of its inner adapter besides where the pair is one engine."""
+
 
 class SecondOrderAdapter(Adapter):
     """First order by ``inner``; second order by ``outer`` differentiating ``inner``'s results."""
@@ -534,10 +542,9 @@ class SecondOrderAdapter(Adapter):
         from .._backends import one_difference_engine
 
         super().__init__(backend, inner.info)
-        # the adapter that computes second order on its own, where the pair is one engine
-        self._native: Adapter | None = inner if outer is inner else None
+        native = outer is inner
         if one_difference_engine(outer.backend, inner.backend):
-            self._native = inner  # one finite-difference engine: its own second differences
+            native = True  # one finite-difference engine: its own second differences
         elif outer.batches:
             # the outer evaluates the inner engine's derivative, which takes one point at a
             # time: its evaluations cannot be batched
@@ -545,7 +552,9 @@ class SecondOrderAdapter(Adapter):
             outer = make(dataclasses.replace(unbatched, vectorize=False))
         self.outer = outer
         self.inner = inner
-        for name in _INNER_PARTS:
+        # one engine twice is that engine's own second order, whose adapter knows how it nests
+        # (torch's autograd mode, say, differentiates twice backward, never forward over reverse)
+        for name in _INNER_PARTS + (_SECOND_ORDER if native else ()):
             setattr(self, name, getattr(inner, name))
         self.complex_outputs = outer.complex_outputs or inner.complex_outputs
         self.estimates_errors = outer.estimates_errors
@@ -580,30 +589,19 @@ class SecondOrderAdapter(Adapter):
         value_error = derivative_error if second == "derivative" else np.zeros(())
         return value_error, None, derivative_error, error[2]
 
-    # One engine twice is that engine's own second order, whose adapter knows how it nests
-    # (torch's autograd mode, say, differentiates twice backward, never forward over reverse).
-
     def gradient_and_hvp(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Leaves, Leaves]:
-        if self._native is not None:
-            return self._native.gradient_and_hvp(fn, xs, txs)
         self._local.second = "gradient"
         return hvp_of(self.outer, self.inner, fn, xs, txs)
 
     def gradient_and_hvps(self, fn: Fn, xs: Leaves, batch: Sequence[Leaves]) -> tuple[Any, Any, Leaves, list[Leaves]]:
-        if self._native is not None:
-            return self._native.gradient_and_hvps(fn, xs, batch)
         self._local.second = "gradient"
         return hvps_of(self.outer, self.inner, fn, xs, batch)
 
     def value_gradient_and_hessian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Blocks]:
-        if self._native is not None:
-            return self._native.value_gradient_and_hessian(fn, xs)
         self._local.second = "gradient"
         return hessian_of(self.outer, self.inner, fn, xs)
 
     def value_derivative_and_second_derivative(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any, Any]:
-        if self._native is not None:
-            return self._native.value_derivative_and_second_derivative(fn, xs)
         self._local.second = "derivative"
         return second_derivative_of(self.outer, self.inner, fn, xs)
 
