@@ -81,11 +81,8 @@ class Adapter(_base.Adapter):
     def returns_like(self, leaf: Any) -> bool:
         return self.compiles and isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
 
-    def traced_dtype(self, dtype: Any) -> Any:
-        return jax.dtypes.canonicalize_dtype(dtype)  # (int64 numpy labels: int32 without x64)
-
-    def rebuilds_in_trace(self, spec: Any, leaves: list[Any]) -> bool:
-        return rebuilds_alike(spec, leaves)
+    traced_dtype = staticmethod(jax.dtypes.canonicalize_dtype)  # (int64 numpy labels: int32 without x64)
+    rebuilds_in_trace = staticmethod(rebuilds_alike)
 
     def compile(
         self,

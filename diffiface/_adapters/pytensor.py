@@ -235,9 +235,7 @@ class Adapter(_base.Adapter):
         # rounds it: 1000000.1 - 1e6 is 0.125 in float32). A numpy scalar is an argument.
         return leaf, False
 
-    def constant_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
-        # (f sees a Constant's arrays as symbolic variables: nothing to write into)
-        return self.context_to_native(leaf, like)
+    constant_to_native = context_to_native  # (f sees a Constant's arrays as symbolic variables: nothing to write into)
 
     def output_leaf(self, leaf: Any, like: Any) -> Any:
         if isinstance(leaf, Variable):
