@@ -445,18 +445,15 @@ class Adapter(_base.Adapter):
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
         if not _symbolic(xs):
             return self._eager("value_and_pushforward", fn, xs, txs)  # type: ignore[no-any-return]
+        if not xs:  # (a batch of products, which the route hands over as it is)
+            return _base.without_leaves(self, "value_and_pushforward")(fn, xs, txs)
         out, aux = fn(xs)
         outs = _base.as_tuple(out)
-        tangents = [pt.cast(t, x.dtype) for t, x in zip(txs, xs, strict=True)]
         if not outs:
             return out, aux, ()
-        if not xs:
-            touts = [pt.zeros_like(y) for y in outs]
-        else:
-            found = pushforward(
-                list(outs), list(xs), tangents, disconnected_outputs="ignore", return_disconnected="zero"
-            )
-            touts = [pt.cast(t, y.dtype) for t, y in zip(_disconnected_zero(found, outs), outs, strict=True)]
+        tangents = [pt.cast(t, x.dtype) for t, x in zip(txs, xs, strict=True)]
+        found = pushforward(list(outs), list(xs), tangents, disconnected_outputs="ignore", return_disconnected="zero")
+        touts = [pt.cast(t, y.dtype) for t, y in zip(_disconnected_zero(found, outs), outs, strict=True)]
         return out, aux, _base.shaped_as(out, tuple(touts))
 
     def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
