@@ -200,6 +200,17 @@ def _rebuild(spec: Any, leaves: list[Any]) -> Callable[[Any], Any] | None:
     return rebuild
 
 
+def _compiled(inputs: list[Any], result: Any, mode: Any) -> tuple[Any, Callable[[Any], Any] | None]:
+    """A pytensor function of ``inputs`` that computes the symbolic leaves of ``result``, and how
+    to rebuild ``result`` from its outputs (:func:`_rebuild`)."""
+    leaves, spec = optree.tree_flatten(result)
+    rebuild = _rebuild(spec, leaves)
+    outputs = [leaf for leaf in leaves if isinstance(leaf, Variable)]
+    return _function(
+        inputs, outputs if rebuild is not None else outputs[0], mode=mode, on_unused_input="ignore"
+    ), rebuild
+
+
 class Adapter(_base.Adapter):
     xp = pt
     compiles = True
@@ -381,12 +392,7 @@ class Adapter(_base.Adapter):
                     result = program(tuple(variables[:n]), tuple(variables[n:m]), tuple(variables[m:]), static_part)
             finally:
                 self._local.givens = before
-            leaves, spec = optree.tree_flatten(result)
-            rebuild = _rebuild(spec, leaves)
-            outputs = [leaf for leaf in leaves if isinstance(leaf, Variable)]
-            function = _function(
-                variables, outputs if rebuild is not None else outputs[0], mode=self.mode, on_unused_input="ignore"
-            )
+            function, rebuild = _compiled(variables, result, self.mode)
             # No check of the arguments in the call: each is a numpy array of the shape and dtype
             # traced, a leaf whose type, shape and dtype the plan checked (in any strides, which
             # the compiled code reads) or one this adapter made (to_native, context_to_native).
@@ -406,18 +412,9 @@ class Adapter(_base.Adapter):
             symbolic_rest = optree.tree_unflatten(extra_spec, extra_variables)
             with _numpy_guarded():
                 result = getattr(self, method)(fn, tuple(variables), *symbolic_rest)
-            leaves, spec = optree.tree_flatten(result)
-            positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Variable)]
-            function = _function(
-                [*variables, *extra_variables],
-                [leaves[i] for i in positions],
-                mode="FAST_COMPILE",
-                on_unused_input="ignore",
-            )
+            function, rebuild = _compiled([*variables, *extra_variables], result, "FAST_COMPILE")
             outs = function(*values, *extra_values)
-            for position, out in zip(positions, outs, strict=True):
-                leaves[position] = out
-            return optree.tree_unflatten(spec, leaves)
+            return outs if rebuild is None else rebuild(outs)
 
     # -- primitives (on symbolic variables, inside a traced program) -------------------------------
 
