@@ -566,10 +566,7 @@ def _check_against_dense(plan: _Plan, f: Callable[..., Any], x: Any, contexts: t
     else:
         v = rng.standard_normal(plan.n)
         tangent = unravel(_like(flat, v))
-        if plan.hessian:
-            dense = _tree.ravel(ops.hvp(f, plan.engine, x, tangent, *contexts))[0]
-        else:
-            dense = _tree.ravel(ops.jvp(f, plan.first, x, tangent, *contexts))[0]
+        dense = _product(plan, plan.engine if plan.hessian else plan.first, f, x, tangent, contexts)
         sparse_product = matrix @ v
     reference = _arrays.to_numpy(dense).astype(np.float64)
     scale = 1.0 + float(np.max(np.abs(reference), initial=0.0))
@@ -612,12 +609,13 @@ def _difference_error(
     power = 0.25 if plan.hessian else (1.0 / 3.0 if engine.method == "central" else 0.5)
     size = max(1.0, float(np.max(np.abs(_arrays.to_numpy(flat)), initial=0.0)))
     step = 4.0 * (engine.step if engine.step is not None else eps**power * size)
-    longer = dataclasses.replace(engine, step=step)
-    if plan.hessian:
-        other = _tree.ravel(ops.hvp(f, longer, x, tangent, *contexts))[0]
-    else:
-        other = _tree.ravel(ops.jvp(f, longer, x, tangent, *contexts))[0]
+    other = _product(plan, dataclasses.replace(engine, step=step), f, x, tangent, contexts)
     difference = float(np.max(np.abs(_arrays.to_numpy(other).astype(np.float64) - reference), initial=0.0))
     scale = 1.0 + float(np.max(np.abs(reference), initial=0.0))
     balanced = float(eps ** (1.0 - power if not plan.hessian else 0.5)) * scale
     return 10.0 * max(difference, balanced)
+
+
+def _product(plan: _Plan, engine: Any, f: Callable[..., Any], x: Any, tangent: Any, contexts: tuple[Any, ...]) -> Any:
+    """The dense Hessian-vector (Jacobian-vector) product along ``tangent``, flat."""
+    return _tree.ravel((ops.hvp if plan.hessian else ops.jvp)(f, engine, x, tangent, *contexts))[0]

@@ -32,14 +32,7 @@ __all__ = [
 ]
 
 
-def _tracer_names() -> tuple[str, ...]:
-    """The families that have a tracer: a module of this package named ``_<family>_trace``."""
-    return tuple(
-        name for name in _arrays.BY_KIND if importlib.util.find_spec(f"{__package__}._{name}_trace") is not None
-    )
-
-
-TRACERS = ("auto", *_tracer_names())
+TRACERS = ("auto", *(kind for kind in _arrays.BY_KIND if importlib.util.find_spec(f"{__package__}._{kind}_trace")))
 """The tracers of :class:`GlobalDetector`: each a family's (``sparse/_<family>_trace.py``, with
 ``trace_pattern(f, x, values, hessian)``), or ``"auto"``."""
 
@@ -132,7 +125,12 @@ Detector = GlobalDetector | LocalDetector | KnownPattern
 # --- arguments ---------------------------------------------------------------------------------
 
 
-def _context_values(contexts: tuple[Any, ...]) -> list[Any]:
+def _arguments(detector: Any, x: Any, contexts: tuple[Any, ...]) -> tuple[list[Any], int]:
+    """The contexts' values and the numbers in x, the detector, the contexts and x checked."""
+    if not isinstance(detector, (GlobalDetector, LocalDetector, KnownPattern)):
+        raise InvalidInputError(
+            f"detector must be GlobalDetector(), LocalDetector(...) or KnownPattern(pattern); got {detector!r}."
+        )
     values = []
     for i, context in enumerate(contexts):
         if not isinstance(context, Context):
@@ -141,10 +139,6 @@ def _context_values(contexts: tuple[Any, ...]) -> list[Any]:
                 "(read-only data) or di.Cache(...) (scratch space)."
             )
         values.append(context.value)
-    return values
-
-
-def _input_size(x: Any) -> tuple[list[Any], int]:
     leaves = tree.leaves(x)
     for leaf in leaves:
         if not _arrays.is_float_dtype(_arrays.dtype_name(leaf)):
@@ -152,14 +146,7 @@ def _input_size(x: Any) -> tuple[list[Any], int]:
                 f"x must hold floating-point numbers to have a sparsity pattern; found a leaf of dtype "
                 f"{_arrays.dtype_name(leaf)}."
             )
-    return leaves, sum(int(np.prod(_arrays.shape(leaf), dtype=np.int64)) for leaf in leaves)
-
-
-def _check_detector(detector: Any) -> None:
-    if not isinstance(detector, (GlobalDetector, LocalDetector, KnownPattern)):
-        raise InvalidInputError(
-            f"detector must be GlobalDetector(), LocalDetector(...) or KnownPattern(pattern); got {detector!r}."
-        )
+    return values, sum(int(np.prod(_arrays.shape(leaf), dtype=np.int64)) for leaf in leaves)
 
 
 # --- the public functions ------------------------------------------------------------------------
@@ -199,9 +186,7 @@ def jacobian_pattern(
            [False,  True, False],
            [False, False,  True]])
     """
-    _check_detector(detector)
-    values = _context_values(contexts)
-    _, n = _input_size(x)
+    values, n = _arguments(detector, x, contexts)
     if isinstance(detector, KnownPattern):
         p = as_pattern(detector.pattern, what="known Jacobian pattern")
         if p.shape[1] != n:
@@ -245,9 +230,7 @@ def hessian_pattern(
            [ True,  True, False],
            [False, False,  True]])
     """
-    _check_detector(detector)
-    values = _context_values(contexts)
-    _, n = _input_size(x)
+    values, n = _arguments(detector, x, contexts)
     if isinstance(detector, KnownPattern):
         p = as_pattern(detector.pattern, what="known Hessian pattern")
         if tuple(p.shape) != (n, n):
@@ -313,9 +296,7 @@ def detect(
     :func:`jacobian_pattern` (:func:`hessian_pattern`) with the detection's ``tracer`` (``"jax"``,
     ``"torch"``, ``"numpy"``; ``"local"`` or ``"known"`` for the other detectors) and notes."""
     if isinstance(detector, GlobalDetector):
-        _check_detector(detector)
-        values = _context_values(contexts)
-        _input_size(x)
+        values, _ = _arguments(detector, x, contexts)
         return _global(f, x, values, detector, backend, hessian)
     find = hessian_pattern if hessian else jacobian_pattern
     pattern = find(f, x, *contexts, detector=detector, backend=backend)
@@ -415,10 +396,8 @@ def _local(
     found: np.ndarray | None = None
     for _ in range(detector.points):
         point = _near(x, rng)
-        if hessian:
-            dense = _assemble(tree.leaves(_operators.hessian(f, backend, point, *contexts)), x_sizes, x_sizes)
-        else:
-            dense = _assemble(tree.leaves(_operators.jacobian(f, backend, point, *contexts)), None, x_sizes)
+        operator = _operators.hessian if hessian else _operators.jacobian
+        dense = _assemble(tree.leaves(operator(f, backend, point, *contexts)), x_sizes if hessian else None, x_sizes)
         nonzero = dense != 0  # NaN counts as a nonzero
         found = nonzero if found is None else found | nonzero
     assert found is not None
@@ -444,5 +423,4 @@ def _assemble(blocks: list[Any], row_sizes: list[int] | None, col_sizes: list[in
         if height is None:  # every leaf of x is empty: the rows' heights are unknown from here
             height = row_sizes[i] if row_sizes is not None else 0
         rows.append(np.concatenate([b if b is not None else np.zeros((height, 0)) for b in row], axis=1))
-    dense = np.concatenate(rows, axis=0) if rows else np.zeros((0, n))
-    return dense
+    return np.concatenate(rows, axis=0) if rows else np.zeros((0, n))

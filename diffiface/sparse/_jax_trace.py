@@ -413,26 +413,21 @@ def _known_ints(values: Sequence[Any]) -> list[int]:
     return ints
 
 
+def _window(starts: Sequence[Any], sizes: Sequence[int], shape: Sequence[int]) -> tuple[slice, ...]:
+    """The slices of a dynamic slice's window: jax clamps the known starts so that it fits."""
+    clamped = [min(max(s, 0), d - size) for s, size, d in zip(_known_ints(starts), sizes, shape, strict=True)]
+    return tuple(slice(s, s + size) for s, size in zip(clamped, sizes, strict=True))
+
+
 def _dynamic_slice(eqn: Any, pos: list[np.ndarray], vs: list[Any]) -> np.ndarray:
     operand = pos[0]
-    starts = _known_ints(vs[1 : 1 + operand.ndim])
-    sizes = eqn.params["slice_sizes"]
-    index = []
-    for s, size, d in zip(starts, sizes, operand.shape, strict=True):
-        s = min(max(s, 0), d - size)  # jax clamps the start so that the slice fits
-        index.append(slice(s, s + size))
-    return operand[tuple(index)]
+    return operand[_window(vs[1 : 1 + operand.ndim], eqn.params["slice_sizes"], operand.shape)]
 
 
 def _dynamic_update_slice(eqn: Any, pos: list[np.ndarray], vs: list[Any]) -> np.ndarray:
     operand, update = pos[0], pos[1]
-    starts = _known_ints(vs[2 : 2 + operand.ndim])
     result = operand.copy()
-    index = []
-    for s, size, d in zip(starts, update.shape, operand.shape, strict=True):
-        s = min(max(s, 0), d - size)
-        index.append(slice(s, s + size))
-    result[tuple(index)] = update
+    result[_window(vs[2 : 2 + operand.ndim], update.shape, operand.shape)] = update
     return result
 
 
@@ -802,11 +797,7 @@ def _cond(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> Any:
 
 
 def _fixed_point(
-    it: _Interpreter,
-    body: Callable[[list[Pattern]], list[Pattern]],
-    carry: list[Pattern],
-    sizes: list[int],
-    everything: Pattern,
+    body: Callable[[list[Pattern]], list[Pattern]], carry: list[Pattern], sizes: list[int], everything: Pattern
 ) -> list[Pattern]:
     """The least patterns containing ``carry`` that ``body`` keeps; if they do not settle within
     the rounds allowed, each carried element depends on ``everything`` (what every operand of the
@@ -849,7 +840,7 @@ def _while(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> Any:
     def step(c: list[Pattern]) -> list[Pattern]:
         return it.run_closed(body, consts_p + c, consts_v + [None] * len(c))[0]
 
-    return _fixed_point(it, step, carry, sizes, everything)
+    return _fixed_point(step, carry, sizes, everything)
 
 
 @_rule("scan")
@@ -858,61 +849,44 @@ def _scan(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> Any:
     ``fori_loop``'s counter indexes exactly). A long one: every iteration is taken to see the union
     of the slices of ``xs`` (rows of element e of a slice: rows of element e of every slice), the
     carry is taken to its fixed point, and each slice of ``ys`` gets the union over iterations."""
-    nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
-    length = eqn.params["length"]
-    body = eqn.params["jaxpr"]
-    if length > 0 and length * max(len(body.jaxpr.eqns), 1) <= UNROLL_LIMIT:
-        return _scan_unrolled(it, eqn, ps, vs)
+    nc, nk, length, body = (eqn.params[k] for k in ("num_consts", "num_carry", "length", "jaxpr"))
     consts_p, consts_v = list(ps[:nc]), list(vs[:nc])
-    carry = list(ps[nc : nc + nk])
-    xs_vars = eqn.invars[nc + nk :]
-    slices: list[Pattern] = []
-    for v, p in zip(xs_vars, ps[nc + nk :], strict=True):
-        if p is None or length == 0:
-            slices.append(None)
-            continue
-        # element e of a slice: element e of every slice
-        slices.append(sets.apply(sets.reduction_matrix((length, _size(v.aval) // length), [0]), p))
-    everything = sets.everything(ps)
+    carry, carry_v = list(ps[nc : nc + nk]), list(vs[nc : nc + nk])
+    xs_vars, ys_vars = eqn.invars[nc + nk :], eqn.outvars[nk:]
+    if length > 0 and length * max(len(body.jaxpr.eqns), 1) <= UNROLL_LIMIT:
+        xs_p, xs_v = list(ps[nc + nk :]), list(vs[nc + nk :])
+        xs_per = [_size(v.aval) // length for v in xs_vars]
+        ys_p: list[list[Pattern]] = [[None] * length for _ in ys_vars]
+        ys_v: list[list[Any]] = [[None] * length for _ in ys_vars]
+        for t in range(length - 1, -1, -1) if eqn.params.get("reverse", False) else range(length):
+            slice_p = [None if p is None else p[t * per : (t + 1) * per] for p, per in zip(xs_p, xs_per, strict=True)]
+            slice_v = [None if v is None else np.asarray(v)[t] for v in xs_v]
+            outs_p, outs_v = it.run_closed(body, consts_p + carry + slice_p, consts_v + carry_v + slice_v)
+            carry, carry_v = list(outs_p[:nk]), list(outs_v[:nk])
+            for j in range(len(ys_vars)):
+                ys_p[j][t] = outs_p[nk + j]
+                ys_v[j][t] = outs_v[nk + j]
+        ys_patterns: list[Pattern] = []
+        ys_values: list[Any] = []
+        for v, pieces, values in zip(ys_vars, ys_p, ys_v, strict=True):
+            per = _size(v.aval) // length
+            ys_patterns.append(None if all(p is None for p in pieces) else sets.stack(pieces, [per] * length, it.n))
+            ys_values.append(
+                None if any(val is None for val in values) else np.stack([np.asarray(val) for val in values])
+            )
+        return carry + ys_patterns, carry_v + ys_values
+    # element e of a slice: element e of every slice
+    slices: list[Pattern] = [
+        None
+        if p is None or not length
+        else sets.apply(sets.reduction_matrix((length, _size(v.aval) // length), [0]), p)
+        for v, p in zip(xs_vars, ps[nc + nk :], strict=True)
+    ]
 
     def step(c: list[Pattern]) -> list[Pattern]:
         return it.run_closed(body, consts_p + c + slices, consts_v + [None] * (len(c) + len(slices)))[0][:nk]
 
-    carry = _fixed_point(it, step, carry, [_size(v.aval) for v in eqn.invars[nc : nc + nk]], everything)
+    carry = _fixed_point(step, carry, [_size(v.aval) for v in eqn.invars[nc : nc + nk]], sets.everything(ps))
     outs = it.run_closed(body, consts_p + carry + slices, consts_v + [None] * (len(carry) + len(slices)))[0]
-    ys = []
-    for p in outs[nk:]:
-        ys.append(None if p is None or not length else p[np.tile(np.arange(p.shape[0]), length)])
+    ys = [None if p is None or not length else p[np.tile(np.arange(p.shape[0]), length)] for p in outs[nk:]]
     return list(carry) + ys
-
-
-def _scan_unrolled(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> tuple[list[Pattern], list[Any]]:
-    nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
-    length = eqn.params["length"]
-    body = eqn.params["jaxpr"]
-    consts_p, consts_v = list(ps[:nc]), list(vs[:nc])
-    carry_p, carry_v = list(ps[nc : nc + nk]), list(vs[nc : nc + nk])
-    xs_p, xs_v = list(ps[nc + nk :]), list(vs[nc + nk :])
-    xs_per = [_size(v.aval) // length for v in eqn.invars[nc + nk :]]
-    ys_vars = eqn.outvars[nk:]
-    ys_p: list[list[Pattern]] = [[None] * length for _ in ys_vars]
-    ys_v: list[list[Any]] = [[None] * length for _ in ys_vars]
-    steps = range(length - 1, -1, -1) if eqn.params.get("reverse", False) else range(length)
-    for t in steps:
-        slice_p = [None if p is None else p[t * per : (t + 1) * per] for p, per in zip(xs_p, xs_per, strict=True)]
-        slice_v = [None if v is None else np.asarray(v)[t] for v in xs_v]
-        outs_p, outs_v = it.run_closed(body, consts_p + carry_p + slice_p, consts_v + carry_v + slice_v)
-        carry_p, carry_v = list(outs_p[:nk]), list(outs_v[:nk])
-        for j in range(len(ys_vars)):
-            ys_p[j][t] = outs_p[nk + j]
-            ys_v[j][t] = outs_v[nk + j]
-    ys_patterns: list[Pattern] = []
-    ys_values: list[Any] = []
-    for v, pieces, values in zip(ys_vars, ys_p, ys_v, strict=True):
-        per = _size(v.aval) // length
-        stacked = None if all(p is None for p in pieces) else sets.stack(pieces, [per] * length, it.n)
-        ys_patterns.append(stacked)
-        ys_values.append(
-            np.stack([np.asarray(val) for val in values]) if all(val is not None for val in values) else None
-        )
-    return carry_p + ys_patterns, carry_v + ys_values

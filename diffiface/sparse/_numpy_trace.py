@@ -102,6 +102,15 @@ _LINEAR_UFUNCS = {"add", "subtract", "negative", "positive", "conjugate", "real"
 _PIECEWISE_LINEAR = {"absolute", "fabs", "maximum", "minimum", "fmax", "fmin", "clip", "sign", "floor", "ceil"}
 
 
+def _refusing(what: str) -> Callable[..., Any]:
+    """The array method that refuses, with the reason, what f does with a value (``what``)."""
+
+    def refuse(self: IndexSetArray, *args: Any) -> Any:
+        raise self._refuse(what)
+
+    return refuse
+
+
 def _numpy_method(function: Callable[..., Any]) -> Callable[..., Any]:
     """The array method ``a.name(...)``: numpy's ``function(a, ...)``."""
 
@@ -176,23 +185,12 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
     def _refuse(self, what: str) -> TracerRefusal:
         return TracerRefusal(f"f {what} of an array computed from x; the pattern could then change with x's values")
 
-    def __bool__(self) -> bool:
-        raise self._refuse("branches (a Python `if`, `and`, `or`, `while`) on a value")
-
-    def __float__(self) -> float:
-        raise self._refuse("converts to a Python number (float(...)) a value")
-
-    def __int__(self) -> int:
-        raise self._refuse("converts to a Python number (int(...)) a value")
-
-    def __index__(self) -> int:
-        raise self._refuse("uses as an index a value")
-
-    def item(self, *args: Any) -> Any:
-        raise self._refuse("reads a Python number (.item()) from a value")
-
-    def tolist(self) -> Any:
-        raise self._refuse("reads Python numbers (.tolist()) from the values")
+    __bool__ = _refusing("branches (a Python `if`, `and`, `or`, `while`) on a value")
+    __float__ = _refusing("converts to a Python number (float(...)) a value")
+    __int__ = _refusing("converts to a Python number (int(...)) a value")
+    __index__ = _refusing("uses as an index a value")
+    item = _refusing("reads a Python number (.item()) from a value")
+    tolist = _refusing("reads Python numbers (.tolist()) from the values")
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         raise _Converts(
@@ -220,9 +218,6 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
             shape = tuple(shape[0])
         return np.reshape(self, shape, **kwargs)
 
-    def ravel(self, order: Any = "C") -> Any:
-        return np.ravel(self, order)  # type: ignore[call-overload]
-
     def flatten(self, order: Any = "C") -> Any:
         return np.ravel(self, order).copy()  # type: ignore[call-overload]
 
@@ -230,12 +225,6 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
         if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
             axes = tuple(axes[0])
         return np.transpose(self, axes or None)
-
-    def squeeze(self, axis: Any = None) -> Any:
-        return np.squeeze(self, axis)
-
-    def swapaxes(self, a: int, b: int) -> Any:
-        return np.swapaxes(self, a, b)
 
     # numpy's functions of the array (on the tracer through __array_function__)
     sum = _numpy_method(np.sum)
@@ -248,12 +237,11 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
     cumsum = _numpy_method(np.cumsum)
     cumprod = _numpy_method(np.cumprod)
     clip = _numpy_method(np.clip)
-
-    def dot(self, other: Any) -> Any:
-        return np.dot(self, other)
-
-    def conj(self) -> IndexSetArray:
-        return self
+    ravel = _numpy_method(np.ravel)
+    squeeze = _numpy_method(np.squeeze)
+    swapaxes = _numpy_method(np.swapaxes)
+    dot = _numpy_method(np.dot)
+    conj = view
 
     def _writes_in_place(self, *args: Any, **kwargs: Any) -> Any:
         raise _Writes("f sorts, fills or resizes an array in place, which the detector does not follow")
@@ -393,12 +381,9 @@ def _unknown_indices(key: Any) -> Any:
 
 
 def _index_key(key: Any) -> Any:
-    if isinstance(key, IndexSetArray):
-        raise key._refuse("indexes with values (a boolean mask or integers)")
-    if isinstance(key, tuple):
-        for k in key:
-            if isinstance(k, IndexSetArray):
-                raise k._refuse("indexes with values (a boolean mask or integers)")
+    for k in key if isinstance(key, tuple) else (key,):
+        if isinstance(k, IndexSetArray):
+            raise k._refuse("indexes with values (a boolean mask or integers)")
     return key
 
 
@@ -566,12 +551,9 @@ def _diff(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         edge = tuple(1 if d == axis else s for d, s in enumerate(a.shape))
         before, after = (e if e is None or np.ndim(e) else np.broadcast_to(e, edge) for e in (prepend, append))
         a = np.concatenate([e for e in (before, a, after) if e is not None], axis)
+    head = (slice(None),) * axis
     for _ in range(order):
-        upper = [slice(None)] * a.ndim
-        lower = [slice(None)] * a.ndim
-        upper[axis] = slice(1, None)
-        lower[axis] = slice(None, -1)
-        a = a[tuple(upper)] - a[tuple(lower)]
+        a = a[(*head, slice(1, None))] - a[(*head, slice(None, -1))]
     return a.copy()
 
 
@@ -1152,8 +1134,10 @@ def _shaped(value: IndexSetArray, array_args: Any, array_kwargs: dict[str, Any])
     return value
 
 
-def _holds_traced(values: Any) -> bool:
-    return any(isinstance(leaf, IndexSetArray) for leaf in tree.leaves(list(values)))
+def _tracing(values: Any) -> _Trace | None:
+    """The trace running in this thread where ``values`` hold its arrays; None elsewhere."""
+    trace: _Trace | None = getattr(_ACTIVE, "trace", None)
+    return trace if any(isinstance(leaf, IndexSetArray) for leaf in tree.leaves(list(values))) else None
 
 
 def _autograd_patches() -> list[tuple[Any, str, Any]]:
@@ -1188,12 +1172,13 @@ def _autograd_patches() -> list[tuple[Any, str, Any]]:
                 patches.append((namespace, name, _TracedConcatenator(getattr(namespace, name), concatenator)))
         make_diagonal = getattr(namespace, "make_diagonal", None)
         if make_diagonal is not None and hasattr(make_diagonal, "fun"):
-            patches.append((namespace, "make_diagonal", _moving_primitive(make_diagonal)))
+            patches.append((namespace, "make_diagonal", _traced_primitive(make_diagonal, _signed_move)))
     for name, scipy_module in scipy_modules:
         for attribute, value in list(vars(scipy_module).items()):
             raw = getattr(value, "fun", None)
             if getattr(value, "_is_autograd_primitive", False) and not isinstance(raw, np.ufunc):
-                patches.append((scipy_module, attribute, _traced_primitive(value, name in _ELEMENTWISE_STATS)))
+                rule = _broadcasting if name in _ELEMENTWISE_STATS else _dense
+                patches.append((scipy_module, attribute, _traced_primitive(value, rule)))
     return patches
 
 
@@ -1205,8 +1190,8 @@ class _TracedConcatenator:
         self.numpy_concatenator = numpy_concatenator
 
     def __getitem__(self, items: Any) -> Any:
-        trace = getattr(_ACTIVE, "trace", None)
-        if trace is None or not _holds_traced([items]):
+        trace = _tracing([items])
+        if trace is None:
             return self.original[items]
         return _signed_move(
             trace,
@@ -1216,31 +1201,22 @@ class _TracedConcatenator:
         )
 
 
-def _moving_primitive(primitive: Any) -> Any:
-    """An autograd primitive that only moves its operands' elements (``make_diagonal``)."""
+def _traced_primitive(primitive: Any, rule: Callable[[_Trace, Any, Any, dict[str, Any]], Any]) -> Any:
+    """autograd's ``primitive`` by ``rule`` where its arguments hold traced arrays (a move for
+    ``make_diagonal``, a nonlinear ufunc's broadcasting for a distribution, else dense); anything
+    else goes to ``primitive``."""
 
     def traced(*args: Any, **kwargs: Any) -> Any:
-        trace = getattr(_ACTIVE, "trace", None)
-        if trace is None or not _holds_traced((args, kwargs)):
+        trace = _tracing((args, kwargs))
+        if trace is None:
             return primitive(*args, **kwargs)
-        return _signed_move(trace, primitive.fun, args, kwargs)
+        return rule(trace, primitive.fun, args, kwargs)
 
     return traced
 
 
-def _traced_primitive(primitive: Any, elementwise: bool) -> Any:
-    """autograd's ``primitive`` where its arguments hold traced arrays: by the broadcasting rule of
-    a nonlinear ufunc (``elementwise``), else dense; anything else goes to ``primitive``."""
-
-    def traced(*args: Any, **kwargs: Any) -> Any:
-        trace = getattr(_ACTIVE, "trace", None)
-        if trace is None or not _holds_traced((args, kwargs)):
-            return primitive(*args, **kwargs)
-        if elementwise:
-            return _ufunc(trace, primitive.fun, (*args, *kwargs.values()), {})
-        return _dense(trace, primitive.fun, args, kwargs)
-
-    return traced
+def _broadcasting(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    return _ufunc(trace, func, (*args, *kwargs.values()), {})
 
 
 @contextlib.contextmanager
