@@ -213,19 +213,10 @@ def _family(flat: Any) -> str:
 _FAMILY_OF_KIND: dict[str, str] = {}
 
 
-def _xp(family: str) -> Any:
-    return _arrays.by_kind(family).numpy_like()
-
-
 def _promote(family: str, names: list[str]) -> Any:
     """The common dtype of these dtype names (the dense operators' rule for a pair of leaves)."""
     floats = [name for name in names if _arrays.is_float_dtype(name) or "complex" in name] or ["float64"]
     return _matrices(family).promote(floats)
-
-
-def _scope(family: str, dtypes: list[str]) -> Any:
-    """A scope where ``family`` keeps arrays of these dtypes (jax's x64); nothing elsewhere."""
-    return _arrays.by_kind(family).dtype_scope(dtypes)
 
 
 # -- the plan: pattern, coloring, the engine's product --------------------------------------------
@@ -300,10 +291,10 @@ class _Plan:
         return _matrices(self.family).sparse(self, self.indptr, self.indices, values, (self.m, self.n))
 
     def _dense(self, values: Any) -> Any:
-        xp = _xp(self.family)
+        xp = _arrays.by_kind(self.family).numpy_like()
         matrices = _matrices(self.family)
         rows = np.repeat(np.arange(self.m), np.diff(self.indptr))
-        with _scope(self.family, [_arrays.dtype_name(values)]):
+        with _arrays.by_kind(self.family).dtype_scope([_arrays.dtype_name(values)]):  # (jax's x64)
             matrix = matrices.dense(rows, self.indices, values, (self.m, self.n))
             outer = self.x_layout if self.hessian else self.route.y_layout
             inner = self.x_layout
@@ -373,7 +364,7 @@ class _ProductRoute(_Route):
     def __init__(self, plan: _Plan, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> None:
         self.plan = plan
         flat, unravel = _tree.ravel(x)
-        self.xp = _xp(plan.family)
+        self.xp = _arrays.by_kind(plan.family).numpy_like()
         seeds = np.asarray(plan.coloring.seeds)
         mode = plan.coloring.mode
         self.product_prep: Prep | None = None
@@ -471,7 +462,7 @@ class _CompressedInputRoute(_Route):
         flat, unravel = _tree.ravel(x)
         family = plan.family
         seeds = _like(flat, np.asarray(plan.coloring.seeds))
-        with _scope(family, [plan.flat_dtype]):
+        with _arrays.by_kind(family).dtype_scope([plan.flat_dtype]):  # (jax's x64)
             y = _value(f, x, contexts)
         self.y_layout = _Layout(y)
         _check_rows(plan, self.y_layout)
@@ -524,11 +515,8 @@ class _CompiledRoute(_Route):
         if self.plan.hessian:
             value, grad, values = out
             if self.to_numpy:
-                value, values = np.asarray(value)[()], np.asarray(values)
-                grad = self._x_tree(np.asarray(grad))
-            else:
-                grad = self._x_tree(grad)
-            return value, grad, values
+                value, grad, values = np.asarray(value)[()], np.asarray(grad), np.asarray(values)
+            return value, self._x_tree(grad), values
         y_leaves, values = out
         if self.to_numpy:
             y_leaves = [np.asarray(leaf) for leaf in y_leaves]

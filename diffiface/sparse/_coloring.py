@@ -134,20 +134,18 @@ def _seeds(colors: np.ndarray, count: int) -> np.ndarray:
 # --- greedy colorings ------------------------------------------------------------------------------
 
 
-def _column_index(pattern: csr_array, colors: np.ndarray, count: int) -> np.ndarray:
-    rows = np.repeat(np.arange(pattern.shape[0], dtype=np.int64), np.diff(pattern.indptr))
-    return rows * count + colors[pattern.indices]  # type: ignore[no-any-return]
-
-
-def _row_index(pattern: csr_array, colors: np.ndarray) -> np.ndarray:
-    rows = np.repeat(np.arange(pattern.shape[0], dtype=np.int64), np.diff(pattern.indptr))
-    return colors[rows] * pattern.shape[1] + pattern.indices  # type: ignore[no-any-return]
-
-
-def _make(pattern: csr_array, mode: str, colors: np.ndarray, index: np.ndarray | None = None) -> Coloring:
+def _make(pattern: csr_array, mode: str, colors: np.ndarray) -> Coloring:
+    """The coloring of ``mode`` (column, row, star) with ``colors``, and its index."""
     count = int(colors.max()) + 1 if colors.size else 0
-    if index is None:
-        index = _column_index(pattern, colors, count) if mode == "column" else _row_index(pattern, colors)
+    rows = np.repeat(np.arange(pattern.shape[0], dtype=np.int64), np.diff(pattern.indptr))
+    if mode == "star":
+        index = _star_index(pattern, colors, count, rows)
+    else:
+        index = (
+            rows * count + colors[pattern.indices]
+            if mode == "column"
+            else colors[rows] * pattern.shape[1] + pattern.indices
+        )
     return Coloring(pattern, mode, colors, count, index.astype(np.int64, copy=False))
 
 
@@ -232,9 +230,7 @@ def color_hessian(pattern: Any, order: str = "natural") -> Coloring:
     if p.shape[0] != p.shape[1]:
         raise InvalidInputError(f"A Hessian pattern is square; got shape {tuple(p.shape)}.")
     p = as_pattern(p + p.T, what="Hessian pattern")
-    colors = _star(p, order)
-    count = int(colors.max()) + 1 if colors.size else 0
-    return _make(p, "star", colors, _star_index(p, colors, count))
+    return _make(p, "star", _star(p, order))
 
 
 def _star(pattern: csr_array, order: str) -> np.ndarray:
@@ -296,11 +292,9 @@ def _star(pattern: csr_array, order: str) -> np.ndarray:
     return np.asarray(color, dtype=np.int64)
 
 
-def _star_index(pattern: csr_array, colors: np.ndarray, count: int) -> np.ndarray:
-    """For each nonzero ``(i, j)``: ``i * count + color(j)`` where ``j`` is the only column of
-    its color in row ``i``, else ``j * count + color(i)``."""
-    n = pattern.shape[0]
-    rows = np.repeat(np.arange(n, dtype=np.int64), np.diff(pattern.indptr))
+def _star_index(pattern: csr_array, colors: np.ndarray, count: int, rows: np.ndarray) -> np.ndarray:
+    """For each nonzero ``(i, j)`` (``i`` in ``rows``): ``i * count + color(j)`` where ``j`` is the
+    only column of its color in row ``i``, else ``j * count + color(i)``."""
     cols = pattern.indices.astype(np.int64)
     direct = rows * count + colors[cols]
     keys, inverse, counts = np.unique(direct, return_inverse=True, return_counts=True)

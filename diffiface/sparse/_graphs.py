@@ -5,6 +5,7 @@ them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,6 +35,27 @@ class Traced:
     def __init__(self, pattern: Any, notes: tuple[str, ...]) -> None:
         self.pattern = pattern
         self.notes = notes
+
+
+def leaf_function(f: Callable[..., Any], x: Any, values: list[Any], traced: Callable[[Any], bool]) -> Any:
+    """``f(x, *values)`` as a function of x's leaves, then of the contexts' leaves for which
+    ``traced`` holds (the others kept), returning the leaves of its result; and those leaves."""
+    import optree
+
+    from .. import tree
+
+    leaves, spec = tree.flatten(x)
+    k = len(leaves)
+    context_leaves, context_spec = tree.flatten(values)
+    where = [i for i, leaf in enumerate(context_leaves) if traced(leaf)]
+
+    def run(*args: Any) -> list[Any]:
+        new = list(context_leaves)
+        for i, t in zip(where, args[k:], strict=True):
+            new[i] = t
+        return tree.leaves(f(optree.tree_unflatten(spec, list(args[:k])), *optree.tree_unflatten(context_spec, new)))
+
+    return run, [context_leaves[i] for i in where]
 
 
 def first_line(error: BaseException) -> str:

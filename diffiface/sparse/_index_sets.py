@@ -169,37 +169,30 @@ def reduction_matrix(shape: Sequence[int], axes: Sequence[int]) -> Any:
     )
 
 
-def cumulative_matrix(shape: Sequence[int], axis: int, reverse: bool = False) -> Any:
-    """The 0/1 matrix of a cumulative operation (cumsum, cumprod, cummax) along ``axis``."""
-    sp = _sp()
-    shape = tuple(shape)
+def along(rows: Rows, shape: Sequence[int], axis: int, whole: bool = True, reverse: bool = False) -> Rows:
+    """Each element depending on its line of ``rows`` along ``axis``: all of it (``whole``: a sort,
+    a softmax), or up to it (a cumulative operation: cumsum, cummax; ``reverse``: from it on)."""
+    if rows is None or not shape:
+        return rows
+    if whole:
+        line = reduction_matrix(shape, [axis])
+        return apply(line.T @ line, rows)
+    sp, shape = _sp(), tuple(shape)
     axis %= len(shape)
     before, length, after = size(shape[:axis]), shape[axis], size(shape[axis + 1 :])
     ones = np.ones((length, length), dtype=np.float32)
     triangle = sp.csr_array(np.triu(ones) if reverse else np.tril(ones))
-    return sp.kron(sp.kron(sp.eye_array(before), triangle), sp.eye_array(after), format="csr")
-
-
-def along(rows: Rows, shape: Sequence[int], axis: int) -> Rows:
-    """Each element depending on the whole line of ``rows`` along ``axis`` (a sort, a softmax)."""
-    line = reduction_matrix(shape, [axis])
-    return apply(line.T @ line, rows)
+    return apply(sp.kron(sp.kron(sp.eye_array(before), triangle), sp.eye_array(after), format="csr"), rows)
 
 
 def matmul(
-    a: Rows,
-    a_may: Any,
-    a_shape: Sequence[int],
-    b: Rows,
-    b_may: Any,
-    b_shape: Sequence[int],
-    n: int,
-    pairs: Pairs | None,
+    left: tuple[Rows, Any, Sequence[int]], right: tuple[Rows, Any, Sequence[int]], n: int, pairs: Pairs | None
 ) -> Rows:
-    """The sets of ``a @ b`` for ``a`` of shape (B, m, k) and ``b`` (B, k, p) (either B may be 1,
-    broadcast): ``out[t, i, j]`` depends on ``a[t, i, c]`` where ``b[t, c, j]`` may be nonzero, and
-    on ``b[t, c, j]`` where ``a[t, i, c]`` may be nonzero. ``a_may``, ``b_may``: where a constant
-    operand is nonzero (any shape of its size), None for anywhere. Each product couples its factors."""
+    """The sets of ``a @ b``, each operand its rows, where a constant one is nonzero (any shape of
+    its size; None for anywhere) and its shape: ``a`` (B, m, k), ``b`` (B, k, p) (either B may be
+    1, broadcast). ``out[t, i, j]`` depends on ``a[t, i, c]`` where ``b[t, c, j]`` may be nonzero,
+    and on ``b[t, c, j]`` where ``a[t, i, c]`` may be nonzero. Each product couples its factors."""
+    (a, a_may, a_shape), (b, b_may, b_shape) = left, right
     batch, (_, m, k), p = max(a_shape[0], b_shape[0]), a_shape, b_shape[2]
     out_size = batch * m * p
     parts = []
@@ -224,6 +217,70 @@ def matmul(
         columns = apply(reduction_matrix(a_shape, [1]), a)
         lines = apply(reduction_matrix(b_shape, [2]), b)
         pairs.add(broadcast(columns, (a_shape[0], k), (batch, k), n), broadcast(lines, (b_shape[0], k), (batch, k), n))
+    return union(parts)
+
+
+def taps(
+    space: Sequence[int],
+    kernel: Sequence[int],
+    out_space: Sequence[int],
+    scale: Any,
+    shift: Any,
+    step: Any,
+    divisor: Any,
+) -> np.ndarray:
+    """taps x output positions of a window of shape ``kernel`` sliding over an input of spatial
+    shape ``space``: the flat input position that tap ``k`` reads at output position ``s``,
+    ``(s * scale + shift + k * step) / divisor`` where that is a whole position inside the
+    input, else -1 (padding, a dilation hole). Per spatial axis, each a number or a sequence."""
+    rank, bound = len(space), np.asarray(space, dtype=np.int64).reshape(-1)
+    k = np.indices(tuple(kernel)).reshape(rank, size(kernel)).T[:, None, :]
+    s = np.indices(tuple(out_space)).reshape(rank, size(out_space)).T[None, :, :]
+    scale, shift, step, divisor = (np.asarray(v, dtype=np.int64) for v in (scale, shift, step, divisor))
+    at, rest = np.divmod(s * scale + shift + k * step, divisor)
+    inside = ((rest == 0) & (at >= 0) & (at < bound)).all(axis=-1)
+    clipped = np.clip(at, 0, np.maximum(bound - 1, 0))
+    return np.where(inside, np.ravel_multi_index(tuple(np.moveaxis(clipped, -1, 0)), tuple(space)), -1)  # type: ignore[no-any-return]
+
+
+def convolution(
+    lhs: tuple[Rows, Any, np.ndarray],
+    rhs: tuple[Rows, Any, np.ndarray],
+    out_at: np.ndarray,
+    source: np.ndarray,
+    groups: int,
+    weight_everywhere: bool = False,
+) -> Rows:
+    """The sets of a convolution. Each operand (its rows, where a constant one may be nonzero or
+    None for anywhere, and its elements' flat indices) and ``out_at`` in the layout (batch or out
+    channels, channels, spatial...): ``out[n, o, s]`` unites ``lhs[n, i, source[t, s]]``
+    (:func:`taps`) over the taps ``t`` and input channels ``i`` of o's group where rhs may be
+    nonzero, and ``rhs[o, i, t]`` where that lhs element may be nonzero, or, with
+    ``weight_everywhere``, at every output position of channel ``o``."""
+    (lhs_rows, lhs_may, lhs_at), (rhs_rows, rhs_may, rhs_at) = lhs, rhs
+    batch, channels = lhs_at.shape[:2]
+    outs, group_in = rhs_at.shape[:2]
+    count = source.shape[0]
+    o, ig, t = np.nonzero(
+        np.ones((outs, group_in, count), dtype=bool) if rhs_may is None else rhs_may.reshape(outs, group_in, count)
+    )
+    i = (o // (outs // groups)) * group_in + ig
+    src = source[t][:, None, :]  # (entries, 1, out positions)
+    n = np.arange(batch)[None, :, None]
+    so = np.arange(source.shape[1])[None, None, :]
+    reads = np.broadcast_to(src >= 0, (t.size, batch, source.shape[1]))
+    rows = np.broadcast_to(out_at.reshape(batch, outs, -1)[n, o[:, None, None], so], reads.shape)
+    lhs_flat = lhs_at.reshape(batch, channels, -1)[n, i[:, None, None], np.maximum(src, 0)]
+    parts = []
+    if lhs_rows is not None:
+        cols = np.broadcast_to(lhs_flat, reads.shape)[reads]
+        parts.append(apply(selection(rows[reads], cols, (out_at.size, lhs_at.size)), lhs_rows))
+    if rhs_rows is not None:
+        valid = np.ones(reads.shape, dtype=bool) if weight_everywhere else reads
+        if lhs_may is not None:
+            valid = valid & lhs_may.reshape(batch, channels, -1)[n, i[:, None, None], np.maximum(src, 0)]
+        cols = np.broadcast_to(rhs_at.reshape(outs, group_in, -1)[o, ig, t][:, None, None], reads.shape)[valid]
+        parts.append(apply(selection(rows[valid], cols, (out_at.size, rhs_at.size)), rhs_rows))
     return union(parts)
 
 

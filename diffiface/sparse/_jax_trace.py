@@ -22,7 +22,7 @@ import numpy as np
 from .. import _arrays, tree
 from .._errors import BackendUnavailableError, DiffifaceError, InvalidOutputError, UnsupportedOperationError
 from . import _index_sets as sets
-from ._graphs import Traced, as_pattern, first_line
+from ._graphs import Traced, as_pattern, first_line, leaf_function
 
 if TYPE_CHECKING:
     from scipy.sparse import csr_array
@@ -55,42 +55,17 @@ def _dtype(leaf: Any) -> Any:
     return _jax().numpy.dtype(_arrays.dtype_name(leaf))
 
 
-def _abstract_values(values: list[Any]) -> tuple[list[Any], Callable[[list[Any]], list[Any]]]:
-    """The array leaves of the contexts as abstract jax arrays (so that the pattern holds for every
-    value they take), and what puts traced leaves back into the contexts."""
-    jax = _jax()
-    leaves, spec = tree.flatten(values)
-    where = [i for i, leaf in enumerate(leaves) if _arrays.is_array(leaf)]
-    structs = [jax.ShapeDtypeStruct(_arrays.shape(leaves[i]), _dtype(leaves[i])) for i in where]
-
-    def rebuild(traced: list[Any]) -> list[Any]:
-        new = list(leaves)
-        for i, t in zip(where, traced, strict=True):
-            new[i] = t
-        import optree
-
-        return optree.tree_unflatten(spec, new)  # type: ignore[no-any-return,return-value]
-
-    return structs, rebuild
-
-
 def _trace(fun: Callable[..., Any], x: Any, values: list[Any]) -> tuple[Any, int]:
-    """The closed jaxpr of ``fun(x, *values)`` over the leaves of ``x`` then the context arrays,
-    its outputs the leaves of the result; and the number of x leaves."""
+    """The closed jaxpr of ``fun(x, *values)`` over the leaves of ``x`` then the context arrays
+    (abstract: the pattern holds for every value they take), its outputs the leaves of the
+    result; and the number of x leaves."""
     jax = _jax()
-    leaves, spec = tree.flatten(x)
-    structs = [jax.ShapeDtypeStruct(_arrays.shape(leaf), _dtype(leaf)) for leaf in leaves]
-    context_structs, rebuild = _abstract_values(values)
-    k = len(structs)
-    import optree
-
-    def run(*args: Any) -> Any:
-        xs = optree.tree_unflatten(spec, list(args[:k]))
-        return tree.leaves(fun(xs, *rebuild(list(args[k:]))))
-
+    leaves = tree.leaves(x)
+    run, context_arrays = leaf_function(fun, x, values, _arrays.is_array)
+    structs = [jax.ShapeDtypeStruct(_arrays.shape(leaf), _dtype(leaf)) for leaf in [*leaves, *context_arrays]]
     try:
         with jax.enable_x64(True):
-            closed = jax.make_jaxpr(run)(*structs, *context_structs)
+            closed = jax.make_jaxpr(run)(*structs)
     except DiffifaceError:
         raise
     except Exception as error:
@@ -103,7 +78,7 @@ def _trace(fun: Callable[..., Any], x: Any, values: list[Any]) -> tuple[Any, int
             "LocalDetector(...) (dense derivatives at a few points, with the backend given) or "
             "KnownPattern(pattern) instead."
         ) from error
-    return closed, k
+    return closed, len(leaves)
 
 
 def _tracing_error(error: BaseException) -> bool:
@@ -159,15 +134,11 @@ or the array API, where the numpy tracer cannot follow it."""
 
 def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: bool) -> Traced:
     """The Jacobian (``hessian=False``) or Hessian pattern of ``f(x, *values)``."""
-    pattern = hessian_pattern(f, x, values) if hessian else jacobian_pattern(f, x, values)
-    return Traced(pattern, ())
+    return Traced(_hessian(f, x, values) if hessian else as_pattern(_jacobian(f, x, values)), ())
 
 
-def jacobian_pattern(f: Callable[..., Any], x: Any, values: list[Any]) -> csr_array:
-    return as_pattern(_jacobian(f, x, values))
-
-
-def hessian_pattern(f: Callable[..., Any], x: Any, values: list[Any]) -> csr_array:
+def _hessian(f: Callable[..., Any], x: Any, values: list[Any]) -> csr_array:
+    """The Jacobian pattern of ``jax.grad(f)``'s program, made symmetric."""
     jax = _jax()
 
     def scalar(xs: Any, *vals: Any) -> Any:
@@ -456,17 +427,11 @@ def _zeros(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list
 
 
 def _window_sources(
-    operand_shape: tuple[int, ...],
-    indices: np.ndarray,
-    index_map: Sequence[int],
-    element_shape: tuple[int, ...],
-    offset_dims: Sequence[int],
-    skipped: Sequence[int],
-    operand_batching: Sequence[int],
-    indices_batching: Sequence[int],
+    eqn: Any, indices: Any, element_shape: tuple[int, ...], names: str
 ) -> tuple[np.ndarray, np.ndarray]:
     """(element, operand flat index) pairs for a gather's outputs or a scatter's updates (the
-    elements, of ``element_shape``).
+    elements, of ``element_shape``), ``indices`` known; ``names``, of its dimension numbers'
+    fields: ``index_map``, ``offset_dims``, ``skipped``, the indices' batching dimensions.
 
     Element ``e`` reads (writes) the operand at ``start + offset``: ``start`` from the index
     vector of its coordinates off ``offset_dims`` (placed on the operand dimensions ``index_map``;
@@ -476,6 +441,11 @@ def _window_sources(
     drops (fill or drop), or assumes it fits: both the clamped position and the unclamped one
     where it is in bounds are kept, which covers every mode.
     """
+    if indices is None:
+        raise _Unknown
+    dn, indices, operand_shape = eqn.params["dimension_numbers"], np.asarray(indices), _shape(eqn.invars[0])
+    index_map, offset_dims, skipped, indices_batching = (getattr(dn, name, ()) for name in names.split())
+    operand_batching = getattr(dn, "operand_batching_dims", ())
     rank = len(operand_shape)
     count = sets.size(element_shape)
     coords = np.indices(element_shape).reshape(len(element_shape), count)
@@ -507,20 +477,9 @@ def _window_sources(
 
 @_rule("gather")
 def _gather(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
-    if vs[1] is None:
-        raise _Unknown
-    dn = eqn.params["dimension_numbers"]
     operand, out = eqn.invars[0], eqn.outvars[0]
-    rows, cols = _window_sources(
-        _shape(operand),
-        np.asarray(vs[1]),
-        dn.start_index_map,
-        _shape(out),
-        dn.offset_dims,
-        dn.collapsed_slice_dims,
-        getattr(dn, "operand_batching_dims", ()),
-        getattr(dn, "start_indices_batching_dims", ()),
-    )
+    names = "start_index_map offset_dims collapsed_slice_dims start_indices_batching_dims"
+    rows, cols = _window_sources(eqn, vs[1], _shape(out), names)
     return [sets.apply(sets.selection(rows, cols, (_size(out.aval), _size(operand.aval))), ps[0])]
 
 
@@ -532,19 +491,10 @@ def _scatter(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> li
     operand, _, updates = eqn.invars[:3]
     if vs[1] is None:
         raise _Unknown
-    dn = eqn.params["dimension_numbers"]
     pieces = [ps[0]]
     if ps[2] is not None and _size(updates.aval):
-        cols, rows = _window_sources(
-            _shape(operand),
-            np.asarray(vs[1]),
-            dn.scatter_dims_to_operand_dims,
-            _shape(updates),
-            dn.update_window_dims,
-            dn.inserted_window_dims,
-            getattr(dn, "operand_batching_dims", ()),
-            getattr(dn, "scatter_indices_batching_dims", ()),
-        )
+        names = "scatter_dims_to_operand_dims update_window_dims inserted_window_dims scatter_indices_batching_dims"
+        cols, rows = _window_sources(eqn, vs[1], _shape(updates), names)
         pieces.append(sets.apply(sets.selection(rows, cols, (_size(operand.aval), _size(updates.aval))), ps[2]))
     return [sets.union(pieces)]
 
@@ -557,8 +507,7 @@ def _reduce(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> lis
 
 @_rule("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
 def _cumulative(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
-    matrix = sets.cumulative_matrix(_shape(eqn.invars[0]), eqn.params["axis"], eqn.params.get("reverse", False))
-    return [sets.apply(matrix, ps[0])]
+    return [sets.along(ps[0], _shape(eqn.invars[0]), eqn.params["axis"], False, eqn.params.get("reverse", False))]
 
 
 @_rule("sort", "top_k")
@@ -597,105 +546,43 @@ def _dot_general(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -
 
     lhs = arranged(0, [*lb, *lf, *lc], (batch, left, inner))
     rhs = arranged(1, [*rb, *rc, *rf], (batch, inner, right))
-    return [sets.matmul(*lhs, *rhs, it.n, None)]
-
-
-def _tap_sources(
-    space: tuple[int, ...], kernel: tuple[int, ...], strides: Any, padding: Any, lhs_dilation: Any, rhs_dilation: Any
-) -> np.ndarray:
-    """taps x output positions: the flat input position each tap of a window reads for each
-    output position, -1 where it reads padding or a dilation hole. jax computes it: the input's
-    positions (1-based, exact in float64) convolved with one one-hot kernel per tap."""
-    lax: Any = _jax().lax
-    rank = len(space)
-    taps = int(np.prod(kernel, dtype=np.int64))
-    canonical = lax.ConvDimensionNumbers(tuple(range(rank + 2)), tuple(range(rank + 2)), tuple(range(rank + 2)))
-    probe = np.arange(1, int(np.prod(space, dtype=np.int64)) + 1, dtype=np.float64).reshape(1, 1, *space)
-    one_hot = np.eye(taps, dtype=np.float64).reshape(taps, 1, *kernel)
-    source = lax.conv_general_dilated(
-        probe, one_hot, strides, padding, lhs_dilation, rhs_dilation, canonical, precision=lax.Precision.HIGHEST
-    )
-    return np.rint(np.asarray(source)).astype(np.int64).reshape(taps, -1) - 1  # type: ignore[no-any-return]
+    return [sets.matmul(lhs, rhs, it.n, None)]
 
 
 @_rule("conv_general_dilated")
 def _conv(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
     """out[n, o, s] unites lhs[n, i, source(t, s)] over the taps ``t`` and input channels ``i``
     of o's group where the kernel may be nonzero, and rhs[o, i, t] where that lhs element may be
-    nonzero. ``source(t, s)`` (strides, padding, dilations) is computed by jax itself: one
-    convolution of the spatial positions with one one-hot kernel per tap."""
-
+    nonzero (:func:`sets.convolution`); ``source(t, s)`` from the strides, padding and dilations."""
     params = eqn.params
     if params["batch_group_count"] != 1:
         raise _Unknown
-    lhs_spec, rhs_spec, out_spec = params["dimension_numbers"]
-    lhs_var, rhs_var = eqn.invars
-    out_var = eqn.outvars[0]
+    specs = params["dimension_numbers"]
     # every array in canonical layout (batch/out, feature/in, spatial...), holding its flat index
-    lhs_at = (sets.positions(_shape(lhs_var)) - 1).transpose(lhs_spec)
-    rhs_at = (sets.positions(_shape(rhs_var)) - 1).transpose(rhs_spec)
-    out_at = (sets.positions(_shape(out_var)) - 1).transpose(out_spec)
-    batch, channels, *space = lhs_at.shape
-    outs, group_in, *kernel = rhs_at.shape
-    groups = params["feature_group_count"]
-    per_group_out = outs // groups
-    out_space = out_at.shape[2:]
-    taps = int(np.prod(kernel, dtype=np.int64))
-    source = _tap_sources(
-        tuple(space),
-        tuple(kernel),
-        params["window_strides"],
-        params["padding"],
-        params["lhs_dilation"],
-        params["rhs_dilation"],
+    lhs_at, rhs_at, out_at = (
+        (sets.positions(_shape(v)) - 1).transpose(spec)
+        for v, spec in zip([*eqn.invars, *eqn.outvars], specs, strict=True)
     )
+    lhs, rhs = (
+        (pattern, None if value is None or pattern is not None else (np.asarray(value) != 0).transpose(spec), at)
+        for pattern, value, spec, at in zip(ps, vs, specs[:2], (lhs_at, rhs_at), strict=True)
+    )  # (a known operand's nonzeros; None: anywhere)
+    source = _window_taps(lhs_at.shape[2:], rhs_at.shape[2:], out_at.shape[2:], params, "lhs_dilation", "rhs_dilation")
+    return [sets.convolution(lhs, rhs, out_at, source, params["feature_group_count"])]
 
-    def may(value: Any, pattern: Pattern, spec: Sequence[int]) -> np.ndarray | None:
-        if value is None or pattern is not None:
-            return None  # may be nonzero anywhere
-        return (np.asarray(value) != 0).transpose(spec)  # type: ignore[no-any-return]
 
-    rhs_may = may(vs[1], ps[1], rhs_spec)
-    lhs_may = may(vs[0], ps[0], lhs_spec)
-    rhs_may_flat = (
-        np.ones((outs, group_in, taps), dtype=bool) if rhs_may is None else rhs_may.reshape(outs, group_in, taps)
-    )
-    o, ig, t = np.nonzero(rhs_may_flat)
-    i = (o // per_group_out) * group_in + ig
-    so = np.arange(int(np.prod(out_space, dtype=np.int64)))
-    src = source[t][:, None, :] + 0 * so[None, None, :]  # (entries, 1, out positions)
-    n = np.arange(batch)[None, :, None]
-    valid = np.broadcast_to(src >= 0, (t.size, batch, so.size))
-    if lhs_may is not None:
-        lhs_may_flat = lhs_may.reshape(batch, channels, -1)
-        valid = valid & lhs_may_flat[n, i[:, None, None], np.maximum(src, 0)]
-    out_flat = out_at.reshape(batch, outs, -1)
-    lhs_flat = lhs_at.reshape(batch, channels, -1)
-    rhs_flat = rhs_at.reshape(outs, group_in, -1)
-    rows = np.broadcast_to(out_flat[n, o[:, None, None], so[None, None, :]], valid.shape)[valid]
-    pieces = []
-    out_size, lhs_size, rhs_size = _size(out_var.aval), _size(lhs_var.aval), _size(rhs_var.aval)
-    if ps[0] is not None:
-        source_valid = np.broadcast_to(src >= 0, valid.shape)
-        rows_l = np.broadcast_to(out_flat[n, o[:, None, None], so[None, None, :]], valid.shape)[source_valid]
-        cols_l = np.broadcast_to(lhs_flat[n, i[:, None, None], np.maximum(src, 0)], valid.shape)[source_valid]
-        pieces.append(sets.apply(sets.selection(rows_l, cols_l, (out_size, lhs_size)), ps[0]))
-    if ps[1] is not None:
-        cols_r = np.broadcast_to(rhs_flat[o, ig, t][:, None, None], valid.shape)[valid]
-        pieces.append(sets.apply(sets.selection(rows, cols_r, (out_size, rhs_size)), ps[1]))
-    return [sets.union(pieces)]
+def _window_taps(space: Any, window: Any, out_space: Any, params: Any, base: str, dilation: str) -> np.ndarray:
+    """:func:`sets.taps` of a jax window: the input dilated by ``params[base]``, then padded."""
+    shift = [-int(lo) for lo, _ in params["padding"]]
+    return sets.taps(space, window, out_space, params["window_strides"], shift, params[dilation], params[base])
 
 
 @_rule("reduce_window_sum", "reduce_window_max", "reduce_window_min")
 def _reduce_window(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
     """Pooling: each output unites its window, found as a convolution's taps are (padding and
     dilation holes read nothing)."""
-    params = eqn.params
-    shape = _shape(eqn.invars[0])
-    window = tuple(params["window_dimensions"])
-    source = _tap_sources(
-        shape, window, params["window_strides"], params["padding"], params["base_dilation"], params["window_dilation"]
-    )
+    shape, window = _shape(eqn.invars[0]), eqn.params["window_dimensions"]
+    source = _window_taps(shape, window, _shape(eqn.outvars[0]), eqn.params, "base_dilation", "window_dilation")
     out_size = source.shape[1]
     t, o = np.nonzero(source >= 0)
     matrix = sets.selection(o, source[t, o], (out_size, _size(eqn.invars[0].aval)))
@@ -729,22 +616,18 @@ def _custom_jvp(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) ->
 
     def tangents_out(*args: Any) -> Any:
         primals, tangents = args[: len(avals)], args[len(avals) :]
-        full_tangents: list[Any] = []
-        for i, a in enumerate(avals):
-            if i in floats:
-                full_tangents.append(tangents[floats.index(i)])
-            else:
-                full_tangents.append(np.zeros(a.shape, dtype=jax.dtypes.float0))
-        return jax.jvp(lambda *p: fun(*p), tuple(primals), tuple(full_tangents))[1]
+        full = [
+            tangents[floats.index(i)] if i in floats else np.zeros(a.shape, jax.dtypes.float0)
+            for i, a in enumerate(avals)
+        ]
+        return jax.jvp(lambda *p: fun(*p), tuple(primals), tuple(full))[1]
 
     try:
         closed = jax.make_jaxpr(tangents_out)(*structs, *[structs[i] for i in floats])
     except Exception as error:
         raise _Unknown from error
-    primal_patterns = [None] * len(avals)
-    tangent_patterns = [ps[order[i]] for i in floats]
-    primal_values = [vs[order[i]] for i in range(len(avals))]
-    return it.run_closed(closed, primal_patterns + tangent_patterns, primal_values + [None] * len(floats))[0]
+    patterns = [None] * len(avals) + [ps[order[i]] for i in floats]  # (primals depending on nothing)
+    return it.run_closed(closed, patterns, [vs[i] for i in order] + [None] * len(floats))[0]
 
 
 @_rule("custom_vjp_call", "custom_vjp_call_jaxpr")

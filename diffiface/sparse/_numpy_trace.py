@@ -325,10 +325,8 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
             except Exception:  # a rule that does not fit these operands: conservative instead
                 return _dense(self.trace, ufunc, inputs, kwargs)
         if method == "reduce":
-            axis = kwargs.get("axis", 0)
-            keepdims = kwargs.get("keepdims", False)
             linear = ufunc.__name__ in _LINEAR_UFUNCS
-            return _reduce(self.trace, inputs[0], axis, keepdims, linear)
+            return _reduce(self.trace, inputs[0], kwargs.get("axis", 0), kwargs.get("keepdims", False), linear)
         if method == "accumulate":
             return _cumulative(self.trace, inputs[0], kwargs.get("axis", 0), ufunc.__name__ == "add")
         if method == "outer":
@@ -408,8 +406,7 @@ def _shape_of(value: Any) -> tuple[int, ...]:
 
 
 def _ufunc(trace: _Trace, ufunc: Any, inputs: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    shapes = [_shape_of(v) for v in inputs]
-    out_shape = np.broadcast_shapes(*shapes)
+    out_shape = np.broadcast_shapes(*(_shape_of(v) for v in inputs))
     float_inputs = [v for v in inputs if isinstance(v, IndexSetArray) and v.floating]
     broadcast = sets.elementwise([(v.rows, v.shape) for v in float_inputs], out_shape, trace.n)
     rows = sets.union(broadcast)
@@ -433,11 +430,8 @@ def _ufunc(trace: _Trace, ufunc: Any, inputs: Sequence[Any], kwargs: dict[str, A
             pass  # by a constant: linear
         else:
             trace.pairs.add_all(rows)
-    outputs = []
-    for s in samples:
-        dtype = np.asarray(s).dtype
-        floating = dtype.kind in "fc"
-        outputs.append(IndexSetArray(trace, out_shape, rows if floating else None, dtype))
+    dtypes = [np.asarray(s).dtype for s in samples]
+    outputs = [IndexSetArray(trace, out_shape, rows if dtype.kind in "fc" else None, dtype) for dtype in dtypes]
     return tuple(outputs) if len(outputs) > 1 else outputs[0]
 
 
@@ -465,12 +459,7 @@ def _cumulative(trace: _Trace, a: Any, axis: Any, linear: bool, whole: bool = Fa
     a = _lift(trace, a)
     if axis is None:
         a, axis = np.ravel(a), 0
-    if not a.shape:
-        rows = a.rows
-    elif whole:
-        rows = sets.along(a.rows, a.shape, int(axis))
-    else:
-        rows = sets.apply(sets.cumulative_matrix(a.shape, int(axis)), a.rows)
+    rows = sets.along(a.rows, a.shape, int(axis), whole)
     if trace.pairs is not None and not linear:
         trace.pairs.add_all(rows)
     return IndexSetArray(trace, a.shape, rows, a.dtype)
@@ -534,12 +523,11 @@ def _norm(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     return _reduce(trace, a, axis, bool(given.get("keepdims", False)), False)
 
 
-def _along(linear: bool, whole: bool = False) -> Any:
-    def handler(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-        axis = _argument(args, kwargs, 1, "axis", -1 if whole else None)
-        return _cumulative(trace, args[0], axis, linear, whole)
-
-    return handler
+def _along(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """np.cumsum, np.cumprod, np.sort (``whole``: each output on all of its line)."""
+    whole = func.__name__ == "sort"
+    axis = _argument(args, kwargs, 1, "axis", -1 if whole else None)
+    return _cumulative(trace, args[0], axis, func.__name__ == "cumsum", whole)
 
 
 def _diff(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -586,16 +574,11 @@ def _matmul(trace: _Trace, a: Any, b: Any) -> Any:
     b3 = (1, b_shape[0], 1) if squeeze_back else (1, *b_shape) if len(b_shape) == 2 else b_shape
     if a3[0] != b3[0] and 1 not in (a3[0], b3[0]):
         return _dense(trace, np.matmul, (a, b), {})
-    rows = sets.matmul(
-        a.rows if isinstance(a, IndexSetArray) else None,
-        None if isinstance(a, IndexSetArray) else np.asarray(a) != 0,
-        a3,
-        b.rows if isinstance(b, IndexSetArray) else None,
-        None if isinstance(b, IndexSetArray) else np.asarray(b) != 0,
-        b3,
-        trace.n,
-        trace.pairs,
+    left, right = (
+        (v.rows, None, s) if isinstance(v, IndexSetArray) else (None, np.asarray(v) != 0, s)
+        for v, s in ((a, a3), (b, b3))
     )
+    rows = sets.matmul(left, right, trace.n, trace.pairs)
     out = [max(a3[0], b3[0]), a3[1], b3[2]]
     if len(a_shape) < 3 and len(b_shape) < 3:
         out = out[1:]
@@ -639,10 +622,9 @@ def _sliding_products(la: int, lv: int, mode: Any, convolve: bool) -> tuple[int,
     longer, shorter = (lv, la) if swap else (la, lv)
     n_left = {"valid": 0, "same": shorter // 2, "full": shorter - 1}[mode]
     length = {"valid": longer - shorter + 1, "same": longer, "full": longer + shorter - 1}[mode]
-    k, q = (g.ravel() for g in np.meshgrid(np.arange(length), np.arange(shorter), indexing="ij"))
-    p = k - n_left + q
-    inside = (p >= 0) & (p < longer)
-    k, p, q = k[inside], p[inside], q[inside]
+    source = sets.taps((longer,), (shorter,), (length,), 1, -n_left, 1, 1)
+    q, k = np.nonzero(source >= 0)
+    p = source[q, k]
     if convolve:
         q = shorter - 1 - q
     elif swap:
@@ -818,17 +800,15 @@ def _select(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     return IndexSetArray(trace, out_shape, rows, np.result_type(*(v.dtype for v in operands)))
 
 
-def _like(fill: bool) -> Any:
-    def handler(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-        a = args[0]
-        given = _by_name(func, args, kwargs)  # (shape and dtype by position too)
-        shape = given.get("shape") or _shape_of(a)
-        dtype = given.get("dtype") or (a.dtype if isinstance(a, IndexSetArray) else np.float64)
-        if fill and _holds_tracer(_argument(args, kwargs, 1, "fill_value", 0)):  # (also a list of them)
-            return _dense(trace, func, args, kwargs)
-        return IndexSetArray(trace, shape, None, dtype)
-
-    return handler
+def _like(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    a = args[0]
+    given = _by_name(func, args, kwargs)  # (shape and dtype by position too)
+    shape = given.get("shape") or _shape_of(a)
+    dtype = given.get("dtype") or (a.dtype if isinstance(a, IndexSetArray) else np.float64)
+    fill = func.__name__ == "full_like" and _argument(args, kwargs, 1, "fill_value", 0)
+    if _holds_tracer(fill):  # (also a list of them)
+        return _dense(trace, func, args, kwargs)
+    return IndexSetArray(trace, shape, None, dtype)
 
 
 def _shape_only(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -997,8 +977,7 @@ def _dense(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         if not isinstance(o, np.ndarray) and not np.isscalar(o):
             return o
         o = np.asarray(o)
-        floating = o.dtype.kind in "fc"
-        return IndexSetArray(trace, o.shape, sets.all_of(every, o.size) if floating else None, o.dtype)
+        return IndexSetArray(trace, o.shape, sets.all_of(every, o.size) if o.dtype.kind in "fc" else None, o.dtype)
 
     return wrap(out)
 
@@ -1007,13 +986,13 @@ _FUNCTIONS: dict[str, Callable[[_Trace, Any, Any, dict[str, Any]], Any]] = {
     "sum": _sum(True), "mean": _sum(True), "nansum": _sum(True), "nanmean": _sum(True), "average": _sum(True),
     "prod": _sum(False), "max": _sum(False), "amax": _sum(False), "min": _sum(False), "amin": _sum(False),
     "std": _sum(False), "var": _sum(False), "nanmax": _sum(False), "nanmin": _sum(False), "ptp": _sum(False),
-    "norm": _norm, "cumsum": _along(True), "cumprod": _along(False), "diff": _diff, "dot": _dot,
+    "norm": _norm, "cumsum": _along, "cumprod": _along, "diff": _diff, "dot": _dot,
     "vdot": _vdot, "inner": _inner, "outer": _outer, "matmul": lambda t, f, a, k: _matmul(t, a[0], a[1]),
     "select": _select, "convolve": _convolve, "correlate": _convolve, "einsum": _einsum, "tensordot": _tensordot, "kron": _kron,
     "polyval": _polyval, "trace": _trace_of, "sinc": _elementwise, "i0": _elementwise, "nan_to_num": _elementwise,
     "around": _elementwise, "round": _elementwise, "fix": _elementwise, "angle": _elementwise, "imag": _elementwise,
-    "real_if_close": _elementwise, "where": _where, "sort": _along(False, whole=True), "zeros_like": _like(False), "ones_like": _like(False),
-    "empty_like": _like(False), "full_like": _like(True), "shape": _shape_only, "ndim": _shape_only,
+    "real_if_close": _elementwise, "where": _where, "sort": _along, "zeros_like": _like, "ones_like": _like,
+    "empty_like": _like, "full_like": _like, "shape": _shape_only, "ndim": _shape_only,
     "size": _shape_only, "clip": _clip, "result_type": _shape_only,
 }  # fmt: skip
 

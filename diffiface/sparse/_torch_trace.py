@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import operator
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -27,7 +27,7 @@ from .. import _arrays, tree
 from .._errors import UnsupportedOperationError
 from . import _index_sets as sets
 from ._graphs import Traced as Detection
-from ._graphs import first_line
+from ._graphs import first_line, leaf_function
 
 __all__ = ["Detection", "trace_pattern"]
 
@@ -149,18 +149,16 @@ def _mentions_meta(error: BaseException) -> bool:
 def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: bool) -> Detection:
     """The Jacobian (``hessian=False``) or Hessian pattern of torch-written ``f`` at ``x``."""
     torch = _torch()
-    import optree
     from torch.func import functionalize
 
-    leaves, spec = tree.flatten(x)
-    context_leaves, context_spec = tree.flatten(values)
-    # numpy arrays in the contexts reach f as tensors, as under the torch backend
-    context_leaves = [
-        torch.as_tensor(leaf) if isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype.kind in "fciub" else leaf
-        for leaf in context_leaves
-    ]
-    tensor_at = [i for i, leaf in enumerate(context_leaves) if isinstance(leaf, torch.Tensor)]
-    k = len(leaves)
+    def tensor(leaf: Any) -> bool:  # (numpy arrays in the contexts reach f as tensors, as under torch's backend)
+        return isinstance(leaf, torch.Tensor) or (
+            isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype.kind in "fciub"
+        )
+
+    leaves = tree.leaves(x)
+    run, contexts = leaf_function(f, x, values, tensor)
+    contexts = [torch.as_tensor(leaf) for leaf in contexts]
     inputs = [
         leaf
         if isinstance(leaf, torch.Tensor)
@@ -172,16 +170,7 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
     device = inputs[0].device if inputs else torch.device("cpu")
     mode = _tracer_class()(interpreter, device)
     handles = [mode.placeholder(t, interpreter.input_rows[i]) for i, t in enumerate(inputs)]
-    handles += [mode.placeholder(context_leaves[i], None) for i in tensor_at]
-
-    def run(*args: Any) -> Any:
-        xs = optree.tree_unflatten(spec, list(args[:k]))
-        new = list(context_leaves)
-        for i, t in zip(tensor_at, args[k:], strict=True):
-            new[i] = t
-        out = f(xs, *optree.tree_unflatten(context_spec, new))
-        return tree.leaves(out)
-
+    handles += [mode.placeholder(t, None) for t in contexts]
     devices = sorted({t.device.index or 0 for t in inputs if t.device.type == "cuda"})
     compiler_before = "torch._dynamo" in sys.modules
     fallback = False
@@ -224,7 +213,7 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
             torch._dynamo.reset()
         try:
             with _fork_rng(torch, devices):
-                return _make_fx_pattern(run, [*inputs, *[context_leaves[i] for i in tensor_at]], sizes, hessian)
+                return _make_fx_pattern(run, [*inputs, *contexts], sizes, hessian)
         except Exception as error:
             if type(error).__module__.startswith("torch._dynamo"):
                 raise UnsupportedOperationError(
@@ -600,16 +589,11 @@ class _Interpreter:
             if moved is not _UNKNOWN:
                 return [r if _is_float_meta(m) else None for r, m in zip(moved, metas, strict=True)]
         first = shapes[0]
-        if name in ("max", "min", "sort", "cummax", "cummin", "aminmax", "var_mean", "std_mean", "topk", "kthvalue"):
-            if name in ("sort", "cummax", "cummin"):
-                rows = self.along(node, name)
-            elif name in ("aminmax", "var_mean", "std_mean"):
-                rows = self.reduction(node, name, first)
-                return [rows, rows]
-            elif name in ("max", "min"):
-                rows = self.reduction(node, name, first)
-            else:
-                rows = self.dense(node, name, sets.size(first))
+        if name in ("aminmax", "var_mean", "std_mean"):
+            rows = self.reduction(node, name, first)
+            return [rows, rows]
+        if name in ("max", "min", "sort", "cummax", "cummin"):
+            rows = self.reduction(node, name, first) if name in ("max", "min") else self.along(node, name)
             return [rows if _is_float_meta(m) else None for m in metas]
         every = self.dense_row(node)
         return [
@@ -742,10 +726,7 @@ class _Interpreter:
             return rows
         cumulative = name in _CUMULATIVE
         dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0 if cumulative else -1)
-        if cumulative:
-            out = sets.apply(sets.cumulative_matrix(in_shape, int(dim)), rows)
-        else:
-            out = sets.along(rows, in_shape, dim if isinstance(dim, int) else -1)
+        out = sets.along(rows, in_shape, int(dim) if cumulative or isinstance(dim, int) else -1, not cumulative)
         if self.pairs is not None and name != "cumsum":
             self.pairs.add_all(out)
         return out
@@ -771,40 +752,42 @@ class _Interpreter:
             a_shape, b_shape = (1, *a_shape), (1, *b_shape)
         if len(a_shape) != 3 or len(b_shape) != 3 or name == "addbmm":
             return self.dense(node, name, sets.size(shape))
-        out = sets.matmul(
-            self.rows.get(a),
-            self._value_or_none(a),
-            a_shape,
-            self.rows.get(b),
-            self._value_or_none(b),
-            b_shape,
-            self.n,
-            self.pairs,
-        )
+        left, right = ((self.rows.get(v), self._value_or_none(v), s) for v, s in ((a, a_shape), (b, b_shape)))
+        out = sets.matmul(left, right, self.n, self.pairs)
         if bias is not None and hasattr(bias, "op"):
             out = sets.union([out, sets.broadcast(self.rows.get(bias), _shape(bias), shape, self.n)])
         return out
 
     def convolution(self, node: Any, shape: tuple[int, ...]) -> Any:
-        args = list(node.args)
-        source, weight, bias = args[0], args[1], args[2]
-        stride, padding, dilation, transposed, _, groups = args[3:9]
+        """A convolution, transposed or not, by :func:`sets.convolution`: input (B, C, *L), weight
+        (O, C / groups, *K), output (B, O, *L_out). Transposed, the weight is (C, O / groups, *K),
+        and input element (b, c, *l) adds ``w[c, o_local, *k]`` times itself into output (b, o,
+        *(l * stride - padding + k * dilation)), o the channel o_local of c's group: output
+        position s reads input position (s + padding - k * dilation) / stride. A constant
+        kernel's zeros drop their terms; every output position of a channel reads a traced
+        weight's taps, but a transposed one's only where the tap reaches it."""
+        source, weight, bias = node.args[:3]
+        stride, padding, dilation, transposed, _, groups = node.args[3:9]
         in_shape, w_shape = _shape(source), _shape(weight)
         if len(in_shape) < 3 or len(w_shape) != len(in_shape):
             return _UNKNOWN  # (an unbatched input reaches aten batched; anything else: dense)
-        kernel = self._value_or_none(weight)
-        if kernel is None:
-            kernel = np.ones(w_shape, dtype=bool)
-        pairs_in, pairs_w = _conv_pairs(in_shape, w_shape, shape, kernel, stride, padding, dilation, groups, transposed)
-        out_size = sets.size(shape)
-        # each operand's elements that each output element reads: (output, operand) index pairs
-        operands = [(source, pairs_in, sets.size(in_shape)), (weight, pairs_w, sets.size(w_shape))]
-        if bias is not None and hasattr(bias, "op"):
-            operands.append((bias, (np.arange(out_size), np.indices(shape)[1].reshape(-1)), shape[1]))
-        parts = []
-        for operand, (rows, cols), columns in operands:
-            if self.rows.get(operand) is not None:
-                parts.append(sets.apply(sets.selection(rows, cols, (out_size, columns)), self.rows[operand]))
+        kernel: Any = self._value_or_none(weight)
+        w_at: Any = sets.positions(w_shape) - 1
+        if transposed:  # the weight in the layout (O, C / groups, *K)
+            regrouped = (groups, w_shape[0] // groups, w_shape[1], -1)
+            kernel, w_at = (
+                None if a is None else a.reshape(regrouped).swapaxes(1, 2).reshape(-1, regrouped[1], *w_shape[2:])
+                for a in (kernel, w_at)
+            )
+            taps = sets.taps(in_shape[2:], w_shape[2:], shape[2:], 1, padding, -np.asarray(dilation), stride)
+        else:
+            taps = sets.taps(in_shape[2:], w_shape[2:], shape[2:], stride, -np.asarray(padding), dilation, 1)
+        lhs, rhs = (self.rows.get(source), None, sets.positions(in_shape) - 1), (self.rows.get(weight), kernel, w_at)
+        parts = [sets.convolution(lhs, rhs, sets.positions(shape) - 1, taps, groups, not transposed)]
+        if bias is not None and hasattr(bias, "op") and self.rows.get(bias) is not None:
+            out_size = sets.size(shape)
+            channel = sets.selection(np.arange(out_size), np.indices(shape)[1].reshape(-1), (out_size, shape[1]))
+            parts.append(sets.apply(channel, self.rows[bias]))
         if self.pairs is not None and self.rows.get(source) is not None and self.rows.get(weight) is not None:
             self.pairs.add_all(sets.all_of(sets.union(parts), 1))
         return sets.union(parts)
@@ -901,61 +884,3 @@ def _name(target: Any) -> str:
     packet = getattr(target, "overloadpacket", None)
     name = getattr(packet, "__name__", None) or getattr(target, "__name__", str(target))
     return str(name).split(".")[-1]
-
-
-def _conv_pairs(
-    in_shape: Sequence[int],
-    w_shape: Sequence[int],
-    out_shape: Sequence[int],
-    kernel: np.ndarray,
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    groups: int,
-    transposed: bool,
-) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
-    """(output, input) and (output, weight) flat index pairs of a convolution, where the kernel may be
-    nonzero. Input (B, C, *L), weight (O, C / groups, *K), output (B, O, *L_out).
-
-    Transposed, the weight is (C, O / groups, *K): input element (b, c, *l) adds ``w[c, o_local, *k]``
-    times itself into output (b, o, *(l * stride - padding + k * dilation)), o the channel o_local
-    of c's group; an output padding only lengthens L_out (its elements read nothing)."""
-    # Both are one geometry: tap w[g, local, *k] joins position p of channel g on the grid's side
-    # (a convolution's output, a transposed one's input) to position p * stride - padding +
-    # k * dilation of channel ``local`` of g's group on the other side, where that lies inside it.
-    grid_shape, other_shape = (in_shape, out_shape) if transposed else (out_shape, in_shape)
-    spatial = len(in_shape) - 2
-    taps = np.argwhere(kernel.reshape(w_shape))
-    g_idx, local = taps[:, 0], taps[:, 1]
-    k_idx = taps[:, 2:]
-    other_idx = (g_idx // (w_shape[0] // groups)) * w_shape[1] + local
-    w_flat: Any = np.ravel_multi_index(tuple(taps.T), tuple(w_shape)) if taps.size else np.zeros(0, dtype=np.int64)
-    grid = np.indices(tuple(grid_shape[2:])).reshape(spatial, -1).T  # (P, spatial)
-    in_rows, in_cols, w_rows, w_cols = [], [], [], []
-    for b in range(in_shape[0]):
-        for t in range(taps.shape[0]):
-            location = grid * np.asarray(stride) - np.asarray(padding) + k_idx[t] * np.asarray(dilation)
-            inside = np.all((location >= 0) & (location < np.asarray(other_shape[2:])), axis=1)
-            grid_flat = np.ravel_multi_index(
-                (np.full(grid.shape[0], b), np.full(grid.shape[0], g_idx[t]), *grid.T), tuple(grid_shape)
-            )
-            loc = location[inside]
-            other_flat = np.ravel_multi_index(
-                (np.full(loc.shape[0], b), np.full(loc.shape[0], other_idx[t]), *loc.T), tuple(other_shape)
-            )
-            if transposed:
-                in_rows.append(other_flat)
-                in_cols.append(grid_flat[inside])
-                weighted = other_flat
-            else:
-                in_rows.append(grid_flat[inside])
-                in_cols.append(other_flat)
-                weighted = grid_flat  # (every output position of the channel reads the tap's weight)
-            w_rows.append(weighted)
-            w_cols.append(np.full(weighted.size, w_flat[t]))
-    cat = np.concatenate
-    empty = np.zeros(0, dtype=np.int64)
-    return (
-        (cat(in_rows) if in_rows else empty, cat(in_cols) if in_cols else empty),
-        (cat(w_rows) if w_rows else empty, cat(w_cols) if w_cols else empty),
-    )
