@@ -422,7 +422,7 @@ class _ProductRoute(_Route):
                 head = (y,)
                 products.extend(pulled)
         if not head:  # no colors: an empty pattern, and f's value from one call
-            head = (_value(f, x, contexts),) if not plan.hessian else head
+            head = (f(x, *(c.value for c in contexts)),) if not plan.hessian else head
         values = self._gather([_tree.ravel(p)[0] for p in products])
         return (*head, values)
 
@@ -432,10 +432,6 @@ class _ProductRoute(_Route):
             return matrices.cast(xp.zeros((0,)), dtype)
         stacked = xp.concatenate([matrices.cast(v.reshape(-1), dtype) for v in flats])
         return matrices.take(stacked, self.index)
-
-
-def _value(f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> Any:
-    return f(x, *(c.value for c in contexts))
 
 
 def _like(flat: Any, vector: np.ndarray) -> Any:
@@ -463,7 +459,7 @@ class _CompressedInputRoute(_Route):
         family = plan.family
         seeds = _like(flat, np.asarray(plan.coloring.seeds))
         with _arrays.by_kind(family).dtype_scope([plan.flat_dtype]):  # (jax's x64)
-            y = _value(f, x, contexts)
+            y = f(x, *(c.value for c in contexts))
         self.y_layout = _Layout(y)
         _check_rows(plan, self.y_layout)
         self.unravel_y = _tree.ravel(y)[1]

@@ -375,18 +375,12 @@ def _pad(eqn: Any, pos: list[np.ndarray], vs: list[Any]) -> np.ndarray:
     return operand
 
 
-def _known_ints(values: Sequence[Any]) -> list[int]:
-    ints = []
-    for val in values:
-        if val is None:
-            raise _Unknown
-        ints.append(int(np.asarray(val)))
-    return ints
-
-
 def _window(starts: Sequence[Any], sizes: Sequence[int], shape: Sequence[int]) -> tuple[slice, ...]:
-    """The slices of a dynamic slice's window: jax clamps the known starts so that it fits."""
-    clamped = [min(max(s, 0), d - size) for s, size, d in zip(_known_ints(starts), sizes, shape, strict=True)]
+    """The slices of a dynamic slice's window: jax clamps the starts (known) so that it fits."""
+    if any(s is None for s in starts):
+        raise _Unknown
+    known = [int(np.asarray(s)) for s in starts]
+    clamped = [min(max(s, 0), d - size) for s, size, d in zip(known, sizes, shape, strict=True)]
     return tuple(slice(s, s + size) for s, size in zip(clamped, sizes, strict=True))
 
 
@@ -501,8 +495,7 @@ def _scatter(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> li
 
 @_rule("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin", "reduce_and", "reduce_or")
 def _reduce(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[Pattern]:
-    matrix = sets.reduction_matrix(_shape(eqn.invars[0]), tuple(eqn.params["axes"]))
-    return [sets.apply(matrix, ps[0])]
+    return [sets.apply(sets.reduction_matrix(_shape(eqn.invars[0]), tuple(eqn.params["axes"])), ps[0])]
 
 
 @_rule("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
@@ -518,12 +511,8 @@ def _sort(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) -> list[
     axis = axis % len(shape) if shape else 0
     matrix = sets.reduction_matrix(shape, (axis,))
     line = sets.union([sets.apply(matrix, p) for p in ps])
-    outs = []
-    for out in eqn.outvars:
-        out_shape = _shape(out)
-        kept = [1 if a == axis else d for a, d in enumerate(out_shape)]
-        outs.append(sets.broadcast(line, kept, out_shape, it.n))
-    return outs
+    kept = ([1 if a == axis else d for a, d in enumerate(_shape(out))] for out in eqn.outvars)
+    return [sets.broadcast(line, k, _shape(out), it.n) for k, out in zip(kept, eqn.outvars, strict=True)]
 
 
 @_rule("dot_general")
@@ -583,9 +572,8 @@ def _reduce_window(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any])
     dilation holes read nothing)."""
     shape, window = _shape(eqn.invars[0]), eqn.params["window_dimensions"]
     source = _window_taps(shape, window, _shape(eqn.outvars[0]), eqn.params, "base_dilation", "window_dilation")
-    out_size = source.shape[1]
     t, o = np.nonzero(source >= 0)
-    matrix = sets.selection(o, source[t, o], (out_size, _size(eqn.invars[0].aval)))
+    matrix = sets.selection(o, source[t, o], (source.shape[1], _size(eqn.invars[0].aval)))
     return [sets.apply(matrix, ps[0])]
 
 

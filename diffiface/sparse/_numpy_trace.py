@@ -422,13 +422,11 @@ def _ufunc(trace: _Trace, ufunc: Any, inputs: Sequence[Any], kwargs: dict[str, A
     if trace.pairs is not None and rows is not None:
         present = [r for r in broadcast if r is not None]
         complex_input = any(isinstance(v, IndexSetArray) and v.dtype.kind == "c" for v in inputs)
-        if name in _LINEAR_UFUNCS or (name in _PIECEWISE_LINEAR and not complex_input):
-            pass  # (|z| and z / |z| of a complex z are no piecewise linear maps of its parts)
-        elif name == "multiply" and len(present) == 2:
+        # (|z| and z / |z| of a complex z are no piecewise linear maps of its parts; a quotient by a constant is)
+        linear = name in _LINEAR_UFUNCS or (name in _PIECEWISE_LINEAR and not complex_input)
+        if name == "multiply" and len(present) == 2:
             trace.pairs.add(present[0], present[1])
-        elif name == "multiply" or (name in ("true_divide", "divide") and broadcast and broadcast[-1] is None):
-            pass  # by a constant: linear
-        else:
+        elif not (linear or name == "multiply" or (name in ("true_divide", "divide") and broadcast[-1] is None)):
             trace.pairs.add_all(rows)
     dtypes = [np.asarray(s).dtype for s in samples]
     outputs = [IndexSetArray(trace, out_shape, rows if dtype.kind in "fc" else None, dtype) for dtype in dtypes]

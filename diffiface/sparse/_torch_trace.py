@@ -677,17 +677,13 @@ class _Interpreter:
         out = sets.union(broadcast)
         if self.pairs is not None:
             present = [r for r in broadcast if r is not None]
-            if name in _LINEAR_POINTWISE or len(present) == 0:
-                pass
-            elif name == "mul" and len(present) == 1 and len(broadcast) >= 1:
-                pass  # a product with a constant is linear
-            elif name == "mul" and len(present) == 2:
+            # linear: a product with a constant, a quotient by one, a selection (in each branch)
+            linear = (
+                name in _LINEAR_POINTWISE or name == "where" or (name == "div" and _numerator_alone(node, self.rows))
+            )
+            if name == "mul" and len(present) == 2:
                 self.pairs.add(present[0], present[1])
-            elif name == "div" and _numerator_alone(node, self.rows):
-                pass  # a quotient by a constant is linear
-            elif name == "where" and len(present) >= 1:
-                pass  # a selection, linear in each branch
-            else:
+            elif present and not linear and not (name == "mul" and len(present) == 1):
                 self.pairs.add_all(out)
         return out
 
@@ -802,11 +798,8 @@ class _Interpreter:
         return a
 
 
-class _UnknownType:
-    pass
-
-
-_UNKNOWN: Any = _UnknownType()
+_UNKNOWN: Any = object()
+"""What a rule returns where it cannot tell (an index not known): the next rule, or dense, instead."""
 
 
 def _nodes(a: Any) -> list[Any]:
