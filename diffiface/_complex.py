@@ -191,18 +191,22 @@ def _may_return_complex(op: Operator, adapter: Adapter) -> bool:
 
 class Holomorphic:
     """``f``, asserted holomorphic by the caller (``holomorphic=True``): its Jacobian is taken
-    along the real axis only, ``df/dz = df/dRe z``, unchecked."""
+    along the real axis only, ``df/dz = df/dRe z``, unchecked. It holds ``f`` weakly, as preps
+    do: the table of :func:`holomorphic` keeps it while ``f`` lives, and not after."""
 
     __slots__ = ("__weakref__", "_f")
 
     def __init__(self, f: Callable[..., Any]) -> None:
-        self._f = f
+        try:
+            self._f: Callable[[], Any] = weakref.ref(f, functools.partial(_forget, id(f)))
+        except TypeError:  # no weak references (a builtin): kept, as builtins live long
+            self._f = _Strong(f)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._f(*args, **kwargs)
+        return self._f()(*args, **kwargs)
 
 
-_HOLOMORPHIC: dict[int, tuple[Any, Holomorphic]] = {}
+_HOLOMORPHIC: dict[int, Holomorphic] = {}
 _HOLOMORPHIC_LOCK = threading.Lock()
 
 
@@ -214,14 +218,9 @@ def holomorphic(f: Callable[..., Any]) -> Holomorphic:
     key = id(f)
     with _HOLOMORPHIC_LOCK:
         found = _HOLOMORPHIC.get(key)
-        if found is not None and found[0]() is f:
-            return found[1]
-        marked = Holomorphic(f)
-        try:
-            ref: Any = weakref.ref(f, functools.partial(_forget, key))
-        except TypeError:  # no weak references (a builtin): kept, as builtins live long
-            ref = _Strong(f)
-        _HOLOMORPHIC[key] = (ref, marked)
+        if found is not None and found._f() is f:
+            return found
+        marked = _HOLOMORPHIC[key] = Holomorphic(f)
         return marked
 
 

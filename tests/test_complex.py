@@ -432,3 +432,37 @@ def test_a_prep_made_on_real_outputs_refuses_complex_ones_later() -> None:
     )
     with pytest.raises(di.InvalidOutputError, match="returned real ones"):
         di.jvp(np.emath.sqrt, "finite_differences", np.array([-4.0, 9.0]), np.ones(2), prep=prep)
+
+
+@pytest.mark.parametrize("backend_id", ["jax", "torch-autograd", "finite_differences"])
+def test_a_function_marked_holomorphic_is_not_kept_alive(backend_id: str) -> None:
+    """``holomorphic=True`` marks f in a table that must not outlive it: once the caller drops f
+    (after an unprepared and a prepared call), f is collected and the table forgets it, as a
+    function not so marked is."""
+    import gc
+    import weakref
+
+    from diffiface import _complex
+
+    backend = require_complex(backend_id)
+    z = _as(backend_id, Z)
+
+    def make() -> Any:
+        def f(v: Any) -> Any:
+            return v**2
+
+        return f
+
+    f = make()
+    di.jacobian(f, backend, z, holomorphic=True)
+    prep = di.prepare_jacobian(f, backend, z, holomorphic=True)
+    np.testing.assert_allclose(
+        _numpy(di.jacobian(f, backend, z, holomorphic=True, prep=prep)), np.diag(2 * Z), rtol=1e-6
+    )
+    reference = weakref.ref(f)
+    assert id(f) in _complex._HOLOMORPHIC
+    key = id(f)
+    del f, prep
+    gc.collect()
+    assert reference() is None
+    assert key not in _complex._HOLOMORPHIC
