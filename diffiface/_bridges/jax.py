@@ -67,10 +67,6 @@ def _out_avals(primitive: Primitive, site: Site, batch: int) -> list[jax.core.Sh
     return [jax.core.ShapedArray(prefix + a.shape, jax.dtypes.canonicalize_dtype(np.dtype(a.dtype))) for a in base]
 
 
-def _abstract_eval(primitive: Primitive, *args: Any, site: Site, batch: int) -> list[jax.core.ShapedArray]:
-    return _out_avals(primitive, site, batch)
-
-
 # --- host work -------------------------------------------------------------------------------------
 
 
@@ -159,7 +155,7 @@ def _lowered(primitive: Primitive, *args: Any, site: Site, batch: int) -> Any:
 
 
 for _p in (call_p, jvp_p, vjp_p, second_jvp_p, second_vjp_p):
-    _p.def_abstract_eval(partial(_abstract_eval, _p))
+    _p.def_abstract_eval(lambda *_, site, batch, _p=_p: _out_avals(_p, site, batch))
     _p.def_impl(partial(_eager, _p))
     mlir.register_lowering(_p, mlir.lower_fun(partial(_lowered, _p), multiple_results=True))
 

@@ -255,86 +255,68 @@ class _Call(_CallCompiled):
         return _vmap_loop(_Call, info, in_dims, (number, *x))
 
 
-class _Jvp(_Saving):
-    """J(x) t: its backward in t is _Vjp; in x, the second product (where the engine nests)."""
+def _product(what: str, action: str) -> Any:
+    """The Function of g's ``what`` ("jvp": J(x) t, "vjp": J(x)ᵀ c), linear in its second
+    argument: its backward there is the other product; in x, the second product (where the
+    engine nests). ``action`` names its derivative in x in the refusal where the engine does not."""
+    jvp = what == "jvp"
 
-    @staticmethod
-    def forward(number: int, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        return _op("jvp", number, args)
+    class Product(_Saving):
+        @staticmethod
+        def forward(number: int, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+            return _op(what, number, args)
 
-    @staticmethod
-    def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        site = _site(ctx.number)
-        n = len(site.plan.x_avals)
-        saved = ctx.saved_tensors
-        x, t = saved[:n], saved[n:]
-        w = _zeros_for(cotangents, site.plan.y_avals, x[0] if x else None)
-        grad_x: tuple[Any, ...] = (None,) * n
-        if any(ctx.needs_input_grad[1 : 1 + n]):
-            if not site.inner.nestable:
-                raise first_order_only(site.inner.backend, "differentiating g's jvp with respect to x")
-            grad_x = _Second.apply(site.number, "second_vjp", *x, *w, *t)
-        grad_t = _Vjp.apply(site.number, *x, *w) if any(ctx.needs_input_grad[1 + n :]) else (None,) * n
-        return (None, *grad_x, *grad_t)
+        @staticmethod
+        def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+            site = _site(ctx.number)
+            plan = site.plan
+            n = len(plan.x_avals)
+            saved = ctx.saved_tensors
+            x, v = saved[:n], saved[n:]
+            w = _zeros_for(cotangents, plan.y_avals if jvp else plan.x_avals, x[0] if x else None)
+            grad_x: tuple[Any, ...] = (None,) * n
+            if any(ctx.needs_input_grad[1 : 1 + n]):
+                _nested(site, action)
+                # second_vjp(x, c, v): c y-shaped, v x-shaped
+                grad_x = _Second.apply(site.number, "second_vjp", *x, *((*w, *v) if jvp else (*v, *w)))
+            transposed = _Vjp if jvp else _Jvp
+            grad_v = transposed.apply(site.number, *x, *w) if any(ctx.needs_input_grad[1 + n :]) else (None,) * len(v)
+            return (None, *grad_x, *grad_v)
 
-    @staticmethod
-    def jvp(ctx: Any, _number_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        site = _site(ctx.number)
-        n = len(site.plan.x_avals)
-        saved = ctx.saved_tensors
-        x, t = saved[:n], saved[n:]
-        dx, dt = tangents[:n], tangents[n:]
-        out = _Jvp.apply(site.number, *x, *_zeros_for(dt, site.plan.x_avals, x[0] if x else None))
-        if any(d is not None for d in dx):
-            if not site.inner.nestable:
-                raise first_order_only(site.inner.backend, "differentiating g's jvp with respect to x")
-            out = _sum(out, _Second.apply(site.number, "second_jvp", *x, *t, *_zeros_for(dx, site.plan.x_avals, x[0])))
-        return out  # type: ignore[no-any-return]
+        @staticmethod
+        def jvp(ctx: Any, _number_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            site = _site(ctx.number)
+            plan = site.plan
+            n = len(plan.x_avals)
+            saved = ctx.saved_tensors
+            x, v = saved[:n], saved[n:]
+            dx, dv = tangents[:n], tangents[n:]
+            out = Product.apply(
+                site.number, *x, *_zeros_for(dv, plan.x_avals if jvp else plan.y_avals, x[0] if x else None)
+            )
+            if any(d is not None for d in dx):
+                _nested(site, action)
+                out = _sum(
+                    out, _Second.apply(site.number, f"second_{what}", *x, *v, *_zeros_for(dx, plan.x_avals, x[0]))
+                )
+            return out  # type: ignore[no-any-return]
 
-    @staticmethod
-    def vmap(info: Any, in_dims: Sequence[Any], number: int, *args: torch.Tensor) -> Any:
-        return _vmap_loop(_Jvp, info, in_dims, (number, *args))
+        @staticmethod
+        def vmap(info: Any, in_dims: Sequence[Any], number: int, *args: torch.Tensor) -> Any:
+            return _vmap_loop(Product, info, in_dims, (number, *args))
+
+    Product.__name__ = Product.__qualname__ = f"_{what.capitalize()}"
+    return Product
 
 
-class _Vjp(_Saving):
-    """J(x)ᵀ c: its backward in c is _Jvp; in x, the second product (where the engine nests)."""
+def _nested(site: Site, action: str) -> None:
+    """Refuse a second product where the inner engine does not nest."""
+    if not site.inner.nestable:
+        raise first_order_only(site.inner.backend, f"differentiating g's {action} with respect to x")
 
-    @staticmethod
-    def forward(number: int, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        return _op("vjp", number, args)
 
-    @staticmethod
-    def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        site = _site(ctx.number)
-        n = len(site.plan.x_avals)
-        saved = ctx.saved_tensors
-        x, c = saved[:n], saved[n:]
-        w = _zeros_for(cotangents, site.plan.x_avals, x[0] if x else None)
-        grad_x: tuple[Any, ...] = (None,) * n
-        if any(ctx.needs_input_grad[1 : 1 + n]):
-            if not site.inner.nestable:
-                raise first_order_only(site.inner.backend, "differentiating g's gradient with respect to x")
-            grad_x = _Second.apply(site.number, "second_vjp", *x, *c, *w)
-        grad_c = _Jvp.apply(site.number, *x, *w) if any(ctx.needs_input_grad[1 + n :]) else (None,) * len(c)
-        return (None, *grad_x, *grad_c)
-
-    @staticmethod
-    def jvp(ctx: Any, _number_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        site = _site(ctx.number)
-        n = len(site.plan.x_avals)
-        saved = ctx.saved_tensors
-        x, c = saved[:n], saved[n:]
-        dx, dc = tangents[:n], tangents[n:]
-        out = _Vjp.apply(site.number, *x, *_zeros_for(dc, site.plan.y_avals, x[0] if x else None))
-        if any(d is not None for d in dx):
-            if not site.inner.nestable:
-                raise first_order_only(site.inner.backend, "differentiating g's gradient with respect to x")
-            out = _sum(out, _Second.apply(site.number, "second_vjp", *x, *c, *_zeros_for(dx, site.plan.x_avals, x[0])))
-        return out  # type: ignore[no-any-return]
-
-    @staticmethod
-    def vmap(info: Any, in_dims: Sequence[Any], number: int, *args: torch.Tensor) -> Any:
-        return _vmap_loop(_Vjp, info, in_dims, (number, *args))
+_Jvp = _product("jvp", "jvp")
+_Vjp = _product("vjp", "gradient")
 
 
 class _Second(torch.autograd.Function):
