@@ -110,11 +110,7 @@ class Adapter(BlackBoxAdapter):
         flat, found = _flatten_out(out)
         if layout is not None:
             _fit(layout, found)
-        if np.iscomplexobj(vector):
-            _refuse_real(self.backend, [np.asarray(_arrays.to_numpy(y)) for y in as_tuple(out)])
-        if np.iscomplexobj(flat):
-            return flat.imag if np.iscomplexobj(vector) else flat.real
-        return flat.astype(np.float64)
+        return self._real(flat, vector, as_tuple(out))
 
     def _first(self, fn: Fn, point: _Point, vector: np.ndarray) -> float:
         """The first number of f at ``vector`` (a scalar f's value)."""
@@ -222,9 +218,13 @@ class Adapter(BlackBoxAdapter):
             _fit(layout, found)
         else:
             layout.extend(found)
-        if np.iscomplexobj(points):
-            _refuse_real(self.backend, arrays)
         flat = np.concatenate([a.reshape(k, -1) for a in arrays], axis=1) if arrays else np.zeros((k, 0))
+        return self._real(flat, points, arrays)
+
+    def _real(self, flat: np.ndarray, points: np.ndarray, outputs: Any) -> np.ndarray:
+        """f's flat values in float64: the imaginary part at complex-step points, else the real part."""
+        if np.iscomplexobj(points):
+            _refuse_real(self.backend, [np.asarray(_arrays.to_numpy(y)) for y in outputs])
         if np.iscomplexobj(flat):
             return flat.imag if np.iscomplexobj(points) else flat.real
         return flat.astype(np.float64)

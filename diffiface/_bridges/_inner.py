@@ -351,25 +351,23 @@ class Inner:
         """jvps along a batch of tangents (a leading axis on each leaf): one Jacobian and a
         contraction where that costs less than one product per tangent (or the backend is sparse),
         else one jvp each."""
-        batch = int(_arrays.shape(tx[0])[0]) if tx else 0
-        if self._by_jacobian(plan, batch):
-            jac = self._flat_jacobian(plan, x, contexts)
-            tangents = self._stack_flat([t.reshape(batch, -1) for t in tx], axis=1)  # (batch, n)
-            products = (jac @ tangents.T).T  # (batch, m)
-            return self._split(products, plan.y_avals, batch)
-        rows = [self.jvp(plan, x, [t[b] for t in tx], contexts) for b in range(batch)]
-        return self._stack_rows(rows, len(plan.y_avals))
+        return self._products(plan, x, tx, contexts, jvp=True)
 
     def vjps(self, plan: Plan, x: Leaves, ty: Leaves, contexts: Sequence[Context[Any]]) -> Leaves:
-        batch = int(_arrays.shape(ty[0])[0]) if ty else 0
+        return self._products(plan, x, ty, contexts, jvp=False)
+
+    def _products(self, plan: Plan, x: Leaves, linear: Leaves, contexts: Sequence[Context[Any]], jvp: bool) -> Leaves:
+        batch = int(_arrays.shape(linear[0])[0]) if linear else 0
+        avals = plan.y_avals if jvp else plan.x_avals
         if self._by_jacobian(plan, batch):
             jac = self._flat_jacobian(plan, x, contexts)
-            cotangents = self._stack_flat([t.reshape(batch, -1) for t in ty], axis=1)  # (batch, m)
+            flat = self._stack_flat([t.reshape(batch, -1) for t in linear], axis=1)  # (batch, n) or (batch, m)
             # conj(J)ᵀ c, the vjp of docs/complex.md (for a holomorphic f: J's conjugate transpose)
-            products = _conj((jac.T @ _conj(cotangents).T).T)  # (batch, n)
-            return self._split(products, plan.x_avals, batch)
-        rows = [self.vjp(plan, x, [t[b] for t in ty], contexts) for b in range(batch)]
-        return self._stack_rows(rows, len(plan.x_avals))
+            products = (jac @ flat.T).T if jvp else _conj((jac.T @ _conj(flat).T).T)
+            return self._split(products, avals, batch)
+        product = self.jvp if jvp else self.vjp
+        rows = [product(plan, x, [t[b] for t in linear], contexts) for b in range(batch)]
+        return self._stack_rows(rows, len(avals))
 
     def second_jvp(self, plan: Plan, x: Leaves, t1: Leaves, t2: Leaves, contexts: Sequence[Context[Any]]) -> Leaves:
         """D²f(x)[t1, t2], y-shaped: the jvp along t2 of x -> jvp(f, x, t1)."""
