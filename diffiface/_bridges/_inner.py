@@ -414,8 +414,7 @@ class Inner:
         """The Jacobian of f from the flat vector of x to that of f(x): (m, n), dense, or sparse
         under AutoSparse."""
         xp = self.family.numpy_like()
-        sizes = [a.size for a in plan.x_avals]
-        cuts = list(itertools.accumulate(sizes))[:-1]
+        cuts = list(itertools.accumulate(a.size for a in plan.x_avals))[:-1]
         f = self.f
 
         def flat_f(vector: Any, *values: Any) -> Any:
@@ -434,14 +433,8 @@ class Inner:
         return self.family.numpy_like().concatenate(pieces, axis=axis)
 
     def _split(self, products: Any, avals: Sequence[Aval], batch: int) -> Leaves:
-        sizes = [a.size for a in avals]
-        cuts = list(itertools.accumulate(sizes))[:-1]
-        out = []
-        start = 0
-        for a, end in zip(avals, [*cuts, sum(sizes)], strict=True):
-            out.append(products[:, start:end].reshape((batch, *a.shape)))
-            start = end
-        return out
+        pieces = _split_vector(products.T, list(itertools.accumulate(a.size for a in avals))[:-1])
+        return [p.T.reshape((batch, *a.shape)) for p, a in zip(pieces, avals, strict=True)]
 
     def _stack_rows(self, rows: list[Leaves], count: int) -> Leaves:
         xp = self.family.numpy_like()
