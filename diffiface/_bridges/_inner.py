@@ -81,14 +81,18 @@ def nestable(backend: Backend) -> bool:
     return isinstance(backend, (AutoJAX, AutoTorch, AutoAutograd, AutoMLX, AutoTensorFlow))
 
 
-def first_order_only(backend: Backend, what: str) -> UnsupportedOperationError:
-    return UnsupportedOperationError(
-        f"differentiate_with(f, {backend!r}) is first order only: {what} needs the derivative of a "
-        f"derivative of f, and {backend!r} does not differentiate its own results (finite differences of "
-        "finite differences would be inaccurate, so diffiface refuses rather than return them). Use an "
-        "engine that nests (di.AutoJAX(), di.AutoTorch(), di.AutoAutograd()), or take the second order "
-        "from the outer engine by finite differences of g's gradient."
-    )
+def check_nests(site: Site, action: str) -> None:
+    """Refuse a second product (differentiating g's ``action`` with respect to x) where the inner
+    engine does not nest."""
+    if not site.inner.nestable:
+        backend = site.inner.backend
+        raise UnsupportedOperationError(
+            f"differentiate_with(f, {backend!r}) is first order only: differentiating g's {action} with respect "
+            f"to x needs the derivative of a derivative of f, and {backend!r} does not differentiate its own "
+            "results (finite differences of finite differences would be inaccurate, so diffiface refuses rather "
+            "than return them). Use an engine that nests (di.AutoJAX(), di.AutoTorch(), di.AutoAutograd()), or "
+            "take the second order from the outer engine by finite differences of g's gradient."
+        )
 
 
 def beyond_second_order(backend: Backend) -> UnsupportedOperationError:

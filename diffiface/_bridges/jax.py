@@ -26,7 +26,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from .. import _arrays
-from ._inner import Aval, Site, beyond_second_order, first_order_only, to_inner
+from ._inner import Aval, Site, beyond_second_order, check_nests, to_inner
 
 __all__ = ["call"]
 
@@ -222,8 +222,7 @@ def _product_jvp(
         else [jnp.zeros(a.shape, a.dtype) for a in _out_avals(primitive, site, batch)]
     )
     if not _all_zero(dx):
-        if not site.inner.nestable:
-            raise first_order_only(site.inner.backend, f"differentiating g's {what} with respect to x")
+        check_nests(site, what)
         d_out = _add(d_out, _per_row(second, x, v, _instantiate(dx), site, batch))
     return out, d_out
 

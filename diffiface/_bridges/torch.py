@@ -23,7 +23,7 @@ import torch.utils.dlpack
 
 from .. import _arrays
 from .. import tree as _tree
-from ._inner import Aval, Site, beyond_second_order, first_order_only, to_inner, traced_refusal
+from ._inner import Aval, Site, beyond_second_order, check_nests, to_inner, traced_refusal
 
 __all__ = ["call"]
 
@@ -258,7 +258,7 @@ class _Call(_CallCompiled):
 def _product(what: str, action: str) -> Any:
     """The Function of g's ``what`` ("jvp": J(x) t, "vjp": J(x)ᵀ c), linear in its second
     argument: its backward there is the other product; in x, the second product (where the
-    engine nests). ``action`` names its derivative in x in the refusal where the engine does not."""
+    engine nests). ``action`` names it in the refusal where the engine does not nest."""
     jvp = what == "jvp"
 
     class Product(_Saving):
@@ -276,7 +276,7 @@ def _product(what: str, action: str) -> Any:
             w = _zeros_for(cotangents, plan.y_avals if jvp else plan.x_avals, x[0] if x else None)
             grad_x: tuple[Any, ...] = (None,) * n
             if any(ctx.needs_input_grad[1 : 1 + n]):
-                _nested(site, action)
+                check_nests(site, action)
                 # second_vjp(x, c, v): c y-shaped, v x-shaped
                 grad_x = _Second.apply(site.number, "second_vjp", *x, *((*w, *v) if jvp else (*v, *w)))
             transposed = _Vjp if jvp else _Jvp
@@ -295,7 +295,7 @@ def _product(what: str, action: str) -> Any:
                 site.number, *x, *_zeros_for(dv, plan.x_avals if jvp else plan.y_avals, x[0] if x else None)
             )
             if any(d is not None for d in dx):
-                _nested(site, action)
+                check_nests(site, action)
                 out = _sum(
                     out, _Second.apply(site.number, f"second_{what}", *x, *v, *_zeros_for(dx, plan.x_avals, x[0]))
                 )
@@ -307,12 +307,6 @@ def _product(what: str, action: str) -> Any:
 
     Product.__name__ = Product.__qualname__ = f"_{what.capitalize()}"
     return Product
-
-
-def _nested(site: Site, action: str) -> None:
-    """Refuse a second product where the inner engine does not nest."""
-    if not site.inner.nestable:
-        raise first_order_only(site.inner.backend, f"differentiating g's {action} with respect to x")
 
 
 _Jvp = _product("jvp", "jvp")
