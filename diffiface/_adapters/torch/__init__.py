@@ -38,6 +38,7 @@ from ._duals import (
     _FORWARD_WARMED,
     _close_dual_level,
     _dual_parts,
+    _forward_locked,
     _made_duals,
     _open_dual_level,
     _primal,
@@ -54,19 +55,16 @@ from ._engine import (
     _FuncPullback,
     _grad,
     _if_graph,
-    _jacobian_blocks,
-    _leaves,
+    _jacobian_by,
     _materialised,
     _NoSecondPass,
     _noting_batched_wrongly,
-    _on_one,
     _pushed_by_pullbacks,
     _refuse_hidden_cut,
     _requiring_grad,
     _stacked,
     _tensor_aux,
     _whole,
-    batched_wrongly,
 )
 from ._explain import _autograd_in_func, _nested_forward, explain_failure
 from ._fused import _FUSED
@@ -350,9 +348,7 @@ class Adapter(_base.Adapter):
             found.append(aux)
             return out, tout
 
-        if not _FORWARD_WARMED[0]:
-            _warm_forward()
-        with _FORWARD_LOCK:
+        with _forward_locked():
             out, touts = func.vmap(pushed, out_dims=(None, 0))(stacked)  # type: ignore[arg-type]  # (a prefix tree)
         return out, found[-1], [optree.tree_map(lambda t, k=k: t[k], touts) for k in range(len(batch))]
 
@@ -414,21 +410,18 @@ class Adapter(_base.Adapter):
             raise _dense_of_dtensors("A Jacobian")
         if not self.functional:
             return self._vectorised_jacobian(fn, xs, mode)
-        if any(x.numel() == 0 for x in xs):  # torch.func.jacfwd fails on empty inputs
-            return super().value_and_jacobian(fn, xs, mode)
-        try:
-            return self._jacobian_by_transform(fn, xs, mode)
-        except _BatchedWrongly:  # the rows one by one, f evaluated again
-            return super().value_and_jacobian(fn, xs, mode)
-        except RuntimeError as exc:
-            if _EMPTY_OUTPUT in str(exc):  # torch.func.vjp refuses an output with no tensor: no rows
-                out, aux = fn(xs)
-                return out, aux, ()
-            # an operation vmap has no rule for (a complex conjugate's view inside an outer
-            # transform): the rows one by one, f evaluated again
-            if _NO_BATCHING_RULE not in str(exc):
-                raise
-            return super().value_and_jacobian(fn, xs, mode)
+        if all(x.numel() for x in xs):  # (torch.func.jacfwd fails on empty inputs: the rows one by one)
+            try:
+                return self._jacobian_by_transform(fn, xs, mode)
+            except (_BatchedWrongly, RuntimeError) as exc:
+                if _EMPTY_OUTPUT in str(exc):  # torch.func.vjp refuses an output with no tensor: no rows
+                    out, aux = fn(xs)
+                    return out, aux, ()
+                # _BatchedWrongly, or an operation vmap has no rule for (a complex conjugate's view
+                # inside an outer transform): the rows one by one, f evaluated again
+                if isinstance(exc, RuntimeError) and _NO_BATCHING_RULE not in str(exc):
+                    raise
+        return super().value_and_jacobian(fn, xs, mode)
 
     def _vectorised_jacobian(self, fn: Fn, xs: Leaves, mode: str | None) -> tuple[Any, Any, Blocks]:
         """Autograd mode's Jacobian in reverse mode: ``torch.func.jacrev``'s one vmapped program
@@ -450,45 +443,23 @@ class Adapter(_base.Adapter):
 
     def _jacobian_by_transform(self, fn: Fn, xs: Leaves, mode: str | None) -> tuple[Any, Any, Blocks]:
         """``torch.func.jacrev`` (``jacfwd`` where ``mode`` is ``"forward"``) of ``fn``."""
-        transform = func.jacfwd if mode == "forward" else func.jacrev
-        tensor_fn, rebuild = _tensor_aux(fn)
-
-        def with_value(xs_: Leaves) -> tuple[Any, Any]:
-            out, aux = tensor_fn(xs_)
-            if mode != "forward" and batched_wrongly(out):
-                raise _BatchedWrongly
-            one = type(out) is tuple and len(out) == 1  # one output tensor, differentiated bare
-            return out[0] if one else out, (out, aux)
-
-        if not _FORWARD_WARMED[0]:
-            _warm_forward()
-        with _FORWARD_LOCK if mode == "forward" else contextlib.nullcontext():
-            if len(xs) == 1:
-                found = transform(_on_one(with_value), has_aux=True)(xs[0])
-            else:
-                found = transform(with_value, has_aux=True)(xs)
-        out, aux, blocks = _jacobian_blocks(found, len(xs) == 1)
-        return out, rebuild(aux), blocks
+        forward = mode == "forward"
+        transform = func.jacfwd if forward else func.jacrev
+        with _forward_locked() if forward else contextlib.nullcontext():
+            return _jacobian_by(lambda g, p: transform(g, has_aux=True)(p), fn, xs, not forward)
 
     # -- second order by double backward (autograd mode) ---------------------------------------
 
     def gradient_and_hvp(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Leaves, Leaves]:
         if self.functional:
             return super().gradient_and_hvp(fn, xs, txs)
-        keep = _keeping()
-        with torch.enable_grad():
-            inputs = _requiring_grad(xs)
-            value, aux = fn(inputs)
-            grads = _grad(_if_graph(value), inputs, create_graph=True)
-            # the gradient's pullback along txs (torch.autograd.grad's grad_outputs), not the
-            # gradient of <grad, txs>: no extra products and sums in the graph
-            hvps = _backward(grads, txs, inputs, keep)
-        grads = _placed(grads, inputs)
-        return _detached(value, keep), _detached(aux, keep), _detached(grads, keep), hvps
+        value, aux, grads, (hvps,) = self.gradient_and_hvps(fn, xs, [txs])
+        return value, aux, grads, hvps
 
     def gradient_and_hvps(self, fn: Fn, xs: Leaves, batch: Any) -> tuple[Any, Any, Leaves, list[Leaves]]:
         """torch.func: one vmapped program (``_base``); autograd mode: f and its gradient's graph
-        once, then the gradient's pullback along each tangent through that graph."""
+        once, then the gradient's pullback along each tangent through that graph (torch.autograd.grad's
+        grad_outputs, not the gradient of <grad, t>: no extra products and sums in the graph)."""
         if self.functional:
             return super().gradient_and_hvps(fn, xs, batch)
         keep = _keeping()
@@ -538,7 +509,7 @@ class Adapter(_base.Adapter):
             inputs = _requiring_grad(xs)
             out, aux = fn(inputs)
             derivs, seconds = [], []
-            for y in _leaves(out):
+            for y in out if isinstance(out, tuple) else (out,):
                 firsts = [_grad(_if_graph(entry), inputs, create_graph=True)[0] for entry in y.reshape(-1)]
                 lasts = [_grad(_if_graph(d), inputs, create_graph=keep)[0] for d in firsts]
                 derivs.append(_detached(_stacked(firsts, y), keep))

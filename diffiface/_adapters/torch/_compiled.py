@@ -48,11 +48,9 @@ from ..._errors import UnsupportedOperationError
 from ..._flatten import structure_unflatten
 from .._base import NO_PARTS, Blocks, Deferred, Fn, Leaves
 from .._base import Adapter as _BaseAdapter
-from ._duals import _FORWARD_LOCK, _FORWARD_WARMED, _warm_forward
-from ._engine import _BATCHED_WRONGLY, _for_func, _jacobian_blocks, _materialised, _on_one, _tensor_aux, graph_nodes
+from ._duals import _forward_locked
+from ._engine import _BATCHED_WRONGLY, _for_func, _jacobian_by, _materialised, _on_one, _tensor_aux, graph_nodes
 from ._guard import _CALLS, _guard, _out_of_graph, _transform_level
-
-__all__ = ["CompiledAdapter"]
 
 
 class _Current(threading.local):
@@ -194,6 +192,12 @@ def _noted(out: Any, name: str, programs: _Programs) -> Any:
 
 _CUSTOM_RULES = torch.autograd.function.BackwardCFunction
 """The class of a ``torch.autograd.Function``'s node in a graph."""
+
+
+def _read(programs: _Programs, name: str, fn: Fn, xs: Leaves, batched: bool) -> bool:
+    """f's graph read, eagerly (:func:`_noted`): whether program ``name`` may be compiled."""
+    func.vjp(lambda *leaves: _noted(fn(leaves)[0], name, programs), *xs)
+    return not (programs.custom or (batched and name in programs.unbatchable))
 
 
 def _noting(g: Callable[[Any], Any], has_aux: bool, programs: _Programs) -> Callable[[Any], Any]:
@@ -442,15 +446,11 @@ shapes, dtypes, devices, strides and flags."""
 # -- the adapter -----------------------------------------------------------------------------------
 
 
-class CompiledAdapter:
-    """Mixed into the torch adapter by :func:`compiled_adapter` (no import cycle with it)."""
-
-
 @functools.cache
 def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
     """The compiled adapter class over torch's ``base`` adapter class (mode="func")."""
 
-    class Compiled(base, CompiledAdapter):  # type: ignore[valid-type,misc]
+    class Compiled(base):  # type: ignore[valid-type,misc]
         def __init__(self, backend: Any, info: Any) -> None:
             super().__init__(backend, info)
             self.retraces = True  # (torch.compile's guards check each tensor's shape and dtype)
@@ -467,11 +467,10 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
             layouts: Any = None,
             parts: Any = None,
         ) -> Callable[..., Any]:
+            parts = NO_PARTS if parts is None else parts
             if layouts is not None:  # the retracing tier's function of the leaves, compiled whole
-                return _Retraced(program, NO_PARTS if parts is None else parts)
-            guarded = (
-                _guard(program, True, False, parts) if parts is not None else _guard(program, True, False)
-            )  # (no fused call: the compiled program is the call)
+                return _Retraced(program, parts)
+            guarded = _guard(program, True, False, parts)  # (no fused call: the compiled program is the call)
             programs = _Programs()
             signed: dict[tuple[int, ...], _Programs] = {}  # (by the static leaves that are -0.0)
             stack = _CURRENT.stack
@@ -542,20 +541,16 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
                 # f once, uncompiled, under a torch.func transform as "torch-func" runs it:
                 # diffiface's checks of its output, and torch.func's refusal of a write into a
                 # Constant (a compiled graph would carry the write out to the caller's tensor)
-                func.vjp(lambda *leaves: _noted(fn(leaves)[0], name, programs), *xs)
+                compilable = _read(programs, name, fn, xs, batched)
                 programs.warm.add(name)
-            if programs.reading or programs.custom or (batched and name in programs.unbatchable):
+            else:
+                compilable = not (programs.custom or (batched and name in programs.unbatchable))
+            if programs.reading or not compilable:
                 return None
             program = programs.get(name, template)
-            program.recheck = lambda: self._read_again(programs, name, fn, xs, batched)
+            # (f's graph read again, eagerly, before a compile after a program's first)
+            program.recheck = lambda: _read(programs, name, fn, xs, batched)
             return program
-
-        @staticmethod
-        def _read_again(programs: _Programs, name: str, fn: Fn, xs: Leaves, batched: bool) -> bool:
-            """f's graph read again, eagerly, before a compile after a program's first: whether
-            the program may still be compiled."""
-            func.vjp(lambda *leaves: _noted(fn(leaves)[0], name, programs), *xs)
-            return not (programs.custom or (batched and name in programs.unbatchable))
 
         def untracked(self, leaf: Any, xs: Leaves) -> bool:
             # (checked by the eager warm-up: the compiled trace has no duals nor autograd leaves)
@@ -566,35 +561,30 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
         def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
             xs = _detached(xs)
             program = self._program("gradient", _gradient, fn, xs)
-            if program is None:  # (uncompiled, or traced by the retracing tier: detached all the same)
-                value, aux, grads = self.eager.value_and_gradient(fn, xs)
-                # (only what carries a graph, a Constant's: a detached output of a compiled graph
-                # is a view, which torch rebuilds on every call)
-                return _out_of_graph(value), aux, _out_of_graph(grads)
-            g, has_aux, rebuild = _for_func(fn, xs)
-            try:
-                value, aux, grads = _called(program, g, has_aux, xs[0] if len(xs) == 1 else xs)
-            except _Eager:
-                return self.eager.value_and_gradient(fn, xs)  # type: ignore[no-any-return]
-            return value, _real_aux(rebuild(aux)), _materialised((grads,) if len(xs) == 1 else tuple(grads))
+            if program is not None:
+                g, has_aux, rebuild = _for_func(fn, xs)
+                with contextlib.suppress(_Eager):
+                    value, aux, grads = _called(program, g, has_aux, xs[0] if len(xs) == 1 else xs)
+                    return value, _real_aux(rebuild(aux)), _materialised((grads,) if len(xs) == 1 else tuple(grads))
+            # uncompiled, or traced by the retracing tier: detached all the same (only what carries
+            # a graph, a Constant's: a detached output of a compiled graph is a view, which torch
+            # rebuilds on every call)
+            value, aux, grads = self.eager.value_and_gradient(fn, xs)
+            return _out_of_graph(value), aux, _out_of_graph(grads)
 
         def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
             xs = _detached(xs)
-            if not _FORWARD_WARMED[0]:
-                _warm_forward()
-            with _FORWARD_LOCK:
+            with _forward_locked():
                 program = self._program("pushforward", _pushforward, fn, xs)
-                if program is None:
-                    return self.eager._value_and_pushforward(fn, xs, txs)  # type: ignore[no-any-return]
-                g, has_aux, rebuild = _for_func(fn, xs)
-                primals, tangents = (xs, txs) if len(xs) == 1 else ((xs,), (txs,))
-                try:
-                    out, tout, aux = _called(program, g, has_aux, primals, tangents)
-                except _Eager:
-                    return self.eager._value_and_pushforward(fn, xs, txs)  # type: ignore[no-any-return]
-            # (a tangent has its primal's dtype: torch.func may promote a 0-d one)
-            tout = _tree.map(lambda t, y: t.to(y.dtype) if t.dtype != y.dtype else t, tout, out)
-            return out, _real_aux(rebuild(aux)), tout
+                if program is not None:
+                    g, has_aux, rebuild = _for_func(fn, xs)
+                    primals, tangents = (xs, txs) if len(xs) == 1 else ((xs,), (txs,))
+                    with contextlib.suppress(_Eager):
+                        out, tout, aux = _called(program, g, has_aux, primals, tangents)
+                        # (a tangent has its primal's dtype: torch.func may promote a 0-d one)
+                        tout = _tree.map(lambda t, y: t.to(y.dtype) if t.dtype != y.dtype else t, tout, out)
+                        return out, _real_aux(rebuild(aux)), tout
+                return self.eager._value_and_pushforward(fn, xs, txs)  # type: ignore[no-any-return]
 
         def value_and_pushforwards(self, fn: Fn, xs: Leaves, batch: Any) -> tuple[Any, Any, list[Any]]:
             return _BaseAdapter.value_and_pushforwards(self, fn, xs, batch)  # one compiled jvp per tangent
@@ -633,28 +623,13 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
             if any(x.numel() == 0 for x in xs):
                 return self.eager.value_and_jacobian(fn, xs, mode)  # type: ignore[no-any-return]
             forward = mode == "forward"
-            if not _FORWARD_WARMED[0]:
-                _warm_forward()
-            with _FORWARD_LOCK:
+            with _forward_locked():
                 program = self._program("jacobian", _jacobian, fn, xs, batched=not forward)
-                if program is None:
-                    return self.eager.value_and_jacobian(fn, xs, mode)  # type: ignore[no-any-return]
-                tensor_fn, rebuild = _tensor_aux(fn)
-
-                def with_value(xs_: Leaves) -> tuple[Any, Any]:
-                    out, aux = tensor_fn(xs_)
-                    one = type(out) is tuple and len(out) == 1
-                    return out[0] if one else out, (out, aux)
-
-                try:
-                    if len(xs) == 1:
-                        found = _called(program, _on_one(with_value), forward, xs[0])
-                    else:
-                        found = _called(program, with_value, forward, xs)
-                except _Eager:
-                    return self.eager.value_and_jacobian(fn, xs, mode)  # type: ignore[no-any-return]
-            out, aux, blocks = _jacobian_blocks(found, len(xs) == 1)
-            return out, _real_aux(rebuild(aux)), blocks
+                if program is not None:
+                    with contextlib.suppress(_Eager):
+                        out, aux, blocks = _jacobian_by(lambda g, p: _called(program, g, forward, p), fn, xs, False)
+                        return out, _real_aux(aux), blocks
+                return self.eager.value_and_jacobian(fn, xs, mode)  # type: ignore[no-any-return]
 
         # -- second order: one compiled program over these traceable first-order functions ------
 
@@ -671,18 +646,14 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
 
         def value_derivative_and_second_derivative(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any, Any]:
             xs = _detached(xs)
-            if not _FORWARD_WARMED[0]:
-                _warm_forward()
-            with _FORWARD_LOCK:
+            with _forward_locked():
                 program = self._program("second", _second, fn, xs, batched=True)
-                if program is None:
-                    return self.eager.value_derivative_and_second_derivative(fn, xs)  # type: ignore[no-any-return]
-                tensor_fn, rebuild = _tensor_aux(fn)
-                try:
-                    (out, aux), first, second = _called(program, _on_one(tensor_fn), xs[0])
-                except _Eager:
-                    return self.eager.value_derivative_and_second_derivative(fn, xs)  # type: ignore[no-any-return]
-            return out, _real_aux(rebuild(aux)), first, second
+                if program is not None:
+                    tensor_fn, rebuild = _tensor_aux(fn)
+                    with contextlib.suppress(_Eager):
+                        (out, aux), first, second = _called(program, _on_one(tensor_fn), xs[0])
+                        return out, _real_aux(rebuild(aux)), first, second
+                return self.eager.value_derivative_and_second_derivative(fn, xs)  # type: ignore[no-any-return]
 
     Compiled.__name__ = Compiled.__qualname__ = "Adapter"
     return Compiled

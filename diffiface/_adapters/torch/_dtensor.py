@@ -15,21 +15,13 @@ from ..._errors import (
 )
 from .._base import Leaves
 
-# -- DTensors (torch.distributed.tensor): sharded over processes, never gathered ----------------
-
-
-def _dtensor_class() -> Any:
-    """torch's DTensor class, or None while torch.distributed.tensor is not imported (then no
-    tensor can be one)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None)
-
 
 def is_dtensor(leaf: Any) -> bool:
     """Whether ``leaf`` is a DTensor (a tensor sharded or replicated over a device mesh)."""
     if type(leaf) is torch.Tensor:
         return False
-    cls = _dtensor_class()
+    # (None while torch.distributed.tensor is not imported: then no tensor can be one)
+    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     return cls is not None and isinstance(leaf, cls)
 
 

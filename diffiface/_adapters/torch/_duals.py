@@ -47,6 +47,13 @@ def _warm_forward() -> None:
 _FORWARD_LOCK = threading.RLock()
 
 
+def _forward_locked() -> threading.RLock:
+    """``_FORWARD_LOCK``, for a ``with``, once the process's first forward-mode call is warmed."""
+    if not _FORWARD_WARMED[0]:
+        _warm_forward()
+    return _FORWARD_LOCK
+
+
 _DUALS = [0]
 """How many of diffiface's forward-mode (dual level) calls are open, in the thread that holds
 ``_FORWARD_LOCK``. Whether any dual level is open, ours, the caller's own

@@ -52,19 +52,29 @@ def _on_one(fn: Fn) -> Callable[[Any], tuple[Any, Any]]:
     return lambda x: fn((x,))
 
 
-def _jacobian_blocks(found: Any, one: bool) -> tuple[Any, Any, Blocks]:
-    """``(out, aux, blocks)`` from torch.func's jacrev or jacfwd of f with ``(out, aux)`` as its
-    aux: on ``one`` tensor, not a tuple, a block per output, no tuple of one per input."""
-    jacobian, (out, aux) = found
-    if one:
+def _jacobian_by(transformed: Callable[[Any, Any], Any], fn: Fn, xs: Leaves, check: bool) -> tuple[Any, Any, Blocks]:
+    """``(out, aux, blocks)`` of ``fn`` from ``transformed(g, primal)``, torch.func's jacrev or
+    jacfwd of ``g`` (f's output, one tensor bare, with ``(out, aux)`` as its aux) at ``primal``:
+    one tensor where ``xs`` holds one (a block per output, no tuple of one per input). ``check``:
+    :class:`_BatchedWrongly` where f's graph holds a node vmap batches wrongly."""
+    tensor_fn, rebuild = _tensor_aux(fn)
+
+    def with_value(xs_: Leaves) -> tuple[Any, Any]:
+        out, aux = tensor_fn(xs_)
+        if check and batched_wrongly(out):
+            raise _BatchedWrongly
+        one = type(out) is tuple and len(out) == 1  # one output tensor, differentiated bare
+        return out[0] if one else out, (out, aux)
+
+    if len(xs) == 1:
+        jacobian, (out, aux) = transformed(_on_one(with_value), xs[0])
         if not isinstance(out, tuple):
-            return out, aux, (jacobian,)
+            return out, rebuild(aux), (jacobian,)
         if len(out) == 1:
-            return out, aux, ((jacobian,),)
-        return out, aux, tuple((block,) for block in jacobian)
-    if isinstance(out, tuple) and len(out) == 1:
-        return out, aux, (jacobian,)
-    return out, aux, jacobian
+            return out, rebuild(aux), ((jacobian,),)
+        return out, rebuild(aux), tuple((block,) for block in jacobian)
+    jacobian, (out, aux) = transformed(with_value, xs)
+    return out, rebuild(aux), (jacobian,) if isinstance(out, tuple) and len(out) == 1 else jacobian
 
 
 def _for_func(fn: Fn, xs: Leaves) -> tuple[Callable[[Any], Any], bool, Callable[[Any], Any]]:
@@ -284,10 +294,6 @@ def _materialised(grads: Leaves) -> Leaves:
 
 def _stacked(entries: list[Any], like: Any) -> Any:
     return torch.stack(entries).reshape(like.shape) if entries else torch.zeros_like(like)
-
-
-def _leaves(out: Any) -> tuple[Any, ...]:
-    return out if isinstance(out, tuple) else (out,)
 
 
 def _detached(tree: Any, keep: bool) -> Any:
