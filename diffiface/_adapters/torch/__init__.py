@@ -73,29 +73,13 @@ from ._guard import _CALLS, _guard, _keeping, _requires_grad, _wrapped, inside_a
 __all__ = ["Adapter", "inside_a_call", "is_dtensor"]
 
 
-def _output(xs: Leaves, fn: Fn) -> Any:
-    return fn(xs)[0]
-
-
-def _output_at_one(x: Any, fn: Fn) -> Any:
-    return fn((x,))[0]
-
-
-def _with_aux(xs: Leaves, fn: Fn) -> Any:
-    return fn(xs)
-
-
-def _with_aux_at_one(x: Any, fn: Fn) -> Any:
-    return fn((x,))
-
-
-# torch.func's value and gradient in the first argument of these functions, made once: a
+# torch.func's value and gradient of f (the second argument) in the first, made once: a
 # transform made on every call costs as much as the rest of the route's steps
 # (``python benchmarks/torch_users.py``, row a in torch.func mode)
-_GRAD_AND_VALUE = func.grad_and_value(_output)
-_GRAD_AND_VALUE_AT_ONE = func.grad_and_value(_output_at_one)
-_GRAD_AND_VALUE_WITH_AUX = func.grad_and_value(_with_aux, has_aux=True)
-_GRAD_AND_VALUE_WITH_AUX_AT_ONE = func.grad_and_value(_with_aux_at_one, has_aux=True)
+_GRAD_AND_VALUE = func.grad_and_value(lambda xs, fn: fn(xs)[0])
+_GRAD_AND_VALUE_AT_ONE = func.grad_and_value(lambda x, fn: fn((x,))[0])
+_GRAD_AND_VALUE_WITH_AUX = func.grad_and_value(lambda xs, fn: fn(xs), has_aux=True)
+_GRAD_AND_VALUE_WITH_AUX_AT_ONE = func.grad_and_value(lambda x, fn: fn((x,)), has_aux=True)
 
 
 class _Namespace:
@@ -118,9 +102,9 @@ class Adapter(_base.Adapter):
 
     def __new__(cls, backend: Any, info: Any) -> Adapter:
         if cls is Adapter and getattr(backend, "compile", False):  # AutoTorch(compile=True): _compiled
-            from ._compiled import compiled_adapter
+            from ._compiled import Adapter as Compiled
 
-            return super().__new__(compiled_adapter(Adapter))  # type: ignore[return-value]
+            return super().__new__(Compiled)  # type: ignore[return-value]
         return super().__new__(cls)
 
     def __init__(self, backend: Any, info: Any) -> None:
@@ -202,8 +186,7 @@ class Adapter(_base.Adapter):
             "torch.tensor(c)."
         )
 
-    def explain_failure(self, exc: BaseException) -> str | None:
-        return explain_failure(exc, self.functional)
+    explain_failure = explain_failure
 
     # -- the guard around every call: state, nesting, writes into the inputs --------------------
 

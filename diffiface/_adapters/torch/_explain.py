@@ -18,7 +18,7 @@ from ..._errors import (
 from .._base import class_names, raised_inside
 
 
-def explain_failure(exc: BaseException, functional: bool) -> str | None:
+def explain_failure(adapter: Any, exc: BaseException) -> str | None:
     """What ``exc``, raised by f under torch, says about f, worded for its author (None: f's own
     error); torch.func's refusals it cannot get past are raised here as diffiface errors."""
     text = str(exc)
@@ -80,14 +80,14 @@ def explain_failure(exc: BaseException, functional: bool) -> str | None:
             "Give the Function a jvp, or use reverse mode: for a jvp AutoTorch(jvp='reverse') (two backward "
             "passes), for an hvp or a Hessian AutoTorch() (double backward)."
         ) from exc
-    if functional and isinstance(exc, RuntimeError) and "override the setup_context" in text:
+    if adapter.functional and isinstance(exc, RuntimeError) and "override the setup_context" in text:
         # torch.func's refusal of a classic torch.autograd.Function: the engine cannot run f
         raise UnsupportedOperationError(
             "f uses a torch.autograd.Function without a setup_context staticmethod, which torch.func "
             "cannot transform. Use AutoTorch(mode='autograd'), or give the Function setup_context "
             "(forward without ctx, and setup_context(ctx, inputs, output))."
         ) from exc
-    if functional and isinstance(exc, RuntimeError) and "mutate a captured Tensor" in text:
+    if adapter.functional and isinstance(exc, RuntimeError) and "mutate a captured Tensor" in text:
         # torch.func's refusal, raised before the write: nothing of the caller's changed
         raise _CapturedWrite(
             "f writes in place into a tensor it closes over (an array of a di.Constant or di.Cache, "
