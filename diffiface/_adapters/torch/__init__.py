@@ -283,7 +283,8 @@ class Adapter(_base.Adapter):
         keep = _keeping()
         if keep and any(x.requires_grad and _wrapped(x) for x in xs):
             raise _autograd_in_func()
-        if self.reverse_jvp and not keep and _reverse_jvp_fits(xs, txs):
+        # (x's leaves and the tangents plain real tensors: a complex jvp, and a DTensor's, are forward mode's)
+        if self.reverse_jvp and not keep and all(type(v) is torch.Tensor and not v.is_complex() for v in (*xs, *txs)):
             versions = [x._version for x in xs]
             stack = _CALLS.keep
             # (f's output is differentiated twice here: a derivative f takes itself, as a
@@ -503,12 +504,6 @@ class Adapter(_base.Adapter):
 _EMPTY_OUTPUT = "non-empty output"
 """torch.func.vjp's refusal of an f whose output holds no tensor."""
 _NO_BATCHING_RULE = "Batching rule not implemented"
-
-
-def _reverse_jvp_fits(xs: Leaves, txs: Leaves) -> bool:
-    """Whether reverse over reverse computes this jvp: x's leaves and the tangents plain real
-    tensors (a complex jvp, and a DTensor's, are forward mode's)."""
-    return all(type(v) is torch.Tensor and not v.is_complex() for v in (*xs, *txs))
 
 
 def _one_draw(

@@ -117,18 +117,12 @@ class _Program:
         entry = _fresh(_entry)
         self.template = template
         self.strict = torch.compile(entry, fullgraph=True, dynamic=False)
-        self.run_only: Callable[..., Any] | None = _run_only(entry)
+        run = getattr(torch._dynamo, "run", None)  # (None where this torch has none: strict runs every call)
+        self.run_only: Callable[..., Any] | None = None if run is None else run(entry)
         self.fast: Callable[..., Any] | None = None  # (set once strict has compiled)
         self.uncompiled = False  # (set where torch's recompile limit is reached: template runs as it is)
         # (this call's f read again before a compile after the first: see _called)
         self.recheck: Callable[[], bool] | None = None
-
-
-def _run_only(entry: Callable[..., Any]) -> Callable[..., Any] | None:
-    """``entry`` as torch's run-only call (compiled graphs only, none compiled); None where this
-    torch has no such call (``strict`` then runs every call)."""
-    run = getattr(torch._dynamo, "run", None)
-    return None if run is None else run(entry)  # type: ignore[no-any-return]
 
 
 def _fresh(template: Callable[..., Any]) -> Callable[..., Any]:
@@ -310,9 +304,6 @@ def _second(with_aux: Callable[[Any], Any], x: Any) -> Any:
     return with_aux(x), derivative, second
 
 
-_TREE_SPEC = optree.PyTreeSpec
-
-
 def _real_aux(aux: Any) -> Any:
     """An aux as a compiled graph gave it back (its leaves and structure, as ``close`` set them
     apart, maybe inside a second-order program's pairs): torch.compile traces optree through a
@@ -321,7 +312,7 @@ def _real_aux(aux: Any) -> Any:
     by name, not left to fail later."""
     if type(aux) is tuple or type(aux) is list:
         return type(aux)(map(_real_aux, aux))
-    if type(aux) is _TREE_SPEC or type(aux).__name__ != "PyTreeSpec":
+    if type(aux) is optree.PyTreeSpec or type(aux).__name__ != "PyTreeSpec":
         return aux
     try:
         skeleton = aux.unflatten(list(range(aux.num_leaves)))
@@ -516,13 +507,11 @@ class Adapter(_TorchAdapter):
         )
 
     def _program(self, name: str, template: Callable[..., Any], fn: Fn, xs: Leaves, batched: bool = False) -> Any:
-        """This call's compiled program ``name``, f evaluated once eagerly before its first
-        call (diffiface's checks of f's output, recorded); None where the call runs
-        uncompiled: outside a prep of its own (another engine's SecondOrder program), where
-        f's graph holds a ``torch.autograd.Function`` (:class:`_Programs`), or where the
-        program vmaps f's backward (``batched``) and f's graph holds a node torch batches
-        wrongly (the uncompiled adapter takes the rows one by one). A call
-        differentiated from outside is refused."""
+        """This call's compiled program ``name``, f evaluated once eagerly before its first call
+        (diffiface's checks of f's output); None where the call runs uncompiled: outside a prep
+        of its own (another engine's SecondOrder program), or where f's graph holds what a
+        compiled program gets wrong (:class:`_Programs`; a node vmap batches wrongly only where
+        the program is ``batched``). A call differentiated from outside is refused."""
         if torch.compiler.is_compiling():  # (the retracing tier's trace: f traced with the rest)
             return None
         if len(_CALLS.keep) > 1 or _transform_level() is not None or _forward_ad._current_level >= 0:
@@ -535,11 +524,9 @@ class Adapter(_TorchAdapter):
             # f once, uncompiled, under a torch.func transform as "torch-func" runs it:
             # diffiface's checks of its output, and torch.func's refusal of a write into a
             # Constant (a compiled graph would carry the write out to the caller's tensor)
-            compilable = _read(programs, name, fn, xs, batched)
+            _read(programs, name, fn, xs, batched)
             programs.warm.add(name)
-        else:
-            compilable = not (programs.custom or (batched and name in programs.unbatchable))
-        if programs.reading or not compilable:
+        if programs.reading or programs.custom or (batched and name in programs.unbatchable):
             return None
         program = programs.get(name, template)
         # (f's graph read again, eagerly, before a compile after a program's first)

@@ -322,9 +322,8 @@ def _pushed_by_pullbacks(
     computes it: ``out``, f's output leaves on ``leaves`` (leaves of a fresh graph), pulled back
     along cotangents of ones that require grad (linear in them, with its graph: any point serves,
     and at zero a backward pass that takes the log of its cotangent's parts, logcumsumexp's,
-    reads NaN), and that
-    pullback's own along copies of the tangents ``ts`` (a product the graphs pass through
-    unchanged would be the caller's tangent itself). An output leaf the graph does not reach has
+    reads NaN), and that pullback's own along copies of the tangents ``ts`` (a product the graphs
+    pass through unchanged would be the caller's tangent itself). An output leaf the graph does not reach has
     a zero product, as in forward mode. Where torch cannot differentiate the pullback,
     :class:`_NoSecondPass`: it raises, a pullback comes out without a graph (a backward pass of
     a piecewise constant operation, whose zero forward mode computes as well), or the
