@@ -90,10 +90,7 @@ class _Namespace:
     zeros_like = staticmethod(torch.zeros_like)
     ones_like = staticmethod(torch.ones_like)
     sum = staticmethod(torch.sum)
-
-    @staticmethod
-    def zeros(shape: tuple[int, ...], dtype: Any = None) -> Any:
-        return torch.zeros(shape, dtype=dtype)
+    zeros = staticmethod(torch.zeros)  # (dtype by keyword)
 
 
 class Adapter(_base.Adapter):
@@ -429,7 +426,8 @@ class Adapter(_base.Adapter):
         """``torch.func.jacrev`` (``jacfwd`` where ``mode`` is ``"forward"``) of ``fn``."""
         forward = mode == "forward"
         transform = func.jacfwd if forward else func.jacrev
-        with _forward_locked() if forward else contextlib.nullcontext():
+        lock = _forward_locked()  # (warmed for jacrev too: the caller's own forward mode then warns of nothing)
+        with lock if forward else contextlib.nullcontext():
             return _jacobian_by(lambda g, p: transform(g, has_aux=True)(p), fn, xs, not forward)
 
     # -- second order by double backward (autograd mode) ---------------------------------------

@@ -65,26 +65,21 @@ class _Programs:
     torch.compile ignores under torch.func (it differentiates the forward's operations: a
     silently wrong derivative), so that the prep runs uncompiled, as ``mode="func"``."""
 
-    __slots__ = ("custom", "found", "lock", "reading", "unbatchable", "warm")
+    __slots__ = ("custom", "found", "reading", "unbatchable", "warm")
 
     def __init__(self, reading: bool = False) -> None:
         self.found: dict[str, _Program] = {}
         self.warm: set[str] = set()
         self.unbatchable: set[str] = set()
         self.custom = False
-        self.lock = threading.Lock()
         self.reading = reading
         """Whether every call reads f's graph and runs uncompiled (:class:`_Retraced`, which
         compiles the whole program around the operator's own)."""
 
     def get(self, name: str, template: Callable[..., Any]) -> _Program:
         found = self.found.get(name)
-        if found is None:
-            with self.lock:
-                found = self.found.get(name)
-                if found is None:
-                    found = self.found[name] = _Program(template)
-        return found
+        # (two threads' first calls may each make one: both keep the one stored first)
+        return found if found is not None else self.found.setdefault(name, _Program(template))
 
 
 class _Uncompiled(Exception):
