@@ -99,9 +99,9 @@ class Adapter(_base.Adapter):
 
     def __new__(cls, backend: Any, info: Any) -> Adapter:
         if cls is Adapter and getattr(backend, "compile", False):  # AutoTorch(compile=True): _compiled
-            from ._compiled import Adapter as Compiled
+            from ._compiled import compiled_adapter
 
-            return super().__new__(Compiled)  # type: ignore[return-value]
+            return super().__new__(compiled_adapter(Adapter))  # type: ignore[return-value]
         return super().__new__(cls)
 
     def __init__(self, backend: Any, info: Any) -> None:

@@ -23,6 +23,7 @@ are all tensors is the retracing tier's whole program, compiled as one graph (:c
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 import types
@@ -43,7 +44,6 @@ from ..._errors import UnsupportedOperationError
 from ..._flatten import structure_unflatten
 from .._base import NO_PARTS, Blocks, Deferred, Fn, Leaves
 from .._base import Adapter as _BaseAdapter
-from . import Adapter as _TorchAdapter
 from ._duals import _forward_locked
 from ._engine import _BATCHED_WRONGLY, _for_func, _jacobian_by, _materialised, _on_one, _tensor_aux, graph_nodes
 from ._guard import _CALLS, _guard, _out_of_graph, _transform_level
@@ -428,203 +428,211 @@ shapes, dtypes, devices, strides and flags."""
 # -- the adapter -----------------------------------------------------------------------------------
 
 
-class Adapter(_TorchAdapter):
-    """The torch adapter compiled (``mode="func"``; see the module's docstring)."""
+@functools.cache
+def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
+    """The compiled adapter class over torch's adapter class ``base`` (mode="func"): made from
+    it, so that this module imports nothing of the adapter's module, which imports this one."""
 
-    def __init__(self, backend: Any, info: Any) -> None:
-        super().__init__(backend, info)
-        self.retraces = True  # (torch.compile's guards check each tensor's shape and dtype)
-        # the uncompiled torch.func adapter whose methods the compiled programs trace
-        self.eager: Any = _TorchAdapter(AutoTorch(mode="func"), info)
+    class Adapter(base):  # type: ignore[valid-type,misc]
+        """The torch adapter compiled (``mode="func"``; see the module's docstring)."""
 
-    # -- per prep: the programs of its own ---------------------------------------------------
+        def __init__(self, backend: Any, info: Any) -> None:
+            super().__init__(backend, info)
+            self.retraces = True  # (torch.compile's guards check each tensor's shape and dtype)
+            # the uncompiled torch.func adapter whose methods the compiled programs trace
+            self.eager: Any = base(AutoTorch(mode="func"), info)
 
-    def compile(
-        self,
-        program: Callable[..., Any],
-        static: bool = True,
-        arrays: bool = False,
-        layouts: Any = None,
-        parts: Any = None,
-    ) -> Callable[..., Any]:
-        parts = NO_PARTS if parts is None else parts
-        if layouts is not None:  # the retracing tier's function of the leaves, compiled whole
-            return _Retraced(program, parts)
-        guarded = _guard(program, True, False, parts)  # (no fused call: the compiled program is the call)
-        programs = _Programs()
-        signed: dict[tuple[int, ...], _Programs] = {}  # (by the static leaves that are -0.0)
-        stack = _CURRENT.stack
+        # -- per prep: the programs of its own ---------------------------------------------------
 
-        def run(xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
-            found = programs
-            if static is not None:
-                zeros = _negative_zeros(static.key)
-                if zeros:
-                    found = signed.get(zeros) or signed.setdefault(zeros, _Programs())
-            stack.append(found)
-            try:
-                # (detached: a Constant's tensor that requires grad, an unfrozen backbone's
-                # parameter, would give the results a graph through the compiled graph's
-                # backward, which nothing may differentiate; x's graph is cut before f runs)
-                return _out_of_graph(guarded(xs, ts, dynamic, static))
-            finally:
-                stack.pop()
+        def compile(
+            self,
+            program: Callable[..., Any],
+            static: bool = True,
+            arrays: bool = False,
+            layouts: Any = None,
+            parts: Any = None,
+        ) -> Callable[..., Any]:
+            parts = NO_PARTS if parts is None else parts
+            if layouts is not None:  # the retracing tier's function of the leaves, compiled whole
+                return _Retraced(program, parts)
+            guarded = _guard(program, True, False, parts)  # (no fused call: the compiled program is the call)
+            programs = _Programs()
+            signed: dict[tuple[int, ...], _Programs] = {}  # (by the static leaves that are -0.0)
+            stack = _CURRENT.stack
 
-        run.programs = programs  # type: ignore[attr-defined]  # (for the tests: what was compiled)
-        return run
+            def run(xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
+                found = programs
+                if static is not None:
+                    zeros = _negative_zeros(static.key)
+                    if zeros:
+                        found = signed.get(zeros) or signed.setdefault(zeros, _Programs())
+                stack.append(found)
+                try:
+                    # (detached: a Constant's tensor that requires grad, an unfrozen backbone's
+                    # parameter, would give the results a graph through the compiled graph's
+                    # backward, which nothing may differentiate; x's graph is cut before f runs)
+                    return _out_of_graph(guarded(xs, ts, dynamic, static))
+                finally:
+                    stack.pop()
 
-    def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
-        # a numpy scalar is taken as the Python number it holds, which every torch operation
-        # takes alike: torch.compile's trace of one under torch.func's transforms fails on
-        # a guard of its own (an AssertionError of torch's, no result)
-        if isinstance(leaf, (np.number, np.bool_)):
-            leaf = leaf.item()
-        return super().context_to_native(leaf, like)  # type: ignore[no-any-return]
+            run.programs = programs  # type: ignore[attr-defined]  # (for the tests: what was compiled)
+            return run
 
-    def rebuilder(self, x_spec: Any) -> Callable[[Any], Any] | None:
-        # (x's tree is rebuilt inside the compiled trace, where torch.compile cannot trace
-        # optree's C rebuild: in Python, whatever its size)
-        return None if x_spec is None or x_spec.is_leaf() else structure_unflatten(x_spec, largest=None)
+        def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
+            # a numpy scalar is taken as the Python number it holds, which every torch operation
+            # takes alike: torch.compile's trace of one under torch.func's transforms fails on
+            # a guard of its own (an AssertionError of torch's, no result)
+            if isinstance(leaf, (np.number, np.bool_)):
+                leaf = leaf.item()
+            return super().context_to_native(leaf, like)  # type: ignore[no-any-return]
 
-    def returns_like(self, leaf: Any) -> bool:
-        return type(leaf) is torch.Tensor  # (a compiled graph's results are plain tensors)
+        def rebuilder(self, x_spec: Any) -> Callable[[Any], Any] | None:
+            # (x's tree is rebuilt inside the compiled trace, where torch.compile cannot trace
+            # optree's C rebuild: in Python, whatever its size)
+            return None if x_spec is None or x_spec.is_leaf() else structure_unflatten(x_spec, largest=None)
 
-    def traces_call(self, compute: str, leaves: Any, caches: bool, ref: Any) -> bool:
-        # (the gradient's program traces whole; the others hold what torch.compile does not
-        # trace, such as the forward-mode lock, and compile the operator's program alone. A
-        # Cache is f's to write, and the whole trace would write into a rebuilt one; a bound
-        # method's weak reference, which the trace calls, is one torch.compile cannot trace)
-        return (
-            compute == "value_and_gradient"
-            and not caches
-            and not isinstance(ref, weakref.WeakMethod)
-            and all(type(leaf) in _TRACED_TYPES and not leaf.is_complex() for leaf in leaves)
-        )
+        def returns_like(self, leaf: Any) -> bool:
+            return type(leaf) is torch.Tensor  # (a compiled graph's results are plain tensors)
 
-    def _program(self, name: str, template: Callable[..., Any], fn: Fn, xs: Leaves, batched: bool = False) -> Any:
-        """This call's compiled program ``name``, f evaluated once eagerly before its first call
-        (diffiface's checks of f's output); None where the call runs uncompiled: outside a prep
-        of its own (another engine's SecondOrder program), or where f's graph holds what a
-        compiled program gets wrong (:class:`_Programs`; a node vmap batches wrongly only where
-        the program is ``batched``). A call differentiated from outside is refused."""
-        if torch.compiler.is_compiling():  # (the retracing tier's trace: f traced with the rest)
-            return None
-        if len(_CALLS.keep) > 1 or _transform_level() is not None or _forward_ad._current_level >= 0:
-            raise _nested()
-        stack = _CURRENT.stack
-        if not stack:
-            return None
-        programs = stack[-1]
-        if programs.reading or name not in programs.warm:
-            # f once, uncompiled, under a torch.func transform as "torch-func" runs it:
-            # diffiface's checks of its output, and torch.func's refusal of a write into a
-            # Constant (a compiled graph would carry the write out to the caller's tensor)
-            _read(programs, name, fn, xs, batched)
-            programs.warm.add(name)
-        if programs.reading or programs.custom or (batched and name in programs.unbatchable):
-            return None
-        program = programs.get(name, template)
-        # (f's graph read again, eagerly, before a compile after a program's first)
-        program.recheck = lambda: _read(programs, name, fn, xs, batched)
-        return program
+        def traces_call(self, compute: str, leaves: Any, caches: bool, ref: Any) -> bool:
+            # (the gradient's program traces whole; the others hold what torch.compile does not
+            # trace, such as the forward-mode lock, and compile the operator's program alone. A
+            # Cache is f's to write, and the whole trace would write into a rebuilt one; a bound
+            # method's weak reference, which the trace calls, is one torch.compile cannot trace)
+            return (
+                compute == "value_and_gradient"
+                and not caches
+                and not isinstance(ref, weakref.WeakMethod)
+                and all(type(leaf) in _TRACED_TYPES and not leaf.is_complex() for leaf in leaves)
+            )
 
-    def untracked(self, leaf: Any, xs: Leaves) -> bool:
-        # (checked by the eager warm-up: the compiled trace has no duals nor autograd leaves)
-        return False if torch.compiler.is_compiling() else super().untracked(leaf, xs)
+        def _program(self, name: str, template: Callable[..., Any], fn: Fn, xs: Leaves, batched: bool = False) -> Any:
+            """This call's compiled program ``name``, f evaluated once eagerly before its first call
+            (diffiface's checks of f's output); None where the call runs uncompiled: outside a prep
+            of its own (another engine's SecondOrder program), or where f's graph holds what a
+            compiled program gets wrong (:class:`_Programs`; a node vmap batches wrongly only where
+            the program is ``batched``). A call differentiated from outside is refused."""
+            if torch.compiler.is_compiling():  # (the retracing tier's trace: f traced with the rest)
+                return None
+            if len(_CALLS.keep) > 1 or _transform_level() is not None or _forward_ad._current_level >= 0:
+                raise _nested()
+            stack = _CURRENT.stack
+            if not stack:
+                return None
+            programs = stack[-1]
+            if programs.reading or name not in programs.warm:
+                # f once, uncompiled, under a torch.func transform as "torch-func" runs it:
+                # diffiface's checks of its output, and torch.func's refusal of a write into a
+                # Constant (a compiled graph would carry the write out to the caller's tensor)
+                _read(programs, name, fn, xs, batched)
+                programs.warm.add(name)
+            if programs.reading or programs.custom or (batched and name in programs.unbatchable):
+                return None
+            program = programs.get(name, template)
+            # (f's graph read again, eagerly, before a compile after a program's first)
+            program.recheck = lambda: _read(programs, name, fn, xs, batched)
+            return program
 
-    # -- the compiled operators ------------------------------------------------------------
+        def untracked(self, leaf: Any, xs: Leaves) -> bool:
+            # (checked by the eager warm-up: the compiled trace has no duals nor autograd leaves)
+            return False if torch.compiler.is_compiling() else super().untracked(leaf, xs)
 
-    def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
-        xs = _detached(xs)
-        program = self._program("gradient", _gradient, fn, xs)
-        if program is not None:
-            g, has_aux, rebuild = _for_func(fn, xs)
-            with contextlib.suppress(_Eager):
-                value, aux, grads = _called(program, g, has_aux, xs[0] if len(xs) == 1 else xs)
-                return value, _real_aux(rebuild(aux)), _materialised((grads,) if len(xs) == 1 else tuple(grads))
-        # uncompiled, or traced by the retracing tier: detached all the same (only what carries
-        # a graph, a Constant's: a detached output of a compiled graph is a view, which torch
-        # rebuilds on every call)
-        value, aux, grads = self.eager.value_and_gradient(fn, xs)
-        return _out_of_graph(value), aux, _out_of_graph(grads)
+        # -- the compiled operators ------------------------------------------------------------
 
-    def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
-        xs = _detached(xs)
-        with _forward_locked():
-            program = self._program("pushforward", _pushforward, fn, xs)
+        def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
+            xs = _detached(xs)
+            program = self._program("gradient", _gradient, fn, xs)
             if program is not None:
                 g, has_aux, rebuild = _for_func(fn, xs)
-                primals, tangents = (xs, txs) if len(xs) == 1 else ((xs,), (txs,))
                 with contextlib.suppress(_Eager):
-                    out, tout, aux = _called(program, g, has_aux, primals, tangents)
-                    # (a tangent has its primal's dtype: torch.func may promote a 0-d one)
-                    tout = _tree.map(lambda t, y: t.to(y.dtype) if t.dtype != y.dtype else t, tout, out)
-                    return out, _real_aux(rebuild(aux)), tout
-            return self.eager._value_and_pushforward(fn, xs, txs)  # type: ignore[no-any-return]
+                    value, aux, grads = _called(program, g, has_aux, xs[0] if len(xs) == 1 else xs)
+                    return value, _real_aux(rebuild(aux)), _materialised((grads,) if len(xs) == 1 else tuple(grads))
+            # uncompiled, or traced by the retracing tier: detached all the same (only what carries
+            # a graph, a Constant's: a detached output of a compiled graph is a view, which torch
+            # rebuilds on every call)
+            value, aux, grads = self.eager.value_and_gradient(fn, xs)
+            return _out_of_graph(value), aux, _out_of_graph(grads)
 
-    # (one compiled jvp per tangent, one compiled vjp per cotangent: not torch.func.vmap's batch)
-    value_and_pushforwards = _BaseAdapter.value_and_pushforwards
-    pullbacks = _BaseAdapter.pullbacks
+        def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
+            xs = _detached(xs)
+            with _forward_locked():
+                program = self._program("pushforward", _pushforward, fn, xs)
+                if program is not None:
+                    g, has_aux, rebuild = _for_func(fn, xs)
+                    primals, tangents = (xs, txs) if len(xs) == 1 else ((xs,), (txs,))
+                    with contextlib.suppress(_Eager):
+                        out, tout, aux = _called(program, g, has_aux, primals, tangents)
+                        # (a tangent has its primal's dtype: torch.func may promote a 0-d one)
+                        tout = _tree.map(lambda t, y: t.to(y.dtype) if t.dtype != y.dtype else t, tout, out)
+                        return out, _real_aux(rebuild(aux)), tout
+                return self.eager._value_and_pushforward(fn, xs, txs)  # type: ignore[no-any-return]
 
-    def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
-        xs = _detached(xs)
-        program = self._program("pullback", _pullback, fn, xs)
-        if program is None:
-            return self.eager.pullback_function(fn, xs)  # type: ignore[no-any-return]
-        done: list[Any] = []
+        # (one compiled jvp per tangent, one compiled vjp per cotangent: not torch.func.vmap's batch)
+        value_and_pushforwards = _BaseAdapter.value_and_pushforwards
+        pullbacks = _BaseAdapter.pullbacks
 
-        def vjp(touts: Any) -> Leaves:
-            g, has_aux, rebuild = _for_func(fn, xs)
-            given, touts = touts, touts if type(touts) is tuple else (touts,)
-            try:
-                out, aux, grads = _called(program, g, has_aux, xs[0] if len(xs) == 1 else xs, touts)
-            except _Eager:
-                out, aux, pullback = self.eager.pullback_function(fn, xs)
-                done[:] = [out, aux]
-                return pullback(given)  # type: ignore[no-any-return]
-            done[:] = [out, _real_aux(rebuild(aux))]
-            return _materialised((grads[0],) if len(xs) == 1 else tuple(grads[0]))
+        def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
+            xs = _detached(xs)
+            program = self._program("pullback", _pullback, fn, xs)
+            if program is None:
+                return self.eager.pullback_function(fn, xs)  # type: ignore[no-any-return]
+            done: list[Any] = []
 
-        def value(i: int) -> Any:
-            if not done:  # (no cotangent came, an empty batch: f's value alone, uncompiled)
-                done[:] = self.eager.pullback_function(fn, xs)[:2]
-            return done[i]
+            def vjp(touts: Any) -> Leaves:
+                g, has_aux, rebuild = _for_func(fn, xs)
+                given, touts = touts, touts if type(touts) is tuple else (touts,)
+                try:
+                    out, aux, grads = _called(program, g, has_aux, xs[0] if len(xs) == 1 else xs, touts)
+                except _Eager:
+                    out, aux, pullback = self.eager.pullback_function(fn, xs)
+                    done[:] = [out, aux]
+                    return pullback(given)  # type: ignore[no-any-return]
+                done[:] = [out, _real_aux(rebuild(aux))]
+                return _materialised((grads[0],) if len(xs) == 1 else tuple(grads[0]))
 
-        return Deferred(lambda: value(0)), Deferred(lambda: value(1)), vjp
+            def value(i: int) -> Any:
+                if not done:  # (no cotangent came, an empty batch: f's value alone, uncompiled)
+                    done[:] = self.eager.pullback_function(fn, xs)[:2]
+                return done[i]
 
-    def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Blocks]:
-        xs = _detached(xs)
-        if any(x.numel() == 0 for x in xs):
-            return self.eager.value_and_jacobian(fn, xs, mode)  # type: ignore[no-any-return]
-        forward = mode == "forward"
-        with _forward_locked():
-            program = self._program("jacobian", _jacobian, fn, xs, batched=not forward)
-            if program is not None:
-                with contextlib.suppress(_Eager):
-                    out, aux, blocks = _jacobian_by(lambda g, p: _called(program, g, forward, p), fn, xs, False)
-                    return out, _real_aux(aux), blocks
-            return self.eager.value_and_jacobian(fn, xs, mode)  # type: ignore[no-any-return]
+            return Deferred(lambda: value(0)), Deferred(lambda: value(1)), vjp
 
-    # -- second order: one compiled program over these traceable first-order functions ------
+        def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Blocks]:
+            xs = _detached(xs)
+            if any(x.numel() == 0 for x in xs):
+                return self.eager.value_and_jacobian(fn, xs, mode)  # type: ignore[no-any-return]
+            forward = mode == "forward"
+            with _forward_locked():
+                program = self._program("jacobian", _jacobian, fn, xs, batched=not forward)
+                if program is not None:
+                    with contextlib.suppress(_Eager):
+                        out, aux, blocks = _jacobian_by(lambda g, p: _called(program, g, forward, p), fn, xs, False)
+                        return out, _real_aux(aux), blocks
+                return self.eager.value_and_jacobian(fn, xs, mode)  # type: ignore[no-any-return]
 
-    def gradient_function(self, fn: Fn) -> Fn:
-        def gradient(xs: Leaves) -> tuple[Leaves, tuple[Any, Any]]:
-            g, has_aux, rebuild = _for_func(fn, xs)
-            stack = _CURRENT.stack
-            if stack and not torch.compiler.is_compiling():  # (an eager warm-up: f's graph read)
-                g = _noting(g, has_aux, stack[-1])
-            value, aux, grads = _gradient(g, has_aux, xs[0] if len(xs) == 1 else xs)
-            return ((grads,) if len(xs) == 1 else tuple(grads)), (value, rebuild(aux))
+        # -- second order: one compiled program over these traceable first-order functions ------
 
-        return gradient
+        def gradient_function(self, fn: Fn) -> Fn:
+            def gradient(xs: Leaves) -> tuple[Leaves, tuple[Any, Any]]:
+                g, has_aux, rebuild = _for_func(fn, xs)
+                stack = _CURRENT.stack
+                if stack and not torch.compiler.is_compiling():  # (an eager warm-up: f's graph read)
+                    g = _noting(g, has_aux, stack[-1])
+                value, aux, grads = _gradient(g, has_aux, xs[0] if len(xs) == 1 else xs)
+                return ((grads,) if len(xs) == 1 else tuple(grads)), (value, rebuild(aux))
 
-    def value_derivative_and_second_derivative(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any, Any]:
-        xs = _detached(xs)
-        with _forward_locked():
-            program = self._program("second", _second, fn, xs, batched=True)
-            if program is not None:
-                tensor_fn, rebuild = _tensor_aux(fn)
-                with contextlib.suppress(_Eager):
-                    (out, aux), first, second = _called(program, _on_one(tensor_fn), xs[0])
-                    return out, _real_aux(rebuild(aux)), first, second
-            return self.eager.value_derivative_and_second_derivative(fn, xs)  # type: ignore[no-any-return]
+            return gradient
+
+        def value_derivative_and_second_derivative(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any, Any]:
+            xs = _detached(xs)
+            with _forward_locked():
+                program = self._program("second", _second, fn, xs, batched=True)
+                if program is not None:
+                    tensor_fn, rebuild = _tensor_aux(fn)
+                    with contextlib.suppress(_Eager):
+                        (out, aux), first, second = _called(program, _on_one(tensor_fn), xs[0])
+                        return out, _real_aux(rebuild(aux)), first, second
+                return self.eager.value_derivative_and_second_derivative(fn, xs)  # type: ignore[no-any-return]
+
+    Adapter.__qualname__ = "Adapter"
+    return Adapter
