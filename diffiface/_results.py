@@ -3,6 +3,7 @@ output structure), in the dtype :func:`promoted_dtype` gives a derivative."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -136,20 +137,21 @@ class MirrorOne:
 class RebuildTree:
     """The finisher of a gradient, vjp or hvp of a tree of arrays: where the finisher, on a
     first result, gave back each of the engine's arrays as it came (its type, dtype and layout
-    already x's: for torch, detached, a Parameter's as a plain tensor; for jax, laid out as x),
-    later results whose arrays come with the same types, dtypes, graph flags and layouts are
-    only rebuilt. ``trusted``: a compiled program, whose results' types, dtypes and layouts are
-    the same on every run: once they are seen to fit, only rebuilt."""
+    already x's: for torch, a Parameter's as a plain tensor; for jax, laid out as x), later
+    results whose arrays come with the same types, dtypes and layouts are only rebuilt (what a
+    family's ``mirror`` reads). ``trusted``: a compiled program, whose results' types, dtypes
+    and layouts are the same on every run: once they are seen to fit, only rebuilt."""
 
-    __slots__ = ("expected", "finish", "layouts", "rebuild", "seen_fit", "trusted")
+    __slots__ = ("dtypes", "finish", "layouts", "rebuild", "seen_fit", "trusted", "types")
 
     def __init__(self, call: Call, finish: Finisher, trusted: bool) -> None:
         spec = call.signature.x_spec
         self.rebuild = structure_unflatten(spec) or spec.unflatten  # (written for the structure, see _flatten)
-        self.layouts = [_layout(leaf) for leaf in call.x_leaves]
-        self.expected: list[tuple[Any, Any, bool]] | None = None
-        """Each array's (type, dtype, requires_grad) as the finisher passed it through; None
-        until it has."""
+        layouts = [_layout(leaf) for leaf in call.x_leaves]
+        self.layouts = None if all(layout is None for layout in layouts) else layouts
+        self.types: list[type] | None = None
+        self.dtypes: list[Any] | None = None
+        """Each array's type and dtype as the finisher passed it through; None until it has."""
         self.finish = finish
         self.trusted = trusted
         self.seen_fit = False
@@ -158,24 +160,22 @@ class RebuildTree:
         values = native[0]
         if self.seen_fit:
             return self.rebuild(values)
-        expected = self.expected
-        if expected is not None and len(values) == len(expected):
-            for value, (cls, dtype, graph), layout in zip(values, expected, self.layouts, strict=False):
-                if (
-                    type(value) is not cls
-                    or value.dtype != dtype
-                    or getattr(value, "requires_grad", False) is not graph
-                    or (layout is not None and not layout.holds(value))
-                ):
-                    break
-            else:
-                self.seen_fit = self.trusted
-                return self.rebuild(values)
+        layouts = self.layouts
+        if (  # (the tests in C, leaf by leaf: this runs on every call)
+            list(map(type, values)) == self.types
+            and list(map(_dtype, values)) == self.dtypes
+            and (layouts is None or all(lay is None or lay.holds(v) for v, lay in zip(values, layouts, strict=True)))
+        ):
+            self.seen_fit = self.trusted
+            return self.rebuild(values)
         result = self.finish(native)
         found = optree.tree_leaves(result, namespace=NAMESPACE)
         if len(found) == len(values) and all(a is b for a, b in zip(found, values, strict=True)):
-            self.expected = [(type(v), v.dtype, getattr(v, "requires_grad", False)) for v in values]
+            self.types, self.dtypes = list(map(type, values)), list(map(_dtype, values))
         return result
+
+
+_dtype = operator.attrgetter("dtype")
 
 
 def finisher(op: Operator, call: Call, output: _Output, compiled: bool) -> tuple[Callable[[Any], Any], Any]:

@@ -196,12 +196,10 @@ class _Gradient:
             value = fused.settle(value, f, context_values, inputs, inputs[0])
         if value.requires_grad:
             grads = torch.autograd.grad((value,), inputs, allow_unused=True)
-            for g in grads:  # (a loop, not a generator: this runs on every call)
-                if g is not None:
-                    break
-            else:  # no gradient reached x
-                _refuse_hidden_cut(fused.close(f, context_values, xs[0]), xs)
-            grads = _whole(grads, inputs)
+            if set(map(type, grads)) != _PLAIN or any(map(_is_zero, grads)):  # (tests in C: on every call)
+                if all(g is None for g in grads):  # no gradient reached x
+                    _refuse_hidden_cut(fused.close(f, context_values, xs[0]), xs)
+                grads = _whole(grads, inputs)  # (a None, a DTensor, a ZeroTensor)
         else:
             grads = _grad([], inputs)
         # (a fused call keeps no graph: f's value out of it; grads carry none without create_graph)
@@ -435,4 +433,5 @@ def _output(closed: Fn, single: bool, x: Any) -> Any:
 _detach = torch.Tensor.detach
 
 _PLAIN = {torch.Tensor}
+_is_zero = torch.Tensor._is_zerotensor
 """The type of a plain tensor, as a set: the types of x's leaves compared with it in C."""
