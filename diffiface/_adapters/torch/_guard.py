@@ -294,7 +294,7 @@ def _after_failure(
     versions: list[int],
     constants: list[tuple[int, Any, int]],
     modules: _Watch | None,
-    names: _Names | None,
+    names: _Names,
     x_copied: bool = True,
     copied: bool = True,
 ) -> DiffifaceError | None:
@@ -310,7 +310,7 @@ def _after_failure(
         return MutationError(problem)
     if isinstance(exc, RuntimeError) and _LEAF_WRITE in str(exc):
         # torch refused a write into the leaf f got for x (refused before writing)
-        where = "x" if names is None else names.of_x(0, len(xs)) if len(xs) == 1 else "x"
+        where = names.of_x(0, 1) if len(xs) == 1 else "x"
         return MutationError(f"f wrote in place into its input {where}; torch refused it. {_FIX}")
     return torch_refusal(exc)
 
@@ -455,7 +455,7 @@ def _mutation(
     versions: list[int],
     constants: list[tuple[int, Any, int]],
     modules: _Watch | None,
-    names: _Names | None,
+    names: _Names,
     x_copied: bool = True,
     copied: bool = True,
 ) -> str | None:
@@ -465,7 +465,7 @@ def _mutation(
     # (first: a module's copies and structure are put back whatever else f wrote)
     changed = modules.written() if modules is not None and modules.changed() else None
     if modules is not None and modules.restructured():
-        where = names.of_static(modules.roots[0][0]) if names is not None else "a di.Constant"
+        where = names.of_static(modules.roots[0][0])
         return (
             f"f changed the torch.nn.Module {where}, a di.Constant: it set a parameter, a buffer or a "
             "submodule, or its train or eval mode; it has been put back. A Constant is read-only: pass "
@@ -473,18 +473,17 @@ def _mutation(
         )
     for i, (x, version) in enumerate(zip(xs, versions, strict=True)):
         if x._version != version:
-            where = names.of_x(i, len(xs)) if names is not None else (f"leaf {i} of x" if len(xs) > 1 else "x")
             state = "the caller's x and tangent are unchanged" if x_copied else _LANDED_X
-            return f"f wrote in place into its input {where}; {state}. {_FIX}"
+            return f"f wrote in place into its input {names.of_x(i, len(xs))}; {state}. {_FIX}"
     for i, tensor, version in constants:
         if tensor._version != version:
-            where = names.of_dynamic(i) if names is not None else f"array context leaf {i}"
+            where = names.of_dynamic(i)
             state = "the caller's tensor is unchanged (f wrote into a copy)" if copied else _LANDED_TENSOR
             return f"f wrote in place into {where}, a tensor of a di.Constant; {state}. A Constant is read-only: {_FIX}"
     if changed is None:
         return None
     index, what, name, restored = changed
-    where = names.of_static(index) if names is not None else "a di.Constant"
+    where = names.of_static(index)
     state = _PUT_BACK if restored else _LANDED
     if what == "parameter":
         return (
@@ -501,7 +500,7 @@ def _mutation(
 
 
 def _unseen_write(
-    xs: Leaves, given: Leaves, constants: list[tuple[int, Any, int]], given_dynamic: Leaves, names: _Names | None
+    xs: Leaves, given: Leaves, constants: list[tuple[int, Any, int]], given_dynamic: Leaves, names: _Names
 ) -> str | None:
     """On a prep's first call, where f got copies of x's leaves (``xs``, of the caller's
     ``given``) and of the Constant tensors: the write no version counter saw (through ``.data``),
@@ -511,12 +510,12 @@ def _unseen_write(
     later calls copy nothing, and such a write is not seen there (docs/policies.md)."""
     for i, (x, original) in enumerate(zip(xs, given, strict=True)):
         if x is not original and _differs(x, original):
-            where = names.of_x(i, len(xs)) if names is not None else (f"leaf {i} of x" if len(xs) > 1 else "x")
+            where = names.of_x(i, len(xs))
             return f"f wrote in place into its input {where} (through .data); the caller's x is unchanged. {_FIX}"
     for i, tensor, _ in constants:
         original = given_dynamic[i]
         if tensor is not original and _differs(tensor, original):
-            where = names.of_dynamic(i) if names is not None else f"array context leaf {i}"
+            where = names.of_dynamic(i)
             return (
                 f"f wrote in place into {where}, a tensor of a di.Constant (through .data); the caller's tensor "
                 f"is unchanged (f wrote into a copy). A Constant is read-only: {_FIX}"
