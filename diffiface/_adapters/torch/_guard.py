@@ -54,14 +54,6 @@ def _wrapped(x: Any) -> bool:
     return False
 
 
-def _carries_graph(x: Any) -> bool:
-    """Whether ``x`` carries an outer differentiation: it requires grad under grad mode (or in
-    a torch.func transform), or is a dual tensor of an open forward mode (ours or the caller's)."""
-    if x.requires_grad:
-        return torch.is_grad_enabled() or _wrapped(x)
-    return _forward_ad._current_level >= 0 and _dual_parts(x)[1] is not None
-
-
 def _guard(
     program: Callable[..., Any], functional: bool, create_graph: bool, parts: ProgramParts = NO_PARTS
 ) -> Callable[..., Any]:
@@ -220,11 +212,11 @@ def _keeps(x: Any) -> bool:
     diffiface call or a torch.func transform every call keeps its graph, whatever x carries:
     the outer one differentiates through this one, also through a tensor f closes over, and a
     detached result would read as a zero derivative.)"""
-    if x.is_inference() or not _carries_graph(x):
+    if x.is_inference():
         return False
-    if _forward_ad._current_level >= 0 and _dual_parts(x)[1] is not None:
-        return True
-    return _wrapped(x)
+    if x.requires_grad and not torch.is_grad_enabled():  # (a graph only in a torch.func transform)
+        return _wrapped(x)
+    return (_forward_ad._current_level >= 0 and _dual_parts(x)[1] is not None) or (x.requires_grad and _wrapped(x))
 
 
 class _Names:
