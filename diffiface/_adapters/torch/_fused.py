@@ -14,7 +14,7 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch import func
 
-from ..._errors import MutationError
+from ..._errors import FrameworkMismatchError, MutationError
 from .._base import Fn, Leaves
 from ._dtensor import _cotangents, _placed
 from ._duals import (
@@ -36,7 +36,7 @@ from ._engine import (
     _refuse_hidden_cut,
     _whole,
 )
-from ._explain import _FIX, _CapturedWrite, _explained
+from ._explain import _TANGENT_WRITE, _CapturedWrite
 from ._guard import (
     _CALLS,
     _STRIDED,
@@ -183,8 +183,11 @@ class _Gradient:
         fused = self.fused
         try:
             value = f(inputs[0] if fused.single else fused.rebuild(inputs), *context_values)
-        except Exception as exc:
-            _explained(exc, fused.adapter)
+        except Exception as exc:  # (explained as the program's own ``close`` explains it)
+            adapter = fused.adapter
+            hint = adapter.explain_failure(exc)
+            if hint is not None:
+                raise FrameworkMismatchError(f"f failed under the {adapter.backend.name} backend: {hint}") from exc
             raise
         if not (
             type(value) is torch.Tensor
@@ -299,8 +302,7 @@ class _Pushforward(_Gradient):
             finally:
                 _close_dual_level(level)
         if list(map(_version, tangents)) != versions:
-            # (the tangent f reaches through its dual input: a write changes the derivative itself)
-            raise MutationError(f"f wrote in place into the tangent of its input (forward mode). {_FIX}")
+            raise MutationError(_TANGENT_WRITE)
         # (a fused call keeps no graph: out of it, what carries a Constant's that requires grad)
         outs = tuple(map(torch.Tensor.detach, outs))
         return (tuple(map(torch.Tensor.detach, primals)), outs) if fused.value else (outs,)

@@ -20,7 +20,7 @@ from ..._errors import DiffifaceError, MutationError
 from .._base import NO_PARTS, Leaves, ProgramParts
 from ._dtensor import _refuse_fully_sharded
 from ._duals import _dual_parts
-from ._explain import _FIX, _LEAF_WRITE, _CapturedWrite, torch_refusal
+from ._explain import _FIX, _LEAF_WRITE, _TANGENT_WRITE, _CapturedWrite, torch_refusal
 
 
 class _Calls(threading.local):
@@ -184,8 +184,7 @@ def _guard(
         if ts:
             for t, v in zip(ts, tangent_versions, strict=True):
                 if t._version != v:
-                    # (the tangent f reaches through its dual input: a write changes the derivative itself)
-                    raise MutationError(f"f wrote in place into the tangent of its input (forward mode). {_FIX}")
+                    raise MutationError(_TANGENT_WRITE)
         return result
 
     return guarded
