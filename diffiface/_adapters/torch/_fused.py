@@ -1,6 +1,5 @@
-"""One call for the commonest computations, where a pinned, interleaved benchmark
-(``benchmarks/torch_fused.py``) shows it more than 5% quicker than the guard's steps: the
-guard's steps, the program's and the engine's in one Python call.
+"""The guard's steps, the program's and the engine's in one Python call, for the commonest
+computations where ``benchmarks/torch_fused.py`` keeps it (:class:`_Gradient`).
 """
 
 from __future__ import annotations
@@ -62,8 +61,7 @@ class _Gradient:
     caller's or torch.func's), no leaf of x carrying an outer graph (and, under torch.func,
     every leaf of x a plain tensor: a DTensor's gradient is laid out again). It does what
     :func:`_guard` and the program do for it, in their order: x's leaves, the Constant tensors
-    and the Constant modules' tensors as the guard's rule gives them to f (copies on a prep's
-    first call, the caller's own watched by their counters after it), f on them, f's output
+    and the Constant modules' tensors as the guard's rule gives them to f, f on them, f's output
     checked (a scalar of a type and dtype seen before takes no more checks; any other output,
     the program's own checks, ``settle``), the gradient, and the version counters read, a write
     refused with a MutationError. Any other call is ``guarded``'s, before anything has run.
@@ -217,8 +215,7 @@ class _Pullback(_Gradient):
     that record (``cotangent``), and the backward pass with the cotangent: one
     ``torch.autograd.grad``, or in torch.func mode the pullback of ``torch.func.vjp`` of the
     closed f on the tuple of x's leaves, where the guard, the program and the adapter's pullback
-    take their Python frames and, in torch.func mode, closures made on every call. It serves the
-    call :class:`_Gradient` serves; any other is ``guarded``'s, before anything has run. Kept by
+    take their Python frames and, in torch.func mode, closures made on every call. Kept by
     ``benchmarks/torch_fused.py`` (see :class:`_Gradient`)."""
 
     __slots__ = ()
@@ -400,8 +397,7 @@ class _Hvp(_Gradient):
     around f closed and checked by the program's own ``close`` on x's leaves as f gets them,
     its gradient with its graph, and that gradient's pullback along copies of the tangents
     (double backward), where the guard, the program and the adapter's method take their Python
-    frames. It serves the call :class:`_Gradient` serves. Kept by ``benchmarks/torch_fused.py``
-    (see :class:`_Gradient`)."""
+    frames. Kept by ``benchmarks/torch_fused.py`` (see :class:`_Gradient`)."""
 
     __slots__ = ()
 

@@ -254,12 +254,11 @@ def _watched_constants(
     dynamic: Leaves, constant_at: tuple[int, ...], copy: bool, autograd: bool = True
 ) -> tuple[Leaves, list[tuple[int, Any, int]]]:
     """The dynamic context leaves for f, and (index, tensor, its version) for each Constant
-    tensor, to see a write by: where ``copy`` (a prep's first call, in both modes: torch.func
-    refuses an in-place method on a tensor f closes over but lets ``torch.mul(a, b, out=c)``
-    write into it), a copy of each in its place (f cannot reach the caller's memory through it);
-    else the caller's own, watched by its counter. In ``autograd`` mode an
-    inference tensor is always copied (it cannot be saved for the backward pass); under
-    torch.func, which refuses any write into it, it is passed as it is and not watched."""
+    tensor, to see a write by: where ``copy`` (a prep's first call, in both modes, see
+    :func:`_guard`), a copy of each in its place; else the caller's own, watched by its counter.
+    In ``autograd`` mode an inference tensor is always copied (it cannot be saved for the
+    backward pass); under torch.func, which refuses any write into it, it is passed as it is and
+    not watched."""
     fresh: list[Any] | None = None  # (a new tuple only where a leaf is replaced by its copy)
     constants = []
     for i in constant_at:
