@@ -307,12 +307,9 @@ class _Pushforward(_Gradient):
     def by_pullbacks(
         self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves
     ) -> Any:
-        """The product by reverse over reverse on ``inputs``, x's leaves as f gets them: f on them made
-        leaves of a fresh graph, its pullback along cotangents of ones that require grad (linear in
-        them, with its graph), and that pullback's own along copies of the tangents (a product
-        the graphs pass through unchanged would be the caller's tangent itself). An output leaf
-        the graph does not reach has a zero product, as in forward mode. Where torch cannot
-        differentiate the pullback, :class:`_NoSecondPass` (:func:`_pushed_by_pullbacks`)."""
+        """The product by reverse over reverse on ``inputs``, x's leaves as f gets them: f on them
+        made leaves of a fresh graph, then :func:`_pushed_by_pullbacks` (:class:`_NoSecondPass`
+        where torch cannot differentiate the pullback)."""
         fused = self.fused
         versions = list(map(_version, inputs))
         leaves = tuple(map(_requiring, map(_detach, inputs)))  # (aliases: the caller's flags stay as they are)

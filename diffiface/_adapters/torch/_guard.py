@@ -328,12 +328,10 @@ class _Watch:
     leaves, module)), over one call: their version counters, and copies that put back what f
     wrote.
 
-    ``full`` (a prep's first call): a copy of every tensor, so that any write is undone, also
-    one no counter sees (through ``.data``). Else a copy of the buffers of submodules in training
-    mode only (torch's batch norm writes its running statistics without a version bump); nothing
-    else is copied, so that a frozen backbone costs its counters per call, not its size, and a
-    write is seen but not undone. Which tensor is which (its module, its name) is found only
-    where an error names one (:meth:`named`).
+    ``full`` (a prep's first call): a copy of every tensor. Else a copy of the buffers of
+    submodules in training mode only (the guard's rule, :func:`_guard`), so that a frozen
+    backbone costs its counters per call, not its size. Which tensor is which (its module, its
+    name) is found only where an error names one (:meth:`named`).
 
     Every call also keeps each module's structure (its parameters, buffers and submodules, its
     train or eval mode), which f may change by setting an attribute (``model[0].weight =
