@@ -10,11 +10,7 @@ from typing import Any
 
 import torch
 
-from ..._errors import (
-    FrameworkMismatchError,
-    MutationError,
-    UnsupportedOperationError,
-)
+from ..._errors import MutationError, UnsupportedOperationError
 from .._base import class_names, raised_inside
 
 
@@ -215,14 +211,8 @@ def _nested_forward() -> UnsupportedOperationError:
 
 
 _FIX = "Compute out of place (y = x * 2, not x.mul_(2)); for scratch space f may overwrite, pass a di.Cache."
-
-
-def _explained(exc: Exception, adapter: Any) -> None:
-    """Where f failed in a way the adapter explains (numpy code on torch tensors), a
-    FrameworkMismatchError that says so, raised from ``exc``; else nothing (``exc`` is f's own)."""
-    hint = adapter.explain_failure(exc)
-    if hint is not None:
-        raise FrameworkMismatchError(f"f failed under the {adapter.backend.name} backend: {hint}") from exc
+_TANGENT_WRITE = f"f wrote in place into the tangent of its input (forward mode). {_FIX}"
+"""A write into the tangent f reaches through its dual input, refused: it changes the derivative itself."""
 
 
 _LEAF_WRITE = "a leaf Variable that requires grad is being used in an in-place operation"

@@ -1,6 +1,5 @@
-"""One call for the commonest computations, where a pinned, interleaved benchmark
-(``benchmarks/torch_fused.py``) shows it more than 5% quicker than the guard's steps: the
-guard's steps, the program's and the engine's in one Python call.
+"""The guard's steps, the program's and the engine's in one Python call, for the commonest
+computations where ``benchmarks/torch_fused.py`` keeps it (:class:`_Gradient`).
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch import func
 
-from ..._errors import MutationError
+from ..._errors import FrameworkMismatchError, MutationError
 from .._base import Fn, Leaves
 from ._dtensor import _cotangents, _placed
 from ._duals import (
@@ -36,7 +35,7 @@ from ._engine import (
     _refuse_hidden_cut,
     _whole,
 )
-from ._explain import _FIX, _CapturedWrite, _explained
+from ._explain import _TANGENT_WRITE, _CapturedWrite
 from ._guard import (
     _CALLS,
     _STRIDED,
@@ -62,8 +61,7 @@ class _Gradient:
     caller's or torch.func's), no leaf of x carrying an outer graph (and, under torch.func,
     every leaf of x a plain tensor: a DTensor's gradient is laid out again). It does what
     :func:`_guard` and the program do for it, in their order: x's leaves, the Constant tensors
-    and the Constant modules' tensors as the guard's rule gives them to f (copies on a prep's
-    first call, the caller's own watched by their counters after it), f on them, f's output
+    and the Constant modules' tensors as the guard's rule gives them to f, f on them, f's output
     checked (a scalar of a type and dtype seen before takes no more checks; any other output,
     the program's own checks, ``settle``), the gradient, and the version counters read, a write
     refused with a MutationError. Any other call is ``guarded``'s, before anything has run.
@@ -183,8 +181,11 @@ class _Gradient:
         fused = self.fused
         try:
             value = f(inputs[0] if fused.single else fused.rebuild(inputs), *context_values)
-        except Exception as exc:
-            _explained(exc, fused.adapter)
+        except Exception as exc:  # (explained as the program's own ``close`` explains it)
+            adapter = fused.adapter
+            hint = adapter.explain_failure(exc)
+            if hint is not None:
+                raise FrameworkMismatchError(f"f failed under the {adapter.backend.name} backend: {hint}") from exc
             raise
         if not (
             type(value) is torch.Tensor
@@ -212,8 +213,7 @@ class _Pullback(_Gradient):
     that record (``cotangent``), and the backward pass with the cotangent: one
     ``torch.autograd.grad``, or in torch.func mode the pullback of ``torch.func.vjp`` of the
     closed f on the tuple of x's leaves, where the guard, the program and the adapter's pullback
-    take their Python frames and, in torch.func mode, closures made on every call. It serves the
-    call :class:`_Gradient` serves; any other is ``guarded``'s, before anything has run. Kept by
+    take their Python frames and, in torch.func mode, closures made on every call. Kept by
     ``benchmarks/torch_fused.py`` (see :class:`_Gradient`)."""
 
     __slots__ = ()
@@ -297,8 +297,7 @@ class _Pushforward(_Gradient):
             finally:
                 _close_dual_level(level)
         if list(map(_version, tangents)) != versions:
-            # (the tangent f reaches through its dual input: a write changes the derivative itself)
-            raise MutationError(f"f wrote in place into the tangent of its input (forward mode). {_FIX}")
+            raise MutationError(_TANGENT_WRITE)
         # (a fused call keeps no graph: out of it, what carries a Constant's that requires grad)
         outs = tuple(map(torch.Tensor.detach, outs))
         return (tuple(map(torch.Tensor.detach, primals)), outs) if fused.value else (outs,)
@@ -306,12 +305,9 @@ class _Pushforward(_Gradient):
     def by_pullbacks(
         self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves
     ) -> Any:
-        """The product by reverse over reverse on ``inputs``, x's leaves as f gets them: f on them made
-        leaves of a fresh graph, its pullback along cotangents of ones that require grad (linear in
-        them, with its graph), and that pullback's own along copies of the tangents (a product
-        the graphs pass through unchanged would be the caller's tangent itself). An output leaf
-        the graph does not reach has a zero product, as in forward mode. Where torch cannot
-        differentiate the pullback, :class:`_NoSecondPass` (:func:`_pushed_by_pullbacks`)."""
+        """The product by reverse over reverse on ``inputs``, x's leaves as f gets them: f on them
+        made leaves of a fresh graph, then :func:`_pushed_by_pullbacks` (:class:`_NoSecondPass`
+        where torch cannot differentiate the pullback)."""
         fused = self.fused
         versions = list(map(_version, inputs))
         leaves = tuple(map(_requiring, map(_detach, inputs)))  # (aliases: the caller's flags stay as they are)
@@ -396,8 +392,7 @@ class _Hvp(_Gradient):
     around f closed and checked by the program's own ``close`` on x's leaves as f gets them,
     its gradient with its graph, and that gradient's pullback along copies of the tangents
     (double backward), where the guard, the program and the adapter's method take their Python
-    frames. It serves the call :class:`_Gradient` serves. Kept by ``benchmarks/torch_fused.py``
-    (see :class:`_Gradient`)."""
+    frames. Kept by ``benchmarks/torch_fused.py`` (see :class:`_Gradient`)."""
 
     __slots__ = ()
 

@@ -20,7 +20,7 @@ from ..._errors import DiffifaceError, MutationError
 from .._base import NO_PARTS, Leaves, ProgramParts
 from ._dtensor import _refuse_fully_sharded
 from ._duals import _dual_parts
-from ._explain import _FIX, _LEAF_WRITE, _CapturedWrite, torch_refusal
+from ._explain import _FIX, _LEAF_WRITE, _TANGENT_WRITE, _CapturedWrite, torch_refusal
 
 
 class _Calls(threading.local):
@@ -52,14 +52,6 @@ def _wrapped(x: Any) -> bool:
     except RuntimeError:
         return True
     return False
-
-
-def _carries_graph(x: Any) -> bool:
-    """Whether ``x`` carries an outer differentiation: it requires grad under grad mode (or in
-    a torch.func transform), or is a dual tensor of an open forward mode (ours or the caller's)."""
-    if x.requires_grad:
-        return torch.is_grad_enabled() or _wrapped(x)
-    return _forward_ad._current_level >= 0 and _dual_parts(x)[1] is not None
 
 
 def _guard(
@@ -174,10 +166,8 @@ def _guard(
             torch.set_grad_enabled(grad_mode)
         if not keep:  # (a call that keeps no graph gives its results as torch.autograd.grad does)
             result = _out_of_graph(result)
-        dirty = modules is not None and modules.changed()
-        for x, version in zip(xs, versions, strict=False):  # (a loop: this runs on every call)
-            if x._version != version:
-                dirty = True
+        # (as the fused calls read them: map, in C, costs less than a loop on every call)
+        dirty = list(map(_version, xs)) != versions or (modules is not None and modules.changed())
         for _, tensor, version in constants:
             dirty = dirty or tensor._version != version
         if dirty:
@@ -189,11 +179,8 @@ def _guard(
             if problem is not None:
                 raise MutationError(problem)
         first[0] = False
-        if ts:
-            for t, v in zip(ts, tangent_versions, strict=True):
-                if t._version != v:
-                    # (the tangent f reaches through its dual input: a write changes the derivative itself)
-                    raise MutationError(f"f wrote in place into the tangent of its input (forward mode). {_FIX}")
+        if ts and list(map(_version, ts)) != tangent_versions:
+            raise MutationError(_TANGENT_WRITE)
         return result
 
     return guarded
@@ -220,11 +207,11 @@ def _keeps(x: Any) -> bool:
     diffiface call or a torch.func transform every call keeps its graph, whatever x carries:
     the outer one differentiates through this one, also through a tensor f closes over, and a
     detached result would read as a zero derivative.)"""
-    if x.is_inference() or not _carries_graph(x):
+    if x.is_inference():
         return False
-    if _forward_ad._current_level >= 0 and _dual_parts(x)[1] is not None:
-        return True
-    return _wrapped(x)
+    if x.requires_grad and not torch.is_grad_enabled():  # (a graph only in a torch.func transform)
+        return _wrapped(x)
+    return (_forward_ad._current_level >= 0 and _dual_parts(x)[1] is not None) or (x.requires_grad and _wrapped(x))
 
 
 class _Names:
@@ -263,12 +250,11 @@ def _watched_constants(
     dynamic: Leaves, constant_at: tuple[int, ...], copy: bool, autograd: bool = True
 ) -> tuple[Leaves, list[tuple[int, Any, int]]]:
     """The dynamic context leaves for f, and (index, tensor, its version) for each Constant
-    tensor, to see a write by: where ``copy`` (a prep's first call, in both modes: torch.func
-    refuses an in-place method on a tensor f closes over but lets ``torch.mul(a, b, out=c)``
-    write into it), a copy of each in its place (f cannot reach the caller's memory through it);
-    else the caller's own, watched by its counter. In ``autograd`` mode an
-    inference tensor is always copied (it cannot be saved for the backward pass); under
-    torch.func, which refuses any write into it, it is passed as it is and not watched."""
+    tensor, to see a write by: where ``copy`` (a prep's first call, in both modes, see
+    :func:`_guard`), a copy of each in its place; else the caller's own, watched by its counter.
+    In ``autograd`` mode an inference tensor is always copied (it cannot be saved for the
+    backward pass); under torch.func, which refuses any write into it, it is passed as it is and
+    not watched."""
     fresh: list[Any] | None = None  # (a new tuple only where a leaf is replaced by its copy)
     constants = []
     for i in constant_at:
@@ -294,7 +280,7 @@ def _after_failure(
     versions: list[int],
     constants: list[tuple[int, Any, int]],
     modules: _Watch | None,
-    names: _Names | None,
+    names: _Names,
     x_copied: bool = True,
     copied: bool = True,
 ) -> DiffifaceError | None:
@@ -310,7 +296,7 @@ def _after_failure(
         return MutationError(problem)
     if isinstance(exc, RuntimeError) and _LEAF_WRITE in str(exc):
         # torch refused a write into the leaf f got for x (refused before writing)
-        where = "x" if names is None else names.of_x(0, len(xs)) if len(xs) == 1 else "x"
+        where = names.of_x(0, 1) if len(xs) == 1 else "x"
         return MutationError(f"f wrote in place into its input {where}; torch refused it. {_FIX}")
     return torch_refusal(exc)
 
@@ -342,12 +328,10 @@ class _Watch:
     leaves, module)), over one call: their version counters, and copies that put back what f
     wrote.
 
-    ``full`` (a prep's first call): a copy of every tensor, so that any write is undone, also
-    one no counter sees (through ``.data``). Else a copy of the buffers of submodules in training
-    mode only (torch's batch norm writes its running statistics without a version bump); nothing
-    else is copied, so that a frozen backbone costs its counters per call, not its size, and a
-    write is seen but not undone. Which tensor is which (its module, its name) is found only
-    where an error names one (:meth:`named`).
+    ``full`` (a prep's first call): a copy of every tensor. Else a copy of the buffers of
+    submodules in training mode only (the guard's rule, :func:`_guard`), so that a frozen
+    backbone costs its counters per call, not its size. Which tensor is which (its module, its
+    name) is found only where an error names one (:meth:`named`).
 
     Every call also keeps each module's structure (its parameters, buffers and submodules, its
     train or eval mode), which f may change by setting an attribute (``model[0].weight =
@@ -455,7 +439,7 @@ def _mutation(
     versions: list[int],
     constants: list[tuple[int, Any, int]],
     modules: _Watch | None,
-    names: _Names | None,
+    names: _Names,
     x_copied: bool = True,
     copied: bool = True,
 ) -> str | None:
@@ -465,7 +449,7 @@ def _mutation(
     # (first: a module's copies and structure are put back whatever else f wrote)
     changed = modules.written() if modules is not None and modules.changed() else None
     if modules is not None and modules.restructured():
-        where = names.of_static(modules.roots[0][0]) if names is not None else "a di.Constant"
+        where = names.of_static(modules.roots[0][0])
         return (
             f"f changed the torch.nn.Module {where}, a di.Constant: it set a parameter, a buffer or a "
             "submodule, or its train or eval mode; it has been put back. A Constant is read-only: pass "
@@ -473,18 +457,17 @@ def _mutation(
         )
     for i, (x, version) in enumerate(zip(xs, versions, strict=True)):
         if x._version != version:
-            where = names.of_x(i, len(xs)) if names is not None else (f"leaf {i} of x" if len(xs) > 1 else "x")
             state = "the caller's x and tangent are unchanged" if x_copied else _LANDED_X
-            return f"f wrote in place into its input {where}; {state}. {_FIX}"
+            return f"f wrote in place into its input {names.of_x(i, len(xs))}; {state}. {_FIX}"
     for i, tensor, version in constants:
         if tensor._version != version:
-            where = names.of_dynamic(i) if names is not None else f"array context leaf {i}"
+            where = names.of_dynamic(i)
             state = "the caller's tensor is unchanged (f wrote into a copy)" if copied else _LANDED_TENSOR
             return f"f wrote in place into {where}, a tensor of a di.Constant; {state}. A Constant is read-only: {_FIX}"
     if changed is None:
         return None
     index, what, name, restored = changed
-    where = names.of_static(index) if names is not None else "a di.Constant"
+    where = names.of_static(index)
     state = _PUT_BACK if restored else _LANDED
     if what == "parameter":
         return (
@@ -501,7 +484,7 @@ def _mutation(
 
 
 def _unseen_write(
-    xs: Leaves, given: Leaves, constants: list[tuple[int, Any, int]], given_dynamic: Leaves, names: _Names | None
+    xs: Leaves, given: Leaves, constants: list[tuple[int, Any, int]], given_dynamic: Leaves, names: _Names
 ) -> str | None:
     """On a prep's first call, where f got copies of x's leaves (``xs``, of the caller's
     ``given``) and of the Constant tensors: the write no version counter saw (through ``.data``),
@@ -511,12 +494,12 @@ def _unseen_write(
     later calls copy nothing, and such a write is not seen there (docs/policies.md)."""
     for i, (x, original) in enumerate(zip(xs, given, strict=True)):
         if x is not original and _differs(x, original):
-            where = names.of_x(i, len(xs)) if names is not None else (f"leaf {i} of x" if len(xs) > 1 else "x")
+            where = names.of_x(i, len(xs))
             return f"f wrote in place into its input {where} (through .data); the caller's x is unchanged. {_FIX}"
     for i, tensor, _ in constants:
         original = given_dynamic[i]
         if tensor is not original and _differs(tensor, original):
-            where = names.of_dynamic(i) if names is not None else f"array context leaf {i}"
+            where = names.of_dynamic(i)
             return (
                 f"f wrote in place into {where}, a tensor of a di.Constant (through .data); the caller's tensor "
                 f"is unchanged (f wrote into a copy). A Constant is read-only: {_FIX}"
