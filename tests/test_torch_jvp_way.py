@@ -403,3 +403,19 @@ def test_reverse_over_reverse_pulls_back_at_a_cotangent_of_ones() -> None:
         return torch.tanh(torch.logcumsumexp(2 * v, 0)) * v
 
     torch.testing.assert_close(di.jvp(f, di.AutoTorch(jvp="reverse"), x, t), di.jvp(f, "torch", x, t))
+
+
+@pytest.mark.parametrize("grad_mode", [True, False], ids=["grad", "no_grad"])
+def test_reverse_over_reverse_lets_f_raise_its_own_error(grad_mode: bool) -> None:
+    # expected: f's error as f raised it; the reverse-over-reverse steps, which the caller's
+    # no_grad leaves to the adapter, read f's output in a finally block, so its error became an
+    # UnboundLocalError
+    raised = ValueError("f's own")
+
+    def f(v: Any) -> Any:
+        raise raised
+
+    x, t = torch.ones(3), torch.ones(3)
+    with torch.set_grad_enabled(grad_mode), pytest.raises(ValueError, match="f's own") as info:
+        di.jvp(f, di.AutoTorch(jvp="reverse"), x, t)
+    assert info.value is raised

@@ -293,13 +293,13 @@ class Adapter(_base.Adapter):
                     out, aux = fn(leaves)
             finally:
                 del stack[-1]
-                if type(out) is tuple:  # (the closed function's output leaves)
-                    try:
-                        primal, tangent = _pushed_by_pullbacks(out, leaves, txs, leaves, versions)
-                    except _NoSecondPass:  # (f cannot be differentiated twice: forward mode, f once more)
-                        pass
-                    else:
-                        return primal, _detached(aux, False), tangent
+            if type(out) is tuple:  # (the closed function's output leaves)
+                try:
+                    primal, tangent = _pushed_by_pullbacks(out, leaves, txs, leaves, versions)
+                except _NoSecondPass:  # (f cannot be differentiated twice: forward mode, f once more)
+                    pass
+                else:
+                    return primal, _detached(aux, False), tangent
         level = _open_dual_level()
         try:
             # x itself where it carries an outer graph (reverse over forward), else detached
