@@ -37,7 +37,8 @@ def adapter_frames(call: Any) -> list[str]:
 
 
 FUSED = {
-    "autograd": ["_Gradient.__call__", "_watched_constants", "_Gradient.engine", "_whole"],
+    # (the gradients' types tested in C: _whole only for a None, a DTensor or a ZeroTensor)
+    "autograd": ["_Gradient.__call__", "_watched_constants", "_Gradient.engine"],
     # (torch.func's transform, built once for the prep, runs f through one method)
     # (torch.func's gradient: no fused call, the guard's steps; benchmarks/torch_fused.py)
     "func": ["_guard.<locals>.guarded", "_watched_constants", "Adapter.value_and_gradient"],
