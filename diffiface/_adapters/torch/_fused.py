@@ -35,20 +35,18 @@ from ._engine import (
     _refuse_hidden_cut,
     _whole,
 )
-from ._explain import _TANGENT_WRITE, _CapturedWrite
+from ._explain import _TANGENT_WRITE
 from ._guard import (
     _CALLS,
     _STRIDED,
-    _after_failure,
     _clone,
     _module_states,
-    _mutation,
-    _named_capture,
     _Names,
+    _refuse_failure,
+    _refuse_writes,
     _requires_grad,
     _requiring,
     _transform_level,
-    _unseen_write,
     _version,
     _watched_constants,
 )
@@ -147,16 +145,8 @@ class _Gradient:
         try:
             result = self.engine(inputs, xs, ts, f, context_values)
         except BaseException as exc:
-            refusal = _after_failure(exc, stack, True, inputs, versions, constants, modules, self.names, copy, copy)
-            if refusal is None and copy and isinstance(exc, Exception):  # (f failed after a write through .data)
-                problem = _unseen_write(inputs, xs, constants, given_dynamic, self.names)
-                refusal = None if problem is None else MutationError(problem)
-            if refusal is None and type(exc) is _CapturedWrite:
-                refusal = _named_capture(
-                    lambda: self.engine(inputs, xs, ts, f, context_values), constants, modules, self.names
-                )
-            if refusal is not None:
-                raise refusal from exc
+            watched = (inputs, xs, versions, constants, given_dynamic, modules, self.names, copy)
+            _refuse_failure(exc, stack, True, watched, lambda: self.engine(inputs, xs, ts, f, context_values))
             raise
         stack.pop()
         if not torch.is_grad_enabled():  # f switched it off (torch.set_grad_enabled) and did not switch back
@@ -164,14 +154,8 @@ class _Gradient:
         dirty = list(map(_version, inputs)) != versions or (modules is not None and modules.changed())
         for _, tensor, version in constants:  # (a loop, not a generator: this runs on every call)
             dirty = dirty or tensor._version != version
-        if dirty:
-            problem = _mutation(inputs, versions, constants, modules, self.names, copy, copy)
-            if problem is not None:
-                raise MutationError(problem)
-        if copy:  # (a write through .data into f's copies, which no counter sees)
-            problem = _unseen_write(inputs, xs, constants, given_dynamic, self.names)
-            if problem is not None:
-                raise MutationError(problem)
+        if dirty or copy:
+            _refuse_writes(dirty, (inputs, xs, versions, constants, given_dynamic, modules, self.names, copy))
         self.first = False
         return result
 

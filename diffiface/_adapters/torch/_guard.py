@@ -152,14 +152,8 @@ def _guard(
         try:
             result = program(xs, ts, dynamic, static)
         except BaseException as exc:
-            refusal = _after_failure(exc, stack, grad_mode, xs, versions, constants, modules, names, copy, copy)
-            if refusal is None and copy and isinstance(exc, Exception):  # (f failed after a write through .data)
-                problem = _unseen_write(xs, given, constants, given_dynamic, names)
-                refusal = None if problem is None else MutationError(problem)
-            if refusal is None and type(exc) is _CapturedWrite:
-                refusal = _named_capture(lambda: program(xs, ts, dynamic, static), constants, modules, names)
-            if refusal is not None:
-                raise refusal from exc
+            watched = (xs, given, versions, constants, given_dynamic, modules, names, copy)
+            _refuse_failure(exc, stack, grad_mode, watched, lambda: program(xs, ts, dynamic, static))
             raise
         stack.pop()
         if torch.is_grad_enabled() is not grad_mode:
@@ -170,14 +164,8 @@ def _guard(
         dirty = list(map(_version, xs)) != versions or (modules is not None and modules.changed())
         for _, tensor, version in constants:
             dirty = dirty or tensor._version != version
-        if dirty:
-            problem = _mutation(xs, versions, constants, modules, names, copy, copy)
-            if problem is not None:
-                raise MutationError(problem)
-        if copy:
-            problem = _unseen_write(xs, given, constants, given_dynamic, names)
-            if problem is not None:
-                raise MutationError(problem)
+        if dirty or copy:
+            _refuse_writes(dirty, (xs, given, versions, constants, given_dynamic, modules, names, copy))
         first[0] = False
         if ts and list(map(_version, ts)) != tangent_versions:
             raise MutationError(_TANGENT_WRITE)
@@ -272,33 +260,52 @@ def _watched_constants(
     return dynamic if fresh is None else tuple(fresh), constants
 
 
-def _after_failure(
-    exc: BaseException,
-    stack: list[bool],
-    grad_mode: bool,
-    xs: Leaves,
-    versions: list[int],
-    constants: list[tuple[int, Any, int]],
-    modules: _Watch | None,
-    names: _Names,
-    x_copied: bool = True,
-    copied: bool = True,
-) -> DiffifaceError | None:
+_Watched = tuple[Leaves, Leaves, list[int], list[tuple[int, Any, int]], Leaves, "_Watch | None", "_Names", bool]
+"""What a call watches for f's writes: the leaves f got for x, the caller's x (``given``), their
+version counters, each Constant tensor f got with its index and counter, the caller's dynamic
+context leaves, the Constant modules' watch, the names, and whether f got copies (a prep's
+first call)."""
+
+
+def _refuse_failure(
+    exc: BaseException, stack: list[bool], grad_mode: bool, watched: _Watched, rerun: Callable[[], Any]
+) -> None:
     """After f or the engine raised ``exc`` inside the guard: the caller's state put back (the
-    call's stack entry, grad mode), and the MutationError that names a write f made, where it
-    made one, or the UnsupportedOperationError for an operation torch refused (None: ``exc``
-    itself is what the caller gets)."""
+    call's stack entry, grad mode), and the error the caller gets instead of ``exc`` raised
+    from it (where none, the caller raises ``exc`` itself): the MutationError that names a write
+    f made (seen by a counter; on a prep's first call, through ``.data`` into f's copies;
+    refused by torch.func, found by ``rerun``, the call once more), or the
+    UnsupportedOperationError for an operation torch refused."""
+    xs, given, versions, constants, given_dynamic, modules, names, copy = watched
     stack.pop()
     if torch.is_grad_enabled() is not grad_mode:
         torch.set_grad_enabled(grad_mode)
-    problem = _mutation(xs, versions, constants, modules, names, x_copied, copied)
-    if problem is not None:
-        return MutationError(problem)
-    if isinstance(exc, RuntimeError) and _LEAF_WRITE in str(exc):
+    problem = _mutation(xs, versions, constants, modules, names, copy)
+    if problem is None and isinstance(exc, RuntimeError) and _LEAF_WRITE in str(exc):
         # torch refused a write into the leaf f got for x (refused before writing)
         where = names.of_x(0, 1) if len(xs) == 1 else "x"
-        return MutationError(f"f wrote in place into its input {where}; torch refused it. {_FIX}")
-    return torch_refusal(exc)
+        problem = f"f wrote in place into its input {where}; torch refused it. {_FIX}"
+    if problem is not None:
+        raise MutationError(problem) from exc
+    refusal: DiffifaceError | None = torch_refusal(exc)
+    if refusal is None and copy and isinstance(exc, Exception):  # (f failed after a write through .data)
+        problem = _unseen_write(xs, given, constants, given_dynamic, names)
+        refusal = None if problem is None else MutationError(problem)
+    if refusal is None and type(exc) is _CapturedWrite:
+        refusal = _named_capture(rerun, constants, modules, names)
+    if refusal is not None:
+        raise refusal from exc
+
+
+def _refuse_writes(dirty: bool, watched: _Watched) -> None:
+    """After f returned: the MutationError naming a write f made, seen by a counter (``dirty``)
+    or, on a prep's first call, through ``.data`` into f's copies, which no counter sees."""
+    xs, given, versions, constants, given_dynamic, modules, names, copy = watched
+    problem = _mutation(xs, versions, constants, modules, names, copy) if dirty else None
+    if problem is None and copy:
+        problem = _unseen_write(xs, given, constants, given_dynamic, names)
+    if problem is not None:
+        raise MutationError(problem)
 
 
 def _module_states(static: Any, cache_static: tuple[bool, ...], full: bool = False) -> _Watch | None:
@@ -440,12 +447,11 @@ def _mutation(
     constants: list[tuple[int, Any, int]],
     modules: _Watch | None,
     names: _Names,
-    x_copied: bool = True,
     copied: bool = True,
 ) -> str | None:
     """What f wrote into, named by its path, restored where a copy was kept; None if it wrote
-    nothing. ``x_copied``: the leaves f got for x were copies (a prep's first call); ``copied``:
-    the Constant tensors f got were copies (a prep's first call in autograd mode)."""
+    nothing. ``copied``: the leaves f got for x and the Constant tensors were copies (a prep's
+    first call)."""
     # (first: a module's copies and structure are put back whatever else f wrote)
     changed = modules.written() if modules is not None and modules.changed() else None
     if modules is not None and modules.restructured():
@@ -457,7 +463,7 @@ def _mutation(
         )
     for i, (x, version) in enumerate(zip(xs, versions, strict=True)):
         if x._version != version:
-            state = "the caller's x and tangent are unchanged" if x_copied else _LANDED_X
+            state = "the caller's x and tangent are unchanged" if copied else _LANDED_X
             return f"f wrote in place into its input {names.of_x(i, len(xs))}; {state}. {_FIX}"
     for i, tensor, version in constants:
         if tensor._version != version:
