@@ -107,11 +107,6 @@ def _check_order(order: str) -> None:
         raise InvalidInputError(f"Unknown coloring order {order!r}; use one of {', '.join(map(repr, ORDERS))}.")
 
 
-def _lowest_free(forbidden: int) -> int:
-    """The lowest bit not set in ``forbidden``."""
-    return (~forbidden & (forbidden + 1)).bit_length() - 1
-
-
 def _partial_distance2(matrix: csr_array, order: str) -> np.ndarray:
     """Colors of the columns of ``matrix`` such that no two columns of one color share a row."""
     import scipy.sparse as sp
@@ -129,7 +124,7 @@ def _partial_distance2(matrix: csr_array, order: str) -> np.ndarray:
         forbidden = 0
         for r in rows:
             forbidden |= used[r]
-        c = _lowest_free(forbidden)
+        c = (~forbidden & (forbidden + 1)).bit_length() - 1  # the lowest bit not set
         colors[j] = c
         bit = 1 << c
         for r in rows:

@@ -50,11 +50,6 @@ def _jax() -> Any:
 # --- tracing ---------------------------------------------------------------------------------------
 
 
-def _dtype(leaf: Any) -> Any:
-    """A leaf's dtype as jax names it (bfloat16 included); a Python number is float64."""
-    return _jax().numpy.dtype(_arrays.dtype_name(leaf))
-
-
 def _trace(fun: Callable[..., Any], x: Any, values: list[Any]) -> tuple[Any, int]:
     """The closed jaxpr of ``fun(x, *values)`` over the leaves of ``x`` then the context arrays
     (abstract: the pattern holds for every value they take), its outputs the leaves of the
@@ -62,7 +57,11 @@ def _trace(fun: Callable[..., Any], x: Any, values: list[Any]) -> tuple[Any, int
     jax = _jax()
     leaves = tree.leaves(x)
     run, context_arrays = leaf_function(fun, x, values, _arrays.is_array)
-    structs = [jax.ShapeDtypeStruct(_arrays.shape(leaf), _dtype(leaf)) for leaf in [*leaves, *context_arrays]]
+    # (each leaf's dtype as jax names it, bfloat16 included; a Python number's is float64)
+    structs = [
+        jax.ShapeDtypeStruct(_arrays.shape(leaf), jax.numpy.dtype(_arrays.dtype_name(leaf)))
+        for leaf in [*leaves, *context_arrays]
+    ]
     try:
         with jax.enable_x64(True):
             closed = jax.make_jaxpr(run)(*structs)

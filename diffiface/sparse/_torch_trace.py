@@ -588,12 +588,9 @@ class _Interpreter:
             moved = self.move(node, None)
             if moved is not _UNKNOWN:
                 return [r if _is_float_meta(m) else None for r, m in zip(moved, metas, strict=True)]
-        first = shapes[0]
-        if name in ("aminmax", "var_mean", "std_mean"):
-            rows = self.reduction(node, name, first)
-            return [rows, rows]
-        if name in ("max", "min", "sort", "cummax", "cummin"):
-            rows = self.reduction(node, name, first) if name in ("max", "min") else self.along(node, name)
+        if name in ("aminmax", "var_mean", "std_mean", "max", "min", "sort", "cummax", "cummin"):
+            along = name in ("sort", "cummax", "cummin")
+            rows = self.along(node, name) if along else self.reduction(node, name, shapes[0])
             return [rows if _is_float_meta(m) else None for m in metas]
         every = self.dense_row(node)
         return [
@@ -687,23 +684,16 @@ class _Interpreter:
                 self.pairs.add_all(out)
         return out
 
-    def _dims(self, node: Any, name: str, rank: int) -> list[int]:
-        args, kwargs = node.args, node.kwargs
-        position = 2 if name in ("linalg_vector_norm", "norm") else 1
-        dim = kwargs.get("dim", args[position] if len(args) > position else None)
-        if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
-            return list(range(rank))
-        if isinstance(dim, int):
-            return [dim % max(rank, 1)]
-        return [int(d) % max(rank, 1) for d in dim]
-
     def reduction(self, node: Any, name: str, shape: tuple[int, ...]) -> Any:
         source = node.args[0]
         in_shape = _shape(source)
         rows = self.rows.get(source)
         if rows is None:
             return None
-        dims = self._dims(node, name, len(in_shape)) if in_shape else []
+        position = 2 if name in ("linalg_vector_norm", "norm") else 1
+        dim = node.kwargs.get("dim", node.args[position] if len(node.args) > position else None)
+        # (no dim, or an empty list of them: every dimension; reduction_matrix takes them modulo the rank)
+        dims = [dim] if isinstance(dim, int) else [int(d) for d in dim or range(len(in_shape))]
         matrix = sets.reduction_matrix(in_shape, dims)
         if matrix.shape[0] != sets.size(shape):
             return self.dense(node, name, sets.size(shape))
