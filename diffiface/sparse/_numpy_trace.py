@@ -554,7 +554,7 @@ def _dot(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
 
 
 def _outer(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    a, b = (np.ravel(_lift(trace, v)) if isinstance(v, IndexSetArray) else np.ravel(v) for v in args[:2])
+    a, b = (np.ravel(v) for v in args[:2])
     return np.multiply(np.reshape(a, (-1, 1)), b)
 
 
