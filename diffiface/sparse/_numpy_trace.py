@@ -728,11 +728,6 @@ def _inner(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     return _tensordot(trace, func, (a, b, ([-1], [-1])), {})
 
 
-def _vdot(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    """np.vdot flattens both operands: one number, whatever their shapes."""
-    return _inner(trace, func, tuple(np.ravel(v) for v in args[:2]), {})
-
-
 def _kron(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     """np.kron(a, b): a's and b's axes interleaved, multiplied, and merged pairwise."""
     a, b = args[0], args[1]
@@ -985,7 +980,8 @@ _FUNCTIONS: dict[str, Callable[[_Trace, Any, Any, dict[str, Any]], Any]] = {
     "prod": _sum(False), "max": _sum(False), "amax": _sum(False), "min": _sum(False), "amin": _sum(False),
     "std": _sum(False), "var": _sum(False), "nanmax": _sum(False), "nanmin": _sum(False), "ptp": _sum(False),
     "norm": _norm, "cumsum": _along, "cumprod": _along, "diff": _diff, "dot": _dot,
-    "vdot": _vdot, "inner": _inner, "outer": _outer, "matmul": lambda t, f, a, k: _matmul(t, a[0], a[1]),
+    "inner": _inner, "outer": _outer, "matmul": lambda t, f, a, k: _matmul(t, a[0], a[1]),
+    "vdot": lambda t, f, a, k: _inner(t, f, (np.ravel(a[0]), np.ravel(a[1])), {}),  # (flat: one number)
     "select": _select, "convolve": _convolve, "correlate": _convolve, "einsum": _einsum, "tensordot": _tensordot, "kron": _kron,
     "polyval": _polyval, "trace": _trace_of, "sinc": _elementwise, "i0": _elementwise, "nan_to_num": _elementwise,
     "around": _elementwise, "round": _elementwise, "fix": _elementwise, "angle": _elementwise, "imag": _elementwise,
