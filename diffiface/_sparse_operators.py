@@ -512,20 +512,16 @@ class _CompiledRoute(_Route):
             value, grad, values = out
             if self.to_numpy:
                 value, grad, values = np.asarray(value)[()], np.asarray(grad), np.asarray(values)
-            return value, self._x_tree(grad), values
+            layout, leaves = self.plan.x_layout, []
+            for i, shape in enumerate(layout.shapes):  # (the gradient as a tree like x)
+                piece = grad[layout.offsets[i] : layout.offsets[i + 1]].reshape(shape).astype(layout.dtypes[i])
+                leaves.append(float(piece) if self.x_python[i] else piece)
+            return value, optree.tree_unflatten(layout.spec, leaves), values
         y_leaves, values = out
         if self.to_numpy:
             y_leaves = [np.asarray(leaf) for leaf in y_leaves]
             values = np.asarray(values)
         return optree.tree_unflatten(self.y_spec, list(y_leaves)), values
-
-    def _x_tree(self, flat: Any) -> Any:
-        layout = self.plan.x_layout
-        leaves = []
-        for i, shape in enumerate(layout.shapes):
-            piece = flat[layout.offsets[i] : layout.offsets[i + 1]].reshape(shape).astype(layout.dtypes[i])
-            leaves.append(float(piece) if self.x_python[i] else piece)
-        return optree.tree_unflatten(layout.spec, leaves)
 
 
 # -- the opt-in check: one dense product along a random direction ----------------------------------
