@@ -6,6 +6,7 @@ them."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,12 +30,14 @@ GRAPH_LIMIT = 20_000_000
 entries than this (a dense row), the coloring uses largest_first instead."""
 
 
-class Traced:
-    """A pattern a tracer read, and the notes of its detection (operations made dense)."""
+@dataclass(frozen=True)
+class Detection:
+    """A pattern found by :class:`GlobalDetector`, the tracer that read it, and its notes (the
+    operations it did not know, taken as dense)."""
 
-    def __init__(self, pattern: Any, notes: tuple[str, ...]) -> None:
-        self.pattern = pattern
-        self.notes = notes
+    pattern: Any
+    tracer: str
+    notes: tuple[str, ...] = ()
 
 
 def leaf_function(f: Callable[..., Any], x: Any, values: list[Any], traced: Callable[[Any], bool]) -> Any:

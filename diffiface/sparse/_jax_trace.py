@@ -22,7 +22,7 @@ import numpy as np
 from .. import _arrays, tree
 from .._errors import BackendUnavailableError, DiffifaceError, InvalidOutputError, UnsupportedOperationError
 from . import _index_sets as sets
-from ._graphs import Traced, as_pattern, first_line, leaf_function
+from ._graphs import Detection, as_pattern, first_line, leaf_function
 
 if TYPE_CHECKING:
     from scipy.sparse import csr_array
@@ -131,9 +131,9 @@ READS_HOST_ARRAYS = True
 or the array API, where the numpy tracer cannot follow it."""
 
 
-def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: bool) -> Traced:
+def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: bool) -> Detection:
     """The Jacobian (``hessian=False``) or Hessian pattern of ``f(x, *values)``."""
-    return Traced(_hessian(f, x, values) if hessian else as_pattern(_jacobian(f, x, values)), ())
+    return Detection(_hessian(f, x, values) if hessian else as_pattern(_jacobian(f, x, values)), "jax")
 
 
 def _hessian(f: Callable[..., Any], x: Any, values: list[Any]) -> csr_array:

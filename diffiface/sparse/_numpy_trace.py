@@ -31,7 +31,7 @@ from .. import _arrays, tree
 from .._errors import InvalidOutputError, UnsupportedOperationError
 from .._families import autograd as _autograd
 from . import _index_sets as sets
-from ._graphs import Traced as Detection
+from ._graphs import Detection
 
 __all__ = ["IndexSetArray", "TracerFailure", "dense_pattern", "trace_pattern"]
 
@@ -1037,7 +1037,7 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
         pattern = trace.pairs.pattern()
     else:
         pattern = sets.stack(blocks, out_sizes, n)
-    return Detection(pattern, tuple(dict.fromkeys(trace.notes)))
+    return Detection(pattern, "numpy", tuple(dict.fromkeys(trace.notes)))
 
 
 def _abstract(trace: _Trace, leaf: Any) -> Any:
@@ -1085,7 +1085,7 @@ def dense_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
             )
         )
     pattern = sets.canonical(sp.csr_array(np.ones((rows, n), dtype=bool)))
-    return Detection(pattern, (f"the numpy detector could not follow f ({reason}): dense",))
+    return Detection(pattern, "numpy", (f"the numpy detector could not follow f ({reason}): dense",))
 
 
 _PATCH_LOCK = threading.Lock()

@@ -26,8 +26,7 @@ import numpy as np
 from .. import _arrays, tree
 from .._errors import UnsupportedOperationError
 from . import _index_sets as sets
-from ._graphs import Traced as Detection
-from ._graphs import first_line, leaf_function
+from ._graphs import Detection, first_line, leaf_function
 
 __all__ = ["Detection", "trace_pattern"]
 
@@ -511,7 +510,7 @@ class _Interpreter:
             pattern = self.pairs.pattern()
         else:
             pattern = sets.stack(blocks, sizes, self.n)
-        return Detection(pattern, tuple(dict.fromkeys(self.notes)))
+        return Detection(pattern, "torch", tuple(dict.fromkeys(self.notes)))
 
     def call(self, node: Any) -> None:
         torch = _torch()
