@@ -16,6 +16,7 @@ values count.
 
 from __future__ import annotations
 
+import functools
 import operator
 import sys
 from collections.abc import Callable
@@ -285,11 +286,9 @@ _SHAPE_ONLY = {"is_same_size", "sym_size", "sym_stride", "sym_numel", "sym_stora
 """Operations whose non-tensor result reads shapes, not values."""
 
 
+@functools.cache
 def _tracer_class() -> Any:
     """The dispatch mode, made on first use (torch is imported only by a torch-written f)."""
-    global _TRACER_CLASS
-    if _TRACER_CLASS is not None:
-        return _TRACER_CLASS
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -454,11 +453,7 @@ def _tracer_class() -> Any:
                 self.refuse(_VALUE_REASON)
             return out
 
-    _TRACER_CLASS = Tracer
     return Tracer
-
-
-_TRACER_CLASS: Any = None
 
 
 class _Interpreter:
@@ -543,17 +538,13 @@ class _Interpreter:
             return
         if name == "_local_scalar_dense":
             raise _Refused("f reads a value computed from x as a Python number (.item(), float(t))")
-        if not isinstance(meta, torch.Tensor):
-            if isinstance(meta, (list, tuple)) and all(isinstance(m, torch.Tensor) for m in meta):
-                self.rows[node] = self.multiple(node, name, list(meta))
-                return
+        if isinstance(meta, (list, tuple)) and all(isinstance(m, torch.Tensor) for m in meta):
+            self.rows[node] = self.multiple(node, name, list(meta))
+        elif not isinstance(meta, torch.Tensor):
             self.rows[node] = None
-            return
-        shape = _concrete_shape(meta, f"the result of {name}")
-        if not _is_float_meta(meta):
-            self.rows[node] = None  # integers and booleans: no derivative
-            return
-        self.rows[node] = self.single(node, name, shape)
+        else:  # (integers and booleans: no derivative)
+            shape = _concrete_shape(meta, f"the result of {name}")
+            self.rows[node] = self.single(node, name, shape) if _is_float_meta(meta) else None
 
     # -- rules -------------------------------------------------------------------------------
 
