@@ -21,6 +21,7 @@ them), so the pattern is found once per signature.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 from collections.abc import Callable
@@ -189,28 +190,17 @@ class _Layout:
         self.size = int(self.offsets[-1])
 
 
-_MATRICES: dict[str, Any] = {}
-
-
+@functools.cache
 def _matrices(family: str) -> Any:
     """The module of AutoSparse's results on arrays of ``family``: ``sparse/_<family>_matrices.py``."""
-    found = _MATRICES.get(family)
-    if found is None:
-        found = _MATRICES[family] = importlib.import_module(f"{sparse.__name__}._{family}_matrices")
-    return found
+    return importlib.import_module(f"{sparse.__name__}._{family}_matrices")
 
 
-def _family(flat: Any) -> str:
-    """The family of a flat vector's results: its own where it has a matrices module, else the host's."""
-    kind = _arrays.kind(flat)
-    found = _FAMILY_OF_KIND.get(kind)
-    if found is None:
-        known = kind in _arrays.BY_KIND and importlib.util.find_spec(f"{sparse.__name__}._{kind}_matrices") is not None
-        found = _FAMILY_OF_KIND[kind] = kind if known else _families.HOST.NAME
-    return found
-
-
-_FAMILY_OF_KIND: dict[str, str] = {}
+@functools.cache
+def _family(kind: str) -> str:
+    """The family of the results on a flat vector of ``kind``: its own where it has a matrices module, else the host's."""
+    known = kind in _arrays.BY_KIND and importlib.util.find_spec(f"{sparse.__name__}._{kind}_matrices") is not None
+    return kind if known else _families.HOST.NAME
 
 
 def _promote(family: str, names: list[str]) -> Any:
@@ -234,7 +224,7 @@ class _Plan:
         self.engine, self.first = engine, first
         flat, _ = _tree.ravel(x)
         self.x_layout = _Layout(x)
-        self.family = _family(flat)
+        self.family = _family(_arrays.kind(flat))
         self.flat_dtype = _arrays.dtype_name(flat)
         n = self.x_layout.size
         self.detection = sparse.detect(
@@ -436,7 +426,7 @@ class _ProductRoute(_Route):
 
 def _like(flat: Any, vector: np.ndarray) -> Any:
     """``vector`` as an array of ``flat``'s type and dtype (a tangent, a seed)."""
-    return _matrices(_family(flat)).like(flat, vector)
+    return _matrices(_family(_arrays.kind(flat))).like(flat, vector)
 
 
 def _check_rows(plan: _Plan, y_layout: _Layout) -> None:
@@ -512,20 +502,16 @@ class _CompiledRoute(_Route):
             value, grad, values = out
             if self.to_numpy:
                 value, grad, values = np.asarray(value)[()], np.asarray(grad), np.asarray(values)
-            return value, self._x_tree(grad), values
+            layout, leaves = self.plan.x_layout, []
+            for i, shape in enumerate(layout.shapes):  # (the gradient as a tree like x)
+                piece = grad[layout.offsets[i] : layout.offsets[i + 1]].reshape(shape).astype(layout.dtypes[i])
+                leaves.append(float(piece) if self.x_python[i] else piece)
+            return value, optree.tree_unflatten(layout.spec, leaves), values
         y_leaves, values = out
         if self.to_numpy:
             y_leaves = [np.asarray(leaf) for leaf in y_leaves]
             values = np.asarray(values)
         return optree.tree_unflatten(self.y_spec, list(y_leaves)), values
-
-    def _x_tree(self, flat: Any) -> Any:
-        layout = self.plan.x_layout
-        leaves = []
-        for i, shape in enumerate(layout.shapes):
-            piece = flat[layout.offsets[i] : layout.offsets[i + 1]].reshape(shape).astype(layout.dtypes[i])
-            leaves.append(float(piece) if self.x_python[i] else piece)
-        return optree.tree_unflatten(layout.spec, leaves)
 
 
 # -- the opt-in check: one dense product along a random direction ----------------------------------

@@ -140,12 +140,10 @@ def _make(pattern: csr_array, mode: str, colors: np.ndarray) -> Coloring:
     rows = np.repeat(np.arange(pattern.shape[0], dtype=np.int64), np.diff(pattern.indptr))
     if mode == "star":
         index = _star_index(pattern, colors, count, rows)
+    elif mode == "column":
+        index = rows * count + colors[pattern.indices]
     else:
-        index = (
-            rows * count + colors[pattern.indices]
-            if mode == "column"
-            else colors[rows] * pattern.shape[1] + pattern.indices
-        )
+        index = colors[rows] * pattern.shape[1] + pattern.indices
     return Coloring(pattern, mode, colors, count, index.astype(np.int64, copy=False))
 
 

@@ -15,6 +15,7 @@ from .. import _arrays, _families, tree
 from .._contexts import Context
 from .._errors import ContextError, InvalidInputError
 from ._coloring import as_pattern
+from ._graphs import Detection as Detection
 
 if TYPE_CHECKING:
     from scipy.sparse import csr_array
@@ -247,16 +248,6 @@ def hessian_pattern(
 # --- global detection: the tracer of f's own engine ------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Detection:
-    """A pattern found by :class:`GlobalDetector`, the tracer that read it, and its notes (the
-    operations it did not know, taken as dense)."""
-
-    pattern: Any
-    tracer: str
-    notes: tuple[str, ...] = ()
-
-
 def choose_tracer(x: Any, values: list[Any], backend: Any) -> str:
     """The tracer ``GlobalDetector(tracer="auto")`` uses for ``f(x, *values)`` under ``backend``:
     that of x's arrays, else of the arrays the backend's engine calls f with, else the host's
@@ -311,27 +302,22 @@ def _global(
 
     tracer = detector.tracer if detector.tracer != "auto" else choose_tracer(x, values, backend)
     if tracer != _families.HOST.NAME:
-        return _with(tracer, f, x, values, hessian)
+        return _tracer(tracer).trace_pattern(f, x, values, hessian)  # type: ignore[no-any-return]
     module = _tracer(tracer)
     fallback = _host_fallback() if detector.tracer == "auto" else None
     try:
-        found = module.trace_pattern(f, x, values, hessian)
+        found: Detection = module.trace_pattern(f, x, values, hessian)
     except (UnsupportedOperationError, module.TracerFailure) as error:
         if fallback is not None and module.another_tracer_may_follow(error):
             try:  # a function written with another framework's array API (jax.numpy) on numpy x
-                return _with(fallback, f, x, values, hessian)
+                return _tracer(fallback).trace_pattern(f, x, values, hessian)  # type: ignore[no-any-return]
             except Exception:  # that one cannot follow it either: the host tracer's verdict stands
                 pass
         if isinstance(error, UnsupportedOperationError):  # a refusal: what f does depends on x's values
             raise
         # conservative: dense, correct for every f (f runs once on x to count its outputs)
         found = module.dense_pattern(f, x, values, hessian, str(error))
-    return Detection(found.pattern, tracer, found.notes)
-
-
-def _with(tracer: str, f: Callable[..., Any], x: Any, values: list[Any], hessian: bool) -> Detection:
-    found = _tracer(tracer).trace_pattern(f, x, values, hessian)
-    return Detection(found.pattern, tracer, found.notes)
+    return found
 
 
 def _host_fallback() -> str | None:

@@ -6,6 +6,7 @@ them."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,12 +30,14 @@ GRAPH_LIMIT = 20_000_000
 entries than this (a dense row), the coloring uses largest_first instead."""
 
 
-class Traced:
-    """A pattern a tracer read, and the notes of its detection (operations made dense)."""
+@dataclass(frozen=True)
+class Detection:
+    """A pattern found by :class:`GlobalDetector`, the tracer that read it, and its notes (the
+    operations it did not know, taken as dense)."""
 
-    def __init__(self, pattern: Any, notes: tuple[str, ...]) -> None:
-        self.pattern = pattern
-        self.notes = notes
+    pattern: Any
+    tracer: str
+    notes: tuple[str, ...] = ()
 
 
 def leaf_function(f: Callable[..., Any], x: Any, values: list[Any], traced: Callable[[Any], bool]) -> Any:
@@ -107,11 +110,6 @@ def _check_order(order: str) -> None:
         raise InvalidInputError(f"Unknown coloring order {order!r}; use one of {', '.join(map(repr, ORDERS))}.")
 
 
-def _lowest_free(forbidden: int) -> int:
-    """The lowest bit not set in ``forbidden``."""
-    return (~forbidden & (forbidden + 1)).bit_length() - 1
-
-
 def _partial_distance2(matrix: csr_array, order: str) -> np.ndarray:
     """Colors of the columns of ``matrix`` such that no two columns of one color share a row."""
     import scipy.sparse as sp
@@ -129,7 +127,7 @@ def _partial_distance2(matrix: csr_array, order: str) -> np.ndarray:
         forbidden = 0
         for r in rows:
             forbidden |= used[r]
-        c = _lowest_free(forbidden)
+        c = (~forbidden & (forbidden + 1)).bit_length() - 1  # the lowest bit not set
         colors[j] = c
         bit = 1 << c
         for r in rows:

@@ -60,13 +60,8 @@ def canonical(rows: Any) -> csr_array:
 
 def identity(sizes: Sequence[int]) -> list[csr_array]:
     """The sets of inputs of ``sizes`` laid end to end: each element depends on itself alone."""
-    n = int(sum(sizes))
-    blocks, offset = [], 0
-    for count in sizes:
-        rows = np.arange(count)
-        blocks.append(_sp().csr_array((np.ones(count, dtype=bool), (rows, offset + rows)), shape=(count, n)))
-        offset += count
-    return blocks
+    n, starts = int(sum(sizes)), np.cumsum([0, *sizes])
+    return [selection(np.arange(k), starts[i] + np.arange(k), (k, n)) for i, k in enumerate(sizes)]
 
 
 def stack(blocks: Sequence[Rows], sizes: Sequence[int], n: int) -> csr_array:
@@ -108,10 +103,7 @@ def union(rows: Sequence[Rows]) -> Rows:
     present = [r for r in rows if r is not None]
     if not present:
         return None
-    total = present[0]
-    for r in present[1:]:
-        total = total + r
-    return canonical(total)
+    return canonical(sum(present[1:], start=present[0]))
 
 
 def apply(matrix: Any, rows: Rows) -> Rows:

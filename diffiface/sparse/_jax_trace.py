@@ -22,7 +22,7 @@ import numpy as np
 from .. import _arrays, tree
 from .._errors import BackendUnavailableError, DiffifaceError, InvalidOutputError, UnsupportedOperationError
 from . import _index_sets as sets
-from ._graphs import Traced, as_pattern, first_line, leaf_function
+from ._graphs import Detection, as_pattern, first_line, leaf_function
 
 if TYPE_CHECKING:
     from scipy.sparse import csr_array
@@ -50,11 +50,6 @@ def _jax() -> Any:
 # --- tracing ---------------------------------------------------------------------------------------
 
 
-def _dtype(leaf: Any) -> Any:
-    """A leaf's dtype as jax names it (bfloat16 included); a Python number is float64."""
-    return _jax().numpy.dtype(_arrays.dtype_name(leaf))
-
-
 def _trace(fun: Callable[..., Any], x: Any, values: list[Any]) -> tuple[Any, int]:
     """The closed jaxpr of ``fun(x, *values)`` over the leaves of ``x`` then the context arrays
     (abstract: the pattern holds for every value they take), its outputs the leaves of the
@@ -62,7 +57,11 @@ def _trace(fun: Callable[..., Any], x: Any, values: list[Any]) -> tuple[Any, int
     jax = _jax()
     leaves = tree.leaves(x)
     run, context_arrays = leaf_function(fun, x, values, _arrays.is_array)
-    structs = [jax.ShapeDtypeStruct(_arrays.shape(leaf), _dtype(leaf)) for leaf in [*leaves, *context_arrays]]
+    # (each leaf's dtype as jax names it, bfloat16 included; a Python number's is float64)
+    structs = [
+        jax.ShapeDtypeStruct(_arrays.shape(leaf), jax.numpy.dtype(_arrays.dtype_name(leaf)))
+        for leaf in [*leaves, *context_arrays]
+    ]
     try:
         with jax.enable_x64(True):
             closed = jax.make_jaxpr(run)(*structs)
@@ -132,9 +131,9 @@ READS_HOST_ARRAYS = True
 or the array API, where the numpy tracer cannot follow it."""
 
 
-def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: bool) -> Traced:
+def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: bool) -> Detection:
     """The Jacobian (``hessian=False``) or Hessian pattern of ``f(x, *values)``."""
-    return Traced(_hessian(f, x, values) if hessian else as_pattern(_jacobian(f, x, values)), ())
+    return Detection(_hessian(f, x, values) if hessian else as_pattern(_jacobian(f, x, values)), "jax")
 
 
 def _hessian(f: Callable[..., Any], x: Any, values: list[Any]) -> csr_array:
@@ -610,10 +609,7 @@ def _custom_jvp(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) ->
         ]
         return jax.jvp(lambda *p: fun(*p), tuple(primals), tuple(full))[1]
 
-    try:
-        closed = jax.make_jaxpr(tangents_out)(*structs, *[structs[i] for i in floats])
-    except Exception as error:
-        raise _Unknown from error
+    closed = jax.make_jaxpr(tangents_out)(*structs, *[structs[i] for i in floats])  # (failing: conservative)
     patterns = [None] * len(avals) + [ps[order[i]] for i in floats]  # (primals depending on nothing)
     return it.run_closed(closed, patterns, [vs[i] for i in order] + [None] * len(floats))[0]
 
@@ -639,10 +635,7 @@ def _custom_vjp(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) ->
             full[k] = ct
         return pull(full)
 
-    try:
-        closed = jax.make_jaxpr(cotangents_in)(*structs, *out_structs)
-    except Exception as error:
-        raise _Unknown from error
+    closed = jax.make_jaxpr(cotangents_in)(*structs, *out_structs)  # (failing: conservative)
     sizes = [_size(outs[k]) for k in float_outs]
     local = _Interpreter(sum(sizes))
     patterns = [None] * len(avals) + sets.identity(sizes)

@@ -31,7 +31,7 @@ from .. import _arrays, tree
 from .._errors import InvalidOutputError, UnsupportedOperationError
 from .._families import autograd as _autograd
 from . import _index_sets as sets
-from ._graphs import Traced as Detection
+from ._graphs import Detection
 
 __all__ = ["IndexSetArray", "TracerFailure", "dense_pattern", "trace_pattern"]
 
@@ -554,7 +554,7 @@ def _dot(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
 
 
 def _outer(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    a, b = (np.ravel(_lift(trace, v)) if isinstance(v, IndexSetArray) else np.ravel(v) for v in args[:2])
+    a, b = (np.ravel(v) for v in args[:2])
     return np.multiply(np.reshape(a, (-1, 1)), b)
 
 
@@ -726,11 +726,6 @@ def _inner(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     if not _shape_of(a) or not _shape_of(b):
         return np.multiply(a, b)
     return _tensordot(trace, func, (a, b, ([-1], [-1])), {})
-
-
-def _vdot(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    """np.vdot flattens both operands: one number, whatever their shapes."""
-    return _inner(trace, func, tuple(np.ravel(v) for v in args[:2]), {})
 
 
 def _kron(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -985,7 +980,8 @@ _FUNCTIONS: dict[str, Callable[[_Trace, Any, Any, dict[str, Any]], Any]] = {
     "prod": _sum(False), "max": _sum(False), "amax": _sum(False), "min": _sum(False), "amin": _sum(False),
     "std": _sum(False), "var": _sum(False), "nanmax": _sum(False), "nanmin": _sum(False), "ptp": _sum(False),
     "norm": _norm, "cumsum": _along, "cumprod": _along, "diff": _diff, "dot": _dot,
-    "vdot": _vdot, "inner": _inner, "outer": _outer, "matmul": lambda t, f, a, k: _matmul(t, a[0], a[1]),
+    "inner": _inner, "outer": _outer, "matmul": lambda t, f, a, k: _matmul(t, a[0], a[1]),
+    "vdot": lambda t, f, a, k: _inner(t, f, (np.ravel(a[0]), np.ravel(a[1])), {}),  # (flat: one number)
     "select": _select, "convolve": _convolve, "correlate": _convolve, "einsum": _einsum, "tensordot": _tensordot, "kron": _kron,
     "polyval": _polyval, "trace": _trace_of, "sinc": _elementwise, "i0": _elementwise, "nan_to_num": _elementwise,
     "around": _elementwise, "round": _elementwise, "fix": _elementwise, "angle": _elementwise, "imag": _elementwise,
@@ -1041,7 +1037,7 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
         pattern = trace.pairs.pattern()
     else:
         pattern = sets.stack(blocks, out_sizes, n)
-    return Detection(pattern, tuple(dict.fromkeys(trace.notes)))
+    return Detection(pattern, "numpy", tuple(dict.fromkeys(trace.notes)))
 
 
 def _abstract(trace: _Trace, leaf: Any) -> Any:
@@ -1089,7 +1085,7 @@ def dense_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
             )
         )
     pattern = sets.canonical(sp.csr_array(np.ones((rows, n), dtype=bool)))
-    return Detection(pattern, (f"the numpy detector could not follow f ({reason}): dense",))
+    return Detection(pattern, "numpy", (f"the numpy detector could not follow f ({reason}): dense",))
 
 
 _PATCH_LOCK = threading.Lock()

@@ -16,6 +16,7 @@ values count.
 
 from __future__ import annotations
 
+import functools
 import operator
 import sys
 from collections.abc import Callable
@@ -26,8 +27,7 @@ import numpy as np
 from .. import _arrays, tree
 from .._errors import UnsupportedOperationError
 from . import _index_sets as sets
-from ._graphs import Traced as Detection
-from ._graphs import first_line, leaf_function
+from ._graphs import Detection, first_line, leaf_function
 
 __all__ = ["Detection", "trace_pattern"]
 
@@ -286,11 +286,9 @@ _SHAPE_ONLY = {"is_same_size", "sym_size", "sym_stride", "sym_numel", "sym_stora
 """Operations whose non-tensor result reads shapes, not values."""
 
 
+@functools.cache
 def _tracer_class() -> Any:
     """The dispatch mode, made on first use (torch is imported only by a torch-written f)."""
-    global _TRACER_CLASS
-    if _TRACER_CLASS is not None:
-        return _TRACER_CLASS
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -455,11 +453,7 @@ def _tracer_class() -> Any:
                 self.refuse(_VALUE_REASON)
             return out
 
-    _TRACER_CLASS = Tracer
     return Tracer
-
-
-_TRACER_CLASS: Any = None
 
 
 class _Interpreter:
@@ -511,7 +505,7 @@ class _Interpreter:
             pattern = self.pairs.pattern()
         else:
             pattern = sets.stack(blocks, sizes, self.n)
-        return Detection(pattern, tuple(dict.fromkeys(self.notes)))
+        return Detection(pattern, "torch", tuple(dict.fromkeys(self.notes)))
 
     def call(self, node: Any) -> None:
         torch = _torch()
@@ -544,17 +538,13 @@ class _Interpreter:
             return
         if name == "_local_scalar_dense":
             raise _Refused("f reads a value computed from x as a Python number (.item(), float(t))")
-        if not isinstance(meta, torch.Tensor):
-            if isinstance(meta, (list, tuple)) and all(isinstance(m, torch.Tensor) for m in meta):
-                self.rows[node] = self.multiple(node, name, list(meta))
-                return
+        if isinstance(meta, (list, tuple)) and all(isinstance(m, torch.Tensor) for m in meta):
+            self.rows[node] = self.multiple(node, name, list(meta))
+        elif not isinstance(meta, torch.Tensor):
             self.rows[node] = None
-            return
-        shape = _concrete_shape(meta, f"the result of {name}")
-        if not _is_float_meta(meta):
-            self.rows[node] = None  # integers and booleans: no derivative
-            return
-        self.rows[node] = self.single(node, name, shape)
+        else:  # (integers and booleans: no derivative)
+            shape = _concrete_shape(meta, f"the result of {name}")
+            self.rows[node] = self.single(node, name, shape) if _is_float_meta(meta) else None
 
     # -- rules -------------------------------------------------------------------------------
 
@@ -588,12 +578,9 @@ class _Interpreter:
             moved = self.move(node, None)
             if moved is not _UNKNOWN:
                 return [r if _is_float_meta(m) else None for r, m in zip(moved, metas, strict=True)]
-        first = shapes[0]
-        if name in ("aminmax", "var_mean", "std_mean"):
-            rows = self.reduction(node, name, first)
-            return [rows, rows]
-        if name in ("max", "min", "sort", "cummax", "cummin"):
-            rows = self.reduction(node, name, first) if name in ("max", "min") else self.along(node, name)
+        if name in ("aminmax", "var_mean", "std_mean", "max", "min", "sort", "cummax", "cummin"):
+            along = name in ("sort", "cummax", "cummin")
+            rows = self.along(node, name) if along else self.reduction(node, name, shapes[0])
             return [rows if _is_float_meta(m) else None for m in metas]
         every = self.dense_row(node)
         return [
@@ -687,23 +674,16 @@ class _Interpreter:
                 self.pairs.add_all(out)
         return out
 
-    def _dims(self, node: Any, name: str, rank: int) -> list[int]:
-        args, kwargs = node.args, node.kwargs
-        position = 2 if name in ("linalg_vector_norm", "norm") else 1
-        dim = kwargs.get("dim", args[position] if len(args) > position else None)
-        if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
-            return list(range(rank))
-        if isinstance(dim, int):
-            return [dim % max(rank, 1)]
-        return [int(d) % max(rank, 1) for d in dim]
-
     def reduction(self, node: Any, name: str, shape: tuple[int, ...]) -> Any:
         source = node.args[0]
         in_shape = _shape(source)
         rows = self.rows.get(source)
         if rows is None:
             return None
-        dims = self._dims(node, name, len(in_shape)) if in_shape else []
+        position = 2 if name in ("linalg_vector_norm", "norm") else 1
+        dim = node.kwargs.get("dim", node.args[position] if len(node.args) > position else None)
+        # (no dim, or an empty list of them: every dimension; reduction_matrix takes them modulo the rank)
+        dims = [dim] if isinstance(dim, int) else [int(d) for d in dim or range(len(in_shape))]
         matrix = sets.reduction_matrix(in_shape, dims)
         if matrix.shape[0] != sets.size(shape):
             return self.dense(node, name, sets.size(shape))
