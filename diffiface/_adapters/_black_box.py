@@ -232,19 +232,18 @@ def constant_like_x(leaf: Any, like: Any) -> tuple[Any, bool]:
     a watched copy; so f can write into none of the caller's arrays unnoticed."""
     if type(leaf) is np.ndarray:
         target = _arrays.kind(like)
-        if target == "torch":
-            tensor = _arrays.from_numpy(np.array(leaf), like, dtype=_same_dtype(leaf, like))
-            _pending_watch().tensors.append((tensor, _version(tensor)))
-            return tensor, True
         if target == "jax":
             return context_like_x(leaf, like)  # jax copies into an immutable array
-        _pending_watch().numpy_constants = True
-        return _read_only(leaf), True
-    if _arrays.kind(leaf) == "torch":
+        if target != "torch":
+            _pending_watch().numpy_constants = True
+            return _read_only(leaf), True
+        tensor = _arrays.from_numpy(np.array(leaf), like, dtype=_same_dtype(leaf, like))
+    elif _arrays.kind(leaf) == "torch":
         tensor = leaf.detach().clone()
-        _pending_watch().tensors.append((tensor, _version(tensor)))
-        return tensor, True
-    return context_like_x(leaf, like)
+    else:
+        return context_like_x(leaf, like)
+    _pending_watch().tensors.append((tensor, _version(tensor)))
+    return tensor, True
 
 
 def _traced_by_torch(x: Any) -> bool:

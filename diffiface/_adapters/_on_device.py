@@ -151,12 +151,8 @@ def _leaf_gradient(fn: Fn, xs: Leaves, k: int, method: str, value: Any, run: Run
             moved = (*xs[:k], bumped(leaf, h, index, sign, layout), *xs[k + 1 :])
             return _scalar(run(fn, tuple(moved))[0])
 
-        if method == "central":
-            differences.append(subtract(at(1), at(-1)))
-        elif method == "forward":
-            differences.append(subtract(at(1), value))
-        else:
-            differences.append(subtract(value, at(-1)))
+        plus, minus, _ = ends(method, at, lambda: value)
+        differences.append(subtract(plus, minus))
     # one program at the end: the differences (replicated numbers) divided by the steps, in x's
     # layout; no collective besides f's own
     return assemble(tuple(differences), h, 2 if method == "central" else 1, layout)
@@ -175,14 +171,20 @@ def value_and_pushforward(fn: Fn, xs: Leaves, txs: Leaves, method: str, run: Run
                 moved.append(along(x, t, h, sign, x.sharding))
         return run(fn, tuple(moved))[0]
 
-    if method == "central":
-        plus, minus, divisor = at(1), at(-1), 2
-    elif method == "forward":
-        plus, minus, divisor = at(1), evaluated.force()[0], 1
-    else:
-        plus, minus, divisor = evaluated.force()[0], at(-1), 1
+    plus, minus, divisor = ends(method, at, lambda: evaluated.force()[0])
     tout = jax.tree_util.tree_map(lambda a, b: quotient(a, b, h, divisor, zero), plus, minus)
     return Deferred(lambda: evaluated.force()[0]), Deferred(lambda: evaluated.force()[1]), tout
+
+
+def ends(method: str, at: Callable[[int], Any], value: Callable[[], Any]) -> tuple[Any, Any, int]:
+    """``(plus, minus, divisor)`` of a difference ``(plus - minus) / (divisor h)`` by ``method``
+    (central, forward, backward), from ``at(sign)``, f at x moved by ``sign`` steps, and
+    ``value()``, f at x, each called only where the method needs it."""
+    if method == "central":
+        return at(1), at(-1), 2
+    if method == "forward":
+        return at(1), value(), 1
+    return value(), at(-1), 1
 
 
 def _scalar(out: Any) -> Any:

@@ -250,11 +250,6 @@ class Adapter(_base.Adapter):
         vjp, value = _make_vjp(scalar_fn, xs)
         return value, _unboxed(captured[0]), tuple(vjp(_real_one(value)))
 
-    def basis(self, like: Any, index: int) -> Any:
-        flat = np.zeros(math.prod(np.shape(like)), dtype=getattr(getval(like), "dtype", np.float64))
-        flat[index] = 1
-        return flat.reshape(np.shape(like))
-
 
 def _has_containers(tree: Any) -> bool:
     """Whether ``tree`` holds a tuple or list node (a dict's or named tuple's items included)."""

@@ -129,20 +129,14 @@ class Adapter(BlackBoxAdapter):
         """``(f(x + h d) - f(x - h d)) / 2h`` (or the one-sided or complex-step form) along
         ``d`` (an array, or the index of a unit vector). A plain function, not a generator:
         a StopIteration that f raises reaches the caller as it is."""
-        x = point.vector
-        column: np.ndarray
-        if self.method == "central":
-            plus = self._evaluate(fn, point, _shifted(x, direction, h), layout)
-            column = (plus - self._evaluate(fn, point, _shifted(x, direction, -h), layout)) / (2 * h)
-        elif self.method == "forward":
-            assert value is not None
-            column = (self._evaluate(fn, point, _shifted(x, direction, h), layout) - value) / h
-        elif self.method == "backward":
-            assert value is not None
-            column = (value - self._evaluate(fn, point, _shifted(x, direction, -h), layout)) / h
-        else:
-            column = self._evaluate(fn, point, _shifted(x, direction, 1j * h), layout) / h
-        return column
+        if self.method == "complex":
+            return self._evaluate(fn, point, _shifted(point.vector, direction, 1j * h), layout) / h
+
+        def at(sign: int) -> np.ndarray:
+            return self._evaluate(fn, point, _shifted(point.vector, direction, sign * h), layout)
+
+        plus, minus, width = _on_device.ends(self.method, at, lambda: value)
+        return (plus - minus) / (width * h)  # type: ignore[no-any-return]
 
     def _steps(self, point: _Point, power: float | None = None) -> np.ndarray:
         if power is None and self.method == "complex":  # no cancellation: any tiny step will do, and no rounding
@@ -331,15 +325,13 @@ class Adapter(BlackBoxAdapter):
             ratio = max(_largest(t / x.detach().abs().nan_to_num(1.0, 1.0).clamp(min=1.0)) for x, t in moved)
             h = eps ** _POWER[self.method] / ratio
 
-        def at(sign: float) -> Any:
+        def at(sign: int) -> Any:
             return run_f(fn, tuple(x + (sign * h) * t for x, t in zip(xs, txs, strict=True)), name)[0]
 
         def value() -> Any:
             return _base.force(evaluated.force()[0])
 
-        plus = at(1.0) if self.method != "backward" else value()
-        minus = at(-1.0) if self.method != "forward" else value()
-        width = 1.0 if self.method != "central" else 2.0
+        plus, minus, width = _on_device.ends(self.method, at, value)
         touts = tuple(
             ((a.to(torch.float64) - b.to(torch.float64)) / (width * h)).to(a.dtype)
             for a, b in zip(as_tuple(plus), as_tuple(minus), strict=True)

@@ -123,6 +123,13 @@ class Plan:
     y_spec: Any
     y_avals: tuple[Aval, ...]
 
+    def out_avals(self, what: str, batch: int = 0) -> list[Aval]:
+        """The avals of product ``what``'s results (f(x)'s, or x's for the vjps), with a leading
+        axis of length ``batch`` where it is not 0."""
+        base = self.y_avals if what in ("call", "jvp", "second_jvp") else self.x_avals
+        prefix = (batch,) if batch else ()
+        return [Aval(prefix + a.shape, a.dtype) for a in base]
+
 
 # --- arrays of the inner engine -----------------------------------------------------------------
 
@@ -321,17 +328,38 @@ class Inner:
             del self._programs[:-8]
         return program
 
-    def operands(self, what: str, plan: Plan, rest: Leaves) -> Leaves:
-        """The linear operands of product ``what`` in the dtypes of g's prep."""
+    def product(
+        self, what: str, plan: Plan, args: Leaves, contexts: Sequence[Context[Any]], batch: int, conjugate: bool
+    ) -> Leaves:
+        """g's product ``what`` (``call``, ``jvp``, ``vjp``, ``second_jvp``, ``second_vjp``) of the
+        outer engine's operands ``args`` (x's leaves, then the linear ones), as inner leaves;
+        ``batch``: the linear operand of a jvp or vjp has a leading axis that long. ``conjugate``:
+        the outer engine transposes in its own convention, ``conj(vjp(conj(c)))`` of diffiface's
+        (jax's, docs/complex.md), so a vjp's cotangent and result are conjugated."""
+        n, m = len(plan.x_avals), len(plan.y_avals)
+        args = [to_inner(a, self.kind) for a in args]
         x_avals, y_avals = list(plan.x_avals), list(plan.y_avals)
-        avals = {
+        linear = {
             "call": [],
             "jvp": x_avals,
             "vjp": y_avals,
             "second_jvp": x_avals + x_avals,
             "second_vjp": y_avals + x_avals,
         }[what]
-        return self.cast(rest, avals)
+        x, rest = args[:n], self.cast(args[n:], linear)
+        if what == "call":
+            return self.value(plan, x, contexts)
+        if what == "jvp":
+            return self._products(plan, x, rest, contexts, jvp=True) if batch else self.jvp(plan, x, rest, contexts)
+        if what == "second_jvp":
+            return self.second_jvp(plan, x, rest[:n], rest[n:], contexts)
+        if conjugate:  # (second_vjp's derivative in x, a real direction, is conjugated as the vjp is)
+            rest = _conjugated(rest[:m]) + rest[m:]
+        if what == "vjp":
+            outs = self._products(plan, x, rest, contexts, jvp=False) if batch else self.vjp(plan, x, rest, contexts)
+        else:
+            outs = self.second_vjp(plan, x, rest[:m], rest[m:], contexts)
+        return _conjugated(outs) if conjugate else outs
 
     def cast(self, leaves: Leaves, avals: Sequence[Aval]) -> Leaves:
         """Tangents and cotangents in the dtypes of g's prep: the outer engine may hold f(x) in
@@ -351,16 +379,10 @@ class Inner:
         tx = di.vjp(self.f, self.backend, plan.x_spec.unflatten(x), plan.y_spec.unflatten(ty), *contexts)
         return _tree.leaves(tx)
 
-    def jvps(self, plan: Plan, x: Leaves, tx: Leaves, contexts: Sequence[Context[Any]]) -> Leaves:
-        """jvps along a batch of tangents (a leading axis on each leaf): one Jacobian and a
-        contraction where that costs less than one product per tangent (or the backend is sparse),
-        else one jvp each."""
-        return self._products(plan, x, tx, contexts, jvp=True)
-
-    def vjps(self, plan: Plan, x: Leaves, ty: Leaves, contexts: Sequence[Context[Any]]) -> Leaves:
-        return self._products(plan, x, ty, contexts, jvp=False)
-
     def _products(self, plan: Plan, x: Leaves, linear: Leaves, contexts: Sequence[Context[Any]], jvp: bool) -> Leaves:
+        """jvps (or vjps) along a batch of tangents (a leading axis on each leaf): one Jacobian and
+        a contraction where that costs less than one product per tangent (or the backend is
+        sparse), else one product each."""
         batch = int(_arrays.shape(linear[0])[0]) if linear else 0
         avals = plan.y_avals if jvp else plan.x_avals
         if self._by_jacobian(plan, batch):
@@ -443,6 +465,11 @@ class Inner:
     def _stack_rows(self, rows: list[Leaves], count: int) -> Leaves:
         xp = self.family.numpy_like()
         return [xp.stack([row[i] for row in rows]) for i in range(count)]
+
+
+def _conjugated(leaves: Sequence[Any]) -> list[Any]:
+    """Complex inner leaves conjugated, real ones as they are."""
+    return [leaf.conj() if "complex" in _arrays.dtype_name(leaf) else leaf for leaf in leaves]
 
 
 def _conj(array: Any) -> Any:

@@ -43,8 +43,6 @@ vjp_p = _primitive("vjp")
 second_jvp_p = _primitive("second_jvp")
 second_vjp_p = _primitive("second_vjp")
 
-_Y_SHAPED = (call_p, jvp_p, second_jvp_p)
-
 
 def call(g: Any, x: Any, leaves: list[Any], spec: Any, contexts: tuple[Any, ...]) -> Any:
     """g(x) for x of jax arrays."""
@@ -61,10 +59,13 @@ def call(g: Any, x: Any, leaves: list[Any], spec: Any, contexts: tuple[Any, ...]
 
 
 def _out_avals(primitive: Primitive, site: Site, batch: int) -> list[jax.core.ShapedArray]:
-    plan = site.plan
-    base = plan.y_avals if primitive in _Y_SHAPED else plan.x_avals
-    prefix = (batch,) if batch else ()
-    return [jax.core.ShapedArray(prefix + a.shape, jax.dtypes.canonicalize_dtype(np.dtype(a.dtype))) for a in base]
+    avals = site.plan.out_avals(_what(primitive), batch)
+    return [jax.core.ShapedArray(a.shape, jax.dtypes.canonicalize_dtype(np.dtype(a.dtype))) for a in avals]
+
+
+def _what(primitive: Primitive) -> str:
+    """The product a primitive computes, as :meth:`~._inner.Inner.product` names it."""
+    return primitive.name[len("diffiface_") :]
 
 
 # --- host work -------------------------------------------------------------------------------------
@@ -72,33 +73,12 @@ def _out_avals(primitive: Primitive, site: Site, batch: int) -> list[jax.core.Sh
 
 def _host(primitive: Primitive, site: Site, batch: int, arrays: Sequence[Any]) -> list[Any]:
     """The primitive's result as inner leaves, from its operands (numpy or concrete jax arrays)."""
-    inner, plan, contexts = site.inner, site.plan, site.contexts
-    n, m = len(plan.x_avals), len(plan.y_avals)
     try:
-        args = [to_inner(a, inner.kind) for a in arrays]
-        x, rest = args[:n], inner.operands(primitive.name[len("diffiface_") :], plan, args[n:])
-        if primitive is call_p:
-            return inner.value(plan, x, contexts)
-        if primitive is jvp_p:
-            return inner.jvps(plan, x, rest, contexts) if batch else inner.jvp(plan, x, rest, contexts)
-        if primitive is vjp_p:
-            # jax transposes in its own convention, conj(vjp(conj(c))) of diffiface's (docs/complex.md)
-            rest = _conjugated(rest)
-            return _conjugated(inner.vjps(plan, x, rest, contexts) if batch else inner.vjp(plan, x, rest, contexts))
-        if primitive is second_jvp_p:
-            return inner.second_jvp(plan, x, rest[:n], rest[n:], contexts)
-        # the derivative in x (a real direction) of the vjp above: conjugated as it is
-        return _conjugated(inner.second_vjp(plan, x, _conjugated(rest[:m]), rest[m:], contexts))
+        return site.inner.product(_what(primitive), site.plan, list(arrays), site.contexts, batch, conjugate=True)
     except (jax.errors.TracerArrayConversionError, jax.errors.UnexpectedTracerError) as exc:
         from ._inner import traced_refusal
 
         raise traced_refusal("f reads a value that", "a jax tracer") from exc
-
-
-def _conjugated(leaves: Sequence[Any]) -> list[Any]:
-    """Complex inner leaves conjugated, real ones as they are: diffiface's vjp and jax's differ
-    by a conjugation on each side (jax's is ``conj(vjp(conj(c)))``)."""
-    return [leaf.conj() if "complex" in _arrays.dtype_name(leaf) else leaf for leaf in leaves]
 
 
 def _as_results(primitive: Primitive, site: Site, batch: int, outs: list[Any]) -> list[np.ndarray]:
@@ -274,7 +254,7 @@ def _product_transpose(
 ) -> list[Any]:
     """jvp_p and vjp_p are each other's transpose in their second argument."""
     x, _ = _split(site, args)
-    x = _defined(x, primitive.name[len("diffiface_") :])
+    x = _defined(x, _what(primitive))
     if _all_zero(cts):
         return [None] * len(args)
     ct = _cotangents(cts, _out_avals(primitive, site, batch))

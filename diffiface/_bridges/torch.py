@@ -69,13 +69,6 @@ def _torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)  # type: ignore[no-any-return]
 
 
-def _out_avals(what: str, site: Site, batch: int) -> list[Aval]:
-    plan = site.plan
-    base = plan.y_avals if what in ("call", "jvp", "second_jvp") else plan.x_avals
-    prefix = (batch,) if batch else ()
-    return [Aval(prefix + a.shape, a.dtype) for a in base]
-
-
 def _site(number: int) -> Site:
     site = Site.registry.get(number)
     if site is None:
@@ -91,28 +84,17 @@ def _site(number: int) -> Site:
 @torch.library.custom_op("diffiface::bridge", mutates_args=())
 def _bridge(what: str, site_name: str, batch: int, args: list[torch.Tensor]) -> list[torch.Tensor]:
     site = _site(int(site_name))
-    inner, plan, contexts = site.inner, site.plan, site.contexts
-    n, m = len(plan.x_avals), len(plan.y_avals)
     device = args[0].device if args else torch.device("cpu")
-    with inner.family.dtype_scope([_arrays.dtype_name(a) for a in args]), _autograd_on():
+    with site.inner.family.dtype_scope([_arrays.dtype_name(a) for a in args]), _autograd_on():
         try:
-            inner_args = [to_inner(a, inner.kind) for a in args]
-            x, rest = inner_args[:n], inner.operands(what, plan, inner_args[n:])
-            if what == "call":
-                outs = inner.value(plan, x, contexts)
-            elif what == "jvp":
-                outs = inner.jvps(plan, x, rest, contexts) if batch else inner.jvp(plan, x, rest, contexts)
-            elif what == "vjp":
-                outs = inner.vjps(plan, x, rest, contexts) if batch else inner.vjp(plan, x, rest, contexts)
-            elif what == "second_jvp":
-                outs = inner.second_jvp(plan, x, rest[:n], rest[n:], contexts)
-            else:
-                outs = inner.second_vjp(plan, x, rest[:m], rest[m:], contexts)
+            outs = site.inner.product(what, site.plan, list(args), site.contexts, batch, conjugate=False)
         except TypeError as exc:
             if "Tensor" in str(exc) and "requires grad" in str(exc):
                 raise traced_refusal("f reads a value that", "a torch tensor that requires grad") from exc
             raise
-        results = [_to_torch(out, aval, device) for out, aval in zip(outs, _out_avals(what, site, batch), strict=True)]
+        results = [
+            _to_torch(out, aval, device) for out, aval in zip(outs, site.plan.out_avals(what, batch), strict=True)
+        ]
     inputs = {a.untyped_storage().data_ptr() for a in args if a.numel()}
     # an op's results may not share memory with its inputs (f returned its input, or a view of it)
     return [r.clone() if r.numel() and r.untyped_storage().data_ptr() in inputs else r for r in results]
@@ -159,7 +141,7 @@ def _to_torch(out: Any, aval: Aval, device: torch.device) -> torch.Tensor:
 def _bridge_fake(what: str, site_name: str, batch: int, args: list[torch.Tensor]) -> list[torch.Tensor]:
     site = _site(int(site_name))
     device = args[0].device if args else torch.device("cpu")
-    return [torch.empty(a.shape, dtype=_torch_dtype(a.dtype), device=device) for a in _out_avals(what, site, batch)]
+    return [torch.empty(a.shape, dtype=_torch_dtype(a.dtype), device=device) for a in site.plan.out_avals(what, batch)]
 
 
 def _op(what: str, number: int, args: Sequence[torch.Tensor], batch: int = 0) -> tuple[torch.Tensor, ...]:
@@ -190,7 +172,7 @@ def _vmap_loop(function: Any, info: Any, in_dims: Sequence[Any], args: Sequence[
         device = like.device if like is not None else None
         empty = tuple(
             torch.zeros((0, *a.shape), dtype=_torch_dtype(a.dtype), device=device)
-            for a in _out_avals(what, _site(args[0]), 0)
+            for a in _site(args[0]).plan.out_avals(what)
         )
         return empty, (0,) * len(empty)
     outs = []
