@@ -274,8 +274,6 @@ class Adapter(_base.Adapter):
         ``tf.custom_gradient`` and not its rule (a straight-through rounding's jvp was 0 where
         its gradient is 1), takes real primals only, and its complex rules are not the
         convention's. So every derivative of f is the tape's."""
-        if not xs:  # (a batch of products, which the route hands over as it is)
-            return _base.without_leaves(self, "value_and_pushforward")(fn, xs, txs)
         # the pullback's adjoint under Re<a, b>: the gradient in u of Re<t, vjp(u)> (the pullback
         # is linear in u over the reals)
         with tf.GradientTape(watch_accessed_variables=False) as outer:
