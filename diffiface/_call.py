@@ -266,14 +266,7 @@ def _dynamic_view(adapter: Adapter, call: Call) -> tuple[Call, list[int] | None]
 # -- a batch of tangents ---------------------------------------------------------------------------
 
 
-_BATCHED = {
-    "jvp": "batched_jvp",
-    "value_and_jvp": "value_and_batched_jvp",
-    "vjp": "batched_vjp",
-    "value_and_vjp": "value_and_batched_vjp",
-    "hvp": "batched_hvp",
-    "gradient_and_hvp": "gradient_and_batched_hvp",
-}
+_BATCHED = {op.name.replace("batched_", ""): op.name for op in _OPERATORS if op.batch}
 """The batched form of each operator of one tangent."""
 
 

@@ -385,10 +385,11 @@ def _follow(f: Any, values: list[Any], seen: set[int], chain: list[Any] | None =
         if chain is not None:
             chain.append((f, start, len(values) - start))
         namespace = f.__globals__
+        cells = start + len(f.__closure__ or ())  # (values[start + 1 : cells + 1]: its closure cells' objects)
         # the functions it closes over, and the helpers of its own module that it names
         for i in range(start + 1, len(values)):
             value = values[i]
-            if type(value) is types.FunctionType and (i <= start + _cells(f) or value.__globals__ is namespace):
+            if type(value) is types.FunctionType and (i <= cells or value.__globals__ is namespace):
                 _follow(value, values, seen, chain)
     elif cls is types.MethodType:
         values.append(f.__func__)  # (not f.__self__: the cache is keyed weakly on it)
@@ -412,10 +413,6 @@ def _follow(f: Any, values: list[Any], seen: set[int], chain: list[Any] | None =
     if wrapped is not None:
         values.append(wrapped)
         _follow(wrapped, values, seen)
-
-
-def _cells(function: types.FunctionType) -> int:
-    return len(function.__closure__ or ())
 
 
 def _function_reads(function: types.FunctionType) -> list[Any]:

@@ -344,9 +344,13 @@ def _batch_products(
         groups.append(tuple(ts[start : start + size]))
         start += size
     if compute == "value_and_pullbacks":
-        out, aux, vjp = adapter.pullback_function(fn, xs)
+        out, aux, vjp = (adapter.pullback_function if xs else without_leaves(adapter, "pullback_function"))(fn, xs)
         groups = _check_cotangents(sig, output, groups, adapter.complex_outputs)
         return out, aux, adapter.pullbacks(vjp, xs, groups)
+    if not xs:  # (no leaves: each tangent's product is known without the engine, see without_leaves)
+        one = without_leaves(adapter, compute[:-1])  # (value_and_pushforward, gradient_and_hvp)
+        each = [one(fn, xs, group) for group in groups]
+        return (*each[-1][:-1], [products[-1] for products in each])
     if compute == "gradient_and_hvps":
         return adapter.gradient_and_hvps(fn, xs, groups)  # type: ignore[no-any-return]
     return adapter.value_and_pushforwards(fn, xs, groups)  # type: ignore[no-any-return]

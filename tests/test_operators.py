@@ -652,7 +652,8 @@ def test_an_x_without_leaves_has_empty_derivatives_on_every_engine(backend_id: s
     Jacobians raised their own ValueError, and torch.func's Hessian, jvp and hvp an
     AssertionError or a RuntimeError, where the other engines gave empty results. The
     derivatives with respect to nothing are known without the engine: empty trees, and a jvp
-    of zeros like f's output."""
+    of zeros like f's output. So are a batch's (jax's and torch.func's vmap refused a batch of
+    no leaves)."""
     backend = require(backend_id)
     xp = {"torch-autograd": "torch", "torch-func": "torch"}.get(backend_id, backend_id)
     if xp == "torch":
@@ -676,6 +677,13 @@ def test_an_x_without_leaves_has_empty_derivatives_on_every_engine(backend_id: s
     assert di.vjp(lambda p: ones(), backend, {}, np.ones(2) if xp == "pytensor" else ones()) == {}
     pushed = np.asarray(di.jvp(lambda p: ones(), backend, {}, {}))
     assert pushed.shape == (2,) and not pushed.any()
+    for pushed in di.batched_jvp(lambda p: ones(), backend, {}, di.Tangents({}, {})):
+        assert np.asarray(pushed).shape == (2,) and not np.asarray(pushed).any()
+    assert list(di.batched_hvp(lambda p: one(), backend, {}, di.Tangents({}, {}))) == [{}, {}]
+    gradient, hvps = di.gradient_and_batched_hvp(lambda p: one(), backend, {}, di.Tangents({}))
+    assert gradient == {} and list(hvps) == [{}]
+    cotangent = np.ones(2) if xp == "pytensor" else ones()
+    assert list(di.batched_vjp(lambda p: ones(), backend, {}, di.Tangents(cotangent, cotangent))) == [{}, {}]
 
 
 def test_an_aux_prng_key_comes_back_as_f_returned_it() -> None:

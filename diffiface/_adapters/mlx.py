@@ -177,8 +177,6 @@ class _Pullback:
         self.outputs, self.xs = outputs, xs
 
     def __call__(self, touts: Any) -> Leaves:
-        if not self.xs:
-            return ()
         return tuple(mx.vjp(self.outputs, _mx(self.xs), _mx(_base.as_tuple(touts)))[1])
 
 
@@ -327,20 +325,18 @@ class Adapter(_base.Adapter):
 
     def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
         out, aux = fn(_own(xs))
-        if xs and (_complex(xs) or _complex(_base.as_tuple(out))):  # (a complex output's cotangents too)
+        if _complex(xs) or _complex(_base.as_tuple(out)):  # (a complex output's cotangents too)
             return out, aux, _ByForwardMode(self._outputs(fn), xs)
         return out, aux, _Pullback(self._outputs(fn), xs)
 
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
-        if not xs:  # (a batch of products, which the route hands over as it is)
-            return _base.without_leaves(self, "value_and_pushforward")(fn, xs, txs)
         captured: list[Any] = []
         _, touts = _pushed(self._outputs(fn, captured), _mx(xs), _mx(txs))
         out, aux = captured
         return out, aux, _base.shaped_as(out, tuple(touts))
 
     def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
-        if not xs or _complex(xs):  # (mlx's reverse mode of a complex x: see _ByForwardMode)
+        if _complex(xs):  # (mlx's reverse mode of a complex x: see _ByForwardMode)
             return super().value_and_gradient(fn, xs)
         captured: list[Any] = []
 
@@ -359,7 +355,7 @@ class Adapter(_base.Adapter):
     def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Any]:
         """By rows (mlx's reverse mode), or with ``mode="forward"`` by columns of mlx's own
         forward mode, as the complex layer asks for a complex x (see :class:`_ByForwardMode`)."""
-        if mode != "forward" or not xs:
+        if mode != "forward":
             return super().value_and_jacobian(fn, xs, mode)
         out, aux = fn(_own(xs))
         pushed = _ByForwardMode(self._outputs(fn), xs)  # (x is real here: a column per entry)
@@ -382,13 +378,13 @@ class Adapter(_base.Adapter):
         return value, aux, grads, hvp
 
     def gradient_and_hvps(self, fn: Fn, xs: Leaves, batch: Sequence[Leaves]) -> tuple[Any, Any, Leaves, list[Leaves]]:
-        if not xs or _complex(xs):
+        if _complex(xs):
             return super().gradient_and_hvps(fn, xs, batch)
         grads, (value, aux), vjp = self.pullback_function(self.gradient_function(fn), xs)
         return value, aux, grads, self.pullbacks(vjp, xs, batch)
 
     def value_gradient_and_hessian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Any]:
-        if not xs or _complex(xs):
+        if _complex(xs):
             return super().value_gradient_and_hessian(fn, xs)
         grads, (value, aux), blocks = self.value_and_jacobian(self.gradient_function(fn), xs, "reverse")
         return value, aux, grads, blocks

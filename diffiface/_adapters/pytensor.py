@@ -166,9 +166,8 @@ def _contiguous(array: np.ndarray) -> np.ndarray:
 
 
 def _symbolic(xs: Sequence[Any]) -> bool:
-    """Whether the leaves are traced variables; no leaves are (an empty x): there is nothing to
-    trace them as, and ``_eager`` would call the method on them again."""
-    return not xs or isinstance(xs[0], Variable)
+    """Whether the leaves are traced variables (x has leaves: an empty x never reaches the adapter)."""
+    return isinstance(xs[0], Variable)
 
 
 def _disconnected_zero(values: Any, like: Sequence[Any]) -> list[Any]:
@@ -427,8 +426,6 @@ class Adapter(_base.Adapter):
 
         def vjp(touts: Any) -> Leaves:
             cotangents = [pt.cast(t, y.dtype) for t, y in zip(_base.as_tuple(touts), outs, strict=True)]
-            if not xs:
-                return ()
             if not outs:
                 return tuple(pt.zeros_like(x) for x in xs)
             grads = pullback(list(outs), list(xs), cotangents, disconnected_inputs="ignore", return_disconnected="zero")
@@ -442,8 +439,6 @@ class Adapter(_base.Adapter):
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
         if not _symbolic(xs):
             return self._eager("value_and_pushforward", fn, xs, txs)  # type: ignore[no-any-return]
-        if not xs:  # (a batch of products, which the route hands over as it is)
-            return _base.without_leaves(self, "value_and_pushforward")(fn, xs, txs)
         out, aux = fn(xs)
         outs = _base.as_tuple(out)
         if not outs:
@@ -460,8 +455,6 @@ class Adapter(_base.Adapter):
         return value, aux, self._grad(value, xs)
 
     def _grad(self, value: Any, xs: Leaves) -> Leaves:
-        if not xs:
-            return ()
         grads = grad(value, list(xs), disconnected_inputs="ignore", return_disconnected="zero")
         return tuple(_disconnected_zero(grads, xs))
 
@@ -474,8 +467,6 @@ class Adapter(_base.Adapter):
 
     def _jacobian(self, y: Any, xs: Leaves) -> tuple[Any, ...]:
         """The blocks of ``y``'s Jacobian, ``y.shape + x.shape`` for each leaf x."""
-        if not xs:
-            return ()
         shape = tuple(y.type.shape)
         if y.ndim == 0:
             return self._grad(y, xs)

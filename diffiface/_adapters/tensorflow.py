@@ -250,7 +250,10 @@ class Adapter(_base.Adapter):
         outs = list(_base.as_tuple(out))
 
         def vjp(touts: Any) -> Leaves:
-            touts = [_cast_like(t, y) for t, y in zip(_base.as_tuple(touts), outs, strict=True)]
+            # (each cotangent leaf in the dtype of f's output leaf: a Python float, taken as any float
+            # dtype and made a float64 tensor, for a float32 output; the checks refused other dtypes)
+            pairs = zip(_base.as_tuple(touts), outs, strict=True)
+            touts = [t if t.dtype == y.dtype else tf.cast(t, y.dtype) for t, y in pairs]
             return _dense(tape.gradient(outs, list(xs), output_gradients=touts, unconnected_gradients=_ZERO))
 
         return out, aux, vjp
@@ -274,8 +277,6 @@ class Adapter(_base.Adapter):
         ``tf.custom_gradient`` and not its rule (a straight-through rounding's jvp was 0 where
         its gradient is 1), takes real primals only, and its complex rules are not the
         convention's. So every derivative of f is the tape's."""
-        if not xs:  # (a batch of products, which the route hands over as it is)
-            return _base.without_leaves(self, "value_and_pushforward")(fn, xs, txs)
         # the pullback's adjoint under Re<a, b>: the gradient in u of Re<t, vjp(u)> (the pullback
         # is linear in u over the reals)
         with tf.GradientTape(watch_accessed_variables=False) as outer:
@@ -510,13 +511,6 @@ def _apart(xs: Leaves) -> Leaves:
 def _inexact(dtype: Any) -> bool:
     """Whether values of a TensorFlow dtype carry derivatives: floating or complex ones."""
     return bool(dtype.is_floating or dtype.is_complex)
-
-
-def _cast_like(t: Any, y: Any) -> Any:
-    """A cotangent leaf in the dtype of f's output leaf ``y``: a Python float (taken as any float
-    dtype, and made a float64 tensor) for a float32 output, say; the checks have refused any
-    other difference of dtype."""
-    return t if t.dtype == y.dtype else tf.cast(t, y.dtype)
 
 
 def _refuse_graph_cut(leaf: Any, xs: Leaves, missed: bool) -> None:
