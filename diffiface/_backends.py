@@ -108,11 +108,7 @@ class AutoPyTensor(Backend):
     mode: str = "FAST_RUN"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.mode, str) or self.mode not in _PYTENSOR_MODES:
-            raise InvalidBackendOptionError(
-                f"AutoPyTensor(mode={self.mode!r}) is not a compile mode diffiface takes; choose one of "
-                f"{', '.join(map(repr, _PYTENSOR_MODES))}."
-            )
+        _check_choice(self, "mode", self.mode, _PYTENSOR_MODES, "a compile mode diffiface takes")
 
 
 @dataclass(frozen=True)
@@ -292,11 +288,7 @@ class AutoFiniteDifferences(Backend):
     max_inputs: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.method, str) or self.method not in _FD_METHODS:
-            raise InvalidBackendOptionError(
-                f"AutoFiniteDifferences(method={self.method!r}) is not a method; "
-                f"choose one of {', '.join(map(repr, _FD_METHODS))}."
-            )
+        _check_choice(self, "method", self.method, _FD_METHODS, "a method")
         if self.step is not None:
             if isinstance(self.step, bool) or not isinstance(self.step, (int, float)):
                 raise InvalidBackendOptionError(
@@ -510,11 +502,7 @@ class AutoSparse(Backend):
                 f"AutoSparse(backend={backend!r}): the backend must be a backend object or name such as "
                 "AutoJAX() or 'torch' (not another AutoSparse)."
             )
-        if self.coloring not in _SPARSE_COLORINGS:
-            raise InvalidBackendOptionError(
-                f"AutoSparse(coloring={self.coloring!r}) is not a coloring; choose one of "
-                f"{', '.join(map(repr, _SPARSE_COLORINGS))}."
-            )
+        _check_choice(self, "coloring", self.coloring, _SPARSE_COLORINGS, "a coloring")
         _check_bool(self, "dense", self.dense)
         _check_bool(self, "check", self.check)
         if self.coloring in ("row", "bidirectional") and backend.black_box:
@@ -621,6 +609,13 @@ def _check_bool(backend: Backend, option: str, value: object) -> None:
     if not isinstance(value, bool):
         raise InvalidBackendOptionError(
             f"{type(backend).__name__}({option}={value!r}): {option} must be True or False."
+        )
+
+
+def _check_choice(backend: Backend, option: str, value: object, choices: tuple[str, ...], what: str) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise InvalidBackendOptionError(
+            f"{type(backend).__name__}({option}={value!r}) is not {what}; choose one of {', '.join(map(repr, choices))}."
         )
 
 

@@ -4,14 +4,10 @@
 
 They are operators of the one route (:mod:`diffiface._dispatch`): the batch is flattened with
 the call (its tangents' leaves one after another), compared with the prep's plan, and run as
-one program: the adapters' ``value_and_pushforwards`` / ``pullbacks``, one vmapped program on
-jax (``jax.vmap`` over ``jax.linearize`` and ``jax.vjp``) and torch.func (``torch.func.vmap``),
-a loop of the engine's product elsewhere. The batched hvp is the adapters'
-``gradient_and_hvps``: forward over reverse where the engine has a forward mode (the batch of
-pushforwards of the gradient map, so one vmapped program on jax and torch.func), the gradient's
-graph built once and pulled back along each tangent on torch's autograd mode and autograd, a
-loop of the engine's own hvp on finite differences and scipy. A prep is made for a batch of a given size, each
-tangent with its structure, shapes and dtypes.
+one program: the adapters' ``value_and_pushforwards`` / ``pullbacks`` and
+``gradient_and_hvps`` (``jax.vmap`` over ``jax.linearize`` and ``jax.vjp`` on jax,
+``torch.func.vmap`` on torch.func; each engine's way is in its operator's docstring). A prep is
+made for a batch of a given size, each tangent with its structure, shapes and dtypes.
 """
 
 from __future__ import annotations

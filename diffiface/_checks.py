@@ -111,10 +111,12 @@ def _check_x(op: Operator, backend: Backend, any_array_type: bool, call: Call) -
     if not any_array_type and family not in _ANY_ENGINE and family != backend_family(backend):
         # (a backend of that family's name: an engine's variables that are not its inputs, a
         # PyTensor shared variable, which its backend takes as numpy arrays)
+        engine = backend_family(backend)
+        wanted = _NUMPY if engine == _NUMPY else f"{_NUMPY} or {engine}"
         elsewhere = "" if family == backend.name else f", or use the {family} backend"
         raise ArrayTypeError(
             f"x holds {family} arrays, but the {backend.name} backend differentiates "
-            f"{backend_family(backend)} arrays. Pass {_pass_arrays(backend)}{elsewhere}."
+            f"{engine} arrays. Pass {wanted} arrays{elsewhere}."
         )
     scalar = len(call.x_leaves) == 1 and _arrays.shape(call.x_leaves[0]) == () and sig.x_spec.num_nodes == 1
     if op.scalar_input and not scalar:
@@ -147,11 +149,6 @@ def backend_family(backend: Backend) -> str:
     """The arrays the engine differentiates, from the registry (numpy for the black boxes)."""
     arrays = info(backend).arrays
     return _NUMPY if arrays == "any" else arrays
-
-
-def _pass_arrays(backend: Backend) -> str:
-    family = backend_family(backend)
-    return f"{_NUMPY} arrays" if family == _NUMPY else f"{_NUMPY} or {family} arrays"
 
 
 def _check_tangent_kinds(op: Operator, backend: Backend, any_array_type: bool, call: Call) -> None:
@@ -311,15 +308,10 @@ def _checked(op: Operator, result: Any, output: _Output, adapter: Adapter) -> li
             )
     except InvalidOutputError as exc:
         if type(result) is tuple and len(result) == 2:  # (a (value, aux) pair, has_aux not asked)
-            raise InvalidOutputError(f"{exc} {_aux_hint(op)}") from None
+            hint = f", pass has_aux=True to di.{op.name}." if op.aux else f": {_no_aux(op)}"
+            raise InvalidOutputError(f"{exc} If f returns (value, aux){hint}") from None
         raise
     return leaves
-
-
-def _aux_hint(op: Operator) -> str:
-    if op.aux:
-        return f"If f returns (value, aux), pass has_aux=True to di.{op.name}."
-    return f"If f returns (value, aux): {_no_aux(op)}"
 
 
 def _describe(value: Any) -> str:

@@ -68,12 +68,8 @@ def promoted(a: str, b: str) -> str | None:
     (one of them complex): complex, at the wider precision of the two. None where neither is."""
     if a not in _COMPLEX_DTYPES and b not in _COMPLEX_DTYPES:
         return None
-    width = max(_width(a), _width(b))
-    return "complex128" if width == 64 else "complex64"
-
-
-def _width(name: str) -> int:
-    return {"complex64": 32, "float32": 32, "float16": 32, "bfloat16": 32}.get(name, 64)
+    narrow = ("complex64", "float32", "float16", "bfloat16")  # (float32's precision or less)
+    return "complex64" if a in narrow and b in narrow else "complex128"
 
 
 def cotangent_fits(found: str, expected: str) -> bool:
@@ -200,7 +196,7 @@ class Holomorphic:
         try:
             self._f: Callable[[], Any] = weakref.ref(f, functools.partial(_forget, id(f)))
         except TypeError:  # no weak references (a builtin): kept, as builtins live long
-            self._f = _Strong(f)
+            self._f = lambda: f
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._f()(*args, **kwargs)
@@ -230,16 +226,6 @@ def _forget(key: int, _: Any) -> None:
         table.pop(key, None)
 
 
-class _Strong:
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def __call__(self) -> Any:
-        return self.value
-
-
 def _tolerance(dtype: str, exact: bool) -> float:
     """How far from holomorphic (|B| against |A| + |B|, B = df/dconj z, norms of a whole block)
     a Jacobian computed in this precision may be before f is declared not holomorphic. An exact
@@ -262,8 +248,7 @@ def to_convention(part: str, convention: Convention, values: Leaves) -> Leaves:
 
 
 def _conj(leaf: Any) -> Any:
-    family = _arrays.family_of(leaf)
-    return np.conj(leaf) if family is None else family.conj(leaf)
+    return (_arrays.family_of(leaf) or _families.HOST).conj(leaf)
 
 
 def as_complex(leaf: Any, dtype: str) -> Any:
@@ -609,10 +594,9 @@ class ComplexAdapter:
         x_split = _Split(xs)
         along_real_axis = self._holomorphic
         if along_real_axis and x_split.any:
-            g = _Realified(
-                fn, x_split, held=tuple(_parts(x)[1] if f else None for x, f in zip(xs, x_split.flags, strict=True))
-            )
-            rs = tuple(_parts(x)[0] if f else x for x, f in zip(xs, x_split.flags, strict=True))
+            parts = [_parts(x) if f else (x, None) for x, f in zip(xs, x_split.flags, strict=True)]
+            g = _Realified(fn, x_split, held=tuple(im for _, im in parts))
+            rs = tuple(re for re, _ in parts)
         else:
             g = _Realified(fn, x_split)
             rs = x_split.split(xs)

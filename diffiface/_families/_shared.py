@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import operator
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
@@ -135,6 +136,11 @@ def trace_of(signature: tuple[Any, ...]) -> None:
     return None
 
 
+def cast(value: Any, dtype: str) -> Any:
+    """``cast`` of a family whose arrays' ``astype`` takes numpy's dtype names."""
+    return value.astype(dtype)
+
+
 def block_like(value: Any, like: Any) -> Any:
     """``block_like`` of a family whose blocks come out as the family's arrays already."""
     return value
@@ -176,3 +182,17 @@ def private_copy(leaf: Any) -> Any:
 def from_parts(re: Any, im: Any) -> Any:
     """``from_parts`` of a family whose arrays take numpy's complex arithmetic."""
     return re + 1j * im
+
+
+def numpy_like_complex(module: str) -> tuple[Callable[[Any], Any], Callable[[Any], tuple[Any, Any]]]:
+    """``conj`` and ``parts`` of a family whose numpy-like module, named ``module`` (imported
+    once its arrays exist), has numpy's ``conj``, ``real`` and ``imag``."""
+
+    def conj(leaf: Any) -> Any:
+        return sys.modules[module].conj(leaf)
+
+    def parts(leaf: Any) -> tuple[Any, Any]:
+        xp = sys.modules[module]
+        return xp.real(leaf), xp.imag(leaf)
+
+    return conj, parts

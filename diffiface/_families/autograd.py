@@ -8,7 +8,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from ._shared import array_words
+from ._shared import array_words, numpy_like_complex
 from ._shared import contents as contents
 from ._shared import dtype_scope as dtype_scope
 from ._shared import eval_shape as eval_shape
@@ -22,10 +22,12 @@ from ._shared import x_refusal as x_refusal
 # a box answers its value's shape and dtype: the tests are numpy's
 from .numpy import block_like as block_like
 from .numpy import cast as cast
+from .numpy import from_numpy as from_numpy
 from .numpy import jit_checked as jit_checked
 from .numpy import layout as layout
 from .numpy import leaves_test as leaves_test
 from .numpy import same as same
+from .numpy import to_numpy as to_numpy
 from .numpy import values as values
 
 NAME: Final = "autograd"
@@ -50,14 +52,6 @@ def numpy_like() -> Any:
     return sys.modules["autograd.numpy"]
 
 
-def to_numpy(leaf: Any) -> np.ndarray:
-    return np.asarray(leaf)
-
-
-def from_numpy(array: np.ndarray, like: Any, dtype: Any) -> Any:
-    return np.asarray(array, dtype=getattr(like, "dtype", None) if dtype is None else dtype)
-
-
 def mirror(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
     return value
 
@@ -68,13 +62,7 @@ def as_own(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], n
     return np.asarray(as_numpy(value))
 
 
-def conj(leaf: Any) -> Any:
-    return sys.modules["autograd.numpy"].conj(leaf)
-
-
-def parts(leaf: Any) -> tuple[Any, Any]:
-    anp = sys.modules["autograd.numpy"]
-    return anp.real(leaf), anp.imag(leaf)
+conj, parts = numpy_like_complex("autograd.numpy")
 
 
 def traced(leaf: Any) -> Any:
@@ -114,7 +102,6 @@ def _open(value: Any, sequence: type, mapping: type) -> Any:
 
 
 _SELF = sys.modules[__name__]
-"""This module, as the family a value is compared with."""
 
 
 def numpy_wrappers() -> tuple[Any, list[Any], list[tuple[str, Any]]]:

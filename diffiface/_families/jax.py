@@ -11,7 +11,10 @@ import numpy as np
 import optree
 
 from . import _jax_placement as _placement
-from ._shared import array_words
+from ._jax_placement import block_like as block_like
+from ._jax_placement import laid_out_ravel as laid_out_ravel
+from ._shared import array_words, numpy_like_complex
+from ._shared import cast as cast
 from ._shared import contents as contents
 from ._shared import opened as opened
 from ._shared import private_copy as private_copy  # (immutable)
@@ -92,22 +95,16 @@ def _from_children(treedef: Any, children: Any) -> Any:
     return sys.modules["jax"].tree_util.tree_unflatten(treedef, list(children))
 
 
-def pytree_flatten() -> Callable[[Any], tuple[list[Any], Any]] | None:
-    """jax's pytree flattening, ``tree -> (leaves, structure)``, where jax is imported (the
-    registry's own method, in C: ``tree_flatten`` is a Python frame around it); else None."""
-    jax = sys.modules.get("jax")
-    return None if jax is None else jax.tree_util.default_registry.flatten  # type: ignore[no-any-return]
-
-
 def jax_structure(spec: Any, leaves: list[Any]) -> tuple[Any, Any, Callable[[Any], Any]] | None:
     """The tree of optree structure ``spec`` on these leaves, jax's structure of it and jax's
     flattening, where jax is imported and takes that tree apart into the same leaves; else None.
     A class jax's registry knows (an equinox module, adopted into diffiface's namespace) is
     taken apart by jax in C, not one node at a time through that namespace; one only
     diffiface's namespace knows is a leaf to jax, and the leaves then differ."""
-    flatten = pytree_flatten()
-    if flatten is None or spec is None:
+    jax = sys.modules.get("jax")
+    if jax is None or spec is None:
         return None
+    flatten = jax.tree_util.default_registry.flatten  # (the registry's own, in C: tree_flatten is a frame around it)
     tree = optree.tree_unflatten(spec, leaves)
     try:
         jax_leaves, jax_spec = flatten(tree)
@@ -164,15 +161,6 @@ def as_own(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], n
         return value
     array = np.asarray(as_numpy(value))
     return _placement.on_devices_of(from_numpy(array, like, array.dtype), like)
-
-
-def cast(value: Any, dtype: str) -> Any:
-    return value.astype(dtype)
-
-
-def block_like(value: Any, like: Any) -> Any:
-    """A block of a derivative laid out as ``like``, the leaf of x it relates to."""
-    return _placement.block_like(value, like)
 
 
 def layout(leaf: Any) -> _placement.Layout | None:
@@ -295,23 +283,11 @@ def dtype_scope(dtypes: Iterable[str]) -> Any:
     return contextlib.nullcontext()
 
 
-def conj(leaf: Any) -> Any:
-    return sys.modules["jax.numpy"].conj(leaf)
-
-
-def parts(leaf: Any) -> tuple[Any, Any]:
-    jnp = sys.modules["jax.numpy"]
-    return jnp.real(leaf), jnp.imag(leaf)
+conj, parts = numpy_like_complex("jax.numpy")
 
 
 def from_parts(re: Any, im: Any) -> Any:
     return sys.modules["jax"].lax.complex(re, im)
-
-
-def laid_out_ravel(leaves: list[Any]) -> tuple[Any, Callable[[Any], Any]] | None:
-    """tree.ravel of leaves all sharded over one mesh, laid out on its devices (None where
-    they are not: the plain ravel serves)."""
-    return _placement.laid_out_ravel(leaves)
 
 
 def eval_shape(fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]]) -> Any:
@@ -323,11 +299,8 @@ def eval_shape(fn: Callable[..., Any], avals: list[tuple[tuple[int, ...], str]])
 
 
 _SELF = sys.modules[__name__]
-"""This module, as the family a value is compared with."""
-
 
 values = to_numpy
-"""Its values as numpy (:func:`to_numpy`)."""
 
 
 def describe(signature: tuple[Any, ...]) -> str:

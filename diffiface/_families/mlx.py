@@ -17,6 +17,7 @@ from ._shared import from_parts as from_parts
 from ._shared import laid_out_ravel as laid_out_ravel
 from ._shared import layout as layout
 from ._shared import leaves_test as leaves_test
+from ._shared import numpy_like_complex
 from ._shared import opened as opened
 from ._shared import same as same
 from ._shared import trace_of as trace_of
@@ -107,19 +108,12 @@ def jit_checked(leaf: Any) -> bool:
 
 
 _SELF = sys.modules[__name__]
-"""This module, as the family a value is compared with."""
 
 
 CODE_MODULES: Final[frozenset[str]] = frozenset()
 
 
-def conj(leaf: Any) -> Any:
-    return sys.modules["mlx.core"].conj(leaf)
-
-
-def parts(leaf: Any) -> tuple[Any, Any]:
-    core = sys.modules["mlx.core"]
-    return core.real(leaf), core.imag(leaf)
+conj, parts = numpy_like_complex("mlx.core")
 
 
 def private_copy(leaf: Any) -> Any:

@@ -10,6 +10,7 @@ import numpy as np
 
 from ._shared import Contents, array_words
 from ._shared import block_like as block_like
+from ._shared import cast as cast
 from ._shared import dtype_scope as dtype_scope
 from ._shared import eval_shape as eval_shape
 from ._shared import exchange as exchange  # (copied: a black box may return a buffer of its own that it writes again)
@@ -35,20 +36,16 @@ CODE_MODULES: Final[frozenset[str]] = frozenset()
 
 def owns(cls: type) -> bool:
     if issubclass(cls, np.ma.MaskedArray):
-        raise _masked_refused()
+        from .._errors import InvalidInputError
+
+        # (never cached as a kind: every leaf of the class is refused, wherever it is met)
+        raise InvalidInputError(
+            "A numpy masked array (np.ma.MaskedArray) was passed as x, as a tangent or in a context. "
+            "No engine differentiates through its mask: jax refuses it, the others would drop the mask "
+            "and compute on the hidden values too. Pass its values, a.filled(fill_value) or a.data, and "
+            "its mask as a di.Constant(a.mask) that f applies (np.where(mask, 0.0, x), say)."
+        )
     return issubclass(cls, (np.ndarray, np.generic))
-
-
-def _masked_refused() -> Exception:
-    from .._errors import InvalidInputError
-
-    # (never cached as a kind: every leaf of the class is refused, wherever it is met)
-    return InvalidInputError(
-        "A numpy masked array (np.ma.MaskedArray) was passed as x, as a tangent or in a context. "
-        "No engine differentiates through its mask: jax refuses it, the others would drop the mask "
-        "and compute on the hidden values too. Pass its values, a.filled(fill_value) or a.data, and "
-        "its mask as a di.Constant(a.mask) that f applies (np.where(mask, 0.0, x), say)."
-    )
 
 
 def signature(leaf: Any) -> tuple[Any, ...]:
@@ -102,10 +99,6 @@ def _writable(array: np.ndarray) -> np.ndarray:
     return array if array.flags.writeable else array.copy()
 
 
-def cast(value: Any, dtype: str) -> Any:
-    return value.astype(dtype)
-
-
 class _Same:
     """The test that a later leaf has the prepared one's shape and dtype."""
 
@@ -140,7 +133,6 @@ _SELF = sys.modules[__name__]
 
 
 values = to_numpy
-"""Its values as numpy (:func:`to_numpy`)."""
 
 
 describe = array_words
@@ -148,9 +140,8 @@ describe = array_words
 
 def contents(value: Any, kept: int) -> Contents | None:
     """An ndarray's contents, compared by value (a numpy scalar is immutable: its identity says all)."""
-    if not isinstance(value, np.ndarray):
-        return None
-    return Contents(value, (value.shape, value.dtype), _view, kept)
+    found = _view(value)
+    return None if found is None else Contents(*found, _view, kept)
 
 
 def _view(value: Any) -> tuple[np.ndarray, Any] | None:

@@ -14,7 +14,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from ._shared import array_words
+from ._shared import array_words, numpy_like_complex
 from ._shared import contents as contents
 from ._shared import dtype_scope as dtype_scope
 from ._shared import eval_shape as eval_shape
@@ -29,6 +29,7 @@ from ._shared import x_refusal as x_refusal
 # a symbolic variable answers its dtype as numpy names it: the tests are numpy's
 from .numpy import block_like as block_like
 from .numpy import cast as cast
+from .numpy import from_numpy as from_numpy
 from .numpy import jit_checked as jit_checked
 from .numpy import layout as layout
 from .numpy import leaves_test as leaves_test
@@ -76,10 +77,6 @@ def to_numpy(leaf: Any) -> np.ndarray:
     return np.asarray(leaf.eval())
 
 
-def from_numpy(array: np.ndarray, like: Any, dtype: Any) -> Any:
-    return np.asarray(array, dtype=getattr(like, "dtype", None) if dtype is None else dtype)
-
-
 def mirror(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
     raise _symbolic(like)
 
@@ -99,13 +96,7 @@ def exchange(leaf: Any) -> None:
     raise _symbolic(leaf)
 
 
-def conj(leaf: Any) -> Any:
-    return sys.modules["pytensor.tensor"].conj(leaf)
-
-
-def parts(leaf: Any) -> tuple[Any, Any]:
-    tensor = sys.modules["pytensor.tensor"]
-    return tensor.real(leaf), tensor.imag(leaf)
+conj, parts = numpy_like_complex("pytensor.tensor")
 
 
 def values(leaf: Any) -> np.ndarray:

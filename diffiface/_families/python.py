@@ -92,7 +92,6 @@ def from_parts(re: Any, im: Any) -> Any:
 
 
 values = to_numpy
-"""Its values as numpy (:func:`to_numpy`)."""
 
 
 def describe(signature: tuple[Any, ...]) -> str:

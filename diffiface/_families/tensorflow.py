@@ -119,7 +119,6 @@ def jit_checked(leaf: Any) -> bool:
 
 
 _SELF = sys.modules[__name__]
-"""This module, as the family a value is compared with."""
 
 
 CODE_MODULES: Final[frozenset[str]] = frozenset()

@@ -44,7 +44,14 @@ def numpy_like() -> Any:
 
 def to_numpy(leaf: Any) -> np.ndarray:
     if type(leaf) is not sys.modules["torch"].Tensor and hasattr(leaf, "device_mesh"):
-        raise _gather_refused(leaf)
+        from .._errors import UnsupportedOperationError
+
+        raise UnsupportedOperationError(
+            f"A DTensor (shape {tuple(leaf.shape)}, placements {tuple(leaf.placements)}) reached a step that "
+            "works on one whole numpy array, which would gather it in one process; diffiface never does. Use "
+            "AutoTorch() on DTensors, AutoFiniteDifferences() only for a jvp along a DTensor tangent, and "
+            "diffiface.test.check_gradients for checks (random directions, collective)."
+        )
     # (a conjugate view, torch.conj(z), has no memory of its own for numpy to read)
     tensor = leaf.detach().cpu().resolve_conj().resolve_neg()
     if tensor.dtype is sys.modules["torch"].bfloat16:  # (numpy has no bfloat16 of its own)
@@ -54,17 +61,6 @@ def to_numpy(leaf: Any) -> np.ndarray:
         except TypeError:
             return values
     return tensor.numpy()  # type: ignore[no-any-return]
-
-
-def _gather_refused(leaf: Any) -> Exception:
-    from .._errors import UnsupportedOperationError
-
-    return UnsupportedOperationError(
-        f"A DTensor (shape {tuple(leaf.shape)}, placements {tuple(leaf.placements)}) reached a step that "
-        "works on one whole numpy array, which would gather it in one process; diffiface never does. Use "
-        "AutoTorch() on DTensors, AutoFiniteDifferences() only for a jvp along a DTensor tangent, and "
-        "diffiface.test.check_gradients for checks (random directions, collective)."
-    )
 
 
 def from_numpy(array: np.ndarray, like: Any, dtype: Any) -> Any:
@@ -84,10 +80,8 @@ def mirror(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], n
 
 
 def as_own(value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any:
-    if value_family is _SELF:
-        return value  # (out of the graph unless the call kept it: the adapter's guard detaches)
-    if value_family is None:
-        return value
+    if value_family is _SELF or value_family is None:
+        return value  # (a tensor: out of the graph unless the call kept it: the adapter's guard detaches)
     array = np.asarray(as_numpy(value))
     return from_numpy(array, like, getattr(sys.modules["torch"], array.dtype.name))
 
@@ -154,7 +148,6 @@ def private_copy(leaf: Any) -> Any:
 
 
 _SELF = sys.modules[__name__]
-"""This module, as the family a value is compared with."""
 
 
 def x_refusal(leaf: Any) -> str | None:
