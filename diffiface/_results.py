@@ -113,20 +113,15 @@ class Finisher:
 class MirrorOne:
     """The finisher of a gradient, vjp or hvp of one array: most often nothing to convert."""
 
-    __slots__ = ("cls", "dtype", "layout", "like", "tensor")
+    __slots__ = ("cls", "dtype", "layout", "like")
 
     def __init__(self, like: Any) -> None:
         self.like = like
-        self.cls, self.dtype, self.tensor = type(like), like.dtype, _carries_graph(like)
+        self.cls, self.dtype = type(like), like.dtype
         self.layout = _layout(like)  # jax: the result stays laid out as x
 
     def mirror(self, value: Any) -> Any:
-        if (
-            type(value) is self.cls
-            and value.dtype == self.dtype
-            and not (self.tensor and value.requires_grad)
-            and (self.layout is None or self.layout.holds(value))
-        ):
+        if type(value) is self.cls and value.dtype == self.dtype and (self.layout is None or self.layout.holds(value)):
             return value
         return _mirror(value, self.like)
 
@@ -215,12 +210,6 @@ def _aux_leaf(leaf: Any, as_y: Callable[[Any], Any]) -> Any:
         return as_y(leaf)
     except TypeError:
         return leaf
-
-
-def _carries_graph(leaf: Any) -> bool:
-    """Whether ``leaf``'s family has arrays that carry an autograd graph (torch's)."""
-    family = _arrays.family_of(leaf)
-    return family is not None and family.GRAPH
 
 
 def _is_aux_array(leaf: Any) -> bool:

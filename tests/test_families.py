@@ -15,7 +15,6 @@ API = {
     "NAME",
     "ARRAY",
     "PASSED_THROUGH",
-    "GRAPH",
     "ARRAY_METHODS",
     "owns",
     "signature",

@@ -12,7 +12,6 @@ has:
 - ``to_numpy(leaf)`` and ``from_numpy(array, like, dtype)``, its leaves to and from numpy;
 - ``PASSED_THROUGH``, whether its values belong to an enclosing engine's trace and pass through
   results untouched (autograd's boxes);
-- ``GRAPH``, whether its arrays carry an autograd graph (``requires_grad``) that results drop;
 - ``ARRAY_METHODS``, whether its arrays have numpy's array methods (``reshape``, ``.T``, ``@``),
   by which a cross-framework call flattens a Jacobian (TensorFlow's tensors have none);
 - ``CODE_MODULES``, the top-level modules whose callable objects are code, compared by
@@ -99,9 +98,6 @@ class Family(Protocol):
 
     @property
     def PASSED_THROUGH(self) -> bool: ...
-
-    @property
-    def GRAPH(self) -> bool: ...
 
     @property
     def ARRAY_METHODS(self) -> bool: ...

@@ -35,7 +35,6 @@ ARRAY: Final = False
 PASSED_THROUGH: Final = True
 """Its values belong to an enclosing autograd call's trace, which differentiates through them:
 results pass them on untouched."""
-GRAPH: Final = False
 ARRAY_METHODS: Final = True
 CODE_MODULES: Final[frozenset[str]] = frozenset()
 

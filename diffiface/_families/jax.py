@@ -24,7 +24,6 @@ from ._shared import x_refusal as x_refusal
 NAME: Final = "jax"
 ARRAY: Final = True
 PASSED_THROUGH: Final = False
-GRAPH: Final = False
 ARRAY_METHODS: Final = True
 CODE_MODULES: Final[frozenset[str]] = frozenset({"jax", "jaxlib"})
 """Its wrapped functions (``jax.nn.relu`` is a jitted function, others custom_jvp objects)

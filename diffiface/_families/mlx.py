@@ -27,7 +27,6 @@ from ._shared import x_refusal as x_refusal
 NAME: Final = "mlx"
 ARRAY: Final = True
 PASSED_THROUGH: Final = False
-GRAPH: Final = False
 ARRAY_METHODS: Final = True
 FLOAT64_PRECISION: Final = "float32"
 """mlx's float64 transcendental functions (sin, cos, exp) are accurate to float32's precision:

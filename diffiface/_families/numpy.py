@@ -29,7 +29,6 @@ from ._shared import x_refusal as x_refusal
 NAME: Final = "numpy"
 ARRAY: Final = True
 PASSED_THROUGH: Final = False
-GRAPH: Final = False
 ARRAY_METHODS: Final = True
 CODE_MODULES: Final[frozenset[str]] = frozenset()
 

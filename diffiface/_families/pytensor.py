@@ -38,7 +38,6 @@ NAME: Final = "pytensor"
 ARRAY: Final = False
 """Not arrays: symbolic variables, which hold no values."""
 PASSED_THROUGH: Final = False
-GRAPH: Final = False
 ARRAY_METHODS: Final = True
 
 

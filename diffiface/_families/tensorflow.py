@@ -32,7 +32,6 @@ from ._shared import x_refusal as x_refusal
 NAME: Final = "tensorflow"
 ARRAY: Final = True
 PASSED_THROUGH: Final = False
-GRAPH: Final = False
 ARRAY_METHODS: Final = False
 
 

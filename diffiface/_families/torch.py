@@ -23,9 +23,7 @@ from ._shared import traced as traced
 NAME: Final = "torch"
 ARRAY: Final = True
 PASSED_THROUGH: Final = False
-GRAPH: Final = True
 ARRAY_METHODS: Final = True
-"""Its arrays can carry an autograd graph (``requires_grad``), which results drop."""
 CODE_MODULES: Final[frozenset[str]] = frozenset()
 
 
