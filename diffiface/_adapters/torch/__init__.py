@@ -472,12 +472,7 @@ class Adapter(_base.Adapter):
             for g, x in zip(grads, xs, strict=True):
                 rows = [_grad(_if_graph(entry), inputs, create_graph=keep) for entry in g.reshape(-1)]
                 blocks.append(
-                    tuple(
-                        torch.stack([row[j] for row in rows]).reshape((*x.shape, *xj.shape))
-                        if rows
-                        else torch.zeros((*x.shape, *xj.shape), dtype=xj.dtype)
-                        for j, xj in enumerate(xs)
-                    )
+                    tuple(_stacked([row[j] for row in rows], (*x.shape, *xj.shape), xj) for j, xj in enumerate(xs))
                 )
         return _detached(value, keep), _detached(aux, keep), _detached(grads, keep), tuple(blocks)
 
@@ -494,8 +489,8 @@ class Adapter(_base.Adapter):
             for y in out if isinstance(out, tuple) else (out,):
                 firsts = [_grad(_if_graph(entry), inputs, create_graph=True)[0] for entry in y.reshape(-1)]
                 lasts = [_grad(_if_graph(d), inputs, create_graph=keep)[0] for d in firsts]
-                derivs.append(_detached(_stacked(firsts, y), keep))
-                seconds.append(_stacked(lasts, y))
+                derivs.append(_detached(_stacked(firsts, y.shape, y), keep))
+                seconds.append(_stacked(lasts, y.shape, y))
         return _detached(out, keep), _detached(aux, keep), tuple(derivs), tuple(seconds)
 
 
