@@ -316,7 +316,7 @@ class Adapter(_base.Adapter):
     def value_and_pushforwards(self, fn: Fn, xs: Leaves, batch: Any) -> tuple[Any, Any, list[Any]]:
         if not self.functional and len(batch) > 1:
             return _one_draw(super().value_and_pushforwards, fn, xs, batch)
-        if not self.functional or len(batch) < 2 or _any_dtensor(xs):
+        if len(batch) < 2 or _any_dtensor(xs):
             return super().value_and_pushforwards(fn, xs, batch)
         # torch.func.vmap runs the whole batch as one program, f evaluated once: the value does
         # not depend on the tangent, so it comes out unbatched (out_dims None), and the aux,
