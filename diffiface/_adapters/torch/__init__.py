@@ -334,10 +334,8 @@ class Adapter(_base.Adapter):
         return out, found[-1], [optree.tree_map(lambda t, k=k: t[k], touts) for k in range(len(batch))]
 
     def pullbacks(self, vjp: Callable[[Any], Leaves], xs: Leaves, batch: Any) -> list[Leaves]:
-        if not self.functional or len(batch) < 2 or _any_dtensor(xs):
-            return super().pullbacks(vjp, xs, batch)
-        if isinstance(vjp, _FuncPullback) and not vjp.batchable:  # one by one
-            return super().pullbacks(vjp, xs, batch)
+        if not self.functional or len(batch) < 2 or _any_dtensor(xs) or not getattr(vjp, "batchable", True):
+            return super().pullbacks(vjp, xs, batch)  # (one by one: see _FuncPullback.batchable)
         stacked = optree.tree_map(lambda *ts: torch.stack(ts), batch[0], *batch[1:])
         try:
             grads = func.vmap(vjp)(stacked)  # one program for the whole batch
