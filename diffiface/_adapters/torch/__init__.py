@@ -316,7 +316,7 @@ class Adapter(_base.Adapter):
     def value_and_pushforwards(self, fn: Fn, xs: Leaves, batch: Any) -> tuple[Any, Any, list[Any]]:
         if not self.functional and len(batch) > 1:
             return _one_draw(super().value_and_pushforwards, fn, xs, batch)
-        if not self.functional or len(batch) < 2 or _any_dtensor(xs):
+        if len(batch) < 2 or _any_dtensor(xs):
             return super().value_and_pushforwards(fn, xs, batch)
         # torch.func.vmap runs the whole batch as one program, f evaluated once: the value does
         # not depend on the tangent, so it comes out unbatched (out_dims None), and the aux,
@@ -334,10 +334,8 @@ class Adapter(_base.Adapter):
         return out, found[-1], [optree.tree_map(lambda t, k=k: t[k], touts) for k in range(len(batch))]
 
     def pullbacks(self, vjp: Callable[[Any], Leaves], xs: Leaves, batch: Any) -> list[Leaves]:
-        if not self.functional or len(batch) < 2 or _any_dtensor(xs):
-            return super().pullbacks(vjp, xs, batch)
-        if isinstance(vjp, _FuncPullback) and not vjp.batchable:  # one by one
-            return super().pullbacks(vjp, xs, batch)
+        if not self.functional or len(batch) < 2 or _any_dtensor(xs) or not getattr(vjp, "batchable", True):
+            return super().pullbacks(vjp, xs, batch)  # (one by one: see _FuncPullback.batchable)
         stacked = optree.tree_map(lambda *ts: torch.stack(ts), batch[0], *batch[1:])
         try:
             grads = func.vmap(vjp)(stacked)  # one program for the whole batch
@@ -472,12 +470,7 @@ class Adapter(_base.Adapter):
             for g, x in zip(grads, xs, strict=True):
                 rows = [_grad(_if_graph(entry), inputs, create_graph=keep) for entry in g.reshape(-1)]
                 blocks.append(
-                    tuple(
-                        torch.stack([row[j] for row in rows]).reshape((*x.shape, *xj.shape))
-                        if rows
-                        else torch.zeros((*x.shape, *xj.shape), dtype=xj.dtype)
-                        for j, xj in enumerate(xs)
-                    )
+                    tuple(_stacked([row[j] for row in rows], (*x.shape, *xj.shape), xj) for j, xj in enumerate(xs))
                 )
         return _detached(value, keep), _detached(aux, keep), _detached(grads, keep), tuple(blocks)
 
@@ -494,8 +487,8 @@ class Adapter(_base.Adapter):
             for y in out if isinstance(out, tuple) else (out,):
                 firsts = [_grad(_if_graph(entry), inputs, create_graph=True)[0] for entry in y.reshape(-1)]
                 lasts = [_grad(_if_graph(d), inputs, create_graph=keep)[0] for d in firsts]
-                derivs.append(_detached(_stacked(firsts, y), keep))
-                seconds.append(_stacked(lasts, y))
+                derivs.append(_detached(_stacked(firsts, y.shape, y), keep))
+                seconds.append(_stacked(lasts, y.shape, y))
         return _detached(out, keep), _detached(aux, keep), tuple(derivs), tuple(seconds)
 
 

@@ -76,11 +76,6 @@ class _Programs:
         """Whether every call reads f's graph and runs uncompiled (:class:`_Retraced`, which
         compiles the whole program around the operator's own)."""
 
-    def get(self, name: str, template: Callable[..., Any]) -> _Program:
-        found = self.found.get(name)
-        # (two threads' first calls may each make one: both keep the one stored first)
-        return found if found is not None else self.found.setdefault(name, _Program(template))
-
 
 class _Uncompiled(Exception):
     """Raised by :func:`_entry` where torch runs it uncompiled: no compiled graph fits the call."""
@@ -528,7 +523,8 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
                 programs.warm.add(name)
             if programs.reading or programs.custom or (batched and name in programs.unbatchable):
                 return None
-            program = programs.get(name, template)
+            # (two threads' first calls may each make one: both keep the one stored first)
+            program = programs.found.get(name) or programs.found.setdefault(name, _Program(template))
             # (f's graph read again, eagerly, before a compile after a program's first)
             program.recheck = lambda: _read(programs, name, fn, xs, batched)
             return program

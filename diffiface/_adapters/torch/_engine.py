@@ -292,8 +292,8 @@ def _materialised(grads: Leaves) -> Leaves:
     return grads
 
 
-def _stacked(entries: list[Any], like: Any) -> Any:
-    return torch.stack(entries).reshape(like.shape) if entries else torch.zeros_like(like)
+def _stacked(entries: list[Any], shape: tuple[int, ...], like: Any) -> Any:
+    return torch.stack(entries).reshape(shape) if entries else torch.zeros(shape, dtype=like.dtype, device=like.device)
 
 
 def _detached(tree: Any, keep: bool) -> Any:
