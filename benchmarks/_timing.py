@@ -14,13 +14,16 @@ def interleaved(
     contenders: dict[str, Callable[[], Any]], rounds: int, repeat: int, warmups: int = 1
 ) -> dict[str, float]:
     """Median seconds per call of each contender: ``rounds`` rounds, each calling every one
-    ``repeat`` times in turn, after ``warmups`` untimed calls of each (preps, compilation)."""
+    ``repeat`` times in turn, after ``warmups`` untimed calls of each (preps, compilation). The
+    order turns by one each round, so that no contender always follows the same one (a call
+    runs faster or slower after another by a percent or two: caches, the allocator)."""
     times: dict[str, list[float]] = {name: [] for name in contenders}
     for call in contenders.values():
         for _ in range(warmups):
             call()
-    for _ in range(rounds):
-        for name, call in contenders.items():
+    order = list(contenders.items())
+    for i in range(rounds):
+        for name, call in order[i % len(order) :] + order[: i % len(order)]:
             start = time.perf_counter()
             for _ in range(repeat):
                 call()

@@ -407,3 +407,15 @@ def test_torch_user_check_sees_a_wrong_gradient():
     assert not users.same_gradient({"w": torch.ones(3, 2)}, theirs)
     assert not users.same_gradient({"w": torch.ones(3, 2, dtype=torch.float64), "b": torch.zeros(2)}, theirs)
     assert not users.same_gradient((torch.ones(3, 2), torch.zeros(2)), theirs)
+
+
+def test_time_pair_alternates_which_call_runs_first():
+    # expected: the native call first in even rounds, diffiface's first in odd ones (the second
+    # of a pair runs a percent or two faster or slower than the first); before, always native first
+    from diffiface.test._benchmark import time_pair
+
+    log: list[str] = []
+    time_pair(lambda: log.append("ours"), lambda: log.append("native"), rounds=4, number=1)
+    rounds = log[2:]  # (after one untimed call of each)
+    assert [rounds[i] for i in range(0, 8, 2)] == ["native", "ours", "native", "ours"]
+    assert sorted(rounds) == ["native"] * 4 + ["ours"] * 4

@@ -84,14 +84,17 @@ def time_pair(
     """(median, min, native median) seconds per call, and the median over rounds of the
     ratio of ``call``'s time to ``native``'s in the same round. Rounds of the two calls are
     interleaved so that load from elsewhere on the machine weighs on both alike; the ratio
-    within a round follows slow changes of that load, which a ratio of medians would not."""
+    within a round follows slow changes of that load, which a ratio of medians would not.
+    Which of the two runs first alternates from round to round: the second of a pair runs
+    measurably faster or slower than the first (caches, the allocator), by a percent or two."""
     _block(call())
     _block(native())
     number = number or _autorange(call)
     ours: list[float] = []
     theirs: list[float] = []
-    for _ in range(rounds):
-        for fn, times in ((native, theirs), (call, ours)):
+    pairs = ((native, theirs), (call, ours))
+    for i in range(rounds):
+        for fn, times in pairs if i % 2 == 0 else pairs[::-1]:
             start = time.perf_counter()
             for _ in range(number):
                 _block(fn())
