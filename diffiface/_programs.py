@@ -24,7 +24,7 @@ from ._adapters._base import Adapter, Deferred, ProgramParts, force, without_lea
 from ._call import _LEAF, Call, Operator, _Output
 from ._checks import _check_cotangent, _check_cotangents, _checked, _describe, _refuse_cut, batch_sizes
 from ._contexts import Cache, Constant
-from ._errors import ContextError, DiffifaceError, FrameworkMismatchError, InvalidOutputError
+from ._errors import ContextError, DiffifaceError, InvalidOutputError
 from ._flatten import structure_flatten, structure_unflatten
 from ._keys import static_key
 from ._plan import Unfit, optree_flatten
@@ -269,9 +269,7 @@ def _closer(
             try:
                 result = f(x, *context_values)
             except Exception as exc:
-                hint = adapter.explain_failure(exc)
-                if hint is not None:
-                    raise FrameworkMismatchError(f"f failed under the {adapter.backend.name} backend: {hint}") from exc
+                adapter.refuse_failure(exc)
                 raise
             aux = None
             if has_aux:

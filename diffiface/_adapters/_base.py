@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _arrays
-from .._errors import InvalidOutputError
+from .._errors import FrameworkMismatchError, InvalidOutputError
 
 if TYPE_CHECKING:
     from .._backends import Backend, SecondOrder
@@ -297,6 +297,13 @@ class Adapter:
     def explain_failure(self, exc: BaseException) -> str | None:
         """If ``exc`` shows ``f`` was written for another framework, say why; else None."""
         return None
+
+    def refuse_failure(self, exc: Exception) -> None:
+        """Where f raised ``exc`` and :meth:`explain_failure` says why, the FrameworkMismatchError
+        that says so, raised from it; else nothing (the caller raises ``exc`` itself)."""
+        hint = self.explain_failure(exc)
+        if hint is not None:
+            raise FrameworkMismatchError(f"f failed under the {self.backend.name} backend: {hint}") from exc
 
     def take_error(self) -> Any:
         """The error estimate of the last call in this thread, for engines that give one."""

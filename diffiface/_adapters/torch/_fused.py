@@ -13,7 +13,7 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch import func
 
-from ..._errors import FrameworkMismatchError, MutationError
+from ..._errors import MutationError
 from .._base import Fn, Leaves
 from ._dtensor import _cotangents, _placed
 from ._duals import (
@@ -165,11 +165,8 @@ class _Gradient:
         fused = self.fused
         try:
             value = f(inputs[0] if fused.single else fused.rebuild(inputs), *context_values)
-        except Exception as exc:  # (explained as the program's own ``close`` explains it)
-            adapter = fused.adapter
-            hint = adapter.explain_failure(exc)
-            if hint is not None:
-                raise FrameworkMismatchError(f"f failed under the {adapter.backend.name} backend: {hint}") from exc
+        except Exception as exc:
+            fused.adapter.refuse_failure(exc)
             raise
         if not (
             type(value) is torch.Tensor
