@@ -205,14 +205,10 @@ class Closure:
         self.holds: Callable[[Callable[..., Any]], bool] = self._holds
         """``holds(f)``: whether ``f`` reads the same objects, and the arrays among them hold the
         same values."""
-        if (
-            type(f) is types.FunctionType
-            and sum(n for _, _, n in chain) == len(values)
-            and not any("__wrapped__" in fn.__dict__ for fn, _, _ in chain)
-        ):
-            # (a function, and the helpers it follows are functions: a test settled for each, see
-            # _settled_holds; each helper is the object f's own test found, so its reads are read
-            # from it)
+        if type(f) is types.FunctionType and not any("__wrapped__" in fn.__dict__ for fn, _, _ in chain):
+            # (a function, and the helpers it follows are functions, whose reads are all there
+            # is: a test settled for each, see _settled_holds; each helper is the object f's own
+            # test found, so its reads are read from it)
             parts = [
                 _settled_holds(
                     fn,
@@ -283,10 +279,8 @@ def _settled_holds(
     keywords = tuple(function.__kwdefaults__ or {})
     globals_at = 1 + cells
     defaults_at = globals_at + len(names)
-    if len(values) != defaults_at + defaults + 1 + 2 * len(keywords) or any(
-        v is _EMPTY_CELL for v in values[1:globals_at]
-    ):
-        return general  # (an empty cell: the general test tells; the same reads as _function_reads)
+    if any(v is _EMPTY_CELL for v in values[1:globals_at]):
+        return general  # (an empty cell: the general test tells)
     cell_values = values[1:globals_at]
     global_pairs = tuple(
         (name, value) for name, value in zip(names, values[globals_at:defaults_at], strict=True) if name in namespace
