@@ -175,7 +175,7 @@ def _plan(
         for leaves in call.context_leaves
     ]
     context_checks: list[Any] = [
-        _checks_of(leaves, tests, engine) for leaves, tests in zip(call.context_leaves, context_tests, strict=True)
+        leaves_check(leaves, tests, engine) for leaves, tests in zip(call.context_leaves, context_tests, strict=True)
     ]
     return Plan(
         operator=op.name,
@@ -183,10 +183,10 @@ def _plan(
         names=names_of(backend),
         function=function,
         has_aux=sig.has_aux,
-        x_checks=_checks_of(call.x_leaves, x_tests, engine),
+        x_checks=leaves_check(call.x_leaves, x_tests, engine),
         x_class=type(call.x_leaves[0]) if sig.x_spec == _LEAF else None,
         tangent=op.tangent is not None,
-        tangent_checks=_checks_of(call.tangent_leaves, tangent_tests, engine),
+        tangent_checks=leaves_check(call.tangent_leaves, tangent_tests, engine),
         context_kinds=tuple(spec[0] for spec in sig.contexts),
         context_classes=tuple(
             type(leaves[0]) if spec == _LEAF and leaves else None
@@ -223,14 +223,6 @@ def _single(
     if any(test is None for test in (*x_tests, *tangent_tests, *contexts)):
         return None
     return x_tests[0], tangent_tests[0] if tangent_tests else None, contexts
-
-
-def _checks_of(leaves: list[Any], checks: list[Any], engine: bool) -> Callable[[list[Any]], bool] | None:
-    """The test of leaves like these, each known by its test in ``checks``; None where a leaf
-    has none (a pytree only jax knows)."""
-    if any(check is None for check in checks):
-        return None
-    return leaves_check(leaves, tuple(checks), engine)
 
 
 def _program_of(

@@ -111,10 +111,13 @@ class _Types:
         return list(map(type, leaves)) == self.types  # (no Python frame per leaf)
 
 
-def leaves_check(leaves: list[Any], checks: tuple[Check, ...], engine: bool = False) -> Callable[[list[Any]], bool]:
+def leaves_check(leaves: list[Any], checks: list[Check | None], engine: bool) -> Callable[[list[Any]], bool] | None:
     """The test of a list of leaves like ``leaves``, each known by ``checks``: their family's,
     which reads them inline, where every leaf is of one family that has one; with ``engine``, by their
-    types alone where the program checks every leaf itself."""
+    types alone where the program checks every leaf itself. None where a leaf has no check (a
+    pytree only jax knows)."""
+    if any(check is None for check in checks):
+        return None
     if engine and leaves and all(map(engine_checked, leaves)):
         return _Types(leaves)
     if leaves:
@@ -123,7 +126,7 @@ def leaves_check(leaves: list[Any], checks: tuple[Check, ...], engine: bool = Fa
             test = family.leaves_test(leaves)
             if test is not None:
                 return test
-    return _Leaves(checks)
+    return _Leaves(tuple(checks))  # type: ignore[arg-type]  # (none is None)
 
 
 def _namespace(spec: Any) -> str:
