@@ -524,10 +524,9 @@ def describe_mismatch(prep: Prep, f: Callable[..., Any], signature: Signature) -
         )
         if found:
             return found
-    if old.x_order != signature.x_order:
-        for a, b in zip(old.x_order, signature.x_order, strict=False):
-            if a != b:
-                return f"x's dict keys: prepared in the order {list(a)}, called in the order {list(b)}"
+    for a, b in zip(old.x_order, signature.x_order, strict=False):
+        if a != b:
+            return f"x's dict keys: prepared in the order {list(a)}, called in the order {list(b)}"
     if len(old.contexts) != len(signature.contexts):
         return f"contexts: prepared with {len(old.contexts)}, called with {len(signature.contexts)}"
     for i, (a, b) in enumerate(zip(old.contexts, signature.contexts, strict=True)):
@@ -552,10 +551,9 @@ def _tree_difference(
         return f"{label} structure: prepared for {spec_a}, called with {spec_b}"
     if leaves_a == leaves_b:
         return None
-    paths = spec_a.paths() if spec_a is not None else []
     for i, (a, b) in enumerate(zip(leaves_a, leaves_b, strict=True)):
         if a != b:
-            where = path_string(paths[i]) if i < len(paths) else f"leaf {i}"
+            where = path_string(spec_a.paths()[i])  # (leaves_a's structure: None has no leaves)
             trace = _trace_of(b)
             if trace is not None and _trace_of(a) is None:
                 return (
