@@ -62,44 +62,36 @@ def evaluate(
         known = prep
     else:
         raise InvalidInputError(f"prep must come from di.prepare_{name}(...), got {type(prep).__name__}.")
-    fast = None if known is None else known.plan.jit
-    # (the retracing engines' tier: the compiled call on the arguments as passed, its trace
-    # checking them, JitProgram)
-    if fast is not None and (prep is not None or known.closure is None or known.closure.holds(f)):  # type: ignore[union-attr]
-        out = fast.run(name, f, backend, x, tangent, contexts, has_aux)
-        if out is not MISSED:
-            return out
-    if prep is None:
-        if known is not None:
-            found = known.plan.leaves(name, f, backend, x, tangent, contexts, has_aux)
-            if found is not None and known.still_for(f):
-                try:
+    if known is not None and (prep is not None or known.still_for(f)):
+        plan = known.plan
+        if plan.jit is not None:
+            # (the retracing engines' tier: the compiled call on the arguments as passed, its
+            # trace checking them, JitProgram)
+            out = plan.jit.run(name, f, backend, x, tangent, contexts, has_aux)
+            if out is not MISSED:
+                return out
+        found = plan.leaves(name, f, backend, x, tangent, contexts, has_aux)
+        if found is not None:
+            try:
+                if plan.estimates:  # (the prep keeps the estimate)
                     return known.run(*found)
-                except Unfit:  # (shapes or dtypes its program checks itself: the signature decides)
-                    pass
-        op, backend, call = _arguments(name, f, backend, x, tangent, contexts, has_aux)
-        types = call.leaf_types
-        prep = prep_cache.get(f, call.signature, types)
-        if prep is None or not prep.still_for(f):
-            prep = _prepare(op, f, backend, call, strict=True)
-            prep_cache.put(f, call.signature, prep, types)
-        return prep.run(call.x_leaves, call.tangent_leaves, call.context_leaves)
-    plan = prep.plan
-    found = plan.leaves(name, f, backend, x, tangent, contexts, has_aux)
-    if found is not None:
-        try:
-            if plan.estimates:  # (the prep keeps the estimate)
-                return prep.run(*found)
-            return plan.program(*found)[0]
-        except Unfit:  # (shapes or dtypes its program checks itself: the signature decides)
-            pass
+                return plan.program(*found)[0]
+            except Unfit:  # (shapes or dtypes its program checks itself: the signature decides)
+                pass
     op, backend, call = _arguments(name, f, backend, x, tangent, contexts, has_aux)
-    reason = describe_mismatch(prep, f, call.signature)
-    if reason is None:  # (the same signature, told apart by a leaf test that is stricter: a weak type)
-        return prep.run(call.x_leaves, call.tangent_leaves, call.context_leaves)
-    if prep.strict:
-        raise mismatch_error(prep, reason)
-    return evaluate(name, f, backend, x, tangent, contexts, None, has_aux)
+    if prep is not None:
+        reason = describe_mismatch(prep, f, call.signature)
+        if reason is None:  # (the same signature, told apart by a leaf test that is stricter: a weak type)
+            return prep.run(call.x_leaves, call.tangent_leaves, call.context_leaves)
+        if prep.strict:
+            raise mismatch_error(prep, reason)
+    # (unprepared, or a prep with strict=False that does not fit: the cache's prep for the signature)
+    types = call.leaf_types
+    cached = prep_cache.get(f, call.signature, types)
+    if cached is None or not cached.still_for(f):
+        cached = _prepare(op, f, backend, call, strict=True)
+        prep_cache.put(f, call.signature, cached, types)
+    return cached.run(call.x_leaves, call.tangent_leaves, call.context_leaves)
 
 
 def prepare(
@@ -183,7 +175,7 @@ def _plan(
         for leaves in call.context_leaves
     ]
     context_checks: list[Any] = [
-        _checks_of(leaves, tests, engine) for leaves, tests in zip(call.context_leaves, context_tests, strict=True)
+        leaves_check(leaves, tests, engine) for leaves, tests in zip(call.context_leaves, context_tests, strict=True)
     ]
     return Plan(
         operator=op.name,
@@ -191,10 +183,10 @@ def _plan(
         names=names_of(backend),
         function=function,
         has_aux=sig.has_aux,
-        x_checks=_checks_of(call.x_leaves, x_tests, engine),
+        x_checks=leaves_check(call.x_leaves, x_tests, engine),
         x_class=type(call.x_leaves[0]) if sig.x_spec == _LEAF else None,
         tangent=op.tangent is not None,
-        tangent_checks=_checks_of(call.tangent_leaves, tangent_tests, engine),
+        tangent_checks=leaves_check(call.tangent_leaves, tangent_tests, engine),
         context_kinds=tuple(spec[0] for spec in sig.contexts),
         context_classes=tuple(
             type(leaves[0]) if spec == _LEAF and leaves else None
@@ -231,14 +223,6 @@ def _single(
     if any(test is None for test in (*x_tests, *tangent_tests, *contexts)):
         return None
     return x_tests[0], tangent_tests[0] if tangent_tests else None, contexts
-
-
-def _checks_of(leaves: list[Any], checks: list[Any], engine: bool) -> Callable[[list[Any]], bool] | None:
-    """The test of leaves like these, each known by its test in ``checks``; None where a leaf
-    has none (a pytree only jax knows)."""
-    if any(check is None for check in checks):
-        return None
-    return leaves_check(leaves, tuple(checks), engine)
 
 
 def _program_of(

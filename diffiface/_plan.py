@@ -111,10 +111,13 @@ class _Types:
         return list(map(type, leaves)) == self.types  # (no Python frame per leaf)
 
 
-def leaves_check(leaves: list[Any], checks: tuple[Check, ...], engine: bool = False) -> Callable[[list[Any]], bool]:
+def leaves_check(leaves: list[Any], checks: list[Check | None], engine: bool) -> Callable[[list[Any]], bool] | None:
     """The test of a list of leaves like ``leaves``, each known by ``checks``: their family's,
     which reads them inline, where every leaf is of one family that has one; with ``engine``, by their
-    types alone where the program checks every leaf itself."""
+    types alone where the program checks every leaf itself. None where a leaf has no check (a
+    pytree only jax knows)."""
+    if any(check is None for check in checks):
+        return None
     if engine and leaves and all(map(engine_checked, leaves)):
         return _Types(leaves)
     if leaves:
@@ -123,7 +126,7 @@ def leaves_check(leaves: list[Any], checks: tuple[Check, ...], engine: bool = Fa
             test = family.leaves_test(leaves)
             if test is not None:
                 return test
-    return _Leaves(checks)
+    return _Leaves(tuple(checks))  # type: ignore[arg-type]  # (none is None)
 
 
 def _namespace(spec: Any) -> str:
@@ -157,11 +160,10 @@ def flattener(spec: Any, leaves: list[Any], ordered: bool = False) -> tuple[Flat
     written = structure_flatten(spec, key, optree.tree_unflatten(spec, leaves), flatten)
     if written is not None:
         return written, key
-    tree = optree.tree_unflatten(spec, leaves)
-    orders = _dict_orders(tree) if ordered else ()
-    if ordered and _hides_dicts(spec, tree):
-        # dicts inside nodes the walk does not open (a registered dataclass holding a dict):
-        # their orders are read from optree's structure of each call
+    orders = _dict_orders(optree.tree_unflatten(spec, leaves)) if ordered else ()
+    if ordered and len(key_orders(spec)) > len(orders):
+        # more dicts than the walk reaches, inside nodes it does not open (a registered
+        # dataclass holding a dict): their orders are read from optree's structure of each call
         return _Ordered(optree_flatten(_namespace(spec)), from_spec=True), (spec, key_orders(spec))
     if not orders:
         return flatten, key
@@ -185,35 +187,20 @@ class _Ordered:
         return leaves, (key, key_orders(key) if self.from_spec else _dict_orders(tree))
 
 
-def _hides_dicts(spec: Any, tree: Any) -> bool:
-    """Whether ``tree`` (of structure ``spec``) holds dicts of two or more keys where
-    :func:`_dict_orders` does not look (inside a registered node): more than its walk reaches."""
-    reached = 0
-    pending = [tree]
-    containers = (dict, list, tuple)
-    while pending:
-        node = pending.pop()
-        if isinstance(node, dict):
-            reached += type(node) is dict and len(node) > 1
-            node = node.values()
-        elif not isinstance(node, (list, tuple)):
-            continue
-        pending += [child for child in node if isinstance(child, containers)]
-    return len(key_orders(spec)) > reached
-
-
 def _dict_orders(tree: Any) -> tuple[tuple[Any, ...], ...]:
     """The keys of each dict of two or more keys in a tree of dicts, lists and tuples (and
-    namedtuples), in their order; a node of another type is not looked into. A walk over the
-    containers alone, without recursion: it runs on every call of a tree that has no function
-    written for it (a large or deep one)."""
+    namedtuples), in their order, as :func:`~diffiface._flatten.key_orders` reads them from a
+    structure (a dict's subclass is looked into, its order not read, as there: an OrderedDict's
+    structure holds its order); a node of another type is not looked into. A walk over the containers
+    alone, without recursion: it runs on every call of a tree that has no function written for
+    it (a large or deep one)."""
     orders = []
     pending = [tree]
     containers = (dict, list, tuple)
     while pending:
         node = pending.pop()
         if isinstance(node, dict):
-            if len(node) > 1:
+            if type(node) is dict and len(node) > 1:
                 orders.append(tuple(node))
             node = node.values()
         elif not isinstance(node, (list, tuple)):  # (x itself of another type)

@@ -205,14 +205,10 @@ class Closure:
         self.holds: Callable[[Callable[..., Any]], bool] = self._holds
         """``holds(f)``: whether ``f`` reads the same objects, and the arrays among them hold the
         same values."""
-        if (
-            type(f) is types.FunctionType
-            and sum(n for _, _, n in chain) == len(values)
-            and not any("__wrapped__" in fn.__dict__ for fn, _, _ in chain)
-        ):
-            # (a function, and the helpers it follows are functions: a test settled for each, see
-            # _settled_holds; each helper is the object f's own test found, so its reads are read
-            # from it)
+        if type(f) is types.FunctionType and not any("__wrapped__" in fn.__dict__ for fn, _, _ in chain):
+            # (a function, and the helpers it follows are functions, whose reads are all there
+            # is: a test settled for each, see _settled_holds; each helper is the object f's own
+            # test found, so its reads are read from it)
             parts = [
                 _settled_holds(
                     fn,
@@ -283,10 +279,8 @@ def _settled_holds(
     keywords = tuple(function.__kwdefaults__ or {})
     globals_at = 1 + cells
     defaults_at = globals_at + len(names)
-    if len(values) != defaults_at + defaults + 1 + 2 * len(keywords) or any(
-        v is _EMPTY_CELL for v in values[1:globals_at]
-    ):
-        return general  # (an empty cell: the general test tells; the same reads as _function_reads)
+    if any(v is _EMPTY_CELL for v in values[1:globals_at]):
+        return general  # (an empty cell: the general test tells)
     cell_values = values[1:globals_at]
     global_pairs = tuple(
         (name, value) for name, value in zip(names, values[globals_at:defaults_at], strict=True) if name in namespace
@@ -530,10 +524,9 @@ def describe_mismatch(prep: Prep, f: Callable[..., Any], signature: Signature) -
         )
         if found:
             return found
-    if old.x_order != signature.x_order:
-        for a, b in zip(old.x_order, signature.x_order, strict=False):
-            if a != b:
-                return f"x's dict keys: prepared in the order {list(a)}, called in the order {list(b)}"
+    for a, b in zip(old.x_order, signature.x_order, strict=False):
+        if a != b:
+            return f"x's dict keys: prepared in the order {list(a)}, called in the order {list(b)}"
     if len(old.contexts) != len(signature.contexts):
         return f"contexts: prepared with {len(old.contexts)}, called with {len(signature.contexts)}"
     for i, (a, b) in enumerate(zip(old.contexts, signature.contexts, strict=True)):
@@ -558,10 +551,9 @@ def _tree_difference(
         return f"{label} structure: prepared for {spec_a}, called with {spec_b}"
     if leaves_a == leaves_b:
         return None
-    paths = spec_a.paths() if spec_a is not None else []
     for i, (a, b) in enumerate(zip(leaves_a, leaves_b, strict=True)):
         if a != b:
-            where = path_string(paths[i]) if i < len(paths) else f"leaf {i}"
+            where = path_string(spec_a.paths()[i])  # (leaves_a's structure: None has no leaves)
             trace = _trace_of(b)
             if trace is not None and _trace_of(a) is None:
                 return (
