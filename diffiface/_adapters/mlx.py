@@ -340,16 +340,13 @@ class Adapter(_base.Adapter):
             return super().value_and_gradient(fn, xs)
         captured: list[Any] = []
 
-        def scalar(*primals: Any) -> Any:
-            value, aux = fn(primals)
+        def scalar(primals: list[Any]) -> Any:
+            value, aux = fn(tuple(primals))
             captured[:] = [aux]
             return value
 
-        xs = tuple(_mx(xs))
-        if len(xs) == 1:  # (one argnum: mlx returns the gradient itself, not a tuple of one)
-            value, grad = mx.value_and_grad(scalar)(xs[0])
-            return value, captured[0], (grad,)
-        value, grads = mx.value_and_grad(scalar, argnums=list(range(len(xs))))(*xs)
+        # (x's leaves as one list argument: its gradient is a list of any length)
+        value, grads = mx.value_and_grad(scalar)(_mx(xs))
         return value, captured[0], tuple(grads)
 
     def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Any]:
