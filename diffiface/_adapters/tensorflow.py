@@ -43,10 +43,7 @@ class _Namespace:
     zeros_like = staticmethod(tf.zeros_like)
     ones_like = staticmethod(tf.ones_like)
     sum = staticmethod(tf.reduce_sum)
-
-    @staticmethod
-    def zeros(shape: tuple[int, ...], dtype: Any = None) -> Any:
-        return tf.zeros(shape, dtype=dtype if dtype is not None else tf.float32)
+    zeros = staticmethod(tf.zeros)
 
 
 class _Tracing(threading.local):
