@@ -327,7 +327,9 @@ class _FirstCallWatch:
                 if constant:
                     variables.append(variable)
                 elif _inexact(tf.as_dtype(variable.dtype)):  # (a Keras variable's dtype is a name)
-                    caches.append(_tf_variable(variable))
+                    # the tf.Variable a tape watches: a Keras 3 variable's own (its value)
+                    value = getattr(variable, "value", None)
+                    caches.append(value if isinstance(value, tf.Variable) else variable)
         kept = [_value(variable) for variable in variables]
         before = _tracing.caches
         _tracing.caches = caches or None
@@ -364,12 +366,6 @@ def _variables_of(leaf: object) -> list[Any]:
         for variable in (getattr(holder, "variables", None) or ())
         if hasattr(variable, "assign")
     ]
-
-
-def _tf_variable(variable: Any) -> Any:
-    """The ``tf.Variable`` that a tape watches: a Keras 3 variable's own (its ``value``)."""
-    value = getattr(variable, "value", None)
-    return value if isinstance(value, tf.Variable) else variable
 
 
 def _holds_variables(value: object) -> bool:
