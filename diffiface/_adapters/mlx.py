@@ -167,19 +167,6 @@ class _ByForwardMode:
         return tuple(grads)
 
 
-class _Pullback:
-    """The pullback of ``outputs`` (f's output as a list of arrays) at ``xs``: mlx's vjp takes
-    its cotangents with the primal, so each cotangent runs one ``mx.vjp``."""
-
-    __slots__ = ("outputs", "xs")
-
-    def __init__(self, outputs: Callable[..., list[Any]], xs: Leaves) -> None:
-        self.outputs, self.xs = outputs, xs
-
-    def __call__(self, touts: Any) -> Leaves:
-        return tuple(mx.vjp(self.outputs, _mx(self.xs), _mx(_base.as_tuple(touts)))[1])
-
-
 class Adapter(_base.Adapter):
     xp = mx
     complex_reverse_mode = False  # (see _ByForwardMode)
@@ -325,9 +312,14 @@ class Adapter(_base.Adapter):
 
     def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
         out, aux = fn(_own(xs))
+        outputs = self._outputs(fn)
         if _complex(xs) or _complex(_base.as_tuple(out)):  # (a complex output's cotangents too)
-            return out, aux, _ByForwardMode(self._outputs(fn), xs)
-        return out, aux, _Pullback(self._outputs(fn), xs)
+            return out, aux, _ByForwardMode(outputs, xs)
+
+        def vjp(touts: Any) -> Leaves:  # (mlx's vjp takes its cotangents with the primal: one per call)
+            return tuple(mx.vjp(outputs, _mx(xs), _mx(_base.as_tuple(touts)))[1])
+
+        return out, aux, vjp
 
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
         captured: list[Any] = []
