@@ -40,15 +40,6 @@ def _refuse_complex128(where: str) -> UnsupportedOperationError:
     )
 
 
-def _jvp(outputs: Callable[..., list[Any]], primals: list[Any], tangents: list[Any]) -> Any:
-    """``mx.jvp``; an operation mlx has no forward-mode rule for (a scatter) refused by name."""
-    try:
-        return mx.jvp(outputs, primals, tangents)
-    except (RuntimeError, ValueError) as exc:
-        _refuse_missing_rule(exc)
-        raise
-
-
 def _pushed(outputs: Callable[..., list[Any]], primals: list[Any], tangents: list[Any]) -> Any:
     """``(outs, J t)`` for a real ``primals``: the adjoint of mlx's pullback (the vjp of
     ``u -> J^T u`` along ``t``), not ``mx.jvp``. mlx's forward mode differentiates a
@@ -58,22 +49,20 @@ def _pushed(outputs: Callable[..., list[Any]], primals: list[Any], tangents: lis
     :class:`_ByForwardMode`)."""
     outs = outputs(*_own(primals))  # (on arrays of its own: f may write into them)
     if any(mx.issubdtype(a.dtype, mx.complexfloating) for a in (*primals, *outs)):
-        return _jvp(outputs, primals, tangents)
+        return mx.jvp(outputs, primals, tangents)
     zeros = [mx.zeros_like(y) for y in outs]
 
     def pulled(*cotangents: Any) -> list[Any]:
         return list(mx.vjp(outputs, primals, list(cotangents))[1])
 
-    try:
-        return outs, mx.vjp(pulled, zeros, tangents)[1]
-    except (RuntimeError, ValueError) as exc:
-        _refuse_missing_rule(exc)
-        raise
+    return outs, mx.vjp(pulled, zeros, tangents)[1]
 
 
 def _refuse_missing_rule(exc: BaseException) -> None:
     """mlx's refusal of an operation it has no forward-mode (a scatter, ``mx.cumprod``,
-    ``mx.conv1d``'s) or reverse-mode (``mx.linalg.inv``'s) rule for, by name."""
+    ``mx.conv1d``'s) or reverse-mode (``mx.linalg.inv``'s) rule for, by name: raised by mlx's
+    transforms, outside f, it reaches :meth:`Adapter.explain_failure` through the program's
+    call, which explains every failure of the engine's work."""
     text = str(exc)
     if isinstance(exc, ValueError) and "with respect to indices" in text:
         raise UnsupportedOperationError(
@@ -144,7 +133,7 @@ class _ByForwardMode:
                 if i == j:
                     basis[d, k] = unit
             stacked.append(mx.array(basis).astype(leaf.dtype).reshape((len(directions), *leaf.shape)))
-        self.columns = mx.vmap(lambda *ts: list(_jvp(outputs, list(self.xs), list(ts))[1]))(*stacked)
+        self.columns = mx.vmap(lambda *ts: list(mx.jvp(outputs, list(self.xs), list(ts))[1]))(*stacked)
         self.directions = directions
 
     def __call__(self, touts: Any) -> Leaves:
