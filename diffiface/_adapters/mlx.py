@@ -165,8 +165,6 @@ class Adapter(_base.Adapter):
 
     def to_native(self, leaf: Any) -> Any:
         kind = _arrays.kind(leaf)
-        if kind == "mlx":
-            return leaf
         if kind == "python":
             if isinstance(leaf, complex):
                 raise _refuse_complex128("A Python complex number (complex128)")
