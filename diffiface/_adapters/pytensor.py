@@ -463,8 +463,6 @@ class Adapter(_base.Adapter):
     def _jacobian(self, y: Any, xs: Leaves) -> tuple[Any, ...]:
         """The blocks of ``y``'s Jacobian, ``y.shape + x.shape`` for each leaf x."""
         shape = tuple(y.type.shape)
-        if y.ndim == 0:
-            return self._grad(y, xs)
         # (an empty block, of an empty y or an empty leaf of x, holds no number: zeros of its
         # shape; only the leaves that are not empty are differentiated)
         full = [x for x in xs if 0 not in x.type.shape]
