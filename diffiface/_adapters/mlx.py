@@ -40,15 +40,6 @@ def _refuse_complex128(where: str) -> UnsupportedOperationError:
     )
 
 
-def _jvp(outputs: Callable[..., list[Any]], primals: list[Any], tangents: list[Any]) -> Any:
-    """``mx.jvp``; an operation mlx has no forward-mode rule for (a scatter) refused by name."""
-    try:
-        return mx.jvp(outputs, primals, tangents)
-    except (RuntimeError, ValueError) as exc:
-        _refuse_missing_rule(exc)
-        raise
-
-
 def _pushed(outputs: Callable[..., list[Any]], primals: list[Any], tangents: list[Any]) -> Any:
     """``(outs, J t)`` for a real ``primals``: the adjoint of mlx's pullback (the vjp of
     ``u -> J^T u`` along ``t``), not ``mx.jvp``. mlx's forward mode differentiates a
@@ -58,22 +49,20 @@ def _pushed(outputs: Callable[..., list[Any]], primals: list[Any], tangents: lis
     :class:`_ByForwardMode`)."""
     outs = outputs(*_own(primals))  # (on arrays of its own: f may write into them)
     if any(mx.issubdtype(a.dtype, mx.complexfloating) for a in (*primals, *outs)):
-        return _jvp(outputs, primals, tangents)
+        return mx.jvp(outputs, primals, tangents)
     zeros = [mx.zeros_like(y) for y in outs]
 
     def pulled(*cotangents: Any) -> list[Any]:
         return list(mx.vjp(outputs, primals, list(cotangents))[1])
 
-    try:
-        return outs, mx.vjp(pulled, zeros, tangents)[1]
-    except (RuntimeError, ValueError) as exc:
-        _refuse_missing_rule(exc)
-        raise
+    return outs, mx.vjp(pulled, zeros, tangents)[1]
 
 
 def _refuse_missing_rule(exc: BaseException) -> None:
     """mlx's refusal of an operation it has no forward-mode (a scatter, ``mx.cumprod``,
-    ``mx.conv1d``'s) or reverse-mode (``mx.linalg.inv``'s) rule for, by name."""
+    ``mx.conv1d``'s) or reverse-mode (``mx.linalg.inv``'s) rule for, by name: raised by mlx's
+    transforms, outside f, it reaches :meth:`Adapter.explain_failure` through the program's
+    call, which explains every failure of the engine's work."""
     text = str(exc)
     if isinstance(exc, ValueError) and "with respect to indices" in text:
         raise UnsupportedOperationError(
@@ -144,7 +133,7 @@ class _ByForwardMode:
                 if i == j:
                     basis[d, k] = unit
             stacked.append(mx.array(basis).astype(leaf.dtype).reshape((len(directions), *leaf.shape)))
-        self.columns = mx.vmap(lambda *ts: list(_jvp(outputs, list(self.xs), list(ts))[1]))(*stacked)
+        self.columns = mx.vmap(lambda *ts: list(mx.jvp(outputs, list(self.xs), list(ts))[1]))(*stacked)
         self.directions = directions
 
     def __call__(self, touts: Any) -> Leaves:
@@ -167,19 +156,6 @@ class _ByForwardMode:
         return tuple(grads)
 
 
-class _Pullback:
-    """The pullback of ``outputs`` (f's output as a list of arrays) at ``xs``: mlx's vjp takes
-    its cotangents with the primal, so each cotangent runs one ``mx.vjp``."""
-
-    __slots__ = ("outputs", "xs")
-
-    def __init__(self, outputs: Callable[..., list[Any]], xs: Leaves) -> None:
-        self.outputs, self.xs = outputs, xs
-
-    def __call__(self, touts: Any) -> Leaves:
-        return tuple(mx.vjp(self.outputs, _mx(self.xs), _mx(_base.as_tuple(touts)))[1])
-
-
 class Adapter(_base.Adapter):
     xp = mx
     complex_reverse_mode = False  # (see _ByForwardMode)
@@ -189,8 +165,6 @@ class Adapter(_base.Adapter):
 
     def to_native(self, leaf: Any) -> Any:
         kind = _arrays.kind(leaf)
-        if kind == "mlx":
-            return leaf
         if kind == "python":
             if isinstance(leaf, complex):
                 raise _refuse_complex128("A Python complex number (complex128)")
@@ -325,9 +299,14 @@ class Adapter(_base.Adapter):
 
     def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
         out, aux = fn(_own(xs))
+        outputs = self._outputs(fn)
         if _complex(xs) or _complex(_base.as_tuple(out)):  # (a complex output's cotangents too)
-            return out, aux, _ByForwardMode(self._outputs(fn), xs)
-        return out, aux, _Pullback(self._outputs(fn), xs)
+            return out, aux, _ByForwardMode(outputs, xs)
+
+        def vjp(touts: Any) -> Leaves:  # (mlx's vjp takes its cotangents with the primal: one per call)
+            return tuple(mx.vjp(outputs, _mx(xs), _mx(_base.as_tuple(touts)))[1])
+
+        return out, aux, vjp
 
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
         captured: list[Any] = []
@@ -340,16 +319,13 @@ class Adapter(_base.Adapter):
             return super().value_and_gradient(fn, xs)
         captured: list[Any] = []
 
-        def scalar(*primals: Any) -> Any:
-            value, aux = fn(primals)
+        def scalar(primals: list[Any]) -> Any:
+            value, aux = fn(tuple(primals))
             captured[:] = [aux]
             return value
 
-        xs = tuple(_mx(xs))
-        if len(xs) == 1:  # (one argnum: mlx returns the gradient itself, not a tuple of one)
-            value, grad = mx.value_and_grad(scalar)(xs[0])
-            return value, captured[0], (grad,)
-        value, grads = mx.value_and_grad(scalar, argnums=list(range(len(xs))))(*xs)
+        # (x's leaves as one list argument: its gradient is a list of any length)
+        value, grads = mx.value_and_grad(scalar)(_mx(xs))
         return value, captured[0], tuple(grads)
 
     def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Any]:

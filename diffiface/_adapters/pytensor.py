@@ -170,11 +170,6 @@ def _symbolic(xs: Sequence[Any]) -> bool:
     return isinstance(xs[0], Variable)
 
 
-def _disconnected_zero(values: Any, like: Sequence[Any]) -> list[Any]:
-    """``values`` with every None (an input the graph does not reach) as zeros like ``like``."""
-    return [pt.zeros_like(x) if v is None else v for v, x in zip(values, like, strict=True)]
-
-
 _Compiled = tuple[Any, Callable[[Any], Any] | None, Any]
 """One compiled program: the pytensor function, how to rebuild the program's result from its
 outputs (None: its one output is the result) and the function's lock."""
@@ -429,7 +424,7 @@ class Adapter(_base.Adapter):
             if not outs:
                 return tuple(pt.zeros_like(x) for x in xs)
             grads = pullback(list(outs), list(xs), cotangents, disconnected_inputs="ignore", return_disconnected="zero")
-            return tuple(_disconnected_zero(grads, xs))
+            return tuple(grads)  # type: ignore[arg-type]  # (a list of variables: typed as any result of pullback)
 
         return out, aux, vjp
 
@@ -445,7 +440,7 @@ class Adapter(_base.Adapter):
             return out, aux, ()
         tangents = [pt.cast(t, x.dtype) for t, x in zip(txs, xs, strict=True)]
         found = pushforward(list(outs), list(xs), tangents, disconnected_outputs="ignore", return_disconnected="zero")
-        touts = [pt.cast(t, y.dtype) for t, y in zip(_disconnected_zero(found, outs), outs, strict=True)]
+        touts = [pt.cast(t, y.dtype) for t, y in zip(found, outs, strict=True)]  # type: ignore[arg-type]
         return out, aux, _base.shaped_as(out, tuple(touts))
 
     def value_and_gradient(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves]:
@@ -456,7 +451,7 @@ class Adapter(_base.Adapter):
 
     def _grad(self, value: Any, xs: Leaves) -> Leaves:
         grads = grad(value, list(xs), disconnected_inputs="ignore", return_disconnected="zero")
-        return tuple(_disconnected_zero(grads, xs))
+        return tuple(grads)  # type: ignore[arg-type]
 
     def value_and_jacobian(self, fn: Fn, xs: Leaves, mode: str | None = None) -> tuple[Any, Any, Blocks]:
         if not _symbolic(xs):
@@ -468,8 +463,6 @@ class Adapter(_base.Adapter):
     def _jacobian(self, y: Any, xs: Leaves) -> tuple[Any, ...]:
         """The blocks of ``y``'s Jacobian, ``y.shape + x.shape`` for each leaf x."""
         shape = tuple(y.type.shape)
-        if y.ndim == 0:
-            return self._grad(y, xs)
         # (an empty block, of an empty y or an empty leaf of x, holds no number: zeros of its
         # shape; only the leaves that are not empty are differentiated)
         full = [x for x in xs if 0 not in x.type.shape]
@@ -501,15 +494,3 @@ class Adapter(_base.Adapter):
             directional = _base.vdot(pt, grads, tuple(pt.cast(t, x.dtype) for t, x in zip(txs, xs, strict=True)))
             hvps.append(self._grad(directional, xs))
         return value, aux, grads, hvps
-
-    # (the base's rules on PyTensor's own gradient, Jacobian and derivative, in one graph)
-
-    def value_gradient_and_hessian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Blocks]:
-        if not _symbolic(xs):
-            return self._eager("value_gradient_and_hessian", fn, xs)  # type: ignore[no-any-return]
-        return _base.hessian_of(self, self, fn, xs)
-
-    def value_derivative_and_second_derivative(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any, Any]:
-        if not _symbolic(xs):
-            return self._eager("value_derivative_and_second_derivative", fn, xs)  # type: ignore[no-any-return]
-        return _base.second_derivative_of(self, self, fn, xs)

@@ -43,19 +43,16 @@ class _Namespace:
     zeros_like = staticmethod(tf.zeros_like)
     ones_like = staticmethod(tf.ones_like)
     sum = staticmethod(tf.reduce_sum)
-
-    @staticmethod
-    def zeros(shape: tuple[int, ...], dtype: Any = None) -> Any:
-        return tf.zeros(shape, dtype=dtype if dtype is not None else tf.float32)
+    zeros = staticmethod(tf.zeros)
 
 
 class _Tracing(threading.local):
-    """What traces the current evaluation of ``f`` in this thread: the tapes of the calls
-    running, innermost last (``("tape", None)``); on a prep's first call, the float variables
-    of its Caches (see :class:`_FirstCallWatch`)."""
+    """What traces the current evaluation of ``f`` in this thread: how many calls' tapes are
+    running; on a prep's first call, the float variables of its Caches (see
+    :class:`_FirstCallWatch`)."""
 
     def __init__(self) -> None:
-        self.stack: list[tuple[str, Any]] = []
+        self.tapes = 0
         self.caches: list[Any] | None = None
 
 
@@ -146,8 +143,7 @@ class Adapter(_base.Adapter):
         return leaf
 
     def untracked(self, leaf: Any, xs: Leaves) -> bool:
-        stack = _tracing.stack
-        if not stack or not xs:
+        if not _tracing.tapes or not xs:
             return False
         if not isinstance(leaf, tf.Tensor):
             # a number or numpy array while x is traced: f left TensorFlow; in a graph, where f
@@ -245,7 +241,7 @@ class Adapter(_base.Adapter):
         # persistent: the pullback may be applied many times (a Jacobian's rows)
         with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
             tape.watch(xs)
-            out, aux = _traced(fn, xs, ("tape", None))
+            out, aux = _traced(fn, xs)
 
         outs = list(_base.as_tuple(out))
 
@@ -262,7 +258,7 @@ class Adapter(_base.Adapter):
         outer = record.could_possibly_record()  # (before this call's tape: another one records)
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(xs)
-            value, aux = _traced(fn, xs, ("tape", None))
+            value, aux = _traced(fn, xs)
         # (the tape's own cotangent: ones of the value's dtype)
         if not outer:
             return value, aux, _dense(tape.gradient(value, list(xs), unconnected_gradients=_ZERO))
@@ -282,7 +278,7 @@ class Adapter(_base.Adapter):
         with tf.GradientTape(watch_accessed_variables=False) as outer:
             with tf.GradientTape(watch_accessed_variables=False) as inner:
                 inner.watch(xs)
-                out, aux = _traced(fn, xs, ("tape", None))
+                out, aux = _traced(fn, xs)
             outs = list(_base.as_tuple(out))
             us = [tf.zeros_like(y) for y in outs]
             outer.watch(us)
@@ -330,7 +326,9 @@ class _FirstCallWatch:
                 if constant:
                     variables.append(variable)
                 elif _inexact(tf.as_dtype(variable.dtype)):  # (a Keras variable's dtype is a name)
-                    caches.append(_tf_variable(variable))
+                    # the tf.Variable a tape watches: a Keras 3 variable's own (its value)
+                    value = getattr(variable, "value", None)
+                    caches.append(value if isinstance(value, tf.Variable) else variable)
         kept = [_value(variable) for variable in variables]
         before = _tracing.caches
         _tracing.caches = caches or None
@@ -367,12 +365,6 @@ def _variables_of(leaf: object) -> list[Any]:
         for variable in (getattr(holder, "variables", None) or ())
         if hasattr(variable, "assign")
     ]
-
-
-def _tf_variable(variable: Any) -> Any:
-    """The ``tf.Variable`` that a tape watches: a Keras 3 variable's own (its ``value``)."""
-    value = getattr(variable, "value", None)
-    return value if isinstance(value, tf.Variable) else variable
 
 
 def _holds_variables(value: object) -> bool:
@@ -431,11 +423,10 @@ class _Graph:
         return optree.tree_unflatten(spec, [next(tensors) if m else next(rest) for m in mask])
 
 
-def _traced(fn: Fn, xs: Leaves, how: tuple[str, Any]) -> tuple[Any, Any]:
-    """``fn(xs)``, with ``how`` its outputs are traced known to :meth:`Adapter.untracked`; on a
-    prep's first call, refused where its output reads a Cache's variable that f wrote."""
-    stack = _tracing.stack
-    stack.append(how)
+def _traced(fn: Fn, xs: Leaves) -> tuple[Any, Any]:
+    """``fn(xs)`` under a call's tape, which :meth:`Adapter.untracked` knows of; on a prep's
+    first call, refused where its output reads a Cache's variable that f wrote."""
+    _tracing.tapes += 1
     try:
         caches = _tracing.caches
         if caches is None:
@@ -446,7 +437,7 @@ def _traced(fn: Fn, xs: Leaves, how: tuple[str, Any]) -> tuple[Any, Any]:
         _refuse_read_back(tape, result[0], caches, fn, xs)
         return result
     finally:
-        stack.pop()
+        _tracing.tapes -= 1
 
 
 def _refuse_read_back(tape: Any, out: Any, caches: list[Any], fn: Fn, xs: Leaves) -> None:
@@ -463,12 +454,12 @@ def _refuse_read_back(tape: Any, out: Any, caches: list[Any], fn: Fn, xs: Leaves
     if not read:
         return
     at_x = [_value(variable) for variable in read]
-    stack, _tracing.stack, _tracing.caches = _tracing.stack, [], None  # (f evaluated untraced, unwatched)
+    tapes, _tracing.tapes, _tracing.caches = _tracing.tapes, 0, None  # (f evaluated untraced, unwatched)
     try:
         with record.stop_recording():
             fn(_apart(xs))
     finally:
-        _tracing.stack, _tracing.caches = stack, caches
+        _tracing.tapes, _tracing.caches = tapes, caches
     written = [variable for variable, old in zip(read, at_x, strict=True) if not np.array_equal(_value(variable), old)]
     for variable, old in zip(read, at_x, strict=True):
         variable.assign(old)

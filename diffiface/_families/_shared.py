@@ -45,19 +45,6 @@ def traced(leaf: Any) -> Any:
     return leaf
 
 
-class SameShapeDtype:
-    """The test that a later leaf has the prepared one's shape and dtype (for families whose
-    leaves say both, and nothing else matters: mlx's, TensorFlow's)."""
-
-    __slots__ = ("dtype", "shape")
-
-    def __init__(self, leaf: Any) -> None:
-        self.shape, self.dtype = tuple(leaf.shape), leaf.dtype
-
-    def test(self, value: Any) -> bool:
-        return tuple(value.shape) == self.shape and value.dtype == self.dtype  # type: ignore[no-any-return]
-
-
 def dtype_scope(dtypes: Iterable[str]) -> contextlib.nullcontext[None]:
     """No dtype needs a scope in this family."""
     return contextlib.nullcontext()
@@ -152,8 +139,14 @@ def layout(leaf: Any) -> None:
 
 
 def same(leaf: Any) -> Callable[[Any], bool]:
-    """``same`` of a family whose leaves are told apart by shape and dtype alone."""
-    return SameShapeDtype(leaf).test
+    """``same`` of a family whose leaves are told apart by shape and dtype alone (mlx's,
+    TensorFlow's): the test that a later leaf has the prepared one's shape and dtype."""
+    shape, dtype = tuple(leaf.shape), leaf.dtype
+
+    def test(value: Any) -> bool:
+        return tuple(value.shape) == shape and value.dtype == dtype  # type: ignore[no-any-return]
+
+    return test
 
 
 _SHAPE_DTYPE = operator.attrgetter("shape", "dtype")  # (read in C, no frame per leaf)

@@ -50,13 +50,9 @@ def dtype_of(leaf: Any) -> Any:
     return dtype if type(dtype) is not str else _tf().as_dtype(dtype)
 
 
-def shape_of(leaf: Any) -> tuple[Any, ...]:
-    return tuple(leaf.shape)
-
-
 def signature(leaf: Any) -> tuple[Any, ...]:
     # (the dtype by its name, as the checks and messages name numpy's: "float32")
-    return (NAME, shape_of(leaf), dtype_of(leaf).name)
+    return (NAME, tuple(leaf.shape), dtype_of(leaf).name)
 
 
 def numpy_like() -> Any:
@@ -71,7 +67,7 @@ def to_numpy(leaf: Any) -> np.ndarray:
         from .._errors import UnsupportedOperationError
 
         raise UnsupportedOperationError(
-            f"A symbolic TensorFlow tensor (shape {shape_of(leaf)}, inside a tf.function) reached a step "
+            f"A symbolic TensorFlow tensor (shape {tuple(leaf.shape)}, inside a tf.function) reached a step "
             "that needs its values as numpy. Call diffiface outside tf.function, or with a backend that "
             "stays in TensorFlow (AutoTensorFlow())."
         ) from exc
