@@ -771,18 +771,14 @@ def _elementwise(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) ->
 def _where(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     if len(args) == 1:
         raise TracerRefusal("f calls np.where(condition) with one argument: its size depends on values")
-    condition = args[0]
-    if _known(condition):
+    if _known(args[0]):
         return _move(trace, func, args, kwargs)
-    a, b = _lift(trace, args[1]), _lift(trace, args[2])
-    out_shape = np.broadcast_shapes(condition.shape, a.shape, b.shape)
-    rows = sets.union(sets.elementwise([(a.rows, a.shape), (b.rows, b.shape)], out_shape, trace.n))
-    return IndexSetArray(trace, out_shape, rows, np.result_type(a.dtype, b.dtype))
+    return _select(trace, np.select, ([args[0]], [args[1]], args[2]), {})  # (np.where(c, a, b): np.select([c], [a], b))
 
 
 def _select(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     """np.select(conditions, choices, default): a move where the conditions are known; where they
-    are not, each element depends on every choice's element there (as np.where's)."""
+    are not, each element depends on every choice's element there (np.where's too)."""
     conditions, choices = list(args[0]), list(args[1])
     default = _argument(args, kwargs, 2, "default", 0)
     if all(_known(c) for c in conditions):
