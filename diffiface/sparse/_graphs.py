@@ -152,15 +152,10 @@ def _order(matrix: csr_array, by_column: Any, order: str) -> list[int]:
     row_lengths = np.diff(matrix.indptr).astype(np.float64)
     if float((row_lengths**2).sum()) > GRAPH_LIMIT:
         return _order(matrix, by_column, "largest_first")
-    return _graph_order(_intersection_graph(matrix, by_column))
-
-
-def _intersection_graph(matrix: csr_array, by_column: Any) -> Any:
-    """The column intersection graph (CSR, no diagonal) of ``matrix``."""
-    graph = (by_column.T.astype(np.int32) @ matrix.astype(np.int32)).tocsr()
+    graph = (by_column.T.astype(np.int32) @ matrix.astype(np.int32)).tocsr()  # the column intersection graph
     graph.setdiag(0)
     graph.eliminate_zeros()
-    return graph
+    return _graph_order(graph)
 
 
 def _graph_order(graph: Any) -> list[int]:
