@@ -206,12 +206,7 @@ class Adapter(BlackBoxAdapter):
                     f"leaf of x) and must return one output per point; it returned shape {array.shape}. Reduce "
                     "over the other axes only (say .sum(axis=-1)), or use vectorize=False."
                 )
-        found = _Layout((a.shape[1:], _real_dtype(a.dtype)) for a in arrays)
-        found.tuple_out = layout.tuple_out if layout else len(arrays) != 1
-        if layout:
-            _fit(layout, found)
-        else:
-            layout.extend(found)
+        _fit(layout, _Layout((a.shape[1:], _real_dtype(a.dtype)) for a in arrays))
         flat = np.concatenate([a.reshape(k, -1) for a in arrays], axis=1) if arrays else np.zeros((k, 0))
         return self._real(flat, points, arrays)
 
