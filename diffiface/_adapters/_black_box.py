@@ -10,7 +10,7 @@ import contextlib
 import math
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -141,9 +141,10 @@ def run_f(fn: Any, leaves: Leaves, backend_name: str, batched: bool = False) -> 
     """``fn(leaves)`` (or ``fn.batched``) under ``torch.no_grad()``, refusing writes into the
     leaves (handed read-only or watched) and into the call's Constants."""
     watch = _watch_of(fn)
-    tensors = [(t, _version(t)) for t in leaves if _arrays.kind(t) == "torch"] if "torch" in sys.modules else []
+    torch = sys.modules.get("torch")
+    tensors = [(t, _version(t)) for t in leaves if _arrays.kind(t) == "torch"] if torch is not None else []
     try:
-        with _no_grad():
+        with torch.no_grad() if torch is not None else contextlib.nullcontext():  # (f is evaluated, never traced)
             out = fn.batched(leaves) if batched else fn(leaves)
     except ValueError as exc:
         if _is_read_only_write(exc) and (watch.numpy_constants or any(type(a) is np.ndarray for a in leaves)):
@@ -573,14 +574,3 @@ def _hessian_blocks(matrix: np.ndarray, point: _Point) -> Blocks:
         )
         for i in range(len(point.shapes))
     )
-
-
-@contextlib.contextmanager
-def _no_grad() -> Iterator[None]:
-    """``torch.no_grad()`` when torch is loaded: f is evaluated, never traced."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        yield
-        return
-    with torch.no_grad():
-        yield
