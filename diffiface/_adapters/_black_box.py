@@ -24,7 +24,7 @@ from .._errors import (
     UnsupportedOperationError,
 )
 from . import _base
-from ._base import Blocks, Leaves, ProgramParts
+from ._base import Blocks, Leaves, ProgramParts, read_only
 
 MAX_JACOBIAN_ENTRIES = 25_000_000
 """The most entries (outputs times inputs) of a Jacobian built by finite differences (200 MB in float64)."""
@@ -115,15 +115,6 @@ def _watch_of(fn: Any) -> _Watch:
         with contextlib.suppress(AttributeError):
             fn._diffiface_watch = watch
     return watch  # type: ignore[no-any-return]
-
-
-def _read_only(array: Any) -> Any:
-    """A read-only view of a numpy array (other leaves as they are)."""
-    if type(array) is np.ndarray:
-        view = array.view()
-        view.flags.writeable = False
-        return view
-    return array
 
 
 def _version(tensor: Any) -> int | None:
@@ -237,7 +228,7 @@ def constant_like_x(leaf: Any, like: Any) -> tuple[Any, bool]:
             return context_like_x(leaf, like)  # jax copies into an immutable array
         if target != "torch":
             _pending_watch().numpy_constants = True
-            return _read_only(leaf), True
+            return read_only(leaf), True
         tensor = _arrays.from_numpy(np.array(leaf), like, dtype=_same_dtype(leaf, like))
     elif _arrays.kind(leaf) == "torch":
         tensor = leaf.detach().clone()
@@ -317,7 +308,7 @@ class _Point:
                 leaves.append(complex(piece.item()) if complex_step else float(piece.item()))
                 continue
             dtype = _complex_dtype(like) if complex_step else None
-            leaves.append(_read_only(_arrays.from_numpy(piece, like, dtype=dtype)))
+            leaves.append(read_only(_arrays.from_numpy(piece, like, dtype=dtype)))
         return tuple(leaves)
 
     def batch_leaves(self, points: np.ndarray) -> Leaves:
@@ -328,10 +319,10 @@ class _Point:
         for i, like in enumerate(self.likes):
             piece = points[:, self.offsets[i] : self.offsets[i + 1]].reshape((k, *self.shapes[i]))
             if isinstance(like, float):
-                leaves.append(_read_only(piece))
+                leaves.append(read_only(piece))
                 continue
             dtype = _complex_dtype(like) if complex_step else None
-            leaves.append(_read_only(_arrays.from_numpy(piece, like, dtype=dtype)))
+            leaves.append(read_only(_arrays.from_numpy(piece, like, dtype=dtype)))
         return tuple(leaves)
 
     def steps(self, power: float, fixed: float | None, exact: bool = True) -> np.ndarray:
