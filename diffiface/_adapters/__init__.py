@@ -190,7 +190,9 @@ def normalize(backend: Backend | str) -> Backend:
         alias = _ALIASES.get(backend)
         if alias is not None:
             return alias
-        row = _BY_NAME.get(backend) or _installed(backend)
+        row = _BY_NAME.get(backend)
+        if row is None and backend in _entry_points():
+            row = _row_of(_entry_points()[backend])
         if row is None:
             raise UnknownBackendError(
                 f"Unknown backend name {backend!r}; the names are "
@@ -264,13 +266,6 @@ def _entry_points() -> dict[str, Any]:
             if _found is None:
                 _found = {point.name: point for point in entry_points(group=ENTRY_POINT_GROUP)}
     return _found
-
-
-def _installed(name: str) -> BackendInfo | None:
-    """The row of the installed engine named ``name`` (not a built-in one); None where no
-    package registers that name."""
-    point = _entry_points().get(name)
-    return None if point is None else _row_of(point)
 
 
 def _row_of(point: Any) -> BackendInfo:
