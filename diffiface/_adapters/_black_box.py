@@ -24,7 +24,7 @@ from .._errors import (
     UnsupportedOperationError,
 )
 from . import _base
-from ._base import Blocks, Leaves, ProgramParts, read_only
+from ._base import Blocks, Fn, Leaves, ProgramParts, read_only
 
 MAX_JACOBIAN_ENTRIES = 25_000_000
 """The most entries (outputs times inputs) of a Jacobian built by finite differences (200 MB in float64)."""
@@ -42,6 +42,10 @@ class BlackBoxAdapter(_base.Adapter):
 
     def constant_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
         return constant_like_x(leaf, like)
+
+    def run(self, fn: Fn, leaves: Leaves) -> tuple[Any, Any]:
+        """f at ``leaves``, guarded (:func:`run_f`)."""
+        return run_f(fn, leaves, self.backend.name)  # type: ignore[no-any-return]
 
     def compile(
         self,

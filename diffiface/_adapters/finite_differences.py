@@ -98,10 +98,6 @@ class Adapter(BlackBoxAdapter):
 
     # -- evaluations ----------------------------------------------------------------------------
 
-    def run(self, fn: Fn, leaves: Leaves) -> tuple[Any, Any]:
-        """f at ``leaves``, guarded (:func:`run_f`)."""
-        return run_f(fn, leaves, self.backend.name)  # type: ignore[no-any-return]
-
     def _evaluate(self, fn: Fn, point: _Point, vector: np.ndarray, layout: _Layout | None = None) -> np.ndarray:
         """``f`` at ``vector``, flat, in float64 (the imaginary part for a complex step).
         Fills ``layout`` with the output's shapes and dtypes if it is empty, else checks that
@@ -305,9 +301,8 @@ class Adapter(BlackBoxAdapter):
                 "the product that forward mode would (inf or NaN only where f depends on those entries). "
                 "Pass a finite tangent."
             )
-        name = self.backend.name
         # f(x) on copies (f may not reach the caller's x), made only where f(x) is asked for
-        evaluated = Deferred(lambda: run_f(fn, tuple(x.clone() for x in xs), name))
+        evaluated = Deferred(lambda: self.run(fn, tuple(x.clone() for x in xs)))
         if scale_t == 0.0:
             out = _base.force(evaluated.force()[0])
             zeros = tuple(torch.zeros_like(y) for y in as_tuple(out))
@@ -321,7 +316,7 @@ class Adapter(BlackBoxAdapter):
             h = eps ** _POWER[self.method] / ratio
 
         def at(sign: int) -> Any:
-            return run_f(fn, tuple(x + (sign * h) * t for x, t in zip(xs, txs, strict=True)), name)[0]
+            return self.run(fn, tuple(x + (sign * h) * t for x, t in zip(xs, txs, strict=True)))[0]
 
         def value() -> Any:
             return _base.force(evaluated.force()[0])

@@ -38,7 +38,6 @@ from ._black_box import (
     _split_out,
     _times_non_finite,
     check_size,
-    run_f,
 )
 
 MAX_INPUTS = 1_000
@@ -53,8 +52,6 @@ _STATUS = {
     -3: "f gave a non-finite value at a point it evaluated (a step that left f's domain, or an overflow)",
 }
 """scipy.differentiate's failed statuses, in words."""
-
-_NAME = "scipy"
 
 
 class Adapter(BlackBoxAdapter):
@@ -86,7 +83,7 @@ class Adapter(BlackBoxAdapter):
         the (float64) promoted point; every output must keep the shapes of f(x). The tolerance
         follows the values f takes."""
         own = _Point(xs)
-        out, aux = run_f(fn, own.leaves(own.vector), _NAME)
+        out, aux = self.run(fn, own.leaves(own.vector))
         flat, layout = _flatten_out(out)
         point = _Point(xs, promote=True)
         tolerance = _Tolerance(self.backend, point, layout)
@@ -95,7 +92,7 @@ class Adapter(BlackBoxAdapter):
             columns = v.reshape(point.size, -1)
             values = []
             for k in range(columns.shape[1]):
-                value, found = _flatten_out(run_f(fn, point.leaves(columns[:, k]), _NAME)[0])
+                value, found = _flatten_out(self.run(fn, point.leaves(columns[:, k]))[0])
                 _fit(layout, found)
                 values.append(value)
                 tolerance.saw(value)
