@@ -2,10 +2,8 @@
 committed to one other than the default): every perturbed point is made on x's devices, with
 x's sharding, and the differences are taken there; nothing goes through the host.
 
-The steps are those of the numpy path: ``eps**p * max(1, |x_i|)`` per coordinate for a gradient
-(rounded so that ``x_i + h`` is exact), and along a tangent ``t`` the largest ``s`` with
-``s |t_i| <= eps**p * max(1, |x_i|)`` on every input that ``t`` moves.
-The arithmetic runs in small compiled programs (jax's eager arithmetic would send Python
+The steps are those of the numpy path (:mod:`.finite_differences`, per coordinate and along a
+tangent). The arithmetic runs in small compiled programs (jax's eager arithmetic would send Python
 constants from the host); a coordinate's index goes to the devices explicitly, a few bytes.
 Only the first-order operators of a scalar ``f`` (gradient) and of any ``f`` along a tangent
 (jvp, derivative) take this path; the others build matrices in numpy.
