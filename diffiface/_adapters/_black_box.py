@@ -467,12 +467,6 @@ def _largest(tensor: Any) -> float:
     return float(largest)
 
 
-def _flat_tangent(touts: Any) -> np.ndarray:
-    """A cotangent, shaped as f's output, as one float64 vector (what a vjp multiplies J by)."""
-    arrays = [np.reshape(np.asarray(_arrays.to_numpy(leaf), dtype=np.float64), -1) for leaf in _base.as_tuple(touts)]
-    return np.concatenate(arrays) if arrays else np.zeros(0)
-
-
 def _times_non_finite(column: np.ndarray, t: float) -> np.ndarray:
     """``column * t`` for a non-finite ``t``, with exact zeros of ``column`` (outputs that do not
     depend on that input) kept 0, as a forward-mode engine gives them."""

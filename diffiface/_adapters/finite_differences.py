@@ -46,7 +46,6 @@ from ._black_box import (
     BlackBoxAdapter,
     _blocks,
     _fit,
-    _flat_tangent,
     _flatten_out,
     _hessian_blocks,
     _inside_torch,
@@ -244,7 +243,7 @@ class Adapter(BlackBoxAdapter):
 
     def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
         out, aux, matrix, point, _ = self._matrix(fn, xs, "A vjp (through the whole Jacobian)")
-        return out, aux, lambda touts: _split(_flat_tangent(touts) @ matrix, point)
+        return out, aux, lambda touts: _split(_flatten_out(touts)[0] @ matrix, point)
 
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
         if _sharded_torch(xs) or _sharded_torch(txs):

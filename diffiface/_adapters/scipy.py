@@ -29,7 +29,6 @@ from ._black_box import (
     BlackBoxAdapter,
     _blocks,
     _fit,
-    _flat_tangent,
     _flatten_out,
     _hessian_blocks,
     _Layout,
@@ -180,7 +179,7 @@ class Adapter(BlackBoxAdapter):
 
     def pullback_function(self, fn: Fn, xs: Leaves) -> Any:
         out, aux, jac, _, point, _ = self._jacobian(fn, xs, "A vjp (through the whole Jacobian)")
-        return out, aux, lambda touts: _split(_flat_tangent(touts) @ jac, point)
+        return out, aux, lambda touts: _split(_flatten_out(touts)[0] @ jac, point)
 
     # -- second order ---------------------------------------------------------------------------
 
