@@ -128,10 +128,6 @@ def _version(tensor: Any) -> int | None:
         return None
 
 
-def _is_read_only_write(exc: BaseException) -> bool:
-    return type(exc) is ValueError and str(exc).endswith("read-only")
-
-
 def run_f(fn: Any, leaves: Leaves, backend_name: str, batched: bool = False) -> Any:
     """``fn(leaves)`` (or ``fn.batched``) under ``torch.no_grad()``, refusing writes into the
     leaves (handed read-only or watched) and into the call's Constants."""
@@ -142,7 +138,8 @@ def run_f(fn: Any, leaves: Leaves, backend_name: str, batched: bool = False) -> 
         with torch.no_grad() if torch is not None else contextlib.nullcontext():  # (f is evaluated, never traced)
             out = fn.batched(leaves) if batched else fn(leaves)
     except ValueError as exc:
-        if _is_read_only_write(exc) and (watch.numpy_constants or any(type(a) is np.ndarray for a in leaves)):
+        read_only_write = type(exc) is ValueError and str(exc).endswith("read-only")
+        if read_only_write and (watch.numpy_constants or any(type(a) is np.ndarray for a in leaves)):
             what = "its input x or a di.Constant" if watch.numpy_constants else "its input x"
             raise MutationError(
                 f"f wrote into {what} (numpy: {exc!s}), which it must only read. The {backend_name} backend "
