@@ -168,7 +168,7 @@ def normalize(backend: Backend | str) -> Backend:
         if (
             not isinstance(backend, (SecondOrder, AutoSparse))
             and type(backend) not in _BY_CONFIG
-            and type(backend) not in _installed_configs()
+            and type(backend) not in {row.config for row in rows()}  # (entry points loaded)
         ):
             raise UnknownBackendError(f"{backend!r} is not a backend diffiface knows.")
         return backend
@@ -267,13 +267,6 @@ def _row_of(point: Any) -> BackendInfo:
 
 
 _loaded: dict[str, BackendInfo] = {}
-
-
-def _installed_configs() -> dict[type[Backend], BackendInfo]:
-    """Every engine's row by its config class, the installed ones' entry points loaded."""
-    for point in _entry_points().values():
-        _row_of(point)
-    return _BY_CONFIG
 
 
 def _load(point: Any) -> BackendInfo:
