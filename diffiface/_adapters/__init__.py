@@ -52,14 +52,19 @@ __all__ = [
 ]
 
 
+def _shipped(name: str, config: type[Backend], **columns: Any) -> BackendInfo:
+    """The row of an engine diffiface ships: its adapter is ``diffiface._adapters.<name>``, and
+    unless ``columns`` say otherwise it needs the package of its name, which the extra of that
+    name installs."""
+    columns = {"module": f"diffiface._adapters.{name}", "requires": (name,), "extra": name, **columns}
+    return BackendInfo(name=name, config=config, **columns)
+
+
 _FIRST = frozenset({"pushforward", "pullback", "gradient"})
 BACKENDS: tuple[BackendInfo, ...] = (
-    BackendInfo(
+    _shipped(
         name="jax",
         config=AutoJAX,
-        module="diffiface._adapters.jax",
-        requires=("jax",),
-        extra="jax",
         forward_mode=True,
         reverse_mode=True,
         native=_FIRST | {"jacobian"},
@@ -67,12 +72,9 @@ BACKENDS: tuple[BackendInfo, ...] = (
         complex_convention="conjugate",
         jit=True,
     ),
-    BackendInfo(
+    _shipped(
         name="torch",
         config=AutoTorch,
-        module="diffiface._adapters.torch",
-        requires=("torch",),
-        extra="torch",
         forward_mode=True,
         reverse_mode=True,
         native=_FIRST | {"jacobian", "hessian", "hvp", "second_derivative"},
@@ -80,12 +82,9 @@ BACKENDS: tuple[BackendInfo, ...] = (
         complex_convention="direct",
         reverse_first=True,
     ),
-    BackendInfo(
+    _shipped(
         name="autograd",
         config=AutoAutograd,
-        module="diffiface._adapters.autograd",
-        requires=("autograd",),
-        extra="autograd",
         forward_mode=False,
         reverse_mode=True,
         native=frozenset({"pullback", "gradient", "pushforward"}),  # pushforward: two reverse passes
@@ -93,12 +92,9 @@ BACKENDS: tuple[BackendInfo, ...] = (
         complex_convention="conjugate",
         reverse_first=True,
     ),
-    BackendInfo(
+    _shipped(
         name="tensorflow",
         config=AutoTensorFlow,
-        module="diffiface._adapters.tensorflow",
-        requires=("tensorflow",),
-        extra="tensorflow",
         forward_mode=True,
         reverse_mode=True,
         native=_FIRST,
@@ -107,12 +103,9 @@ BACKENDS: tuple[BackendInfo, ...] = (
         jit=True,
         reverse_first=True,
     ),
-    BackendInfo(
+    _shipped(
         name="pytensor",
         config=AutoPyTensor,
-        module="diffiface._adapters.pytensor",
-        requires=("pytensor",),
-        extra="pytensor",
         # pushforward: two pullbacks (pytensor's own default), so reverse products cost less
         forward_mode=True,
         reverse_mode=True,
@@ -122,12 +115,9 @@ BACKENDS: tuple[BackendInfo, ...] = (
         jit=True,
         reverse_first=True,
     ),
-    BackendInfo(
+    _shipped(
         name="mlx",
         config=AutoMLX,
-        module="diffiface._adapters.mlx",
-        requires=("mlx",),
-        extra="mlx",
         forward_mode=True,
         reverse_mode=True,
         native=frozenset({"pushforward", "pullback", "gradient", "jacobian", "hvp", "hessian"}),
@@ -140,10 +130,9 @@ BACKENDS: tuple[BackendInfo, ...] = (
         jit=True,
         float64_precision="float32",
     ),
-    BackendInfo(
+    _shipped(
         name="finite_differences",
         config=AutoFiniteDifferences,
-        module="diffiface._adapters.finite_differences",
         requires=(),
         extra=None,
         forward_mode=True,
@@ -151,12 +140,9 @@ BACKENDS: tuple[BackendInfo, ...] = (
         native=_FIRST | {"jacobian", "hessian", "hvp", "derivative", "second_derivative"},
         arrays="any",
     ),
-    BackendInfo(
+    _shipped(
         name="scipy",
         config=AutoScipy,
-        module="diffiface._adapters.scipy",
-        requires=("scipy",),
-        extra="scipy",
         forward_mode=False,
         reverse_mode=False,
         native=_FIRST | {"jacobian", "hessian", "hvp", "derivative", "second_derivative"},
@@ -182,7 +168,7 @@ def normalize(backend: Backend | str) -> Backend:
         if (
             not isinstance(backend, (SecondOrder, AutoSparse))
             and type(backend) not in _BY_CONFIG
-            and type(backend) not in _installed_configs()
+            and type(backend) not in {row.config for row in rows()}  # (entry points loaded)
         ):
             raise UnknownBackendError(f"{backend!r} is not a backend diffiface knows.")
         return backend
@@ -190,7 +176,9 @@ def normalize(backend: Backend | str) -> Backend:
         alias = _ALIASES.get(backend)
         if alias is not None:
             return alias
-        row = _BY_NAME.get(backend) or _installed(backend)
+        row = _BY_NAME.get(backend)
+        if row is None and backend in _entry_points():
+            row = _row_of(_entry_points()[backend])
         if row is None:
             raise UnknownBackendError(
                 f"Unknown backend name {backend!r}; the names are "
@@ -266,13 +254,6 @@ def _entry_points() -> dict[str, Any]:
     return _found
 
 
-def _installed(name: str) -> BackendInfo | None:
-    """The row of the installed engine named ``name`` (not a built-in one); None where no
-    package registers that name."""
-    point = _entry_points().get(name)
-    return None if point is None else _row_of(point)
-
-
 def _row_of(point: Any) -> BackendInfo:
     """The row an entry point names, loaded and checked once."""
     row = _loaded.get(point.name)
@@ -286,13 +267,6 @@ def _row_of(point: Any) -> BackendInfo:
 
 
 _loaded: dict[str, BackendInfo] = {}
-
-
-def _installed_configs() -> dict[type[Backend], BackendInfo]:
-    """Every engine's row by its config class, the installed ones' entry points loaded."""
-    for point in _entry_points().values():
-        _row_of(point)
-    return _BY_CONFIG
 
 
 def _load(point: Any) -> BackendInfo:

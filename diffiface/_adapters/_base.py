@@ -208,10 +208,7 @@ class Adapter:
         gives a Cache's, but such that ``f`` cannot write into the caller's array unnoticed:
         an engine that hands numpy arrays to ``f`` as they are hands them read-only."""
         native, is_array = self.context_to_native(leaf, like)
-        if native is leaf and type(leaf) is np.ndarray:
-            native = leaf.view()
-            native.flags.writeable = False
-        return native, is_array
+        return (read_only(leaf) if native is leaf else native), is_array
 
     def output_leaf(self, leaf: Any, like: Any) -> Any:
         """A leaf of ``f``'s output as the engine's array (``like``: a leaf of x)."""
@@ -632,6 +629,15 @@ class Deferred:
             self._value = self._compute()
             self._done = True
         return self._value
+
+
+def read_only(array: Any) -> Any:
+    """A read-only view of a numpy array (other leaves as they are)."""
+    if type(array) is np.ndarray:
+        view = array.view()
+        view.flags.writeable = False
+        return view
+    return array
 
 
 def force(value: Any) -> Any:

@@ -10,7 +10,7 @@ import contextlib
 import math
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -24,7 +24,7 @@ from .._errors import (
     UnsupportedOperationError,
 )
 from . import _base
-from ._base import Blocks, Leaves, ProgramParts
+from ._base import Blocks, Fn, Leaves, ProgramParts, read_only
 
 MAX_JACOBIAN_ENTRIES = 25_000_000
 """The most entries (outputs times inputs) of a Jacobian built by finite differences (200 MB in float64)."""
@@ -42,6 +42,10 @@ class BlackBoxAdapter(_base.Adapter):
 
     def constant_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
         return constant_like_x(leaf, like)
+
+    def run(self, fn: Fn, leaves: Leaves) -> tuple[Any, Any]:
+        """f at ``leaves``, guarded (:func:`run_f`)."""
+        return run_f(fn, leaves, self.backend.name)  # type: ignore[no-any-return]
 
     def compile(
         self,
@@ -117,15 +121,6 @@ def _watch_of(fn: Any) -> _Watch:
     return watch  # type: ignore[no-any-return]
 
 
-def _read_only(array: Any) -> Any:
-    """A read-only view of a numpy array (other leaves as they are)."""
-    if type(array) is np.ndarray:
-        view = array.view()
-        view.flags.writeable = False
-        return view
-    return array
-
-
 def _version(tensor: Any) -> int | None:
     try:
         return tensor._version  # type: ignore[no-any-return]
@@ -133,20 +128,18 @@ def _version(tensor: Any) -> int | None:
         return None
 
 
-def _is_read_only_write(exc: BaseException) -> bool:
-    return type(exc) is ValueError and str(exc).endswith("read-only")
-
-
 def run_f(fn: Any, leaves: Leaves, backend_name: str, batched: bool = False) -> Any:
     """``fn(leaves)`` (or ``fn.batched``) under ``torch.no_grad()``, refusing writes into the
     leaves (handed read-only or watched) and into the call's Constants."""
     watch = _watch_of(fn)
-    tensors = [(t, _version(t)) for t in leaves if _arrays.kind(t) == "torch"] if "torch" in sys.modules else []
+    torch = sys.modules.get("torch")
+    tensors = [(t, _version(t)) for t in leaves if _arrays.kind(t) == "torch"] if torch is not None else []
     try:
-        with _no_grad():
+        with torch.no_grad() if torch is not None else contextlib.nullcontext():  # (f is evaluated, never traced)
             out = fn.batched(leaves) if batched else fn(leaves)
     except ValueError as exc:
-        if _is_read_only_write(exc) and (watch.numpy_constants or any(type(a) is np.ndarray for a in leaves)):
+        read_only_write = type(exc) is ValueError and str(exc).endswith("read-only")
+        if read_only_write and (watch.numpy_constants or any(type(a) is np.ndarray for a in leaves)):
             what = "its input x or a di.Constant" if watch.numpy_constants else "its input x"
             raise MutationError(
                 f"f wrote into {what} (numpy: {exc!s}), which it must only read. The {backend_name} backend "
@@ -236,7 +229,7 @@ def constant_like_x(leaf: Any, like: Any) -> tuple[Any, bool]:
             return context_like_x(leaf, like)  # jax copies into an immutable array
         if target != "torch":
             _pending_watch().numpy_constants = True
-            return _read_only(leaf), True
+            return read_only(leaf), True
         tensor = _arrays.from_numpy(np.array(leaf), like, dtype=_same_dtype(leaf, like))
     elif _arrays.kind(leaf) == "torch":
         tensor = leaf.detach().clone()
@@ -316,7 +309,7 @@ class _Point:
                 leaves.append(complex(piece.item()) if complex_step else float(piece.item()))
                 continue
             dtype = _complex_dtype(like) if complex_step else None
-            leaves.append(_read_only(_arrays.from_numpy(piece, like, dtype=dtype)))
+            leaves.append(read_only(_arrays.from_numpy(piece, like, dtype=dtype)))
         return tuple(leaves)
 
     def batch_leaves(self, points: np.ndarray) -> Leaves:
@@ -327,10 +320,10 @@ class _Point:
         for i, like in enumerate(self.likes):
             piece = points[:, self.offsets[i] : self.offsets[i + 1]].reshape((k, *self.shapes[i]))
             if isinstance(like, float):
-                leaves.append(_read_only(piece))
+                leaves.append(read_only(piece))
                 continue
             dtype = _complex_dtype(like) if complex_step else None
-            leaves.append(_read_only(_arrays.from_numpy(piece, like, dtype=dtype)))
+            leaves.append(read_only(_arrays.from_numpy(piece, like, dtype=dtype)))
         return tuple(leaves)
 
     def steps(self, power: float, fixed: float | None, exact: bool = True) -> np.ndarray:
@@ -471,12 +464,6 @@ def _largest(tensor: Any) -> float:
     return float(largest)
 
 
-def _flat_tangent(touts: Any) -> np.ndarray:
-    """A cotangent, shaped as f's output, as one float64 vector (what a vjp multiplies J by)."""
-    arrays = [np.reshape(np.asarray(_arrays.to_numpy(leaf), dtype=np.float64), -1) for leaf in _base.as_tuple(touts)]
-    return np.concatenate(arrays) if arrays else np.zeros(0)
-
-
 def _times_non_finite(column: np.ndarray, t: float) -> np.ndarray:
     """``column * t`` for a non-finite ``t``, with exact zeros of ``column`` (outputs that do not
     depend on that input) kept 0, as a forward-mode engine gives them."""
@@ -573,14 +560,3 @@ def _hessian_blocks(matrix: np.ndarray, point: _Point) -> Blocks:
         )
         for i in range(len(point.shapes))
     )
-
-
-@contextlib.contextmanager
-def _no_grad() -> Iterator[None]:
-    """``torch.no_grad()`` when torch is loaded: f is evaluated, never traced."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        yield
-        return
-    with torch.no_grad():
-        yield

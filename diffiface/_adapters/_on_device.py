@@ -2,10 +2,8 @@
 committed to one other than the default): every perturbed point is made on x's devices, with
 x's sharding, and the differences are taken there; nothing goes through the host.
 
-The steps are those of the numpy path: ``eps**p * max(1, |x_i|)`` per coordinate for a gradient
-(rounded so that ``x_i + h`` is exact), and along a tangent ``t`` the largest ``s`` with
-``s |t_i| <= eps**p * max(1, |x_i|)`` on every input that ``t`` moves.
-The arithmetic runs in small compiled programs (jax's eager arithmetic would send Python
+The steps are those of the numpy path (:mod:`.finite_differences`, per coordinate and along a
+tangent). The arithmetic runs in small compiled programs (jax's eager arithmetic would send Python
 constants from the host); a coordinate's index goes to the devices explicitly, a few bytes.
 Only the first-order operators of a scalar ``f`` (gradient) and of any ``f`` along a tangent
 (jvp, derivative) take this path; the others build matrices in numpy.
@@ -92,22 +90,19 @@ def _programs() -> Any:
     def quotient(a: Any, b: Any, h: Any, divisor: int, zero: Any) -> Any:
         return jnp.where(zero, jnp.zeros_like(a), (a - b) / (divisor * h).astype(a.dtype))
 
-    return steps, bumped, assemble, subtract, tangent_step, along, quotient
+    @functools.partial(jax.jit)
+    def all_finite(ts: Any) -> Any:
+        return jnp.all(jnp.stack([jnp.all(jnp.isfinite(t)) for t in ts] or [jnp.bool_(True)]))
+
+    return steps, bumped, assemble, subtract, tangent_step, along, quotient, all_finite
 
 
 def finite(txs: Leaves) -> bool:
     """Whether every entry of the tangent is finite: one boolean comes back, by an explicit
     ``jax.device_get`` (a non-finite entry takes the numpy path, which gives ``J[:, i] * t_i``
     as forward mode would)."""
-    jax = sys.modules["jax"]
-    return bool(jax.device_get(_finite_program()(tuple(txs))))
-
-
-@functools.cache
-def _finite_program() -> Any:
-    jax = sys.modules["jax"]
-    jnp = sys.modules["jax.numpy"]
-    return jax.jit(lambda ts: jnp.all(jnp.stack([jnp.all(jnp.isfinite(t)) for t in ts] or [jnp.bool_(True)])))
+    *_, all_finite = _programs()
+    return bool(sys.modules["jax"].device_get(all_finite(tuple(txs))))
 
 
 def _index(i: int, like: Any) -> Any:
@@ -160,7 +155,7 @@ def _leaf_gradient(fn: Fn, xs: Leaves, k: int, method: str, value: Any, run: Run
 
 def value_and_pushforward(fn: Fn, xs: Leaves, txs: Leaves, method: str, run: Run) -> tuple[Any, Any, Any]:
     jax = sys.modules["jax"]
-    *_, tangent_step, along, quotient = _programs()
+    *_, tangent_step, along, quotient, _ = _programs()
     h, zero = tangent_step(tuple(xs), tuple(txs), _POWER[method])
     evaluated = Deferred(lambda: run(fn, tuple(xs)))
 

@@ -46,7 +46,6 @@ from ._black_box import (
     BlackBoxAdapter,
     _blocks,
     _fit,
-    _flat_tangent,
     _flatten_out,
     _hessian_blocks,
     _inside_torch,
@@ -97,10 +96,6 @@ class Adapter(BlackBoxAdapter):
         check_size(self.backend, xs, operator, limit, why)
 
     # -- evaluations ----------------------------------------------------------------------------
-
-    def run(self, fn: Fn, leaves: Leaves) -> tuple[Any, Any]:
-        """f at ``leaves``, guarded (:func:`run_f`)."""
-        return run_f(fn, leaves, self.backend.name)  # type: ignore[no-any-return]
 
     def _evaluate(self, fn: Fn, point: _Point, vector: np.ndarray, layout: _Layout | None = None) -> np.ndarray:
         """``f`` at ``vector``, flat, in float64 (the imaginary part for a complex step).
@@ -206,12 +201,7 @@ class Adapter(BlackBoxAdapter):
                     f"leaf of x) and must return one output per point; it returned shape {array.shape}. Reduce "
                     "over the other axes only (say .sum(axis=-1)), or use vectorize=False."
                 )
-        found = _Layout((a.shape[1:], _real_dtype(a.dtype)) for a in arrays)
-        found.tuple_out = layout.tuple_out if layout else len(arrays) != 1
-        if layout:
-            _fit(layout, found)
-        else:
-            layout.extend(found)
+        _fit(layout, _Layout((a.shape[1:], _real_dtype(a.dtype)) for a in arrays))
         flat = np.concatenate([a.reshape(k, -1) for a in arrays], axis=1) if arrays else np.zeros((k, 0))
         return self._real(flat, points, arrays)
 
@@ -253,7 +243,7 @@ class Adapter(BlackBoxAdapter):
 
     def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
         out, aux, matrix, point, _ = self._matrix(fn, xs, "A vjp (through the whole Jacobian)")
-        return out, aux, lambda touts: _split(_flat_tangent(touts) @ matrix, point)
+        return out, aux, lambda touts: _split(_flatten_out(touts)[0] @ matrix, point)
 
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
         if _sharded_torch(xs) or _sharded_torch(txs):
@@ -310,9 +300,8 @@ class Adapter(BlackBoxAdapter):
                 "the product that forward mode would (inf or NaN only where f depends on those entries). "
                 "Pass a finite tangent."
             )
-        name = self.backend.name
         # f(x) on copies (f may not reach the caller's x), made only where f(x) is asked for
-        evaluated = Deferred(lambda: run_f(fn, tuple(x.clone() for x in xs), name))
+        evaluated = Deferred(lambda: self.run(fn, tuple(x.clone() for x in xs)))
         if scale_t == 0.0:
             out = _base.force(evaluated.force()[0])
             zeros = tuple(torch.zeros_like(y) for y in as_tuple(out))
@@ -326,7 +315,7 @@ class Adapter(BlackBoxAdapter):
             h = eps ** _POWER[self.method] / ratio
 
         def at(sign: int) -> Any:
-            return run_f(fn, tuple(x + (sign * h) * t for x, t in zip(xs, txs, strict=True)), name)[0]
+            return self.run(fn, tuple(x + (sign * h) * t for x, t in zip(xs, txs, strict=True)))[0]
 
         def value() -> Any:
             return _base.force(evaluated.force()[0])

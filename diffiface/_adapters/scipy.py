@@ -29,7 +29,6 @@ from ._black_box import (
     BlackBoxAdapter,
     _blocks,
     _fit,
-    _flat_tangent,
     _flatten_out,
     _hessian_blocks,
     _Layout,
@@ -38,7 +37,6 @@ from ._black_box import (
     _split_out,
     _times_non_finite,
     check_size,
-    run_f,
 )
 
 MAX_INPUTS = 1_000
@@ -53,8 +51,6 @@ _STATUS = {
     -3: "f gave a non-finite value at a point it evaluated (a step that left f's domain, or an overflow)",
 }
 """scipy.differentiate's failed statuses, in words."""
-
-_NAME = "scipy"
 
 
 class Adapter(BlackBoxAdapter):
@@ -86,7 +82,7 @@ class Adapter(BlackBoxAdapter):
         the (float64) promoted point; every output must keep the shapes of f(x). The tolerance
         follows the values f takes."""
         own = _Point(xs)
-        out, aux = run_f(fn, own.leaves(own.vector), _NAME)
+        out, aux = self.run(fn, own.leaves(own.vector))
         flat, layout = _flatten_out(out)
         point = _Point(xs, promote=True)
         tolerance = _Tolerance(self.backend, point, layout)
@@ -95,7 +91,7 @@ class Adapter(BlackBoxAdapter):
             columns = v.reshape(point.size, -1)
             values = []
             for k in range(columns.shape[1]):
-                value, found = _flatten_out(run_f(fn, point.leaves(columns[:, k]), _NAME)[0])
+                value, found = _flatten_out(self.run(fn, point.leaves(columns[:, k]))[0])
                 _fit(layout, found)
                 values.append(value)
                 tolerance.saw(value)
@@ -183,7 +179,7 @@ class Adapter(BlackBoxAdapter):
 
     def pullback_function(self, fn: Fn, xs: Leaves) -> Any:
         out, aux, jac, _, point, _ = self._jacobian(fn, xs, "A vjp (through the whole Jacobian)")
-        return out, aux, lambda touts: _split(_flat_tangent(touts) @ jac, point)
+        return out, aux, lambda touts: _split(_flatten_out(touts)[0] @ jac, point)
 
     # -- second order ---------------------------------------------------------------------------
 
