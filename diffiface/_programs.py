@@ -798,7 +798,6 @@ class Run:
     records: bool = dataclasses.field(init=False)
     estimates: bool = dataclasses.field(init=False)
     parts: tuple[int, ...] = dataclasses.field(init=False)
-    passthrough: bool = dataclasses.field(init=False)
     scoped: bool = dataclasses.field(init=False)
     direct: bool = dataclasses.field(init=False)
     kept: tuple[type | None, ...] = dataclasses.field(init=False)
@@ -810,11 +809,11 @@ class Run:
         self.records = self.adapter.compiles and op.shaped_as_output
         self.estimates = self.adapter.estimates_errors
         self.parts = tuple(i for i, _ in op.parts)
-        self.passthrough = conversions.passthrough and conversions.x_native and conversions.tangent_native
         self.scoped = conversions.scoped
         # the engine takes the leaves as they are, in no scope, and nothing besides the results
         # is read (a record of f's output, an error estimate)
-        self.direct = self.passthrough and not (self.records or self.estimates or self.scoped) and self.dynamic is None
+        passthrough = conversions.passthrough and conversions.x_native and conversions.tangent_native
+        self.direct = passthrough and not (self.records or self.estimates or self.scoped) and self.dynamic is None
         self.kept = conversions.kept
 
     def __call__(
@@ -839,16 +838,11 @@ class Run:
             raise
 
     def _run(self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]) -> tuple[Any, Any]:
-        dynamic = tuple(_chain(context_leaves)) if context_leaves else ()
-        if self.passthrough and not self.records and tuple(map(type, dynamic)) == self.kept:
-            # the engine takes the leaves as they are, and no record of f's output is needed
-            result = self.finish(self.compiled(tuple(x_leaves), tuple(tangent_leaves), dynamic, None))
-        else:
-            arguments = self.conversions.native(x_leaves, tangent_leaves, context_leaves)
-            native = self.compiled(*arguments)
-            if self.records:
-                self.output.recall(arguments[3])
-            result = self.finish(native)
+        arguments = self.conversions.native(x_leaves, tangent_leaves, context_leaves)
+        native = self.compiled(*arguments)
+        if self.records:
+            self.output.recall(arguments[3])
+        result = self.finish(native)
         if not self.estimates:
             return result, None
         error = self.adapter.take_error()
