@@ -349,9 +349,7 @@ def _batch_products(
         one = without_leaves(adapter, compute[:-1])  # (value_and_pushforward, gradient_and_hvp)
         each = [one(fn, xs, group) for group in groups]
         return (*each[-1][:-1], [products[-1] for products in each])
-    if compute == "gradient_and_hvps":
-        return adapter.gradient_and_hvps(fn, xs, groups)  # type: ignore[no-any-return]
-    return adapter.value_and_pushforwards(fn, xs, groups)  # type: ignore[no-any-return]
+    return getattr(adapter, compute)(fn, xs, groups)  # type: ignore[no-any-return]
 
 
 class _Missed:
