@@ -162,6 +162,15 @@ def to_inner(leaf: Any, kind: str) -> Any:
     return family.from_numpy(array, None, None)
 
 
+def check_shape(what: str, want: tuple[int, ...], got: tuple[int, ...]) -> None:
+    """Refuse a product's result whose shape is not the one g's prep recorded."""
+    if got != want:
+        raise InvalidOutputError(
+            f"{what} of g gave a result of shape {got} where g's prep recorded {want}: f must give "
+            "results of one shape for every x of one shape."
+        )
+
+
 def _zeros(avals: Sequence[Aval], family: _families.Family) -> Leaves:
     xp = family.numpy_like()
     return [family.cast(xp.zeros(a.shape), a.dtype) for a in avals]
