@@ -719,7 +719,15 @@ class JitProgram:
         elif self.mirror is not None:
             after = self.mirror
         elif self.records:
-            after = _Recalled(self.output, self.finish)
+            # a program from jit's cache does not evaluate f: the record of its trace is made the
+            # current one before the finisher reads it (the program has no static argument)
+            output, finish = self.output, self.finish
+
+            def recalled(out: Any) -> Any:
+                output.recall(None)
+                return finish(out)
+
+            after = recalled
         else:
             after = self.finish
         self.after = after
@@ -760,21 +768,6 @@ class _Rebuilt:
         x_rebuild = self.x_rebuild
         rows = [x_rebuild(row) for row in value]
         return self.y_rebuild(rows) if self.kind == "jacobian" else x_rebuild(rows)
-
-
-class _Recalled:
-    """The finisher of a compiled program's result where it reads the record of f's output: a
-    program from jit's cache does not evaluate f, so the record of its trace is made the current
-    one first (the program has no static argument)."""
-
-    __slots__ = ("finish", "output")
-
-    def __init__(self, output: _Output, finish: Callable[[Any], Any]) -> None:
-        self.output, self.finish = output, finish
-
-    def __call__(self, out: Any) -> Any:
-        self.output.recall(None)
-        return self.finish(out)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
