@@ -715,7 +715,7 @@ class JitProgram:
         elif self.x_rebuild is not None and self.kind == "x":
             after = self.x_rebuild
         elif self.x_rebuild is not None:  # (the trace recorded f's output: its structure)
-            after = _Rebuilt(self.kind, _rebuilder(self.output.spec), self.x_rebuild)
+            after = _rebuilt(self.kind, _rebuilder(self.output.spec), self.x_rebuild)
         elif self.mirror is not None:
             after = self.mirror
         elif self.records:
@@ -752,22 +752,18 @@ def _fields_only(backend: Any) -> dict[str, Any] | None:
         return None
 
 
-class _Rebuilt:
+def _rebuilt(kind: str, y_rebuild: Callable[[Any], Any], x_rebuild: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """A jvp's result (``kind`` ``"y"``), a Jacobian's or a Hessian's, whose blocks need no
     conversion (:class:`JitProgram`), rebuilt into the trees of f's output and of x."""
 
-    __slots__ = ("kind", "x_rebuild", "y_rebuild")
-
-    def __init__(self, kind: str, y_rebuild: Callable[[Any], Any], x_rebuild: Callable[[Any], Any]) -> None:
-        self.kind, self.y_rebuild, self.x_rebuild = kind, y_rebuild, x_rebuild
-
-    def __call__(self, out: Any) -> Any:
+    def rebuilt(out: Any) -> Any:
         value = out[0]
-        if self.kind == "y":
-            return self.y_rebuild(value)
-        x_rebuild = self.x_rebuild
+        if kind == "y":
+            return y_rebuild(value)
         rows = [x_rebuild(row) for row in value]
-        return self.y_rebuild(rows) if self.kind == "jacobian" else x_rebuild(rows)
+        return y_rebuild(rows) if kind == "jacobian" else x_rebuild(rows)
+
+    return rebuilt
 
 
 @dataclasses.dataclass(slots=True, eq=False)
