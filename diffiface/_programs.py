@@ -349,9 +349,7 @@ def _batch_products(
         one = without_leaves(adapter, compute[:-1])  # (value_and_pushforward, gradient_and_hvp)
         each = [one(fn, xs, group) for group in groups]
         return (*each[-1][:-1], [products[-1] for products in each])
-    if compute == "gradient_and_hvps":
-        return adapter.gradient_and_hvps(fn, xs, groups)  # type: ignore[no-any-return]
-    return adapter.value_and_pushforwards(fn, xs, groups)  # type: ignore[no-any-return]
+    return getattr(adapter, compute)(fn, xs, groups)  # type: ignore[no-any-return]
 
 
 class _Missed:
@@ -717,11 +715,19 @@ class JitProgram:
         elif self.x_rebuild is not None and self.kind == "x":
             after = self.x_rebuild
         elif self.x_rebuild is not None:  # (the trace recorded f's output: its structure)
-            after = _Rebuilt(self.kind, _rebuilder(self.output.spec), self.x_rebuild)
+            after = _rebuilt(self.kind, _rebuilder(self.output.spec), self.x_rebuild)
         elif self.mirror is not None:
             after = self.mirror
         elif self.records:
-            after = _Recalled(self.output, self.finish)
+            # a program from jit's cache does not evaluate f: the record of its trace is made the
+            # current one before the finisher reads it (the program has no static argument)
+            output, finish = self.output, self.finish
+
+            def recalled(out: Any) -> Any:
+                output.recall(None)
+                return finish(out)
+
+            after = recalled
         else:
             after = self.finish
         self.after = after
@@ -746,37 +752,18 @@ def _fields_only(backend: Any) -> dict[str, Any] | None:
         return None
 
 
-class _Rebuilt:
+def _rebuilt(kind: str, y_rebuild: Callable[[Any], Any], x_rebuild: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """A jvp's result (``kind`` ``"y"``), a Jacobian's or a Hessian's, whose blocks need no
     conversion (:class:`JitProgram`), rebuilt into the trees of f's output and of x."""
 
-    __slots__ = ("kind", "x_rebuild", "y_rebuild")
-
-    def __init__(self, kind: str, y_rebuild: Callable[[Any], Any], x_rebuild: Callable[[Any], Any]) -> None:
-        self.kind, self.y_rebuild, self.x_rebuild = kind, y_rebuild, x_rebuild
-
-    def __call__(self, out: Any) -> Any:
+    def rebuilt(out: Any) -> Any:
         value = out[0]
-        if self.kind == "y":
-            return self.y_rebuild(value)
-        x_rebuild = self.x_rebuild
+        if kind == "y":
+            return y_rebuild(value)
         rows = [x_rebuild(row) for row in value]
-        return self.y_rebuild(rows) if self.kind == "jacobian" else x_rebuild(rows)
+        return y_rebuild(rows) if kind == "jacobian" else x_rebuild(rows)
 
-
-class _Recalled:
-    """The finisher of a compiled program's result where it reads the record of f's output: a
-    program from jit's cache does not evaluate f, so the record of its trace is made the current
-    one first (the program has no static argument)."""
-
-    __slots__ = ("finish", "output")
-
-    def __init__(self, output: _Output, finish: Callable[[Any], Any]) -> None:
-        self.output, self.finish = output, finish
-
-    def __call__(self, out: Any) -> Any:
-        self.output.recall(None)
-        return self.finish(out)
+    return rebuilt
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -798,7 +785,6 @@ class Run:
     records: bool = dataclasses.field(init=False)
     estimates: bool = dataclasses.field(init=False)
     parts: tuple[int, ...] = dataclasses.field(init=False)
-    passthrough: bool = dataclasses.field(init=False)
     scoped: bool = dataclasses.field(init=False)
     direct: bool = dataclasses.field(init=False)
     kept: tuple[type | None, ...] = dataclasses.field(init=False)
@@ -810,11 +796,11 @@ class Run:
         self.records = self.adapter.compiles and op.shaped_as_output
         self.estimates = self.adapter.estimates_errors
         self.parts = tuple(i for i, _ in op.parts)
-        self.passthrough = conversions.passthrough and conversions.x_native and conversions.tangent_native
         self.scoped = conversions.scoped
         # the engine takes the leaves as they are, in no scope, and nothing besides the results
         # is read (a record of f's output, an error estimate)
-        self.direct = self.passthrough and not (self.records or self.estimates or self.scoped) and self.dynamic is None
+        passthrough = conversions.passthrough and conversions.x_native and conversions.tangent_native
+        self.direct = passthrough and not (self.records or self.estimates or self.scoped) and self.dynamic is None
         self.kept = conversions.kept
 
     def __call__(
@@ -839,16 +825,11 @@ class Run:
             raise
 
     def _run(self, x_leaves: list[Any], tangent_leaves: list[Any], context_leaves: list[list[Any]]) -> tuple[Any, Any]:
-        dynamic = tuple(_chain(context_leaves)) if context_leaves else ()
-        if self.passthrough and not self.records and tuple(map(type, dynamic)) == self.kept:
-            # the engine takes the leaves as they are, and no record of f's output is needed
-            result = self.finish(self.compiled(tuple(x_leaves), tuple(tangent_leaves), dynamic, None))
-        else:
-            arguments = self.conversions.native(x_leaves, tangent_leaves, context_leaves)
-            native = self.compiled(*arguments)
-            if self.records:
-                self.output.recall(arguments[3])
-            result = self.finish(native)
+        arguments = self.conversions.native(x_leaves, tangent_leaves, context_leaves)
+        native = self.compiled(*arguments)
+        if self.records:
+            self.output.recall(arguments[3])
+        result = self.finish(native)
         if not self.estimates:
             return result, None
         error = self.adapter.take_error()

@@ -64,16 +64,6 @@ def inner_kind(backend: Backend) -> str:
     return _families.HOST.NAME if row.any_array_type else _arrays.by_kind(row.arrays).NAME
 
 
-def _inner_family(backend: Backend) -> _families.Family:
-    """The family of f's arrays under ``backend``, its engine's modules imported (f's arrays
-    may be made here before the engine's adapter is)."""
-    from .._adapters import info
-
-    for module in info(backend).requires:
-        importlib.import_module(module)
-    return _arrays.by_kind(inner_kind(backend))
-
-
 def nestable(backend: Backend) -> bool:
     """Whether ``backend`` can differentiate its own derivatives (second order through g)."""
     if isinstance(backend, AutoSparse):
@@ -162,9 +152,13 @@ def to_inner(leaf: Any, kind: str) -> Any:
     return family.from_numpy(array, None, None)
 
 
-def _zeros(avals: Sequence[Aval], family: _families.Family) -> Leaves:
-    xp = family.numpy_like()
-    return [family.cast(xp.zeros(a.shape), a.dtype) for a in avals]
+def check_shape(what: str, want: tuple[int, ...], got: tuple[int, ...]) -> None:
+    """Refuse a product's result whose shape is not the one g's prep recorded."""
+    if got != want:
+        raise InvalidOutputError(
+            f"{what} of g gave a result of shape {got} where g's prep recorded {want}: f must give "
+            "results of one shape for every x of one shape."
+        )
 
 
 def aval_of(leaf: Any) -> Aval:
@@ -269,8 +263,14 @@ class Inner:
     def __init__(self, f: Callable[..., Any], backend: Backend) -> None:
         self.f = f
         self.backend = backend
+        from .._adapters import info
+
         self.kind = inner_kind(backend)
-        self.family = _inner_family(backend)
+        # the family of f's arrays, its engine's modules imported (f's arrays may be made here
+        # before the engine's adapter is)
+        for module in info(backend).requires:
+            importlib.import_module(module)
+        self.family = _arrays.by_kind(self.kind)
         self.nestable = nestable(backend)
         # f(x) compiled once per set of contexts, for jax with jit: (contexts, program) pairs
         self._programs: list[tuple[tuple[Context[Any], ...], Callable[..., Any]]] = []
@@ -385,15 +385,17 @@ class Inner:
         sparse), else one product each."""
         batch = int(_arrays.shape(linear[0])[0]) if linear else 0
         avals = plan.y_avals if jvp else plan.x_avals
+        xp = self.family.numpy_like()
         if self._by_jacobian(plan, batch):
             jac = self._flat_jacobian(plan, x, contexts)
-            flat = self._stack_flat([t.reshape(batch, -1) for t in linear], axis=1)  # (batch, n) or (batch, m)
+            flat = xp.concatenate([t.reshape(batch, -1) for t in linear], axis=1)  # (batch, n) or (batch, m)
             # conj(J)ᵀ c, the vjp of docs/complex.md (for a holomorphic f: J's conjugate transpose)
             products = (jac @ flat.T).T if jvp else _conj((jac.T @ _conj(flat).T).T)
-            return self._split(products, avals, batch)
+            pieces = _split_vector(products.T, list(itertools.accumulate(a.size for a in avals))[:-1])
+            return [p.T.reshape((batch, *a.shape)) for p, a in zip(pieces, avals, strict=True)]
         product = self.jvp if jvp else self.vjp
         rows = [product(plan, x, [t[b] for t in linear], contexts) for b in range(batch)]
-        return self._stack_rows(rows, len(avals))
+        return [xp.stack([row[i] for row in rows]) for i in range(len(avals))]
 
     def second_jvp(self, plan: Plan, x: Leaves, t1: Leaves, t2: Leaves, contexts: Sequence[Context[Any]]) -> Leaves:
         """D²f(x)[t1, t2], y-shaped: the jvp along t2 of x -> jvp(f, x, t1)."""
@@ -453,18 +455,9 @@ class Inner:
 
         vector = xp.concatenate([leaf.reshape((-1,)) for leaf in x])
         jac = di.jacobian(flat_f, self.backend, vector, *contexts)
-        return _sparse_as_matrix(jac)
-
-    def _stack_flat(self, pieces: Leaves, axis: int) -> Any:
-        return self.family.numpy_like().concatenate(pieces, axis=axis)
-
-    def _split(self, products: Any, avals: Sequence[Aval], batch: int) -> Leaves:
-        pieces = _split_vector(products.T, list(itertools.accumulate(a.size for a in avals))[:-1])
-        return [p.T.reshape((batch, *a.shape)) for p, a in zip(pieces, avals, strict=True)]
-
-    def _stack_rows(self, rows: list[Leaves], count: int) -> Leaves:
-        xp = self.family.numpy_like()
-        return [xp.stack([row[i] for row in rows]) for i in range(count)]
+        # (a Jacobian that takes ``@`` with a dense matrix on both sides: scipy and jax sparse do;
+        # torch's sparse compressed layouts do with ``.T`` through ``to_sparse_coo``)
+        return jac.to_sparse_coo() if getattr(jac, "is_sparse_csr", False) else jac
 
 
 def _conjugated(leaves: Sequence[Any]) -> list[Any]:
@@ -491,14 +484,6 @@ def _split_vector(vector: Any, cuts: list[int]) -> Leaves:
     return pieces
 
 
-def _sparse_as_matrix(jac: Any) -> Any:
-    """A Jacobian that supports ``@`` with a dense matrix on both sides (scipy and jax sparse do;
-    torch's sparse compressed layouts do with ``.T`` through ``to_sparse_coo``)."""
-    if getattr(jac, "is_sparse_csr", False):
-        return jac.to_sparse_coo()
-    return jac
-
-
 # --- probing the shape of f(x) ------------------------------------------------------------------
 
 
@@ -520,7 +505,9 @@ def probe_avals(inner: Inner, x_spec: Any, x_avals: tuple[Aval, ...], contexts: 
             out = inner.family.eval_shape(lambda *leaves: inner.f(x_spec.unflatten(list(leaves)), *values), shapes)
             abstract = out is not None  # (else: no abstract evaluation in this family, f at zeros)
             if not abstract:
-                out = _concrete(inner.backend, inner.f(x_spec.unflatten(_zeros(x_avals, inner.family)), *values))
+                family = inner.family
+                zeros = [family.cast(family.numpy_like().zeros(a.shape), a.dtype) for a in x_avals]
+                out = _concrete(inner.backend, inner.f(x_spec.unflatten(zeros), *values))
     except DiffifaceError:
         raise
     except Exception as exc:

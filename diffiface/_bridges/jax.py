@@ -26,7 +26,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from .. import _arrays
-from ._inner import Aval, Site, beyond_second_order, check_nests, to_inner
+from ._inner import Aval, Site, beyond_second_order, check_nests, check_shape, to_inner
 
 __all__ = ["call"]
 
@@ -86,19 +86,9 @@ def _as_results(primitive: Primitive, site: Site, batch: int, outs: list[Any]) -
     results = []
     for out, aval in zip(outs, avals, strict=True):
         array = np.asarray(_arrays.to_numpy(out), dtype=aval.dtype)
-        if array.shape != aval.shape:
-            raise _shape_error(primitive, aval.shape, array.shape)
+        check_shape(primitive.name, aval.shape, array.shape)
         results.append(array)
     return results
-
-
-def _shape_error(primitive: Primitive, want: tuple[int, ...], got: tuple[int, ...]) -> Exception:
-    from .._errors import InvalidOutputError
-
-    return InvalidOutputError(
-        f"{primitive.name} of g gave a result of shape {got} where g's prep recorded {want}: f must give "
-        "results of one shape for every x of one shape."
-    )
 
 
 def _eager(primitive: Primitive, *arrays: Any, site: Site, batch: int) -> list[Any]:
@@ -119,8 +109,7 @@ def _eager(primitive: Primitive, *arrays: Any, site: Site, batch: int) -> list[A
                 array = jnp.array(_arrays.to_numpy(shared))
         else:
             array = jnp.asarray(np.asarray(_arrays.to_numpy(out), dtype=aval.dtype))
-        if tuple(array.shape) != aval.shape:
-            raise _shape_error(primitive, aval.shape, tuple(array.shape))
+        check_shape(primitive.name, aval.shape, tuple(array.shape))
         results.append(array)
     return results
 

@@ -23,7 +23,7 @@ import torch.utils.dlpack
 
 from .. import _arrays
 from .. import tree as _tree
-from ._inner import Aval, Site, beyond_second_order, check_nests, to_inner, traced_refusal
+from ._inner import Aval, Site, beyond_second_order, check_nests, check_shape, to_inner, traced_refusal
 
 __all__ = ["call"]
 
@@ -93,7 +93,7 @@ def _bridge(what: str, site_name: str, batch: int, args: list[torch.Tensor]) -> 
                 raise traced_refusal("f reads a value that", "a torch tensor that requires grad") from exc
             raise
         results = [
-            _to_torch(out, aval, device) for out, aval in zip(outs, site.plan.out_avals(what, batch), strict=True)
+            _to_torch(what, out, aval, device) for out, aval in zip(outs, site.plan.out_avals(what, batch), strict=True)
         ]
     inputs = {a.untyped_storage().data_ptr() for a in args if a.numel()}
     # an op's results may not share memory with its inputs (f returned its input, or a view of it)
@@ -113,7 +113,7 @@ def _autograd_on() -> Iterator[None]:
         yield
 
 
-def _to_torch(out: Any, aval: Aval, device: torch.device) -> torch.Tensor:
+def _to_torch(what: str, out: Any, aval: Aval, device: torch.device) -> torch.Tensor:
     family = _arrays.family_of(out)
     shared = None if family is None else family.exchange(out)
     if isinstance(out, torch.Tensor):
@@ -127,13 +127,7 @@ def _to_torch(out: Any, aval: Aval, device: torch.device) -> torch.Tensor:
         # a copy: a black box may return a buffer of its own that it writes again on its next call
         tensor = torch.from_numpy(np.array(out))
     tensor = tensor.to(device=device, dtype=_torch_dtype(aval.dtype))
-    if tuple(tensor.shape) != aval.shape:
-        from .._errors import InvalidOutputError
-
-        raise InvalidOutputError(
-            f"g's product gave a result of shape {tuple(tensor.shape)} where g's prep recorded {aval.shape}: f "
-            "must give results of one shape for every x of one shape."
-        )
+    check_shape(what, aval.shape, tuple(tensor.shape))
     return tensor  # type: ignore[no-any-return]
 
 
