@@ -17,7 +17,7 @@ differentiates complex numbers, in its ``complex_convention`` field:
   sees each complex leaf as two real leaves, its real and imaginary parts.
 
 :func:`adapter_for_call` wraps an adapter in :class:`ComplexAdapter` for the calls that need it;
-the conversions themselves are :func:`to_convention` (an engine's own results), :class:`_Split`
+the conversions themselves are :func:`_conjugated` (an engine's own results), :class:`_Split`
 (complex leaves as their two real parts and back) and :func:`complex_blocks` (Jacobians). Jacobians, derivatives and Hessian-vector products are computed on the
 split function on every engine, so that no mode of any engine needs its own conversion.
 """
@@ -239,16 +239,11 @@ def _tolerance(dtype: str, exact: bool) -> float:
 # -- conversions --------------------------------------------------------------------------------------
 
 
-def to_convention(part: str, convention: Convention, values: Leaves) -> Leaves:
-    """An engine's ``gradient``, ``vjp`` or ``cotangent`` leaves in the convention (or, for a
-    cotangent, as the engine takes it). ``jvp`` needs nothing: every engine agrees on it."""
-    if convention == "conjugate" and part in ("gradient", "vjp", "cotangent"):
-        return tuple(_conj(v) if is_complex(v) else v for v in values)
-    return values
-
-
-def _conj(leaf: Any) -> Any:
-    return (_arrays.family_of(leaf) or _families.HOST).conj(leaf)
+def _conjugated(values: Leaves) -> Leaves:
+    """A ``"conjugate"`` engine's gradient or vjp leaves in the convention, or a cotangent's as
+    the engine takes it: each complex leaf conjugated. ``jvp`` needs nothing: every engine agrees
+    on it."""
+    return tuple((_arrays.family_of(v) or _families.HOST).conj(v) if is_complex(v) else v for v in values)
 
 
 def as_complex(leaf: Any, dtype: str) -> Any:
@@ -524,7 +519,7 @@ class ComplexAdapter:
             self._errors(lambda e: (e[0], e[1], x_split.join(e[2])))
             return value, aux, x_split.join(grads)
         value, aux, grads = self._inner.value_and_gradient(fn, xs)
-        return value, aux, to_convention("gradient", self._convention, tuple(grads))
+        return value, aux, _conjugated(grads) if self._convention == "conjugate" else tuple(grads)
 
     def value_and_pushforward(self, fn: Callable[[Leaves], Any], xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
         # (every engine's jvp is the directional derivative; a split engine's too, of real outputs)
@@ -545,9 +540,9 @@ class ComplexAdapter:
             out, aux, vjp = self._inner.pullback_function(fn, xs)
 
             def pullback(touts: Any) -> Leaves:
-                engine = to_convention("cotangent", convention, touts if isinstance(touts, tuple) else (touts,))
+                engine = _conjugated(touts if isinstance(touts, tuple) else (touts,))
                 grads = vjp(engine if isinstance(touts, tuple) else engine[0])
-                return to_convention("vjp", convention, tuple(grads))
+                return _conjugated(grads)
 
             return out, aux, pullback
         if self.real_outputs:
