@@ -225,9 +225,6 @@ def _layout(leaf: Any) -> _placement.Layout | None:
     return None if family is None else family.layout(leaf)  # type: ignore[no-any-return]
 
 
-_PRECISION = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64}
-
-
 def promoted_dtype(a: str | None, b: str | None) -> str | None:
     """The dtype of a derivative relating a leaf of dtype ``a`` to one of dtype ``b``: the wider
     of the two, so that no precision is lost on either side (float16 with bfloat16 gives
@@ -239,7 +236,7 @@ def promoted_dtype(a: str | None, b: str | None) -> str | None:
         return a
     if "complex" in a or "complex" in b:
         return _complex.promoted(a, b)
-    width = max(_PRECISION.get(a, 64), _PRECISION.get(b, 64))
+    width = max(_arrays.FLOAT_WIDTHS.get(a, 64), _arrays.FLOAT_WIDTHS.get(b, 64))
     return "float64" if width == 64 else "float32"
 
 

@@ -195,9 +195,6 @@ def ravel(tree: PyTree) -> tuple[Any, Callable[[Any], PyTree]]:
     return flat, unravel
 
 
-_WIDTH = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64}
-
-
 def _check_vector(vector: Any, own: _families.Family, size: int, flat_dtype: str) -> None:
     """What unravel takes: a real vector of the raveled tree's size and array type (the host's
     for Python numbers), at least as precise as the raveled vector, so that no leaf comes back of
@@ -218,7 +215,7 @@ def _check_vector(vector: Any, own: _families.Family, size: int, flat_dtype: str
             f"unravel takes a real vector; got dtype {dtype}, whose imaginary part would be dropped. "
             "Pass the real and imaginary parts separately."
         )
-    if _WIDTH.get(dtype, 64) < _WIDTH.get(flat_dtype, 0):
+    if _arrays.FLOAT_WIDTHS.get(dtype, 64) < _arrays.FLOAT_WIDTHS.get(flat_dtype, 0):
         raise InvalidInputError(
             f"unravel takes a vector of dtype {flat_dtype}, as tree.ravel returned; got {dtype}, which "
             f"would come back as {flat_dtype} leaves holding {dtype} precision. Cast it to {flat_dtype} first."
