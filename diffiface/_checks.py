@@ -13,7 +13,7 @@ from . import tree as _tree
 from ._adapters import info
 from ._adapters._base import Adapter, refuse_a_moved_output
 from ._backends import Backend, SecondOrder
-from ._call import _ARRAY_KINDS, _LEAF, OPERATORS, Call, Operator, _DynamicView, _Output
+from ._call import _ARRAY_KINDS, _LEAF, Call, Operator, _DynamicView, _Output
 from ._errors import ArrayTypeError, InvalidInputError, InvalidOutputError, TangentMismatchError
 from ._prep import Signature
 
@@ -176,17 +176,31 @@ def _check_tangent_kinds(op: Operator, backend: Backend, any_array_type: bool, c
 
 
 def _check_tangent_like_x(op: Operator, call: Call) -> None:
-    sig = call.signature
-    if op.batch:
-        _check_batch_like_x(op, call)
+    """The tangent has x's structure, shapes and dtypes; so has each tangent of a batch, named
+    by its place in the batch."""
+    spec = call.signature.tangent_spec
+    if not op.batch:
+        _check_one_tangent(op.name, call, spec, call.tangent_leaves)
         return
-    if sig.tangent_spec != sig.x_spec:
+    start = 0
+    for k, one in enumerate(spec.children()):
+        leaves = call.tangent_leaves[start : start + one.num_leaves]
+        start += one.num_leaves
+        try:
+            _check_one_tangent(op.name.replace("batched_", ""), call, one, leaves)
+        except TangentMismatchError as exc:
+            raise TangentMismatchError(f"Tangent {k} of the batch: {exc}") from None
+
+
+def _check_one_tangent(name: str, call: Call, spec: Any, leaves: list[Any]) -> None:
+    x_spec = call.signature.x_spec
+    if spec != x_spec:
         static = " (None at the leaves of x that are not differentiated)" if isinstance(call, _DynamicView) else ""
         raise TangentMismatchError(
-            f"The tangent of {op.name} must have the structure of x{static}, {sig.x_spec}; it has {sig.tangent_spec}."
+            f"The tangent of {name} must have the structure of x{static}, {x_spec}; it has {spec}."
         )
-    paths = [_tree.path_string(p) for p in sig.x_spec.paths()]
-    for path, x, t in zip(paths, call.x_leaves, call.tangent_leaves, strict=True):
+    paths = [_tree.path_string(p) for p in x_spec.paths()]
+    for path, x, t in zip(paths, call.x_leaves, leaves, strict=True):
         if _arrays.shape(x) != _arrays.shape(t):
             raise TangentMismatchError(
                 f"The tangent{path} has shape {_arrays.shape(t)}, but x{path} has shape {_arrays.shape(x)}."
@@ -198,24 +212,6 @@ def _check_tangent_like_x(op: Operator, call: Call) -> None:
             raise TangentMismatchError(
                 f"The tangent{path} has dtype {tt}, but x{path} has dtype {tx}; cast the tangent to {tx}."
             )
-
-
-def _check_batch_like_x(op: Operator, call: Call) -> None:
-    """Each tangent of a batch as one tangent of x (:func:`_check_tangent_like_x`), named by its
-    place in the batch."""
-    sig = call.signature
-    start = 0
-    for k, spec in enumerate(sig.tangent_spec.children()):
-        size = spec.num_leaves
-        one = Call.__new__(Call)
-        one.x_leaves = call.x_leaves
-        one.tangent_leaves = call.tangent_leaves[start : start + size]
-        one.signature = sig._replace(tangent_spec=spec, tangent_leaves=sig.tangent_leaves[start : start + size])
-        start += size
-        try:
-            _check_tangent_like_x(OPERATORS[op.name.replace("batched_", "")], one)
-        except TangentMismatchError as exc:
-            raise TangentMismatchError(f"Tangent {k} of the batch: {exc}") from None
 
 
 def batch_sizes(sig: Signature) -> tuple[int, ...]:
