@@ -219,7 +219,7 @@ def batch_sizes(sig: Signature) -> tuple[int, ...]:
     return tuple(spec.num_leaves for spec in sig.tangent_spec.children())
 
 
-def _check_cotangents(sig: Signature, output: _Output, groups: list[Any], complex_step: bool = False) -> list[Any]:
+def _check_cotangents(sig: Signature, output: _Output, groups: list[Any], complex_step: bool) -> list[Any]:
     """Each cotangent of a batch against f(x) (:func:`_check_cotangent`), named by its place;
     the cotangents as the engine takes them."""
     fitted = output.cotangent_fits
@@ -345,9 +345,7 @@ def _check_numeric(op: Operator, leaf: Any, complex_ok: bool) -> None:
         )
 
 
-def _check_cotangent(
-    sig: Signature, output: _Output, ts: tuple[Any, ...], complex_step: bool = False
-) -> tuple[Any, ...]:
+def _check_cotangent(sig: Signature, output: _Output, ts: tuple[Any, ...], complex_step: bool) -> tuple[Any, ...]:
     """The cotangent against f(x), whose structure and shapes the last evaluation recorded:
     ``ts`` as the engine takes it (a real cotangent of a complex output cast to complex).
 
