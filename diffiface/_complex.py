@@ -43,7 +43,6 @@ if TYPE_CHECKING:
 Convention = Literal["direct", "conjugate", "split"]
 Leaves = tuple[Any, ...]
 
-_COMPLEX_DTYPES = frozenset({"complex64", "complex128"})
 _REAL_OF = {"complex64": "float32", "complex128": "float64"}
 _JACOBIAN_FAMILY = frozenset({"value_and_jacobian", "value_and_derivative"})
 
@@ -52,7 +51,7 @@ _JACOBIAN_FAMILY = frozenset({"value_and_jacobian", "value_and_derivative"})
 
 
 def is_complex_dtype(name: str) -> bool:
-    return name in _COMPLEX_DTYPES
+    return name in _REAL_OF
 
 
 def is_complex(leaf: Any) -> bool:
@@ -60,13 +59,13 @@ def is_complex(leaf: Any) -> bool:
     if isinstance(leaf, complex):
         return True
     dtype = getattr(leaf, "dtype", None)
-    return dtype is not None and _arrays.dtype_name(leaf) in _COMPLEX_DTYPES
+    return dtype is not None and _arrays.dtype_name(leaf) in _REAL_OF
 
 
 def promoted(a: str, b: str) -> str | None:
     """The dtype of a derivative relating a complex leaf of dtype ``a`` to a leaf of dtype ``b``
     (one of them complex): complex, at the wider precision of the two. None where neither is."""
-    if a not in _COMPLEX_DTYPES and b not in _COMPLEX_DTYPES:
+    if a not in _REAL_OF and b not in _REAL_OF:
         return None
     narrow = ("complex64", "float32", "float16", "bfloat16")  # (float32's precision or less)
     return "complex64" if a in narrow and b in narrow else "complex128"
