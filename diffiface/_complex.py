@@ -447,7 +447,8 @@ def _norm(value: Any) -> float:
 
 class ComplexAdapter:
     """An adapter that runs ``inner`` in the convention: everything not overridden here is
-    ``inner``'s own (reached through ``__getattr__``)."""
+    ``inner``'s own (reached through ``__getattr__``). The operators of a scalar f have it for
+    complex x only (:func:`adapter_for_call`)."""
 
     def __init__(
         self, inner: Adapter, op: Operator, holomorphic: bool, x_complex: bool, t_complex: bool = False
@@ -509,10 +510,8 @@ class ComplexAdapter:
     # -- first order --------------------------------------------------------------------------------
 
     def value_and_gradient(self, fn: Callable[[Leaves], Any], xs: Leaves) -> tuple[Any, Any, Leaves]:
-        x_split = _Split(xs)
-        if not x_split.any:
-            return self._inner.value_and_gradient(fn, xs)
         if self._convention == "split":
+            x_split = _Split(xs)
             g = _Realified(fn, x_split)
             value, aux, grads = self._inner.value_and_gradient(g, x_split.split(xs))
             self._errors(lambda e: (e[0], e[1], x_split.join(e[2])))
@@ -651,8 +650,6 @@ class ComplexAdapter:
         """The jvp of the gradient map, ``v -> d/dh grad f(x + h v)``: on the split function the
         real Hessian-vector product, whose two parts are joined as the gradient's are."""
         x_split = _Split(xs)
-        if not x_split.any:
-            return self._inner.gradient_and_hvp(fn, xs, txs)
         g = _Realified(fn, x_split)
         value, aux, grads, hvps = self._inner.gradient_and_hvp(g, x_split.split(xs), x_split.split(txs))
         self._errors(lambda e: (e[0], e[1], x_split.join(e[2]), x_split.join(e[3])))
@@ -664,8 +661,6 @@ class ComplexAdapter:
         """:meth:`gradient_and_hvp` along each tangent of the batch: the split function's batch
         of real Hessian-vector products (one program where the engine has one), each joined."""
         x_split = _Split(xs)
-        if not x_split.any:
-            return self._inner.gradient_and_hvps(fn, xs, batch)  # type: ignore[no-any-return]
         g = _Realified(fn, x_split)
         value, aux, grads, hvps = self._inner.gradient_and_hvps(
             g, x_split.split(xs), [x_split.split(txs) for txs in batch]
