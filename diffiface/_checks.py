@@ -295,7 +295,9 @@ def _checked(op: Operator, result: Any, output: _Output, adapter: Adapter) -> li
         for leaf in seen:
             key = (type(leaf), getattr(leaf, "dtype", None))
             if key not in checked:
-                _check_numeric(op, leaf, adapter.complex_outputs or _complex.complex_output_ok(op, leaf, adapter))
+                if not adapter.complex_outputs:  # (a complex step's outputs are complex)
+                    _complex.check_complex_output(op, leaf, adapter)
+                _check_numeric(op, leaf)
                 checked.add(key)
         if op.scalar_output and (len(seen) != 1 or _arrays.shape(seen[0]) != ()):
             raise InvalidOutputError(
@@ -319,26 +321,18 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def _check_numeric(op: Operator, leaf: Any, complex_ok: bool) -> None:
+def _check_numeric(op: Operator, leaf: Any) -> None:
     kind = _arrays.kind(leaf)
     while kind in _TRACED:  # a traced array: the value it traces decides
         leaf = _arrays.by_kind(kind).traced(leaf)
         kind = _arrays.kind(leaf)
     # (a Python int or bool is no float: it has no derivative, whatever an engine would make of it)
-    if kind == "python" and (isinstance(leaf, float) or (complex_ok and isinstance(leaf, complex))):
+    if kind == "python" and isinstance(leaf, (float, complex)):
         return
     dtype = _arrays.dtype_name(leaf)
-    if (
-        kind == "other"
-        or kind == "python"
-        or not (_arrays.is_float_dtype(dtype) or (complex_ok and "complex" in dtype))
-    ):
+    if kind in ("other", "python") or not (_arrays.is_float_dtype(dtype) or "complex" in dtype):
         name = type(leaf).__name__
-        what = (
-            f"a{'n' * (name[0] in 'aeiou')} {name}"
-            if kind in ("other", "python")
-            else f"an array of dtype {_arrays.dtype_name(leaf)}"
-        )
+        what = f"a{'n' * (name[0] in 'aeiou')} {name}" if kind in ("other", "python") else f"an array of dtype {dtype}"
         raise InvalidOutputError(
             f"f returned {what} where {op.name} needs floating-point numbers (float arrays or "
             "floats). Compute the output in floating point."

@@ -88,10 +88,10 @@ def convention_of(adapter: Adapter) -> Convention:
     return cast(Convention, adapter.info.complex_convention)
 
 
-def complex_output_ok(op: Operator, leaf: Any, adapter: Any = None) -> bool:
-    """Whether f may return this leaf complex: not where the operator needs a real scalar
-    (refused, with what to use instead), nor where the call runs on the engine directly because
-    f's outputs were real when it was first made (:class:`ComplexAdapter`)."""
+def check_complex_output(op: Operator, leaf: Any, adapter: Any) -> None:
+    """f may return this leaf complex, but not where the operator needs a real scalar (refused,
+    with what to use instead), nor where the call runs on the engine directly because f's
+    outputs were real when it was first made (:class:`ComplexAdapter`)."""
     if isinstance(adapter, ComplexAdapter) and adapter.real_outputs and is_complex(leaf):
         raise InvalidOutputError(
             f"f returned a complex value (dtype {_arrays.dtype_name(leaf)}) where it returned real ones "
@@ -104,7 +104,6 @@ def complex_output_ok(op: Operator, leaf: Any, adapter: Any = None) -> bool:
             "scalar: a complex-valued function has no gradient. Use jvp (the directional derivative) or "
             "vjp (its adjoint under Re<a, b>), or differentiate a real loss of it (abs(y)**2, y.real)."
         )
-    return True
 
 
 def refuse_sparse(call: Call) -> None:
