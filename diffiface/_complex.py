@@ -359,7 +359,6 @@ def complex_blocks(
     x_split: _Split,
     along_real_axis: bool,
     check: bool | None,
-    what: str,
     errors: bool = False,
 ) -> tuple[tuple[Any, ...], ...]:
     """The Jacobian blocks ``df_i/dz_j`` from those of the split function.
@@ -392,7 +391,7 @@ def complex_blocks(
             d_re, d_im = next(columns), next(columns)
             d_z = _half_sum(d_re, d_im, -1.0, errors)
             if check is not None:
-                _check_holomorphic(d_z, _half_sum(d_re, d_im, 1.0), out_flags[i], what, i, j, check)
+                _check_holomorphic(d_z, _half_sum(d_re, d_im, 1.0), out_flags[i], i, j, check)
             joined.append(d_z)
         result.append(tuple(joined))
     return tuple(result)
@@ -408,12 +407,12 @@ def _half_sum(a: Any, b: Any, sign: float, bound: bool = False) -> Any:
     return from_parts((a_re - sign * b_im) / 2, (a_im + sign * b_re) / 2)
 
 
-def _check_holomorphic(d_z: Any, d_conj: Any, complex_out: bool, what: str, i: int, j: int, exact: bool) -> None:
+def _check_holomorphic(d_z: Any, d_conj: Any, complex_out: bool, i: int, j: int, exact: bool) -> None:
     try:
         a, b = _norm(d_z), _norm(d_conj)
     except Exception as exc:  # (a traced leaf, inside jax.jit or vmap, say: no values to read)
         raise UnsupportedOperationError(
-            f"The complex {what} of f is checked for holomorphy by its values, which a traced call "
+            "The complex Jacobian of f is checked for holomorphy by its values, which a traced call "
             "(inside jax.jit, vmap or another transform) does not have: call it outside the "
             "transform, or pass holomorphic=True if f is holomorphic (nothing is then checked)."
         ) from exc
@@ -425,11 +424,11 @@ def _check_holomorphic(d_z: Any, d_conj: Any, complex_out: bool, what: str, i: i
     if not complex_out:
         raise UnsupportedOperationError(
             f"f is real-valued, so it is not holomorphic in its complex x{where}, and has no complex "
-            f"{what}: use gradient (df/dRe x + i df/dIm x) for a real scalar, or jvp/vjp."
+            "Jacobian: use gradient (df/dRe x + i df/dIm x) for a real scalar, or jvp/vjp."
         )
     raise UnsupportedOperationError(
         f"f is not holomorphic in its complex x{where}: |df/dconj z| = {b:.3g} against |df/dz| = {a:.3g}, "
-        f"so it has no complex {what}. Use jvp (the directional derivative, A xdot + B conj(xdot)) or "
+        "so it has no complex Jacobian. Use jvp (the directional derivative, A xdot + B conj(xdot)) or "
         "vjp, or gradient for a real-valued f; pass holomorphic=True only if f is holomorphic (then "
         "nothing is checked, and the derivative is taken along the real axis)."
     )
@@ -602,12 +601,12 @@ class ComplexAdapter:
         self._learn(g)
         # (an engine with a reverse mode differentiates exactly; one without, by differences)
         check = None if along_real_axis else self._inner.info.reverse_mode
-        result = complex_blocks(blocks, g.out_split, x_split, along_real_axis, check, "Jacobian")
+        result = complex_blocks(blocks, g.out_split, x_split, along_real_axis, check)
         self._errors(
             lambda e: (
                 g.join_out(e[0]),
                 e[1],
-                complex_blocks(e[2], g.out_split, x_split, along_real_axis, None, "Jacobian", errors=True),
+                complex_blocks(e[2], g.out_split, x_split, along_real_axis, None, errors=True),
             )
         )
         return g.join_out(out), aux, result
