@@ -42,9 +42,14 @@ class Finisher:
     def as_y(self, value: Any) -> Any:
         """An output-shaped result in the array type of x (numpy for Python numbers), dtype kept."""
         own = self.own
-        if own is None:
-            return _as_first_family(value, self.like)
-        return own.as_own(value, _arrays.family_of(value), self.like, _arrays.to_numpy)
+        if own is not None:
+            return own.as_own(value, _arrays.family_of(value), self.like, _arrays.to_numpy)
+        # (x holds leaves of several families: an array in the family of x's first leaf, in its
+        # own dtype; any other value as f returned it)
+        if _arrays.family_of(value) is None:
+            return value
+        array = np.asarray(_arrays.to_numpy(value))
+        return _arrays.from_numpy(array, self.like, dtype=array.dtype)
 
     def block(self, value: Any, dtype: str | None, like_j: Any = None) -> Any:
         value = self.as_y(value)
@@ -263,15 +268,6 @@ def _cast(value: Any, dtype: str | None) -> Any:
         return value
     family = _arrays.family_of(value)
     return value.astype(dtype) if family is None else family.cast(value, dtype)
-
-
-def _as_first_family(value: Any, like: Any) -> Any:
-    """A result of a call whose x holds leaves of several families: an array in the family of
-    ``like``, x's first leaf, in its own dtype; any other value as f returned it."""
-    if _arrays.family_of(value) is None:
-        return value
-    array = np.asarray(_arrays.to_numpy(value))
-    return _arrays.from_numpy(array, like, dtype=array.dtype)
 
 
 def _mirror(value: Any, like: Any) -> Any:
