@@ -303,10 +303,6 @@ class _Split:
         return self.join(tuple(grads))
 
 
-def _zeros_like(leaf: Any) -> Any:
-    return _arrays.numpy_like(leaf).zeros_like(leaf)
-
-
 class _Realified:
     """``fn`` as a function of real leaves with real outputs: each complex leaf of x given as
     its two parts (or, along the real axis only, its real part, the imaginary part held), each
@@ -400,8 +396,8 @@ def complex_blocks(
 def _half_sum(a: Any, b: Any, sign: float, bound: bool = False) -> Any:
     """``(a + sign i b) / 2``, through the parts of each (no mixed-type arithmetic, which jax's
     strict dtype promotion refuses); with ``bound``, of error estimates: ``|.|`` of each part summed."""
-    a_re, a_im = _parts(a) if is_complex(a) else (a, _zeros_like(a))
-    b_re, b_im = _parts(b) if is_complex(b) else (b, _zeros_like(b))
+    a_re, a_im = _parts(a) if is_complex(a) else (a, _arrays.numpy_like(a).zeros_like(a))
+    b_re, b_im = _parts(b) if is_complex(b) else (b, _arrays.numpy_like(b).zeros_like(b))
     if bound:
         return from_parts((abs(a_re) + abs(b_im)) / 2, (abs(a_im) + abs(b_re)) / 2)
     return from_parts((a_re - sign * b_im) / 2, (a_im + sign * b_re) / 2)
