@@ -444,9 +444,7 @@ class ComplexAdapter:
     ``inner``'s own (reached through ``__getattr__``). The operators of a scalar f have it for
     complex x only (:func:`adapter_for_call`)."""
 
-    def __init__(
-        self, inner: Adapter, op: Operator, holomorphic: bool, x_complex: bool, t_complex: bool = False
-    ) -> None:
+    def __init__(self, inner: Adapter, op: Operator, holomorphic: bool, x_complex: bool, t_complex: bool) -> None:
         self._inner = inner
         # a call on real x and tangents whose f returned real outputs when first run (its output
         # dtypes are fixed by x's): the engine's own methods, directly, from then on
