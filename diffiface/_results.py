@@ -205,22 +205,19 @@ def _aux_as_returned(riding: Any, as_y: Callable[[Any], Any]) -> Any:
     if riding is None:
         return None
     leaves, spec = riding
-    return optree.tree_unflatten(spec, [_aux_leaf(leaf, as_y) if _is_aux_array(leaf) else leaf for leaf in leaves])
+    return optree.tree_unflatten(spec, [_aux_leaf(leaf, as_y) for leaf in leaves])
 
 
 def _aux_leaf(leaf: Any, as_y: Callable[[Any], Any]) -> Any:
-    """An aux array in x's array type; one no other array type holds (a jax PRNG key, whose
-    dtype numpy has not) as f returned it."""
+    """An aux array, or value an enclosing trace holds, in x's array type unless no other array
+    type holds it (a jax PRNG key, whose dtype numpy has not); any other leaf as f returned it."""
+    family = _arrays.family_of(leaf)
+    if family is None or not (family.ARRAY or family.PASSED_THROUGH):
+        return leaf
     try:
         return as_y(leaf)
     except TypeError:
         return leaf
-
-
-def _is_aux_array(leaf: Any) -> bool:
-    """An aux leaf converted to x's array type: an array, or a value an enclosing trace holds."""
-    family = _arrays.family_of(leaf)
-    return family is not None and (family.ARRAY or family.PASSED_THROUGH)
 
 
 def _layout(leaf: Any) -> _placement.Layout | None:
