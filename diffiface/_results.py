@@ -31,7 +31,7 @@ class Finisher:
         self.x_spec = call.signature.x_spec
         self.x_likes = list(call.x_leaves)
         family = _arrays.family({_arrays.kind(leaf) for leaf in self.x_likes}) if self.x_likes else _NO_X
-        self.own = _arrays.BY_KIND.get(family)  # (None: x of several families)
+        self.own = _arrays.by_kind(family)  # (one family: _checks._check_x refuses an x of several)
         self.like: Any = self.x_likes[0] if self.x_likes else None
         self.single_x = self.x_spec == _LEAF
         self.x_dtypes = [_weak_or_dtype(leaf) for leaf in self.x_likes]
@@ -41,19 +41,11 @@ class Finisher:
 
     def as_y(self, value: Any) -> Any:
         """An output-shaped result in the array type of x (numpy for Python numbers), dtype kept."""
-        own = self.own
-        if own is not None:
-            return own.as_own(value, _arrays.family_of(value), self.like, _arrays.to_numpy)
-        # (x holds leaves of several families: an array in the family of x's first leaf, in its
-        # own dtype; any other value as f returned it)
-        if _arrays.family_of(value) is None:
-            return value
-        array = np.asarray(_arrays.to_numpy(value))
-        return _arrays.from_numpy(array, self.like, dtype=array.dtype)
+        return self.own.as_own(value, _arrays.family_of(value), self.like, _arrays.to_numpy)
 
     def block(self, value: Any, dtype: str | None, like_j: Any = None) -> Any:
         value = self.as_y(value)
-        if like_j is not None and self.own is not None:  # laid out as x_j (_placement's rule)
+        if like_j is not None:  # laid out as x_j (_placement's rule)
             value = self.own.block_like(value, like_j)
         return _cast(value, dtype)
 
