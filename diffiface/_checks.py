@@ -13,7 +13,7 @@ from . import tree as _tree
 from ._adapters import info
 from ._adapters._base import Adapter, refuse_a_moved_output
 from ._backends import Backend, SecondOrder
-from ._call import _ARRAY_KINDS, _LEAF, Call, Operator, _DynamicView, _Output
+from ._call import _ARRAY_KINDS, _LEAF, OPERATORS, Call, Operator, _DynamicView, _Output
 from ._errors import ArrayTypeError, InvalidInputError, InvalidOutputError, TangentMismatchError
 from ._prep import Signature
 
@@ -33,17 +33,11 @@ def _check_call(op: Operator, f: Any, has_aux: bool) -> None:
 
 
 def _no_aux(op: Operator) -> InvalidInputError:
-    with_aux = {
-        "gradient": "value_and_gradient",
-        "jvp": "value_and_jvp",
-        "vjp": "value_and_vjp",
-        "batched_jvp": "value_and_batched_jvp",
-        "batched_vjp": "value_and_batched_vjp",
-    }.get(op.name)
-    if with_aux is not None:
+    with_aux = OPERATORS.get(f"value_and_{op.name}")  # (its value_and_ form, where that takes has_aux)
+    if with_aux is not None and with_aux.aux:
         return InvalidInputError(
-            f"{op.name} does not take has_aux=True; di.{with_aux}(..., has_aux=True) does, and returns "
-            f"((value, aux), {op.name.removeprefix('value_and_')})."
+            f"{op.name} does not take has_aux=True; di.{with_aux.name}(..., has_aux=True) does, and returns "
+            f"((value, aux), {op.name})."
         )
     return InvalidInputError(
         f"{op.name} does not take has_aux=True: only value_and_gradient, value_and_jvp, value_and_vjp and "
