@@ -62,15 +62,6 @@ def is_complex(leaf: Any) -> bool:
     return dtype is not None and _arrays.dtype_name(leaf) in _REAL_OF
 
 
-def promoted(a: str, b: str) -> str | None:
-    """The dtype of a derivative relating a complex leaf of dtype ``a`` to a leaf of dtype ``b``
-    (one of them complex): complex, at the wider precision of the two. None where neither is."""
-    if a not in _REAL_OF and b not in _REAL_OF:
-        return None
-    narrow = ("complex64", "float32", "float16", "bfloat16")  # (float32's precision or less)
-    return "complex64" if a in narrow and b in narrow else "complex128"
-
-
 def cotangent_fits(found: str, expected: str) -> bool:
     """A real cotangent of an output leaf that is complex only because the complex step
     evaluates f at complex points, of its precision."""

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import optree
 
-from . import _arrays, _complex
+from . import _arrays
 from ._call import _ARRAY_KINDS, _LEAF, Call, Operator, _Output
 from ._families import _jax_placement as _placement
 from ._flatten import structure_unflatten
@@ -223,13 +223,14 @@ def promoted_dtype(a: str | None, b: str | None) -> str | None:
     """The dtype of a derivative relating a leaf of dtype ``a`` to one of dtype ``b``: the wider
     of the two, so that no precision is lost on either side (float16 with bfloat16 gives
     float32, as both jax and torch promote them). ``None`` is a Python number's weak dtype,
-    which takes the other's."""
+    which takes the other's; and the answer where either is complex, since :func:`_cast` casts
+    float blocks only (a complex block, or a complex step's real one, stays as computed)."""
     if a is None or a == b:
         return b
     if b is None:
         return a
     if "complex" in a or "complex" in b:
-        return _complex.promoted(a, b)
+        return None
     width = max(_arrays.FLOAT_WIDTHS.get(a, 64), _arrays.FLOAT_WIDTHS.get(b, 64))
     return "float64" if width == 64 else "float32"
 
