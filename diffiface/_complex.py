@@ -56,10 +56,7 @@ def is_complex_dtype(name: str) -> bool:
 
 def is_complex(leaf: Any) -> bool:
     """Whether a leaf (an array of any framework, a traced one, or a Python number) is complex."""
-    if isinstance(leaf, complex):
-        return True
-    dtype = getattr(leaf, "dtype", None)
-    return dtype is not None and _arrays.dtype_name(leaf) in _REAL_OF
+    return _arrays.dtype_name(leaf) in _REAL_OF
 
 
 def cotangent_fits(found: str, expected: str) -> bool:
