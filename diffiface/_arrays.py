@@ -121,11 +121,12 @@ def shape(leaf: Any) -> tuple[int, ...]:
     return tuple(getattr(leaf, "shape", ()))
 
 
-_FLOAT_DTYPES = {"float16", "bfloat16", "float32", "float64"}
+FLOAT_WIDTHS = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64}
+"""The floating-point dtypes, each with its width in bits."""
 
 
 def is_float_dtype(name: str) -> bool:
-    return name in _FLOAT_DTYPES
+    return name in FLOAT_WIDTHS
 
 
 def leaf_signature(leaf: Any) -> tuple[Any, ...]:

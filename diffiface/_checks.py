@@ -33,17 +33,11 @@ def _check_call(op: Operator, f: Any, has_aux: bool) -> None:
 
 
 def _no_aux(op: Operator) -> InvalidInputError:
-    with_aux = {
-        "gradient": "value_and_gradient",
-        "jvp": "value_and_jvp",
-        "vjp": "value_and_vjp",
-        "batched_jvp": "value_and_batched_jvp",
-        "batched_vjp": "value_and_batched_vjp",
-    }.get(op.name)
-    if with_aux is not None:
+    with_aux = OPERATORS.get(f"value_and_{op.name}")  # (its value_and_ form, where that takes has_aux)
+    if with_aux is not None and with_aux.aux:
         return InvalidInputError(
-            f"{op.name} does not take has_aux=True; di.{with_aux}(..., has_aux=True) does, and returns "
-            f"((value, aux), {op.name.removeprefix('value_and_')})."
+            f"{op.name} does not take has_aux=True; di.{with_aux.name}(..., has_aux=True) does, and returns "
+            f"((value, aux), {op.name})."
         )
     return InvalidInputError(
         f"{op.name} does not take has_aux=True: only value_and_gradient, value_and_jvp, value_and_vjp and "
@@ -176,17 +170,31 @@ def _check_tangent_kinds(op: Operator, backend: Backend, any_array_type: bool, c
 
 
 def _check_tangent_like_x(op: Operator, call: Call) -> None:
-    sig = call.signature
-    if op.batch:
-        _check_batch_like_x(op, call)
+    """The tangent has x's structure, shapes and dtypes; so has each tangent of a batch, named
+    by its place in the batch."""
+    spec = call.signature.tangent_spec
+    if not op.batch:
+        _check_one_tangent(op.name, call, spec, call.tangent_leaves)
         return
-    if sig.tangent_spec != sig.x_spec:
+    start = 0
+    for k, one in enumerate(spec.children()):
+        leaves = call.tangent_leaves[start : start + one.num_leaves]
+        start += one.num_leaves
+        try:
+            _check_one_tangent(op.name.replace("batched_", ""), call, one, leaves)
+        except TangentMismatchError as exc:
+            raise TangentMismatchError(f"Tangent {k} of the batch: {exc}") from None
+
+
+def _check_one_tangent(name: str, call: Call, spec: Any, leaves: list[Any]) -> None:
+    x_spec = call.signature.x_spec
+    if spec != x_spec:
         static = " (None at the leaves of x that are not differentiated)" if isinstance(call, _DynamicView) else ""
         raise TangentMismatchError(
-            f"The tangent of {op.name} must have the structure of x{static}, {sig.x_spec}; it has {sig.tangent_spec}."
+            f"The tangent of {name} must have the structure of x{static}, {x_spec}; it has {spec}."
         )
-    paths = [_tree.path_string(p) for p in sig.x_spec.paths()]
-    for path, x, t in zip(paths, call.x_leaves, call.tangent_leaves, strict=True):
+    paths = [_tree.path_string(p) for p in x_spec.paths()]
+    for path, x, t in zip(paths, call.x_leaves, leaves, strict=True):
         if _arrays.shape(x) != _arrays.shape(t):
             raise TangentMismatchError(
                 f"The tangent{path} has shape {_arrays.shape(t)}, but x{path} has shape {_arrays.shape(x)}."
@@ -200,30 +208,12 @@ def _check_tangent_like_x(op: Operator, call: Call) -> None:
             )
 
 
-def _check_batch_like_x(op: Operator, call: Call) -> None:
-    """Each tangent of a batch as one tangent of x (:func:`_check_tangent_like_x`), named by its
-    place in the batch."""
-    sig = call.signature
-    start = 0
-    for k, spec in enumerate(sig.tangent_spec.children()):
-        size = spec.num_leaves
-        one = Call.__new__(Call)
-        one.x_leaves = call.x_leaves
-        one.tangent_leaves = call.tangent_leaves[start : start + size]
-        one.signature = sig._replace(tangent_spec=spec, tangent_leaves=sig.tangent_leaves[start : start + size])
-        start += size
-        try:
-            _check_tangent_like_x(OPERATORS[op.name.replace("batched_", "")], one)
-        except TangentMismatchError as exc:
-            raise TangentMismatchError(f"Tangent {k} of the batch: {exc}") from None
-
-
 def batch_sizes(sig: Signature) -> tuple[int, ...]:
     """The number of leaves of each tangent of a batch, in order."""
     return tuple(spec.num_leaves for spec in sig.tangent_spec.children())
 
 
-def _check_cotangents(sig: Signature, output: _Output, groups: list[Any], complex_step: bool = False) -> list[Any]:
+def _check_cotangents(sig: Signature, output: _Output, groups: list[Any], complex_step: bool) -> list[Any]:
     """Each cotangent of a batch against f(x) (:func:`_check_cotangent`), named by its place;
     the cotangents as the engine takes them."""
     fitted = output.cotangent_fits
@@ -299,7 +289,9 @@ def _checked(op: Operator, result: Any, output: _Output, adapter: Adapter) -> li
         for leaf in seen:
             key = (type(leaf), getattr(leaf, "dtype", None))
             if key not in checked:
-                _check_numeric(op, leaf, adapter.complex_outputs or _complex.complex_output_ok(op, leaf, adapter))
+                if not adapter.complex_outputs:  # (a complex step's outputs are complex)
+                    _complex.check_complex_output(op, leaf, adapter)
+                _check_numeric(op, leaf)
                 checked.add(key)
         if op.scalar_output and (len(seen) != 1 or _arrays.shape(seen[0]) != ()):
             raise InvalidOutputError(
@@ -323,35 +315,25 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def _check_numeric(op: Operator, leaf: Any, complex_ok: bool) -> None:
+def _check_numeric(op: Operator, leaf: Any) -> None:
     kind = _arrays.kind(leaf)
     while kind in _TRACED:  # a traced array: the value it traces decides
         leaf = _arrays.by_kind(kind).traced(leaf)
         kind = _arrays.kind(leaf)
     # (a Python int or bool is no float: it has no derivative, whatever an engine would make of it)
-    if kind == "python" and (isinstance(leaf, float) or (complex_ok and isinstance(leaf, complex))):
+    if kind == "python" and isinstance(leaf, (float, complex)):
         return
     dtype = _arrays.dtype_name(leaf)
-    if (
-        kind == "other"
-        or kind == "python"
-        or not (_arrays.is_float_dtype(dtype) or (complex_ok and "complex" in dtype))
-    ):
+    if kind in ("other", "python") or not (_arrays.is_float_dtype(dtype) or "complex" in dtype):
         name = type(leaf).__name__
-        what = (
-            f"a{'n' * (name[0] in 'aeiou')} {name}"
-            if kind in ("other", "python")
-            else f"an array of dtype {_arrays.dtype_name(leaf)}"
-        )
+        what = f"a{'n' * (name[0] in 'aeiou')} {name}" if kind in ("other", "python") else f"an array of dtype {dtype}"
         raise InvalidOutputError(
             f"f returned {what} where {op.name} needs floating-point numbers (float arrays or "
             "floats). Compute the output in floating point."
         )
 
 
-def _check_cotangent(
-    sig: Signature, output: _Output, ts: tuple[Any, ...], complex_step: bool = False
-) -> tuple[Any, ...]:
+def _check_cotangent(sig: Signature, output: _Output, ts: tuple[Any, ...], complex_step: bool) -> tuple[Any, ...]:
     """The cotangent against f(x), whose structure and shapes the last evaluation recorded:
     ``ts`` as the engine takes it (a real cotangent of a complex output cast to complex).
 

@@ -17,7 +17,7 @@ differentiates complex numbers, in its ``complex_convention`` field:
   sees each complex leaf as two real leaves, its real and imaginary parts.
 
 :func:`adapter_for_call` wraps an adapter in :class:`ComplexAdapter` for the calls that need it;
-the conversions themselves are :func:`to_convention` (an engine's own results), :class:`_Split`
+the conversions themselves are :func:`_conjugated` (an engine's own results), :class:`_Split`
 (complex leaves as their two real parts and back) and :func:`complex_blocks` (Jacobians). Jacobians, derivatives and Hessian-vector products are computed on the
 split function on every engine, so that no mode of any engine needs its own conversion.
 """
@@ -43,7 +43,6 @@ if TYPE_CHECKING:
 Convention = Literal["direct", "conjugate", "split"]
 Leaves = tuple[Any, ...]
 
-_COMPLEX_DTYPES = frozenset({"complex64", "complex128"})
 _REAL_OF = {"complex64": "float32", "complex128": "float64"}
 _JACOBIAN_FAMILY = frozenset({"value_and_jacobian", "value_and_derivative"})
 
@@ -52,24 +51,12 @@ _JACOBIAN_FAMILY = frozenset({"value_and_jacobian", "value_and_derivative"})
 
 
 def is_complex_dtype(name: str) -> bool:
-    return name in _COMPLEX_DTYPES
+    return name in _REAL_OF
 
 
 def is_complex(leaf: Any) -> bool:
     """Whether a leaf (an array of any framework, a traced one, or a Python number) is complex."""
-    if isinstance(leaf, complex):
-        return True
-    dtype = getattr(leaf, "dtype", None)
-    return dtype is not None and _arrays.dtype_name(leaf) in _COMPLEX_DTYPES
-
-
-def promoted(a: str, b: str) -> str | None:
-    """The dtype of a derivative relating a complex leaf of dtype ``a`` to a leaf of dtype ``b``
-    (one of them complex): complex, at the wider precision of the two. None where neither is."""
-    if a not in _COMPLEX_DTYPES and b not in _COMPLEX_DTYPES:
-        return None
-    narrow = ("complex64", "float32", "float16", "bfloat16")  # (float32's precision or less)
-    return "complex64" if a in narrow and b in narrow else "complex128"
+    return _arrays.dtype_name(leaf) in _REAL_OF
 
 
 def cotangent_fits(found: str, expected: str) -> bool:
@@ -89,10 +76,10 @@ def convention_of(adapter: Adapter) -> Convention:
     return cast(Convention, adapter.info.complex_convention)
 
 
-def complex_output_ok(op: Operator, leaf: Any, adapter: Any = None) -> bool:
-    """Whether f may return this leaf complex: not where the operator needs a real scalar
-    (refused, with what to use instead), nor where the call runs on the engine directly because
-    f's outputs were real when it was first made (:class:`ComplexAdapter`)."""
+def check_complex_output(op: Operator, leaf: Any, adapter: Any) -> None:
+    """f may return this leaf complex, but not where the operator needs a real scalar (refused,
+    with what to use instead), nor where the call runs on the engine directly because f's
+    outputs were real when it was first made (:class:`ComplexAdapter`)."""
     if isinstance(adapter, ComplexAdapter) and adapter.real_outputs and is_complex(leaf):
         raise InvalidOutputError(
             f"f returned a complex value (dtype {_arrays.dtype_name(leaf)}) where it returned real ones "
@@ -105,7 +92,6 @@ def complex_output_ok(op: Operator, leaf: Any, adapter: Any = None) -> bool:
             "scalar: a complex-valued function has no gradient. Use jvp (the directional derivative) or "
             "vjp (its adjoint under Re<a, b>), or differentiate a real loss of it (abs(y)**2, y.real)."
         )
-    return True
 
 
 def refuse_sparse(call: Call) -> None:
@@ -239,16 +225,11 @@ def _tolerance(dtype: str, exact: bool) -> float:
 # -- conversions --------------------------------------------------------------------------------------
 
 
-def to_convention(part: str, convention: Convention, values: Leaves) -> Leaves:
-    """An engine's ``gradient``, ``vjp`` or ``cotangent`` leaves in the convention (or, for a
-    cotangent, as the engine takes it). ``jvp`` needs nothing: every engine agrees on it."""
-    if convention == "conjugate" and part in ("gradient", "vjp", "cotangent"):
-        return tuple(_conj(v) if is_complex(v) else v for v in values)
-    return values
-
-
-def _conj(leaf: Any) -> Any:
-    return (_arrays.family_of(leaf) or _families.HOST).conj(leaf)
+def _conjugated(values: Leaves) -> Leaves:
+    """A ``"conjugate"`` engine's gradient or vjp leaves in the convention, or a cotangent's as
+    the engine takes it: each complex leaf conjugated. ``jvp`` needs nothing: every engine agrees
+    on it."""
+    return tuple((_arrays.family_of(v) or _families.HOST).conj(v) if is_complex(v) else v for v in values)
 
 
 def as_complex(leaf: Any, dtype: str) -> Any:
@@ -310,10 +291,6 @@ class _Split:
         return self.join(tuple(grads))
 
 
-def _zeros_like(leaf: Any) -> Any:
-    return _arrays.numpy_like(leaf).zeros_like(leaf)
-
-
 class _Realified:
     """``fn`` as a function of real leaves with real outputs: each complex leaf of x given as
     its two parts (or, along the real axis only, its real part, the imaginary part held), each
@@ -366,7 +343,6 @@ def complex_blocks(
     x_split: _Split,
     along_real_axis: bool,
     check: bool | None,
-    what: str,
     errors: bool = False,
 ) -> tuple[tuple[Any, ...], ...]:
     """The Jacobian blocks ``df_i/dz_j`` from those of the split function.
@@ -399,7 +375,7 @@ def complex_blocks(
             d_re, d_im = next(columns), next(columns)
             d_z = _half_sum(d_re, d_im, -1.0, errors)
             if check is not None:
-                _check_holomorphic(d_z, _half_sum(d_re, d_im, 1.0), out_flags[i], what, i, j, check)
+                _check_holomorphic(d_z, _half_sum(d_re, d_im, 1.0), out_flags[i], i, j, check)
             joined.append(d_z)
         result.append(tuple(joined))
     return tuple(result)
@@ -408,19 +384,19 @@ def complex_blocks(
 def _half_sum(a: Any, b: Any, sign: float, bound: bool = False) -> Any:
     """``(a + sign i b) / 2``, through the parts of each (no mixed-type arithmetic, which jax's
     strict dtype promotion refuses); with ``bound``, of error estimates: ``|.|`` of each part summed."""
-    a_re, a_im = _parts(a) if is_complex(a) else (a, _zeros_like(a))
-    b_re, b_im = _parts(b) if is_complex(b) else (b, _zeros_like(b))
+    a_re, a_im = _parts(a) if is_complex(a) else (a, _arrays.numpy_like(a).zeros_like(a))
+    b_re, b_im = _parts(b) if is_complex(b) else (b, _arrays.numpy_like(b).zeros_like(b))
     if bound:
         return from_parts((abs(a_re) + abs(b_im)) / 2, (abs(a_im) + abs(b_re)) / 2)
     return from_parts((a_re - sign * b_im) / 2, (a_im + sign * b_re) / 2)
 
 
-def _check_holomorphic(d_z: Any, d_conj: Any, complex_out: bool, what: str, i: int, j: int, exact: bool) -> None:
+def _check_holomorphic(d_z: Any, d_conj: Any, complex_out: bool, i: int, j: int, exact: bool) -> None:
     try:
         a, b = _norm(d_z), _norm(d_conj)
     except Exception as exc:  # (a traced leaf, inside jax.jit or vmap, say: no values to read)
         raise UnsupportedOperationError(
-            f"The complex {what} of f is checked for holomorphy by its values, which a traced call "
+            "The complex Jacobian of f is checked for holomorphy by its values, which a traced call "
             "(inside jax.jit, vmap or another transform) does not have: call it outside the "
             "transform, or pass holomorphic=True if f is holomorphic (nothing is then checked)."
         ) from exc
@@ -432,11 +408,11 @@ def _check_holomorphic(d_z: Any, d_conj: Any, complex_out: bool, what: str, i: i
     if not complex_out:
         raise UnsupportedOperationError(
             f"f is real-valued, so it is not holomorphic in its complex x{where}, and has no complex "
-            f"{what}: use gradient (df/dRe x + i df/dIm x) for a real scalar, or jvp/vjp."
+            "Jacobian: use gradient (df/dRe x + i df/dIm x) for a real scalar, or jvp/vjp."
         )
     raise UnsupportedOperationError(
         f"f is not holomorphic in its complex x{where}: |df/dconj z| = {b:.3g} against |df/dz| = {a:.3g}, "
-        f"so it has no complex {what}. Use jvp (the directional derivative, A xdot + B conj(xdot)) or "
+        "so it has no complex Jacobian. Use jvp (the directional derivative, A xdot + B conj(xdot)) or "
         "vjp, or gradient for a real-valued f; pass holomorphic=True only if f is holomorphic (then "
         "nothing is checked, and the derivative is taken along the real axis)."
     )
@@ -453,11 +429,10 @@ def _norm(value: Any) -> float:
 
 class ComplexAdapter:
     """An adapter that runs ``inner`` in the convention: everything not overridden here is
-    ``inner``'s own (reached through ``__getattr__``)."""
+    ``inner``'s own (reached through ``__getattr__``). The operators of a scalar f have it for
+    complex x only (:func:`adapter_for_call`)."""
 
-    def __init__(
-        self, inner: Adapter, op: Operator, holomorphic: bool, x_complex: bool, t_complex: bool = False
-    ) -> None:
+    def __init__(self, inner: Adapter, op: Operator, holomorphic: bool, x_complex: bool, t_complex: bool) -> None:
         self._inner = inner
         # a call on real x and tangents whose f returned real outputs when first run (its output
         # dtypes are fixed by x's): the engine's own methods, directly, from then on
@@ -515,16 +490,14 @@ class ComplexAdapter:
     # -- first order --------------------------------------------------------------------------------
 
     def value_and_gradient(self, fn: Callable[[Leaves], Any], xs: Leaves) -> tuple[Any, Any, Leaves]:
-        x_split = _Split(xs)
-        if not x_split.any:
-            return self._inner.value_and_gradient(fn, xs)
         if self._convention == "split":
+            x_split = _Split(xs)
             g = _Realified(fn, x_split)
             value, aux, grads = self._inner.value_and_gradient(g, x_split.split(xs))
             self._errors(lambda e: (e[0], e[1], x_split.join(e[2])))
             return value, aux, x_split.join(grads)
         value, aux, grads = self._inner.value_and_gradient(fn, xs)
-        return value, aux, to_convention("gradient", self._convention, tuple(grads))
+        return value, aux, _conjugated(grads) if self._convention == "conjugate" else tuple(grads)
 
     def value_and_pushforward(self, fn: Callable[[Leaves], Any], xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
         # (every engine's jvp is the directional derivative; a split engine's too, of real outputs)
@@ -545,9 +518,9 @@ class ComplexAdapter:
             out, aux, vjp = self._inner.pullback_function(fn, xs)
 
             def pullback(touts: Any) -> Leaves:
-                engine = to_convention("cotangent", convention, touts if isinstance(touts, tuple) else (touts,))
+                engine = _conjugated(touts if isinstance(touts, tuple) else (touts,))
                 grads = vjp(engine if isinstance(touts, tuple) else engine[0])
-                return to_convention("vjp", convention, tuple(grads))
+                return _conjugated(grads)
 
             return out, aux, pullback
         if self.real_outputs:
@@ -610,12 +583,12 @@ class ComplexAdapter:
         self._learn(g)
         # (an engine with a reverse mode differentiates exactly; one without, by differences)
         check = None if along_real_axis else self._inner.info.reverse_mode
-        result = complex_blocks(blocks, g.out_split, x_split, along_real_axis, check, "Jacobian")
+        result = complex_blocks(blocks, g.out_split, x_split, along_real_axis, check)
         self._errors(
             lambda e: (
                 g.join_out(e[0]),
                 e[1],
-                complex_blocks(e[2], g.out_split, x_split, along_real_axis, None, "Jacobian", errors=True),
+                complex_blocks(e[2], g.out_split, x_split, along_real_axis, None, errors=True),
             )
         )
         return g.join_out(out), aux, result
@@ -657,8 +630,6 @@ class ComplexAdapter:
         """The jvp of the gradient map, ``v -> d/dh grad f(x + h v)``: on the split function the
         real Hessian-vector product, whose two parts are joined as the gradient's are."""
         x_split = _Split(xs)
-        if not x_split.any:
-            return self._inner.gradient_and_hvp(fn, xs, txs)
         g = _Realified(fn, x_split)
         value, aux, grads, hvps = self._inner.gradient_and_hvp(g, x_split.split(xs), x_split.split(txs))
         self._errors(lambda e: (e[0], e[1], x_split.join(e[2]), x_split.join(e[3])))
@@ -670,8 +641,6 @@ class ComplexAdapter:
         """:meth:`gradient_and_hvp` along each tangent of the batch: the split function's batch
         of real Hessian-vector products (one program where the engine has one), each joined."""
         x_split = _Split(xs)
-        if not x_split.any:
-            return self._inner.gradient_and_hvps(fn, xs, batch)  # type: ignore[no-any-return]
         g = _Realified(fn, x_split)
         value, aux, grads, hvps = self._inner.gradient_and_hvps(
             g, x_split.split(xs), [x_split.split(txs) for txs in batch]

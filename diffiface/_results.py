@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import optree
 
-from . import _arrays, _complex
+from . import _arrays
 from ._call import _ARRAY_KINDS, _LEAF, Call, Operator, _Output
 from ._families import _jax_placement as _placement
 from ._flatten import structure_unflatten
@@ -31,7 +31,7 @@ class Finisher:
         self.x_spec = call.signature.x_spec
         self.x_likes = list(call.x_leaves)
         family = _arrays.family({_arrays.kind(leaf) for leaf in self.x_likes}) if self.x_likes else _NO_X
-        self.own = _arrays.BY_KIND.get(family)  # (None: x of several families)
+        self.own = _arrays.by_kind(family)  # (one family: _checks._check_x refuses an x of several)
         self.like: Any = self.x_likes[0] if self.x_likes else None
         self.single_x = self.x_spec == _LEAF
         self.x_dtypes = [_weak_or_dtype(leaf) for leaf in self.x_likes]
@@ -41,14 +41,11 @@ class Finisher:
 
     def as_y(self, value: Any) -> Any:
         """An output-shaped result in the array type of x (numpy for Python numbers), dtype kept."""
-        own = self.own
-        if own is None:
-            return _as_first_family(value, self.like)
-        return own.as_own(value, _arrays.family_of(value), self.like, _arrays.to_numpy)
+        return self.own.as_own(value, _arrays.family_of(value), self.like, _arrays.to_numpy)
 
     def block(self, value: Any, dtype: str | None, like_j: Any = None) -> Any:
         value = self.as_y(value)
-        if like_j is not None and self.own is not None:  # laid out as x_j (_placement's rule)
+        if like_j is not None:  # laid out as x_j (_placement's rule)
             value = self.own.block_like(value, like_j)
         return _cast(value, dtype)
 
@@ -200,22 +197,19 @@ def _aux_as_returned(riding: Any, as_y: Callable[[Any], Any]) -> Any:
     if riding is None:
         return None
     leaves, spec = riding
-    return optree.tree_unflatten(spec, [_aux_leaf(leaf, as_y) if _is_aux_array(leaf) else leaf for leaf in leaves])
+    return optree.tree_unflatten(spec, [_aux_leaf(leaf, as_y) for leaf in leaves])
 
 
 def _aux_leaf(leaf: Any, as_y: Callable[[Any], Any]) -> Any:
-    """An aux array in x's array type; one no other array type holds (a jax PRNG key, whose
-    dtype numpy has not) as f returned it."""
+    """An aux array, or value an enclosing trace holds, in x's array type unless no other array
+    type holds it (a jax PRNG key, whose dtype numpy has not); any other leaf as f returned it."""
+    family = _arrays.family_of(leaf)
+    if family is None or not (family.ARRAY or family.PASSED_THROUGH):
+        return leaf
     try:
         return as_y(leaf)
     except TypeError:
         return leaf
-
-
-def _is_aux_array(leaf: Any) -> bool:
-    """An aux leaf converted to x's array type: an array, or a value an enclosing trace holds."""
-    family = _arrays.family_of(leaf)
-    return family is not None and (family.ARRAY or family.PASSED_THROUGH)
 
 
 def _layout(leaf: Any) -> _placement.Layout | None:
@@ -225,21 +219,19 @@ def _layout(leaf: Any) -> _placement.Layout | None:
     return None if family is None else family.layout(leaf)  # type: ignore[no-any-return]
 
 
-_PRECISION = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64}
-
-
 def promoted_dtype(a: str | None, b: str | None) -> str | None:
     """The dtype of a derivative relating a leaf of dtype ``a`` to one of dtype ``b``: the wider
     of the two, so that no precision is lost on either side (float16 with bfloat16 gives
     float32, as both jax and torch promote them). ``None`` is a Python number's weak dtype,
-    which takes the other's."""
+    which takes the other's; and the answer where either is complex, since :func:`_cast` casts
+    float blocks only (a complex block, or a complex step's real one, stays as computed)."""
     if a is None or a == b:
         return b
     if b is None:
         return a
     if "complex" in a or "complex" in b:
-        return _complex.promoted(a, b)
-    width = max(_PRECISION.get(a, 64), _PRECISION.get(b, 64))
+        return None
+    width = max(_arrays.FLOAT_WIDTHS.get(a, 64), _arrays.FLOAT_WIDTHS.get(b, 64))
     return "float64" if width == 64 else "float32"
 
 
@@ -266,15 +258,6 @@ def _cast(value: Any, dtype: str | None) -> Any:
         return value
     family = _arrays.family_of(value)
     return value.astype(dtype) if family is None else family.cast(value, dtype)
-
-
-def _as_first_family(value: Any, like: Any) -> Any:
-    """A result of a call whose x holds leaves of several families: an array in the family of
-    ``like``, x's first leaf, in its own dtype; any other value as f returned it."""
-    if _arrays.family_of(value) is None:
-        return value
-    array = np.asarray(_arrays.to_numpy(value))
-    return _arrays.from_numpy(array, like, dtype=array.dtype)
 
 
 def _mirror(value: Any, like: Any) -> Any:

@@ -155,47 +155,41 @@ def ravel(tree: PyTree) -> tuple[Any, Callable[[Any], PyTree]]:
     laid_out = own.laid_out_ravel(leaves_)
     if laid_out is not None:
         flat, parts = laid_out
-        flat_dtype = _arrays.dtype_name(flat)
-        total = int(flat.shape[0])
+    else:
+        numbers = not own.ARRAY
+        if numbers:  # Python numbers only: raveled as the host's float64 arrays
+            own = _families.HOST
+        xp = own.numpy_like()
+        scope = own.dtype_scope  # (jax makes float64 arrays only where x64 is on: on here, never globally)
+        dtypes = {_arrays.dtype_name(leaf) for leaf, kind in zip(leaves_, kinds, strict=True) if kind != "python"}
+        with scope(dtypes):
+            arrays = [
+                (np.asarray(leaf, dtype=np.float64) if numbers else xp.asarray(leaf)) if kind == "python" else leaf
+                for leaf, kind in zip(leaves_, kinds, strict=True)
+            ]
+            shapes = [tuple(a.shape) for a in arrays]
+            sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+            names = [_arrays.dtype_name(a) for a in arrays]
+            flat = xp.concatenate([xp.reshape(a, (-1,)) for a in arrays]) if arrays else xp.zeros((0,))
+        offsets = np.cumsum([0, *sizes])
 
-        def unravel_laid_out(vector: Any) -> PyTree:
-            _check_vector(vector, own, total, flat_dtype)
-            return optree.tree_unflatten(spec, parts(vector))
-
-        return flat, unravel_laid_out
-    numbers = not own.ARRAY
-    if numbers:  # Python numbers only: raveled as the host's float64 arrays
-        own = _families.HOST
-    xp = own.numpy_like()
-    scope = own.dtype_scope  # (jax makes float64 arrays only where x64 is on: on here, never globally)
-    dtypes = {_arrays.dtype_name(leaf) for leaf, kind in zip(leaves_, kinds, strict=True) if kind != "python"}
-    with scope(dtypes):
-        arrays = [
-            (np.asarray(leaf, dtype=np.float64) if numbers else xp.asarray(leaf)) if kind == "python" else leaf
-            for leaf, kind in zip(leaves_, kinds, strict=True)
-        ]
-        shapes = [tuple(a.shape) for a in arrays]
-        sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
-        names = [_arrays.dtype_name(a) for a in arrays]
-        flat = xp.concatenate([xp.reshape(a, (-1,)) for a in arrays]) if arrays else xp.zeros((0,))
-    offsets = np.cumsum([0, *sizes])
+        def parts(vector: Any) -> list[Any]:
+            rebuilt = []
+            with scope(dtypes):
+                for i, (kind, shape_, name) in enumerate(zip(kinds, shapes, names, strict=True)):
+                    piece = xp.reshape(vector[offsets[i] : offsets[i + 1]], shape_)
+                    piece = own.cast(piece, name)
+                    rebuilt.append(_python_scalar(piece) if kind == "python" else piece)
+            return rebuilt
 
     flat_dtype = _arrays.dtype_name(flat)
+    total = int(flat.shape[0])
 
     def unravel(vector: Any) -> PyTree:
-        _check_vector(vector, own, int(offsets[-1]), flat_dtype)
-        rebuilt = []
-        with scope(dtypes):
-            for i, (kind, shape_, name) in enumerate(zip(kinds, shapes, names, strict=True)):
-                piece = xp.reshape(vector[offsets[i] : offsets[i + 1]], shape_)
-                piece = own.cast(piece, name)
-                rebuilt.append(_python_scalar(piece) if kind == "python" else piece)
-        return optree.tree_unflatten(spec, rebuilt)
+        _check_vector(vector, own, total, flat_dtype)
+        return optree.tree_unflatten(spec, parts(vector))
 
     return flat, unravel
-
-
-_WIDTH = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64}
 
 
 def _check_vector(vector: Any, own: _families.Family, size: int, flat_dtype: str) -> None:
@@ -218,7 +212,7 @@ def _check_vector(vector: Any, own: _families.Family, size: int, flat_dtype: str
             f"unravel takes a real vector; got dtype {dtype}, whose imaginary part would be dropped. "
             "Pass the real and imaginary parts separately."
         )
-    if _WIDTH.get(dtype, 64) < _WIDTH.get(flat_dtype, 0):
+    if _arrays.FLOAT_WIDTHS.get(dtype, 64) < _arrays.FLOAT_WIDTHS.get(flat_dtype, 0):
         raise InvalidInputError(
             f"unravel takes a vector of dtype {flat_dtype}, as tree.ravel returned; got {dtype}, which "
             f"would come back as {flat_dtype} leaves holding {dtype} precision. Cast it to {flat_dtype} first."
