@@ -494,3 +494,15 @@ class Adapter(_base.Adapter):
             directional = _base.vdot(pt, grads, tuple(pt.cast(t, x.dtype) for t, x in zip(txs, xs, strict=True)))
             hvps.append(self._grad(directional, xs))
         return value, aux, grads, hvps
+
+    # (the base's rules on PyTensor's own gradient, Jacobian and derivative, in one graph)
+
+    def value_gradient_and_hessian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Blocks]:
+        if not _symbolic(xs):
+            return self._eager("value_gradient_and_hessian", fn, xs)  # type: ignore[no-any-return]
+        return _base.hessian_of(self, self, fn, xs)
+
+    def value_derivative_and_second_derivative(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any, Any]:
+        if not _symbolic(xs):
+            return self._eager("value_derivative_and_second_derivative", fn, xs)  # type: ignore[no-any-return]
+        return _base.second_derivative_of(self, self, fn, xs)
