@@ -6,8 +6,11 @@ variable) is read once into a tensor, which the tape watches; the variable itsel
 watched, written or returned. A tape answers once unless persistent, so the pullback of
 :meth:`Adapter.pullback_function`, which may be applied many times (a Jacobian's rows), keeps
 a persistent one; a gradient takes a plain one. Whether an output of ``f`` is traced is asked
-of the tape running, so a value ``f`` cut from the trace (``.numpy()``,
-``float(y)``) is found, never differentiated as zero.
+of the tape running, so an output ``f`` cut from the trace whole (``.numpy()``,
+``float(y)``) is found, never differentiated as zero. A number read inside ``f`` and
+multiplied back into a traced output (``float(s) * s``) is a constant to the tape, as
+``.item()`` is to torch's autograd: ``check_gradients`` tells such an f from its finite
+differences.
 """
 
 from __future__ import annotations
