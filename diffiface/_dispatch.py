@@ -142,17 +142,22 @@ def _arguments(
 def _prepare(op: Operator, f: Callable[..., Any], backend: Backend, call: Call, strict: bool) -> Prep:
     function = FunctionRef(f)
     builder = _BUILDERS.get(type(backend))
+    adapter = adapter_for(backend)
+    # what f reads besides its arguments, where a program bakes it in (see Closure); the
+    # engine forgets its earlier traces where one of those arrays has been written in place
+    closure = Closure(f) if builder is not None or adapter.compiles else None
+    if closure is not None and closure.rewritten():
+        adapter.forget_traces()
     if builder is not None:  # (its program is built for f's closure and the contexts' values too)
         program, kind = builder(op.name, f, backend, call)
         plan = _plan(op, backend, function, call, program, estimates=False, by_value=True)
-        return kind(plan, call.signature, strict, Closure(f))
-    adapter = adapter_for(backend)
+        return kind(plan, call.signature, strict, closure)
     program, estimates, engine = _program_of(op, f, backend, call, function)
     plan = _plan(op, backend, function, call, program, estimates, engine=engine)
     if type(program) is JitProgram:
         program.bind(plan)
         plan.jit = program
-    return Prep(plan, call.signature, strict, Closure(f) if adapter.compiles else None)
+    return Prep(plan, call.signature, strict, closure)
 
 
 def _plan(

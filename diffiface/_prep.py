@@ -220,6 +220,25 @@ class Closure:
             ]
             self.holds = parts[0] if len(parts) == 1 else _all_hold(parts[0], parts[1:], [fn for fn, _, _ in chain[1:]])
 
+    def rewritten(self) -> bool:
+        """Whether an array f reads was read by an earlier closure (of this f or another) and
+        has been written in place since: an engine that caches its traces by the arrays they
+        read (jax) must forget them before it traces f. Each array's contents are recorded
+        for the next closure to compare."""
+        rewritten = False
+        for i, contents in self._arrays:
+            value = self._keep[i]
+            key = id(value)
+            seen = _READ.get(key)
+            if seen is not None and seen[0]() is value and not seen[1].holds(value):
+                rewritten = True
+            try:
+                ref = weakref.ref(value, functools.partial(_forget_read, key))
+            except TypeError:  # (an array without weak references: not recorded)
+                continue
+            _READ[key] = (ref, contents)
+        return rewritten
+
     def _holds(self, f: Callable[..., Any]) -> bool:
         values = _reads(f)
         if list(map(id, values)) != self._ids:
@@ -490,6 +509,17 @@ def _loads(code: types.CodeType) -> tuple[tuple[str, ...], tuple[str, ...]]:
 _KEPT = 1 << 24
 """Bytes of an array whose contents a closure keeps a copy of; a larger array's are hashed
 (a copy would double the memory it takes; comparing a copy costs less than hashing)."""
+
+
+_READ: dict[int, tuple[weakref.ref[Any], Held]] = {}
+"""Each array a closure has read (by id, while it lives), with its contents then: what
+:meth:`Closure.rewritten` compares."""
+
+
+def _forget_read(key: int, ref: weakref.ref[Any]) -> None:
+    seen = _READ.get(key)
+    if seen is not None and seen[0] is ref:  # (not a newer array at that address)
+        del _READ[key]
 
 
 def _contents(value: Any) -> Held | None:

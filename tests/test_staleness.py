@@ -362,6 +362,72 @@ def test_an_unprepared_call_sees_a_large_numpy_array_written_in_place() -> None:
     np.testing.assert_allclose(di.gradient(loss, "jax", x), 10 * x)
 
 
+_WEIGHTS = np.ones(2)
+
+
+@pytest.mark.parametrize("operator", ["gradient", "hessian", "jacobian", "prepared"])
+@pytest.mark.parametrize("backend", ["jax", "second-order jax", "sparse jax"])
+def test_a_jax_trace_never_keeps_a_numpy_global_s_old_values(operator: str, backend: str) -> None:
+    """A float32 jax x and a float64 numpy global written in place: jax's staging caches gave
+    the new trace the old values (the gradient of ``W = [1, 1]`` after ``W[1] = 5``), though
+    the route saw the write and prepared again."""
+    require("jax")
+    import jax
+    import jax.numpy as jnp
+
+    engine: Any = {
+        "jax": "jax",
+        "second-order jax": di.SecondOrder(di.AutoJAX(), di.AutoJAX()),
+        "sparse jax": di.AutoSparse(di.AutoJAX()),
+    }[backend]
+    if backend == "sparse jax" and operator in ("gradient", "prepared"):
+        pytest.skip("AutoSparse computes Jacobians and Hessians; its gradient is its engine's, the first row")
+    _WEIGHTS[:] = 1.0
+
+    def loss(v: Any) -> Any:
+        return (_WEIGHTS * v**2).sum()
+
+    def values(v: Any) -> Any:
+        return _WEIGHTS * v**2
+
+    x = jnp.ones(2, dtype=jnp.float32)
+
+    def run() -> np.ndarray:
+        if operator == "prepared":  # (a fresh prep, while the first one is kept alive)
+            return np.asarray(di.gradient(loss, engine, x, prep=di.prepare_gradient(loss, engine, x)))
+        f = values if operator == "jacobian" else loss
+        return _dense(getattr(di, operator)(f, engine, x))
+
+    # (the sparsity detection traces f with float64 enabled: a float64 global and a float32 x
+    # promote as numpy promotes them, not under the tests' strict rule)
+    with jax.numpy_dtype_promotion("standard"):
+        kept = di.prepare_gradient(loss, engine, x) if operator == "prepared" else None
+        first = run()
+        _WEIGHTS[1] = 5.0
+        try:
+            expected = {"gradient": [2.0, 10.0], "prepared": [2.0, 10.0]}.get(operator, np.diag([2.0, 10.0]))
+            np.testing.assert_allclose(run(), expected)
+            np.testing.assert_allclose(first, np.asarray(expected) / [1.0, 5.0])
+        finally:
+            _WEIGHTS[:] = 1.0
+            del kept
+
+
+def test_a_new_lambda_on_a_buffer_written_in_place_sees_its_new_values() -> None:
+    """A training loop's pattern: a numpy batch buffer refilled in place, and a new lambda per
+    step closing over it. No prep of the lambda is stale (each is new), but jax's caches kept
+    the values an earlier step's trace read."""
+    require("jax")
+    import jax.numpy as jnp
+
+    batch = np.ones(2)
+    x = jnp.ones(2, dtype=jnp.float32)
+    for scale in (1.0, 5.0, 2.0):
+        batch[1] = scale
+        grad = di.gradient(lambda v: (batch * v**2).sum(), "jax", x)
+        np.testing.assert_allclose(np.asarray(grad), [2.0, 2.0 * scale])
+
+
 @pytest.mark.parametrize("engine", ["finite_differences", "torch"])
 def test_every_entry_of_a_large_global_counts(engine: str) -> None:
     """The 70,000-entry global of issue 39, on an engine without jax: a write to its last

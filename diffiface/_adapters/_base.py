@@ -276,6 +276,11 @@ class Adapter:
         guard the call or run it in one call of its own (:class:`ProgramParts`)."""
         return program
 
+    def forget_traces(self) -> None:
+        """Drop what the engine keeps of f's earlier traces: called where an array f reads
+        (from its closure or globals) has changed in place since a prep of f was built, before
+        the new prep traces f again. Nothing to drop for most engines."""
+
     def returns_like(self, leaf: Any) -> bool:
         """Whether a compiled program's array results have the array type of ``leaf``."""
         return False
@@ -579,6 +584,10 @@ class SecondOrderAdapter(Adapter):
         parts: ProgramParts | None = None,
     ) -> Callable[..., Any]:
         return self.inner.compile(program, static, arrays, layouts, parts) if self._same_engine else program
+
+    def forget_traces(self) -> None:
+        self.outer.forget_traces()
+        self.inner.forget_traces()
 
     def take_error(self) -> Any:
         error = self.outer.take_error()

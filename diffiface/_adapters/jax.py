@@ -132,6 +132,13 @@ class Adapter(_base.Adapter):
 
         return run
 
+    def forget_traces(self) -> None:
+        # jax's staging caches can give a new trace of a new function the constants an earlier
+        # trace read from a numpy array that has since changed in place (a gradient of the old
+        # values, without an error): every cache goes, and every jitted function of the process
+        # compiles again on its next call, a cost paid only after such a change.
+        jax.clear_caches()
+
     def explain_failure(self, exc: BaseException) -> str | None:
         if isinstance(exc, jax.errors.TracerArrayConversionError):
             return (
