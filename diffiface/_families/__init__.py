@@ -145,13 +145,7 @@ def by_kind(kind: str) -> Family:
         ) from None
 
 
-def foreign_node(leaf: Any) -> tuple[Callable[[Any], Any], Callable[[Any, Any], Any]] | None:
-    """How to flatten one level of ``leaf`` and rebuild it, where a framework's pytree registry
-    knows its class but diffiface's does not (an equinox module): None where none does."""
-    return jax.foreign_node(leaf)
-
-
-def foreign_tree(leaf: Any) -> tuple[Any, ...]:
-    """Structure and leaf shapes of a leaf no family owns but a framework's pytree registry
-    knows (a flax or equinox object)."""
-    return jax.foreign_tree(leaf)
+# a leaf no family owns, where a framework's pytree registry knows its class (a flax or
+# equinox object) but diffiface's does not: jax's is the one registry read
+foreign_node = jax.foreign_node
+foreign_tree = jax.foreign_tree
