@@ -118,7 +118,6 @@ FAMILIES: tuple[Family, ...] = (numpy, python, torch, jax, autograd, pytensor, m
 BY_KIND: dict[str, Family] = {family.NAME: family for family in FAMILIES}
 
 CODE_MODULES: frozenset[str] = frozenset().union(*(family.CODE_MODULES for family in FAMILIES))
-"""Every family's ``CODE_MODULES``."""
 
 HOST: Family = numpy
 """The family every other converts through (``to_numpy``, ``from_numpy``): the arrays of the
