@@ -27,7 +27,7 @@ import numpy as np
 from .. import _arrays
 from .._contexts import held
 from .._errors import MutationError, UnsupportedOperationError
-from .._families.mlx import mlx_dtype
+from .._families.mlx import from_numpy, mlx_dtype
 from . import _base
 from ._base import Fn, Leaves
 
@@ -97,10 +97,7 @@ def _own(leaves: Sequence[Any]) -> tuple[Any, ...]:
 def _mx(leaves: Sequence[Any]) -> list[Any]:
     """Leaves as mlx arrays (another part of diffiface may hand numpy ones: the real and
     imaginary parts of a complex x, say), each of its own dtype."""
-    return [
-        leaf if type(leaf) is mx.array else mx.array(np.asarray(leaf), dtype=mlx_dtype(np.asarray(leaf).dtype))
-        for leaf in leaves
-    ]
+    return [leaf if type(leaf) is mx.array else from_numpy(np.asarray(leaf), None, None) for leaf in leaves]
 
 
 def _complex(xs: Sequence[Any]) -> bool:
@@ -215,8 +212,7 @@ class Adapter(_base.Adapter):
                 return mx.array(leaf, dtype=mx.complex64)
             return mx.array(leaf, dtype=getattr(like, "dtype", mx.float32))
         if kind == "numpy":
-            array = np.asarray(leaf)
-            return mx.array(array, dtype=mlx_dtype(array.dtype))
+            return from_numpy(np.asarray(leaf), None, None)
         return leaf
 
     # -- float64 on the CPU ---------------------------------------------------------------------

@@ -3,12 +3,10 @@ compiled by ``pytensor.function``.
 
 Every operator is one compiled function. At preparation the program is traced: ``f`` is
 called once on symbolic variables of the shapes and dtypes of x's leaves, of the tangent's and
-of the context arrays and floats (other context leaves are static, compared by value, one
-compiled function per value); the graph of the operator's results is then compiled with the
-backend's mode. Later calls run the compiled function on numpy arrays, without pytensor's check
-of its arguments (the plan has checked them), one call at a time (a compiled function keeps its
-arguments in storage of its own). Building and compiling a graph is not thread-safe in
-pytensor: both run under one lock.
+of the context arrays (numpy scalars included; other context leaves, Python numbers too, are
+static, compared by value, one compiled function per value); the graph of the operator's
+results is then compiled with the backend's mode, and later calls run it on numpy arrays
+(:meth:`Adapter.compile`).
 
 Forward mode is pytensor's own pushforward, two pullbacks (exact, and it needs no ``R_op`` of
 every operation); the hvp is reverse over reverse, as ``pytensor.gradient.hessian_vector_product``.

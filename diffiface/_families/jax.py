@@ -169,34 +169,26 @@ def layout(leaf: Any) -> _placement.Layout | None:
     return _placement.Layout(leaf.sharding)
 
 
-class _Same:
-    """The test that a later array has the prepared one's shape and dtype (and layout)."""
-
-    __slots__ = ("dtype", "layout", "shape")
-
-    def __init__(self, leaf: Any) -> None:
-        self.shape, self.dtype = leaf.shape, leaf.dtype
-        concrete = not isinstance(leaf, sys.modules["jax"].core.Tracer)
-        self.layout = _placement.Layout(leaf.sharding) if concrete else None
-
-    def test(self, value: Any) -> bool:
-        # (an array's abstract value answers shape and dtype at a quarter of its properties' cost)
-        aval = value.aval
-        if aval.shape != self.shape or aval.dtype != self.dtype:
-            return False
-        # (results are laid out as x: another layout is another prep; a traced x's is the trace's)
-        layout = self.layout
-        return layout is None or layout.holds(value)
-
-    def test_one_device(self, value: Any) -> bool:
-        """:meth:`test` where jax has one device in this process: no layout to read."""
-        aval = value.aval
-        return aval.shape == self.shape and aval.dtype == self.dtype  # type: ignore[no-any-return]
-
-
 def same(leaf: Any) -> Callable[[Any], bool]:
-    found = _Same(leaf)
-    return found.test_one_device if found.layout is not None and _one_device(leaf) else found.test
+    """The test that a later array has the prepared one's shape and dtype, and its layout where
+    there is one to read (results are laid out as x: another layout is another prep): not a
+    traced x's, which is the trace's, nor where jax has one device in this process."""
+    shape, dtype = leaf.shape, leaf.dtype
+    if isinstance(leaf, sys.modules["jax"].core.Tracer) or _one_device(leaf):
+
+        def test(value: Any) -> bool:
+            # (an array's abstract value answers shape and dtype at a quarter of its properties' cost)
+            aval = value.aval
+            return aval.shape == shape and aval.dtype == dtype  # type: ignore[no-any-return]
+
+        return test
+    layout = _placement.Layout(leaf.sharding)
+
+    def laid_out(value: Any) -> bool:
+        aval = value.aval
+        return aval.shape == shape and aval.dtype == dtype and layout.holds(value)  # type: ignore[no-any-return]
+
+    return laid_out
 
 
 def _one_device(leaf: Any) -> bool:

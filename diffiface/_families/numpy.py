@@ -98,20 +98,14 @@ def _writable(array: np.ndarray) -> np.ndarray:
     return array if array.flags.writeable else array.copy()
 
 
-class _Same:
-    """The test that a later leaf has the prepared one's shape and dtype."""
-
-    __slots__ = ("dtype", "shape")
-
-    def __init__(self, leaf: Any) -> None:
-        self.shape, self.dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
-
-    def test(self, value: Any) -> bool:
-        return value.shape == self.shape and value.dtype == self.dtype  # type: ignore[no-any-return]
-
-
 def same(leaf: Any) -> Callable[[Any], bool] | None:
-    return _Same(leaf).test
+    """The test that a later leaf has the prepared one's shape and dtype."""
+    shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+
+    def test(value: Any) -> bool:
+        return value.shape == shape and value.dtype == dtype  # type: ignore[no-any-return]
+
+    return test
 
 
 def leaves_test(leaves: list[Any]) -> Callable[[list[Any]], bool] | None:

@@ -88,22 +88,14 @@ def cast(value: Any, dtype: str) -> Any:
     return value.to(getattr(sys.modules["torch"], dtype))
 
 
-class _Same:
-    """The test that a later tensor has the prepared one's shape, dtype and device."""
-
-    __slots__ = ("device", "dtype", "shape")
-
-    def __init__(self, leaf: Any) -> None:
-        self.shape, self.dtype, self.device = leaf.shape, leaf.dtype, leaf.device
-
-    def test(self, value: Any) -> bool:
-        return (  # type: ignore[no-any-return]
-            value.shape == self.shape and value.dtype == self.dtype and value.device == self.device
-        )
-
-
 def same(leaf: Any) -> Callable[[Any], bool]:
-    return _Same(leaf).test
+    """The test that a later tensor has the prepared one's shape, dtype and device."""
+    shape, dtype, device = leaf.shape, leaf.dtype, leaf.device
+
+    def test(value: Any) -> bool:
+        return value.shape == shape and value.dtype == dtype and value.device == device  # type: ignore[no-any-return]
+
+    return test
 
 
 _meta = operator.attrgetter("shape", "dtype", "device")  # (compared in C, no frame per leaf)
