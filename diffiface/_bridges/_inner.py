@@ -45,10 +45,8 @@ Leaves = list[Any]
 
 
 def inner_kind(backend: Backend) -> str:
-    """Which arrays ``f`` takes under ``backend``: the family its registry row names (the host's,
-    numpy, for an engine that takes any array type: the black boxes)."""
-    if isinstance(backend, AutoSparse):
-        return inner_kind(backend.backend)
+    """Which arrays ``f`` takes under ``backend`` (no AutoSparse): the family its registry row
+    names (the host's, numpy, for an engine that takes any array type: the black boxes)."""
     if isinstance(backend, SecondOrder):
         raise InvalidBackendOptionError(
             f"differentiate_with(f, {backend!r}): the outer engine asks f for first-order products (jvp, "
@@ -62,13 +60,6 @@ def inner_kind(backend: Backend) -> str:
     except DiffifaceError:
         raise InvalidBackendOptionError(f"differentiate_with cannot run f under {backend!r}.") from None
     return _families.HOST.NAME if row.any_array_type else _arrays.by_kind(row.arrays).NAME
-
-
-def nestable(backend: Backend) -> bool:
-    """Whether ``backend`` can differentiate its own derivatives (second order through g)."""
-    if isinstance(backend, AutoSparse):
-        return nestable(backend.backend)
-    return isinstance(backend, (AutoJAX, AutoTorch, AutoAutograd, AutoMLX, AutoTensorFlow))
 
 
 def check_nests(site: Site, action: str) -> None:
@@ -198,7 +189,7 @@ def check_contexts(contexts: Sequence[Any]) -> tuple[Context[Any], ...]:
     return tuple(contexts)
 
 
-def _context_values(contexts: Sequence[Context[Any]], kind: str) -> list[Any]:
+def context_values(contexts: Sequence[Context[Any]], kind: str) -> list[Any]:
     """The values f is called with, numpy leaves converted to the inner engine's arrays as the
     operators convert them."""
     if _arrays.by_kind(kind) is _families.HOST:
@@ -263,15 +254,18 @@ class Inner:
     def __init__(self, f: Callable[..., Any], backend: Backend) -> None:
         self.f = f
         self.backend = backend
+        self.engine = backend.backend if isinstance(backend, AutoSparse) else backend
+        """The backend whose engine runs f: AutoSparse's own engine under AutoSparse."""
         from .._adapters import info
 
-        self.kind = inner_kind(backend)
+        self.kind = inner_kind(self.engine)
         # the family of f's arrays, its engine's modules imported (f's arrays may be made here
         # before the engine's adapter is)
         for module in info(backend).requires:
             importlib.import_module(module)
         self.family = _arrays.by_kind(self.kind)
-        self.nestable = nestable(backend)
+        # (whether the engine differentiates its own derivatives: second order through g)
+        self.nestable = isinstance(self.engine, (AutoJAX, AutoTorch, AutoAutograd, AutoMLX, AutoTensorFlow))
         # f(x) compiled once per set of contexts, for jax with jit: (contexts, program) pairs
         self._programs: list[tuple[tuple[Context[Any], ...], Callable[..., Any]]] = []
         self._programs_lock = threading.Lock()
@@ -282,7 +276,7 @@ class Inner:
         with self.family.dtype_scope([a.dtype for a in plan.x_avals]):
             program = self._program(plan, tuple(contexts))
             if program is not None:
-                return list(program(x, _context_values(contexts, self.kind)))
+                return list(program(x, context_values(contexts, self.kind)))
             return self._leaves_of(plan, self.evaluate(plan.x_spec, x, contexts))
 
     def evaluate(self, spec: Any, x: Leaves, contexts: Sequence[Context[Any]]) -> Any:
@@ -292,7 +286,7 @@ class Inner:
         as the operators' torch engine makes its own."""
         x = [self.family.private_copy(leaf) for leaf in x]
         try:
-            return _concrete(self.backend, self.f(spec.unflatten(x), *_context_values(contexts, self.kind)))
+            return self.concrete(self.f(spec.unflatten(x), *context_values(contexts, self.kind)))
         except ValueError as exc:
             if self.family is _families.HOST and "read-only" in str(exc):
                 raise MutationError(
@@ -307,8 +301,7 @@ class Inner:
         eagerly."""
         from .._adapters import adapter_for
 
-        backend = self.backend.backend if isinstance(self.backend, AutoSparse) else self.backend
-        adapter = adapter_for(backend)
+        adapter = adapter_for(self.engine)
         if not adapter.compiles or self.family is _families.HOST:  # (a numpy engine's programs are its own)
             return None
         if not all(_arrays.is_array(leaf) for c in contexts for leaf in _tree.leaves(c.value)):
@@ -411,6 +404,13 @@ class Inner:
 
     # helpers
 
+    def concrete(self, out: Any) -> Any:
+        """f's output on concrete arrays as concrete values, as f's engine gives them (a graph of
+        constants evaluated, under PyTensor)."""
+        from .._adapters import adapter_for
+
+        return adapter_for(self.engine).concrete(out)
+
     def _first(self, op: Callable[..., Any], linear: Any, contexts: Sequence[Context[Any]]) -> Callable[[Any], Any]:
         """x -> op(f, x, linear): the first product (``di.jvp``, ``di.vjp``) as a function of x."""
 
@@ -487,27 +487,19 @@ def _split_vector(vector: Any, cuts: list[int]) -> Leaves:
 # --- probing the shape of f(x) ------------------------------------------------------------------
 
 
-def _concrete(backend: Backend, out: Any) -> Any:
-    """f's output on concrete arrays as concrete values, as f's engine gives them (a graph of
-    constants evaluated, under PyTensor)."""
-    from .._adapters import adapter_for
-
-    return adapter_for(backend.backend if isinstance(backend, AutoSparse) else backend).concrete(out)
-
-
 def probe_avals(inner: Inner, x_spec: Any, x_avals: tuple[Aval, ...], contexts: Sequence[Context[Any]]) -> Any:
     """f's output structure and avals for inputs of ``x_avals``, found without concrete values
     (the outer engine is tracing): jax.eval_shape for jax, zeros for the others."""
     try:
         with inner.family.dtype_scope([a.dtype for a in x_avals]):
-            values = _context_values(contexts, inner.kind)
+            values = context_values(contexts, inner.kind)
             shapes = [(a.shape, a.dtype) for a in x_avals]
             out = inner.family.eval_shape(lambda *leaves: inner.f(x_spec.unflatten(list(leaves)), *values), shapes)
             abstract = out is not None  # (else: no abstract evaluation in this family, f at zeros)
             if not abstract:
                 family = inner.family
                 zeros = [family.cast(family.numpy_like().zeros(a.shape), a.dtype) for a in x_avals]
-                out = _concrete(inner.backend, inner.f(x_spec.unflatten(zeros), *values))
+                out = inner.concrete(inner.f(x_spec.unflatten(zeros), *values))
     except DiffifaceError:
         raise
     except Exception as exc:
