@@ -357,12 +357,10 @@ class Inner:
     def cast(self, leaves: Leaves, avals: Sequence[Aval]) -> Leaves:
         """Tangents and cotangents in the dtypes of g's prep: the outer engine may hold f(x) in
         another dtype than f gives (jax without x64 holds float32 where f gives float64)."""
-        out = []
-        for leaf, aval in zip(leaves, avals, strict=True):
-            if _arrays.dtype_name(leaf) != aval.dtype:
-                leaf = self.family.cast(leaf, aval.dtype)
-            out.append(leaf)
-        return out
+        return [
+            leaf if _arrays.dtype_name(leaf) == aval.dtype else self.family.cast(leaf, aval.dtype)
+            for leaf, aval in zip(leaves, avals, strict=True)
+        ]
 
     def jvp(self, plan: Plan, x: Leaves, tx: Leaves, contexts: Sequence[Context[Any]]) -> Leaves:
         ty = di.jvp(self.f, self.backend, plan.x_spec.unflatten(x), plan.x_spec.unflatten(tx), *contexts)
@@ -475,13 +473,9 @@ def _conj(array: Any) -> Any:
 
 
 def _split_vector(vector: Any, cuts: list[int]) -> Leaves:
-    pieces = []
-    start = 0
-    for end in cuts:
-        pieces.append(vector[start:end])
-        start = end
-    pieces.append(vector[start:])  # (to the end: a symbolic vector's length is no int)
-    return pieces
+    starts = [0, *cuts]
+    # (the last piece to the end: a symbolic vector's length is no int)
+    return [*(vector[start:end] for start, end in zip(starts, cuts, strict=False)), vector[starts[-1] :]]
 
 
 # --- probing the shape of f(x) ------------------------------------------------------------------
