@@ -18,6 +18,7 @@ from typing import Any
 
 from .. import _arrays, _families
 from .. import tree as _tree
+from .._adapters import normalize
 from .._backends import Backend
 from .._contexts import Context
 from .._errors import ArrayTypeError, PreparationMismatchError
@@ -48,8 +49,6 @@ class DifferentiateWith:
     :func:`differentiate_with`."""
 
     def __init__(self, f: Callable[..., Any], backend: Backend | str) -> None:
-        from .._adapters import normalize
-
         if not callable(f):
             raise TypeError(f"differentiate_with takes a function first, got {type(f).__name__}.")
         self.f = f

@@ -21,6 +21,7 @@ import numpy as np
 from .. import _arrays, _families
 from .. import _operators as di
 from .. import tree as _tree
+from .._adapters import adapter_for, info
 from .._backends import (
     AutoAutograd,
     AutoJAX,
@@ -33,6 +34,7 @@ from .._backends import (
 )
 from .._contexts import Constant, Context
 from .._errors import (
+    ArrayTypeError,
     ContextError,
     DiffifaceError,
     InvalidBackendOptionError,
@@ -53,8 +55,6 @@ def inner_kind(backend: Backend) -> str:
             "vjp) and builds its own second order from them; pass a first-order backend such as "
             "di.AutoTorch(), or di.AutoSparse(...) of one."
         )
-    from .._adapters import info
-
     try:
         row = info(backend)
     except DiffifaceError:
@@ -235,8 +235,6 @@ def closure_traced(f: Callable[..., Any], traced: Callable[[Any], str | None]) -
 
 
 def traced_refusal(where: str, found: str) -> DiffifaceError:
-    from .._errors import ArrayTypeError
-
     return ArrayTypeError(
         f"{where} holds {found} of the outer engine. g runs f on the inner engine's arrays, outside the "
         "outer trace, so the outer engine could not see how f's result depends on it: its derivative "
@@ -256,8 +254,6 @@ class Inner:
         self.backend = backend
         self.engine = backend.backend if isinstance(backend, AutoSparse) else backend
         """The backend whose engine runs f: AutoSparse's own engine under AutoSparse."""
-        from .._adapters import info
-
         self.kind = inner_kind(self.engine)
         # the family of f's arrays, its engine's modules imported (f's arrays may be made here
         # before the engine's adapter is)
@@ -299,8 +295,6 @@ class Inner:
         """f(x) compiled by its engine (jax.jit for AutoJAX(jit=True)), where every context leaf is
         an array (an argument of the program, so new values never go unseen); None where f runs
         eagerly."""
-        from .._adapters import adapter_for
-
         adapter = adapter_for(self.engine)
         if not adapter.compiles or self.family is _families.HOST:  # (a numpy engine's programs are its own)
             return None
@@ -405,8 +399,6 @@ class Inner:
     def concrete(self, out: Any) -> Any:
         """f's output on concrete arrays as concrete values, as f's engine gives them (a graph of
         constants evaluated, under PyTensor)."""
-        from .._adapters import adapter_for
-
         return adapter_for(self.engine).concrete(out)
 
     def _first(self, op: Callable[..., Any], linear: Any, contexts: Sequence[Context[Any]]) -> Callable[[Any], Any]:

@@ -26,7 +26,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from .. import _arrays
-from ._inner import Aval, Site, beyond_second_order, check_nests, check_shape, to_inner
+from ._inner import Aval, Site, beyond_second_order, check_nests, check_shape, to_inner, traced_refusal
 
 __all__ = ["call"]
 
@@ -76,8 +76,6 @@ def _host(primitive: Primitive, site: Site, batch: int, arrays: Sequence[Any]) -
     try:
         return site.inner.product(_what(primitive), site.plan, list(arrays), site.contexts, batch, conjugate=True)
     except (jax.errors.TracerArrayConversionError, jax.errors.UnexpectedTracerError) as exc:
-        from ._inner import traced_refusal
-
         raise traced_refusal("f reads a value that", "a jax tracer") from exc
 
 
