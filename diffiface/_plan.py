@@ -1,11 +1,10 @@
 """A prep's plan: what it was made for, field by field, and the program it runs.
 
-Every call takes one route (:mod:`diffiface._dispatch`): flatten each argument once, compare
-it with a plan (:meth:`Plan.leaves`), run the plan's program on the leaves. The plan holds,
-in named fields, the operator, the backend (normalised once, and the names that mean it), f,
-the tree structures of x, the tangent and every context with a test per leaf (its type, and
-for an array its shape, dtype and device or layout), and the program. Operators, engines,
-sparse and second-order backends differ in their programs only.
+The route (:mod:`diffiface._dispatch`) compares every call with a plan (:meth:`Plan.leaves`).
+The plan holds, in named fields, the operator, the backend (normalised once, and the names
+that mean it), f, the tree structures of x, the tangent and every context with a test per leaf
+(its type, and for an array its shape, dtype and device or layout), and the program.
+Operators, engines, sparse and second-order backends differ in their programs only.
 """
 
 from __future__ import annotations
@@ -276,20 +275,8 @@ class Plan:
         self.context_flattens = tuple(flatten for flatten, _ in contexts)
         self.context_keys = tuple(key for _, key in contexts)
         checks = self.context_checks
-        self.context_rows = (
-            None
-            if checks is None
-            else tuple(
-                zip(
-                    self.context_kinds,
-                    self.context_classes,
-                    self.context_flattens,
-                    self.context_keys,
-                    checks,
-                    strict=True,
-                )
-            )
-        )
+        columns = (self.context_kinds, self.context_classes, self.context_flattens, self.context_keys)
+        self.context_rows = None if checks is None else tuple(zip(*columns, checks, strict=True))
 
     def fits_backend(self, backend: Any) -> bool:
         """Whether a backend object other than the plan's own one means it."""

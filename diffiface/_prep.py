@@ -177,22 +177,10 @@ class Closure:
     it: an unprepared call whose f reads anything else prepares again rather than reuse a stale
     program (``jax.jit`` bakes in the values f reads when it traces f).
 
-    What is followed (:func:`_reads`, the rule docs/preparation.md states):
-
-    - a function: its code, the objects its closure cells hold, the globals its code names (and
-      its nested functions' code names; a name not defined is followed too, as it may be later),
-      its ``__defaults__`` and ``__kwdefaults__``; then the functions among these that it closes
-      over or that live in its own module (the helpers it calls), and ``__wrapped__``;
-    - a ``functools.partial``: its ``func`` (followed as f), ``args`` and ``keywords``;
-    - a bound method: its function, and its instance's ``__dict__`` (one level);
-    - any other callable object: its type, ``type(f).__call__`` (followed as a function) and
-      its ``__dict__`` (one level), and ``__wrapped__``.
-
-    Each object so read is compared by identity; numpy arrays and torch tensors among them also
-    by their contents (their family's ``contents``), which can change in place. At most
-    ``_MOST_FOLLOWED`` callables are followed per f. What objects hold below that (an attribute
-    of an attribute, a model's parameters) is not followed: pass such data as a
-    :class:`~diffiface.Constant`."""
+    What is followed, per kind of callable, is the rule docs/preparation.md states ("An
+    unprepared call is never stale"), read by :func:`_reads`. Each object so read is compared by
+    identity; numpy arrays and torch tensors among them also by their contents (their family's
+    ``contents``), which can change in place."""
 
     __slots__ = ("_arrays", "_ids", "_keep", "holds")
 
@@ -206,9 +194,8 @@ class Closure:
         """``holds(f)``: whether ``f`` reads the same objects, and the arrays among them hold the
         same values."""
         if type(f) is types.FunctionType and not any("__wrapped__" in fn.__dict__ for fn, _, _ in chain):
-            # (a function, and the helpers it follows are functions, whose reads are all there
-            # is: a test settled for each, see _settled_holds; each helper is the object f's own
-            # test found, so its reads are read from it)
+            # (f and the helpers it follows are functions, whose reads are all there is: a test
+            # settled for each, _settled_holds, joined by _all_hold)
             parts = [
                 _settled_holds(
                     fn,
@@ -282,11 +269,11 @@ def _settled_holds(
     general: Callable[[Callable[..., Any]], bool],
 ) -> Callable[[Callable[..., Any]], bool]:
     """:meth:`Closure.holds` for one function, its reads settled once: the code object, then the
-    objects :func:`_function_reads` gave (``values``: closure cells, the globals its code names,
-    keyword-only defaults) read again and compared by identity with the ones read then, in plain
-    loops over tuples settled here; the defaults by the tuple f holds (immutable: the same tuple
-    holds the same objects). The general test reads f again into lists on every unprepared call
-    (``python benchmarks/closure_test.py``, pinned and interleaved, shows the difference).
+    objects :func:`_function_reads` gave (``values``) read again and compared by identity with
+    the ones read then, in plain loops over tuples settled here (for the few objects a function
+    reads, cheaper than any call that compares them in C, or than the general test, which reads
+    f again into lists: ``python benchmarks/closure_test.py``, pinned and interleaved); the
+    defaults by the tuple f holds (immutable: the same tuple holds the same objects).
     Another kind of f, an empty closure cell, a ``__wrapped__`` added since or defaults in
     another tuple are left to ``general``."""
     code = function.__code__
@@ -310,8 +297,6 @@ def _settled_holds(
     function_type = types.FunctionType
 
     def holds(f: Any) -> bool:
-        # (plain loops over settled tuples: for the few objects a function reads, cheaper than
-        # any call that would compare them in C)
         if type(f) is not function_type or "__wrapped__" in f.__dict__:
             return general(f)
         if f.__code__ is not code:
@@ -373,7 +358,7 @@ _KEYWORD_DEFAULTS = _Marker("<keyword-only defaults>")
 
 def _reads(f: Any, chain: list[tuple[types.FunctionType, int, int]] | None = None) -> list[Any]:
     """The objects calling ``f`` reads besides its arguments, in an order fixed by them (the
-    rule of :class:`Closure`). ``chain``, where given, gets each function followed from the
+    rule docs/preparation.md states). ``chain``, where given, gets each function followed from the
     function ``f`` itself (``f`` first), where its own reads start among them and how many
     there are."""
     if type(f) is types.FunctionType:  # the common case: a function that reads no other one
@@ -653,10 +638,7 @@ class _PrepCache:
         self._lock = threading.Lock()
 
     def _owner(self, f: Callable[..., Any]) -> tuple[Any, Any, bool]:
-        if isinstance(f, types.MethodType):
-            owner, sub = f.__self__, f.__func__
-        else:
-            owner, sub = f, None
+        owner, sub = (f.__self__, f.__func__) if isinstance(f, types.MethodType) else (f, None)
         try:
             weakref.ref(owner)
         except TypeError:

@@ -18,6 +18,7 @@ from typing import Any
 
 from .. import _arrays, _families
 from .. import tree as _tree
+from .._adapters import normalize
 from .._backends import Backend
 from .._contexts import Context
 from .._errors import ArrayTypeError, PreparationMismatchError
@@ -30,6 +31,7 @@ from ._inner import (
     check_contexts,
     closure_traced,
     constant_values,
+    context_values,
     outer_traced,
     output_avals,
     probe_avals,
@@ -47,8 +49,6 @@ class DifferentiateWith:
     :func:`differentiate_with`."""
 
     def __init__(self, f: Callable[..., Any], backend: Backend | str) -> None:
-        from .._adapters import normalize
-
         if not callable(f):
             raise TypeError(f"differentiate_with takes a function first, got {type(f).__name__}.")
         self.f = f
@@ -147,13 +147,10 @@ class DifferentiateWith:
         if outer == self._inner.kind:
             if self._plan is not None:
                 self._check(self._plan, spec, avals)
-            from ._inner import _concrete, _context_values
-
             # (f's writes never reach the caller's arrays: torch's get clones, kept in the graph)
             family = self._inner.family
             x = spec.unflatten([family.private_copy(leaf) if family.owns(type(leaf)) else leaf for leaf in leaves])
-            # (f's value as its engine gives it on concrete arrays: a PyTensor graph evaluated)
-            return _concrete(self._inner.backend, self.f(x, *_context_values(contexts, self._inner.kind)))
+            return self._inner.concrete(self.f(x, *context_values(contexts, self._inner.kind)))
         x_inner = [to_inner(leaf, self._inner.kind) if _arrays.kind(leaf) != "python" else leaf for leaf in leaves]
         site = self.site(spec, avals, contexts, x_inner)
         y = self._inner.value(site.plan, x_inner, contexts)

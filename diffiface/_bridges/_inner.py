@@ -21,6 +21,7 @@ import numpy as np
 from .. import _arrays, _families
 from .. import _operators as di
 from .. import tree as _tree
+from .._adapters import adapter_for, info
 from .._backends import (
     AutoAutograd,
     AutoJAX,
@@ -33,6 +34,7 @@ from .._backends import (
 )
 from .._contexts import Constant, Context
 from .._errors import (
+    ArrayTypeError,
     ContextError,
     DiffifaceError,
     InvalidBackendOptionError,
@@ -45,30 +47,19 @@ Leaves = list[Any]
 
 
 def inner_kind(backend: Backend) -> str:
-    """Which arrays ``f`` takes under ``backend``: the family its registry row names (the host's,
-    numpy, for an engine that takes any array type: the black boxes)."""
-    if isinstance(backend, AutoSparse):
-        return inner_kind(backend.backend)
+    """Which arrays ``f`` takes under ``backend`` (no AutoSparse): the family its registry row
+    names (the host's, numpy, for an engine that takes any array type: the black boxes)."""
     if isinstance(backend, SecondOrder):
         raise InvalidBackendOptionError(
             f"differentiate_with(f, {backend!r}): the outer engine asks f for first-order products (jvp, "
             "vjp) and builds its own second order from them; pass a first-order backend such as "
             "di.AutoTorch(), or di.AutoSparse(...) of one."
         )
-    from .._adapters import info
-
     try:
         row = info(backend)
     except DiffifaceError:
         raise InvalidBackendOptionError(f"differentiate_with cannot run f under {backend!r}.") from None
     return _families.HOST.NAME if row.any_array_type else _arrays.by_kind(row.arrays).NAME
-
-
-def nestable(backend: Backend) -> bool:
-    """Whether ``backend`` can differentiate its own derivatives (second order through g)."""
-    if isinstance(backend, AutoSparse):
-        return nestable(backend.backend)
-    return isinstance(backend, (AutoJAX, AutoTorch, AutoAutograd, AutoMLX, AutoTensorFlow))
 
 
 def check_nests(site: Site, action: str) -> None:
@@ -198,7 +189,7 @@ def check_contexts(contexts: Sequence[Any]) -> tuple[Context[Any], ...]:
     return tuple(contexts)
 
 
-def _context_values(contexts: Sequence[Context[Any]], kind: str) -> list[Any]:
+def context_values(contexts: Sequence[Context[Any]], kind: str) -> list[Any]:
     """The values f is called with, numpy leaves converted to the inner engine's arrays as the
     operators convert them."""
     if _arrays.by_kind(kind) is _families.HOST:
@@ -244,8 +235,6 @@ def closure_traced(f: Callable[..., Any], traced: Callable[[Any], str | None]) -
 
 
 def traced_refusal(where: str, found: str) -> DiffifaceError:
-    from .._errors import ArrayTypeError
-
     return ArrayTypeError(
         f"{where} holds {found} of the outer engine. g runs f on the inner engine's arrays, outside the "
         "outer trace, so the outer engine could not see how f's result depends on it: its derivative "
@@ -263,15 +252,16 @@ class Inner:
     def __init__(self, f: Callable[..., Any], backend: Backend) -> None:
         self.f = f
         self.backend = backend
-        from .._adapters import info
-
-        self.kind = inner_kind(backend)
+        self.engine = backend.backend if isinstance(backend, AutoSparse) else backend
+        """The backend whose engine runs f: AutoSparse's own engine under AutoSparse."""
+        self.kind = inner_kind(self.engine)
         # the family of f's arrays, its engine's modules imported (f's arrays may be made here
         # before the engine's adapter is)
         for module in info(backend).requires:
             importlib.import_module(module)
         self.family = _arrays.by_kind(self.kind)
-        self.nestable = nestable(backend)
+        # (whether the engine differentiates its own derivatives: second order through g)
+        self.nestable = isinstance(self.engine, (AutoJAX, AutoTorch, AutoAutograd, AutoMLX, AutoTensorFlow))
         # f(x) compiled once per set of contexts, for jax with jit: (contexts, program) pairs
         self._programs: list[tuple[tuple[Context[Any], ...], Callable[..., Any]]] = []
         self._programs_lock = threading.Lock()
@@ -282,7 +272,7 @@ class Inner:
         with self.family.dtype_scope([a.dtype for a in plan.x_avals]):
             program = self._program(plan, tuple(contexts))
             if program is not None:
-                return list(program(x, _context_values(contexts, self.kind)))
+                return list(program(x, context_values(contexts, self.kind)))
             return self._leaves_of(plan, self.evaluate(plan.x_spec, x, contexts))
 
     def evaluate(self, spec: Any, x: Leaves, contexts: Sequence[Context[Any]]) -> Any:
@@ -292,7 +282,7 @@ class Inner:
         as the operators' torch engine makes its own."""
         x = [self.family.private_copy(leaf) for leaf in x]
         try:
-            return _concrete(self.backend, self.f(spec.unflatten(x), *_context_values(contexts, self.kind)))
+            return self.concrete(self.f(spec.unflatten(x), *context_values(contexts, self.kind)))
         except ValueError as exc:
             if self.family is _families.HOST and "read-only" in str(exc):
                 raise MutationError(
@@ -305,10 +295,7 @@ class Inner:
         """f(x) compiled by its engine (jax.jit for AutoJAX(jit=True)), where every context leaf is
         an array (an argument of the program, so new values never go unseen); None where f runs
         eagerly."""
-        from .._adapters import adapter_for
-
-        backend = self.backend.backend if isinstance(self.backend, AutoSparse) else self.backend
-        adapter = adapter_for(backend)
+        adapter = adapter_for(self.engine)
         if not adapter.compiles or self.family is _families.HOST:  # (a numpy engine's programs are its own)
             return None
         if not all(_arrays.is_array(leaf) for c in contexts for leaf in _tree.leaves(c.value)):
@@ -364,12 +351,10 @@ class Inner:
     def cast(self, leaves: Leaves, avals: Sequence[Aval]) -> Leaves:
         """Tangents and cotangents in the dtypes of g's prep: the outer engine may hold f(x) in
         another dtype than f gives (jax without x64 holds float32 where f gives float64)."""
-        out = []
-        for leaf, aval in zip(leaves, avals, strict=True):
-            if _arrays.dtype_name(leaf) != aval.dtype:
-                leaf = self.family.cast(leaf, aval.dtype)
-            out.append(leaf)
-        return out
+        return [
+            leaf if _arrays.dtype_name(leaf) == aval.dtype else self.family.cast(leaf, aval.dtype)
+            for leaf, aval in zip(leaves, avals, strict=True)
+        ]
 
     def jvp(self, plan: Plan, x: Leaves, tx: Leaves, contexts: Sequence[Context[Any]]) -> Leaves:
         ty = di.jvp(self.f, self.backend, plan.x_spec.unflatten(x), plan.x_spec.unflatten(tx), *contexts)
@@ -410,6 +395,11 @@ class Inner:
         return _tree.leaves(tx)
 
     # helpers
+
+    def concrete(self, out: Any) -> Any:
+        """f's output on concrete arrays as concrete values, as f's engine gives them (a graph of
+        constants evaluated, under PyTensor)."""
+        return adapter_for(self.engine).concrete(out)
 
     def _first(self, op: Callable[..., Any], linear: Any, contexts: Sequence[Context[Any]]) -> Callable[[Any], Any]:
         """x -> op(f, x, linear): the first product (``di.jvp``, ``di.vjp``) as a function of x."""
@@ -475,24 +465,12 @@ def _conj(array: Any) -> Any:
 
 
 def _split_vector(vector: Any, cuts: list[int]) -> Leaves:
-    pieces = []
-    start = 0
-    for end in cuts:
-        pieces.append(vector[start:end])
-        start = end
-    pieces.append(vector[start:])  # (to the end: a symbolic vector's length is no int)
-    return pieces
+    starts = [0, *cuts]
+    # (the last piece to the end: a symbolic vector's length is no int)
+    return [*(vector[start:end] for start, end in zip(starts, cuts, strict=False)), vector[starts[-1] :]]
 
 
 # --- probing the shape of f(x) ------------------------------------------------------------------
-
-
-def _concrete(backend: Backend, out: Any) -> Any:
-    """f's output on concrete arrays as concrete values, as f's engine gives them (a graph of
-    constants evaluated, under PyTensor)."""
-    from .._adapters import adapter_for
-
-    return adapter_for(backend.backend if isinstance(backend, AutoSparse) else backend).concrete(out)
 
 
 def probe_avals(inner: Inner, x_spec: Any, x_avals: tuple[Aval, ...], contexts: Sequence[Context[Any]]) -> Any:
@@ -500,14 +478,14 @@ def probe_avals(inner: Inner, x_spec: Any, x_avals: tuple[Aval, ...], contexts: 
     (the outer engine is tracing): jax.eval_shape for jax, zeros for the others."""
     try:
         with inner.family.dtype_scope([a.dtype for a in x_avals]):
-            values = _context_values(contexts, inner.kind)
+            values = context_values(contexts, inner.kind)
             shapes = [(a.shape, a.dtype) for a in x_avals]
             out = inner.family.eval_shape(lambda *leaves: inner.f(x_spec.unflatten(list(leaves)), *values), shapes)
             abstract = out is not None  # (else: no abstract evaluation in this family, f at zeros)
             if not abstract:
                 family = inner.family
                 zeros = [family.cast(family.numpy_like().zeros(a.shape), a.dtype) for a in x_avals]
-                out = _concrete(inner.backend, inner.f(x_spec.unflatten(zeros), *values))
+                out = inner.concrete(inner.f(x_spec.unflatten(zeros), *values))
     except DiffifaceError:
         raise
     except Exception as exc:

@@ -26,7 +26,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from .. import _arrays
-from ._inner import Aval, Site, beyond_second_order, check_nests, check_shape, to_inner
+from ._inner import Aval, Site, beyond_second_order, check_nests, check_shape, to_inner, traced_refusal
 
 __all__ = ["call"]
 
@@ -76,19 +76,7 @@ def _host(primitive: Primitive, site: Site, batch: int, arrays: Sequence[Any]) -
     try:
         return site.inner.product(_what(primitive), site.plan, list(arrays), site.contexts, batch, conjugate=True)
     except (jax.errors.TracerArrayConversionError, jax.errors.UnexpectedTracerError) as exc:
-        from ._inner import traced_refusal
-
         raise traced_refusal("f reads a value that", "a jax tracer") from exc
-
-
-def _as_results(primitive: Primitive, site: Site, batch: int, outs: list[Any]) -> list[np.ndarray]:
-    avals = _out_avals(primitive, site, batch)
-    results = []
-    for out, aval in zip(outs, avals, strict=True):
-        array = np.asarray(_arrays.to_numpy(out), dtype=aval.dtype)
-        check_shape(primitive.name, aval.shape, array.shape)
-        results.append(array)
-    return results
 
 
 def _eager(primitive: Primitive, *arrays: Any, site: Site, batch: int) -> list[Any]:
@@ -115,10 +103,17 @@ def _eager(primitive: Primitive, *arrays: Any, site: Site, batch: int) -> list[A
 
 
 def _lowered(primitive: Primitive, *args: Any, site: Site, batch: int) -> Any:
-    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in _out_avals(primitive, site, batch)]
+    avals = _out_avals(primitive, site, batch)
 
     def host(*arrays: Any) -> list[np.ndarray]:
-        return _as_results(primitive, site, batch, _host(primitive, site, batch, arrays))
+        results = []
+        for out, aval in zip(_host(primitive, site, batch, arrays), avals, strict=True):
+            array = np.asarray(_arrays.to_numpy(out), dtype=aval.dtype)
+            check_shape(primitive.name, aval.shape, array.shape)
+            results.append(array)
+        return results
+
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
 
     return jax.pure_callback(host, shapes, *args)
 

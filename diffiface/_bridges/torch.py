@@ -23,6 +23,7 @@ import torch.utils.dlpack
 
 from .. import _arrays
 from .. import tree as _tree
+from .._errors import DiffifaceError
 from ._inner import Aval, Site, beyond_second_order, check_nests, check_shape, to_inner, traced_refusal
 
 __all__ = ["call"]
@@ -72,8 +73,6 @@ def _torch_dtype(name: str) -> torch.dtype:
 def _site(number: int) -> Site:
     site = Site.registry.get(number)
     if site is None:
-        from .._errors import DiffifaceError
-
         raise DiffifaceError(
             f"diffiface::bridge was called for site {number}, which no g holds any more: a torch.compile'd "
             "program outlived the g it was traced with. Compile again with the g you call."
