@@ -538,8 +538,8 @@ class JitProgram:
             elif not self.fits_backend(backend):
                 return MISSED
         # (index loops, not zip, map or list(): after the engine's work has emptied the
-        # processor's caches, each of those builtins costs about a microsecond here, where these
-        # loops' bytecodes cost a fraction: benchmarks/jit_route.py, pinned and interleaved)
+        # processor's caches, those builtins cost more here than these loops' bytecodes:
+        # benchmarks/jit_route.py, pinned and interleaved)
         arguments = [x, tangent] if self.tangent else [x]
         kinds = self.kinds
         i = 0
@@ -722,10 +722,8 @@ class Run:
         try:
             if self.direct:  # (the common call, in this one frame)
                 dynamic = tuple(_chain(context_leaves)) if context_leaves else ()
-                if tuple(map(type, dynamic)) == self.kept:
+                if tuple(map(type, dynamic)) == self.kept:  # (else converted: see _Conversions.native)
                     return self.finish(self.compiled(tuple(x_leaves), tuple(tangent_leaves), dynamic, None)), None
-                # (a leaf of another type that fits the signature, a numpy scalar for a 0-d
-                # array: converted, as the engine took the first leaf as it was, not this one)
             if self.dynamic is not None:
                 x_leaves = [x_leaves[i] for i in self.dynamic]
             scope = self.adapter.scope() if self.scoped else None

@@ -243,15 +243,11 @@ def _padded(dtypes: tuple[str | None, ...], count: int) -> tuple[str | None, ...
 
 def _cast(value: Any, dtype: str | None) -> Any:
     """A result block in the dtype the promotion rule gives (where it is an array)."""
-    if dtype is None:
+    if dtype is None or getattr(value, "dtype", None) is None:
         return value
-    current = getattr(value, "dtype", None)
-    if (
-        current is None
-        or _arrays.dtype_name(value) == dtype
-        or not _arrays.is_float_dtype(_arrays.dtype_name(value))
-        or not _arrays.is_float_dtype(dtype)  # a real block stays real: a complex step's output is complex
-    ):
+    name = _arrays.dtype_name(value)
+    # (a real block stays real: a complex step's output is complex)
+    if name == dtype or not _arrays.is_float_dtype(name) or not _arrays.is_float_dtype(dtype):
         return value
     family = _arrays.family_of(value)
     return value.astype(dtype) if family is None else family.cast(value, dtype)
