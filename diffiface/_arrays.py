@@ -19,9 +19,7 @@ from ._families.numpy import in_native_byte_order as in_native_byte_order
 from ._families.numpy import native_dtype as native_dtype
 
 _KIND_BY_TYPE: dict[type, Kind] = {}
-
-_SIGNATURE_BY_TYPE: dict[type, Any] = {}
-"""Each class's family ``signature`` (the foreign one for a class no family owns), found once."""
+_SIGNATURE_BY_TYPE: dict[type, Any] = {}  # (each class's family ``signature``, found once)
 
 
 def kind(leaf: Any) -> Kind:
@@ -61,7 +59,6 @@ def family_of(leaf: Any) -> Family | None:
 
 
 def _family(leaf: Any) -> Family | None:
-    """The family of ``leaf``, None for the kind ``"other"``."""
     family = BY_KIND.get(kind(leaf))
     if family is not None:
         _FAMILY_BY_TYPE[type(leaf)] = family

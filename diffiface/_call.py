@@ -1,10 +1,6 @@
-"""A call: the operator, the flattened arguments and the signature a prep is matched against.
-
-Here too is x's static-leaf view: the leaves of x that are not differentiated (ints, strings,
-functions) are passed to f as they are, and :func:`static_key` says what such a leaf (or a
-static context leaf) is compared by between calls. :class:`Operator` lives here, at the bottom
-of the dispatch modules, because every other one speaks of it.
-"""
+"""A call: the operator, the flattened arguments and the signature a prep is matched against;
+the view of x without its static leaves, and the record of f's output. :class:`Operator` lives
+here, at the bottom of the dispatch modules, because every other one speaks of it."""
 
 from __future__ import annotations
 
@@ -108,9 +104,7 @@ OPERATORS: dict[str, Operator] = {op.name: op for op in _OPERATORS}
 
 # -- a call: flattened arguments and their signature ------------------------------------------
 
-
 _LEAF = _tree.structure(0)  # type: ignore[arg-type]  # a leaf's structure
-
 
 _ARRAY_KINDS = frozenset(name for name, family in _arrays.BY_KIND.items() if family.ARRAY)
 """The kinds whose leaves are arrays (not Python numbers, not values an enclosing trace holds)."""
@@ -196,8 +190,7 @@ def _context_leaf_signature(leaf: Any, by_value: bool) -> tuple[Any, ...]:
 
 def _x_signature(leaves: list[Any]) -> tuple[Any, ...]:
     """The signatures of x's leaves. A static leaf (:func:`_is_static`) is passed to f as it is,
-    so a prep is made for its value: it is known by :func:`static_key`, or by identity (the prep
-    holds it, so that identity is not reused)."""
+    so a prep is made for its value (:func:`key_or_identity`)."""
     leaf_signature = _arrays.leaf_signature
     signature = tuple([leaf_signature(leaf) for leaf in leaves])
     for entry in signature:  # the common case, all arrays and floats: nothing more to do
@@ -222,8 +215,8 @@ class _DynamicView(Call):
 
 
 def _dynamic_view(adapter: Adapter, call: Call) -> tuple[Call, list[int] | None]:
-    """``call`` itself where every leaf of x is differentiated (or none is: then x is refused
-    as before); else the :class:`_DynamicView` of its leaves to differentiate, and their indices."""
+    """``call`` itself where every leaf of x is differentiated (or none is: then x is refused);
+    else the :class:`_DynamicView` of its leaves to differentiate, and their indices."""
     static = [_is_static(leaf) for leaf in call.x_leaves]
     if not any(static) or all(static):
         return call, None
@@ -382,7 +375,7 @@ class _Output:
 
     def remember(self, static: Any) -> None:
         """Keep the record of a trace for the compiled program of this static argument."""
-        self._by_static[static] = (self.spec, self.shapes, self.dtypes)
+        self._by_static[static] = self.current()
 
     def recall(self, static: Any) -> None:
         """Make the record of the compiled program of this static argument the current one."""

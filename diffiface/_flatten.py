@@ -93,10 +93,9 @@ def _too_deep(spec: Any) -> bool:
 def structure_flatten(spec: Any, key: Any, tree: Any, flatten: Flatten) -> Flatten | None:
     """A function ``tree -> (leaves, key)`` for trees of optree structure ``spec``, found by
     indexing; for a tree whose nodes (types, lengths, keys) differ, ``(None, other)``, where
-    ``other`` is unequal to every structure (the structure it is compared with is ``key``, so
-    such a tree does not fit, as under ``flatten``). A leaf's own type is not tested (the plan
-    tests it). None where ``spec`` holds a node it does not write for, or is one leaf, or
-    where the function does not give what ``flatten`` gives for ``tree``, the prepared tree."""
+    ``other`` is unequal to every structure, as ``flatten``'s would be. A leaf's own type is not
+    tested (the plan tests it). None where ``spec`` is one leaf or holds a node not written for,
+    or where the function does not give what ``flatten`` gives for ``tree``, the prepared tree."""
     if spec is None or spec.is_leaf() or spec.num_leaves > _LARGEST or str(spec.namespace) or _too_deep(spec):
         return None
     lines: list[str] = []
@@ -123,12 +122,10 @@ def structure_flatten(spec: Any, key: Any, tree: Any, flatten: Flatten) -> Flatt
 
 
 def _write(node: Any, expr: str, lines: list[str], leaves: list[str], names: Iterator[str]) -> bool:
-    """Append the lines of Python that test ``node``'s type and size at ``expr`` (each ends the
-    function with ``return MISS`` where they differ, and a dict with other keys raises
-    KeyError), and its leaves' expressions, in the structure's order; local variables are named
-    from ``names``. False where a node is of a kind not written for (other than tuples, lists,
-    dicts with str or int keys and None). A function written from them must be checked on a
-    tree whose leaves are known, as :func:`structure_flatten` does."""
+    """Append the lines of Python that test ``node``'s type and size at ``expr`` (``return MISS``
+    where they differ; a dict with other keys raises KeyError), and its leaves' expressions, in
+    the structure's order; local variables are named from ``names``. False where a node is of a
+    kind not written for."""
     if node.is_leaf():
         leaves.append(expr)
         return True
@@ -183,8 +180,7 @@ def structure_unflatten(spec: Any, largest: int | None = _LARGEST) -> Callable[[
 
 def _build(node: Any, classes: dict[str, type]) -> str | None:
     """The expression that builds ``node`` (a tree whose leaves are their indices) from
-    ``leaves``, naming the classes it calls in ``classes``; None where a node is of a kind not
-    written for."""
+    ``leaves``, naming the classes it calls in ``classes``; None where a node is not written for."""
     kind = type(node)
     if kind is int:
         return f"leaves[{node}]"

@@ -1,6 +1,4 @@
-"""What a leaf that is not an array is compared by between calls: its value where it has one
-that can be hashed, its identity where it is code. Static leaves of x (ints, strings,
-functions, passed to f as they are) and static context leaves are known by these keys."""
+"""What a static leaf (of x, or of a context) is compared by between calls."""
 
 from __future__ import annotations
 
@@ -32,15 +30,13 @@ def key_or_identity(leaf: Any) -> Any:
 
 
 _BY_VALUE = (int, float, complex, str, bytes, bool, type(None))
-
-
 _CODE = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType, type, functools.partial)
 
 
 def static_key(value: Any) -> Any:
-    """What a static context leaf is compared by between calls of a compiled program: its
-    value where it has one that can be hashed, its identity where it is code, which does not
-    change; ``None`` where neither holds (a mutable object hashed by identity)."""
+    """What a static leaf is compared by between calls: its value where it has one that can be
+    hashed, its identity where it is code, which does not change; ``None`` where neither holds
+    (a mutable object hashed by identity)."""
     cls = type(value)
     if cls is float:  # (by its bits: 0.0 == -0.0, and a program built for one is wrong for the other)
         return (cls, value.hex())

@@ -1,7 +1,6 @@
 """The program a prep runs, ``(xs, ts, dynamic_contexts, static_contexts) -> native parts``:
 how a call's leaves become its arguments (:class:`_Conversions`), f closed over its contexts
-and checked (:func:`_closer`), the record of f's output (:class:`_Output`), and the static
-argument of a compiled program (:class:`_Static`)."""
+and checked (:func:`_closer`), and the runs of it (:class:`Run`, :class:`JitProgram`)."""
 
 from __future__ import annotations
 
@@ -45,9 +44,8 @@ def _program(
     has_aux = sig.has_aux
     context_specs = list(call.context_specs)
     context_sizes = [len(leaves) for leaves in call.context_leaves]
-    # one array leaf per context: the dynamic arguments are the context values
-    leaf_contexts = all(spec == _LEAF for spec in context_specs) and all(plan.mask)
-    # each context's value from its leaves (written for its structure where it can be, _flatten)
+    one_leaf_each = all(spec == _LEAF for spec in context_specs)
+    leaf_contexts = one_leaf_each and all(plan.mask)  # (the dynamic leaves are the context values)
     context_rebuilds = [_rebuilder(spec) for spec in context_specs]
     close, settle = _closer(op, adapter, sig.x_spec, has_aux, output, getattr(call, "rebuild", None))
     method = getattr(adapter, op.compute) if call.x_leaves else without_leaves(adapter, op.compute)
@@ -57,7 +55,6 @@ def _program(
     only = picked[0] if len(picked) == 1 else None
     compiles = adapter.compiles
     ref = function.ref
-
     empty = plan.empty
     sizes = batch_sizes(sig) if op.batch else None  # (a batch: the leaves of each tangent)
     compute = op.compute
@@ -93,9 +90,6 @@ def _program(
     cache = [kind is Cache for kind, _, leaves in sig.contexts for _ in leaves]
     names = [f"contexts[{i}]{_tree.path_string(p)}" for i, spec in enumerate(context_specs) for p in spec.paths()]
     mask = plan.mask
-    # what an engine that records its graph as f runs may run in one call (torch,
-    # :func:`~diffiface._adapters.torch.Adapter.compile`): a gradient, a vjp, a jvp, an hvp or a
-    # Jacobian of x's own leaves (f closed and checked by ``close``; a vjp's cotangent by ``cotangent``)
     fused = None
     if compute in _FUSABLE and not has_aux and not compiles and getattr(call, "rebuild", None) is None:
         fused = Fused(
@@ -103,7 +97,7 @@ def _program(
             sig.x_spec,
             close,
             settle,
-            None if all(spec == _LEAF for spec in context_specs) else context_rebuilds,
+            None if one_leaf_each else context_rebuilds,
             context_sizes,
             context_rebuilds,
             adapter,
@@ -133,31 +127,25 @@ _FUSABLE = (
     "gradient_and_hvp",
     "value_and_jacobian",
 )
-"""The computations whose program an adapter may run in one call of its own (:class:`Fused`)."""
 
 
 @dataclasses.dataclass(slots=True, eq=False)
 class Fused:
-    """The parts of a program that an adapter may run in one call of its own, without the
-    program's frames (torch: :class:`~diffiface._adapters.torch._fused._Gradient` and the classes
-    beside it):
+    """The parts of a program that an engine recording its graph as f runs (torch's
+    :class:`~diffiface._adapters.torch._fused._Gradient` and the classes beside it) may run in
+    one call of its own, without the program's frames:
 
-    - ``function``: f's reference; ``ref``, its weak reference;
-    - ``single``: x is one leaf, else ``rebuild(leaves)`` is x;
-    - ``close(f, context_values, like)``: f on a tuple of leaves, its output checked (and
-      recorded, where it is not a scalar) as the program checks it; ``settle(result, f,
-      context_values, xs, like)``: a scalar output checked, where it is not a scalar of a type
-      and dtype in ``checked`` (the record's validated outputs);
-    - ``contexts(dynamic, static)``: the context values from the dynamic context leaves and the
-      static ones (None: every leaf is dynamic); ``merges``, each context's value from its
-      leaves; ``rebuilds``, the same, None where each context is one array leaf;
-    - ``adapter``: the adapter the program was built for; ``compute``: the adapter's method
-      the program calls (``value_and_gradient``, ``value_and_pullback``,
-      ``value_and_pushforward``, ``gradient_and_hvp`` or ``value_and_jacobian``); ``value``: the
-      program returns two results, f's value (for an hvp, the gradient) before the derivative;
-    - for a vjp (else None): ``cotangent(ts)``, the cotangent checked against the record of
-      f's output that ``close`` made, returned as the engine takes it (a real cotangent of a
-      complex output cast to complex: the caller uses what it returns)."""
+    - ``function``, f's reference, and ``ref``, its weak reference; ``single``: x is one leaf,
+      else ``rebuild(leaves)`` is x;
+    - ``close`` and ``settle``: f closed and its output checked, as :func:`_closer` gives them
+      (``checked``: the (type, dtype) pairs of outputs already validated);
+    - ``contexts(dynamic, static)``: the context values (:func:`_merge_contexts` by ``merges``);
+      ``rebuilds``: ``merges``, or None where each context is one array leaf;
+    - ``compute``: the adapter's method the program calls; ``value``: the program returns f's
+      value (for an hvp, the gradient) before the derivative;
+    - for a vjp (else None), ``cotangent(ts)``: the cotangent checked against the record of f's
+      output that ``close`` made, as the engine takes it (a real cotangent of a complex output
+      cast to complex: the caller uses what it returns)."""
 
     function: FunctionRef
     x_spec: dataclasses.InitVar[Any]
@@ -182,13 +170,7 @@ class Fused:
         self.rebuild = None if self.single else structure_unflatten(x_spec) or x_spec.unflatten
 
     def contexts(self, dynamic: tuple[Any, ...], static: _Static | None = None) -> tuple[Any, ...]:
-        """The context values of these dynamic leaves and these static ones (None: none)."""
-        if static is not None:
-            return _merge_contexts(self.merges, self.sizes, dynamic, static)
-        rebuilds = self.rebuilds
-        if rebuilds is None:  # one array per context: the leaves are the values
-            return dynamic
-        return _merge_contexts(rebuilds, self.sizes, dynamic, self.empty)
+        return _merge_contexts(self.merges, self.sizes, dynamic, static or self.empty)
 
 
 def _rebuilder(spec: Any) -> Callable[[Any], Any]:
@@ -201,8 +183,7 @@ def _rebuilder(spec: Any) -> Callable[[Any], Any]:
 def _merge_contexts(
     rebuilds: list[Callable[[Any], Any]], sizes: list[int], dynamic: tuple[Any, ...], static: _Static
 ) -> tuple[Any, ...]:
-    """The context values from their dynamic and static leaves; ``rebuilds``: each context's
-    value from its leaves (:func:`_rebuilder`)."""
+    """The context values from their dynamic and static leaves, each rebuilt by its ``rebuilds``."""
     if not static.leaves:  # every leaf dynamic (the common case): slices, in order
         values, start = [], 0
         for rebuild, size in zip(rebuilds, sizes, strict=True):
@@ -233,10 +214,8 @@ def _closer(
     ``close`` runs where it is not a scalar of a type and dtype seen before). ``rebuild(xs)``:
     f's x from the leaves, where it is not ``x_spec`` of them (x has static leaves)."""
     single = x_spec == _LEAF
-    if rebuild is None and not single:
-        rebuild = adapter.rebuilder(x_spec)
-    if rebuild is None:  # (written for the structure, see _flatten; else optree's, in C)
-        rebuild = (None if single else structure_unflatten(x_spec)) or x_spec.unflatten
+    if rebuild is None:
+        rebuild = (None if single else adapter.rebuilder(x_spec)) or _rebuilder(x_spec)
 
     checked = output.checked
     scalar = op.scalar_output
@@ -352,87 +331,39 @@ def _batch_products(
     return getattr(adapter, compute)(fn, xs, groups)  # type: ignore[no-any-return]
 
 
-class _Missed:
-    """What :meth:`JitProgram.run` returns for a call that does not fit its prep."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "MISSED"
-
-
-MISSED = _Missed()
+MISSED: Any = object()
+"""What :meth:`JitProgram.run` returns for a call that does not fit its prep."""
 
 
 def _refused(explain: Callable[[BaseException], str | None], exc: Exception) -> None:
-    """Where the engine refused f outside f's own code (jax's forward mode through a custom_vjp
-    function is refused when jit lowers the trace, after f has run), the diffiface error the
-    adapter raises for it (:meth:`~diffiface._adapters._base.Adapter.explain_failure`); else
-    nothing: f's own errors were explained where f ran, and a hint for them is not repeated."""
+    """Raise the diffiface error ``explain`` gives where the engine refused f outside f's own
+    code (jax refuses forward mode through a custom_vjp function when jit lowers the trace,
+    after f has run). f's own errors were explained where f ran: no hint is repeated."""
     if not isinstance(exc, DiffifaceError):
         explain(exc)
 
 
 class JitProgram:
     """The program of a prep that an engine compiles and retraces for new shapes and dtypes
-    (jax's ``jit``, mlx's ``mx.compile``, ``tf.function``), where the engine takes every leaf
-    as it is: one compiled function of the leaves of ``(x, tangent, *context values)``.
+    (jax's ``jit``, mlx's ``mx.compile``, ``tf.function``), taking every leaf as it is: one
+    compiled function of the leaves of ``(x, tangent, *context values)``.
 
     :meth:`run` takes the call as the route has it and tests what the trace cannot: f, the
-    operator, the backend, the contexts' kinds, each argument's structure (by the plan's
-    flattening of it; an argument that is one array, by its type) and each leaf's type, and
-    each numpy leaf's dtype (jit gives a float32 and a float64 numpy array one traced type while
-    x64 is off). The compiled function compares each leaf's shape and dtype with the prep's
-    inside its trace, and returns None where any differs, a trace the engine caches as any
-    other (:meth:`run` then misses, :meth:`__call__` raises :class:`Unfit`, and the route
-    compares the call's whole signature): a call that fits costs no test of shapes or dtypes,
-    and one that does not, no trace after its first. The trace also finishes the result as far
-    as it can (:meth:`_pick`): cast to x's dtypes, or to the dtypes the promotion rule gives a
-    Jacobian's or a Hessian's blocks, and rebuilt where the result is one array or the engine
-    rebuilds x's tree as optree does (``Adapter.rebuilds_in_trace``).
-    What is left, :meth:`_after` settles once the program is traced: nothing, a rebuild of the
-    trees, or the finisher.
-
-    :meth:`__call__` is the plan's program on a call's leaves (the route's other steps)."""
+    operator, the backend, the contexts' kinds, each argument's structure, each leaf's type,
+    and each numpy leaf's dtype (jit gives a float32 and a float64 numpy array one traced type
+    while x64 is off). The trace compares each leaf's shape and dtype with the prep's and
+    returns None where any differs, a trace the engine caches as any other: a call that fits
+    costs no test of shapes or dtypes, and one that does not, no trace after its first. The
+    trace also finishes the result as far as it can (:meth:`_pick`); :meth:`_after` settles
+    what is left once the program is traced. :meth:`__call__` runs it on a call's leaves (the
+    route's other steps)."""
 
     __slots__ = (
-        "after",
-        "arguments",
-        "backend",
-        "backend_fields",
-        "candidate",
-        "casts",
-        "compiled",
-        "dtype",
-        "dtype_name",
-        "expected",
-        "explain",
-        "finish",
-        "fits_backend",
-        "flatten",
-        "kind",
-        "kinds",
-        "leaf_types",
-        "method",
-        "mirror",
-        "names",
-        "numpy_leaves",
-        "operator",
-        "output",
-        "program",
-        "records",
-        "ref",
-        "scope",
-        "sizes",
-        "structure",
-        "tangent",
-        "traced_dtype",
-        "tree",
-        "trees",
-        "x_dtype_names",
-        "x_dtypes",
-        "x_rebuild",
-    )
+        "after", "arguments", "backend", "backend_fields", "candidate", "casts", "compiled", "dtype", "dtype_name",
+        "expected", "explain", "finish", "fits_backend", "flatten", "kind", "kinds", "leaf_types", "method", "mirror",
+        "names", "numpy_leaves", "operator", "output", "program", "records", "ref", "scope", "sizes", "structure",
+        "tangent", "traced_dtype", "tree", "trees", "x_dtype_names", "x_dtypes", "x_rebuild",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -453,19 +384,15 @@ class JitProgram:
         self.tangent = op.tangent is not None
         parts = [call.x_leaves, *([call.tangent_leaves] if self.tangent else []), *call.context_leaves]
         specs = [sig.x_spec, *([sig.tangent_spec] if self.tangent else []), *call.context_specs]
-        self.arguments: tuple[tuple[Any, Any], ...] = ()
-        """Per argument (x, the tangent where the operator takes one, each context's value), the
-        plan's flattening of it and the structure it gives (:meth:`bind`)."""
+        self.arguments: tuple[tuple[Any, Any], ...] = ()  # per argument, the plan's (flatten, structure)
         leaves = [leaf for part in parts for leaf in part]
         self.leaf_types = list(map(type, leaves))
-        # Where every argument is one array, its leaves are the arguments; where a tree is among
-        # them, one function written for the structure of them all takes them apart in one frame
-        # (testing each node, and each dict's key order, which results mirror), else each
-        # argument is flattened by the plan's flattening of it (:meth:`bind`).
+        # Where a tree is among the arguments, one function written for the structure of them
+        # all takes them apart in one frame (testing each node, and each dict's key order, which
+        # results mirror); else each argument is flattened by the plan's flattening of it.
         self.flatten: Callable[[Any], tuple[Any, Any]] | None = None
         self.trees = not all(spec == _LEAF for spec in specs)
-        self.structure: Any = None
-        """The structure the written function returns for arguments that fit (itself)."""
+        self.structure: Any = None  # (what the written function returns for arguments that fit)
         if self.trees:
             arguments = [optree.tree_unflatten(spec, part) for part, spec in zip(parts, specs, strict=True)]
             found, spec = optree.tree_flatten(arguments)  # type: ignore[arg-type,var-annotated]
@@ -475,7 +402,6 @@ class JitProgram:
         self.sizes = (len(call.x_leaves), len(call.x_leaves) + len(call.tangent_leaves))
         self.expected = tuple((leaf.shape, leaf.dtype) for leaf in leaves)
         self.numpy_leaves = tuple((i, leaf.dtype) for i, leaf in enumerate(leaves) if type(leaf) is np.ndarray)
-        """The numpy leaves (index, dtype): their dtypes are tested before the call."""
         self.kind = kind
         one = len(op.parts) == 1
         # (a result that mirrors x is x's one leaf only where x is that leaf, not a tree holding it)
@@ -501,16 +427,11 @@ class JitProgram:
         self.casts: tuple[str | None, ...] | None = None
         if kind in ("jacobian", "hessian") and not self.candidate:
             self.casts = tuple(map(_weak_or_dtype, call.x_leaves))
-        self.after: Callable[[Any], Any] | None = self._after
-        """What finishes the compiled function's result: None where it comes out finished;
-        settled by :meth:`_after` on the first call, once the program is traced (for a
-        Jacobian or a jvp, the record of f's output tells its structure)."""
+        self.after: Callable[[Any], Any] | None = self._after  # (what finishes a result, :meth:`_after`)
         self.output = output
         self.mirror = mirror
         self.finish = finish
-        # a program from jit's cache does not evaluate f: where the finisher reads the record of
-        # f's output, the record of its trace is made the current one
-        self.records = op.shaped_as_output
+        self.records = op.shaped_as_output  # (see :meth:`_after`)
         self.program = program
         self.scope = adapter.scope if scoped else None
         self.operator = op.name
@@ -526,9 +447,7 @@ class JitProgram:
         self.kinds: tuple[type, ...] = ()
 
     def bind(self, plan: Any) -> None:
-        """Take what :meth:`run` compares from the plan made for this program: f, the backend,
-        the contexts' kinds, and how each argument is flattened (written for its structure
-        where it can be, see :func:`~diffiface._plan.flattener`)."""
+        """Take what :meth:`run` compares from the plan made for this program."""
         self.ref = plan.function.ref
         prepared = plan.function.ref()
         if type(prepared) is types.MethodType:  # (made anew on each read: its instance and function)
@@ -538,21 +457,18 @@ class JitProgram:
         # (a frozen dataclass's fields are its __dict__, compared in C; its __eq__ is a frame)
         self.backend_fields = _fields_only(plan.backend)
         self.kinds = plan.context_kinds
-        flattens = [
+        self.arguments = (
             (plan.x_flatten, plan.x_key),
             *([(plan.tangent_flatten, plan.tangent_key)] if self.tangent else []),
             *zip(plan.context_flattens, plan.context_keys, strict=True),
-        ]
-        self.arguments = tuple(flattens)
+        )
 
     # -- inside the trace --------------------------------------------------------------------------
 
     def _traced(self, *leaves: Any) -> Any:
         for leaf, (shape, dtype) in zip(leaves, self.expected, strict=True):
             if leaf.shape != shape or (leaf.dtype != dtype and leaf.dtype != self.traced_dtype(dtype)):
-                # None, no result of a program, says the call does not fit; the engine caches
-                # this trace as any other, so a later call of these shapes pays no trace again
-                return None
+                return None  # (no program's result: the call does not fit)
         xs, ts = self.sizes
         native = self.program(leaves[:xs], leaves[xs:ts], leaves[ts:], None)
         return self._pick(native)
@@ -622,8 +538,8 @@ class JitProgram:
             elif not self.fits_backend(backend):
                 return MISSED
         # (index loops, not zip, map or list(): after the engine's work has emptied the
-        # processor's caches, each of those builtins costs about a microsecond here, where these
-        # loops' bytecodes cost a fraction: benchmarks/jit_route.py, pinned and interleaved)
+        # processor's caches, those builtins cost more here than these loops' bytecodes:
+        # benchmarks/jit_route.py, pinned and interleaved)
         arguments = [x, tangent] if self.tangent else [x]
         kinds = self.kinds
         i = 0
@@ -791,14 +707,11 @@ class Run:
 
     def __post_init__(self, op: Operator) -> None:
         conversions = self.conversions
-        # a program from jit's cache does not evaluate f: where the finisher reads the record
-        # of f's output, the record of its trace is made the current one
-        self.records = self.adapter.compiles and op.shaped_as_output
+        self.records = self.adapter.compiles and op.shaped_as_output  # (see JitProgram._after)
         self.estimates = self.adapter.estimates_errors
         self.parts = tuple(i for i, _ in op.parts)
         self.scoped = conversions.scoped
-        # the engine takes the leaves as they are, in no scope, and nothing besides the results
-        # is read (a record of f's output, an error estimate)
+        # the engine takes the leaves as they are, in no scope, and nothing but the results is read
         passthrough = conversions.passthrough and conversions.x_native and conversions.tangent_native
         self.direct = passthrough and not (self.records or self.estimates or self.scoped) and self.dynamic is None
         self.kept = conversions.kept
@@ -809,10 +722,8 @@ class Run:
         try:
             if self.direct:  # (the common call, in this one frame)
                 dynamic = tuple(_chain(context_leaves)) if context_leaves else ()
-                if tuple(map(type, dynamic)) == self.kept:
+                if tuple(map(type, dynamic)) == self.kept:  # (else converted: see _Conversions.native)
                     return self.finish(self.compiled(tuple(x_leaves), tuple(tangent_leaves), dynamic, None)), None
-                # (a leaf of another type that fits the signature, a numpy scalar for a 0-d
-                # array: converted, as the engine took the first leaf as it was, not this one)
             if self.dynamic is not None:
                 x_leaves = [x_leaves[i] for i in self.dynamic]
             scope = self.adapter.scope() if self.scoped else None
@@ -848,18 +759,9 @@ class _Conversions:
     which conversions do nothing and which context leaves are arrays."""
 
     __slots__ = (
-        "adapter",
-        "empty",
-        "kept",
-        "mask",
-        "op",
-        "passthrough",
-        "scoped",
-        "signature",
-        "tangent_native",
-        "weak",
+        "adapter", "empty", "kept", "mask", "op", "passthrough", "scoped", "signature", "tangent_native", "weak",
         "x_native",
-    )
+    )  # fmt: skip
 
     def __init__(self, adapter: Adapter, op: Operator, call: Call) -> None:
         self.adapter, self.op, self.signature = adapter, op, call.signature
@@ -1019,8 +921,7 @@ def _unconvertible_context(adapter: Adapter, signature: Signature, index: int, l
 
 
 def _tangent_to_native(adapter: Adapter, t: Any, like: Any) -> Any:
-    """A tangent leaf for the engine; a Python number takes the dtype of its primal leaf, cast by
-    the primal's family where numpy has no such dtype (bfloat16, unless ml_dtypes is imported)."""
+    """A tangent leaf for the engine; a Python number takes the dtype of its primal leaf."""
     if isinstance(t, (int, float)) and hasattr(like, "dtype"):
         return _number_to_native(adapter, float(t), _arrays.dtype_name(like), like)
     return adapter.to_native(t)
@@ -1040,13 +941,9 @@ def _number_to_native(adapter: Adapter, number: Any, name: str, like: Any) -> An
 
 
 class _Static:
-    """The non-array context leaves, hashable so that jit can take them as a static argument.
-
-    Each leaf is compared by value (numbers, strings, frozen dataclasses, anything with its own
-    ``__eq__`` and ``__hash__``) or, for code (functions, classes, modules), by identity: see
-    :func:`static_key`. A compiling engine refuses other leaves at preparation, since a change
-    to them would not be seen (:func:`_refuse_unseen_static`).
-    """
+    """The non-array context leaves, hashable so that jit can take them as a static argument:
+    compared by :func:`static_key` (a compiling engine refuses leaves that have none,
+    :func:`_refuse_unseen_static`)."""
 
     __slots__ = ("_key", "leaves", "mask")
 

@@ -127,12 +127,11 @@ class MirrorOne:
 
 
 class RebuildTree:
-    """The finisher of a gradient, vjp or hvp of a tree of arrays: where the finisher, on a
-    first result, gave back each of the engine's arrays as it came (its type, dtype and layout
-    already x's: for torch, a Parameter's as a plain tensor; for jax, laid out as x), later
-    results whose arrays come with the same types, dtypes and layouts are only rebuilt (what a
-    family's ``mirror`` reads). ``trusted``: a compiled program, whose results' types, dtypes
-    and layouts are the same on every run: once they are seen to fit, only rebuilt."""
+    """The finisher of a gradient, vjp or hvp of a tree of arrays: where the finisher gave back
+    each of a first result's arrays as it came (its type, dtype and layout already x's), later
+    results whose arrays come with the same types, dtypes and layouts (what a family's
+    ``mirror`` reads) are only rebuilt. ``trusted``: a compiled program, whose results are alike
+    on every run: once seen to fit, only rebuilt, untested."""
 
     __slots__ = ("dtypes", "finish", "layouts", "rebuild", "seen_fit", "trusted", "types")
 
@@ -141,9 +140,8 @@ class RebuildTree:
         self.rebuild = structure_unflatten(spec) or spec.unflatten  # (written for the structure, see _flatten)
         layouts = [_layout(leaf) for leaf in call.x_leaves]
         self.layouts = None if all(layout is None for layout in layouts) else layouts
-        self.types: list[type] | None = None
+        self.types: list[type] | None = None  # (each array's as the finisher passed it through)
         self.dtypes: list[Any] | None = None
-        """Each array's type and dtype as the finisher passed it through; None until it has."""
         self.finish = finish
         self.trusted = trusted
         self.seen_fit = False
@@ -213,8 +211,7 @@ def _aux_leaf(leaf: Any, as_y: Callable[[Any], Any]) -> Any:
 
 
 def _layout(leaf: Any) -> _placement.Layout | None:
-    """The test that a result is laid out as ``leaf`` (a concrete jax array's sharding); None
-    where there is nothing to test."""
+    """The test that a result is laid out as ``leaf`` (a jax array's sharding); None: no test."""
     family = _arrays.family_of(leaf)
     return None if family is None else family.layout(leaf)  # type: ignore[no-any-return]
 
@@ -246,15 +243,11 @@ def _padded(dtypes: tuple[str | None, ...], count: int) -> tuple[str | None, ...
 
 def _cast(value: Any, dtype: str | None) -> Any:
     """A result block in the dtype the promotion rule gives (where it is an array)."""
-    if dtype is None:
+    if dtype is None or getattr(value, "dtype", None) is None:
         return value
-    current = getattr(value, "dtype", None)
-    if (
-        current is None
-        or _arrays.dtype_name(value) == dtype
-        or not _arrays.is_float_dtype(_arrays.dtype_name(value))
-        or not _arrays.is_float_dtype(dtype)  # a real block stays real: a complex step's output is complex
-    ):
+    name = _arrays.dtype_name(value)
+    # (a real block stays real: a complex step's output is complex)
+    if name == dtype or not _arrays.is_float_dtype(name) or not _arrays.is_float_dtype(dtype):
         return value
     family = _arrays.family_of(value)
     return value.astype(dtype) if family is None else family.cast(value, dtype)
@@ -269,5 +262,4 @@ def _mirror(value: Any, like: Any) -> Any:
     return value if family is None else family.mirror(value, value_family, like, _arrays.to_numpy)
 
 
-_NO_X = _arrays.kind_of_type(np.ndarray)
-"""The family of results when x has no leaves: numpy's."""
+_NO_X = _arrays.kind_of_type(np.ndarray)  # (the family of results when x has no leaves)
