@@ -18,8 +18,9 @@ differentiates complex numbers, in its ``complex_convention`` field:
 
 :func:`adapter_for_call` wraps an adapter in :class:`ComplexAdapter` for the calls that need it;
 the conversions themselves are :func:`_conjugated` (an engine's own results), :class:`_Split`
-(complex leaves as their two real parts and back) and :func:`complex_blocks` (Jacobians). Jacobians, derivatives and Hessian-vector products are computed on the
-split function on every engine, so that no mode of any engine needs its own conversion.
+(complex leaves as their two real parts and back) and :func:`complex_blocks` (Jacobians).
+Jacobians, derivatives and Hessian-vector products are computed on the split function on every
+engine, so that no mode of any engine needs its own conversion.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
     from ._adapters._base import Adapter
     from ._call import Call, Operator
 
-Convention = Literal["direct", "conjugate", "split"]
 Leaves = tuple[Any, ...]
 
 _REAL_OF = {"complex64": "float32", "complex128": "float64"}
@@ -66,14 +66,6 @@ def cotangent_fits(found: str, expected: str) -> bool:
 
 
 # -- checks: what is refused, and where ---------------------------------------------------------------
-
-
-def convention_of(adapter: Adapter) -> Convention:
-    """The adapter's declared convention; a SecondOrder pair's first order is its inner engine's."""
-    inner = getattr(adapter, "inner", None)
-    if inner is not None and inner is not adapter:
-        return convention_of(inner)
-    return cast(Convention, adapter.info.complex_convention)
 
 
 def check_complex_output(op: Operator, leaf: Any, adapter: Any) -> None:
@@ -164,7 +156,7 @@ def _may_return_complex(op: Operator, adapter: Adapter) -> bool:
     return (
         op.compute in _JACOBIAN_FAMILY
         or op.compute == "value_derivative_and_second_derivative"
-        or (convention_of(adapter) == "split")
+        or adapter.info.complex_convention == "split"  # (a SecondOrder pair's info is its inner engine's)
     )
 
 
@@ -439,7 +431,7 @@ class ComplexAdapter:
         self._real = not (x_complex or t_complex)
         self.real_outputs = False
         self._complex_outputs = False  # (f's outputs found complex, for an engine without complex_reverse_mode)
-        self._convention = convention_of(inner)
+        self._convention = inner.info.complex_convention
         self._holomorphic = holomorphic
         # checking holomorphy reads the Jacobian's values: not inside a compiled trace
         self._eager = x_complex and not holomorphic and op.compute in _JACOBIAN_FAMILY and inner.compiles
