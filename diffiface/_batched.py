@@ -14,13 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ._backends import Backend
 from ._dispatch import evaluate, prepare
+from ._operators import BackendLike
 from ._prep import Prep
 from ._tangents import Tangents
 
 __all__ = [
-    "Tangents",
     "batched_hvp",
     "batched_jvp",
     "batched_vjp",
@@ -34,8 +33,6 @@ __all__ = [
     "value_and_batched_jvp",
     "value_and_batched_vjp",
 ]
-
-BackendLike = Backend | str
 
 
 def batched_jvp(
