@@ -264,13 +264,9 @@ class _Split:
         return any(self.flags)
 
     def split(self, leaves: Leaves) -> Leaves:
-        out: list[Any] = []
-        for leaf, flag in zip(leaves, self.flags, strict=True):
-            if flag:
-                out.extend(_parts(leaf))
-            else:
-                out.append(leaf)
-        return tuple(out)
+        return tuple(
+            part for leaf, flag in zip(leaves, self.flags, strict=True) for part in (_parts(leaf) if flag else (leaf,))
+        )
 
     def join(self, leaves: Leaves) -> Leaves:
         it = iter(leaves)
@@ -294,8 +290,7 @@ class _Realified:
         self.held = held  # the imaginary parts, for the real axis only (None: both parts vary)
         self.out_split: _Split | None = None
         self.has_aux = getattr(fn, "has_aux", True)
-        batched = getattr(fn, "batched", None)
-        if batched is not None:
+        if getattr(fn, "batched", None) is not None:
             self.batched = self._batched
 
     def _xs(self, rs: Leaves) -> Leaves:
@@ -346,16 +341,13 @@ def complex_blocks(
     (holomorphy asserted), ``df/dz = df/dRe z``. With ``errors``, the blocks are error estimates
     of the split blocks, combined as bounds (each part the half sum of the parts it is made of)."""
     out_flags = out_split.flags if out_split is not None else (False,) * len(blocks)
-    rows: list[tuple[Any, ...]] = []
-    index = 0
-    for flag in out_flags:  # rows: complex outputs' two parts joined
-        if flag:
-            re, im = blocks[index], blocks[index + 1]
-            rows.append(tuple(from_parts(a, b) for a, b in zip(re, im, strict=True)))
-            index += 2
-        else:
-            rows.append(blocks[index])
-            index += 1
+    split_rows = iter(blocks)  # rows: complex outputs' two parts joined
+    rows = [
+        tuple(from_parts(re, im) for re, im in zip(next(split_rows), next(split_rows), strict=True))
+        if flag
+        else next(split_rows)
+        for flag in out_flags
+    ]
     result: list[tuple[Any, ...]] = []
     for i, row in enumerate(rows):
         columns = iter(row)
