@@ -11,6 +11,7 @@ Importing diffiface imports no array framework; each engine is imported on first
 
 # ruff: noqa: F403, F405  (the star imports bring in each module's __all__; tests/test_docs.py resolves every name below)
 
+import importlib
 from typing import TYPE_CHECKING
 
 from . import _sparse_operators  # noqa: F401  (registers AutoSparse's program with the route)
@@ -46,8 +47,6 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> object:
     # di.sparse (sparsity patterns and colorings) is imported on first use: it needs scipy.
     if name == "sparse":
-        import importlib
-
         return importlib.import_module(".sparse", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
