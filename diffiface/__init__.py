@@ -9,7 +9,7 @@ array([4., 4., 4.])
 Importing diffiface imports no array framework; each engine is imported on first use.
 """
 
-# ruff: noqa: F403, F405  (the star imports bring in each module's __all__; tests/test_docs.py resolves every name below)
+# ruff: noqa: F403, F405  (star imports of each module's __all__; tests/test_docs.py resolves every name below)
 
 import importlib
 from typing import TYPE_CHECKING
