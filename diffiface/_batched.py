@@ -3,11 +3,10 @@
 :class:`~diffiface.Tangents` batch.
 
 They are operators of the one route (:mod:`diffiface._dispatch`): the batch is flattened with
-the call (its tangents' leaves one after another), compared with the prep's plan, and run as
-one program: the adapters' ``value_and_pushforwards`` / ``pullbacks`` and
-``gradient_and_hvps`` (``jax.vmap`` over ``jax.linearize`` and ``jax.vjp`` on jax,
-``torch.func.vmap`` on torch.func; each engine's way is in its operator's docstring). A prep is
-made for a batch of a given size, each tangent with its structure, shapes and dtypes.
+the call (its tangents' leaves one after another) and run by the adapters'
+``value_and_pushforwards`` / ``pullbacks`` and ``gradient_and_hvps`` (each engine's way is in
+its operator's docstring). A prep is made for a batch of a given size, each tangent with its
+structure, shapes and dtypes.
 """
 
 from __future__ import annotations
@@ -15,13 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ._backends import Backend
 from ._dispatch import evaluate, prepare
+from ._operators import BackendLike
 from ._prep import Prep
 from ._tangents import Tangents
 
 __all__ = [
-    "Tangents",
     "batched_hvp",
     "batched_jvp",
     "batched_vjp",
@@ -35,8 +33,6 @@ __all__ = [
     "value_and_batched_jvp",
     "value_and_batched_vjp",
 ]
-
-BackendLike = Backend | str
 
 
 def batched_jvp(
@@ -75,8 +71,7 @@ def prepare_batched_jvp(
     strict: bool = True,
     has_aux: bool = False,
 ) -> Prep:
-    """Prepare :func:`batched_jvp` for arguments shaped like these (a batch of this size); pass
-    the result as ``prep=``."""
+    """Prepare :func:`batched_jvp` for arguments shaped like these and a batch of this size; pass it as ``prep=``."""
     return prepare("batched_jvp", f, backend, x, tangents, contexts, strict, has_aux)
 
 
@@ -142,8 +137,7 @@ def prepare_batched_vjp(
     strict: bool = True,
     has_aux: bool = False,
 ) -> Prep:
-    """Prepare :func:`batched_vjp` for arguments shaped like these (a batch of this size); pass
-    the result as ``prep=``."""
+    """Prepare :func:`batched_vjp` for arguments shaped like these and a batch of this size; pass it as ``prep=``."""
     return prepare("batched_vjp", f, backend, x, cotangents, contexts, strict, has_aux)
 
 
@@ -190,8 +184,7 @@ def batched_hvp(
     Forward over reverse, one vmapped program for the batch, on jax and
     ``AutoTorch(mode="func")``; f and its gradient once, then one pullback per tangent, on
     torch's autograd mode and autograd; the engine's own hvp per tangent on finite differences
-    and scipy (the gradient once). A batch is always ``di.Tangents(...)``, never a tuple or list.
-    See :func:`prepare_batched_hvp`.
+    and scipy (the gradient once). See :func:`prepare_batched_hvp`.
 
     Examples
     --------
@@ -213,8 +206,7 @@ def prepare_batched_hvp(
     strict: bool = True,
     has_aux: bool = False,
 ) -> Prep:
-    """Prepare :func:`batched_hvp` for arguments shaped like these (a batch of this size); pass
-    the result as ``prep=``."""
+    """Prepare :func:`batched_hvp` for arguments shaped like these and a batch of this size; pass it as ``prep=``."""
     return prepare("batched_hvp", f, backend, x, tangents, contexts, strict, has_aux)
 
 

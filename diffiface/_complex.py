@@ -18,8 +18,9 @@ differentiates complex numbers, in its ``complex_convention`` field:
 
 :func:`adapter_for_call` wraps an adapter in :class:`ComplexAdapter` for the calls that need it;
 the conversions themselves are :func:`_conjugated` (an engine's own results), :class:`_Split`
-(complex leaves as their two real parts and back) and :func:`complex_blocks` (Jacobians). Jacobians, derivatives and Hessian-vector products are computed on the
-split function on every engine, so that no mode of any engine needs its own conversion.
+(complex leaves as their two real parts and back) and :func:`complex_blocks` (Jacobians).
+Jacobians, derivatives and Hessian-vector products are computed on the split function on every
+engine, so that no mode of any engine needs its own conversion.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
     from ._adapters._base import Adapter
     from ._call import Call, Operator
 
-Convention = Literal["direct", "conjugate", "split"]
 Leaves = tuple[Any, ...]
 
 _REAL_OF = {"complex64": "float32", "complex128": "float64"}
@@ -66,14 +66,6 @@ def cotangent_fits(found: str, expected: str) -> bool:
 
 
 # -- checks: what is refused, and where ---------------------------------------------------------------
-
-
-def convention_of(adapter: Adapter) -> Convention:
-    """The adapter's declared convention; a SecondOrder pair's first order is its inner engine's."""
-    inner = getattr(adapter, "inner", None)
-    if inner is not None and inner is not adapter:
-        return convention_of(inner)
-    return cast(Convention, adapter.info.complex_convention)
 
 
 def check_complex_output(op: Operator, leaf: Any, adapter: Any) -> None:
@@ -164,7 +156,7 @@ def _may_return_complex(op: Operator, adapter: Adapter) -> bool:
     return (
         op.compute in _JACOBIAN_FAMILY
         or op.compute == "value_derivative_and_second_derivative"
-        or (convention_of(adapter) == "split")
+        or adapter.info.complex_convention == "split"  # (a SecondOrder pair's info is its inner engine's)
     )
 
 
@@ -272,13 +264,9 @@ class _Split:
         return any(self.flags)
 
     def split(self, leaves: Leaves) -> Leaves:
-        out: list[Any] = []
-        for leaf, flag in zip(leaves, self.flags, strict=True):
-            if flag:
-                out.extend(_parts(leaf))
-            else:
-                out.append(leaf)
-        return tuple(out)
+        return tuple(
+            part for leaf, flag in zip(leaves, self.flags, strict=True) for part in (_parts(leaf) if flag else (leaf,))
+        )
 
     def join(self, leaves: Leaves) -> Leaves:
         it = iter(leaves)
@@ -302,8 +290,7 @@ class _Realified:
         self.held = held  # the imaginary parts, for the real axis only (None: both parts vary)
         self.out_split: _Split | None = None
         self.has_aux = getattr(fn, "has_aux", True)
-        batched = getattr(fn, "batched", None)
-        if batched is not None:
+        if getattr(fn, "batched", None) is not None:
             self.batched = self._batched
 
     def _xs(self, rs: Leaves) -> Leaves:
@@ -354,16 +341,13 @@ def complex_blocks(
     (holomorphy asserted), ``df/dz = df/dRe z``. With ``errors``, the blocks are error estimates
     of the split blocks, combined as bounds (each part the half sum of the parts it is made of)."""
     out_flags = out_split.flags if out_split is not None else (False,) * len(blocks)
-    rows: list[tuple[Any, ...]] = []
-    index = 0
-    for flag in out_flags:  # rows: complex outputs' two parts joined
-        if flag:
-            re, im = blocks[index], blocks[index + 1]
-            rows.append(tuple(from_parts(a, b) for a, b in zip(re, im, strict=True)))
-            index += 2
-        else:
-            rows.append(blocks[index])
-            index += 1
+    split_rows = iter(blocks)  # rows: complex outputs' two parts joined
+    rows = [
+        tuple(from_parts(re, im) for re, im in zip(next(split_rows), next(split_rows), strict=True))
+        if flag
+        else next(split_rows)
+        for flag in out_flags
+    ]
     result: list[tuple[Any, ...]] = []
     for i, row in enumerate(rows):
         columns = iter(row)
@@ -439,7 +423,7 @@ class ComplexAdapter:
         self._real = not (x_complex or t_complex)
         self.real_outputs = False
         self._complex_outputs = False  # (f's outputs found complex, for an engine without complex_reverse_mode)
-        self._convention = convention_of(inner)
+        self._convention = inner.info.complex_convention
         self._holomorphic = holomorphic
         # checking holomorphy reads the Jacobian's values: not inside a compiled trace
         self._eager = x_complex and not holomorphic and op.compute in _JACOBIAN_FAMILY and inner.compiles

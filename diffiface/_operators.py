@@ -72,12 +72,8 @@ def derivative(
 ) -> Any:
     """The derivative of ``f`` at a scalar ``x``, shaped as ``f(x)``.
 
-    For a complex ``x``, ``f`` must be holomorphic and the result is ``f'(x)``; a map that is not
-    is refused (:class:`~diffiface.UnsupportedOperationError`, checked on the values, which
-    runs jax without jit). ``holomorphic=True`` asserts it: then nothing is checked and the
-    derivative is taken along the real axis (see docs/complex.md).
-
-    See :func:`prepare_derivative` to do the one-time work once.
+    For a complex ``x``, ``f'(x)`` of a holomorphic ``f``: a map that is not holomorphic is refused,
+    or ``holomorphic=True`` asserts it, as for :func:`jacobian`. See :func:`prepare_derivative`.
 
     Examples
     --------
@@ -110,10 +106,7 @@ def value_and_derivative(
     has_aux: bool = False,
     holomorphic: bool = False,
 ) -> Any:
-    """``(f(x), derivative)`` at a scalar ``x``.
-
-    See :func:`prepare_value_and_derivative` to do the one-time work once.
-    """
+    """``(f(x), derivative)`` at a scalar ``x``. See :func:`prepare_value_and_derivative`."""
     return evaluate(
         "value_and_derivative", _holomorphic(f) if holomorphic else f, backend, x, None, contexts, prep, has_aux
     )
@@ -137,10 +130,8 @@ def prepare_value_and_derivative(
 def second_derivative(
     f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None, has_aux: bool = False
 ) -> Any:
-    """The second derivative of ``f`` at a scalar ``x``, shaped as ``f(x)``.
-
-    See :func:`prepare_second_derivative` to do the one-time work once.
-    """
+    """The second derivative of ``f`` at a scalar ``x``, shaped as ``f(x)``. See
+    :func:`prepare_second_derivative`."""
     return evaluate("second_derivative", f, backend, x, None, contexts, prep, has_aux)
 
 
@@ -154,10 +145,8 @@ def prepare_second_derivative(
 def value_derivative_and_second_derivative(
     f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None, has_aux: bool = False
 ) -> Any:
-    """``(f(x), derivative, second derivative)`` at a scalar ``x``.
-
-    See :func:`prepare_value_derivative_and_second_derivative` to do the one-time work once.
-    """
+    """``(f(x), derivative, second derivative)`` at a scalar ``x``. See
+    :func:`prepare_value_derivative_and_second_derivative`."""
     return evaluate("value_derivative_and_second_derivative", f, backend, x, None, contexts, prep, has_aux)
 
 
@@ -171,9 +160,7 @@ def prepare_value_derivative_and_second_derivative(
 def gradient(
     f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None, has_aux: bool = False
 ) -> Any:
-    """The gradient of a scalar-valued ``f`` at ``x``, shaped as ``x``.
-
-    See :func:`prepare_gradient` to do the one-time work once.
+    """The gradient of a scalar-valued ``f`` at ``x``, shaped as ``x``. See :func:`prepare_gradient`.
 
     Examples
     --------
@@ -194,10 +181,8 @@ def prepare_gradient(
 def value_and_gradient(
     f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None, has_aux: bool = False
 ) -> Any:
-    """``(f(x), gradient)``; with ``has_aux=True``, ``((value, aux), gradient)``.
-
-    See :func:`prepare_value_and_gradient` to do the one-time work once.
-    """
+    """``(f(x), gradient)``; with ``has_aux=True``, ``((value, aux), gradient)``. See
+    :func:`prepare_value_and_gradient`."""
     return evaluate("value_and_gradient", f, backend, x, None, contexts, prep, has_aux)
 
 
@@ -224,8 +209,7 @@ def jacobian(
     holomorphic is refused (:class:`~diffiface.UnsupportedOperationError`, checked on the
     values, which runs jax without jit), unless ``holomorphic=True`` asserts it: then nothing
     is checked and the Jacobian is taken along the real axis (see docs/complex.md).
-
-    See :func:`prepare_jacobian` to do the one-time work once.
+    See :func:`prepare_jacobian`.
 
     Examples
     --------
@@ -259,10 +243,7 @@ def value_and_jacobian(
     has_aux: bool = False,
     holomorphic: bool = False,
 ) -> Any:
-    """``(f(x), jacobian)``.
-
-    See :func:`prepare_value_and_jacobian` to do the one-time work once.
-    """
+    """``(f(x), jacobian)``. See :func:`prepare_value_and_jacobian`."""
     return evaluate(
         "value_and_jacobian", _holomorphic(f) if holomorphic else f, backend, x, None, contexts, prep, has_aux
     )
@@ -287,9 +268,7 @@ def hessian(
     f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None, has_aux: bool = False
 ) -> Any:
     """The Hessian of a scalar-valued ``f`` at ``x``: per pair of leaves ``x_i.shape + x_j.shape``,
-    nested as ``jax.hessian`` nests it.
-
-    See :func:`prepare_hessian` to do the one-time work once.
+    nested as ``jax.hessian`` nests it. See :func:`prepare_hessian`.
 
     Examples
     --------
@@ -311,10 +290,7 @@ def prepare_hessian(
 def value_gradient_and_hessian(
     f: Callable[..., Any], backend: BackendLike, x: Any, *contexts: Any, prep: Prep | None = None, has_aux: bool = False
 ) -> Any:
-    """``(f(x), gradient, hessian)``.
-
-    See :func:`prepare_value_gradient_and_hessian` to do the one-time work once.
-    """
+    """``(f(x), gradient, hessian)``. See :func:`prepare_value_gradient_and_hessian`."""
     return evaluate("value_gradient_and_hessian", f, backend, x, None, contexts, prep, has_aux)
 
 
@@ -335,8 +311,7 @@ def jvp(
     has_aux: bool = False,
 ) -> Any:
     """The Jacobian-vector product of ``f`` at ``x`` along ``tx`` (shaped as ``x``), shaped as ``f(x)``.
-
-    See :func:`prepare_jvp` to do the one-time work once.
+    See :func:`prepare_jvp`.
 
     Examples
     --------
@@ -369,10 +344,7 @@ def value_and_jvp(
     prep: Prep | None = None,
     has_aux: bool = False,
 ) -> Any:
-    """``(f(x), jvp)``; with ``has_aux=True``, ``((f(x), aux), jvp)``.
-
-    See :func:`prepare_value_and_jvp` to do the one-time work once.
-    """
+    """``(f(x), jvp)``; with ``has_aux=True``, ``((f(x), aux), jvp)``. See :func:`prepare_value_and_jvp`."""
     return evaluate("value_and_jvp", f, backend, x, tx, contexts, prep, has_aux)
 
 
@@ -399,8 +371,7 @@ def vjp(
     has_aux: bool = False,
 ) -> Any:
     """The vector-Jacobian product of ``f`` at ``x`` with ``ty`` (shaped as ``f(x)``), shaped as ``x``.
-
-    See :func:`prepare_vjp` to do the one-time work once.
+    See :func:`prepare_vjp`.
 
     Examples
     --------
@@ -433,10 +404,7 @@ def value_and_vjp(
     prep: Prep | None = None,
     has_aux: bool = False,
 ) -> Any:
-    """``(f(x), vjp)``; with ``has_aux=True``, ``((f(x), aux), vjp)``.
-
-    See :func:`prepare_value_and_vjp` to do the one-time work once.
-    """
+    """``(f(x), vjp)``; with ``has_aux=True``, ``((f(x), aux), vjp)``. See :func:`prepare_value_and_vjp`."""
     return evaluate("value_and_vjp", f, backend, x, ty, contexts, prep, has_aux)
 
 
@@ -462,10 +430,8 @@ def hvp(
     prep: Prep | None = None,
     has_aux: bool = False,
 ) -> Any:
-    """The Hessian-vector product of a scalar-valued ``f`` at ``x`` along ``tx``, shaped as ``x``.
-
-    See :func:`prepare_hvp` to do the one-time work once.
-    """
+    """The Hessian-vector product of a scalar-valued ``f`` at ``x`` along ``tx``, shaped as ``x``. See
+    :func:`prepare_hvp`."""
     return evaluate("hvp", f, backend, x, tx, contexts, prep, has_aux)
 
 
@@ -491,10 +457,7 @@ def gradient_and_hvp(
     prep: Prep | None = None,
     has_aux: bool = False,
 ) -> Any:
-    """``(gradient, hvp)`` of a scalar-valued ``f`` at ``x`` along ``tx``.
-
-    See :func:`prepare_gradient_and_hvp` to do the one-time work once.
-    """
+    """``(gradient, hvp)`` of a scalar-valued ``f`` at ``x`` along ``tx``. See :func:`prepare_gradient_and_hvp`."""
     return evaluate("gradient_and_hvp", f, backend, x, tx, contexts, prep, has_aux)
 
 
