@@ -9,8 +9,6 @@ array([4., 4., 4.])
 Importing diffiface imports no array framework; each engine is imported on first use.
 """
 
-# ruff: noqa: F403, F405  (star imports of each module's __all__; tests/test_docs.py resolves every name below)
-
 import importlib
 from typing import TYPE_CHECKING
 
@@ -27,12 +25,71 @@ from ._backends import AutoScipy as AutoScipy
 from ._backends import AutoTensorFlow as AutoTensorFlow
 from ._backends import AutoTorch as AutoTorch
 from ._backends import Backend as Backend
-from ._batched import *
+from ._batched import batched_hvp as batched_hvp
+from ._batched import batched_jvp as batched_jvp
+from ._batched import batched_vjp as batched_vjp
+from ._batched import gradient_and_batched_hvp as gradient_and_batched_hvp
+from ._batched import prepare_batched_hvp as prepare_batched_hvp
+from ._batched import prepare_batched_jvp as prepare_batched_jvp
+from ._batched import prepare_batched_vjp as prepare_batched_vjp
+from ._batched import prepare_gradient_and_batched_hvp as prepare_gradient_and_batched_hvp
+from ._batched import prepare_value_and_batched_jvp as prepare_value_and_batched_jvp
+from ._batched import prepare_value_and_batched_vjp as prepare_value_and_batched_vjp
+from ._batched import value_and_batched_jvp as value_and_batched_jvp
+from ._batched import value_and_batched_vjp as value_and_batched_vjp
 from ._bridges import DifferentiateWith as DifferentiateWith
 from ._bridges import differentiate_with as differentiate_with
-from ._contexts import *
-from ._errors import *
-from ._operators import *
+from ._contexts import Cache as Cache
+from ._contexts import Constant as Constant
+from ._contexts import Context as Context
+from ._errors import ArrayTypeError as ArrayTypeError
+from ._errors import BackendUnavailableError as BackendUnavailableError
+from ._errors import ContextError as ContextError
+from ._errors import DiffifaceError as DiffifaceError
+from ._errors import FrameworkMismatchError as FrameworkMismatchError
+from ._errors import GradientCheckError as GradientCheckError
+from ._errors import InputTooLargeError as InputTooLargeError
+from ._errors import InvalidBackendOptionError as InvalidBackendOptionError
+from ._errors import InvalidInputError as InvalidInputError
+from ._errors import InvalidOptionError as InvalidOptionError
+from ._errors import InvalidOutputError as InvalidOutputError
+from ._errors import MutationError as MutationError
+from ._errors import PreparationMismatchError as PreparationMismatchError
+from ._errors import TangentMismatchError as TangentMismatchError
+from ._errors import UnknownBackendError as UnknownBackendError
+from ._errors import UnsupportedOperationError as UnsupportedOperationError
+from ._operators import derivative as derivative
+from ._operators import gradient as gradient
+from ._operators import gradient_and_hvp as gradient_and_hvp
+from ._operators import hessian as hessian
+from ._operators import hvp as hvp
+from ._operators import jacobian as jacobian
+from ._operators import jvp as jvp
+from ._operators import prepare_derivative as prepare_derivative
+from ._operators import prepare_gradient as prepare_gradient
+from ._operators import prepare_gradient_and_hvp as prepare_gradient_and_hvp
+from ._operators import prepare_hessian as prepare_hessian
+from ._operators import prepare_hvp as prepare_hvp
+from ._operators import prepare_jacobian as prepare_jacobian
+from ._operators import prepare_jvp as prepare_jvp
+from ._operators import prepare_second_derivative as prepare_second_derivative
+from ._operators import prepare_value_and_derivative as prepare_value_and_derivative
+from ._operators import prepare_value_and_gradient as prepare_value_and_gradient
+from ._operators import prepare_value_and_jacobian as prepare_value_and_jacobian
+from ._operators import prepare_value_and_jvp as prepare_value_and_jvp
+from ._operators import prepare_value_and_vjp as prepare_value_and_vjp
+from ._operators import prepare_value_derivative_and_second_derivative as prepare_value_derivative_and_second_derivative
+from ._operators import prepare_value_gradient_and_hessian as prepare_value_gradient_and_hessian
+from ._operators import prepare_vjp as prepare_vjp
+from ._operators import second_derivative as second_derivative
+from ._operators import value_and_derivative as value_and_derivative
+from ._operators import value_and_gradient as value_and_gradient
+from ._operators import value_and_jacobian as value_and_jacobian
+from ._operators import value_and_jvp as value_and_jvp
+from ._operators import value_and_vjp as value_and_vjp
+from ._operators import value_derivative_and_second_derivative as value_derivative_and_second_derivative
+from ._operators import value_gradient_and_hessian as value_gradient_and_hessian
+from ._operators import vjp as vjp
 from ._prep import Prep as Prep
 from ._sparse_operators import AutoSparse as AutoSparse
 from ._tangents import Tangents as Tangents
