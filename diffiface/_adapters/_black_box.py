@@ -220,6 +220,19 @@ def _torch_write(backend_name: str, what: str) -> str:
     )
 
 
+def context_like_x(leaf: Any, like: Any) -> tuple[Any, bool]:
+    """A numpy context leaf in x's framework, so that f sees one framework."""
+    if isinstance(leaf, np.ndarray) and _arrays.kind(like) in ("torch", "jax"):
+        return _arrays.from_numpy(leaf, like, dtype=_same_dtype(leaf, like)), True
+    return leaf, _arrays.is_array(leaf)
+
+
+def _same_dtype(array: np.ndarray, like: Any) -> Any:
+    if _arrays.kind(like) == "torch":
+        return getattr(sys.modules["torch"], array.dtype.name, None)
+    return array.dtype
+
+
 def constant_like_x(leaf: Any, like: Any) -> tuple[Any, bool]:
     """A Constant's leaf for f: numpy read-only (or, for torch x, a watched torch copy), torch
     a watched copy; so f can write into none of the caller's arrays unnoticed."""
@@ -301,29 +314,20 @@ class _Point:
         self.size = self.vector.size
 
     def leaves(self, vector: np.ndarray) -> Leaves:
+        """x's leaves at ``vector``; for a ``(k, n)`` array of ``k`` points, leaves holding them
+        along a new leading axis (a Python float's as a numpy array)."""
         complex_step = np.iscomplexobj(vector)
-        leaves = []
+        batch = vector.shape[:-1]
+        leaves: list[Any] = []
         for i, like in enumerate(self.likes):
-            piece = vector[self.offsets[i] : self.offsets[i + 1]].reshape(self.shapes[i])
-            if isinstance(like, float):
+            piece = vector[..., self.offsets[i] : self.offsets[i + 1]].reshape((*batch, *self.shapes[i]))
+            if isinstance(like, float) and not batch:
                 leaves.append(complex(piece.item()) if complex_step else float(piece.item()))
-                continue
-            dtype = _complex_dtype(like) if complex_step else None
-            leaves.append(read_only(_arrays.from_numpy(piece, like, dtype=dtype)))
-        return tuple(leaves)
-
-    def batch_leaves(self, points: np.ndarray) -> Leaves:
-        """Leaves holding ``k`` points along a new leading axis (``points`` is ``(k, n)``)."""
-        complex_step = np.iscomplexobj(points)
-        k = points.shape[0]
-        leaves = []
-        for i, like in enumerate(self.likes):
-            piece = points[:, self.offsets[i] : self.offsets[i + 1]].reshape((k, *self.shapes[i]))
-            if isinstance(like, float):
+            elif isinstance(like, float):
                 leaves.append(read_only(piece))
-                continue
-            dtype = _complex_dtype(like) if complex_step else None
-            leaves.append(read_only(_arrays.from_numpy(piece, like, dtype=dtype)))
+            else:
+                dtype = _complex_dtype(like) if complex_step else None
+                leaves.append(read_only(_arrays.from_numpy(piece, like, dtype=dtype)))
         return tuple(leaves)
 
     def steps(self, power: float, fixed: float | None, exact: bool = True) -> np.ndarray:
@@ -501,19 +505,6 @@ def _shapes(shapes: list[tuple[int, ...]]) -> str:
 
 
 # -- reshaping flat results --------------------------------------------------------------------
-
-
-def context_like_x(leaf: Any, like: Any) -> tuple[Any, bool]:
-    """A numpy context leaf in x's framework, so that f sees one framework."""
-    if isinstance(leaf, np.ndarray) and _arrays.kind(like) in ("torch", "jax"):
-        return _arrays.from_numpy(leaf, like, dtype=_same_dtype(leaf, like)), True
-    return leaf, _arrays.is_array(leaf)
-
-
-def _same_dtype(array: np.ndarray, like: Any) -> Any:
-    if _arrays.kind(like) == "torch":
-        return getattr(sys.modules["torch"], array.dtype.name, None)
-    return array.dtype
 
 
 def _split(vector: np.ndarray, point: _Point) -> Leaves:

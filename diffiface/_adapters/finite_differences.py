@@ -1,25 +1,12 @@
 """Finite differences on the input's own array type.
 
-``x`` is flattened to one float64 numpy vector (``_Point``); every perturbed point is turned
-back into leaves of x's own kinds (torch tensors, jax arrays, numpy arrays, Python floats)
-before ``f`` is called, so a function written for any framework can be differentiated.
-``x`` itself is never touched: perturbations are applied to copies.
-
-Steps, per coordinate, balance truncation against rounding: ``eps**p * max(1, |x_i|)`` with
-``eps`` the machine epsilon of the leaf's dtype and ``p = 1/3`` (central), ``1/2`` (forward,
-backward), ``1/4`` (second differences); each step is rounded so that ``x_i + h`` is exact.
-A difference along a tangent ``v`` (jvp, hvp) takes one step ``s``, the largest that moves no
-input ``x_i`` further than its own step (``s |v_i| <= eps**p * max(1, |x_i|)``).
-
-``f`` must only read what it is handed. numpy points and numpy Constants reach it read-only
-(a write raises numpy's "read-only" ValueError, turned into :class:`MutationError`); torch
-points and Constants are watched through their version counters (and Constants are copies,
-so the caller's tensor never changes); jax arrays are immutable. Every evaluation point is a
-fresh array, so no evaluation can shift the next.
-
-Sizes are bounded (:data:`MAX_INPUTS`, :data:`MAX_HESSIAN_INPUTS`, :data:`MAX_VECTORIZED_INPUTS`,
-:data:`MAX_JACOBIAN_ENTRIES`): above them the call is refused before anything is allocated,
-unless the backend's ``max_inputs`` option raises the input limit.
+``x`` is flattened to one float64 numpy vector (``_Point``); every perturbed point, a fresh
+copy, is turned back into leaves of x's own kinds (torch tensors, jax arrays, numpy arrays,
+Python floats) before ``f`` is called, so a function written for any framework can be
+differentiated, and ``f`` may only read it (:func:`._black_box.run_f`). The steps are those
+:class:`~diffiface.AutoFiniteDifferences` documents, each rounded so that ``x_i + h`` is exact;
+along a tangent, :func:`_step_along`'s. Sizes are bounded (the ``MAX_*`` limits) unless the
+backend's ``max_inputs`` option is set: above them a call is refused before any allocation.
 """
 
 from __future__ import annotations
@@ -66,13 +53,10 @@ from ._black_box import (
 )
 from ._on_device import _POWER
 
+# The most inputs (entries of x, all leaves together) of an operator; :meth:`Adapter._check_size` says why.
 MAX_INPUTS = 100_000
-"""The most inputs (entries of x, all leaves together) finite differences take for first-order
-operators: a gradient costs one or two evaluations of f per input."""
 MAX_HESSIAN_INPUTS = 1_000
-"""The most inputs for a Hessian by finite differences: it costs about 2 n² evaluations of f."""
 MAX_VECTORIZED_INPUTS = 4_000
-"""The most inputs with ``vectorize=True``: all 2 n perturbed points (2 n² numbers) are built at once."""
 
 
 class Adapter(BlackBoxAdapter):
@@ -192,7 +176,7 @@ class Adapter(BlackBoxAdapter):
     def _evaluate_batch(self, fn: Fn, point: _Point, points: np.ndarray, layout: _Layout) -> np.ndarray:
         """f at ``k`` points in one call: a ``(k, m)`` float64 array of flat outputs."""
         k = points.shape[0]
-        outs = run_f(fn, point.batch_leaves(points), self.backend.name, batched=True)
+        outs = run_f(fn, point.leaves(points), self.backend.name, batched=True)
         arrays = [np.asarray(_arrays.to_numpy(out)) for out in outs]
         for array in arrays:
             if array.shape[:1] != (k,):

@@ -1,17 +1,11 @@
 """scipy: the adaptive finite differences of ``scipy.differentiate`` (``jacobian``, ``hessian``).
 
-scipy refines each derivative until its own error estimate meets the tolerances; the
-estimate of the last call, shaped as the result, is read through ``prep.error``. numpy inputs
-in float32, arrays and scalars, are evaluated in float64 (adaptive steps need its precision;
-results come back in float32). scipy calls
-``f`` on batches of points (a trailing axis); diffiface evaluates the user's ``f`` point by
-point, each point as leaves of x's own kinds, so ``f`` needs no vectorising.
-
-Like finite differences, ``f`` gets fresh points, numpy ones read-only and torch ones watched
-(see :mod:`.finite_differences`), never the caller's arrays. ``jvp`` and ``hvp`` take one
-directional derivative (of ``f``, of scipy's gradient) along the tangent, so their cost
-grows with the size of x, not its square. Sizes are bounded by :data:`MAX_INPUTS` and
-:data:`MAX_SECOND_ORDER_INPUTS` (or the backend's ``max_inputs``).
+scipy calls ``f`` on batches of points (a trailing axis); diffiface evaluates the user's ``f``
+point by point, each point as leaves of x's own kinds, so ``f`` needs no vectorising, and hands
+it fresh points as finite differences do (:func:`._black_box.run_f`). float32 numpy inputs are
+evaluated in float64 (adaptive steps need its precision; results come back in float32). ``jvp``
+and ``hvp`` take one directional derivative (of ``f``, of scipy's gradient) along the tangent,
+so their cost grows with the size of x, not its square.
 """
 
 from __future__ import annotations
@@ -39,11 +33,9 @@ from ._black_box import (
     check_size,
 )
 
+# The most inputs (entries of x) of an operator, unless ``max_inputs`` says: :meth:`Adapter._check` says why.
 MAX_INPUTS = 1_000
-"""The most inputs (entries of x) for scipy's Jacobians and gradients: each iteration
-evaluates f at about ``order * n`` points and holds ``n²`` of them."""
 MAX_SECOND_ORDER_INPUTS = 100
-"""The most inputs for scipy's Hessians (about ``order² * n²`` evaluations per iteration)."""
 
 _STATUS = {
     -1: "its error estimate grew before it met the tolerances",
