@@ -1,7 +1,7 @@
 """What the black-box engines share (finite differences and scipy's adaptive differences):
 ``x`` as one float64 vector and back (:class:`_Point`), f's output as one vector
 (:func:`_flatten_out`), the guard that hands f read-only or watched points and Constants
-(:func:`run_f`), the size limits, and the blocks of Jacobians and Hessians. Neither engine's
+(:func:`run_f`), the limit on inputs, and the blocks of Jacobians and Hessians. Neither engine's
 adapter imports the other's: both import this module."""
 
 from __future__ import annotations
@@ -25,9 +25,6 @@ from .._errors import (
 )
 from . import _base
 from ._base import Blocks, Fn, Leaves, ProgramParts, read_only
-
-MAX_JACOBIAN_ENTRIES = 25_000_000
-"""The most entries (outputs times inputs) of a Jacobian built by finite differences (200 MB in float64)."""
 
 
 class BlackBoxAdapter(_base.Adapter):
@@ -70,17 +67,6 @@ def check_size(backend: Any, xs: Leaves, operator: str, limit: int, what: str) -
             f"{limit:,} inputs ({what}). Use an automatic-differentiation backend (jax, torch, autograd), "
             "or check gradients along a few random directions with diffiface.test.check_gradients; for a "
             f"deliberate run, raise the limit with {type(backend).__name__}(max_inputs={n})."
-        )
-
-
-def check_entries(backend: Any, m: int, n: int) -> None:
-    """Refuse a Jacobian of more than :data:`MAX_JACOBIAN_ENTRIES` entries (unless ``max_inputs`` is set)."""
-    if getattr(backend, "max_inputs", None) is None and m * n > MAX_JACOBIAN_ENTRIES:
-        raise InputTooLargeError(
-            f"A Jacobian by {type(backend).__name__} of {m:,} outputs by {n:,} inputs has {m * n:,} entries: "
-            f"above the limit of {MAX_JACOBIAN_ENTRIES:,}. Use vjp or jvp (one row or column), an "
-            "automatic-differentiation backend, or, for a deliberate run, set "
-            f"{type(backend).__name__}(max_inputs=...)."
         )
 
 
@@ -473,15 +459,6 @@ def _times_non_finite(column: np.ndarray, t: float) -> np.ndarray:
     depend on that input) kept 0, as a forward-mode engine gives them."""
     with np.errstate(invalid="ignore"):
         return np.where(column != 0, column * t, 0.0)  # type: ignore[no-any-return]
-
-
-def _shifted(x: np.ndarray, direction: Any, amount: Any) -> np.ndarray:
-    """A fresh ``x + amount * direction``; ``direction`` an array or the index of a unit vector."""
-    if isinstance(direction, (int, np.integer)):
-        shifted = x.astype(np.result_type(x, amount))  # a copy
-        shifted[direction] += amount
-        return shifted
-    return x + amount * direction  # type: ignore[no-any-return]
 
 
 def _fit(layout: _Layout, found: _Layout) -> None:

@@ -21,6 +21,7 @@ import numpy as np
 
 from .. import _arrays
 from .._errors import (
+    InputTooLargeError,
     InvalidBackendOptionError,
     InvalidInputError,
     InvalidOutputError,
@@ -28,7 +29,6 @@ from .._errors import (
 )
 from . import _base, _on_device
 from ._base import Blocks, Deferred, Fn, Leaves, as_tuple, shaped_as
-from ._black_box import MAX_JACOBIAN_ENTRIES as MAX_JACOBIAN_ENTRIES
 from ._black_box import (
     BlackBoxAdapter,
     _blocks,
@@ -42,12 +42,10 @@ from ._black_box import (
     _Point,
     _real_dtype,
     _sharded_torch,
-    _shifted,
     _split,
     _split_out,
     _times_non_finite,
     _traced_by_torch,
-    check_entries,
     check_size,
     run_f,
 )
@@ -57,6 +55,8 @@ from ._on_device import _POWER
 MAX_INPUTS = 100_000
 MAX_HESSIAN_INPUTS = 1_000
 MAX_VECTORIZED_INPUTS = 4_000
+MAX_JACOBIAN_ENTRIES = 25_000_000
+"""The most entries (outputs times inputs) of a Jacobian, unless ``max_inputs`` is set (200 MB in float64)."""
 
 
 class Adapter(BlackBoxAdapter):
@@ -405,6 +405,26 @@ class Adapter(BlackBoxAdapter):
             else f0 * 0
         )
         return out, aux, derivs, _split_out(second, layout)
+
+
+def check_entries(backend: Any, m: int, n: int) -> None:
+    """Refuse a Jacobian of more than :data:`MAX_JACOBIAN_ENTRIES` entries (unless ``max_inputs`` is set)."""
+    if getattr(backend, "max_inputs", None) is None and m * n > MAX_JACOBIAN_ENTRIES:
+        raise InputTooLargeError(
+            f"A Jacobian by {type(backend).__name__} of {m:,} outputs by {n:,} inputs has {m * n:,} entries: "
+            f"above the limit of {MAX_JACOBIAN_ENTRIES:,}. Use vjp or jvp (one row or column), an "
+            "automatic-differentiation backend, or, for a deliberate run, set "
+            f"{type(backend).__name__}(max_inputs=...)."
+        )
+
+
+def _shifted(x: np.ndarray, direction: Any, amount: Any) -> np.ndarray:
+    """A fresh ``x + amount * direction``; ``direction`` an array or the index of a unit vector."""
+    if isinstance(direction, (int, np.integer)):
+        shifted = x.astype(np.result_type(x, amount))  # a copy
+        shifted[direction] += amount
+        return shifted
+    return x + amount * direction  # type: ignore[no-any-return]
 
 
 def _step_along(point: _Point, direction: np.ndarray, power: float) -> float:
