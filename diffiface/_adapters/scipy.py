@@ -292,8 +292,8 @@ class Adapter(BlackBoxAdapter):
     ) -> None:
         """Refuse an estimate that is not finite, or that scipy reports as failed (``status``
         not 0) with an error above what ``tolerance`` allows (a failed status where the entry
-        itself is near 0 is scipy's relative tolerance unmet, not a wrong derivative). NaN and inf pass where x or f(x) holds them (``propagates``).
-        ``where(*index)`` names the entry."""
+        itself is near 0 is scipy's relative tolerance unmet, not a wrong derivative). NaN and
+        inf pass where x or f(x) holds them (``propagates``). ``where(*index)`` names the entry."""
         status = np.asarray(status).reshape(estimate.shape)
         finite = np.isfinite(estimate)
         scale = float(np.max(np.abs(estimate[finite]), initial=0.0))
