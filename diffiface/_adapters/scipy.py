@@ -175,32 +175,27 @@ class Adapter(BlackBoxAdapter):
 
     # -- second order ---------------------------------------------------------------------------
 
-    def _hessian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, np.ndarray, np.ndarray, _Point]:
+    def value_gradient_and_hessian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Blocks]:
         self._check(xs, "A Hessian", second=True)
         out, aux, _, _, batched, point, tolerance = self._flat(fn, xs)
-        n = point.size
-        if n == 0:
-            return out, aux, np.zeros((0, 0)), np.zeros((0, 0)), point
-        result = scipy.differentiate.hessian(lambda v: batched(v)[0], point.vector, **self._options)
-        hess, err, x = np.asarray(result.ddf).reshape(n, n), np.asarray(result.error).reshape(n, n), point.vector
-        self._refuse_failed(
-            result.status,
-            hess,
-            err,
-            lambda i, j: (
-                f"the second derivative with respect to entries {i} and {j} of x (x_i = {x[i]:.6g}, x_j = {x[j]:.6g})"
-            ),
-            _non_finite(x, _flatten_out(out)[0]),
-            tolerance,
-            second=True,
-        )
-        return out, aux, hess, err, point
-
-    def value_gradient_and_hessian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Blocks]:
-        out, aux, hess, hess_err, point = self._hessian(fn, xs)
+        n, x = point.size, point.vector
+        hess = err = np.zeros((n, n))
+        if n:
+            result = scipy.differentiate.hessian(lambda v: batched(v)[0], x, **self._options)
+            hess, err = np.asarray(result.ddf).reshape(n, n), np.asarray(result.error).reshape(n, n)
+            self._refuse_failed(
+                result.status,
+                hess,
+                err,
+                lambda i, j: (
+                    f"the second derivative with respect to entries {i} and {j} of x (x_i = {x[i]:.6g}, x_j = {x[j]:.6g})"
+                ),
+                _non_finite(x, _flatten_out(out)[0]),
+                tolerance,
+                second=True,
+            )
         _, _, grads = self.value_and_gradient(fn, xs)
-        grad_err = self._local.error[2]
-        self._local.error = (_zeros_like(out), None, grad_err, _hessian_blocks(hess_err, point))
+        self._local.error = (_zeros_like(out), None, self._local.error[2], _hessian_blocks(err, point))
         return out, aux, grads, _hessian_blocks(hess, point)
 
     def gradient_and_hvp(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Leaves, Leaves]:
