@@ -3,7 +3,7 @@
 ``x`` is flattened to one float64 numpy vector (``_Point``); every perturbed point, a fresh
 copy, is turned back into leaves of x's own kinds (torch tensors, jax arrays, numpy arrays,
 Python floats) before ``f`` is called, so a function written for any framework can be
-differentiated, and ``f`` may only read it (:func:`._black_box.run_f`). The steps are those
+differentiated, and ``f`` may only read it (:meth:`._black_box.BlackBoxAdapter.run`). The steps are those
 :class:`~diffiface.AutoFiniteDifferences` documents, each rounded so that ``x_i + h`` is exact;
 along a tangent, :func:`_step_along`'s. Sizes are bounded (the ``MAX_*`` limits) unless the
 backend's ``max_inputs`` option is set: above them a call is refused before any allocation.
@@ -47,7 +47,6 @@ from ._black_box import (
     _times_non_finite,
     _traced_by_torch,
     check_size,
-    run_f,
 )
 from ._on_device import _POWER
 
@@ -176,7 +175,7 @@ class Adapter(BlackBoxAdapter):
     def _evaluate_batch(self, fn: Fn, point: _Point, points: np.ndarray, layout: _Layout) -> np.ndarray:
         """f at ``k`` points in one call: a ``(k, m)`` float64 array of flat outputs."""
         k = points.shape[0]
-        outs = run_f(fn, point.leaves(points), self.backend.name, batched=True)
+        outs = self.run(fn, point.leaves(points), batched=True)
         arrays = [np.asarray(_arrays.to_numpy(out)) for out in outs]
         for array in arrays:
             if array.shape[:1] != (k,):

@@ -2,7 +2,7 @@
 
 scipy calls ``f`` on batches of points (a trailing axis); diffiface evaluates the user's ``f``
 point by point, each point as leaves of x's own kinds, so ``f`` needs no vectorising, and hands
-it fresh points as finite differences do (:func:`._black_box.run_f`). float32 numpy inputs are
+it fresh points as finite differences do (:meth:`._black_box.BlackBoxAdapter.run`). float32 numpy inputs are
 evaluated in float64 (adaptive steps need its precision; results come back in float32). ``jvp``
 and ``hvp`` take one directional derivative (of ``f``, of scipy's gradient) along the tangent,
 so their cost grows with the size of x, not its square.
