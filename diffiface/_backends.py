@@ -247,11 +247,10 @@ class AutoFiniteDifferences(Backend):
     step:
         The absolute step used for every coordinate. By default each coordinate gets its own,
         ``eps**p * max(1, |x_i|)`` with ``eps`` the machine epsilon of the input's dtype and
-        ``p`` the power that balances truncation against rounding for the method
-        (1/3 central, 1/2 forward and backward, 1/4 for second derivatives); a jvp or hvp
-        takes one step along the tangent, the largest that moves no input further than its own.
-        A fixed step that rounds to nothing (``x_i + step == x_i`` in x's dtype) is refused
-        when the operator is called, with the smallest step that would move x.
+        ``p`` the power that balances truncation against rounding (1/3 central, 1/2 forward
+        and backward, 1/4 for second derivatives); a jvp or hvp takes one step along the
+        tangent, the largest that moves no input further than its own. A fixed step that
+        rounds to nothing (``x_i + step == x_i`` in x's dtype) is refused when called.
     vectorize:
         Evaluate all perturbations in one call of ``f`` on a batch (a leading axis on every
         leaf of ``x``). Only for functions that broadcast over such an axis.
@@ -436,14 +435,12 @@ class AutoSparse(Backend):
         ``f`` with jax, valid at every x), ``LocalDetector()`` (at points near x: may miss a
         nonzero that vanishes there) or ``KnownPattern(pattern)`` (yours).
     coloring:
-        ``"auto"`` (the fewest colors of columns, rows and both; on a tie, rows on torch and
-        autograd, whose reverse products cost less, columns elsewhere; black-box engines
-        always take columns),
         ``"column"`` (forward products, one jvp per color), ``"row"`` (reverse products, one
-        vjp per color) or ``"bidirectional"`` (reverse products for some rows, forward ones for
-        the rest: an arrowhead takes 3); ``"auto"`` takes a bidirectional coloring where it
-        needs fewer products than both one-sided ones (``prep.coloring.sides`` tells the
-        products per side). Hessians always take a star coloring (one hvp per color).
+        vjp per color), ``"bidirectional"`` (reverse products for some rows, forward ones for
+        the rest: an arrowhead takes 3; ``prep.coloring.sides`` tells the products per side)
+        or ``"auto"``: the fewest products of the three; on a tie, rows where reverse products
+        cost less (torch, autograd...), else columns; black-box engines always take columns.
+        Hessians always take a star coloring (one hvp per color).
     order:
         The vertex order of the greedy coloring (``"natural"``, ``"largest_first"``...).
     dense:
