@@ -3,10 +3,11 @@
 ``x`` is flattened to one float64 numpy vector (``_Point``); every perturbed point, a fresh
 copy, is turned back into leaves of x's own kinds (torch tensors, jax arrays, numpy arrays,
 Python floats) before ``f`` is called, so a function written for any framework can be
-differentiated, and ``f`` may only read it (:meth:`._black_box.BlackBoxAdapter.run`). The steps are those
-:class:`~diffiface.AutoFiniteDifferences` documents, each rounded so that ``x_i + h`` is exact;
-along a tangent, :func:`_step_along`'s. Sizes are bounded (the ``MAX_*`` limits) unless the
-backend's ``max_inputs`` option is set: above them a call is refused before any allocation.
+differentiated; ``f`` may only read it (:meth:`._black_box.BlackBoxAdapter.run`). The steps
+are those :class:`~diffiface.AutoFiniteDifferences` documents, each rounded so that
+``x_i + h`` is exact; along a tangent, :func:`_step_along`'s. Sizes are bounded (the ``MAX_*``
+limits) unless the backend's ``max_inputs`` is set: above them a call is refused before any
+allocation.
 """
 
 from __future__ import annotations
