@@ -568,23 +568,14 @@ class SecondOrderAdapter(Adapter):
             setattr(self, name, getattr(inner, name))
         self.complex_outputs = outer.complex_outputs or inner.complex_outputs
         self.estimates_errors = outer.estimates_errors
-        self._same_engine = type(outer) is type(inner)
-        self.compiles = self._same_engine and inner.compiles
+        if type(outer) is type(inner):  # one engine twice compiles as that engine does; two run uncompiled
+            self.compile = inner.compile  # type: ignore[method-assign]
+            self.compiles = inner.compiles
         self._local = threading.local()
 
     @property
     def scoped(self) -> bool:
         return self.inner.scoped or self.outer.scoped
-
-    def compile(
-        self,
-        program: Callable[..., Any],
-        static: bool = True,
-        arrays: bool = False,
-        layouts: Any = None,
-        parts: ProgramParts | None = None,
-    ) -> Callable[..., Any]:
-        return self.inner.compile(program, static, arrays, layouts, parts) if self._same_engine else program
 
     def forget_traces(self) -> None:
         self.outer.forget_traces()
