@@ -95,12 +95,10 @@ class AutoPyTensor(Backend):
     Parameters
     ----------
     mode:
-        The ``pytensor.function`` mode each operator is compiled with: ``"FAST_RUN"`` (the
-        default: every graph rewrite, then PyTensor's default linker, numba's JIT in PyTensor
-        3.0 where numba is installed; the quickest calls, and the longest first compile of a
-        graph), ``"FAST_COMPILE"`` (few rewrites, Python implementations: compiles several
-        times quicker, calls several times slower; for tests and one-off derivatives),
-        ``"NUMBA"`` (numba's JIT by name) or ``"CVM"`` (C code, which PyTensor caches on disk;
+        The ``pytensor.function`` mode of each operator: ``"FAST_RUN"`` (the default: every
+        graph rewrite and PyTensor's default linker; the quickest calls, the longest first
+        compile), ``"FAST_COMPILE"`` (few rewrites: compiles several times quicker, calls
+        several times slower), ``"NUMBA"`` (numba's JIT) or ``"CVM"`` (C code, cached on disk;
         slow matrix products where PyTensor finds no BLAS).
     """
 
@@ -123,34 +121,27 @@ class AutoTorch(Backend):
         paths, so each can check the other.
     create_graph:
         Autograd mode only. As ``torch.autograd.grad(..., create_graph=True)``: where x's leaves
-        require grad (an ``nn.Parameter``, a tensor computed from one), the results carry the
-        graph back to them, so that a loss built on a derivative (a gradient penalty) can be
-        differentiated again. By default the results are detached (``requires_grad`` False, no
-        ``grad_fn``), as ``torch.autograd.grad``'s are. A diffiface call inside a function that
-        diffiface differentiates keeps its graph either way (the outer call needs it).
-        ``mode="func"`` follows ``torch.func``: its results carry the graph of inputs that
-        require grad.
+        require grad (an ``nn.Parameter``), the results carry the graph back to them, so that a
+        loss built on a derivative (a gradient penalty) can be differentiated again. By default
+        the results are detached, as ``torch.autograd.grad``'s are; a diffiface call inside a
+        function that diffiface differentiates keeps its graph either way. ``mode="func"``
+        results carry the graph of inputs that require grad, as ``torch.func``'s do.
     jvp:
         How autograd mode computes a jvp (``jvp``, ``value_and_jvp``, ``derivative``):
-        ``"forward"`` (the default) by forward mode (``torch.autograd.forward_ad``), f run once
-        per call; ``"reverse"`` by two backward passes (the way of
-        ``torch.autograd.functional.jvp``), quicker on small functions where torch's forward
-        mode pays a per-operation cost; ``"auto"`` times the two on a prep's first call and
-        keeps the quicker (the prep remembers it, nothing else does): that first call runs f
-        several times (five where forward mode is quick). Forward mode is kept where the two
-        products differ (f computes part of its output under ``torch.no_grad()``), where f
-        cannot be differentiated twice, and on calls "auto" does not time (a module passed as a
-        Constant, an aux, an x that carries an outer graph). The choice is the first call's: an
-        f that enters a ``torch.no_grad()`` part only at other x's (a branch on x's values) gets
-        reverse mode's product there, which treats that part as constant, where forward mode
-        differentiates it; keep ``"forward"`` for such an f. Complex jvps are forward mode's.
-        ``mode="func"`` computes a jvp by ``torch.func.jvp``.
+        ``"forward"`` (the default) by ``torch.autograd.forward_ad``; ``"reverse"`` by two
+        backward passes (as ``torch.autograd.functional.jvp``), quicker on small functions
+        where forward mode pays a per-operation cost; ``"auto"`` times the two on a prep's first
+        call (which runs f several times) and keeps the quicker for that prep. Forward mode is
+        kept where the two products differ (part of f under ``torch.no_grad()``), where f cannot
+        be differentiated twice, for complex jvps, and on calls "auto" does not time (a module
+        as a Constant, an aux, an x that carries an outer graph). Since the first call chooses,
+        keep ``"forward"`` for an f that enters a ``torch.no_grad()`` part only at other x's:
+        reverse mode would treat that part as constant.
     compile:
         ``mode="func"`` only. Each operator's torch.func program compiled by ``torch.compile``
-        (Inductor, one graph, static shapes), second-order operators as one program; a prep's
-        first call compiles (seconds to a minute), later calls of its shapes compile nothing.
-        f must be traceable without graph breaks; results are detached. See
-        docs/engines/torch-compile.md.
+        (Inductor, one graph, static shapes); a prep's first call compiles (seconds to a
+        minute), later calls of its shapes compile nothing. f must be traceable without graph
+        breaks; results are detached. See docs/engines/torch-compile.md.
     """
 
     name: ClassVar[str] = "torch"
@@ -171,12 +162,7 @@ class AutoTorch(Backend):
                 "AutoTorch(mode='func', create_graph=True): torch.func's results already carry the graph "
                 "of inputs that require grad; create_graph is an option of mode='autograd'."
             )
-        if self.jvp not in ("forward", "reverse", "auto"):
-            raise InvalidBackendOptionError(
-                f"AutoTorch(jvp={self.jvp!r}) is not a way to compute a jvp; use jvp='forward' (forward "
-                "mode, the default), 'reverse' (two backward passes) or 'auto' (the quicker of the two, "
-                "timed on a prep's first call)."
-            )
+        _check_choice(self, "jvp", self.jvp, ("forward", "reverse", "auto"), "a way to compute a jvp")
         if self.jvp != "forward" and self.mode == "func":
             raise InvalidBackendOptionError(
                 f"AutoTorch(mode='func', jvp={self.jvp!r}): torch.func computes a jvp by torch.func.jvp; "
@@ -206,7 +192,6 @@ class AutoTorch(Backend):
 
 
 _TORCH_MODES: tuple[str, ...] = typing.get_args(typing.get_type_hints(AutoTorch)["mode"])
-"""The modes that AutoTorch's ``mode`` type allows."""
 
 
 @dataclass(frozen=True)
@@ -224,22 +209,18 @@ class AutoMLX(Backend):
     """Differentiate with mlx (``mx.value_and_grad``, ``mx.vjp``, ``mx.jvp``, ``mx.vmap``).
 
     f is called with ``mlx.core`` arrays; x may be mlx arrays, numpy arrays or Python floats,
-    in any pytree (the nested dicts and lists of ``model.trainable_parameters()``), and results
-    mirror it. float64 stays float64, computed on the CPU (mlx has float64 there only), where
-    mlx's transcendental functions (sin, cos, exp...) are accurate to float32's precision:
-    expect float32's accuracy from float64 inputs. complex64 is differentiated with the project's
-    convention; complex128 is refused (mlx has no complex128).
+    in any pytree (``model.trainable_parameters()``), and results mirror it. float64 is
+    computed on the CPU (mlx has float64 there only), where mlx's sin, cos, exp... are accurate
+    to float32's precision only. complex128 is refused (mlx has none).
 
     Parameters
     ----------
     compile:
-        Compile each prepared operator with ``mx.compile``. Context arrays (mlx or numpy) are
-        arguments of the compiled function, so new values never recompile; Python numbers,
-        strings and other hashable values are compile-time constants, compared by value (a new
-        float compiles a new program: pass a value that changes on every call as an array).
-        Arrays that f reads from its closure are baked into the program, as under ``jax.jit``;
-        pass them as a :class:`~diffiface.Constant`. ``compile=False`` runs the transformations
-        eagerly (mlx's lazy evaluation), with no compile cost.
+        Compile each prepared operator with ``mx.compile``. As ``jit`` of :class:`AutoJAX`,
+        context arrays are arguments (new values never recompile) and other hashable values
+        compile-time constants, compared by value: pass a number that changes on every call as
+        an array. Arrays that f reads from its closure are baked into the program; pass them as
+        a :class:`~diffiface.Constant`. ``compile=False`` runs eagerly, with no compile cost.
     """
 
     name: ClassVar[str] = "mlx"
@@ -266,11 +247,10 @@ class AutoFiniteDifferences(Backend):
     step:
         The absolute step used for every coordinate. By default each coordinate gets its own,
         ``eps**p * max(1, |x_i|)`` with ``eps`` the machine epsilon of the input's dtype and
-        ``p`` the power that balances truncation against rounding for the method
-        (1/3 central, 1/2 forward and backward, 1/4 for second derivatives); a jvp or hvp
-        takes one step along the tangent, the largest that moves no input further than its own.
-        A fixed step that rounds to nothing (``x_i + step == x_i`` in x's dtype) is refused
-        when the operator is called, with the smallest step that would move x.
+        ``p`` the power that balances truncation against rounding (1/3 central, 1/2 forward
+        and backward, 1/4 for second derivatives); a jvp or hvp takes one step along the
+        tangent, the largest that moves no input further than its own. A fixed step that
+        rounds to nothing (``x_i + step == x_i`` in x's dtype) is refused when called.
     vectorize:
         Evaluate all perturbations in one call of ``f`` on a batch (a leading axis on every
         leaf of ``x``). Only for functions that broadcast over such an axis.
@@ -301,7 +281,7 @@ class AutoFiniteDifferences(Backend):
                 )
         _check_bool(self, "vectorize", self.vectorize)
         if self.max_inputs is not None:
-            _check_int(self, "max_inputs", self.max_inputs, 1, "an integer >= 1, or None for the default limits")
+            _check_int(self, "max_inputs", self.max_inputs, "an integer >= 1, or None", lambda v: v >= 1)
 
     @property
     def black_box(self) -> bool:
@@ -321,8 +301,8 @@ class AutoScipy(Backend):
     estimate of the last call made with a prep through ``prep.error``. An estimate scipy
     reports as failed (its ``status`` not 0, with an error above the square root of the
     dtype's epsilon, its fourth root for second derivatives, relative to the result or to f's
-    own scale) or that is not finite where x and f(x) are, and a
-    step along a tangent lost to rounding (``x_i + step == x_i``), raise
+    own scale) or that is not finite where x and f(x) are, and a step along a tangent lost to
+    rounding (``x_i + step == x_i``), raise
     :class:`~diffiface.InvalidBackendOptionError` naming the entry of x and scipy's status.
 
     Parameters
@@ -352,16 +332,8 @@ class AutoScipy(Backend):
     max_inputs: int | None = None
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.order, bool)
-            or not isinstance(self.order, numbers.Integral)
-            or self.order < 2
-            or self.order % 2
-        ):
-            raise InvalidBackendOptionError(
-                f"AutoScipy(order={self.order!r}): the order must be an even integer >= 2 (2, 4, 6, 8...)."
-            )
-        _check_int(self, "maxiter", self.maxiter, 1, "an integer >= 1")
+        _check_int(self, "order", self.order, "an even integer >= 2 (2, 4, 6, 8...)", lambda v: v >= 2 and v % 2 == 0)
+        _check_int(self, "maxiter", self.maxiter, "an integer >= 1", lambda v: v >= 1)
         _check_real(self, "initial_step", self.initial_step, "a finite number > 0", lambda v: v > 0)
         _check_real(self, "step_factor", self.step_factor, "a finite number > 1", lambda v: v > 1)
         for option in ("atol", "rtol"):
@@ -369,7 +341,7 @@ class AutoScipy(Backend):
             if value is not None:
                 _check_real(self, option, value, "a finite number >= 0, or None for scipy's default", lambda v: v >= 0)
         if self.max_inputs is not None:
-            _check_int(self, "max_inputs", self.max_inputs, 1, "an integer >= 1, or None for the default limits")
+            _check_int(self, "max_inputs", self.max_inputs, "an integer >= 1, or None", lambda v: v >= 1)
 
     @property
     def black_box(self) -> bool:
@@ -463,14 +435,12 @@ class AutoSparse(Backend):
         ``f`` with jax, valid at every x), ``LocalDetector()`` (at points near x: may miss a
         nonzero that vanishes there) or ``KnownPattern(pattern)`` (yours).
     coloring:
-        ``"auto"`` (the fewest colors of columns, rows and both; on a tie, rows on torch and
-        autograd, whose reverse products cost less, columns elsewhere; black-box engines
-        always take columns),
         ``"column"`` (forward products, one jvp per color), ``"row"`` (reverse products, one
-        vjp per color) or ``"bidirectional"`` (reverse products for some rows, forward ones for
-        the rest: an arrowhead takes 3); ``"auto"`` takes a bidirectional coloring where it
-        needs fewer products than both one-sided ones (``prep.coloring.sides`` tells the
-        products per side). Hessians always take a star coloring (one hvp per color).
+        vjp per color), ``"bidirectional"`` (reverse products for some rows, forward ones for
+        the rest: an arrowhead takes 3; ``prep.coloring.sides`` tells the products per side)
+        or ``"auto"``: the fewest products of the three; on a tie, rows where reverse products
+        cost less (torch, autograd...), else columns; black-box engines always take columns.
+        Hessians always take a star coloring (one hvp per color).
     order:
         The vertex order of the greedy coloring (``"natural"``, ``"largest_first"``...).
     dense:
@@ -619,8 +589,8 @@ def _check_choice(backend: Backend, option: str, value: object, choices: tuple[s
         )
 
 
-def _check_int(backend: Backend, option: str, value: object, least: int, valid: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+def _check_int(backend: Backend, option: str, value: object, valid: str, fits: Callable[[int], bool]) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not fits(int(value)):
         raise InvalidBackendOptionError(f"{type(backend).__name__}({option}={value!r}): {option} must be {valid}.")
 
 

@@ -378,5 +378,4 @@ def _make(backend: Backend) -> Adapter:
             f"The {row.name} engine's adapter module {row.module!r} could not be imported ({exc}); "
             f"reinstall the package that registers the {row.name!r} engine."
         ) from exc
-    adapter: Adapter = module.Adapter(backend, row)
-    return adapter
+    return module.Adapter(backend, row)  # type: ignore[no-any-return]

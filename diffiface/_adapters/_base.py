@@ -3,8 +3,9 @@
 An adapter differentiates *closed functions* ``fn(xs) -> (out, aux)``: ``xs`` is a tuple of
 the engine's arrays (the leaves of ``x``), ``out`` is one 0-d array (scalar functions) or a
 tuple of arrays (the leaves of ``f(x)``), ``aux`` is whatever ``f`` returned beside (``None``
-without ``has_aux``; the closed functions of diffiface say which in a ``has_aux`` attribute,
-which other functions lack: read it with ``getattr(fn, "has_aux", True)``). Each adapter implements what its engine does natively; at the least
+without ``has_aux``, which diffiface's closed functions say in an attribute: read it with
+``getattr(fn, "has_aux", True)``). Each adapter implements what its engine does natively; at
+the least
 
 - ``pullback_function(fn, xs) -> (out, aux, vjp)``, reverse mode, and
 - ``value_and_pushforward(fn, xs, txs) -> (out, aux, tout)``, forward mode,
@@ -172,9 +173,8 @@ class Adapter:
     def traces_call(self, compute: str, leaves: Sequence[Any], caches: bool, ref: Any) -> bool:
         """Whether the retracing tier takes a call of ``compute`` on these leaves (x's, the
         tangent's, the contexts'; ``caches``: a context is a :class:`~diffiface.Cache`; ``ref``:
-        how the prep reaches f, or None where only the leaves are asked): where
-        each is an array the compiled program checks itself (its family says,
-        :meth:`~diffiface._families.Family.jit_checked`) or a numpy array."""
+        how the prep reaches f, or None): where each is a numpy array or one the compiled
+        program checks itself (:meth:`~diffiface._families.Family.jit_checked`)."""
         for leaf in leaves:
             family = _arrays.family_of(leaf)
             if type(leaf) is not np.ndarray and (family is None or not family.jit_checked(leaf)):
@@ -466,7 +466,8 @@ class Adapter:
 
 def hvp_of(outer: Adapter, inner: Adapter, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Leaves, Leaves]:
     """Forward-over-reverse when ``outer`` has a forward mode (or is a black box);
-    reverse-over-reverse otherwise (the gradient of ``<grad f, v>``)."""
+    reverse-over-reverse otherwise (the gradient of ``<grad f, v>``). Here and below, a
+    black-box outer engine may defer the inner engine's value and aux (:class:`Deferred`)."""
     if outer.info.forward_mode or outer is not inner:
         grads, packed, hvps = outer.value_and_pushforward(inner.gradient_function(fn), xs, txs)
         value, aux = force(packed)  # a black-box outer engine may defer it
@@ -489,7 +490,7 @@ def hvps_of(
     symmetric, so its pullback along v is H v)."""
     if outer.info.forward_mode or outer is not inner:
         grads, packed, hvps = outer.value_and_pushforwards(inner.gradient_function(fn), xs, batch)
-        value, aux = force(packed)  # a black-box outer engine may defer it
+        value, aux = force(packed)
         return value, aux, grads, hvps
     grads, packed, vjp = outer.pullback_function(inner.gradient_function(fn), xs)
     value, aux = packed
@@ -499,13 +500,13 @@ def hvps_of(
 def hessian_of(outer: Adapter, inner: Adapter, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Blocks]:
     mode = "forward" if outer.info.forward_mode else "reverse"
     grads, packed, blocks = outer.value_and_jacobian(inner.gradient_function(fn), xs, mode)
-    value, aux = force(packed)  # a black-box outer engine may defer it
+    value, aux = force(packed)
     return value, aux, grads, blocks
 
 
 def second_derivative_of(outer: Adapter, inner: Adapter, fn: Fn, xs: Leaves) -> tuple[Any, Any, Any, Any]:
     derivs, packed, seconds = outer.value_and_derivative(inner.derivative_function(fn), xs)
-    value, aux = force(packed)  # a black-box outer engine may defer it
+    value, aux = force(packed)
     return value, aux, derivs, seconds
 
 
@@ -567,23 +568,14 @@ class SecondOrderAdapter(Adapter):
             setattr(self, name, getattr(inner, name))
         self.complex_outputs = outer.complex_outputs or inner.complex_outputs
         self.estimates_errors = outer.estimates_errors
-        self._same_engine = type(outer) is type(inner)
-        self.compiles = self._same_engine and inner.compiles
+        if type(outer) is type(inner):  # one engine twice compiles as that engine does; two run uncompiled
+            self.compile = inner.compile  # type: ignore[method-assign]
+            self.compiles = inner.compiles
         self._local = threading.local()
 
     @property
     def scoped(self) -> bool:
         return self.inner.scoped or self.outer.scoped
-
-    def compile(
-        self,
-        program: Callable[..., Any],
-        static: bool = True,
-        arrays: bool = False,
-        layouts: Any = None,
-        parts: ProgramParts | None = None,
-    ) -> Callable[..., Any]:
-        return self.inner.compile(program, static, arrays, layouts, parts) if self._same_engine else program
 
     def forget_traces(self) -> None:
         self.outer.forget_traces()

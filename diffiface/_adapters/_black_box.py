@@ -1,7 +1,7 @@
 """What the black-box engines share (finite differences and scipy's adaptive differences):
 ``x`` as one float64 vector and back (:class:`_Point`), f's output as one vector
 (:func:`_flatten_out`), the guard that hands f read-only or watched points and Constants
-(:func:`run_f`), the size limits, and the blocks of Jacobians and Hessians. Neither engine's
+(:meth:`BlackBoxAdapter.run`), the limit on inputs, and the blocks of Jacobians and Hessians. Neither engine's
 adapter imports the other's: both import this module."""
 
 from __future__ import annotations
@@ -24,28 +24,67 @@ from .._errors import (
     UnsupportedOperationError,
 )
 from . import _base
-from ._base import Blocks, Fn, Leaves, ProgramParts, read_only
-
-MAX_JACOBIAN_ENTRIES = 25_000_000
-"""The most entries (outputs times inputs) of a Jacobian built by finite differences (200 MB in float64)."""
+from ._base import Blocks, Leaves, ProgramParts, read_only
 
 
 class BlackBoxAdapter(_base.Adapter):
-    """What the black-box engines' adapters share: the contexts' arrays in x's family
-    (:func:`context_like_x`, :func:`constant_like_x`), and each call's Constant torch modules
-    watched (:func:`watch_constant_modules`)."""
+    """What the black-box engines' adapters share: the contexts' arrays in x's family, the
+    guard on each evaluation of f (:meth:`run`), and each call's Constant torch modules watched
+    (:func:`watch_constant_modules`)."""
 
     weak_floats = True  # (f gets x's Python floats as they are)
 
     def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
-        return context_like_x(leaf, like)
+        """A numpy context leaf in x's framework, so that f sees one framework."""
+        if isinstance(leaf, np.ndarray) and _arrays.kind(like) in ("torch", "jax"):
+            return _arrays.from_numpy(leaf, like, dtype=_same_dtype(leaf, like)), True
+        return leaf, _arrays.is_array(leaf)
 
     def constant_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
-        return constant_like_x(leaf, like)
+        """A Constant's leaf for f: numpy read-only (or, for torch x, a watched torch copy), torch
+        a watched copy; so f can write into none of the caller's arrays unnoticed."""
+        if type(leaf) is np.ndarray:
+            target = _arrays.kind(like)
+            if target == "jax":
+                return self.context_to_native(leaf, like)  # jax copies into an immutable array
+            if target != "torch":
+                _pending_watch().numpy_constants = True
+                return read_only(leaf), True
+            tensor = _arrays.from_numpy(np.array(leaf), like, dtype=_same_dtype(leaf, like))
+        elif _arrays.kind(leaf) == "torch":
+            tensor = leaf.detach().clone()
+        else:
+            return self.context_to_native(leaf, like)
+        _pending_watch().tensors.append((tensor, _version(tensor)))
+        return tensor, True
 
-    def run(self, fn: Fn, leaves: Leaves) -> tuple[Any, Any]:
-        """f at ``leaves``, guarded (:func:`run_f`)."""
-        return run_f(fn, leaves, self.backend.name)  # type: ignore[no-any-return]
+    def run(self, fn: Any, leaves: Leaves, batched: bool = False) -> Any:
+        """f at ``leaves``: ``fn(leaves)`` (or ``fn.batched``) under ``torch.no_grad()``,
+        refusing writes into the leaves (handed read-only or watched) and the call's Constants."""
+        watch = _watch_of(fn)
+        torch = sys.modules.get("torch")
+        tensors = [(t, _version(t)) for t in leaves if _arrays.kind(t) == "torch"] if torch is not None else []
+        try:
+            with torch.no_grad() if torch is not None else contextlib.nullcontext():  # (f is evaluated, never traced)
+                out = fn.batched(leaves) if batched else fn(leaves)
+        except ValueError as exc:
+            read_only_write = type(exc) is ValueError and str(exc).endswith("read-only")
+            if read_only_write and (watch.numpy_constants or any(type(a) is np.ndarray for a in leaves)):
+                what = "its input x or a di.Constant" if watch.numpy_constants else "its input x"
+                raise MutationError(
+                    f"f wrote into {what} (numpy: {exc!s}), which it must only read. The {self.backend.name} backend "
+                    "evaluates f at points near x and hands them to f read-only, since a write would shift the "
+                    "points that follow. Compute out of place (y = x * 2, not x *= 2), or pass scratch space "
+                    "as di.Cache(array)."
+                ) from exc
+            raise
+        for tensor, version in tensors:
+            if version is not None and _version(tensor) != version:
+                raise MutationError(_torch_write(self.backend.name, "its input x"))
+        for tensor, version in watch.tensors:
+            if _version(tensor) != version:
+                raise MutationError(_torch_write(self.backend.name, "a di.Constant"))
+        return out
 
     def compile(
         self,
@@ -70,17 +109,6 @@ def check_size(backend: Any, xs: Leaves, operator: str, limit: int, what: str) -
             f"{limit:,} inputs ({what}). Use an automatic-differentiation backend (jax, torch, autograd), "
             "or check gradients along a few random directions with diffiface.test.check_gradients; for a "
             f"deliberate run, raise the limit with {type(backend).__name__}(max_inputs={n})."
-        )
-
-
-def check_entries(backend: Any, m: int, n: int) -> None:
-    """Refuse a Jacobian of more than :data:`MAX_JACOBIAN_ENTRIES` entries (unless ``max_inputs`` is set)."""
-    if getattr(backend, "max_inputs", None) is None and m * n > MAX_JACOBIAN_ENTRIES:
-        raise InputTooLargeError(
-            f"A Jacobian by {type(backend).__name__} of {m:,} outputs by {n:,} inputs has {m * n:,} entries: "
-            f"above the limit of {MAX_JACOBIAN_ENTRIES:,}. Use vjp or jvp (one row or column), an "
-            "automatic-differentiation backend, or, for a deliberate run, set "
-            f"{type(backend).__name__}(max_inputs=...)."
         )
 
 
@@ -126,35 +154,6 @@ def _version(tensor: Any) -> int | None:
         return tensor._version  # type: ignore[no-any-return]
     except (AttributeError, RuntimeError):  # inference tensors keep no version counter
         return None
-
-
-def run_f(fn: Any, leaves: Leaves, backend_name: str, batched: bool = False) -> Any:
-    """``fn(leaves)`` (or ``fn.batched``) under ``torch.no_grad()``, refusing writes into the
-    leaves (handed read-only or watched) and into the call's Constants."""
-    watch = _watch_of(fn)
-    torch = sys.modules.get("torch")
-    tensors = [(t, _version(t)) for t in leaves if _arrays.kind(t) == "torch"] if torch is not None else []
-    try:
-        with torch.no_grad() if torch is not None else contextlib.nullcontext():  # (f is evaluated, never traced)
-            out = fn.batched(leaves) if batched else fn(leaves)
-    except ValueError as exc:
-        read_only_write = type(exc) is ValueError and str(exc).endswith("read-only")
-        if read_only_write and (watch.numpy_constants or any(type(a) is np.ndarray for a in leaves)):
-            what = "its input x or a di.Constant" if watch.numpy_constants else "its input x"
-            raise MutationError(
-                f"f wrote into {what} (numpy: {exc!s}), which it must only read. The {backend_name} backend "
-                "evaluates f at points near x and hands them to f read-only, since a write would shift the "
-                "points that follow. Compute out of place (y = x * 2, not x *= 2), or pass scratch space "
-                "as di.Cache(array)."
-            ) from exc
-        raise
-    for tensor, version in tensors:
-        if version is not None and _version(tensor) != version:
-            raise MutationError(_torch_write(backend_name, "its input x"))
-    for tensor, version in watch.tensors:
-        if _version(tensor) != version:
-            raise MutationError(_torch_write(backend_name, "a di.Constant"))
-    return out
 
 
 def watch_constant_modules(program: Callable[..., Any], parts: Any, backend_name: str) -> Callable[..., Any]:
@@ -220,23 +219,10 @@ def _torch_write(backend_name: str, what: str) -> str:
     )
 
 
-def constant_like_x(leaf: Any, like: Any) -> tuple[Any, bool]:
-    """A Constant's leaf for f: numpy read-only (or, for torch x, a watched torch copy), torch
-    a watched copy; so f can write into none of the caller's arrays unnoticed."""
-    if type(leaf) is np.ndarray:
-        target = _arrays.kind(like)
-        if target == "jax":
-            return context_like_x(leaf, like)  # jax copies into an immutable array
-        if target != "torch":
-            _pending_watch().numpy_constants = True
-            return read_only(leaf), True
-        tensor = _arrays.from_numpy(np.array(leaf), like, dtype=_same_dtype(leaf, like))
-    elif _arrays.kind(leaf) == "torch":
-        tensor = leaf.detach().clone()
-    else:
-        return context_like_x(leaf, like)
-    _pending_watch().tensors.append((tensor, _version(tensor)))
-    return tensor, True
+def _same_dtype(array: np.ndarray, like: Any) -> Any:
+    if _arrays.kind(like) == "torch":
+        return getattr(sys.modules["torch"], array.dtype.name, None)
+    return array.dtype
 
 
 def _traced_by_torch(x: Any) -> bool:
@@ -301,29 +287,20 @@ class _Point:
         self.size = self.vector.size
 
     def leaves(self, vector: np.ndarray) -> Leaves:
+        """x's leaves at ``vector``; for a ``(k, n)`` array of ``k`` points, leaves holding them
+        along a new leading axis (a Python float's as a numpy array)."""
         complex_step = np.iscomplexobj(vector)
-        leaves = []
+        batch = vector.shape[:-1]
+        leaves: list[Any] = []
         for i, like in enumerate(self.likes):
-            piece = vector[self.offsets[i] : self.offsets[i + 1]].reshape(self.shapes[i])
-            if isinstance(like, float):
+            piece = vector[..., self.offsets[i] : self.offsets[i + 1]].reshape((*batch, *self.shapes[i]))
+            if isinstance(like, float) and not batch:
                 leaves.append(complex(piece.item()) if complex_step else float(piece.item()))
-                continue
-            dtype = _complex_dtype(like) if complex_step else None
-            leaves.append(read_only(_arrays.from_numpy(piece, like, dtype=dtype)))
-        return tuple(leaves)
-
-    def batch_leaves(self, points: np.ndarray) -> Leaves:
-        """Leaves holding ``k`` points along a new leading axis (``points`` is ``(k, n)``)."""
-        complex_step = np.iscomplexobj(points)
-        k = points.shape[0]
-        leaves = []
-        for i, like in enumerate(self.likes):
-            piece = points[:, self.offsets[i] : self.offsets[i + 1]].reshape((k, *self.shapes[i]))
-            if isinstance(like, float):
+            elif isinstance(like, float):
                 leaves.append(read_only(piece))
-                continue
-            dtype = _complex_dtype(like) if complex_step else None
-            leaves.append(read_only(_arrays.from_numpy(piece, like, dtype=dtype)))
+            else:
+                dtype = _complex_dtype(like) if complex_step else None
+                leaves.append(read_only(_arrays.from_numpy(piece, like, dtype=dtype)))
         return tuple(leaves)
 
     def steps(self, power: float, fixed: float | None, exact: bool = True) -> np.ndarray:
@@ -471,15 +448,6 @@ def _times_non_finite(column: np.ndarray, t: float) -> np.ndarray:
         return np.where(column != 0, column * t, 0.0)  # type: ignore[no-any-return]
 
 
-def _shifted(x: np.ndarray, direction: Any, amount: Any) -> np.ndarray:
-    """A fresh ``x + amount * direction``; ``direction`` an array or the index of a unit vector."""
-    if isinstance(direction, (int, np.integer)):
-        shifted = x.astype(np.result_type(x, amount))  # a copy
-        shifted[direction] += amount
-        return shifted
-    return x + amount * direction  # type: ignore[no-any-return]
-
-
 def _fit(layout: _Layout, found: _Layout) -> None:
     """Fill an empty ``layout`` with ``found``, or check that f's output kept its shapes."""
     if not layout:
@@ -501,19 +469,6 @@ def _shapes(shapes: list[tuple[int, ...]]) -> str:
 
 
 # -- reshaping flat results --------------------------------------------------------------------
-
-
-def context_like_x(leaf: Any, like: Any) -> tuple[Any, bool]:
-    """A numpy context leaf in x's framework, so that f sees one framework."""
-    if isinstance(leaf, np.ndarray) and _arrays.kind(like) in ("torch", "jax"):
-        return _arrays.from_numpy(leaf, like, dtype=_same_dtype(leaf, like)), True
-    return leaf, _arrays.is_array(leaf)
-
-
-def _same_dtype(array: np.ndarray, like: Any) -> Any:
-    if _arrays.kind(like) == "torch":
-        return getattr(sys.modules["torch"], array.dtype.name, None)
-    return array.dtype
 
 
 def _split(vector: np.ndarray, point: _Point) -> Leaves:

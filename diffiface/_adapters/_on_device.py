@@ -125,12 +125,9 @@ def value_and_gradient(fn: Fn, xs: Leaves, method: str, run: Run) -> tuple[Any, 
         value = _scalar(evaluated.force()[0])
     grads = []
     for k, leaf in enumerate(xs):
-        layout = leaf.sharding
-        with _placement.on_mesh(layout):
+        with _placement.on_mesh(leaf.sharding):
             grads.append(_leaf_gradient(fn, xs, k, method, value, run))
-    out = Deferred(lambda: evaluated.force()[0])
-    aux = Deferred(lambda: evaluated.force()[1])
-    return out, aux, tuple(grads)
+    return Deferred(lambda: evaluated.force()[0]), Deferred(lambda: evaluated.force()[1]), tuple(grads)
 
 
 def _leaf_gradient(fn: Fn, xs: Leaves, k: int, method: str, value: Any, run: Run) -> Any:

@@ -1,8 +1,8 @@
-"""autograd (reverse mode on numpy): ``autograd.make_vjp`` and ``autograd.value_and_grad``.
+"""autograd (reverse mode on numpy), through ``autograd.core``'s trace.
 
 autograd differentiates one array-valued output, so a pytree output is concatenated into one
-vector for the pullback and split again afterwards. It has no forward mode: jvp, jacobian
-columns and the hvp are derived from the pullback (hvp reverse-over-reverse).
+vector for the pullback and split again afterwards. It has no forward mode: a jvp is the
+pullback's own pullback, and the hvp is reverse-over-reverse (:func:`._base.hvp_of`).
 """
 
 from __future__ import annotations
@@ -280,10 +280,10 @@ def _traced_containers(tree: Any) -> Any:
 
 def _convert(tree: Any) -> tuple[Any, bool]:
     """``(tree converted, whether autograd can hold it in its containers)``: ``tree``'s tuples
-    and lists (numpy's array-likes) as autograd's containers, innermost first, where a node holds only arrays and such containers (autograd cannot box a named
-    tuple, None or an object: a node holding one stays plain, and so do the nodes above it);
-    plain containers where none of their items is traced. Dicts stay plain: no numpy function
-    takes one as an array, and autograd's dict costs a traced step per read."""
+    and lists (numpy's array-likes) as autograd's containers, innermost first, where a node
+    holds only arrays and such containers (autograd cannot box a named tuple, None or an
+    object: a node holding one stays plain, and so do the nodes above it). Dicts stay plain:
+    no numpy function takes one as an array, and autograd's dict costs a traced step per read."""
     if isinstance(tree, _NUMERIC):
         return tree, True
     cls = type(tree)
@@ -293,7 +293,7 @@ def _convert(tree: Any) -> tuple[Any, bool]:
         if all(ok for _, ok in items):
             return (ag_tuple(tuple(values)) if cls is tuple else ag_list(values)), True
         return cls(values), False
-    if cls is dict:  # (numpy takes no dict as an array: a dict of traced arrays stays plain)
+    if cls is dict:
         return {key: _convert(item)[0] for key, item in tree.items()}, False
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):
         return cls(*(_convert(item)[0] for item in tree)), False

@@ -1,25 +1,13 @@
 """Finite differences on the input's own array type.
 
-``x`` is flattened to one float64 numpy vector (``_Point``); every perturbed point is turned
-back into leaves of x's own kinds (torch tensors, jax arrays, numpy arrays, Python floats)
-before ``f`` is called, so a function written for any framework can be differentiated.
-``x`` itself is never touched: perturbations are applied to copies.
-
-Steps, per coordinate, balance truncation against rounding: ``eps**p * max(1, |x_i|)`` with
-``eps`` the machine epsilon of the leaf's dtype and ``p = 1/3`` (central), ``1/2`` (forward,
-backward), ``1/4`` (second differences); each step is rounded so that ``x_i + h`` is exact.
-A difference along a tangent ``v`` (jvp, hvp) takes one step ``s``, the largest that moves no
-input ``x_i`` further than its own step (``s |v_i| <= eps**p * max(1, |x_i|)``).
-
-``f`` must only read what it is handed. numpy points and numpy Constants reach it read-only
-(a write raises numpy's "read-only" ValueError, turned into :class:`MutationError`); torch
-points and Constants are watched through their version counters (and Constants are copies,
-so the caller's tensor never changes); jax arrays are immutable. Every evaluation point is a
-fresh array, so no evaluation can shift the next.
-
-Sizes are bounded (:data:`MAX_INPUTS`, :data:`MAX_HESSIAN_INPUTS`, :data:`MAX_VECTORIZED_INPUTS`,
-:data:`MAX_JACOBIAN_ENTRIES`): above them the call is refused before anything is allocated,
-unless the backend's ``max_inputs`` option raises the input limit.
+``x`` is flattened to one float64 numpy vector (``_Point``); every perturbed point, a fresh
+copy, is turned back into leaves of x's own kinds (torch tensors, jax arrays, numpy arrays,
+Python floats) before ``f`` is called, so a function written for any framework can be
+differentiated; ``f`` may only read it (:meth:`._black_box.BlackBoxAdapter.run`). The steps
+are those :class:`~diffiface.AutoFiniteDifferences` documents, each rounded so that
+``x_i + h`` is exact; along a tangent, :func:`_step_along`'s. Sizes are bounded (the ``MAX_*``
+limits) unless the backend's ``max_inputs`` is set: above them a call is refused before any
+allocation.
 """
 
 from __future__ import annotations
@@ -34,6 +22,7 @@ import numpy as np
 
 from .. import _arrays
 from .._errors import (
+    InputTooLargeError,
     InvalidBackendOptionError,
     InvalidInputError,
     InvalidOutputError,
@@ -41,7 +30,6 @@ from .._errors import (
 )
 from . import _base, _on_device
 from ._base import Blocks, Deferred, Fn, Leaves, as_tuple, shaped_as
-from ._black_box import MAX_JACOBIAN_ENTRIES as MAX_JACOBIAN_ENTRIES
 from ._black_box import (
     BlackBoxAdapter,
     _blocks,
@@ -55,24 +43,20 @@ from ._black_box import (
     _Point,
     _real_dtype,
     _sharded_torch,
-    _shifted,
     _split,
     _split_out,
     _times_non_finite,
     _traced_by_torch,
-    check_entries,
     check_size,
-    run_f,
 )
 from ._on_device import _POWER
 
+# The most inputs (entries of x, all leaves together) of an operator; :meth:`Adapter._check_size` says why.
 MAX_INPUTS = 100_000
-"""The most inputs (entries of x, all leaves together) finite differences take for first-order
-operators: a gradient costs one or two evaluations of f per input."""
 MAX_HESSIAN_INPUTS = 1_000
-"""The most inputs for a Hessian by finite differences: it costs about 2 n² evaluations of f."""
 MAX_VECTORIZED_INPUTS = 4_000
-"""The most inputs with ``vectorize=True``: all 2 n perturbed points (2 n² numbers) are built at once."""
+MAX_JACOBIAN_ENTRIES = 25_000_000
+"""The most entries (outputs times inputs) of a Jacobian, unless ``max_inputs`` is set (200 MB in float64)."""
 
 
 class Adapter(BlackBoxAdapter):
@@ -192,7 +176,7 @@ class Adapter(BlackBoxAdapter):
     def _evaluate_batch(self, fn: Fn, point: _Point, points: np.ndarray, layout: _Layout) -> np.ndarray:
         """f at ``k`` points in one call: a ``(k, m)`` float64 array of flat outputs."""
         k = points.shape[0]
-        outs = run_f(fn, point.batch_leaves(points), self.backend.name, batched=True)
+        outs = self.run(fn, point.leaves(points), batched=True)
         arrays = [np.asarray(_arrays.to_numpy(out)) for out in outs]
         for array in arrays:
             if array.shape[:1] != (k,):
@@ -421,6 +405,26 @@ class Adapter(BlackBoxAdapter):
             else f0 * 0
         )
         return out, aux, derivs, _split_out(second, layout)
+
+
+def check_entries(backend: Any, m: int, n: int) -> None:
+    """Refuse a Jacobian of more than :data:`MAX_JACOBIAN_ENTRIES` entries (unless ``max_inputs`` is set)."""
+    if getattr(backend, "max_inputs", None) is None and m * n > MAX_JACOBIAN_ENTRIES:
+        raise InputTooLargeError(
+            f"A Jacobian by {type(backend).__name__} of {m:,} outputs by {n:,} inputs has {m * n:,} entries: "
+            f"above the limit of {MAX_JACOBIAN_ENTRIES:,}. Use vjp or jvp (one row or column), an "
+            "automatic-differentiation backend, or, for a deliberate run, set "
+            f"{type(backend).__name__}(max_inputs=...)."
+        )
+
+
+def _shifted(x: np.ndarray, direction: Any, amount: Any) -> np.ndarray:
+    """A fresh ``x + amount * direction``; ``direction`` an array or the index of a unit vector."""
+    if isinstance(direction, (int, np.integer)):
+        shifted = x.astype(np.result_type(x, amount))  # a copy
+        shifted[direction] += amount
+        return shifted
+    return x + amount * direction  # type: ignore[no-any-return]
 
 
 def _step_along(point: _Point, direction: np.ndarray, power: float) -> float:

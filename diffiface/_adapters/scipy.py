@@ -1,17 +1,11 @@
 """scipy: the adaptive finite differences of ``scipy.differentiate`` (``jacobian``, ``hessian``).
 
-scipy refines each derivative until its own error estimate meets the tolerances; the
-estimate of the last call, shaped as the result, is read through ``prep.error``. numpy inputs
-in float32, arrays and scalars, are evaluated in float64 (adaptive steps need its precision;
-results come back in float32). scipy calls
-``f`` on batches of points (a trailing axis); diffiface evaluates the user's ``f`` point by
-point, each point as leaves of x's own kinds, so ``f`` needs no vectorising.
-
-Like finite differences, ``f`` gets fresh points, numpy ones read-only and torch ones watched
-(see :mod:`.finite_differences`), never the caller's arrays. ``jvp`` and ``hvp`` take one
-directional derivative (of ``f``, of scipy's gradient) along the tangent, so their cost
-grows with the size of x, not its square. Sizes are bounded by :data:`MAX_INPUTS` and
-:data:`MAX_SECOND_ORDER_INPUTS` (or the backend's ``max_inputs``).
+scipy calls ``f`` on batches of points (a trailing axis); diffiface evaluates the user's ``f``
+point by point, each point as leaves of x's own kinds, so ``f`` needs no vectorising, and hands
+it fresh points as finite differences do (:meth:`._black_box.BlackBoxAdapter.run`). float32 numpy inputs are
+evaluated in float64 (adaptive steps need its precision; results come back in float32). ``jvp``
+and ``hvp`` take one directional derivative (of ``f``, of scipy's gradient) along the tangent,
+so their cost grows with the size of x, not its square.
 """
 
 from __future__ import annotations
@@ -39,11 +33,9 @@ from ._black_box import (
     check_size,
 )
 
+# The most inputs (entries of x) of an operator, unless ``max_inputs`` says: :meth:`Adapter._check` says why.
 MAX_INPUTS = 1_000
-"""The most inputs (entries of x) for scipy's Jacobians and gradients: each iteration
-evaluates f at about ``order * n`` points and holds ``n²`` of them."""
 MAX_SECOND_ORDER_INPUTS = 100
-"""The most inputs for scipy's Hessians (about ``order² * n²`` evaluations per iteration)."""
 
 _STATUS = {
     -1: "its error estimate grew before it met the tolerances",
@@ -183,32 +175,27 @@ class Adapter(BlackBoxAdapter):
 
     # -- second order ---------------------------------------------------------------------------
 
-    def _hessian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, np.ndarray, np.ndarray, _Point]:
+    def value_gradient_and_hessian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Blocks]:
         self._check(xs, "A Hessian", second=True)
         out, aux, _, _, batched, point, tolerance = self._flat(fn, xs)
-        n = point.size
-        if n == 0:
-            return out, aux, np.zeros((0, 0)), np.zeros((0, 0)), point
-        result = scipy.differentiate.hessian(lambda v: batched(v)[0], point.vector, **self._options)
-        hess, err, x = np.asarray(result.ddf).reshape(n, n), np.asarray(result.error).reshape(n, n), point.vector
-        self._refuse_failed(
-            result.status,
-            hess,
-            err,
-            lambda i, j: (
-                f"the second derivative with respect to entries {i} and {j} of x (x_i = {x[i]:.6g}, x_j = {x[j]:.6g})"
-            ),
-            _non_finite(x, _flatten_out(out)[0]),
-            tolerance,
-            second=True,
-        )
-        return out, aux, hess, err, point
-
-    def value_gradient_and_hessian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Blocks]:
-        out, aux, hess, hess_err, point = self._hessian(fn, xs)
+        n, x = point.size, point.vector
+        hess = err = np.zeros((n, n))
+        if n:
+            result = scipy.differentiate.hessian(lambda v: batched(v)[0], x, **self._options)
+            hess, err = np.asarray(result.ddf).reshape(n, n), np.asarray(result.error).reshape(n, n)
+            self._refuse_failed(
+                result.status,
+                hess,
+                err,
+                lambda i, j: (
+                    f"the second derivative with respect to entries {i} and {j} of x (x_i = {x[i]:.6g}, x_j = {x[j]:.6g})"
+                ),
+                _non_finite(x, _flatten_out(out)[0]),
+                tolerance,
+                second=True,
+            )
         _, _, grads = self.value_and_gradient(fn, xs)
-        grad_err = self._local.error[2]
-        self._local.error = (_zeros_like(out), None, grad_err, _hessian_blocks(hess_err, point))
+        self._local.error = (_zeros_like(out), None, self._local.error[2], _hessian_blocks(err, point))
         return out, aux, grads, _hessian_blocks(hess, point)
 
     def gradient_and_hvp(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Leaves, Leaves]:
@@ -300,8 +287,8 @@ class Adapter(BlackBoxAdapter):
     ) -> None:
         """Refuse an estimate that is not finite, or that scipy reports as failed (``status``
         not 0) with an error above what ``tolerance`` allows (a failed status where the entry
-        itself is near 0 is scipy's relative tolerance unmet, not a wrong derivative). NaN and inf pass where x or f(x) holds them (``propagates``).
-        ``where(*index)`` names the entry."""
+        itself is near 0 is scipy's relative tolerance unmet, not a wrong derivative). NaN and
+        inf pass where x or f(x) holds them (``propagates``). ``where(*index)`` names the entry."""
         status = np.asarray(status).reshape(estimate.shape)
         finite = np.isfinite(estimate)
         scale = float(np.max(np.abs(estimate[finite]), initial=0.0))
