@@ -244,7 +244,7 @@ def _make_fx_pattern(run: Callable[..., Any], args: list[Any], sizes: list[int],
     from torch.fx.experimental.proxy_tensor import make_fx
 
     try:
-        with torch.enable_grad():  # (as the engines run f: see torch_pattern)
+        with torch.enable_grad():  # (as the engines run f: see trace_pattern)
             graph = make_fx(
                 functionalize(run, remove="mutations_and_views"), tracing_mode="fake", _allow_non_fake_inputs=True
             )(*args)
@@ -461,7 +461,6 @@ class _Interpreter:
         self.sizes = sizes
         self.n = int(sum(sizes))
         self.pairs = sets.Pairs(self.n) if hessian else None
-        self.hessian = hessian
         self.notes: list[str] = []
         self.rows: dict[Any, Any] = {}
         self.values: dict[Any, Any] = {}
