@@ -270,15 +270,13 @@ class _Plan:
         values = out[-1]
         if self.backend.check:
             _check_against_dense(self, f, x, contexts, values)
-        matrix = self._dense(values) if self.backend.dense else self._sparse(values)
+        if self.backend.dense:
+            matrix = self._dense(values)
+        else:
+            matrix = _matrices(self.family).sparse(self, self.indptr, self.indices, values, (self.m, self.n))
         if name == "jacobian" or name == "hessian":
             return matrix
         return (*out[:-1], matrix)
-
-    # -- results ---------------------------------------------------------------------------
-
-    def _sparse(self, values: Any) -> Any:
-        return _matrices(self.family).sparse(self, self.indptr, self.indices, values, (self.m, self.n))
 
     def _dense(self, values: Any) -> Any:
         xp = _arrays.by_kind(self.family).numpy_like()
