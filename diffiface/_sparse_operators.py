@@ -241,16 +241,14 @@ class _Plan:
             coloring = sparse.color_hessian(pattern, order=backend.order)
         elif backend.coloring == "auto" and engine.black_box:
             coloring = sparse.color_jacobian(pattern, mode="column", order=backend.order)
-        elif backend.coloring == "auto" and info(first).reverse_first:
-            # reverse products cost less than forward ones on these engines (autograd's forward
-            # mode is two reverse passes; torch's forward mode runs decompositions): rows on a tie
-            column = sparse.color_jacobian(pattern, mode="column", order=backend.order)
-            row = sparse.color_jacobian(pattern, mode="row", order=backend.order)
-            coloring = row if row.count <= column.count else column
-            best = sparse.color_jacobian(pattern, mode="auto", order=backend.order)  # bidirectional where it wins
-            coloring = best if best.mode == "bidirectional" and best.count < coloring.count else coloring
         else:
             coloring = sparse.color_jacobian(pattern, mode=backend.coloring, order=backend.order)
+            if backend.coloring == "auto" and coloring.mode == "column" and info(first).reverse_first:
+                # reverse products cost less than forward ones on these engines (autograd's forward
+                # mode is two reverse passes; torch's forward mode runs decompositions): rows on a
+                # tie, where "auto" takes columns
+                row = sparse.color_jacobian(pattern, mode="row", order=backend.order)
+                coloring = row if row.count <= coloring.count else coloring
         self.coloring = coloring
         self.m = int(pattern.shape[0])
         self.n = n
