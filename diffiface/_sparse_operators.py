@@ -6,10 +6,9 @@ all colors, or one batched hvp (star coloring of a Hessian), and decompresses wi
 ``compressed.reshape(-1)[index]``. x and f(x) are flattened in :func:`diffiface.tree.ravel`
 order. On jax the products and the gather are one compiled program (``vmap`` over the seeds);
 every other engine runs its own prepared batched ``jvp``/``vjp``/``hvp`` (one vmapped program
-on torch.func, a loop elsewhere) through diffiface's operators, so their checks
-(mutation, dtypes, contexts) hold unchanged. Scipy, which has no
-product cheaper than a full Jacobian, differentiates ``z -> f(x + S z)`` for the ``count``
-inputs ``z``.
+on torch.func, a loop elsewhere) through diffiface's operators, so their checks (mutation,
+dtypes, contexts) hold unchanged. Scipy, which has no product cheaper than a full Jacobian,
+differentiates ``z -> f(x + S z)`` for the ``count`` inputs ``z``.
 
 A sparse prep is a plan of the one route (:mod:`diffiface._dispatch`) whose program runs the
 products and the decompression: the route registers :class:`SparseProgram` for AutoSparse
@@ -26,7 +25,7 @@ import importlib
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import optree
@@ -241,16 +240,14 @@ class _Plan:
             coloring = sparse.color_hessian(pattern, order=backend.order)
         elif backend.coloring == "auto" and engine.black_box:
             coloring = sparse.color_jacobian(pattern, mode="column", order=backend.order)
-        elif backend.coloring == "auto" and info(first).reverse_first:
-            # reverse products cost less than forward ones on these engines (autograd's forward
-            # mode is two reverse passes; torch's forward mode runs decompositions): rows on a tie
-            column = sparse.color_jacobian(pattern, mode="column", order=backend.order)
-            row = sparse.color_jacobian(pattern, mode="row", order=backend.order)
-            coloring = row if row.count <= column.count else column
-            best = sparse.color_jacobian(pattern, mode="auto", order=backend.order)  # bidirectional where it wins
-            coloring = best if best.mode == "bidirectional" and best.count < coloring.count else coloring
         else:
             coloring = sparse.color_jacobian(pattern, mode=backend.coloring, order=backend.order)
+            if backend.coloring == "auto" and coloring.mode == "column" and info(first).reverse_first:
+                # reverse products cost less than forward ones on these engines (autograd's forward
+                # mode is two reverse passes; torch's forward mode runs decompositions): rows on a
+                # tie, where "auto" takes columns
+                row = sparse.color_jacobian(pattern, mode="row", order=backend.order)
+                coloring = row if row.count <= coloring.count else coloring
         self.coloring = coloring
         self.m = int(pattern.shape[0])
         self.n = n
@@ -270,15 +267,13 @@ class _Plan:
         values = out[-1]
         if self.backend.check:
             _check_against_dense(self, f, x, contexts, values)
-        matrix = self._dense(values) if self.backend.dense else self._sparse(values)
+        if self.backend.dense:
+            matrix = self._dense(values)
+        else:
+            matrix = _matrices(self.family).sparse(self, self.indptr, self.indices, values, (self.m, self.n))
         if name == "jacobian" or name == "hessian":
             return matrix
         return (*out[:-1], matrix)
-
-    # -- results ---------------------------------------------------------------------------
-
-    def _sparse(self, values: Any) -> Any:
-        return _matrices(self.family).sparse(self, self.indptr, self.indices, values, (self.m, self.n))
 
     def _dense(self, values: Any) -> Any:
         xp = _arrays.by_kind(self.family).numpy_like()
@@ -301,13 +296,6 @@ class _Plan:
                     row.append(block)
                 blocks.append(optree.tree_unflatten(inner.spec, row))
             return optree.tree_unflatten(outer.spec, blocks)
-
-
-class _Route:
-    y_layout: _Layout
-
-    def run(self, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> tuple[Any, ...]:
-        raise NotImplementedError
 
 
 def _route(plan: _Plan, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> _Route:
@@ -347,7 +335,7 @@ def _jit_ready(leaf: Any, own: tuple[str, ...]) -> bool:
 # -- every engine: its own prepared batch of jvps / vjps / hvps ----------------------------------------
 
 
-class _ProductRoute(_Route):
+class _ProductRoute:
     """The colors' products as the engine's prepared batched jvp / vjp / hvp: one vmapped
     program on torch.func (and jax without jit), a loop of the engine's products elsewhere."""
 
@@ -442,7 +430,7 @@ def _check_rows(plan: _Plan, y_layout: _Layout) -> None:
 # -- scipy: the Jacobian of z -> f(x + S z), for count inputs z ------------------------------------
 
 
-class _CompressedInputRoute(_Route):
+class _CompressedInputRoute:
     def __init__(self, plan: _Plan, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> None:
         self.plan = plan
         flat, unravel = _tree.ravel(x)
@@ -476,7 +464,7 @@ class _CompressedInputRoute(_Route):
 # -- jax: the products and the gather in one compiled program --------------------------------------
 
 
-class _CompiledRoute(_Route):
+class _CompiledRoute:
     """The products of an engine that compiles them with the gather into one program
     (``sparse/_<family>_products.py``'s ``Products``)."""
 
@@ -512,6 +500,11 @@ class _CompiledRoute(_Route):
             y_leaves = [np.asarray(leaf) for leaf in y_leaves]
             values = np.asarray(values)
         return optree.tree_unflatten(self.y_spec, list(y_leaves)), values
+
+
+_Route: TypeAlias = _ProductRoute | _CompressedInputRoute | _CompiledRoute
+"""A plan's products and their gather; each route has ``run(f, x, contexts)`` (f's value or
+value and gradient, then the matrix's values) and ``y_layout``."""
 
 
 # -- the opt-in check: one dense product along a random direction ----------------------------------

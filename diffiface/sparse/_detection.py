@@ -187,25 +187,7 @@ def jacobian_pattern(
            [False,  True, False],
            [False, False,  True]])
     """
-    values, n = _arguments(detector, x, contexts)
-    if isinstance(detector, KnownPattern):
-        p = as_pattern(detector.pattern, what="known Jacobian pattern")
-        if p.shape[1] != n:
-            raise InvalidInputError(
-                f"The known Jacobian pattern has shape {tuple(p.shape)}: {p.shape[1]} columns, but x holds "
-                f"{n} numbers. A Jacobian pattern is m x n, n the numbers in x and m those in f(x), both "
-                "in diffiface.tree.ravel order."
-            )
-        m = _output_size(f, x, values)
-        if m is not None and p.shape[0] != m:
-            raise InvalidInputError(
-                f"The known Jacobian pattern has shape {tuple(p.shape)}: {p.shape[0]} rows, but f(x) holds "
-                f"{m} numbers. A Jacobian pattern is m x n, n the numbers in x and m those in f(x)."
-            )
-        return p
-    if isinstance(detector, LocalDetector):
-        return _local(f, x, contexts, detector, backend, hessian=False)
-    return _global(f, x, values, detector, backend, hessian=False).pattern
+    return detect(f, x, contexts, detector, backend, hessian=False).pattern
 
 
 def hessian_pattern(
@@ -231,8 +213,28 @@ def hessian_pattern(
            [ True,  True, False],
            [False, False,  True]])
     """
+    return detect(f, x, contexts, detector, backend, hessian=True).pattern
+
+
+def detect(
+    f: Callable[..., Any], x: Any, contexts: tuple[Any, ...], detector: Any, backend: Any, hessian: bool
+) -> Detection:
+    """The Jacobian (``hessian=False``) or Hessian pattern of ``f`` at ``x`` with what found it:
+    :func:`jacobian_pattern` (:func:`hessian_pattern`) with the detection's ``tracer`` (``"jax"``,
+    ``"torch"``, ``"numpy"``; ``"local"`` or ``"known"`` for the other detectors) and notes."""
     values, n = _arguments(detector, x, contexts)
     if isinstance(detector, KnownPattern):
+        return Detection(_known(detector, f, x, values, n, hessian), "known")
+    if isinstance(detector, LocalDetector):
+        return Detection(_local(f, x, contexts, detector, backend, hessian), "local")
+    return _global(f, x, values, detector, backend, hessian)
+
+
+def _known(
+    detector: KnownPattern, f: Callable[..., Any], x: Any, values: list[Any], n: int, hessian: bool
+) -> csr_array:
+    """The known pattern, checked against x's ``n`` numbers (and f's, where a tracer can tell)."""
+    if hessian:
         p = as_pattern(detector.pattern, what="known Hessian pattern")
         if tuple(p.shape) != (n, n):
             raise InvalidInputError(
@@ -240,9 +242,20 @@ def hessian_pattern(
                 f"({n}, {n}), in diffiface.tree.ravel order."
             )
         return as_pattern(p + p.T, what="known Hessian pattern")
-    if isinstance(detector, LocalDetector):
-        return _local(f, x, contexts, detector, backend, hessian=True)
-    return _global(f, x, values, detector, backend, hessian=True).pattern
+    p = as_pattern(detector.pattern, what="known Jacobian pattern")
+    if p.shape[1] != n:
+        raise InvalidInputError(
+            f"The known Jacobian pattern has shape {tuple(p.shape)}: {p.shape[1]} columns, but x holds "
+            f"{n} numbers. A Jacobian pattern is m x n, n the numbers in x and m those in f(x), both "
+            "in diffiface.tree.ravel order."
+        )
+    m = _output_size(f, x, values)
+    if m is not None and p.shape[0] != m:
+        raise InvalidInputError(
+            f"The known Jacobian pattern has shape {tuple(p.shape)}: {p.shape[0]} rows, but f(x) holds "
+            f"{m} numbers. A Jacobian pattern is m x n, n the numbers in x and m those in f(x)."
+        )
+    return p
 
 
 # --- global detection: the tracer of f's own engine ------------------------------------------------
@@ -278,20 +291,6 @@ def _engines(backend: Any) -> set[str]:
         return _engines(backend.outer) | _engines(backend.inner)
     name = str(getattr(backend, "name", ""))
     return {row.arrays for row in BACKENDS if row.name == name}
-
-
-def detect(
-    f: Callable[..., Any], x: Any, contexts: tuple[Any, ...], detector: Any, backend: Any, hessian: bool
-) -> Detection:
-    """The Jacobian (``hessian=False``) or Hessian pattern of ``f`` at ``x`` with what found it:
-    :func:`jacobian_pattern` (:func:`hessian_pattern`) with the detection's ``tracer`` (``"jax"``,
-    ``"torch"``, ``"numpy"``; ``"local"`` or ``"known"`` for the other detectors) and notes."""
-    if isinstance(detector, GlobalDetector):
-        values, _ = _arguments(detector, x, contexts)
-        return _global(f, x, values, detector, backend, hessian)
-    find = hessian_pattern if hessian else jacobian_pattern
-    pattern = find(f, x, *contexts, detector=detector, backend=backend)
-    return Detection(pattern, "local" if isinstance(detector, LocalDetector) else "known")
 
 
 def _global(

@@ -36,7 +36,6 @@ class Products:
         )
         offsets, shapes, dtypes, spec = layout.offsets, layout.shapes, layout.dtypes, layout.spec
         y_info: list[Any] = []
-
         x_dtype = plan.flat_dtype
 
         def unflatten(flat: Any) -> Any:

@@ -179,7 +179,7 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
         # (an f may branch on torch.is_grad_enabled(): the pattern is of the branch they run)
         with _fork_rng(torch, devices), torch.enable_grad(), mode:
             outputs = functionalize(run, remove="mutations_and_views")(*handles)
-        results = [mode.output(out) for out in outputs]
+        results = [mode.node_of(out) for out in outputs]
     except _Unfollowed:
         fallback = True
     except _Refused as error:
@@ -244,7 +244,7 @@ def _make_fx_pattern(run: Callable[..., Any], args: list[Any], sizes: list[int],
     from torch.fx.experimental.proxy_tensor import make_fx
 
     try:
-        with torch.enable_grad():  # (as the engines run f: see torch_pattern)
+        with torch.enable_grad():  # (as the engines run f: see trace_pattern)
             graph = make_fx(
                 functionalize(run, remove="mutations_and_views"), tracing_mode="fake", _allow_non_fake_inputs=True
             )(*args)
@@ -340,17 +340,8 @@ def _tracer_class() -> Any:
                 self.refused = reason
             raise _Refused(reason)
 
-        def output(self, out: Any) -> Any:
-            if isinstance(out, torch.Tensor):
-                entry = self.entries.get(id(out))
-                if entry is not None:
-                    return entry[2]
-                if out.device.type == "meta":
-                    self.unfollow("f returned a tensor on the meta device")
-                return _Node("get_attr", None, (), {}, out)
-            return out
-
         def node_of(self, a: Any) -> Any:
+            """The node of an operand or of one of f's outputs: a handle's, or a constant's."""
             if not isinstance(a, torch.Tensor):
                 return a
             entry = self.entries.get(id(a))
@@ -461,7 +452,6 @@ class _Interpreter:
         self.sizes = sizes
         self.n = int(sum(sizes))
         self.pairs = sets.Pairs(self.n) if hessian else None
-        self.hessian = hessian
         self.notes: list[str] = []
         self.rows: dict[Any, Any] = {}
         self.values: dict[Any, Any] = {}
@@ -493,10 +483,8 @@ class _Interpreter:
                 meta = out.meta.get("val")
                 size = sets.size(_concrete_shape(meta, "f's output"))
                 rows = self.rows.get(out) if _is_float_meta(meta) else None
-            else:
-                torch = _torch()
-                size = sets.size(np.shape(out.detach().cpu().numpy() if isinstance(out, torch.Tensor) else out))
-                rows = None
+            else:  # (a tensor is always a node: the mode's node_of, or make_fx's get_attr)
+                size, rows = sets.size(np.shape(out)), None
             blocks.append(rows)
             sizes.append(size)
         if self.pairs is not None:
