@@ -75,7 +75,7 @@ class _Gradient:
 
     __slots__ = ("cache_static", "checked", "constant_at", "first", "functional", "fused", "guarded", "names", "plain")
 
-    def __init__(self, guarded: Callable[..., Any], fused: Any, parts: Any, functional: bool = False) -> None:
+    def __init__(self, guarded: Callable[..., Any], fused: Any, parts: Any, functional: bool) -> None:
         self.guarded = guarded
         self.fused = fused
         self.checked = fused.checked
@@ -244,8 +244,8 @@ class _Pushforward(_Gradient):
 
     __slots__ = ("reverse",)
 
-    def __init__(self, guarded: Callable[..., Any], fused: Any, program: Any, functional: bool = False) -> None:
-        super().__init__(guarded, fused, program, functional)
+    def __init__(self, guarded: Callable[..., Any], fused: Any, parts: Any, functional: bool) -> None:
+        super().__init__(guarded, fused, parts, functional)
         way = fused.adapter.backend.jvp
         self.reverse: bool | None = None if way == "auto" else way == "reverse"
         """Whether the product is reverse over reverse (None: not chosen yet, ``jvp="auto"``)."""
