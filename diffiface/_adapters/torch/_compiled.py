@@ -337,7 +337,7 @@ class _Retraced:
     ``traced``, a function of the call's leaves that checks their shapes and dtypes and finishes
     the result in its trace, compiled whole, with f and the engine's torch.func program traced
     inside it (while torch.compile traces, the adapter's methods give the uncompiled adapter's
-    work, ``Compiled._program``).
+    work, ``Adapter._program``).
 
     Every compile comes after the guard's steps around ``traced`` run eagerly on the call's
     leaves: f's output checked by diffiface, f's graph read for what a compiled program gets
