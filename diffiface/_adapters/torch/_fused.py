@@ -320,7 +320,6 @@ class _Pushforward(_Gradient):
         ):
             return result
         forward_took, reverse_took = [took], []
-        # (the calls that time the two ways leave torch's random generators as this call's left them)
         cpu = torch.get_rng_state()
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         try:
