@@ -123,9 +123,7 @@ class Adapter(_base.Adapter):
         if kind == "python":
             return torch.tensor(leaf, dtype=torch.complex128 if isinstance(leaf, complex) else torch.float64)
         if kind == "numpy":
-            # a C-ordered copy in native byte order: x stays the caller's, and torch takes no
-            # negative strides nor a big-endian array
-            return torch.from_numpy(np.array(leaf, dtype=_arrays.native_dtype(leaf.dtype), order="C"))
+            return _tensor_copy(leaf)
         raise ArrayTypeError(
             f"The torch backend was given a {type(leaf).__module__}.{type(leaf).__name__} where it takes "
             "torch tensors, numpy arrays or floats (a tangent of another framework?). Convert it to a "
@@ -135,9 +133,7 @@ class Adapter(_base.Adapter):
     def context_to_native(self, leaf: Any, like: Any) -> tuple[Any, bool]:
         if isinstance(leaf, np.ndarray):
             device = like.device if isinstance(like, torch.Tensor) else None
-            # a copy (np.array, C-ordered: torch takes no negative strides): f may not reach the
-            # caller's array through it; from_numpy then shares the copy without a second one
-            tensor = torch.from_numpy(np.array(leaf, dtype=_arrays.native_dtype(leaf.dtype), order="C"))
+            tensor = _tensor_copy(leaf)
             return tensor.to(device) if device is not None else tensor, True
         if isinstance(leaf, torch.Tensor) and leaf.is_meta:
             raise InvalidInputError(
@@ -405,12 +401,11 @@ class Adapter(_base.Adapter):
     def _vectorised_jacobian(self, fn: Fn, xs: Leaves, mode: str | None) -> tuple[Any, Any, Blocks]:
         """Autograd mode's Jacobian in reverse mode: ``torch.func.jacrev``'s one vmapped program
         (of torch's vectorised ways the quickest: ``torch.autograd.functional.jacobian`` with
-        ``vectorize=True`` batches only the backward pass, and took many times as long), where
-        the rows one by one took a backward pass each. Where f does not allow it (``.item()``
-        on a tensor, an operation without a batching rule, whose slow fallback torch warns
-        about, a torch.autograd.Function without ``setup_context``), the rows one by one, f
-        evaluated again; also the rows inside an outer call (the Jacobian keeps a graph) and for
-        empty leaves, and columns by forward mode where ``mode`` is ``"forward"``."""
+        ``vectorize=True`` batches only the backward pass, and took many times as long). Where
+        f does not allow it (``.item()`` on a tensor, an operation without a batching rule, whose
+        slow fallback torch warns about, a torch.autograd.Function without ``setup_context``),
+        inside an outer call (the Jacobian keeps a graph) and for empty leaves, the rows one by
+        one, a backward pass each; columns by forward mode where ``mode`` is ``"forward"``."""
         if mode == "forward" or _keeping() or _forward_ad._current_level >= 0 or any(x.numel() == 0 for x in xs):
             return super().value_and_jacobian(fn, xs, mode)
         try:
@@ -490,6 +485,12 @@ class Adapter(_base.Adapter):
                 derivs.append(_detached(_stacked(firsts, y.shape, y), keep))
                 seconds.append(_stacked(lasts, y.shape, y))
         return _detached(out, keep), _detached(aux, keep), tuple(derivs), tuple(seconds)
+
+
+def _tensor_copy(array: Any) -> Any:
+    """A tensor of a C-ordered copy of ``array`` in native byte order: f may not reach the
+    caller's array through it, and torch takes no negative strides nor a big-endian array."""
+    return torch.from_numpy(np.array(array, dtype=_arrays.native_dtype(array.dtype), order="C"))
 
 
 _EMPTY_OUTPUT = "non-empty output"

@@ -1,23 +1,18 @@
-"""Compiled torch: ``AutoTorch(mode="func", compile=True)``.
+"""Compiled torch: ``AutoTorch(mode="func", compile=True)``, whose contract (results detached,
+x and the Constants never written, what is refused) is docs/engines/torch-compile.md.
 
 Each operator's torch.func program (``grad_and_value``, ``jvp``, ``vjp``, ``jacrev``/``jacfwd``,
 and the second-order ones as one program: ``jvp`` of ``grad``, ``jacfwd`` of ``grad``, ``jvp`` of
 ``jacrev``) is compiled by ``torch.compile`` (Inductor, ``fullgraph=True``, ``dynamic=False``)
-with f traced inside it. Nothing is differentiated through a compiled graph: a second-order
-operator is one compiled program; a compiled call differentiated from outside (inside an outer
-diffiface call or torch.func transform) is refused; the outer engine of a ``SecondOrder`` over
-this one differentiates the inner gradient uncompiled (:meth:`gradient_function`).
-
-Each prep has programs of its own (fresh code objects, so that one prep's compiled graphs are
-never another's guard failures, nor count against torch's recompile limit). The first call of a
-prep evaluates f once eagerly, for diffiface's checks of f's output, then compiles; later calls
-of the same shapes and dtypes run the compiled program, compiling nothing (a strict prep refuses
-other shapes before the program runs; ``strict=False`` prepares them anew, which compiles).
-The guard of the torch adapter stays around every call, uncompiled: x and the Constants are
-watched and never written, the caller's modes are restored. Results are detached (x's graph, an
-``nn.Parameter``'s, is not kept: a loss on a gradient needs the uncompiled ``mode="func"``).
-Later calls run torch's run-only call of the program (:class:`_Program`); a gradient whose leaves
-are all tensors is the retracing tier's whole program, compiled as one graph (:class:`_Retraced`).
+with f traced inside it. Each prep has programs of its own (fresh code objects, so that one
+prep's compiled graphs are never another's guard failures, nor count against torch's recompile
+limit). The first call of a prep evaluates f once eagerly, for diffiface's checks of f's output,
+then compiles; later calls run torch's run-only call of the program (:class:`_Program`). The
+torch adapter's guard stays around every call, uncompiled. A gradient whose leaves are all
+tensors is the retracing tier's whole program, compiled as one graph (:class:`_Retraced`).
+Nothing is differentiated through a compiled graph: a call differentiated from outside is
+refused, and the outer engine of a ``SecondOrder`` over this one differentiates the inner
+gradient uncompiled (:meth:`gradient_function`).
 """
 
 from __future__ import annotations
@@ -342,7 +337,7 @@ class _Retraced:
     ``traced``, a function of the call's leaves that checks their shapes and dtypes and finishes
     the result in its trace, compiled whole, with f and the engine's torch.func program traced
     inside it (while torch.compile traces, the adapter's methods give the uncompiled adapter's
-    work, ``Compiled._program``).
+    work, ``Adapter._program``).
 
     Every compile comes after the guard's steps around ``traced`` run eagerly on the call's
     leaves: f's output checked by diffiface, f's graph read for what a compiled program gets

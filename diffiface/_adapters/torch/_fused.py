@@ -65,17 +65,17 @@ class _Gradient:
     refused with a MutationError. Any other call is ``guarded``'s, before anything has run.
 
     The gradient is ``torch.autograd.grad`` on those leaves made leaves of a fresh graph. The
-    other fused calls (:class:`_Pullback`, :class:`_Pushforward`, :class:`_Hvp`) share these
-    steps and put their own engine in place of the gradient's.
+    other fused calls share these steps and put their own engine (:meth:`engine`) in place of
+    the gradient's.
 
-    A fused call is kept only where ``taskset -c 1 python benchmarks/torch_fused.py`` (a pinned,
-    interleaved benchmark against the guard's steps on the same prepared call) shows it more
-    than 5% quicker: autograd mode's gradient, both modes' vjp, autograd mode's jvp and hvp.
-    torch.func's gradient and Jacobian, which it did not show so, take the guard's steps."""
+    A fused call is kept only where ``benchmarks/torch_fused.py`` (pinned, interleaved against
+    the guard's steps on the same prepared call) shows it more than 5% quicker: the calls in
+    ``_FUSED``. torch.func's gradient and Jacobian, which it did not show so, take the guard's
+    steps."""
 
     __slots__ = ("cache_static", "checked", "constant_at", "first", "functional", "fused", "guarded", "names", "plain")
 
-    def __init__(self, guarded: Callable[..., Any], fused: Any, parts: Any, functional: bool = False) -> None:
+    def __init__(self, guarded: Callable[..., Any], fused: Any, parts: Any, functional: bool) -> None:
         self.guarded = guarded
         self.fused = fused
         self.checked = fused.checked
@@ -189,13 +189,10 @@ class _Gradient:
 
 
 class _Pullback(_Gradient):
-    """:class:`_Gradient`'s one call for a vjp: the same guard's steps around f closed and
-    checked by the program's own ``close`` (its output recorded), the cotangent checked against
-    that record (``cotangent``), and the backward pass with the cotangent: one
-    ``torch.autograd.grad``, or in torch.func mode the pullback of ``torch.func.vjp`` of the
-    closed f on the tuple of x's leaves, where the guard, the program and the adapter's pullback
-    take their Python frames and, in torch.func mode, closures made on every call. Kept by
-    ``benchmarks/torch_fused.py`` (see :class:`_Gradient`)."""
+    """:class:`_Gradient`'s one call for a vjp: f closed and checked by the program's own
+    ``close``, the cotangent checked against its output (``cotangent``), and the backward pass
+    with the cotangent: one ``torch.autograd.grad``, or in torch.func mode the pullback of
+    ``torch.func.vjp`` of the closed f (no closures made on every call, as the adapter's are)."""
 
     __slots__ = ()
 
@@ -243,12 +240,12 @@ class _Pushforward(_Gradient):
       function two backward passes may cost less.
 
     Every leaf of x and of the tangent must be a plain tensor; any other call is ``guarded``'s,
-    before anything has run. Kept by ``benchmarks/torch_fused.py`` (see :class:`_Gradient`)."""
+    before anything has run."""
 
     __slots__ = ("reverse",)
 
-    def __init__(self, guarded: Callable[..., Any], fused: Any, program: Any, functional: bool = False) -> None:
-        super().__init__(guarded, fused, program, functional)
+    def __init__(self, guarded: Callable[..., Any], fused: Any, parts: Any, functional: bool) -> None:
+        super().__init__(guarded, fused, parts, functional)
         way = fused.adapter.backend.jvp
         self.reverse: bool | None = None if way == "auto" else way == "reverse"
         """Whether the product is reverse over reverse (None: not chosen yet, ``jvp="auto"``)."""
@@ -323,7 +320,6 @@ class _Pushforward(_Gradient):
         ):
             return result
         forward_took, reverse_took = [took], []
-        # (the calls that time the two ways leave torch's random generators as this call's left them)
         cpu = torch.get_rng_state()
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         try:
@@ -369,11 +365,9 @@ def _agree(one: Leaves, other: Leaves) -> bool:
 
 
 class _Hvp(_Gradient):
-    """:class:`_Gradient`'s one call for an hvp in autograd mode: the same guard's steps
-    around f closed and checked by the program's own ``close`` on x's leaves as f gets them,
-    its gradient with its graph, and that gradient's pullback along copies of the tangents
-    (double backward), where the guard, the program and the adapter's method take their Python
-    frames. Kept by ``benchmarks/torch_fused.py`` (see :class:`_Gradient`)."""
+    """:class:`_Gradient`'s one call for an hvp in autograd mode: f closed and checked by the
+    program's own ``close``, its gradient with its graph, and that gradient's pullback along
+    copies of the tangents (double backward)."""
 
     __slots__ = ()
 
@@ -407,7 +401,6 @@ def _output(closed: Fn, single: bool, x: Any) -> Any:
 
 
 _detach = torch.Tensor.detach
-
-_PLAIN = {torch.Tensor}
 _is_zero = torch.Tensor._is_zerotensor
+_PLAIN = {torch.Tensor}
 """The type of a plain tensor, as a set: the types of x's leaves compared with it in C."""

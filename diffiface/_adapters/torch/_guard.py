@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 from ... import tree as _tree
 from ..._contexts import held
 from ..._errors import DiffifaceError, MutationError
-from .._base import NO_PARTS, Leaves, ProgramParts
+from .._base import Leaves, ProgramParts
 from ._dtensor import _refuse_fully_sharded
 from ._duals import _dual_parts
 from ._explain import _FIX, _LEAF_WRITE, _TANGENT_WRITE, _CapturedWrite, torch_refusal
@@ -55,35 +55,22 @@ def _wrapped(x: Any) -> bool:
 
 
 def _guard(
-    program: Callable[..., Any], functional: bool, create_graph: bool, parts: ProgramParts = NO_PARTS
+    program: Callable[..., Any], functional: bool, create_graph: bool, parts: ProgramParts
 ) -> Callable[..., Any]:
     """``program`` run so that the caller's state and arrays come out as they went in.
 
     - Under the caller's ``inference_mode`` it runs with inference mode off (nothing is recorded
-      in inference mode); inference tensors are copied into normal ones. Grad mode is set by
-      each method where it needs it. Both are restored on the way out, also on errors, and also
-      where f itself switched grad mode and left it switched.
-    - Results keep their graph (of x's leaves, of a Constant's tensors that require grad, of
-      the tangents) where the caller asks for it (``create_graph``), under torch.func (its
-      semantics), where an outer diffiface call differentiates f, or where x carries the
+      in inference mode). Grad mode is set by each method where it needs it. Both are restored on
+      the way out, also on errors, and also where f itself switched grad mode and left it switched.
+    - Results keep their graph where the caller asks for it (``create_graph``), under torch.func
+      (its semantics), where an outer diffiface call differentiates f, or where x carries the
       caller's forward-mode tangent (:func:`_keeps`); else they are detached, as
       ``torch.autograd.grad``'s are.
-    - What f may write, and where a write lands: one rule for x, the tangents' companions and
-      every Constant (tensor or module), written in docs/policies.md. On a prep's first call
-      (until one completes) f gets copies of x's leaves and of the Constant tensors (in both
-      modes: torch.func refuses most writes into a tensor f closes over, but not one through an
-      ``out=`` argument, which lands), and every parameter and buffer of a Constant module is kept in a copy: a
-      write, seen by its version counter or by its value, is undone (put back bit for bit, or
-      never reaching the caller's memory) and refused with a MutationError naming the leaf. On
-      later calls f gets the caller's own tensors (x's as ``detach()`` aliases, which torch
-      refuses to let f write into under grad mode once they require grad) and every leaf is
-      watched by its version counter only, so that a call costs the same whatever the data's
-      size: a write is seen and refused by name, but stays in the caller's tensor (and one
-      through ``.data``, which no counter sees, is not seen). The tangents are always copied
-      (a write into one changes the derivative itself), and the buffers of submodules in
-      training mode are copied on every call and put back (torch's batch norm writes its running
-      statistics without a version bump). Inference tensors are always copied (they cannot
-      take part in a graph).
+    - What f may write: one rule for x and every Constant, tensor or module, stated in
+      docs/policies.md ("In-place f"): copies on a prep's first call (a write undone and named),
+      version counters on later calls (a write named, not undone). Copied on every call besides:
+      the tangents (a write into one changes the derivative itself), inference and expanded
+      tensors (below), and the buffers of submodules in training mode (:class:`_Watch`).
 
     The common call (one x, no tangent, one Constant tensor or none) takes no Python call
     besides ``program``'s: this runs on every call, and its cost is the library's overhead.
@@ -235,7 +222,7 @@ _STRIDED = torch.strided
 
 
 def _watched_constants(
-    dynamic: Leaves, constant_at: tuple[int, ...], copy: bool, autograd: bool = True
+    dynamic: Leaves, constant_at: tuple[int, ...], copy: bool, autograd: bool
 ) -> tuple[Leaves, list[tuple[int, Any, int]]]:
     """The dynamic context leaves for f, and (index, tensor, its version) for each Constant
     tensor, to see a write by: where ``copy`` (a prep's first call, in both modes, see
@@ -308,7 +295,7 @@ def _refuse_writes(dirty: bool, watched: _Watched) -> None:
         raise MutationError(problem)
 
 
-def _module_states(static: Any, cache_static: tuple[bool, ...], full: bool = False) -> _Watch | None:
+def _module_states(static: Any, cache_static: tuple[bool, ...], full: bool) -> _Watch | None:
     """The watch over the Constant ``torch.nn.Module`` s (and the modules an object in a Constant
     holds, a trainer's model) among the static leaves; None where there is none."""
     roots: list[tuple[int, Any]] = []
@@ -447,7 +434,7 @@ def _mutation(
     constants: list[tuple[int, Any, int]],
     modules: _Watch | None,
     names: _Names,
-    copied: bool = True,
+    copied: bool,
 ) -> str | None:
     """What f wrote into, named by its path, restored where a copy was kept; None if it wrote
     nothing. ``copied``: the leaves f got for x and the Constant tensors were copies (a prep's
