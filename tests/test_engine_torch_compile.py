@@ -330,6 +330,27 @@ def test_a_graph_break_is_refused_clearly() -> None:
         di.gradient(keeps, COMPILED, torch.linspace(-1, 1, 4, dtype=torch.float64), di.Cache({}))
 
 
+_WEIGHTS = np.ones(3)
+
+
+def test_a_compiler_s_own_assertion_is_an_unsupported_operation() -> None:
+    """A numpy global read through torch.from_numpy: torch 2.13's compiler fails its own guard
+    check on it (an AssertionError from inside torch.compile). It comes out as the
+    UnsupportedOperationError a graph that does not compile gets; a torch whose compiler takes
+    it gives the right gradient."""
+
+    def f(x):
+        return torch.sum(torch.from_numpy(_WEIGHTS) * x**2)
+
+    x = torch.ones(3, dtype=torch.float64)
+    try:
+        grad = di.gradient(f, COMPILED, x)
+    except di.UnsupportedOperationError as exc:
+        assert "torch.compile could not compile" in str(exc)
+    else:
+        torch.testing.assert_close(grad, 2 * x)
+
+
 def test_torch_nn_recipe_compiled() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()

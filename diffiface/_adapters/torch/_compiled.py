@@ -230,6 +230,8 @@ def _called(program: _Program, *args: Any) -> Any:
         return template(*args)
     except _GRAPH_BREAKS as exc:
         raise _unsupported(exc) from exc
+    except AssertionError as exc:  # (the compiler checking itself: f's own asserts ran in the eager warm-up)
+        raise _unsupported(exc) from exc
     program.fast = program.run_only
     return result
 
