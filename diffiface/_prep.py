@@ -278,7 +278,7 @@ def _settled_holds(
     another tuple are left to ``general``."""
     code = function.__code__
     cells = len(function.__closure__ or ())
-    names = _loads(code)[0]
+    names, attributes, keys = _loads(code)
     namespace = function.__globals__
     absent = [name for name in names if name not in namespace]  # (a name defined since shadows)
     defaults = len(function.__defaults__ or ())
@@ -292,7 +292,11 @@ def _settled_holds(
         (name, value) for name, value in zip(names, values[globals_at:defaults_at], strict=True) if name in namespace
     )
     default_values = function.__defaults__  # (a tuple: where f still holds this one, its objects are these)
-    keyword_pairs = tuple(zip(keywords, values[defaults_at + defaults + 2 :: 2], strict=True))
+    entries_at = defaults_at + defaults + 1 + 2 * len(keywords)  # (after the keyword defaults)
+    keyword_pairs = tuple(zip(keywords, values[defaults_at + defaults + 2 : entries_at : 2], strict=True))
+    entries = values[entries_at + 1 :]  # (the entries the code names, where there are any)
+    entry_ids = list(map(id, entries))
+    holders = (*cell_values, *(value for _, value in global_pairs))
     held = [(contents, values[i]) for i, contents in arrays]  # (the array read then: its contents now)
     function_type = types.FunctionType
 
@@ -328,6 +332,12 @@ def _settled_holds(
                     return False
         elif f.__kwdefaults__:
             return False
+        if entries:  # (the same holders, as read above: what they hold under the names now)
+            now: list[Any] = []
+            for holder in holders:
+                _named_entries(holder, attributes, keys, now, _HELD_LEVELS)
+            if list(map(id, now)) != entry_ids:
+                return False
         for contents, value in held:  # noqa: SIM110
             if not contents.holds(value):
                 return False
@@ -354,6 +364,14 @@ _UNDEFINED = _Marker("<a global f names, not defined>")
 _EMPTY_CELL = _Marker("<an empty closure cell>")
 _NO_CALL = _Marker("<no __call__>")
 _KEYWORD_DEFAULTS = _Marker("<keyword-only defaults>")
+_HELD = _Marker("<entries the code names>")
+_HELD_LEVELS = 3
+"""Levels of entries followed below an object f reads (``self.model.w``: two)."""
+_MOST_HELD = 256
+"""Entries followed per function at most (names and objects): past it, no more are followed."""
+_NOT_HOLDERS = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, _Marker)
+"""Objects whose attributes are not followed as entries: modules, classes (their attributes a
+method reads are :func:`_class_reads`'), functions (followed as functions), markers."""
 
 
 def _reads(f: Any, chain: list[tuple[types.FunctionType, int, int]] | None = None) -> list[Any]:
@@ -425,7 +443,9 @@ def _function_reads(function: types.FunctionType) -> list[Any]:
                 values.append(cell.cell_contents)
             except ValueError:
                 values.append(_EMPTY_CELL)
-    values += map(function.__globals__.get, _loads(code)[0], itertools.repeat(_UNDEFINED))
+    names, attributes, keys = _loads(code)
+    values += map(function.__globals__.get, names, itertools.repeat(_UNDEFINED))
+    holders = len(values)  # (values[1:holders]: its closure cells' objects and its globals)
     defaults = function.__defaults__
     if defaults:
         values += defaults
@@ -434,7 +454,52 @@ def _function_reads(function: types.FunctionType) -> list[Any]:
     if keyword_defaults:
         for item in keyword_defaults.items():
             values += item
+    if attributes or keys:
+        entries: list[Any] = []
+        for value in values[1:holders]:
+            _named_entries(value, attributes, keys, entries, _HELD_LEVELS)
+        if entries:
+            values.append(_HELD)  # (where the entries its code names start)
+            values += entries
     return values
+
+
+def _named_entries(
+    holder: Any, attributes: tuple[str, ...], keys: tuple[Any, ...], values: list[Any], levels: int
+) -> None:
+    """What ``holder`` (an object f reads) holds under the names f's code uses, added to
+    ``values``, each name and the object: a dict's entries under its constant subscripts, a
+    list's at its constant indices, another object's own attributes (its ``__dict__``; not a
+    module's, a class's or a function's) among its attribute names. So on, ``levels`` deep,
+    until ``values`` holds ``_MOST_HELD``: ``jax.jit`` bakes in ``state["w"]`` and
+    ``self.model.w`` as it does a global. An entry it does not hold is passed over (a method of
+    the object's class, a key f subscripts another dict with): a prep whose f names no entry
+    costs nothing more per call."""
+    if len(values) >= _MOST_HELD:
+        return
+    start = len(values)
+    if isinstance(holder, dict):
+        for key in keys:
+            value = dict.get(holder, key, _UNDEFINED)
+            if value is not _UNDEFINED:
+                values += (key, value)
+    elif type(holder) is list:
+        for key in keys:
+            if type(key) is int and -len(holder) <= key < len(holder):
+                values += (key, holder[key])
+    elif not isinstance(holder, _NOT_HOLDERS):
+        try:
+            own = getattr(holder, "__dict__", None)
+        except Exception:  # (a proxy whose attribute lookup fails otherwise: not followed)
+            return
+        if type(own) is dict and own:
+            for name in attributes:
+                value = own.get(name, _UNDEFINED)
+                if value is not _UNDEFINED:
+                    values += (name, value)
+    if levels > 1:
+        for value in values[start + 1 :: 2]:
+            _named_entries(value, attributes, keys, values, levels - 1)
 
 
 def _instance(obj: Any, values: list[Any]) -> None:
@@ -475,20 +540,29 @@ def _class_reads(obj: Any, function: types.FunctionType, values: list[Any], seen
 
 
 @functools.lru_cache(maxsize=1024)
-def _loads(code: types.CodeType) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The global names and the attribute names (``self.forward``: ``forward``) a code object
-    and the code nested in it load, each once."""
-    loaded: tuple[list[str], list[str]] = ([], [])
+def _loads(code: types.CodeType) -> tuple[tuple[str, ...], tuple[str, ...], tuple[Any, ...]]:
+    """The global names, the attribute names (``self.forward``: ``forward``) and the constant
+    subscripts (``state["w"]``: ``"w"``) a code object and the code nested in it load, each once."""
+    loaded: tuple[list[Any], list[Any], list[Any]] = ([], [], [])
+    before = None
     for instruction in dis.get_instructions(code):
         if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
             loaded[0].append(instruction.argval)
         elif instruction.opname in ("LOAD_ATTR", "LOAD_METHOD"):
             loaded[1].append(instruction.argval)
+        elif (
+            instruction.opname == "BINARY_SUBSCR"
+            and before is not None
+            and before.opname == "LOAD_CONST"
+            and isinstance(before.argval, (str, int))
+        ):
+            loaded[2].append(before.argval)
+        before = instruction
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             for names, inner in zip(loaded, _loads(const), strict=True):
                 names.extend(inner)
-    return tuple(dict.fromkeys(loaded[0])), tuple(dict.fromkeys(loaded[1]))
+    return tuple(dict.fromkeys(loaded[0])), tuple(dict.fromkeys(loaded[1])), tuple(dict.fromkeys(loaded[2]))
 
 
 _KEPT = 1 << 24

@@ -428,6 +428,83 @@ def test_a_new_lambda_on_a_buffer_written_in_place_sees_its_new_values() -> None
         np.testing.assert_allclose(np.asarray(grad), [2.0, 2.0 * scale])
 
 
+class _Holder:
+    """An object f reads its data through (``holder.weights``, ``holder.inner.weights``)."""
+
+    def __init__(self, weights: np.ndarray) -> None:
+        self.weights = weights
+        self.calls = 0
+
+
+_STATE: dict[str, Any] = {}
+_HOLDER = _Holder(np.ones(2))
+
+
+def _state_loss(v: Any) -> Any:
+    return (_STATE["weights"] * v**2).sum()
+
+
+@pytest.mark.parametrize("engine", ["jax", "pytensor"])
+@pytest.mark.parametrize(
+    "path", ["global dict entry", "attribute of a global", "attribute two levels down", "closed-over list entry"]
+)
+def test_data_read_through_a_container_or_an_attribute_is_never_stale(engine: str, path: str) -> None:
+    """A compiling engine bakes in what f reads, also through ``state["w"]`` or ``model.w``: an
+    unprepared call after that entry was replaced (or written in place) must not reuse it.
+    Before, only the global or the closure cell itself was compared, and both engines gave the
+    gradient of the old weights."""
+    require(engine)
+    x = np.ones(2)
+    if path == "global dict entry":
+        _STATE["weights"] = np.array([1.0, 2.0])
+
+        def put(w: np.ndarray) -> None:
+            _STATE["weights"] = w
+
+        f: Any = _state_loss
+    elif path == "attribute of a global":
+        _HOLDER.weights = np.array([1.0, 2.0])
+
+        def put(w: np.ndarray) -> None:
+            _HOLDER.weights = w
+
+        f = lambda v: (_HOLDER.weights * v**2).sum()  # noqa: E731
+    elif path == "attribute two levels down":
+        outer = _Holder(np.zeros(2))
+        outer.inner = _Holder(np.array([1.0, 2.0]))  # type: ignore[attr-defined]
+
+        def put(w: np.ndarray) -> None:
+            outer.inner.weights = w  # type: ignore[attr-defined]
+
+        f = lambda v: (outer.inner.weights * v**2).sum()  # type: ignore[attr-defined]  # noqa: E731
+    else:
+        kept = [np.array([1.0, 2.0])]
+
+        def put(w: np.ndarray) -> None:
+            kept[0] = w
+
+        f = lambda v: (kept[0] * v**2).sum()  # noqa: E731
+    np.testing.assert_allclose(np.asarray(di.gradient(f, engine, x)), [2.0, 4.0])
+    put(np.array([5.0, 7.0]))
+    np.testing.assert_allclose(np.asarray(di.gradient(f, engine, x)), [10.0, 14.0])
+    if path == "global dict entry":  # (the entry's array written in place: its contents count too)
+        _STATE["weights"][0] = 9.0
+        np.testing.assert_allclose(np.asarray(di.gradient(f, engine, x)), [18.0, 14.0])
+
+
+def test_an_attribute_f_does_not_name_costs_no_new_prep() -> None:
+    """Only the entries f's code names are followed: a counter beside the weights that changes
+    on every call leaves the prep in use."""
+    require("jax")
+    holder = _Holder(np.array([1.0, 2.0]))
+    f = lambda v: (holder.weights * v**2).sum()  # noqa: E731
+    first = di.gradient(f, "jax", np.ones(2))
+    prep = _prep.prep_cache.recent(f, "gradient")
+    holder.calls = 10**6  # (a new int object)
+    np.testing.assert_allclose(np.asarray(di.gradient(f, "jax", np.ones(2))), np.asarray(first))
+    assert _prep.prep_cache.recent(f, "gradient") is prep
+
+
 @pytest.mark.parametrize("engine", ["finite_differences", "torch"])
 def test_every_entry_of_a_large_global_counts(engine: str) -> None:
     """The 70,000-entry global of issue 39, on an engine without jax: a write to its last
