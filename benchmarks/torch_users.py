@@ -24,6 +24,9 @@ differentiates the parameters themselves, or, for detached ones, ``detach().requ
 views of them (no copy). Where ``AutoTorch`` has a ``create_graph`` option, row ``a`` is also
 timed with ``AutoTorch(create_graph=True)`` against ``torch.autograd.grad(..., create_graph=True)``.
 
+Autograd rows also time the floor: the native call on ``detach().requires_grad_()`` aliases of
+every parameter, what f must get where x is independent of what f closes over.
+
 Writes benchmarks/results/torch_users.json and .md; where torch_users_before.json exists beside
 them (an earlier run, kept), the table shows its ratios too.
 """
@@ -160,16 +163,18 @@ def cases() -> list[Case]:
     return out
 
 
-def native(case: Case, mode: str, create_graph: bool = False) -> Callable[[], dict[str, Any]]:
+def native(case: Case, mode: str, create_graph: bool = False, aliases: bool = False) -> Callable[[], dict[str, Any]]:
     """The call a torch user writes: ``torch.autograd.grad`` on the parameters themselves (on
-    ``detach().requires_grad_()`` views of detached ones), or ``torch.func.grad``."""
+    ``detach().requires_grad_()`` views of detached ones), or ``torch.func.grad``. With
+    ``aliases``, on such views of every parameter: the least an x independent of what f closes
+    over costs (the floor column)."""
     import torch
 
     if mode == "func":
         grad = torch.func.grad(case.f)
         return lambda: grad(case.x, *case.contexts)
     names = list(case.x)
-    needs_view = not all(p.requires_grad for p in case.x.values())
+    needs_view = aliases or not all(p.requires_grad for p in case.x.values())
 
     def call() -> dict[str, Any]:
         params = {k: p.detach().requires_grad_(True) for k, p in case.x.items()} if needs_view else case.x
@@ -242,6 +247,8 @@ def rows(rounds: int, number: int | None = None) -> list[dict[str, Any]]:
                 step = "timing"
                 us, _, them, ratio = time_pair(ours, theirs, rounds, number)
                 row.update(diffiface_s=us, native_s=them, ratio=ratio)
+                if mode == "autograd" and not create_graph:
+                    row["floor"] = time_pair(native(case, mode, aliases=True), theirs, rounds, number)[3]
                 goal = row["goal"]
                 row["met"] = None if goal is None else ("yes" if ratio <= goal else f"no (+{ratio / goal - 1:.1%})")
             except Exception as error:  # recorded, so that one failure does not hide the rest
@@ -276,6 +283,7 @@ def write(found: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "native_s",
         "diffiface_s",
         "ratio",
+        "floor",
         "goal",
         "met",
         "check",
@@ -309,7 +317,11 @@ def write(found: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "for `torch-func`. The loss runs the model through `torch.func.functional_call` on the parameters' dict. "
         "`check`: diffiface's gradient holds the native values. `graph`: diffiface's result keeps an autograd "
         "graph (`requires_grad` or a `grad_fn`); `native graph`: the native call's does (torch.func.grad's results "
-        "of tensors that require grad are part of the outer graph, by torch.func's design)." + since,
+        "of tensors that require grad are part of the outer graph, by torch.func's design). `floor` (autograd "
+        "rows): the native call on `detach().requires_grad_(True)` aliases of every parameter, over the native "
+        "call, timed in rounds of its own: diffiface's x is independent of what f closes over (a regulariser "
+        "on the same Parameter read through the model is a constant to it, as to torch.func and finite "
+        "differences), so f gets such aliases, and no route can cost less than this." + since,
         "",
         _table([r for r in found if not r.get("note")], keys),
         "",

@@ -247,13 +247,21 @@ def torch_users(name: str = "torch_users.json") -> str:
     data = _load(name)
     meta, rows = data["meta"], data["rows"]
     body = [
-        [row["what"], f"`{row['backend']}`", _ratio(row["ratio"]), _ratio(row["goal"]) if row["goal"] else "—"]
+        [
+            row["what"],
+            f"`{row['backend']}`",
+            _ratio(row["ratio"]),
+            _ratio(row["floor"]) if row.get("floor") else "—",
+            _ratio(row["goal"]) if row["goal"] else "—",
+        ]
         for row in rows
     ]
-    table = _table(["what the user passes", "backend", "diffiface / native", "goal"], body)
+    table = _table(["what the user passes", "backend", "diffiface / native", "floor / native", "goal"], body)
     return (
         table + "\nPrepared gradient by string name, diffiface's time / the user's own call's time: "
-        '`torch.autograd.grad(loss, parameters)` for `"torch"`, `torch.func.grad(loss)` for `"torch-func"`; '
+        '`torch.autograd.grad(loss, parameters)` for `"torch"`, `torch.func.grad(loss)` for `"torch-func"`. '
+        "Floor: the same native call on `detach().requires_grad_()` aliases of the parameters, which f gets "
+        "since x is independent of what f closes over; "
         f"torch {meta['torch']}, one torch thread, measured {meta['date'][:10]} on a {meta['cpu_count']}-CPU "
         f"Linux machine without a GPU, one CPU pinned, median of {meta['rounds']} interleaved rounds.\n"
     )
