@@ -410,6 +410,7 @@ def _follow(f: Any, values: list[Any], seen: set[int], chain: list[Any] | None =
     elif cls is types.MethodType:
         values.append(f.__func__)  # (not f.__self__: the cache is keyed weakly on it)
         _instance(f.__self__, values)
+        _object_entries(f.__self__, f.__func__, values)
         _follow(f.__func__, values, seen)
         _class_reads(f.__self__, f.__func__, values, seen)
         return  # (a method's __wrapped__ is its function's, followed there)
@@ -423,6 +424,7 @@ def _follow(f: Any, values: list[Any], seen: set[int], chain: list[Any] | None =
         values += (cls, call)
         _instance(f, values)
         if type(call) is types.FunctionType:
+            _object_entries(f, call, values)
             _follow(call, values, seen)
             _class_reads(f, call, values, seen)
     wrapped = getattr(f, "__wrapped__", None)
@@ -502,6 +504,16 @@ def _named_entries(
             _named_entries(value, attributes, keys, values, levels - 1)
 
 
+def _object_entries(obj: Any, method: types.FunctionType, values: list[Any]) -> None:
+    """What ``obj`` holds under the names its method's code uses (``self.model.w``), as
+    :func:`_named_entries` reads a function's globals, its own attributes counted as one level."""
+    _, attributes, keys = _loads(method.__code__)
+    if attributes or keys:
+        entries: list[Any] = []
+        _named_entries(obj, attributes, keys, entries, _HELD_LEVELS + 1)
+        values += entries
+
+
 def _instance(obj: Any, values: list[Any]) -> None:
     """An object's own attributes, one level: each name and the object it holds (in its
     ``__dict__`` and its classes' ``__slots__``)."""
@@ -530,6 +542,7 @@ def _class_reads(obj: Any, function: types.FunctionType, values: list[Any], seen
                 values += (name, value)
                 method = value.fget if isinstance(value, property) else value
                 if type(method) is types.FunctionType and id(method) not in seen:
+                    _object_entries(obj, method, values)
                     _follow(method, values, seen)
                     # (past the most callables followed, _follow takes no more: nor is what the
                     # method reads through the class read then, or two methods that call each

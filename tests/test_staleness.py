@@ -492,6 +492,35 @@ def test_data_read_through_a_container_or_an_attribute_is_never_stale(engine: st
         np.testing.assert_allclose(np.asarray(di.gradient(f, engine, x)), [18.0, 14.0])
 
 
+class _Model:
+    """An object whose methods read its data two levels down (``self.model.weights``)."""
+
+    def __init__(self) -> None:
+        self.model = _Holder(np.array([1.0, 2.0]))
+
+    def loss(self, v: Any) -> Any:
+        return (self.model.weights * v**2).sum()
+
+    def __call__(self, v: Any) -> Any:
+        return self.helper(v)
+
+    def helper(self, v: Any) -> Any:
+        return (self.model.weights * v**2).sum()
+
+
+@pytest.mark.parametrize("kind", ["bound method", "callable object"])
+def test_data_a_method_reads_below_its_instance_is_never_stale(kind: str) -> None:
+    """A bound method, or a callable object whose ``__call__`` calls another method, reading
+    ``self.model.weights``: only the instance's own attributes were compared, and jax gave the
+    gradient of the old weights after ``model.weights`` was replaced."""
+    require("jax")
+    owner = _Model()
+    f = owner.loss if kind == "bound method" else owner
+    np.testing.assert_allclose(np.asarray(di.gradient(f, "jax", np.ones(2))), [2.0, 4.0])
+    owner.model.weights = np.array([5.0, 7.0])
+    np.testing.assert_allclose(np.asarray(di.gradient(f, "jax", np.ones(2))), [10.0, 14.0])
+
+
 def test_an_attribute_f_does_not_name_costs_no_new_prep() -> None:
     """Only the entries f's code names are followed: a counter beside the weights that changes
     on every call leaves the prep in use."""
