@@ -10,7 +10,7 @@ import threading
 import types
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _arrays
@@ -296,7 +296,7 @@ def _settled_holds(
     keyword_pairs = tuple(zip(keywords, values[defaults_at + defaults + 2 : entries_at : 2], strict=True))
     entries = values[entries_at + 1 :]  # (the entries the code names, where there are any)
     entry_ids = list(map(id, entries))
-    holders = (*cell_values, *(value for _, value in global_pairs))
+    holders = (*cell_values, *(v for _, v in global_pairs), *(default_values or ()), *(v for _, v in keyword_pairs))
     held = [(contents, values[i]) for i, contents in arrays]  # (the array read then: its contents now)
     function_type = types.FunctionType
 
@@ -410,7 +410,7 @@ def _follow(f: Any, values: list[Any], seen: set[int], chain: list[Any] | None =
     elif cls is types.MethodType:
         values.append(f.__func__)  # (not f.__self__: the cache is keyed weakly on it)
         _instance(f.__self__, values)
-        _object_entries(f.__self__, f.__func__, values)
+        values += _held_by((f.__self__,), f.__func__, _HELD_LEVELS + 1)  # (self.model.w)
         _follow(f.__func__, values, seen)
         _class_reads(f.__self__, f.__func__, values, seen)
         return  # (a method's __wrapped__ is its function's, followed there)
@@ -418,13 +418,15 @@ def _follow(f: Any, values: list[Any], seen: set[int], chain: list[Any] | None =
         values += (cls, f.func, f.args, f.keywords, *f.args)
         for item in f.keywords.items():
             values += item
+        if type(f.func) is types.FunctionType:  # (its arguments hold data as globals do)
+            values += _held_by((*f.args, *f.keywords.values()), f.func)
         _follow(f.func, values, seen)
     else:  # a callable object: what its type's __call__ reads, and its own attributes
         call = getattr(cls, "__call__", _NO_CALL)  # noqa: B004  (the function itself is followed)
         values += (cls, call)
         _instance(f, values)
         if type(call) is types.FunctionType:
-            _object_entries(f, call, values)
+            values += _held_by((f,), call, _HELD_LEVELS + 1)
             _follow(call, values, seen)
             _class_reads(f, call, values, seen)
     wrapped = getattr(f, "__wrapped__", None)
@@ -445,9 +447,8 @@ def _function_reads(function: types.FunctionType) -> list[Any]:
                 values.append(cell.cell_contents)
             except ValueError:
                 values.append(_EMPTY_CELL)
-    names, attributes, keys = _loads(code)
-    values += map(function.__globals__.get, names, itertools.repeat(_UNDEFINED))
-    holders = len(values)  # (values[1:holders]: its closure cells' objects and its globals)
+    values += map(function.__globals__.get, _loads(code)[0], itertools.repeat(_UNDEFINED))
+    holders = values[1:]  # (its closure cells' objects and its globals; then its defaults)
     defaults = function.__defaults__
     if defaults:
         values += defaults
@@ -456,14 +457,21 @@ def _function_reads(function: types.FunctionType) -> list[Any]:
     if keyword_defaults:
         for item in keyword_defaults.items():
             values += item
-    if attributes or keys:
-        entries: list[Any] = []
-        for value in values[1:holders]:
-            _named_entries(value, attributes, keys, entries, _HELD_LEVELS)
-        if entries:
-            values.append(_HELD)  # (where the entries its code names start)
-            values += entries
+    entries = _held_by((*holders, *(defaults or ()), *(keyword_defaults or {}).values()), function)
+    if entries:
+        values.append(_HELD)  # (where the entries its code names start)
+        values += entries
     return values
+
+
+def _held_by(holders: Iterable[Any], function: types.FunctionType, levels: int = _HELD_LEVELS) -> list[Any]:
+    """What ``holders`` hold under the names ``function``'s code uses (:func:`_named_entries`)."""
+    _, attributes, keys = _loads(function.__code__)
+    entries: list[Any] = []
+    if attributes or keys:
+        for holder in holders:
+            _named_entries(holder, attributes, keys, entries, levels)
+    return entries
 
 
 def _named_entries(
@@ -504,16 +512,6 @@ def _named_entries(
             _named_entries(value, attributes, keys, values, levels - 1)
 
 
-def _object_entries(obj: Any, method: types.FunctionType, values: list[Any]) -> None:
-    """What ``obj`` holds under the names its method's code uses (``self.model.w``), as
-    :func:`_named_entries` reads a function's globals, its own attributes counted as one level."""
-    _, attributes, keys = _loads(method.__code__)
-    if attributes or keys:
-        entries: list[Any] = []
-        _named_entries(obj, attributes, keys, entries, _HELD_LEVELS + 1)
-        values += entries
-
-
 def _instance(obj: Any, values: list[Any]) -> None:
     """An object's own attributes, one level: each name and the object it holds (in its
     ``__dict__`` and its classes' ``__slots__``)."""
@@ -542,7 +540,7 @@ def _class_reads(obj: Any, function: types.FunctionType, values: list[Any], seen
                 values += (name, value)
                 method = value.fget if isinstance(value, property) else value
                 if type(method) is types.FunctionType and id(method) not in seen:
-                    _object_entries(obj, method, values)
+                    values += _held_by((obj,), method, _HELD_LEVELS + 1)
                     _follow(method, values, seen)
                     # (past the most callables followed, _follow takes no more: nor is what the
                     # method reads through the class read then, or two methods that call each

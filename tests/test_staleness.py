@@ -521,6 +521,40 @@ def test_data_a_method_reads_below_its_instance_is_never_stale(kind: str) -> Non
     np.testing.assert_allclose(np.asarray(di.gradient(f, "jax", np.ones(2))), [10.0, 14.0])
 
 
+def _loss_of_state(state: dict[str, Any], v: Any) -> Any:
+    return (state["weights"] * v**2).sum()
+
+
+def _loss_with_state(v: Any, state: dict[str, Any]) -> Any:
+    return (state["weights"] * v**2).sum()
+
+
+@pytest.mark.parametrize("kind", ["partial argument", "partial keyword", "default", "keyword-only default"])
+def test_data_held_by_an_argument_f_is_bound_to_is_never_stale(kind: str) -> None:
+    """The dict f is bound to (a ``functools.partial``'s argument, a default) holding the
+    weights: only the dict itself was compared, and jax gave the gradient of the old weights
+    after its entry was replaced."""
+    require("jax")
+    state = {"weights": np.array([1.0, 2.0])}
+    if kind == "partial argument":
+        f: Any = functools.partial(_loss_of_state, state)
+    elif kind == "partial keyword":
+        f = functools.partial(_loss_with_state, state=state)
+    elif kind == "default":
+
+        def f(v: Any, state: dict[str, Any] = state) -> Any:
+            return (state["weights"] * v**2).sum()
+
+    else:
+
+        def f(v: Any, *, state: dict[str, Any] = state) -> Any:
+            return (state["weights"] * v**2).sum()
+
+    np.testing.assert_allclose(np.asarray(di.gradient(f, "jax", np.ones(2))), [2.0, 4.0])
+    state["weights"] = np.array([5.0, 7.0])
+    np.testing.assert_allclose(np.asarray(di.gradient(f, "jax", np.ones(2))), [10.0, 14.0])
+
+
 def test_an_attribute_f_does_not_name_costs_no_new_prep() -> None:
     """Only the entries f's code names are followed: a counter beside the weights that changes
     on every call leaves the prep in use."""
