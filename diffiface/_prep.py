@@ -522,14 +522,10 @@ def describe_mismatch(prep: Prep, f: Callable[..., Any], signature: Signature) -
         if name != prep.function.name:
             return f"f: prepared for {prep.function.name}, called with {name}"
         if prep.function.ref() is None:
-            return (
-                f"f: prepared for a function named `{name}` that no longer exists, called with a new "
-                f"function of that name (redefined? a notebook cell run again makes a new one)"
-            )
-        return (
-            f"f: prepared for a different function object with the same name `{name}` (redefined? a "
-            "notebook cell run again makes a new one)"
-        )
+            what = f"a function named `{name}` that no longer exists, called with a new function of that name"
+        else:
+            what = f"a different function object with the same name `{name}`"
+        return f"f: prepared for {what} (redefined? a notebook cell run again makes a new one)"
     for part in ("operator", "backend", "has_aux"):
         if getattr(old, part) != getattr(signature, part):
             return f"{part}: prepared for {getattr(old, part)!r}, called with {getattr(signature, part)!r}"
@@ -645,15 +641,22 @@ class _PrepCache:
             return owner, sub, False
         return owner, sub, True
 
+    def _entries(self, f: Callable[..., Any]) -> tuple[_Entries | None, Any]:
+        """``f``'s entries (None: none) and the method function its keys hold (None: f is no method)."""
+        owner, sub = (f.__self__, f.__func__) if isinstance(f, types.MethodType) else (f, None)
+        try:
+            return self._functions.get(weakref.ref(owner)), sub
+        except TypeError:  # (an owner without weak references; or an unhashable one: no caching)
+            try:
+                return self._strong.get(owner), sub
+            except TypeError:
+                return None, sub
+
     def get(self, f: Callable[..., Any], signature: Signature, types: Any) -> Prep | None:
         """The prep of ``f`` for ``signature`` and the call's leaf ``types`` (a plan tests the
         leaves' types: a prep of nn.Parameters would never fit plain tensors of the same
         signature, each call taking the slow path); None if there is none."""
-        owner, sub, weak = self._owner(f)
-        try:
-            entries = self._functions.get(weakref.ref(owner)) if weak else self._strong.get(owner)
-        except TypeError:  # an unhashable callable object: no caching
-            return None
+        entries, sub = self._entries(f)
         if entries is None:
             return None
         key = (sub, signature, types)
@@ -677,11 +680,7 @@ class _PrepCache:
                 return None
             sub = None
         else:
-            owner, sub, weak = self._owner(f)
-            try:
-                entries = self._functions.get(weakref.ref(owner)) if weak else self._strong.get(owner)
-            except TypeError:
-                return None
+            entries, sub = self._entries(f)
         return None if entries is None else entries.latest.get((sub, operator))
 
     def put(self, f: Callable[..., Any], signature: Signature, prep: Prep, types: Any) -> None:
