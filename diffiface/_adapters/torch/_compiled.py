@@ -222,9 +222,8 @@ def _called(program: _Program, *args: Any) -> Any:
         program.uncompiled = True
         warnings.warn(_LIMIT, RuntimeWarning, stacklevel=2)
         return template(*args)
-    except _GRAPH_BREAKS as exc:
-        raise _unsupported(exc) from exc
-    except AssertionError as exc:  # (the compiler checking itself: f's own asserts ran in the eager warm-up)
+    # (an AssertionError is the compiler checking itself: f's own asserts ran in the eager warm-up)
+    except (*_GRAPH_BREAKS, AssertionError) as exc:
         raise _unsupported(exc) from exc
     program.fast = program.run_only
     return result
