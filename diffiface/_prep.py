@@ -334,20 +334,9 @@ _MOST_FOLLOWED = 32
 """Callables followed per f at most (f itself, what it wraps, the helpers it calls)."""
 
 
-class _Marker:
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __repr__(self) -> str:
-        return self.name
-
-
-_UNDEFINED = _Marker("<a global f names, not defined>")
-_EMPTY_CELL = _Marker("<an empty closure cell>")
-_NO_CALL = _Marker("<no __call__>")
-_KEYWORD_DEFAULTS = _Marker("<keyword-only defaults>")
+# (what stands among the objects f reads for: a global f names, not defined; an empty closure
+# cell; a callable's type without __call__; where the defaults end and the keyword-only begin)
+_UNDEFINED, _EMPTY_CELL, _NO_CALL, _KEYWORD_DEFAULTS = object(), object(), object(), object()
 
 
 def _reads(f: Any, chain: list[tuple[types.FunctionType, int, int]] | None = None) -> list[Any]:
