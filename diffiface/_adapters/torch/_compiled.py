@@ -88,8 +88,8 @@ class _Program:
     :class:`~diffiface.UnsupportedOperationError`). Once it has, calls go through ``fast``,
     torch's run-only call of the same code object, which runs a graph already compiled without
     the compiling call's work on every call, and compiles nothing: where no graph fits (a guard
-    fails: a value f closes over changed, or the process's state), :func:`_entry` runs
-    uncompiled and raises :class:`_Uncompiled` before any work, and ``strict`` compiles one
+    fails: a value f closes over changed, or the process's state), torch runs :func:`_entry`
+    itself, which raises :class:`_Uncompiled` before any work, and ``strict`` compiles one
     (:func:`_called`). Past torch's recompile limit the program runs uncompiled, with a warning."""
 
     __slots__ = ("fast", "recheck", "run_only", "strict", "template", "uncompiled")
