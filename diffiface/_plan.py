@@ -47,9 +47,8 @@ class _ByValue:
 
 def engine_checked(leaf: Any) -> bool:
     """Whether a program whose engine retraces for new shapes and dtypes (jit, mx.compile,
-    tf.function) checks this leaf itself (:class:`~diffiface._programs.JitProgram`): its family
-    says (a concrete jax array where jax has one device, an mlx array, an eager tensor: the
-    engine then keys its programs by exactly what a plan would compare)."""
+    tf.function) checks this leaf itself (:class:`~diffiface._programs.JitProgram`), keying its
+    programs by exactly what a plan would compare: its family says."""
     family = _arrays.family_of(leaf)
     return family is not None and family.jit_checked(leaf)
 
@@ -57,12 +56,11 @@ def engine_checked(leaf: Any) -> bool:
 def leaf_check(
     leaf: Any, static_x: bool = False, by_value: bool = False, engine: bool = False, context: bool = False
 ) -> Check | None:
-    """How a plan knows a leaf like ``leaf``. A static leaf of x (``static_x``: passed to f as
-    it is, and prepared for its value) and, with ``by_value``, any leaf that is not an array
-    (a context a program was built for) are compared by value. A context's leaf that is no
-    array (``context``: a torch module, a PRNG key, a string, passed to f untouched) is known by
-    its type, as the call's signature knows it. With ``engine``, a leaf the program checks
-    itself (:func:`engine_checked`) is known by its type. None: a leaf no test can vouch for (a
+    """How a plan knows a leaf like ``leaf``. A static leaf of x (``static_x``) and, with
+    ``by_value``, any leaf that is not an array (a context a program was built for) are compared
+    by value. A context's leaf that is no array (``context``: a torch module, a PRNG key, passed
+    to f untouched) and, with ``engine``, a leaf the program checks itself
+    (:func:`engine_checked`) are known by their type. None: a leaf no test can vouch for (a
     pytree only jax knows, in x); the plan then compares whole signatures."""
     if engine and engine_checked(leaf):
         return type(leaf), None
@@ -111,10 +109,9 @@ class _Types:
 
 
 def leaves_check(leaves: list[Any], checks: list[Check | None], engine: bool) -> Callable[[list[Any]], bool] | None:
-    """The test of a list of leaves like ``leaves``, each known by ``checks``: their family's,
-    which reads them inline, where every leaf is of one family that has one; with ``engine``, by their
-    types alone where the program checks every leaf itself. None where a leaf has no check (a
-    pytree only jax knows)."""
+    """The test of a list of leaves like ``leaves``, each known by ``checks``: by their types
+    alone where the program checks every leaf itself (``engine``); their family's, which reads
+    them inline, where all are of one family that has one. None where a leaf has no check."""
     if any(check is None for check in checks):
         return None
     if engine and leaves and all(map(engine_checked, leaves)):
@@ -129,20 +126,18 @@ def leaves_check(leaves: list[Any], checks: list[Check | None], engine: bool) ->
 
 
 def _namespace(spec: Any) -> str:
-    """The namespace a structure was made in: diffiface's where it holds a type registered there
-    (optree records it then), else optree's default one, which flattens faster."""
+    """The namespace a structure was made in: diffiface's where it holds a type registered there,
+    else optree's default one, which flattens faster (a namespace costs a lookup per node)."""
     return "" if spec is None else str(spec.namespace)
 
 
 def flattener(spec: Any, leaves: list[Any], ordered: bool = False) -> tuple[Flatten, Any]:
     """How a plan flattens an argument of structure ``spec`` (optree's, with these leaves), and
-    the structure as that flattening gives it, to compare calls with.
-
-    jax's where jax is imported and takes the tree apart into the same leaves: its C++ pytrees
-    flatten nested dicts about three times faster than optree, and tell apart the same trees
-    (dict keys sorted, None a node, a leaf of another type caught by the leaf tests). Else
-    optree's, in the structure's namespace (optree's default one where it holds no type
-    registered in diffiface's, since a namespace costs optree a slower lookup per node).
+    the structure as that flattening gives it, to compare calls with: a function written for
+    the structure (:mod:`~diffiface._flatten`) where it can be, else jax's where jax is imported
+    and takes the tree apart into the same leaves (its C++ pytrees flatten nested dicts about
+    three times faster than optree, and tell apart the same trees), else optree's in the
+    structure's namespace.
 
     With ``ordered`` (x's, whose order results mirror), a tree whose dicts hold their keys in
     another order does not fit: the function written tests each dict's order; where none is
@@ -187,12 +182,10 @@ class _Ordered:
 
 
 def _dict_orders(tree: Any) -> tuple[tuple[Any, ...], ...]:
-    """The keys of each dict of two or more keys in a tree of dicts, lists and tuples (and
-    namedtuples), in their order, as :func:`~diffiface._flatten.key_orders` reads them from a
-    structure (a dict's subclass is looked into, its order not read, as there: an OrderedDict's
-    structure holds its order); a node of another type is not looked into. A walk over the containers
-    alone, without recursion: it runs on every call of a tree that has no function written for
-    it (a large or deep one)."""
+    """The keys of each dict of two or more keys in a tree of dicts, lists and tuples, in their
+    order, as :func:`~diffiface._flatten.key_orders` reads them from a structure (a dict
+    subclass is looked into, its order not read: an OrderedDict's structure holds its order).
+    Without recursion: it runs on every call of a tree that has no function written for it."""
     orders = []
     pending = [tree]
     containers = (dict, list, tuple)

@@ -174,13 +174,10 @@ class Prep:
 
 class Closure:
     """What ``f`` reads besides its arguments, as a compiled program or a sparsity pattern keeps
-    it: an unprepared call whose f reads anything else prepares again rather than reuse a stale
-    program (``jax.jit`` bakes in the values f reads when it traces f).
-
-    What is followed, per kind of callable, is the rule docs/preparation.md states ("An
-    unprepared call is never stale"), read by :func:`_reads`. Each object so read is compared by
-    identity; numpy arrays and torch tensors among them also by their contents (their family's
-    ``contents``), which can change in place."""
+    it (``jax.jit`` bakes in the values f reads when it traces f): an unprepared call whose f
+    reads anything else prepares again. What is followed is the rule docs/preparation.md states
+    ("An unprepared call is never stale"), read by :func:`_reads`; each object so read is
+    compared by identity, arrays among them also by their contents (their family's ``contents``)."""
 
     __slots__ = ("_arrays", "_ids", "_keep", "holds")
 
@@ -208,10 +205,9 @@ class Closure:
             self.holds = parts[0] if len(parts) == 1 else _all_hold(parts[0], parts[1:], [fn for fn, _, _ in chain[1:]])
 
     def rewritten(self) -> bool:
-        """Whether an array f reads was read by an earlier closure (of this f or another) and
-        has been written in place since: an engine that caches its traces by the arrays they
-        read (jax) must forget them before it traces f. Each array's contents are recorded
-        for the next closure to compare."""
+        """Whether an array f reads was read by an earlier closure (of any f) and written in
+        place since: an engine that caches its traces by the arrays they read (jax) must forget
+        them. Each array's contents are recorded for the next closure to compare."""
         rewritten = False
         for i, contents in self._arrays:
             value = self._keep[i]
@@ -241,8 +237,8 @@ def _all_hold(
     helpers: list[Callable[[Callable[..., Any]], bool]],
     functions: list[types.FunctionType],
 ) -> Callable[[Callable[..., Any]], bool]:
-    """:meth:`Closure.holds` of a function that follows helper functions: its own settled test,
-    then each helper's on the helper itself (the object its own test found unchanged)."""
+    """:meth:`Closure.holds` of a function that follows helpers: its own test, then each
+    helper's on the helper itself (the object its own test found unchanged)."""
     pairs = list(zip(helpers, functions, strict=True))
 
     def holds(f: Callable[..., Any]) -> bool:
@@ -268,14 +264,12 @@ def _settled_holds(
     arrays: list[tuple[int, Any]],
     general: Callable[[Callable[..., Any]], bool],
 ) -> Callable[[Callable[..., Any]], bool]:
-    """:meth:`Closure.holds` for one function, its reads settled once: the code object, then the
-    objects :func:`_function_reads` gave (``values``) read again and compared by identity with
-    the ones read then, in plain loops over tuples settled here (for the few objects a function
-    reads, cheaper than any call that compares them in C, or than the general test, which reads
-    f again into lists: ``python benchmarks/closure_test.py``, pinned and interleaved); the
-    defaults by the tuple f holds (immutable: the same tuple holds the same objects).
-    Another kind of f, an empty closure cell, a ``__wrapped__`` added since or defaults in
-    another tuple are left to ``general``."""
+    """:meth:`Closure.holds` for one function, its reads (``values``, :func:`_function_reads`)
+    settled once and compared by identity in plain loops over tuples (for the few objects a
+    function reads, cheaper than any call that compares them in C, or than the general test,
+    which reads f again into lists: ``python benchmarks/closure_test.py``); the defaults by the
+    tuple f holds (the same tuple holds the same objects). Another kind of f, an empty cell, a
+    ``__wrapped__`` added since or defaults in another tuple are left to ``general``."""
     code = function.__code__
     cells = len(function.__closure__ or ())
     names, attributes, keys = _loads(code)
@@ -350,35 +344,23 @@ _MOST_FOLLOWED = 32
 """Callables followed per f at most (f itself, what it wraps, the helpers it calls)."""
 
 
-class _Marker:
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __repr__(self) -> str:
-        return self.name
-
-
-_UNDEFINED = _Marker("<a global f names, not defined>")
-_EMPTY_CELL = _Marker("<an empty closure cell>")
-_NO_CALL = _Marker("<no __call__>")
-_KEYWORD_DEFAULTS = _Marker("<keyword-only defaults>")
-_HELD = _Marker("<entries the code names>")
+# (what stands among the objects f reads for: a global f names, not defined; an empty closure
+# cell; a callable's type without __call__; where the defaults end and the keyword-only begin;
+# where the entries its code names start)
+_UNDEFINED, _EMPTY_CELL, _NO_CALL, _KEYWORD_DEFAULTS, _HELD = object(), object(), object(), object(), object()
 _HELD_LEVELS = 3
 """Levels of entries followed below an object f reads (``self.model.w``: two)."""
 _MOST_HELD = 256
 """Entries followed per function at most (names and objects): past it, no more are followed."""
-_NOT_HOLDERS = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, _Marker)
+_NOT_HOLDERS = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
 """Objects whose attributes are not followed as entries: modules, classes (their attributes a
-method reads are :func:`_class_reads`'), functions (followed as functions), markers."""
+method reads are :func:`_class_reads`'), functions (followed as functions)."""
 
 
 def _reads(f: Any, chain: list[tuple[types.FunctionType, int, int]] | None = None) -> list[Any]:
-    """The objects calling ``f`` reads besides its arguments, in an order fixed by them (the
-    rule docs/preparation.md states). ``chain``, where given, gets each function followed from the
-    function ``f`` itself (``f`` first), where its own reads start among them and how many
-    there are."""
+    """The objects calling ``f`` reads besides its arguments, in an order fixed by them.
+    ``chain``, where given, gets each function followed (``f`` first), where its own reads
+    start among them and how many there are."""
     if type(f) is types.FunctionType:  # the common case: a function that reads no other one
         values = _function_reads(f)
         if types.FunctionType not in map(type, values) and "__wrapped__" not in f.__dict__:
@@ -607,14 +589,10 @@ def describe_mismatch(prep: Prep, f: Callable[..., Any], signature: Signature) -
         if name != prep.function.name:
             return f"f: prepared for {prep.function.name}, called with {name}"
         if prep.function.ref() is None:
-            return (
-                f"f: prepared for a function named `{name}` that no longer exists, called with a new "
-                f"function of that name (redefined? a notebook cell run again makes a new one)"
-            )
-        return (
-            f"f: prepared for a different function object with the same name `{name}` (redefined? a "
-            "notebook cell run again makes a new one)"
-        )
+            what = f"a function named `{name}` that no longer exists, called with a new function of that name"
+        else:
+            what = f"a different function object with the same name `{name}`"
+        return f"f: prepared for {what} (redefined? a notebook cell run again makes a new one)"
     for part in ("operator", "backend", "has_aux"):
         if getattr(old, part) != getattr(signature, part):
             return f"{part}: prepared for {getattr(old, part)!r}, called with {getattr(signature, part)!r}"
@@ -703,16 +681,13 @@ class _Entries(OrderedDict[Any, Prep]):
 
 
 class _PrepCache:
-    """Preps of unprepared calls, keyed weakly on ``f`` and then on the signature.
+    """Preps of unprepared calls, keyed weakly on ``f`` (for a bound method, its object) and
+    then on the signature, at most ``per_function`` signatures each, the least recently used
+    leaving first. :meth:`recent` finds the prep a call most likely reuses without taking the
+    call's signature: its plan's :meth:`~diffiface._plan.Plan.leaves` tells whether it fits.
 
-    An entry lives as long as ``f`` does (for a bound method, as long as its object), and
-    each function keeps at most ``per_function`` signatures, the least recently used leaving
-    first. :meth:`recent` finds the prep a call most likely reuses without taking the call's
-    signature: its plan's :meth:`~diffiface._plan.Plan.leaves` tells whether the call fits.
-
-    Owners that take weak references are keys of a dict of this class's own, by weak reference
-    (two references to one live object are equal keys); each reference's callback removes its
-    entry when the owner is collected.
+    Owners that take weak references are keys by weak reference (two references to one live
+    object are equal keys), whose callback removes the entry when the owner is collected.
     """
 
     per_function = 16
@@ -730,15 +705,22 @@ class _PrepCache:
             return owner, sub, False
         return owner, sub, True
 
+    def _entries(self, f: Callable[..., Any]) -> tuple[_Entries | None, Any]:
+        """``f``'s entries (None: none) and the method function its keys hold (None: f is no method)."""
+        owner, sub = (f.__self__, f.__func__) if isinstance(f, types.MethodType) else (f, None)
+        try:
+            return self._functions.get(weakref.ref(owner)), sub
+        except TypeError:  # (an owner without weak references; or an unhashable one: no caching)
+            try:
+                return self._strong.get(owner), sub
+            except TypeError:
+                return None, sub
+
     def get(self, f: Callable[..., Any], signature: Signature, types: Any) -> Prep | None:
         """The prep of ``f`` for ``signature`` and the call's leaf ``types`` (a plan tests the
         leaves' types: a prep of nn.Parameters would never fit plain tensors of the same
         signature, each call taking the slow path); None if there is none."""
-        owner, sub, weak = self._owner(f)
-        try:
-            entries = self._functions.get(weakref.ref(owner)) if weak else self._strong.get(owner)
-        except TypeError:  # an unhashable callable object: no caching
-            return None
+        entries, sub = self._entries(f)
         if entries is None:
             return None
         key = (sub, signature, types)
@@ -762,11 +744,7 @@ class _PrepCache:
                 return None
             sub = None
         else:
-            owner, sub, weak = self._owner(f)
-            try:
-                entries = self._functions.get(weakref.ref(owner)) if weak else self._strong.get(owner)
-            except TypeError:
-                return None
+            entries, sub = self._entries(f)
         return None if entries is None else entries.latest.get((sub, operator))
 
     def put(self, f: Callable[..., Any], signature: Signature, prep: Prep, types: Any) -> None:

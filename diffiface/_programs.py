@@ -345,18 +345,17 @@ def _refused(explain: Callable[[BaseException], str | None], exc: Exception) -> 
 
 class JitProgram:
     """The program of a prep that an engine compiles and retraces for new shapes and dtypes
-    (jax's ``jit``, mlx's ``mx.compile``, ``tf.function``), taking every leaf as it is: one
-    compiled function of the leaves of ``(x, tangent, *context values)``.
+    (jax's ``jit``, mlx's ``mx.compile``, ``tf.function``, torch.compile): one compiled function
+    of the leaves of ``(x, tangent, *context values)``, taken as they are.
 
     :meth:`run` takes the call as the route has it and tests what the trace cannot: f, the
     operator, the backend, the contexts' kinds, each argument's structure, each leaf's type,
     and each numpy leaf's dtype (jit gives a float32 and a float64 numpy array one traced type
-    while x64 is off). The trace compares each leaf's shape and dtype with the prep's and
-    returns None where any differs, a trace the engine caches as any other: a call that fits
-    costs no test of shapes or dtypes, and one that does not, no trace after its first. The
-    trace also finishes the result as far as it can (:meth:`_pick`); :meth:`_after` settles
-    what is left once the program is traced. :meth:`__call__` runs it on a call's leaves (the
-    route's other steps)."""
+    while x64 is off). The trace returns None where a leaf's shape or dtype is not the prep's,
+    a trace the engine caches as any other: a call that fits costs no test of shapes or
+    dtypes, and one that does not, no trace after its first. The trace also finishes the
+    result as far as it can (:meth:`_pick`), :meth:`_after` the rest. :meth:`__call__` runs it
+    on a call's leaves (the route's other steps)."""
 
     __slots__ = (
         "after", "arguments", "backend", "backend_fields", "candidate", "casts", "compiled", "dtype", "dtype_name",
@@ -388,8 +387,7 @@ class JitProgram:
         leaves = [leaf for part in parts for leaf in part]
         self.leaf_types = list(map(type, leaves))
         # Where a tree is among the arguments, one function written for the structure of them
-        # all takes them apart in one frame (testing each node, and each dict's key order, which
-        # results mirror); else each argument is flattened by the plan's flattening of it.
+        # all takes them apart in one frame; else each argument by the plan's flattening of it.
         self.flatten: Callable[[Any], tuple[Any, Any]] | None = None
         self.trees = not all(spec == _LEAF for spec in specs)
         self.structure: Any = None  # (what the written function returns for arguments that fit)
@@ -409,9 +407,9 @@ class JitProgram:
         self.dtype = like.dtype if self.candidate else None
         self.dtype_name = _arrays.dtype_name(like)
         # Where x's leaves are the engine's own arrays, the results' blocks come out of the trace
-        # in their type, dtype and layout, and need at most rebuilding into the trees of x and of
-        # f's output: inside the trace where jax rebuilds x's tree as optree does (``tree``),
-        # else after it, by the function written for the structure (``x_rebuild``).
+        # as they must be, and need at most rebuilding into the trees of x and of f's output:
+        # inside the trace where the engine rebuilds x's tree as optree does (``tree``), else
+        # after it (``x_rebuild``).
         own = (
             one
             and all(map(adapter.returns_like, call.x_leaves))
@@ -421,9 +419,8 @@ class JitProgram:
         self.x_dtype_names = tuple(map(_arrays.dtype_name, call.x_leaves))
         self.tree = sig.x_spec if own and kind == "x" and adapter.rebuilds_in_trace(sig.x_spec, call.x_leaves) else None
         self.x_rebuild = _rebuilder(sig.x_spec) if own and kind in ("x", "jacobian", "hessian", "y") else None
-        # The blocks of a Jacobian or Hessian of a tree (of x or of f's output): cast inside the
-        # trace to the dtype the promotion rule gives, so that mixed dtypes (float32 params, a
-        # float64 batch) cost no cast per block on every call; x's dtypes, by leaf.
+        # A Jacobian's or Hessian's blocks cast inside the trace (x's dtypes, by leaf): mixed
+        # dtypes (float32 params, a float64 batch) cost no cast per block on every call.
         self.casts: tuple[str | None, ...] | None = None
         if kind in ("jacobian", "hessian") and not self.candidate:
             self.casts = tuple(map(_weak_or_dtype, call.x_leaves))

@@ -24,11 +24,8 @@ from torch import func
 
 from ... import _arrays
 from ... import tree as _tree
-from ..._errors import (
-    ArrayTypeError,
-    InvalidInputError,
-    InvalidOutputError,
-)
+from ..._errors import ArrayTypeError, InvalidInputError, InvalidOutputError
+from ..._families.torch import x_refusal
 from .. import _base
 from .._base import NO_PARTS, Blocks, Fn, Leaves, ProgramParts
 from ._dtensor import _any_dtensor, _cotangents, _dense_of_dtensors, _forward_on_dtensors, _placed, is_dtensor
@@ -115,10 +112,7 @@ class Adapter(_base.Adapter):
         kind = _arrays.kind(leaf)
         if kind == "torch":
             if leaf.is_meta:
-                raise InvalidInputError(
-                    "x (or a tangent) is a meta tensor, which has a shape but no values to differentiate "
-                    "at. Create it on a real device (device='cpu' or 'cuda')."
-                )
+                raise InvalidInputError(f"x (or a tangent) {x_refusal(leaf)}")
             return leaf
         if kind == "python":
             return torch.tensor(leaf, dtype=torch.complex128 if isinstance(leaf, complex) else torch.float64)

@@ -1,18 +1,16 @@
 """Compiled torch: ``AutoTorch(mode="func", compile=True)``, whose contract (results detached,
 x and the Constants never written, what is refused) is docs/engines/torch-compile.md.
 
-Each operator's torch.func program (``grad_and_value``, ``jvp``, ``vjp``, ``jacrev``/``jacfwd``,
-and the second-order ones as one program: ``jvp`` of ``grad``, ``jacfwd`` of ``grad``, ``jvp`` of
-``jacrev``) is compiled by ``torch.compile`` (Inductor, ``fullgraph=True``, ``dynamic=False``)
-with f traced inside it. Each prep has programs of its own (fresh code objects, so that one
-prep's compiled graphs are never another's guard failures, nor count against torch's recompile
-limit). The first call of a prep evaluates f once eagerly, for diffiface's checks of f's output,
-then compiles; later calls run torch's run-only call of the program (:class:`_Program`). The
-torch adapter's guard stays around every call, uncompiled. A gradient whose leaves are all
-tensors is the retracing tier's whole program, compiled as one graph (:class:`_Retraced`).
-Nothing is differentiated through a compiled graph: a call differentiated from outside is
-refused, and the outer engine of a ``SecondOrder`` over this one differentiates the inner
-gradient uncompiled (:meth:`gradient_function`).
+Each operator's torch.func program (the second-order ones as one program: ``jvp`` of ``grad``,
+``jacfwd`` of ``grad``, ``jvp`` of ``jacrev``) is compiled by ``torch.compile`` (Inductor,
+``fullgraph=True``, ``dynamic=False``) with f traced inside it, each prep's from code objects of
+its own, so that one prep's graphs are never another's guard failures, nor count against torch's
+recompile limit (:class:`_Program`). The first call of a prep evaluates f once eagerly, for
+diffiface's checks of f's output. The torch adapter's guard stays around every call, uncompiled.
+A gradient whose leaves are all tensors is compiled whole (:class:`_Retraced`). Nothing is
+differentiated through a compiled graph: a call differentiated from outside is refused, and the
+outer engine of a ``SecondOrder`` over this one differentiates the inner gradient uncompiled
+(:meth:`gradient_function`).
 """
 
 from __future__ import annotations
@@ -73,12 +71,11 @@ class _Programs:
 
 
 class _Uncompiled(Exception):
-    """Raised by :func:`_entry` where torch runs it uncompiled: no compiled graph fits the call."""
+    """Raised by :func:`_entry` where torch runs it uncompiled (see :class:`_Program`)."""
 
 
 def _entry(template: Callable[..., Any], *args: Any) -> Any:
-    """What torch compiles: ``template(*args)``; where torch runs it uncompiled instead (a
-    run-only call no compiled graph fits), :class:`_Uncompiled`, before any work."""
+    """What torch compiles: ``template(*args)``."""
     if not torch.compiler.is_compiling():
         raise _Uncompiled
     return template(*args)
@@ -89,12 +86,11 @@ class _Program:
 
     ``strict`` compiles (``fullgraph=True``, ``dynamic=False``: one graph, or
     :class:`~diffiface.UnsupportedOperationError`). Once it has, calls go through ``fast``,
-    torch's run-only call of the same code object, which runs a graph already compiled, without
-    the compiling call's work on every call (its setting of the shapes static, its count of
-    graphs), and compiles nothing: where no graph fits (one of torch.compile's guards fails: a
-    value f closes over changed, or the process's state), it raises :class:`_Uncompiled`
-    and ``strict`` compiles one, as torch.compile alone would have. Where torch's recompile limit
-    is reached (``strict`` raises), the program runs uncompiled from then on, with a warning."""
+    torch's run-only call of the same code object, which runs a graph already compiled without
+    the compiling call's work on every call, and compiles nothing: where no graph fits (a guard
+    fails: a value f closes over changed, or the process's state), torch runs :func:`_entry`
+    itself, which raises :class:`_Uncompiled` before any work, and ``strict`` compiles one
+    (:func:`_called`). Past torch's recompile limit the program runs uncompiled, with a warning."""
 
     __slots__ = ("fast", "recheck", "run_only", "strict", "template", "uncompiled")
 
@@ -105,9 +101,8 @@ class _Program:
         run = getattr(torch._dynamo, "run", None)  # (None where this torch has none: strict runs every call)
         self.run_only: Callable[..., Any] | None = None if run is None else run(entry)
         self.fast: Callable[..., Any] | None = None  # (set once strict has compiled)
-        self.uncompiled = False  # (set where torch's recompile limit is reached: template runs as it is)
-        # (this call's f read again before a compile after the first: see _called)
-        self.recheck: Callable[[], bool] | None = None
+        self.uncompiled = False  # (torch's recompile limit reached)
+        self.recheck: Callable[[], bool] | None = None  # (f's graph read again before a later compile)
 
 
 def _fresh(template: Callable[..., Any]) -> Callable[..., Any]:
@@ -197,8 +192,7 @@ def _detached(xs: Leaves) -> Leaves:
 
 
 def _called(program: _Program, *args: Any) -> Any:
-    """``program``'s template on ``args``, compiled: through the run-only call where a compiled
-    graph fits, else compiled (``strict``)."""
+    """``program``'s template on ``args``, compiled (see :class:`_Program`)."""
     template = program.template
     fast = program.fast
     if program.uncompiled:
@@ -228,9 +222,8 @@ def _called(program: _Program, *args: Any) -> Any:
         program.uncompiled = True
         warnings.warn(_LIMIT, RuntimeWarning, stacklevel=2)
         return template(*args)
-    except _GRAPH_BREAKS as exc:
-        raise _unsupported(exc) from exc
-    except AssertionError as exc:  # (the compiler checking itself: f's own asserts ran in the eager warm-up)
+    # (an AssertionError is the compiler checking itself: f's own asserts ran in the eager warm-up)
+    except (*_GRAPH_BREAKS, AssertionError) as exc:
         raise _unsupported(exc) from exc
     program.fast = program.run_only
     return result
@@ -336,21 +329,16 @@ def _nested() -> UnsupportedOperationError:
 
 class _Retraced:
     """The retracing tier's compiled function (:class:`~diffiface._programs.JitProgram`):
-    ``traced``, a function of the call's leaves that checks their shapes and dtypes and finishes
-    the result in its trace, compiled whole, with f and the engine's torch.func program traced
-    inside it (while torch.compile traces, the adapter's methods give the uncompiled adapter's
-    work, ``Adapter._program``).
+    ``traced``, the whole program of the call's leaves, compiled with f and the engine's
+    torch.func program traced inside it (``Adapter._program`` gives None while torch traces).
 
-    Every compile comes after the guard's steps around ``traced`` run eagerly on the call's
-    leaves: f's output checked by diffiface, f's graph read for what a compiled program gets
-    wrong (a ``torch.autograd.Function``, which keeps the prep uncompiled), and a write refused
-    (undone on a prep's first call), in which case nothing is compiled. A compiled graph is the
-    trace of the f that run watched: it writes where that run wrote, nowhere. So a call that a
-    compiled graph fits, made outside any other differentiation once a call has completed, runs
-    through torch's run-only call with nothing around it (no copy, no version counter: the
-    counters alone cost a sixth of a small gradient's time). Any other call (a prep's first,
-    one whose shapes, closure or modes no compiled graph fits, one inside an outer call) takes
-    the guard's steps, then a compile where the leaves fit the prep (:func:`_called`)."""
+    Every compile comes after the guard's steps around ``traced`` ran eagerly on the call's
+    leaves: f's output checked, f's graph read (:class:`_Programs`), a write refused, in which
+    case nothing is compiled. A compiled graph is the trace of the f that run watched, which
+    wrote nowhere. So a call that a compiled graph fits, made outside any other differentiation
+    once a call has completed, runs through the run-only call with nothing around it (no copy,
+    no version counter: the counters alone cost a sixth of a small gradient's time). Any other
+    call takes the guard's steps, then a compile where the leaves fit the prep."""
 
     __slots__ = ("contexts", "guarded", "program", "programs", "ready", "xs")
 
@@ -384,7 +372,7 @@ class _Retraced:
         return result
 
     def _checked(self, xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
-        """The guarded call: ``traced`` eagerly, f's graph read (:class:`_Programs`)."""
+        """The guarded call: ``traced`` eagerly, f's graph read."""
         stack = _CURRENT.stack
         stack.append(self.programs)
         try:
@@ -404,12 +392,12 @@ def _negative_zeros(key: tuple[Any, ...]) -> tuple[int, ...]:
 def _holds_negative_zero(key: Any) -> bool:
     if type(key) is tuple:
         return any(map(_holds_negative_zero, key))
-    if type(key) is str:
+    if type(key) is str:  # (a Python float's key holds its bits so written)
         return key == _NEGATIVE_ZERO
     return isinstance(key, (float, np.floating)) and key == 0 and math.copysign(1.0, key) < 0
 
 
-_NEGATIVE_ZERO = (-0.0).hex()  # (a Python float's key holds its bits so written)
+_NEGATIVE_ZERO = (-0.0).hex()
 
 
 _TRACED_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -499,11 +487,10 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
             )
 
         def _program(self, name: str, template: Callable[..., Any], fn: Fn, xs: Leaves, batched: bool = False) -> Any:
-            """This call's compiled program ``name``, f evaluated once eagerly before its first call
-            (diffiface's checks of f's output); None where the call runs uncompiled: outside a prep
-            of its own (another engine's SecondOrder program), or where f's graph holds what a
-            compiled program gets wrong (:class:`_Programs`; a node vmap batches wrongly only where
-            the program is ``batched``). A call differentiated from outside is refused."""
+            """This call's compiled program ``name``, f evaluated once eagerly before its first call;
+            None where the call runs uncompiled: outside a prep of its own (another engine's
+            SecondOrder program), or where f's graph holds what a compiled program gets wrong
+            (:class:`_Programs`). A call differentiated from outside is refused."""
             if torch.compiler.is_compiling():  # (the retracing tier's trace: f traced with the rest)
                 return None
             if len(_CALLS.keep) > 1 or _transform_level() is not None or _forward_ad._current_level >= 0:

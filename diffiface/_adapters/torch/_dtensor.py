@@ -9,10 +9,7 @@ from typing import Any
 
 import torch
 
-from ..._errors import (
-    InvalidInputError,
-    UnsupportedOperationError,
-)
+from ..._errors import InvalidInputError, UnsupportedOperationError
 from .._base import Leaves
 
 

@@ -25,9 +25,8 @@ _FORWARD_WARMED = [False]
 
 
 def _warm_forward() -> None:
-    """The throwaway dual of the process's first forward-mode call (see above), made once, under
-    the forward-mode lock: two threads' first calls must not both take it for done while one is
-    still loading the decompositions."""
+    """The throwaway dual (see above), made once, under the forward-mode lock: two threads'
+    first calls must not both take it for done while one is still loading the decompositions."""
     with _FORWARD_LOCK:
         if _FORWARD_WARMED[0]:
             return
@@ -56,12 +55,9 @@ def _forward_locked() -> threading.RLock:
 
 _DUALS = [0]
 """How many of diffiface's forward-mode (dual level) calls are open, in the thread that holds
-``_FORWARD_LOCK``. Whether any dual level is open, ours, the caller's own
-(``torch.autograd.forward_ad``) or a ``torch.func.jvp``'s, is ``forward_ad._current_level >=
-0``, read inline where it is asked on every call (the adapter's frames are counted): x may then
-be a dual tensor, whose tangent the outer forward mode carries through a call, as through
-``torch.autograd.grad``, so x's leaves are aliased, never detached (``detach`` drops a
-tangent), and the results keep what they carry."""
+``_FORWARD_LOCK``. Whether any dual level is open (ours, the caller's, a ``torch.func.jvp``'s)
+is ``forward_ad._current_level >= 0``, read inline on every call: x may then be a dual tensor,
+whose leaves are aliased, never detached (:func:`~._engine._requiring_grad`)."""
 
 
 # torch's public make_dual and unpack_dual pass through three Python frames each (torch.export's

@@ -236,8 +236,7 @@ def _grad(
         create_graph=create_graph,
         allow_unused=True,
     )
-    # zeros where an input did not matter (cheaper than materialize_grads=True)
-    for g in grads:  # (a loop, not a generator: this runs on every call)
+    for g in grads:  # (a loop, not a generator: on every call; cheaper than materialize_grads=True)
         if g is None:
             return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs, strict=True))
     return grads  # type: ignore[no-any-return]
@@ -262,8 +261,7 @@ def _refuse_hidden_cut(fn: Fn, xs: Leaves) -> None:
 
 def _whole(grads: Leaves, inputs: Leaves) -> Leaves:
     """``torch.autograd.grad``'s gradients (``allow_unused=True``) as diffiface returns them:
-    zeros where an input did not matter, laid out as the inputs (DTensors), ordinary tensors
-    for torch's ZeroTensors."""
+    zeros where an input did not matter, :func:`_placed`, :func:`_materialised`."""
     for found in grads:  # (loops, not comprehensions: this runs on every call)
         if found is None:
             grads = tuple(torch.zeros_like(x) if d is None else d for d, x in zip(grads, inputs, strict=True))
@@ -320,17 +318,16 @@ def _pushed_by_pullbacks(
 ) -> tuple[Leaves, Leaves]:
     """A jvp's primals and products by reverse over reverse, as ``torch.autograd.functional.jvp``
     computes it: ``out``, f's output leaves on ``leaves`` (leaves of a fresh graph), pulled back
-    along cotangents of ones that require grad (linear in them, with its graph: any point serves,
-    and at zero a backward pass that takes the log of its cotangent's parts, logcumsumexp's,
-    reads NaN), and that pullback's own along copies of the tangents ``ts`` (a product the graphs
-    pass through unchanged would be the caller's tangent itself). An output leaf the graph does not reach has
-    a zero product, as in forward mode. Where torch cannot differentiate the pullback,
-    :class:`_NoSecondPass`: it raises, a pullback comes out without a graph (a backward pass of
-    a piecewise constant operation, whose zero forward mode computes as well), or the
-    pullbacks' graph does not reach a cotangent (a ``once_differentiable`` backward pass; or an
-    output traced through a Constant that requires grad, not through x): a zero product there
-    could be wrong. A failure after f wrote into ``inputs`` (their ``versions`` moved) is raised
-    as it is: the guard refuses the write."""
+    along cotangents of ones that require grad (linear in them: any point serves, and at zero a
+    backward pass that takes the log of its cotangent's parts, logcumsumexp's, reads NaN), and
+    that pullback's own along copies of the tangents ``ts`` (a product the graphs pass through
+    unchanged would be the caller's tangent itself). An output leaf the graph does not reach has
+    a zero product, as in forward mode. :class:`_NoSecondPass` where a zero product could be
+    wrong: torch cannot differentiate the pullback, a pullback comes out without a graph (a
+    piecewise constant operation's), or the pullbacks' graph does not reach a cotangent (a
+    ``once_differentiable`` backward; an output traced through a Constant that requires grad).
+    A failure after f wrote into ``inputs`` (their ``versions`` moved) is raised as it is: the
+    guard refuses the write."""
     tracked, ones = [], []
     for y in out:  # (loops, not comprehensions: no frame of their own on every call)
         if isinstance(y, torch.Tensor) and y.requires_grad:

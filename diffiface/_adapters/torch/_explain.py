@@ -19,19 +19,13 @@ def explain_failure(adapter: Any, exc: BaseException) -> str | None:
     error); torch.func's refusals it cannot get past are raised here as diffiface errors."""
     text = str(exc)
     if "numpy()" in text and "requires grad" in text:
-        return (
-            "f turned a tensor that requires grad into a numpy array (a numpy function or "
-            ".numpy() on its input). Write f with torch operations, or differentiate a numpy f "
-            "with AutoFiniteDifferences()."
-        )
+        return f"f turned a tensor that requires grad into a numpy array (a numpy function or .numpy() on its input). {_NUMPY_F}"
     if isinstance(exc, RuntimeError) and "Cannot access data pointer of Tensor that doesn't have storage" in text:
         # a tensor of a torch.func transform (or a forward-mode dual inside one) has no memory
         # of its own: numpy, or any code that reads a tensor's memory, cannot take it
         return (
-            "f handed a tensor of torch.func's transforms, which has no memory of its own, to code "
-            "that reads a tensor's memory (a numpy function, .numpy() or np.asarray, even after "
-            ".detach()). Write f with torch operations, or differentiate a numpy f with "
-            "AutoFiniteDifferences()."
+            "f handed a tensor of torch.func's transforms, which has no memory of its own, to code that reads "
+            f"a tensor's memory (a numpy function, .numpy() or np.asarray, even after .detach()). {_NUMPY_F}"
         )
     if "mixed torch.Tensor and DTensor" in text:
         return (
@@ -62,19 +56,15 @@ def explain_failure(adapter: Any, exc: BaseException) -> str | None:
         # torch has no forward-mode rule for an operation of f: no way past it in forward mode
         operation = text.split("Trying to use forward AD with ", 1)[1].split(" ", 1)[0]
         raise UnsupportedOperationError(
-            f"f calls {operation}, which torch has no forward-mode derivative of, and this operator runs f in "
-            "forward mode (a jvp or a derivative; under torch.func also an hvp or a Hessian, forward over "
-            "reverse). Use reverse mode: a vjp or a gradient; for a jvp AutoTorch(jvp='reverse') (two backward "
-            "passes), for an hvp or a Hessian AutoTorch() (double backward), where torch can differentiate "
-            "f's backward pass again."
+            f"f calls {operation}, which torch has no forward-mode derivative of, {_IN_FORWARD_MODE}). Use "
+            f"reverse mode: a vjp or a gradient; {_REVERSE_INSTEAD}, where torch can differentiate f's backward "
+            "pass again."
         ) from exc
     if isinstance(exc, NotImplementedError) and "implement the jvp function for custom autograd.Function" in text:
         raise UnsupportedOperationError(
-            "f uses a torch.autograd.Function without a jvp staticmethod, and this operator runs f in forward "
-            "mode (a jvp or a derivative; under torch.func also an hvp or a Hessian, forward over reverse; "
-            "AutoSparse's row coloring, once, for the layout of f's output). "
-            "Give the Function a jvp, or use reverse mode: for a jvp AutoTorch(jvp='reverse') (two backward "
-            "passes), for an hvp or a Hessian AutoTorch() (double backward)."
+            f"f uses a torch.autograd.Function without a jvp staticmethod, {_IN_FORWARD_MODE}; AutoSparse's "
+            f"row coloring, once, for the layout of f's output). Give the Function a jvp, or use reverse mode: "
+            f"{_REVERSE_INSTEAD}."
         ) from exc
     if adapter.functional and isinstance(exc, RuntimeError) and "override the setup_context" in text:
         # torch.func's refusal of a classic torch.autograd.Function: the engine cannot run f
@@ -93,6 +83,15 @@ def explain_failure(adapter: Any, exc: BaseException) -> str | None:
         ) from exc
     return None
 
+
+_NUMPY_F = "Write f with torch operations, or differentiate a numpy f with AutoFiniteDifferences()."
+_IN_FORWARD_MODE = (
+    "and this operator runs f in forward mode (a jvp or a derivative; under torch.func also an hvp or a "
+    "Hessian, forward over reverse"
+)
+_REVERSE_INSTEAD = (
+    "for a jvp AutoTorch(jvp='reverse') (two backward passes), for an hvp or a Hessian AutoTorch() (double backward)"
+)
 
 _OPERAND_TYPES = re.compile(
     r"(?:unsupported operand type\(s\) for (?P<binary>.+?):|'(?P<compare>.+?)' not supported between instances of)"
