@@ -176,7 +176,7 @@ class Closure:
     """What ``f`` reads besides its arguments, as a compiled program or a sparsity pattern keeps
     it (``jax.jit`` bakes in the values f reads when it traces f): an unprepared call whose f
     reads anything else prepares again. What is followed is the rule docs/preparation.md states
-    ("An unprepared call is never stale"), read by :func:`_reads`; each object so read is
+    ("What an unprepared call compares"), read by :func:`_reads`; each object so read is
     compared by identity, arrays among them also by their contents (their family's ``contents``)."""
 
     __slots__ = ("_arrays", "_ids", "_keep", "holds")
