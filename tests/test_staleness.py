@@ -555,6 +555,21 @@ def test_data_held_by_an_argument_f_is_bound_to_is_never_stale(kind: str) -> Non
     np.testing.assert_allclose(np.asarray(di.gradient(f, "jax", np.ones(2))), [10.0, 14.0])
 
 
+def test_an_mlx_global_written_in_place_is_never_baked_in() -> None:
+    """An mx.array takes item assignment: after ``w[1] = 5`` an unprepared mlx call reused the
+    program ``mx.compile`` had traced with the old values (the closure compared mlx arrays by
+    identity only, as if they were immutable like jax's)."""
+    require("mlx")
+    import mlx.core as mx
+
+    weights = mx.array([1.0, 2.0])
+    f = lambda v: (weights * v**2).sum()  # noqa: E731
+    x = mx.ones(2)
+    np.testing.assert_allclose(np.array(di.gradient(f, "mlx", x)), [2.0, 4.0])
+    weights[1] = 5.0
+    np.testing.assert_allclose(np.array(di.gradient(f, "mlx", x)), [2.0, 10.0])
+
+
 def test_an_attribute_f_does_not_name_costs_no_new_prep() -> None:
     """Only the entries f's code names are followed: a counter beside the weights that changes
     on every call leaves the prep in use."""

@@ -8,8 +8,8 @@ from typing import Any, Final
 
 import numpy as np
 
+from ._shared import Contents, numpy_like_complex
 from ._shared import block_like as block_like
-from ._shared import contents as contents
 from ._shared import dtype_scope as dtype_scope
 from ._shared import eval_shape as eval_shape
 from ._shared import exchange as exchange  # (crosses as a numpy copy: dlpack into mlx would make float64 float32)
@@ -17,7 +17,6 @@ from ._shared import from_parts as from_parts
 from ._shared import laid_out_ravel as laid_out_ravel
 from ._shared import layout as layout
 from ._shared import leaves_test as leaves_test
-from ._shared import numpy_like_complex
 from ._shared import opened as opened
 from ._shared import same as same
 from ._shared import trace_of as trace_of
@@ -120,6 +119,17 @@ def private_copy(leaf: Any) -> Any:
 
 
 values = to_numpy
+
+
+def contents(value: Any, kept: int) -> Contents | None:
+    """An array's contents, compared by value: an mx.array takes item assignment (``w[0] = 1``
+    writes into the array f reads, which ``mx.compile`` baked in), as a numpy array does."""
+    found = _view(value)
+    return None if found is None else Contents(*found, _view, kept)
+
+
+def _view(value: Any) -> tuple[np.ndarray, Any] | None:
+    return (to_numpy(value), signature(value)) if owns(type(value)) else None
 
 
 def describe(signature: tuple[Any, ...]) -> str:
