@@ -8,11 +8,11 @@ Rules: ufuncs unite their operands' sets (broadcast); functions that only move e
 (concatenate, stack, roll, pad, take, indexing with known indices...) are run by numpy on arrays
 of positions; reductions, cumulative functions, diff, dot/matmul, einsum (tensordot, inner,
 kron), convolve, correlate, polyval and sort have their own rules; any other function, and any
-whose rule does not fit its operands, is dense (each output element depends on everything its
-operands depend on) and named in the notes. Comparisons give booleans whose values are not known: a
-Python ``if`` on them, ``float(x[0])``, or indexing with them is refused with the reason, since
-the pattern could change with x. Anything else that stops the trace (a function that fails on
-sample values, ``.strides``) is a :class:`TracerFailure`: the whole function is then dense.
+whose rule does not fit its operands, is dense (``sets.Trace.dense``). Comparisons give booleans
+whose values are not known: a Python ``if`` on them, ``float(x[0])``, or indexing with them is
+refused with the reason, since the pattern could change with x. Anything else that stops the
+trace (a function that fails on sample values, ``.strides``) is a :class:`TracerFailure`: the
+whole function is then dense.
 """
 
 from __future__ import annotations
@@ -89,11 +89,9 @@ class _MissingAttribute(TracerFailure, AttributeError):
     AttributeError to ``hasattr``, and the whole function dense even where f catches it."""
 
 
-class _Trace:
+class _Trace(sets.Trace):
     def __init__(self, n: int, hessian: bool) -> None:
-        self.n = n
-        self.pairs = sets.Pairs(n) if hessian else None
-        self.notes: list[str] = []
+        super().__init__(n, hessian, "numpy")
         self.raised: _Raised | None = None
         self.refused: TracerRefusal | None = None
 
@@ -409,7 +407,6 @@ def _ufunc(trace: _Trace, ufunc: Any, inputs: Sequence[Any], kwargs: dict[str, A
     out_shape = np.broadcast_shapes(*(_shape_of(v) for v in inputs))
     float_inputs = [v for v in inputs if isinstance(v, IndexSetArray) and v.floating]
     broadcast = sets.elementwise([(v.rows, v.shape) for v in float_inputs], out_shape, trace.n)
-    rows = sets.union(broadcast)
     # the dtype numpy would give, from the operands' dtypes
     probes = [np.ones((), dtype=v.dtype) if isinstance(v, IndexSetArray) else v for v in inputs]
     with np.errstate(all="ignore"):
@@ -419,15 +416,11 @@ def _ufunc(trace: _Trace, ufunc: Any, inputs: Sequence[Any], kwargs: dict[str, A
             sample = np.ones(())
     samples = sample if isinstance(sample, tuple) else (sample,)
     name = ufunc.__name__
-    if trace.pairs is not None and rows is not None:
-        present = [r for r in broadcast if r is not None]
-        complex_input = any(isinstance(v, IndexSetArray) and v.dtype.kind == "c" for v in inputs)
-        # (|z| and z / |z| of a complex z are no piecewise linear maps of its parts; a quotient by a constant is)
-        linear = name in _LINEAR_UFUNCS or (name in _PIECEWISE_LINEAR and not complex_input)
-        if name == "multiply" and len(present) == 2:
-            trace.pairs.add(present[0], present[1])
-        elif not (linear or name == "multiply" or (name in ("true_divide", "divide") and broadcast[-1] is None)):
-            trace.pairs.add_all(rows)
+    complex_input = any(isinstance(v, IndexSetArray) and v.dtype.kind == "c" for v in inputs)
+    # (|z| and z / |z| of a complex z are no piecewise linear maps of its parts; a quotient by a constant is)
+    linear = name in _LINEAR_UFUNCS or (name in _PIECEWISE_LINEAR and not complex_input)
+    linear = linear or (name in ("true_divide", "divide") and broadcast[-1] is None)
+    rows = trace.unite(broadcast, linear, name == "multiply")
     dtypes = [np.asarray(s).dtype for s in samples]
     outputs = [IndexSetArray(trace, out_shape, rows if dtype.kind in "fc" else None, dtype) for dtype in dtypes]
     return tuple(outputs) if len(outputs) > 1 else outputs[0]
@@ -446,9 +439,8 @@ def _reduce(trace: _Trace, a: Any, axis: Any, keepdims: bool, linear: bool) -> A
     axes = _axes(axis, a.ndim) if a.ndim else []
     kept = tuple(1 if d in axes else s for d, s in enumerate(a.shape))
     out_shape = kept if keepdims else tuple(s for d, s in enumerate(a.shape) if d not in axes)
-    rows = sets.apply(sets.reduction_matrix(a.shape, axes), a.rows) if a.shape else a.rows
-    if trace.pairs is not None and not linear:
-        trace.pairs.add_all(rows)
+    rows = sets.apply(sets.reduction_matrix(a.shape, axes), a.rows)
+    rows = rows if linear else trace.nonlinear(rows)
     return IndexSetArray(trace, out_shape, rows, a.dtype if a.floating else np.float64)
 
 
@@ -458,8 +450,7 @@ def _cumulative(trace: _Trace, a: Any, axis: Any, linear: bool, whole: bool = Fa
     if axis is None:
         a, axis = np.ravel(a), 0
     rows = sets.along(a.rows, a.shape, int(axis), whole)
-    if trace.pairs is not None and not linear:
-        trace.pairs.add_all(rows)
+    rows = rows if linear else trace.nonlinear(rows)
     return IndexSetArray(trace, a.shape, rows, a.dtype)
 
 
@@ -954,11 +945,7 @@ def _dense(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
             f"{_public_name(func)} could not run on sample values to learn its result's shape "
             f"({type(errors[0]).__name__}: {str(errors[0])[:200]})"
         ) from errors[0]
-    # each operand's sets in one row: operands of different sizes (polyval's p and x) unite
-    every = sets.everything(found)
-    trace.notes.append(f"{_public_name(func)} is not known to the numpy detector: dense")
-    if trace.pairs is not None:
-        trace.pairs.add_all(every)
+    every = trace.dense(found, _public_name(func))  # (operands of any sizes: polyval's p and x)
 
     def wrap(o: Any) -> Any:
         if isinstance(o, (list, tuple)):
@@ -1030,10 +1017,7 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
         _ACTIVE.trace = outer
     if trace.pairs is not None:
         _check_scalar(sum(out_sizes))
-        pattern = trace.pairs.pattern()
-    else:
-        pattern = sets.stack(blocks, out_sizes, n)
-    return Detection(pattern, "numpy", tuple(dict.fromkeys(trace.notes)))
+    return Detection(trace.pattern(blocks, out_sizes), "numpy", tuple(dict.fromkeys(trace.notes)))
 
 
 def _abstract(trace: _Trace, leaf: Any) -> Any:
