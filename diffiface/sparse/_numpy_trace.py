@@ -823,23 +823,20 @@ def _computes_values(name: str, args: Any, kwargs: Any) -> bool:
     return not isinstance(mode, str) or mode not in _MOVING_PADS or odd
 
 
-_MOVES = {
-    "concatenate", "stack", "hstack", "vstack", "dstack", "column_stack", "roll", "reshape", "ravel", "transpose",
-    "moveaxis", "swapaxes", "flip", "fliplr", "flipud", "rot90", "squeeze", "expand_dims", "broadcast_to", "take",
-    "take_along_axis", "repeat", "tile", "pad", "diagonal", "triu", "tril", "atleast_1d", "atleast_2d",
-    "atleast_3d", "split", "array_split", "hsplit", "vsplit", "dsplit", "copy", "append", "delete", "insert",
-    "real", "block", "rollaxis", "diag", "select", "broadcast_arrays", "put_along_axis", "row_stack",
-    "unstack", "permute_dims", "concat", "asarray", "asanyarray", "ascontiguousarray", "array_equal",
-}  # fmt: skip
-"""Functions that only move elements: run by numpy on positions."""
-
-
 _COPIES = {
     "concatenate", "stack", "hstack", "vstack", "dstack", "column_stack", "roll", "take", "take_along_axis",
     "repeat", "tile", "pad", "triu", "tril", "copy", "append", "delete", "insert", "block", "diag", "select",
     "row_stack", "concat", "rot90",
 }  # fmt: skip
 """Moves that give a new array (the others give views, into which f may not write)."""
+
+_MOVES = _COPIES | {
+    "reshape", "ravel", "transpose", "moveaxis", "swapaxes", "flip", "fliplr", "flipud", "squeeze", "expand_dims",
+    "broadcast_to", "diagonal", "atleast_1d", "atleast_2d", "atleast_3d", "split", "array_split", "hsplit",
+    "vsplit", "dsplit", "real", "rollaxis", "broadcast_arrays", "put_along_axis", "unstack", "permute_dims",
+    "asarray", "asanyarray", "ascontiguousarray", "array_equal",
+}  # fmt: skip
+"""Functions that only move elements: run by numpy on positions."""
 
 
 def _move(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:

@@ -559,9 +559,8 @@ class _Interpreter(sets.Trace):
             moved = self.move(node, None)
             if moved is not _UNKNOWN:
                 return [r if _is_float_meta(m) else None for r, m in zip(moved, metas, strict=True)]
-        if name in ("aminmax", "var_mean", "std_mean", "max", "min", "sort", "cummax", "cummin"):
-            along = name in ("sort", "cummax", "cummin")
-            rows = self.along(node, name) if along else self.reduction(node, name, shapes[0])
+        if name in _REDUCTIONS or name in _CUMULATIVE or name in _ALONG:  # (max, aminmax, var_mean, sort, cummax)
+            rows = self.reduction(node, name, shapes[0]) if name in _REDUCTIONS else self.along(node, name)
             return [rows if _is_float_meta(m) else None for m in metas]
         every = self.dense_row(node)
         return [
