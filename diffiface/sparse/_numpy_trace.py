@@ -31,7 +31,7 @@ from .. import _arrays, tree
 from .._errors import InvalidOutputError, UnsupportedOperationError
 from .._families import autograd as _autograd
 from . import _index_sets as sets
-from ._graphs import Detection
+from ._graphs import Detection, leaf_function
 
 __all__ = ["IndexSetArray", "TracerFailure", "dense_pattern", "trace_pattern"]
 
@@ -976,27 +976,22 @@ _FUNCTIONS: dict[str, Callable[[_Trace, Any, Any, dict[str, Any]], Any]] = {
 
 def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: bool) -> Detection:
     """The Jacobian (``hessian=False``) or Hessian pattern of numpy-written ``f`` at ``x``."""
-    import optree
-
-    leaves, spec = tree.flatten(x)
+    leaves = tree.leaves(x)
     sizes = [int(np.prod(_arrays.shape(leaf), dtype=np.int64)) for leaf in leaves]
-    n = int(sum(sizes))
-    trace = _Trace(n, hessian)
+    trace = _Trace(int(sum(sizes)), hessian)
     traced = [
         IndexSetArray(trace, _arrays.shape(leaf), rows, np.dtype(_arrays.dtype_name(leaf)))
         for leaf, rows in zip(leaves, sets.identity(sizes), strict=True)
     ]
-    context_leaves, context_spec = tree.flatten(values)
-    abstract = [_abstract(trace, leaf) for leaf in context_leaves]
-    values = optree.tree_unflatten(context_spec, abstract)  # type: ignore[assignment]
+    run, contexts = leaf_function(f, x, values, lambda leaf: True)
+    traced += [_abstract(trace, leaf) for leaf in contexts]
     outer, _ACTIVE.trace = getattr(_ACTIVE, "trace", None), trace
     try:
         with _autograd_arrays():
-            out = f(optree.tree_unflatten(spec, traced), *values)
+            outputs = run(*traced)
         if trace.raised is not None:
             trace.raised.caught = True
             raise trace.raised
-        outputs = tree.leaves(out)
         blocks = [o.rows if isinstance(o, IndexSetArray) and o.floating else None for o in outputs]
         out_sizes = [o.size if isinstance(o, IndexSetArray) else int(np.size(o)) for o in outputs]
     except TracerRefusal as error:
