@@ -96,6 +96,11 @@ class _Trace(sets.Trace):
         self.refused: TracerRefusal | None = None
 
 
+_METHODS = {
+    "sum", "mean", "prod", "max", "min", "std", "var", "cumsum", "cumprod", "clip", "ravel", "squeeze", "swapaxes", "dot",
+}  # fmt: skip
+"""The array methods that are numpy's functions of the array (``a.sum(...)``: ``np.sum(a, ...)``)."""
+
 _LINEAR_UFUNCS = {"add", "subtract", "negative", "positive", "conjugate", "real"}
 _PIECEWISE_LINEAR = {"absolute", "fabs", "maximum", "minimum", "fmax", "fmin", "clip", "sign", "floor", "ceil"}
 
@@ -107,16 +112,6 @@ def _refusing(what: str) -> Callable[..., Any]:
         raise self._refuse(what)
 
     return refuse
-
-
-def _numpy_method(function: Callable[..., Any]) -> Callable[..., Any]:
-    """The array method ``a.name(...)``: numpy's ``function(a, ...)``."""
-
-    def method(self: IndexSetArray, *args: Any, **kwargs: Any) -> Any:
-        return function(self, *args, **kwargs)
-
-    method.__name__ = function.__name__
-    return method
 
 
 class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
@@ -176,6 +171,8 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):  # protocols probed by numpy and others: absent, not a failure
             raise AttributeError(name)
+        if name in _METHODS:  # a.sum(...): np.sum(a, ...), on the tracer through __array_function__
+            return functools.partial(getattr(np, name), self)
         raise _MissingAttribute(f"f reads .{name} of an array computed from x, which the tracer does not have")
 
     # -- what depends on values: refused ---------------------------------------------------------
@@ -224,21 +221,6 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
             axes = tuple(axes[0])
         return np.transpose(self, axes or None)
 
-    # numpy's functions of the array (on the tracer through __array_function__)
-    sum = _numpy_method(np.sum)
-    mean = _numpy_method(np.mean)
-    prod = _numpy_method(np.prod)
-    max = _numpy_method(np.max)
-    min = _numpy_method(np.min)
-    std = _numpy_method(np.std)
-    var = _numpy_method(np.var)
-    cumsum = _numpy_method(np.cumsum)
-    cumprod = _numpy_method(np.cumprod)
-    clip = _numpy_method(np.clip)
-    ravel = _numpy_method(np.ravel)
-    squeeze = _numpy_method(np.squeeze)
-    swapaxes = _numpy_method(np.swapaxes)
-    dot = _numpy_method(np.dot)
     conj = view
 
     def _writes_in_place(self, *args: Any, **kwargs: Any) -> Any:
