@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 Rows = Any  # csr_array (elements x inputs, bool), or None: depends on nothing
 
-__all__ = ["Pairs", "Rows", "gather", "positions", "union"]
+__all__ = ["Pairs", "Rows", "Trace", "gather", "positions", "union"]
 
 
 def _sp() -> Any:
@@ -274,6 +274,47 @@ def convolution(
         cols = np.broadcast_to(rhs_at.reshape(outs, group_in, -1)[o, ig, t][:, None, None], reads.shape)[valid]
         parts.append(apply(selection(rows[valid], cols, (out_at.size, rhs_at.size)), rhs_rows))
     return union(parts)
+
+
+class Trace:
+    """What a tracer carries beside the sets: ``n`` inputs, the Hessian's :class:`Pairs` (None
+    for a Jacobian), and notes naming the operations taken as dense. Its methods are the rules
+    the numpy and torch tracers share, each with its second-order term."""
+
+    def __init__(self, n: int, hessian: bool, tracer: str) -> None:
+        self.n = n
+        self.pairs = Pairs(n) if hessian else None
+        self.notes: list[str] = []
+        self.tracer = tracer
+
+    def dense(self, rows: Sequence[Rows], what: str) -> Rows:
+        """An operation not known (``what``), noted: one row, every input that any element of
+        any of ``rows`` depends on (arrays of any sizes), each pair of them coupled."""
+        every = everything(rows)
+        self.notes.append(f"{what} is not known to the {self.tracer} detector: dense")
+        return self.nonlinear(every)
+
+    def nonlinear(self, rows: Rows) -> Rows:
+        """``rows``, each element's sets coupled pair by pair (a nonlinear map of them)."""
+        if self.pairs is not None:
+            self.pairs.add_all(rows)
+        return rows
+
+    def unite(self, broadcast: Sequence[Rows], linear: bool, product: bool) -> Rows:
+        """The union of an elementwise operation's operands (broadcast): a product couples its
+        two factors, any other map that is not ``linear`` every pair of the union."""
+        out = union(broadcast)
+        if self.pairs is not None:
+            present = [r for r in broadcast if r is not None]
+            if product and len(present) == 2:
+                self.pairs.add(present[0], present[1])
+            elif present and not linear and not product:
+                self.pairs.add_all(out)
+        return out
+
+    def pattern(self, blocks: Sequence[Rows], sizes: Sequence[int]) -> csr_array:
+        """The Hessian pattern (f returns one number), or the Jacobian's: the outputs' rows."""
+        return self.pairs.pattern() if self.pairs is not None else stack(blocks, sizes, self.n)
 
 
 class Pairs:

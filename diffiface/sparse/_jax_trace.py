@@ -1,15 +1,8 @@
-"""Global sparsity detection: which input numbers each output number depends on, read from the
-program jax traces of ``f``.
-
-Each variable of the program gets a boolean ``scipy.sparse.csr_array`` (one row per element of
-the variable, one column per input number), or ``None`` where it depends on no input. An
-operation maps its operands' rows to its outputs' rows: elementwise operations unite the rows of
-their operands, copies (reshape, slices, gathers from known indices...) pick rows, reductions and
-contractions unite the rows they combine. What is not known is made conservative: every output
-of an unknown operation depends on everything any of its operands depends on.
-
-Values are followed too, where they do not depend on the inputs (the arrays ``f`` closes over,
-``iota``, what is computed from them), so that indices known when ``f`` is traced pick exact rows.
+"""Global sparsity detection for jax programs: the program jax traces of ``f`` run on index sets
+(``_index_sets``), one rule per primitive; a primitive without one is dense (each output depends
+on everything its operands depend on). Values are followed too, where they do not depend on the
+inputs (the arrays ``f`` closes over, ``iota``, what is computed from them), so that indices
+known when ``f`` is traced pick exact rows.
 """
 
 from __future__ import annotations
@@ -27,7 +20,7 @@ from ._graphs import Detection, as_pattern, first_line, leaf_function
 if TYPE_CHECKING:
     from scipy.sparse import csr_array
 
-Pattern = Any  # csr_array (elements x columns, bool) or None: depends on nothing
+Pattern = sets.Rows
 
 MAX_FIXED_POINT_ROUNDS = 64
 """Rounds of a loop body before a loop's carried values are taken to depend on everything."""

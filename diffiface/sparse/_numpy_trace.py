@@ -8,11 +8,11 @@ Rules: ufuncs unite their operands' sets (broadcast); functions that only move e
 (concatenate, stack, roll, pad, take, indexing with known indices...) are run by numpy on arrays
 of positions; reductions, cumulative functions, diff, dot/matmul, einsum (tensordot, inner,
 kron), convolve, correlate, polyval and sort have their own rules; any other function, and any
-whose rule does not fit its operands, is dense (each output element depends on everything its
-operands depend on) and named in the notes. Comparisons give booleans whose values are not known: a
-Python ``if`` on them, ``float(x[0])``, or indexing with them is refused with the reason, since
-the pattern could change with x. Anything else that stops the trace (a function that fails on
-sample values, ``.strides``) is a :class:`TracerFailure`: the whole function is then dense.
+whose rule does not fit its operands, is dense (``sets.Trace.dense``). Comparisons give booleans
+whose values are not known: a Python ``if`` on them, ``float(x[0])``, or indexing with them is
+refused with the reason, since the pattern could change with x. Anything else that stops the
+trace (a function that fails on sample values, ``.strides``) is a :class:`TracerFailure`: the
+whole function is then dense.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from .. import _arrays, tree
 from .._errors import InvalidOutputError, UnsupportedOperationError
 from .._families import autograd as _autograd
 from . import _index_sets as sets
-from ._graphs import Detection
+from ._graphs import Detection, leaf_function
 
 __all__ = ["IndexSetArray", "TracerFailure", "dense_pattern", "trace_pattern"]
 
@@ -89,14 +89,17 @@ class _MissingAttribute(TracerFailure, AttributeError):
     AttributeError to ``hasattr``, and the whole function dense even where f catches it."""
 
 
-class _Trace:
+class _Trace(sets.Trace):
     def __init__(self, n: int, hessian: bool) -> None:
-        self.n = n
-        self.pairs = sets.Pairs(n) if hessian else None
-        self.notes: list[str] = []
+        super().__init__(n, hessian, "numpy")
         self.raised: _Raised | None = None
         self.refused: TracerRefusal | None = None
 
+
+_METHODS = {
+    "sum", "mean", "prod", "max", "min", "std", "var", "cumsum", "cumprod", "clip", "ravel", "squeeze", "swapaxes", "dot",
+}  # fmt: skip
+"""The array methods that are numpy's functions of the array (``a.sum(...)``: ``np.sum(a, ...)``)."""
 
 _LINEAR_UFUNCS = {"add", "subtract", "negative", "positive", "conjugate", "real"}
 _PIECEWISE_LINEAR = {"absolute", "fabs", "maximum", "minimum", "fmax", "fmin", "clip", "sign", "floor", "ceil"}
@@ -109,16 +112,6 @@ def _refusing(what: str) -> Callable[..., Any]:
         raise self._refuse(what)
 
     return refuse
-
-
-def _numpy_method(function: Callable[..., Any]) -> Callable[..., Any]:
-    """The array method ``a.name(...)``: numpy's ``function(a, ...)``."""
-
-    def method(self: IndexSetArray, *args: Any, **kwargs: Any) -> Any:
-        return function(self, *args, **kwargs)
-
-    method.__name__ = function.__name__
-    return method
 
 
 class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
@@ -178,6 +171,8 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):  # protocols probed by numpy and others: absent, not a failure
             raise AttributeError(name)
+        if name in _METHODS:  # a.sum(...): np.sum(a, ...), on the tracer through __array_function__
+            return functools.partial(getattr(np, name), self)
         raise _MissingAttribute(f"f reads .{name} of an array computed from x, which the tracer does not have")
 
     # -- what depends on values: refused ---------------------------------------------------------
@@ -226,21 +221,6 @@ class IndexSetArray(numpy.lib.mixins.NDArrayOperatorsMixin):
             axes = tuple(axes[0])
         return np.transpose(self, axes or None)
 
-    # numpy's functions of the array (on the tracer through __array_function__)
-    sum = _numpy_method(np.sum)
-    mean = _numpy_method(np.mean)
-    prod = _numpy_method(np.prod)
-    max = _numpy_method(np.max)
-    min = _numpy_method(np.min)
-    std = _numpy_method(np.std)
-    var = _numpy_method(np.var)
-    cumsum = _numpy_method(np.cumsum)
-    cumprod = _numpy_method(np.cumprod)
-    clip = _numpy_method(np.clip)
-    ravel = _numpy_method(np.ravel)
-    squeeze = _numpy_method(np.squeeze)
-    swapaxes = _numpy_method(np.swapaxes)
-    dot = _numpy_method(np.dot)
     conj = view
 
     def _writes_in_place(self, *args: Any, **kwargs: Any) -> Any:
@@ -409,7 +389,6 @@ def _ufunc(trace: _Trace, ufunc: Any, inputs: Sequence[Any], kwargs: dict[str, A
     out_shape = np.broadcast_shapes(*(_shape_of(v) for v in inputs))
     float_inputs = [v for v in inputs if isinstance(v, IndexSetArray) and v.floating]
     broadcast = sets.elementwise([(v.rows, v.shape) for v in float_inputs], out_shape, trace.n)
-    rows = sets.union(broadcast)
     # the dtype numpy would give, from the operands' dtypes
     probes = [np.ones((), dtype=v.dtype) if isinstance(v, IndexSetArray) else v for v in inputs]
     with np.errstate(all="ignore"):
@@ -419,15 +398,11 @@ def _ufunc(trace: _Trace, ufunc: Any, inputs: Sequence[Any], kwargs: dict[str, A
             sample = np.ones(())
     samples = sample if isinstance(sample, tuple) else (sample,)
     name = ufunc.__name__
-    if trace.pairs is not None and rows is not None:
-        present = [r for r in broadcast if r is not None]
-        complex_input = any(isinstance(v, IndexSetArray) and v.dtype.kind == "c" for v in inputs)
-        # (|z| and z / |z| of a complex z are no piecewise linear maps of its parts; a quotient by a constant is)
-        linear = name in _LINEAR_UFUNCS or (name in _PIECEWISE_LINEAR and not complex_input)
-        if name == "multiply" and len(present) == 2:
-            trace.pairs.add(present[0], present[1])
-        elif not (linear or name == "multiply" or (name in ("true_divide", "divide") and broadcast[-1] is None)):
-            trace.pairs.add_all(rows)
+    complex_input = any(isinstance(v, IndexSetArray) and v.dtype.kind == "c" for v in inputs)
+    # (|z| and z / |z| of a complex z are no piecewise linear maps of its parts; a quotient by a constant is)
+    linear = name in _LINEAR_UFUNCS or (name in _PIECEWISE_LINEAR and not complex_input)
+    linear = linear or (name in ("true_divide", "divide") and broadcast[-1] is None)
+    rows = trace.unite(broadcast, linear, name == "multiply")
     dtypes = [np.asarray(s).dtype for s in samples]
     outputs = [IndexSetArray(trace, out_shape, rows if dtype.kind in "fc" else None, dtype) for dtype in dtypes]
     return tuple(outputs) if len(outputs) > 1 else outputs[0]
@@ -446,9 +421,8 @@ def _reduce(trace: _Trace, a: Any, axis: Any, keepdims: bool, linear: bool) -> A
     axes = _axes(axis, a.ndim) if a.ndim else []
     kept = tuple(1 if d in axes else s for d, s in enumerate(a.shape))
     out_shape = kept if keepdims else tuple(s for d, s in enumerate(a.shape) if d not in axes)
-    rows = sets.apply(sets.reduction_matrix(a.shape, axes), a.rows) if a.shape else a.rows
-    if trace.pairs is not None and not linear:
-        trace.pairs.add_all(rows)
+    rows = sets.apply(sets.reduction_matrix(a.shape, axes), a.rows)
+    rows = rows if linear else trace.nonlinear(rows)
     return IndexSetArray(trace, out_shape, rows, a.dtype if a.floating else np.float64)
 
 
@@ -458,8 +432,7 @@ def _cumulative(trace: _Trace, a: Any, axis: Any, linear: bool, whole: bool = Fa
     if axis is None:
         a, axis = np.ravel(a), 0
     rows = sets.along(a.rows, a.shape, int(axis), whole)
-    if trace.pairs is not None and not linear:
-        trace.pairs.add_all(rows)
+    rows = rows if linear else trace.nonlinear(rows)
     return IndexSetArray(trace, a.shape, rows, a.dtype)
 
 
@@ -832,23 +805,20 @@ def _computes_values(name: str, args: Any, kwargs: Any) -> bool:
     return not isinstance(mode, str) or mode not in _MOVING_PADS or odd
 
 
-_MOVES = {
-    "concatenate", "stack", "hstack", "vstack", "dstack", "column_stack", "roll", "reshape", "ravel", "transpose",
-    "moveaxis", "swapaxes", "flip", "fliplr", "flipud", "rot90", "squeeze", "expand_dims", "broadcast_to", "take",
-    "take_along_axis", "repeat", "tile", "pad", "diagonal", "triu", "tril", "atleast_1d", "atleast_2d",
-    "atleast_3d", "split", "array_split", "hsplit", "vsplit", "dsplit", "copy", "append", "delete", "insert",
-    "real", "block", "rollaxis", "diag", "select", "broadcast_arrays", "put_along_axis", "row_stack",
-    "unstack", "permute_dims", "concat", "asarray", "asanyarray", "ascontiguousarray", "array_equal",
-}  # fmt: skip
-"""Functions that only move elements: run by numpy on positions."""
-
-
 _COPIES = {
     "concatenate", "stack", "hstack", "vstack", "dstack", "column_stack", "roll", "take", "take_along_axis",
     "repeat", "tile", "pad", "triu", "tril", "copy", "append", "delete", "insert", "block", "diag", "select",
     "row_stack", "concat", "rot90",
 }  # fmt: skip
 """Moves that give a new array (the others give views, into which f may not write)."""
+
+_MOVES = _COPIES | {
+    "reshape", "ravel", "transpose", "moveaxis", "swapaxes", "flip", "fliplr", "flipud", "squeeze", "expand_dims",
+    "broadcast_to", "diagonal", "atleast_1d", "atleast_2d", "atleast_3d", "split", "array_split", "hsplit",
+    "vsplit", "dsplit", "real", "rollaxis", "broadcast_arrays", "put_along_axis", "unstack", "permute_dims",
+    "asarray", "asanyarray", "ascontiguousarray", "array_equal",
+}  # fmt: skip
+"""Functions that only move elements: run by numpy on positions."""
 
 
 def _move(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -954,11 +924,7 @@ def _dense(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
             f"{_public_name(func)} could not run on sample values to learn its result's shape "
             f"({type(errors[0]).__name__}: {str(errors[0])[:200]})"
         ) from errors[0]
-    # each operand's sets in one row: operands of different sizes (polyval's p and x) unite
-    every = sets.everything(found)
-    trace.notes.append(f"{_public_name(func)} is not known to the numpy detector: dense")
-    if trace.pairs is not None:
-        trace.pairs.add_all(every)
+    every = trace.dense(found, _public_name(func))  # (operands of any sizes: polyval's p and x)
 
     def wrap(o: Any) -> Any:
         if isinstance(o, (list, tuple)):
@@ -992,27 +958,22 @@ _FUNCTIONS: dict[str, Callable[[_Trace, Any, Any, dict[str, Any]], Any]] = {
 
 def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: bool) -> Detection:
     """The Jacobian (``hessian=False``) or Hessian pattern of numpy-written ``f`` at ``x``."""
-    import optree
-
-    leaves, spec = tree.flatten(x)
+    leaves = tree.leaves(x)
     sizes = [int(np.prod(_arrays.shape(leaf), dtype=np.int64)) for leaf in leaves]
-    n = int(sum(sizes))
-    trace = _Trace(n, hessian)
+    trace = _Trace(int(sum(sizes)), hessian)
     traced = [
         IndexSetArray(trace, _arrays.shape(leaf), rows, np.dtype(_arrays.dtype_name(leaf)))
         for leaf, rows in zip(leaves, sets.identity(sizes), strict=True)
     ]
-    context_leaves, context_spec = tree.flatten(values)
-    abstract = [_abstract(trace, leaf) for leaf in context_leaves]
-    values = optree.tree_unflatten(context_spec, abstract)  # type: ignore[assignment]
+    run, contexts = leaf_function(f, x, values, lambda leaf: True)
+    traced += [_abstract(trace, leaf) for leaf in contexts]
     outer, _ACTIVE.trace = getattr(_ACTIVE, "trace", None), trace
     try:
         with _autograd_arrays():
-            out = f(optree.tree_unflatten(spec, traced), *values)
+            outputs = run(*traced)
         if trace.raised is not None:
             trace.raised.caught = True
             raise trace.raised
-        outputs = tree.leaves(out)
         blocks = [o.rows if isinstance(o, IndexSetArray) and o.floating else None for o in outputs]
         out_sizes = [o.size if isinstance(o, IndexSetArray) else int(np.size(o)) for o in outputs]
     except TracerRefusal as error:
@@ -1030,10 +991,7 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
         _ACTIVE.trace = outer
     if trace.pairs is not None:
         _check_scalar(sum(out_sizes))
-        pattern = trace.pairs.pattern()
-    else:
-        pattern = sets.stack(blocks, out_sizes, n)
-    return Detection(pattern, "numpy", tuple(dict.fromkeys(trace.notes)))
+    return Detection(trace.pattern(blocks, out_sizes), "numpy", tuple(dict.fromkeys(trace.notes)))
 
 
 def _abstract(trace: _Trace, leaf: Any) -> Any:

@@ -9,9 +9,8 @@ operations that only move elements (views, slices, indexing with known indices, 
 pad, scatter of known indices) are run by torch itself on tensors of positions; reductions,
 cumulative operations, softmax and sort unite along their dimensions; mm, mv, bmm, addmm and dot
 read the zeros of a constant operand; convolution, transposed or not, reads the zeros of a constant
-kernel. Any other operation is dense (each output element depends on everything its operands
-depend on) and named in the detection's notes. Tensors ``f`` closes over are constants: their
-values count.
+kernel. Any other operation is dense (``sets.Trace.dense``). Tensors ``f`` closes over are
+constants: their values count.
 """
 
 from __future__ import annotations
@@ -447,12 +446,10 @@ def _tracer_class() -> Any:
     return Tracer
 
 
-class _Interpreter:
+class _Interpreter(sets.Trace):
     def __init__(self, sizes: list[int], hessian: bool) -> None:
+        super().__init__(int(sum(sizes)), hessian, "torch")
         self.sizes = sizes
-        self.n = int(sum(sizes))
-        self.pairs = sets.Pairs(self.n) if hessian else None
-        self.notes: list[str] = []
         self.rows: dict[Any, Any] = {}
         self.values: dict[Any, Any] = {}
         self.input_rows = sets.identity(sizes)
@@ -487,13 +484,9 @@ class _Interpreter:
                 size, rows = sets.size(np.shape(out)), None
             blocks.append(rows)
             sizes.append(size)
-        if self.pairs is not None:
-            if sum(sizes) != 1:
-                raise _Refused("a Hessian pattern needs f to return one number")
-            pattern = self.pairs.pattern()
-        else:
-            pattern = sets.stack(blocks, sizes, self.n)
-        return Detection(pattern, "torch", tuple(dict.fromkeys(self.notes)))
+        if self.pairs is not None and sum(sizes) != 1:
+            raise _Refused("a Hessian pattern needs f to return one number")
+        return Detection(self.pattern(blocks, sizes), "torch", tuple(dict.fromkeys(self.notes)))
 
     def call(self, node: Any) -> None:
         torch = _torch()
@@ -558,7 +551,7 @@ class _Interpreter:
             result = self.convolution(node, shape)
             if result is not _UNKNOWN:
                 return result
-        return self.dense(node, name, sets.size(shape))
+        return sets.all_of(self.dense_row(node), sets.size(shape))
 
     def multiple(self, node: Any, name: str, metas: list[Any]) -> list[Any]:
         shapes = [_concrete_shape(m, f"a result of {name}") for m in metas]
@@ -566,9 +559,8 @@ class _Interpreter:
             moved = self.move(node, None)
             if moved is not _UNKNOWN:
                 return [r if _is_float_meta(m) else None for r, m in zip(moved, metas, strict=True)]
-        if name in ("aminmax", "var_mean", "std_mean", "max", "min", "sort", "cummax", "cummin"):
-            along = name in ("sort", "cummax", "cummin")
-            rows = self.along(node, name) if along else self.reduction(node, name, shapes[0])
+        if name in _REDUCTIONS or name in _CUMULATIVE or name in _ALONG:  # (max, aminmax, var_mean, sort, cummax)
+            rows = self.reduction(node, name, shapes[0]) if name in _REDUCTIONS else self.along(node, name)
             return [rows if _is_float_meta(m) else None for m in metas]
         every = self.dense_row(node)
         return [
@@ -576,20 +568,12 @@ class _Interpreter:
         ]
 
     def dense_row(self, node: Any) -> Any:
-        """An operation not known, noted: one row, every input that any element of any operand of
-        ``node`` depends on (a list of tensors' each), each pair of them coupled."""
+        """:meth:`sets.Trace.dense` of ``node``'s operands (a list of tensors' each)."""
         rows: list[Any] = []
         for a in _nodes(node.args) + _nodes(node.kwargs):
             r = self.rows.get(a)
             rows.extend(r if isinstance(r, list) else [r])
-        every = sets.everything(rows)
-        self.notes.append(f"{node.target} is not known to the torch detector: dense")
-        if self.pairs is not None:
-            self.pairs.add_all(every)
-        return every
-
-    def dense(self, node: Any, name: str, size: int) -> Any:
-        return sets.all_of(self.dense_row(node), size)
+        return self.dense(rows, str(node.target))
 
     def move(self, node: Any, shape: tuple[int, ...] | None) -> Any:
         """Run the operation on positions; _UNKNOWN where an index it needs is not known."""
@@ -648,19 +632,9 @@ class _Interpreter:
             for a in _nodes(node.args) + _nodes(node.kwargs)
             if _is_float_meta(a.meta.get("val"))
         ]
-        broadcast = sets.elementwise(operands, shape, self.n)
-        out = sets.union(broadcast)
-        if self.pairs is not None:
-            present = [r for r in broadcast if r is not None]
-            # linear: a product with a constant, a quotient by one, a selection (in each branch)
-            linear = (
-                name in _LINEAR_POINTWISE or name == "where" or (name == "div" and _numerator_alone(node, self.rows))
-            )
-            if name == "mul" and len(present) == 2:
-                self.pairs.add(present[0], present[1])
-            elif present and not linear and not (name == "mul" and len(present) == 1):
-                self.pairs.add_all(out)
-        return out
+        # linear: a quotient by a constant, a selection (in each branch)
+        linear = name in _LINEAR_POINTWISE or name == "where" or (name == "div" and _numerator_alone(node, self.rows))
+        return self.unite(sets.elementwise(operands, shape, self.n), linear, name == "mul")
 
     def reduction(self, node: Any, name: str, shape: tuple[int, ...]) -> Any:
         source = node.args[0]
@@ -674,11 +648,9 @@ class _Interpreter:
         dims = [dim] if isinstance(dim, int) else [int(d) for d in dim or range(len(in_shape))]
         matrix = sets.reduction_matrix(in_shape, dims)
         if matrix.shape[0] != sets.size(shape):
-            return self.dense(node, name, sets.size(shape))
+            return sets.all_of(self.dense_row(node), sets.size(shape))
         out = sets.apply(matrix, rows)
-        if self.pairs is not None and name not in _LINEAR_REDUCTIONS:
-            self.pairs.add_all(out)
-        return out
+        return out if name in _LINEAR_REDUCTIONS else self.nonlinear(out)
 
     def along(self, node: Any, name: str) -> Any:
         """Each output depends on its input's slice along the operation's dimension: up to it (a
@@ -691,9 +663,7 @@ class _Interpreter:
         cumulative = name in _CUMULATIVE
         dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0 if cumulative else -1)
         out = sets.along(rows, in_shape, int(dim) if cumulative or isinstance(dim, int) else -1, not cumulative)
-        if self.pairs is not None and name != "cumsum":
-            self.pairs.add_all(out)
-        return out
+        return out if name == "cumsum" else self.nonlinear(out)
 
     def _value_or_none(self, a: Any) -> Any:
         if not hasattr(a, "op"):
@@ -715,7 +685,7 @@ class _Interpreter:
         if len(a_shape) == 2 and len(b_shape) == 2:
             a_shape, b_shape = (1, *a_shape), (1, *b_shape)
         if len(a_shape) != 3 or len(b_shape) != 3 or name == "addbmm":
-            return self.dense(node, name, sets.size(shape))
+            return sets.all_of(self.dense_row(node), sets.size(shape))
         left, right = ((self.rows.get(v), self._value_or_none(v), s) for v, s in ((a, a_shape), (b, b_shape)))
         out = sets.matmul(left, right, self.n, self.pairs)
         if bias is not None and hasattr(bias, "op"):
