@@ -54,73 +54,44 @@ __all__ = [
 
 def _shipped(name: str, config: type[Backend], **columns: Any) -> BackendInfo:
     """The row of an engine diffiface ships: its adapter is ``diffiface._adapters.<name>``, and
-    unless ``columns`` say otherwise it needs the package of its name, which the extra of that
-    name installs."""
-    columns = {"module": f"diffiface._adapters.{name}", "requires": (name,), "extra": name, **columns}
+    unless ``columns`` say otherwise it has both modes and needs the package of its name, which
+    the extra of that name installs."""
+    both_modes = {"forward_mode": True, "reverse_mode": True}
+    columns = {"module": f"diffiface._adapters.{name}", "requires": (name,), "extra": name, **both_modes, **columns}
     return BackendInfo(name=name, config=config, **columns)
 
 
 _FIRST = frozenset({"pushforward", "pullback", "gradient"})
+_EVERY = _FIRST | {"jacobian", "hessian", "hvp", "derivative", "second_derivative"}
 BACKENDS: tuple[BackendInfo, ...] = (
+    _shipped("jax", AutoJAX, native=_FIRST | {"jacobian"}, arrays="jax", complex_convention="conjugate", jit=True),
     _shipped(
-        name="jax",
-        config=AutoJAX,
-        forward_mode=True,
-        reverse_mode=True,
-        native=_FIRST | {"jacobian"},
-        arrays="jax",
-        complex_convention="conjugate",
-        jit=True,
-    ),
-    _shipped(
-        name="torch",
-        config=AutoTorch,
-        forward_mode=True,
-        reverse_mode=True,
-        native=_FIRST | {"jacobian", "hessian", "hvp", "second_derivative"},
+        "torch",
+        AutoTorch,
+        native=_EVERY - {"derivative"},
         arrays="torch",
         complex_convention="direct",
         reverse_first=True,
     ),
+    # autograd's pushforward: two reverse passes
     _shipped(
-        name="autograd",
-        config=AutoAutograd,
-        forward_mode=False,
-        reverse_mode=True,
-        native=frozenset({"pullback", "gradient", "pushforward"}),  # pushforward: two reverse passes
-        arrays="numpy",
-        complex_convention="conjugate",
-        reverse_first=True,
+        "autograd", AutoAutograd, forward_mode=False, native=_FIRST, complex_convention="conjugate", reverse_first=True
     ),
     _shipped(
-        name="tensorflow",
-        config=AutoTensorFlow,
-        forward_mode=True,
-        reverse_mode=True,
+        "tensorflow",
+        AutoTensorFlow,
         native=_FIRST,
         arrays="tensorflow",
         complex_convention="direct",
         jit=True,
         reverse_first=True,
     ),
+    # pytensor's pushforward: two pullbacks (pytensor's own default), so reverse products cost less
+    _shipped("pytensor", AutoPyTensor, native=_EVERY, jit=True, reverse_first=True),
     _shipped(
-        name="pytensor",
-        config=AutoPyTensor,
-        # pushforward: two pullbacks (pytensor's own default), so reverse products cost less
-        forward_mode=True,
-        reverse_mode=True,
-        native=_FIRST | {"jacobian", "hessian", "hvp", "derivative", "second_derivative"},
-        arrays="numpy",
-        complex_convention="split",
-        jit=True,
-        reverse_first=True,
-    ),
-    _shipped(
-        name="mlx",
-        config=AutoMLX,
-        forward_mode=True,
-        reverse_mode=True,
-        native=frozenset({"pushforward", "pullback", "gradient", "jacobian", "hvp", "hessian"}),
+        "mlx",
+        AutoMLX,
+        native=_FIRST | {"jacobian", "hvp", "hessian"},
         arrays="mlx",
         complex_convention="direct",
         complex_second_order=(
@@ -131,23 +102,15 @@ BACKENDS: tuple[BackendInfo, ...] = (
         float64_precision="float32",
     ),
     _shipped(
-        name="finite_differences",
-        config=AutoFiniteDifferences,
+        "finite_differences",
+        AutoFiniteDifferences,
         requires=(),
         extra=None,
-        forward_mode=True,
         reverse_mode=False,
-        native=_FIRST | {"jacobian", "hessian", "hvp", "derivative", "second_derivative"},
+        native=_EVERY,
         arrays="any",
     ),
-    _shipped(
-        name="scipy",
-        config=AutoScipy,
-        forward_mode=False,
-        reverse_mode=False,
-        native=_FIRST | {"jacobian", "hessian", "hvp", "derivative", "second_derivative"},
-        arrays="any",
-    ),
+    _shipped("scipy", AutoScipy, forward_mode=False, reverse_mode=False, native=_EVERY, arrays="any"),
 )
 
 _BY_NAME = {row.name: row for row in BACKENDS}
