@@ -497,6 +497,12 @@ def hvps_of(
     return value, aux, grads, outer.pullbacks(vjp, xs, batch)
 
 
+def hvp_as_a_batch(adapter: Adapter, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Leaves, Leaves]:
+    """``gradient_and_hvp`` as a batch of one, for an adapter whose ``gradient_and_hvps`` is its own."""
+    value, aux, grads, (hvp,) = adapter.gradient_and_hvps(fn, xs, [txs])
+    return value, aux, grads, hvp
+
+
 def hessian_of(outer: Adapter, inner: Adapter, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Blocks]:
     mode = "forward" if outer.info.forward_mode else "reverse"
     grads, packed, blocks = outer.value_and_jacobian(inner.gradient_function(fn), xs, mode)

@@ -54,6 +54,17 @@ def _make_vjp(fun: Callable[[Any], Any], x: Any) -> tuple[Callable[[Any], Any], 
     return (lambda g: vspace(x).zeros()), end
 
 
+def _leaves_vjp(fun: Callable[[Leaves], Any], xs: Leaves) -> tuple[Callable[[Any], Any], Any]:
+    """:func:`_make_vjp` of ``fun`` at the leaves ``xs``: ``vjp`` gives x's leaves, as a tuple
+    (one array) or autograd's traced tuple (several). One array is traced as it is: no tuple
+    container for autograd to box and rebuild."""
+    xs = _plain(xs)
+    if len(xs) == 1:
+        vjp, end = _make_vjp(lambda x: fun((x,)), xs[0])
+        return (lambda g: (vjp(g),)), end
+    return _make_vjp(fun, xs)
+
+
 def _refuse_an_opaque_pullback(vjp: Callable[[Any], Any], start_point: Any, failure: Exception | None = None) -> None:
     """A jvp differentiates the pullback ``u -> J.T u`` in ``u``. One autograd did not trace in
     ``u`` is either zero (f apart from x: its jvp is zero) or made of code autograd cannot see (a
@@ -173,12 +184,7 @@ class Adapter(_base.Adapter):
                 return out[0]
             return anp.concatenate([anp.reshape(y, (-1,)) for y in out]) if out else anp.zeros(0)
 
-        xs = _plain(xs)
-        if len(xs) == 1:  # one array: no tuple container for autograd to box and rebuild
-            single_vjp, flat = _make_vjp(lambda x: flat_fn((x,)), xs[0])
-            out, aux = captured
-            return _unboxed(out), _unboxed(aux), lambda u: (single_vjp(u),), flat
-        vjp, flat = _make_vjp(flat_fn, xs)
+        vjp, flat = _leaves_vjp(flat_fn, xs)
         out, aux = captured
         return _unboxed(out), _unboxed(aux), vjp, flat
 
@@ -241,13 +247,7 @@ class Adapter(_base.Adapter):
             captured[:] = [aux]
             return value
 
-        xs = _plain(xs)
-        if len(xs) == 1:  # one array: no tuple container for autograd to box and rebuild
-            vjp, value = _make_vjp(lambda x: scalar_fn((x,)), xs[0])
-            grad = vjp(_real_one(value))
-            aux = captured[0]
-            return value, None if aux is None else _unboxed(aux), (grad,)
-        vjp, value = _make_vjp(scalar_fn, xs)
+        vjp, value = _leaves_vjp(scalar_fn, xs)
         return value, _unboxed(captured[0]), tuple(vjp(_real_one(value)))
 
 

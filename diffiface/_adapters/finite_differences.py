@@ -351,9 +351,7 @@ class Adapter(BlackBoxAdapter):
                 hessian[i, j] = hessian[j, i] = value
         return out, aux, grads, _hessian_blocks(hessian, point)
 
-    def gradient_and_hvp(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Leaves, Leaves]:
-        out, aux, grads, (hv,) = self.gradient_and_hvps(fn, xs, (txs,))
-        return out, aux, grads, hv
+    gradient_and_hvp = _base.hvp_as_a_batch
 
     def gradient_and_hvps(self, fn: Fn, xs: Leaves, batch: Any) -> tuple[Any, Any, Leaves, list[Leaves]]:
         """The gradient once, then the differences of the gradient along each tangent."""

@@ -345,9 +345,7 @@ class Adapter(_base.Adapter):
     # (the gradient's pullback along a tangent is the Hessian's product, the Hessian being
     # symmetric: two reverse passes, where forward over reverse takes three through _pushed)
 
-    def gradient_and_hvp(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Leaves, Leaves]:
-        value, aux, grads, (hvp,) = self.gradient_and_hvps(fn, xs, [txs])
-        return value, aux, grads, hvp
+    gradient_and_hvp = _base.hvp_as_a_batch
 
     def gradient_and_hvps(self, fn: Fn, xs: Leaves, batch: Sequence[Leaves]) -> tuple[Any, Any, Leaves, list[Leaves]]:
         if _complex(xs):

@@ -478,9 +478,7 @@ class Adapter(_base.Adapter):
             return self._eager("value_and_derivative", fn, xs)  # type: ignore[no-any-return]
         return self.value_and_pushforward(fn, xs, (pt.ones_like(xs[0]),))
 
-    def gradient_and_hvp(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Leaves, Leaves]:
-        value, aux, grads, found = self.gradient_and_hvps(fn, xs, [txs])
-        return value, aux, grads, found[0]
+    gradient_and_hvp = _base.hvp_as_a_batch
 
     def gradient_and_hvps(self, fn: Fn, xs: Leaves, batch: Sequence[Leaves]) -> tuple[Any, Any, Leaves, list[Leaves]]:
         if not _symbolic(xs):
