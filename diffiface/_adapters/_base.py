@@ -482,13 +482,14 @@ def hvp_of(outer: Adapter, inner: Adapter, fn: Fn, xs: Leaves, txs: Leaves) -> t
 
 
 def hvps_of(
-    outer: Adapter, inner: Adapter, fn: Fn, xs: Leaves, batch: Sequence[Leaves]
+    outer: Adapter, inner: Adapter, fn: Fn, xs: Leaves, batch: Sequence[Leaves], reverse: bool = False
 ) -> tuple[Any, Any, Leaves, list[Leaves]]:
     """:func:`hvp_of` for a batch of tangents. Forward over reverse: the outer engine's batch of
     pushforwards of the gradient map (one vmapped program on jax and torch.func). Reverse over
-    reverse: the gradient map's pullback, built once and applied to each tangent (the Hessian is
-    symmetric, so its pullback along v is H v)."""
-    if outer.info.forward_mode or outer is not inner:
+    reverse (without a forward mode, or where ``reverse`` asks): the gradient map's pullback,
+    built once and applied to each tangent (the Hessian is symmetric, so its pullback along v is
+    H v)."""
+    if not reverse and (outer.info.forward_mode or outer is not inner):
         grads, packed, hvps = outer.value_and_pushforwards(inner.gradient_function(fn), xs, batch)
         value, aux = force(packed)
         return value, aux, grads, hvps
@@ -503,8 +504,11 @@ def hvp_as_a_batch(adapter: Adapter, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[A
     return value, aux, grads, hvp
 
 
-def hessian_of(outer: Adapter, inner: Adapter, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Blocks]:
-    mode = "forward" if outer.info.forward_mode else "reverse"
+def hessian_of(
+    outer: Adapter, inner: Adapter, fn: Fn, xs: Leaves, mode: str | None = None
+) -> tuple[Any, Any, Leaves, Blocks]:
+    """The Jacobian of the gradient map, by ``mode``; by default forward where the outer engine has one."""
+    mode = mode or ("forward" if outer.info.forward_mode else "reverse")
     grads, packed, blocks = outer.value_and_jacobian(inner.gradient_function(fn), xs, mode)
     value, aux = force(packed)
     return value, aux, grads, blocks

@@ -348,16 +348,10 @@ class Adapter(_base.Adapter):
     gradient_and_hvp = _base.hvp_as_a_batch
 
     def gradient_and_hvps(self, fn: Fn, xs: Leaves, batch: Sequence[Leaves]) -> tuple[Any, Any, Leaves, list[Leaves]]:
-        if _complex(xs):
-            return super().gradient_and_hvps(fn, xs, batch)
-        grads, (value, aux), vjp = self.pullback_function(self.gradient_function(fn), xs)
-        return value, aux, grads, self.pullbacks(vjp, xs, batch)
+        return _base.hvps_of(self, self, fn, xs, batch, reverse=not _complex(xs))
 
     def value_gradient_and_hessian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Any]:
-        if _complex(xs):
-            return super().value_gradient_and_hessian(fn, xs)
-        grads, (value, aux), blocks = self.value_and_jacobian(self.gradient_function(fn), xs, "reverse")
-        return value, aux, grads, blocks
+        return _base.hessian_of(self, self, fn, xs, "forward" if _complex(xs) else "reverse")
 
 
 class _ModuleWatch:
