@@ -112,6 +112,16 @@ class DifferentiateWith:
                 self._sites.move_to_end(key)
             return site
 
+    def outer_site(self, spec: Any, leaves: list[Any], contexts: tuple[Context[Any], ...], concrete: bool) -> Any:
+        """:meth:`site` for x of the outer engine's leaves; ``concrete``: they hold values (no outer
+        trace sees them), so a first call records g's prep by evaluating f on them."""
+        avals = tuple(aval_of(leaf) for leaf in leaves)
+        x_inner = None
+        if self._plan is None and concrete:
+            with self._inner.family.dtype_scope([a.dtype for a in avals]):
+                x_inner = [to_inner(leaf, self._inner.kind) for leaf in leaves]
+        return self.site(spec, avals, contexts, x_inner)
+
     def _record(self, spec: Any, avals: tuple[Aval, ...], contexts: tuple[Context[Any], ...], x_inner: Any) -> Plan:
         if x_inner is not None:
             with self._inner.family.dtype_scope([a.dtype for a in avals]):
