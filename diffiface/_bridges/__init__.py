@@ -174,7 +174,7 @@ def _untraced(kind: str) -> bool:
     return family is _families.HOST or (family is not None and not family.ARRAY and not family.PASSED_THROUGH)
 
 
-_BRIDGES: dict[str, Any] = {}
+_BRIDGES: dict[str, Any] = {}  # (not functools.cache: torch.compile traces g's call, and dynamo cannot trace one)
 
 
 def _bridge(kind: str) -> Any:
