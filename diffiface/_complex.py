@@ -1,11 +1,6 @@
-"""Complex numbers, with one convention on every engine: torch's.
-
-- The gradient of a real-valued ``f`` of complex ``x`` is ``df/dRe x + i df/dIm x`` (|z|^2 at
-  3+4j gives 6+8j).
-- ``jvp`` is the directional derivative ``lim (f(x + h xdot) - f(x)) / h`` over real ``h``.
-- ``vjp`` is its adjoint under ``Re<a, b> = Re sum(conj(a) b)``.
-- ``jacobian`` and ``derivative`` of a holomorphic ``f`` hold ``df_i/dz_j``; a map that is not
-  holomorphic has no complex Jacobian and is refused, unless the caller asserts holomorphy.
+"""Complex numbers, with one convention on every engine: torch's, stated in docs/complex.md
+(the gradient ``df/dRe x + i df/dIm x``, the jvp along real steps, the vjp its adjoint under
+``Re<a, b>``, and Jacobians ``df_i/dz_j`` of holomorphic maps only).
 
 The registry row of each engine (``diffiface._adapters.BACKENDS``) declares once how it
 differentiates complex numbers, in its ``complex_convention`` field:
