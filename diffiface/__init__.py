@@ -9,10 +9,8 @@ array([4., 4., 4.])
 Importing diffiface imports no array framework; each engine is imported on first use.
 """
 
-import importlib
-from typing import TYPE_CHECKING
-
 from . import _sparse_operators  # noqa: F401  (registers AutoSparse's program with the route)
+from . import sparse as sparse
 from . import tree as tree
 from ._adapters import PublicSecondOrder as SecondOrder
 from ._adapters import available as available
@@ -96,17 +94,6 @@ from ._tangents import Tangents as Tangents
 from ._torch_module import functional as functional
 
 __version__ = "0.1.0"
-
-if TYPE_CHECKING:
-    from . import sparse as sparse
-
-
-def __getattr__(name: str) -> object:
-    # di.sparse (sparsity patterns and colorings) is imported on first use: it needs scipy.
-    if name == "sparse":
-        return importlib.import_module(".sparse", __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 __all__ = [
     # backends

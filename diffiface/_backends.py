@@ -16,20 +16,6 @@ from typing import Any, ClassVar, Literal
 
 from ._errors import InvalidBackendOptionError, UnsupportedOperationError
 
-__all__ = [
-    "AutoAutograd",
-    "AutoFiniteDifferences",
-    "AutoJAX",
-    "AutoPyTensor",
-    "AutoMLX",
-    "AutoScipy",
-    "AutoSparse",
-    "AutoTensorFlow",
-    "AutoTorch",
-    "Backend",
-    "SecondOrder",
-]
-
 
 @dataclass(frozen=True)
 class Backend:

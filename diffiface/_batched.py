@@ -19,21 +19,6 @@ from ._operators import BackendLike
 from ._prep import Prep
 from ._tangents import Tangents
 
-__all__ = [
-    "batched_hvp",
-    "batched_jvp",
-    "batched_vjp",
-    "gradient_and_batched_hvp",
-    "prepare_batched_hvp",
-    "prepare_batched_jvp",
-    "prepare_batched_vjp",
-    "prepare_gradient_and_batched_hvp",
-    "prepare_value_and_batched_jvp",
-    "prepare_value_and_batched_vjp",
-    "value_and_batched_jvp",
-    "value_and_batched_vjp",
-]
-
 
 def batched_jvp(
     f: Callable[..., Any],

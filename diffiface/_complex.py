@@ -1,11 +1,6 @@
-"""Complex numbers, with one convention on every engine: torch's.
-
-- The gradient of a real-valued ``f`` of complex ``x`` is ``df/dRe x + i df/dIm x`` (|z|^2 at
-  3+4j gives 6+8j).
-- ``jvp`` is the directional derivative ``lim (f(x + h xdot) - f(x)) / h`` over real ``h``.
-- ``vjp`` is its adjoint under ``Re<a, b> = Re sum(conj(a) b)``.
-- ``jacobian`` and ``derivative`` of a holomorphic ``f`` hold ``df_i/dz_j``; a map that is not
-  holomorphic has no complex Jacobian and is refused, unless the caller asserts holomorphy.
+"""Complex numbers, with one convention on every engine: torch's, stated in docs/complex.md
+(the gradient ``df/dRe x + i df/dIm x``, the jvp along real steps, the vjp its adjoint under
+``Re<a, b>``, and Jacobians ``df_i/dz_j`` of holomorphic maps only).
 
 The registry row of each engine (``diffiface._adapters.BACKENDS``) declares once how it
 differentiates complex numbers, in its ``complex_convention`` field:
@@ -467,6 +462,16 @@ class ComplexAdapter:
         if self._inner.estimates_errors:
             self._local.rejoin = rejoin
 
+    def _joined(self, result: Any, *joins: Callable[[Any], Any] | None) -> Any:
+        """``result``'s parts each through its join (None: as it is), and so the call's error
+        estimate, where the engine makes one (:meth:`take_error`)."""
+
+        def rejoin(parts: Any) -> tuple[Any, ...]:
+            return tuple(part if join is None else join(part) for part, join in zip(parts, joins, strict=False))
+
+        self._errors(rejoin)
+        return rejoin(result)
+
     def _learn(self, g: _Realified) -> None:
         if self._real and g.out_split is not None and not g.out_split.any:
             self.real_outputs = True
@@ -476,10 +481,8 @@ class ComplexAdapter:
     def value_and_gradient(self, fn: Callable[[Leaves], Any], xs: Leaves) -> tuple[Any, Any, Leaves]:
         if self._convention == "split":
             x_split = _Split(xs)
-            g = _Realified(fn, x_split)
-            value, aux, grads = self._inner.value_and_gradient(g, x_split.split(xs))
-            self._errors(lambda e: (e[0], e[1], x_split.join(e[2])))
-            return value, aux, x_split.join(grads)
+            result = self._inner.value_and_gradient(_Realified(fn, x_split), x_split.split(xs))
+            return self._joined(result, None, None, x_split.join)  # type: ignore[no-any-return]
         value, aux, grads = self._inner.value_and_gradient(fn, xs)
         return value, aux, _conjugated(grads) if self._convention == "conjugate" else tuple(grads)
 
@@ -489,10 +492,9 @@ class ComplexAdapter:
             return self._inner.value_and_pushforward(fn, xs, txs)
         x_split = _Split(xs)
         g = _Realified(fn, x_split)
-        out, aux, touts = self._inner.value_and_pushforward(g, x_split.split(xs), x_split.split(txs))
+        result = self._inner.value_and_pushforward(g, x_split.split(xs), x_split.split(txs))
         self._learn(g)
-        self._errors(lambda e: (g.join_out(e[0]), e[1], g.join_out(e[2])))
-        return g.join_out(out), aux, g.join_out(touts)
+        return self._joined(result, g.join_out, None, g.join_out)  # type: ignore[no-any-return]
 
     def pullback_function(self, fn: Callable[[Leaves], Any], xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
         convention = self._convention
@@ -592,10 +594,9 @@ class ComplexAdapter:
             # derivative, complex outputs included; no wrapper, which compiled torch cannot trace)
             return self._inner.value_and_derivative(fn, xs)
         g = _Realified(fn, x_split)
-        out, aux, deriv = self._inner.value_and_derivative(g, xs)
+        result = self._inner.value_and_derivative(g, xs)
         self._learn(g)
-        self._errors(lambda e: (g.join_out(e[0]), e[1], g.join_out(e[2])))
-        return g.join_out(out), aux, g.join_out(deriv)
+        return self._joined(result, g.join_out, None, g.join_out)  # type: ignore[no-any-return]
 
     def value_derivative_and_second_derivative(
         self, fn: Callable[[Leaves], Any], xs: Leaves
@@ -603,10 +604,9 @@ class ComplexAdapter:
         if self.real_outputs:
             return self._inner.value_derivative_and_second_derivative(fn, xs)
         g = _Realified(fn, _Split(xs))  # (complex x is refused at preparation)
-        out, aux, deriv, second = self._inner.value_derivative_and_second_derivative(g, xs)
+        result = self._inner.value_derivative_and_second_derivative(g, xs)
         self._learn(g)
-        self._errors(lambda e: (g.join_out(e[0]), e[1], g.join_out(e[2]), g.join_out(e[3])))
-        return g.join_out(out), aux, g.join_out(deriv), g.join_out(second)
+        return self._joined(result, g.join_out, None, g.join_out, g.join_out)  # type: ignore[no-any-return]
 
     # -- second order ---------------------------------------------------------------------------------
 
@@ -614,10 +614,8 @@ class ComplexAdapter:
         """The jvp of the gradient map, ``v -> d/dh grad f(x + h v)``: on the split function the
         real Hessian-vector product, whose two parts are joined as the gradient's are."""
         x_split = _Split(xs)
-        g = _Realified(fn, x_split)
-        value, aux, grads, hvps = self._inner.gradient_and_hvp(g, x_split.split(xs), x_split.split(txs))
-        self._errors(lambda e: (e[0], e[1], x_split.join(e[2]), x_split.join(e[3])))
-        return value, aux, x_split.join_gradient(grads), x_split.join(tuple(hvps))
+        result = self._inner.gradient_and_hvp(_Realified(fn, x_split), x_split.split(xs), x_split.split(txs))
+        return self._joined(result, None, None, x_split.join_gradient, x_split.join)  # type: ignore[no-any-return]
 
     def gradient_and_hvps(
         self, fn: Callable[[Leaves], Any], xs: Leaves, batch: Any
@@ -625,9 +623,7 @@ class ComplexAdapter:
         """:meth:`gradient_and_hvp` along each tangent of the batch: the split function's batch
         of real Hessian-vector products (one program where the engine has one), each joined."""
         x_split = _Split(xs)
-        g = _Realified(fn, x_split)
-        value, aux, grads, hvps = self._inner.gradient_and_hvps(
-            g, x_split.split(xs), [x_split.split(txs) for txs in batch]
+        result = self._inner.gradient_and_hvps(
+            _Realified(fn, x_split), x_split.split(xs), [x_split.split(txs) for txs in batch]
         )
-        self._errors(lambda e: (e[0], e[1], x_split.join(e[2]), [x_split.join(tuple(h)) for h in e[3]]))
-        return value, aux, x_split.join_gradient(grads), [x_split.join(tuple(h)) for h in hvps]
+        return self._joined(result, None, None, x_split.join_gradient, lambda hvps: [x_split.join(h) for h in hvps])  # type: ignore[no-any-return]

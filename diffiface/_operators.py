@@ -23,41 +23,6 @@ from ._complex import holomorphic as _holomorphic
 from ._dispatch import evaluate, prepare
 from ._prep import Prep
 
-__all__ = [
-    "derivative",
-    "gradient",
-    "gradient_and_hvp",
-    "hessian",
-    "hvp",
-    "jacobian",
-    "jvp",
-    "prepare_derivative",
-    "prepare_gradient",
-    "prepare_gradient_and_hvp",
-    "prepare_hessian",
-    "prepare_hvp",
-    "prepare_jacobian",
-    "prepare_jvp",
-    "prepare_second_derivative",
-    "prepare_value_and_derivative",
-    "prepare_value_and_gradient",
-    "prepare_value_and_jacobian",
-    "prepare_value_and_jvp",
-    "prepare_value_and_vjp",
-    "prepare_value_derivative_and_second_derivative",
-    "prepare_value_gradient_and_hessian",
-    "prepare_vjp",
-    "second_derivative",
-    "value_and_derivative",
-    "value_and_gradient",
-    "value_and_jacobian",
-    "value_and_jvp",
-    "value_and_vjp",
-    "value_derivative_and_second_derivative",
-    "value_gradient_and_hessian",
-    "vjp",
-]
-
 BackendLike = Backend | str
 
 

@@ -89,9 +89,19 @@ class DifferentiateWith:
             raise traced_refusal(f"f ({getattr(self.f, '__qualname__', self.f)!r}) closes over a value that", found)
         return bridge.call(self, x, leaves, spec, contexts)
 
-    # --- shared by the outer modules ------------------------------------------------------------
+    # --- for the outer modules ------------------------------------------------------------------
 
-    def site(self, spec: Any, avals: tuple[Aval, ...], contexts: tuple[Context[Any], ...], x_inner: Any = None) -> Any:
+    def outer_site(self, spec: Any, leaves: list[Any], contexts: tuple[Context[Any], ...], concrete: bool) -> Any:
+        """:meth:`_site` for x of the outer engine's leaves; ``concrete``: they hold values (no outer
+        trace sees them), so a first call records g's prep by evaluating f on them."""
+        avals = tuple(aval_of(leaf) for leaf in leaves)
+        x_inner = None
+        if self._plan is None and concrete:
+            with self._inner.family.dtype_scope([a.dtype for a in avals]):
+                x_inner = [to_inner(leaf, self._inner.kind) for leaf in leaves]
+        return self._site(spec, avals, contexts, x_inner)
+
+    def _site(self, spec: Any, avals: tuple[Aval, ...], contexts: tuple[Context[Any], ...], x_inner: Any = None) -> Any:
         """The site serving these contexts, after checking x against g's prep (recorded by the first
         call: with ``x_inner``, concrete inner leaves, by evaluating f; else by probing)."""
         with self._lock:
@@ -152,7 +162,7 @@ class DifferentiateWith:
             x = spec.unflatten([family.private_copy(leaf) if family.owns(type(leaf)) else leaf for leaf in leaves])
             return self._inner.concrete(self.f(x, *context_values(contexts, self._inner.kind)))
         x_inner = [to_inner(leaf, self._inner.kind) if _arrays.kind(leaf) != "python" else leaf for leaf in leaves]
-        site = self.site(spec, avals, contexts, x_inner)
+        site = self._site(spec, avals, contexts, x_inner)
         y = self._inner.value(site.plan, x_inner, contexts)
         return site.plan.y_spec.unflatten([_arrays.to_numpy(leaf) for leaf in y])
 
@@ -164,7 +174,7 @@ def _untraced(kind: str) -> bool:
     return family is _families.HOST or (family is not None and not family.ARRAY and not family.PASSED_THROUGH)
 
 
-_BRIDGES: dict[str, Any] = {}
+_BRIDGES: dict[str, Any] = {}  # (not functools.cache: torch.compile traces g's call, and dynamo cannot trace one)
 
 
 def _bridge(kind: str) -> Any:

@@ -26,7 +26,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from .. import _arrays
-from ._inner import Aval, Site, beyond_second_order, check_nests, check_shape, to_inner, traced_refusal
+from ._inner import Site, beyond_second_order, check_nests, check_shape, traced_refusal
 
 __all__ = ["call"]
 
@@ -47,11 +47,8 @@ second_vjp_p = _primitive("second_vjp")
 def call(g: Any, x: Any, leaves: list[Any], spec: Any, contexts: tuple[Any, ...]) -> Any:
     """g(x) for x of jax arrays."""
     leaves = [jnp.asarray(leaf) if _arrays.kind(leaf) == "python" else leaf for leaf in leaves]
-    avals = tuple(Aval(tuple(leaf.shape), _arrays.dtype_name(leaf)) for leaf in leaves)
-    x_inner = None
-    if g.plan is None and not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
-        x_inner = [to_inner(leaf, g._inner.kind) for leaf in leaves]
-    site = g.site(spec, avals, contexts, x_inner)
+    concrete = not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
+    site = g.outer_site(spec, leaves, contexts, concrete)
     return site.plan.y_spec.unflatten(call_p.bind(*leaves, site=site, batch=0))
 
 
@@ -150,9 +147,16 @@ def _call_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, site: Site, ba
     return y, jvp_p.bind(*primals, *_instantiate(tangents), site=site, batch=0)
 
 
-def _split(site: Site, values: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+def _split(primitive: Primitive, site: Site, values: Sequence[Any]) -> tuple[list[Any], list[Any], list[Any]]:
+    """A primitive's operands: x's, then its linear ones (one group for jvp_p and vjp_p, two for
+    the second products: t1, t2 for second_jvp_p, c, v for second_vjp_p)."""
     n = len(site.plan.x_avals)
-    return list(values[:n]), list(values[n:])
+    first = {second_jvp_p: n, second_vjp_p: len(site.plan.y_avals)}.get(primitive, len(values) - n)
+    return list(values[:n]), list(values[n : n + first]), list(values[n + first :])
+
+
+def _zeros(primitive: Primitive, site: Site, batch: int) -> list[Any]:
+    return [jnp.zeros(a.shape, a.dtype) for a in _out_avals(primitive, site, batch)]
 
 
 def _per_row(primitive: Primitive, x: list[Any], rows: list[Any], last: list[Any], site: Site, batch: int) -> list[Any]:
@@ -175,15 +179,15 @@ def _product_jvp(
 ) -> Any:
     """The jvp rule of jvp_p and vjp_p, linear in their second argument: the product along that
     argument's tangent, plus ``second``'s term along x's."""
-    x, v = _split(site, primals)
-    dx, dv = _split(site, tangents)
+    x, v, _ = _split(primitive, site, primals)
+    dx, dv, _ = _split(primitive, site, tangents)
     out = primitive.bind(*primals, site=site, batch=batch)
     if _all_zero(dx) and _all_zero(dv):
         return out, _zeros_out(primitive, site, batch)
     d_out = (
         list(primitive.bind(*x, *_instantiate(dv), site=site, batch=batch))
         if not _all_zero(dv)
-        else [jnp.zeros(a.shape, a.dtype) for a in _out_avals(primitive, site, batch)]
+        else _zeros(primitive, site, batch)
     )
     if not _all_zero(dx):
         check_nests(site, what)
@@ -194,14 +198,12 @@ def _product_jvp(
 def _bilinear_jvp(
     primitive: Primitive, primals: Sequence[Any], tangents: Sequence[Any], *, site: Site, batch: int
 ) -> Any:
-    n = len(site.plan.x_avals)
-    first = len(site.plan.x_avals) if primitive is second_jvp_p else len(site.plan.y_avals)
-    x, a, b = primals[:n], primals[n : n + first], primals[n + first :]
-    dx, da, db = tangents[:n], tangents[n : n + first], tangents[n + first :]
+    x, a, b = _split(primitive, site, primals)
+    dx, da, db = _split(primitive, site, tangents)
     out = primitive.bind(*primals, site=site, batch=batch)
     if not _all_zero(dx):
         raise beyond_second_order(site.inner.backend)
-    d_out = [jnp.zeros(v.shape, v.dtype) for v in _out_avals(primitive, site, batch)]
+    d_out = _zeros(primitive, site, batch)
     if not _all_zero(da):
         d_out = _add(d_out, list(primitive.bind(*x, *_instantiate(da), *b, site=site, batch=batch)))
     if not _all_zero(db):
@@ -229,7 +231,8 @@ def _defined(values: Sequence[Any], primitive: str) -> list[Any]:
     return list(values)
 
 
-def _cotangents(cts: Sequence[Any], avals: Sequence[Any]) -> list[Any]:
+def _cotangents(cts: Sequence[Any], primitive: Primitive, site: Site, batch: int) -> list[Any]:
+    avals = _out_avals(primitive, site, batch)
     return [jnp.zeros(a.shape, a.dtype) if type(c) is ad.Zero else c for c, a in zip(cts, avals, strict=True)]
 
 
@@ -237,11 +240,10 @@ def _product_transpose(
     primitive: Primitive, transposed: Primitive, cts: Sequence[Any], *args: Any, site: Site, batch: int
 ) -> list[Any]:
     """jvp_p and vjp_p are each other's transpose in their second argument."""
-    x, _ = _split(site, args)
-    x = _defined(x, _what(primitive))
+    x = _defined(_split(primitive, site, args)[0], _what(primitive))
     if _all_zero(cts):
         return [None] * len(args)
-    ct = _cotangents(cts, _out_avals(primitive, site, batch))
+    ct = _cotangents(cts, primitive, site, batch)
     return [None] * len(x) + list(transposed.bind(*x, *ct, site=site, batch=batch))
 
 
@@ -249,15 +251,13 @@ def _second_transpose(primitive: Primitive, cts: Sequence[Any], *args: Any, site
     """second_jvp(x, t1, t2) (y-shaped) and second_vjp(x, c, v) (x-shaped), bilinear: with w the
     cotangent, second_jvp's transpose in t2 is second_vjp(x, w, t1), second_vjp's in v is
     second_vjp(x, c, w) (Hessians are symmetric) and in c is second_jvp(x, v, w)."""
-    n = len(site.plan.x_avals)
-    first = n if primitive is second_jvp_p else len(site.plan.y_avals)
-    x, a, b = list(args[:n]), list(args[n : n + first]), list(args[n + first :])
+    x, a, b = _split(primitive, site, args)
     x = _defined(x, primitive.name)
     if batch:
         raise beyond_second_order(site.inner.backend)
     if _all_zero(cts):
         return [None] * len(args)
-    w = _cotangents(cts, _out_avals(primitive, site, batch))
+    w = _cotangents(cts, primitive, site, batch)
     a_undefined, b_undefined = _undefined(a), _undefined(b)
     if a_undefined and b_undefined:
         raise TypeError(f"{primitive.name} is bilinear; jax asked to transpose it in both arguments at once.")
@@ -269,8 +269,8 @@ def _second_transpose(primitive: Primitive, cts: Sequence[Any], *args: Any, site
     else:
         result = list(second_jvp_p.bind(*x, *b, *w, site=site, batch=0))
     if a_undefined:
-        return [None] * n + result + [None] * len(b)
-    return [None] * (n + len(a)) + result
+        return [None] * len(x) + result + [None] * len(b)
+    return [None] * (len(x) + len(a)) + result
 
 
 ad.primitive_transposes[jvp_p] = partial(_product_transpose, jvp_p, vjp_p)

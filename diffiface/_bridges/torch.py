@@ -24,7 +24,7 @@ import torch.utils.dlpack
 from .. import _arrays
 from .. import tree as _tree
 from .._errors import DiffifaceError
-from ._inner import Aval, Site, beyond_second_order, check_nests, check_shape, to_inner, traced_refusal
+from ._inner import Aval, Site, beyond_second_order, check_nests, check_shape, traced_refusal
 
 __all__ = ["call"]
 
@@ -52,15 +52,10 @@ def _prepare(g: Any, leaves: list[torch.Tensor], spec: Any, contexts: tuple[Any,
     ``traced``: ``spec`` is x itself, whose structure is taken here."""
     if traced:
         spec = _tree.flatten(spec)[1]
-    avals = tuple(Aval(tuple(leaf.shape), _arrays.dtype_name(leaf)) for leaf in leaves)
-    x_inner = None
     # under torch.func's transforms the leaves are wrappers with no data of their own: g's prep
     # then comes from f at zeros, as under jax's tracing
     wrapped = any(torch._C._functorch.is_functorch_wrapped_tensor(leaf) for leaf in leaves)
-    if g.plan is None and not wrapped:
-        with g._inner.family.dtype_scope([a.dtype for a in avals]):
-            x_inner = [to_inner(leaf, g._inner.kind) for leaf in leaves]
-    return g.site(spec, avals, contexts, x_inner)  # type: ignore[no-any-return]
+    return g.outer_site(spec, leaves, contexts, concrete=not wrapped)  # type: ignore[no-any-return]
 
 
 # --- the op ---------------------------------------------------------------------------------------
@@ -146,12 +141,29 @@ def _op(what: str, number: int, args: Sequence[torch.Tensor], batch: int = 0) ->
 # --- the Functions -------------------------------------------------------------------------------
 
 
-def _zeros_for(values: Sequence[Any], avals: Sequence[Aval], like: torch.Tensor | None) -> list[torch.Tensor]:
-    device = like.device if like is not None else None
+def _device(tensors: Sequence[Any]) -> torch.device | None:
+    return next((t.device for t in tensors if isinstance(t, torch.Tensor)), None)
+
+
+def _zeros(avals: Sequence[Aval], device: torch.device | None, batch: tuple[int, ...] = ()) -> list[torch.Tensor]:
+    return [torch.zeros((*batch, *a.shape), dtype=_torch_dtype(a.dtype), device=device) for a in avals]
+
+
+def _filled(values: Sequence[Any], avals: Sequence[Aval], saved: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients or tangents torch passes, with zeros where it passes None."""
+    device = _device(saved)
     return [
         v if v is not None else torch.zeros(a.shape, dtype=_torch_dtype(a.dtype), device=device)
         for v, a in zip(values, avals, strict=True)
     ]
+
+
+def _saved(ctx: Any) -> tuple[Site, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """The site of a Function's call, and the x and linear operands it saved."""
+    site = _site(ctx.number)
+    saved = ctx.saved_tensors
+    n = len(site.plan.x_avals)
+    return site, saved[:n], saved[n:]
 
 
 def _sum(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -161,12 +173,7 @@ def _sum(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> tuple[torch.Te
 def _vmap_loop(function: Any, info: Any, in_dims: Sequence[Any], args: Sequence[Any]) -> Any:
     if info.batch_size == 0:  # no row to run: empty results of the shapes g's prep recorded
         what = args[1] if function is _Second else _PRODUCT[function]
-        like = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        device = like.device if like is not None else None
-        empty = tuple(
-            torch.zeros((0, *a.shape), dtype=_torch_dtype(a.dtype), device=device)
-            for a in _site(args[0]).plan.out_avals(what)
-        )
+        empty = tuple(_zeros(_site(args[0]).plan.out_avals(what), _device(args), (0,)))
         return empty, (0,) * len(empty)
     outs = []
     for b in range(info.batch_size):
@@ -198,9 +205,8 @@ class _CallCompiled(_Saving):
 
     @staticmethod
     def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        site = _site(ctx.number)
-        x = ctx.saved_tensors
-        ct = _zeros_for(cotangents, site.plan.y_avals, x[0] if x else None)
+        site, x, _ = _saved(ctx)
+        ct = _filled(cotangents, site.plan.y_avals, x)
         return (None, *_op("vjp", ctx.number, (*x, *ct)))  # one op: compiled backward is not differentiated
 
     @staticmethod
@@ -213,17 +219,13 @@ class _Call(_CallCompiled):
 
     @staticmethod
     def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        site = _site(ctx.number)
-        x = ctx.saved_tensors
-        ct = _zeros_for(cotangents, site.plan.y_avals, x[0] if x else None)
-        return (None, *_Vjp.apply(site.number, *x, *ct))
+        site, x, _ = _saved(ctx)
+        return (None, *_Vjp.apply(site.number, *x, *_filled(cotangents, site.plan.y_avals, x)))
 
     @staticmethod
     def jvp(ctx: Any, _number_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        site = _site(ctx.number)
-        x = ctx.saved_tensors
-        t = _zeros_for(tangents, site.plan.x_avals, x[0] if x else None)
-        return _Jvp.apply(site.number, *x, *t)  # type: ignore[no-any-return]
+        site, x, _ = _saved(ctx)
+        return _Jvp.apply(site.number, *x, *_filled(tangents, site.plan.x_avals, x))  # type: ignore[no-any-return]
 
     @staticmethod
     def vmap(info: Any, in_dims: Sequence[Any], number: int, *x: torch.Tensor) -> Any:
@@ -243,12 +245,9 @@ def _product(what: str, action: str) -> Any:
 
         @staticmethod
         def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-            site = _site(ctx.number)
-            plan = site.plan
-            n = len(plan.x_avals)
-            saved = ctx.saved_tensors
-            x, v = saved[:n], saved[n:]
-            w = _zeros_for(cotangents, plan.y_avals if jvp else plan.x_avals, x[0] if x else None)
+            site, x, v = _saved(ctx)
+            plan, n = site.plan, len(x)
+            w = _filled(cotangents, plan.y_avals if jvp else plan.x_avals, x)
             grad_x: tuple[Any, ...] = (None,) * n
             if any(ctx.needs_input_grad[1 : 1 + n]):
                 check_nests(site, action)
@@ -260,20 +259,14 @@ def _product(what: str, action: str) -> Any:
 
         @staticmethod
         def jvp(ctx: Any, _number_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            site = _site(ctx.number)
-            plan = site.plan
-            n = len(plan.x_avals)
-            saved = ctx.saved_tensors
-            x, v = saved[:n], saved[n:]
+            site, x, v = _saved(ctx)
+            plan, n = site.plan, len(x)
             dx, dv = tangents[:n], tangents[n:]
-            out = Product.apply(
-                site.number, *x, *_zeros_for(dv, plan.x_avals if jvp else plan.y_avals, x[0] if x else None)
-            )
+            out = Product.apply(site.number, *x, *_filled(dv, plan.x_avals if jvp else plan.y_avals, x))
             if any(d is not None for d in dx):
                 check_nests(site, action)
-                out = _sum(
-                    out, _Second.apply(site.number, f"second_{what}", *x, *v, *_zeros_for(dx, plan.x_avals, x[0]))
-                )
+                second = _Second.apply(site.number, f"second_{what}", *x, *v, *_filled(dx, plan.x_avals, x))
+                out = _sum(out, second)
             return out  # type: ignore[no-any-return]
 
         @staticmethod
