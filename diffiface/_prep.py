@@ -326,7 +326,9 @@ def _settled_holds(
                     return False
         elif f.__kwdefaults__:
             return False
-        if entries:  # (the same holders, as read above: what they hold under the names now)
+        # (the same holders, as read above: what they hold under the names now; the names read
+        # once above, not through _held_by, which would make this test hold f, kept weakly)
+        if entries:
             now: list[Any] = []
             for holder in holders:
                 _named_entries(holder, attributes, keys, now, _HELD_LEVELS)
