@@ -897,8 +897,17 @@ def _weak_dtypes(leaves: Sequence[Any]) -> tuple[int, str, str] | None:
 
 
 def _involves_float64(call: Call) -> bool:
+    """Whether a call's arguments hold float64 data: a float64 or complex128 array, or a Python
+    number in x or a tangent where x's float arrays share no narrower dtype for it to take
+    (:func:`_weak_dtypes`; beside float32 arrays it is float32 data, as the engines take it)."""
+    arrays = [leaf for leaf in call.x_leaves if type(leaf) not in (float, complex)]
+    like = _float_like(arrays)
+    numbers_wide = like is None or _arrays.dtype_name(like) not in _NARROW
     for leaf in (*call.x_leaves, *call.tangent_leaves):
-        if isinstance(leaf, (float, complex)) or _arrays.dtype_name(leaf) in ("float64", "complex128"):
+        if isinstance(leaf, (float, complex)):
+            if numbers_wide:
+                return True
+        elif _arrays.dtype_name(leaf) in ("float64", "complex128"):
             return True
     return any(
         _arrays.is_array(leaf) and _arrays.dtype_name(leaf) in ("float64", "complex128")

@@ -614,6 +614,35 @@ def test_a_python_float_leaf_is_weak_under_jax_as_jax_takes_it(jit: bool) -> Non
     np.testing.assert_allclose(grads["w"], native_grads["w"], rtol=1e-6)
 
 
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_a_python_float_beside_float32_leaves_leaves_f_in_float32_under_jax(jit: bool) -> None:
+    """A Python float in x (a temperature, a dropout rate) beside float32 arrays counted as
+    float64 data: f ran inside jax's x64 scope, where ``jax.random.normal`` draws other numbers
+    and arrays f makes are float64, so the gradient was of another function than the caller's.
+    Beside float32 arrays it is float32 data, as jax takes it: f runs as the caller's call runs."""
+    require("jax")
+    import jax
+    import jax.numpy as jnp
+
+    key = jax.random.key(0)
+
+    def f(p: Any, key: Any) -> Any:
+        noise = jax.random.normal(key, p["w"].shape)
+        return jnp.sum(p["w"] * noise * jnp.linspace(1.0, 2.0, 3)) / p["temperature"]
+
+    x = {"w": jnp.ones(3, dtype=jnp.float32), "temperature": 2.0}
+    value, grads = di.value_and_gradient(f, di.AutoJAX(jit=jit), x, di.Constant(key))
+    native_value, native_grads = jax.value_and_grad(f)(x, key)
+    assert value.dtype == native_value.dtype == jnp.float32
+    np.testing.assert_allclose(grads["w"], native_grads["w"], rtol=1e-6)
+    np.testing.assert_allclose(grads["temperature"], float(native_grads["temperature"]), rtol=1e-6)
+    tx = {"w": jnp.full(3, 0.5, dtype=jnp.float32), "temperature": 1.0}  # (a Python float tangent too)
+    tangent = di.jvp(f, di.AutoJAX(jit=jit), x, tx, di.Constant(key))
+    native_tangent = jax.jvp(lambda p: f(p, key), (x,), (tx,))[1]
+    assert tangent.dtype == native_tangent.dtype == jnp.float32
+    np.testing.assert_allclose(tangent, native_tangent, rtol=1e-6)
+
+
 @pytest.mark.parametrize("backend_id", ["autograd", "pytensor", "mlx", "finite_differences"])
 def test_a_python_float_beside_float32_arrays_keeps_f_in_float32(backend_id: str) -> None:
     """A Python float at a leaf of x beside float32 arrays reached f as a float64 array where
