@@ -3,6 +3,7 @@ weak cache that lets unprepared calls reuse it."""
 
 from __future__ import annotations
 
+import contextlib
 import dis
 import functools
 import itertools
@@ -491,6 +492,13 @@ def _named_entries(
                 value = own.get(name, _UNDEFINED)
                 if value is not _UNDEFINED:
                     values += (name, value)
+        slots = _slots(type(holder))
+        if slots:
+            for name in attributes:
+                slot = slots.get(name)
+                if slot is not None:
+                    with contextlib.suppress(AttributeError):  # (a slot not set: passed over)
+                        values += (name, slot.__get__(holder, None))
     if levels > 1:
         for value in values[start + 1 :: 2]:
             _named_entries(value, attributes, keys, values, levels - 1)
@@ -504,12 +512,28 @@ def _instance(obj: Any, values: list[Any]) -> None:
         for item in attributes.items():
             if item[1] is not obj:  # (not itself: the cache is keyed weakly on it)
                 values += item
-    for klass in type(obj).__mro__[:-1]:
+    for name, slot in _slots(type(obj)).items():
+        try:
+            value = slot.__get__(obj, None)
+        except AttributeError:  # (a slot not set)
+            value = _EMPTY_CELL
+        if value is not obj:
+            values += (name, value)
+
+
+@functools.lru_cache(maxsize=1024)
+def _slots(cls: type) -> dict[str, Any]:
+    """The slots of ``cls``'s instances (its classes' ``__slots__``), each name and the member
+    that reads it, where the class resolves the name to that member (not a property of a
+    subclass); empty for most classes."""
+    found = {}
+    for klass in cls.__mro__[:-1]:
         slots = klass.__dict__.get("__slots__", ())
         for name in (slots,) if isinstance(slots, str) else slots:
-            value = getattr(obj, name, _EMPTY_CELL)
-            if name not in ("__dict__", "__weakref__") and value is not obj:
-                values += (name, value)
+            member = klass.__dict__.get(name)
+            if type(member) is types.MemberDescriptorType and name not in found and getattr(cls, name, None) is member:
+                found[name] = member
+    return found
 
 
 def _class_reads(obj: Any, function: types.FunctionType, values: list[Any], seen: set[int]) -> None:

@@ -436,6 +436,15 @@ class _Holder:
         self.calls = 0
 
 
+class _SlottedHolder:
+    """An object that keeps its data in slots (a ``dataclass(slots=True)``), not a ``__dict__``."""
+
+    __slots__ = ("inner", "weights")
+
+    def __init__(self, weights: np.ndarray) -> None:
+        self.weights = weights
+
+
 _STATE: dict[str, Any] = {}
 _HOLDER = _Holder(np.ones(2))
 
@@ -446,13 +455,21 @@ def _state_loss(v: Any) -> Any:
 
 @pytest.mark.parametrize("engine", ["jax", "pytensor"])
 @pytest.mark.parametrize(
-    "path", ["global dict entry", "attribute of a global", "attribute two levels down", "closed-over list entry"]
+    "path",
+    [
+        "global dict entry",
+        "attribute of a global",
+        "attribute two levels down",
+        "closed-over list entry",
+        "slot of a closed-over object",
+        "slot two levels down",
+    ],
 )
 def test_data_read_through_a_container_or_an_attribute_is_never_stale(engine: str, path: str) -> None:
     """A compiling engine bakes in what f reads, also through ``state["w"]`` or ``model.w``: an
     unprepared call after that entry was replaced (or written in place) must not reuse it.
     Before, only the global or the closure cell itself was compared, and both engines gave the
-    gradient of the old weights."""
+    gradient of the old weights; an object's slots (not in its ``__dict__``) were not read."""
     require(engine)
     x = np.ones(2)
     if path == "global dict entry":
@@ -477,6 +494,21 @@ def test_data_read_through_a_container_or_an_attribute_is_never_stale(engine: st
             outer.inner.weights = w  # type: ignore[attr-defined]
 
         f = lambda v: (outer.inner.weights * v**2).sum()  # type: ignore[attr-defined]  # noqa: E731
+    elif path == "slot of a closed-over object":
+        slotted = _SlottedHolder(np.array([1.0, 2.0]))
+
+        def put(w: np.ndarray) -> None:
+            slotted.weights = w
+
+        f = lambda v: (slotted.weights * v**2).sum()  # noqa: E731
+    elif path == "slot two levels down":
+        top = _SlottedHolder(np.zeros(2))
+        top.inner = _SlottedHolder(np.array([1.0, 2.0]))
+
+        def put(w: np.ndarray) -> None:
+            top.inner.weights = w
+
+        f = lambda v: (top.inner.weights * v**2).sum()  # noqa: E731
     else:
         kept = [np.array([1.0, 2.0])]
 
