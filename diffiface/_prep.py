@@ -521,19 +521,25 @@ def _instance(obj: Any, values: list[Any]) -> None:
             values += (name, value)
 
 
-@functools.lru_cache(maxsize=1024)
 def _slots(cls: type) -> dict[str, Any]:
     """The slots of ``cls``'s instances (its classes' ``__slots__``), each name and the member
     that reads it, where the class resolves the name to that member (not a property of a
-    subclass); empty for most classes."""
-    found = {}
-    for klass in cls.__mro__[:-1]:
-        slots = klass.__dict__.get("__slots__", ())
-        for name in (slots,) if isinstance(slots, str) else slots:
-            member = klass.__dict__.get(name)
-            if type(member) is types.MemberDescriptorType and name not in found and getattr(cls, name, None) is member:
-                found[name] = member
+    subclass); empty for most classes. Found once per class (up to ``_MOST_HELD`` classes)."""
+    found = _SLOTS.get(cls)
+    if found is None:
+        found = {}
+        for klass in cls.__mro__[:-1]:
+            slots = klass.__dict__.get("__slots__", ())
+            for name in (slots,) if isinstance(slots, str) else slots:
+                member = klass.__dict__.get(name)
+                if type(member) is types.MemberDescriptorType and name not in found and getattr(cls, name) is member:
+                    found[name] = member
+        if len(_SLOTS) < _MOST_HELD:
+            _SLOTS[cls] = found
     return found
+
+
+_SLOTS: dict[type, dict[str, Any]] = {}
 
 
 def _class_reads(obj: Any, function: types.FunctionType, values: list[Any], seen: set[int]) -> None:
