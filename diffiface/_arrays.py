@@ -78,6 +78,21 @@ def is_array(leaf: Any) -> bool:
     return family is not None and family.ARRAY
 
 
+def resolution(leaf: Any) -> float:
+    """The relative spacing of the values an array leaf holds: its dtype's machine epsilon, or
+    that of the precision its family's float64 functions are accurate to (mlx's: float32); 0
+    for a Python number or a leaf of no float or complex dtype, whose precision is not known."""
+    name = dtype_name(leaf)
+    if type(leaf) in (float, complex) or not name.startswith(("float", "complex", "bfloat")):
+        return 0.0
+    if name in ("float64", "complex128"):
+        name = getattr(family_of(leaf), "FLOAT64_PRECISION", "float64")
+    try:
+        return float(np.finfo(np.dtype(name)).eps)
+    except TypeError:  # (a dtype numpy lacks: bfloat16)
+        return 2.0**-7 if name == "bfloat16" else 0.0
+
+
 def dtype_name(leaf: Any) -> str:
     """The dtype of a leaf as a plain string ('float32', 'int64', ...)."""
     if isinstance(leaf, bool):

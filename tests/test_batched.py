@@ -440,7 +440,7 @@ def test_finite_differences_take_the_gradient_once_for_the_batch() -> None:
     g.calls = 0
     for t in tangents:
         di.hvp(g, "finite_differences", x, t, scale)
-    assert batched_calls == g.calls - 2 * 2 * n  # (the loop's two more gradients, central: 2n each)
+    assert batched_calls == g.calls - 2 * (2 * n + 1)  # (the loop's two more gradients, central: f(x), then 2n)
     assert batched_calls <= 2 * n + 1 + 3 * 4 * n
 
 

@@ -280,7 +280,7 @@ class _Point:
         # a Python float is weak: f computes with it in the precision of x's arrays, so its step
         # is theirs (float32's beside a float32 array, not float64's, which float32 rounds away)
         weak = [_arrays.kind(x) == "python" for x in xs]
-        own = [float(np.finfo(a.dtype).eps) for a in arrays]
+        own = [max(float(np.finfo(a.dtype).eps), _arrays.resolution(x)) for a, x in zip(arrays, xs, strict=True)]
         floor = max((e for e, w in zip(own, weak, strict=True) if not w), default=float(np.finfo(np.float64).eps))
         steps = [floor if w else e for e, w in zip(own, weak, strict=True)]
         self.eps = np.repeat(steps, [a.size for a in arrays]) if arrays else np.zeros(0)
@@ -302,6 +302,14 @@ class _Point:
                 dtype = _complex_dtype(like) if complex_step else None
                 leaves.append(read_only(_arrays.from_numpy(piece, like, dtype=dtype)))
         return tuple(leaves)
+
+    def coarsen(self, out: Any) -> None:
+        """Steps no finer than f's values resolve, given ``f(x)``: where f computes in a coarser
+        precision than x's dtype (a float32 f of a float64 x, mlx's float64 functions, which are
+        float32-accurate), a step chosen for x's dtype is swamped by f's rounding."""
+        found = max(map(_arrays.resolution, _base.as_tuple(out)), default=0.0)
+        if found > 0:
+            self.eps = np.maximum(self.eps, found)
 
     def steps(self, power: float, fixed: float | None, exact: bool = True) -> np.ndarray:
         if fixed is not None:

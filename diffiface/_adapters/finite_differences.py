@@ -97,6 +97,7 @@ class Adapter(BlackBoxAdapter):
 
     def _value(self, fn: Fn, point: _Point, layout: _Layout | None = None) -> tuple[Any, Any, np.ndarray, _Layout]:
         out, aux = self.run(fn, point.leaves(point.vector))
+        point.coarsen(out)
         flat, found = _flatten_out(out)
         if layout is not None:
             _fit(layout, found)
@@ -129,10 +130,11 @@ class Adapter(BlackBoxAdapter):
         return steps
 
     def _start(self, fn: Fn, xs: Leaves) -> tuple[_Point, Any, Any, np.ndarray | None, _Layout]:
-        """The point, ``f(x)`` (now if the method needs it, else deferred) and the layout of
-        ``f(x)`` (filled by the first evaluation; every later one must fit it)."""
+        """The point, ``f(x)`` (now, except for the complex step, which needs no rounding bound
+        and defers it) and the layout of ``f(x)`` (filled by the first evaluation; every later one
+        must fit it). ``f(x)`` comes first since its precision bounds the steps (:meth:`_Point.coarsen`)."""
         point = _Point(xs)
-        if self.method in ("forward", "backward"):
+        if self.method != "complex":
             out, aux, flat, layout = self._value(fn, point)
             return point, out, aux, flat, layout
         layout = _Layout()
