@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _arrays
 from ._errors import PreparationMismatchError, UnsupportedOperationError
+from ._families import foreign_contents
 from ._families._shared import array_words
 from .tree import path_string
 
@@ -212,6 +213,8 @@ class Closure:
         rewritten = False
         for i, contents in self._arrays:
             value = self._keep[i]
+            if _arrays.family_of(value) is None:  # (a pytree's leaves: jax's arrays, never written in place)
+                continue
             key = id(value)
             seen = _READ.get(key)
             if seen is not None and seen[0]() is value and not seen[1].holds(value):
@@ -607,10 +610,11 @@ def _forget_read(key: int, ref: weakref.ref[Any]) -> None:
 
 
 def _contents(value: Any) -> Held | None:
-    """What a closure keeps of ``value`` to compare its contents, by its family; None where it
-    is compared by identity only (not an array of a family whose arrays are followed)."""
+    """What a closure keeps of ``value`` to compare its contents: an array's, by its family; a
+    pytree only jax knows, its leaves (a flax nnx ``Variable`` holds a new array after an
+    update); None where it is compared by identity only."""
     family = _arrays.family_of(value)
-    return None if family is None else family.contents(value, _KEPT)
+    return foreign_contents(value) if family is None else family.contents(value, _KEPT)
 
 
 def describe_mismatch(prep: Prep, f: Callable[..., Any], signature: Signature) -> str | None:

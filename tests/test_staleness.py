@@ -1052,3 +1052,47 @@ def test_a_method_of_an_object_without_weak_references_is_served() -> None:
     np.testing.assert_allclose(di.gradient(model.loss, "finite_differences", x), 4 * x, rtol=1e-6)
     model.scale = 3.0
     np.testing.assert_allclose(di.gradient(model.loss, "finite_differences", x), 6 * x, rtol=1e-6)
+
+
+def test_an_nnx_variable_f_closes_over_is_never_stale() -> None:
+    """A flax nnx ``Variable`` keeps its value in a slot and f reads it through ``w[...]`` (a
+    ``__getitem__``), which no name in f's code reaches: after ``w[...] = ...`` an unprepared
+    jax call reused the program traced with the old value, with no error. A pytree only jax
+    knows is compared by its leaves."""
+    require("jax")
+    nnx = pytest.importorskip("flax.nnx", reason="flax is not installed")
+    import jax.numpy as jnp
+
+    w = nnx.Param(jnp.array([1.0, 2.0, 3.0]))
+    f = lambda v: (w[...] * v**2).sum()  # noqa: E731
+    x = jnp.ones(3)
+    np.testing.assert_allclose(di.gradient(f, "jax", x), [2.0, 4.0, 6.0])
+    w[...] = w[...] * 10
+    np.testing.assert_allclose(di.gradient(f, "jax", x), [20.0, 40.0, 60.0])
+
+
+_NNX_MODEL: Any = None
+
+
+def _nnx_output(v: Any) -> Any:
+    return _NNX_MODEL(v).sum()
+
+
+def test_an_nnx_module_a_global_f_calls_is_never_stale_while_it_trains() -> None:
+    """The gradient of a model's output by its input, the model a global updated in place each
+    step (as ``nnx.Optimizer.update`` does): the unprepared call gave the first step's gradient
+    at every step. Each step's must be jax's own."""
+    global _NNX_MODEL
+    require("jax")
+    nnx = pytest.importorskip("flax.nnx", reason="flax is not installed")
+    import jax
+    import jax.numpy as jnp
+
+    _NNX_MODEL = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    x = jnp.array([0.3, -0.2])
+    try:
+        for _ in range(3):
+            np.testing.assert_allclose(di.gradient(_nnx_output, "jax", x), jax.grad(_nnx_output)(x), rtol=1e-6)
+            _NNX_MODEL.kernel[...] = _NNX_MODEL.kernel[...] * 0.5 + 1.0  # (an update in place)
+    finally:
+        _NNX_MODEL = None

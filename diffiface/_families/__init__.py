@@ -146,5 +146,6 @@ def by_kind(kind: str) -> Family:
 
 # a leaf no family owns, where a framework's pytree registry knows its class (a flax or
 # equinox object) but diffiface's does not: jax's is the one registry read
+foreign_contents = jax.foreign_contents
 foreign_node = jax.foreign_node
 foreign_tree = jax.foreign_tree

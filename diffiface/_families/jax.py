@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Final
 
@@ -13,7 +15,7 @@ import optree
 from . import _jax_placement as _placement
 from ._jax_placement import block_like as block_like
 from ._jax_placement import laid_out_ravel as laid_out_ravel
-from ._shared import array_words, numpy_like_complex
+from ._shared import Held, array_words, numpy_like_complex
 from ._shared import cast as cast
 from ._shared import contents as contents
 from ._shared import opened as opened
@@ -65,6 +67,50 @@ def foreign_tree(leaf: Any) -> tuple[Any, ...]:
     if len(leaves) == 1 and leaves[0] is leaf:
         return ()
     return (treedef, tuple((tuple(getattr(a, "shape", ())), getattr(a, "dtype", None)) for a in leaves))
+
+
+def foreign_contents(value: Any) -> Held | None:
+    """What a closure keeps of a pytree only jax knows (a flax nnx ``Variable`` or module, an
+    equinox module) that f reads: its structure and its leaves, compared by identity (an nnx
+    ``Variable`` an optimizer updates holds a new array); None for anything else (a leaf, a
+    dict, list or tuple, whose entries f names are followed as such, or no jax)."""
+    jax = sys.modules.get("jax")
+    if jax is None or isinstance(value, (dict, list, tuple)) or jax.tree_util.all_leaves([value]):
+        return None
+    try:
+        return _SameLeaves(value)
+    except Exception:  # (a node whose flattening fails now: not followed)
+        return None
+
+
+class _SameLeaves:
+    __slots__ = ("leaves", "structure")
+
+    def __init__(self, value: Any) -> None:
+        leaves, self.structure = sys.modules["jax"].tree_util.tree_flatten(value)
+        self.leaves = tuple(map(_reference, leaves))
+
+    def holds(self, value: Any) -> bool:
+        try:
+            leaves, structure = sys.modules["jax"].tree_util.tree_flatten(value)
+        except Exception:
+            return False
+        if structure != self.structure or len(leaves) != len(self.leaves):
+            return False
+        return all(kept() is leaf for kept, leaf in zip(self.leaves, leaves, strict=True))
+
+
+def _reference(leaf: Any) -> Callable[[], Any]:
+    """A weak reference to ``leaf`` where it takes one (a jax array), so that a closure does not
+    keep a model's old arrays alive; else a strong one."""
+    try:
+        return weakref.ref(leaf)
+    except TypeError:
+        return functools.partial(_identity, leaf)
+
+
+def _identity(leaf: Any) -> Any:
+    return leaf
 
 
 def foreign_node(leaf: Any) -> tuple[Callable[[Any], Any], Callable[[Any, Any], Any]] | None:
