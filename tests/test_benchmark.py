@@ -48,7 +48,7 @@ def test_finite_difference_rows_and_counts():
         ("finite_differences-forward", True),
     }
     for row in rows:
-        expected = 2 * n if row["backend"] == "finite_differences" else n + 1
+        expected = 2 * n + 1 if row["backend"] == "finite_differences" else n + 1  # (f(x) first: central too)
         assert row["calls_of_f"] == expected, row
 
 
