@@ -296,8 +296,8 @@ def test_kinks_near_x_that_no_stencil_shows_hide_no_wrong_rule():
 def test_a_difference_only_at_inputs_whose_stencils_cross_a_kink_is_no_failure():
     """float32 sort with a tie nearer input 5 than its step: its stencil shows the kink, its
     difference (0.108 against the gradient's 0.087) is no derivative, and the Taylor test cannot
-    judge. The right gradient failed on that difference; the row is now skipped, not
-    differentiable at x, and a rule 1% off still fails."""
+    judge. The right gradient failed on that difference; the Taylor test below the first one's
+    steps now passes it, and a rule 1% off still fails."""
     torch = pytest.importorskip("torch")
     values = [1.7100307e-05, 1.3947549e-04, 5.7750422e-05, -6.1233465e-07, 3.0286265e-05, 2.5852674e-05]
     values += [-0.2753496, 0.36024278, 0.19231904, 0.13338847, -0.57780993, -0.09339191, -0.64343667]
@@ -309,7 +309,8 @@ def test_a_difference_only_at_inputs_whose_stencils_cross_a_kink_is_no_failure()
         return (torch.sort(u).values * torch.linspace(-1, 1, u.numel(), dtype=u.dtype)).sum()
 
     (row,) = check_gradients(lambda v: ramped(torch.sin(v) + v), x, backends=["torch"]).rows
-    assert row.status == "skipped" and "shows a kink within its step" in row.message
+    assert row.status == "passed" and "shows a kink within its step" in row.message
+    assert "below the first test's steps" in row.message
     wrong = _scaled_backward(torch, torch.sin, torch.cos, factor=1.01)
     with pytest.raises(AssertionError):
         check_gradients(lambda v: ramped(wrong(v) + v), x, backends=["torch"])
@@ -328,6 +329,27 @@ def test_an_x_too_large_to_judge_sin_at_is_skipped_and_a_polynomial_there_still_
     wrong = _scaled_backward(torch, lambda v: v**2, lambda v: 2 * v, factor=1.5)
     with pytest.raises(AssertionError, match="values differ at input"):
         check_gradients(lambda v: wrong(v).sum(), x, backends=["torch"])
+
+
+def test_a_wrong_gradient_where_f_turns_within_the_differences_steps_fails():
+    """sin at |x| ~ 2e4, and sin(w0 t) cos(w1 t) with t up to 1e4: f turns within the
+    differences' steps, whose stencils read it as kinked, and within the Taylor test's, which
+    cannot judge. A backward that returns 0, or one 5% off, was skipped as not differentiable at
+    x; the look at shorter steps finds them wrong, and passes the right gradients."""
+    torch = pytest.importorskip("torch")
+    x = torch.tensor([20000.0, 25000.0, 29000.0], dtype=torch.float64)
+    flat = _scaled_backward(torch, torch.sin, torch.cos, factor=0.0)
+    with pytest.raises(AssertionError, match="shrink only as h\\^1"):
+        check_gradients(lambda v: flat(v).sum(), x, backends=["torch"])
+    (row,) = check_gradients(lambda v: torch.sin(v).sum(), x, backends=["torch"]).rows
+    assert row.status == "passed"
+    t = torch.linspace(0, 1e4, 50, dtype=torch.float64)
+    w = torch.tensor([0.3, 0.15], dtype=torch.float64)
+    off = _scaled_backward(torch, torch.sin, torch.cos, factor=1.05)
+    with pytest.raises(AssertionError, match="below the first test's steps"):
+        check_gradients(lambda w, t: (off(w[0] * t) * torch.cos(w[1] * t)).sum(), w, di.Constant(t), backends=["torch"])
+    report = check_gradients(lambda w, t: (torch.sin(w[0] * t) * torch.cos(w[1] * t)).sum(), w, di.Constant(t))
+    assert [row.status for row in report.rows] == ["passed", "passed", "passed"]
 
 
 def _relu_one_at_zero(jax: Any) -> Any:
