@@ -352,6 +352,28 @@ def test_a_wrong_gradient_where_f_turns_within_the_differences_steps_fails():
     assert [row.status for row in report.rows] == ["passed", "passed", "passed"]
 
 
+def test_a_clamp_at_both_bounds_is_skipped_and_a_wrong_rule_beside_it_fails():
+    """A clamp (hardtanh) with entries at both bounds: the convex and the concave kink leave f
+    linear along the disagreement with finite differences, so the Taylor test saw a smooth f and
+    a wrong slope. Each input there shows a kink at x at every step: the row is skipped, not
+    differentiable at x, as with one bound; a rule 1.5 times off at the entry inside still fails."""
+    torch = pytest.importorskip("torch")
+    functional = pytest.importorskip("torch.nn.functional")
+    x = torch.tensor([-1.0, 1.0, 0.3], dtype=torch.float64)
+    for f in (lambda v: torch.clamp(v, -1.0, 1.0).sum(), lambda v: functional.hardtanh(v).sum()):
+        rows = check_gradients(f, x, backends=["torch"]).rows
+        assert [row.status for row in rows] == ["skipped"]
+        assert "f is not differentiable at x" in rows[0].message
+    inside = _scaled_backward(torch, lambda v: torch.clamp(v, -1.0, 1.0), lambda v: torch.where(v.abs() < 1, 1.5, 1.0))
+    with pytest.raises(AssertionError, match="values differ at input"):
+        check_gradients(lambda v: inside(v).sum(), x, backends=["torch"])
+    # relu6 at both of its kinks, where the first test's steps are scaled by |x| and the second look's are not
+    (row,) = check_gradients(
+        lambda v: functional.relu6(v).sum(), x.new_tensor([6.0, 0.0, 2.0]), backends=["torch"]
+    ).rows
+    assert row.status == "skipped" and "not differentiable" in row.message
+
+
 def _relu_one_at_zero(jax: Any) -> Any:
     """relu whose custom rule takes the subgradient 1 at 0 (jax.nn.relu and torch.relu take 0)."""
 
