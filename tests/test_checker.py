@@ -296,8 +296,8 @@ def test_kinks_near_x_that_no_stencil_shows_hide_no_wrong_rule():
 def test_a_difference_only_at_inputs_whose_stencils_cross_a_kink_is_no_failure():
     """float32 sort with a tie nearer input 5 than its step: its stencil shows the kink, its
     difference (0.108 against the gradient's 0.087) is no derivative, and the Taylor test cannot
-    judge. The right gradient failed on that difference; the row is now skipped, not
-    differentiable at x, and a rule 1% off still fails."""
+    judge. The right gradient failed on that difference; the Taylor test below the first one's
+    steps now passes it, and a rule 1% off still fails."""
     torch = pytest.importorskip("torch")
     values = [1.7100307e-05, 1.3947549e-04, 5.7750422e-05, -6.1233465e-07, 3.0286265e-05, 2.5852674e-05]
     values += [-0.2753496, 0.36024278, 0.19231904, 0.13338847, -0.57780993, -0.09339191, -0.64343667]
@@ -309,7 +309,8 @@ def test_a_difference_only_at_inputs_whose_stencils_cross_a_kink_is_no_failure()
         return (torch.sort(u).values * torch.linspace(-1, 1, u.numel(), dtype=u.dtype)).sum()
 
     (row,) = check_gradients(lambda v: ramped(torch.sin(v) + v), x, backends=["torch"]).rows
-    assert row.status == "skipped" and "shows a kink within its step" in row.message
+    assert row.status == "passed" and "shows a kink within its step" in row.message
+    assert "below the first test's steps" in row.message
     wrong = _scaled_backward(torch, torch.sin, torch.cos, factor=1.01)
     with pytest.raises(AssertionError):
         check_gradients(lambda v: ramped(wrong(v) + v), x, backends=["torch"])
@@ -328,6 +329,49 @@ def test_an_x_too_large_to_judge_sin_at_is_skipped_and_a_polynomial_there_still_
     wrong = _scaled_backward(torch, lambda v: v**2, lambda v: 2 * v, factor=1.5)
     with pytest.raises(AssertionError, match="values differ at input"):
         check_gradients(lambda v: wrong(v).sum(), x, backends=["torch"])
+
+
+def test_a_wrong_gradient_where_f_turns_within_the_differences_steps_fails():
+    """sin at |x| ~ 2e4, and sin(w0 t) cos(w1 t) with t up to 1e4: f turns within the
+    differences' steps, whose stencils read it as kinked, and within the Taylor test's, which
+    cannot judge. A backward that returns 0, or one 5% off, was skipped as not differentiable at
+    x; the look at shorter steps finds them wrong, and passes the right gradients."""
+    torch = pytest.importorskip("torch")
+    x = torch.tensor([20000.0, 25000.0, 29000.0], dtype=torch.float64)
+    flat = _scaled_backward(torch, torch.sin, torch.cos, factor=0.0)
+    with pytest.raises(AssertionError, match="shrink only as h\\^1"):
+        check_gradients(lambda v: flat(v).sum(), x, backends=["torch"])
+    (row,) = check_gradients(lambda v: torch.sin(v).sum(), x, backends=["torch"]).rows
+    assert row.status == "passed"
+    t = torch.linspace(0, 1e4, 50, dtype=torch.float64)
+    w = torch.tensor([0.3, 0.15], dtype=torch.float64)
+    off = _scaled_backward(torch, torch.sin, torch.cos, factor=1.05)
+    with pytest.raises(AssertionError, match="below the first test's steps"):
+        check_gradients(lambda w, t: (off(w[0] * t) * torch.cos(w[1] * t)).sum(), w, di.Constant(t), backends=["torch"])
+    report = check_gradients(lambda w, t: (torch.sin(w[0] * t) * torch.cos(w[1] * t)).sum(), w, di.Constant(t))
+    assert [row.status for row in report.rows] == ["passed", "passed", "passed"]
+
+
+def test_a_clamp_at_both_bounds_is_skipped_and_a_wrong_rule_beside_it_fails():
+    """A clamp (hardtanh) with entries at both bounds: the convex and the concave kink leave f
+    linear along the disagreement with finite differences, so the Taylor test saw a smooth f and
+    a wrong slope. Each input there shows a kink at x at every step: the row is skipped, not
+    differentiable at x, as with one bound; a rule 1.5 times off at the entry inside still fails."""
+    torch = pytest.importorskip("torch")
+    functional = pytest.importorskip("torch.nn.functional")
+    x = torch.tensor([-1.0, 1.0, 0.3], dtype=torch.float64)
+    for f in (lambda v: torch.clamp(v, -1.0, 1.0).sum(), lambda v: functional.hardtanh(v).sum()):
+        rows = check_gradients(f, x, backends=["torch"]).rows
+        assert [row.status for row in rows] == ["skipped"]
+        assert "f is not differentiable at x" in rows[0].message
+    inside = _scaled_backward(torch, lambda v: torch.clamp(v, -1.0, 1.0), lambda v: torch.where(v.abs() < 1, 1.5, 1.0))
+    with pytest.raises(AssertionError, match="values differ at input"):
+        check_gradients(lambda v: inside(v).sum(), x, backends=["torch"])
+    # relu6 at both of its kinks, where the first test's steps are scaled by |x| and the second look's are not
+    (row,) = check_gradients(
+        lambda v: functional.relu6(v).sum(), x.new_tensor([6.0, 0.0, 2.0]), backends=["torch"]
+    ).rows
+    assert row.status == "skipped" and "not differentiable" in row.message
 
 
 def _relu_one_at_zero(jax: Any) -> Any:
