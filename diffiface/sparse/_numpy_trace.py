@@ -1018,15 +1018,26 @@ DENSE_LIMIT = 1 << 27
 would cost more memory than a dense Jacobian and save no product."""
 
 
-def dense_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: bool, reason: str) -> Detection:
+def dense_pattern(
+    f: Callable[..., Any],
+    x: Any,
+    values: list[Any],
+    hessian: bool,
+    reason: str,
+    evaluate: Callable[[], Any] | None = None,
+) -> Detection:
     """The dense pattern, for an f no tracer could follow: every output depending on every input.
-    f runs once on a copy of x to count its outputs, so that an exception f raises itself reaches
-    the caller as f raised it."""
+    f runs once to count its outputs, so that an exception f raises itself reaches the caller as
+    f raised it: by ``evaluate`` where given (f as the backend's engine runs it), else on a copy
+    of x."""
     import scipy.sparse as sp
 
     n = sum(int(np.prod(_arrays.shape(leaf), dtype=np.int64)) for leaf in tree.leaves(x))
-    out = f(tree.map(lambda leaf: leaf.copy() if isinstance(leaf, np.ndarray) else leaf, x), *values)
-    m = sum(int(np.size(leaf)) for leaf in tree.leaves(out))
+    if evaluate is not None:
+        out = evaluate()
+    else:
+        out = f(tree.map(lambda leaf: leaf.copy() if isinstance(leaf, np.ndarray) else leaf, x), *values)
+    m = sum(int(np.prod(_arrays.shape(leaf), dtype=np.int64)) for leaf in tree.leaves(out))
     if hessian:
         _check_scalar(m)
     rows = n if hessian else m
