@@ -143,6 +143,17 @@ def test_accepted_pairing_is_right(outer: str, inner: str) -> None:
     np.testing.assert_array_equal(v, V)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("outer", ["fd-central", "fd-complex", "scipy"])
+def test_black_box_outer_keeps_a_numpy_scalar_numpy(outer: str, dtype: type) -> None:
+    """A numpy scalar x (np.float64 is also a Python float; scipy promotes float32 to it) reaches
+    the inner engine as numpy of its dtype, never as a bare float that has no shape."""
+    backend = make(outer, "autograd")
+    second = di.second_derivative(g, backend, dtype(S))
+    assert np.asarray(second).dtype == dtype
+    close(second, second_g(S), 1e-3 if dtype is np.float32 else tolerance(outer, "autograd"))
+
+
 # -- refused pairings: at construction, with the reason and a pairing that works ----------------
 
 _SUGGESTED = re.compile(r"SecondOrder\((\w+\([^()]*\)), (\w+\([^()]*\))\)")

@@ -284,3 +284,25 @@ def test_a_dense_fallback_too_large_is_refused(monkeypatch: pytest.MonkeyPatch) 
         sparse.jacobian_pattern(_windows, X, detector=sparse.GlobalDetector(tracer="numpy"))
     monkeypatch.setattr(_numpy_trace, "DENSE_LIMIT", (N - 2) * N)
     assert sparse.jacobian_pattern(_windows, X, detector=sparse.GlobalDetector(tracer="numpy")).toarray().all()
+
+
+@pytest.mark.parametrize("engine", ["pytensor", "mlx"])
+def test_an_engines_own_functions_are_dense_counted_by_the_engine(engine: str) -> None:
+    """No tracer reads pt.sum or mx.sum: the pattern is dense, and f's outputs are counted as the
+    engine runs f (on its own variables or arrays), not on a numpy copy f cannot take."""
+    xp = pytest.importorskip({"pytensor": "pytensor.tensor", "mlx": "mlx.core"}[engine])
+
+    def chain(v: Any) -> Any:
+        return xp.sum(v[1:] ** 2 * v[:-1])
+
+    def sines(v: Any) -> Any:
+        return xp.sin(v[1:]) * v[:-1]
+
+    x = np.linspace(0.1, 1.0, 6)
+    prep = di.prepare_hessian(chain, di.AutoSparse(engine), x)
+    assert prep.pattern.toarray().all() and any("could not follow f" in note for note in prep.detection.notes)
+    hessian = di.hessian(chain, di.AutoSparse(engine), x, prep=prep)
+    np.testing.assert_allclose(hessian.toarray(), np.asarray(di.hessian(chain, engine, x)), rtol=1e-6, atol=1e-6)
+    jacobian = di.jacobian(sines, di.AutoSparse(engine), x)
+    assert jacobian.shape == (5, 6)
+    np.testing.assert_allclose(jacobian.toarray(), np.asarray(di.jacobian(sines, engine, x)), rtol=1e-6, atol=1e-6)

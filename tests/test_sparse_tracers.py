@@ -779,8 +779,8 @@ def _catches_a_type_error(x: Any) -> Any:
 
 @pytest.mark.parametrize(
     "f",
-    [_catches_a_refusal, _catches_a_type_error, lambda x: np.take(x, np.argsort(x)) * 2.0],
-    ids=["caught", "caught-by-the-retry", "take-computed-indices"],
+    [_catches_a_refusal, _catches_a_type_error, lambda x: np.repeat(x, np.argsort(x)) * 2.0],
+    ids=["caught", "caught-by-the-retry", "repeat-computed-counts"],
 )
 def test_a_numpy_refusal_is_not_read_again_by_jax(f: Callable[[Any], Any]) -> None:
     """After the numpy tracer refused f for a value, the default detector read f again with jax:
@@ -789,6 +789,27 @@ def test_a_numpy_refusal_is_not_read_again_by_jax(f: Callable[[Any], Any]) -> No
     pytest.importorskip("jax")
     with pytest.raises(di.UnsupportedOperationError, match="GlobalDetector could not read"):
         sparse.jacobian_pattern(f, np.array([1.0, 2.0, 3.0]))
+
+
+@pytest.mark.parametrize(
+    ("f", "indices"),
+    [
+        (lambda x, i: np.take(x, i) * x[:3], np.array([2, 0, 1])),
+        (lambda x, i: np.take(x.reshape(2, 3), i, axis=1).ravel() * x, np.array([2, 0, 1])),
+        (lambda x, i: np.take(x.reshape(2, 3), indices=i, axis=0).ravel(), np.array([1])),
+        (lambda x, i: np.take_along_axis(x.reshape(2, 3), i, axis=1).ravel() ** 2, np.array([[1, 0], [2, 2]])),
+    ],
+    ids=["take", "take-axis", "take-keywords", "take-along-axis"],
+)
+def test_take_with_a_constants_indices_is_read_as_indexing(f: Callable[..., Any], indices: np.ndarray) -> None:
+    """A Constant's integers are abstract, as in x[i]: np.take was refused, its message saying
+    they were computed from x. Each element may read any of x's, which holds every nonzero."""
+    x = np.arange(1.0, 7.0)
+    dense = np.asarray(di.jacobian(f, "finite_differences", x, di.Constant(indices)))
+    found = sparse.jacobian_pattern(f, x, di.Constant(indices))
+    assert not _missing(found, dense)
+    jacobian = di.jacobian(f, di.AutoSparse("finite_differences"), x, di.Constant(indices))
+    np.testing.assert_allclose(jacobian.toarray(), dense, rtol=1e-6, atol=1e-9)
 
 
 def test_jax_numpy_code_on_numpy_x_is_still_read_by_jax() -> None:

@@ -294,9 +294,12 @@ class _Point:
         leaves: list[Any] = []
         for i, like in enumerate(self.likes):
             piece = vector[..., self.offsets[i] : self.offsets[i + 1]].reshape((*batch, *self.shapes[i]))
-            if isinstance(like, float) and not batch:
+            # type, not isinstance: np.float64 subclasses float, and a numpy scalar comes back as
+            # numpy (a 0-d array of its dtype), which engines read a shape from
+            python_float = type(like) is float
+            if python_float and not batch:
                 leaves.append(complex(piece.item()) if complex_step else float(piece.item()))
-            elif isinstance(like, float):
+            elif python_float:
                 leaves.append(read_only(piece))
             else:
                 dtype = _complex_dtype(like) if complex_step else None

@@ -227,7 +227,7 @@ def detect(
         return Detection(_known(detector, f, x, values, n, hessian), "known")
     if isinstance(detector, LocalDetector):
         return Detection(_local(f, x, contexts, detector, backend, hessian), "local")
-    return _global(f, x, values, detector, backend, hessian)
+    return _global(f, x, values, detector, backend, hessian, contexts)
 
 
 def _known(
@@ -294,7 +294,13 @@ def _engines(backend: Any) -> set[str]:
 
 
 def _global(
-    f: Callable[..., Any], x: Any, values: list[Any], detector: GlobalDetector, backend: Any, hessian: bool
+    f: Callable[..., Any],
+    x: Any,
+    values: list[Any],
+    detector: GlobalDetector,
+    backend: Any,
+    hessian: bool,
+    contexts: tuple[Any, ...] = (),
 ) -> Detection:
     """The global pattern of f's Jacobian (Hessian), read by the tracer ``detector`` names."""
     from .._errors import UnsupportedOperationError
@@ -315,8 +321,20 @@ def _global(
         if isinstance(error, UnsupportedOperationError):  # a refusal: what f does depends on x's values
             raise
         # conservative: dense, correct for every f (f runs once on x to count its outputs)
-        found = module.dense_pattern(f, x, values, hessian, str(error))
+        found = module.dense_pattern(f, x, values, hessian, str(error), _by_engine(f, x, contexts, backend))
     return found
+
+
+def _by_engine(f: Callable[..., Any], x: Any, contexts: tuple[Any, ...], backend: Any) -> Callable[[], Any] | None:
+    """``f(x)`` as the backend's engine computes it (None without a backend): an engine no tracer
+    reads may call f with arrays or symbolic variables of its own (mlx's, pytensor's), which f
+    needs and a numpy copy of x is not."""
+    if backend is None:
+        return None
+    from .. import _operators
+
+    zeros = tree.map(lambda leaf: _arrays.from_numpy(np.zeros(_arrays.shape(leaf)), like=leaf), x)
+    return lambda: _operators.value_and_jvp(f, backend, x, zeros, *contexts)[0]
 
 
 def _host_fallback() -> str | None:

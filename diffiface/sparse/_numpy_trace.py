@@ -736,6 +736,19 @@ def _trace_of(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> An
     return np.sum(np.diagonal(args[0], offset, first, second), axis=-1)
 
 
+def _take(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """np.take and np.take_along_axis: moves where the indices are known; integers whose values
+    are not known (a Constant's, or computed from x) may read any element, as ``a[indices]`` does."""
+    indices = _argument(args, kwargs, 1, "indices", None)
+    if not (isinstance(indices, IndexSetArray) and indices.dtype.kind in "iu"):
+        return _move(trace, func, args, kwargs)
+    a = _lift(trace, args[0] if args else kwargs.get("a", kwargs.get("arr")))
+    given = {"axis": _argument(args, kwargs, 2, "axis", None)} if len(args) > 2 or "axis" in kwargs else {}
+    shape = func(np.zeros(a.shape, a.dtype), np.zeros(indices.shape, np.int64), **given).shape
+    rows = sets.all_of(a.rows, int(np.prod(shape, dtype=np.int64))) if a.rows is not None else None
+    return IndexSetArray(trace, shape, rows, a.dtype)
+
+
 def _elementwise(trace: _Trace, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     """A function of one array, element by element (sinc, i0, ...), as a nonlinear ufunc."""
     return _ufunc(trace, func, (args[0],), {})
@@ -949,7 +962,7 @@ _FUNCTIONS: dict[str, Callable[[_Trace, Any, Any, dict[str, Any]], Any]] = {
     "around": _elementwise, "round": _elementwise, "fix": _elementwise, "angle": _elementwise, "imag": _elementwise,
     "real_if_close": _elementwise, "where": _where, "sort": _along, "zeros_like": _like, "ones_like": _like,
     "empty_like": _like, "full_like": _like, "shape": _shape_only, "ndim": _shape_only,
-    "size": _shape_only, "clip": _clip, "result_type": _shape_only,
+    "size": _shape_only, "clip": _clip, "result_type": _shape_only, "take": _take, "take_along_axis": _take,
 }  # fmt: skip
 
 
@@ -1018,15 +1031,26 @@ DENSE_LIMIT = 1 << 27
 would cost more memory than a dense Jacobian and save no product."""
 
 
-def dense_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: bool, reason: str) -> Detection:
+def dense_pattern(
+    f: Callable[..., Any],
+    x: Any,
+    values: list[Any],
+    hessian: bool,
+    reason: str,
+    evaluate: Callable[[], Any] | None = None,
+) -> Detection:
     """The dense pattern, for an f no tracer could follow: every output depending on every input.
-    f runs once on a copy of x to count its outputs, so that an exception f raises itself reaches
-    the caller as f raised it."""
+    f runs once to count its outputs, so that an exception f raises itself reaches the caller as
+    f raised it: by ``evaluate`` where given (f as the backend's engine runs it), else on a copy
+    of x."""
     import scipy.sparse as sp
 
     n = sum(int(np.prod(_arrays.shape(leaf), dtype=np.int64)) for leaf in tree.leaves(x))
-    out = f(tree.map(lambda leaf: leaf.copy() if isinstance(leaf, np.ndarray) else leaf, x), *values)
-    m = sum(int(np.size(leaf)) for leaf in tree.leaves(out))
+    if evaluate is not None:
+        out = evaluate()
+    else:
+        out = f(tree.map(lambda leaf: leaf.copy() if isinstance(leaf, np.ndarray) else leaf, x), *values)
+    m = sum(int(np.prod(_arrays.shape(leaf), dtype=np.int64)) for leaf in tree.leaves(out))
     if hessian:
         _check_scalar(m)
     rows = n if hessian else m
