@@ -880,15 +880,20 @@ def test_a_module_made_under_inference_mode_is_explained() -> None:
 @pytest.mark.parametrize("backend", ["torch", "torch-func", di.AutoTorch(create_graph=True)], ids=str)
 def test_results_under_inference_mode_keep_no_graph(backend: Any) -> None:
     """The caller's inference_mode turns recording off, as no_grad does: an nn.Parameter's
-    results come back with no graph under both, and right."""
+    results (of one leaf or of a dict of them) come back with no graph under both, and right."""
     p = torch.nn.Parameter(torch.tensor([0.3, -1.2, 0.8], dtype=torch.float64))
+    b = torch.nn.Parameter(torch.tensor(0.5, dtype=torch.float64))
     f = lambda v: (torch.sin(v) * v**2).sum()  # noqa: E731
+    g = lambda q: f(q["p"]) + q["b"] ** 2  # noqa: E731  (x of two leaves: their graph was kept)
     expected = torch.func.grad(f)(p.detach())
     for mode in (torch.no_grad, torch.inference_mode):
         with mode():
             got = di.gradient(f, backend, p)
-        assert not got.requires_grad and got.grad_fn is None
+            two = di.gradient(g, backend, {"p": p, "b": b})
+        for leaf in (got, *two.values()):
+            assert not leaf.requires_grad and leaf.grad_fn is None
         torch.testing.assert_close(got, expected)
+        torch.testing.assert_close(two, {"p": expected, "b": 2 * b.detach()})
 
 
 @pytest.mark.parametrize("name", ["torch", "torch-func"])

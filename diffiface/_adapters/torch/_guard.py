@@ -111,8 +111,8 @@ def _guard(
             xs = (x,)
             versions = [x._version]  # (a fresh clone's counter starts at 0; read, not assumed)
         else:
-            keep = asked or nested
-            if not keep:  # (asked for, or nested: kept whatever x carries)
+            keep = keep or nested  # (asked for and recording, or nested: kept whatever x carries, as one x's)
+            if not keep:
                 for x in xs:
                     if (x.requires_grad or _forward_ad._current_level >= 0) and _keeps(x):
                         keep = True
