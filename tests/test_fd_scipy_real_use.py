@@ -478,6 +478,34 @@ def test_a_constant_module_written_by_f_is_put_back_and_refused(backend: str) ->
     torch.testing.assert_close(got, model(batch).sum(0).detach(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", ["finite_differences", "scipy"])
+def test_a_complex_modules_parameters_are_differenced_as_real_ones(backend: str) -> None:
+    """A complex nn.Parameter was refused as "inside a torch differentiation": its real and
+    imaginary parts, taken keeping its graph, read as an outer one. Differenced as a real
+    parameter is, and equal to torch's gradient; an outer torch differentiation of the
+    differences is still refused (it would lose their part of the derivative)."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 3, dtype=torch.complex128)
+    batch = torch.randn(5, 4, dtype=torch.complex128)
+
+    def loss(p: Any, m: Any, b: Any) -> Any:
+        return torch.func.functional_call(m, p, (b,)).abs().pow(2).sum()
+
+    params = dict(layer.named_parameters())
+    expected = di.gradient(loss, "torch", params, di.Constant(layer), di.Constant(batch))
+    got = di.gradient(loss, backend, params, di.Constant(layer), di.Constant(batch))
+    torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-7)
+    assert not any(leaf.requires_grad for leaf in got.values())
+
+    def outer(w: Any) -> Any:
+        inner = di.gradient(lambda v: (v.abs() ** 2).sum(), backend, w)
+        return inner.real.sum()
+
+    with pytest.raises(di.UnsupportedOperationError, match="inside a torch differentiation"):
+        di.gradient(outer, "torch", params["bias"])
+
+
 # -- steps along a tangent on inputs of mixed scales ------------------------------------------
 
 

@@ -9,6 +9,7 @@ route of Parameters, a module Constant and a frozen backbone is the detached lea
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -880,15 +881,20 @@ def test_a_module_made_under_inference_mode_is_explained() -> None:
 @pytest.mark.parametrize("backend", ["torch", "torch-func", di.AutoTorch(create_graph=True)], ids=str)
 def test_results_under_inference_mode_keep_no_graph(backend: Any) -> None:
     """The caller's inference_mode turns recording off, as no_grad does: an nn.Parameter's
-    results come back with no graph under both, and right."""
+    results (of one leaf or of a dict of them) come back with no graph under both, and right."""
     p = torch.nn.Parameter(torch.tensor([0.3, -1.2, 0.8], dtype=torch.float64))
+    b = torch.nn.Parameter(torch.tensor(0.5, dtype=torch.float64))
     f = lambda v: (torch.sin(v) * v**2).sum()  # noqa: E731
+    g = lambda q: f(q["p"]) + q["b"] ** 2  # noqa: E731  (x of two leaves: their graph was kept)
     expected = torch.func.grad(f)(p.detach())
     for mode in (torch.no_grad, torch.inference_mode):
         with mode():
             got = di.gradient(f, backend, p)
-        assert not got.requires_grad and got.grad_fn is None
+            two = di.gradient(g, backend, {"p": p, "b": b})
+        for leaf in (got, *two.values()):
+            assert not leaf.requires_grad and leaf.grad_fn is None
         torch.testing.assert_close(got, expected)
+        torch.testing.assert_close(two, {"p": expected, "b": 2 * b.detach()})
 
 
 @pytest.mark.parametrize("name", ["torch", "torch-func"])
@@ -945,6 +951,37 @@ def test_a_change_to_a_constant_modules_structure_is_put_back(mode: str) -> None
         with pytest.raises(di.MutationError, match="put back"):
             di.gradient(f, BACKENDS[mode], torch.randn(3), di.Constant(model))
         assert model[0].weight is weight and model.training and model[0].training
+
+
+@pytest.mark.parametrize("mode", list(BACKENDS))
+def test_a_batchnorm_f_switches_to_train_mode_is_named_with_its_buffer(mode: str) -> None:
+    # expected: on a prep's later call, f switching a Constant eval-mode module to train mode,
+    # whose BatchNorm then updated its buffers, got a MutationError that said only "it has been
+    # put back": the mode was, the buffers stayed written. The message names the buffer and says
+    # it stayed, as any later call's write; on a prep's first call it is put back bit for bit
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).eval()
+    params, batch = dict(net.named_parameters()), torch.randn(6, 3)
+
+    def loss(p: Any, m: Any, b: Any, train: bool) -> Any:
+        if train:
+            m.train()
+        return torch.func.functional_call(m, p, (b,)).pow(2).sum()
+
+    contexts = (di.Constant(net), di.Constant(batch))
+    prep = di.prepare_gradient(loss, BACKENDS[mode], params, *contexts, di.Constant(False))
+    before = snapshot(net)
+    writes = mode == "autograd"  # (torch.func refuses the BatchNorm's write before it lands)
+    buffer = r"buffer '1\.(running_mean|running_var|num_batches_tracked)' of the torch\.nn\.Module contexts\[0\]"
+    with pytest.raises(di.MutationError, match="mode; that change has been put back") as raised:
+        di.gradient(loss, BACKENDS[mode], params, *contexts, di.Constant(True), prep=prep)
+    assert bool(re.search(f"{buffer}.*put back, bit for bit", str(raised.value))) is writes
+    assert same(before, net) and not net.training and not net[1].training
+    di.gradient(loss, BACKENDS[mode], params, *contexts, di.Constant(False), prep=prep)
+    with pytest.raises(di.MutationError, match="mode; that change has been put back") as raised:
+        di.gradient(loss, BACKENDS[mode], params, *contexts, di.Constant(True), prep=prep)
+    assert bool(re.search(f"{buffer}.*now holds what f wrote", str(raised.value))) is writes
+    assert same(before, net) is not writes and not net.training and not net[1].training
 
 
 @pytest.mark.parametrize("mode", list(BACKENDS))

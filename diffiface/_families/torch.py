@@ -122,7 +122,19 @@ def conj(leaf: Any) -> Any:
 
 def parts(leaf: Any) -> tuple[Any, Any]:
     torch = sys.modules["torch"]
+    if leaf.is_leaf and leaf.requires_grad and not _inside_torch_call():
+        # (a parameter of the caller's, which no torch differentiation reads here: its parts are
+        # numbers, as a real parameter is; parts that kept its graph would read as an outer
+        # differentiation to a black box. Inside a diffiface torch call the graph is kept.)
+        leaf = leaf.detach()
     return torch.real(leaf).clone(), torch.imag(leaf).clone()  # (not views: a black box may perturb them)
+
+
+def _inside_torch_call() -> bool:
+    """Whether a diffiface torch call is open on this thread (read where torch's adapter is loaded:
+    the families sit below the adapters)."""
+    adapter = sys.modules.get("diffiface._adapters.torch")
+    return adapter is not None and bool(adapter.inside_a_call())
 
 
 def from_parts(re: Any, im: Any) -> Any:

@@ -111,8 +111,8 @@ def _guard(
             xs = (x,)
             versions = [x._version]  # (a fresh clone's counter starts at 0; read, not assumed)
         else:
-            keep = asked or nested
-            if not keep:  # (asked for, or nested: kept whatever x carries)
+            keep = keep or nested  # (asked for and recording, or nested: kept whatever x carries, as one x's)
+            if not keep:
                 for x in xs:
                     if (x.requires_grad or _forward_ad._current_level >= 0) and _keeps(x):
                         keep = True
@@ -443,11 +443,13 @@ def _mutation(
     changed = modules.written() if modules is not None and modules.changed() else None
     if modules is not None and modules.restructured():
         where = names.of_static(modules.roots[0][0])
-        return (
+        change = (
             f"f changed the torch.nn.Module {where}, a di.Constant: it set a parameter, a buffer or a "
-            "submodule, or its train or eval mode; it has been put back. A Constant is read-only: pass "
-            f"what f changes as x or through has_aux. {_FIX}"
+            "submodule, or its train or eval mode; that change has been put back."
         )
+        if changed is not None:  # (a BatchNorm f switched to train mode wrote its buffers: named as any write)
+            return f"{change} {_module_write(changed, names)}"
+        return f"{change} A Constant is read-only: pass what f changes as x or through has_aux. {_FIX}"
     for i, (x, version) in enumerate(zip(xs, versions, strict=True)):
         if x._version != version:
             state = "the caller's x and tangent are unchanged" if copied else _LANDED_X
@@ -457,8 +459,12 @@ def _mutation(
             where = names.of_dynamic(i)
             state = "the caller's tensor is unchanged (f wrote into a copy)" if copied else _LANDED_TENSOR
             return f"f wrote in place into {where}, a tensor of a di.Constant; {state}. A Constant is read-only: {_FIX}"
-    if changed is None:
-        return None
+    return None if changed is None else _module_write(changed, names)
+
+
+def _module_write(changed: tuple[int, str, str, bool], names: _Names) -> str:
+    """The words for f's write into a Constant module's parameter or buffer (:meth:`_Watch.written`):
+    put back where a copy was kept, else left in the caller's module, as the message says."""
     index, what, name, restored = changed
     where = names.of_static(index)
     state = _PUT_BACK if restored else _LANDED
