@@ -735,3 +735,21 @@ def test_a_static_leaf_of_x_is_rebuilt_in_the_compiled_trace() -> None:
     grads = di.gradient(f, COMPILED, x)
     assert grads["mode"] is None
     torch.testing.assert_close(grads["w"], 4 * x["w"])
+
+
+def test_a_tensor_constant_beside_a_dict_constant_is_compiled() -> None:
+    # di.functional's own example (an empty buffers dict beside a batch): the one-tensor Constant
+    # was taken out by an operator.itemgetter of diffiface's, inside the whole gradient's trace,
+    # which torch.compile cannot trace: refused as a graph break of f's
+    layer = torch.nn.Linear(3, 2, dtype=torch.float64)
+    f, params, buffers = di.functional(layer)
+    inputs = torch.linspace(-1, 1, 12, dtype=torch.float64).reshape(4, 3)
+
+    def loss(params, buffers, inputs):
+        return f(params, buffers, inputs).pow(2).sum()
+
+    contexts = (di.Constant(buffers), di.Constant(inputs))
+    grads = di.gradient(loss, COMPILED, params, *contexts)
+    expected = di.gradient(loss, "torch-func", params, *contexts)
+    for name in params:
+        torch.testing.assert_close(grads[name], expected[name].detach())
