@@ -753,3 +753,33 @@ def test_a_tensor_constant_beside_a_dict_constant_is_compiled() -> None:
     expected = di.gradient(loss, "torch-func", params, *contexts)
     for name in params:
         torch.testing.assert_close(grads[name], expected[name].detach())
+
+
+def test_a_write_into_a_constant_on_a_later_call_lands_once() -> None:
+    # expected, as "torch" gives it: named, and in the caller's tensor once (docs/policies.md). A
+    # later call's new compile read f's graph eagerly first, and the compiled program wrote again
+    x = torch.tensor([1.0, 2.0])
+
+    def f(x, c, inplace):
+        if inplace:
+            torch.mul(c, 2.0, out=c)
+        return (x * c).sum()
+
+    c = torch.tensor([3.0, 4.0])
+    di.gradient(f, COMPILED, x, di.Constant(c), di.Constant(False))
+    with pytest.raises(di.MutationError, match=r"contexts\[0\]"):
+        di.gradient(f, COMPILED, x, di.Constant(c), di.Constant(True))
+    assert c.tolist() == [6.0, 8.0]
+    # the same through the retracing tier (tensors alone), whose eager run read f's graph by a
+    # run of f of its own before the gradient's
+    inplace = [False]
+
+    def g(x, c):
+        return f(x, c, inplace[0])
+
+    c = torch.tensor([3.0, 4.0])
+    di.gradient(g, COMPILED, x, di.Constant(c))
+    inplace[0] = True
+    with pytest.raises(di.MutationError, match=r"contexts\[0\]"):
+        di.gradient(g, COMPILED, x, di.Constant(c))
+    assert c.tolist() == [6.0, 8.0]
