@@ -46,7 +46,8 @@ def _program(
     context_sizes = [len(leaves) for leaves in call.context_leaves]
     one_leaf_each = all(spec == _LEAF for spec in context_specs)
     leaf_contexts = one_leaf_each and all(plan.mask)  # (the dynamic leaves are the context values)
-    context_rebuilds = [_rebuilder(spec) for spec in context_specs]
+    # (None for a context of one leaf: _merge_contexts takes the leaf itself)
+    context_rebuilds = [None if spec == _LEAF else _rebuilder(spec) for spec in context_specs]
     close, settle = _closer(op, adapter, sig.x_spec, has_aux, output, getattr(call, "rebuild", None))
     method = getattr(adapter, op.compute) if call.x_leaves else without_leaves(adapter, op.compute)
     pullback = op.compute == "value_and_pullback"
@@ -151,9 +152,9 @@ class Fused:
     x_spec: dataclasses.InitVar[Any]
     close: Callable[..., Any]
     settle: Callable[..., Any]
-    rebuilds: list[Callable[[Any], Any]] | None
+    rebuilds: list[Callable[[Any], Any] | None] | None
     sizes: list[int]
-    merges: list[Callable[[Any], Any]]
+    merges: list[Callable[[Any], Any] | None]
     adapter: Adapter
     compute: str
     value: bool
@@ -181,13 +182,15 @@ def _rebuilder(spec: Any) -> Callable[[Any], Any]:
 
 
 def _merge_contexts(
-    rebuilds: list[Callable[[Any], Any]], sizes: list[int], dynamic: tuple[Any, ...], static: _Static
+    rebuilds: list[Callable[[Any], Any] | None], sizes: list[int], dynamic: tuple[Any, ...], static: _Static
 ) -> tuple[Any, ...]:
-    """The context values from their dynamic and static leaves, each rebuilt by its ``rebuilds``."""
+    """The context values from their dynamic and static leaves, each rebuilt by its ``rebuilds``
+    (None: the context is its one leaf, taken inline; torch.compile traces this function inside
+    its graph, and cannot trace an ``operator.itemgetter``)."""
     if not static.leaves:  # every leaf dynamic (the common case): slices, in order
         values, start = [], 0
         for rebuild, size in zip(rebuilds, sizes, strict=True):
-            values.append(rebuild(dynamic[start : start + size]))
+            values.append(dynamic[start] if rebuild is None else rebuild(dynamic[start : start + size]))
             start += size
         return tuple(values)
     dyn = iter(dynamic)
@@ -196,7 +199,7 @@ def _merge_contexts(
     values = []
     for rebuild, size in zip(rebuilds, sizes, strict=True):
         leaves = [next(dyn) if next(flags) else next(stat) for _ in range(size)]
-        values.append(rebuild(leaves))
+        values.append(leaves[0] if rebuild is None else rebuild(leaves))
     return tuple(values)
 
 

@@ -735,3 +735,51 @@ def test_a_static_leaf_of_x_is_rebuilt_in_the_compiled_trace() -> None:
     grads = di.gradient(f, COMPILED, x)
     assert grads["mode"] is None
     torch.testing.assert_close(grads["w"], 4 * x["w"])
+
+
+def test_a_tensor_constant_beside_a_dict_constant_is_compiled() -> None:
+    # di.functional's own example (an empty buffers dict beside a batch): the one-tensor Constant
+    # was taken out by an operator.itemgetter of diffiface's, inside the whole gradient's trace,
+    # which torch.compile cannot trace: refused as a graph break of f's
+    layer = torch.nn.Linear(3, 2, dtype=torch.float64)
+    f, params, buffers = di.functional(layer)
+    inputs = torch.linspace(-1, 1, 12, dtype=torch.float64).reshape(4, 3)
+
+    def loss(params, buffers, inputs):
+        return f(params, buffers, inputs).pow(2).sum()
+
+    contexts = (di.Constant(buffers), di.Constant(inputs))
+    grads = di.gradient(loss, COMPILED, params, *contexts)
+    expected = di.gradient(loss, "torch-func", params, *contexts)
+    for name in params:
+        torch.testing.assert_close(grads[name], expected[name].detach())
+
+
+def test_a_write_into_a_constant_on_a_later_call_lands_once() -> None:
+    # expected, as "torch" gives it: named, and in the caller's tensor once (docs/policies.md). A
+    # later call's new compile read f's graph eagerly first, and the compiled program wrote again
+    x = torch.tensor([1.0, 2.0])
+
+    def f(x, c, inplace):
+        if inplace:
+            torch.mul(c, 2.0, out=c)
+        return (x * c).sum()
+
+    c = torch.tensor([3.0, 4.0])
+    di.gradient(f, COMPILED, x, di.Constant(c), di.Constant(False))
+    with pytest.raises(di.MutationError, match=r"contexts\[0\]"):
+        di.gradient(f, COMPILED, x, di.Constant(c), di.Constant(True))
+    assert c.tolist() == [6.0, 8.0]
+    # the same through the retracing tier (tensors alone), whose eager run read f's graph by a
+    # run of f of its own before the gradient's
+    inplace = [False]
+
+    def g(x, c):
+        return f(x, c, inplace[0])
+
+    c = torch.tensor([3.0, 4.0])
+    di.gradient(g, COMPILED, x, di.Constant(c))
+    inplace[0] = True
+    with pytest.raises(di.MutationError, match=r"contexts\[0\]"):
+        di.gradient(g, COMPILED, x, di.Constant(c))
+    assert c.tolist() == [6.0, 8.0]

@@ -432,8 +432,26 @@ class Inner:
         """The Jacobian of f from the flat vector of x to that of f(x): (m, n), dense, or sparse
         under AutoSparse."""
         xp = self.family.numpy_like()
-        cuts = list(itertools.accumulate(a.size for a in plan.x_avals))[:-1]
         f = self.f
+        if not isinstance(self.backend, AutoSparse):
+            # f's own Jacobian, its blocks (per leaf of f(x), per leaf of x) laid out flat after
+            # it: no wrapper of diffiface's inside what the engine traces (torch.compile traces f,
+            # and cannot trace optree's rebuild of x)
+            blocks = _tree.leaves(di.jacobian(f, self.backend, plan.x_spec.unflatten(x), *contexts))
+            across = len(plan.x_avals)
+            if len(blocks) != across * len(plan.y_avals):
+                raise InvalidOutputError(
+                    f"f returned {len(blocks) // max(across, 1)} arrays, where g's prep recorded "
+                    f"{len(plan.y_avals)}; f must return the same structure for every x of one shape."
+                )
+            rows = [
+                xp.concatenate(
+                    [blocks[i * across + j].reshape((y.size, a.size)) for j, a in enumerate(plan.x_avals)], axis=1
+                )
+                for i, y in enumerate(plan.y_avals)
+            ]
+            return xp.concatenate(rows, axis=0)
+        cuts = list(itertools.accumulate(a.size for a in plan.x_avals))[:-1]
 
         def flat_f(vector: Any, *values: Any) -> Any:
             pieces = _split_vector(vector, cuts)

@@ -39,12 +39,14 @@ from .._base import NO_PARTS, Blocks, Deferred, Fn, Leaves
 from .._base import Adapter as _BaseAdapter
 from ._duals import _forward_locked
 from ._engine import _BATCHED_WRONGLY, _for_func, _jacobian_by, _materialised, _on_one, _tensor_aux, graph_nodes
-from ._guard import _CALLS, _guard, _out_of_graph, _transform_level
+from ._guard import _CALLS, _guard, _out_of_graph, _transform_level, _version
 
 
 class _Current(threading.local):
     def __init__(self) -> None:
         self.stack: list[_Programs] = []  # the programs of the preps running in this thread, innermost last
+        # the innermost compiled call's dynamic context leaves, and which are a Constant's (a recheck's watch)
+        self.constants: tuple[Leaves, tuple[int, ...]] = ((), ())
 
 
 _CURRENT = _Current()
@@ -168,6 +170,43 @@ def _read(programs: _Programs, name: str, fn: Fn, xs: Leaves, batched: bool) -> 
     """f's graph read, eagerly (:func:`_noted`): whether program ``name`` may be compiled."""
     func.vjp(lambda *leaves: _noted(fn(leaves)[0], name, programs), *xs)
     return not (programs.custom or (batched and name in programs.unbatchable))
+
+
+def _reread(programs: _Programs, name: str, fn: Fn, xs: Leaves, batched: bool) -> bool:
+    """:func:`_read` on a later call, before a compile: where f wrote into a Constant's tensor
+    (the caller's own on a later call), :class:`_Written` stops the call before the compiled
+    program runs f again, so that the write lands once; the guard names it."""
+    dynamic, constant_at = _CURRENT.constants
+    watched = [dynamic[i] for i in constant_at if isinstance(dynamic[i], torch.Tensor)]
+    versions = list(map(_version, watched))
+    fits = _read(programs, name, fn, xs, batched)
+    if list(map(_version, watched)) != versions:
+        raise _Written
+    return fits
+
+
+class _Written(Exception):
+    """Raised by :func:`_reread` where f wrote into a Constant's tensor: the guard's counters
+    name the write (a MutationError)."""
+
+
+def _reading(fn: Fn, name: str) -> Fn:
+    """``fn``, its graph read as it runs (:func:`_noted`, under program ``name``) where this is
+    the retracing tier's eager run (:class:`_Retraced`), which reads f's graph before a compile:
+    read in the run itself, not by :func:`_read`, f is evaluated once, so that a write f makes
+    into a Constant on a later call lands once, as the guard names it."""
+    stack = _CURRENT.stack
+    if not stack or not stack[-1].reading or torch.compiler.is_compiling():
+        return fn
+    programs = stack[-1]
+
+    def reading(xs: Leaves) -> Any:
+        result = fn(xs)
+        _noted(result[0], name, programs)
+        return result
+
+    reading.__dict__.update(fn.__dict__)  # (has_aux: an engine reads it)
+    return reading
 
 
 def _noting(g: Callable[[Any], Any], has_aux: bool, programs: _Programs) -> Callable[[Any], Any]:
@@ -436,6 +475,8 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
             if layouts is not None:  # the retracing tier's function of the leaves, compiled whole
                 return _Retraced(program, parts)
             guarded = _guard(program, True, False, parts)  # (no fused call: the compiled program is the call)
+            constant_at = tuple(i for i, cache in enumerate(parts.cache_dynamic) if not cache)
+            current = _CURRENT
             programs = _Programs()
             signed: dict[tuple[int, ...], _Programs] = {}  # (by the static leaves that are -0.0)
             stack = _CURRENT.stack
@@ -447,6 +488,7 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
                     if zeros:
                         found = signed.get(zeros) or signed.setdefault(zeros, _Programs())
                 stack.append(found)
+                outer, current.constants = current.constants, (dynamic, constant_at)
                 try:
                     # (detached: a Constant's tensor that requires grad, an unfrozen backbone's
                     # parameter, would give the results a graph through the compiled graph's
@@ -454,6 +496,7 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
                     return _out_of_graph(guarded(xs, ts, dynamic, static))
                 finally:
                     stack.pop()
+                    current.constants = outer  # (nor does the thread keep the caller's tensors alive)
 
             run.programs = programs  # type: ignore[attr-defined]  # (for the tests: what was compiled)
             return run
@@ -499,18 +542,20 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
             if not stack:
                 return None
             programs = stack[-1]
-            if programs.reading or name not in programs.warm:
+            if programs.reading:  # (f's graph read as the eager run evaluates f: _reading)
+                return None
+            if name not in programs.warm:
                 # f once, uncompiled, under a torch.func transform as "torch-func" runs it:
                 # diffiface's checks of its output, and torch.func's refusal of a write into a
                 # Constant (a compiled graph would carry the write out to the caller's tensor)
                 _read(programs, name, fn, xs, batched)
                 programs.warm.add(name)
-            if programs.reading or programs.custom or (batched and name in programs.unbatchable):
+            if programs.custom or (batched and name in programs.unbatchable):
                 return None
             # (two threads' first calls may each make one: both keep the one stored first)
             program = programs.found.get(name) or programs.found.setdefault(name, _Program(template))
             # (f's graph read again, eagerly, before a compile after a program's first)
-            program.recheck = lambda: _read(programs, name, fn, xs, batched)
+            program.recheck = lambda: _reread(programs, name, fn, xs, batched)
             return program
 
         def untracked(self, leaf: Any, xs: Leaves) -> bool:
@@ -530,7 +575,7 @@ def compiled_adapter(base: type[_BaseAdapter]) -> type[_BaseAdapter]:
             # uncompiled, or traced by the retracing tier: detached all the same (only what carries
             # a graph, a Constant's: a detached output of a compiled graph is a view, which torch
             # rebuilds on every call)
-            value, aux, grads = self.eager.value_and_gradient(fn, xs)
+            value, aux, grads = self.eager.value_and_gradient(_reading(fn, "gradient"), xs)
             return _out_of_graph(value), aux, _out_of_graph(grads)
 
         def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
