@@ -1139,6 +1139,16 @@ def test_check_gradients_takes_a_bfloat16_torch_x() -> None:
     assert not report.failed
 
 
+def test_check_gradients_takes_a_bfloat16_torch_x_beside_jax() -> None:
+    """With jax imported, numpy has ml_dtypes' bfloat16, which torch.from_numpy refused: the
+    pairwise comparison's copies raised torch's TypeError."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("jax")
+    x = torch.tensor([0.3, 0.7], dtype=torch.bfloat16)
+    report = check_gradients(lambda v: (v**2).sum(), x)
+    assert not report.failed and any(row.status == "passed" for row in report.rows)
+
+
 def test_engines_not_compared_for_a_random_f_are_not_passed() -> None:
     """Where f draws from a global generator the check stops before any comparison: the engine
     rows said passed, compared with nothing."""
