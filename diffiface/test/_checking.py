@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import functools
 import itertools
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -1287,10 +1288,7 @@ class _Check:
             return None
         if not self._steady(backend, label, g):
             return None
-        spread = [
-            float(np.sqrt(np.mean(np.square(change[lo:hi])))) if hi > lo else 0.0
-            for lo, hi in itertools.pairwise(self.flat.offsets)
-        ]
+        spread = [_root_mean_square(change[lo:hi]) for lo, hi in itertools.pairwise(self.flat.offsets)]
         return _LAST_BITS * self._per_entry(spread)
 
     def _steady(self, backend: Backend, label: str, g: np.ndarray) -> bool:
@@ -1435,8 +1433,8 @@ class _Check:
                 }
                 if None in samples.values():
                     return 0.0
-                draws.append(_fourth_difference(self.center, samples) ** 2 / 70.0)
-            estimates.append(float(np.sqrt(np.mean(draws))))
+                draws.append(_fourth_difference(self.center, samples))
+            estimates.append(_root_mean_square(np.array(draws)) / math.sqrt(70.0))
         longer, shorter = estimates
         if longer == 0.0 or shorter == 0.0:
             return max(longer, shorter)
@@ -1819,6 +1817,16 @@ def _stencil(
             return r, abs(f1 - f2) + 4 * rounding, f1
         return sign * (near - f0) / h, np.inf, sign * (near - f0) / h
     return np.nan, np.inf, np.nan
+
+
+def _root_mean_square(values: np.ndarray) -> float:
+    """The root mean square of ``values`` (0 for none), taken over their largest: the squares of
+    values beyond 1e154 overflow (to inf, a tolerance that passes any gradient; a Python float's
+    square raises), while f near the top of float64 is finite and so are its differences."""
+    top = float(np.max(np.abs(values), initial=0.0))
+    if top == 0.0 or not np.isfinite(top):
+        return top
+    return top * float(np.sqrt(np.mean(np.square(values / top))))
 
 
 def _fourth_difference(f0: float, samples: dict[str, float | None]) -> float:
