@@ -152,6 +152,54 @@ def test_broken_and_soft_fail_and_skip():
     assert report.counts() == {"skipped": 1}
 
 
+def test_backends_that_check_nothing_are_refused_with_why():
+    """Naming only backends that are not installed, or that cannot run the scenarios, checked
+    nothing and passed: a CI test without them went green. It raises, saying what was skipped and
+    why; a backend not installed beside one that runs is still reported as skipped."""
+    pytest.importorskip("autograd")
+    if importlib.util.find_spec("tensorflow") is not None:
+        pytest.skip("needs tensorflow not installed")
+    cube = Scenario("cube", lambda v: (v**3).sum(), np.array([0.5, -1.0]), "gradient")
+    with pytest.raises(
+        di.GradientCheckError, match=r'tensorflow is not installed: pip install "diffiface\[tensorflow\]"'
+    ):
+        test_differentiation(["tensorflow"], [cube])
+    with pytest.raises(di.GradientCheckError, match=r"checked nothing.*tensorflow: not installed: pip install"):
+        check_gradients(lambda v: (v**3).sum(), np.array([0.5, -1.0]), backends="tensorflow")
+    report = test_differentiation(["tensorflow", "autograd"], [cube])
+    assert [row.status for row in report.rows] == ["skipped", "passed"]
+    report = check_gradients(lambda v: (v**3).sum(), np.array([0.5, -1.0]), backends=["tensorflow", "autograd"])
+    assert [row.status for row in report.rows] == ["skipped", "passed"]
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("jax")
+    on_torch = Scenario(
+        "on_torch",
+        lambda v: (v**3).sum(),
+        torch.tensor([0.5, -1.0], dtype=torch.float64),
+        "gradient",
+        frameworks=frozenset({"torch"}),
+    )
+    with pytest.raises(di.GradientCheckError, match="f is written for torch, not jax"):
+        test_differentiation(["jax"], [on_torch])
+    assert test_differentiation(["jax"], [on_torch], raise_on_failure=False).counts() == {"skipped": 1}
+
+
+def test_parametrize_skips_the_pairs_that_cannot_be_checked():
+    """test_differentiation refuses a pair that checks nothing: parametrize marks such pairs
+    skipped, with the reason, as it does a backend that is not installed."""
+    torch = pytest.importorskip("torch")
+    on_torch = Scenario(
+        "on_torch",
+        lambda v: (v**3).sum(),
+        torch.tensor([0.5, -1.0], dtype=torch.float64),
+        "gradient",
+        frameworks=frozenset({"torch"}),
+    )
+    params = parametrize(["jax", "torch"], [on_torch]).args[1]
+    reasons = [[mark.kwargs["reason"] for mark in param.marks] for param in params]
+    assert reasons == [["f is written for torch, not jax"], []]
+
+
 def test_reference_that_does_not_fit_is_refused():
     with pytest.raises(ValueError, match="does not fit"):
         Scenario("wrong_shape", lambda x: (x**2).sum(), np.ones(3), "gradient", reference=np.ones(2))

@@ -358,6 +358,17 @@ def _twice_on_copies(f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -
     return outs[0], outs[1]
 
 
+def _no_gradient(report: Report, automatic: bool) -> GradientCheckError:
+    """The error where no engine gave a gradient, and none failed: nothing was checked, which must
+    not pass in silence (a CI test naming a backend that is not installed would go green)."""
+    reasons = "; ".join(f"{r.backend}: {r.message}" for r in report.rows)
+    if automatic:
+        return GradientCheckError(f"no installed engine can run f ({reasons}). Pass backends=... explicitly.", report)
+    return GradientCheckError(
+        f"checked nothing: no backend named gave a gradient ({reasons}). Install them, or name others.", report
+    )
+
+
 def _not_for_this_engine(exc: BaseException, message: str, counted: _Counted, returned: int) -> tuple[str, str]:
     """``(status, message)`` of a default engine that raised: skipped where its own evaluation of
     f raised (f itself runs: it cannot run f), or where it ran f and refused to differentiate it
@@ -753,11 +764,8 @@ class _Check:
                     row.status, row.message = _outcome(exc)
                     if row.status == "failed" and self.automatic and label not in gradients:
                         row.status, row.message = _not_for_this_engine(exc, row.message, self.counted, returned)
-        if self.automatic and not gradients and not self.report.failed:
-            reasons = "; ".join(f"{r.backend}: {r.message}" for r in self.report.rows)
-            raise GradientCheckError(
-                f"no installed engine can run f ({reasons}). Pass backends=... explicitly.", self.report
-            )
+        if not gradients and not self.report.failed:
+            raise _no_gradient(self.report, self.automatic)
         return gradients
 
     def _row(self, label: str) -> Row:
@@ -2187,9 +2195,8 @@ def _check_against_engines_reference(
                     against_truth[label] = row.abs_error
     if complex_x:
         _complex_checks.check_adjoint(report, f, x, contexts, gradients, has_aux, seed, rtol)
-    if automatic and not gradients and not report.failed:
-        reasons = "; ".join(f"{r.backend}: {r.message}" for r in report.rows)
-        raise GradientCheckError(f"no installed engine can run f ({reasons}). Pass backends=... explicitly.", report)
+    if not gradients and not report.failed:
+        raise _no_gradient(report, automatic)
     labels = list(gradients)
     disagreements: set[str] = set()
     for i, a in enumerate(labels):

@@ -21,12 +21,21 @@ from .. import _arrays
 from .. import tree as _tree
 from .._adapters import available, info, install_hint, normalize
 from .._backends import AutoJAX, AutoScipy, AutoSparse, AutoTorch, Backend, SecondOrder
-from .._errors import FrameworkMismatchError, PreparationMismatchError, UnsupportedOperationError
+from .._errors import (
+    FrameworkMismatchError,
+    GradientCheckError,
+    PreparationMismatchError,
+    UnsupportedOperationError,
+)
 from ._compare import assert_allclose, default_tolerances, max_errors
 from ._scenario import Scenario, promote, promote_contexts, shifted
 from ._snapshot import changes, snapshot
 
 __all__ = ["Report", "Row", "backend_label", "test_differentiation"]
+
+
+ON_REQUEST = "skipped on request"
+"""A skipped row's message where the caller's ``skip`` asked for it."""
 
 
 @dataclasses.dataclass
@@ -69,6 +78,18 @@ class Report:
         for row in self.rows:
             found[row.status] = found.get(row.status, 0) + 1
         return found
+
+    def nothing_checked(self) -> str | None:
+        """Where the report has rows and every one was skipped, not all on request, why (each
+        backend's distinct reasons, its install line where it is not installed); else None. A run
+        that checks nothing must not pass in silence: a CI test without the backends it names
+        would go green."""
+        if any(row.status != "skipped" for row in self.rows) or all(row.message == ON_REQUEST for row in self.rows):
+            return None
+        reasons = list(dict.fromkeys(f"{row.backend}: {row.message}" for row in self.rows))
+        listed = "; ".join(reasons[:8]) + ("; ..." if len(reasons) > 8 else "")
+        checks = "its check was" if len(self.rows) == 1 else f"each of its {len(self.rows)} checks was"
+        return f"{checks} skipped ({listed})"
 
     @property
     def warnings(self) -> list[str]:
@@ -341,8 +362,10 @@ def test_differentiation(
     ``progress(done, total, what)`` is called as each row starts; ``on_row(row)`` as each row
     is finished (before ``broken`` and ``soft_fail`` are applied to its scenario's rows).
 
-    Returns a :class:`Report`; raises ``AssertionError`` with its summary when anything failed
-    (unless ``raise_on_failure=False``).
+    Returns a :class:`Report`; raises ``AssertionError`` with its summary when anything failed,
+    and a :class:`~diffiface.GradientCheckError` saying why when every check was skipped (no
+    backend named is installed, or none can run these scenarios), so that a test checking nothing
+    does not pass (neither unless ``raise_on_failure=False``).
     """
     chosen = [normalize(b) for b in backends]
     scenarios = list(scenarios)
@@ -363,7 +386,7 @@ def test_differentiation(
                 progress(done, total, f"{label} {scenario.name}")
             row = Row(label, scenario.name, scenario.operator, "passed", tags=scenario.tags)
             report.rows.append(row)
-            reason = _skip_reason(backend, scenario, label, skip)
+            reason = skip_reason(backend, scenario, label, skip)
             if reason:
                 row.status, row.message = "skipped", reason
                 if on_row is not None:
@@ -396,6 +419,13 @@ def test_differentiation(
             _apply_expectations(row, scenario, broken, soft_fail)
     if raise_on_failure and report.failed:
         raise AssertionError(report.summary())
+    why = report.nothing_checked()
+    if raise_on_failure and why:
+        raise GradientCheckError(
+            f"test_differentiation checked nothing: {why}. Install the backends named, or name backends that can "
+            "run these scenarios.",
+            report,
+        )
     return report
 
 
@@ -457,11 +487,12 @@ def _matches(selector: Selector, label: str, scenario: Scenario) -> bool:
     return False
 
 
-def _skip_reason(backend: Backend, scenario: Scenario, label: str, skip: Selector) -> str | None:
+def skip_reason(backend: Backend, scenario: Scenario, label: str, skip: Selector) -> str | None:
+    """Why ``backend`` cannot check ``scenario`` before it runs, or None."""
     if not available(backend):
         return f"{label} is not installed: {install_hint(backend)}"
     if _matches(skip, label, scenario):
-        return "skipped on request"
+        return ON_REQUEST
     if isinstance(backend, AutoSparse) and _dense_scipy_hessians(backend, scenario):
         return (
             "a local Hessian pattern on scipy evaluates dense adaptive Hessians at 3 points (50 s at 30 "
