@@ -116,6 +116,29 @@ def test_train_mode_batchnorm_as_constant_is_reported_as_mutation():
     assert "running" in report.failed[0].message
 
 
+def test_a_write_into_a_constant_is_a_mutation_and_leaves_the_callers_array():
+    """The determinism check called f on the caller's own arrays: an f writing into its Constant
+    was reported as drawing from a global random generator, and the caller's array was left
+    changed. It runs on copies now: the write is the MutationError naming the Constant."""
+    torch = pytest.importorskip("torch")
+    for c, x, backend in (
+        (torch.ones(3, dtype=torch.float64), torch.tensor([0.3, 0.7, -1.1], dtype=torch.float64), "torch"),
+        (np.ones(3), np.array([0.3, 0.7, -1.1]), "finite_differences"),
+    ):
+
+        def f(v, c):
+            c += 1.0
+            return (v * c).sum()
+
+        scenario = Scenario("writes", f, x, "gradient", contexts=(di.Constant(c),))
+        with pytest.raises(
+            AssertionError, match=r"MutationError: f wrote into the di\.Constant at position 1"
+        ) as caught:
+            test_differentiation([backend], [scenario])
+        assert "not deterministic" not in str(caught.value)
+        assert (np.asarray(c) == 1.0).all()
+
+
 def test_global_random_generator_is_reported():
     rng = np.random.default_rng(0)
 

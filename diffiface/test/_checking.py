@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import itertools
@@ -32,10 +31,12 @@ from .._errors import (
 from . import _complex_checks, _on_device
 from ._compare import assert_allclose, default_tolerances, max_errors
 from ._running import (
+    _WRITE,
     Report,
     Row,
     _changes_in_float64,
     _computed_reference,
+    _copied,
     _float64_copies_scope,
     _float64_scope,
     _is_difference,
@@ -45,6 +46,7 @@ from ._running import (
     _outcome,
     _promotes,
     _reference_label,
+    _twice_on_copies,
     _value,
     _warnings_apart,
     backend_label,
@@ -294,31 +296,6 @@ def _failure_text(name: str, report: Report, message: str) -> str:
     return f"check_gradients({name}): {body}"
 
 
-_WRITE = (
-    "f wrote into {what}{detail}, which it must only read. check_gradients calls f on copies, so your "
-    "arrays are as they were; but no engine can differentiate such an f. Compute out of place (y = x * 2, "
-    "not x *= 2 or x.mul_(2)), return new state through has_aux=True (say a BatchNorm's running "
-    "statistics), and pass scratch space as di.Cache(...)."
-)
-
-
-def _copied(leaf: Any, deep: bool) -> Any:
-    """A copy of an array leaf f may write into unseen by the caller (jax arrays cannot change);
-    ``deep``: torch modules too."""
-    kind = _arrays.kind(leaf)
-    if isinstance(leaf, np.ndarray):
-        return leaf.copy()
-    if kind == "torch":
-        return leaf.detach().clone().requires_grad_(leaf.requires_grad and leaf.is_leaf)
-    torch = sys.modules.get("torch")
-    if deep and torch is not None and isinstance(leaf, torch.nn.Module):
-        try:
-            return copy.deepcopy(leaf)
-        except Exception:  # (a module holding what cannot be copied: its writes are still seen)
-            return leaf
-    return leaf
-
-
 def _copies(values: tuple[Any, ...]) -> tuple[Any, ...]:
     """The contexts' values for one evaluation of f: a Constant's numpy arrays read-only (a write
     raises), its tensors cloned; a Cache's as they are (f may write there)."""
@@ -331,31 +308,6 @@ def _copies(values: tuple[Any, ...]) -> tuple[Any, ...]:
         return _copied(leaf, deep=False)
 
     return tuple(_tree.map(shielded, v.value) if isinstance(v, di.Constant) else v.value for v in values)
-
-
-def _twice_on_copies(f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
-    """f at x twice (the determinism check), each time on fresh copies of x and of the Constants'
-    values: a write lands on a copy, and is reported as a :class:`MutationError`."""
-    outs = []
-    for _ in range(2):
-        x_copy = _tree.map(lambda leaf: _copied(leaf, deep=True), x)
-        values = [
-            _tree.map(lambda leaf: _copied(leaf, deep=True), c.value) if isinstance(c, di.Constant) else c.value
-            for c in contexts
-        ]
-        taken = [("x", snapshot(x_copy))] + [
-            (f"the di.Constant at position {i + 1} after x", snapshot(v))
-            for i, (c, v) in enumerate(zip(contexts, values, strict=True))
-            if isinstance(c, di.Constant)
-        ]
-        outs.append(f(x_copy, *values))
-        for what, before in taken:
-            changed = changes(before)
-            if changed:
-                where = [c.removeprefix("value") for c in changed[:4] if c != "value"]
-                detail = f" (at {', '.join(where)})" if where else ""
-                raise MutationError(_WRITE.format(what=what, detail=detail))
-    return outs[0], outs[1]
 
 
 def _no_gradient(report: Report, automatic: bool) -> GradientCheckError:

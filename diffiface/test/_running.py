@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import sys
@@ -24,6 +25,7 @@ from .._backends import AutoJAX, AutoScipy, AutoSparse, AutoTorch, Backend, Seco
 from .._errors import (
     FrameworkMismatchError,
     GradientCheckError,
+    MutationError,
     PreparationMismatchError,
     UnsupportedOperationError,
 )
@@ -711,10 +713,64 @@ def _cross_twin(backend: Backend, scenario: Scenario) -> Backend:
     raise AssertionError("no second automatic-differentiation engine is installed to cross-check with")
 
 
+_WRITE = (
+    "f wrote into {what}{detail}, which it must only read. The checks call f on copies, so your "
+    "arrays are as they were; but no engine can differentiate such an f. Compute out of place (y = x * 2, "
+    "not x *= 2 or x.mul_(2)), return new state through has_aux=True (say a BatchNorm's running "
+    "statistics), and pass scratch space as di.Cache(...)."
+)
+
+
+def _copied(leaf: Any, deep: bool) -> Any:
+    """A copy of an array leaf f may write into unseen by the caller (jax arrays cannot change);
+    ``deep``: torch modules too."""
+    kind = _arrays.kind(leaf)
+    if isinstance(leaf, np.ndarray):
+        return leaf.copy()
+    if kind == "torch":
+        return leaf.detach().clone().requires_grad_(leaf.requires_grad and leaf.is_leaf)
+    torch = sys.modules.get("torch")
+    if deep and torch is not None and isinstance(leaf, torch.nn.Module):
+        try:
+            return copy.deepcopy(leaf)
+        except Exception:  # (a module holding what cannot be copied: its writes are still seen)
+            return leaf
+    return leaf
+
+
+def _twice_on_copies(f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+    """f at x twice (the determinism check), each time on fresh copies of x and of the Constants'
+    values: a write lands on a copy, and is reported as a :class:`MutationError`."""
+    outs = []
+    for _ in range(2):
+        x_copy = _tree.map(lambda leaf: _copied(leaf, deep=True), x)
+        values = [
+            _tree.map(lambda leaf: _copied(leaf, deep=True), c.value) if isinstance(c, di.Constant) else c.value
+            for c in contexts
+        ]
+        taken = [("x", snapshot(x_copy))] + [
+            (f"the di.Constant at position {i + 1} after x", snapshot(v))
+            for i, (c, v) in enumerate(zip(contexts, values, strict=True))
+            if isinstance(c, di.Constant)
+        ]
+        outs.append(f(x_copy, *values))
+        for what, before in taken:
+            changed = changes(before)
+            if changed:
+                where = [c.removeprefix("value") for c in changed[:4] if c != "value"]
+                detail = f" (at {', '.join(where)})" if where else ""
+                raise MutationError(_WRITE.format(what=what, detail=detail))
+    return outs[0], outs[1]
+
+
 def _determinism_problem(scenario: Scenario) -> str | None:
-    """Two calls of f at the same input must agree."""
+    """Two calls of f at the same input must agree. They run on copies of x and the Constants'
+    values: a write into them leaves the caller's arrays as they were, and is the MutationError
+    that names it (not two values that differ)."""
     try:
-        first, second = scenario.evaluate(), scenario.evaluate()
+        first, second = _twice_on_copies(scenario.f, scenario.x, scenario.contexts)
+    except MutationError:
+        raise
     except Exception:
         return None
     a, b = _tree.leaves(first), _tree.leaves(second)
