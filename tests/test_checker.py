@@ -517,6 +517,19 @@ def test_f_rounding_at_the_scale_of_its_terms_is_measured_not_read_as_a_wrong_gr
             check_gradients(scaled, x, backends=["torch"])
 
 
+def test_f_near_the_top_of_float64_is_measured_without_overflow():
+    """exp at 700 is 1e304, finite, as is its gradient; the measured rounding's fourth
+    differences, squared as Python floats, raised OverflowError. The right gradient passes, and
+    one 1% off still fails."""
+    torch = pytest.importorskip("torch")
+    x = torch.tensor([700.0, 690.0], dtype=torch.float64)
+    report = check_gradients(lambda v: torch.exp(v).sum(), x, backends=["torch"])
+    assert [row.status for row in report.rows] == ["passed"], report.rows[0].message
+    wrong = _scaled_backward(torch, torch.exp, torch.exp, factor=1.01)
+    with pytest.raises(AssertionError, match="values differ"):
+        check_gradients(lambda v: wrong(v).sum(), x, backends=["torch"])
+
+
 def test_a_float32_engines_own_rounding_is_allowed_when_f_takes_a_constant():
     """sin(c v) / v near v = 0 in float32: its backward pass subtracts two terms of size 1/v, and
     the engine's own rounding (its float32 gradient against its gradient on float64 copies) is
@@ -1181,6 +1194,16 @@ def test_check_gradients_takes_a_bfloat16_torch_x() -> None:
     x = torch.linspace(0.1, 1.0, 4, dtype=torch.bfloat16)
     report = check_gradients(lambda v: torch.sin(v).sum(), x, backends="torch")
     assert not report.failed
+
+
+def test_check_gradients_takes_a_bfloat16_torch_x_beside_jax() -> None:
+    """With jax imported, numpy has ml_dtypes' bfloat16, which torch.from_numpy refused: the
+    pairwise comparison's copies raised torch's TypeError."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("jax")
+    x = torch.tensor([0.3, 0.7], dtype=torch.bfloat16)
+    report = check_gradients(lambda v: (v**2).sum(), x)
+    assert not report.failed and any(row.status == "passed" for row in report.rows)
 
 
 def test_engines_not_compared_for_a_random_f_are_not_passed() -> None:

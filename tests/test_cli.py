@@ -266,6 +266,17 @@ def test_help_says_what_a_check_is_the_groups_examples_and_exit_codes(capsys):
     assert "torch-autograd" in text  # every name the API takes
 
 
+def test_a_selection_whose_every_check_is_skipped_exits_2_and_says_why(capsys):
+    """--backends jax --scenarios torch ran 24 checks, skipped all, and exited 0: a CI job checked
+    nothing and passed. It exits 2, as a selection with no backend installed does, saying why."""
+    pytest.importorskip("jax")
+    pytest.importorskip("torch")
+    for fmt in ("table", "json"):
+        code, out = _run(["--backends", "jax", "--scenarios", "torch", "-j", "1", "--format", fmt], capsys)
+        assert code == 2, out.out
+        assert "the selection checks nothing" in out.err and "f is written for torch, not jax" in out.err
+
+
 def test_a_backend_not_installed_is_reported_skipped_in_every_format(capsys, monkeypatch):
     """The JSON report dropped a backend that is not installed (the table listed it, with 0
     skipped, and the closing line did not count it): both say it is skipped, and why."""

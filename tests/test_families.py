@@ -127,3 +127,19 @@ def test_a_private_copy_is_the_callers_only_where_writes_go_unchecked(kind: str)
     if kind == "torch":
         copy[0] = 5.0
         assert float(leaf[0]) == 1.0
+
+
+def test_torch_takes_an_ml_dtypes_bfloat16_array_exactly() -> None:
+    """torch.from_numpy refuses ml_dtypes' bfloat16 (which to_numpy gives once jax is imported):
+    the checker's copies of a bfloat16 x raised torch's TypeError."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("ml_dtypes")
+    leaf = torch.tensor([0.3, 0.7, -1.1], dtype=torch.bfloat16)
+    family = _families.by_kind("torch")
+    array = family.to_numpy(leaf)
+    assert array.dtype.name == "bfloat16"
+    for back in (family.from_numpy(array, None, None), family.from_numpy(array, leaf, None)):
+        assert back.dtype == torch.bfloat16
+        assert torch.equal(back, leaf)
+    assert family.from_numpy(array, None, torch.float64).dtype == torch.float64
+    assert torch.equal(family.as_own(array, _families.by_kind("numpy"), leaf, np.asarray), leaf)

@@ -116,6 +116,29 @@ def test_train_mode_batchnorm_as_constant_is_reported_as_mutation():
     assert "running" in report.failed[0].message
 
 
+def test_a_write_into_a_constant_is_a_mutation_and_leaves_the_callers_array():
+    """The determinism check called f on the caller's own arrays: an f writing into its Constant
+    was reported as drawing from a global random generator, and the caller's array was left
+    changed. It runs on copies now: the write is the MutationError naming the Constant."""
+    torch = pytest.importorskip("torch")
+    for c, x, backend in (
+        (torch.ones(3, dtype=torch.float64), torch.tensor([0.3, 0.7, -1.1], dtype=torch.float64), "torch"),
+        (np.ones(3), np.array([0.3, 0.7, -1.1]), "finite_differences"),
+    ):
+
+        def f(v, c):
+            c += 1.0
+            return (v * c).sum()
+
+        scenario = Scenario("writes", f, x, "gradient", contexts=(di.Constant(c),))
+        with pytest.raises(
+            AssertionError, match=r"MutationError: f wrote into the di\.Constant at position 1"
+        ) as caught:
+            test_differentiation([backend], [scenario])
+        assert "not deterministic" not in str(caught.value)
+        assert (np.asarray(c) == 1.0).all()
+
+
 def test_global_random_generator_is_reported():
     rng = np.random.default_rng(0)
 
@@ -150,6 +173,54 @@ def test_broken_and_soft_fail_and_skip():
     assert report.counts() == {"soft_failed": 1}
     report = test_differentiation(["finite_differences"], [bad], skip={"finite_differences": ["*"]})
     assert report.counts() == {"skipped": 1}
+
+
+def test_backends_that_check_nothing_are_refused_with_why():
+    """Naming only backends that are not installed, or that cannot run the scenarios, checked
+    nothing and passed: a CI test without them went green. It raises, saying what was skipped and
+    why; a backend not installed beside one that runs is still reported as skipped."""
+    pytest.importorskip("autograd")
+    if importlib.util.find_spec("tensorflow") is not None:
+        pytest.skip("needs tensorflow not installed")
+    cube = Scenario("cube", lambda v: (v**3).sum(), np.array([0.5, -1.0]), "gradient")
+    with pytest.raises(
+        di.GradientCheckError, match=r'tensorflow is not installed: pip install "diffiface\[tensorflow\]"'
+    ):
+        test_differentiation(["tensorflow"], [cube])
+    with pytest.raises(di.GradientCheckError, match=r"checked nothing.*tensorflow: not installed: pip install"):
+        check_gradients(lambda v: (v**3).sum(), np.array([0.5, -1.0]), backends="tensorflow")
+    report = test_differentiation(["tensorflow", "autograd"], [cube])
+    assert [row.status for row in report.rows] == ["skipped", "passed"]
+    report = check_gradients(lambda v: (v**3).sum(), np.array([0.5, -1.0]), backends=["tensorflow", "autograd"])
+    assert [row.status for row in report.rows] == ["skipped", "passed"]
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("jax")
+    on_torch = Scenario(
+        "on_torch",
+        lambda v: (v**3).sum(),
+        torch.tensor([0.5, -1.0], dtype=torch.float64),
+        "gradient",
+        frameworks=frozenset({"torch"}),
+    )
+    with pytest.raises(di.GradientCheckError, match="f is written for torch, not jax"):
+        test_differentiation(["jax"], [on_torch])
+    assert test_differentiation(["jax"], [on_torch], raise_on_failure=False).counts() == {"skipped": 1}
+
+
+def test_parametrize_skips_the_pairs_that_cannot_be_checked():
+    """test_differentiation refuses a pair that checks nothing: parametrize marks such pairs
+    skipped, with the reason, as it does a backend that is not installed."""
+    torch = pytest.importorskip("torch")
+    on_torch = Scenario(
+        "on_torch",
+        lambda v: (v**3).sum(),
+        torch.tensor([0.5, -1.0], dtype=torch.float64),
+        "gradient",
+        frameworks=frozenset({"torch"}),
+    )
+    params = parametrize(["jax", "torch"], [on_torch]).args[1]
+    reasons = [[mark.kwargs["reason"] for mark in param.marks] for param in params]
+    assert reasons == [["f is written for torch, not jax"], []]
 
 
 def test_reference_that_does_not_fit_is_refused():

@@ -62,9 +62,14 @@ def to_numpy(leaf: Any) -> np.ndarray:
 
 
 def from_numpy(array: np.ndarray, like: Any, dtype: Any) -> Any:
+    torch = sys.modules["torch"]
+    if array.dtype.name == "bfloat16":  # (ml_dtypes' own, which torch refuses: via float32, which holds it exactly)
+        array = array.astype(np.float32)
+        if like is None and dtype is None:
+            dtype = torch.bfloat16
     if not (array.flags.c_contiguous and array.flags.writeable):
         array = np.array(array, order="C")  # not np.ascontiguousarray: it makes 0-d arrays 1-d
-    tensor = sys.modules["torch"].from_numpy(array)
+    tensor = torch.from_numpy(array)
     if like is None:  # (the array's own dtype, on the CPU)
         return tensor if dtype is None else tensor.to(dtype=dtype)
     return tensor.to(device=like.device, dtype=like.dtype if dtype is None else dtype)

@@ -221,6 +221,9 @@ def _print(
         for name in names
         if name not in installed
     }
+    # (a selection whose every check is skipped passes nothing: refused, as one with no backend installed)
+    why = report.nothing_checked()
+    nothing = f"the selection checks nothing: {'; '.join([why, *missing.values()])}" if why else None
     if args.format == "json":
         print(
             json.dumps(
@@ -235,7 +238,7 @@ def _print(
                 default=str,
             )
         )
-        return 1 if report.failed else 0
+        return _refused(nothing) if nothing else 1 if report.failed else 0
     lines = report.grouped()
     for label, reason in missing.items():
         line = {
@@ -261,7 +264,13 @@ def _print(
         f"{counts.get('passed', 0)} passed, {len(report.failed)} failed, "
         f"{counts.get('skipped', 0) + len(missing)} skipped in {seconds:.1f} s"
     )
-    return 1 if report.failed else 0
+    return _refused(nothing) if nothing else 1 if report.failed else 0
+
+
+def _refused(message: str) -> int:
+    """Exit status 2 with ``message`` on stderr, as argparse refuses a selection that checks nothing."""
+    print(f"python -m diffiface.test: error: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import itertools
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -31,10 +31,12 @@ from .._errors import (
 from . import _complex_checks, _on_device
 from ._compare import assert_allclose, default_tolerances, max_errors
 from ._running import (
+    _WRITE,
     Report,
     Row,
     _changes_in_float64,
     _computed_reference,
+    _copied,
     _float64_copies_scope,
     _float64_scope,
     _is_difference,
@@ -44,6 +46,7 @@ from ._running import (
     _outcome,
     _promotes,
     _reference_label,
+    _twice_on_copies,
     _value,
     _warnings_apart,
     backend_label,
@@ -293,31 +296,6 @@ def _failure_text(name: str, report: Report, message: str) -> str:
     return f"check_gradients({name}): {body}"
 
 
-_WRITE = (
-    "f wrote into {what}{detail}, which it must only read. check_gradients calls f on copies, so your "
-    "arrays are as they were; but no engine can differentiate such an f. Compute out of place (y = x * 2, "
-    "not x *= 2 or x.mul_(2)), return new state through has_aux=True (say a BatchNorm's running "
-    "statistics), and pass scratch space as di.Cache(...)."
-)
-
-
-def _copied(leaf: Any, deep: bool) -> Any:
-    """A copy of an array leaf f may write into unseen by the caller (jax arrays cannot change);
-    ``deep``: torch modules too."""
-    kind = _arrays.kind(leaf)
-    if isinstance(leaf, np.ndarray):
-        return leaf.copy()
-    if kind == "torch":
-        return leaf.detach().clone().requires_grad_(leaf.requires_grad and leaf.is_leaf)
-    torch = sys.modules.get("torch")
-    if deep and torch is not None and isinstance(leaf, torch.nn.Module):
-        try:
-            return copy.deepcopy(leaf)
-        except Exception:  # (a module holding what cannot be copied: its writes are still seen)
-            return leaf
-    return leaf
-
-
 def _copies(values: tuple[Any, ...]) -> tuple[Any, ...]:
     """The contexts' values for one evaluation of f: a Constant's numpy arrays read-only (a write
     raises), its tensors cloned; a Cache's as they are (f may write there)."""
@@ -332,29 +310,15 @@ def _copies(values: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(_tree.map(shielded, v.value) if isinstance(v, di.Constant) else v.value for v in values)
 
 
-def _twice_on_copies(f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
-    """f at x twice (the determinism check), each time on fresh copies of x and of the Constants'
-    values: a write lands on a copy, and is reported as a :class:`MutationError`."""
-    outs = []
-    for _ in range(2):
-        x_copy = _tree.map(lambda leaf: _copied(leaf, deep=True), x)
-        values = [
-            _tree.map(lambda leaf: _copied(leaf, deep=True), c.value) if isinstance(c, di.Constant) else c.value
-            for c in contexts
-        ]
-        taken = [("x", snapshot(x_copy))] + [
-            (f"the di.Constant at position {i + 1} after x", snapshot(v))
-            for i, (c, v) in enumerate(zip(contexts, values, strict=True))
-            if isinstance(c, di.Constant)
-        ]
-        outs.append(f(x_copy, *values))
-        for what, before in taken:
-            changed = changes(before)
-            if changed:
-                where = [c.removeprefix("value") for c in changed[:4] if c != "value"]
-                detail = f" (at {', '.join(where)})" if where else ""
-                raise MutationError(_WRITE.format(what=what, detail=detail))
-    return outs[0], outs[1]
+def _no_gradient(report: Report, automatic: bool) -> GradientCheckError:
+    """The error where no engine gave a gradient, and none failed: nothing was checked, which must
+    not pass in silence (a CI test naming a backend that is not installed would go green)."""
+    reasons = "; ".join(f"{r.backend}: {r.message}" for r in report.rows)
+    if automatic:
+        return GradientCheckError(f"no installed engine can run f ({reasons}). Pass backends=... explicitly.", report)
+    return GradientCheckError(
+        f"checked nothing: no backend named gave a gradient ({reasons}). Install them, or name others.", report
+    )
 
 
 def _not_for_this_engine(exc: BaseException, message: str, counted: _Counted, returned: int) -> tuple[str, str]:
@@ -752,11 +716,8 @@ class _Check:
                     row.status, row.message = _outcome(exc)
                     if row.status == "failed" and self.automatic and label not in gradients:
                         row.status, row.message = _not_for_this_engine(exc, row.message, self.counted, returned)
-        if self.automatic and not gradients and not self.report.failed:
-            reasons = "; ".join(f"{r.backend}: {r.message}" for r in self.report.rows)
-            raise GradientCheckError(
-                f"no installed engine can run f ({reasons}). Pass backends=... explicitly.", self.report
-            )
+        if not gradients and not self.report.failed:
+            raise _no_gradient(self.report, self.automatic)
         return gradients
 
     def _row(self, label: str) -> Row:
@@ -1348,10 +1309,7 @@ class _Check:
             return None
         if not self._steady(backend, label, g):
             return None
-        spread = [
-            float(np.sqrt(np.mean(np.square(change[lo:hi])))) if hi > lo else 0.0
-            for lo, hi in itertools.pairwise(self.flat.offsets)
-        ]
+        spread = [_root_mean_square(change[lo:hi]) for lo, hi in itertools.pairwise(self.flat.offsets)]
         return _LAST_BITS * self._per_entry(spread)
 
     def _steady(self, backend: Backend, label: str, g: np.ndarray) -> bool:
@@ -1496,8 +1454,8 @@ class _Check:
                 }
                 if None in samples.values():
                     return 0.0
-                draws.append(_fourth_difference(self.center, samples) ** 2 / 70.0)
-            estimates.append(float(np.sqrt(np.mean(draws))))
+                draws.append(_fourth_difference(self.center, samples))
+            estimates.append(_root_mean_square(np.array(draws)) / math.sqrt(70.0))
         longer, shorter = estimates
         if longer == 0.0 or shorter == 0.0:
             return max(longer, shorter)
@@ -1882,6 +1840,16 @@ def _stencil(
     return np.nan, np.inf, np.nan
 
 
+def _root_mean_square(values: np.ndarray) -> float:
+    """The root mean square of ``values`` (0 for none), taken over their largest: the squares of
+    values beyond 1e154 overflow (to inf, a tolerance that passes any gradient; a Python float's
+    square raises), while f near the top of float64 is finite and so are its differences."""
+    top = float(np.max(np.abs(values), initial=0.0))
+    if top == 0.0 or not np.isfinite(top):
+        return top
+    return top * float(np.sqrt(np.mean(np.square(values / top))))
+
+
 def _fourth_difference(f0: float, samples: dict[str, float | None]) -> float:
     """f's fourth difference over ``x - 2h .. x + 2h`` along one input: ``h**4`` times its fourth
     derivative for a smooth f, far below its rounding, which this difference amplifies by
@@ -2240,9 +2208,8 @@ def _check_against_engines_reference(
                     against_truth[label] = row.abs_error
     if complex_x:
         _complex_checks.check_adjoint(report, f, x, contexts, gradients, has_aux, seed, rtol)
-    if automatic and not gradients and not report.failed:
-        reasons = "; ".join(f"{r.backend}: {r.message}" for r in report.rows)
-        raise GradientCheckError(f"no installed engine can run f ({reasons}). Pass backends=... explicitly.", report)
+    if not gradients and not report.failed:
+        raise _no_gradient(report, automatic)
     labels = list(gradients)
     disagreements: set[str] = set()
     for i, a in enumerate(labels):

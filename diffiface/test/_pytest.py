@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from .._adapters import available, install_hint, normalize
+from .._adapters import normalize
 from .._backends import Backend
-from ._running import backend_label
+from ._running import backend_label, skip_reason
 from ._scenario import Scenario
 
 __all__ = ["parametrize"]
@@ -15,8 +15,9 @@ __all__ = ["parametrize"]
 
 def parametrize(backends: Sequence[Backend | str], scenarios: Iterable[Scenario]) -> Any:
     """A ``pytest.mark.parametrize("backend, scenario", ...)`` over every pair, with ids such as
-    ``gradient-vector-constant-float64-jax``; a backend that is not installed is marked skipped
-    with the extra that installs it.
+    ``gradient-vector-constant-float64-jax``; a pair that cannot be checked is marked skipped
+    with the reason (a backend that is not installed, with the extra that installs it; f written
+    for another framework), as test_differentiation refuses a call that checks nothing.
 
     Use it with :func:`~diffiface.test.test_differentiation` on one pair per test::
 
@@ -31,10 +32,7 @@ def parametrize(backends: Sequence[Backend | str], scenarios: Iterable[Scenario]
         for backend in backends:
             backend = normalize(backend)
             label = backend_label(backend)
-            marks = (
-                []
-                if available(backend)
-                else [pytest.mark.skip(reason=f"{label} is not installed: {install_hint(backend)}")]
-            )
+            reason = skip_reason(backend, scenario, label, None)
+            marks = [] if reason is None else [pytest.mark.skip(reason=reason)]
             params.append(pytest.param(backend, scenario, id=f"{scenario.name}-{label}", marks=marks))
     return pytest.mark.parametrize(("backend", "scenario"), params)

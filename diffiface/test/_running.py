@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import sys
@@ -21,12 +22,22 @@ from .. import _arrays
 from .. import tree as _tree
 from .._adapters import available, info, install_hint, normalize
 from .._backends import AutoJAX, AutoScipy, AutoSparse, AutoTorch, Backend, SecondOrder
-from .._errors import FrameworkMismatchError, PreparationMismatchError, UnsupportedOperationError
+from .._errors import (
+    FrameworkMismatchError,
+    GradientCheckError,
+    MutationError,
+    PreparationMismatchError,
+    UnsupportedOperationError,
+)
 from ._compare import assert_allclose, default_tolerances, max_errors
 from ._scenario import Scenario, promote, promote_contexts, shifted
 from ._snapshot import changes, snapshot
 
 __all__ = ["Report", "Row", "backend_label", "test_differentiation"]
+
+
+ON_REQUEST = "skipped on request"
+"""A skipped row's message where the caller's ``skip`` asked for it."""
 
 
 @dataclasses.dataclass
@@ -69,6 +80,18 @@ class Report:
         for row in self.rows:
             found[row.status] = found.get(row.status, 0) + 1
         return found
+
+    def nothing_checked(self) -> str | None:
+        """Where the report has rows and every one was skipped, not all on request, why (each
+        backend's distinct reasons, its install line where it is not installed); else None. A run
+        that checks nothing must not pass in silence: a CI test without the backends it names
+        would go green."""
+        if any(row.status != "skipped" for row in self.rows) or all(row.message == ON_REQUEST for row in self.rows):
+            return None
+        reasons = list(dict.fromkeys(f"{row.backend}: {row.message}" for row in self.rows))
+        listed = "; ".join(reasons[:8]) + ("; ..." if len(reasons) > 8 else "")
+        checks = "its check was" if len(self.rows) == 1 else f"each of its {len(self.rows)} checks was"
+        return f"{checks} skipped ({listed})"
 
     @property
     def warnings(self) -> list[str]:
@@ -341,8 +364,10 @@ def test_differentiation(
     ``progress(done, total, what)`` is called as each row starts; ``on_row(row)`` as each row
     is finished (before ``broken`` and ``soft_fail`` are applied to its scenario's rows).
 
-    Returns a :class:`Report`; raises ``AssertionError`` with its summary when anything failed
-    (unless ``raise_on_failure=False``).
+    Returns a :class:`Report`; raises ``AssertionError`` with its summary when anything failed,
+    and a :class:`~diffiface.GradientCheckError` saying why when every check was skipped (no
+    backend named is installed, or none can run these scenarios), so that a test checking nothing
+    does not pass (neither unless ``raise_on_failure=False``).
     """
     chosen = [normalize(b) for b in backends]
     scenarios = list(scenarios)
@@ -363,7 +388,7 @@ def test_differentiation(
                 progress(done, total, f"{label} {scenario.name}")
             row = Row(label, scenario.name, scenario.operator, "passed", tags=scenario.tags)
             report.rows.append(row)
-            reason = _skip_reason(backend, scenario, label, skip)
+            reason = skip_reason(backend, scenario, label, skip)
             if reason:
                 row.status, row.message = "skipped", reason
                 if on_row is not None:
@@ -396,6 +421,13 @@ def test_differentiation(
             _apply_expectations(row, scenario, broken, soft_fail)
     if raise_on_failure and report.failed:
         raise AssertionError(report.summary())
+    why = report.nothing_checked()
+    if raise_on_failure and why:
+        raise GradientCheckError(
+            f"test_differentiation checked nothing: {why}. Install the backends named, or name backends that can "
+            "run these scenarios.",
+            report,
+        )
     return report
 
 
@@ -457,11 +489,12 @@ def _matches(selector: Selector, label: str, scenario: Scenario) -> bool:
     return False
 
 
-def _skip_reason(backend: Backend, scenario: Scenario, label: str, skip: Selector) -> str | None:
+def skip_reason(backend: Backend, scenario: Scenario, label: str, skip: Selector) -> str | None:
+    """Why ``backend`` cannot check ``scenario`` before it runs, or None."""
     if not available(backend):
         return f"{label} is not installed: {install_hint(backend)}"
     if _matches(skip, label, scenario):
-        return "skipped on request"
+        return ON_REQUEST
     if isinstance(backend, AutoSparse) and _dense_scipy_hessians(backend, scenario):
         return (
             "a local Hessian pattern on scipy evaluates dense adaptive Hessians at 3 points (50 s at 30 "
@@ -680,10 +713,64 @@ def _cross_twin(backend: Backend, scenario: Scenario) -> Backend:
     raise AssertionError("no second automatic-differentiation engine is installed to cross-check with")
 
 
+_WRITE = (
+    "f wrote into {what}{detail}, which it must only read. The checks call f on copies, so your "
+    "arrays are as they were; but no engine can differentiate such an f. Compute out of place (y = x * 2, "
+    "not x *= 2 or x.mul_(2)), return new state through has_aux=True (say a BatchNorm's running "
+    "statistics), and pass scratch space as di.Cache(...)."
+)
+
+
+def _copied(leaf: Any, deep: bool) -> Any:
+    """A copy of an array leaf f may write into unseen by the caller (jax arrays cannot change);
+    ``deep``: torch modules too."""
+    kind = _arrays.kind(leaf)
+    if isinstance(leaf, np.ndarray):
+        return leaf.copy()
+    if kind == "torch":
+        return leaf.detach().clone().requires_grad_(leaf.requires_grad and leaf.is_leaf)
+    torch = sys.modules.get("torch")
+    if deep and torch is not None and isinstance(leaf, torch.nn.Module):
+        try:
+            return copy.deepcopy(leaf)
+        except Exception:  # (a module holding what cannot be copied: its writes are still seen)
+            return leaf
+    return leaf
+
+
+def _twice_on_copies(f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+    """f at x twice (the determinism check), each time on fresh copies of x and of the Constants'
+    values: a write lands on a copy, and is reported as a :class:`MutationError`."""
+    outs = []
+    for _ in range(2):
+        x_copy = _tree.map(lambda leaf: _copied(leaf, deep=True), x)
+        values = [
+            _tree.map(lambda leaf: _copied(leaf, deep=True), c.value) if isinstance(c, di.Constant) else c.value
+            for c in contexts
+        ]
+        taken = [("x", snapshot(x_copy))] + [
+            (f"the di.Constant at position {i + 1} after x", snapshot(v))
+            for i, (c, v) in enumerate(zip(contexts, values, strict=True))
+            if isinstance(c, di.Constant)
+        ]
+        outs.append(f(x_copy, *values))
+        for what, before in taken:
+            changed = changes(before)
+            if changed:
+                where = [c.removeprefix("value") for c in changed[:4] if c != "value"]
+                detail = f" (at {', '.join(where)})" if where else ""
+                raise MutationError(_WRITE.format(what=what, detail=detail))
+    return outs[0], outs[1]
+
+
 def _determinism_problem(scenario: Scenario) -> str | None:
-    """Two calls of f at the same input must agree."""
+    """Two calls of f at the same input must agree. They run on copies of x and the Constants'
+    values: a write into them leaves the caller's arrays as they were, and is the MutationError
+    that names it (not two values that differ)."""
     try:
-        first, second = scenario.evaluate(), scenario.evaluate()
+        first, second = _twice_on_copies(scenario.f, scenario.x, scenario.contexts)
+    except MutationError:
+        raise
     except Exception:
         return None
     a, b = _tree.leaves(first), _tree.leaves(second)
