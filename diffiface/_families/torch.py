@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -127,7 +128,7 @@ def conj(leaf: Any) -> Any:
 
 def parts(leaf: Any) -> tuple[Any, Any]:
     torch = sys.modules["torch"]
-    if leaf.is_leaf and leaf.requires_grad and not _inside_torch_call():
+    if leaf.is_leaf and leaf.requires_grad and not inside_a_call():
         # (a parameter of the caller's, which no torch differentiation reads here: its parts are
         # numbers, as a real parameter is; parts that kept its graph would read as an outer
         # differentiation to a black box. Inside a diffiface torch call the graph is kept.)
@@ -135,11 +136,20 @@ def parts(leaf: Any) -> tuple[Any, Any]:
     return torch.real(leaf).clone(), torch.imag(leaf).clone()  # (not views: a black box may perturb them)
 
 
-def _inside_torch_call() -> bool:
-    """Whether a diffiface torch call is open on this thread (read where torch's adapter is loaded:
-    the families sit below the adapters)."""
-    adapter = sys.modules.get("diffiface._adapters.torch")
-    return adapter is not None and bool(adapter.inside_a_call())
+class _Calls(threading.local):
+    def __init__(self) -> None:
+        self.keep: list[bool] = []  # per open call, innermost last: does it keep its graph?
+
+
+CALLS = _Calls()
+"""The diffiface torch calls open on this thread, which the torch adapter's guard opens and
+closes: kept here, below the adapters, since whether one is open decides what a tensor's parts
+are (:func:`parts`)."""
+
+
+def inside_a_call() -> bool:
+    """Whether this thread is inside a diffiface torch call (f is being differentiated)."""
+    return bool(CALLS.keep)
 
 
 def from_parts(re: Any, im: Any) -> Any:

@@ -25,6 +25,7 @@ from torch import func
 from ... import _arrays
 from ... import tree as _tree
 from ..._errors import ArrayTypeError, InvalidInputError, InvalidOutputError
+from ..._families.torch import CALLS as _CALLS
 from ..._families.torch import x_refusal
 from .. import _base
 from .._base import NO_PARTS, Blocks, Fn, Leaves, ProgramParts
@@ -65,7 +66,7 @@ from ._engine import (
 )
 from ._explain import _autograd_in_func, _nested_forward, explain_failure
 from ._fused import _FUSED
-from ._guard import _CALLS, _guard, _keeping, _requires_grad, _wrapped, inside_a_call
+from ._guard import _guard, _keeping, _requires_grad, _wrapped, inside_a_call
 
 __all__ = ["Adapter", "inside_a_call", "is_dtensor"]
 

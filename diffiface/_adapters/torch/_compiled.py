@@ -34,12 +34,13 @@ from torch import func
 from ... import tree as _tree
 from ..._backends import AutoTorch
 from ..._errors import UnsupportedOperationError
+from ..._families.torch import CALLS as _CALLS
 from ..._flatten import structure_unflatten
 from .._base import NO_PARTS, Blocks, Deferred, Fn, Leaves
 from .._base import Adapter as _BaseAdapter
 from ._duals import _forward_locked
 from ._engine import _BATCHED_WRONGLY, _for_func, _jacobian_by, _materialised, _on_one, _tensor_aux, graph_nodes
-from ._guard import _CALLS, _guard, _out_of_graph, _transform_level, _version
+from ._guard import _guard, _out_of_graph, _transform_level, _version
 
 
 class _Current(threading.local):

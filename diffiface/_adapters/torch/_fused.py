@@ -14,6 +14,7 @@ import torch.autograd.forward_ad as _forward_ad
 from torch import func
 
 from ..._errors import MutationError
+from ..._families.torch import CALLS as _CALLS
 from .._base import Fn, Leaves
 from ._dtensor import _cotangents, _placed
 from ._duals import (
@@ -37,7 +38,6 @@ from ._engine import (
 )
 from ._explain import _TANGENT_WRITE
 from ._guard import (
-    _CALLS,
     _STRIDED,
     _clone,
     _module_states,

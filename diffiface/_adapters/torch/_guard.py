@@ -6,7 +6,6 @@ the MutationError that names the leaf written.
 from __future__ import annotations
 
 import operator
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -17,23 +16,12 @@ from torch.overrides import TorchFunctionMode
 from ... import tree as _tree
 from ..._contexts import held
 from ..._errors import DiffifaceError, MutationError
+from ..._families.torch import CALLS as _CALLS
+from ..._families.torch import inside_a_call as inside_a_call
 from .._base import Leaves, ProgramParts
 from ._dtensor import _refuse_fully_sharded
 from ._duals import _dual_parts
 from ._explain import _FIX, _LEAF_WRITE, _TANGENT_WRITE, _CapturedWrite, torch_refusal
-
-
-class _Calls(threading.local):
-    def __init__(self) -> None:
-        self.keep: list[bool] = []  # per open call, innermost last: does it keep its graph?
-
-
-_CALLS = _Calls()
-
-
-def inside_a_call() -> bool:
-    """Whether this thread is inside a diffiface torch call (f is being differentiated)."""
-    return bool(_CALLS.keep)
 
 
 def _keeping() -> bool:
