@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -195,29 +196,28 @@ def test_backends_that_check_nothing_are_refused_with_why():
     assert [row.status for row in report.rows] == ["skipped", "passed"]
     torch = pytest.importorskip("torch")
     pytest.importorskip("jax")
-    on_torch = Scenario(
+    on_torch = _on_torch(torch)
+    with pytest.raises(di.GradientCheckError, match="f is written for torch, not jax"):
+        test_differentiation(["jax"], [on_torch])
+    assert test_differentiation(["jax"], [on_torch], raise_on_failure=False).counts() == {"skipped": 1}
+
+
+def _on_torch(torch: Any) -> Scenario:
+    """A scenario whose f is written for torch (its x a torch tensor)."""
+    return Scenario(
         "on_torch",
         lambda v: (v**3).sum(),
         torch.tensor([0.5, -1.0], dtype=torch.float64),
         "gradient",
         frameworks=frozenset({"torch"}),
     )
-    with pytest.raises(di.GradientCheckError, match="f is written for torch, not jax"):
-        test_differentiation(["jax"], [on_torch])
-    assert test_differentiation(["jax"], [on_torch], raise_on_failure=False).counts() == {"skipped": 1}
 
 
 def test_parametrize_skips_the_pairs_that_cannot_be_checked():
     """test_differentiation refuses a pair that checks nothing: parametrize marks such pairs
     skipped, with the reason, as it does a backend that is not installed."""
     torch = pytest.importorskip("torch")
-    on_torch = Scenario(
-        "on_torch",
-        lambda v: (v**3).sum(),
-        torch.tensor([0.5, -1.0], dtype=torch.float64),
-        "gradient",
-        frameworks=frozenset({"torch"}),
-    )
+    on_torch = _on_torch(torch)
     params = parametrize(["jax", "torch"], [on_torch]).args[1]
     reasons = [[mark.kwargs["reason"] for mark in param.marks] for param in params]
     assert reasons == [["f is written for torch, not jax"], []]
