@@ -106,7 +106,7 @@ class Adapter(BlackBoxAdapter):
         if point.size == 0 or flat.size == 0:
             zeros = np.zeros((flat.size, point.size))
             return out, aux, zeros, zeros, point, layout
-        result = scipy.differentiate.jacobian(batched, point.vector, **self._options)
+        result = self._differentiate("jacobian", batched, point.vector)
         jac = np.asarray(result.df).reshape(flat.size, point.size)
         err = np.asarray(result.error).reshape(flat.size, point.size)
         x = point.vector
@@ -181,7 +181,7 @@ class Adapter(BlackBoxAdapter):
         n, x = point.size, point.vector
         hess = err = np.zeros((n, n))
         if n:
-            result = scipy.differentiate.hessian(lambda v: batched(v)[0], x, **self._options)
+            result = self._differentiate("hessian", lambda v: batched(v)[0], x)
             hess, err = np.asarray(result.ddf).reshape(n, n), np.asarray(result.error).reshape(n, n)
             self._refuse_failed(
                 result.status,
@@ -213,7 +213,7 @@ class Adapter(BlackBoxAdapter):
         propagates = _non_finite(point.vector, flat)
 
         def gradient(y: np.ndarray) -> np.ndarray:
-            result = scipy.differentiate.jacobian(lambda w: batched(w)[0], y, **self._options)
+            result = self._differentiate("jacobian", lambda w: batched(w)[0], y)
             df = np.asarray(result.df)
             self._refuse_failed(
                 result.status,
@@ -259,7 +259,7 @@ class Adapter(BlackBoxAdapter):
         seconds, errors = np.zeros(flat.size), np.zeros(flat.size)
         x = point.vector
         for k in range(flat.size):
-            result = scipy.differentiate.hessian(lambda v, k=k: batched(v)[k], x, **self._options)
+            result = self._differentiate("hessian", lambda v, k=k: batched(v)[k], x)
             seconds[k], errors[k] = np.asarray(result.ddf).reshape(-1)[0], np.asarray(result.error).reshape(-1)[0]
             self._refuse_failed(
                 np.asarray(result.status).reshape(-1)[:1],
@@ -274,6 +274,35 @@ class Adapter(BlackBoxAdapter):
         return out, aux, derivs, _split_out(seconds, layout)
 
     # -- scipy's verdicts ------------------------------------------------------------------------
+
+    def _differentiate(self, how: str, g: Any, x: np.ndarray) -> Any:
+        """scipy.differentiate's ``how`` (``"jacobian"`` or ``"hessian"``) of ``g`` at ``x``,
+        refused where no point scipy evaluated moved an entry of x (:meth:`_refuse_lost`)."""
+        moved = np.zeros(x.size, dtype=bool)
+
+        def recorded(v: np.ndarray) -> Any:
+            moved[:] |= (v.reshape(x.size, -1) != x[:, None]).any(axis=1)
+            return g(v)
+
+        result = getattr(scipy.differentiate, how)(recorded, x, **self._options)
+        self._refuse_lost(~moved & np.isfinite(x), x)
+        return result
+
+    def _refuse_lost(self, lost: np.ndarray, x: np.ndarray, along: str = "") -> None:
+        """Refuse where every step scipy tried along an entry of x was lost to rounding
+        (``x_j + step == x_j``): f never saw a moved point, and scipy may report the derivative
+        it then estimates, 0, as converged."""
+        if not lost.any():
+            return
+        j = int(np.flatnonzero(lost)[0])
+        initial_step = getattr(self.backend, "initial_step", None)
+        raise InvalidBackendOptionError(
+            f"scipy.differentiate's steps{along} are lost to rounding at entry {j} of x "
+            f"(x_j = {x[j]:.6g}): x_j + step == x_j for every step it tried "
+            f"(from initial_step={initial_step!r} down), so f never saw a moved point and "
+            "its derivative would come out 0. Set AutoScipy(initial_step=...) near the scale of x, or use "
+            "AutoFiniteDifferences(), whose steps follow |x|, or an automatic-differentiation backend."
+        )
 
     def _refuse_failed(
         self,
@@ -345,17 +374,7 @@ class Adapter(BlackBoxAdapter):
         result = scipy.differentiate.jacobian(recorded, np.zeros(1), **self._options)
         df = np.asarray(result.df).reshape(size)
         error = np.asarray(result.error).reshape(size)
-        lost = (u != 0) & ~moved & np.isfinite(point.vector)
-        if lost.any():
-            initial_step = getattr(self.backend, "initial_step", None)
-            j = int(np.flatnonzero(lost)[0])
-            raise InvalidBackendOptionError(
-                f"scipy.differentiate's steps along the tangent are lost to rounding at entry {j} of x "
-                f"(x_j = {point.vector[j]:.6g}): x_j + step == x_j in x's dtype for every step it tried "
-                f"(from initial_step={initial_step!r} down), so f never saw a moved point and "
-                "its derivative would come out 0. Set AutoScipy(initial_step=...) near the scale of x, or use "
-                "AutoFiniteDifferences(), whose steps follow |x|, or an automatic-differentiation backend."
-            )
+        self._refuse_lost((u != 0) & ~moved & np.isfinite(point.vector), point.vector, " along the tangent")
         constant = low == high
         df, error = np.where(constant, 0.0, df), np.where(constant, 0.0, error)
         if checked:
