@@ -176,10 +176,9 @@ class Prep:
 
 class Closure:
     """What ``f`` reads besides its arguments, as a compiled program or a sparsity pattern keeps
-    it (``jax.jit`` bakes in the values f reads when it traces f): an unprepared call whose f
-    reads anything else prepares again. What is followed is the rule docs/preparation.md states
-    ("What an unprepared call compares"), read by :func:`_reads`; each object so read is
-    compared by identity, arrays among them also by their contents (their family's ``contents``)."""
+    it: an unprepared call whose f reads anything else prepares again (the rule of
+    docs/preparation.md, read by :func:`_reads`); each object compared by identity, arrays also
+    by their contents."""
 
     __slots__ = ("_arrays", "_ids", "_keep", "holds")
 
@@ -269,10 +268,8 @@ def _settled_holds(
     general: Callable[[Callable[..., Any]], bool],
 ) -> Callable[[Callable[..., Any]], bool]:
     """:meth:`Closure.holds` for one function, its reads (``values``, :func:`_function_reads`)
-    settled once and compared by identity in plain loops over tuples (for the few objects a
-    function reads, cheaper than any call that compares them in C, or than the general test,
-    which reads f again into lists: ``python benchmarks/closure_test.py``); the defaults by the
-    tuple f holds (the same tuple holds the same objects). Another kind of f, an empty cell, a
+    settled once and compared by identity in plain loops (cheaper than the general test, which
+    reads f again: ``python benchmarks/closure_test.py``). Another kind of f, an empty cell, a
     ``__wrapped__`` added since or defaults in another tuple are left to ``general``."""
     code = function.__code__
     cells = len(function.__closure__ or ())
@@ -467,12 +464,9 @@ def _named_entries(
 ) -> None:
     """What ``holder`` (an object f reads) holds under the names f's code uses, added to
     ``values``, each name and the object: a dict's entries under its constant subscripts, a
-    list's at its constant indices, another object's own attributes (its ``__dict__``; not a
-    module's, a class's or a function's) among its attribute names. So on, ``levels`` deep,
-    until ``values`` holds ``_MOST_HELD``: ``jax.jit`` bakes in ``state["w"]`` and
-    ``self.model.w`` as it does a global. An entry it does not hold is passed over (a method of
-    the object's class, a key f subscripts another dict with): a prep whose f names no entry
-    costs nothing more per call."""
+    list's at its constant indices, another object's own attributes (not a module's, a class's
+    or a function's); so on, ``levels`` deep, up to ``_MOST_HELD`` (``jax.jit`` bakes in
+    ``state["w"]`` and ``self.model.w`` as it does a global)."""
     if len(values) >= _MOST_HELD:
         return
     start = len(values)
