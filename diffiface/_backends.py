@@ -519,9 +519,8 @@ def pairing_refusal(outer: Backend, inner: Backend) -> str | None:
       amplifies their rounding error (allowed only as one engine's own second differences,
       or over a complex-step inner, whose gradients are exact to rounding).
 
-    What an engine knows of itself, each config class says: ``_nesting_problem`` (torch's modes),
-    ``_complex_points_problem`` (whether its gradient carries complex points through, and why not).
-    """
+    Each config class says what its engine knows of itself (``_nesting_problem``,
+    ``_complex_points_problem``)."""
     if outer == inner:
         return None
     o, i = _short(outer), _short(inner)

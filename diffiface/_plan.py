@@ -200,13 +200,9 @@ def optree_flatten(namespace: str = "") -> Flatten:
 
 @dataclasses.dataclass(slots=True, eq=False, kw_only=True)
 class Plan:
-    """What a prep was made for and what it runs.
-
-    ``leaves(...)`` flattens a call's arguments once and compares them with the fields: the
-    leaves ``(x_leaves, tangent_leaves, context_leaves)`` where they fit, None where they do
-    not (the full signature then decides, :mod:`diffiface._dispatch`). ``program(x_leaves,
-    tangent_leaves, context_leaves)`` returns ``(result, error estimate or None)``.
-    """
+    """What a prep was made for and what it runs. ``leaves(...)``: a call's leaves where they
+    fit the fields, else None; ``program(x_leaves, tangent_leaves, context_leaves)``:
+    ``(result, error estimate or None)``."""
 
     operator: str
     backend: Any

@@ -711,14 +711,10 @@ class _Entries(OrderedDict[Any, Prep]):
 
 
 class _PrepCache:
-    """Preps of unprepared calls, keyed weakly on ``f`` (for a bound method, its object) and
-    then on the signature, at most ``per_function`` signatures each, the least recently used
-    leaving first. :meth:`recent` finds the prep a call most likely reuses without taking the
-    call's signature: its plan's :meth:`~diffiface._plan.Plan.leaves` tells whether it fits.
-
-    Owners that take weak references are keys by weak reference (two references to one live
-    object are equal keys), whose callback removes the entry when the owner is collected.
-    """
+    """Preps of unprepared calls, keyed weakly on ``f`` (for a bound method, its object; its
+    entries go when it is collected) and then on the signature, at most ``per_function`` each,
+    least recently used leaving first. :meth:`recent` finds the prep a call most likely reuses
+    without taking the call's signature."""
 
     per_function = 16
 
