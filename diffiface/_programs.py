@@ -136,17 +136,15 @@ class Fused:
     :class:`~diffiface._adapters.torch._fused._Gradient` and the classes beside it) may run in
     one call of its own, without the program's frames:
 
-    - ``function``, f's reference, and ``ref``, its weak reference; ``single``: x is one leaf,
-      else ``rebuild(leaves)`` is x;
-    - ``close`` and ``settle``: f closed and its output checked, as :func:`_closer` gives them
-      (``checked``: the (type, dtype) pairs of outputs already validated);
-    - ``contexts(dynamic, static)``: the context values (:func:`_merge_contexts` by ``merges``);
-      ``rebuilds``: ``merges``, or None where each context is one array leaf;
-    - ``compute``: the adapter's method the program calls; ``value``: the program returns f's
-      value (for an hvp, the gradient) before the derivative;
-    - for a vjp (else None), ``cotangent(ts)``: the cotangent checked against the record of f's
-      output that ``close`` made, as the engine takes it (a real cotangent of a complex output
-      cast to complex: the caller uses what it returns)."""
+    - ``function`` and ``ref``, its weak reference; ``single``: x is one leaf, else
+      ``rebuild(leaves)`` is x;
+    - ``close``, ``settle`` and ``checked``: as :func:`_closer` and :class:`_Output` have them;
+    - ``contexts(dynamic, static)``: the context values; ``rebuilds``: ``merges``, or None where
+      each context is one array leaf;
+    - ``compute``: the adapter's method; ``value``: the program returns f's value (for an hvp,
+      the gradient) before the derivative;
+    - for a vjp (else None), ``cotangent(ts)``: the cotangent checked against f's output, as the
+      engine takes it (the caller uses what it returns)."""
 
     function: FunctionRef
     x_spec: dataclasses.InitVar[Any]
