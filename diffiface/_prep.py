@@ -44,9 +44,8 @@ class Signature(NamedTuple):
     """The keys of x's dicts of two or more keys, each in its order (results mirror it; tree
     structures compare equal whatever the order)."""
     context_orders: tuple[tuple[tuple[Any, ...], ...], ...] = ()
-    """Per context, the keys of its dicts of two or more keys, each in its order: f gets each
-    context rebuilt in the structure the prep was made for, so a prep made for one order would
-    hand f its dicts in that order (``x, y = batch.values()`` would swap them)."""
+    """Per context, the same: f gets each context rebuilt in the prep's structure, so another
+    order would reach f as the prep's (``x, y = batch.values()`` would swap them)."""
 
 
 class FunctionRef:
