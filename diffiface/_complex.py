@@ -279,16 +279,13 @@ class _Realified:
             from_parts(r, im) if flag else r for r, im, flag in zip(rs, self.held, self.x_split.flags, strict=True)
         )
 
-    def _out(self, out: Any) -> Any:
-        if isinstance(out, tuple):
-            split = _Split(out)
-            self.out_split = split
-            return split.split(out) if split.any else out
-        return out
-
     def __call__(self, rs: Leaves) -> tuple[Any, Any]:
         out, aux = self.fn(self._xs(rs))
-        return self._out(out), aux
+        if isinstance(out, tuple):
+            self.out_split = split = _Split(out)
+            if split.any:
+                out = split.split(out)
+        return out, aux
 
     def _batched(self, rs: Leaves) -> Leaves:
         outs = self.fn.batched(self._xs(rs))  # type: ignore[attr-defined]
