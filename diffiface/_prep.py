@@ -722,14 +722,6 @@ class _PrepCache:
         self._strong: OrderedDict[Any, _Entries] = OrderedDict()
         self._lock = threading.Lock()
 
-    def _owner(self, f: Callable[..., Any]) -> tuple[Any, Any, bool]:
-        owner, sub = (f.__self__, f.__func__) if isinstance(f, types.MethodType) else (f, None)
-        try:
-            weakref.ref(owner)
-        except TypeError:
-            return owner, sub, False
-        return owner, sub, True
-
     def _entries(self, f: Callable[..., Any]) -> tuple[_Entries | None, Any]:
         """``f``'s entries (None: none) and the method function its keys hold (None: f is no method)."""
         owner, sub = (f.__self__, f.__func__) if isinstance(f, types.MethodType) else (f, None)
@@ -760,7 +752,7 @@ class _PrepCache:
 
     def recent(self, f: Callable[..., Any], operator: str) -> Prep | None:
         """The prep of ``operator`` that ``f`` used last; None if there is none."""
-        if type(f) is types.FunctionType:  # the common case, without the checks of _owner
+        if type(f) is types.FunctionType:  # the common case, without the checks of _entries
             # (functions by weak reference, in a dict of this class's own: a weak key
             # dictionary's get() is a Python frame, and its inner dict is CPython's detail)
             try:
@@ -772,22 +764,26 @@ class _PrepCache:
             entries, sub = self._entries(f)
         return None if entries is None else entries.latest.get((sub, operator))
 
-    def put(self, f: Callable[..., Any], signature: Signature, prep: Prep, types: Any) -> None:
-        owner, sub, weak = self._owner(f)
-        table: Any = self._functions if weak else self._strong
+    def put(self, f: Callable[..., Any], signature: Signature, prep: Prep, leaf_types: Any) -> None:
+        owner, sub = (f.__self__, f.__func__) if isinstance(f, types.MethodType) else (f, None)
         with self._lock:
+            key: Any
+            table: Any
             try:
-                key = weakref.ref(owner, self._collected) if weak else owner
+                try:
+                    key, table = weakref.ref(owner, self._collected), self._functions
+                except TypeError:  # (an owner without weak references)
+                    key, table = owner, self._strong
                 entries = table.get(key)
                 if entries is None:
                     entries = table[key] = _Entries()
-            except TypeError:
+            except TypeError:  # (an unhashable owner: not cached)
                 return
-            entries[(sub, signature, types)] = prep
+            entries[(sub, signature, leaf_types)] = prep
             entries.latest[sub, signature.operator] = prep
             while len(entries) > self.per_function:
                 entries.popitem(last=False)
-            if not weak:
+            if table is self._strong:
                 table.move_to_end(owner)
                 while len(table) > 256:
                     table.popitem(last=False)
