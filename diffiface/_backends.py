@@ -248,6 +248,7 @@ class AutoFiniteDifferences(Backend):
     """
 
     name: ClassVar[str] = "finite_differences"
+    black_box: ClassVar[bool] = True
     method: Literal["central", "forward", "backward", "complex"] = "central"
     step: float | None = None
     vectorize: bool = False
@@ -268,10 +269,6 @@ class AutoFiniteDifferences(Backend):
         _check_bool(self, "vectorize", self.vectorize)
         if self.max_inputs is not None:
             _check_int(self, "max_inputs", self.max_inputs, "an integer >= 1, or None", lambda v: v >= 1)
-
-    @property
-    def black_box(self) -> bool:
-        return True
 
     def _complex_points_problem(self) -> str | None:
         if self.method == "complex":
@@ -309,6 +306,7 @@ class AutoScipy(Backend):
     """
 
     name: ClassVar[str] = "scipy"
+    black_box: ClassVar[bool] = True
     order: int = 8
     initial_step: float = 0.5
     step_factor: float = 2.0
@@ -328,10 +326,6 @@ class AutoScipy(Backend):
                 _check_real(self, option, value, "a finite number >= 0, or None for scipy's default", lambda v: v >= 0)
         if self.max_inputs is not None:
             _check_int(self, "max_inputs", self.max_inputs, "an integer >= 1, or None", lambda v: v >= 1)
-
-    @property
-    def black_box(self) -> bool:
-        return True
 
     def _complex_points_problem(self) -> str:
         return "scipy's differences evaluate f at real points: the imaginary step is lost"
@@ -519,9 +513,8 @@ def pairing_refusal(outer: Backend, inner: Backend) -> str | None:
       amplifies their rounding error (allowed only as one engine's own second differences,
       or over a complex-step inner, whose gradients are exact to rounding).
 
-    What an engine knows of itself, each config class says: ``_nesting_problem`` (torch's modes),
-    ``_complex_points_problem`` (whether its gradient carries complex points through, and why not).
-    """
+    Each config class says what its engine knows of itself (``_nesting_problem``,
+    ``_complex_points_problem``)."""
     if outer == inner:
         return None
     o, i = _short(outer), _short(inner)

@@ -316,11 +316,8 @@ def _bare_argument(op: Operator, index: int, value: Any) -> ContextError:
 
 class _Output:
     """What a prep learns of f(x) from evaluating it: its structure, leaf shapes and dtypes, and
-    the (type, dtype) pairs of output leaves already validated.
-
-    The structure may depend on the contexts (a tuple for one value, a dict for another), so
-    the record of the last evaluation is kept per thread, and where a compiled program does not
-    evaluate f again, per value of its static argument, recorded when it was traced."""
+    the (type, dtype) pairs of output leaves already validated. The structure may depend on the
+    contexts, so the record is kept per thread, and per static argument of a compiled program."""
 
     __slots__ = ("_by_static", "_local", "checked", "cotangent_fits")
 

@@ -335,10 +335,8 @@ def _check_numeric(op: Operator, leaf: Any) -> None:
 
 def _check_cotangent(sig: Signature, output: _Output, ts: tuple[Any, ...], complex_step: bool) -> tuple[Any, ...]:
     """The cotangent against f(x), whose structure and shapes the last evaluation recorded:
-    ``ts`` as the engine takes it (a real cotangent of a complex output cast to complex).
-
-    A prep's signature fixes the cotangent's structure, shapes and dtypes, so an output
-    structure and shapes the cotangent fitted before need no second look."""
+    ``ts`` as the engine takes it (a real cotangent of a complex output cast to complex); an
+    output structure and shapes it fitted before need no second look."""
     out_spec, out_shapes, out_dtypes = output.current()  # (one read: this runs on every call)
     fitted = output.cotangent_fits
     if fitted is not None and fitted[1] == out_shapes and (fitted[0] is out_spec or fitted[0] == out_spec):

@@ -1,21 +1,11 @@
-"""Complex numbers, with one convention on every engine: torch's, stated in docs/complex.md
-(the gradient ``df/dRe x + i df/dIm x``, the jvp along real steps, the vjp its adjoint under
-``Re<a, b>``, and Jacobians ``df_i/dz_j`` of holomorphic maps only).
+"""Complex numbers, with one convention on every engine: torch's, stated in docs/complex.md.
 
-The registry row of each engine (``diffiface._adapters.BACKENDS``) declares once how it
-differentiates complex numbers, in its ``complex_convention`` field:
-
-- ``"direct"``: the engine's gradient and vjp are the convention already (torch);
-- ``"conjugate"``: its gradient is the conjugate, its vjp ``conj(vjp(conj(ybar)))`` of the
-  convention's (jax, autograd);
-- ``"split"``: the engine differentiates real numbers only (finite differences, scipy); it
-  sees each complex leaf as two real leaves, its real and imaginary parts.
-
-:func:`adapter_for_call` wraps an adapter in :class:`ComplexAdapter` for the calls that need it;
-the conversions themselves are :func:`_conjugated` (an engine's own results), :class:`_Split`
-(complex leaves as their two real parts and back) and :func:`complex_blocks` (Jacobians).
-Jacobians, derivatives and Hessian-vector products are computed on the split function on every
-engine, so that no mode of any engine needs its own conversion.
+Each engine's registry row declares its ``complex_convention``: ``"direct"`` (torch: the
+convention already), ``"conjugate"`` (jax, autograd: the gradient is its conjugate, the vjp
+``conj(vjp(conj(ybar)))``) or ``"split"`` (real engines: each complex leaf is two real ones).
+:func:`adapter_for_call` wraps an adapter in :class:`ComplexAdapter` for the calls that need
+it. Jacobians, derivatives and Hessian-vector products are computed on the split function on
+every engine, so that no mode of any engine needs its own conversion.
 """
 
 from __future__ import annotations
@@ -141,11 +131,9 @@ def adapter_for_call(op: Operator, adapter: Adapter, call: Call, f: Any) -> Adap
 
 def _may_return_complex(op: Operator, adapter: Adapter) -> bool:
     """Whether a call on real x and tangents needs the :class:`ComplexAdapter` in case f returns
-    complex values (known only once f runs). Not for jvp and vjp on an engine that differentiates
-    complex numbers: its jvp is the convention, and so is its vjp along a real cotangent, where
-    ``conj(vjp(conj(w))) = vjp(w)`` for real x. Yes for Jacobians and derivatives, whose rows or
-    columns along real units would miss the imaginary parts, and for engines that see real
-    numbers only."""
+    complex values: for Jacobians and derivatives (real units would miss the imaginary parts)
+    and on engines that see real numbers only; not for an engine's own jvp and vjp, which are
+    the convention for real x."""
     if op.scalar_output:
         return False
     return (
@@ -200,11 +188,9 @@ def _forget(key: int, _: Any) -> None:
 
 
 def _tolerance(dtype: str, exact: bool) -> float:
-    """How far from holomorphic (|B| against |A| + |B|, B = df/dconj z, norms of a whole block)
-    a Jacobian computed in this precision may be before f is declared not holomorphic. An exact
-    engine's B is rounding, eps times the entries at most: eps ** (1/2) leaves room, and still
-    finds one entry of B beside far larger ones of A (``100 z0`` beside ``conj z1``). Differences
-    have truncation error, about eps ** (2/3) of the scale: eps ** (1/4)."""
+    """How far from holomorphic (|B| against |A| + |B|, B = df/dconj z) a Jacobian in this
+    precision may be: eps ** (1/2) for an exact engine (B is rounding), eps ** (1/4) for
+    differences (truncation error about eps ** (2/3))."""
     eps = float(np.finfo(np.float32 if dtype in ("float32", "complex64") else np.float64).eps)
     return float(eps**0.5 if exact else eps**0.25)
 
@@ -221,9 +207,8 @@ def _conjugated(values: Leaves) -> Leaves:
 
 def as_complex(leaf: Any, dtype: str) -> Any:
     """A real cotangent leaf as the complex one of ``dtype`` it means (imaginary part zero), or a
-    Python number as the float of ``dtype`` it stands for, in its framework. A leaf of a family
-    is cast by it: pytensor's symbolic cotangent, which a Python number becomes while its program
-    is traced, refuses to become a numpy array."""
+    Python number as the float of ``dtype``, cast by its family where it has one (pytensor's
+    symbolic cotangent refuses to become a numpy array)."""
     family = _arrays.family_of(leaf)
     if family is not None and _arrays.kind(leaf) != "python":
         return family.cast(leaf, dtype)
@@ -275,9 +260,8 @@ class _Split:
 
 
 class _Realified:
-    """``fn`` as a function of real leaves with real outputs: each complex leaf of x given as
-    its two parts (or, along the real axis only, its real part, the imaginary part held), each
-    complex output leaf returned as its two parts. ``out_split`` is learned on evaluation."""
+    """``fn`` on real leaves with real outputs: each complex leaf of x and of the output as its
+    two parts (``held``: the imaginary parts of x, fixed, along the real axis only)."""
 
     def __init__(self, fn: Callable[[Leaves], tuple[Any, Any]], x_split: _Split, held: Leaves | None = None) -> None:
         self.fn = fn
@@ -295,16 +279,13 @@ class _Realified:
             from_parts(r, im) if flag else r for r, im, flag in zip(rs, self.held, self.x_split.flags, strict=True)
         )
 
-    def _out(self, out: Any) -> Any:
-        if isinstance(out, tuple):
-            split = _Split(out)
-            self.out_split = split
-            return split.split(out) if split.any else out
-        return out
-
     def __call__(self, rs: Leaves) -> tuple[Any, Any]:
         out, aux = self.fn(self._xs(rs))
-        return self._out(out), aux
+        if isinstance(out, tuple):
+            self.out_split = split = _Split(out)
+            if split.any:
+                out = split.split(out)
+        return out, aux
 
     def _batched(self, rs: Leaves) -> Leaves:
         outs = self.fn.batched(self._xs(rs))  # type: ignore[attr-defined]

@@ -1,16 +1,7 @@
 """The one route of every call: flatten the arguments once, compare them with a plan, run the
-plan's program on the leaves.
-
-Prepared or not (an unprepared call finds its prep in the cache), backend by name or as an
-object, dense or sparse, first or second order, on any shape of arguments: every call takes
-the same steps. Where the leaves do not fit the plan, the call's full signature decides: a
-strict prep refuses the call, naming what differs; anything else is prepared (once: the
-cache keeps it, keyed by that signature).
-
-Each concern has its own module: the call and its signature (``_call``), validation
-(``_checks``), the plan (``_plan``), the program (``_programs``; sparse ones in
-``_sparse_operators``), finishing (``_results``), preps and their cache (``_prep``).
-"""
+plan's program on the leaves. Where the leaves do not fit the plan, the call's full signature
+decides: a strict prep refuses the call, naming what differs; anything else is prepared (once:
+the cache keeps it, keyed by that signature)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
 """Flattening one known tree structure fast: a Python function written for the structure; and
 :func:`generated`, the one place where diffiface compiles code written at run time.
 
-optree's and jax's C flattening is fast when warm, but a prepared call runs it right after the
-engine's program has emptied the processor's caches, where flattening a nested dict of a few
-arrays can cost more than the rest of the call's own steps. A function that indexes the tree as
-the structure says (``t["l1"]["w"]``) costs a small fraction of that there.
-
-:func:`structure_flatten` writes such a function for a structure of tuples, lists, dicts (with
-str or int keys) and None, the nodes optree and jax take apart alike, and checks it against the
-C flattening on the prepared tree itself. Every other node (a namedtuple, an OrderedDict, a
-registered class) keeps the C flattening.
+A prepared call flattens right after the engine's program has emptied the processor's caches,
+where optree's and jax's C flattening of a nested dict can cost more than the rest of the call;
+a function that indexes the tree as the structure says (``t["l1"]["w"]``) costs a fraction.
+:func:`structure_flatten` writes one for tuples, lists, dicts (str or int keys) and None, and
+checks it against the C flattening on the prepared tree; other nodes keep the C flattening.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""A prep's plan: what it was made for, field by field, and the program it runs.
-
-The route (:mod:`diffiface._dispatch`) compares every call with a plan (:meth:`Plan.leaves`).
-The plan holds, in named fields, the operator, the backend (normalised once, and the names
-that mean it), f, the tree structures of x, the tangent and every context with a test per leaf
-(its type, and for an array its shape, dtype and device or layout), and the program.
-Operators, engines, sparse and second-order backends differ in their programs only.
-"""
+"""A prep's plan: what it was made for, field by field (a test per leaf: its type, and for an
+array its shape, dtype and device or layout), and the program it runs. The route
+(:mod:`diffiface._dispatch`) compares every call with a plan (:meth:`Plan.leaves`)."""
 
 from __future__ import annotations
 
@@ -133,15 +128,11 @@ def _namespace(spec: Any) -> str:
 
 def flattener(spec: Any, leaves: list[Any], ordered: bool = False) -> tuple[Flatten, Any]:
     """How a plan flattens an argument of structure ``spec`` (optree's, with these leaves), and
-    the structure as that flattening gives it, to compare calls with: a function written for
-    the structure (:mod:`~diffiface._flatten`) where it can be, else jax's where jax is imported
-    and takes the tree apart into the same leaves (its C++ pytrees flatten nested dicts about
-    three times faster than optree, and tell apart the same trees), else optree's in the
-    structure's namespace.
-
-    With ``ordered`` (x's, whose order results mirror), a tree whose dicts hold their keys in
-    another order does not fit: the function written tests each dict's order; where none is
-    written, the C flattening's structure is paired with the tree's key orders."""
+    the structure as that flattening gives it: a function written for the structure
+    (:mod:`~diffiface._flatten`) where it can be, else jax's where jax is imported and takes
+    the tree apart into the same leaves (about three times faster than optree on nested dicts),
+    else optree's. With ``ordered``, a tree whose dicts hold their keys in another order does
+    not fit (the C flattening's structure is then paired with the tree's key orders)."""
     found = jax_structure(spec, leaves)
     flatten: Flatten
     if found is not None:
@@ -165,10 +156,8 @@ def flattener(spec: Any, leaves: list[Any], ordered: bool = False) -> tuple[Flat
 
 
 class _Ordered:
-    """A C flattening whose structure is paired with the tree's dict key orders (which the C
-    structures do not tell apart): read by a walk of the tree's dicts, lists and tuples, or,
-    ``from_spec``, from optree's structure itself (dicts inside registered nodes, which the walk
-    does not open)."""
+    """A C flattening whose structure is paired with the tree's dict key orders: read by a walk
+    of the tree, or, ``from_spec``, from optree's structure (dicts inside registered nodes)."""
 
     __slots__ = ("flatten", "from_spec")
 
@@ -184,8 +173,7 @@ class _Ordered:
 def _dict_orders(tree: Any) -> tuple[tuple[Any, ...], ...]:
     """The keys of each dict of two or more keys in a tree of dicts, lists and tuples, in their
     order, as :func:`~diffiface._flatten.key_orders` reads them from a structure (a dict
-    subclass is looked into, its order not read: an OrderedDict's structure holds its order).
-    Without recursion: it runs on every call of a tree that has no function written for it."""
+    subclass's order is not read: its structure holds it). Without recursion (a hot path)."""
     orders = []
     pending = [tree]
     containers = (dict, list, tuple)
@@ -212,13 +200,9 @@ def optree_flatten(namespace: str = "") -> Flatten:
 
 @dataclasses.dataclass(slots=True, eq=False, kw_only=True)
 class Plan:
-    """What a prep was made for and what it runs.
-
-    ``leaves(...)`` flattens a call's arguments once and compares them with the fields: the
-    leaves ``(x_leaves, tangent_leaves, context_leaves)`` where they fit, None where they do
-    not (the full signature then decides, :mod:`diffiface._dispatch`). ``program(x_leaves,
-    tangent_leaves, context_leaves)`` returns ``(result, error estimate or None)``.
-    """
+    """What a prep was made for and what it runs. ``leaves(...)``: a call's leaves where they
+    fit the fields, else None; ``program(x_leaves, tangent_leaves, context_leaves)``:
+    ``(result, error estimate or None)``."""
 
     operator: str
     backend: Any

@@ -44,9 +44,8 @@ class Signature(NamedTuple):
     """The keys of x's dicts of two or more keys, each in its order (results mirror it; tree
     structures compare equal whatever the order)."""
     context_orders: tuple[tuple[tuple[Any, ...], ...], ...] = ()
-    """Per context, the keys of its dicts of two or more keys, each in its order: f gets each
-    context rebuilt in the structure the prep was made for, so a prep made for one order would
-    hand f its dicts in that order (``x, y = batch.values()`` would swap them)."""
+    """Per context, the same: f gets each context rebuilt in the prep's structure, so another
+    order would reach f as the prep's (``x, y = batch.values()`` would swap them)."""
 
 
 class FunctionRef:
@@ -176,10 +175,9 @@ class Prep:
 
 class Closure:
     """What ``f`` reads besides its arguments, as a compiled program or a sparsity pattern keeps
-    it (``jax.jit`` bakes in the values f reads when it traces f): an unprepared call whose f
-    reads anything else prepares again. What is followed is the rule docs/preparation.md states
-    ("What an unprepared call compares"), read by :func:`_reads`; each object so read is
-    compared by identity, arrays among them also by their contents (their family's ``contents``)."""
+    it: an unprepared call whose f reads anything else prepares again (the rule of
+    docs/preparation.md, read by :func:`_reads`); each object compared by identity, arrays also
+    by their contents."""
 
     __slots__ = ("_arrays", "_ids", "_keep", "holds")
 
@@ -269,10 +267,8 @@ def _settled_holds(
     general: Callable[[Callable[..., Any]], bool],
 ) -> Callable[[Callable[..., Any]], bool]:
     """:meth:`Closure.holds` for one function, its reads (``values``, :func:`_function_reads`)
-    settled once and compared by identity in plain loops over tuples (for the few objects a
-    function reads, cheaper than any call that compares them in C, or than the general test,
-    which reads f again into lists: ``python benchmarks/closure_test.py``); the defaults by the
-    tuple f holds (the same tuple holds the same objects). Another kind of f, an empty cell, a
+    settled once and compared by identity in plain loops (cheaper than the general test, which
+    reads f again: ``python benchmarks/closure_test.py``). Another kind of f, an empty cell, a
     ``__wrapped__`` added since or defaults in another tuple are left to ``general``."""
     code = function.__code__
     cells = len(function.__closure__ or ())
@@ -467,12 +463,9 @@ def _named_entries(
 ) -> None:
     """What ``holder`` (an object f reads) holds under the names f's code uses, added to
     ``values``, each name and the object: a dict's entries under its constant subscripts, a
-    list's at its constant indices, another object's own attributes (its ``__dict__``; not a
-    module's, a class's or a function's) among its attribute names. So on, ``levels`` deep,
-    until ``values`` holds ``_MOST_HELD``: ``jax.jit`` bakes in ``state["w"]`` and
-    ``self.model.w`` as it does a global. An entry it does not hold is passed over (a method of
-    the object's class, a key f subscripts another dict with): a prep whose f names no entry
-    costs nothing more per call."""
+    list's at its constant indices, another object's own attributes (not a module's, a class's
+    or a function's); so on, ``levels`` deep, up to ``_MOST_HELD`` (``jax.jit`` bakes in
+    ``state["w"]`` and ``self.model.w`` as it does a global)."""
     if len(values) >= _MOST_HELD:
         return
     start = len(values)
@@ -717,14 +710,10 @@ class _Entries(OrderedDict[Any, Prep]):
 
 
 class _PrepCache:
-    """Preps of unprepared calls, keyed weakly on ``f`` (for a bound method, its object) and
-    then on the signature, at most ``per_function`` signatures each, the least recently used
-    leaving first. :meth:`recent` finds the prep a call most likely reuses without taking the
-    call's signature: its plan's :meth:`~diffiface._plan.Plan.leaves` tells whether it fits.
-
-    Owners that take weak references are keys by weak reference (two references to one live
-    object are equal keys), whose callback removes the entry when the owner is collected.
-    """
+    """Preps of unprepared calls, keyed weakly on ``f`` (for a bound method, its object; its
+    entries go when it is collected) and then on the signature, at most ``per_function`` each,
+    least recently used leaving first. :meth:`recent` finds the prep a call most likely reuses
+    without taking the call's signature."""
 
     per_function = 16
 
@@ -732,14 +721,6 @@ class _PrepCache:
         self._functions: dict[weakref.ref[Any], _Entries] = {}
         self._strong: OrderedDict[Any, _Entries] = OrderedDict()
         self._lock = threading.Lock()
-
-    def _owner(self, f: Callable[..., Any]) -> tuple[Any, Any, bool]:
-        owner, sub = (f.__self__, f.__func__) if isinstance(f, types.MethodType) else (f, None)
-        try:
-            weakref.ref(owner)
-        except TypeError:
-            return owner, sub, False
-        return owner, sub, True
 
     def _entries(self, f: Callable[..., Any]) -> tuple[_Entries | None, Any]:
         """``f``'s entries (None: none) and the method function its keys hold (None: f is no method)."""
@@ -771,7 +752,7 @@ class _PrepCache:
 
     def recent(self, f: Callable[..., Any], operator: str) -> Prep | None:
         """The prep of ``operator`` that ``f`` used last; None if there is none."""
-        if type(f) is types.FunctionType:  # the common case, without the checks of _owner
+        if type(f) is types.FunctionType:  # the common case, without the checks of _entries
             # (functions by weak reference, in a dict of this class's own: a weak key
             # dictionary's get() is a Python frame, and its inner dict is CPython's detail)
             try:
@@ -783,22 +764,26 @@ class _PrepCache:
             entries, sub = self._entries(f)
         return None if entries is None else entries.latest.get((sub, operator))
 
-    def put(self, f: Callable[..., Any], signature: Signature, prep: Prep, types: Any) -> None:
-        owner, sub, weak = self._owner(f)
-        table: Any = self._functions if weak else self._strong
+    def put(self, f: Callable[..., Any], signature: Signature, prep: Prep, leaf_types: Any) -> None:
+        owner, sub = (f.__self__, f.__func__) if isinstance(f, types.MethodType) else (f, None)
         with self._lock:
+            key: Any
+            table: Any
             try:
-                key = weakref.ref(owner, self._collected) if weak else owner
+                try:
+                    key, table = weakref.ref(owner, self._collected), self._functions
+                except TypeError:  # (an owner without weak references)
+                    key, table = owner, self._strong
                 entries = table.get(key)
                 if entries is None:
                     entries = table[key] = _Entries()
-            except TypeError:
+            except TypeError:  # (an unhashable owner: not cached)
                 return
-            entries[(sub, signature, types)] = prep
+            entries[(sub, signature, leaf_types)] = prep
             entries.latest[sub, signature.operator] = prep
             while len(entries) > self.per_function:
                 entries.popitem(last=False)
-            if not weak:
+            if table is self._strong:
                 table.move_to_end(owner)
                 while len(table) > 256:
                     table.popitem(last=False)

@@ -136,17 +136,15 @@ class Fused:
     :class:`~diffiface._adapters.torch._fused._Gradient` and the classes beside it) may run in
     one call of its own, without the program's frames:
 
-    - ``function``, f's reference, and ``ref``, its weak reference; ``single``: x is one leaf,
-      else ``rebuild(leaves)`` is x;
-    - ``close`` and ``settle``: f closed and its output checked, as :func:`_closer` gives them
-      (``checked``: the (type, dtype) pairs of outputs already validated);
-    - ``contexts(dynamic, static)``: the context values (:func:`_merge_contexts` by ``merges``);
-      ``rebuilds``: ``merges``, or None where each context is one array leaf;
-    - ``compute``: the adapter's method the program calls; ``value``: the program returns f's
-      value (for an hvp, the gradient) before the derivative;
-    - for a vjp (else None), ``cotangent(ts)``: the cotangent checked against the record of f's
-      output that ``close`` made, as the engine takes it (a real cotangent of a complex output
-      cast to complex: the caller uses what it returns)."""
+    - ``function`` and ``ref``, its weak reference; ``single``: x is one leaf, else
+      ``rebuild(leaves)`` is x;
+    - ``close``, ``settle`` and ``checked``: as :func:`_closer` and :class:`_Output` have them;
+    - ``contexts(dynamic, static)``: the context values; ``rebuilds``: ``merges``, or None where
+      each context is one array leaf;
+    - ``compute``: the adapter's method; ``value``: the program returns f's value (for an hvp,
+      the gradient) before the derivative;
+    - for a vjp (else None), ``cotangent(ts)``: the cotangent checked against f's output, as the
+      engine takes it (the caller uses what it returns)."""
 
     function: FunctionRef
     x_spec: dataclasses.InitVar[Any]
@@ -351,14 +349,11 @@ class JitProgram:
     (jax's ``jit``, mlx's ``mx.compile``, ``tf.function``, torch.compile): one compiled function
     of the leaves of ``(x, tangent, *context values)``, taken as they are.
 
-    :meth:`run` takes the call as the route has it and tests what the trace cannot: f, the
-    operator, the backend, the contexts' kinds, each argument's structure, each leaf's type,
-    and each numpy leaf's dtype (jit gives a float32 and a float64 numpy array one traced type
-    while x64 is off). The trace returns None where a leaf's shape or dtype is not the prep's,
-    a trace the engine caches as any other: a call that fits costs no test of shapes or
-    dtypes, and one that does not, no trace after its first. The trace also finishes the
-    result as far as it can (:meth:`_pick`), :meth:`_after` the rest. :meth:`__call__` runs it
-    on a call's leaves (the route's other steps)."""
+    :meth:`run` takes the call as the route has it and tests what the trace cannot (f, the
+    operator, the backend, the contexts' kinds, structures, leaf types, numpy dtypes); the trace
+    returns None where a leaf's shape or dtype is not the prep's, so a call that fits costs no
+    test of them. The trace finishes the result as far as it can (:meth:`_pick`), :meth:`_after`
+    the rest. :meth:`__call__` runs it on a call's leaves (the route's other steps)."""
 
     __slots__ = (
         "after", "arguments", "backend", "backend_fields", "candidate", "casts", "compiled", "dtype", "dtype_name",
@@ -684,11 +679,9 @@ def _rebuilt(kind: str, y_rebuild: Callable[[Any], Any], x_rebuild: Callable[[An
 
 @dataclasses.dataclass(slots=True, eq=False)
 class Run:
-    """A prep's program on a call's leaves: the leaves made the engine's arguments
-    (:class:`_Conversions`), the compiled (or plain) program, the result finished to mirror the
-    inputs; ``(result, error estimate or None)``. ``dynamic``: the indices of x's leaves to
-    differentiate, where x holds static ones too; ``scoped``: the program runs inside the
-    adapter's precision scope where it gives one (float64 work while jax's x64 is off)."""
+    """A prep's program on a call's leaves, ``(result, error estimate or None)``: the leaves
+    converted (:class:`_Conversions`), the program run, the result finished. ``dynamic``: the
+    indices of x's leaves to differentiate, where x holds static ones too."""
 
     adapter: Adapter
     conversions: _Conversions
@@ -865,9 +858,7 @@ class _Conversions:
 
 def _float_like(xs: Sequence[Any]) -> Any:
     """The leaf of x whose dtype a context's Python float takes (``Adapter.context_to_native``'s
-    ``like``): x's first inexact leaf where all of them share one dtype; None where they differ
-    (a float32 leaf beside a float64 one: no one dtype keeps the float as f would see it) or x
-    has none."""
+    ``like``): x's first inexact leaf where all of them share one dtype; else None."""
     inexact = [leaf for leaf in xs if _arrays.dtype_name(leaf).startswith(("float", "complex", "bfloat"))]
     return inexact[0] if inexact and len(set(map(_arrays.dtype_name, inexact))) == 1 else None
 
@@ -883,9 +874,8 @@ _NARROW = {
 
 def _weak_dtypes(leaves: Sequence[Any]) -> tuple[int, str, str] | None:
     """Where x holds a Python float or complex and its float arrays share one dtype narrower
-    than float64: the index of the first such array, and the dtypes the number takes (float32
-    and complex64 beside float32 arrays, as numpy's, jax's and torch's promotion give a Python
-    number); else None (no number, or float64: the engine's own conversion)."""
+    than float64: the index of the first such array, and the real and complex dtypes the number
+    takes, as the engines' promotion gives it; else None."""
     if not any(type(leaf) in (float, complex) for leaf in leaves):
         return None
     arrays = [i for i, leaf in enumerate(leaves) if type(leaf) not in (float, complex)]

@@ -127,11 +127,9 @@ class MirrorOne:
 
 
 class RebuildTree:
-    """The finisher of a gradient, vjp or hvp of a tree of arrays: where the finisher gave back
-    each of a first result's arrays as it came (its type, dtype and layout already x's), later
-    results whose arrays come with the same types, dtypes and layouts (what a family's
-    ``mirror`` reads) are only rebuilt. ``trusted``: a compiled program, whose results are alike
-    on every run: once seen to fit, only rebuilt, untested."""
+    """The finisher of a gradient, vjp or hvp of a tree of arrays: once the finisher has passed
+    a result's arrays through unchanged, later results of the same types, dtypes and layouts are
+    only rebuilt (``trusted``, a compiled program's: once seen to fit, untested)."""
 
     __slots__ = ("dtypes", "finish", "layouts", "rebuild", "seen_fit", "trusted", "types")
 
