@@ -17,14 +17,12 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import torch
-import torch.utils.dlpack
 
 from .. import _arrays
 from .. import tree as _tree
 from .._errors import DiffifaceError
-from ._inner import Aval, Site, beyond_second_order, check_nests, check_shape, traced_refusal
+from ._inner import Aval, Site, beyond_second_order, check_nests, check_shape, to_inner, traced_refusal
 
 __all__ = ["call"]
 
@@ -108,19 +106,10 @@ def _autograd_on() -> Iterator[None]:
 
 
 def _to_torch(what: str, out: Any, aval: Aval, device: torch.device) -> torch.Tensor:
-    family = _arrays.family_of(out)
-    shared = None if family is None else family.exchange(out)
-    if isinstance(out, torch.Tensor):
-        tensor = out.detach()
-    elif shared is not None:  # another framework's array (a jax array)
-        try:
-            tensor = torch.utils.dlpack.from_dlpack(shared)  # zero-copy where the two share the device
-        except (BufferError, RuntimeError, TypeError):
-            tensor = torch.from_numpy(np.array(out))
-    else:
-        # a copy: a black box may return a buffer of its own that it writes again on its next call
-        tensor = torch.from_numpy(np.array(out))
-    tensor = tensor.to(device=device, dtype=_torch_dtype(aval.dtype))
+    """An inner result as a detached tensor of the prep's dtype on ``device`` (zero-copy from
+    another framework's array where dlpack can share it; a copy of a black box's buffer, which it
+    may write again on its next call)."""
+    tensor = to_inner(out, "torch").to(device=device, dtype=_torch_dtype(aval.dtype))
     check_shape(what, aval.shape, tuple(tensor.shape))
     return tensor  # type: ignore[no-any-return]
 
