@@ -1,17 +1,12 @@
 """mlx: ``mx.value_and_grad``, ``mx.vjp``, ``mx.jvp``, ``mx.vmap`` and ``mx.compile``.
 
-f is called with ``mlx.core`` arrays. A numpy input becomes an mlx array of its own dtype
-(float64 stays float64: mlx computes it on the CPU, whose transcendental functions are accurate
-to float32's precision only); a complex128 input is refused, as mlx has complex64 only.
-``AutoMLX(compile=True)`` compiles each prepared operator with ``mx.compile``: context arrays
-are its arguments, other context leaves (floats included) are compile-time constants, one
-program per value. A jvp of a real x is the adjoint of the pullback (:func:`_pushed`), so that
-every product follows a ``mx.custom_function``'s ``vjp`` rule, as the gradient does; the hvp and
-the Hessian are reverse over reverse. Batches of products (Jacobians, Hessians, batched jvps and
-vjps) are a loop of such products, not one ``mx.vmap`` of them: mlx's vmap of a vjp through a
-write into a slice (``y[1:3] = ...``) leaves the overwritten entries' cotangents in place, a wrong
-row with no error, where each vjp alone is right. Forward-mode columns (a complex x's) are one
-vmap of ``mx.jvp``, which that write does not mislead.
+f is called with ``mlx.core`` arrays; a numpy input becomes an mlx array of its own dtype
+(float64 stays float64: mlx computes it on the CPU). A jvp of a real x is the adjoint of the
+pullback (:func:`_pushed`); the hvp and the Hessian are reverse over reverse. Batches of products
+(Jacobians, Hessians, batched jvps and vjps) are a loop of such products, not one ``mx.vmap`` of
+them: mlx's vmap of a vjp through a write into a slice (``y[1:3] = ...``) leaves the overwritten
+entries' cotangents in place, a wrong row with no error, where each vjp alone is right. Forward-mode
+columns (a complex x's, :class:`_ByForwardMode`) are one vmap of ``mx.jvp``, which that write does not mislead.
 """
 
 from __future__ import annotations

@@ -17,14 +17,12 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import torch
-import torch.utils.dlpack
 
 from .. import _arrays
 from .. import tree as _tree
 from .._errors import DiffifaceError
-from ._inner import Aval, Site, beyond_second_order, check_nests, check_shape, traced_refusal
+from ._inner import Aval, Site, beyond_second_order, check_nests, check_shape, to_inner, traced_refusal
 
 __all__ = ["call"]
 
@@ -108,19 +106,10 @@ def _autograd_on() -> Iterator[None]:
 
 
 def _to_torch(what: str, out: Any, aval: Aval, device: torch.device) -> torch.Tensor:
-    family = _arrays.family_of(out)
-    shared = None if family is None else family.exchange(out)
-    if isinstance(out, torch.Tensor):
-        tensor = out.detach()
-    elif shared is not None:  # another framework's array (a jax array)
-        try:
-            tensor = torch.utils.dlpack.from_dlpack(shared)  # zero-copy where the two share the device
-        except (BufferError, RuntimeError, TypeError):
-            tensor = torch.from_numpy(np.array(out))
-    else:
-        # a copy: a black box may return a buffer of its own that it writes again on its next call
-        tensor = torch.from_numpy(np.array(out))
-    tensor = tensor.to(device=device, dtype=_torch_dtype(aval.dtype))
+    """An inner result as a detached tensor of the prep's dtype on ``device`` (zero-copy from
+    another framework's array where dlpack can share it; a copy of a black box's buffer, which it
+    may write again on its next call)."""
+    tensor = to_inner(out, "torch").to(device=device, dtype=_torch_dtype(aval.dtype))
     check_shape(what, aval.shape, tuple(tensor.shape))
     return tensor  # type: ignore[no-any-return]
 
@@ -170,23 +159,27 @@ def _sum(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> tuple[torch.Te
     return tuple(p + q for p, q in zip(a, b, strict=True))
 
 
-def _vmap_loop(function: Any, info: Any, in_dims: Sequence[Any], args: Sequence[Any]) -> Any:
-    if info.batch_size == 0:  # no row to run: empty results of the shapes g's prep recorded
-        what = args[1] if function is _Second else _PRODUCT[function]
-        empty = tuple(_zeros(_site(args[0]).plan.out_avals(what), _device(args), (0,)))
-        return empty, (0,) * len(empty)
-    outs = []
-    for b in range(info.batch_size):
-        row = [a if d is None else a.select(d, b) for a, d in zip(args, in_dims, strict=True)]
-        outs.append(function.apply(*row))
-    stacked = tuple(torch.stack([o[i] for o in outs]) for i in range(len(outs[0])))
-    return stacked, (0,) * len(stacked)
-
-
-class _Saving(torch.autograd.Function):
-    """A Function of the site's number and tensors, which it saves for its backward and jvp."""
+class _Looped(torch.autograd.Function):
+    """A Function whose vmap rule runs it once per example."""
 
     generate_vmap_rule = False
+
+    @classmethod
+    def vmap(cls, info: Any, in_dims: Sequence[Any], *args: Any) -> Any:  # type: ignore[override]
+        if info.batch_size == 0:  # no row to run: empty results of the shapes g's prep recorded
+            what = args[1] if cls is _Second else _PRODUCT[cls]
+            empty = tuple(_zeros(_site(args[0]).plan.out_avals(what), _device(args), (0,)))
+            return empty, (0,) * len(empty)
+        outs = []
+        for b in range(info.batch_size):
+            row = [a if d is None else a.select(d, b) for a, d in zip(args, in_dims, strict=True)]
+            outs.append(cls.apply(*row))
+        stacked = tuple(torch.stack([o[i] for o in outs]) for i in range(len(outs[0])))
+        return stacked, (0,) * len(stacked)
+
+
+class _Saving(_Looped):
+    """A Function of the site's number and tensors, which it saves for its backward and jvp."""
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -209,10 +202,6 @@ class _CallCompiled(_Saving):
         ct = _filled(cotangents, site.plan.y_avals, x)
         return (None, *_op("vjp", ctx.number, (*x, *ct)))  # one op: compiled backward is not differentiated
 
-    @staticmethod
-    def vmap(info: Any, in_dims: Sequence[Any], number: int, *x: torch.Tensor) -> Any:
-        return _vmap_loop(_CallCompiled, info, in_dims, (number, *x))
-
 
 class _Call(_CallCompiled):
     """f(x) with forward mode, and a backward that is differentiable again (through _Vjp)."""
@@ -226,10 +215,6 @@ class _Call(_CallCompiled):
     def jvp(ctx: Any, _number_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
         site, x, _ = _saved(ctx)
         return _Jvp.apply(site.number, *x, *_filled(tangents, site.plan.x_avals, x))  # type: ignore[no-any-return]
-
-    @staticmethod
-    def vmap(info: Any, in_dims: Sequence[Any], number: int, *x: torch.Tensor) -> Any:
-        return _vmap_loop(_Call, info, in_dims, (number, *x))
 
 
 def _product(what: str, action: str) -> Any:
@@ -269,10 +254,6 @@ def _product(what: str, action: str) -> Any:
                 out = _sum(out, second)
             return out  # type: ignore[no-any-return]
 
-        @staticmethod
-        def vmap(info: Any, in_dims: Sequence[Any], number: int, *args: torch.Tensor) -> Any:
-            return _vmap_loop(Product, info, in_dims, (number, *args))
-
     Product.__name__ = Product.__qualname__ = f"_{what.capitalize()}"
     return Product
 
@@ -281,10 +262,8 @@ _Jvp = _product("jvp", "jvp")
 _Vjp = _product("vjp", "gradient")
 
 
-class _Second(torch.autograd.Function):
+class _Second(_Looped):
     """D²f(x)[t1, t2] (``second_jvp``) or Σₖ cₖ ∇²fₖ(x) v (``second_vjp``); not differentiated again."""
-
-    generate_vmap_rule = False
 
     @staticmethod
     def forward(number: int, what: str, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
@@ -301,10 +280,6 @@ class _Second(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
         raise beyond_second_order(_site(ctx.number).inner.backend)
-
-    @staticmethod
-    def vmap(info: Any, in_dims: Sequence[Any], number: int, what: str, *args: torch.Tensor) -> Any:
-        return _vmap_loop(_Second, info, in_dims, (number, what, *args))
 
 
 _PRODUCT = {_CallCompiled: "call", _Call: "call", _Jvp: "jvp", _Vjp: "vjp"}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 import weakref
 from collections.abc import Callable, Iterable
@@ -106,11 +105,7 @@ def _reference(leaf: Any) -> Callable[[], Any]:
     try:
         return weakref.ref(leaf)
     except TypeError:
-        return functools.partial(_identity, leaf)
-
-
-def _identity(leaf: Any) -> Any:
-    return leaf
+        return lambda: leaf
 
 
 def foreign_node(leaf: Any) -> tuple[Callable[[Any], Any], Callable[[Any, Any], Any]] | None:
