@@ -176,6 +176,33 @@ def test_f_never_writes_into_the_callers_arrays() -> None:
     assert torch.equal(t, torch.ones(3))
 
 
+def test_f_never_writes_into_the_callers_constants() -> None:
+    # expected: g's own call of f (its value, and the first call that records its prep) passed
+    # a Constant's arrays as they were, so f's write landed in the caller's: a torch weight
+    # went 1 -> 3 after one g(x), a numpy one too, while the derivatives refused the write
+    def scale_torch(x: Any, w: Any) -> Any:
+        w.add_(1.0)
+        return (x * w).sum()
+
+    def scale_numpy(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        w += 1.0
+        return (x * w).sum()
+
+    w = torch.ones(3)
+    y = di.differentiate_with(scale_torch, "torch")(jnp.ones(3), di.Constant(w))  # f writes into a clone
+    assert float(y) == 6.0
+    assert torch.equal(w, torch.ones(3))
+
+    for x in (jnp.ones(3), torch.ones(3), np.ones(3)):
+        w_numpy = np.ones(3)
+        with pytest.raises(di.MutationError, match=r"di\.Constant"):
+            di.differentiate_with(scale_numpy, "finite_differences")(x, di.Constant(w_numpy))
+        np.testing.assert_array_equal(w_numpy, np.ones(3))
+    scratch = np.ones(3)  # (a Cache is f's to write)
+    di.differentiate_with(scale_numpy, "finite_differences")(jnp.ones(3), di.Cache(scratch))
+    assert scratch[0] > 1.0
+
+
 # --- a jax network trained by torch ---------------------------------------------------------------
 
 
