@@ -568,6 +568,22 @@ def test_a_negated_view_from_torch_crosses_into_jax_with_its_sign() -> None:
     np.testing.assert_array_equal(jax.vmap(g)(jnp.stack([z, 2 * z])), [-2.0, -4.0])
 
 
+def test_a_batch_of_complex_tangents_of_a_non_holomorphic_f() -> None:
+    # expected: jvps along three tangents (as many as x has entries) were taken from f's complex
+    # Jacobian, which a non-holomorphic f has none of: UnsupportedOperationError, where each
+    # jvp alone was right
+    def reference(z: Any) -> Any:
+        return jnp.conj(z) * z.real.astype(z.dtype)
+
+    g = di.differentiate_with(lambda z: torch.conj(z) * z.real, "torch")
+    z = jnp.asarray([3 + 4j, 1 - 2j], dtype=jnp.complex64)
+    tangents = jnp.asarray([[1 + 0j, 1j], [0.5 - 1j, 2 + 0j], [1j, -1 + 1j]], dtype=jnp.complex64)
+    pushed = jax.vmap(lambda t: jax.jvp(g, (z,), (t,))[1])(tangents)
+    np.testing.assert_allclose(pushed, jax.vmap(lambda t: jax.jvp(reference, (z,), (t,))[1])(tangents), rtol=1e-6)
+    pulled = jax.vmap(jax.vjp(g, z)[1])(tangents)[0]
+    np.testing.assert_allclose(pulled, jax.vmap(jax.vjp(reference, z)[1])(tangents)[0], rtol=1e-6)
+
+
 def test_a_jax_result_of_a_torch_f_never_changes_afterwards() -> None:
     # expected: the jax array shared the memory of the tensor f returned: f's own buffer, written
     # again on its next call, or a Constant's tensor, written by the caller later

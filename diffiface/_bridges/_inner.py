@@ -443,6 +443,8 @@ class Inner:
         dtypes = {a.dtype for a in (*plan.x_avals, *plan.y_avals)}
         if len(dtypes) != 1 or not plan.x_avals or not plan.y_avals:
             return False
+        if "complex" in next(iter(dtypes)):  # (a complex Jacobian exists only for a holomorphic f)
+            return False
         if not self.family.ARRAY_METHODS:  # (the flat Jacobian is taken apart by array methods)
             return False
         n = sum(a.size for a in plan.x_avals)
