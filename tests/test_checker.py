@@ -828,6 +828,22 @@ def test_a_zero_by_rule_gradient_is_an_ordinary_tensor(mode):
     assert g.add_(1).tolist() == [1.0, 1.0]
 
 
+@pytest.mark.parametrize("mode", ["autograd", "func"])
+def test_a_zero_by_rule_second_derivative_is_an_ordinary_tensor(mode):
+    """torch.func.jvp of a jvp answers a second derivative that is zero by rule (of a linear f)
+    with a ZeroTensor: in float64, which no dtype cast turns into an ordinary tensor."""
+    torch = pytest.importorskip("torch")
+    backend = di.AutoTorch(mode=mode)
+    second = di.second_derivative(lambda s: s * 2.0, backend, torch.tensor(0.5, dtype=torch.float64))
+    assert not second._is_zerotensor()
+    assert second.add_(1).item() == 1.0
+    assert di.second_derivative(lambda s: s * 2.0, backend, 0.5) == 0.0  # (a float: through .numpy())
+    if mode == "func":  # (its results carry the graph of an x that requires grad, a zero one too)
+        s = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
+        (third,) = torch.autograd.grad(di.second_derivative(lambda s: s * 2.0, backend, s), s)
+        assert third.item() == 0.0
+
+
 # -- 9. cost --------------------------------------------------------------------------------------------------------
 
 

@@ -176,6 +176,33 @@ def test_f_never_writes_into_the_callers_arrays() -> None:
     assert torch.equal(t, torch.ones(3))
 
 
+def test_f_never_writes_into_the_callers_constants() -> None:
+    # expected: g's own call of f (its value, and the first call that records its prep) passed
+    # a Constant's arrays as they were, so f's write landed in the caller's: a torch weight
+    # went 1 -> 3 after one g(x), a numpy one too, while the derivatives refused the write
+    def scale_torch(x: Any, w: Any) -> Any:
+        w.add_(1.0)
+        return (x * w).sum()
+
+    def scale_numpy(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        w += 1.0
+        return (x * w).sum()
+
+    w = torch.ones(3)
+    y = di.differentiate_with(scale_torch, "torch")(jnp.ones(3), di.Constant(w))  # f writes into a clone
+    assert float(y) == 6.0
+    assert torch.equal(w, torch.ones(3))
+
+    for x in (jnp.ones(3), torch.ones(3), np.ones(3)):
+        w_numpy = np.ones(3)
+        with pytest.raises(di.MutationError, match=r"di\.Constant"):
+            di.differentiate_with(scale_numpy, "finite_differences")(x, di.Constant(w_numpy))
+        np.testing.assert_array_equal(w_numpy, np.ones(3))
+    scratch = np.ones(3)  # (a Cache is f's to write)
+    di.differentiate_with(scale_numpy, "finite_differences")(jnp.ones(3), di.Cache(scratch))
+    assert scratch[0] > 1.0
+
+
 # --- a jax network trained by torch ---------------------------------------------------------------
 
 
@@ -539,6 +566,22 @@ def test_a_negated_view_from_torch_crosses_into_jax_with_its_sign() -> None:
     assert float(g(z)) == float(reference(z)) == -2.0
     assert float(jax.jvp(g, (z,), (t,))[1]) == float(jax.jvp(reference, (z,), (t,))[1]) == -1.0
     np.testing.assert_array_equal(jax.vmap(g)(jnp.stack([z, 2 * z])), [-2.0, -4.0])
+
+
+def test_a_batch_of_complex_tangents_of_a_non_holomorphic_f() -> None:
+    # expected: jvps along three tangents (as many as x has entries) were taken from f's complex
+    # Jacobian, which a non-holomorphic f has none of: UnsupportedOperationError, where each
+    # jvp alone was right
+    def reference(z: Any) -> Any:
+        return jnp.conj(z) * z.real.astype(z.dtype)
+
+    g = di.differentiate_with(lambda z: torch.conj(z) * z.real, "torch")
+    z = jnp.asarray([3 + 4j, 1 - 2j], dtype=jnp.complex64)
+    tangents = jnp.asarray([[1 + 0j, 1j], [0.5 - 1j, 2 + 0j], [1j, -1 + 1j]], dtype=jnp.complex64)
+    pushed = jax.vmap(lambda t: jax.jvp(g, (z,), (t,))[1])(tangents)
+    np.testing.assert_allclose(pushed, jax.vmap(lambda t: jax.jvp(reference, (z,), (t,))[1])(tangents), rtol=1e-6)
+    pulled = jax.vmap(jax.vjp(g, z)[1])(tangents)[0]
+    np.testing.assert_allclose(pulled, jax.vmap(jax.vjp(reference, z)[1])(tangents)[0], rtol=1e-6)
 
 
 def test_a_jax_result_of_a_torch_f_never_changes_afterwards() -> None:

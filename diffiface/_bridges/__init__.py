@@ -31,7 +31,6 @@ from ._inner import (
     check_contexts,
     closure_traced,
     constant_values,
-    context_values,
     outer_traced,
     output_avals,
     probe_avals,
@@ -160,7 +159,7 @@ class DifferentiateWith:
             # (f's writes never reach the caller's arrays: torch's get clones, kept in the graph)
             family = self._inner.family
             x = spec.unflatten([family.private_copy(leaf) if family.owns(type(leaf)) else leaf for leaf in leaves])
-            return self._inner.concrete(self.f(x, *context_values(contexts, self._inner.kind)))
+            return self._inner.call(x, contexts)
         x_inner = [to_inner(leaf, self._inner.kind) if _arrays.kind(leaf) != "python" else leaf for leaf in leaves]
         site = self._site(spec, avals, contexts, x_inner)
         y = self._inner.value(site.plan, x_inner, contexts)

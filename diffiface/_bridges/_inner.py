@@ -191,14 +191,31 @@ def check_contexts(contexts: Sequence[Any]) -> tuple[Context[Any], ...]:
 
 def context_values(contexts: Sequence[Context[Any]], kind: str) -> list[Any]:
     """The values f is called with, numpy leaves converted to the inner engine's arrays as the
-    operators convert them."""
-    if _arrays.by_kind(kind) is _families.HOST:
-        return [c.value for c in contexts]
+    operators convert them. A Constant's arrays are guarded as x's are: numpy f gets read-only
+    views (a write raises before it lands), torch f clones; a Cache's are f's to write."""
+    family = _arrays.by_kind(kind)
+    host = family is _families.HOST
 
-    def convert(leaf: Any) -> Any:
+    def constant(leaf: Any) -> Any:
+        if isinstance(leaf, np.ndarray):
+            return _read_only(leaf) if host else to_inner(leaf, kind)
+        return family.private_copy(leaf) if family.owns(type(leaf)) else leaf
+
+    def cache(leaf: Any) -> Any:
         return to_inner(leaf, kind) if isinstance(leaf, np.ndarray) else leaf
 
-    return [_tree.map(convert, c.value) for c in contexts]
+    return [
+        _tree.map(constant, c.value) if isinstance(c, Constant) else c.value if host else _tree.map(cache, c.value)
+        for c in contexts
+    ]
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    if not array.flags.writeable:
+        return array
+    view = array.view()
+    view.flags.writeable = False
+    return view
 
 
 def outer_traced(value: Any, traced: Callable[[Any], str | None]) -> str | None:
@@ -280,14 +297,18 @@ class Inner:
         read-only (a write raises before it lands) and jax arrays immutable, but torch checks an
         in-place write to an inference tensor only after the kernel ran, so torch gets clones,
         as the operators' torch engine makes its own."""
-        x = [self.family.private_copy(leaf) for leaf in x]
+        return self.call(spec.unflatten([self.family.private_copy(leaf) for leaf in x]), contexts)
+
+    def call(self, x: Any, contexts: Sequence[Context[Any]]) -> Any:
+        """f(x) on x as it is, with its contexts' values (:func:`context_values`), as f returns it."""
         try:
-            return self.concrete(self.f(spec.unflatten(x), *context_values(contexts, self.kind)))
+            return self.concrete(self.f(x, *context_values(contexts, self.kind)))
         except ValueError as exc:
             if self.family is _families.HOST and "read-only" in str(exc):
                 raise MutationError(
-                    "f wrote into its input x, which g shares with the caller's arrays, read-only; write into a "
-                    "copy instead (x = x.copy()), or compute out of place."
+                    "f wrote into its input x or a di.Constant, which g shares with the caller's arrays, read-only; "
+                    "write into a copy instead (x = x.copy()), or compute out of place; for scratch space f may "
+                    "overwrite, pass a di.Cache."
                 ) from exc
             raise
 
@@ -421,6 +442,8 @@ class Inner:
     def _by_jacobian(self, plan: Plan, batch: int) -> bool:
         dtypes = {a.dtype for a in (*plan.x_avals, *plan.y_avals)}
         if len(dtypes) != 1 or not plan.x_avals or not plan.y_avals:
+            return False
+        if "complex" in next(iter(dtypes)):  # (a complex Jacobian exists only for a holomorphic f)
             return False
         if not self.family.ARRAY_METHODS:  # (the flat Jacobian is taken apart by array methods)
             return False

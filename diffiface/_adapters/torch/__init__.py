@@ -261,12 +261,14 @@ class Adapter(_base.Adapter):
             if bare:
                 out, tout = (out,), (tout,)
             # torch.func.jvp promotes the tangent of a 0-d float32 output times a Python
-            # float to float64; a tangent has its primal's dtype.
+            # float to float64; a tangent has its primal's dtype. A jvp of a jvp answers a
+            # tangent that is zero by rule with a ZeroTensor: made an ordinary one.
             if type(tout) is tuple and len(tout) == 1:  # one output tensor
                 if tout[0].dtype != out[0].dtype:
                     tout = (tout[0].to(out[0].dtype),)
+                tout = _materialised(tout)
             else:
-                tout = _tree.map(lambda t, y: t.to(y.dtype) if t.dtype != y.dtype else t, tout, out)
+                tout = _tree.map(_as_tangent_of, tout, out)
             return out, rebuild(aux), tout
         keep = _keeping()
         if keep and any(x.requires_grad and _wrapped(x) for x in xs):
@@ -480,6 +482,11 @@ class Adapter(_base.Adapter):
                 derivs.append(_detached(_stacked(firsts, y.shape, y), keep))
                 seconds.append(_stacked(lasts, y.shape, y))
         return _detached(out, keep), _detached(aux, keep), tuple(derivs), tuple(seconds)
+
+
+def _as_tangent_of(tangent: Any, primal: Any) -> Any:
+    """A tangent from torch.func.jvp in its primal's dtype, an ordinary tensor (:func:`_materialised`)."""
+    return _materialised((tangent.to(primal.dtype) if tangent.dtype != primal.dtype else tangent,))[0]
 
 
 def _tensor_copy(array: Any) -> Any:

@@ -279,13 +279,14 @@ def _whole(grads: Leaves, inputs: Leaves) -> Leaves:
 def _materialised(grads: Leaves) -> Leaves:
     """Gradients as ordinary tensors: torch answers an f whose derivative is zero by rule
     (``sgn``, ``sign``) with a ZeroTensor, which ``.numpy()`` and in-place updates refuse. A
-    compiled graph gives ordinary tensors (and torch.compile traces no test of a ZeroTensor)."""
+    compiled graph gives ordinary tensors (and torch.compile traces no test of a ZeroTensor).
+    Added to ordinary zeros, a ZeroTensor keeps the graph it carries (torch.func's results do)."""
     if torch.compiler.is_compiling():
         return grads
     for g in grads:  # (a loop first: no generator where there is none, the common case)
         if g._is_zerotensor():
             return tuple(
-                torch.zeros(g.shape, dtype=g.dtype, device=g.device) if g._is_zerotensor() else g for g in grads
+                torch.zeros(g.shape, dtype=g.dtype, device=g.device) + g if g._is_zerotensor() else g for g in grads
             )
     return grads
 
