@@ -696,3 +696,27 @@ def test_a_cache_variable_that_f_writes_from_x_and_reads_back_is_refused() -> No
     cache.assign([3.0, 5.0])
     got = di.gradient(lambda v, c: tf.reduce_sum(v * c), "tensorflow", x, di.Cache(cache))
     np.testing.assert_allclose(got.numpy(), [3.0, 5.0])
+
+
+def test_second_order_serves_a_cache_variable_that_f_reads_and_a_nested_gradient() -> None:
+    # expected: the hvp, Hessian and second derivative of sum(x**3 * c), c a Cache's variable
+    # that f only reads (a Keras model's kernel), are those of 6 x c; they were refused as a cut
+    # ("not through the tensorflow engine's trace"), as was the hvp of an f whose nested
+    # di.gradient is constant in x: f evaluated again at a point apart with TensorFlow's
+    # recording stopped stopped the tapes of the gradient inside it too
+    x, v = tf.constant([1.0, 2.0], tf.float64), tf.constant([1.0, 0.5], tf.float64)
+    cache = tf.Variable([1.0, 2.0], dtype=tf.float64)
+
+    def cubic(u: Any, c: Any) -> Any:
+        return tf.reduce_sum(u**3 * c)
+
+    np.testing.assert_allclose(di.hvp(cubic, "tensorflow", x, v, di.Cache(cache)).numpy(), [6.0, 12.0])
+    np.testing.assert_allclose(di.hessian(cubic, "tensorflow", x, di.Cache(cache)).numpy(), np.diag([6.0, 24.0]))
+    second = di.second_derivative(lambda s, c: cubic(s * tf.ones(2, tf.float64), c), "tensorflow", 2.0, di.Cache(cache))
+    assert second == pytest.approx(36.0)
+    np.testing.assert_array_equal(cache.numpy(), [1.0, 2.0])
+
+    def nested(u: Any) -> Any:  # sum of the gradient of a linear map: 6, at any u
+        return tf.reduce_sum(di.gradient(lambda w: tf.reduce_sum(3.0 * w), "tensorflow", u))
+
+    np.testing.assert_array_equal(di.hvp(nested, "tensorflow", x, v).numpy(), [0.0, 0.0])

@@ -446,10 +446,11 @@ def _traced(fn: Fn, xs: Leaves) -> tuple[Any, Any]:
 def _refuse_read_back(tape: Any, out: Any, caches: list[Any], fn: Fn, xs: Leaves) -> None:
     """Refused: an output of f that reads a Cache's variable into which f writes a value of x.
     TensorFlow records no derivative through ``assign``, so x's path through the variable would
-    be lost. Where the output reads one, f is evaluated again at a point apart, with no tape
-    recording: a variable whose value moves with x is such a path (a value f reads and does not
-    write, or writes the same at any x, is a constant of f). The variables are then put back to
-    their values at x."""
+    be lost. Where the output reads one, f is evaluated again at a point apart, unwatched: a
+    variable whose value moves with x is such a path (a value f reads and does not write, or
+    writes the same at any x, is a constant of f). The variables are then put back to their
+    values at x. (Tapes are left recording: ``record.stop_recording`` would stop the tapes of
+    f's own derivatives too, a gradient's inside an hvp, whose outputs would then read as cut.)"""
     outs = [y for y in tf.nest.flatten(out) if isinstance(y, tf.Tensor) and _inexact(y.dtype)]
     if not outs or not all(isinstance(x, _EAGER) for x in xs):
         return
@@ -457,10 +458,9 @@ def _refuse_read_back(tape: Any, out: Any, caches: list[Any], fn: Fn, xs: Leaves
     if not read:
         return
     at_x = [_value(variable) for variable in read]
-    tapes, _tracing.tapes, _tracing.caches = _tracing.tapes, 0, None  # (f evaluated untraced, unwatched)
+    tapes, _tracing.tapes, _tracing.caches = _tracing.tapes, 0, None  # (f evaluated unchecked, unwatched)
     try:
-        with record.stop_recording():
-            fn(_apart(xs))
+        fn(_apart(xs))
     finally:
         _tracing.tapes, _tracing.caches = tapes, caches
     written = [variable for variable, old in zip(read, at_x, strict=True) if not np.array_equal(_value(variable), old)]
@@ -485,15 +485,15 @@ def _refuse_hidden_cut(fn: Fn, xs: Leaves) -> None:
     """Under another tape (the caller's, or an outer diffiface call's), an output that a tape
     records may still be cut from x: whether any tape records it (what :meth:`Adapter.untracked`
     asks) does not say this call's does. Where no gradient reached x, f is evaluated at x and at
-    a point apart, with no tape recording: refused where its output moves (a cut), else the
-    derivative is zero. Eager only (a graph's outputs are checked by their operations)."""
+    a point apart: refused where its output moves (a cut), else the derivative is zero. Eager
+    only (a graph's outputs are checked by their operations). (Tapes are left recording, as in
+    :func:`_refuse_read_back`: an f that differentiates inside itself needs its own.)"""
     if not all(isinstance(x, _EAGER) for x in xs):
         return
-    with record.stop_recording():
-        before, after = (
-            [_arrays.by_kind(_arrays.kind(y)).values(y) for y in tf.nest.flatten(fn(point)[0])]
-            for point in (xs, _apart(xs))
-        )
+    before, after = (
+        [_arrays.by_kind(_arrays.kind(y)).values(y) for y in tf.nest.flatten(fn(point)[0])]
+        for point in (xs, _apart(xs))
+    )
     _base.refuse_a_moved_output(before, after, "tensorflow")
 
 
