@@ -601,6 +601,32 @@ def test_a_keras_model_held_by_an_object_constant_is_restored_and_refused() -> N
         np.testing.assert_array_equal(variable.numpy(), before[variable.path])
 
 
+def test_a_constant_model_is_watched_again_where_the_static_contexts_change() -> None:
+    # expected: a MutationError, and the moving statistics unchanged, for a Constant model with a
+    # BatchNormalization called with training=True after an unprepared call of the same loss on a
+    # model without one (or with training=False): only a prep's first call was watched, and
+    # unprepared calls of one f share a prep, so the statistics were updated with no error
+    keras = pytest.importorskip("keras")
+    keras.utils.set_random_seed(0)
+    plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4)])
+    normed = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.BatchNormalization()])
+    x = tf.constant(np.random.default_rng(0).standard_normal((5, 3)).astype("float32"))
+
+    def loss(v: Any, model: Any, training: bool) -> Any:
+        return tf.reduce_sum(model(v, training=training) ** 2)
+
+    before = {variable.path: variable.numpy().copy() for variable in normed.variables}
+    di.gradient(loss, "tensorflow", x, di.Constant(plain), di.Constant(True))
+    with pytest.raises(di.MutationError, match="moving_mean"):
+        di.gradient(loss, "tensorflow", x, di.Constant(normed), di.Constant(True))
+    prep = di.prepare_gradient(loss, "tensorflow", x, di.Constant(normed), di.Constant(False))
+    di.gradient(loss, "tensorflow", x, di.Constant(normed), di.Constant(False), prep=prep)
+    with pytest.raises(di.MutationError, match="moving_mean"):
+        di.gradient(loss, "tensorflow", x, di.Constant(normed), di.Constant(True), prep=prep)
+    for variable in normed.variables:
+        np.testing.assert_array_equal(variable.numpy(), before[variable.path])
+
+
 def test_a_keras_model_cache_is_f_to_write() -> None:
     """A model passed as a di.Cache is f's scratch space: its writes are not refused."""
     keras = pytest.importorskip("keras")

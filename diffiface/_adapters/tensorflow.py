@@ -16,6 +16,7 @@ differences.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -303,8 +304,11 @@ class _FirstCallWatch:
     variable's writes, so their values are kept before that call and compared after it (also
     when f raises), and a write is undone and refused with a :class:`MutationError` that names
     the variable (a BatchNormalization called with ``training=True`` updates its statistics).
-    A prep's later calls run f as the first did, so they are not watched: no copy of a model per
-    call.
+    A prep's later calls with the static context leaves of a watched call (the same model, the
+    same flags) run f as it did, so they are not watched: no copy of a model per call. Calls
+    with others are watched as the first was: unprepared calls share one prep, and another
+    model (one with a BatchNormalization) or ``training=True`` where the watched call had
+    ``False`` may write where the first did not.
 
     A Cache's variables are f's to write, but TensorFlow does not differentiate through a
     variable's ``assign``: where f writes one (``cache.assign(2 * x)``) and reads it back into its
@@ -312,15 +316,17 @@ class _FirstCallWatch:
     each evaluation of f watches them on a tape of its own (:func:`_traced`): an output that
     reads one whose value f leaves moving with x is refused."""
 
-    __slots__ = ("first", "program", "watched")
+    __slots__ = ("program", "seen", "watched")
 
     def __init__(self, program: Callable[..., Any], watched: tuple[bool, ...]) -> None:
         self.program = program
         self.watched = watched  # per static context leaf: a Constant's (a Cache's is f's to write)
-        self.first = True
+        # the static leaves of the last watched call that f passed: their keys, and weak
+        # references to those compared by identity only (a model), which are not kept alive
+        self.seen: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
 
     def __call__(self, xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
-        if not self.first or static is None:
+        if static is None or self._seen(static):
             return self.program(xs, ts, dynamic, static)
         # (a Constant's variable itself is no static leaf: constant_to_native reads it)
         variables, caches = [], []
@@ -354,8 +360,29 @@ class _FirstCallWatch:
                 "training=False, compute with model.stateless_call and return the new state (has_aux=True), "
                 "or pass the state to update as a di.Cache."
             )
-        self.first = False
+        self.seen = (static.key, tuple(_weak(leaf) for leaf in _by_identity(static)))
         return result
+
+    def _seen(self, static: Any) -> bool:
+        """Whether the static leaves are those of the last watched call."""
+        if self.seen is None or static.key != self.seen[0]:
+            return False
+        return all(
+            ref is not None and ref() is leaf for ref, leaf in zip(self.seen[1], _by_identity(static), strict=True)
+        )
+
+
+def _by_identity(static: Any) -> list[Any]:
+    """The static leaves with no key to compare them by value (a model): compared by identity."""
+    return [leaf for key, leaf in zip(static.key, static.leaves, strict=True) if key is None]
+
+
+def _weak(leaf: object) -> Any:
+    """A weak reference to ``leaf``; None where it takes none (then every call is watched)."""
+    try:
+        return weakref.ref(leaf)
+    except TypeError:
+        return None
 
 
 def _variables_of(leaf: object) -> list[Any]:
