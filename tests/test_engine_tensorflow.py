@@ -638,6 +638,32 @@ def test_a_keras_model_cache_is_f_to_write() -> None:
     assert not np.array_equal(model.layers[1].moving_mean.numpy(), before)
 
 
+def test_a_keras_model_cache_is_left_as_f_leaves_it_at_x() -> None:
+    # expected: after the first di.gradient (and di.hvp) with a BatchNormalization model as a
+    # di.Cache, its moving statistics are those of one call of f at x, as TensorFlow's own step
+    # leaves them; the check that f writes no value of x it reads back evaluated f again at a
+    # point apart, which updated them a second time (moving_mean twice TensorFlow's)
+    keras = pytest.importorskip("keras")
+    x = tf.constant(np.random.default_rng(0).standard_normal((5, 3)).astype("float32"))
+
+    def model() -> Any:
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.BatchNormalization()])
+
+    def loss(v: Any, m: Any) -> Any:
+        return tf.reduce_sum(m(v, training=True) ** 2)
+
+    for call in (
+        lambda m: di.gradient(loss, "tensorflow", x, di.Cache(m)),
+        lambda m: di.hvp(loss, "tensorflow", x, tf.ones_like(x), di.Cache(m)),
+    ):
+        ours, theirs = model(), model()
+        call(ours)
+        loss(x, theirs)
+        for mine, expected in zip(ours.non_trainable_variables, theirs.non_trainable_variables, strict=True):
+            np.testing.assert_allclose(mine.numpy(), expected.numpy(), rtol=1e-6, err_msg=mine.path)
+
+
 def test_an_operation_without_a_derivative_is_named() -> None:
     """tf.unique has no gradient: TensorFlow's raw LookupError reached the caller."""
     x = tf.constant([1.0, 2.0, 1.0], tf.float64)

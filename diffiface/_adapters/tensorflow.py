@@ -52,12 +52,13 @@ class _Namespace:
 
 class _Tracing(threading.local):
     """What traces the current evaluation of ``f`` in this thread: how many calls' tapes are
-    running; on a prep's first call, the float variables of its Caches (see
-    :class:`_FirstCallWatch`)."""
+    running; on a prep's first call, the float variables of its Caches, and all their variables
+    (see :class:`_FirstCallWatch`)."""
 
     def __init__(self) -> None:
         self.tapes = 0
         self.caches: list[Any] | None = None
+        self.scratch: list[Any] = []
 
 
 _tracing = _Tracing()
@@ -329,22 +330,24 @@ class _FirstCallWatch:
         if static is None or self._seen(static):
             return self.program(xs, ts, dynamic, static)
         # (a Constant's variable itself is no static leaf: constant_to_native reads it)
-        variables, caches = [], []
+        variables, caches, scratch = [], [], []
         for leaf, constant in zip(static.leaves, self.watched, strict=True):
             for variable in _variables_of(leaf):
                 if constant:
                     variables.append(variable)
-                elif _inexact(tf.as_dtype(variable.dtype)):  # (a Keras variable's dtype is a name)
+                    continue
+                scratch.append(variable)
+                if _inexact(tf.as_dtype(variable.dtype)):  # (a Keras variable's dtype is a name)
                     # the tf.Variable a tape watches: a Keras 3 variable's own (its value)
                     value = getattr(variable, "value", None)
                     caches.append(value if isinstance(value, tf.Variable) else variable)
         kept = [_value(variable) for variable in variables]
-        before = _tracing.caches
-        _tracing.caches = caches or None
+        before = _tracing.caches, _tracing.scratch
+        _tracing.caches, _tracing.scratch = caches or None, scratch
         try:
             result = self.program(xs, ts, dynamic, static)
         finally:
-            _tracing.caches = before
+            _tracing.caches, _tracing.scratch = before
             written = [
                 (variable, old)
                 for variable, old in zip(variables, kept, strict=True)
@@ -475,8 +478,9 @@ def _refuse_read_back(tape: Any, out: Any, caches: list[Any], fn: Fn, xs: Leaves
     TensorFlow records no derivative through ``assign``, so x's path through the variable would
     be lost. Where the output reads one, f is evaluated again at a point apart, unwatched: a
     variable whose value moves with x is such a path (a value f reads and does not write, or
-    writes the same at any x, is a constant of f). The variables are then put back to their
-    values at x. (Tapes are left recording: ``record.stop_recording`` would stop the tapes of
+    writes the same at any x, is a constant of f). Every variable of the Caches is then put back
+    to its value at x, also where f raises there: f's writes at the point apart are no part of
+    the call (a BatchNormalization's statistics, updated a second time). (Tapes are left recording: ``record.stop_recording`` would stop the tapes of
     f's own derivatives too, a gradient's inside an hvp, whose outputs would then read as cut.)"""
     outs = [y for y in tf.nest.flatten(out) if isinstance(y, tf.Tensor) and _inexact(y.dtype)]
     if not outs or not all(isinstance(x, _EAGER) for x in xs):
@@ -485,14 +489,18 @@ def _refuse_read_back(tape: Any, out: Any, caches: list[Any], fn: Fn, xs: Leaves
     if not read:
         return
     at_x = [_value(variable) for variable in read]
+    scratch = _tracing.scratch
+    kept = [_value(variable) for variable in scratch]
     tapes, _tracing.tapes, _tracing.caches = _tracing.tapes, 0, None  # (f evaluated unchecked, unwatched)
     try:
         fn(_apart(xs))
     finally:
         _tracing.tapes, _tracing.caches = tapes, caches
-    written = [variable for variable, old in zip(read, at_x, strict=True) if not np.array_equal(_value(variable), old)]
-    for variable, old in zip(read, at_x, strict=True):
-        variable.assign(old)
+        moved = [not np.array_equal(_value(variable), old) for variable, old in zip(read, at_x, strict=True)]
+        for variable, old in zip(scratch, kept, strict=True):
+            if not np.array_equal(_value(variable), old, equal_nan=True):
+                variable.assign(old)
+    written = [variable for variable, m in zip(read, moved, strict=True) if m]
     if written:
         names = ", ".join(str(getattr(variable, "path", None) or variable.name) for variable in written)
         raise InvalidOutputError(
