@@ -772,3 +772,33 @@ def test_second_order_serves_a_cache_variable_that_f_reads_and_a_nested_gradient
         return tf.reduce_sum(di.gradient(lambda w: tf.reduce_sum(3.0 * w), "tensorflow", u))
 
     np.testing.assert_array_equal(di.hvp(nested, "tensorflow", x, v).numpy(), [0.0, 0.0])
+
+
+def test_finite_differences_refuse_a_write_into_a_tensorflow_constant() -> None:
+    # expected: a MutationError, the variables as they were; finite differences handed f the
+    # caller's tf.Variable itself, and an f adding 1 to it at each evaluation got the gradient
+    # -165136 where [1, 2] is its value (the variable left at [6, 7]); a Keras model's
+    # BatchNormalization called with training=True updated its statistics at each evaluation
+    keras = pytest.importorskip("keras")
+    variable = tf.Variable([1.0, 2.0], dtype=tf.float64)
+
+    def shifting(v: Any, c: Any) -> Any:
+        c.assign_add(tf.ones_like(c))
+        return tf.reduce_sum(v * c)
+
+    with pytest.raises(di.MutationError, match="assigns into"):
+        di.gradient(shifting, "finite_differences", tf.constant([1.0, 1.0], tf.float64), di.Constant(variable))
+    np.testing.assert_array_equal(variable.numpy(), [1.0, 2.0])
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.BatchNormalization()])
+    x = tf.constant(np.random.default_rng(0).standard_normal((5, 3)).astype("float32"))
+    before = {v.path: v.numpy().copy() for v in model.variables}
+    with pytest.raises(di.MutationError, match="moving_mean"):
+        di.gradient(lambda v, m: tf.reduce_sum(m(v, training=True) ** 2), "finite_differences", x, di.Constant(model))
+    for v in model.variables:
+        np.testing.assert_array_equal(v.numpy(), before[v.path])
+    got = di.gradient(
+        lambda v, m: tf.reduce_sum(m(v, training=False) ** 2), "finite_differences", x, di.Constant(model)
+    )
+    assert isinstance(got, tf.Tensor) and got.shape == x.shape
