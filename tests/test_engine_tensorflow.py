@@ -601,6 +601,32 @@ def test_a_keras_model_held_by_an_object_constant_is_restored_and_refused() -> N
         np.testing.assert_array_equal(variable.numpy(), before[variable.path])
 
 
+def test_a_constant_model_is_watched_again_where_the_static_contexts_change() -> None:
+    # expected: a MutationError, and the moving statistics unchanged, for a Constant model with a
+    # BatchNormalization called with training=True after an unprepared call of the same loss on a
+    # model without one (or with training=False): only a prep's first call was watched, and
+    # unprepared calls of one f share a prep, so the statistics were updated with no error
+    keras = pytest.importorskip("keras")
+    keras.utils.set_random_seed(0)
+    plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4)])
+    normed = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.BatchNormalization()])
+    x = tf.constant(np.random.default_rng(0).standard_normal((5, 3)).astype("float32"))
+
+    def loss(v: Any, model: Any, training: bool) -> Any:
+        return tf.reduce_sum(model(v, training=training) ** 2)
+
+    before = {variable.path: variable.numpy().copy() for variable in normed.variables}
+    di.gradient(loss, "tensorflow", x, di.Constant(plain), di.Constant(True))
+    with pytest.raises(di.MutationError, match="moving_mean"):
+        di.gradient(loss, "tensorflow", x, di.Constant(normed), di.Constant(True))
+    prep = di.prepare_gradient(loss, "tensorflow", x, di.Constant(normed), di.Constant(False))
+    di.gradient(loss, "tensorflow", x, di.Constant(normed), di.Constant(False), prep=prep)
+    with pytest.raises(di.MutationError, match="moving_mean"):
+        di.gradient(loss, "tensorflow", x, di.Constant(normed), di.Constant(True), prep=prep)
+    for variable in normed.variables:
+        np.testing.assert_array_equal(variable.numpy(), before[variable.path])
+
+
 def test_a_keras_model_cache_is_f_to_write() -> None:
     """A model passed as a di.Cache is f's scratch space: its writes are not refused."""
     keras = pytest.importorskip("keras")
@@ -610,6 +636,32 @@ def test_a_keras_model_cache_is_f_to_write() -> None:
     before = model.layers[1].moving_mean.numpy().copy()
     di.gradient(lambda v, m: tf.reduce_sum(m(v, training=True) ** 2), "tensorflow", x, di.Cache(model))
     assert not np.array_equal(model.layers[1].moving_mean.numpy(), before)
+
+
+def test_a_keras_model_cache_is_left_as_f_leaves_it_at_x() -> None:
+    # expected: after the first di.gradient (and di.hvp) with a BatchNormalization model as a
+    # di.Cache, its moving statistics are those of one call of f at x, as TensorFlow's own step
+    # leaves them; the check that f writes no value of x it reads back evaluated f again at a
+    # point apart, which updated them a second time (moving_mean twice TensorFlow's)
+    keras = pytest.importorskip("keras")
+    x = tf.constant(np.random.default_rng(0).standard_normal((5, 3)).astype("float32"))
+
+    def model() -> Any:
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.BatchNormalization()])
+
+    def loss(v: Any, m: Any) -> Any:
+        return tf.reduce_sum(m(v, training=True) ** 2)
+
+    for call in (
+        lambda m: di.gradient(loss, "tensorflow", x, di.Cache(m)),
+        lambda m: di.hvp(loss, "tensorflow", x, tf.ones_like(x), di.Cache(m)),
+    ):
+        ours, theirs = model(), model()
+        call(ours)
+        loss(x, theirs)
+        for mine, expected in zip(ours.non_trainable_variables, theirs.non_trainable_variables, strict=True):
+            np.testing.assert_allclose(mine.numpy(), expected.numpy(), rtol=1e-6, err_msg=mine.path)
 
 
 def test_an_operation_without_a_derivative_is_named() -> None:
@@ -696,3 +748,57 @@ def test_a_cache_variable_that_f_writes_from_x_and_reads_back_is_refused() -> No
     cache.assign([3.0, 5.0])
     got = di.gradient(lambda v, c: tf.reduce_sum(v * c), "tensorflow", x, di.Cache(cache))
     np.testing.assert_allclose(got.numpy(), [3.0, 5.0])
+
+
+def test_second_order_serves_a_cache_variable_that_f_reads_and_a_nested_gradient() -> None:
+    # expected: the hvp, Hessian and second derivative of sum(x**3 * c), c a Cache's variable
+    # that f only reads (a Keras model's kernel), are those of 6 x c; they were refused as a cut
+    # ("not through the tensorflow engine's trace"), as was the hvp of an f whose nested
+    # di.gradient is constant in x: f evaluated again at a point apart with TensorFlow's
+    # recording stopped stopped the tapes of the gradient inside it too
+    x, v = tf.constant([1.0, 2.0], tf.float64), tf.constant([1.0, 0.5], tf.float64)
+    cache = tf.Variable([1.0, 2.0], dtype=tf.float64)
+
+    def cubic(u: Any, c: Any) -> Any:
+        return tf.reduce_sum(u**3 * c)
+
+    np.testing.assert_allclose(di.hvp(cubic, "tensorflow", x, v, di.Cache(cache)).numpy(), [6.0, 12.0])
+    np.testing.assert_allclose(di.hessian(cubic, "tensorflow", x, di.Cache(cache)).numpy(), np.diag([6.0, 24.0]))
+    second = di.second_derivative(lambda s, c: cubic(s * tf.ones(2, tf.float64), c), "tensorflow", 2.0, di.Cache(cache))
+    assert second == pytest.approx(36.0)
+    np.testing.assert_array_equal(cache.numpy(), [1.0, 2.0])
+
+    def nested(u: Any) -> Any:  # sum of the gradient of a linear map: 6, at any u
+        return tf.reduce_sum(di.gradient(lambda w: tf.reduce_sum(3.0 * w), "tensorflow", u))
+
+    np.testing.assert_array_equal(di.hvp(nested, "tensorflow", x, v).numpy(), [0.0, 0.0])
+
+
+def test_finite_differences_refuse_a_write_into_a_tensorflow_constant() -> None:
+    # expected: a MutationError, the variables as they were; finite differences handed f the
+    # caller's tf.Variable itself, and an f adding 1 to it at each evaluation got the gradient
+    # -165136 where [1, 2] is its value (the variable left at [6, 7]); a Keras model's
+    # BatchNormalization called with training=True updated its statistics at each evaluation
+    keras = pytest.importorskip("keras")
+    variable = tf.Variable([1.0, 2.0], dtype=tf.float64)
+
+    def shifting(v: Any, c: Any) -> Any:
+        c.assign_add(tf.ones_like(c))
+        return tf.reduce_sum(v * c)
+
+    with pytest.raises(di.MutationError, match="assigns into"):
+        di.gradient(shifting, "finite_differences", tf.constant([1.0, 1.0], tf.float64), di.Constant(variable))
+    np.testing.assert_array_equal(variable.numpy(), [1.0, 2.0])
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.BatchNormalization()])
+    x = tf.constant(np.random.default_rng(0).standard_normal((5, 3)).astype("float32"))
+    before = {v.path: v.numpy().copy() for v in model.variables}
+    with pytest.raises(di.MutationError, match="moving_mean"):
+        di.gradient(lambda v, m: tf.reduce_sum(m(v, training=True) ** 2), "finite_differences", x, di.Constant(model))
+    for v in model.variables:
+        np.testing.assert_array_equal(v.numpy(), before[v.path])
+    got = di.gradient(
+        lambda v, m: tf.reduce_sum(m(v, training=False) ** 2), "finite_differences", x, di.Constant(model)
+    )
+    assert isinstance(got, tf.Tensor) and got.shape == x.shape

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from .. import _arrays
+from .._contexts import held
 from .._errors import (
     InputTooLargeError,
     InvalidBackendOptionError,
@@ -53,10 +54,23 @@ class BlackBoxAdapter(_base.Adapter):
             tensor = _arrays.from_numpy(np.array(leaf), like, dtype=_same_dtype(leaf, like))
         elif _arrays.kind(leaf) == "torch":
             tensor = leaf.detach().clone()
+        elif _arrays.kind(leaf) == "tensorflow":
+            # a variable (tf.Variable, a Keras variable): its value, a tensor that f cannot assign to
+            # (the caller's variable would move under the points that follow)
+            return sys.modules["tensorflow"].convert_to_tensor(leaf), True
         else:
             return self.context_to_native(leaf, like)
         _pending_watch().tensors.append((tensor, _version(tensor)))
         return tensor, True
+
+    def explain_failure(self, exc: BaseException) -> str | None:
+        if isinstance(exc, AttributeError) and "Tensor' object has no attribute 'assign" in str(exc):
+            raise MutationError(
+                f"f assigns into x or a di.Constant (variable.assign...). The {self.backend.name} backend hands "
+                "f tf.Tensor values of the caller's variables, which it never writes: compute out of place, "
+                "or pass scratch variables as di.Cache."
+            ) from exc
+        return None
 
     def run(self, fn: Any, leaves: Leaves, batched: bool = False) -> Any:
         """f at ``leaves``: ``fn(leaves)`` (or ``fn.batched``) under ``torch.no_grad()``,
@@ -161,12 +175,19 @@ def watch_constant_modules(program: Callable[..., Any], parts: Any, backend_name
     and buffers copied before the call, compared after it (also where f raised), put back bit
     for bit and refused by name where f wrote into them (a batch norm's running statistics in
     training mode, a parameter). A difference quotient is many calls of f: the copy is one per
-    call of the backend, and a write shifts the points that follow."""
+    call of the backend, and a write shifts the points that follow. The variables of a Keras
+    model or a ``tf.Module`` (or of an object holding one) are watched the same way
+    (:func:`_watch_tensorflow`)."""
     cache_static = () if parts is None else parts.cache_static
     if all(cache_static):  # (no Constant static leaf: nothing a module of the caller's could be)
         return program
 
     def watched(xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
+        if static is not None and "tensorflow" in sys.modules:
+            holders = [value for value, cache in zip(static.leaves, cache_static, strict=False) if not cache]
+            program_now = _watch_tensorflow(program, holders, backend_name)
+        else:
+            program_now = program
         torch: Any = sys.modules.get("torch")
         modules = (
             []
@@ -178,7 +199,7 @@ def watch_constant_modules(program: Callable[..., Any], parts: Any, backend_name
             ]
         )
         if not modules:
-            return program(xs, ts, dynamic, static)
+            return program_now(xs, ts, dynamic, static)
         copies = [
             (name, tensor, tensor.detach().clone())
             for module in modules
@@ -186,7 +207,7 @@ def watch_constant_modules(program: Callable[..., Any], parts: Any, backend_name
         ]
         failure: BaseException | None = None
         try:
-            result = program(xs, ts, dynamic, static)
+            result = program_now(xs, ts, dynamic, static)
         except BaseException as exc:
             failure = exc
         written = []
@@ -206,6 +227,47 @@ def watch_constant_modules(program: Callable[..., Any], parts: Any, backend_name
         if failure is not None:
             raise failure
         return result
+
+    return watched
+
+
+def _watch_tensorflow(program: Callable[..., Any], leaves: list[Any], backend_name: str) -> Callable[..., Any]:
+    """``program`` guarding the TensorFlow variables of the Constants' static ``leaves`` (a Keras
+    model, a ``tf.Module``, an object holding one): TensorFlow counts no writes, so their values
+    are kept before the call, compared after it (also where f raised), put back and refused."""
+    variables = [
+        variable
+        for leaf in leaves
+        for holder in held(leaf, lambda value: hasattr(type(value), "variables"))
+        for variable in (getattr(holder, "variables", None) or ())
+        if hasattr(variable, "assign") and _arrays.kind(variable) == "tensorflow"
+    ]
+    if not variables:
+        return program
+
+    def value(variable: Any) -> np.ndarray:
+        return np.array(sys.modules["tensorflow"].convert_to_tensor(variable).numpy())
+
+    def watched(*args: Any) -> Any:
+        kept = [value(variable) for variable in variables]
+        try:
+            return program(*args)
+        finally:
+            written = [
+                (variable, old)
+                for variable, old in zip(variables, kept, strict=True)
+                if not np.array_equal(value(variable), old, equal_nan=True)
+            ]
+            for variable, old in written:
+                variable.assign(old)
+            if written:
+                names = ", ".join(str(getattr(variable, "path", None) or variable.name) for variable, _ in written)
+                raise MutationError(
+                    f"f wrote into the variables {names} of a di.Constant (a Keras layer called with training=True "
+                    f"updates its statistics), which it must only read; put back as they were. The {backend_name} "
+                    "backend evaluates f at points near x, and a write shifts the points that follow. Call the "
+                    "model with training=False, or pass it as di.Cache(model) where f may change it."
+                )
 
     return watched
 

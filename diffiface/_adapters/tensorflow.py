@@ -16,6 +16,7 @@ differences.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -51,12 +52,13 @@ class _Namespace:
 
 class _Tracing(threading.local):
     """What traces the current evaluation of ``f`` in this thread: how many calls' tapes are
-    running; on a prep's first call, the float variables of its Caches (see
-    :class:`_FirstCallWatch`)."""
+    running; on a prep's first call, the float variables of its Caches, and all their variables
+    (see :class:`_FirstCallWatch`)."""
 
     def __init__(self) -> None:
         self.tapes = 0
         self.caches: list[Any] | None = None
+        self.scratch: list[Any] = []
 
 
 _tracing = _Tracing()
@@ -303,8 +305,11 @@ class _FirstCallWatch:
     variable's writes, so their values are kept before that call and compared after it (also
     when f raises), and a write is undone and refused with a :class:`MutationError` that names
     the variable (a BatchNormalization called with ``training=True`` updates its statistics).
-    A prep's later calls run f as the first did, so they are not watched: no copy of a model per
-    call.
+    A prep's later calls with the static context leaves of a watched call (the same model, the
+    same flags) run f as it did, so they are not watched: no copy of a model per call. Calls
+    with others are watched as the first was: unprepared calls share one prep, and another
+    model (one with a BatchNormalization) or ``training=True`` where the watched call had
+    ``False`` may write where the first did not.
 
     A Cache's variables are f's to write, but TensorFlow does not differentiate through a
     variable's ``assign``: where f writes one (``cache.assign(2 * x)``) and reads it back into its
@@ -312,33 +317,37 @@ class _FirstCallWatch:
     each evaluation of f watches them on a tape of its own (:func:`_traced`): an output that
     reads one whose value f leaves moving with x is refused."""
 
-    __slots__ = ("first", "program", "watched")
+    __slots__ = ("program", "seen", "watched")
 
     def __init__(self, program: Callable[..., Any], watched: tuple[bool, ...]) -> None:
         self.program = program
         self.watched = watched  # per static context leaf: a Constant's (a Cache's is f's to write)
-        self.first = True
+        # the static leaves of the last watched call that f passed: their keys, and weak
+        # references to those compared by identity only (a model), which are not kept alive
+        self.seen: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
 
     def __call__(self, xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
-        if not self.first or static is None:
+        if static is None or self._seen(static):
             return self.program(xs, ts, dynamic, static)
         # (a Constant's variable itself is no static leaf: constant_to_native reads it)
-        variables, caches = [], []
+        variables, caches, scratch = [], [], []
         for leaf, constant in zip(static.leaves, self.watched, strict=True):
             for variable in _variables_of(leaf):
                 if constant:
                     variables.append(variable)
-                elif _inexact(tf.as_dtype(variable.dtype)):  # (a Keras variable's dtype is a name)
+                    continue
+                scratch.append(variable)
+                if _inexact(tf.as_dtype(variable.dtype)):  # (a Keras variable's dtype is a name)
                     # the tf.Variable a tape watches: a Keras 3 variable's own (its value)
                     value = getattr(variable, "value", None)
                     caches.append(value if isinstance(value, tf.Variable) else variable)
         kept = [_value(variable) for variable in variables]
-        before = _tracing.caches
-        _tracing.caches = caches or None
+        before = _tracing.caches, _tracing.scratch
+        _tracing.caches, _tracing.scratch = caches or None, scratch
         try:
             result = self.program(xs, ts, dynamic, static)
         finally:
-            _tracing.caches = before
+            _tracing.caches, _tracing.scratch = before
             written = [
                 (variable, old)
                 for variable, old in zip(variables, kept, strict=True)
@@ -354,8 +363,29 @@ class _FirstCallWatch:
                 "training=False, compute with model.stateless_call and return the new state (has_aux=True), "
                 "or pass the state to update as a di.Cache."
             )
-        self.first = False
+        self.seen = (static.key, tuple(_weak(leaf) for leaf in _by_identity(static)))
         return result
+
+    def _seen(self, static: Any) -> bool:
+        """Whether the static leaves are those of the last watched call."""
+        if self.seen is None or static.key != self.seen[0]:
+            return False
+        return all(
+            ref is not None and ref() is leaf for ref, leaf in zip(self.seen[1], _by_identity(static), strict=True)
+        )
+
+
+def _by_identity(static: Any) -> list[Any]:
+    """The static leaves with no key to compare them by value (a model): compared by identity."""
+    return [leaf for key, leaf in zip(static.key, static.leaves, strict=True) if key is None]
+
+
+def _weak(leaf: object) -> Any:
+    """A weak reference to ``leaf``; None where it takes none (then every call is watched)."""
+    try:
+        return weakref.ref(leaf)
+    except TypeError:
+        return None
 
 
 def _variables_of(leaf: object) -> list[Any]:
@@ -446,10 +476,12 @@ def _traced(fn: Fn, xs: Leaves) -> tuple[Any, Any]:
 def _refuse_read_back(tape: Any, out: Any, caches: list[Any], fn: Fn, xs: Leaves) -> None:
     """Refused: an output of f that reads a Cache's variable into which f writes a value of x.
     TensorFlow records no derivative through ``assign``, so x's path through the variable would
-    be lost. Where the output reads one, f is evaluated again at a point apart, with no tape
-    recording: a variable whose value moves with x is such a path (a value f reads and does not
-    write, or writes the same at any x, is a constant of f). The variables are then put back to
-    their values at x."""
+    be lost. Where the output reads one, f is evaluated again at a point apart, unwatched: a
+    variable whose value moves with x is such a path (a value f reads and does not write, or
+    writes the same at any x, is a constant of f). Every variable of the Caches is then put back
+    to its value at x, also where f raises there: f's writes at the point apart are no part of
+    the call (a BatchNormalization's statistics, updated a second time). (Tapes are left recording: ``record.stop_recording`` would stop the tapes of
+    f's own derivatives too, a gradient's inside an hvp, whose outputs would then read as cut.)"""
     outs = [y for y in tf.nest.flatten(out) if isinstance(y, tf.Tensor) and _inexact(y.dtype)]
     if not outs or not all(isinstance(x, _EAGER) for x in xs):
         return
@@ -457,15 +489,18 @@ def _refuse_read_back(tape: Any, out: Any, caches: list[Any], fn: Fn, xs: Leaves
     if not read:
         return
     at_x = [_value(variable) for variable in read]
-    tapes, _tracing.tapes, _tracing.caches = _tracing.tapes, 0, None  # (f evaluated untraced, unwatched)
+    scratch = _tracing.scratch
+    kept = [_value(variable) for variable in scratch]
+    tapes, _tracing.tapes, _tracing.caches = _tracing.tapes, 0, None  # (f evaluated unchecked, unwatched)
     try:
-        with record.stop_recording():
-            fn(_apart(xs))
+        fn(_apart(xs))
     finally:
         _tracing.tapes, _tracing.caches = tapes, caches
-    written = [variable for variable, old in zip(read, at_x, strict=True) if not np.array_equal(_value(variable), old)]
-    for variable, old in zip(read, at_x, strict=True):
-        variable.assign(old)
+        moved = [not np.array_equal(_value(variable), old) for variable, old in zip(read, at_x, strict=True)]
+        for variable, old in zip(scratch, kept, strict=True):
+            if not np.array_equal(_value(variable), old, equal_nan=True):
+                variable.assign(old)
+    written = [variable for variable, m in zip(read, moved, strict=True) if m]
     if written:
         names = ", ".join(str(getattr(variable, "path", None) or variable.name) for variable in written)
         raise InvalidOutputError(
@@ -485,15 +520,15 @@ def _refuse_hidden_cut(fn: Fn, xs: Leaves) -> None:
     """Under another tape (the caller's, or an outer diffiface call's), an output that a tape
     records may still be cut from x: whether any tape records it (what :meth:`Adapter.untracked`
     asks) does not say this call's does. Where no gradient reached x, f is evaluated at x and at
-    a point apart, with no tape recording: refused where its output moves (a cut), else the
-    derivative is zero. Eager only (a graph's outputs are checked by their operations)."""
+    a point apart: refused where its output moves (a cut), else the derivative is zero. Eager
+    only (a graph's outputs are checked by their operations). (Tapes are left recording, as in
+    :func:`_refuse_read_back`: an f that differentiates inside itself needs its own.)"""
     if not all(isinstance(x, _EAGER) for x in xs):
         return
-    with record.stop_recording():
-        before, after = (
-            [_arrays.by_kind(_arrays.kind(y)).values(y) for y in tf.nest.flatten(fn(point)[0])]
-            for point in (xs, _apart(xs))
-        )
+    before, after = (
+        [_arrays.by_kind(_arrays.kind(y)).values(y) for y in tf.nest.flatten(fn(point)[0])]
+        for point in (xs, _apart(xs))
+    )
     _base.refuse_a_moved_output(before, after, "tensorflow")
 
 
