@@ -657,6 +657,31 @@ def test_a_numpy_scalar_constant_is_abstract_as_an_array_is() -> None:
         np.testing.assert_allclose(got.toarray(), dense, atol=1e-8)
 
 
+@pytest.mark.parametrize("how", ["closed-over", "constant"])
+def test_the_zeros_of_a_torch_parameter_are_not_structural(how: str) -> None:
+    """A zero-initialised layer's weights were read as constant zeros: after an optimizer's
+    step in place, the pattern kept (an unprepared call's cache, a prep with the Module in a
+    Constant) said the output depends on none of x, and the Jacobian came back zero, or with
+    its columns mixed. A tensor that requires grad holds for every value of it."""
+    layer = torch.nn.Linear(4, 3).double()
+    with torch.no_grad():
+        layer.weight.zero_()
+        layer.weight[0, 0] = 1.0
+    x = torch.linspace(0.5, 2.0, 4, dtype=torch.float64)
+    backend = di.AutoSparse("torch")
+    if how == "closed-over":
+        f = lambda v: layer(v)  # noqa: E731
+        jacobian = lambda: di.jacobian(f, backend, x)  # noqa: E731
+    else:
+        g = lambda v, module: module(v)  # noqa: E731
+        prep = di.prepare_jacobian(g, backend, x, di.Constant(layer))
+        jacobian = lambda: di.jacobian(g, backend, x, di.Constant(layer), prep=prep)  # noqa: E731
+    torch.testing.assert_close(jacobian().to_dense(), layer.weight.detach())
+    with torch.no_grad():
+        layer.weight += torch.arange(12, dtype=torch.float64).reshape(3, 4)
+    torch.testing.assert_close(jacobian().to_dense(), layer.weight.detach())
+
+
 def test_jax_top_k_along_another_axis_keeps_its_lines() -> None:
     """jax 0.10 names top_k's axis ``axis``: read as the last axis, an axis-0 top_k lost entries."""
     jax = pytest.importorskip("jax")

@@ -10,7 +10,7 @@ pad, scatter of known indices) are run by torch itself on tensors of positions; 
 cumulative operations, softmax and sort unite along their dimensions; mm, mv, bmm, addmm and dot
 read the zeros of a constant operand; convolution, transposed or not, reads the zeros of a constant
 kernel. Any other operation is dense (``sets.Trace.dense``). Tensors ``f`` closes over are
-constants: their values count.
+constants: their values count, but for those that require grad (a model's parameters).
 """
 
 from __future__ import annotations
@@ -352,7 +352,8 @@ def _tracer_class() -> Any:
             if constant is None:
                 node = _Node("get_attr", None, (), {}, a)
                 self.interpreter.rows[node] = None
-                self.interpreter.values[node] = a
+                if _values_count(a):
+                    self.interpreter.values[node] = a
                 constant = self.constants[id(a)] = (a, node)
             return constant[1]
 
@@ -465,7 +466,9 @@ class _Interpreter(sets.Trace):
                 placeholders += 1
             elif node.op == "get_attr":
                 self.rows[node] = None
-                self.values[node] = getattr(graph, node.target)
+                value = getattr(graph, node.target)
+                if _values_count(value):
+                    self.values[node] = value
             elif node.op == "call_function":
                 self.call(node)
             elif node.op == "output":
@@ -799,6 +802,14 @@ def _shared_writes(name: str, args: Any) -> tuple[np.ndarray, np.ndarray] | None
     hit_ids, brought = hit.reshape(-1).numpy(), writers.reshape(-1).numpy()
     many = np.bincount(hit_ids, minlength=target.numel())[hit_ids] > 1
     return (hit_ids[many], brought[many]) if many.any() else None
+
+
+def _values_count(constant: Any) -> bool:
+    """Whether the values of a tensor f closes over count (its zeros, its indices): not where it
+    requires grad, a model's parameter or what f computes from one, which an optimizer's step
+    changes in place (a zero-initialised layer, a Module in a Constant): the pattern must hold
+    for every value of it."""
+    return not getattr(constant, "requires_grad", False)
 
 
 def _any_rows(rows: Any) -> bool:
