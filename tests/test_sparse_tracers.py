@@ -657,6 +657,15 @@ def test_a_numpy_scalar_constant_is_abstract_as_an_array_is() -> None:
         np.testing.assert_allclose(got.toarray(), dense, atol=1e-8)
 
 
+def test_a_torch_operation_comparing_devices_before_the_dispatcher_is_not_a_raw_error() -> None:
+    """torch.quantile compares its q (made on x's device) with the handle's (meta) device before
+    any aten operation: a raw RuntimeError escaped. make_fx follows it instead (and refuses its
+    in-place lerp_ by name)."""
+    f = lambda x: torch.quantile(x.reshape(2, 4), 0.5, dim=1)  # noqa: E731
+    with pytest.raises(di.UnsupportedOperationError, match="in place"):
+        sparse.jacobian_pattern(f, torch.linspace(0.5, 2.0, 8, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("how", ["closed-over", "constant"])
 def test_the_zeros_of_a_torch_parameter_are_not_structural(how: str) -> None:
     """A zero-initialised layer's weights were read as constant zeros: after an optimizer's

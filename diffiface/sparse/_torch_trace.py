@@ -140,9 +140,13 @@ def _value_read(error: BaseException) -> str | None:
 
 
 def _mentions_meta(error: BaseException) -> bool:
-    """Whether torch refused something of the handles' device: make_fx may still follow f."""
+    """Whether torch refused something of the handles' device: make_fx may still follow f. A
+    composite operation may compare its operands' devices before the dispatcher sees them
+    (``torch.quantile``'s q, made on x's real device, beside a handle): "the same device"."""
     text = str(error)
-    return isinstance(error, (RuntimeError, NotImplementedError, TypeError)) and "meta" in text
+    return isinstance(error, (RuntimeError, NotImplementedError, TypeError)) and (
+        "meta" in text or "same device" in text
+    )
 
 
 def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: bool) -> Detection:
