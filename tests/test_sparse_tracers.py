@@ -371,6 +371,20 @@ def test_an_unknown_operation_is_dense_with_a_note() -> None:
     assert prep.detection.notes == found.notes
 
 
+def test_the_jax_detector_names_what_it_takes_as_dense() -> None:
+    """The docs say an operation a tracer does not know is named in the notes; jax's gave none."""
+    jnp = pytest.importorskip("jax.numpy")
+    x = jnp.asarray(_points(1)[0])
+    fft = sparse.detect(lambda t: jnp.abs(jnp.fft.rfft(t)), x, (), sparse.GlobalDetector(), None, False)
+    assert fft.tracer == "jax" and fft.notes == ("fft is not known to the jax detector: dense",)
+    gather = sparse.detect(lambda t: t[jnp.argsort(t)][:3], x, (), sparse.GlobalDetector(), None, False)
+    assert len(gather.notes) == 1 and gather.notes[0].startswith("gather: its rule cannot tell")
+    banded = sparse.detect(lambda t: t[1:] * t[:-1], x, (), sparse.GlobalDetector(), None, False)
+    assert banded.notes == ()
+    hessian = sparse.detect(lambda t: jnp.sum(jnp.abs(jnp.fft.rfft(t))), x, (), sparse.GlobalDetector(), None, True)
+    assert hessian.notes == ("fft is not known to the jax detector: dense",)
+
+
 def test_torch_detector_in_a_fresh_process() -> None:
     """Issue 22: the first torch detection of a process imported torch's compiler (torch._dynamo,
     torch._inductor, sympy: about 2 s, through make_fx and fake tensors). In a fresh process: the
