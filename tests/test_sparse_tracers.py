@@ -371,6 +371,19 @@ def test_an_unknown_operation_is_dense_with_a_note() -> None:
     assert prep.detection.notes == found.notes
 
 
+@pytest.mark.parametrize("family", ["torch", "numpy", "jax"])
+def test_a_hessian_of_a_vector_f_is_refused_as_its_output_on_every_tracer(family: str) -> None:
+    """The torch tracer called it a refusal to trace ("Write f without branches on values"),
+    an UnsupportedOperationError; the others an InvalidOutputError that says what f returned."""
+    x = _points(1)[0]
+    if family == "torch":
+        x = torch.tensor(x)
+    elif family == "jax":
+        x = pytest.importorskip("jax.numpy").asarray(x)
+    with pytest.raises(di.InvalidOutputError, match="one scalar"):
+        sparse.hessian_pattern(lambda t: t**2, x)
+
+
 def test_the_jax_detector_names_what_it_takes_as_dense() -> None:
     """The docs say an operation a tracer does not know is named in the notes; jax's gave none."""
     jnp = pytest.importorskip("jax.numpy")

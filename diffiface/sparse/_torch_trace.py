@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from .. import _arrays, tree
-from .._errors import UnsupportedOperationError
+from .._errors import InvalidOutputError, UnsupportedOperationError
 from . import _index_sets as sets
 from ._graphs import Detection, first_line, leaf_function
 
@@ -491,8 +491,8 @@ class _Interpreter(sets.Trace):
                 size, rows = sets.size(np.shape(out)), None
             blocks.append(rows)
             sizes.append(size)
-        if self.pairs is not None and sum(sizes) != 1:
-            raise _Refused("a Hessian pattern needs f to return one number")
+        if self.pairs is not None and sum(sizes) != 1:  # (f's output, not something it did: as the other tracers say)
+            raise InvalidOutputError(f"A Hessian needs f to return one scalar; f returns {sum(sizes)} numbers.")
         return Detection(self.pattern(blocks, sizes), "torch", tuple(dict.fromkeys(self.notes)))
 
     def call(self, node: Any) -> None:
