@@ -434,6 +434,10 @@ class _CompressedInputRoute:
     def __init__(self, plan: _Plan, f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> None:
         self.plan = plan
         flat, unravel = _tree.ravel(x)
+        # scipy evaluates f at float64 points where x holds float32 numpy arrays, as its dense
+        # operators do (its adaptive steps need that precision): x + S z is float64 there, and
+        # x's own unravel would round it, and so the steps, to float32
+        wide = _tree.ravel(_tree.map(_float64, x))[1]
         family = plan.family
         seeds = _like(flat, np.asarray(plan.coloring.seeds))
         with _arrays.by_kind(family).dtype_scope([plan.flat_dtype]):  # (jax's x64)
@@ -443,7 +447,8 @@ class _CompressedInputRoute:
         self.unravel_y = _tree.ravel(y)[1]
 
         def compressed(z: Any, x_flat: Any, *values: Any) -> Any:
-            return _tree.ravel(f(unravel(x_flat + seeds @ z), *values))[0]
+            point = x_flat + seeds @ z  # (at x itself, x's dtype: f(x) as f computes it)
+            return _tree.ravel(f((wide if point.dtype == np.float64 else unravel)(point), *values))[0]
 
         self.compressed = compressed  # held here: the prep of scipy's Jacobian refers to it weakly
         self.z = _like(flat, np.zeros(plan.count))
@@ -459,6 +464,13 @@ class _CompressedInputRoute:
         matrices = _matrices(self.plan.family)
         values = matrices.take(matrices.cast(compressed, self.dtype), self.index)
         return (self.unravel_y(y_flat), values)
+
+
+def _float64(leaf: Any) -> Any:
+    """A float32 numpy leaf, array or scalar, as float64; other leaves as they are."""
+    if isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype == np.float32:
+        return leaf.astype(np.float64)
+    return leaf
 
 
 # -- jax: the products and the gather in one compiled program --------------------------------------

@@ -173,6 +173,24 @@ def test_float32_stays_float32_and_mixed_promotes() -> None:
     assert di.jacobian(lambda x: x["a"] * x["b"].sum(), backend, mixed).dtype == np.float64
 
 
+def test_scipy_evaluates_a_float32_x_in_float64_as_its_dense_operator() -> None:
+    # the compressed route once rounded x + S z to float32: its Jacobian was off by about 1e-3
+    def f(x: Any) -> Any:
+        return np.concatenate([x[1:] * x[0] - np.sin(x[:-1]), [np.sum(x**2)]])
+
+    x = np.random.default_rng(5).normal(size=6).astype(np.float32)
+    x64 = x.astype(np.float64)
+    expected = np.zeros((6, 6))
+    expected[np.arange(5), np.arange(1, 6)] = x64[0]
+    expected[np.arange(5), 0] += x64[1:]
+    expected[np.arange(5), np.arange(5)] -= np.cos(x64[:-1])
+    expected[5] = 2 * x64
+    value, jac = di.value_and_jacobian(f, di.AutoSparse("scipy"), x)
+    assert jac.dtype == np.float32 and value.dtype == np.float32
+    np.testing.assert_array_equal(value, f(x))
+    np.testing.assert_allclose(jac.toarray(), expected, atol=1e-6)
+
+
 # -- preparation -----------------------------------------------------------------------------------
 
 

@@ -371,6 +371,33 @@ def test_an_unknown_operation_is_dense_with_a_note() -> None:
     assert prep.detection.notes == found.notes
 
 
+@pytest.mark.parametrize("family", ["torch", "numpy", "jax"])
+def test_a_hessian_of_a_vector_f_is_refused_as_its_output_on_every_tracer(family: str) -> None:
+    """The torch tracer called it a refusal to trace ("Write f without branches on values"),
+    an UnsupportedOperationError; the others an InvalidOutputError that says what f returned."""
+    x = _points(1)[0]
+    if family == "torch":
+        x = torch.tensor(x)
+    elif family == "jax":
+        x = pytest.importorskip("jax.numpy").asarray(x)
+    with pytest.raises(di.InvalidOutputError, match="one scalar"):
+        sparse.hessian_pattern(lambda t: t**2, x)
+
+
+def test_the_jax_detector_names_what_it_takes_as_dense() -> None:
+    """The docs say an operation a tracer does not know is named in the notes; jax's gave none."""
+    jnp = pytest.importorskip("jax.numpy")
+    x = jnp.asarray(_points(1)[0])
+    fft = sparse.detect(lambda t: jnp.abs(jnp.fft.rfft(t)), x, (), sparse.GlobalDetector(), None, False)
+    assert fft.tracer == "jax" and fft.notes == ("fft is not known to the jax detector: dense",)
+    gather = sparse.detect(lambda t: t[jnp.argsort(t)][:3], x, (), sparse.GlobalDetector(), None, False)
+    assert len(gather.notes) == 1 and gather.notes[0].startswith("gather: its rule cannot tell")
+    banded = sparse.detect(lambda t: t[1:] * t[:-1], x, (), sparse.GlobalDetector(), None, False)
+    assert banded.notes == ()
+    hessian = sparse.detect(lambda t: jnp.sum(jnp.abs(jnp.fft.rfft(t))), x, (), sparse.GlobalDetector(), None, True)
+    assert hessian.notes == ("fft is not known to the jax detector: dense",)
+
+
 def test_torch_detector_in_a_fresh_process() -> None:
     """Issue 22: the first torch detection of a process imported torch's compiler (torch._dynamo,
     torch._inductor, sympy: about 2 s, through make_fx and fake tensors). In a fresh process: the
@@ -655,6 +682,40 @@ def test_a_numpy_scalar_constant_is_abstract_as_an_array_is() -> None:
     for got, k in ((first, 1), (second, 4)):
         dense = np.asarray(di.jacobian(f, "finite_differences", x, di.Constant(np.int64(k))))
         np.testing.assert_allclose(got.toarray(), dense, atol=1e-8)
+
+
+def test_a_torch_operation_comparing_devices_before_the_dispatcher_is_not_a_raw_error() -> None:
+    """torch.quantile compares its q (made on x's device) with the handle's (meta) device before
+    any aten operation: a raw RuntimeError escaped. make_fx follows it instead (and refuses its
+    in-place lerp_ by name)."""
+    f = lambda x: torch.quantile(x.reshape(2, 4), 0.5, dim=1)  # noqa: E731
+    with pytest.raises(di.UnsupportedOperationError, match="in place"):
+        sparse.jacobian_pattern(f, torch.linspace(0.5, 2.0, 8, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("how", ["closed-over", "constant"])
+def test_the_zeros_of_a_torch_parameter_are_not_structural(how: str) -> None:
+    """A zero-initialised layer's weights were read as constant zeros: after an optimizer's
+    step in place, the pattern kept (an unprepared call's cache, a prep with the Module in a
+    Constant) said the output depends on none of x, and the Jacobian came back zero, or with
+    its columns mixed. A tensor that requires grad holds for every value of it."""
+    layer = torch.nn.Linear(4, 3).double()
+    with torch.no_grad():
+        layer.weight.zero_()
+        layer.weight[0, 0] = 1.0
+    x = torch.linspace(0.5, 2.0, 4, dtype=torch.float64)
+    backend = di.AutoSparse("torch")
+    if how == "closed-over":
+        f = lambda v: layer(v)  # noqa: E731
+        jacobian = lambda: di.jacobian(f, backend, x)  # noqa: E731
+    else:
+        g = lambda v, module: module(v)  # noqa: E731
+        prep = di.prepare_jacobian(g, backend, x, di.Constant(layer))
+        jacobian = lambda: di.jacobian(g, backend, x, di.Constant(layer), prep=prep)  # noqa: E731
+    torch.testing.assert_close(jacobian().to_dense(), layer.weight.detach())
+    with torch.no_grad():
+        layer.weight += torch.arange(12, dtype=torch.float64).reshape(3, 4)
+    torch.testing.assert_close(jacobian().to_dense(), layer.weight.detach())
 
 
 def test_jax_top_k_along_another_axis_keeps_its_lines() -> None:

@@ -106,16 +106,16 @@ def _is_float(aval: Any) -> bool:
     return dtype is not None and bool(_jax().numpy.issubdtype(dtype, np.inexact))
 
 
-def _jacobian(f: Callable[..., Any], x: Any, values: list[Any]) -> csr_array:
+def _jacobian(f: Callable[..., Any], x: Any, values: list[Any], notes: list[str] | None = None) -> csr_array:
     """The Jacobian pattern of the program jax traces of ``f``: x's leaves depend each on itself,
-    the contexts on nothing."""
+    the contexts on nothing. ``notes``, where given, gets the operations taken as dense."""
     closed, k = _trace(f, x, values)
     invars = closed.jaxpr.invars
     sizes = [_size(v.aval) for v in invars[:k]]
     n = sum(sizes)
     inputs = sets.identity(sizes) + [None] * (len(invars) - k)
     with _jax().enable_x64(True):
-        outs = _Interpreter(n).run_closed(closed, inputs, [None] * len(inputs))[0]
+        outs = _Interpreter(n, notes).run_closed(closed, inputs, [None] * len(inputs))[0]
     return sets.stack(outs, [_size(v.aval) for v in closed.jaxpr.outvars], n)
 
 
@@ -126,10 +126,12 @@ or the array API, where the numpy tracer cannot follow it."""
 
 def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: bool) -> Detection:
     """The Jacobian (``hessian=False``) or Hessian pattern of ``f(x, *values)``."""
-    return Detection(_hessian(f, x, values) if hessian else as_pattern(_jacobian(f, x, values)), "jax")
+    notes: list[str] = []
+    pattern = _hessian(f, x, values, notes) if hessian else as_pattern(_jacobian(f, x, values, notes))
+    return Detection(pattern, "jax", tuple(dict.fromkeys(notes)))
 
 
-def _hessian(f: Callable[..., Any], x: Any, values: list[Any]) -> csr_array:
+def _hessian(f: Callable[..., Any], x: Any, values: list[Any], notes: list[str]) -> csr_array:
     """The Jacobian pattern of ``jax.grad(f)``'s program, made symmetric."""
     jax = _jax()
 
@@ -147,11 +149,12 @@ def _hessian(f: Callable[..., Any], x: Any, values: list[Any]) -> csr_array:
         return jax.grad(lambda z: scalar(z, *vals))(xs)
 
     try:
-        jac = _jacobian(grad, x, values)
+        jac = _jacobian(grad, x, values, notes)
     except UnsupportedOperationError:
         # jax could trace f but not its gradient (a while loop with a traced bound): every pair
         # of inputs f depends on may interact.
-        first = _jacobian(scalar, x, values)
+        notes.clear()  # (those of the gradient's program, given up)
+        first = _jacobian(scalar, x, values, notes)
         used = first.toarray().reshape(-1) if first.shape[0] else np.zeros(first.shape[1], dtype=bool)
         import scipy.sparse as sp
 
@@ -166,8 +169,10 @@ def _hessian(f: Callable[..., Any], x: Any, values: list[Any]) -> csr_array:
 class _Interpreter:
     """Runs a jaxpr on patterns (and on values where they are known)."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, notes: list[str] | None = None) -> None:
         self.n = n
+        self.notes = [] if notes is None else notes
+        """The operations taken as dense (where a rule of its own could not tell, too)."""
 
     def run_closed(self, closed: Any, patterns: list[Pattern], values: list[Any]) -> tuple[list[Pattern], list[Any]]:
         return self.run(closed.jaxpr, list(closed.consts), patterns, values)
@@ -202,6 +207,8 @@ class _Interpreter:
             else:
                 rule = _RULES.get(eqn.primitive.name)
                 if rule is None:
+                    if any(_is_float(v.aval) for v in outs):  # (a comparison's booleans carry nothing)
+                        self.notes.append(f"{eqn.primitive.name} is not known to the jax detector: dense")
                     out_patterns = self.conservative(eqn, ps)
                 else:
                     try:
@@ -211,6 +218,9 @@ class _Interpreter:
                         else:
                             out_patterns = result
                     except Exception:  # _Unknown, or a form the rule does not know: never a wrong pattern
+                        self.notes.append(
+                            f"{eqn.primitive.name}: its rule cannot tell here (an index not known): dense"
+                        )
                         out_patterns = self.conservative(eqn, ps)
                         out_values = [None] * len(outs)
             for v, p, val in zip(outs, out_patterns, out_values, strict=True):
@@ -630,7 +640,7 @@ def _custom_vjp(it: _Interpreter, eqn: Any, ps: list[Pattern], vs: list[Any]) ->
 
     closed = jax.make_jaxpr(cotangents_in)(*structs, *out_structs)  # (failing: conservative)
     sizes = [_size(outs[k]) for k in float_outs]
-    local = _Interpreter(sum(sizes))
+    local = _Interpreter(sum(sizes), it.notes)
     patterns = [None] * len(avals) + sets.identity(sizes)
     transposed = local.run_closed(closed, patterns, [vs[i] for i in order] + [None] * len(sizes))[0]
     rows = sets.union([None if t is None else sets.apply(t.T, ps[order[k]]) for k, t in enumerate(transposed)])

@@ -10,7 +10,7 @@ pad, scatter of known indices) are run by torch itself on tensors of positions; 
 cumulative operations, softmax and sort unite along their dimensions; mm, mv, bmm, addmm and dot
 read the zeros of a constant operand; convolution, transposed or not, reads the zeros of a constant
 kernel. Any other operation is dense (``sets.Trace.dense``). Tensors ``f`` closes over are
-constants: their values count.
+constants: their values count, but for those that require grad (a model's parameters).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from .. import _arrays, tree
-from .._errors import UnsupportedOperationError
+from .._errors import InvalidOutputError, UnsupportedOperationError
 from . import _index_sets as sets
 from ._graphs import Detection, first_line, leaf_function
 
@@ -140,9 +140,13 @@ def _value_read(error: BaseException) -> str | None:
 
 
 def _mentions_meta(error: BaseException) -> bool:
-    """Whether torch refused something of the handles' device: make_fx may still follow f."""
+    """Whether torch refused something of the handles' device: make_fx may still follow f. A
+    composite operation may compare its operands' devices before the dispatcher sees them
+    (``torch.quantile``'s q, made on x's real device, beside a handle): "the same device"."""
     text = str(error)
-    return isinstance(error, (RuntimeError, NotImplementedError, TypeError)) and "meta" in text
+    return isinstance(error, (RuntimeError, NotImplementedError, TypeError)) and (
+        "meta" in text or "same device" in text
+    )
 
 
 def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: bool) -> Detection:
@@ -352,7 +356,8 @@ def _tracer_class() -> Any:
             if constant is None:
                 node = _Node("get_attr", None, (), {}, a)
                 self.interpreter.rows[node] = None
-                self.interpreter.values[node] = a
+                if _values_count(a):
+                    self.interpreter.values[node] = a
                 constant = self.constants[id(a)] = (a, node)
             return constant[1]
 
@@ -465,7 +470,9 @@ class _Interpreter(sets.Trace):
                 placeholders += 1
             elif node.op == "get_attr":
                 self.rows[node] = None
-                self.values[node] = getattr(graph, node.target)
+                value = getattr(graph, node.target)
+                if _values_count(value):
+                    self.values[node] = value
             elif node.op == "call_function":
                 self.call(node)
             elif node.op == "output":
@@ -484,8 +491,8 @@ class _Interpreter(sets.Trace):
                 size, rows = sets.size(np.shape(out)), None
             blocks.append(rows)
             sizes.append(size)
-        if self.pairs is not None and sum(sizes) != 1:
-            raise _Refused("a Hessian pattern needs f to return one number")
+        if self.pairs is not None and sum(sizes) != 1:  # (f's output, not something it did: as the other tracers say)
+            raise InvalidOutputError(f"A Hessian needs f to return one scalar; f returns {sum(sizes)} numbers.")
         return Detection(self.pattern(blocks, sizes), "torch", tuple(dict.fromkeys(self.notes)))
 
     def call(self, node: Any) -> None:
@@ -799,6 +806,14 @@ def _shared_writes(name: str, args: Any) -> tuple[np.ndarray, np.ndarray] | None
     hit_ids, brought = hit.reshape(-1).numpy(), writers.reshape(-1).numpy()
     many = np.bincount(hit_ids, minlength=target.numel())[hit_ids] > 1
     return (hit_ids[many], brought[many]) if many.any() else None
+
+
+def _values_count(constant: Any) -> bool:
+    """Whether the values of a tensor f closes over count (its zeros, its indices): not where it
+    requires grad, a model's parameter or what f computes from one, which an optimizer's step
+    changes in place (a zero-initialised layer, a Module in a Constant): the pattern must hold
+    for every value of it."""
+    return not getattr(constant, "requires_grad", False)
 
 
 def _any_rows(rows: Any) -> bool:
