@@ -150,6 +150,41 @@ def test_write_into_a_cache_is_allowed(backend: str) -> None:
     np.testing.assert_allclose(grad, 2 * x, rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "backend",
+    ["finite_differences", "scipy", di.AutoFiniteDifferences(method="forward")],
+    ids=["finite_differences", "scipy", "forward"],
+)
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_a_value_that_f_writes_again_is_f_at_x(backend: Any, kind: str) -> None:
+    """f returns its Cache (and keeps it as its aux): the value and the aux are f at x, not
+    the Cache as the last perturbed point left it."""
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        x, scratch, t = torch.tensor([1.0, 2.0, 3.0]).double(), torch.zeros(3).double(), torch.ones(3).double()
+    else:
+        x, scratch, t = np.array([1.0, 2.0, 3.0]), np.zeros(3), np.ones(3)
+
+    def f(x: Any, scratch: Any) -> Any:
+        scratch[:] = x**2
+        return scratch
+
+    def with_aux(x: Any, scratch: Any) -> Any:
+        return f(x, scratch).sum(), {"squares": scratch}
+
+    squares = np.array([1.0, 4.0, 9.0])
+    values = [
+        di.value_and_jacobian(f, backend, x, di.Cache(scratch))[0],
+        di.value_and_jvp(f, backend, x, t, di.Cache(scratch))[0],
+        di.value_and_vjp(f, backend, x, t, di.Cache(scratch))[0],
+        di.value_and_derivative(lambda s, c: f(s * x, c), backend, 1.0, di.Cache(scratch))[0],
+        di.value_and_gradient(with_aux, backend, x, di.Cache(scratch), has_aux=True)[0][1]["squares"],
+    ]
+    for value in values:
+        assert value is not scratch
+        np.testing.assert_array_equal(np.asarray(value), squares)
+
+
 @pytest.mark.parametrize("backend", ["finite_differences", "scipy"])
 def test_f_raising_half_way_leaves_everything_unchanged(backend: str) -> None:
     x = np.array([1.0, 2.0, 3.0])

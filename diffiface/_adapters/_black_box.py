@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from .. import _arrays
+from .. import tree as _tree
 from .._errors import (
     InputTooLargeError,
     InvalidBackendOptionError,
@@ -58,15 +59,20 @@ class BlackBoxAdapter(_base.Adapter):
         _pending_watch().tensors.append((tensor, _version(tensor)))
         return tensor, True
 
-    def run(self, fn: Any, leaves: Leaves, batched: bool = False) -> Any:
+    def run(self, fn: Any, leaves: Leaves, batched: bool = False, kept: bool = False) -> Any:
         """f at ``leaves``: ``fn(leaves)`` (or ``fn.batched``) under ``torch.no_grad()``,
-        refusing writes into the leaves (handed read-only or watched) and the call's Constants."""
+        refusing writes into the leaves (handed read-only or watched) and the call's Constants.
+        With ``kept``, the arrays of f's output and aux are copies: an f(x) returned to the
+        caller must not be an array that f writes again at the points that follow (a di.Cache,
+        a global buffer)."""
         watch = _watch_of(fn)
         torch = sys.modules.get("torch")
         tensors = [(t, _version(t)) for t in leaves if _arrays.kind(t) == "torch"] if torch is not None else []
         try:
             with torch.no_grad() if torch is not None else contextlib.nullcontext():  # (f is evaluated, never traced)
                 out = fn.batched(leaves) if batched else fn(leaves)
+                if kept:
+                    out = _kept(out)
         except ValueError as exc:
             read_only_write = type(exc) is ValueError and str(exc).endswith("read-only")
             if read_only_write and (watch.numpy_constants or any(type(a) is np.ndarray for a in leaves)):
@@ -95,6 +101,18 @@ class BlackBoxAdapter(_base.Adapter):
         parts: ProgramParts | None = None,
     ) -> Callable[..., Any]:
         return watch_constant_modules(program, parts, self.info.name)
+
+
+def _kept(result: Any) -> Any:
+    """One evaluation of f, ``(out, aux)``, with its arrays of mutable kinds copied."""
+    return _tree.map(_copy, result)
+
+
+def _copy(leaf: Any) -> Any:
+    if isinstance(leaf, np.ndarray):
+        return leaf.copy()
+    family = _arrays.family_of(leaf)
+    return leaf if family is None else family.private_copy(leaf)  # (immutable kinds: the leaf)
 
 
 def check_size(backend: Any, xs: Leaves, operator: str, limit: int, what: str) -> None:
