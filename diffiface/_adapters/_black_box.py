@@ -17,6 +17,7 @@ import numpy as np
 
 from .. import _arrays
 from .. import tree as _tree
+from .._contexts import held
 from .._errors import (
     InputTooLargeError,
     InvalidBackendOptionError,
@@ -175,24 +176,27 @@ def _version(tensor: Any) -> int | None:
 
 
 def watch_constant_modules(program: Callable[..., Any], parts: Any, backend_name: str) -> Callable[..., Any]:
-    """``program`` where a Constant's static leaf may be a ``torch.nn.Module``: its parameters
+    """``program`` where a Constant's static leaf may be a ``torch.nn.Module`` (or hold one, a
+    trainer its model, as :func:`~diffiface._contexts.held` finds them): their parameters
     and buffers copied before the call, compared after it (also where f raised), put back bit
     for bit and refused by name where f wrote into them (a batch norm's running statistics in
-    training mode, a parameter). A difference quotient is many calls of f: the copy is one per
-    call of the backend, and a write shifts the points that follow."""
+    training mode, a parameter); their structure and train or eval mode likewise
+    (:func:`_restructured`). A difference quotient is many calls of f: the copy is one per call
+    of the backend, and a write shifts the points that follow."""
     cache_static = () if parts is None else parts.cache_static
     if all(cache_static):  # (no Constant static leaf: nothing a module of the caller's could be)
         return program
 
     def watched(xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
         torch: Any = sys.modules.get("torch")
-        modules = (
+        modules: list[Any] = (
             []
             if torch is None or static is None
-            else [
-                value
+            else [  # (the module itself, or those an object holds: a trainer's model)
+                module
                 for value, cache in zip(static.leaves, cache_static, strict=False)
-                if not cache and isinstance(value, torch.nn.Module)
+                if not cache
+                for module in held(value, _is_torch_module)
             ]
         )
         if not modules:
@@ -202,17 +206,31 @@ def watch_constant_modules(program: Callable[..., Any], parts: Any, backend_name
             for module in modules
             for name, tensor in (*module.named_parameters(), *module.named_buffers())
         ]
+        structure = [
+            (part, part.training, dict(part._parameters), dict(part._buffers), dict(part._modules))
+            for module in modules
+            for part in module.modules()
+        ]
         failure: BaseException | None = None
         try:
             result = program(xs, ts, dynamic, static)
         except BaseException as exc:
             failure = exc
+        restructured = _restructured(structure)  # (first: the module's own tensors back in it)
         written = []
         with torch.no_grad():
             for name, tensor, copy in copies:
                 if not torch.equal(tensor, copy) and not (tensor.isnan() & copy.isnan()).equal(tensor.ne(copy)):
                     tensor.copy_(copy)
                     written.append(name)
+        if restructured:
+            raise MutationError(
+                "f changed a di.Constant's torch.nn.Module: it set a parameter, a buffer or a submodule "
+                "into it, or switched its train or eval mode; put back as it was. The "
+                f"{backend_name} backend evaluates f at points near x, and a change shifts the points "
+                "that follow. Set the module's mode before differentiating, and pass what f changes "
+                "as x or return it through has_aux=True."
+            ) from failure
         if written:
             raise MutationError(
                 f"f wrote into a di.Constant's module ({', '.join(written)}: a batch norm's running "
@@ -226,6 +244,26 @@ def watch_constant_modules(program: Callable[..., Any], parts: Any, backend_name
         return result
 
     return watched
+
+
+def _is_torch_module(value: object) -> bool:
+    return isinstance(value, sys.modules["torch"].nn.Module)
+
+
+def _restructured(structure: list[tuple[Any, bool, dict[str, Any], dict[str, Any], dict[str, Any]]]) -> bool:
+    """Whether f changed a module's parameters, buffers or submodules (which objects they are)
+    or its train or eval mode; each change put back."""
+    found = False
+    for module, training, *kept in structure:
+        for current, old in zip((module._parameters, module._buffers, module._modules), kept, strict=True):
+            if len(current) != len(old) or any(current.get(k) is not v for k, v in old.items()):
+                current.clear()
+                current.update(old)
+                found = True
+        if module.training is not training:
+            module.training = training
+            found = True
+    return found
 
 
 def _torch_write(backend_name: str, what: str) -> str:
