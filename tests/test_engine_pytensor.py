@@ -329,6 +329,19 @@ def test_default_mode_agrees() -> None:
         np.testing.assert_allclose(grad[key], expected[key], rtol=1e-10)
 
 
+@pytest.mark.parametrize("where", ["x", "constant"])
+def test_float16_that_numba_cannot_compile_is_refused_with_the_modes_that_can(where: str) -> None:
+    """numba, the default mode's linker, has no float16: a diffiface error naming the modes that
+    compile without it, not numba's bare NotImplementedError."""
+    half = np.array([1.0, 2.0], dtype=np.float16)
+    x, contexts = (half, ()) if where == "x" else (half.astype(np.float32), (di.Constant(half),))
+    pytest.importorskip("numba")
+    with pytest.raises(di.UnsupportedOperationError, match=r"float16.*mode='CVM'"):
+        di.gradient(lambda x, *c: pt.sum(x**2), "pytensor", x, *contexts)
+    grad = di.gradient(lambda x, *c: pt.sum(x**2), di.AutoPyTensor(mode="CVM"), x, *contexts)
+    np.testing.assert_array_equal(grad, 2 * x)
+
+
 def test_differentiate_with_inside_jax_and_torch() -> None:
     jax = pytest.importorskip("jax")
     torch = pytest.importorskip("torch")

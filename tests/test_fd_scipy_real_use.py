@@ -4,6 +4,7 @@ non-finite values, bad options, outputs that change shape, inputs too large to d
 from __future__ import annotations
 
 import re
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -148,6 +149,41 @@ def test_write_into_a_cache_is_allowed(backend: str) -> None:
 
     grad = di.gradient(f, backend, x, di.Cache(scratch))
     np.testing.assert_allclose(grad, 2 * x, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["finite_differences", "scipy", di.AutoFiniteDifferences(method="forward")],
+    ids=["finite_differences", "scipy", "forward"],
+)
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_a_value_that_f_writes_again_is_f_at_x(backend: Any, kind: str) -> None:
+    """f returns its Cache (and keeps it as its aux): the value and the aux are f at x, not
+    the Cache as the last perturbed point left it."""
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        x, scratch, t = torch.tensor([1.0, 2.0, 3.0]).double(), torch.zeros(3).double(), torch.ones(3).double()
+    else:
+        x, scratch, t = np.array([1.0, 2.0, 3.0]), np.zeros(3), np.ones(3)
+
+    def f(x: Any, scratch: Any) -> Any:
+        scratch[:] = x**2
+        return scratch
+
+    def with_aux(x: Any, scratch: Any) -> Any:
+        return f(x, scratch).sum(), {"squares": scratch}
+
+    squares = np.array([1.0, 4.0, 9.0])
+    values = [
+        di.value_and_jacobian(f, backend, x, di.Cache(scratch))[0],
+        di.value_and_jvp(f, backend, x, t, di.Cache(scratch))[0],
+        di.value_and_vjp(f, backend, x, t, di.Cache(scratch))[0],
+        di.value_and_derivative(lambda s, c: f(s * x, c), backend, 1.0, di.Cache(scratch))[0],
+        di.value_and_gradient(with_aux, backend, x, di.Cache(scratch), has_aux=True)[0][1]["squares"],
+    ]
+    for value in values:
+        assert value is not scratch
+        np.testing.assert_array_equal(np.asarray(value), squares)
 
 
 @pytest.mark.parametrize("backend", ["finite_differences", "scipy"])
@@ -476,6 +512,59 @@ def test_a_constant_module_written_by_f_is_put_back_and_refused(backend: str) ->
     model.eval()
     got = di.gradient(loss, backend, x, di.Constant(model), di.Constant(batch))
     torch.testing.assert_close(got, model(batch).sum(0).detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["finite_differences", "scipy"])
+@pytest.mark.parametrize("change", ["parameter", "mode", "mode-then-raise"])
+def test_a_constant_module_changed_by_f_at_a_later_point_is_put_back_and_refused(backend: str, change: str) -> None:
+    """f that sets a new parameter into a Constant module, or switches it to train mode (a
+    dropout), at the second point of the differences: a gradient twice the right one, or of
+    the order of 1e4, with no error, and the caller's module left changed."""
+    if backend == "scipy":
+        pytest.importorskip("scipy")
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Dropout(0.5)).double().eval()
+    weight = model[0].weight
+    x = torch.randn(3, dtype=torch.float64)
+    calls = [0]
+
+    def f(x: Any, m: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 2:
+            if change == "parameter":
+                m[0].weight = torch.nn.Parameter(2 * m[0].weight.detach())
+            else:
+                m.train()
+                if change == "mode-then-raise":
+                    raise ValueError("f's own failure")
+        return m(x).sum()
+
+    with pytest.raises(di.MutationError, match="train or eval mode; put back"):
+        di.gradient(f, backend, x, di.Constant(model))
+    assert model[0].weight is weight and not model.training and not model[1].training
+
+
+@pytest.mark.parametrize("backend", ["finite_differences", "scipy"])
+def test_a_module_an_object_in_a_constant_holds_is_watched(backend: str) -> None:
+    """di.Constant(trainer) whose trainer.model is a train-mode BatchNorm: its running
+    statistics moved at every point, with no error, and stayed moved."""
+    if backend == "scipy":
+        pytest.importorskip("scipy")
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).double().train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = types.SimpleNamespace(model=model)
+    batch = torch.randn(8, 3, dtype=torch.float64)
+
+    def loss(v: Any, trainer: Any, batch: Any) -> Any:
+        return (trainer.model(batch) * v).sum()
+
+    with pytest.raises(di.MutationError, match="running_mean"):
+        di.gradient(loss, backend, torch.ones(4, dtype=torch.float64), di.Constant(trainer), di.Constant(batch))
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
 
 
 @pytest.mark.parametrize("backend", ["finite_differences", "scipy"])

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from .. import _arrays
+from .. import tree as _tree
 from .._contexts import held
 from .._errors import (
     InputTooLargeError,
@@ -72,15 +73,20 @@ class BlackBoxAdapter(_base.Adapter):
             ) from exc
         return None
 
-    def run(self, fn: Any, leaves: Leaves, batched: bool = False) -> Any:
+    def run(self, fn: Any, leaves: Leaves, batched: bool = False, kept: bool = False) -> Any:
         """f at ``leaves``: ``fn(leaves)`` (or ``fn.batched``) under ``torch.no_grad()``,
-        refusing writes into the leaves (handed read-only or watched) and the call's Constants."""
+        refusing writes into the leaves (handed read-only or watched) and the call's Constants.
+        With ``kept``, the arrays of f's output and aux are copies: an f(x) returned to the
+        caller must not be an array that f writes again at the points that follow (a di.Cache,
+        a global buffer)."""
         watch = _watch_of(fn)
         torch = sys.modules.get("torch")
         tensors = [(t, _version(t)) for t in leaves if _arrays.kind(t) == "torch"] if torch is not None else []
         try:
             with torch.no_grad() if torch is not None else contextlib.nullcontext():  # (f is evaluated, never traced)
                 out = fn.batched(leaves) if batched else fn(leaves)
+                if kept:
+                    out = _kept(out)
         except ValueError as exc:
             read_only_write = type(exc) is ValueError and str(exc).endswith("read-only")
             if read_only_write and (watch.numpy_constants or any(type(a) is np.ndarray for a in leaves)):
@@ -109,6 +115,18 @@ class BlackBoxAdapter(_base.Adapter):
         parts: ProgramParts | None = None,
     ) -> Callable[..., Any]:
         return watch_constant_modules(program, parts, self.info.name)
+
+
+def _kept(result: Any) -> Any:
+    """One evaluation of f, ``(out, aux)``, with its arrays of mutable kinds copied."""
+    return _tree.map(_copy, result)
+
+
+def _copy(leaf: Any) -> Any:
+    if isinstance(leaf, np.ndarray):
+        return leaf.copy()
+    family = _arrays.family_of(leaf)
+    return leaf if family is None else family.private_copy(leaf)  # (immutable kinds: the leaf)
 
 
 def check_size(backend: Any, xs: Leaves, operator: str, limit: int, what: str) -> None:
@@ -171,12 +189,14 @@ def _version(tensor: Any) -> int | None:
 
 
 def watch_constant_modules(program: Callable[..., Any], parts: Any, backend_name: str) -> Callable[..., Any]:
-    """``program`` where a Constant's static leaf may be a ``torch.nn.Module``: its parameters
+    """``program`` where a Constant's static leaf may be a ``torch.nn.Module`` (or hold one, a
+    trainer its model, as :func:`~diffiface._contexts.held` finds them): their parameters
     and buffers copied before the call, compared after it (also where f raised), put back bit
     for bit and refused by name where f wrote into them (a batch norm's running statistics in
-    training mode, a parameter). A difference quotient is many calls of f: the copy is one per
-    call of the backend, and a write shifts the points that follow. The variables of a Keras
-    model or a ``tf.Module`` (or of an object holding one) are watched the same way
+    training mode, a parameter); their structure and train or eval mode likewise
+    (:func:`_restructured`). A difference quotient is many calls of f: the copy is one per call
+    of the backend, and a write shifts the points that follow. The variables of a Keras model or
+    a ``tf.Module`` (or of an object holding one) are watched the same way
     (:func:`_watch_tensorflow`)."""
     cache_static = () if parts is None else parts.cache_static
     if all(cache_static):  # (no Constant static leaf: nothing a module of the caller's could be)
@@ -189,13 +209,14 @@ def watch_constant_modules(program: Callable[..., Any], parts: Any, backend_name
         else:
             program_now = program
         torch: Any = sys.modules.get("torch")
-        modules = (
+        modules: list[Any] = (
             []
             if torch is None or static is None
-            else [
-                value
+            else [  # (the module itself, or those an object holds: a trainer's model)
+                module
                 for value, cache in zip(static.leaves, cache_static, strict=False)
-                if not cache and isinstance(value, torch.nn.Module)
+                if not cache
+                for module in held(value, _is_torch_module)
             ]
         )
         if not modules:
@@ -205,17 +226,31 @@ def watch_constant_modules(program: Callable[..., Any], parts: Any, backend_name
             for module in modules
             for name, tensor in (*module.named_parameters(), *module.named_buffers())
         ]
+        structure = [
+            (part, part.training, dict(part._parameters), dict(part._buffers), dict(part._modules))
+            for module in modules
+            for part in module.modules()
+        ]
         failure: BaseException | None = None
         try:
             result = program_now(xs, ts, dynamic, static)
         except BaseException as exc:
             failure = exc
+        restructured = _restructured(structure)  # (first: the module's own tensors back in it)
         written = []
         with torch.no_grad():
             for name, tensor, copy in copies:
                 if not torch.equal(tensor, copy) and not (tensor.isnan() & copy.isnan()).equal(tensor.ne(copy)):
                     tensor.copy_(copy)
                     written.append(name)
+        if restructured:
+            raise MutationError(
+                "f changed a di.Constant's torch.nn.Module: it set a parameter, a buffer or a submodule "
+                "into it, or switched its train or eval mode; put back as it was. The "
+                f"{backend_name} backend evaluates f at points near x, and a change shifts the points "
+                "that follow. Set the module's mode before differentiating, and pass what f changes "
+                "as x or return it through has_aux=True."
+            ) from failure
         if written:
             raise MutationError(
                 f"f wrote into a di.Constant's module ({', '.join(written)}: a batch norm's running "
@@ -270,6 +305,26 @@ def _watch_tensorflow(program: Callable[..., Any], leaves: list[Any], backend_na
                 )
 
     return watched
+
+
+def _is_torch_module(value: object) -> bool:
+    return isinstance(value, sys.modules["torch"].nn.Module)
+
+
+def _restructured(structure: list[tuple[Any, bool, dict[str, Any], dict[str, Any], dict[str, Any]]]) -> bool:
+    """Whether f changed a module's parameters, buffers or submodules (which objects they are)
+    or its train or eval mode; each change put back."""
+    found = False
+    for module, training, *kept in structure:
+        for current, old in zip((module._parameters, module._buffers, module._modules), kept, strict=True):
+            if len(current) != len(old) or any(current.get(k) is not v for k, v in old.items()):
+                current.clear()
+                current.update(old)
+                found = True
+        if module.training is not training:
+            module.training = training
+            found = True
+    return found
 
 
 def _torch_write(backend_name: str, what: str) -> str:

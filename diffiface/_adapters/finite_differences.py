@@ -96,7 +96,7 @@ class Adapter(BlackBoxAdapter):
         return float(self._evaluate(fn, point, vector)[0])
 
     def _value(self, fn: Fn, point: _Point, layout: _Layout | None = None) -> tuple[Any, Any, np.ndarray, _Layout]:
-        out, aux = self.run(fn, point.leaves(point.vector))
+        out, aux = self.run(fn, point.leaves(point.vector), kept=True)
         point.coarsen(out)
         flat, found = _flatten_out(out)
         if layout is not None:
@@ -287,7 +287,7 @@ class Adapter(BlackBoxAdapter):
                 "Pass a finite tangent."
             )
         # f(x) on copies (f may not reach the caller's x), made only where f(x) is asked for
-        evaluated = Deferred(lambda: self.run(fn, tuple(x.clone() for x in xs)))
+        evaluated = Deferred(lambda: self.run(fn, tuple(x.clone() for x in xs), kept=True))
         if scale_t == 0.0:
             out = _base.force(evaluated.force()[0])
             zeros = tuple(torch.zeros_like(y) for y in as_tuple(out))

@@ -322,6 +322,13 @@ class Adapter(_base.Adapter):
                 "the output's shape at its trace only. Give f outputs whose shapes x's shape fixes "
                 "(pytensor.tensor.switch in place of the selection), or use another backend."
             ) from exc
+        if type(exc) is NotImplementedError and _base.raised_inside(exc, "numba"):  # (numba compiles on a first call)
+            raise UnsupportedOperationError(
+                f"PyTensor's numba backend, the linker of AutoPyTensor's mode 'FAST_RUN' (the default) and "
+                f"'NUMBA', cannot compile the graph of f ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+                "numba has no float16, for one. Compute in float32 or float64, or use "
+                "AutoPyTensor(mode='CVM') or AutoPyTensor(mode='FAST_COMPILE'), which do without numba."
+            ) from exc
         if isinstance(exc, (TypeError, ValueError, AttributeError, NotImplementedError)) and (
             _base.raised_inside(exc, "numpy") or _base.raised_inside(exc, "pytensor")
         ):

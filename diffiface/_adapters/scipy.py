@@ -74,7 +74,7 @@ class Adapter(BlackBoxAdapter):
         the (float64) promoted point; every output must keep the shapes of f(x). The tolerance
         follows the values f takes."""
         own = _Point(xs)
-        out, aux = self.run(fn, own.leaves(own.vector))
+        out, aux = self.run(fn, own.leaves(own.vector), kept=True)
         flat, layout = _flatten_out(out)
         point = _Point(xs, promote=True)
         tolerance = _Tolerance(self.backend, point, layout)
