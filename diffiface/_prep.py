@@ -190,7 +190,11 @@ class Closure:
         self.holds: Callable[[Callable[..., Any]], bool] = self._holds
         """``holds(f)``: whether ``f`` reads the same objects, and the arrays among them hold the
         same values."""
-        if type(f) is types.FunctionType and not any("__wrapped__" in fn.__dict__ for fn, _, _ in chain):
+        if (
+            type(f) is types.FunctionType
+            and not any("__wrapped__" in fn.__dict__ for fn, _, _ in chain)
+            and sum(n for _, _, n in chain) == len(values)  # (no object followed: its reads are no function's)
+        ):
             # (f and the helpers it follows are functions, whose reads are all there is: a test
             # settled for each, _settled_holds, joined by _all_hold)
             parts = [
@@ -365,7 +369,11 @@ def _reads(f: Any, chain: list[tuple[types.FunctionType, int, int]] | None = Non
     start among them and how many there are."""
     if type(f) is types.FunctionType:  # the common case: a function that reads no other one
         values = _function_reads(f)
-        if types.FunctionType not in map(type, values) and "__wrapped__" not in f.__dict__:
+        if (
+            types.FunctionType not in map(type, values)
+            and "__wrapped__" not in f.__dict__
+            and not _objects_called(f, values)
+        ):
             if chain is not None:
                 chain.append((f, 0, len(values)))
             return values
@@ -391,6 +399,13 @@ def _follow(f: Any, values: list[Any], seen: set[int], chain: list[Any] | None =
             value = values[i]
             if type(value) is types.FunctionType and (i <= cells or value.__globals__ is namespace):
                 _follow(value, values, seen, chain)
+        # the objects it calls or calls a method of (``model(x)``, ``model.apply(x)``): what
+        # their methods read through them (``self.W``), as for f itself
+        for value in _objects_called(f, values[start:]):
+            values.append(type(value))
+            _class_reads(value, f, values, seen)
+            if "__call__" in _methods(type(value)):
+                _follow(value, values, seen)
     elif cls is types.MethodType:
         values.append(f.__func__)  # (not f.__self__: the cache is keyed weakly on it)
         _instance(f.__self__, values)
@@ -417,6 +432,43 @@ def _follow(f: Any, values: list[Any], seen: set[int], chain: list[Any] | None =
     if wrapped is not None:
         values.append(wrapped)
         _follow(wrapped, values, seen)
+
+
+def _objects_called(function: types.FunctionType, reads: list[Any]) -> list[Any]:
+    """The objects among a function's closure cells and globals (``reads``, from
+    :func:`_function_reads`) whose class defines in Python ``__call__`` or a method or property
+    its code names: objects it may call into, whose methods read what they hold. Not arrays,
+    whose families compare them by contents."""
+    names, attributes, _ = _loads(function.__code__)
+    found = []
+    for value in reads[1 : 1 + len(function.__closure__ or ()) + len(names)]:
+        if isinstance(value, _NOT_HOLDERS) or _arrays.family_of(value) is not None:
+            continue
+        methods = _methods(type(value))
+        if methods and ("__call__" in methods or not methods.isdisjoint(attributes)):
+            found.append(value)
+    return found
+
+
+_METHODS: dict[type, frozenset[str]] = {}
+
+
+def _methods(cls: type) -> frozenset[str]:
+    """The names of the Python functions and properties a class and its bases (not the
+    builtins) define; kept per class, a bounded table."""
+    methods = _METHODS.get(cls)
+    if methods is None:
+        methods = frozenset(
+            name
+            for klass in cls.__mro__
+            if klass.__module__ != "builtins"
+            for name, value in vars(klass).items()
+            if type(value) is types.FunctionType or isinstance(value, property)
+        )
+        if len(_METHODS) >= 1024:
+            _METHODS.clear()
+        _METHODS[cls] = methods
+    return methods
 
 
 def _function_reads(function: types.FunctionType) -> list[Any]:

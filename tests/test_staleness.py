@@ -553,6 +553,45 @@ def test_data_a_method_reads_below_its_instance_is_never_stale(kind: str) -> Non
     np.testing.assert_allclose(np.asarray(di.gradient(f, "jax", np.ones(2))), [10.0, 14.0])
 
 
+class _Scaling:
+    def __init__(self, weights: np.ndarray) -> None:
+        self.weights = weights
+
+    def __call__(self, v: Any) -> Any:
+        return self.weights * v**2
+
+    def apply(self, v: Any) -> Any:
+        return self.weights * v**2
+
+
+_SCALING = _Scaling(np.array([0.0, 2.0]))
+
+
+@pytest.mark.parametrize("backend", ["jax", "sparse finite_differences"])
+@pytest.mark.parametrize("kind", ["global called", "global's method", "closure cell called"])
+def test_data_an_object_f_calls_reads_is_never_stale(kind: str, backend: str) -> None:
+    """f calling an object it reads as a global or a closure cell (``model(v)``,
+    ``model.apply(v)``): what the object's methods read through it was not followed, and the
+    Jacobian of the old weights came back after they were written in place or replaced."""
+    if backend == "jax":
+        require("jax")
+    engine: Any = "jax" if backend == "jax" else di.AutoSparse("finite_differences")
+    scaling = _SCALING if kind.startswith("global") else _Scaling(np.array([0.0, 2.0]))
+    scaling.weights = np.array([0.0, 2.0])  # (a zero a sparsity pattern must not keep)
+    if kind == "global called":
+        f = lambda v: _SCALING(v)  # noqa: E731
+    elif kind == "global's method":
+        f = lambda v: _SCALING.apply(v)  # noqa: E731
+    else:
+        f = lambda v: scaling(v)  # noqa: E731
+    x = np.array([1.0, 1.0])
+    np.testing.assert_allclose(np.diag(_dense(di.jacobian(f, engine, x))), [0.0, 4.0], rtol=1e-6, atol=1e-9)
+    scaling.weights[:] = [3.0, 5.0]
+    np.testing.assert_allclose(np.diag(_dense(di.jacobian(f, engine, x))), [6.0, 10.0], rtol=1e-6)
+    scaling.weights = np.array([7.0, 11.0])
+    np.testing.assert_allclose(np.diag(_dense(di.jacobian(f, engine, x))), [14.0, 22.0], rtol=1e-6)
+
+
 def _loss_of_state(state: dict[str, Any], v: Any) -> Any:
     return (state["weights"] * v**2).sum()
 
