@@ -25,6 +25,8 @@ from .._errors import (
     MutationError,
     UnsupportedOperationError,
 )
+from .._families import tensorflow as _tensorflow
+from .._families import torch as _torch
 from . import _base
 from ._base import Blocks, Leaves, ProgramParts, read_only
 
@@ -194,7 +196,7 @@ def watch_constant_modules(program: Callable[..., Any], parts: Any, backend_name
     and buffers copied before the call, compared after it (also where f raised), put back bit
     for bit and refused by name where f wrote into them (a batch norm's running statistics in
     training mode, a parameter); their structure and train or eval mode likewise
-    (:func:`_restructured`). A difference quotient is many calls of f: the copy is one per call
+    (:func:`~diffiface._families.torch.restructured`). A difference quotient is many calls of f: the copy is one per call
     of the backend, and a write shifts the points that follow. The variables of a Keras model or
     a ``tf.Module`` (or of an object holding one) are watched the same way
     (:func:`_watch_tensorflow`)."""
@@ -226,17 +228,13 @@ def watch_constant_modules(program: Callable[..., Any], parts: Any, backend_name
             for module in modules
             for name, tensor in (*module.named_parameters(), *module.named_buffers())
         ]
-        structure = [
-            (part, part.training, dict(part._parameters), dict(part._buffers), dict(part._modules))
-            for module in modules
-            for part in module.modules()
-        ]
+        structure = [_torch.module_parts(part) for module in modules for part in module.modules()]
         failure: BaseException | None = None
         try:
             result = program_now(xs, ts, dynamic, static)
         except BaseException as exc:
             failure = exc
-        restructured = _restructured(structure)  # (first: the module's own tensors back in it)
+        restructured = _torch.restructured(structure)  # (first: the module's own tensors back in it)
         written = []
         with torch.no_grad():
             for name, tensor, copy in copies:
@@ -280,23 +278,13 @@ def _watch_tensorflow(program: Callable[..., Any], leaves: list[Any], backend_na
     if not variables:
         return program
 
-    def value(variable: Any) -> np.ndarray:
-        return np.array(sys.modules["tensorflow"].convert_to_tensor(variable).numpy())
-
     def watched(*args: Any) -> Any:
-        kept = [value(variable) for variable in variables]
+        kept = [_tensorflow.variable_values(variable) for variable in variables]
         try:
             return program(*args)
         finally:
-            written = [
-                (variable, old)
-                for variable, old in zip(variables, kept, strict=True)
-                if not np.array_equal(value(variable), old, equal_nan=True)
-            ]
-            for variable, old in written:
-                variable.assign(old)
-            if written:
-                names = ", ".join(str(getattr(variable, "path", None) or variable.name) for variable, _ in written)
+            names = _tensorflow.put_back(variables, kept)
+            if names:
                 raise MutationError(
                     f"f wrote into the variables {names} of a di.Constant (a Keras layer called with training=True "
                     f"updates its statistics), which it must only read; put back as they were. The {backend_name} "
@@ -309,22 +297,6 @@ def _watch_tensorflow(program: Callable[..., Any], leaves: list[Any], backend_na
 
 def _is_torch_module(value: object) -> bool:
     return isinstance(value, sys.modules["torch"].nn.Module)
-
-
-def _restructured(structure: list[tuple[Any, bool, dict[str, Any], dict[str, Any], dict[str, Any]]]) -> bool:
-    """Whether f changed a module's parameters, buffers or submodules (which objects they are)
-    or its train or eval mode; each change put back."""
-    found = False
-    for module, training, *kept in structure:
-        for current, old in zip((module._parameters, module._buffers, module._modules), kept, strict=True):
-            if len(current) != len(old) or any(current.get(k) is not v for k, v in old.items()):
-                current.clear()
-                current.update(old)
-                found = True
-        if module.training is not training:
-            module.training = training
-            found = True
-    return found
 
 
 def _torch_write(backend_name: str, what: str) -> str:

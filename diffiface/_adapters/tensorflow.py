@@ -29,7 +29,8 @@ from tensorflow.python.types import core as tensorflow_core
 from .. import _arrays
 from .._contexts import held
 from .._errors import ArrayTypeError, InvalidOutputError, MutationError, UnsupportedOperationError
-from .._families.tensorflow import dtype_of
+from .._families.tensorflow import dtype_of, put_back
+from .._families.tensorflow import variable_values as _value
 from . import _base
 from ._base import Fn, Leaves, raised_inside
 
@@ -348,15 +349,8 @@ class _FirstCallWatch:
             result = self.program(xs, ts, dynamic, static)
         finally:
             _tracing.caches, _tracing.scratch = before
-            written = [
-                (variable, old)
-                for variable, old in zip(variables, kept, strict=True)
-                if not np.array_equal(_value(variable), old, equal_nan=True)
-            ]
-            for variable, old in written:
-                variable.assign(old)
-        if written:
-            names = ", ".join(str(getattr(variable, "path", None) or variable.name) for variable, _ in written)
+            names = put_back(variables, kept)
+        if names:
             raise MutationError(
                 f"f wrote into the variables {names} of a di.Constant (a Keras layer called with "
                 "training=True updates its statistics); they are restored. Call the model with "
@@ -404,12 +398,6 @@ def _holds_variables(value: object) -> bool:
     """A Keras model or layer, a ``tf.Module``: its class has ``variables`` (not read here: a
     property that builds a list)."""
     return hasattr(type(value), "variables")
-
-
-def _value(variable: Any) -> np.ndarray:
-    """A variable's values now, a numpy array of their own (a Keras variable's ``__array__``
-    takes no ``copy``: read through a tensor)."""
-    return np.array(tf.convert_to_tensor(variable).numpy())
 
 
 class _Flat:

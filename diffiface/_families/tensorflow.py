@@ -137,3 +137,22 @@ def from_parts(re: Any, im: Any) -> Any:
 
 values = to_numpy
 describe = array_words
+
+
+def variable_values(variable: Any) -> np.ndarray:
+    """A variable's values now, a numpy array of their own (a Keras variable's ``__array__``
+    takes no ``copy``: read through a tensor)."""
+    return np.array(_tf().convert_to_tensor(variable).numpy())
+
+
+def put_back(variables: list[Any], kept: list[np.ndarray]) -> str:
+    """The names of the variables whose values are no longer ``kept`` (NaN as NaN), each
+    assigned its kept values again; empty where none changed."""
+    written = [
+        (variable, old)
+        for variable, old in zip(variables, kept, strict=True)
+        if not np.array_equal(variable_values(variable), old, equal_nan=True)
+    ]
+    for variable, old in written:
+        variable.assign(old)
+    return ", ".join(str(getattr(variable, "path", None) or variable.name) for variable, _ in written)

@@ -228,3 +228,30 @@ class _DeviceContents:
             return bool(sys.modules["torch"].equal(value.detach(), copy))
         except RuntimeError:  # (a layout torch.equal does not compare)
             return False
+
+
+ModuleParts = tuple[Any, bool, dict[str, Any], dict[str, Any], dict[str, Any]]
+"""A module, its train or eval mode and which objects its parameters, buffers and submodules are."""
+
+
+def module_parts(module: Any) -> ModuleParts:
+    """What :func:`restructured` compares a module with later (its own dicts, read directly:
+    ``named_modules`` builds each prefix and a set of those seen)."""
+    return (module, module.training, dict(module._parameters), dict(module._buffers), dict(module._modules))
+
+
+def restructured(structure: list[ModuleParts]) -> bool:
+    """Whether f changed a module's parameters, buffers or submodules (which objects they are)
+    or its train or eval mode; each change put back."""
+    found = False
+    for module, training, *kept in structure:
+        now = (module._parameters, module._buffers, module._modules)
+        for current, old in zip(now, kept, strict=True):
+            if len(current) != len(old) or any(current.get(k) is not v for k, v in old.items()):
+                current.clear()
+                current.update(old)
+                found = True
+        if module.training is not training:
+            module.training = training
+            found = True
+    return found

@@ -17,7 +17,9 @@ from ... import tree as _tree
 from ..._contexts import held
 from ..._errors import DiffifaceError, MutationError
 from ..._families.torch import CALLS as _CALLS
+from ..._families.torch import ModuleParts, module_parts
 from ..._families.torch import inside_a_call as inside_a_call
+from ..._families.torch import restructured as _restructured
 from .._base import Leaves, ProgramParts
 from ._dtensor import _refuse_fully_sharded
 from ._duals import _dual_parts
@@ -326,15 +328,13 @@ class _Watch:
         self.roots = roots
         self.tensors: list[Any] = []
         self.copies: list[tuple[Any, Any]] = []
-        self.structure: list[tuple[Any, bool, dict[str, Any], dict[str, Any], dict[str, Any]]] = []
+        self.structure: list[ModuleParts] = []
         for _, module in roots:
             self._walk(module, full)
         self.versions = list(map(_version, self.tensors))
 
     def _walk(self, module: Any, full: bool) -> None:
-        # (the modules' own dicts: named_modules builds each prefix and a set of those seen)
-        parts = (dict(module._parameters), dict(module._buffers), dict(module._modules))
-        self.structure.append((module, module.training, *parts))
+        self.structure.append(module_parts(module))
         tensors = self.tensors
         for tensor in module._parameters.values():
             if tensor is not None and not tensor.is_inference():  # (torch refuses writes into those)
@@ -353,18 +353,7 @@ class _Watch:
 
     def restructured(self) -> bool:
         """Whether f changed a module's structure or mode, each put back."""
-        found = False
-        for module, training, *kept in self.structure:
-            now = (module._parameters, module._buffers, module._modules)
-            for current, old in zip(now, kept, strict=True):
-                if len(current) != len(old) or any(current.get(k) is not v for k, v in old.items()):
-                    current.clear()
-                    current.update(old)
-                    found = True
-            if module.training is not training:
-                module.training = training
-                found = True
-        return found
+        return _restructured(self.structure)
 
     def changed(self) -> bool:
         """Whether a tensor may have been written (a counter moved, or a copy is to compare), or a
