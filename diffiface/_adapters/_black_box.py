@@ -25,6 +25,7 @@ from .._errors import (
     MutationError,
     UnsupportedOperationError,
 )
+from .._families import mlx as _mlx
 from .._families import tensorflow as _tensorflow
 from .._families import torch as _torch
 from . import _base
@@ -198,18 +199,20 @@ def watch_constant_modules(program: Callable[..., Any], parts: Any, backend_name
     training mode, a parameter); their structure and train or eval mode likewise
     (:func:`~diffiface._families.torch.restructured`). A difference quotient is many calls of f: the copy is one per call
     of the backend, and a write shifts the points that follow. The variables of a Keras model or
-    a ``tf.Module`` (or of an object holding one) are watched the same way
-    (:func:`_watch_tensorflow`)."""
+    a ``tf.Module``, and the arrays of an ``mlx.nn`` module (or of an object holding one), are
+    watched the same way (:func:`_watch_tensorflow`, :func:`_watch_mlx`)."""
     cache_static = () if parts is None else parts.cache_static
     if all(cache_static):  # (no Constant static leaf: nothing a module of the caller's could be)
         return program
 
     def watched(xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
-        if static is not None and "tensorflow" in sys.modules:
+        program_now = program
+        if static is not None and ("tensorflow" in sys.modules or "mlx.nn" in sys.modules):
             holders = [value for value, cache in zip(static.leaves, cache_static, strict=False) if not cache]
-            program_now = _watch_tensorflow(program, holders, backend_name)
-        else:
-            program_now = program
+            if "tensorflow" in sys.modules:
+                program_now = _watch_tensorflow(program_now, holders, backend_name)
+            if "mlx.nn" in sys.modules:
+                program_now = _watch_mlx(program_now, holders, backend_name)
         torch: Any = sys.modules.get("torch")
         modules: list[Any] = (
             []
@@ -290,6 +293,34 @@ def _watch_tensorflow(program: Callable[..., Any], leaves: list[Any], backend_na
                     f"updates its statistics), which it must only read; put back as they were. The {backend_name} "
                     "backend evaluates f at points near x, and a write shifts the points that follow. Call the "
                     "model with training=False, or pass it as di.Cache(model) where f may change it."
+                )
+
+    return watched
+
+
+def _watch_mlx(program: Callable[..., Any], leaves: list[Any], backend_name: str) -> Callable[..., Any]:
+    """``program`` guarding the ``mlx.nn`` modules of the Constants' static ``leaves`` (or that
+    an object holds): every array they hold kept, with a copy of its values, compared after the
+    call (also where f raised), put back and refused."""
+    modules = [module for leaf in leaves for module in held(leaf, _mlx.is_module)]
+    if not modules:
+        return program
+    copy = sys.modules["mlx.core"].array
+
+    def watched(*args: Any) -> Any:
+        kept = [_mlx.module_arrays(module) for module in modules]
+        copies = [[(path, copy(array)) for path, array in pairs] for pairs in kept]
+        try:
+            return program(*args)
+        finally:
+            written = _mlx.put_back(modules, kept, copies)
+            if written:
+                raise MutationError(
+                    f"f wrote into {', '.join(written)} of an mlx.nn module in a di.Constant (a BatchNorm in train "
+                    f"mode sets its running statistics), which it must only read; put back as they were. The "
+                    f"{backend_name} backend evaluates f at points near x, and a write shifts the points that "
+                    "follow. Call the module in eval mode (module.eval()), or pass it as di.Cache(module) where f "
+                    "may change it."
                 )
 
     return watched

@@ -12,7 +12,6 @@ columns (a complex x's, :class:`_ByForwardMode`) are one vmap of ``mx.jvp``, whi
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,7 +21,7 @@ import numpy as np
 from .. import _arrays
 from .._contexts import held
 from .._errors import MutationError, UnsupportedOperationError
-from .._families.mlx import from_numpy, mlx_dtype
+from .._families.mlx import from_numpy, is_module, mlx_dtype, module_arrays, put_back
 from . import _base
 from ._base import Fn, Leaves
 
@@ -368,15 +367,15 @@ class _ModuleWatch:
 
     def __call__(self, xs: Any, ts: Any, dynamic: Any, static: Any) -> Any:
         pairs = () if static is None else zip(static.leaves, self.watched, strict=True)
-        modules = [module for leaf, constant in pairs if constant for module in held(leaf, _is_module)]
+        modules = [module for leaf, constant in pairs if constant for module in held(leaf, is_module)]
         if not modules:
             return self.program(xs, ts, dynamic, static)
-        kept = [_arrays_of(module) for module in modules]
+        kept = [module_arrays(module) for module in modules]
         copies = [[(path, mx.array(array)) for path, array in pairs] for pairs in kept] if self.first else None
         try:
             result = self.program(xs, ts, dynamic, static)
         finally:
-            written = self._put_back(modules, kept, copies)
+            written = put_back(modules, kept, copies)
         if written:
             raise MutationError(
                 f"f wrote into {', '.join(written)} of an mlx.nn module in a di.Constant (a BatchNorm in "
@@ -385,40 +384,3 @@ class _ModuleWatch:
             )
         self.first = False
         return result
-
-    @staticmethod
-    def _put_back(
-        modules: list[Any], kept: list[list[tuple[str, Any]]], copies: list[list[tuple[str, Any]]] | None
-    ) -> list[str]:
-        """The paths f wrote, each module's arrays put back (the copies' values where kept)."""
-        from mlx.utils import tree_unflatten
-
-        written: list[str] = []
-        for i, (module, pairs) in enumerate(zip(modules, kept, strict=True)):
-            now = dict(_arrays_of(module))
-            olds = pairs if copies is None else copies[i]
-            changed = [
-                path
-                for (path, array), (_, old) in zip(pairs, olds, strict=True)
-                if now.get(path) is not array or (copies is not None and not _same(array, old))
-            ]
-            if changed or len(now) != len(pairs):
-                written += changed or sorted(set(now) - {path for path, _ in pairs})
-                module.update(tree_unflatten(list(olds)), strict=False)
-        return written
-
-
-def _same(array: Any, old: Any) -> bool:
-    return bool(mx.array_equal(array, old, equal_nan=True).item())
-
-
-def _arrays_of(module: Any) -> list[tuple[str, Any]]:
-    """Every array a module holds, by its path (``layers.0.weight``)."""
-    from mlx.utils import tree_flatten
-
-    return [(str(item[0]), item[1]) for item in tree_flatten(module)]
-
-
-def _is_module(value: object) -> bool:
-    nn = sys.modules.get("mlx.nn")  # (not imported: no module can exist)
-    return nn is not None and isinstance(value, nn.Module)

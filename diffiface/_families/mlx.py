@@ -135,3 +135,42 @@ def _view(value: Any) -> tuple[np.ndarray, Any] | None:
 def describe(signature: tuple[Any, ...]) -> str:
     # (mlx prints its dtypes with their module, "mlx.core.float32")
     return f"an mlx array of shape {signature[1]} and dtype {str(signature[2]).rpartition('.')[2]}"
+
+
+def is_module(value: object) -> bool:
+    """Whether ``value`` is an ``mlx.nn`` module (none exists where mlx.nn is not imported)."""
+    nn = sys.modules.get("mlx.nn")
+    return nn is not None and isinstance(value, nn.Module)
+
+
+def module_arrays(module: Any) -> list[tuple[str, Any]]:
+    """Every array a module holds (parameters and state), by its path (``layers.0.weight``)."""
+    from mlx.utils import tree_flatten
+
+    return [(str(item[0]), item[1]) for item in tree_flatten(module)]
+
+
+def put_back(
+    modules: list[Any], kept: list[list[tuple[str, Any]]], copies: list[list[tuple[str, Any]]] | None
+) -> list[str]:
+    """The paths f wrote in ``modules`` since :func:`module_arrays` gave ``kept``: an array
+    object replaced (``module.weight = ...``; a BatchNorm in train mode sets its running
+    statistics so), added or removed, or, where ``copies`` of their values were kept, its
+    elements written (``module.weight[0] = v``); each module's arrays put back."""
+    from mlx.utils import tree_unflatten
+
+    mx = sys.modules["mlx.core"]
+    written: list[str] = []
+    for i, (module, pairs) in enumerate(zip(modules, kept, strict=True)):
+        now = dict(module_arrays(module))
+        olds = pairs if copies is None else copies[i]
+        changed = [
+            path
+            for (path, array), (_, old) in zip(pairs, olds, strict=True)
+            if now.get(path) is not array
+            or (copies is not None and not bool(mx.array_equal(array, old, equal_nan=True).item()))
+        ]
+        if changed or len(now) != len(pairs):
+            written += changed or sorted(set(now) - {path for path, _ in pairs})
+            module.update(tree_unflatten(list(olds)), strict=False)
+    return written
