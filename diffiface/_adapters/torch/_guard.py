@@ -375,14 +375,14 @@ class _Watch:
                         return True
         return False
 
-    def named(self) -> dict[int, tuple[int, str, str]]:
-        """Each watched tensor's (index of its Constant, ``"parameter"`` or ``"buffer"``, its name
-        as the root's ``named_parameters()`` gives it), by ``id``."""
-        names: dict[int, tuple[int, str, str]] = {}
+    def named(self) -> dict[int, tuple[Any, int, str, str]]:
+        """Each watched tensor, by ``id``: (the tensor, the index of its Constant, ``"parameter"``
+        or ``"buffer"``, its name as the root's ``named_parameters()`` gives it)."""
+        names: dict[int, tuple[Any, int, str, str]] = {}
         for index, root in self.roots:
             for what, pairs in (("parameter", root.named_parameters), ("buffer", root.named_buffers)):
                 for name, tensor in pairs(remove_duplicate=False):
-                    names.setdefault(id(tensor), (index, what, name))
+                    names.setdefault(id(tensor), (tensor, index, what, name))
         return names
 
     def written(self) -> tuple[int, str, str, bool] | None:
@@ -401,7 +401,7 @@ class _Watch:
         if first is None:
             return None
         # (a tensor f also took out of its module is named by the first Constant module)
-        index, what, name = self.named().get(id(first[0]), (self.roots[0][0], "parameter", "(removed by f)"))
+        _, index, what, name = self.named().get(id(first[0]), (None, self.roots[0][0], "parameter", "(removed by f)"))
         return index, what, name, first[1]
 
 
@@ -547,12 +547,14 @@ class _Found(Exception):
 
 class _WriteFinder(TorchFunctionMode):
     """Raises :class:`_Found`, before the write, at f's first in-place operation (a method
-    ``x.add_``, an in-place operator, an ``out=``) into one of the ``watched`` tensors (by
-    identity: what each is, as an error names it)."""
+    ``x.add_``, an in-place operator, an ``out=``) into one of the ``watched`` tensors ((tensor,
+    what it is, as an error names it)): into the tensor itself, or into another on its memory
+    (its ``.data``, a ``detach()`` or a view of it)."""
 
-    def __init__(self, watched: dict[int, str]) -> None:
+    def __init__(self, watched: list[tuple[Any, str]]) -> None:
         super().__init__()
-        self.watched = watched
+        self.watched = {id(tensor): where for tensor, where in watched}
+        self.memory = {_memory(tensor): where for tensor, where in reversed(watched) if tensor.numel()}
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -562,9 +564,22 @@ class _WriteFinder(TorchFunctionMode):
             targets.append(args[0])
         for target in targets:
             where = self.watched.get(id(target))
+            if where is None and isinstance(target, torch.Tensor) and target.numel():
+                where = self.memory.get(_memory(target))
             if where is not None:
                 raise _Found(where)
         return func(*args, **kwargs)
+
+
+def _memory(tensor: Any) -> int | None:
+    """Where a tensor's storage begins (under a torch.func transform, that of the tensor it
+    wraps: a ``detach()`` of a tensor f closes over is one); None where it has none."""
+    try:
+        while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+            tensor = torch._C._functorch.get_unwrapped(tensor)
+        return int(tensor.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _named_capture(
@@ -578,9 +593,9 @@ def _named_capture(
     ran it, and stopped at its first in-place operation into a Constant's tensor or a Constant
     module's parameter or buffer. None where it does not reach one (a global; or f takes
     another path on its second run): torch.func's own refusal stands."""
-    watched = {id(tensor): f"{names.of_dynamic(i)}, a tensor of a di.Constant" for i, tensor, _ in constants}
-    for key, (index, what, name) in (modules.named() if modules is not None else {}).items():
-        watched[key] = f"the {what} {name!r} of the torch.nn.Module {names.of_static(index)}, a di.Constant"
+    watched = [(tensor, f"{names.of_dynamic(i)}, a tensor of a di.Constant") for i, tensor, _ in constants]
+    for tensor, index, what, name in (modules.named() if modules is not None else {}).values():
+        watched.append((tensor, f"the {what} {name!r} of the torch.nn.Module {names.of_static(index)}, a di.Constant"))
     if not watched:
         return None
     grad_mode = torch.is_grad_enabled()
