@@ -10,14 +10,14 @@ import contextlib
 import math
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from .. import _arrays
 from .. import tree as _tree
-from .._contexts import held
+from .._contexts import Constant, held
 from .._errors import (
     InputTooLargeError,
     InvalidBackendOptionError,
@@ -207,6 +207,20 @@ def watch_constant_modules(program: Callable[..., Any], parts: Any, backend_name
         return guard_constant_models(lambda: program(xs, ts, dynamic, static), holders, why)
 
     return watched
+
+
+def guard_constants(call: Callable[[], Any], contexts: Sequence[Any], why: str) -> Any:
+    """:func:`guard_constant_models` over the leaves that are no arrays of the Constants among
+    ``contexts`` (an evaluation of f outside any engine: ``differentiate_with``'s own, the
+    checker's)."""
+    models = [
+        leaf
+        for context in contexts
+        if isinstance(context, Constant)
+        for leaf in _tree.leaves(context.value)
+        if not _arrays.is_array(leaf)
+    ]
+    return guard_constant_models(call, models, why)
 
 
 def guard_constant_models(call: Callable[[], Any], holders: list[Any], why: str) -> Any:

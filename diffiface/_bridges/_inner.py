@@ -22,7 +22,7 @@ from .. import _arrays, _families
 from .. import _operators as di
 from .. import tree as _tree
 from .._adapters import adapter_for, info
-from .._adapters._black_box import guard_constant_models
+from .._adapters._black_box import guard_constants
 from .._backends import (
     AutoAutograd,
     AutoJAX,
@@ -309,15 +309,8 @@ class Inner:
         watched as the black-box engines watch it, so that g's own calls of f refuse a write into
         it (a BatchNorm in train mode) as its derivatives do."""
         values = context_values(contexts, self.kind)
-        models = [
-            leaf
-            for context in contexts
-            if isinstance(context, Constant)
-            for leaf in _tree.leaves(context.value)
-            if not _arrays.is_array(leaf)
-        ]
         try:
-            return guard_constant_models(lambda: self.concrete(self.f(x, *values)), models, _READ_ONLY)
+            return guard_constants(lambda: self.concrete(self.f(x, *values)), contexts, _READ_ONLY)
         except ValueError as exc:
             if self.family is _families.HOST and "read-only" in str(exc):
                 raise MutationError(
