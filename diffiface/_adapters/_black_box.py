@@ -284,13 +284,7 @@ def _watch_tensorflow(call: Callable[[], Any], leaves: list[Any], why: str) -> C
     """``call`` guarding the TensorFlow variables of the Constants' ``leaves`` (a Keras model, a
     ``tf.Module``, an object holding one): TensorFlow counts no writes, so their values are kept
     before the call, compared after it (also where f raised), put back and refused."""
-    variables = [
-        variable
-        for leaf in leaves
-        for holder in held(leaf, lambda value: hasattr(type(value), "variables"))
-        for variable in (getattr(holder, "variables", None) or ())
-        if hasattr(variable, "assign") and _arrays.kind(variable) == "tensorflow"
-    ]
+    variables = [variable for leaf in leaves for variable in _tensorflow.variables_of(leaf)]
     if not variables:
         return call
 
