@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from ._errors import ContextError
+from ._families._shared import held as held
 
 __all__ = ["Cache", "Constant", "Context"]
 
@@ -50,44 +50,3 @@ class Cache(Context[T]):
     It is never copied: array leaves are converted as a Constant's are (torch shares memory
     with numpy), everything else reaches ``f`` as it is, so ``f`` can write into it.
     """
-
-
-_OPAQUE = (int, float, complex, str, bytes, bool, type(None), type)
-_MOST = 64
-"""The longest list, tuple or dict :func:`held` looks into."""
-
-
-def held(leaf: object, wanted: Callable[[object], bool], depth: int = 2) -> list[object]:
-    """The objects ``wanted`` picks (an engine's models: a ``torch.nn.Module``, a Keras model)
-    that a Constant's leaf holds: the leaf itself, or objects in its attributes, and in the
-    lists, tuples and dicts among them (of at most 64 items), ``depth`` objects deep
-    (``di.Constant(trainer)``, whose ``trainer.model`` f calls). An engine's guard watches each
-    as it watches a Constant model."""
-    if wanted(leaf):
-        return [leaf]
-    if depth == 0 or isinstance(leaf, _OPAQUE):
-        return []
-    found: list[object] = []
-    seen = {id(leaf)}
-    todo: list[tuple[object, int]] = [(leaf, depth)]
-    while todo:
-        value, left = todo.pop()
-        if isinstance(value, (list, tuple, dict)):
-            if len(value) > _MOST:  # (data, not a few models: not walked on every call)
-                continue
-            items: Iterable[object] = value.values() if isinstance(value, dict) else value
-        else:
-            attributes = getattr(value, "__dict__", None)
-            if type(attributes) is not dict or left == 0:
-                continue
-            items = attributes.values()
-            left -= 1
-        for item in items:
-            if id(item) in seen or isinstance(item, _OPAQUE):
-                continue
-            seen.add(id(item))
-            if wanted(item):
-                found.append(item)
-            else:
-                todo.append((item, left))
-    return found

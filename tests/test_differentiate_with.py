@@ -520,6 +520,34 @@ def test_second_order_backends_are_refused() -> None:
         di.differentiate_with(lambda x: x, di.SecondOrder(di.AutoJAX(), di.AutoJAX()))
 
 
+@pytest.mark.parametrize("kind", ["torch", "numpy", "jax", "jax-jit"])
+def test_gs_own_call_refuses_a_write_into_a_constant_module(kind: str) -> None:
+    # expected: g's own call of f (its value; the first call, which records its prep) ran a
+    # BatchNorm in train mode on the Constant model, whose running mean moved from 0 to about
+    # 0.04 per call, while di.gradient of the same f refused the write and put it back
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)).double().train()
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    g = di.differentiate_with(lambda x, m: m(x).sum(), "torch")
+    x = np.random.default_rng(0).normal(size=(4, 3))
+    call = {
+        "torch": lambda: g(torch.tensor(x), di.Constant(model)),
+        "numpy": lambda: g(x, di.Constant(model)),
+        "jax": lambda: g(jnp.asarray(x), di.Constant(model)),
+        "jax-jit": lambda: jax.jit(lambda x: g(x, di.Constant(model)))(jnp.asarray(x)),
+    }[kind]
+    with jax.enable_x64(True), pytest.raises(di.MutationError, match=r"running_mean"):
+        call()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    with pytest.raises(di.MutationError, match=r"running_mean"):  # (as the derivative calls refuse it)
+        di.gradient(lambda x, m: m(x).sum(), "torch", torch.tensor(x), di.Constant(model))
+    assert model.training
+    model.eval()  # (an eval-mode model is only read: g runs it)
+    with torch.no_grad():
+        torch.testing.assert_close(g(torch.tensor(x), di.Constant(model)), model(torch.tensor(x)).sum())
+
+
 def test_inputs_and_contexts_are_not_mutated(model_in_jax: Any) -> None:
     model, _, loss = model_in_jax
     before = {k: v.clone() for k, v in model.state_dict().items()}

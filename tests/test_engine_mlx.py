@@ -491,6 +491,18 @@ def test_a_write_into_a_constant_module_is_put_back_and_refused() -> None:
     np.testing.assert_array_equal(np.array(lin.weight), weight)
 
 
+def test_check_gradients_leaves_a_constant_module_as_it_was() -> None:
+    """The checker's own calls of f copied torch modules only: a Constant mlx.nn module's
+    train-mode BatchNorm set its running statistics in the caller's module, with no error from
+    the checker. They watch it as the engines do: put back and refused by name."""
+    f, net, data = _a_batch_norm_write_refused("finite_differences")
+    net.train()
+    before = {path: np.array(array) for path, array in tree_flatten(net)}
+    with pytest.raises(di.MutationError, match=r"norm\.running_mean"):
+        check_gradients(f, mx.ones(2), di.Constant(net), di.Constant(data))
+    assert all(np.array_equal(np.array(array), before[path]) for path, array in tree_flatten(net))
+
+
 def test_bfloat16_where_numpy_has_no_bfloat16() -> None:
     # expected: numpy's TypeError "data type 'bfloat16' not understood" came out of three places:
     # a pullback by the columns of mlx's forward mode (a complex x, or a complex output) built

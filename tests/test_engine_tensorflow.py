@@ -581,6 +581,27 @@ def test_a_keras_model_constant_written_by_f_is_restored_and_refused() -> None:
         np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-6)
 
 
+def test_check_gradients_leaves_a_keras_model_constant_as_it_was() -> None:
+    """The checker's own calls of f (x twice, then the finite differences of its ground truth)
+    copied torch modules only: a Keras BatchNormalization called with training=True moved the
+    caller's moving mean from 0 by up to about 0.2 while the TensorFlow engine refused the write. They
+    watch the model as the engines do: put back and refused by name."""
+    keras = pytest.importorskip("keras")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.BatchNormalization()])
+    before = {variable.path: variable.numpy().copy() for variable in model.variables}
+    x = tf.constant(np.random.default_rng(0).standard_normal((5, 3)))
+
+    def loss(v: Any, m: Any) -> Any:
+        return tf.reduce_sum(m(tf.cast(v, "float32"), training=True) ** 2)
+
+    for point in (x, x.numpy()):
+        with pytest.raises(di.MutationError, match="moving_mean"):
+            check_gradients(loss, point, di.Constant(model))
+        for variable in model.variables:
+            np.testing.assert_array_equal(variable.numpy(), before[variable.path])
+
+
 def test_a_keras_model_held_by_an_object_constant_is_restored_and_refused() -> None:
     """An object holding the model (``di.Constant(trainer)``): its variables were not watched."""
     keras = pytest.importorskip("keras")

@@ -10,14 +10,14 @@ import contextlib
 import math
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from .. import _arrays
 from .. import tree as _tree
-from .._contexts import held
+from .._contexts import Constant, held
 from .._errors import (
     InputTooLargeError,
     InvalidBackendOptionError,
@@ -192,135 +192,140 @@ def _version(tensor: Any) -> int | None:
 
 
 def watch_constant_modules(program: Callable[..., Any], parts: Any, backend_name: str) -> Callable[..., Any]:
-    """``program`` where a Constant's static leaf may be a ``torch.nn.Module`` (or hold one, a
-    trainer its model, as :func:`~diffiface._contexts.held` finds them): their parameters
-    and buffers copied before the call, compared after it (also where f raised), put back bit
-    for bit and refused by name where f wrote into them (a batch norm's running statistics in
-    training mode, a parameter); their structure and train or eval mode likewise
-    (:func:`~diffiface._families.torch.restructured`). A difference quotient is many calls of f: the copy is one per call
-    of the backend, and a write shifts the points that follow. The variables of a Keras model or
-    a ``tf.Module``, and the arrays of an ``mlx.nn`` module (or of an object holding one), are
-    watched the same way (:func:`_watch_tensorflow`, :func:`_watch_mlx`)."""
+    """``program`` with the models of the Constants' static leaves watched over each call
+    (:func:`guard_constant_models`). A difference quotient is many calls of f: the copy is one per
+    call of the backend, and a write shifts the points that follow."""
     cache_static = () if parts is None else parts.cache_static
     if all(cache_static):  # (no Constant static leaf: nothing a module of the caller's could be)
         return program
+    why = f"The {backend_name} backend evaluates f at points near x, and a write shifts the points that follow."
 
     def watched(xs: Leaves, ts: Leaves, dynamic: Leaves, static: Any) -> Any:
-        program_now = program
-        if static is not None and ("tensorflow" in sys.modules or "mlx.nn" in sys.modules):
-            holders = [value for value, cache in zip(static.leaves, cache_static, strict=False) if not cache]
-            if "tensorflow" in sys.modules:
-                program_now = _watch_tensorflow(program_now, holders, backend_name)
-            if "mlx.nn" in sys.modules:
-                program_now = _watch_mlx(program_now, holders, backend_name)
-        torch: Any = sys.modules.get("torch")
-        modules: list[Any] = (
-            []
-            if torch is None or static is None
-            else [  # (the module itself, or those an object holds: a trainer's model)
-                module
-                for value, cache in zip(static.leaves, cache_static, strict=False)
-                if not cache
-                for module in held(value, _is_torch_module)
-            ]
-        )
-        if not modules:
-            return program_now(xs, ts, dynamic, static)
-        copies = [
-            (name, tensor, tensor.detach().clone())
-            for module in modules
-            for name, tensor in (*module.named_parameters(), *module.named_buffers())
-        ]
-        structure = [_torch.module_parts(part) for module in modules for part in module.modules()]
-        failure: BaseException | None = None
-        try:
-            result = program_now(xs, ts, dynamic, static)
-        except BaseException as exc:
-            failure = exc
-        restructured = _torch.restructured(structure)  # (first: the module's own tensors back in it)
-        written = []
-        with torch.no_grad():
-            for name, tensor, copy in copies:
-                if not torch.equal(tensor, copy) and not (tensor.isnan() & copy.isnan()).equal(tensor.ne(copy)):
-                    tensor.copy_(copy)
-                    written.append(name)
-        if restructured:
-            raise MutationError(
-                "f changed a di.Constant's torch.nn.Module: it set a parameter, a buffer or a submodule "
-                "into it, or switched its train or eval mode; put back as it was. The "
-                f"{backend_name} backend evaluates f at points near x, and a change shifts the points "
-                "that follow. Set the module's mode before differentiating, and pass what f changes "
-                "as x or return it through has_aux=True."
-            ) from failure
-        if written:
-            raise MutationError(
-                f"f wrote into a di.Constant's module ({', '.join(written)}: a batch norm's running "
-                "statistics in training mode, a parameter set in place), which it must only read; "
-                f"put back as it was. The {backend_name} backend evaluates f at points near x, and a "
-                "write shifts the points that follow. Call module.eval() before differentiating, or "
-                "pass the module as di.Cache(module) where f may change it."
-            ) from failure
-        if failure is not None:
-            raise failure
-        return result
+        if static is None:
+            return program(xs, ts, dynamic, static)
+        holders = [value for value, cache in zip(static.leaves, cache_static, strict=False) if not cache]
+        return guard_constant_models(lambda: program(xs, ts, dynamic, static), holders, why)
 
     return watched
 
 
-def _watch_tensorflow(program: Callable[..., Any], leaves: list[Any], backend_name: str) -> Callable[..., Any]:
-    """``program`` guarding the TensorFlow variables of the Constants' static ``leaves`` (a Keras
-    model, a ``tf.Module``, an object holding one): TensorFlow counts no writes, so their values
-    are kept before the call, compared after it (also where f raised), put back and refused."""
-    variables = [
-        variable
-        for leaf in leaves
-        for holder in held(leaf, lambda value: hasattr(type(value), "variables"))
-        for variable in (getattr(holder, "variables", None) or ())
-        if hasattr(variable, "assign") and _arrays.kind(variable) == "tensorflow"
+def guard_constants(call: Callable[[], Any], contexts: Sequence[Any], why: str) -> Any:
+    """:func:`guard_constant_models` over the leaves that are no arrays of the Constants among
+    ``contexts`` (an evaluation of f outside any engine: ``differentiate_with``'s own, the
+    checker's)."""
+    models = [
+        leaf
+        for context in contexts
+        if isinstance(context, Constant)
+        for leaf in _tree.leaves(context.value)
+        if not _arrays.is_array(leaf)
     ]
-    if not variables:
-        return program
+    return guard_constant_models(call, models, why)
 
-    def watched(*args: Any) -> Any:
+
+def guard_constant_models(call: Callable[[], Any], holders: list[Any], why: str) -> Any:
+    """``call()``, where a Constant's value among ``holders`` may be a ``torch.nn.Module`` (or hold
+    one, a trainer its model, as :func:`~diffiface._contexts.held` finds them): their parameters
+    and buffers copied before the call, compared after it (also where f raised), put back bit
+    for bit and refused by name where f wrote into them (a batch norm's running statistics in
+    training mode, a parameter); their structure and train or eval mode likewise
+    (:func:`~diffiface._families.torch.restructured`). The variables of a Keras model or a
+    ``tf.Module``, and the arrays of an ``mlx.nn`` module (or of an object holding one), are
+    watched the same way (:func:`_watch_tensorflow`, :func:`_watch_mlx`). ``why``: the sentence
+    the MutationError gives for refusing the write."""
+    if "tensorflow" in sys.modules:
+        call = _watch_tensorflow(call, holders, why)
+    if "mlx.nn" in sys.modules:
+        call = _watch_mlx(call, holders, why)
+    torch: Any = sys.modules.get("torch")
+    # (the module itself, or those an object holds: a trainer's model)
+    modules: list[Any] = (
+        [] if torch is None else [module for value in holders for module in held(value, _is_torch_module)]
+    )
+    if not modules:
+        return call()
+    copies = [
+        (name, tensor, tensor.detach().clone())
+        for module in modules
+        for name, tensor in (*module.named_parameters(), *module.named_buffers())
+    ]
+    structure = [_torch.module_parts(part) for module in modules for part in module.modules()]
+    failure: BaseException | None = None
+    try:
+        result = call()
+    except BaseException as exc:
+        failure = exc
+    restructured = _torch.restructured(structure)  # (first: the module's own tensors back in it)
+    written = []
+    with torch.no_grad():
+        for name, tensor, copy in copies:
+            if not torch.equal(tensor, copy) and not (tensor.isnan() & copy.isnan()).equal(tensor.ne(copy)):
+                tensor.copy_(copy)
+                written.append(name)
+    if restructured:
+        raise MutationError(
+            "f changed a di.Constant's torch.nn.Module: it set a parameter, a buffer or a submodule "
+            f"into it, or switched its train or eval mode; put back as it was. {why} Set the module's "
+            "mode before differentiating, and pass what f changes as x or return it through has_aux=True."
+        ) from failure
+    if written:
+        raise MutationError(
+            f"f wrote into a di.Constant's module ({', '.join(written)}: a batch norm's running "
+            "statistics in training mode, a parameter set in place), which it must only read; "
+            f"put back as it was. {why} Call module.eval() before differentiating, or "
+            "pass the module as di.Cache(module) where f may change it."
+        ) from failure
+    if failure is not None:
+        raise failure
+    return result
+
+
+def _watch_tensorflow(call: Callable[[], Any], leaves: list[Any], why: str) -> Callable[[], Any]:
+    """``call`` guarding the TensorFlow variables of the Constants' ``leaves`` (a Keras model, a
+    ``tf.Module``, an object holding one): TensorFlow counts no writes, so their values are kept
+    before the call, compared after it (also where f raised), put back and refused."""
+    variables = [variable for leaf in leaves for variable in _tensorflow.variables_of(leaf)]
+    if not variables:
+        return call
+
+    def watched() -> Any:
         kept = [_tensorflow.variable_values(variable) for variable in variables]
         try:
-            return program(*args)
+            return call()
         finally:
             names = _tensorflow.put_back(variables, kept)
             if names:
                 raise MutationError(
                     f"f wrote into the variables {names} of a di.Constant (a Keras layer called with training=True "
-                    f"updates its statistics), which it must only read; put back as they were. The {backend_name} "
-                    "backend evaluates f at points near x, and a write shifts the points that follow. Call the "
+                    f"updates its statistics), which it must only read; put back as they were. {why} Call the "
                     "model with training=False, or pass it as di.Cache(model) where f may change it."
                 )
 
     return watched
 
 
-def _watch_mlx(program: Callable[..., Any], leaves: list[Any], backend_name: str) -> Callable[..., Any]:
-    """``program`` guarding the ``mlx.nn`` modules of the Constants' static ``leaves`` (or that
-    an object holds): every array they hold kept, with a copy of its values, compared after the
-    call (also where f raised), put back and refused."""
+def _watch_mlx(call: Callable[[], Any], leaves: list[Any], why: str) -> Callable[[], Any]:
+    """``call`` guarding the ``mlx.nn`` modules of the Constants' ``leaves`` (or that an object
+    holds): every array they hold kept, with a copy of its values, compared after the call (also
+    where f raised), put back and refused."""
     modules = [module for leaf in leaves for module in held(leaf, _mlx.is_module)]
     if not modules:
-        return program
+        return call
     copy = sys.modules["mlx.core"].array
 
-    def watched(*args: Any) -> Any:
+    def watched() -> Any:
         kept = [_mlx.module_arrays(module) for module in modules]
         copies = [[(path, copy(array)) for path, array in pairs] for pairs in kept]
         try:
-            return program(*args)
+            return call()
         finally:
             written = _mlx.put_back(modules, kept, copies)
             if written:
                 raise MutationError(
                     f"f wrote into {', '.join(written)} of an mlx.nn module in a di.Constant (a BatchNorm in train "
-                    f"mode sets its running statistics), which it must only read; put back as they were. The "
-                    f"{backend_name} backend evaluates f at points near x, and a write shifts the points that "
-                    "follow. Call the module in eval mode (module.eval()), or pass it as di.Cache(module) where f "
-                    "may change it."
+                    f"mode sets its running statistics), which it must only read; put back as they were. {why} "
+                    "Call the module in eval mode (module.eval()), or pass it as di.Cache(module) where f may "
+                    "change it."
                 )
 
     return watched

@@ -27,9 +27,8 @@ from tensorflow.python.eager import record
 from tensorflow.python.types import core as tensorflow_core
 
 from .. import _arrays
-from .._contexts import held
 from .._errors import ArrayTypeError, InvalidOutputError, MutationError, UnsupportedOperationError
-from .._families.tensorflow import dtype_of, put_back
+from .._families.tensorflow import dtype_of, put_back, variables_of
 from .._families.tensorflow import variable_values as _value
 from . import _base
 from ._base import Fn, Leaves, raised_inside
@@ -333,7 +332,7 @@ class _FirstCallWatch:
         # (a Constant's variable itself is no static leaf: constant_to_native reads it)
         variables, caches, scratch = [], [], []
         for leaf, constant in zip(static.leaves, self.watched, strict=True):
-            for variable in _variables_of(leaf):
+            for variable in variables_of(leaf):
                 if constant:
                     variables.append(variable)
                     continue
@@ -380,24 +379,6 @@ def _weak(leaf: object) -> Any:
         return weakref.ref(leaf)
     except TypeError:
         return None
-
-
-def _variables_of(leaf: object) -> list[Any]:
-    """The variables a Cache's leaf is or holds (a variable, a Keras model, an object holding one)."""
-    if hasattr(leaf, "assign") and _arrays.kind(leaf) == "tensorflow":
-        return [leaf]
-    return [
-        variable
-        for holder in held(leaf, _holds_variables)
-        for variable in (getattr(holder, "variables", None) or ())
-        if hasattr(variable, "assign")
-    ]
-
-
-def _holds_variables(value: object) -> bool:
-    """A Keras model or layer, a ``tf.Module``: its class has ``variables`` (not read here: a
-    property that builds a list)."""
-    return hasattr(type(value), "variables")
 
 
 class _Flat:

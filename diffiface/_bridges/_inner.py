@@ -22,6 +22,7 @@ from .. import _arrays, _families
 from .. import _operators as di
 from .. import tree as _tree
 from .._adapters import adapter_for, info
+from .._adapters._black_box import guard_constants
 from .._backends import (
     AutoAutograd,
     AutoJAX,
@@ -210,6 +211,9 @@ def context_values(contexts: Sequence[Context[Any]], kind: str) -> list[Any]:
     ]
 
 
+_READ_ONLY = "g hands f the caller's Constants as they are, and a Constant is read-only."
+
+
 def _read_only(array: np.ndarray) -> np.ndarray:
     if not array.flags.writeable:
         return array
@@ -300,9 +304,13 @@ class Inner:
         return self.call(spec.unflatten([self.family.private_copy(leaf) for leaf in x]), contexts)
 
     def call(self, x: Any, contexts: Sequence[Context[Any]]) -> Any:
-        """f(x) on x as it is, with its contexts' values (:func:`context_values`), as f returns it."""
+        """f(x) on x as it is, with its contexts' values (:func:`context_values`), as f returns it.
+        A Constant's model (a torch module, a Keras model, an mlx module) reaches f as it is:
+        watched as the black-box engines watch it, so that g's own calls of f refuse a write into
+        it (a BatchNorm in train mode) as its derivatives do."""
+        values = context_values(contexts, self.kind)
         try:
-            return self.concrete(self.f(x, *context_values(contexts, self.kind)))
+            return guard_constants(lambda: self.concrete(self.f(x, *values)), contexts, _READ_ONLY)
         except ValueError as exc:
             if self.family is _families.HOST and "read-only" in str(exc):
                 raise MutationError(
@@ -526,7 +534,7 @@ def probe_avals(inner: Inner, x_spec: Any, x_avals: tuple[Aval, ...], contexts: 
             if not abstract:
                 family = inner.family
                 zeros = [family.cast(family.numpy_like().zeros(a.shape), a.dtype) for a in x_avals]
-                out = inner.concrete(inner.f(x_spec.unflatten(zeros), *values))
+                out = inner.call(x_spec.unflatten(zeros), contexts)
     except DiffifaceError:
         raise
     except Exception as exc:

@@ -11,7 +11,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from ._shared import array_words
+from ._shared import array_words, held
 from ._shared import block_like as block_like
 from ._shared import contents as contents
 from ._shared import dtype_scope as dtype_scope
@@ -137,6 +137,25 @@ def from_parts(re: Any, im: Any) -> Any:
 
 values = to_numpy
 describe = array_words
+
+
+def variables_of(leaf: object) -> list[Any]:
+    """The variables a context's leaf is or holds: a variable, or those of a Keras model or
+    layer, a ``tf.Module``, or an object holding one (:func:`~diffiface._families._shared.held`)."""
+    if hasattr(leaf, "assign") and owns(type(leaf)):
+        return [leaf]
+    return [
+        variable
+        for holder in held(leaf, _holds_variables)
+        for variable in (getattr(holder, "variables", None) or ())
+        if hasattr(variable, "assign") and owns(type(variable))
+    ]
+
+
+def _holds_variables(value: object) -> bool:
+    """A Keras model or layer, a ``tf.Module``: its class has ``variables`` (not read here: a
+    property that builds a list)."""
+    return hasattr(type(value), "variables")
 
 
 def variable_values(variable: Any) -> np.ndarray:

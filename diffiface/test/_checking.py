@@ -51,6 +51,7 @@ from ._running import (
     _warnings_apart,
     backend_label,
     jax_widened,
+    own_call,
 )
 from ._scenario import Scenario, promote, promote_contexts
 from ._snapshot import changes, snapshot
@@ -604,14 +605,15 @@ class _Check:
             scope = _float64_copies_scope() if self.promoted else _float64_scope() if self.wide else None
             with _no_grad(), scope or contextlib.nullcontext():
                 if self.widened is None:
-                    out = self.counted(self.truth_flat.tree(vector), *_copies(self.truth_contexts))
+                    point, values = self.truth_flat.tree(vector), _copies(self.truth_contexts)
+                    out = own_call(functools.partial(self.counted, point, *values), self.truth_contexts)
                 else:
                     out = self.widened(self.truth_flat.tree(vector))
                     self.counted.calls += 1
                     self.counted.returned += 1
             value = self._scalar(out)
             self.output_dtype = _arrays.dtype_name(_tree.leaves(out[0] if self.has_aux else out)[0])
-        except InvalidOutputError:
+        except (InvalidOutputError, MutationError):
             raise
         except ValueError as exc:
             if str(exc).endswith("read-only"):  # a write into a Constant, handed read-only

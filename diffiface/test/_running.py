@@ -21,6 +21,7 @@ import diffiface as di
 from .. import _arrays
 from .. import tree as _tree
 from .._adapters import available, info, install_hint, normalize
+from .._adapters._black_box import guard_constants
 from .._backends import AutoJAX, AutoScipy, AutoSparse, AutoTorch, Backend, SecondOrder
 from .._errors import (
     FrameworkMismatchError,
@@ -738,9 +739,21 @@ def _copied(leaf: Any, deep: bool) -> Any:
     return leaf
 
 
+def own_call(call: Callable[[], Any], contexts: Sequence[Any]) -> Any:
+    """``call()``, the checker's own evaluation of f, with the models of the Constants among
+    ``contexts`` that f reaches as they are (a Keras model, an ``mlx.nn`` module, a torch module
+    no copy could be made of) watched as the black-box engines watch them: a write is put back
+    and refused with a :class:`MutationError`."""
+    return guard_constants(call, contexts, _WHY_WATCHED)
+
+
+_WHY_WATCHED = "The checker evaluates f at x and at points near it, and a write would shift those that follow."
+
+
 def _twice_on_copies(f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
     """f at x twice (the determinism check), each time on fresh copies of x and of the Constants'
-    values: a write lands on a copy, and is reported as a :class:`MutationError`."""
+    values: a write lands on a copy, and is reported as a :class:`MutationError`; a model no copy
+    is made of is watched (:func:`own_call`)."""
     outs = []
     for _ in range(2):
         x_copy = _tree.map(lambda leaf: _copied(leaf, deep=True), x)
@@ -753,7 +766,7 @@ def _twice_on_copies(f: Callable[..., Any], x: Any, contexts: tuple[Any, ...]) -
             for i, (c, v) in enumerate(zip(contexts, values, strict=True))
             if isinstance(c, di.Constant)
         ]
-        outs.append(f(x_copy, *values))
+        outs.append(own_call(functools.partial(f, x_copy, *values), contexts))
         for what, before in taken:
             changed = changes(before)
             if changed:
