@@ -292,6 +292,7 @@ def _checked(op: Operator, result: Any, output: _Output, adapter: Adapter) -> li
                 if not adapter.complex_outputs:  # (a complex step's outputs are complex)
                     _complex.check_complex_output(op, leaf, adapter)
                 _check_numeric(op, leaf)
+                _check_output_kind(leaf, adapter)
                 checked.add(key)
         if op.scalar_output and (len(seen) != 1 or _arrays.shape(seen[0]) != ()):
             raise InvalidOutputError(
@@ -304,6 +305,23 @@ def _checked(op: Operator, result: Any, output: _Output, adapter: Adapter) -> li
             raise InvalidOutputError(f"{exc} If f returns (value, aux){hint}") from None
         raise
     return leaves
+
+
+def _check_output_kind(leaf: Any, adapter: Adapter) -> None:
+    """An engine that runs f on its own arrays gets its own arrays back, numpy arrays or Python
+    numbers: another framework's array is no value the engine can differentiate (autograd and
+    jax raised their own TypeError on it, mlx its ValueError)."""
+    arrays = adapter.info.arrays
+    kind = _arrays.kind(leaf)
+    if arrays == "any" or kind in _ANY_ENGINE or kind in (arrays, adapter.backend.name, "other"):
+        return
+    name = adapter.backend.name
+    own = _NUMPY if arrays == _NUMPY else f"{arrays} or {_NUMPY}"
+    raise InvalidOutputError(
+        f"f returned a {kind} array ({type(leaf).__name__}) under the {name} backend, which differentiates "
+        f"{own} arrays: a value of another framework is cut from {name}'s trace. Write f with the {name} "
+        "backend's arrays, or differentiate it with di.AutoFiniteDifferences(), which calls f on any array type."
+    )
 
 
 def _describe(value: Any) -> str:
