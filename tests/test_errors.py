@@ -632,6 +632,23 @@ for _backend_id, _engine, _make in (
     )(_build_np)
 
 
+# numpy reductions, which hand the array to its own method (tensor.sum(axis=None, out=None))
+for _backend_id, _engine in (("torch", "torch"), ("torch-func", "torch"), ("mlx", "mlx")):
+
+    def _build_reduction(
+        mp: pytest.MonkeyPatch, backend: str = _backend_id
+    ) -> tuple[Callable[[], Any], tuple[Any, ...]]:
+        x = vec()
+        return lambda: di.gradient(lambda v: np.sum(v**2) + np.max(v), backend, x), (x,)
+
+    case(
+        f"numpy-reduction-under-{_backend_id}",
+        (_engine,),
+        di.FrameworkMismatchError,
+        rf"f failed under the {_engine} backend: f calls numpy on {_engine} .*AutoFiniteDifferences\(\)",
+    )(_build_reduction)
+
+
 # preparations used with other arguments
 def _prep_mismatch(part: str) -> Callable[..., Any]:
     def build(mp: pytest.MonkeyPatch) -> tuple[Callable[[], Any], tuple[Any, ...]]:

@@ -103,6 +103,22 @@ def raised_by(exc: BaseException) -> str:
     return tb.tb_frame.f_code.co_name
 
 
+def numpy_handed_its_method(exc: BaseException, cls: type) -> bool:
+    """Whether ``exc`` is a TypeError that numpy's own code raised calling a method of an array
+    of class ``cls`` it was given: ``np.sum(tensor)`` calls ``tensor.sum(axis=None, out=None)``,
+    which another framework's method does not take. Told by the innermost frame (numpy's, with
+    such an array among its locals), never by the message."""
+    tb = exc.__traceback__
+    if not isinstance(exc, TypeError) or tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    module = tb.tb_frame.f_globals.get("__name__", "")
+    if module != "numpy" and not module.startswith("numpy."):
+        return False
+    return any(isinstance(value, cls) for value in tb.tb_frame.f_locals.values())
+
+
 def class_names(root: type) -> frozenset[str]:
     """The names of ``root`` and of every subclass of it defined by now: what an error message
     raised in compiled code (no Python frame to tell by) names one of its arrays by."""
