@@ -254,17 +254,15 @@ def _refuse_cut(
     on x, and zero is its derivative. ``untracked``: the positions of the output leaves the
     engine does not trace, where the others are traced (only they must not change; None: all)."""
     plain = [adapter.plain(leaf) for leaf in xs]
-    moved = [leaf + 1e-3 * (1 + abs(leaf)) for leaf in plain]
 
-    def value(leaves: list[Any]) -> list[np.ndarray]:
+    def value(move: float) -> list[np.ndarray]:
+        leaves = [leaf + move * (1 + abs(leaf)) for leaf in plain] if move else plain
         x = leaves[0] if x_spec == _LEAF else rebuild(leaves)
         # (through tolist: a torch.func tensor has no storage for numpy to read)
-        return [_arrays.by_kind(_arrays.kind(leaf)).values(leaf) for leaf in _tree.leaves(f(x, *context_values))]
+        out = [_arrays.by_kind(_arrays.kind(leaf)).values(leaf) for leaf in _tree.leaves(f(x, *context_values))]
+        return out if untracked is None or len(out) <= max(untracked, default=-1) else [out[i] for i in untracked]
 
-    before, after = value(plain), value(moved)
-    if len(before) == len(after) and untracked is not None:
-        before, after = [before[i] for i in untracked], [after[i] for i in untracked]
-    refuse_a_moved_output(before, after, adapter.backend.name)
+    refuse_a_moved_output(value, max(map(_arrays.resolution, plain), default=0.0), adapter.backend.name)
 
 
 def _checked(op: Operator, result: Any, output: _Output, adapter: Adapter) -> list[Any]:
