@@ -254,17 +254,15 @@ def _refuse_cut(
     on x, and zero is its derivative. ``untracked``: the positions of the output leaves the
     engine does not trace, where the others are traced (only they must not change; None: all)."""
     plain = [adapter.plain(leaf) for leaf in xs]
-    moved = [leaf + 1e-3 * (1 + abs(leaf)) for leaf in plain]
 
-    def value(leaves: list[Any]) -> list[np.ndarray]:
+    def value(move: float) -> list[np.ndarray]:
+        leaves = [leaf + move * (1 + abs(leaf)) for leaf in plain] if move else plain
         x = leaves[0] if x_spec == _LEAF else rebuild(leaves)
         # (through tolist: a torch.func tensor has no storage for numpy to read)
-        return [_arrays.by_kind(_arrays.kind(leaf)).values(leaf) for leaf in _tree.leaves(f(x, *context_values))]
+        out = [_arrays.by_kind(_arrays.kind(leaf)).values(leaf) for leaf in _tree.leaves(f(x, *context_values))]
+        return out if untracked is None or len(out) <= max(untracked, default=-1) else [out[i] for i in untracked]
 
-    before, after = value(plain), value(moved)
-    if len(before) == len(after) and untracked is not None:
-        before, after = [before[i] for i in untracked], [after[i] for i in untracked]
-    refuse_a_moved_output(before, after, adapter.backend.name)
+    refuse_a_moved_output(value, max(map(_arrays.resolution, plain), default=0.0), adapter.backend.name)
 
 
 def _checked(op: Operator, result: Any, output: _Output, adapter: Adapter) -> list[Any]:
@@ -292,6 +290,7 @@ def _checked(op: Operator, result: Any, output: _Output, adapter: Adapter) -> li
                 if not adapter.complex_outputs:  # (a complex step's outputs are complex)
                     _complex.check_complex_output(op, leaf, adapter)
                 _check_numeric(op, leaf)
+                _check_output_kind(leaf, adapter)
                 checked.add(key)
         if op.scalar_output and (len(seen) != 1 or _arrays.shape(seen[0]) != ()):
             raise InvalidOutputError(
@@ -304,6 +303,23 @@ def _checked(op: Operator, result: Any, output: _Output, adapter: Adapter) -> li
             raise InvalidOutputError(f"{exc} If f returns (value, aux){hint}") from None
         raise
     return leaves
+
+
+def _check_output_kind(leaf: Any, adapter: Adapter) -> None:
+    """An engine that runs f on its own arrays gets its own arrays back, numpy arrays or Python
+    numbers: another framework's array is no value the engine can differentiate (autograd and
+    jax raised their own TypeError on it, mlx its ValueError)."""
+    arrays = adapter.info.arrays
+    kind = _arrays.kind(leaf)
+    if arrays == "any" or kind in _ANY_ENGINE or kind in (arrays, adapter.backend.name, "other"):
+        return
+    name = adapter.backend.name
+    own = _NUMPY if arrays == _NUMPY else f"{arrays} or {_NUMPY}"
+    raise InvalidOutputError(
+        f"f returned a {kind} array ({type(leaf).__name__}) under the {name} backend, which differentiates "
+        f"{own} arrays: a value of another framework is cut from {name}'s trace. Write f with the {name} "
+        "backend's arrays, or differentiate it with di.AutoFiniteDifferences(), which calls f on any array type."
+    )
 
 
 def _describe(value: Any) -> str:

@@ -1112,6 +1112,17 @@ def test_a_default_engine_that_runs_f_but_cannot_differentiate_it_is_skipped():
     assert any(row.status == "passed" for row in report.rows) and not report.failed
 
 
+def test_a_jax_count_is_not_failed_on_autograd():
+    jnp = pytest.importorskip("jax.numpy")
+    pytest.importorskip("autograd")
+    # under autograd, v > 0 is a numpy array and the count a jax array: autograd's own TypeError
+    # on it failed the check of a right gradient (zero)
+    report = check_gradients(lambda v: jnp.sum(v > 0).astype(jnp.float32), np.array([0.3, 1.7, -2.6]))
+    autograd_row = next(row for row in report.rows if row.backend == "autograd")
+    assert autograd_row.status == "skipped" and "cannot differentiate f: InvalidOutputError" in autograd_row.message
+    assert not report.failed and any(row.status == "passed" for row in report.rows)
+
+
 def test_the_complex_directions_do_not_judge_across_a_branch_cut():
     torch = pytest.importorskip("torch")
     report = check_gradients(

@@ -253,6 +253,26 @@ def _(mp):
     return lambda: di.jacobian(lambda x: np.arange(3), "finite_differences", x), (x,)
 
 
+def _foreign_output(backend: str, framework: str) -> Callable[[pytest.MonkeyPatch], Any]:
+    def build(mp: pytest.MonkeyPatch) -> tuple[Callable[[], Any], tuple[Any, ...]]:
+        module = __import__(framework)
+        x = vec()
+        # a constant, so its derivative is zero, but in an array the engine cannot take
+        count = module.tensor(3.0) if framework == "torch" else module.numpy.asarray(3.0)
+        return lambda: di.value_and_gradient(lambda x: count, backend, x), (x,)
+
+    return build
+
+
+for _backend, _framework in (("autograd", "jax"), ("autograd", "torch"), ("jax", "torch"), ("mlx", "torch")):
+    case(
+        f"output-{_framework}-under-{_backend}",
+        (_backend, _framework),
+        di.InvalidOutputError,
+        rf"f returned a {_framework} array .* under the {_backend} backend.*AutoFiniteDifferences",
+    )(_foreign_output(_backend, _framework))
+
+
 @case(
     "has-aux-not-a-pair",
     ("jax",),
@@ -610,6 +630,23 @@ for _backend_id, _engine, _make in (
         di.FrameworkMismatchError,
         rf"f failed under the {_engine} backend: .*numpy.*AutoFiniteDifferences\(\)",
     )(_build_np)
+
+
+# numpy reductions, which hand the array to its own method (tensor.sum(axis=None, out=None))
+for _backend_id, _engine in (("torch", "torch"), ("torch-func", "torch"), ("mlx", "mlx")):
+
+    def _build_reduction(
+        mp: pytest.MonkeyPatch, backend: str = _backend_id
+    ) -> tuple[Callable[[], Any], tuple[Any, ...]]:
+        x = vec()
+        return lambda: di.gradient(lambda v: np.sum(v**2) + np.max(v), backend, x), (x,)
+
+    case(
+        f"numpy-reduction-under-{_backend_id}",
+        (_engine,),
+        di.FrameworkMismatchError,
+        rf"f failed under the {_engine} backend: f calls numpy on {_engine} .*AutoFiniteDifferences\(\)",
+    )(_build_reduction)
 
 
 # preparations used with other arguments

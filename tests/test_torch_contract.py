@@ -834,6 +834,17 @@ def test_a_cut_hidden_by_a_constant_that_requires_grad_is_refused(name: str) -> 
     assert grad.requires_grad is (name == "torch-func")  # (torch.func's rule: c's graph kept)
 
 
+@pytest.mark.parametrize("name", ["torch", "torch-func"])
+def test_a_bfloat16_output_cut_from_x_is_refused(name: str) -> None:
+    """A bfloat16 x moved by 1e-3 of its scale rounds back to x (1.7 + 0.0027 is 1.7 there), so
+    an output cut from x read as constant: its gradient came back zeros, where 2 x is right.
+    The move is a few of x's epsilons where they are coarser than 1e-3."""
+    x = torch.tensor([-5e-4, 1.7, -2.6], dtype=torch.bfloat16)
+    with pytest.raises(di.InvalidOutputError, match="changes with x"):
+        di.gradient(lambda v: torch.tensor((v**2).sum().item(), dtype=v.dtype), name, x)
+    assert not di.gradient(lambda v: (v**2).sum(), name, x).eq(0).all()
+
+
 @pytest.mark.parametrize("backend", [di.AutoTorch(create_graph=True), "torch-func"])
 def test_a_gradient_penalty_through_a_constant_critic_keeps_its_graph(backend: Any) -> None:
     """A gradient penalty (the gradient of a critic with respect to its input, the critic a

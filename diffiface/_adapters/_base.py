@@ -42,10 +42,14 @@ Fn = Callable[[Leaves], tuple[Any, Any]]
 Blocks = tuple[tuple[Any, ...], ...]
 
 
-def refuse_a_moved_output(before: Sequence[Any], after: Sequence[Any], engine: str) -> None:
-    """f's output at x (``before``) and at a point apart (``after``), as numpy arrays, where the
-    engine's trace does not lead from x to it: refused where it moved (f cut the trace, and its
-    derivative would read as zero); else f does not depend on x there."""
+def refuse_a_moved_output(value: Callable[[float], Sequence[Any]], resolution: float, engine: str) -> None:
+    """Refuses f where the engine's trace does not lead from x to its output and the output
+    moves with x (f cut the trace, and its derivative would read as zero); else f does not depend
+    on x there, and zero is its derivative. ``value(t)``: f's output, as numpy arrays, at x moved
+    by ``t (1 + |x|)`` (``value(0.0)``: at x); ``resolution``: the largest of x's epsilons. The
+    move is ``1e-3``, or 4 epsilons where x's dtype is coarser: a bfloat16 x moved by ``1e-3``
+    rounds back to x, and a cut f read as constant (its gradient zeros)."""
+    before, after = value(0.0), value(max(1e-3, 4 * resolution))
     if len(before) == len(after) and all(
         a.shape == b.shape and np.array_equal(a, b, equal_nan=True) for a, b in zip(before, after, strict=True)
     ):
@@ -101,6 +105,22 @@ def raised_by(exc: BaseException) -> str:
     while tb.tb_next is not None:
         tb = tb.tb_next
     return tb.tb_frame.f_code.co_name
+
+
+def numpy_handed_its_method(exc: BaseException, cls: type) -> bool:
+    """Whether ``exc`` is a TypeError that numpy's own code raised calling a method of an array
+    of class ``cls`` it was given: ``np.sum(tensor)`` calls ``tensor.sum(axis=None, out=None)``,
+    which another framework's method does not take. Told by the innermost frame (numpy's, with
+    such an array among its locals), never by the message."""
+    tb = exc.__traceback__
+    if not isinstance(exc, TypeError) or tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    module = tb.tb_frame.f_globals.get("__name__", "")
+    if module != "numpy" and not module.startswith("numpy."):
+        return False
+    return any(isinstance(value, cls) for value in tb.tb_frame.f_locals.values())
 
 
 def class_names(root: type) -> frozenset[str]:

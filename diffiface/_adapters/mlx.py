@@ -266,6 +266,11 @@ class Adapter(_base.Adapter):
                 "f with mlx.core operations (mx.where for branches), or differentiate a numpy f with "
                 "AutoFiniteDifferences() or AutoAutograd()."
             )
+        if _base.numpy_handed_its_method(exc, mx.array):
+            return (
+                "f calls numpy on mlx arrays (np.sum(x), np.mean(x)). Write f with mlx.core operations, or "
+                "differentiate a numpy f with AutoFiniteDifferences() or AutoAutograd()."
+            )
         if isinstance(exc, (TypeError, ValueError)) and _base.handed_to_another_framework(exc):
             return (
                 "f handed an mlx array to a function of another framework (torch, jax); differentiate "

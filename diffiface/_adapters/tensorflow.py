@@ -494,16 +494,17 @@ def _refuse_hidden_cut(fn: Fn, xs: Leaves) -> None:
     :func:`_refuse_read_back`: an f that differentiates inside itself needs its own.)"""
     if not all(isinstance(x, _EAGER) for x in xs):
         return
-    before, after = (
-        [_arrays.by_kind(_arrays.kind(y)).values(y) for y in tf.nest.flatten(fn(point)[0])]
-        for point in (xs, _apart(xs))
-    )
-    _base.refuse_a_moved_output(before, after, "tensorflow")
+
+    def value(move: float) -> list[Any]:
+        point = _apart(xs, move) if move else xs
+        return [_arrays.by_kind(_arrays.kind(y)).values(y) for y in tf.nest.flatten(fn(point)[0])]
+
+    _base.refuse_a_moved_output(value, max(map(_arrays.resolution, xs), default=0.0), "tensorflow")
 
 
-def _apart(xs: Leaves) -> Leaves:
+def _apart(xs: Leaves, move: float = 1e-3) -> Leaves:
     """A point apart from x, where f is evaluated again to tell a cut from a constant."""
-    return tuple(x + tf.cast(1e-3 * (1 + tf.abs(x)), x.dtype) for x in xs)
+    return tuple(x + tf.cast(move * (1 + tf.abs(x)), x.dtype) for x in xs)
 
 
 def _inexact(dtype: Any) -> bool:

@@ -249,14 +249,14 @@ def _refuse_hidden_cut(fn: Fn, xs: Leaves) -> None:
     and at a point apart, grad mode off: refused where its output moves (f cut x's graph:
     ``torch.tensor(y.item())``), else the derivative is zero. Only where every gradient is None,
     so no call that reaches x pays for it."""
-    with torch.no_grad():
-        points = tuple(x.detach() for x in xs)
-        moved = tuple(x + 1e-3 * (1 + x.abs()) for x in points)
-        before, after = (
-            [_arrays.by_kind(_arrays.kind(y)).values(y) for y in (out if type(out) is tuple else (out,))]
-            for out, _ in (fn(points), fn(moved))
-        )
-    refuse_a_moved_output(before, after, "torch")
+    points = tuple(x.detach() for x in xs)
+
+    def value(move: float) -> list[Any]:
+        with torch.no_grad():
+            out, _ = fn(tuple(x + move * (1 + x.abs()) for x in points) if move else points)
+            return [_arrays.by_kind(_arrays.kind(y)).values(y) for y in (out if type(out) is tuple else (out,))]
+
+    refuse_a_moved_output(value, max(map(_arrays.resolution, points), default=0.0), "torch")
 
 
 def _whole(grads: Leaves, inputs: Leaves) -> Leaves:

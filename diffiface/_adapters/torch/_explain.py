@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..._errors import MutationError, UnsupportedOperationError
-from .._base import class_names, raised_inside
+from .._base import class_names, numpy_handed_its_method, raised_inside
 
 
 def explain_failure(adapter: Any, exc: BaseException) -> str | None:
@@ -42,6 +42,8 @@ def explain_failure(adapter: Any, exc: BaseException) -> str | None:
             "as a di.Constant (its numpy arrays reach f as torch tensors); or differentiate a numpy f with "
             "AutoFiniteDifferences()."
         )
+    if numpy_handed_its_method(exc, torch.Tensor):
+        return f"f calls numpy on torch tensors (np.sum(x), np.mean(x)). {_NUMPY_F}"
     if isinstance(exc, TypeError) and raised_inside(exc, "jax"):
         return "f calls jax on torch tensors; differentiate a jax function with AutoJAX()."
     if isinstance(exc, RuntimeError) and "Inference tensors cannot be saved for backward" in text:
