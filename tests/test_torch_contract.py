@@ -845,6 +845,16 @@ def test_a_bfloat16_output_cut_from_x_is_refused(name: str) -> None:
     assert not di.gradient(lambda v: (v**2).sum(), name, x).eq(0).all()
 
 
+@pytest.mark.parametrize("name", ["torch", "torch-func"])
+def test_a_cut_output_in_a_coarse_dtype_is_refused_not_read_as_a_jump(name: str) -> None:
+    """A cut output rounded to bfloat16 moves by one step of its own, then stays, as x moves
+    away: the pattern of a jump near x. Read as one, its gradient came back zeros, with no
+    error, where 2 x is right: it is refused as cut."""
+    x = torch.tensor([1.7, 2.3, 0.4])
+    with pytest.raises(di.InvalidOutputError, match="changes with x"):
+        di.gradient(lambda v: torch.tensor((v**2).sum().item()).to(torch.bfloat16), name, x)
+
+
 @pytest.mark.parametrize("backend", [di.AutoTorch(create_graph=True), "torch-func"])
 def test_a_gradient_penalty_through_a_constant_critic_keeps_its_graph(backend: Any) -> None:
     """A gradient penalty (the gradient of a critic with respect to its input, the critic a
