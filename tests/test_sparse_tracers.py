@@ -326,6 +326,112 @@ def test_contexts_are_abstract_for_the_new_tracers() -> None:
         assert picked.toarray().all()
 
 
+class _Model:
+    """A plain object (no pytree) that holds a Constant's arrays in its attributes."""
+
+    def __init__(self, w: Any) -> None:
+        self.w = w
+
+
+class _Slotted:
+    __slots__ = ("parts",)
+
+
+def _dense_of(matrix: Any) -> np.ndarray:
+    for name in ("to_dense", "toarray"):
+        if hasattr(matrix, name):
+            matrix = getattr(matrix, name)()
+    return np.asarray(matrix.detach() if hasattr(matrix, "detach") else matrix)
+
+
+@pytest.mark.parametrize("engine", ["finite_differences", "autograd", "jax", "torch"])
+def test_arrays_a_plain_object_holds_in_a_constant_are_abstract(engine: str) -> None:
+    """A Constant whose value is a plain object (no pytree) had its arrays read as known: the
+    zeros of ``model.w`` were structural, and the pattern kept (in the prep, in the unprepared
+    call's cache) after they changed, so the sparse Jacobian came back wrong without an error
+    (off by 15 here). Such an object's arrays are as abstract as a dict's."""
+    backend: Any = engine
+    as_array: Callable[[np.ndarray], Any] = np.asarray
+    x: Any = np.array([1.0, 2.0, 3.0])  # (numpy x under jax's backend: the jax tracer reads f)
+    if engine == "jax":
+        jax = pytest.importorskip("jax")
+
+        def as_array(a: np.ndarray) -> Any:
+            with jax.enable_x64(True):
+                return jax.numpy.asarray(a)
+
+        backend = di.AutoJAX(jit=False)  # (jit refuses a plain object in a Constant)
+    elif engine == "torch":
+        as_array = torch.tensor
+        x = torch.tensor(x)
+    model = _Model(as_array(np.diag([1.0, 0.0, 2.0])))
+    f = lambda v, m: m.w @ v  # noqa: E731
+    sparse_backend = di.AutoSparse(backend)
+    prep = di.prepare_jacobian(f, sparse_backend, x, di.Constant(model))
+    di.jacobian(f, sparse_backend, x, di.Constant(model))  # (the unprepared call's cache)
+    first = model.w
+    model.w = as_array(np.arange(1.0, 10.0).reshape(3, 3))
+    dense = _dense_of(di.jacobian(f, backend, x, di.Constant(model)))
+    for found in (
+        di.jacobian(f, sparse_backend, x, di.Constant(model), prep=prep),
+        di.jacobian(f, sparse_backend, x, di.Constant(model)),
+    ):
+        np.testing.assert_allclose(_dense_of(found), dense, rtol=1e-6, atol=1e-6)
+    assert _dense_of(first).tolist() == np.diag([1.0, 0.0, 2.0]).tolist()  # (the caller's array untouched)
+
+
+def test_arrays_deeper_in_a_plain_object_are_abstract_and_it_is_not_written() -> None:
+    """Slots, nested objects (one held twice: one copy), lists and integer indices, written in
+    place after detection."""
+    holder = _Slotted()
+    shared = _Model(np.diag([1.0, 0.0, 2.0]))
+    holder.parts = [shared, np.array([0, 1]), shared]
+    x = np.array([1.0, 2.0, 3.0])
+
+    def f(v: Any, h: Any) -> Any:
+        assert h.parts[0] is h.parts[2]
+        return (h.parts[0].w @ v + h.parts[2].w @ v**2)[h.parts[1]]
+
+    backend = di.AutoSparse("finite_differences")
+    prep = di.prepare_jacobian(f, backend, x, di.Constant(holder))
+    parts = holder.parts
+    holder.parts[0].w[1, 0] = 5.0
+    holder.parts[1][0] = 2
+    assert holder.parts is parts and type(holder.parts[0]) is _Model
+    dense = np.asarray(di.jacobian(f, "finite_differences", x, di.Constant(holder)))
+    found = di.jacobian(f, backend, x, di.Constant(holder), prep=prep).toarray()
+    np.testing.assert_allclose(found, dense, rtol=1e-6, atol=1e-6)
+
+
+def test_torch_tensors_beside_a_module_in_a_plain_object_are_abstract() -> None:
+    """A trainer object holding a module (its parameters abstract, as they require grad) and a
+    tensor: its zeros are not structural either."""
+
+    class Trainer:
+        def __init__(self) -> None:
+            self.model = torch.nn.Linear(3, 2).double()
+            self.mix = torch.diag(torch.tensor([1.0, 0.0], dtype=torch.float64))
+
+    trainer = Trainer()
+    x = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    f = lambda v, t: t.mix @ t.model(v)  # noqa: E731
+    prep = di.prepare_jacobian(f, di.AutoSparse("torch"), x, di.Constant(trainer))
+    trainer.mix[1, 1] = 1.0
+    found = di.jacobian(f, di.AutoSparse("torch"), x, di.Constant(trainer), prep=prep).to_dense()
+    torch.testing.assert_close(found, di.jacobian(f, "torch", x, di.Constant(trainer)))
+
+
+def test_an_object_holding_a_constant_s_arrays_that_cannot_be_copied_is_refused() -> None:
+    class Uncopied(_Model):
+        def __copy__(self) -> Any:
+            raise TypeError("no copies")
+
+    with pytest.raises(di.UnsupportedOperationError, match="cannot be copied"):
+        sparse.jacobian_pattern(
+            lambda v, m: m.w @ v, np.ones(3), di.Constant(Uncopied(np.eye(3))), detector=sparse.GlobalDetector("jax")
+        )
+
+
 # --- refusals, notes and f's own errors --------------------------------------------------------------
 
 

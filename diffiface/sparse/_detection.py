@@ -46,7 +46,8 @@ def _tracer(name: str) -> Any:
 @dataclass(frozen=True)
 class GlobalDetector:
     """The pattern read from ``f``'s program, traced once, for every ``x`` and every value of the
-    contexts (their arrays are traced as abstract arrays): conservative, never missing a nonzero
+    contexts (their arrays are traced as abstract arrays, those a plain object in them holds
+    too): conservative, never missing a nonzero
     anywhere in the domain. Where an operation's structure is not known, each of its outputs
     depends on everything its inputs depend on (and the detection's notes name it); where the
     numpy tracer cannot follow ``f`` at all, every output depends on every input. Arrays ``f``

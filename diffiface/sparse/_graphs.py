@@ -5,13 +5,18 @@ them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import copy
+import types
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._errors import InvalidInputError
+from .. import _arrays
+from .._errors import InvalidInputError, UnsupportedOperationError
+from .._prep import _slots
 
 if TYPE_CHECKING:
     from scipy.sparse import csr_array
@@ -40,9 +45,17 @@ class Detection:
     notes: tuple[str, ...] = ()
 
 
-def leaf_function(f: Callable[..., Any], x: Any, values: list[Any], traced: Callable[[Any], bool]) -> Any:
+def leaf_function(
+    f: Callable[..., Any],
+    x: Any,
+    values: list[Any],
+    traced: Callable[[Any], bool],
+    held: Callable[[Any], bool] | None = None,
+) -> Any:
     """``f(x, *values)`` as a function of x's leaves, then of the contexts' leaves for which
-    ``traced`` holds (the others kept), returning the leaves of its result; and those leaves."""
+    ``traced`` holds (the others kept), then of the arrays for which ``held`` (default
+    ``traced``) holds among those a plain object in a context holds (:func:`_holding`),
+    returning the leaves of its result; and those context leaves and arrays."""
     import optree
 
     from .. import tree
@@ -50,15 +63,114 @@ def leaf_function(f: Callable[..., Any], x: Any, values: list[Any], traced: Call
     leaves, spec = tree.flatten(x)
     k = len(leaves)
     context_leaves, context_spec = tree.flatten(values)
-    where = [i for i, leaf in enumerate(context_leaves) if traced(leaf)]
+    found: list[Any] = []
+    memo: dict[int, Rebuild | None] = {}
+    rebuilds = {
+        i: rebuild
+        for i, leaf in enumerate(context_leaves)
+        if (rebuild := _holding(leaf, held or traced, _HELD_LEVELS, found, memo)) is not None
+    }
+    where = [i for i, leaf in enumerate(context_leaves) if i not in rebuilds and traced(leaf)]
 
     def run(*args: Any) -> list[Any]:
         new = list(context_leaves)
-        for i, t in zip(where, args[k:], strict=True):
+        for i, t in zip(where, args[k : k + len(where)], strict=True):
             new[i] = t
+        replacements = iter(args[k + len(where) :])
+        done: dict[int, Any] = {}
+        for i, rebuild in rebuilds.items():
+            new[i] = rebuild(replacements, done)
         return tree.leaves(f(optree.tree_unflatten(spec, list(args[:k])), *optree.tree_unflatten(context_spec, new)))
 
-    return run, [context_leaves[i] for i in where]
+    return run, [context_leaves[i] for i in where] + found
+
+
+Rebuild = Callable[[Iterator[Any], dict[int, Any]], Any]
+"""A copy of an object with the arrays it holds replaced (:func:`_holding`): of the replacements,
+taken in order, and of the copies made so far in this call (by the id of their original)."""
+
+_HELD_LEVELS = 3
+"""Objects deep that :func:`_holding` looks for a context's arrays (``trainer.model.w``: two)."""
+_MOST_ITEMS = 64
+"""The longest list, tuple or dict :func:`_holding` looks into."""
+_OPAQUE = (int, float, complex, str, bytes, bool, type(None), type, types.ModuleType, types.FunctionType)
+_FRAMEWORKS = frozenset({"numpy", "scipy", "jax", "jaxlib", "torch", "mlx", "tensorflow", "keras", "pytensor"})
+"""Packages whose objects are not walked: their models keep the rules of their tracer (a torch
+module's parameters require grad) and their own objects hold arrays as their engines need."""
+
+
+def _holding(
+    value: Any, wanted: Callable[[Any], bool], levels: int, found: list[Any], memo: dict[int, Rebuild | None]
+) -> Rebuild | None:
+    """How to rebuild ``value``, a context's leaf, with the arrays ``wanted`` picks among those
+    it holds replaced: in a plain object's attributes (``__dict__`` and slots), and in the lists,
+    tuples and dicts among them (of at most 64 items), ``levels`` objects deep. A Constant is
+    data the pattern must hold for, whatever it holds the data in: a model object's matrix is as
+    abstract as a dict's. Its arrays are added to ``found``; the rebuild takes their
+    replacements in that order and copies (``copy.copy``) what holds them, once each (an object
+    held twice is one copy), never writing into the caller's objects. None where ``value``
+    holds none (it reaches f as it is)."""
+    key = id(value)
+    if key in memo:  # (held twice: the same copy; or a cycle back to an object being read)
+        return memo[key]
+    if isinstance(value, _OPAQUE) or _arrays.is_array(value):
+        return None  # (an array as a leaf is the tracer's to take or not)
+    memo[key] = None
+    container = type(value) in (list, tuple, dict)
+    entries: list[tuple[Any, Any]]
+    if container:
+        if len(value) > _MOST_ITEMS:
+            return None
+        entries = list(value.items()) if type(value) is dict else list(enumerate(value))
+    else:
+        if levels == 0 or any(klass.__module__.partition(".")[0] in _FRAMEWORKS for klass in type(value).__mro__[:-1]):
+            return None
+        own = getattr(value, "__dict__", None)
+        entries = list(own.items()) if type(own) is dict else []
+        for name, slot in _slots(type(value)).items():
+            with contextlib.suppress(AttributeError):  # (a slot not set)
+                entries.append((name, slot.__get__(value, None)))
+        levels -= 1
+    parts: list[tuple[Any, Rebuild]] = []
+    for name, entry in entries:
+        if (_arrays.is_array(entry) or isinstance(entry, np.generic)) and wanted(entry):
+            found.append(entry)
+            parts.append((name, lambda replacements, done: next(replacements)))
+        elif (inner := _holding(entry, wanted, levels, found, memo)) is not None:
+            parts.append((name, inner))
+    if not parts:
+        return None
+    if not container:
+        try:
+            copy.copy(value)
+        except Exception as error:
+            raise UnsupportedOperationError(
+                f"GlobalDetector makes the arrays a Constant holds abstract, so that the pattern holds for "
+                f"every value of them, and reads a copy of the {type(value).__name__} that holds them, which "
+                f"cannot be copied ({type(error).__name__}: {first_line(error)}). Pass its arrays in a dict, "
+                "tuple or dataclass pytree, or use LocalDetector(...) or KnownPattern(pattern)."
+            ) from error
+    slots = {} if container else _slots(type(value))
+
+    def rebuild(replacements: Iterator[Any], done: dict[int, Any]) -> Any:
+        if key in done:
+            return done[key]
+        items: Any = dict(value) if type(value) is dict else list(value) if container else copy.copy(value)
+        done[key] = items
+        for name, part in parts:
+            replacement = part(replacements, done)
+            if container:
+                items[name] = replacement
+            elif name in slots:
+                slots[name].__set__(items, replacement)
+            else:  # (into its own dict: past a __setattr__ that refuses, a frozen dataclass's)
+                items.__dict__[name] = replacement
+        if type(value) is tuple:
+            done[key] = items = tuple(items)
+        return items
+
+    memo[key] = rebuild
+    return rebuild
 
 
 def first_line(error: BaseException) -> str:

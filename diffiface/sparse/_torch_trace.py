@@ -160,7 +160,9 @@ def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: boo
         )
 
     leaves = tree.leaves(x)
-    run, contexts = leaf_function(f, x, values, tensor)
+    # (of the arrays a plain object in a context holds, the tensors: its numpy arrays reach f as
+    # they are under torch's backend, not as tensors, and f converts them itself)
+    run, contexts = leaf_function(f, x, values, tensor, lambda leaf: isinstance(leaf, torch.Tensor))
     contexts = [torch.as_tensor(leaf) for leaf in contexts]
     inputs = [
         leaf
