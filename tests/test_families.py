@@ -30,6 +30,7 @@ API = {
     "leaves_test",
     "jit_checked",
     "CODE_MODULES",
+    "PACKAGES",
     "exchange",
     "dtype_scope",
     "conj",

@@ -52,6 +52,10 @@ class Family(Protocol):
     # static context holds one (jax's wrapped functions)
     @property
     def CODE_MODULES(self) -> frozenset[str]: ...
+    # the top-level packages of its own objects (models, layers), which hold its arrays as its
+    # engine needs them: a sparsity tracer does not look into them
+    @property
+    def PACKAGES(self) -> frozenset[str]: ...
     # a result (of any family, ``value_family`` None for none) with ``like``'s array type,
     # dtype and device: what mirrors x
     def mirror(self, value: Any, value_family: Any, like: Any, as_numpy: Callable[[Any], np.ndarray]) -> Any: ...
@@ -118,6 +122,8 @@ FAMILIES: tuple[Family, ...] = (numpy, python, torch, jax, autograd, pytensor, m
 BY_KIND: dict[str, Family] = {family.NAME: family for family in FAMILIES}
 
 CODE_MODULES: frozenset[str] = frozenset().union(*(family.CODE_MODULES for family in FAMILIES))
+
+PACKAGES: frozenset[str] = frozenset().union(*(family.PACKAGES for family in FAMILIES))
 
 HOST: Family = numpy
 """The family every other converts through (``to_numpy``, ``from_numpy``): the arrays of the

@@ -37,6 +37,7 @@ PASSED_THROUGH: Final = True
 results pass them on untouched."""
 ARRAY_METHODS: Final = True
 CODE_MODULES: Final[frozenset[str]] = frozenset()
+PACKAGES: Final[frozenset[str]] = frozenset({"autograd"})
 
 
 def owns(cls: type) -> bool:

@@ -27,6 +27,7 @@ ARRAY: Final = True
 PASSED_THROUGH: Final = False
 ARRAY_METHODS: Final = True
 CODE_MODULES: Final[frozenset[str]] = frozenset({"jax", "jaxlib"})
+PACKAGES: Final[frozenset[str]] = frozenset({"jax", "jaxlib"})
 """Its wrapped functions (``jax.nn.relu`` is a jitted function, others custom_jvp objects)
 are code: a static context holding one is compared by identity."""
 

@@ -109,6 +109,7 @@ _SELF = sys.modules[__name__]
 
 
 CODE_MODULES: Final[frozenset[str]] = frozenset()
+PACKAGES: Final[frozenset[str]] = frozenset({"mlx"})
 
 
 conj, parts = numpy_like_complex("mlx.core")

@@ -31,6 +31,7 @@ ARRAY: Final = True
 PASSED_THROUGH: Final = False
 ARRAY_METHODS: Final = True
 CODE_MODULES: Final[frozenset[str]] = frozenset()
+PACKAGES: Final[frozenset[str]] = frozenset({"numpy", "scipy"})
 
 
 def owns(cls: type) -> bool:

@@ -89,6 +89,7 @@ def same(leaf: Any) -> Callable[[Any], bool] | None:
 
 
 CODE_MODULES: Final[frozenset[str]] = frozenset()
+PACKAGES: Final[frozenset[str]] = frozenset({"pytensor"})
 
 
 def exchange(leaf: Any) -> None:

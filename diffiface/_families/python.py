@@ -26,6 +26,7 @@ ARRAY: Final = False
 PASSED_THROUGH: Final = False
 ARRAY_METHODS: Final = True
 CODE_MODULES: Final[frozenset[str]] = frozenset()
+PACKAGES: Final[frozenset[str]] = frozenset()
 
 
 def owns(cls: type) -> bool:

@@ -117,6 +117,7 @@ _SELF = sys.modules[__name__]
 
 
 CODE_MODULES: Final[frozenset[str]] = frozenset()
+PACKAGES: Final[frozenset[str]] = frozenset({"tensorflow", "keras"})
 
 
 def conj(leaf: Any) -> Any:

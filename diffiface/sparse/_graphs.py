@@ -16,6 +16,7 @@ import numpy as np
 
 from .. import _arrays
 from .._errors import InvalidInputError, UnsupportedOperationError
+from .._families import PACKAGES
 from .._prep import _slots
 
 if TYPE_CHECKING:
@@ -94,9 +95,6 @@ _HELD_LEVELS = 3
 _MOST_ITEMS = 64
 """The longest list, tuple or dict :func:`_holding` looks into."""
 _OPAQUE = (int, float, complex, str, bytes, bool, type(None), type, types.ModuleType, types.FunctionType)
-_FRAMEWORKS = frozenset({"numpy", "scipy", "jax", "jaxlib", "torch", "mlx", "tensorflow", "keras", "pytensor"})
-"""Packages whose objects are not walked: their models keep the rules of their tracer (a torch
-module's parameters require grad) and their own objects hold arrays as their engines need."""
 
 
 def _holding(
@@ -123,7 +121,7 @@ def _holding(
             return None
         entries = list(value.items()) if type(value) is dict else list(enumerate(value))
     else:
-        if levels == 0 or any(klass.__module__.partition(".")[0] in _FRAMEWORKS for klass in type(value).__mro__[:-1]):
+        if levels == 0 or any(klass.__module__.partition(".")[0] in PACKAGES for klass in type(value).__mro__[:-1]):
             return None
         own = getattr(value, "__dict__", None)
         entries = list(own.items()) if type(own) is dict else []
