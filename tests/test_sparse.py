@@ -534,3 +534,19 @@ def test_a_local_pattern_is_found_again_where_a_constant_changes(name: str) -> N
     matrix[:] = banded(12)  # (in place: the same array, other zeros)
     got = np.asarray(di.jacobian(linear, backend, x, di.Constant(matrix), prep=prep))
     np.testing.assert_allclose(got, matrix, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not HAS_JAX, reason="jax is not installed")
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_float32_jax_x_decompresses_without_jaxs_int64_warning(jit: bool) -> None:
+    """The decompression's index is int64; jax outside x64 warned that it truncates it (an error
+    where warnings are errors, as in a test suite) on every eager call with float32 jax arrays."""
+    import jax.numpy as jnp
+
+    x = jnp.asarray([1.0, 2.0, 3.0], dtype=jnp.float32)
+    backend = di.AutoSparse(di.AutoJAX(jit=jit))
+    jacobian = di.jacobian(lambda v, w: w * v, backend, x, di.Constant(np.array([1.0, 0.0, 2.0], np.float32)))
+    hessian = di.hessian(lambda v: (v**3).sum(), backend, x)
+    np.testing.assert_array_equal(np.asarray(jacobian.todense()), np.diag([1.0, 0.0, 2.0]))
+    np.testing.assert_array_equal(np.asarray(hessian.todense()), np.diag([6.0, 12.0, 18.0]))
+    assert jacobian.dtype == hessian.dtype == jnp.float32

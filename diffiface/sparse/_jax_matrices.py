@@ -9,12 +9,17 @@ from typing import Any
 
 import numpy as np
 
-from ._numpy_matrices import take as take
-
 
 def _x64(on: bool) -> Any:
     """A scope where jax keeps float64 (``jax.enable_x64``) when ``on``; else nothing."""
     return sys.modules["jax"].enable_x64(True) if on else contextlib.nullcontext()
+
+
+def take(compressed: Any, index: Any) -> Any:
+    """The decompression: ``compressed.reshape(-1)[index]``, under x64 where the index is int64
+    (:func:`index_like`'s; outside x64 jax warns that it truncates it to int32)."""
+    with _x64(str(index.dtype) == "int64"):
+        return compressed.reshape(-1)[index]
 
 
 def promote(names: list[str]) -> Any:
