@@ -262,6 +262,9 @@ def _refuse_cut(
         out = [_arrays.by_kind(_arrays.kind(leaf)).values(leaf) for leaf in _tree.leaves(f(x, *context_values))]
         return out if untracked is None or len(out) <= max(untracked, default=-1) else [out[i] for i in untracked]
 
+    adapter.refuse_a_read_of_x(
+        lambda: f(plain[0] if x_spec == _LEAF else rebuild(plain), *context_values), tuple(plain)
+    )
     refuse_a_moved_output(value, max(map(_arrays.resolution, plain), default=0.0), adapter.backend.name)
 
 

@@ -10,6 +10,7 @@ route of Parameters, a module Constant and a frozen backbone is the detached lea
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -1022,3 +1023,44 @@ def test_a_force_field_in_a_forward_mode_jvp_is_named(mode: str) -> None:
         di.jvp(forces, BACKENDS[mode], x, t)
     expected = di.jacobian(forces, "torch", x) @ t
     torch.testing.assert_close(di.jvp(forces, di.AutoTorch(jvp="reverse"), x, t), expected)
+
+
+@pytest.mark.parametrize("backend", ["torch", di.AutoTorch(create_graph=True)], ids=["autograd", "create_graph"])
+@pytest.mark.parametrize("detached", [False, True], ids=["parameters", "detached"])
+@pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
+def test_an_f_that_runs_the_module_instead_of_its_argument_is_refused(
+    backend: Any, detached: bool, prepared: bool
+) -> None:
+    """The torch user's slip: ``model(data)`` in f, where x is ``dict(model.named_parameters())``
+    (or detached views of them), rather than ``functional_call(model, params, ...)``. f reads
+    x's tensors itself, and the gradient through that read came back zeros, with no error."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Tanh(), torch.nn.Linear(2, 1)).double()
+    params = {k: p.detach() if detached else p for k, p in model.named_parameters()}
+    data = torch.randn(5, 3, dtype=torch.float64)
+
+    def slip(p: Any) -> Any:
+        return (model(data) ** 2).mean()
+
+    prep = di.prepare_gradient(slip, backend, params) if prepared else None
+    for operator in (di.gradient, di.value_and_gradient):
+        with pytest.raises(di.InvalidOutputError, match="reads the tensors of x itself"):
+            operator(slip, backend, params, prep=prep if operator is di.gradient else None)
+    # the other operators whose engine in autograd mode is a backward or forward pass of f
+    ones = {k: torch.ones_like(v) for k, v in params.items()}
+    others: list[Callable[[], Any]] = [
+        lambda: di.vjp(lambda p: model(data).reshape(-1), backend, params, torch.ones(5, dtype=torch.float64)),
+        lambda: di.hvp(slip, backend, params, ones),
+        lambda: di.hessian(slip, backend, params),
+    ]
+    if backend == "torch":  # (create_graph's jvp: see the torch engine's page)
+        others.append(lambda: di.jvp(lambda p: model(data).reshape(-1), backend, params, ones))
+    for other in others:
+        with pytest.raises(di.InvalidOutputError, match="reads the tensors of x itself"):
+            other()
+    # f on its argument, and an f that truly ignores x beside a tensor that requires grad, are served
+    right = di.gradient(lambda p: (torch.func.functional_call(model, p, (data,)) ** 2).mean(), backend, params)
+    assert all(bool(g.abs().sum() > 0) for g in right.values())
+    other = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    zero = di.gradient(lambda p: (other**2).sum(), backend, params)
+    assert all(bool(g.eq(0).all()) for g in zero.values())

@@ -245,6 +245,12 @@ class Adapter:
         """A traced input leaf's value, outside any trace (for evaluating ``f`` elsewhere)."""
         return leaf
 
+    def refuse_a_read_of_x(self, at_x: Callable[[], Any], xs: Leaves) -> None:
+        """Where the engine's trace does not lead from x to f's output: refuses an output that
+        reads x's own arrays rather than f's argument (a model f calls, whose parameters x
+        holds), by which f's output may change with x where the trace sees nothing.
+        ``at_x()``: f's output at ``xs``, plain values. Nothing by default."""
+
     traced_function: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
     """For an engine that sees less of an f compiled by itself (a ``tf.function``, whose call is
     one operation to the tape): ``f -> the function to trace``, its Python function, whose

@@ -58,6 +58,7 @@ from ._engine import (
     _NoSecondPass,
     _noting_batched_wrongly,
     _pushed_by_pullbacks,
+    _refuse_a_read_of_x_itself,
     _refuse_hidden_cut,
     _requiring_grad,
     _stacked,
@@ -157,6 +158,11 @@ class Adapter(_base.Adapter):
             return any(_dual_parts(x)[1] is not None for x in xs)
         return False
 
+    def refuse_a_read_of_x(self, at_x: Callable[[], Any], xs: Leaves) -> None:
+        # (under torch.func, and inside its transforms, a tensor f reads itself is a constant, by its design)
+        if not self.functional and not any(map(_wrapped, xs)):
+            _refuse_a_read_of_x_itself(at_x, tuple(x.detach() for x in xs if isinstance(x, torch.Tensor)))
+
     def plain(self, leaf: Any) -> Any:
         if _wrapped(leaf):  # a torch.func tensor: its value is reached through the transform
             return leaf
@@ -230,7 +236,10 @@ class Adapter(_base.Adapter):
         def vjp(touts: Any) -> Leaves:
             if not plain:
                 touts = _cotangents(out, touts)
-            return _backward(outs, touts if type(touts) is tuple else (touts,), inputs, keep)
+            return _backward(outs, touts if type(touts) is tuple else (touts,), inputs, keep, unreached)
+
+        def unreached() -> None:
+            _refuse_hidden_cut(fn, xs)
 
         return _detached(out, keep), (None if aux is None else _detached(aux, keep)), vjp
 
@@ -438,7 +447,7 @@ class Adapter(_base.Adapter):
         with torch.enable_grad():
             inputs = _requiring_grad(xs)
             value, aux = fn(inputs)
-            grads = _grad(_if_graph(value), inputs, create_graph=True)
+            grads = _grad(_if_graph(value), inputs, create_graph=True, unreached=lambda: _refuse_hidden_cut(fn, xs))
             wanted = [k for k, g in enumerate(grads) if g.requires_grad]
             outputs = [grads[k] for k in wanted]
             last = len(batch) - 1
@@ -457,7 +466,7 @@ class Adapter(_base.Adapter):
         with torch.enable_grad():
             inputs = _requiring_grad(xs)
             value, aux = fn(inputs)
-            grads = _grad(_if_graph(value), inputs, create_graph=True)
+            grads = _grad(_if_graph(value), inputs, create_graph=True, unreached=lambda: _refuse_hidden_cut(fn, xs))
             blocks = []
             for g, x in zip(grads, xs, strict=True):
                 rows = [_grad(_if_graph(entry), inputs, create_graph=keep) for entry in g.reshape(-1)]

@@ -13,10 +13,11 @@ import torch.autograd.forward_ad as _forward_ad
 
 from ... import _arrays
 from ... import tree as _tree
+from ..._errors import InvalidOutputError
 from .._base import Blocks, Fn, Leaves, refuse_a_moved_output
 from ._dtensor import _cotangents, _placed
 from ._explain import _autograd_in_func
-from ._guard import _clone, _version, _wrapped
+from ._guard import _clone, _memory, _version, _wrapped
 
 
 def _tensor_aux(fn: Fn) -> tuple[Fn, Callable[[Any], Any]]:
@@ -201,16 +202,18 @@ def _if_graph(value: Any) -> list[Any]:
     return [value] if value.requires_grad else []
 
 
-def _backward(outs: Leaves, touts: Leaves, inputs: Leaves, keep: bool = False) -> Leaves:
+def _backward(
+    outs: Leaves, touts: Leaves, inputs: Leaves, keep: bool = False, unreached: Callable[[], None] | None = None
+) -> Leaves:
     """A vjp's backward pass: the outputs that require grad with their cotangents, gradients
     for ``inputs`` (zeros where one does not matter), laid out as ``inputs``; ``keep``: the
-    gradients keep their graph (a nested call)."""
+    gradients keep their graph (a nested call); ``unreached``: as :func:`_grad`'s."""
     ys, ts = [], []
     for y, t in zip(outs, touts, strict=True):  # (a loop, not a comprehension: on every call)
         if y.requires_grad:
             ys.append(y)
             ts.append(t)
-    grads = _grad(ys, inputs, ts, create_graph=keep)
+    grads = _grad(ys, inputs, ts, create_graph=keep, unreached=unreached)
     for g in grads:
         if type(g) is not torch.Tensor:
             return _placed(grads, inputs)
@@ -223,9 +226,11 @@ def _grad(
     grad_outputs: list[Any] | None = None,
     create_graph: bool = False,
     retain: bool = True,
+    unreached: Callable[[], None] | None = None,
 ) -> Leaves:
     """``torch.autograd.grad`` that gives zeros, never None, for inputs that do not matter.
-    ``retain=False`` frees the graph: for the last backward pass through it."""
+    ``retain=False`` frees the graph: for the last backward pass through it. ``unreached`` is
+    called where outputs that require grad reach no input (:func:`_refuse_hidden_cut`)."""
     if not outputs:
         return tuple(torch.zeros_like(x) for x in inputs)
     grads = torch.autograd.grad(
@@ -238,6 +243,8 @@ def _grad(
     )
     for g in grads:  # (a loop, not a generator: on every call; cheaper than materialize_grads=True)
         if g is None:
+            if unreached is not None and all(g is None for g in grads):
+                unreached()
             return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs, strict=True))
     return grads  # type: ignore[no-any-return]
 
@@ -248,8 +255,10 @@ def _refuse_hidden_cut(fn: Fn, xs: Leaves) -> None:
     grad), so whether it requires grad does not say x's graph leads to it. f is evaluated at x
     and at a point apart, grad mode off: refused where its output moves (f cut x's graph:
     ``torch.tensor(y.item())``), else the derivative is zero. Only where every gradient is None,
-    so no call that reaches x pays for it."""
+    so no call that reaches x pays for it. Refused first where that other graph holds x's own
+    tensors (:func:`_refuse_a_read_of_x_itself`)."""
     points = tuple(x.detach() for x in xs)
+    _refuse_a_read_of_x_itself(lambda: fn(points)[0], points)
 
     def value(move: float) -> list[Any]:
         with torch.no_grad():
@@ -257,6 +266,43 @@ def _refuse_hidden_cut(fn: Fn, xs: Leaves) -> None:
             return [_arrays.by_kind(_arrays.kind(y)).values(y) for y in (out if type(out) is tuple else (out,))]
 
     refuse_a_moved_output(value, max(map(_arrays.resolution, points), default=0.0), "torch")
+
+
+def _refuse_a_read_of_x_itself(at_x: Callable[[], Any], points: Leaves) -> None:
+    """Refused: f's output requires grad through a tensor on the memory of one of x's leaves, a
+    tensor f reads itself rather than through its argument (``model(data)`` where x is
+    ``dict(model.named_parameters())``): x's derivative through that read would be zero, with
+    no error. f is evaluated once more at x (``at_x()``, its output), and its output's graph
+    walked to its leaves; a leaf that holds x's values bit for bit counts too (on a prep's first
+    call f gets copies of x)."""
+    memory = {_memory(x) for x in points if x.numel()} - {None}
+    with torch.enable_grad():
+        out = at_x()
+    nodes = [y.grad_fn for y in _tree.leaves(out) if isinstance(y, torch.Tensor)]
+    seen: set[Any] = set()
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # (a leaf's AccumulateGrad)
+        if isinstance(variable, torch.Tensor) and (_memory(variable) in memory or _holds_one(variable, points)):
+            raise InvalidOutputError(
+                "f reads the tensors of x itself (a module's parameters it calls, model(data), where x is "
+                "dict(model.named_parameters())), not only the leaves it is given for them: diffiface "
+                "differentiates those leaves, so the derivative through that read would be zero. Compute with "
+                "f's argument: torch.func.functional_call(model, params, (data,))."
+            )
+        nodes.extend(next_node for next_node, _ in node.next_functions)
+
+
+def _holds_one(tensor: Any, points: Leaves) -> bool:
+    """Whether ``tensor`` holds one of ``points``' values bit for bit (shape, dtype and values)."""
+    with torch.no_grad():
+        return any(
+            x.shape == tensor.shape and x.dtype == tensor.dtype and x.device == tensor.device and torch.equal(x, tensor)
+            for x in points
+        )
 
 
 def _whole(grads: Leaves, inputs: Leaves) -> Leaves:

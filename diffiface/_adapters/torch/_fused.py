@@ -220,7 +220,7 @@ class _Pullback(_Gradient):
                 grads = (grads,)
             # (torch.func's semantics: what carries a Constant's or the cotangent's graph keeps it)
             return (out, grads) if fused.value else (grads,)
-        grads = _backward(outs, touts, inputs)
+        grads = _backward(outs, touts, inputs, unreached=lambda: _refuse_hidden_cut(closed, xs))
         return (_detached(out, False), grads) if fused.value else (grads,)
 
 
@@ -372,8 +372,9 @@ class _Hvp(_Gradient):
     __slots__ = ()
 
     def engine(self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves) -> Any:
-        value, _ = self.fused.close(f, context_values, xs[0])(inputs)
-        grads = _grad(_if_graph(value), inputs, create_graph=True)
+        closed = self.fused.close(f, context_values, xs[0])
+        value, _ = closed(inputs)
+        grads = _grad(_if_graph(value), inputs, create_graph=True, unreached=lambda: _refuse_hidden_cut(closed, xs))
         # the gradient's pullback along copies of the tangents (a product the graph passes
         # through unchanged would be the caller's tangent)
         hvps = _backward(grads, tuple(map(_clone, ts)), inputs)
