@@ -120,6 +120,30 @@ def test_keras_trainable_variables(backend: di.Backend, batch: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_f_reading_the_variables_of_x_itself_is_refused(backend: di.Backend) -> None:
+    """x's variables reach f as tensors, which the tape differentiates: an f that reads the
+    variables themselves (``model(data)`` with x the model's trainable variables, a closure over
+    a ``tf.Variable`` of x) got a zero or partial derivative with no error."""
+    model = _keras_model()
+    data = tf.constant(np.random.default_rng(0).standard_normal((8, 4)).astype("float32"))
+    trainable = model.trainable_variables
+    ones = [tf.ones_like(v) for v in trainable]
+    forward = lambda trainable: tf.reduce_mean(model(data) ** 2)  # noqa: E731
+    with pytest.raises(di.InvalidOutputError, match=r"dense_?\d*/kernel"):
+        di.gradient(forward, backend, trainable)
+    with pytest.raises(di.InvalidOutputError, match="stateless_call"):
+        di.hvp(forward, backend, trainable, ones)
+    with pytest.raises(di.InvalidOutputError, match="reads the variables"):
+        di.jvp(lambda trainable: model(data), backend, trainable, ones)
+    v = tf.Variable([1.0, 2.0], dtype=tf.float64)
+    with pytest.raises(di.InvalidOutputError, match="reads the variables"):
+        di.gradient(lambda x: tf.reduce_sum(v**2 * x), backend, v)  # (d/dv of v**3 is 3 v**2)
+    # the tensors f is given are differentiated as before, and a variable apart from x is a constant
+    w = tf.Variable([3.0, 4.0], dtype=tf.float64)
+    np.testing.assert_allclose(di.gradient(lambda x: tf.reduce_sum(w * x**2), backend, v).numpy(), [6.0, 16.0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_numpy_in_numpy_out_and_float64_kept(backend: di.Backend) -> None:
     x = np.array([0.1, 0.2, 0.3])  # float64: a float32 computation would miss by ~1e-8
     grad = di.gradient(loss, backend, x)

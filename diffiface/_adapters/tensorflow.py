@@ -59,6 +59,7 @@ class _Tracing(threading.local):
         self.tapes = 0
         self.caches: list[Any] | None = None
         self.scratch: list[Any] = []
+        self.sources: list[Any] = []  # per argument of a graph being traced: its _SOURCES entry
 
 
 _tracing = _Tracing()
@@ -78,7 +79,9 @@ class Adapter(_base.Adapter):
             return leaf if self.compiles else tf.identity(leaf)
         kind = _arrays.kind(leaf)
         if kind == "tensorflow":  # a variable: its value, read once (never the variable itself)
-            return tf.convert_to_tensor(leaf)
+            tensor = tf.convert_to_tensor(leaf)
+            _remember_source(tensor, leaf)
+            return tensor
         if kind == "python":
             return tf.constant(leaf, dtype=tf.complex128 if isinstance(leaf, complex) else tf.float64)
         if kind == "numpy":
@@ -406,6 +409,9 @@ class _Graph:
         self.function = tf.function(self, autograph=False, reduce_retracing=False)
 
     def __call__(self, *arguments: Any) -> list[Any]:
+        for argument, entry in zip(arguments, _tracing.sources, strict=False):
+            if entry is not None:  # (x's tensor read from a variable: so is the graph's argument)
+                _remember_source(argument, entry[2])
         args = optree.tree_unflatten(self.arguments, arguments)
         result = self.program(*args, self.key) if self.static else self.program(*args)
         leaves, spec = optree.tree_flatten(result, none_is_leaf=True)
@@ -418,14 +424,69 @@ class _Graph:
         # than nested tuples
         leaves: list[Any]
         leaves, self.arguments = optree.tree_flatten(args)  # type: ignore[arg-type]
-        out = self.function(*leaves)
+        _tracing.sources = [_SOURCES.get(id(leaf)) for leaf in leaves]
+        try:
+            out = self.function(*leaves)
+        finally:
+            _tracing.sources = []
         assert self.kept is not None  # (set by the trace, which the first call runs)
         spec, mask, others = self.kept
         tensors, rest = iter(out), iter(others)
         return optree.tree_unflatten(spec, [next(tensors) if m else next(rest) for m in mask])
 
 
+_SOURCES: dict[int, tuple[Any, Any, Any]] = {}
+"""Per tensor of x read from a variable (by id, while it lives): a weak reference to the
+tensor, the ``tf.Variable`` a tape watches for it (a Keras 3 variable's own) and the variable."""
+
+
+def _remember_source(tensor: Any, variable: Any) -> None:
+    value = getattr(variable, "value", None)  # (a Keras 3 variable holds a tf.Variable)
+    watched = value if isinstance(value, tf.Variable) else variable
+    key = id(tensor)
+    _SOURCES[key] = (weakref.ref(tensor, lambda _: _SOURCES.pop(key, None)), watched, variable)
+
+
+def _sources(xs: Leaves) -> list[tuple[Any, Any]]:
+    """The variables that x's tensors were read from: each as a tape watches it, and itself."""
+    entries = [_SOURCES.get(id(x)) for x in xs]
+    return [(entry[1], entry[2]) for entry, x in zip(entries, xs, strict=True) if entry is not None and entry[0]() is x]
+
+
 def _traced(fn: Fn, xs: Leaves) -> tuple[Any, Any]:
+    """``fn(xs)`` under a call's tape, which :meth:`Adapter.untracked` knows of; refused where
+    its output reads a variable of x itself (:func:`_refuse_source_read`)."""
+    sources = _sources(xs)
+    if not sources:
+        return _traced_caches(fn, xs)
+    with tf.GradientTape(watch_accessed_variables=False) as tape:
+        tape.watch([watched for watched, _ in sources])
+        result = _traced_caches(fn, xs)
+    _refuse_source_read(tape, result[0], sources)
+    return result
+
+
+def _refuse_source_read(tape: Any, out: Any, sources: list[tuple[Any, Any]]) -> None:
+    """Refused: an output of f that reads a variable of x itself rather than the tensor f is
+    given for it (``model(data)`` where x is ``model.trainable_variables``). The tape
+    differentiates the tensors, so that read would be a constant: a zero or partial
+    derivative with no error."""
+    outs = [y for y in tf.nest.flatten(out) if isinstance(y, tf.Tensor) and _inexact(y.dtype)]
+    if not outs:
+        return
+    grads = tape.gradient(outs, [watched for watched, _ in sources])
+    read = [variable for (_, variable), g in zip(sources, grads, strict=True) if g is not None]
+    if read:
+        names = ", ".join(str(getattr(variable, "path", None) or variable.name) for variable in read)
+        raise InvalidOutputError(
+            f"f reads the variables {names} of x itself (model(data) where x is model.trainable_variables), "
+            "not the tensors it is given for them. diffiface differentiates those tensors, so the read would "
+            "add nothing to the derivative. Compute with f's argument: model.stateless_call(trainable, "
+            "non_trainable, data) for a Keras model."
+        )
+
+
+def _traced_caches(fn: Fn, xs: Leaves) -> tuple[Any, Any]:
     """``fn(xs)`` under a call's tape, which :meth:`Adapter.untracked` knows of; on a prep's
     first call, refused where its output reads a Cache's variable that f wrote."""
     _tracing.tapes += 1
