@@ -583,6 +583,33 @@ def test_a_cut_under_the_callers_tape_is_refused() -> None:
         di.gradient(lambda z: di.gradient(cut, "tensorflow", x, di.Constant(tf.reduce_sum(z)))[0], "tensorflow", x)
 
 
+def test_a_cut_under_the_callers_tape_is_refused_by_every_product() -> None:
+    """Under a caller's tape that watches a variable f reads, every output of f is recorded:
+    a value cut from x gave a vjp, a Jacobian, a jvp and a derivative of zeros with no error
+    (a vjp of ``x**2 * w`` cut at x = [1, 5], w = [2, 3]: [0, 0] where [4, 30] is right)."""
+    w = tf.Variable([2.0, 3.0], dtype=tf.float64)
+    x = tf.constant([1.0, 5.0], dtype=tf.float64)
+    ones = tf.ones(2, dtype=tf.float64)
+    cut = lambda v: tf.constant(v.numpy() ** 2) * w  # noqa: E731
+    apart = lambda v: tf.stack([tf.reduce_sum(v**2), tf.reduce_sum(w)])  # noqa: E731
+    with tf.GradientTape():
+        for product in (
+            lambda: di.vjp(cut, "tensorflow", x, ones),
+            lambda: di.jacobian(cut, "tensorflow", x),
+            lambda: di.jvp(cut, "tensorflow", x, ones),
+            lambda: di.derivative(
+                lambda s: tf.constant(s.numpy() ** 2) * w, "tensorflow", tf.constant(1.5, tf.float64)
+            ),
+        ):
+            with pytest.raises(di.InvalidOutputError, match="changes with x"):
+                product()
+        # an output leaf apart from x has zero derivative beside one that depends on it
+        split = lambda v: (v**2, w * 2.0)  # noqa: E731
+        np.testing.assert_allclose(di.jacobian(apart, "tensorflow", x).numpy(), [[2.0, 10.0], [0.0, 0.0]])
+        np.testing.assert_allclose(di.jvp(split, "tensorflow", x, ones)[1].numpy(), [0.0, 0.0])
+        np.testing.assert_allclose(di.vjp(split, "tensorflow", x, (ones, ones)).numpy(), [2.0, 10.0])
+
+
 def test_a_keras_model_constant_written_by_f_is_restored_and_refused() -> None:
     """A Keras model passed as a Constant reaches f as it is; TensorFlow keeps no count of a
     variable's writes, so a prep's first call compares the model's variables: BatchNormalization

@@ -246,12 +246,15 @@ class Adapter(_base.Adapter):
     # -- primitives -------------------------------------------------------------------------------
 
     def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
+        outside = record.could_possibly_record()  # (before this call's tape: another one records)
         # persistent: the pullback may be applied many times (a Jacobian's rows)
         with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
             tape.watch(xs)
             out, aux = _traced(fn, xs)
 
         outs = list(_base.as_tuple(out))
+        if outside:
+            _refuse_hidden_cuts(tape, fn, xs, outs)
 
         def vjp(touts: Any) -> Leaves:
             # (each cotangent leaf in the dtype of f's output leaf: a Python float, taken as any float
@@ -272,7 +275,7 @@ class Adapter(_base.Adapter):
             return value, aux, _dense(tape.gradient(value, list(xs), unconnected_gradients=_ZERO))
         grads = tape.gradient(value, list(xs))
         if all(g is None for g in grads):
-            _refuse_hidden_cut(fn, xs)
+            _refuse_hidden_cut(fn, xs, [0])
         return value, aux, _dense([tf.zeros_like(x) if g is None else g for g, x in zip(grads, xs, strict=True)])
 
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
@@ -283,8 +286,9 @@ class Adapter(_base.Adapter):
         convention's. So every derivative of f is the tape's."""
         # the pullback's adjoint under Re<a, b>: the gradient in u of Re<t, vjp(u)> (the pullback
         # is linear in u over the reals)
+        outside = record.could_possibly_record()
         with tf.GradientTape(watch_accessed_variables=False) as outer:
-            with tf.GradientTape(watch_accessed_variables=False) as inner:
+            with tf.GradientTape(persistent=outside, watch_accessed_variables=False) as inner:
                 inner.watch(xs)
                 out, aux = _traced(fn, xs)
             outs = list(_base.as_tuple(out))
@@ -297,6 +301,8 @@ class Adapter(_base.Adapter):
                 term = tf.reduce_sum(tf.math.real(tf.math.conj(tf.cast(t, g.dtype)) * g))
                 total += tf.cast(term, tf.float64)
         found = _dense(outer.gradient(total, us, unconnected_gradients=_ZERO))  # (a gather's: IndexedSlices)
+        if outside:
+            _refuse_hidden_cuts(inner, fn, xs, outs)
         touts = tuple(tf.cast(t, y.dtype) for t, y in zip(found, outs, strict=True))
         return out, aux, _base.shaped_as(out, touts)
 
@@ -546,17 +552,30 @@ def _dense(grads: list[Any]) -> Leaves:
     return tuple(g if isinstance(g, tf.Tensor) else tf.convert_to_tensor(g) for g in grads)
 
 
-def _refuse_hidden_cut(fn: Fn, xs: Leaves) -> None:
+def _refuse_hidden_cuts(tape: Any, fn: Fn, xs: Leaves, outs: list[Any]) -> None:
+    """:func:`_refuse_hidden_cut` for the output leaves from which this call's persistent tape
+    leads to no leaf of x."""
+    cut = [
+        index
+        for index, y in enumerate(outs)
+        if _inexact(y.dtype) and all(g is None for g in tape.gradient(y, list(xs)))
+    ]
+    if cut:
+        _refuse_hidden_cut(fn, xs, cut)
+
+
+def _refuse_hidden_cut(fn: Fn, xs: Leaves, cut: list[int]) -> None:
     """Under another tape (the caller's, or an outer diffiface call's), an output that a tape
     records may still be cut from x: whether any tape records it (what :meth:`Adapter.untracked`
-    asks) does not say this call's does. Where no gradient reached x, f is evaluated at x and at
-    a point apart: refused where its output moves (a cut), else the derivative is zero. Eager
-    only (a graph's outputs are checked by their operations). (Tapes are left recording, as in
+    asks) does not say this call's does (a caller's tape records what reads its variables). Where
+    no gradient reached x from the output leaves at ``cut``, f is evaluated at x and at a point
+    apart: refused where one of them moves (a cut), else its derivative is zero. Eager only (a
+    graph's outputs are checked by their operations). (Tapes are left recording, as in
     :func:`_refuse_read_back`: an f that differentiates inside itself needs its own.)"""
     if not all(isinstance(x, _EAGER) for x in xs):
         return
     before, after = (
-        [_arrays.by_kind(_arrays.kind(y)).values(y) for y in tf.nest.flatten(fn(point)[0])]
+        [_arrays.by_kind(_arrays.kind(y)).values(y) for y in (_base.as_tuple(fn(point)[0])[i] for i in cut)]
         for point in (xs, _apart(xs))
     )
     _base.refuse_a_moved_output(before, after, "tensorflow")
