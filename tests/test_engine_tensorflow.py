@@ -120,6 +120,30 @@ def test_keras_trainable_variables(backend: di.Backend, batch: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_f_reading_the_variables_of_x_itself_is_refused(backend: di.Backend) -> None:
+    """x's variables reach f as tensors, which the tape differentiates: an f that reads the
+    variables themselves (``model(data)`` with x the model's trainable variables, a closure over
+    a ``tf.Variable`` of x) got a zero or partial derivative with no error."""
+    model = _keras_model()
+    data = tf.constant(np.random.default_rng(0).standard_normal((8, 4)).astype("float32"))
+    trainable = model.trainable_variables
+    ones = [tf.ones_like(v) for v in trainable]
+    forward = lambda trainable: tf.reduce_mean(model(data) ** 2)  # noqa: E731
+    with pytest.raises(di.InvalidOutputError, match=r"dense_?\d*/kernel"):
+        di.gradient(forward, backend, trainable)
+    with pytest.raises(di.InvalidOutputError, match="stateless_call"):
+        di.hvp(forward, backend, trainable, ones)
+    with pytest.raises(di.InvalidOutputError, match="reads the variables"):
+        di.jvp(lambda trainable: model(data), backend, trainable, ones)
+    v = tf.Variable([1.0, 2.0], dtype=tf.float64)
+    with pytest.raises(di.InvalidOutputError, match="reads the variables"):
+        di.gradient(lambda x: tf.reduce_sum(v**2 * x), backend, v)  # (d/dv of v**3 is 3 v**2)
+    # the tensors f is given are differentiated as before, and a variable apart from x is a constant
+    w = tf.Variable([3.0, 4.0], dtype=tf.float64)
+    np.testing.assert_allclose(di.gradient(lambda x: tf.reduce_sum(w * x**2), backend, v).numpy(), [6.0, 16.0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_numpy_in_numpy_out_and_float64_kept(backend: di.Backend) -> None:
     x = np.array([0.1, 0.2, 0.3])  # float64: a float32 computation would miss by ~1e-8
     grad = di.gradient(loss, backend, x)
@@ -557,6 +581,33 @@ def test_a_cut_under_the_callers_tape_is_refused() -> None:
     assert float(tape.gradient(total, c)) == pytest.approx(6.0)
     with pytest.raises(di.InvalidOutputError, match="changes with x"):
         di.gradient(lambda z: di.gradient(cut, "tensorflow", x, di.Constant(tf.reduce_sum(z)))[0], "tensorflow", x)
+
+
+def test_a_cut_under_the_callers_tape_is_refused_by_every_product() -> None:
+    """Under a caller's tape that watches a variable f reads, every output of f is recorded:
+    a value cut from x gave a vjp, a Jacobian, a jvp and a derivative of zeros with no error
+    (a vjp of ``x**2 * w`` cut at x = [1, 5], w = [2, 3]: [0, 0] where [4, 30] is right)."""
+    w = tf.Variable([2.0, 3.0], dtype=tf.float64)
+    x = tf.constant([1.0, 5.0], dtype=tf.float64)
+    ones = tf.ones(2, dtype=tf.float64)
+    cut = lambda v: tf.constant(v.numpy() ** 2) * w  # noqa: E731
+    apart = lambda v: tf.stack([tf.reduce_sum(v**2), tf.reduce_sum(w)])  # noqa: E731
+    with tf.GradientTape():
+        for product in (
+            lambda: di.vjp(cut, "tensorflow", x, ones),
+            lambda: di.jacobian(cut, "tensorflow", x),
+            lambda: di.jvp(cut, "tensorflow", x, ones),
+            lambda: di.derivative(
+                lambda s: tf.constant(s.numpy() ** 2) * w, "tensorflow", tf.constant(1.5, tf.float64)
+            ),
+        ):
+            with pytest.raises(di.InvalidOutputError, match="changes with x"):
+                product()
+        # an output leaf apart from x has zero derivative beside one that depends on it
+        split = lambda v: (v**2, w * 2.0)  # noqa: E731
+        np.testing.assert_allclose(di.jacobian(apart, "tensorflow", x).numpy(), [[2.0, 10.0], [0.0, 0.0]])
+        np.testing.assert_allclose(di.jvp(split, "tensorflow", x, ones)[1].numpy(), [0.0, 0.0])
+        np.testing.assert_allclose(di.vjp(split, "tensorflow", x, (ones, ones)).numpy(), [2.0, 10.0])
 
 
 def test_a_keras_model_constant_written_by_f_is_restored_and_refused() -> None:

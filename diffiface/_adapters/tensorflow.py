@@ -59,6 +59,7 @@ class _Tracing(threading.local):
         self.tapes = 0
         self.caches: list[Any] | None = None
         self.scratch: list[Any] = []
+        self.sources: list[Any] = []  # per argument of a graph being traced: its _SOURCES entry
 
 
 _tracing = _Tracing()
@@ -78,7 +79,9 @@ class Adapter(_base.Adapter):
             return leaf if self.compiles else tf.identity(leaf)
         kind = _arrays.kind(leaf)
         if kind == "tensorflow":  # a variable: its value, read once (never the variable itself)
-            return tf.convert_to_tensor(leaf)
+            tensor = tf.convert_to_tensor(leaf)
+            _remember_source(tensor, leaf)
+            return tensor
         if kind == "python":
             return tf.constant(leaf, dtype=tf.complex128 if isinstance(leaf, complex) else tf.float64)
         if kind == "numpy":
@@ -243,12 +246,15 @@ class Adapter(_base.Adapter):
     # -- primitives -------------------------------------------------------------------------------
 
     def pullback_function(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Callable[[Any], Leaves]]:
+        outside = record.could_possibly_record()  # (before this call's tape: another one records)
         # persistent: the pullback may be applied many times (a Jacobian's rows)
         with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
             tape.watch(xs)
             out, aux = _traced(fn, xs)
 
         outs = list(_base.as_tuple(out))
+        if outside:
+            _refuse_hidden_cuts(tape, fn, xs, outs)
 
         def vjp(touts: Any) -> Leaves:
             # (each cotangent leaf in the dtype of f's output leaf: a Python float, taken as any float
@@ -269,7 +275,7 @@ class Adapter(_base.Adapter):
             return value, aux, _dense(tape.gradient(value, list(xs), unconnected_gradients=_ZERO))
         grads = tape.gradient(value, list(xs))
         if all(g is None for g in grads):
-            _refuse_hidden_cut(fn, xs)
+            _refuse_hidden_cut(fn, xs, [0])
         return value, aux, _dense([tf.zeros_like(x) if g is None else g for g, x in zip(grads, xs, strict=True)])
 
     def value_and_pushforward(self, fn: Fn, xs: Leaves, txs: Leaves) -> tuple[Any, Any, Any]:
@@ -280,8 +286,9 @@ class Adapter(_base.Adapter):
         convention's. So every derivative of f is the tape's."""
         # the pullback's adjoint under Re<a, b>: the gradient in u of Re<t, vjp(u)> (the pullback
         # is linear in u over the reals)
+        outside = record.could_possibly_record()
         with tf.GradientTape(watch_accessed_variables=False) as outer:
-            with tf.GradientTape(watch_accessed_variables=False) as inner:
+            with tf.GradientTape(persistent=outside, watch_accessed_variables=False) as inner:
                 inner.watch(xs)
                 out, aux = _traced(fn, xs)
             outs = list(_base.as_tuple(out))
@@ -294,6 +301,8 @@ class Adapter(_base.Adapter):
                 term = tf.reduce_sum(tf.math.real(tf.math.conj(tf.cast(t, g.dtype)) * g))
                 total += tf.cast(term, tf.float64)
         found = _dense(outer.gradient(total, us, unconnected_gradients=_ZERO))  # (a gather's: IndexedSlices)
+        if outside:
+            _refuse_hidden_cuts(inner, fn, xs, outs)
         touts = tuple(tf.cast(t, y.dtype) for t, y in zip(found, outs, strict=True))
         return out, aux, _base.shaped_as(out, touts)
 
@@ -406,6 +415,9 @@ class _Graph:
         self.function = tf.function(self, autograph=False, reduce_retracing=False)
 
     def __call__(self, *arguments: Any) -> list[Any]:
+        for argument, entry in zip(arguments, _tracing.sources, strict=False):
+            if entry is not None:  # (x's tensor read from a variable: so is the graph's argument)
+                _remember_source(argument, entry[2])
         args = optree.tree_unflatten(self.arguments, arguments)
         result = self.program(*args, self.key) if self.static else self.program(*args)
         leaves, spec = optree.tree_flatten(result, none_is_leaf=True)
@@ -418,14 +430,69 @@ class _Graph:
         # than nested tuples
         leaves: list[Any]
         leaves, self.arguments = optree.tree_flatten(args)  # type: ignore[arg-type]
-        out = self.function(*leaves)
+        _tracing.sources = [_SOURCES.get(id(leaf)) for leaf in leaves]
+        try:
+            out = self.function(*leaves)
+        finally:
+            _tracing.sources = []
         assert self.kept is not None  # (set by the trace, which the first call runs)
         spec, mask, others = self.kept
         tensors, rest = iter(out), iter(others)
         return optree.tree_unflatten(spec, [next(tensors) if m else next(rest) for m in mask])
 
 
+_SOURCES: dict[int, tuple[Any, Any, Any]] = {}
+"""Per tensor of x read from a variable (by id, while it lives): a weak reference to the
+tensor, the ``tf.Variable`` a tape watches for it (a Keras 3 variable's own) and the variable."""
+
+
+def _remember_source(tensor: Any, variable: Any) -> None:
+    value = getattr(variable, "value", None)  # (a Keras 3 variable holds a tf.Variable)
+    watched = value if isinstance(value, tf.Variable) else variable
+    key = id(tensor)
+    _SOURCES[key] = (weakref.ref(tensor, lambda _: _SOURCES.pop(key, None)), watched, variable)
+
+
+def _sources(xs: Leaves) -> list[tuple[Any, Any]]:
+    """The variables that x's tensors were read from: each as a tape watches it, and itself."""
+    entries = [_SOURCES.get(id(x)) for x in xs]
+    return [(entry[1], entry[2]) for entry, x in zip(entries, xs, strict=True) if entry is not None and entry[0]() is x]
+
+
 def _traced(fn: Fn, xs: Leaves) -> tuple[Any, Any]:
+    """``fn(xs)`` under a call's tape, which :meth:`Adapter.untracked` knows of; refused where
+    its output reads a variable of x itself (:func:`_refuse_source_read`)."""
+    sources = _sources(xs)
+    if not sources:
+        return _traced_caches(fn, xs)
+    with tf.GradientTape(watch_accessed_variables=False) as tape:
+        tape.watch([watched for watched, _ in sources])
+        result = _traced_caches(fn, xs)
+    _refuse_source_read(tape, result[0], sources)
+    return result
+
+
+def _refuse_source_read(tape: Any, out: Any, sources: list[tuple[Any, Any]]) -> None:
+    """Refused: an output of f that reads a variable of x itself rather than the tensor f is
+    given for it (``model(data)`` where x is ``model.trainable_variables``). The tape
+    differentiates the tensors, so that read would be a constant: a zero or partial
+    derivative with no error."""
+    outs = [y for y in tf.nest.flatten(out) if isinstance(y, tf.Tensor) and _inexact(y.dtype)]
+    if not outs:
+        return
+    grads = tape.gradient(outs, [watched for watched, _ in sources])
+    read = [variable for (_, variable), g in zip(sources, grads, strict=True) if g is not None]
+    if read:
+        names = ", ".join(str(getattr(variable, "path", None) or variable.name) for variable in read)
+        raise InvalidOutputError(
+            f"f reads the variables {names} of x itself (model(data) where x is model.trainable_variables), "
+            "not the tensors it is given for them. diffiface differentiates those tensors, so the read would "
+            "add nothing to the derivative. Compute with f's argument: model.stateless_call(trainable, "
+            "non_trainable, data) for a Keras model."
+        )
+
+
+def _traced_caches(fn: Fn, xs: Leaves) -> tuple[Any, Any]:
     """``fn(xs)`` under a call's tape, which :meth:`Adapter.untracked` knows of; on a prep's
     first call, refused where its output reads a Cache's variable that f wrote."""
     _tracing.tapes += 1
@@ -485,19 +552,32 @@ def _dense(grads: list[Any]) -> Leaves:
     return tuple(g if isinstance(g, tf.Tensor) else tf.convert_to_tensor(g) for g in grads)
 
 
-def _refuse_hidden_cut(fn: Fn, xs: Leaves) -> None:
+def _refuse_hidden_cuts(tape: Any, fn: Fn, xs: Leaves, outs: list[Any]) -> None:
+    """:func:`_refuse_hidden_cut` for the output leaves from which this call's persistent tape
+    leads to no leaf of x."""
+    cut = [
+        index
+        for index, y in enumerate(outs)
+        if _inexact(y.dtype) and all(g is None for g in tape.gradient(y, list(xs)))
+    ]
+    if cut:
+        _refuse_hidden_cut(fn, xs, cut)
+
+
+def _refuse_hidden_cut(fn: Fn, xs: Leaves, cut: list[int]) -> None:
     """Under another tape (the caller's, or an outer diffiface call's), an output that a tape
     records may still be cut from x: whether any tape records it (what :meth:`Adapter.untracked`
-    asks) does not say this call's does. Where no gradient reached x, f is evaluated at x and at
-    a point apart: refused where its output moves (a cut), else the derivative is zero. Eager
-    only (a graph's outputs are checked by their operations). (Tapes are left recording, as in
+    asks) does not say this call's does (a caller's tape records what reads its variables). Where
+    no gradient reached x from the output leaves at ``cut``, f is evaluated at x and at a point
+    apart: refused where one of them moves (a cut), else its derivative is zero. Eager only (a
+    graph's outputs are checked by their operations). (Tapes are left recording, as in
     :func:`_refuse_read_back`: an f that differentiates inside itself needs its own.)"""
     if not all(isinstance(x, _EAGER) for x in xs):
         return
 
     def value(move: float) -> list[Any]:
-        point = _apart(xs, move) if move else xs
-        return [_arrays.by_kind(_arrays.kind(y)).values(y) for y in tf.nest.flatten(fn(point)[0])]
+        outs = _base.as_tuple(fn(_apart(xs, move) if move else xs)[0])
+        return [_arrays.by_kind(_arrays.kind(outs[i])).values(outs[i]) for i in cut]
 
     _base.refuse_a_moved_output(value, max(map(_arrays.resolution, xs), default=0.0), "tensorflow")
 
