@@ -278,13 +278,7 @@ def _refuse_a_read_of_x_itself(at_x: Callable[[], Any], points: Leaves) -> None:
     memory = {_memory(x) for x in points if x.numel()} - {None}
     with torch.enable_grad():
         out = at_x()
-    nodes = [y.grad_fn for y in _tree.leaves(out) if isinstance(y, torch.Tensor)]
-    seen: set[Any] = set()
-    while nodes:
-        node = nodes.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
+    for node in graph_nodes(tuple(_tree.leaves(out))):
         variable = getattr(node, "variable", None)  # (a leaf's AccumulateGrad)
         if isinstance(variable, torch.Tensor) and (_memory(variable) in memory or _holds_one(variable, points)):
             raise InvalidOutputError(
@@ -293,7 +287,6 @@ def _refuse_a_read_of_x_itself(at_x: Callable[[], Any], points: Leaves) -> None:
                 "differentiates those leaves, so the derivative through that read would be zero. Compute with "
                 "f's argument: torch.func.functional_call(model, params, (data,))."
             )
-        nodes.extend(next_node for next_node, _ in node.next_functions)
 
 
 def _holds_one(tensor: Any, points: Leaves) -> bool:
