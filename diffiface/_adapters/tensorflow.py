@@ -28,7 +28,7 @@ from tensorflow.python.types import core as tensorflow_core
 
 from .. import _arrays
 from .._errors import ArrayTypeError, InvalidOutputError, MutationError, UnsupportedOperationError
-from .._families.tensorflow import dtype_of, put_back, variables_of
+from .._families.tensorflow import dtype_of, names, put_back, variables_of
 from .._families.tensorflow import variable_values as _value
 from . import _base
 from ._base import Fn, Leaves, raised_inside
@@ -357,10 +357,10 @@ class _FirstCallWatch:
             result = self.program(xs, ts, dynamic, static)
         finally:
             _tracing.caches, _tracing.scratch = before
-            names = put_back(variables, kept)
-        if names:
+            restored = put_back(variables, kept)
+        if restored:
             raise MutationError(
-                f"f wrote into the variables {names} of a di.Constant (a Keras layer called with "
+                f"f wrote into the variables {restored} of a di.Constant (a Keras layer called with "
                 "training=True updates its statistics); they are restored. Call the model with "
                 "training=False, compute with model.stateless_call and return the new state (has_aux=True), "
                 "or pass the state to update as a di.Cache."
@@ -483,9 +483,8 @@ def _refuse_source_read(tape: Any, out: Any, sources: list[tuple[Any, Any]]) -> 
     grads = tape.gradient(outs, [watched for watched, _ in sources])
     read = [variable for (_, variable), g in zip(sources, grads, strict=True) if g is not None]
     if read:
-        names = ", ".join(str(getattr(variable, "path", None) or variable.name) for variable in read)
         raise InvalidOutputError(
-            f"f reads the variables {names} of x itself (model(data) where x is model.trainable_variables), "
+            f"f reads the variables {names(read)} of x itself (model(data) where x is model.trainable_variables), "
             "not the tensors it is given for them. diffiface differentiates those tensors, so the read would "
             "add nothing to the derivative. Compute with f's argument: model.stateless_call(trainable, "
             "non_trainable, data) for a Keras model."
@@ -538,9 +537,8 @@ def _refuse_read_back(tape: Any, out: Any, caches: list[Any], fn: Fn, xs: Leaves
                 variable.assign(old)
     written = [variable for variable, m in zip(read, moved, strict=True) if m]
     if written:
-        names = ", ".join(str(getattr(variable, "path", None) or variable.name) for variable in written)
         raise InvalidOutputError(
-            f"f writes values of x into the variables {names} of a di.Cache (variable.assign) and reads them "
+            f"f writes values of x into the variables {names(written)} of a di.Cache (variable.assign) and reads them "
             "back into its output. TensorFlow does not differentiate through an assign, so x's path through "
             "them would read as a constant: a wrong derivative. Keep the value in a tensor (y = 2 * x, not "
             "cache.assign(2 * x)); a Cache's variables may take values that f's output does not read."

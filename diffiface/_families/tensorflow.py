@@ -175,4 +175,9 @@ def put_back(variables: list[Any], kept: list[np.ndarray]) -> str:
     ]
     for variable, old in written:
         variable.assign(old)
-    return ", ".join(str(getattr(variable, "path", None) or variable.name) for variable, _ in written)
+    return names([variable for variable, _ in written])
+
+
+def names(variables: list[Any]) -> str:
+    """The variables' names, as an error gives them (a Keras 3 variable's path)."""
+    return ", ".join(str(getattr(variable, "path", None) or variable.name) for variable in variables)
