@@ -1050,6 +1050,7 @@ def test_an_f_that_runs_the_module_instead_of_its_argument_is_refused(
     ones = {k: torch.ones_like(v) for k, v in params.items()}
     others: list[Callable[[], Any]] = [
         lambda: di.vjp(lambda p: model(data).reshape(-1), backend, params, torch.ones(5, dtype=torch.float64)),
+        lambda: di.jacobian(lambda p: model(data).reshape(-1), backend, params),
         lambda: di.hvp(slip, backend, params, ones),
         lambda: di.hessian(slip, backend, params),
     ]

@@ -417,9 +417,13 @@ class Adapter(_base.Adapter):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # (torch's slow fallback for an operation without a batching rule)
-                return self._jacobian_by_transform(fn, xs, "reverse")
+                found = self._jacobian_by_transform(fn, xs, "reverse")
         except (RuntimeError, Warning, _BatchedWrongly):  # (f's own errors come again from the rows)
             return super().value_and_jacobian(fn, xs, mode)
+        if not any(bool(block.any()) for row in found[2] for block in row):  # (as the rows' backward passes refuse)
+            points = tuple(x.detach() for x in xs)
+            _refuse_a_read_of_x_itself(lambda: fn(points)[0], points)
+        return found
 
     def _jacobian_by_transform(self, fn: Fn, xs: Leaves, mode: str | None) -> tuple[Any, Any, Blocks]:
         """``torch.func.jacrev`` (``jacfwd`` where ``mode`` is ``"forward"``) of ``fn``."""
