@@ -150,17 +150,18 @@ class Adapter(_base.Adapter):
             return not leaf.requires_grad
         if leaf.requires_grad and not _DUALS[0]:  # the common case: tracked in reverse mode
             return False
-        if any(map(_requires_grad, xs)):  # reverse mode, torch.autograd's or torch.func's
-            return not leaf.requires_grad
+        if not _DUALS[0] and any(map(_requires_grad, xs)):  # reverse mode, torch.autograd's or torch.func's
+            return True
         if _dual_parts(leaf)[1] is None:  # (a tangent: tracked, the common case)
             # forward mode, ours or torch.func's (inside its jvp each tensor is wrapped alike, but
-            # one cut from x, by .item() or .detach(), carries no tangent of its level)
+            # one cut from x, by .item() or .detach(), carries no tangent of its level; under ours,
+            # one may require grad through the caller's graph, create_graph's, and carry none)
             return any(_dual_parts(x)[1] is not None for x in xs)
         return False
 
     def refuse_a_read_of_x(self, at_x: Callable[[], Any], xs: Leaves) -> None:
-        # (under torch.func, and inside its transforms, a tensor f reads itself is a constant, by its design)
-        if not self.functional and not any(map(_wrapped, xs)):
+        # (inside the caller's own torch.func transforms, a tensor f reads itself is a constant, by their design)
+        if self.functional or not any(map(_wrapped, xs)):
             _refuse_a_read_of_x_itself(at_x, tuple(x.detach() for x in xs if isinstance(x, torch.Tensor)))
 
     def plain(self, leaf: Any) -> Any:

@@ -17,7 +17,7 @@ from ..._errors import InvalidOutputError
 from .._base import Blocks, Fn, Leaves, refuse_a_moved_output
 from ._dtensor import _cotangents, _placed
 from ._explain import _autograd_in_func
-from ._guard import _clone, _memory, _version, _wrapped
+from ._guard import _clone, _memory, _unwrapped, _version, _wrapped
 
 
 def _tensor_aux(fn: Fn) -> tuple[Fn, Callable[[Any], Any]]:
@@ -278,7 +278,9 @@ def _refuse_a_read_of_x_itself(at_x: Callable[[], Any], points: Leaves) -> None:
     memory = {_memory(x) for x in points if x.numel()} - {None}
     with torch.enable_grad():
         out = at_x()
-    for node in graph_nodes(tuple(_tree.leaves(out))):
+    # (under torch.func, f's output and x as the tensors they wrap: the caller's graph holds the read)
+    points = tuple(map(_unwrapped, points))
+    for node in graph_nodes(tuple(map(_unwrapped, _tree.leaves(out)))):
         variable = getattr(node, "variable", None)  # (a leaf's AccumulateGrad)
         if isinstance(variable, torch.Tensor) and (_memory(variable) in memory or _holds_one(variable, points)):
             raise InvalidOutputError(

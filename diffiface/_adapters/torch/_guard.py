@@ -571,13 +571,18 @@ class _WriteFinder(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _unwrapped(tensor: Any) -> Any:
+    """The tensor a torch.func transform's tensor wraps, level by level; any other value itself."""
+    while isinstance(tensor, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        tensor = torch._C._functorch.get_unwrapped(tensor)
+    return tensor
+
+
 def _memory(tensor: Any) -> int | None:
     """Where a tensor's storage begins (under a torch.func transform, that of the tensor it
     wraps: a ``detach()`` of a tensor f closes over is one); None where it has none."""
     try:
-        while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
-            tensor = torch._C._functorch.get_unwrapped(tensor)
-        return int(tensor.untyped_storage().data_ptr())
+        return int(_unwrapped(tensor).untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError):
         return None
 
