@@ -1067,3 +1067,108 @@ def test_an_f_that_runs_the_module_instead_of_its_argument_is_refused(
     other = torch.randn(3, dtype=torch.float64, requires_grad=True)
     zero = di.gradient(lambda p: (other**2).sum(), backend, params)
     assert all(bool(g.eq(0).all()) for g in zero.values())
+
+
+def _writes_its_cache(how: str) -> Callable[..., Any]:
+    """An f that reads its Cache (what the last call left there), then writes into it a value
+    computed from x (``cache.copy_(h)`` or ``cache[:] = h``)."""
+
+    def f(x: Any, cache: Any) -> Any:
+        y = (cache + x).sum()
+        if how == "copy_":
+            cache.copy_(x * 2)
+        else:
+            cache[:] = x * 2
+        return y * (cache**2).sum()
+
+    return f
+
+
+def _read_only(x: Any, last: Any) -> Any:
+    """The f of :func:`_writes_its_cache` with what its Cache held on entry as a Constant."""
+    return (last + x).sum() * ((x * 2) ** 2).sum()
+
+
+_CACHE_CALLS: dict[str, Callable[..., Any]] = {
+    "gradient": lambda f, b, x, c, prep: di.gradient(f, b, x, c, prep=prep),
+    "value_and_gradient": lambda f, b, x, c, prep: di.value_and_gradient(f, b, x, c, prep=prep)[1],
+    "vjp": lambda f, b, x, c, prep: di.vjp(f, b, x, torch.tensor(1.0, dtype=x.dtype), c, prep=prep),
+    "jvp": lambda f, b, x, c, prep: di.jvp(f, b, x, torch.ones_like(x), c, prep=prep),
+    "jacobian": lambda f, b, x, c, prep: di.jacobian(f, b, x, c, prep=prep),
+    "hvp": lambda f, b, x, c, prep: di.hvp(f, b, x, torch.ones_like(x), c, prep=prep),
+    "hessian": lambda f, b, x, c, prep: di.hessian(f, b, x, c, prep=prep),
+}
+
+
+def _cache_prep(operator: str, f: Any, backend: Any, x: Any, cache: Any) -> Any:
+    if operator in ("vjp", "jvp", "hvp"):
+        tangent = torch.tensor(1.0, dtype=x.dtype) if operator == "vjp" else torch.ones_like(x)
+        return getattr(di, f"prepare_{operator}")(f, backend, x, tangent, di.Cache(cache))
+    return getattr(di, f"prepare_{operator}")(f, backend, x, di.Cache(cache))
+
+
+@pytest.mark.parametrize("how", ["copy_", "setitem"])
+@pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
+@pytest.mark.parametrize("operator", list(_CACHE_CALLS))
+def test_a_cache_f_writes_from_x_keeps_no_graph_after_the_call(operator: str, prepared: bool, how: str) -> None:
+    """A Cache tensor f wrote a value of x into was left in the call's graph (requires_grad, a
+    CopyBackwards grad_fn): the caller's tensor kept that graph alive, and a backward pass of the
+    caller's through it met a graph already freed (torch's raw RuntimeError)."""
+    # expected: after every call the Cache holds what f wrote, requires no grad and has no
+    # grad_fn; each call's derivative is that of f with what the last call left as a constant;
+    # the caller's own backward pass through the Cache works
+    backend = di.AutoTorch(jvp="reverse") if operator == "jvp" else "torch"  # (forward mode records no graph)
+    f = _writes_its_cache(how)
+    x = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    cache = torch.zeros(3, dtype=torch.float64)
+    call = _CACHE_CALLS[operator]
+    prep = _cache_prep(operator, f, backend, x, cache) if prepared else None
+    for step in range(3):
+        last = cache.clone()
+        got = call(f, backend, x + step, di.Cache(cache), prep)
+        expected = call(_read_only, backend, x + step, di.Constant(last), None)
+        torch.testing.assert_close(got, expected)
+        torch.testing.assert_close(cache, 2 * (x + step))
+        assert not cache.requires_grad and cache.grad_fn is None
+    weight = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    (cache * weight).sum().backward()
+    torch.testing.assert_close(weight.grad, cache)
+
+
+def test_a_cache_keeps_its_graph_where_the_call_keeps_one() -> None:
+    # expected: with create_graph=True the Cache keeps the graph f's write gave it (the results
+    # carry theirs); a Cache that carried the caller's graph before the call is left as it is;
+    # under torch.func the write is refused, a MutationError that says to use autograd mode
+    f = _writes_its_cache("copy_")
+    x = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    cache = torch.zeros(3, dtype=torch.float64)
+    grad = di.gradient(f, di.AutoTorch(create_graph=True), x, di.Cache(cache))
+    assert grad.requires_grad and cache.requires_grad and cache.grad_fn is not None
+    weight = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    carried = torch.zeros(3, dtype=torch.float64) * weight
+    node = carried.grad_fn
+    di.gradient(lambda x, c: (c * x).sum(), "torch", x, di.Cache(carried))
+    assert carried.grad_fn is node
+    with pytest.raises(di.MutationError, match="mode='autograd'"):
+        di.gradient(f, "torch-func", x, di.Cache(torch.zeros(3, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("operator", ["gradient", "hessian"])
+def test_a_cache_that_is_a_view_f_writes_from_x_into_is_refused(operator: str) -> None:
+    # expected: torch cannot detach a view in place: a ContextError naming the Cache's leaf and
+    # saying to pass a tensor of its own; one that owns its memory beside it is cut all the same;
+    # a view f does not write from x into is served
+    f = _writes_its_cache("setitem")
+    x = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    buffer, own = torch.zeros(5, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+
+    def g(x: Any, caches: Any) -> Any:
+        caches["own"].copy_(x)
+        return f(x, caches["view"])
+
+    with pytest.raises(di.ContextError, match=r"contexts\[0\]\['view'\].*view.*clone\(\)"):
+        getattr(di, operator)(g, "torch", x, di.Cache({"own": own, "view": buffer[:3]}))
+    assert not own.requires_grad
+    torch.testing.assert_close(own, x)
+    read = torch.ones(5, dtype=torch.float64)[:3]
+    torch.testing.assert_close(di.gradient(lambda x, c: (c * x).sum(), "torch", x, di.Cache(read)), read)

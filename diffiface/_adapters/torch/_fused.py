@@ -40,6 +40,8 @@ from ._explain import _TANGENT_WRITE
 from ._guard import (
     _STRIDED,
     _clone,
+    _cut_caches,
+    _loose_caches,
     _module_states,
     _Names,
     _refuse_failure,
@@ -73,13 +75,26 @@ class _Gradient:
     ``_FUSED``. torch.func's gradient and Jacobian, which it did not show so, take the guard's
     steps."""
 
-    __slots__ = ("cache_static", "checked", "constant_at", "first", "functional", "fused", "guarded", "names", "plain")
+    __slots__ = (
+        "cache_at",
+        "cache_static",
+        "checked",
+        "constant_at",
+        "first",
+        "functional",
+        "fused",
+        "guarded",
+        "names",
+        "plain",
+    )
 
     def __init__(self, guarded: Callable[..., Any], fused: Any, parts: Any, functional: bool) -> None:
         self.guarded = guarded
         self.fused = fused
         self.checked = fused.checked
         self.constant_at = tuple(i for i, cache in enumerate(parts.cache_dynamic) if not cache)
+        # (the Caches, cut from the call's graph after it, as the guard's rule says: autograd mode only)
+        self.cache_at = () if functional else tuple(i for i, cache in enumerate(parts.cache_dynamic) if cache)
         # (None: no static context leaf is a Constant, which may be a torch.nn.Module)
         self.cache_static = None if all(parts.cache_static) else parts.cache_static
         self.names = _Names(parts)
@@ -122,6 +137,7 @@ class _Gradient:
         versions = list(map(_version, inputs))
         constants: list[tuple[int, Any, int]] = []
         given_dynamic = dynamic  # (the caller's: compared with f's copies after a first call)
+        loose = _loose_caches(dynamic, self.cache_at) if self.cache_at and dynamic else None
         if dynamic and self.constant_at:
             dynamic, constants = _watched_constants(dynamic, self.constant_at, copy, not self.functional)
         fused = self.fused
@@ -145,10 +161,14 @@ class _Gradient:
         try:
             result = self.engine(inputs, xs, ts, f, context_values)
         except BaseException as exc:
+            if loose:
+                _cut_caches(loose, self.names)  # (a view among them: f's own failure is the one raised)
             watched = (inputs, xs, versions, constants, given_dynamic, modules, self.names, copy)
             _refuse_failure(exc, stack, True, watched, lambda: self.engine(inputs, xs, ts, f, context_values))
             raise
         stack.pop()
+        # (a fused call keeps no graph: f's writes into its Caches cut from it, as the guard's)
+        cut = _cut_caches(loose, self.names) if loose else None
         if not torch.is_grad_enabled():  # f switched it off (torch.set_grad_enabled) and did not switch back
             torch.set_grad_enabled(True)
         dirty = list(map(_version, inputs)) != versions or (modules is not None and modules.changed())
@@ -157,6 +177,8 @@ class _Gradient:
         if dirty or copy:
             _refuse_writes(dirty, (inputs, xs, versions, constants, given_dynamic, modules, self.names, copy))
         self.first = False
+        if cut is not None:  # (a Cache that is a view, left in the graph: after f's other writes are named)
+            raise cut
         return result
 
     def engine(self, inputs: Leaves, xs: Leaves, ts: Leaves, f: Callable[..., Any], context_values: Leaves) -> Any:

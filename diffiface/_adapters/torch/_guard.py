@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 from ... import tree as _tree
 from ..._contexts import held
-from ..._errors import DiffifaceError, MutationError
+from ..._errors import ContextError, DiffifaceError, MutationError
 from ..._families.torch import CALLS as _CALLS
 from ..._families.torch import ModuleParts, module_parts
 from ..._families.torch import inside_a_call as inside_a_call
@@ -55,7 +55,8 @@ def _guard(
     - Results keep their graph where the caller asks for it (``create_graph``), under torch.func
       (its semantics), where an outer diffiface call differentiates f, or where x carries the
       caller's forward-mode tangent (:func:`_keeps`); else they are detached, as
-      ``torch.autograd.grad``'s are.
+      ``torch.autograd.grad``'s are, and a Cache tensor f's write put in the graph is detached in
+      place (:func:`_cut_caches`).
     - What f may write: one rule for x and every Constant, tensor or module, stated in
       docs/policies.md ("In-place f"): copies on a prep's first call (a write undone and named),
       version counters on later calls (a write named, not undone). Copied on every call besides:
@@ -70,6 +71,9 @@ def _guard(
     names = _Names(parts)
     # which dynamic context leaves are Constants (watched), not Caches (f's scratch space)
     constant_at = tuple(i for i, cache in enumerate(cache_dynamic) if not cache)
+    # (and which are Caches, cut from the call's graph after it: in autograd mode, where f's write
+    # lands; torch.func refuses it)
+    cache_at = () if functional else tuple(i for i, cache in enumerate(cache_dynamic) if cache)
     watch_static = not all(cache_static)  # a Constant static leaf may be a torch.nn.Module
     autograd = not functional  # (an inference tensor: copied on every call in autograd mode only)
     asked = functional or create_graph
@@ -119,6 +123,7 @@ def _guard(
         if ts:
             ts = tuple(map(_clone, ts))
             tangent_versions = list(map(_version, ts))
+        loose = _loose_caches(dynamic, cache_at) if cache_at and dynamic else None
         constants: list[tuple[int, Any, int]] = []
         if dynamic and constant_at:
             dynamic, constants = _watched_constants(dynamic, constant_at, copy, autograd)
@@ -129,6 +134,8 @@ def _guard(
         try:
             result = program(xs, ts, dynamic, static)
         except BaseException as exc:
+            if loose and not keep:
+                _cut_caches(loose, names)  # (a view among them: f's own failure is the one raised)
             watched = (xs, given, versions, constants, given_dynamic, modules, names, copy)
             _refuse_failure(exc, stack, grad_mode, watched, lambda: program(xs, ts, dynamic, static))
             raise
@@ -137,6 +144,7 @@ def _guard(
             torch.set_grad_enabled(grad_mode)
         if not keep:  # (a call that keeps no graph gives its results as torch.autograd.grad does)
             result = _out_of_graph(result)
+        cut = _cut_caches(loose, names) if loose and not keep else None
         # (as the fused calls read them: map, in C, costs less than a loop on every call)
         dirty = list(map(_version, xs)) != versions or (modules is not None and modules.changed())
         for _, tensor, version in constants:
@@ -146,6 +154,8 @@ def _guard(
         first[0] = False
         if ts and list(map(_version, ts)) != tangent_versions:
             raise MutationError(_TANGENT_WRITE)
+        if cut is not None:  # (a Cache that is a view, left in the graph: after f's other writes are named)
+            raise cut
         return result
 
     return guarded
@@ -235,6 +245,41 @@ def _watched_constants(
                 fresh[i] = value = value.clone()
             constants.append((i, value, value._version))
     return dynamic if fresh is None else tuple(fresh), constants
+
+
+def _loose_caches(dynamic: Leaves, cache_at: tuple[int, ...]) -> list[tuple[int, Any]]:
+    """(index, tensor) of each Cache tensor among the dynamic context leaves that carries no
+    graph before f runs, for :func:`_cut_caches` after it (one that requires grad is the
+    caller's: left as it is)."""
+    return [
+        (i, dynamic[i])
+        for i in cache_at
+        if i < len(dynamic) and isinstance(dynamic[i], torch.Tensor) and not dynamic[i].requires_grad
+    ]
+
+
+def _cut_caches(caches: list[tuple[int, Any]], names: _Names) -> ContextError | None:
+    """Each Cache tensor of :func:`_loose_caches` that f's write of a value it computed from x
+    attached to the call's graph (``cache.copy_(h)``, ``cache[:] = h``), detached in place, in a
+    call that keeps no graph: it holds what f wrote, and the caller's tensor keeps neither the
+    graph's memory nor a graph a later use would differentiate through. torch cannot detach a
+    view in place (its base would give it its graph back): for one, the ContextError the call
+    raises once its checks of f's other writes are done (None where there is none)."""
+    refusal = None
+    for i, tensor in caches:
+        if not tensor.requires_grad:
+            continue
+        if not tensor._is_view():
+            tensor.detach_()
+        elif refusal is None:
+            refusal = ContextError(
+                f"f wrote a value computed from x into {names.of_dynamic(i)}, a di.Cache tensor that is a "
+                "view of another tensor (such as buffer[:n]): torch made it part of this call's graph and "
+                "cannot detach a view in place, so it would keep that graph, and its memory, alive after the "
+                "call. Pass a tensor that owns its memory as the Cache (the whole buffer, or buffer[:n].clone()) "
+                "and take the view inside f."
+            )
+    return refusal
 
 
 _Watched = tuple[Leaves, Leaves, list[int], list[tuple[int, Any, int]], Leaves, "_Watch | None", "_Names", bool]
