@@ -544,6 +544,85 @@ def test_a_float32_engines_own_rounding_is_allowed_when_f_takes_a_constant():
     assert [row.status for row in closed.rows] == [row.status for row in given.rows] == ["passed"]
 
 
+def _squares_with_rule(framework: str, factor: float, float32_only: bool = False) -> tuple[Any, Any]:
+    """``sum(x**2)`` whose hand-written rule returns ``factor`` times its gradient, and a float32
+    x near 1, in ``framework``; ``float32_only``: the rule refuses float64 inputs."""
+    values = [1.0, 0.9, 1.1]
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+
+        class Squares(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, v: Any) -> Any:
+                ctx.save_for_backward(v)
+                return (v**2).sum()
+
+            @staticmethod
+            def backward(ctx: Any, grad: Any) -> Any:
+                (v,) = ctx.saved_tensors
+                if float32_only and v.dtype != torch.float32:
+                    raise TypeError("this rule takes float32 only")
+                return grad * factor * 2 * v
+
+        return Squares.apply, torch.tensor(values, dtype=torch.float32)
+    if framework == "jax":
+        jax = pytest.importorskip("jax")
+
+        @jax.custom_vjp
+        def squares(v: Any) -> Any:
+            return jax.numpy.sum(v**2)
+
+        squares.defvjp(lambda v: (jax.numpy.sum(v**2), v), lambda v, g: (g * factor * 2 * v,))
+        return squares, jax.numpy.asarray(values, dtype=jax.numpy.float32)
+    pytest.importorskip("autograd")
+    from autograd.extend import defvjp, primitive
+
+    @primitive
+    def squared(v: Any) -> Any:
+        return np.sum(v**2)
+
+    defvjp(squared, lambda ans, v: lambda g: g * factor * 2 * v)
+    return squared, np.array(values, dtype=np.float32)
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax", "autograd"])
+def test_a_float32_rule_twice_the_gradient_fails_beside_a_large_offset(framework: str) -> None:
+    # expected: passed. The float32 floor, 4 eps times f's condition over x's scale, grows with
+    # |f|: at f = 3e7 + sum(x**2) it allowed 14 an entry, and a rule giving 4x for 2x passed,
+    # though the engine's own rounding, measured on the float64 copies, is float32's of 2x
+    squares, x = _squares_with_rule(framework, 1.0)
+    report = check_gradients(lambda v: 3e7 + squares(v), x, backends=framework)
+    assert [row.status for row in report.rows] == ["passed"]
+    assert "not checked" not in report.rows[0].message
+    wrong, x = _squares_with_rule(framework, 2.0)
+    with pytest.raises(di.GradientCheckError, match="values differ"):
+        check_gradients(lambda v: 3e7 + wrong(v), x, backends=framework)
+
+
+def test_a_rule_within_the_float32_floor_is_not_passed_where_its_rounding_is_not_measured() -> None:
+    # expected: passed in silence; a rule that refuses float64 copies leaves its own rounding
+    # unmeasured, the floor stands, and the entries that pass by it alone are named
+    wrong, x = _squares_with_rule("torch", 2.0, float32_only=True)
+    report = check_gradients(lambda v: 3e7 + wrong(v), x, backends="torch")
+    assert report.rows[0].status == "passed"
+    assert "own rounding not measured on float64 copies: not checked" in report.rows[0].message
+    right, x = _squares_with_rule("torch", 1.0, float32_only=True)
+    report = check_gradients(lambda v: 3e7 + right(v), x, backends="torch")
+    assert [row.status for row in report.rows] == ["passed"]
+    assert "not checked" not in report.rows[0].message
+
+
+@pytest.mark.parametrize("factor", [1.0, 2.0])
+def test_a_float32_gradient_that_f_s_offset_hides_is_named_not_checked(factor: float) -> None:
+    # expected: passed in silence, the right rule and one twice it alike. At f = 1e8 + sum(x**2)
+    # in float32 the move by x's last bits cannot show f computing in float64 on the copies (1e8
+    # swallows it), so the truth keeps x's rounding, too coarse to see the gradient at all
+    squares, x = _squares_with_rule("torch", factor)
+    report = check_gradients(lambda v: 1e8 + squares(v), x, backends="torch")
+    assert [row.status for row in report.rows] == ["passed"]
+    assert "not checked" in report.rows[0].message
+
+
 def test_engines_that_sum_cancelling_terms_in_another_order_agree_within_rounding():
     """Least squares at its optimum: each gradient entry is 1e4 terms cancelling to near 0, and
     engines summing them in another order differ by f's rounding. Each passed against the ground
