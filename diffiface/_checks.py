@@ -3,7 +3,7 @@ prep is made; output leaves the first time each (type, dtype) is seen."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -255,17 +255,21 @@ def _refuse_cut(
     engine does not trace, where the others are traced (only they must not change; None: all)."""
     plain = [adapter.plain(leaf) for leaf in xs]
 
-    def value(move: float) -> list[np.ndarray]:
-        leaves = [leaf + move * (1 + abs(leaf)) for leaf in plain] if move else plain
-        x = leaves[0] if x_spec == _LEAF else rebuild(leaves)
-        # (through tolist: a torch.func tensor has no storage for numpy to read)
-        out = [_arrays.by_kind(_arrays.kind(leaf)).values(leaf) for leaf in _tree.leaves(f(x, *context_values))]
+    def at(leaves: Sequence[Any]) -> list[Any]:
+        """The output leaves the engine does not trace, of f at x's ``leaves``."""
+        out = _tree.leaves(f(leaves[0] if x_spec == _LEAF else rebuild(leaves), *context_values))
         return out if untracked is None or len(out) <= max(untracked, default=-1) else [out[i] for i in untracked]
 
-    adapter.refuse_a_read_of_x(
-        lambda: f(plain[0] if x_spec == _LEAF else rebuild(plain), *context_values), tuple(plain)
-    )
-    refuse_a_moved_output(value, max(map(_arrays.resolution, plain), default=0.0), adapter.backend.name)
+    def value(move: float) -> list[np.ndarray]:
+        # (through tolist: a torch.func tensor has no storage for numpy to read)
+        return [
+            _arrays.by_kind(_arrays.kind(leaf)).values(leaf)
+            for leaf in at([leaf + move * (1 + abs(leaf)) for leaf in plain] if move else plain)
+        ]
+
+    adapter.refuse_a_read_of_x(at, tuple(plain), tuple(_tree.leaves(context_values)))
+    if adapter.cuts_unseen:
+        refuse_a_moved_output(value, max(map(_arrays.resolution, plain), default=0.0), adapter.backend.name)
 
 
 def _checked(op: Operator, result: Any, output: _Output, adapter: Adapter) -> list[Any]:

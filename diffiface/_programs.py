@@ -117,8 +117,18 @@ def _program(
         names_dynamic=tuple(n for n, m in zip(names, mask, strict=True) if m),
         names_static=tuple(n for n, m in zip(names, mask, strict=True) if not m),
         fused=fused,
+        x_arrays=tuple(map(_weak_reference, call.x_leaves)),
     )
     return program, parts
+
+
+def _weak_reference(leaf: Any) -> weakref.ref[Any] | None:
+    """A weak reference to ``leaf``, or None for a value that takes none (a float): a program
+    must not keep the caller's arrays alive."""
+    try:
+        return weakref.ref(leaf)
+    except TypeError:
+        return None
 
 
 _FUSABLE = (

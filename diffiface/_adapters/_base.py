@@ -147,7 +147,10 @@ class ProgramParts:
       dynamic and static context leaves (``x['w']``, ``contexts[0][1]``), for an error that
       names one;
     - ``fused``: the parts of the program an engine may run in one call of its own
-      (:class:`~diffiface._programs.Fused`), where the operator allows it; else None.
+      (:class:`~diffiface._programs.Fused`), where the operator allows it; else None;
+    - ``x_arrays``: weak references to x's leaves in the call the program is built for (None
+      for a leaf that takes none), where an engine that traces f with x's values abstract
+      (jit) finds x's own arrays (:meth:`Adapter.refuse_a_read_of_x`).
     """
 
     cache_dynamic: tuple[bool, ...] = ()
@@ -156,6 +159,7 @@ class ProgramParts:
     names_dynamic: tuple[str, ...] = ()
     names_static: tuple[str, ...] = ()
     fused: Any = None
+    x_arrays: tuple[Any, ...] = dataclasses.field(default=(), compare=False)  # (weak references hash their arrays)
 
 
 NO_PARTS = ProgramParts()
@@ -245,11 +249,20 @@ class Adapter:
         """A traced input leaf's value, outside any trace (for evaluating ``f`` elsewhere)."""
         return leaf
 
-    def refuse_a_read_of_x(self, at_x: Callable[[], Any], xs: Leaves) -> None:
+    def refuse_a_read_of_x(self, at: Callable[[Leaves], list[Any]], xs: Leaves, given: Leaves) -> None:
         """Where the engine's trace does not lead from x to f's output: refuses an output that
         reads x's own arrays rather than f's argument (a model f calls, whose parameters x
         holds), by which f's output may change with x where the trace sees nothing.
-        ``at_x()``: f's output at ``xs``, plain values. Nothing by default."""
+        ``at(leaves)``: the output leaves the trace misses, of f at x's ``leaves``; ``xs``:
+        x's leaves, plain values; ``given``: the leaves of the contexts f is given (an array
+        of x among them is f's to read). Nothing by default."""
+
+    cuts_unseen = True
+    """Whether f can cut the engine's trace without an error (``float(y)``, ``y.item()``,
+    ``torch.no_grad()``): an output the trace misses is then evaluated at a point apart too,
+    and refused where it moves. False where every cut raises (jax's traced arrays refuse
+    float(), .item() and numpy; ``lax.stop_gradient`` is a cut f asks for): such an output
+    does not change with x, unless it reads x's own arrays (:meth:`refuse_a_read_of_x`)."""
 
     traced_function: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
     """For an engine that sees less of an f compiled by itself (a ``tf.function``, whose call is
@@ -556,6 +569,8 @@ _INNER_PARTS = (
     "context_to_native",
     "constant_to_native",
     "untracked",
+    "refuse_a_read_of_x",
+    "cuts_unseen",
     "plain",
     "output_leaf",
     "scope",

@@ -8,7 +8,9 @@ inside a scoped ``jax.enable_x64(True)``; the global flag is never changed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _arrays
-from .._errors import MutationError, UnsupportedOperationError
+from .._errors import InvalidOutputError, MutationError, UnsupportedOperationError
 from .._families import _jax_placement as _placement
 from .._families.jax import rebuilds_alike
 from . import _base
@@ -81,6 +83,32 @@ class Adapter(_base.Adapter):
     def returns_like(self, leaf: Any) -> bool:
         return self.compiles and isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
 
+    def untracked(self, leaf: Any, xs: Leaves) -> bool:
+        # (an output that depends on x is a tracer of x's own trace, jax's differentiation of f:
+        # any other, a concrete array or a tracer of an enclosing jit or vmap, does not)
+        for x in xs:
+            if isinstance(x, _Tracer):
+                return not (isinstance(leaf, _Tracer) and leaf._trace is x._trace)
+        return False
+
+    cuts_unseen = False  # (float(), .item() and numpy refuse a traced array)
+
+    def refuse_a_read_of_x(self, at: Callable[[Leaves], list[Any]], xs: Leaves, given: Leaves) -> None:
+        own = _own_arrays(xs)
+        if not own:
+            return
+        closed = jax.make_jaxpr(at)(tuple(xs))  # (x an argument: its values are no constants of the trace)
+        # (``own`` keeps them alive meanwhile; an array f is given as a context is f's to read)
+        ids = {id(array) for array in own} - {id(leaf) for leaf in given}
+        if any(id(const) in ids for const in _read_constants(closed)):
+            raise InvalidOutputError(
+                "f reads the arrays of x itself (a model it closes over, jax.vmap(model)(data), where x is "
+                "the model's arrays from eqx.partition(model, eqx.is_array) or nnx.split(model)), not the "
+                "arrays it is given for them: diffiface differentiates those, so the derivative through that "
+                "read would be zero. Compute with f's argument: eqx.combine(params, static), "
+                "nnx.merge(graphdef, state)."
+            )
+
     traced_dtype = staticmethod(jax.dtypes.canonicalize_dtype)  # (int64 numpy labels: int32 without x64)
     rebuilds_in_trace = staticmethod(rebuilds_alike)
 
@@ -94,6 +122,8 @@ class Adapter(_base.Adapter):
     ) -> Callable[..., Any]:
         if not self.compiles:
             return program
+        if parts is not None and any(parts.x_arrays):
+            program = _knowing_x(program, parts.x_arrays)
         if arrays and layouts is not None:
             # Every call's arguments are laid out as the prep's: the trace takes its layouts
             # from there, and the call goes straight to jit (on one device, none to know).
@@ -226,6 +256,57 @@ class Adapter(_base.Adapter):
 
     def basis(self, like: Any, index: int) -> Any:
         return jnp.zeros(like.size, like.dtype).at[index].set(1).reshape(like.shape)
+
+
+_Tracer = jax.core.Tracer
+
+
+class _Tracing(threading.local):
+    x: tuple[Any, ...] = ()
+    """x's leaves in the call jit is tracing, where its program knows them (weakly)."""
+
+
+_TRACING = _Tracing()
+
+
+def _knowing_x(program: Callable[..., Any], x_arrays: tuple[Any, ...]) -> Callable[..., Any]:
+    """``program`` (to be compiled by jax.jit) that, while traced, knows x's arrays of the call
+    it was built for (``x_arrays``: weak references): under jit, x's values inside the trace are
+    abstract, and f's constants are met by identity with those arrays (a read of x's own arrays)."""
+
+    @functools.wraps(program)
+    def traced(*args: Any) -> Any:
+        before = _TRACING.x
+        _TRACING.x = tuple(ref() for ref in x_arrays if ref is not None)
+        try:
+            return program(*args)
+        finally:
+            _TRACING.x = before
+
+    return traced
+
+
+def _own_arrays(xs: Leaves) -> list[Any]:
+    """x's own arrays, concrete: the values under the traces of ``xs`` (jit=False), or those
+    of the call jit is tracing."""
+    own = []
+    for x in xs:
+        while isinstance(x, _Tracer) and hasattr(x, "primal"):  # (a forward-mode pass, an hvp's)
+            x = x.primal
+        if isinstance(x, jax.Array) and not isinstance(x, _Tracer):
+            own.append(x)
+    return own + [x for x in _TRACING.x if isinstance(x, jax.Array)]
+
+
+def _read_constants(closed: Any) -> list[Any]:
+    """The constants of a traced f (a ``ClosedJaxpr``) its outputs are computed from: the
+    arrays it closes over, less those only its unused work reads."""
+    jaxpr = closed.jaxpr
+    needed = {id(v) for v in jaxpr.outvars}
+    for eqn in reversed(jaxpr.eqns):
+        if any(id(v) in needed for v in eqn.outvars):
+            needed.update(id(v) for v in eqn.invars)
+    return [const for var, const in zip(jaxpr.constvars, closed.consts, strict=True) if id(var) in needed]
 
 
 class _X64Read:

@@ -159,10 +159,10 @@ class Adapter(_base.Adapter):
             return any(_dual_parts(x)[1] is not None for x in xs)
         return False
 
-    def refuse_a_read_of_x(self, at_x: Callable[[], Any], xs: Leaves) -> None:
+    def refuse_a_read_of_x(self, at: Callable[[Leaves], list[Any]], xs: Leaves, given: Leaves) -> None:
         # (inside the caller's own torch.func transforms, a tensor f reads itself is a constant, by their design)
         if self.functional or not any(map(_wrapped, xs)):
-            _refuse_a_read_of_x_itself(at_x, tuple(x.detach() for x in xs if isinstance(x, torch.Tensor)))
+            _refuse_a_read_of_x_itself(lambda: at(xs), tuple(x.detach() for x in xs if isinstance(x, torch.Tensor)))
 
     def plain(self, leaf: Any) -> Any:
         if _wrapped(leaf):  # a torch.func tensor: its value is reached through the transform
