@@ -40,6 +40,7 @@ from ._call import Call
 from ._contexts import Constant
 from ._dispatch import register_program
 from ._errors import InvalidBackendOptionError, InvalidInputError
+from ._keys import held_arrays
 from ._prep import FunctionRef, Prep, _contents
 from ._tangents import Tangents
 
@@ -143,27 +144,35 @@ class SparseProgram:
 
 
 def _kept_arrays(context_leaves: list[list[Any]]) -> list[tuple[Any, Any]]:
-    """Each array leaf of the contexts as a later call compares it: ``(None, contents)`` where
-    its family keeps its contents, else ``(the array, None)``, compared by identity (jax's
-    arrays, which cannot change in place)."""
+    """Each array of the contexts (:func:`_context_arrays`) as a later call compares it:
+    ``(None, contents)`` where its family keeps its contents, else ``(the array, None)``,
+    compared by identity (jax's arrays, which cannot change in place)."""
     kept = []
-    for leaves in context_leaves:
-        for leaf in leaves:
-            if _arrays.is_array(leaf):
-                contents = _contents(leaf)
-                kept.append((None, contents) if contents is not None else (leaf, None))
+    for leaf in _context_arrays(context_leaves):
+        contents = _contents(leaf)
+        kept.append((None, contents) if contents is not None else (leaf, None))
     return kept
 
 
 def _arrays_hold(kept: list[tuple[Any, Any]], context_leaves: list[list[Any]]) -> bool:
-    """Whether the contexts' array leaves hold what ``kept`` recorded."""
-    arrays = [leaf for leaves in context_leaves for leaf in leaves if _arrays.is_array(leaf)]
+    """Whether the contexts' arrays hold what ``kept`` recorded."""
+    arrays = _context_arrays(context_leaves)
     if len(arrays) != len(kept):
         return False
     for leaf, (same, contents) in zip(arrays, kept, strict=True):
         if not (contents.holds(leaf) if contents is not None else leaf is same):
             return False
     return True
+
+
+def _context_arrays(context_leaves: list[list[Any]]) -> list[Any]:
+    """The contexts' array leaves, and the arrays their plain objects hold (a model's ``.W``)."""
+    return [
+        array
+        for leaves in context_leaves
+        for leaf in leaves
+        for array in ((leaf,) if _arrays.is_array(leaf) else held_arrays(leaf))
+    ]
 
 
 def _sparse_program(name: str, f: Callable[..., Any], backend: Any, call: Call) -> tuple[SparseProgram, type[Prep]]:
