@@ -81,6 +81,9 @@ class Adapter(_base.Adapter):
     def returns_like(self, leaf: Any) -> bool:
         return self.compiles and isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
 
+    def trace_value(self, leaf: Any, xs: Leaves) -> str | None:
+        return f"a jax tracer ({type(leaf).__name__})" if isinstance(leaf, jax.core.Tracer) else None
+
     traced_dtype = staticmethod(jax.dtypes.canonicalize_dtype)  # (int64 numpy labels: int32 without x64)
     rebuilds_in_trace = staticmethod(rebuilds_alike)
 
