@@ -115,10 +115,10 @@ class SparseProgram:
         x, contexts = self.arguments(call.x_leaves, call.context_leaves)
         self.sparse = _Plan(name, f, backend, x, contexts)
         # A local pattern holds for the contexts' values it was found with (a Constant matrix's
-        # zeros are the Jacobian's): what they held, to find it again where they change.
-        # (the record and the plan found with it, together: None where the pattern is global or known)
-        local = isinstance(backend.detector, sparse.LocalDetector)
-        self.kept = (_kept_arrays(call.context_leaves), self.sparse) if local else None
+        # zeros are the Jacobian's), a global one for those of the arrays its tracer read as they
+        # are: what they held, to find it again where they change.
+        # (the record and the plan found with it, together: None where nothing is kept)
+        self.kept = _kept_arrays(call.context_leaves, self.sparse)
 
     def arguments(self, x_leaves: list[Any], context_leaves: list[list[Any]]) -> tuple[Any, tuple[Any, ...]]:
         x = optree.tree_unflatten(self.x_spec, x_leaves)
@@ -139,28 +139,40 @@ class SparseProgram:
             if not _arrays_hold(kept, context_leaves):
                 plan = _Plan(self.name, self.function(), self.backend, x, contexts)
                 self.sparse = plan
-                self.kept = (_kept_arrays(context_leaves), plan)
+                self.kept = _kept_arrays(context_leaves, plan)
         return plan.run(self.name, self.function(), x, contexts), None
 
 
-def _kept_arrays(context_leaves: list[list[Any]]) -> list[tuple[Any, Any]]:
-    """Each array of the contexts (:func:`_context_arrays`) as a later call compares it:
-    ``(None, contents)`` where its family keeps its contents, else ``(the array, None)``,
-    compared by identity (jax's arrays, which cannot change in place)."""
+_Kept: TypeAlias = tuple[list[tuple[int, Any, Any]], "_Plan"]
+
+
+def _kept_arrays(context_leaves: list[list[Any]], plan: _Plan) -> _Kept | None:
+    """The contexts' arrays (:func:`_context_arrays`) whose values ``plan``'s pattern holds for,
+    as a later call compares them, with that plan: every one for a local pattern, those its
+    tracer read as they are for a global one (:attr:`diffiface.sparse.Detection.kept`); None
+    where there are none. Each is ``(its place, None, contents)`` where its family keeps its
+    contents, else ``(its place, the array, None)``, compared by identity (jax's arrays, which
+    cannot change in place)."""
+    arrays = _context_arrays(context_leaves)
+    if isinstance(plan.backend.detector, sparse.LocalDetector):
+        places = list(range(len(arrays)))
+    else:
+        read = {id(array) for array in plan.detection.kept}
+        places = [i for i, array in enumerate(arrays) if id(array) in read]
+        if not places:
+            return None
     kept = []
-    for leaf in _context_arrays(context_leaves):
-        contents = _contents(leaf)
-        kept.append((None, contents) if contents is not None else (leaf, None))
-    return kept
+    for i in places:
+        contents = _contents(arrays[i])
+        kept.append((i, None, contents) if contents is not None else (i, arrays[i], None))
+    return kept, plan
 
 
-def _arrays_hold(kept: list[tuple[Any, Any]], context_leaves: list[list[Any]]) -> bool:
+def _arrays_hold(kept: list[tuple[int, Any, Any]], context_leaves: list[list[Any]]) -> bool:
     """Whether the contexts' arrays hold what ``kept`` recorded."""
     arrays = _context_arrays(context_leaves)
-    if len(arrays) != len(kept):
-        return False
-    for leaf, (same, contents) in zip(arrays, kept, strict=True):
-        if not (contents.holds(leaf) if contents is not None else leaf is same):
+    for i, same, contents in kept:
+        if i >= len(arrays) or not (contents.holds(arrays[i]) if contents is not None else arrays[i] is same):
             return False
     return True
 

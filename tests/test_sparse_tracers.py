@@ -466,6 +466,28 @@ def test_a_local_pattern_is_found_again_for_a_plain_object_s_new_values() -> Non
         np.testing.assert_allclose(found.toarray(), np.ones((4, 4)))
 
 
+def test_numpy_arrays_a_plain_object_holds_are_read_again_by_the_torch_tracer() -> None:
+    """Under the torch tracer a plain object's numpy arrays reach f as they are (f converts them),
+    so their values count: an index array gives the pattern of a gather. The prep, and the
+    unprepared call's cache, kept the pattern of the first indices after the array was replaced
+    or written in place (the diagonal where the anti-diagonal was due; 8 at one entry where a
+    column of 2s was), without an error. The pattern is now found again where they change."""
+    model = _Model(np.array([0, 1, 2, 3]))
+    f = lambda v, m: v[torch.as_tensor(m.w)] * 2.0  # noqa: E731
+    x = torch.arange(1.0, 5.0, dtype=torch.float64)
+    backend = di.AutoSparse("torch")
+    prep = di.prepare_jacobian(f, backend, x, di.Constant(model))
+    di.jacobian(f, backend, x, di.Constant(model))
+    for change in (lambda: setattr(model, "w", np.array([3, 2, 1, 0])), lambda: model.w.__setitem__(0, 1)):
+        change()
+        dense = di.jacobian(f, "torch", x, di.Constant(model))
+        for found in (
+            di.jacobian(f, backend, x, di.Constant(model), prep=prep),
+            di.jacobian(f, backend, x, di.Constant(model)),
+        ):
+            torch.testing.assert_close(found.to_dense(), dense)
+
+
 def test_torch_tensors_beside_a_module_in_a_plain_object_are_abstract() -> None:
     """A trainer object holding a module (its parameters abstract, as they require grad) and a
     tensor: its zeros are not structural either."""

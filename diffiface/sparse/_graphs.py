@@ -6,6 +6,7 @@ them."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -41,6 +42,9 @@ class Detection:
     pattern: Any
     tracer: str
     notes: tuple[str, ...] = ()
+    kept: tuple[Any, ...] = dataclasses.field(default=(), repr=False, compare=False)
+    """The arrays a plain object in a context holds that the tracer read as they are, whose
+    values the pattern holds for (numpy arrays, under the torch tracer)."""
 
 
 def leaf_function(
