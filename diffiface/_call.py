@@ -18,8 +18,8 @@ from ._backends import Backend
 from ._contexts import Context
 from ._errors import ContextError, InvalidInputError
 from ._flatten import key_orders
+from ._keys import held_signature, key_or_identity, static_key
 from ._keys import is_static as _is_static
-from ._keys import key_or_identity, static_key
 from ._prep import Prep, Signature
 from ._tangents import Tangents
 
@@ -184,7 +184,13 @@ def _context_leaf_signature(leaf: Any, by_value: bool) -> tuple[Any, ...]:
     if _arrays.is_array(leaf):
         return _arrays.leaf_signature(leaf)
     if by_value:
-        return ("static", type(leaf), key_or_identity(leaf))
+        # (and the arrays a plain object holds: a pattern found for their shapes holds for no other)
+        held = held_signature(leaf)
+        return (
+            ("static", type(leaf), key_or_identity(leaf), held)
+            if held
+            else ("static", type(leaf), key_or_identity(leaf))
+        )
     return ("static", type(leaf))
 
 

@@ -17,7 +17,7 @@ from ._errors import PreparationMismatchError
 from ._families._shared import MetaLeaves
 from ._families.jax import jax_structure
 from ._flatten import Flatten, key_orders, structure_flatten
-from ._keys import key_or_identity
+from ._keys import held_signature, key_or_identity
 
 __all__ = ["Check", "Unfit", "Plan", "engine_checked", "flattener", "leaf_check", "leaves_check", "optree_flatten"]
 
@@ -38,6 +38,21 @@ class _ByValue:
 
     def __call__(self, value: Any) -> bool:
         return bool(key_or_identity(value) == self.key)
+
+
+class _Holding(_ByValue):
+    """The test of a context value a program is built for that may hold arrays (a model
+    object): by value, and by the shapes and dtypes of the arrays it holds now
+    (:func:`~diffiface._keys.held_signature`), which its signature records too."""
+
+    __slots__ = ("held",)
+
+    def __init__(self, leaf: Any) -> None:
+        super().__init__(leaf)
+        self.held = held_signature(leaf)
+
+    def __call__(self, value: Any) -> bool:
+        return bool(key_or_identity(value) == self.key) and held_signature(value) == self.held
 
 
 def engine_checked(leaf: Any) -> bool:
@@ -65,7 +80,7 @@ def leaf_check(
     if kind == "other" and not by_value:
         return (type(leaf), None) if context else None
     if by_value and kind in ("python", "other"):
-        return type(leaf), _ByValue(leaf)
+        return type(leaf), _Holding(leaf) if kind == "other" else _ByValue(leaf)
     # (a kind with no family is refused by name: compared by its type alone, a later call of
     # another shape or dtype would be taken as fitting)
     return type(leaf), _arrays.by_kind(kind).same(leaf)

@@ -18,6 +18,7 @@ from . import _arrays
 from ._errors import PreparationMismatchError, UnsupportedOperationError
 from ._families import foreign_contents
 from ._families._shared import array_words
+from ._keys import slots as _slots
 from .tree import path_string
 
 if TYPE_CHECKING:
@@ -569,27 +570,6 @@ def _instance(obj: Any, values: list[Any]) -> None:
             values += (name, value)
 
 
-def _slots(cls: type) -> dict[str, Any]:
-    """The slots of ``cls``'s instances (its classes' ``__slots__``), each name and the member
-    that reads it, where the class resolves the name to that member (not a property of a
-    subclass); empty for most classes. Found once per class (up to ``_MOST_HELD`` classes)."""
-    found = _SLOTS.get(cls)
-    if found is None:
-        found = {}
-        for klass in cls.__mro__[:-1]:
-            slots = klass.__dict__.get("__slots__", ())
-            for name in (slots,) if isinstance(slots, str) else slots:
-                member = klass.__dict__.get(name)
-                if type(member) is types.MemberDescriptorType and name not in found and getattr(cls, name) is member:
-                    found[name] = member
-        if len(_SLOTS) < _MOST_HELD:
-            _SLOTS[cls] = found
-    return found
-
-
-_SLOTS: dict[type, dict[str, Any]] = {}
-
-
 def _class_reads(obj: Any, function: types.FunctionType, values: list[Any], seen: set[int]) -> None:
     """What a method ``function`` of ``obj``'s class reads through its attributes from the class:
     each attribute its code names that the class holds (a class constant, a method), and what
@@ -736,6 +716,9 @@ def _trace_of(signature: tuple[Any, ...]) -> str | None:
 def _describe_leaf(signature: tuple[Any, ...]) -> str:
     kind = signature[0]
     if kind == "static":
+        if len(signature) > 3:  # (a plain object in a sparse prep's context: the arrays it holds)
+            held = ", ".join(_describe_leaf(leaf) for leaf in signature[3])
+            return f"a {signature[1].__name__} holding {held}"
         return f"a {signature[1].__name__} (not an array)"
     if kind == "other":  # a pytree only jax knows: its class, then its leaves' shapes and dtypes
         leaves = ", ".join(f"{shape} {dtype}" for shape, dtype in (signature[3] if len(signature) > 3 else ()))

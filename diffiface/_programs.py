@@ -25,7 +25,7 @@ from ._checks import _check_cotangent, _check_cotangents, _checked, _describe, _
 from ._contexts import Cache, Constant
 from ._errors import ContextError, DiffifaceError, InvalidOutputError
 from ._flatten import structure_flatten, structure_unflatten
-from ._keys import static_key
+from ._keys import held_arrays, static_key
 from ._plan import Unfit, optree_flatten
 from ._prep import FunctionRef, Signature
 from ._results import _cast, _padded, _weak_or_dtype, promoted_dtype
@@ -211,6 +211,31 @@ def _merge_contexts(
     return tuple(values)
 
 
+_PLAIN_AUX = frozenset({str, bytes, int, float, complex, bool, type(None)})
+
+
+def _refuse_aux_in_objects(leaves: list[Any], adapter: Adapter, xs: tuple[Any, ...]) -> None:
+    """Refuses an aux leaf that is no pytree (a plain object) holding an array of the engine's
+    trace: the engine takes the leaves of f's result out of its trace, and diffiface converts
+    them to x's array type; an array inside an object is neither, and would come back as a
+    value of a trace that has ended (a tracer, a box, a tensor keeping its graph)."""
+    for leaf in leaves:
+        # (a number or a string first, by its type alone: torch.compile traces this too)
+        if type(leaf) in _PLAIN_AUX or _arrays.family_of(leaf) is not None:
+            continue
+        for array in held_arrays(leaf):
+            what = adapter.trace_value(array, xs)
+            if what is not None:
+                raise InvalidOutputError(
+                    f"With has_aux=True, f's aux holds a {type(leaf).__name__}, which is no pytree, holding "
+                    f"{what} from the {adapter.backend.name} engine's trace. The engine takes the arrays of aux "
+                    "out of its trace, and diffiface gives them x's array type, only where they are pytree "
+                    "leaves: this one would come back as a value of a trace that has ended. Return the arrays "
+                    "in aux themselves (or in dicts, lists, tuples, namedtuples), or register "
+                    f"{type(leaf).__name__} as a pytree (with optree, or the pytree registry of its framework)."
+                )
+
+
 def _closer(
     op: Operator,
     adapter: Adapter,
@@ -271,6 +296,7 @@ def _closer(
                 # its leaves and structure, apart: an engine takes the leaves through as a tuple,
                 # and the structure, f's own (dict key order included), is rebuilt from it
                 aux = tuple(_tree.flatten(aux))
+                _refuse_aux_in_objects(aux[0], adapter, xs)
             if scalar:
                 if (
                     (type(result), getattr(result, "dtype", None)) in checked

@@ -40,6 +40,7 @@ from ._call import Call
 from ._contexts import Constant
 from ._dispatch import register_program
 from ._errors import InvalidBackendOptionError, InvalidInputError
+from ._keys import held_arrays
 from ._prep import FunctionRef, Prep, _contents
 from ._tangents import Tangents
 
@@ -114,10 +115,10 @@ class SparseProgram:
         x, contexts = self.arguments(call.x_leaves, call.context_leaves)
         self.sparse = _Plan(name, f, backend, x, contexts)
         # A local pattern holds for the contexts' values it was found with (a Constant matrix's
-        # zeros are the Jacobian's): what they held, to find it again where they change.
-        # (the record and the plan found with it, together: None where the pattern is global or known)
-        local = isinstance(backend.detector, sparse.LocalDetector)
-        self.kept = (_kept_arrays(call.context_leaves), self.sparse) if local else None
+        # zeros are the Jacobian's), a global one for those of the arrays its tracer read as they
+        # are: what they held, to find it again where they change.
+        # (the record and the plan found with it, together: None where nothing is kept)
+        self.kept = _kept_arrays(call.context_leaves, self.sparse)
 
     def arguments(self, x_leaves: list[Any], context_leaves: list[list[Any]]) -> tuple[Any, tuple[Any, ...]]:
         x = optree.tree_unflatten(self.x_spec, x_leaves)
@@ -138,32 +139,52 @@ class SparseProgram:
             if not _arrays_hold(kept, context_leaves):
                 plan = _Plan(self.name, self.function(), self.backend, x, contexts)
                 self.sparse = plan
-                self.kept = (_kept_arrays(context_leaves), plan)
+                self.kept = _kept_arrays(context_leaves, plan)
         return plan.run(self.name, self.function(), x, contexts), None
 
 
-def _kept_arrays(context_leaves: list[list[Any]]) -> list[tuple[Any, Any]]:
-    """Each array leaf of the contexts as a later call compares it: ``(None, contents)`` where
-    its family keeps its contents, else ``(the array, None)``, compared by identity (jax's
-    arrays, which cannot change in place)."""
+_Kept: TypeAlias = tuple[list[tuple[int, Any, Any]], "_Plan"]
+
+
+def _kept_arrays(context_leaves: list[list[Any]], plan: _Plan) -> _Kept | None:
+    """The contexts' arrays (:func:`_context_arrays`) whose values ``plan``'s pattern holds for,
+    as a later call compares them, with that plan: every one for a local pattern, those its
+    tracer read as they are for a global one (:attr:`diffiface.sparse.Detection.kept`); None
+    where there are none. Each is ``(its place, None, contents)`` where its family keeps its
+    contents, else ``(its place, the array, None)``, compared by identity (jax's arrays, which
+    cannot change in place)."""
+    arrays = _context_arrays(context_leaves)
+    if isinstance(plan.backend.detector, sparse.LocalDetector):
+        places = list(range(len(arrays)))
+    else:
+        read = {id(array) for array in plan.detection.kept}
+        places = [i for i, array in enumerate(arrays) if id(array) in read]
+        if not places:
+            return None
     kept = []
-    for leaves in context_leaves:
-        for leaf in leaves:
-            if _arrays.is_array(leaf):
-                contents = _contents(leaf)
-                kept.append((None, contents) if contents is not None else (leaf, None))
-    return kept
+    for i in places:
+        contents = _contents(arrays[i])
+        kept.append((i, None, contents) if contents is not None else (i, arrays[i], None))
+    return kept, plan
 
 
-def _arrays_hold(kept: list[tuple[Any, Any]], context_leaves: list[list[Any]]) -> bool:
-    """Whether the contexts' array leaves hold what ``kept`` recorded."""
-    arrays = [leaf for leaves in context_leaves for leaf in leaves if _arrays.is_array(leaf)]
-    if len(arrays) != len(kept):
-        return False
-    for leaf, (same, contents) in zip(arrays, kept, strict=True):
-        if not (contents.holds(leaf) if contents is not None else leaf is same):
+def _arrays_hold(kept: list[tuple[int, Any, Any]], context_leaves: list[list[Any]]) -> bool:
+    """Whether the contexts' arrays hold what ``kept`` recorded."""
+    arrays = _context_arrays(context_leaves)
+    for i, same, contents in kept:
+        if i >= len(arrays) or not (contents.holds(arrays[i]) if contents is not None else arrays[i] is same):
             return False
     return True
+
+
+def _context_arrays(context_leaves: list[list[Any]]) -> list[Any]:
+    """The contexts' array leaves, and the arrays their plain objects hold (a model's ``.W``)."""
+    return [
+        array
+        for leaves in context_leaves
+        for leaf in leaves
+        for array in ((leaf,) if _arrays.is_array(leaf) else held_arrays(leaf))
+    ]
 
 
 def _sparse_program(name: str, f: Callable[..., Any], backend: Any, call: Call) -> tuple[SparseProgram, type[Prep]]:

@@ -733,6 +733,49 @@ def test_an_aux_prng_key_comes_back_as_f_returned_it() -> None:
     np.testing.assert_array_equal(jax.random.key_data(next_key), jax.random.key_data(jax.random.split(key)[0]))
 
 
+class _Holder:
+    """An object that is no pytree, holding an array."""
+
+    def __init__(self, array: Any) -> None:
+        self.array = array
+
+
+@pytest.mark.parametrize("backend_id", [*FIRST_ORDER, "jax without jit"])
+def test_an_aux_object_that_is_no_pytree_holding_traced_arrays_is_refused(backend_id: str) -> None:
+    """An aux leaf no pytree registry takes apart (a plain object, an unregistered dataclass)
+    holding an array f computed came back holding what the engine's trace left in it: a jax
+    tracer, an autograd ArrayBox, a torch tensor keeping its graph (or a dead torch.func
+    wrapper), an mlx placeholder, a symbolic pytensor variable. It is refused, naming the
+    fix; the engines that call f with plain arrays (finite differences) return it as f did."""
+    backend = require(backend_id.split()[0])
+    if backend_id == "jax without jit":
+        backend = di.AutoJAX(jit=False)
+
+    def f(v: Any) -> Any:
+        xp = namespace(v)
+        return xp.sum(v**2), {"state": _Holder(xp.sin(v))}
+
+    x = np.array([0.5, 1.0, 2.0])
+    calls = {
+        "value_and_gradient": lambda: di.value_and_gradient(f, backend, x, has_aux=True),
+        "prepared": lambda: di.value_and_gradient(
+            f, backend, x, has_aux=True, prep=di.prepare_value_and_gradient(f, backend, x, has_aux=True)
+        ),
+        "value_and_vjp": lambda: di.value_and_vjp(f, backend, x, np.float64(1.0), has_aux=True),
+        "value_and_batched_jvp": lambda: di.value_and_batched_jvp(f, backend, x, di.Tangents(x, x), has_aux=True),
+    }
+    for name, call in calls.items():
+        # (f's arrays are plain ones there; torch's forward mode leaves its own plain too)
+        if backend.black_box or (backend_id == "torch-autograd" and name == "value_and_batched_jvp"):
+            (_, aux), _ = call()
+            array = aux["state"].array
+            assert getattr(array, "grad_fn", None) is None, name
+            np.testing.assert_allclose(to_numpy(array), np.sin(x), rtol=1e-6, err_msg=name)
+            continue
+        with pytest.raises(di.InvalidOutputError, match=r"_Holder, which is no pytree.*register _Holder"):
+            call()
+
+
 @pytest.mark.parametrize("backend_id", ["jax", "jax without jit", "torch-autograd", "autograd", "finite_differences"])
 def test_numpy_results_are_the_callers_to_write(backend_id: str) -> None:
     """numpy in, numpy out, writable as numpy's own results are: jax's came back as read-only

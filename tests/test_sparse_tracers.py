@@ -403,6 +403,91 @@ def test_arrays_deeper_in_a_plain_object_are_abstract_and_it_is_not_written() ->
     np.testing.assert_allclose(found, dense, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("engine", ["finite_differences", "autograd", "jax", "torch"])
+def test_a_plain_object_s_arrays_of_another_shape_are_another_signature(engine: str) -> None:
+    """The arrays a plain object in a Constant holds are abstract, but their shapes are not: a
+    filter of one tap has a diagonal Jacobian, of three taps three diagonals. Their shapes were
+    not part of the prep's signature, so after ``model.w`` got two more taps the prep, and the
+    unprepared call's cache, reused the diagonal pattern: the two new diagonals were added into
+    the old one (6 where 1, 0 and 0 were due), without an error (or a raw ValueError or
+    IndexError where the output's length changed). Now a strict prep refuses the call, naming
+    the shapes, and an unprepared or non-strict call detects the pattern again."""
+    backend: Any = engine
+    as_array: Callable[[np.ndarray], Any] = np.asarray
+    roll: Callable[[Any, int], Any] = anp.roll
+    x: Any = np.arange(1.0, 7.0)
+    if engine == "jax":
+        jax = pytest.importorskip("jax")
+
+        def as_array(a: np.ndarray) -> Any:
+            with jax.enable_x64(True):
+                return jax.numpy.asarray(a)
+
+        roll = jax.numpy.roll
+        backend = di.AutoJAX(jit=False)  # (jit refuses a plain object in a Constant)
+    elif engine == "torch":
+        as_array, roll, x = torch.tensor, lambda v, k: torch.roll(v, k), torch.tensor(x)
+    model = _Model(as_array(np.array([1.0])))
+
+    def f(v: Any, m: Any) -> Any:  # a circular filter of len(m.w) taps
+        return sum(m.w[k] * roll(v, k) for k in range(len(m.w)))
+
+    sparse_backend = di.AutoSparse(backend)
+    prep = di.prepare_jacobian(f, sparse_backend, x, di.Constant(model))
+    loose = prep.with_strictness(False)
+    di.jacobian(f, sparse_backend, x, di.Constant(model))  # (the unprepared call's cache)
+    model.w = as_array(np.array([1.0, 2.0, 3.0]))
+    dense = _dense_of(di.jacobian(f, backend, x, di.Constant(model)))
+    assert np.count_nonzero(dense) == 18
+    with pytest.raises(di.PreparationMismatchError, match=r"holding .*shape \(3,\)"):
+        di.jacobian(f, sparse_backend, x, di.Constant(model), prep=prep)
+    for found in (
+        di.jacobian(f, sparse_backend, x, di.Constant(model)),
+        di.jacobian(f, sparse_backend, x, di.Constant(model), prep=loose),
+    ):
+        np.testing.assert_allclose(_dense_of(found), dense, rtol=1e-6, atol=1e-6)
+
+
+def test_a_local_pattern_is_found_again_for_a_plain_object_s_new_values() -> None:
+    """LocalDetector's pattern holds for the contexts' values it was found with, and is found
+    again where they change; the arrays of a plain object in a Constant were not compared, so
+    ``model.w`` made dense kept the diagonal pattern (4 on the diagonal, zeros elsewhere)."""
+    model = _Model(np.eye(4))
+    f = lambda v, m: m.w @ v  # noqa: E731
+    backend = di.AutoSparse("autograd", detector=sparse.LocalDetector())
+    x = np.arange(1.0, 5.0)
+    prep = di.prepare_jacobian(f, backend, x, di.Constant(model))
+    di.jacobian(f, backend, x, di.Constant(model))
+    model.w = np.ones((4, 4))
+    for found in (
+        di.jacobian(f, backend, x, di.Constant(model), prep=prep),
+        di.jacobian(f, backend, x, di.Constant(model)),
+    ):
+        np.testing.assert_allclose(found.toarray(), np.ones((4, 4)))
+
+
+def test_numpy_arrays_a_plain_object_holds_are_read_again_by_the_torch_tracer() -> None:
+    """Under the torch tracer a plain object's numpy arrays reach f as they are (f converts them),
+    so their values count: an index array gives the pattern of a gather. The prep, and the
+    unprepared call's cache, kept the pattern of the first indices after the array was replaced
+    or written in place (the diagonal where the anti-diagonal was due; 8 at one entry where a
+    column of 2s was), without an error. The pattern is now found again where they change."""
+    model = _Model(np.array([0, 1, 2, 3]))
+    f = lambda v, m: v[torch.as_tensor(m.w)] * 2.0  # noqa: E731
+    x = torch.arange(1.0, 5.0, dtype=torch.float64)
+    backend = di.AutoSparse("torch")
+    prep = di.prepare_jacobian(f, backend, x, di.Constant(model))
+    di.jacobian(f, backend, x, di.Constant(model))
+    for change in (lambda: setattr(model, "w", np.array([3, 2, 1, 0])), lambda: model.w.__setitem__(0, 1)):
+        change()
+        dense = di.jacobian(f, "torch", x, di.Constant(model))
+        for found in (
+            di.jacobian(f, backend, x, di.Constant(model), prep=prep),
+            di.jacobian(f, backend, x, di.Constant(model)),
+        ):
+            torch.testing.assert_close(found.to_dense(), dense)
+
+
 def test_torch_tensors_beside_a_module_in_a_plain_object_are_abstract() -> None:
     """A trainer object holding a module (its parameters abstract, as they require grad) and a
     tensor: its zeros are not structural either."""

@@ -249,6 +249,14 @@ class Adapter:
         """A traced input leaf's value, outside any trace (for evaluating ``f`` elsewhere)."""
         return leaf
 
+    def trace_value(self, leaf: Any, xs: Leaves) -> str | None:
+        """What ``leaf``, an array ``f`` returned, is in words where it is a value of the
+        engine's trace of ``xs`` that only the engine takes out of that trace, as it does the
+        leaves of f's result (an aux's array inside an object that is no pytree would leave
+        the trace with it); None where it is not. Engines that call f with plain values keep
+        the default, None."""
+        return None
+
     def refuse_a_read_of_x(self, at: Callable[[Leaves], list[Any]], xs: Leaves, given: Leaves) -> None:
         """Where the engine's trace does not lead from x to f's output: refuses an output that
         reads x's own arrays rather than f's argument (a model f calls, whose parameters x
@@ -569,6 +577,7 @@ _INNER_PARTS = (
     "context_to_native",
     "constant_to_native",
     "untracked",
+    "trace_value",
     "refuse_a_read_of_x",
     "cuts_unseen",
     "plain",

@@ -105,6 +105,12 @@ class Adapter(_base.Adapter):
     def plain(self, leaf: Any) -> Any:
         return getval(leaf)
 
+    def trace_value(self, leaf: Any, xs: Leaves) -> str | None:
+        # (a box of this trace: not one of an enclosing autograd call's, which is its to take)
+        if isinstance(leaf, Box) and any(isinstance(x, Box) and x._trace == leaf._trace for x in xs):
+            return f"an autograd {type(leaf).__name__}"
+        return None
+
     def output_leaf(self, leaf: Any, like: Any) -> Any:
         if _arrays.kind(leaf) == "python":
             return np.asarray(leaf, dtype=getattr(like, "dtype", np.float64))

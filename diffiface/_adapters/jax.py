@@ -109,6 +109,9 @@ class Adapter(_base.Adapter):
                 "nnx.merge(graphdef, state)."
             )
 
+    def trace_value(self, leaf: Any, xs: Leaves) -> str | None:
+        return f"a jax tracer ({type(leaf).__name__})" if isinstance(leaf, _Tracer) else None
+
     traced_dtype = staticmethod(jax.dtypes.canonicalize_dtype)  # (int64 numpy labels: int32 without x64)
     rebuilds_in_trace = staticmethod(rebuilds_alike)
 

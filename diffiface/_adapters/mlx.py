@@ -191,6 +191,10 @@ class Adapter(_base.Adapter):
             return mx.stop_gradient(leaf), True
         return native, is_array
 
+    def trace_value(self, leaf: Any, xs: Leaves) -> str | None:
+        # (under mx.compile f's arrays are the compiler's placeholders, without values)
+        return "an mlx array of mx.compile's trace" if self.compiles and isinstance(leaf, mx.array) else None
+
     def untracked(self, leaf: Any, xs: Leaves) -> bool:
         """An output leaf that is no mx.array where x is one: f left mlx (a numpy scalar's
         product with an mx.array reads the array's values through numpy), so the result is a

@@ -240,6 +240,9 @@ class Adapter(_base.Adapter):
 
     constant_to_native = context_to_native  # (f sees a Constant's arrays as symbolic variables: nothing to write into)
 
+    def trace_value(self, leaf: Any, xs: Leaves) -> str | None:
+        return f"a symbolic pytensor {type(leaf).__name__}" if isinstance(leaf, Variable) else None
+
     def output_leaf(self, leaf: Any, like: Any) -> Any:
         if isinstance(leaf, Variable):
             _refuse_complex_graph(leaf)

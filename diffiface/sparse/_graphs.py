@@ -5,9 +5,8 @@ them."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import types
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -16,8 +15,7 @@ import numpy as np
 
 from .. import _arrays
 from .._errors import InvalidInputError, UnsupportedOperationError
-from .._families import PACKAGES
-from .._prep import _slots
+from .._keys import HELD_LEVELS, held_entries, slots
 
 if TYPE_CHECKING:
     from scipy.sparse import csr_array
@@ -44,6 +42,9 @@ class Detection:
     pattern: Any
     tracer: str
     notes: tuple[str, ...] = ()
+    kept: tuple[Any, ...] = dataclasses.field(default=(), repr=False, compare=False)
+    """The arrays a plain object in a context holds that the tracer read as they are, whose
+    values the pattern holds for (numpy arrays, under the torch tracer)."""
 
 
 def leaf_function(
@@ -69,7 +70,7 @@ def leaf_function(
     rebuilds = {
         i: rebuild
         for i, leaf in enumerate(context_leaves)
-        if (rebuild := _holding(leaf, held or traced, _HELD_LEVELS, found, memo)) is not None
+        if (rebuild := _holding(leaf, held or traced, HELD_LEVELS, found, memo)) is not None
     }
     where = [i for i, leaf in enumerate(context_leaves) if i not in rebuilds and traced(leaf)]
 
@@ -90,12 +91,6 @@ Rebuild = Callable[[Iterator[Any], dict[int, Any]], Any]
 """A copy of an object with the arrays it holds replaced (:func:`_holding`): of the replacements,
 taken in order, and of the copies made so far in this call (by the id of their original)."""
 
-_HELD_LEVELS = 3
-"""Objects deep that :func:`_holding` looks for a context's arrays (``trainer.model.w``: two)."""
-_MOST_ITEMS = 64
-"""The longest list, tuple or dict :func:`_holding` looks into."""
-_OPAQUE = (int, float, complex, str, bytes, bool, type(None), type, types.ModuleType, types.FunctionType)
-
 
 def _holding(
     value: Any, wanted: Callable[[Any], bool], levels: int, found: list[Any], memo: dict[int, Rebuild | None]
@@ -111,27 +106,15 @@ def _holding(
     key = id(value)
     if key in memo:  # (held twice: the same copy; or a cycle back to an object being read)
         return memo[key]
-    if isinstance(value, _OPAQUE) or _arrays.is_array(value):
-        return None  # (an array as a leaf is the tracer's to take or not)
     memo[key] = None
+    listed = held_entries(value, levels)  # (an array as a leaf is the tracer's to take or not)
+    if listed is None:
+        return None
+    entries, levels = listed
     container = type(value) in (list, tuple, dict)
-    entries: list[tuple[Any, Any]]
-    if container:
-        if len(value) > _MOST_ITEMS:
-            return None
-        entries = list(value.items()) if type(value) is dict else list(enumerate(value))
-    else:
-        if levels == 0 or any(klass.__module__.partition(".")[0] in PACKAGES for klass in type(value).__mro__[:-1]):
-            return None
-        own = getattr(value, "__dict__", None)
-        entries = list(own.items()) if type(own) is dict else []
-        for name, slot in _slots(type(value)).items():
-            with contextlib.suppress(AttributeError):  # (a slot not set)
-                entries.append((name, slot.__get__(value, None)))
-        levels -= 1
     parts: list[tuple[Any, Rebuild]] = []
     for name, entry in entries:
-        if (_arrays.is_array(entry) or isinstance(entry, np.generic)) and wanted(entry):
+        if _arrays.is_array(entry) and wanted(entry):
             found.append(entry)
             parts.append((name, lambda replacements, done: next(replacements)))
         elif (inner := _holding(entry, wanted, levels, found, memo)) is not None:
@@ -148,7 +131,7 @@ def _holding(
                 f"cannot be copied ({type(error).__name__}: {first_line(error)}). Pass its arrays in a dict, "
                 "tuple or dataclass pytree, or use LocalDetector(...) or KnownPattern(pattern)."
             ) from error
-    slots = {} if container else _slots(type(value))
+    own_slots = {} if container else slots(type(value))
 
     def rebuild(replacements: Iterator[Any], done: dict[int, Any]) -> Any:
         if key in done:
@@ -159,8 +142,8 @@ def _holding(
             replacement = part(replacements, done)
             if container:
                 items[name] = replacement
-            elif name in slots:
-                slots[name].__set__(items, replacement)
+            elif name in own_slots:
+                own_slots[name].__set__(items, replacement)
             else:  # (into its own dict: past a __setattr__ that refuses, a frozen dataclass's)
                 items.__dict__[name] = replacement
         if type(value) is tuple:

@@ -15,6 +15,7 @@ constants: their values count, but for those that require grad (a model's parame
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 import sys
@@ -25,6 +26,7 @@ import numpy as np
 
 from .. import _arrays, tree
 from .._errors import InvalidOutputError, UnsupportedOperationError
+from .._keys import held_arrays
 from . import _index_sets as sets
 from ._graphs import Detection, first_line, leaf_function
 
@@ -150,7 +152,22 @@ def _mentions_meta(error: BaseException) -> bool:
 
 
 def trace_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: bool) -> Detection:
-    """The Jacobian (``hessian=False``) or Hessian pattern of torch-written ``f`` at ``x``."""
+    """The Jacobian (``hessian=False``) or Hessian pattern of torch-written ``f`` at ``x``; with
+    the arrays a plain object in a context holds that are not tensors, which reach f as they
+    are and whose values count (``x[torch.as_tensor(model.index)]``)."""
+    detection = _read_pattern(f, x, values, hessian)
+    torch = _torch()
+    kept = tuple(
+        array
+        for leaf in tree.leaves(values)
+        if not _arrays.is_array(leaf)
+        for array in held_arrays(leaf)
+        if not isinstance(array, torch.Tensor)
+    )
+    return dataclasses.replace(detection, kept=kept) if kept else detection
+
+
+def _read_pattern(f: Callable[..., Any], x: Any, values: list[Any], hessian: bool) -> Detection:
     torch = _torch()
     from torch.func import functionalize
 

@@ -137,6 +137,13 @@ class Adapter(_base.Adapter):
             )
         return leaf, isinstance(leaf, torch.Tensor)
 
+    def trace_value(self, leaf: Any, xs: Leaves) -> str | None:
+        if not isinstance(leaf, torch.Tensor):
+            return None
+        if torch._C._functorch.is_functorch_wrapped_tensor(leaf):
+            return "a tensor of torch.func's transforms"
+        return "a torch tensor that keeps its autograd graph" if leaf.grad_fn is not None else None
+
     def untracked(self, leaf: Any, xs: Leaves) -> bool:
         if not isinstance(leaf, torch.Tensor):
             return False
