@@ -740,16 +740,20 @@ class _Holder:
         self.array = array
 
 
-@pytest.mark.parametrize("backend_id", [*FIRST_ORDER, "jax without jit"])
+@pytest.mark.parametrize("backend_id", [*FIRST_ORDER, "jax without jit", "tensorflow with jit"])
 def test_an_aux_object_that_is_no_pytree_holding_traced_arrays_is_refused(backend_id: str) -> None:
     """An aux leaf no pytree registry takes apart (a plain object, an unregistered dataclass)
     holding an array f computed came back holding what the engine's trace left in it: a jax
     tracer, an autograd ArrayBox, a torch tensor keeping its graph (or a dead torch.func
-    wrapper), an mlx placeholder, a symbolic pytensor variable. It is refused, naming the
-    fix; the engines that call f with plain arrays (finite differences) return it as f did."""
+    wrapper), an mlx placeholder, a symbolic pytensor variable, a tensor of a tf.function's
+    graph. It is refused, naming the fix; the engines that call f with plain arrays (finite
+    differences, TensorFlow's eager tape) return it as f did."""
     backend = require(backend_id.split()[0])
     if backend_id == "jax without jit":
         backend = di.AutoJAX(jit=False)
+    if backend_id == "tensorflow with jit":
+        backend = di.AutoTensorFlow(jit=True)
+    plain = backend.black_box or backend_id == "tensorflow"  # (an eager tape's tensors hold their values)
 
     def f(v: Any) -> Any:
         xp = namespace(v)
@@ -766,7 +770,7 @@ def test_an_aux_object_that_is_no_pytree_holding_traced_arrays_is_refused(backen
     }
     for name, call in calls.items():
         # (f's arrays are plain ones there; torch's forward mode leaves its own plain too)
-        if backend.black_box or (backend_id == "torch-autograd" and name == "value_and_batched_jvp"):
+        if plain or (backend_id == "torch-autograd" and name == "value_and_batched_jvp"):
             (_, aux), _ = call()
             array = aux["state"].array
             assert getattr(array, "grad_fn", None) is None, name

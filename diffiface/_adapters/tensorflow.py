@@ -150,6 +150,12 @@ class Adapter(_base.Adapter):
             )
         return leaf
 
+    def trace_value(self, leaf: Any, xs: Leaves) -> str | None:
+        # (an eager tensor holds its values; a tensor of a tf.function's graph has none outside it)
+        if isinstance(leaf, tf.Tensor) and not isinstance(leaf, _EAGER):
+            return "a symbolic tensor of tf.function's graph"
+        return None
+
     def untracked(self, leaf: Any, xs: Leaves) -> bool:
         if not _tracing.tapes or not xs:
             return False
