@@ -13,13 +13,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import require
 
 import diffiface as di
 
-require("jax")
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+jax = pytest.importorskip("jax", reason='the jax backend is not installed: pip install "diffiface[jax]"')
+jnp = pytest.importorskip("jax.numpy")
 
 BACKENDS = [pytest.param("jax", id="jit"), pytest.param(di.AutoJAX(jit=False), id="eager")]
 OPERATORS = ["gradient", "value_and_gradient", "vjp", "jvp", "jacobian", "hvp", "hessian"]
