@@ -702,9 +702,30 @@ def _tree_difference(
                 )
             prepared, called = _describe_leaf(a), _describe_leaf(b)
             if prepared == called:  # (a difference the words above do not show)
-                prepared, called = f"{prepared} {a!r}", f"{called} {b!r}"
+                prepared, called = _told_apart(a, b, prepared, called)
             return f"{label}{where}: prepared for {prepared}, called with {called}"
     return None  # pragma: no cover - equal specs and unequal leaves differ somewhere
+
+
+def _told_apart(a: tuple[Any, ...], b: tuple[Any, ...], prepared: str, called: str) -> tuple[str, str]:
+    """The words for two leaves :func:`_describe_leaf` gives alike: a static leaf by its value,
+    or as another object where a prep keeps the one it was made for (a model a sparsity
+    pattern was found for); else the signatures themselves."""
+    if a[0] == b[0] == "static" and len(a) > 2 and len(b) > 2:
+        if a[2][0] == b[2][0] == "identity":
+            return prepared, f"another {b[1].__name__} object (a prep is made for the object it was given)"
+        if a[2][0] is a[1] and b[2][0] is b[1]:  # (compared by value)
+            return f"{prepared} equal to {_keyed_value(a[2])!r}", f"{called} equal to {_keyed_value(b[2])!r}"
+    return f"{prepared} {a!r}", f"{called} {b!r}"
+
+
+def _keyed_value(key: tuple[Any, ...]) -> Any:
+    """The value a static key (:func:`~diffiface._keys.static_key`) compares by."""
+    if key[0] is float:
+        return float.fromhex(key[1])
+    if key[0] is complex:
+        return complex(float.fromhex(key[1]), float.fromhex(key[2]))
+    return key[1]
 
 
 def _trace_of(signature: tuple[Any, ...]) -> str | None:

@@ -1274,3 +1274,28 @@ def test_numpy_matmul_with_axes_is_not_read_as_a_plain_product() -> None:
     pattern = sparse.jacobian_pattern(f, x, detector=sparse.GlobalDetector(tracer="numpy"))
     assert not _missing(pattern, np.where(np.abs(dense) > 1e-8, dense, 0.0))
     np.testing.assert_allclose(di.jacobian(f, di.AutoSparse("finite_differences"), x).toarray(), dense, atol=1e-8)
+
+
+def test_a_sparse_prep_s_other_object_or_value_is_named_in_words() -> None:
+    """A sparse prep is made for its Constant's object (or value): another object of the same
+    class holding arrays of the same shapes, or another string, was refused with the words
+    alike on both sides and the raw signature tuples after them (an object's id)."""
+    backend = di.AutoSparse(di.AutoFiniteDifferences())
+
+    def f(v: Any, m: Any) -> Any:
+        return m.w * v
+
+    x, model = np.ones(3), _Model(np.ones(3))
+    prep = di.prepare_jacobian(f, backend, x, di.Constant(model))
+    with pytest.raises(di.PreparationMismatchError) as raised:
+        di.jacobian(f, backend, x, di.Constant(_Model(np.ones(3))), prep=prep)
+    message = str(raised.value)
+    assert "called with another _Model object (a prep is made for the object it was given)" in message
+    assert "identity" not in message and "'static'" not in message
+
+    def g(v: Any, s: str) -> Any:
+        return v * len(s)
+
+    prep = di.prepare_jacobian(g, backend, x, di.Constant("ab"))
+    with pytest.raises(di.PreparationMismatchError, match=r"equal to 'ab', called with a str .*equal to 'abc'"):
+        di.jacobian(g, backend, x, di.Constant("abc"), prep=prep)
