@@ -12,6 +12,9 @@ columns (a complex x's, :class:`_ByForwardMode`) are one vmap of ``mx.jvp``, whi
 from __future__ import annotations
 
 import contextlib
+import io
+import re
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,7 +23,7 @@ import numpy as np
 
 from .. import _arrays
 from .._contexts import held
-from .._errors import MutationError, UnsupportedOperationError
+from .._errors import InvalidOutputError, MutationError, UnsupportedOperationError
 from .._families.mlx import from_numpy, is_module, mlx_dtype, module_arrays, put_back
 from . import _base
 from ._base import Fn, Leaves
@@ -201,6 +204,8 @@ class Adapter(_base.Adapter):
         constant to mlx, whose derivative would read as zero; the route tells a cut from an f
         that does not depend on x by evaluating f elsewhere. (Under mx.compile f's arrays have
         no values: a numpy function on them is refused as it runs.)"""
+        if _CHECKING.own is not None and isinstance(leaf, mx.array):  # (a program's first call only)
+            _refuse_a_read_of_x_itself(leaf, xs)
         return not self.compiles and bool(xs) and not isinstance(leaf, mx.array)
 
     def output_leaf(self, leaf: Any, like: Any) -> Any:
@@ -239,6 +244,8 @@ class Adapter(_base.Adapter):
         layouts: Any = None,
         parts: Any = None,
     ) -> Callable[..., Any]:
+        if parts is not None and any(parts.x_arrays):
+            program = _FirstCallChecked(program, parts.x_arrays)
         if not self.compiles:
             watched = () if parts is None else tuple(not cache for cache in parts.cache_static)
             return _ModuleWatch(program, watched) if static and any(watched) else program
@@ -355,6 +362,93 @@ class Adapter(_base.Adapter):
 
     def value_gradient_and_hessian(self, fn: Fn, xs: Leaves) -> tuple[Any, Any, Leaves, Any]:
         return _base.hessian_of(self, self, fn, xs, "forward" if _complex(xs) else "reverse")
+
+
+class _Checking(threading.local):
+    own: tuple[Any, ...] | None = None  # x's own arrays, less those f is given, while checked
+    first: Any = None  # the leaves f got in the first evaluation checked
+
+
+_CHECKING = _Checking()
+
+
+class _FirstCallChecked:
+    """A program whose first call (under ``compile=True``, mx.compile's trace of it: its one run
+    of f) checks the output of f's first evaluation for a read of x's own arrays, the caller's
+    (:func:`_refuse_a_read_of_x_itself`); later calls check nothing, at the cost of a few
+    attribute writes each. (The check is on f's code, which a prep keeps: a prep's first call,
+    as jax checks each trace of jit.)"""
+
+    __slots__ = ("first", "program", "x_arrays")
+
+    def __init__(self, program: Callable[..., Any], x_arrays: tuple[Any, ...]) -> None:
+        self.program = program
+        self.x_arrays = x_arrays
+        self.first = True
+
+    def __call__(self, *args: Any) -> Any:
+        own = None
+        if self.first:
+            dynamic = args[2] if len(args) > 2 and isinstance(args[2], (tuple, list)) else ()
+            given = {id(leaf) for leaf in dynamic}  # (an array of x in a context is f's to read)
+            found = (ref() for ref in self.x_arrays if ref is not None)
+            own = tuple(x for x in found if isinstance(x, mx.array) and id(x) not in given)
+        before = (_CHECKING.own, _CHECKING.first)
+        _CHECKING.own, _CHECKING.first = own or None, None  # (a program called inside checks its own x)
+        try:
+            result = self.program(*args)
+        finally:
+            _CHECKING.own, _CHECKING.first = before
+        self.first = False  # (after a call that returns: a refused one is refused again)
+        return result
+
+
+_READ = re.compile(r'^"(\w+)" -> (\d+)$', re.MULTILINE)  # (an array an operation reads)
+_MADE = re.compile(r'^(\d+) -> "(\w+)"$', re.MULTILINE)  # (an array an operation makes)
+_LABEL = re.compile(r'^\{ (\d+) \[label ="(\w+)"', re.MULTILINE)
+
+
+def _refuse_a_read_of_x_itself(leaf: Any, xs: Leaves) -> None:
+    """Refused: an output leaf of f whose graph (mlx's, as ``mx.export_to_dot`` writes it) does
+    not reach the leaves f is given for x but reads one of x's own arrays (``model(data)``
+    where x is ``model.trainable_parameters()``): mlx differentiates the leaves f is given, so
+    the derivative through that read would be zero, with no error. A read through
+    ``mx.stop_gradient`` (a Constant's array, or f's own choice) is no such read; an output
+    mlx has already evaluated shows no graph, and passes. Only f's first evaluation checked."""
+    if _CHECKING.first is None:
+        _CHECKING.first = xs
+    if _CHECKING.first is not xs or any(leaf is x for x in xs):
+        return
+    own = _CHECKING.own or ()
+    names = {f"xs{i}": x for i, x in enumerate(xs) if isinstance(x, mx.array)}
+    names.update((f"own{i}", x) for i, x in enumerate(own) if not any(x is y for y in xs))
+    text = io.StringIO()
+    mx.export_to_dot(text, leaf, out=leaf, **names)  # (the named arrays' own graphs come with it)
+    graph = text.getvalue()
+    reads: dict[str, list[str]] = {}
+    for array, node in _READ.findall(graph):
+        reads.setdefault(node, []).append(array)
+    made = {array: node for node, array in _MADE.findall(graph)}
+    labels = dict(_LABEL.findall(graph))
+    found, seen, stack = [], set(), ["out"]  # (the output's graph, back from it)
+    while stack:
+        node = made.get(stack.pop())
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for array in reads.get(node, ()):
+            if array.startswith("xs"):
+                return  # (the output depends on x: its derivative is mlx's, whatever else f reads)
+            if array.startswith("own") and labels.get(node) != "StopGradient":
+                found.append(array)
+            stack.append(array)
+    if found:
+        raise InvalidOutputError(
+            "f reads the arrays of x itself (a model it closes over, model(data), where x is "
+            "model.trainable_parameters()), not the arrays it is given for them: diffiface differentiates "
+            "those, so the derivative through that read would be zero. Compute with f's argument: "
+            "model.update(params) before model(data), or a function of the parameters."
+        )
 
 
 class _ModuleWatch:
