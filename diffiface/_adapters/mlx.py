@@ -375,8 +375,8 @@ _CHECKING = _Checking()
 class _FirstCallChecked:
     """A program whose first call (under ``compile=True``, mx.compile's trace of it: its one run
     of f) checks the output of f's first evaluation for a read of x's own arrays, the caller's
-    (:func:`_refuse_a_read_of_x_itself`); later calls check nothing, at the cost of a few
-    attribute writes each. (The check is on f's code, which a prep keeps: a prep's first call,
+    (:func:`_refuse_a_read_of_x_itself`); later calls check nothing, at the cost of an
+    attribute test each. (The check is on f's code, which a prep keeps: a prep's first call,
     as jax checks each trace of jit.)"""
 
     __slots__ = ("first", "program", "x_arrays")
@@ -387,6 +387,8 @@ class _FirstCallChecked:
         self.first = True
 
     def __call__(self, *args: Any) -> Any:
+        if not self.first and _CHECKING.own is None:  # (the common call: nothing to check or hide)
+            return self.program(*args)
         own = None
         if self.first:
             dynamic = args[2] if len(args) > 2 and isinstance(args[2], (tuple, list)) else ()
