@@ -1172,3 +1172,123 @@ def test_a_cache_that_is_a_view_f_writes_from_x_into_is_refused(operator: str) -
     torch.testing.assert_close(own, x)
     read = torch.ones(5, dtype=torch.float64)[:3]
     torch.testing.assert_close(di.gradient(lambda x, c: (c * x).sum(), "torch", x, di.Cache(read)), read)
+
+
+class _Scratch(torch.nn.Module):
+    """f's scratch state: a buffer ``h`` and a tensor attribute ``t``, and a module inside."""
+
+    def __init__(self, inner: bool = True) -> None:
+        super().__init__()
+        self.register_buffer("h", torch.zeros(3, dtype=torch.float64))
+        self.t = torch.zeros(3, dtype=torch.float64)
+        self.frozen = torch.nn.Parameter(torch.ones(3, dtype=torch.float64), requires_grad=False)
+        self.inner = _Scratch(False) if inner else None
+
+
+class _Holder:
+    """A plain object holding a tensor and a module."""
+
+    def __init__(self) -> None:
+        self.h = torch.zeros(3, dtype=torch.float64)
+        self.model = _Scratch(False)
+
+
+def _writes_its_module(how: str) -> Callable[..., Any]:
+    """An f that reads what its Cache module or object held (``where``), then writes there a value
+    computed from x: in place, or by binding a new tensor (``holder.h = h``, ``register_buffer``)."""
+
+    def f(x: Any, holder: Any) -> Any:
+        target, name = {
+            "buffer_copy_": (holder, "h"),
+            "buffer_rebound": (holder, "h"),
+            "register_buffer": (holder, "h"),
+            "attribute": (holder, "t"),
+            "inner_module": (getattr(holder, "inner", None), "h"),
+            "object": (holder, "h"),
+            "object_module": (getattr(holder, "model", None), "h"),
+        }[how]
+        y = (getattr(target, name) + x).sum()
+        if how in ("buffer_copy_", "inner_module", "object_module"):
+            getattr(target, name).copy_(x * 2)
+        elif how == "register_buffer":
+            target.register_buffer(name, x * 2)
+        else:
+            setattr(target, name, x * 2)
+        return y * (getattr(target, name) ** 2).sum()
+
+    return f
+
+
+_MODULE_WRITES = [
+    "buffer_copy_",
+    "buffer_rebound",
+    "register_buffer",
+    "attribute",
+    "inner_module",
+    "object",
+    "object_module",
+]
+
+
+@pytest.mark.parametrize("how", _MODULE_WRITES)
+@pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
+@pytest.mark.parametrize("operator", [*_CACHE_CALLS, "jvp_forward"])
+def test_a_cache_module_f_writes_from_x_keeps_no_graph_after_the_call(operator: str, prepared: bool, how: str) -> None:
+    """A tensor that a Cache module (or a plain object in a Cache) holds, which f filled with a
+    value of x (``module.h.copy_(h)``) or bound to one (``module.h = h``), kept the call's graph
+    after the call: a leak across a training loop, and a freed graph for a later backward pass."""
+    # expected: after every call each tensor the Cache holds requires no grad, holds what f
+    # wrote; the derivative is f's with what the last call left as a constant; the module's
+    # frozen parameter is left as it was; a backward pass of the caller's through it works
+    forward = operator == "jvp_forward"
+    operator = "jvp" if forward else operator
+    backend = di.AutoTorch(jvp="forward" if forward else "reverse")
+    f = _writes_its_module(how)
+    x = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    holder = _Holder() if how.startswith("object") else _Scratch()
+    target = holder.model if how == "object_module" else holder.inner if how == "inner_module" else holder
+    name = "t" if how == "attribute" else "h"
+    call = _CACHE_CALLS[operator]
+    prep = _cache_prep(operator, f, backend, x, holder) if prepared else None
+    for step in range(3):
+        last = getattr(target, name).clone()
+        got = call(f, backend, x + step, di.Cache(holder), prep)
+        expected = call(_read_only, backend, x + step, di.Constant(last), None)
+        torch.testing.assert_close(got, expected)
+        state = getattr(target, name)
+        torch.testing.assert_close(state, 2 * (x + step))
+        assert not state.requires_grad and state.grad_fn is None
+    if isinstance(holder, torch.nn.Module):
+        assert all(not tensor.requires_grad for tensor in holder.buffers())
+        assert isinstance(holder.frozen, torch.nn.Parameter) and not holder.frozen.requires_grad
+    weight = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    (getattr(target, name) * weight).sum().backward()
+    torch.testing.assert_close(weight.grad, getattr(target, name))
+
+
+def test_a_cache_module_keeps_what_the_caller_put_in_a_graph_and_torch_func_leaves_no_wrapper() -> None:
+    # expected: a buffer f writes into in place that is a view is refused (a ContextError naming
+    # the Cache and saying to pass a tensor of its own); a tensor bound to a graph of the
+    # caller's before the call is left as it is; with create_graph=True the graph is kept; under
+    # torch.func a tensor f binds in the module is the plain value, not a dead wrapper of its
+    # transform
+    x = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    module = _Scratch()
+    module.h = torch.zeros(5, dtype=torch.float64)[:3]
+    with pytest.raises(di.ContextError, match=r"'h'.*contexts\[0\].*view.*clone\(\)"):
+        di.gradient(_writes_its_module("buffer_copy_"), "torch", x, di.Cache(module))
+    weight = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    module = _Scratch()
+    module.t = weight * 3
+    node = module.t.grad_fn
+    di.gradient(_writes_its_module("buffer_copy_"), "torch", x, di.Cache(module))
+    assert module.t.grad_fn is node and not module.h.requires_grad
+    di.gradient(_writes_its_module("buffer_rebound"), di.AutoTorch(create_graph=True), x, di.Cache(module))
+    assert module.h.grad_fn is not None
+    module = _Scratch()
+    got = di.gradient(_writes_its_module("buffer_rebound"), "torch-func", x, di.Cache(module))
+    torch.testing.assert_close(
+        got, di.gradient(_read_only, "torch", x, di.Constant(torch.zeros(3, dtype=torch.float64)))
+    )
+    assert not torch._C._functorch.is_functorch_wrapped_tensor(module.h)
+    torch.testing.assert_close(module.h, 2 * x)

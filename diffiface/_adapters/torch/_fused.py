@@ -41,6 +41,9 @@ from ._guard import (
     _STRIDED,
     _clone,
     _cut_caches,
+    _cut_held,
+    _first,
+    _held_caches,
     _loose_caches,
     _module_states,
     _Names,
@@ -77,6 +80,7 @@ class _Gradient:
 
     __slots__ = (
         "cache_at",
+        "cache_held_at",
         "cache_static",
         "checked",
         "constant_at",
@@ -95,6 +99,7 @@ class _Gradient:
         self.constant_at = tuple(i for i, cache in enumerate(parts.cache_dynamic) if not cache)
         # (the Caches, cut from the call's graph after it, as the guard's rule says: autograd mode only)
         self.cache_at = () if functional else tuple(i for i, cache in enumerate(parts.cache_dynamic) if cache)
+        self.cache_held_at = tuple(i for i, cache in enumerate(parts.cache_static) if cache)
         # (None: no static context leaf is a Constant, which may be a torch.nn.Module)
         self.cache_static = None if all(parts.cache_static) else parts.cache_static
         self.names = _Names(parts)
@@ -143,8 +148,11 @@ class _Gradient:
         fused = self.fused
         modules = None
         rebuilds = fused.rebuilds
+        bound = None
         if static is not None:
             context_values = fused.contexts(dynamic, static)
+            if self.cache_held_at:  # (a Cache module or object: its tensors cut after f, as the guard's)
+                bound = _held_caches(static, self.cache_held_at)
             if self.cache_static is not None:
                 modules = _module_states(static, self.cache_static, copy)
         elif rebuilds is None:
@@ -163,12 +171,16 @@ class _Gradient:
         except BaseException as exc:
             if loose:
                 _cut_caches(loose, self.names)  # (a view among them: f's own failure is the one raised)
+            if bound:
+                _cut_held(bound, self.names, not self.functional)
             watched = (inputs, xs, versions, constants, given_dynamic, modules, self.names, copy)
             _refuse_failure(exc, stack, True, watched, lambda: self.engine(inputs, xs, ts, f, context_values))
             raise
         stack.pop()
         # (a fused call keeps no graph: f's writes into its Caches cut from it, as the guard's)
         cut = _cut_caches(loose, self.names) if loose else None
+        if bound:
+            cut = _first(cut, _cut_held(bound, self.names, not self.functional))
         if not torch.is_grad_enabled():  # f switched it off (torch.set_grad_enabled) and did not switch back
             torch.set_grad_enabled(True)
         dirty = list(map(_version, inputs)) != versions or (modules is not None and modules.changed())

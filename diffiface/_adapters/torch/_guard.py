@@ -74,6 +74,9 @@ def _guard(
     # (and which are Caches, cut from the call's graph after it: in autograd mode, where f's write
     # lands; torch.func refuses it)
     cache_at = () if functional else tuple(i for i, cache in enumerate(cache_dynamic) if cache)
+    # (and which static ones are Caches, whose modules' and objects' tensors are cut as well; under
+    # torch.func, a tensor of its transform f bound there is unwrapped)
+    cache_static_at = tuple(i for i, cache in enumerate(cache_static) if cache)
     watch_static = not all(cache_static)  # a Constant static leaf may be a torch.nn.Module
     autograd = not functional  # (an inference tensor: copied on every call in autograd mode only)
     asked = functional or create_graph
@@ -124,6 +127,8 @@ def _guard(
             ts = tuple(map(_clone, ts))
             tangent_versions = list(map(_version, ts))
         loose = _loose_caches(dynamic, cache_at) if cache_at and dynamic else None
+        tidy = not nested if functional else not keep  # (the Cache modules' tensors: :func:`_cut_held`)
+        bound = _held_caches(static, cache_static_at) if cache_static_at and static is not None and tidy else None
         constants: list[tuple[int, Any, int]] = []
         if dynamic and constant_at:
             dynamic, constants = _watched_constants(dynamic, constant_at, copy, autograd)
@@ -136,6 +141,8 @@ def _guard(
         except BaseException as exc:
             if loose and not keep:
                 _cut_caches(loose, names)  # (a view among them: f's own failure is the one raised)
+            if bound:
+                _cut_held(bound, names, autograd)
             watched = (xs, given, versions, constants, given_dynamic, modules, names, copy)
             _refuse_failure(exc, stack, grad_mode, watched, lambda: program(xs, ts, dynamic, static))
             raise
@@ -145,6 +152,8 @@ def _guard(
         if not keep:  # (a call that keeps no graph gives its results as torch.autograd.grad does)
             result = _out_of_graph(result)
         cut = _cut_caches(loose, names) if loose and not keep else None
+        if bound:
+            cut = _first(cut, _cut_held(bound, names, autograd))
         # (as the fused calls read them: map, in C, costs less than a loop on every call)
         dirty = list(map(_version, xs)) != versions or (modules is not None and modules.changed())
         for _, tensor, version in constants:
@@ -279,6 +288,75 @@ def _cut_caches(caches: list[tuple[int, Any]], names: _Names) -> ContextError | 
                 "call. Pass a tensor that owns its memory as the Cache (the whole buffer, or buffer[:n].clone()) "
                 "and take the view inside f."
             )
+    return refusal
+
+
+def _first(refusal: ContextError | None, other: ContextError | None) -> ContextError | None:
+    """The refusal a call raises: the first of two, where either is one."""
+    return other if refusal is None else refusal
+
+
+_Bound = list[tuple[int, dict[str, Any], dict[str, Any], set[str]]]
+
+
+def _held_caches(static: Any, cache_static_at: tuple[int, ...]) -> _Bound:
+    """Where the Cache static leaves (``cache_static_at``) hold tensors, for :func:`_cut_held`
+    after f runs: each torch.nn.Module among them, its submodules, a plain object and the modules
+    it holds, as (the dict that binds their names to tensors: a module's parameters, buffers and
+    attributes, an object's attributes; a copy of it as it was before f ran; the names bound to a
+    tensor that carried a graph then, the caller's)."""
+    holders: list[tuple[int, Any]] = []
+    leaves = static.leaves
+    for i in cache_static_at:
+        if i >= len(leaves):
+            break
+        value = leaves[i]
+        if isinstance(value, torch.nn.Module):
+            holders.extend((i, module) for module in value.modules())
+        elif type(getattr(value, "__dict__", None)) is dict and not isinstance(value, type):
+            holders.append((i, value))
+            for module in held(value, _is_module):
+                if isinstance(module, torch.nn.Module):
+                    holders.extend((i, inner) for inner in module.modules())
+    bound = []
+    for i, holder in holders:
+        places = (holder._parameters, holder._buffers, holder.__dict__) if _is_module(holder) else (holder.__dict__,)
+        for place in places:
+            graphed = {k for k, v in place.items() if isinstance(v, torch.Tensor) and v.requires_grad}
+            bound.append((i, place, dict(place), graphed))
+    return bound
+
+
+def _cut_held(bound: _Bound, names: _Names, autograd: bool) -> ContextError | None:
+    """:func:`_cut_caches` for the tensors a Cache's module or plain object holds (its parameters
+    that require no grad, its buffers, its tensor attributes): each one that carried no graph
+    before f ran and carries one now, detached in place, and each that f bound in place of another
+    (``module.h = h``, ``register_buffer``) carrying a graph, bound again to its ``detach()``
+    (an ``nn.Parameter`` of the caller's, bound by f, is left as it is). Under torch.func
+    (``autograd`` False), whose graph a call keeps, only a tensor of its transform f bound there,
+    dead once the call is over, is bound again to the tensor it wraps."""
+    refusal = None
+    for i, place, before, graphed in bound:
+        for key, tensor in list(place.items()):
+            if isinstance(tensor, torch.Tensor) and _is_wrapped(tensor) and before.get(key) is not tensor:
+                place[key] = tensor = _unwrapped(tensor)
+            if not autograd or not (isinstance(tensor, torch.Tensor) and tensor.requires_grad):
+                continue
+            same = before.get(key) is tensor
+            if not same:
+                if not isinstance(tensor, torch.nn.Parameter):
+                    place[key] = tensor.detach()
+            elif key not in graphed:
+                if not tensor._is_view():
+                    tensor.detach_()
+                elif refusal is None:
+                    refusal = ContextError(
+                        f"f wrote a value computed from x into the tensor {key!r} that {names.of_static(i)}, a "
+                        "di.Cache, holds, a view of another tensor (such as buffer[:n]): torch made it part of this "
+                        "call's graph and cannot detach a view in place, so it would keep that graph, and its memory, "
+                        "alive after the call. Give it a tensor that owns its memory (the whole buffer, or "
+                        "buffer[:n].clone()) and take the view inside f."
+                    )
     return refusal
 
 
@@ -614,6 +692,9 @@ class _WriteFinder(TorchFunctionMode):
             if where is not None:
                 raise _Found(where)
         return func(*args, **kwargs)
+
+
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def _unwrapped(tensor: Any) -> Any:
