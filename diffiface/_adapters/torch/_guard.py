@@ -276,19 +276,24 @@ def _cut_caches(caches: list[tuple[int, Any]], names: _Names) -> ContextError | 
     raises once its checks of f's other writes are done (None where there is none)."""
     refusal = None
     for i, tensor in caches:
-        if not tensor.requires_grad:
-            continue
-        if not tensor._is_view():
-            tensor.detach_()
-        elif refusal is None:
-            refusal = ContextError(
-                f"f wrote a value computed from x into {names.of_dynamic(i)}, a di.Cache tensor that is a "
-                "view of another tensor (such as buffer[:n]): torch made it part of this call's graph and "
-                "cannot detach a view in place, so it would keep that graph, and its memory, alive after the "
-                "call. Pass a tensor that owns its memory as the Cache (the whole buffer, or buffer[:n].clone()) "
-                "and take the view inside f."
-            )
+        if tensor.requires_grad:  # (each one cut, whatever the ones before it were)
+            found = _cut(tensor, f"{names.of_dynamic(i)}, a di.Cache tensor")
+            refusal = refusal or found
     return refusal
+
+
+def _cut(tensor: Any, where: str) -> ContextError | None:
+    """``tensor``, a Cache's, detached in place; None, or for a view, which torch cannot detach
+    in place (its base would give it its graph back), the ContextError that names ``where``."""
+    if not tensor._is_view():
+        tensor.detach_()
+        return None
+    return ContextError(
+        f"f wrote a value computed from x into {where}, a view of another tensor (such as buffer[:n]): "
+        "torch made it part of this call's graph and cannot detach a view in place, so it would keep that "
+        "graph, and its memory, alive after the call. Give the Cache a tensor that owns its memory (the whole "
+        "buffer, or buffer[:n].clone()) and take the view inside f."
+    )
 
 
 def _first(refusal: ContextError | None, other: ContextError | None) -> ContextError | None:
@@ -347,16 +352,8 @@ def _cut_held(bound: _Bound, names: _Names, autograd: bool) -> ContextError | No
                 if not isinstance(tensor, torch.nn.Parameter):
                     place[key] = tensor.detach()
             elif key not in graphed:
-                if not tensor._is_view():
-                    tensor.detach_()
-                elif refusal is None:
-                    refusal = ContextError(
-                        f"f wrote a value computed from x into the tensor {key!r} that {names.of_static(i)}, a "
-                        "di.Cache, holds, a view of another tensor (such as buffer[:n]): torch made it part of this "
-                        "call's graph and cannot detach a view in place, so it would keep that graph, and its memory, "
-                        "alive after the call. Give it a tensor that owns its memory (the whole buffer, or "
-                        "buffer[:n].clone()) and take the view inside f."
-                    )
+                found = _cut(tensor, f"the tensor {key!r} that {names.of_static(i)}, a di.Cache, holds")
+                refusal = refusal or found
     return refusal
 
 
