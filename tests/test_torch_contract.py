@@ -1266,6 +1266,42 @@ def test_a_cache_module_f_writes_from_x_keeps_no_graph_after_the_call(operator: 
     torch.testing.assert_close(weight.grad, getattr(target, name))
 
 
+@pytest.mark.parametrize("container", [tuple, list])
+@pytest.mark.parametrize("operator", ["gradient", "hessian", "vjp"])
+def test_a_cache_module_s_state_f_binds_as_a_tuple_keeps_no_graph(operator: str, container: type) -> None:
+    """An LSTM's way with its state: f binds ``module.state = (h, c)``, a tuple (or list) of
+    tensors computed from x, in a Cache module. The tensors a Cache holds alone were cut from the
+    call's graph; those inside a tuple kept it after the call (a leak across a training loop)."""
+    # expected: after each call the state holds f's values and no graph, and the derivative
+    # reads the state the call before left as a constant
+    x = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    module = torch.nn.Module()
+    module.state = container([torch.zeros(3, dtype=torch.float64), "kept as it is"])
+
+    def f(v: Any, cache: Any) -> Any:
+        h = cache.state[0]
+        cache.state = container([v * 2, "kept as it is"])
+        y = (h * v).sum() + (v**3).sum()
+        return y if operator != "vjp" else y.reshape(1)
+
+    def read(v: Any, h: Any) -> Any:
+        y = (h * v).sum() + (v**3).sum()
+        return y if operator != "vjp" else y.reshape(1)
+
+    call = {
+        "gradient": lambda g, c: di.gradient(g, "torch", x, c),
+        "hessian": lambda g, c: di.hessian(g, "torch", x, c),
+        "vjp": lambda g, c: di.vjp(g, "torch", x, torch.ones(1, dtype=torch.float64), c),
+    }[operator]
+    for _ in range(2):
+        last = module.state[0].clone()
+        got = call(f, di.Cache(module))
+        torch.testing.assert_close(got, call(read, di.Constant(last)))
+        assert type(module.state) is container and module.state[1] == "kept as it is"
+        torch.testing.assert_close(module.state[0], 2 * x)
+        assert not module.state[0].requires_grad and module.state[0].grad_fn is None
+
+
 def test_a_cache_module_keeps_what_the_caller_put_in_a_graph_and_torch_func_leaves_no_wrapper() -> None:
     # expected: a buffer f writes into in place that is a view is refused (a ContextError naming
     # the Cache and saying to pass a tensor of its own); a tensor bound to a graph of the

@@ -336,25 +336,37 @@ def _cut_held(bound: _Bound, names: _Names, autograd: bool) -> ContextError | No
     """:func:`_cut_caches` for the tensors a Cache's module or plain object holds (its parameters
     that require no grad, its buffers, its tensor attributes): each one that carried no graph
     before f ran and carries one now, detached in place, and each that f bound in place of another
-    (``module.h = h``, ``register_buffer``) carrying a graph, bound again to its ``detach()``
-    (an ``nn.Parameter`` of the caller's, bound by f, is left as it is). Under torch.func
+    (``module.h = h``, ``register_buffer``, or inside a tuple or list f bound, an LSTM's
+    ``(h, c)``) carrying a graph, bound again to its ``detach()`` (an ``nn.Parameter`` of the
+    caller's, bound by f, is left as it is: :func:`_bound_again`). Under torch.func
     (``autograd`` False), whose graph a call keeps, only a tensor of its transform f bound there,
     dead once the call is over, is bound again to the tensor it wraps."""
     refusal = None
     for i, place, before, graphed in bound:
         for key, tensor in list(place.items()):
+            if autograd and isinstance(tensor, (tuple, list)) and before.get(key) is not tensor:
+                # (a tuple or list f bound there, an LSTM's state (h, c): each tensor as one bound alone)
+                if any(_bound_again(leaf) is not leaf for leaf in _tree.leaves(tensor)):
+                    place[key] = _tree.map(_bound_again, tensor)
+                continue
             if isinstance(tensor, torch.Tensor) and _is_wrapped(tensor) and before.get(key) is not tensor:
                 place[key] = tensor = _unwrapped(tensor)
             if not autograd or not (isinstance(tensor, torch.Tensor) and tensor.requires_grad):
                 continue
-            same = before.get(key) is tensor
-            if not same:
-                if not isinstance(tensor, torch.nn.Parameter):
-                    place[key] = tensor.detach()
+            if before.get(key) is not tensor:
+                place[key] = _bound_again(tensor)
             elif key not in graphed:
                 found = _cut(tensor, f"the tensor {key!r} that {names.of_static(i)}, a di.Cache, holds")
                 refusal = refusal or found
     return refusal
+
+
+def _bound_again(value: Any) -> Any:
+    """What a Cache holds in place of a value f bound there: a tensor that carries a graph, its
+    ``detach()`` (f's values); an ``nn.Parameter`` of the caller's, or any other value, itself."""
+    if isinstance(value, torch.Tensor) and value.requires_grad and not isinstance(value, torch.nn.Parameter):
+        return value.detach()
+    return value
 
 
 _Watched = tuple[Leaves, Leaves, list[int], list[tuple[int, Any, int]], Leaves, "_Watch | None", "_Names", bool]
